@@ -1,0 +1,1 @@
+"""FDP: lifetime classes, placement, nvme-cli discovery, passthrough writes, FTL model."""

@@ -1,0 +1,163 @@
+"""Namespace identity and chained prefix-block hashes.
+
+Two requests may share KV only when *everything that changes the KV bytes* is
+equal: model weights, tokenizer and chat template, adapter, RoPE scaling, KV
+dtype and quantisation scales, layout version, parallel rank, and tenant scope.
+:class:`Namespace` collects these; its :meth:`Namespace.digest` (SHA-256 of a
+canonical JSON encoding) seeds the hash chain, so equal tokens under another
+namespace hash differently and never hit.
+
+Block hashes are chained as in vLLM's prefix caching
+(``vllm/v1/core/kv_cache_utils.py::hash_block_tokens``: the hash of block *i*
+covers the hash of block *i-1* and the token ids of block *i*)::
+
+    h[-1] = namespace.digest()
+    h[i]  = SHA-256(b"tierstore/block/v1" || h[i-1] || int64_le(tokens[i*B:(i+1)*B]))
+
+SHA-256 (FIPS 180-4) gives 256-bit keys that are deterministic across processes
+and restarts: there is no random seed and no use of Python's ``hash()``.
+
+**Exact-hit rule.** Only *full* blocks of ``tokens_per_block`` tokens are hashed,
+stored or shared. A partial tail block is always recomputed by the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+BlockKey = bytes  #: 32-byte chained block hash.
+_BLOCK_DOMAIN = b"tierstore/block/v1"
+_NS_DOMAIN = "tierstore/namespace/v1"
+LAYOUT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """The identity that scopes every block hash.
+
+    Parameters
+    ----------
+    model : str
+        Model id and weights revision (e.g. ``"meta-llama/Llama-3.1-8B@<sha>"``) or a
+        fingerprint of the weights.
+    tokenizer : str
+        Tokenizer id and revision.
+    chat_template : str
+        Chat template text or its digest.
+    adapter : str
+        LoRA/adapter id and revision; ``""`` for the base model.
+    rope_scaling : str
+        RoPE scaling policy (type and factor), e.g. ``"yarn:4.0"``; ``""`` for none.
+    kv_dtype : str
+        KV element type and quantisation, e.g. ``"bf16"`` or ``"fp8_e4m3:<scales digest>"``.
+    layout_version : int
+        Version of the stored block layout (:mod:`tierstore.layout`).
+    tp_rank, tp_size, pp_rank, pp_size : int
+        Tensor- and pipeline-parallel rank and size of the KV shard.
+    tenant : str
+        Tenant scope. Different tenants never share KV unless a prefix is
+        explicitly declared public (daemon config).
+    """
+
+    model: str
+    tokenizer: str = ""
+    chat_template: str = ""
+    adapter: str = ""
+    rope_scaling: str = ""
+    kv_dtype: str = "bf16"
+    layout_version: int = LAYOUT_VERSION
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"Namespace.model={self.model!r}: a non-empty string is required")
+        for f in ("tp_rank", "pp_rank"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"Namespace.{f}={getattr(self, f)}: must be >= 0")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"Namespace.tp_rank={self.tp_rank}: must be in [0, tp_size={self.tp_size})")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError(f"Namespace.pp_rank={self.pp_rank}: must be in [0, pp_size={self.pp_size})")
+
+    def digest(self) -> bytes:
+        """32-byte SHA-256 of the canonical JSON encoding (sorted keys, no spaces)."""
+        d = dataclasses.asdict(self)
+        blob = json.dumps([_NS_DOMAIN, d], sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).digest()
+
+    def with_tenant(self, tenant: str) -> "Namespace":
+        """The same namespace under another tenant scope."""
+        return dataclasses.replace(self, tenant=tenant)
+
+
+def hash_block(parent: bytes, content: bytes) -> BlockKey:
+    """One link of the chain: ``SHA-256(domain || parent || content)``.
+
+    Parameters
+    ----------
+    parent : bytes
+        32-byte hash of the previous block, or the namespace digest for block 0.
+    content : bytes
+        The block's token ids as int64 little-endian bytes (or, for traces that
+        carry block ids instead of tokens, those ids encoded the same way).
+    """
+    h = hashlib.sha256(_BLOCK_DOMAIN)
+    h.update(parent)
+    h.update(content)
+    return h.digest()
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as int64 little-endian bytes (the hashed encoding)."""
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def block_hashes(ns_digest: bytes, token_ids: Sequence[int] | np.ndarray,
+                 tokens_per_block: int) -> list[BlockKey]:
+    """Chained hashes of the *full* blocks of ``token_ids``.
+
+    Parameters
+    ----------
+    ns_digest : bytes
+        :meth:`Namespace.digest` of the request's namespace (32 bytes).
+    token_ids : sequence of int
+        Prompt token ids, shape ``(num_tokens,)``.
+    tokens_per_block : int
+        Block size in tokens.
+
+    Returns
+    -------
+    list of bytes
+        ``num_tokens // tokens_per_block`` 32-byte keys; the partial tail is not hashed
+        (exact-hit rule).
+    """
+    arr = np.asarray(token_ids, dtype="<i8")
+    if arr.ndim != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {arr.shape}")
+    out: list[BlockKey] = []
+    parent = ns_digest
+    for i in range(arr.size // tokens_per_block):
+        parent = hash_block(parent, arr[i * tokens_per_block:(i + 1) * tokens_per_block].tobytes())
+        out.append(parent)
+    return out
+
+
+def chain_ids(ns_digest: bytes, block_ids: Iterable[int]) -> list[BlockKey]:
+    """Chained hashes for traces that identify each block by an integer id
+    (Mooncake's ``hash_ids``) instead of its tokens."""
+    out: list[BlockKey] = []
+    parent = ns_digest
+    for b in block_ids:
+        parent = hash_block(parent, int(b).to_bytes(8, "little", signed=True))
+        out.append(parent)
+    return out

@@ -1,0 +1,81 @@
+"""Parsing of sizes and durations, as fio does it.
+
+Sizes take ``k``, ``m``, ``g``, ``t`` suffixes with base 1024 (fio's default,
+``kb_base=1024``) and optional ``i``/``b``/``ib`` (``64GiB``, ``4k``, ``16MiB``).
+Durations take ``ns``, ``us``, ``ms``, ``s``, ``m``, ``h``, ``d`` suffixes;
+a bare number is seconds (fio's ``runtime=`` default unit).
+"""
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_TIME_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_TIME_MULT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Parse a byte size such as ``4k``, ``16MiB`` or ``1g`` (base 1024).
+
+    Parameters
+    ----------
+    value : int or str
+        The size. An ``int`` is taken as bytes.
+    key : str
+        The config key, used in the error message.
+
+    Returns
+    -------
+    int
+        Bytes.
+
+    Raises
+    ------
+    ConfigError
+        If the value is negative, not a number, or has an unknown suffix.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected a size such as 4k, 16m or 1g")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: a size must be >= 0")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"{key}={value!r}: expected a size such as 4096, 4k, 16MiB or 1g (base 1024)")
+    n = float(m.group(1)) * _SIZE_MULT[m.group(2).lower()]
+    if n != int(n):
+        raise ConfigError(f"{key}={value!r}: not a whole number of bytes")
+    return int(n)
+
+
+def parse_time_s(value: int | float | str, key: str = "time") -> float:
+    """Parse a duration such as ``30``, ``500ms``, ``2m`` into seconds.
+
+    Raises
+    ------
+    ConfigError
+        If the value is negative, not a number, or has an unknown suffix.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected a duration such as 30s or 500ms")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: a duration must be >= 0")
+        return float(value)
+    m = _TIME_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"{key}={value!r}: expected a duration such as 30, 30s, 500ms, 10us or 2m")
+    return float(m.group(1)) * _TIME_MULT_S[(m.group(2) or "s").lower()]
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.5GiB`` (fio prints MiB/GiB the same way)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024
+    return f"{n:.2f}TiB"
