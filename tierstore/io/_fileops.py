@@ -1,0 +1,70 @@
+"""Opening O_DIRECT files/devices and reclaiming space (punch hole / discard).
+
+Sources: open(2) (O_DIRECT), fallocate(2) (``FALLOC_FL_PUNCH_HOLE`` must be
+OR-ed with ``FALLOC_FL_KEEP_SIZE``; values 0x02 and 0x01 from
+<linux/falloc.h>), ioctl BLKDISCARD = _IO(0x12, 119) from <linux/fs.h>.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import stat
+import struct
+
+FALLOC_FL_KEEP_SIZE = 0x01   # <linux/falloc.h>
+FALLOC_FL_PUNCH_HOLE = 0x02  # <linux/falloc.h>
+BLKDISCARD = 0x1277          # _IO(0x12, 119), <linux/fs.h>
+BLKGETSIZE64 = 0x80081272    # _IOR(0x12, 114, size_t), <linux/fs.h>
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+
+
+def open_direct(path: str, size_bytes: int, create: bool = True) -> tuple[int, bool]:
+    """Open ``path`` read-write with O_DIRECT; grow a regular file to ``size_bytes``.
+
+    Returns ``(fd, is_block_device)``. The file is sparse (ftruncate), so space
+    is allocated on first write and ENOSPC surfaces at write time.
+
+    Raises
+    ------
+    OSError
+        EINVAL if the file system refuses O_DIRECT (e.g. tmpfs): never falls
+        back to buffered I/O.
+    """
+    flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
+    if create:
+        flags |= os.O_CREAT
+    fd = os.open(path, flags, 0o644)
+    try:
+        st = os.fstat(fd)
+        is_blk = stat.S_ISBLK(st.st_mode)
+        if is_blk:
+            buf = fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8)
+            dev_size = struct.unpack("<Q", buf)[0]
+            if dev_size < size_bytes:
+                raise OSError(errno.ENOSPC, f"{path}: device has {dev_size} bytes < {size_bytes}")
+        elif st.st_size < size_bytes:
+            os.ftruncate(fd, size_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, is_blk
+
+
+def punch_hole(fd: int, offset: int, length: int, is_block_device: bool) -> None:
+    """Deallocate a byte range: fallocate(PUNCH_HOLE|KEEP_SIZE) or BLKDISCARD.
+
+    Raises ``OSError`` with the kernel's errno.
+    """
+    if is_block_device:
+        fcntl.ioctl(fd, BLKDISCARD, struct.pack("<QQ", offset, length))
+        return
+    rc = _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fallocate(PUNCH_HOLE) offset={offset} length={length}: {os.strerror(e)}")
