@@ -1,0 +1,135 @@
+"""``tierstore bench``: a fio-like command line for tierstore's workloads.
+
+Usage::
+
+    tierstore bench [options] [--key=value ...] [jobfile ...]
+
+Job files are fio INI files (:mod:`tierstore.bench.jobfile`); every schema key
+is also a ``--key=value`` flag, overriding the files. Without a job file the
+flags define one job. Options of the command itself:
+
+``--parse-only``        validate the jobs and exit 0
+``--showcmd``           print each job's equivalent command line and exit
+``--output-format=F``   ``normal``, ``json`` or ``json+`` (comma-combined)
+``--output=FILE``       write the report to FILE instead of stdout
+``--plot=DIR``          write PNG charts to DIR
+``--cmdhelp[=KEY]``     describe one key (or all)
+``--version``           print the version
+
+Exit status: 0 on success, 1 for a bad job (unknown key, bad value, no runner)
+or a job that failed.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from ..errors import ConfigError, TierStoreError
+from . import output as out_mod
+from .jobfile import parse_jobs, schema_help, showcmd
+from .plot import plot_results
+from .registry import get_runner, job_progress, load_runner_modules
+from .result import JobResult
+
+__all__ = ["main"]
+
+PROG = "tierstore bench"
+_VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp"}
+_BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version"}
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], list[str]]:
+    """Separate the command's own flags, the job-key flags and the job files."""
+    own: dict[str, str | bool] = {}
+    keys: list[str] = []
+    files: list[str] = []
+    for arg in argv:
+        if arg in ("-h",):
+            own["help"] = True
+        elif arg.startswith("--"):
+            name, sep, value = arg[2:].partition("=")
+            if name in _BOOL_FLAGS:
+                own[name.replace("_", "-")] = True
+            elif name in _VALUE_FLAGS:
+                if name != "cmdhelp" and not sep:
+                    raise ConfigError(f"--{name}: needs a value, as --{name}=VALUE")
+                own[name.replace("_", "-")] = value
+            else:
+                keys.append(arg)
+        else:
+            files.append(arg)
+    return own, keys, files
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tierstore bench`` with ``argv`` (default ``sys.argv[1:]``).
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments after the program name.
+
+    Returns
+    -------
+    int
+        Exit status: 0 on success, 1 on a configuration error or a failed job.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        own, key_flags, files = _split_argv(argv)
+        if own.get("help"):
+            print(__doc__.split("Exit status")[0].strip())
+            return 0
+        if own.get("version"):
+            print(out_mod.FIO_VERSION)
+            return 0
+        if "cmdhelp" in own:
+            print(schema_help(str(own["cmdhelp"]) or None))
+            return 0
+        formats = out_mod.parse_output_formats(str(own.get("output-format", "normal")))
+        specs = parse_jobs(key_flags, files)
+        if own.get("showcmd"):
+            print("\n".join(showcmd(specs, PROG)))
+            return 0
+        load_runner_modules()
+        runners = [get_runner(spec.options["rw"]) for spec in specs]
+        if own.get("parse-only"):
+            return 0
+    except (ConfigError, ValueError) as exc:
+        return _error(str(exc))
+
+    results: list[JobResult] = []
+    for spec, runner in zip(specs, runners):
+        try:
+            with job_progress(spec.name):
+                result = runner(dict(spec.options))
+        except TierStoreError as exc:
+            return _error(f"job {spec.name!r}: {exc}")
+        results.append(result)
+
+    report = out_mod.render(results, specs, formats)
+    if own.get("output"):
+        try:
+            with open(str(own["output"]), "w", encoding="utf-8") as fh:
+                fh.write(report)
+        except OSError as exc:
+            return _error(f"output={own['output']!r}: {exc.strerror}")
+    else:
+        sys.stdout.write(report)
+        sys.stdout.flush()
+    if own.get("plot"):
+        try:
+            for path in plot_results(results, str(own["plot"])):
+                print(f"plot: {path}", file=sys.stderr)
+        except OSError as exc:
+            return _error(f"plot={own['plot']!r}: {exc.strerror}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

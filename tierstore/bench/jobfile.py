@@ -1,0 +1,488 @@
+"""fio-style job files and ``--key=value`` flags for ``tierstore bench``.
+
+A job file is an INI file as fio reads it: a ``[global]`` section whose keys
+every following ``[job]`` section inherits, then one section per job. Every
+key of the schema (:data:`SCHEMA`) also works as a command-line flag
+``--key=value``; flags override the file's values in every job. With no job
+file the flags define a single job, named after ``rw`` unless ``--name`` is
+given, on top of the embedded defaults (which need no device and no GPU).
+
+Sizes take ``k``/``m``/``g``/``t`` suffixes with base 1024 and times take
+``ns``/``us``/``ms``/``s``/``m``/``h`` suffixes, as in fio
+(:func:`tierstore.units.parse_size`, :func:`tierstore.units.parse_time_s`).
+
+Examples
+--------
+>>> jobs = parse_jobs(["--rw=randread", "--bs=4k", "--size=1m"])
+>>> jobs[0].name, jobs[0].options["bs"]
+('randread', 4096)
+"""
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+import shlex
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import ConfigError
+from ..units import parse_size, parse_time_s
+
+__all__ = [
+    "OptionSpec", "SCHEMA", "ALIASES", "JobSpec", "parse_value", "parse_jobs",
+    "read_job_file", "showcmd", "format_value", "schema_help",
+]
+
+_TRUE = {"1", "true", "yes", "on", ""}
+_FALSE = {"0", "false", "no", "off"}
+_LIFETIME_CLASSES = ("long", "medium", "short")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """One key of the job schema.
+
+    Parameters
+    ----------
+    name : str
+        The key, as written in a job file or as ``--name=value``.
+    kind : str
+        One of ``str``, ``choice``, ``int``, ``float``, ``fraction``, ``size``,
+        ``time``, ``bool``, ``int_list`` and ``mix``.
+    default : Any
+        The embedded default, already typed (what :func:`parse_value` returns).
+    help : str
+        One line for ``--cmdhelp``.
+    choices : tuple of str, optional
+        Accepted values of a ``choice`` key.
+    minimum : float, optional
+        Smallest accepted value of a numeric key.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+
+
+def _spec(name: str, kind: str, default: Any, help: str, choices: Sequence[str] | None = None,
+          minimum: float | None = None) -> OptionSpec:
+    return OptionSpec(name, kind, default, help, tuple(choices) if choices else None, minimum)
+
+
+#: Workloads: the KV ones are run by the tier manager's runners, the plain ones by
+#: :mod:`tierstore.bench.iojobs`.
+RW_CHOICES = ("kvtrace", "kvstore", "kvload", "kvmixed", "read", "write", "randread", "randwrite")
+
+#: The schema: every known key with its type, default, accepted values and help.
+SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
+    _spec("name", "str", "", "Job name (defaults to the section name, or to rw without a job file)."),
+    _spec("description", "str", "", "Free-text description of the job."),
+    _spec("rw", "choice", "kvtrace", "Workload to run.", RW_CHOICES),
+    _spec("trace", "str", "", "Request trace file for rw=kvtrace (empty: the built-in synthetic trace)."),
+    _spec("bs", "size", 4096, "Block size of one I/O (plain rw) or one KV block transfer.", minimum=1),
+    _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
+    _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
+    _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
+    _spec("numjobs", "int", 1, "Number of clones of the job (reported as one group).", minimum=1),
+    _spec("runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."),
+    _spec("time_based", "bool", False, "Keep running for runtime even when size is done."),
+    _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
+    _spec("ioengine", "choice", "posix", "I/O engine.", ("posix", "uring", "kvikio", "memory")),
+    _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
+    _spec("directory", "str", "", "Directory for the job's files (empty: a temporary directory)."),
+    _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
+    _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
+    _spec("hbm_size", "size", 256 << 20, "Capacity of the HBM (GPU) tier."),
+    _spec("host_size", "size", 1 << 30, "Capacity of the pinned host DRAM tier."),
+    _spec("nvme_size", "size", 4 << 30, "Capacity of the NVMe tier."),
+    _spec("eviction", "choice", "lru", "Eviction policy.", ("lru", "s3fifo", "cost")),
+    _spec("admission", "choice", "none", "Admission policy.", ("none", "second_hit", "predicted")),
+    _spec("dataplacement", "choice", "none", "Data placement (fio's dataplacement=).", ("none", "fdp")),
+    _spec("plids", "int_list", (), "Indices into the RUH Status list (fio's plids=/fdp_pli=), e.g. 0,1,2."),
+    _spec("plid_select", "choice", "roundrobin", "How writes pick a placement ID.",
+          ("roundrobin", "random", "lifetime")),
+    _spec("device", "str", "sim", "NVMe device path (e.g. /dev/ng0n1), or sim for the FTL model."),
+    _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
+    _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
+    _spec("op", "fraction", 0.07, "Over-provisioning of the simulated device, a fraction or a percentage."),
+    _spec("utilization", "fraction", 0.9, "Share of the device's user capacity the workload fills."),
+    _spec("lifetime_mix", "mix", {"long": 10.0, "medium": 30.0, "short": 60.0},
+          "Share of writes per lifetime class, e.g. long:10,medium:30,short:60."),
+    _spec("time_scale", "float", 1.0, "Speed-up of trace time (2: twice as fast).", minimum=0),
+    _spec("block_tokens", "int", 16, "Tokens per KV block.", minimum=1),
+    _spec("seed", "int", 0, "Seed of every random choice (fio's randseed)."),
+]}
+
+#: fio spellings accepted as aliases of schema keys.
+ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "name"}
+
+_SIZE_KEYS_SHOWN_AS_SIZE = {k for k, s in SCHEMA.items() if s.kind == "size"}
+
+
+def _bad(key: str, raw: Any, what: str) -> ConfigError:
+    return ConfigError(f"{key}={raw!r}: {what}")
+
+
+def _parse_bool(key: str, raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise _bad(key, raw, "accepted values are 1/0, true/false, yes/no, on/off")
+
+
+def _parse_number(key: str, raw: str, conv: Callable[[str], Any], what: str) -> Any:
+    try:
+        return conv(raw.strip())
+    except ValueError:
+        raise _bad(key, raw, f"expected {what}") from None
+
+
+def _parse_fraction(key: str, raw: str) -> float:
+    text = raw.strip()
+    pct = text.endswith("%")
+    value = _parse_number(key, text.rstrip("%"), float, "a fraction such as 0.9 or a percentage such as 90%")
+    if pct or value > 1.0:
+        value /= 100.0
+    if not 0.0 <= value <= 1.0:
+        raise _bad(key, raw, "expected a fraction in [0, 1] or a percentage in [0%, 100%]")
+    return value
+
+
+def _parse_int_list(key: str, raw: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in raw.replace(":", ",").split(",") if p.strip()]
+    out = []
+    for p in parts:
+        if not p.isdigit():
+            raise _bad(key, raw, "expected a comma-separated list of non-negative integers such as 0,1,2")
+        out.append(int(p))
+    return tuple(out)
+
+
+def _parse_mix(key: str, raw: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in (p.strip() for p in raw.split(",") if p.strip()):
+        cls, sep, weight = part.partition(":")
+        cls = cls.strip().lower()
+        if not sep or cls not in _LIFETIME_CLASSES:
+            raise _bad(key, raw, f"expected class:weight pairs with classes {list(_LIFETIME_CLASSES)}, "
+                                 "e.g. long:10,medium:30,short:60")
+        w = _parse_number(key, weight, float, "a number as each weight")
+        if w < 0:
+            raise _bad(key, raw, "weights must be >= 0")
+        mix[cls] = w
+    if not mix or sum(mix.values()) <= 0:
+        raise _bad(key, raw, "at least one weight must be > 0")
+    return mix
+
+
+def parse_value(key: str, raw: Any) -> Any:
+    """Parse and validate one value against :data:`SCHEMA`.
+
+    Parameters
+    ----------
+    key : str
+        A schema key or an alias in :data:`ALIASES`.
+    raw : Any
+        The value as written (a string), or an already typed value.
+
+    Returns
+    -------
+    Any
+        The typed value: ``int`` bytes for sizes, ``float`` seconds for times,
+        ``bool``, ``tuple`` of ints for lists, ``dict`` for mixes.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key or a bad value; the message names the key, the value
+        and what is accepted.
+    """
+    key = ALIASES.get(key, key)
+    spec = SCHEMA.get(key)
+    if spec is None:
+        raise ConfigError(f"{key}: unknown option; known options are {sorted(SCHEMA)} "
+                          f"(aliases {sorted(ALIASES)})")
+    if not isinstance(raw, str):
+        raw = format_value(key, raw)
+    kind = spec.kind
+    if kind == "str":
+        value: Any = raw.strip()
+    elif kind == "choice":
+        value = raw.strip().lower()
+        if value not in spec.choices:
+            raise _bad(key, raw, f"accepted values are {list(spec.choices)}")
+    elif kind == "int":
+        value = _parse_number(key, raw, int, "an integer")
+    elif kind == "float":
+        value = _parse_number(key, raw, float, "a number")
+    elif kind == "fraction":
+        value = _parse_fraction(key, raw)
+    elif kind == "size":
+        value = parse_size(raw.strip(), key=key)
+    elif kind == "time":
+        value = parse_time_s(raw.strip(), key=key)
+    elif kind == "bool":
+        value = _parse_bool(key, raw)
+    elif kind == "int_list":
+        value = _parse_int_list(key, raw)
+    elif kind == "mix":
+        value = _parse_mix(key, raw)
+    else:  # a schema entry with a kind this module does not know is a bug here
+        raise ConfigError(f"{key}: schema kind {kind!r} is not supported")
+    if spec.minimum is not None and value < spec.minimum:
+        raise _bad(key, raw, f"must be >= {spec.minimum:g}")
+    return value
+
+
+def format_value(key: str, value: Any) -> str:
+    """Format a typed value back to the text a job file would hold.
+
+    Parameters
+    ----------
+    key : str
+        The schema key.
+    value : Any
+        A typed value, or a string (returned unchanged).
+
+    Returns
+    -------
+    str
+        Text that :func:`parse_value` parses back to ``value``.
+    """
+    if isinstance(value, str):
+        return value
+    spec = SCHEMA.get(ALIASES.get(key, key))
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if spec is not None and spec.kind == "size" and isinstance(value, int):
+        for suffix, shift in (("g", 30), ("m", 20), ("k", 10)):
+            if value and value % (1 << shift) == 0:
+                return f"{value >> shift}{suffix}"
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v:g}" for k, v in value.items())
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclasses.dataclass
+class JobSpec:
+    """One job after parsing: typed options plus the raw text that set them.
+
+    Attributes
+    ----------
+    name : str
+        The job name (section name, ``name=``, or ``rw`` without a job file).
+    options : dict
+        Every schema key with its typed value (defaults filled in); this is
+        what a runner receives.
+    explicit : dict
+        The keys set by the job file's own section or the command line, as
+        written (strings). fio's JSON ``job options`` shows these.
+    global_explicit : dict
+        The keys set by ``[global]`` (and command-line flags), as written.
+    """
+
+    name: str
+    options: dict[str, Any]
+    explicit: dict[str, str]
+    global_explicit: dict[str, str]
+
+
+def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
+    """Read a fio-style INI job file into ordered raw sections.
+
+    Parameters
+    ----------
+    path : str
+        The job file. ``#`` and ``;`` start comments; a key without ``=`` (such
+        as ``time_based``) means ``1``, as in fio.
+
+    Returns
+    -------
+    list of (str, dict)
+        ``(section name, {key: raw value})`` in file order; ``global`` included.
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read or is not valid INI.
+    """
+    parser = configparser.ConfigParser(allow_no_value=True, interpolation=None, strict=False,
+                                       comment_prefixes=("#", ";"), inline_comment_prefixes=(";",),
+                                       default_section="\x00none")
+    parser.optionxform = str  # keep keys as written (fio keys are lower case anyway)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            parser.read_file(fh, source=path)
+    except OSError as exc:
+        raise ConfigError(f"job file {path!r}: {exc.strerror}") from None
+    except configparser.Error as exc:
+        raise ConfigError(f"job file {path!r}: {exc.message}") from None
+    sections = []
+    for section in parser.sections():
+        raw = {k.strip(): ("1" if v is None else v.strip()) for k, v in parser.items(section)}
+        sections.append((section, raw))
+    return sections
+
+
+def _validate_raw(raw: Mapping[str, str], where: str) -> dict[str, str]:
+    out = {}
+    for key, value in raw.items():
+        canon = ALIASES.get(key, key)
+        try:
+            parse_value(canon, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        out[canon] = value
+    return out
+
+
+def _finish(name_hint: str, merged: dict[str, str], explicit: dict[str, str],
+            global_explicit: dict[str, str]) -> JobSpec:
+    options = {k: spec.default for k, spec in SCHEMA.items()}
+    for key, value in merged.items():
+        options[key] = parse_value(key, value)
+    name = options["name"] or name_hint or options["rw"]
+    options["name"] = name
+    return JobSpec(name, options, explicit, global_explicit)
+
+
+def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequence[str] = ()) -> list[JobSpec]:
+    """Build the jobs from job files and ``--key=value`` flags.
+
+    Parameters
+    ----------
+    flags : sequence of str or mapping
+        ``--key=value`` (or ``--key`` for a boolean) strings, or a mapping
+        ``{key: raw value}``. They override the job files' values in every job.
+    job_files : sequence of str
+        fio-style INI job files, read in order.
+
+    Returns
+    -------
+    list of JobSpec
+        One per job section (or one job without job files).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key, a bad value or a job file with no job section.
+    """
+    cli = _validate_raw(flags if isinstance(flags, Mapping) else parse_flag_list(flags), "command line")
+    if not job_files:
+        return [_finish("", dict(cli), dict(cli), {})]
+    jobs: list[JobSpec] = []
+    for path in job_files:
+        global_raw: dict[str, str] = {}
+        found = False
+        for section, raw in read_job_file(path):
+            where = f"{path} [{section}]"
+            checked = _validate_raw(raw, where)
+            if section == "global":
+                global_raw.update(checked)
+                continue
+            found = True
+            merged = {**global_raw, **checked, **cli}
+            own = {**checked, **{k: v for k, v in cli.items() if k in checked}}
+            jobs.append(_finish(section, merged, own, {**global_raw, **cli}))
+        if not found:
+            raise ConfigError(f"job file {path!r}: no job section (only [global])")
+    return jobs
+
+
+def parse_flag_list(flags: Sequence[str]) -> dict[str, str]:
+    """Turn ``["--bs=4k", "--time_based"]`` into ``{"bs": "4k", "time_based": "1"}``.
+
+    Raises
+    ------
+    ConfigError
+        For an argument that does not start with ``--``.
+    """
+    out: dict[str, str] = {}
+    for arg in flags:
+        if not arg.startswith("--"):
+            raise ConfigError(f"{arg!r}: expected --key=value")
+        key, sep, value = arg[2:].partition("=")
+        out[key] = value if sep else "1"
+    return out
+
+
+def showcmd(jobs: Sequence[JobSpec], prog: str = "tierstore bench") -> list[str]:
+    """The equivalent command line of each job, as fio's ``--showcmd``.
+
+    Parameters
+    ----------
+    jobs : sequence of JobSpec
+        Parsed jobs.
+    prog : str
+        The program name to start each line with.
+
+    Returns
+    -------
+    list of str
+        One shell-quoted command line per job, with every non-default key.
+    """
+    lines = []
+    for job in jobs:
+        parts = [prog, f"--name={shlex.quote(job.name)}"]
+        for key, spec in SCHEMA.items():
+            if key == "name":
+                continue
+            value = job.options[key]
+            if value != spec.default:
+                parts.append(shlex.quote(f"--{key}={format_value(key, value)}"))
+        lines.append(" ".join(parts))
+    return lines
+
+
+def schema_help(key: str | None = None) -> str:
+    """Help text of one key, or of every key (fio's ``--cmdhelp``).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key.
+    """
+    keys = list(SCHEMA) if not key or key == "all" else [ALIASES.get(key, key)]
+    lines = []
+    for k in keys:
+        spec = SCHEMA.get(k)
+        if spec is None:
+            raise ConfigError(f"{k}: unknown option; known options are {sorted(SCHEMA)}")
+        accepted = f" [{'|'.join(spec.choices)}]" if spec.choices else f" <{spec.kind}>"
+        default = format_value(k, spec.default) or '""'
+        lines.append(f"{k:15s}{accepted}: {spec.help} (default: {default})")
+    return "\n".join(lines)
+
+
+def resolve_path(options: Mapping[str, Any], default_name: str) -> str:
+    """The file a job uses: ``filename`` under ``directory`` (fio's rule).
+
+    Parameters
+    ----------
+    options : mapping
+        Typed job options.
+    default_name : str
+        File name when ``filename`` is empty (fio uses ``jobname.0.0``).
+
+    Returns
+    -------
+    str
+        A path, or ``""`` when neither ``directory`` nor ``filename`` is set.
+    """
+    filename = options.get("filename") or ""
+    directory = options.get("directory") or ""
+    if filename and (os.path.isabs(filename) or not directory):
+        return filename
+    if directory:
+        return os.path.join(directory, filename or default_name)
+    return ""

@@ -1,0 +1,437 @@
+"""Reports of ``tierstore bench``: fio's ``normal``, ``json`` and ``json+`` formats.
+
+The JSON keeps fio's keys with fio's units exactly (``bw`` KiB/s, ``bw_bytes``
+B/s, ``runtime`` ms, ``*_ns`` ns; layout as fio 3.33's ``stat.c``) so tools
+written for fio (fio-plot, fio2gnuplot, spreadsheets) read it unchanged. Our
+own ``kv`` and ``device`` sections are added to each job; their keys carry
+units in their names.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .fiostat import FIO_PERCENTILES, lat_buckets, lat_summary, num2str
+from .jobfile import JobSpec, format_value
+from .result import DirectionResult, JobResult
+
+__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "parse_output_formats", "job_to_json", "render_json", "render_normal",
+           "to_jsonable"]
+
+#: Reported as ``"fio version"``; tools only check that the key exists.
+FIO_VERSION = "tierstore-0.1.0"
+OUTPUT_FORMATS = ("normal", "json", "json+")
+
+_DIRECTIONS = ("read", "write", "trim")
+
+
+def parse_output_formats(text: str) -> list[str]:
+    """Parse ``--output-format`` (comma-combined, e.g. ``normal,json``).
+
+    Raises
+    ------
+    ValueError
+        For an unknown format; the message names it and the accepted ones.
+    """
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    for f in formats:
+        if f not in OUTPUT_FORMATS:
+            raise ValueError(f"output-format={f!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined")
+    if not formats:
+        raise ValueError(f"output-format={text!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined")
+    if "json" in formats and "json+" in formats:
+        formats.remove("json")  # json+ is a superset, as in fio
+    return formats
+
+
+def to_jsonable(value: Any) -> Any:
+    """Convert numpy scalars/arrays, tuples and non-str keys into JSON types."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _sample_stats(samples: Sequence[float]) -> tuple[float, float, float, float, int]:
+    """min, max, mean, sample stddev, N of a list of samples (fio's ``calc_lat``)."""
+    n = len(samples)
+    if n == 0:
+        return 0.0, 0.0, 0.0, 0.0, 0
+    a = np.asarray(samples, dtype=np.float64)
+    return float(a.min()), float(a.max()), float(a.mean()), float(a.std(ddof=1)) if n > 1 else 0.0, n
+
+
+def _lat_ns(d: DirectionResult) -> np.ndarray:
+    """fio's ``lat`` = ``slat + clat`` per op (``clat`` alone when there is no slat)."""
+    if d.slat_ns.size == d.clat_ns.size and d.slat_ns.size:
+        return d.slat_ns + d.clat_ns
+    return d.clat_ns
+
+
+def _direction_json(d: DirectionResult, plus: bool, group_bw_bytes_s: float) -> dict[str, Any]:
+    runtime_ms = int(round(d.runtime_s * 1000)) if d.ops else 0
+    bw_bytes = int(d.io_bytes * 1000 / runtime_ms) if runtime_ms else 0
+    bw_kib = [s / 1024.0 for s in d.bw_samples_bytes_s]
+    bmin, bmax, bmean, bdev, bn = _sample_stats(bw_kib)
+    imin, imax, imean, idev, inn = _sample_stats(d.iops_samples)
+    return {
+        "io_bytes": int(d.io_bytes),
+        "io_kbytes": int(d.io_bytes // 1024),
+        "bw_bytes": bw_bytes,
+        "bw": bw_bytes // 1024,
+        "iops": d.ops * 1000.0 / runtime_ms if runtime_ms else 0.0,
+        "runtime": runtime_ms,
+        "total_ios": int(d.ops),
+        "short_ios": int(d.short_ios),
+        "drop_ios": int(d.drop_ios),
+        "slat_ns": lat_summary(d.slat_ns, percentiles=None),
+        "clat_ns": lat_summary(d.clat_ns, percentiles=FIO_PERCENTILES, bins=plus),
+        "lat_ns": lat_summary(_lat_ns(d), percentiles=None),
+        "bw_min": int(bmin),
+        "bw_max": int(bmax),
+        "bw_agg": 100.0 * bw_bytes / group_bw_bytes_s if group_bw_bytes_s and bn else 0.0,
+        "bw_mean": bmean,
+        "bw_dev": bdev,
+        "bw_samples": bn,
+        "iops_min": int(imin),
+        "iops_max": int(imax),
+        "iops_mean": imean,
+        "iops_stddev": idev,
+        "iops_samples": inn,
+    }
+
+
+def _depth_dist(result: JobResult) -> dict[str, float]:
+    if result.iodepth_level is not None:
+        return dict(result.iodepth_level)
+    keys = ["1", "2", "4", "8", "16", "32", ">=64"]
+    depth = int(result.options.get("iodepth", 1))
+    level = ">=64" if depth >= 64 else str(1 << (depth.bit_length() - 1))
+    return {k: (100.0 if k == level else 0.0) for k in keys}
+
+
+def _kv_json(kv: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in kv.items():
+        if key.endswith("_lat_ns") and isinstance(value, (np.ndarray, list, tuple)):
+            out[key] = lat_summary(np.asarray(value, dtype=np.int64), percentiles=FIO_PERCENTILES)
+        else:
+            out[key] = to_jsonable(value)
+    return out
+
+
+def job_options_json(spec: JobSpec | None, result: JobResult) -> dict[str, str]:
+    """fio's ``job options``: the keys the job set, as strings, plus rw/bs/iodepth/numjobs.
+
+    fio-plot selects files by ``rw``, ``iodepth``, ``numjobs`` and reads ``bs``,
+    so these four are always present.
+    """
+    opts = result.options
+    out = {"name": result.jobname}
+    for key in ("rw", "bs", "iodepth", "numjobs"):
+        out[key] = format_value(key, opts.get(key, ""))
+    if spec is not None:
+        for key, raw in spec.explicit.items():
+            if key != "name":
+                out[key] = raw
+    return out
+
+
+def job_to_json(result: JobResult, spec: JobSpec | None = None, plus: bool = False) -> dict[str, Any]:
+    """One entry of fio's ``jobs[]`` for a :class:`JobResult`, plus ``kv`` and ``device``.
+
+    Parameters
+    ----------
+    result : JobResult
+        What the runner measured.
+    spec : JobSpec, optional
+        The parsed job (its explicit keys become ``job options``).
+    plus : bool
+        json+: add ``clat_ns.bins``.
+
+    Returns
+    -------
+    dict
+    """
+    dirs = {"read": result.read, "write": result.write, "trim": DirectionResult()}
+    group_bw = sum((d.io_bytes / d.runtime_s) if d.runtime_s else 0.0 for d in dirs.values())
+    job: dict[str, Any] = {
+        "jobname": result.jobname,
+        "groupid": result.groupid,
+        "error": result.error,
+        "eta": 0,
+        "elapsed": int(math.ceil(result.runtime_s)),
+        "job options": job_options_json(spec, result),
+    }
+    for name, d in dirs.items():
+        dir_bw = (d.io_bytes / d.runtime_s) if d.runtime_s else 0.0
+        job[name] = _direction_json(d, plus, dir_bw if dir_bw else group_bw)
+    job["sync"] = {"total_ios": 0, "lat_ns": lat_summary([], percentiles=None)}
+    job["job_runtime"] = int(round(result.runtime_s * 1000))
+    job["usr_cpu"] = float(result.usr_cpu)
+    job["sys_cpu"] = float(result.sys_cpu)
+    job["ctx"] = int(result.ctx)
+    job["majf"] = int(result.majf)
+    job["minf"] = int(result.minf)
+    job["iodepth_level"] = _depth_dist(result)
+    submit = {"0": 0.0, "4": 100.0, "8": 0.0, "16": 0.0, "32": 0.0, "64": 0.0, ">=64": 0.0}
+    total_ios = result.read.ops + result.write.ops
+    if not total_ios:
+        submit["4"] = 0.0
+    job["iodepth_submit"] = submit
+    job["iodepth_complete"] = dict(submit)
+    all_lat = np.concatenate([_lat_ns(result.read), _lat_ns(result.write)])
+    job.update(lat_buckets(all_lat, total_ios))
+    job["latency_depth"] = int(result.options.get("iodepth", 1))
+    job["latency_target"] = 0
+    job["latency_percentile"] = 100.0
+    job["latency_window"] = 0
+    job["kv"] = _kv_json(result.kv)
+    job["device"] = to_jsonable(result.device)
+    return job
+
+
+def render_json(results: Sequence[JobResult], specs: Sequence[JobSpec | None], plus: bool = False,
+                now_s: float | None = None) -> str:
+    """The whole JSON document, laid out as fio prints it.
+
+    Parameters
+    ----------
+    results : sequence of JobResult
+        One per job, in job order.
+    specs : sequence of JobSpec or None
+        The parsed jobs, aligned with ``results``.
+    plus : bool
+        json+ (adds ``clat_ns.bins``).
+    now_s : float, optional
+        Timestamp to report (default: now).
+
+    Returns
+    -------
+    str
+    """
+    now_s = time.time() if now_s is None else now_s
+    global_opts: dict[str, str] = {}
+    for spec in specs:
+        if spec is not None:
+            global_opts.update({k: v for k, v in spec.global_explicit.items() if k not in spec.explicit})
+    doc = {
+        "fio version": FIO_VERSION,
+        "timestamp": int(now_s),
+        "timestamp_ms": int(now_s * 1000),
+        "time": time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now_s)),
+        "global options": global_opts,
+        "jobs": [job_to_json(r, s, plus) for r, s in zip(results, specs)],
+    }
+    return json.dumps(to_jsonable(doc), indent=2, separators=(",", " : ")) + "\n"
+
+
+# ---------------------------------------------------------------- normal ----
+
+def _scale_lat(values: dict[str, Any]) -> tuple[str, float]:
+    """fio's ``display_lat`` unit choice: msec, usec or nsec."""
+    mn, mx, mean, dev = values["min"], values["max"], values["mean"], values["stddev"]
+    if mn > 2_000_000 and mx > 2_000_000 and mean > 2_000_000 and dev > 2_000_000:
+        return "msec", 1e6
+    if mn > 1000 and mx > 1000 and mean > 1000 and dev > 1000:
+        return "usec", 1e3
+    return "nsec", 1.0
+
+
+def _lat_line(label: str, summary: dict[str, Any]) -> str:
+    unit, div = _scale_lat(summary)
+    return (f"    {label} ({unit}): min={num2str(int(summary['min'] // div), unit='', sig_figs=6)}, "
+            f"max={num2str(int(summary['max'] // div), unit='', sig_figs=6)}, "
+            f"avg={summary['mean'] / div:5.02f}, stdev={summary['stddev'] / div:5.02f}\n")
+
+
+def _percentile_block(label: str, percentiles: dict[str, int]) -> str:
+    vals = list(percentiles.values())
+    minv, maxv = min(vals), max(vals)
+    if minv > 2_000_000 and maxv > 99_999_999:
+        unit, scale = "msec", 2
+    elif minv > 2000 and maxv > 99_999:
+        unit, scale = "usec", 1
+    else:
+        unit, scale = "nsec", 0
+    out = [f"    {label} percentiles ({unit}):\n     |"]
+    items = list(percentiles.items())
+    for j, (key, v) in enumerate(items):
+        for _ in range(scale):
+            v = (v + 999) // 1000
+        if j and j % 4 == 0:
+            out.append("     |")
+        last = j == len(items) - 1
+        out.append(f" {float(key):5.2f}th=[{v:5d}]" + ("\n" if last else ","))
+        if not last and j % 4 == 3:
+            out.append("\n")
+    return "".join(out)
+
+
+def _buckets_lines(buckets: dict[str, dict[str, float]]) -> str:
+    lines = []
+    for key, unit in (("latency_ns", "nsec"), ("latency_us", "usec"), ("latency_ms", "msec")):
+        shown = [(k, v) for k, v in buckets[key].items() if v > 0.0]
+        for i in range(0, len(shown), 5):
+            chunk = ", ".join(f"{k}={v:3.2f}%" for k, v in shown[i:i + 5])
+            lines.append(f"  lat ({unit})   : {chunk}\n")
+    return "".join(lines)
+
+
+def _direction_normal(name: str, dj: dict[str, Any]) -> str:
+    runtime_ms = dj["runtime"]
+    bw_b = dj["bw_bytes"]
+    out = [f"  {name}: IOPS={num2str(dj['iops'])}, BW={num2str(bw_b, 1024, 'B/s')} "
+           f"({num2str(bw_b, 1000, 'B/s')})({num2str(dj['io_bytes'], 1024, 'B')}/{runtime_ms}msec)\n"]
+    if dj["clat_ns"]["N"]:
+        if dj["slat_ns"]["N"]:
+            out.append(_lat_line("slat", dj["slat_ns"]))
+        out.append(_lat_line("clat", dj["clat_ns"]))
+        out.append(_lat_line(" lat", dj["lat_ns"]))
+        out.append(_percentile_block("clat", dj["clat_ns"]["percentile"]))
+    if dj["bw_samples"]:
+        unit, div = ("MiB", 1024.0) if dj["bw_mean"] > 1024 * 1024 else ("KiB", 1.0)
+        out.append(f"   bw ({unit:>5s}/s): min={int(dj['bw_min'] / div):5d}, max={int(dj['bw_max'] / div):5d}, "
+                   f"per={dj['bw_agg']:3.2f}%, avg={dj['bw_mean'] / div:5.02f}, stdev={dj['bw_dev'] / div:5.02f}, "
+                   f"samples={dj['bw_samples']}\n")
+        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, avg={dj['iops_mean']:5.02f}, "
+                   f"stdev={dj['iops_stddev']:5.02f}, samples={dj['iops_samples']}\n")
+    return "".join(out)
+
+
+def _fmt_kv_value(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if key.endswith("_bytes") and isinstance(value, (int, np.integer)):
+        return num2str(int(value), 1024, "B")
+    return str(value)
+
+
+def _kv_normal(kv: dict[str, Any]) -> str:
+    if not kv:
+        return ""
+    scalars = [(k, v) for k, v in kv.items() if not isinstance(v, dict)]
+    out = []
+    for i in range(0, len(scalars), 4):
+        label = "  kv           : " if i == 0 else "                 "
+        out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i:i + 4]) + "\n")
+    for key, value in kv.items():
+        if isinstance(value, dict) and "N" in value and "mean" in value:
+            name = key[:-len("_lat_ns")].replace("_", " ") + " lat" if key.endswith("_lat_ns") else key
+            if value["N"]:
+                out.append(_lat_line(name, value))
+                if "percentile" in value:
+                    out.append(_percentile_block(name, value["percentile"]))
+        elif isinstance(value, dict):
+            out.append(f"    {key:13s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
+    return "".join(out)
+
+
+def _device_normal(device: dict[str, Any]) -> str:
+    if not device:
+        return ""
+    names = {"hbmw_bytes": "HBMW", "mbmw_bytes": "MBMW", "mbe_bytes": "MBE", "waf": "WAF"}
+    head = []
+    for key, label in names.items():
+        if key in device:
+            head.append(f"{label}={_fmt_kv_value(key, device[key])}")
+    rest = [(k, v) for k, v in device.items() if k not in names]
+    out = ["  device       : " + ", ".join(head) + "\n"] if head else []
+    for key, value in rest:
+        if isinstance(value, dict):
+            out.append(f"    {key:13s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
+        else:
+            out.append(f"    {key:13s}: {_fmt_kv_value(key, value)}\n")
+    return "".join(out)
+
+
+def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None], plus: bool = False) -> str:
+    """fio's human-readable report.
+
+    Parameters
+    ----------
+    results : sequence of JobResult
+        One per job.
+    specs : sequence of JobSpec or None
+        The parsed jobs, aligned with ``results``.
+    plus : bool
+        Unused (accepted for symmetry with :func:`render_json`).
+
+    Returns
+    -------
+    str
+    """
+    out: list[str] = []
+    for r in results:
+        o = r.options
+        bs = int(o.get("bs", 0))
+        out.append(f"{r.jobname}: (g={r.groupid}): rw={o.get('rw')}, bs=(R) {bs}B-{bs}B, (W) {bs}B-{bs}B, "
+                   f"(T) {bs}B-{bs}B, ioengine={o.get('ioengine')}, iodepth={o.get('iodepth')}\n")
+    out.append(f"{FIO_VERSION}\n")
+    nproc = sum(int(r.options.get("numjobs", 1)) for r in results)
+    out.append(f"Starting {nproc} process{'es' if nproc != 1 else ''}\n\n")
+    jobs_json = [job_to_json(r, s) for r, s in zip(results, specs)]
+    stamp = datetime.datetime.now().strftime("%a %b %d %H:%M:%S %Y")
+    for r, j in zip(results, jobs_json):
+        out.append(f"{r.jobname}: (groupid={r.groupid}, jobs={r.options.get('numjobs', 1)}): err={r.error:2d}: "
+                   f"pid={os.getpid()}: {stamp}\n")
+        if r.options.get("description"):
+            out.append(f"  Description  : [{r.options['description']}]\n")
+        for name in ("read", "write"):
+            if j[name]["total_ios"]:
+                out.append(_direction_normal(name, j[name]))
+        out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))
+        out.append(f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
+                   f"majf={j['majf']}, minf={j['minf']}\n")
+        out.append("  IO depths    : " + ", ".join(f"{k}={v:3.1f}%" for k, v in j["iodepth_level"].items()) + "\n")
+        out.append(f"     issued rwts: total={j['read']['total_ios']},{j['write']['total_ios']},0,0 "
+                   f"short={j['read']['short_ios']},{j['write']['short_ios']},0,0 "
+                   f"dropped={j['read']['drop_ios']},{j['write']['drop_ios']},0,0\n")
+        out.append(f"     latency   : target=0, window=0, percentile=100.00%, depth={j['latency_depth']}\n")
+        out.append(_kv_normal(j["kv"]))
+        out.append(_device_normal(j["device"]))
+        out.append("\n")
+    groups = sorted({r.groupid for r in results})
+    for g in groups:
+        out.append(f"Run status group {g} (all jobs):\n")
+        members = [j for r, j in zip(results, jobs_json) if r.groupid == g]
+        for name, label in (("read", "READ"), ("write", "WRITE")):
+            dirs = [m[name] for m in members if m[name]["total_ios"]]
+            if not dirs:
+                continue
+            io = sum(d["io_bytes"] for d in dirs)
+            run_max = max(d["runtime"] for d in dirs)
+            run_min = min(d["runtime"] for d in dirs)
+            agg = io * 1000 / run_max if run_max else 0
+            bws = [d["bw_bytes"] for d in dirs]
+            out.append(f"{label:>7s}: bw={num2str(agg, 1024, 'B/s')} ({num2str(agg, 1000, 'B/s')}), "
+                       f"{num2str(min(bws), 1024, 'B/s')}-{num2str(max(bws), 1024, 'B/s')} "
+                       f"({num2str(min(bws), 1000, 'B/s')}-{num2str(max(bws), 1000, 'B/s')}), "
+                       f"io={num2str(io, 1024, 'B')} ({num2str(io, 1000, 'B')}), run={run_min}-{run_max}msec\n")
+    return "".join(out)
+
+
+def render(results: Sequence[JobResult], specs: Sequence[JobSpec | None], formats: Iterable[str]) -> str:
+    """All requested formats, concatenated in the order given (fio's behaviour)."""
+    parts = []
+    for fmt in formats:
+        if fmt == "normal":
+            parts.append(render_normal(results, specs))
+        else:
+            parts.append(render_json(results, specs, plus=fmt == "json+"))
+    return "".join(parts)
