@@ -1,0 +1,116 @@
+import errno
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.errors import AlignmentError, ConfigError
+from tierstore.io import alloc_aligned, open_engine
+from tierstore.io.memory import MemoryEngine
+
+from .conftest import make_engine
+
+
+class Recorder:
+    def __init__(self):
+        self.writes, self.trims = [], []
+
+    def on_write(self, offset_bytes, nbytes, placement):
+        self.writes.append((offset_bytes, nbytes, placement))
+
+    def on_trim(self, offset_bytes, nbytes):
+        self.trims.append((offset_bytes, nbytes))
+
+
+@pytest.mark.parametrize("nbytes", [4096, 8192, 3 << 20, (1 << 20) + 4096])
+def test_round_trip_bit_exact(engine_kind, tmp_path, nbytes):
+    eng = make_engine(engine_kind, tmp_path, 8 << 20, max_io_bytes=1 << 20, iodepth=4)
+    keep, src = alloc_aligned(nbytes)
+    src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8))
+    keep2, dst = alloc_aligned(nbytes)
+    assert eng.write(4096, src[:nbytes], placement=3).get() == nbytes
+    eng.sync()
+    fut = eng.read(4096, dst[:nbytes])
+    assert fut.get() == nbytes and fut.done()
+    assert torch.equal(src[:nbytes], dst[:nbytes])
+    st = eng.stats()
+    assert st["bytes_written"] == nbytes and st["bytes_read"] == nbytes
+    assert st["bytes_by_placement"] == {3: nbytes}
+    eng.close()
+
+
+def test_numpy_and_mmap_buffers(engine_kind, tmp_path):
+    eng = make_engine(engine_kind, tmp_path, 1 << 20)
+    keep, t = alloc_aligned(8192)
+    arr = t.numpy()
+    arr[:] = np.arange(8192, dtype=np.uint8)
+    eng.write(0, arr).get()
+    keep2, out = alloc_aligned(8192)
+    eng.read(0, memoryview(keep2)).get()
+    assert bytes(memoryview(keep2)[:8192]) == arr.tobytes()
+    eng.close()
+
+
+@pytest.mark.parametrize("case", ["offset", "length", "address", "bounds", "negative"])
+def test_alignment_errors_are_loud(engine_kind, tmp_path, case):
+    eng = make_engine(engine_kind, tmp_path, 1 << 20)
+    keep, buf = alloc_aligned(3 * 4096)
+    with pytest.raises(AlignmentError):
+        if case == "offset":
+            eng.write(512, buf[:4096])
+        elif case == "length":
+            eng.write(0, buf[:4095])
+        elif case == "address":
+            eng.read(0, buf[1:4097])
+        elif case == "bounds":
+            eng.read((1 << 20) - 4096, buf[:8192])
+        else:
+            eng.write(-4096, buf[:4096])
+    with pytest.raises(AlignmentError):
+        eng.trim(100, 4096)
+    assert eng.stats()["write_ops"] == 0
+    eng.close()
+
+
+def test_observer_sees_every_completed_write_and_trim(engine_kind, tmp_path):
+    eng = make_engine(engine_kind, tmp_path, 4 << 20, max_io_bytes=64 << 10)
+    rec = Recorder()
+    eng.add_observer(rec)
+    keep, buf = alloc_aligned(1 << 20)
+    eng.write(0, buf[:1 << 20], placement=1).get()
+    eng.write(1 << 20, buf[:8192]).get()
+    eng.trim(0, 1 << 20).get()
+    assert rec.writes == [(0, 1 << 20, 1), (1 << 20, 8192, None)]
+    assert rec.trims == [(0, 1 << 20)]
+    eng.read(0, buf[:4096]).get()
+    assert int(buf[:4096].sum()) == 0  # trimmed range reads back zeros
+    eng.close()
+
+
+def test_failed_write_is_not_observed_nor_counted():
+    eng = MemoryEngine(1 << 20)
+    eng.write_limit_bytes = 4096
+    rec = Recorder()
+    eng.add_observer(rec)
+    keep, buf = alloc_aligned(8192)
+    with pytest.raises(OSError) as ei:
+        eng.write(0, buf[:8192]).get()
+    assert ei.value.errno == errno.ENOSPC
+    assert rec.writes == [] and eng.stats()["bytes_written"] == 0
+    assert eng.stats()["write_errors"] == 1
+
+
+def test_factory_rejects_unknown_kind(tmp_path):
+    with pytest.raises(ConfigError):
+        open_engine("spdk", str(tmp_path / "x"), 1 << 20)
+    with pytest.raises(ConfigError):
+        open_engine("memory", None, 1000)
+
+
+@pytest.mark.parametrize("kind", ["posix", "uring"])
+def test_file_is_opened_with_o_direct(tmp_path, kind):
+    import fcntl
+    import os
+    eng = open_engine(kind, str(tmp_path / "d.bin"), 1 << 20)
+    assert fcntl.fcntl(eng.fd, fcntl.F_GETFL) & os.O_DIRECT
+    eng.close()

@@ -1,0 +1,174 @@
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.errors import ConfigError, LayoutError, Status
+from tierstore.io import SegmentStorage
+from tierstore.io import format as fmt
+from tierstore.io.memory import MemoryEngine
+from tierstore.tiers.storage import BlockStorage
+
+EXT = 64 << 10
+SEG = 256 << 10
+
+
+def content(key: bytes, n: int) -> torch.Tensor:
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
+
+
+def open_store(kind, tmp_path, block_bytes, capacity=2 << 20, **kw):
+    eng = kw.pop("engine_obj", None)
+    if kind == "memory":
+        eng = eng or MemoryEngine(capacity)
+        return SegmentStorage(None, capacity, block_bytes, segment_size_bytes=kw.pop("seg", SEG),
+                              engine=eng, extent_size_bytes=kw.pop("ext", EXT), **kw)
+    return SegmentStorage(str(tmp_path / "store.bin"), capacity, block_bytes,
+                          segment_size_bytes=kw.pop("seg", SEG), engine=kind,
+                          extent_size_bytes=kw.pop("ext", EXT), iodepth=4, max_io_bytes=16 << 10, **kw)
+
+
+def test_is_a_block_storage():
+    assert issubclass(SegmentStorage, BlockStorage)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 4095, 4096, 4097, EXT - 4096 - 1, EXT - 4096,
+                                         EXT - 4096 + 1, EXT - 1, EXT, EXT + 1])
+def test_round_trip_bit_exact_and_recovered(engine_kind, tmp_path, block_bytes):
+    capacity = 8 * max(SEG, 2 * fmt.extent_bytes_for(1, block_bytes))
+    seg = capacity // 8
+    eng = MemoryEngine(capacity) if engine_kind == "memory" else None
+    s = open_store(engine_kind, tmp_path, block_bytes, capacity, seg=seg, engine_obj=eng)
+    keys = [os.urandom(32) for _ in range(7)]
+    blocks = [content(k, block_bytes) for k in keys]
+    assert s.put(keys, blocks, placements=[0, 1, 0, None, 1, 0, 0]) == [Status.OK] * 7
+    dests = [torch.empty(block_bytes, dtype=torch.uint8) for _ in keys]
+    assert s.get(keys, dests) == [Status.OK] * 7
+    assert all(torch.equal(a, b) for a, b in zip(blocks, dests))
+    s.close()
+    s = open_store(engine_kind, tmp_path, block_bytes, capacity, seg=seg, engine_obj=eng)
+    assert sorted(s.keys()) == sorted(keys)
+    dests = [torch.empty(block_bytes, dtype=torch.uint8) for _ in keys]
+    assert s.get(keys[::-1], dests[::-1]) == [Status.OK] * 7
+    assert all(torch.equal(a, b) for a, b in zip(blocks, dests))
+    # appends after recovery keep the chain readable after another restart
+    more = [os.urandom(32) for _ in range(3)]
+    assert s.put(more, [content(k, block_bytes) for k in more]) == [Status.OK] * 3
+    s.close()
+    s = open_store(engine_kind, tmp_path, block_bytes, capacity, seg=seg, engine_obj=eng)
+    assert sorted(s.keys()) == sorted(keys + more)
+    s.close()
+
+
+def test_fragments_llama_like(engine_kind, tmp_path):
+    """64 fragments of 1 KiB per block (scaled-down 32 layers x {K,V})."""
+    frag, nfrag = 1024, 64
+    s = open_store(engine_kind, tmp_path, frag * nfrag, capacity=4 << 20, seg=1 << 20, ext=256 << 10)
+    keys = [os.urandom(32) for _ in range(10)]
+    per_block = [[torch.randn(frag // 2, dtype=torch.bfloat16) for _ in range(nfrag)] for _ in keys]
+    assert s.put_fragments(keys, per_block) == [Status.OK] * 10
+    outs = [[torch.empty(frag // 2, dtype=torch.bfloat16) for _ in range(nfrag)] for _ in keys]
+    assert s.get_fragments(keys, outs) == [Status.OK] * 10
+    for a, b in zip(per_block, outs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    st = s.stats()
+    assert st["extents_written"] < 10  # batched: several blocks per extent
+    s.close()
+
+
+def test_exists_miss_delete_and_misuse(tmp_path):
+    s = open_store("memory", tmp_path, 4096)
+    k = os.urandom(32)
+    assert s.put([k, k], [content(k, 4096)] * 2) == [Status.OK, Status.EXISTS]
+    assert s.put([k], [content(k, 4096)]) == [Status.EXISTS]
+    other = os.urandom(32)
+    d = torch.empty(4096, dtype=torch.uint8)
+    assert s.get([other], [d]) == [Status.MISS]
+    assert s.contains(k)
+    s.delete([k, other])
+    assert not s.contains(k)
+    assert s.get([k], [d]) == [Status.MISS]
+    with pytest.raises(LayoutError):
+        s.put([k], [torch.zeros(4095, dtype=torch.uint8)])
+    with pytest.raises(LayoutError):
+        s.put([b"short"], [torch.zeros(4096, dtype=torch.uint8)])
+    with pytest.raises(ConfigError):
+        SegmentStorage(None, 1 << 20, 4096, segment_size_bytes=1 << 20, engine="memory")
+
+
+def test_free_blocks_is_honest_and_gc_reclaims(tmp_path):
+    bb = 16 << 10
+    s = open_store("memory", tmp_path, bb, capacity=2 << 20)
+    assert s.free_blocks() == s.capacity_blocks() > 0
+    stored = []
+    # worst case: one block per put; free_blocks() of them must all succeed
+    while s.free_blocks() > 0:
+        k = os.urandom(32)
+        assert s.put([k], [content(k, bb)]) == [Status.OK]
+        stored.append(k)
+    assert len(stored) >= s.capacity_blocks()
+    k = os.urandom(32)
+    assert s.put([k] * 1, [content(k, bb)]) in ([Status.NO_SPACE], [Status.OK])
+    # delete every other block: space only comes back by compaction
+    dead = stored[::2]
+    s.delete(dead)
+    live = [k for k in stored if k not in set(dead)]
+    new = [os.urandom(32) for _ in range(10)]
+    assert s.put(new, [content(k, bb) for k in new]) == [Status.OK] * 10
+    st = s.stats()
+    assert st["gc_bytes_written"] > 0 and st["host_write_amplification"] > 1.0
+    for k in live + new:
+        d = torch.empty(bb, dtype=torch.uint8)
+        assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, bb))
+
+
+def test_whole_segment_reclaim_punches(tmp_path):
+    bb = 32 << 10
+    s = open_store("posix", tmp_path, bb, capacity=2 << 20)
+    keys = [os.urandom(32) for _ in range(40)]
+    assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 40
+    before = os.stat(tmp_path / "store.bin").st_blocks
+    s.delete(keys)
+    st = s.stats()
+    assert st["segments_reclaimed"] >= 1 and st["engine"]["bytes_trimmed"] > 0
+    assert os.stat(tmp_path / "store.bin").st_blocks < before
+    s.close()
+
+
+def test_read_eio_is_per_block(tmp_path):
+    eng = MemoryEngine(2 << 20)
+    s = open_store("memory", tmp_path, 8192, engine_obj=eng)
+    keys = [os.urandom(32) for _ in range(6)]
+    blocks = [content(k, 8192) for k in keys]
+    assert s.put(keys, blocks) == [Status.OK] * 6
+    bad = s._index[keys[2]]
+    eng.read_errors.append((bad.offset, 4096))
+    dests = [torch.zeros(8192, dtype=torch.uint8) for _ in keys]
+    st = s.get(keys, dests)
+    assert st == [Status.OK, Status.OK, Status.IO_ERROR, Status.OK, Status.OK, Status.OK]
+    for i in (0, 1, 3, 4, 5):
+        assert torch.equal(dests[i], blocks[i])
+    assert s.get([keys[2]], [dests[2]]) == [Status.MISS]
+    assert s.stats()["get_io_errors"] == 1
+
+
+def test_enospc_injected_rejects_and_keeps_entries(tmp_path):
+    eng = MemoryEngine(2 << 20)
+    s = open_store("memory", tmp_path, 8192, engine_obj=eng)
+    old = [os.urandom(32) for _ in range(4)]
+    assert s.put(old, [content(k, 8192) for k in old]) == [Status.OK] * 4
+    eng.write_limit_bytes = 0
+    new = [os.urandom(32) for _ in range(5)]
+    assert s.put(new, [content(k, 8192) for k in new]) == [Status.NO_SPACE] * 5
+    eng.write_limit_bytes = None
+    assert not any(s.contains(k) for k in new)
+    for k in old:
+        d = torch.empty(8192, dtype=torch.uint8)
+        assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, 8192))
+    assert s.put(new, [content(k, 8192) for k in new]) == [Status.OK] * 5
+    s.close()
+    s2 = open_store("memory", tmp_path, 8192, engine_obj=eng)
+    assert sorted(s2.keys()) == sorted(old + new)
