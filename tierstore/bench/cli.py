@@ -96,10 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if own.get("showcmd"):
             print("\n".join(showcmd(specs, PROG)))
             return 0
-        load_runner_modules()
-        runners = [get_runner(spec.options["rw"]) for spec in specs]
         if own.get("parse-only"):
             return 0
+        load_runner_modules()
+        runners = [get_runner(spec.options["rw"]) for spec in specs]
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
 

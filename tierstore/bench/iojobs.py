@@ -1,19 +1,28 @@
 """Plain fio-like I/O jobs: ``rw=read|write|randread|randwrite``.
 
-Each job runs ``numjobs * iodepth`` threads, each issuing one synchronous
-``os.preadv``/``os.pwritev`` at a time from its own page-aligned ``mmap``
-buffer, on a file opened with ``O_DIRECT`` (``direct=1``, the default). That
-keeps ``iodepth`` requests in flight per clone, like fio's ``psync`` engine
-run with ``iodepth`` threads. ``ioengine=memory`` does the same against an
-in-memory buffer (no file, no device). The ``numjobs`` clones are reported
-as one job (fio's ``group_reporting``).
+Each job runs ``numjobs * iodepth`` threads, each keeping one request in
+flight at a time from its own page-aligned buffer through a
+:mod:`tierstore.io` engine (``open_engine(ioengine, ...)``; O_DIRECT), i.e.
+``engine.write(offset, buf, placement).get()``. That keeps ``iodepth``
+requests in flight per clone. ``ioengine=memory`` needs no file and no
+device. ``direct=0`` uses buffered ``os.preadv``/``os.pwritev`` instead (the
+engines are O_DIRECT only). The ``numjobs`` clones are reported as one job
+(fio's ``group_reporting``).
+
+Writes are tagged with a placement ID when ``dataplacement=fdp``: the entries
+of ``plids`` picked per ``plid_select`` (``roundrobin`` per write, ``random``,
+or ``lifetime``: one per clone). With ``device=sim`` every completed write is
+also fed to the FTL model (:class:`tierstore.fdp.ftl.FTLModel`) as an I/O
+observer, so write jobs report HBMW/MBMW/MBE/WAF and WAF over time; the
+model's logical capacity is ``size / utilization`` (the job's file covers
+``utilization`` of the simulated device).
 
 Completion latency of every operation is measured with
-:func:`time.perf_counter_ns` around the system call.
+:func:`time.perf_counter_ns` from submission to completion.
 """
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import tempfile
 import threading
@@ -21,8 +30,10 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TierStoreError
+from ..io.engine import alloc_aligned
 from .jobfile import resolve_path
 from .registry import current_progress, register_runner
 from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
@@ -33,84 +44,126 @@ __all__ = ["run_io_job", "IO_RW"]
 IO_RW = ("read", "write", "randread", "randwrite")
 _DIRECT_ALIGN_BYTES = 4096
 _PROGRESS_POLL_S = 0.1
+_DEVICE_SAMPLE_S = 0.25
 
 
-class _FileTarget:
-    """A file or block device opened for positional I/O."""
+def _layout(path: str, size_bytes: int) -> None:
+    """Write the file out to ``size_bytes`` (fio's layout step) so reads hit real blocks."""
+    have = os.path.getsize(path) if os.path.exists(path) else 0
+    if have >= size_bytes:
+        return
+    chunk = np.random.default_rng(0).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
+    with open(path, "r+b" if have else "wb") as fh:
+        fh.seek(have)
+        left = size_bytes - have
+        while left > 0:
+            n = min(left, len(chunk))
+            fh.write(chunk[:n])
+            left -= n
+        fh.flush()
+        os.fsync(fh.fileno())
 
-    def __init__(self, path: str, size_bytes: int, direct: bool, create: bool, fill: bool) -> None:
-        self.path = path
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        if fill:
-            self._layout(path, size_bytes)
-        if direct:
-            flags |= getattr(os, "O_DIRECT", 0)
+
+class _BufferedTarget:
+    """``direct=0``: buffered positional I/O on a file."""
+
+    def __init__(self, path: str) -> None:
         try:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            hint = " (the filesystem may not support O_DIRECT; try direct=0)" if direct else ""
-            raise ConfigError(f"filename={path!r}: cannot open: {exc.strerror}{hint}") from None
+            raise ConfigError(f"filename={path!r}: cannot open: {exc.strerror}") from None
 
-    @staticmethod
-    def _layout(path: str, size_bytes: int) -> None:
-        """Write the file out to ``size_bytes`` (fio's layout step) so reads hit real blocks."""
-        have = os.path.getsize(path) if os.path.exists(path) else 0
-        if have >= size_bytes:
-            return
-        chunk = np.random.default_rng(0).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
-        with open(path, "r+b" if have else "wb") as fh:
-            fh.seek(have)
-            left = size_bytes - have
-            while left > 0:
-                n = min(left, len(chunk))
-                fh.write(chunk[:n])
-                left -= n
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def read(self, buf: mmap.mmap, offset: int) -> int:
+    def read(self, buf: Any, offset: int) -> int:
         return os.preadv(self.fd, [buf], offset)
 
-    def write(self, buf: mmap.mmap, offset: int) -> int:
+    def write(self, buf: Any, offset: int, placement: int | None) -> int:
         return os.pwritev(self.fd, [buf], offset)
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-class _MemoryTarget:
-    """``ioengine=memory``: copies to and from an anonymous mapping."""
+class _EngineTarget:
+    """A :mod:`tierstore.io` engine; each call waits for its own future."""
 
-    def __init__(self, size_bytes: int) -> None:
-        self._mem = mmap.mmap(-1, size_bytes)
-        self._view = memoryview(self._mem)
+    def __init__(self, kind: str, path: str | None, size_bytes: int, iodepth: int) -> None:
+        from ..io import open_engine
+        try:
+            self.engine = open_engine(kind, path, size_bytes, iodepth=iodepth)
+        except OSError as exc:
+            hint = " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)" if exc.errno == errno.EINVAL else ""
+            raise ConfigError(f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}") from None
 
-    def read(self, buf: mmap.mmap, offset: int) -> int:
-        n = len(buf)
-        buf[:n] = self._view[offset:offset + n]
-        return n
+    def read(self, buf: Any, offset: int) -> int:
+        return self.engine.read(offset, buf).get()
 
-    def write(self, buf: mmap.mmap, offset: int) -> int:
-        n = len(buf)
-        self._view[offset:offset + n] = buf
-        return n
+    def write(self, buf: Any, offset: int, placement: int | None) -> int:
+        return self.engine.write(offset, buf, placement).get()
 
     def close(self) -> None:
-        self._view.release()
-        self._mem.close()
+        self.engine.close()
+
+
+class _LockedObserver:
+    """Serialises engine completions (from many threads) into the FTL model."""
+
+    def __init__(self, ftl: Any) -> None:
+        self.ftl = ftl
+        self.lock = threading.Lock()
+
+    def on_write(self, offset_bytes: int, nbytes: int, placement: int | None) -> None:
+        with self.lock:
+            self.ftl.on_write(offset_bytes, nbytes, placement)
+
+    def on_trim(self, offset_bytes: int, nbytes: int) -> None:
+        with self.lock:
+            self.ftl.on_trim(offset_bytes, nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return self.ftl.stats()
+
+
+def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, Any]]:
+    """The FTL model standing in for ``device=sim`` and the geometry it was given."""
+    from ..fdp.ftl import FTLModel
+    page_bytes = min(64 << 10, 1 << (min(options["bs"], 64 << 10).bit_length() - 1))
+    capacity = -(-int(span_bytes / max(options["utilization"], 0.01)) // page_bytes) * page_bytes
+    # at least 16 reclaim units, so GC has a choice of victims on small test spans
+    ru = min(options["ru_size"], max(page_bytes, capacity // 16 // page_bytes * page_bytes))
+    capacity = -(-capacity // ru) * ru
+    num_ruh = max(max(options["plids"], default=0) + 1, 8)
+    ftl = FTLModel(capacity, ru, max(options["op"], 0.01), num_ruh=num_ruh, page_bytes=page_bytes)
+    return ftl, {"capacity_bytes": capacity, "ru_size_bytes": ru, "page_bytes": page_bytes,
+                 "op": max(options["op"], 0.01)}
 
 
 def _validate(options: dict[str, Any]) -> None:
     bs, size = options["bs"], options["size"]
     if size < bs:
         raise ConfigError(f"size={size}: must be at least bs={bs}")
-    if options["direct"] and options["ioengine"] != "memory" and bs % _DIRECT_ALIGN_BYTES:
+    if options["ioengine"] != "memory" and options["direct"] and bs % _DIRECT_ALIGN_BYTES:
         raise ConfigError(f"bs={bs}: with direct=1 it must be a multiple of {_DIRECT_ALIGN_BYTES}")
+    if options["ioengine"] == "memory" and bs % _DIRECT_ALIGN_BYTES:
+        raise ConfigError(f"bs={bs}: ioengine=memory keeps O_DIRECT rules; use a multiple of {_DIRECT_ALIGN_BYTES}")
     if options["time_based"] and not options["runtime"]:
         raise ConfigError("time_based=1: needs runtime > 0")
-    if options["ioengine"] not in ("posix", "memory"):
-        raise ConfigError(f"ioengine={options['ioengine']!r}: the plain rw={options['rw']} runner supports "
-                          "['posix', 'memory'] until tierstore.io's engines are wired in")
+    if not options["direct"] and options["ioengine"] != "posix":
+        raise ConfigError(f"direct=0: only ioengine=posix supports buffered I/O, not {options['ioengine']!r}")
+    if options["dataplacement"] == "fdp" and not options["plids"]:
+        raise ConfigError("dataplacement=fdp: needs plids, e.g. plids=0,1,2")
+
+
+def _placement_picker(options: dict[str, Any]) -> Callable[[int, int, np.random.Generator], int | None]:
+    plids = options["plids"]
+    if options["dataplacement"] != "fdp":
+        return lambda clone, seq, rng: None
+    select = options["plid_select"]
+    if select == "random":
+        return lambda clone, seq, rng: plids[int(rng.integers(0, len(plids)))]
+    if select == "lifetime":  # one stream per clone: data of a clone lives and dies together
+        return lambda clone, seq, rng: plids[clone % len(plids)]
+    return lambda clone, seq, rng: plids[seq % len(plids)]
 
 
 def run_io_job(options: dict[str, Any]) -> JobResult:
@@ -121,13 +174,15 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     options : dict
         Typed job options (:data:`tierstore.bench.jobfile.SCHEMA`). Uses ``rw``,
         ``bs``, ``size``, ``iodepth``, ``numjobs``, ``runtime``, ``time_based``,
-        ``ramp_time``, ``ioengine`` (posix or memory), ``direct``, ``directory``,
-        ``filename`` and ``seed``.
+        ``ramp_time``, ``ioengine``, ``direct``, ``directory``, ``filename``,
+        ``dataplacement``, ``plids``, ``plid_select``, ``device`` (``sim``:
+        FTL model), ``ru_size``, ``op``, ``utilization`` and ``seed``.
 
     Returns
     -------
     JobResult
-        One direction filled (read or write), with per-op completion latencies.
+        One direction filled (read or write) with per-op completion latencies;
+        for writes with ``device=sim`` also ``device`` and ``timeseries``.
 
     Raises
     ------
@@ -135,71 +190,90 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         For options this runner cannot honour, or a file it cannot open.
     """
     _validate(options)
-    rw, bs, size = options["rw"], options["bs"], options["size"]
+    rw, bs = options["rw"], options["bs"]
     iodepth, numjobs = options["iodepth"], options["numjobs"]
     is_write = rw in ("write", "randwrite")
     is_random = rw.startswith("rand")
-    span_blocks = size // bs
+    span_blocks = options["size"] // bs
+    span_bytes = span_blocks * bs
 
     tmpdir = None
-    if options["ioengine"] == "memory":
-        target: Any = _MemoryTarget(span_blocks * bs)
-    else:
+    path = None
+    if options["ioengine"] != "memory":
         path = resolve_path(options, f"{options['name']}.0.0")
         if not path:
             tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
             path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
-        is_dev = path.startswith("/dev/")
-        target = _FileTarget(path, span_blocks * bs, options["direct"], create=not is_dev,
-                             fill=not is_dev and not is_write)
+        if not is_write and not path.startswith("/dev/"):
+            _layout(path, span_bytes)
+    target: Any
+    if options["direct"] or options["ioengine"] == "memory":
+        target = _EngineTarget(options["ioengine"], path, span_bytes, iodepth * numjobs)
+    else:
+        target = _BufferedTarget(path)
+    observer = None
+    device_geometry: dict[str, Any] = {}
+    if is_write and options["device"] == "sim":
+        ftl, device_geometry = _make_ftl(options, span_bytes)
+        observer = _LockedObserver(ftl)
+        if isinstance(target, _EngineTarget):
+            target.engine.add_observer(observer)
+    pick_placement = _placement_picker(options)
 
     ramp_ns = int(options["ramp_time"] * 1e9)
     runtime_ns = int(options["runtime"] * 1e9)
-    limit_bytes = None if options["time_based"] else span_blocks * bs * numjobs
+    limit_bytes = None if options["time_based"] else span_bytes * numjobs
     cpu = CpuUsage()
     t0_ns = time.perf_counter_ns()
     recorder = DirectionRecorder(start_ns=t0_ns + ramp_ns)
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     lock = threading.Lock()
-    state = {"issued_bytes": 0, "cursors": [0] * numjobs}
+    state = {"issued_bytes": 0, "seq": 0, "cursors": [0] * numjobs}
     errors: list[BaseException] = []
     finished_ns: list[int] = []
     stop = threading.Event()
-    op: Callable[[mmap.mmap, int], int] = target.write if is_write else target.read
 
-    def next_offset(clone: int, rng: np.random.Generator) -> int | None:
+    def next_offset(clone: int, rng: np.random.Generator) -> tuple[int, int] | None:
         with lock:
             if limit_bytes is not None and state["issued_bytes"] >= limit_bytes:
                 return None
             state["issued_bytes"] += bs
+            state["seq"] += 1
             if is_random:
-                return int(rng.integers(0, span_blocks)) * bs
+                return int(rng.integers(0, span_blocks)) * bs, state["seq"]
             block = state["cursors"][clone]
             state["cursors"][clone] = (block + 1) % span_blocks
-            return block * bs
+            return block * bs, state["seq"]
 
     def worker(clone: int, lane: int) -> None:
         rng = np.random.default_rng([options["seed"], clone, lane])
-        buf = mmap.mmap(-1, bs)
+        keep, buf = alloc_aligned(bs)
         if is_write:
-            buf[:] = rng.integers(0, 256, size=bs, dtype=np.uint8).tobytes()
+            buf.copy_(torch.from_numpy(rng.integers(0, 256, size=bs, dtype=np.uint8)))
         try:
             while not stop.is_set():
-                offset = next_offset(clone, rng)
-                if offset is None:
+                nxt = next_offset(clone, rng)
+                if nxt is None:
                     return
-                start = time.perf_counter_ns()
-                n = op(buf, offset)
+                offset, seq = nxt
+                if is_write:
+                    placement = pick_placement(clone, seq, rng)
+                    start = time.perf_counter_ns()
+                    n = target.write(buf, offset, placement)
+                else:
+                    start = time.perf_counter_ns()
+                    n = target.read(buf, offset)
                 done = time.perf_counter_ns()
                 recorder.record(n, done - start, done, short=n < bs)
                 if deadline_ns is not None and done >= deadline_ns:
                     return
-        except OSError as exc:
+        except (OSError, TierStoreError) as exc:
             errors.append(exc)
             stop.set()
         finally:
             finished_ns.append(time.perf_counter_ns())
-            buf.close()
+            del buf
+            keep.close()
 
     threads = [threading.Thread(target=worker, args=(c, d), name=f"{options['name']}-{c}.{d}", daemon=True)
                for c in range(numjobs) for d in range(iodepth)]
@@ -208,6 +282,19 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
     else:
         progress.start(total=float(limit_bytes), unit="B")
+    series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
+
+    def sample_device() -> None:
+        if observer is None:
+            return
+        st = observer.stats()
+        if st["hbmw_bytes"]:
+            series["t_s"].append((time.perf_counter_ns() - t0_ns) / 1e9)
+            series["waf"].append(st["waf"])
+            series["hbmw_bytes"].append(st["hbmw_bytes"])
+            series["mbmw_bytes"].append(st["mbmw_bytes"])
+
+    next_sample_ns = t0_ns
     for t in threads:
         t.start()
     try:
@@ -218,24 +305,42 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
                     progress.update((time.perf_counter_ns() - t0_ns) / 1e9)
                 else:
                     progress.update(float(state["issued_bytes"]))
+                if time.perf_counter_ns() >= next_sample_ns:
+                    sample_device()
+                    next_sample_ns += int(_DEVICE_SAMPLE_S * 1e9)
     finally:
         stop.set()
         for t in threads:
             t.join()
         end_ns = max(finished_ns) if finished_ns else time.perf_counter_ns()
         usage = cpu.stop()
+        sample_device()
         target.close()
         if tmpdir is not None:
             tmpdir.cleanup()
     if errors:
         exc = errors[0]
-        raise ConfigError(f"rw={rw}: I/O failed: {exc}") from exc
+        raise IOEngineFailure(f"rw={rw}: I/O failed: {exc}") from exc
     measured = recorder.result(end_ns)
     empty = DirectionResult()
+    device: dict[str, Any] = {}
+    timeseries: dict[str, list] = {}
+    if observer is not None:
+        st = observer.stats()
+        device = {"device": "sim", **device_geometry, "hbmw_bytes": st["hbmw_bytes"], "mbmw_bytes": st["mbmw_bytes"],
+                  "mbe_bytes": st["mbe_bytes"], "waf": st["waf"], "gc_runs": st["gc_runs"],
+                  "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
+                  "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
+        timeseries = series
     return JobResult(jobname=options["name"], options=options,
                      read=empty if is_write else measured, write=measured if is_write else empty,
+                     device=device, timeseries=timeseries,
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
                      ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]))
+
+
+class IOEngineFailure(TierStoreError):
+    """An I/O of a plain benchmark job failed (the message names the errno)."""
 
 
 register_runner(IO_RW, run_io_job)
