@@ -1,0 +1,125 @@
+"""Job files, flags, schema validation, --parse-only and --showcmd."""
+from __future__ import annotations
+
+import pytest
+
+from tierstore.bench.jobfile import SCHEMA, parse_jobs, parse_value, showcmd
+from tierstore.errors import ConfigError
+
+from .conftest import REPO
+
+JOB = """\
+; comment
+[global]
+bs=64k
+size=1g
+ioengine=memory
+runtime=500ms
+time_based
+plids=0,1,2
+
+[a]
+rw=randwrite
+
+[b]
+rw=read
+bs=4k
+fdp_pli=3
+"""
+
+
+def test_global_inherited_and_overridden(tmp_path):
+    path = tmp_path / "j.fio"
+    path.write_text(JOB)
+    a, b = parse_jobs([], [str(path)])
+    assert (a.name, a.options["rw"], a.options["bs"], a.options["size"]) == ("a", "randwrite", 65536, 1 << 30)
+    assert a.options["runtime"] == pytest.approx(0.5) and a.options["time_based"] is True
+    assert a.options["plids"] == (0, 1, 2)
+    assert (b.options["bs"], b.options["plids"]) == (4096, (3,))
+    assert b.explicit == {"rw": "read", "bs": "4k", "plids": "3"}
+
+
+def test_cli_flags_override_file(tmp_path):
+    path = tmp_path / "j.fio"
+    path.write_text(JOB)
+    jobs = parse_jobs(["--bs=8k", "--iodepth=4"], [str(path)])
+    assert [j.options["bs"] for j in jobs] == [8192, 8192]
+    assert all(j.options["iodepth"] == 4 for j in jobs)
+
+
+def test_no_job_file_uses_defaults_and_rw_name():
+    (job,) = parse_jobs(["--rw=randread"])
+    assert job.name == "randread"
+    for key, spec in SCHEMA.items():
+        if key not in ("rw", "name"):
+            assert job.options[key] == spec.default, key
+    assert job.options["device"] == "sim"
+
+
+@pytest.mark.parametrize("key,raw,want", [
+    ("size", "16MiB", 16 << 20), ("hbm_size", "2g", 2 << 30), ("runtime", "250ms", 0.25),
+    ("ramp_time", "10us", 1e-5), ("op", "7%", 0.07), ("utilization", "0.9", 0.9),
+    ("lifetime_mix", "long:10,medium:30,short:60", {"long": 10.0, "medium": 30.0, "short": 60.0}),
+    ("time_based", "", True), ("direct", "0", False), ("layout", "Qwen2.5-7B", "qwen2.5-7b"),
+])
+def test_value_parsing(key, raw, want):
+    got = parse_value(key, raw)
+    if isinstance(want, float):
+        assert got == pytest.approx(want)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("key,raw,needle", [
+    ("rw", "randfoo", "accepted values are ['kvtrace'"),
+    ("eviction", "fifo", "accepted values are ['lru', 's3fifo', 'cost']"),
+    ("bs", "4x", "expected a size"),
+    ("runtime", "10 parsecs", "expected a duration"),
+    ("plids", "a,b", "comma-separated list"),
+    ("lifetime_mix", "forever:1", "classes ['long', 'medium', 'short']"),
+    ("iodepth", "0", ">= 1"),
+    ("nosuchkey", "1", "unknown option"),
+])
+def test_bad_values_name_key_value_and_accepted(key, raw, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_value(key, raw)
+    assert key in str(err.value) and needle in str(err.value)
+    if key != "nosuchkey":
+        assert repr(raw) in str(err.value)
+
+
+def test_bad_key_in_file_names_file_and_section(tmp_path, run_bench):
+    path = tmp_path / "bad.fio"
+    path.write_text("[global]\nbs=4k\n[j1]\nrw=read\neviction=fifo\n")
+    rc, out, err = run_bench("--parse-only", str(path))
+    assert rc == 1 and out == ""
+    assert "bad.fio [j1]" in err and "eviction='fifo'" in err and "'s3fifo'" in err
+
+
+def test_unknown_flag_exit_1(run_bench):
+    rc, _, err = run_bench("--parse-only", "--iodeth=4")
+    assert rc == 1 and "iodeth: unknown option" in err
+
+
+@pytest.mark.parametrize("name", ["kvtrace", "kvstore", "kvload", "kvmixed", "seqwrite", "randread", "fdp-device"])
+def test_shipped_job_files_parse(name, run_bench):
+    path = REPO / "bench" / "jobs" / f"{name}.fio"
+    rc, out, err = run_bench("--parse-only", str(path))
+    assert rc == 0, err
+
+
+def test_fdp_device_job():
+    (job,) = parse_jobs([], [str(REPO / "bench" / "jobs" / "fdp-device.fio")])
+    o = job.options
+    assert (o["filename"], o["dataplacement"], o["plids"]) == ("/dev/ng0n1", "fdp", (0, 1, 2))
+
+
+def test_showcmd_round_trips(tmp_path, run_bench):
+    path = REPO / "bench" / "jobs" / "kvmixed.fio"
+    rc, out, _ = run_bench("--showcmd", str(path))
+    assert rc == 0
+    line = out.strip().splitlines()[0]
+    assert line.startswith("tierstore bench --name=kvmixed ")
+    again = parse_jobs(line.split()[2:])
+    assert again[0].options == parse_jobs([], [str(path)])[0].options
+    assert showcmd(again) == [line]
