@@ -6,6 +6,7 @@ import pathlib
 
 import pytest
 
+from tierstore.bench import iojobs  # noqa: F401  (registers rw=read|write|randread|randwrite before tests swap the registry)
 from tierstore.bench.cli import main
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -45,6 +45,7 @@ IO_RW = ("read", "write", "randread", "randwrite")
 _DIRECT_ALIGN_BYTES = 4096
 _PROGRESS_POLL_S = 0.1
 _DEVICE_SAMPLE_S = 0.25
+_GC_SPARE_RUS = 5
 
 
 def _layout(path: str, size_bytes: int) -> None:
@@ -129,13 +130,16 @@ def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, 
     from ..fdp.ftl import FTLModel
     page_bytes = min(64 << 10, 1 << (min(options["bs"], 64 << 10).bit_length() - 1))
     capacity = -(-int(span_bytes / max(options["utilization"], 0.01)) // page_bytes) * page_bytes
-    # at least 16 reclaim units, so GC has a choice of victims on small test spans
-    ru = min(options["ru_size"], max(page_bytes, capacity // 16 // page_bytes * page_bytes))
+    num_ruh = max(options["plids"], default=0) + 1
+    op = max(options["op"], 0.01)
+    # The spare capacity must hold every stream's open RU plus GC's free RUs
+    # (gc_free_ru_min=3) and one more; shrink the RU on small spans so it does.
+    ru_fit = int(capacity * op / (num_ruh + _GC_SPARE_RUS)) // page_bytes * page_bytes
+    ru = max(page_bytes, min(options["ru_size"], ru_fit))
     capacity = -(-capacity // ru) * ru
-    num_ruh = max(max(options["plids"], default=0) + 1, 8)
-    ftl = FTLModel(capacity, ru, max(options["op"], 0.01), num_ruh=num_ruh, page_bytes=page_bytes)
+    ftl = FTLModel(capacity, ru, op, num_ruh=num_ruh, page_bytes=page_bytes)
     return ftl, {"capacity_bytes": capacity, "ru_size_bytes": ru, "page_bytes": page_bytes,
-                 "op": max(options["op"], 0.01)}
+                 "op": op}
 
 
 def _validate(options: dict[str, Any]) -> None:

@@ -104,7 +104,7 @@ def _direction_json(d: DirectionResult, plus: bool, group_bw_bytes_s: float) -> 
         "lat_ns": lat_summary(_lat_ns(d), percentiles=None),
         "bw_min": int(bmin),
         "bw_max": int(bmax),
-        "bw_agg": 100.0 * bw_bytes / group_bw_bytes_s if group_bw_bytes_s and bn else 0.0,
+        "bw_agg": 100.0 * bmean * 1024.0 / group_bw_bytes_s if group_bw_bytes_s and bn else 0.0,
         "bw_mean": bmean,
         "bw_dev": bdev,
         "bw_samples": bn,
@@ -169,7 +169,6 @@ def job_to_json(result: JobResult, spec: JobSpec | None = None, plus: bool = Fal
     dict
     """
     dirs = {"read": result.read, "write": result.write, "trim": DirectionResult()}
-    group_bw = sum((d.io_bytes / d.runtime_s) if d.runtime_s else 0.0 for d in dirs.values())
     job: dict[str, Any] = {
         "jobname": result.jobname,
         "groupid": result.groupid,
@@ -179,8 +178,11 @@ def job_to_json(result: JobResult, spec: JobSpec | None = None, plus: bool = Fal
         "job options": job_options_json(spec, result),
     }
     for name, d in dirs.items():
-        dir_bw = (d.io_bytes / d.runtime_s) if d.runtime_s else 0.0
-        job[name] = _direction_json(d, plus, dir_bw if dir_bw else group_bw)
+        # fio's bw_agg: mean sampled bandwidth as a share of the group's aggregate
+        # bandwidth in that direction (one job per group here: its own average)
+        runtime_ms = int(round(d.runtime_s * 1000))
+        dir_bw = d.io_bytes * 1000 / runtime_ms if runtime_ms and d.ops else 0.0
+        job[name] = _direction_json(d, plus, dir_bw)
     job["sync"] = {"total_ios": 0, "lat_ns": lat_summary([], percentiles=None)}
     job["job_runtime"] = int(round(result.runtime_s * 1000))
     job["usr_cpu"] = float(result.usr_cpu)
@@ -346,17 +348,17 @@ def _device_normal(device: dict[str, Any]) -> str:
     if not device:
         return ""
     names = {"hbmw_bytes": "HBMW", "mbmw_bytes": "MBMW", "mbe_bytes": "MBE", "waf": "WAF"}
-    head = []
+    head = [str(device["device"])] if "device" in device else []
     for key, label in names.items():
         if key in device:
             head.append(f"{label}={_fmt_kv_value(key, device[key])}")
-    rest = [(k, v) for k, v in device.items() if k not in names]
+    rest = [(k, v) for k, v in device.items() if k not in names and k != "device"]
     out = ["  device       : " + ", ".join(head) + "\n"] if head else []
     for key, value in rest:
         if isinstance(value, dict):
-            out.append(f"    {key:13s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
+            out.append(f"    {key:14s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
         else:
-            out.append(f"    {key:13s}: {_fmt_kv_value(key, value)}\n")
+            out.append(f"    {key:14s}: {_fmt_kv_value(key, value)}\n")
     return "".join(out)
 
 
