@@ -41,19 +41,20 @@ def _cdf(path: str, title: str, series: Sequence[tuple[str, np.ndarray]]) -> str
     for label, lat_ns in series:
         v = np.sort(np.asarray(lat_ns, dtype=np.float64)) / 1e3
         y = np.arange(1, v.size + 1) / v.size
-        ax.step(v, y, where="post", label=f"{label} (N={v.size})")
-        for p in (50.0, 99.0, 99.9):
+        (line,) = ax.step(v, y, where="post")
+        marks = []
+        for p, style in ((50.0, ":"), (99.0, "--"), (99.9, "-.")):
             x = float(np.percentile(v, p))
-            ax.axvline(x, linestyle=":", linewidth=0.8, color="grey")
-            ax.annotate(f"p{p:g}={x:.1f}", (x, p / 100.0), fontsize=8, xytext=(3, -12),
-                        textcoords="offset points")
+            ax.axvline(x, linestyle=style, linewidth=0.8, color=line.get_color(), alpha=0.7)
+            marks.append(f"p{p:g}={x:,.1f}")
+        line.set_label(f"{label} (N={v.size}): " + ", ".join(marks) + " usec")
     ax.set_xscale("log")
     ax.set_xlabel("latency (usec, log scale)")
     ax.set_ylabel("fraction of operations")
     ax.set_ylim(0, 1.02)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -95,7 +96,7 @@ def plot_job(result: JobResult, directory: str) -> list[str]:
         ax.set_xlabel("time (s)")
         ax.set_ylabel("write amplification (media bytes / host bytes)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{result.jobname}: WAF over time")
+        ax.set_title(f"{result.jobname}: WAF over time (cumulative since start)")
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
