@@ -175,3 +175,28 @@ def test_recorder_samples():
     assert res.ops == 100 and res.io_bytes == 409600
     assert res.iops_samples == [100.0, 100.0]
     assert res.runtime_s == pytest.approx(1.0)
+
+
+def test_progress_follows_a_real_run():
+    import io
+
+    from rich.console import Console
+
+    from tierstore.bench.jobfile import parse_jobs
+    from tierstore.bench.iojobs import run_io_job
+
+    sink = io.StringIO()
+    (job,) = parse_jobs(["--rw=randread", "--ioengine=memory", "--size=1m", "--runtime=0.4", "--time_based"])
+    with job_progress("randread", enabled=True, delay_s=0.0) as progress:
+        progress.console = Console(file=sink, force_terminal=True, width=100)
+        result = run_io_job(dict(job.options))
+        assert progress.total == pytest.approx(0.4) and progress.completed > 0
+    assert result.read.ops > 0
+    assert "randread" in sink.getvalue()
+
+
+def test_cmdhelp(run_bench):
+    rc, out, _ = run_bench("--cmdhelp=plids")
+    assert rc == 0 and "RUH Status" in out
+    rc, out, _ = run_bench("--cmdhelp")
+    assert rc == 0 and all(k in out for k in ("eviction", "lifetime_mix", "dataplacement"))

@@ -111,8 +111,10 @@ def registered_runners() -> dict[str, Runner]:
 class BenchProgress:
     """Progress of the running job, drawn with rich (bar, rate, ETA).
 
-    The bar appears only after ``delay_s`` seconds and only when stderr is a
-    terminal; otherwise every method is a cheap no-op. Runners call
+    The bar (drawn on stderr) appears only after ``delay_s`` seconds and only
+    when both stdout and stderr are terminals; otherwise every method is a
+    cheap no-op. :func:`current_progress` is a context variable: call it in
+    the runner's own thread (worker threads do not inherit it). Runners call
     :meth:`start` once and :meth:`update` / :meth:`advance` as they go.
 
     Parameters
@@ -120,14 +122,18 @@ class BenchProgress:
     description : str
         Label shown left of the bar (the job name).
     enabled : bool, optional
-        Force on/off; default: ``sys.stderr.isatty()``.
+        Force on/off; default: stdout and stderr are both terminals.
     delay_s : float
         Show the bar only for runs longer than this.
+    console : rich.console.Console, optional
+        Where to draw (default: a console on stderr).
     """
 
-    def __init__(self, description: str, enabled: bool | None = None, delay_s: float = 2.0) -> None:
+    def __init__(self, description: str, enabled: bool | None = None, delay_s: float = 2.0,
+                 console: Any = None) -> None:
         self.description = description
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.console = console
+        self.enabled = (sys.stdout.isatty() and sys.stderr.isatty()) if enabled is None else enabled
         self.delay_s = delay_s
         self.total: float | None = None
         self.unit = ""
@@ -160,11 +166,12 @@ class BenchProgress:
         if self._progress is None:
             if time.monotonic() - self._t0_s < self.delay_s:
                 return
+            from rich.console import Console
             from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                      transient=True)
+                                      console=self.console or Console(stderr=True), transient=True)
             self._progress.start()
             self._task = self._progress.add_task(self.description, total=self.total)
         self._progress.update(self._task, completed=self.completed)
@@ -195,7 +202,7 @@ def job_progress(description: str, enabled: bool | None = None, delay_s: float =
     description : str
         The job name.
     enabled : bool, optional
-        Force on/off; default: only when stderr is a terminal.
+        Force on/off; default: only when stdout and stderr are terminals.
     delay_s : float
         Show the bar only for runs longer than this.
 
