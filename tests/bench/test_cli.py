@@ -72,7 +72,7 @@ def test_kv_job_normal_and_json(tmp_path, run_bench, fake_kv):
     assert "     |  1.00th=[" in normal and "99.99th=[" in normal
     assert "  kv           : lookup_hit_ratio=0.61" in normal and "saved_prefill_tokens=123456" in normal
     assert "    load lat (usec): min=" in normal and "    load lat percentiles (usec):" in normal
-    assert "  device       : HBMW=" in normal and "WAF=1.8" in normal
+    assert "  device       : HBMW=" in normal and "WAF=1.800" in normal
     assert "  WRITE: bw=31.2MiB/s (32.8MB/s)" in normal
     doc = json.loads(js)
     job = doc["jobs"][0]

@@ -119,7 +119,6 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
 #: fio spellings accepted as aliases of schema keys.
 ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "name"}
 
-_SIZE_KEYS_SHOWN_AS_SIZE = {k for k, s in SCHEMA.items() if s.kind == "size"}
 
 
 def _bad(key: str, raw: Any, what: str) -> ConfigError:

@@ -317,6 +317,8 @@ def _direction_normal(name: str, dj: dict[str, Any]) -> str:
 
 
 def _fmt_kv_value(key: str, value: Any) -> str:
+    if isinstance(value, float) and (key == "waf" or key.endswith("_waf")):
+        return f"{value:.3f}"
     if isinstance(value, float):
         return f"{value:.4g}"
     if key.endswith("_bytes") and isinstance(value, (int, np.integer)):
