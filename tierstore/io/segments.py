@@ -46,7 +46,7 @@ from .batch import (DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, fragment_nby
                     gather_fragments, scatter_fragments)
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
-from ..errors import ConfigError, CorruptData, LayoutError, Status, TierStoreError
+from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
 from ..tiers.storage import BlockStorage
 from ..units import parse_size
 
@@ -171,7 +171,6 @@ class SegmentStorage(BlockStorage):
         self._segs = [_Seg(i) for i in range(n_seg)]
         self._index: dict[bytes, _Loc] = {}
         self._open: dict[int | None, int] = {}
-        self._busy: set[int] = set()
         self._next_seq = 1
         self._closed = False
         self._st = {"user_bytes_written": 0, "gc_bytes_written": 0, "bytes_loaded": 0,
@@ -220,7 +219,7 @@ class SegmentStorage(BlockStorage):
                     continue
                 seg = self._segs[loc.seg]
                 seg.live.discard(bytes(k))
-                if seg.state == "sealed" and not seg.live and loc.seg not in self._busy:
+                if seg.state == "sealed" and not seg.live:
                     self._reclaim(seg)
 
     def contains(self, key: bytes) -> bool:
@@ -318,11 +317,19 @@ class SegmentStorage(BlockStorage):
                     continue
                 seen.add(k)
                 groups.setdefault(pls[i], []).append(i)
-            plans = self._plan(groups, status, allow_reserve=_gc)
-            try:
+            # Plan, write and acknowledge what fits; only then garbage-collect
+            # (never with planned-but-unwritten extents outstanding), and retry.
+            while groups:
+                plans, leftover = self._plan(groups, allow_reserve=_gc)
                 self._write_plans(plans, keys, fragments_per_block, nss, status, gc=_gc)
-            finally:
-                self._busy.clear()
+                if leftover and not _gc and self._gc_for_space():
+                    groups = leftover
+                    continue
+                for idx in leftover.values():
+                    for i in idx:
+                        status[i] = Status.NO_SPACE
+                    self._st["put_no_space"] += len(idx)
+                break
             out = []
             for s in status:
                 out.append(s if s is not None else Status.IO_ERROR)
@@ -452,7 +459,7 @@ class SegmentStorage(BlockStorage):
             return free[0]
         return None
 
-    def _open_for(self, placement: int | None, allow_reserve: bool) -> _Seg | None:
+    def _open_for(self, placement: int | None, allow_reserve: bool, planned: set) -> _Seg | None:
         si = self._open.get(placement)
         if si is not None:
             seg = self._segs[si]
@@ -460,13 +467,13 @@ class SegmentStorage(BlockStorage):
                 return seg
             seg.state = "sealed"
             del self._open[placement]
-            if not seg.live and si not in self._busy:
+            if not seg.live and si not in planned:
                 self._reclaim(seg)
         seg = self._take_free(allow_reserve)
-        while seg is None and not allow_reserve and self._gc_one():
-            seg = self._take_free(allow_reserve)
         if seg is None:
             return None
+        if seg.state != "free":
+            raise InvariantError(f"segment {seg.idx} taken while {seg.state}")
         seg.state = "open"
         seg.placement = placement
         seg.wp = 0
@@ -475,18 +482,18 @@ class SegmentStorage(BlockStorage):
         self._open[placement] = seg.idx
         return seg
 
-    def _plan(self, groups, status, allow_reserve: bool) -> list[_Plan]:
-        plans = []
+    def _plan(self, groups, allow_reserve: bool) -> tuple[list[_Plan], dict]:
+        plans: list[_Plan] = []
+        leftover: dict = {}
+        planned: set[int] = set()
         for placement, idx in groups.items():
             pending = list(idx)
             while pending:
-                seg = self._open_for(placement, allow_reserve)
+                seg = self._open_for(placement, allow_reserve, planned)
                 if seg is None:
-                    for i in pending:
-                        status[i] = Status.NO_SPACE
-                    self._st["put_no_space"] += len(pending)
+                    leftover[placement] = pending
                     break
-                self._busy.add(seg.idx)
+                planned.add(seg.idx)
                 k = self._fit(self.segment_size_bytes - seg.wp, len(pending))
                 take, pending = pending[:k], pending[k:]
                 seq = self._next_seq
@@ -496,7 +503,7 @@ class SegmentStorage(BlockStorage):
                 ext_off = seg.idx * self.segment_size_bytes + seg.wp
                 seg.wp += fmt.extent_bytes_for(k, self.block_bytes)
                 plans.append(_Plan(seg.idx, ext_off, seq, seg.gen, placement, take))
-        return plans
+        return plans, leftover
 
     def _write_plans(self, plans, keys, frags, nss, status, gc: bool) -> None:
         def make_fill(p: _Plan):
@@ -568,6 +575,8 @@ class SegmentStorage(BlockStorage):
                 self._reclaim(seg)
 
     def _reclaim(self, seg: _Seg) -> None:
+        if seg.live:
+            raise InvariantError(f"reclaiming segment {seg.idx} with {len(seg.live)} live blocks")
         base = seg.idx * self.segment_size_bytes
         try:
             self.engine.trim(base, self.segment_size_bytes).get()
@@ -584,42 +593,42 @@ class SegmentStorage(BlockStorage):
         seg.live = set()
         self._st["segments_reclaimed"] += 1
 
+    def _gc_for_space(self) -> bool:
+        """Free segments until a put may take one; ``True`` on progress."""
+        progress = False
+        while sum(1 for x in self._segs if x.state == "free") <= self.reserve_segments:
+            if not self._gc_one():
+                break
+            progress = True
+        return progress
+
     def _gc_one(self) -> bool:
-        cands = [s for s in self._segs if s.state == "sealed" and s.idx not in self._busy]
+        cands = [x for x in self._segs if x.state == "sealed"]
         if not cands:
             return False
-        victim = min(cands, key=lambda s: len(s.live))
+        victim = min(cands, key=lambda x: len(x.live))
         if not victim.live:
             self._reclaim(victim)
             return True
         if len(victim.live) >= victim.written:
             return False  # nothing dead anywhere: compaction cannot gain space
         self._st["gc_runs"] += 1
-        self._busy.add(victim.idx)
-        busy_before = set(self._busy)
-        try:
-            live = sorted(victim.live, key=lambda k: self._index[k].offset)
-            for a in range(0, len(live), self.blocks_per_extent):
-                chunk = live[a:a + self.blocks_per_extent]
-                bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in chunk]
-                locs = [self._index[k] for k in chunk]
-                st = self.get_fragments(chunk, [[b] for b in bufs])
-                ok = [j for j, s in enumerate(st) if s is Status.OK]
-                if not ok:
-                    continue
-                by_pl: dict = {}
-                for j in ok:
+        live = sorted(victim.live, key=lambda k: self._index[k].offset)
+        for a in range(0, len(live), self.blocks_per_extent):
+            chunk = live[a:a + self.blocks_per_extent]
+            bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in chunk]
+            locs = [self._index[k] for k in chunk]
+            st = self.get_fragments(chunk, [[b] for b in bufs])
+            by_pl: dict = {}
+            for j, x in enumerate(st):
+                if x is Status.OK:
                     by_pl.setdefault(locs[j].placement, []).append(j)
-                for pl, js in by_pl.items():
-                    res = self.put_fragments([chunk[j] for j in js], [[bufs[j]] for j in js],
-                                             [pl] * len(js), [locs[j].ns for j in js], _gc=True)
-                    self._busy |= busy_before
-                    if any(r is not Status.OK for r in res):
-                        return False
-        finally:
-            self._busy = busy_before
-            self._busy.discard(victim.idx)
-        if not victim.live:
+            for pl, js in by_pl.items():
+                res = self.put_fragments([chunk[j] for j in js], [[bufs[j]] for j in js],
+                                         [pl] * len(js), [locs[j].ns for j in js], _gc=True)
+                if any(r is not Status.OK for r in res):
+                    return False
+        if victim.state == "sealed" and not victim.live:
             self._reclaim(victim)
             return True
         return False

@@ -1,0 +1,129 @@
+"""Bit flips, deleted and truncated segments: never wrong bytes, only misses."""
+import os
+import random
+
+import pytest
+import torch
+
+from tierstore.errors import Status
+from tierstore.io import SegmentStorage
+from tierstore.io import format as fmt
+from tierstore.io._fileops import punch_hole
+from tierstore.io.memory import MemoryEngine
+
+from .test_segments import content
+
+BB = 5000          # odd block size: payload slots have padding
+SEG = 64 << 10
+CAP = 4 * SEG
+
+
+def _store(eng, **kw):
+    return SegmentStorage(None, CAP, BB, segment_size_bytes=SEG, engine=eng,
+                          extent_size_bytes=32 << 10, **kw)
+
+
+def _check_all(eng, keys, expect_bad=()):
+    s = _store(eng)
+    outcome = {}
+    for k in keys:
+        d = torch.full((BB,), 0xAB, dtype=torch.uint8)
+        st = s.get([k], [d])[0]
+        if st is Status.OK:
+            assert torch.equal(d, content(k, BB)), "wrong bytes served"
+        outcome[k] = st
+    s.close()
+    for k in expect_bad:
+        assert outcome[k] is not Status.OK, "corruption not detected"
+    return outcome
+
+
+def test_every_sampled_bit_flip_is_detected():
+    eng = MemoryEngine(CAP)
+    s = _store(eng)
+    keys = [os.urandom(32) for _ in range(5)]
+    assert s.put(keys[:3], [content(k, BB) for k in keys[:3]]) == [Status.OK] * 3
+    assert s.put(keys[3:], [content(k, BB) for k in keys[3:]]) == [Status.OK] * 2
+    first = s._index[keys[0]]
+    s.close()
+    raw = eng.raw()
+    hb = fmt.header_bytes_for(3)
+    used_header = fmt.HEADER_BYTES_FIXED + 3 * fmt.ENTRY_BYTES
+    rng = random.Random(1234)
+    bits = [("header", b) for b in range(fmt.HEADER_BYTES_FIXED * 8)]
+    bits += [("header", b) for b in range(fmt.HEADER_BYTES_FIXED * 8, used_header * 8)]  # every bit
+    bits += [("header-pad", rng.randrange(used_header * 8, hb * 8)) for _ in range(20)]
+    bits += [("payload", rng.randrange(hb * 8, (hb + 3 * fmt.block_slot_bytes(BB)) * 8)) for _ in range(400)]
+    assert first.offset == hb
+    for where, bit in bits:
+        byte, mask = bit // 8, 1 << (bit % 8)
+        raw[byte] ^= mask
+        try:
+            if where == "header":
+                _check_all(eng, keys, expect_bad=keys[:3])
+            elif where == "header-pad":
+                _check_all(eng, keys)
+            else:
+                rel = byte - hb
+                i = rel // fmt.block_slot_bytes(BB)
+                in_data = rel % fmt.block_slot_bytes(BB) < BB
+                _check_all(eng, keys, expect_bad=[keys[i]] if in_data else [])
+        finally:
+            raw[byte] ^= mask
+    assert set(_check_all(eng, keys).values()) == {Status.OK}
+
+
+def test_verify_on_recovery_drops_corrupt_blocks():
+    eng = MemoryEngine(CAP)
+    s = _store(eng)
+    keys = [os.urandom(32) for _ in range(3)]
+    assert s.put(keys, [content(k, BB) for k in keys]) == [Status.OK] * 3
+    off = s._index[keys[1]].offset
+    s.close()
+    eng.raw()[off + 17] ^= 0x10
+    s = _store(eng, verify_on_recovery=True)
+    assert sorted(s.keys()) == sorted([keys[0], keys[2]])
+    assert s.stats()["recovery_dropped_blocks"] == 1
+
+
+@pytest.mark.parametrize("engine", ["posix", "uring"])
+def test_deleted_and_truncated_segments_miss(tmp_path, engine):
+    path = str(tmp_path / "store.bin")
+    bb = 16 << 10
+    mk = lambda: SegmentStorage(path, 8 * SEG * 2, bb, segment_size_bytes=2 * SEG, engine=engine,
+                                extent_size_bytes=32 << 10)
+    s = mk()
+    keys = [os.urandom(32) for _ in range(20)]
+    assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 20
+    seg_of = {k: s._index[k].seg for k in keys}
+    assert len(set(seg_of.values())) >= 3
+    s.close()
+    # "delete" segment 0 behind the store's back, truncate away the last used one
+    fd = os.open(path, os.O_RDWR)
+    punch_hole(fd, 0, 2 * SEG, False)
+    last = max(seg_of.values())
+    os.ftruncate(fd, last * 2 * SEG)
+    os.close(fd)
+    s = mk()
+    for k in keys:
+        d = torch.empty(bb, dtype=torch.uint8)
+        st = s.get([k], [d])[0]
+        if seg_of[k] in (0, last):
+            assert st is Status.MISS
+        else:
+            assert st is Status.OK and torch.equal(d, content(k, bb))
+    s.close()
+
+
+def test_truncation_under_a_live_store_is_io_error_then_miss(tmp_path):
+    path = str(tmp_path / "store.bin")
+    bb = 16 << 10
+    s = SegmentStorage(path, 8 * SEG, bb, segment_size_bytes=2 * SEG, engine="posix",
+                       extent_size_bytes=32 << 10)
+    keys = [os.urandom(32) for _ in range(4)]
+    assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 4
+    os.truncate(path, 4096)
+    d = torch.empty(bb, dtype=torch.uint8)
+    assert s.get(keys[:1], [d]) == [Status.IO_ERROR]
+    assert s.get(keys[:1], [d]) == [Status.MISS]
+    s.close()
