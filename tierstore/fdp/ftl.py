@@ -1,8 +1,9 @@
 """An SSD/FTL model that stands in for an FDP device and measures WAF.
 
 The model is a page-mapped flash translation layer with FDP (NVMe TP4146,
-folded into NVMe Base Specification 2.1 section 8.1.10 "Flexible Data
-Placement"):
+folded into NVMe Base Specification 2.1, "Flexible Data Placement" under
+the Endurance Groups / I/O Controller feature sections; section numbers are cited by
+name because the numbered 2.1 text was not available to check):
 
 * **Reclaim groups (RGs)** each own a set of **reclaim units (RUs)** of
   ``ru_size_bytes`` (the erase/GC unit; the device's "Reclaim Unit Nominal
@@ -10,9 +11,9 @@ Placement"):
 * **Reclaim unit handles (RUHs)** each point at one open RU per RG that takes
   host writes tagged with a placement identifier naming that RUH.  Untagged
   writes (``placement=None``) go to the default handle, placement handle 0
-  (spec 8.1.10: a write without a valid placement directive uses placement
-  handle 0 / reclaim group 0).
-* **Isolation** (spec 8.1.10, "Reclaim Unit Handle Type", RUHT in the FDP
+  (TP4146: a write without a data placement directive uses placement
+  handle 0 in reclaim group 0).
+* **Isolation** (TP4146 "Reclaim Unit Handle Type", RUHT in the FDP
   configuration descriptor): under *Initially Isolated* (RUHT 1h) GC may move
   valid data written through different RUHs into a common RU; under
   *Persistently Isolated* (RUHT 2h) GC keeps each RUH's data separate.  Here:
@@ -23,9 +24,9 @@ Placement"):
 * **GC**: ``"greedy"`` (fewest valid pages) or ``"cost_benefit"`` (maximise
   ``(1 - u) age / (2 u)``; M. Rosenblum and J. Ousterhout, "The Design and
   Implementation of a Log-Structured File System", ACM TOCS 10(1), 1992,
-  section 3.5; Kawaguchi et al., USENIX 1995).  GC runs on demand when an RG
+  cost-benefit cleaning policy; Kawaguchi et al., USENIX 1995).  GC runs on demand when an RG
   has fewer than ``gc_free_ru_min`` free RUs and a new host RU is needed.
-* **Deallocate/TRIM** (Dataset Management, NVM Command Set 1.0 section 3.2.3)
+* **Deallocate/TRIM** (Dataset Management command, Attribute Deallocate; NVM Command Set Specification)
   invalidates the fully covered pages.
 
 Granularity: a *page* (mapping unit) of ``page_bytes`` (4 KiB .. 64 KiB).  A
@@ -52,8 +53,8 @@ from ..errors import ConfigError, InvariantError
 
 __all__ = ["FTLModel", "ISOLATION_INITIAL", "ISOLATION_PERSISTENT", "GC_POLICIES"]
 
-ISOLATION_INITIAL = "initial"        # RUHT 1h, Initially Isolated (spec 8.1.10)
-ISOLATION_PERSISTENT = "persistent"  # RUHT 2h, Persistently Isolated (spec 8.1.10)
+ISOLATION_INITIAL = "initial"        # RUHT 1h, Initially Isolated (TP4146)
+ISOLATION_PERSISTENT = "persistent"  # RUHT 2h, Persistently Isolated (TP4146)
 GC_POLICIES = ("greedy", "cost_benefit")
 
 _FREE, _OPEN, _FULL = 0, 1, 2
@@ -174,7 +175,7 @@ class FTLModel:
 
     # ------------------------------------------------------------------ PIDs
     def pid_of(self, rg: int, handle: int) -> int:
-        """PID = ``rg << (16 - rgif) | handle`` (spec 8.1.10, Placement Identifier; FDPA.RGIF)."""
+        """PID = ``rg << (16 - rgif) | handle`` (TP4146 Placement Identifier; FDPA.RGIF)."""
         return (int(rg) << (16 - self.rgif)) | int(handle) if self.rgif else int(handle)
 
     def decode_pid(self, pid: int | None) -> tuple[int, int]:

@@ -9,12 +9,13 @@ and against how nvme-cli walks them (``nvme-print-stdout.c`` /
 ``nvme-print-json.c``: configuration descriptors are stepped by their
 ``size`` field, RUH descriptors start right after the 64-byte descriptor
 header).  The normative source is NVMe TP4146 "Flexible Data Placement" as
-folded into the NVMe Base Specification 2.1: Get Log Page (section 5.1.12)
-log identifiers 20h..23h, the Identify Controller data structure
-(section 5.1.13.2.1, CTRATT bit 19 = FDPS), and the I/O Management Receive
-command (opcode 12h, management operation 01h "Reclaim Unit Handle Status").
-Section numbers refer to the 2.1 document layout; field offsets are the
-authority and are tested byte by byte.
+folded into the NVMe Base Specification 2.1: the Get Log Page command, log
+page identifiers 20h..23h ("FDP Configurations", "Reclaim Unit Handle Usage",
+"FDP Statistics", "FDP Events"), the Identify Controller data structure
+(CTRATT bit 19 = FDPS), and the I/O Management Receive command (opcode 12h,
+management operation 01h "Reclaim Unit Handle Status").  Sections are cited
+by name, not number: the numbered 2.1 text was not available to check.  The
+field offsets are what counts, and they are tested byte by byte.
 
 All parsers take ``bytes``/``bytearray``/``memoryview`` and raise
 :class:`tierstore.errors.CorruptData` on a buffer that is too short or whose

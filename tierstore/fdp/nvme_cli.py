@@ -25,12 +25,13 @@ builds an ``obj_ruhs`` array but never attaches it, and omits ``maxpids``;
 JSON parsers below accept those variants (string or number counters, missing
 optional keys) for the cases where only JSON is available.
 
-FDP feature (Set/Get Features FID 1Dh, Base Spec 2.1 section 5.1.25.1.20
-"Flexible Data Placement"): CDW11 bits 15:0 = Endurance Group Identifier;
+FDP feature (Set/Get Features, Feature Identifier 1Dh "Flexible Data
+Placement", Base Spec 2.1 / TP4146): CDW11 bits 15:0 = Endurance Group Identifier;
 CDW12 bit 0 = FDPE (enable), bits 15:8 = FDPCIDX (configuration index); the
 Get Features result has the same bit layout (nvme-cli ``fdp_feature``:
 ``result & 0x1`` and ``(result >> 8) & 0xf``).  Endurance group identifiers
-start at 1 (Base Spec 2.1 section 3.2.3 "Endurance Groups"); nvme-cli itself
+start at 1 (Base Spec 2.1 "Endurance Groups": identifier 0h is not a valid
+endurance group); nvme-cli itself
 refuses 0 ("endurance group identifier required").
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ Three ways to write, picked by :func:`select_write_path`:
    * CDW10/CDW11 = starting LBA low/high 32 bits;
    * CDW12 = ``(NLB - 1) | DTYPE << 20`` with DTYPE = 2 (Data Placement
      directive; NVM Command Set Spec 1.1 Write command, CDW12 bits 15:0 NLB
-     0-based, bits 23:20 DTYPE; Base Spec 2.1 section 8.1.10 / TP4146);
+     0-based, bits 23:20 DTYPE; TP4146 / Base Spec 2.1 Directives);
    * CDW13 = ``DSPEC << 16`` with DSPEC = the PID (CDW13 bits 31:16).
 
 2. ``"write_stream"`` -- the block-layer write streams of Linux >= 6.16
@@ -53,10 +53,10 @@ __all__ = [
     "WritePath", "select_write_path", "ng_char_devices", "max_write_streams",
 ]
 
-# --- NVMe (NVM Command Set Spec 1.1 section 3.3 / linux include/linux/nvme.h enum nvme_opcode)
+# --- NVMe I/O opcodes (NVM Command Set Specification; linux include/linux/nvme.h enum nvme_opcode)
 NVME_CMD_WRITE = 0x01
 NVME_CMD_READ = 0x02
-#: Directive Type "Data Placement" (Base Spec 2.1 section 8.1.10; linux NVME_DIRECTIVE_DATA_PLACEMENT... = 2).
+#: Directive Type "Data Placement" = 2h (TP4146; CacheLib navy/common/FdpNvme.cpp writes DTYPE 2).
 DTYPE_DATA_PLACEMENT = 0x2
 CDW12_DTYPE_SHIFT = 20
 CDW13_DSPEC_SHIFT = 16

@@ -7,8 +7,8 @@ handle -> PID table, and it takes it from the device's **RUH Status**
 :func:`tierstore.fdp.logpages.parse_ruh_status`) -- from a real device via
 nvme-cli or from :class:`tierstore.fdp.simdevice.SimFdpDevice`, the same way.
 
-PID format (NVMe Base Spec 2.1 section 8.1.10 "Flexible Data Placement",
-"Placement Identifier"; TP4146): the upper ``RGIF`` bits of the 16-bit PID name
+PID format (TP4146 "Placement Identifier", as folded into NVMe Base Spec 2.1
+"Flexible Data Placement"): the upper ``RGIF`` bits of the 16-bit PID name
 the reclaim group, the rest the placement handle::
 
     PID = (reclaim_group << (16 - RGIF)) | placement_handle
@@ -40,7 +40,7 @@ __all__ = ["make_pid", "split_pid", "PlacementPolicy"]
 
 
 def make_pid(reclaim_group: int, handle: int, rgif: int) -> int:
-    """``(reclaim_group << (16 - rgif)) | handle`` (spec 8.1.10; TP4146).
+    """``(reclaim_group << (16 - rgif)) | handle`` (TP4146 Placement Identifier).
 
     Raises
     ------

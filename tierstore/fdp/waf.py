@@ -4,8 +4,8 @@ Two things live here:
 
 * :class:`WafWindow` -- WAF over a measurement window from the cumulative FDP
   statistics counters, ``WAF = ΔMBMW / ΔHBMW``.  The counters are those of the
-  FDP Statistics log page (log identifier 22h; NVMe Base Specification 2.1,
-  section 5.1.12.1.24 "FDP Statistics"; TP4146): *Host Bytes with Metadata
+  FDP Statistics log page (log identifier 22h "FDP Statistics"; NVMe Base
+  Specification 2.1 Get Log Page; TP4146): *Host Bytes with Metadata
   Written* (HBMW), *Media Bytes with Metadata Written* (MBMW) and *Media Bytes
   Erased* (MBE).  They are cumulative, so a window is the difference of two
   samples.  Any object with a ``stats()`` method returning a mapping with
@@ -27,7 +27,7 @@ Two things live here:
   ``OP = (T - U) / U`` and ``X`` the valid fraction of the block chosen for
   cleaning.  ``X`` is the non-trivial root of ``X = exp(-alpha (1 - X))``.
   Source: P. Desnoyers, "Analytic Modeling of SSD Write Performance",
-  SYSTOR 2012, section 4 (LRW model; greedy converges to it as the number of
+  SYSTOR 2012 (LRW model; greedy converges to it as the number of
   pages per block grows), and L. Xiang and B. Kurkoski, "An Improved Analytical
   Expression for Write Amplification in NAND Flash", arXiv:1110.4245 (2011),
   which gives the same Lambert-W form for greedy and reports WA 2.36 at OP 0.3
@@ -61,7 +61,7 @@ class WafSample:
     ----------
     hbmw_bytes, mbmw_bytes, mbe_bytes : int
         Host bytes written, media bytes written, media bytes erased (cumulative;
-        FDP Statistics log page, NVMe Base Spec 2.1 section 5.1.12.1.24).
+        FDP Statistics log page 22h, NVMe Base Spec 2.1 / TP4146).
     """
 
     hbmw_bytes: int
