@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec, runner in zip(specs, runners):
         try:
             with job_progress(spec.name):
-                result = runner(dict(spec.options))
+                opts = dict(spec.options)
+                opts["_explicit"] = frozenset(spec.explicit) | frozenset(spec.global_explicit)
+                result = runner(opts)
         except TierStoreError as exc:
             return _error(f"job {spec.name!r}: {exc}")
         results.append(result)

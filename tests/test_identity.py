@@ -1,0 +1,62 @@
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tierstore.errors import ConfigError
+from tierstore.identity import Namespace, block_hashes, chain_ids
+
+B = 16
+
+
+def test_hash_is_deterministic_across_processes():
+    ns = Namespace(model="m@1", tenant="t")
+    here = block_hashes(ns.digest(), np.arange(64), B)
+    code = ("import numpy as np; from tierstore.identity import *; "
+            "print(','.join(h.hex() for h in block_hashes(Namespace(model='m@1', tenant='t').digest(), np.arange(64), 16)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert out == ",".join(h.hex() for h in here)
+    assert all(len(h) == 32 for h in here)
+
+
+def test_only_full_blocks_are_hashed():
+    d = Namespace(model="m").digest()
+    assert len(block_hashes(d, np.arange(47), B)) == 2
+    assert len(block_hashes(d, np.arange(48), B)) == 3
+    assert len(block_hashes(d, np.arange(15), B)) == 0
+
+
+def test_chain_depends_on_prefix():
+    d = Namespace(model="m").digest()
+    a = block_hashes(d, np.arange(32), B)
+    b = block_hashes(d, np.r_[np.arange(16) + 1, np.arange(16, 32)], B)
+    assert a[0] != b[0] and a[1] != b[1]  # same second-block tokens, different prefix
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", "m@2"), ("tokenizer", "tok@2"), ("chat_template", "x"), ("adapter", "lora1"),
+    ("rope_scaling", "yarn:4"), ("kv_dtype", "fp8_e4m3"), ("layout_version", 2), ("tp_rank", 1),
+    ("tp_size", 4), ("pp_size", 2), ("tenant", "other"),
+])
+def test_every_identity_field_changes_the_digest(field, value):
+    base = Namespace(model="m@1", tokenizer="tok@1", tp_size=2)
+    other = dataclasses.replace(base, **{field: value})
+    assert base.digest() != other.digest()
+    assert base.digest() == Namespace(model="m@1", tokenizer="tok@1", tp_size=2).digest()
+
+
+def test_bad_namespace_rejected():
+    with pytest.raises(ConfigError):
+        Namespace(model="")
+    with pytest.raises(ConfigError):
+        Namespace(model="m", tp_rank=2, tp_size=2)
+
+
+def test_chain_ids_matches_prefix_semantics():
+    d = Namespace(model="m").digest()
+    a = chain_ids(d, [1, 2, 3])
+    b = chain_ids(d, [1, 2, 4])
+    assert a[:2] == b[:2] and a[2] != b[2]

@@ -1,0 +1,301 @@
+"""The Python API that engines plug into: :class:`KVStore`.
+
+Typical use by an engine (one request)::
+
+    store = KVStore(KVLayout(...), hbm_bytes=..., host_bytes=..., nvme_path="/mnt/nvme/kv", nvme_bytes=...)
+    ns = Namespace(model="llama-3.1-8b@<rev>", tokenizer="...", tenant="acme")
+    with store.request() as rid:
+        hit = store.lookup(ns, prompt_ids, request_id=rid)     # references the matched blocks
+        statuses, blocks = store.load(hit.useful_keys)          # or load(..., dests=engine_buffers)
+        n_ok = leading_ok(statuses)                             # use only the leading run of OK blocks
+        ... prefill prompt_ids[n_ok * B:] ...
+        store.store(ns, prompt_ids, new_kv_blocks)               # full blocks only
+    # leaving the block releases the references, also on an exception
+
+**Exact-hit rule.** Only full blocks of ``layout.tokens_per_block`` tokens are
+hashed, stored and matched; a partial tail is always recomputed. A lookup
+reports ``matched_tokens`` as a multiple of the block size, and the metric
+``partial_tail_tokens`` counts the tokens that could never be shared.
+
+**Useful hits.** A matched block is *useful* only when loading it is faster than
+recomputing it (:class:`tierstore.policies.cost.CostModel`); load
+``LookupResult.useful_keys``, not all matched keys.
+
+Errors: :class:`~tierstore.errors.LayoutError` for buffers that do not match
+the layout, :class:`~tierstore.errors.ConfigError` for bad configuration,
+:class:`~tierstore.errors.QuotaExceeded` for pins over quota. Misses, no space
+and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, LayoutError, Status
+from .identity import Namespace, block_hashes
+from .layout import KVLayout
+from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
+from .tiers.storage import BlockStorage
+
+
+def leading_ok(statuses: Sequence[Status]) -> int:
+    """Length of the leading run of ``Status.OK``: the blocks an engine may use."""
+    n = 0
+    for s in statuses:
+        if s is not Status.OK:
+            break
+        n += 1
+    return n
+
+
+def open_nvme_storage(path: str, capacity_bytes: int, block_bytes: int, backend: str = "auto",
+                      **kwargs) -> BlockStorage:
+    """Open the NVMe tier backend.
+
+    Parameters
+    ----------
+    path : str
+        A directory (a file is created inside it) or a file path.
+    capacity_bytes : int
+        Space the backend may use.
+    block_bytes : int
+        Block size.
+    backend : str
+        ``"segment"`` (log-structured, crash-recoverable, batched: :mod:`tierstore.io`),
+        ``"slot"`` (fixed slots, :class:`tierstore.tiers.nvme.SlotFileStorage`) or
+        ``"auto"`` (segment when available).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown backend.
+    """
+    if backend not in ("auto", "segment", "slot"):
+        raise ConfigError(f"nvme_backend={backend!r}: accepted values are ['auto', 'segment', 'slot']")
+    if os.path.isdir(path):
+        path = os.path.join(path, "tierstore.nvme")
+    if backend in ("auto", "segment"):
+        try:
+            from .io import SegmentStorage  # noqa: F401
+        except ImportError:
+            if backend == "segment":
+                raise ConfigError("nvme_backend='segment' needs tierstore.io.SegmentStorage") from None
+        else:
+            return SegmentStorage(path, capacity_bytes=capacity_bytes, block_bytes=block_bytes, **kwargs)
+    from .tiers.nvme import SlotFileStorage
+    return SlotFileStorage(path, capacity_bytes, block_bytes, **kwargs)
+
+
+class KVStore:
+    """Tiered prefix KV store (HBM -> pinned host -> NVMe).
+
+    Parameters
+    ----------
+    layout : KVLayout
+        KV geometry of the engine.
+    hbm_bytes, host_bytes : int
+        Memory tier capacities in bytes (0 disables a tier).
+    nvme_path : str, optional
+        Directory or file for the NVMe tier; ``None`` disables it.
+    nvme_bytes : int
+        NVMe tier capacity in bytes.
+    nvme_backend : str
+        See :func:`open_nvme_storage`.
+    nvme : BlockStorage, optional
+        A ready backend (overrides ``nvme_path``).
+    **manager_options
+        Further :class:`~tierstore.manager.ManagerConfig` fields (``eviction``,
+        ``promotion``, ``verify_tokens``, ``pin_quota_bytes``, ...).
+    """
+
+    def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
+                 nvme_path: str | None = None, nvme_bytes: int = 0, nvme_backend: str = "auto",
+                 nvme: BlockStorage | None = None, **manager_options) -> None:
+        if nvme is None and nvme_path is not None and nvme_bytes > 0:
+            nvme = open_nvme_storage(nvme_path, nvme_bytes, layout.bytes_per_block, nvme_backend)
+        cfg = ManagerConfig(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, **manager_options)
+        self.layout = layout
+        self.manager = TierManager(cfg, nvme)
+        self._digests: dict[Namespace, bytes] = {}
+        self._rids = itertools.count(1)
+
+    # -------------------------------------------------------------- identity
+    def digest(self, ns: Namespace | bytes) -> bytes:
+        """Namespace digest (cached)."""
+        if isinstance(ns, bytes):
+            if len(ns) != 32:
+                raise ConfigError(f"a namespace digest must be 32 bytes, got {len(ns)}")
+            return ns
+        d = self._digests.get(ns)
+        if d is None:
+            d = self._digests[ns] = ns.digest()
+        return d
+
+    def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids`` under ``ns``."""
+        return block_hashes(self.digest(ns), token_ids, self.layout.tokens_per_block)
+
+    def _token_blocks(self, token_ids, n: int) -> list[np.ndarray]:
+        arr = np.asarray(token_ids, dtype=np.int64)
+        b = self.layout.tokens_per_block
+        return [arr[i * b:(i + 1) * b] for i in range(n)]
+
+    # -------------------------------------------------------------- requests
+    @contextlib.contextmanager
+    def request(self) -> Iterator[int]:
+        """A request id whose references are released on exit, also on an exception
+        (then counted as an abort)."""
+        rid = ("req", next(self._rids))
+        try:
+            yield rid
+        except BaseException:
+            self.manager.cancel(rid)
+            raise
+        else:
+            self.manager.release(rid)
+
+    def release(self, request_id: object) -> int:
+        """Release every block reference held by ``request_id``."""
+        return self.manager.release(request_id)
+
+    def cancel(self, request_id: object) -> int:
+        """Abort ``request_id``: release its references."""
+        return self.manager.cancel(request_id)
+
+    # -------------------------------------------------------------- store
+    def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
+              kv_blocks: torch.Tensor | Sequence[torch.Tensor], start_block: int = 0,
+              lifetime: str | None = None) -> list[Status]:
+        """Store KV of the full blocks of a prompt.
+
+        Parameters
+        ----------
+        ns : Namespace or bytes
+            Identity (or its 32-byte digest).
+        token_ids : sequence of int
+            The prompt's token ids, shape ``(num_tokens,)``.
+        kv_blocks : torch.Tensor or sequence of torch.Tensor
+            KV of blocks ``start_block, start_block + 1, ...``: either a tensor of
+            shape ``(n, *layout.block_shape)`` and dtype ``layout.dtype``, or a
+            list of typed blocks / raw ``uint8`` blocks of ``bytes_per_block``.
+            Extra blocks beyond the prompt's full blocks are an error.
+        start_block : int
+            Index of the first block given (blocks before it are already stored).
+        lifetime : str, optional
+            Engine hint for placement: ``"system"``, ``"conversation"``, ``"query"``.
+
+        Returns
+        -------
+        list of Status
+            One per block given.
+
+        Raises
+        ------
+        LayoutError
+            On a shape/dtype mismatch or more blocks than full blocks in the prompt.
+        """
+        keys = self.keys_for(ns, token_ids)
+        blocks = list(kv_blocks) if not isinstance(kv_blocks, torch.Tensor) or kv_blocks.dim() > 1 else [kv_blocks]
+        if start_block < 0 or start_block + len(blocks) > len(keys):
+            raise LayoutError(f"{len(blocks)} blocks from block {start_block} exceed the prompt's "
+                              f"{len(keys)} full blocks (partial tails are never stored)")
+        sel = keys[start_block:start_block + len(blocks)]
+        toks = self._token_blocks(token_ids, len(keys))[start_block:start_block + len(blocks)]
+        return self.manager.store(self.digest(ns), sel, blocks, toks, lifetime, start_block)
+
+    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
+                        start_block: int = 0, lifetime: str | None = None) -> list[Status]:
+        """Store blocks given as engine fragments (``2 * num_layers`` tensors per block,
+        order layer0-K, layer0-V, layer1-K, ...; each ``fragment_bytes``)."""
+        blocks = []
+        for frags in fragments_per_block:
+            self.layout.check_fragments(frags)
+            blk = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+            for dst, src in zip(self.layout.fragments(blk), frags):
+                dst.copy_(src.reshape(dst.shape))
+            blocks.append(blk)
+        return self.store(ns, token_ids, blocks, start_block, lifetime)
+
+    # -------------------------------------------------------------- lookup / load
+    def lookup(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
+               request_id: object = None) -> LookupResult:
+        """Longest cached prefix of ``token_ids`` (full blocks only).
+
+        With ``request_id`` the matched blocks are referenced (ACTIVE) until
+        :meth:`release`. See :meth:`tierstore.manager.TierManager.lookup`.
+        """
+        keys = self.keys_for(ns, token_ids)
+        toks = self._token_blocks(token_ids, len(keys)) if self.manager.config.verify_tokens else None
+        return self.manager.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids))
+
+    def probe(self, ns: Namespace | bytes, token_ids) -> int:
+        """Matched tokens without taking references or touching recency."""
+        return self.manager.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
+
+    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
+             promote: bool = True) -> tuple[list[Status], list[torch.Tensor | None]]:
+        """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
+
+        Returns per-block statuses and the filled tensors; use :func:`leading_ok`.
+        Returned new tensors are typed blocks of ``layout.block_shape``.
+        """
+        if isinstance(keys, LookupResult):
+            keys = keys.useful_keys
+        st, outs = self.manager.load(keys, dests, promote)
+        if dests is None:
+            outs = [None if o is None else self.layout.block_view(o) for o in outs]
+        return st, outs
+
+    def load_fragments(self, keys: Sequence[bytes] | LookupResult,
+                       dest_fragments_per_block: Sequence[Sequence[torch.Tensor]]) -> list[Status]:
+        """Load blocks and scatter each into its ``2 * num_layers`` destination fragments."""
+        if isinstance(keys, LookupResult):
+            keys = keys.useful_keys
+        st, outs = self.manager.load(keys, None)
+        for s, raw, frags in zip(st, outs, dest_fragments_per_block):
+            if s is Status.OK:
+                self.layout.check_fragments(frags)
+                for dst, src in zip(frags, self.layout.fragments(self.layout.block_view(raw))):
+                    dst.copy_(src.reshape(dst.shape))
+        return st
+
+    # -------------------------------------------------------------- pins / admin
+    def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
+        """Pin the resident full blocks of a prefix for ``lease_s`` seconds."""
+        return self.manager.pin(self.digest(ns), self.keys_for(ns, token_ids), lease_s)
+
+    def unpin(self, lease: Lease | int) -> bool:
+        """End a pin lease early."""
+        return self.manager.unpin(lease.lease_id if isinstance(lease, Lease) else lease)
+
+    def invalidate(self, ns: Namespace | bytes) -> int:
+        """Drop every block of a namespace."""
+        return self.manager.invalidate(self.digest(ns))
+
+    def stats(self) -> dict:
+        """Counters, per-tier bytes and load-latency percentiles."""
+        m = self.manager
+        out = m.metrics.snapshot()
+        out["bytes_per_tier"] = m.bytes_per_tier()
+        out["load_latency_ns"] = m.metrics.latency_percentiles_ns()
+        if m.nvme is not None:
+            out["nvme_backend"] = m.nvme.stats()
+        return out
+
+    def close(self) -> None:
+        """Close the NVMe backend."""
+        self.manager.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["KVStore", "Namespace", "KVLayout", "Status", "Tier", "leading_ok", "open_nvme_storage"]

@@ -1,0 +1,39 @@
+"""The ``tierstore`` command.
+
+``tierstore bench [JOBFILE ...] [--key=value ...]``  fio-style benchmark (see ``tierstore bench --help``).
+``tierstore serve --config FILE``                    the storage daemon.
+``tierstore version``                               print the version.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch a subcommand; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        from .bench.cli import main as bench_main
+        return bench_main(rest)
+    if cmd == "serve":
+        try:
+            from .server.daemon import main as serve_main
+        except ImportError as e:
+            print(f"tierstore serve: the daemon is not available: {e}", file=sys.stderr)
+            return 1
+        return serve_main(rest)
+    if cmd == "version":
+        from . import __version__
+        print(__version__)
+        return 0
+    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, version", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Eviction policy contract: a policy only *picks victims*.
+
+Modelled on vLLM's ``CachePolicy`` (``v1/kv_offload``): the manager owns
+refcounts, free lists and events; a policy tracks the keys resident in one tier
+and answers :meth:`EvictionPolicy.evict` with exactly ``n`` unprotected keys or
+with nothing (all or nothing). A policy never gates admission (LMCache's mistake
+of letting LRU decide SSD admission is avoided: admission is a separate
+component, :mod:`tierstore.policies.admission`).
+"""
+from __future__ import annotations
+
+import abc
+from typing import Callable, Protocol
+
+
+class EntryInfo(Protocol):
+    """What a policy may read about an entry (the manager's ``Entry`` satisfies it).
+
+    Attributes: ``key`` (bytes), ``size_bytes`` (int), ``hits`` (int),
+    ``last_access_s`` (float), ``created_s`` (float), ``position`` (int, block
+    index in its prefix chain), ``lifetime`` (LifetimeClass or None).
+    """
+
+    key: bytes
+    size_bytes: int
+    hits: int
+    last_access_s: float
+    created_s: float
+    position: int
+
+
+class EvictionPolicy(abc.ABC):
+    """Victim selection for one tier."""
+
+    name = "abstract"
+
+    @abc.abstractmethod
+    def on_insert(self, entry: EntryInfo, now_s: float) -> None:
+        """``entry`` became resident in this tier."""
+
+    @abc.abstractmethod
+    def on_access(self, entry: EntryInfo, now_s: float) -> None:
+        """``entry`` was hit in this tier."""
+
+    @abc.abstractmethod
+    def on_remove(self, key: bytes) -> None:
+        """``key`` left this tier (evicted, demoted, invalidated). Unknown keys are ignored."""
+
+    @abc.abstractmethod
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+        """Pick ``n`` victims for which ``protected(key)`` is false.
+
+        Returns exactly ``n`` keys, or ``[]`` when that many cannot be found.
+        The keys stay tracked until the manager calls :meth:`on_remove`.
+        """
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Keys tracked."""
+
+
+_REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {}
+
+
+def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
+    """Make a policy constructible by name (``eviction=`` in configs and the bench CLI)."""
+    _REGISTRY[name] = factory
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """Construct a registered policy.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name; the message lists the registered ones.
+    """
+    from ..errors import ConfigError
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ConfigError(f"eviction={name!r}: accepted values are {sorted(_REGISTRY)}") from None
+
+
+def policy_names() -> list[str]:
+    """Registered policy names."""
+    return sorted(_REGISTRY)

@@ -1,0 +1,44 @@
+"""Least-recently-used eviction, the baseline."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+from .base import EntryInfo, EvictionPolicy, register_policy
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evict the least recently inserted-or-hit unprotected keys first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def on_insert(self, entry: EntryInfo, now_s: float) -> None:
+        self._order[entry.key] = None
+        self._order.move_to_end(entry.key)
+
+    def on_access(self, entry: EntryInfo, now_s: float) -> None:
+        if entry.key in self._order:
+            self._order.move_to_end(entry.key)
+
+    def on_remove(self, key: bytes) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+        if n <= 0:
+            return []
+        out: list[bytes] = []
+        for key in self._order:
+            if not protected(key):
+                out.append(key)
+                if len(out) == n:
+                    return out
+        return []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+register_policy("lru", LRUPolicy)
