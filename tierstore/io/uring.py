@@ -89,7 +89,11 @@ class UringEngine(IOEngine):
         c = self._cqe[0]
         if c is None:
             return False
-        res, uid = c.res, c.user_data
+        uid = c.user_data
+        try:
+            res = c.res
+        except OSError as exc:  # the liburing wrapper raises for a negative cqe->res
+            res = -(exc.errno or errno.EIO)
         L.io_uring_cqe_seen(self._ring, c)
         op, want, _keep = self._inflight.pop(uid)
         if res < 0:
