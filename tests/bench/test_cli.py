@@ -38,6 +38,7 @@ def _fake_kv_runner(options: dict) -> JobResult:
 @pytest.fixture
 def fake_kv(monkeypatch):
     monkeypatch.setattr(registry, "_RUNNERS", dict(registry._RUNNERS))
+    monkeypatch.setattr(registry, "RUNNER_MODULES", ())  # keep the real kv runners out
     register_runner(["kvtrace", "kvmixed"], _fake_kv_runner, replace=True)
     return _fake_kv_runner
 
