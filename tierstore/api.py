@@ -86,6 +86,11 @@ def open_nvme_storage(path: str, capacity_bytes: int, block_bytes: int, backend:
             if backend == "segment":
                 raise ConfigError("nvme_backend='segment' needs tierstore.io.SegmentStorage") from None
         else:
+            if "segment_size_bytes" not in kwargs:
+                # ~64 segments per tier, 1 MiB .. 256 MiB, whole MiB (a real FDP RU is far larger;
+                # pass segment_size_bytes=RU size on a device)
+                seg = max(1 << 20, min(256 << 20, capacity_bytes // 64)) >> 20 << 20
+                kwargs["segment_size_bytes"] = seg
             return SegmentStorage(path, capacity_bytes=capacity_bytes, block_bytes=block_bytes, **kwargs)
     from .tiers.nvme import SlotFileStorage
     return SlotFileStorage(path, capacity_bytes, block_bytes, **kwargs)
