@@ -265,3 +265,27 @@ def test_useful_hits_follow_cost_model(make_store, layout, ns):
     assert hit.matched_blocks == 2 and hit.useful_blocks == 0
     s.manager.config.cost.prefill_tokens_per_s = 10.0  # recompute is slow
     assert s.lookup(ns, toks).useful_blocks == 2
+
+
+def test_nvme_eviction_frees_whole_segments(layout, ns, clock):
+    """With a log-structured backend, NVMe eviction takes whole reclaim groups
+    (segments), so no dead space is stranded in sealed segments."""
+    from tierstore.io import SegmentStorage
+    bb = layout.bytes_per_block
+    nv = SegmentStorage(None, capacity_bytes=8 * 64 * 1024, block_bytes=bb, segment_size_bytes=64 * 1024,
+                        engine="memory", extent_size_bytes=64 * 1024)
+    s = KVStore(layout, hbm_bytes=0, host_bytes=0, nvme=nv, clock=clock)
+    try:
+        for i in range(40):
+            toks = tokens(4 * B, start=1000 * i)
+            assert s.store(ns, toks, make_blocks(layout, 4, seed=i)) == [Status.OK] * 4
+        st = nv.stats()
+        assert st["dead_blocks"] == 0
+        assert s.stats()["evicted_groups_nvme"] > 0
+        live = [k for k in s.manager.index]
+        assert len(live) == st["blocks"]
+        hit = s.lookup(ns, tokens(4 * B, start=1000 * 39))
+        assert hit.matched_blocks == 4
+        s.manager.check_invariants()
+    finally:
+        s.close()

@@ -293,6 +293,8 @@ class TierManager:
         if nvme is not None and nvme.block_bytes != self.block_bytes:
             raise LayoutError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {self.block_bytes}")
         self.nvme = nvme
+        # the backend frees space by reclaim unit: evict whole groups (see _evict_groups)
+        self._nvme_groups = nvme is not None and type(nvme).reclaim_group is not BlockStorage.reclaim_group
         self.tiers: list[Tier] = sorted(list(self.pools) + ([Tier.NVME] if nvme is not None else []))
         self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(config.eviction) for t in self.tiers}
         self.index: dict[bytes, Entry] = {}
@@ -371,6 +373,8 @@ class TierManager:
         need = n - free
         policy = self.policies[tier]
         prot = self._protected(protect)
+        if tier == Tier.NVME and self._nvme_groups and self._evict_groups(need, prot):
+            return True
         batch = max(need, self.config.evict_batch_blocks)
         victims = policy.evict(batch, prot, self._now()) if batch > need else []
         if not victims:
@@ -380,6 +384,30 @@ class TierManager:
         self.metrics.inc(f"evictions_{tier.label}", len(victims))
         self._demote([self.index[k] for k in victims], tier, protect)
         return self._free_count(tier) >= n
+
+    def _evict_groups(self, need: int, prot: Callable[[bytes], bool]) -> bool:
+        """Region eviction on NVMe: take the policy's first victim and evict every
+        unprotected block of its reclaim group (segment), so whole reclaim units
+        become free. Returns True once ``need`` blocks are free."""
+        policy = self.policies[Tier.NVME]
+        tried: set = set()
+        while self.nvme.free_blocks() < need:
+            cand = policy.evict(1, lambda k: prot(k) or k in tried, self._now())
+            if not cand:
+                return False
+            tried.add(cand[0])
+            group = self.nvme.reclaim_group(cand[0])
+            if group is None:  # open segment, or per-block reclaim: plain eviction
+                group = cand
+            victims = [self.index[k] for k in group if k in self.index and not prot(k)]
+            if not victims:
+                continue
+            tried.update(e.key for e in victims)
+            self.metrics.inc("evictions_nvme", len(victims))
+            self.metrics.inc("evicted_groups_nvme")
+            for e in victims:
+                self._drop_copy(e, Tier.NVME)
+        return True
 
     def _demote(self, victims: list[Entry], tier: Tier, protect: set | None) -> None:
         """Move ``victims`` out of ``tier``: to the next tier if they have no lower copy."""

@@ -226,6 +226,16 @@ class SegmentStorage(BlockStorage):
         with self._lock:
             return bytes(key) in self._index
 
+    def reclaim_group(self, key: bytes) -> list[bytes] | None:
+        """Live keys of the *sealed* segment holding ``key`` (evicting all of them
+        frees the whole segment, i.e. one reclaim unit); ``None`` if ``key`` is
+        absent or its segment is still open."""
+        with self._lock:
+            loc = self._index.get(bytes(key))
+            if loc is None or self._segs[loc.seg].state != "sealed":
+                return None
+            return list(self._segs[loc.seg].live)
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._index)

@@ -86,6 +86,13 @@ class BlockStorage(abc.ABC):
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is stored."""
 
+    def reclaim_group(self, key: bytes) -> list[bytes] | None:
+        """Keys that share ``key``'s unit of space reclaim (a log segment / reclaim
+        unit), or ``None`` when space is reclaimed per block. The manager evicts
+        whole groups so flash space is freed a reclaim unit at a time (CacheLib
+        Navy's region eviction)."""
+        return None
+
     def keys(self) -> list[bytes]:
         """Keys currently stored (used to rebuild the index after a restart)."""
         return []
