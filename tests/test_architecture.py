@@ -1,0 +1,67 @@
+"""Lower layers never import upper ones (ARCHITECTURE.md)."""
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "tierstore"
+
+LAYER = {
+    "errors": 0, "units": 0, "layout": 0, "identity": 0,
+    "tiers": 1,
+    "io": 2, "fdp": 2,
+    "policies": 3,
+    "manager": 4, "metrics": 4, "block_table": 4,
+    "api": 5, "wiring": 5,
+    "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "cli": 6,
+    "__init__": 7,
+}
+# same-layer imports that ARCHITECTURE.md forbids (the I/O layer never knows FDP's tables)
+FORBIDDEN_SIDEWAYS = {("io", "fdp")}
+
+
+def top_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0].removesuffix(".py")
+
+
+def imported_tops(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG)
+    depth = len(rel.parts) - 1  # 0 for tierstore/x.py, 1 for tierstore/sub/x.py
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module and node.module.startswith("tierstore."):
+                    yield node.module.split(".")[1]
+                continue
+            up = node.level - 1
+            if up > depth:
+                continue
+            base = list(rel.parts[:depth - up])
+            mod = (node.module or "").split(".")
+            parts = base + [p for p in mod if p]
+            if parts:
+                yield parts[0]
+            else:
+                for a in node.names:
+                    yield a.name
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("tierstore."):
+                    yield a.name.split(".")[1]
+
+
+FILES = sorted(p for p in PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_no_upward_imports(path):
+    me = top_of(path)
+    if me not in LAYER:
+        pytest.fail(f"{me} is not in the layer table; add it to ARCHITECTURE.md and this test")
+    for other in imported_tops(path):
+        if other not in LAYER or other == me:
+            continue
+        if LAYER[other] > LAYER[me] or (me, other) in FORBIDDEN_SIDEWAYS:
+            pytest.fail(f"{path.relative_to(PKG)} (layer {LAYER[me]}) imports {other} (layer {LAYER[other]})")
