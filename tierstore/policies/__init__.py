@@ -1,5 +1,11 @@
 """Policies: eviction (victim selection), admission, lifetime prediction, cost model."""
+from .admission import PredictedReuseAdmission, SecondSightingAdmission, make_admission
 from .base import EvictionPolicy, make_policy, policy_names, register_policy
+from .costaware import CostAwarePolicy
+from .lifetime import PrefixLifetimePredictor
 from .lru import LRUPolicy
+from .s3fifo import S3FIFOPolicy
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "make_policy", "policy_names", "register_policy"]
+__all__ = ["CostAwarePolicy", "EvictionPolicy", "LRUPolicy", "PredictedReuseAdmission", "PrefixLifetimePredictor",
+           "S3FIFOPolicy", "SecondSightingAdmission", "make_admission", "make_policy", "policy_names",
+           "register_policy"]

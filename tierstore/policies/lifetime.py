@@ -1,0 +1,132 @@
+"""Lifetime prediction for FDP placement from what a store can see.
+
+A block written to flash should go to the reclaim unit of blocks that will die
+(be evicted or invalidated) at about the same time (FDP, NVMe TP4146; the
+gain is fewer valid pages to relocate at GC). The store sees, per block:
+
+* an **engine hint** (``"system"``, ``"conversation"``, ``"query"``) -- wins when given;
+* its **position in the prefix chain** -- leading blocks are shared by many
+  requests (system prompt, tool definitions) and live long;
+* its **observed reuse** -- hit count and mean reuse interval;
+* its **namespace** -- per-namespace reuse rates (a tenant whose blocks are
+  rarely reused writes short-lived data).
+
+:class:`PrefixLifetimePredictor` combines them with fixed, documented rules
+(thresholds are engineering defaults; the bench measures the accuracy against
+true death times, see ``bench/README_policies.md``):
+
+1. hint -> its class;
+2. ``hits >= long_min_hits`` with mean reuse interval ``<= long_max_interval_s``,
+   or ``position < shared_prefix_blocks`` with ``hits >= 1`` -> LONG;
+3. ``hits >= 1`` -> MEDIUM;
+4. never reused: MEDIUM if the namespace's observed reuse rate (reused /
+   written blocks, Laplace-smoothed) is ``>= medium_ns_reuse``, else SHORT.
+
+It satisfies both the manager's ``classify(entry, now_s)`` hook (call the
+object) and the FDP layer's :class:`tierstore.fdp.lifetime.LifetimeClassifier`
+protocol (``observe``/``classify`` by key).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
+
+from ..errors import ConfigError
+from ..fdp.lifetime import LifetimeClass, class_from_hint
+from .base import EntryInfo
+
+
+class PrefixLifetimePredictor:
+    """Predict a block's flash lifetime class (see module doc for the rules).
+
+    Parameters
+    ----------
+    shared_prefix_blocks : int
+        Chain positions below this count as a shared prefix.
+    long_min_hits : int
+        Hits that make a block LONG when reuse is regular enough.
+    long_max_interval_s : float
+        Largest mean reuse interval (seconds) for LONG by hits.
+    medium_ns_reuse : float
+        Namespace reuse rate above which never-reused blocks are MEDIUM.
+    max_keys : int
+        Bound on per-key state for the key-based protocol.
+    """
+
+    def __init__(self, shared_prefix_blocks: int = 2, long_min_hits: int = 2,
+                 long_max_interval_s: float = 600.0, medium_ns_reuse: float = 0.5,
+                 max_keys: int = 1 << 20) -> None:
+        if shared_prefix_blocks < 0 or long_min_hits < 1 or long_max_interval_s <= 0 or max_keys < 1:
+            raise ConfigError("PrefixLifetimePredictor: thresholds must be positive")
+        self.shared_prefix_blocks = int(shared_prefix_blocks)
+        self.long_min_hits = int(long_min_hits)
+        self.long_max_interval_s = float(long_max_interval_s)
+        self.medium_ns_reuse = float(medium_ns_reuse)
+        self.max_keys = int(max_keys)
+        self._ns: dict[bytes, list[int]] = {}  # ns -> [blocks classified, of which reused]
+        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()  # key -> [first_s, last_s, reuses]
+
+    # ---------------------------------------------------------- manager hook
+    def __call__(self, entry: EntryInfo, now_s: float) -> LifetimeClass:
+        """Class of a manager entry being written to NVMe."""
+        ns = getattr(entry, "ns", b"")
+        rec = self._ns.setdefault(ns, [0, 0])
+        rec[0] += 1
+        rec[1] += entry.hits > 0
+        hint = getattr(entry, "lifetime", None)
+        interval_s = (entry.last_access_s - entry.created_s) / entry.hits if entry.hits else float("inf")
+        return self._rules(hint, int(getattr(entry, "position", -1)), entry.hits, interval_s, ns)
+
+    def _rules(self, hint, position: int, hits: int, interval_s: float, ns: bytes) -> LifetimeClass:
+        cls = class_from_hint(hint)
+        if cls is not None:
+            return cls
+        if hits >= self.long_min_hits and interval_s <= self.long_max_interval_s:
+            return LifetimeClass.LONG
+        if 0 <= position < self.shared_prefix_blocks and hits >= 1:
+            return LifetimeClass.LONG
+        if hits >= 1:
+            return LifetimeClass.MEDIUM
+        written, reused = self._ns.get(ns, (0, 0))
+        if (reused + 1) / (written + 2) >= self.medium_ns_reuse:  # Laplace's rule of succession
+            return LifetimeClass.MEDIUM
+        return LifetimeClass.SHORT
+
+    def reuse_probability(self, entry: EntryInfo) -> float:
+        """Laplace estimate of reuse: ``(hits + 1) / (hits + 2)`` for a shared-prefix
+        position, ``hits / (hits + 1)`` elsewhere (a never-hit tail block scores 0)."""
+        h = entry.hits
+        if 0 <= int(getattr(entry, "position", -1)) < self.shared_prefix_blocks:
+            return (h + 1) / (h + 2)
+        return h / (h + 1)
+
+    # ---------------------------------------------------------- fdp protocol
+    def observe(self, key: Hashable, now_s: float) -> None:
+        """Record a store or reuse of ``key`` at ``now_s`` seconds."""
+        rec = self._seen.get(key)
+        if rec is None:
+            self._seen[key] = [float(now_s), float(now_s), 0.0]
+            if len(self._seen) > self.max_keys:
+                self._seen.popitem(last=False)
+        else:
+            rec[1] = float(now_s)
+            rec[2] += 1
+            self._seen.move_to_end(key)
+
+    def classify(self, key: Hashable, hint: str | LifetimeClass | None = None,
+                 now_s: float | None = None) -> LifetimeClass:
+        """Class of a key from :meth:`observe` history (no position or namespace known)."""
+        rec = self._seen.get(key)
+        hits = 0 if rec is None else int(rec[2])
+        interval_s = (rec[1] - rec[0]) / hits if hits else float("inf")
+        return self._rules(hint, -1, hits, interval_s, b"\x00")
+
+
+def true_class(lifetime_s: float, short_max_s: float, medium_max_s: float) -> LifetimeClass:
+    """Class of a measured flash lifetime: SHORT below ``short_max_s``, MEDIUM below
+    ``medium_max_s``, else LONG."""
+    if lifetime_s < short_max_s:
+        return LifetimeClass.SHORT
+    if lifetime_s < medium_max_s:
+        return LifetimeClass.MEDIUM
+    return LifetimeClass.LONG
