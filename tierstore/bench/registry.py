@@ -40,7 +40,7 @@ __all__ = [
 Runner = Callable[[dict[str, Any]], JobResult]
 
 #: Modules imported by :func:`load_runner_modules`; a module that does not exist (yet) is skipped.
-RUNNER_MODULES = ("tierstore.bench.iojobs", "tierstore.bench.kvjobs")
+RUNNER_MODULES = ("tierstore.bench.iojobs", "tierstore.bench.kvjobs", "tierstore.bench.kvsynth")
 
 _RUNNERS: dict[str, Runner] = {}
 

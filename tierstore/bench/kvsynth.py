@@ -1,0 +1,240 @@
+"""Synthetic KV workloads through the real tier manager: ``rw=kvstore|kvload|kvmixed``.
+
+One *I/O* of a KV job is one request's store or load call. Its size is ``bs``
+rounded down to whole blocks of the ``layout`` preset (at least one block; a
+Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts.
+
+* ``kvstore``: store ``size`` bytes of distinct prefixes; the tiers fill and demote
+  (HBM -> host -> NVMe). Reports the write direction and per-tier bytes.
+* ``kvload``: store a working set of ``size`` bytes (not timed), then look up and
+  load its prefixes (``iodepth * numjobs`` threads) for one pass, or until
+  ``runtime`` with ``time_based``. Promotion is off so every tier keeps serving
+  its share; reports the read direction and per-tier hits.
+* ``kvmixed``: requests of three lifetime classes drawn by ``lifetime_mix``:
+  ``long`` reuse one of a few shared system/tool prefixes, ``medium`` continue one
+  of many conversations (each turn extends the previous prompt), ``short`` are
+  single queries never seen again. Each request looks up, loads the useful hit,
+  stores the rest with its lifetime hint (FDP placement), and releases.
+
+Random choices use ``seed``. With ``device=sim`` the NVMe tier writes through the
+FTL model (:mod:`tierstore.wiring`, when available) and the job reports WAF.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..api import KVStore, leading_ok
+from ..errors import ConfigError, Status
+from ..identity import Namespace
+from ..layout import get_layout
+from .registry import current_progress, register_runner
+from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
+
+__all__ = ["run_kv_synthetic"]
+
+_NS = Namespace(model="bench-synthetic")
+
+
+def _build(options: dict[str, Any], layout, directory: str) -> KVStore:
+    try:
+        from ..wiring import store_from_bench_options  # the FDP-aware wiring, when present
+    except ImportError:
+        store_from_bench_options = None
+    if store_from_bench_options is not None:
+        return store_from_bench_options(options, layout, directory)
+    if options.get("dataplacement") == "fdp" or options.get("admission", "none") != "none":
+        raise ConfigError("dataplacement=fdp and admission need tierstore.wiring")
+    return KVStore(layout, hbm_bytes=options["hbm_size"], host_bytes=options["host_size"],
+                   nvme_path=directory if options["nvme_size"] else None, nvme_bytes=options["nvme_size"],
+                   nvme_backend=options.get("nvme_backend", "segment"), eviction=options["eviction"],
+                   promotion="none" if options["rw"] == "kvload" else "top")
+
+
+def _prompt_tokens(prefix_id: int, nblocks: int, tpb: int, start_block: int = 0) -> np.ndarray:
+    base = np.arange(start_block * tpb, (start_block + nblocks) * tpb, dtype=np.int64)
+    return base + (prefix_id << 32)
+
+
+def _blocks(layout, keys: list[bytes]) -> list[torch.Tensor]:
+    out = []
+    for k in keys:
+        raw = torch.empty(layout.bytes_per_block, dtype=torch.uint8)
+        raw[:] = k[0]
+        raw[:32] = torch.frombuffer(bytearray(k), dtype=torch.uint8)
+        out.append(raw)
+    return out
+
+
+def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
+    """Runner of ``rw=kvstore``, ``kvload`` and ``kvmixed``; see the module docstring."""
+    rw = options["rw"]
+    layout = get_layout(options["layout"]).with_tokens_per_block(options["block_tokens"])
+    bb = layout.bytes_per_block
+    tpb = layout.tokens_per_block
+    nblk = max(1, options["bs"] // bb)
+    n_req = max(1, options["size"] // (nblk * bb))
+    own = not options["directory"]
+    directory = tempfile.mkdtemp(prefix="tierstore-kv-", dir=os.getcwd()) if own else options["directory"]
+    rng = np.random.default_rng(options["seed"])
+    store = _build(options, layout, directory)
+    cpu = CpuUsage()
+    progress = current_progress()
+    threads = max(1, options["iodepth"] * options["numjobs"])
+    m = store.manager
+    wrong = [0]
+    t_begin = time.perf_counter_ns()
+    ramp_end = t_begin + int(options["ramp_time"] * 1e9)
+    rd = DirectionRecorder(ramp_end)
+    wr = DirectionRecorder(ramp_end)
+    deadline = t_begin + int(options["runtime"] * 1e9) if options["runtime"] else None
+    try:
+        def store_req(pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
+            toks = _prompt_tokens(pid, start + nb, tpb)
+            keys = store.keys_for(_NS, toks)[start:]
+            t0 = time.perf_counter_ns()
+            st = store.store(_NS, toks, _blocks(layout, keys), start_block=start, lifetime=hint)
+            t1 = time.perf_counter_ns()
+            wr.record(sum(bb for s in st if s is Status.OK), t1 - t0, t1)
+
+        def load_req(pid: int, nb: int) -> int:
+            toks = _prompt_tokens(pid, nb, tpb)
+            rid = ("bench", pid, threading.get_ident())
+            try:
+                t0 = time.perf_counter_ns()
+                hit = store.lookup(_NS, toks, request_id=rid)
+                st, outs = store.load(hit)
+                t1 = time.perf_counter_ns()
+                n = leading_ok(st)
+                for k, o in zip(hit.useful_keys[:n], outs[:n]):
+                    if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
+                        wrong[0] += 1
+                if hit.useful_blocks:
+                    rd.record(n * bb, t1 - t0, t1)
+                return n
+            finally:
+                store.release(rid)
+
+        def pool(fn, items) -> None:
+            it = iter(items)
+            lock = threading.Lock()
+
+            def work() -> None:
+                while True:
+                    if deadline is not None and time.perf_counter_ns() > deadline:
+                        return
+                    with lock:
+                        x = next(it, None)
+                    if x is None:
+                        return
+                    fn(x)
+            ts = [threading.Thread(target=work) for _ in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        progress.start(total=n_req, unit="req")
+        done = [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if done[0] % 16 == 0:
+                progress.update(done[0])
+
+        if rw == "kvstore":
+            pool(lambda i: (store_req(i, nblk), tick()), range(n_req))
+        elif rw == "kvload":
+            for i in range(n_req):
+                store_req(i, nblk)
+            rd = DirectionRecorder(max(ramp_end, time.perf_counter_ns()))
+            wr = DirectionRecorder(time.perf_counter_ns())
+
+            def ids():
+                i = 0
+                while True:
+                    yield i % n_req
+                    i += 1
+                    if i >= n_req and not options["time_based"]:
+                        return
+            pool(lambda i: (load_req(int(i), nblk), tick()), ids())
+        elif rw == "kvmixed":
+            mix = options["lifetime_mix"]
+            classes = [c for c in ("long", "medium", "short") if mix.get(c, 0) > 0]
+            w = np.array([mix[c] for c in classes], dtype=float)
+            picks = rng.choice(len(classes), size=n_req, p=w / w.sum())
+            n_sys = 4
+            n_conv = max(1, n_req // 8)
+            conv_turns: dict[int, int] = {}
+            conv_lock = threading.Lock()
+            conv_ids = rng.integers(0, n_conv, size=n_req)
+
+            def one(i: int) -> None:
+                j = i % n_req
+                c = classes[picks[j]]
+                if c == "long":
+                    pid, nb, hint = 1_000_000 + j % n_sys, nblk, "system"
+                elif c == "medium":
+                    cid = int(conv_ids[j])
+                    with conv_lock:
+                        turn = conv_turns.get(cid, 0)
+                        conv_turns[cid] = turn + 1
+                    pid, nb, hint = 2_000_000 + cid, nblk * (turn + 1), "conversation"
+                else:
+                    pid, nb, hint = 3_000_000 + i, nblk, "query"
+                n = load_req(pid, nb)
+                if n < nb:
+                    store_req(pid, nb - n, start=n, hint=hint)
+                tick()
+            pool(one, range(n_req) if not options["time_based"] else _cycle(n_req))
+        else:
+            raise ConfigError(f"rw={rw!r}: not a synthetic KV workload")
+        progress.update(done[0])
+        end = time.perf_counter_ns()
+        usage = cpu.stop()
+        s = store.stats()
+        bpt = s["bytes_per_tier"]
+        lb = s.get("lookup_blocks", 0)
+        read, write = rd.result(end), wr.result(end)
+        kv = {
+            "requests": done[0], "blocks_per_request": nblk, "block_bytes": bb,
+            "lookup_hit_ratio": s.get("hit_blocks", 0) / lb if lb else 0.0,
+            "useful_hit_ratio": s.get("loaded_blocks", 0) / lb if lb else 0.0,
+            "saved_prefill_tokens": int(s.get("reused_tokens", 0)),
+            "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
+            "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
+            "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
+            "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
+            "store_no_space_blocks": int(s.get("store_no_space", 0)),
+            "wrong_kv_blocks": wrong[0],
+            "load_lat_ns": read.clat_ns,
+        }
+        device = {}
+        dev_stats = getattr(store, "device_stats", None)
+        if callable(dev_stats):
+            device = dev_stats()
+        return JobResult(jobname=options.get("name") or rw, options=options, read=read, write=write,
+                         kv=kv, device=device, timeseries={},
+                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end - t_begin) / 1e9,
+                         ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
+    finally:
+        store.close()
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _cycle(n: int):
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+register_runner(["kvstore", "kvload", "kvmixed"], run_kv_synthetic)
