@@ -1,0 +1,104 @@
+"""``tierstore serve --config FILE``: run the storage daemon until SIGTERM/SIGINT.
+
+Exit codes: 0 after a clean drain, 2 for a bad command line or config
+(the message names the key, the value and what is accepted), 1 when the store
+or the listener cannot be started (e.g. the NVMe path or the port is unusable).
+
+Shutdown: on SIGTERM or SIGINT the daemon reports not-ready (``/readyz`` 503),
+answers new API requests with 503 + ``Retry-After``, waits up to
+``limits.shutdown_timeout_s`` for requests in flight, waits for store work in
+its worker threads, and closes the store. Every acknowledged put is already
+durable (extent headers are the journal, :mod:`tierstore.io.format`), so no
+manifest needs writing; a kill -9 loses only unacknowledged puts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from aiohttp import web
+
+from ..errors import ConfigError, TierStoreError
+from .config import DaemonConfig, load_config
+
+log = logging.getLogger("tierstore.server")
+
+
+async def serve(cfg: DaemonConfig) -> int:
+    """Run the daemon until a stop signal; returns the exit status."""
+    from .app import JsonAccessLogger, Service
+    loop = asyncio.get_running_loop()
+    try:
+        svc = await loop.run_in_executor(None, Service, cfg)
+    except (TierStoreError, OSError) as e:
+        log.error("cannot open the store", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+        return 1
+    lim = cfg.limits
+    runner = web.AppRunner(svc.make_app(), handle_signals=False, shutdown_timeout=lim.shutdown_timeout_s,
+                           access_log_class=JsonAccessLogger,
+                           access_log=logging.getLogger("tierstore.access") if cfg.log.access_log else None)
+    runners = [runner]
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else cfg.listen.port
+        mport = None
+        if cfg.metrics.port is not None:
+            mr = web.AppRunner(svc.make_metrics_app(), handle_signals=False, access_log=None)
+            await mr.setup()
+            msite = web.TCPSite(mr, cfg.metrics.host, cfg.metrics.port)
+            await msite.start()
+            runners.append(mr)
+            mport = msite._server.sockets[0].getsockname()[1] if msite._server else cfg.metrics.port
+    except OSError as e:
+        log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+        for r in runners:
+            await r.cleanup()
+        await loop.run_in_executor(None, svc.close)
+        return 1
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    svc.ready = True
+    log.info("listening", extra={"fields": {"event": "listening", "host": cfg.listen.host, "port": port,
+                                            "metrics_port": mport, "block_bytes": svc.block_bytes,
+                                            "durable": svc.durable}})
+    await stop.wait()
+    log.info("draining", extra={"fields": {"event": "draining", "inflight": svc.inflight}})
+    svc.draining = True
+    for r in runners:
+        await r.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout_s
+    await loop.run_in_executor(None, svc.close)
+    log.info("stopped", extra={"fields": {"event": "stopped"}})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tierstore serve``; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="tierstore serve", description="Run the tierstore KV-block daemon.")
+    ap.add_argument("--config", required=True, help="YAML config file (see configs/daemon.yaml)")
+    ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    try:
+        args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"tierstore serve: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"tierstore serve: {args.config}: config OK")
+        return 0
+    from .app import setup_logging
+    setup_logging(cfg.log.level)
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
