@@ -1,0 +1,63 @@
+"""The KV runners through the real CLI: the main job's JSON contract and the synthetic jobs."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tierstore.bench.cli import main
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "o.json"
+    rc = main([*args, "--output-format=json", f"--output={out}", f"--directory={tmp_path}"])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_kvtrace_json_contract(tmp_path):
+    doc = run(tmp_path, "--rw=kvtrace", "--number_ios=300")
+    assert "fio version" in doc and "jobs" in doc
+    job = doc["jobs"][0]
+    for d in ("read", "write"):
+        for k in ("io_bytes", "bw_bytes", "iops", "runtime", "clat_ns", "lat_ns"):
+            assert k in job[d]
+    kv = job["kv"]
+    assert 0 < kv["lookup_hit_ratio"] <= kv["ideal_hit_ratio"] + 1e-12
+    assert kv["useful_hit_ratio"] <= kv["lookup_hit_ratio"]
+    assert kv["saved_prefill_tokens"] == kv["loaded_blocks"] * 512 > 0
+    assert kv["wrong_kv_blocks"] == 0
+    assert kv["hbm_bytes"] > 0 and kv["host_bytes"] > 0 and kv["nvme_bytes"] > 0
+    assert job["read"]["io_bytes"] == kv["loaded_blocks"] * kv["block_bytes"]
+
+
+def test_console_script_main_job(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "bench", "--rw=kvtrace", "--number_ios=100",
+                        "--output-format=json", f"--directory={tmp_path}"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["jobs"][0]["kv"]["requests"] == 100
+
+
+@pytest.mark.parametrize("rw", ["kvstore", "kvload", "kvmixed"])
+def test_synthetic_kv_jobs(tmp_path, rw):
+    doc = run(tmp_path, f"--rw={rw}", "--layout=tiny", "--bs=64k", "--size=8m", "--hbm_size=1m",
+              "--host_size=2m", "--nvme_size=16m", "--iodepth=2", "--runtime=3")
+    job = doc["jobs"][0]
+    kv = job["kv"]
+    assert kv["wrong_kv_blocks"] == 0 and kv["requests"] > 0
+    if rw == "kvstore":
+        assert job["write"]["io_bytes"] > 0 and kv["nvme_bytes"] > 0
+    if rw == "kvload":
+        assert job["read"]["io_bytes"] > 0 and kv["lookup_hit_ratio"] == 1.0
+        assert kv["hit_blocks_hbm"] > 0 and kv["hit_blocks_host"] > 0 and kv["hit_blocks_nvme"] > 0
+    if rw == "kvmixed":
+        assert job["write"]["io_bytes"] > 0 and kv["lookup_hit_ratio"] > 0
+
+
+def test_bad_trace_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    rc = main(["--rw=kvtrace", f"--trace={bad}", f"--directory={tmp_path}"])
+    assert rc == 1
+    assert "bad.jsonl:2" in capsys.readouterr().err
