@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from concurrent.futures import Future
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -273,6 +274,24 @@ class KVStore:
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
         """Pin the resident full blocks of a prefix for ``lease_s`` seconds."""
         return self.manager.pin(self.digest(ns), self.keys_for(ns, token_ids), lease_s)
+
+    def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> Future:
+        """Bring the resident full blocks of a prefix up to ``tier`` (``"host"`` or
+        ``"hbm"``) in the background, before a request needs them.
+
+        Returns a :class:`concurrent.futures.Future` of the number of blocks
+        brought up. See :meth:`tierstore.manager.TierManager.prefetch`.
+
+        Raises
+        ------
+        ConfigError
+            For an unknown or disabled tier.
+        """
+        try:
+            t = Tier[str(tier).upper()]
+        except KeyError:
+            raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
+        return self.manager.prefetch(self.keys_for(ns, token_ids), t)
 
     def unpin(self, lease: Lease | int) -> bool:
         """End a pin lease early."""

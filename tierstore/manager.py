@@ -44,12 +44,13 @@ are recomputed and counted in ``partial_tail_tokens``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -273,6 +274,9 @@ class TierManager:
         If the NVMe backend's block size differs from the layout's.
     """
 
+    #: Bound on the remembered admission-rejected keys (32 B each).
+    REJECTED_KEYS_MAX = 1 << 18
+
     def __init__(self, config: ManagerConfig, nvme: BlockStorage | None = None) -> None:
         self.config = config
         self.layout = config.layout
@@ -308,6 +312,9 @@ class TierManager:
         self.events: list[tuple] = []
         self.record_events = False
         self.classify = config.classify or default_classify
+        # keys that admission kept off flash (bounded FIFO), for the lost-hit counters
+        self._rejected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._prefetcher: ThreadPoolExecutor | None = None
         if nvme is not None:
             self._adopt_nvme_keys()
 
@@ -416,6 +423,13 @@ class TierManager:
         if lower == Tier.NVME and self.config.admit_to_nvme is not None:
             admitted = [e for e in to_move if self.config.admit_to_nvme(e)]
             self.metrics.inc("admission_rejected_blocks", len(to_move) - len(admitted))
+            self.metrics.inc("admission_rejected_bytes", (len(to_move) - len(admitted)) * self.block_bytes)
+            kept = {id(e) for e in admitted}
+            for e in to_move:
+                if id(e) not in kept:
+                    self._rejected[e.key] = None
+            while len(self._rejected) > self.REJECTED_KEYS_MAX:
+                self._rejected.popitem(last=False)
             to_move = admitted
         if to_move:
             prot = set(protect or ()) | {e.key for e in victims}
@@ -541,6 +555,7 @@ class TierManager:
                     self.pools[tier].view(slot).copy_(data)
                     e.slots[tier] = slot
                 self.index[key] = e
+                self._rejected.pop(key, None)
                 self.policies[tier].on_insert(e, now)
                 protect.add(key)
                 out.append(Status.OK)
@@ -595,6 +610,15 @@ class TierManager:
             for i, k in enumerate(keys):
                 e = self.index.get(k)
                 if e is None:
+                    if k in self._rejected:
+                        # a hit admission cost: this block was kept off flash and dropped
+                        lost = 0
+                        for k2 in keys[i:]:
+                            if k2 not in self._rejected or k2 in self.index:
+                                break
+                            lost += 1
+                        self.metrics.inc("admission_lost_lookups")
+                        self.metrics.inc("admission_lost_blocks", lost)
                     break
                 if self.config.verify_tokens and tokens is not None and e.tokens is not None:
                     if not np.array_equal(e.tokens, np.asarray(tokens[i], dtype=np.int64)):
@@ -747,17 +771,104 @@ class TierManager:
         if not upper:
             return
         dst = upper[0] if mode == "top" else upper[-1]
+        self._promote_to(e, src, dst, data)
+
+    def _promote_to(self, e: Entry, src: Tier, dst: Tier, data: torch.Tensor | None = None) -> bool:
+        """Copy ``e`` from ``src`` into memory tier ``dst`` (keeping the source copy)."""
         if not self._make_room(dst, 1, {e.key}):
-            return
+            return False
         slot = self.pools[dst].allocate()
         if slot is None:
-            return
+            return False
         src_view = data if data is not None else self.pools[src].view(e.slots[src])
         self.pools[dst].view(slot).copy_(src_view)
         e.slots[dst] = slot
         self.policies[dst].on_insert(e, self._now())
         self.metrics.inc(f"promotions_{src.label}_{dst.label}")
         self._event("promoted", e.key, dst)
+        return True
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, keys: Sequence[bytes], target_tier: Tier = Tier.HOST) -> Future:
+        """Bring resident blocks up to ``target_tier`` in the background.
+
+        A block already in ``target_tier`` or a faster tier, or not resident, is
+        skipped. NVMe reads run outside the manager lock on a single worker
+        thread, the block held by its ``io_inflight`` count (never a victim
+        meanwhile), so lookups, loads and stores of other requests proceed.
+        Prefetch takes no request reference and does not count as a hit; the
+        promoted copy enters ``target_tier``'s policy as a new insert, and may
+        be evicted again by later pressure (pin the prefix to hold it).
+
+        Parameters
+        ----------
+        keys : sequence of bytes
+            Block keys, normally a prompt's chain (missing keys are skipped).
+        target_tier : Tier
+            A memory tier (``Tier.HBM`` or ``Tier.HOST``) that is enabled.
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Resolves to the number of blocks brought up.
+
+        Raises
+        ------
+        ConfigError
+            If ``target_tier`` is not an enabled memory tier.
+        """
+        target_tier = Tier(target_tier)
+        if target_tier not in self.pools:
+            raise ConfigError(f"prefetch target {target_tier.label!r}: accepted values are "
+                              f"{[t.label for t in self.pools]} (enabled memory tiers)")
+        keys = list(keys)
+        with self._lock:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-prefetch")
+            return self._prefetcher.submit(self._prefetch_now, keys, target_tier)
+
+    def _prefetch_now(self, keys: list[bytes], target: Tier) -> int:
+        moved = 0
+        nvme_jobs: list[Entry] = []
+        with self._lock:
+            for k in keys:
+                e = self.index.get(k)
+                if e is None or e.top_tier <= target:
+                    continue
+                if e.top_tier != Tier.NVME:
+                    moved += self._promote_to(e, e.top_tier, target)
+                    continue
+                e.io_inflight += 1
+                nvme_jobs.append(e)
+        if not nvme_jobs:
+            self.metrics.inc("prefetched_blocks", moved)
+            return moved
+        bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in nvme_jobs]
+        t_io = time.perf_counter()
+        try:
+            st = self.nvme.get([e.key for e in nvme_jobs], bufs)
+        except OSError:
+            st = [Status.IO_ERROR] * len(nvme_jobs)
+        dt = time.perf_counter() - t_io
+        with self._lock:
+            ok_bytes = sum(self.block_bytes for s in st if s == Status.OK)
+            self.config.cost.observe_load("nvme", ok_bytes, dt)
+            self.metrics.inc("nvme_read_bytes", ok_bytes)
+            for e, s, b in zip(nvme_jobs, st, bufs):
+                e.io_inflight -= 1
+                if e.io_inflight < 0:
+                    raise InvariantError("io_inflight went negative")
+                live = not e.doomed and self.index.get(e.key) is e
+                if s != Status.OK:
+                    self.metrics.inc("io_errors")
+                    if live and Tier.NVME in e.slots and e.io_inflight == 0:
+                        self._drop_copy(e, Tier.NVME)  # never serve it again
+                elif live and target not in e.slots and e.top_tier > target:
+                    moved += self._promote_to(e, Tier.NVME, target, b)
+                if e.doomed and e.ref_count == 0 and e.io_inflight == 0:
+                    self._free_doomed(e)
+            self.metrics.inc("prefetched_blocks", moved)
+        return moved
 
     # ------------------------------------------------------------------ references
     def release(self, request_id: object) -> int:
@@ -950,6 +1061,9 @@ class TierManager:
                     raise InvariantError(f"ref_count {e.ref_count} != {refs.get(id(e), 0)} references")
 
     def close(self) -> None:
-        """Close the NVMe backend."""
+        """Finish pending prefetches and close the NVMe backend."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
         if self.nvme is not None:
             self.nvme.close()

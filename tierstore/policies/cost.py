@@ -73,3 +73,47 @@ class CostModel:
             if saved > best_saved:
                 best_k, best_saved = i + 1, saved
         return best_k
+
+
+def measure_prefill_tokens_per_s(hidden: int = 1024, layers: int = 2, tokens: int = 512,
+                                 repeats: int = 3, device: str = "cpu",
+                                 dtype: "torch.dtype | None" = None) -> float:
+    """Measure a prefill rate with a matmul proxy of a transformer's dense layers.
+
+    Per layer, a prefill of ``n`` tokens runs the QKV and output projections
+    (``4 d^2`` weights) and a 4x MLP (``8 d^2`` weights): ``2 * 12 * n * d^2``
+    FLOPs, the dominant term of ``O(n d^2 + n^2 d)`` (Kaplan et al. 2020, §2.1,
+    Table 1: ``C_forward ~ 2 N``). The proxy times exactly these matmuls (best
+    of ``repeats``) and returns tokens per second for ``layers`` layers; scale
+    by ``layers / model_layers`` and ``(hidden / model_hidden)^2`` to estimate
+    a bigger model, or pass an engine's measured rate to :class:`CostModel`
+    instead.
+
+    Returns
+    -------
+    float
+        Tokens per second.
+    """
+    import time
+
+    import torch
+
+    dt = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dt)
+    w_attn = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden ** 0.5
+    w_up = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden ** 0.5
+    w_down = torch.randn(4 * hidden, hidden, generator=g).to(device=device, dtype=dt) / (4 * hidden) ** 0.5
+    best_s = float("inf")
+    for _ in range(max(1, repeats)):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = x
+        for _ in range(layers):
+            h = h + (h @ w_attn)[:, :hidden]
+            h = h + torch.relu(h @ w_up) @ w_down
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best_s = min(best_s, time.perf_counter() - t0)
+    return tokens / max(best_s, 1e-9)

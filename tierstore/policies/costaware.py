@@ -94,7 +94,7 @@ class CostAwarePolicy(EvictionPolicy):
         v = self.value(entry, now_s)
         if self._scale is None:
             self._scale = 1.0 / v if v > 0 else 1.0
-        prio = self.inflation + v * self._scale
+        prio = round(self.inflation + v * self._scale, 9)  # rounding: float noise must not break ties
         seq = next(self._seq)
         self._prio[entry.key] = (prio, seq)
         heapq.heappush(self._heap, (prio, -max(0, int(getattr(entry, "position", 0))), seq, entry.key))
