@@ -1,0 +1,226 @@
+"""The real daemon on loopback: concurrent clients, tenancy/auth, limits, ops endpoints, SIGTERM drain."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+from tierstore import Namespace
+from tierstore.api import leading_ok
+from tierstore.client import AuthError, RemoteError, RemoteKVStore
+from tierstore.errors import QuotaExceeded, Status
+from tierstore.server.protocol import BLOCKS_CONTENT_TYPE, encode_prefix
+
+from .conftest import PUBLIC_NS, TOKENS, Daemon, make_config
+from .helpers import block_for
+
+
+def _client(d, tenant="acme", **kw) -> RemoteKVStore:
+    return RemoteKVStore(d.url, TOKENS[tenant], **kw)
+
+
+def _raw(d, method, path, body=b"", headers=None):
+    req = urllib.request.Request(d.url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_concurrent_clients_byte_exact(daemon):
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        with _client(daemon) as c:
+            ns = Namespace(model=f"model-{w % 2}", tokenizer="t")
+            for r in range(6):
+                toks = [w * 100_000 + r * 1000 + i for i in range(c.layout.tokens_per_block * 24)]
+                keys = c.keys_for(ns, toks)
+                blocks = torch.stack([block_for(k, c.block_bytes) for k in keys])
+                st = c.store(ns, toks, blocks)
+                if any(s not in (Status.OK, Status.EXISTS) for s in st):
+                    errors.append(f"store {st}")
+                hit = c.lookup(ns, toks)
+                if hit.matched_blocks != len(keys):
+                    errors.append(f"lookup {hit.matched_blocks}")
+                stt, outs = c.load(hit.keys)
+                if leading_ok(stt) != len(keys):
+                    errors.append(f"load {stt}")
+                for k, o in zip(keys, outs):
+                    if not torch.equal(c.layout.as_bytes(o), block_for(k, c.block_bytes)):
+                        errors.append("bytes differ")
+                # into caller buffers, typed
+                dests = [torch.empty(c.layout.block_shape, dtype=c.layout.dtype) for _ in keys[:3]]
+                stt, _ = c.load(keys[:3], dests=dests)
+                if not all(torch.equal(c.layout.as_bytes(x), block_for(k, c.block_bytes))
+                           for x, k in zip(dests, keys)):
+                    errors.append("dest bytes differ")
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+
+
+def test_auth_rejects_missing_and_wrong_tokens(daemon):
+    body = json.dumps({"namespace": "00" * 32, "keys": []}).encode()
+    for hdrs in ({}, {"Authorization": "Bearer nope-nope-nope-nope"}, {"Authorization": TOKENS["acme"]},
+                 {"Authorization": "Basic " + TOKENS["acme"]}):
+        status, h, raw = _raw(daemon, "POST", "/v1/exists", body, {"Content-Type": "application/json", **hdrs})
+        assert status == 401
+        assert json.loads(raw)["error"]["code"] == "unauthorized"
+        assert h.get("WWW-Authenticate", "").startswith("Bearer")
+    with pytest.raises(AuthError):
+        RemoteKVStore(daemon.url, "wrong-token-wrong-token")
+
+
+@pytest.mark.parametrize("owner,other", [("acme", "bravo"), ("bravo", "acme")])
+def test_tenant_cannot_read_or_detect_other_tenant(daemon, owner, other):
+    with _client(daemon, owner) as a, _client(daemon, other) as b:
+        ns = Namespace(model=f"secret-{owner}", tenant=other)  # even claiming the other's tenant field
+        toks = list(range(a.layout.tokens_per_block * 4))
+        keys = a.keys_for(ns, toks)
+        assert a.store(ns, toks, torch.stack([block_for(k, a.block_bytes) for k in keys])) == [Status.OK] * 4
+        assert a.probe(ns, toks) == len(toks)
+        # same namespace, same tokens, same client keys: nothing visible to the other tenant
+        assert b.probe(ns, toks) == 0
+        assert b.lookup(ns, toks).matched_blocks == 0
+        st, outs = b.load(keys, ns=ns)
+        assert st == [Status.MISS] * 4 and outs == [None] * 4
+        assert b.pin(ns, toks, 5).keys == []
+        assert b.prefetch(ns, keys) == 0
+        assert b.invalidate(ns) == 0
+        # the other tenant's store is a new, separate copy (OK, not EXISTS: no dedupe signal)
+        assert b.store(ns, toks, torch.zeros(4, b.block_bytes, dtype=torch.uint8)) == [Status.OK] * 4
+        # ...and does not change the owner's bytes; a lease id of the owner cannot be ended by the other
+        lease = a.pin(ns, toks, 30)
+        assert not b.unpin(lease)
+        assert a.unpin(lease)
+        st, outs = a.load(keys, ns=ns)
+        assert all(torch.equal(a.layout.as_bytes(o), block_for(k, a.block_bytes)) for k, o in zip(keys, outs))
+        assert b.invalidate(ns) == 4
+        assert a.probe(ns, toks) == len(toks)
+        assert a.invalidate(ns) == 4
+
+
+def test_public_namespace_shared_only_as_declared(daemon):
+    pub = Namespace(**PUBLIC_NS)
+    with _client(daemon, "acme") as a, _client(daemon, "bravo") as b:
+        toks = list(range(7, 7 + a.layout.tokens_per_block * 3))
+        keys = a.keys_for(pub, toks)
+        assert a.store(pub, toks, torch.stack([block_for(k, a.block_bytes) for k in keys])) == [Status.OK] * 3
+        st, outs = b.load(b.keys_for(pub, toks))
+        assert leading_ok(st) == 3
+        assert all(torch.equal(b.layout.as_bytes(o), block_for(k, b.block_bytes)) for k, o in zip(keys, outs))
+        with pytest.raises(AuthError) as ei:  # bravo is a reader, not a writer
+            b.store(pub, toks, torch.zeros(3, b.block_bytes, dtype=torch.uint8))
+        assert ei.value.status == 403
+        with pytest.raises(AuthError):
+            b.invalidate(pub)
+        # a namespace with the same fields but another tenant value is private, not public
+        priv = Namespace(model=PUBLIC_NS["model"], tenant="bravo")
+        assert b.probe(priv, toks) == 0
+
+
+def test_quota_is_a_retryable_429(daemon):
+    with _client(daemon, "carol") as c:  # carol: 64 KiB = 8 blocks
+        ns = Namespace(model="q")
+        toks = list(range(c.layout.tokens_per_block * 12))
+        blocks = torch.zeros(12, c.block_bytes, dtype=torch.uint8)
+        assert c.store(ns, toks[:c.layout.tokens_per_block * 8], blocks[:8]) == [Status.OK] * 8
+        with pytest.raises(QuotaExceeded):
+            c.store(ns, toks, blocks[8:], start_block=8)
+        status, hdrs, raw = _raw(daemon, "PUT", "/v1/blocks",
+                                 encode_prefix({"namespace": c.digest(ns).hex(), "keys": [c.keys_for(ns, toks)[9].hex()]})
+                                 + bytes(c.block_bytes),
+                                 {"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": BLOCKS_CONTENT_TYPE})
+        assert status == 429 and int(hdrs["Retry-After"]) >= 1
+        assert json.loads(raw)["error"]["code"] == "quota_exceeded"
+        assert c.invalidate(ns) == 8
+        assert c.store(ns, toks[:c.layout.tokens_per_block * 4], blocks[:4]) == [Status.OK] * 4
+
+
+def test_oversized_and_malformed(daemon):
+    auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
+    big = make_config("/x")["limits"]["max_request_bytes"]
+    assert big == "4MiB"
+    n = (4 << 20) // 8192 + 1
+    man = encode_prefix({"namespace": "ab" * 32, "keys": [f"{i:064x}" for i in range(n)]})
+    status, _, raw = _raw(daemon, "PUT", "/v1/blocks", man + bytes(n * 8192),
+                          {**auth, "Content-Type": BLOCKS_CONTENT_TYPE})
+    assert status == 413
+    status, _, raw = _raw(daemon, "POST", "/v1/exists", b"{not json", {**auth, "Content-Type": "application/json"})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "bad_json"
+    status, _, raw = _raw(daemon, "POST", "/v1/exists", json.dumps({"namespace": 5, "keys": []}).encode(), auth)
+    assert status == 400
+    status, _, raw = _raw(daemon, "POST", "/v1/exists", json.dumps({"namespace": "zz", "keys": []}).encode(), auth)
+    assert status == 400 and "namespace" in json.loads(raw)["error"]["message"]
+    # put whose payload is one block short
+    man = encode_prefix({"namespace": "ab" * 32, "keys": ["cd" * 32, "ef" * 32]})
+    status, _, raw = _raw(daemon, "PUT", "/v1/blocks", man + bytes(8192), {**auth, "Content-Type": BLOCKS_CONTENT_TYPE})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "bad_length"
+
+
+def test_ops_endpoints(daemon):
+    assert daemon.get("/healthz")[0] == 200
+    assert daemon.get("/readyz")[0] == 200
+    status, body = daemon.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("tierstore_tier_bytes{tier=\"host\"}", "tierstore_load_latency_seconds_bucket",
+                 "tierstore_nvme_host_write_amplification", "tierstore_tenant_usage_bytes{tenant=\"acme\"}",
+                 "tierstore_blocks_total", "tierstore_manager_events_total"):
+        assert name in text
+    # access logs are off in this config; the startup lines are JSON
+    assert any(r.get("event") == "listening" for r in daemon.records())
+
+
+def test_sigterm_drains_and_restart_serves(tmp_path):
+    cfg = make_config(str(tmp_path), metrics={"host": "127.0.0.1", "port": 0})
+    d = Daemon(str(tmp_path), cfg).start()
+    with _client(d) as c:
+        ns = Namespace(model="drain")
+        toks = list(range(c.layout.tokens_per_block * 40))
+        keys = c.keys_for(ns, toks)
+        assert c.store(ns, toks, torch.stack([block_for(k, c.block_bytes) for k in keys])) == [Status.OK] * 40
+        inv = Namespace(model="gone")
+        assert c.store(inv, toks[:64], torch.zeros(2, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 2
+        assert c.invalidate(inv) == 2
+    assert d.stop(signal.SIGTERM) == 0
+    assert any(r.get("event") == "stopped" for r in d.records())
+    d.start()
+    with _client(d) as c:
+        st, outs = c.load(keys, ns=ns)
+        assert leading_ok(st) == 40
+        assert all(torch.equal(c.layout.as_bytes(o), block_for(k, c.block_bytes)) for k, o in zip(keys, outs))
+        assert c.probe(Namespace(model="gone"), toks[:64]) == 0  # invalidation survived the restart
+    assert d.stop() == 0
+
+
+def test_bad_config_exit_code(tmp_path, capsys):
+    from tierstore.server.daemon import main
+    p = tmp_path / "bad.yaml"
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["host"]["capacity_bytes"] = "lots"
+    cfg["limits"]["frobnicate"] = 1
+    import yaml
+    p.write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "tiers.host.capacity_bytes='lots'" in err and "16MiB" in err
+    assert "limits.frobnicate: unknown key" in err and "max_request_bytes" in err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert main([]) == 2
+
+
+def test_shipped_example_config_is_valid():
+    from tierstore.server.daemon import main
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert main(["--config", os.path.join(root, "configs", "daemon.yaml"), "--check"]) == 0
