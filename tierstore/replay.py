@@ -114,6 +114,7 @@ class ReplayReport:
     timeseries: dict
     store_stats: dict
     config: dict
+    device: dict = dataclasses.field(default_factory=dict)
 
 
 class _TraceClock:
@@ -181,6 +182,9 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
                             nvme_path=directory if nvme else None, nvme_bytes=nvme,
                             nvme_backend=cfg.nvme_backend, eviction=cfg.eviction, clock=clock,
                             **cfg.manager_options)
+        wired = getattr(store, "wiring", None)  # a tierstore.wiring.WiredStore sets the tier it really built
+        if wired is not None and "nvme_bytes" in wired.geometry:
+            nvme = int(wired.geometry["nvme_bytes"])
         return _replay(store, reqs, layout, cfg, clock, dict(hbm_bytes=hbm, host_bytes=host, nvme_bytes=nvme,
                                                               unique_blocks=uniq, directory=directory),
                        progress, on_sample)
@@ -251,6 +255,8 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
         m.check_invariants()
         snap = m.metrics.snapshot()
         stats = m.nvme.stats() if m.nvme is not None else {}
+        wired = getattr(store, "wiring", None)
+        device = wired.device_stats() if wired is not None else {}
         ideal = ideal_hit_ratio(reqs)
         bpt = m.bytes_per_tier()
         lat = np.asarray(load_lat, dtype=np.int64)
@@ -301,6 +307,6 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
         return ReplayReport(len(reqs), kv, lat, np.asarray(store_lat, dtype=np.int64), load_bytes, store_bytes,
                             load_wall, store_wall, runtime, ts, stats,
-                            dataclasses.asdict(cfg) | {"layout": layout.to_dict()})
+                            dataclasses.asdict(cfg) | {"layout": layout.to_dict()}, device)
     finally:
         store.close()

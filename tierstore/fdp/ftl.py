@@ -172,6 +172,7 @@ class FTLModel:
         self.ruh_host_bytes = np.zeros(num_ruh, dtype=np.int64)      # host bytes per RUH (page-rounded)
         self.ruh_gc_bytes = np.zeros(num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
         self.gc_runs = 0
+        self.ruh_updates = 0
 
     # ------------------------------------------------------------------ PIDs
     def pid_of(self, rg: int, handle: int) -> int:
@@ -206,6 +207,22 @@ class FTLModel:
     def on_trim(self, offset_bytes: int, nbytes: int) -> None:
         """I/O observer hook: a deallocate (TRIM) of ``nbytes`` at ``offset_bytes`` completed."""
         self.trim(offset_bytes, nbytes)
+
+    def ruh_update(self, placement: int | None) -> None:
+        """Reclaim Unit Handle Update (TP4146, I/O Management Send): point the handle
+        named by ``placement`` at a fresh RU.
+
+        The RU the handle had open is closed as it is (its unwritten tail stays
+        unwritten); the next write through the handle opens a new RU.  A handle
+        with no open RU, or one whose RU is empty, is left as it is.
+        """
+        rg, ruh = self.decode_pid(placement)
+        st = self._host[rg][ruh]
+        if st.ru >= 0 and st.wp > 0:
+            self.ru_state[st.ru] = _FULL
+            st.ru = -1
+            st.wp = 0
+            self.ruh_updates += 1
 
     # --------------------------------------------------------------- direct API
     def _page_range(self, offset_bytes: int, nbytes: int, outward: bool) -> tuple[int, int]:
@@ -277,6 +294,7 @@ class FTLModel:
             "ruh_gc_bytes": [int(x) for x in self.ruh_gc_bytes],
             "ruh_waf": [float(x) for x in ruh_waf],
             "gc_runs": int(self.gc_runs),
+            "ruh_updates": int(self.ruh_updates),
             "trimmed_bytes": int(self.trimmed_bytes),
             "invalid_pid_writes": int(self.invalid_pid_writes),
             "valid_bytes": int(self.ru_valid.sum()) * self.page_bytes,

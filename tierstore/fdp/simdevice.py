@@ -79,6 +79,10 @@ class SimFdpDevice:
         cfg = self.configs().configs[0]
         return PlacementPolicy.from_ruh_status(self.ruh_status(), cfg.rgif, reclaim_group)
 
+    def ruh_update(self, placement: int | None) -> None:
+        """Reclaim Unit Handle Update for the handle named by PID ``placement``."""
+        self.ftl.ruh_update(placement)
+
     # I/O observer -------------------------------------------------------------
     def on_write(self, offset_bytes: int, nbytes: int, placement: int | None) -> None:
         """Forward a completed write to the model."""
