@@ -1,0 +1,60 @@
+"""Trace replay (rw=kvtrace) on a small limit, and clear errors for bad trace lines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierstore.errors import TraceFormatError
+from tierstore.replay import ReplayConfig, run_replay
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    return run_replay(ReplayConfig(limit=400, block_bytes=8 << 10, directory=str(d), sample_every=100))
+
+
+def test_hit_ratio_in_range(small_report):
+    kv = small_report.kv
+    assert kv["requests"] == 400
+    assert 0 < kv["lookup_hit_ratio"] <= kv["ideal_hit_ratio"]
+    assert kv["saved_prefill_tokens"] == kv["loaded_blocks"] * kv["block_tokens"] > 0
+
+
+def test_bytes_in_all_three_tiers(small_report):
+    kv = small_report.kv
+    assert kv["hbm_bytes"] > 0 and kv["host_bytes"] > 0 and kv["nvme_bytes"] > 0
+    assert kv["nvme_write_bytes"] > 0 and kv["demotions_host_nvme"] > 0
+
+
+def test_no_wrong_blocks(small_report):
+    assert small_report.kv["wrong_kv_blocks"] == 0
+    assert small_report.kv["io_error_blocks"] == 0
+
+
+def test_timeseries_aligned(small_report):
+    ts = small_report.timeseries
+    assert len(ts["t_s"]) == len(ts["hit_ratio"]) == len(ts["nvme_bytes"]) >= 4
+
+
+GOOD = {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}
+
+
+@pytest.mark.parametrize("bad", [
+    "{not json",
+    json.dumps({"timestamp": 5, "input_length": 10}),
+    json.dumps({**GOOD, "input_length": -3}),
+])
+def test_bad_line_names_the_line(tmp_path, bad):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n" + bad + "\n")
+    with pytest.raises(TraceFormatError, match=rf"{p.name}:3"):
+        run_replay(ReplayConfig(trace=str(p), directory=str(tmp_path)))
+
+
+def test_empty_trace_is_an_error(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+    with pytest.raises(TraceFormatError, match="no requests"):
+        run_replay(ReplayConfig(trace=str(p), directory=str(tmp_path)))

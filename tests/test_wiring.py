@@ -1,0 +1,186 @@
+"""tierstore.wiring: store assembly for each NVMe mode, placement tags reaching the FTL per RUH,
+dataplacement=none in the default RUH, and the kvtrace device section with device=sim."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import Namespace, Status, get_layout
+from tierstore.errors import ConfigError
+from tierstore.fdp.lifetime import LifetimeClass
+from tierstore.wiring import (NOT_VERIFIED_ON_HARDWARE, ReuseEntryClassifier, RuhUpdateShim, StoreConfig,
+                              build_store, make_classifier)
+
+
+@pytest.fixture
+def layout():
+    return get_layout("tiny")
+
+
+NS = Namespace(model="tiny-llama@rev1", tokenizer="tok@1")
+
+
+def _store_chain(store, n_blocks: int, seed: int, lifetime: str | None = None) -> list[Status]:
+    lay = store.layout
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 30000, n_blocks * lay.tokens_per_block)
+    blocks = torch.randn(n_blocks, *lay.block_shape, dtype=lay.dtype)
+    return store.store(NS, toks, blocks, lifetime=lifetime), toks, blocks
+
+
+def _sim(layout, **kw) -> StoreConfig:
+    base = dict(layout=layout, mode="sim", device_bytes=8 << 20, utilization=0.75, ru_size_bytes=256 << 10,
+                num_ruh=4)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def test_file_mode_roundtrip_with_model(tmp_path, layout):
+    w = build_store(StoreConfig(layout=layout, mode="file", path=str(tmp_path), nvme_bytes=4 << 20,
+                                ru_size_bytes=256 << 10))
+    try:
+        st, toks, blocks = _store_chain(w.store, 4, 1)
+        assert st == [Status.OK] * 4
+        hit = w.store.lookup(NS, toks)
+        sts, outs = w.store.load(hit)
+        assert sts == [Status.OK] * 4 and torch.equal(torch.stack(outs), blocks)
+        assert w.nvme.segment_size_bytes == w.geometry["ru_size_bytes"] == 256 << 10
+        d = w.device_stats()
+        assert "model" in d["device"] and d["waf"] == pytest.approx(1.0) and d["e2e_wa"] >= 1.0
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("engine", ["memory", "posix"])
+def test_sim_mode_builds_segment_equals_ru(tmp_path, layout, engine):
+    w = build_store(_sim(layout, engine=engine, path=str(tmp_path) if engine != "memory" else None))
+    try:
+        assert w.nvme.segment_size_bytes == w.ftl.ru_size_bytes == 256 << 10
+        assert w.geometry["nvme_bytes"] == 6 << 20 and w.geometry["utilization"] == pytest.approx(0.75)
+        assert w.ftl.capacity_bytes == 8 << 20
+        st, _, _ = _store_chain(w.store, 3, 2)
+        assert st == [Status.OK] * 3
+    finally:
+        w.close()
+
+
+def test_fdp_tags_reach_ftl_per_ruh(layout):
+    w = build_store(_sim(layout, dataplacement="fdp"))
+    try:
+        pol = w.policy
+        for i, hint in enumerate(("system", "conversation", "query")):
+            st, _, _ = _store_chain(w.store, 5, 10 + i, lifetime=hint)
+            assert st == [Status.OK] * 5
+        d = w.device_stats()
+        used = {int(k) for k in d["ruh_bytes"]}
+        expect = {pol.class_pid[c] for c in LifetimeClass}
+        assert used == expect and 0 not in used
+        assert len(expect) == 3
+        assert d["invalid_pid_writes"] == 0
+        assert w.store.stats()["nvme_backend"]["engine"]["bytes_by_placement"].keys() == expect
+    finally:
+        w.close()
+
+
+def test_dataplacement_none_goes_to_default_ruh(layout):
+    w = build_store(_sim(layout, dataplacement="none"))
+    try:
+        for i, hint in enumerate(("system", "conversation", "query")):
+            _store_chain(w.store, 5, 20 + i, lifetime=hint)
+        d = w.device_stats()
+        assert set(d["ruh_bytes"]) == {"0"} and d["hbmw_bytes"] > 0
+        assert set(w.store.stats()["nvme_backend"]["engine"]["bytes_by_placement"]) == {"none"}
+        assert w.store.manager.config.placement_of is None
+    finally:
+        w.close()
+
+
+def test_plids_pick_handles(layout):
+    w = build_store(_sim(layout, dataplacement="fdp", plids=(3, 2)))
+    try:
+        assert w.policy.class_pid == {LifetimeClass.LONG: 3, LifetimeClass.MEDIUM: 2, LifetimeClass.SHORT: 3}
+    finally:
+        w.close()
+    with pytest.raises(ConfigError, match="plids"):
+        build_store(_sim(layout, dataplacement="fdp", plids=(9,)))
+
+
+def test_bad_configs_are_clear(layout, tmp_path):
+    with pytest.raises(ConfigError, match="mode"):
+        StoreConfig(layout=layout, mode="nvme")
+    with pytest.raises(ConfigError, match="utilization"):
+        StoreConfig(layout=layout, utilization=1.5)
+    with pytest.raises(ConfigError, match="RU"):
+        build_store(_sim(layout, ru_size_bytes=8 << 20))
+    with pytest.raises(ConfigError, match="/dev/ng"):
+        build_store(StoreConfig(layout=layout, mode="device", path=str(tmp_path / "x")))
+    assert "hardware" in NOT_VERIFIED_ON_HARDWARE
+
+
+def test_classifier_plugin(layout):
+    calls = []
+
+    def always_long(entry, now_s):
+        calls.append(entry.key)
+        return LifetimeClass.LONG
+
+    assert make_classifier("reuse").__class__ is ReuseEntryClassifier
+    w = build_store(_sim(layout, dataplacement="fdp", classifier=always_long))
+    try:
+        _store_chain(w.store, 4, 3)
+        assert len(calls) == 4
+        assert set(w.device_stats()["ruh_bytes"]) == {str(w.policy.class_pid[LifetimeClass.LONG])}
+    finally:
+        w.close()
+    with pytest.raises(ConfigError, match="classifier"):
+        make_classifier("psychic")
+
+
+def test_ruh_update_shim_starts_fresh_ru():
+    class Target:
+        def __init__(self):
+            self.log = []
+
+        def ruh_update(self, pl):
+            self.log.append(("update", pl))
+
+        def on_write(self, off, n, pl):
+            self.log.append(("write", off))
+
+        def on_trim(self, off, n):
+            self.log.append(("trim", off))
+
+    t = Target()
+    s = RuhUpdateShim(t, 1 << 20)
+    s.on_write(0, 4096, 5)
+    s.on_write(4096, 4096, 5)
+    s.on_write(1 << 20, 4096, 5)
+    s.on_trim(0, 1 << 20)
+    assert t.log == [("update", 5), ("write", 0), ("write", 4096), ("update", 5), ("write", 1 << 20),
+                     ("trim", 0)]
+    assert s.ruh_updates == 2
+
+
+def test_kvtrace_device_section_sim(tmp_path, capsys):
+    from tierstore.bench.cli import main
+    from tierstore.bench import registry
+    from tierstore.bench.kvjobs import run_kvtrace
+    registry.register_runner(["kvtrace"], run_kvtrace, replace=True)
+    for dp in ("fdp", "none"):
+        out = tmp_path / f"{dp}.json"
+        rc = main(["--rw=kvtrace", "--number_ios=150", "--device=sim", f"--dataplacement={dp}",
+                   "--utilization=0.9", "--output-format=json", f"--output={out}"])
+        assert rc == 0, capsys.readouterr().err
+        d = json.loads(out.read_text())["jobs"][0]["device"]
+        for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes", "waf", "ruh_bytes", "e2e_wa"):
+            assert k in d, k
+        assert d["waf"] >= 1.0 and d["e2e_wa"] >= 1.0 and d["device"].startswith("sim")
+        assert d["utilization"] == pytest.approx(0.9, abs=0.02)
+        assert len(d["waf_timeseries"]["waf"]) == len(d["waf_timeseries"]["t_s"]) >= 1
+        if dp == "none":
+            assert set(d["ruh_bytes"]) == {"0"}
+        else:
+            assert "0" not in d["ruh_bytes"]
