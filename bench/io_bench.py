@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""I/O engine benchmark: tierstore's NVMe tier vs fio, vs one I/O per fragment,
+vs LMCache's LocalDiskBackend, and gather/scatter vs memcpy.
+
+One command, one file system (a temp dir under ``--dir``), O_DIRECT on every
+side so the page cache cannot help. Each figure is measured ``--runs`` times
+(interleaved: run i measures everything once), and reported as the median with
+min/max of the per-run values; ratios are computed per run and summarised the
+same way.
+
+Usage::
+
+    . .venv/bin/activate
+    python bench/io_bench.py --total 1g --runs 3 --json bench/io_results.json
+
+KV geometry: Llama-3.1-8B, 16-token blocks = 32 layers x {K, V} fragments of
+32 KiB = 2 MiB per block (tierstore.layout). Fragments are views of per-layer
+page pools, as in vLLM's paged layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from tierstore.errors import Status  # noqa: E402
+from tierstore.io import SegmentStorage, open_engine  # noqa: E402
+from tierstore.io.batch import gather_fragments, scatter_fragments  # noqa: E402
+from tierstore.io.engine import alloc_aligned  # noqa: E402
+from tierstore.units import parse_size  # noqa: E402
+
+FRAG_BYTES = 32 << 10
+LAYERS = 32
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+class KVPool:
+    """Per-layer K/V page pools; fragment (layer, kv, block) is 32 KiB."""
+
+    def __init__(self, total_bytes: int, frag_bytes: int = FRAG_BYTES):
+        self.frag_bytes = frag_bytes
+        self.n_frags = total_bytes // frag_bytes
+        self._keep, self.flat = alloc_aligned(self.n_frags * frag_bytes)
+        per_layer = self.n_frags // (2 * LAYERS)
+        self.pool = self.flat[: per_layer * 2 * LAYERS * frag_bytes].view(LAYERS, 2, per_layer, frag_bytes)
+        self.blocks_2mib = per_layer
+
+    def fill_random(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        chunk = 64 << 20
+        for a in range(0, self.flat.numel(), chunk):
+            n = min(chunk, self.flat.numel() - a)
+            self.flat[a:a + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+
+    def block_fragments(self, block_bytes: int) -> list[list[torch.Tensor]]:
+        """Fragments per block of ``block_bytes`` (a multiple of 32 KiB), layer-major."""
+        per_block = block_bytes // self.frag_bytes
+        frags = [self.pool[layer, kv, b] for b in range(self.blocks_2mib)
+                 for layer in range(LAYERS) for kv in range(2)]
+        return [frags[i:i + per_block] for i in range(0, len(frags) - per_block + 1, per_block)]
+
+
+def fio(dirpath: str, rw: str, total: int, engine: str) -> float:
+    path = os.path.join(dirpath, "fio.bin")
+    cmd = ["fio", "--name=seq", f"--filename={path}", f"--size={total}", "--bs=1M", "--direct=1",
+           "--iodepth=16", f"--ioengine={engine}", f"--rw={rw}", "--output-format=json",
+           "--end_fsync=1" if rw == "write" else "--invalidate=1"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["write" if rw == "write" else "read"]
+    return side["bw_bytes"] / 1e9
+
+
+def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, args) -> tuple[float, float]:
+    path = os.path.join(dirpath, "tierstore.bin")
+    if os.path.exists(path):
+        os.unlink(path)
+    per_block = pool.block_fragments(block_bytes)
+    dst_blocks = dst.block_fragments(block_bytes)
+    n = len(per_block)
+    total = n * block_bytes
+    seg = args.segment
+    cap = (total // seg + 3) * seg
+    s = SegmentStorage(path, cap, block_bytes, segment_size_bytes=seg, engine=args.engine,
+                       extent_size_bytes=args.extent, iodepth=args.iodepth, max_io_bytes=args.max_io)
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    batch = max(1, args.batch_bytes // block_bytes)
+    t0 = time.perf_counter()
+    for a in range(0, n, batch):
+        st = s.put_fragments(keys[a:a + batch], per_block[a:a + batch])
+        if any(x is not Status.OK for x in st):
+            raise SystemExit(f"tierstore put failed: {set(st)}")
+    t_w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for a in range(0, n, batch):
+        st = s.get_fragments(keys[a:a + batch], dst_blocks[a:a + batch])
+        if any(x is not Status.OK for x in st):
+            raise SystemExit(f"tierstore get failed: {set(st)}")
+    t_r = time.perf_counter() - t0
+    if not torch.equal(pool.flat[:total], dst.flat[:total]) and block_bytes == 2 << 20:
+        raise SystemExit("tierstore load returned wrong bytes")
+    s.close()
+    os.unlink(path)
+    return _gbps(total, t_w), _gbps(total, t_r)
+
+
+def per_fragment_pass(dirpath: str, pool: KVPool, dst: KVPool, args) -> tuple[float, float]:
+    """One O_DIRECT I/O per 32 KiB fragment, same engine and queue depth."""
+    path = os.path.join(dirpath, "perfrag.bin")
+    if os.path.exists(path):
+        os.unlink(path)
+    n = pool.n_frags
+    eng = open_engine(args.engine, path, n * pool.frag_bytes, iodepth=args.iodepth, max_io_bytes=args.max_io)
+    frags = [f for blk in pool.block_fragments(2 << 20) for f in blk]
+    dfr = [f for blk in dst.block_fragments(2 << 20) for f in blk]
+    t0 = time.perf_counter()
+    futs = [eng.write(i * pool.frag_bytes, f) for i, f in enumerate(frags)]
+    for f in futs:
+        f.get()
+    eng.sync()
+    t_w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    futs = [eng.read(i * pool.frag_bytes, f) for i, f in enumerate(dfr)]
+    for f in futs:
+        f.get()
+    t_r = time.perf_counter() - t0
+    eng.close()
+    os.unlink(path)
+    total = len(frags) * pool.frag_bytes
+    return _gbps(total, t_w), _gbps(total, t_r)
+
+
+def gather_scatter(pool: KVPool, dst: KVPool, extent: int) -> tuple[float, float, float]:
+    frags = [f for blk in pool.block_fragments(2 << 20) for f in blk]
+    dfr = [f for blk in dst.block_fragments(2 << 20) for f in blk]
+    total = len(frags) * pool.frag_bytes
+    keep, staging = alloc_aligned(extent)
+    per = extent // pool.frag_bytes
+    t0 = time.perf_counter()
+    for a in range(0, len(frags), per):
+        gather_fragments(frags[a:a + per], staging, 0)
+    t_g = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for a in range(0, len(dfr), per):
+        scatter_fragments(staging, 0, dfr[a:a + per])
+    t_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dst.flat[:total].copy_(pool.flat[:total])
+    t_m = time.perf_counter() - t0
+    return _gbps(total, t_g), _gbps(total, t_s), _gbps(total, t_m)
+
+
+def lmcache_pass(py: str, dirpath: str, total: int, chunk: int) -> tuple[float, float]:
+    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "io_lmcache_helper.py")
+    r = subprocess.run([py, helper, "--dir", dirpath, "--total-bytes", str(total), "--chunk-bytes",
+                        str(chunk), "--runs", "1"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"LMCache helper failed: {r.stdout[-500:]} {r.stderr[-2000:]}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    return _gbps(res["total_bytes"], res["write_s"][0]), _gbps(res["total_bytes"], res["read_s"][0])
+
+
+def summarise(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/work", help="parent of the temp dir (same ext4 as /tmp here)")
+    ap.add_argument("--total", default="1g", help="bytes per pass (fio size too)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--engine", default="uring", choices=["posix", "uring"])
+    ap.add_argument("--extent", default="16m")
+    ap.add_argument("--segment", default="256m")
+    ap.add_argument("--iodepth", type=int, default=16)
+    ap.add_argument("--max-io", default="1m")
+    ap.add_argument("--batch", default="256m", help="bytes per put/get call")
+    ap.add_argument("--fio-engine", default="io_uring")
+    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/work/lmcache-venv/bin/python"))
+    ap.add_argument("--skip", default="", help="comma list of: fio,perfrag,lmcache,gather")
+    ap.add_argument("--json", default=None, help="also write results to this file")
+    args = ap.parse_args()
+    total = parse_size(args.total, "--total")
+    args.extent = parse_size(args.extent, "--extent")
+    args.segment = parse_size(args.segment, "--segment")
+    args.max_io = parse_size(args.max_io, "--max-io")
+    args.batch_bytes = parse_size(args.batch, "--batch")
+    skip = set(filter(None, args.skip.split(",")))
+    if "fio" not in skip and not shutil.which("fio"):
+        print("fio not found: skipping fio comparison", file=sys.stderr)
+        skip.add("fio")
+    if "lmcache" not in skip and not os.path.exists(args.lmcache_python):
+        print(f"LMCache venv python {args.lmcache_python} absent: skipping LMCache comparison "
+              f"(set --lmcache-python or LMCACHE_PYTHON)", file=sys.stderr)
+        skip.add("lmcache")
+    tmp = tempfile.mkdtemp(prefix="tierstore-iobench-", dir=args.dir)
+    pool, dst = KVPool(total), KVPool(total)
+    pool.fill_random(0)
+    total = pool.blocks_2mib * (2 << 20)
+    raw: dict[str, list[float]] = {}
+
+    def rec(name: str, v: float) -> None:
+        raw.setdefault(name, []).append(v)
+
+    try:
+        for run in range(args.runs):
+            print(f"run {run + 1}/{args.runs}", file=sys.stderr)
+            if "fio" not in skip:
+                rec("fio_write_GBps", fio(tmp, "write", total, args.fio_engine))
+                rec("fio_read_GBps", fio(tmp, "read", total, args.fio_engine))
+                os.unlink(os.path.join(tmp, "fio.bin"))
+            w, r = tierstore_pass(tmp, pool, dst, 2 << 20, args)
+            rec("tierstore_store_2MiB_GBps", w)
+            rec("tierstore_load_2MiB_GBps", r)
+            if "perfrag" not in skip:
+                w, r = per_fragment_pass(tmp, pool, dst, args)
+                rec("per_fragment_store_GBps", w)
+                rec("per_fragment_load_GBps", r)
+            if "lmcache" not in skip:
+                for chunk, tag in ((4 << 20, "4MiB"), (256 << 10, "256KiB")):
+                    w, r = tierstore_pass(tmp, pool, dst, chunk, args)
+                    rec(f"tierstore_store_{tag}_GBps", w)
+                    rec(f"tierstore_load_{tag}_GBps", r)
+                    w, r = lmcache_pass(args.lmcache_python, tmp, total, chunk)
+                    rec(f"lmcache_store_{tag}_GBps", w)
+                    rec(f"lmcache_load_{tag}_GBps", r)
+            if "gather" not in skip:
+                g, s_, m = gather_scatter(pool, dst, args.extent)
+                rec("gather_GBps", g)
+                rec("scatter_GBps", s_)
+                rec("memcpy_GBps", m)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def ratio(name: str, num: str, den: str, goal: float) -> None:
+        if num in raw and den in raw:
+            vals = [a / b for a, b in zip(raw[num], raw[den])]
+            ratios[name] = dict(summarise(vals), goal=goal, met=statistics.median(vals) >= goal)
+
+    ratios: dict[str, dict] = {}
+    ratio("store vs fio write (2 MiB blocks of 32 KiB fragments)", "tierstore_store_2MiB_GBps", "fio_write_GBps", 0.9)
+    ratio("load vs fio read (2 MiB blocks of 32 KiB fragments)", "tierstore_load_2MiB_GBps", "fio_read_GBps", 0.9)
+    ratio("store vs one I/O per 32 KiB fragment", "tierstore_store_2MiB_GBps", "per_fragment_store_GBps", 3.0)
+    ratio("load vs one I/O per 32 KiB fragment", "tierstore_load_2MiB_GBps", "per_fragment_load_GBps", 3.0)
+    ratio("store vs LMCache LocalDisk, 4 MiB chunks", "tierstore_store_4MiB_GBps", "lmcache_store_4MiB_GBps", 1.0)
+    ratio("load vs LMCache LocalDisk, 4 MiB chunks", "tierstore_load_4MiB_GBps", "lmcache_load_4MiB_GBps", 1.0)
+    ratio("store vs LMCache LocalDisk, 256 KiB chunks", "tierstore_store_256KiB_GBps", "lmcache_store_256KiB_GBps", 3.0)
+    ratio("load vs LMCache LocalDisk, 256 KiB chunks", "tierstore_load_256KiB_GBps", "lmcache_load_256KiB_GBps", 3.0)
+    ratio("gather vs contiguous memcpy", "gather_GBps", "memcpy_GBps", 0.8)
+    ratio("scatter vs contiguous memcpy", "scatter_GBps", "memcpy_GBps", 0.8)
+    results = {"config": {"total_bytes": total, "runs": args.runs, "engine": args.engine,
+                          "extent_bytes": args.extent, "segment_bytes": args.segment,
+                          "iodepth": args.iodepth, "max_io_bytes": args.max_io,
+                          "batch_bytes": args.batch_bytes, "fio_engine": args.fio_engine,
+                          "dir": args.dir},
+               "bandwidth_GBps": {k: summarise(v) for k, v in raw.items()}, "ratios": ratios}
+    print(f"\nconfig: {json.dumps(results['config'])}")
+    print(f"\n{'bandwidth (GB/s)':<34}{'median':>9}{'min':>9}{'max':>9}")
+    for k, v in results["bandwidth_GBps"].items():
+        print(f"{k:<34}{v['median']:>9.3f}{v['min']:>9.3f}{v['max']:>9.3f}")
+    print(f"\n{'ratio':<56}{'median':>8}{'min':>8}{'max':>8}{'goal':>7}  met")
+    for k, v in ratios.items():
+        print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{v['goal']:>7.1f}  "
+              f"{'yes' if v['met'] else 'NO'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
