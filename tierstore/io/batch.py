@@ -17,7 +17,10 @@ allocator) so device-to-host copies are DMA.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import ctypes
 import mmap
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -65,13 +68,31 @@ def fragment_nbytes(fragment: Any) -> int:
     return memoryview(fragment).nbytes
 
 
+def _host_ptr(t: torch.Tensor) -> int | None:
+    """Address of a contiguous host tensor, or None (CUDA / strided)."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t.data_ptr()
+    return None
+
+
 def gather_fragments(fragments: Sequence[Any], staging: torch.Tensor, offset: int) -> int:
-    """Copy ``fragments`` back to back into ``staging[offset:]``; return bytes copied."""
+    """Copy ``fragments`` back to back into ``staging[offset:]``; return bytes copied.
+
+    Host fragments are copied with ``memmove`` (one libc call per fragment, GIL
+    released); CUDA or strided ones with ``torch.Tensor.copy_``.
+    """
     pos = offset
+    base = _host_ptr(staging)
     for f in fragments:
-        u = as_u8(f)
-        n = u.numel()
-        staging[pos:pos + n].copy_(u)
+        if base is not None and isinstance(f, torch.Tensor) and _host_ptr(f) is not None:
+            n = f.numel() * f.element_size()
+            if pos + n > staging.numel():
+                raise LayoutError(f"gather overflows staging of {staging.numel()} bytes")
+            ctypes.memmove(base + pos, f.data_ptr(), n)
+        else:
+            u = as_u8(f)
+            n = u.numel()
+            staging[pos:pos + n].copy_(u)
         pos += n
     return pos - offset
 
@@ -83,9 +104,16 @@ def scatter_fragments(staging: torch.Tensor, offset: int, fragments: Sequence[An
     not; writable ndarrays; writable bytes-likes). Returns bytes copied.
     """
     pos = offset
+    base = _host_ptr(staging)
     for f in fragments:
         if isinstance(f, torch.Tensor):
             n = f.numel() * f.element_size()
+            if base is not None and _host_ptr(f) is not None:
+                if pos + n > staging.numel():
+                    raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes")
+                ctypes.memmove(f.data_ptr(), base + pos, n)
+                pos += n
+                continue
             src = staging[pos:pos + n]
             if f.is_contiguous():
                 if n:
@@ -125,7 +153,8 @@ class ExtentPipeline:
         If ``extent_bytes`` is not a positive multiple of the block size.
     """
 
-    def __init__(self, engine: IOEngine, extent_bytes: int = DEFAULT_EXTENT_BYTES):
+    def __init__(self, engine: IOEngine, extent_bytes: int = DEFAULT_EXTENT_BYTES,
+                 copy_threads: int | None = None):
         bs = engine.block_size_bytes
         if extent_bytes <= 0 or extent_bytes % bs:
             raise ConfigError(f"extent_bytes={extent_bytes}: must be a positive multiple of {bs}")
@@ -133,6 +162,23 @@ class ExtentPipeline:
         self.extent_bytes = int(extent_bytes)
         self._bufs = [alloc_staging(self.extent_bytes) for _ in range(2)]
         self.staging = [t for _, t in self._bufs]
+        #: Threads that gather/checksum/scatter blocks in parallel (memmove and
+        #: crc32c release the GIL); default: one per CPU, at most 4.
+        self.copy_threads = int(copy_threads or min(4, os.cpu_count() or 1))
+        self._workers = (cf.ThreadPoolExecutor(self.copy_threads, thread_name_prefix="tierstore-copy")
+                         if self.copy_threads > 1 else None)
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, on the copy threads when there are several."""
+        if self._workers is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._workers.map(fn, items))
+
+    def close(self) -> None:
+        """Stop the copy threads."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+            self._workers = None
 
     def write_extents(self, jobs: Iterable[tuple[int, Callable[[torch.Tensor], int], int | None]]
                       ) -> list[BaseException | int]:

@@ -261,6 +261,7 @@ class SegmentStorage(BlockStorage):
             if self._closed:
                 return
             self._closed = True
+            self._pipe.close()
             if self._own_engine:
                 self.engine.close()
 
@@ -388,10 +389,17 @@ class SegmentStorage(BlockStorage):
                         self._read_one(keys[i], loc, dest_fragments_per_block[i], status, i)
                     return
                 mv = memoryview(view.numpy())
-                for i, loc in members:
-                    rel = loc.offset - start
-                    self._verify_and_scatter(keys[i], loc, view, mv, rel,
-                                             dest_fragments_per_block[i], status, i)
+                oks = self._pipe.map(
+                    lambda m: fmt.payload_crc(keys[m[0]], mv[m[1].offset - start:m[1].offset - start + m[1].length])
+                    == m[1].crc and scatter_fragments(view, m[1].offset - start, dest_fragments_per_block[m[0]]) >= 0,
+                    members)
+                for (i, loc), ok in zip(members, oks):
+                    if ok:
+                        self._st["bytes_loaded"] += loc.length
+                        status[i] = Status.OK
+                    else:
+                        self._drop_corrupt(keys[i], loc)
+                        status[i] = Status.IO_ERROR
             self._pipe.read_extents(jobs, consume)
             for s in status:
                 if s is Status.OK:
@@ -520,19 +528,21 @@ class SegmentStorage(BlockStorage):
             def fill(buf: torch.Tensor) -> int:
                 mv = memoryview(buf.numpy())
                 hb = fmt.header_bytes_for(len(p.idx))
-                pos = hb
-                entries = []
-                for i in p.idx:
+                slot = fmt.block_slot_bytes(self.block_bytes)
+                jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
+
+                def one(job) -> fmt.BlockEntry:
+                    i, pos = job
                     nb = gather_fragments(frags[i], buf, pos)
                     crc = fmt.payload_crc(keys[i], mv[pos:pos + nb])
-                    slot = fmt.block_slot_bytes(nb)
                     if slot > nb:
                         buf[pos + nb:pos + slot].zero_()
-                    entries.append(fmt.BlockEntry(keys[i], nss[i], pos, nb, crc))
-                    pos += slot
-                fmt.encode_header(mv, p.seq, p.gen, p.ext_off, pos - hb, p.placement, entries)
+                    return fmt.BlockEntry(keys[i], nss[i], pos, nb, crc)
+                entries = self._pipe.map(one, jobs)
+                end = hb + len(jobs) * slot
+                fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
                 p.entries = entries
-                return pos
+                return end
             return fill
 
         results = self._pipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
