@@ -167,7 +167,8 @@ def run_point(args: dict) -> dict:
         w = build_store(StoreConfig(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, mode="sim",
                                     device_bytes=dev, utilization=util, ru_size_bytes=ru,
                                     dataplacement=dataplacement, classifier=classifier, clock=clock,
-                                    op_fraction=args["op"], isolation=args["isolation"], gc=args["gc"]))
+                                    op_fraction=args["op"], isolation=args["isolation"], gc=args["gc"],
+                                    manager_options={"eviction": args.get("eviction", "lru")}))
         if args.get("record"):
             rec = RecordingStorage(w.store.manager.nvme, clock)
             w.store.manager.nvme = rec
@@ -181,7 +182,7 @@ def run_point(args: dict) -> dict:
     rep = run_replay(cfg, store_factory=factory)
     wall = time.perf_counter() - t0
     d = rep.device
-    row = {"placement": mode, "utilization": round(d["utilization"], 4), "ru_size_bytes": ru,
+    row = {"placement": mode, "eviction": args.get("eviction", "lru"), "utilization": round(d["utilization"], 4), "ru_size_bytes": ru,
            "ru_fraction": f"1/{round(dev / ru)}", "device_bytes": dev, "nvme_bytes": d["nvme_bytes"],
            "saved_prefill_tokens": rep.kv["saved_prefill_tokens"], "hit_ratio": rep.kv["lookup_hit_ratio"],
            "ideal_hit_ratio": rep.kv["ideal_hit_ratio"], "wrong_kv_blocks": rep.kv["wrong_kv_blocks"],
@@ -214,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gc", default="greedy")
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke: utilisation 0.9, RU 1/60 only")
+    ap.add_argument("--baseline-evictions", default="s3fifo,cost",
+                    help="further eviction policies run without placement at the sweep point "
+                         "(the 'best no-placement policy' reference)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     reqs = read_mooncake(a.trace, a.limit)
@@ -231,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = {**base, "util": u, "ru": dev // f}
         jobs.append(("class", args))
         jobs.append(("pair", args))
+        if (u, f) == (a.sweep_util, a.base_ru_fraction):
+            for ev in filter(None, a.baseline_evictions.split(",")):
+                jobs.append(("none", {**args, "eviction": ev}))
     print(f"trace {a.trace}: {len(reqs)} requests, unique bytes {uniq_bytes}, block {a.block_bytes} B; "
           f"device {dev} B; {len(points)} points x 3 placements", file=sys.stderr)
     t0 = time.perf_counter()
@@ -239,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for r in results:
         rows.extend(r)
-    rows.sort(key=lambda r: (r["ru_size_bytes"], r["utilization"], ["none", "class", "oracle"].index(r["placement"])))
+    rows.sort(key=lambda r: (r["ru_size_bytes"], r["utilization"],
+                             ["none", "class", "oracle"].index(r["placement"]), r["eviction"]))
     print_table(rows)
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if a.json:
@@ -260,8 +268,8 @@ def _bounds(writes: dict, deaths: dict) -> tuple:
 
 def _run_job(job) -> list[dict]:
     kind, args = job
-    if kind == "class":
-        return [run_point({**args, "mode": "class"})]
+    if kind in ("class", "none"):
+        return [run_point({**args, "mode": kind})]
     a = run_point({**args, "mode": "none", "record": True})
     writes, deaths = a.pop("_rec")
     bounds = _bounds(writes, deaths)
@@ -272,18 +280,19 @@ def _run_job(job) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     """Markdown table of the rows."""
-    best_none = {}
+    best_none: dict = {}
     for r in rows:
         if r["placement"] == "none":
-            best_none[(r["ru_size_bytes"], r["utilization"])] = r["saved_prefill_tokens"]
-    print("| RU (of device) | utilisation | placement | saved prefill tokens | vs none | hit ratio | "
-          "end-to-end WA | device WAF | host WA | format overhead | replay s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+            key = (r["ru_size_bytes"], r["utilization"])
+            best_none[key] = max(best_none.get(key, 0), r["saved_prefill_tokens"])
+    print("| RU (of device) | utilisation | placement | eviction | saved prefill tokens | vs best none | "
+          "hit ratio | end-to-end WA | device WAF | host WA | format overhead | replay s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = best_none.get((r["ru_size_bytes"], r["utilization"]))
         rel = f"{100 * (r['saved_prefill_tokens'] / ref - 1):+.2f}%" if ref else "-"
         print(f"| {r['ru_fraction']} ({r['ru_size_bytes'] / 2**20:.1f} MiB) | {r['utilization']:.2f} | "
-              f"{r['placement']} | {r['saved_prefill_tokens']:,} | {rel} | {r['hit_ratio']:.4f} | "
+              f"{r['placement']} | {r['eviction']} | {r['saved_prefill_tokens']:,} | {rel} | {r['hit_ratio']:.4f} | "
               f"{r['e2e_wa']:.4f} | {r['device_waf']:.4f} | {r['host_wa']:.4f} | {r['format_overhead']:.4f} | "
               f"{r['replay_wall_s']} |")
 

@@ -115,6 +115,9 @@ class SegmentStorage(BlockStorage):
         Erased segments kept back for garbage collection (>= 1).
     verify_on_recovery : bool
         Verify every payload CRC when reopening (default: lazily on read).
+    copy_threads : int, optional
+        Threads gathering/checksumming blocks of an extent in parallel
+        (default: CPUs, at most 4; 1 = inline).
 
     Raises
     ------
@@ -129,7 +132,7 @@ class SegmentStorage(BlockStorage):
                  engine: str | IOEngine = "posix",
                  extent_size_bytes: int | str = DEFAULT_EXTENT_BYTES, iodepth: int = 16,
                  max_io_bytes: int | str = 1 << 20, reserve_segments: int = 1,
-                 verify_on_recovery: bool = False):
+                 verify_on_recovery: bool = False, copy_threads: int | None = None):
         cap = parse_size(capacity_bytes, "capacity_bytes")
         seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
         ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
@@ -166,7 +169,7 @@ class SegmentStorage(BlockStorage):
                                       max_io_bytes=max_io_bytes)
             self._own_engine = True
         self.path = path
-        self._pipe = ExtentPipeline(self.engine, self.extent_size_bytes)
+        self._pipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
         self._lock = threading.RLock()
         self._segs = [_Seg(i) for i in range(n_seg)]
         self._index: dict[bytes, _Loc] = {}
