@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tierstore import KVStore, Tier  # noqa: E402
 from tierstore.errors import ConfigError  # noqa: E402
+from tierstore.policies.cost import CostModel  # noqa: E402
 from tierstore.integrations.hf import (HFPrefixCache, blocks_to_cache, cache_to_blocks,  # noqa: E402
                                        layout_from_config, model_fingerprint)
 from tierstore.tiers.nvme import SlotFileStorage  # noqa: E402
@@ -54,6 +55,9 @@ def new_store(tmp_path):
         if nvme and backend == "slot":
             nv = SlotFileStorage(str(tmp_path / f"nvme{len(stores)}.bin"),
                                  nvme * ((bb + 128 + 4095) // 4096 * 4096), bb)
+        # frozen cost model (no bandwidth learning): which hits are "useful" must not depend
+        # on how busy the shared test machine is
+        kw.setdefault("cost", CostModel(ewma_alpha=0.0))
         s = KVStore(layout, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme=nv,
                     nvme_path=str(tmp_path / f"seg{len(stores)}") if backend == "segment" else None,
                     nvme_bytes=max(nvme * bb, 8 << 20) if backend == "segment" else 0,
