@@ -172,3 +172,34 @@ def test_enospc_injected_rejects_and_keeps_entries(tmp_path):
     s.close()
     s2 = open_store("memory", tmp_path, 8192, engine_obj=eng)
     assert sorted(s2.keys()) == sorted(old + new)
+
+
+def test_observer_sees_the_exact_lba_stream(tmp_path):
+    class Rec:
+        def __init__(self):
+            self.w, self.t = [], []
+
+        def on_write(self, off, n, placement):
+            self.w.append((off, n, placement))
+
+        def on_trim(self, off, n):
+            self.t.append((off, n))
+
+    eng = MemoryEngine(2 << 20)
+    rec = Rec()
+    eng.add_observer(rec)
+    s = open_store("memory", tmp_path, 16 << 10, engine_obj=eng)
+    keys = [os.urandom(32) for _ in range(30)]
+    assert s.put(keys, [content(k, 16 << 10) for k in keys], placements=[7] * 15 + [9] * 15) == [Status.OK] * 30
+    st = eng.stats()
+    assert sum(n for _, n, _ in rec.w) == st["bytes_written"]
+    assert {p for _, _, p in rec.w} == {7, 9}
+    assert st["bytes_by_placement"][7] == sum(n for _, n, p in rec.w if p == 7)
+    # one open segment per placement stream: streams never share a segment
+    seg_of = {}
+    for off, n, p in rec.w:
+        assert off // SEG == (off + n - 1) // SEG
+        seg_of.setdefault(off // SEG, set()).add(p)
+    assert all(len(v) == 1 for v in seg_of.values())
+    s.delete(keys)
+    assert rec.t and all(n == SEG and off % SEG == 0 for off, n in rec.t)
