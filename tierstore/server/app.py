@@ -50,6 +50,7 @@ from typing import Any, Sequence
 import torch
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -514,6 +515,10 @@ class Service:
                 self.metrics.rejected.labels("overloaded").inc()
                 resp = error_response(429, "overloaded", f"{self.inflight} requests in flight "
                                       f"(limit {lim.max_inflight_requests}); retry later", retry)
+            elif request.headers.get("Content-Encoding", "identity").lower() != "identity":
+                resp = error_response(415, "unsupported_encoding", "request bodies must not be compressed "
+                                      "(Content-Encoding: identity only)")
+                resp.force_close()  # do not decode (drain) the rejected body
             else:
                 if api:
                     self.inflight += 1
@@ -536,7 +541,7 @@ class Service:
                                                                    if k.lower() in ("allow", "retry-after")})
                     else:
                         raise
-                except (ConnectionResetError, asyncio.IncompleteReadError) as e:
+                except (ConnectionResetError, asyncio.IncompleteReadError, HttpProcessingError) as e:
                     resp = error_response(400, "truncated", f"the request body ended early: {type(e).__name__}")
                 except TierStoreError as e:
                     resp = error_response(400, "bad_request", str(e))

@@ -39,6 +39,7 @@ async def serve(cfg: DaemonConfig) -> int:
         return 1
     lim = cfg.limits
     runner = web.AppRunner(svc.make_app(), handle_signals=False, shutdown_timeout=lim.shutdown_timeout_s,
+                           auto_decompress=False,  # compressed bodies are refused (415), never decoded
                            access_log_class=JsonAccessLogger,
                            access_log=logging.getLogger("tierstore.access") if cfg.log.access_log else None)
     runners = [runner]
