@@ -224,3 +224,24 @@ def test_shipped_example_config_is_valid():
     from tierstore.server.daemon import main
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert main(["--config", os.path.join(root, "configs", "daemon.yaml"), "--check"]) == 0
+
+
+def test_openapi_document_matches_routes(tmp_path):
+    import yaml
+    from tierstore.server.app import Service
+    from tierstore.server.config import parse_config
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"] = {"host": {"capacity_bytes": "1MiB"}}
+    cfg["puts"] = {"durable": False}
+    svc = Service(parse_config(cfg))
+    try:
+        routes = {(r.method.lower(), r.resource.canonical) for r in svc.make_app().router.routes()
+                  if r.method != "HEAD"}
+    finally:
+        svc.close()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "tierstore", "server", "openapi.yaml")) as f:
+        doc = yaml.safe_load(f)
+    assert doc["openapi"].startswith("3.")
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+    assert documented == routes

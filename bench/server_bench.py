@@ -1,0 +1,279 @@
+"""Loopback benchmark of the tierstore daemon next to a trivial aiohttp baseline.
+
+Runs, in one invocation:
+
+* the real daemon (``python -m tierstore.cli serve``) from a generated YAML:
+  llama-3.1-8b layout (2 MiB blocks), host tier, NVMe tier as a file under
+  ``--dir``, durable (write-through) puts, two tenants' worth of auth checks;
+* a baseline server of the same framework (aiohttp) that keeps bodies in a
+  dict and serves them back (``--baseline`` handler below).
+
+Two client threads each run ``--ops`` puts and then ``--ops`` gets per batch
+size (2, 8, 16 MiB by default), ``--runs`` times. Puts use fresh keys (no
+dedupe shortcut); gets read back the batches just put (host-tier hits).
+Reported: aggregate throughput (GB/s = 1e9 B/s) and per-request p50/p99
+latency, as the median over runs with the min..max spread.
+
+    python bench/server_bench.py --dir /tmp/tsbench --runs 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tierstore import Namespace  # noqa: E402
+from tierstore.client import RemoteKVStore  # noqa: E402
+from tierstore.errors import Status  # noqa: E402
+
+TOKEN = "bench-token-0123456789abcdef"
+MiB = 1 << 20
+
+
+def baseline_server(port_file: str) -> None:
+    """A trivial aiohttp app serving bytes from a dict (the framework's own cost)."""
+    from aiohttp import web
+    store: dict[str, bytes] = {}
+
+    async def put(request):
+        store[request.match_info["key"]] = await request.read()
+        return web.json_response({"ok": True})
+
+    async def get(request):
+        return web.Response(body=store[request.match_info["key"]], content_type="application/octet-stream")
+
+    async def main():
+        app = web.Application(client_max_size=1 << 30)
+        app.add_routes([web.put("/b/{key}", put), web.get("/b/{key}", get)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        with open(port_file, "w") as f:
+            f.write(str(site._server.sockets[0].getsockname()[1]))
+        await asyncio.Event().wait()
+    asyncio.run(main())
+
+
+def start_daemon(work: str, host_bytes: str, nvme_bytes: str) -> tuple[subprocess.Popen, int, str]:
+    cfg = {"state_dir": os.path.join(work, "state"), "listen": {"host": "127.0.0.1", "port": 0},
+           "log": {"level": "WARNING", "access_log": False},
+           "layout": {"preset": "llama-3.1-8b"},
+           "tiers": {"host": {"capacity_bytes": host_bytes},
+                     "nvme": {"path": os.path.join(work, "nvme"), "capacity_bytes": nvme_bytes,
+                              "segment_size_bytes": "64MiB", "extent_size_bytes": "16MiB"}},
+           "tenants": [{"name": "bench", "tokens": [TOKEN]}, {"name": "other", "tokens": ["other-" + TOKEN]}],
+           "limits": {"max_request_bytes": "40MiB", "worker_threads": 4}}
+    path = os.path.join(work, "daemon.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    log = os.path.join(work, "daemon.log")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with open(log, "wb") as err:
+        # WARNING level hides the "listening" line: pass INFO just for the startup record
+        cfg["log"]["level"] = "INFO"
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        p = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--config", path],
+                             stderr=err, stdout=subprocess.DEVNULL, env=env)
+    for _ in range(600):
+        with open(log) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("event") == "listening":
+                    return p, rec["port"], log
+        if p.poll() is not None:
+            raise RuntimeError(open(log).read())
+        time.sleep(0.1)
+    raise RuntimeError("daemon did not start")
+
+
+class BaselineClient:
+    """aiohttp client on a background loop (the same plumbing RemoteKVStore uses)."""
+
+    def __init__(self, url: str) -> None:
+        import aiohttp
+        self.url = url
+        self.loop = asyncio.new_event_loop()
+        self.t = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.t.start()
+
+        async def mk():
+            return aiohttp.ClientSession()
+        self.s = asyncio.run_coroutine_threadsafe(mk(), self.loop).result()
+
+    def put(self, key: str, data: memoryview) -> None:
+        async def go():
+            async with self.s.put(f"{self.url}/b/{key}", data=data) as r:
+                await r.read()
+        asyncio.run_coroutine_threadsafe(go(), self.loop).result()
+
+    def get(self, key: str) -> int:
+        async def go():
+            async with self.s.get(f"{self.url}/b/{key}") as r:
+                return len(await r.read())
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.s.close(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def run_phase(n_clients: int, fn) -> tuple[float, list[float]]:
+    """Run ``fn(client_index, lat_list)`` in threads; returns (wall seconds, latencies in s)."""
+    lats: list[list[float]] = [[] for _ in range(n_clients)]
+    ths = [threading.Thread(target=fn, args=(i, lats[i])) for i in range(n_clients)]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return time.perf_counter() - t0, [x for l in lats for x in l]
+
+
+def bench_tierstore(url: str, sizes_mib: list[int], ops: int, n_clients: int, run: int) -> dict:
+    clients = [RemoteKVStore(url, TOKEN) for _ in range(n_clients)]
+    B = clients[0].block_bytes
+    out = {}
+    for mib in sizes_mib:
+        nblk = max(1, mib * MiB // B)
+        data = torch.from_numpy(np.random.default_rng(mib).integers(0, 256, (nblk, B), dtype=np.uint8))
+        ns = Namespace(model=f"bench-{run}-{mib}")
+        keysets = [[[os.urandom(32) for _ in range(nblk)] for _ in range(ops)] for _ in range(n_clients)]
+
+        def put(i, lat):
+            for keys in keysets[i]:
+                t = time.perf_counter()
+                st = clients[i].store_keys(ns, keys, data)
+                lat.append(time.perf_counter() - t)
+                if any(s is not Status.OK for s in st):
+                    raise RuntimeError(f"put failed: {st}")
+
+        def get(i, lat):
+            for keys in keysets[i]:
+                t = time.perf_counter()
+                st, _ = clients[i].load(keys, ns=ns)
+                lat.append(time.perf_counter() - t)
+                if any(s is not Status.OK for s in st):
+                    raise RuntimeError(f"get failed: {st}")
+        nbytes = n_clients * ops * nblk * B
+        for op, fn in (("put", put), ("get", get)):
+            wall, lat = run_phase(n_clients, fn)
+            out[(mib, op)] = (nbytes / wall, np.percentile(lat, 50), np.percentile(lat, 99))
+        # verify one batch byte-exact (outside the timed phases)
+        st, outs = clients[0].load(keysets[0][0], ns=ns)
+        if not all(torch.equal(clients[0].layout.as_bytes(o), data[j]) for j, o in enumerate(outs)):
+            raise RuntimeError("bytes differ")
+        clients[0].invalidate(ns)
+    for c in clients:
+        c.close()
+    return out
+
+
+def bench_baseline(url: str, sizes_mib: list[int], ops: int, n_clients: int, run: int, block_bytes: int) -> dict:
+    clients = [BaselineClient(url) for _ in range(n_clients)]
+    out = {}
+    for mib in sizes_mib:
+        nblk = max(1, mib * MiB // block_bytes)
+        payload = memoryview(np.random.default_rng(mib).integers(0, 256, nblk * block_bytes, dtype=np.uint8))
+        keys = [[f"{run}-{mib}-{i}-{j}" for j in range(ops)] for i in range(n_clients)]
+
+        def put(i, lat):
+            for k in keys[i]:
+                t = time.perf_counter()
+                clients[i].put(k, payload)
+                lat.append(time.perf_counter() - t)
+
+        def get(i, lat):
+            for k in keys[i]:
+                t = time.perf_counter()
+                clients[i].get(k)
+                lat.append(time.perf_counter() - t)
+        nbytes = n_clients * ops * nblk * block_bytes
+        for op, fn in (("put", put), ("get", get)):
+            wall, lat = run_phase(n_clients, fn)
+            out[(mib, op)] = (nbytes / wall, np.percentile(lat, 50), np.percentile(lat, 99))
+    for c in clients:
+        c.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="work directory (NVMe file lives here); default: a temp dir")
+    ap.add_argument("--sizes-mib", default="2,8,16")
+    ap.add_argument("--ops", type=int, default=12, help="requests per client per phase")
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--host-bytes", default="1GiB")
+    ap.add_argument("--nvme-bytes", default="6GiB")
+    ap.add_argument("--json", default=None, help="also write raw results here")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes_mib.split(",")]
+    work = args.dir or tempfile.mkdtemp(prefix="tsbench-")
+    os.makedirs(work, exist_ok=True)
+    daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
+    port_file = os.path.join(work, "baseline.port")
+    base = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                             f"import server_bench; server_bench.baseline_server({port_file!r})"])
+    try:
+        for _ in range(200):
+            if os.path.exists(port_file) and open(port_file).read():
+                break
+            time.sleep(0.05)
+        bport = int(open(port_file).read())
+        block_bytes = 2 * MiB
+        res = {"tierstore": [], "baseline": []}
+        for r in range(args.runs):  # interleave so machine noise hits both alike
+            res["baseline"].append(bench_baseline(f"http://127.0.0.1:{bport}", sizes, args.ops, args.clients, r,
+                                                  block_bytes))
+            res["tierstore"].append(bench_tierstore(f"http://127.0.0.1:{port}", sizes, args.ops, args.clients, r))
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+        base.terminate()
+        base.wait(10)
+
+    def med(name, key, idx):
+        xs = [run[key][idx] for run in res[name]]
+        return statistics.median(xs), min(xs), max(xs)
+    print(f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs; "
+          "median (min..max); GB/s = 1e9 B/s; latency per request\n")
+    print("| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    raw = []
+    for op in ("put", "get"):
+        for mib in sizes:
+            t, b = med("tierstore", (mib, op), 0), med("baseline", (mib, op), 0)
+            tp50, tp99 = med("tierstore", (mib, op), 1)[0], med("tierstore", (mib, op), 2)[0]
+            bp50, bp99 = med("baseline", (mib, op), 1)[0], med("baseline", (mib, op), 2)[0]
+            print(f"| {op} | {mib} MiB | {t[0] / 1e9:.2f} ({t[1] / 1e9:.2f}..{t[2] / 1e9:.2f}) | "
+                  f"{b[0] / 1e9:.2f} ({b[1] / 1e9:.2f}..{b[2] / 1e9:.2f}) | {t[0] / b[0]:.2f} | "
+                  f"{tp50 * 1e3:.1f} / {tp99 * 1e3:.1f} | {bp50 * 1e3:.1f} / {bp99 * 1e3:.1f} |")
+            raw.append({"op": op, "batch_mib": mib, "tierstore_Bps": [x[(mib, op)][0] for x in res["tierstore"]],
+                        "baseline_Bps": [x[(mib, op)][0] for x in res["baseline"]]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
