@@ -278,3 +278,24 @@ def test_identity_isolation_zero_reuse_both_directions(model, new_store, what):
     assert a.generate(x1, 2).reused_tokens == 3 * T  # positive control
     assert b.generate(x2, 2).reused_tokens == 3 * T
     assert s.probe(a.namespace, x1) == 3 * T and s.probe(b.namespace, x1) == 3 * T  # each stored its own
+
+
+def test_ttft_bench_smoke(tmp_path):
+    """The TTFT benchmark runs end to end on a tiny model (correctness asserts inside)."""
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "ttft_bench.py"
+    spec = importlib.util.spec_from_file_location("ttft_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    assert mod.main(["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+                     "--kv-heads", "2", "--vocab", "512", "--lengths", "48,80", "--break-even", "16",
+                     "--runs", "1", "--suffix", "8", "--nvme-dir", str(tmp_path / "nv"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["prefix"] for r in res["lengths"]] == [32, 64]
+    for r in res["lengths"]:
+        assert set(r["warm"]) == {"hbm", "host", "nvme"}
+        assert r["max_first_logit_abs_diff"] <= LOGIT_TOL
+    assert mod.main(["--render", str(out)]) == 0
