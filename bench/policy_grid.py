@@ -72,6 +72,7 @@ POLICIES = ("lru", "s3fifo", "cost")
 ADMISSION = ("none", "second")
 CAPACITIES = (0.05, 0.20, 0.50)
 PLACEMENTS = ("none", "predicted", "oracle")
+MIN_FTL_SLOTS = 256
 
 
 class RecordingSlotStorage(BlockStorage):
@@ -158,7 +159,13 @@ def lifetimes(log, end_s: float):
 
 
 def ftl_waf(log, n_slots: int, block_bytes: int, placement_of) -> float:
-    """Feed the write/trim log to an FTL model; returns its WAF (MBMW / HBMW)."""
+    """Feed the write/trim log to an FTL model; returns its WAF (MBMW / HBMW).
+
+    ``nan`` for a tier under ``MIN_FTL_SLOTS`` blocks: too few reclaim units for
+    the open streams plus the GC reserve at 7% over-provisioning.
+    """
+    if n_slots < MIN_FTL_SLOTS:
+        return float("nan")
     page = 4096
     cap = n_slots * block_bytes // page * page
     ru = max(4, n_slots // 256) * page  # ~256 RUs: small enough that open RUs + GC reserve fit the OP
