@@ -12,7 +12,7 @@ import torch
 
 from tierstore import Namespace
 from tierstore.api import leading_ok
-from tierstore.client import AuthError, RemoteError, RemoteKVStore
+from tierstore.client import AuthError, RemoteKVStore, ServerBusy
 from tierstore.errors import QuotaExceeded, Status
 from tierstore.server.protocol import BLOCKS_CONTENT_TYPE, encode_prefix
 
@@ -182,14 +182,41 @@ def test_ops_endpoints(daemon):
     assert any(r.get("event") == "listening" for r in daemon.records())
 
 
-def test_sigterm_drains_and_restart_serves(tmp_path):
+def test_overload_429_then_sigterm_drains_and_restart_serves(tmp_path):
     cfg = make_config(str(tmp_path), metrics={"host": "127.0.0.1", "port": 0})
+    cfg["limits"]["max_inflight_requests"] = 1
     d = Daemon(str(tmp_path), cfg).start()
     with _client(d) as c:
         ns = Namespace(model="drain")
         toks = list(range(c.layout.tokens_per_block * 40))
         keys = c.keys_for(ns, toks)
         assert c.store(ns, toks, torch.stack([block_for(k, c.block_bytes) for k in keys])) == [Status.OK] * 40
+    # overload: 6 clients without retries against max_inflight_requests=1
+    outcomes: list[str] = []
+
+    hammers = [_client(d) for _ in range(6)]
+    for h in hammers:
+        h.retries = 0
+
+    def hammer(h: RemoteKVStore) -> None:
+        with h:
+            for _ in range(10):
+                try:
+                    st, outs = h.load(keys, ns=ns)
+                except ServerBusy as e:
+                    outcomes.append(e.code)
+                    continue
+                ok = st == [Status.OK] * 40 and all(
+                    torch.equal(h.layout.as_bytes(o), block_for(k, h.block_bytes)) for k, o in zip(keys, outs))
+                outcomes.append("ok" if ok else "corrupt")
+    ths = [threading.Thread(target=hammer, args=(h,)) for h in hammers]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert set(outcomes) <= {"ok", "overloaded"} and "ok" in outcomes
+    assert "overloaded" in outcomes  # 60 concurrent loads against a limit of 1
+    with _client(d) as c:
         inv = Namespace(model="gone")
         assert c.store(inv, toks[:64], torch.zeros(2, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 2
         assert c.invalidate(inv) == 2

@@ -266,11 +266,11 @@ class Tenancy:
         else:
             owner = tenant
         scope = hashlib.sha256(_SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns).digest()
-        if scope not in self.scope_owner:
+        if write and scope not in self.scope_owner:  # reads of unknown scopes leave no state behind
             with self._lock:
                 known = scope in self.scope_owner
                 self.scope_owner[scope] = owner
-            if not known and write:
+            if not known:
                 self._append(self._scopes_path, {"scope": scope.hex(), "owner": owner})
         return scope, owner
 
@@ -775,6 +775,9 @@ class Service:
             lease = self.store.manager.pin(scope, keys[:n], lease_s)
         except QuotaExceeded as e:
             raise ApiError(429, "pin_quota_exceeded", str(e)) from None
+        if len(self.leases) >= 4096:  # forget leases that expired or ended inside the manager
+            live = self.store.manager.leases
+            self.leases = {lid: t for lid, t in self.leases.items() if lid in live}
         self.leases[lease.lease_id] = tenant
         return web.json_response({"lease_id": lease.lease_id, "pinned_blocks": len(lease.keys), "lease_s": lease_s})
 
