@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -220,12 +222,33 @@ def test_overload_429_then_sigterm_drains_and_restart_serves(tmp_path):
         inv = Namespace(model="gone")
         assert c.store(inv, toks[:64], torch.zeros(2, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 2
         assert c.invalidate(inv) == 2
-    assert d.stop(signal.SIGTERM) == 0
+    # a put in flight when SIGTERM arrives: its body is half sent; the drain lets it finish
+    late_key = os.urandom(32)
+    body = encode_prefix({"namespace": c.digest(ns).hex(), "keys": [late_key.hex()]}) + \
+        bytes(block_for(late_key, c.block_bytes).numpy())
+    sock = socket.create_connection(("127.0.0.1", d.port), timeout=20)
+    sock.sendall((f"PUT /v1/blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['acme']}\r\n"
+                  f"Content-Type: {BLOCKS_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                 + body[:len(body) // 2])
+    time.sleep(0.3)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    sock.sendall(body[len(body) // 2:])
+    resp = b""
+    while b"\r\n\r\n" not in resp or not resp.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        resp += chunk
+    sock.close()
+    assert resp.startswith(b"HTTP/1.1 200") and b'"ok"' in resp, resp[:300]
+    assert d.proc.wait(30) == 0
     assert any(r.get("event") == "stopped" for r in d.records())
     d.start()
     with _client(d) as c:
-        st, outs = c.load(keys, ns=ns)
-        assert leading_ok(st) == 40
+        st, outs = c.load(keys + [late_key], ns=ns)
+        assert leading_ok(st) == 41
+        assert torch.equal(c.layout.as_bytes(outs[40]), block_for(late_key, c.block_bytes))
         assert all(torch.equal(c.layout.as_bytes(o), block_for(k, c.block_bytes)) for k, o in zip(keys, outs))
         assert c.probe(Namespace(model="gone"), toks[:64]) == 0  # invalidation survived the restart
     assert d.stop() == 0

@@ -71,7 +71,12 @@ async def serve(cfg: DaemonConfig) -> int:
                                             "durable": svc.durable}})
     await stop.wait()
     log.info("draining", extra={"fields": {"event": "draining", "inflight": svc.inflight}})
-    svc.draining = True
+    svc.draining = True  # new API requests: 503 + Retry-After; /readyz: 503
+    t_end = loop.time() + lim.shutdown_timeout_s
+    while svc.inflight > 0 and loop.time() < t_end:  # let requests in flight finish (bodies included)
+        await asyncio.sleep(0.02)
+    if svc.inflight:
+        log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
     for r in runners:
         await r.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout_s
     await loop.run_in_executor(None, svc.close)
