@@ -88,31 +88,37 @@ def make_stores(layout, max_blocks: int, nvme_dir: str, prefill_tok_s: float,
 
 
 def timed_cold(ref: HFPrefixCache, ids: np.ndarray):
-    t0 = time.perf_counter()
+    """Full prefill + argmax. Returns (wall s, process CPU s, first token, PrefillResult)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     pr = ref.prefill(ids)
     tok = int(torch.argmax(pr.logits))
-    return time.perf_counter() - t0, tok, pr
+    return time.perf_counter() - t0, time.process_time() - c0, tok, pr
 
 
 def timed_warm(adapter: HFPrefixCache, ids: np.ndarray):
+    """Lookup + load + suffix prefill + argmax inside one request. Same returns as :func:`timed_cold`."""
     store = adapter.store
     with store.request() as rid:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         pr = adapter.prefill(ids, rid)
         tok = int(torch.argmax(pr.logits))
-        dt = time.perf_counter() - t0
-    return dt, tok, pr
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return dt, dc, tok, pr
 
 
 def measure_length(model, ref, adapters, n: int, args, rng) -> dict:
+    """Cold runs, then warm runs with the tiers interleaved (hbm, host, nvme, hbm, ...) so
+    that bursts of load from other jobs on a shared machine hit every tier alike; one
+    discarded warm-up run per tier first."""
     T = args.tokens_per_block
     ids = rng.integers(0, args.vocab, size=n, dtype=np.int64)
     prefix = max(0, (n - args.suffix) // T * T)
     load0 = os.getloadavg()[0]
-    cold, cold_tok, cold_logits = [], None, None
+    cold, cold_cpu, cold_tok, cold_logits = [], [], None, None
     for r in range(args.runs):
-        dt, tok, pr = timed_cold(ref, ids)
+        dt, dc, tok, pr = timed_cold(ref, ids)
         cold.append(dt)
+        cold_cpu.append(dc)
         if r == 0:
             cold_tok, cold_logits = tok, pr.logits.float().cpu()
             blocks = cache_to_blocks(pr.cache, ref.layout, 0, prefix // T) if prefix else None
@@ -124,23 +130,30 @@ def measure_length(model, ref, adapters, n: int, args, rng) -> dict:
             st = a.store.store(a.namespace, ids[:prefix], blocks)
             assert all(s.value in ("ok", "exists") for s in st), st
     del blocks
-    res = {"n": n, "prefix": prefix, "suffix": n - prefix, "cold_s": summarize(cold), "warm": {},
+    res = {"n": n, "prefix": prefix, "suffix": n - prefix, "cold_s": summarize(cold),
+           "cold_cpu_s": statistics.median(cold_cpu), "warm": {},
            "kv_bytes_loaded": prefix * ref.layout.bytes_per_token}
     max_diff = 0.0
-    for t, a in adapters.items():
-        warm, parts = [], {"lookup_s": [], "load_s": [], "prefill_s": []}
-        for _ in range(args.runs):
-            dt, tok, pr = timed_warm(a, ids)
+    samples = {t: {"ttft_s": [], "cpu_s": [], "lookup_s": [], "load_s": [], "prefill_s": []} for t in adapters}
+    for i in range(args.warm_runs + 1):
+        for t, a in adapters.items():
+            dt, dc, tok, pr = timed_warm(a, ids)
             assert pr.reused_tokens == prefix, (t, pr.reused_tokens, prefix)
             assert set(pr.hit_tiers) <= {t}, (t, pr.hit_tiers)
             assert tok == cold_tok, (t, tok, cold_tok)
             max_diff = max(max_diff, float((pr.logits.float().cpu() - cold_logits).abs().max()))
-            warm.append(dt)
-            for k in parts:
-                parts[k].append(getattr(pr, k))
+            if i:  # run 0 is the discarded warm-up
+                s = samples[t]
+                s["ttft_s"].append(dt)
+                s["cpu_s"].append(dc)
+                for k in ("lookup_s", "load_s", "prefill_s"):
+                    s[k].append(getattr(pr, k))
             del pr
-        res["warm"][t] = {"ttft_s": summarize(warm), **{k: statistics.median(v) for k, v in parts.items()},
-                          "speedup_median": statistics.median(cold) / statistics.median(warm)}
+    for t, s in samples.items():
+        res["warm"][t] = {"ttft_s": summarize(s["ttft_s"]),
+                          **{k: statistics.median(v) for k, v in s.items() if k != "ttft_s"},
+                          "speedup_median": statistics.median(cold) / statistics.median(s["ttft_s"]),
+                          "speedup_cpu": statistics.median(cold_cpu) / statistics.median(s["cpu_s"])}
     res["max_first_logit_abs_diff"] = max_diff
     res["loadavg_1m"] = [load0, os.getloadavg()[0]]
     return res
@@ -163,8 +176,8 @@ def fit_cold(points: list[tuple[int, float]]) -> list[float] | None:
 def table(results: dict) -> str:
     """Markdown tables of the results."""
     out = ["| prompt tokens | cached prefix | cold TTFT s (median [min, max]) | "
-           + " | ".join(f"warm {t} s" for t in TIERS) + " | " + " | ".join(f"x {t}" for t in TIERS) + " |",
-           "|---:|---:|---|" + "---|" * len(TIERS) + "---:|" * len(TIERS)]
+           + " | ".join(f"warm {t} s" for t in TIERS) + " | " + " | ".join(f"x {t}" for t in TIERS) + " | x nvme (CPU s) |",
+           "|---:|---:|---|" + "---|" * len(TIERS) + "---:|" * (len(TIERS) + 1)]
     for r in results["lengths"]:
         c = r["cold_s"]
         cells = [f"{r['n']}", f"{r['prefix']}", f"{c['median']:.3f} [{c['min']:.3f}, {c['max']:.3f}]"]
@@ -172,6 +185,7 @@ def table(results: dict) -> str:
             w = r["warm"][t]["ttft_s"]
             cells.append(f"{w['median']:.4f} [{w['min']:.4f}, {w['max']:.4f}]")
         cells += [f"{r['warm'][t]['speedup_median']:.1f}" for t in TIERS]
+        cells.append(f"{r['warm']['nvme'].get('speedup_cpu', float('nan')):.1f}")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Warm breakdown (medians, s): lookup / load (incl. blocks -> DynamicCache) / suffix prefill", "",
             "| prompt tokens | KV loaded MiB | " + " | ".join(TIERS) + " |", "|---:|---:|" + "---|" * len(TIERS)]
@@ -209,7 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix (~)")
     p.add_argument("--break-even", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128],
                    help="cached prefix lengths for the break-even sweep ('' to skip)")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="cold runs per length")
+    p.add_argument("--warm-runs", type=int, default=5, help="warm runs per length and tier (after 1 warm-up)")
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
@@ -245,7 +260,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     # warm-up (first calls pay one-off allocation/dispatch costs) + prefill-rate calibration
     ref.prefill(rng.integers(0, args.vocab, size=64))
-    dt, _, _ = timed_cold(ref, rng.integers(0, args.vocab, size=256))
+    dt, _, _, _ = timed_cold(ref, rng.integers(0, args.vocab, size=256))
     prefill_tok_s = 256 / dt
     max_len = max(args.lengths + [p_ + args.suffix for p_ in args.break_even])
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="ttft_nvme_", dir=os.environ.get("TTFT_NVME_DIR", "/var/tmp"))
@@ -254,7 +269,8 @@ def main(argv=None) -> int:
         "model": {"params": nparams, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "intermediate": args.intermediate, "vocab": args.vocab,
                   "dtype": args.dtype, "device": str(ref.device)},
-        "layout": layout.to_dict(), "runs": args.runs, "suffix": args.suffix,
+        "layout": layout.to_dict(), "runs": args.runs, "warm_runs": args.warm_runs, "suffix": args.suffix,
+        "argv": sys.argv[1:] if argv is None else list(argv),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform(), "torch": torch.__version__},
         "calibrated_prefill_tok_s": prefill_tok_s, "nvme_dir": nvme_dir, "lengths": [],
