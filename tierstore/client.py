@@ -377,24 +377,40 @@ class RemoteKVStore:
             if len(st) != len(keys) or man["block_bytes"] != B:
                 raise RemoteError(200, "bad_response", "manifest does not match the request")
             ok = [i for i, s in enumerate(st) if s is Status.OK]
-            buf = torch.empty(len(ok) * B, dtype=torch.uint8)
-            mv = memoryview(buf.numpy()) if ok else memoryview(b"")
-            pos = 0
-            while pos < len(mv):
+            outs: list[torch.Tensor | None] = [None] * len(keys)
+            if raw_dests is not None:
+                # straight into the caller's buffers (contiguous CPU ones), no staging copy
+                targets = [memoryview(raw_dests[i].numpy()) if raw_dests[i].is_contiguous() else None for i in ok]
+                tmp = [torch.empty(B, dtype=torch.uint8) if t is None else None for t in targets]
+                views = [t if t is not None else memoryview(x.numpy()) for t, x in zip(targets, tmp)]
+            else:
+                buf = torch.empty(len(ok) * B, dtype=torch.uint8)
+                whole = memoryview(buf.numpy()) if ok else memoryview(b"")
+                views = [whole[j * B:(j + 1) * B] for j in range(len(ok))]
+            j, off, got, want = 0, 0, 0, len(ok) * B
+            while got < want:
                 chunk = await c.readany()
                 if not chunk:
-                    raise RemoteError(200, "truncated", f"response ended after {pos} of {len(mv)} bytes")
-                take = min(len(chunk), len(mv) - pos)
-                mv[pos:pos + take] = chunk[:take]
-                pos += take
-            outs: list[torch.Tensor | None] = [None] * len(keys)
+                    raise RemoteError(200, "truncated", f"response ended after {got} of {want} bytes")
+                cm = memoryview(chunk)
+                p = 0
+                while p < len(cm) and j < len(views):
+                    take = min(len(cm) - p, B - off)
+                    views[j][off:off + take] = cm[p:p + take]
+                    p += take
+                    off += take
+                    if off == B:
+                        j, off = j + 1, 0
+                got += p
+                if p < len(cm):
+                    raise RemoteError(200, "bad_response", "response is longer than its manifest says")
             for j, i in enumerate(ok):
-                blk = buf[j * B:(j + 1) * B]
                 if raw_dests is not None:
-                    raw_dests[i].copy_(blk)
+                    if tmp[j] is not None:
+                        raw_dests[i].copy_(tmp[j])
                     outs[i] = dests[i]
                 else:
-                    outs[i] = self.layout.block_view(blk)
+                    outs[i] = self.layout.block_view(buf[j * B:(j + 1) * B])
             return st, outs
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys), "promote": promote}
         return await self._send("POST", "/v1/blocks/get", handle, json_body=body)

@@ -420,6 +420,44 @@ class ServerMetrics:
         r.register(_StoreCollector(svc))
 
 
+# ============================================================== buffers
+class BufferPool:
+    """Reusable CPU ``uint8`` body buffers.
+
+    A fresh multi-MiB ``torch.empty`` per request is page-faulted (and zeroed
+    by the kernel) on first touch, which costs about as much as the copy into
+    it; buffers of recently used sizes are kept instead.
+
+    Parameters
+    ----------
+    max_cached_bytes : int
+        Bytes of idle buffers kept at most.
+    """
+
+    def __init__(self, max_cached_bytes: int) -> None:
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` (contents unspecified)."""
+        with self._lock:
+            lst = self._free.get(nbytes)
+            if lst:
+                self._cached_bytes -= nbytes
+                return lst.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer taken with :meth:`take` (no view of it may be used afterwards)."""
+        n = buf.numel()
+        with self._lock:
+            if n and self._cached_bytes + n <= self.max_cached_bytes:
+                self._free.setdefault(n, []).append(buf)
+                self._cached_bytes += n
+
+
 # ============================================================== service
 class Service:
     """The daemon's state: store, tenancy, executor, metrics, and the aiohttp handlers.
@@ -474,6 +512,8 @@ class Service:
         self.draining = False
         self.ready = False
         self.metrics = ServerMetrics(self)
+        self.buffers = BufferPool(4 * cfg.limits.max_request_bytes)
+        self._busy_bufs: set[int] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- app
@@ -599,6 +639,26 @@ class Service:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def _run_on(self, buf: torch.Tensor, fn, *args):
+        """Run ``fn`` in a worker thread that uses ``buf``. If the request is cancelled
+        (timeout, disconnect) meanwhile, ``buf`` goes back to the pool only once the
+        thread is done with it."""
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self._busy_bufs.add(id(buf))
+
+            def done(_f, buf=buf) -> None:
+                self._busy_bufs.discard(id(buf))
+                self.buffers.give(buf)
+            fut.add_done_callback(done)
+            raise
+
+    def _give(self, buf: torch.Tensor) -> None:
+        if id(buf) not in self._busy_bufs:
+            self.buffers.give(buf)
+
     # ---------------------------------------------------------------- ops
     async def healthz(self, request: web.Request) -> web.Response:
         """Liveness: the event loop answers."""
@@ -666,7 +726,15 @@ class Service:
             from ..fdp.lifetime import HINTS
             if man.lifetime not in HINTS:
                 raise ApiError(400, "bad_request", f"lifetime={man.lifetime!r}: accepted values are {sorted(HINTS)}")
-        buf = torch.empty(payload, dtype=torch.uint8)
+        buf = self.buffers.take(payload)
+        try:
+            return await self._put_body(request, tenant, man, scope, owner, keys, buf)
+        finally:
+            self._give(buf)
+
+    async def _put_body(self, request, tenant, man, scope, owner, keys, buf) -> web.Response:
+        body = request.content
+        payload = buf.numel()
         mv = memoryview(buf.numpy()) if payload else memoryview(b"")
         pos = 0
         while pos < payload:
@@ -687,9 +755,10 @@ class Service:
         blocks = [buf[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
         try:
             if self.durable:
-                st = await self._run(durable_store, m, scope, keys, blocks, man.lifetime, man.first_position)
+                st = await self._run_on(buf, durable_store, m, scope, keys, blocks, man.lifetime,
+                                        man.first_position)
             else:
-                st = await self._run(m.store, scope, keys, blocks, None, man.lifetime, man.first_position)
+                st = await self._run_on(buf, m.store, scope, keys, blocks, None, man.lifetime, man.first_position)
         except BaseException:
             self.tenancy.unreserve(scope, charged)
             raise
@@ -710,10 +779,17 @@ class Service:
         if total > self.cfg.limits.max_request_bytes:
             raise ApiError(413, "too_large", f"{len(keys)} blocks of {self.block_bytes} bytes exceed "
                            f"max_request_bytes={self.cfg.limits.max_request_bytes}; split the batch")
-        buf = torch.empty(total, dtype=torch.uint8)
+        buf = self.buffers.take(total)
+        try:
+            return await self._get_body(request, tenant, req, keys, buf)
+        finally:
+            self._give(buf)
+
+    async def _get_body(self, request, tenant, req, keys, buf) -> web.StreamResponse:
+        total = buf.numel()
         dests = [buf[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
         t0 = time.perf_counter()
-        st, _ = await self._run(self.store.manager.load, keys, dests, req.promote)
+        st, _ = await self._run_on(buf, self.store.manager.load, keys, dests, req.promote)
         self.metrics.load_s.observe(time.perf_counter() - t0)
         ok = [i for i, s in enumerate(st) if s is Status.OK]
         for s in st:
