@@ -168,7 +168,8 @@ def run_point(args: dict) -> dict:
                                     device_bytes=dev, utilization=util, ru_size_bytes=ru,
                                     dataplacement=dataplacement, classifier=classifier, clock=clock,
                                     op_fraction=args["op"], isolation=args["isolation"], gc=args["gc"],
-                                    manager_options={"eviction": args.get("eviction", "lru")}))
+                                    manager_options={"eviction": args.get("eviction", "lru"),
+                                                     "nvme_group_choice": args["group_choice"]}))
         if args.get("record"):
             rec = RecordingStorage(w.store.manager.nvme, clock)
             w.store.manager.nvme = rec
@@ -214,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--isolation", default="initial")
     ap.add_argument("--gc", default="greedy")
     ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--group-choice", default="coldest", choices=("first", "coldest"),
+                    help="NVMe region eviction: group of the first LRU victim, or the coldest of the "
+                         "first victims' groups (ManagerConfig.nvme_group_choice)")
     ap.add_argument("--quick", action="store_true", help="smoke: utilisation 0.9, RU 1/60 only")
     ap.add_argument("--baseline-evictions", default="s3fifo,cost",
                     help="further eviction policies run without placement at the sweep point "
@@ -229,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.quick:
         points = [(a.sweep_util, a.base_ru_fraction)]
     base = {"trace": a.trace, "limit": a.limit, "block_bytes": a.block_bytes, "device_bytes": dev,
-            "op": a.op, "isolation": a.isolation, "gc": a.gc}
+            "op": a.op, "isolation": a.isolation, "gc": a.gc, "group_choice": a.group_choice}
     jobs = []
     for u, f in points:
         args = {**base, "util": u, "ru": dev // f}

@@ -210,6 +210,14 @@ class ManagerConfig:
         NVMe backend (the FDP layer maps classes to PIDs).
     classify : callable or None
         ``f(entry, now_s) -> LifetimeClass`` used when a block is written to NVMe.
+    nvme_group_choice : {"first", "coldest"}
+        Region eviction on a segmented NVMe backend: ``"first"`` evicts the
+        reclaim group of the policy's first victim; ``"coldest"`` looks at the
+        groups of the policy's first ``nvme_group_candidates`` victims and evicts
+        the group whose most recently used block is the oldest (a segment is
+        kept while any of its blocks is hot).
+    nvme_group_candidates : int
+        Victims inspected per choice with ``nvme_group_choice="coldest"`` (>= 1).
     clock : callable
         Seconds, monotonic. Tests pass a fake clock.
     """
@@ -227,6 +235,8 @@ class ManagerConfig:
     admit_to_nvme: Callable | None = None
     placement_of: Callable | None = None
     classify: Callable | None = None
+    nvme_group_choice: str = "first"
+    nvme_group_candidates: int = 64
     clock: Callable[[], float] = time.monotonic
     cost: CostModel = dataclasses.field(default_factory=CostModel)
 
@@ -237,6 +247,11 @@ class ManagerConfig:
             raise ConfigError(f"device={self.device!r}: accepted values are ['auto', 'cpu', 'cuda']")
         if self.evict_batch_blocks < 1:
             raise ConfigError(f"evict_batch_blocks={self.evict_batch_blocks}: must be >= 1")
+        if self.nvme_group_choice not in ("first", "coldest"):
+            raise ConfigError(f"nvme_group_choice={self.nvme_group_choice!r}: accepted values are "
+                              "['coldest', 'first']")
+        if self.nvme_group_candidates < 1:
+            raise ConfigError(f"nvme_group_candidates={self.nvme_group_candidates}: must be >= 1")
         for f in ("hbm_bytes", "host_bytes"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f}={getattr(self, f)}: must be >= 0")
@@ -399,13 +414,16 @@ class TierManager:
         policy = self.policies[Tier.NVME]
         tried: set = set()
         while self.nvme.free_blocks() < need:
-            cand = policy.evict(1, lambda k: prot(k) or k in tried, self._now())
+            skip = lambda k: prot(k) or k in tried  # noqa: E731
+            cand = policy.evict(1, skip, self._now())
             if not cand:
                 return False
-            tried.add(cand[0])
             group = self.nvme.reclaim_group(cand[0])
             if group is None:  # open segment, or per-block reclaim: plain eviction
                 group = cand
+            if self.config.nvme_group_choice == "coldest":
+                cand, group = self._coldest_group(policy, skip, cand, group)
+            tried.add(cand[0])
             victims = [self.index[k] for k in group if k in self.index and not prot(k)]
             if not victims:
                 continue
@@ -415,6 +433,49 @@ class TierManager:
             for e in victims:
                 self._drop_copy(e, Tier.NVME)
         return True
+
+    def _retry_no_space(self, entries: list[Entry], blocks: list, placements: list, st: list) -> list:
+        """Retry NVMe puts that found no space, after evicting a reclaim group.
+
+        ``free_blocks()`` does not know placement streams: room in one stream's
+        open segment does not help a put to another stream, which then needs a
+        free segment.  On a segmented backend, evict one whole group (a segment)
+        and retry, a few times at most.
+        """
+        failed = [i for i, s in enumerate(st) if s is Status.NO_SPACE]
+        tries = 0
+        while failed and self._nvme_groups and tries < 4:
+            tries += 1
+            prot = self._protected({e.key for e in entries})
+            if not self._evict_groups(self.nvme.free_blocks() + 1, prot):
+                break
+            self.metrics.inc("nvme_put_retries", len(failed))
+            again = self.nvme.put([entries[i].key for i in failed], [blocks[i] for i in failed],
+                                  [placements[i] for i in failed],
+                                  [entries[i].ns or bytes(32) for i in failed])
+            for i, s in zip(failed, again):
+                st[i] = s
+            failed = [i for i in failed if st[i] is Status.NO_SPACE]
+        return st
+
+    def _coldest_group(self, policy: EvictionPolicy, skip: Callable[[bytes], bool], first: list,
+                       first_group: list) -> tuple[list, list]:
+        """Among the groups of the policy's first victims, the one whose newest access is oldest."""
+        k = self.config.nvme_group_candidates
+        cands = policy.evict(k, skip, self._now()) if k > 1 else []
+        if not cands:
+            return first, first_group
+        best, best_group, best_t = first, first_group, None
+        seen: set = set()
+        for c in cands:
+            if c in seen:
+                continue
+            g = self.nvme.reclaim_group(c) or [c]
+            seen.update(g)
+            t = max((self.index[x].last_access_s for x in g if x in self.index), default=float("-inf"))
+            if best_t is None or t < best_t:
+                best, best_group, best_t = [c], g, t
+        return best, best_group
 
     def _demote(self, victims: list[Entry], tier: Tier, protect: set | None) -> None:
         """Move ``victims`` out of ``tier``: to the next tier if they have no lower copy."""
@@ -454,6 +515,7 @@ class TierManager:
             if blocks and blocks[0].device.type != "cpu":
                 blocks = [b.cpu() for b in blocks]
             st = self.nvme.put([e.key for e in entries], blocks, placements, [e.ns or bytes(32) for e in entries])
+            st = self._retry_no_space(entries, blocks, placements, list(st))
             for e, s in zip(entries, st):
                 if s in (Status.OK, Status.EXISTS):
                     e.slots[Tier.NVME] = -1
