@@ -379,6 +379,9 @@ def format_validation_error(err: ValidationError) -> str:
             lines.append(f"{key}: required key is missing")
             continue
         msg = e["msg"].removeprefix("Value error, ")
+        inner = f"{e['loc'][-1]}=" if e["loc"] else None
+        if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
+            msg = msg.split(": ", 1)[1]
         shown = repr(val) if not isinstance(val, dict) else "{...}"
         lines.append(f"{key}={shown}: {msg}")
     return "invalid daemon config:\n  " + "\n  ".join(lines)
