@@ -184,3 +184,20 @@ def test_kvtrace_device_section_sim(tmp_path, capsys):
             assert set(d["ruh_bytes"]) == {"0"}
         else:
             assert "0" not in d["ruh_bytes"]
+
+
+def test_several_streams_never_drop_demotions(layout):
+    """With one open segment per placement stream, the manager's free_blocks() view is
+    stream-agnostic; a demotion to a stream without room must evict a group and retry."""
+    w = build_store(_sim(layout, dataplacement="fdp", host_bytes=16 * layout.bytes_per_block))
+    try:
+        for i in range(400):
+            st, _, _ = _store_chain(w.store, 4, 100 + i, lifetime=("system", "query", "conversation")[i % 3])
+            assert st == [Status.OK] * 4
+        snap = w.store.manager.metrics.snapshot()
+        assert snap.get("nvme_put_no_space", 0) == 0
+        assert snap.get("evicted_groups_nvme", 0) > 0 and snap["demotions_host_nvme"] > 1500
+        w.store.manager.check_invariants()
+        assert w.device_stats()["waf"] == pytest.approx(1.0)
+    finally:
+        w.close()
