@@ -25,6 +25,7 @@ def test_kill9_recovery(tmp_path):
     deleted: set[bytes] = set()
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     total_acked = 0
+    acked_in: dict[bytes, int] = {}
     for run in range(KILLS):
         engine = "uring" if run % 2 else "posix"
         p = subprocess.Popen([sys.executable, "-m", "tests.io.crash_writer", path, engine, str(run)],
@@ -35,7 +36,7 @@ def test_kill9_recovery(tmp_path):
             pytest.fail(f"writer failed to start: {line!r} {p.stderr.read()}")
         time.sleep(rnd.uniform(0.0, 0.4))
         p.send_signal(signal.SIGKILL)
-        out, _ = p.communicate()
+        out, _ = p.communicate()  # _ is the writer's stderr
         assert p.returncode == -signal.SIGKILL
         for ln in out.splitlines():
             if not ln.endswith("\n") and ln == out.splitlines()[-1] and not out.endswith("\n"):
@@ -46,6 +47,7 @@ def test_kill9_recovery(tmp_path):
             k = bytes.fromhex(hx)
             if tag == "A":
                 acked.add(k)
+                acked_in[k] = run
                 deleted.discard(k)
                 total_acked += 1
             elif tag == "D":
@@ -54,7 +56,8 @@ def test_kill9_recovery(tmp_path):
         present = set(s.keys())
         required = acked - deleted
         missing = required - present
-        assert not missing, f"run {run}: {len(missing)} acknowledged blocks lost"
+        assert not missing, (f"run {run}: {len(missing)} acknowledged blocks lost, acked in runs "
+                             f"{sorted(acked_in[k] for k in missing)}; stderr: {_[-2000:]}")
         for k in present:
             d = torch.empty(cw.BB, dtype=torch.uint8)
             st = s.get([k], [d])[0]

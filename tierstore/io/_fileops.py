@@ -13,6 +13,7 @@ import fcntl
 import os
 import stat
 import struct
+import time
 
 FALLOC_FL_KEEP_SIZE = 0x01   # <linux/falloc.h>
 FALLOC_FL_PUNCH_HOLE = 0x02  # <linux/falloc.h>
@@ -24,8 +25,37 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 
 
-def open_direct(path: str, size_bytes: int, create: bool = True) -> tuple[int, bool]:
-    """Open ``path`` read-write with O_DIRECT; grow a regular file to ``size_bytes``.
+def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
+    """flock(2) ``LOCK_EX`` on the open file description, waiting up to ``timeout_s``.
+
+    Why: one writer per store, and crash safety after kill -9. io_uring requests
+    still in flight when a process dies complete *after* it is reaped (the ring
+    is torn down asynchronously), but each holds a reference to the open file
+    description, and a flock is released only when the last reference goes. So
+    a new opener that gets the lock knows no write of a dead predecessor can
+    land afterwards on space it is about to reuse.
+
+    Raises
+    ------
+    OSError
+        EWOULDBLOCK if another live process holds the store after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(errno.EWOULDBLOCK, f"{path}: locked by another process "
+                              f"(flock LOCK_EX) for more than {timeout_s} s") from None
+            time.sleep(0.01)
+
+
+def open_direct(path: str, size_bytes: int, create: bool = True,
+                lock_timeout_s: float = 30.0) -> tuple[int, bool]:
+    """Open ``path`` read-write with O_DIRECT, lock it exclusively, and grow a
+    regular file to ``size_bytes``.
 
     Returns ``(fd, is_block_device)``. The file is sparse (ftruncate), so space
     is allocated on first write and ENOSPC surfaces at write time.
@@ -33,14 +63,15 @@ def open_direct(path: str, size_bytes: int, create: bool = True) -> tuple[int, b
     Raises
     ------
     OSError
-        EINVAL if the file system refuses O_DIRECT (e.g. tmpfs): never falls
-        back to buffered I/O.
+        EINVAL if the file system refuses O_DIRECT: never falls back to
+        buffered I/O. EWOULDBLOCK if another process holds the store.
     """
     flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
     if create:
         flags |= os.O_CREAT
     fd = os.open(path, flags, 0o644)
     try:
+        lock_exclusive(fd, path, lock_timeout_s)
         st = os.fstat(fd)
         is_blk = stat.S_ISBLK(st.st_mode)
         if is_blk:

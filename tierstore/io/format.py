@@ -65,6 +65,13 @@ recovery when ``verify_on_recovery=True``; a block that fails is never served,
 only reported (``IO_ERROR``) and dropped (a later ``get`` is a ``MISS``).
 Since fdatasync orders all earlier writes of the file, every acknowledged
 extent precedes the torn tail of its chain and is found again after kill -9.
+A recovered segment is never appended to (it stays sealed until reclaimed as
+a whole): complete extents of a dead writer can lie beyond a torn one, and
+appending at the chain end could splice them back in. An exclusive flock(2)
+on the device file, held by the open store, makes a new opener wait until
+every in-flight io_uring write of a killed predecessor has landed.
+When a key is found in two extents (a GC copy-forward cut short by a
+crash), the newer copy wins only if its payload CRC verifies at recovery.
 Deletes are volatile (a restart may bring back a deleted but not yet reclaimed
 block; keys are content hashes, so the bytes are still the right ones).
 CRC-32C: the ``crc32c`` package (Castagnoli polynomial, as iSCSI/ext4/NVMe).

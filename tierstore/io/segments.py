@@ -662,7 +662,6 @@ class SegmentStorage(BlockStorage):
         keep, page = alloc_aligned(max(self.extent_size_bytes, 1 << 20))
         mv = memoryview(keep)
         max_seq = 0
-        seg_placement: dict[int, int | None] = {}
         for seg in self._segs:
             base = seg.idx * S
             pos = 0
@@ -687,19 +686,24 @@ class SegmentStorage(BlockStorage):
                     break
                 gen = h.segment_gen
                 last_seq = h.seq
-                seg_placement[seg.idx] = h.placement
                 good = list(h.entries)
                 if verify:
                     good = self._verify_extent(base + pos, h)
                     self._st["recovery_dropped_blocks"] += len(h.entries) - len(good)
                 for e in good:
+                    new = _Loc(seg.idx, base + pos + e.payload_offset, e.length_bytes,
+                               e.payload_crc32c, h.seq, h.placement, e.ns_digest)
                     old = self._index.get(e.key)
-                    if old is not None and old.seq > h.seq:
-                        continue
                     if old is not None:
+                        # Two copies (a GC copy-forward cut short by a crash):
+                        # the newer wins only if its payload verifies, since a
+                        # torn newer copy must not retire the good older one.
+                        newer, older = (new, old) if new.seq > old.seq else (old, new)
+                        winner = newer if self._verify_loc(e.key, newer) else older
+                        if winner is old:
+                            continue
                         self._segs[old.seg].live.discard(e.key)
-                    self._index[e.key] = _Loc(seg.idx, base + pos + e.payload_offset, e.length_bytes,
-                                              e.payload_crc32c, h.seq, h.placement, e.ns_digest)
+                    self._index[e.key] = new
                     seg.live.add(e.key)
                 seg.written += len(h.entries)
                 max_seq = max(max_seq, h.seq)
@@ -709,24 +713,25 @@ class SegmentStorage(BlockStorage):
                 seg.gen = gen or 0
                 seg.wp = pos
         self._next_seq = max_seq + 1
-        # Reopen, per placement stream, the newest recovered segment with room
-        # so appends continue there instead of stranding its tail.
-        newest: dict = {}
-        for seg in self._segs:
-            if seg.state == "sealed" and self._fit(S - seg.wp, 1):
-                pl = seg_placement.get(seg.idx)
-                if pl not in newest or self._segs[newest[pl]].gen < seg.gen:
-                    newest[pl] = seg.idx
-        for pl, si in newest.items():
-            self._segs[si].state = "open"
-            self._segs[si].placement = pl
-            self._open[pl] = si
+        # Recovered segments are never appended to again (sealed until
+        # reclaimed): a torn extent ends a chain, but complete extents of a dead
+        # process may lie beyond it with sequence numbers above _next_seq;
+        # appending at the chain end could splice them back into the chain.
         self._st["recovered_blocks"] = len(self._index)
         del mv, page, keep
         for seg in self._segs:
             if seg.state == "sealed" and not seg.live:
                 self._reclaim(seg)
         self._st["segments_reclaimed"] = 0
+
+    def _verify_loc(self, key: bytes, loc: _Loc) -> bool:
+        slot = fmt.block_slot_bytes(loc.length)
+        keep, buf = alloc_aligned(slot)
+        try:
+            self.engine.read(loc.offset, buf[:slot]).get()
+        except OSError:
+            return False
+        return fmt.payload_crc(key, memoryview(keep)[:loc.length]) == loc.crc
 
     def _verify_extent(self, ext_off: int, h: fmt.ExtentHeader) -> list:
         good = []
