@@ -29,7 +29,17 @@ different model, revision or fine-tune never reuses KV. ``adapter``,
 
 The code is device-agnostic: every tensor it creates follows the model's
 device and dtype, so it runs unchanged on CPU and on a GPU with a real
-checkpoint.
+checkpoint. Needs a transformers whose caches expose ``.layers`` (tested: 5.24.0); the
+cache keyword (``cache`` in 5.x, ``past_key_values`` before) is detected.
+
+Example::
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda().eval()
+    layout = HFPrefixCache.layout_for(model, tokens_per_block=16)
+    store = KVStore(layout, hbm_bytes=8 << 30, host_bytes=64 << 30,
+                    nvme_path="/mnt/nvme/kv", nvme_bytes=1 << 40)
+    engine = HFPrefixCache(model, store, model_id=f"{name}@{revision}", tenant="acme")
+    out = engine.generate(prompt_ids, max_new_tokens=64)   # out.reused_tokens, out.ttft_s
 """
 from __future__ import annotations
 
