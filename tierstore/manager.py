@@ -344,8 +344,8 @@ class TierManager:
     def _adopt_nvme_keys(self) -> None:
         """Rebuild index entries for blocks a persistent backend recovered."""
         now = self._now()
-        for key in self.nvme.keys():
-            e = Entry(key=key, ns=b"", position=-1, size_bytes=self.block_bytes,
+        for key, (ns, _seq) in self.nvme.entries().items():
+            e = Entry(key=key, ns=ns, position=-1, size_bytes=self.block_bytes,
                       slots={Tier.NVME: -1}, created_s=now, last_access_s=now)
             self.index[key] = e
             self.policies[Tier.NVME].on_insert(e, now)
@@ -625,6 +625,99 @@ class TierManager:
                 self.metrics.inc(f"store_bytes_{tier.label}", self.block_bytes)
                 self._event("stored", key, tier)
         return out
+
+    def store_write_through(self, ns: bytes, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+                            lifetime: LifetimeClass | str | None = None, first_position: int = 0) -> list[Status]:
+        """Store blocks durably: write each to the NVMe tier first, then index it and
+        cache it in the fastest memory tier with room.
+
+        A block is acknowledged (``OK``/``EXISTS``) only once the NVMe backend
+        acknowledged its write (``SegmentStorage``: O_DIRECT + fdatasync). A later
+        eviction of the cached copy writes nothing, since a lower copy exists.
+
+        Parameters
+        ----------
+        ns : bytes
+            32-byte namespace (scope) digest.
+        keys : sequence of bytes
+            Block keys.
+        blocks : sequence of torch.Tensor
+            1-D contiguous CPU ``uint8`` tensors of ``bytes_per_block`` each.
+        lifetime : LifetimeClass or str, optional
+            Placement hint.
+        first_position : int
+            Chain position of ``keys[0]``.
+
+        Returns
+        -------
+        list of Status
+            ``OK`` (newly durable), ``EXISTS`` (already on NVMe), ``NO_SPACE`` or
+            ``IO_ERROR`` per block.
+
+        Raises
+        ------
+        InvariantError
+            If the manager has no NVMe tier.
+        """
+        if self.nvme is None:
+            raise InvariantError("store_write_through needs an NVMe tier")
+        if len(keys) != len(blocks):
+            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
+        n = len(keys)
+        out: list[Status | None] = [None] * n
+        hint = class_from_hint(lifetime)
+        with self._lock:
+            todo = [i for i, k in enumerate(keys)
+                    if not (k in self.index and Tier.NVME in self.index[k].slots)]
+            for i in set(range(n)) - set(todo):
+                out[i] = Status.EXISTS
+            if todo:  # evict NVMe victims now, protecting this batch
+                self._make_room(Tier.NVME, len(todo), set(keys))
+        st: list[Status] = []
+        if todo:
+            place = self.config.placement_of
+            pid = place(hint) if (place is not None and hint is not None) else None
+            try:
+                st = self.nvme.put([keys[i] for i in todo], [blocks[i] for i in todo], [pid] * len(todo),
+                                   [ns] * len(todo))
+            except OSError:
+                st = [Status.IO_ERROR] * len(todo)
+        mem_tiers = [t for t in self.tiers if t != Tier.NVME]
+        with self._lock:
+            now = self._now()
+            for i, s in zip(todo, st):
+                k = keys[i]
+                if s not in (Status.OK, Status.EXISTS):
+                    out[i] = s
+                    self.metrics.inc(f"store_{s.value}")
+                    continue
+                e = self.index.get(k)
+                if e is not None:
+                    if Tier.NVME not in e.slots:
+                        e.slots[Tier.NVME] = -1
+                        self.policies[Tier.NVME].on_insert(e, now)
+                        self.metrics.inc("nvme_write_bytes", self.block_bytes)
+                    out[i] = Status.EXISTS
+                    self.metrics.inc("store_exists")
+                    continue
+                e = Entry(key=k, ns=ns, position=first_position + i, size_bytes=self.block_bytes, slots={},
+                          created_s=now, last_access_s=now, lifetime=hint, nvme_class=hint)
+                for t in mem_tiers:
+                    if self._make_room(t, 1, {k}):
+                        slot = self.pools[t].allocate()
+                        if slot is not None:
+                            self.pools[t].view(slot).copy_(blocks[i])
+                            e.slots[t] = slot
+                            self.policies[t].on_insert(e, now)
+                            break
+                e.slots[Tier.NVME] = -1
+                self.policies[Tier.NVME].on_insert(e, now)
+                self.index[k] = e
+                out[i] = Status.OK
+                self.metrics.inc("store_ok")
+                self.metrics.inc("store_bytes_nvme", self.block_bytes)
+                self.metrics.inc("nvme_write_bytes", self.block_bytes)
+        return [s if s is not None else Status.IO_ERROR for s in out]
 
     def _place_new(self, protect: set) -> Tier | None:
         for t in self.tiers:
@@ -1060,6 +1153,20 @@ class TierManager:
             else:
                 self.pools[t].free(slot)
         self._event("invalidated", e.key)
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks by key (in-use blocks are hidden now and freed on release).
+
+        Returns the number of keys that were resident.
+        """
+        with self._lock:
+            n = 0
+            for k in keys:
+                e = self.index.get(k)
+                if e is not None:
+                    self._remove_entry(e)
+                    n += 1
+            return n
 
     def evict(self, tier: Tier, n: int) -> int:
         """Evict (demote) up to ``n`` unprotected blocks from ``tier`` now.

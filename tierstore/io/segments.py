@@ -243,6 +243,16 @@ class SegmentStorage(BlockStorage):
         with self._lock:
             return list(self._index)
 
+    def entries(self) -> dict[bytes, tuple[bytes, int]]:
+        """``key -> (namespace digest, extent sequence number)`` from the extent headers."""
+        with self._lock:
+            return {k: (loc.ns, loc.seq) for k, loc in self._index.items()}
+
+    def write_seq(self) -> int:
+        """Sequence number the next extent will carry."""
+        with self._lock:
+            return self._next_seq
+
     def stats(self) -> dict:
         """Counters; ``host_write_amplification = (user + gc bytes) / user bytes``."""
         with self._lock:

@@ -97,6 +97,19 @@ class BlockStorage(abc.ABC):
         """Keys currently stored (used to rebuild the index after a restart)."""
         return []
 
+    def entries(self) -> dict[bytes, tuple[bytes, int]]:
+        """``key -> (namespace digest, write sequence number)`` of every stored block.
+
+        Persistent backends return what their on-disk headers record, so a
+        restarted manager gets each block's namespace back. The sequence number
+        orders writes (larger = later); 0 where the backend keeps no order.
+        """
+        return {k: (bytes(32), 0) for k in self.keys()}
+
+    def write_seq(self) -> int:
+        """Sequence number the next write will get (0 where writes are unordered)."""
+        return 0
+
     def stats(self) -> dict:
         """Backend counters (bytes written/read, host write amplification, ...)."""
         return {}
