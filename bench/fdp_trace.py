@@ -35,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import multiprocessing as mp
 import os
@@ -204,7 +203,7 @@ def run_point(args: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL (empty: the packaged excerpt)")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--block-bytes", type=int, default=32 << 10)
     ap.add_argument("--utilizations", default="0.5,0.9,1.0")
@@ -224,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(the 'best no-placement policy' reference)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    a.trace = a.trace or None  # empty: the packaged 1,000-request excerpt
     reqs = read_mooncake(a.trace, a.limit)
     uniq_bytes = unique_full_blocks(reqs) * a.block_bytes
     dev = max(1, int(uniq_bytes * DEVICE_FRACTION) // RU_GRAIN) * RU_GRAIN
@@ -245,8 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"trace {a.trace}: {len(reqs)} requests, unique bytes {uniq_bytes}, block {a.block_bytes} B; "
           f"device {dev} B; {len(points)} points x 3 placements", file=sys.stderr)
     t0 = time.perf_counter()
-    with mp.get_context("fork").Pool(a.procs) as pool:
-        results = pool.map(_run_job, jobs)
+    if a.procs > 1:
+        with mp.get_context("fork").Pool(a.procs) as pool:
+            results = pool.map(_run_job, jobs)
+    else:
+        results = [_run_job(j) for j in jobs]
     rows = []
     for r in results:
         rows.extend(r)

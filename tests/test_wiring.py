@@ -201,3 +201,23 @@ def test_several_streams_never_drop_demotions(layout):
         assert w.device_stats()["waf"] == pytest.approx(1.0)
     finally:
         w.close()
+
+
+def test_fdp_trace_smoke(tmp_path, capsys):
+    """bench/fdp_trace.py end to end on a few hundred requests (the CI smoke)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "fdp_trace.py"
+    spec = importlib.util.spec_from_file_location("fdp_trace", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "t.json"
+    assert mod.main(["--trace", mod.DEFAULT_TRACE if pathlib.Path(mod.DEFAULT_TRACE).exists() else "",
+                     "--limit", "250", "--quick", "--baseline-evictions=", "--procs", "1",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["placement"] for r in rows) == ["class", "none", "oracle"]
+    for r in rows:
+        assert r["wrong_kv_blocks"] == 0 and r["e2e_wa"] >= 1.0 and r["device_waf"] >= 1.0
+        assert r["utilization"] == pytest.approx(0.9, abs=0.02)
+    assert "| placement |" in capsys.readouterr().out
