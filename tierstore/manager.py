@@ -395,7 +395,7 @@ class TierManager:
         need = n - free
         policy = self.policies[tier]
         prot = self._protected(protect)
-        if tier == Tier.NVME and self._nvme_groups and self._evict_groups(need, prot):
+        if tier == Tier.NVME and self._nvme_groups and self._evict_groups(n, prot):
             return True
         batch = max(need, self.config.evict_batch_blocks)
         victims = policy.evict(batch, prot, self._now()) if batch > need else []
@@ -407,13 +407,13 @@ class TierManager:
         self._demote([self.index[k] for k in victims], tier, protect)
         return self._free_count(tier) >= n
 
-    def _evict_groups(self, need: int, prot: Callable[[bytes], bool]) -> bool:
+    def _evict_groups(self, n: int, prot: Callable[[bytes], bool]) -> bool:
         """Region eviction on NVMe: take the policy's first victim and evict every
         unprotected block of its reclaim group (segment), so whole reclaim units
-        become free. Returns True once ``need`` blocks are free."""
+        become free. Returns True once ``n`` blocks are free."""
         policy = self.policies[Tier.NVME]
         tried: set = set()
-        while self.nvme.free_blocks() < need:
+        while self.nvme.free_blocks() < n:
             skip = lambda k: prot(k) or k in tried  # noqa: E731
             cand = policy.evict(1, skip, self._now())
             if not cand:

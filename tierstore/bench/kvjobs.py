@@ -25,8 +25,6 @@ class; ``none`` leaves every write untagged (default handle).
 """
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import numpy as np
