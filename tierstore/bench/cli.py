@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = runner(opts)
         except TierStoreError as exc:
             return _error(f"job {spec.name!r}: {exc}")
+        except OSError as exc:  # a device/file that cannot be opened or sized: say which, no traceback
+            return _error(f"job {spec.name!r}: {exc.strerror or exc} ({exc.filename or 'memory/device'})")
         results.append(result)
 
     report = out_mod.render(results, specs, formats)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..policies.admission import make_admission
 from ..replay import ReplayConfig, run_replay
 from ..wiring import StoreConfig, build_store
 from .registry import current_progress, register_runner
@@ -68,7 +69,8 @@ def store_config(options: dict[str, Any], layout, hbm_bytes: int, host_bytes: in
                   dataplacement=options.get("dataplacement", "none"), op_fraction=options.get("op", 0.07),
                   plids=tuple(options.get("plids", ()) or ()),
                   ru_size_bytes=options["ru_size"] if "ru_size" in explicit else None,
-                  manager_options={"eviction": options["eviction"]})
+                  manager_options={"eviction": options["eviction"],
+                                   "admit_to_nvme": make_admission(options.get("admission", "none"))})
     util = float(options.get("utilization", 0.9))
     if dev_opt == "sim":
         dev = options["device_size"] if "device_size" in explicit else None

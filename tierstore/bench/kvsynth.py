@@ -35,6 +35,8 @@ from ..api import KVStore, leading_ok
 from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
+from ..wiring import build_store
+from .kvjobs import store_config
 from .registry import current_progress, register_runner
 from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
 
@@ -43,19 +45,20 @@ __all__ = ["run_kv_synthetic"]
 _NS = Namespace(model="bench-synthetic")
 
 
-def _build(options: dict[str, Any], layout, directory: str) -> KVStore:
-    try:
-        from ..wiring import store_from_bench_options  # the FDP-aware wiring, when present
-    except ImportError:
-        store_from_bench_options = None
-    if store_from_bench_options is not None:
-        return store_from_bench_options(options, layout, directory)
-    if options.get("dataplacement") == "fdp" or options.get("admission", "none") != "none":
-        raise ConfigError("dataplacement=fdp and admission need tierstore.wiring")
-    return KVStore(layout, hbm_bytes=options["hbm_size"], host_bytes=options["host_size"],
-                   nvme_path=directory if options["nvme_size"] else None, nvme_bytes=options["nvme_size"],
-                   nvme_backend=options.get("nvme_backend", "segment"), eviction=options["eviction"],
-                   promotion="none" if options["rw"] == "kvload" else "top")
+def _build(options: dict[str, Any], layout, directory: str):
+    """The store for a synthetic job: :func:`tierstore.wiring.build_store` (file, sim
+    or FDP device, placement, admission) from the same options as ``rw=kvtrace``.
+    Returns ``(store, wired)``; ``wired`` is ``None`` without an NVMe tier."""
+    opts = dict(options)
+    mo_promotion = "none" if options["rw"] == "kvload" else "top"
+    if not options["nvme_size"]:
+        return KVStore(layout, hbm_bytes=options["hbm_size"], host_bytes=options["host_size"],
+                       eviction=options["eviction"], promotion=mo_promotion), None
+    cfg = store_config(opts, layout, options["hbm_size"], options["host_size"], directory,
+                       options["nvme_size"], None)
+    cfg.manager_options["promotion"] = mo_promotion
+    wired = build_store(cfg)
+    return wired.store, wired
 
 
 def _prompt_tokens(prefix_id: int, nblocks: int, tpb: int, start_block: int = 0) -> np.ndarray:
@@ -84,7 +87,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     own = not options["directory"]
     directory = tempfile.mkdtemp(prefix="tierstore-kv-", dir=os.getcwd()) if own else options["directory"]
     rng = np.random.default_rng(options["seed"])
-    store = _build(options, layout, directory)
+    store, wired = _build(options, layout, directory)
     cpu = CpuUsage()
     progress = current_progress()
     threads = max(1, options["iodepth"] * options["numjobs"])
@@ -216,10 +219,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             "wrong_kv_blocks": wrong[0],
             "load_lat_ns": read.clat_ns,
         }
-        device = {}
-        dev_stats = getattr(store, "device_stats", None)
-        if callable(dev_stats):
-            device = dev_stats()
+        device = wired.device_stats() if wired is not None else {}
         return JobResult(jobname=options.get("name") or rw, options=options, read=read, write=write,
                          kv=kv, device=device, timeseries={},
                          usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end - t_begin) / 1e9,

@@ -103,7 +103,12 @@ class PredictedReuseAdmission:
 
 
 def make_admission(name: str | None) -> Callable[[EntryInfo], bool] | None:
-    """``"none"``/``None`` (admit all), ``"second"`` (:class:`SecondSightingAdmission`).
+    """Admission by name.
+
+    ``"none"``/``None`` (admit all), ``"second"``/``"second_hit"``
+    (:class:`SecondSightingAdmission`), ``"predicted"`` (:class:`PredictedReuseAdmission`
+    over :meth:`~tierstore.policies.lifetime.PrefixLifetimePredictor.reuse_probability`,
+    threshold 0.5).
 
     Raises
     ------
@@ -112,6 +117,9 @@ def make_admission(name: str | None) -> Callable[[EntryInfo], bool] | None:
     """
     if name in (None, "none", "off"):
         return None
-    if name in ("second", "on", "second_sighting"):
+    if name in ("second", "second_hit", "on", "second_sighting"):
         return SecondSightingAdmission()
-    raise ConfigError(f"admission={name!r}: accepted values are ['none', 'second']")
+    if name == "predicted":
+        from .lifetime import PrefixLifetimePredictor
+        return PredictedReuseAdmission(PrefixLifetimePredictor().reuse_probability)
+    raise ConfigError(f"admission={name!r}: accepted values are ['none', 'predicted', 'second', 'second_hit']")
