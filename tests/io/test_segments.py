@@ -203,3 +203,18 @@ def test_observer_sees_the_exact_lba_stream(tmp_path):
     assert all(len(v) == 1 for v in seg_of.values())
     s.delete(keys)
     assert rec.t and all(n == SEG and off % SEG == 0 for off, n in rec.t)
+
+
+def test_entries_keep_namespace_and_order_across_restart(tmp_path):
+    eng = MemoryEngine(2 << 20)
+    s = open_store("memory", tmp_path, 4096, engine_obj=eng)
+    k1, k2 = os.urandom(32), os.urandom(32)
+    ns = bytes(range(32))
+    assert s.put([k1], [content(k1, 4096)], ns_digests=[ns]) == [Status.OK]
+    assert s.put([k2], [content(k2, 4096)]) == [Status.OK]
+    seq_next = s.write_seq()
+    s.close()
+    s = open_store("memory", tmp_path, 4096, engine_obj=eng)
+    e = s.entries()
+    assert e[k1][0] == ns and e[k2][0] == bytes(32)
+    assert e[k1][1] < e[k2][1] < s.write_seq() == seq_next

@@ -253,6 +253,17 @@ class SegmentStorage(BlockStorage):
         with self._lock:
             return self._next_seq
 
+    def entries(self) -> dict[bytes, tuple[bytes, int]]:
+        """``key -> (namespace digest, extent sequence number)`` from the on-disk
+        headers (survives restarts); a larger sequence number is a later write."""
+        with self._lock:
+            return {k: (loc.ns, loc.seq) for k, loc in self._index.items()}
+
+    def write_seq(self) -> int:
+        """Sequence number the next extent will get."""
+        with self._lock:
+            return self._next_seq
+
     def stats(self) -> dict:
         """Counters; ``host_write_amplification = (user + gc bytes) / user bytes``."""
         with self._lock:
