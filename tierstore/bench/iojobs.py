@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -82,6 +83,30 @@ class _BufferedTarget:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _is_nvme_generic(path: str) -> bool:
+    """``/dev/ngXnY``: an NVMe generic character device (I/O passthrough only)."""
+    return os.path.basename(path).startswith("ng") and os.path.exists(path) and \
+        stat.S_ISCHR(os.stat(path).st_mode)
+
+
+class _PassthroughTarget:
+    """``/dev/ngXnY``: placed writes by NVMe passthrough (``IORING_OP_URING_CMD``), reads on the
+    matching ``/dev/nvmeXnY`` (:class:`tierstore.wiring.PassthroughEngine`). Not verified on hardware."""
+
+    def __init__(self, path: str, size_bytes: int, options: dict[str, Any]) -> None:
+        from ..wiring import PassthroughEngine
+        self.engine = PassthroughEngine(path, size_bytes, nsid=int(options.get("nsid", 1) or 1))
+
+    def read(self, buf: Any, offset: int) -> int:
+        return self.engine.read(offset, buf).get()
+
+    def write(self, buf: Any, offset: int, placement: int | None) -> int:
+        return self.engine.write(offset, buf, placement).get()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class _EngineTarget:
@@ -208,10 +233,22 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         if not path:
             tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
             path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
-        if not is_write and not path.startswith("/dev/"):
+        is_dev = path.startswith("/dev/")
+        if is_dev:
+            # never create or fill a regular file under /dev: only existing block/char devices
+            try:
+                st_mode = os.stat(path).st_mode
+            except FileNotFoundError:
+                raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
+                                  "namespace; the development host has none)") from None
+            if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
+                raise ConfigError(f"filename={path!r}: not a block or character device")
+        elif not is_write:
             _layout(path, span_bytes)
     target: Any
-    if options["direct"] or options["ioengine"] == "memory":
+    if path is not None and _is_nvme_generic(path):
+        target = _PassthroughTarget(path, span_bytes, options)
+    elif options["direct"] or options["ioengine"] == "memory":
         target = _EngineTarget(options["ioengine"], path, span_bytes, iodepth * numjobs)
     else:
         target = _BufferedTarget(path)
