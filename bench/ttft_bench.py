@@ -76,7 +76,7 @@ def make_stores(layout, max_blocks: int, nvme_dir: str, prefill_tok_s: float,
     out = {}
     nvme_dir = tempfile.mkdtemp(prefix="store_", dir=nvme_dir)
     for t in tiers:
-        kw = dict(promotion="none", cost=CostModel(prefill_tokens_per_s=prefill_tok_s))
+        kw = dict(promotion="none", cost=CostModel(prefill_tokens_per_s=prefill_tok_s, ewma_alpha=0.0))
         if t == "hbm":
             out[t] = KVStore(layout, hbm_bytes=cap, **kw)
         elif t == "host":
@@ -236,6 +236,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is present")
+    p.add_argument("--cost-prefill-tok-s", type=float, default=None,
+                   help="prefill rate the stores' cost model assumes (default: the calibrated rate). "
+                        "Tiny models prefill so fast that the cost model rightly prefers recompute over "
+                        "an NVMe load; pass a low rate to measure the warm path anyway (smoke tests)")
     p.add_argument("--extrapolate", type=lambda s: [int(x) for x in s.split(",") if x], default=[8192, 16384])
     p.add_argument("--nvme-dir", default=None, help="directory for the NVMe tier file (default: a temp dir)")
     p.add_argument("--render", default=None, help="only re-render the tables (and refit) from a results JSON")
@@ -262,6 +266,7 @@ def main(argv=None) -> int:
     ref.prefill(rng.integers(0, args.vocab, size=64))
     dt, _, _, _ = timed_cold(ref, rng.integers(0, args.vocab, size=256))
     prefill_tok_s = 256 / dt
+    cost_tok_s = args.cost_prefill_tok_s or prefill_tok_s
     max_len = max(args.lengths + [p_ + args.suffix for p_ in args.break_even])
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="ttft_nvme_", dir=os.environ.get("TTFT_NVME_DIR", "/var/tmp"))
     os.makedirs(nvme_dir, exist_ok=True)
@@ -280,7 +285,7 @@ def main(argv=None) -> int:
     print(f"model {nparams / 1e6:.1f}M params, KV {layout.bytes_per_token} B/token, "
           f"prefill ~{prefill_tok_s:.0f} tok/s (256-token calibration)", flush=True)
     for n in sorted(args.lengths):
-        stores = make_stores(layout, max_len // args.tokens_per_block + 1, nvme_dir, prefill_tok_s)
+        stores = make_stores(layout, max_len // args.tokens_per_block + 1, nvme_dir, cost_tok_s)
         adapters = {t: HFPrefixCache(model, s, fingerprint=ref.fingerprint, store_decode=False)
                     for t, s in stores.items()}
         r = measure_length(model, ref, adapters, n, args, rng)
@@ -295,7 +300,7 @@ def main(argv=None) -> int:
               f" (load avg {r['loadavg_1m']})", flush=True)
     if args.break_even:
         pts = []
-        stores = make_stores(layout, max_len // args.tokens_per_block + 1, nvme_dir, prefill_tok_s, ("nvme",))
+        stores = make_stores(layout, max_len // args.tokens_per_block + 1, nvme_dir, cost_tok_s, ("nvme",))
         adapters = {"nvme": HFPrefixCache(model, stores["nvme"], fingerprint=ref.fingerprint, store_decode=False)}
         for p_ in sorted(args.break_even):
             pts.append(measure_length(model, ref, adapters, p_ + args.suffix, args, rng))

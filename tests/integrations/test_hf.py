@@ -292,7 +292,8 @@ def test_ttft_bench_smoke(tmp_path):
     out = tmp_path / "r.json"
     assert mod.main(["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
                      "--kv-heads", "2", "--vocab", "512", "--lengths", "48,80", "--break-even", "16",
-                     "--runs", "1", "--suffix", "8", "--nvme-dir", str(tmp_path / "nv"), "--out", str(out)]) == 0
+                     "--runs", "1", "--suffix", "8", "--nvme-dir", str(tmp_path / "nv"), "--out", str(out),
+                     "--cost-prefill-tok-s", "1"]) == 0
     res = json.loads(out.read_text())
     assert [r["prefix"] for r in res["lengths"]] == [32, 64]
     for r in res["lengths"]:
