@@ -65,7 +65,7 @@ class ReplayConfig:
     time_scale : float
         Multiplier on trace time for the manager's clock.
     sample_every : int
-        Requests between time-series samples.
+        Requests between time-series samples; 0 takes about 200 samples over the run.
     manager_options : dict
         Extra :class:`~tierstore.manager.ManagerConfig` fields.
     """
@@ -83,7 +83,7 @@ class ReplayConfig:
     nvme_backend: str = "auto"
     eviction: str = "lru"
     time_scale: float = 1.0
-    sample_every: int = 200
+    sample_every: int = 0
     manager_options: dict = dataclasses.field(default_factory=dict)
     nvme_options: dict = dataclasses.field(default_factory=dict)
 
@@ -203,6 +203,7 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
     wrong = loaded_blocks = lookup_blocks = hit_blocks = useful_blocks = 0
     ts = {"t_s": [], "hbm_bytes": [], "host_bytes": [], "nvme_bytes": [], "hit_ratio": []}
     t_start = time.perf_counter()
+    every = cfg.sample_every or max(1, len(reqs) // 200)
     m = store.manager
     try:
         for i, r in enumerate(reqs):
@@ -243,7 +244,7 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             m.release(rid)
             if progress is not None and (i % 50 == 0 or i == len(reqs) - 1):
                 progress(i + 1, len(reqs))
-            if i % cfg.sample_every == 0 or i == len(reqs) - 1:
+            if i % every == 0 or i == len(reqs) - 1:
                 bpt = m.bytes_per_tier()
                 sample = {"t_s": clock.now_s, "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"],
                           "nvme_bytes": bpt["nvme"], "hit_ratio": hit_blocks / max(1, lookup_blocks)}

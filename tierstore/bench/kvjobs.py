@@ -131,7 +131,7 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
         device["waf_timeseries"] = {"t_s": list(rep.timeseries["t_s"]), "waf": list(rep.timeseries["waf"])}
     return JobResult(
         jobname=options.get("name") or "kvtrace",
-        options=options,
+        options={**options, "bs": cfg.block_bytes},  # one KV I/O = one trace block
         read=_direction(rep.load_lat_ns, rep.load_bytes, rep.load_wall_s),
         write=_direction(rep.store_lat_ns, rep.store_bytes, rep.store_wall_s),
         kv=kv, device=device, timeseries=rep.timeseries,

@@ -220,7 +220,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             "load_lat_ns": read.clat_ns,
         }
         device = wired.device_stats() if wired is not None else {}
-        return JobResult(jobname=options.get("name") or rw, options=options, read=read, write=write,
+        return JobResult(jobname=options.get("name") or rw, options={**options, "bs": nblk * bb}, read=read, write=write,
                          kv=kv, device=device, timeseries={},
                          usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end - t_begin) / 1e9,
                          ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
