@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import os
 import sys
 import time
@@ -58,7 +57,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierstore.api import KVStore  # noqa: E402
 from tierstore.errors import Status  # noqa: E402
 from tierstore.fdp.ftl import FTLModel  # noqa: E402
-from tierstore.fdp.lifetime import LifetimeClass  # noqa: E402
 from tierstore.policies.admission import make_admission  # noqa: E402
 from tierstore.policies.cost import CostModel  # noqa: E402
 from tierstore.policies.lifetime import PrefixLifetimePredictor, true_class  # noqa: E402

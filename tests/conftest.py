@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny layout, a fake clock, stores with all three tiers."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test

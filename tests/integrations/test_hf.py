@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tierstore import KVStore, Tier  # noqa: E402
+from tierstore import KVStore  # noqa: E402
 from tierstore.errors import ConfigError  # noqa: E402
 from tierstore.policies.cost import CostModel  # noqa: E402
 from tierstore.integrations.hf import (HFPrefixCache, blocks_to_cache, cache_to_blocks,  # noqa: E402

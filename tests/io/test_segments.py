@@ -1,4 +1,3 @@
-import errno
 import os
 
 import numpy as np

@@ -38,7 +38,7 @@ from ..layout import get_layout
 from ..wiring import build_store
 from .kvjobs import store_config
 from .registry import current_progress, register_runner
-from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
+from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_kv_synthetic"]
 
@@ -91,7 +91,6 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     cpu = CpuUsage()
     progress = current_progress()
     threads = max(1, options["iodepth"] * options["numjobs"])
-    m = store.manager
     wrong = [0]
     t_begin = time.perf_counter_ns()
     ramp_end = t_begin + int(options["ramp_time"] * 1e9)

@@ -76,6 +76,30 @@ class LifetimeClassifier(Protocol):
         ...
 
 
+class ReuseHistory:
+    """Bounded LRU record of when keys were stored and reused.
+
+    ``records[key] = [first_seen_s, last_seen_s, reuses]``; the oldest key is
+    dropped past ``max_keys``.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = int(max_keys)
+        self.records: OrderedDict[Hashable, list[float]] = OrderedDict()
+
+    def observe(self, key: Hashable, now_s: float) -> None:
+        """Record a store or reuse of ``key`` at ``now_s`` seconds."""
+        rec = self.records.get(key)
+        if rec is None:
+            self.records[key] = [float(now_s), float(now_s), 0.0]
+            if len(self.records) > self.max_keys:
+                self.records.popitem(last=False)
+        else:
+            rec[1] = float(now_s)
+            rec[2] += 1
+            self.records.move_to_end(key)
+
+
 class ReuseLifetimeClassifier:
     """Default classifier: engine hint if given, else observed reuse.
 
@@ -111,20 +135,12 @@ class ReuseLifetimeClassifier:
         self.long_max_interval_s = float(long_max_interval_s)
         self.medium_max_idle_s = float(medium_max_idle_s)
         self.max_keys = int(max_keys)
-        # key -> [first_seen_s, last_seen_s, reuses]
-        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()
+        self._history = ReuseHistory(self.max_keys)
+        self._seen = self._history.records
 
     def observe(self, key: Hashable, now_s: float) -> None:
         """Record a store or reuse of ``key`` at ``now_s`` seconds."""
-        rec = self._seen.get(key)
-        if rec is None:
-            self._seen[key] = [float(now_s), float(now_s), 0.0]
-            if len(self._seen) > self.max_keys:
-                self._seen.popitem(last=False)
-        else:
-            rec[1] = float(now_s)
-            rec[2] += 1
-            self._seen.move_to_end(key)
+        self._history.observe(key, now_s)
 
     def reuse_stats(self, key: Hashable) -> tuple[int, float]:
         """``(reuses, mean_interval_s)``; ``(0, inf)`` for an unseen or never-reused key."""

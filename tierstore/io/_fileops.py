@@ -25,6 +25,21 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 
 
+def check_queue_args(iodepth: int, max_io_bytes: int, block_size_bytes: int) -> None:
+    """Validate a file engine's queue depth and largest I/O.
+
+    Raises
+    ------
+    ConfigError
+        ``iodepth < 1``, or ``max_io_bytes`` not a positive multiple of the block size.
+    """
+    from ..errors import ConfigError
+    if iodepth < 1:
+        raise ConfigError(f"iodepth={iodepth}: must be >= 1")
+    if max_io_bytes < block_size_bytes or max_io_bytes % block_size_bytes:
+        raise ConfigError(f"max_io_bytes={max_io_bytes}: must be a multiple of {block_size_bytes}")
+
+
 def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
     """flock(2) ``LOCK_EX`` on the open file description, waiting up to ``timeout_s``.
 

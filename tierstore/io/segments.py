@@ -244,16 +244,6 @@ class SegmentStorage(BlockStorage):
             return list(self._index)
 
     def entries(self) -> dict[bytes, tuple[bytes, int]]:
-        """``key -> (namespace digest, extent sequence number)`` from the extent headers."""
-        with self._lock:
-            return {k: (loc.ns, loc.seq) for k, loc in self._index.items()}
-
-    def write_seq(self) -> int:
-        """Sequence number the next extent will carry."""
-        with self._lock:
-            return self._next_seq
-
-    def entries(self) -> dict[bytes, tuple[bytes, int]]:
         """``key -> (namespace digest, extent sequence number)`` from the on-disk
         headers (survives restarts); a larger sequence number is a later write."""
         with self._lock:

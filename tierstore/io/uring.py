@@ -21,8 +21,7 @@ import liburing as L
 
 from .engine import (DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine, IOFuture,
                      ShortIOError)
-from ._fileops import open_direct, punch_hole
-from ..errors import ConfigError
+from ._fileops import check_queue_args, open_direct, punch_hole
 
 
 class _Op:
@@ -54,10 +53,7 @@ class UringEngine(IOEngine):
                  max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
                  block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES):
         super().__init__(size_bytes, block_size_bytes)
-        if iodepth < 1:
-            raise ConfigError(f"iodepth={iodepth}: must be >= 1")
-        if max_io_bytes < block_size_bytes or max_io_bytes % block_size_bytes:
-            raise ConfigError(f"max_io_bytes={max_io_bytes}: must be a multiple of {block_size_bytes}")
+        check_queue_args(iodepth, max_io_bytes, block_size_bytes)
         self.path = str(path)
         self.iodepth = int(iodepth)
         self.max_io_bytes = int(max_io_bytes)

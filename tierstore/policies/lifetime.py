@@ -28,11 +28,10 @@ protocol (``observe``/``classify`` by key).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Hashable
 
 from ..errors import ConfigError
-from ..fdp.lifetime import LifetimeClass, class_from_hint
+from ..fdp.lifetime import LifetimeClass, ReuseHistory, class_from_hint
 from .base import EntryInfo
 
 
@@ -64,7 +63,8 @@ class PrefixLifetimePredictor:
         self.medium_ns_reuse = float(medium_ns_reuse)
         self.max_keys = int(max_keys)
         self._ns: dict[bytes, list[int]] = {}  # ns -> [blocks classified, of which reused]
-        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()  # key -> [first_s, last_s, reuses]
+        self._history = ReuseHistory(self.max_keys)
+        self._seen = self._history.records  # key -> [first_s, last_s, reuses]
 
     # ---------------------------------------------------------- manager hook
     def __call__(self, entry: EntryInfo, now_s: float) -> LifetimeClass:
@@ -103,15 +103,7 @@ class PrefixLifetimePredictor:
     # ---------------------------------------------------------- fdp protocol
     def observe(self, key: Hashable, now_s: float) -> None:
         """Record a store or reuse of ``key`` at ``now_s`` seconds."""
-        rec = self._seen.get(key)
-        if rec is None:
-            self._seen[key] = [float(now_s), float(now_s), 0.0]
-            if len(self._seen) > self.max_keys:
-                self._seen.popitem(last=False)
-        else:
-            rec[1] = float(now_s)
-            rec[2] += 1
-            self._seen.move_to_end(key)
+        self._history.observe(key, now_s)
 
     def classify(self, key: Hashable, hint: str | LifetimeClass | None = None,
                  now_s: float | None = None) -> LifetimeClass:
