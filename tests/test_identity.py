@@ -60,3 +60,10 @@ def test_chain_ids_matches_prefix_semantics():
     a = chain_ids(d, [1, 2, 3])
     b = chain_ids(d, [1, 2, 4])
     assert a[:2] == b[:2] and a[2] != b[2]
+
+
+@pytest.mark.parametrize("bad", [np.random.default_rng(0).random(32), ["a"] * 32, np.full(32, -1),
+                                 np.zeros((2, 16), dtype=np.int64)])
+def test_bad_token_ids_are_typed_errors(bad):
+    with pytest.raises(ConfigError):
+        block_hashes(Namespace(model="m").digest(), bad, B)

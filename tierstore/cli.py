@@ -35,5 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def _entry() -> int:
+    """Console-script entry: Ctrl-C ends with status 130 and one line, not a traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("tierstore: interrupted", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_entry())

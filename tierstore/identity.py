@@ -117,6 +117,30 @@ def hash_block(parent: bytes, content: bytes) -> BlockKey:
     return h.digest()
 
 
+def _token_array(token_ids) -> np.ndarray:
+    """Validate token ids: a 1-D sequence of non-negative integers -> int64 array.
+
+    Raises
+    ------
+    ConfigError
+        For floats, strings, other shapes or negative ids (a silent cast could
+        make two different prompts hash alike).
+    """
+    try:
+        raw = np.asarray(token_ids)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"token_ids: expected a 1-D sequence of non-negative integers ({e})") from None
+    if raw.ndim != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {raw.shape}")
+    if raw.size == 0:
+        return raw.astype("<i8")
+    if raw.dtype.kind not in "iu":
+        raise ConfigError(f"token_ids must be integers, got dtype {raw.dtype}")
+    if raw.dtype.kind == "i" and raw.min() < 0:
+        raise ConfigError("token_ids must be non-negative")
+    return raw.astype("<i8", copy=False)
+
+
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as int64 little-endian bytes (the hashed encoding)."""
     return np.asarray(tokens, dtype="<i8").tobytes()
@@ -141,9 +165,7 @@ def block_hashes(ns_digest: bytes, token_ids: Sequence[int] | np.ndarray,
         ``num_tokens // tokens_per_block`` 32-byte keys; the partial tail is not hashed
         (exact-hit rule).
     """
-    arr = np.asarray(token_ids, dtype="<i8")
-    if arr.ndim != 1:
-        raise ConfigError(f"token_ids must be 1-D, got shape {arr.shape}")
+    arr = _token_array(token_ids)
     out: list[BlockKey] = []
     parent = ns_digest
     for i in range(arr.size // tokens_per_block):

@@ -21,7 +21,6 @@ Scaling (so the run fits a small machine; reported in the output):
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import time
@@ -171,7 +170,7 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
     hbm, host, nvme = cap(cfg.hbm_bytes, cfg.hbm_fraction), cap(cfg.host_bytes, cfg.host_fraction), \
         cap(cfg.nvme_bytes, cfg.nvme_fraction)
     own_dir = cfg.directory is None
-    directory = tempfile.mkdtemp(prefix="tierstore-replay-", dir=os.getcwd()) if own_dir else cfg.directory
+    directory = tempfile.mkdtemp(prefix="tierstore-replay-") if own_dir else cfg.directory
     clock = _TraceClock()
     try:
         if store_factory is not None:

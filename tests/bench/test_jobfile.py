@@ -123,3 +123,12 @@ def test_showcmd_round_trips(tmp_path, run_bench):
     again = parse_jobs(line.split()[2:])
     assert again[0].options == parse_jobs([], [str(path)])[0].options
     assert showcmd(again) == [line]
+
+
+def test_bare_fraction_above_one_is_an_error_not_a_percentage():
+    from tierstore.bench.jobfile import parse_value
+    from tierstore.errors import ConfigError
+    assert parse_value("utilization", "90%") == pytest.approx(0.9)
+    assert parse_value("utilization", "0.9") == pytest.approx(0.9)
+    with pytest.raises(ConfigError, match="utilization"):
+        parse_value("utilization", "2")

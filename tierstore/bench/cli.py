@@ -21,6 +21,7 @@ or a job that failed.
 """
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Sequence
 
@@ -113,7 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TierStoreError as exc:
             return _error(f"job {spec.name!r}: {exc}")
         except OSError as exc:  # a device/file that cannot be opened or sized: say which, no traceback
-            return _error(f"job {spec.name!r}: {exc.strerror or exc} ({exc.filename or 'memory/device'})")
+            where = f" ({exc.filename})" if exc.filename else ""
+            hint = ""
+            if exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC):
+                hint = "; the tier capacities (hbm_size, host_size, nvme_size, device_size) do not fit this machine"
+            return _error(f"job {spec.name!r}: {exc.strerror or exc}{where}{hint}")
+        except MemoryError:
+            return _error(f"job {spec.name!r}: cannot allocate memory; the tier capacities (hbm_size, host_size, "
+                          "nvme_size, device_size) do not fit this machine")
+        except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
+            if "allocate" not in str(exc):
+                raise
+            return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
+                          f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
         results.append(result)
 
     report = out_mod.render(results, specs, formats)

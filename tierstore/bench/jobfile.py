@@ -150,7 +150,7 @@ def _parse_fraction(key: str, raw: str) -> float:
     text = raw.strip()
     pct = text.endswith("%")
     value = _parse_number(key, text.rstrip("%"), float, "a fraction such as 0.9 or a percentage such as 90%")
-    if pct or value > 1.0:
+    if pct:
         value /= 100.0
     if not 0.0 <= value <= 1.0:
         raise _bad(key, raw, "expected a fraction in [0, 1] or a percentage in [0%, 100%]")

@@ -21,7 +21,6 @@ FTL model (:mod:`tierstore.wiring`, when available) and the job reports WAF.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -85,7 +84,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     nblk = max(1, options["bs"] // bb)
     n_req = max(1, options["size"] // (nblk * bb))
     own = not options["directory"]
-    directory = tempfile.mkdtemp(prefix="tierstore-kv-", dir=os.getcwd()) if own else options["directory"]
+    directory = tempfile.mkdtemp(prefix="tierstore-kv-") if own else options["directory"]
     rng = np.random.default_rng(options["seed"])
     store, wired = _build(options, layout, directory)
     cpu = CpuUsage()

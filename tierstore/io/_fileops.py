@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import os
 import stat
 import struct
@@ -56,11 +57,16 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
         EWOULDBLOCK if another live process holds the store after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
+    warned = False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
+            if not warned:
+                logging.getLogger("tierstore.io").warning(
+                    "%s is locked by another process; waiting up to %.0f s", path, timeout_s)
+                warned = True
             if time.monotonic() >= deadline:
                 raise OSError(errno.EWOULDBLOCK, f"{path}: locked by another process "
                               f"(flock LOCK_EX) for more than {timeout_s} s") from None
