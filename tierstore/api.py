@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, LayoutError, Status
-from .identity import Namespace, block_hashes
+from .identity import DigestCache, Namespace, block_hashes
 from .layout import KVLayout
 from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
 from .tiers.storage import BlockStorage
@@ -127,20 +127,13 @@ class KVStore:
         cfg = ManagerConfig(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, **manager_options)
         self.layout = layout
         self.manager = TierManager(cfg, nvme)
-        self._digests: dict[Namespace, bytes] = {}
+        self._digests = DigestCache()
         self._rids = itertools.count(1)
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
         """Namespace digest (cached)."""
-        if isinstance(ns, bytes):
-            if len(ns) != 32:
-                raise ConfigError(f"a namespace digest must be 32 bytes, got {len(ns)}")
-            return ns
-        d = self._digests.get(ns)
-        if d is None:
-            d = self._digests[ns] = ns.digest()
-        return d
+        return self._digests(ns)
 
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids`` under ``ns``."""

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .errors import LayoutError, QuotaExceeded, Status, TierStoreError
-from .identity import Namespace, block_hashes
+from .identity import DigestCache, Namespace, block_hashes
 from .layout import KVLayout
 from .manager import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
@@ -130,7 +130,7 @@ class RemoteKVStore:
         self.durable: bool = bool(info["durable"])
         self.max_request_bytes: int = int(info["max_request_bytes"])
         self.max_keys_per_request: int = int(info["max_keys_per_request"])
-        self._digests: dict[Namespace, bytes] = {}
+        self._digests = DigestCache()
 
     # ------------------------------------------------------------------ plumbing
     async def _open(self) -> None:
@@ -185,14 +185,7 @@ class RemoteKVStore:
     # ------------------------------------------------------------------ identity
     def digest(self, ns: Namespace | bytes) -> bytes:
         """Client-side namespace digest (the daemon re-scopes it to the caller's tenant)."""
-        if isinstance(ns, bytes):
-            if len(ns) != 32:
-                raise LayoutError(f"a namespace digest must be 32 bytes, got {len(ns)}")
-            return ns
-        d = self._digests.get(ns)
-        if d is None:
-            d = self._digests[ns] = ns.digest()
-        return d
+        return self._digests(ns)
 
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids`` under ``ns`` (remembered for :meth:`load`)."""

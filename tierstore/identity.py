@@ -100,6 +100,30 @@ class Namespace:
         return dataclasses.replace(self, tenant=tenant)
 
 
+class DigestCache:
+    """Memoised :meth:`Namespace.digest` (a digest is SHA-256 over JSON: cheap, but on every call)."""
+
+    def __init__(self) -> None:
+        self._digests: dict[Namespace, bytes] = {}
+
+    def __call__(self, ns: "Namespace | bytes") -> bytes:
+        """The 32-byte digest of ``ns`` (a ready digest is checked and returned).
+
+        Raises
+        ------
+        ConfigError
+            If a raw digest is not 32 bytes.
+        """
+        if isinstance(ns, bytes):
+            if len(ns) != 32:
+                raise ConfigError(f"a namespace digest must be 32 bytes, got {len(ns)}")
+            return ns
+        d = self._digests.get(ns)
+        if d is None:
+            d = self._digests[ns] = ns.digest()
+        return d
+
+
 def hash_block(parent: bytes, content: bytes) -> BlockKey:
     """One link of the chain: ``SHA-256(domain || parent || content)``.
 
