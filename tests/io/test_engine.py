@@ -1,4 +1,5 @@
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -114,3 +115,35 @@ def test_file_is_opened_with_o_direct(tmp_path, kind):
     eng = open_engine(kind, str(tmp_path / "d.bin"), 1 << 20)
     assert fcntl.fcntl(eng.fd, fcntl.F_GETFL) & os.O_DIRECT
     eng.close()
+
+
+@pytest.mark.parametrize("kind", ["posix", "uring"])
+def test_preallocate_allocates_a_range_and_reads_zeros(tmp_path, kind):
+    from .conftest import make_engine
+    eng = make_engine(kind, tmp_path, 8 << 20)
+    path = eng.path
+    before = os.stat(path).st_blocks
+    eng.preallocate(1 << 20, 4 << 20)
+    after = os.stat(path).st_blocks
+    assert (after - before) * 512 >= 4 << 20  # allocated, file size unchanged
+    assert os.stat(path).st_size == 8 << 20
+    keep, buf = alloc_aligned(4096)
+    buf.fill_(7)
+    eng.read(1 << 20, buf).get()
+    assert int(buf.sum()) == 0
+    with pytest.raises(Exception):
+        eng.preallocate(1, 4096)  # unaligned offset is refused
+    eng.close()
+
+
+def test_preallocate_enospc_releases_the_partial_range(tmp_path):
+    from tierstore.io._fileops import preallocate
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as ei:  # far more than the disk holds
+            preallocate(fd, 0, 1 << 62, False)
+        assert ei.value.errno in (errno.ENOSPC, errno.EFBIG, errno.EINVAL)
+        assert os.fstat(fd).st_blocks == 0
+    finally:
+        os.close(fd)

@@ -67,6 +67,9 @@ def _fill_and_check(s, bb):
                 assert s.contains(k) == (x is Status.OK)
             break
     assert rejected > 0, "file system never filled"
+    # segments are allocated whole (fallocate) before they are written, so the
+    # full file system shows at segment allocation, before any data is written
+    assert s.stats()["preallocate_errors"] > 0
     assert len(stored) > 50
     for k in stored:
         d = torch.empty(bb, dtype=torch.uint8)

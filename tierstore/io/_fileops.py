@@ -108,6 +108,39 @@ def open_direct(path: str, size_bytes: int, create: bool = True,
     return fd, is_blk
 
 
+def preallocate(fd: int, offset: int, length: int, is_block_device: bool) -> None:
+    """Allocate a byte range of a regular file ahead of writes: fallocate(2)
+    mode 0 with ``FALLOC_FL_KEEP_SIZE`` (unwritten extents, reads return zeros).
+
+    O_DIRECT writes into a hole make the file system allocate blocks inside
+    the write (on ext4 an io_uring write into a hole cannot be issued
+    non-blocking and is punted to a worker); allocating a whole segment (a
+    reclaim unit) first takes that out of the write path, and an out-of-space
+    condition surfaces here, before any of the segment's data is written.
+    Block devices need nothing. A file system without fallocate(2)
+    (EOPNOTSUPP) keeps the sparse behaviour.
+
+    Raises
+    ------
+    OSError
+        ENOSPC/EDQUOT/EFBIG (the part allocated before the failure is punched
+        back out), or another errno from fallocate(2).
+    """
+    if is_block_device or length <= 0:
+        return
+    rc = _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)
+    if rc == 0:
+        return
+    e = ctypes.get_errno()
+    if e in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return
+    try:
+        punch_hole(fd, offset, length, False)
+    except OSError:
+        pass
+    raise OSError(e, f"fallocate offset={offset} length={length}: {os.strerror(e)}")
+
+
 def punch_hole(fd: int, offset: int, length: int, is_block_device: bool) -> None:
     """Deallocate a byte range: fallocate(PUNCH_HOLE|KEEP_SIZE) or BLKDISCARD.
 

@@ -316,6 +316,21 @@ class IOEngine:
         fut.add_done_callback(done)
         return fut
 
+    def preallocate(self, offset: int, length: int) -> None:
+        """Reserve space for ``[offset, offset + length)`` before writing it
+        (fallocate(2) on files; nothing on block devices and in memory).
+
+        Offset and length must be multiples of ``block_size_bytes``.
+
+        Raises
+        ------
+        OSError
+            ENOSPC (or another errno) if the space cannot be allocated; then
+            nothing of the range stays allocated.
+        """
+        self._check_range(offset, length)
+        self._preallocate_impl(offset, length)
+
     def sync(self) -> None:
         """Make completed writes durable (fdatasync(2)); raises ``OSError``."""
         self._sync_impl()
@@ -389,6 +404,9 @@ class IOEngine:
 
     def _trim_impl(self, offset: int, length: int) -> IOFuture:
         raise NotImplementedError
+
+    def _preallocate_impl(self, offset: int, length: int) -> None:
+        return None
 
     def _sync_impl(self) -> None:
         raise NotImplementedError

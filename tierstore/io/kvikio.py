@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .engine import DEFAULT_BLOCK_SIZE_BYTES, IOEngine, IOFuture, as_byte_view
-from ._fileops import punch_hole
+from ._fileops import preallocate, punch_hole
 from ..errors import AlignmentError, TierStoreError
 
 
@@ -98,6 +98,9 @@ class KvikioEngine(IOEngine):
         except OSError as exc:
             return IOFuture.failed(exc)
         return IOFuture.completed(length)
+
+    def _preallocate_impl(self, offset, length):
+        preallocate(self._f.fileno(), offset, length, False)
 
     def _sync_impl(self):
         os.fdatasync(self._f.fileno())

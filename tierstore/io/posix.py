@@ -11,7 +11,7 @@ import os
 
 from .engine import (DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, CompositeFuture, IOEngine,
                      IOFuture, ShortIOError)
-from ._fileops import check_queue_args, open_direct, punch_hole
+from ._fileops import check_queue_args, open_direct, preallocate, punch_hole
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
@@ -93,6 +93,9 @@ class PosixEngine(IOEngine):
         except OSError as exc:
             return IOFuture.failed(exc)
         return IOFuture.completed(length)
+
+    def _preallocate_impl(self, offset, length):
+        preallocate(self.fd, offset, length, self.is_block_device)
 
     def _sync_impl(self):
         os.fdatasync(self.fd)

@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import threading
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from . import format as fmt
-from .batch import (DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, fragment_nbytes,
-                    gather_fragments, scatter_fragments)
+from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
@@ -54,6 +54,7 @@ from ..units import parse_size
 #: Navy region-size multiple; configure to the device's RU size.
 DEFAULT_SEGMENT_BYTES = 256 << 20
 _NOSPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -180,7 +181,7 @@ class SegmentStorage(BlockStorage):
                     "extents_written": 0, "put_blocks_ok": 0, "put_no_space": 0,
                     "put_io_error": 0, "get_hits": 0, "get_misses": 0, "get_io_errors": 0,
                     "corrupt_blocks": 0, "segments_reclaimed": 0, "gc_runs": 0,
-                    "recovered_blocks": 0, "recovery_dropped_blocks": 0}
+                    "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0}
         self._recover(verify_on_recovery)
 
     # ================================================================ seam API
@@ -321,10 +322,13 @@ class SegmentStorage(BlockStorage):
         for k in keys:
             if len(k) != fmt.KEY_BYTES:
                 raise LayoutError(f"key of {len(k)} bytes; keys are {fmt.KEY_BYTES} bytes")
-        for frags in fragments_per_block:
-            total = sum(fragment_nbytes(f) for f in frags)
-            if total != self.block_bytes:
-                raise LayoutError(f"block of {total} bytes; this store holds {self.block_bytes}-byte blocks")
+        # Check every block's fragments once, before any I/O (a misuse raises
+        # here, with nothing written); the copy threads then move each block
+        # with one call.
+        fragments_per_block = [plan_fragments(frags) for frags in fragments_per_block]
+        for p in fragments_per_block:
+            if p.nbytes != self.block_bytes:
+                raise LayoutError(f"block of {p.nbytes} bytes; this store holds {self.block_bytes}-byte blocks")
         nss = [bytes(d) if d is not None else bytes(32) for d in (ns_digests or [None] * n)]
         for d in nss:
             if len(d) != 32:
@@ -382,10 +386,10 @@ class SegmentStorage(BlockStorage):
         n = len(keys)
         if len(dest_fragments_per_block) != n:
             raise LayoutError(f"{n} keys but {len(dest_fragments_per_block)} destination lists")
-        for frags in dest_fragments_per_block:
-            total = sum(fragment_nbytes(f) for f in frags)
-            if total != self.block_bytes:
-                raise LayoutError(f"destination of {total} bytes; blocks are {self.block_bytes} bytes")
+        dest_fragments_per_block = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
+        for p in dest_fragments_per_block:
+            if p.nbytes != self.block_bytes:
+                raise LayoutError(f"destination of {p.nbytes} bytes; blocks are {self.block_bytes} bytes")
         keys = [bytes(k) for k in keys]
         with self._lock:
             if self._closed:
@@ -403,10 +407,14 @@ class SegmentStorage(BlockStorage):
                         self._read_one(keys[i], loc, dest_fragments_per_block[i], status, i)
                     return
                 mv = memoryview(view.numpy())
+                # Verify every block first (CRC-32C on the copy threads), then
+                # scatter the good ones back to back on torch's threads.
                 oks = self._pipe.map(
                     lambda m: fmt.payload_crc(keys[m[0]], mv[m[1].offset - start:m[1].offset - start + m[1].length])
-                    == m[1].crc and scatter_fragments(view, m[1].offset - start, dest_fragments_per_block[m[0]]) >= 0,
-                    members)
+                    == m[1].crc, members)
+                good = [m for m, ok in zip(members, oks) if ok]
+                self._pipe.scatter_blocks(view, [loc.offset - start for _, loc in good],
+                                          [dest_fragments_per_block[i] for i, _ in good])
                 for (i, loc), ok in zip(members, oks):
                     if ok:
                         self._st["bytes_loaded"] += loc.length
@@ -462,7 +470,7 @@ class SegmentStorage(BlockStorage):
             self._drop_corrupt(key, loc)
             status[i] = Status.IO_ERROR
             return
-        scatter_fragments(view, rel, dests)
+        plan_fragments(dests, destination=True).scatter(view, rel)
         self._st["bytes_loaded"] += loc.length
         status[i] = Status.OK
 
@@ -506,6 +514,16 @@ class SegmentStorage(BlockStorage):
             return None
         if seg.state != "free":
             raise InvariantError(f"segment {seg.idx} taken while {seg.state}")
+        # Allocate the whole segment (reclaim unit) before writing into it:
+        # writes then never allocate, and a full file system shows here, with
+        # nothing written; the puts that needed it get NO_SPACE.
+        try:
+            self.engine.preallocate(seg.idx * self.segment_size_bytes, self.segment_size_bytes)
+        except OSError as exc:
+            self._st["preallocate_errors"] += 1
+            _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space",
+                         seg.idx, self.segment_size_bytes, exc)
+            return None
         seg.state = "open"
         seg.placement = placement
         seg.wp = 0
@@ -545,13 +563,17 @@ class SegmentStorage(BlockStorage):
                 slot = fmt.block_slot_bytes(self.block_bytes)
                 jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
 
+                # Copies back to back on torch's threads, then CRC-32C on the
+                # copy threads (crc32c releases the GIL).
+                self._pipe.gather_blocks([frags[i] for i in p.idx], buf, [pos for _, pos in jobs])
+                if slot > self.block_bytes:
+                    for _, pos in jobs:
+                        buf[pos + self.block_bytes:pos + slot].zero_()
+
                 def one(job) -> fmt.BlockEntry:
                     i, pos = job
-                    nb = gather_fragments(frags[i], buf, pos)
-                    crc = fmt.payload_crc(keys[i], mv[pos:pos + nb])
-                    if slot > nb:
-                        buf[pos + nb:pos + slot].zero_()
-                    return fmt.BlockEntry(keys[i], nss[i], pos, nb, crc)
+                    return fmt.BlockEntry(keys[i], nss[i], pos, self.block_bytes,
+                                          fmt.payload_crc(keys[i], mv[pos:pos + self.block_bytes]))
                 entries = self._pipe.map(one, jobs)
                 end = hb + len(jobs) * slot
                 fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)

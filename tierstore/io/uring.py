@@ -21,7 +21,7 @@ import liburing as L
 
 from .engine import (DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine, IOFuture,
                      ShortIOError)
-from ._fileops import check_queue_args, open_direct, punch_hole
+from ._fileops import check_queue_args, open_direct, preallocate, punch_hole
 
 
 class _Op:
@@ -152,6 +152,9 @@ class UringEngine(IOEngine):
         except OSError as exc:
             return IOFuture.failed(exc)
         return IOFuture.completed(length)
+
+    def _preallocate_impl(self, offset, length):
+        preallocate(self.fd, offset, length, self.is_block_device)
 
     def _sync_impl(self):
         os.fdatasync(self.fd)
