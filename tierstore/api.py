@@ -39,6 +39,7 @@ import torch
 
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
+from .io.batch import FragmentPlan, plan_fragments
 from .layout import KVLayout
 from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
 from .tiers.storage import BlockStorage
@@ -213,12 +214,21 @@ class KVStore:
         order layer0-K, layer0-V, layer1-K, ...; each ``fragment_bytes``)."""
         blocks = []
         for frags in fragments_per_block:
-            self.layout.check_fragments(frags)
+            plan = self._plan(frags, destination=False)
             blk = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-            for dst, src in zip(self.layout.fragments(blk), frags):
-                dst.copy_(src.reshape(dst.shape))
+            plan.gather(blk.view(-1).view(torch.uint8), 0)
             blocks.append(blk)
         return self.store(ns, token_ids, blocks, start_block, lifetime)
+
+    def _plan(self, frags: Sequence[torch.Tensor], destination: bool) -> FragmentPlan:
+        """Check a block's fragments and plan the copy: views of one KV pool at
+        a constant stride move as one strided copy (:mod:`tierstore.io.batch`)."""
+        if len(frags) != self.layout.num_fragments:
+            raise LayoutError(f"expected {self.layout.num_fragments} fragments, got {len(frags)}")
+        plan = plan_fragments(frags, destination=destination)
+        if plan.strided is None or plan.strided.shape[1] != self.layout.fragment_bytes:
+            self.layout.check_fragments(frags)  # names the wrong fragment
+        return plan
 
     # -------------------------------------------------------------- lookup / load
     def lookup(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
@@ -255,12 +265,11 @@ class KVStore:
         """Load blocks and scatter each into its ``2 * num_layers`` destination fragments."""
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
+        plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
         st, outs = self.manager.load(keys, None)
-        for s, raw, frags in zip(st, outs, dest_fragments_per_block):
+        for s, raw, plan in zip(st, outs, plans):
             if s is Status.OK:
-                self.layout.check_fragments(frags)
-                for dst, src in zip(frags, self.layout.fragments(self.layout.block_view(raw))):
-                    dst.copy_(src.reshape(dst.shape))
+                plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
         return st
 
     # -------------------------------------------------------------- pins / admin

@@ -117,8 +117,10 @@ class SegmentStorage(BlockStorage):
     verify_on_recovery : bool
         Verify every payload CRC when reopening (default: lazily on read).
     copy_threads : int, optional
-        Threads gathering/checksumming blocks of an extent in parallel
-        (default: CPUs, at most 4; 1 = inline).
+        CPUs used to gather/scatter (torch intra-op threads) and checksum
+        (Python threads) the blocks of an extent while I/O is in flight
+        (default: all CPUs but one, 1 to 4; see
+        :func:`tierstore.io.batch.default_copy_threads`).
 
     Raises
     ------
