@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from tierstore.errors import Status  # noqa: E402
 from tierstore.io import SegmentStorage, open_engine  # noqa: E402
-from tierstore.io.batch import ExtentPipeline, plan_fragments  # noqa: E402
+from tierstore.io.batch import ExtentPipeline, KVPagePool, plan_fragments  # noqa: E402
 from tierstore.io.engine import alloc_aligned  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
 
@@ -144,7 +144,8 @@ def per_fragment_pass(dirpath: str, pool: KVPool, dst: KVPool, args) -> tuple[fl
     return _gbps(total, t_w), _gbps(total, t_r)
 
 
-def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | None) -> tuple[float, float, float]:
+def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | None,
+                   reps: int = 3) -> tuple[float, ...]:
     """Gather 2 MiB blocks of 32 KiB fragments into 16 MiB staging extents and
     scatter back, exactly as the store and load do: each block's fragments are
     checked and planned (``plan_fragments``, timed), then moved with
@@ -152,7 +153,19 @@ def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | N
     of the same bytes, contiguous. Both use the same number of threads (torch's
     intra-op threads, unless ``--copy-threads`` is given): this compares the
     gather with a memcpy, not thread counts. (Next to I/O the store uses
-    ``default_copy_threads()``, all CPUs but one.)"""
+    ``default_copy_threads()``, all CPUs but one.)
+
+    The same blocks are also gathered/scattered through a ``KVPagePool`` (the
+    pool plus block ids, as an engine names them): no per-fragment check.
+
+    Two memcpy baselines: one ``copy_`` of the whole buffer into another
+    (``memcpy``), and the same bytes copied contiguously through the same
+    16 MiB staging buffer (``memcpy_staged_{in,out}``: source to staging, staging
+    to destination), which has the gather's and the scatter's cache behaviour
+    and differs from them only in fragmentation.
+
+    Everything is timed ``reps`` times, interleaved; each figure is the median
+    of its reps (memory bandwidth on a shared VM drifts)."""
     src_blocks, dst_blocks = pool.block_fragments(2 << 20), dst.block_fragments(2 << 20)
     total = len(src_blocks) * (2 << 20)
     eng = open_engine("memory", None, 4096)
@@ -161,26 +174,54 @@ def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | N
     staging = pipe.staging[0]
     per = extent // (2 << 20)
     offsets = [j * (2 << 20) for j in range(per)]
-    t0 = time.perf_counter()
-    plans = [plan_fragments(b) for b in src_blocks]
-    for a in range(0, len(plans), per):
-        pipe.gather_blocks(plans[a:a + per], staging, offsets)
-    t_g = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    plans = [plan_fragments(b, destination=True) for b in dst_blocks]
-    for a in range(0, len(plans), per):
-        pipe.scatter_blocks(staging, offsets, plans[a:a + per])
-    t_s = time.perf_counter() - t0
-    pipe.close()
+    t_g, t_s, t_m, t_mg, t_ms, t_gp, t_sp = [], [], [], [], [], [], []
+    src_pages, dst_pages = KVPagePool(pool.pool), KVPagePool(dst.pool)
     nthreads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    chunk = per * (2 << 20)
     try:
-        t0 = time.perf_counter()
-        dst.flat[:total].copy_(pool.flat[:total])
-        t_m = time.perf_counter() - t0
+        for _ in range(reps):
+            torch.set_num_threads(threads)
+            # the same bytes, contiguous, through the same staging buffer
+            t0 = time.perf_counter()
+            for a in range(0, total, chunk):
+                staging[:min(chunk, total - a)].copy_(pool.flat[a:a + chunk])
+            t_mg.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for a in range(0, total, chunk):
+                dst.flat[a:a + chunk].copy_(staging[:min(chunk, total - a)])
+            t_ms.append(time.perf_counter() - t0)
+            torch.set_num_threads(nthreads)
+            t0 = time.perf_counter()
+            plans = [plan_fragments(b) for b in src_blocks]
+            for a in range(0, len(plans), per):
+                pipe.gather_blocks(plans[a:a + per], staging, offsets)
+            t_g.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            plans = [plan_fragments(b, destination=True) for b in dst_blocks]
+            for a in range(0, len(plans), per):
+                pipe.scatter_blocks(staging, offsets, plans[a:a + per])
+            t_s.append(time.perf_counter() - t0)
+            # the engine's page pool named by block ids (KVPagePool): no
+            # per-fragment check
+            t0 = time.perf_counter()
+            plans = src_pages.plans(range(len(src_blocks)))
+            for a in range(0, len(plans), per):
+                pipe.gather_blocks(plans[a:a + per], staging, offsets)
+            t_gp.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            plans = dst_pages.plans(range(len(dst_blocks)), destination=True)
+            for a in range(0, len(plans), per):
+                pipe.scatter_blocks(staging, offsets, plans[a:a + per])
+            t_sp.append(time.perf_counter() - t0)
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            dst.flat[:total].copy_(pool.flat[:total])
+            t_m.append(time.perf_counter() - t0)
+            torch.set_num_threads(nthreads)
     finally:
         torch.set_num_threads(nthreads)
-    return _gbps(total, t_g), _gbps(total, t_s), _gbps(total, t_m)
+        pipe.close()
+    return tuple(_gbps(total, statistics.median(t)) for t in (t_g, t_s, t_m, t_mg, t_ms, t_gp, t_sp))
 
 
 def lmcache_pass(py: str, dirpath: str, total: int, chunk: int) -> tuple[float, float]:
@@ -298,10 +339,14 @@ def main() -> None:
                 for chunk, tag in ((4 << 20, "4MiB"), (256 << 10, "256KiB")):
                     pair(lmcache_pass_step(chunk, tag), ts_pass(chunk, tag))
             if "gather" not in skip:
-                g, s_, m = gather_scatter(pool, dst, args.extent, args.copy_threads)
+                g, s_, m, mg, ms, gp, sp = gather_scatter(pool, dst, args.extent, args.copy_threads)
+                rec("gather_page_pool_GBps", gp)
+                rec("scatter_page_pool_GBps", sp)
                 rec("gather_GBps", g)
                 rec("scatter_GBps", s_)
                 rec("memcpy_GBps", m)
+                rec("memcpy_staged_in_GBps", mg)
+                rec("memcpy_staged_out_GBps", ms)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -321,6 +366,10 @@ def main() -> None:
     ratio("load vs LMCache LocalDisk, 256 KiB chunks", "tierstore_load_256KiB_GBps", "lmcache_load_256KiB_GBps", 3.0)
     ratio("gather vs contiguous memcpy", "gather_GBps", "memcpy_GBps", 0.8)
     ratio("scatter vs contiguous memcpy", "scatter_GBps", "memcpy_GBps", 0.8)
+    ratio("gather from a KVPagePool (block ids) vs memcpy", "gather_page_pool_GBps", "memcpy_GBps", 0.8)
+    ratio("scatter into a KVPagePool (block ids) vs memcpy", "scatter_page_pool_GBps", "memcpy_GBps", 0.8)
+    ratio("gather vs contiguous memcpy into the same staging", "gather_GBps", "memcpy_staged_in_GBps", 0.8)
+    ratio("scatter vs contiguous memcpy out of the same staging", "scatter_GBps", "memcpy_staged_out_GBps", 0.8)
     # What the disk allows: the ratio tierstore would reach if it ran exactly at
     # fio's 1 MiB speed. A goal above its bound cannot be met on this device.
     bounds: dict[str, dict] = {}

@@ -60,3 +60,23 @@ def test_fragment_misuse_is_refused():
     with pytest.raises(LayoutError, match="fragment 3"):
         store.store_fragments(NS, tokens, [bad])
     assert store.lookup(NS, tokens).matched_tokens == 0  # nothing was stored
+
+
+def test_page_pool_plans_round_trip_through_the_store():
+    from tierstore.io import KVPagePool
+    store = KVStore(LAYOUT, host_bytes=64 * LAYOUT.bytes_per_block)
+    tokens = list(range(2 * LAYOUT.tokens_per_block))
+    src = paged_pool(5, seed=3)
+    pages = KVPagePool(src)
+    assert pages.affine and pages.block_bytes == LAYOUT.bytes_per_block
+    assert store.store_fragments(NS, tokens, pages.plans([3, 0])) == [Status.OK] * 2
+    dst = torch.zeros_like(src)
+    hit = store.lookup(NS, tokens)
+    assert store.load_fragments(hit.keys, KVPagePool(dst).plans([1, 4], destination=True)) == [Status.OK] * 2
+    assert torch.equal(dst[:, :, 1], src[:, :, 3]) and torch.equal(dst[:, :, 4], src[:, :, 0])
+    assert int(dst[:, :, [0, 2, 3]].float().abs().sum()) == 0  # other blocks untouched
+    with pytest.raises(LayoutError, match="block id"):
+        pages.plan(5)
+    small = KVPagePool(paged_pool(2, seed=4)[:2])  # 2 layers: wrong block size
+    with pytest.raises(LayoutError, match="bytes"):
+        store.store_fragments(NS, tokens[:16], small.plans([0]))

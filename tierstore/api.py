@@ -210,8 +210,26 @@ class KVStore:
 
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
                         start_block: int = 0, lifetime: str | None = None) -> list[Status]:
-        """Store blocks given as engine fragments (``2 * num_layers`` tensors per block,
-        order layer0-K, layer0-V, layer1-K, ...; each ``fragment_bytes``)."""
+        """Store blocks given as engine fragments.
+
+        Parameters
+        ----------
+        fragments_per_block : sequence
+            Per block, either its ``2 * num_layers`` fragment tensors (order
+            layer0-K, layer0-V, layer1-K, ...; each ``layout.fragment_bytes``,
+            any dtype, CPU or CUDA), or a
+            :class:`~tierstore.io.batch.FragmentPlan` from
+            :meth:`KVPagePool.plans(block_ids) <tierstore.io.batch.KVPagePool.plans>`,
+            which skips the per-fragment check. Fragments that are views of one
+            pool at a constant stride are copied with one strided copy per block.
+
+        Other parameters and the return value are those of :meth:`store`.
+
+        Raises
+        ------
+        LayoutError
+            A wrong fragment count or size (the message names the fragment).
+        """
         blocks = []
         for frags in fragments_per_block:
             plan = self._plan(frags, destination=False)
@@ -223,6 +241,11 @@ class KVStore:
     def _plan(self, frags: Sequence[torch.Tensor], destination: bool) -> FragmentPlan:
         """Check a block's fragments and plan the copy: views of one KV pool at
         a constant stride move as one strided copy (:mod:`tierstore.io.batch`)."""
+        if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
+            if frags.nbytes != self.layout.bytes_per_block:
+                raise LayoutError(f"planned block of {frags.nbytes} bytes; blocks are "
+                                  f"{self.layout.bytes_per_block} bytes")
+            return frags
         if len(frags) != self.layout.num_fragments:
             raise LayoutError(f"expected {self.layout.num_fragments} fragments, got {len(frags)}")
         plan = plan_fragments(frags, destination=destination)
@@ -262,7 +285,19 @@ class KVStore:
 
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
                        dest_fragments_per_block: Sequence[Sequence[torch.Tensor]]) -> list[Status]:
-        """Load blocks and scatter each into its ``2 * num_layers`` destination fragments."""
+        """Load blocks and scatter each into its destination fragments.
+
+        ``dest_fragments_per_block`` is as in :meth:`store_fragments` (fragment
+        tensors, contiguous or not, or ``KVPagePool.plans(block_ids,
+        destination=True)``). Destinations are checked before anything is
+        loaded; a block whose status is not ``OK`` leaves its destination
+        untouched. Returns per-block statuses.
+
+        Raises
+        ------
+        LayoutError
+            A wrong fragment count or size.
+        """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]

@@ -46,3 +46,46 @@ def test_extent_size_validated(tmp_path):
     eng = make_engine("memory", tmp_path, 1 << 20)
     with pytest.raises(ConfigError):
         ExtentPipeline(eng, 5000)
+
+
+@pytest.mark.parametrize("kind", ["one_tensor", "layers_one_allocation", "separate_layers", "bf16"])
+def test_page_pool_plans_match_the_per_fragment_path(kind):
+    from tierstore.io.batch import KVPagePool, plan_fragments
+    g = torch.Generator().manual_seed(7)
+    if kind == "one_tensor":
+        layers = torch.randn(3, 2, 6, 4, 8, generator=g)
+    elif kind == "layers_one_allocation":  # per-layer views of one buffer, with gaps
+        big = torch.randn(3, 2, 2, 6, 4, 8, generator=g)
+        layers = [big[i, 1] for i in range(3)]  # layer stride != 2 x K/V stride
+    elif kind == "separate_layers":
+        layers = [torch.randn(2, 6, 4, 8, generator=g) for _ in range(3)]
+    else:
+        layers = torch.randn(3, 2, 6, 4, 8, generator=g).to(torch.bfloat16)
+    pages = KVPagePool(layers)
+    assert pages.affine == (kind != "separate_layers")
+    keep, staging = alloc_aligned(1 << 16)
+    keep2, ref = alloc_aligned(1 << 16)
+    for b in range(pages.num_blocks):
+        n = pages.plan(b).gather(staging, 4096)
+        assert n == plan_fragments(pages.fragments(b)).gather(ref, 4096) == pages.block_bytes
+        assert torch.equal(staging[4096:4096 + n], ref[4096:4096 + n])
+    dst = [torch.zeros_like(t) for t in (layers.unbind(0) if isinstance(layers, torch.Tensor) else layers)]
+    dpages = KVPagePool(dst)
+    pages.plan(2).gather(staging, 0)
+    dpages.plan(5, destination=True).scatter(staging, 0)
+    for d, s in zip(dst, (layers.unbind(0) if isinstance(layers, torch.Tensor) else layers)):
+        assert torch.equal(d[:, 5], s[:, 2])
+        assert int(d[:, :5].float().abs().sum()) == 0
+
+
+def test_page_pool_rejects_bad_layouts():
+    from tierstore.errors import LayoutError
+    from tierstore.io.batch import KVPagePool
+    with pytest.raises(LayoutError):
+        KVPagePool(torch.zeros(3, 3, 4, 8))  # K/V axis of 3
+    with pytest.raises(LayoutError):
+        KVPagePool([torch.zeros(2, 4, 8), torch.zeros(2, 5, 8)])
+    with pytest.raises(LayoutError):
+        KVPagePool(torch.zeros(2, 2, 4, 8, 6).transpose(3, 4))  # fragments not contiguous
+    with pytest.raises(LayoutError):
+        KVPagePool([])

@@ -211,6 +211,108 @@ def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool
     return FragmentPlan(frags, nbytes, strided)
 
 
+class KVPagePool:
+    """An engine's paged KV cache, addressed by block id: fragment plans without
+    a per-fragment check.
+
+    Engines keep KV in page pools and name blocks by id (vLLM's KV connectors
+    get the per-layer ``kv_caches`` and the request's block ids; LMCache's GPU
+    connectors the same). When the pool's fragments sit at affine addresses,
+    ``base + layer * layer_stride + kv * kv_stride + block * block_stride``,
+    checking the pool once replaces checking every fragment of every block
+    (about 30 us of Python per 64-fragment block), and a block moves as one
+    ``(num_layers, 2, fragment_bytes)`` strided copy.
+
+    Parameters
+    ----------
+    layers : torch.Tensor or sequence of torch.Tensor
+        Either one tensor of shape ``(num_layers, 2, num_blocks, *fragment_shape)``
+        or one tensor per layer of shape ``(2, num_blocks, *fragment_shape)``
+        (vLLM's FlashAttention layout), any dtype, on one device. Each
+        ``[kv, block]`` fragment must be contiguous. Per-layer tensors that
+        are not at a constant address stride (separate allocations) are
+        still accepted: their blocks are planned fragment by fragment
+        (:func:`plan_fragments`).
+
+    Raises
+    ------
+    LayoutError
+        Wrong rank, a K/V axis other than 2, mismatched per-layer shapes,
+        dtypes or devices, or non-contiguous fragments.
+    """
+
+    def __init__(self, layers: torch.Tensor | Sequence[torch.Tensor]):
+        per_layer = list(layers.unbind(0)) if isinstance(layers, torch.Tensor) else list(layers)
+        if not per_layer or not all(isinstance(t, torch.Tensor) for t in per_layer):
+            raise LayoutError("KVPagePool needs a tensor or a non-empty list of per-layer tensors")
+        t0 = per_layer[0]
+        if t0.dim() < 3 or t0.shape[0] != 2:
+            raise LayoutError(f"per-layer KV must be (2, num_blocks, *fragment_shape), got {tuple(t0.shape)}")
+        for i, t in enumerate(per_layer):
+            if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or t.stride() != t0.stride():
+                raise LayoutError(f"layer {i}: shape/dtype/device/strides differ from layer 0")
+        frag = t0[0, 0]
+        if not frag.is_contiguous():
+            raise LayoutError("each [kv, block] fragment must be contiguous")
+        self.layers = per_layer
+        self.num_layers = len(per_layer)
+        self.num_blocks = int(t0.shape[1])
+        self.fragment_bytes = frag.nbytes
+        self.block_bytes = 2 * self.num_layers * self.fragment_bytes
+        self.device = t0.device
+        es = t0.element_size()
+        self._kv_stride = t0.stride(0) * es
+        self._block_stride = t0.stride(1) * es
+        ptrs = [t.data_ptr() for t in per_layer]
+        layer_stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+        affine = (ptrs == [ptrs[0] + i * layer_stride for i in range(len(ptrs))]
+                  and all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+                          for t in per_layer))
+        self._layer_stride = layer_stride
+        #: uint8 view of layer 0 from which every block's affine view is cut,
+        #: or None when the layers are separate allocations.
+        self._base = t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+
+    @property
+    def affine(self) -> bool:
+        """Whether blocks are planned arithmetically (one strided copy each)."""
+        return self._base is not None
+
+    def fragments(self, block_id: int) -> list[torch.Tensor]:
+        """Block ``block_id``'s fragments: layer 0 K, layer 0 V, layer 1 K, ..."""
+        self._check_id(block_id)
+        return [t[kv, block_id] for t in self.layers for kv in (0, 1)]
+
+    def plan(self, block_id: int, destination: bool = False) -> FragmentPlan:
+        """A :class:`FragmentPlan` for block ``block_id`` (source or destination).
+
+        Raises
+        ------
+        LayoutError
+            If ``block_id`` is not in ``[0, num_blocks)``, or (destination) the
+            pool's fragments overlap.
+        """
+        self._check_id(block_id)
+        if self._base is None:
+            return plan_fragments(self.fragments(block_id), destination=destination, device=_CPU)
+        if destination and (self._kv_stride < self.fragment_bytes
+                            or (self.num_layers > 1 and abs(self._layer_stride) < 2 * self.fragment_bytes)):
+            raise LayoutError("pool fragments overlap: cannot scatter into them")
+        base = self._base
+        view = base.as_strided((self.num_layers, 2, self.fragment_bytes),
+                               (self._layer_stride, self._kv_stride, 1),
+                               base.storage_offset() + block_id * self._block_stride)
+        return FragmentPlan(None, self.block_bytes, view)
+
+    def plans(self, block_ids: Iterable[int], destination: bool = False) -> list[FragmentPlan]:
+        """:meth:`plan` for each id."""
+        return [self.plan(int(b), destination) for b in block_ids]
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise LayoutError(f"block id {block_id} outside the pool's [0, {self.num_blocks})")
+
+
 def gather_fragments(fragments: Sequence[Any] | FragmentPlan, staging: torch.Tensor, offset: int) -> int:
     """Copy ``fragments`` back to back into ``staging[offset:]``; return bytes copied.
 
