@@ -84,12 +84,25 @@ def fio(dirpath: str, rw: str, total: int, engine: str, bs: str = "1M") -> float
     return side["bw_bytes"] / 1e9
 
 
-def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, args) -> tuple[float, float]:
+def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, args,
+                   pages: bool = False) -> tuple[float, float]:
+    """Store then load ``pool`` in ``block_bytes`` blocks, ``--batch`` bytes per call.
+
+    Blocks are given as lists of fragment views (checked per fragment inside
+    each call), or with ``pages`` as ``KVPagePool`` plans made inside the timed
+    loop (2 MiB blocks only)."""
     path = os.path.join(dirpath, "tierstore.bin")
     if os.path.exists(path):
         os.unlink(path)
-    per_block = pool.block_fragments(block_bytes)
-    dst_blocks = dst.block_fragments(block_bytes)
+    dst.flat.zero_()  # so that the check after the loads tests this pass
+    if pages:
+        src_pages, dst_pages = KVPagePool(pool.pool), KVPagePool(dst.pool)
+        assert block_bytes == src_pages.block_bytes
+        per_block = [lambda a, b: src_pages.plans(range(a, b))] * pool.blocks_2mib
+        dst_blocks = [lambda a, b: dst_pages.plans(range(a, b), destination=True)] * pool.blocks_2mib
+    else:
+        per_block = pool.block_fragments(block_bytes)
+        dst_blocks = dst.block_fragments(block_bytes)
     n = len(per_block)
     total = n * block_bytes
     seg = args.segment
@@ -101,17 +114,19 @@ def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, ar
     batch = max(1, args.batch_bytes // block_bytes)
     t0 = time.perf_counter()
     for a in range(0, n, batch):
-        st = s.put_fragments(keys[a:a + batch], per_block[a:a + batch])
+        b = min(n, a + batch)
+        st = s.put_fragments(keys[a:b], per_block[a](a, b) if pages else per_block[a:b])
         if any(x is not Status.OK for x in st):
             raise SystemExit(f"tierstore put failed: {set(st)}")
     t_w = time.perf_counter() - t0
     t0 = time.perf_counter()
     for a in range(0, n, batch):
-        st = s.get_fragments(keys[a:a + batch], dst_blocks[a:a + batch])
+        b = min(n, a + batch)
+        st = s.get_fragments(keys[a:b], dst_blocks[a](a, b) if pages else dst_blocks[a:b])
         if any(x is not Status.OK for x in st):
             raise SystemExit(f"tierstore get failed: {set(st)}")
     t_r = time.perf_counter() - t0
-    if not torch.equal(pool.flat[:total], dst.flat[:total]) and block_bytes == 2 << 20:
+    if not torch.equal(pool.flat[:total], dst.flat[:total]):
         raise SystemExit("tierstore load returned wrong bytes")
     s.close()
     os.unlink(path)
@@ -126,6 +141,7 @@ def per_fragment_pass(dirpath: str, pool: KVPool, dst: KVPool, args) -> tuple[fl
     n = pool.n_frags
     eng = open_engine(args.engine, path, n * pool.frag_bytes, iodepth=args.iodepth, max_io_bytes=args.max_io)
     frags = [f for blk in pool.block_fragments(2 << 20) for f in blk]
+    dst.flat.zero_()
     dfr = [f for blk in dst.block_fragments(2 << 20) for f in blk]
     t0 = time.perf_counter()
     futs = [eng.write(i * pool.frag_bytes, f) for i, f in enumerate(frags)]
@@ -141,6 +157,8 @@ def per_fragment_pass(dirpath: str, pool: KVPool, dst: KVPool, args) -> tuple[fl
     eng.close()
     os.unlink(path)
     total = len(frags) * pool.frag_bytes
+    if not torch.equal(pool.flat[:total], dst.flat[:total]):
+        raise SystemExit("per-fragment load returned wrong bytes")
     return _gbps(total, t_w), _gbps(total, t_r)
 
 
@@ -305,9 +323,9 @@ def main() -> None:
                     os.unlink(os.path.join(tmp, "fio.bin"))
                 return step
 
-            def ts_pass(block_bytes: int, tag: str):
+            def ts_pass(block_bytes: int, tag: str, pages: bool = False):
                 def step():
-                    w, r = tierstore_pass(tmp, pool, dst, block_bytes, args)
+                    w, r = tierstore_pass(tmp, pool, dst, block_bytes, args, pages)
                     rec(f"tierstore_store_{tag}_GBps", w)
                     rec(f"tierstore_load_{tag}_GBps", r)
                 return step
@@ -329,6 +347,8 @@ def main() -> None:
             else:
                 settle()
                 ts_pass(2 << 20, "2MiB")()
+            settle()  # the same blocks given as KVPagePool plans (block ids)
+            ts_pass(2 << 20, "2MiB_pages", pages=True)()
             if "perfrag" not in skip:
                 if "fio" not in skip:  # the device's own speed at the fragment size (reference)
                     settle()
@@ -358,6 +378,8 @@ def main() -> None:
     ratios: dict[str, dict] = {}
     ratio("store vs fio write (2 MiB blocks of 32 KiB fragments)", "tierstore_store_2MiB_GBps", "fio_write_GBps", 0.9)
     ratio("load vs fio read (2 MiB blocks of 32 KiB fragments)", "tierstore_load_2MiB_GBps", "fio_read_GBps", 0.9)
+    ratio("store vs fio write (KVPagePool block ids)", "tierstore_store_2MiB_pages_GBps", "fio_write_GBps", 0.9)
+    ratio("load vs fio read (KVPagePool block ids)", "tierstore_load_2MiB_pages_GBps", "fio_read_GBps", 0.9)
     ratio("store vs one I/O per 32 KiB fragment", "tierstore_store_2MiB_GBps", "per_fragment_store_GBps", 3.0)
     ratio("load vs one I/O per 32 KiB fragment", "tierstore_load_2MiB_GBps", "per_fragment_load_GBps", 3.0)
     ratio("store vs LMCache LocalDisk, 4 MiB chunks", "tierstore_store_4MiB_GBps", "lmcache_store_4MiB_GBps", 1.0)

@@ -60,6 +60,10 @@ def test_fragment_misuse_is_refused():
     with pytest.raises(LayoutError, match="fragment 3"):
         store.store_fragments(NS, tokens, [bad])
     assert store.lookup(NS, tokens).matched_tokens == 0  # nothing was stored
+    assert store.store_fragments(NS, tokens, [block_fragments(src, 0)]) == [Status.OK]
+    hit = store.lookup(NS, tokens)
+    with pytest.raises(LayoutError, match="destinations"):
+        store.load_fragments(hit.keys, [])
 
 
 def test_page_pool_plans_round_trip_through_the_store():

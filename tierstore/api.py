@@ -296,10 +296,12 @@ class KVStore:
         Raises
         ------
         LayoutError
-            A wrong fragment count or size.
+            A wrong fragment count or size, or not one destination per key.
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
+        if len(dest_fragments_per_block) != len(keys):
+            raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
         st, outs = self.manager.load(keys, None)
         for s, raw, plan in zip(st, outs, plans):
