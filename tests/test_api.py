@@ -6,6 +6,7 @@ import torch
 from tierstore.api import KVStore
 from tierstore.errors import LayoutError, Status
 from tierstore.identity import Namespace
+from tierstore.io import KVPagePool
 from tierstore.io.batch import plan_fragments
 from tierstore.layout import KVLayout
 
@@ -84,3 +85,46 @@ def test_page_pool_plans_round_trip_through_the_store():
     small = KVPagePool(paged_pool(2, seed=4)[:2])  # 2 layers: wrong block size
     with pytest.raises(LayoutError, match="bytes"):
         store.store_fragments(NS, tokens[:16], small.plans([0]))
+
+
+def test_a_store_with_another_layout_never_sees_the_old_kv(tmp_path):
+    """Same namespace (its kv_dtype left at the default), same NVMe file, same
+    block size, other dtype: the second store must miss, not serve the bytes."""
+    fp16 = KVLayout(4, 2, 8, torch.float16, 16, "api-test-fp16")
+    assert fp16.bytes_per_block == LAYOUT.bytes_per_block
+    path = str(tmp_path / "nvme.bin")
+    tokens = list(range(2 * LAYOUT.tokens_per_block))
+    a = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
+                nvme_backend="segment")
+    blocks = paged_pool(2, seed=5)
+    assert a.store_fragments(NS, tokens, KVPagePool(blocks).plans([0, 1])) == [Status.OK] * 2
+    assert a.lookup(NS, tokens).matched_tokens == len(tokens)
+    a.close()
+    same = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
+                   nvme_backend="segment")
+    assert same.lookup(NS, tokens).matched_tokens == len(tokens)  # recovered under its own layout
+    same.close()
+    b = KVStore(fp16, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
+                nvme_backend="segment")
+    assert b.lookup(NS, tokens).matched_tokens == 0
+    b.close()
+
+
+def test_fragments_of_another_dtype_or_geometry_are_refused():
+    import numpy as np
+    store = KVStore(LAYOUT, host_bytes=16 * LAYOUT.bytes_per_block)
+    tokens = list(range(LAYOUT.tokens_per_block))
+    fp32 = torch.zeros((LAYOUT.num_layers, 2, 2, 16, 2, 4), dtype=torch.float32)  # same bytes, fp32
+    with pytest.raises(LayoutError, match="dtype"):
+        store.store_fragments(NS, tokens, KVPagePool(fp32).plans([0]))
+    with pytest.raises(LayoutError, match="dtype"):
+        store.store_fragments(NS, tokens, [block_fragments(fp32, 0)])
+    two_layers = torch.zeros((2, 2, 2, 32, 2, 8), dtype=LAYOUT.dtype)  # same block bytes, 4 fragments
+    with pytest.raises(LayoutError, match="fragments"):
+        store.store_fragments(NS, tokens, KVPagePool(two_layers).plans([0]))
+    as_numpy = [np.zeros(LAYOUT.fragment_shape, dtype=np.float16) for _ in range(LAYOUT.num_fragments)]
+    with pytest.raises(LayoutError, match="torch.Tensor"):
+        store.store_fragments(NS, tokens, [as_numpy])
+    raw = paged_pool(1, seed=9).view(torch.uint8)  # raw bytes of the right size are accepted
+    assert store.store_fragments(NS, tokens, [block_fragments(raw, 0)]) == [Status.OK]
+    assert store.lookup(NS, tokens).matched_tokens == LAYOUT.tokens_per_block

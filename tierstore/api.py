@@ -128,7 +128,7 @@ class KVStore:
         cfg = ManagerConfig(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, **manager_options)
         self.layout = layout
         self.manager = TierManager(cfg, nvme)
-        self._digests = DigestCache()
+        self._digests = DigestCache(scope=layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
 
     # -------------------------------------------------------------- identity
@@ -231,7 +231,7 @@ class KVStore:
             A wrong fragment count or size (the message names the fragment).
         """
         blocks = []
-        for frags in fragments_per_block:
+        for frags in list(fragments_per_block):
             plan = self._plan(frags, destination=False)
             blk = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
             plan.gather(blk.view(-1).view(torch.uint8), 0)
@@ -241,16 +241,22 @@ class KVStore:
     def _plan(self, frags: Sequence[torch.Tensor], destination: bool) -> FragmentPlan:
         """Check a block's fragments and plan the copy: views of one KV pool at
         a constant stride move as one strided copy (:mod:`tierstore.io.batch`)."""
+        lay = self.layout
         if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-            if frags.nbytes != self.layout.bytes_per_block:
-                raise LayoutError(f"planned block of {frags.nbytes} bytes; blocks are "
-                                  f"{self.layout.bytes_per_block} bytes")
+            if frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments):
+                raise LayoutError(f"planned block of {frags.count} fragments, {frags.nbytes} bytes; the layout "
+                                  f"has {lay.num_fragments} fragments, {lay.bytes_per_block} bytes")
+            if frags.dtype not in (None, lay.dtype, torch.uint8):
+                raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
             return frags
-        if len(frags) != self.layout.num_fragments:
-            raise LayoutError(f"expected {self.layout.num_fragments} fragments, got {len(frags)}")
+        if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
+            raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
+        if len(frags) != lay.num_fragments:
+            raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
         plan = plan_fragments(frags, destination=destination)
-        if plan.strided is None or plan.strided.shape[1] != self.layout.fragment_bytes:
-            self.layout.check_fragments(frags)  # names the wrong fragment
+        if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
+                or plan.dtype not in (lay.dtype, torch.uint8)):
+            lay.check_fragments(frags)  # names the wrong fragment
         return plan
 
     # -------------------------------------------------------------- lookup / load
@@ -300,6 +306,7 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
+        dest_fragments_per_block = list(dest_fragments_per_block)
         if len(dest_fragments_per_block) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]

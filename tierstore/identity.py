@@ -101,10 +101,24 @@ class Namespace:
 
 
 class DigestCache:
-    """Memoised :meth:`Namespace.digest` (a digest is SHA-256 over JSON: cheap, but on every call)."""
+    """Memoised :meth:`Namespace.digest` (a digest is SHA-256 over JSON: cheap, but on every call).
 
-    def __init__(self) -> None:
-        self._digests: dict[Namespace, bytes] = {}
+    Parameters
+    ----------
+    scope : bytes, optional
+        When given (a store's :meth:`KVLayout.fingerprint`), every digest, also
+        a ready 32-byte one, becomes ``SHA-256("tierstore/scoped-ns/v1" 0x00
+        digest scope)``: namespaces of stores with different layouts never meet.
+    """
+
+    def __init__(self, scope: bytes | None = None) -> None:
+        self._digests: dict[Namespace | bytes, bytes] = {}
+        self._scope = scope
+
+    def _scoped(self, d: bytes) -> bytes:
+        if self._scope is None:
+            return d
+        return hashlib.sha256(b"tierstore/scoped-ns/v1\0" + d + self._scope).digest()
 
     def __call__(self, ns: "Namespace | bytes") -> bytes:
         """The 32-byte digest of ``ns`` (a ready digest is checked and returned).
@@ -117,10 +131,11 @@ class DigestCache:
         if isinstance(ns, bytes):
             if len(ns) != 32:
                 raise ConfigError(f"a namespace digest must be 32 bytes, got {len(ns)}")
-            return ns
+            if self._scope is None:
+                return ns
         d = self._digests.get(ns)
         if d is None:
-            d = self._digests[ns] = ns.digest()
+            d = self._digests[ns] = self._scoped(ns if isinstance(ns, bytes) else ns.digest())
         return d
 
 

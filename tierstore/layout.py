@@ -96,6 +96,21 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{f}={v!r}: must be a positive integer")
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
 
+    def fingerprint(self) -> bytes:
+        """32-byte SHA-256 of the geometry and dtype (``num_layers``,
+        ``num_kv_heads``, ``head_dim``, dtype, ``tokens_per_block``; not ``name``).
+
+        Stores mix it into every namespace digest (:class:`tierstore.api.KVStore`,
+        the daemon's scopes), so KV stored under one layout is never served to
+        a store opened with another, even when the namespace's own ``kv_dtype``
+        field was left at its default.
+        """
+        import hashlib
+        import json
+        desc = json.dumps([self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
+                           self.tokens_per_block], separators=(",", ":"))
+        return hashlib.sha256(b"tierstore/kv-layout/v1\0" + desc.encode()).digest()
+
     # --- sizes ---------------------------------------------------------------
     @property
     def itemsize(self) -> int:
@@ -180,16 +195,22 @@ class KVLayout:
         return [block[l, kv] for l in range(self.num_layers) for kv in (0, 1)]
 
     def check_fragments(self, frags: Sequence[torch.Tensor]) -> None:
-        """Check a fragment list (``2 * num_layers`` tensors of :attr:`fragment_bytes` each).
+        """Check a fragment list (``2 * num_layers`` tensors of :attr:`fragment_bytes`
+        each, of the layout's dtype or ``uint8`` raw bytes).
 
         Raises
         ------
         LayoutError
-            On a wrong count, dtype or size.
+            On a wrong count, type, dtype or size.
         """
         if len(frags) != self.num_fragments:
             raise LayoutError(f"expected {self.num_fragments} fragments, got {len(frags)}")
         for i, f in enumerate(frags):
+            if not isinstance(f, torch.Tensor):
+                raise LayoutError(f"fragment {i}: expected a torch.Tensor, got {type(f).__name__}")
+            if f.dtype != self.dtype and f.dtype != torch.uint8:
+                raise LayoutError(f"fragment {i}: dtype {f.dtype}; the layout's is {self.dtype} "
+                                  f"(or uint8 for raw bytes)")
             if f.numel() * f.element_size() != self.fragment_bytes:
                 raise LayoutError(f"fragment {i}: expected {self.fragment_bytes} bytes, "
                                   f"got {f.numel() * f.element_size()}")

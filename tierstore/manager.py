@@ -245,6 +245,9 @@ class ManagerConfig:
             raise ConfigError(f"promotion={self.promotion!r}: accepted values are ['none', 'one', 'top']")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device={self.device!r}: accepted values are ['auto', 'cpu', 'cuda']")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but CUDA is not available (torch.cuda.is_available() is "
+                              "False); use device='auto' to fall back to host memory")
         if self.evict_batch_blocks < 1:
             raise ConfigError(f"evict_batch_blocks={self.evict_batch_blocks}: must be >= 1")
         if self.nvme_group_choice not in ("first", "coldest"):

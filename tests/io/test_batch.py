@@ -89,3 +89,38 @@ def test_page_pool_rejects_bad_layouts():
         KVPagePool(torch.zeros(2, 2, 4, 8, 6).transpose(3, 4))  # fragments not contiguous
     with pytest.raises(LayoutError):
         KVPagePool([])
+
+
+def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
+    from tierstore.errors import LayoutError
+    from tierstore.io.batch import KVPagePool
+    buf = torch.zeros(1 << 12)
+    frag = 8
+    # layer l's V is layer l+1's K: K/V stride == layer stride == one fragment pair... overlapping
+    a = buf.as_strided((3, 2, 4, frag), (2 * frag * 4 // 2, frag * 4, 2 * frag, 1))
+    # blocks overlap each other: block stride half a fragment pair
+    b = buf.as_strided((3, 2, 4, frag), (1000, 500, frag // 2, 1))
+    for pool in (a, b):
+        pages = KVPagePool(pool)
+        pages.plan(0)  # reading from it is fine
+        with pytest.raises(LayoutError, match="overlap"):
+            pages.plan(0, destination=True)
+    ok = KVPagePool(torch.zeros(3, 2, 4, frag))
+    with pytest.raises(LayoutError, match="more than once"):
+        ok.plans([1, 2, 1], destination=True)
+    assert len(ok.plans([1, 2, 1])) == 3  # reading a block twice is fine
+    for bad in (1.7, "2", None):
+        with pytest.raises(LayoutError, match="not an integer"):
+            ok.plan(bad)
+    assert ok.plan(torch.tensor(2).item()).nbytes == ok.block_bytes
+
+
+def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
+    from tierstore.io.batch import KVPagePool, plan_fragments
+    pool = torch.randn(3, 2, 5, 16)
+    layers = list(pool.unbind(0))[::-1]  # one allocation, negative layer stride
+    pages = KVPagePool(layers)
+    assert not pages.affine
+    keep, staging = alloc_aligned(1 << 14)
+    n = pages.plan(4).gather(staging, 0)
+    assert torch.equal(staging[:n], torch.cat([f.reshape(-1).view(torch.uint8) for f in pages.fragments(4)]))

@@ -217,3 +217,22 @@ def test_entries_keep_namespace_and_order_across_restart(tmp_path):
     e = s.entries()
     assert e[k1][0] == ns and e[k2][0] == bytes(32)
     assert e[k1][1] < e[k2][1] < s.write_seq() == seq_next
+
+
+def test_reopen_with_another_block_size_is_refused_and_loses_nothing(tmp_path):
+    path = str(tmp_path / "s.bin")
+    keys = [os.urandom(32) for _ in range(5)]
+    s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")
+    assert s.put(keys, [content(k, 8192) for k in keys]) == [Status.OK] * 5
+    s.close()
+    for bb in (8192 - 4096, 8192 + 4096):  # a smaller and a larger layout
+        with pytest.raises(ConfigError, match="8192"):
+            SegmentStorage(path, 8 << 20, bb, segment_size_bytes=1 << 20, engine="posix")
+    s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")  # lock released
+    try:
+        assert sorted(s.keys()) == sorted(keys)
+        for k in keys:
+            d = torch.empty(8192, dtype=torch.uint8)
+            assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, 8192))
+    finally:
+        s.close()

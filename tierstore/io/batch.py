@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import mmap
+import operator
 import os
 from typing import Any, Callable, Iterable, Sequence
 
@@ -137,12 +138,17 @@ class FragmentPlan:
         fragment size, so the view never aliases itself.
     """
 
-    __slots__ = ("fragments", "nbytes", "strided")
+    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count")
 
-    def __init__(self, fragments: Sequence[Any], nbytes: int, strided: torch.Tensor | None):
+    def __init__(self, fragments: Sequence[Any] | None, nbytes: int, strided: torch.Tensor | None,
+                 dtype: torch.dtype | None = None, count: int | None = None):
         self.fragments = fragments
         self.nbytes = nbytes
         self.strided = strided
+        #: Element dtype of the fragments (None if mixed or not tensors).
+        self.dtype = dtype
+        #: Number of fragments.
+        self.count = count if count is not None else (len(fragments) if fragments is not None else None)
 
     def gather(self, staging: torch.Tensor, offset: int) -> int:
         """Copy the fragments back to back into ``staging[offset:]``; return bytes.
@@ -208,7 +214,10 @@ def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool
             dev = device if isinstance(device, torch.device) else torch.device(device)
             strided = _strided_u8(frags, dev, nb0 if destination else 0)
     nbytes = strided.numel() if strided is not None else sum(map(fragment_nbytes, frags))
-    return FragmentPlan(frags, nbytes, strided)
+    dtype = None
+    if frags and isinstance(frags[0], torch.Tensor) and isinstance(frags[-1], torch.Tensor):
+        dtype = frags[0].dtype if frags[0].dtype == frags[-1].dtype else None
+    return FragmentPlan(frags, nbytes, strided, dtype, len(frags))
 
 
 class KVPagePool:
@@ -268,10 +277,41 @@ class KVPagePool:
         affine = (ptrs == [ptrs[0] + i * layer_stride for i in range(len(ptrs))]
                   and all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
                           for t in per_layer))
+        affine = affine and layer_stride >= 0  # as_strided takes no negative strides
         self._layer_stride = layer_stride
+        self.dtype = t0.dtype
         #: uint8 view of layer 0 from which every block's affine view is cut,
         #: or None when the layers are separate allocations.
         self._base = t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+        #: Why the pool cannot be written (its fragments overlap), or None.
+        self._overlap = self._find_overlap(ptrs)
+
+    def _find_overlap(self, ptrs: list[int]) -> str | None:
+        """Whether any two fragments of the pool share a byte (then scattering
+        into it would leave one block's KV overwritten by another's)."""
+        f = self.fragment_bytes
+
+        def dense(dims: list[tuple[int, int]]) -> bool:
+            # sufficient test: with strides sorted ascending, each stride steps
+            # past everything the smaller ones span
+            span = f
+            for n, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: d[1]):
+                if stride < span:
+                    return False
+                span = stride * (n - 1) + span
+            return True
+        within = [(2, self._kv_stride), (self.num_blocks, self._block_stride)]
+        if self._base is not None:
+            if not dense(within + [(self.num_layers, self._layer_stride)]):
+                return "the pool's fragments overlap (K/V, block and layer strides)"
+            return None
+        if not dense(within):
+            return "a layer's fragments overlap (K/V and block strides)"
+        span = self._kv_stride + (self.num_blocks - 1) * self._block_stride + f
+        spans = sorted((p, p + span) for p in ptrs)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return "two layers overlap in memory"
+        return None
 
     @property
     def affine(self) -> bool:
@@ -280,7 +320,7 @@ class KVPagePool:
 
     def fragments(self, block_id: int) -> list[torch.Tensor]:
         """Block ``block_id``'s fragments: layer 0 K, layer 0 V, layer 1 K, ..."""
-        self._check_id(block_id)
+        block_id = self._check_id(block_id)
         return [t[kv, block_id] for t in self.layers for kv in (0, 1)]
 
     def plan(self, block_id: int, destination: bool = False) -> FragmentPlan:
@@ -292,25 +332,42 @@ class KVPagePool:
             If ``block_id`` is not in ``[0, num_blocks)``, or (destination) the
             pool's fragments overlap.
         """
-        self._check_id(block_id)
+        block_id = self._check_id(block_id)
+        if destination and self._overlap is not None:
+            raise LayoutError(f"cannot scatter into this pool: {self._overlap}")
         if self._base is None:
-            return plan_fragments(self.fragments(block_id), destination=destination, device=_CPU)
-        if destination and (self._kv_stride < self.fragment_bytes
-                            or (self.num_layers > 1 and abs(self._layer_stride) < 2 * self.fragment_bytes)):
-            raise LayoutError("pool fragments overlap: cannot scatter into them")
+            plan = plan_fragments(self.fragments(block_id), destination=destination, device=_CPU)
+            plan.dtype = self.dtype
+            return plan
         base = self._base
         view = base.as_strided((self.num_layers, 2, self.fragment_bytes),
                                (self._layer_stride, self._kv_stride, 1),
                                base.storage_offset() + block_id * self._block_stride)
-        return FragmentPlan(None, self.block_bytes, view)
+        return FragmentPlan(None, self.block_bytes, view, self.dtype, 2 * self.num_layers)
 
     def plans(self, block_ids: Iterable[int], destination: bool = False) -> list[FragmentPlan]:
-        """:meth:`plan` for each id."""
-        return [self.plan(int(b), destination) for b in block_ids]
+        """:meth:`plan` for each id.
 
-    def _check_id(self, block_id: int) -> None:
-        if not 0 <= block_id < self.num_blocks:
-            raise LayoutError(f"block id {block_id} outside the pool's [0, {self.num_blocks})")
+        Raises
+        ------
+        LayoutError
+            As :meth:`plan`; and for ``destination``, an id given twice (two
+            blocks would be loaded into one place).
+        """
+        ids = [self._check_id(b) for b in block_ids]
+        if destination and len(set(ids)) != len(ids):
+            dup = sorted({b for b in ids if ids.count(b) > 1})
+            raise LayoutError(f"destination block ids given more than once: {dup[:8]}")
+        return [self.plan(b, destination) for b in ids]
+
+    def _check_id(self, block_id: Any) -> int:
+        try:
+            b = operator.index(block_id)  # ints and integer scalars; not 1.7 or "2"
+        except TypeError:
+            raise LayoutError(f"block id {block_id!r} is not an integer") from None
+        if not 0 <= b < self.num_blocks:
+            raise LayoutError(f"block id {b} outside the pool's [0, {self.num_blocks})")
+        return b
 
 
 def gather_fragments(fragments: Sequence[Any] | FragmentPlan, staging: torch.Tensor, offset: int) -> int:

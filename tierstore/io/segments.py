@@ -184,7 +184,13 @@ class SegmentStorage(BlockStorage):
                     "put_io_error": 0, "get_hits": 0, "get_misses": 0, "get_io_errors": 0,
                     "corrupt_blocks": 0, "segments_reclaimed": 0, "gc_runs": 0,
                     "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0}
-        self._recover(verify_on_recovery)
+        try:
+            self._recover(verify_on_recovery)
+        except BaseException:
+            self._pipe.close()
+            if self._own_engine:
+                self.engine.close()
+            raise
 
     # ================================================================ seam API
     def capacity_blocks(self) -> int:
@@ -721,6 +727,15 @@ class SegmentStorage(BlockStorage):
                     break
                 gen = h.segment_gen
                 last_seq = h.seq
+                # Opened with another block size (another KV layout): refuse,
+                # before anything is reclaimed. Serving a cut-off or padded
+                # block would be wrong KV; dropping them would lose the store.
+                other = {e.length_bytes for e in h.entries} - {self.block_bytes}
+                if other:
+                    raise ConfigError(
+                        f"{self.path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
+                        f"for {self.block_bytes}-byte blocks (another KV layout?); open it with the "
+                        f"layout it was written with, or use another path. Nothing was changed.")
                 good = list(h.entries)
                 if verify:
                     good = self._verify_extent(base + pos, h)

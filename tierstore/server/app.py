@@ -9,10 +9,12 @@ configured credential (no early exit). Clients send the 32-byte digest of their
 (``KVStore.keys_for``). The server never uses these as storage keys. It derives::
 
     owner = tenant name                     (or "public:<name>" for a declared public namespace)
-    scope = SHA-256("tierstore/scope/v1" 0x00 owner 0x00 client_namespace_digest)
+    scope = SHA-256("tierstore/scope/v2" 0x00 owner 0x00 client_namespace_digest || layout_fingerprint)
     key   = SHA-256("tierstore/server-key/v1" || scope || client_key)
 
-``owner`` comes from the credential, so a client cannot name another tenant's
+``layout_fingerprint`` is :meth:`~tierstore.layout.KVLayout.fingerprint` of the
+daemon's layout: a daemon restarted with another layout never serves the old
+bytes. ``owner`` comes from the credential, so a client cannot name another tenant's
 scope: equal namespaces and keys of two tenants map to unrelated storage keys,
 and no request of tenant B can address, probe, pin, load or invalidate a block
 of tenant A. Only namespaces declared in ``public_namespaces`` (matched by the
@@ -64,7 +66,7 @@ from .protocol import BLOCKS_CONTENT_TYPE, PREFIX
 
 log = logging.getLogger("tierstore.server")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
-_SCOPE_DOMAIN = b"tierstore/scope/v1"
+_SCOPE_DOMAIN = b"tierstore/scope/v2"
 _KEY_DOMAIN = b"tierstore/server-key/v1"
 _WRITE_CHUNK_BYTES = 4 << 20
 _UNAUTH = {"WWW-Authenticate": 'Bearer realm="tierstore"'}
@@ -186,10 +188,13 @@ class Tenancy:
         The daemon config (tenants, public namespaces, state_dir).
     block_bytes : int
         Bytes per block (usage accounting).
+    layout_fingerprint : bytes
+        :meth:`KVLayout.fingerprint` of the daemon's layout, mixed into every scope.
     """
 
-    def __init__(self, cfg: DaemonConfig, block_bytes: int) -> None:
+    def __init__(self, cfg: DaemonConfig, block_bytes: int, layout_fingerprint: bytes = b"") -> None:
         self.block_bytes = block_bytes
+        self.layout_fingerprint = layout_fingerprint
         self._creds: list[tuple[bytes, str]] = [(d, t.name) for t in cfg.tenants for d in t.token_digests()]
         self.quota_bytes: dict[str, int] = {t.name: t.quota_bytes for t in cfg.tenants}
         self.public: dict[bytes, Any] = {}
@@ -265,7 +270,8 @@ class Tenancy:
             owner = f"public:{pub.name}"
         else:
             owner = tenant
-        scope = hashlib.sha256(_SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns).digest()
+        scope = hashlib.sha256(_SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns
+                               + self.layout_fingerprint).digest()
         if write and scope not in self.scope_owner:  # reads of unknown scopes leave no state behind
             with self._lock:
                 known = scope in self.scope_owner
@@ -498,7 +504,7 @@ class Service:
         self.store = KVStore(self.layout, hbm_bytes=tiers.hbm.capacity_bytes, host_bytes=tiers.host.capacity_bytes,
                              nvme=nvme, **opts)
         self.durable = cfg.puts.durable and nvme is not None
-        self.tenancy = Tenancy(cfg, self.block_bytes)
+        self.tenancy = Tenancy(cfg, self.block_bytes, self.layout.fingerprint())
         dropped = repair_after_restart(self.store.manager, self.tenancy.tombstones) if nvme is not None else 0
         self.tenancy.adopt(self.store.manager.index)
         self.recovered_blocks = len(self.store.manager.index)

@@ -15,7 +15,7 @@ import heapq
 
 import torch
 
-from ..errors import InvariantError, LayoutError
+from ..errors import ConfigError, InvariantError, LayoutError
 
 
 def cuda_available() -> bool:
@@ -56,8 +56,13 @@ class BlockPool:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.data = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=self.device,
-                                pin_memory=pin_memory and self.device.type == "cpu")
+        try:
+            self.data = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=self.device,
+                                    pin_memory=pin_memory and self.device.type == "cpu")
+        except (RuntimeError, AssertionError) as exc:  # no CUDA driver, or out of memory
+            what = "pinned host" if pin_memory and self.device.type == "cpu" else str(self.device)
+            raise ConfigError(f"{name}: cannot allocate {num_blocks} x {block_bytes} bytes of {what} "
+                              f"memory: {str(exc).splitlines()[0]}") from exc
         self._free = list(range(num_blocks))  # a min-heap: lowest slot first
         self._used = bytearray(num_blocks)
 
