@@ -258,7 +258,8 @@ def summarise(values: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/work", help="parent of the temp dir (same ext4 as /tmp here)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(),
+                    help="parent of the temp dir: the file system under test (default: the system temp dir)")
     ap.add_argument("--total", default="1g", help="bytes per pass (fio size too)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engine", default="uring", choices=["posix", "uring"])
@@ -311,8 +312,8 @@ def main() -> None:
             # sync and --settle seconds of idle.
             flip = run % 2 == 1
 
-            def pair(base, ours):
-                for step in ((ours, base) if flip else (base, ours)):
+            def pair(base, *ours):
+                for step in ((*ours, base) if flip else (base, *ours)):
                     settle()
                     step()
 
@@ -342,13 +343,14 @@ def main() -> None:
                     rec(f"lmcache_load_{tag}_GBps", r)
                 return step
 
+            # the same blocks as lists of fragment views, and as KVPagePool plans (block ids)
+            ours = (ts_pass(2 << 20, "2MiB"), ts_pass(2 << 20, "2MiB_pages", pages=True))
             if "fio" not in skip:
-                pair(fio_pass("1M", ""), ts_pass(2 << 20, "2MiB"))
+                pair(fio_pass("1M", ""), *ours)
             else:
-                settle()
-                ts_pass(2 << 20, "2MiB")()
-            settle()  # the same blocks given as KVPagePool plans (block ids)
-            ts_pass(2 << 20, "2MiB_pages", pages=True)()
+                for step in ours:
+                    settle()
+                    step()
             if "perfrag" not in skip:
                 if "fio" not in skip:  # the device's own speed at the fragment size (reference)
                     settle()
@@ -370,10 +372,12 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def ratio(name: str, num: str, den: str, goal: float) -> None:
+    def ratio(name: str, num: str, den: str, goal: float | None) -> None:
+        """A per-run ratio; ``goal=None``: a reference figure with no goal."""
         if num in raw and den in raw:
             vals = [a / b for a, b in zip(raw[num], raw[den])]
-            ratios[name] = dict(summarise(vals), goal=goal, met=statistics.median(vals) >= goal)
+            ratios[name] = dict(summarise(vals), goal=goal,
+                                met=None if goal is None else statistics.median(vals) >= goal)
 
     ratios: dict[str, dict] = {}
     ratio("store vs fio write (2 MiB blocks of 32 KiB fragments)", "tierstore_store_2MiB_GBps", "fio_write_GBps", 0.9)
@@ -390,10 +394,14 @@ def main() -> None:
     ratio("scatter vs contiguous memcpy", "scatter_GBps", "memcpy_GBps", 0.8)
     ratio("gather from a KVPagePool (block ids) vs memcpy", "gather_page_pool_GBps", "memcpy_GBps", 0.8)
     ratio("scatter into a KVPagePool (block ids) vs memcpy", "scatter_page_pool_GBps", "memcpy_GBps", 0.8)
-    ratio("gather vs contiguous memcpy into the same staging", "gather_GBps", "memcpy_staged_in_GBps", 0.8)
-    ratio("scatter vs contiguous memcpy out of the same staging", "scatter_GBps", "memcpy_staged_out_GBps", 0.8)
-    # What the disk allows: the ratio tierstore would reach if it ran exactly at
-    # fio's 1 MiB speed. A goal above its bound cannot be met on this device.
+    # reference only: the goal names a plain contiguous memcpy; these show the
+    # cache effect of a 16 MiB staging buffer reused warm
+    ratio("(ref) gather vs memcpy into the same staging", "gather_GBps", "memcpy_staged_in_GBps", None)
+    ratio("(ref) scatter vs memcpy out of the same staging", "scatter_GBps", "memcpy_staged_out_GBps", None)
+    # What fio itself scores against each baseline: the ratio tierstore would
+    # reach running exactly at fio's 1 MiB speed. Not a hard ceiling (tierstore
+    # can outrun fio on this disk in a run), but a goal above it asks for more
+    # than the reference tool gets from the device.
     bounds: dict[str, dict] = {}
 
     def bound(name: str, num: str, den: str) -> None:
@@ -415,17 +423,18 @@ def main() -> None:
                           "settle_s": args.settle, "order": "ABBA: odd runs run tierstore before its baseline",
                           "dir": args.dir},
                "bandwidth_GBps": {k: summarise(v) for k, v in raw.items()}, "ratios": ratios,
-               "device_bounds": bounds}
+               "fio_vs_baseline": bounds}
     print(f"\nconfig: {json.dumps(results['config'])}")
     print(f"\n{'bandwidth (GB/s)':<34}{'median':>9}{'min':>9}{'max':>9}")
     for k, v in results["bandwidth_GBps"].items():
         print(f"{k:<34}{v['median']:>9.3f}{v['min']:>9.3f}{v['max']:>9.3f}")
     print(f"\n{'ratio':<56}{'median':>8}{'min':>8}{'max':>8}{'goal':>7}  met")
     for k, v in ratios.items():
-        print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{v['goal']:>7.1f}  "
-              f"{'yes' if v['met'] else 'NO'}")
+        goal = "-" if v["goal"] is None else f"{v['goal']:.1f}"
+        met = "-" if v["met"] is None else ("yes" if v["met"] else "NO")
+        print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{goal:>7}  {met}")
     if bounds:
-        print(f"\n{'device bound (fio 1 MiB speed / baseline)':<56}{'median':>8}{'min':>8}{'max':>8}")
+        print(f"\n{'fio 1 MiB vs the same baseline (what fio itself scores)':<56}{'median':>8}{'min':>8}{'max':>8}")
         for k, v in bounds.items():
             print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}")
     if args.json:
