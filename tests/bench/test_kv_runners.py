@@ -61,3 +61,17 @@ def test_bad_trace_is_a_clear_error(tmp_path, capsys):
     rc = main(["--rw=kvtrace", f"--trace={bad}", f"--directory={tmp_path}"])
     assert rc == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_kvload_ramp_and_runtime_follow_fio(tmp_path):
+    """fio's clock: the fill is not part of the run, ramp_time is not counted,
+    runtime follows the ramp; the kv section counts the same requests as read."""
+    doc = run(tmp_path, "--rw=kvload", "--layout=tiny", "--bs=64k", "--size=4m", "--hbm_size=1m",
+              "--host_size=2m", "--nvme_size=16m", "--iodepth=1", "--runtime=1.5", "--ramp_time=1",
+              "--time_based")
+    job = doc["jobs"][0]
+    kv, read = job["kv"], job["read"]
+    assert 1.4 <= read["runtime"] / 1000 <= 2.5  # ms, fio's unit: the runtime, not ramp + runtime
+    assert kv["requests"] > 0 and kv["wrong_kv_blocks"] == 0
+    # one request = one read I/O of bs bytes (hits are full); ramp requests are in neither
+    assert abs(kv["requests"] - read["total_ios"]) <= 1

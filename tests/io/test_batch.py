@@ -124,3 +124,45 @@ def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
     keep, staging = alloc_aligned(1 << 14)
     n = pages.plan(4).gather(staging, 0)
     assert torch.equal(staging[:n], torch.cat([f.reshape(-1).view(torch.uint8) for f in pages.fragments(4)]))
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 5, 6, 3], [5, 4, 3, 2, 1, 0]])
+def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
+    """Consecutive pool blocks at consecutive staging offsets move as one copy;
+    broken runs (other ids, a gap in staging) fall back; bytes are the same."""
+    from tierstore.io.batch import KVPagePool, _merged_runs
+    from tierstore.io.memory import MemoryEngine
+    pipe = ExtentPipeline(MemoryEngine(1 << 20), 64 << 10, 1)
+    src = torch.randn(3, 2, 8, 4, 8)
+    pages = KVPagePool(src)
+    bb = pages.block_bytes
+    offsets = [k * bb for k in range(len(ids))]
+    offsets[4:] = [o + 4096 for o in offsets[4:]]  # a gap in staging breaks a run
+    plans = pages.plans(ids)
+    runs = [(i, j) for i, j, _ in _merged_runs(plans, offsets, destination=False)]
+    if ids == [0, 1, 2, 3, 4, 5]:
+        assert runs == [(0, 4), (4, 6)]
+    keep, staging = alloc_aligned(1 << 16)
+    keep2, ref = alloc_aligned(1 << 16)
+    pipe.gather_blocks(plans, staging, offsets)
+    for p, o in zip(plans, offsets):
+        p.gather(ref, o)
+    assert torch.equal(staging, ref)
+    dst = torch.zeros_like(src)
+    dpages = KVPagePool(dst)
+    pipe.scatter_blocks(staging, offsets, dpages.plans(ids, destination=True))
+    for b in ids:
+        assert torch.equal(dst[:, :, b], src[:, :, b])
+    pipe.close()
+
+
+def test_overlapping_destination_blocks_are_not_merged():
+    from tierstore.io.batch import _merged_runs, plan_fragments
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    # block i's 4 fragments of 64 bytes at buf[i*32 + r*512]: blocks overlap by half a fragment
+    blocks = [[buf[i * 32 + r * 512: i * 32 + r * 512 + 64] for r in range(4)] for i in range(3)]
+    plans = [plan_fragments(b, destination=True) for b in blocks]
+    assert all(p.strided is not None for p in plans)
+    runs = list(_merged_runs(plans, [0, 256, 512], destination=True))
+    assert [(i, j) for i, j, _ in runs] == [(0, 1), (1, 2), (2, 3)]
+    assert len(list(_merged_runs(plans, [0, 256, 512], destination=False))) == 1  # reading may merge

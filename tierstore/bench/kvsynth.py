@@ -91,11 +91,17 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     progress = current_progress()
     threads = max(1, options["iodepth"] * options["numjobs"])
     wrong = [0]
+    # fio's clock: ramp_time first (not counted), then runtime; set again
+    # after kvload's fill, which like fio's file layout is not part of the run
+    ramp_ns, runtime_ns = int(options["ramp_time"] * 1e9), int(options["runtime"] * 1e9)
     t_begin = time.perf_counter_ns()
-    ramp_end = t_begin + int(options["ramp_time"] * 1e9)
+    ramp_end = t_begin + ramp_ns
     rd = DirectionRecorder(ramp_end)
     wr = DirectionRecorder(ramp_end)
-    deadline = t_begin + int(options["runtime"] * 1e9) if options["runtime"] else None
+    deadline = ramp_end + runtime_ns if runtime_ns else None
+    #: store counters when the ramp ended: the kv section counts only what follows
+    base_stats: dict = {}
+    base_lock = threading.Lock()
     try:
         def store_req(pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
             toks = _prompt_tokens(pid, start + nb, tpb)
@@ -145,18 +151,43 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
         progress.start(total=n_req, unit="req")
         done = [0]
 
+        counted = [0]
+
         def tick() -> None:
             done[0] += 1
+            if time.perf_counter_ns() >= ramp_end:
+                with base_lock:
+                    counted[0] += 1
             if done[0] % 16 == 0:
                 progress.update(done[0])
 
+        def snapshot_at_ramp_end() -> None:
+            """Store counters once the ramp is over (a timer; at once without a ramp)."""
+            with base_lock:
+                if not base_stats:
+                    base_stats.update(store.stats())
+
+        def start_clock() -> threading.Timer:
+            t = threading.Timer(max(0.0, (ramp_end - time.perf_counter_ns()) / 1e9), snapshot_at_ramp_end)
+            t.daemon = True
+            if ramp_ns:
+                t.start()
+            else:
+                snapshot_at_ramp_end()
+            return t
+
+        if rw == "kvload":  # fill first, outside the run (as fio lays out its files)
+            for i in range(n_req):
+                store_req(i, nblk)
+            t_begin = time.perf_counter_ns()
+            ramp_end = t_begin + ramp_ns
+            deadline = ramp_end + runtime_ns if runtime_ns else None
+            rd = DirectionRecorder(ramp_end)
+            wr = DirectionRecorder(ramp_end)
+        timer = start_clock()
         if rw == "kvstore":
             pool(lambda i: (store_req(i, nblk), tick()), range(n_req))
         elif rw == "kvload":
-            for i in range(n_req):
-                store_req(i, nblk)
-            rd = DirectionRecorder(max(ramp_end, time.perf_counter_ns()))
-            wr = DirectionRecorder(time.perf_counter_ns())
 
             def ids():
                 i = 0
@@ -199,13 +230,18 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             raise ConfigError(f"rw={rw!r}: not a synthetic KV workload")
         progress.update(done[0])
         end = time.perf_counter_ns()
+        timer.cancel()
         usage = cpu.stop()
-        s = store.stats()
-        bpt = s["bytes_per_tier"]
+        now = store.stats()
+        with base_lock:
+            base = dict(base_stats)  # empty if the run ended within the ramp
+        s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+             for k, v in now.items()}
+        bpt = now["bytes_per_tier"]
         lb = s.get("lookup_blocks", 0)
         read, write = rd.result(end), wr.result(end)
         kv = {
-            "requests": done[0], "blocks_per_request": nblk, "block_bytes": bb,
+            "requests": counted[0], "blocks_per_request": nblk, "block_bytes": bb,
             "lookup_hit_ratio": s.get("hit_blocks", 0) / lb if lb else 0.0,
             "useful_hit_ratio": s.get("loaded_blocks", 0) / lb if lb else 0.0,
             "saved_prefill_tokens": int(s.get("reused_tokens", 0)),
@@ -220,7 +256,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
         device = wired.device_stats() if wired is not None else {}
         return JobResult(jobname=options.get("name") or rw, options={**options, "bs": nblk * bb}, read=read, write=write,
                          kv=kv, device=device, timeseries={},
-                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end - t_begin) / 1e9,
+                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=max(0, end - ramp_end) / 1e9,
                          ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
     finally:
         store.close()
