@@ -128,3 +128,11 @@ def test_fragments_of_another_dtype_or_geometry_are_refused():
     raw = paged_pool(1, seed=9).view(torch.uint8)  # raw bytes of the right size are accepted
     assert store.store_fragments(NS, tokens, [block_fragments(raw, 0)]) == [Status.OK]
     assert store.lookup(NS, tokens).matched_tokens == LAYOUT.tokens_per_block
+
+
+def test_malformed_keys_are_refused():
+    store = KVStore(LAYOUT, host_bytes=4 * LAYOUT.bytes_per_block)
+    with pytest.raises(LayoutError, match="32-byte"):
+        store.load([b"short"])
+    with pytest.raises(LayoutError, match="32-byte"):
+        store.load_fragments(["ab" * 32], [block_fragments(paged_pool(1, seed=1), 0)])

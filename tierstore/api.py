@@ -55,6 +55,22 @@ def leading_ok(statuses: Sequence[Status]) -> int:
     return n
 
 
+def _check_keys(keys) -> list[bytes]:
+    """Block keys as a list of 32-byte ``bytes``.
+
+    Raises
+    ------
+    LayoutError
+        For a key of another length or type (e.g. a truncated hex decode).
+    """
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
+            raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
+                              f"of length {len(k) if hasattr(k, '__len__') else '?'}")
+    return [bytes(k) for k in out]
+
+
 def open_nvme_storage(path: str, capacity_bytes: int, block_bytes: int, backend: str = "auto",
                       **kwargs) -> BlockStorage:
     """Open the NVMe tier backend.
@@ -284,6 +300,7 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
+        keys = _check_keys(keys)
         st, outs = self.manager.load(keys, dests, promote)
         if dests is None:
             outs = [None if o is None else self.layout.block_view(o) for o in outs]
@@ -306,6 +323,7 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
+        keys = _check_keys(keys)
         dest_fragments_per_block = list(dest_fragments_per_block)
         if len(dest_fragments_per_block) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
