@@ -136,3 +136,20 @@ def test_malformed_keys_are_refused():
         store.load([b"short"])
     with pytest.raises(LayoutError, match="32-byte"):
         store.load_fragments(["ab" * 32], [block_fragments(paged_pool(1, seed=1), 0)])
+
+
+def test_destinations_must_be_planned_as_such_and_distinct():
+    store = KVStore(LAYOUT, host_bytes=8 * LAYOUT.bytes_per_block)
+    tokens = list(range(2 * LAYOUT.tokens_per_block))
+    src = paged_pool(4, seed=11)
+    pages = KVPagePool(src)
+    assert store.store_fragments(NS, tokens, pages.plans([0, 1])) == [Status.OK] * 2
+    keys = store.lookup(NS, tokens).keys
+    with pytest.raises(LayoutError, match="reading"):
+        store.load_fragments(keys, pages.plans([2, 3]))  # plans made for reading
+    with pytest.raises(LayoutError, match="same memory"):
+        store.load_fragments(keys, [pages.plan(3, destination=True), pages.plan(3, destination=True)])
+    with pytest.raises(LayoutError, match="not an integer"):
+        pages.plan(True)
+    with pytest.raises(LayoutError, match="no blocks"):
+        KVPagePool(paged_pool(0, seed=1))

@@ -67,3 +67,14 @@ def test_chain_ids_matches_prefix_semantics():
 def test_bad_token_ids_are_typed_errors(bad):
     with pytest.raises(ConfigError):
         block_hashes(Namespace(model="m").digest(), bad, B)
+
+
+def test_digest_cache_is_bounded_and_scoped():
+    from tierstore.identity import DigestCache
+    c = DigestCache(scope=b"x" * 32)
+    d = Namespace(model="m").digest()
+    assert c(d) != d and c(d) == c(Namespace(model="m")) and len(c(d)) == 32
+    for i in range(DigestCache.MAX_ENTRIES + 10):
+        c(i.to_bytes(32, "little"))
+    assert len(c._digests) <= DigestCache.MAX_ENTRIES
+    assert DigestCache()(d) == d  # unscoped: a ready digest is returned as is

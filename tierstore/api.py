@@ -39,7 +39,7 @@ import torch
 
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.batch import FragmentPlan, plan_fragments
+from .io.batch import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
 from .tiers.storage import BlockStorage
@@ -264,7 +264,7 @@ class KVStore:
                                   f"has {lay.num_fragments} fragments, {lay.bytes_per_block} bytes")
             if frags.dtype not in (None, lay.dtype, torch.uint8):
                 raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
-            return frags
+            return plan_fragments(frags, destination=destination)  # a reading plan is no destination
         if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
             raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
         if len(frags) != lay.num_fragments:
@@ -328,6 +328,7 @@ class KVStore:
         if len(dest_fragments_per_block) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
+        check_distinct_destinations(plans)
         st, outs = self.manager.load(keys, None)
         for s, raw, plan in zip(st, outs, plans):
             if s is Status.OK:

@@ -111,6 +111,9 @@ class DigestCache:
         digest scope)``: namespaces of stores with different layouts never meet.
     """
 
+    #: Entries kept before the cache starts over (a digest costs ~2 us to recompute).
+    MAX_ENTRIES = 4096
+
     def __init__(self, scope: bytes | None = None) -> None:
         self._digests: dict[Namespace | bytes, bytes] = {}
         self._scope = scope
@@ -135,6 +138,8 @@ class DigestCache:
                 return ns
         d = self._digests.get(ns)
         if d is None:
+            if len(self._digests) >= self.MAX_ENTRIES:  # bounded: per-request namespaces must not grow it
+                self._digests.clear()
             d = self._digests[ns] = self._scoped(ns if isinstance(ns, bytes) else ns.digest())
         return d
 

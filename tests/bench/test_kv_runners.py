@@ -75,3 +75,10 @@ def test_kvload_ramp_and_runtime_follow_fio(tmp_path):
     assert kv["requests"] > 0 and kv["wrong_kv_blocks"] == 0
     # one request = one read I/O of bs bytes (hits are full); ramp requests are in neither
     assert abs(kv["requests"] - read["total_ios"]) <= 1
+
+
+def test_a_run_that_ends_within_the_ramp_counts_nothing(tmp_path):
+    doc = run(tmp_path, "--rw=kvload", "--layout=tiny", "--bs=64k", "--size=2m", "--hbm_size=1m",
+              "--host_size=2m", "--nvme_size=16m", "--iodepth=1", "--runtime=1", "--ramp_time=30")
+    kv = doc["jobs"][0]["kv"]
+    assert kv["requests"] == 0 and kv["saved_prefill_tokens"] == 0 and kv["hit_blocks_hbm"] == 0

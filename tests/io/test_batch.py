@@ -166,3 +166,21 @@ def test_overlapping_destination_blocks_are_not_merged():
     runs = list(_merged_runs(plans, [0, 256, 512], destination=True))
     assert [(i, j) for i, j, _ in runs] == [(0, 1), (1, 2), (2, 3)]
     assert len(list(_merged_runs(plans, [0, 256, 512], destination=False))) == 1  # reading may merge
+
+
+def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
+    """Plans from a pool that is a slice of a bigger buffer: a merged view may
+    not reach past the slice's storage; it falls back, it does not raise."""
+    from tierstore.io.batch import KVPagePool
+    from tierstore.io.memory import MemoryEngine
+    import numpy as np
+    a = np.random.default_rng(0).integers(0, 256, (1, 2, 8, 4096), dtype=np.uint8)
+    small = KVPagePool(torch.from_numpy(a[:, :, :2]))  # a copy-free slice: its own, shorter storage view
+    big = KVPagePool(torch.from_numpy(a))
+    plans = [small.plan(0), small.plan(1), big.plan(2)]
+    pipe = ExtentPipeline(MemoryEngine(1 << 20), 64 << 10, 1)
+    keep, staging = alloc_aligned(1 << 16)
+    pipe.gather_blocks(plans, staging, [0, 8192, 16384])
+    want = torch.cat([torch.from_numpy(a[0, :, b].reshape(-1).copy()) for b in (0, 1, 2)])
+    assert torch.equal(staging[:3 * 8192], want)
+    pipe.close()

@@ -236,3 +236,52 @@ def test_reopen_with_another_block_size_is_refused_and_loses_nothing(tmp_path):
             assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, 8192))
     finally:
         s.close()
+
+
+def test_recovery_reads_headers_larger_than_its_own_extents(tmp_path):
+    """A store written with large extents (a header over 1 MiB) is recovered,
+    or refused, by one opened with small extents: never silently emptied."""
+    path = str(tmp_path / "big.bin")
+    n = 12000
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    s = SegmentStorage(path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix",
+                       extent_size_bytes=48 << 20)
+    data = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+    assert s.put(keys, [data] * n) == [Status.OK] * n
+    s.close()
+    with pytest.raises(ConfigError, match="4096"):
+        SegmentStorage(path, 128 << 20, 8192, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20)
+    s = SegmentStorage(path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20)
+    try:
+        assert s.stats()["recovered_blocks"] == n
+        d = torch.empty(4096, dtype=torch.uint8)
+        assert s.get([keys[-1]], [d]) == [Status.OK] and torch.equal(d, data)
+    finally:
+        s.close()
+
+
+def test_a_failing_fill_leaves_no_hole_and_later_puts_survive_restart(tmp_path):
+    """An exception while gathering (after the space was planned) must give the
+    space back: a hole in a segment's chain would hide later acknowledged puts."""
+    from tierstore.io.batch import FragmentPlan
+    path = str(tmp_path / "h.bin")
+    s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")
+    k = [bytes([i]) * 32 for i in range(1, 6)]
+    assert s.put(k[:1], [content(k[0], 8192)]) == [Status.OK]
+
+    class Boom(FragmentPlan):
+        def gather(self, staging, offset):
+            raise RuntimeError("gather failed")
+    bad = Boom([torch.zeros(8192, dtype=torch.uint8)], 8192, None)
+    with pytest.raises(RuntimeError, match="gather failed"):
+        s.put_fragments(k[1:3], [[content(k[1], 8192)], bad])
+    assert not s.contains(k[1]) and not s.contains(k[2])
+    assert s.put(k[3:5], [content(x, 8192) for x in k[3:5]]) == [Status.OK] * 2
+    s.close()
+    s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")
+    try:
+        for x in (k[0], k[3], k[4]):
+            d = torch.empty(8192, dtype=torch.uint8)
+            assert s.get([x], [d]) == [Status.OK] and torch.equal(d, content(x, 8192))
+    finally:
+        s.close()

@@ -295,3 +295,31 @@ def test_openapi_document_matches_routes(tmp_path):
     assert doc["openapi"].startswith("3.")
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert documented == routes
+
+
+def test_restart_with_another_layout_serves_nothing_old_and_charges_nothing(tmp_path):
+    """Same block size, other geometry: the old blocks are unaddressable, so
+    they are dropped at start and not charged to their owner's quota."""
+    cfg = make_config(str(tmp_path))
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        with _client(d, "carol") as c:  # carol: 64 KiB = 8 blocks, all used
+            ns = Namespace(model="relayout")
+            toks = list(range(c.layout.tokens_per_block * 8))
+            assert c.store(ns, toks, torch.ones(8, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 8
+    finally:
+        assert d.stop() == 0
+    cfg["layout"] = dict(cfg["layout"], num_kv_heads=2, head_dim=32)  # same 8 KiB blocks
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
+        assert rec["dropped_unaddressable"] == 8
+        with _client(d, "carol") as c:
+            ns = Namespace(model="relayout")
+            toks = list(range(c.layout.tokens_per_block * 8))
+            assert c.lookup(ns, toks).matched_blocks == 0
+            assert c.store(ns, toks, torch.zeros(8, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 8
+            st, outs = c.load(c.keys_for(ns, toks))
+            assert st == [Status.OK] * 8 and all(int(o.sum()) == 0 for o in outs)
+    finally:
+        assert d.stop() == 0

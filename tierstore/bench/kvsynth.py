@@ -234,7 +234,8 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
         usage = cpu.stop()
         now = store.stats()
         with base_lock:
-            base = dict(base_stats)  # empty if the run ended within the ramp
+            # a run that ended within the ramp counted nothing: subtract everything
+            base = dict(base_stats) if base_stats else dict(now)
         s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
              for k, v in now.items()}
         bpt = now["bytes_per_tier"]

@@ -138,10 +138,12 @@ class FragmentPlan:
         fragment size, so the view never aliases itself.
     """
 
-    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count")
+    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination")
 
     def __init__(self, fragments: Sequence[Any] | None, nbytes: int, strided: torch.Tensor | None,
-                 dtype: torch.dtype | None = None, count: int | None = None):
+                 dtype: torch.dtype | None = None, count: int | None = None, destination: bool = False):
+        #: Planned for writing into (checked for overlap); only such plans may be scattered into.
+        self.destination = destination
         self.fragments = fragments
         self.nbytes = nbytes
         self.strided = strided
@@ -174,6 +176,8 @@ class FragmentPlan:
         LayoutError
             If ``staging`` ends before ``offset + nbytes``.
         """
+        if not self.destination:
+            raise LayoutError("this plan was made for reading; plan destinations with destination=True")
         n = self.nbytes
         if offset + n > staging.numel():
             raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes")
@@ -204,6 +208,9 @@ def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool
     FragmentPlan
     """
     if isinstance(fragments, FragmentPlan):
+        if destination and not fragments.destination:
+            raise LayoutError("this plan was made for reading; plan destinations with destination=True "
+                              "(e.g. KVPagePool.plans(ids, destination=True))")
         return fragments
     frags = fragments if isinstance(fragments, list) else list(fragments)
     strided = None
@@ -217,7 +224,7 @@ def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool
     dtype = None
     if frags and isinstance(frags[0], torch.Tensor) and isinstance(frags[-1], torch.Tensor):
         dtype = frags[0].dtype if frags[0].dtype == frags[-1].dtype else None
-    return FragmentPlan(frags, nbytes, strided, dtype, len(frags))
+    return FragmentPlan(frags, nbytes, strided, dtype, len(frags), destination)
 
 
 class KVPagePool:
@@ -260,6 +267,8 @@ class KVPagePool:
         for i, t in enumerate(per_layer):
             if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or t.stride() != t0.stride():
                 raise LayoutError(f"layer {i}: shape/dtype/device/strides differ from layer 0")
+        if t0.shape[1] == 0:
+            raise LayoutError("the pool has no blocks (num_blocks = 0)")
         frag = t0[0, 0]
         if not frag.is_contiguous():
             raise LayoutError("each [kv, block] fragment must be contiguous")
@@ -282,7 +291,10 @@ class KVPagePool:
         self.dtype = t0.dtype
         #: uint8 view of layer 0 from which every block's affine view is cut,
         #: or None when the layers are separate allocations.
-        self._base = t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+        try:
+            self._base = t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+        except RuntimeError:  # odd strides on size-1 dims: plan fragment by fragment
+            self._base = None
         #: Why the pool cannot be written (its fragments overlap), or None.
         self._overlap = self._find_overlap(ptrs)
 
@@ -343,7 +355,7 @@ class KVPagePool:
         view = base.as_strided((self.num_layers, 2, self.fragment_bytes),
                                (self._layer_stride, self._kv_stride, 1),
                                base.storage_offset() + block_id * self._block_stride)
-        return FragmentPlan(None, self.block_bytes, view, self.dtype, 2 * self.num_layers)
+        return FragmentPlan(None, self.block_bytes, view, self.dtype, 2 * self.num_layers, destination)
 
     def plans(self, block_ids: Iterable[int], destination: bool = False) -> list[FragmentPlan]:
         """:meth:`plan` for each id.
@@ -362,12 +374,32 @@ class KVPagePool:
 
     def _check_id(self, block_id: Any) -> int:
         try:
-            b = operator.index(block_id)  # ints and integer scalars; not 1.7 or "2"
+            if isinstance(block_id, bool):
+                raise TypeError
+            b = operator.index(block_id)  # ints and integer scalars; not 1.7, "2" or True
         except TypeError:
             raise LayoutError(f"block id {block_id!r} is not an integer") from None
         if not 0 <= b < self.num_blocks:
             raise LayoutError(f"block id {b} outside the pool's [0, {self.num_blocks})")
         return b
+
+
+def check_distinct_destinations(plans: Sequence[FragmentPlan]) -> None:
+    """Refuse two destination plans that start at the same address (one
+    block's load would overwrite another's while both report OK).
+
+    Raises
+    ------
+    LayoutError
+        If two strided plans share their first byte.
+    """
+    seen: set[int] = set()
+    for p in plans:
+        if p.strided is not None:
+            a = p.strided.data_ptr()
+            if a in seen:
+                raise LayoutError("two destination blocks are the same memory")
+            seen.add(a)
 
 
 def gather_fragments(fragments: Sequence[Any] | FragmentPlan, staging: torch.Tensor, offset: int) -> int:
@@ -501,8 +533,14 @@ def _merged_runs(plans: Sequence[FragmentPlan], offsets: Sequence[int], destinat
                     j += 1
         if j - i > 1:
             shape, strides = (j - i, *v.shape), (step, *v.stride())
+            merged = None
             if not destination or _non_overlapping(shape, strides):
-                yield i, j, v.as_strided(shape, strides, v.storage_offset())
+                try:  # the span must lie inside v's storage (views of a sliced pool may not)
+                    merged = v.as_strided(shape, strides, v.storage_offset())
+                except RuntimeError:
+                    merged = None
+            if merged is not None:
+                yield i, j, merged
                 i = j
                 continue
             j = i + 1
@@ -718,26 +756,28 @@ class ExtentPipeline:
                 results[idx] = exc
             inflight[slot] = None
 
-        for offset, fill, placement in jobs:
-            slot = i % 2
-            finish(slot)  # the buffer we are about to refill must be free
-            buf = self.staging[slot]
-            n = fill(buf)
-            if n > self.extent_bytes:
-                raise LayoutError(f"extent of {n} bytes exceeds staging of {self.extent_bytes}")
-            padded = align_up(n, bs)
-            if padded > n:
-                buf[n:padded].zero_()
-            results.append(0)
-            try:
-                fut = self.engine.write(offset, buf[:padded], placement)
-            except OSError as exc:
-                results[i] = exc
-            else:
-                inflight[slot] = (i, fut)
-            i += 1
-        finish(0)
-        finish(1)
+        try:
+            for offset, fill, placement in jobs:
+                slot = i % 2
+                finish(slot)  # the buffer we are about to refill must be free
+                buf = self.staging[slot]
+                n = fill(buf)
+                if n > self.extent_bytes:
+                    raise LayoutError(f"extent of {n} bytes exceeds staging of {self.extent_bytes}")
+                padded = align_up(n, bs)
+                if padded > n:
+                    buf[n:padded].zero_()
+                results.append(0)
+                try:
+                    fut = self.engine.write(offset, buf[:padded], placement)
+                except OSError as exc:
+                    results[i] = exc
+                else:
+                    inflight[slot] = (i, fut)
+                i += 1
+        finally:  # also on an exception from a fill: no write outlives this call
+            finish(0)
+            finish(1)
         return results
 
     def read_extents(self, jobs: Sequence[tuple[int, int]],

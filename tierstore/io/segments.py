@@ -43,7 +43,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from . import format as fmt
-from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, plan_fragments
+from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, check_distinct_destinations, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
@@ -395,6 +395,7 @@ class SegmentStorage(BlockStorage):
         if len(dest_fragments_per_block) != n:
             raise LayoutError(f"{n} keys but {len(dest_fragments_per_block)} destination lists")
         dest_fragments_per_block = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
+        check_distinct_destinations(dest_fragments_per_block)
         for p in dest_fragments_per_block:
             if p.nbytes != self.block_bytes:
                 raise LayoutError(f"destination of {p.nbytes} bytes; blocks are {self.block_bytes} bytes")
@@ -589,7 +590,20 @@ class SegmentStorage(BlockStorage):
                 return end
             return fill
 
-        results = self._pipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
+        try:
+            results = self._pipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
+        except BaseException:
+            # Nothing of this call is acknowledged: give the planned space back so
+            # that no hole is left in a segment's chain (recovery stops at one).
+            first: dict[int, int] = {}
+            for p in plans:
+                first[p.seg] = min(first.get(p.seg, p.ext_off), p.ext_off)
+            for si, off in first.items():
+                seg = self._segs[si]
+                seg.wp = off - si * self.segment_size_bytes
+                if seg.wp == 0:
+                    seg.written = 0
+            raise
         # A failed extent breaks its segment's chain: later extents of the same
         # segment in this batch are not acknowledged either; roll the pointer back.
         first_fail: dict[int, int] = {}
@@ -715,8 +729,10 @@ class SegmentStorage(BlockStorage):
                     if pos + hb > S:
                         break
                     if hb > fmt.ALIGN_BYTES:
-                        if hb > page.numel():
-                            break
+                        if hb > page.numel():  # written with larger extents: grow, do not stop
+                            del mv, page, keep
+                            keep, page = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
+                            mv = memoryview(keep)
                         self.engine.read(base + pos, page[:hb]).get()
                     h = fmt.decode_header(mv[:hb])
                 except (OSError, CorruptData):

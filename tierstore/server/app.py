@@ -207,7 +207,10 @@ class Tenancy:
         self.scope_owner: dict[bytes, str] = {}
         self.tombstones: dict[bytes, int] = {}
         for rec in self._read_jsonl(self._scopes_path):
-            self.scope_owner[bytes.fromhex(rec["scope"])] = rec["owner"]
+            # a scope recorded under another layout (or before layouts were
+            # recorded) is unreachable now: its blocks are dropped at start
+            if rec.get("layout") == layout_fingerprint.hex():
+                self.scope_owner[bytes.fromhex(rec["scope"])] = rec["owner"]
         for rec in self._read_jsonl(self._tomb_path):
             self.tombstones[bytes.fromhex(rec["scope"])] = int(rec["seq"])
         self._lock = threading.Lock()
@@ -277,7 +280,8 @@ class Tenancy:
                 known = scope in self.scope_owner
                 self.scope_owner[scope] = owner
             if not known:
-                self._append(self._scopes_path, {"scope": scope.hex(), "owner": owner})
+                self._append(self._scopes_path, {"scope": scope.hex(), "owner": owner,
+                                                 "layout": self.layout_fingerprint.hex()})
         return scope, owner
 
     @staticmethod
@@ -506,11 +510,17 @@ class Service:
         self.durable = cfg.puts.durable and nvme is not None
         self.tenancy = Tenancy(cfg, self.block_bytes, self.layout.fingerprint())
         dropped = repair_after_restart(self.store.manager, self.tenancy.tombstones) if nvme is not None else 0
+        # Blocks of scopes not registered under this layout (a daemon restarted
+        # with another layout, or state from before layouts were recorded) can
+        # never be addressed again: drop them rather than charge their owners.
+        orphans = [k for k, e in self.store.manager.index.items() if e.ns not in self.tenancy.scope_owner]
+        dropped_orphans = self.store.manager.remove(orphans) if orphans else 0
         self.tenancy.adopt(self.store.manager.index)
         self.recovered_blocks = len(self.store.manager.index)
         if nvme is not None:
             log.info("recovered", extra={"fields": {"event": "recovered", "blocks": self.recovered_blocks,
-                                                    "dropped_invalidated": dropped}})
+                                                    "dropped_invalidated": dropped,
+                                                    "dropped_unaddressable": dropped_orphans}})
         self.executor = concurrent.futures.ThreadPoolExecutor(cfg.limits.worker_threads,
                                                               thread_name_prefix="tierstore-io")
         self.leases: dict[int, str] = {}
