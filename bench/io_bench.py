@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from tierstore.errors import Status  # noqa: E402
 from tierstore.io import SegmentStorage, open_engine  # noqa: E402
-from tierstore.io.batch import ExtentPipeline, KVPagePool, plan_fragments  # noqa: E402
+from tierstore.io.batch import ExtentPipeline  # noqa: E402
+from tierstore.io.pages import KVPagePool, plan_fragments  # noqa: E402
 from tierstore.io.engine import alloc_aligned  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
 

@@ -7,7 +7,7 @@ from tierstore.api import KVStore
 from tierstore.errors import LayoutError, Status
 from tierstore.identity import Namespace
 from tierstore.io import KVPagePool
-from tierstore.io.batch import plan_fragments
+from tierstore.io.pages import plan_fragments
 from tierstore.layout import KVLayout
 
 LAYOUT = KVLayout(4, 2, 8, torch.bfloat16, 16, "api-test")  # 4 layers, 16-token blocks
@@ -153,3 +153,55 @@ def test_destinations_must_be_planned_as_such_and_distinct():
         pages.plan(True)
     with pytest.raises(LayoutError, match="no blocks"):
         KVPagePool(paged_pool(0, seed=1))
+
+
+def test_key_level_api_and_async_calls():
+    """store_keys / lookup_keys / exists work on caller keys; wait=False returns futures
+    with the same outcome as the blocking calls; exists() touches nothing."""
+    from tierstore.identity import scoped_key
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
+    store = KVStore(layout, host_bytes=8 * layout.bytes_per_block)
+    d = store.digest(NS)
+    keys = [scoped_key(d, f"page-{i}") for i in range(3)]
+    assert scoped_key(store.digest(Namespace(model="other")), "page-0") != keys[0]
+    blocks = [torch.randn(layout.block_shape).to(layout.dtype) for _ in keys]
+    fut = store.store_keys(NS, keys, blocks, wait=False)
+    assert fut.result(timeout=30) == [Status.OK] * 3
+    before = store.stats()
+    assert store.exists(keys) == 3 and store.exists([keys[0], bytes(32), keys[2]]) == 1
+    after = store.stats()
+    assert after.get("lookups", 0) == before.get("lookups", 0)
+    hit = store.lookup_keys(keys)
+    assert hit.matched_blocks == 3
+    st, outs = store.load(keys, wait=False).result(timeout=30)
+    assert st == [Status.OK] * 3 and all(torch.equal(a, b) for a, b in zip(outs, blocks))
+    with pytest.raises(LayoutError):
+        store.store_keys(NS, keys[:2], blocks)
+    store.close()
+
+
+def test_fused_kv_layout_round_trip_and_never_matches_layer_kv():
+    """vLLM's CPU layout (K and V fused per layer) stores and loads through
+    KVPagePool plans; a store of another block order never serves it."""
+    L, H, T, D = 2, 2, 4, 8
+    fused = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, tokens_per_block=T, dtype=torch.float16,
+                     block_order="layer_fused")
+    plain = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, tokens_per_block=T, dtype=torch.float16)
+    assert fused.fingerprint() != plain.fingerprint() and fused.bytes_per_block == plain.bytes_per_block
+    src = torch.randn(L, 6, H, T, 2 * D).to(torch.float16)   # one allocation, per layer (blocks, H, T, 2D)
+    dst = torch.zeros_like(src)
+    store = KVStore(fused, host_bytes=8 * fused.bytes_per_block)
+    tokens = list(range(2 * T))
+    pages = KVPagePool(src, block_dim=0, kv_dim=None)
+    assert store.store_fragments(NS, tokens, pages.plans([3, 1])) == [Status.OK] * 2
+    hit = store.lookup(NS, tokens)
+    assert hit.matched_blocks == 2
+    dpages = KVPagePool(dst, block_dim=0, kv_dim=None)
+    assert store.load_fragments(hit.keys, dpages.plans([0, 5], destination=True)) == [Status.OK] * 2
+    assert torch.equal(dst[:, 0], src[:, 3]) and torch.equal(dst[:, 5], src[:, 1])
+    with pytest.raises(LayoutError, match="layer_fused"):  # a layer_kv pool's plans do not fit this layout
+        store.store_fragments(NS, tokens, KVPagePool(torch.zeros(L, 2, 6, T, H, D, dtype=torch.float16)).plans([0]))
+    other = KVStore(plain, host_bytes=8 * plain.bytes_per_block)
+    assert other.keys_for(NS, tokens) != store.keys_for(NS, tokens)
+    store.close()
+    other.close()

@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.batch import FragmentPlan, check_distinct_destinations, plan_fragments
+from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
 from .tiers.storage import BlockStorage
@@ -146,6 +147,8 @@ class KVStore:
         self.manager = TierManager(cfg, nvme)
         self._digests = DigestCache(scope=layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
@@ -224,8 +227,74 @@ class KVStore:
         toks = self._token_blocks(token_ids, len(keys))[start_block:start_block + len(blocks)]
         return self.manager.store(self.digest(ns), sel, blocks, toks, lifetime, start_block)
 
+    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
+                   first_position: int = 0, wait: bool = True) -> list[Status] | Future:
+        """Store blocks under keys the caller computed (key-level API).
+
+        For engines that hash blocks themselves (SGLang page hashes scoped with
+        :func:`tierstore.identity.scoped_key`, vLLM block hashes) or that keep
+        keys from an earlier :meth:`keys_for`.
+
+        Parameters
+        ----------
+        ns : Namespace or bytes
+            The namespace the keys belong to (for invalidation and quotas).
+        keys : sequence of bytes
+            32-byte block keys, in chain order.
+        blocks : sequence
+            One per key: a typed block (``layout.block_shape``, ``layout.dtype``),
+            a raw ``uint8`` block of ``bytes_per_block``, a list of fragments,
+            or a :class:`~tierstore.io.pages.FragmentPlan`.
+        lifetime : str, optional
+            Placement hint: ``"system"``, ``"conversation"``, ``"query"``.
+        first_position : int
+            Chain position of ``keys[0]``.
+        wait : bool
+            ``False`` returns a :class:`concurrent.futures.Future` of the
+            statuses; the source memory must stay untouched until it resolves.
+
+        Returns
+        -------
+        list of Status or Future
+            ``OK``, ``EXISTS`` or ``NO_SPACE`` per block.
+
+        Raises
+        ------
+        LayoutError
+            Malformed keys, or a block of the wrong size or dtype (nothing is stored).
+        """
+        keys = _check_keys(keys)
+        blocks = list(blocks)
+        if len(blocks) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
+        digest = self.digest(ns)
+
+        def run() -> list[Status]:
+            return self.manager.store(digest, keys, self._as_blocks(blocks), None, lifetime, first_position)
+        return run() if wait else self._submit(run)
+
+    def _as_blocks(self, blocks) -> list[torch.Tensor]:
+        """Tensors for the manager: fragment lists and plans are gathered into blocks."""
+        out = []
+        for b in blocks:
+            if isinstance(b, torch.Tensor):
+                out.append(b)
+                continue
+            plan = self._plan(b, destination=False)
+            blk = torch.empty(self.layout.bytes_per_block, dtype=torch.uint8)
+            plan.gather(blk, 0)
+            out.append(blk)
+        return out
+
+    def _submit(self, fn) -> Future:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-api")
+            return self._pool.submit(fn)
+
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
-                        start_block: int = 0, lifetime: str | None = None) -> list[Status]:
+                        start_block: int = 0, lifetime: str | None = None, *,
+                        wait: bool = True) -> list[Status] | Future:
         """Store blocks given as engine fragments.
 
         Parameters
@@ -234,10 +303,14 @@ class KVStore:
             Per block, either its ``2 * num_layers`` fragment tensors (order
             layer0-K, layer0-V, layer1-K, ...; each ``layout.fragment_bytes``,
             any dtype, CPU or CUDA), or a
-            :class:`~tierstore.io.batch.FragmentPlan` from
-            :meth:`KVPagePool.plans(block_ids) <tierstore.io.batch.KVPagePool.plans>`,
+            :class:`~tierstore.io.pages.FragmentPlan` from
+            :meth:`KVPagePool.plans(block_ids) <tierstore.io.pages.KVPagePool.plans>`,
             which skips the per-fragment check. Fragments that are views of one
             pool at a constant stride are copied with one strided copy per block.
+
+        wait : bool
+            ``False`` returns a :class:`concurrent.futures.Future` of the
+            statuses; the fragments must stay untouched until it resolves.
 
         Other parameters and the return value are those of :meth:`store`.
 
@@ -246,22 +319,25 @@ class KVStore:
         LayoutError
             A wrong fragment count or size (the message names the fragment).
         """
-        blocks = []
-        for frags in list(fragments_per_block):
-            plan = self._plan(frags, destination=False)
-            blk = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-            plan.gather(blk.view(-1).view(torch.uint8), 0)
-            blocks.append(blk)
-        return self.store(ns, token_ids, blocks, start_block, lifetime)
+        keys = self.keys_for(ns, token_ids)
+        plans = [self._plan(frags, destination=False) for frags in list(fragments_per_block)]
+        if start_block < 0 or start_block + len(plans) > len(keys):
+            raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
+                              f"{len(keys)} full blocks (partial tails are never stored)")
+        return self.store_keys(ns, keys[start_block:start_block + len(plans)], plans, lifetime=lifetime,
+                               first_position=start_block, wait=wait)
 
     def _plan(self, frags: Sequence[torch.Tensor], destination: bool) -> FragmentPlan:
         """Check a block's fragments and plan the copy: views of one KV pool at
-        a constant stride move as one strided copy (:mod:`tierstore.io.batch`)."""
+        a constant stride move as one strided copy (:mod:`tierstore.io.pages`)."""
         lay = self.layout
         if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-            if frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments):
-                raise LayoutError(f"planned block of {frags.count} fragments, {frags.nbytes} bytes; the layout "
-                                  f"has {lay.num_fragments} fragments, {lay.bytes_per_block} bytes")
+            grid = tuple(frags.strided.shape[:-1]) if frags.strided is not None and frags.strided.dim() == 3 else None
+            if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments)
+                    or grid not in (None, lay.fragment_grid)):
+                raise LayoutError(f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
+                                  f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
+                                  f"{lay.fragment_grid}, {lay.bytes_per_block} bytes")
             if frags.dtype not in (None, lay.dtype, torch.uint8):
                 raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
             return plan_fragments(frags, destination=destination)  # a reading plan is no destination
@@ -291,30 +367,56 @@ class KVStore:
         """Matched tokens without taking references or touching recency."""
         return self.manager.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
 
+    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None) -> LookupResult:
+        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`).
+
+        Raises
+        ------
+        LayoutError
+            For a key that is not 32 bytes.
+        """
+        return self.manager.lookup(_check_keys(keys), None, request_id)
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` resident in any tier.
+
+        A pure probe: it takes no reference, renews no lease, does not touch
+        recency and counts no hit, so it never keeps a block from eviction
+        (SGLang's ``batch_exists``, Mooncake's ``batch_is_exist``).
+        """
+        return self.manager.probe(_check_keys(keys))
+
     def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True) -> tuple[list[Status], list[torch.Tensor | None]]:
+             promote: bool = True, *, wait: bool = True):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
 
         Returns per-block statuses and the filled tensors; use :func:`leading_ok`.
-        Returned new tensors are typed blocks of ``layout.block_shape``.
+        Returned new tensors are typed blocks of ``layout.block_shape``. With
+        ``wait=False`` a :class:`concurrent.futures.Future` of that pair.
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = _check_keys(keys)
-        st, outs = self.manager.load(keys, dests, promote)
-        if dests is None:
-            outs = [None if o is None else self.layout.block_view(o) for o in outs]
-        return st, outs
+
+        def run():
+            st, outs = self.manager.load(keys, dests, promote)
+            if dests is None:
+                outs = [None if o is None else self.layout.block_view(o) for o in outs]
+            return st, outs
+        return run() if wait else self._submit(run)
 
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
-                       dest_fragments_per_block: Sequence[Sequence[torch.Tensor]]) -> list[Status]:
+                       dest_fragments_per_block: Sequence[Sequence[torch.Tensor]], *,
+                       wait: bool = True) -> list[Status] | Future:
         """Load blocks and scatter each into its destination fragments.
 
         ``dest_fragments_per_block`` is as in :meth:`store_fragments` (fragment
         tensors, contiguous or not, or ``KVPagePool.plans(block_ids,
         destination=True)``). Destinations are checked before anything is
         loaded; a block whose status is not ``OK`` leaves its destination
-        untouched. Returns per-block statuses.
+        untouched. Returns per-block statuses, or with ``wait=False`` a
+        :class:`concurrent.futures.Future` of them (destinations must not be
+        read before it resolves).
 
         Raises
         ------
@@ -329,11 +431,14 @@ class KVStore:
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
         check_distinct_destinations(plans)
-        st, outs = self.manager.load(keys, None)
-        for s, raw, plan in zip(st, outs, plans):
-            if s is Status.OK:
-                plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
-        return st
+
+        def run() -> list[Status]:
+            st, outs = self.manager.load(keys, None)
+            for s, raw, plan in zip(st, outs, plans):
+                if s is Status.OK:
+                    plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
+            return st
+        return run() if wait else self._submit(run)
 
     # -------------------------------------------------------------- pins / admin
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
@@ -377,7 +482,11 @@ class KVStore:
         return out
 
     def close(self) -> None:
-        """Close the NVMe backend."""
+        """Finish submitted asynchronous calls and close the NVMe backend."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         self.manager.close()
 
     def __enter__(self) -> "KVStore":

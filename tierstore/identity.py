@@ -227,3 +227,39 @@ def chain_ids(ns_digest: bytes, block_ids: Iterable[int]) -> list[BlockKey]:
         parent = hash_block(parent, int(b).to_bytes(8, "little", signed=True))
         out.append(parent)
     return out
+
+
+_EXTERNAL_DOMAIN = b"tierstore/external/v1"
+
+
+def scoped_key(ns_digest: bytes, external_key: bytes | str) -> BlockKey:
+    """A tierstore block key for a key an engine computed itself.
+
+    Engines that hash their own pages (SGLang HiCache page hashes, vLLM block
+    hashes, Mooncake object keys) pass that key here with the namespace
+    digest: ``SHA-256(b"tierstore/external/v1" || ns_digest || key)``. The
+    engine key already covers the prefix chain; the namespace makes equal
+    engine keys of another model, layout, rank or tenant distinct, so they
+    never hit.
+
+    Parameters
+    ----------
+    ns_digest : bytes
+        32-byte namespace digest (:meth:`tierstore.api.KVStore.digest`).
+    external_key : bytes or str
+        The engine's key; a ``str`` is encoded as UTF-8.
+
+    Raises
+    ------
+    ConfigError
+        If ``ns_digest`` is not 32 bytes or the key is empty.
+    """
+    if not isinstance(ns_digest, (bytes, bytearray)) or len(ns_digest) != 32:
+        raise ConfigError("ns_digest must be a 32-byte namespace digest")
+    raw = external_key.encode("utf-8") if isinstance(external_key, str) else bytes(external_key)
+    if not raw:
+        raise ConfigError("external_key is empty")
+    h = hashlib.sha256(_EXTERNAL_DOMAIN)
+    h.update(ns_digest)
+    h.update(raw)
+    return h.digest()

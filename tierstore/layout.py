@@ -27,6 +27,13 @@ import torch
 
 from .errors import ConfigError, LayoutError
 
+#: Block byte orders -> ``num_layers -> (outer, inner)`` fragment grid (see ``KVLayout.block_order``).
+BLOCK_ORDERS = {
+    "layer_kv": lambda n: (n, 2),
+    "layer_fused": lambda n: (n, 1),
+    "kv_layer": lambda n: (1, 2),
+}
+
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -75,6 +82,20 @@ class KVLayout:
         Tokens in one block (vLLM's ``block_size``, 16 by default there).
     name : str
         Preset name, informational.
+    block_order : {"layer_kv", "layer_fused", "kv_layer"}
+        The order of a block's bytes, which is the order of its fragments in
+        the engine's memory:
+
+        * ``"layer_kv"`` (default): ``2 * num_layers`` fragments, layer 0 K,
+          layer 0 V, layer 1 K, ... (vLLM GPU backends, HF transformers,
+          SGLang ``layer_first``); each ``(tokens, kv_heads, head_dim)``.
+        * ``"layer_fused"``: ``num_layers`` fragments with K and V fused as the
+          engine keeps them (vLLM's CPU backend: ``(kv_heads, tokens, 2 * head_dim)``).
+        * ``"kv_layer"``: 2 fragments, all of K then all of V, each covering
+          every layer (SGLang host pool ``page_first``/``page_first_direct``).
+
+        Blocks of different orders have different bytes for the same KV, so
+        the order is part of :meth:`fingerprint` and never matches across.
 
     Raises
     ------
@@ -88,6 +109,7 @@ class KVLayout:
     dtype: torch.dtype = torch.bfloat16
     tokens_per_block: int = 16
     name: str = "custom"
+    block_order: str = "layer_kv"
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
@@ -95,6 +117,9 @@ class KVLayout:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"KVLayout.{f}={v!r}: must be a positive integer")
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        if self.block_order not in BLOCK_ORDERS:
+            raise ConfigError(f"KVLayout.block_order={self.block_order!r}: accepted values are "
+                              f"{sorted(BLOCK_ORDERS)}")
 
     def fingerprint(self) -> bytes:
         """32-byte SHA-256 of the geometry and dtype (``num_layers``,
@@ -107,8 +132,10 @@ class KVLayout:
         """
         import hashlib
         import json
-        desc = json.dumps([self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
-                           self.tokens_per_block], separators=(",", ":"))
+        fields = [self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype), self.tokens_per_block]
+        if self.block_order != "layer_kv":  # the default keeps the fingerprints of stores written before it existed
+            fields.append(self.block_order)
+        desc = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(b"tierstore/kv-layout/v1\0" + desc.encode()).digest()
 
     # --- sizes ---------------------------------------------------------------
@@ -128,9 +155,17 @@ class KVLayout:
         return self.bytes_per_token * self.tokens_per_block
 
     @property
+    def fragment_grid(self) -> tuple[int, int]:
+        """``(outer, inner)`` fragment counts of a block in :attr:`block_order`:
+        ``(num_layers, 2)``, ``(num_layers, 1)`` or ``(1, 2)``."""
+        return BLOCK_ORDERS[self.block_order](self.num_layers)
+
+    @property
     def num_fragments(self) -> int:
-        """Fragments an engine keeps per block: ``2 * num_layers`` (K and V per layer)."""
-        return 2 * self.num_layers
+        """Fragments an engine keeps per block: ``2 * num_layers`` (K and V per
+        layer), ``num_layers`` (fused) or 2 (``kv_layer``)."""
+        a, b = self.fragment_grid
+        return a * b
 
     @property
     def fragment_shape(self) -> tuple[int, int, int]:
@@ -139,8 +174,9 @@ class KVLayout:
 
     @property
     def fragment_bytes(self) -> int:
-        """Bytes of one fragment: ``tokens_per_block * num_kv_heads * head_dim * itemsize``."""
-        return self.tokens_per_block * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one fragment: ``bytes_per_block / num_fragments``
+        (``tokens_per_block * num_kv_heads * head_dim * itemsize`` in the default order)."""
+        return self.bytes_per_block // self.num_fragments
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -223,7 +259,7 @@ class KVLayout:
         """JSON-serialisable description."""
         return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype),
-                "tokens_per_block": self.tokens_per_block,
+                "tokens_per_block": self.tokens_per_block, "block_order": self.block_order,
                 "bytes_per_token": self.bytes_per_token, "bytes_per_block": self.bytes_per_block}
 
 

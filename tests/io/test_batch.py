@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from tierstore.io.batch import (ExtentPipeline, read_fragments_raw, scatter_fragments,
-                                write_fragments_raw, gather_fragments)
+from tierstore.io.batch import ExtentPipeline, read_fragments_raw, write_fragments_raw
+from tierstore.io.pages import gather_fragments, scatter_fragments
 from tierstore.io.engine import alloc_aligned
+from tierstore.errors import LayoutError
 
 from .conftest import make_engine
 
@@ -50,7 +51,7 @@ def test_extent_size_validated(tmp_path):
 
 @pytest.mark.parametrize("kind", ["one_tensor", "layers_one_allocation", "separate_layers", "bf16"])
 def test_page_pool_plans_match_the_per_fragment_path(kind):
-    from tierstore.io.batch import KVPagePool, plan_fragments
+    from tierstore.io.pages import KVPagePool, plan_fragments
     g = torch.Generator().manual_seed(7)
     if kind == "one_tensor":
         layers = torch.randn(3, 2, 6, 4, 8, generator=g)
@@ -80,7 +81,7 @@ def test_page_pool_plans_match_the_per_fragment_path(kind):
 
 def test_page_pool_rejects_bad_layouts():
     from tierstore.errors import LayoutError
-    from tierstore.io.batch import KVPagePool
+    from tierstore.io.pages import KVPagePool
     with pytest.raises(LayoutError):
         KVPagePool(torch.zeros(3, 3, 4, 8))  # K/V axis of 3
     with pytest.raises(LayoutError):
@@ -93,7 +94,7 @@ def test_page_pool_rejects_bad_layouts():
 
 def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
     from tierstore.errors import LayoutError
-    from tierstore.io.batch import KVPagePool
+    from tierstore.io.pages import KVPagePool
     buf = torch.zeros(1 << 12)
     frag = 8
     # layer l's V is layer l+1's K: K/V stride == layer stride == one fragment pair... overlapping
@@ -116,7 +117,7 @@ def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
 
 
 def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
-    from tierstore.io.batch import KVPagePool, plan_fragments
+    from tierstore.io.pages import KVPagePool, plan_fragments
     pool = torch.randn(3, 2, 5, 16)
     layers = list(pool.unbind(0))[::-1]  # one allocation, negative layer stride
     pages = KVPagePool(layers)
@@ -130,7 +131,7 @@ def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
 def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
     """Consecutive pool blocks at consecutive staging offsets move as one copy;
     broken runs (other ids, a gap in staging) fall back; bytes are the same."""
-    from tierstore.io.batch import KVPagePool, _merged_runs
+    from tierstore.io.pages import KVPagePool, _merged_runs
     from tierstore.io.memory import MemoryEngine
     pipe = ExtentPipeline(MemoryEngine(1 << 20), 64 << 10, 1)
     src = torch.randn(3, 2, 8, 4, 8)
@@ -157,7 +158,7 @@ def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
 
 
 def test_overlapping_destination_blocks_are_not_merged():
-    from tierstore.io.batch import _merged_runs, plan_fragments
+    from tierstore.io.pages import _merged_runs, plan_fragments
     buf = torch.zeros(4096, dtype=torch.uint8)
     # block i's 4 fragments of 64 bytes at buf[i*32 + r*512]: blocks overlap by half a fragment
     blocks = [[buf[i * 32 + r * 512: i * 32 + r * 512 + 64] for r in range(4)] for i in range(3)]
@@ -171,7 +172,7 @@ def test_overlapping_destination_blocks_are_not_merged():
 def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
     """Plans from a pool that is a slice of a bigger buffer: a merged view may
     not reach past the slice's storage; it falls back, it does not raise."""
-    from tierstore.io.batch import KVPagePool
+    from tierstore.io.pages import KVPagePool
     from tierstore.io.memory import MemoryEngine
     import numpy as np
     a = np.random.default_rng(0).integers(0, 256, (1, 2, 8, 4096), dtype=np.uint8)
@@ -184,3 +185,52 @@ def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
     want = torch.cat([torch.from_numpy(a[0, :, b].reshape(-1).copy()) for b in (0, 1, 2)])
     assert torch.equal(staging[:3 * 8192], want)
     pipe.close()
+
+
+@pytest.mark.parametrize("shape,block_dim,kv_dim", [
+    ((6, 3, 4, 2 * 8), 0, None),      # vLLM CPU backend: (blocks, H, T, 2*D), K and V fused
+    ((6, 2, 4, 3, 8), 0, 1),          # vLLM FlashInfer: (blocks, 2, T, H, D)
+    ((2, 6, 4, 3, 8), 1, 0),          # vLLM FlashAttention / SGLang layer_first: (2, blocks, T, H, D)
+])
+def test_page_pool_engine_layouts_round_trip(shape, block_dim, kv_dim):
+    """Every engine layout: a block's plan gathers exactly its fragments in
+    layer-major order, and scatters back bit-exactly into another pool,
+    touching no other block."""
+    from tierstore.io.pages import KVPagePool
+    layers = 3
+    g = torch.Generator().manual_seed(7)
+    src = torch.randn((layers, *shape), generator=g).to(torch.bfloat16)  # one allocation, fixed layer stride
+    pool = KVPagePool(src, block_dim=block_dim, kv_dim=kv_dim)
+    assert pool.affine and pool.num_blocks == 6 and pool.num_kv == (1 if kv_dim is None else 2)
+    for b in (0, 5):
+        stage = torch.empty(pool.block_bytes, dtype=torch.uint8)
+        pool.plan(b).gather(stage, 0)
+        want = torch.cat([f.reshape(-1).view(torch.uint8) for f in pool.fragments(b)])
+        assert torch.equal(stage, want)
+        dst = torch.zeros_like(src)
+        dpool = KVPagePool(dst, block_dim=block_dim, kv_dim=kv_dim)
+        dpool.plan(b, destination=True).scatter(stage, 0)
+        for fs, fd in zip(pool.fragments(b), dpool.fragments(b)):
+            assert torch.equal(fs, fd)
+        others = [o for o in range(6) if o != b]
+        assert all(not f.any() for o in others for f in dpool.fragments(o))
+
+
+def test_page_pool_fused_separate_layers_fall_back():
+    """Per-layer tensors in separate allocations plan fragment by fragment and still round-trip."""
+    from tierstore.io.pages import KVPagePool
+    layers = [torch.randn(5, 2, 4, 16) for _ in range(3)]
+    pool = KVPagePool(layers, block_dim=0, kv_dim=None)
+    stage = torch.empty(pool.block_bytes, dtype=torch.uint8)
+    assert pool.plan(3).gather(stage, 0) == pool.block_bytes == 3 * 2 * 4 * 16 * 4
+    dst = [torch.zeros(5, 2, 4, 16) for _ in range(3)]
+    KVPagePool(dst, block_dim=0, kv_dim=None).plan(3, destination=True).scatter(stage, 0)
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(layers, dst))
+
+
+def test_page_pool_rejects_non_leading_axes():
+    from tierstore.io.pages import KVPagePool
+    with pytest.raises(LayoutError, match="leading axes"):
+        KVPagePool(torch.zeros(2, 4, 3, 8), block_dim=2, kv_dim=0)
+    with pytest.raises(LayoutError, match="2 entries"):
+        KVPagePool(torch.zeros(2, 4, 3, 8), block_dim=0, kv_dim=1)

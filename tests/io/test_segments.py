@@ -263,7 +263,7 @@ def test_recovery_reads_headers_larger_than_its_own_extents(tmp_path):
 def test_a_failing_fill_leaves_no_hole_and_later_puts_survive_restart(tmp_path):
     """An exception while gathering (after the space was planned) must give the
     space back: a hole in a segment's chain would hide later acknowledged puts."""
-    from tierstore.io.batch import FragmentPlan
+    from tierstore.io.pages import FragmentPlan
     path = str(tmp_path / "h.bin")
     s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")
     k = [bytes([i]) * 32 for i in range(1, 6)]

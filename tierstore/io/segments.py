@@ -43,7 +43,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from . import format as fmt
-from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline, align_up, check_distinct_destinations, plan_fragments
+from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
+from .pages import align_up, check_distinct_destinations, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
