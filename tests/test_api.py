@@ -205,3 +205,17 @@ def test_fused_kv_layout_round_trip_and_never_matches_layer_kv():
     assert other.keys_for(NS, tokens) != store.keys_for(NS, tokens)
     store.close()
     other.close()
+
+
+def test_from_config_validates_the_engine_dict(tmp_path):
+    """One typed config for every way in: unknown keys are errors naming the accepted ones."""
+    from tierstore.errors import ConfigError
+    cfg = {"layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "fp16", "tokens_per_block": 4},
+           "tiers": {"host": {"capacity_bytes": "64k"}, "nvme": {"path": str(tmp_path), "capacity_bytes": "8m"}}}
+    store = KVStore.from_config(cfg)
+    assert store.layout.tokens_per_block == 4 and store.manager.nvme is not None
+    store.close()
+    with pytest.raises(ConfigError, match="accepted keys here are"):
+        KVStore.from_config({"tiers": {"host": {"capacity": 1}}}, layout=store.layout)
+    with pytest.raises(ConfigError, match="no 'layout'"):
+        KVStore.from_config({})

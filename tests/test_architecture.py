@@ -12,7 +12,7 @@ LAYER = {
     "io": 2, "fdp": 2,
     "policies": 3,
     "manager": 4, "metrics": 4, "block_table": 4,
-    "api": 5, "wiring": 5,
+    "api": 5, "wiring": 5, "config": 5,
     "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "cli": 6,
     "__init__": 7,
 }

@@ -38,6 +38,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .config import StoreConfig
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
 from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
@@ -149,6 +150,34 @@ class KVStore:
         self._rids = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: "StoreConfig | dict", layout: KVLayout | None = None) -> "KVStore":
+        """Open a store from its typed configuration (:class:`tierstore.config.StoreConfig`).
+
+        Parameters
+        ----------
+        config : StoreConfig or dict
+            A dict is validated first (unknown keys are errors): the engine
+            connectors pass their extra-config dict here.
+        layout : KVLayout, optional
+            Overrides ``config.layout`` (a connector derives it from the engine).
+
+        Raises
+        ------
+        ConfigError
+            Invalid configuration, or no layout given either way.
+        """
+        cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+        if layout is None:
+            if cfg.layout is None:
+                raise ConfigError("the store config has no 'layout' and none was given")
+            layout = cfg.layout.build()
+        t, p = cfg.tiers, cfg.policies
+        nvme = t.nvme
+        opts: dict = dict(eviction=p.eviction, promotion=p.promotion)
+        return cls(layout, hbm_bytes=t.hbm.capacity_bytes, host_bytes=t.host.capacity_bytes,
+                   nvme_path=nvme.path if nvme else None, nvme_bytes=nvme.capacity_bytes if nvme else 0, **opts)
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:

@@ -15,18 +15,16 @@ import hashlib
 import re
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..config import (ADMISSION_POLICIES, FdpConfig, LayoutConfig, MemoryTierConfig, NvmeTierConfig,  # noqa: F401
+                      PoliciesConfig, RemoteConfig, TiersConfig, format_validation_error, parse_model, read_yaml)
 from ..errors import ConfigError
 from ..identity import Namespace
-from ..layout import KVLayout, PRESETS, _DTYPES, get_layout
 from ..units import parse_size, parse_time_s
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
-#: Admission policies for blocks demoted to NVMe (only used when ``puts.durable`` is false).
-ADMISSION_POLICIES = ("all", "reused")
 
 
 def _size(v: Any, info) -> int:
@@ -60,125 +58,6 @@ class LogConfig(_Model):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = True
-
-
-class LayoutConfig(_Model):
-    """The KV layout that defines ``block_bytes``: a preset or explicit dims."""
-
-    preset: str | None = None
-    num_layers: int | None = Field(None, gt=0)
-    num_kv_heads: int | None = Field(None, gt=0)
-    head_dim: int | None = Field(None, gt=0)
-    dtype: str = "bf16"
-    tokens_per_block: int | None = Field(None, gt=0)
-
-    @field_validator("preset")
-    @classmethod
-    def _preset(cls, v):
-        if v is not None and v.lower() not in PRESETS:
-            raise ValueError(f"unknown preset; accepted values are {sorted(PRESETS)}")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v):
-        if v.lower() not in _DTYPES:
-            raise ValueError(f"accepted values are {sorted(_DTYPES)}")
-        return v
-
-    @model_validator(mode="after")
-    def _complete(self):
-        dims = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if self.preset is None and any(d is None for d in dims):
-            raise ValueError("give either 'preset' or all of num_layers, num_kv_heads, head_dim")
-        if self.preset is not None and any(d is not None for d in dims):
-            raise ValueError("'preset' excludes num_layers/num_kv_heads/head_dim (use tokens_per_block to resize)")
-        return self
-
-    def build(self) -> KVLayout:
-        """The :class:`~tierstore.layout.KVLayout` this section describes."""
-        if self.preset is not None:
-            lay = get_layout(self.preset)
-            return lay.with_tokens_per_block(self.tokens_per_block) if self.tokens_per_block else lay
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                        self.tokens_per_block or 16, "custom")
-
-
-class MemoryTierConfig(_Model):
-    """A memory tier (HBM or pinned host DRAM); 0 disables it."""
-
-    capacity_bytes: int = 0
-    _c = field_validator("capacity_bytes", mode="before")(_size)
-
-
-class FdpConfig(_Model):
-    """FDP placement: the PID each lifetime class is written with.
-
-    Take the PIDs from the device's RUH Status (``nvme fdp status``), see
-    :mod:`tierstore.fdp.placement`. Disabled: writes carry no placement.
-    """
-
-    enabled: bool = False
-    long_pid: int = Field(0, ge=0, le=0xFFFF)
-    medium_pid: int = Field(0, ge=0, le=0xFFFF)
-    short_pid: int = Field(0, ge=0, le=0xFFFF)
-    default_pid: int = Field(0, ge=0, le=0xFFFF)
-
-
-class NvmeTierConfig(_Model):
-    """The NVMe tier: a crash-recoverable :class:`~tierstore.io.SegmentStorage`."""
-
-    path: str = Field(..., description="directory, file, or a block/char device such as /dev/ng0n1")
-    capacity_bytes: int
-    engine: Literal["posix", "uring"] = "posix"
-    segment_size_bytes: int | None = None
-    extent_size_bytes: int = 16 << 20
-    iodepth: int = Field(16, ge=1, le=1024)
-    fdp: FdpConfig = FdpConfig()
-    _c = field_validator("capacity_bytes", "extent_size_bytes", mode="before")(_size)
-
-    @field_validator("segment_size_bytes", mode="before")
-    @classmethod
-    def _seg(cls, v, info):
-        return None if v is None else parse_size(v, info.field_name)
-
-    @field_validator("capacity_bytes")
-    @classmethod
-    def _positive(cls, v):
-        if v <= 0:
-            raise ValueError("must be > 0 (remove the 'nvme' section to disable the tier)")
-        return v
-
-
-class TiersConfig(_Model):
-    """Tier capacities. Without ``nvme`` nothing survives a restart."""
-
-    hbm: MemoryTierConfig = MemoryTierConfig()
-    host: MemoryTierConfig = MemoryTierConfig()
-    nvme: NvmeTierConfig | None = None
-
-
-class PoliciesConfig(_Model):
-    """Eviction (names registered in :mod:`tierstore.policies`) and NVMe admission."""
-
-    eviction: str = "lru"
-    admission: str = "all"
-    promotion: Literal["top", "one", "none"] = "top"
-
-    @field_validator("eviction")
-    @classmethod
-    def _ev(cls, v):
-        from ..policies import policy_names
-        if v not in policy_names():
-            raise ValueError(f"accepted values are {policy_names()}")
-        return v
-
-    @field_validator("admission")
-    @classmethod
-    def _adm(cls, v):
-        if v not in ADMISSION_POLICIES:
-            raise ValueError(f"accepted values are {list(ADMISSION_POLICIES)}")
-        return v
 
 
 class PutsConfig(_Model):
@@ -347,46 +226,6 @@ class DaemonConfig(_Model):
         return self
 
 
-def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
-    """Field names of the model that owns the unknown key at ``loc``."""
-    cur: Any = model
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
-            return None
-        ann = cur.model_fields[part].annotation
-        cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
-                   None)
-        if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    if isinstance(cur, type) and issubclass(cur, BaseModel):
-        return sorted(cur.model_fields)
-    return None
-
-
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: ``key=value: what is accepted``."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(document)"
-        val = e.get("input")
-        if e["type"] == "extra_forbidden":
-            acc = _accepted_keys(DaemonConfig, tuple(e["loc"]))
-            lines.append(f"{key}: unknown key; accepted keys here are {acc}")
-            continue
-        if e["type"] == "missing":
-            lines.append(f"{key}: required key is missing")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        inner = f"{e['loc'][-1]}=" if e["loc"] else None
-        if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
-            msg = msg.split(": ", 1)[1]
-        shown = repr(val) if not isinstance(val, dict) else "{...}"
-        lines.append(f"{key}={shown}: {msg}")
-    return "invalid daemon config:\n  " + "\n  ".join(lines)
-
-
 def parse_config(doc: Any) -> DaemonConfig:
     """Validate a parsed YAML document.
 
@@ -395,14 +234,7 @@ def parse_config(doc: Any) -> DaemonConfig:
     ConfigError
         Naming each bad key, its value and what is accepted.
     """
-    if not isinstance(doc, dict):
-        raise ConfigError(f"invalid daemon config: the document must be a mapping, got {type(doc).__name__}")
-    try:
-        return DaemonConfig.model_validate(doc)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
-    except ConfigError as e:  # raised by parse_size/parse_time_s inside a validator
-        raise ConfigError(f"invalid daemon config: {e}") from None
+    return parse_model(DaemonConfig, doc, "daemon config")
 
 
 def load_config(path: str) -> DaemonConfig:
@@ -413,11 +245,4 @@ def load_config(path: str) -> DaemonConfig:
     ConfigError
         Unreadable file, YAML syntax error, or invalid content.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"config file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r}: YAML syntax error: {e}") from None
-    return parse_config(doc)
+    return parse_config(read_yaml(path))
