@@ -85,8 +85,44 @@ def fio(dirpath: str, rw: str, total: int, engine: str, bs: str = "1M") -> float
     return side["bw_bytes"] / 1e9
 
 
+def engine_pass(dirpath: str, pool: KVPool, dst: KVPool, engine: str, args) -> tuple[float, float]:
+    """The bare engine at fio's settings: the pool written as 1 MiB I/Os (``--max-io``)
+    with ``--iodepth`` in flight into a preallocated file, then fdatasync (fio
+    ``--end_fsync=1``); then read back the same way into ``dst`` and checked."""
+    path = os.path.join(dirpath, f"engine-{engine}.bin")
+    if os.path.exists(path):
+        os.unlink(path)
+    total = pool.blocks_2mib * (2 << 20)
+    bs = args.max_io
+    eng = open_engine(engine, path, total, iodepth=args.iodepth, max_io_bytes=bs)
+    eng.preallocate(0, total)   # fio lays its file out before the timed job, too
+    dst.flat.zero_()
+
+    def run(submit) -> float:
+        t0 = time.perf_counter()
+        window: list = []
+        for off in range(0, total, bs):
+            if len(window) >= args.iodepth:
+                window.pop(0).get()
+            window.append(submit(off))
+        for f in window:
+            f.get()
+        return time.perf_counter() - t0
+
+    t_w = run(lambda off: eng.write(off, pool.flat[off:off + bs]))
+    t0 = time.perf_counter()
+    eng.sync()
+    t_w += time.perf_counter() - t0
+    t_r = run(lambda off: eng.read(off, dst.flat[off:off + bs]))
+    eng.close()
+    os.unlink(path)
+    if not torch.equal(pool.flat[:total], dst.flat[:total]):
+        raise SystemExit(f"{engine} engine read returned wrong bytes")
+    return _gbps(total, t_w), _gbps(total, t_r)
+
+
 def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, args,
-                   pages: bool = False) -> tuple[float, float]:
+                   pages: bool = False, engine: str | None = None) -> tuple[float, float]:
     """Store then load ``pool`` in ``block_bytes`` blocks, ``--batch`` bytes per call.
 
     Blocks are given as lists of fragment views (checked per fragment inside
@@ -108,7 +144,7 @@ def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, ar
     total = n * block_bytes
     seg = args.segment
     cap = (total // seg + 3) * seg
-    s = SegmentStorage(path, cap, block_bytes, segment_size_bytes=seg, engine=args.engine,
+    s = SegmentStorage(path, cap, block_bytes, segment_size_bytes=seg, engine=engine or args.engine,
                        extent_size_bytes=args.extent, iodepth=args.iodepth, max_io_bytes=args.max_io,
                        copy_threads=args.copy_threads)
     keys = [i.to_bytes(32, "little") for i in range(n)]
@@ -263,7 +299,9 @@ def main() -> None:
                     help="parent of the temp dir: the file system under test (default: the system temp dir)")
     ap.add_argument("--total", default="1g", help="bytes per pass (fio size too)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--engine", default="uring", choices=["posix", "uring"])
+    ap.add_argument("--engine", default="uring",
+                    help="posix|uring|auto, or a comma list measured side by side in every run (e.g. "
+                         "uring,posix); the first one also runs the per-fragment and LMCache passes")
     ap.add_argument("--extent", default="16m")
     ap.add_argument("--segment", default="256m")
     ap.add_argument("--iodepth", type=int, default=16)
@@ -274,9 +312,13 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds idle (after a sync) before every timed pass")
     ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/work/lmcache-venv/bin/python"))
-    ap.add_argument("--skip", default="", help="comma list of: fio,perfrag,lmcache,gather")
+    ap.add_argument("--skip", default="", help="comma list of: fio,engine,perfrag,lmcache,gather")
     ap.add_argument("--json", default=None, help="also write results to this file")
     args = ap.parse_args()
+    args.engines = [e for e in args.engine.split(",") if e]
+    if not args.engines or any(e not in ("posix", "uring", "auto") for e in args.engines):
+        ap.error(f"--engine {args.engine!r}: a comma list of posix, uring, auto")
+    args.engine = args.engines[0]
     total = parse_size(args.total, "--total")
     args.extent = parse_size(args.extent, "--extent")
     args.segment = parse_size(args.segment, "--segment")
@@ -325,11 +367,18 @@ def main() -> None:
                     os.unlink(os.path.join(tmp, "fio.bin"))
                 return step
 
-            def ts_pass(block_bytes: int, tag: str, pages: bool = False):
+            def ts_pass(block_bytes: int, tag: str, pages: bool = False, engine: str | None = None):
                 def step():
-                    w, r = tierstore_pass(tmp, pool, dst, block_bytes, args, pages)
+                    w, r = tierstore_pass(tmp, pool, dst, block_bytes, args, pages, engine)
                     rec(f"tierstore_store_{tag}_GBps", w)
                     rec(f"tierstore_load_{tag}_GBps", r)
+                return step
+
+            def engine_step(engine: str):
+                def step():
+                    w, r = engine_pass(tmp, pool, dst, engine, args)
+                    rec(f"{engine}_engine_write_GBps", w)
+                    rec(f"{engine}_engine_read_GBps", r)
                 return step
 
             def perfrag_step():
@@ -345,7 +394,14 @@ def main() -> None:
                 return step
 
             # the same blocks as lists of fragment views, and as KVPagePool plans (block ids)
-            ours = (ts_pass(2 << 20, "2MiB"), ts_pass(2 << 20, "2MiB_pages", pages=True))
+            # (and, per engine of --engine, the bare engine at fio's settings)
+            ours = []
+            for i, eng in enumerate(args.engines):
+                sfx = "" if i == 0 else f"_{eng}"
+                if "engine" not in skip:
+                    ours.append(engine_step(eng))
+                ours += [ts_pass(2 << 20, f"2MiB{sfx}", engine=eng),
+                         ts_pass(2 << 20, f"2MiB_pages{sfx}", pages=True, engine=eng)]
             if "fio" not in skip:
                 pair(fio_pass("1M", ""), *ours)
             else:
@@ -385,6 +441,20 @@ def main() -> None:
     ratio("load vs fio read (2 MiB blocks of 32 KiB fragments)", "tierstore_load_2MiB_GBps", "fio_read_GBps", 0.9)
     ratio("store vs fio write (KVPagePool block ids)", "tierstore_store_2MiB_pages_GBps", "fio_write_GBps", 0.9)
     ratio("load vs fio read (KVPagePool block ids)", "tierstore_load_2MiB_pages_GBps", "fio_read_GBps", 0.9)
+    for i, eng in enumerate(args.engines):
+        if i:
+            sfx = f"_{eng}"
+            ratio(f"[{eng}] store vs fio write (2 MiB blocks of 32 KiB fragments)",
+                  f"tierstore_store_2MiB{sfx}_GBps", "fio_write_GBps", 0.9)
+            ratio(f"[{eng}] load vs fio read (2 MiB blocks of 32 KiB fragments)",
+                  f"tierstore_load_2MiB{sfx}_GBps", "fio_read_GBps", 0.9)
+            ratio(f"[{eng}] store vs fio write (KVPagePool block ids)",
+                  f"tierstore_store_2MiB_pages{sfx}_GBps", "fio_write_GBps", 0.9)
+            ratio(f"[{eng}] load vs fio read (KVPagePool block ids)",
+                  f"tierstore_load_2MiB_pages{sfx}_GBps", "fio_read_GBps", 0.9)
+    for eng in args.engines:   # the bare engine: a reference without a goal
+        ratio(f"(ref) {eng} engine 1 MiB writes vs fio write", f"{eng}_engine_write_GBps", "fio_write_GBps", None)
+        ratio(f"(ref) {eng} engine 1 MiB reads vs fio read", f"{eng}_engine_read_GBps", "fio_read_GBps", None)
     ratio("store vs one I/O per 32 KiB fragment", "tierstore_store_2MiB_GBps", "per_fragment_store_GBps", 3.0)
     ratio("load vs one I/O per 32 KiB fragment", "tierstore_load_2MiB_GBps", "per_fragment_load_GBps", 3.0)
     ratio("store vs LMCache LocalDisk, 4 MiB chunks", "tierstore_store_4MiB_GBps", "lmcache_store_4MiB_GBps", 1.0)
@@ -418,6 +488,7 @@ def main() -> None:
     bound("fio 32 KiB vs fio 1 MiB, write", "fio_write_32KiB_GBps", "fio_write_GBps")
     bound("fio 32 KiB vs fio 1 MiB, read", "fio_read_32KiB_GBps", "fio_read_GBps")
     results = {"config": {"total_bytes": total, "runs": args.runs, "engine": args.engine,
+                          "engines": args.engines,
                           "extent_bytes": args.extent, "segment_bytes": args.segment,
                           "iodepth": args.iodepth, "max_io_bytes": args.max_io,
                           "batch_bytes": args.batch_bytes, "copy_threads": args.copy_threads, "fio_engine": args.fio_engine,
@@ -426,14 +497,14 @@ def main() -> None:
                "bandwidth_GBps": {k: summarise(v) for k, v in raw.items()}, "ratios": ratios,
                "fio_vs_baseline": bounds}
     print(f"\nconfig: {json.dumps(results['config'])}")
-    print(f"\n{'bandwidth (GB/s)':<34}{'median':>9}{'min':>9}{'max':>9}")
+    print(f"\n{'bandwidth (GB/s)':<40}{'median':>9}{'min':>9}{'max':>9}")
     for k, v in results["bandwidth_GBps"].items():
-        print(f"{k:<34}{v['median']:>9.3f}{v['min']:>9.3f}{v['max']:>9.3f}")
-    print(f"\n{'ratio':<56}{'median':>8}{'min':>8}{'max':>8}{'goal':>7}  met")
+        print(f"{k:<40}{v['median']:>9.3f}{v['min']:>9.3f}{v['max']:>9.3f}")
+    print(f"\n{'ratio':<64}{'median':>8}{'min':>8}{'max':>8}{'goal':>7}  met")
     for k, v in ratios.items():
         goal = "-" if v["goal"] is None else f"{v['goal']:.1f}"
         met = "-" if v["met"] is None else ("yes" if v["met"] else "NO")
-        print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{goal:>7}  {met}")
+        print(f"{k:<64}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{goal:>7}  {met}")
     if bounds:
         print(f"\n{'fio 1 MiB vs the same baseline (what fio itself scores)':<56}{'median':>8}{'min':>8}{'max':>8}")
         for k, v in bounds.items():

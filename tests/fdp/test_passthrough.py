@@ -39,6 +39,7 @@ def test_nvme_uring_cmd_layout():
     assert pt.NvmeUringCmd.unpack(b) == cmd
 
 
+@pytest.mark.uring
 def test_ring_sqe128_cqe32_and_uring_cmd_sqe():
     with pt.IoUring(8, big=True) as ring:
         ring.prep_nop(11)
@@ -54,6 +55,7 @@ def test_ring_sqe128_cqe32_and_uring_cmd_sqe():
         assert got[12] == -9        # EBADF: the kernel accepted the URING_CMD SQE shape, fd -1 rejected
 
 
+@pytest.mark.uring
 def test_write_stream_field():
     with pt.IoUring(4, big=False) as ring:
         buf = ctypes.create_string_buffer(4096)

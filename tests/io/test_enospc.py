@@ -1,8 +1,7 @@
 """ENOSPC on a real, small file system (loop-mounted ext4): the store is
 rejected with NO_SPACE and existing entries stay intact."""
+import contextlib
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -10,26 +9,23 @@ import torch
 from tierstore.errors import Status
 from tierstore.io import SegmentStorage
 
+from . import loopfs
 from .test_segments import content
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("needs root and mkfs.ext4 for a loop-mounted file system")
-    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
-    r = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"loop mount unavailable: {r.stderr.strip()}")
-    try:
+def small_fs():
+    """A 16 MiB ext4, loop-mounted for this test only (see tests/io/loopfs.py:
+    unmounted on teardown, and cannot outlive the test process)."""
+    why = loopfs.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with contextlib.ExitStack() as stack:
+        try:
+            mnt = stack.enter_context(loopfs.loop_ext4(16 << 20))
+        except loopfs.MountUnavailable as exc:
+            pytest.skip(str(exc))
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 @pytest.mark.parametrize("engine", ["posix", "uring"])

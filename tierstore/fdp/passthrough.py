@@ -25,27 +25,27 @@ Three ways to write, picked by :func:`select_write_path`:
 3. ``"none"`` -- neither is available: writes carry no placement, and
    :attr:`WritePath.status` says so (the bench prints it).
 
-Why ctypes: the ``liburing`` PyPI package (checked: 2026.3.30) has
-``IORING_SETUP_SQE128`` and ``io_uring_prep_uring_cmd128(sqe, cmd_op, fd)``
-(marked "Coded but not tested") but its ``SQE`` object exposes only
-``fd, flags, ioprio, len, opcode, personality, user_data`` -- there is no way
-to fill the 80-byte ``cmd`` area with a ``struct nvme_uring_cmd``.  So
-:class:`IoUring` talks to the kernel ABI directly (``io_uring_setup`` /
-``io_uring_enter`` syscalls, ``mmap`` of the rings), with layouts from linux
-``include/uapi/linux/io_uring.h`` and ``include/uapi/linux/nvme_ioctl.h``.
+The ring is tierstore's one io_uring, :mod:`tierstore.io.ring` (ctypes over
+``io_uring_setup``/``io_uring_enter`` and ``mmap``; layouts from linux
+``include/uapi/linux/io_uring.h``), set up with ``SQE128 | CQE32``; this module
+adds the NVMe command encoding (``include/uapi/linux/nvme_ioctl.h``). (The
+``liburing`` PyPI package, 2026.3.30, cannot be used: its ``SQE`` object cannot
+fill the 80-byte ``cmd`` area, and its Zig-built wheel executes AVX-512
+instructions, killing the process with SIGILL on CPUs without them.)
 """
 from __future__ import annotations
 
 import ctypes
 import glob
-import mmap
 import os
-import platform
 import re
 import struct
+import threading
 from dataclasses import dataclass
 
-from ..errors import AlignmentError, ConfigError, TierStoreError
+from ..errors import AlignmentError, ConfigError
+from ..io.ring import (IORING_OP_NOP, IORING_OP_URING_CMD, IORING_OP_WRITE, IORING_SETUP_CQE32,  # noqa: F401
+                       IORING_SETUP_SQE128, IoUringError, Ring, RingQueue)
 
 __all__ = [
     "NVME_CMD_WRITE", "NVME_CMD_READ", "DTYPE_DATA_PLACEMENT", "NVME_URING_CMD_IO", "IORING_OP_URING_CMD",
@@ -77,18 +77,6 @@ def _iowr(type_char: str, nr: int, size: int) -> int:
 #: ``NVME_URING_CMD_IO = _IOWR('N', 0x80, struct nvme_uring_cmd)`` = 0xC0484E80.
 NVME_URING_CMD_IO = _iowr("N", 0x80, NVME_URING_CMD_BYTES)
 
-# --- io_uring ABI (linux include/uapi/linux/io_uring.h)
-IORING_OP_NOP = 0
-IORING_OP_WRITE = 23
-IORING_OP_URING_CMD = 46
-IORING_SETUP_SQE128 = 1 << 10
-IORING_SETUP_CQE32 = 1 << 11
-IORING_ENTER_GETEVENTS = 1 << 0
-IORING_FEAT_SINGLE_MMAP = 1 << 0
-IORING_OFF_SQ_RING = 0
-IORING_OFF_CQ_RING = 0x8000000
-IORING_OFF_SQES = 0x10000000
-_SYSCALLS = {"x86_64": (425, 426), "aarch64": (425, 426)}   # io_uring_setup, io_uring_enter
 #: Byte offsets inside ``struct io_uring_sqe``.
 SQE_OFF_OPCODE, SQE_OFF_FD, SQE_OFF_CMD_OP, SQE_OFF_ADDR, SQE_OFF_LEN = 0, 4, 8, 16, 24
 SQE_OFF_USER_DATA, SQE_OFF_WRITE_STREAM, SQE_OFF_CMD = 32, 44, 48
@@ -167,166 +155,34 @@ def build_write_cmd(nsid: int, slba: int, nlb: int, addr: int, lba_bytes: int,
 
 
 # ------------------------------------------------------------------- io_uring
-class IoUringError(TierStoreError, OSError):
-    """io_uring setup or submission failed (carries errno)."""
+class IoUring(Ring):
+    """The passthrough ring: :class:`tierstore.io.ring.Ring` with ``big=True``
+    meaning ``SQE128 | CQE32`` (what ``IORING_OP_URING_CMD`` to the nvme driver needs).
 
-
-class _Params(ctypes.Structure):
-    """``struct io_uring_params`` (120 bytes) with ``io_sqring_offsets`` / ``io_cqring_offsets``."""
-
-    _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
-                ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
-                # io_sqring_offsets
-                ("sq_head", ctypes.c_uint32), ("sq_tail", ctypes.c_uint32), ("sq_ring_mask", ctypes.c_uint32),
-                ("sq_ring_entries", ctypes.c_uint32), ("sq_flags", ctypes.c_uint32), ("sq_dropped", ctypes.c_uint32),
-                ("sq_array", ctypes.c_uint32), ("sq_resv1", ctypes.c_uint32), ("sq_user_addr", ctypes.c_uint64),
-                # io_cqring_offsets
-                ("cq_head", ctypes.c_uint32), ("cq_tail", ctypes.c_uint32), ("cq_ring_mask", ctypes.c_uint32),
-                ("cq_ring_entries", ctypes.c_uint32), ("cq_overflow", ctypes.c_uint32), ("cq_cqes", ctypes.c_uint32),
-                ("cq_flags", ctypes.c_uint32), ("cq_resv1", ctypes.c_uint32), ("cq_user_addr", ctypes.c_uint64)]
-
-
-if ctypes.sizeof(_Params) != 120:
-    raise ImportError("struct io_uring_params layout mismatch (expected 120 bytes)")
-
-
-class IoUring:
-    """A minimal io_uring over raw syscalls; ``big=True`` sets SQE128 | CQE32 (needed for NVMe passthrough).
-
-    Ring memory is accessed through ``mmap`` objects; on x86-64 (TSO) plain
-    stores give the release ordering liburing's ``io_uring_smp_store_release``
-    provides, which is why this class refuses other architectures for passthrough use.
+    Single-threaded, as :class:`~tierstore.io.ring.Ring`; :class:`PassthroughWriter`
+    wraps one in a :class:`~tierstore.io.ring.RingQueue` for concurrent writers.
     """
 
     def __init__(self, entries: int = 64, big: bool = True) -> None:
-        arch = platform.machine()
-        if arch not in _SYSCALLS:
-            raise IoUringError(f"io_uring via ctypes is implemented for {sorted(_SYSCALLS)}, not {arch}")
-        self._setup_nr, self._enter_nr = _SYSCALLS[arch]
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.syscall.restype = ctypes.c_long
-        p = _Params()
-        p.flags = (IORING_SETUP_SQE128 | IORING_SETUP_CQE32) if big else 0
-        fd = self._libc.syscall(self._setup_nr, ctypes.c_uint(entries), ctypes.byref(p))
-        if fd < 0:
-            e = ctypes.get_errno()
-            raise IoUringError(e, f"io_uring_setup failed: {os.strerror(e)}")
-        self.fd = fd
-        self.params = p
-        self.sqe_bytes = 128 if big else 64
-        self.cqe_bytes = 32 if big else 16
-        sq_size = p.sq_array + p.sq_entries * 4
-        cq_size = p.cq_cqes + p.cq_entries * self.cqe_bytes
-        if p.features & IORING_FEAT_SINGLE_MMAP:
-            sq_size = cq_size = max(sq_size, cq_size)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        self._sq = mmap.mmap(fd, sq_size, flags, prot, offset=IORING_OFF_SQ_RING)
-        self._cq = self._sq if p.features & IORING_FEAT_SINGLE_MMAP else \
-            mmap.mmap(fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
-        self._sqes = mmap.mmap(fd, p.sq_entries * self.sqe_bytes, flags, prot, offset=IORING_OFF_SQES)
-        self._sq_mask = struct.unpack_from("<I", self._sq, p.sq_ring_mask)[0]
-        self._cq_mask = struct.unpack_from("<I", self._cq, p.cq_ring_mask)[0]
-        self._pending = 0
+        super().__init__(entries, sqe128=big, cqe32=big)
 
-    def close(self) -> None:
-        """Unmap and close the ring."""
-        if self.fd >= 0:
-            self._sqes.close()
-            if self._cq is not self._sq:
-                self._cq.close()
-            self._sq.close()
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "IoUring":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _u32(self, m: mmap.mmap, off: int) -> int:
-        return struct.unpack_from("<I", m, off)[0]
-
-    def _get_sqe(self) -> tuple[int, int]:
-        p = self.params
-        head = self._u32(self._sq, p.sq_head)
-        tail = self._u32(self._sq, p.sq_tail) + self._pending
-        if tail - head >= p.sq_entries:
-            raise IoUringError(0, "submission queue full")
-        idx = tail & self._sq_mask
-        off = idx * self.sqe_bytes
-        self._sqes[off:off + self.sqe_bytes] = bytes(self.sqe_bytes)
-        struct.pack_into("<I", self._sq, p.sq_array + 4 * idx, idx)
-        self._pending += 1
-        return idx, off
-
-    def prep_nop(self, user_data: int) -> None:
-        """Queue an ``IORING_OP_NOP``."""
-        _, off = self._get_sqe()
-        struct.pack_into("<B", self._sqes, off + SQE_OFF_OPCODE, IORING_OP_NOP)
-        struct.pack_into("<Q", self._sqes, off + SQE_OFF_USER_DATA, user_data)
-
-    def prep_uring_cmd(self, fd: int, cmd: NvmeUringCmd, user_data: int, cmd_op: int = NVME_URING_CMD_IO) -> None:
-        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (needs ``big=True``)."""
-        if self.sqe_bytes != 128:
-            raise IoUringError(0, "NVMe passthrough needs an SQE128 ring (IoUring(big=True))")
-        _, off = self._get_sqe()
-        struct.pack_into("<B", self._sqes, off + SQE_OFF_OPCODE, IORING_OP_URING_CMD)
-        struct.pack_into("<i", self._sqes, off + SQE_OFF_FD, fd)
-        struct.pack_into("<I", self._sqes, off + SQE_OFF_CMD_OP, cmd_op)
-        struct.pack_into("<Q", self._sqes, off + SQE_OFF_USER_DATA, user_data)
-        self._sqes[off + SQE_OFF_CMD:off + SQE_OFF_CMD + NVME_URING_CMD_BYTES] = cmd.pack()
+    def prep_uring_cmd(self, fd: int, cmd: "NvmeUringCmd | bytes", user_data: int,  # type: ignore[override]
+                       cmd_op: int = NVME_URING_CMD_IO) -> None:
+        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs ``big=True``)."""
+        super().prep_uring_cmd(fd, cmd_op, cmd.pack() if isinstance(cmd, NvmeUringCmd) else cmd, user_data)
 
     def prep_write(self, fd: int, addr: int, nbytes: int, offset_bytes: int, user_data: int,
                    write_stream: int = 0) -> None:
-        """Queue an ``IORING_OP_WRITE``; ``write_stream`` (1..255) selects a block-layer write stream (Linux >= 6.16)."""
+        """Queue an ``IORING_OP_WRITE``; ``write_stream`` (1..255) selects a block-layer write stream (Linux >= 6.16).
+
+        Raises
+        ------
+        ConfigError
+            ``write_stream`` outside 0..255 (the SQE field is 8 bits).
+        """
         if not 0 <= write_stream <= 255:
             raise ConfigError(f"write_stream={write_stream}: the SQE field is 8 bits")
-        _, off = self._get_sqe()
-        struct.pack_into("<B", self._sqes, off + SQE_OFF_OPCODE, IORING_OP_WRITE)
-        struct.pack_into("<i", self._sqes, off + SQE_OFF_FD, fd)
-        struct.pack_into("<Q", self._sqes, off + SQE_OFF_CMD_OP, offset_bytes)
-        struct.pack_into("<Q", self._sqes, off + SQE_OFF_ADDR, addr)
-        struct.pack_into("<I", self._sqes, off + SQE_OFF_LEN, nbytes)
-        struct.pack_into("<Q", self._sqes, off + SQE_OFF_USER_DATA, user_data)
-        struct.pack_into("<B", self._sqes, off + SQE_OFF_WRITE_STREAM, write_stream)
-
-    def sqe_bytes_at(self, index_from_tail: int = -1) -> bytes:
-        """Bytes of a queued, not yet submitted SQE (for tests); -1 = last queued."""
-        tail = self._u32(self._sq, self.params.sq_tail) + self._pending + index_from_tail
-        off = (tail & self._sq_mask) * self.sqe_bytes
-        return bytes(self._sqes[off:off + self.sqe_bytes])
-
-    def submit_and_wait(self, wait_nr: int = 1) -> list[tuple[int, int, bytes]]:
-        """Submit queued SQEs, wait for ``wait_nr`` completions; return ``(user_data, res, extra)`` per CQE.
-
-        ``extra`` is the CQE32 big_cqe area (16 bytes; NVMe result dwords) or b"".
-        """
-        p = self.params
-        n = self._pending
-        if n:
-            tail = self._u32(self._sq, p.sq_tail)
-            struct.pack_into("<I", self._sq, p.sq_tail, (tail + n) & 0xFFFFFFFF)
-            self._pending = 0
-        ret = self._libc.syscall(self._enter_nr, ctypes.c_int(self.fd), ctypes.c_uint(n),
-                                 ctypes.c_uint(wait_nr), ctypes.c_uint(IORING_ENTER_GETEVENTS),
-                                 ctypes.c_void_p(None), ctypes.c_size_t(0))
-        if ret < 0:
-            e = ctypes.get_errno()
-            raise IoUringError(e, f"io_uring_enter failed: {os.strerror(e)}")
-        out = []
-        head = self._u32(self._cq, p.cq_head)
-        tail = self._u32(self._cq, p.cq_tail)
-        while head != tail:
-            off = p.cq_cqes + (head & self._cq_mask) * self.cqe_bytes
-            ud, res, _flags = struct.unpack_from("<QiI", self._cq, off)
-            extra = bytes(self._cq[off + 16:off + self.cqe_bytes]) if self.cqe_bytes == 32 else b""
-            out.append((ud, res, extra))
-            head = (head + 1) & 0xFFFFFFFF
-        struct.pack_into("<I", self._cq, p.cq_head, head)
-        return out
+        super().prep_write(fd, addr, nbytes, offset_bytes, user_data, write_stream)
 
 
 # ------------------------------------------------------------- path choice
@@ -391,32 +247,60 @@ def check_aligned(offset_bytes: int, nbytes: int, lba_bytes: int) -> tuple[int, 
 
 
 class PassthroughWriter:
-    """Placed writes to ``/dev/ngXnY`` through :class:`IoUring` (one outstanding batch at a time).
+    """Placed writes to ``/dev/ngXnY`` through an SQE128|CQE32 ring; thread-safe
+    (one :class:`~tierstore.io.ring.RingQueue`, ``entries`` commands in flight at most).
 
     Parameters
     ----------
     char_dev : str   ``/dev/ngXnY``.
     nsid : int       namespace id.
     lba_bytes : int  logical block size, bytes.
+    entries : int    ring size = commands in flight at most.
+
+    Raises
+    ------
+    IoUringUnavailable
+        io_uring, or SQE128/CQE32 rings (Linux >= 5.19), cannot be used here.
     """
 
     def __init__(self, char_dev: str, nsid: int, lba_bytes: int = 4096, entries: int = 64) -> None:
-        self.fd = os.open(char_dev, os.O_RDWR)
+        ring = IoUring(entries, big=True)
+        try:
+            self.fd = os.open(char_dev, os.O_RDWR)
+        except BaseException:
+            ring.close()
+            raise
         self.nsid = nsid
         self.lba_bytes = lba_bytes
-        self.ring = IoUring(entries, big=True)
+        self.ring = ring
+        self._queue = RingQueue(ring, min(entries, ring.sq_entries))
 
     def write(self, buf: ctypes.Array, offset_bytes: int, placement: int | None) -> int:
-        """Write all of ``buf`` (a ctypes buffer) at ``offset_bytes`` with PID ``placement``; return NVMe status."""
+        """Write all of ``buf`` (a ctypes buffer) at ``offset_bytes`` with PID ``placement``; return NVMe status.
+
+        Raises
+        ------
+        AlignmentError
+            ``offset_bytes`` or the length is not a multiple of ``lba_bytes``.
+        IoUringError
+            The command failed (``-res`` of the CQE as errno).
+        """
         slba, nlb = check_aligned(offset_bytes, ctypes.sizeof(buf), self.lba_bytes)
         cmd = build_write_cmd(self.nsid, slba, nlb, ctypes.addressof(buf), self.lba_bytes, placement)
-        self.ring.prep_uring_cmd(self.fd, cmd, user_data=1)
-        (ud, res, _extra), = self.ring.submit_and_wait(1)
+        box: list[int] = []
+        done = threading.Event()
+
+        def on_done(res: int, _arg: int, _big: bytes) -> None:
+            box.append(res)
+            done.set()
+        self._queue.submit_cmd(self.fd, NVME_URING_CMD_IO, cmd.pack(), on_done)
+        self._queue.wait_until(done.is_set)
+        res = box[0]
         if res < 0:
             raise IoUringError(-res, f"passthrough write failed: {os.strerror(-res)}")
         return res
 
     def close(self) -> None:
-        """Close the ring and the device."""
-        self.ring.close()
+        """Wait for commands in flight, close the ring and the device."""
+        self._queue.close()
         os.close(self.fd)

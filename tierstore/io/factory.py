@@ -1,11 +1,28 @@
-"""``open_engine``: one entry point for every :class:`IOEngine` backend."""
+"""``open_engine``: one entry point for every :class:`IOEngine` backend.
+
+``kind="auto"`` takes io_uring where this process can use it
+(:func:`tierstore.io.ring.uring_available`) and posix otherwise, saying why in
+one ``logging.warning`` line (once per process and reason); an explicit
+``kind="uring"`` where io_uring is unavailable raises instead.
+"""
 from __future__ import annotations
+
+import logging
 
 from .engine import DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine
 from ..errors import ConfigError
 from ..units import parse_size
 
-ENGINE_KINDS = ("posix", "uring", "memory", "kvikio")
+ENGINE_KINDS = ("posix", "uring", "auto", "memory", "kvikio")
+
+_log = logging.getLogger("tierstore.io")
+_fallbacks_logged: set[str] = set()
+
+
+def _warn_fallback(reason: str) -> None:
+    if reason not in _fallbacks_logged:
+        _fallbacks_logged.add(reason)
+        _log.warning("ioengine=auto: io_uring unavailable (%s); using posix", reason)
 
 
 def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: int = 16,
@@ -15,8 +32,8 @@ def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: 
 
     Parameters
     ----------
-    kind : {"posix", "uring", "memory", "kvikio"}
-        Backend.
+    kind : {"posix", "uring", "auto", "memory", "kvikio"}
+        Backend; ``"auto"`` is uring where available, else posix (one warning line).
     path : str or None
         File or block device (ignored for ``"memory"``).
     size_bytes : int or str
@@ -32,6 +49,8 @@ def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: 
     ------
     ConfigError
         Unknown ``kind`` or bad sizes.
+    tierstore.io.ring.IoUringUnavailable
+        ``kind="uring"`` where io_uring cannot be used (the message says why).
     tierstore.io.kvikio.KvikioUnavailable
         ``kind="kvikio"`` without kvikio/CUDA.
     OSError
@@ -47,9 +66,21 @@ def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: 
     if kind == "posix":
         from .posix import PosixEngine
         return PosixEngine(path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes)
-    if kind == "uring":
+    if kind in ("uring", "auto"):
+        from .ring import IoUringError, uring_available
         from .uring import UringEngine
-        return UringEngine(path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes)
+        ok, why = uring_available()
+        if ok or kind == "uring":
+            try:
+                return UringEngine(path, size, iodepth=iodepth, max_io_bytes=mio,
+                                   block_size_bytes=block_size_bytes)
+            except IoUringError as exc:   # the ring itself (the file is closed again)
+                if kind == "uring":
+                    raise
+                why = exc.strerror or str(exc)
+        _warn_fallback(why)
+        from .posix import PosixEngine
+        return PosixEngine(path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes)
     if kind == "kvikio":
         from .kvikio import KvikioEngine
         return KvikioEngine(path, size, block_size_bytes=block_size_bytes)

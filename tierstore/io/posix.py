@@ -9,9 +9,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 
-from .engine import (DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, CompositeFuture, IOEngine,
-                     IOFuture, ShortIOError)
-from ._fileops import check_queue_args, open_direct, preallocate, punch_hole
+from .engine import CompositeFuture, IOFuture, ShortIOError
+from .file import FileEngine
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
@@ -35,48 +34,27 @@ def _pwrite_full(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-class PosixEngine(IOEngine):
+class PosixEngine(FileEngine):
     """O_DIRECT file or block device through preadv/pwritev + a thread pool.
 
-    Parameters
-    ----------
-    path : str
-        Regular file (created sparse, grown to ``size_bytes``) or block device.
-    size_bytes : int
-        Usable bytes, multiple of ``block_size_bytes``.
-    iodepth : int
-        Worker threads = maximum I/Os in flight (fio ``iodepth``).
-    max_io_bytes : int
-        Largest single syscall; larger requests are split (multiple of block size).
-    block_size_bytes : int
-        O_DIRECT alignment unit (open(2)).
-
-    Raises
-    ------
-    OSError
-        If the file cannot be opened with O_DIRECT (EINVAL on tmpfs).
+    Parameters and errors are those of :class:`tierstore.io.file.FileEngine`;
+    ``iodepth`` is the number of worker threads (fio ``ioengine=psync`` x ``numjobs``).
     """
 
     kind = "posix"
 
-    def __init__(self, path: str, size_bytes: int, iodepth: int = 16,
-                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
-                 block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES):
-        super().__init__(size_bytes, block_size_bytes)
-        check_queue_args(iodepth, max_io_bytes, block_size_bytes)
-        self.path = str(path)
-        self.iodepth = int(iodepth)
-        self.max_io_bytes = int(max_io_bytes)
-        self.fd, self.is_block_device = open_direct(self.path, size_bytes)
+    def _start(self):
         self._pool = cf.ThreadPoolExecutor(max_workers=self.iodepth, thread_name_prefix="tierstore-io")
+
+    def _stop(self):
+        self._pool.shutdown(wait=True)
 
     def _split(self, fn, offset: int, view: memoryview, nbytes: int, what: str) -> IOFuture:
         if nbytes <= self.max_io_bytes:
             f = self._pool.submit(fn, self.fd, view, offset)
             return IOFuture(lambda: f.result(), f.done)
         parts = []
-        for a in range(0, nbytes, self.max_io_bytes):
-            b = min(a + self.max_io_bytes, nbytes)
+        for a, b in self._pieces(nbytes):
             f = self._pool.submit(fn, self.fd, view[a:b], offset + a)
             parts.append(IOFuture(f.result, f.done))
         return CompositeFuture(parts, nbytes, what)
@@ -86,20 +64,3 @@ class PosixEngine(IOEngine):
 
     def _write_impl(self, offset, view, nbytes, placement):
         return self._split(_pwrite_full, offset, view, nbytes, "write")
-
-    def _trim_impl(self, offset, length):
-        try:
-            punch_hole(self.fd, offset, length, self.is_block_device)
-        except OSError as exc:
-            return IOFuture.failed(exc)
-        return IOFuture.completed(length)
-
-    def _preallocate_impl(self, offset, length):
-        preallocate(self.fd, offset, length, self.is_block_device)
-
-    def _sync_impl(self):
-        os.fdatasync(self.fd)
-
-    def _close_impl(self):
-        self._pool.shutdown(wait=True)
-        os.close(self.fd)

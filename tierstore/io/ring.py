@@ -1,0 +1,694 @@
+"""The one io_uring of tierstore: three syscalls and three ``mmap``\\s, in ctypes.
+
+No native extension is loaded: the ring is set up with ``io_uring_setup(2)``,
+driven with ``io_uring_enter(2)`` (both called through libc's ``syscall(2)``,
+reached with ``ctypes.CDLL(None)``, i.e. the libc the interpreter already
+runs on), and its submission queue (SQ), completion queue (CQ) and SQE array
+are ``mmap(2)``-ed from the ring fd. Nothing here depends on a CPU feature
+beyond baseline x86-64. (Why not a binding: the ``liburing`` wheel that pip
+resolved, 2026.3.30, is Zig-built and executes AVX-512 instructions in
+``Ring.__new__``, which kills the process with SIGILL on CPUs without them,
+and its ``SQE`` object cannot fill the 80-byte command area NVMe passthrough
+needs; ``pyuring`` 0.3.3's ``uring_cmd128_sync(ctx, cmd_op, fd)`` leaves that
+area zero too.)
+
+Layouts and constants are those of linux ``include/uapi/linux/io_uring.h``
+(``struct io_uring_sqe``, ``struct io_uring_cqe``, ``struct io_uring_params``
+with ``io_sqring_offsets``/``io_cqring_offsets``, ``IORING_OP_*``,
+``IORING_SETUP_*``, ``IORING_OFF_*``); the ring protocol (publish the SQ tail
+after the SQEs, read CQEs up to the CQ tail, then publish the CQ head) is the
+one io_uring(7) describes and liburing's ``src/queue.c`` implements.
+
+Two sizes of ring (``Ring(..., sqe128=..., cqe32=...)``):
+
+* SQE64/CQE16 (the default): file I/O -- ``IORING_OP_READV``/``WRITEV``
+  (Linux >= 5.1), ``IORING_OP_READ``/``WRITE`` (>= 5.6), ``IORING_OP_NOP``.
+* SQE128 | CQE32 (Linux >= 5.19): ``IORING_OP_URING_CMD`` with an 80-byte
+  command at ``sqe->cmd`` (offset 48) and 16 bytes of result in ``big_cqe``,
+  as NVMe passthrough on ``/dev/ngXnY`` requires (``tierstore.fdp.passthrough``).
+
+Memory ordering. The kernel reads the SQ tail with acquire semantics and
+writes the CQ tail with release semantics; user space must store the SQ tail
+*after* the SQE bytes (release) and load CQEs *after* the CQ tail (acquire),
+and must not store the CQ head before it has read the CQEs. liburing does this
+with ``io_uring_smp_store_release``/``io_uring_smp_load_acquire``, which on
+x86-64 are plain moves plus a compiler barrier, because x86-64 is TSO: stores
+are not reordered with stores, loads not with loads, loads not with later
+stores (Intel SDM vol. 3A, 9.2.2). Each access here is a separate call out of
+the interpreter, so no compiler reorders them either. Other architectures need
+real barriers, which Python cannot emit: :class:`Ring` refuses them with
+:class:`IoUringUnavailable`, and ``open_engine("auto")`` uses posix there.
+
+Threads. :class:`Ring` is single-threaded (its caller serialises every call).
+:class:`RingQueue` makes one ring safe for many threads: one lock guards SQEs,
+the CQ and the in-flight table; a thread that must wait for a completion
+blocks in ``io_uring_enter`` *without* that lock (one thread at a time, the
+"reaper"; others wait on a condition it signals), so no lock is held while I/O
+is in progress and submitters never wait for another thread's I/O.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import mmap
+import os
+import platform
+import struct
+import threading
+from typing import Callable, Sequence
+
+from ..errors import InvariantError, TierStoreError
+
+__all__ = [
+    "IORING_OP_NOP", "IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_READ", "IORING_OP_WRITE",
+    "IORING_OP_URING_CMD", "IORING_SETUP_SQE128", "IORING_SETUP_CQE32", "URING_CMD_BYTES",
+    "IoUringError", "IoUringUnavailable", "Ring", "RingQueue", "uring_available",
+]
+
+# --- include/uapi/linux/io_uring.h: enum io_uring_op
+IORING_OP_NOP = 0
+IORING_OP_READV = 1
+IORING_OP_WRITEV = 2
+IORING_OP_READ = 22
+IORING_OP_WRITE = 23
+IORING_OP_URING_CMD = 46
+# --- io_uring_setup() flags
+IORING_SETUP_SQE128 = 1 << 10   # SQEs are 128 bytes (Linux 5.19)
+IORING_SETUP_CQE32 = 1 << 11    # CQEs are 32 bytes (Linux 5.19)
+# --- io_uring_enter() flags
+IORING_ENTER_GETEVENTS = 1 << 0
+# --- io_uring_params.features
+IORING_FEAT_SINGLE_MMAP = 1 << 0   # SQ and CQ rings share one mmap (Linux 5.4)
+# --- mmap offsets
+IORING_OFF_SQ_RING = 0
+IORING_OFF_CQ_RING = 0x8000000
+IORING_OFF_SQES = 0x10000000
+
+#: Bytes of the command area of an SQE128 (``sqe->cmd``: offset 48 to 128).
+URING_CMD_BYTES = 80
+#: io_uring_setup / io_uring_enter syscall numbers (arch/x86/entry/syscalls/syscall_64.tbl;
+#: the same on every architecture since Linux 5.1, but only x86-64 is supported, see above).
+_NR_SETUP, _NR_ENTER = 425, 426
+_SUPPORTED_ARCH = ("x86_64", "amd64")
+
+#: ``struct io_uring_sqe`` as one little-endian record of 64 bytes:
+#: opcode u8 @0, flags u8 @1, ioprio u16 @2, fd s32 @4, off|addr2|cmd_op u64 @8,
+#: addr u64 @16, len u32 @24, rw_flags u32 @28, user_data u64 @32, buf_index u16 @40,
+#: personality u16 @42, file_index|write_stream s32 @44, addr3 u64 @48, __pad2 u64 @56.
+_SQE = struct.Struct("<BBHiQQIIQHHiQQ")
+#: The first 48 bytes (everything before ``addr3``/``cmd``), for URING_CMD SQEs.
+_SQE_HEAD48 = struct.Struct("<BBHiQQIIQHHi")
+#: ``struct io_uring_cqe``: user_data u64, res s32, flags u32 (+ 16 bytes big_cqe with CQE32).
+_CQE = struct.Struct("<QiI")
+#: ``struct iovec``: iov_base, iov_len (x86-64: two 8-byte words).
+_IOVEC = struct.Struct("<QQ")
+_ZERO64 = bytes(64)
+
+if (_SQE.size, _SQE_HEAD48.size, _CQE.size, _IOVEC.size) != (64, 48, 16, 16):
+    raise ImportError("io_uring SQE/CQE/iovec record sizes do not match io_uring.h")
+
+
+class IoUringError(TierStoreError, OSError):
+    """An io_uring syscall failed (``errno`` and ``strerror`` set)."""
+
+
+class IoUringUnavailable(IoUringError):
+    """io_uring cannot be used in this process: wrong architecture, disabled by
+    ``kernel.io_uring_disabled``, blocked by seccomp, or a kernel too old for
+    the ring requested. ``strerror`` says which."""
+
+
+class _Params(ctypes.Structure):
+    """``struct io_uring_params`` (120 bytes) with ``io_sqring_offsets`` / ``io_cqring_offsets``."""
+
+    _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
+                ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
+                # io_sqring_offsets
+                ("sq_head", ctypes.c_uint32), ("sq_tail", ctypes.c_uint32), ("sq_ring_mask", ctypes.c_uint32),
+                ("sq_ring_entries", ctypes.c_uint32), ("sq_flags", ctypes.c_uint32), ("sq_dropped", ctypes.c_uint32),
+                ("sq_array", ctypes.c_uint32), ("sq_resv1", ctypes.c_uint32), ("sq_resv2", ctypes.c_uint64),
+                # io_cqring_offsets
+                ("cq_head", ctypes.c_uint32), ("cq_tail", ctypes.c_uint32), ("cq_ring_mask", ctypes.c_uint32),
+                ("cq_ring_entries", ctypes.c_uint32), ("cq_overflow", ctypes.c_uint32), ("cq_cqes", ctypes.c_uint32),
+                ("cq_flags", ctypes.c_uint32), ("cq_resv1", ctypes.c_uint32), ("cq_resv2", ctypes.c_uint64)]
+
+
+if ctypes.sizeof(_Params) != 120:
+    raise ImportError("struct io_uring_params layout mismatch (expected 120 bytes)")
+
+
+@functools.lru_cache(maxsize=1)
+def _syscall() -> ctypes._CFuncPtr:
+    """libc's ``syscall(2)`` from the running process (no library is loaded)."""
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    # Integer arguments travel in the same registers whether a call is variadic
+    # or not on x86-64 (SysV ABI 3.2.3), so fixed argtypes are correct here.
+    fn.argtypes = [ctypes.c_long] * 7
+    fn.restype = ctypes.c_long
+    return fn
+
+
+def _arch_supported() -> tuple[bool, str]:
+    arch = platform.machine().lower()
+    if arch in _SUPPORTED_ARCH:
+        return True, ""
+    return False, (f"the ctypes io_uring runs on x86-64 only (its ring head/tail accesses rely on x86-64 "
+                   f"TSO ordering); this machine is {platform.machine()!r}")
+
+
+def _sysctl_disabled() -> int | None:
+    """``/proc/sys/kernel/io_uring_disabled`` (Linux 6.6): 0 on, 1 only for
+    ``kernel.io_uring_group``/CAP_SYS_ADMIN, 2 off; ``None`` where absent."""
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled", encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _why_setup_failed(err: int, flags: int) -> str:
+    s = f"io_uring_setup failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
+    disabled = _sysctl_disabled()
+    if err == errno.EPERM and disabled:
+        return s + f": kernel.io_uring_disabled={disabled}"
+    if err in (errno.EPERM, errno.EACCES, errno.ENOSYS):
+        return s + ": io_uring is blocked (seccomp, a container profile) or absent (Linux < 5.1)"
+    if err == errno.EINVAL and flags & (IORING_SETUP_SQE128 | IORING_SETUP_CQE32):
+        return s + ": this kernel lacks SQE128/CQE32 rings (Linux >= 5.19)"
+    return s
+
+
+class Ring:
+    """One io_uring: the SQ, the CQ and the SQE array mapped into this process.
+
+    Not thread-safe: one thread at a time calls it (or wrap it in :class:`RingQueue`).
+
+    Parameters
+    ----------
+    entries : int
+        Submission queue size; the kernel rounds it up to a power of two (1..32768).
+        The CQ gets twice as many entries.
+    sqe128 : bool
+        128-byte SQEs (``IORING_SETUP_SQE128``, Linux >= 5.19), for ``IORING_OP_URING_CMD``.
+    cqe32 : bool
+        32-byte CQEs (``IORING_SETUP_CQE32``, Linux >= 5.19): 16 more bytes of result per completion.
+
+    Attributes
+    ----------
+    sq_entries, cq_entries : int
+        Sizes the kernel chose.
+    sqe_bytes, cqe_bytes : int
+        64 or 128; 16 or 32.
+
+    Raises
+    ------
+    IoUringUnavailable
+        Not x86-64, or io_uring_setup failed with EPERM/EACCES/ENOSYS (disabled,
+        seccomp, old kernel), or EINVAL for SQE128/CQE32 on a kernel < 5.19.
+    IoUringError
+        Another setup or mmap failure (ENOMEM: e.g. RLIMIT_MEMLOCK on Linux < 5.12).
+    """
+
+    def __init__(self, entries: int, *, sqe128: bool = False, cqe32: bool = False) -> None:
+        self.fd = -1
+        ok, why = _arch_supported()
+        if not ok:
+            raise IoUringUnavailable(errno.ENOTSUP, why)
+        if not 1 <= entries <= 32768:
+            raise IoUringError(errno.EINVAL, f"entries={entries}: io_uring_setup takes 1..32768")
+        p = _Params()
+        p.flags = (IORING_SETUP_SQE128 if sqe128 else 0) | (IORING_SETUP_CQE32 if cqe32 else 0)
+        fd = _syscall()(_NR_SETUP, entries, ctypes.addressof(p), 0, 0, 0, 0)
+        if fd < 0:
+            e = ctypes.get_errno()
+            cls = IoUringUnavailable if e in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.EINVAL) \
+                else IoUringError
+            raise cls(e, _why_setup_failed(e, p.flags))
+        self.fd = fd
+        self.params = p
+        self.features = p.features
+        self.sq_entries, self.cq_entries = p.sq_entries, p.cq_entries
+        self.sqe_bytes = 128 if sqe128 else 64
+        self.cqe_bytes = 32 if cqe32 else 16
+        self._khead = self._ktail = self._kchead = self._kctail = None
+        self._sq = self._cq = self._sqes = None
+        try:
+            self._map()
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self) -> None:
+        p = self.params
+        sq_size = p.sq_array + p.sq_entries * 4
+        cq_size = p.cq_cqes + p.cq_entries * self.cqe_bytes
+        single = bool(p.features & IORING_FEAT_SINGLE_MMAP)
+        if single:
+            sq_size = cq_size = max(sq_size, cq_size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        try:
+            self._sq = mmap.mmap(self.fd, sq_size, flags, prot, offset=IORING_OFF_SQ_RING)
+            self._cq = self._sq if single else mmap.mmap(self.fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
+            self._sqes = mmap.mmap(self.fd, p.sq_entries * self.sqe_bytes, flags, prot, offset=IORING_OFF_SQES)
+        except OSError as exc:
+            raise IoUringError(exc.errno or errno.ENOMEM, f"mmap of the io_uring rings failed: {exc}") from None
+        u32 = ctypes.c_uint32
+        # Live views of the kernel-shared head/tail words: .value is one 32-bit load or store.
+        self._khead = u32.from_buffer(self._sq, p.sq_head)       # kernel advances: SQEs consumed
+        self._ktail = u32.from_buffer(self._sq, p.sq_tail)       # we advance: SQEs published
+        self._kchead = u32.from_buffer(self._cq, p.cq_head)      # we advance: CQEs consumed
+        self._kctail = u32.from_buffer(self._cq, p.cq_tail)      # kernel advances: CQEs posted
+        self._sq_mask = u32.from_buffer(self._sq, p.sq_ring_mask).value
+        self._cq_mask = u32.from_buffer(self._cq, p.cq_ring_mask).value
+        # The SQ index array maps ring slot i to SQE i once and for all (as liburing does).
+        for i in range(p.sq_entries):
+            struct.pack_into("<I", self._sq, p.sq_array + 4 * i, i)
+        self._tail = self._ktail.value   # SQEs prepared (published up to _ktail)
+        self._cqe_off = p.cq_cqes
+
+    # ----------------------------------------------------------------- life
+    def close(self) -> None:
+        """Unmap and close the ring. Idempotent. Requests still in flight are
+        cancelled by the kernel (their buffers must stay valid until then)."""
+        self._khead = self._ktail = self._kchead = self._kctail = None   # drop buffer exports
+        for m in {id(x): x for x in (self._sqes, self._cq, self._sq) if x is not None}.values():
+            m.close()
+        self._sq = self._cq = self._sqes = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ SQ side
+    def sq_space_left(self) -> int:
+        """Free SQE slots (not prepared and not yet consumed by the kernel)."""
+        return self.sq_entries - self.sq_pending()
+
+    def sq_pending(self) -> int:
+        """SQEs prepared (published or not) that the kernel has not consumed yet."""
+        return (self._tail - self._khead.value) & 0xFFFFFFFF
+
+    def unpublish(self) -> list[int]:
+        """Withdraw every SQE the kernel has not consumed; return their ``user_data``.
+
+        Only valid while no ``io_uring_enter`` with ``to_submit`` > 0 runs
+        concurrently (no SQPOLL here: the kernel takes SQEs only in that call).
+        """
+        head = self._khead.value
+        uds = []
+        i = head
+        while i != self._tail:
+            off = (i & self._sq_mask) * self.sqe_bytes
+            uds.append(struct.unpack_from("<Q", self._sqes, off + 32)[0])
+            i = (i + 1) & 0xFFFFFFFF
+        self._tail = head
+        self._ktail.value = head
+        return uds
+
+    def _slot(self) -> int:
+        """Byte offset of the next free SQE; raises if the SQ is full."""
+        if self.fd < 0:
+            raise IoUringError(errno.EBADF, "ring is closed")
+        tail = self._tail
+        if ((tail - self._khead.value) & 0xFFFFFFFF) >= self.sq_entries:
+            raise IoUringError(errno.EBUSY, "submission queue full: submit() first")
+        self._tail = (tail + 1) & 0xFFFFFFFF
+        off = (tail & self._sq_mask) * self.sqe_bytes
+        if self.sqe_bytes == 128:
+            self._sqes[off + 64:off + 128] = _ZERO64
+        return off
+
+    def _prep_rw(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int,
+                 ext: int = 0) -> None:
+        _SQE.pack_into(self._sqes, self._slot(), opcode, 0, 0, fd, offset, addr, length, 0, user_data,
+                       0, 0, ext, 0, 0)
+
+    def prep_nop(self, user_data: int) -> None:
+        """Queue an ``IORING_OP_NOP`` (completes with res 0)."""
+        self._prep_rw(IORING_OP_NOP, -1, 0, 0, 0, user_data)
+
+    def prep_readv(self, fd: int, iov_addr: int, nr_vecs: int, offset: int, user_data: int) -> None:
+        """Queue ``IORING_OP_READV``: preadv(2) of ``nr_vecs`` ``struct iovec`` at ``iov_addr``.
+
+        The iovec array and the buffers it names must stay valid until the
+        completion is reaped. ``offset`` in bytes; O_DIRECT rules apply (open(2)).
+        """
+        self._prep_rw(IORING_OP_READV, fd, iov_addr, nr_vecs, offset, user_data)
+
+    def prep_writev(self, fd: int, iov_addr: int, nr_vecs: int, offset: int, user_data: int) -> None:
+        """Queue ``IORING_OP_WRITEV``: pwritev(2); as :meth:`prep_readv`."""
+        self._prep_rw(IORING_OP_WRITEV, fd, iov_addr, nr_vecs, offset, user_data)
+
+    def prep_read(self, fd: int, addr: int, nbytes: int, offset: int, user_data: int) -> None:
+        """Queue ``IORING_OP_READ`` (Linux >= 5.6): pread(2) into ``nbytes`` at address ``addr``."""
+        self._prep_rw(IORING_OP_READ, fd, addr, nbytes, offset, user_data)
+
+    def prep_write(self, fd: int, addr: int, nbytes: int, offset: int, user_data: int,
+                   write_stream: int = 0) -> None:
+        """Queue ``IORING_OP_WRITE`` (Linux >= 5.6): pwrite(2) of ``nbytes`` at address ``addr``.
+
+        ``write_stream`` (1..255; 0 = none) selects a block-layer write stream
+        (``sqe->write_stream``, u8 at offset 44, Linux >= 6.16).
+
+        Raises
+        ------
+        IoUringError
+            EINVAL for ``write_stream`` outside 0..255.
+        """
+        if not 0 <= write_stream <= 255:
+            raise IoUringError(errno.EINVAL, f"write_stream={write_stream}: the SQE field is 8 bits")
+        self._prep_rw(IORING_OP_WRITE, fd, addr, nbytes, offset, user_data, write_stream)
+
+    def prep_uring_cmd(self, fd: int, cmd_op: int, cmd: bytes, user_data: int) -> None:
+        """Queue ``IORING_OP_URING_CMD``: ``cmd_op`` (u32 at offset 8) and ``cmd``
+        (at most 80 bytes, zero-padded) in ``sqe->cmd`` at offset 48.
+
+        Raises
+        ------
+        IoUringError
+            EINVAL on a ring without SQE128, or a ``cmd`` longer than 80 bytes.
+        """
+        if self.sqe_bytes != 128:
+            raise IoUringError(errno.EINVAL, "IORING_OP_URING_CMD with an 80-byte command needs an SQE128 ring")
+        if len(cmd) > URING_CMD_BYTES:
+            raise IoUringError(errno.EINVAL, f"command of {len(cmd)} bytes > {URING_CMD_BYTES}")
+        off = self._slot()
+        _SQE_HEAD48.pack_into(self._sqes, off, IORING_OP_URING_CMD, 0, 0, fd, cmd_op & 0xFFFFFFFF, 0, 0, 0,
+                              user_data, 0, 0, 0)
+        self._sqes[off + 48:off + 48 + len(cmd)] = cmd
+        if len(cmd) < URING_CMD_BYTES:
+            self._sqes[off + 48 + len(cmd):off + 128] = bytes(URING_CMD_BYTES - len(cmd))
+
+    def sqe_bytes_at(self, index_from_tail: int = -1) -> bytes:
+        """The bytes of a prepared SQE (``-1``: the last one), for tests."""
+        off = (((self._tail + index_from_tail) & 0xFFFFFFFF) & self._sq_mask) * self.sqe_bytes
+        return bytes(self._sqes[off:off + self.sqe_bytes])
+
+    def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
+        while True:
+            r = _syscall()(_NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 0)
+            if r >= 0:
+                return r
+            e = ctypes.get_errno()
+            if e != errno.EINTR:
+                raise IoUringError(e, f"io_uring_enter failed: {os.strerror(e)}")
+            if min_complete and self.cq_ready():
+                return 0
+
+    def submit(self, wait_nr: int = 0) -> int:
+        """Publish the prepared SQEs and ``io_uring_enter`` them; with ``wait_nr``
+        also wait until that many completions are in the CQ.
+
+        Returns the number of SQEs the kernel consumed.
+
+        Raises
+        ------
+        IoUringError
+            io_uring_enter's errno (EINTR is retried). EAGAIN/EBUSY mean the
+            kernel is short of resources or the CQ is overfull: reap, then retry.
+        """
+        tail = self._tail
+        self._ktail.value = tail      # release: the SQE bytes are stored before this (x86-64 TSO)
+        n = (tail - self._khead.value) & 0xFFFFFFFF
+        if n == 0 and wait_nr == 0:
+            return 0
+        return self._enter(n, wait_nr, IORING_ENTER_GETEVENTS if wait_nr else 0)
+
+    def wait(self, nr: int = 1) -> None:
+        """Block until ``nr`` completions are in the CQ (``io_uring_enter`` GETEVENTS)."""
+        self._enter(0, nr, IORING_ENTER_GETEVENTS)
+
+    # ------------------------------------------------------------ CQ side
+    def cq_ready(self) -> int:
+        """Completions posted and not yet reaped."""
+        return (self._kctail.value - self._kchead.value) & 0xFFFFFFFF
+
+    def reap(self) -> list[tuple[int, int, bytes]]:
+        """Take every posted completion: ``(user_data, res, big_cqe)`` in CQ order.
+
+        ``res`` is the syscall-style result (bytes moved, or ``-errno``);
+        ``big_cqe`` is the 16 extra bytes of a CQE32 (NVMe result dwords), else ``b""``.
+        """
+        head = self._kchead.value
+        tail = self._kctail.value     # acquire: CQEs are loaded after this (x86-64 TSO)
+        if head == tail:
+            return []
+        out = []
+        cq, mask, cb, base = self._cq, self._cq_mask, self.cqe_bytes, self._cqe_off
+        big = cb == 32
+        while head != tail:
+            off = base + (head & mask) * cb
+            ud, res, _flags = _CQE.unpack_from(cq, off)
+            out.append((ud, res, bytes(cq[off + 16:off + 32]) if big else b""))
+            head = (head + 1) & 0xFFFFFFFF
+        self._kchead.value = head     # release: CQE slots may be reused by the kernel now
+        return out
+
+    def submit_and_wait(self, wait_nr: int = 1) -> list[tuple[int, int, bytes]]:
+        """:meth:`submit` with ``wait_nr``, then :meth:`reap`."""
+        self.submit(wait_nr)
+        return self.reap()
+
+
+OnDone = Callable[[int, int, bytes], None]
+
+
+class RingQueue:
+    """Many threads submitting to and waiting on one :class:`Ring`.
+
+    Each in-flight request occupies one of ``max_inflight`` slots (the slot
+    index is its ``user_data``), which holds its completion callback and, for
+    READV/WRITEV, its ``struct iovec`` (kept valid until the completion is
+    reaped). Submitting when every slot is taken waits for a completion.
+
+    Callbacks ``on_done(res, arg, big_cqe)`` run exactly once, in whichever
+    thread reaps the completion, with the queue's lock held: they must be
+    short and must not raise or call back into the queue.
+
+    Parameters
+    ----------
+    ring : Ring
+        The ring; the queue owns it from now on (:meth:`close` closes it).
+    max_inflight : int
+        Requests in flight at most (<= ``ring.sq_entries``, so the CQ, twice
+        the SQ, can never overflow).
+
+    Raises
+    ------
+    IoUringError
+        EINVAL if ``max_inflight`` is outside 1..``ring.sq_entries``.
+    """
+
+    def __init__(self, ring: Ring, max_inflight: int) -> None:
+        if not 1 <= max_inflight <= ring.sq_entries:
+            raise IoUringError(errno.EINVAL, f"max_inflight={max_inflight}: 1..{ring.sq_entries}")
+        self.ring = ring
+        self.max_inflight = max_inflight
+        self._cond = threading.Condition(threading.Lock())
+        self._free = list(range(max_inflight - 1, -1, -1))
+        self._cbs: list[tuple[OnDone, int] | None] = [None] * max_inflight
+        self._iov = (ctypes.c_uint64 * (2 * max_inflight))()
+        self._iov_addr = ctypes.addressof(self._iov)
+        self._reaping = False
+        self._closed = False
+
+    @property
+    def inflight(self) -> int:
+        """Requests submitted and not yet reaped."""
+        return self.max_inflight - len(self._free)
+
+    # ------------------------------------------------------------- submit
+    def submit_rw(self, write: bool, fd: int, pieces: Sequence[tuple[int, int, int]], on_done: OnDone) -> None:
+        """Queue one ``IORING_OP_READV``/``WRITEV`` per ``(addr, nbytes, offset)`` piece.
+
+        ``on_done(res, nbytes, b"")`` follows for each piece. The memory at
+        ``addr`` must stay valid until then. All pieces are published with as
+        few ``io_uring_enter`` calls as the free slots allow.
+        """
+        opcode = IORING_OP_WRITEV if write else IORING_OP_READV
+        iov, iov_addr = self._iov, self._iov_addr
+        with self._cond:
+            ring = self.ring
+            for addr, nbytes, offset in pieces:
+                slot = self._take_slot_locked()
+                self._cbs[slot] = (on_done, nbytes)
+                iov[2 * slot] = addr
+                iov[2 * slot + 1] = nbytes
+                ring._prep_rw(opcode, fd, iov_addr + 16 * slot, 1, offset, slot)
+            self._flush_locked()
+
+    def submit_cmd(self, fd: int, cmd_op: int, cmd: bytes, on_done: OnDone, arg: int = 0) -> None:
+        """Queue one ``IORING_OP_URING_CMD``; ``on_done(res, arg, big_cqe)`` follows."""
+        with self._cond:
+            slot = self._take_slot_locked()
+            self._cbs[slot] = (on_done, arg)
+            try:
+                self.ring.prep_uring_cmd(fd, cmd_op, cmd, slot)
+            except BaseException:
+                self._release_slot_locked(slot)
+                raise
+            self._flush_locked()
+
+    def submit_nop(self, on_done: OnDone, arg: int = 0) -> None:
+        """Queue one ``IORING_OP_NOP``; ``on_done(0, arg, ...)`` follows."""
+        with self._cond:
+            slot = self._take_slot_locked()
+            self._cbs[slot] = (on_done, arg)
+            self.ring.prep_nop(slot)
+            self._flush_locked()
+
+    # --------------------------------------------------------------- wait
+    def wait_until(self, pred: Callable[[], bool]) -> None:
+        """Block until ``pred()`` is true, reaping completions meanwhile.
+
+        ``pred`` is evaluated with the queue's lock held (so it sees callbacks'
+        effects atomically). No lock is held while this thread waits in the kernel.
+
+        Raises
+        ------
+        InvariantError
+            ``pred()`` is false and nothing is in flight (it could never become true).
+        IoUringError
+            io_uring_enter failed.
+        """
+        with self._cond:
+            self._wait_locked(pred)
+
+    def poll(self) -> int:
+        """Reap whatever has completed, without blocking; returns how many."""
+        with self._cond:
+            if self._reaping:    # another thread is reaping for everyone
+                return 0
+            return self._dispatch_locked()
+
+    def drain(self) -> None:
+        """Wait until nothing is in flight."""
+        self.wait_until(lambda: len(self._free) == self.max_inflight)
+
+    def close(self) -> None:
+        """Wait for every request, then close the ring. Idempotent."""
+        if self._closed:
+            return
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self.ring.close()
+
+    # ---------------------------------------------------------- internals
+    def _take_slot_locked(self) -> int:
+        if self._closed:
+            raise IoUringError(errno.EBADF, "ring queue is closed")
+        if not self._free:
+            self._flush_locked()
+            self._wait_locked(lambda: bool(self._free))
+        return self._free.pop()
+
+    def _release_slot_locked(self, slot: int) -> None:
+        self._cbs[slot] = None
+        self._free.append(slot)
+
+    def _flush_locked(self) -> None:
+        """Submit every prepared SQE. What the kernel refuses to take completes
+        through its callback with ``-errno`` (so its future fails), never lingers."""
+        ring = self.ring
+        while ring.sq_pending():
+            try:
+                if ring.submit():
+                    continue    # some taken; a bad SQE stops the kernel early (with an error CQE): go on
+                err = errno.EIO
+            except IoUringError as exc:
+                err = exc.errno or errno.EIO
+                if err in (errno.EAGAIN, errno.EBUSY) and self.inflight > ring.sq_pending():
+                    # kernel short of resources / CQ backlog: let completions drain, retry
+                    self._wait_for_one_locked()
+                    continue
+            self._fail_unsubmitted_locked(err)
+            return
+
+    def _fail_unsubmitted_locked(self, err: int) -> None:
+        """Take back the SQEs the kernel has not consumed and complete them with ``-err``.
+
+        Safe without SQPOLL: the kernel reads the SQ only inside io_uring_enter
+        with ``to_submit`` > 0, which only this (lock-holding) thread makes.
+        """
+        ring = self.ring
+        uds = ring.unpublish()
+        for ud in uds:
+            entry = self._cbs[ud]
+            if entry is None:
+                raise InvariantError(f"unsubmitted SQE with user_data={ud} that is not in flight")
+            self._release_slot_locked(ud)
+            entry[0](-err, entry[1], b"")
+        self._cond.notify_all()
+
+    def _dispatch_locked(self) -> int:
+        done = self.ring.reap()
+        cbs, free = self._cbs, self._free
+        for ud, res, big in done:
+            entry = cbs[ud]
+            if entry is None:
+                raise InvariantError(f"io_uring completion for user_data={ud} that is not in flight")
+            cbs[ud] = None
+            free.append(ud)
+            entry[0](res, entry[1], big)
+        if done:
+            self._cond.notify_all()
+        return len(done)
+
+    def _wait_for_one_locked(self) -> None:
+        """Reap at least one completion (or wait for the reaper to), lock held on entry and exit."""
+        if self._reaping:
+            self._cond.wait()
+            return
+        if self._dispatch_locked():
+            return
+        if not self.inflight:
+            raise InvariantError("waiting for an io_uring completion with nothing in flight")
+        self._reaping = True
+        self._cond.release()
+        try:
+            self.ring.wait(1)        # no lock held while the I/O is in progress
+        finally:
+            self._cond.acquire()
+            self._reaping = False
+            self._cond.notify_all()  # whoever still waits re-checks, and one of them reaps next
+        self._dispatch_locked()
+
+    def _wait_locked(self, pred: Callable[[], bool]) -> None:
+        while not pred():
+            self._wait_for_one_locked()
+
+
+@functools.lru_cache(maxsize=1)
+def uring_available() -> tuple[bool, str]:
+    """Whether this process can use io_uring: ``(True, "")`` or ``(False, reason)``.
+
+    Checks ``TIERSTORE_IO_URING=0`` in the environment (an operator's switch,
+    also how CI runs the suite as on a host without io_uring), the architecture
+    (x86-64 only, see the module docstring), ``/proc/sys/kernel/io_uring_disabled``
+    (Linux >= 6.6, through the setup error), and then sets up a 2-entry ring and
+    completes one NOP through it, so a seccomp filter or an old kernel shows here
+    rather than at first I/O. Cached for the process.
+    """
+    if os.environ.get("TIERSTORE_IO_URING", "").strip() == "0":
+        return False, "TIERSTORE_IO_URING=0 in the environment"
+    ok, why = _arch_supported()
+    if not ok:
+        return False, why
+    try:
+        with Ring(2) as ring:
+            ring.prep_nop(0x7A)
+            got = ring.submit_and_wait(1)
+    except IoUringError as exc:
+        return False, exc.strerror or str(exc)
+    if [(ud, res) for ud, res, _ in got] != [(0x7A, 0)]:
+        return False, f"io_uring NOP round trip returned {got!r}, expected one completion (0x7a, 0)"
+    return True, ""
