@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tierstore import KVStore, Namespace, get_layout
-from tierstore.tiers.nvme import SlotFileStorage
 
 
 class FakeClock:
@@ -52,11 +51,16 @@ def make_store(tmp_path, layout, clock):
     stores = []
 
     def _make(hbm=4, host=4, nvme=16, **kw):
+        """A store with ``hbm``/``host`` memory slots and an NVMe tier of at
+        least ``nvme`` blocks (a segment store in memory, one block per segment)."""
+        from tierstore.io.segments import SegmentStorage
+        from tierstore.io import format as fmt
         bb = layout.bytes_per_block
         nv = None
         if nvme:
-            nv = SlotFileStorage(str(tmp_path / f"nvme{len(stores)}.bin"),
-                                 nvme * ((bb + 128 + 4095) // 4096 * 4096), bb)
+            seg = fmt.extent_bytes_for(1, bb)
+            nv = SegmentStorage(None, (nvme + 1) * seg, bb, segment_size_bytes=seg, engine="memory",
+                                extent_size_bytes=seg, owns_engine=True)
         s = KVStore(layout, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme=nv, clock=clock, **kw)
         stores.append(s)
         return s
@@ -64,3 +68,75 @@ def make_store(tmp_path, layout, clock):
     yield _make
     for s in stores:
         s.close()
+
+
+class SlowEngine:
+    """Factory of a memory engine whose reads and/or writes wait on events:
+    a deliberately slowed NVMe for concurrency and deadline tests."""
+
+    @staticmethod
+    def make(size_bytes: int, slow_reads: bool = False, slow_writes: bool = False, delay_s: float = 0.0):
+        import threading
+        import time as _time
+
+        from tierstore.io.memory import MemoryEngine
+
+        class _Slow(MemoryEngine):
+            def __init__(self):
+                super().__init__(size_bytes)
+                self.read_started = threading.Event()
+                self.write_started = threading.Event()
+                self.release = threading.Event()
+                self.slow_reads, self.slow_writes, self.delay_s = slow_reads, slow_writes, delay_s
+
+            def _read_impl(self, offset, view, nbytes):
+                if self.slow_reads:
+                    self.read_started.set()
+                    if self.delay_s:
+                        _time.sleep(self.delay_s)
+                    else:
+                        assert self.release.wait(30)
+                return super()._read_impl(offset, view, nbytes)
+
+            def _write_impl(self, offset, view, nbytes, placement):
+                if self.slow_writes:
+                    self.write_started.set()
+                    if self.delay_s:
+                        _time.sleep(self.delay_s)
+                    else:
+                        assert self.release.wait(30)
+                return super()._write_impl(offset, view, nbytes, placement)
+        return _Slow()
+
+
+def memory_segment_store(layout, blocks: int, engine=None):
+    """A segment store in memory holding at least ``blocks`` blocks (one per segment)."""
+    from tierstore.io import format as fmt
+    from tierstore.io.segments import SegmentStorage
+    bb = layout.bytes_per_block
+    seg = fmt.extent_bytes_for(1, bb)
+    size = (blocks + 1) * seg
+    return SegmentStorage(None, size, bb, segment_size_bytes=seg, engine=engine or "memory",
+                          extent_size_bytes=seg, owns_engine=True)
+
+
+def pytest_sessionstart(session):
+    """Remove loop mounts and images that killed test processes left behind (tests/io/loopfs.py)."""
+    from tests.io.loopfs import sweep_stale
+    for what in sweep_stale():
+        print(f"tierstore tests: removed stale {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Where this process cannot use io_uring (or TIERSTORE_IO_URING=0), tests that need it
+    (marked ``uring``, or parametrized with the ``"uring"`` engine) skip and say why."""
+    from tierstore.io.ring import uring_available
+    ok, why = uring_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"io_uring unavailable: {why}")
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.get_closest_marker("uring") or any(v == "uring" for v in params.values()
+                                                   if isinstance(v, str)):
+            item.add_marker(skip)

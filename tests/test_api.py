@@ -94,18 +94,15 @@ def test_a_store_with_another_layout_never_sees_the_old_kv(tmp_path):
     assert fp16.bytes_per_block == LAYOUT.bytes_per_block
     path = str(tmp_path / "nvme.bin")
     tokens = list(range(2 * LAYOUT.tokens_per_block))
-    a = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
-                nvme_backend="segment")
+    a = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20)
     blocks = paged_pool(2, seed=5)
     assert a.store_fragments(NS, tokens, KVPagePool(blocks).plans([0, 1])) == [Status.OK] * 2
     assert a.lookup(NS, tokens).matched_tokens == len(tokens)
     a.close()
-    same = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
-                   nvme_backend="segment")
+    same = KVStore(LAYOUT, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20)
     assert same.lookup(NS, tokens).matched_tokens == len(tokens)  # recovered under its own layout
     same.close()
-    b = KVStore(fp16, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20,
-                nvme_backend="segment")
+    b = KVStore(fp16, host_bytes=0, nvme_path=path, nvme_bytes=8 << 20)
     assert b.lookup(NS, tokens).matched_tokens == 0
     b.close()
 
@@ -213,7 +210,7 @@ def test_from_config_validates_the_engine_dict(tmp_path):
     cfg = {"layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "fp16", "tokens_per_block": 4},
            "tiers": {"host": {"capacity_bytes": "64k"}, "nvme": {"path": str(tmp_path), "capacity_bytes": "8m"}}}
     store = KVStore.from_config(cfg)
-    assert store.layout.tokens_per_block == 4 and store.manager.nvme is not None
+    assert store.layout.tokens_per_block == 4 and store.nvme is not None
     store.close()
     with pytest.raises(ConfigError, match="accepted keys here are"):
         KVStore.from_config({"tiers": {"host": {"capacity": 1}}}, layout=store.layout)

@@ -7,8 +7,10 @@ from .api import KVStore, leading_ok
 from .errors import Status
 from .identity import Namespace
 from .layout import PRESETS, KVLayout, get_layout
-from .manager import Tier
+from .index import Tier
+from .build import build_store
+from .config import StoreConfig
 
 __version__ = "0.1.0"
-__all__ = ["KVStore", "KVLayout", "Namespace", "PRESETS", "Status", "Tier", "get_layout", "leading_ok",
+__all__ = ["KVStore", "KVLayout", "Namespace", "PRESETS", "Status", "StoreConfig", "Tier", "build_store", "get_layout", "leading_ok",
            "__version__"]

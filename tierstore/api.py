@@ -12,14 +12,32 @@ Typical use by an engine (one request)::
         store.store(ns, prompt_ids, new_kv_blocks)               # full blocks only
     # leaving the block releases the references, also on an exception
 
+Engines that keep KV in page pools pass fragment plans instead of tensors
+(:class:`tierstore.io.pages.KVPagePool`): ``store_fragments`` gathers each
+block straight from the engine's pages into its tier slot (or the NVMe staging
+extent), ``load_fragments`` scatters straight back: one copy each way.
+
+How a call runs: the block index decides (:mod:`tierstore.index`, under its
+lock), the mover moves bytes (:mod:`tierstore.mover`, no lock held), the index
+records the outcome. ``wait=False`` runs the same on the store's load or store
+executor and returns a :class:`concurrent.futures.Future` (loads and stores have
+separate executors, so a load never waits behind a store's NVMe writes).
+``timeout_s`` on a load is a deadline: blocks not delivered by then are
+``MISS`` (the engine recomputes them) and the late I/O completes harmlessly.
+
 **Exact-hit rule.** Only full blocks of ``layout.tokens_per_block`` tokens are
-hashed, stored and matched; a partial tail is always recomputed. A lookup
-reports ``matched_tokens`` as a multiple of the block size, and the metric
-``partial_tail_tokens`` counts the tokens that could never be shared.
+hashed, stored and matched; a partial tail is always recomputed.
 
 **Useful hits.** A matched block is *useful* only when loading it is faster than
 recomputing it (:class:`tierstore.policies.cost.CostModel`); load
 ``LookupResult.useful_keys``, not all matched keys.
+
+**Shutdown and restarts.** :meth:`KVStore.close` writes blocks that live only in
+memory down to the NVMe tier (bounded by ``flush_timeout_s`` and
+``flush_max_bytes``, on by default when an NVMe tier exists), so a restart on
+the same NVMe path finds them. A crash loses what was never written to NVMe;
+acknowledged NVMe writes survive it. :meth:`KVStore.invalidate` is durable:
+an invalidated namespace is never served again, restart or not.
 
 Errors: :class:`~tierstore.errors.LayoutError` for buffers that do not match
 the layout, :class:`~tierstore.errors.ConfigError` for bad configuration,
@@ -28,23 +46,25 @@ and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import itertools
-import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
-from .config import StoreConfig
+from .build import StoreParts, assemble
+from .config import HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, StoreConfig, TiersConfig
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
+from .index import Lease, LookupResult, Tier
 from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
-from .manager import Lease, LookupResult, ManagerConfig, Tier, TierManager
-from .tiers.storage import BlockStorage
+from .mover import LoadGate
 
 
 def leading_ok(statuses: Sequence[Status]) -> int:
@@ -63,57 +83,56 @@ def _check_keys(keys) -> list[bytes]:
     Raises
     ------
     LayoutError
-        For a key of another length or type (e.g. a truncated hex decode).
+        For a key of another length or type (e.g. token ids, or a truncated hex decode).
     """
     out = list(keys)
     for k in out:
         if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
             raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
-                              f"of length {len(k) if hasattr(k, '__len__') else '?'}")
+                              f"of length {len(k) if hasattr(k, '__len__') else '?'} (token ids go to "
+                              "lookup()/store(), keys to the *_keys methods)")
     return [bytes(k) for k in out]
 
 
-def open_nvme_storage(path: str, capacity_bytes: int, block_bytes: int, backend: str = "auto",
-                      **kwargs) -> BlockStorage:
-    """Open the NVMe tier backend.
+#: KVStore keyword options that are policies (``policies:`` section of the config).
+_POLICY_OPTIONS = set(PoliciesConfig.model_fields)
+#: Run-time objects a config file cannot carry.
+_RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme"}
+_NVME_OPTIONS = {"nvme_device", "nvme_engine", "segment_size_bytes", "extent_size_bytes", "iodepth",
+                 "region_policy", "flush_on_close", "flush_timeout_s", "flush_max_bytes"}
 
-    Parameters
-    ----------
-    path : str
-        A directory (a file is created inside it) or a file path.
-    capacity_bytes : int
-        Space the backend may use.
-    block_bytes : int
-        Block size.
-    backend : str
-        ``"segment"`` (log-structured, crash-recoverable, batched: :mod:`tierstore.io`),
-        ``"slot"`` (fixed slots, :class:`tierstore.tiers.nvme.SlotFileStorage`) or
-        ``"auto"`` (segment when available).
 
-    Raises
-    ------
-    ConfigError
-        For an unknown backend.
+@runtime_checkable
+class KVStoreProtocol(Protocol):
+    """The interface :class:`KVStore` and :class:`tierstore.client.RemoteKVStore` share.
+
+    Signatures are checked for parity by ``tests/test_protocol.py``.
     """
-    if backend not in ("auto", "segment", "slot"):
-        raise ConfigError(f"nvme_backend={backend!r}: accepted values are ['auto', 'segment', 'slot']")
-    if os.path.isdir(path):
-        path = os.path.join(path, "tierstore.nvme")
-    if backend in ("auto", "segment"):
-        try:
-            from .io import SegmentStorage  # noqa: F401
-        except ImportError:
-            if backend == "segment":
-                raise ConfigError("nvme_backend='segment' needs tierstore.io.SegmentStorage") from None
-        else:
-            if "segment_size_bytes" not in kwargs:
-                # ~64 segments per tier, 1 MiB .. 256 MiB, whole MiB (a real FDP RU is far larger;
-                # pass segment_size_bytes=RU size on a device)
-                seg = max(1 << 20, min(256 << 20, capacity_bytes // 64)) >> 20 << 20
-                kwargs["segment_size_bytes"] = seg
-            return SegmentStorage(path, capacity_bytes=capacity_bytes, block_bytes=block_bytes, **kwargs)
-    from .tiers.nvme import SlotFileStorage
-    return SlotFileStorage(path, capacity_bytes, block_bytes, **kwargs)
+
+    def digest(self, ns: Namespace | bytes) -> bytes: ...
+    def keys_for(self, ns: Namespace | bytes, token_ids) -> list[bytes]: ...
+    def request(self) -> contextlib.AbstractContextManager: ...
+    def release(self, request_id: object) -> int: ...
+    def cancel(self, request_id: object) -> int: ...
+    def store(self, ns, token_ids, kv_blocks, start_block: int = 0, lifetime: str | None = None, *,
+              wait: bool = True): ...
+    def store_keys(self, ns, keys, blocks, *, lifetime: str | None = None, first_position: int = 0,
+                   wait: bool = True): ...
+    def store_fragments(self, ns, token_ids, fragments_per_block, start_block: int = 0,
+                        lifetime: str | None = None, *, wait: bool = True): ...
+    def lookup(self, ns, token_ids, request_id: object = None) -> LookupResult: ...
+    def lookup_keys(self, keys, request_id: object = None) -> LookupResult: ...
+    def probe(self, ns, token_ids) -> int: ...
+    def exists(self, keys) -> int: ...
+    def load(self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None): ...
+    def load_fragments(self, keys, dest_fragments_per_block, *, wait: bool = True,
+                       timeout_s: float | None = None): ...
+    def prefetch(self, ns, token_ids, tier: str = "host") -> Future: ...
+    def pin(self, ns, token_ids, lease_s: float | None = None) -> Lease: ...
+    def unpin(self, lease: Lease | int) -> bool: ...
+    def invalidate(self, ns) -> int: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
 
 
 class KVStore:
@@ -129,30 +148,52 @@ class KVStore:
         Directory or file for the NVMe tier; ``None`` disables it.
     nvme_bytes : int
         NVMe tier capacity in bytes.
-    nvme_backend : str
-        See :func:`open_nvme_storage`.
-    nvme : BlockStorage, optional
-        A ready backend (overrides ``nvme_path``).
-    **manager_options
-        Further :class:`~tierstore.manager.ManagerConfig` fields (``eviction``,
-        ``promotion``, ``verify_tokens``, ``pin_quota_bytes``, ...).
+    **options
+        Policy fields of :class:`~tierstore.config.PoliciesConfig`
+        (``eviction``, ``promotion``, ``write_policy``, ``admission``,
+        ``verify_tokens``, ``pin_quota_bytes``, ...); NVMe fields
+        (``segment_size_bytes``, ``region_policy``, ``flush_on_close``, ...);
+        ``device`` (``"auto"``, ``"cpu"``, ``"cuda"``) for the HBM tier; and
+        run-time objects: ``clock``, ``classify``, ``admit``, ``reinsert``,
+        ``cost``, ``nvme`` (a ready NVMe backend).
+
+    The store is built by :func:`tierstore.build.assemble` from a
+    :class:`~tierstore.config.StoreConfig`, as :meth:`from_config` does.
+
+    Raises
+    ------
+    ConfigError
+        Invalid or unknown options (the message lists the accepted ones).
     """
 
+    #: Longest wait for another load's read of the same block (a delay hit), seconds.
+    MERGE_WAIT_S = 30.0
+
     def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
-                 nvme_path: str | None = None, nvme_bytes: int = 0, nvme_backend: str = "auto",
-                 nvme: BlockStorage | None = None, **manager_options) -> None:
-        if nvme is None and nvme_path is not None and nvme_bytes > 0:
-            nvme = open_nvme_storage(nvme_path, nvme_bytes, layout.bytes_per_block, nvme_backend)
-        cfg = ManagerConfig(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, **manager_options)
-        self.layout = layout
-        self.manager = TierManager(cfg, nvme)
-        self._digests = DigestCache(scope=layout.fingerprint())  # other layouts never match
-        self._rids = itertools.count(1)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+                 nvme_path: str | None = None, nvme_bytes: int = 0, **options) -> None:
+        unknown = set(options) - _POLICY_OPTIONS - _RUNTIME_OPTIONS - _NVME_OPTIONS - {"device"}
+        if unknown:
+            raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
+                              f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device'})}")
+        runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
+        nv_opts = {k: options.pop(k) for k in list(options) if k in _NVME_OPTIONS}
+        hbm = HbmTierConfig(capacity_bytes=hbm_bytes, device=options.pop("device", "auto"))
+        nvme_cfg = None
+        if nvme_path is not None and nvme_bytes > 0 and runtime.get("nvme") is None:
+            extra = {k: v for k, v in nv_opts.items() if not k.startswith("nvme_")}
+            if "nvme_engine" in nv_opts:
+                extra["engine"] = nv_opts["nvme_engine"]
+            if "nvme_device" in nv_opts:
+                extra["device"] = nv_opts["nvme_device"]
+            nvme_cfg = _validated(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **extra))
+        elif nv_opts and runtime.get("nvme") is None:
+            raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
+        cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=MemoryTierConfig(capacity_bytes=host_bytes), nvme=nvme_cfg),
+                          policies=_validated(PoliciesConfig, options))
+        self._init(assemble(cfg, layout, **runtime), nv_opts)
 
     @classmethod
-    def from_config(cls, config: "StoreConfig | dict", layout: KVLayout | None = None) -> "KVStore":
+    def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> "KVStore":
         """Open a store from its typed configuration (:class:`tierstore.config.StoreConfig`).
 
         Parameters
@@ -162,6 +203,9 @@ class KVStore:
             connectors pass their extra-config dict here.
         layout : KVLayout, optional
             Overrides ``config.layout`` (a connector derives it from the engine).
+        **runtime
+            Run-time objects (``clock``, ``classify``, ``admit``, ``reinsert``,
+            ``cost``, ``nvme``), see :func:`tierstore.build.assemble`.
 
         Raises
         ------
@@ -173,15 +217,42 @@ class KVStore:
             if cfg.layout is None:
                 raise ConfigError("the store config has no 'layout' and none was given")
             layout = cfg.layout.build()
-        t, p = cfg.tiers, cfg.policies
-        nvme = t.nvme
-        opts: dict = dict(eviction=p.eviction, promotion=p.promotion)
-        return cls(layout, hbm_bytes=t.hbm.capacity_bytes, host_bytes=t.host.capacity_bytes,
-                   nvme_path=nvme.path if nvme else None, nvme_bytes=nvme.capacity_bytes if nvme else 0, **opts)
+        unknown = set(runtime) - _RUNTIME_OPTIONS
+        if unknown:
+            raise ConfigError(f"unknown run-time option(s) {sorted(unknown)}; accepted: {sorted(_RUNTIME_OPTIONS)}")
+        self = cls.__new__(cls)
+        nv = cfg.tiers.nvme
+        self._init(assemble(cfg, layout, **runtime),
+                   {} if nv is None else {"flush_on_close": nv.flush_on_close, "flush_timeout_s": nv.flush_timeout_s,
+                                          "flush_max_bytes": nv.flush_max_bytes})
+        return self
+
+    def _init(self, parts: StoreParts, nv_opts: dict) -> None:
+        self.layout = parts.layout
+        self.config = parts.config
+        self._parts = parts
+        self._index = parts.index
+        self._mover = parts.mover
+        self.nvme = parts.nvme
+        self._flush = {"flush_on_close": nv_opts.get("flush_on_close", True),
+                       "flush_timeout_s": nv_opts.get("flush_timeout_s", 30.0),
+                       "flush_max_bytes": nv_opts.get("flush_max_bytes")}
+        self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
+        self._rids = itertools.count(1)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        self.remote = parts.remote
+        self._share = parts.share
+        #: namespace digest of keys a lookup found remotely (bounded): a remote
+        #: block is indexed locally under the namespace it was looked up in
+        self._remote_ns: dict[bytes, bytes] = {}
+        #: namespaces invalidated by this store: never served from the remote tier again
+        self._remote_barred: set[bytes] = set()
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
-        """Namespace digest (cached)."""
+        """Namespace digest, scoped by this store's layout (cached)."""
         return self._digests(ns)
 
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
@@ -193,32 +264,47 @@ class KVStore:
         b = self.layout.tokens_per_block
         return [arr[i * b:(i + 1) * b] for i in range(n)]
 
+    @property
+    def tiers(self) -> list[Tier]:
+        """Enabled tiers, fastest first."""
+        return list(self._index.tiers)
+
     # -------------------------------------------------------------- requests
     @contextlib.contextmanager
-    def request(self) -> Iterator[int]:
+    def request(self) -> Iterator[object]:
         """A request id whose references are released on exit, also on an exception
         (then counted as an abort)."""
         rid = ("req", next(self._rids))
         try:
             yield rid
         except BaseException:
-            self.manager.cancel(rid)
+            self._index.cancel(rid)
             raise
         else:
-            self.manager.release(rid)
+            self._index.release(rid)
 
     def release(self, request_id: object) -> int:
         """Release every block reference held by ``request_id``."""
-        return self.manager.release(request_id)
+        return self._index.release(request_id)
 
     def cancel(self, request_id: object) -> int:
         """Abort ``request_id``: release its references."""
-        return self.manager.cancel(request_id)
+        return self._index.cancel(request_id)
+
+    # -------------------------------------------------------------- executors
+    def _submit(self, kind: str, fn) -> Future:
+        with self._pool_lock:
+            if self._closed:
+                raise ConfigError("the store is closed")
+            pool = self._pools.get(kind)
+            if pool is None:
+                pool = self._pools[kind] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-{kind}")
+            return pool.submit(fn)
 
     # -------------------------------------------------------------- store
     def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
               kv_blocks: torch.Tensor | Sequence[torch.Tensor], start_block: int = 0,
-              lifetime: str | None = None) -> list[Status]:
+              lifetime: str | None = None, *, wait: bool = True) -> list[Status] | Future:
         """Store KV of the full blocks of a prompt.
 
         Parameters
@@ -231,21 +317,23 @@ class KVStore:
             KV of blocks ``start_block, start_block + 1, ...``: either a tensor of
             shape ``(n, *layout.block_shape)`` and dtype ``layout.dtype``, or a
             list of typed blocks / raw ``uint8`` blocks of ``bytes_per_block``.
-            Extra blocks beyond the prompt's full blocks are an error.
         start_block : int
             Index of the first block given (blocks before it are already stored).
         lifetime : str, optional
             Engine hint for placement: ``"system"``, ``"conversation"``, ``"query"``.
+        wait : bool
+            ``False`` returns a Future of the statuses (see :meth:`store_keys`).
 
         Returns
         -------
         list of Status
-            One per block given.
+            ``OK``, ``EXISTS`` or ``NO_SPACE`` per block given.
 
         Raises
         ------
         LayoutError
-            On a shape/dtype mismatch or more blocks than full blocks in the prompt.
+            On a shape/dtype mismatch or more blocks than full blocks in the
+            prompt (nothing is stored then).
         """
         keys = self.keys_for(ns, token_ids)
         blocks = list(kv_blocks) if not isinstance(kv_blocks, torch.Tensor) or kv_blocks.dim() > 1 else [kv_blocks]
@@ -253,16 +341,17 @@ class KVStore:
             raise LayoutError(f"{len(blocks)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
         sel = keys[start_block:start_block + len(blocks)]
-        toks = self._token_blocks(token_ids, len(keys))[start_block:start_block + len(blocks)]
-        return self.manager.store(self.digest(ns), sel, blocks, toks, lifetime, start_block)
+        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(blocks)]
+                if self._index.config.verify_tokens else None)
+        return self._store(self.digest(ns), sel, self._sources(blocks), lifetime, start_block, toks, wait)
 
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
                    first_position: int = 0, wait: bool = True) -> list[Status] | Future:
         """Store blocks under keys the caller computed (key-level API).
 
         For engines that hash blocks themselves (SGLang page hashes scoped with
-        :func:`tierstore.identity.scoped_key`, vLLM block hashes) or that keep
-        keys from an earlier :meth:`keys_for`.
+        :func:`tierstore.identity.scoped_key`) or that keep keys from an
+        earlier :meth:`keys_for`.
 
         Parameters
         ----------
@@ -285,7 +374,6 @@ class KVStore:
         Returns
         -------
         list of Status or Future
-            ``OK``, ``EXISTS`` or ``NO_SPACE`` per block.
 
         Raises
         ------
@@ -296,30 +384,7 @@ class KVStore:
         blocks = list(blocks)
         if len(blocks) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
-        digest = self.digest(ns)
-
-        def run() -> list[Status]:
-            return self.manager.store(digest, keys, self._as_blocks(blocks), None, lifetime, first_position)
-        return run() if wait else self._submit(run)
-
-    def _as_blocks(self, blocks) -> list[torch.Tensor]:
-        """Tensors for the manager: fragment lists and plans are gathered into blocks."""
-        out = []
-        for b in blocks:
-            if isinstance(b, torch.Tensor):
-                out.append(b)
-                continue
-            plan = self._plan(b, destination=False)
-            blk = torch.empty(self.layout.bytes_per_block, dtype=torch.uint8)
-            plan.gather(blk, 0)
-            out.append(blk)
-        return out
-
-    def _submit(self, fn) -> Future:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-api")
-            return self._pool.submit(fn)
+        return self._store(self.digest(ns), keys, self._sources(blocks), lifetime, first_position, None, wait)
 
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
                         start_block: int = 0, lifetime: str | None = None, *,
@@ -329,14 +394,12 @@ class KVStore:
         Parameters
         ----------
         fragments_per_block : sequence
-            Per block, either its ``2 * num_layers`` fragment tensors (order
-            layer0-K, layer0-V, layer1-K, ...; each ``layout.fragment_bytes``,
-            any dtype, CPU or CUDA), or a
-            :class:`~tierstore.io.pages.FragmentPlan` from
-            :meth:`KVPagePool.plans(block_ids) <tierstore.io.pages.KVPagePool.plans>`,
-            which skips the per-fragment check. Fragments that are views of one
-            pool at a constant stride are copied with one strided copy per block.
-
+            Per block, either its fragments in the layout's order
+            (``layout.num_fragments`` tensors, each ``layout.fragment_bytes``,
+            any dtype, CPU or CUDA), or a :class:`~tierstore.io.pages.FragmentPlan`
+            from :meth:`KVPagePool.plans(block_ids) <tierstore.io.pages.KVPagePool.plans>`,
+            which skips the per-fragment check. Each block is gathered straight
+            into its tier slot or the NVMe staging extent (one copy).
         wait : bool
             ``False`` returns a :class:`concurrent.futures.Future` of the
             statuses; the fragments must stay untouched until it resolves.
@@ -353,16 +416,50 @@ class KVStore:
         if start_block < 0 or start_block + len(plans) > len(keys):
             raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
-        return self.store_keys(ns, keys[start_block:start_block + len(plans)], plans, lifetime=lifetime,
-                               first_position=start_block, wait=wait)
+        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
+                if self._index.config.verify_tokens else None)
+        return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
+                           start_block, toks, wait)
 
-    def _plan(self, frags: Sequence[torch.Tensor], destination: bool) -> FragmentPlan:
+    def _sources(self, blocks) -> list[FragmentPlan]:
+        """Plan each block's bytes as a copy source; checks sizes before anything is stored."""
+        out = []
+        for b in blocks:
+            if isinstance(b, torch.Tensor):
+                raw = self.layout.as_bytes(b) if b.dtype != torch.uint8 or b.dim() != 1 else b
+                if raw.numel() != self.layout.bytes_per_block:
+                    raise LayoutError(f"block of {raw.numel()} bytes; the layout's blocks are "
+                                      f"{self.layout.bytes_per_block} bytes")
+                if not raw.is_contiguous():
+                    raw = raw.contiguous()
+                out.append(FragmentPlan([raw], raw.numel(), None, torch.uint8, 1))
+            else:
+                out.append(self._plan(b, destination=False))
+        return out
+
+    def _store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
+               tokens, wait: bool, publish: bool = True):
+        def run() -> list[Status]:
+            plan = self._index.prepare_store(digest, keys, lifetime, first, tokens)
+            try:
+                nvme_st, dem_st = self._mover.run_store(plan, sources)
+            except BaseException:
+                self._index.complete_store(plan, failed=True)
+                raise
+            st = self._index.complete_store(plan, nvme_st, dem_st)
+            if publish and self.remote is not None and digest not in self._remote_barred:
+                ok = [i for i, s in enumerate(st) if s is Status.OK]
+                self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
+            return st
+        return run() if wait else self._submit("store", run)
+
+    def _plan(self, frags, destination: bool) -> FragmentPlan:
         """Check a block's fragments and plan the copy: views of one KV pool at
         a constant stride move as one strided copy (:mod:`tierstore.io.pages`)."""
         lay = self.layout
         if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
             grid = tuple(frags.strided.shape[:-1]) if frags.strided is not None and frags.strided.dim() == 3 else None
-            if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments)
+            if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, 1, lay.num_fragments)
                     or grid not in (None, lay.fragment_grid)):
                 raise LayoutError(f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
                                   f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
@@ -380,31 +477,72 @@ class KVStore:
             lay.check_fragments(frags)  # names the wrong fragment
         return plan
 
-    # -------------------------------------------------------------- lookup / load
+    # -------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
                request_id: object = None) -> LookupResult:
         """Longest cached prefix of ``token_ids`` (full blocks only).
 
         With ``request_id`` the matched blocks are referenced (ACTIVE) until
-        :meth:`release`. See :meth:`tierstore.manager.TierManager.lookup`.
+        :meth:`release`. See :meth:`tierstore.index.BlockIndex.lookup`.
         """
         keys = self.keys_for(ns, token_ids)
-        toks = self._token_blocks(token_ids, len(keys)) if self.manager.config.verify_tokens else None
-        return self.manager.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids))
+        toks = self._token_blocks(token_ids, len(keys)) if self._index.config.verify_tokens else None
+        res = self._touched(self._index.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids)))
+        return self._with_remote(res, keys, self.digest(ns))
 
-    def probe(self, ns: Namespace | bytes, token_ids) -> int:
-        """Matched tokens without taking references or touching recency."""
-        return self.manager.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
+    #: Bound on remembered remote-hit keys (for indexing fetched blocks under their namespace).
+    REMOTE_NS_MAX = 1 << 16
 
-    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None) -> LookupResult:
-        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`).
+    def _with_remote(self, res: LookupResult, keys: list[bytes], digest: bytes | None) -> LookupResult:
+        """Extend a local match with the blocks the shared remote tier holds next
+        in the chain (one ``batch_is_exist``); recompute the useful prefix."""
+        if (self.remote is None or res.matched_blocks >= len(keys)
+                or (digest is not None and digest in self._remote_barred)):
+            return res
+        n = self.remote.exists_prefix(keys[res.matched_blocks:])
+        if n <= 0:
+            return res
+        more = list(keys[res.matched_blocks:res.matched_blocks + n])
+        if digest is not None:
+            for k in more:
+                self._remote_ns[k] = digest
+            while len(self._remote_ns) > self.REMOTE_NS_MAX:
+                self._remote_ns.pop(next(iter(self._remote_ns)))
+        cost = self.cost_model
+        tiers = list(res.tiers) + [Tier.REMOTE] * n
+        labels = [t.label for t in tiers]
+        useful = cost.useful_blocks(labels, self.layout.bytes_per_block, self.layout.tokens_per_block)
+        self._index.metrics.add({"remote_hit_blocks": n, "hit_blocks": n,
+                                 "useful_blocks": useful - res.useful_blocks})
+        return LookupResult(list(res.keys) + more, tiers,
+                            list(res.load_s) + [cost.load_s("remote", self.layout.bytes_per_block)] * n,
+                            useful, res.requested_blocks, res.tokens_per_block, res.request_id)
+
+    def _touched(self, res: LookupResult) -> LookupResult:
+        """Tell the NVMe region manager which of its regions were hit (region LRU)."""
+        if self.nvme is not None and Tier.NVME in res.tiers:
+            touch = getattr(self.nvme, "touch", None)
+            if touch is not None:
+                touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
+        return res
+
+    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
+                    num_prompt_tokens: int | None = None) -> LookupResult:
+        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
+        ``num_prompt_tokens`` feeds the partial-tail metric.
 
         Raises
         ------
         LayoutError
             For a key that is not 32 bytes.
         """
-        return self.manager.lookup(_check_keys(keys), None, request_id)
+        keys = _check_keys(keys)
+        return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
+                                 keys, None)
+
+    def probe(self, ns: Namespace | bytes, token_ids) -> int:
+        """Matched tokens without taking references or touching recency."""
+        return self._index.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` resident in any tier.
@@ -413,31 +551,65 @@ class KVStore:
         recency and counts no hit, so it never keeps a block from eviction
         (SGLang's ``batch_exists``, Mooncake's ``batch_is_exist``).
         """
-        return self.manager.probe(_check_keys(keys))
+        return self._index.probe(_check_keys(keys))
 
+    # -------------------------------------------------------------- load
     def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True, *, wait: bool = True):
+             promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
 
-        Returns per-block statuses and the filled tensors; use :func:`leading_ok`.
-        Returned new tensors are typed blocks of ``layout.block_shape``. With
-        ``wait=False`` a :class:`concurrent.futures.Future` of that pair.
+        Parameters
+        ----------
+        keys : sequence of bytes or LookupResult
+        dests : sequence of torch.Tensor, optional
+            Per key a contiguous ``uint8`` tensor of ``bytes_per_block`` or a
+            typed block of the layout, on any device; new CPU tensors otherwise.
+        promote : bool
+            Copy NVMe/host hits into a faster memory tier (``promotion`` policy).
+        wait : bool
+            ``False`` returns a Future of the result pair.
+        timeout_s : float, optional
+            Deadline: blocks not delivered by then are ``MISS``.
+
+        Returns
+        -------
+        statuses : list of Status
+            Use :func:`leading_ok`: a failed block is never reported as loaded.
+        tensors : list of torch.Tensor or None
+            The destination of each ``OK`` block (typed blocks when new), else ``None``.
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = _check_keys(keys)
+        if dests is not None and len(dests) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
+        raws = [self._dest_raw(d) for d in dests] if dests is not None else \
+            [torch.empty(self.layout.bytes_per_block, dtype=torch.uint8) for _ in keys]
+        plans = [FragmentPlan([r], r.numel(), None, torch.uint8, 1, destination=True) for r in raws]
 
-        def run():
-            st, outs = self.manager.load(keys, dests, promote)
-            if dests is None:
-                outs = [None if o is None else self.layout.block_view(o) for o in outs]
+        def finish(st: list[Status]):
+            outs = []
+            for s, r, d in zip(st, raws, dests if dests is not None else raws):
+                if s is not Status.OK:
+                    outs.append(None)
+                elif dests is None:
+                    outs.append(self.layout.block_view(r))
+                else:
+                    outs.append(d)
             return st, outs
-        return run() if wait else self._submit(run)
+        return self._load(keys, plans, promote, wait, timeout_s, finish)
+
+    def _dest_raw(self, d: torch.Tensor) -> torch.Tensor:
+        raw = self.layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
+        if raw.numel() != self.layout.bytes_per_block or not raw.is_contiguous():
+            raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
+                              f"blocks are {self.layout.bytes_per_block} contiguous bytes")
+        return raw
 
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
                        dest_fragments_per_block: Sequence[Sequence[torch.Tensor]], *,
-                       wait: bool = True) -> list[Status] | Future:
-        """Load blocks and scatter each into its destination fragments.
+                       wait: bool = True, timeout_s: float | None = None) -> list[Status] | Future:
+        """Load blocks and scatter each straight into its destination fragments.
 
         ``dest_fragments_per_block`` is as in :meth:`store_fragments` (fragment
         tensors, contiguous or not, or ``KVPagePool.plans(block_ids,
@@ -445,7 +617,7 @@ class KVStore:
         loaded; a block whose status is not ``OK`` leaves its destination
         untouched. Returns per-block statuses, or with ``wait=False`` a
         :class:`concurrent.futures.Future` of them (destinations must not be
-        read before it resolves).
+        read before it resolves). ``timeout_s`` is a deadline as in :meth:`load`.
 
         Raises
         ------
@@ -460,63 +632,409 @@ class KVStore:
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
         check_distinct_destinations(plans)
+        return self._load(keys, plans, True, wait, timeout_s, lambda st: st)
+
+    def _load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, wait: bool,
+              timeout_s: float | None, finish):
+        if timeout_s is not None and timeout_s <= 0:
+            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
+        gate = LoadGate() if timeout_s is not None else None
 
         def run() -> list[Status]:
-            st, outs = self.manager.load(keys, None)
-            for s, raw, plan in zip(st, outs, plans):
-                if s is Status.OK:
-                    plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
+            t0 = time.perf_counter_ns()
+            plan = self._index.prepare_load(keys)
+            if plan.waits:  # a delay hit: another load is reading some of these blocks from NVMe
+                waits = plan.waits
+                self._index.abort_load(plan)
+                for ev in waits:
+                    ev.wait(self.MERGE_WAIT_S)
+                self._index.metrics.inc("merged_loads", len(waits))
+                plan = self._index.prepare_load(keys)  # they are in memory now if promoted
+            try:
+                st, nvme_s = self._mover.run_load(plan, plans, gate)
+            except BaseException:
+                self._index.complete_load(plan, [Status.IO_ERROR] * len(keys), promote=False)
+                raise
+            remote_ok: list[int] = []
+            if self.remote is not None:
+                missed = [i for i, src in enumerate(plan.sources) if src is None]
+                if missed:
+                    got = self._mover.remote_get([keys[i] for i in missed], [plans[i] for i in missed], gate, missed)
+                    for i, s in zip(missed, got):
+                        st[i] = s if s is not Status.MISS else st[i]
+                        if s is Status.OK:
+                            remote_ok.append(i)
+                    self._index.metrics.add({"remote_loaded_blocks": len(remote_ok),
+                                             "remote_load_errors": sum(s is Status.IO_ERROR for s in got)})
+            if gate is not None:
+                delivered = gate.close()
+                st = [s if (s is not Status.OK or i in delivered) else Status.MISS for i, s in enumerate(st)]
+            # remote IO_ERRORs are misses for the index (the block is not local)
+            promo = self._index.complete_load(plan, [s if plan.sources[i] is not None else Status.MISS
+                                                     for i, s in enumerate(st)], promote and gate is None, nvme_s)
+            if promo is not None:
+                try:
+                    ok = self._mover.run_promote(promo, plans)
+                except BaseException:
+                    self._index.complete_promote(promo, [False] * len(promo.items))
+                    raise
+                self._index.complete_promote(promo, ok)
+            want = self._index.take_clean_requests()
+            if want:
+                self._clean_in_background(want)
+            if remote_ok:
+                self._adopt_remote([i for i in remote_ok if st[i] is Status.OK], keys, plans)
+            elif self._share is not None and self._share.mode == "reused":
+                local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
+                self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
+            used = [src[0] for src in plan.sources if src is not None]
+            if used:
+                self._index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
             return st
-        return run() if wait else self._submit(run)
 
-    # -------------------------------------------------------------- pins / admin
-    def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
-        """Pin the resident full blocks of a prefix for ``lease_s`` seconds."""
-        return self.manager.pin(self.digest(ns), self.keys_for(ns, token_ids), lease_s)
+        if timeout_s is None:
+            return finish(run()) if wait else self._submit("load", lambda: finish(run()))
+        fut = self._submit("load", run)
+
+        def deadline():
+            try:
+                return finish(fut.result(timeout=timeout_s))
+            except cf.TimeoutError:
+                delivered = gate.close()
+                self._index.metrics.inc("load_timeouts")
+                return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
+        if wait:
+            return deadline()
+        out: Future = Future()
+        threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
+                         name="tierstore-deadline").start()
+        return out
+
+    # -------------------------------------------------------------- prefetch / pins / admin
+    def _adopt_remote(self, idx: list[int], keys: list[bytes], plans: list[FragmentPlan]) -> None:
+        """Index blocks fetched from the remote tier locally (a cache fill), under
+        the namespace the lookup found them in; blocks of unknown namespace stay
+        remote-only."""
+        by_ns: dict[bytes, list[int]] = {}
+        for i in idx:
+            d = self._remote_ns.get(keys[i])
+            if d is not None:
+                by_ns.setdefault(d, []).append(i)
+        for d, ii in by_ns.items():
+            self._store(d, [keys[i] for i in ii], list(plans[i] for i in ii), None, 0, None, True, publish=False)
+
+    def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
+        """Offer blocks to the shared remote tier (its admission rule decides)."""
+        if self.remote is None or not keys:
+            return
+        sel = [j for j, k in enumerate(keys) if self._share.admit(k, hits)]
+        if sel:
+            st = self._mover.publish([keys[j] for j in sel], [sources[j] for j in sel])
+            self._index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
+                                     "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
 
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> Future:
         """Bring the resident full blocks of a prefix up to ``tier`` (``"host"`` or
         ``"hbm"``) in the background, before a request needs them.
 
-        Returns a :class:`concurrent.futures.Future` of the number of blocks
-        brought up. See :meth:`tierstore.manager.TierManager.prefetch`.
+        Prefetch takes no request reference and counts no hit; it takes a slot
+        only when one is free or held by a block with a lower copy.
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Resolves to the number of blocks brought up.
 
         Raises
         ------
         ConfigError
             For an unknown or disabled tier.
         """
+        return self.prefetch_keys(self.keys_for(ns, token_ids), tier)
+
+    def prefetch_keys(self, keys: Sequence[bytes], tier: str = "host") -> Future:
+        """:meth:`prefetch` by key."""
         try:
             t = Tier[str(tier).upper()]
         except KeyError:
             raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
-        return self.manager.prefetch(self.keys_for(ns, token_ids), t)
+        keys = _check_keys(keys)
+        plan = self._index.prepare_prefetch(keys, t)
+
+        def run() -> int:
+            if plan is None:
+                return 0
+            try:
+                ok = self._mover.run_prefetch(plan)
+            except BaseException:
+                self._index.complete_promote(plan, [False] * len(plan.items))
+                raise
+            self._index.complete_promote(plan, ok)
+            n = sum(ok)
+            self._index.metrics.inc("prefetched_blocks", n)
+            return n
+        return self._submit("load", run)
+
+    def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
+        """Pin the resident full blocks of a prefix for ``lease_s`` seconds."""
+        return self._index.pin(self.digest(ns), self.keys_for(ns, token_ids), lease_s)
+
+    def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """:meth:`pin` by key."""
+        return self._index.pin(self.digest(ns), _check_keys(keys), lease_s)
 
     def unpin(self, lease: Lease | int) -> bool:
         """End a pin lease early."""
-        return self.manager.unpin(lease.lease_id if isinstance(lease, Lease) else lease)
+        return self._index.unpin(lease.lease_id if isinstance(lease, Lease) else lease)
+
+    def leases(self) -> dict[int, Lease]:
+        """Live pin leases by id."""
+        return self._index.leases
 
     def invalidate(self, ns: Namespace | bytes) -> int:
-        """Drop every block of a namespace."""
-        return self.manager.invalidate(self.digest(ns))
+        """Drop every block of a namespace, durably: after a restart on the same
+        NVMe path nothing of it is served again. Returns blocks dropped."""
+        d = self.digest(ns)
+        if self.remote is not None:  # this store never serves the namespace from the shared tier again
+            self._remote_barred.add(d)
+            self.remote.remove(self._index.keys_of_namespace(d))
+        n = self._index.invalidate(d)
+        if self.nvme is not None and hasattr(self.nvme, "invalidate_namespace"):
+            self.nvme.invalidate_namespace(d)
+        return n
 
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks by key from every tier; returns how many were resident."""
+        keys = _check_keys(keys)
+        n = self._index.remove(keys)
+        if self.nvme is not None:
+            self.nvme.delete(keys)
+        return n
+
+    def clear(self) -> int:
+        """Remove every block."""
+        n = self._index.clear()
+        if self.nvme is not None:
+            self.nvme.delete(self.nvme.keys())
+        return n
+
+    def _clean_in_background(self, n: int) -> None:
+        """Write the ``n`` coldest memory-only blocks to NVMe on the store executor,
+        so that promotions find victims that leave without an NVMe write."""
+        if self.nvme is None:
+            return
+
+        def run() -> int:
+            plan = self._index.prepare_flush(max(n, self._index.config.evict_batch_blocks), coldest_first=True)
+            if plan is None:
+                return 0
+            try:
+                st = self._mover.run_flush(plan)
+            except BaseException:
+                self._index.complete_flush(plan, {})
+                raise
+            return self._index.complete_flush(plan, st)
+        try:
+            self._submit("store", run)
+        except ConfigError:  # closing: nothing to keep clean any more
+            pass
+
+    def evict(self, tier: Tier | str, n: int) -> int:
+        """Evict ``n`` unprotected blocks of a memory tier now (demoting them as
+        the policies decide); returns ``n``, or 0 if that many cannot be found."""
+        t = tier if isinstance(tier, Tier) else Tier[str(tier).upper()]
+        plan = self._index.prepare_evict(t, n)
+        if plan is None:
+            return 0
+        try:
+            nvme_st, dem_st = self._mover.run_store(plan, [])
+        except BaseException:
+            self._index.complete_store(plan, failed=True)
+            raise
+        self._index.complete_store(plan, nvme_st, dem_st)
+        return n
+
+    @property
+    def cost_model(self):
+        """The load-versus-recompute model (:class:`tierstore.policies.cost.CostModel`)."""
+        return self._index.config.cost
+
+    def flush(self, timeout_s: float | None = None, max_bytes: int | None = None) -> int:
+        """Write blocks that live only in memory to the NVMe tier; returns blocks written.
+
+        Stops after ``timeout_s`` seconds or ``max_bytes`` bytes (each checked
+        between batches of ``evict_batch_blocks * 8`` blocks).
+        """
+        if self.nvme is None:
+            return 0
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        budget = None if max_bytes is None else max(0, max_bytes) // self.layout.bytes_per_block
+        batch = max(8, self._index.config.evict_batch_blocks * 8)
+        n = 0
+        while (t_end is None or time.monotonic() < t_end) and (budget is None or n < budget):
+            plan = self._index.prepare_flush(batch if budget is None else min(batch, budget - n))
+            if plan is None:
+                break
+            try:
+                st = self._mover.run_flush(plan)
+            except BaseException:
+                self._index.complete_flush(plan, {})
+                raise
+            done = self._index.complete_flush(plan, st)
+            n += done
+            if done == 0:
+                break
+        return n
+
+    # -------------------------------------------------------------- introspection
     def stats(self) -> dict:
-        """Counters, per-tier bytes and load-latency percentiles."""
-        m = self.manager
-        out = m.metrics.snapshot()
-        out["bytes_per_tier"] = m.bytes_per_tier()
-        out["load_latency_ns"] = m.metrics.latency_percentiles_ns()
-        if m.nvme is not None:
-            out["nvme_backend"] = m.nvme.stats()
+        """Counters, per-tier bytes, load-latency percentiles and NVMe backend stats."""
+        ix = self._index
+        out = ix.metrics.snapshot()
+        out["bytes_per_tier"] = ix.bytes_per_tier()
+        out["load_latency_ns"] = ix.metrics.latency_percentiles_ns()
+        out["index_bytes"] = ix.nbytes()
+        out["blocks"] = len(ix)
+        if self.nvme is not None:
+            out["nvme_backend"] = self.nvme.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
-    def close(self) -> None:
-        """Finish submitted asynchronous calls and close the NVMe backend."""
+    def device_stats(self) -> dict:
+        """The NVMe device's view: its description and, with an FDP device (real
+        or modelled), HBMW/MBMW/MBE/WAF, per-RUH bytes and end-to-end WA.
+
+        ``e2e_wa`` = media bytes written / bytes the index wrote to the NVMe tier
+        (``nvme_write_bytes``): it counts segment headers, padding, host
+        copy-forward and the device's GC.
+        """
+        p = self._parts
+        out: dict = {"device": p.geometry.get("description", "")}
+        for k in ("device_bytes", "nvme_bytes", "ru_size_bytes", "segment_size_bytes", "utilization", "op_fraction",
+                  "num_ruh", "isolation", "gc", "page_bytes", "warning"):
+            if k in p.geometry:
+                out[k] = p.geometry[k]
+        out["dataplacement"] = "fdp" if p.placement.enabled else "none"
+        written = int(self._index.metrics.snapshot().get("nvme_write_bytes", 0))
+        out["tier_write_bytes"] = written
+        if self.nvme is not None:
+            st = self.nvme.stats()
+            out["host_user_bytes"] = int(st.get("user_bytes_written", 0))
+            out["host_gc_bytes"] = int(st.get("gc_bytes_written", 0))
+            out["host_write_amplification"] = float(st.get("host_write_amplification", 1.0))
+            eng = st.get("engine", {})
+            out["engine_write_bytes"] = int(eng.get("bytes_written", 0))
+            out["engine_trim_bytes"] = int(eng.get("bytes_trimmed", 0))
+        src = p.device
+        if src is not None and hasattr(src, "stats"):
+            s = src.stats()
+            for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes", "waf", "gc_runs", "trimmed_bytes",
+                      "invalid_pid_writes", "valid_bytes"):
+                if k in s:
+                    out[k] = s[k]
+            if "ruh_host_bytes" in s:
+                out["ruh_bytes"] = {str(i): int(v) for i, v in enumerate(s["ruh_host_bytes"]) if v}
+                out["ruh_gc_bytes"] = {str(i): int(v) for i, v in enumerate(s["ruh_gc_bytes"]) if v}
+            if "mbmw_bytes" in s:
+                out["e2e_wa"] = s["mbmw_bytes"] / written if written else float("nan")
+        if p.shim is not None:
+            out["ruh_updates"] = p.shim.ruh_updates
+        return out
+
+    @property
+    def placement(self) -> Any:
+        """The lifetime class -> PID table in use (:class:`tierstore.fdp.placement.PlacementPolicy`)."""
+        return self._parts.placement
+
+    @property
+    def ftl(self) -> Any:
+        """The FTL model of a simulated or modelled device, or ``None``."""
+        return self._parts.ftl
+
+    def resident(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is resident (any tier). A pure probe like :meth:`exists`."""
+        return self._index.resident(_check_keys(keys))
+
+    def capacity_bytes(self) -> dict[str, int]:
+        """Capacity per enabled tier in bytes."""
+        out = {t.label: p.num_blocks * self.layout.bytes_per_block for t, p in self._parts.pools.items()}
+        if self.nvme is not None:
+            out["nvme"] = self.nvme.capacity_blocks() * self.layout.bytes_per_block
+        return out
+
+    def references(self) -> dict[object, int]:
+        """Open request references: ``request_id -> blocks referenced`` (empty when
+        every request was released)."""
+        return self._index.references()
+
+    def block_info(self, key: bytes) -> dict | None:
+        """What the index knows of one block (tiers, state, hits, position, lifetime
+        hint, the lifetime class it was last written to NVMe with), or ``None``."""
+        return self._index.block_info(bytes(key))
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        """Resident bytes per tier (``hbm``, ``host``, ``nvme``)."""
+        return self._index.bytes_per_tier()
+
+    def state_of(self, key: bytes):
+        """Ownership state of a block (:class:`tierstore.index.BlockState`) or ``None``."""
+        return self._index.state_of(key)
+
+    def tiers_of(self, key: bytes) -> list[Tier]:
+        """Tiers holding a readable copy of ``key``."""
+        return self._index.tiers_of(key)
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Resident blocks per namespace, keyed by this store's digest of it
+        (:meth:`digest`)."""
+        return self._index.namespaces()
+
+    def keys_of_namespace(self, digest: bytes) -> list[bytes]:
+        """Resident keys of a namespace, given as this store's digest (:meth:`digest`)."""
+        return self._index.keys_of_namespace(bytes(digest))
+
+    def record_events(self, on: bool = True) -> None:
+        """Start (or stop) recording index events for :meth:`take_events`."""
+        self._index.record_events = on
+
+    def take_events(self) -> list[tuple]:
+        """Drain recorded ``(kind, key, tier)`` events."""
+        return self._index.take_events()
+
+    def drain(self) -> None:
+        """Wait for every call submitted so far (``wait=False`` calls, background cleaning)."""
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools = list(self._pools.values())
+        for pool in pools:
+            pool.submit(lambda: None).result()
+
+    def check_invariants(self, quiescent: bool = False) -> None:
+        """Raise :class:`~tierstore.errors.InvariantError` if the index is inconsistent
+        (see :meth:`tierstore.index.BlockIndex.check_invariants`); ``quiescent``
+        first waits for submitted work (:meth:`drain`)."""
+        if quiescent:
+            self.drain()
+        self._index.check_invariants(quiescent)
+
+    # -------------------------------------------------------------- close
+    def close(self, *, flush: bool | None = None) -> None:
+        """Finish submitted calls, write memory-only blocks to NVMe (``flush``,
+        default: the ``flush_on_close`` setting) and close the NVMe tier."""
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
             pool.shutdown(wait=True)
-        self.manager.close()
+        f = self._flush
+        if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
+            self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
+        if self.nvme is not None:
+            self.nvme.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def __enter__(self) -> "KVStore":
         return self
@@ -525,4 +1043,9 @@ class KVStore:
         self.close()
 
 
-__all__ = ["KVStore", "Namespace", "KVLayout", "Status", "Tier", "leading_ok", "open_nvme_storage"]
+def _validated(model, fields: dict):
+    from .config import parse_model
+    return parse_model(model, fields, f"KVStore options ({model.__name__})")
+
+
+__all__ = ["KVStore", "KVStoreProtocol", "Namespace", "KVLayout", "Status", "Tier", "leading_ok"]

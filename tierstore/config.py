@@ -35,8 +35,9 @@ from .errors import ConfigError
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
 from .units import parse_size, parse_time_s
 
-#: Admission policies for blocks demoted to NVMe.
-ADMISSION_POLICIES = ("all", "reused")
+#: Admission policies for blocks demoted to NVMe ("all"/"none": admit all;
+#: "reused"/"second": second sighting; "predicted": reuse predictor).
+ADMISSION_POLICIES = ("all", "none", "reused", "second", "predicted")
 
 
 def _size(v: Any, info) -> int:
@@ -102,31 +103,79 @@ class MemoryTierConfig(_Model):
     _c = field_validator("capacity_bytes", mode="before")(_size)
 
 
-class FdpConfig(_Model):
-    """FDP placement: the PID each lifetime class is written with.
+class HbmTierConfig(MemoryTierConfig):
+    """The device tier. Without CUDA, ``device: auto`` keeps it in host memory
+    (a CPU stand-in that runs the same code)."""
 
-    Take the PIDs from the device's RUH Status (``nvme fdp status``), see
-    :mod:`tierstore.fdp.placement`. Disabled: writes carry no placement.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class FdpConfig(_Model):
+    """FDP placement: tag each NVMe write with the PID of its lifetime class.
+
+    The PIDs come from the device's RUH Status (:mod:`tierstore.fdp.placement`);
+    ``plids`` optionally picks, by index into that list as fio's ``plids=``
+    does, the handles for the LONG, MEDIUM and SHORT classes. The explicit
+    ``*_pid`` fields are for devices whose RUH Status cannot be read.
     """
 
     enabled: bool = False
-    long_pid: int = Field(0, ge=0, le=0xFFFF)
-    medium_pid: int = Field(0, ge=0, le=0xFFFF)
-    short_pid: int = Field(0, ge=0, le=0xFFFF)
-    default_pid: int = Field(0, ge=0, le=0xFFFF)
+    plids: list[int] = Field(default_factory=list)
+    ruh_update_on_segment_open: bool | None = Field(
+        None, description="send RUH Update when a segment opens; null: on with FDP placement")
+    long_pid: int | None = Field(None, ge=0, le=0xFFFF)
+    medium_pid: int | None = Field(None, ge=0, le=0xFFFF)
+    short_pid: int | None = Field(None, ge=0, le=0xFFFF)
+    default_pid: int | None = Field(None, ge=0, le=0xFFFF)
+
+
+class SimDeviceConfig(_Model):
+    """The FTL model of an FDP SSD (:class:`tierstore.fdp.ftl.FTLModel`): the
+    whole device with ``device: sim``, or an observer of the file's writes with
+    ``device: file`` (then WAF is reported for the run; a model, not the disk)."""
+
+    device_bytes: int | None = Field(None, description="user capacity; null: tier capacity / utilization")
+    utilization: float = Field(0.9, gt=0, le=1)
+    ru_size_bytes: int | None = Field(None, description="reclaim unit; null: device / 60")
+    op_fraction: float = Field(0.07, ge=0, lt=1)
+    num_ruh: int = Field(8, ge=1, le=0xFFFF)
+    isolation: Literal["initial", "persistent"] = "initial"
+    gc: Literal["greedy", "cost_benefit"] = "greedy"
+    page_bytes: int = 4096
+    _b = field_validator("ru_size_bytes", "device_bytes", "page_bytes", mode="before")(
+        lambda v, info: None if v is None else parse_size(v, info.field_name))
 
 
 class NvmeTierConfig(_Model):
-    """The NVMe tier: a crash-recoverable :class:`~tierstore.io.SegmentStorage`."""
+    """The NVMe tier: a crash-recoverable :class:`~tierstore.io.SegmentStorage`.
 
-    path: str = Field(..., description="directory, file, or a block/char device such as /dev/ng0n1")
-    capacity_bytes: int
-    engine: Literal["posix", "uring"] = "posix"
+    ``device`` says what is underneath, explicitly:
+
+    * ``file`` -- a file (or a directory, ``tierstore.nvme`` inside) on this
+      file system, or a block device, through ``engine`` (O_DIRECT);
+    * ``sim`` -- the FTL model of an FDP SSD (``model``), its data in memory
+      (``engine: memory``) or in ``path``; a simulation, reported as such;
+    * ``fdp`` -- a real FDP namespace ``/dev/ngXnY`` (placed writes through
+      NVMe passthrough, discovery through nvme-cli).
+    """
+
+    device: Literal["file", "sim", "fdp"] = "file"
+    path: str | None = Field(None, description="directory, file, block device, or /dev/ngXnY for device: fdp")
+    capacity_bytes: int | None = Field(None, description="null only with device: sim (utilization x device)")
+    engine: Literal["auto", "posix", "uring", "memory", "null"] = "auto"
     segment_size_bytes: int | None = None
     extent_size_bytes: int = 16 << 20
     iodepth: int = Field(16, ge=1, le=1024)
+    region_policy: Literal["lru", "fifo", "min_live"] = "lru"
+    flush_on_close: bool = Field(True, description="write memory-only blocks to NVMe at a clean close")
+    flush_timeout_s: float = Field(30.0, ge=0)
+    flush_max_bytes: int | None = Field(None, description="cap on bytes written at close; null: no cap")
     fdp: FdpConfig = FdpConfig()
-    _c = field_validator("capacity_bytes", "extent_size_bytes", mode="before")(_size)
+    model: SimDeviceConfig | None = None
+    _c = field_validator("capacity_bytes", "flush_max_bytes", mode="before")(
+        lambda v, info: None if v is None else parse_size(v, info.field_name))
+    _e = field_validator("extent_size_bytes", mode="before")(_size)
+    _t = field_validator("flush_timeout_s", mode="before")(_dur)
 
     @field_validator("segment_size_bytes", mode="before")
     @classmethod
@@ -136,25 +185,47 @@ class NvmeTierConfig(_Model):
     @field_validator("capacity_bytes")
     @classmethod
     def _positive(cls, v):
-        if v <= 0:
+        if v is not None and v <= 0:
             raise ValueError("must be > 0 (remove the 'nvme' section to disable the tier)")
         return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.device in ("file", "fdp") and not self.path:
+            raise ValueError(f"device: {self.device} needs a path")
+        if self.device != "sim" and self.capacity_bytes is None:
+            raise ValueError(f"device: {self.device} needs capacity_bytes")
+        if self.device == "sim" and self.capacity_bytes is None and (self.model is None
+                                                                      or self.model.device_bytes is None):
+            raise ValueError("device: sim needs capacity_bytes or model.device_bytes")
+        if self.engine in ("memory", "null") and self.device == "file":
+            raise ValueError(f"engine: {self.engine} keeps no file; use device: sim")
+        return self
 
 
 class TiersConfig(_Model):
     """Tier capacities. Without ``nvme`` nothing survives a restart."""
 
-    hbm: MemoryTierConfig = MemoryTierConfig()
+    hbm: HbmTierConfig = HbmTierConfig()
     host: MemoryTierConfig = MemoryTierConfig()
     nvme: NvmeTierConfig | None = None
 
 
 class PoliciesConfig(_Model):
-    """Eviction (names registered in :mod:`tierstore.policies`) and NVMe admission."""
+    """Placement and eviction policies (names registered in :mod:`tierstore.policies`)."""
 
     eviction: str = "lru"
-    admission: str = "all"
+    admission: Literal["all", "none", "reused", "second", "predicted"] = "all"
     promotion: Literal["top", "one", "none"] = "top"
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    classifier: Literal["hint", "reuse", "prefix"] = "hint"
+    reinsert: Literal["none", "hits", "predicted"] = "none"
+    evict_batch_blocks: int = Field(8, ge=1)
+    verify_tokens: bool = False
+    pin_quota_bytes: int = 1 << 62
+    default_lease_s: float = Field(60.0, gt=0)
+    _q = field_validator("pin_quota_bytes", mode="before")(_size)
+    _l = field_validator("default_lease_s", mode="before")(_dur)
 
     @field_validator("eviction")
     @classmethod
@@ -164,20 +235,16 @@ class PoliciesConfig(_Model):
             raise ValueError(f"accepted values are {policy_names()}")
         return v
 
-    @field_validator("admission")
-    @classmethod
-    def _adm(cls, v):
-        if v not in ADMISSION_POLICIES:
-            raise ValueError(f"accepted values are {list(ADMISSION_POLICIES)}")
-        return v
-
 
 class RemoteConfig(_Model):
     """A shared remote tier on a distributed KV store (Mooncake Store).
 
     Parameters mirror ``MooncakeDistributedStore.setup(local_hostname,
     metadata_server, global_segment_size, local_buffer_size, protocol,
-    device_name, master_server_address)`` (Mooncake ``mooncake-store`` Python API).
+    device_name, master_server_address)`` (Mooncake ``mooncake-store`` Python
+    API); see :class:`tierstore.remote.mooncake.MooncakeSettings`.
+    ``publish_queue_blocks`` costs ``publish_queue_blocks x (block + 64 B)`` of
+    registered memory.
     """
 
     engine: Literal["mooncake"] = "mooncake"
@@ -185,12 +252,16 @@ class RemoteConfig(_Model):
     metadata: str = Field("http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE")
     local_hostname: str = "127.0.0.1"
     segment_bytes: int = Field(256 << 20, description="memory this client contributes to the cluster")
-    local_buffer_bytes: int = Field(64 << 20, description="registered buffer for zero-copy gets and puts")
+    local_buffer_bytes: int = Field(64 << 20, description="registered staging memory for loads")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = Field("", description="RDMA device name(s); empty for TCP")
-    publish_queue_blocks: int = Field(256, ge=1, description="bounded queue of asynchronous puts")
+    publish_queue_blocks: int = Field(64, ge=1, description="bounded queue of asynchronous puts")
     timeout_s: float = 5.0
     admission: Literal["all", "reused"] = "all"
+    cluster: str = Field("default", description="deployment name in object names")
+    name_secret: str | None = Field(None, description="HMAC key for object names (hex or text)")
+    mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")
+    max_batch_blocks: int = Field(16, ge=1)
     _b = field_validator("segment_bytes", "local_buffer_bytes", mode="before")(_size)
     _t = field_validator("timeout_s", mode="before")(_dur)
 

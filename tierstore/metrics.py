@@ -41,6 +41,11 @@ class Metrics:
         with self._lock:
             self.counters[name] += n
 
+    def add(self, counts: dict) -> None:
+        """Add several counters at once (one lock round trip)."""
+        with self._lock:
+            self.counters.update(counts)
+
     def record_load_ns(self, tier: str, ns: int) -> None:
         """Record one load's latency in ns under ``tier`` and ``all``."""
         ns = max(1, int(ns))

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .api import KVStore, leading_ok
+from .config import StoreConfig
 from .errors import ConfigError, Status
 from .identity import Namespace, chain_ids
 from .layout import KVLayout, PRESETS
@@ -56,17 +57,21 @@ class ReplayConfig:
     hbm_fraction, host_fraction, nvme_fraction : float
         Default capacities as fractions of the trace's unique bytes.
     directory : str or None
-        Where the NVMe tier file goes (a temp dir under the cwd's file system when None).
-    nvme_backend : str
-        ``"auto"``, ``"segment"`` or ``"slot"``.
+        Where the NVMe tier file goes (a temp dir when None).
     eviction : str
         Eviction policy name.
     time_scale : float
-        Multiplier on trace time for the manager's clock.
+        Multiplier on trace time for the store's clock.
     sample_every : int
         Requests between time-series samples; 0 takes about 200 samples over the run.
-    manager_options : dict
-        Extra :class:`~tierstore.manager.ManagerConfig` fields.
+    policies : dict
+        Further :class:`~tierstore.config.PoliciesConfig` fields.
+    nvme_options : dict
+        Further :class:`~tierstore.config.NvmeTierConfig` fields (``device``,
+        ``model``, ``fdp``, ``engine``, ``region_policy``, ...).
+    runtime : dict
+        Run-time objects for :func:`tierstore.build.assemble` (``classify``,
+        ``admit``, ``reinsert``, ``cost``).
     """
 
     trace: str | None = None
@@ -79,12 +84,24 @@ class ReplayConfig:
     host_fraction: float = 0.08
     nvme_fraction: float = 0.30
     directory: str | None = None
-    nvme_backend: str = "auto"
     eviction: str = "lru"
     time_scale: float = 1.0
     sample_every: int = 0
-    manager_options: dict = dataclasses.field(default_factory=dict)
+    policies: dict = dataclasses.field(default_factory=dict)
     nvme_options: dict = dataclasses.field(default_factory=dict)
+    runtime: dict = dataclasses.field(default_factory=dict)
+
+    def store_config(self, hbm_bytes: int, host_bytes: int, nvme_bytes: int, directory: str) -> StoreConfig:
+        """The typed store config this replay opens (tiers sized by the caller)."""
+        nv = None
+        if nvme_bytes or self.nvme_options.get("device") == "sim":
+            nv = {"path": directory, "capacity_bytes": nvme_bytes or None, **self.nvme_options}
+            if nv.get("device") == "sim" and nv.get("engine", "auto") in ("auto", "memory", "null"):
+                nv.pop("path")
+        return StoreConfig.from_dict({"tiers": {"hbm": {"capacity_bytes": hbm_bytes},
+                                                "host": {"capacity_bytes": host_bytes}, "nvme": nv},
+                                      "policies": {"eviction": self.eviction, **self.policies}},
+                                     "replay store config")
 
     def layout(self) -> KVLayout:
         """A scaled layout whose 512-token block is ``block_bytes`` bytes (bf16, 1 KV head)."""
@@ -114,6 +131,7 @@ class ReplayReport:
     store_stats: dict
     config: dict
     device: dict = dataclasses.field(default_factory=dict)
+    final_stats: dict = dataclasses.field(default_factory=dict)
 
 
 class _TraceClock:
@@ -134,7 +152,7 @@ def unique_full_blocks(requests: list[TraceRequest]) -> int:
 
 def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = None,
                on_sample: Callable[[KVStore, dict], None] | None = None,
-               store_factory: Callable[..., KVStore] | None = None) -> ReplayReport:
+               on_open: Callable[[KVStore], None] | None = None) -> ReplayReport:
     """Replay ``cfg.trace`` through a fresh :class:`KVStore`.
 
     Parameters
@@ -145,9 +163,8 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
     on_sample : callable, optional
         Called at each time-series sample with the store and the sample dict (it
         may add keys, e.g. the device's WAF).
-    store_factory : callable, optional
-        ``f(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, clock) -> KVStore``
-        to use another store wiring (FDP placement, policies).
+    on_open : callable, optional
+        Called with the store once it is open, before the first request.
 
     Returns
     -------
@@ -173,17 +190,11 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
     directory = tempfile.mkdtemp(prefix="tierstore-replay-") if own_dir else cfg.directory
     clock = _TraceClock()
     try:
-        if store_factory is not None:
-            store = store_factory(layout=layout, hbm_bytes=hbm, host_bytes=host, nvme_path=directory,
-                                  nvme_bytes=nvme, clock=clock)
-        else:
-            store = KVStore(layout, hbm_bytes=hbm, host_bytes=host,
-                            nvme_path=directory if nvme else None, nvme_bytes=nvme,
-                            nvme_backend=cfg.nvme_backend, eviction=cfg.eviction, clock=clock,
-                            **cfg.manager_options)
-        wired = getattr(store, "wiring", None)  # a tierstore.wiring.WiredStore sets the tier it really built
-        if wired is not None and "nvme_bytes" in wired.geometry:
-            nvme = int(wired.geometry["nvme_bytes"])
+        store = KVStore.from_config(cfg.store_config(hbm, host, nvme, directory), layout, clock=clock,
+                                    **cfg.runtime)
+        nvme = int(store.device_stats().get("nvme_bytes", nvme))
+        if on_open is not None:
+            on_open(store)
         return _replay(store, reqs, layout, cfg, clock, dict(hbm_bytes=hbm, host_bytes=host, nvme_bytes=nvme,
                                                               unique_blocks=uniq, directory=directory),
                        progress, on_sample)
@@ -203,26 +214,25 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
     ts = {"t_s": [], "hbm_bytes": [], "host_bytes": [], "nvme_bytes": [], "hit_ratio": []}
     t_start = time.perf_counter()
     every = cfg.sample_every or max(1, len(reqs) // 200)
-    m = store.manager
     try:
         for i, r in enumerate(reqs):
             clock.now_s = r.timestamp_s * cfg.time_scale
             nfull = r.full_blocks()
             keys = chain_ids(ns, r.hash_ids[:nfull])
             rid = ("trace", i)
-            res = m.lookup(keys, request_id=rid, num_prompt_tokens=r.input_length)
+            res = store.lookup_keys(keys, request_id=rid, num_prompt_tokens=r.input_length)
             lookup_blocks += nfull
             hit_blocks += res.matched_blocks
             useful_blocks += res.useful_blocks
             n_ok = 0
             if res.useful_blocks:
                 t0 = time.perf_counter_ns()
-                st, outs = m.load(res.useful_keys)
+                st, outs = store.load(res.useful_keys)
                 dt = time.perf_counter_ns() - t0
                 load_wall += dt / 1e9
                 n_ok = leading_ok(st)
                 for k, o in zip(res.useful_keys[:n_ok], outs[:n_ok]):
-                    if bytes(o[:32].numpy()) != k:
+                    if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
                         wrong += 1
                 load_lat.append(dt)
                 load_bytes += n_ok * bb
@@ -235,16 +245,16 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
                     b[:32] = torch.frombuffer(bytearray(k), dtype=torch.uint8)
                     blocks.append(b)
                 t0 = time.perf_counter_ns()
-                st = m.store(ns, new, blocks, first_position=n_ok)
+                st = store.store_keys(ns, new, blocks, first_position=n_ok)
                 dt = time.perf_counter_ns() - t0
                 store_wall += dt / 1e9
                 store_lat.append(dt)
                 store_bytes += sum(bb for s in st if s is Status.OK)
-            m.release(rid)
+            store.release(rid)
             if progress is not None and (i % 50 == 0 or i == len(reqs) - 1):
                 progress(i + 1, len(reqs))
             if i % every == 0 or i == len(reqs) - 1:
-                bpt = m.bytes_per_tier()
+                bpt = store.bytes_per_tier()
                 sample = {"t_s": clock.now_s, "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"],
                           "nvme_bytes": bpt["nvme"], "hit_ratio": hit_blocks / max(1, lookup_blocks)}
                 if on_sample is not None:
@@ -252,13 +262,12 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
                 for k, v in sample.items():
                     ts.setdefault(k, []).append(v)
         runtime = time.perf_counter() - t_start
-        m.check_invariants()
-        snap = m.metrics.snapshot()
-        stats = m.nvme.stats() if m.nvme is not None else {}
-        wired = getattr(store, "wiring", None)
-        device = wired.device_stats() if wired is not None else {}
+        store.check_invariants(quiescent=True)
+        snap = store.stats()
+        stats = snap.pop("nvme_backend", {})
+        device = store.device_stats() if store.nvme is not None else {}
         ideal = ideal_hit_ratio(reqs)
-        bpt = m.bytes_per_tier()
+        bpt = store.bytes_per_tier()
         lat = np.asarray(load_lat, dtype=np.int64)
         kv = {
             "requests": len(reqs),
@@ -307,6 +316,7 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
         return ReplayReport(len(reqs), kv, lat, np.asarray(store_lat, dtype=np.int64), load_bytes, store_bytes,
                             load_wall, store_wall, runtime, ts, stats,
-                            dataclasses.asdict(cfg) | {"layout": layout.to_dict()}, device)
+                            {k: v for k, v in dataclasses.asdict(cfg).items() if k != "runtime"}
+                            | {"layout": layout.to_dict()}, device, dict(snap, nvme_backend=stats))
     finally:
         store.close()

@@ -117,7 +117,7 @@ def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
 
 
 def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
-    from tierstore.io.pages import KVPagePool, plan_fragments
+    from tierstore.io.pages import KVPagePool
     pool = torch.randn(3, 2, 5, 16)
     layers = list(pool.unbind(0))[::-1]  # one allocation, negative layer stride
     pages = KVPagePool(layers)

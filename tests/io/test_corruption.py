@@ -44,7 +44,7 @@ def test_every_sampled_bit_flip_is_detected():
     keys = [os.urandom(32) for _ in range(5)]
     assert s.put(keys[:3], [content(k, BB) for k in keys[:3]]) == [Status.OK] * 3
     assert s.put(keys[3:], [content(k, BB) for k in keys[3:]]) == [Status.OK] * 2
-    first = s._index[keys[0]]
+    first_offset = s.locate(keys[0])[1]
     s.close()
     raw = eng.raw()
     hb = fmt.header_bytes_for(3)
@@ -54,7 +54,7 @@ def test_every_sampled_bit_flip_is_detected():
     bits += [("header", b) for b in range(fmt.HEADER_BYTES_FIXED * 8, used_header * 8)]  # every bit
     bits += [("header-pad", rng.randrange(used_header * 8, hb * 8)) for _ in range(20)]
     bits += [("payload", rng.randrange(hb * 8, (hb + 3 * fmt.block_slot_bytes(BB)) * 8)) for _ in range(400)]
-    assert first.offset == hb
+    assert first_offset == hb
     for where, bit in bits:
         byte, mask = bit // 8, 1 << (bit % 8)
         raw[byte] ^= mask
@@ -78,7 +78,7 @@ def test_verify_on_recovery_drops_corrupt_blocks():
     s = _store(eng)
     keys = [os.urandom(32) for _ in range(3)]
     assert s.put(keys, [content(k, BB) for k in keys]) == [Status.OK] * 3
-    off = s._index[keys[1]].offset
+    off = s.locate(keys[1])[1]
     s.close()
     eng.raw()[off + 17] ^= 0x10
     s = _store(eng, verify_on_recovery=True)
@@ -95,7 +95,7 @@ def test_deleted_and_truncated_segments_miss(tmp_path, engine):
     s = mk()
     keys = [os.urandom(32) for _ in range(20)]
     assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 20
-    seg_of = {k: s._index[k].seg for k in keys}
+    seg_of = {k: s.locate(k)[0] for k in keys}
     assert len(set(seg_of.values())) >= 3
     s.close()
     # "delete" segment 0 behind the store's back, truncate away the last used one

@@ -143,8 +143,7 @@ def test_read_eio_is_per_block(tmp_path):
     keys = [os.urandom(32) for _ in range(6)]
     blocks = [content(k, 8192) for k in keys]
     assert s.put(keys, blocks) == [Status.OK] * 6
-    bad = s._index[keys[2]]
-    eng.read_errors.append((bad.offset, 4096))
+    eng.read_errors.append((s.locate(keys[2])[1], 4096))
     dests = [torch.zeros(8192, dtype=torch.uint8) for _ in keys]
     st = s.get(keys, dests)
     assert st == [Status.OK, Status.OK, Status.IO_ERROR, Status.OK, Status.OK, Status.OK]

@@ -1,26 +1,51 @@
-"""Log-structured segment store of the NVMe tier: :class:`SegmentStorage`.
+"""The NVMe tier: a log-structured segment store that owns all of its space.
 
-Implements the tier seam :class:`tierstore.tiers.storage.BlockStorage` over an
-:class:`~tierstore.io.engine.IOEngine`. Blocks of a ``put`` are gathered into
-large extents (16 MiB default, :mod:`tierstore.io.batch`) and appended to the
-open segment of their placement stream (one open segment per placement, as
-FDP reclaim-unit handles want). The on-disk format, durability and recovery
-rules are documented in :mod:`tierstore.io.format`.
+:class:`SegmentStorage` implements the tier seam
+:class:`tierstore.tiers.storage.BlockStorage` over an
+:class:`~tierstore.io.engine.IOEngine`, and it is the **one owner of NVMe
+space** (CacheLib Navy's ``RegionManager``): it keeps the segments (regions,
+one reclaim unit each), the open segment of every placement stream, the clean
+pool, region-level eviction and garbage collection. The block index never
+decides a segment's fate; it hears what left through a
+:class:`RegionListener` callback, and is asked, once per evicted segment,
+which of its blocks to keep (copy forward: blocks in use, pinned or predicted
+to be reused).
 
-Space accounting
-----------------
-* ``capacity_blocks()`` and ``free_blocks()`` are *guaranteed* counts: they
-  assume the worst case, one block per extent (one 4 KiB header per block), so
-  a sequence of puts totalling ``free_blocks()`` blocks always fits. Batched
-  puts pack more (one header per extent), so the store can take more than
-  ``free_blocks()`` says, never less.
-* ``reserve_segments`` (1 default) erased segments are kept back from puts so
-  that garbage collection can always copy live data forward and make progress.
-* Space is reclaimed by whole segments only: a sealed segment whose blocks are
-  all deleted is punched immediately; otherwise, when a put finds no free
-  segment, the sealed segment with the fewest live blocks is compacted (its
-  live blocks are copied forward, counted as ``gc_bytes_written`` -> host write
-  amplification) and then punched.
+Blocks of a ``put`` are gathered into large extents (16 MiB default,
+:mod:`tierstore.io.batch`) and appended to the open segment of their
+placement stream (one open segment per placement, as FDP reclaim-unit handles
+want). The on-disk format, durability and recovery rules are in
+:mod:`tierstore.io.format`.
+
+Segment life cycle (:class:`SegmentState`)
+------------------------------------------
+``FREE -> OPEN`` (allocated whole with fallocate when a stream needs room; a
+full file system shows here, before anything is written) ``-> SEALED`` (its
+tail cannot take one more extent) ``-> RECLAIMING`` (every live block is
+either copied forward or dropped; in-flight reads of it are waited for)
+``-> FREE`` (trimmed: punch hole / NVMe Deallocate). A sealed segment whose
+blocks were all deleted goes straight to ``RECLAIMING``.
+
+Region eviction
+---------------
+When a put finds no free segment (beyond ``reserve_segments`` kept for GC),
+the region policy picks a victim among sealed segments: ``"lru"`` (the
+segment read or written least recently: Navy's region LRU, touched by
+:meth:`SegmentStorage.touch` on hits), ``"fifo"`` (the oldest sealed one; a
+reclaim unit's data then dies together) or ``"min_live"`` (the one with the
+fewest live blocks, greedy GC). The listener says which live blocks to keep; those
+are copied forward into the open segment of their stream (``gc_bytes_written``,
+host write amplification), the rest are dropped and reported with
+:meth:`RegionListener.on_dropped`.
+
+Locking: ``_lock`` guards metadata only and is never held across I/O. Writers
+are serialised by ``_write_lock`` (held across write I/O); reads never take it,
+so **reads never queue behind writes**. Reads and writes use separate staging
+pipelines. A segment with reads in flight is not trimmed until they finish.
+
+Memory: keys live in a :class:`~tierstore.keytable.KeyTable` and each block's
+location in numpy arrays indexed by row (about 70 bytes per block), not in a
+Python object per block.
 
 Failure semantics (per block, never raised)
 -------------------------------------------
@@ -29,55 +54,78 @@ Failure semantics (per block, never raised)
   segment's write pointer is rolled back so the log chain stays intact.
 * EIO, a short read or a CRC mismatch on read -> ``IO_ERROR`` for that block
   only (a failed multi-block read is retried block by block); the block is
-  dropped from the index, so later gets are ``MISS``. Destination bytes of a
-  failed block are unspecified but never counted as loaded.
+  dropped, so later gets are ``MISS``. Destination bytes of a failed block
+  are never written.
+
+Invalidation log
+----------------
+:meth:`invalidate_namespace` drops every block of a namespace and appends a
+record ``(ns_digest, write_seq)`` to ``<path>.invalidations`` (fsync'ed) for
+file-backed stores. Recovery drops blocks of a logged namespace written
+before the record's sequence number, so an invalidated namespace is never
+served again after a restart; blocks stored under it afterwards are kept.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import errno
 import logging
+import os
+import struct
 import threading
-from typing import Any, Iterable, Sequence
+from array import array
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from . import format as fmt
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
-from .pages import align_up, check_distinct_destinations, plan_fragments
+from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
+from ..keytable import KeyTable
 from ..tiers.storage import BlockStorage
 from ..units import parse_size
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
 #: Navy region-size multiple; configure to the device's RU size.
 DEFAULT_SEGMENT_BYTES = 256 << 20
+#: Fewest segments a store may have: region eviction frees one segment at a
+#: time, so with fewer a single eviction drops a large share of the tier
+#: (issue: a 2 MiB tier of two 1 MiB segments lost half its blocks at once).
+MIN_SEGMENTS = 8
+#: Segments a tier is cut into when its size allows (region eviction then frees
+#: about 1/64 of the tier at a time).
+TARGET_SEGMENTS = 64
 _NOSPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_NO_PLACEMENT = -1
+REGION_POLICIES = ("lru", "fifo", "min_live")
 _log = logging.getLogger(__name__)
+#: Invalidation log record: 32-byte namespace digest, u64 write_seq, u32 CRC-32C of both.
+_INVAL_REC = struct.Struct("<32sQI")
 
 
-@dataclasses.dataclass
-class _Loc:
-    seg: int
-    offset: int        # absolute device offset of the block payload
-    length: int
-    crc: int
-    seq: int
-    placement: int | None
-    ns: bytes
+class SegmentState(enum.IntEnum):
+    """Life cycle of a segment (reclaim unit); see the module doc."""
+
+    FREE = 0
+    OPEN = 1
+    SEALED = 2
+    RECLAIMING = 3
 
 
-@dataclasses.dataclass
-class _Seg:
-    idx: int
-    state: str = "free"          # free | open | sealed
-    gen: int = 0
-    wp: int = 0                  # write pointer, bytes from segment start
-    written: int = 0             # blocks ever written since last reclaim
-    live: set = dataclasses.field(default_factory=set)
-    placement: int | None = None
+class RegionListener(Protocol):
+    """What the block index hears from the region manager (Navy's
+    ``BlockCache::onRegionReclaim`` / ``onRegionCleanup``)."""
+
+    def on_reclaim(self, keys: list[bytes]) -> Sequence[bool]:
+        """Which of a victim segment's live ``keys`` to keep (copy forward)."""
+
+    def on_dropped(self, keys: list[bytes]) -> None:
+        """``keys`` left the NVMe tier (evicted with their segment, or found corrupt)."""
 
 
 @dataclasses.dataclass
@@ -91,13 +139,45 @@ class _Plan:
     entries: list = dataclasses.field(default_factory=list)
 
 
+def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
+                        min_segments: int = MIN_SEGMENTS) -> int:
+    """Segment (reclaim unit) size for a tier of ``capacity_bytes``.
+
+    ``preferred_bytes`` (a device's RU size) if the tier holds at least
+    ``min_segments`` of them; else about ``TARGET_SEGMENTS`` segments, whole
+    MiB (or 4 KiB multiples for small tiers), between one one-block extent and
+    256 MiB, and never fewer than ``min_segments``.
+
+    Raises
+    ------
+    ConfigError
+        If the tier cannot hold ``min_segments`` segments of one block each;
+        the message gives the minimum capacity.
+    """
+    one = fmt.extent_bytes_for(1, block_bytes)
+    if preferred_bytes:
+        if capacity_bytes // preferred_bytes >= min_segments:
+            return int(preferred_bytes)
+    if capacity_bytes // min_segments < one:
+        raise ConfigError(f"NVMe tier of {capacity_bytes} bytes is too small for region eviction: it needs "
+                          f"at least {min_segments} segments of one {block_bytes}-byte block ({one} bytes "
+                          f"with its header), i.e. nvme capacity >= {min_segments * one} bytes")
+    seg = min(DEFAULT_SEGMENT_BYTES, max(one, capacity_bytes // TARGET_SEGMENTS))
+    unit = 1 << 20 if seg >= 1 << 20 and one <= (seg >> 20 << 20) else fmt.ALIGN_BYTES
+    seg = max(one, seg // unit * unit)
+    while capacity_bytes // seg < min_segments:
+        seg -= unit if seg - unit >= one else fmt.ALIGN_BYTES
+    return seg
+
+
 class SegmentStorage(BlockStorage):
     """Crash-safe log-structured block store on a file or block device.
 
     Parameters
     ----------
     path : str or None
-        File (created sparse) or block device; ``None`` for ``engine="memory"``.
+        File (created sparse) or block device; ``None`` with an engine object
+        or ``engine="memory"``.
     capacity_bytes : int or str
         Device bytes to use; rounded down to whole segments.
     block_bytes : int
@@ -107,8 +187,7 @@ class SegmentStorage(BlockStorage):
     engine : {"posix", "uring", "memory", "kvikio"} or IOEngine
         Backend name, or an open engine (not closed by :meth:`close`).
     extent_size_bytes : int or str
-        Target extent (and staging buffer) size, 16 MiB default; an extent
-        holds at least one block.
+        Target extent (and staging buffer) size, 16 MiB default.
     iodepth : int
         I/Os in flight per extent transfer.
     max_io_bytes : int or str
@@ -118,15 +197,23 @@ class SegmentStorage(BlockStorage):
     verify_on_recovery : bool
         Verify every payload CRC when reopening (default: lazily on read).
     copy_threads : int, optional
-        CPUs used to gather/scatter (torch intra-op threads) and checksum
-        (Python threads) the blocks of an extent while I/O is in flight
-        (default: all CPUs but one, 1 to 4; see
-        :func:`tierstore.io.batch.default_copy_threads`).
+        CPUs used to gather/scatter and checksum next to I/O
+        (:func:`tierstore.io.batch.default_copy_threads`).
+    region_policy : {"lru", "fifo", "min_live"}
+        Which sealed segment region eviction picks (module doc).
+    listener : RegionListener, optional
+        The block index; may be set later with :meth:`set_listener`.
+    invalidation_log : str or None or False
+        Path of the invalidation log; default ``<path>.invalidations`` for a
+        regular file, none for devices and memory (``False`` disables it).
+    owns_engine : bool, optional
+        Close an engine object given in ``engine`` on :meth:`close` (default: no).
 
     Raises
     ------
     ConfigError
-        Inconsistent sizes (fewer than ``reserve_segments + 1`` segments, ...).
+        Inconsistent sizes, an unknown region policy, or a file written with
+        another block size (nothing is changed then).
     OSError
         The device cannot be opened with O_DIRECT.
     """
@@ -136,7 +223,9 @@ class SegmentStorage(BlockStorage):
                  engine: str | IOEngine = "posix",
                  extent_size_bytes: int | str = DEFAULT_EXTENT_BYTES, iodepth: int = 16,
                  max_io_bytes: int | str = 1 << 20, reserve_segments: int = 1,
-                 verify_on_recovery: bool = False, copy_threads: int | None = None):
+                 verify_on_recovery: bool = False, copy_threads: int | None = None,
+                 region_policy: str = "lru", listener: RegionListener | None = None,
+                 invalidation_log: str | None | bool = None, owns_engine: bool | None = None):
         cap = parse_size(capacity_bytes, "capacity_bytes")
         seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
         ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
@@ -149,6 +238,8 @@ class SegmentStorage(BlockStorage):
             raise ConfigError(f"segment_size_bytes={seg_b}: must hold one block extent ({one} bytes)")
         if reserve_segments < 1:
             raise ConfigError(f"reserve_segments={reserve_segments}: must be >= 1")
+        if region_policy not in REGION_POLICIES:
+            raise ConfigError(f"region_policy={region_policy!r}: accepted values are {list(REGION_POLICIES)}")
         n_seg = cap // seg_b
         if n_seg < reserve_segments + 1:
             raise ConfigError(f"capacity_bytes={cap}: holds {n_seg} segments of {seg_b}; need at "
@@ -157,15 +248,17 @@ class SegmentStorage(BlockStorage):
         self.segment_size_bytes = seg_b
         self.n_segments = n_seg
         self.reserve_segments = int(reserve_segments)
+        self.region_policy = region_policy
         self.extent_size_bytes = min(max(align_up(ext_b, fmt.ALIGN_BYTES), one), seg_b)
         bpe = 1
         while fmt.extent_bytes_for(bpe + 1, self.block_bytes) <= self.extent_size_bytes:
             bpe += 1
         self.blocks_per_extent = bpe
+        self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._one_block_extent_bytes = one
         if isinstance(engine, IOEngine):
             self.engine = engine
-            self._own_engine = False
+            self._own_engine = bool(owns_engine)
             if engine.size_bytes < n_seg * seg_b:
                 raise ConfigError(f"engine of {engine.size_bytes} bytes < {n_seg * seg_b}")
         else:
@@ -173,37 +266,76 @@ class SegmentStorage(BlockStorage):
                                       max_io_bytes=max_io_bytes)
             self._own_engine = True
         self.path = path
-        self._pipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
-        self._lock = threading.RLock()
-        self._segs = [_Seg(i) for i in range(n_seg)]
-        self._index: dict[bytes, _Loc] = {}
+        self._listener = listener
+        # Two pipelines: reads never wait for a writer's staging buffers.
+        self._wpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
+        self._rpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
+        self._lock = threading.Lock()              # metadata only, never across I/O
+        self._write_lock = threading.RLock()       # one writer at a time (across write I/O)
+        self._read_lock = threading.Lock()         # one user of the read pipeline at a time
+        self._readers_done = threading.Condition(self._lock)
+        # --- per segment
+        self._state = np.zeros(n_seg, dtype=np.uint8)
+        self._gen = np.zeros(n_seg, dtype=np.int64)
+        self._wp = np.zeros(n_seg, dtype=np.int64)
+        self._written = np.zeros(n_seg, dtype=np.int64)
+        self._live = np.zeros(n_seg, dtype=np.int64)
+        self._seg_placement = np.full(n_seg, _NO_PLACEMENT, dtype=np.int64)
+        self._readers = np.zeros(n_seg, dtype=np.int64)
+        self._sealed_at = np.zeros(n_seg, dtype=np.int64)   # seq when sealed: FIFO order
+        self._touched = np.zeros(n_seg, dtype=np.int64)     # last write or hit (a counter): LRU order
+        self._ticks = 0
+        self._members: list[array] = [array("i") for _ in range(n_seg)]
         self._open: dict[int | None, int] = {}
+        self._to_reclaim: list[int] = []
+        # --- per block (row of the key table)
+        rows = max(1024, self.capacity_blocks() + 1)
+        self._table = KeyTable(rows)
+        self._off = np.zeros(self._table.capacity_rows, dtype=np.int64)
+        self._crc = np.zeros(self._table.capacity_rows, dtype=np.uint32)
+        self._seq = np.zeros(self._table.capacity_rows, dtype=np.int64)
+        self._ns_id = np.zeros(self._table.capacity_rows, dtype=np.int32)
+        self._ns_list: list[bytes] = [bytes(32)]
+        self._ns_ids: dict[bytes, int] = {bytes(32): 0}
         self._next_seq = 1
         self._closed = False
+        self._warned_no_space = 0
         self._st = {"user_bytes_written": 0, "gc_bytes_written": 0, "bytes_loaded": 0,
                     "extents_written": 0, "put_blocks_ok": 0, "put_no_space": 0,
                     "put_io_error": 0, "get_hits": 0, "get_misses": 0, "get_io_errors": 0,
                     "corrupt_blocks": 0, "segments_reclaimed": 0, "gc_runs": 0,
-                    "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0}
+                    "regions_evicted": 0, "region_evicted_blocks": 0, "region_kept_blocks": 0,
+                    "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0,
+                    "trim_errors": 0, "invalidated_blocks": 0, "recovery_invalidated_blocks": 0}
+        if invalidation_log is None:
+            invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
+        self._inval_path = invalidation_log or None
         try:
             self._recover(verify_on_recovery)
         except BaseException:
-            self._pipe.close()
+            self._wpipe.close()
+            self._rpipe.close()
             if self._own_engine:
                 self.engine.close()
             raise
 
     # ================================================================ seam API
+    def set_listener(self, listener: RegionListener | None) -> None:
+        """Attach the block index (see :class:`RegionListener`)."""
+        self._listener = listener
+
     def capacity_blocks(self) -> int:
+        """Blocks the store can hold when empty (batched puts pack more)."""
         return (self.n_segments - self.reserve_segments) * (self.segment_size_bytes // self._one_block_extent_bytes)
 
     def free_blocks(self) -> int:
+        """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:
             per = self.segment_size_bytes // self._one_block_extent_bytes
-            n_free = sum(1 for s in self._segs if s.state == "free")
+            n_free = int((self._state == SegmentState.FREE).sum())
             total = max(0, n_free - self.reserve_segments) * per
             for si in self._open.values():
-                total += (self.segment_size_bytes - self._segs[si].wp) // self._one_block_extent_bytes
+                total += (self.segment_size_bytes - int(self._wp[si])) // self._one_block_extent_bytes
             return total
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
@@ -225,44 +357,72 @@ class SegmentStorage(BlockStorage):
         return self.get_fragments(keys, [[d] for d in dests])
 
     def delete(self, keys: Iterable[bytes]) -> None:
+        """Forget blocks; a sealed segment left without live blocks is reclaimed."""
+        empty: list[int] = []
         with self._lock:
             for k in keys:
-                loc = self._index.pop(bytes(k), None)
-                if loc is None:
+                row = self._table.remove(bytes(k))
+                if row < 0:
                     continue
-                seg = self._segs[loc.seg]
-                seg.live.discard(bytes(k))
-                if seg.state == "sealed" and not seg.live:
-                    self._reclaim(seg)
+                si = int(self._off[row]) // self.segment_size_bytes
+                self._live[si] -= 1
+                if self._live[si] == 0 and self._state[si] == SegmentState.SEALED:
+                    self._state[si] = SegmentState.RECLAIMING
+                    empty.append(si)
+        for si in empty:
+            self._finish_reclaim(si)
+
+    def locate(self, key: bytes) -> tuple[int, int] | None:
+        """``(segment, payload device offset)`` of ``key``, or ``None`` (for tools and tests)."""
+        with self._lock:
+            row = self._table.get(bytes(key))
+            if row < 0:
+                return None
+            off = int(self._off[row])
+            return off // self.segment_size_bytes, off
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record a hit on ``keys`` for the region LRU (Navy's ``RegionManager::touch``)."""
+        with self._lock:
+            rows = self._table.get_many(keys)
+            rows = rows[rows >= 0]
+            if rows.size:
+                self._ticks += 1
+                self._touched[np.unique(self._off[rows] // self.segment_size_bytes)] = self._ticks
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return bytes(key) in self._index
-
-    def reclaim_group(self, key: bytes) -> list[bytes] | None:
-        """Live keys of the *sealed* segment holding ``key`` (evicting all of them
-        frees the whole segment, i.e. one reclaim unit); ``None`` if ``key`` is
-        absent or its segment is still open."""
-        with self._lock:
-            loc = self._index.get(bytes(key))
-            if loc is None or self._segs[loc.seg].state != "sealed":
-                return None
-            return list(self._segs[loc.seg].live)
+            return self._table.get(bytes(key)) >= 0
 
     def keys(self) -> list[bytes]:
         with self._lock:
-            return list(self._index)
+            return self._table.keys_of(self._table.rows())
 
     def entries(self) -> dict[bytes, tuple[bytes, int]]:
         """``key -> (namespace digest, extent sequence number)`` from the on-disk
         headers (survives restarts); a larger sequence number is a later write."""
         with self._lock:
-            return {k: (loc.ns, loc.seq) for k, loc in self._index.items()}
+            rows = self._table.rows()
+            keys = self._table.keys_of(rows)
+            return {k: (self._ns_list[int(self._ns_id[r])], int(self._seq[r])) for k, r in zip(keys, rows)}
+
+    def scan(self) -> tuple[list[bytes], list[bytes], np.ndarray]:
+        """Every stored block: ``(keys, namespace digest per key, write seq per key)``.
+
+        What a restarted index adopts (one pass, no per-block objects kept)."""
+        with self._lock:
+            rows = self._table.rows()
+            keys = self._table.keys_of(rows)
+            nss = [self._ns_list[i] for i in self._ns_id[rows].tolist()]
+            return keys, nss, self._seq[rows].copy()
 
     def write_seq(self) -> int:
         """Sequence number the next extent will get."""
         with self._lock:
             return self._next_seq
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def stats(self) -> dict:
         """Counters; ``host_write_amplification = (user + gc bytes) / user bytes``."""
@@ -270,40 +430,51 @@ class SegmentStorage(BlockStorage):
             out = dict(self._st)
             user = out["user_bytes_written"]
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
-            out["blocks"] = len(self._index)
-            for state in ("free", "open", "sealed"):
-                out[f"segments_{state}"] = sum(1 for s in self._segs if s.state == state)
-            out["dead_blocks"] = sum(s.written - len(s.live) for s in self._segs)
+            out["blocks"] = len(self._table)
+            for state in SegmentState:
+                out[f"segments_{state.name.lower()}"] = int((self._state == state).sum())
+            out["dead_blocks"] = int((self._written - self._live).sum())
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes
             out["blocks_per_extent"] = self.blocks_per_extent
+            out["index_bytes"] = self.index_nbytes()
             out["engine"] = self.engine.stats()
             return out
 
+    def index_nbytes(self) -> int:
+        """Bytes of in-memory metadata: key table, per-block and per-segment arrays."""
+        per_row = self._off.nbytes + self._crc.nbytes + self._seq.nbytes + self._ns_id.nbytes
+        members = sum(m.itemsize * len(m) for m in self._members)
+        per_seg = sum(a.nbytes for a in (self._state, self._gen, self._wp, self._written, self._live,
+                                         self._seg_placement, self._readers, self._sealed_at))
+        return self._table.nbytes + per_row + members + per_seg
+
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._pipe.close()
+        with self._write_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._wpipe.close()
+            self._rpipe.close()
             if self._own_engine:
                 self.engine.close()
 
     # ============================================================ fragment API
     def put_fragments(self, keys: Sequence[bytes], fragments_per_block: Sequence[Sequence[Any]],
                       placements: Sequence[int | None] | None = None,
-                      ns_digests: Sequence[bytes] | None = None, *, _gc: bool = False) -> list[Status]:
-        """Store blocks given as lists of fragments, without a contiguous copy.
+                      ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+        """Store blocks given as lists of fragments (or plans), without a contiguous copy.
 
         Parameters
         ----------
         keys : sequence of bytes
             32-byte block hashes.
-        fragments_per_block : sequence of sequences
+        fragments_per_block : sequence
             Per block, its fragments in order (CPU tensors of any dtype/shape,
-            ndarrays or bytes-likes), e.g. the 2 x num_layers per-layer K/V
-            pieces; their byte sizes must sum to ``block_bytes``. They are
-            gathered straight into the staging extent.
+            ndarrays or bytes-likes) or a :class:`~tierstore.io.pages.FragmentPlan`;
+            their byte sizes must sum to ``block_bytes``. They are gathered
+            straight into the staging extent.
         placements : sequence of int or None, optional
             Placement stream per block; one open segment per stream.
         ns_digests : sequence of bytes, optional
@@ -318,7 +489,8 @@ class SegmentStorage(BlockStorage):
         Raises
         ------
         LayoutError
-            Wrong key length, block size or argument lengths (misuse).
+            Wrong key length, block size or argument lengths (misuse; nothing
+            is written).
         """
         n = len(keys)
         if len(fragments_per_block) != n:
@@ -331,11 +503,8 @@ class SegmentStorage(BlockStorage):
         for k in keys:
             if len(k) != fmt.KEY_BYTES:
                 raise LayoutError(f"key of {len(k)} bytes; keys are {fmt.KEY_BYTES} bytes")
-        # Check every block's fragments once, before any I/O (a misuse raises
-        # here, with nothing written); the copy threads then move each block
-        # with one call.
-        fragments_per_block = [plan_fragments(frags) for frags in fragments_per_block]
-        for p in fragments_per_block:
+        plans = [plan_fragments(frags) for frags in fragments_per_block]
+        for p in plans:
             if p.nbytes != self.block_bytes:
                 raise LayoutError(f"block of {p.nbytes} bytes; this store holds {self.block_bytes}-byte blocks")
         nss = [bytes(d) if d is not None else bytes(32) for d in (ns_digests or [None] * n)]
@@ -343,158 +512,236 @@ class SegmentStorage(BlockStorage):
             if len(d) != 32:
                 raise LayoutError("ns_digest must be 32 bytes")
         pls = list(placements) if placements is not None else [None] * n
-        with self._lock:
-            if self._closed:
-                raise TierStoreError("SegmentStorage is closed")
-            status: list[Status | None] = [None] * n
-            seen: set[bytes] = set()
-            groups: dict[int | None, list[int]] = {}
-            for i, k in enumerate(keys):
-                if (k in self._index and not _gc) or k in seen:
-                    status[i] = Status.EXISTS
-                    continue
-                seen.add(k)
-                groups.setdefault(pls[i], []).append(i)
-            # Plan, write and acknowledge what fits; only then garbage-collect
-            # (never with planned-but-unwritten extents outstanding), and retry.
-            while groups:
-                plans, leftover = self._plan(groups, allow_reserve=_gc)
-                self._write_plans(plans, keys, fragments_per_block, nss, status, gc=_gc)
-                if leftover and not _gc and self._gc_for_space():
-                    groups = leftover
-                    continue
-                for idx in leftover.values():
-                    for i in idx:
-                        status[i] = Status.NO_SPACE
-                    self._st["put_no_space"] += len(idx)
-                break
-            out = []
-            for s in status:
-                out.append(s if s is not None else Status.IO_ERROR)
-            return out
+        with self._write_lock:
+            return self._put_locked(keys, plans, pls, nss, gc=False)
 
-    def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]]
-                      ) -> list[Status]:
+    def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
+                      gate: Callable[[], Any] | None = None) -> list[Status]:
         """Load blocks and scatter each into its destination fragments.
 
         Parameters
         ----------
         keys : sequence of bytes
             32-byte block hashes.
-        dest_fragments_per_block : sequence of sequences
+        dest_fragments_per_block : sequence
             Per block, writable destinations (tensors of any dtype/shape,
-            contiguous or not) whose byte sizes sum to ``block_bytes``.
+            contiguous or not) whose byte sizes sum to ``block_bytes``, or a
+            destination :class:`~tierstore.io.pages.FragmentPlan`.
+        gate : callable, optional
+            ``gate(indices)`` returns a context manager entered around each
+            scatter of the blocks at ``indices``; it yields ``False`` when the
+            caller gave up (a deadline passed), and those blocks are then
+            reported ``MISS`` and their destinations left untouched.
 
         Returns
         -------
         list of Status
             ``OK`` (bytes verified and copied), ``MISS`` or ``IO_ERROR``.
-            Blocks are read in device order, neighbours coalesced into large
-            reads of up to ``extent_size_bytes``.
+            Blocks are read in device order, neighbours coalesced into reads of
+            up to ``extent_size_bytes``.
         """
         n = len(keys)
         if len(dest_fragments_per_block) != n:
             raise LayoutError(f"{n} keys but {len(dest_fragments_per_block)} destination lists")
-        dest_fragments_per_block = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
-        check_distinct_destinations(dest_fragments_per_block)
-        for p in dest_fragments_per_block:
+        dests = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
+        check_distinct_destinations(dests)
+        for p in dests:
             if p.nbytes != self.block_bytes:
                 raise LayoutError(f"destination of {p.nbytes} bytes; blocks are {self.block_bytes} bytes")
         keys = [bytes(k) for k in keys]
+        status = [Status.MISS] * n
         with self._lock:
             if self._closed:
                 raise TierStoreError("SegmentStorage is closed")
-            status = [Status.MISS] * n
-            found = [(self._index[k].offset, i) for i, k in enumerate(keys) if k in self._index]
+            rows = self._table.get_many(keys)
+            found = [(int(self._off[r]), i, int(self._crc[r])) for i, r in enumerate(rows.tolist()) if r >= 0]
+            segs = [off // self.segment_size_bytes for off, _, _ in found]
+            for si in segs:
+                self._readers[si] += 1
+        bad: list[tuple[bytes, int]] = []
+        try:
             found.sort()
-            runs = self._runs([(i, self._index[keys[i]]) for _, i in found])
-            jobs = [(start, length) for start, length, _ in runs]
-
-            def consume(r: int, view, err) -> None:
-                start, _, members = runs[r]
-                if err is not None:
-                    for i, loc in members:
-                        self._read_one(keys[i], loc, dest_fragments_per_block[i], status, i)
-                    return
-                mv = memoryview(view.numpy())
-                # Verify every block first (CRC-32C on the copy threads), then
-                # scatter the good ones back to back on torch's threads.
-                oks = self._pipe.map(
-                    lambda m: fmt.payload_crc(keys[m[0]], mv[m[1].offset - start:m[1].offset - start + m[1].length])
-                    == m[1].crc, members)
-                good = [m for m, ok in zip(members, oks) if ok]
-                self._pipe.scatter_blocks(view, [loc.offset - start for _, loc in good],
-                                          [dest_fragments_per_block[i] for i, _ in good])
-                for (i, loc), ok in zip(members, oks):
-                    if ok:
-                        self._st["bytes_loaded"] += loc.length
-                        status[i] = Status.OK
-                    else:
-                        self._drop_corrupt(keys[i], loc)
-                        status[i] = Status.IO_ERROR
-            self._pipe.read_extents(jobs, consume)
+            runs = self._runs(found)
+            with self._read_lock:
+                self._read_runs(keys, runs, dests, status, bad, gate)
+        finally:
+            with self._lock:
+                for si in segs:
+                    self._readers[si] -= 1
+                self._readers_done.notify_all()
+        dropped = self._drop_corrupt(bad) if bad else []
+        with self._lock:
             for s in status:
                 if s is Status.OK:
                     self._st["get_hits"] += 1
+                    self._st["bytes_loaded"] += self.block_bytes
                 elif s is Status.MISS:
                     self._st["get_misses"] += 1
                 else:
                     self._st["get_io_errors"] += 1
-            return status
+        if dropped and self._listener is not None:
+            self._listener.on_dropped(dropped)
+        return status
 
     def compact(self) -> bool:
-        """Run one garbage-collection step; ``True`` if a segment was freed."""
-        with self._lock:
-            return self._gc_one()
+        """Evict one region now (copying forward what the listener keeps);
+        ``True`` if a segment was freed."""
+        with self._write_lock:
+            return self._evict_region()
+
+    def invalidate_namespace(self, ns_digest: bytes) -> int:
+        """Drop every block of ``ns_digest``, durably (module doc). Returns blocks dropped.
+
+        Raises
+        ------
+        LayoutError
+            If ``ns_digest`` is not 32 bytes.
+        OSError
+            If the invalidation log cannot be written (nothing is dropped then).
+        """
+        ns_digest = bytes(ns_digest)
+        if len(ns_digest) != 32:
+            raise LayoutError("ns_digest must be 32 bytes")
+        with self._write_lock:
+            with self._lock:
+                seq = self._next_seq
+                nid = self._ns_ids.get(ns_digest)
+            if self._inval_path is not None:
+                self._append_invalidation(ns_digest, seq)
+            if nid is None:
+                return 0
+            with self._lock:
+                rows = self._table.rows()
+                rows = rows[self._ns_id[rows] == nid]
+                keys = self._table.keys_of(rows)
+            self.delete(keys)
+            with self._lock:
+                self._st["invalidated_blocks"] += len(keys)
+            return len(keys)
 
     # =============================================================== internals
-    def _runs(self, members: list[tuple[int, _Loc]]) -> list[tuple[int, int, list]]:
-        """Coalesce sorted blocks into aligned reads of at most ``extent_size_bytes``."""
+    def _put_locked(self, keys, plans, pls, nss, gc: bool) -> list[Status]:
+        n = len(keys)
+        with self._lock:
+            if self._closed:
+                raise TierStoreError("SegmentStorage is closed")
+            status: list[Status | None] = [None] * n
+            seen: set[bytes] = set()
+            groups: dict[int | None, list[int]] = {}
+            present = self._table.get_many(keys) if not gc else None
+            for i, k in enumerate(keys):
+                if (present is not None and present[i] >= 0) or k in seen:
+                    status[i] = Status.EXISTS
+                    continue
+                seen.add(k)
+                groups.setdefault(pls[i], []).append(i)
+        # Plan, write and acknowledge what fits; then evict a region and retry.
+        while groups:
+            with self._lock:
+                plan, leftover = self._plan(groups, allow_reserve=gc)
+            self._write_plans(plan, keys, plans, nss, status, gc)
+            if leftover and not gc and self._evict_region():
+                groups = leftover
+                continue
+            refused = sum(len(idx) for idx in leftover.values())
+            for idx in leftover.values():
+                for i in idx:
+                    status[i] = Status.NO_SPACE
+            if refused:
+                with self._lock:
+                    self._st["put_no_space"] += refused
+            break
+        return [s if s is not None else Status.IO_ERROR for s in status]
+
+    def _read_runs(self, keys, runs, dests, status, bad, gate) -> None:
+        def consume(r: int, view, err) -> None:
+            start, _, members = runs[r]
+            if err is not None:
+                for off, i, crc in members:
+                    self._read_one(keys[i], off, crc, dests[i], status, i, bad, gate)
+                return
+            mv = memoryview(view.numpy())
+            oks = self._rpipe.map(lambda m: fmt.payload_crc(keys[m[1]], mv[m[0] - start:m[0] - start + self.block_bytes])
+                                  == m[2], members)
+            good = [m for m, ok in zip(members, oks) if ok]
+            for (off, i, _), ok in zip(members, oks):
+                if not ok:
+                    bad.append((keys[i], off))
+                    status[i] = Status.IO_ERROR
+            self._scatter(view, [(off - start, i) for off, i, _ in good], dests, status, gate)
+        self._rpipe.read_extents([(start, length) for start, length, _ in runs], consume)
+
+    def _scatter(self, view, items, dests, status, gate) -> None:
+        if not items:
+            return
+        if gate is None:
+            self._rpipe.scatter_blocks(view, [rel for rel, _ in items], [dests[i] for _, i in items])
+            for _, i in items:
+                status[i] = Status.OK
+            return
+        with gate([i for _, i in items]) as go:
+            if not go:
+                return
+            self._rpipe.scatter_blocks(view, [rel for rel, _ in items], [dests[i] for _, i in items])
+            for _, i in items:
+                status[i] = Status.OK
+
+    def _runs(self, members: list[tuple[int, int, int]]) -> list[tuple[int, int, list]]:
+        """Coalesce sorted ``(offset, index, crc)`` into reads of at most ``extent_size_bytes``."""
         cap = self.extent_size_bytes
+        slot = self._slot_bytes
         runs: list[tuple[int, int, list]] = []
         cur: list = []
         start = end = 0
-        for i, loc in members:
-            slot = fmt.block_slot_bytes(loc.length)
-            b_end = loc.offset + slot
-            if cur and loc.offset >= end and b_end - start <= cap and loc.offset - end <= 64 * 1024:
-                cur.append((i, loc))
+        for m in members:
+            off = m[0]
+            b_end = off + slot
+            if cur and off >= end and b_end - start <= cap and off - end <= 64 * 1024:
+                cur.append(m)
                 end = b_end
                 continue
             if cur:
                 runs.append((start, end - start, cur))
-            cur, start, end = [(i, loc)], loc.offset, b_end
+            cur, start, end = [m], off, b_end
         if cur:
             runs.append((start, end - start, cur))
         return runs
 
-    def _drop_corrupt(self, key: bytes, loc: _Loc) -> None:
-        cur = self._index.get(key)
-        if cur is loc:
-            del self._index[key]
-            self._segs[loc.seg].live.discard(key)
-        self._st["corrupt_blocks"] += 1
-
-    def _verify_and_scatter(self, key, loc, view, mv, rel, dests, status, i) -> None:
-        if fmt.payload_crc(key, mv[rel:rel + loc.length]) != loc.crc:
-            self._drop_corrupt(key, loc)
-            status[i] = Status.IO_ERROR
-            return
-        plan_fragments(dests, destination=True).scatter(view, rel)
-        self._st["bytes_loaded"] += loc.length
-        status[i] = Status.OK
-
-    def _read_one(self, key, loc, dests, status, i) -> None:
-        slot = fmt.block_slot_bytes(loc.length)
-        keep, buf = alloc_aligned(slot)
+    def _read_one(self, key, off, crc, dest: FragmentPlan, status, i, bad, gate) -> None:
+        keep, buf = alloc_aligned(self._slot_bytes)
         try:
-            self.engine.read(loc.offset, buf[:slot]).get()
+            self.engine.read(off, buf[:self._slot_bytes]).get()
         except OSError:
-            self._drop_corrupt(key, loc)
+            bad.append((key, off))
             status[i] = Status.IO_ERROR
             return
-        self._verify_and_scatter(key, loc, buf, memoryview(keep), 0, dests, status, i)
+        if fmt.payload_crc(key, memoryview(keep)[:self.block_bytes]) != crc:
+            bad.append((key, off))
+            status[i] = Status.IO_ERROR
+            return
+        self._scatter(buf, [(0, i)], {i: dest}, status, gate)
         del keep
+
+    def _drop_corrupt(self, bad: list[tuple[bytes, int]]) -> list[bytes]:
+        """Forget blocks whose read failed, if the table still points at the bad copy."""
+        dropped = []
+        empty = []
+        with self._lock:
+            for key, off in bad:
+                self._st["corrupt_blocks"] += 1
+                row = self._table.get(key)
+                if row < 0 or int(self._off[row]) != off:
+                    continue
+                self._table.remove(key)
+                si = off // self.segment_size_bytes
+                self._live[si] -= 1
+                dropped.append(key)
+                if self._live[si] == 0 and self._state[si] == SegmentState.SEALED:
+                    self._state[si] = SegmentState.RECLAIMING
+                    empty.append(si)
+        for si in empty:
+            self._finish_reclaim(si)
+        return dropped
 
     def _fit(self, remaining: int, want: int) -> int:
         k = min(want, self.blocks_per_extent)
@@ -502,80 +749,93 @@ class SegmentStorage(BlockStorage):
             k -= 1
         return k
 
-    def _take_free(self, allow_reserve: bool) -> _Seg | None:
-        free = [s for s in self._segs if s.state == "free"]
+    def _take_free(self, allow_reserve: bool) -> int | None:
+        free = np.flatnonzero(self._state == SegmentState.FREE)
         floor = 0 if allow_reserve else self.reserve_segments
-        if len(free) > floor:
-            return free[0]
-        return None
+        return int(free[0]) if free.size > floor else None
 
-    def _open_for(self, placement: int | None, allow_reserve: bool, planned: set) -> _Seg | None:
+    def _seal(self, si: int, planned: set) -> None:
+        self._state[si] = SegmentState.SEALED
+        self._sealed_at[si] = self._next_seq
+        pl = int(self._seg_placement[si])
+        self._open.pop(None if pl == _NO_PLACEMENT else pl, None)
+        if self._live[si] == 0 and si not in planned and self._written[si] > 0:
+            # everything in it died before it filled: reclaim at once (after this plan)
+            self._state[si] = SegmentState.RECLAIMING
+            self._to_reclaim.append(si)
+
+    def _open_for(self, placement: int | None, allow_reserve: bool, planned: set) -> int | None:
         si = self._open.get(placement)
         if si is not None:
-            seg = self._segs[si]
-            if self._fit(self.segment_size_bytes - seg.wp, 1):
-                return seg
-            seg.state = "sealed"
-            del self._open[placement]
-            if not seg.live and si not in planned:
-                self._reclaim(seg)
-        seg = self._take_free(allow_reserve)
-        if seg is None:
+            if self._fit(self.segment_size_bytes - int(self._wp[si]), 1):
+                return si
+            self._seal(si, planned)
+        si = self._take_free(allow_reserve)
+        if si is None:
             return None
-        if seg.state != "free":
-            raise InvariantError(f"segment {seg.idx} taken while {seg.state}")
         # Allocate the whole segment (reclaim unit) before writing into it:
         # writes then never allocate, and a full file system shows here, with
         # nothing written; the puts that needed it get NO_SPACE.
         try:
-            self.engine.preallocate(seg.idx * self.segment_size_bytes, self.segment_size_bytes)
+            self.engine.preallocate(si * self.segment_size_bytes, self.segment_size_bytes)
         except OSError as exc:
             self._st["preallocate_errors"] += 1
-            _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space",
-                         seg.idx, self.segment_size_bytes, exc)
+            if self._warned_no_space == 0:
+                _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space "
+                             "(logged once; see the preallocate_errors counter)",
+                             si, self.segment_size_bytes, exc)
+            self._warned_no_space += 1
             return None
-        seg.state = "open"
-        seg.placement = placement
-        seg.wp = 0
-        seg.written = 0
-        seg.live = set()
-        self._open[placement] = seg.idx
-        return seg
+        self._state[si] = SegmentState.OPEN
+        self._seg_placement[si] = _NO_PLACEMENT if placement is None else int(placement)
+        self._wp[si] = 0
+        self._written[si] = 0
+        self._live[si] = 0
+        self._members[si] = array("i")
+        self._open[placement] = si
+        return si
 
     def _plan(self, groups, allow_reserve: bool) -> tuple[list[_Plan], dict]:
         plans: list[_Plan] = []
         leftover: dict = {}
         planned: set[int] = set()
+        self._to_reclaim: list[int] = []
         for placement, idx in groups.items():
             pending = list(idx)
             while pending:
-                seg = self._open_for(placement, allow_reserve, planned)
-                if seg is None:
+                si = self._open_for(placement, allow_reserve, planned)
+                if si is None:
                     leftover[placement] = pending
                     break
-                planned.add(seg.idx)
-                k = self._fit(self.segment_size_bytes - seg.wp, len(pending))
+                planned.add(si)
+                k = self._fit(self.segment_size_bytes - int(self._wp[si]), len(pending))
                 take, pending = pending[:k], pending[k:]
                 seq = self._next_seq
                 self._next_seq += 1
-                if seg.wp == 0:
-                    seg.gen = seq
-                ext_off = seg.idx * self.segment_size_bytes + seg.wp
-                seg.wp += fmt.extent_bytes_for(k, self.block_bytes)
-                plans.append(_Plan(seg.idx, ext_off, seq, seg.gen, placement, take))
+                if self._wp[si] == 0:
+                    self._gen[si] = seq
+                ext_off = si * self.segment_size_bytes + int(self._wp[si])
+                self._wp[si] += fmt.extent_bytes_for(k, self.block_bytes)
+                plans.append(_Plan(si, ext_off, seq, int(self._gen[si]), placement, take))
         return plans, leftover
 
-    def _write_plans(self, plans, keys, frags, nss, status, gc: bool) -> None:
+    def _write_plans(self, plans: list[_Plan], keys, frags, nss, status, gc: bool) -> None:
+        to_reclaim = list(self._to_reclaim)
+        self._to_reclaim = []
+        if not plans:
+            for si in to_reclaim:
+                self._finish_reclaim(si)
+            return
+        slot = self._slot_bytes
+
         def make_fill(p: _Plan):
             def fill(buf: torch.Tensor) -> int:
                 mv = memoryview(buf.numpy())
                 hb = fmt.header_bytes_for(len(p.idx))
-                slot = fmt.block_slot_bytes(self.block_bytes)
                 jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
-
                 # Copies back to back on torch's threads, then CRC-32C on the
                 # copy threads (crc32c releases the GIL).
-                self._pipe.gather_blocks([frags[i] for i in p.idx], buf, [pos for _, pos in jobs])
+                self._wpipe.gather_blocks([frags[i] for i in p.idx], buf, [pos for _, pos in jobs])
                 if slot > self.block_bytes:
                     for _, pos in jobs:
                         buf[pos + self.block_bytes:pos + slot].zero_()
@@ -584,7 +844,7 @@ class SegmentStorage(BlockStorage):
                     i, pos = job
                     return fmt.BlockEntry(keys[i], nss[i], pos, self.block_bytes,
                                           fmt.payload_crc(keys[i], mv[pos:pos + self.block_bytes]))
-                entries = self._pipe.map(one, jobs)
+                entries = self._wpipe.map(one, jobs)
                 end = hb + len(jobs) * slot
                 fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
                 p.entries = entries
@@ -592,18 +852,12 @@ class SegmentStorage(BlockStorage):
             return fill
 
         try:
-            results = self._pipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
+            results = self._wpipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
         except BaseException:
             # Nothing of this call is acknowledged: give the planned space back so
             # that no hole is left in a segment's chain (recovery stops at one).
-            first: dict[int, int] = {}
-            for p in plans:
-                first[p.seg] = min(first.get(p.seg, p.ext_off), p.ext_off)
-            for si, off in first.items():
-                seg = self._segs[si]
-                seg.wp = off - si * self.segment_size_bytes
-                if seg.wp == 0:
-                    seg.written = 0
+            with self._lock:
+                self._rollback(plans, {p.seg: p.ext_off for p in reversed(plans)})
             raise
         # A failed extent breaks its segment's chain: later extents of the same
         # segment in this batch are not acknowledged either; roll the pointer back.
@@ -617,109 +871,241 @@ class SegmentStorage(BlockStorage):
                 self.engine.sync()
             except OSError as exc:
                 sync_err = exc
-        for p, r in zip(plans, results):
-            seg = self._segs[p.seg]
-            failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
-            if failed or sync_err is not None:
-                err = r if isinstance(r, BaseException) else sync_err
-                st = Status.NO_SPACE if isinstance(err, OSError) and err.errno in _NOSPACE_ERRNOS else Status.IO_ERROR
+        with self._lock:
+            for p, r in zip(plans, results):
+                failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
+                if failed or sync_err is not None:
+                    err = r if isinstance(r, BaseException) else sync_err
+                    st = (Status.NO_SPACE if isinstance(err, OSError) and err.errno in _NOSPACE_ERRNOS
+                          else Status.IO_ERROR)
+                    for i in p.idx:
+                        status[i] = st
+                    self._st["put_no_space" if st is Status.NO_SPACE else "put_io_error"] += len(p.idx)
+                    continue
+                self._commit(p, gc)
                 for i in p.idx:
-                    status[i] = st
-                self._st["put_no_space" if st is Status.NO_SPACE else "put_io_error"] += len(p.idx)
-                continue
-            self._st["extents_written"] += 1
-            seg.written += len(p.entries)
-            for e in p.entries:
-                key = e.key
-                old = self._index.get(key)
-                if old is not None:
-                    self._segs[old.seg].live.discard(key)
-                self._index[key] = _Loc(p.seg, p.ext_off + e.payload_offset, e.length_bytes,
-                                        e.payload_crc32c, p.seq, p.placement, e.ns_digest)
-                seg.live.add(key)
-                self._st["gc_bytes_written" if gc else "user_bytes_written"] += e.length_bytes
-                if not gc:
-                    self._st["put_blocks_ok"] += 1
-            for i in p.idx:
-                status[i] = Status.OK
-        for si, off in first_fail.items():
-            seg = self._segs[si]
-            seg.wp = off - si * self.segment_size_bytes
-            if seg.wp == 0:
-                seg.written = 0
-        # Old copies replaced by GC may leave fully dead sealed segments.
-        for p in plans:
-            seg = self._segs[p.seg]
-            if seg.state == "sealed" and not seg.live:
-                self._reclaim(seg)
+                    status[i] = Status.OK
+            if first_fail or sync_err is not None:
+                self._rollback(plans, first_fail if sync_err is None else
+                               {p.seg: p.ext_off for p in reversed(plans)})
+            for p in plans:  # old copies replaced by GC may leave dead sealed segments
+                if self._state[p.seg] == SegmentState.SEALED and self._live[p.seg] == 0:
+                    self._state[p.seg] = SegmentState.RECLAIMING
+                    to_reclaim.append(p.seg)
+        for si in to_reclaim:
+            self._finish_reclaim(si)
 
-    def _reclaim(self, seg: _Seg) -> None:
-        if seg.live:
-            raise InvariantError(f"reclaiming segment {seg.idx} with {len(seg.live)} live blocks")
-        base = seg.idx * self.segment_size_bytes
-        try:
-            self.engine.trim(base, self.segment_size_bytes).get()
-        except OSError:
-            # Punch failed (e.g. unsupported): the segment is still reusable,
-            # recovery ignores stale extents by segment_gen/seq.
-            self._st.setdefault("trim_errors", 0)
-            self._st["trim_errors"] += 1
-        if self._open.get(seg.placement) == seg.idx:
-            del self._open[seg.placement]
-        seg.state = "free"
-        seg.wp = 0
-        seg.written = 0
-        seg.live = set()
-        self._st["segments_reclaimed"] += 1
+    def _commit(self, p: _Plan, gc: bool) -> None:
+        """Index the blocks of a written extent (under ``_lock``)."""
+        self._st["extents_written"] += 1
+        self._written[p.seg] += len(p.entries)
+        self._ticks += 1
+        self._touched[p.seg] = self._ticks
+        members = self._members[p.seg]
+        for e in p.entries:
+            row, new = self._table.add(e.key)
+            if row >= self._off.size:
+                self._grow_rows()
+            if not new:  # a newer copy (GC copy-forward) retires the old one
+                old_si = int(self._off[row]) // self.segment_size_bytes
+                self._live[old_si] -= 1
+            self._off[row] = p.ext_off + e.payload_offset
+            self._crc[row] = e.payload_crc32c
+            self._seq[row] = p.seq
+            self._ns_id[row] = self._intern_ns(e.ns_digest)
+            self._live[p.seg] += 1
+            members.append(row)
+            self._st["gc_bytes_written" if gc else "user_bytes_written"] += e.length_bytes
+            if not gc:
+                self._st["put_blocks_ok"] += 1
 
-    def _gc_for_space(self) -> bool:
-        """Free segments until a put may take one; ``True`` on progress."""
-        progress = False
-        while sum(1 for x in self._segs if x.state == "free") <= self.reserve_segments:
-            if not self._gc_one():
-                break
-            progress = True
-        return progress
+    def _rollback(self, plans: list[_Plan], first: dict[int, int]) -> None:
+        for si, off in first.items():
+            self._wp[si] = off - si * self.segment_size_bytes
+            if self._wp[si] == 0:
+                self._written[si] = 0
 
-    def _gc_one(self) -> bool:
-        cands = [x for x in self._segs if x.state == "sealed"]
-        if not cands:
-            return False
-        victim = min(cands, key=lambda x: len(x.live))
-        if not victim.live:
-            self._reclaim(victim)
-            return True
-        if len(victim.live) >= victim.written:
-            return False  # nothing dead anywhere: compaction cannot gain space
-        self._st["gc_runs"] += 1
-        live = sorted(victim.live, key=lambda k: self._index[k].offset)
-        for a in range(0, len(live), self.blocks_per_extent):
-            chunk = live[a:a + self.blocks_per_extent]
-            bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in chunk]
-            locs = [self._index[k] for k in chunk]
-            st = self.get_fragments(chunk, [[b] for b in bufs])
-            by_pl: dict = {}
-            for j, x in enumerate(st):
-                if x is Status.OK:
-                    by_pl.setdefault(locs[j].placement, []).append(j)
-            for pl, js in by_pl.items():
-                res = self.put_fragments([chunk[j] for j in js], [[bufs[j]] for j in js],
-                                         [pl] * len(js), [locs[j].ns for j in js], _gc=True)
-                if any(r is not Status.OK for r in res):
-                    return False
-        if victim.state == "sealed" and not victim.live:
-            self._reclaim(victim)
-            return True
+    def _grow_rows(self) -> None:
+        cap = self._table.capacity_rows
+        for name in ("_off", "_crc", "_seq", "_ns_id"):
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[:old.size] = old
+            setattr(self, name, new)
+
+    def _intern_ns(self, ns: bytes) -> int:
+        nid = self._ns_ids.get(ns)
+        if nid is None:
+            nid = self._ns_ids[ns] = len(self._ns_list)
+            self._ns_list.append(ns)
+        return nid
+
+    def _live_rows(self, si: int) -> np.ndarray:
+        """Rows whose current copy lies in segment ``si`` (under ``_lock``)."""
+        rows = np.frombuffer(self._members[si], dtype=np.int32).astype(np.int64) if self._members[si] \
+            else np.empty(0, dtype=np.int64)
+        if not rows.size:
+            return rows
+        rows = np.unique(rows)
+        rows = rows[self._table.live_mask(rows)]
+        base = si * self.segment_size_bytes
+        off = self._off[rows]
+        return rows[(off >= base) & (off < base + self.segment_size_bytes)]
+
+    def _victims(self) -> list[int]:
+        """Sealed segments in the order eviction considers them (under ``_lock``).
+
+        With a listener (a cache): the region policy's order. Without one (a
+        plain store that must not lose acknowledged blocks): fewest live
+        blocks first, and only segments with dead space (greedy GC)."""
+        sealed = np.flatnonzero(self._state == SegmentState.SEALED)
+        if not sealed.size:
+            return []
+        if self._listener is None:
+            sealed = sealed[self._live[sealed] < self._written[sealed]]
+            return sealed[np.argsort(self._live[sealed], kind="stable")].tolist()
+        if self.region_policy == "min_live":
+            return sealed[np.argsort(self._live[sealed], kind="stable")].tolist()
+        if self.region_policy == "lru":
+            return sealed[np.argsort(self._touched[sealed], kind="stable")].tolist()
+        return sealed[np.argsort(self._sealed_at[sealed], kind="stable")].tolist()
+
+    def _evict_region(self) -> bool:
+        """Free one segment (write lock held): the first victim in
+        :meth:`_victims` order whose eviction frees space; the blocks the
+        listener keeps are copied forward, the rest dropped. Without a
+        listener every live block is kept (compaction)."""
+        with self._lock:
+            order = self._victims()
+        for si in order:
+            with self._lock:
+                if self._state[si] != SegmentState.SEALED:
+                    continue
+                rows = self._live_rows(si)
+                keys = self._table.keys_of(rows.tolist())
+                written = int(self._written[si])
+            keep = (list(self._listener.on_reclaim(keys)) if (self._listener is not None and keys)
+                    else [True] * len(keys))
+            if len(keep) != len(keys):
+                raise InvariantError(f"listener kept {len(keep)} flags for {len(keys)} keys")
+            if sum(map(bool, keep)) >= written:
+                continue  # nothing dead and everything kept: evicting it frees nothing
+            with self._lock:
+                if self._state[si] != SegmentState.SEALED:
+                    continue
+                self._state[si] = SegmentState.RECLAIMING
+                pls = int(self._seg_placement[si])
+                ns_of = {k: self._ns_list[int(self._ns_id[r])] for k, r in zip(keys, rows.tolist())}
+            if self._evict_segment(si, keys, keep, None if pls == _NO_PLACEMENT else pls, ns_of):
+                return True
         return False
 
+    def _evict_segment(self, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
+        """Copy the kept blocks forward, drop the others, free the segment. A kept
+        block that cannot be copied (no space, a read error) is never dropped:
+        the segment then stays sealed and ``False`` is returned."""
+        kept = [k for k, flag in zip(keys, keep) if flag]
+        moved: set[bytes] = set()
+        if kept:
+            with self._lock:
+                self._st["gc_runs"] += 1
+            for a in range(0, len(kept), self.blocks_per_extent):
+                ck = kept[a:a + self.blocks_per_extent]
+                bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in ck]
+                st = self.get_fragments(ck, [[b] for b in bufs])
+                ok = [j for j, x in enumerate(st) if x is Status.OK]
+                if not ok:
+                    continue
+                res = self._put_locked([ck[j] for j in ok], [plan_fragments([bufs[j]]) for j in ok],
+                                       [placement] * len(ok), [ns_of[ck[j]] for j in ok], gc=True)
+                moved.update(ck[j] for j, r in zip(ok, res) if r is Status.OK)
+        dropped: list[bytes] = []
+        keep_set = set(kept)
+        with self._lock:
+            base = si * self.segment_size_bytes
+            for k in keys:
+                if k in moved or k in keep_set:
+                    continue
+                row = self._table.get(k)
+                if row < 0 or not (base <= int(self._off[row]) < base + self.segment_size_bytes):
+                    continue
+                self._table.remove(k)
+                self._live[si] -= 1
+                dropped.append(k)
+            self._st["region_evicted_blocks"] += len(dropped)
+            self._st["region_kept_blocks"] += len(moved)
+            stuck = self._live[si] > 0
+            if stuck:  # kept blocks could not move: the segment stays as it is
+                self._state[si] = SegmentState.SEALED
+                self._st["region_evictions_abandoned"] = self._st.get("region_evictions_abandoned", 0) + 1
+            else:
+                self._st["regions_evicted"] += 1
+        if dropped and self._listener is not None:
+            self._listener.on_dropped(dropped)
+        if stuck:
+            return False
+        self._finish_reclaim(si)
+        return True
+
+    def _finish_reclaim(self, si: int) -> None:
+        """Wait for reads of ``si`` to end, trim it and return it to the clean pool."""
+        with self._lock:
+            while self._readers[si] > 0:
+                self._readers_done.wait()
+            if self._live[si] != 0:
+                raise InvariantError(f"reclaiming segment {si} with {int(self._live[si])} live blocks")
+            if self._state[si] != SegmentState.RECLAIMING:
+                raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(self._state[si])).name}")
+        base = si * self.segment_size_bytes
+        try:
+            self.engine.trim(base, self.segment_size_bytes).get()
+            trim_failed = False
+        except OSError:
+            trim_failed = True  # still reusable: recovery ignores stale extents by segment_gen/seq
+        with self._lock:
+            if trim_failed:
+                self._st["trim_errors"] += 1
+            self._state[si] = SegmentState.FREE
+            self._wp[si] = 0
+            self._written[si] = 0
+            self._members[si] = array("i")
+            self._st["segments_reclaimed"] += 1
+
     # ================================================================ recovery
+    def _append_invalidation(self, ns_digest: bytes, seq: int) -> None:
+        import crc32c
+        rec = ns_digest + seq.to_bytes(8, "little")
+        data = _INVAL_REC.pack(ns_digest, seq, crc32c.crc32c(rec))
+        fd = os.open(self._inval_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _read_invalidations(self) -> dict[bytes, int]:
+        """``ns_digest -> write_seq`` of the latest record per namespace; a torn tail is ignored."""
+        import crc32c
+        out: dict[bytes, int] = {}
+        if self._inval_path is None or not os.path.exists(self._inval_path):
+            return out
+        with open(self._inval_path, "rb") as f:
+            data = f.read()
+        for off in range(0, len(data) - _INVAL_REC.size + 1, _INVAL_REC.size):
+            ns, seq, crc = _INVAL_REC.unpack_from(data, off)
+            if crc32c.crc32c(ns + seq.to_bytes(8, "little")) != crc:
+                break
+            out[ns] = max(out.get(ns, 0), seq)
+        return out
+
     def _recover(self, verify: bool) -> None:
         S = self.segment_size_bytes
         keep, page = alloc_aligned(max(self.extent_size_bytes, 1 << 20))
         mv = memoryview(keep)
         max_seq = 0
-        for seg in self._segs:
-            base = seg.idx * S
+        inval = self._read_invalidations()
+        for si in range(self.n_segments):
+            base = si * S
             pos = 0
             gen = None
             last_seq = -1
@@ -758,57 +1144,61 @@ class SegmentStorage(BlockStorage):
                     good = self._verify_extent(base + pos, h)
                     self._st["recovery_dropped_blocks"] += len(h.entries) - len(good)
                 for e in good:
-                    new = _Loc(seg.idx, base + pos + e.payload_offset, e.length_bytes,
-                               e.payload_crc32c, h.seq, h.placement, e.ns_digest)
-                    old = self._index.get(e.key)
-                    if old is not None:
-                        # Two copies (a GC copy-forward cut short by a crash):
-                        # the newer wins only if its payload verifies, since a
-                        # torn newer copy must not retire the good older one.
-                        newer, older = (new, old) if new.seq > old.seq else (old, new)
-                        winner = newer if self._verify_loc(e.key, newer) else older
-                        if winner is old:
-                            continue
-                        self._segs[old.seg].live.discard(e.key)
-                    self._index[e.key] = new
-                    seg.live.add(e.key)
-                seg.written += len(h.entries)
+                    if e.ns_digest in inval and h.seq < inval[e.ns_digest]:
+                        self._st["recovery_invalidated_blocks"] += 1
+                        continue
+                    self._adopt(si, base + pos + e.payload_offset, e, h.seq)
+                self._written[si] += len(h.entries)
                 max_seq = max(max_seq, h.seq)
                 pos += h.total_bytes
             if pos:
-                seg.state = "sealed"
-                seg.gen = gen or 0
-                seg.wp = pos
-        self._next_seq = max_seq + 1
+                self._state[si] = SegmentState.SEALED
+                self._gen[si] = gen or 0
+                self._wp[si] = pos
+                self._sealed_at[si] = last_seq
+        self._next_seq = max(max_seq, max(inval.values(), default=0)) + 1
         # Recovered segments are never appended to again (sealed until
         # reclaimed): a torn extent ends a chain, but complete extents of a dead
         # process may lie beyond it with sequence numbers above _next_seq;
         # appending at the chain end could splice them back into the chain.
-        self._st["recovered_blocks"] = len(self._index)
+        self._st["recovered_blocks"] = len(self._table)
         del mv, page, keep
-        for seg in self._segs:
-            if seg.state == "sealed" and not seg.live:
-                self._reclaim(seg)
+        for si in np.flatnonzero((self._state == SegmentState.SEALED) & (self._live == 0)).tolist():
+            self._state[si] = SegmentState.RECLAIMING
+            self._finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
 
-    def _verify_loc(self, key: bytes, loc: _Loc) -> bool:
-        slot = fmt.block_slot_bytes(loc.length)
-        keep, buf = alloc_aligned(slot)
+    def _adopt(self, si: int, off: int, e: fmt.BlockEntry, seq: int) -> None:
+        row = self._table.get(e.key)
+        if row >= 0:
+            # Two copies (a GC copy-forward cut short by a crash): the newer
+            # wins only if its payload verifies, since a torn newer copy must
+            # not retire the good older one.
+            old = (int(self._off[row]), int(self._crc[row]), int(self._seq[row]))
+            new = (off, e.payload_crc32c, seq)
+            newer, older = (new, old) if seq > old[2] else (old, new)
+            winner = newer if self._verify_at(e.key, newer[0], newer[1]) else older
+            if winner is old:
+                return
+            self._live[old[0] // self.segment_size_bytes] -= 1
+        else:
+            row, _ = self._table.add(e.key)
+            if row >= self._off.size:
+                self._grow_rows()
+        self._off[row] = off
+        self._crc[row] = e.payload_crc32c
+        self._seq[row] = seq
+        self._ns_id[row] = self._intern_ns(e.ns_digest)
+        self._live[si] += 1
+        self._members[si].append(row)
+
+    def _verify_at(self, key: bytes, off: int, crc: int) -> bool:
+        keep, buf = alloc_aligned(self._slot_bytes)
         try:
-            self.engine.read(loc.offset, buf[:slot]).get()
+            self.engine.read(off, buf[:self._slot_bytes]).get()
         except OSError:
             return False
-        return fmt.payload_crc(key, memoryview(keep)[:loc.length]) == loc.crc
+        return fmt.payload_crc(key, memoryview(keep)[:self.block_bytes]) == crc
 
     def _verify_extent(self, ext_off: int, h: fmt.ExtentHeader) -> list:
-        good = []
-        for e in h.entries:
-            slot = fmt.block_slot_bytes(e.length_bytes)
-            keep, buf = alloc_aligned(slot)
-            try:
-                self.engine.read(ext_off + e.payload_offset, buf[:slot]).get()
-            except OSError:
-                continue
-            if fmt.payload_crc(e.key, memoryview(keep)[:e.length_bytes]) == e.payload_crc32c:
-                good.append(e)
-        return good
+        return [e for e in h.entries if self._verify_at(e.key, ext_off + e.payload_offset, e.payload_crc32c)]

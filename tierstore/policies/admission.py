@@ -115,11 +115,11 @@ def make_admission(name: str | None) -> Callable[[EntryInfo], bool] | None:
     ConfigError
         For an unknown name.
     """
-    if name in (None, "none", "off"):
+    if name in (None, "none", "off", "all"):
         return None
-    if name in ("second", "second_hit", "on", "second_sighting"):
+    if name in ("second", "second_hit", "on", "second_sighting", "reused"):
         return SecondSightingAdmission()
     if name == "predicted":
         from .lifetime import PrefixLifetimePredictor
         return PredictedReuseAdmission(PrefixLifetimePredictor().reuse_probability)
-    raise ConfigError(f"admission={name!r}: accepted values are ['none', 'predicted', 'second', 'second_hit']")
+    raise ConfigError(f"admission={name!r}: accepted values are ['all', 'none', 'predicted', 'reused', 'second', 'second_hit']")

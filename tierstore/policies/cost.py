@@ -30,7 +30,9 @@ class CostModel:
     prefill_tokens_per_s : float
         Prefill throughput of the engine, tokens per second.
     bandwidth_bytes_per_s : dict[str, float]
-        Load bandwidth per tier name (``"hbm"``, ``"host"``, ``"nvme"``).
+        Load bandwidth per tier name (``"hbm"``, ``"host"``, ``"nvme"``, ``"remote"``:
+        the shared tier over the network; 1 GB/s and 1 ms are loopback-TCP
+        placeholders until :meth:`observe_load` measures it).
     latency_s : dict[str, float]
         Fixed cost per load call per tier.
     prefill_quadratic_s_per_token2 : float
@@ -41,9 +43,9 @@ class CostModel:
 
     prefill_tokens_per_s: float = 10_000.0
     bandwidth_bytes_per_s: dict = dataclasses.field(
-        default_factory=lambda: {"hbm": 1.0e12, "host": 2.0e10, "nvme": 2.0e9})
+        default_factory=lambda: {"hbm": 1.0e12, "host": 2.0e10, "nvme": 2.0e9, "remote": 1.0e9})
     latency_s: dict = dataclasses.field(
-        default_factory=lambda: {"hbm": 5e-6, "host": 2e-5, "nvme": 2e-4})
+        default_factory=lambda: {"hbm": 5e-6, "host": 2e-5, "nvme": 2e-4, "remote": 1e-3})
     prefill_quadratic_s_per_token2: float = 0.0
     ewma_alpha: float = 0.2
 
@@ -63,6 +65,19 @@ class CostModel:
         bw = nbytes / seconds
         old = self.bandwidth_bytes_per_s[tier]
         self.bandwidth_bytes_per_s[tier] = (1 - self.ewma_alpha) * old + self.ewma_alpha * bw
+
+    def useful_prefix(self, load_s: list[float], tokens_per_block: int) -> int:
+        """:meth:`useful_blocks` from per-block load times already computed."""
+        best_k, best_saved, load = 0, 0.0, 0.0
+        rate = self.prefill_tokens_per_s
+        q = self.prefill_quadratic_s_per_token2
+        for i, x in enumerate(load_s):
+            load += x
+            n = (i + 1) * tokens_per_block
+            saved = n / rate + q * n * n - load
+            if saved > best_saved:
+                best_k, best_saved = i + 1, saved
+        return best_k
 
     def useful_blocks(self, tiers: list[str], block_bytes: int, tokens_per_block: int) -> int:
         """Length ``k`` of the leading run that maximises ``saved_s(k)`` (0 if none saves time)."""

@@ -114,6 +114,79 @@ class PrefixLifetimePredictor:
         return self._rules(hint, -1, hits, interval_s, b"\x00")
 
 
+def default_classify(entry: EntryInfo, now_s: float) -> LifetimeClass:
+    """Engine hint if given; else observed reuse: a block hit >= 2 times is
+    LONG-lived (shared prefix), hit once MEDIUM (conversation), never SHORT."""
+    if entry.lifetime is not None:
+        return entry.lifetime
+    if entry.hits >= 2:
+        return LifetimeClass.LONG
+    if entry.hits == 1:
+        return LifetimeClass.MEDIUM
+    return LifetimeClass.SHORT
+
+
+class ReuseEntryClassifier:
+    """Classify a block from the reuse the index observed on it.
+
+    Engine hint first; else, with ``hits`` lookups that matched the block since
+    it was stored and ``interval_s = (last_access_s - created_s) / hits``:
+
+    * ``hits >= long_min_hits`` and ``interval_s <= long_max_interval_s`` -> LONG;
+    * ``hits >= 1`` and idle ``now_s - last_access_s <= medium_max_idle_s`` -> MEDIUM;
+    * otherwise SHORT.
+
+    Thresholds are engineering defaults, not fitted to a trace.
+    """
+
+    def __init__(self, long_min_hits: int = 3, long_max_interval_s: float = 600.0,
+                 medium_max_idle_s: float = 600.0) -> None:
+        if long_min_hits < 1 or long_max_interval_s <= 0 or medium_max_idle_s <= 0:
+            raise ConfigError("ReuseEntryClassifier: thresholds must be positive")
+        self.long_min_hits = int(long_min_hits)
+        self.long_max_interval_s = float(long_max_interval_s)
+        self.medium_max_idle_s = float(medium_max_idle_s)
+
+    def __call__(self, entry: EntryInfo, now_s: float) -> LifetimeClass:
+        if entry.lifetime is not None:
+            return entry.lifetime
+        if entry.hits >= self.long_min_hits:
+            if (entry.last_access_s - entry.created_s) / entry.hits <= self.long_max_interval_s:
+                return LifetimeClass.LONG
+        if entry.hits >= 1 and now_s - entry.last_access_s <= self.medium_max_idle_s:
+            return LifetimeClass.MEDIUM
+        return LifetimeClass.SHORT
+
+
+CLASSIFIERS = ("hint", "reuse", "prefix")
+
+
+def make_classifier(spec):
+    """The one lifetime classifier of a store: ``f(entry, now_s) -> LifetimeClass``.
+
+    Parameters
+    ----------
+    spec : {"hint", "reuse", "prefix"} or callable or None
+        ``None``/``"hint"``: :func:`default_classify`; ``"reuse"``:
+        :class:`ReuseEntryClassifier`; ``"prefix"``:
+        :class:`PrefixLifetimePredictor`; a callable is used as is.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name.
+    """
+    if spec is None or spec == "hint":
+        return default_classify
+    if spec == "reuse":
+        return ReuseEntryClassifier()
+    if spec == "prefix":
+        return PrefixLifetimePredictor()
+    if callable(spec):
+        return spec
+    raise ConfigError(f"classifier={spec!r}: accepted values are {list(CLASSIFIERS)} or a callable f(entry, now_s)")
+
+
 def true_class(lifetime_s: float, short_max_s: float, medium_max_s: float) -> LifetimeClass:
     """Class of a measured flash lifetime: SHORT below ``short_max_s``, MEDIUM below
     ``medium_max_s``, else LONG."""

@@ -1,21 +1,21 @@
 """Fixed-size block pools in memory: the HBM tier (L1) and the host tier (L2).
 
-A pool is one ``uint8`` tensor of shape ``(num_blocks, block_bytes)`` plus a free
-list of slot indices (SGLang's "allocator + device pool", vLLM's
-``BlockPool``). The HBM pool lives on ``cuda`` when CUDA is present, otherwise on
+A pool is one ``uint8`` tensor of shape ``(num_blocks, block_bytes)``; which
+slots are free is the block index's business, kept by a :class:`SlotAllocator`
+(SGLang's split of "allocator" and "device pool": one owner per resource). The HBM pool lives on ``cuda`` when CUDA is present, otherwise on
 the CPU as a stand-in that runs the same code. The host pool is allocated with
 ``pin_memory=True`` when CUDA is present (so host<->device copies are DMA), and
 plain otherwise (``pin_memory=True`` raises without a CUDA driver).
 
-Slots are handed out lowest-first, so tests see deterministic slot ids.
+Slots are handed out lowest-first at the start, so tests see deterministic slot ids.
 """
 from __future__ import annotations
 
-import heapq
+from array import array
 
 import torch
 
-from ..errors import ConfigError, InvariantError, LayoutError
+from ..errors import ConfigError, LayoutError
 
 
 def cuda_available() -> bool:
@@ -63,40 +63,44 @@ class BlockPool:
             what = "pinned host" if pin_memory and self.device.type == "cpu" else str(self.device)
             raise ConfigError(f"{name}: cannot allocate {num_blocks} x {block_bytes} bytes of {what} "
                               f"memory: {str(exc).splitlines()[0]}") from exc
-        self._free = list(range(num_blocks))  # a min-heap: lowest slot first
-        self._used = bytearray(num_blocks)
-
-    @property
-    def free_blocks(self) -> int:
-        """Slots free now."""
-        return len(self._free)
-
-    @property
-    def used_blocks(self) -> int:
-        """Slots in use now."""
-        return self.num_blocks - len(self._free)
-
-    def allocate(self) -> int | None:
-        """Take the lowest free slot, or ``None`` when the pool is full."""
-        if not self._free:
-            return None
-        slot = heapq.heappop(self._free)
-        self._used[slot] = 1
-        return slot
-
-    def free(self, slot: int) -> None:
-        """Return a slot to the free list.
-
-        Raises
-        ------
-        InvariantError
-            On a double free or an out-of-range slot.
-        """
-        if not 0 <= slot < self.num_blocks or not self._used[slot]:
-            raise InvariantError(f"{self.name}: free of slot {slot} that is not allocated")
-        self._used[slot] = 0
-        heapq.heappush(self._free, slot)
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes: a 1-D ``uint8`` view of ``block_bytes``."""
         return self.data[slot]
+
+
+class SlotAllocator:
+    """Free slots of one memory pool: a stack of indices (4 bytes a slot).
+
+    Parameters
+    ----------
+    num_slots : int
+        Slots of the pool; all free at first, handed out lowest first.
+    """
+
+    __slots__ = ("capacity", "_free")
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise LayoutError(f"num_slots={num_slots}: must be >= 0")
+        self.capacity = int(num_slots)
+        self._free = array("i", range(num_slots - 1, -1, -1))
+
+    def take(self, n: int) -> list[int]:
+        """Up to ``n`` free slots (fewer when the pool runs out)."""
+        k = min(n, len(self._free))
+        return [self._free.pop() for _ in range(k)]
+
+    def give(self, slot: int) -> None:
+        """Return a slot."""
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        """Slots free now."""
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        """Slots in use now."""
+        return self.capacity - len(self._free)

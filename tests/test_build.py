@@ -1,5 +1,5 @@
-"""tierstore.wiring: store assembly for each NVMe mode, placement tags reaching the FTL per RUH,
-dataplacement=none in the default RUH, and the kvtrace device section with device=sim."""
+"""tierstore.build: one assembly path for every NVMe device kind, placement tags reaching
+the FTL per RUH, dataplacement none in the default RUH, and the kvtrace device section."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import Namespace, Status, get_layout
+from tierstore import KVStore, Namespace, Status, get_layout
+from tierstore.config import StoreConfig
 from tierstore.errors import ConfigError
+from tierstore.fdp.device import NOT_VERIFIED_ON_HARDWARE, RuhUpdateShim
 from tierstore.fdp.lifetime import LifetimeClass
-from tierstore.wiring import (NOT_VERIFIED_ON_HARDWARE, ReuseEntryClassifier, RuhUpdateShim, StoreConfig,
-                              build_store, make_classifier)
+from tierstore.policies.lifetime import ReuseEntryClassifier, make_classifier
 
 
 @pytest.fixture
@@ -31,24 +32,27 @@ def _store_chain(store, n_blocks: int, seed: int, lifetime: str | None = None) -
     return store.store(NS, toks, blocks, lifetime=lifetime), toks, blocks
 
 
-def _sim(layout, **kw) -> StoreConfig:
-    base = dict(layout=layout, mode="sim", device_bytes=8 << 20, utilization=0.75, ru_size_bytes=256 << 10,
-                num_ruh=4)
-    base.update(kw)
-    return StoreConfig(**base)
+def _sim(layout, dataplacement="none", plids=(), engine="memory", path=None, host_bytes=0,
+         ru_size_bytes=256 << 10, **runtime) -> KVStore:
+    nvme = {"device": "sim", "engine": engine, "fdp": {"enabled": dataplacement == "fdp", "plids": list(plids)},
+            "model": {"device_bytes": 8 << 20, "utilization": 0.75, "ru_size_bytes": ru_size_bytes, "num_ruh": 4}}
+    if path is not None:
+        nvme["path"] = path
+    cfg = StoreConfig.from_dict({"tiers": {"host": {"capacity_bytes": host_bytes}, "nvme": nvme}})
+    return KVStore.from_config(cfg, layout, **runtime)
 
 
 def test_file_mode_roundtrip_with_model(tmp_path, layout):
-    w = build_store(StoreConfig(layout=layout, mode="file", path=str(tmp_path), nvme_bytes=4 << 20,
-                                ru_size_bytes=256 << 10))
+    w = KVStore.from_config({"tiers": {"nvme": {"path": str(tmp_path), "capacity_bytes": "4m",
+                                                "segment_size_bytes": "256k", "model": {}}}}, layout)
     try:
-        st, toks, blocks = _store_chain(w.store, 4, 1)
+        st, toks, blocks = _store_chain(w, 4, 1)
         assert st == [Status.OK] * 4
-        hit = w.store.lookup(NS, toks)
-        sts, outs = w.store.load(hit)
+        hit = w.lookup(NS, toks)
+        sts, outs = w.load(hit)
         assert sts == [Status.OK] * 4 and torch.equal(torch.stack(outs), blocks)
-        assert w.nvme.segment_size_bytes == w.geometry["ru_size_bytes"] == 256 << 10
         d = w.device_stats()
+        assert w.nvme.segment_size_bytes == d["ru_size_bytes"] == 256 << 10
         assert "model" in d["device"] and d["waf"] == pytest.approx(1.0) and d["e2e_wa"] >= 1.0
     finally:
         w.close()
@@ -56,23 +60,24 @@ def test_file_mode_roundtrip_with_model(tmp_path, layout):
 
 @pytest.mark.parametrize("engine", ["memory", "posix"])
 def test_sim_mode_builds_segment_equals_ru(tmp_path, layout, engine):
-    w = build_store(_sim(layout, engine=engine, path=str(tmp_path) if engine != "memory" else None))
+    w = _sim(layout, engine=engine, path=str(tmp_path) if engine != "memory" else None)
     try:
         assert w.nvme.segment_size_bytes == w.ftl.ru_size_bytes == 256 << 10
-        assert w.geometry["nvme_bytes"] == 6 << 20 and w.geometry["utilization"] == pytest.approx(0.75)
+        d = w.device_stats()
+        assert d["nvme_bytes"] == 6 << 20 and d["utilization"] == pytest.approx(0.75)
         assert w.ftl.capacity_bytes == 8 << 20
-        st, _, _ = _store_chain(w.store, 3, 2)
+        st, _, _ = _store_chain(w, 3, 2)
         assert st == [Status.OK] * 3
     finally:
         w.close()
 
 
 def test_fdp_tags_reach_ftl_per_ruh(layout):
-    w = build_store(_sim(layout, dataplacement="fdp"))
+    w = _sim(layout, dataplacement="fdp")
     try:
-        pol = w.policy
+        pol = w.placement
         for i, hint in enumerate(("system", "conversation", "query")):
-            st, _, _ = _store_chain(w.store, 5, 10 + i, lifetime=hint)
+            st, _, _ = _store_chain(w, 5, 10 + i, lifetime=hint)
             assert st == [Status.OK] * 5
         d = w.device_stats()
         used = {int(k) for k in d["ruh_bytes"]}
@@ -80,43 +85,47 @@ def test_fdp_tags_reach_ftl_per_ruh(layout):
         assert used == expect and 0 not in used
         assert len(expect) == 3
         assert d["invalid_pid_writes"] == 0
-        assert w.store.stats()["nvme_backend"]["engine"]["bytes_by_placement"].keys() == expect
+        assert w.stats()["nvme_backend"]["engine"]["bytes_by_placement"].keys() == expect
     finally:
         w.close()
 
 
 def test_dataplacement_none_goes_to_default_ruh(layout):
-    w = build_store(_sim(layout, dataplacement="none"))
+    w = _sim(layout, dataplacement="none")
     try:
         for i, hint in enumerate(("system", "conversation", "query")):
-            _store_chain(w.store, 5, 20 + i, lifetime=hint)
+            _store_chain(w, 5, 20 + i, lifetime=hint)
         d = w.device_stats()
         assert set(d["ruh_bytes"]) == {"0"} and d["hbmw_bytes"] > 0
-        assert set(w.store.stats()["nvme_backend"]["engine"]["bytes_by_placement"]) == {"none"}
-        assert w.store.manager.config.placement_of is None
+        assert set(w.stats()["nvme_backend"]["engine"]["bytes_by_placement"]) == {"none"}
+        assert not w.placement.enabled and d["dataplacement"] == "none"
     finally:
         w.close()
 
 
 def test_plids_pick_handles(layout):
-    w = build_store(_sim(layout, dataplacement="fdp", plids=(3, 2)))
+    w = _sim(layout, dataplacement="fdp", plids=(3, 2))
     try:
-        assert w.policy.class_pid == {LifetimeClass.LONG: 3, LifetimeClass.MEDIUM: 2, LifetimeClass.SHORT: 3}
+        assert w.placement.class_pid == {LifetimeClass.LONG: 3, LifetimeClass.MEDIUM: 2, LifetimeClass.SHORT: 3}
     finally:
         w.close()
     with pytest.raises(ConfigError, match="plids"):
-        build_store(_sim(layout, dataplacement="fdp", plids=(9,)))
+        _sim(layout, dataplacement="fdp", plids=(9,))
 
 
 def test_bad_configs_are_clear(layout, tmp_path):
-    with pytest.raises(ConfigError, match="mode"):
-        StoreConfig(layout=layout, mode="nvme")
+    with pytest.raises(ConfigError, match="device"):
+        StoreConfig.from_dict({"tiers": {"nvme": {"device": "nvme", "path": "x", "capacity_bytes": 1}}})
     with pytest.raises(ConfigError, match="utilization"):
-        StoreConfig(layout=layout, utilization=1.5)
+        StoreConfig.from_dict({"tiers": {"nvme": {"device": "sim", "capacity_bytes": "1m",
+                                                  "model": {"utilization": 1.5}}}})
     with pytest.raises(ConfigError, match="RU"):
-        build_store(_sim(layout, ru_size_bytes=8 << 20))
+        _sim(layout, ru_size_bytes=8 << 20)
     with pytest.raises(ConfigError, match="/dev/ng"):
-        build_store(StoreConfig(layout=layout, mode="device", path=str(tmp_path / "x")))
+        KVStore.from_config({"tiers": {"nvme": {"device": "fdp", "path": str(tmp_path / "x"),
+                                                "capacity_bytes": "1m"}}}, layout)
+    with pytest.raises(ConfigError, match="too small"):
+        KVStore(layout, nvme_path=str(tmp_path), nvme_bytes=layout.bytes_per_block)
     assert "hardware" in NOT_VERIFIED_ON_HARDWARE
 
 
@@ -128,11 +137,11 @@ def test_classifier_plugin(layout):
         return LifetimeClass.LONG
 
     assert make_classifier("reuse").__class__ is ReuseEntryClassifier
-    w = build_store(_sim(layout, dataplacement="fdp", classifier=always_long))
+    w = _sim(layout, dataplacement="fdp", classify=always_long)
     try:
-        _store_chain(w.store, 4, 3)
+        _store_chain(w, 4, 3)
         assert len(calls) == 4
-        assert set(w.device_stats()["ruh_bytes"]) == {str(w.policy.class_pid[LifetimeClass.LONG])}
+        assert set(w.device_stats()["ruh_bytes"]) == {str(w.placement.class_pid[LifetimeClass.LONG])}
     finally:
         w.close()
     with pytest.raises(ConfigError, match="classifier"):
@@ -187,37 +196,17 @@ def test_kvtrace_device_section_sim(tmp_path, capsys):
 
 
 def test_several_streams_never_drop_demotions(layout):
-    """With one open segment per placement stream, the manager's free_blocks() view is
-    stream-agnostic; a demotion to a stream without room must evict a group and retry."""
-    w = build_store(_sim(layout, dataplacement="fdp", host_bytes=16 * layout.bytes_per_block))
+    """With one open segment per placement stream, a demotion to a stream without
+    room makes the region manager evict a region; no demotion is refused."""
+    w = _sim(layout, dataplacement="fdp", host_bytes=16 * layout.bytes_per_block)
     try:
         for i in range(400):
-            st, _, _ = _store_chain(w.store, 4, 100 + i, lifetime=("system", "query", "conversation")[i % 3])
+            st, _, _ = _store_chain(w, 4, 100 + i, lifetime=("system", "query", "conversation")[i % 3])
             assert st == [Status.OK] * 4
-        snap = w.store.manager.metrics.snapshot()
+        snap = w.stats()
         assert snap.get("nvme_put_no_space", 0) == 0
-        assert snap.get("evicted_groups_nvme", 0) > 0 and snap["demotions_host_nvme"] > 1500
-        w.store.manager.check_invariants()
+        assert snap["nvme_backend"]["regions_evicted"] > 0 and snap["demotions_host_nvme"] > 1500
+        w.check_invariants(quiescent=True)
         assert w.device_stats()["waf"] == pytest.approx(1.0)
     finally:
         w.close()
-
-
-def test_fdp_trace_smoke(tmp_path, capsys):
-    """bench/fdp_trace.py end to end on a few hundred requests (the CI smoke)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "fdp_trace.py"
-    spec = importlib.util.spec_from_file_location("fdp_trace", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "t.json"
-    assert mod.main(["--trace", mod.DEFAULT_TRACE if pathlib.Path(mod.DEFAULT_TRACE).exists() else "",
-                     "--limit", "250", "--quick", "--baseline-evictions=", "--procs", "1",
-                     "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert sorted(r["placement"] for r in rows) == ["class", "none", "oracle"]
-    for r in rows:
-        assert r["wrong_kv_blocks"] == 0 and r["e2e_wa"] >= 1.0 and r["device_waf"] >= 1.0
-        assert r["utilization"] == pytest.approx(0.9, abs=0.02)
-    assert "| placement |" in capsys.readouterr().out

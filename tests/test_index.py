@@ -1,0 +1,459 @@
+"""Scenario tests of the block index through the public API, for every eviction policy.
+
+Internals are not pinned: every test observes the store through KVStore's
+methods (lookup, load, tiers_of, state_of, stats, events) and ends with the
+invariant checker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from tierstore import KVStore, Namespace, Status, Tier, leading_ok
+from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded
+from tierstore.index import BlockIndex, BlockState, IndexConfig
+from tierstore.policies import policy_names
+
+from .conftest import SlowEngine, make_blocks, memory_segment_store, tokens
+
+B = 16
+POLICIES = policy_names()
+
+
+@pytest.fixture(params=POLICIES)
+def policy(request):
+    return request.param
+
+
+def test_store_lookup_load_roundtrip_through_every_tier(make_store, layout, ns, policy):
+    s = make_store(hbm=2, host=2, nvme=16, eviction=policy, promotion="none")
+    s.record_events(True)
+    blocks = {}
+    for c in range(3):  # later chains push earlier ones down: every tier ends up holding blocks
+        toks = tokens(4 * B, start=1000 * c)
+        blocks[c] = make_blocks(layout, 4, seed=c)
+        assert s.store(ns, toks, blocks[c]) == [Status.OK] * 4
+    seen = set()
+    for c in range(3):
+        toks = tokens(4 * B, start=1000 * c)
+        seen.update(t for k in s.keys_for(ns, toks) for t in s.tiers_of(k)[:1])
+        with s.request() as rid:
+            hit = s.lookup(ns, toks, request_id=rid)
+            assert hit.matched_blocks == 4 and hit.matched_tokens == 4 * B
+            st, out = s.load(hit.keys)
+            assert leading_ok(st) == 4
+            assert all(torch.equal(a, b) for a, b in zip(out, blocks[c]))
+    assert seen == {Tier.HBM, Tier.HOST, Tier.NVME}
+    kinds = [e[0] for e in s.take_events()]
+    assert kinds.count("stored") == 12 and "demoted" in kinds
+    s.check_invariants(quiescent=True)
+
+
+def test_deterministic_slot_ids_and_events(make_store, layout, ns):
+    s = make_store(hbm=4, host=0, nvme=0)
+    s.record_events(True)
+    toks = tokens(3 * B)
+    s.store(ns, toks, make_blocks(layout, 3))
+    keys = s.keys_for(ns, toks)
+    assert [s._index.memory_slot(k, Tier.HBM) for k in keys] == [0, 1, 2]
+    assert s.take_events() == [("stored", k, "hbm") for k in keys]
+    assert s.take_events() == []
+
+
+@pytest.mark.parametrize("ntok,expect_blocks", [(4 * B, 4), (4 * B - 1, 3), (4 * B + 1, 4)])
+def test_block_boundaries(make_store, layout, ns, ntok, expect_blocks):
+    s = make_store()
+    full = tokens(5 * B)
+    s.store(ns, full, make_blocks(layout, 5))
+    hit = s.lookup(ns, full[:ntok])
+    assert hit.matched_blocks == expect_blocks
+    assert hit.matched_tokens == expect_blocks * B
+    assert s.stats()["partial_tail_tokens"] == ntok - expect_blocks * B
+
+
+def test_partial_tail_is_never_stored(make_store, layout, ns):
+    s = make_store()
+    with pytest.raises(LayoutError):
+        s.store(ns, tokens(2 * B + 5), make_blocks(layout, 3))
+    assert s.stats()["blocks"] == 0
+    s.check_invariants(quiescent=True)
+
+
+@pytest.mark.parametrize("field", ["tenant", "model", "adapter"])
+def test_identity_isolation_both_directions(make_store, layout, field):
+    s = make_store()
+    a = Namespace(model="m@1", adapter="", tenant="A")
+    b = dataclasses.replace(a, **{field: "other"})
+    toks = tokens(3 * B)
+    s.store(ns=a, token_ids=toks, kv_blocks=make_blocks(layout, 3))
+    assert s.lookup(b, toks).matched_blocks == 0
+    assert s.lookup(a, toks).matched_blocks == 3
+    s.store(b, toks, make_blocks(layout, 3, seed=1))
+    assert s.lookup(b, toks).matched_blocks == 3
+    st, out = s.load(s.lookup(a, toks))
+    assert torch.equal(out[0], make_blocks(layout, 3)[0])
+
+
+def test_duplicate_store_is_idempotent_and_does_not_fail_batch(make_store, layout, ns):
+    s = make_store()
+    toks = tokens(4 * B)
+    blocks = make_blocks(layout, 4)
+    s.store(ns, toks[:2 * B], blocks[:2])
+    assert s.store(ns, toks, blocks) == [Status.EXISTS, Status.EXISTS, Status.OK, Status.OK]
+
+
+def test_store_without_space_is_rejected_cleanly(make_store, layout, ns):
+    s = make_store(hbm=2, host=0, nvme=0)
+    toks = tokens(2 * B)
+    with s.request() as rid:
+        s.store(ns, toks, make_blocks(layout, 2))
+        s.lookup(ns, toks, request_id=rid)  # both ACTIVE: nothing evictable
+        other = tokens(3 * B, start=10_000)
+        assert s.store(ns, other, make_blocks(layout, 3)) == [Status.NO_SPACE] * 3
+        assert s.lookup(ns, toks).matched_blocks == 2  # existing entries intact
+    s.check_invariants(quiescent=True)
+
+
+def test_active_and_pinned_blocks_are_never_victims(make_store, layout, ns, clock, policy):
+    s = make_store(hbm=3, host=0, nvme=0, eviction=policy)
+    a, b = tokens(B), tokens(B, start=100)
+    s.store(ns, a, make_blocks(layout, 1))
+    s.store(ns, b, make_blocks(layout, 1))
+    ka, kb = s.keys_for(ns, a)[0], s.keys_for(ns, b)[0]
+    with s.request() as rid:
+        s.lookup(ns, a, request_id=rid)
+        assert s.state_of(ka) is BlockState.ACTIVE
+        lease = s.pin(ns, b, lease_s=10)
+        assert s.state_of(kb) is BlockState.PINNED
+        st = s.store(ns, tokens(3 * B, start=500), make_blocks(layout, 3))
+        assert st[0] == Status.OK and st[1] == Status.NO_SPACE
+        assert s.resident([ka, kb]) == [True, True]
+    assert s.state_of(ka) is BlockState.EVICTABLE
+    clock.advance(11)  # lease expires
+    assert s.state_of(kb) is BlockState.EVICTABLE
+    assert s.store(ns, tokens(2 * B, start=900), make_blocks(layout, 2)) == [Status.OK, Status.OK]
+    assert s.unpin(lease) in (True, False)
+    s.check_invariants(quiescent=True)
+
+
+def test_pin_quota(make_store, layout, ns):
+    s = make_store(pin_quota_bytes=2 * layout.bytes_per_block)
+    toks = tokens(3 * B)
+    s.store(ns, toks, make_blocks(layout, 3))
+    with pytest.raises(QuotaExceeded):
+        s.pin(ns, toks)
+    lease = s.pin(ns, toks[:2 * B])
+    assert s.unpin(lease)
+    assert not s.unpin(lease)
+    with pytest.raises(ConfigError):
+        s.pin(ns, toks, lease_s=0)
+
+
+def test_aborted_request_releases_references(make_store, layout, ns):
+    s = make_store()
+    toks = tokens(2 * B)
+    s.store(ns, toks, make_blocks(layout, 2))
+    with pytest.raises(RuntimeError):
+        with s.request() as rid:
+            s.lookup(ns, toks, request_id=rid)
+            assert all(s.state_of(k) is BlockState.ACTIVE for k in s.keys_for(ns, toks))
+            raise RuntimeError("engine aborted the request")
+    assert all(s.state_of(k) is BlockState.EVICTABLE for k in s.keys_for(ns, toks))
+    assert s.stats()["aborted_requests"] == 1
+    s.check_invariants(quiescent=True)
+
+
+def test_probe_does_not_reference_or_touch(make_store, layout, ns):
+    s = make_store(hbm=2, host=0, nvme=0)
+    a = tokens(B)
+    s.store(ns, a, make_blocks(layout, 1))
+    s.store(ns, tokens(B, start=50), make_blocks(layout, 1))
+    for _ in range(5):
+        assert s.probe(ns, a) == B
+        assert s.exists(s.keys_for(ns, a)) == 1
+    assert s.stats()["lookups"] == 0 if "lookups" in s.stats() else True
+    s.store(ns, tokens(B, start=99), make_blocks(layout, 1))  # evicts the LRU block: a
+    assert s.probe(ns, a) == 0
+
+
+def test_demotion_and_promotion(make_store, layout, ns):
+    s = make_store(hbm=1, host=1, nvme=8, promotion="top")
+    toks = tokens(B)
+    s.store(ns, toks, make_blocks(layout, 1))
+    k = s.keys_for(ns, toks)[0]
+    assert s.evict(Tier.HBM, 1) == 1
+    assert s.tiers_of(k) == [Tier.HOST]
+    assert s.evict(Tier.HOST, 1) == 1
+    assert s.tiers_of(k) == [Tier.NVME]
+    st, out = s.load(s.lookup(ns, toks))
+    assert st == [Status.OK] and torch.equal(out[0], make_blocks(layout, 1)[0])
+    assert s.tiers_of(k) == [Tier.HBM, Tier.NVME]  # promoted, NVMe copy kept
+    before = s.stats().get("nvme_write_bytes", 0)
+    s.evict(Tier.HBM, 1)  # has a lower copy: nothing is rewritten to flash
+    assert s.stats().get("nvme_write_bytes", 0) == before
+    s.check_invariants(quiescent=True)
+
+
+def test_invalidate_namespace_defers_in_use_blocks(make_store, layout, ns):
+    s = make_store()
+    toks = tokens(2 * B)
+    s.store(ns, toks, make_blocks(layout, 2))
+    used = s.stats()["bytes_per_tier"]
+    with s.request() as rid:
+        s.lookup(ns, toks, request_id=rid)
+        assert s.invalidate(ns) == 2
+        assert s.lookup(ns, toks).matched_blocks == 0
+        assert s.bytes_per_tier() == used  # still held by the request
+        s.check_invariants(quiescent=True)
+    assert sum(s.bytes_per_tier().values()) == 0
+    s.check_invariants(quiescent=True)
+
+
+def test_token_verification_catches_collision(make_store, layout, ns):
+    s = make_store(verify_tokens=True)
+    toks = tokens(B)
+    s.store(ns, toks, make_blocks(layout, 1))
+    key = s.keys_for(ns, toks)
+    r = s._index.lookup(key, [tokens(B, start=7)])  # same key, different tokens: a forged collision
+    assert r.matched_blocks == 0 and s.stats()["verify_mismatch"] == 1
+    assert s.lookup(ns, toks).matched_blocks == 1
+
+
+def test_corrupt_nvme_block_is_a_miss_not_wrong_kv(make_store, layout, ns):
+    s = make_store(hbm=0, host=0, nvme=4)
+    toks = tokens(B)
+    s.store(ns, toks, make_blocks(layout, 1))
+    key = s.keys_for(ns, toks)[0]
+    _, off = s.nvme.locate(key)
+    s.nvme.engine.raw()[off + 5] ^= 0x01
+    st, out = s.load(s.lookup(ns, toks))
+    assert st == [Status.IO_ERROR] and out == [None]
+    assert s.lookup(ns, toks).matched_blocks == 0  # never served again
+    assert s.stats()["io_errors"] == 1
+    s.check_invariants(quiescent=True)
+
+
+def test_a_failed_block_is_counted_only_in_its_leading_run(make_store, layout, ns):
+    """Issue 19 item 3: metrics count the blocks the engine uses (the leading OK run)."""
+    s = make_store(hbm=0, host=0, nvme=16)
+    toks = tokens(8 * B)
+    s.store(ns, toks, make_blocks(layout, 8))
+    keys = s.keys_for(ns, toks)
+    _, off = s.nvme.locate(keys[4])
+    s.nvme.engine.raw()[off + 7] ^= 0x10
+    st, _ = s.load(keys)
+    assert st == [Status.OK] * 4 + [Status.IO_ERROR] + [Status.OK] * 3
+    snap = s.stats()
+    assert snap["loaded_blocks"] == 4 and snap["reused_tokens"] == 4 * B
+
+
+def test_concurrent_cold_loads_share_one_read(layout, ns, clock):
+    """Delay hits: four loads of one cold NVMe block while its read is in flight
+    read it once; the others find it promoted."""
+    slow = SlowEngine.make(64 << 20)
+    s = KVStore(layout, hbm_bytes=0, host_bytes=4 * layout.bytes_per_block, nvme=memory_segment_store(layout, 8, slow),
+                clock=clock, promotion="top")
+    try:
+        toks = tokens(B)
+        s.store(ns, toks, make_blocks(layout, 1))
+        s.evict(Tier.HOST, 1)
+        key = s.keys_for(ns, toks)
+        reads_before = s.nvme.stats()["get_hits"]
+        slow.slow_reads = True
+        results = []
+        ths = [threading.Thread(target=lambda: results.append(s.load(key))) for _ in range(4)]
+        for t in ths:
+            t.start()
+        assert slow.read_started.wait(10)
+        time.sleep(0.3)
+        slow.release.set()
+        for t in ths:
+            t.join(30)
+        assert all(r[0] == [Status.OK] for r in results)
+        assert all(torch.equal(r[1][0], make_blocks(layout, 1)[0]) for r in results)
+        assert s.nvme.stats()["get_hits"] - reads_before == 1
+        assert s.stats()["merged_loads"] == 3
+        s.check_invariants(quiescent=True)
+    finally:
+        slow.release.set()
+        s.close()
+
+
+def test_useful_hits_follow_cost_model(make_store, layout, ns):
+    s = make_store(hbm=0, host=0, nvme=8)
+    s.cost_model.prefill_tokens_per_s = 1e12  # recompute is nearly free
+    toks = tokens(2 * B)
+    s.store(ns, toks, make_blocks(layout, 2))
+    hit = s.lookup(ns, toks)
+    assert hit.matched_blocks == 2 and hit.useful_blocks == 0
+    s.cost_model.prefill_tokens_per_s = 10.0  # recompute is slow
+    assert s.lookup(ns, toks).useful_blocks == 2
+
+
+def test_nvme_region_eviction_frees_whole_segments(layout, ns, clock):
+    """The region manager evicts whole segments and the index hears of every
+    block that left: index and NVMe tier always agree."""
+    from tierstore.io import SegmentStorage
+    bb = layout.bytes_per_block
+    nv = SegmentStorage(None, capacity_bytes=8 * 64 * 1024, block_bytes=bb, segment_size_bytes=64 * 1024,
+                        engine="memory", extent_size_bytes=64 * 1024, owns_engine=True)
+    s = KVStore(layout, hbm_bytes=0, host_bytes=0, nvme=nv, clock=clock)
+    try:
+        for i in range(40):
+            toks = tokens(4 * B, start=1000 * i)
+            assert s.store(ns, toks, make_blocks(layout, 4, seed=i)) == [Status.OK] * 4
+        st = nv.stats()
+        assert st["dead_blocks"] == 0 and st["regions_evicted"] > 0
+        assert s.bytes_per_tier()["nvme"] == st["blocks"] * bb
+        hit = s.lookup(ns, tokens(4 * B, start=1000 * 39))
+        assert hit.matched_blocks == 4
+        assert s.lookup(ns, tokens(4 * B)).matched_blocks == 0  # the oldest region went first
+        s.check_invariants(quiescent=True)
+    finally:
+        s.close()
+
+
+# ----------------------------------------------------------------------------- concurrency
+def test_lookups_proceed_while_a_demotion_writes_to_a_slow_nvme(layout, ns, clock):
+    """The index lock is never held across I/O: a store whose demotion is stuck
+    in an NVMe write does not stop lookups (of other blocks) or loads from memory."""
+    slow = SlowEngine.make(64 << 20)
+    bb = layout.bytes_per_block
+    s = KVStore(layout, hbm_bytes=0, host_bytes=4 * bb, nvme=memory_segment_store(layout, 32, slow), clock=clock)
+    try:
+        hot = tokens(2 * B, start=50_000)
+        s.store(ns, hot, make_blocks(layout, 2, seed=9))
+        s.store(ns, tokens(2 * B), make_blocks(layout, 2))  # host now full
+        assert s.lookup(ns, hot).matched_blocks == 2  # hot is the most recently used: not a victim
+        slow.slow_writes = True
+        fut = s.store(ns, tokens(2 * B, start=7000), make_blocks(layout, 2, seed=3), wait=False)
+        assert slow.write_started.wait(10)  # the demotion of two victims is writing
+        t0 = time.perf_counter()
+        for _ in range(200):
+            assert s.lookup(ns, hot).matched_blocks == 2
+        st, out = s.load(s.lookup(ns, hot))
+        elapsed = time.perf_counter() - t0
+        assert leading_ok(st) == 2 and torch.equal(out[0], make_blocks(layout, 2, seed=9)[0])
+        assert not fut.done() and elapsed < 5
+        slow.release.set()
+        assert fut.result(30) == [Status.OK, Status.OK]
+        s.check_invariants(quiescent=True)
+    finally:
+        slow.release.set()
+        s.close()
+
+
+def test_load_deadline_turns_a_slow_read_into_a_miss_then_completes_harmlessly(layout, ns, clock):
+    """Seed failure injection 7: an SSD load slowed past its deadline is a MISS
+    (the engine recomputes); the late read then lands without touching the
+    engine's buffer, nothing is freed twice, and a later load succeeds."""
+    slow = SlowEngine.make(64 << 20)
+    bb = layout.bytes_per_block
+    s = KVStore(layout, hbm_bytes=0, host_bytes=2 * bb, nvme=memory_segment_store(layout, 16, slow), clock=clock)
+    try:
+        toks = tokens(2 * B)
+        blocks = make_blocks(layout, 2)
+        s.store(ns, toks, blocks)
+        s.evict(Tier.HOST, 2)
+        keys = s.keys_for(ns, toks)
+        slow.slow_reads = True
+        dest = torch.zeros((2, *layout.block_shape), dtype=layout.dtype)
+        st, out = s.load(keys, list(dest.unbind(0)), timeout_s=0.3)
+        assert st == [Status.MISS, Status.MISS] and out == [None, None]
+        assert s.stats()["load_timeouts"] == 1
+        slow.release.set()
+        s.drain()  # the late read completes in the background
+        assert not dest.any(), "a load past its deadline wrote into the engine's buffer"
+        st, out = s.load(keys)
+        assert leading_ok(st) == 2 and all(torch.equal(a, b) for a, b in zip(out, blocks))
+        s.check_invariants(quiescent=True)
+    finally:
+        slow.release.set()
+        s.close()
+
+
+def test_load_deadline_from_memory_delivers_in_time(make_store, layout, ns):
+    s = make_store(hbm=0, host=4, nvme=0)
+    toks = tokens(2 * B)
+    s.store(ns, toks, make_blocks(layout, 2))
+    st, out = s.load(s.keys_for(ns, toks), timeout_s=30)
+    assert st == [Status.OK, Status.OK]
+    with pytest.raises(ConfigError):
+        s.load(s.keys_for(ns, toks), timeout_s=0)
+
+
+# ----------------------------------------------------------------------------- two-phase contract
+def _index(**kw) -> BlockIndex:
+    return BlockIndex(IndexConfig(block_bytes=4096, tokens_per_block=16, **kw))
+
+
+def _k(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_abandoned_prepare_store_leaks_nothing():
+    ix = _index(hbm_blocks=2, host_blocks=2)
+    ns = bytes(32)
+    done = ix.prepare_store(ns, [_k(1), _k(2)])
+    ix.complete_store(done)
+    plan = ix.prepare_store(ns, [_k(3), _k(4), _k(5)])  # evicts: victims are held
+    assert ix.in_flight() == 1
+    assert ix.probe([_k(3)]) == 0  # not visible before completion
+    ix.abort_store(plan)
+    ix.check_invariants(quiescent=True)
+    assert ix.probe([_k(1), _k(2)]) == 2 and ix.probe([_k(3)]) == 0
+    with pytest.raises(InvariantError):
+        ix.complete_store(plan)
+
+
+def test_failed_complete_store_keeps_victims_and_forgets_new_blocks():
+    ix = _index(hbm_blocks=1, host_blocks=1)
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1), _k(2)]))
+    plan = ix.prepare_store(ns, [_k(3)])
+    assert plan.copies or plan.frees  # a victim was chosen
+    st = ix.complete_store(plan, failed=True)
+    assert st == [Status.IO_ERROR]
+    assert ix.probe([_k(1), _k(2)]) == 2 and ix.probe([_k(3)]) == 0
+    ix.check_invariants(quiescent=True)
+
+
+def test_nvme_write_failure_refuses_the_rest_of_the_chain():
+    ix = _index(nvme=True)
+    plan = ix.prepare_store(bytes(32), [_k(1), _k(2), _k(3)])
+    assert [i for i, _ in plan.nvme_new] == [0, 1, 2]
+    st = ix.complete_store(plan, {0: Status.OK, 1: Status.NO_SPACE, 2: Status.OK})
+    assert st == [Status.OK, Status.NO_SPACE, Status.NO_SPACE]
+    assert ix.probe([_k(1), _k(2), _k(3)]) == 1
+    ix.check_invariants(quiescent=True)
+
+
+def test_load_completing_after_its_lease_expired_is_harmless():
+    now = [0.0]
+    ix = _index(host_blocks=2, clock=lambda: now[0])
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1)]))
+    ix.pin(ns, [_k(1)], lease_s=1.0)
+    plan = ix.prepare_load([_k(1)])
+    now[0] = 5.0  # the lease expired while the bytes moved
+    assert ix.complete_load(plan, [Status.OK]) is None
+    assert ix.state_of(_k(1)) is BlockState.EVICTABLE
+    ix.check_invariants(quiescent=True)
+
+
+def test_invalidate_while_a_store_is_in_flight_discards_it():
+    ix = _index(host_blocks=4)
+    ns = bytes(32)
+    plan = ix.prepare_store(ns, [_k(1), _k(2)])
+    t = threading.Thread(target=lambda: ix.invalidate(ns))
+    t.start()
+    time.sleep(0.1)
+    assert t.is_alive()  # waits for the store, so a durable record can follow it
+    ix.complete_store(plan)
+    t.join(10)
+    assert not t.is_alive() and ix.probe([_k(1)]) == 0
+    ix.check_invariants(quiescent=True)

@@ -1,0 +1,334 @@
+"""The one way to assemble a store: :func:`build_store`.
+
+Every entry point -- ``KVStore(...)``, ``KVStore.from_config``, the daemon, the
+trace replay, the benchmark CLI, the engine connectors -- validates its input
+into a :class:`~tierstore.config.StoreConfig` and calls :func:`assemble`, which
+wires, from the typed parts:
+
+* the memory tiers (:class:`~tierstore.tiers.memory.BlockPool`: HBM on CUDA when
+  present, else a CPU stand-in; host memory pinned when CUDA is present);
+* the NVMe tier (:class:`~tierstore.io.segments.SegmentStorage`) on the device
+  the config names (``tiers.nvme.device``):
+
+  - ``file``: a file or block device through the ``posix``/``uring`` engine,
+    optionally watched by the FTL model (``model:``) so a run reports WAF --
+    of a *model*, not of the disk below;
+  - ``sim``: the simulated FDP SSD (:class:`~tierstore.fdp.simdevice.SimFdpDevice`
+    over an :class:`~tierstore.fdp.ftl.FTLModel`), data in memory, in a file,
+    or nowhere (``engine: null``);
+  - ``fdp``: a real FDP namespace ``/dev/ngXnY`` (passthrough writes, nvme-cli
+    discovery). **Not verified on hardware.**
+
+  Its segment size is the device's reclaim-unit size where there is one, else
+  chosen from the capacity (:func:`~tierstore.io.segments.choose_segment_size`);
+* the placement (:class:`~tierstore.fdp.placement.PlacementPolicy` from the
+  device's RUH Status; ``fdp.enabled: false`` gives no placement);
+* the block index (:class:`~tierstore.index.BlockIndex`) and its policies, the
+  region listener (the index hears what NVMe evicts), and the recovered blocks;
+* the mover (:class:`~tierstore.mover.Mover`);
+* the shared remote tier, when the config has a ``remote`` section
+  (:class:`~tierstore.remote.mooncake.MooncakeTier` on Mooncake Store, with its
+  sharing admission rule; needs the ``tierstore[cluster]`` extra).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
+from .errors import ConfigError
+from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateShim, placement_policy
+from .fdp.ftl import FTLModel
+from .fdp.lifetime import LifetimeClass
+from .fdp.placement import PlacementPolicy
+from .fdp.simdevice import SimFdpDevice
+from .index import BlockIndex, IndexConfig, Tier
+from .io.engine import IOEngine
+from .io.factory import open_engine
+from .io.null import NullEngine
+from .io.segments import SegmentStorage, choose_segment_size
+from .layout import KVLayout
+from .mover import Mover
+from .policies.admission import make_admission
+from .policies.cost import CostModel
+from .policies.lifetime import make_classifier
+from .policies.reinsert import make_reinsert
+from .tiers.memory import BlockPool, cuda_available
+from .tiers.storage import BlockStorage
+
+__all__ = ["StoreParts", "assemble", "build_store"]
+
+
+@dataclasses.dataclass
+class StoreParts:
+    """What :func:`assemble` wired (owned by the :class:`~tierstore.api.KVStore`)."""
+
+    layout: KVLayout
+    config: StoreConfig
+    index: BlockIndex
+    mover: Mover
+    pools: dict
+    nvme: BlockStorage | None
+    placement: PlacementPolicy
+    ftl: FTLModel | None = None
+    device: Any = None
+    shim: RuhUpdateShim | None = None
+    geometry: dict = dataclasses.field(default_factory=dict)
+    remote: Any = None
+    share: Any = None
+
+
+def _default_ru(device_bytes: int, page_bytes: int) -> int:
+    """``device / 60`` (a 16 GiB RU on a ~960 GiB SSD), whole MiB (or pages below 4 MiB)."""
+    ru = device_bytes // 60
+    unit = 1 << 20 if ru >= 4 << 20 else page_bytes
+    return max(page_bytes, ru // unit * unit)
+
+
+def _file_path(path: str) -> str:
+    return os.path.join(path, "tierstore.nvme") if os.path.isdir(path) else path
+
+
+def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
+    f = nv.fdp
+    pids = (f.long_pid, f.medium_pid, f.short_pid)
+    if all(p is None for p in pids):
+        return None
+    if any(p is None for p in pids):
+        raise ConfigError("fdp: give all of long_pid, medium_pid, short_pid, or none (then the device's "
+                          "RUH Status decides)")
+    return PlacementPolicy(class_pid={LifetimeClass.LONG: f.long_pid, LifetimeClass.MEDIUM: f.medium_pid,
+                                      LifetimeClass.SHORT: f.short_pid},
+                           default_pid=f.default_pid or 0, rgif=0)
+
+
+def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngine, int, int, Any, Any]:
+    """Engine, tier bytes, segment bytes, the device model (or None) and its stats source."""
+    if nv.device == "fdp":
+        return _open_real_device(nv, block_bytes, geo)
+    if nv.device == "sim":
+        m = nv.model or SimDeviceConfig()
+        pb = m.page_bytes
+        dev = m.device_bytes
+        if dev is None:
+            dev = int(nv.capacity_bytes / m.utilization)
+        ru = m.ru_size_bytes or nv.segment_size_bytes or _default_ru(dev, pb)
+        if ru % pb or ru % 4096:
+            raise ConfigError(f"ru_size_bytes={ru}: must be a multiple of page_bytes={pb} and 4096")
+        dev = dev // ru * ru
+        n_ru = (nv.capacity_bytes // ru) if nv.capacity_bytes is not None else int(m.utilization * dev + 1e-6) // ru
+        tier = n_ru * ru
+        if tier > dev or n_ru < 2:
+            raise ConfigError(f"NVMe tier of {n_ru} RUs of {ru} bytes does not fit a {dev}-byte device "
+                              "(need >= 2 RUs: one open segment and the GC reserve); use smaller RUs")
+        ftl = FTLModel(dev, ru, m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc, page_bytes=pb)
+        device = SimFdpDevice(ftl)
+        kind = "memory" if nv.engine == "auto" else nv.engine
+        if kind == "null":
+            engine: IOEngine = NullEngine(dev)
+        else:
+            if kind not in ("memory",) and nv.path is None:
+                raise ConfigError(f"device: sim with engine: {kind} needs a path")
+            engine = open_engine(kind, None if kind == "memory" else _file_path(nv.path), dev, iodepth=nv.iodepth)
+        geo.update(device_bytes=dev, ru_size_bytes=ru, segment_size_bytes=ru, nvme_bytes=tier,
+                   utilization=tier / dev, op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation,
+                   gc=m.gc, page_bytes=pb,
+                   description=f"sim (FTL model, {kind} engine): {dev} B user capacity, RU {ru} B, "
+                               f"OP {m.op_fraction}, {m.num_ruh} RUHs, {m.isolation} isolation, {m.gc} GC; "
+                               "a simulation, not an SSD")
+        return engine, tier, ru, ftl, device
+    # device == "file"
+    kind = nv.engine  # "auto": io_uring where this process can use it, else posix (io.factory)
+    seg = choose_segment_size(nv.capacity_bytes, block_bytes, nv.segment_size_bytes)
+    tier = nv.capacity_bytes // seg * seg
+    path = _file_path(nv.path)
+    _warn_if_sparse_overcommit(path, tier, geo)
+    engine = open_engine(kind, path, tier, iodepth=nv.iodepth)
+    geo.update(device_bytes=tier, ru_size_bytes=seg, segment_size_bytes=seg, nvme_bytes=tier, utilization=1.0,
+               description=f"file ({kind} engine) {path}")
+    ftl = device = None
+    if nv.model is not None:
+        m = nv.model
+        try:
+            ftl = FTLModel(tier, seg, m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
+                           page_bytes=m.page_bytes)
+        except ConfigError as exc:
+            geo["description"] += f"; no FTL model ({exc})"
+        else:
+            device = SimFdpDevice(ftl)
+            geo.update(op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
+                       page_bytes=m.page_bytes)
+            geo["description"] += (f"; WAF from an FTL model observing the engine (a model, not this file "
+                                   f"system's device): RU = segment = {seg} B, OP {m.op_fraction}")
+    return engine, tier, seg, ftl, device
+
+
+def _warn_if_sparse_overcommit(path: str, tier_bytes: int, geo: dict) -> None:
+    """A sparse file accepts any size; say so when the tier exceeds the free space."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize + (os.path.getsize(path) if os.path.exists(path) else 0)
+    except OSError:
+        return
+    if tier_bytes > free:
+        import logging
+        msg = (f"NVMe tier of {tier_bytes} bytes is larger than the {free} bytes free on the file system of "
+               f"{path}: writes will fail with no space once it fills")
+        logging.getLogger("tierstore").warning(msg)
+        geo["warning"] = msg
+
+
+def _open_real_device(nv: NvmeTierConfig, block_bytes: int, geo: dict):
+    """``device: fdp``: discovery via nvme-cli, placement via passthrough. Not verified on hardware."""
+    from .fdp.nvme_cli import FdpDeviceStats, NvmeCli
+    path = nv.path
+    if not os.path.basename(path).startswith("ng"):
+        raise ConfigError(f"device: fdp needs path=/dev/ngXnY (got {path!r})")
+    ctrl = path.rsplit("n", 1)[0].replace("/ng", "/nvme")
+    cli = NvmeCli()
+    info = cli.discover(ctrl, path, 1)
+    if nv.fdp.enabled and not info.fdp_enabled:
+        raise ConfigError(f"{ctrl}: FDP not enabled (supported={info.fdp_supported}); "
+                          "enable it with NvmeCli.enable_fdp_args or set fdp.enabled: false")
+    ru = nv.segment_size_bytes or (info.config.runs_bytes if info.config is not None else None)
+    if ru is None:
+        raise ConfigError("device: fdp without FDP needs segment_size_bytes")
+    tier = nv.capacity_bytes // ru * ru
+    engine = PassthroughEngine(path, tier, 1)
+    geo.update(device_bytes=tier, ru_size_bytes=ru, segment_size_bytes=ru, nvme_bytes=tier, utilization=1.0,
+               description=f"{path} (real FDP namespace via passthrough; {NOT_VERIFIED_ON_HARDWARE})",
+               discovery=info)
+    return engine, tier, ru, None, FdpDeviceStats(ctrl, 1, cli)
+
+
+def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] | None = None,
+             classify: Callable | None = None, admit: Callable | None = None,
+             reinsert: Callable | None = None, cost: CostModel | None = None,
+             nvme: BlockStorage | None = None) -> StoreParts:
+    """Wire a store from its typed config (module doc).
+
+    Parameters
+    ----------
+    cfg : StoreConfig
+    layout : KVLayout
+    clock, classify, admit, reinsert, cost :
+        Run-time objects that a YAML file cannot carry (a trace clock, a
+        custom classifier or admission, a calibrated cost model); each
+        overrides its config name.
+    nvme : BlockStorage, optional
+        A ready NVMe backend (tests), instead of ``cfg.tiers.nvme``.
+
+    Raises
+    ------
+    ConfigError
+        Inconsistent sizes or choices.
+    OSError
+        A file or device cannot be opened.
+    """
+    bb = layout.bytes_per_block
+    t, p = cfg.tiers, cfg.policies
+    geo: dict = {}
+    pools: dict[Tier, BlockPool] = {}
+    dev = t.hbm.device
+    if dev == "cuda" and not cuda_available():
+        raise ConfigError("device='cuda' but CUDA is not available (torch.cuda.is_available() is "
+                          "False); use device='auto' to fall back to host memory")
+    hbm_dev = ("cuda" if cuda_available() else "cpu") if dev == "auto" else dev
+    nh, nc = t.hbm.capacity_bytes // bb, t.host.capacity_bytes // bb
+    if nh:
+        pools[Tier.HBM] = BlockPool("hbm", nh, bb, hbm_dev)
+    if nc:
+        pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu", pin_memory=cuda_available())
+    placement = PlacementPolicy.disabled()
+    ftl = device = shim = None
+    nv = t.nvme
+    if nvme is None and nv is not None:
+        engine, tier, seg, ftl, device = _open_nvme(nv, bb, geo)
+        try:
+            if nv.fdp.enabled:
+                explicit = _explicit_placement(nv)
+                if explicit is not None:
+                    placement = explicit
+                elif isinstance(device, SimFdpDevice):
+                    placement = placement_policy(device.ruh_status(), device.configs().configs[0].rgif, nv.fdp.plids)
+                elif "discovery" in geo:
+                    info = geo.pop("discovery")
+                    placement = placement_policy(info.ruh_status, info.config.rgif, nv.fdp.plids)
+                else:
+                    raise ConfigError("fdp.enabled needs an FDP device: device: sim, device: fdp, a file with "
+                                      "model: {...}, or explicit long_pid/medium_pid/short_pid")
+            ruh_update = nv.fdp.ruh_update_on_segment_open
+            if ruh_update is None:
+                ruh_update = nv.fdp.enabled
+            if isinstance(device, SimFdpDevice):
+                if ruh_update:
+                    shim = RuhUpdateShim(device, seg)
+                    engine.add_observer(shim)
+                else:
+                    engine.add_observer(device)
+            geo.pop("discovery", None)
+            nvme = SegmentStorage(nv.path if nv.device == "file" else None, tier, bb, segment_size_bytes=seg,
+                                  engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
+                                  region_policy=nv.region_policy,
+                                  invalidation_log=(_file_path(nv.path) + ".invalidations")
+                                  if nv.device == "file" or (nv.device == "sim" and nv.path) else False)
+        except BaseException:
+            engine.close()
+            raise
+    geo.setdefault("description", "memory only" if nvme is None else "NVMe backend given by the caller")
+    admit = admit if admit is not None else make_admission(p.admission)
+    icfg = IndexConfig(
+        block_bytes=bb, tokens_per_block=layout.tokens_per_block, hbm_blocks=nh, host_blocks=nc,
+        nvme=nvme is not None, nvme_blocks=nvme.capacity_blocks() if nvme is not None else 0,
+        promotion=p.promotion, eviction=p.eviction, evict_batch_blocks=p.evict_batch_blocks,
+        write_policy=p.write_policy, verify_tokens=p.verify_tokens, pin_quota_bytes=p.pin_quota_bytes,
+        default_lease_s=p.default_lease_s, admit_to_nvme=admit,
+        classify=classify if classify is not None else make_classifier(p.classifier),
+        reinsert=reinsert if reinsert is not None else make_reinsert(p.reinsert),
+        cost=cost if cost is not None else CostModel())
+    if clock is not None:
+        icfg.clock = clock
+    index = BlockIndex(icfg)
+    if nvme is not None:
+        if nvme.block_bytes != bb:
+            raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
+        if hasattr(nvme, "set_listener"):
+            nvme.set_listener(index)
+        if hasattr(nvme, "scan"):
+            keys, nss, _ = nvme.scan()
+        else:
+            ent = nvme.entries()
+            keys, nss = list(ent), [v[0] for v in ent.values()]
+        index.adopt_nvme(keys, nss)
+    remote = share = None
+    if cfg.remote is not None:
+        remote, share = _open_remote(cfg, bb, index)
+    mover = Mover(pools, nvme, placement.placement_for if placement.enabled else None, remote)
+    return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)
+
+
+def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):
+    """The shared remote tier (:mod:`tierstore.remote`; needs ``tierstore[cluster]``)."""
+    from .remote.admission import ShareAdmission
+    from .remote.mooncake import MooncakeSettings, MooncakeTier
+    r = cfg.remote
+    doc = r.model_dump(exclude={"engine", "admission"})
+    secret = doc.pop("name_secret")
+    settings = MooncakeSettings.from_mapping(doc, name_secret=None if secret is None else secret.encode())
+    return MooncakeTier(settings, block_bytes), ShareAdmission(mode=r.admission)
+
+
+def build_store(config: StoreConfig | dict, layout: KVLayout | None = None, **runtime):
+    """Open a :class:`~tierstore.api.KVStore` from a typed config (or a dict to validate).
+
+    ``runtime`` takes the run-time objects of :func:`assemble`.
+
+    Raises
+    ------
+    ConfigError
+        Invalid configuration, or no layout given either way.
+    """
+    from .api import KVStore
+    return KVStore.from_config(config, layout, **runtime)

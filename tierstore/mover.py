@@ -1,0 +1,295 @@
+"""The mover: executes the block index's plans; it decides nothing.
+
+The index (:mod:`tierstore.index`) says *what* goes *where*; the mover copies
+the bytes, without the index lock (vLLM's offloading handlers, SGLang's
+``HiCacheController``):
+
+* memory copies between an engine's buffers (fragment plans,
+  :mod:`tierstore.io.pages`) and tier slots, and between tiers: one copy each
+  (a block is gathered straight from the engine's pages into its slot, or into
+  the NVMe staging extent, and scattered straight back);
+* NVMe writes in **one batched put** per plan (new blocks and demoted victims
+  together, each tagged with the placement of the lifetime class the index
+  chose), and NVMe reads through the segment store's single read path (used
+  by loads and prefetch alike);
+* the order a plan needs: victims are written to NVMe before their slots are
+  reused, and copied down into memory before new bytes land in theirs.
+
+Asynchrony is the caller's (:class:`tierstore.api.KVStore` runs plans on its
+load and store executors, so reads never queue behind writes); every method
+here is synchronous and thread-safe as long as the plans it is given are
+disjoint, which the index guarantees.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import Status
+from .fdp.lifetime import LifetimeClass
+from .index import LoadPlan, PromotePlan, StorePlan, Tier
+from .io.pages import FragmentPlan
+from .tiers.memory import BlockPool
+from .tiers.storage import BlockStorage
+
+
+class LoadGate:
+    """Makes "copy into the engine's buffer" and "give up at the deadline" exclusive.
+
+    A load with a deadline hands this gate to every copy into its
+    destinations. :meth:`close` (at the deadline) waits for a copy in progress
+    and stops later ones; the late I/O then completes into nothing, and the
+    caller reports those blocks as misses, so the engine recomputes them while
+    its buffers are never written behind its back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.closed = False
+        self.delivered: set[int] = set()
+
+    @contextlib.contextmanager
+    def enter(self, indices: Sequence[int]):
+        """Context manager yielding ``True`` if the copy of ``indices`` may proceed."""
+        with self._lock:
+            if self.closed:
+                yield False
+                return
+            yield True
+            self.delivered.update(indices)
+
+    def close(self) -> set[int]:
+        """Stop further copies; return the indices delivered so far."""
+        with self._lock:
+            self.closed = True
+            return set(self.delivered)
+
+
+class Mover:
+    """Bytes between engine memory, the memory tiers and the NVMe tier.
+
+    Parameters
+    ----------
+    pools : dict of Tier to BlockPool
+        Memory of the enabled memory tiers (slot ``s`` is ``pools[t].view(s)``).
+    nvme : BlockStorage or None
+        The NVMe tier (a :class:`~tierstore.io.segments.SegmentStorage`).
+    placement_of : callable or None
+        ``f(LifetimeClass) -> int | None``: the placement tag (an FDP PID) of a
+        lifetime class; only the FDP layer knows this table.
+    remote : MooncakeTier or None
+        The shared remote tier (:mod:`tierstore.remote`).
+    """
+
+    def __init__(self, pools: dict[Tier, BlockPool], nvme: BlockStorage | None,
+                 placement_of: Callable[[LifetimeClass | None], int | None] | None = None,
+                 remote=None) -> None:
+        self.pools = pools
+        self.nvme = nvme
+        self.placement_of = placement_of
+        self.remote = remote
+
+    def view(self, tier: Tier, slot: int) -> torch.Tensor:
+        """A memory slot's bytes (1-D ``uint8``)."""
+        return self.pools[tier].view(slot)
+
+    def _pid(self, cls: LifetimeClass | None) -> int | None:
+        return self.placement_of(cls) if self.placement_of is not None else None
+
+    # ------------------------------------------------------------------ store
+    def run_store(self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
+                  ) -> tuple[dict[int, Status], dict[int, Status]]:
+        """Execute a store plan.
+
+        Parameters
+        ----------
+        plan : StorePlan
+        sources : sequence of FragmentPlan or None
+            Per key of the plan, the bytes to store (``None`` for keys the plan
+            does not write).
+
+        Returns
+        -------
+        nvme_statuses : dict
+            ``i -> Status`` for every new block written to NVMe.
+        demote_statuses : dict
+            ``row -> Status`` for every victim written to NVMe.
+        """
+        nvme_st: dict[int, Status] = {}
+        dem_st: dict[int, Status] = {}
+        if (plan.nvme_new or plan.nvme_demote) and self.nvme is not None:
+            keys, frags, pls, nss = [], [], [], []
+            for d in plan.nvme_demote:
+                keys.append(d.key)
+                frags.append([self.view(d.src, d.src_slot)])
+                pls.append(self._pid(d.lifetime))
+                nss.append(d.ns or bytes(32))
+            for i, cls in plan.nvme_new:
+                keys.append(plan.keys[i])
+                frags.append(sources[i])
+                pls.append(self._pid(cls))
+                nss.append(plan.ns or bytes(32))
+            st = self._put(keys, frags, pls, nss)
+            k = len(plan.nvme_demote)
+            for d, s in zip(plan.nvme_demote, st[:k]):
+                dem_st[d.row] = s
+            for (i, _), s in zip(plan.nvme_new, st[k:]):
+                nvme_st[i] = s
+        for d in plan.copies:  # lowest tier first: each destination was freed above
+            self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+        for i, tier, slot in plan.memory:
+            sources[i].gather(self.view(tier, slot), 0)
+        return nvme_st, dem_st
+
+    def _put(self, keys, frags, pls, nss) -> list[Status]:
+        try:
+            return list(self.nvme.put_fragments(keys, frags, pls, nss))
+        except OSError:
+            return [Status.IO_ERROR] * len(keys)
+
+    def run_flush(self, plan: StorePlan) -> dict[int, Status]:
+        """Write a flush plan's memory-only blocks to NVMe."""
+        if not plan.nvme_demote:
+            return {}
+        st = self._put([d.key for d in plan.nvme_demote], [[self.view(d.src, d.src_slot)] for d in plan.nvme_demote],
+                       [self._pid(d.lifetime) for d in plan.nvme_demote], [d.ns or bytes(32) for d in plan.nvme_demote])
+        return {d.row: s for d, s in zip(plan.nvme_demote, st)}
+
+    # ------------------------------------------------------------------ load
+    def run_load(self, plan: LoadPlan, dests: Sequence[FragmentPlan],
+                 gate: LoadGate | None = None) -> tuple[list[Status], float | None]:
+        """Copy each planned source into its destination.
+
+        Returns per-key statuses and the seconds the NVMe part took (``None``
+        without NVMe reads). A destination whose block is not ``OK`` is left
+        untouched.
+        """
+        n = len(plan.keys)
+        st = [Status.MISS] * n
+        nvme_idx: list[int] = []
+        for i, src in enumerate(plan.sources):
+            if src is None:
+                continue
+            tier, slot = src
+            if tier == Tier.NVME:
+                nvme_idx.append(i)
+                continue
+            if gate is None:
+                dests[i].scatter(self.view(tier, slot), 0)
+                st[i] = Status.OK
+                continue
+            with gate.enter([i]) as go:
+                if go:
+                    dests[i].scatter(self.view(tier, slot), 0)
+                    st[i] = Status.OK
+        nvme_s = None
+        if nvme_idx and self.nvme is not None:
+            t0 = time.perf_counter()
+            sub_gate = None
+            if gate is not None:
+                sub_gate = (lambda idx: gate.enter([nvme_idx[j] for j in idx]))
+            try:
+                got = self._get([plan.keys[i] for i in nvme_idx], [dests[i] for i in nvme_idx], sub_gate)
+            except OSError:
+                got = [Status.IO_ERROR] * len(nvme_idx)
+            nvme_s = time.perf_counter() - t0
+            for i, s in zip(nvme_idx, got):
+                st[i] = s
+        return st, nvme_s
+
+    def _get(self, keys, dests, gate) -> list[Status]:
+        fn = getattr(self.nvme, "get_fragments", None)
+        if fn is None:
+            raise TypeError("the NVMe tier has no get_fragments()")
+        if gate is None:
+            return list(fn(keys, dests))
+        return list(fn(keys, dests, gate=gate))
+
+    def run_prefetch(self, plan: PromotePlan) -> list[bool]:
+        """Copy each prefetched block from its source into its reserved slot
+        (NVMe reads through the same read path as loads)."""
+        self._victim_copies(plan)
+        ok = [False] * len(plan.items)
+        nv = []
+        for j, ((i, _r, tier, slot), (st, ss)) in enumerate(zip(plan.items, plan.sources)):
+            if st == Tier.NVME:
+                nv.append(j)
+            else:
+                self.view(tier, slot).copy_(self.view(st, ss))
+                ok[j] = True
+        if nv and self.nvme is not None:
+            try:
+                got = self._get([plan.keys[plan.items[j][0]] for j in nv],
+                                [[self.view(plan.items[j][2], plan.items[j][3])] for j in nv], None)
+            except OSError:
+                got = [Status.IO_ERROR] * len(nv)
+            for j, s in zip(nv, got):
+                ok[j] = s is Status.OK
+        return ok
+
+    def _victim_copies(self, plan: PromotePlan) -> None:
+        """The slots' previous owners move down first (memory to memory only)."""
+        for d in plan.victims.copies:
+            self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+
+    def run_promote(self, plan: PromotePlan, loaded: Sequence[FragmentPlan]) -> list[bool]:
+        """Copy just-loaded blocks (read back from their destinations) into upper slots."""
+        self._victim_copies(plan)
+        out = []
+        for i, _row, tier, slot in plan.items:
+            try:
+                loaded[i].gather(self.view(tier, slot), 0)
+                out.append(True)
+            except (RuntimeError, ValueError):
+                out.append(False)
+        return out
+
+    # ------------------------------------------------------------------ remote
+    def remote_get(self, keys: Sequence[bytes], dests: Sequence[FragmentPlan],
+                   gate: LoadGate | None = None, indices: Sequence[int] | None = None) -> list[Status]:
+        """Fetch blocks from the remote tier into destination plans.
+
+        The remote tier verifies each object (header, key, CRC-32C) into a
+        private buffer; only verified bytes are scattered, under ``gate`` when
+        the load has a deadline (``indices`` are the blocks' positions in it).
+        """
+        bufs = [torch.empty(p.nbytes, dtype=torch.uint8) for p in dests]
+        try:
+            st = list(self.remote.get_into(list(keys), bufs))
+        except OSError:
+            return [Status.IO_ERROR] * len(keys)
+        idx = list(indices) if indices is not None else list(range(len(keys)))
+        for j, (s, p, b) in enumerate(zip(st, dests, bufs)):
+            if s is not Status.OK:
+                continue
+            if gate is None:
+                p.scatter(b, 0)
+                continue
+            with gate.enter([idx[j]]) as go:
+                if go:
+                    p.scatter(b, 0)
+                else:
+                    st[j] = Status.MISS
+        return st
+
+    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan]) -> list[Status]:
+        """Queue blocks for the remote tier (asynchronous; returns at once).
+
+        A source that is one contiguous host tensor goes as is (the tier copies
+        it into its publish queue); other plans are gathered first.
+        """
+        blocks = []
+        for p in sources:
+            frags = p.fragments
+            if p.strided is None and frags is not None and len(frags) == 1 and isinstance(frags[0], torch.Tensor) \
+                    and frags[0].device.type == "cpu" and frags[0].is_contiguous():
+                blocks.append(frags[0])
+            else:
+                b = torch.empty(p.nbytes, dtype=torch.uint8)
+                p.gather(b, 0)
+                blocks.append(b)
+        return list(self.remote.put(list(keys), blocks))

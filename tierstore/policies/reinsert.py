@@ -1,0 +1,68 @@
+"""Reinsertion: which blocks of an NVMe region being evicted are copied forward.
+
+Region eviction frees a whole reclaim unit at a time (CacheLib Navy; FDP wants
+it). Blocks in use or pinned are always kept by the index. A reinsertion
+policy may also keep evictable blocks that are likely to be hit again, paying
+for it in host write amplification (the copy-forward bytes are counted as
+``gc_bytes_written``). Navy's ``HitsReinsertionPolicy``
+(``cachelib/navy/block_cache/HitsReinsertionPolicy.h``) keeps an item whose hit
+count reached a threshold; :class:`HitsReinsertion` is that rule.
+
+A policy is pure: ``f(entry, now_s) -> bool``, it moves nothing.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import EntryInfo
+
+REINSERT_POLICIES = ("none", "hits", "predicted")
+
+
+class HitsReinsertion:
+    """Keep a block that was hit at least ``min_hits`` times.
+
+    Parameters
+    ----------
+    min_hits : int
+        Hits since the block was stored (>= 1).
+    """
+
+    def __init__(self, min_hits: int = 1) -> None:
+        if min_hits < 1:
+            raise ConfigError(f"min_hits={min_hits}: must be >= 1")
+        self.min_hits = int(min_hits)
+
+    def __call__(self, entry: EntryInfo, now_s: float) -> bool:
+        return entry.hits >= self.min_hits
+
+
+class PredictedReinsertion:
+    """Keep a block whose predicted reuse probability is at least ``threshold``
+    (:meth:`tierstore.policies.lifetime.PrefixLifetimePredictor.reuse_probability`)."""
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        from .lifetime import PrefixLifetimePredictor
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"threshold={threshold}: must be in [0, 1]")
+        self.threshold = float(threshold)
+        self._predict = PrefixLifetimePredictor().reuse_probability
+
+    def __call__(self, entry: EntryInfo, now_s: float) -> bool:
+        return self._predict(entry) >= self.threshold
+
+
+def make_reinsert(name: str | None):
+    """A reinsertion policy by name (``"none"``: keep only blocks in use).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name.
+    """
+    if name in (None, "none"):
+        return None
+    if name == "hits":
+        return HitsReinsertion()
+    if name == "predicted":
+        return PredictedReinsertion()
+    raise ConfigError(f"reinsert={name!r}: accepted values are {list(REINSERT_POLICIES)}")
