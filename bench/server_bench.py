@@ -11,10 +11,17 @@ Runs, in one invocation:
 Two client threads each run ``--ops`` puts and then ``--ops`` gets per batch
 size (2, 8, 16 MiB by default), ``--runs`` times. Puts use fresh keys (no
 dedupe shortcut); gets read back the batches just put (host-tier hits).
-Reported: aggregate throughput (GB/s = 1e9 B/s) and per-request p50/p99
-latency, as the median over runs with the min..max spread.
+Each run is a (baseline, tierstore) pair run back to back; odd runs swap the
+order (ABBA, as ``bench/io_bench.py``), so neither side always runs on a
+machine warmed or disturbed by the other. Reported: aggregate throughput
+(GB/s = 1e9 B/s) and per-request p50/p99 latency, as the median over runs with
+the min..max spread.
 
-    python bench/server_bench.py --dir /tmp/tsbench --runs 3
+``--dir`` may be reused: the files this script wrote there before (the
+daemon's config, log, state and NVMe tier, the baseline's port file) are
+removed first, so a stale port or a recovered tier never leaks into a run.
+
+    python bench/server_bench.py --dir /tmp/tsbench --runs 4
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,8 +71,10 @@ def baseline_server(port_file: str) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        with open(port_file, "w") as f:
+        tmp = f"{port_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:  # written whole, then renamed: a reader never sees a partial port
             f.write(str(site._server.sockets[0].getsockname()[1]))
+        os.replace(tmp, port_file)
         await asyncio.Event().wait()
     asyncio.run(main())
 
@@ -217,6 +227,46 @@ def bench_baseline(url: str, sizes_mib: list[int], ops: int, n_clients: int, run
     return out
 
 
+#: What this script writes into ``--dir`` (and removes there before a run).
+WORK_FILES = ("daemon.yaml", "daemon.log", "baseline.port", "state", "nvme")
+
+
+def clean_work_dir(work: str) -> list[str]:
+    """Remove what an earlier run of this script left in ``work``; returns the names removed."""
+    removed = []
+    for name in WORK_FILES:
+        path = os.path.join(work, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def wait_for_port(port_file: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """The port the baseline server wrote (a fresh file: :func:`clean_work_dir` removed any old one).
+
+    Raises
+    ------
+    RuntimeError
+        If the baseline exits or writes nothing within ``timeout_s``.
+    """
+    t_end = time.monotonic() + timeout_s
+    while time.monotonic() < t_end:
+        if os.path.exists(port_file):
+            with open(port_file) as f:
+                text = f.read().strip()
+            if text:
+                return int(text)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the baseline server exited with status {proc.returncode} before listening")
+        time.sleep(0.05)
+    raise RuntimeError(f"the baseline server wrote no port to {port_file} within {timeout_s:.0f} s")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="work directory (NVMe file lives here); default: a temp dir")
@@ -231,32 +281,43 @@ def main(argv=None) -> int:
     sizes = [int(x) for x in args.sizes_mib.split(",")]
     work = args.dir or tempfile.mkdtemp(prefix="tsbench-")
     os.makedirs(work, exist_ok=True)
-    daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
+    removed = clean_work_dir(work)
+    if removed:
+        print(f"{work}: removed {', '.join(removed)} of an earlier run", file=sys.stderr)
     port_file = os.path.join(work, "baseline.port")
-    base = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-                             f"import server_bench; server_bench.baseline_server({port_file!r})"])
+    daemon = base = None
+    order: list[str] = []
     try:
-        for _ in range(200):
-            if os.path.exists(port_file) and open(port_file).read():
-                break
-            time.sleep(0.05)
-        bport = int(open(port_file).read())
+        daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
+        base = subprocess.Popen([sys.executable, "-c",
+                                 f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                                 f"import server_bench; server_bench.baseline_server({port_file!r})"])
+        bport = wait_for_port(port_file, base)
         block_bytes = 2 * MiB
         res = {"tierstore": [], "baseline": []}
-        for r in range(args.runs):  # interleave so machine noise hits both alike
+
+        def run_baseline(r: int) -> None:
             res["baseline"].append(bench_baseline(f"http://127.0.0.1:{bport}", sizes, args.ops, args.clients, r,
                                                   block_bytes))
+
+        def run_tierstore(r: int) -> None:
             res["tierstore"].append(bench_tierstore(f"http://127.0.0.1:{port}", sizes, args.ops, args.clients, r))
+        for r in range(args.runs):  # ABBA: odd runs run tierstore before its baseline
+            pair = (run_tierstore, run_baseline) if r % 2 else (run_baseline, run_tierstore)
+            order.append("tierstore,baseline" if r % 2 else "baseline,tierstore")
+            print(f"run {r + 1}/{args.runs}: {order[-1]}", file=sys.stderr)
+            for step in pair:
+                step(r)
     finally:
-        daemon.terminate()
-        daemon.wait(60)
-        base.terminate()
-        base.wait(10)
+        for proc, wait_s in ((daemon, 60), (base, 10)):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(wait_s)
 
     def med(name, key, idx):
         xs = [run[key][idx] for run in res[name]]
         return statistics.median(xs), min(xs), max(xs)
-    print(f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs; "
+    print(f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs in ABBA order; "
           "median (min..max); GB/s = 1e9 B/s; latency per request\n")
     print("| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / p99 ms |")
     print("|---|---|---|---|---|---|---|")
@@ -273,7 +334,7 @@ def main(argv=None) -> int:
                         "baseline_Bps": [x[(mib, op)][0] for x in res["baseline"]]})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+            json.dump({"order": order, "results": raw}, f, indent=1)
     return 0
 
 

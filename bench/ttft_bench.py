@@ -83,7 +83,7 @@ def make_stores(layout, max_blocks: int, nvme_dir: str, prefill_tok_s: float,
             out[t] = KVStore(layout, host_bytes=cap, device="cpu", **kw)
         else:
             out[t] = KVStore(layout, nvme_path=nvme_dir, nvme_bytes=cap + (64 << 20),
-                             nvme_backend="segment", **kw)
+                             **kw)
     return out
 
 

@@ -20,10 +20,24 @@ Differences from the local store, by design:
 * ``lookup(..., request_id=...)`` takes no server-side references (a crashed
   client must not leak them); :meth:`release` returns 0. Hold blocks with
   :meth:`pin` (a lease that expires on its own).
-* :meth:`load` of raw keys needs their namespace: pass ``ns=`` or keys that
-  came from :meth:`keys_for`/:meth:`lookup` of this client (remembered).
+* Key-level calls (:meth:`load`, :meth:`load_fragments`, :meth:`exists`,
+  :meth:`lookup_keys`) need the keys' namespace: pass ``ns=`` (keyword-only,
+  an addition to :class:`~tierstore.api.KVStore`'s signature) or keys that came
+  from :meth:`keys_for`/:meth:`lookup` of this client (remembered).
+* :meth:`prefetch` brings blocks up into the *daemon's* memory tiers
+  (``tier="host"``); the engine's HBM is not the daemon's to fill.
 * A put is acknowledged (``OK``/``EXISTS``) only once durable on the daemon's
   NVMe tier when the daemon runs with ``puts.durable: true`` (``durable`` attribute).
+* Not offered remotely: ``KVStore.from_config`` (construct with a URL and a
+  token instead). :meth:`stats` returns the daemon's ``/v1/info``; the
+  counters are Prometheus metrics at ``/metrics``.
+
+Everything else has :class:`~tierstore.api.KVStore`'s signature (checked by
+``tests/server/test_client_parity.py``), including ``wait=False`` futures and
+the fragment API: :meth:`store_fragments` gathers each block's fragments into
+the request body, :meth:`load_fragments` scatters the received bytes. Token ids
+passed where keys are expected raise :class:`~tierstore.errors.LayoutError`
+before any request.
 
 The HTTP client is aiohttp, driven from one background event-loop thread, so
 the methods are synchronous and thread-safe.
@@ -32,21 +46,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import json
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import aiohttp
 import numpy as np
 import torch
 
-from .errors import LayoutError, QuotaExceeded, Status, TierStoreError
+from .errors import ConfigError, LayoutError, QuotaExceeded, Status, TierStoreError
 from .identity import DigestCache, Namespace, block_hashes
+from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
-from .manager import Lease, LookupResult, Tier
+from .index import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
 
 _STATUS = {s.value: s for s in Status}
@@ -70,8 +86,54 @@ class ServerBusy(RemoteError):
     """The daemon stayed overloaded or draining (429/503) through every retry."""
 
 
+def _check_keys(keys: Any) -> list[bytes]:
+    """Block keys as a list of 32-byte ``bytes``, checked before any request.
+
+    Raises
+    ------
+    LayoutError
+        For anything else, e.g. token ids passed where keys are expected (they
+        would otherwise become zero-filled keys: a 400 or a 413 from the daemon).
+    """
+    if isinstance(keys, (bytes, bytearray)):
+        raise LayoutError("keys: expected a sequence of 32-byte keys, got one bytes object")
+    if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu":
+        raise LayoutError(f"keys: got an integer array of shape {keys.shape}: token ids? Keys are 32-byte "
+                          "block hashes: use keys_for(ns, token_ids), or the token-id method")
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
+            what = type(k).__name__
+            hint = " (token ids? keys are 32-byte block hashes: use keys_for(ns, token_ids))" \
+                if isinstance(k, (int, np.integer)) else ""
+            raise LayoutError(f"keys[{i}]: expected 32 bytes, got {what}"
+                              f"{f' of length {len(k)}' if hasattr(k, '__len__') else ''}{hint}")
+    return [bytes(k) for k in out]
+
+
+def _check_token_ids(token_ids: Any) -> Any:
+    """Token ids, with keys passed by mistake refused before any request.
+
+    Raises
+    ------
+    LayoutError
+        When the sequence holds ``bytes`` (block keys) instead of integers.
+    """
+    if isinstance(token_ids, (bytes, bytearray)):
+        raise LayoutError("token_ids: got a bytes object; token ids are integers")
+    if not isinstance(token_ids, np.ndarray):
+        try:
+            first = token_ids[0] if len(token_ids) else None
+        except TypeError:
+            raise LayoutError(f"token_ids: expected a sequence of integers, got {type(token_ids).__name__}") from None
+        if isinstance(first, (bytes, bytearray)):
+            raise LayoutError("token_ids: got block keys (bytes); the key-level methods take keys "
+                              "(store_keys, lookup_keys, load, exists)")
+    return token_ids
+
+
 class RemoteLookupResult(LookupResult):
-    """A :class:`~tierstore.manager.LookupResult` that remembers its namespace."""
+    """A :class:`~tierstore.index.LookupResult` that remembers its namespace."""
 
     ns: bytes = b""
 
@@ -115,7 +177,7 @@ class RemoteKVStore:
         self._session: aiohttp.ClientSession | None = None
         self._call(self._open())
         self._key_ns: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
-        self._remember = remember_keys
+        self._remember_max = remember_keys
         self._rids = itertools.count(1)
         try:
             info = self._call(self._request_json("GET", "/v1/info", None))
@@ -125,7 +187,7 @@ class RemoteKVStore:
         lay = info["layout"]
         self.tenant: str = info["tenant"]
         self.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["dtype"],
-                               lay["tokens_per_block"], lay["name"])
+                               lay["tokens_per_block"], lay["name"], lay.get("block_order", "layer_kv"))
         self.block_bytes: int = int(info["block_bytes"])
         self.durable: bool = bool(info["durable"])
         self.max_request_bytes: int = int(info["max_request_bytes"])
@@ -190,12 +252,8 @@ class RemoteKVStore:
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids`` under ``ns`` (remembered for :meth:`load`)."""
         d = self.digest(ns)
-        keys = block_hashes(d, token_ids, self.layout.tokens_per_block)
-        for k in keys:
-            self._key_ns[k] = d
-            self._key_ns.move_to_end(k)
-        while len(self._key_ns) > self._remember:
-            self._key_ns.popitem(last=False)
+        keys = block_hashes(d, _check_token_ids(token_ids), self.layout.tokens_per_block)
+        self._remember(keys, d)
         return keys
 
     # ------------------------------------------------------------------ requests
@@ -212,6 +270,13 @@ class RemoteKVStore:
         """No-op (remote lookups take no references); returns 0."""
         return 0
 
+    # ------------------------------------------------------------------ futures
+    def _future(self, coro, wait: bool):
+        """Run ``coro`` on the client's loop: its result, or with ``wait=False`` a
+        :class:`concurrent.futures.Future` of it (as :class:`~tierstore.api.KVStore`)."""
+        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result() if wait else fut
+
     # ------------------------------------------------------------------ store
     def _raw_blocks(self, kv_blocks) -> list[torch.Tensor]:
         if isinstance(kv_blocks, torch.Tensor) and kv_blocks.dim() > 1 and \
@@ -223,34 +288,74 @@ class RemoteKVStore:
             kv_blocks = [kv_blocks]
         out = []
         for b in kv_blocks:
+            if not isinstance(b, torch.Tensor):  # a fragment list or a FragmentPlan: gather it
+                out.append(self._gather(b))
+                continue
             raw = self.layout.as_bytes(b.cpu() if b.device.type != "cpu" else b)
             if raw.numel() != self.block_bytes:
                 raise LayoutError(f"a block must have {self.block_bytes} bytes, got {raw.numel()}")
             out.append(raw.contiguous())
         return out
 
+    def _plan(self, frags, destination: bool) -> FragmentPlan:
+        """Check one block's fragments against the layout and plan the copy
+        (the checks of :meth:`tierstore.api.KVStore.store_fragments`)."""
+        lay = self.layout
+        if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
+            if frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments):
+                raise LayoutError(f"planned block of {frags.count} fragments, {frags.nbytes} bytes; the layout "
+                                  f"has {lay.num_fragments} fragments, {lay.bytes_per_block} bytes")
+            if frags.dtype not in (None, lay.dtype, torch.uint8):
+                raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
+            return plan_fragments(frags, destination=destination)
+        if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
+            raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
+        if len(frags) != lay.num_fragments:
+            raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
+        plan = plan_fragments(frags, destination=destination)
+        if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
+                or plan.dtype not in (lay.dtype, torch.uint8)):
+            lay.check_fragments(frags)  # names the wrong fragment
+        return plan
+
+    def _gather(self, frags) -> torch.Tensor:
+        plan = self._plan(frags, destination=False)
+        blk = torch.empty(self.block_bytes, dtype=torch.uint8)
+        plan.gather(blk, 0)
+        return blk
+
     def _batches(self, n: int) -> list[tuple[int, int]]:
         per = max(1, min(self.max_keys_per_request,
                          (self.max_request_bytes - 80 * 1024) // max(1, self.block_bytes + 70)))
         return [(i, min(n, i + per)) for i in range(0, n, per)]
 
-    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, first_position: int = 0,
-                   lifetime: str | None = None) -> list[Status]:
-        """Store blocks under explicit client keys (batched into requests under the daemon's size limit).
+    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
+                   first_position: int = 0, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+        """Store blocks under explicit client keys (see :meth:`tierstore.api.KVStore.store_keys`),
+        batched into requests under the daemon's size limit.
+
+        ``blocks`` holds, per key, a typed block, a raw ``uint8`` block, a list of
+        fragments or a :class:`~tierstore.io.pages.FragmentPlan` (gathered here).
 
         Raises
         ------
+        LayoutError
+            Malformed keys (token ids included) or blocks, before any request.
         QuotaExceeded
             The tenant's byte quota is exhausted (retry after invalidating).
         """
+        keys = _check_keys(keys)
         d = self.digest(ns)
         raw = self._raw_blocks(blocks)
         if len(raw) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(raw)} blocks")
-        out: list[Status] = []
-        for a, b in self._batches(len(keys)):
-            out += self._call(self._put(d, keys[a:b], raw[a:b], first_position + a, lifetime))
-        return out
+
+        async def run() -> list[Status]:
+            out: list[Status] = []
+            for a, b in self._batches(len(keys)):
+                out += await self._put(d, keys[a:b], raw[a:b], first_position + a, lifetime)
+            return out
+        return self._future(run(), wait)
 
     async def _put(self, d: bytes, keys, raw, first_position: int, lifetime) -> list[Status]:
         prefix = encode_prefix({"namespace": d.hex(), "keys": keys_to_hex(keys),
@@ -269,20 +374,57 @@ class RemoteKVStore:
         return await self._send("PUT", "/v1/blocks", handle, data=body,
                                 headers={"Content-Type": BLOCKS_CONTENT_TYPE, "Content-Length": str(length)})
 
+    def _remember(self, keys: Sequence[bytes], d: bytes) -> None:
+        for k in keys:
+            self._key_ns[k] = d
+            self._key_ns.move_to_end(k)
+        while len(self._key_ns) > self._remember_max:
+            self._key_ns.popitem(last=False)
+
     def store(self, ns: Namespace | bytes, token_ids, kv_blocks, start_block: int = 0,
-              lifetime: str | None = None) -> list[Status]:
-        """Store KV of the full blocks of a prompt (see :meth:`tierstore.api.KVStore.store`)."""
-        keys = self.keys_for(ns, token_ids)
+              lifetime: str | None = None, *, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+        """Store KV of the full blocks of a prompt (see :meth:`tierstore.api.KVStore.store`);
+        ``wait=False`` returns a Future (the blocks are copied into the request body first)."""
+        keys = self.keys_for(ns, _check_token_ids(token_ids))
         raw = self._raw_blocks(kv_blocks)
         if start_block < 0 or start_block + len(raw) > len(keys):
             raise LayoutError(f"{len(raw)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
-        return self.store_keys(ns, keys[start_block:start_block + len(raw)], raw, start_block, lifetime)
+        return self.store_keys(ns, keys[start_block:start_block + len(raw)], raw, lifetime=lifetime,
+                               first_position=start_block, wait=wait)
+
+    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block, start_block: int = 0,
+                        lifetime: str | None = None, *, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+        """Store blocks given as engine fragments (see :meth:`tierstore.api.KVStore.store_fragments`).
+
+        Each block's fragments (``2 * num_layers`` tensors, or a
+        :class:`~tierstore.io.pages.FragmentPlan` from ``KVPagePool.plans``) are
+        gathered into one ``block_bytes`` buffer, which is the request body; with
+        ``wait=False`` the gather is done before this returns, so the fragments may
+        be reused at once.
+
+        Raises
+        ------
+        LayoutError
+            A wrong fragment count or size, or more blocks than the prompt's full blocks.
+        """
+        keys = self.keys_for(ns, _check_token_ids(token_ids))
+        frags = list(fragments_per_block)
+        if start_block < 0 or start_block + len(frags) > len(keys):
+            raise LayoutError(f"{len(frags)} blocks from block {start_block} exceed the prompt's "
+                              f"{len(keys)} full blocks (partial tails are never stored)")
+        raw = [self._gather(f) for f in frags]
+        return self.store_keys(ns, keys[start_block:start_block + len(raw)], raw, lifetime=lifetime,
+                               first_position=start_block, wait=wait)
 
     # ------------------------------------------------------------------ lookup / load
-    def exists(self, ns: Namespace | bytes, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` present (no recency change)."""
-        d = self.digest(ns)
+    def exists(self, keys: Sequence[bytes], *, ns: Namespace | bytes | None = None) -> int:
+        """Number of leading ``keys`` present (no recency change; see :meth:`tierstore.api.KVStore.exists`).
+
+        ``ns`` is needed unless the keys came from this client's :meth:`keys_for`.
+        """
+        keys = _check_keys(keys)
+        d = self._ns_of(keys, ns)
         n = 0
         for a, b in self._batches(len(keys)):
             got = self._post("/v1/exists", {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])})["matched_blocks"]
@@ -293,12 +435,9 @@ class RemoteKVStore:
 
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens, without touching recency."""
-        return self.exists(ns, self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
+        return self.exists(self.keys_for(ns, _check_token_ids(token_ids)), ns=ns) * self.layout.tokens_per_block
 
-    def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> RemoteLookupResult:
-        """Longest cached prefix of ``token_ids`` (full blocks only); takes no references."""
-        d = self.digest(ns)
-        keys = self.keys_for(ns, token_ids)
+    def _lookup_keys(self, d: bytes, keys: list[bytes], request_id, num_keys: int) -> RemoteLookupResult:
         per = self.max_keys_per_request
         matched, useful, tiers, load_s = 0, 0, [], []
         for a in range(0, max(1, len(keys)), per):
@@ -311,56 +450,150 @@ class RemoteKVStore:
                 useful += r["useful_blocks"]
             if r["matched_blocks"] < len(chunk):
                 break
-        res = RemoteLookupResult(keys[:matched], tiers, load_s, useful, len(keys), self.layout.tokens_per_block,
+        res = RemoteLookupResult(keys[:matched], tiers, load_s, useful, num_keys, self.layout.tokens_per_block,
                                  request_id)
         res.ns = d
         return res
 
+    def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> RemoteLookupResult:
+        """Longest cached prefix of ``token_ids`` (full blocks only); takes no references."""
+        keys = self.keys_for(ns, _check_token_ids(token_ids))
+        return self._lookup_keys(self.digest(ns), keys, request_id, len(keys))
+
+    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
+                    ns: Namespace | bytes | None = None) -> RemoteLookupResult:
+        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`); takes no references.
+
+        Raises
+        ------
+        LayoutError
+            For a key that is not 32 bytes (token ids included), or keys of an unknown namespace.
+        """
+        keys = _check_keys(keys)
+        return self._lookup_keys(self._ns_of(keys, ns), keys, request_id, len(keys))
+
     def _ns_of(self, keys: Sequence[bytes], ns) -> bytes:
         if ns is not None:
-            return self.digest(ns)
+            d = self.digest(ns)
+            self._remember(keys, d)
+            return d
         if not keys:
             return bytes(32)
         d = self._key_ns.get(keys[0])
         if d is None:
-            raise LayoutError("load() of raw keys needs ns=... (these keys were not produced by this client)")
+            raise LayoutError("key-level calls of raw keys need ns=... (these keys were not produced by this "
+                              "client's keys_for/lookup)")
         return d
 
-    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True, ns: Namespace | bytes | None = None
-             ) -> tuple[list[Status], list[torch.Tensor | None]]:
-        """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
-
-        Returns per-block statuses and the filled tensors (typed blocks of
-        ``layout.block_shape`` when ``dests`` is omitted); use
-        :func:`tierstore.api.leading_ok`.
-        """
+    def _load_keys(self, keys, ns) -> tuple[list[bytes], bytes]:
         if isinstance(keys, RemoteLookupResult):
             ns = ns if ns is not None else keys.ns
             keys = keys.useful_keys
         elif isinstance(keys, LookupResult):
             keys = keys.useful_keys
-        keys = list(keys)
-        d = self._ns_of(keys, ns)
+        keys = _check_keys(keys)
+        return keys, self._ns_of(keys, ns)
+
+    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
+             promote: bool = True, *, wait: bool = True, timeout_s: float | None = None,
+             ns: Namespace | bytes | None = None):
+        """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
+
+        Returns per-block statuses and the filled tensors (typed blocks of
+        ``layout.block_shape`` when ``dests`` is omitted), or with ``wait=False`` a
+        :class:`concurrent.futures.Future` of that pair; use :func:`tierstore.api.leading_ok`.
+        ``timeout_s`` is a deadline: batches not received by then are ``MISS``
+        and their destinations are left untouched (bytes are received into private
+        buffers and copied only when a batch completes in time).
+
+        Raises
+        ------
+        LayoutError
+            Malformed keys (token ids included), unknown namespace, or destinations
+            that do not match, before any request.
+        """
+        keys, d = self._load_keys(keys, ns)
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
+        raw_dests = None if dests is None else self._raw_dests(dests)
         statuses: list[Status] = []
         outs: list[torch.Tensor | None] = []
-        for a, b in self._batches(len(keys)):
-            dd = None if dests is None else dests[a:b]
-            st, o = self._call(self._get(d, keys[a:b], dd, promote))
-            statuses += st
-            outs += o
-        return statuses, outs
 
-    async def _get(self, d: bytes, keys, dests, promote: bool):
+        async def run():
+            for a, b in self._batches(len(keys)):
+                if timeout_s is None:
+                    st, o = await self._get(d, keys[a:b], None if dests is None else dests[a:b],
+                                            None if raw_dests is None else raw_dests[a:b], promote)
+                else:  # private buffers: a cancelled batch never writes the caller's memory
+                    st, o = await self._get(d, keys[a:b], None, None, promote)
+                    if raw_dests is not None:
+                        for i, (s, got) in enumerate(zip(st, o)):
+                            if s is Status.OK:
+                                raw_dests[a + i].copy_(got.reshape(-1).view(torch.uint8))
+                                o[i] = dests[a + i]
+                statuses.extend(st)
+                outs.extend(o)
+            return statuses, outs
+        return self._future(self._deadline(run(), timeout_s, lambda: (
+            statuses + [Status.MISS] * (len(keys) - len(statuses)), outs + [None] * (len(keys) - len(outs)))), wait)
+
+    async def _deadline(self, coro, timeout_s: float | None, partial):
+        """``coro``, or ``partial()`` when it does not finish within ``timeout_s``."""
+        if timeout_s is None:
+            return await coro
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
+        try:
+            return await asyncio.wait_for(coro, timeout_s)
+        except asyncio.TimeoutError:
+            return partial()
+
+    def load_fragments(self, keys: Sequence[bytes] | LookupResult, dest_fragments_per_block, *,
+                       wait: bool = True, timeout_s: float | None = None,
+                       ns: Namespace | bytes | None = None) -> list[Status] | concurrent.futures.Future:
+        """Load blocks and scatter each into its destination fragments
+        (see :meth:`tierstore.api.KVStore.load_fragments`).
+
+        Destinations are checked before any request; a block whose status is not
+        ``OK`` leaves its destination untouched. With ``wait=False`` a
+        :class:`concurrent.futures.Future` of the statuses (destinations must not be
+        read before it resolves).
+
+        Raises
+        ------
+        LayoutError
+            A wrong fragment count or size, not one destination per key, or malformed keys.
+        """
+        keys, d = self._load_keys(keys, ns)
+        dests = list(dest_fragments_per_block)
+        if len(dests) != len(keys):
+            raise LayoutError(f"{len(keys)} blocks to load but {len(dests)} destinations")
+        plans = [self._plan(f, destination=True) for f in dests]
+        check_distinct_destinations(plans)
+
+        statuses: list[Status] = []
+
+        async def run() -> list[Status]:
+            for a, b in self._batches(len(keys)):
+                st, outs = await self._get(d, keys[a:b], None, None, True)
+                for s, raw, plan in zip(st, outs, plans[a:b]):
+                    if s is Status.OK:
+                        plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
+                statuses.extend(st)
+            return statuses
+        return self._future(self._deadline(run(), timeout_s,
+                                           lambda: statuses + [Status.MISS] * (len(keys) - len(statuses))), wait)
+
+    def _raw_dests(self, dests: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         B = self.block_bytes
-        raw_dests = None
-        if dests is not None:
-            raw_dests = [self.layout.as_bytes(t) if t.dtype != torch.uint8 else t.reshape(-1) for t in dests]
-            for t in raw_dests:
-                if t.numel() != B or t.device.type != "cpu":
-                    raise LayoutError(f"each destination must be a CPU block of {B} bytes")
+        raw = [self.layout.as_bytes(t) if t.dtype != torch.uint8 else t.reshape(-1) for t in dests]
+        for t in raw:
+            if t.numel() != B or t.device.type != "cpu":
+                raise LayoutError(f"each destination must be a CPU block of {B} bytes")
+        return raw
+
+    async def _get(self, d: bytes, keys, dests, raw_dests, promote: bool):
+        B = self.block_bytes
 
         async def handle(resp):
             c = resp.content
@@ -408,13 +641,42 @@ class RemoteKVStore:
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys), "promote": promote}
         return await self._send("POST", "/v1/blocks/get", handle, json_body=body)
 
-    def prefetch(self, ns: Namespace | bytes, keys: Sequence[bytes]) -> int:
-        """Promote blocks whose fastest copy is on NVMe into memory; returns blocks promoted."""
+    def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> concurrent.futures.Future:
+        """Bring the resident full blocks of a prefix up into the daemon's memory, before a request
+        needs them (see :meth:`tierstore.api.KVStore.prefetch`).
+
+        Parameters
+        ----------
+        tier : {"host"}
+            The daemon's memory tiers; ``"hbm"`` (the engine's GPU memory) is not the
+            daemon's to fill and is refused.
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Of the number of blocks brought up from NVMe.
+
+        Raises
+        ------
+        ConfigError
+            For a tier other than ``"host"``.
+        LayoutError
+            For keys passed instead of token ids.
+        """
+        if str(tier).lower() != "host":
+            raise ConfigError(f"tier={tier!r}: a remote prefetch fills the daemon's memory; accepted values are "
+                              "['host'] (the engine's HBM is not the daemon's to fill)")
+        keys = self.keys_for(ns, _check_token_ids(token_ids))
         d = self.digest(ns)
-        n = 0
-        for a, b in self._batches(len(keys)):
-            n += self._post("/v1/prefetch", {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])})["promoted_blocks"]
-        return n
+
+        async def run() -> int:
+            n = 0
+            for a, b in self._batches(len(keys)):
+                n += (await self._request_json("POST", "/v1/prefetch", {"namespace": d.hex(),
+                                                                        "keys": keys_to_hex(keys[a:b])}))[
+                    "promoted_blocks"]
+            return n
+        return self._future(run(), wait=False)
 
     # ------------------------------------------------------------------ pins / admin
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:

@@ -53,7 +53,7 @@ def test_no_job_file_uses_defaults_and_rw_name():
     for key, spec in SCHEMA.items():
         if key not in ("rw", "name"):
             assert job.options[key] == spec.default, key
-    assert job.options["device"] == "sim"
+    assert job.options["device"] == "file"  # what --cmdhelp says and what runs (issue 19 item 7)
 
 
 @pytest.mark.parametrize("key,raw,want", [

@@ -13,29 +13,46 @@ flags define one job. Options of the command itself:
 ``--output-format=F``   ``normal``, ``json`` or ``json+`` (comma-combined)
 ``--output=FILE``       write the report to FILE instead of stdout
 ``--plot=DIR``          write PNG charts to DIR
+``--eta=WHEN``          ``auto`` (a bar on a terminal; status lines on stderr when
+                        stdout is not a terminal), ``always`` (status lines), ``never``
+``--eta-newline=T``     seconds between status lines (default 10)
+``--status-interval=T`` a status line every T seconds, terminal or not
 ``--cmdhelp[=KEY]``     describe one key (or all)
 ``--version``           print the version
 
+Ctrl-C (SIGINT) or SIGTERM stops the running job: its worker threads stop, the
+statistics gathered so far are printed, files the job created are removed
+(``unlink``), and the exit status is 128 + the signal (130 for Ctrl-C). A second
+signal interrupts at once.
+
 Exit status: 0 on success, 1 for a bad job (unknown key, bad value, no runner)
-or a job that failed.
+or a job that failed (its ``err=`` is the errno, as fio's), 128 + N after
+signal N.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 from ..errors import ConfigError, TierStoreError
 from . import output as out_mod
 from .jobfile import parse_jobs, schema_help, showcmd
 from .plot import plot_results
-from .registry import get_runner, job_progress, load_runner_modules
+from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
+                       reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal)
 from .result import JobResult
+from ..units import parse_time_s
 
 __all__ = ["main"]
 
 PROG = "tierstore bench"
-_VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp"}
+_VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp", "eta", "eta-newline", "eta_newline",
+                "status-interval", "status_interval"}
 _BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version"}
 
 
@@ -67,6 +84,47 @@ def _error(message: str) -> int:
     return 1
 
 
+def _status_options(own: dict) -> StatusOptions:
+    eta = str(own.get("eta", "auto")).strip().lower()
+    if eta not in ("auto", "always", "never"):
+        raise ConfigError(f"eta={eta!r}: accepted values are ['auto', 'always', 'never']")
+    newline = parse_time_s(str(own["eta-newline"]), key="eta-newline") if "eta-newline" in own else 10.0
+    interval = parse_time_s(str(own["status-interval"]), key="status-interval") if "status-interval" in own else 0.0
+    if newline <= 0:
+        raise ConfigError(f"eta-newline={own['eta-newline']!r}: must be > 0")
+    if interval < 0:
+        raise ConfigError(f"status-interval={own['status-interval']!r}: must be >= 0")
+    return StatusOptions(eta, newline, interval)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """First SIGINT/SIGTERM: ask the job to stop and report (fio's behaviour); a second one interrupts."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        if stop_requested():
+            raise KeyboardInterrupt
+        print(f"{PROG}: terminating on signal {signum}", file=sys.stderr)
+        request_stop(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _report_error(result: JobResult) -> None:
+    """fio's error line for a job that failed: ``fio: pid=N, err=5/..., error=...``."""
+    name = errno.errorcode.get(result.error, str(result.error))
+    print(f"{PROG}: job {result.jobname!r}: pid={os.getpid()}, err={result.error} ({name}), "
+          f"error={result.error_message or os.strerror(result.error)}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tierstore bench`` with ``argv`` (default ``sys.argv[1:]``).
 
@@ -93,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(schema_help(str(own["cmdhelp"]) or None))
             return 0
         formats = out_mod.parse_output_formats(str(own.get("output-format", "normal")))
+        status = _status_options(own)
         specs = parse_jobs(key_flags, files)
         if own.get("showcmd"):
             print("\n".join(showcmd(specs, PROG)))
@@ -105,30 +164,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(exc))
 
     results: list[JobResult] = []
-    for spec, runner in zip(specs, runners):
-        try:
-            with job_progress(spec.name):
-                opts = dict(spec.options)
-                opts["_explicit"] = frozenset(spec.explicit) | frozenset(spec.global_explicit)
-                result = runner(opts)
-        except TierStoreError as exc:
-            return _error(f"job {spec.name!r}: {exc}")
-        except OSError as exc:  # a device/file that cannot be opened or sized: say which, no traceback
-            where = f" ({exc.filename})" if exc.filename else ""
-            hint = ""
-            if exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC):
-                hint = "; the tier capacities (hbm_size, host_size, nvme_size, device_size) do not fit this machine"
-            return _error(f"job {spec.name!r}: {exc.strerror or exc}{where}{hint}")
-        except MemoryError:
-            return _error(f"job {spec.name!r}: cannot allocate memory; the tier capacities (hbm_size, host_size, "
-                          "nvme_size, device_size) do not fit this machine")
-        except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
-            if "allocate" not in str(exc):
-                raise
-            return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
-                          f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
-        results.append(result)
-
+    reset_stop()
+    set_status_options(status)
+    # fio prints its informational lines ("Laying out IO file") with the normal report
+    set_info_sink(sys.stdout if formats == ["normal"] and not own.get("output") else sys.stderr)
+    try:
+        with _stop_on_signals():
+            for spec, runner in zip(specs, runners):
+                if stop_requested():
+                    break
+                rc = _run_one(spec, runner, results)
+                if rc:
+                    return rc
+    finally:
+        set_info_sink(None)
+    for r in results:
+        if r.error:
+            _report_error(r)
+    if not results and stop_signal():
+        return 128 + stop_signal()
     report = out_mod.render(results, specs, formats)
     if own.get("output"):
         try:
@@ -145,6 +199,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"plot: {path}", file=sys.stderr)
         except OSError as exc:
             return _error(f"plot={own['plot']!r}: {exc.strerror}")
+    sig = stop_signal()
+    if sig:
+        return 128 + sig
+    return 1 if any(r.error for r in results) else 0
+
+
+def _run_one(spec, runner, results: list[JobResult]) -> int:
+    """Run one job into ``results``; returns 0, or 1 after printing why it could not run."""
+    try:
+        with job_progress(spec.name):
+            opts = dict(spec.options)
+            opts["_explicit"] = frozenset(spec.explicit) | frozenset(spec.global_explicit)
+            result = runner(opts)
+    except JobInterrupted as exc:
+        print(f"{PROG}: job {spec.name!r}: {exc}", file=sys.stderr)
+        return 0
+    except TierStoreError as exc:
+        return _error(f"job {spec.name!r}: {exc}")
+    except OSError as exc:  # a device/file that cannot be opened or sized: say which, no traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        hint = ""
+        if exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC):
+            hint = "; the tier capacities (hbm_size, host_size, nvme_size, device_size) do not fit this machine"
+        return _error(f"job {spec.name!r}: {exc.strerror or exc}{where}{hint}")
+    except MemoryError:
+        return _error(f"job {spec.name!r}: cannot allocate memory; the tier capacities (hbm_size, host_size, "
+                      "nvme_size, device_size) do not fit this machine")
+    except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
+        if "allocate" not in str(exc):
+            raise
+        return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
+                      f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
+    results.append(result)
     return 0
 
 

@@ -5,17 +5,36 @@ flight at a time from its own page-aligned buffer through a
 :mod:`tierstore.io` engine (``open_engine(ioengine, ...)``; O_DIRECT), i.e.
 ``engine.write(offset, buf, placement).get()``. That keeps ``iodepth``
 requests in flight per clone. ``ioengine=memory`` needs no file and no
-device. ``direct=0`` uses buffered ``os.preadv``/``os.pwritev`` instead (the
-engines are O_DIRECT only). The ``numjobs`` clones are reported as one job
-(fio's ``group_reporting``).
+device. ``direct=0`` uses buffered ``os.preadv``/``os.pwritev`` on the file
+instead (the engines are O_DIRECT only). The ``numjobs`` clones are reported
+as one job (fio's ``group_reporting``).
+
+Where the bytes go (``device=``, the same three choices as the KV jobs):
+
+* ``file`` (default): the job's file, ``directory``/``filename`` (fio's
+  ``jobname.0.0``; a temporary directory when neither is set), through
+  ``ioengine``. Completed writes are also fed to an FTL model
+  (:class:`tierstore.fdp.ftl.FTLModel`) as an I/O observer, so write jobs
+  report HBMW/MBMW/MBE and WAF over time; that is a *model*, not the device
+  under this file system. The model's logical capacity is ``size /
+  utilization`` (the job's file covers ``utilization`` of the modelled device).
+* ``sim``: the FTL model *is* the device: the data stays in memory (memory
+  engine); ``ioengine``/``directory``/``filename`` are not used (a line says so).
+* ``/dev/ngXnY``: a real FDP namespace (the default ``filename``); placed
+  writes by NVMe passthrough. Not verified on hardware.
 
 Writes are tagged with a placement ID when ``dataplacement=fdp``: the entries
 of ``plids`` picked per ``plid_select`` (``roundrobin`` per write, ``random``,
-or ``lifetime``: one per clone). With ``device=sim`` every completed write is
-also fed to the FTL model (:class:`tierstore.fdp.ftl.FTLModel`) as an I/O
-observer, so write jobs report HBMW/MBMW/MBE/WAF and WAF over time; the
-model's logical capacity is ``size / utilization`` (the job's file covers
-``utilization`` of the simulated device).
+or ``lifetime``: one per clone).
+
+Files: before writing anything the job checks that its file fits the free
+space of its file system (statvfs) and refuses otherwise; a read job lays its
+file out first (fio's ``Laying out IO file`` line). Files the job created are
+removed when it ends, also after Ctrl-C or SIGTERM, unless ``unlink=0``.
+
+Failures: any failure of a worker (an I/O error, a bug) stops the job; the
+result carries fio's ``error`` (the errno; ``EIO`` when there is none) and the
+statistics up to then, and ``tierstore bench`` exits 1.
 
 Completion latency of every operation is measured with
 :func:`time.perf_counter_ns` from submission to completion.
@@ -36,7 +55,7 @@ import torch
 from ..errors import ConfigError, TierStoreError
 from ..io.engine import alloc_aligned
 from .jobfile import resolve_path
-from .registry import current_progress, register_runner
+from .registry import current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
 
 __all__ = ["run_io_job", "IO_RW"]
@@ -49,16 +68,49 @@ _DEVICE_SAMPLE_S = 0.25
 _GC_SPARE_RUS = 5
 
 
-def _layout(path: str, size_bytes: int) -> None:
-    """Write the file out to ``size_bytes`` (fio's layout step) so reads hit real blocks."""
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the file system of ``path`` (statvfs(3))."""
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+    return st.f_bavail * st.f_frsize
+
+
+def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
+    """Refuse a job whose file would not fit the free space of its file system.
+
+    fio finds out while laying the file out (``No space left on device on laying
+    out file, stopping``), after filling the disk; this checks first, from
+    statvfs, and writes nothing.
+
+    Raises
+    ------
+    NoSpaceForJob
+        When the bytes still to allocate exceed the free space.
+    """
+    have = os.path.getsize(path) if os.path.exists(path) else 0
+    need = max(0, size_bytes - have)
+    free = _free_bytes(path)
+    if need > free:
+        raise NoSpaceForJob(f"size={options['size']} bytes: the file {path} needs {need} more "
+                            f"bytes ({need / 2**30:.1f} GiB) but its file system has {free} bytes "
+                            f"({free / 2**30:.1f} GiB) free; nothing was written. Choose a smaller size= "
+                            "or another directory=")
+
+
+def _layout(name: str, path: str, size_bytes: int) -> None:
+    """Write the file out to ``size_bytes`` (fio's layout step) so reads hit real blocks.
+
+    Prints fio's ``Laying out IO file`` line first; stops early (leaving a
+    partial file for the caller to remove) when a stop is requested.
+    """
     have = os.path.getsize(path) if os.path.exists(path) else 0
     if have >= size_bytes:
         return
+    info(f"{name}: Laying out IO file (1 file / {size_bytes >> 20}MiB)")
     chunk = np.random.default_rng(0).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()
     with open(path, "r+b" if have else "wb") as fh:
         fh.seek(have)
         left = size_bytes - have
-        while left > 0:
+        while left > 0 and not stop_requested():
             n = min(left, len(chunk))
             fh.write(chunk[:n])
             left -= n
@@ -66,8 +118,18 @@ def _layout(path: str, size_bytes: int) -> None:
         os.fsync(fh.fileno())
 
 
+def _bytes_view(buf: Any) -> memoryview:
+    """A writable byte view of a CPU ``uint8`` tensor (``os.preadv``/``os.pwritev`` take buffers, not tensors)."""
+    if isinstance(buf, torch.Tensor):
+        return memoryview(buf.numpy()).cast("B")
+    return memoryview(buf).cast("B")
+
+
 class _BufferedTarget:
-    """``direct=0``: buffered positional I/O on a file."""
+    """``direct=0``: buffered positional I/O on a file (page cache; the :mod:`tierstore.io`
+    engines are O_DIRECT only). ``observer`` (the FTL model) sees every completed write."""
+
+    observer: Any = None
 
     def __init__(self, path: str) -> None:
         try:
@@ -76,10 +138,13 @@ class _BufferedTarget:
             raise ConfigError(f"filename={path!r}: cannot open: {exc.strerror}") from None
 
     def read(self, buf: Any, offset: int) -> int:
-        return os.preadv(self.fd, [buf], offset)
+        return os.preadv(self.fd, [_bytes_view(buf)], offset)
 
     def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        return os.pwritev(self.fd, [buf], offset)
+        n = os.pwritev(self.fd, [_bytes_view(buf)], offset)
+        if self.observer is not None and n:
+            self.observer.on_write(offset, n, placement)
+        return n
 
     def close(self) -> None:
         os.close(self.fd)
@@ -93,10 +158,10 @@ def _is_nvme_generic(path: str) -> bool:
 
 class _PassthroughTarget:
     """``/dev/ngXnY``: placed writes by NVMe passthrough (``IORING_OP_URING_CMD``), reads on the
-    matching ``/dev/nvmeXnY`` (:class:`tierstore.wiring.PassthroughEngine`). Not verified on hardware."""
+    matching ``/dev/nvmeXnY`` (:class:`tierstore.fdp.device.PassthroughEngine`). Not verified on hardware."""
 
     def __init__(self, path: str, size_bytes: int, options: dict[str, Any]) -> None:
-        from ..wiring import PassthroughEngine
+        from ..fdp.device import PassthroughEngine
         self.engine = PassthroughEngine(path, size_bytes, nsid=int(options.get("nsid", 1) or 1))
 
     def read(self, buf: Any, offset: int) -> int:
@@ -117,6 +182,8 @@ class _EngineTarget:
         try:
             self.engine = open_engine(kind, path, size_bytes, iodepth=iodepth)
         except OSError as exc:
+            if isinstance(exc, TierStoreError):   # e.g. IoUringUnavailable: its message says why
+                raise
             hint = " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)" if exc.errno == errno.EINVAL else ""
             raise ConfigError(f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}") from None
 
@@ -195,6 +262,32 @@ def _placement_picker(options: dict[str, Any]) -> Callable[[int, int, np.random.
     return lambda clone, seq, rng: plids[seq % len(plids)]
 
 
+def _device_mode(options: dict[str, Any]) -> str:
+    """``file``, ``sim`` or ``device`` from ``device=`` (see :mod:`tierstore.bench.jobfile`)."""
+    dev = options["device"]
+    return dev if dev in ("file", "sim") else "device"
+
+
+def _resolve_target(options: dict[str, Any]) -> tuple[str, str | None]:
+    """``(ioengine, path)`` of a plain job: ``device=sim`` keeps the bytes in memory (the FTL
+    model is the device), ``device=/dev/ngXnY`` is the default ``filename``."""
+    explicit = options.get("_explicit", frozenset())
+    mode = _device_mode(options)
+    engine = options["ioengine"]
+    if mode == "sim":
+        ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
+                   if k in explicit and options[k] and not (k == "ioengine" and options[k] == "memory")]
+        if ignored:
+            info(f"{options['name']}: device=sim keeps the data in memory (the FTL model is the device); "
+                 f"{', '.join(ignored)} not used (device=file writes a file)")
+        return "memory", None
+    if engine == "memory":
+        return "memory", None
+    if mode == "device" and not options["filename"]:
+        return engine, options["device"]
+    return engine, resolve_path(options, f"{options['name']}.0.0") or None
+
+
 def run_io_job(options: dict[str, Any]) -> JobResult:
     """Run one plain I/O job (``rw`` in :data:`IO_RW`).
 
@@ -204,19 +297,24 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         Typed job options (:data:`tierstore.bench.jobfile.SCHEMA`). Uses ``rw``,
         ``bs``, ``size``, ``iodepth``, ``numjobs``, ``runtime``, ``time_based``,
         ``ramp_time``, ``ioengine``, ``direct``, ``directory``, ``filename``,
-        ``dataplacement``, ``plids``, ``plid_select``, ``device`` (``sim``:
-        FTL model), ``ru_size``, ``op``, ``utilization`` and ``seed``.
+        ``unlink``, ``dataplacement``, ``plids``, ``plid_select``, ``device``,
+        ``ru_size``, ``op``, ``utilization`` and ``seed``.
 
     Returns
     -------
     JobResult
         One direction filled (read or write) with per-op completion latencies;
-        for writes with ``device=sim`` also ``device`` and ``timeseries``.
+        for writes also ``device`` (the FTL model's figures) and ``timeseries``.
+        A failed I/O (or any failure of a worker) ends the job: ``error`` is
+        its errno (``EIO`` for a failure that has none) and ``error_message``
+        says what failed; the statistics cover the I/Os done until then.
 
     Raises
     ------
     ConfigError
         For options this runner cannot honour, or a file it cannot open.
+    NoSpaceForJob
+        When the job's file would not fit its file system (checked before writing).
     """
     _validate(options)
     rw, bs = options["rw"], options["bs"]
@@ -225,40 +323,64 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     is_random = rw.startswith("rand")
     span_blocks = options["size"] // bs
     span_bytes = span_blocks * bs
+    engine_kind, path = _resolve_target(options)
+    if not options["direct"] and engine_kind == "memory":
+        raise ConfigError("direct=0: buffered I/O needs a file (device=file, ioengine=posix)")
 
     tmpdir = None
-    path = None
-    if options["ioengine"] != "memory":
-        path = resolve_path(options, f"{options['name']}.0.0")
-        if not path:
-            tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
-            path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
-        is_dev = path.startswith("/dev/")
-        if is_dev:
-            # never create or fill a regular file under /dev: only existing block/char devices
+    created = False
+    target: Any = None
+    try:
+        if engine_kind != "memory":
+            if not path:
+                tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
+                path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
+            if path.startswith("/dev/"):
+                # never create or fill a regular file under /dev: only existing block/char devices
+                try:
+                    st_mode = os.stat(path).st_mode
+                except FileNotFoundError:
+                    raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
+                                      "namespace; the development host has none)") from None
+                if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
+                    raise ConfigError(f"filename={path!r}: not a block or character device")
+            else:
+                _check_space(options, path, span_bytes)
+                created = not os.path.exists(path)
+                if not is_write:
+                    _layout(options["name"], path, span_bytes)
+        if path is not None and _is_nvme_generic(path):
+            target = _PassthroughTarget(path, span_bytes, options)
+        elif options["direct"] or engine_kind == "memory":
+            target = _EngineTarget(engine_kind, path, span_bytes, iodepth * numjobs)
+        else:
+            target = _BufferedTarget(path)
+        return _run(options, target, span_blocks, span_bytes, is_write, is_random, engine_kind, path)
+    finally:
+        if target is not None:
+            target.close()
+        if created and options.get("unlink", True) and path is not None:
             try:
-                st_mode = os.stat(path).st_mode
+                os.unlink(path)
             except FileNotFoundError:
-                raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
-                                  "namespace; the development host has none)") from None
-            if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
-                raise ConfigError(f"filename={path!r}: not a block or character device")
-        elif not is_write:
-            _layout(path, span_bytes)
-    target: Any
-    if path is not None and _is_nvme_generic(path):
-        target = _PassthroughTarget(path, span_bytes, options)
-    elif options["direct"] or options["ioengine"] == "memory":
-        target = _EngineTarget(options["ioengine"], path, span_bytes, iodepth * numjobs)
-    else:
-        target = _BufferedTarget(path)
+                pass
+        if tmpdir is not None:
+            tmpdir.cleanup()
+
+
+def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, is_write: bool,
+         is_random: bool, engine_kind: str, path: str | None) -> JobResult:
+    bs = options["bs"]
+    iodepth, numjobs = options["iodepth"], options["numjobs"]
     observer = None
     device_geometry: dict[str, Any] = {}
-    if is_write and options["device"] == "sim":
+    if is_write and _device_mode(options) in ("file", "sim"):
         ftl, device_geometry = _make_ftl(options, span_bytes)
         observer = _LockedObserver(ftl)
         if isinstance(target, _EngineTarget):
             target.engine.add_observer(observer)
+        elif isinstance(target, _BufferedTarget):
+            target.observer = observer
     pick_placement = _placement_picker(options)
 
     ramp_ns = int(options["ramp_time"] * 1e9)
@@ -270,7 +392,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     lock = threading.Lock()
     state = {"issued_bytes": 0, "seq": 0, "cursors": [0] * numjobs}
-    errors: list[BaseException] = []
+    errors: list[tuple[BaseException, int]] = []
     finished_ns: list[int] = []
     stop = threading.Event()
 
@@ -289,6 +411,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     def worker(clone: int, lane: int) -> None:
         rng = np.random.default_rng([options["seed"], clone, lane])
         keep, buf = alloc_aligned(bs)
+        offset = -1
         if is_write:
             buf.copy_(torch.from_numpy(rng.integers(0, 256, size=bs, dtype=np.uint8)))
         try:
@@ -308,8 +431,9 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
                 recorder.record(n, done - start, done, short=n < bs)
                 if deadline_ns is not None and done >= deadline_ns:
                     return
-        except (OSError, TierStoreError) as exc:
-            errors.append(exc)
+        except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+            with lock:
+                errors.append((exc, offset))
             stop.set()
         finally:
             finished_ns.append(time.perf_counter_ns())
@@ -319,6 +443,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     threads = [threading.Thread(target=worker, args=(c, d), name=f"{options['name']}-{c}.{d}", daemon=True)
                for c in range(numjobs) for d in range(iodepth)]
     progress = current_progress()
+    progress.io_dir = "w" if is_write else "r"
     if deadline_ns is not None:
         progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
     else:
@@ -342,6 +467,9 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         for t in threads:
             while t.is_alive():
                 t.join(_PROGRESS_POLL_S)
+                if stop_requested():  # Ctrl-C / SIGTERM: end the run, report what was done
+                    stop.set()
+                progress.io_bytes = state["issued_bytes"]
                 if deadline_ns is not None:
                     progress.update((time.perf_counter_ns() - t0_ns) / 1e9)
                 else:
@@ -356,32 +484,38 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         end_ns = max(finished_ns) if finished_ns else time.perf_counter_ns()
         usage = cpu.stop()
         sample_device()
-        target.close()
-        if tmpdir is not None:
-            tmpdir.cleanup()
-    if errors:
-        exc = errors[0]
-        raise IOEngineFailure(f"rw={rw}: I/O failed: {exc}") from exc
     measured = recorder.result(end_ns)
     empty = DirectionResult()
     device: dict[str, Any] = {}
     timeseries: dict[str, list] = {}
     if observer is not None:
         st = observer.stats()
-        device = {"device": "sim", **device_geometry, "hbmw_bytes": st["hbmw_bytes"], "mbmw_bytes": st["mbmw_bytes"],
-                  "mbe_bytes": st["mbe_bytes"], "waf": st["waf"], "gc_runs": st["gc_runs"],
+        where = "memory engine" if engine_kind == "memory" else f"{engine_kind} on {path}"
+        what = ("sim (FTL model as the device)" if _device_mode(options) == "sim" else
+                f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
+                "system's device)")
+        device = {"device": what, **device_geometry, "hbmw_bytes": st["hbmw_bytes"],
+                  "mbmw_bytes": st["mbmw_bytes"], "mbe_bytes": st["mbe_bytes"], "waf": st["waf"],
+                  "gc_runs": st["gc_runs"],
                   "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
                   "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
         timeseries = series
+    error, message = 0, ""
+    if errors:
+        exc, offset = errors[0]
+        error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+        what = "write" if is_write else "read"
+        message = (f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
+                   f"{'' if len(errors) == 1 else f'; {len(errors)} workers failed'})")
     return JobResult(jobname=options["name"], options=options,
                      read=empty if is_write else measured, write=measured if is_write else empty,
-                     device=device, timeseries=timeseries,
+                     device=device, timeseries=timeseries, error=error, error_message=message,
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
                      ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]))
 
 
-class IOEngineFailure(TierStoreError):
-    """An I/O of a plain benchmark job failed (the message names the errno)."""
+class NoSpaceForJob(TierStoreError):
+    """A job's file would not fit the free space of its file system (checked before writing)."""
 
 
 register_runner(IO_RW, run_io_job)

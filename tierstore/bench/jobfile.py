@@ -48,7 +48,8 @@ class OptionSpec:
         The key, as written in a job file or as ``--name=value``.
     kind : str
         One of ``str``, ``choice``, ``int``, ``float``, ``fraction``, ``size``,
-        ``time``, ``bool``, ``int_list`` and ``mix``.
+        ``time``, ``bool``, ``int_list``, ``mix`` and ``device`` (``file``, ``sim``
+        or a ``/dev/...`` path).
     default : Any
         The embedded default, already typed (what :func:`parse_value` returns).
     help : str
@@ -86,7 +87,6 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "rw=kvtrace: bytes stored per 512-token trace block (scaled KV; real Llama-3.1-8B is 64m).",
           minimum=4096),
     _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
-    _spec("nvme_backend", "choice", "segment", "NVMe tier backend.", ("segment", "slot")),
     _spec("bs", "size", 4096, "Block size of one I/O (plain rw) or one KV block transfer.", minimum=1),
     _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
     _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
@@ -95,10 +95,14 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."),
     _spec("time_based", "bool", False, "Keep running for runtime even when size is done."),
     _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
-    _spec("ioengine", "choice", "posix", "I/O engine.", ("posix", "uring", "kvikio", "memory")),
+    _spec("ioengine", "choice", "posix", "I/O engine (auto: uring where this process can use io_uring, "
+          "else posix with a warning).", ("posix", "uring", "auto", "kvikio", "memory")),
     _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
     _spec("directory", "str", "", "Directory for the job's files (empty: a temporary directory)."),
     _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
+    _spec("unlink", "bool", True,
+          "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
+          "default is 0). 0 keeps them. A file that existed before the job is never removed."),
     _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
     _spec("hbm_size", "size", 256 << 20, "Capacity of the HBM (GPU) tier. rw=kvtrace default: 2% of the trace's unique bytes."),
     _spec("host_size", "size", 1 << 30, "Capacity of the pinned host DRAM tier. rw=kvtrace default: 8% of unique bytes."),
@@ -109,7 +113,11 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("plids", "int_list", (), "Indices into the RUH Status list (fio's plids=/fdp_pli=), e.g. 0,1,2."),
     _spec("plid_select", "choice", "roundrobin", "How writes pick a placement ID.",
           ("roundrobin", "random", "lifetime")),
-    _spec("device", "str", "sim", "NVMe device path (e.g. /dev/ng0n1), or sim for the FTL model."),
+    _spec("device", "device", "file",
+          "Where the NVMe tier (KV jobs) or the job's I/O (plain jobs) goes: file = a file on this file system "
+          "(directory/filename, through ioengine; WAF from an FTL model observing it), sim = the FTL model is "
+          "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
+          "hardware)."),
     _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
     _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
     _spec("op", "fraction", 0.07, "Over-provisioning of the simulated device, a fraction or a percentage."),
@@ -118,6 +126,9 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "Share of writes per lifetime class, e.g. long:10,medium:30,short:60."),
     _spec("time_scale", "float", 1.0, "Speed-up of trace time (2: twice as fast).", minimum=0),
     _spec("block_tokens", "int", 16, "Tokens per KV block.", minimum=1),
+    _spec("load_blocks", "choice", "useful",
+          "rw=kvload/kvmixed: useful = load the prefix the cost model says beats recompute (what an engine "
+          "does); matched = load every matched block (a bandwidth test).", ("useful", "matched")),
     _spec("seed", "int", 0, "Seed of every random choice (fio's randseed)."),
 ]}
 
@@ -184,6 +195,16 @@ def _parse_mix(key: str, raw: str) -> dict[str, float]:
     return mix
 
 
+def _parse_device(key: str, raw: str) -> str:
+    text = raw.strip()
+    if text.lower() in ("file", "sim"):
+        return text.lower()
+    if text.startswith("/dev/"):
+        return text
+    raise _bad(key, raw, "accepted values are file (a file on this file system), sim (the FTL model) or an "
+                         "NVMe namespace path such as /dev/ng0n1")
+
+
 def parse_value(key: str, raw: Any) -> Any:
     """Parse and validate one value against :data:`SCHEMA`.
 
@@ -236,6 +257,8 @@ def parse_value(key: str, raw: Any) -> Any:
         value = _parse_int_list(key, raw)
     elif kind == "mix":
         value = _parse_mix(key, raw)
+    elif kind == "device":
+        value = _parse_device(key, raw)
     else:  # a schema entry with a kind this module does not know is a bug here
         raise ConfigError(f"{key}: schema kind {kind!r} is not supported")
     if spec.minimum is not None and value < spec.minimum:

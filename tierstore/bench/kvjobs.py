@@ -6,36 +6,54 @@ blocks; latency = the whole load call), the ``write`` direction is the stores
 of missed blocks (one op per request that stored). The ``kv`` section carries
 hit ratios, saved prefill tokens and per-tier bytes; the ``device`` section the
 NVMe backend's counters and the FDP figures (HBMW/MBMW/MBE, WAF, per-RUH bytes,
-end-to-end WA); ``timeseries["waf"]`` is the cumulative WAF at each sample.
+end-to-end WA); the WAF time series goes to the JSON (``device.waf_timeseries``)
+and the plots, not the normal text.
 
-Device choice (:mod:`tierstore.wiring`):
+Device choice (``device=``; the store is a :class:`tierstore.config.StoreConfig` built by :mod:`tierstore.build`):
 
-* ``device`` not given on the command line (the schema default is ``sim``, but
-  a plain ``--rw=kvtrace`` keeps its meaning): the NVMe tier is a segment file
-  in ``directory`` as before, and an FTL *model* observes its engine (RU =
-  segment, capacity = the tier) so WAF is always reported -- the ``device``
-  line says it is a model.
-* ``device=sim``: the simulated FDP device (memory engine + FTL model):
-  ``device_size`` if given, else ``nvme tier / utilization``; the tier is
-  ``utilization x device`` (whole RUs); ``ru_size`` if given, else device/60.
+* ``file`` (default): the NVMe tier is a segment file on this file system,
+  ``directory``/``filename`` (fio's ``jobname.0.0``; a temporary directory when
+  neither is set), through ``ioengine`` (``posix`` or ``uring``). An FTL
+  *model* observes its engine (RU = segment, capacity = the tier) so WAF is
+  always reported; the ``device`` line says it is a model. A warning is
+  printed when the tier is larger than the free space of that file system (the
+  file is sparse: it fills as segments are opened, and blocks are refused with
+  NO_SPACE once the disk is full). The file is removed at the end unless
+  ``unlink=0``; a file already there is refused, never reused or overwritten.
+* ``sim``: the simulated FDP device (memory engine + FTL model), no disk
+  touched: ``device_size`` if given, else ``nvme tier / utilization``; the tier
+  is ``utilization x device`` (whole RUs); ``ru_size`` if given, else
+  device/60. ``ioengine``/``directory``/``filename`` are not used (a line says so).
 * ``device=/dev/ngXnY``: a real FDP namespace (not verified on hardware).
 
 ``dataplacement=fdp`` tags NVMe writes with the PID of the block's lifetime
 class; ``none`` leaves every write untagged (default handle).
+
+Blocks refused for lack of space are reported in ``kv``:
+``store_no_space_blocks`` (stores answered NO_SPACE), ``demoted_no_space_blocks``
+(blocks demoted from host DRAM that the NVMe tier could not take, so they left
+the cache) and ``nvme_allocation_failures`` (segments the file system could not
+allocate). A failed allocation means the disk was full: the job's ``error`` is
+then ENOSPC.
 """
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 from typing import Any
 
 import numpy as np
 
-from ..policies.admission import make_admission
+from ..errors import ConfigError
+from ..config import StoreConfig
 from ..replay import ReplayConfig, run_replay
-from ..wiring import StoreConfig, build_store
-from .registry import current_progress, register_runner
+from .jobfile import format_value, resolve_path
+from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
 from .result import CpuUsage, DirectionResult, JobResult
 
-__all__ = ["run_kvtrace"]
+__all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file", "warn_if_larger_than_free",
+           "no_space_report"]
 
 
 def _direction(lat_ns: np.ndarray, nbytes: int, wall_s: float) -> DirectionResult:
@@ -43,8 +61,9 @@ def _direction(lat_ns: np.ndarray, nbytes: int, wall_s: float) -> DirectionResul
                            clat_ns=lat_ns.astype(np.int64))
 
 
-def replay_config(options: dict[str, Any]) -> ReplayConfig:
-    """Map bench options onto a :class:`~tierstore.replay.ReplayConfig`."""
+def replay_config(options: dict[str, Any], nvme_path: str | None = None) -> ReplayConfig:
+    """Map bench options onto a :class:`~tierstore.replay.ReplayConfig`; ``nvme_path``
+    is the tier's file with ``device=file`` (:func:`nvme_file`)."""
     explicit = options.get("_explicit", frozenset())
     return ReplayConfig(
         trace=options["trace"] or None,
@@ -54,87 +73,198 @@ def replay_config(options: dict[str, Any]) -> ReplayConfig:
         host_bytes=options["host_size"] if "host_size" in explicit else None,
         nvme_bytes=options["nvme_size"] if "nvme_size" in explicit else None,
         directory=options["directory"] or None,
-        nvme_backend=options.get("nvme_backend", "segment"),
         eviction=options["eviction"],
         time_scale=1.0 / options["time_scale"] if options["time_scale"] > 0 else 1.0,
+        policies={"admission": options.get("admission", "none") or "none"},
+        nvme_options=nvme_options(options, nvme_path),
     )
 
 
-def store_config(options: dict[str, Any], layout, hbm_bytes: int, host_bytes: int, nvme_path: str,
-                 nvme_bytes: int, clock) -> StoreConfig:
-    """Map bench options onto a :class:`~tierstore.wiring.StoreConfig` (see module doc)."""
+def nvme_file(options: dict[str, Any], directory: str) -> str:
+    """The NVMe tier's file of a ``device=file`` KV job: ``filename``, else ``directory/jobname.0.0``.
+
+    Raises
+    ------
+    ConfigError
+        When the file already exists (a KV job starts from an empty tier; it
+        never reuses or overwrites a file it did not create).
+    """
+    path = resolve_path({**options, "directory": options.get("directory") or directory},
+                        f"{options.get('name') or options['rw']}.0.0")
+    if os.path.isdir(path):
+        raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
+    if os.path.exists(path):
+        raise ConfigError(f"filename={path!r}: exists (an NVMe tier left by a run with unlink=0 or a killed "
+                          "run?); a KV job starts from an empty tier and never reuses or overwrites a file: "
+                          "remove it, or choose another directory= or filename=")
+    return path
+
+
+def warn_if_larger_than_free(options: dict[str, Any], path: str, nvme_bytes: int) -> None:
+    """Warn when the NVMe tier is larger than the free space of its file system (the file is sparse)."""
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    free = st.f_bavail * st.f_frsize
+    if nvme_bytes > free:
+        warn(f"job {options.get('name') or options['rw']!r}: the NVMe tier ({format_value('nvme_size', nvme_bytes)}, "
+             f"{nvme_bytes} bytes) is larger than the {free} bytes ({free / 2**30:.1f} GiB) free on the file "
+             f"system of {os.path.dirname(os.path.abspath(path))}; the tier file is sparse and fills as segments "
+             "open, so blocks will be refused (NO_SPACE) once the disk is full")
+
+
+def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
+    """The NVMe tier's device, FTL model and placement from bench options:
+    :class:`~tierstore.config.NvmeTierConfig` fields without the capacity (see module doc).
+
+    ``nvme_path`` is the tier's file for ``device=file`` (:func:`nvme_file`).
+
+    Raises
+    ------
+    ConfigError
+        ``device=file`` with an ``ioengine`` that cannot hold a file tier.
+    """
     explicit = options.get("_explicit", frozenset())
-    dev_opt = str(options.get("device", "sim")) if "device" in explicit else ""
-    common = dict(layout=layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes, clock=clock,
-                  dataplacement=options.get("dataplacement", "none"), op_fraction=options.get("op", 0.07),
-                  plids=tuple(options.get("plids", ()) or ()),
-                  ru_size_bytes=options["ru_size"] if "ru_size" in explicit else None,
-                  manager_options={"eviction": options["eviction"],
-                                   "admit_to_nvme": make_admission(options.get("admission", "none"))})
-    util = float(options.get("utilization", 0.9))
+    dev_opt = str(options.get("device", "file"))
+    fdp = {"enabled": options.get("dataplacement", "none") == "fdp",
+           "plids": list(options.get("plids", ()) or ())}
+    model = {"op_fraction": options.get("op", 0.07), "utilization": float(options.get("utilization", 0.9))}
+    if "ru_size" in explicit:
+        model["ru_size_bytes"] = options["ru_size"]
     if dev_opt == "sim":
-        dev = options["device_size"] if "device_size" in explicit else None
-        return StoreConfig(mode="sim", nvme_bytes=None if dev else nvme_bytes, device_bytes=dev,
-                           utilization=util, **common)
-    if dev_opt:
-        dev = options["device_size"] if "device_size" in explicit else None
-        return StoreConfig(mode="device", path=dev_opt, device_bytes=dev, utilization=util, **common)
+        ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
+                   if k in explicit and options.get(k)]
+        if ignored:
+            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL model "
+                 f"is the device); {', '.join(ignored)} not used (device=file puts it in a file)")
+        if "device_size" in explicit:
+            model["device_bytes"] = options["device_size"]
+        return {"device": "sim", "engine": "memory", "model": model, "fdp": fdp}
+    if dev_opt != "file":
+        return {"device": "fdp", "path": dev_opt, "fdp": fdp}
     eng = options.get("ioengine", "posix")
-    return StoreConfig(mode="file", path=nvme_path, nvme_bytes=nvme_bytes,
-                       engine=eng if eng in ("posix", "uring") else "posix", **common)
+    if eng not in ("posix", "uring", "auto"):
+        raise ConfigError(f"ioengine={eng}: device=file puts the NVMe tier in a file through posix, uring or auto; "
+                          "use device=sim for a tier in memory")
+    out = {"device": "file", "engine": eng, "model": {k: v for k, v in model.items() if k != "utilization"},
+           "fdp": fdp}
+    if nvme_path is not None:
+        out["path"] = nvme_path
+    if "ru_size" in explicit:
+        out["segment_size_bytes"] = options["ru_size"]
+    return out
 
 
-def store_factory(options: dict[str, Any], cfg: ReplayConfig, box: list):
-    """A :func:`~tierstore.replay.run_replay` store factory that records the wiring in ``box``."""
-    def factory(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, clock):
-        explicit = options.get("_explicit", frozenset())
-        if "device" not in explicit and (not nvme_bytes or cfg.nvme_backend == "slot"):
-            from ..api import KVStore  # no NVMe tier, or the slot backend: no segments to wire
-            return KVStore(layout, hbm_bytes=hbm_bytes, host_bytes=host_bytes,
-                           nvme_path=nvme_path if nvme_bytes else None, nvme_bytes=nvme_bytes,
-                           nvme_backend=cfg.nvme_backend, eviction=cfg.eviction, clock=clock)
-        wired = build_store(store_config(options, layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, clock))
-        wired.store.wiring = wired
-        box.append(wired)
-        return wired.store
-    return factory
+def store_config(options: dict[str, Any], hbm_bytes: int, host_bytes: int, nvme_bytes: int,
+                 nvme_path: str | None, promotion: str = "top") -> StoreConfig:
+    """The whole typed store config of a KV job (tiers sized by the caller)."""
+    nvme = None
+    if nvme_bytes:
+        nvme = {"capacity_bytes": nvme_bytes, **nvme_options(options, nvme_path)}
+    return StoreConfig.from_dict({"tiers": {"hbm": {"capacity_bytes": hbm_bytes}, "host": {"capacity_bytes": host_bytes},
+                                            "nvme": nvme},
+                                  "policies": {"eviction": options["eviction"], "promotion": promotion,
+                                               "admission": options.get("admission", "none") or "none"}},
+                                 "bench store config")
+
+
+def no_space_report(stats: dict, nvme_path: str | None) -> tuple[dict, int, str]:
+    """Blocks refused for lack of space, from :meth:`KVStore.stats` counters.
+
+    Returns
+    -------
+    (dict, int, str)
+        ``kv`` entries (``store_no_space_blocks``, ``demoted_no_space_blocks``,
+        ``nvme_allocation_failures``), fio's ``error`` (ENOSPC when a segment
+        could not be allocated, i.e. the file system was full; else 0) and the
+        error message.
+    """
+    refused = int(stats.get("store_no_space", 0))
+    demoted = int(stats.get("nvme_put_no_space", 0))
+    backend = stats.get("nvme_backend") or {}
+    alloc = int(backend.get("preallocate_errors", 0)) if isinstance(backend, dict) else 0
+    kv = {"store_no_space_blocks": refused, "demoted_no_space_blocks": demoted, "nvme_allocation_failures": alloc}
+    if not alloc:
+        return kv, 0, ""
+    where = f" of {os.path.dirname(os.path.abspath(nvme_path))}" if nvme_path else ""
+    return kv, errno.ENOSPC, (f"the file system{where} ran out of space: {alloc} segment allocations failed; "
+                              f"{refused} stores and {demoted} demoted blocks were refused (NO_SPACE)")
 
 
 def run_kvtrace(options: dict[str, Any]) -> JobResult:
-    """Runner of ``rw=kvtrace``: replay a trace and report fio-style figures."""
-    cfg = replay_config(options)
+    """Runner of ``rw=kvtrace``: replay a trace and report fio-style figures.
+
+    Raises
+    ------
+    JobInterrupted
+        After Ctrl-C/SIGTERM: the replay stops within 50 requests (it reports
+        no partial statistics).
+    """
+    files: list[str] = []
+    nvme_path = None
+    if options.get("device", "file") == "file":
+        nvme_path = nvme_file(options, options.get("directory") or tempfile.gettempdir())
+        files.append(nvme_path)
+    cfg = replay_config(options, nvme_path)
     progress = current_progress()
     started = []
 
     def prog(done: int, total: int) -> None:
+        if stop_requested():
+            raise JobInterrupted(f"rw=kvtrace stopped after {done} of {total} requests; the replay reports "
+                                 "statistics only for a whole run")
         if not started:
             progress.start(total=total, unit="req")
             started.append(True)
         progress.update(done)
 
-    wired_box: list = []
-    factory = store_factory(options, cfg, wired_box)
+    box: list = []
+
+    def on_open(store) -> None:
+        box.append(store)
+        if nvme_path is not None and store.nvme is not None:
+            warn_if_larger_than_free(options, nvme_path, int(store.device_stats().get("nvme_bytes", 0)))
 
     def on_sample(store, sample: dict) -> None:
-        if wired_box:
-            d = wired_box[0].device_stats()
+        if store.ftl is not None:
+            d = store.device_stats()
             sample["waf"] = d.get("waf", float("nan"))
             sample["e2e_wa"] = d.get("e2e_wa", float("nan"))
 
     cpu = CpuUsage()
-    rep = run_replay(cfg, progress=prog, on_sample=on_sample, store_factory=factory)
+    try:
+        rep = run_replay(cfg, progress=prog, on_sample=on_sample, on_open=on_open)
+    finally:
+        if options.get("unlink", True):
+            for path in files:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
     usage = cpu.stop()
     kv = dict(rep.kv)
+    skipped = int(kv.get("hit_blocks", 0)) - int(kv.get("useful_blocks", 0))
+    failed = int(kv.get("useful_blocks", 0)) - int(kv.get("loaded_blocks", 0))
+    reasons = []
+    if skipped > 0:
+        reasons.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
+                       "faster than loading them (the replay loads the useful prefix, as an engine does)")
+    if failed > 0:
+        reasons.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
+    if reasons:
+        kv["not_loaded_reason"] = "; ".join(reasons)
+    error, message = 0, ""
+    if box and box[0].nvme is not None:
+        space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
+        kv.update(space)
     device = dict(rep.device) if rep.device else {}
     device.update({f"nvme_{k}": v for k, v in rep.store_stats.items() if isinstance(v, (int, float))})
-    if "waf" in rep.timeseries:  # also in the JSON (fio's output has no timeseries section)
+    if "waf" in rep.timeseries:  # in the JSON (fio's output has no timeseries section) and the plots
         device["waf_timeseries"] = {"t_s": list(rep.timeseries["t_s"]), "waf": list(rep.timeseries["waf"])}
     return JobResult(
         jobname=options.get("name") or "kvtrace",
         options={**options, "bs": cfg.block_bytes},  # one KV I/O = one trace block
         read=_direction(rep.load_lat_ns, rep.load_bytes, rep.load_wall_s),
         write=_direction(rep.store_lat_ns, rep.store_bytes, rep.store_wall_s),
-        kv=kv, device=device, timeseries=rep.timeseries,
+        kv=kv, device=device, timeseries=rep.timeseries, error=error, error_message=message,
         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=rep.runtime_s,
         ctx=usage.get("ctx", 0), majf=usage.get("majf", 0), minf=usage.get("minf", 0),
     )

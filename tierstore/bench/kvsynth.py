@@ -1,4 +1,4 @@
-"""Synthetic KV workloads through the real tier manager: ``rw=kvstore|kvload|kvmixed``.
+"""Synthetic KV workloads through the real store: ``rw=kvstore|kvload|kvmixed``.
 
 One *I/O* of a KV job is one request's store or load call. Its size is ``bs``
 rounded down to whole blocks of the ``layout`` preset (at least one block; a
@@ -13,14 +13,27 @@ Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts.
 * ``kvmixed``: requests of three lifetime classes drawn by ``lifetime_mix``:
   ``long`` reuse one of a few shared system/tool prefixes, ``medium`` continue one
   of many conversations (each turn extends the previous prompt), ``short`` are
-  single queries never seen again. Each request looks up, loads the useful hit,
+  single queries never seen again. Each request looks up, loads the hit,
   stores the rest with its lifetime hint (FDP placement), and releases.
 
-Random choices use ``seed``. With ``device=sim`` the NVMe tier writes through the
-FTL model (:mod:`tierstore.wiring`, when available) and the job reports WAF.
+What is loaded (``load_blocks``): ``useful`` (default) loads the prefix the cost
+model says beats recompute, as an engine would; blocks it judges slower to load
+than to recompute (typically on NVMe, for small blocks) are matched but not
+loaded. ``matched`` loads every matched block: a bandwidth test of every tier.
+The ``kv`` section reports ``matched_blocks``, ``useful_blocks`` and
+``loaded_blocks`` and, when they differ, ``not_loaded_reason``.
+
+Where the NVMe tier lives (``device=file|sim|/dev/ngXnY``), the warning about a
+tier larger than the free disk space and the no-space counters are those of
+:mod:`tierstore.bench.kvjobs`. Random choices use ``seed``.
+
+Ctrl-C / SIGTERM (a stop request, :func:`tierstore.bench.registry.stop_requested`):
+the worker threads finish their current request and stop, and the job reports
+what it measured so far; the store is closed only after every worker stopped.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -34,9 +47,9 @@ from ..api import KVStore, leading_ok
 from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
-from ..wiring import build_store
-from .kvjobs import store_config
-from .registry import current_progress, register_runner
+from ..index import Tier
+from .kvjobs import no_space_report, nvme_file, store_config, warn_if_larger_than_free
+from .registry import current_progress, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_kv_synthetic"]
@@ -44,20 +57,13 @@ __all__ = ["run_kv_synthetic"]
 _NS = Namespace(model="bench-synthetic")
 
 
-def _build(options: dict[str, Any], layout, directory: str):
-    """The store for a synthetic job: :func:`tierstore.wiring.build_store` (file, sim
-    or FDP device, placement, admission) from the same options as ``rw=kvtrace``.
-    Returns ``(store, wired)``; ``wired`` is ``None`` without an NVMe tier."""
-    opts = dict(options)
-    mo_promotion = "none" if options["rw"] == "kvload" else "top"
-    if not options["nvme_size"]:
-        return KVStore(layout, hbm_bytes=options["hbm_size"], host_bytes=options["host_size"],
-                       eviction=options["eviction"], promotion=mo_promotion), None
-    cfg = store_config(opts, layout, options["hbm_size"], options["host_size"], directory,
-                       options["nvme_size"], None)
-    cfg.manager_options["promotion"] = mo_promotion
-    wired = build_store(cfg)
-    return wired.store, wired
+def _build(options: dict[str, Any], layout, path: str | None) -> KVStore:
+    """The store for a synthetic job, from the same options as ``rw=kvtrace``
+    (:func:`tierstore.bench.kvjobs.store_config`: file, sim or FDP device,
+    placement, admission); ``path`` is the NVMe tier's file with ``device=file``."""
+    cfg = store_config(options, options["hbm_size"], options["host_size"], options["nvme_size"], path,
+                       promotion="none" if options["rw"] == "kvload" else "top")
+    return KVStore.from_config(cfg, layout)
 
 
 def _prompt_tokens(prefix_id: int, nblocks: int, tpb: int, start_block: int = 0) -> np.ndarray:
@@ -75,18 +81,55 @@ def _blocks(layout, keys: list[bytes]) -> list[torch.Tensor]:
     return out
 
 
+def _not_loaded_reason(c: dict[str, Any], load_blocks: str) -> str:
+    """Why fewer blocks were loaded than matched (empty when all were)."""
+    parts = []
+    skipped = c["matched"] - c["useful"] if load_blocks == "useful" else 0
+    if skipped:
+        tiers = ", ".join(f"{t}: {n}" for t, n in c["skipped_tiers"].items() if n)
+        parts.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
+                     f"faster than loading them ({tiers}); load_blocks=matched loads every matched block")
+    failed = c["attempted"] - c["loaded"]
+    if failed:
+        parts.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
+    return "; ".join(parts)
+
+
 def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     """Runner of ``rw=kvstore``, ``kvload`` and ``kvmixed``; see the module docstring."""
     rw = options["rw"]
+    if rw not in ("kvstore", "kvload", "kvmixed"):
+        raise ConfigError(f"rw={rw!r}: not a synthetic KV workload")
     layout = get_layout(options["layout"]).with_tokens_per_block(options["block_tokens"])
+    own = not options["directory"]
+    directory = tempfile.mkdtemp(prefix="tierstore-kv-") if own else options["directory"]
+    nvme_path = None
+    try:
+        if options["nvme_size"] and options["device"] == "file":
+            nvme_path = nvme_file(options, directory)
+            warn_if_larger_than_free(options, nvme_path, options["nvme_size"])
+        store = _build(options, layout, nvme_path)
+        try:
+            return _run(options, rw, layout, store, nvme_path)
+        finally:
+            store.close()
+    finally:
+        if nvme_path is not None and options.get("unlink", True):
+            try:
+                os.unlink(nvme_path)
+            except FileNotFoundError:
+                pass
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: str | None) -> JobResult:
     bb = layout.bytes_per_block
     tpb = layout.tokens_per_block
     nblk = max(1, options["bs"] // bb)
     n_req = max(1, options["size"] // (nblk * bb))
-    own = not options["directory"]
-    directory = tempfile.mkdtemp(prefix="tierstore-kv-") if own else options["directory"]
+    load_all = options.get("load_blocks", "useful") == "matched"
     rng = np.random.default_rng(options["seed"])
-    store, wired = _build(options, layout, directory)
     cpu = CpuUsage()
     progress = current_progress()
     threads = max(1, options["iodepth"] * options["numjobs"])
@@ -102,167 +145,202 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     #: store counters when the ramp ended: the kv section counts only what follows
     base_stats: dict = {}
     base_lock = threading.Lock()
-    try:
-        def store_req(pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
-            toks = _prompt_tokens(pid, start + nb, tpb)
-            keys = store.keys_for(_NS, toks)[start:]
+    #: lookups counted after the ramp: matched / useful / attempted / loaded blocks
+    counts: dict[str, Any] = {"matched": 0, "useful": 0, "attempted": 0, "loaded": 0, "lookup_blocks": 0,
+                              "skipped_tiers": {t.label: 0 for t in Tier}}
+
+    def store_req(pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
+        toks = _prompt_tokens(pid, start + nb, tpb)
+        keys = store.keys_for(_NS, toks)[start:]
+        t0 = time.perf_counter_ns()
+        st = store.store(_NS, toks, _blocks(layout, keys), start_block=start, lifetime=hint)
+        t1 = time.perf_counter_ns()
+        wr.record(sum(bb for s in st if s is Status.OK), t1 - t0, t1)
+
+    def load_req(pid: int, nb: int) -> int:
+        toks = _prompt_tokens(pid, nb, tpb)
+        rid = ("bench", pid, threading.get_ident())
+        try:
             t0 = time.perf_counter_ns()
-            st = store.store(_NS, toks, _blocks(layout, keys), start_block=start, lifetime=hint)
+            hit = store.lookup(_NS, toks, request_id=rid)
+            want = hit.keys if load_all else hit.useful_keys
+            st, outs = store.load(want)
             t1 = time.perf_counter_ns()
-            wr.record(sum(bb for s in st if s is Status.OK), t1 - t0, t1)
+            n = leading_ok(st)
+            for k, o in zip(want[:n], outs[:n]):
+                if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
+                    wrong[0] += 1
+            if t1 >= ramp_end:
+                with base_lock:
+                    counts["lookup_blocks"] += len(toks) // tpb
+                    counts["matched"] += hit.matched_blocks
+                    counts["useful"] += hit.useful_blocks
+                    counts["attempted"] += len(want)
+                    counts["loaded"] += n
+                    for t in hit.tiers[hit.useful_blocks:hit.matched_blocks]:
+                        counts["skipped_tiers"][t.label] += 1
+            if want:
+                rd.record(n * bb, t1 - t0, t1)
+            return n
+        finally:
+            store.release(rid)
 
-        def load_req(pid: int, nb: int) -> int:
-            toks = _prompt_tokens(pid, nb, tpb)
-            rid = ("bench", pid, threading.get_ident())
-            try:
-                t0 = time.perf_counter_ns()
-                hit = store.lookup(_NS, toks, request_id=rid)
-                st, outs = store.load(hit)
-                t1 = time.perf_counter_ns()
-                n = leading_ok(st)
-                for k, o in zip(hit.useful_keys[:n], outs[:n]):
-                    if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
-                        wrong[0] += 1
-                if hit.useful_blocks:
-                    rd.record(n * bb, t1 - t0, t1)
-                return n
-            finally:
-                store.release(rid)
+    def pool(fn, items) -> None:
+        it = iter(items)
+        lock = threading.Lock()
+        halt = threading.Event()
 
-        def pool(fn, items) -> None:
-            it = iter(items)
-            lock = threading.Lock()
-
-            def work() -> None:
-                while True:
-                    if deadline is not None and time.perf_counter_ns() > deadline:
-                        return
-                    with lock:
-                        x = next(it, None)
-                    if x is None:
-                        return
-                    fn(x)
-            ts = [threading.Thread(target=work) for _ in range(threads)]
+        def work() -> None:
+            while not halt.is_set() and not stop_requested():
+                if deadline is not None and time.perf_counter_ns() > deadline:
+                    return
+                with lock:
+                    x = next(it, None)
+                if x is None:
+                    return
+                fn(x)
+        ts = [threading.Thread(target=work, name=f"{options['name']}-{i}") for i in range(threads)]
+        for t in ts:
+            t.start()
+        try:
             for t in ts:
-                t.start()
+                t.join()
+        finally:  # a second Ctrl-C: the workers still stop before the store closes
+            halt.set()
             for t in ts:
                 t.join()
 
-        progress.start(total=n_req, unit="req")
-        done = [0]
+    timed = bool(options["time_based"] and runtime_ns)
 
-        counted = [0]
-
-        def tick() -> None:
-            done[0] += 1
-            if time.perf_counter_ns() >= ramp_end:
-                with base_lock:
-                    counted[0] += 1
-            if done[0] % 16 == 0:
-                progress.update(done[0])
-
-        def snapshot_at_ramp_end() -> None:
-            """Store counters once the ramp is over (a timer; at once without a ramp)."""
-            with base_lock:
-                if not base_stats:
-                    base_stats.update(store.stats())
-
-        def start_clock() -> threading.Timer:
-            t = threading.Timer(max(0.0, (ramp_end - time.perf_counter_ns()) / 1e9), snapshot_at_ramp_end)
-            t.daemon = True
-            if ramp_ns:
-                t.start()
-            else:
-                snapshot_at_ramp_end()
-            return t
-
-        if rw == "kvload":  # fill first, outside the run (as fio lays out its files)
-            for i in range(n_req):
-                store_req(i, nblk)
-            t_begin = time.perf_counter_ns()
-            ramp_end = t_begin + ramp_ns
-            deadline = ramp_end + runtime_ns if runtime_ns else None
-            rd = DirectionRecorder(ramp_end)
-            wr = DirectionRecorder(ramp_end)
-        timer = start_clock()
-        if rw == "kvstore":
-            pool(lambda i: (store_req(i, nblk), tick()), range(n_req))
-        elif rw == "kvload":
-
-            def ids():
-                i = 0
-                while True:
-                    yield i % n_req
-                    i += 1
-                    if i >= n_req and not options["time_based"]:
-                        return
-            pool(lambda i: (load_req(int(i), nblk), tick()), ids())
-        elif rw == "kvmixed":
-            mix = options["lifetime_mix"]
-            classes = [c for c in ("long", "medium", "short") if mix.get(c, 0) > 0]
-            w = np.array([mix[c] for c in classes], dtype=float)
-            picks = rng.choice(len(classes), size=n_req, p=w / w.sum())
-            n_sys = 4
-            n_conv = max(1, n_req // 8)
-            conv_turns: dict[int, int] = {}
-            conv_lock = threading.Lock()
-            conv_ids = rng.integers(0, n_conv, size=n_req)
-
-            def one(i: int) -> None:
-                j = i % n_req
-                c = classes[picks[j]]
-                if c == "long":
-                    pid, nb, hint = 1_000_000 + j % n_sys, nblk, "system"
-                elif c == "medium":
-                    cid = int(conv_ids[j])
-                    with conv_lock:
-                        turn = conv_turns.get(cid, 0)
-                        conv_turns[cid] = turn + 1
-                    pid, nb, hint = 2_000_000 + cid, nblk * (turn + 1), "conversation"
-                else:
-                    pid, nb, hint = 3_000_000 + i, nblk, "query"
-                n = load_req(pid, nb)
-                if n < nb:
-                    store_req(pid, nb - n, start=n, hint=hint)
-                tick()
-            pool(one, range(n_req) if not options["time_based"] else _cycle(n_req))
+    def start_progress() -> None:
+        """Requests done of ``size``, or seconds of ramp + runtime for a time-based run."""
+        if timed:
+            progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
         else:
-            raise ConfigError(f"rw={rw!r}: not a synthetic KV workload")
-        progress.update(done[0])
-        end = time.perf_counter_ns()
-        timer.cancel()
-        usage = cpu.stop()
-        now = store.stats()
+            progress.start(total=n_req, unit="req")
+
+    def show_progress() -> None:
+        progress.update((time.perf_counter_ns() - t_begin) / 1e9 if timed else done[0])
+
+    progress.start(total=n_req, unit="req")
+    done = [0]
+    counted = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if time.perf_counter_ns() >= ramp_end:
+            with base_lock:
+                counted[0] += 1
+        if done[0] % 16 == 0:
+            show_progress()
+
+    def snapshot_at_ramp_end() -> None:
+        """Store counters once the ramp is over (a timer; at once without a ramp)."""
         with base_lock:
-            # a run that ended within the ramp counted nothing: subtract everything
-            base = dict(base_stats) if base_stats else dict(now)
-        s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-             for k, v in now.items()}
-        bpt = now["bytes_per_tier"]
-        lb = s.get("lookup_blocks", 0)
-        read, write = rd.result(end), wr.result(end)
-        kv = {
-            "requests": counted[0], "blocks_per_request": nblk, "block_bytes": bb,
-            "lookup_hit_ratio": s.get("hit_blocks", 0) / lb if lb else 0.0,
-            "useful_hit_ratio": s.get("loaded_blocks", 0) / lb if lb else 0.0,
-            "saved_prefill_tokens": int(s.get("reused_tokens", 0)),
-            "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
-            "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
-            "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
-            "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
-            "store_no_space_blocks": int(s.get("store_no_space", 0)),
-            "wrong_kv_blocks": wrong[0],
-            "load_lat_ns": read.clat_ns,
-        }
-        device = wired.device_stats() if wired is not None else {}
-        return JobResult(jobname=options.get("name") or rw, options={**options, "bs": nblk * bb}, read=read, write=write,
-                         kv=kv, device=device, timeseries={},
-                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=max(0, end - ramp_end) / 1e9,
-                         ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
-    finally:
-        store.close()
-        if own:
-            shutil.rmtree(directory, ignore_errors=True)
+            if not base_stats:
+                base_stats.update(store.stats())
+
+    def start_clock() -> threading.Timer:
+        t = threading.Timer(max(0.0, (ramp_end - time.perf_counter_ns()) / 1e9), snapshot_at_ramp_end)
+        t.daemon = True
+        if ramp_ns:
+            t.start()
+        else:
+            snapshot_at_ramp_end()
+        return t
+
+    if rw == "kvload":  # fill first, outside the run (as fio lays out its files)
+        for i in range(n_req):
+            if stop_requested():
+                break
+            store_req(i, nblk)
+            if i % 16 == 0:
+                progress.update(i)
+        t_begin = time.perf_counter_ns()
+        ramp_end = t_begin + ramp_ns
+        deadline = ramp_end + runtime_ns if runtime_ns else None
+        rd = DirectionRecorder(ramp_end)
+        wr = DirectionRecorder(ramp_end)
+    timer = start_clock()
+    start_progress()
+    if rw == "kvstore":
+        pool(lambda i: (store_req(i, nblk), tick()), range(n_req))
+    elif rw == "kvload":
+
+        def ids():
+            i = 0
+            while True:
+                yield i % n_req
+                i += 1
+                if i >= n_req and not options["time_based"]:
+                    return
+        pool(lambda i: (load_req(int(i), nblk), tick()), ids())
+    else:
+        mix = options["lifetime_mix"]
+        classes = [c for c in ("long", "medium", "short") if mix.get(c, 0) > 0]
+        w = np.array([mix[c] for c in classes], dtype=float)
+        picks = rng.choice(len(classes), size=n_req, p=w / w.sum())
+        n_sys = 4
+        n_conv = max(1, n_req // 8)
+        conv_turns: dict[int, int] = {}
+        conv_lock = threading.Lock()
+        conv_ids = rng.integers(0, n_conv, size=n_req)
+
+        def one(i: int) -> None:
+            j = i % n_req
+            c = classes[picks[j]]
+            if c == "long":
+                pid, nb, hint = 1_000_000 + j % n_sys, nblk, "system"
+            elif c == "medium":
+                cid = int(conv_ids[j])
+                with conv_lock:
+                    turn = conv_turns.get(cid, 0)
+                    conv_turns[cid] = turn + 1
+                pid, nb, hint = 2_000_000 + cid, nblk * (turn + 1), "conversation"
+            else:
+                pid, nb, hint = 3_000_000 + i, nblk, "query"
+            n = load_req(pid, nb)
+            if n < nb:
+                store_req(pid, nb - n, start=n, hint=hint)
+            tick()
+        pool(one, range(n_req) if not options["time_based"] else _cycle(n_req))
+    show_progress()
+    end = time.perf_counter_ns()
+    timer.cancel()
+    usage = cpu.stop()
+    now = store.stats()
+    with base_lock:
+        # a run that ended within the ramp counted nothing: subtract everything
+        base = dict(base_stats) if base_stats else dict(now)
+    s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+         for k, v in now.items()}
+    bpt = now["bytes_per_tier"]
+    lb = counts["lookup_blocks"]
+    read, write = rd.result(end), wr.result(end)
+    kv: dict[str, Any] = {
+        "requests": counted[0], "blocks_per_request": nblk, "block_bytes": bb,
+        "lookup_hit_ratio": counts["matched"] / lb if lb else 0.0,
+        "useful_hit_ratio": counts["loaded"] / lb if lb else 0.0,
+        "saved_prefill_tokens": counts["loaded"] * tpb,
+        "matched_blocks": counts["matched"], "useful_blocks": counts["useful"],
+        "loaded_blocks": counts["loaded"], "load_blocks": "matched" if load_all else "useful",
+        "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
+        "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
+        "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
+        "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
+        "wrong_kv_blocks": wrong[0],
+    }
+    space, error, message = no_space_report(now, nvme_path)
+    kv.update(space)  # whole job, fill included: refused blocks are refused whenever they happen
+    reason = _not_loaded_reason(counts, kv["load_blocks"])
+    if reason:
+        kv["not_loaded_reason"] = reason
+    kv["load_lat_ns"] = read.clat_ns
+    device = store.device_stats() if store.nvme is not None else {}
+    return JobResult(jobname=options.get("name") or rw, options={**options, "bs": nblk * bb}, read=read, write=write,
+                     kv=kv, device=device, timeseries={}, error=error, error_message=message,
+                     usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=max(0, end - ramp_end) / 1e9,
+                     ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
 
 
 def _cycle(n: int):

@@ -326,14 +326,28 @@ def _fmt_kv_value(key: str, value: Any) -> str:
     return str(value)
 
 
+def _is_series(value: Any) -> bool:
+    """A time series (lists of samples): the JSON and the plots carry it, the text report does not."""
+    return isinstance(value, (list, tuple)) or (isinstance(value, dict) and bool(value)
+                                                and all(isinstance(v, (list, tuple)) for v in value.values()))
+
+
+def _is_sentence(value: Any) -> bool:
+    return isinstance(value, str) and " " in value
+
+
 def _kv_normal(kv: dict[str, Any]) -> str:
     if not kv:
         return ""
-    scalars = [(k, v) for k, v in kv.items() if not isinstance(v, dict)]
+    scalars = [(k, v) for k, v in kv.items() if not isinstance(v, dict) and not _is_series(v)
+               and not _is_sentence(v)]
     out = []
     for i in range(0, len(scalars), 4):
         label = "  kv           : " if i == 0 else "                 "
         out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i:i + 4]) + "\n")
+    for key, value in kv.items():
+        if _is_sentence(value):
+            out.append(f"    {key}: {value}\n")
     for key, value in kv.items():
         if isinstance(value, dict) and "N" in value and "mean" in value:
             name = key[:-len("_lat_ns")].replace("_", " ") + " lat" if key.endswith("_lat_ns") else key
@@ -354,7 +368,7 @@ def _device_normal(device: dict[str, Any]) -> str:
     for key, label in names.items():
         if key in device:
             head.append(f"{label}={_fmt_kv_value(key, device[key])}")
-    rest = [(k, v) for k, v in device.items() if k not in names and k != "device"]
+    rest = [(k, v) for k, v in device.items() if k not in names and k != "device" and not _is_series(v)]
     out = ["  device       : " + ", ".join(head) + "\n"] if head else []
     for key, value in rest:
         if isinstance(value, dict):

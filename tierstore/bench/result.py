@@ -101,7 +101,11 @@ class JobResult:
     runtime_s : float
         Wall time of the job in seconds.
     error : int
-        0, or the errno of the first error (fio's ``error``).
+        0, or the errno of the first error (fio's ``error``; the normal output's
+        ``err=``). A job with an error makes ``tierstore bench`` exit 1.
+    error_message : str
+        What failed, for the error line on stderr (fio's ``fio: pid=..., err=...,
+        error=...``); empty without an error.
     ctx, majf, minf : int
         Context switches, major and minor page faults during the job.
     iodepth_level : dict, optional
@@ -122,6 +126,7 @@ class JobResult:
     sys_cpu: float = 0.0
     runtime_s: float = 0.0
     error: int = 0
+    error_message: str = ""
     ctx: int = 0
     majf: int = 0
     minf: int = 0

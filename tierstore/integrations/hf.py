@@ -43,6 +43,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import inspect
@@ -347,6 +348,19 @@ class GenerationResult:
     ttft_s: float
     stored_blocks: int
     store_s: float
+
+    def __repr__(self) -> str:
+        """One line: the counts and timings, the first tokens, and the logits' shape and
+        dtype (never their values: a vocabulary of logits is ~100k numbers)."""
+        toks = self.tokens[:8]
+        more = f", ... ({len(self.tokens)} tokens)" if len(self.tokens) > 8 else ""
+        tiers = dict(collections.Counter(self.hit_tiers))
+        logits = self.first_logits
+        lg = (f"Tensor(shape={tuple(logits.shape)}, dtype={logits.dtype}, device={logits.device})"
+              if isinstance(logits, torch.Tensor) else type(logits).__name__)
+        return (f"GenerationResult(tokens={toks}{more}, reused_tokens={self.reused_tokens}, hit_tiers={tiers}, "
+                f"ttft_s={self.ttft_s:.4f}, stored_blocks={self.stored_blocks}, store_s={self.store_s:.4f}, "
+                f"first_logits={lg})")
 
 
 # ----------------------------------------------------------------------------- adapter

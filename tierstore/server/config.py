@@ -200,6 +200,7 @@ class DaemonConfig(_Model):
     layout: LayoutConfig
     tiers: TiersConfig
     policies: PoliciesConfig = PoliciesConfig()
+    remote: RemoteConfig | None = None
     puts: PutsConfig = PutsConfig()
     tenants: list[TenantConfig]
     public_namespaces: list[PublicNamespaceConfig] = Field(default_factory=list)

@@ -1,8 +1,11 @@
 """``tierstore serve --config FILE``: run the storage daemon until SIGTERM/SIGINT.
 
 Exit codes: 0 after a clean drain, 2 for a bad command line or config
-(the message names the key, the value and what is accepted), 1 when the store
-or the listener cannot be started (e.g. the NVMe path or the port is unusable).
+(the message names the key, the value and what is accepted) and for a
+``--check`` that finds the config cannot start on this machine
+(:mod:`tierstore.server.check`: memory, disk space, layout vs the NVMe file,
+device, ports), 1 when the store or the listener cannot be started (the same
+checks run before start-up, except the port test, which the bind itself does).
 
 Shutdown: on SIGTERM or SIGINT the daemon reports not-ready (``/readyz`` 503),
 answers new API requests with 503 + ``Retry-After``, waits up to
@@ -30,7 +33,8 @@ log = logging.getLogger("tierstore.server")
 
 async def serve(cfg: DaemonConfig) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
-    from .app import JsonAccessLogger, Service
+    from .http import JsonAccessLogger
+    from .service import Service
     loop = asyncio.get_running_loop()
     try:
         svc = await loop.run_in_executor(None, Service, cfg)
@@ -98,11 +102,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tierstore serve: {e}", file=sys.stderr)
         return 2
+    from .check import preflight
     if args.check:
+        pf = preflight(cfg)
+        for note in pf.notes:
+            print(f"tierstore serve: {args.config}: {note}")
+        for err in pf.errors:
+            print(f"tierstore serve: {args.config}: error: {err}", file=sys.stderr)
+        if pf.errors:
+            print(f"tierstore serve: {args.config}: the config is valid but cannot start on this machine "
+                  f"({len(pf.errors)} problem{'s' if len(pf.errors) > 1 else ''})", file=sys.stderr)
+            return 2
         print(f"tierstore serve: {args.config}: config OK")
         return 0
-    from .app import setup_logging
+    from .http import setup_logging
     setup_logging(cfg.log.level)
+    pf = preflight(cfg, ports=False)  # the listeners' bind is the port check at start
+    if pf.errors:
+        for err in pf.errors:
+            log.error("cannot start", extra={"fields": {"event": "startup_failed", "error": err}})
+        return 1
+    for note in pf.notes:
+        log.info("preflight", extra={"fields": {"event": "preflight", "note": note}})
     return asyncio.run(serve(cfg))
 
 

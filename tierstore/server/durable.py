@@ -1,55 +1,32 @@
-"""Write-through (durable) stores and restart repair for the daemon.
+"""Restart repair for invalidations recorded by daemons before the store logged them.
 
-:func:`durable_store` is the daemon's put path when ``puts.durable`` is on:
-:meth:`~tierstore.manager.TierManager.store_write_through` writes each block to
-the NVMe tier first (:class:`~tierstore.io.SegmentStorage` acknowledges only
-after O_DIRECT writes and fdatasync), then indexes it with an NVMe copy and
-caches it in the fastest memory tier with room.
+Older daemons kept their own invalidation log (``state_dir/invalidations.jsonl``,
+``scope -> NVMe write seq``); the NVMe tier now records invalidations itself
+(:meth:`tierstore.io.segments.SegmentStorage.invalidate_namespace`). This module
+applies the old log once at start-up, so blocks invalidated before an upgrade
+are never served.
 """
 from __future__ import annotations
 
-from typing import Sequence
 
-import torch
-
-from ..errors import Status
-from ..manager import TierManager
-
-
-def durable_store(m: TierManager, ns: bytes, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-                  lifetime: str | None = None, first_position: int = 0) -> list[Status]:
-    """Store blocks write-through to NVMe; see :meth:`TierManager.store_write_through`."""
-    return m.store_write_through(ns, keys, blocks, lifetime, first_position)
-
-
-def recovered_locations(m: TierManager) -> dict[bytes, tuple[bytes, int]]:
-    """``key -> (namespace digest, write seq)`` of every block the NVMe backend holds."""
-    return m.nvme.entries() if m.nvme is not None else {}
-
-
-def nvme_next_seq(m: TierManager) -> int:
-    """The sequence number the NVMe backend gives its next write (0 if unordered)."""
-    return m.nvme.write_seq() if m.nvme is not None else 0
-
-
-def repair_after_restart(m: TierManager, tombstones: dict[bytes, int]) -> int:
-    """Drop recovered entries that were invalidated before the restart.
+def repair_after_restart(store, tombstones: dict[bytes, int]) -> int:
+    """Drop recovered blocks of a scope written before its logged invalidation.
 
     Parameters
     ----------
-    m : TierManager
-        Freshly constructed over the recovered NVMe backend (its entries carry
-        their namespace digests from the on-disk headers).
+    store : tierstore.api.KVStore
+        Freshly opened over the recovered NVMe tier.
     tombstones : dict
-        ``scope digest -> NVMe seq at invalidation``: blocks of that scope written
-        with a smaller seq were invalidated before the restart (SegmentStorage
-        deletes are volatile, so the daemon logs them).
+        ``scope digest -> NVMe seq at invalidation``.
 
     Returns
     -------
     int
-        Entries dropped because of a tombstone.
+        Blocks dropped because of a tombstone.
     """
-    stale = [k for k, (ns, seq) in recovered_locations(m).items()
+    if store.nvme is None or not tombstones or not hasattr(store.nvme, "scan"):
+        return 0
+    keys, nss, seqs = store.nvme.scan()
+    stale = [k for k, ns, seq in zip(keys, nss, seqs.tolist())
              if (tomb := tombstones.get(ns)) is not None and seq < tomb]
-    return m.remove(stale)
+    return store.remove(stale) if stale else 0

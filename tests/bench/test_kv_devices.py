@@ -1,0 +1,152 @@
+"""KV jobs: where the NVMe tier lives, what the shipped job files measure, what is loaded, full disks
+(issue 19, items 7 and 8, CLI side)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections import namedtuple
+
+import pytest
+
+from tierstore.bench.jobfile import parse_jobs, schema_help
+from tierstore.bench.kvjobs import store_config
+from tierstore.bench.cli import main
+
+from .conftest import REPO
+
+_StatVfs = namedtuple("_StatVfs", "f_bavail f_frsize")
+_SMALL = ["--layout=tiny", "--bs=64k", "--size=4m", "--hbm_size=256k", "--host_size=512k", "--nvme_size=16m",
+          "--iodepth=2"]
+
+
+def _run(tmp_path, *args, rc=0):
+    out = tmp_path / "o.json"
+    got = main([*args, "--output-format=json", f"--output={out}"])
+    assert got == rc
+    return json.loads(out.read_text())["jobs"][0]
+
+
+def _mode(flags, files=()):
+    (job,) = parse_jobs(flags, files)
+    opts = dict(job.options, _explicit=frozenset(job.explicit) | frozenset(job.global_explicit))
+    return store_config(opts, 0, 1 << 20, 16 << 20, "/tmp/x.0.0").tiers.nvme
+
+
+def test_device_default_is_what_cmdhelp_says_and_file_is_accepted(tmp_path):
+    """--cmdhelp said the default was sim while leaving it out gave a file; --device=file was refused."""
+    assert "(default: file)" in schema_help("device")
+    assert _mode(["--rw=kvload"]).device == "file"
+    assert _mode(["--rw=kvload", "--device=file"]).device == "file"
+    assert _mode(["--rw=kvload", "--device=sim"]).device == "sim"
+    assert _mode(["--rw=kvload", "--device=/dev/ng0n1"]).device == "fdp"
+    job = _run(tmp_path, "--rw=kvstore", "--device=file", f"--directory={tmp_path}", *_SMALL)
+    assert job["device"]["device"].startswith("file (posix engine)")
+    assert job["device"]["engine_write_bytes"] > 0  # the bytes went to a file
+    assert job["kv"]["nvme_bytes"] > 0 and list(tmp_path.glob("*.0.0")) == []  # removed at the end (unlink=1)
+    rc = main(["--rw=kvstore", "--device=floppy", "--parse-only"])
+    assert rc == 1
+
+
+@pytest.mark.parametrize("name", ["kvload", "kvstore", "kvmixed", "kvtrace"])
+def test_shipped_kv_job_files_put_the_nvme_tier_on_disk(name):
+    """The four job files set device=sim: a memory engine, their ioengine=posix and directory= ignored."""
+    path = str(REPO / "bench" / "jobs" / f"{name}.fio")
+    cfg = _mode([], [path])
+    assert cfg.device == "file" and cfg.engine == "posix" and cfg.path == "/tmp/x.0.0"
+    (job,) = parse_jobs([], [path])
+    assert job.options["directory"] == "/tmp"
+    if name == "kvload":  # a load test loads what it matched (a bandwidth test), see the file's comment
+        assert job.options["load_blocks"] == "matched"
+
+
+def test_kvstore_job_file_writes_its_nvme_file(tmp_path):
+    job = _run(tmp_path, str(REPO / "bench" / "jobs" / "kvstore.fio"), f"--directory={tmp_path}", "--layout=tiny",
+               "--bs=64k", "--size=8m", "--hbm_size=256k", "--host_size=512k", "--nvme_size=16m", "--iodepth=2")
+    assert job["device"]["device"].startswith(f"file (posix engine) {tmp_path}/kvstore.0.0")
+    assert job["device"]["engine_write_bytes"] >= job["kv"]["nvme_bytes"] > 0
+
+
+def test_kv_job_refuses_an_existing_file(tmp_path, capsys):
+    (tmp_path / "kvstore.0.0").write_bytes(b"precious")
+    assert main(["--rw=kvstore", f"--directory={tmp_path}", *_SMALL]) == 1
+    assert "exists" in capsys.readouterr().err
+    assert (tmp_path / "kvstore.0.0").read_bytes() == b"precious"
+
+
+_LLAMA_SMALL = ["--layout=llama-3.1-8b", "--bs=4k", "--size=48m", "--hbm_size=4m", "--host_size=8m",
+                "--nvme_size=512m", "--iodepth=2"]
+
+
+def test_kvload_reports_matched_vs_loaded_and_why(tmp_path):
+    """kvload read ~half of what it stored and never said so: the cost model skips NVMe blocks
+    that recompute faster than they load (one 16-token 2 MiB block here, on a disk measured slow)."""
+    job = _run(tmp_path, "--rw=kvload", f"--directory={tmp_path}", *_LLAMA_SMALL)
+    kv = job["kv"]
+    assert kv["matched_blocks"] == 24 and kv["lookup_hit_ratio"] == 1.0
+    assert kv["loaded_blocks"] == kv["useful_blocks"] <= kv["matched_blocks"]
+    assert job["read"]["io_bytes"] == kv["loaded_blocks"] * kv["block_bytes"]
+    skipped = kv["matched_blocks"] - kv["useful_blocks"]
+    if skipped:  # the cost model calibrates on measured loads: how many it skips depends on the disk
+        assert f"{skipped} matched blocks were not loaded because the cost model judged recomputing them " \
+            "faster" in kv["not_loaded_reason"] and "load_blocks=matched" in kv["not_loaded_reason"]
+    else:
+        assert "not_loaded_reason" not in kv
+
+
+def test_not_loaded_reason_names_the_cause_and_the_tiers():
+    from tierstore.bench.kvsynth import _not_loaded_reason
+    counts = {"matched": 24, "useful": 9, "attempted": 9, "loaded": 7,
+              "skipped_tiers": {"hbm": 0, "host": 0, "nvme": 15}}
+    text = _not_loaded_reason(counts, "useful")
+    assert text.startswith("15 matched blocks were not loaded because the cost model judged recomputing them "
+                           "faster than loading them (nvme: 15); load_blocks=matched loads every matched block")
+    assert "2 blocks failed to load" in text
+    assert _not_loaded_reason(dict(counts, useful=24, attempted=24, loaded=24), "matched") == ""
+
+
+def test_load_blocks_matched_loads_every_matched_block(tmp_path):
+    job = _run(tmp_path, "--rw=kvload", f"--directory={tmp_path}", "--load_blocks=matched", *_LLAMA_SMALL)
+    kv = job["kv"]
+    assert kv["loaded_blocks"] == kv["matched_blocks"] == 24
+    assert job["read"]["io_bytes"] == 48 << 20 and kv["hit_blocks_nvme"] > 0
+    assert "not_loaded_reason" not in kv and kv["wrong_kv_blocks"] == 0
+
+
+def test_full_disk_is_reported_with_enospc(tmp_path, monkeypatch, capsys):
+    """A full file system printed err= 0 and store_no_space_blocks=0 while blocks were refused."""
+    from tierstore.io.posix import PosixEngine
+    real = PosixEngine.preallocate
+    calls = {"n": 0}
+
+    def full_after_two(self, offset, length):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, offset, length)
+    monkeypatch.setattr(PosixEngine, "preallocate", full_after_two)
+    out = tmp_path / "o.txt"
+    rc = main(["--rw=kvstore", f"--directory={tmp_path}", "--size=8m", *_SMALL[:2], *_SMALL[3:],
+               "--output-format=normal,json", f"--output={out}"])
+    assert rc == 1
+    text = out.read_text()
+    job = json.loads(text[text.index("{\n"):])["jobs"][0]
+    kv = job["kv"]
+    assert job["error"] == errno.ENOSPC and "err=28: pid=" in text
+    assert kv["nvme_allocation_failures"] > 0
+    assert kv["store_no_space_blocks"] + kv["demoted_no_space_blocks"] > 0
+    err = capsys.readouterr().err
+    assert "err=28 (ENOSPC)" in err and "ran out of space" in err
+
+
+def test_warns_when_the_nvme_tier_is_larger_than_free_space(tmp_path, monkeypatch, capsys):
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: _StatVfs(2048, 4096) if str(p).startswith(str(tmp_path))
+                        else real(p))  # 8 MiB free
+    assert main(["--rw=kvstore", f"--directory={tmp_path}", *_SMALL, "--output-format=json",
+                 f"--output={tmp_path / 'o.json'}"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "NVMe tier (16m, 16777216 bytes) is larger than the 8388608 bytes" in err
+    assert main(["--rw=kvstore", f"--directory={tmp_path}", *_SMALL, "--nvme_size=4m", "--output-format=json",
+                 f"--output={tmp_path / 'o.json'}"]) == 0
+    assert "warning" not in capsys.readouterr().err

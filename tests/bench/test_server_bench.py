@@ -1,0 +1,37 @@
+"""bench/server_bench.py with a reused --dir, and its ABBA pairing (issue 19, item 17)."""
+from __future__ import annotations
+
+import json
+import socket
+
+from .conftest import REPO
+
+
+def _dead_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    return port
+
+
+def test_reused_dir_and_abba_order(tmp_path, monkeypatch, capsys):
+    """A stale baseline.port from an earlier run made the script connect to a dead port
+    (ConnectionRefused, then an IndexError); the baseline always ran first."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import server_bench
+    (tmp_path / "baseline.port").write_text(str(_dead_port()))  # what an earlier run leaves behind
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "scopes.jsonl").write_text("{torn")
+    out = tmp_path / "r.json"
+    rc = server_bench.main(["--dir", str(tmp_path), "--runs", "2", "--ops", "1", "--clients", "1",
+                            "--sizes-mib", "2", "--host-bytes", "64MiB", "--nvme-bytes", "512MiB",
+                            "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["order"] == ["baseline,tierstore", "tierstore,baseline"]
+    assert {r["op"] for r in doc["results"]} == {"put", "get"}
+    assert all(len(r["tierstore_Bps"]) == 2 and min(r["baseline_Bps"]) > 0 for r in doc["results"])
+    captured = capsys.readouterr()
+    assert "removed baseline.port, state of an earlier run" in captured.err
+    assert "2 runs in ABBA order" in captured.out

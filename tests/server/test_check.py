@@ -1,0 +1,158 @@
+"""``tierstore serve --check`` catches what start-up would refuse (issue 19, item 13)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tierstore.server.check import mem_available_bytes, preflight
+from tierstore.server.config import load_config, parse_config
+from tierstore.server.daemon import main
+
+from .conftest import ROOT, make_config
+
+
+def _write(tmp_path, cfg: dict) -> str:
+    p = tmp_path / "daemon.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+def _meminfo(tmp_path, gib: int) -> str:
+    p = tmp_path / "meminfo"
+    p.write_text(f"MemTotal:       {gib << 20} kB\nMemAvailable:   {(gib - 1) << 20} kB\n")
+    return str(p)
+
+
+def _check(tmp_path, cfg: dict, capsys) -> tuple[int, str, str]:
+    rc = main(["--config", _write(tmp_path, cfg), "--check"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_check_passes_a_config_that_starts(tmp_path, capsys):
+    rc, out, err = _check(tmp_path, make_config(str(tmp_path)), capsys)
+    assert rc == 0 and "config OK" in out, err
+    assert not os.path.exists(tmp_path / "nvme") and not os.path.exists(tmp_path / "state")  # nothing created
+
+
+def test_check_refuses_a_host_tier_larger_than_available_memory(tmp_path, capsys):
+    """configs/daemon.yaml asks for 64 GiB of host DRAM; --check said 'config OK' on a 24 GiB machine."""
+    cfg = make_config(str(tmp_path))
+    avail = mem_available_bytes()
+    assert avail
+    cfg["tiers"]["host"]["capacity_bytes"] = 2 * avail
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "config OK" not in out
+    assert f"memory: tiers.host.capacity_bytes={2 * avail}" in err and "exceed MemAvailable=" in err
+    assert "cannot start on this machine (1 problem)" in err
+
+
+def test_startup_refuses_it_too(tmp_path):
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["host"]["capacity_bytes"] = 2 * mem_available_bytes()
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "serve", "--config", _write(tmp_path, cfg)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 1
+    assert '"event": "startup_failed"' in r.stderr and "exceed MemAvailable" in r.stderr
+
+
+def test_shipped_configs(tmp_path, capsys):
+    """daemon.yaml is an example for a big server: refused on a 24 GiB machine, with the reason;
+    daemon-small.yaml starts here."""
+    big = load_config(os.path.join(ROOT, "configs", "daemon.yaml"))
+    pf = preflight(big, ports=False, meminfo=_meminfo(tmp_path, 24))
+    assert any(e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.0 GiB) exceed") for e in pf.errors)
+    small = os.path.join(ROOT, "configs", "daemon-small.yaml")
+    rc = main(["--config", small, "--check"])
+    out = capsys.readouterr()
+    if rc and all("cannot bind" in line for line in out.err.splitlines() if ": error: " in line):
+        pytest.skip(f"a port of daemon-small.yaml is in use on this machine: {out.err}")
+    assert rc == 0 and "config OK" in out.out, out.err
+
+
+def test_check_refuses_an_nvme_tier_larger_than_the_free_disk(tmp_path, capsys):
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["capacity_bytes"] = "1024TiB"
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1048576.0 GiB) is larger than" in err
+
+
+def test_check_refuses_a_missing_device(tmp_path, capsys):
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["path"] = "/dev/nvme97n3"
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "tiers.nvme.path=/dev/nvme97n3" in err and "no such device" in err
+
+
+def test_check_refuses_a_file_system_without_o_direct(tmp_path, capsys):
+    cfg = make_config(str(tmp_path))
+    if not os.path.isdir("/dev/shm") or os.statvfs("/dev/shm").f_bavail == 0:
+        pytest.skip("no /dev/shm")
+    try:  # tmpfs refuses O_DIRECT; the daemon never falls back to buffered I/O
+        fd = os.open("/dev/shm/.tierstore-probe", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+        os.close(fd)
+        os.unlink("/dev/shm/.tierstore-probe")
+        pytest.skip("/dev/shm accepts O_DIRECT here")
+    except OSError:
+        pass
+    cfg["tiers"]["nvme"]["path"] = f"/dev/shm/tierstore-check-{os.getpid()}"
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "cannot open with O_DIRECT" in err
+    assert not os.path.exists(cfg["tiers"]["nvme"]["path"])
+
+
+def test_check_refuses_busy_ports(tmp_path, capsys):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        cfg = make_config(str(tmp_path), listen={"host": "127.0.0.1", "port": port})
+        rc, _, err = _check(tmp_path, cfg, capsys)
+        assert rc == 2 and f"listen: cannot bind 127.0.0.1:{port}" in err and "already running" in err
+        cfg = make_config(str(tmp_path), metrics={"host": "127.0.0.1", "port": port})
+        rc, _, err = _check(tmp_path, cfg, capsys)
+        assert rc == 2 and f"metrics: cannot bind 127.0.0.1:{port}" in err
+    finally:
+        s.close()
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_check_refuses_a_layout_that_does_not_match_the_nvme_file(tmp_path, capsys):
+    """A layout whose blocks do not match the existing NVMe file passed --check; start-up refuses it."""
+    from tierstore.server.service import Service
+    cfg = make_config(str(tmp_path))
+    cfg["puts"] = {"durable": True}
+    svc = Service(parse_config(cfg))  # writes one block of the 8 KiB layout
+    try:
+        scope = bytes(32)
+        st = svc.store.store_keys(scope, [os.urandom(32)], [torch.zeros(svc.block_bytes, dtype=torch.uint8)])
+        assert st[0].value == "ok"
+    finally:
+        svc.close()
+    nvme = tmp_path / "nvme" / "tierstore.nvme"
+    before, mtime = _sha(nvme), os.stat(nvme).st_mtime_ns
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 0 and "recovered at start" in out, err
+    other = dict(cfg, layout=dict(cfg["layout"], head_dim=128))  # 16 KiB blocks
+    rc, _, err = _check(tmp_path, other, capsys)
+    assert rc == 2 and "layout: " in err and "holds blocks of [8192] bytes" in err and "16384-byte" in err
+    assert _sha(nvme) == before and os.stat(nvme).st_mtime_ns == mtime  # --check changed nothing
+    # same block size, another geometry: starts, but drops the blocks of scopes of the old layout
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / "scopes.jsonl").write_text('{"scope": "%s", "owner": "acme", "layout": "%s"}\n'
+                                                     % ("00" * 32, "ff" * 32))
+    same = dict(cfg, layout=dict(cfg["layout"], num_kv_heads=2, head_dim=32))
+    rc, out, err = _check(tmp_path, same, capsys)
+    assert rc == 0 and "1 scopes in" in out and "drops their blocks" in out

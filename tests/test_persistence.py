@@ -1,0 +1,128 @@
+"""Restart persistence and durable invalidation (issue 19 items 1, 2, 9), through KVStore.
+
+Each case failed on the old core: close() dropped every block that lived only in
+memory (0/40 back with 64 host blocks), invalidate() was undone by a restart, and a
+2 MiB NVMe tier of two 1 MiB segments dropped half of itself at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import KVStore, Namespace, Status, Tier
+from tierstore.errors import ConfigError
+from tierstore.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, tokens_per_block=16)
+NS = Namespace(model="m@1", tenant="acme")
+B = LAYOUT.tokens_per_block
+
+
+def _prompts(n: int = 10, blocks: int = 4):
+    out = []
+    for i in range(n):
+        toks = np.arange(i * 1000, i * 1000 + blocks * B)
+        kv = torch.from_numpy(np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape))
+                              .astype(np.float16))
+        out.append((toks, kv))
+    return out
+
+
+def _open(path, hbm=0, host=0, **kw) -> KVStore:
+    bb = LAYOUT.bytes_per_block
+    return KVStore(LAYOUT, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme_path=str(path), nvme_bytes=8 << 20, **kw)
+
+
+@pytest.mark.parametrize("hbm,host", [(0, 0), (2, 2), (0, 64)], ids=["nvme-only", "2hbm+2host", "64host"])
+def test_close_writes_memory_only_blocks_down(tmp_path, hbm, host):
+    prompts = _prompts()
+    s = _open(tmp_path, hbm, host)
+    for toks, kv in prompts:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+    s.close()
+    s = _open(tmp_path, hbm, host)
+    try:
+        back = 0
+        for toks, kv in prompts:
+            hit = s.lookup(NS, toks)
+            st, out = s.load(hit.keys)
+            assert all(torch.equal(a, b) for a, b in zip(out[:hit.matched_blocks], kv))
+            back += sum(x is Status.OK for x in st)
+        assert back == 40
+    finally:
+        s.close()
+
+
+def test_close_flush_can_be_turned_off_and_is_bounded(tmp_path):
+    prompts = _prompts()
+    s = _open(tmp_path, 0, 64, flush_on_close=False)
+    for toks, kv in prompts:
+        s.store(NS, toks, kv)
+    s.close()
+    s = _open(tmp_path, 0, 64, flush_max_bytes=5 * LAYOUT.bytes_per_block)
+    assert sum(s.lookup(NS, t).matched_blocks for t, _ in prompts) == 0  # nothing was written: a crash-like close
+    for toks, kv in prompts:
+        s.store(NS, toks, kv)
+    s.close()
+    s = _open(tmp_path, 0, 64)
+    try:
+        assert s.stats()["blocks"] == 5  # the byte bound of the flush held
+    finally:
+        s.close()
+
+
+def test_invalidate_is_durable_and_the_namespace_can_be_stored_again(tmp_path):
+    (toks, kv), (toks2, kv2) = _prompts(2)
+    other = Namespace(model="m@1", tenant="bravo")
+    s = _open(tmp_path, 0, 4)
+    s.store(NS, toks, kv)
+    s.store(other, toks, kv)
+    assert s.invalidate(NS) == 4
+    s.close()
+    s = _open(tmp_path, 0, 4)
+    try:
+        assert s.lookup(NS, toks).matched_blocks == 0  # nothing of it is served after the restart
+        assert s.lookup(other, toks).matched_blocks == 4  # another namespace is untouched
+        assert s.store(NS, toks2, kv2) == [Status.OK] * 4  # stored again after the invalidation
+    finally:
+        s.close()
+    s = _open(tmp_path, 0, 4)
+    try:
+        assert s.lookup(NS, toks2).matched_blocks == 4 and s.lookup(NS, toks).matched_blocks == 0
+    finally:
+        s.close()
+
+
+def test_a_small_nvme_tier_keeps_most_of_its_blocks(tmp_path):
+    """A 2 MiB tier is cut into many segments: after many one-block stores, the tier
+    still holds most of what fits (it held 6 of 124 with two 1 MiB segments)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float16, tokens_per_block=64)
+    s = KVStore(lay, nvme_path=str(tmp_path), nvme_bytes=2 << 20)
+    try:
+        assert s.nvme.n_segments >= 8
+        for i in range(124):
+            toks = np.arange(i * 100, i * 100 + 64)
+            assert s.store(NS, toks, torch.zeros(1, *lay.block_shape, dtype=lay.dtype)) == [Status.OK]
+        fits = s.nvme.capacity_blocks()
+        assert s.bytes_per_tier()["nvme"] // lay.bytes_per_block >= 0.8 * fits
+    finally:
+        s.close()
+    with pytest.raises(ConfigError, match="too small for region eviction"):
+        KVStore(lay, nvme_path=str(tmp_path / "x"), nvme_bytes=64 << 10)
+
+
+def test_crash_loses_only_what_was_never_written(tmp_path):
+    """Without close(), memory-only blocks are lost and NVMe blocks come back (the documented contract)."""
+    prompts = _prompts(4)
+    s = _open(tmp_path, 0, 4)
+    for toks, kv in prompts:
+        s.store(NS, toks, kv)
+    on_nvme = [k for t, _ in prompts for k in s.keys_for(NS, t) if Tier.NVME in s.tiers_of(k)]
+    s.nvme.close()  # the process "dies": no flush
+    s2 = _open(tmp_path, 0, 4)
+    try:
+        assert sum(s2.resident(on_nvme)) == len(on_nvme) > 0
+        assert s2.stats()["blocks"] == len(on_nvme)
+    finally:
+        s2.close()

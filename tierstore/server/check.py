@@ -1,0 +1,347 @@
+"""``tierstore serve --check``: find what start-up would refuse, without starting or changing anything.
+
+A config that validates (:mod:`tierstore.server.config`) can still fail to
+start on this machine. :func:`preflight` checks, read-only:
+
+* **memory**: the memory tiers are allocated at start (one tensor each,
+  :class:`tierstore.tiers.memory.BlockPool`): host (plus HBM when it is the
+  CPU stand-in, no CUDA) against ``MemAvailable`` of ``/proc/meminfo``;
+* **NVMe geometry**: a segment holds at least one block extent and the tier at
+  least two segments (:class:`tierstore.io.SegmentStorage`'s own rules, from
+  :mod:`tierstore.io.format`);
+* **NVMe path**: a device under ``/dev`` exists, is a block or character device
+  and is large enough; a file's directory is writable (or creatable) and its
+  file system has room for the tier (free space plus what an existing tier file
+  already holds: the file is sparse, so a tier larger than the disk starts
+  but refuses blocks once the disk is full) and accepts O_DIRECT (an existing
+  file is opened read-only; otherwise a probe file is created and removed);
+* **layout vs an existing NVMe file**: the extent headers of the file are read
+  (plain reads; nothing is written, trimmed or locked) and their block size
+  compared with the layout's, as :class:`~tierstore.io.SegmentStorage` does at
+  start (it refuses another block size). Scopes registered in ``state_dir``
+  under another layout are reported: start-up drops their blocks;
+* **state_dir**: writable or creatable;
+* **ports**: the listen and metrics addresses can be bound now (a bind test,
+  ``SO_REUSEADDR`` as aiohttp binds). Port 0 always binds.
+
+Errors make ``--check`` exit 2 with one line each; notes are printed and do not
+fail. Start-up runs the same checks except the port test (the real bind does
+that) and refuses on an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import socket
+import stat
+
+from ..errors import ConfigError
+from ..io import format as fmt
+from ..io.segments import choose_segment_size
+from ..layout import KVLayout
+from .config import DaemonConfig
+
+__all__ = ["Preflight", "preflight", "nvme_file_path", "segment_size_bytes"]
+
+_DEFAULT_STATE_FILE = "scopes.jsonl"
+
+
+@dataclasses.dataclass
+class Preflight:
+    """Outcome of :func:`preflight`: ``errors`` (start-up would refuse) and ``notes``."""
+
+    errors: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def nvme_file_path(path: str) -> str:
+    """The file the daemon opens for ``tiers.nvme.path`` (a directory, or a path without an
+    extension, gets ``tierstore.nvme`` inside: the daemon creates that directory and
+    :func:`tierstore.build.assemble` opens the file in it)."""
+    if path.startswith("/dev/"):
+        return path
+    if os.path.isdir(path) or not os.path.splitext(path)[1]:
+        return os.path.join(path, "tierstore.nvme")
+    return path
+
+
+def segment_size_bytes(capacity_bytes: int, configured: int | None, block_bytes: int) -> int:
+    """The segment size the daemon uses (:func:`tierstore.io.segments.choose_segment_size`).
+
+    Raises
+    ------
+    ConfigError
+        A tier too small for region eviction.
+    """
+    return choose_segment_size(capacity_bytes, block_bytes, configured)
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes (Linux 3.14+), or ``None`` when unknown."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _existing_dir(path: str) -> str:
+    """The nearest existing ancestor directory of ``path``."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p if os.path.isdir(p) else os.path.dirname(p)
+
+
+def _check_memory(cfg: DaemonConfig, out: Preflight, meminfo: str) -> None:
+    from ..tiers.memory import cuda_available
+    host = cfg.tiers.host.capacity_bytes
+    hbm = cfg.tiers.hbm.capacity_bytes
+    on_cpu = hbm if hbm and not cuda_available() else 0
+    need = host + on_cpu
+    avail = mem_available_bytes(meminfo)
+    if avail is None:
+        out.notes.append("memory: MemAvailable unknown (no /proc/meminfo); not checked")
+        return
+    what = f"tiers.host.capacity_bytes={host} ({_gib(host)})"
+    if on_cpu:
+        what += f" + tiers.hbm.capacity_bytes={on_cpu} ({_gib(on_cpu)}, host memory: no CUDA here)"
+    if need > avail:
+        out.errors.append(f"memory: {what} exceed MemAvailable={avail} ({_gib(avail)}) of this machine; "
+                          "lower the capacity (the pool is allocated whole at start)")
+    else:
+        out.notes.append(f"memory: {_gib(need)} of memory tiers, {_gib(avail)} available")
+
+
+def _check_writable_dir(what: str, path: str, out: Preflight) -> bool:
+    base = _existing_dir(path)
+    if not os.access(base, os.W_OK | os.X_OK):
+        out.errors.append(f"{what}: {path}: {base} is not writable by this user (uid {os.getuid()})")
+        return False
+    return True
+
+
+def _check_o_direct(path: str, out: Preflight) -> None:
+    """The NVMe tier is opened with O_DIRECT and never falls back (tmpfs refuses it with EINVAL).
+
+    An existing file is opened read-only; otherwise a probe file is created in the
+    nearest existing directory and removed at once.
+    """
+    if os.path.exists(path):
+        target, flags = path, os.O_RDONLY
+    else:
+        target = os.path.join(_existing_dir(path), f".tierstore-check-{os.getpid()}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(target, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        hint = " (the file system refuses O_DIRECT, e.g. tmpfs)" if e.errno == errno.EINVAL else ""
+        out.errors.append(f"tiers.nvme.path={path}: cannot open with O_DIRECT: {e.strerror}{hint}")
+        return
+    os.close(fd)
+    if target != path:
+        os.unlink(target)
+
+
+def _read_headers(path: str, seg_bytes: int, n_seg: int) -> tuple[set[int], int]:
+    """Block sizes recorded in the first extent header of each segment, and segments with one.
+
+    Plain ``os.pread`` (no O_DIRECT, no lock, nothing written): the check must not
+    change the file or wait for a running daemon's lock.
+    """
+    sizes: set[int] = set()
+    used = 0
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        file_bytes = os.fstat(fd).st_size
+        for i in range(n_seg):
+            off = i * seg_bytes
+            if off + fmt.ALIGN_BYTES > file_bytes:
+                break
+            first = os.pread(fd, fmt.ALIGN_BYTES, off)
+            try:
+                hb = fmt.peek_header_bytes(first)
+                h = fmt.decode_header(first if hb <= len(first) else os.pread(fd, hb, off))
+            except (fmt.CorruptData, OSError, ValueError):
+                continue
+            if h.extent_offset != off:
+                continue
+            used += 1
+            sizes.update(e.length_bytes for e in h.entries)
+    finally:
+        os.close(fd)
+    return sizes, used
+
+
+def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
+    n = cfg.tiers.nvme
+    if n is None:
+        return
+    bb = layout.bytes_per_block
+    cap = n.capacity_bytes
+    one = fmt.extent_bytes_for(1, bb)
+    if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
+        out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
+                          f"holding one block extent of {one} bytes (blocks of {bb} bytes)")
+        return
+    try:
+        seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
+    except ConfigError as e:
+        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: {e}")
+        return
+    if seg % fmt.ALIGN_BYTES or seg < one:
+        out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
+                          f"extent of {one} bytes (blocks of {bb} bytes)")
+        return
+    n_seg = cap // seg
+    if n_seg < 2:
+        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
+                          "store needs at least 2 (one reserved)")
+        return
+    path = nvme_file_path(n.path)
+    if path.startswith("/dev/"):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            out.errors.append(f"tiers.nvme.path={path}: {e.strerror} (no such device on this machine)")
+            return
+        if not (stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            out.errors.append(f"tiers.nvme.path={path}: not a block or character device")
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                dev_bytes = os.lseek(fd, 0, os.SEEK_END)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            out.errors.append(f"tiers.nvme.path={path}: cannot open: {e.strerror}")
+            return
+        if stat.S_ISBLK(st.st_mode) and dev_bytes < n_seg * seg:
+            out.errors.append(f"tiers.nvme.capacity_bytes={cap}: the device {path} has {dev_bytes} bytes")
+        return
+    if _check_writable_dir("tiers.nvme.path", path, out):
+        _check_o_direct(path, out)
+    held = 0
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            out.errors.append(f"tiers.nvme.path={n.path}: {path} exists and is not a regular file")
+            return
+        st = os.stat(path)
+        held = st.st_blocks * 512
+        try:
+            sizes, used = _read_headers(path, seg, n_seg)
+        except OSError as e:
+            out.errors.append(f"tiers.nvme.path={path}: cannot read: {e.strerror}")
+            return
+        other = sizes - {bb}
+        if other:
+            out.errors.append(f"layout: {path} holds blocks of {sorted(other)} bytes, but the layout makes "
+                              f"{bb}-byte blocks ({layout.name}); start-up refuses it (nothing is changed): use "
+                              "the layout it was written with, or another tiers.nvme.path")
+        elif used:
+            out.notes.append(f"nvme: {path}: {used} written segments of {bb}-byte blocks are recovered at start")
+    try:
+        vfs = os.statvfs(_existing_dir(path))
+    except OSError as e:
+        out.errors.append(f"tiers.nvme.path={path}: statvfs: {e.strerror}")
+        return
+    free = vfs.f_bavail * vfs.f_frsize
+    tier = n_seg * seg
+    if tier > free + held:
+        out.errors.append(f"disk: tiers.nvme.capacity_bytes={cap} ({_gib(cap)}) is larger than the "
+                          f"{free + held} bytes ({_gib(free + held)}) free on the file system of "
+                          f"{_existing_dir(path)}"
+                          + (f" (counting the {held} bytes the tier file already holds)" if held else "")
+                          + "; the file is sparse, so blocks would be refused once the disk is full")
+
+
+def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
+    _check_writable_dir("state_dir", cfg.state_dir, out)
+    reg = os.path.join(cfg.state_dir, _DEFAULT_STATE_FILE)
+    if not os.path.exists(reg):
+        return
+    fp = layout.fingerprint().hex()
+    other = 0
+    try:
+        with open(reg, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("layout") != fp:
+                    other += 1
+    except OSError as e:
+        out.errors.append(f"state_dir: {reg}: cannot read: {e.strerror}")
+        return
+    if other:
+        out.notes.append(f"layout: {other} scopes in {reg} were written under another layout; start-up drops "
+                         "their blocks (they can never be addressed again)")
+
+
+def _bind_test(what: str, host: str, port: int, out: Preflight) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        out.errors.append(f"{what}: host {host!r}: {e.strerror}")
+        return
+    for family, socktype, proto, _, addr in infos[:1]:
+        s = socket.socket(family, socktype, proto)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+        except OSError as e:
+            hint = " (another process listens there; a daemon already running?)" if e.errno == errno.EADDRINUSE \
+                else ""
+            out.errors.append(f"{what}: cannot bind {host}:{port}: {e.strerror}{hint}")
+        finally:
+            s.close()
+
+
+def preflight(cfg: DaemonConfig, *, ports: bool = True, meminfo: str = "/proc/meminfo") -> Preflight:
+    """Check what start-up would refuse on this machine (see the module doc); changes nothing.
+
+    Parameters
+    ----------
+    cfg : DaemonConfig
+        A validated config.
+    ports : bool
+        Also bind-test ``listen`` and ``metrics`` (``--check``); start-up skips it.
+    meminfo : str
+        Path of ``/proc/meminfo`` (tests point it at a fixture).
+
+    Returns
+    -------
+    Preflight
+    """
+    out = Preflight()
+    layout = cfg.layout.build()
+    _check_memory(cfg, out, meminfo)
+    _check_nvme(cfg, layout, out)
+    _check_state_layout(cfg, layout, out)
+    if ports:
+        _bind_test("listen", cfg.listen.host, cfg.listen.port, out)
+        if cfg.metrics.port is not None:
+            if cfg.metrics.port and cfg.metrics.port == cfg.listen.port and cfg.metrics.host == cfg.listen.host:
+                out.errors.append(f"metrics.port={cfg.metrics.port}: same address as listen; use null to serve "
+                                  "/metrics on the API port only")
+            else:
+                _bind_test("metrics", cfg.metrics.host, cfg.metrics.port, out)
+    return out

@@ -1,0 +1,229 @@
+"""Tenancy of the daemon: credentials, scopes, the scope registry, the invalidation log, usage and quotas.
+
+Tenancy and key scoping
+-----------------------
+A bearer token (``Authorization: Bearer <token>``) maps to one tenant; tokens
+are compared as SHA-256 digests with :func:`hmac.compare_digest`, against every
+configured credential (no early exit). Clients send the 32-byte digest of their
+:class:`~tierstore.identity.Namespace` and the chained block keys they computed
+(``KVStore.keys_for``). The server never uses these as storage keys. It derives::
+
+    owner = tenant name                     (or "public:<name>" for a declared public namespace)
+    scope = SHA-256("tierstore/scope/v2" 0x00 owner 0x00 client_namespace_digest || layout_fingerprint)
+    key   = SHA-256("tierstore/server-key/v1" || scope || client_key)
+
+``layout_fingerprint`` is :meth:`~tierstore.layout.KVLayout.fingerprint` of the
+daemon's layout: a daemon restarted with another layout never serves the old
+bytes. ``owner`` comes from the credential, so a client cannot name another tenant's
+scope: equal namespaces and keys of two tenants map to unrelated storage keys,
+and no request of tenant B can address, probe, pin, load or invalidate a block
+of tenant A. Only namespaces declared in ``public_namespaces`` (matched by the
+client's namespace digest) map to a shared owner, readable by their
+``readers`` and writable by their ``writers``. Every answer about keys is
+computed inside the caller's scopes, so responses and errors never depend on
+another tenant's blocks. ``scope`` is the store's namespace (the unit
+of :meth:`~tierstore.api.KVStore.invalidate`, pin quotas and tenant usage).
+
+Registry and invalidation log
+-----------------------------
+Segment deletes are volatile, so invalidations are logged (fsync'ed) in
+``state_dir/invalidations.jsonl``; ``state_dir/scopes.jsonl`` maps scopes to
+owners (and the layout they were written under) so tenant usage is known again
+after a restart. A torn last line (a crash mid-append) is skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+from .config import DaemonConfig
+from .http import ApiError, bearer_token
+
+__all__ = ["Tenancy"]
+
+log = logging.getLogger("tierstore.server")
+_SCOPE_DOMAIN = b"tierstore/scope/v2"
+_KEY_DOMAIN = b"tierstore/server-key/v1"
+
+
+class Tenancy:
+    """Credentials, scopes, the scope registry, tombstones and per-owner usage.
+
+    Parameters
+    ----------
+    cfg : DaemonConfig
+        The daemon config (tenants, public namespaces, state_dir).
+    block_bytes : int
+        Bytes per block (usage accounting).
+    layout_fingerprint : bytes
+        :meth:`KVLayout.fingerprint` of the daemon's layout, mixed into every scope.
+    """
+
+    def __init__(self, cfg: DaemonConfig, block_bytes: int, layout_fingerprint: bytes = b"") -> None:
+        self.block_bytes = block_bytes
+        self.layout_fingerprint = layout_fingerprint
+        self._creds: list[tuple[bytes, str]] = [(d, t.name) for t in cfg.tenants for d in t.token_digests()]
+        self.quota_bytes: dict[str, int] = {t.name: t.quota_bytes for t in cfg.tenants}
+        self.public: dict[bytes, Any] = {}
+        for p in cfg.public_namespaces:
+            self.public[p.ns_digest()] = p
+            self.quota_bytes[f"public:{p.name}"] = p.quota_bytes
+        os.makedirs(cfg.state_dir, exist_ok=True)
+        self._scopes_path = os.path.join(cfg.state_dir, "scopes.jsonl")
+        self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
+        self.scope_owner: dict[bytes, str] = {}
+        self.tombstones: dict[bytes, int] = {}
+        for rec in self._read_jsonl(self._scopes_path):
+            # a scope recorded under another layout (or before layouts were
+            # recorded) is unreachable now: its blocks are dropped at start
+            if rec.get("layout") == layout_fingerprint.hex():
+                self.scope_owner[bytes.fromhex(rec["scope"])] = rec["owner"]
+        for rec in self._read_jsonl(self._tomb_path):
+            self.tombstones[bytes.fromhex(rec["scope"])] = int(rec["seq"])
+        self._lock = threading.Lock()
+        self._file_lock = threading.Lock()
+        self._keys: dict[bytes, set] = {}           # scope -> server keys put (pruned lazily)
+        self._owner_scopes: dict[str, set] = {}     # owner -> scopes
+
+    @staticmethod
+    def _read_jsonl(path: str) -> list[dict]:
+        out = []
+        if not os.path.exists(path):
+            return out
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    log.warning("skipping a torn line of %s", path)  # the tail of a crash
+                    continue
+                out.append(rec)
+        return out
+
+    def _append(self, path: str, rec: dict) -> None:
+        with self._file_lock:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, (json.dumps(rec) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # -- auth -------------------------------------------------------------
+    def authenticate(self, header: str | None) -> str | None:
+        """Tenant of an ``Authorization`` header, or ``None``. Constant time per credential."""
+        token = bearer_token(header)
+        if token is None:
+            return None
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found = None
+        for d, name in self._creds:
+            if hmac.compare_digest(d, digest):
+                found = name
+        return found
+
+    # -- scopes -----------------------------------------------------------
+    def resolve(self, tenant: str, client_ns: bytes, write: bool) -> tuple[bytes, str]:
+        """``(scope digest, owner)`` of a client namespace for ``tenant``.
+
+        Raises
+        ------
+        ApiError
+            403 for a write to a public namespace the tenant may not write, or a
+            read of one it may not read.
+        """
+        pub = self.public.get(client_ns)
+        if pub is not None:
+            if write and tenant not in pub.writers:
+                raise ApiError(403, "forbidden", f"public namespace {pub.name!r} is not writable by this tenant")
+            if not write and pub.readers != "*" and tenant not in pub.readers and tenant not in pub.writers:
+                raise ApiError(403, "forbidden", f"public namespace {pub.name!r} is not readable by this tenant")
+            owner = f"public:{pub.name}"
+        else:
+            owner = tenant
+        scope = hashlib.sha256(_SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns
+                               + self.layout_fingerprint).digest()
+        if write and scope not in self.scope_owner:  # reads of unknown scopes leave no state behind
+            with self._lock:
+                known = scope in self.scope_owner
+                self.scope_owner[scope] = owner
+            if not known:
+                self._append(self._scopes_path, {"scope": scope.hex(), "owner": owner,
+                                                 "layout": self.layout_fingerprint.hex()})
+        return scope, owner
+
+    @staticmethod
+    def server_keys(scope: bytes, client_keys: Sequence[bytes]) -> list[bytes]:
+        """Storage keys of client keys within ``scope``."""
+        return [hashlib.sha256(_KEY_DOMAIN + scope + k).digest() for k in client_keys]
+
+    # -- usage / quota ----------------------------------------------------
+    def adopt(self, store) -> None:
+        """Rebuild usage from the store's index after a restart."""
+        with self._lock:
+            resident = store.namespaces()
+            for scope, owner in self.scope_owner.items():
+                d = store.digest(scope)
+                if d not in resident:
+                    continue
+                self._keys.setdefault(scope, set()).update(store.keys_of_namespace(d))
+                self._owner_scopes.setdefault(owner, set()).add(scope)
+
+    def _used_blocks(self, owner: str) -> int:
+        return sum(len(self._keys.get(s, ())) for s in self._owner_scopes.get(owner, ()))
+
+    def _prune(self, owner: str, store) -> None:
+        for s in self._owner_scopes.get(owner, ()):
+            ks = self._keys.get(s)
+            if ks:
+                ks = list(ks)
+                self._keys[s] = {k for k, r in zip(ks, store.resident(ks)) if r}
+
+    def reserve(self, owner: str, scope: bytes, keys: Sequence[bytes], store) -> list[bytes]:
+        """Charge ``keys`` to ``owner``'s quota; returns the newly charged keys.
+
+        Raises
+        ------
+        ApiError
+            429 when the owner's quota would be exceeded (nothing is charged then).
+        """
+        quota = self.quota_bytes.get(owner, 1 << 62)
+        with self._lock:
+            have = self._keys.setdefault(scope, set())
+            new = [k for k in dict.fromkeys(keys) if k not in have]
+            if (self._used_blocks(owner) + len(new)) * self.block_bytes > quota:
+                self._prune(owner, store)
+                have = self._keys[scope]
+                new = [k for k in dict.fromkeys(keys) if k not in have]
+                if (self._used_blocks(owner) + len(new)) * self.block_bytes > quota:
+                    raise ApiError(429, "quota_exceeded",
+                                   f"storing {len(new)} new blocks would exceed the quota of {quota} bytes "
+                                   f"(in use: {self._used_blocks(owner) * self.block_bytes} bytes); "
+                                   "retry after invalidating or when blocks are evicted")
+            have.update(new)
+            self._owner_scopes.setdefault(owner, set()).add(scope)
+            return new
+
+    def unreserve(self, scope: bytes, keys: Sequence[bytes]) -> None:
+        """Return the charge of keys that were not stored."""
+        with self._lock:
+            self._keys.get(scope, set()).difference_update(keys)
+
+    def usage_bytes(self, store) -> dict[str, int]:
+        """Bytes resident per owner (prunes evicted keys)."""
+        with self._lock:
+            out = {}
+            for owner in set(self.quota_bytes) | set(self._owner_scopes):
+                self._prune(owner, store)
+                out[owner] = self._used_blocks(owner) * self.block_bytes
+            return out
+
+    def invalidated(self, scope: bytes) -> None:
+        """Forget ``scope``'s usage (the store made the invalidation durable)."""
+        with self._lock:
+            self._keys.pop(scope, None)
