@@ -1,0 +1,12 @@
+"""The shared remote tier (scale-out on Mooncake Store).
+
+Importing this package never imports Mooncake: :class:`MooncakeTier` loads it
+when a tier is built, and raises :class:`tierstore.errors.ConfigError` naming
+the ``tierstore[cluster]`` extra when it is not installed.
+"""
+from .admission import ShareAdmission
+from .format import ObjectNamer
+from .mooncake import MooncakeSettings, MooncakeTier, RegisteredRegion, load_mooncake_store
+
+__all__ = ["MooncakeSettings", "MooncakeTier", "ObjectNamer", "RegisteredRegion", "ShareAdmission",
+           "load_mooncake_store"]
