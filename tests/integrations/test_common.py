@@ -1,0 +1,79 @@
+"""Engine-independent helpers of the connectors (tierstore.integrations._common)."""
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from tierstore.errors import ConfigError
+from tierstore.integrations._common import (config_fingerprint, fingerprint_model_dir, model_identity,
+                                             split_extra_config)
+
+
+def write_model(d, weights: bytes, config: str = '{"hidden_size": 8}'):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(config)
+    (d / "model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+def test_fingerprint_follows_the_weights_not_the_path(tmp_path):
+    a = write_model(tmp_path / "a", b"\x01" * 5000)
+    b = write_model(tmp_path / "b", b"\x01" * 5000)
+    c = write_model(tmp_path / "c", b"\x01" * 4999 + b"\x02")  # last byte differs
+    d = write_model(tmp_path / "d", b"\x01" * 5000, config='{"hidden_size": 16}')
+    assert fingerprint_model_dir(a) == fingerprint_model_dir(b)
+    assert fingerprint_model_dir(a) != fingerprint_model_dir(c)
+    assert fingerprint_model_dir(a) != fingerprint_model_dir(d)
+
+
+def test_fingerprint_reads_only_the_edges_of_large_files(tmp_path):
+    big = bytearray(b"\x00" * 10_000)
+    a = write_model(tmp_path / "a", bytes(big))
+    big[5000] = 1  # a change in the middle, beyond both edges
+    b = write_model(tmp_path / "b", bytes(big))
+    assert fingerprint_model_dir(a, edge_bytes=1000) == fingerprint_model_dir(b, edge_bytes=1000)
+    assert fingerprint_model_dir(a, edge_bytes=6000) != fingerprint_model_dir(b, edge_bytes=6000)
+
+
+def test_fingerprint_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not a directory"):
+        fingerprint_model_dir(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no \\*.json"):
+        fingerprint_model_dir(str(tmp_path / "empty"))
+
+
+def test_model_identity(tmp_path):
+    d = write_model(tmp_path / "m", b"w" * 100)
+    assert model_identity("org/m", "abc123") == ("org/m@abc123", True)
+    assert model_identity(d, "abc123") == (f"{d}@abc123", True)
+    assert model_identity(d, None) == (f"local@sha256:{fingerprint_model_dir(d)}", True)
+    ident, exact = model_identity("org/m", None, {"hidden_size": 8})
+    assert not exact and ident == f"org/m@config-sha256:{config_fingerprint({'hidden_size': 8})}"
+    assert model_identity("org/m", None, {"hidden_size": 9})[0] != ident
+    assert model_identity("org/m", "abc", override="mine") == ("mine", True)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    knob: int = 1
+
+
+def test_split_extra_config():
+    cfg, own = split_extra_config({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "mine": {"knob": 3}},
+                                  "mine", Section, "extra")
+    assert cfg.tiers.host.capacity_bytes == 1 << 20 and own.knob == 3
+    cfg, own = split_extra_config(None, "mine", Section, "extra")
+    assert own.knob == 1 and cfg.tiers.nvme is None
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"tierz": {}}, r"unknown key\(s\) \['tierz'\]; accepted keys are \['mine', 'policies', 'remote', 'tiers'\]"),
+    ({"mine": {"knobs": 1}}, "knobs: unknown key"),
+    ({"layout": {"preset": "tiny"}}, "derived from the engine"),
+    ({"policies": {"eviction": "nope"}}, "policies.eviction"),
+    ([1], "expected a mapping"),
+])
+def test_split_extra_config_errors(doc, match):
+    with pytest.raises(ConfigError, match=match):
+        split_extra_config(doc, "mine", Section, "extra")

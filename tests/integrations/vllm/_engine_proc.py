@@ -1,0 +1,50 @@
+"""Run one vLLM engine with the tierstore connector in a fresh process and print a JSON result.
+
+Used by the restart-persistence test: ``python _engine_proc.py '<json args>'``
+with ``model``, ``revision``, ``nvme_dir``, ``prompts`` (token-id lists) and
+``max_tokens``. Prints one line ``RESULT {...}``: generated tokens,
+``num_cached_tokens`` per prompt and the store's counters.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import connector_config, engine_kwargs, shutdown  # noqa: E402
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tierstore.integrations.vllm import engine_ids, engine_namespace, engine_store
+
+    extra = {"tiers": {"nvme": {"path": args["nvme_dir"], "capacity_bytes": "64MiB"}}}
+    llm = LLM(**engine_kwargs(args["model"], revision=args.get("revision")),
+              kv_transfer_config=connector_config(extra))
+    sp = SamplingParams(max_tokens=args["max_tokens"], temperature=0)
+    eid = engine_ids()[0]
+    store = engine_store(eid)
+    outs = []
+    for p in args["prompts"]:  # one at a time: each sees what the earlier ones stored
+        o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+        outs.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens})
+        keys = store.keys_for(engine_namespace(eid), p)
+        deadline = time.monotonic() + 60
+        while store.exists(keys) < len(keys) and time.monotonic() < deadline:  # stores are asynchronous
+            llm.llm_engine.step()
+            time.sleep(0.005)
+    stats = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
+    shutdown(llm)  # closes the store: a restart must find everything on NVMe
+    print("RESULT " + json.dumps({"outputs": outs, "stats": stats}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The connector's scheduler/worker protocol without an engine: scenario tests with
+deterministic block ids (fake requests and scheduler outputs, a real store over a
+fake CPU KV cache). They pin down what vLLM relies on: what is offered, which
+blocks are loaded and stored, when blocks may be freed, and that references end."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tierstore import KVStore
+from tierstore.integrations import vllm as tv
+
+NB, H, T, D, L = 16, 2, 32, 16, 2
+
+
+class FakeRequest(types.SimpleNamespace):
+    def __init__(self, req_id, tokens, prompt_len=None, **kw):
+        super().__init__(request_id=req_id, all_token_ids=list(tokens), num_computed_tokens=0,
+                         num_prompt_tokens=prompt_len or len(tokens), cache_salt=None, lora_request=None,
+                         kv_transfer_params=None, mm_features=[], prompt_embeds=None, num_preemptions=0,
+                         status=None, **kw)
+
+    @property
+    def num_tokens(self):
+        return len(self.all_token_ids)
+
+
+def sched_output(scheduled: dict, block_ids: dict, preempted=()):
+    state = types.SimpleNamespace(get_block_ids=lambda r: (block_ids[r],) if r in block_ids else None)
+    return types.SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set(preempted),
+                                 kv_connector_block_state=state)
+
+
+@pytest.fixture
+def sides():
+    """A scheduler side and a worker side of one fake engine, sharing a memory-tier store."""
+    whole = torch.randn(L, NB, H, T, 2 * D)
+    eng = tv.detect_engine_layout({f"layers.{i}.attn": whole[i] for i in range(L)}, NB, T, H, D)
+    store = KVStore(eng.layout, hbm_bytes=64 * eng.layout.bytes_per_block)
+    eid = "fake-engine"
+    settings = tv.ConnectorSettings()
+    tv._REGISTRY[eid] = tv._EngineStore(store, eng, tv.Namespace(model="fake@1"), settings)
+    conn = types.SimpleNamespace(_kv_transfer_config=types.SimpleNamespace(engine_id=eid), _connector_metadata=None)
+    sched = tv._SchedulerSide(conn, settings)
+    worker = tv._WorkerSide(conn, None, None, None, settings)
+    worker._shared = tv._REGISTRY[eid]
+    yield sched, worker, store, whole
+    worker._saver.shutdown(wait=True)
+    worker._loader.shutdown(wait=True)
+    del tv._REGISTRY[eid]
+    store.close()
+
+
+def step(sched, worker, so, finished=()):
+    """One engine step: metadata, the worker's hooks in vLLM's order, finished transfers."""
+    meta = sched.build_connector_meta(so)
+    worker._ingest(meta)  # handle_preemptions
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    worker._saver.submit(lambda: None).result()  # let this step's transfers finish (deterministic)
+    worker._loader.submit(lambda: None).result()
+    return meta, worker.get_finished(set(finished))
+
+
+def prefill(sched, worker, req, block_ids):
+    """Admit and prefill ``req`` in one step (no hit); return the step's metadata."""
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert n == 0
+    meta, _ = step(sched, worker, sched_output({req.request_id: req.num_tokens}, {req.request_id: block_ids}))
+    req.num_computed_tokens = req.num_tokens
+    return meta
+
+
+def test_stores_full_blocks_then_offers_all_but_the_last_token(sides):
+    sched, worker, store, whole = sides
+    toks = list(range(1, 3 * T + 1))  # exactly 3 blocks
+    r1 = FakeRequest("r1", toks)
+    meta = prefill(sched, worker, r1, [1, 2, 3])
+    assert [(j.block_ids, j.first_position, j.lifetime) for j in meta.stores] == [([1, 2, 3], 0, "conversation")]
+    assert store.exists(store.keys_for(tv.engine_namespace("fake-engine"), toks)) == 3
+    delay, _ = sched.request_finished(r1, [1, 2, 3])
+    assert delay  # its stores were not fenced: vLLM must keep the blocks until finished_sending
+    meta, (sending, recving) = step(sched, worker, sched_output({}, {}), finished={"r1"})
+    assert meta.await_saves == {"r1"} and sending == {"r1"} and recving is None
+
+    r2 = FakeRequest("r2", toks)  # the same 3 full blocks: at most 2 are offered (vLLM computes >= 1 token)
+    n, is_async = sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, is_async) == (2 * T, False)
+    sched.update_state_after_alloc(r2, types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), n)
+    r2.num_computed_tokens = n  # as vLLM sets it before building the metadata
+    meta, _ = step(sched, worker, sched_output({"r2": T}, {"r2": [7, 8, 9]}))
+    assert [(j.keys == store.keys_for(tv.engine_namespace("fake-engine"), toks)[:2], j.block_ids)
+            for j in meta.sync_loads] == [(True, [7, 8])]
+    assert torch.equal(whole[:, 7:9], whole[:, 1:3])
+    assert not meta.stores  # block 3 is in the store already
+    assert sched.request_finished(r2, [7, 8, 9]) == (False, None)
+    assert not store.references()
+
+
+def test_repeated_lookups_hold_one_set_of_references(sides):
+    sched, worker, store, _ = sides
+    toks = list(range(1, 2 * T + 2))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3])
+    r = FakeRequest("b", toks)
+    for _ in range(3):  # vLLM asks again while the request cannot be scheduled
+        assert sched.get_num_new_matched_tokens(r, 0) == (2 * T, False)
+    assert list(store.references().values()) == [2]
+    sched.request_finished(r, [])
+    assert not store.references()
+
+
+def test_offer_beyond_vllms_own_hit_and_none_when_it_covers_everything(sides):
+    sched, worker, store, _ = sides
+    toks = list(range(1, 4 * T + 1))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3, 4])
+    r = FakeRequest("b", toks + [5])
+    assert sched.get_num_new_matched_tokens(r, 2 * T) == (2 * T, False)  # blocks 2-3 beyond vLLM's 0-1
+    r2 = FakeRequest("c", toks)
+    assert sched.get_num_new_matched_tokens(r2, 3 * T) == (0, False)  # vLLM holds all it may skip
+    assert "c" not in {rid[1] for rid in store.references()}
+
+
+def test_a_shortened_allocation_loads_only_what_vllm_accepted(sides):
+    sched, worker, store, _ = sides
+    toks = list(range(1, 4 * T + 2))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3, 4, 5])
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (4 * T, False)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12, 13],)), 2 * T)
+    r.num_computed_tokens = 2 * T
+    meta, _ = step(sched, worker, sched_output({"b": 3 * T}, {"b": [9, 10, 11, 12, 13]}))
+    assert [j.block_ids for j in meta.sync_loads] == [[9, 10]]
+
+
+def test_preemption_fences_stores_and_releases_references(sides):
+    sched, worker, store, _ = sides
+    toks = list(range(1, 3 * T + 1))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3])
+    r = FakeRequest("b", toks + list(range(500, 500 + 2 * T)))
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * T, False)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7, 8],)), 3 * T)
+    r.num_computed_tokens = 3 * T
+    meta, _ = step(sched, worker, sched_output({"b": 2 * T}, {"b": [4, 5, 6, 7, 8]}))
+    assert [j.block_ids for j in meta.sync_loads] == [[4, 5, 6]]
+    assert [(j.block_ids, j.first_position) for j in meta.stores] == [([7, 8], 3)]
+    assert store.references()
+    meta, _ = step(sched, worker, sched_output({}, {}, preempted={"b"}))
+    assert meta.preempted == {"b"} and not store.references()
+    # finished later without running again: its stores were fenced, no delayed free
+    assert sched.request_finished(r, []) == (False, None)
+    meta, (sending, _) = step(sched, worker, sched_output({}, {}), finished={"b"})
+    assert not meta.await_saves and sending is None and "b" not in worker._saves
+
+
+def test_failed_blocks_are_reported_by_vllm_block_id(sides):
+    sched, worker, store, _ = sides
+    toks = list(range(1, 3 * T + 2))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3, 4])
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * T, False)
+    keys = store.keys_for(tv.engine_namespace("fake-engine"), toks)
+    store.remove([keys[1]])  # evicted between lookup and load
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12],)), 3 * T)
+    r.num_computed_tokens = 3 * T
+    step(sched, worker, sched_output({"b": 1}, {"b": [9, 10, 11, 12]}))
+    assert worker.get_block_ids_with_load_errors() == {10}  # vLLM recomputes from the first failed block
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_async_load_reports_finished_recving(sides):
+    sched, worker, store, _ = sides
+    sched._settings = tv.ConnectorSettings(load_mode="async")
+    toks = list(range(1, 2 * T + 2))
+    prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3])
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * T, True)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([5, 6],)), 2 * T)
+    meta, finished = step(sched, worker, sched_output({}, {}))
+    assert [j.block_ids for j in meta.async_loads] == [[5, 6]]
+    assert finished == (None, {"b"})
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_lifetime_runs(sides):
+    sched, worker, store, _ = sides
+    sched._settings = tv.ConnectorSettings(system_prompt_blocks=1, default_lifetime="query")
+    r = FakeRequest("a", list(range(1, 4 * T + 1)))
+    sched.get_num_new_matched_tokens(r, 2 * T)  # vLLM's own prefix cache shared 2 blocks
+    st = sched._reqs["a"]
+    assert list(sched._lifetime_runs(st, 0, 4)) == [(0, 2, "system"), (2, 4, "query")]
+    assert list(sched._lifetime_runs(st, 3, 4)) == [(3, 4, "query")]
+    r2 = FakeRequest("b", list(range(1, 4 * T + 1)))
+    r2.kv_transfer_params = {"tierstore_lifetime": "conversation"}
+    sched.get_num_new_matched_tokens(r2, 0)
+    assert list(sched._lifetime_runs(sched._reqs["b"], 0, 4)) == [(0, 1, "system"), (1, 4, "conversation")]

