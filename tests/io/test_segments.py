@@ -284,3 +284,58 @@ def test_a_failing_fill_leaves_no_hole_and_later_puts_survive_restart(tmp_path):
             assert s.get([x], [d]) == [Status.OK] and torch.equal(d, content(x, 8192))
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("stuck_in", ["write", "preallocate"])
+def test_reads_never_queue_behind_a_writer(stuck_in):
+    """A put stuck in its I/O (a slow write, or fallocate of a new segment)
+    holds no lock a reader needs: gets of stored blocks return meanwhile."""
+    import threading
+
+    class Stuck(MemoryEngine):
+        def __init__(self, n):
+            super().__init__(n)
+            self.started, self.release, self.armed = threading.Event(), threading.Event(), False
+
+        def _wait(self, what):
+            if self.armed and what == stuck_in:
+                self.started.set()
+                assert self.release.wait(30)
+
+        def _write_impl(self, offset, view, nbytes, placement):
+            self._wait("write")
+            return super()._write_impl(offset, view, nbytes, placement)
+
+        def _preallocate_impl(self, offset, length):
+            self._wait("preallocate")
+            return super()._preallocate_impl(offset, length)
+
+    bb = 8192
+    eng = Stuck(4 << 20)
+    g = SegmentStorage(None, 4 << 20, bb, segment_size_bytes=SEG, engine=eng, extent_size_bytes=EXT)
+    try:
+        old = [bytes([i]) * 32 for i in range(1, 4)]
+        assert g.put(old, [content(k, bb) for k in old]) == [Status.OK] * 3
+        # fill the open segment so that the next put opens (preallocates) a new one
+        per_seg = SEG // fmt.extent_bytes_for(1, bb)
+        filler = [bytes([200, i]) + bytes(30) for i in range(per_seg * 2)]
+        g.put(filler, [content(k, bb) for k in filler])
+        eng.armed = True
+        new = [bytes([9, i]) + bytes(30) for i in range(per_seg)]
+        t = threading.Thread(target=lambda: g.put(new, [content(k, bb) for k in new]))
+        t.start()
+        assert eng.started.wait(10), f"the put never reached its {stuck_in}"
+        out = torch.zeros(bb, dtype=torch.uint8)
+        done = threading.Event()
+        res = []
+        r = threading.Thread(target=lambda: (res.append(g.get([old[1]], [out])), done.set()))
+        r.start()
+        assert done.wait(5), f"a get queued behind a put stuck in its {stuck_in}"
+        assert res[0] == [Status.OK] and torch.equal(out, content(old[1], bb))
+        assert t.is_alive()
+        eng.release.set()
+        t.join(30)
+        assert g.get([new[0]], [out]) == [Status.OK]
+    finally:
+        eng.release.set()
+        g.close()

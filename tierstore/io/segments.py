@@ -775,10 +775,15 @@ class SegmentStorage(BlockStorage):
             return None
         # Allocate the whole segment (reclaim unit) before writing into it:
         # writes then never allocate, and a full file system shows here, with
-        # nothing written; the puts that needed it get NO_SPACE.
-        try:
-            self.engine.preallocate(si * self.segment_size_bytes, self.segment_size_bytes)
-        except OSError as exc:
+        # nothing written; the puts that needed it get NO_SPACE. fallocate is
+        # I/O: ``_lock`` is released around it (readers must not wait for it).
+        # The segment is claimed first (OPEN, no blocks yet); only writers take
+        # free segments, and they are serialised by ``_write_lock``.
+        self._state[si] = SegmentState.OPEN
+        err = self._unlocked(self.engine.preallocate, si * self.segment_size_bytes, self.segment_size_bytes)
+        if err is not None:
+            exc = err
+            self._state[si] = SegmentState.FREE
             self._st["preallocate_errors"] += 1
             if self._warned_no_space == 0:
                 _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space "
@@ -794,6 +799,18 @@ class SegmentStorage(BlockStorage):
         self._members[si] = array("i")
         self._open[placement] = si
         return si
+
+    def _unlocked(self, fn, *args) -> OSError | None:
+        """Run ``fn(*args)`` (an I/O) with ``_lock`` released; the caller holds
+        ``_lock`` and ``_write_lock``. Returns the ``OSError`` raised, if any."""
+        self._lock.release()
+        try:
+            fn(*args)
+        except OSError as exc:
+            return exc
+        finally:
+            self._lock.acquire()
+        return None
 
     def _plan(self, groups, allow_reserve: bool) -> tuple[list[_Plan], dict]:
         plans: list[_Plan] = []
