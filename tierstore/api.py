@@ -58,7 +58,8 @@ import numpy as np
 import torch
 
 from .build import StoreParts, assemble
-from .config import HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, StoreConfig, TiersConfig
+from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
+                     TiersConfig)
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
 from .index import Lease, LookupResult, Tier
@@ -153,7 +154,9 @@ class KVStore:
         (``eviction``, ``promotion``, ``write_policy``, ``admission``,
         ``verify_tokens``, ``pin_quota_bytes``, ...); NVMe fields
         (``segment_size_bytes``, ``region_policy``, ``flush_on_close``, ...);
-        ``device`` (``"auto"``, ``"cpu"``, ``"cuda"``) for the HBM tier; and
+        ``device`` (``"auto"``, ``"cpu"``, ``"cuda"``) for the HBM tier;
+        ``remote`` (a :class:`~tierstore.config.RemoteConfig` or its dict: the
+        shared tier on Mooncake Store, needs ``tierstore[cluster]``); and
         run-time objects: ``clock``, ``classify``, ``admit``, ``reinsert``,
         ``cost``, ``nvme`` (a ready NVMe backend).
 
@@ -171,10 +174,13 @@ class KVStore:
 
     def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
                  nvme_path: str | None = None, nvme_bytes: int = 0, **options) -> None:
-        unknown = set(options) - _POLICY_OPTIONS - _RUNTIME_OPTIONS - _NVME_OPTIONS - {"device"}
+        unknown = set(options) - _POLICY_OPTIONS - _RUNTIME_OPTIONS - _NVME_OPTIONS - {"device", "remote"}
         if unknown:
             raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
-                              f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device'})}")
+                              f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device', 'remote'})}")
+        remote = options.pop("remote", None)
+        if remote is not None and not isinstance(remote, RemoteConfig):
+            remote = _validated(RemoteConfig, dict(remote))
         runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
         nv_opts = {k: options.pop(k) for k in list(options) if k in _NVME_OPTIONS}
         hbm = HbmTierConfig(capacity_bytes=hbm_bytes, device=options.pop("device", "auto"))
@@ -189,7 +195,7 @@ class KVStore:
         elif nv_opts and runtime.get("nvme") is None:
             raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
         cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=MemoryTierConfig(capacity_bytes=host_bytes), nvme=nvme_cfg),
-                          policies=_validated(PoliciesConfig, options))
+                          policies=_validated(PoliciesConfig, options), remote=remote)
         self._init(assemble(cfg, layout, **runtime), nv_opts)
 
     @classmethod
@@ -527,9 +533,14 @@ class KVStore:
         return res
 
     def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
-                    num_prompt_tokens: int | None = None) -> LookupResult:
+                    num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
         """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
         ``num_prompt_tokens`` feeds the partial-tail metric.
+
+        ``ns``, the namespace the keys belong to, matters only with a shared
+        remote tier: blocks found there are then kept locally when loaded (a
+        cache fill, indexed under ``ns``); without it they are loaded into the
+        destinations only.
 
         Raises
         ------
@@ -538,7 +549,7 @@ class KVStore:
         """
         keys = _check_keys(keys)
         return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
-                                 keys, None)
+                                 keys, None if ns is None else self.digest(ns))
 
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens without taking references or touching recency."""
@@ -655,16 +666,13 @@ class KVStore:
             except BaseException:
                 self._index.complete_load(plan, [Status.IO_ERROR] * len(keys), promote=False)
                 raise
-            remote_ok: list[int] = []
             if self.remote is not None:
                 missed = [i for i, src in enumerate(plan.sources) if src is None]
                 if missed:
-                    got = self._mover.remote_get([keys[i] for i in missed], [plans[i] for i in missed], gate, missed)
+                    got = self._remote_load(keys, plans, missed, gate)
                     for i, s in zip(missed, got):
                         st[i] = s if s is not Status.MISS else st[i]
-                        if s is Status.OK:
-                            remote_ok.append(i)
-                    self._index.metrics.add({"remote_loaded_blocks": len(remote_ok),
+                    self._index.metrics.add({"remote_loaded_blocks": sum(s is Status.OK for s in got),
                                              "remote_load_errors": sum(s is Status.IO_ERROR for s in got)})
             if gate is not None:
                 delivered = gate.close()
@@ -682,9 +690,7 @@ class KVStore:
             want = self._index.take_clean_requests()
             if want:
                 self._clean_in_background(want)
-            if remote_ok:
-                self._adopt_remote([i for i in remote_ok if st[i] is Status.OK], keys, plans)
-            elif self._share is not None and self._share.mode == "reused":
+            if self._share is not None and self._share.mode == "reused":
                 local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
                 self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
             used = [src[0] for src in plan.sources if src is not None]
@@ -711,17 +717,52 @@ class KVStore:
         return out
 
     # -------------------------------------------------------------- prefetch / pins / admin
-    def _adopt_remote(self, idx: list[int], keys: list[bytes], plans: list[FragmentPlan]) -> None:
-        """Index blocks fetched from the remote tier locally (a cache fill), under
-        the namespace the lookup found them in; blocks of unknown namespace stay
-        remote-only."""
+    def _remote_load(self, keys: list[bytes], plans: list[FragmentPlan], missed: list[int],
+                     gate: LoadGate | None) -> list[Status]:
+        """Fetch locally missed blocks (positions ``missed`` of a load) from the
+        shared remote tier; returns their statuses.
+
+        Blocks a lookup found remotely under a known namespace are a cache fill:
+        the index places them (:meth:`BlockIndex.prepare_store`), the mover
+        fetches them straight into their host-tier slots and copies them on to
+        the destinations (:meth:`Mover.run_remote_fill`), and the index makes
+        them resident. Blocks of a key-level lookup without a namespace are
+        fetched into their destinations only (they stay remote). A namespace
+        invalidated by this store is never loaded from the remote tier.
+        """
+        out: dict[int, Status] = {}
         by_ns: dict[bytes, list[int]] = {}
-        for i in idx:
+        rest: list[int] = []
+        for i in missed:
             d = self._remote_ns.get(keys[i])
-            if d is not None:
+            if d is None:
+                rest.append(i)
+            elif d in self._remote_barred:
+                out[i] = Status.MISS
+            else:
                 by_ns.setdefault(d, []).append(i)
         for d, ii in by_ns.items():
-            self._store(d, [keys[i] for i in ii], list(plans[i] for i in ii), None, 0, None, True, publish=False)
+            fill = self._index.prepare_store(d, [keys[i] for i in ii], None, ii[0])
+            pending = set(fill.pending)
+            try:
+                got, nvme_st, dem_st, held = self._mover.run_remote_fill(fill, [plans[i] for i in ii], gate, ii)
+            except BaseException:
+                self._index.complete_store(fill, failed=True)
+                raise
+            # a timed-out transfer may still write its slots: the index frees them only after it returns
+            self._mover.after_release(held, lambda f=fill, a=nvme_st, b=dem_st: self._index.complete_store(f, a, b))
+            self._index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
+            for j, i in enumerate(ii):
+                if j in pending:
+                    out[i] = got[j]
+                else:  # stored meanwhile (EXISTS) or no room here (NO_SPACE): straight to the destination
+                    rest.append(i)
+        if rest:
+            rest.sort()
+            for i, s in zip(rest, self._mover.remote_get([keys[i] for i in rest], [plans[i] for i in rest],
+                                                          gate, rest)):
+                out[i] = s
+        return [out[i] for i in missed]
 
     def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
         """Offer blocks to the shared remote tier (its admission rule decides)."""

@@ -92,6 +92,16 @@ class Mover:
         self.nvme = nvme
         self.placement_of = placement_of
         self.remote = remote
+        #: host-tier slots a timed-out remote transfer may still write (slot -> holds)
+        self._held: dict[int, int] = {}
+        self._held_waiters: list[tuple[set, Callable[[], None]]] = []
+        self._held_lock = threading.Lock()
+        self._host_zero_copy = False
+        host = pools.get(Tier.HOST)
+        if remote is not None and host is not None and host.num_blocks and host.device.type == "cpu":
+            # registered once: remote loads land straight in host-tier slots
+            remote.register_memory(host.data, self._on_hold, self._on_release)
+            self._host_zero_copy = True
 
     def view(self, tier: Tier, slot: int) -> torch.Tensor:
         """A memory slot's bytes (1-D ``uint8``)."""
@@ -275,6 +285,126 @@ class Mover:
                 else:
                     st[j] = Status.MISS
         return st
+
+    def run_remote_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None = None,
+                        indices: Sequence[int] | None = None
+                        ) -> tuple[list[Status], dict[int, Status], dict[int, Status], set[int]]:
+        """Fetch a fill plan's blocks from the remote tier into their reserved
+        slots and copy each verified block on into the engine's destination.
+
+        ``plan`` is :meth:`BlockIndex.prepare_store` of remote hits (its
+        victims move out first, as in :meth:`run_store`). A block whose slot is
+        in the host tier is fetched zero-copy into that slot (the host pool is
+        registered with the remote tier once, at construction); one bound for
+        an HBM slot or NVMe only goes through the remote tier's staging buffer.
+        The remote tier verifies every object (magic, version, key, length,
+        CRC-32C) before its status is ``OK``; only then is it copied to the
+        destination (under ``gate`` when the load has a deadline; ``indices``
+        are the blocks' positions in that load) and written to NVMe when the
+        plan says so.
+
+        Returns
+        -------
+        statuses : list of Status
+            Per key of the plan, for the engine: ``OK`` delivered, else the
+            remote tier's ``MISS`` or ``IO_ERROR`` (keys the plan does not
+            write are ``MISS``: the caller fetches them).
+        nvme_statuses : dict
+            For :meth:`BlockIndex.complete_store`: ``i -> Status``; a block the
+            remote tier did not deliver is ``IO_ERROR`` here, so the index
+            forgets it and frees its slot.
+        demote_statuses : dict
+            ``row -> Status`` of the victims written to NVMe.
+        held : set of int
+            Host slots a timed-out transfer may still write: complete the plan
+            only once :meth:`after_release` says they are free again.
+        """
+        nvme_st: dict[int, Status] = {}
+        dem_st: dict[int, Status] = {}
+        if plan.nvme_demote and self.nvme is not None:  # victims leave before their slots are reused
+            st_ = self._put([d.key for d in plan.nvme_demote], [[self.view(d.src, d.src_slot)] for d in plan.nvme_demote],
+                            [self._pid(d.lifetime) for d in plan.nvme_demote],
+                            [d.ns or bytes(32) for d in plan.nvme_demote])
+            dem_st = {d.row: s for d, s in zip(plan.nvme_demote, st_)}
+        for d in plan.copies:
+            self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        todo = plan.pending
+        bufs = []
+        for i in todo:
+            t, s = mem.get(i, (None, -1))
+            if t == Tier.HOST and self._host_zero_copy:
+                bufs.append(self.view(t, s))
+            else:
+                bufs.append(torch.empty(self.remote.block_bytes, dtype=torch.uint8))
+        try:
+            got = list(self.remote.get_into([plan.keys[i] for i in todo], bufs)) if todo else []
+        except OSError:
+            got = [Status.IO_ERROR] * len(todo)
+        host_slots = {mem[i][1] for i in todo if i in mem and mem[i][0] == Tier.HOST}
+        with self._held_lock:
+            held = {s for s in host_slots if self._held.get(s)}
+        out = [Status.MISS] * len(plan.keys)
+        idx = list(indices) if indices is not None else list(range(len(plan.keys)))
+        nv_new = dict(plan.nvme_new)
+        nv_keys, nv_frags, nv_pls, nv_idx = [], [], [], []
+        for i, s, b in zip(todo, got, bufs):
+            if s is not Status.OK:
+                nvme_st[i] = Status.IO_ERROR
+                out[i] = s
+                continue
+            t, slot = mem.get(i, (None, -1))
+            if t is not None and not (t == Tier.HOST and self._host_zero_copy):
+                self.view(t, slot).copy_(b)
+            if i in nv_new:
+                nv_keys.append(plan.keys[i])
+                nv_frags.append([b])
+                nv_pls.append(self._pid(nv_new[i]))
+                nv_idx.append(i)
+            if gate is None:
+                dests[i].scatter(b, 0)
+                out[i] = Status.OK
+                continue
+            with gate.enter([idx[i]]) as go:
+                if go:
+                    dests[i].scatter(b, 0)
+                    out[i] = Status.OK
+        if nv_keys and self.nvme is not None:
+            for i, s in zip(nv_idx, self._put(nv_keys, nv_frags, nv_pls, [plan.ns or bytes(32)] * len(nv_keys))):
+                nvme_st[i] = s
+        return out, nvme_st, dem_st, held
+
+    def _on_hold(self, off: int, n: int) -> None:
+        bb = self.pools[Tier.HOST].block_bytes
+        with self._held_lock:
+            for s in range(off // bb, (off + n - 1) // bb + 1):
+                self._held[s] = self._held.get(s, 0) + 1
+
+    def _on_release(self, off: int, n: int) -> None:
+        bb = self.pools[Tier.HOST].block_bytes
+        ready = []
+        with self._held_lock:
+            for s in range(off // bb, (off + n - 1) // bb + 1):
+                left = self._held.get(s, 0) - 1
+                if left > 0:
+                    self._held[s] = left
+                else:
+                    self._held.pop(s, None)
+            keep = []
+            for slots, fn in self._held_waiters:
+                (keep if any(s in self._held for s in slots) else ready).append((slots, fn))
+            self._held_waiters = keep
+        for _slots, fn in ready:
+            fn()
+
+    def after_release(self, slots: set[int], fn: Callable[[], None]) -> None:
+        """Run ``fn`` once no late remote transfer holds any of these host
+        slots (at once when none does; otherwise on the remote tier's thread)."""
+        with self._held_lock:
+            if any(s in self._held for s in slots):
+                self._held_waiters.append((set(slots), fn))
+                return
+        fn()
 
     def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan]) -> list[Status]:
         """Queue blocks for the remote tier (asynchronous; returns at once).

@@ -1,0 +1,271 @@
+"""KVStore with the shared remote tier, against the in-memory Mooncake client
+(runs without the wheel; the same paths run against a real master in
+test_store_sharing.py).
+
+What is checked here: the remote tier behind the core's contract (lookup asks
+the remote tier for the blocks after the local match, a load fills them into
+the host tier zero-copy and indexes them, stores publish asynchronously), the
+failure cases at the store level (corrupt objects, a hung cluster, the master
+down: misses, never wrong bytes, local tiers keep serving), tenant isolation
+both ways, and the three ways to configure the tier.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tierstore.remote.mooncake as mc
+from tierstore import KVLayout, KVStore, Namespace, Status
+from tierstore.api import leading_ok
+from tierstore.config import StoreConfig
+from tierstore.errors import ConfigError
+from tierstore.index import Tier
+from tierstore.remote.format import ObjectNamer
+
+from .fake_mooncake import FakeCluster, FakeStore
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, tokens_per_block=16)
+BB = LAYOUT.bytes_per_block
+NS = Namespace(model="m@1", tenant="acme")
+
+
+def prompt(seed: int, nblocks: int):
+    tokens = np.random.default_rng(seed).integers(0, 30000, nblocks * LAYOUT.tokens_per_block)
+    kv = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal(
+        (nblocks, *LAYOUT.block_shape)).astype(np.float16))
+    return tokens, kv
+
+
+@pytest.fixture
+def cluster():
+    return FakeCluster(lease_s=0.2)
+
+
+@pytest.fixture
+def remote_cfg(cluster, monkeypatch):
+    """RemoteConfig fields for a store on the fake cluster (a listening socket stands in for the master)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    monkeypatch.setattr(mc, "load_mooncake_store", lambda: (lambda: FakeStore(cluster)))
+    for k in ("MC_TCP_BIND_ADDRESS", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS",
+              "MC_STORE_CLIENT_SETUP_RETRIES"):  # the tier sets these with setdefault: keep them out of os.environ
+        monkeypatch.setenv(k, "1")
+    yield {"master": f"127.0.0.1:{s.getsockname()[1]}", "metadata": "P2PHANDSHAKE", "segment_bytes": 0,
+           "local_buffer_bytes": 8 * (BB + 64), "publish_queue_blocks": 16, "timeout_s": 0.5}
+    s.close()
+
+
+@pytest.fixture
+def make_store(remote_cfg):
+    stores = []
+
+    def _make(host_blocks: int = 32, **remote) -> KVStore:
+        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none", remote={**remote_cfg, **remote})
+        assert st.remote.wait_ok(5)
+        stores.append(st)
+        return st
+    yield _make
+    for st in stores:
+        st.close()
+
+
+def load_checked(store: KVStore, ns, seed: int, n: int, key_level: bool = False):
+    """Lookup + load of prompt ``seed``; returns (lookup, loaded blocks, wrong blocks)."""
+    tokens, kv = prompt(seed, n)
+    hit = (store.lookup_keys(store.keys_for(ns, tokens), ns=ns if key_level == "ns" else None)
+           if key_level else store.lookup(ns, tokens))
+    st, blocks = store.load(hit.keys)
+    k = leading_ok(st)
+    wrong = sum(not torch.equal(blocks[i], kv[i]) for i in range(k))
+    return hit, k, wrong
+
+
+def test_b_hits_what_a_stored_and_fills_its_host_tier_zero_copy(make_store):
+    a, b = make_store(), make_store()
+    tokens, kv = prompt(1, 5)
+    assert a.store(NS, tokens, kv) == [Status.OK] * 5
+    assert a.remote.flush(5)
+    hit, k, wrong = load_checked(b, NS, 1, 5)
+    assert hit.tiers == [Tier.REMOTE] * 5 and k == 5 and wrong == 0
+    rs = b.remote.stats()
+    assert rs["zero_copy_gets"] == 5 and rs["staged_gets"] == 0  # straight into registered host-tier slots
+    s = b.stats()
+    assert s["remote_fill_blocks"] == 5 and s["remote_loaded_blocks"] == 5
+    hit, k, wrong = load_checked(b, NS, 1, 5)  # now local: no remote call
+    assert hit.tiers == [Tier.HOST] * 5 and k == 5 and wrong == 0
+    assert b.remote.stats()["exists_calls"] == 1
+    b.check_invariants(quiescent=True)
+    # a local match is extended remotely: a stores 3 more blocks of a longer prompt
+    tokens8, kv8 = prompt(1, 8)
+    assert torch.equal(kv8[:5], kv) and a.store(NS, tokens8, kv8) == [Status.EXISTS] * 5 + [Status.OK] * 3
+    assert a.remote.flush(5) and a.stats()["remote_published_blocks"] == 8
+    hit, k, wrong = load_checked(b, NS, 1, 8)
+    assert hit.tiers == [Tier.HOST] * 5 + [Tier.REMOTE] * 3 and k == 8 and wrong == 0
+    b.check_invariants(quiescent=True)
+
+
+def test_fill_without_host_tier_room_goes_to_the_destination_only(make_store):
+    a, b = make_store(), make_store(host_blocks=1)
+    tokens, kv = prompt(2, 3)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    mine, my_kv = prompt(99, 1)
+    b.store(NS, mine, my_kv)
+    with b.request() as rid:
+        assert b.lookup(NS, mine, request_id=rid).matched_blocks == 1  # referenced: not a victim
+        hit, k, wrong = load_checked(b, NS, 2, 3)
+        assert k == 3 and wrong == 0 and len(b._index) == 1  # no room to fill: delivered, not kept
+    assert b.remote.stats()["staged_gets"] == 3
+
+
+def test_key_level_lookup_fills_only_with_a_namespace(make_store):
+    a, b = make_store(), make_store()
+    tokens, kv = prompt(3, 4)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    hit, k, wrong = load_checked(b, NS, 3, 4, key_level=True)
+    assert k == 4 and wrong == 0 and len(b._index) == 0  # unknown namespace: stays remote
+    hit, k, wrong = load_checked(b, NS, 3, 4, key_level="ns")
+    assert k == 4 and wrong == 0 and len(b._index) == 4
+    assert b.keys_of_namespace(b.digest(NS)) == hit.keys
+
+
+def test_corrupt_remote_object_is_a_counted_miss_never_wrong_kv(make_store, cluster):
+    a, b = make_store(), make_store()
+    tokens, kv = prompt(4, 4)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    keys = a.keys_for(NS, tokens)
+    name = ObjectNamer("default")(keys[2])
+    raw = FakeStore(cluster)
+    obj = bytearray(cluster.objects.pop(name))
+    obj[-1] ^= 0x55
+    assert raw.put(name, bytes(obj)) == 0  # a raw client overwrites block 2 with a flipped payload byte
+    hit, k, wrong = load_checked(b, NS, 4, 4)
+    assert hit.matched_blocks == 4 and k == 2 and wrong == 0
+    s = b.stats()
+    assert s["remote_load_errors"] == 1 and s["remote"]["corrupt_payload_crc"] == 1
+    assert len(b._index) == 2  # blocks 0 and 1 were filled; not the corrupt one, nor block 3 behind the gap
+    b.check_invariants(quiescent=True)
+
+
+def test_hung_cluster_load_is_bounded_and_the_late_transfer_never_lands_in_a_live_slot(make_store, cluster):
+    a, b = make_store(), make_store(host_blocks=4)
+    tokens, kv = prompt(5, 2)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    hit = b.lookup(NS, tokens)
+    assert hit.matched_blocks == 2
+    cluster.hang.clear()  # the next Mooncake call blocks
+    try:
+        t0 = time.monotonic()
+        st, _ = b.load(hit.keys)
+        assert time.monotonic() - t0 < 3 and st == [Status.IO_ERROR] * 2
+        assert b.remote.state == "degraded"
+        # the fill's two host slots stay reserved while the late transfer may write them:
+        # local stores get the other two slots only
+        assert len(b._mover._held) == 2 and b._index.in_flight() == 1
+        t2, kv2 = prompt(6, 4)
+        assert b.store(NS, t2, kv2) == [Status.OK] * 2 + [Status.NO_SPACE] * 2
+    finally:
+        cluster.hang.set()  # the late transfer returns (into the withheld slots), then the fill completes
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and b._index.in_flight():
+        time.sleep(0.05)
+    assert not b._mover._held
+    b.check_invariants(quiescent=True)
+    assert load_checked(b, NS, 6, 2)[1:] == (2, 0)  # the stored blocks were never overwritten
+    assert b.remote.wait_ok(5)
+    assert load_checked(b, NS, 5, 2)[1:] == (2, 0)  # and the remote blocks load once the tier is back
+
+
+def test_master_down_degrades_and_local_tiers_keep_serving(make_store, cluster):
+    a = make_store()
+    tokens, kv = prompt(7, 3)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    cluster.master_down = True
+    t2, kv2 = prompt(8, 3)
+    t0 = time.monotonic()
+    assert a.store(NS, t2, kv2) == [Status.OK] * 3  # local store acknowledged; the publish may be dropped
+    assert a.remote.flush(5)
+    hit, k, wrong = load_checked(a, NS, 8, 3)
+    assert k == 3 and wrong == 0 and set(hit.tiers) == {Tier.HOST}
+    miss, k, _ = load_checked(a, NS, 9, 3)  # a local miss asks the remote tier: degraded, so 0 at once
+    assert miss.matched_blocks == 0 and time.monotonic() - t0 < 5
+    assert a.stats()["remote"]["state"] == "degraded"
+    cluster.master_down = False
+    assert a.remote.wait_ok(5) and a.stats()["remote"]["reconnects"] >= 1
+
+
+def test_tenants_never_see_each_other_both_ways(make_store, cluster):
+    x, y = Namespace(model="m@1", tenant="x"), Namespace(model="m@1", tenant="y")
+    sx, sy = make_store(), make_store()
+    tokens, kv = prompt(10, 4)
+    other, kv_other = prompt(11, 4)
+    assert sx.store(x, tokens, kv) == [Status.OK] * 4 and sy.store(y, other, kv_other) == [Status.OK] * 4
+    assert sx.remote.flush(5) and sy.remote.flush(5)
+
+    def probe(store, ns, toks):
+        cluster.calls.clear()
+        cluster.record = True
+        hit = store.lookup(ns, toks)
+        st, _ = store.load(hit.keys)
+        cluster.record = False
+        calls = [(c[0], len(c[1][0]) if c[1] and isinstance(c[1][0], tuple) else None) for c in cluster.calls]
+        return hit.matched_blocks, st, calls
+    never, _ = prompt(12, 4)
+    fresh_x, fresh_y = make_store(), make_store()
+    # y asks for x's tokens: the same calls and answers as for tokens nobody stored; and x for y's
+    assert probe(fresh_y, y, tokens) == probe(fresh_y, y, never) == (0, [], [("batch_is_exist", 4)])
+    assert probe(fresh_x, x, other) == probe(fresh_x, x, never) == (0, [], [("batch_is_exist", 4)])
+    # each still gets its own
+    assert load_checked(fresh_x, x, 10, 4)[1:] == (4, 0) and load_checked(fresh_y, y, 11, 4)[1:] == (4, 0)
+    assert fresh_y.exists(sx.keys_for(x, tokens)) == 0  # exists() is local only: no remote signal at all
+
+
+def test_publish_queue_full_drops_and_counts_and_never_blocks_the_store(make_store, cluster):
+    a = make_store(publish_queue_blocks=2)
+    cluster.hang.clear()
+    try:
+        tokens, kv = prompt(13, 8)
+        t0 = time.monotonic()
+        assert a.store(NS, tokens, kv) == [Status.OK] * 8
+        assert time.monotonic() - t0 < 1.0
+        s = a.stats()
+        assert s["remote_publish_dropped"] >= 5 and s["remote"]["dropped_queue_full"] >= 5
+    finally:
+        cluster.hang.set()
+
+
+def test_invalidated_namespace_is_never_served_from_the_remote_tier(make_store):
+    a, b = make_store(), make_store()
+    tokens, kv = prompt(14, 3)
+    a.store(NS, tokens, kv)
+    assert a.remote.flush(5)
+    hit = b.lookup(NS, tokens)
+    assert hit.matched_blocks == 3
+    b.invalidate(NS)
+    st, _ = b.load(hit.keys)
+    assert st == [Status.MISS] * 3 and b.lookup(NS, tokens).matched_blocks == 0
+
+
+def test_three_ways_to_configure(remote_cfg, tmp_path):
+    y = tmp_path / "store.yaml"
+    y.write_text("layout: {num_layers: 2, num_kv_heads: 2, head_dim: 16, dtype: float16, tokens_per_block: 16}\n"
+                 "tiers: {host: {capacity_bytes: 1MiB}}\n"
+                 "remote: {engine: mooncake, master: '%s', metadata: P2PHANDSHAKE, segment_bytes: 0,"
+                 " protocol: tcp, timeout_s: 500ms}\n" % remote_cfg["master"])
+    with KVStore.from_config(StoreConfig.from_yaml(str(y))) as s:
+        assert s.remote is not None and s.remote.settings.timeout_s == 0.5 and s.remote.wait_ok(5)
+    with KVStore(LAYOUT, host_bytes=1 << 20, remote=remote_cfg) as s:  # KVStore options
+        assert s.remote.settings.master == remote_cfg["master"]
+    with pytest.raises(ConfigError, match="segment_byte"):
+        KVStore(LAYOUT, host_bytes=1 << 20, remote={**remote_cfg, "segment_byte": 1})
+    with pytest.raises(ConfigError, match="protocol"):
+        KVStore(LAYOUT, host_bytes=1 << 20, remote={**remote_cfg, "protocol": "udp"})
