@@ -50,7 +50,6 @@ def workers(tmp_path):
         return w
 
     yield spawn
-    for w in procs:  # in parallel: a Mooncake client takes about 2 s to close
-        w.request_exit()
-    for w in procs:
-        w.close(timeout_s=15)
+    for w in procs:  # SIGKILL: a clean close takes Mooncake about 2 s per client; the tests that
+        if w.proc.poll() is None:  # check clean exits close their workers themselves
+            w.kill9()
