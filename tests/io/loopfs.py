@@ -27,7 +27,10 @@ import tempfile
 import uuid
 from typing import Iterator
 
-BASE = pathlib.Path(tempfile.gettempdir()) / "tierstore-test-mounts"
+#: where images live; ``TIERSTORE_TEST_MOUNTS_DIR`` moves it (a test of the sweep itself uses a private
+#: one, so that the sweeps of other test sessions on the machine never race it)
+BASE = pathlib.Path(os.environ.get("TIERSTORE_TEST_MOUNTS_DIR") or
+                    pathlib.Path(tempfile.gettempdir()) / "tierstore-test-mounts")
 
 
 class MountUnavailable(RuntimeError):
@@ -97,17 +100,18 @@ def loop_ext4(size_bytes: int = 16 << 20) -> Iterator[pathlib.Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def sweep_stale() -> list[str]:
-    """Remove what dead test processes left under :data:`BASE`; return what was removed.
+def sweep_stale(base: pathlib.Path | None = None) -> list[str]:
+    """Remove what dead test processes left under ``base`` (default :data:`BASE`); return what was removed.
 
     Mount points under BASE in this namespace whose owner pid is dead are
     unmounted (``umount``, then ``umount -l`` if busy); directories of dead
     pids are deleted. Nothing of a live pid is touched.
     """
+    base = BASE if base is None else base
     removed: list[str] = []
-    if not BASE.is_dir():
+    if not base.is_dir():
         return removed
-    prefix = str(BASE) + "/"
+    prefix = str(base) + "/"
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         points = [line.split()[4] for line in f]
     for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
@@ -116,7 +120,7 @@ def sweep_stale() -> list[str]:
             if subprocess.run(["umount", mp], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", mp], capture_output=True)
             removed.append(f"mount {mp}")
-    for entry in BASE.iterdir():
+    for entry in base.iterdir():
         owner = _owner_pid(entry.name)
         if owner is not None and not _pid_alive(owner):
             shutil.rmtree(entry, ignore_errors=True)

@@ -50,38 +50,40 @@ def test_mount_is_private_and_gone_after_exit():
     assert not d.exists()
 
 
-def test_killed_process_leaves_no_mount_and_sweep_removes_its_image():
+def test_killed_process_leaves_no_mount_and_sweep_removes_its_image(tmp_path):
+    base = tmp_path / "mounts"   # private: another test session's start-up sweep must not remove it first
     code = ("import os, signal, sys\n"
             "from tests.io.loopfs import loop_ext4\n"
             "with loop_ext4(16 << 20) as mnt:\n"
             "    (mnt / 'f').write_bytes(b'x' * 4096)\n"
             "    print(mnt, flush=True)\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TIERSTORE_TEST_MOUNTS_DIR=str(base)))
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     mnt = r.stdout.strip()
     helper_pid = int(mnt.split("/")[2])
     rel = mnt.split("/root", 1)[1]
     d = pathlib.Path(rel).parent
     img = d / "fs.img"
-    assert d.parent == loopfs.BASE and img.exists()   # the dead process's image is still there ...
+    assert d.parent == base and img.exists()   # the dead process's image is still there ...
     assert _wait_until(lambda: not os.path.exists(f"/proc/{helper_pid}"))   # ... its helper is gone,
     assert _wait_until(lambda: not subprocess.run(["losetup", "-j", str(img)], capture_output=True,
                                                   text=True).stdout.strip())   # so is the loop device,
-    assert not any(p.startswith(str(loopfs.BASE)) for p in _mount_points())   # and no mount is left
-    removed = loopfs.sweep_stale()
+    assert not any(p.startswith(str(base)) for p in _mount_points())   # and no mount is left
+    removed = loopfs.sweep_stale(base)
     assert f"dir {d}" in removed and not d.exists()
 
 
 def test_sweep_unmounts_dead_owners_only(tmp_path):
-    loopfs.BASE.mkdir(exist_ok=True)
-    dead = loopfs.BASE / f"{_dead_pid()}-sweeptest"
-    live = loopfs.BASE / f"{os.getpid()}-sweeptest"
+    base = tmp_path / "mounts"   # private: another test session's sweep must not take the dead one first
+    dead = base / f"{_dead_pid()}-sweeptest"
+    live = base / f"{os.getpid()}-sweeptest"
     try:
         for d in (dead, live):
             (d / "mnt").mkdir(parents=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(dead / "mnt")], check=True)
-        removed = loopfs.sweep_stale()
+        removed = loopfs.sweep_stale(base)
         assert f"mount {dead / 'mnt'}" in removed and f"dir {dead}" in removed
         assert str(dead / "mnt") not in _mount_points() and not dead.exists()
         assert live.exists() and not any(str(live) in x for x in removed)

@@ -7,7 +7,6 @@ OR-ed with ``FALLOC_FL_KEEP_SIZE``; values 0x02 and 0x01 from
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -21,7 +20,9 @@ FALLOC_FL_PUNCH_HOLE = 0x02  # <linux/falloc.h>
 BLKDISCARD = 0x1277          # _IO(0x12, 119), <linux/fs.h>
 BLKGETSIZE64 = 0x80081272    # _IOR(0x12, 114, size_t), <linux/fs.h>
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+#: libc as already mapped into the interpreter (``CDLL(None)``, as :mod:`tierstore.io.ring`): no library
+#: search (``ctypes.util.find_library`` runs ``ldconfig -p`` in a subprocess) and nothing new loaded
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.fallocate.restype = ctypes.c_int
 

@@ -112,6 +112,10 @@ if (_SQE.size, _SQE_HEAD48.size, _CQE.size, _IOVEC.size) != (64, 48, 16, 16):
 class IoUringError(TierStoreError, OSError):
     """An io_uring syscall failed (``errno`` and ``strerror`` set)."""
 
+    def __str__(self) -> str:
+        # the sentence alone (OSError's "[Errno 95] ..." prefix adds nothing to it)
+        return self.strerror or OSError.__str__(self)
+
 
 class IoUringUnavailable(IoUringError):
     """io_uring cannot be used in this process: wrong architecture, disabled by
