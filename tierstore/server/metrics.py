@@ -58,6 +58,18 @@ class _StoreCollector:
                 dw = GaugeMetricFamily("tierstore_nvme_device_write_amplification", "WAF reported by the device")
                 dw.add_metric([], float(dev))
                 yield dw
+        if store.remote is not None:  # the shared remote tier (Mooncake Store)
+            rs = snap["remote"]
+            up = GaugeMetricFamily("tierstore_remote_up", "Whether the shared remote tier is connected (1) "
+                                   "or degraded (0; local tiers keep serving)")
+            up.add_metric([], 1.0 if rs["state"] == "ok" else 0.0)
+            yield up
+            rc = CounterMetricFamily("tierstore_remote_events", "Remote tier counters (tierstore.remote.mooncake)",
+                                     labels=["counter"])
+            for k, v in rs.items():
+                if isinstance(v, int):
+                    rc.add_metric([k], v)
+            yield rc
         use = GaugeMetricFamily("tierstore_tenant_usage_bytes", "Resident bytes per tenant (owner)",
                                 labels=["tenant"])
         quota = GaugeMetricFamily("tierstore_tenant_quota_bytes", "Byte quota per tenant (owner)", labels=["tenant"])

@@ -441,8 +441,8 @@ class Service:
         """Longest prefix with tiers and the cost model's useful count (touches recency, no references)."""
         tenant = self._auth(request)
         req = await self._json(request, KeysRequest)
-        _, _, keys = self._scoped(tenant, req.namespace, req.keys, write=False)
-        res = self.store.lookup_keys(keys)
+        scope, _, keys = self._scoped(tenant, req.namespace, req.keys, write=False)
+        res = self.store.lookup_keys(keys, ns=scope)  # ns: blocks found in the shared remote tier are kept when loaded
         self.metrics.count_hits("lookup", len(keys), res.matched_blocks)
         return web.json_response({"matched_blocks": res.matched_blocks, "useful_blocks": res.useful_blocks,
                                   "tiers": [t.label for t in res.tiers], "load_s": res.load_s})
