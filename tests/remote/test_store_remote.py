@@ -269,3 +269,38 @@ def test_three_ways_to_configure(remote_cfg, tmp_path):
         KVStore(LAYOUT, host_bytes=1 << 20, remote={**remote_cfg, "segment_byte": 1})
     with pytest.raises(ConfigError, match="protocol"):
         KVStore(LAYOUT, host_bytes=1 << 20, remote={**remote_cfg, "protocol": "udp"})
+
+
+def test_engine_extra_config_remote_section(remote_cfg):
+    """An engine connector's extra-config dict (vLLM ``kv_connector_extra_config``) carries the
+    same ``remote`` section; it is validated into the typed config the store is built from."""
+    import pydantic
+
+    from tierstore.integrations._common import split_extra_config
+
+    class Own(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        tenant: str = "default"
+
+    extra = {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "connector": {"tenant": "acme"},
+             "remote": {"engine": "mooncake", "master": remote_cfg["master"], "metadata": "P2PHANDSHAKE",
+                        "segment_bytes": "0", "local_buffer_bytes": "1MiB", "protocol": "tcp",
+                        "timeout_s": "2s", "admission": "reused"}}
+    cfg, own = split_extra_config(extra, "connector", Own, "kv_connector_extra_config")
+    assert own.tenant == "acme" and cfg.remote.segment_bytes == 0 and cfg.remote.timeout_s == 2.0
+    with KVStore.from_config(cfg, LAYOUT) as s:
+        assert s.remote.wait_ok(5) and s._share.mode == "reused"
+    bad = dict(extra, remote={**extra["remote"], "rdma_device": "mlx5_0"})
+    with pytest.raises(ConfigError, match="rdma_device"):
+        split_extra_config(bad, "connector", Own, "kv_connector_extra_config")
+
+
+def test_reused_admission_keeps_blocks_seen_once_local(make_store):
+    a, b = make_store(admission="reused"), make_store()
+    tokens, kv = prompt(15, 3)
+    assert a.store(NS, tokens, kv) == [Status.OK] * 3
+    assert a.remote.flush(5) and a.stats().get("remote_published_blocks", 0) == 0  # seen once: stays local
+    assert b.lookup(NS, tokens).matched_blocks == 0
+    assert load_checked(a, NS, 15, 3)[1:] == (3, 0)  # a local hit: now worth sharing
+    assert a.remote.flush(5) and a.stats()["remote_published_blocks"] == 3
+    assert load_checked(b, NS, 15, 3)[1:] == (3, 0)
