@@ -156,9 +156,11 @@ def test_settings_validation():
         MooncakeSettings(timeout_s=0)
     with pytest.raises(ConfigError, match="unknown keys"):
         MooncakeSettings.from_mapping({"master": "h:1", "segment_size": 1})
+    with pytest.raises(ConfigError, match="16 MiB"):  # Mooncake's setup would refuse it with -600
+        MooncakeSettings(segment_bytes=1 << 20)
     s = MooncakeSettings.from_mapping({"engine": "mooncake", "admission": "reused", "master": "h:1",
-                                       "segment_bytes": 1 << 20}, cluster="c1")
-    assert s.master == "h:1" and s.cluster == "c1" and s.segment_bytes == 1 << 20
+                                       "segment_bytes": 16 << 20}, cluster="c1")
+    assert s.master == "h:1" and s.cluster == "c1" and s.segment_bytes == 16 << 20
 
 
 def test_mooncake_missing_is_a_config_error_naming_the_extra(monkeypatch):
@@ -389,7 +391,26 @@ def test_cluster_full_is_counted(make_tier):
     t = make_tier(small)
     assert publish(t, range(5)) == [Status.OK] * 5  # queued: publication fails later
     s = t.stats()
-    assert s["published_blocks"] == 3 and s["put_no_space"] == 2
+    assert s["published_blocks"] == 3 and s["put_no_space"] == 2  # sent again twice each, then dropped
+    assert s["put_no_space_retries"] == 4 and s["publish_slots_free"] == 16 and s["queued_blocks"] == 0
+
+
+def test_a_publish_refused_for_space_is_sent_again_after_eviction(make_tier):
+    small = FakeCluster(capacity_bytes=3 * (BB + HEADER_BYTES))
+    t = make_tier(small)
+    assert publish(t, range(3)) == [Status.OK] * 3
+    assert t.put([key(i) for i in range(3, 5)], [block(i) for i in range(3, 5)]) == [Status.OK] * 2
+    deadline = time.monotonic() + 5  # the first attempt is refused: the cluster is full
+    while t.stats()["put_no_space_retries"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    with small.lock:  # the master evicts (Mooncake does so when a put is refused)
+        for name in list(small.objects)[:2]:
+            del small.objects[name]
+    assert t.flush(5)
+    s = t.stats()
+    assert s["published_blocks"] == 5 and s["put_no_space"] == 0 and s["put_no_space_retries"] >= 2
+    d = torch.zeros(BB, dtype=torch.uint8)
+    assert t.get_into([key(4)], [d]) == [Status.OK] and torch.equal(d, block(4))
 
 
 def test_exists_prefix_stops_at_first_gap(make_tier):

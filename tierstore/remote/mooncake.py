@@ -174,6 +174,15 @@ RPC_FAIL = -900  #: the master is unreachable
 #: a port taken between Mooncake's choice and its bind, Mooncake #736).
 SETUP_RETRIES = 4
 
+#: Delays before a publish refused for space (-200) is sent again: a refused put makes the
+#: master evict (``eviction_ratio`` of the objects, 5% by default; measured here: within
+#: about 20 ms), so a burst that outruns eviction loses fewer blocks. Then it is dropped.
+SPACE_RETRY_S = (0.03, 0.1)
+
+#: Smallest segment Mooncake 0.3.13.post1 mounts ("Total size must be at least 16777216"
+#: from client_buffer_allocation.cpp; setup returns -600), measured here.
+MIN_SEGMENT_BYTES = 16 << 20
+
 #: pip extra and package that bring Mooncake Store.
 EXTRA = "tierstore[cluster]"
 WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -290,6 +299,9 @@ class MooncakeSettings:
         for f in ("segment_bytes", "local_buffer_bytes", "mooncake_local_buffer_bytes"):
             if int(getattr(self, f)) < 0:
                 raise bad(f, "must be >= 0")
+        if 0 < int(self.segment_bytes) < MIN_SEGMENT_BYTES:
+            raise bad("segment_bytes", f"0 (contribute none) or at least {MIN_SEGMENT_BYTES >> 20} MiB "
+                                       "(Mooncake's setup refuses smaller segments with -600)")
         for f in ("publish_queue_blocks", "max_batch_blocks", "call_threads", "header_slots", "publish_threads"):
             if int(getattr(self, f)) < 1:
                 raise bad(f, "must be >= 1")
@@ -436,7 +448,7 @@ class _CallThreads:
 _COUNTERS = (
     # publish
     "puts_offered", "puts_queued", "puts_exists", "dropped_queue_full", "dropped_degraded",
-    "dropped_closed", "published_blocks", "published_bytes", "put_no_space", "put_failed",
+    "dropped_closed", "published_blocks", "published_bytes", "put_no_space", "put_no_space_retries", "put_failed",
     "put_calls", "staged_puts", "zero_copy_puts",
     # lookup / load
     "exists_calls", "exists_keys", "exists_hits", "exists_errors",
@@ -518,7 +530,8 @@ class MooncakeTier:
         self._get_slots = _Slots(n_get, self.object_bytes)
         self._hdr_slots = _Slots(s.header_slots, HEADER_BYTES)
         self._regions: list[RegisteredRegion] = []
-        self._queue: collections.deque = collections.deque()  # (key, name, slot)
+        self._queue: collections.deque = collections.deque()  # _Pub
+        self._retry: list = []  # [due_s, _Pub]: refused for space, sent again (SPACE_RETRY_S)
         self._queued_keys: set[bytes] = set()
         self._recent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._recent_max = 1 << 16
@@ -848,11 +861,24 @@ class MooncakeTier:
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
-                    self._work.wait()
-                if not self._queue and self._closed:
+                    if self._retry:
+                        left = min(t for t, _b in self._retry) - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._work.wait(left)
+                    else:
+                        self._work.wait()
+                if not self._queue and not self._retry and self._closed:
                     return
-                n = min(len(self._queue), s.max_batch_blocks)
-                batch = [self._queue.popleft() for _ in range(n)]
+                now = time.monotonic()
+                due = [b for t, b in self._retry if t <= now or self._closed][:s.max_batch_blocks]
+                if due:
+                    ids = {id(b) for b in due}
+                    self._retry = [e for e in self._retry if id(e[1]) not in ids]
+                n = min(len(self._queue), s.max_batch_blocks - len(due))
+                batch = due + [self._queue.popleft() for _ in range(n)]
+                if not batch:
+                    continue
                 client = self._client if self._state == "ok" else None
                 self._publishing += 1
             try:
@@ -869,11 +895,11 @@ class MooncakeTier:
 
     def _publish(self, batch: list["_Pub"], client: Any, zero_copy: bool) -> None:
         keys = [b.key for b in batch]
-        slots = [b.slot for b in batch]
         pool = self._hdr_slots if zero_copy else self._put_slots
+        kept: set[int] = set()  # slots of blocks sent again later (refused for space)
 
         def done() -> None:  # the memory of this batch is free again
-            pool.give(slots)
+            pool.give([b.slot for b in batch if b.slot not in kept])
             if zero_copy:
                 with self._lock:
                     self._zc_queued -= len(batch)
@@ -884,6 +910,8 @@ class MooncakeTier:
             now = time.monotonic()
             with self._lock:
                 for k in keys:
+                    if k in status_by_key and status_by_key[k] is None:
+                        continue  # retried: still queued
                     self._queued_keys.discard(k)
                     if status_by_key.get(k):
                         self._recent[k] = now
@@ -905,24 +933,34 @@ class MooncakeTier:
                                   [[HEADER_BYTES, self.block_bytes]] * len(batch))
         else:
             rcs = self._call_here("batch_put_from", client.batch_put_from, names,
-                                  [self._put_slots.ptr(i) for i in slots], [self.object_bytes] * len(batch))
-        done()  # the call has returned: its memory is free (also after a timeout the watchdog reported)
+                                  [self._put_slots.ptr(b.slot) for b in batch], [self.object_bytes] * len(batch))
         if rcs is _NO_RESULT:
+            done()  # the call has returned: its memory is free (also after a timeout the watchdog reported)
             self._bump("put_failed", len(batch))
             forget({})
             return
-        ok: dict[bytes, bool] = {}
+        ok: dict[bytes, bool | None] = {}
+        now = time.monotonic()
         with self._lock:
-            for key, rc in zip(keys, rcs):
+            for b, rc in zip(batch, rcs):
                 if rc == 0 or rc == OBJECT_ALREADY_EXISTS:
-                    ok[key] = True
+                    ok[b.key] = True
                     self._counters["published_blocks"] += 1
                     self._counters["published_bytes"] += self.block_bytes
+                elif rc == NO_AVAILABLE_HANDLE and not zero_copy and b.attempts < len(SPACE_RETRY_S) \
+                        and not self._closed:
+                    ok[b.key] = None  # the slot keeps the object; sent again after the master evicts
+                    kept.add(b.slot)
+                    self._retry.append([now + SPACE_RETRY_S[b.attempts], dataclasses.replace(b, attempts=b.attempts + 1)])
+                    self._counters["put_no_space_retries"] += 1
                 elif rc == NO_AVAILABLE_HANDLE:
                     self._counters["put_no_space"] += 1
                 else:
                     self._counters["put_failed"] += 1
                     self._errors[rc] += 1
+            if kept:
+                self._work.notify_all()
+        done()
         forget(ok)
         if RPC_FAIL in rcs:
             self._degrade("batch_put_from: master unreachable (-900)", count="rpc_failures")
@@ -939,7 +977,7 @@ class MooncakeTier:
             timeout_s = self._timeout_s * (n + 1)
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._queue or self._publishing:
+            while self._queue or self._publishing or self._retry:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -1324,7 +1362,7 @@ class MooncakeTier:
             d["state"] = self._state
             d["degraded_reason"] = self._reason
             d["degraded_for_s"] = (time.monotonic() - self._degraded_since) if self._state == "degraded" else 0.0
-            d["queued_blocks"] = len(self._queue)
+            d["queued_blocks"] = len(self._queue) + len(self._retry)
             d["pending_removals"] = len(self._removals)
             d["errors"] = dict(self._errors)
             for r in CORRUPT_REASONS:
@@ -1343,8 +1381,9 @@ class MooncakeTier:
         with self._lock:
             self._closed = True
             self._state = "closed"
-            dropped = list(self._queue)
+            dropped = list(self._queue) + [b for _t, b in self._retry]
             self._queue.clear()
+            self._retry.clear()
             self._counters["dropped_closed"] += len(dropped)
             for b in dropped:
                 self._queued_keys.discard(b.key)
@@ -1393,6 +1432,7 @@ class _Pub:
     region: RegisteredRegion | None
     offset: int
     ptr: int
+    attempts: int = 0  #: times refused for space so far
 
 
 #: Tiers not closed yet; closed at interpreter exit (before daemon threads are torn down).
