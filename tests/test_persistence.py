@@ -65,9 +65,16 @@ def test_close_flush_can_be_turned_off_and_is_bounded(tmp_path):
     for toks, kv in prompts:
         s.store(NS, toks, kv)
     s.close()
-    s = _open(tmp_path, 0, 64)
+    s = _open(tmp_path, 0, 64, flush_timeout_s=0.0)
     try:
         assert s.stats()["blocks"] == 5  # the byte bound of the flush held
+        for toks, kv in prompts[5:]:
+            s.store(NS, toks, kv)
+    finally:
+        s.close()  # a time bound of 0 s writes nothing more down
+    s = _open(tmp_path, 0, 64)
+    try:
+        assert s.stats()["blocks"] == 5
     finally:
         s.close()
 

@@ -28,9 +28,17 @@ Differences from the local store, by design:
   (``tier="host"``); the engine's HBM is not the daemon's to fill.
 * A put is acknowledged (``OK``/``EXISTS``) only once durable on the daemon's
   NVMe tier when the daemon runs with ``puts.durable: true`` (``durable`` attribute).
-* Not offered remotely: ``KVStore.from_config`` (construct with a URL and a
-  token instead). :meth:`stats` returns the daemon's ``/v1/info``; the
-  counters are Prometheus metrics at ``/metrics``.
+* :meth:`stats` returns the daemon's ``/v1/info``; the counters are
+  Prometheus metrics at ``/metrics``.
+* Not offered remotely (:data:`NOT_OFFERED`): ``from_config`` (construct with
+  a URL and a token instead); the key-level ``pin_keys``, ``prefetch_keys``,
+  ``remove``, ``resident``, ``tiers_of``; operations on the store as a whole
+  (``flush``, ``evict``, ``clear``, ``drain``); introspection of the local
+  index (``block_info``, ``state_of``, ``references``, ``leases``,
+  ``namespaces``, ``keys_of_namespace``, ``check_invariants``,
+  ``record_events``, ``take_events``); and tier and device figures
+  (``bytes_per_tier``, ``capacity_bytes``, ``device_stats``, ``cost_model``,
+  ``ftl``, ``placement``, ``tiers``). Calling one is an ``AttributeError``.
 
 Everything else has :class:`~tierstore.api.KVStore`'s signature (checked by
 ``tests/server/test_client_parity.py``), including ``wait=False`` futures and
@@ -64,6 +72,19 @@ from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .index import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
+
+#: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
+#: what they are for (``tests/server/test_client_parity.py`` keeps this equal to the difference of
+#: the two classes, and checks that the READMEs name each one)
+NOT_OFFERED: dict[str, tuple[str, ...]] = {
+    "construction": ("from_config",),
+    "key-level variants": ("pin_keys", "prefetch_keys", "remove", "resident", "tiers_of"),
+    "operations on the whole store": ("flush", "evict", "clear", "drain"),
+    "introspection of the local index": ("block_info", "state_of", "references", "leases", "namespaces",
+                                         "keys_of_namespace", "check_invariants", "record_events", "take_events"),
+    "tier and device figures": ("bytes_per_tier", "capacity_bytes", "device_stats", "cost_model", "ftl",
+                                "placement", "tiers"),
+}
 
 _STATUS = {s.value: s for s in Status}
 _TIER = {t.label: t for t in Tier}

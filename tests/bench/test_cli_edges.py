@@ -194,9 +194,10 @@ def test_waf_timeseries_only_in_json_and_plots():
     series = {"t_s": [float(i) for i in range(200)], "waf": [1.0 + i / 1000 for i in range(200)]}
     res = JobResult(jobname="kvtrace", options={"rw": "kvtrace", "bs": 32768, "iodepth": 1, "numjobs": 1},
                     read=DirectionResult(io_bytes=4096, ops=1, runtime_s=1.0, clat_ns=np.array([1000])),
-                    device={"device": "model", "waf": 1.2, "waf_timeseries": series})
+                    device={"device": "model", "waf": 1.2, "waf_timeseries": series, "ruh_gc_bytes": {}})
     text = render_normal([res], [None])
     assert "waf_timeseries" not in text and "WAF=1.200" in text
+    assert "    ruh_gc_bytes  : none\n" in text  # an empty mapping is a word, not a blank value
     assert max(len(line) for line in text.splitlines()) < 300
     assert json.loads(render_json([res], [None]))["jobs"][0]["device"]["waf_timeseries"]["waf"][-1] == \
         pytest.approx(1.199)

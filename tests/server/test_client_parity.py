@@ -132,3 +132,24 @@ def test_key_level_calls_match_kvstore(client):
     assert res.matched_blocks == 3
     st, outs = c.load(keys, wait=False).result(30)
     assert leading_ok(st) == 4 and all(torch.equal(c.layout.as_bytes(o), b) for o, b in zip(outs, blocks))
+
+
+def test_what_the_client_does_not_offer_is_listed_and_documented():
+    """Until the remote client has a method, the docs say so: NOT_OFFERED is exactly KVStore's public
+    methods and properties that RemoteKVStore lacks, and the README and the client's docstring name each."""
+    import pathlib
+
+    import tierstore.client as client_mod
+    from tierstore.client import NOT_OFFERED
+    lacking = {n for n in dir(KVStore) if not n.startswith("_") and n.islower() and not hasattr(RemoteKVStore, n)}
+    listed = [n for names in NOT_OFFERED.values() for n in names]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == lacking, (f"offered now, drop from NOT_OFFERED: {sorted(set(listed) - lacking)}; "
+                                    f"missing remotely, add to NOT_OFFERED and the READMEs: {sorted(lacking - set(listed))}")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    daemon = readme[readme.index("## The daemon"):readme.index("## Benchmarks and results")]
+    for name in listed:
+        assert f"`{name}`" in daemon, name
+        assert f"``{name}``" in client_mod.__doc__, name
+    assert "tierstore.client.NOT_OFFERED" in (root / "tierstore" / "server" / "README.md").read_text()

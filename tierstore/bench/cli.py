@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
 import sys
@@ -44,7 +45,7 @@ from . import output as out_mod
 from .jobfile import parse_jobs, schema_help, showcmd
 from .plot import plot_results
 from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
-                       reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal)
+                       reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal, warn)
 from .result import JobResult
 from ..units import parse_time_s
 
@@ -118,6 +119,31 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, h)
 
 
+class _LibraryWarnings(logging.Handler):
+    """tierstore's own log warnings during a run (a full disk, a tier larger than the free space, an
+    io_uring fallback), printed once each as the command's ``tierstore bench: warning: ...`` lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            warn(record.getMessage())
+        except Exception:  # a broken format string: logging's own report, never a dead job
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _library_warnings() -> Iterator[None]:
+    log = logging.getLogger("tierstore")
+    handler = _LibraryWarnings()
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
 def _report_error(result: JobResult) -> None:
     """fio's error line for a job that failed: ``fio: pid=N, err=5/..., error=...``."""
     name = errno.errorcode.get(result.error, str(result.error))
@@ -169,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # fio prints its informational lines ("Laying out IO file") with the normal report
     set_info_sink(sys.stdout if formats == ["normal"] and not own.get("output") else sys.stderr)
     try:
-        with _stop_on_signals():
+        with _stop_on_signals(), _library_warnings():
             for spec, runner in zip(specs, runners):
                 if stop_requested():
                     break

@@ -15,10 +15,10 @@ Device choice (``device=``; the store is a :class:`tierstore.config.StoreConfig`
   ``directory``/``filename`` (fio's ``jobname.0.0``; a temporary directory when
   neither is set), through ``ioengine`` (``posix`` or ``uring``). An FTL
   *model* observes its engine (RU = segment, capacity = the tier) so WAF is
-  always reported; the ``device`` line says it is a model. A warning is
-  printed when the tier is larger than the free space of that file system (the
-  file is sparse: it fills as segments are opened, and blocks are refused with
-  NO_SPACE once the disk is full). The file is removed at the end unless
+  always reported; the ``device`` line says it is a model. A warning (from
+  :mod:`tierstore.build`) is printed when the tier is larger than the free
+  space of that file system (the file is sparse: it fills as segments are
+  opened, and blocks are refused with NO_SPACE once the disk is full). The file is removed at the end unless
   ``unlink=0``; a file already there is refused, never reused or overwritten.
 * ``sim``: the simulated FDP device (memory engine + FTL model), no disk
   touched: ``device_size`` if given, else ``nvme tier / utilization``; the tier
@@ -48,11 +48,11 @@ import numpy as np
 from ..errors import ConfigError
 from ..config import StoreConfig
 from ..replay import ReplayConfig, run_replay
-from .jobfile import format_value, resolve_path
-from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
+from .jobfile import resolve_path
+from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionResult, JobResult
 
-__all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file", "warn_if_larger_than_free",
+__all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file",
            "no_space_report"]
 
 
@@ -98,17 +98,6 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
                           "run?); a KV job starts from an empty tier and never reuses or overwrites a file: "
                           "remove it, or choose another directory= or filename=")
     return path
-
-
-def warn_if_larger_than_free(options: dict[str, Any], path: str, nvme_bytes: int) -> None:
-    """Warn when the NVMe tier is larger than the free space of its file system (the file is sparse)."""
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    free = st.f_bavail * st.f_frsize
-    if nvme_bytes > free:
-        warn(f"job {options.get('name') or options['rw']!r}: the NVMe tier ({format_value('nvme_size', nvme_bytes)}, "
-             f"{nvme_bytes} bytes) is larger than the {free} bytes ({free / 2**30:.1f} GiB) free on the file "
-             f"system of {os.path.dirname(os.path.abspath(path))}; the tier file is sparse and fills as segments "
-             "open, so blocks will be refused (NO_SPACE) once the disk is full")
 
 
 def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
@@ -218,10 +207,8 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
 
     box: list = []
 
-    def on_open(store) -> None:
+    def on_open(store) -> None:  # a tier larger than the free space: build_store warns (one line)
         box.append(store)
-        if nvme_path is not None and store.nvme is not None:
-            warn_if_larger_than_free(options, nvme_path, int(store.device_stats().get("nvme_bytes", 0)))
 
     def on_sample(store, sample: dict) -> None:
         if store.ftl is not None:

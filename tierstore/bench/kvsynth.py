@@ -48,7 +48,7 @@ from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
 from ..index import Tier
-from .kvjobs import no_space_report, nvme_file, store_config, warn_if_larger_than_free
+from .kvjobs import no_space_report, nvme_file, store_config
 from .registry import current_progress, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
 
@@ -106,8 +106,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     nvme_path = None
     try:
         if options["nvme_size"] and options["device"] == "file":
-            nvme_path = nvme_file(options, directory)
-            warn_if_larger_than_free(options, nvme_path, options["nvme_size"])
+            nvme_path = nvme_file(options, directory)  # build_store warns if it exceeds the free space
         store = _build(options, layout, nvme_path)
         try:
             return _run(options, rw, layout, store, nvme_path)

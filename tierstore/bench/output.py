@@ -356,8 +356,13 @@ def _kv_normal(kv: dict[str, Any]) -> str:
                 if "percentile" in value:
                     out.append(_percentile_block(name, value["percentile"]))
         elif isinstance(value, dict):
-            out.append(f"    {key:13s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
+            out.append(f"    {key:13s}: " + _dict_text(key, value) + "\n")
     return "".join(out)
+
+
+def _dict_text(key: str, value: dict) -> str:
+    """``k=v, ...``; ``none`` for an empty mapping (e.g. no GC bytes on any RUH)."""
+    return ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) or "none"
 
 
 def _device_normal(device: dict[str, Any]) -> str:
@@ -372,7 +377,7 @@ def _device_normal(device: dict[str, Any]) -> str:
     out = ["  device       : " + ", ".join(head) + "\n"] if head else []
     for key, value in rest:
         if isinstance(value, dict):
-            out.append(f"    {key:14s}: " + ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) + "\n")
+            out.append(f"    {key:14s}: " + _dict_text(key, value) + "\n")
         else:
             out.append(f"    {key:14s}: {_fmt_kv_value(key, value)}\n")
     return "".join(out)
