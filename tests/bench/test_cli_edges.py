@@ -169,6 +169,19 @@ def test_ctrl_c_stops_workers_prints_stats_and_exits_130(tmp_path, rw):
         assert list(d.iterdir()) == []
 
 
+def test_the_command_starts_without_torch_so_ctrl_c_at_start_up_is_handled():
+    """Importing the package used to import torch (seconds, 37 s on a loaded machine) before the command's
+    Ctrl-C handler existed: a Ctrl-C then ended in a KeyboardInterrupt traceback and exit -2, not 130."""
+    code = ("import sys, tierstore, tierstore.cli, tierstore.bench.cli\n"
+            "print(sorted(m for m in ('torch', 'tierstore.api') if m in sys.modules))\n"
+            "from tierstore import KVStore, Namespace\n"
+            "print(KVStore.__module__, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["[]", "tierstore.api True"]
+
+
 def test_interrupted_run_reports_partial_kv_stats_in_process(tmp_path, run_bench, monkeypatch):
     """A stop request (what the first Ctrl-C does) ends a time-based kvload early with its statistics."""
     import threading
