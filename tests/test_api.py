@@ -216,3 +216,32 @@ def test_from_config_validates_the_engine_dict(tmp_path):
         KVStore.from_config({"tiers": {"host": {"capacity": 1}}}, layout=store.layout)
     with pytest.raises(ConfigError, match="no 'layout'"):
         KVStore.from_config({})
+
+
+@pytest.mark.parametrize("form", ["typed", "uint8_rows", "list"])
+def test_batched_blocks_land_in_scattered_slots_and_come_back(form):
+    """A tensor of blocks is copied into each memory tier with one copy (free
+    slots need not be consecutive: evictions and removals scatter them), and a
+    load without destinations fills one buffer the same way; the bytes match."""
+    bb = LAYOUT.bytes_per_block
+    store = KVStore(LAYOUT, hbm_bytes=5 * bb, host_bytes=7 * bb, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn((12, *LAYOUT.block_shape), generator=g).to(LAYOUT.dtype)
+    ok = store.store_keys(NS, [bytes([9, i]) + bytes(30) for i in range(12)], old)
+    assert ok == [Status.OK] * 12
+    store.remove([bytes([9, i]) + bytes(30) for i in (1, 4, 6, 10)])  # free slots here and there
+    new = torch.randn((6, *LAYOUT.block_shape), generator=g).to(LAYOUT.dtype)
+    blocks = {"typed": new, "uint8_rows": new.view(6, -1).view(torch.uint8),
+              "list": list(new.unbind(0))}[form]
+    keys = [bytes([7, i]) + bytes(30) for i in range(6)]
+    assert store.store_keys(NS, keys, blocks) == [Status.OK] * 6
+    tiers = {t for k in keys for t in store.tiers_of(k)}
+    assert len(tiers) == 2  # the batch spans both memory tiers
+    st, out = store.load(keys)
+    assert st == [Status.OK] * 6
+    assert all(torch.equal(o, n) for o, n in zip(out, new.unbind(0)))
+    st, out = store.load(keys[::-1] + [bytes(32)])  # reversed, and a miss at the end
+    assert st == [Status.OK] * 6 + [Status.MISS] and out[-1] is None
+    assert all(torch.equal(o, n) for o, n in zip(out, new.unbind(0)[::-1]))
+    store.check_invariants(quiescent=True)
+    store.close()

@@ -457,3 +457,37 @@ def test_invalidate_while_a_store_is_in_flight_discards_it():
     t.join(10)
     assert not t.is_alive() and ix.probe([_k(1)]) == 0
     ix.check_invariants(quiescent=True)
+
+
+def test_batch_policy_hooks_decide_as_the_single_ones(policy):
+    """The index tells policies about a chain at once (on_insert_many /
+    on_access_many); every policy must then pick the victims it would pick
+    when told key by key."""
+    from tierstore.policies import make_policy
+
+    @dataclasses.dataclass
+    class E:
+        key: bytes
+        size_bytes: int = 4096
+        hits: int = 0
+        last_access_s: float = 0.0
+        created_s: float = 0.0
+        position: int = 0
+        lifetime: object = None
+        ref_count: int = 0
+        ns: bytes = bytes(32)
+
+    one, many = make_policy(policy), make_policy(policy)
+    keys = [i.to_bytes(32, "little") for i in range(40)]
+    ents = {k: E(k, position=i % 8) for i, k in enumerate(keys)}
+    ops = [("insert", keys[0:16]), ("access", keys[4:12]), ("insert", keys[16:32]), ("access", keys[0:3] + keys[20:25]),
+           ("insert", keys[32:40]), ("access", keys[30:36])]
+    for now, (op, ks) in enumerate(ops):
+        for k in ks:
+            ents[k].hits += op == "access"
+            ents[k].last_access_s = float(now)
+            getattr(one, f"on_{op}")(ents[k], float(now))
+        getattr(many, f"on_{op}_many")(ks, lambda j, ks=ks: ents[ks[j]], float(now))
+    assert len(one) == len(many) == 40
+    never = lambda k: False  # noqa: E731
+    assert one.evict(12, never, 10.0) == many.evict(12, never, 10.0)

@@ -94,3 +94,31 @@ def test_agrees_with_a_dict(ops):
             assert t.get(k) == model.get(k, -1)
     assert len(t) == len(model)
     assert t.get_many(pool).tolist() == [model.get(k, -1) for k in pool]
+
+
+@pytest.mark.parametrize("cap", [16, 4096])
+def test_add_absent_places_every_key_like_add(cap):
+    """Batch inserts (home slots taken, tombstones reused, duplicate homes,
+    a rebuild mid-batch) leave the table as scalar adds would: every key
+    found at its row, no row shared, removed keys gone."""
+    t = KeyTable(cap)
+    keys = _keys(5000, seed=7)
+    old = keys[:1000]
+    for k in old:
+        t.add(k)
+    for k in old[::2]:
+        t.remove(k)  # tombstones, and free rows to reuse
+    twins = [old[1][:8] + os.urandom(24) for _ in range(30)]  # same home slot as a live key
+    batches = [keys[1000 + i:1000 + i + 700] for i in range(0, 4000, 700)] + [twins]
+    model = {k: t.get(k) for k in old[1::2]}
+    for b in batches:
+        rows = t.add_absent(b)
+        assert rows.dtype == np.int64 and len(set(rows.tolist())) == len(b)
+        model.update(zip(b, rows.tolist()))
+    assert len(set(model.values())) == len(model) == len(t)
+    q = list(model) + old[::2]
+    assert t.get_many(q).tolist() == [model.get(k, -1) for k in q]
+    assert [t.get(k) for k in q] == [model.get(k, -1) for k in q]
+    assert all(t.key_of(r) == k for k, r in model.items())
+    with pytest.raises(LayoutError):
+        t.add_absent([b"x" * 33] * VECTOR_MIN_KEYS)

@@ -63,7 +63,7 @@ from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesCo
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
 from .index import Lease, LookupResult, Tier
-from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
+from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .mover import LoadGate
 
@@ -86,7 +86,9 @@ def _check_keys(keys) -> list[bytes]:
     LayoutError
         For a key of another length or type (e.g. token ids, or a truncated hex decode).
     """
-    out = list(keys)
+    out = keys if type(keys) is list else list(keys)
+    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {32}:  # the common case, at C speed
+        return out
     for k in out:
         if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
             raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
@@ -235,6 +237,7 @@ class KVStore:
 
     def _init(self, parts: StoreParts, nv_opts: dict) -> None:
         self.layout = parts.layout
+        self._bb = parts.layout.bytes_per_block
         self.config = parts.config
         self._parts = parts
         self._index = parts.index
@@ -342,14 +345,14 @@ class KVStore:
             prompt (nothing is stored then).
         """
         keys = self.keys_for(ns, token_ids)
-        blocks = list(kv_blocks) if not isinstance(kv_blocks, torch.Tensor) or kv_blocks.dim() > 1 else [kv_blocks]
-        if start_block < 0 or start_block + len(blocks) > len(keys):
-            raise LayoutError(f"{len(blocks)} blocks from block {start_block} exceed the prompt's "
+        sources = self._sources(kv_blocks)
+        if start_block < 0 or start_block + len(sources) > len(keys):
+            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
-        sel = keys[start_block:start_block + len(blocks)]
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(blocks)]
+        sel = keys[start_block:start_block + len(sources)]
+        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(sources)]
                 if self._index.config.verify_tokens else None)
-        return self._store(self.digest(ns), sel, self._sources(blocks), lifetime, start_block, toks, wait)
+        return self._store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
 
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
                    first_position: int = 0, wait: bool = True) -> list[Status] | Future:
@@ -387,10 +390,10 @@ class KVStore:
             Malformed keys, or a block of the wrong size or dtype (nothing is stored).
         """
         keys = _check_keys(keys)
-        blocks = list(blocks)
-        if len(blocks) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
-        return self._store(self.digest(ns), keys, self._sources(blocks), lifetime, first_position, None, wait)
+        sources = self._sources(blocks)
+        if len(sources) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
+        return self._store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
 
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
                         start_block: int = 0, lifetime: str | None = None, *,
@@ -427,18 +430,36 @@ class KVStore:
         return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
                            start_block, toks, wait)
 
-    def _sources(self, blocks) -> list[FragmentPlan]:
-        """Plan each block's bytes as a copy source; checks sizes before anything is stored."""
+    def _sources(self, blocks) -> Sequence[FragmentPlan]:
+        """Plan each block's bytes as a copy source; checks sizes before anything is stored.
+
+        A tensor of blocks (``(n, *layout.block_shape)`` of the layout's dtype,
+        or ``(n, bytes_per_block)`` uint8) becomes one :class:`BlockRows`
+        (checked once, copied into memory tiers with one copy per tier); a
+        single 1-D tensor is one block; other sequences are planned per block.
+        """
+        bb = self._bb
+        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1:
+            lay = self.layout
+            if blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == bb:
+                rows = blocks
+            elif blocks.dtype == lay.dtype and tuple(blocks.shape[1:]) == lay.block_shape:
+                rows = blocks.view(blocks.shape[0], -1).view(torch.uint8) if blocks.is_contiguous() else \
+                    blocks.contiguous().view(blocks.shape[0], -1).view(torch.uint8)
+            else:
+                return self._sources(list(blocks))  # each block checked (and named) on its own
+            return BlockRows(rows if rows.is_contiguous() else rows.contiguous())
+        if isinstance(blocks, torch.Tensor):
+            blocks = [blocks]
         out = []
         for b in blocks:
             if isinstance(b, torch.Tensor):
                 raw = self.layout.as_bytes(b) if b.dtype != torch.uint8 or b.dim() != 1 else b
-                if raw.numel() != self.layout.bytes_per_block:
-                    raise LayoutError(f"block of {raw.numel()} bytes; the layout's blocks are "
-                                      f"{self.layout.bytes_per_block} bytes")
+                if raw.numel() != bb:
+                    raise LayoutError(f"block of {raw.numel()} bytes; the layout's blocks are {bb} bytes")
                 if not raw.is_contiguous():
                     raw = raw.contiguous()
-                out.append(FragmentPlan([raw], raw.numel(), None, torch.uint8, 1))
+                out.append(FragmentPlan.of_bytes(raw))
             else:
                 out.append(self._plan(b, destination=False))
         return out
@@ -594,9 +615,12 @@ class KVStore:
         keys = _check_keys(keys)
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
-        raws = [self._dest_raw(d) for d in dests] if dests is not None else \
-            [torch.empty(self.layout.bytes_per_block, dtype=torch.uint8) for _ in keys]
-        plans = [FragmentPlan([r], r.numel(), None, torch.uint8, 1, destination=True) for r in raws]
+        if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
+            plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
+            raws = list(plans.rows.unbind(0)) if keys else []
+        else:
+            raws = [self._dest_raw(d) for d in dests]
+            plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
 
         def finish(st: list[Status]):
             outs = []
@@ -612,9 +636,9 @@ class KVStore:
 
     def _dest_raw(self, d: torch.Tensor) -> torch.Tensor:
         raw = self.layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
-        if raw.numel() != self.layout.bytes_per_block or not raw.is_contiguous():
+        if raw.numel() != self._bb or not raw.is_contiguous():
             raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
-                              f"blocks are {self.layout.bytes_per_block} contiguous bytes")
+                              f"blocks are {self._bb} contiguous bytes")
         return raw
 
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,

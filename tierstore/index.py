@@ -86,6 +86,7 @@ class Tier(enum.IntEnum):
 
 
 MEMORY_TIERS = (Tier.HBM, Tier.HOST)
+_TIER_OF_INT = tuple(Tier)
 _TIERS = {int(t): t for t in Tier}
 _LABELS = {int(t): t.name.lower() for t in Tier}
 _HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
@@ -107,8 +108,28 @@ _EVICT_HOST = 4       # its host copy is being evicted: not readable
 _DOOMED = 8           # removed while in use: freed when the last user goes
 _ON_NVME = 16         # has a copy on the NVMe tier
 _NVME_WRITING = 32    # a demotion write to NVMe is in flight
+_IN_HBM = 64          # holds an HBM slot (``_slot[HBM][row] >= 0``)
+_IN_HOST = 128        # holds a host slot (``_slot[HOST][row] >= 0``)
 _EVICT = {Tier.HBM: _EVICT_HBM, Tier.HOST: _EVICT_HOST}
+_IN = {Tier.HBM: _IN_HBM, Tier.HOST: _IN_HOST}
 _NO_HINT = -1
+
+
+def _top_of_flags(f: int) -> int:
+    """Fastest readable tier (0 HBM, 1 host, 2 NVMe) of a row with flags ``f``, or -1."""
+    if f & (_PENDING | _DOOMED):
+        return -1
+    if f & _IN_HBM and not f & _EVICT_HBM:
+        return 0
+    if f & _IN_HOST and not f & _EVICT_HOST:
+        return 1
+    return 2 if f & _ON_NVME else -1
+
+
+#: ``flags -> fastest readable tier`` for every flag byte: one gather finds the
+#: tops of a whole chain (:meth:`BlockIndex._tops`).
+_TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
+_TOP_TIER = [None if t < 0 else Tier(t) for t in _TOP.tolist()]
 
 
 @dataclasses.dataclass
@@ -222,6 +243,7 @@ class StorePlan:
     ns: bytes = b""
     given: set = dataclasses.field(default_factory=set)
     done: bool = False
+    protect: set | None = None
 
     @property
     def pending(self) -> list[int]:
@@ -424,7 +446,9 @@ class BlockIndex:
         rows = max(1024, c.hbm_blocks + c.host_blocks + c.nvme_blocks + 64)
         self._table = KeyTable(rows)
         cap = self._table.capacity_rows
-        self._flags = np.zeros(cap, dtype=np.uint8)
+        # one spare element at the end, always 0: ``_flags[-1]`` is the flags of
+        # an absent key (row -1), so chains are classified without masking
+        self._flags = np.zeros(cap + 1, dtype=np.uint8)
         self._slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
         self._ns = np.zeros(cap, dtype=np.int32)
         self._pos = np.zeros(cap, dtype=np.int32)
@@ -479,7 +503,10 @@ class BlockIndex:
 
     def _grow(self) -> None:
         cap = self._table.capacity_rows
-        for name in ("_flags", "_ns", "_pos", "_hits", "_created", "_last", "_refs", "_readers",
+        old = self._flags
+        self._flags = np.zeros(cap + 1, dtype=np.uint8)
+        self._flags[:old.size - 1] = old[:-1]
+        for name in ("_ns", "_pos", "_hits", "_created", "_last", "_refs", "_readers",
                      "_pin_until", "_hint", "_nvme_class"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
@@ -495,7 +522,7 @@ class BlockIndex:
 
     def _new_row(self, key: bytes, nid: int, pos: int, hint: int, now: float) -> int:
         row, _ = self._table.add(key)
-        if row >= self._flags.size:
+        if row >= self._flags.size - 1:
             self._grow()
         self._flags[row] = _PENDING
         self._slot[Tier.HBM][row] = -1
@@ -513,10 +540,9 @@ class BlockIndex:
         return row
 
     def _new_rows(self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int, now: float) -> np.ndarray:
-        """:meth:`_new_row` for many keys: one table insert each, the state vectorised."""
-        add = self._table.add
-        rows = np.fromiter((add(k)[0] for k in keys), dtype=np.int64, count=len(keys))
-        if rows.size and int(rows.max()) >= self._flags.size:
+        """:meth:`_new_row` for many absent, distinct keys: one batch insert, the state vectorised."""
+        rows = self._table.add_absent(keys)
+        if rows.size and int(rows.max()) >= self._flags.size - 1:
             self._grow()
         self._flags[rows] = _PENDING
         self._slot[Tier.HBM][rows] = -1
@@ -540,20 +566,18 @@ class BlockIndex:
         f = int(self._flags[row])
         if tier == Tier.NVME:
             return bool(f & _ON_NVME)
-        return self._slot[tier][row] >= 0 and not f & _EVICT[tier]
+        return bool(f & _IN[tier]) and not f & _EVICT[tier]
 
     def _top(self, row: int) -> Tier | None:
-        """Fastest readable copy of a visible row."""
-        f = int(self._flags[row])
-        if f & (_PENDING | _DOOMED):
-            return None
-        if self._slot[Tier.HBM][row] >= 0 and not f & _EVICT_HBM:
-            return Tier.HBM
-        if self._slot[Tier.HOST][row] >= 0 and not f & _EVICT_HOST:
-            return Tier.HOST
-        if f & _ON_NVME:
-            return Tier.NVME
-        return None
+        """Fastest readable copy of a visible row (``None`` for row -1)."""
+        return _TOP_TIER[self._flags[row]]
+
+    def _set_slot(self, row: int, tier: Tier, slot: int) -> None:
+        self._slot[tier][row] = slot
+        if slot >= 0:
+            self._flags[row] |= _IN[tier]
+        else:
+            self._flags[row] &= 0xFF ^ _IN[tier]
 
     def _pinned(self, row: int, now: float) -> bool:
         return self._pin_until[row] > now
@@ -594,18 +618,14 @@ class BlockIndex:
     def probe(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys resident. Takes no reference, touches no recency, counts no hit."""
         with self._lock:
-            rows = self._table.get_many(keys)
-            n = 0
-            for r in rows.tolist():
-                if r < 0 or self._top(r) is None:
-                    break
-                n += 1
-            return n
+            tops = self._tops(self._table.get_many(keys))
+            miss = np.flatnonzero(tops < 0)
+            return int(miss[0]) if miss.size else len(tops)
 
     def resident(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether a readable copy exists. Touches nothing."""
         with self._lock:
-            return [r >= 0 and self._top(r) is not None for r in self._table.get_many(keys).tolist()]
+            return (self._tops(self._table.get_many(keys)) >= 0).tolist()
 
     def lookup(self, keys: Sequence[bytes], tokens: Sequence[np.ndarray] | None = None,
                request_id: object = None, num_prompt_tokens: int | None = None) -> LookupResult:
@@ -649,55 +669,53 @@ class BlockIndex:
                         break
                     lost += 1
                 self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
-            mr = rows[:m]
-            mt = tops[:m]
-            counts = np.bincount(mt, minlength=3) if m else np.zeros(3, dtype=np.int64)
+            c = {"lookups": 1, "lookup_blocks": n}
             if m:
+                mr = rows[:m] if m < n else rows
+                mt = tops[:m] if m < n else tops
                 self._hits[mr] += 1
                 self._last[mr] = now
+                lr = mr.tolist()
+                lt = mt.tolist()
+                counts = np.bincount(mt, minlength=3).tolist()
                 for t in MEMORY_TIERS:
                     if counts[t]:
-                        pol = self.policies[t]
-                        for i in np.flatnonzero(mt == t).tolist():
-                            pol.on_access(EntryView(self, int(mr[i]), keys[i]), now)
+                        if counts[t] == m:
+                            kt, rt = keys if m == n else keys[:m], lr
+                        else:
+                            sel = [j for j, tt in enumerate(lt) if tt == t]
+                            kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
+                        self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self, rt[j], kt[j]), now)
                 if request_id is not None:
                     self._refs[mr] += 1
-                    self._requests.setdefault(request_id, []).extend(mr.tolist())
-            tiers = [_TIERS[t] for t in mt.tolist()]
-            cost = self.config.cost
-            per = [cost.load_s(_LABELS[t], self.block_bytes) for t in range(3)]
-            load_s = [per[t] for t in mt.tolist()]
-            useful = cost.useful_prefix(load_s, T)
-            c = {"lookups": 1, "lookup_blocks": n, "useful_blocks": useful}
-            if m:
+                    self._requests.setdefault(request_id, []).extend(lr)
+                tiers = list(map(_TIER_OF_INT.__getitem__, lt))
+                cost = self.config.cost
+                per = [cost.load_s(_LABELS[t], self.block_bytes) for t in range(3)]
+                load_s = list(map(per.__getitem__, lt))
+                useful = cost.useful_prefix(load_s, T)
                 c["lookup_hits"] = 1
                 c["hit_blocks"] = m
                 c["matched_tokens"] = m * T
                 for t in range(3):
                     if counts[t]:
-                        c[_HIT_COUNTER[t]] = int(counts[t])
+                        c[_HIT_COUNTER[t]] = counts[t]
+                mkeys = list(keys[:m])
+            else:
+                tiers, load_s, useful, mkeys = [], [], 0, []
+            c["useful_blocks"] = useful
             if num_prompt_tokens is not None:
                 c["prompt_tokens"] = num_prompt_tokens
                 c["partial_tail_tokens"] = num_prompt_tokens - n * T
             self.metrics.add(c)
-            mkeys = list(keys[:m])
         return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id)
 
     def _tops(self, rows: np.ndarray) -> np.ndarray:
         """Per row (``-1`` = absent): the fastest readable tier (0 HBM, 1 host,
         2 NVMe), or -1 when the row is absent, pending, doomed or has no
-        readable copy. Vectorised; the scalar form is :meth:`_top`."""
-        if rows.size < 8:
-            return np.fromiter(((-1 if (t := self._top(int(r)) if r >= 0 else None) is None else int(t))
-                                for r in rows), dtype=np.int64, count=rows.size)
-        valid = rows >= 0
-        r = np.where(valid, rows, 0)
-        f = self._flags[r]
-        vis = valid & ((f & (_PENDING | _DOOMED)) == 0)
-        hbm = vis & (self._slot[Tier.HBM][r] >= 0) & ((f & _EVICT_HBM) == 0)
-        host = vis & (self._slot[Tier.HOST][r] >= 0) & ((f & _EVICT_HOST) == 0)
-        nv = vis & ((f & _ON_NVME) != 0)
-        return np.where(hbm, 0, np.where(host, 1, np.where(nv, 2, -1)))
+        readable copy. One gather of the flags and one of a 256-entry table
+        (row -1 reads the spare, always-zero flags element)."""
+        return _TOP[self._flags[rows]]
 
     # ================================================================ store
     def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
@@ -732,33 +750,49 @@ class BlockIndex:
         with self._lock:
             nid = self._intern(ns)
             rows = self._table.get_many(keys)
-            protect: set = set()
-            todo: list[int] = []
-            for i, r in enumerate(rows.tolist()):
-                if r >= 0 and not self._flags[r] & _DOOMED:
-                    plan.statuses[i] = Status.EXISTS
-                    protect.add(keys[i])
-                else:
-                    todo.append(i)
+            # doomed rows are detached from the key table: a row found is live
+            have = np.flatnonzero(rows >= 0).tolist()
+            for i in have:
+                plan.statuses[i] = Status.EXISTS
+            if len(have) == n:
+                todo: list[int] = []
+            elif not have:
+                todo = list(range(n))
+            else:
+                todo = np.flatnonzero(rows < 0).tolist()
+            tk = keys if len(todo) == n else [keys[i] for i in todo]
+            if len(set(tk)) < len(tk):
+                seen: set = set()  # a key given twice in one call: its later copies exist already
+                uniq = []
+                for i in todo:
+                    if keys[i] in seen:
+                        plan.statuses[i] = Status.EXISTS
+                    else:
+                        seen.add(keys[i])
+                        uniq.append(i)
+                todo = uniq
+                tk = [keys[i] for i in todo]
             if todo:
-                new = self._new_rows([keys[i] for i in todo], nid, np.asarray(todo, dtype=np.int64) + first_position,
-                                     hint_i, now).tolist()
-                for i, r in zip(todo, new):
-                    plan.rows[i] = r
-                    protect.add(keys[i])
-                    if self.config.verify_tokens and tokens is not None:
+                new = self._new_rows(tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now).tolist()
+                if len(todo) == n:
+                    plan.rows = new
+                else:
+                    for i, r in zip(todo, new):
+                        plan.rows[i] = r
+                if self.config.verify_tokens and tokens is not None:
+                    for i, r in zip(todo, new):
                         self._tokens[r] = np.asarray(tokens[i], dtype=np.int64).copy()
                 if self.config.write_policy == "write_through":
-                    self._place_write_through(plan, todo, protect, now)
+                    self._place_write_through(plan, todo, now)
                 else:
-                    self._place_write_back(plan, todo, protect, now)
+                    self._place_write_back(plan, todo, now)
             self._pending_plans += 1
-            c = {"store_exists": sum(1 for s in plan.statuses if s is Status.EXISTS)}
-            self.metrics.add(c)
+            if n - len(todo):
+                self.metrics.inc("store_exists", sum(1 for s in plan.statuses if s is Status.EXISTS))
         return plan
 
-    def _place_write_back(self, plan: StorePlan, todo: list[int], protect: set, now: float) -> None:
-        left = list(todo)
+    def _place_write_back(self, plan: StorePlan, todo: list[int], now: float) -> None:
+        left = todo
         for t in self.tiers:
             if not left:
                 break
@@ -767,23 +801,21 @@ class BlockIndex:
                     plan.nvme_new.append((i, self._nvme_lifetime(plan.rows[i], plan.keys[i], now)))
                 left = []
                 break
-            slots = self._reserve(t, len(left), plan, protect, now)
-            for i, s in zip(left, slots):
-                plan.memory.append((i, t, s))
+            slots = self._reserve(t, len(left), plan, None, now)
+            plan.memory.extend(zip(left, itertools.repeat(t), slots))
             left = left[len(slots):]
         if left:  # fits nowhere: this block and the rest of the chain
             self._refuse(plan, left)
 
-    def _place_write_through(self, plan: StorePlan, todo: list[int], protect: set, now: float) -> None:
+    def _place_write_through(self, plan: StorePlan, todo: list[int], now: float) -> None:
         for i in todo:
             plan.nvme_new.append((i, self._nvme_lifetime(plan.rows[i], plan.keys[i], now)))
-        left = list(todo)
+        left = todo
         for t in MEMORY_TIERS:  # cache a copy where room is free or cheap (victims with a lower copy)
             if t not in self._alloc or not left:
                 continue
-            slots = self._reserve(t, len(left), plan, protect, now, cheap_only=True)
-            for i, s in zip(left, slots):
-                plan.memory.append((i, t, s))
+            slots = self._reserve(t, len(left), plan, None, now, cheap_only=True)
+            plan.memory.extend(zip(left, itertools.repeat(t), slots))
             left = left[len(slots):]
 
     def _refuse(self, plan: StorePlan, idx: list[int]) -> None:
@@ -804,15 +836,20 @@ class BlockIndex:
         self._table.remove_row(row)
         self._flags[row] = 0
 
-    def _reserve(self, tier: Tier, n: int, plan: StorePlan, protect: set, now: float,
+    def _reserve(self, tier: Tier, n: int, plan: StorePlan, protect: set | None, now: float,
                  cheap_only: bool = False) -> list[int]:
         """Up to ``n`` slots of memory tier ``tier`` for ``plan``: free ones, then
         victims' (:meth:`_victimize`; a batch of ``evict_batch_blocks`` at least,
-        so demotions to NVMe go out together)."""
+        so demotions to NVMe go out together). ``protect``: keys never to take
+        as victims; ``None`` is the plan's own keys (and victims chosen so far)."""
         slots = self._alloc[tier].take(n)
         need = n - len(slots)
         if need <= 0:
             return slots
+        if protect is None:
+            if plan.protect is None:
+                plan.protect = set(plan.keys)
+            protect = plan.protect
         vrows = self._victimize(tier, need, plan, protect, now, cheap_only,
                                 batch=1 if cheap_only else self.config.evict_batch_blocks)
         given = [int(self._slot[tier][r]) for r in vrows[:need]]
@@ -941,7 +978,59 @@ class BlockIndex:
         """Make a plan's new blocks visible (or forget them): the common case
         vectorised, failures and doomed rows one by one."""
         pending = plan.pending
-        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)), default=None)
+        if not pending:
+            return
+        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)),
+                          default=None) if nv else None
+        prows = [plan.rows[i] for i in pending]
+        if failed_from is None and not (self._flags[prows] & _DOOMED).any():
+            good = pending
+        else:
+            good = self._complete_failed(plan, pending, nv, failed_from, c)
+            if not good:
+                return
+        in_good = None if len(good) == len(pending) else set(good)
+        bb = self.block_bytes
+        in_mem: set | None = set() if nv else None
+        for t in MEMORY_TIERS:
+            sel = [(i, s_) for i, tt, s_ in plan.memory if tt == t and (in_good is None or i in in_good)]
+            if not sel:
+                continue
+            rows = [plan.rows[i] for i, _ in sel]
+            self._slot[t][rows] = [s_ for _, s_ in sel]
+            self._flags[rows] |= _IN[t]
+            kt = [plan.keys[i] for i, _ in sel]
+            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self, rows[j], kt[j]), now)
+            if in_mem is not None:
+                in_mem.update(i for i, _ in sel)
+            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
+        rows_good = [plan.rows[i] for i in good]
+        self._flags[rows_good] &= 0xFF ^ _PENDING
+        if nv:
+            on_nvme = [i for i in good if i in nv]
+            if on_nvme:
+                self._flags[[plan.rows[i] for i in on_nvme]] |= _ON_NVME
+                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
+                only = sum(1 for i in on_nvme if i not in in_mem)
+                if only:
+                    c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
+        if self._rejected:
+            for i in good:
+                self._rejected.pop(plan.keys[i], None)
+        if self.record_events:
+            mem = {i: t for i, t, _ in plan.memory}
+            for i in good:
+                self._event("stored", plan.keys[i], mem.get(i, Tier.NVME))
+        st = plan.statuses
+        for i in good:
+            st[i] = Status.OK
+        c["store_ok"] = c.get("store_ok", 0) + len(good)
+
+    def _complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
+                         c: dict) -> list[int]:
+        """:meth:`_complete_new` when a write failed or a row was doomed meanwhile:
+        forget the failed blocks (and the rest of the chain after the first
+        failure), free doomed rows. Returns the indices still to make visible."""
         mem = {i: (t, s) for i, t, s in plan.memory}
         good: list[int] = []
         for i in pending:
@@ -967,36 +1056,7 @@ class BlockIndex:
                 self._drop_new_row(r)
             name = "store_failed" if not ok else "store_doomed"
             c[name] = c.get(name, 0) + 1
-        if not good:
-            return
-        rows = np.asarray([plan.rows[i] for i in good], dtype=np.int64)
-        self._flags[rows] &= 0xFF ^ _PENDING
-        bb = self.block_bytes
-        for t in MEMORY_TIERS:
-            sel = [j for j, i in enumerate(good) if i in mem and mem[i][0] == t]
-            if not sel:
-                continue
-            self._slot[t][rows[sel]] = np.asarray([mem[good[j]][1] for j in sel], dtype=np.int32)
-            pol = self.policies[t]
-            for j in sel:
-                pol.on_insert(EntryView(self, int(rows[j]), plan.keys[good[j]]), now)
-            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
-        on_nvme = [j for j, i in enumerate(good) if i in nv]
-        if on_nvme:
-            self._flags[rows[on_nvme]] |= _ON_NVME
-            c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
-            only = sum(1 for j in on_nvme if good[j] not in mem)
-            if only:
-                c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
-        if self._rejected:
-            for i in good:
-                self._rejected.pop(plan.keys[i], None)
-        if self.record_events:
-            for i in good:
-                self._event("stored", plan.keys[i], mem[i][0] if i in mem else Tier.NVME)
-        for i in good:
-            plan.statuses[i] = Status.OK
-        c["store_ok"] = c.get("store_ok", 0) + len(good)
+        return good
 
     def _apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None) -> None:
         """Record what happened to a plan's victims (under the lock): written to
@@ -1016,7 +1076,7 @@ class BlockIndex:
                 c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
         # 2. victims copied down into memory
         for d in plan.copies:
-            self._slot[d.dst][d.row] = d.dst_slot
+            self._set_slot(d.row, d.dst, d.dst_slot)
             self.policies[d.dst].on_insert(self._view(d.row, d.key), now)
             c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
             self._event("demoted", d.key, d.dst)
@@ -1027,7 +1087,7 @@ class BlockIndex:
             key = self._table.key_of(r)
             self.policies[t].on_remove(key)
             if self._slot[t][r] == s:
-                self._slot[t][r] = -1
+                self._set_slot(r, t, -1)
             if (t, s) not in given:
                 self._alloc[t].give(s)
             self._event("removed", key, t)
@@ -1093,7 +1153,7 @@ class BlockIndex:
             s = int(self._slot[t][row])
             if s >= 0 and not self._flags[row] & _EVICT[t]:
                 self._alloc[t].give(s)
-                self._slot[t][row] = -1
+                self._set_slot(row, t, -1)
         self._tokens.pop(row, None)
         self._flags[row] = 0
         self._table.release_row(row)
@@ -1297,7 +1357,7 @@ class BlockIndex:
             for (i, r, t, s), good in zip(plan.items, ok):
                 self._readers[r] -= 1
                 if good and not self._flags[r] & _DOOMED and self._slot[t][r] < 0:
-                    self._slot[t][r] = s
+                    self._set_slot(r, t, s)
                     key = self._table.key_of(r)
                     self.policies[t].on_insert(self._view(r, key), now)
                     src = "host" if self._slot[Tier.HOST][r] >= 0 and t == Tier.HBM else "nvme"
@@ -1352,7 +1412,7 @@ class BlockIndex:
                 row, new = self._table.add(k)
                 if not new:
                     continue
-                if row >= self._flags.size:
+                if row >= self._flags.size - 1:
                     self._grow()
                 self._flags[row] = _ON_NVME
                 self._slot[Tier.HBM][row] = -1
@@ -1586,7 +1646,7 @@ class BlockIndex:
             s = int(self._slot[t][row])
             if s >= 0:
                 self._alloc[t].give(s)
-                self._slot[t][row] = -1
+                self._set_slot(row, t, -1)
         self._tokens.pop(row, None)
         self._table.remove(key)
         self._flags[row] = 0
@@ -1710,6 +1770,11 @@ class BlockIndex:
                 n = int(((self._slot[t][rows] >= 0) & ((self._flags[rows] & _PENDING) == 0)).sum())
                 if quiescent and len(self.policies[t]) != n:
                     raise InvariantError(f"{t.label}: policy tracks {len(self.policies[t])}, {n} resident")
+            for t in MEMORY_TIERS:
+                if ((self._slot[t][live] >= 0) != ((self._flags[live] & _IN[t]) != 0)).any():
+                    raise InvariantError(f"{t.label}: slot and residency flag disagree")
+            if self._flags[-1]:
+                raise InvariantError("the spare flags element (absent rows) was written")
             if (self._refs[live] < 0).any() or (self._readers[live] < 0).any():
                 raise InvariantError("negative reference or reader count")
             counts: dict[int, int] = {}

@@ -23,6 +23,7 @@ Not thread-safe: the owner serialises access under its own lock.
 """
 from __future__ import annotations
 
+import struct
 from array import array
 from typing import Iterable, Sequence
 
@@ -33,6 +34,9 @@ from .errors import LayoutError
 KEY_BYTES = 32
 _EMPTY = -1
 _TOMB = -2
+_V32 = np.dtype("V32")
+#: The home-slot hash of a key: its first 8 bytes, little-endian (module doc).
+_HOME = struct.Struct("<Q").unpack_from
 #: Batches at least this long take the vectorised probe (numpy's fixed cost
 #: per call is ~10 us; the scalar probe costs ~0.6 us a key).
 VECTOR_MIN_KEYS = 16
@@ -90,21 +94,26 @@ class KeyTable:
     # --------------------------------------------------------------- lookups
     def get(self, key: bytes) -> int:
         """Row of ``key``, or -1."""
+        if len(key) != KEY_BYTES:
+            return -1
         slots = self._slots
         kb = self._keys
-        p = int.from_bytes(key[:8], "little") & self._mask
+        p = _HOME(key)[0] & self._mask
         while True:
             s = slots[p]
             if s == _EMPTY:
                 return -1
-            if s >= 0:
-                o = s * KEY_BYTES
-                if kb[o:o + KEY_BYTES] == key:
-                    return s
+            if s >= 0 and kb.startswith(key, s * KEY_BYTES):
+                return s
             p += 1
 
     def get_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """Rows of ``keys`` (``int64``, -1 where absent), vectorised for long batches.
+
+        The vectorised probe compares whole 32-byte keys as ``V32`` records
+        (one gather and one compare per probe step) and advances only the keys
+        not yet resolved; most keys sit in their home slot, so a batch takes
+        one to three steps.
 
         Raises
         ------
@@ -113,26 +122,88 @@ class KeyTable:
         """
         n = len(keys)
         if n < VECTOR_MIN_KEYS:
-            return np.fromiter((self.get(k) for k in keys), dtype=np.int64, count=n)
+            get = self.get
+            return np.fromiter((get(k) for k in keys), dtype=np.int64, count=n)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
-        q = np.frombuffer(raw, dtype="<u8").reshape(n, 4)
+        q = np.frombuffer(raw, dtype=_V32)
         slots = np.frombuffer(self._slots, dtype=np.int32)
-        kv = np.frombuffer(self._keys, dtype="<u8").reshape(self._cap, 4)
-        pos = (q[:, 0] & np.uint64(self._mask)).astype(np.int64)
-        out = np.full(n, -1, dtype=np.int64)
-        todo = np.arange(n)
-        while todo.size:
-            s = slots[pos[todo]]
-            empty = s == _EMPTY
-            rows = np.where(s >= 0, s, 0)
-            match = (s >= 0) & (kv[rows] == q[todo]).all(axis=1)
-            out[todo[match]] = s[match]
-            more = ~(empty | match)
-            todo = todo[more]
-            pos[todo] += 1
+        kv = np.frombuffer(self._keys, dtype=_V32)
+        pos = (np.frombuffer(raw, dtype="<u8")[::4] & np.uint64(self._mask)).astype(np.intp)
+        s = slots[pos]
+        match = kv[s] == q          # s < 0 reads some other row: masked next
+        match &= s >= 0
+        out = np.where(match, s, -1).astype(np.int64)
+        more = np.flatnonzero(~match & (s != _EMPTY))
+        if more.size:  # displaced by a collision (about a third of keys): probe on one by one
+            get = self.get
+            for i in more.tolist():
+                out[i] = get(keys[i])
         return out
+
+    def add_absent(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Insert ``keys``, which the caller knows are absent and distinct; return their rows.
+
+        One vectorised pass places every key whose home slot is free (empty
+        or a tombstone: the key is absent, so no later slot of its probe chain
+        can hold it); the others are probed one by one.
+
+        Raises
+        ------
+        LayoutError
+            If a key is not 32 bytes.
+        """
+        n = len(keys)
+        if n < VECTOR_MIN_KEYS:
+            return np.fromiter((self.add(k)[0] for k in keys), dtype=np.int64, count=n)
+        raw = b"".join(keys)
+        if len(raw) != n * KEY_BYTES:
+            raise LayoutError("every key must be 32 bytes")
+        if 2 * (self._n + self._tombs + n) > self._mask + 1:
+            self._rebuild(self._n + n)
+        fresh = not self._free
+        rows = self._take_rows(n)
+        if fresh:  # consecutive new rows: plain byte copies
+            r0 = int(rows[0])
+            self._keys[r0 * KEY_BYTES:(r0 + n) * KEY_BYTES] = raw
+            self._live[r0:r0 + n] = b"\x01" * n
+        else:
+            np.frombuffer(self._keys, dtype=_V32)[rows] = np.frombuffer(raw, dtype=_V32)
+            np.frombuffer(self._live, dtype=np.uint8)[rows] = 1
+        self._n += n
+        slots = np.frombuffer(self._slots, dtype=np.int32)
+        home = (np.frombuffer(raw, dtype="<u8")[::4] & np.uint64(self._mask)).astype(np.intp)
+        s = slots[home]
+        free = np.flatnonzero(s < 0)
+        r32 = rows.astype(np.int32)
+        slots[home[free]] = r32[free]
+        # keys sharing a home slot: one of them landed there, the others probe on
+        landed = slots[home[free]] == r32[free]
+        self._tombs -= int((s[free[landed]] == _TOMB).sum())
+        placed = np.zeros(n, dtype=bool)
+        placed[free[landed]] = True
+        rest = np.flatnonzero(~placed)
+        for i in rest.tolist():
+            if not self._place(keys[i], int(rows[i])):
+                break  # the table was rebuilt: every live row, these included, is placed
+        return rows
+
+    def _place(self, key: bytes, row: int) -> bool:
+        """Put ``row`` (an absent key, already written) in its first free slot.
+        False if the probe ran off the tail and the table was rebuilt instead."""
+        slots = self._slots
+        p = _HOME(key)[0] & self._mask
+        while p < len(slots):
+            s = slots[p]
+            if s < 0:
+                if s == _TOMB:
+                    self._tombs -= 1
+                slots[p] = row
+                return True
+            p += 1
+        self._rebuild(self._n)
+        return False
 
     def key_of(self, row: int) -> bytes:
         """The key stored at ``row``."""
@@ -169,7 +240,7 @@ class KeyTable:
             raise LayoutError(f"key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
         slots = self._slots
         kb = self._keys
-        p = int.from_bytes(key[:8], "little") & self._mask
+        p = _HOME(key)[0] & self._mask
         tomb = -1
         while True:
             if p >= len(slots):  # ran off the tail: rebuild bigger, then insert there
@@ -206,9 +277,11 @@ class KeyTable:
         With ``free_row=False`` the row is not reused until :meth:`release_row`
         (an owner whose row is still referenced, e.g. by I/O in flight).
         """
+        if len(key) != KEY_BYTES:
+            return -1
         slots = self._slots
         kb = self._keys
-        p = int.from_bytes(key[:8], "little") & self._mask
+        p = _HOME(key)[0] & self._mask
         while True:
             s = slots[p]
             if s == _EMPTY:
@@ -243,6 +316,21 @@ class KeyTable:
         self._build_slots(np.empty(0, dtype=np.int64))
 
     # ------------------------------------------------------------- internals
+    def _take_rows(self, n: int) -> np.ndarray:
+        """``n`` free rows (``int64``): freed ones first, then fresh ones."""
+        k = min(n, len(self._free))
+        out = np.empty(n, dtype=np.int64)
+        if k:
+            out[:k] = np.frombuffer(self._free, dtype=np.int32)[len(self._free) - k:][::-1]
+            del self._free[len(self._free) - k:]
+        fresh = n - k
+        if fresh:
+            while self._next_row + fresh > self._cap:
+                self._grow_rows()
+            out[k:] = np.arange(self._next_row, self._next_row + fresh)
+            self._next_row += fresh
+        return out
+
     def _take_row(self) -> int:
         if self._free:
             return self._free.pop()

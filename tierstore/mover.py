@@ -151,9 +151,48 @@ class Mover:
                 nvme_st[i] = s
         for d in plan.copies:  # lowest tier first: each destination was freed above
             self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
-        for i, tier, slot in plan.memory:
-            sources[i].gather(self.view(tier, slot), 0)
+        rows = getattr(sources, "rows", None)
+        if rows is not None and len(plan.memory) > 1:
+            self._rows_to_slots(rows, plan.memory)
+        else:
+            for i, tier, slot in plan.memory:
+                sources[i].gather(self.view(tier, slot), 0)
         return nvme_st, dem_st
+
+    def _by_tier(self, items) -> dict:
+        out: dict = {}
+        for i, tier, slot in items:
+            e = out.get(tier)
+            if e is None:
+                e = out[tier] = ([], [])
+            e[0].append(i)
+            e[1].append(slot)
+        return out
+
+    @staticmethod
+    def _run(ix: list[int]) -> bool:
+        return ix == list(range(ix[0], ix[0] + len(ix)))
+
+    def _rows_to_slots(self, rows: torch.Tensor, items) -> None:
+        """Copy ``rows[i]`` into slot ``slot`` of ``tier`` for every ``(i, tier, slot)``:
+        one copy per tier (a slice copy for consecutive runs, else ``index_copy_``)."""
+        for tier, (ix, sl) in self._by_tier(items).items():
+            data = self.pools[tier].data
+            if self._run(ix) and self._run(sl):
+                data[sl[0]:sl[0] + len(sl)].copy_(rows[ix[0]:ix[0] + len(ix)])
+                continue
+            src = rows.index_select(0, torch.tensor(ix, device=rows.device))
+            data.index_copy_(0, torch.tensor(sl, device=data.device), src.to(data.device))
+
+    def _slots_to_rows(self, rows: torch.Tensor, items) -> None:
+        """The inverse of :meth:`_rows_to_slots` (a load into :class:`~tierstore.io.pages.BlockRows`)."""
+        for tier, (ix, sl) in self._by_tier(items).items():
+            data = self.pools[tier].data
+            if self._run(ix) and self._run(sl):
+                rows[ix[0]:ix[0] + len(ix)].copy_(data[sl[0]:sl[0] + len(sl)])
+                continue
+            src = data.index_select(0, torch.tensor(sl, device=data.device))
+            rows.index_copy_(0, torch.tensor(ix, device=rows.device), src.to(rows.device))
 
     def _put(self, keys, frags, pls, nss) -> list[Status]:
         try:
@@ -181,12 +220,18 @@ class Mover:
         n = len(plan.keys)
         st = [Status.MISS] * n
         nvme_idx: list[int] = []
+        rows = getattr(dests, "rows", None) if gate is None else None
+        batch: list | None = [] if rows is not None else None
         for i, src in enumerate(plan.sources):
             if src is None:
                 continue
             tier, slot = src
             if tier == Tier.NVME:
                 nvme_idx.append(i)
+                continue
+            if batch is not None:
+                batch.append((i, tier, slot))
+                st[i] = Status.OK
                 continue
             if gate is None:
                 dests[i].scatter(self.view(tier, slot), 0)
@@ -196,6 +241,8 @@ class Mover:
                 if go:
                     dests[i].scatter(self.view(tier, slot), 0)
                     st[i] = Status.OK
+        if batch:
+            self._slots_to_rows(rows, batch)
         nvme_s = None
         if nvme_idx and self.nvme is not None:
             t0 = time.perf_counter()

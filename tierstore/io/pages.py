@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Any, Iterable, Sequence
+from collections.abc import Sequence
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -125,7 +126,7 @@ class FragmentPlan:
         fragment size, so the view never aliases itself.
     """
 
-    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination")
+    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination", "flat")
 
     def __init__(self, fragments: Sequence[Any] | None, nbytes: int, strided: torch.Tensor | None,
                  dtype: torch.dtype | None = None, count: int | None = None, destination: bool = False):
@@ -138,6 +139,15 @@ class FragmentPlan:
         self.dtype = dtype
         #: Number of fragments.
         self.count = count if count is not None else (len(fragments) if fragments is not None else None)
+        #: The block as one contiguous 1-D uint8 tensor, when it is one (then one plain copy).
+        self.flat = None
+
+    @classmethod
+    def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> "FragmentPlan":
+        """A plan for a block that is one contiguous 1-D ``uint8`` tensor (checked by the caller)."""
+        p = cls([raw], raw.numel(), None, torch.uint8, 1, destination)
+        p.flat = raw
+        return p
 
     def gather(self, staging: torch.Tensor, offset: int) -> int:
         """Copy the fragments back to back into ``staging[offset:]``; return bytes.
@@ -150,6 +160,9 @@ class FragmentPlan:
         n = self.nbytes
         if offset + n > staging.numel():
             raise LayoutError(f"gather overflows staging of {staging.numel()} bytes")
+        if self.flat is not None:
+            staging[offset:offset + n].copy_(self.flat)
+            return n
         if self.strided is not None:
             staging[offset:offset + n].view(self.strided.shape).copy_(self.strided)
             return n
@@ -168,10 +181,50 @@ class FragmentPlan:
         n = self.nbytes
         if offset + n > staging.numel():
             raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes")
+        if self.flat is not None:
+            self.flat.copy_(staging[offset:offset + n])
+            return n
         if self.strided is not None:
             self.strided.copy_(staging[offset:offset + n].view(self.strided.shape))
             return n
         return _scatter_list(staging, offset, self.fragments)
+
+
+class BlockRows(Sequence):
+    """``n`` blocks that are the rows of one ``(n, block_bytes)`` uint8 tensor.
+
+    A sequence of per-block :class:`FragmentPlan` (made when one is asked
+    for), and the whole batch as :attr:`rows`, so that the mover copies all
+    the blocks bound for one memory tier with one ``index_copy_`` instead of
+    one copy per block (tiny blocks: the per-block Python would dominate).
+
+    Parameters
+    ----------
+    rows : torch.Tensor
+        Contiguous, 2-D, ``uint8``; row ``i`` is block ``i``.
+    destination : bool
+        The blocks will be written (loads).
+    """
+
+    __slots__ = ("rows", "destination", "_plans")
+
+    def __init__(self, rows: torch.Tensor, destination: bool = False) -> None:
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
+            raise LayoutError(f"BlockRows needs a contiguous 2-D uint8 tensor, got {tuple(rows.shape)} {rows.dtype}")
+        self.rows = rows
+        self.destination = destination
+        self._plans: list[FragmentPlan | None] = [None] * rows.shape[0]
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self._plans[i]
+        if p is None:
+            p = self._plans[i] = FragmentPlan.of_bytes(self.rows[i], self.destination)
+        return p
 
 
 def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool = False,

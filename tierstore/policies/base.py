@@ -10,7 +10,7 @@ component, :mod:`tierstore.policies.admission`).
 from __future__ import annotations
 
 import abc
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 
 class EntryInfo(Protocol):
@@ -41,6 +41,22 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def on_access(self, entry: EntryInfo, now_s: float) -> None:
         """``entry`` was hit in this tier."""
+
+    def on_insert_many(self, keys: Sequence[bytes], entry: Callable[[int], EntryInfo], now_s: float) -> None:
+        """:meth:`on_insert` for several keys at once (a store of a chain).
+
+        ``entry(i)`` makes the :class:`EntryInfo` of ``keys[i]``; a policy that
+        needs only keys overrides this and never asks for it (the block index
+        keeps no object per block: a view costs a call). Same outcome as
+        calling :meth:`on_insert` for each key in order.
+        """
+        for i in range(len(keys)):
+            self.on_insert(entry(i), now_s)
+
+    def on_access_many(self, keys: Sequence[bytes], entry: Callable[[int], EntryInfo], now_s: float) -> None:
+        """:meth:`on_access` for several keys at once (a lookup's hits); see :meth:`on_insert_many`."""
+        for i in range(len(keys)):
+            self.on_access(entry(i), now_s)
 
     @abc.abstractmethod
     def on_remove(self, key: bytes) -> None:

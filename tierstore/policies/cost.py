@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class CostModel:
@@ -67,10 +69,19 @@ class CostModel:
         self.bandwidth_bytes_per_s[tier] = (1 - self.ewma_alpha) * old + self.ewma_alpha * bw
 
     def useful_prefix(self, load_s: list[float], tokens_per_block: int) -> int:
-        """:meth:`useful_blocks` from per-block load times already computed."""
+        """:meth:`useful_blocks` from per-block load times already computed.
+
+        Long chains are evaluated with numpy: the same sums in the same order
+        (``cumsum`` adds left to right), the same first maximum.
+        """
         best_k, best_saved, load = 0, 0.0, 0.0
         rate = self.prefill_tokens_per_s
         q = self.prefill_quadratic_s_per_token2
+        if len(load_s) >= 16:
+            n = np.arange(1, len(load_s) + 1, dtype=np.float64) * tokens_per_block
+            saved = n / rate + q * n * n - np.cumsum(np.asarray(load_s, dtype=np.float64))
+            k = int(np.argmax(saved))
+            return k + 1 if saved[k] > 0.0 else 0
         for i, x in enumerate(load_s):
             load += x
             n = (i + 1) * tokens_per_block

@@ -23,6 +23,18 @@ class LRUPolicy(EvictionPolicy):
         if entry.key in self._order:
             self._order.move_to_end(entry.key)
 
+    def on_insert_many(self, keys, entry, now_s: float) -> None:
+        od = self._order
+        for k in keys:
+            od[k] = None
+            od.move_to_end(k)
+
+    def on_access_many(self, keys, entry, now_s: float) -> None:
+        od = self._order
+        for k in keys:
+            if k in od:
+                od.move_to_end(k)
+
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 

@@ -82,6 +82,25 @@ class S3FIFOPolicy(EvictionPolicy):
         if k in self._freq:
             self._freq[k] = min(3, self._freq[k] + 1)
 
+    def on_insert_many(self, keys, entry, now_s: float) -> None:
+        freq, ghost, small, main = self._freq, self._ghost, self._q[_S], self._q[_M]
+        for k in keys:
+            if k in freq:
+                continue
+            if k in ghost:
+                del ghost[k]
+                main[k] = None
+            else:
+                small[k] = None
+            freq[k] = 0
+
+    def on_access_many(self, keys, entry, now_s: float) -> None:
+        freq = self._freq
+        for k in keys:
+            v = freq.get(k)
+            if v is not None and v < 3:
+                freq[k] = v + 1
+
     def on_remove(self, key: bytes) -> None:
         if key not in self._freq:
             return

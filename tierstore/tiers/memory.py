@@ -89,7 +89,11 @@ class SlotAllocator:
     def take(self, n: int) -> list[int]:
         """Up to ``n`` free slots (fewer when the pool runs out)."""
         k = min(n, len(self._free))
-        return [self._free.pop() for _ in range(k)]
+        if k <= 0:
+            return []
+        out = self._free[len(self._free) - k:][::-1].tolist()  # the order of k pops
+        del self._free[len(self._free) - k:]
+        return out
 
     def give(self, slot: int) -> None:
         """Return a slot."""
