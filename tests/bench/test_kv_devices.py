@@ -127,6 +127,47 @@ def test_load_blocks_matched_loads_every_matched_block(tmp_path):
     assert "not_loaded_reason" not in kv and kv["wrong_kv_blocks"] == 0
 
 
+@pytest.mark.parametrize("rw,method", [("kvstore", "store"), ("kvload", "load"), ("kvmixed", "load")])
+def test_a_failed_kv_worker_fails_the_job(tmp_path, monkeypatch, capsys, rw, method):
+    """A KV worker that raised printed a thread traceback, and the job still reported err= 0 and exit 0."""
+    from tierstore.api import KVStore
+    real = getattr(KVStore, method)
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 6:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, *a, **k)
+    monkeypatch.setattr(KVStore, method, flaky)
+    out = tmp_path / "o.txt"
+    rc = main([f"--rw={rw}", f"--directory={tmp_path}", *_SMALL, "--output-format=normal,json", f"--output={out}"])
+    assert rc == 1
+    text = out.read_text()
+    assert f"{rw}: (groupid=0, jobs=1): err= 5: pid=" in text
+    job = json.loads(text[text.index("{\n"):])["jobs"][0]
+    assert job["error"] == errno.EIO and job["kv"]["wrong_kv_blocks"] == 0
+    err = capsys.readouterr().err
+    assert "err=5 (EIO)" in err and "OSError" in err and "in worker" in err and "Traceback" not in err
+    assert list(tmp_path.glob("*.0.0")) == []  # the NVMe file is still removed
+
+
+def test_wrong_kv_fails_the_job_as_a_verify_error(tmp_path, monkeypatch):
+    """A loaded block that does not hold its key's bytes is fio's verify failure (EILSEQ), never err= 0."""
+    from tierstore.api import KVStore
+    real = KVStore.load
+
+    def corrupting(self, *a, **k):
+        st, outs = real(self, *a, **k)
+        for o in outs[:1]:
+            if o is not None:
+                o.view(-1)[:1] = 0 if o.view(-1)[0] else 1
+        return st, outs
+    monkeypatch.setattr(KVStore, "load", corrupting)
+    job = _run(tmp_path, "--rw=kvload", f"--directory={tmp_path}", *_SMALL, rc=1)
+    assert job["kv"]["wrong_kv_blocks"] > 0 and job["error"] == errno.EILSEQ
+
+
 def test_full_disk_is_reported_with_enospc(tmp_path, monkeypatch, capsys):
     """A full file system printed err= 0 and store_no_space_blocks=0 while blocks were refused."""
     from tierstore.io.posix import PosixEngine

@@ -242,6 +242,9 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
     if box and box[0].nvme is not None:
         space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
         kv.update(space)
+    if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
+        error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
+                                        "under their key (wrong KV)")
     device = dict(rep.device) if rep.device else {}
     device.update({f"nvme_{k}": v for k, v in rep.store_stats.items() if isinstance(v, (int, float))})
     if "waf" in rep.timeseries:  # in the JSON (fio's output has no timeseries section) and the plots

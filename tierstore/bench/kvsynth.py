@@ -33,6 +33,7 @@ what it measured so far; the store is closed only after every worker stopped.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -184,6 +185,9 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
         finally:
             store.release(rid)
 
+    #: (exception, worker name) of requests that raised: the first one ends the job with err= set
+    failures: list[tuple[BaseException, str]] = []
+
     def pool(fn, items) -> None:
         it = iter(items)
         lock = threading.Lock()
@@ -197,7 +201,13 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
                     x = next(it, None)
                 if x is None:
                     return
-                fn(x)
+                try:
+                    fn(x)
+                except Exception as exc:  # any failure ends the job, with fio's err= set (fio: td_verror)
+                    with lock:
+                        failures.append((exc, threading.current_thread().name))
+                    halt.set()
+                    return
         ts = [threading.Thread(target=work, name=f"{options['name']}-{i}") for i in range(threads)]
         for t in ts:
             t.start()
@@ -331,6 +341,14 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
     }
     space, error, message = no_space_report(now, nvme_path)
     kv.update(space)  # whole job, fill included: refused blocks are refused whenever they happen
+    if failures:  # a worker's failure takes precedence: the job did not run to its end
+        exc, who = failures[0]
+        error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+        message = (f"{type(exc).__name__}: {exc} (in worker {who}"
+                   f"{'' if len(failures) == 1 else f'; {len(failures)} workers failed'})")
+    elif wrong[0]:  # as fio's verify failure: EILSEQ
+        error, message = errno.EILSEQ, (f"{wrong[0]} loaded blocks did not hold the bytes stored under their "
+                                        "key (wrong KV)")
     reason = _not_loaded_reason(counts, kv["load_blocks"])
     if reason:
         kv["not_loaded_reason"] = reason

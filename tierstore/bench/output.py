@@ -317,6 +317,8 @@ def _direction_normal(name: str, dj: dict[str, Any]) -> str:
 
 
 def _fmt_kv_value(key: str, value: Any) -> str:
+    if value is None:  # not measured (e.g. WAF before any write): JSON keeps null
+        return "-"
     if isinstance(value, float) and (key == "waf" or key.endswith("_waf")):
         return f"{value:.3f}"
     if isinstance(value, float):
