@@ -789,8 +789,10 @@ class KVStore:
         return [out[i] for i in missed]
 
     def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
-        """Offer blocks to the shared remote tier (its admission rule decides)."""
-        if self.remote is None or not keys:
+        """Offer blocks to the shared remote tier (its admission rule decides);
+        with ``remote.publish: evict`` blocks go there when evicted instead
+        (:attr:`tierstore.index.StorePlan.lost`)."""
+        if self.remote is None or not keys or self.config.remote.publish != "store":
             return
         sel = [j for j, k in enumerate(keys) if self._share.admit(k, hits)]
         if sel:

@@ -285,6 +285,7 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         promotion=p.promotion, eviction=p.eviction, evict_batch_blocks=p.evict_batch_blocks,
         write_policy=p.write_policy, verify_tokens=p.verify_tokens, pin_quota_bytes=p.pin_quota_bytes,
         default_lease_s=p.default_lease_s, admit_to_nvme=admit,
+        remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
         classify=classify if classify is not None else make_classifier(p.classifier),
         reinsert=reinsert if reinsert is not None else make_reinsert(p.reinsert),
         cost=cost if cost is not None else CostModel())
@@ -314,7 +315,7 @@ def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):
     from .remote.admission import ShareAdmission
     from .remote.mooncake import MooncakeSettings, MooncakeTier
     r = cfg.remote
-    doc = r.model_dump(exclude={"engine", "admission"})
+    doc = r.model_dump(exclude={"engine", "admission", "publish"})
     secret = doc.pop("name_secret")
     settings = MooncakeSettings.from_mapping(doc, name_secret=None if secret is None else secret.encode())
     return MooncakeTier(settings, block_bytes), ShareAdmission(mode=r.admission)

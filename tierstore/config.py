@@ -219,7 +219,7 @@ class PoliciesConfig(_Model):
     promotion: Literal["top", "one", "none"] = "top"
     write_policy: Literal["write_back", "write_through"] = "write_back"
     classifier: Literal["hint", "reuse", "prefix"] = "hint"
-    reinsert: Literal["none", "hits", "predicted"] = "none"
+    reinsert: Literal["none", "hits", "predicted", "clock"] = "none"
     evict_batch_blocks: int = Field(8, ge=1)
     verify_tokens: bool = False
     pin_quota_bytes: int = 1 << 62
@@ -258,6 +258,9 @@ class RemoteConfig(_Model):
     publish_queue_blocks: int = Field(64, ge=1, description="bounded queue of asynchronous puts")
     timeout_s: float = 5.0
     admission: Literal["all", "reused"] = "all"
+    publish: Literal["store", "evict"] = Field(
+        "store", description="store: publish blocks when stored (shared at once); evict: when they leave "
+                             "this store's last tier (a victim cache: no copy both here and remote)")
     cluster: str = Field("default", description="deployment name in object names")
     name_secret: str | None = Field(None, description="HMAC key for object names (hex or text)")
     mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")

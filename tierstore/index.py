@@ -226,6 +226,11 @@ class StorePlan:
         Memory-to-memory demotions, lowest tier first (execute in order).
     frees : list of (int, Tier, int)
         ``(row, tier, slot)`` copies to drop once the plan completes.
+    lost : list of (bytes, Tier, int)
+        ``(key, tier, slot)`` of victims that leave the last tier holding them
+        (no lower memory copy, not written to NVMe). With
+        ``IndexConfig.remote_victims`` the mover offers them to the shared
+        remote tier before their slot is reused; otherwise empty.
     given : set of (Tier, int)
         Victims' slots handed on (to a new block or a demoted victim) rather than freed.
     ns : bytes
@@ -240,6 +245,7 @@ class StorePlan:
     nvme_demote: list = dataclasses.field(default_factory=list)
     copies: list = dataclasses.field(default_factory=list)
     frees: list = dataclasses.field(default_factory=list)
+    lost: list = dataclasses.field(default_factory=list)
     ns: bytes = b""
     given: set = dataclasses.field(default_factory=set)
     done: bool = False
@@ -329,6 +335,9 @@ class IndexConfig:
         its NVMe region is evicted. ``None``: only blocks in use are kept.
     clock : callable
         Seconds, monotonic. Tests pass a fake clock.
+    remote_victims : bool
+        List victims that would be lost in ``StorePlan.lost`` (the shared
+        remote tier's ``publish: evict`` mode, :mod:`tierstore.remote`).
     cost : CostModel
         Load-versus-recompute model for useful hits.
     """
@@ -350,6 +359,7 @@ class IndexConfig:
     classify: Callable | None = None
     reinsert: Callable | None = None
     clock: Callable[[], float] = time.monotonic
+    remote_victims: bool = False
     cost: CostModel = dataclasses.field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
@@ -913,12 +923,16 @@ class BlockIndex:
                     self._rejected[k] = None
                     self.metrics.add({"admission_rejected_blocks": 1,
                                       "admission_rejected_bytes": self.block_bytes})
+                    if self.config.remote_victims:
+                        plan.lost.append((k, tier, int(self._slot[tier][r])))
                     continue
                 self._flags[r] |= _NVME_WRITING
                 plan.nvme_demote.append(Demotion(r, k, tier, int(self._slot[tier][r]), Tier.NVME, -1,
                                                  self._nvme_lifetime(r, k, now), self._ns_list[int(self._ns[r])]))
             while len(self._rejected) > self.REJECTED_KEYS_MAX:
                 self._rejected.pop(next(iter(self._rejected)))
+        elif demote and self.config.remote_victims:
+            plan.lost.extend((k, tier, int(self._slot[tier][r])) for r, k in demote)
         return vrows
 
     def prepare_evict(self, tier: Tier, n: int) -> StorePlan | None:

@@ -131,6 +131,7 @@ class Mover:
         """
         nvme_st: dict[int, Status] = {}
         dem_st: dict[int, Status] = {}
+        self._publish_lost(plan)
         if (plan.nvme_new or plan.nvme_demote) and self.nvme is not None:
             keys, frags, pls, nss = [], [], [], []
             for d in plan.nvme_demote:
@@ -290,6 +291,7 @@ class Mover:
 
     def _victim_copies(self, plan: PromotePlan) -> None:
         """The slots' previous owners move down first (memory to memory only)."""
+        self._publish_lost(plan.victims)
         for d in plan.victims.copies:
             self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
 
@@ -368,6 +370,7 @@ class Mover:
         """
         nvme_st: dict[int, Status] = {}
         dem_st: dict[int, Status] = {}
+        self._publish_lost(plan)
         if plan.nvme_demote and self.nvme is not None:  # victims leave before their slots are reused
             st_ = self._put([d.key for d in plan.nvme_demote], [[self.view(d.src, d.src_slot)] for d in plan.nvme_demote],
                             [self._pid(d.lifetime) for d in plan.nvme_demote],
@@ -452,6 +455,14 @@ class Mover:
                 self._held_waiters.append((set(slots), fn))
                 return
         fn()
+
+    def _publish_lost(self, plan: StorePlan) -> None:
+        """Offer the plan's lost victims (``StorePlan.lost``) to the remote tier
+        before their slots are reused: a copy into its publish queue, so the
+        slot is free when this returns (asynchronous publication; a full queue
+        drops and counts)."""
+        if plan.lost and self.remote is not None:
+            self.remote.put([k for k, _t, _s in plan.lost], [self.view(t, s) for _k, t, s in plan.lost], copy=True)
 
     def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan]) -> list[Status]:
         """Queue blocks for the remote tier (asynchronous; returns at once).

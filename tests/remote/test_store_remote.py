@@ -304,3 +304,20 @@ def test_reused_admission_keeps_blocks_seen_once_local(make_store):
     assert load_checked(a, NS, 15, 3)[1:] == (3, 0)  # a local hit: now worth sharing
     assert a.remote.flush(5) and a.stats()["remote_published_blocks"] == 3
     assert load_checked(b, NS, 15, 3)[1:] == (3, 0)
+
+
+def test_evict_publish_mode_is_a_victim_cache(make_store):
+    """``publish: evict``: a stored block is not published; when it leaves A's host tier it is,
+    before its slot is reused; then A gets it back from the shared tier, and so does B."""
+    a, b = make_store(host_blocks=4, publish="evict"), make_store()
+    tokens, kv = prompt(16, 4)
+    assert a.store(NS, tokens, kv) == [Status.OK] * 4
+    assert a.remote.flush(5) and a.remote.stats()["puts_offered"] == 0  # nothing shared yet
+    more, kv_more = prompt(17, 4)
+    assert a.store(NS, more, kv_more) == [Status.OK] * 4  # evicts the first prompt's 4 blocks
+    assert a.remote.flush(5) and a.remote.stats()["published_blocks"] == 4
+    assert a.remote.stats()["staged_puts"] == 4  # copied out of the slots, never published from them
+    hit, k, wrong = load_checked(a, NS, 16, 4)
+    assert hit.tiers == [Tier.REMOTE] * 4 and k == 4 and wrong == 0
+    assert load_checked(b, NS, 16, 4)[1:] == (4, 0)
+    a.check_invariants(quiescent=True)

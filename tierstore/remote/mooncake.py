@@ -313,9 +313,9 @@ class MooncakeSettings:
 
     @classmethod
     def from_mapping(cls, doc: dict, **overrides) -> "MooncakeSettings":
-        """Build from a dict of ``RemoteConfig`` fields (``engine``/``admission``
+        """Build from a dict of ``RemoteConfig`` fields (``engine``/``admission``/``publish``
         are dropped) plus keyword overrides; unknown keys raise :class:`ConfigError`."""
-        d = {k: v for k, v in dict(doc).items() if k not in ("engine", "admission")}
+        d = {k: v for k, v in dict(doc).items() if k not in ("engine", "admission", "publish")}
         d.update(overrides)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
@@ -760,7 +760,7 @@ class MooncakeTier:
 
     # ---------------------------------------------------------------- publish
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False) -> list[Status]:
         """Queue blocks for publication (asynchronous).
 
         Parameters
@@ -779,6 +779,9 @@ class MooncakeTier:
         ns_digests : sequence of bytes, optional
             Accepted for the storage seam's signature; the key already carries
             the namespace.
+        copy : bool
+            Copy into the publish queue even from a registered region (the
+            owner reuses the memory as soon as ``put`` returns: an evicted slot).
 
         Returns
         -------
@@ -819,7 +822,7 @@ class MooncakeTier:
                     self._counters["puts_exists"] += 1
                     out.append(Status.EXISTS)
                     continue
-                region = self._region_of(block)
+                region = None if copy else self._region_of(block)
                 if region is not None and self._zc_queued >= self.settings.publish_queue_blocks:
                     self._counters["dropped_queue_full"] += 1
                     out.append(Status.REJECTED)
