@@ -75,13 +75,16 @@ SGLANG_CONSTRAINTS = "tests/integrations/sglang/constraints.txt"
 def sglang(session: nox.Session) -> None:
     """tierstore.integrations.sglang against SGLang 0.5.23's host pool, on CPU.
 
-    torch (CPU) first, SGLang without its requirements, then the import-time
-    dependencies under a constraint that keeps torch at the CPU build
-    (compressed-tensors would otherwise pull CUDA torch). torchvision is not
-    installed: the suite's conftest puts a test-only stub on sys.path.
+    torch (CPU), SGLang's import-time dependencies and tierstore in one pip
+    run under a constraint that keeps torch at the CPU build
+    (compressed-tensors would otherwise pull CUDA torch), then SGLang without
+    its requirements. torchvision is not installed: the suite's conftest puts a
+    test-only stub on sys.path.
     """
-    session.install(CPU_TORCH)
-    session.install("--no-deps", SGLANG)
-    session.install("-c", SGLANG_CONSTRAINTS, *SGLANG_DEPS)
-    session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", "tests/integrations/sglang", *session.posargs)
+    env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    # one resolve for torch (CPU), SGLang's import-time deps and tierstore; --no-compile:
+    # no .pyc for the thousands of modules at install (imports compile what they use)
+    session.install("--no-compile", "-c", SGLANG_CONSTRAINTS, CPU_TORCH, *SGLANG_DEPS, "-e", ".[test]", env=env)
+    session.install("--no-compile", "--no-deps", SGLANG, env=env)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/integrations/sglang",
+                *session.posargs)

@@ -266,18 +266,6 @@ class SGLangStorageConfig(BaseModel):
         if not cfg.tiers.host.capacity_bytes and cfg.tiers.nvme is None:
             raise ConfigError("SGLang extra config: no tier configured; give tiers.nvme "
                               "{path, capacity_bytes} and/or tiers.host {capacity_bytes}")
-        nv = cfg.tiers.nvme
-        if nv is not None:
-            # KVStore.from_config opens the NVMe tier from path and capacity only (this
-            # tierstore version): refuse settings it would silently ignore.
-            ignored = [k for k in ("engine", "segment_size_bytes", "extent_size_bytes", "iodepth", "fdp")
-                       if getattr(nv, k) != type(nv).model_fields[k].default]
-            if ignored:
-                raise ConfigError(f"SGLang extra config: tiers.nvme.{', '.join(ignored)} not applied by "
-                                  "KVStore.from_config in this tierstore version; remove them")
-        if cfg.policies.admission != type(cfg.policies).model_fields["admission"].default:
-            raise ConfigError("SGLang extra config: policies.admission is not applied by KVStore.from_config "
-                              "in this tierstore version; remove it")
         if cfg.tenant and cfg.extra_backend_tag and cfg.tenant != cfg.extra_backend_tag:
             raise ConfigError(f"SGLang extra config: tenant={cfg.tenant!r} and extra_backend_tag="
                               f"{cfg.extra_backend_tag!r} disagree; give one of them")
@@ -566,14 +554,15 @@ class HiCacheTierStore(HiCacheStorage):
 
     def _store_config(self, sc: HiCacheStorageConfig) -> StoreConfig:
         tiers = self.cfg.tiers
-        if tiers.nvme is not None:
-            path = tiers.nvme.path
+        nv = tiers.nvme
+        if nv is not None and nv.path is not None and nv.device in ("file", "sim"):
+            path = nv.path
             if not os.path.exists(path):
                 os.makedirs(path, exist_ok=True)
             st = os.stat(path)
             if stat.S_ISDIR(st.st_mode):
                 path = os.path.join(path, _rank_file_name(sc.model_name, sc))
-            tiers = tiers.model_copy(update={"nvme": tiers.nvme.model_copy(update={"path": path})})
+            tiers = tiers.model_copy(update={"nvme": nv.model_copy(update={"path": path})})
         return StoreConfig(tiers=tiers, policies=self.cfg.policies)
 
     def _require(self) -> tuple[KVStore, HostPoolView]:
