@@ -12,6 +12,9 @@ replayed in trace order. Compared, saved prefill tokens each:
    instances hold ``2 C`` in all);
    ``shared_same_memory``: each instance splits its ``C / n`` into a local host
    tier of ``C / 2n`` and a segment of ``C / 2n`` (``C`` in all, like 1 and 3);
+   ``shared_same_memory_evict``: the same with ``remote.publish: evict`` (blocks
+   are published when they leave an instance's host tier, not when stored: the
+   shared tier is a victim cache, so a block is rarely both local and remote);
 3. ``one``: a single instance with a host tier of all the capacity ``C``, serving
    every request.
 
@@ -212,7 +215,7 @@ class Instance:
 
 
 def run_config(name: str, reqs, inst_of: list[int], n: int, host_bytes: int, segment_bytes: int,
-               args, workdir: pathlib.Path) -> dict:
+               args, workdir: pathlib.Path, publish: str = "store") -> dict:
     """Replay the trace through ``n`` instances (``inst_of[i]`` serves request ``i``), in trace order."""
     from tierstore.remote.local_master import LocalMaster
     master = None
@@ -224,7 +227,7 @@ def run_config(name: str, reqs, inst_of: list[int], n: int, host_bytes: int, seg
             base["remote"] = {"master": master.address, "metadata": master.metadata, "local_hostname": "127.0.0.1",
                               "segment_bytes": segment_bytes, "local_buffer_bytes": 4 << 20,
                               "publish_queue_blocks": 1024, "max_batch_blocks": 64, "timeout_s": 5.0,
-                              "cluster": "capacity"}
+                              "cluster": "capacity", "publish": publish}
         insts = [Instance(base, workdir / f"{name}-{k}.log") for k in range(n)]
         for it in insts:
             assert it.reply().get("ready")
@@ -246,7 +249,7 @@ def run_config(name: str, reqs, inst_of: list[int], n: int, host_bytes: int, seg
         if master is not None:
             master.kill()
     saved = sum(p["saved_prefill_tokens"] for p in per)
-    return {"config": name, "instances": n, "host_bytes_per_instance": host_bytes,
+    return {"config": name, "publish": publish if segment_bytes else None, "instances": n, "host_bytes_per_instance": host_bytes,
             "segment_bytes_per_instance": segment_bytes, "total_bytes": n * (host_bytes + segment_bytes),
             "saved_prefill_tokens": saved, "loaded_blocks": sum(p["loaded_blocks"] for p in per),
             "remote_hit_blocks": sum(p["remote_hit_blocks"] for p in per),
@@ -272,7 +275,7 @@ def main() -> None:
     ap.add_argument("--capacity-fraction", type=float, default=0.08,
                     help="C, all the capacity, as a fraction of the trace's unique full-block bytes")
     ap.add_argument("--routing", default="session,round_robin")
-    ap.add_argument("--configs", default="one,islands,shared,shared_same_memory")
+    ap.add_argument("--configs", default="one,islands,shared,shared_same_memory,shared_same_memory_evict")
     ap.add_argument("--master-arg", action="append", default=[],
                     help="extra mooncake_master flag (e.g. --eviction_high_watermark_ratio=0.98)")
     ap.add_argument("--bounds-only", action="store_true")
@@ -311,12 +314,14 @@ def main() -> None:
                     if name == "one":
                         continue
                     host, seg = {"islands": (cap // n, 0), "shared": (cap // n, cap // n),
-                                 "shared_same_memory": (cap // (2 * n), cap // (2 * n))}[name]
+                                 "shared_same_memory": (cap // (2 * n), cap // (2 * n)),
+                                 "shared_same_memory_evict": (cap // (2 * n), cap // (2 * n))}[name]
                     host = host // bb * bb
                     if 0 < seg < 16 << 20:
                         raise SystemExit(f"{name}: a segment of {seg} bytes; Mooncake mounts 16 MiB at least: "
                                          "raise --capacity-fraction or --block-bytes")
-                    r = run_config(f"{name}-{routing}", reqs, inst, n, host, seg, a, wd)
+                    r = run_config(f"{name}-{routing}", reqs, inst, n, host, seg, a, wd,
+                                   publish="evict" if name.endswith("_evict") else "store")
                     r["routing"] = routing
                     res["runs"].append(r)
                     rem = r["remote"] or {}

@@ -520,30 +520,59 @@ class KVStore:
     #: Bound on remembered remote-hit keys (for indexing fetched blocks under their namespace).
     REMOTE_NS_MAX = 1 << 16
 
+    #: Remote calls a lookup makes at most (a chain split remote / local / remote ...).
+    REMOTE_ROUNDS = 4
+
     def _with_remote(self, res: LookupResult, keys: list[bytes], digest: bytes | None) -> LookupResult:
-        """Extend a local match with the blocks the shared remote tier holds next
-        in the chain (one ``batch_is_exist``); recompute the useful prefix."""
+        """Extend a local match with the shared remote tier: the blocks it holds
+        next in the chain (one ``batch_is_exist``), then the blocks resident
+        here again after those, and so on (at most :attr:`REMOTE_ROUNDS`
+        remote calls): a chain can be split between the tiers, e.g. with
+        ``publish: evict`` the remote tier holds the blocks this store evicted
+        while later ones are still here. Blocks found here after a remote run
+        are probed (no reference taken; one evicted before the load is a miss
+        then). The useful prefix is recomputed over the whole match."""
         if (self.remote is None or res.matched_blocks >= len(keys)
                 or (digest is not None and digest in self._remote_barred)):
             return res
-        n = self.remote.exists_prefix(keys[res.matched_blocks:])
-        if n <= 0:
+        cost, bb = self.cost_model, self.layout.bytes_per_block
+        out_keys, tiers, load_s = list(res.keys), list(res.tiers), list(res.load_s)
+        pos, n_remote, n_local = res.matched_blocks, 0, 0
+        for _ in range(self.REMOTE_ROUNDS):
+            n = self.remote.exists_prefix(keys[pos:])
+            if n <= 0:
+                break
+            more = list(keys[pos:pos + n])
+            if digest is not None:
+                for k in more:
+                    self._remote_ns[k] = digest
+                while len(self._remote_ns) > self.REMOTE_NS_MAX:
+                    self._remote_ns.pop(next(iter(self._remote_ns)))
+            out_keys += more
+            tiers += [Tier.REMOTE] * n
+            load_s += [cost.load_s("remote", bb)] * n
+            pos += n
+            n_remote += n
+            m = self._index.probe(keys[pos:]) if pos < len(keys) else 0
+            for k in keys[pos:pos + m]:
+                here = self._index.tiers_of(k)
+                if not here:
+                    m = 0
+                    break
+                out_keys.append(k)
+                tiers.append(here[0])
+                load_s.append(cost.load_s(here[0].label, bb))
+                pos += 1
+                n_local += 1
+            if m <= 0 or pos >= len(keys):
+                break
+        if n_remote == 0:
             return res
-        more = list(keys[res.matched_blocks:res.matched_blocks + n])
-        if digest is not None:
-            for k in more:
-                self._remote_ns[k] = digest
-            while len(self._remote_ns) > self.REMOTE_NS_MAX:
-                self._remote_ns.pop(next(iter(self._remote_ns)))
-        cost = self.cost_model
-        tiers = list(res.tiers) + [Tier.REMOTE] * n
-        labels = [t.label for t in tiers]
-        useful = cost.useful_blocks(labels, self.layout.bytes_per_block, self.layout.tokens_per_block)
-        self._index.metrics.add({"remote_hit_blocks": n, "hit_blocks": n,
+        useful = cost.useful_blocks([t.label for t in tiers], bb, self.layout.tokens_per_block)
+        self._index.metrics.add({"remote_hit_blocks": n_remote, "hit_blocks": n_remote + n_local,
                                  "useful_blocks": useful - res.useful_blocks})
-        return LookupResult(list(res.keys) + more, tiers,
-                            list(res.load_s) + [cost.load_s("remote", self.layout.bytes_per_block)] * n,
-                            useful, res.requested_blocks, res.tokens_per_block, res.request_id)
+        return LookupResult(out_keys, tiers, load_s, useful, res.requested_blocks, res.tokens_per_block,
+                            res.request_id)
 
     def _touched(self, res: LookupResult) -> LookupResult:
         """Tell the NVMe region manager which of its regions were hit (region LRU)."""

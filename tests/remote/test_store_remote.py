@@ -321,3 +321,18 @@ def test_evict_publish_mode_is_a_victim_cache(make_store):
     assert hit.tiers == [Tier.REMOTE] * 4 and k == 4 and wrong == 0
     assert load_checked(b, NS, 16, 4)[1:] == (4, 0)
     a.check_invariants(quiescent=True)
+
+
+def test_a_chain_split_remote_then_local_is_matched_whole(make_store):
+    """LRU evicts a chain's first blocks first: with ``publish: evict`` they are remote while
+    the later ones are still local; the lookup matches remote, then local again."""
+    a = make_store(host_blocks=6, publish="evict")
+    tokens, kv = prompt(18, 6)
+    assert a.store(NS, tokens, kv) == [Status.OK] * 6
+    other, kv_other = prompt(19, 3)
+    assert a.store(NS, other, kv_other) == [Status.OK] * 3  # evicts blocks 0-2 of the first prompt
+    assert a.remote.flush(5) and a.remote.stats()["published_blocks"] == 3
+    hit, k, wrong = load_checked(a, NS, 18, 6)
+    assert hit.tiers == [Tier.REMOTE] * 3 + [Tier.HOST] * 3, hit.tiers
+    assert k == 6 and wrong == 0
+    a.check_invariants(quiescent=True)
