@@ -376,6 +376,43 @@ def test_load_deadline_turns_a_slow_read_into_a_miss_then_completes_harmlessly(l
         s.close()
 
 
+def test_load_deadline_turns_a_slow_memory_copy_into_misses(make_store, layout, ns):
+    """Seed failure injection 7, CPU side: host-tier copies slowed (0.25 s a
+    block, injected into the mover) past a 0.3 s deadline. The blocks not
+    delivered by then are MISS and their destinations stay untouched (a copy
+    in progress at the deadline finishes first and counts as delivered); the
+    late part of the load skips its copies, frees nothing twice, and the
+    blocks load later."""
+    s = make_store(hbm=0, host=4, nvme=0)
+    toks = tokens(4 * B)
+    blocks = make_blocks(layout, 4)
+    s.store(ns, toks, blocks)
+    keys = s.keys_for(ns, toks)
+    mover = s._mover
+    real_view = mover.view
+
+    def slow_view(tier, slot):
+        time.sleep(0.25)
+        return real_view(tier, slot)
+    mover.view = slow_view
+    dest = torch.zeros((4, *layout.block_shape), dtype=layout.dtype)
+    t0 = time.perf_counter()
+    st, out = s.load(keys, list(dest.unbind(0)), timeout_s=0.3)
+    assert time.perf_counter() - t0 < 0.9  # the deadline, plus at most the one copy in progress
+    assert st[-1] is Status.MISS and s.stats()["load_timeouts"] == 1
+    for i, x in enumerate(st):
+        if x is Status.OK:
+            assert torch.equal(dest[i], blocks[i]) and out[i] is not None
+        else:
+            assert x is Status.MISS and out[i] is None and not dest[i].any(), "a missed block was written"
+    s.drain()  # the late part completes in the background
+    mover.view = real_view
+    s.check_invariants(quiescent=True)
+    assert s.references() == {}
+    st, out = s.load(keys)
+    assert leading_ok(st) == 4 and all(torch.equal(a, b) for a, b in zip(out, blocks))
+
+
 def test_load_deadline_from_memory_delivers_in_time(make_store, layout, ns):
     s = make_store(hbm=0, host=4, nvme=0)
     toks = tokens(2 * B)
@@ -384,6 +421,11 @@ def test_load_deadline_from_memory_delivers_in_time(make_store, layout, ns):
     assert st == [Status.OK, Status.OK]
     with pytest.raises(ConfigError):
         s.load(s.keys_for(ns, toks), timeout_s=0)
+    fut = s.store(ns, tokens(3 * B), make_blocks(layout, 3), wait=False)  # the mover's store queue
+    assert fut.result(30)[2] is Status.OK
+    s.close()
+    with pytest.raises(ConfigError):  # a closed store's mover takes no more work
+        s.load(s.keys_for(ns, toks), wait=False)
 
 
 # ----------------------------------------------------------------------------- two-phase contract
@@ -491,3 +533,32 @@ def test_batch_policy_hooks_decide_as_the_single_ones(policy):
     assert len(one) == len(many) == 40
     never = lambda k: False  # noqa: E731
     assert one.evict(12, never, 10.0) == many.evict(12, never, 10.0)
+
+
+def test_a_store_failing_midway_never_serves_overwritten_victims(make_store, layout, ns):
+    """The mover gathers a new block into a victim's slot, then the next
+    source raises: the victim must not be restored (its slot holds the new
+    block's bytes now). It is a miss, never wrong KV; nothing leaks."""
+    from tierstore.io.pages import FragmentPlan
+
+    class Exploding(FragmentPlan):
+        def __init__(self):
+            super().__init__(None, layout.bytes_per_block, None, torch.uint8, 1)
+
+        def gather(self, staging, offset):
+            raise RuntimeError("source memory went away")
+
+    s = make_store(hbm=0, host=2, nvme=0)
+    old = make_blocks(layout, 2, seed=1)
+    s.store(ns, tokens(2 * B), old)
+    new = make_blocks(layout, 1, seed=2)[0]
+    keys = [bytes([5, i]) + bytes(30) for i in range(2)]
+    with pytest.raises(RuntimeError):
+        s.store_keys(ns, keys, [new, Exploding()])
+    assert s.stats()["store_failed_midway"] == 1
+    for k, blk in zip(s.keys_for(ns, tokens(2 * B)), old):
+        st, out = s.load([k])
+        assert st == [Status.MISS] or torch.equal(out[0], blk), "a victim's overwritten slot was served"
+    assert not any(s.resident(keys))
+    s.check_invariants(quiescent=True)
+    assert s.store_keys(ns, keys, make_blocks(layout, 2, seed=3)) == [Status.OK, Status.OK]  # nothing leaked

@@ -4,8 +4,10 @@ the index's two-phase operations left half done.
 Besides stores, loads, references, pins, evictions, invalidations and clock
 ticks through :class:`KVStore`, the machine drives the index's phases
 directly: a prepared store that is abandoned (``abort_store``), a store whose
-mover "failed" (``complete_store(failed=True)``), a load held across other
-operations (even past its lease) and completed later, or aborted.
+mover "failed" (``complete_store(failed=True)``), a store whose real mover
+raises mid-plan (its NVMe batch rolled back), a load held across other
+operations and completed later or aborted, and a load completing after its
+pin lease expired.
 
 Invariants after every step: slots, policies, references and flags agree
 (``check_invariants``); blocks referenced by an open request are resident; every
@@ -22,6 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tierstore import KVStore, Namespace, Status, Tier, get_layout
 from tierstore.errors import QuotaExceeded
+from tierstore.index import BlockState
+from tierstore.io.pages import FragmentPlan
 
 from .conftest import memory_segment_store
 
@@ -36,6 +40,16 @@ def block_for(key: bytes) -> torch.Tensor:
     raw[:32] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
     raw[32:64] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
     return raw
+
+
+class Exploding(FragmentPlan):
+    """A source block whose bytes cannot be read: the mover's copy raises."""
+
+    def __init__(self):
+        super().__init__(None, L.bytes_per_block, None, torch.uint8, 1)
+
+    def gather(self, staging, offset):
+        raise RuntimeError("source memory went away")
 
 
 class Clock:
@@ -146,6 +160,41 @@ class StoreMachine(RuleBasedStateMachine):
         for k, s in zip(keys, plan.statuses):
             if s is not Status.EXISTS:
                 assert not self.store.resident([k])[0], "an abandoned store left a block indexed"
+
+    @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 4))
+    def store_whose_copy_fails(self, ns, chain, n):
+        """The mover raises mid-plan (a source that cannot be read): the store
+        is completed as failed, the new blocks are forgotten and the victims
+        keep their copies (the NVMe batch is rolled back too)."""
+        toks = self._prompt(chain, n)
+        keys = self.store.keys_for(ns, toks)
+        had = self.store.resident(keys)
+        try:
+            self.store.store_keys(ns, keys, [Exploding() for _ in keys])
+        except RuntimeError:
+            pass
+        for k, h in zip(keys, had):
+            if not h:
+                assert not self.store.resident([k])[0], "a failed store left a block indexed"
+
+    @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3),
+          dt=st.floats(0.6, 6.0))
+    def load_outlives_its_lease(self, ns, chain, n, dt):
+        """A load prepared under a pin lease completes after the lease expired."""
+        toks = self._prompt(chain, n)
+        try:
+            self.store.pin(ns, toks, lease_s=0.5)
+        except QuotaExceeded:
+            return
+        keys = self.store.keys_for(ns, toks)
+        plan = self.ix.prepare_load(keys)
+        self.clock.now_s += dt  # the lease runs out while the bytes move
+        st_ = [Status.OK if src is not None else Status.MISS for src in plan.sources]
+        promo = self.ix.complete_load(plan, st_, promote=True)
+        if promo is not None:
+            self.ix.complete_promote(promo, [False] * len(promo.items))
+        for k in keys:
+            assert self.store.state_of(k) in (None, BlockState.EVICTABLE, BlockState.ACTIVE)
 
     @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3))
     def hold_a_load(self, ns, chain, n):

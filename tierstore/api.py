@@ -51,7 +51,7 @@ import contextlib
 import itertools
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -248,7 +248,6 @@ class KVStore:
                        "flush_max_bytes": nv_opts.get("flush_max_bytes")}
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
-        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pool_lock = threading.Lock()
         self._closed = False
         self.remote = parts.remote
@@ -302,13 +301,8 @@ class KVStore:
 
     # -------------------------------------------------------------- executors
     def _submit(self, kind: str, fn) -> Future:
-        with self._pool_lock:
-            if self._closed:
-                raise ConfigError("the store is closed")
-            pool = self._pools.get(kind)
-            if pool is None:
-                pool = self._pools[kind] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-{kind}")
-            return pool.submit(fn)
+        """Run ``fn`` on the mover's ``kind`` queue (``"load"`` or ``"store"``)."""
+        return self._mover.submit(kind, fn)
 
     # -------------------------------------------------------------- store
     def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
@@ -1100,10 +1094,7 @@ class KVStore:
 
     def drain(self) -> None:
         """Wait for every call submitted so far (``wait=False`` calls, background cleaning)."""
-        with self._pool_lock:
-            pools = list(self._pools.values())
-        for pool in pools:
-            pool.submit(lambda: None).result()
+        self._mover.drain()
 
     def check_invariants(self, quiescent: bool = False) -> None:
         """Raise :class:`~tierstore.errors.InvariantError` if the index is inconsistent
@@ -1121,9 +1112,7 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=True)
+        self._mover.shutdown()
         f = self._flush
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
             self.flush(f["flush_timeout_s"], f["flush_max_bytes"])

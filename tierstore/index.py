@@ -57,6 +57,7 @@ import enum
 import itertools
 import threading
 import time
+import typing
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -250,6 +251,15 @@ class StorePlan:
     given: set = dataclasses.field(default_factory=set)
     done: bool = False
     protect: set | None = None
+    #: How far the mover got (set by the mover): nothing, the NVMe batch
+    #: (``demote_statuses`` then holds its victims' statuses), or also the
+    #: memory-to-memory demotions. A failure is undone accordingly.
+    moved: int = 0
+    demote_statuses: dict = dataclasses.field(default_factory=dict)
+
+    NOTHING_DONE: typing.ClassVar[int] = 0
+    NVME_DONE: typing.ClassVar[int] = 1
+    COPIES_DONE: typing.ClassVar[int] = 2
 
     @property
     def pending(self) -> list[int]:
@@ -629,7 +639,7 @@ class BlockIndex:
         """Number of leading keys resident. Takes no reference, touches no recency, counts no hit."""
         with self._lock:
             tops = self._tops(self._table.get_many(keys))
-            miss = np.flatnonzero(tops < 0)
+            miss = (tops < 0).nonzero()[0]
             return int(miss[0]) if miss.size else len(tops)
 
     def resident(self, keys: Sequence[bytes]) -> list[bool]:
@@ -662,7 +672,7 @@ class BlockIndex:
         with self._lock:
             rows = self._table.get_many(keys)
             tops = self._tops(rows)
-            bad = np.flatnonzero(tops < 0)
+            bad = (tops < 0).nonzero()[0]
             m = int(bad[0]) if bad.size else n
             if self.config.verify_tokens and tokens is not None:
                 for i in range(m):
@@ -761,7 +771,7 @@ class BlockIndex:
             nid = self._intern(ns)
             rows = self._table.get_many(keys)
             # doomed rows are detached from the key table: a row found is live
-            have = np.flatnonzero(rows >= 0).tolist()
+            have = (rows >= 0).nonzero()[0].tolist()
             for i in have:
                 plan.statuses[i] = Status.EXISTS
             if len(have) == n:
@@ -769,7 +779,7 @@ class BlockIndex:
             elif not have:
                 todo = list(range(n))
             else:
-                todo = np.flatnonzero(rows < 0).tolist()
+                todo = (rows < 0).nonzero()[0].tolist()
             tk = keys if len(todo) == n else [keys[i] for i in todo]
             if len(set(tk)) < len(tk):
                 seen: set = set()  # a key given twice in one call: its later copies exist already
@@ -960,8 +970,13 @@ class BlockIndex:
         demote_statuses : dict, optional
             ``row -> Status`` of each ``plan.nvme_demote`` write.
         failed : bool
-            The mover raised: nothing of the plan took effect; new blocks are
-            forgotten, victims keep their copies.
+            The mover raised. The new blocks are forgotten. What happened to the
+            victims depends on how far the mover got (``plan.moved``): before
+            its NVMe batch, nothing happened and they keep their copies; after
+            it, their NVMe writes count (``plan.demote_statuses``) and they
+            leave their tier, since later copies may have overwritten their
+            slots; their copies down into memory count only if the mover
+            finished them. A miss, never wrong KV.
 
         Returns
         -------
@@ -977,7 +992,14 @@ class BlockIndex:
             plan.done = True
             self._pending_plans -= 1
             if failed:
-                self._undo_store(plan)
+                if plan.moved == StorePlan.NOTHING_DONE:
+                    self._undo_store(plan)
+                else:
+                    c = {"store_failed_midway": 1}
+                    self._apply_victims(plan, now, c, plan.demote_statuses,
+                                        copies_done=plan.moved >= StorePlan.COPIES_DONE)
+                    self._forget_new(plan)
+                    self.metrics.add(c)
                 self._idle.notify_all()
                 return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
             c: dict = {}
@@ -1072,10 +1094,12 @@ class BlockIndex:
             c[name] = c.get(name, 0) + 1
         return good
 
-    def _apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None) -> None:
+    def _apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
+                       copies_done: bool = True) -> None:
         """Record what happened to a plan's victims (under the lock): written to
-        NVMe (by ``demote_statuses``), copied down into memory, and gone from
-        the tier they were evicted from."""
+        NVMe (by ``demote_statuses``), copied down into memory (if
+        ``copies_done``; else their destination slots are freed), and gone
+        from the tier they were evicted from."""
         demote_statuses = demote_statuses or {}
         # 1. victims written to NVMe
         for d in plan.nvme_demote:
@@ -1089,11 +1113,14 @@ class BlockIndex:
             else:
                 c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
         # 2. victims copied down into memory
-        for d in plan.copies:
+        for d in (plan.copies if copies_done else ()):
             self._set_slot(d.row, d.dst, d.dst_slot)
             self.policies[d.dst].on_insert(self._view(d.row, d.key), now)
             c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
             self._event("demoted", d.key, d.dst)
+        if not copies_done:  # each destination was a free slot or a victim's (given): free it
+            for d in plan.copies:
+                self._alloc[d.dst].give(d.dst_slot)
         # 3. victims leave their tier
         given = plan.given
         for r, t, s in plan.frees:
@@ -1106,6 +1133,23 @@ class BlockIndex:
                 self._alloc[t].give(s)
             self._event("removed", key, t)
             self._forget_if_empty(r, key)
+
+    def _forget_new(self, plan: StorePlan) -> None:
+        """A failed plan's new blocks: their memory slots (fresh or a victim's) go
+        back to the free lists, their rows are dropped."""
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        for i in plan.pending:
+            if i in mem:
+                t, s = mem[i]
+                self._alloc[t].give(s)
+            r = plan.rows[i]
+            if r >= 0:
+                if self._flags[r] & _DOOMED:
+                    self._doomed.discard(r)
+                    self._release_row(r)
+                else:
+                    self._drop_new_row(r)
+            plan.statuses[i] = Status.IO_ERROR
 
     def _undo_store(self, plan: StorePlan) -> None:
         """The mover failed before anything was applied: release the plan's reservations."""
@@ -1366,7 +1410,7 @@ class BlockIndex:
             plan.done = True
             self._pending_plans -= 1
             c: dict = {}
-            self._apply_victims(plan.victims, now, c)
+            self._apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
             self._end_reads(plan)
             for (i, r, t, s), good in zip(plan.items, ok):
                 self._readers[r] -= 1

@@ -15,21 +15,26 @@ the bytes, without the index lock (vLLM's offloading handlers, SGLang's
 * the order a plan needs: victims are written to NVMe before their slots are
   reused, and copied down into memory before new bytes land in theirs.
 
-Asynchrony is the caller's (:class:`tierstore.api.KVStore` runs plans on its
-load and store executors, so reads never queue behind writes); every method
-here is synchronous and thread-safe as long as the plans it is given are
-disjoint, which the index guarantees.
+Asynchrony: :meth:`Mover.submit` runs a call (decide, move, record) on one of
+two queues, ``"load"`` and ``"store"``, each a worker thread, and returns a
+:class:`concurrent.futures.Future` (SGLang's ``HiCacheController`` queues its
+transfers the same way). Loads and prefetches never queue behind a store's
+NVMe writes. The ``run_*`` methods themselves are synchronous and
+thread-safe as long as the plans they are given are disjoint, which the index
+guarantees; :class:`tierstore.api.KVStore` calls them directly for
+``wait=True`` and through :meth:`Mover.submit` for ``wait=False``.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
 
-from .errors import Status
+from .errors import ConfigError, Status
 from .fdp.lifetime import LifetimeClass
 from .index import LoadPlan, PromotePlan, StorePlan, Tier
 from .io.pages import FragmentPlan
@@ -92,6 +97,9 @@ class Mover:
         self.nvme = nvme
         self.placement_of = placement_of
         self.remote = remote
+        self._queues: dict[str, ThreadPoolExecutor] = {}
+        self._queue_lock = threading.Lock()
+        self._stopped = False
         #: host-tier slots a timed-out remote transfer may still write (slot -> holds)
         self._held: dict[int, int] = {}
         self._held_waiters: list[tuple[set, Callable[[], None]]] = []
@@ -102,6 +110,44 @@ class Mover:
             # registered once: remote loads land straight in host-tier slots
             remote.register_memory(host.data, self._on_hold, self._on_release)
             self._host_zero_copy = True
+
+    #: The queues :meth:`submit` accepts.
+    QUEUES = ("load", "store")
+
+    def submit(self, queue: str, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on queue ``queue`` (``"load"`` or ``"store"``, one worker
+        thread each, FIFO); returns its Future.
+
+        Raises
+        ------
+        ConfigError
+            For an unknown queue, or after :meth:`shutdown`.
+        """
+        if queue not in self.QUEUES:
+            raise ConfigError(f"queue={queue!r}: accepted values are {list(self.QUEUES)}")
+        with self._queue_lock:
+            if self._stopped:
+                raise ConfigError("the store is closed")
+            pool = self._queues.get(queue)
+            if pool is None:
+                pool = self._queues[queue] = ThreadPoolExecutor(max_workers=1,
+                                                                thread_name_prefix=f"tierstore-{queue}")
+            return pool.submit(fn)
+
+    def drain(self) -> None:
+        """Wait for every call submitted so far."""
+        with self._queue_lock:
+            pools = list(self._queues.values())
+        for pool in pools:
+            pool.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        """Finish submitted calls and refuse new ones."""
+        with self._queue_lock:
+            self._stopped = True
+            pools, self._queues = list(self._queues.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)
 
     def view(self, tier: Tier, slot: int) -> torch.Tensor:
         """A memory slot's bytes (1-D ``uint8``)."""
@@ -150,8 +196,10 @@ class Mover:
                 dem_st[d.row] = s
             for (i, _), s in zip(plan.nvme_new, st[k:]):
                 nvme_st[i] = s
+        plan.moved, plan.demote_statuses = StorePlan.NVME_DONE, dem_st  # what a failure below must honour
         for d in plan.copies:  # lowest tier first: each destination was freed above
             self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+        plan.moved = StorePlan.COPIES_DONE  # from here on new bytes overwrite given slots
         rows = getattr(sources, "rows", None)
         if rows is not None and len(plan.memory) > 1:
             self._rows_to_slots(rows, plan.memory)
@@ -292,8 +340,10 @@ class Mover:
     def _victim_copies(self, plan: PromotePlan) -> None:
         """The slots' previous owners move down first (memory to memory only)."""
         self._publish_lost(plan.victims)
+        plan.victims.moved = StorePlan.NVME_DONE  # a promotion writes nothing to NVMe
         for d in plan.victims.copies:
             self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+        plan.victims.moved = StorePlan.COPIES_DONE
 
     def run_promote(self, plan: PromotePlan, loaded: Sequence[FragmentPlan]) -> list[bool]:
         """Copy just-loaded blocks (read back from their destinations) into upper slots."""
