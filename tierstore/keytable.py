@@ -135,7 +135,7 @@ class KeyTable:
         match = kv[s] == q          # s < 0 reads some other row: masked next
         match &= s >= 0
         out = np.where(match, s, -1).astype(np.int64)
-        more = np.flatnonzero(~match & (s != _EMPTY))
+        more = (~match & (s != _EMPTY)).nonzero()[0]
         if more.size:  # displaced by a collision (about a third of keys): probe on one by one
             get = self.get
             for i in more.tolist():
@@ -175,7 +175,7 @@ class KeyTable:
         slots = np.frombuffer(self._slots, dtype=np.int32)
         home = (np.frombuffer(raw, dtype="<u8")[::4] & np.uint64(self._mask)).astype(np.intp)
         s = slots[home]
-        free = np.flatnonzero(s < 0)
+        free = (s < 0).nonzero()[0]
         r32 = rows.astype(np.int32)
         slots[home[free]] = r32[free]
         # keys sharing a home slot: one of them landed there, the others probe on
@@ -183,7 +183,7 @@ class KeyTable:
         self._tombs -= int((s[free[landed]] == _TOMB).sum())
         placed = np.zeros(n, dtype=bool)
         placed[free[landed]] = True
-        rest = np.flatnonzero(~placed)
+        rest = (~placed).nonzero()[0]
         for i in rest.tolist():
             if not self._place(keys[i], int(rows[i])):
                 break  # the table was rebuilt: every live row, these included, is placed

@@ -77,7 +77,7 @@ class CostModel:
         best_k, best_saved, load = 0, 0.0, 0.0
         rate = self.prefill_tokens_per_s
         q = self.prefill_quadratic_s_per_token2
-        if len(load_s) >= 16:
+        if len(load_s) >= 128:  # below, the loop is cheaper than numpy's per-call cost
             n = np.arange(1, len(load_s) + 1, dtype=np.float64) * tokens_per_block
             saved = n / rate + q * n * n - np.cumsum(np.asarray(load_s, dtype=np.float64))
             k = int(np.argmax(saved))
