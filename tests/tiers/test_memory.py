@@ -30,9 +30,10 @@ def test_cuda_hbm_and_pinned_host_round_trip():
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks = torch.randn((6,) + layout.block_shape, generator=g, device="cuda").to(layout.dtype)
     assert store.store(ns, tokens, blocks) == [Status.OK] * 6  # 4 of them demoted to pinned host
-    from tierstore.manager import Tier
-    assert store.manager.pools[Tier.HBM].data.device.type == "cuda"
-    assert store.manager.pools[Tier.HOST].data.is_pinned()
+    from tierstore.index import Tier
+    pools = store._parts.pools  # what build_store wired
+    assert pools[Tier.HBM].data.device.type == "cuda"
+    assert pools[Tier.HOST].data.is_pinned()
     hit = store.lookup(ns, tokens)
     dests = [torch.empty(layout.block_shape, dtype=layout.dtype, device="cuda") for _ in range(6)]
     st, _ = store.load(hit.keys, dests)
