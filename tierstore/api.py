@@ -819,7 +819,9 @@ class KVStore:
             return
         sel = [j for j, k in enumerate(keys) if self._share.admit(k, hits)]
         if sel:
-            st = self._mover.publish([keys[j] for j in sel], [sources[j] for j in sel])
+            # a stored block missed remotely just now: publish it even if it was published before
+            # (Mooncake may have evicted it since); a local hit re-offered is skipped if recent
+            st = self._mover.publish([keys[j] for j in sel], [sources[j] for j in sel], recent=hits > 0)
             self._index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
                                      "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
 

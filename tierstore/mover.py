@@ -512,13 +512,15 @@ class Mover:
         slot is free when this returns (asynchronous publication; a full queue
         drops and counts)."""
         if plan.lost and self.remote is not None:
-            self.remote.put([k for k, _t, _s in plan.lost], [self.view(t, s) for _k, t, s in plan.lost], copy=True)
+            self.remote.put([k for k, _t, _s in plan.lost], [self.view(t, s) for _k, t, s in plan.lost], copy=True,
+                            recent=False)  # its remote copy, if any, may have been evicted since
 
-    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan]) -> list[Status]:
+    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True) -> list[Status]:
         """Queue blocks for the remote tier (asynchronous; returns at once).
 
         A source that is one contiguous host tensor goes as is (the tier copies
-        it into its publish queue); other plans are gathered first.
+        it into its publish queue); other plans are gathered first. ``recent``:
+        see :meth:`MooncakeTier.put <tierstore.remote.mooncake.MooncakeTier.put>`.
         """
         blocks = []
         for p in sources:
@@ -530,4 +532,4 @@ class Mover:
                 b = torch.empty(p.nbytes, dtype=torch.uint8)
                 p.gather(b, 0)
                 blocks.append(b)
-        return list(self.remote.put(list(keys), blocks))
+        return list(self.remote.put(list(keys), blocks, recent=recent))

@@ -760,7 +760,7 @@ class MooncakeTier:
 
     # ---------------------------------------------------------------- publish
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False) -> list[Status]:
+            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False, recent: bool = True) -> list[Status]:
         """Queue blocks for publication (asynchronous).
 
         Parameters
@@ -782,12 +782,19 @@ class MooncakeTier:
         copy : bool
             Copy into the publish queue even from a registered region (the
             owner reuses the memory as soon as ``put`` returns: an evicted slot).
+        recent : bool
+            Skip a key published within ``republish_after_s`` (``EXISTS``): for
+            re-offers of blocks that are probably still there (local hits).
+            ``False`` for blocks the caller knows the cluster may lack (a
+            store after a remote miss, an evicted victim): Mooncake may have
+            evicted the earlier copy (a put of a key still present returns
+            0 and the first object stays).
 
         Returns
         -------
         list of Status
-            Per block: ``OK`` queued; ``EXISTS`` already queued or published
-            within ``republish_after_s``; ``REJECTED`` dropped (queue full,
+            Per block: ``OK`` queued; ``EXISTS`` already queued (or, with
+            ``recent``, published within ``republish_after_s``); ``REJECTED`` dropped (queue full,
             tier degraded or closed; counted). Publication itself can still fail
             later (no segment space, a transfer error): it is counted, and the
             block is simply absent remotely.
@@ -818,7 +825,7 @@ class MooncakeTier:
                     out.append(Status.REJECTED)
                     continue
                 t = self._recent.get(key)
-                if key in self._queued_keys or (t is not None and now - t < self.settings.republish_after_s):
+                if key in self._queued_keys or (recent and t is not None and now - t < self.settings.republish_after_s):
                     self._counters["puts_exists"] += 1
                     out.append(Status.EXISTS)
                     continue
