@@ -65,3 +65,34 @@ def test_no_upward_imports(path):
             continue
         if LAYER[other] > LAYER[me] or (me, other) in FORBIDDEN_SIDEWAYS:
             pytest.fail(f"{path.relative_to(PKG)} (layer {LAYER[me]}) imports {other} (layer {LAYER[other]})")
+
+
+def _layer_table():
+    """``{layer: {module: [files listed]}}`` from ARCHITECTURE.md's layer table."""
+    import re
+    text = (PKG.parent / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    out: dict = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not re.match(r"^\d", cells[0]):
+            continue
+        layer = int(cells[0].split()[0])
+        mods = out.setdefault(layer, {})
+        for name, files in re.findall(r"`([\w_]+)(?:/|\.py)?`(?:\s*\(([^)]*)\))?", cells[1]):
+            mods[name] = re.findall(r"`([\w_]+\.py)`", files or "")
+    return out
+
+
+def test_the_layer_table_of_architecture_md_is_the_one_enforced_here():
+    """ARCHITECTURE.md names every module in the layer this test enforces, and
+    for each package the files it lists are the package's files."""
+    table = _layer_table()
+    doc = {m: layer for layer, mods in table.items() for m in mods}
+    code = {m: layer for m, layer in LAYER.items() if m != "__init__"}
+    assert doc == code, f"ARCHITECTURE.md {sorted(set(doc.items()) ^ set(code.items()))}"
+    for mods in table.values():
+        for name, files in mods.items():
+            if files:
+                have = sorted(p.name for p in (PKG / name).glob("*.py") if p.name != "__init__.py")
+                assert sorted(files) == have, f"{name}/: ARCHITECTURE.md lists {sorted(files)}, the package has {have}"
