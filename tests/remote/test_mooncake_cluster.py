@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .cluster import WorkerProc
+from .cluster import Master, WorkerProc
 
 OK, MISS, IO_ERROR, REJECTED = "ok", "miss", "io_error", "rejected"
 
@@ -25,27 +25,44 @@ def wait_until(fn, timeout_s: float, every_s: float = 0.1):
         time.sleep(every_s)
 
 
-def test_processes_share_blocks_bytes_identical(master_factory, workers):
-    """B hits what A published, bytes identical; a third process starts cold and hits both.
+@pytest.fixture(scope="module")
+def pool(mooncake_wheel, tmp_path_factory):
+    """One master (HTTP metadata server, the config default; 3 s read leases, so that a
+    remove right after a read surely meets OBJECT_HAS_LEASE) and the workers of the tests
+    that neither kill nor restart anything, started together (a start costs seconds)."""
+    tmp = tmp_path_factory.mktemp("tier-pool")
+    m = Master(tmp, metadata="http", lease_ms=3000).start()
+    spec = {"a": {"cluster": "share"}, "b": {"cluster": "share"},
+            "c": {"cluster": "share", "segment_bytes": 0},               # cold, contributes no memory
+            "other": {"cluster": "other-deployment"},                    # same master, other cluster name
+            "t": {"cluster": "cr", "block_bytes": 64 << 10},
+            "lq": {"cluster": "lq", "publish_queue_blocks": 2, "block_bytes": 1 << 20}}
+    ws = {n: WorkerProc(m.settings(**kw), tmp, n) for n, kw in spec.items()}
+    try:
+        for w in ws.values():
+            assert w.ready == {"ready": "ok"}, w.log_tail()
+        yield ws
+    finally:
+        for w in ws.values():
+            if w.proc.poll() is None:
+                w.kill9()
+        m.kill()
 
-    HTTP metadata server (the config default); the other tests use P2PHANDSHAKE."""
-    m = master_factory(metadata="http")
-    a = workers(m.settings(cluster="share"), "a")
-    b = workers(m.settings(cluster="share"), "b")
-    assert a.ready == b.ready == {"ready": "ok"}
+
+def test_processes_share_blocks_bytes_identical(pool):
+    """B hits what A published, bytes identical; a third process starts cold and hits both."""
+    a, b, c, other = pool["a"], pool["b"], pool["c"], pool["other"]
     assert a.call("put", ids=list(range(8)), tag="A")["status"] == [OK] * 8
     assert b.call("exists", ids=list(range(10)), tag="A")["n"] == 8
     r = b.call("get", ids=list(range(10)), tag="A")
     assert r["status"] == [OK] * 8 + [MISS] * 2 and r["wrong"] == [] and r["untouched"]
     assert b.call("put", ids=list(range(4)), tag="B")["status"] == [OK] * 4
-    c = workers(m.settings(cluster="share", segment_bytes=0), "c")  # cold, contributes no memory
     for tag, n in (("A", 8), ("B", 4)):
         assert c.call("exists", ids=list(range(n)), tag=tag)["n"] == n
         r = c.call("get", ids=list(range(n)), tag=tag)
         assert r["status"] == [OK] * n and r["wrong"] == []
     s = c.call("stats")
     assert s["get_hits"] == 12 and s["corrupt_objects"] == 0
-    other = workers(m.settings(cluster="other-deployment"), "d")  # same master, other cluster name
     assert other.call("exists", ids=list(range(8)), tag="A")["n"] == 0
 
 
@@ -99,9 +116,8 @@ def test_master_restart_degrades_then_reconnects(master_factory, workers):
     assert b.call("get", ids=[60, 61], tag="y")["wrong"] == []
 
 
-def test_corrupt_objects_from_a_raw_client_are_counted_misses(master_factory, workers):
-    m = master_factory(lease_ms=3000)  # long enough that the first remove surely meets the lease
-    t = workers(m.settings(cluster="cr", block_bytes=64 << 10), "t")
+def test_corrupt_objects_from_a_raw_client_are_counted_misses(pool):
+    t = pool["t"]
     good = {i: t.call("object_of", i=i, tag="c")["hex"] for i in (0, 2, 3)}
     bad_payload = bytearray(bytes.fromhex(good[2]))
     bad_payload[-1] ^= 0xFF
@@ -124,14 +140,13 @@ def test_corrupt_objects_from_a_raw_client_are_counted_misses(master_factory, wo
     assert r["status"] == [OK] * 4 and r["wrong"] == []
 
 
-def test_tenants_never_see_each_other(master_factory, workers, tmp_path):
-    """Level 1 (scoped keys) on a shared master, and level 3 (Mooncake tenants).
+def test_tenants_never_see_each_other_scoped_keys(pool):
+    """Level 1 (scoped keys) on a shared master.
 
     ``tenant:<name>:<first token>`` tags are the keys the core derives: a Namespace
     of that tenant and chained hashes of the tokens (tests/remote/worker.py)."""
-    m = master_factory()
-    a = workers(m.settings(cluster="ten"), "tenant-a")
-    b = workers(m.settings(cluster="ten"), "tenant-b")
+    a, b = pool["a"], pool["b"]
+    misses0 = b.call("stats")["get_misses"]
     assert a.call("put", ids=list(range(6)), tag="tenant:A:0")["status"] == [OK] * 6
     assert a.call("exists", ids=list(range(6)), tag="tenant:A:0")["n"] == 6
     # B asks for the same tokens under its own tenant, and for tokens nobody stored:
@@ -141,8 +156,11 @@ def test_tenants_never_see_each_other(master_factory, workers, tmp_path):
     assert same_tokens["n"] == fresh_tokens["n"] == 0
     for tag in ("tenant:B:0", "tenant:B:5000"):
         assert b.call("get", ids=list(range(6)), tag=tag)["status"] == [MISS] * 6
-    assert b.call("stats")["get_misses"] == 12
+    assert b.call("stats")["get_misses"] - misses0 == 12
 
+
+def test_tenants_never_see_each_other_mooncake_tenants(master_factory, workers, tmp_path):
+    """Level 3: Mooncake's own tenants (master --enable_multi_tenants, client tenant_id)."""
     quota = tmp_path / "tenants.yaml"
     quota.write_text("version: 1\ntenants:\n  - name: tenant-a\n    quota: 256MB\n"
                      "  - name: tenant-b\n    quota: 256MB\n")
@@ -158,9 +176,8 @@ def test_tenants_never_see_each_other(master_factory, workers, tmp_path):
     assert r["status"] == [OK] * 3 and r["wrong"] == []
 
 
-def test_object_has_lease_and_full_queue_paths(master_factory, workers):
-    m = master_factory(lease_ms=3000)  # long enough that the first remove surely meets the lease
-    t = workers(m.settings(cluster="lq", publish_queue_blocks=2, block_bytes=1 << 20), "t")
+def test_object_has_lease_and_full_queue_paths(pool):
+    t = pool["lq"]
     assert t.call("put", ids=[0], tag="l")["status"] == [OK]
     assert t.call("get", ids=[0], tag="l")["status"] == [OK]  # grants a 3 s read lease
     t.call("remove", ids=[0], tag="l")
