@@ -126,7 +126,7 @@ class FragmentPlan:
         fragment size, so the view never aliases itself.
     """
 
-    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination", "flat")
+    __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination", "flat", "row_of")
 
     def __init__(self, fragments: Sequence[Any] | None, nbytes: int, strided: torch.Tensor | None,
                  dtype: torch.dtype | None = None, count: int | None = None, destination: bool = False):
@@ -141,6 +141,9 @@ class FragmentPlan:
         self.count = count if count is not None else (len(fragments) if fragments is not None else None)
         #: The block as one contiguous 1-D uint8 tensor, when it is one (then one plain copy).
         self.flat = None
+        #: ``(rows, i)`` when the block is row ``i`` of a :class:`BlockRows` batch
+        #: (consecutive rows then move as one copy).
+        self.row_of = None
 
     @classmethod
     def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> "FragmentPlan":
@@ -223,8 +226,39 @@ class BlockRows(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         p = self._plans[i]
         if p is None:
-            p = self._plans[i] = FragmentPlan.of_bytes(self.rows[i], self.destination)
+            p = self._plans[i] = _RowPlan(self, i if i >= 0 else i + len(self))
         return p
+
+
+class _RowPlan(FragmentPlan):
+    """Row ``i`` of a :class:`BlockRows`: made without a tensor view (the view
+    is made when the block is copied alone; consecutive rows are copied at once)."""
+
+    __slots__ = ()
+
+    def __init__(self, batch: BlockRows, i: int) -> None:  # noqa: D107 -- cheap on purpose
+        self.fragments = None
+        self.nbytes = batch.rows.shape[1]
+        self.strided = None
+        self.dtype = torch.uint8
+        self.count = 1
+        self.destination = batch.destination
+        self.flat = None
+        self.row_of = (batch.rows, i)
+
+    def _view(self) -> torch.Tensor:
+        rows, i = self.row_of
+        return rows[i]
+
+    def gather(self, staging: torch.Tensor, offset: int) -> int:
+        if self.flat is None:
+            self.flat = self._view()
+        return FragmentPlan.gather(self, staging, offset)
+
+    def scatter(self, staging: torch.Tensor, offset: int) -> int:
+        if self.flat is None:
+            self.flat = self._view()
+        return FragmentPlan.scatter(self, staging, offset)
 
 
 def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool = False,

@@ -139,6 +139,20 @@ class _Plan:
     entries: list = dataclasses.field(default_factory=list)
 
 
+def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
+    """``rows[i:i + k]`` when ``plans`` are the plans of rows ``i .. i + k - 1``
+    of one :class:`~tierstore.io.pages.BlockRows` (one copy moves them all), else None."""
+    first = getattr(plans[0], "row_of", None) if plans else None
+    if first is None or len(plans) < 2:
+        return None
+    rows, i0 = first
+    for j, p in enumerate(plans):
+        r = getattr(p, "row_of", None)
+        if r is None or r[0] is not rows or r[1] != i0 + j:
+            return None
+    return rows[i0:i0 + len(plans)]
+
+
 def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
                         min_segments: int = MIN_SEGMENTS) -> int:
     """Segment (reclaim unit) size for a tier of ``capacity_bytes``.
@@ -852,10 +866,16 @@ class SegmentStorage(BlockStorage):
                 jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
                 # Copies back to back on torch's threads, then CRC-32C on the
                 # copy threads (crc32c releases the GIL).
-                self._wpipe.gather_blocks([frags[i] for i in p.idx], buf, [pos for _, pos in jobs])
-                if slot > self.block_bytes:
-                    for _, pos in jobs:
-                        buf[pos + self.block_bytes:pos + slot].zero_()
+                mine = [frags[i] for i in p.idx]
+                rows = _consecutive_rows(mine)
+                bb = self.block_bytes
+                k = len(mine)
+                if rows is not None:  # rows i..i+k of one BlockRows: one strided copy
+                    buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
+                else:
+                    self._wpipe.gather_blocks(mine, buf, [pos for _, pos in jobs])
+                if slot > bb:
+                    buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
 
                 def one(job) -> fmt.BlockEntry:
                     i, pos = job
@@ -913,28 +933,37 @@ class SegmentStorage(BlockStorage):
             self._finish_reclaim(si)
 
     def _commit(self, p: _Plan, gc: bool) -> None:
-        """Index the blocks of a written extent (under ``_lock``)."""
+        """Index the blocks of a written extent (under ``_lock``), vectorised:
+        keys of one extent are distinct (a put drops duplicates)."""
+        ents = p.entries
+        k = len(ents)
         self._st["extents_written"] += 1
-        self._written[p.seg] += len(p.entries)
+        self._written[p.seg] += k
         self._ticks += 1
         self._touched[p.seg] = self._ticks
-        members = self._members[p.seg]
-        for e in p.entries:
-            row, new = self._table.add(e.key)
-            if row >= self._off.size:
+        keys = [e.key for e in ents]
+        rows = self._table.get_many(keys)
+        new = rows < 0
+        old = rows[~new]
+        if old.size:  # a newer copy (GC copy-forward) retires the old one
+            np.subtract.at(self._live, self._off[old] // self.segment_size_bytes, 1)
+        if new.any():
+            rows[new] = self._table.add_absent([keys[i] for i in new.nonzero()[0].tolist()])
+            if int(rows.max()) >= self._off.size:
                 self._grow_rows()
-            if not new:  # a newer copy (GC copy-forward) retires the old one
-                old_si = int(self._off[row]) // self.segment_size_bytes
-                self._live[old_si] -= 1
-            self._off[row] = p.ext_off + e.payload_offset
-            self._crc[row] = e.payload_crc32c
-            self._seq[row] = p.seq
-            self._ns_id[row] = self._intern_ns(e.ns_digest)
-            self._live[p.seg] += 1
-            members.append(row)
-            self._st["gc_bytes_written" if gc else "user_bytes_written"] += e.length_bytes
-            if not gc:
-                self._st["put_blocks_ok"] += 1
+        self._off[rows] = [p.ext_off + e.payload_offset for e in ents]
+        self._crc[rows] = [e.payload_crc32c for e in ents]
+        self._seq[rows] = p.seq
+        ns0 = ents[0].ns_digest if ents else None
+        if all(e.ns_digest == ns0 for e in ents):
+            self._ns_id[rows] = self._intern_ns(ns0) if ents else 0
+        else:
+            self._ns_id[rows] = [self._intern_ns(e.ns_digest) for e in ents]
+        self._live[p.seg] += k
+        self._members[p.seg].frombytes(rows.astype(np.int32).tobytes())
+        self._st["gc_bytes_written" if gc else "user_bytes_written"] += sum(e.length_bytes for e in ents)
+        if not gc:
+            self._st["put_blocks_ok"] += k
 
     def _rollback(self, plans: list[_Plan], first: dict[int, int]) -> None:
         for si, off in first.items():
