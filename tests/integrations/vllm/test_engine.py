@@ -40,12 +40,12 @@ TIER_SECOND = {t: prompt(3 * B + 20, seed=120 + i, prefix=p) for i, (t, p) in en
 TENANT = prompt(2 * B + 5, seed=200)
 CORRUPT = prompt(5 * B + 3, seed=300)
 ABORT = {m: prompt(4 * B + 7, seed=400 + i) for i, m in enumerate(("sync", "async"))}
-PREEMPT = [prompt(500, seed=500 + i) for i in range(3)]
+PREEMPT = [prompt(600, seed=500 + i) for i in range(3)]  # 3 x 19 blocks of 64: preempted at ~72 decode tokens
 PERSIST = [prompt(3 * B + 5, seed=600)]
 PERSIST.append(prompt(3 * B + 7, seed=601, prefix=PERSIST[0][:2 * B]))
 LIFETIME = {h: prompt(2 * B + 1, seed=700 + i) for i, h in enumerate(("conversation", "query", "bogus"))}
 MAX_TOKENS = 8
-PREEMPT_MAX_TOKENS = 300
+PREEMPT_MAX_TOKENS = 130
 
 
 def all_prompts() -> dict:
