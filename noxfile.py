@@ -88,3 +88,16 @@ def sglang(session: nox.Session) -> None:
     session.install("--no-compile", "--no-deps", SGLANG, env=env)
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/integrations/sglang",
                 *session.posargs)
+
+
+@nox.session(python=False)
+def fdp(session: nox.Session) -> None:
+    """The FDP device path inside QEMU's emulated FDP SSD (tests/fdp/test_vm.py, issue 17).
+
+    Runs in the project venv: the guest reuses this interpreter and its packages (packed into a
+    squashfs image by tests/fdp/vmenv.py). Needs ../shared/tools/fdp-vm/run (it skips without),
+    busybox-static (virtme-ng's initramfs) and squashfs-tools on the host; a fio >= 3.34 for the
+    fio comparison (tests/fdp/build_fio.sh builds one; Debian 12's 3.33 has no FDP). Two guest
+    boots, one per emulator configuration.
+    """
+    session.run("python", "-m", "pytest", "-q", "-m", "fdp", "tests/fdp", *session.posargs)

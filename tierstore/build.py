@@ -40,7 +40,6 @@ from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
 from .errors import ConfigError
 from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateShim, placement_policy
 from .fdp.ftl import FTLModel
-from .fdp.lifetime import LifetimeClass
 from .fdp.placement import PlacementPolicy
 from .fdp.simdevice import SimFdpDevice
 from .index import BlockIndex, IndexConfig, Tier
@@ -88,19 +87,6 @@ def _default_ru(device_bytes: int, page_bytes: int) -> int:
 
 def _file_path(path: str) -> str:
     return os.path.join(path, "tierstore.nvme") if os.path.isdir(path) else path
-
-
-def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
-    f = nv.fdp
-    pids = (f.long_pid, f.medium_pid, f.short_pid)
-    if all(p is None for p in pids):
-        return None
-    if any(p is None for p in pids):
-        raise ConfigError("fdp: give all of long_pid, medium_pid, short_pid, or none (then the device's "
-                          "RUH Status decides)")
-    return PlacementPolicy(class_pid={LifetimeClass.LONG: f.long_pid, LifetimeClass.MEDIUM: f.medium_pid,
-                                      LifetimeClass.SHORT: f.short_pid},
-                           default_pid=f.default_pid or 0, rgif=0)
 
 
 def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngine, int, int, Any, Any]:
@@ -181,26 +167,53 @@ def _warn_if_sparse_overcommit(path: str, tier_bytes: int, geo: dict) -> None:
 
 
 def _open_real_device(nv: NvmeTierConfig, block_bytes: int, geo: dict):
-    """``device: fdp``: discovery via nvme-cli, placement via passthrough. Not verified on hardware."""
-    from .fdp.nvme_cli import FdpDeviceStats, NvmeCli
+    """``device: fdp``: the FDP namespace ``/dev/ngXnY``, found by
+    :func:`tierstore.fdp.device.discover_namespace` (the one discovery the bench
+    and the daemon share); placed writes by passthrough, RUH Update on segment
+    open, every PID checked against RUH Status. With ``model:``, an FTL model of
+    the namespace's geometry observes the writes and RUH Updates (``KVStore.ftl``),
+    for comparison with the device's own counters."""
+    from .fdp.device import discover_namespace
+    from .fdp.nvme_cli import FdpDeviceStats
     path = nv.path
     if not os.path.basename(path).startswith("ng"):
         raise ConfigError(f"device: fdp needs path=/dev/ngXnY (got {path!r})")
-    ctrl = path.rsplit("n", 1)[0].replace("/ng", "/nvme")
-    cli = NvmeCli()
-    info = cli.discover(ctrl, path, 1)
-    if nv.fdp.enabled and not info.fdp_enabled:
-        raise ConfigError(f"{ctrl}: FDP not enabled (supported={info.fdp_supported}); "
-                          "enable it with NvmeCli.enable_fdp_args or set fdp.enabled: false")
-    ru = nv.segment_size_bytes or (info.config.runs_bytes if info.config is not None else None)
+    ns = discover_namespace(path)
+    if nv.fdp.enabled:
+        ns.require_fdp()
+    fdp_on = bool(ns.info.fdp_enabled)
+    runs = ns.info.config.runs_bytes if fdp_on else None
+    ru = nv.segment_size_bytes or runs
     if ru is None:
         raise ConfigError("device: fdp without FDP needs segment_size_bytes")
     tier = nv.capacity_bytes // ru * ru
-    engine = PassthroughEngine(path, tier, 1)
-    geo.update(device_bytes=tier, ru_size_bytes=ru, segment_size_bytes=ru, nvme_bytes=tier, utilization=1.0,
-               description=f"{path} (real FDP namespace via passthrough; {NOT_VERIFIED_ON_HARDWARE})",
-               discovery=info)
-    return engine, tier, ru, None, FdpDeviceStats(ctrl, 1, cli)
+    if tier > ns.size_bytes:
+        raise ConfigError(f"capacity_bytes={nv.capacity_bytes}: the namespace {path} has {ns.size_bytes} bytes")
+    ruh_update = nv.fdp.ruh_update_on_segment_open
+    if ruh_update is None:
+        ruh_update = nv.fdp.enabled
+    engine = PassthroughEngine(ns.char_dev, tier, ns.nsid, ns.lba_bytes,
+                               pid_table=ns.pid_table if fdp_on else None,
+                               max_transfer_bytes=ns.max_transfer_bytes,
+                               ruh_update_segment_bytes=ru if (ruh_update and fdp_on) else None,
+                               ru_nominal_bytes=runs)
+    geo.update(device_bytes=ns.size_bytes, ru_size_bytes=runs or ru, segment_size_bytes=ru, nvme_bytes=tier,
+               utilization=tier / ns.size_bytes, lba_bytes=ns.lba_bytes,
+               description=f"{path} (FDP namespace {ns.nsid} of {ns.ctrl_dev} via NVMe passthrough; "
+                           f"{NOT_VERIFIED_ON_HARDWARE})",
+               discovery=ns)
+    ftl = None
+    if nv.model is not None and fdp_on:
+        m, cfg = nv.model, ns.info.config
+        try:
+            ftl = FTLModel(tier, runs, m.op_fraction, num_ruh=cfg.nruh, isolation=m.isolation, gc=m.gc,
+                           page_bytes=m.page_bytes, num_rg=max(1, cfg.nrg), rgif=cfg.rgif)
+        except ConfigError as exc:
+            geo["description"] += f"; no FTL model ({exc})"
+        else:
+            engine.add_observer(SimFdpDevice(ftl))
+            geo["description"] += "; an FTL model observes its writes and RUH Updates (KVStore.ftl)"
+    return engine, tier, ru, ftl, FdpDeviceStats(ns.ctrl_dev, ns.endgid)
 
 
 def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] | None = None,
@@ -248,21 +261,21 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         engine, tier, seg, ftl, device = _open_nvme(nv, bb, geo)
         try:
             if nv.fdp.enabled:
-                explicit = _explicit_placement(nv)
-                if explicit is not None:
-                    placement = explicit
+                f = nv.fdp
+                explicit = (f.long_pid, f.medium_pid, f.short_pid, f.default_pid)
+                if "discovery" in geo:
+                    placement = geo["discovery"].placement(f.plids, explicit)
                 elif isinstance(device, SimFdpDevice):
-                    placement = placement_policy(device.ruh_status(), device.configs().configs[0].rgif, nv.fdp.plids)
-                elif "discovery" in geo:
-                    info = geo.pop("discovery")
-                    placement = placement_policy(info.ruh_status, info.config.rgif, nv.fdp.plids)
+                    placement = placement_policy(device.ruh_status(), device.configs().configs[0].rgif, f.plids,
+                                                 explicit)
                 else:
-                    raise ConfigError("fdp.enabled needs an FDP device: device: sim, device: fdp, a file with "
-                                      "model: {...}, or explicit long_pid/medium_pid/short_pid")
+                    raise ConfigError("fdp.enabled needs an FDP device whose RUH Status gives the PIDs: device: fdp "
+                                      "(/dev/ngXnY), device: sim, or a file with model: {...}; the posix and "
+                                      "uring engines on a file or block device cannot place writes")
             ruh_update = nv.fdp.ruh_update_on_segment_open
             if ruh_update is None:
                 ruh_update = nv.fdp.enabled
-            if isinstance(device, SimFdpDevice):
+            if isinstance(device, SimFdpDevice) and nv.device != "fdp":
                 if ruh_update:
                     shim = RuhUpdateShim(device, seg)
                     engine.add_observer(shim)

@@ -2,6 +2,7 @@
 
 ``tierstore bench [JOBFILE ...] [--key=value ...]``  fio-style benchmark (see ``tierstore bench --help``).
 ``tierstore serve --config FILE``                    the storage daemon.
+``tierstore fdp discover|stats DEVICE``              an FDP namespace: configuration, PIDs per class, WAF.
 ``tierstore version``                               print the version.
 """
 from __future__ import annotations
@@ -27,11 +28,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tierstore serve: the daemon is not available: {e}", file=sys.stderr)
             return 1
         return serve_main(rest)
+    if cmd == "fdp":
+        from .fdp.admin import main as fdp_main
+        return fdp_main(rest)
     if cmd == "version":
         from . import __version__
         print(__version__)
         return 0
-    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, version", file=sys.stderr)
+    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, fdp, version", file=sys.stderr)
     return 2
 
 

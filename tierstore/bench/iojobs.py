@@ -23,9 +23,13 @@ Where the bytes go (``device=``, the same three choices as the KV jobs):
 * ``/dev/ngXnY``: a real FDP namespace (the default ``filename``); placed
   writes by NVMe passthrough. Not verified on hardware.
 
-Writes are tagged with a placement ID when ``dataplacement=fdp``: the entries
-of ``plids`` picked per ``plid_select`` (``roundrobin`` per write, ``random``,
-or ``lifetime``: one per clone).
+Writes are tagged with a placement ID when ``dataplacement=fdp``: ``plids``
+are indices into the device's RUH Status list, as fio's (``plids=0,1,2`` on a
+namespace whose RUH Status lists 0x0, 0x4000, 0x1 writes those three PIDs), and
+an index beyond the list is refused before anything is written. On the model
+(``device=file``/``sim``) the list is the model's: 8 RUHs in one reclaim group
+(PIDs 0..7). The entries are picked per ``plid_select`` (``roundrobin`` per
+write, ``random``, or ``lifetime``: one per clone).
 
 Files: before writing anything the job checks that its file fits the free
 space of its file system (statvfs) and refuses otherwise; a read job lays its
@@ -66,6 +70,8 @@ _DIRECT_ALIGN_BYTES = 4096
 _PROGRESS_POLL_S = 0.1
 _DEVICE_SAMPLE_S = 0.25
 _GC_SPARE_RUS = 5
+#: RUHs of the FTL model a plain job writes to (the RUH Status ``plids`` index), as ``device=sim``'s default.
+_MODEL_RUHS = 8
 
 
 def _free_bytes(path: str) -> int:
@@ -161,8 +167,18 @@ class _PassthroughTarget:
     matching ``/dev/nvmeXnY`` (:class:`tierstore.fdp.device.PassthroughEngine`). Not verified on hardware."""
 
     def __init__(self, path: str, size_bytes: int, options: dict[str, Any]) -> None:
-        from ..fdp.device import PassthroughEngine
-        self.engine = PassthroughEngine(path, size_bytes, nsid=int(options.get("nsid", 1) or 1))
+        from ..fdp.device import PassthroughEngine, discover_namespace
+        ns = discover_namespace(path)      # the discovery the library and the daemon use
+        placed = options["dataplacement"] == "fdp"
+        if placed:
+            ns.require_fdp()
+        if size_bytes > ns.size_bytes:
+            raise ConfigError(f"size={size_bytes}: the namespace {path} has {ns.size_bytes} bytes")
+        #: the namespace's PIDs; plids index it (checked before any write)
+        self.pid_table = ns.pid_table if ns.info.fdp_enabled else None
+        self.pids = self.pid_table.pids_at(options["plids"]) if placed else []
+        self.engine = PassthroughEngine(ns.char_dev, size_bytes, ns.nsid, ns.lba_bytes, pid_table=self.pid_table,
+                                        max_transfer_bytes=ns.max_transfer_bytes)
 
     def read(self, buf: Any, offset: int) -> int:
         return self.engine.read(offset, buf).get()
@@ -222,7 +238,7 @@ def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, 
     from ..fdp.ftl import FTLModel
     page_bytes = min(64 << 10, 1 << (min(options["bs"], 64 << 10).bit_length() - 1))
     capacity = -(-int(span_bytes / max(options["utilization"], 0.01)) // page_bytes) * page_bytes
-    num_ruh = max(options["plids"], default=0) + 1
+    num_ruh = _MODEL_RUHS
     op = max(options["op"], 0.01)
     # The spare capacity must hold every stream's open RU plus GC's free RUs
     # (gc_free_ru_min=3) and one more; shrink the RU on small spans so it does.
@@ -250,8 +266,9 @@ def _validate(options: dict[str, Any]) -> None:
         raise ConfigError("dataplacement=fdp: needs plids, e.g. plids=0,1,2")
 
 
-def _placement_picker(options: dict[str, Any]) -> Callable[[int, int, np.random.Generator], int | None]:
-    plids = options["plids"]
+def _placement_picker(options: dict[str, Any], plids: list[int]
+                      ) -> Callable[[int, int, np.random.Generator], int | None]:
+    """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``)."""
     if options["dataplacement"] != "fdp":
         return lambda clone, seq, rng: None
     select = options["plid_select"]
@@ -381,7 +398,17 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
             target.engine.add_observer(observer)
         elif isinstance(target, _BufferedTarget):
             target.observer = observer
-    pick_placement = _placement_picker(options)
+    pids: list[int] = []
+    if is_write and options["dataplacement"] == "fdp":
+        if isinstance(target, _PassthroughTarget):
+            pids = target.pids
+        elif observer is not None:   # the model's RUH Status, through the same PID table as a device's
+            from ..fdp.simdevice import SimFdpDevice
+            pids = SimFdpDevice(observer.ftl).pid_table().pids_at(options["plids"])
+        else:
+            raise ConfigError(f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
+                              "writes need /dev/ngXnY (the posix and uring engines cannot place writes)")
+    pick_placement = _placement_picker(options, pids)
 
     ramp_ns = int(options["ramp_time"] * 1e9)
     runtime_ns = int(options["runtime"] * 1e9)

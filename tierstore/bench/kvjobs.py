@@ -247,6 +247,9 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
                                         "under their key (wrong KV)")
     device = dict(rep.device) if rep.device else {}
     device.update({f"nvme_{k}": v for k, v in rep.store_stats.items() if isinstance(v, (int, float))})
+    engine = rep.store_stats.get("engine") or (rep.store_stats.get("nvme_backend") or {}).get("engine") or {}
+    if engine.get("bytes_by_placement"):  # bytes the store sent per PID ("none": no placement directive)
+        device["bytes_by_pid"] = {str(k): int(v) for k, v in engine["bytes_by_placement"].items()}
     if "waf" in rep.timeseries:  # in the JSON (fio's output has no timeseries section) and the plots
         device["waf_timeseries"] = {"t_s": list(rep.timeseries["t_s"]), "waf": list(rep.timeseries["waf"])}
     return JobResult(

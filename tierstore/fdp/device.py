@@ -1,15 +1,17 @@
-"""FDP devices as the NVMe tier sees them: placement tables, RUH Update, passthrough writes.
+"""FDP devices as the NVMe tier sees them: RUH Update and passthrough writes.
 
-* :func:`placement_policy` -- the lifetime class -> PID table from a device's
-  RUH Status (real, or the simulated device's), honouring fio-style ``plids``
-  (indices into the RUH Status list).
-* :class:`RuhUpdateShim` -- an I/O observer that issues a Reclaim Unit Handle
-  Update when a segment opens, so every segment starts a fresh RU.
+Discovery and the PID table are in :mod:`tierstore.fdp.discovery` (no torch,
+so ``tierstore fdp`` starts quickly); their names are re-exported here.
+
+* :class:`RuhUpdateShim` -- an I/O observer that gives the FTL model a
+  Reclaim Unit Handle Update when a segment opens.
 * :class:`PassthroughEngine` -- the real ``/dev/ngXnY`` engine: placed writes
-  through NVMe passthrough (``IORING_OP_URING_CMD``, PID in DSPEC), reads,
-  deallocates and flushes on the matching block device. **Not verified on
-  hardware**: written against the kernel and NVMe interfaces; this host has no
-  NVMe device.
+  through NVMe passthrough (``IORING_OP_URING_CMD``, PID in DSPEC), each PID
+  checked against RUH Status before the write is sent, RUH Update sent to the
+  device when a segment opens; reads, deallocates and flushes on the matching
+  block device. Run end to end against QEMU's emulated FDP namespace (TCG
+  guest, ``tests/fdp/test_vm.py``), which models no garbage collection;
+  **not verified on an FDP SSD**.
 
 Why RUH Update on segment open
 ------------------------------
@@ -19,67 +21,46 @@ nothing of segments, so without help the next segment's first pages land in
 the previous RU's tail; the offset drifts, and soon every RU holds the end of
 one segment and the start of the next: trimming one segment leaves valid pages
 in two RUs and the device's GC copies them. I/O Management Send, *Reclaim Unit
-Handle Update* (TP4146) points a handle at a fresh RU; issued at the first write
-of each segment, every segment starts a fresh RU. A conventional drive has no
-such command and the drift stays -- that is part of what placement buys.
+Handle Update* (TP4146; NVMe Base Specification 2.1, I/O Management Send
+command, Management Operation 01h) points a handle at a fresh RU; sent before
+the first write of each segment, every segment starts a fresh RU. The engine
+skips the command when the handle's RU holds nothing yet: no byte was written
+through that PID since its last update, or the device's RUH Status reports
+the whole nominal RU still available (RUAMW x LBA >= RUNS, e.g. after the
+previous segment filled the RU exactly). A conventional drive has no such
+command and the drift stays -- that is part of what placement buys.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 import re
+import threading
 from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..io.engine import IOEngine, IOFuture
 from ..io.factory import open_engine
-from .lifetime import LifetimeClass
-from .logpages import RuhStatus
-from .placement import PlacementPolicy, split_pid
+from . import logpages as lp
+from .discovery import FdpNamespace, discover_namespace, nvme_names, placement_policy  # noqa: F401 (re-exported)
+from .placement import PidTable
 
-__all__ = ["placement_policy", "RuhUpdateShim", "PassthroughEngine", "NOT_VERIFIED_ON_HARDWARE"]
+__all__ = ["placement_policy", "RuhUpdateShim", "PassthroughEngine", "NOT_VERIFIED_ON_HARDWARE",
+           "FdpNamespace", "discover_namespace", "nvme_names"]
 
 #: Marker put into descriptions of the real-device path.
-NOT_VERIFIED_ON_HARDWARE = "not verified on hardware"
-
-
-def placement_policy(ruh_status: RuhStatus, rgif: int, plids: Sequence[int] = ()) -> PlacementPolicy:
-    """The class -> PID table for a device.
-
-    Parameters
-    ----------
-    ruh_status : RuhStatus
-        The device's RUH Status (I/O Management Receive, TP4146).
-    rgif : int
-        Reclaim Group Identifier Format of the active configuration.
-    plids : sequence of int
-        Indices into the RUH Status list for LONG, MEDIUM, SHORT (cycled), as
-        fio's ``plids=``; empty: the table of :mod:`tierstore.fdp.placement`.
-
-    Raises
-    ------
-    ConfigError
-        An index outside the RUH Status list.
-    """
-    handles = None
-    if plids:
-        descs = ruh_status.descs
-        for i in plids:
-            if not 0 <= i < len(descs):
-                raise ConfigError(f"plids: index {i} outside the device's {len(descs)} RUH Status entries")
-        picks = [split_pid(descs[plids[j % len(plids)]].pid, rgif)[1] for j in range(3)]
-        handles = {LifetimeClass.LONG: picks[0], LifetimeClass.MEDIUM: picks[1], LifetimeClass.SHORT: picks[2]}
-    return PlacementPolicy.from_ruh_status(ruh_status, rgif, 0, class_handles=handles)
+NOT_VERIFIED_ON_HARDWARE = ("run against QEMU's emulated FDP namespace (no garbage collection modelled); "
+                            "not verified on hardware")
 
 
 class RuhUpdateShim:
-    """I/O observer in front of an FDP device: RUH Update when a segment opens.
+    """I/O observer in front of an FTL model: RUH Update when a segment opens.
 
     Forwards every write/trim to ``target``; before a write that starts at a
     segment boundary (``offset_bytes % segment_bytes == 0``, the first extent
     of a freshly opened segment) it calls ``ruh_update(placement)`` so the
     handle points at a fresh RU (TP4146 I/O Management Send, Reclaim Unit
-    Handle Update).
+    Handle Update). For a real device :class:`PassthroughEngine` sends the
+    command itself and tells its observers through ``on_ruh_update``.
 
     Parameters
     ----------
@@ -107,10 +88,22 @@ class RuhUpdateShim:
 class PassthroughEngine(IOEngine):
     """Real FDP namespace: reads/trims on the block device, placed writes by passthrough.
 
-    **Not verified on hardware** (no NVMe device on the development host).
     Writes go through :class:`tierstore.fdp.passthrough.PassthroughWriter` on
-    ``/dev/ngXnY`` with the PID in DSPEC; reads, deallocates and flushes use the
-    matching block device ``/dev/nvmeXnY`` through the ``posix`` engine (O_DIRECT).
+    ``/dev/ngXnY`` with the PID in DSPEC, split at the controller's MDTS; reads,
+    deallocates and flushes use the matching block device ``/dev/nvmeXnY``
+    through the ``posix`` engine (O_DIRECT). Writes are synchronous: the pieces
+    of one write are in flight together, and the write's future is complete
+    when it returns (so observers see writes and RUH Updates in device order).
+
+    Every PID is checked against ``pid_table`` before anything is sent
+    (:class:`ConfigError`, raised from :meth:`write`); ``None`` writes without
+    a placement directive (the device uses placement handle 0).
+
+    With ``ruh_update_segment_bytes``, a write at a multiple of it (a segment's
+    first extent) is preceded by a Reclaim Unit Handle Update of its PID,
+    unless the handle's RU holds nothing yet (module doc; at open, the RUH Status
+    says which handles an earlier run left partly written). Observers with an
+    ``on_ruh_update(placement)`` method hear of each update sent, before the write.
 
     Parameters
     ----------
@@ -121,7 +114,15 @@ class PassthroughEngine(IOEngine):
     nsid : int
         Namespace id.
     lba_bytes : int
-        Logical block size.
+        Logical block size (Identify Namespace).
+    pid_table : PidTable, optional
+        The namespace's PIDs; ``None`` checks nothing (only for tests of the encoding).
+    max_transfer_bytes : int, optional
+        Bytes of one command at most (MDTS).
+    ruh_update_segment_bytes : int, optional
+        Segment size; ``None``: never send RUH Update.
+    ru_nominal_bytes : int, optional
+        RUNS of the active configuration (needed with ``ruh_update_segment_bytes``).
 
     Raises
     ------
@@ -131,25 +132,106 @@ class PassthroughEngine(IOEngine):
 
     kind = "fdp-passthrough"
 
-    def __init__(self, char_dev: str, size_bytes: int, nsid: int, lba_bytes: int = 4096) -> None:
+    def __init__(self, char_dev: str, size_bytes: int, nsid: int, lba_bytes: int = 4096, *,
+                 pid_table: PidTable | None = None, max_transfer_bytes: int | None = None,
+                 ruh_update_segment_bytes: int | None = None, ru_nominal_bytes: int | None = None) -> None:
         from .passthrough import PassthroughWriter
-        super().__init__(size_bytes, lba_bytes)
-        m = re.search(r"ng(\d+)n(\d+)$", char_dev)
-        if m is None:
+        if re.search(r"ng\d+n\d+$", char_dev) is None:
             raise ConfigError(f"device={char_dev!r}: expected an NVMe generic character device /dev/ngXnY")
-        self.block_dev = os.path.join(os.path.dirname(char_dev), f"nvme{m.group(1)}n{m.group(2)}")
+        if ruh_update_segment_bytes is not None and not ru_nominal_bytes:
+            raise ConfigError("ruh_update_segment_bytes needs ru_nominal_bytes (the configuration's RUNS)")
+        super().__init__(size_bytes, max(4096, lba_bytes))
+        self.block_dev = nvme_names(char_dev)[1]
+        self.lba_bytes = int(lba_bytes)
+        self.pid_table = pid_table
+        self.segment_bytes = ruh_update_segment_bytes
+        self.ru_nominal_bytes = ru_nominal_bytes
         self._rw = open_engine("posix", self.block_dev, size_bytes)
-        self._writer = PassthroughWriter(char_dev, nsid, lba_bytes)
+        try:
+            self._writer = PassthroughWriter(char_dev, nsid, self.lba_bytes, max_transfer_bytes=max_transfer_bytes)
+        except BaseException:
+            self._rw.close()
+            raise
+        self._ruh_lock = threading.Lock()
+        self._since_update: dict[int, int] = {}
+        self._ruh = {"ruh_updates_sent": 0, "ruh_updates_skipped": 0, "ruh_update_unwritten_bytes": 0}
+        if self.segment_bytes is not None:
+            # A handle whose RU another run left partly written must be switched at our first segment too.
+            try:
+                for d in self.ruh_status().descs:
+                    if d.ruamw_blocks * self.lba_bytes < self.ru_nominal_bytes:
+                        self._since_update[d.pid] = self.ru_nominal_bytes - d.ruamw_blocks * self.lba_bytes
+            except BaseException:
+                self.close()
+                raise
 
+    # ------------------------------------------------------------ FDP commands
+    def ruh_status(self) -> lp.RuhStatus:
+        """RUH Status now, through the passthrough ring (sized from the PID table)."""
+        n = len(self.pid_table) if self.pid_table is not None else 128
+        raw = self._writer.ruh_status_bytes(lp.ruh_status_bytes_for(n))
+        have = int.from_bytes(raw[14:16], "little")
+        if have > n:
+            raw = self._writer.ruh_status_bytes(lp.ruh_status_bytes_for(have))
+        return lp.parse_ruh_status(raw)
+
+    def ruh_update(self, pids: Sequence[int]) -> None:
+        """Send a Reclaim Unit Handle Update of ``pids`` (each checked against the PID table)."""
+        pids = [self._check_pid(p) for p in pids]
+        self._writer.ruh_update(pids)
+        with self._ruh_lock:
+            for p in pids:
+                self._since_update[p] = 0
+
+    def _check_pid(self, pid: int | None) -> int | None:
+        if self.pid_table is not None:
+            return self.pid_table.check(pid, "placement")
+        if pid is not None and not 0 <= pid <= 0xFFFF:
+            raise ConfigError(f"placement={pid}: a PID is 16 bits")
+        return pid
+
+    def _maybe_ruh_update(self, pid: int) -> None:
+        """RUH Update before a segment's first write, unless the handle's RU is still empty."""
+        with self._ruh_lock:
+            if self._since_update.get(pid, 0) == 0:
+                self._ruh["ruh_updates_skipped"] += 1
+                return
+            st = self.ruh_status()
+            ruamw = next((d.ruamw_blocks for d in st.descs if d.pid == pid), None)
+            if ruamw is None:
+                raise ConfigError(f"placement={pid:#x}: RUH Status no longer lists it")
+            if ruamw * self.lba_bytes >= self.ru_nominal_bytes:
+                self._since_update[pid] = 0
+                self._ruh["ruh_updates_skipped"] += 1
+                return
+            self._writer.ruh_update([pid])
+            self._since_update[pid] = 0
+            self._ruh["ruh_updates_sent"] += 1
+            self._ruh["ruh_update_unwritten_bytes"] += ruamw * self.lba_bytes
+        for obs in list(self._observers):
+            hook = getattr(obs, "on_ruh_update", None)
+            if hook is not None:
+                hook(pid)
+
+    # ------------------------------------------------------------ engine hooks
     def _read_impl(self, offset, view, nbytes):
         return self._rw._read_impl(offset, view, nbytes)
 
     def _write_impl(self, offset, view, nbytes, placement):
+        placement = self._check_pid(placement)   # raises before anything is sent
+        if self.segment_bytes and placement is not None and offset % self.segment_bytes == 0:
+            try:
+                self._maybe_ruh_update(placement)
+            except OSError as exc:
+                return IOFuture.failed(exc)
         buf = (ctypes.c_char * nbytes).from_buffer(view)
         try:
             self._writer.write(buf, offset, placement)
         except OSError as exc:
             return IOFuture.failed(exc)
+        if placement is not None:
+            with self._ruh_lock:
+                self._since_update[placement] = self._since_update.get(placement, 0) + nbytes
         return IOFuture.completed(nbytes)
 
     def _trim_impl(self, offset, length):
@@ -158,6 +240,15 @@ class PassthroughEngine(IOEngine):
     def _sync_impl(self):
         return self._rw._sync_impl()
 
+    def stats(self) -> dict:
+        """:meth:`IOEngine.stats` plus the RUH Update counters."""
+        out = super().stats()
+        with self._ruh_lock:
+            out.update(self._ruh)
+        return out
+
     def _close_impl(self):
-        self._writer.close()
-        self._rw.close()
+        try:
+            self._writer.close()
+        finally:
+            self._rw.close()

@@ -173,6 +173,7 @@ class FTLModel:
         self.ruh_gc_bytes = np.zeros(num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
         self.gc_runs = 0
         self.ruh_updates = 0
+        self.ruh_update_unwritten_bytes = 0   # unwritten tails of RUs closed by RUH Update
 
     # ------------------------------------------------------------------ PIDs
     def pid_of(self, rg: int, handle: int) -> int:
@@ -213,12 +214,14 @@ class FTLModel:
         named by ``placement`` at a fresh RU.
 
         The RU the handle had open is closed as it is (its unwritten tail stays
-        unwritten); the next write through the handle opens a new RU.  A handle
+        unwritten, counted in ``ruh_update_unwritten_bytes``); the next write
+        through the handle opens a new RU.  A handle
         with no open RU, or one whose RU is empty, is left as it is.
         """
         rg, ruh = self.decode_pid(placement)
         st = self._host[rg][ruh]
         if st.ru >= 0 and st.wp > 0:
+            self.ruh_update_unwritten_bytes += (self.ru_pages - st.wp) * self.page_bytes
             self.ru_state[st.ru] = _FULL
             st.ru = -1
             st.wp = 0
@@ -295,6 +298,7 @@ class FTLModel:
             "ruh_waf": [float(x) for x in ruh_waf],
             "gc_runs": int(self.gc_runs),
             "ruh_updates": int(self.ruh_updates),
+            "ruh_update_unwritten_bytes": int(self.ruh_update_unwritten_bytes),
             "trimmed_bytes": int(self.trimmed_bytes),
             "invalid_pid_writes": int(self.invalid_pid_writes),
             "valid_bytes": int(self.ru_valid.sum()) * self.page_bytes,

@@ -34,7 +34,8 @@ __all__ = [
     "RuhDesc", "FdpConfig", "FdpConfigLog", "RuhUsageLog", "FdpStats", "FdpEvent", "FdpEventsLog",
     "RuhStatusDesc", "RuhStatus",
     "parse_fdp_configs", "parse_ruh_usage", "parse_fdp_stats", "parse_fdp_events",
-    "parse_ruh_status", "ctratt_from_id_ctrl", "fdp_supported",
+    "parse_ruh_status", "ctratt_from_id_ctrl", "fdp_supported", "IdNamespace", "parse_id_ns", "serial_from_id_ctrl",
+    "ruh_status_bytes_for",
 ]
 
 #: Log page identifiers (Base Spec 2.1, Get Log Page, figure "Log Page Identifiers").
@@ -322,6 +323,65 @@ def ctratt_from_id_ctrl(buf: bytes | memoryview) -> int:
 def fdp_supported(ctratt: int) -> bool:
     """FDPS: CTRATT bit 19."""
     return bool(ctratt >> CTRATT_FDPS_BIT & 1)
+
+
+def serial_from_id_ctrl(buf: bytes | memoryview) -> str:
+    """Serial Number (SN, Identify Controller bytes 23:04, ASCII, space padded)."""
+    buf = bytes(buf)
+    _need(buf, 24, "Identify Controller")
+    return buf[4:24].decode("ascii", "replace").strip()
+
+
+@dataclass(frozen=True)
+class IdNamespace:
+    """What the device path needs from Identify Namespace (CNS 00h, NVM Command Set).
+
+    Attributes
+    ----------
+    nsze_blocks : int    Namespace Size (NSZE, bytes 7:0), logical blocks.
+    lba_bytes : int      ``2 ** LBADS`` of the format FLBAS selects.
+    metadata_bytes : int MS of that format (metadata bytes per block; 0 = none).
+    """
+
+    nsze_blocks: int
+    lba_bytes: int
+    metadata_bytes: int
+
+    @property
+    def size_bytes(self) -> int:
+        """NSZE x logical block size."""
+        return self.nsze_blocks * self.lba_bytes
+
+
+def parse_id_ns(buf: bytes | memoryview) -> IdNamespace:
+    """Identify Namespace: NSZE (le64 @0), NLBAF (@25), FLBAS (@26: bits 3:0 the format
+    index, bits 6:5 its upper bits), LBAF[i] (le32 @128 + 4i: MS bits 15:0, LBADS bits 23:16).
+
+    Source: NVM Command Set Specification 1.0, Identify Namespace data structure;
+    linux ``include/linux/nvme.h`` ``struct nvme_id_ns``.
+
+    Raises
+    ------
+    CorruptData
+        A short buffer, a format index beyond NLBAF, or LBADS < 9 (the spec's minimum 512 bytes).
+    """
+    buf = bytes(buf)
+    _need(buf, 384, "Identify Namespace")
+    nsze = struct.unpack_from("<Q", buf, 0)[0]
+    nlbaf, flbas = buf[25], buf[26]
+    idx = (flbas & 0xF) | ((flbas >> 5 & 0x3) << 4)
+    if idx > nlbaf:
+        raise CorruptData(f"Identify Namespace: FLBAS selects format {idx} but NLBAF is {nlbaf} (0-based)")
+    lbaf = struct.unpack_from("<I", buf, 128 + 4 * idx)[0]
+    lbads = lbaf >> 16 & 0xFF
+    if lbads < 9:
+        raise CorruptData(f"Identify Namespace: LBADS {lbads} of format {idx} (logical blocks are >= 512 bytes)")
+    return IdNamespace(nsze, 1 << lbads, lbaf & 0xFFFF)
+
+
+def ruh_status_bytes_for(nruhsd: int) -> int:
+    """Bytes of a RUH Status holding ``nruhsd`` descriptors: 16 + 32 each."""
+    return _RUHS_HDR.size + _RUHS_DESC.size * int(nruhsd)
 
 
 # ------------------------------------------------------------ builders

@@ -14,8 +14,25 @@ configurations (20h)   ``nvme fdp configs DEV -e ENDGID -b``          :func:`log
 RUH usage (21h)        ``nvme fdp usage DEV -e ENDGID -b``            :func:`logpages.parse_ruh_usage`
 statistics (22h)       ``nvme fdp stats DEV -e ENDGID -b``            :func:`logpages.parse_fdp_stats`
 events (23h)           ``nvme fdp events DEV -e ENDGID [-E] -b``      :func:`logpages.parse_fdp_events`
-RUH status             ``nvme fdp status DEV -n NSID -b``             :func:`logpages.parse_ruh_status`
+RUH status             ``nvme io-mgmt-recv DEV -n NSID -m 1 -l LEN``  :func:`parse_hex_dump`, then
+                       (I/O Management Receive, MO 01h)               :func:`logpages.parse_ruh_status`
+Identify Namespace     ``nvme id-ns DEV -n NSID -b`` (4096 bytes)     :func:`logpages.parse_id_ns`
 =====================  =============================================  ==========================
+
+RUH Status is *not* read with ``nvme fdp status -b``: nvme-cli 2.3 (Debian 12)
+sizes that transfer as ``nruhsd * 32`` bytes, without the 16-byte header, so
+its binary output is 16 bytes shorter than its own descriptor count says
+(with 8 descriptors: 256 bytes where 272 are needed; seen on QEMU's emulated
+FDP namespace). :meth:`NvmeCli.ruh_status` asks for an explicit length with
+``nvme io-mgmt-recv`` instead: first for every descriptor the active
+configuration allows (reclaim groups x RUHs), then, if the header names more,
+once more with exactly that length. The parser still refuses a buffer shorter
+than its descriptor count. ``io-mgmt-recv`` of 2.3 exits 1 after a successful
+transfer when it writes the data to a file (``-d``), so the data is taken from
+its hexadecimal dump on stdout (exit 0), whose length is checked.
+nvme-cli 2.3's ``io-mgmt-send -m 1`` sends management operation 0 (it prints
+``mo:0``) and so cannot issue a RUH Update; that goes through passthrough
+(:func:`tierstore.fdp.passthrough.build_ruh_update_cmd`).
 
 Raw binary is preferred: the JSON printers of nvme-cli are incomplete and
 differ between versions (``nvme-print-json.c``: in 2.x ``json_nvme_fdp_configs``
@@ -49,7 +66,7 @@ from . import logpages as lp
 
 __all__ = ["NvmeCliError", "NvmeCli", "FdpDeviceStats", "FdpDeviceInfo", "FID_FDP",
            "parse_stats_json", "parse_stats_text", "parse_ruh_status_json", "parse_configs_json",
-           "parse_usage_json", "parse_events_json", "parse_feature_value"]
+           "parse_usage_json", "parse_events_json", "parse_feature_value", "parse_hex_dump"]
 
 #: Feature identifier of Flexible Data Placement (Base Spec 2.1, figure "Feature Identifiers").
 FID_FDP = 0x1D
@@ -183,6 +200,35 @@ def parse_feature_value(text: str | bytes) -> int:
     return int(m.group(1), 0)
 
 
+def parse_hex_dump(text: str | bytes, expect_bytes: int | None = None) -> bytes:
+    """The bytes of nvme-cli's hexadecimal dump (``d()`` in nvme-cli ``util``: lines
+    ``0000: 00 01 ... "ascii"`` under a column header).
+
+    Raises
+    ------
+    CorruptData
+        No dump lines, offsets out of order, or ``expect_bytes`` given and not matched.
+    """
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    out = bytearray()
+    for line in text.splitlines():
+        m = re.match(r"^([0-9a-fA-F]{4,}):\s(.*)$", line.strip())
+        if not m:
+            continue
+        if int(m.group(1), 16) != len(out):
+            raise CorruptData(f"hex dump: line at offset {m.group(1)} after {len(out)} bytes")
+        for tok in m.group(2).split():
+            if tok.startswith('"') or not re.fullmatch(r"[0-9a-fA-F]{2}", tok):
+                break
+            out.append(int(tok, 16))
+    if not out:
+        raise CorruptData(f"no hex dump in nvme-cli output: {text[:200]!r}")
+    if expect_bytes is not None and len(out) != expect_bytes:
+        raise CorruptData(f"hex dump has {len(out)} bytes, expected {expect_bytes}")
+    return bytes(out)
+
+
 # ------------------------------------------------------------------- driver
 @dataclass(frozen=True)
 class FdpDeviceInfo:
@@ -283,12 +329,46 @@ class NvmeCli:
         args = ["fdp", "events", dev, "-e", str(_check_endgid(endgid))] + (["-E"] if host_events else []) + ["-b"]
         return lp.parse_fdp_events(self.run(args))
 
-    def ruh_status(self, dev: str, nsid: int | None = None) -> lp.RuhStatus:
-        """RUH Status (I/O Management Receive) for namespace ``nsid`` (default: the device's)."""
-        args = ["fdp", "status", dev] + (["-n", str(int(nsid))] if nsid else []) + ["-b"]
-        return lp.parse_ruh_status(self.run(args))
+    def ruh_status_raw(self, dev: str, nsid: int, data_len: int) -> bytes:
+        """``data_len`` bytes of RUH Status (I/O Management Receive, MO 01h) of namespace ``nsid``."""
+        data_len = -(-int(data_len) // 4) * 4
+        out = self.run(["io-mgmt-recv", dev, "-n", str(int(nsid)), "-m", "1", "-l", str(data_len)])
+        return parse_hex_dump(out, data_len)
 
-    def discover(self, ctrl_dev: str, ns_dev: str, endgid: int = 1) -> FdpDeviceInfo:
+    def ruh_status(self, dev: str, nsid: int, max_descs: int = 128) -> lp.RuhStatus:
+        """RUH Status of namespace ``nsid``, read with an explicit length (module doc).
+
+        Parameters
+        ----------
+        dev : str
+            The namespace's device (``/dev/ngXnY`` or ``/dev/nvmeXnY``).
+        nsid : int
+            Namespace id.
+        max_descs : int
+            Descriptors to make room for at first (reclaim groups x RUHs of
+            the active configuration); a longer list is read again whole.
+
+        Raises
+        ------
+        CorruptData
+            The controller returned fewer bytes than its descriptor count needs.
+        """
+        raw = self.ruh_status_raw(dev, nsid, lp.ruh_status_bytes_for(max(1, max_descs)))
+        n = int.from_bytes(raw[14:16], "little")
+        if lp.ruh_status_bytes_for(n) > len(raw):
+            raw = self.ruh_status_raw(dev, nsid, lp.ruh_status_bytes_for(n))
+        return lp.parse_ruh_status(raw)
+
+    def id_ns(self, dev: str, nsid: int) -> lp.IdNamespace:
+        """Identify Namespace of ``nsid`` (size and logical block format)."""
+        out = self.run(["id-ns", dev, "-n", str(int(nsid)), "-b"])
+        return lp.parse_id_ns(out)
+
+    def serial(self, ctrl_dev: str) -> str:
+        """The controller's serial number (Identify Controller SN)."""
+        return lp.serial_from_id_ctrl(self.id_ctrl_raw(ctrl_dev))
+
+    def discover(self, ctrl_dev: str, ns_dev: str, endgid: int = 1, nsid: int = 1) -> FdpDeviceInfo:
         """Support -> enablement -> active config -> RUH status, stopping early where FDP is absent."""
         if not self.fdp_supported(ctrl_dev):
             return FdpDeviceInfo(ctrl_dev, False, None, None, None, None)
@@ -298,7 +378,9 @@ class NvmeCli:
         log = self.configs(ctrl_dev, endgid)
         if idx >= len(log.configs):
             raise CorruptData(f"active FDP config index {idx} but the log lists {len(log.configs)}")
-        return FdpDeviceInfo(ctrl_dev, True, True, idx, log.configs[idx], self.ruh_status(ns_dev))
+        cfg = log.configs[idx]
+        return FdpDeviceInfo(ctrl_dev, True, True, idx, cfg,
+                             self.ruh_status(ns_dev, nsid, max(1, cfg.nrg) * max(1, cfg.nruh)))
 
 
 class FdpDeviceStats:

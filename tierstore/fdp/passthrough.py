@@ -25,6 +25,24 @@ Three ways to write, picked by :func:`select_write_path`:
 3. ``"none"`` -- neither is available: writes carry no placement, and
    :attr:`WritePath.status` says so (the bench prints it).
 
+The same ring carries the two FDP management commands (TP4146 "Flexible Data
+Placement", folded into NVMe Base Specification 2.1; sections are cited by
+name because the numbered 2.1 text was not available to check; the encodings
+match libnvme ``src/nvme/ioctl.h`` ``nvme_io_mgmt_recv``/``nvme_io_mgmt_send``
+and ``nvme_fdp_ruh_update``, and QEMU ``hw/nvme/ctrl.c``
+``nvme_io_mgmt_recv_ruhs``/``nvme_io_mgmt_send_ruh_update``):
+
+* **I/O Management Receive** (opcode 12h), Management Operation 01h
+  *Reclaim Unit Handle Status*: CDW10 bits 7:0 = MO, bits 31:16 = MOS (0);
+  CDW11 = NUMD, the number of dwords to transfer, 0-based. The controller
+  returns at most NUMD + 1 dwords of the RUH Status data structure
+  (:func:`tierstore.fdp.logpages.parse_ruh_status`).
+* **I/O Management Send** (opcode 1Dh), Management Operation 01h
+  *Reclaim Unit Handle Update*: CDW10 bits 7:0 = MO, bits 31:16 = MOS =
+  the number of PIDs - 1; the data buffer is a list of 16-bit placement
+  identifiers, 2 bytes each, little-endian. Each named handle then references
+  a new, empty reclaim unit (the old one is left as written).
+
 The ring is tierstore's one io_uring, :mod:`tierstore.io.ring` (ctypes over
 ``io_uring_setup``/``io_uring_enter`` and ``mmap``; layouts from linux
 ``include/uapi/linux/io_uring.h``), set up with ``SQE128 | CQE32``; this module
@@ -36,26 +54,39 @@ instructions, killing the process with SIGILL on CPUs without them.)
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import os
 import re
 import struct
-import threading
 from dataclasses import dataclass
 
 from ..errors import AlignmentError, ConfigError
+from .discovery import max_transfer_bytes  # noqa: F401 (re-exported)
 from ..io.ring import (IORING_OP_NOP, IORING_OP_URING_CMD, IORING_OP_WRITE, IORING_SETUP_CQE32,  # noqa: F401
                        IORING_SETUP_SQE128, IoUringError, Ring, RingQueue)
 
 __all__ = [
-    "NVME_CMD_WRITE", "NVME_CMD_READ", "DTYPE_DATA_PLACEMENT", "NVME_URING_CMD_IO", "IORING_OP_URING_CMD",
-    "NvmeUringCmd", "write_cdw12", "write_cdw13", "build_write_cmd", "IoUring", "IoUringError",
-    "WritePath", "select_write_path", "ng_char_devices", "max_write_streams",
+    "NVME_CMD_WRITE", "NVME_CMD_READ", "NVME_CMD_IO_MGMT_RECV", "NVME_CMD_IO_MGMT_SEND",
+    "IOMR_MO_RUH_STATUS", "IOMS_MO_RUH_UPDATE", "DTYPE_DATA_PLACEMENT", "NVME_URING_CMD_IO",
+    "IORING_OP_URING_CMD", "NvmeUringCmd", "NvmeStatusError", "write_cdw12", "write_cdw13", "build_write_cmd",
+    "build_ruh_status_cmd", "encode_ruh_update_pids", "build_ruh_update_cmd", "IoUring", "IoUringError",
+    "PassthroughWriter", "WritePath", "select_write_path", "ng_char_devices", "max_write_streams",
+    "max_transfer_bytes",
 ]
 
 # --- NVMe I/O opcodes (NVM Command Set Specification; linux include/linux/nvme.h enum nvme_opcode)
 NVME_CMD_WRITE = 0x01
 NVME_CMD_READ = 0x02
+#: I/O Management Receive / Send (TP4146; libnvme ``enum nvme_io_opcode``:
+#: ``nvme_cmd_io_mgmt_recv = 0x12``, ``nvme_cmd_io_mgmt_send = 0x1d``).
+NVME_CMD_IO_MGMT_RECV = 0x12
+NVME_CMD_IO_MGMT_SEND = 0x1D
+#: Management operations: Reclaim Unit Handle Status (receive), Reclaim Unit Handle Update (send).
+IOMR_MO_RUH_STATUS = 0x01
+IOMS_MO_RUH_UPDATE = 0x01
+#: Largest NLB of one Write (CDW12 bits 15:0, 0-based).
+MAX_NLB = 0x10000
 #: Directive Type "Data Placement" = 2h (TP4146; CacheLib navy/common/FdpNvme.cpp writes DTYPE 2).
 DTYPE_DATA_PLACEMENT = 0x2
 CDW12_DTYPE_SHIFT = 20
@@ -154,6 +185,80 @@ def build_write_cmd(nsid: int, slba: int, nlb: int, addr: int, lba_bytes: int,
                         cdw12=write_cdw12(nlb, pid is not None), cdw13=write_cdw13(pid))
 
 
+def build_ruh_status_cmd(nsid: int, addr: int, data_len: int) -> NvmeUringCmd:
+    """I/O Management Receive, MO 01h (Reclaim Unit Handle Status) into ``data_len`` bytes at ``addr``.
+
+    Parameters
+    ----------
+    nsid : int        namespace id (>= 1).
+    addr : int        host buffer address (ctypes address), ``data_len`` bytes.
+    data_len : int    bytes to receive: a positive multiple of 4 (CDW11 NUMD
+                      counts dwords, 0-based); 16 + 32 per descriptor holds them all.
+
+    Raises
+    ------
+    ConfigError
+        ``nsid`` < 1 or ``data_len`` not a positive multiple of 4.
+    """
+    if nsid < 1:
+        raise ConfigError(f"nsid={nsid}: namespace ids start at 1")
+    if data_len <= 0 or data_len % 4 or data_len // 4 - 1 > 0xFFFFFFFF:
+        raise ConfigError(f"data_len={data_len}: must be a positive multiple of 4 (NUMD counts dwords)")
+    return NvmeUringCmd(opcode=NVME_CMD_IO_MGMT_RECV, nsid=nsid, addr=addr, data_len=data_len,
+                        cdw10=IOMR_MO_RUH_STATUS, cdw11=data_len // 4 - 1)
+
+
+def encode_ruh_update_pids(pids: "list[int] | tuple[int, ...]") -> bytes:
+    """The data buffer of a Reclaim Unit Handle Update: each PID as a little-endian u16.
+
+    Raises
+    ------
+    ConfigError
+        No PIDs, more than 65536 (MOS is 16 bits), or a PID outside 0..0xFFFF.
+    """
+    pids = [int(p) for p in pids]
+    if not 1 <= len(pids) <= 0x10000:
+        raise ConfigError(f"RUH Update names {len(pids)} PIDs: 1..65536 (MOS = count - 1 is 16 bits)")
+    for p in pids:
+        if not 0 <= p <= 0xFFFF:
+            raise ConfigError(f"pid={p}: placement identifiers are 16 bits")
+    return struct.pack(f"<{len(pids)}H", *pids)
+
+
+def build_ruh_update_cmd(nsid: int, npids: int, addr: int) -> NvmeUringCmd:
+    """I/O Management Send, MO 01h (Reclaim Unit Handle Update) of ``npids`` PIDs at ``addr``.
+
+    ``addr`` holds :func:`encode_ruh_update_pids` (2 bytes per PID);
+    CDW10 = ``MO | (npids - 1) << 16``; ``data_len = 2 * npids``.
+    """
+    if nsid < 1:
+        raise ConfigError(f"nsid={nsid}: namespace ids start at 1")
+    if not 1 <= npids <= 0x10000:
+        raise ConfigError(f"npids={npids}: 1..65536")
+    return NvmeUringCmd(opcode=NVME_CMD_IO_MGMT_SEND, nsid=nsid, addr=addr, data_len=2 * npids,
+                        cdw10=IOMS_MO_RUH_UPDATE | ((npids - 1) << 16))
+
+
+class NvmeStatusError(IoUringError):
+    """The controller completed a passthrough command with a non-zero NVMe status.
+
+    For ``IORING_OP_URING_CMD`` on the nvme driver, a CQE ``res`` > 0 is the
+    NVMe status field (Status Code Type << 8 | Status Code; linux
+    ``drivers/nvme/host/ioctl.c`` ``nvme_uring_task_cb`` passes
+    ``nvme_req(req)->status``), a negative ``res`` a host errno.
+
+    Attributes
+    ----------
+    nvme_status : int
+        The status field (e.g. 0x2 Invalid Field in Command, 0x4002 with DNR).
+    """
+
+    def __init__(self, nvme_status: int, what: str) -> None:
+        self.nvme_status = int(nvme_status)
+        sct, sc = (self.nvme_status >> 8) & 0x7, self.nvme_status & 0xFF
+        super().__init__(errno.EIO, f"{what}: NVMe status {self.nvme_status:#x} (SCT {sct:#x}, SC {sc:#x})")
+
+
 # ------------------------------------------------------------------- io_uring
 class IoUring(Ring):
     """The passthrough ring: :class:`tierstore.io.ring.Ring` with ``big=True``
@@ -247,15 +352,22 @@ def check_aligned(offset_bytes: int, nbytes: int, lba_bytes: int) -> tuple[int, 
 
 
 class PassthroughWriter:
-    """Placed writes to ``/dev/ngXnY`` through an SQE128|CQE32 ring; thread-safe
-    (one :class:`~tierstore.io.ring.RingQueue`, ``entries`` commands in flight at most).
+    """NVMe passthrough on ``/dev/ngXnY`` through an SQE128|CQE32 ring: placed writes,
+    RUH Status and RUH Update. Thread-safe (one :class:`~tierstore.io.ring.RingQueue`,
+    ``entries`` commands in flight at most).
+
+    A write larger than ``max_transfer_bytes`` (the controller's MDTS, see
+    :func:`max_transfer_bytes`) or than 65536 logical blocks is sent as several
+    commands with the same PID, all in flight together.
 
     Parameters
     ----------
     char_dev : str   ``/dev/ngXnY``.
     nsid : int       namespace id.
-    lba_bytes : int  logical block size, bytes.
+    lba_bytes : int  logical block size, bytes (Identify Namespace LBA format).
     entries : int    ring size = commands in flight at most.
+    max_transfer_bytes : int, optional
+        Bytes of one command at most; ``None``: 65536 logical blocks.
 
     Raises
     ------
@@ -263,42 +375,84 @@ class PassthroughWriter:
         io_uring, or SQE128/CQE32 rings (Linux >= 5.19), cannot be used here.
     """
 
-    def __init__(self, char_dev: str, nsid: int, lba_bytes: int = 4096, entries: int = 64) -> None:
+    def __init__(self, char_dev: str, nsid: int, lba_bytes: int = 4096, entries: int = 64,
+                 max_transfer_bytes: int | None = None) -> None:
+        if lba_bytes <= 0 or lba_bytes & (lba_bytes - 1):
+            raise ConfigError(f"lba_bytes={lba_bytes}: must be a power of two")
         ring = IoUring(entries, big=True)
         try:
             self.fd = os.open(char_dev, os.O_RDWR)
         except BaseException:
             ring.close()
             raise
+        self.char_dev = char_dev
         self.nsid = nsid
         self.lba_bytes = lba_bytes
+        cap = MAX_NLB * lba_bytes
+        self.max_transfer_bytes = max(lba_bytes, min(cap, max_transfer_bytes or cap) // lba_bytes * lba_bytes)
         self.ring = ring
         self._queue = RingQueue(ring, min(entries, ring.sq_entries))
 
+    def _run(self, cmds: "list[NvmeUringCmd]", what: str) -> None:
+        """Submit ``cmds`` together and wait for all; raise the first failure."""
+        box: list[int] = []
+        n = len(cmds)
+
+        def on_done(res: int, _arg: int, _big: bytes) -> None:
+            box.append(res)
+        for c in cmds:
+            self._queue.submit_cmd(self.fd, NVME_URING_CMD_IO, c.pack(), on_done)
+        self._queue.wait_until(lambda: len(box) == n)
+        for res in box:
+            if res < 0:
+                raise IoUringError(-res, f"{what} failed: {os.strerror(-res)}")
+            if res > 0:
+                raise NvmeStatusError(res, what)
+
     def write(self, buf: ctypes.Array, offset_bytes: int, placement: int | None) -> int:
-        """Write all of ``buf`` (a ctypes buffer) at ``offset_bytes`` with PID ``placement``; return NVMe status.
+        """Write all of ``buf`` (a ctypes buffer) at ``offset_bytes`` with PID ``placement``; return 0.
 
         Raises
         ------
         AlignmentError
             ``offset_bytes`` or the length is not a multiple of ``lba_bytes``.
         IoUringError
-            The command failed (``-res`` of the CQE as errno).
+            A command failed (host errno); :class:`NvmeStatusError` when the
+            controller returned a non-zero status.
         """
-        slba, nlb = check_aligned(offset_bytes, ctypes.sizeof(buf), self.lba_bytes)
-        cmd = build_write_cmd(self.nsid, slba, nlb, ctypes.addressof(buf), self.lba_bytes, placement)
-        box: list[int] = []
-        done = threading.Event()
+        nbytes = ctypes.sizeof(buf)
+        check_aligned(offset_bytes, nbytes, self.lba_bytes)
+        base = ctypes.addressof(buf)
+        step = self.max_transfer_bytes
+        cmds = []
+        for pos in range(0, nbytes, step):
+            n = min(step, nbytes - pos)
+            cmds.append(build_write_cmd(self.nsid, (offset_bytes + pos) // self.lba_bytes, n // self.lba_bytes,
+                                        base + pos, self.lba_bytes, placement))
+        self._run(cmds, f"passthrough write of {nbytes} bytes at {offset_bytes} (pid {placement})")
+        return 0
 
-        def on_done(res: int, _arg: int, _big: bytes) -> None:
-            box.append(res)
-            done.set()
-        self._queue.submit_cmd(self.fd, NVME_URING_CMD_IO, cmd.pack(), on_done)
-        self._queue.wait_until(done.is_set)
-        res = box[0]
-        if res < 0:
-            raise IoUringError(-res, f"passthrough write failed: {os.strerror(-res)}")
-        return res
+    def ruh_status_bytes(self, data_len: int) -> bytes:
+        """RUH Status (I/O Management Receive, MO 01h), ``data_len`` bytes as the controller returned them."""
+        data_len = -(-int(data_len) // 4) * 4
+        buf = (ctypes.c_char * data_len)()
+        self._run([build_ruh_status_cmd(self.nsid, ctypes.addressof(buf), data_len)], "RUH Status")
+        return bytes(buf)
+
+    def ruh_update(self, pids: "list[int] | tuple[int, ...]") -> None:
+        """Reclaim Unit Handle Update (I/O Management Send, MO 01h) of ``pids``.
+
+        Raises
+        ------
+        ConfigError
+            An empty list or a PID outside 16 bits.
+        NvmeStatusError
+            The controller refused it (e.g. Invalid Field for a PID it does not know).
+        """
+        data = encode_ruh_update_pids(pids)
+        buf = ctypes.create_string_buffer(data, max(len(data), 4))
+        self._run([build_ruh_update_cmd(self.nsid, len(data) // 2, ctypes.addressof(buf))],
+                  f"RUH Update of PIDs {[hex(p) for p in pids]}")
 
     def close(self) -> None:
         """Wait for commands in flight, close the ring and the device."""

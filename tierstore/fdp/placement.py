@@ -15,7 +15,20 @@ the reclaim group, the rest the placement handle::
 
 ``RGIF`` is FDPA bits 3:0 of the active FDP configuration descriptor.
 
-Handle assignment (placement handle 0 is the default handle, used by writes
+One table, one validation
+------------------------
+:class:`PidTable` is the namespace's RUH Status list in the device's order.
+It is the only source of PIDs: fio-style ``plids`` are *indices into it*
+(fio ``dataplacement.c`` ``init_ruh_info``: ``plis[i] = ruhs->plis[dp_ids[i]]``,
+and an index ``>= nr_ruhs`` is refused), explicit PIDs from a configuration
+must be listed in it, and the passthrough engine checks every PID it sends
+against it. A device that is handed a PID it does not list may silently place
+the write with placement handle 0 (QEMU's emulation does, as do some real
+devices), so only this check can catch a wrong PID. The library, the bench and
+the daemon all build their :class:`PlacementPolicy` here, through
+:meth:`PlacementPolicy.from_plids` or :meth:`PlacementPolicy.from_explicit`.
+
+Handle assignment without ``plids`` (placement handle 0 is the default handle, used by writes
 without a placement directive; it is kept for untagged writes and metadata):
 
 =========================  =========================================
@@ -30,13 +43,13 @@ non-default handles         LONG / MEDIUM / SHORT
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
 
 from ..errors import ConfigError
 from .lifetime import LifetimeClass, LifetimeClassifier, ReuseLifetimeClassifier
 from .logpages import RuhStatus
 
-__all__ = ["make_pid", "split_pid", "PlacementPolicy"]
+__all__ = ["make_pid", "split_pid", "PidTable", "PlacementPolicy"]
 
 
 def make_pid(reclaim_group: int, handle: int, rgif: int) -> int:
@@ -65,6 +78,83 @@ def split_pid(pid: int, rgif: int) -> tuple[int, int]:
     return (pid >> ph_bits if rgif else 0), pid & ((1 << ph_bits) - 1)
 
 
+@dataclass(frozen=True)
+class PidTable:
+    """The placement identifiers a namespace accepts: its RUH Status list, in the device's order.
+
+    Attributes
+    ----------
+    pids : tuple of int
+        ``RuhStatus.descs[i].pid`` for every descriptor ``i`` (index ``i`` is fio's plid ``i``).
+    rgif : int
+        Reclaim Group Identifier Format of the active configuration (FDPA bits 3:0).
+    """
+
+    pids: tuple[int, ...]
+    rgif: int = 0
+
+    @classmethod
+    def from_ruh_status(cls, status: RuhStatus, rgif: int) -> "PidTable":
+        """The table of a parsed RUH Status (I/O Management Receive, MO 01h).
+
+        Raises
+        ------
+        ConfigError
+            The status lists no descriptor (no PID could ever be sent).
+        """
+        if not status.descs:
+            raise ConfigError("RUH Status lists no placement identifier: FDP placement is not possible "
+                              "on this namespace")
+        return cls(tuple(int(d.pid) for d in status.descs), int(rgif))
+
+    def __len__(self) -> int:
+        return len(self.pids)
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self.pids
+
+    def pid_at(self, plid: int) -> int:
+        """PID of RUH Status entry ``plid`` (fio's ``plids=`` index).
+
+        Raises
+        ------
+        ConfigError
+            ``plid`` outside ``0..len - 1`` (fio: "PID index %d must be smaller than %d").
+        """
+        plid = int(plid)
+        if not 0 <= plid < len(self.pids):
+            raise ConfigError(f"plids: index {plid} must be smaller than {len(self.pids)}, the number of "
+                              f"entries in the device's RUH Status (PIDs {self.describe()})")
+        return self.pids[plid]
+
+    def pids_at(self, plids: Sequence[int]) -> list[int]:
+        """:meth:`pid_at` of each index, all checked before any is used."""
+        return [self.pid_at(i) for i in plids]
+
+    def check(self, pid: int | None, what: str = "pid") -> int | None:
+        """Return ``pid`` if RUH Status lists it (``None`` passes: no placement directive).
+
+        Raises
+        ------
+        ConfigError
+            ``pid`` is not one of :attr:`pids`.
+        """
+        if pid is None:
+            return None
+        if int(pid) not in self.pids:
+            raise ConfigError(f"{what}={int(pid):#x}: not a placement identifier of this namespace; its RUH Status "
+                              f"lists {self.describe()}")
+        return int(pid)
+
+    def split(self, pid: int) -> tuple[int, int]:
+        """``(reclaim_group, placement_handle)`` of ``pid`` under :attr:`rgif`."""
+        return split_pid(pid, self.rgif)
+
+    def describe(self) -> str:
+        """``0x0, 0x1, ...`` for messages."""
+        return ", ".join(f"{p:#x}" for p in self.pids)
+
+
 @dataclass
 class PlacementPolicy:
     """Maps a lifetime class (or no class) to the PID a write carries.
@@ -89,6 +179,7 @@ class PlacementPolicy:
     handle_pid: dict[tuple[int, int], int] = field(default_factory=dict)
     classifier: LifetimeClassifier = field(default_factory=ReuseLifetimeClassifier)
     enabled: bool = True
+    pid_table: PidTable | None = None
 
     @classmethod
     def from_ruh_status(cls, status: RuhStatus, rgif: int, reclaim_group: int = 0,
@@ -131,7 +222,78 @@ class PlacementPolicy:
                 raise ConfigError(f"class {c.name}: handle {h} not in the device's RUH status {sorted(table)}")
             class_pid[LifetimeClass(c)] = table[(reclaim_group, h)]
         return cls(class_pid=class_pid, default_pid=table[(reclaim_group, default_h)], rgif=rgif,
-                   handle_pid=table, classifier=classifier or ReuseLifetimeClassifier())
+                   handle_pid=table, classifier=classifier or ReuseLifetimeClassifier(),
+                   pid_table=PidTable.from_ruh_status(status, rgif))
+
+    @classmethod
+    def from_plids(cls, status: RuhStatus, rgif: int, plids: Sequence[int] = (),
+                   classifier: LifetimeClassifier | None = None) -> "PlacementPolicy":
+        """The policy of a device, with fio's ``plids`` meaning.
+
+        Parameters
+        ----------
+        status : RuhStatus
+            The namespace's RUH Status.
+        rgif : int
+            RGIF of the active FDP configuration.
+        plids : sequence of int
+            Indices into the RUH Status list for LONG, MEDIUM, SHORT (cycled:
+            ``plids=3,5`` gives LONG 3, MEDIUM 5, SHORT 3). The PIDs are taken
+            whole, reclaim group included. Empty: the module table, in the
+            reclaim group of the first RUH Status entry.
+
+        Raises
+        ------
+        ConfigError
+            An index outside the RUH Status list, or a status without PIDs.
+        """
+        tab = PidTable.from_ruh_status(status, rgif)
+        if not plids:
+            return cls.from_ruh_status(status, rgif, tab.split(tab.pids[0])[0], classifier)
+        picks = tab.pids_at(plids)
+        class_pid = {LifetimeClass.LONG: picks[0], LifetimeClass.MEDIUM: picks[1 % len(picks)],
+                     LifetimeClass.SHORT: picks[2 % len(picks)]}
+        return cls._with_default(tab, class_pid, classifier)
+
+    @classmethod
+    def from_explicit(cls, status: RuhStatus | None, rgif: int, long_pid: int, medium_pid: int, short_pid: int,
+                      default_pid: int | None = None,
+                      classifier: LifetimeClassifier | None = None) -> "PlacementPolicy":
+        """The policy of explicit per-class PIDs (a configuration's ``fdp.*_pid``), each checked
+        against the device's RUH Status.
+
+        Raises
+        ------
+        ConfigError
+            ``status`` is ``None`` (nothing to check the PIDs against), or a
+            PID it does not list.
+        """
+        if status is None:
+            raise ConfigError("fdp.long_pid/medium_pid/short_pid need a device whose RUH Status can be read "
+                              "(device: fdp or device: sim); nothing else can check them")
+        tab = PidTable.from_ruh_status(status, rgif)
+        class_pid = {LifetimeClass.LONG: tab.check(long_pid, "fdp.long_pid"),
+                     LifetimeClass.MEDIUM: tab.check(medium_pid, "fdp.medium_pid"),
+                     LifetimeClass.SHORT: tab.check(short_pid, "fdp.short_pid")}
+        pol = cls._with_default(tab, class_pid, classifier)
+        if default_pid is not None:
+            pol.default_pid = tab.check(default_pid, "fdp.default_pid")
+        return pol
+
+    @classmethod
+    def _with_default(cls, tab: PidTable, class_pid: dict, classifier) -> "PlacementPolicy":
+        """Default PID: placement handle 0 in the reclaim group of the LONG class, else RUH Status entry 0."""
+        handle_pid: dict[tuple[int, int], int] = {}
+        for pid in tab.pids:
+            handle_pid.setdefault(tab.split(pid), pid)
+        rg = tab.split(class_pid[LifetimeClass.LONG])[0]
+        default = handle_pid.get((rg, 0), tab.pids[0])
+        return cls(class_pid=class_pid, default_pid=default, rgif=tab.rgif, handle_pid=handle_pid,
+                   classifier=classifier or ReuseLifetimeClassifier(), pid_table=tab)
+
+    def all_pids(self) -> list[int]:
+        """Every PID this policy can send (classes and default), sorted."""
+        return sorted(set(self.class_pid.values()) | {self.default_pid}) if self.enabled else []
 
     @classmethod
     def disabled(cls) -> "PlacementPolicy":

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import logpages as lp
 from .ftl import ISOLATION_PERSISTENT, FTLModel
-from .placement import PlacementPolicy, make_pid
+from .placement import PidTable, PlacementPolicy, make_pid
 
 __all__ = ["SimFdpDevice", "FakeFdpDevice"]
 
@@ -79,8 +79,17 @@ class SimFdpDevice:
         cfg = self.configs().configs[0]
         return PlacementPolicy.from_ruh_status(self.ruh_status(), cfg.rgif, reclaim_group)
 
+    def pid_table(self) -> PidTable:
+        """The model's PIDs in RUH Status order (what fio-style ``plids`` index)."""
+        return PidTable.from_ruh_status(self.ruh_status(), self.configs().configs[0].rgif)
+
     def ruh_update(self, placement: int | None) -> None:
         """Reclaim Unit Handle Update for the handle named by PID ``placement``."""
+        self.ftl.ruh_update(placement)
+
+    def on_ruh_update(self, placement: int) -> None:
+        """I/O observer hook: a real device was sent a RUH Update of ``placement``
+        (:class:`tierstore.fdp.device.PassthroughEngine`); the model switches the same handle."""
         self.ftl.ruh_update(placement)
 
     # I/O observer -------------------------------------------------------------
