@@ -1347,15 +1347,19 @@ class BlockIndex:
         fits in the next memory tier (that copy is part of the plan)."""
         plan = PromotePlan([])
         protect = {self._table.key_of(r) for _, r, _ in promos}
+        full: set = set()  # tiers where no slot was found: later blocks of this call skip them
         for i, r, src in promos:
             upper = [t for t in self._alloc if t < src and self._slot[t][r] < 0]
             if not upper:
                 continue
             dst = upper[0] if self.config.promotion == "top" else upper[-1]
-            got = self._reserve(dst, 1, plan.victims, protect, now, cheap_only=True)
+            got = [] if dst in full else self._reserve(dst, 1, plan.victims, protect, now, cheap_only=True)
             if not got:
                 # every candidate victim is dirty (lives only in memory): ask for a
-                # background clean so that later promotions find clean victims
+                # background clean so that later promotions find clean victims. The
+                # search is not repeated for the rest of this load (under the lock,
+                # each one scans the tier's policy order: it was O(tier) per block)
+                full.add(dst)
                 self._clean_wanted += 1
                 continue
             self._readers[r] += 1  # held until the copy lands
