@@ -1,15 +1,16 @@
 """Test sessions, one environment each, so engines' pins never collide.
 
-The core suite runs in the project venv (README's test command); each engine
-integration pins its own torch/transformers and runs in a nox session with its
-own virtualenv under ``.nox/``:
+A bare ``nox`` (the README's test command, and ``.ci/run``) runs them all:
 
-    nox -s core        # the core suite in a fresh venv (same as `python -m pytest -q`)
+    nox -s core        # the core suite in the current venv (`python -m pytest -q`)
     nox -s vllm        # the vLLM KV connector under vLLM's CPU backend (tests/integrations/vllm)
     nox -s sglang      # SGLang HiCache storage backend against SGLang's real host pool
+    nox -s fdp         # the FDP device path inside QEMU's emulated FDP SSD (tests/fdp, -m fdp)
 
-Every session installs the CPU build of torch first (``torch==2.13.0``): a
-bare ``torch`` requirement would pull a multi-GB CUDA build.
+Each engine pins its own torch/transformers, so vllm and sglang get their own
+virtualenvs under ``.nox/`` (reused on later runs). Every session installs the
+CPU build of torch (``torch==2.13.0``): a bare ``torch`` requirement would
+pull a multi-GB CUDA build.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
+#: What a bare ``nox`` (the README's test command) runs, in this order: the core suite first
+#: (fast failures), then each engine in its own venv, then the FDP suite in the emulated SSD.
+nox.options.sessions = ["core", "vllm", "sglang", "fdp"]
 
 CPU_TORCH = "torch==2.13.0"
 
