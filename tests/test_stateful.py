@@ -240,6 +240,8 @@ def test_stateful_10k_operations():
     STEPS["n"] = 0
     run_state_machine_as_test(
         StoreMachine,
-        settings=settings(max_examples=60, stateful_step_count=200, deadline=None, derandomize=True,
+        settings=settings(max_examples=75, stateful_step_count=200, deadline=None, derandomize=True,
                           suppress_health_check=list(HealthCheck)))
+    # Hypothesis ends some runs early (an invalid step, a stop rule): 75 runs
+    # of up to 200 steps give >= 10k steps with margin (60 gave 9,786 in CI).
     assert STEPS["n"] >= 10_000, STEPS

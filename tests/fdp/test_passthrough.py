@@ -44,7 +44,7 @@ def test_ring_sqe128_cqe32_and_uring_cmd_sqe():
     with pt.IoUring(8, big=True) as ring:
         ring.prep_nop(11)
         cmd = pt.build_write_cmd(1, 0, 8, 0, 4096, 0x4003)
-        ring.prep_uring_cmd(-1, cmd, 12)
+        ring.prep_nvme_cmd(-1, cmd, 12)
         sqe = ring.sqe_bytes_at(-1)
         assert len(sqe) == 128
         assert sqe[0] == pt.IORING_OP_URING_CMD
@@ -95,5 +95,28 @@ def test_device_placed_write():
     try:
         buf = (ctypes.c_char * (8 * 4096))()
         assert w.write(buf, 0, None) == 0
+    finally:
+        w.close()
+
+
+@pytest.mark.uring
+def test_writer_sends_commands_through_the_shared_queue(tmp_path):
+    """PassthroughWriter -> RingQueue.submit_cmd -> Ring.prep_uring_cmd, as on a device.
+
+    A regular file has no ``uring_cmd`` handler, so the kernel completes the command
+    with a negative errno: the writer must report that as :class:`IoUringError`
+    (CI once hit a TypeError here, because the ring subclass changed the signature).
+    """
+    f = tmp_path / "not-a-char-dev"
+    f.write_bytes(bytes(8192))
+    w = pt.PassthroughWriter(str(f), 1, 4096, entries=4)
+    try:
+        import ctypes
+        buf = (ctypes.c_char * 4096)()
+        with pytest.raises(pt.IoUringError) as e:
+            w.write(buf, 0, 3)
+        assert e.value.errno in (95, 22, 25)   # EOPNOTSUPP / EINVAL / ENOTTY, by kernel version
+        with pytest.raises(pt.IoUringError):
+            w.ruh_status_bytes(64)
     finally:
         w.close()

@@ -271,10 +271,16 @@ class IoUring(Ring):
     def __init__(self, entries: int = 64, big: bool = True) -> None:
         super().__init__(entries, sqe128=big, cqe32=big)
 
-    def prep_uring_cmd(self, fd: int, cmd: "NvmeUringCmd | bytes", user_data: int,  # type: ignore[override]
-                       cmd_op: int = NVME_URING_CMD_IO) -> None:
-        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs ``big=True``)."""
-        super().prep_uring_cmd(fd, cmd_op, cmd.pack() if isinstance(cmd, NvmeUringCmd) else cmd, user_data)
+    def prep_nvme_cmd(self, fd: int, cmd: "NvmeUringCmd | bytes", user_data: int,
+                      cmd_op: int = NVME_URING_CMD_IO) -> None:
+        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs ``big=True``).
+
+        A convenience over :meth:`~tierstore.io.ring.Ring.prep_uring_cmd`, whose
+        signature ``(fd, cmd_op, cmd, user_data)`` this class keeps unchanged, so a
+        :class:`~tierstore.io.ring.RingQueue` over this ring calls the same method as
+        over any other.
+        """
+        self.prep_uring_cmd(fd, cmd_op, cmd.pack() if isinstance(cmd, NvmeUringCmd) else cmd, user_data)
 
     def prep_write(self, fd: int, addr: int, nbytes: int, offset_bytes: int, user_data: int,
                    write_stream: int = 0) -> None:
