@@ -156,3 +156,21 @@ def test_check_refuses_a_layout_that_does_not_match_the_nvme_file(tmp_path, caps
     same = dict(cfg, layout=dict(cfg["layout"], num_kv_heads=2, head_dim=32))
     rc, out, err = _check(tmp_path, same, capsys)
     assert rc == 0 and "1 scopes in" in out and "drops their blocks" in out
+
+
+def test_check_accepts_a_character_device_that_cannot_seek(tmp_path, capsys, monkeypatch):
+    """An NVMe generic node (/dev/ngXnY, a character device) answers SEEK_END with ESPIPE:
+    the preflight must not call that "cannot open" (it stopped the daemon in the FDP VM)."""
+    import errno
+    import tierstore.server.check as check
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["path"] = "/dev/null"          # a character device on every Linux
+    real = os.lseek
+
+    def lseek(fd, pos, how):
+        if how == os.SEEK_END:
+            raise OSError(errno.ESPIPE, os.strerror(errno.ESPIPE))
+        return real(fd, pos, how)
+    monkeypatch.setattr(check.os, "lseek", lseek)
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert "Illegal seek" not in err and "tiers.nvme.path=/dev/null: cannot open" not in err, err

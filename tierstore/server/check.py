@@ -227,13 +227,17 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                dev_bytes = os.lseek(fd, 0, os.SEEK_END)
+                # A block device's size is where SEEK_END lands; a character device
+                # (an NVMe generic node /dev/ngXnY) cannot seek (ESPIPE): its
+                # namespace size comes from Identify Namespace when the store opens
+                # (tierstore.build checks capacity_bytes against it there).
+                dev_bytes = os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else None
             finally:
                 os.close(fd)
         except OSError as e:
             out.errors.append(f"tiers.nvme.path={path}: cannot open: {e.strerror}")
             return
-        if stat.S_ISBLK(st.st_mode) and dev_bytes < n_seg * seg:
+        if dev_bytes is not None and dev_bytes < n_seg * seg:
             out.errors.append(f"tiers.nvme.capacity_bytes={cap}: the device {path} has {dev_bytes} bytes")
         return
     if _check_writable_dir("tiers.nvme.path", path, out):
