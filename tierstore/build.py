@@ -89,6 +89,25 @@ def _file_path(path: str) -> str:
     return os.path.join(path, "tierstore.nvme") if os.path.isdir(path) else path
 
 
+def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
+    """The placement of a caller-given NVMe backend: the explicit ``long_pid``,
+    ``medium_pid`` and ``short_pid`` of ``nv.fdp`` (``None`` when none is given).
+
+    For a backend the caller placed on its own device (a tenant's range of a
+    shared simulated SSD), whose RUH Status this assembly cannot read.
+    """
+    from .fdp.lifetime import LifetimeClass
+    f = nv.fdp
+    pids = (f.long_pid, f.medium_pid, f.short_pid)
+    if all(p is None for p in pids):
+        return None
+    if any(p is None for p in pids):
+        raise ConfigError("fdp: give all of long_pid, medium_pid, short_pid, or none")
+    return PlacementPolicy(class_pid={LifetimeClass.LONG: f.long_pid, LifetimeClass.MEDIUM: f.medium_pid,
+                                      LifetimeClass.SHORT: f.short_pid},
+                           default_pid=f.default_pid or 0, rgif=0)
+
+
 def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngine, int, int, Any, Any]:
     """Engine, tier bytes, segment bytes, the device model (or None) and its stats source."""
     if nv.device == "fdp":
@@ -249,11 +268,14 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         raise ConfigError("device='cuda' but CUDA is not available (torch.cuda.is_available() is "
                           "False); use device='auto' to fall back to host memory")
     hbm_dev = ("cuda" if cuda_available() else "cpu") if dev == "auto" else dev
+    if not t.keep_data:  # the accounting mode (TiersConfig): pools without bytes
+        hbm_dev = "meta"
     nh, nc = t.hbm.capacity_bytes // bb, t.host.capacity_bytes // bb
     if nh:
         pools[Tier.HBM] = BlockPool("hbm", nh, bb, hbm_dev)
     if nc:
-        pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu", pin_memory=cuda_available())
+        pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu" if t.keep_data else "meta",
+                                     pin_memory=cuda_available() and t.keep_data)
     placement = PlacementPolicy.disabled()
     ftl = device = shim = None
     nv = t.nvme
@@ -284,12 +306,19 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
             geo.pop("discovery", None)
             nvme = SegmentStorage(nv.path if nv.device == "file" else None, tier, bb, segment_size_bytes=seg,
                                   engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
-                                  region_policy=nv.region_policy,
+                                  region_policy=nv.region_policy, keep_data=t.keep_data,
                                   invalidation_log=(_file_path(nv.path) + ".invalidations")
                                   if nv.device == "file" or (nv.device == "sim" and nv.path) else False)
         except BaseException:
             engine.close()
             raise
+    elif nvme is not None and nv is not None and nv.fdp.enabled:
+        # a caller-given backend on a device it placed itself (e.g. a tenant's
+        # range of a shared simulated SSD): the explicit PIDs are the placement
+        placement = _explicit_placement(nv)
+        if placement is None:
+            raise ConfigError("an NVMe backend given by the caller with fdp.enabled needs explicit "
+                              "long_pid/medium_pid/short_pid")
     geo.setdefault("description", "memory only" if nvme is None else "NVMe backend given by the caller")
     admit = admit if admit is not None else make_admission(p.admission)
     icfg = IndexConfig(
@@ -300,7 +329,7 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         default_lease_s=p.default_lease_s, admit_to_nvme=admit,
         remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
         classify=classify if classify is not None else make_classifier(p.classifier),
-        reinsert=reinsert if reinsert is not None else make_reinsert(p.reinsert),
+        reinsert=make_reinsert(reinsert if reinsert is not None else p.reinsert),
         cost=cost if cost is not None else CostModel())
     if clock is not None:
         icfg.clock = clock

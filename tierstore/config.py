@@ -204,11 +204,28 @@ class NvmeTierConfig(_Model):
 
 
 class TiersConfig(_Model):
-    """Tier capacities. Without ``nvme`` nothing survives a restart."""
+    """Tier capacities. Without ``nvme`` nothing survives a restart.
+
+    ``keep_data: false`` is the accounting mode, for experiments whose question
+    is where bytes would go (a trace replayed at a real block size, 64 MiB per
+    512-token Llama-3.1-8B block, onto the FTL model): the memory pools live on
+    torch's ``meta`` device (no bytes), the NVMe tier (``engine: null``, which
+    it requires) writes every extent's real header and accounts its payload and
+    padding without bytes, and a load reports ``OK`` without delivering bytes.
+    Payloads and load destinations must then be ``meta`` tensors too; a store in
+    this mode never serves KV.
+    """
 
     hbm: HbmTierConfig = HbmTierConfig()
     host: MemoryTierConfig = MemoryTierConfig()
     nvme: NvmeTierConfig | None = None
+    keep_data: bool = True
+
+    @model_validator(mode="after")
+    def _accounting(self):
+        if not self.keep_data and self.nvme is not None and self.nvme.engine != "null":
+            raise ValueError("keep_data: false needs tiers.nvme.engine: null (an engine that keeps no data)")
+        return self
 
 
 class PoliciesConfig(_Model):

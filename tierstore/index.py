@@ -435,6 +435,13 @@ class EntryView:
     def ref_count(self) -> int:
         return int(self._ix._refs[self.row])
 
+    @property
+    def nvme_written_s(self) -> float:
+        """When its NVMe copy was last written (stored, demoted or copied forward),
+        clock seconds; 0.0 if it never was (a reinsertion policy's reference bit:
+        ``last_access_s > nvme_written_s`` means hit since written)."""
+        return float(self._ix._nvme_at[self.row])
+
 
 class BlockIndex:
     """Block index, refcounts, pins, states, victim choice and placement decisions.
@@ -449,6 +456,9 @@ class BlockIndex:
 
     #: Bound on the remembered admission-rejected keys (32 B each).
     REJECTED_KEYS_MAX = 1 << 18
+    #: Coldest blocks of the last memory tier a promotion looks at for a victim
+    #: that has an NVMe copy (leaves without a write); none among them: no slot.
+    CHEAP_SCAN_BLOCKS = 64
 
     def __init__(self, config: IndexConfig) -> None:
         self.config = config
@@ -480,6 +490,7 @@ class BlockIndex:
         self._pin_until = np.zeros(cap, dtype=np.float64)
         self._hint = np.full(cap, _NO_HINT, dtype=np.int8)
         self._nvme_class = np.full(cap, _NO_HINT, dtype=np.int8)
+        self._nvme_at = np.zeros(cap, dtype=np.float64)   # when the NVMe copy was last written
         self._ns_list: list[bytes] = [bytes(32)]
         self._ns_ids: dict[bytes, int] = {bytes(32): 0}
         self._tokens: dict[int, np.ndarray] = {}
@@ -527,7 +538,7 @@ class BlockIndex:
         self._flags = np.zeros(cap + 1, dtype=np.uint8)
         self._flags[:old.size - 1] = old[:-1]
         for name in ("_ns", "_pos", "_hits", "_created", "_last", "_refs", "_readers",
-                     "_pin_until", "_hint", "_nvme_class"):
+                     "_pin_until", "_hint", "_nvme_class", "_nvme_at"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[:old.size] = old
@@ -887,17 +898,19 @@ class BlockIndex:
         policy = self.policies[tier]
         prot = self._protector(protect, now)
         lower = self._lower_memory(tier)
+        scan = None
         if cheap_only and lower is None:  # no NVMe writes: only victims with a lower copy
             prot = lambda k, p=prot: p(k) or not self._has_lower_copy(self._table.get(k), tier)  # noqa: E731
+            scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
         want = max(n, batch)
-        victims = policy.evict(want, prot, now) if want > n else []
+        victims = policy.evict(want, prot, now, max_scan=scan) if want > n else []
         if not victims:
-            victims = policy.evict(n, prot, now)
+            victims = policy.evict(n, prot, now, max_scan=scan)
         if not victims:  # fewer than n evictable: take them one at a time (partial)
             taken: set = set()
             one = lambda k: prot(k) or k in taken  # noqa: E731
             while len(victims) < n:
-                v = policy.evict(1, one, now)
+                v = policy.evict(1, one, now, max_scan=None if scan is None else scan + len(taken))
                 if not v:
                     break
                 taken.add(v[0])
@@ -1046,6 +1059,7 @@ class BlockIndex:
             on_nvme = [i for i in good if i in nv]
             if on_nvme:
                 self._flags[[plan.rows[i] for i in on_nvme]] |= _ON_NVME
+                self._nvme_at[[plan.rows[i] for i in on_nvme]] = now
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
                 only = sum(1 for i in on_nvme if i not in in_mem)
                 if only:
@@ -1107,6 +1121,7 @@ class BlockIndex:
             st = demote_statuses.get(d.row, Status.IO_ERROR)
             if st in (Status.OK, Status.EXISTS):
                 self._flags[d.row] |= _ON_NVME
+                self._nvme_at[d.row] = now
                 c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes
                 self._event("demoted", d.key, Tier.NVME)
@@ -1435,7 +1450,8 @@ class BlockIndex:
     def on_reclaim(self, keys: list[bytes]) -> list[bool]:
         """Which blocks of an NVMe region being evicted to keep (copy forward):
         those in use, pinned, being read or written, and those the reinsertion
-        policy predicts will be reused. Changes nothing."""
+        policy predicts will be reused. Changes nothing else than the NVMe write
+        time of the blocks the policy keeps (they are copied forward now)."""
         now = self._now()
         reinsert = self.config.reinsert
         with self._lock:
@@ -1448,6 +1464,8 @@ class BlockIndex:
                 keep = self._protected_row(r, now) and not self._flags[r] & _DOOMED
                 if not keep and reinsert is not None:
                     keep = bool(reinsert(self._view(r, k), now))
+                    if keep:  # copied forward now: its reference bit restarts
+                        self._nvme_at[r] = now
                 out.append(keep)
             return out
 
@@ -1477,6 +1495,7 @@ class BlockIndex:
                 if row >= self._flags.size - 1:
                     self._grow()
                 self._flags[row] = _ON_NVME
+                self._nvme_at[row] = now
                 self._slot[Tier.HBM][row] = -1
                 self._slot[Tier.HOST][row] = -1
                 self._ns[row] = self._intern(ns)
@@ -1543,6 +1562,7 @@ class BlockIndex:
                 self._readers[d.row] -= 1
                 if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
                     self._flags[d.row] |= _ON_NVME
+                    self._nvme_at[d.row] = self._now()
                     n += 1
                 self._maybe_free_doomed(d.row)
             self.metrics.add({"flushed_blocks": n, "nvme_write_bytes": n * self.block_bytes})
@@ -1796,7 +1816,7 @@ class BlockIndex:
     def nbytes(self) -> int:
         """Bytes of per-block metadata (key table and row arrays)."""
         arrays = [self._flags, self._ns, self._pos, self._hits, self._created, self._last, self._refs,
-                  self._readers, self._pin_until, self._hint, self._nvme_class, *self._slot.values()]
+                  self._readers, self._pin_until, self._hint, self._nvme_class, self._nvme_at, *self._slot.values()]
         return self._table.nbytes + sum(a.nbytes for a in arrays)
 
     def in_flight(self) -> int:

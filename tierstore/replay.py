@@ -72,6 +72,13 @@ class ReplayConfig:
     runtime : dict
         Run-time objects for :func:`tierstore.build.assemble` (``classify``,
         ``admit``, ``reinsert``, ``cost``).
+    keep_data : bool
+        ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`),
+        for real block sizes (64 MiB) on this machine: no payload bytes exist,
+        payloads and load destinations are ``meta`` tensors, the NVMe engine is
+        ``null``; every decision, extent header and FTL write is the same as
+        with data, but loaded bytes cannot be checked (``wrong_kv_blocks`` is
+        ``None``).
     """
 
     trace: str | None = None
@@ -90,16 +97,20 @@ class ReplayConfig:
     policies: dict = dataclasses.field(default_factory=dict)
     nvme_options: dict = dataclasses.field(default_factory=dict)
     runtime: dict = dataclasses.field(default_factory=dict)
+    keep_data: bool = True
 
     def store_config(self, hbm_bytes: int, host_bytes: int, nvme_bytes: int, directory: str) -> StoreConfig:
         """The typed store config this replay opens (tiers sized by the caller)."""
         nv = None
         if nvme_bytes or self.nvme_options.get("device") == "sim":
             nv = {"path": directory, "capacity_bytes": nvme_bytes or None, **self.nvme_options}
+            if not self.keep_data:
+                nv["engine"] = "null"
             if nv.get("device") == "sim" and nv.get("engine", "auto") in ("auto", "memory", "null"):
                 nv.pop("path")
         return StoreConfig.from_dict({"tiers": {"hbm": {"capacity_bytes": hbm_bytes},
-                                                "host": {"capacity_bytes": host_bytes}, "nvme": nv},
+                                                "host": {"capacity_bytes": host_bytes}, "nvme": nv,
+                                                "keep_data": self.keep_data},
                                       "policies": {"eviction": self.eviction, **self.policies}},
                                      "replay store config")
 
@@ -175,38 +186,96 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
     TraceFormatError, FileNotFoundError
         For a bad or missing trace.
     """
-    reqs = read_mooncake(cfg.trace, cfg.limit)
-    layout = cfg.layout()
-    bb = layout.bytes_per_block
-    uniq = unique_full_blocks(reqs)
-    unique_bytes = uniq * bb
-
-    def cap(explicit, frac):
-        return int(explicit) if explicit is not None else int(unique_bytes * frac) // bb * bb
-
-    hbm, host, nvme = cap(cfg.hbm_bytes, cfg.hbm_fraction), cap(cfg.host_bytes, cfg.host_fraction), \
-        cap(cfg.nvme_bytes, cfg.nvme_fraction)
-    own_dir = cfg.directory is None
-    directory = tempfile.mkdtemp(prefix="tierstore-replay-") if own_dir else cfg.directory
-    clock = _TraceClock()
+    session = ReplaySession(cfg, progress, on_sample, on_open)
     try:
-        store = KVStore.from_config(cfg.store_config(hbm, host, nvme, directory), layout, clock=clock,
-                                    **cfg.runtime)
-        nvme = int(store.device_stats().get("nvme_bytes", nvme))
-        if on_open is not None:
-            on_open(store)
-        return _replay(store, reqs, layout, cfg, clock, dict(hbm_bytes=hbm, host_bytes=host, nvme_bytes=nvme,
-                                                              unique_blocks=uniq, directory=directory),
-                       progress, on_sample)
+        while session.step():
+            pass
+        return session.report
     finally:
-        if own_dir:
-            shutil.rmtree(directory, ignore_errors=True)
+        session.close()
 
 
-def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample) -> ReplayReport:
+class ReplaySession:
+    """A replay that advances one request at a time (:func:`run_replay` runs one to the end).
+
+    Several sessions can be interleaved by trace time (``next_time_s``), e.g.
+    two stores whose NVMe tiers share one simulated device. Arguments as
+    :func:`run_replay`; the store is open after construction (``store``).
+
+    Attributes
+    ----------
+    store : KVStore
+    requests : list of TraceRequest
+    report : ReplayReport or None
+        Set when the last request has run.
+    """
+
+    def __init__(self, cfg: ReplayConfig, progress=None, on_sample=None, on_open=None) -> None:
+        self.requests = reqs = read_mooncake(cfg.trace, cfg.limit)
+        layout = cfg.layout()
+        bb = layout.bytes_per_block
+        uniq = unique_full_blocks(reqs)
+        unique_bytes = uniq * bb
+
+        def cap(explicit, frac):
+            return int(explicit) if explicit is not None else int(unique_bytes * frac) // bb * bb
+
+        hbm, host, nvme = cap(cfg.hbm_bytes, cfg.hbm_fraction), cap(cfg.host_bytes, cfg.host_fraction), \
+            cap(cfg.nvme_bytes, cfg.nvme_fraction)
+        self._own_dir = cfg.directory is None
+        self.directory = tempfile.mkdtemp(prefix="tierstore-replay-") if self._own_dir else cfg.directory
+        self.report: ReplayReport | None = None
+        self._done = 0
+        clock = _TraceClock()
+        try:
+            self.store = KVStore.from_config(cfg.store_config(hbm, host, nvme, self.directory), layout,
+                                             clock=clock, **cfg.runtime)
+            nvme = int(self.store.device_stats().get("nvme_bytes", nvme))
+            if on_open is not None:
+                on_open(self.store)
+            self._gen = _replay(self.store, reqs, layout, cfg, clock,
+                                dict(hbm_bytes=hbm, host_bytes=host, nvme_bytes=nvme, unique_blocks=uniq,
+                                     directory=self.directory), progress, on_sample)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def next_time_s(self) -> float:
+        """Trace time of the next request (``inf`` when none is left)."""
+        if self._done >= len(self.requests):
+            return float("inf")
+        return self.requests[self._done].timestamp_s
+
+    def step(self) -> bool:
+        """Run the next request; ``False`` (and ``report`` set) once the trace is done."""
+        if self.report is not None:
+            return False
+        try:
+            next(self._gen)
+            self._done += 1
+            return True
+        except StopIteration as stop:
+            self.report = stop.value
+            return False
+
+    def close(self) -> None:
+        """Close the store (if the replay did not finish) and remove the temporary directory."""
+        gen = getattr(self, "_gen", None)
+        if gen is not None and self.report is None:
+            gen.close()  # a started replay's finally closes the store
+        if getattr(self, "store", None) is not None:
+            self.store.close()  # idempotent
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample):
+    """Generator: yields after each request; its return value is the :class:`ReplayReport`."""
     bb = layout.bytes_per_block
     ns = Namespace(model="mooncake-trace", kv_dtype="bf16").digest()
-    template = torch.arange(bb, dtype=torch.int64).to(torch.uint8)
+    keep = cfg.keep_data
+    template = torch.arange(bb, dtype=torch.int64).to(torch.uint8) if keep else None
     load_lat, store_lat = [], []
     load_bytes = store_bytes = 0
     load_wall = store_wall = 0.0
@@ -226,12 +295,15 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             useful_blocks += res.useful_blocks
             n_ok = 0
             if res.useful_blocks:
+                dests = None if keep else [torch.empty(bb, dtype=torch.uint8, device="meta")
+                                           for _ in res.useful_keys]
                 t0 = time.perf_counter_ns()
-                st, outs = store.load(res.useful_keys)
+                st, outs = store.load(res.useful_keys, dests)
                 dt = time.perf_counter_ns() - t0
                 load_wall += dt / 1e9
                 n_ok = leading_ok(st)
-                for k, o in zip(res.useful_keys[:n_ok], outs[:n_ok]):
+                store.drain()  # background cleaning a load asked for lands before this request's store
+                for k, o in zip(res.useful_keys[:n_ok] if keep else (), outs[:n_ok]):
                     if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
                         wrong += 1
                 load_lat.append(dt)
@@ -241,6 +313,9 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             if new:
                 blocks = []
                 for k in new:
+                    if not keep:
+                        blocks.append(torch.empty(bb, dtype=torch.uint8, device="meta"))
+                        continue
                     b = template.clone()
                     b[:32] = torch.frombuffer(bytearray(k), dtype=torch.uint8)
                     blocks.append(b)
@@ -251,6 +326,7 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
                 store_lat.append(dt)
                 store_bytes += sum(bb for s in st if s is Status.OK)
             store.release(rid)
+            store.drain()  # deterministic: identical counts run to run
             if progress is not None and (i % 50 == 0 or i == len(reqs) - 1):
                 progress(i + 1, len(reqs))
             if i % every == 0 or i == len(reqs) - 1:
@@ -261,6 +337,7 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
                     on_sample(store, sample)
                 for k, v in sample.items():
                     ts.setdefault(k, []).append(v)
+            yield i  # ReplaySession.step: one request done
         runtime = time.perf_counter() - t_start
         store.check_invariants(quiescent=True)
         snap = store.stats()
@@ -282,7 +359,8 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             "saved_prefill_tokens": loaded_blocks * MOONCAKE_BLOCK_TOKENS,
             "prompt_tokens": int(sum(r.input_length for r in reqs)),
             "partial_tail_tokens": int(snap.get("partial_tail_tokens", 0)),
-            "wrong_kv_blocks": wrong,
+            "wrong_kv_blocks": wrong if keep else None,
+            "keep_data": keep,
             "io_error_blocks": int(snap.get("io_errors", 0)),
             "block_bytes": layout.bytes_per_block,
             "block_tokens": MOONCAKE_BLOCK_TOKENS,

@@ -127,3 +127,35 @@ def test_observer_plugs_into_io_engine():
     eng.trim(0, 64 * KiB).get()
     s = m.stats()
     assert s["hbmw_bytes"] == 64 * KiB and s["ruh_host_bytes"][2] == 64 * KiB and s["trimmed_bytes"] == 64 * KiB
+
+
+def test_tenants_split_host_and_gc_bytes():
+    """Two tenants on one device: a sequential one (whole-RU trims) and a random
+    overwriter. Without placement GC moves both tenants' pages; the per-tenant
+    counts add up to the device's, and placement in separate handles leaves
+    the sequential tenant's pages alone (the same effect per RUH and per tenant)."""
+    def run(placed: bool):
+        m = FTLModel(8 * MiB, 256 * KiB, 0.1, num_ruh=4, isolation="persistent", page_bytes=4 * KiB)
+        half = 4 * MiB
+        m.set_tenants([("seq", 0, half), ("rand", half, 8 * MiB)])
+        rng = np.random.default_rng(0)
+        pos = 0
+        for _ in range(4000):
+            m.write(pos, 4 * KiB, 1 if placed else None)
+            pos = (pos + 4 * KiB) % half
+            if pos % (256 * KiB) == 0:       # trim the RU-sized chunk written a lap ago
+                m.trim(pos, 256 * KiB)
+            m.write(half + int(rng.integers(0, half // (4 * KiB))) * 4 * KiB, 4 * KiB, 2 if placed else None)
+        m.check_invariants()
+        return m.stats()
+    for placed in (False, True):
+        s = run(placed)
+        t = s["tenants"]
+        assert set(t) == {"seq", "rand"}
+        assert t["seq"]["host_bytes"] + t["rand"]["host_bytes"] == sum(s["ruh_host_bytes"])
+        assert t["seq"]["gc_bytes"] + t["rand"]["gc_bytes"] == sum(s["ruh_gc_bytes"])
+        assert t["rand"]["wa"] > 1.2
+        if placed:
+            assert t["seq"]["wa"] == pytest.approx(s["ruh_waf"][1]) and t["seq"]["wa"] < 1.05
+    with pytest.raises(ConfigError):
+        FTLModel(8 * MiB, 256 * KiB, 0.1, page_bytes=4 * KiB).set_tenants([("a", 0, 5000)])

@@ -341,3 +341,20 @@ def test_prefetch_brings_prefix_up_without_blocking(tmp_path, layout, ns, clock)
     finally:
         slow.release.set()
         s.close()
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "cost"])
+def test_max_scan_bounds_the_victim_search(name):
+    """A promotion asks for a cheap victim among the coldest few only (index CHEAP_SCAN_BLOCKS)."""
+    def fresh():
+        p = make_policy(name)
+        for i in range(50):
+            p.on_insert(E(k(i), position=i), float(i))
+        return p
+    order = fresh().evict(50, lambda key: False, 60.0)   # the policy's own victim order
+    assert sorted(order) == sorted(k(i) for i in range(50))
+    p = fresh()
+    only_last = lambda key: key != order[-1]  # noqa: E731  the one evictable key comes last
+    assert p.evict(1, only_last, 60.0, max_scan=5) == []
+    assert p.evict(1, only_last, 60.0) == [order[-1]]
+    assert len(p) == 50

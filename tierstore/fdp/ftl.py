@@ -173,6 +173,11 @@ class FTLModel:
         self.ruh_gc_bytes = np.zeros(num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
         self.gc_runs = 0
         self.ruh_updates = 0
+        # Optional tenants: named LBA ranges (set_tenants); bytes per tenant.
+        self.tenant_names: list[str] = []
+        self._tenant_lo = np.zeros(0, dtype=np.int64)       # first logical page of each tenant
+        self.tenant_host_bytes = np.zeros(0, dtype=np.int64)
+        self.tenant_gc_bytes = np.zeros(0, dtype=np.int64)
         self.ruh_update_unwritten_bytes = 0   # unwritten tails of RUs closed by RUH Update
 
     # ------------------------------------------------------------------ PIDs
@@ -196,6 +201,55 @@ class FTLModel:
             self.invalid_pid_writes += 1
             return 0, 0
         return rg, handle
+
+    # ------------------------------------------------------------ tenants
+    def set_tenants(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Attribute host and GC bytes to named LBA ranges (tenants sharing the device).
+
+        Parameters
+        ----------
+        ranges : list of (str, int, int)
+            ``(name, start_bytes, end_bytes)``, page-aligned, non-overlapping;
+            pages outside every range count under the name ``"other"``.
+
+        A tenant's own write amplification is ``(host + GC bytes of its pages) /
+        host bytes``; with per-tenant RUHs it equals its handles' ``ruh_waf``,
+        without placement it is the only way to tell tenants apart (the model
+        knows which logical page GC moves, a device does not report it).
+
+        Raises
+        ------
+        ConfigError
+            Misaligned, overlapping or out-of-range ranges, or called after writes.
+        """
+        if self.hbmw_bytes:
+            raise ConfigError("set_tenants: call it before the first write")
+        pb = self.page_bytes
+        rs = sorted(ranges, key=lambda r: r[1])
+        prev = 0
+        los, names = [], []
+        for name, lo, hi in rs:
+            if lo % pb or hi % pb or not 0 <= lo < hi <= self.capacity_bytes or lo < prev:
+                raise ConfigError(f"tenant {name!r}: range [{lo}, {hi}) must be page-aligned, inside "
+                                  f"[0, {self.capacity_bytes}) and not overlap the previous one")
+            if lo > prev:
+                los.append(prev // pb)
+                names.append("other")
+            los.append(lo // pb)
+            names.append(name)
+            prev = hi
+        if prev < self.capacity_bytes:
+            los.append(prev // pb)
+            names.append("other")
+        self.tenant_names = names
+        self._tenant_lo = np.asarray(los, dtype=np.int64)
+        self.tenant_host_bytes = np.zeros(len(names), dtype=np.int64)
+        self.tenant_gc_bytes = np.zeros(len(names), dtype=np.int64)
+
+    def _tenant_add(self, counter: np.ndarray, lpns: np.ndarray) -> None:
+        if self._tenant_lo.size:
+            t = np.searchsorted(self._tenant_lo, lpns, side="right") - 1
+            counter += np.bincount(t, minlength=counter.size) * self.page_bytes
 
     # ------------------------------------------------------------ observer API
     def on_write(self, offset_bytes: int, nbytes: int, placement: int | None) -> None:
@@ -259,6 +313,7 @@ class FTLModel:
         if count_host_bytes:
             self.hbmw_bytes += int(lpns.size) * self.page_bytes
         self.ruh_host_bytes[ruh] += int(lpns.size) * self.page_bytes
+        self._tenant_add(self.tenant_host_bytes, lpns)
         self._append(self._host[rg][ruh], rg, lpns, ruh, host=True)
 
     def trim(self, offset_bytes: int, nbytes: int) -> None:
@@ -283,7 +338,9 @@ class FTLModel:
             ``waf`` (float, MBMW/HBMW since creation, nan before any write);
             ``ruh_host_bytes`` / ``ruh_gc_bytes`` (list[int], per RUH, bytes);
             ``ruh_waf`` (list[float], (host+gc)/host per RUH); ``gc_runs``,
-            ``trimmed_bytes``, ``invalid_pid_writes``, ``valid_bytes`` (int).
+            ``trimmed_bytes``, ``invalid_pid_writes``, ``valid_bytes`` (int);
+            with :meth:`set_tenants`, ``tenants``: name -> ``host_bytes``,
+            ``gc_bytes`` (page-rounded) and ``wa``.
         """
         host = self.ruh_host_bytes
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -302,7 +359,20 @@ class FTLModel:
             "trimmed_bytes": int(self.trimmed_bytes),
             "invalid_pid_writes": int(self.invalid_pid_writes),
             "valid_bytes": int(self.ru_valid.sum()) * self.page_bytes,
+            **self._tenant_stats(),
         }
+
+    def _tenant_stats(self) -> dict[str, Any]:
+        if not self.tenant_names:
+            return {}
+        out: dict[str, dict] = {}
+        for name, h, g in zip(self.tenant_names, self.tenant_host_bytes.tolist(), self.tenant_gc_bytes.tolist()):
+            cur = out.setdefault(name, {"host_bytes": 0, "gc_bytes": 0})
+            cur["host_bytes"] += int(h)
+            cur["gc_bytes"] += int(g)
+        for v in out.values():
+            v["wa"] = (v["host_bytes"] + v["gc_bytes"]) / v["host_bytes"] if v["host_bytes"] else float("nan")
+        return {"tenants": out}
 
     def check_invariants(self) -> None:
         """Cross-check ``l2p``/``p2l``/valid counts; raise :class:`InvariantError` on mismatch."""
@@ -400,6 +470,7 @@ class FTLModel:
                 moved = lp[keep].copy()
                 owners = self.p_ruh[base:base + rp][keep].copy()
                 self.ruh_gc_bytes += np.bincount(owners, minlength=self.num_ruh) * self.page_bytes
+                self._tenant_add(self.tenant_gc_bytes, moved)
                 self.p2l[base:base + rp] = -1
                 self.ru_valid[victim] = 0
                 if self.isolation == ISOLATION_PERSISTENT:

@@ -222,6 +222,13 @@ class SegmentStorage(BlockStorage):
         regular file, none for devices and memory (``False`` disables it).
     owns_engine : bool, optional
         Close an engine object given in ``engine`` on :meth:`close` (default: no).
+    keep_data : bool
+        ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`):
+        every extent is laid out and written as usual with its real header
+        (keys, offsets, lengths; payload CRCs 0), but payload bytes are neither
+        gathered nor checksummed (the engine, e.g. ``null``, keeps none), and a
+        get of a present block reports ``OK`` without reading or scattering.
+        Only for experiments at real block sizes; such a store serves no KV.
 
     Raises
     ------
@@ -239,8 +246,10 @@ class SegmentStorage(BlockStorage):
                  max_io_bytes: int | str = 1 << 20, reserve_segments: int = 1,
                  verify_on_recovery: bool = False, copy_threads: int | None = None,
                  region_policy: str = "lru", listener: RegionListener | None = None,
-                 invalidation_log: str | None | bool = None, owns_engine: bool | None = None):
+                 invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
+                 keep_data: bool = True):
         cap = parse_size(capacity_bytes, "capacity_bytes")
+        self.keep_data = bool(keep_data)
         seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
         ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
         if block_bytes <= 0:
@@ -574,6 +583,10 @@ class SegmentStorage(BlockStorage):
                 self._readers[si] += 1
         bad: list[tuple[bytes, int]] = []
         try:
+            if not self.keep_data:  # accounting mode: present blocks are hits, no bytes move
+                for _, i, _ in found:
+                    status[i] = Status.OK
+                found = []
             found.sort()
             runs = self._runs(found)
             with self._read_lock:
@@ -867,9 +880,14 @@ class SegmentStorage(BlockStorage):
                 # Copies back to back on torch's threads, then CRC-32C on the
                 # copy threads (crc32c releases the GIL).
                 mine = [frags[i] for i in p.idx]
-                rows = _consecutive_rows(mine)
                 bb = self.block_bytes
                 k = len(mine)
+                if not self.keep_data:  # accounting mode: the real header, payload and padding unwritten
+                    p.entries = [fmt.BlockEntry(keys[i], nss[i], pos, bb, 0) for i, pos in jobs]
+                    end = hb + len(jobs) * slot
+                    fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, p.entries)
+                    return end
+                rows = _consecutive_rows(mine)
                 if rows is not None:  # rows i..i+k of one BlockRows: one strided copy
                     buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
                 else:

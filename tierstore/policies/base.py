@@ -63,11 +63,16 @@ class EvictionPolicy(abc.ABC):
         """``key`` left this tier (evicted, demoted, invalidated). Unknown keys are ignored."""
 
     @abc.abstractmethod
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
+              max_scan: int | None = None) -> list[bytes]:
         """Pick ``n`` victims for which ``protected(key)`` is false.
 
         Returns exactly ``n`` keys, or ``[]`` when that many cannot be found.
         The keys stay tracked until the manager calls :meth:`on_remove`.
+        ``max_scan`` bounds the candidates examined (the coldest first, in the
+        policy's order): the index asks for a victim that leaves without an
+        NVMe write among the coldest few only, instead of scanning a tier
+        whose blocks mostly have no lower copy.
         """
 
     @abc.abstractmethod

@@ -113,12 +113,13 @@ class CostAwarePolicy(EvictionPolicy):
         self._prio.pop(key, None)
         self._picked.discard(key)
 
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
+              max_scan: int | None = None) -> list[bytes]:
         if n <= 0:
             return []
         picked: list[tuple] = []
         held: list[tuple] = []
-        while self._heap and len(picked) < n:
+        while self._heap and len(picked) < n and (max_scan is None or len(picked) + len(held) < max_scan):
             item = heapq.heappop(self._heap)
             key = item[3]
             if self._prio.get(key, (None, -1))[1] != item[2] or key in self._picked:

@@ -1,6 +1,7 @@
 """Least-recently-used eviction, the baseline."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Callable
 
@@ -38,11 +39,13 @@ class LRUPolicy(EvictionPolicy):
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
+              max_scan: int | None = None) -> list[bytes]:
         if n <= 0:
             return []
         out: list[bytes] = []
-        for key in self._order:
+        order = self._order if max_scan is None else itertools.islice(self._order, max_scan)
+        for key in order:
             if not protected(key):
                 out.append(key)
                 if len(out) == n:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import EntryInfo
 
-REINSERT_POLICIES = ("none", "hits", "predicted")
+REINSERT_POLICIES = ("none", "hits", "predicted", "clock")
 
 
 class HitsReinsertion:
@@ -36,6 +36,24 @@ class HitsReinsertion:
         return entry.hits >= self.min_hits
 
 
+class ClockReinsertion:
+    """Keep a block hit since its NVMe copy was last written (a reference bit).
+
+    With FIFO region eviction this is the CLOCK / second-chance approximation
+    of LRU (F. J. Corbato, "A paging experiment with the Multics system",
+    MIT Project MAC report MAC-M-384, 1968; the FIFO-reinsertion that S3-FIFO's
+    main queue uses, Yang et al., SOSP 2023): a block reused while it sat on
+    flash gets another round, one that was not is dropped. Unlike
+    :class:`HitsReinsertion`, a block hit once long ago is not kept forever.
+    Copy-forward bytes are host write amplification (``gc_bytes_written``).
+
+    Reads ``entry.last_access_s`` and ``entry.nvme_written_s`` (clock seconds).
+    """
+
+    def __call__(self, entry: EntryInfo, now_s: float) -> bool:
+        return entry.last_access_s > entry.nvme_written_s
+
+
 class PredictedReinsertion:
     """Keep a block whose predicted reuse probability is at least ``threshold``
     (:meth:`tierstore.policies.lifetime.PrefixLifetimePredictor.reuse_probability`)."""
@@ -51,18 +69,23 @@ class PredictedReinsertion:
         return self._predict(entry) >= self.threshold
 
 
-def make_reinsert(name: str | None):
-    """A reinsertion policy by name (``"none"``: keep only blocks in use).
+def make_reinsert(name):
+    """A reinsertion policy by name (``"none"``: keep only blocks in use), or a
+    callable ``f(entry, now_s) -> bool`` used as is.
 
     Raises
     ------
     ConfigError
         For an unknown name.
     """
+    if callable(name):
+        return name
     if name in (None, "none"):
         return None
     if name == "hits":
         return HitsReinsertion()
     if name == "predicted":
         return PredictedReinsertion()
+    if name == "clock":
+        return ClockReinsertion()
     raise ConfigError(f"reinsert={name!r}: accepted values are {list(REINSERT_POLICIES)}")

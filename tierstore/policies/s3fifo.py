@@ -116,7 +116,8 @@ class S3FIFOPolicy(EvictionPolicy):
                 self._ghost.popitem(last=False)
 
     # ------------------------------------------------------------ victims
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0) -> list[bytes]:
+    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
+              max_scan: int | None = None) -> list[bytes]:
         if n <= 0:
             return []
         S, M = self._q[_S], self._q[_M]
@@ -126,6 +127,8 @@ class S3FIFOPolicy(EvictionPolicy):
         # number of times (M keys at most 4: freq 3..0).
         skipped: dict[str, dict[bytes, None]] = {_S: {}, _M: {}}
         budget = 5 * (len(S) + len(M)) + 1
+        if max_scan is not None:
+            budget = min(budget, 5 * max_scan + 1)
         while len(picked) < n and budget > 0:
             budget -= 1
             live_s = len(S) - len(skipped[_S])
