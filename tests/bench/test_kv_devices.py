@@ -212,3 +212,29 @@ def test_warns_when_the_nvme_tier_is_larger_than_free_space(tmp_path, monkeypatc
     assert main(["--rw=kvstore", f"--directory={tmp_path}", *_SMALL, "--nvme_size=4m", "--output-format=json",
                  f"--output={tmp_path / 'o.json'}"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_failed_block_counts_only_the_leading_run_in_saved_prefill_tokens(tmp_path, monkeypatch):
+    """Issue 19 item 3, bench side: with one failed block in the middle of a prefix, the engine uses the
+    blocks before it only; saved_prefill_tokens took the store's reused_tokens and counted the blocks after
+    it too. Here the second block of every load of three or more fails while the store itself loaded all."""
+    from tierstore.api import KVStore, leading_ok
+    from tierstore.errors import Status
+    real = KVStore.load
+    seen = {"lead": 0, "after": 0}
+
+    def one_fails(self, keys, *a, **k):
+        st, outs = real(self, keys, *a, **k)
+        if len(st) >= 3 and st[1] is Status.OK:
+            st, outs = list(st), list(outs)
+            st[1], outs[1] = Status.IO_ERROR, None
+        seen["lead"] += leading_ok(st)
+        seen["after"] += sum(s is Status.OK for s in st[leading_ok(st):])
+        return st, outs
+    monkeypatch.setattr(KVStore, "load", one_fails)
+    job = _run(tmp_path, "--rw=kvload", f"--directory={tmp_path}", "--load_blocks=matched", *_SMALL)
+    kv = job["kv"]
+    assert seen["after"] > 0  # OK blocks after a failed one were loaded: they must not count
+    assert kv["loaded_blocks"] == seen["lead"] < kv["matched_blocks"]
+    assert kv["saved_prefill_tokens"] == seen["lead"] * 16  # the tiny layout's 16-token blocks
+    assert kv["wrong_kv_blocks"] == 0 and "blocks failed to load" in kv["not_loaded_reason"]
