@@ -58,3 +58,27 @@ def test_empty_trace_is_an_error(tmp_path):
     p.write_text("\n")
     with pytest.raises(TraceFormatError, match="no requests"):
         run_replay(ReplayConfig(trace=str(p), directory=str(tmp_path)))
+
+
+def test_runtime_objects_are_not_copied_into_the_report(tmp_path):
+    """A caller-given run-time object that cannot be copied (it holds a lock, as a
+    store's NVMe backend does) is used by the replay, not deep-copied into the report."""
+    import threading
+
+    class Classify:
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.calls = 0
+
+        def __call__(self, entry, now_s):
+            from tierstore.fdp.lifetime import LifetimeClass
+            with self.lock:
+                self.calls += 1
+            return LifetimeClass.MEDIUM
+
+    c = Classify()
+    rep = run_replay(ReplayConfig(limit=60, block_bytes=8 << 10, directory=str(tmp_path), sample_every=100,
+                                  hbm_bytes=64 << 10, host_bytes=64 << 10, nvme_bytes=4 << 20,
+                                  runtime={"classify": c}))
+    assert c.calls > 0
+    assert "runtime" not in rep.config and rep.config["limit"] == 60

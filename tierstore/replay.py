@@ -394,7 +394,9 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
         return ReplayReport(len(reqs), kv, lat, np.asarray(store_lat, dtype=np.int64), load_bytes, store_bytes,
                             load_wall, store_wall, runtime, ts, stats,
-                            {k: v for k, v in dataclasses.asdict(cfg).items() if k != "runtime"}
+                            # runtime objects (a store, locks) are neither deep-copied nor reported
+                            {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, runtime={})).items()
+                             if k != "runtime"}
                             | {"layout": layout.to_dict()}, device, dict(snap, nvme_backend=stats))
     finally:
         store.close()
