@@ -2,27 +2,41 @@
 """Issue 13's goals, measured side by side: the redesigned core against a baseline checkout.
 
 Every measurement runs in a fresh subprocess with ``PYTHONPATH`` set to the code
-under test (this checkout, and optionally ``--base`` — a checkout of the old
-core, e.g. ``git worktree add /tmp/base ec6b0c6``), in ABBA order over
-``--runs`` repetitions; the tables give medians with min-max.
+under test (this checkout, and ``--base``: a checkout of the old core, e.g.
+``git worktree add /tmp/base 6a1de75``, the parent of the redesign commit
+0885dca), in ABBA order over ``--runs`` repetitions (run ``r`` goes new,
+base when ``r`` is even, base, new when odd; LMCache runs between them). The
+summary gives medians with min-max over runs, and for every ratio the median
+of the *per-run* ratios (both sides measured back to back in that run).
 
 Parts (``--parts``):
 
-* ``stall``  -- thread A stores 256 KiB blocks that demote to an NVMe file (at
-  least ``--stall-bytes``, 1 GiB default) while thread B looks up a pinned,
-  resident prefix in a loop; B's lookup latency idle vs during A's demotions
-  (p50/p99/p99.9/max, lookups over 5 ms and their total time).
-* ``nvme``   -- a store straight to NVMe (no memory tiers) through ``KVStore``
-  vs the same blocks through ``SegmentStorage.put`` in the same batches, at 256
-  KiB and 4 MiB blocks; and vs LMCache's LocalDiskBackend at 4 MiB when its
-  venv exists (``--lmcache-python``; bench/io_lmcache_helper.py).
-* ``frag``   -- ``store_fragments``/``load_fragments`` through ``KVPagePool``
-  plans (2 MiB blocks of 32 layers x K/V x 32 KiB) into/from the host tier vs a
-  memcpy of the same bytes (``torch`` ``copy_`` of contiguous buffers).
-* ``meta``   -- tiny blocks (64 B), one thread: store, lookup by keys, lookup by
-  tokens (and the chained hashing alone), in chains of ``--chain`` blocks; and
-  the bytes of metadata per indexed block at ``--meta-blocks`` blocks on an NVMe
-  tier that keeps no data (:class:`tierstore.io.null.NullEngine`).
+* ``stall`` -- thread A stores 256 KiB blocks that demote from a 64 MiB host
+  tier to an NVMe file until at least ``--stall-bytes`` (1 GiB) have been
+  written to NVMe, while thread B looks up a pinned, resident 8-block prefix
+  in a loop; B's lookup latency idle (A not running) vs while A demotes:
+  p50/p99/p99.9/max, lookups over 5 ms and their total time.
+* ``nvme`` -- a store straight to NVMe (no memory tiers) through ``KVStore``
+  vs the same blocks through ``SegmentStorage.put`` in the same batches (16
+  blocks of 256 KiB, 4 of 4 MiB a call), both on the posix O_DIRECT engine,
+  the two in alternating order; and LMCache 0.5.6's LocalDiskBackend storing
+  the same bytes in 4 MiB chunks (``--lmcache-python``;
+  ``bench/io_lmcache_helper.py``; it neither fsyncs nor checksums, tierstore
+  does both).
+* ``frag`` -- ``store_fragments``/``load_fragments`` of ``--frag-blocks`` 2 MiB
+  blocks (Llama-3.1-8B: 32 layers x K/V x 32 KiB) through ``KVPagePool`` plans
+  into/from the host tier vs ``copy_`` of the same bytes between two
+  contiguous buffers; one warm-up pass, then the median of 5 passes; the
+  loaded pool is checked against the stored one.
+* ``meta`` -- tiny blocks (64 B), one thread, chains of ``--chains`` blocks:
+  store (``store_keys`` of a tensor of blocks), lookup by keys, lookup by
+  tokens, and the chained hashing alone; blocks/s by wall time and by the
+  thread's CPU time (``time.thread_time``: what the machine's other load does
+  not inflate as much).
+* ``mem`` -- bytes of metadata per indexed block at ``--mem-blocks`` blocks on
+  an NVMe tier that keeps no data (:class:`tierstore.io.null.NullEngine`):
+  the index's and the region manager's arrays, and the process's RSS growth.
+  The baseline is measured at ``--base-mem-blocks`` (200k: it fills at ~300 blocks/s).
 
 Example::
 
@@ -33,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,16 +66,26 @@ def _layout(head_dim: int, tokens: int = 16, layers: int = 2, heads: int = 1):
                     tokens_per_block=tokens)
 
 
-def _store_keys(s, ns, keys, blocks, first=0):
-    if hasattr(s, "store_keys"):
-        return s.store_keys(ns, keys, blocks, first_position=first)
-    return s.manager.store(s.digest(ns), keys, blocks, None, None, first)  # the old core
+def _new_core() -> bool:
+    try:
+        import tierstore.index  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
-def _lookup_keys(s, keys):
-    if hasattr(s, "lookup_keys"):
-        return s.lookup_keys(keys)
-    return s.manager.lookup(keys)
+def _nvme_store(lay, path: str, nbytes: int, **kw):
+    """A KVStore with an NVMe file tier on the posix engine (both cores)."""
+    from tierstore import KVStore
+    if _new_core():
+        kw["nvme_engine"] = "posix"
+    return KVStore(lay, nvme_path=path, nvme_bytes=nbytes, **kw)
+
+
+def _segment_bytes(s) -> int:
+    """The segment size of a KVStore's NVMe tier (the old core keeps the tier on its manager)."""
+    nv = s.nvme if hasattr(s, "nvme") else s.manager.nvme
+    return nv.segment_size_bytes
 
 
 def worker_stall(a: dict) -> dict:
@@ -68,11 +93,11 @@ def worker_stall(a: dict) -> dict:
 
     import numpy as np
     import torch
-    from tierstore import KVStore, Namespace
+    from tierstore import Namespace
     lay = _layout(head_dim=4096, tokens=16, layers=1, heads=1)  # 2 x 1 x 1 x 4096 x 2 B x 16 = 256 KiB blocks
     bb = lay.bytes_per_block
     d = tempfile.mkdtemp(dir=a["dir"], prefix="core-stall-")
-    s = KVStore(lay, host_bytes=64 << 20, nvme_path=d, nvme_bytes=a["stall_bytes"] * 2 + (256 << 20))
+    s = _nvme_store(lay, d, a["stall_bytes"] * 2 + (256 << 20), host_bytes=64 << 20)
     ns = Namespace(model="stall")
     hot = np.arange(8 * 16)
     s.store(ns, hot, torch.zeros(8, *lay.block_shape, dtype=lay.dtype))
@@ -84,86 +109,111 @@ def worker_stall(a: dict) -> dict:
             t0 = time.perf_counter_ns()
             r = s.lookup(ns, hot)
             lat.append(time.perf_counter_ns() - t0)
-            assert r.matched_blocks == 8
+            if r.matched_blocks != 8:
+                raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
     idle: list = []
     probe(a["idle_s"], idle)
     busy: list = []
     stop = threading.Event()
     written = [0]
 
+    def nvme_written() -> int:
+        st = s.stats()
+        return int(st.get("nvme_write_bytes", st.get("nvme_bytes_written", 0)))
+
     def writer():
         i = 0
         blk = torch.ones(16, *lay.block_shape, dtype=lay.dtype)
-        while written[0] < a["stall_bytes"]:
-            toks = np.arange(16 * 16) + (i + 1) * 1_000_000
-            s.store(ns, toks, blk)
-            i += 1
-            written[0] = int(s.stats().get("nvme_write_bytes", 0))
-        stop.set()
+        try:
+            while written[0] < a["stall_bytes"]:
+                toks = np.arange(16 * 16) + (i + 1) * 1_000_000
+                s.store(ns, toks, blk)
+                i += 1
+                written[0] = nvme_written()
+        finally:
+            stop.set()
     t = threading.Thread(target=writer)
     t0 = time.perf_counter()
     t.start()
     probe(3600, busy, stop)
     t.join()
     dt = time.perf_counter() - t0
-    s.close()
+    idle_after: list = []
+    probe(a["idle_s"], idle_after)
+    s.close(**({"flush": False} if _new_core() else {}))
+    shutil.rmtree(d, ignore_errors=True)
 
     def summ(x):
         v = np.asarray(x, dtype=np.int64)
         over = v[v > 5_000_000]
-        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3, "p99_us": float(np.percentile(v, 99)) / 1e3,
-                "p999_us": float(np.percentile(v, 99.9)) / 1e3, "max_ms": float(v.max()) / 1e6,
-                "over_5ms": int(over.size), "stall_s": float(over.sum()) / 1e9}
-    return {"idle": summ(idle), "busy": summ(busy), "demoted_bytes": written[0], "busy_s": dt,
-            "block_bytes": bb}
+        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
+                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+                "max_ms": float(v.max()) / 1e6, "over_5ms": int(over.size), "stall_s": float(over.sum()) / 1e9}
+    return {"idle": summ(idle), "busy": summ(busy), "idle_after": summ(idle_after), "demoted_bytes": written[0],
+            "busy_s": dt, "block_bytes": bb}
 
 
 def worker_nvme(a: dict) -> dict:
+    import numpy as np
     import torch
-    from tierstore import KVStore, Namespace
+    from tierstore import Namespace, Status
     from tierstore.io import SegmentStorage
     out = {}
     for bb_k, per_call in ((256, 16), (4096, 4)):
         head_dim = bb_k * 1024 // (2 * 2 * 16)  # 1 layer, 1 head, fp16, 16 tokens
         lay = _layout(head_dim=head_dim, tokens=16, layers=1, heads=1)
         bb = lay.bytes_per_block
-        n = a["nvme_bytes"] // bb
+        n = a["nvme_bytes"] // bb // per_call * per_call
         blocks = torch.randint(0, 255, (per_call, bb), dtype=torch.uint8)
         d = tempfile.mkdtemp(dir=a["dir"], prefix="core-nvme-")
         cap = a["nvme_bytes"] * 2 + (512 << 20)
-        # KVStore, NVMe only
-        s = KVStore(lay, nvme_path=os.path.join(d, "kv"), nvme_bytes=cap)
-        ns = Namespace(model="nvme")
-        import numpy as np
-        t0 = time.perf_counter()
-        for i in range(0, n, per_call):
-            toks = np.arange(per_call * 16) + i * 1000
-            st = s.store(ns, toks, list(blocks))
-            assert all(x.value == "ok" for x in st), st
-        kv_s = time.perf_counter() - t0
-        s.close(**({"flush": False} if "flush" in s.close.__code__.co_varnames else {}))
-        # SegmentStorage, same batches
-        seg_path = os.path.join(d, "seg.bin")
-        seg_size = s.nvme.segment_size_bytes if hasattr(s, "nvme") and s.nvme is not None else 256 << 20
-        g = SegmentStorage(seg_path, cap, bb, segment_size_bytes=seg_size, engine="posix")
-        t0 = time.perf_counter()
-        for i in range(0, n, per_call):
-            keys = [os.urandom(32) for _ in range(per_call)]
-            st = g.put(keys, list(blocks))
-        seg_s = time.perf_counter() - t0
-        g.close()
-        import shutil
+        res = {}
+
+        def kvstore():
+            s = _nvme_store(lay, os.path.join(d, "kv"), cap)
+            ns = Namespace(model="nvme")
+            seg = _segment_bytes(s)
+            src = blocks if _new_core() else list(blocks)  # the old core takes a list of raw blocks
+            t0 = time.perf_counter()
+            for i in range(0, n, per_call):
+                toks = np.arange(per_call * 16) + i * 1000
+                st = s.store(ns, toks, src)
+                if any(x is not Status.OK for x in st):
+                    raise SystemExit(f"KVStore store: {st}")
+            res["kvstore_gbps"] = n * bb / (time.perf_counter() - t0) / 1e9
+            s.close(**({"flush": False} if _new_core() else {}))
+            return seg
+
+        def segment(seg):
+            g = SegmentStorage(os.path.join(d, "seg.bin"), cap, bb, segment_size_bytes=seg, engine="posix")
+            keys = [os.urandom(32) for _ in range(n)]
+            t0 = time.perf_counter()
+            for i in range(0, n, per_call):
+                st = g.put(keys[i:i + per_call], list(blocks))
+                if any(x is not Status.OK for x in st):
+                    raise SystemExit(f"SegmentStorage put: {st}")
+            res["segment_gbps"] = n * bb / (time.perf_counter() - t0) / 1e9
+            g.close()
+        if a.get("run", 0) % 2 == 0:
+            segment(kvstore())
+        else:  # the segment store first: same segment size as the KVStore would choose
+            probe = _nvme_store(lay, os.path.join(d, "probe"), cap)
+            seg = _segment_bytes(probe)
+            probe.close(**({"flush": False} if _new_core() else {}))
+            segment(seg)
+            kvstore()
         shutil.rmtree(d, ignore_errors=True)
-        out[f"{bb_k}k"] = {"kvstore_gbps": n * bb / kv_s / 1e9, "segment_gbps": n * bb / seg_s / 1e9}
+        res["kvstore_over_segment"] = res["kvstore_gbps"] / res["segment_gbps"]
+        out[f"{bb_k}k"] = res
     return out
 
 
 def worker_frag(a: dict) -> dict:
+    import numpy as np
     import torch
     from tierstore import KVStore, Namespace, Status
     from tierstore.io.pages import KVPagePool
     from tierstore.layout import KVLayout
-    import numpy as np
     lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, tokens_per_block=16)
     nb = a["frag_blocks"]
     bb = lay.bytes_per_block
@@ -173,30 +223,39 @@ def worker_frag(a: dict) -> dict:
     s = KVStore(lay, host_bytes=(nb + 4) * bb, device="cpu")
     ns = Namespace(model="frag")
     toks = np.arange(nb * 16)
-    plans = pages.plans(range(nb))
-    dplans = dpages.plans(range(nb), destination=True)
     keys = s.keys_for(ns, toks)
     res = {"store": [], "load": [], "memcpy": []}
-    src_flat = torch.empty(nb * bb, dtype=torch.uint8)
-    dst_flat = torch.empty(nb * bb, dtype=torch.uint8)
-    for rep in range(3):
+    src_flat = torch.ones(nb * bb, dtype=torch.uint8)
+    dst_flat = torch.zeros(nb * bb, dtype=torch.uint8)
+    for rep in range(6):  # rep 0 warms up (first touch of the host tier and the buffers)
+        plans = pages.plans(range(nb))
+        dplans = dpages.plans(range(nb), destination=True)
         t0 = time.perf_counter()
         st = s.store_fragments(ns, toks, plans)
-        res["store"].append(time.perf_counter() - t0)
-        assert all(x is Status.OK for x in st)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
+        if any(x is not Status.OK for x in st):
+            raise SystemExit(f"store_fragments: {st}")
+        dst.zero_()
+        t2 = time.perf_counter()
         st = s.load_fragments(keys, dplans)
-        res["load"].append(time.perf_counter() - t0)
-        assert all(x is Status.OK for x in st)
-        t0 = time.perf_counter()
+        t3 = time.perf_counter()
+        if any(x is not Status.OK for x in st):
+            raise SystemExit(f"load_fragments: {st}")
         dst_flat.copy_(src_flat)
-        res["memcpy"].append(time.perf_counter() - t0)
-        if rep == 0:
-            assert torch.equal(dst, pool)
+        t4 = time.perf_counter()
+        if not torch.equal(dst, pool):
+            raise SystemExit("loaded KV differs from the stored KV")
+        if rep:
+            res["store"].append(t1 - t0)
+            res["load"].append(t3 - t2)
+            res["memcpy"].append(t4 - t3)
         s.remove(keys) if hasattr(s, "remove") else s.manager.remove(keys)
     s.close()
     total = nb * bb
-    return {k: total / statistics.median(v) / 1e9 for k, v in res.items()}
+    out = {f"{k}_gbps": total / statistics.median(v) / 1e9 for k, v in res.items()}
+    out["store_over_memcpy"] = out["store_gbps"] / out["memcpy_gbps"]
+    out["load_over_memcpy"] = out["load_gbps"] / out["memcpy_gbps"]
+    return out
 
 
 def worker_meta(a: dict) -> dict:
@@ -206,86 +265,107 @@ def worker_meta(a: dict) -> dict:
     from tierstore.identity import block_hashes
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)   # 64-byte blocks
     bb = lay.bytes_per_block
-    chain = a["chain"]
-    n = a["meta_ops"] // chain * chain
-    s = KVStore(lay, host_bytes=(n + chain) * bb, device="cpu")
-    ns = Namespace(model="meta")
-    d = s.digest(ns)
-    prompts = [np.arange(chain * 16, dtype=np.int64) + i * 10_000_000 for i in range(n // chain)]
-    t0 = time.perf_counter()
-    keys = [block_hashes(d, p, 16) for p in prompts]
-    hash_s = time.perf_counter() - t0
-    blk = torch.zeros(chain, bb, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    for k in keys:
-        _store_keys(s, ns, k, list(blk) if not hasattr(s, "store_keys") else blk)
-    store_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for k in keys:
-        r = _lookup_keys(s, k)
-    lk_s = time.perf_counter() - t0
-    assert r.matched_blocks == chain
-    t0 = time.perf_counter()
-    for p in prompts:
-        r = s.lookup(ns, p)
-    lt_s = time.perf_counter() - t0
-    assert r.matched_blocks == chain
-    s.close()
-    out = {"chain": chain, "blocks": n, "store_blocks_per_s": n / store_s, "lookup_keys_blocks_per_s": n / lk_s,
-           "lookup_tokens_blocks_per_s": n / lt_s, "hash_blocks_per_s": n / hash_s,
-           "lookup_tokens_over_hash": lt_s / hash_s}
-    out.update(_meta_memory(a))
+    out: dict = {}
+    for chain in a["chains"]:
+        n = a["meta_ops"] // chain * chain
+        s = KVStore(lay, host_bytes=(n + chain) * bb, device="cpu")
+        ns = Namespace(model="meta")
+        d = s.digest(ns)
+        prompts = [np.arange(chain * 16, dtype=np.int64) + i * 10_000_000 for i in range(n // chain)]
+        blk = torch.zeros(chain, bb, dtype=torch.uint8)
+        new_api = hasattr(s, "store_keys")
+
+        def timed(fn):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            r = fn()
+            return time.perf_counter() - w0, time.thread_time() - c0, r
+        hash_w, hash_c, keys = timed(lambda: [block_hashes(d, p, 16) for p in prompts])
+        if new_api:
+            store = lambda: [s.store_keys(ns, k, blk) for k in keys]  # noqa: E731
+        else:
+            rows = list(blk)
+            store = lambda: [s.manager.store(d, k, rows, None, None, 0) for k in keys]  # noqa: E731
+        st_w, st_c, _ = timed(store)
+        lk_w, lk_c, r = timed(lambda: [s.lookup_keys(k) for k in keys][-1])
+        if r.matched_blocks != chain:
+            raise SystemExit(f"lookup_keys matched {r.matched_blocks} of {chain}")
+        lt_w, lt_c, r = timed(lambda: [s.lookup(ns, p) for p in prompts][-1])
+        if r.matched_blocks != chain:
+            raise SystemExit(f"lookup matched {r.matched_blocks} of {chain}")
+        s.close()
+        out[f"chain{chain}"] = {
+            "blocks": n,
+            "store_blocks_per_s": n / st_w, "store_blocks_per_cpu_s": n / st_c,
+            "lookup_keys_blocks_per_s": n / lk_w, "lookup_keys_blocks_per_cpu_s": n / lk_c,
+            "lookup_tokens_blocks_per_s": n / lt_w, "lookup_tokens_blocks_per_cpu_s": n / lt_c,
+            "hash_blocks_per_s": n / hash_w, "hash_blocks_per_cpu_s": n / hash_c,
+            "lookup_tokens_over_hash_cpu": lt_c / hash_c}
     return out
 
 
-def _meta_memory(a: dict) -> dict:
-    """Metadata bytes per indexed block at ``meta_blocks`` blocks on NVMe (no data kept)."""
+def worker_mem(a: dict) -> dict:
+    """Metadata bytes per indexed block at ``mem_blocks`` blocks on NVMe (no data kept)."""
     import resource
 
     import numpy as np
     import torch
     from tierstore import KVStore, Namespace
-    try:
-        from tierstore.io.null import NullEngine
-        from tierstore.io.segments import SegmentStorage
-    except ImportError:
-        return {}
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block
-    nblocks = a["meta_blocks"]
-    per = 4000  # blocks per extent
+    nblocks = a["mem_blocks"]
+    per = 4000  # blocks per extent and per store call
     ext = 4096 + per * 4096
     seg = ext * 4
     cap = (nblocks // per + 64) * ext // seg * seg + 8 * seg
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
-                        owns_engine=True)
-    s = KVStore(lay, nvme=nv)
+    try:
+        from tierstore.io.null import NullEngine
+        from tierstore.io.segments import SegmentStorage
+        nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
+                            owns_engine=True)
+        s = KVStore(lay, nvme=nv)
+        blk = torch.zeros(per, bb, dtype=torch.uint8)
+        put = lambda keys: s.store_keys(ns, keys, blk)  # noqa: E731
+    except ImportError:  # the old core: no NullEngine; a memory engine would hold the data, so a
+        # sparse file stands in (its pages are the kernel's, not this process's RSS)
+        from tierstore.io import SegmentStorage
+        d = tempfile.mkdtemp(dir=a["dir"], prefix="core-mem-")
+        nv = SegmentStorage(os.path.join(d, "mem.bin"), cap, bb, segment_size_bytes=seg, engine="posix",
+                            extent_size_bytes=ext)
+        s = KVStore(lay, nvme=nv)
+        rows = list(torch.zeros(per, bb, dtype=torch.uint8))
+        put = lambda keys: s.manager.store(s.digest(ns), keys, rows, None, None, 0)  # noqa: E731
     ns = Namespace(model="mem")
-    blk = torch.zeros(per, bb, dtype=torch.uint8)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     for i in range(0, nblocks, per):
         raw = rng.bytes(32 * per)
-        keys = [raw[j:j + 32] for j in range(0, 32 * per, 32)]
-        s.store_keys(ns, keys, blk)
+        put([raw[j:j + 32] for j in range(0, 32 * per, 32)])
     dt = time.perf_counter() - t0
-    got = s.stats()["blocks"]
-    struct = s.stats()["index_bytes"] + nv.index_nbytes()
+    stats = s.stats()
+    got = stats["blocks"] if "blocks" in stats else len(s.manager.index)  # the old core's entry dict
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    s.close(flush=False)
-    return {"mem_blocks": got, "index_bytes_per_block": struct / got,
-            "rss_kib_delta_per_block": (rss1 - rss0) * 1024 / got, "mem_fill_s": dt}
+    out = {"mem_blocks": got, "rss_bytes_per_block": (rss1 - rss0) * 1024 / got, "fill_s": dt,
+           "fill_blocks_per_s": got / dt}
+    if "index_bytes" in stats and hasattr(nv, "index_nbytes"):
+        out["index_bytes_per_block"] = stats["index_bytes"] / got
+        out["nvme_index_bytes_per_block"] = nv.index_nbytes() / got
+        out["struct_bytes_per_block"] = (stats["index_bytes"] + nv.index_nbytes()) / got
+    return out
 
 
-WORKERS = {"stall": worker_stall, "nvme": worker_nvme, "frag": worker_frag, "meta": worker_meta}
+WORKERS = {"stall": worker_stall, "nvme": worker_nvme, "frag": worker_frag, "meta": worker_meta,
+           "mem": worker_mem}
 
 
 # =============================================================================== driver
-def run_worker(root: str, part: str, args: dict) -> dict:
+def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=root)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", part, json.dumps(args)],
-                       capture_output=True, text=True, env=env, cwd=root)
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", part, json.dumps(args)],
+                           capture_output=True, text=True, env=env, cwd=root, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s} s"}
     if r.returncode != 0:
         return {"error": r.stderr[-3000:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -298,7 +378,7 @@ def lmcache(py: str, d: str, total: int) -> dict:
     if r.returncode != 0:
         return {"error": r.stderr[-2000:]}
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"write_gbps": res["total_bytes"] / res["write_s"][0] / 1e9}
+    return {"store_gbps": res["total_bytes"] / res["write_s"][0] / 1e9}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -306,26 +386,33 @@ def _flat(d: dict, prefix: str = "") -> dict:
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, (int, float)):
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[f"{prefix}{k}"] = v
     return out
+
+
+def _stat(vals: list) -> dict:
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": vals}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", nargs=2, metavar=("PART", "ARGS"))
     ap.add_argument("--base", help="a checkout of the old core to compare against")
-    ap.add_argument("--parts", default="stall,nvme,frag,meta")
+    ap.add_argument("--parts", default="stall,nvme,frag,meta,mem")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--stall-bytes", type=int, default=1 << 30)
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--nvme-bytes", type=int, default=512 << 20)
     ap.add_argument("--frag-blocks", type=int, default=64)
-    ap.add_argument("--chain", type=int, default=64)
+    ap.add_argument("--chains", default="64,256")
     ap.add_argument("--meta-ops", type=int, default=200_000)
-    ap.add_argument("--meta-blocks", type=int, default=1_000_000)
-    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/work/lmcache-venv/bin/python"))
+    ap.add_argument("--mem-blocks", type=int, default=10_000_000)
+    ap.add_argument("--mem-runs", type=int, default=1, help="runs of the mem part (deterministic sizes)")
+    ap.add_argument("--base-mem-blocks", type=int, default=200_000)
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="per worker")
+    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/tmp/lmcache-venv/bin/python"))
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.worker:
@@ -333,21 +420,32 @@ def main() -> None:
         print(json.dumps(WORKERS[part](json.loads(args))))
         return
     wargs = {"dir": a.dir, "stall_bytes": a.stall_bytes, "idle_s": a.idle_s, "nvme_bytes": a.nvme_bytes,
-             "frag_blocks": a.frag_blocks, "chain": a.chain, "meta_ops": a.meta_ops, "meta_blocks": a.meta_blocks}
+             "frag_blocks": a.frag_blocks, "chains": [int(c) for c in a.chains.split(",")], "meta_ops": a.meta_ops,
+             "mem_blocks": a.mem_blocks}
     codes = [("new", ROOT)] + ([("base", os.path.abspath(a.base))] if a.base else [])
+    use_lmc = os.path.exists(a.lmcache_python)
     results: dict = {}
+    started = time.time()
     for part in a.parts.split(","):
         rows: dict = {name: [] for name, _ in codes}
-        for run in range(a.runs):
+        if part == "nvme" and use_lmc:
+            rows["lmcache"] = []
+        runs = a.mem_runs if part == "mem" else a.runs
+        for run in range(runs):
             order = codes if run % 2 == 0 else codes[::-1]  # ABBA
-            for name, root in order:
-                wa = dict(wargs)
-                if part == "meta" and name == "base":
-                    wa["meta_blocks"] = min(a.meta_blocks, 1_000_000)  # ~0.9 KB a block on the old core
-                rows[name].append(run_worker(root, part, wa))
-                print(f"{part} run {run} {name}: {json.dumps(rows[name][-1])[:300]}", file=sys.stderr)
-        if part == "nvme" and os.path.exists(a.lmcache_python):
-            rows["lmcache_4m"] = [lmcache(a.lmcache_python, a.dir, a.nvme_bytes) for _ in range(a.runs)]
+            for k, (name, root) in enumerate(order):
+                wa = dict(wargs, run=run)
+                if part == "mem" and name == "base":
+                    # the old core fills an NVMe-only store at ~300 blocks/s here: 200k blocks (the
+                    # issue measured ~0.9 KB a block at 1M)
+                    wa["mem_blocks"] = min(a.mem_blocks, a.base_mem_blocks)
+                rows[name].append(run_worker(root, part, wa, a.timeout_s))
+                print(f"[{time.time() - started:7.0f} s] {part} run {run} {name}: "
+                      f"{json.dumps(rows[name][-1])[:400]}", file=sys.stderr, flush=True)
+                if part == "nvme" and use_lmc and k == 0:  # LMCache between the two checkouts
+                    rows["lmcache"].append(lmcache(a.lmcache_python, a.dir, a.nvme_bytes))
+                    print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: {rows['lmcache'][-1]}",
+                          file=sys.stderr, flush=True)
         results[part] = rows
     summary: dict = {}
     for part, rows in results.items():
@@ -355,14 +453,37 @@ def main() -> None:
             flat = [_flat(r) for r in runs if "error" not in r]
             for key in sorted({k for f in flat for k in f}):
                 vals = [f[key] for f in flat if key in f]
-                summary[f"{part}.{name}.{key}"] = {"median": statistics.median(vals), "min": min(vals),
-                                                   "max": max(vals), "runs": vals}
-    for k, v in summary.items():
-        print(f"{k:60s} {v['median']:14.4g}  [{v['min']:.4g}, {v['max']:.4g}]")
+                summary[f"{part}.{name}.{key}"] = _stat(vals)
+    # ratios of paired runs (both sides measured back to back in the same run)
+    paired = {}
+
+    def pair(label, a_rows, a_key, b_rows, b_key):
+        vals = []
+        for x, y in zip(a_rows, b_rows):
+            fx, fy = _flat(x), _flat(y)
+            if a_key in fx and b_key in fy and fy[b_key]:
+                vals.append(fx[a_key] / fy[b_key])
+        if vals:
+            paired[label] = _stat(vals)
+    res = results
+    if "nvme" in res and "lmcache" in res["nvme"]:
+        pair("nvme.new_kvstore_4m_over_lmcache", res["nvme"]["new"], "4096k.kvstore_gbps",
+             res["nvme"]["lmcache"], "store_gbps")
+    if a.base:
+        for part, keys in (("meta", [k for k in summary if k.startswith("meta.new.") and "per_" in k]),
+                           ("nvme", [k for k in summary if k.startswith("nvme.new.") and k.endswith("_gbps")]),
+                           ("frag", [k for k in summary if k.startswith("frag.new.") and k.endswith("_gbps")])):
+            if part not in res:
+                continue
+            for k in keys:
+                sub = k.split(".", 2)[2]
+                pair(f"{part}.new_over_base.{sub}", res[part]["new"], sub, res[part]["base"], sub)
+    for k, v in {**summary, **{f"ratio.{k}": v for k, v in paired.items()}}.items():
+        print(f"{k:70s} {v['median']:14.4g}  [{v['min']:.4g}, {v['max']:.4g}]")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "raw": results, "summary": summary,
-                       "loadavg": os.getloadavg()}, f, indent=1)
+            json.dump({"args": vars(a), "raw": results, "summary": summary, "paired_ratios": paired,
+                       "loadavg_at_end": os.getloadavg(), "elapsed_s": time.time() - started}, f, indent=1)
 
 
 if __name__ == "__main__":
