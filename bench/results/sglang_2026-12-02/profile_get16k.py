@@ -1,4 +1,4 @@
-"""cProfile of ``HiCacheTierStore.batch_get_v1`` on 16 KiB pages from the host tier.
+"""cProfile of ``HiCacheTierStore.batch_get_v1`` on 16 KiB (or 128 KiB) pages from the host tier.
 
 Builds the benchmark's 16KiB pool (Llama-3.1-8B, TP=8 rank, page size 1,
 ``page_first``), stores 4,096 pages into a host tier that holds them all, then
@@ -7,6 +7,9 @@ prints the top functions by own time and by cumulative time, plus the wall
 time per page. Run from the repository root::
 
     .nox/sglang/bin/python bench/results/sglang_2026-12-02/profile_get16k.py
+    PROFILE_CLASS=128KiB .nox/sglang/bin/python bench/results/sglang_2026-12-02/profile_get16k.py
+
+(``PROFILE_CLASS=128KiB``: 1,024 pages of the benchmark's 128KiB class.)
 """
 import cProfile
 import os
@@ -20,8 +23,9 @@ import sglang_bench as sb  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-N = 4096
-pool = sb.make_pool("16KiB", N)
+CLS = os.environ.get("PROFILE_CLASS", "16KiB")
+N = {"16KiB": 4096, "128KiB": 1024}[CLS]
+pool = sb.make_pool(CLS, N)
 page_bytes = pool.get_size_per_token() * pool.page_size
 d = tempfile.mkdtemp(dir=os.environ.get("PROFILE_DIR", "/work/wt-sglang"))
 extra = {"backend_name": "tierstore", "module_path": "tierstore.integrations.sglang",
