@@ -14,6 +14,7 @@ time per page. Run from the repository root::
 import cProfile
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -50,3 +51,4 @@ print(f"profiled calls: {N} pages in {N // 128} batch_get_v1 calls")
 st.sort_stats("tottime").print_stats(18)
 st.sort_stats("cumulative").print_stats(30)
 b.close()
+shutil.rmtree(d, ignore_errors=True)
