@@ -277,3 +277,67 @@ def test_daemon_config_explicit_pid_checked_at_start(tmp_path):
                         "tenants": [{"name": "t", "tokens": ["0123456789abcdef0"]}]})
     with pytest.raises(ConfigError, match="0x77"):
         Service(cfg)
+
+
+# ------------------------------------------------------------------ tierstore fdp
+class _FakeCli:
+    """The nvme-cli driver as the QEMU 4x2 captures answer it."""
+
+    def __init__(self):
+        self.hbmw = 512
+
+    def stats(self, dev, endgid):
+        return lp.FdpStats(self.hbmw, self.hbmw + 4096, 0)
+
+    def usage(self, dev, endgid):
+        with open(os.path.join(G.DATA, "qemu_4x2", "usage.bin"), "rb") as f:
+            return lp.parse_ruh_usage(f.read())
+
+
+@pytest.fixture()
+def fake_ns(monkeypatch):
+    from tierstore.fdp import admin, discovery
+    from tierstore.fdp.nvme_cli import FdpDeviceInfo
+    with open(os.path.join(G.DATA, "qemu_4x2", "configs.bin"), "rb") as f:
+        cfg = lp.parse_fdp_configs(f.read()).configs[0]
+    with open(os.path.join(G.DATA, "qemu_4x2", "id_ns.bin"), "rb") as f:
+        idns = lp.parse_id_ns(f.read())
+    info = FdpDeviceInfo("/dev/nvme0", True, True, 0, cfg, _status_4x2())
+    ns = discovery.FdpNamespace("/dev/ng0n1", "/dev/nvme0n1", "/dev/nvme0", 1, 1, idns, 524288, "fdpvm0001", info)
+    monkeypatch.setattr(discovery, "discover_namespace", lambda dev, endgid=1, cli=None: ns)
+    return admin, _FakeCli()
+
+
+def test_fdp_discover_report(fake_ns):
+    admin, _ = fake_ns
+    r = admin.discover_report("/dev/ng0n1", plids=[3, 5, 7])
+    assert r["config"]["nrg"] == 2 and r["config"]["ruh_types"] == ["Initially Isolated"] * 4
+    assert [s["pid"] for s in r["ruh_status"]] == [0, 0x4000, 1, 0x4001, 2, 0x4002, 3, 0x4003]
+    assert {c["class"]: (c["pid"], c["plid"]) for c in r["placement"]["classes"]} == \
+        {"default": (0x4000, 1), "long": (0x4001, 3), "medium": (0x4002, 5), "short": (0x4003, 7)}
+
+
+def test_fdp_stats_baseline(fake_ns, tmp_path, capsys):
+    admin, cli = fake_ns
+    base = str(tmp_path / "b.json")
+    r = admin.stats_report("/dev/ng0n1", baseline=base, cli=cli)
+    assert r["since_baseline"] is None and r["waf"] == (512 + 4096) / 512
+    admin.stats_report("/dev/ng0n1", baseline=base, save_baseline=True, cli=cli)
+    cli.hbmw += 1 << 20
+    r = admin.stats_report("/dev/ng0n1", baseline=base, cli=cli)
+    assert r["since_baseline"] == {"hbmw_bytes": 1 << 20, "mbmw_bytes": 1 << 20, "mbe_bytes": 0, "waf": 1.0}
+    row = next(u for u in r["ruh_usage"] if u["pid"] == 1)
+    assert (row["class"], row["ruha"], row["ru_written_bytes"]) == ("long", "host specified", 0)
+    cli.hbmw = 0                               # counters below the baseline: another device, or reset
+    r = admin.stats_report("/dev/ng0n1", baseline=base, cli=cli)
+    assert r["since_baseline"] is None and "below the baseline" in r["baseline_error"]
+    admin._print_stats(admin.stats_report("/dev/ng0n1", baseline=base, cli=_FakeCli()))
+    out = capsys.readouterr().out
+    assert "Host Bytes with Metadata Written (HBMW)" in out and "0x4003" in out
+
+
+def test_fdp_cli_usage_errors(capsys):
+    from tierstore.cli import main
+    assert main(["fdp", "discover", "/dev/sda"]) == 1
+    assert "expected an NVMe namespace device" in capsys.readouterr().err
+    assert main(["fdp", "discover", "/dev/ng9n1", "--plids=a"]) == 2
