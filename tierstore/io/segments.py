@@ -926,6 +926,10 @@ class SegmentStorage(BlockStorage):
                 self.engine.sync()
             except OSError as exc:
                 sync_err = exc
+        errs = [r for r in results if isinstance(r, BaseException)] + ([sync_err] if sync_err else [])
+        if errs:  # outside the lock: the cause of the IO_ERROR / NO_SPACE statuses, once per call
+            _log.warning("segment store: %d of %d extents not acknowledged: %r", len(first_fail) or len(plans),
+                        len(plans), errs[0])
         with self._lock:
             for p, r in zip(plans, results):
                 failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
