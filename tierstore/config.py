@@ -115,8 +115,11 @@ class FdpConfig(_Model):
 
     The PIDs come from the device's RUH Status (:mod:`tierstore.fdp.placement`);
     ``plids`` optionally picks, by index into that list as fio's ``plids=``
-    does, the handles for the LONG, MEDIUM and SHORT classes. The explicit
-    ``*_pid`` fields are for devices whose RUH Status cannot be read.
+    does, the PIDs (reclaim group included) of the LONG, MEDIUM and SHORT
+    classes. The explicit ``*_pid`` fields name PIDs directly; each must be one
+    the device's RUH Status lists (checked when the store opens, before any
+    write). Placement needs a device that reports RUH Status: ``device: fdp``
+    (``/dev/ngXnY``), ``device: sim``, or a file with an FTL ``model``.
     """
 
     enabled: bool = False
