@@ -185,7 +185,8 @@ class KVStore:
             remote = _validated(RemoteConfig, dict(remote))
         runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
         nv_opts = {k: options.pop(k) for k in list(options) if k in _NVME_OPTIONS}
-        hbm = HbmTierConfig(capacity_bytes=hbm_bytes, device=options.pop("device", "auto"))
+        hbm = _validated(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
+        host = _validated(MemoryTierConfig, dict(capacity_bytes=host_bytes))
         nvme_cfg = None
         if nvme_path is not None and nvme_bytes > 0 and runtime.get("nvme") is None:
             extra = {k: v for k, v in nv_opts.items() if not k.startswith("nvme_")}
@@ -196,7 +197,7 @@ class KVStore:
             nvme_cfg = _validated(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **extra))
         elif nv_opts and runtime.get("nvme") is None:
             raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
-        cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=MemoryTierConfig(capacity_bytes=host_bytes), nvme=nvme_cfg),
+        cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme_cfg),
                           policies=_validated(PoliciesConfig, options), remote=remote)
         self._init(assemble(cfg, layout, **runtime), nv_opts)
 
@@ -433,6 +434,8 @@ class KVStore:
         single 1-D tensor is one block; other sequences are planned per block.
         """
         bb = self._bb
+        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
+            return []   # no new blocks (everything hit): nothing to plan, nothing stored
         if isinstance(blocks, torch.Tensor) and blocks.dim() > 1:
             lay = self.layout
             if blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == bb:

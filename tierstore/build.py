@@ -148,6 +148,10 @@ def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngin
     seg = choose_segment_size(nv.capacity_bytes, block_bytes, nv.segment_size_bytes)
     tier = nv.capacity_bytes // seg * seg
     path = _file_path(nv.path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"tiers.nvme.path={nv.path!r}: the directory {parent} does not exist "
+                          "(create it, or give an existing directory or file path)")
     _warn_if_sparse_overcommit(path, tier, geo)
     engine = open_engine(kind, path, tier, iodepth=nv.iodepth)
     geo.update(device_bytes=tier, ru_size_bytes=seg, segment_size_bytes=seg, nvme_bytes=tier, utilization=1.0,

@@ -129,13 +129,17 @@ class DigestCache:
         Raises
         ------
         ConfigError
-            If a raw digest is not 32 bytes.
+            If a raw digest is not 32 bytes, or ``ns`` is neither a digest nor a
+            :class:`Namespace`.
         """
         if isinstance(ns, bytes):
             if len(ns) != 32:
                 raise ConfigError(f"a namespace digest must be 32 bytes, got {len(ns)}")
             if self._scope is None:
                 return ns
+        elif not hasattr(ns, "digest"):
+            raise ConfigError(f"a namespace must be a tierstore.Namespace or a 32-byte digest, "
+                              f"got {type(ns).__name__}")
         d = self._digests.get(ns)
         if d is None:
             if len(self._digests) >= self.MAX_ENTRIES:  # bounded: per-request namespaces must not grow it

@@ -174,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(out_mod.FIO_VERSION)
             return 0
         if "cmdhelp" in own:
-            print(schema_help(str(own["cmdhelp"]) or None))
+            try:
+                print(schema_help(str(own["cmdhelp"]) or None), flush=True)
+            except BrokenPipeError:   # `--cmdhelp | head`: the reader left; not an error
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         formats = out_mod.parse_output_formats(str(own.get("output-format", "normal")))
         status = _status_options(own)

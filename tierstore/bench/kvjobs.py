@@ -94,9 +94,10 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
     if os.path.isdir(path):
         raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
     if os.path.exists(path):
-        raise ConfigError(f"filename={path!r}: exists (an NVMe tier left by a run with unlink=0 or a killed "
-                          "run?); a KV job starts from an empty tier and never reuses or overwrites a file: "
-                          "remove it, or choose another directory= or filename=")
+        raise ConfigError(f"filename={path!r}: exists (a run still going with the same directory and job "
+                          "name, or an NVMe tier left by a run with unlink=0 or a killed one); a KV job starts "
+                          "from an empty tier and never reuses or overwrites a file: choose another directory= "
+                          "or filename=, or remove it once no run uses it")
     return path
 
 
