@@ -87,11 +87,17 @@ def written_per_pid(before: dict, after: dict, lba: int) -> dict:
 
 
 def discard_all() -> None:
-    """Deallocate the whole namespace (BLKDISCARD): a fresh namespace for the next store
-    (RUH state and the FDP counters are not touched by Deallocate)."""
+    """A fresh namespace for the next store: zero it (BLKZEROOUT, which the kernel sends as
+    NVMe Write Zeroes), then deallocate it (BLKDISCARD).
+
+    Deallocate alone is advisory: the fdp-vm tool's ``-drive`` has QEMU's default
+    ``discard=ignore``, so deallocated blocks kept the previous phase's segment headers and the
+    next store's recovery found them ("holds blocks of 262144 bytes"). Write Zeroes goes on the
+    default handle and may count in HBMW: every phase reads the device's counters after this."""
     fd = os.open(BLK, os.O_WRONLY)
     try:
         size = os.lseek(fd, 0, os.SEEK_END)
+        fcntl.ioctl(fd, 0x127F, struct.pack("QQ", 0, size))  # BLKZEROOUT = _IO(0x12, 127)
         fcntl.ioctl(fd, 0x1277, struct.pack("QQ", 0, size))  # BLKDISCARD = _IO(0x12, 119)
     finally:
         os.close(fd)
@@ -324,6 +330,9 @@ def kvtrace() -> dict:
     rc, out_text, err = capture(bench, argv)
     after = dev_state()
     out = {"argv": argv, "rc": rc, "stderr": err[-3000:], "before": before, "after": after}
+    if rc != 0 or not os.path.exists(res):
+        raise RuntimeError(f"tierstore bench {' '.join(argv)}: exit {rc}\nstdout: {out_text[-2000:]}\n"
+                           f"stderr: {err[-3000:]}")
     with open(res) as f:
         job = json.load(f)["jobs"][0]
     out["device"] = {k: v for k, v in job["device"].items() if not k.startswith("waf_timeseries")}
@@ -344,10 +353,20 @@ def stats_cli() -> dict:
     data = os.path.join(ARGS.out, "data1m")
     with open(data, "wb") as f:
         f.write(os.urandom(1 << 20))
-    # 1 MiB with PID 1 through nvme-cli, at the end of the namespace
-    lba = 512
-    sh("nvme", "write", DEV, "-s", str((ARGS.size_bytes - (1 << 20)) // lba), "-c", str((1 << 20) // lba - 1),
-       "-z", str(1 << 20), "-d", data, "-T", "2", "-S", "1")
+    # 1 MiB with PID 1 through nvme-cli, at the end of the namespace, in 128 KiB commands: one
+    # command may carry at most MDTS bytes (QEMU's default MDTS 7 = 512 KiB at 4 KiB pages; a
+    # 1 MiB `nvme write` fails with EINVAL), and the LBA size is the namespace's own
+    from tierstore.fdp.discovery import discover_namespace
+    lba = discover_namespace(DEV).lba_bytes
+    chunk = 128 << 10
+    first = (ARGS.size_bytes - (1 << 20)) // lba
+    for i in range((1 << 20) // chunk):
+        part = os.path.join(ARGS.out, "data128k")
+        with open(data, "rb") as src, open(part, "wb") as dst:
+            src.seek(i * chunk)
+            dst.write(src.read(chunk))
+        sh("nvme", "write", DEV, "-s", str(first + i * chunk // lba), "-c", str(chunk // lba - 1),
+           "-z", str(chunk), "-d", part, "-T", "2", "-S", "1")
     rc1, text, err = capture(admin.main, ["stats", DEV, "--baseline", base])
     rc2, js, _ = capture(admin.main, ["stats", DEV, "--baseline", base, "--output-format=json"])
     return {"save_rc": rc0, "save_text": save_text, "rc": rc1, "text": text, "err": err, "json_rc": rc2,
@@ -488,7 +507,14 @@ def main() -> int:
     ap.add_argument("--ruh-update-blocks", type=int, default=48)
     ARGS = ap.parse_args()
     import faulthandler
-    faulthandler.dump_traceback_later(180, repeat=True)   # where the guest spends its time, in driver.log
+    import logging
+    # A real crash still prints every thread's stack. No periodic dump_traceback_later: it reads
+    # other threads' frames without the GIL, and under a loaded host (phases over its period) it
+    # crashed the guest with SIGSEGV in the daemon phase.
+    faulthandler.enable()
+    # tierstore's warnings and errors (e.g. why a put failed) go to driver.log
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="[guest log] %(levelname)s %(name)s: %(message)s")
     print(f"[{time.monotonic() - T0:7.1f} s] started", flush=True)
     R["config"] = {"nruh": ARGS.nruh, "nrg": ARGS.nrg, "runs_bytes": ARGS.runs_bytes, "size_bytes": ARGS.size_bytes,
                    "phases": ARGS.phases}

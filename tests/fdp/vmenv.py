@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,40 @@ PACKAGES = ("aiohappyeyeballs", "aiohttp", "aiosignal", "annotated_types", "attr
             "typing_extensions.py", "typing_inspection", "yaml", "_yaml", "yarl", "tqdm", "sh", "sh.py", "torch",
             "torchgen", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "filelock", "rich",
             "markdown_it", "mdurl", "pygments")
+
+
+def _dependency_tops(root: str = "tierstore") -> set[str]:
+    """Top-level names in site-packages of ``root``'s runtime dependencies, recursively
+    (``importlib.metadata``: each distribution's ``Requires-Dist`` without extras, and
+    the first path part of each of its files), so a new dependency reaches the guest
+    without an edit here. ``root`` itself is mounted, not packed."""
+    from importlib import metadata
+    tops: set[str] = set()
+    seen: set[str] = set()
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if key != root:
+            for f in dist.files or ():
+                top = f.parts[0] if f.parts else ""
+                if top and not top.startswith(("..", "__editable__", "__pycache__")) \
+                        and not top.endswith((".pth", ".dist-info")):
+                    tops.add(top)
+        for req in dist.requires or ():
+            if ";" in req and "extra" in req.split(";", 1)[1]:
+                continue
+            todo.append(re.split(r"[\s;<>=!~\[(]", req.strip(), maxsplit=1)[0])
+    return tops
+
+
 _STDLIB_SKIP = {"site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 
 
@@ -63,13 +98,13 @@ def _entries() -> list[tuple[str, str]]:
     out = [(os.path.join(std, n), f"lib/{ver}/{n}") for n in sorted(os.listdir(std))
            if n not in _STDLIB_SKIP and not n.startswith("config-")]
     sp = _site_packages()
-    for name in PACKAGES:
+    for name in sorted(set(PACKAGES) | _dependency_tops()):
         p = os.path.join(sp, name)
         if os.path.exists(p):
             out.append((p, f"lib/{ver}/site-packages/{name}"))
     for p in sorted(glob.glob(os.path.join(sp, "*.dist-info"))) + sorted(glob.glob(os.path.join(sp, "*.so"))):
         out.append((p, f"lib/{ver}/site-packages/{os.path.basename(p)}"))
-    return out
+    return list(dict((dst, (src, dst)) for src, dst in out).values())   # each destination once
 
 
 def _fingerprint(entries: list[tuple[str, str]]) -> str:

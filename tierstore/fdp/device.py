@@ -55,12 +55,14 @@ NOT_VERIFIED_ON_HARDWARE = ("run against QEMU's emulated FDP namespace (no garba
 class RuhUpdateShim:
     """I/O observer in front of an FTL model: RUH Update when a segment opens.
 
-    Forwards every write/trim to ``target``; before a write that starts at a
-    segment boundary (``offset_bytes % segment_bytes == 0``, the first extent
-    of a freshly opened segment) it calls ``ruh_update(placement)`` so the
-    handle points at a fresh RU (TP4146 I/O Management Send, Reclaim Unit
-    Handle Update). For a real device :class:`PassthroughEngine` sends the
-    command itself and tells its observers through ``on_ruh_update``.
+    Forwards every write/trim to ``target``; before the first write of a
+    placement into another segment (whichever of the segment's extents comes
+    first: a write pipeline may send later extents before the first) it calls
+    ``ruh_update(placement)`` so the handle points at a fresh RU (TP4146 I/O
+    Management Send, Reclaim Unit Handle Update), the rule
+    :class:`PassthroughEngine` applies on a device. For a real device
+    :class:`PassthroughEngine` sends the command itself and tells its
+    observers through ``on_ruh_update``.
 
     Parameters
     ----------
@@ -74,11 +76,14 @@ class RuhUpdateShim:
         self.target = target
         self.segment_bytes = int(segment_bytes)
         self.ruh_updates = 0
+        self._segment_of: dict = {}      # placement -> the segment its handle's RU now takes
 
     def on_write(self, offset_bytes: int, nbytes: int, placement: int | None) -> None:
-        if offset_bytes % self.segment_bytes == 0:
+        seg = offset_bytes // self.segment_bytes
+        if self._segment_of.get(placement) != seg:   # the model ignores an update of an empty RU
             self.target.ruh_update(placement)
             self.ruh_updates += 1
+            self._segment_of[placement] = seg
         self.target.on_write(offset_bytes, nbytes, placement)
 
     def on_trim(self, offset_bytes: int, nbytes: int) -> None:
@@ -99,8 +104,9 @@ class PassthroughEngine(IOEngine):
     (:class:`ConfigError`, raised from :meth:`write`); ``None`` writes without
     a placement directive (the device uses placement handle 0).
 
-    With ``ruh_update_segment_bytes``, a write at a multiple of it (a segment's
-    first extent) is preceded by a Reclaim Unit Handle Update of its PID,
+    With ``ruh_update_segment_bytes``, the first write of a PID into another
+    segment (whichever of the segment's extents comes first) is preceded, once
+    every earlier write of that PID has completed, by a Reclaim Unit Handle Update of its PID,
     unless the handle's RU holds nothing yet (module doc; at open, the RUH Status
     says which handles an earlier run left partly written). Observers with an
     ``on_ruh_update(placement)`` method hear of each update sent, before the write.
@@ -153,6 +159,14 @@ class PassthroughEngine(IOEngine):
             self._rw.close()
             raise
         self._ruh_lock = threading.Lock()
+        # Writes past their RUH Update step and not yet seen by the observers, per PID: a
+        # segment's RUH Update waits for them, so the device switches RU after every earlier
+        # write of that PID landed and observers (an FTL model) see writes and updates in
+        # device order (a lagging observer once put 1.8 MB of one RU after its update).
+        self._inflight: dict[int, int] = {}
+        self._inflight_cv = threading.Condition(self._ruh_lock)
+        self._segment_of: dict[int, int] = {}    # PID -> the segment its handle's RU now takes
+        self._counted = threading.local()
         self._since_update: dict[int, int] = {}
         self._ruh = {"ruh_updates_sent": 0, "ruh_updates_skipped": 0, "ruh_update_unwritten_bytes": 0}
         if self.segment_bytes is not None:
@@ -190,9 +204,16 @@ class PassthroughEngine(IOEngine):
             raise ConfigError(f"placement={pid}: a PID is 16 bits")
         return pid
 
-    def _maybe_ruh_update(self, pid: int) -> None:
-        """RUH Update before a segment's first write, unless the handle's RU is still empty."""
+    def _maybe_ruh_update(self, pid: int, segment: int) -> None:
+        """RUH Update before the first write of ``pid`` into ``segment`` (any of its extents:
+        a write pipeline may send a segment's later extents before its first), once every
+        earlier write of ``pid`` has landed, unless the handle's RU is still empty."""
         with self._ruh_lock:
+            while self._segment_of.get(pid) != segment and self._inflight.get(pid, 0):
+                self._inflight_cv.wait()
+            if self._segment_of.get(pid) == segment:   # this segment's update is done
+                return
+            self._segment_of[pid] = segment
             if self._since_update.get(pid, 0) == 0:
                 self._ruh["ruh_updates_skipped"] += 1
                 return
@@ -219,12 +240,16 @@ class PassthroughEngine(IOEngine):
 
     def _write_impl(self, offset, view, nbytes, placement):
         placement = self._check_pid(placement)   # raises before anything is sent
-        if self.segment_bytes and placement is not None and offset % self.segment_bytes == 0:
+        if self.segment_bytes and placement is not None:
             try:
-                self._maybe_ruh_update(placement)
+                self._maybe_ruh_update(placement, offset // self.segment_bytes)
             except OSError as exc:
                 return IOFuture.failed(exc)
         buf = (ctypes.c_char * nbytes).from_buffer(view)
+        if placement is not None:
+            with self._ruh_lock:
+                self._inflight[placement] = self._inflight.get(placement, 0) + 1
+            self._counted.pid = placement     # write() takes it off after the observers saw it
         try:
             self._writer.write(buf, offset, placement)
         except OSError as exc:
@@ -233,6 +258,23 @@ class PassthroughEngine(IOEngine):
             with self._ruh_lock:
                 self._since_update[placement] = self._since_update.get(placement, 0) + nbytes
         return IOFuture.completed(nbytes)
+
+    def write(self, offset: int, buffer, placement: int | None = None) -> IOFuture:
+        """:meth:`IOEngine.write`; the write counts as in flight for its PID's next RUH
+        Update until the observers have seen it (it completes before this returns)."""
+        self._counted.pid = None
+        try:
+            fut = super().write(offset, buffer, placement)
+            # The write has completed (it is synchronous); resolve its future now, so the
+            # observers hear of it here, in device order, not whenever the caller reaps it.
+            fut.done()
+            return fut
+        finally:
+            pid, self._counted.pid = self._counted.pid, None
+            if pid is not None:
+                with self._ruh_lock:
+                    self._inflight[pid] -= 1
+                    self._inflight_cv.notify_all()
 
     def _trim_impl(self, offset, length):
         return self._rw._trim_impl(offset, length)
