@@ -460,7 +460,7 @@ class RemoteKVStore:
 
     def _lookup_keys(self, d: bytes, keys: list[bytes], request_id, num_keys: int) -> RemoteLookupResult:
         per = self.max_keys_per_request
-        matched, useful, tiers, load_s = 0, 0, [], []
+        matched, useful, tiers, load_s, reason = 0, 0, [], [], None
         for a in range(0, max(1, len(keys)), per):
             chunk = keys[a:a + per]
             r = self._post("/v1/lookup", {"namespace": d.hex(), "keys": keys_to_hex(chunk)})
@@ -469,10 +469,11 @@ class RemoteKVStore:
             load_s += r["load_s"]
             if useful == a:
                 useful += r["useful_blocks"]
+                reason = r.get("not_useful_reason")
             if r["matched_blocks"] < len(chunk):
                 break
         res = RemoteLookupResult(keys[:matched], tiers, load_s, useful, num_keys, self.layout.tokens_per_block,
-                                 request_id)
+                                 request_id, reason if useful < matched else None)
         res.ns = d
         return res
 

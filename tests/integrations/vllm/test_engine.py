@@ -119,7 +119,7 @@ def engine(model_dir, baseline, persisted):
     store = engine_store(eid)
     # freeze the cost model's bandwidth learning: which hits are "useful" must not depend on
     # how busy the shared test machine is (a slow read must not turn NVMe hits into misses)
-    store.cost_model.ewma_alpha = 0.0
+    store.cost_model.measured_window = 0
     yield llm, store, eid
     shutdown(llm)
 
