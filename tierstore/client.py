@@ -62,7 +62,6 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-import aiohttp
 import numpy as np
 import torch
 
@@ -72,6 +71,9 @@ from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .index import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
+from .extras import require
+
+aiohttp = require("aiohttp", "tierstore.client (the daemon's client)")
 
 #: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
 #: what they are for (``tests/server/test_client_parity.py`` keeps this equal to the difference of
