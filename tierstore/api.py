@@ -1113,21 +1113,30 @@ class KVStore:
         self._index.check_invariants(quiescent)
 
     # -------------------------------------------------------------- close
-    def close(self, *, flush: bool | None = None) -> None:
+    def close(self, *, flush: bool | None = None) -> int:
         """Finish submitted calls, write memory-only blocks to NVMe (``flush``,
-        default: the ``flush_on_close`` setting) and close the NVMe tier."""
+        default: the ``flush_on_close`` setting) and close the NVMe tier.
+
+        Returns
+        -------
+        int
+            Blocks written down to NVMe by this close (0 without NVMe, with
+            ``flush`` off, or when the store was closed already).
+        """
         with self._pool_lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
         self._mover.shutdown()
         f = self._flush
+        written = 0
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
+            written = self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:
             self.remote.close()
+        return written
 
     def __enter__(self) -> "KVStore":
         return self

@@ -47,6 +47,12 @@ imported this module earlier skips that check; the constructors then refuse.
 ``kv_load_failure_policy`` must be ``"recompute"``: a block tierstore cannot
 deliver is then recomputed, never served wrong and never a failed request.
 
+**Logging.** One INFO line when the store opens (``register_kv_caches``: tiers
+and capacities, the NVMe path, blocks recovered from it, the remote tier's
+state, the KV layout) and one when it closes (blocks written down to NVMe), on
+the ``vllm.tierstore`` logger, so that vLLM's handler and ``VLLM_LOGGING_LEVEL``
+apply (:func:`tierstore.integrations._common.log_store_opened`).
+
 **Identity.** A request's namespace (:class:`~tierstore.identity.Namespace`):
 ``model`` from the model and revision (a weights fingerprint for a local
 directory without one, :func:`tierstore.integrations._common.model_identity`),
@@ -160,7 +166,7 @@ from ..identity import Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
 from ..index import Tier
-from ._common import LIFETIME_HINTS, model_identity, split_extra_config
+from ._common import LIFETIME_HINTS, close_store_logged, log_store_opened, model_identity, split_extra_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -170,7 +176,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("tierstore.vllm")
+#: Under vLLM's logger: vLLM configures only the ``vllm`` logger (its handler, format and
+#: ``VLLM_LOGGING_LEVEL``; it does not propagate to the root logger), so a ``tierstore.*`` logger's
+#: INFO lines would go nowhere in ``vllm serve``.
+logger = logging.getLogger("vllm.tierstore")
 
 #: The key of the connector's own section in ``kv_connector_extra_config``.
 SECTION = "connector"
@@ -392,10 +401,10 @@ def engine_namespace(engine_id: str, cache_salt: str | None = None, lora_request
 
 def _close_all() -> None:
     with _REGISTRY_LOCK:
-        states = list(_REGISTRY.values())
+        states = list(_REGISTRY.items())
         _REGISTRY.clear()
-    for st in states:
-        st.store.close()
+    for eid, st in states:
+        close_store_logged(logger, f"vLLM engine {eid}", st.store)
 
 
 atexit.register(_close_all)
@@ -783,9 +792,9 @@ class _WorkerSide:
                 store.close()
                 raise ConfigError(f"engine {eid!r} already registered its KV caches with tierstore")
             self._shared = _REGISTRY[eid] = _EngineStore(store, eng, base_ns, self._settings)
-        logger.info("tierstore: engine %s, %s layout %s (%d B per %d-token block, interior %s), model %s",
-                    eid, eng.pool.device, eng.layout.block_order, eng.layout.bytes_per_block,
-                    eng.layout.tokens_per_block, eng.interior, base_ns.model)
+        log_store_opened(logger, f"vLLM engine {eid}", store,
+                         f"{eng.pool.device} layout {eng.layout.block_order} ({eng.layout.bytes_per_block} B per "
+                         f"{eng.layout.tokens_per_block}-token block, interior {eng.interior}), model {base_ns.model}")
 
     @property
     def shared(self) -> _EngineStore:
@@ -937,7 +946,7 @@ class _WorkerSide:
             if mine:
                 del _REGISTRY[eid]
         if mine:
-            self._shared.store.close()
+            close_store_logged(logger, f"vLLM engine {eid}", self._shared.store)
 
 
 # ----------------------------------------------------------------------------- the connector
