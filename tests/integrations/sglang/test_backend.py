@@ -300,7 +300,7 @@ def test_one_line_at_start_and_one_at_shutdown(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "tierstore.integrations.sglang"]
     assert len(lines) == 4, lines
     who = "SGLang HiCache L3 (model acme/tiny-llama, tp 0/1, pp 0/1)"
-    nvme = rf"nvme [0-9.]+MiB at {re.escape(str(tmp_path))}/sglang_\S+\.nvme"
+    nvme = rf"nvme [0-9.]+[KMG]iB at {re.escape(str(tmp_path))}/sglang_\S+\.nvme"
     assert re.fullmatch(rf"tierstore opened for {re.escape(who)}: tiers host [0-9.]+[KM]iB, {nvme} "
                         r"\(0 blocks recovered\); remote tier off; page_first layout, .*", lines[0]), lines[0]
     assert lines[1] == f"tierstore closed for {who}: 3 blocks written down to NVMe, 3 blocks on NVMe for a " \
