@@ -150,3 +150,22 @@ def test_estimates_are_reported_per_tier():
     assert e["remote"]["measured_loads"] == 3 and e["remote"]["measured_ms_per_block"] == pytest.approx(0.5)
     assert e["nvme"]["measured_ms_per_block"] is None
     assert e["nvme"]["declared_ms_per_block"] == pytest.approx(1.2486, rel=1e-4)
+
+
+def test_bounded_estimates_are_the_clamped_cumulative_time():
+    """The per-block increments (computed per regime, a lookup's hot path) add up to
+    clamp(j * median, declared(j) / max_speedup, max_slowdown * declared(j)) at every j."""
+    import math
+    import random
+
+    from tierstore.policies.cost import _bounded_increments
+    rng = random.Random(7)
+    for _ in range(3000):
+        lat, x = rng.choice([0.0, rng.uniform(0, 2e-3)]), rng.uniform(1e-7, 5e-3)
+        m = rng.choice([rng.uniform(0, 3e-2), x * rng.uniform(0.01, 10)])
+        lo_f, hi_f = 1 / rng.choice([1, 2, 32]), rng.choice([1.0, 1.5, 4.0, math.inf])
+        n = rng.randint(1, 200)
+        j = np.arange(1, n + 1, dtype=np.float64)
+        want = np.minimum(np.maximum(j * m, lo_f * (lat + j * x)), hi_f * (lat + j * x))
+        got = np.cumsum(_bounded_increments(m, lat, x, lo_f, hi_f, n))
+        assert np.allclose(got, want, rtol=1e-9, atol=1e-15), (m, lat, x, lo_f, hi_f, n)

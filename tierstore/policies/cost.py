@@ -193,10 +193,7 @@ class CostModel:
         hi_f, lo_f = self.max_slowdown, 1.0 / self.max_speedup
         if lo_f * (lat + x) <= m <= hi_f * x:  # within bounds at every j (both bounds grow with j)
             return [m] * count
-        j = np.arange(1, count + 1, dtype=np.float64)
-        decl = lat + j * x
-        cum = np.minimum(np.maximum(j * m, lo_f * decl), hi_f * decl)
-        return np.diff(cum, prepend=0.0).tolist()
+        return _bounded_increments(m, lat, x, lo_f, hi_f, count)
 
     def chain_load_s(self, tiers: list[str], block_bytes: int) -> list[float]:
         """Estimated seconds of each block of a matched chain (tier names, in
@@ -318,6 +315,36 @@ class CostModel:
         verdict = "slower than" if est_s > re_s else "no faster than"
         head = f"load {verdict} recompute: est {est_s * 1e3:.3g} ms vs recompute {re_s * 1e3:.3g} ms per block"
         return f"{head} ({'; '.join(how)})"
+
+
+def _bounded_increments(m: float, lat: float, x: float, lo_f: float, hi_f: float, count: int) -> list[float]:
+    """Increments of ``cum(j) = clamp(j*m, lo_f*(lat + j*x), hi_f*(lat + j*x))``, ``j = 1..count``.
+
+    The three lines cross at most twice, so ``j`` runs through at most three
+    regimes in the order lo, measured, hi (``j*m`` rises faster than the low
+    bound and slower than the high one past their crossings); each regime adds
+    a constant per block, so only its first block is computed. Lookups call
+    this per tier: a few microseconds for any chain length.
+    """
+    def cum(j: int) -> float:
+        if j <= 0:
+            return 0.0
+        d = lat + j * x
+        return min(max(j * m, lo_f * d), hi_f * d)
+
+    # lo regime: j*m < lo_f*(lat + j*x)  <=>  j < lo_f*lat / (m - lo_f*x)
+    j1 = lo_f * lat / (m - lo_f * x) if m > lo_f * x else math.inf
+    # hi regime: j*m > hi_f*(lat + j*x)  <=>  j > hi_f*lat / (m - hi_f*x)
+    j2 = hi_f * lat / (m - hi_f * x) if m > hi_f * x and math.isfinite(hi_f) else math.inf
+    a = count if math.isinf(j1) else max(0, min(count, math.ceil(j1) - 1))   # last j of the lo regime
+    b = count if math.isinf(j2) else max(a, min(count, math.floor(j2)))      # last j of the measured one
+    out = [0.0] * count
+    for start, end, inc in ((1, a, lo_f * x), (a + 1, b, m), (b + 1, count, hi_f * x)):
+        if start > end:
+            continue
+        out[start - 1] = cum(start) - cum(start - 1)
+        out[start:end] = [inc] * (end - start)
+    return out
 
 
 def _size(n: int) -> str:
