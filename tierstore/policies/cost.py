@@ -58,10 +58,12 @@ tier          bandwidth      latency    source
                                         reads (about 80 µs each) plus the software path
 ``remote``    1 GB/s         1 ms       a 10 GbE link (1.25 GB/s line rate); one
                                         Mooncake ``batch_get_into`` call (master RPC
-                                        plus transfer setup). Measured on this
-                                        project's loaded 2-core VM over loopback TCP:
-                                        about 0.5 GB/s for 2 MiB objects and 2-5 ms a
-                                        call of 8 small objects (tests/remote)
+                                        plus transfer setup). Measured for issue 22
+                                        on the 2-core VM (two processes, one master,
+                                        loopback TCP, load average 2-3): 3.9 ms per
+                                        2 MiB object in batch_get_into calls of 8
+                                        (0.54 GB/s); whole loads of 8 objects of
+                                        8 KiB, 1.5-5.8 ms
 ============ ============== ========== ==============================================
 
 ``prefill_tokens_per_s`` 10,000: the order of an 8B model's prefill on one
