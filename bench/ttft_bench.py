@@ -76,7 +76,7 @@ def make_stores(layout, max_blocks: int, nvme_dir: str, prefill_tok_s: float,
     out = {}
     nvme_dir = tempfile.mkdtemp(prefix="store_", dir=nvme_dir)
     for t in tiers:
-        kw = dict(promotion="none", cost=CostModel(prefill_tokens_per_s=prefill_tok_s, ewma_alpha=0.0))
+        kw = dict(promotion="none", cost=CostModel(prefill_tokens_per_s=prefill_tok_s, measured_window=0))
         if t == "hbm":
             out[t] = KVStore(layout, hbm_bytes=cap, **kw)
         elif t == "host":

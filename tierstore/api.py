@@ -29,8 +29,10 @@ separate executors, so a load never waits behind a store's NVMe writes).
 hashed, stored and matched; a partial tail is always recomputed.
 
 **Useful hits.** A matched block is *useful* only when loading it is faster than
-recomputing it (:class:`tierstore.policies.cost.CostModel`); load
-``LookupResult.useful_keys``, not all matched keys.
+recomputing it (:class:`tierstore.policies.cost.CostModel`: declared tier figures,
+refined by measured loads, NVMe reads and Mooncake transfers, within bounds); load
+``LookupResult.useful_keys`` (``load(result)`` does), not all matched keys.
+``LookupResult.not_useful_reason`` says why when fewer are useful than matched.
 
 **Shutdown and restarts.** :meth:`KVStore.close` writes blocks that live only in
 memory down to the NVMe tier (bounded by ``flush_timeout_s`` and
@@ -533,7 +535,7 @@ class KVStore:
                 or (digest is not None and digest in self._remote_barred)):
             return res
         cost, bb = self.cost_model, self.layout.bytes_per_block
-        out_keys, tiers, load_s = list(res.keys), list(res.tiers), list(res.load_s)
+        out_keys, tiers = list(res.keys), list(res.tiers)
         pos, n_remote, n_local = res.matched_blocks, 0, 0
         for _ in range(self.REMOTE_ROUNDS):
             n = self.remote.exists_prefix(keys[pos:])
@@ -547,7 +549,6 @@ class KVStore:
                     self._remote_ns.pop(next(iter(self._remote_ns)))
             out_keys += more
             tiers += [Tier.REMOTE] * n
-            load_s += [cost.load_s("remote", bb)] * n
             pos += n
             n_remote += n
             m = self._index.probe(keys[pos:]) if pos < len(keys) else 0
@@ -558,18 +559,20 @@ class KVStore:
                     break
                 out_keys.append(k)
                 tiers.append(here[0])
-                load_s.append(cost.load_s(here[0].label, bb))
                 pos += 1
                 n_local += 1
             if m <= 0 or pos >= len(keys):
                 break
         if n_remote == 0:
             return res
-        useful = cost.useful_blocks([t.label for t in tiers], bb, self.layout.tokens_per_block)
+        labels = [t.label for t in tiers]
+        load_s = cost.chain_load_s(labels, bb)  # remote estimates: measured Mooncake loads (build wires them)
+        useful = cost.useful_prefix(load_s, self.layout.tokens_per_block)
+        reason = cost.not_useful_reason(labels, load_s, useful, bb, self.layout.tokens_per_block)
         self._index.metrics.add({"remote_hit_blocks": n_remote, "hit_blocks": n_remote + n_local,
                                  "useful_blocks": useful - res.useful_blocks})
         return LookupResult(out_keys, tiers, load_s, useful, res.requested_blocks, res.tokens_per_block,
-                            res.request_id)
+                            res.request_id, reason)
 
     def _touched(self, res: LookupResult) -> LookupResult:
         """Tell the NVMe region manager which of its regions were hit (region LRU)."""
@@ -1110,21 +1113,30 @@ class KVStore:
         self._index.check_invariants(quiescent)
 
     # -------------------------------------------------------------- close
-    def close(self, *, flush: bool | None = None) -> None:
+    def close(self, *, flush: bool | None = None) -> int:
         """Finish submitted calls, write memory-only blocks to NVMe (``flush``,
-        default: the ``flush_on_close`` setting) and close the NVMe tier."""
+        default: the ``flush_on_close`` setting) and close the NVMe tier.
+
+        Returns
+        -------
+        int
+            Blocks written down to NVMe by this close (0 without NVMe, with
+            ``flush`` off, or when the store was closed already).
+        """
         with self._pool_lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
         self._mover.shutdown()
         f = self._flush
+        written = 0
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
+            written = self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:
             self.remote.close()
+        return written
 
     def __enter__(self) -> "KVStore":
         return self

@@ -353,6 +353,8 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
     if cfg.remote is not None:
         remote, share = _open_remote(cfg, bb, index)
     mover = Mover(pools, nvme, placement.placement_for if placement.enabled else None, remote)
+    if remote is not None:  # remote loads are priced from measured Mooncake transfers
+        remote.set_load_observer(lambda n, secs: index.config.cost.observe_load("remote", n * bb, secs, n))
     return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)
 
 

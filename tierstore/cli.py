@@ -22,8 +22,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench.cli import main as bench_main
         return bench_main(rest)
     if cmd == "serve":
+        from .errors import ConfigError
+        from .extras import require
         try:
+            for mod in ("aiohttp", "prometheus_client"):
+                require(mod, "the daemon")
             from .server.daemon import main as serve_main
+        except ConfigError as e:
+            print(f"tierstore serve: {e}", file=sys.stderr)
+            return 1
         except ImportError as e:
             print(f"tierstore serve: the daemon is not available: {e}", file=sys.stderr)
             return 1

@@ -62,7 +62,6 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-import aiohttp
 import numpy as np
 import torch
 
@@ -72,6 +71,9 @@ from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .index import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
+from .extras import require
+
+aiohttp = require("aiohttp", "tierstore.client (the daemon's client)")
 
 #: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
 #: what they are for (``tests/server/test_client_parity.py`` keeps this equal to the difference of
@@ -460,7 +462,7 @@ class RemoteKVStore:
 
     def _lookup_keys(self, d: bytes, keys: list[bytes], request_id, num_keys: int) -> RemoteLookupResult:
         per = self.max_keys_per_request
-        matched, useful, tiers, load_s = 0, 0, [], []
+        matched, useful, tiers, load_s, reason = 0, 0, [], [], None
         for a in range(0, max(1, len(keys)), per):
             chunk = keys[a:a + per]
             r = self._post("/v1/lookup", {"namespace": d.hex(), "keys": keys_to_hex(chunk)})
@@ -469,10 +471,11 @@ class RemoteKVStore:
             load_s += r["load_s"]
             if useful == a:
                 useful += r["useful_blocks"]
+                reason = r.get("not_useful_reason")
             if r["matched_blocks"] < len(chunk):
                 break
         res = RemoteLookupResult(keys[:matched], tiers, load_s, useful, num_keys, self.layout.tokens_per_block,
-                                 request_id)
+                                 request_id, reason if useful < matched else None)
         res.ns = d
         return res
 

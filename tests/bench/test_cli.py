@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -201,3 +202,21 @@ def test_cmdhelp(run_bench):
     assert rc == 0 and "RUH Status" in out
     rc, out, _ = run_bench("--cmdhelp")
     assert rc == 0 and all(k in out for k in ("eviction", "lifetime_mix", "dataplacement"))
+
+
+def test_progress_without_rich_prints_status_lines_on_a_terminal(monkeypatch, capsys):
+    """The core install has no rich (tierstore[bench]): on a terminal the bar becomes fio's status lines."""
+    import sys as _sys
+
+    from tierstore.bench.registry import StatusOptions
+    monkeypatch.setitem(_sys.modules, "rich", None)  # import rich -> ImportError
+    monkeypatch.setattr(_sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(_sys.stderr, "isatty", lambda: True)
+    with job_progress("job", status=StatusOptions(eta_newline_s=0.05)) as progress:
+        assert progress.enabled is False and progress.line_interval_s == 0.05
+        progress.start(total=10, unit="req")
+        progress.update(5)
+        deadline = time.monotonic() + 10
+        while progress.lines == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert "Jobs: 1 (f=1): [job(1)][50.0%]" in capsys.readouterr().err

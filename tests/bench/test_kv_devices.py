@@ -99,7 +99,7 @@ def test_kvload_says_why_nothing_was_loaded_when_recompute_wins(tmp_path, monkey
     (no calibration) judges every matched block not worth loading; the report says so and why."""
     import tierstore.build
     from tierstore.policies.cost import CostModel
-    monkeypatch.setattr(tierstore.build, "CostModel", lambda: CostModel(prefill_tokens_per_s=1e15, ewma_alpha=0.0))
+    monkeypatch.setattr(tierstore.build, "CostModel", lambda: CostModel(prefill_tokens_per_s=1e15, measured_window=0))
     kv = _run(tmp_path, "--rw=kvload", f"--directory={tmp_path}", *_LLAMA_SMALL)["kv"]
     assert (kv["matched_blocks"], kv["useful_blocks"], kv["loaded_blocks"]) == (24, 0, 0)
     assert kv["not_loaded_reason"].startswith("24 matched blocks were not loaded because the cost model judged "

@@ -77,3 +77,44 @@ def test_split_extra_config():
 def test_split_extra_config_errors(doc, match):
     with pytest.raises(ConfigError, match=match):
         split_extra_config(doc, "mine", Section, "extra")
+
+
+def test_start_and_shutdown_lines_say_tiers_recovery_and_what_was_written_down(tmp_path, caplog):
+    """Issue 22, item 13: the one start line and the one shutdown line every connector logs."""
+    import logging
+
+    import numpy as np
+    import torch
+
+    from tierstore import KVStore, Namespace, get_layout
+    from tierstore.integrations._common import close_store_logged, log_store_opened
+    from tierstore.units import format_bytes
+
+    log = logging.getLogger("tierstore.test-connector")
+    lay = get_layout("tiny")
+    path = str(tmp_path / "kv")
+    ns = Namespace(model="m")
+    toks = np.arange(6 * lay.tokens_per_block)
+    with caplog.at_level(logging.INFO, logger="tierstore.test-connector"):
+        s = KVStore(lay, host_bytes=8 * lay.bytes_per_block, nvme_path=path, nvme_bytes=16 << 20)
+        log_store_opened(log, "engine e1", s, "layout x")
+        s.store(ns, toks, torch.randn(6, *lay.block_shape).to(lay.dtype))  # write-back: in host memory only
+        assert close_store_logged(log, "engine e1", s) == 6
+        s = KVStore(lay, host_bytes=8 * lay.bytes_per_block, nvme_path=path, nvme_bytes=16 << 20)
+        log_store_opened(log, "engine e2", s)
+        assert close_store_logged(log, "engine e2", s) == 0
+        m = KVStore(lay, host_bytes=8 * lay.bytes_per_block)
+        m.store(ns, toks[:2 * lay.tokens_per_block], torch.randn(2, *lay.block_shape).to(lay.dtype))
+        log_store_opened(log, "engine e3", m)
+        close_store_logged(log, "engine e3", m)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == 6, lines
+    host, nvme = format_bytes(8 * lay.bytes_per_block), format_bytes(s.capacity_bytes()["nvme"])
+    assert lines[0] == (f"tierstore opened for engine e1: tiers host {host}, nvme {nvme} at {path} "
+                        "(0 blocks recovered); remote tier off; layout x")
+    assert lines[1] == "tierstore closed for engine e1: 6 blocks written down to NVMe, 6 blocks on NVMe " \
+                       "for a restart on the same path"
+    assert lines[2].startswith("tierstore opened for engine e2: ") and "(6 blocks recovered)" in lines[2]
+    assert lines[3].endswith(": 0 blocks written down to NVMe, 6 blocks on NVMe for a restart on the same path")
+    assert lines[4] == f"tierstore opened for engine e3: tiers host {host}; remote tier off"
+    assert lines[5] == "tierstore closed for engine e3: no NVMe tier, the 2 blocks in memory are not kept"

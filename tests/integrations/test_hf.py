@@ -60,7 +60,7 @@ def new_store(tmp_path):
                                 extent_size_bytes=seg, owns_engine=True)
         # frozen cost model (no bandwidth learning): which hits are "useful" must not depend
         # on how busy the shared test machine is
-        kw.setdefault("cost", CostModel(ewma_alpha=0.0))
+        kw.setdefault("cost", CostModel(measured_window=0))
         s = KVStore(layout, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme=nv,
                     nvme_path=str(tmp_path / f"seg{len(stores)}") if backend == "file" else None,
                     nvme_bytes=max(nvme * bb, 8 << 20) if backend == "file" else 0, **kw)

@@ -234,7 +234,7 @@ def test_prefix_lifetime_predictor_rules():
 
 
 # ---------------------------------------------------------------- load vs recompute (peers' failure modes)
-def test_disk_hits_slower_than_recompute_are_not_loaded(make_store, layout, ns):
+def test_disk_hits_slower_than_recompute_are_not_loaded(make_store, layout, ns, caplog):
     s = make_store(hbm=0, host=6, nvme=8, promotion="none")
     toks = tokens(6 * B)
     s.store(ns, toks, make_blocks(layout, 6))
@@ -243,10 +243,26 @@ def test_disk_hits_slower_than_recompute_are_not_loaded(make_store, layout, ns):
     cm.prefill_tokens_per_s = B / 1e-3  # recomputing a block takes 1 ms
     for _ in range(60):  # the I/O engine measures a slow disk: 10 ms per block
         cm.observe_load("nvme", layout.bytes_per_block, 1e-2)
+    # by default a measurement never makes a tier slower than declared (a busy machine must not
+    # turn every hit into a miss): the hits stay useful, and the slow measurement is logged once
+    hit = s.lookup(ns, toks)
+    assert hit.matched_blocks == 6 and hit.useful_blocks == 6 and hit.not_useful_reason is None
+    assert cm.measured_s("nvme", layout.bytes_per_block) == pytest.approx(1e-2)
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records
+                                                          if "measured 10.00 ms" in r.message)) == 1
+    # a deployment that trusts its measurements lifts the bound: the slow NVMe run is not loaded
+    cm.max_slowdown = float("inf")
     hit = s.lookup(ns, toks)
     assert hit.matched_blocks == 6
     assert all(t == Tier.NVME for t in hit.tiers[:4])
     assert hit.useful_blocks == 0  # the leading NVMe run is slower than recompute
+    assert hit.not_useful_reason.startswith("load slower than recompute: est ")
+    assert "nvme: measured 10 ms per block" in hit.not_useful_reason
+    # a declared slow disk is not loaded either, measured or not
+    cm.max_slowdown = 1.0
+    cm.reset_measurements()
+    cm.bandwidth_bytes_per_s["nvme"] = layout.bytes_per_block / 1e-2
+    assert s.lookup(ns, toks).useful_blocks == 0
     cm.bandwidth_bytes_per_s["nvme"] = 1e12
     cm.latency_s["nvme"] = 0.0
     assert s.lookup(ns, toks).useful_blocks == 6

@@ -1,6 +1,7 @@
 """A KVStore with the shared remote tier, in its own process (tests/remote/test_store_sharing.py).
 
-argv[1]: JSON ``{"remote": RemoteConfig fields, "host_blocks": int, "tenant": str}``.
+argv[1]: JSON ``{"remote": RemoteConfig fields, "host_blocks": int, "tenant": str,
+"prefill_tokens_per_s": float}`` (the last: the engine's prefill rate for the cost model).
 Line protocol on stdin/stdout (one JSON object per line), as tests/remote/worker.py:
 
 * ``{"op": "store", "prompts": [[seed, nblocks], ...]}`` stores each prompt
@@ -8,7 +9,12 @@ Line protocol on stdin/stdout (one JSON object per line), as tests/remote/worker
   is empty; answers the OK count.
 * ``{"op": "lookup", "prompts": [...]}`` looks each prompt up, loads the
   matched prefix, checks every byte, and answers per prompt the matched and
-  loaded block counts, the wrong blocks (must be 0), the tiers and the seconds.
+  loaded block counts, the wrong blocks (must be 0), the tiers and the seconds,
+  and the lookup's ``useful`` count and ``not_useful_reason``. With
+  ``"useful": true`` it loads the lookup result itself (``load(hit)``: its
+  useful prefix) instead of every matched key.
+* ``{"op": "cost"}``: the cost model's estimates per tier for this layout
+  (:meth:`CostModel.estimates <tierstore.policies.cost.CostModel.estimates>`).
 * ``{"op": "corrupt", "seed": s, "nblocks": n, "block": i, "how": "payload"|"garbage"}``
   puts a bad object under block ``i``'s object name with Mooncake's own client
   (a raw ``MooncakeDistributedStore.put``: a foreign or hostile writer).
@@ -28,6 +34,7 @@ import torch
 
 from tierstore import KVLayout, KVStore, Namespace, Status
 from tierstore.api import leading_ok
+from tierstore.policies.cost import CostModel
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, tokens_per_block=16)
 
@@ -77,8 +84,11 @@ def main() -> None:
     faulthandler.enable()
     opts = json.loads(sys.argv[1])
     tenant = opts.get("tenant", "acme")
+    runtime = {}
+    if "prefill_tokens_per_s" in opts:
+        runtime["cost"] = CostModel(prefill_tokens_per_s=opts["prefill_tokens_per_s"])
     store = KVStore(LAYOUT, host_bytes=opts.get("host_blocks", 64) * LAYOUT.bytes_per_block, promotion="none",
-                    remote=opts["remote"])
+                    remote=opts["remote"], **runtime)
     store.remote.wait_ok(10)
     print(json.dumps({"ready": store.remote.state}), flush=True)
     for line in sys.stdin:
@@ -97,13 +107,16 @@ def main() -> None:
                 tokens, kv = prompt(s, n)
                 t0 = time.monotonic()
                 hit = store.lookup(ns, tokens)
-                statuses, blocks = store.load(hit.keys)
+                statuses, blocks = store.load(hit if cmd.get("useful") else hit.keys)
                 dt = time.monotonic() - t0
                 k = leading_ok(statuses)
                 wrong = sum(not torch.equal(blocks[i], kv[i]) for i in range(k))
                 res.append({"matched": hit.matched_blocks, "loaded": k, "wrong": wrong, "seconds": dt,
-                            "tiers": [t.label for t in hit.tiers], "status": [x.value for x in statuses]})
+                            "tiers": [t.label for t in hit.tiers], "status": [x.value for x in statuses],
+                            "useful": hit.useful_blocks, "not_useful_reason": hit.not_useful_reason})
             out = {"results": res}
+        elif op == "cost":
+            out = store.cost_model.estimates(LAYOUT.bytes_per_block)
         elif op == "corrupt":
             out = corrupt(store, ns, cmd["seed"], cmd["nblocks"], cmd["block"], cmd.get("how", "payload"))
         elif op == "stats":

@@ -40,8 +40,12 @@ class _Procs:
         self.tmp = tmp
         self.procs: list[WorkerProc] = []
 
-    def spawn(self, master, name: str, tenant: str = "acme", **remote) -> WorkerProc:
-        w = WorkerProc({"remote": _remote(master, **remote), "tenant": tenant}, self.tmp, name, script=SCRIPT)
+    def spawn(self, master, name: str, tenant: str = "acme", prefill_tokens_per_s: float | None = None,
+              **remote) -> WorkerProc:
+        opts = {"remote": _remote(master, **remote), "tenant": tenant}
+        if prefill_tokens_per_s is not None:
+            opts["prefill_tokens_per_s"] = prefill_tokens_per_s
+        w = WorkerProc(opts, self.tmp, name, script=SCRIPT)
         self.procs.append(w)
         return w
 
@@ -53,6 +57,11 @@ class _Procs:
                 w.kill9()
 
 
+#: The engine's prefill rate the workers' cost models use: 20,000 tokens/s, so recomputing a
+#: 16-token block takes 0.8 ms, less than one Mooncake call's declared 1 ms (CostModel).
+PREFILL_TOKENS_PER_S = 20_000.0
+
+
 @pytest.fixture(scope="module")
 def shared(mooncake_wheel, tmp_path_factory):
     """One master (HTTP metadata server, the config's default) and A, B (tenant acme),
@@ -60,7 +69,8 @@ def shared(mooncake_wheel, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("store-sharing")
     m = Master(tmp, metadata="http").start()
     p = _Procs(tmp)
-    ws = {n: p.spawn(m, n, tenant=t) for n, t in (("a", "acme"), ("b", "acme"), ("y", "bravo"), ("c", "acme"))}
+    ws = {n: p.spawn(m, n, tenant=t, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
+          for n, t in (("a", "acme"), ("b", "acme"), ("y", "bravo"), ("c", "acme"))}
     try:
         for w in ws.values():
             assert w.ready["ready"] == "ok", w.log_tail()
@@ -93,6 +103,33 @@ def test_processes_share_prefixes_byte_exact_and_a_cold_third_hits_both(shared):
     assert [r["loaded"] for r in got] == [4, 5] and sum(r["wrong"] for r in got) == 0
     st = c.call("stats")
     assert st["remote_loaded_blocks"] == 9 and st["remote_hit_blocks"] == 9
+
+
+def test_a_remote_hit_that_beats_recompute_is_useful_and_load_of_the_result_loads_it(shared):
+    """Issue 22, item 9: B's lookup found 8 blocks in the remote tier with useful_blocks=0, so
+    load(result) loaded nothing. A remote load of 8 blocks is one Mooncake call: its latency is
+    paid once (8 x 16 KiB at the declared 1 GB/s + 1 ms: 1.1 ms against 6.4 ms of prefill), and
+    once B has loaded, its estimate is the measured Mooncake transfer time (bounded by the
+    declared one)."""
+    a, b = shared["a"], shared["b"]
+    assert a.call("store", prompts=[[60, 8]])["ok"] == 8
+    r = b.call("lookup", prompts=[[60, 8]], useful=True)["results"][0]
+    assert (r["matched"], r["useful"], r["not_useful_reason"]) == (8, 8, None), r
+    assert set(r["tiers"]) == {"remote"} and r["loaded"] == 8 and r["wrong"] == 0, r
+    est = b.call("cost")["remote"]
+    assert est["measured_loads"] >= 1, est  # Mooncake transfers feed the estimate
+    assert a.call("store", prompts=[[s, 8] for s in (61, 62, 63)])["ok"] == 24
+    for seed in (61, 62, 63):  # three more remote loads: a measured estimate (min_measured)
+        r = b.call("lookup", prompts=[[seed, 8]], useful=True)["results"][0]
+        assert (r["useful"], r["loaded"], r["wrong"]) == (8, 8, 0), r
+    est = b.call("cost")["remote"]
+    assert est["measured_loads"] >= 4 and est["measured_ms_per_block"] > 0, est
+    # bounded: whatever the transfers took on this machine, the estimate of 8 blocks is at most
+    # the declared one (1 ms + 8 x 16 KiB at 1 GB/s), so the next remote hit is useful too
+    assert est["estimate_ms_per_block_of_8"] <= (1.0 + 8 * 16384 / 1e6) / 8 + 1e-9, est
+    assert a.call("store", prompts=[[64, 8]])["ok"] == 8
+    r = b.call("lookup", prompts=[[64, 8]], useful=True)["results"][0]
+    assert (r["useful"], r["loaded"], r["wrong"]) == (8, 8, 0), (r, est)
 
 
 def test_other_tenant_zero_remote_reuse_both_ways(shared):

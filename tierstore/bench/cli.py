@@ -41,6 +41,7 @@ import threading
 from typing import Iterator, Sequence
 
 from ..errors import ConfigError, TierStoreError
+from ..extras import require
 from . import output as out_mod
 from .jobfile import parse_jobs, schema_help, showcmd
 from .plot import plot_results
@@ -189,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         load_runner_modules()
         runners = [get_runner(spec.options["rw"]) for spec in specs]
+        if own.get("plot"):  # before the run, not after it
+            require("matplotlib", "--plot")
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
 

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..extras import require
 from .result import JobResult
 
 __all__ = ["plot_job", "plot_results"]
@@ -29,7 +30,7 @@ def _safe(name: str) -> str:
 
 
 def _figure():
-    import matplotlib
+    matplotlib = require("matplotlib", "tierstore bench --plot")
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)

@@ -30,7 +30,8 @@ interrupted run. A second signal interrupts at once (``KeyboardInterrupt``).
 Status output
 -------------
 fio draws its ETA line only on a terminal. Here the rich bar is drawn when
-stdout and stderr are terminals; otherwise :class:`BenchProgress` prints a
+stdout and stderr are terminals and ``rich`` is installed (``tierstore[bench]``);
+otherwise :class:`BenchProgress` prints a
 fio-style status line (``Jobs: 1 (f=1): [kvtrace(1)][45.0%][...][eta 00m:11s]``)
 to stderr every ``eta_newline_s`` seconds, so a long run with redirected output
 still shows progress (``--eta=never`` silences it, ``--status-interval=T``
@@ -49,6 +50,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from ..errors import ConfigError, TierStoreError
+from ..extras import available
 from .result import JobResult
 
 __all__ = [
@@ -411,9 +413,11 @@ def job_progress(description: str, enabled: bool | None = None, delay_s: float =
     status = status or _STATUS[0]
     out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
     bar = status.bar(out_tty, err_tty) if enabled is None else enabled
-    progress = BenchProgress(description, enabled=bar, delay_s=delay_s,
-                             line_interval_s=None if enabled is not None else status.line_interval_s(out_tty,
-                                                                                                   err_tty))
+    lines = None if enabled is not None else status.line_interval_s(out_tty, err_tty)
+    if bar and not available("rich"):  # the core install: fio's status lines instead of the bar
+        bar = False
+        lines = lines or status.eta_newline_s
+    progress = BenchProgress(description, enabled=bar, delay_s=delay_s, line_interval_s=lines)
     progress.open()
     token = _CURRENT.set(progress)
     try:

@@ -59,9 +59,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import sh
-
 from ..errors import ConfigError, CorruptData, TierStoreError
+from ..extras import require
 from . import logpages as lp
 
 __all__ = ["NvmeCliError", "NvmeCli", "FdpDeviceStats", "FdpDeviceInfo", "FID_FDP",
@@ -257,15 +256,18 @@ class NvmeCli:
         self.nvme = nvme
         self.timeout_s = timeout_s
 
-    def _cmd(self) -> sh.Command:
+    def _cmd(self) -> "sh.Command":
+        sh = require("sh", "driving nvme-cli")
         try:
             return sh.Command(self.nvme)
         except sh.CommandNotFound:
             raise NvmeCliError(f"nvme-cli not found ({self.nvme!r}); install the nvme-cli package") from None
 
     def run(self, args: Sequence[str]) -> bytes:
-        """Run ``nvme *args`` and return stdout as bytes; raise :class:`NvmeCliError` on failure."""
+        """Run ``nvme *args`` and return stdout as bytes; raise :class:`NvmeCliError` on failure
+        (:class:`~tierstore.errors.ConfigError` without the ``sh`` package: ``tierstore[fdp]``)."""
         cmd = self._cmd()
+        sh = require("sh", "driving nvme-cli")
         try:
             rc = cmd(*[str(a) for a in args], _return_cmd=True, _timeout=self.timeout_s,
                      _env={**os.environ, "LC_ALL": "C"})

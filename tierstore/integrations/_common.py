@@ -4,6 +4,13 @@ configuration plus the connector's own typed section.
 
 Nothing here imports an engine.
 
+Start and shutdown lines. Inside an engine, tierstore says two things at INFO
+(:func:`log_store_opened`, :func:`close_store_logged`, one format for every
+connector): when its store opens, the tiers and their capacities, the NVMe
+path, the blocks recovered from it and the remote tier's state; when it
+closes, the blocks written down to NVMe (or, without NVMe, the blocks that are
+not kept).
+
 Model identity. Two engines may share KV only if they run the same weights
 (:class:`tierstore.identity.Namespace`). An engine names its model by a hub id
 and an optional revision, or by a local directory. :func:`model_identity`
@@ -23,11 +30,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..config import StoreConfig, parse_model
 from ..errors import ConfigError
+from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..api import KVStore
 
 #: Weight files hashed by :func:`fingerprint_model_dir` (suffixes).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -161,3 +173,60 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str, section_mo
         raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}")
     store_cfg = StoreConfig.from_dict(doc, what)
     return store_cfg, parse_model(section_model, own, f"{what} section {section!r}")
+
+
+def store_summary(store: "KVStore") -> str:
+    """One line on an open store: tiers with capacities, the NVMe path and the
+    blocks recovered from it (and dropped), the remote tier's state.
+
+    Example: ``"tiers hbm 256.00KiB, host 256.00KiB, nvme 64.00MiB at /mnt/nvme/kv
+    (12 blocks recovered); remote tier off"``.
+    """
+    cap = store.capacity_bytes()
+    tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in cap.items() if n) or "none"
+    parts = [f"tiers {tiers}"]
+    if store.nvme is not None:
+        st = store.nvme.stats() if hasattr(store.nvme, "stats") else {}
+        path = getattr(getattr(store.nvme, "engine", None), "path", None) or getattr(store.nvme, "path", None)
+        rec = f"{int(st.get('recovered_blocks', 0))} blocks recovered"
+        dropped = int(st.get("recovery_dropped_blocks", 0))
+        if dropped:
+            rec += f", {dropped} dropped"
+        parts[0] += f" at {path or 'a device'} ({rec})"
+    r = store.remote
+    if r is None:
+        parts.append("remote tier off")
+    else:
+        s = r.settings
+        state = r.state
+        why = f": {r.stats().get('degraded_reason', '')}" if state == "degraded" else ""
+        parts.append(f"remote tier {state}{why} (Mooncake master {s.master}, cluster {s.cluster!r}, "
+                     f"contributing {format_bytes(s.segment_bytes)})")
+    return "; ".join(parts)
+
+
+def log_store_opened(log: logging.Logger, who: str, store: "KVStore", detail: str = "") -> None:
+    """The start line: ``"tierstore opened for <who>: <store_summary>[; <detail>]"`` at INFO."""
+    log.info("tierstore opened for %s: %s%s", who, store_summary(store), f"; {detail}" if detail else "")
+
+
+def close_store_logged(log: logging.Logger, who: str, store: "KVStore") -> int:
+    """Close ``store`` and say what was kept, at INFO: the blocks written down to
+    NVMe by the close (memory-only blocks, :meth:`KVStore.close <tierstore.api.KVStore.close>`)
+    and the blocks on NVMe; without an NVMe tier, the blocks that are not kept.
+
+    Returns
+    -------
+    int
+        Blocks written down to NVMe.
+    """
+    blocks = int(store.stats().get("blocks", 0))
+    on_nvme = int(store.bytes_per_tier().get("nvme", 0)) // store.layout.bytes_per_block
+    nvme = store.nvme is not None
+    written = store.close() or 0
+    if nvme:
+        log.info("tierstore closed for %s: %d blocks written down to NVMe, %d blocks on NVMe for a restart "
+                 "on the same path", who, written, on_nvme + written)
+    else:
+        log.info("tierstore closed for %s: no NVMe tier, the %d blocks in memory are not kept", who, blocks)
+    return written

@@ -185,6 +185,7 @@ from ..errors import ConfigError, LayoutError, Status
 from ..identity import Namespace, scoped_key
 from ..io.pages import FragmentPlan, KVPagePool
 from ..layout import KVLayout, dtype_name
+from ._common import close_store_logged, log_store_opened
 
 _log = logging.getLogger(__name__)
 
@@ -498,6 +499,7 @@ class HiCacheTierStore(HiCacheStorage):
         self.view: HostPoolView | None = None
         self.namespace: Namespace | None = None
         self._digest: bytes | None = None
+        self._who = "SGLang HiCache L3"
         self._rids = itertools.count(1)
         self._metrics_lock = threading.Lock()
         self.prefetch_pgs: list[int] = []
@@ -536,8 +538,11 @@ class HiCacheTierStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.view, self.namespace, self.store = view, ns, store
         self._digest = store.digest(ns)
-        _log.info("tierstore HiCache L3: %s layout, %d-token pages of %d bytes, tenant %r, write policy %s",
-                  view.host_layout, view.page_size, view.page_bytes, ns.tenant, self.write_policy)
+        self._who = (f"SGLang HiCache L3 (model {sc.model_name}, tp {sc.tp_rank}/{sc.tp_size}, "
+                     f"pp {sc.pp_rank}/{sc.pp_size})")
+        log_store_opened(_log, self._who, store,
+                         f"{view.host_layout} layout, {view.page_size}-token pages of {view.page_bytes} bytes, "
+                         f"tenant {ns.tenant!r}, write policy {self.write_policy}")
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Refuse extra host pools (hybrid models' sidecars): only the KV pool is moved.
@@ -778,7 +783,7 @@ class HiCacheTierStore(HiCacheStorage):
         store, self.store = self.store, None
         self._closed = True
         if store is not None:
-            store.close()
+            close_store_logged(_log, self._who, store)
 
 
 __all__ = ["HiCacheTierStore", "HostPoolView", "SGLangStorageConfig", "SUPPORTED_LAYOUTS"]

@@ -28,7 +28,17 @@ request references; the worker side moves bytes. Both use the same
 (keyed by ``kv_transfer_config.engine_id``). So scheduler and worker must share
 a process: vLLM's engine core with its in-process executor (one GPU, or the CPU
 backend; ``tensor_parallel_size = pipeline_parallel_size = data_parallel_size = 1``).
-Other set-ups are refused at start-up with that reason.
+Other set-ups are refused with that reason (:func:`_check_topology`), before any
+worker starts: vLLM 0.32 builds the scheduler-side connector only after its
+workers have loaded the model and profiled the KV cache (``EngineCore.__init__``
+creates the executor, then the ``Scheduler``), so the constructor would refuse
+minutes late, once in every worker's traceback (2 workers on the CPU backend:
+102 s, the message 10 times). The first tierstore code vLLM runs with the
+engine's config is the import of this module, from ``VllmConfig.__post_init__``
+(``KVConnectorFactory.supports_hma_config``) in the process that creates the
+engine: the import checks that config (:func:`_refuse_at_import`) and fails, so
+``LLM(...)`` or ``vllm serve`` stops in seconds with one message. A process that
+imported this module earlier skips that check; the constructors then refuse.
 
 **Configuration** (``kv_connector_extra_config``): the keys of
 :class:`tierstore.config.StoreConfig` (``tiers``, ``policies``, ``remote``; the
@@ -36,6 +46,12 @@ Other set-ups are refused at start-up with that reason.
 :class:`ConnectorSettings`. Unknown keys are errors at start-up. vLLM's
 ``kv_load_failure_policy`` must be ``"recompute"``: a block tierstore cannot
 deliver is then recomputed, never served wrong and never a failed request.
+
+**Logging.** One INFO line when the store opens (``register_kv_caches``: tiers
+and capacities, the NVMe path, blocks recovered from it, the remote tier's
+state, the KV layout) and one when it closes (blocks written down to NVMe), on
+the ``vllm.tierstore`` logger, so that vLLM's handler and ``VLLM_LOGGING_LEVEL``
+apply (:func:`tierstore.integrations._common.log_store_opened`).
 
 **Identity.** A request's namespace (:class:`~tierstore.identity.Namespace`):
 ``model`` from the model and revision (a weights fingerprint for a local
@@ -128,6 +144,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -149,7 +166,7 @@ from ..identity import Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
 from ..index import Tier
-from ._common import LIFETIME_HINTS, model_identity, split_extra_config
+from ._common import LIFETIME_HINTS, close_store_logged, log_store_opened, model_identity, split_extra_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -159,7 +176,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("tierstore.vllm")
+#: Under vLLM's logger: vLLM configures only the ``vllm`` logger (its handler, format and
+#: ``VLLM_LOGGING_LEVEL``; it does not propagate to the root logger), so a ``tierstore.*`` logger's
+#: INFO lines would go nowhere in ``vllm serve``.
+logger = logging.getLogger("vllm.tierstore")
 
 #: The key of the connector's own section in ``kv_connector_extra_config``.
 SECTION = "connector"
@@ -381,17 +401,25 @@ def engine_namespace(engine_id: str, cache_salt: str | None = None, lora_request
 
 def _close_all() -> None:
     with _REGISTRY_LOCK:
-        states = list(_REGISTRY.values())
+        states = list(_REGISTRY.items())
         _REGISTRY.clear()
-    for st in states:
-        st.store.close()
+    for eid, st in states:
+        close_store_logged(logger, f"vLLM engine {eid}", st.store)
 
 
 atexit.register(_close_all)
 
 
 def _check_topology(vllm_config: "VllmConfig") -> None:
-    """Refuse set-ups whose scheduler and worker are not one process (see the module docstring)."""
+    """Refuse set-ups whose scheduler and worker are not one process (see the module docstring).
+
+    The one place of this rule (a later issue lifts it for multi-process engines).
+
+    Raises
+    ------
+    ConfigError
+        For a tensor, pipeline or data parallel size other than 1.
+    """
     pc = vllm_config.parallel_config
     sizes = {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": pc.pipeline_parallel_size,
              "data_parallel_size": pc.data_parallel_size}
@@ -764,9 +792,9 @@ class _WorkerSide:
                 store.close()
                 raise ConfigError(f"engine {eid!r} already registered its KV caches with tierstore")
             self._shared = _REGISTRY[eid] = _EngineStore(store, eng, base_ns, self._settings)
-        logger.info("tierstore: engine %s, %s layout %s (%d B per %d-token block, interior %s), model %s",
-                    eid, eng.pool.device, eng.layout.block_order, eng.layout.bytes_per_block,
-                    eng.layout.tokens_per_block, eng.interior, base_ns.model)
+        log_store_opened(logger, f"vLLM engine {eid}", store,
+                         f"{eng.pool.device} layout {eng.layout.block_order} ({eng.layout.bytes_per_block} B per "
+                         f"{eng.layout.tokens_per_block}-token block, interior {eng.interior}), model {base_ns.model}")
 
     @property
     def shared(self) -> _EngineStore:
@@ -918,7 +946,7 @@ class _WorkerSide:
             if mine:
                 del _REGISTRY[eid]
         if mine:
-            self._shared.store.close()
+            close_store_logged(logger, f"vLLM engine {eid}", self._shared.store)
 
 
 # ----------------------------------------------------------------------------- the connector
@@ -1010,6 +1038,36 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         (self._sched or self._worker).shutdown()
+
+
+def _config_being_built() -> "VllmConfig | None":
+    """The ``VllmConfig`` whose ``__post_init__`` is importing this module, if any.
+
+    vLLM 0.32 imports a connector's module while it validates the engine's
+    config (``VllmConfig.__post_init__`` -> ``KVConnectorFactory.supports_hma_config``
+    -> ``get_connector_class``), in the process that creates the engine and
+    before the engine core or any worker exists. That frame's ``self`` is the
+    config; it is found by walking the import's caller frames (CPython).
+    """
+    from vllm.config import VllmConfig
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "__post_init__" and isinstance(f.f_locals.get("self"), VllmConfig):
+            return f.f_locals["self"]
+        f = f.f_back
+    return None
+
+
+def _refuse_at_import() -> None:
+    """Run :func:`_check_topology` on the config that vLLM is building with this connector
+    (see the module docstring): an unsupported set-up fails the import, before workers start."""
+    cfg = _config_being_built()
+    ktc = getattr(cfg, "kv_transfer_config", None)
+    if ktc is not None and ktc.kv_connector == "TierstoreConnector":
+        _check_topology(cfg)
+
+
+_refuse_at_import()
 
 
 __all__ = ["TierstoreConnector", "TierstoreConnectorMetadata", "ConnectorSettings", "detect_engine_layout",

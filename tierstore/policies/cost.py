@@ -3,24 +3,88 @@
 A hit is *useful* only when loading its KV is faster than recomputing it
 (prefill). For a prefix of ``k`` full blocks the saving is::
 
-    saved_s(k) = prefill_s(k * tokens_per_block) - sum_{i<k} load_s(tier_i, bytes_per_block)
+    saved_s(k) = prefill_s(k * tokens_per_block) - sum_{i<k} load_s_i
 
 and the engine should load the ``k`` that maximises ``saved_s(k)`` (0 if none
-is positive). ``load_s(tier, n) = latency_s[tier] + n / bandwidth_bytes_per_s[tier]``
-(the classic latency-bandwidth "alpha-beta" model, Hockney 1994).
-``prefill_s(n) = n / prefill_tokens_per_s`` is linear by default; engines with a
-measured quadratic attention term pass ``prefill_quadratic_s_per_token2``
-(prefill FLOPs grow as ``O(n * d^2 + n^2 * d)``, Kaplan et al. 2020 §2.1).
+is positive). ``prefill_s(n) = n / prefill_tokens_per_s`` is linear by default;
+engines with a measured quadratic attention term pass
+``prefill_quadratic_s_per_token2`` (prefill FLOPs grow as
+``O(n * d^2 + n^2 * d)``, Kaplan et al. 2020 §2.1).
 
-Defaults are conservative placeholders (documented, not measured): the policies
-layer and the benchmark calibrate them from measured bandwidth
-(:meth:`CostModel.observe_load`) and a measured prefill rate.
+Load time: declared, then measured, always bounded
+--------------------------------------------------
+A load moves each tier's blocks in **one call** (the mover's one
+``get_fragments`` for NVMe, one ``batch_get_into`` for the remote tier, one
+copy per memory tier), so ``j`` blocks of a tier cost, by the declared
+latency-bandwidth ("alpha-beta", Hockney 1994) model::
+
+    declared_s(tier, j) = latency_s[tier] + j * block_bytes / bandwidth_bytes_per_s[tier]
+
+The call's latency is charged once, on the tier's first block in the chain.
+Once a tier has ``min_measured`` loads of a block size (:meth:`observe_load`),
+the **median** seconds per block of its last ``measured_window`` loads
+replaces the declared figures: ``measured_s(j) = j * median`` (the median
+includes each call's latency, spread over the batch sizes really loaded; a
+median ignores a minority of outliers, e.g. cold reads right after a restart).
+The measured cumulative time is **bounded by the declared one**::
+
+    declared_s(j) / max_speedup  <=  estimate_s(j)  <=  max_slowdown * declared_s(j)
+
+With the default ``max_slowdown = 1`` a measurement can make a tier look faster
+than declared, never slower: a chain the declared figures call useful stays
+useful whatever the machine's load does to measured times, because the other
+side of the comparison, the prefill rate, is itself declared (nobody measures
+it for the store). Why this bound: before it, the NVMe estimate was an EWMA of
+measured bandwidth (``bytes / seconds`` of whole loads, which already include
+the call's latency) plus the declared latency again per block. On the
+project's 2-core VM (virtual disk, other jobs running) loads of 2 MiB blocks
+measured 3.6-6.5 ms per block, so two loads after a restart moved the estimate
+from 1.25 to 1.63 ms per block, past the 1.6 ms the default prefill rate gives
+16 tokens, and every NVMe hit of the store became a miss. A deployment that
+trusts its measurements more sets ``max_slowdown`` higher (``inf``: no upper
+bound); one whose tier really is slower declares its figures. A measurement
+more than twice slower than declared is logged once per tier and block size.
+
+Declared figures (defaults; orders of magnitude, not measurements of any
+device: pass your engine's and devices' figures):
+
+============ ============== ========== ==============================================
+tier          bandwidth      latency    source
+============ ============== ========== ==============================================
+``hbm``       1 TB/s         5 µs       HBM2e-class GPU memory; one kernel launch
+``host``      20 GB/s        20 µs      PCIe 4.0 x16 (about 25 GB/s one way), one copy
+``nvme``      2 GB/s         200 µs     a PCIe 3.0 x4 NVMe SSD (3.5 GB/s rated
+                                        sequential read), derated; a few QD1 4 KiB
+                                        reads (about 80 µs each) plus the software path
+``remote``    1 GB/s         1 ms       a 10 GbE link (1.25 GB/s line rate); one
+                                        Mooncake ``batch_get_into`` call (master RPC
+                                        plus transfer setup). Measured for issue 22
+                                        on the 2-core VM (two processes, one master,
+                                        loopback TCP, load average 2-3): 3.9 ms per
+                                        2 MiB object in batch_get_into calls of 8
+                                        (0.54 GB/s); whole loads of 8 objects of
+                                        8 KiB, 1.5-5.8 ms
+============ ============== ========== ==============================================
+
+``prefill_tokens_per_s`` 10,000: the order of an 8B model's prefill on one
+datacenter GPU; :func:`measure_prefill_tokens_per_s` gives a proxy for a CPU.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import math
+import threading
 
 import numpy as np
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Tiers the model knows (``Tier.label`` of the index, plus ``"remote"``).
+TIERS = ("hbm", "host", "nvme", "remote")
 
 
 @dataclasses.dataclass
@@ -32,15 +96,31 @@ class CostModel:
     prefill_tokens_per_s : float
         Prefill throughput of the engine, tokens per second.
     bandwidth_bytes_per_s : dict[str, float]
-        Load bandwidth per tier name (``"hbm"``, ``"host"``, ``"nvme"``, ``"remote"``:
-        the shared tier over the network; 1 GB/s and 1 ms are loopback-TCP
-        placeholders until :meth:`observe_load` measures it).
+        Declared load bandwidth per tier name (``"hbm"``, ``"host"``, ``"nvme"``,
+        ``"remote"``: the shared tier over the network), bytes per second. See
+        the module docstring for the defaults' sources.
     latency_s : dict[str, float]
-        Fixed cost per load call per tier.
+        Declared fixed cost of one load call per tier, seconds (charged once
+        per tier per load).
     prefill_quadratic_s_per_token2 : float
         Optional quadratic prefill term (attention), seconds per token squared.
-    ewma_alpha : float
-        Weight of a new bandwidth observation in :meth:`observe_load`.
+    measured_window : int
+        Loads per (tier, block size) whose median seconds per block is the
+        measured estimate; 0 turns measuring off (the declared figures only).
+    min_measured : int
+        Loads of a (tier, block size) before the measured estimate is used.
+    max_slowdown, max_speedup : float
+        Bounds of a measured estimate relative to the declared model of the
+        same load (module docstring): at most ``max_slowdown`` times slower
+        (default 1: never slower than declared) and ``max_speedup`` times
+        faster (default 32: a 200 Gb/s RDMA link is about 20 times the
+        remote tier's declared 10 GbE).
+
+    Raises
+    ------
+    ConfigError
+        For a non-positive rate, a negative latency or window, or a bound
+        below 1.
     """
 
     prefill_tokens_per_s: float = 10_000.0
@@ -49,25 +129,139 @@ class CostModel:
     latency_s: dict = dataclasses.field(
         default_factory=lambda: {"hbm": 5e-6, "host": 2e-5, "nvme": 2e-4, "remote": 1e-3})
     prefill_quadratic_s_per_token2: float = 0.0
-    ewma_alpha: float = 0.2
+    measured_window: int = 32
+    min_measured: int = 3
+    max_slowdown: float = 1.0
+    max_speedup: float = 32.0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False,
+                                              compare=False)
+    #: (tier, block_bytes) -> recent seconds per block
+    _samples: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    #: (tier, block_bytes) -> median seconds per block (set once min_measured loads are in)
+    _measured: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _warned: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise ConfigError(f"CostModel: prefill_tokens_per_s={self.prefill_tokens_per_s}: must be > 0")
+        for t, v in self.bandwidth_bytes_per_s.items():
+            if not v > 0:
+                raise ConfigError(f"CostModel: bandwidth_bytes_per_s[{t!r}]={v}: must be > 0")
+        for t, v in self.latency_s.items():
+            if not v >= 0:
+                raise ConfigError(f"CostModel: latency_s[{t!r}]={v}: must be >= 0")
+        if self.measured_window < 0 or self.min_measured < 1:
+            raise ConfigError(f"CostModel: measured_window={self.measured_window} must be >= 0 and "
+                             f"min_measured={self.min_measured} >= 1")
+        if not (self.max_slowdown >= 1 and self.max_speedup >= 1):
+            raise ConfigError(f"CostModel: max_slowdown={self.max_slowdown} and max_speedup={self.max_speedup} "
+                             "must be >= 1 (1: no deviation from the declared figures that way)")
+
+    # ----------------------------------------------------------- prefill
     def prefill_s(self, num_tokens: int) -> float:
         """Seconds to prefill ``num_tokens`` tokens."""
         n = float(num_tokens)
         return n / self.prefill_tokens_per_s + self.prefill_quadratic_s_per_token2 * n * n
 
+    # ----------------------------------------------------------- loads
+    def declared_s(self, tier: str, block_bytes: int, num_blocks: int = 1) -> float:
+        """Seconds to load ``num_blocks`` blocks in one call by the declared figures."""
+        return self.latency_s[tier] + num_blocks * block_bytes / self.bandwidth_bytes_per_s[tier]
+
+    def measured_s(self, tier: str, block_bytes: int) -> float | None:
+        """Median measured seconds per block (unbounded), or ``None`` before
+        ``min_measured`` loads of this tier and block size."""
+        return self._measured.get((tier, int(block_bytes)))
+
     def load_s(self, tier: str, nbytes: int) -> float:
-        """Seconds to load ``nbytes`` from ``tier``."""
-        return self.latency_s[tier] + nbytes / self.bandwidth_bytes_per_s[tier]
+        """Estimated seconds to load one block of ``nbytes`` from ``tier`` in a call of its own."""
+        return self.tier_load_s(tier, nbytes, 1)[0]
 
-    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
-        """Fold a measured transfer into the tier's bandwidth (EWMA)."""
-        if seconds <= 0 or nbytes <= 0:
+    def tier_load_s(self, tier: str, block_bytes: int, count: int) -> list[float]:
+        """Estimated seconds of each of ``count`` blocks a load takes from ``tier``.
+
+        Element ``j`` is ``estimate_s(j + 1) - estimate_s(j)`` (module
+        docstring): without measurements the first block carries the call's
+        latency; with them each block costs the measured median, within the
+        bounds. The sum is the estimate for the whole run.
+        """
+        if count <= 0:
+            return []
+        lat = self.latency_s[tier]
+        x = block_bytes / self.bandwidth_bytes_per_s[tier]
+        m = self._measured.get((tier, int(block_bytes)))
+        if m is None:
+            return [lat + x] + [x] * (count - 1)
+        hi_f, lo_f = self.max_slowdown, 1.0 / self.max_speedup
+        if lo_f * (lat + x) <= m <= hi_f * x:  # within bounds at every j (both bounds grow with j)
+            return [m] * count
+        return _bounded_increments(m, lat, x, lo_f, hi_f, count)
+
+    def chain_load_s(self, tiers: list[str], block_bytes: int) -> list[float]:
+        """Estimated seconds of each block of a matched chain (tier names, in
+        chain order): the blocks of each tier are one load call."""
+        out = [0.0] * len(tiers)
+        pos: dict[str, list[int]] = {}
+        for i, t in enumerate(tiers):
+            pos.setdefault(t, []).append(i)
+        for t, idx in pos.items():
+            for i, v in zip(idx, self.tier_load_s(t, block_bytes, len(idx))):
+                out[i] = v
+        return out
+
+    def observe_load(self, tier: str, nbytes: int, seconds: float, num_blocks: int = 1) -> None:
+        """Record a measured load of ``num_blocks`` blocks (``nbytes`` in all) from ``tier``.
+
+        Thread-safe. Non-positive sizes or times are ignored. Keeps the last
+        ``measured_window`` loads per (tier, block size); their median seconds
+        per block is the measured estimate once ``min_measured`` are in.
+        """
+        if seconds <= 0 or nbytes <= 0 or num_blocks <= 0 or self.measured_window <= 0 or not math.isfinite(seconds):
             return
-        bw = nbytes / seconds
-        old = self.bandwidth_bytes_per_s[tier]
-        self.bandwidth_bytes_per_s[tier] = (1 - self.ewma_alpha) * old + self.ewma_alpha * bw
+        bb = int(nbytes) // int(num_blocks)
+        key = (tier, bb)
+        with self._lock:
+            q = self._samples.get(key)
+            if q is None or q.maxlen != self.measured_window:
+                q = self._samples[key] = collections.deque(q or (), maxlen=self.measured_window)
+            q.append(seconds / num_blocks)
+            if len(q) < self.min_measured:
+                return
+            m = float(np.median(np.fromiter(q, dtype=np.float64, count=len(q))))
+            self._measured[key] = m
+            warn = key not in self._warned and tier in self.latency_s and m > 2.0 * self.declared_s(tier, bb)
+            if warn:
+                self._warned.add(key)
+        if warn:
+            decl = self.declared_s(tier, bb)
+            log.warning("%s loads measured %.2f ms per %s block, %.1fx the declared %.2f ms "
+                        "(%.2g B/s + %.2g s a call); the estimate stays within %gx of the declared figure "
+                        "(CostModel.max_slowdown): declare the tier's bandwidth if this is the device, "
+                        "not a busy machine", tier, m * 1e3, _size(bb), m / decl, decl * 1e3,
+                        self.bandwidth_bytes_per_s[tier], self.latency_s[tier], self.max_slowdown)
 
+    def reset_measurements(self) -> None:
+        """Forget every measurement (the declared figures apply again)."""
+        with self._lock:
+            self._samples.clear()
+            self._measured.clear()
+
+    def estimates(self, block_bytes: int) -> dict:
+        """Per tier: the declared and (if any) measured milliseconds per block and the estimate
+        used for an 8-block load, for stats and logs."""
+        out = {}
+        for t in self.bandwidth_bytes_per_s:
+            if t not in self.latency_s:
+                continue
+            m = self.measured_s(t, block_bytes)
+            with self._lock:
+                n = len(self._samples.get((t, int(block_bytes)), ()))
+            out[t] = {"declared_ms_per_block": self.declared_s(t, block_bytes) * 1e3,
+                      "measured_ms_per_block": None if m is None else m * 1e3, "measured_loads": n,
+                      "estimate_ms_per_block_of_8": sum(self.tier_load_s(t, block_bytes, 8)) / 8 * 1e3}
+        return out
+
+    # ----------------------------------------------------------- decisions
     def useful_prefix(self, load_s: list[float], tokens_per_block: int) -> int:
         """:meth:`useful_blocks` from per-block load times already computed.
 
@@ -92,13 +286,74 @@ class CostModel:
 
     def useful_blocks(self, tiers: list[str], block_bytes: int, tokens_per_block: int) -> int:
         """Length ``k`` of the leading run that maximises ``saved_s(k)`` (0 if none saves time)."""
-        best_k, best_saved, load = 0, 0.0, 0.0
-        for i, t in enumerate(tiers):
-            load += self.load_s(t, block_bytes)
-            saved = self.prefill_s((i + 1) * tokens_per_block) - load
-            if saved > best_saved:
-                best_k, best_saved = i + 1, saved
-        return best_k
+        return self.useful_prefix(self.chain_load_s(tiers, block_bytes), tokens_per_block)
+
+    def not_useful_reason(self, tiers: list[str], load_s: list[float], useful: int, block_bytes: int,
+                          tokens_per_block: int) -> str | None:
+        """Why blocks ``useful:`` of a matched chain are not worth loading, or ``None``
+        when every matched block is useful.
+
+        Example: ``"load slower than recompute: est 3.10 ms vs recompute 1.60 ms per
+        block (remote: declared 1 GB/s + 1 ms a call)"``: the mean estimated load
+        time of the blocks left out against their mean recompute time.
+        """
+        m = len(load_s)
+        if useful >= m:
+            return None
+        T = tokens_per_block
+        est_s = sum(load_s[useful:]) / (m - useful)
+        re_s = (self.prefill_s(m * T) - self.prefill_s(useful * T)) / (m - useful)
+        names = list(dict.fromkeys(tiers[useful:]))
+        how = []
+        for t in names:
+            mm = self.measured_s(t, block_bytes)
+            decl = (f"declared {self.bandwidth_bytes_per_s[t]:.3g} B/s + "
+                    f"{self.latency_s[t] * 1e3:.3g} ms a call")
+            if mm is None:
+                how.append(f"{t}: {decl}")
+            else:
+                how.append(f"{t}: measured {mm * 1e3:.3g} ms per block, bounded by {decl} "
+                           f"x{self.max_slowdown:g}")
+        verdict = "slower than" if est_s > re_s else "no faster than"
+        head = f"load {verdict} recompute: est {est_s * 1e3:.3g} ms vs recompute {re_s * 1e3:.3g} ms per block"
+        return f"{head} ({'; '.join(how)})"
+
+
+def _bounded_increments(m: float, lat: float, x: float, lo_f: float, hi_f: float, count: int) -> list[float]:
+    """Increments of ``cum(j) = clamp(j*m, lo_f*(lat + j*x), hi_f*(lat + j*x))``, ``j = 1..count``.
+
+    The three lines cross at most twice, so ``j`` runs through at most three
+    regimes in the order lo, measured, hi (``j*m`` rises faster than the low
+    bound and slower than the high one past their crossings); each regime adds
+    a constant per block, so only its first block is computed. Lookups call
+    this per tier: a few microseconds for any chain length.
+    """
+    def cum(j: int) -> float:
+        if j <= 0:
+            return 0.0
+        d = lat + j * x
+        return min(max(j * m, lo_f * d), hi_f * d)
+
+    # lo regime: j*m < lo_f*(lat + j*x)  <=>  j < lo_f*lat / (m - lo_f*x)
+    j1 = lo_f * lat / (m - lo_f * x) if m > lo_f * x else math.inf
+    # hi regime: j*m > hi_f*(lat + j*x)  <=>  j > hi_f*lat / (m - hi_f*x)
+    j2 = hi_f * lat / (m - hi_f * x) if m > hi_f * x and math.isfinite(hi_f) else math.inf
+    a = count if math.isinf(j1) else max(0, min(count, math.ceil(j1) - 1))   # last j of the lo regime
+    b = count if math.isinf(j2) else max(a, min(count, math.floor(j2)))      # last j of the measured one
+    out = [0.0] * count
+    for start, end, inc in ((1, a, lo_f * x), (a + 1, b, m), (b + 1, count, hi_f * x)):
+        if start > end:
+            continue
+        out[start - 1] = cum(start) - cum(start - 1)
+        out[start:end] = [inc] * (end - start)
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
 
 
 def measure_prefill_tokens_per_s(hidden: int = 1024, layers: int = 2, tokens: int = 512,

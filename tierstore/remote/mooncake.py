@@ -524,6 +524,7 @@ class MooncakeTier:
         self._client: Any = None
         self._inflight_calls = 0
         self._direct: dict[object, list] = {}  # publisher calls in progress: [start_s, what, reported]
+        self._load_observer: Callable[[int, float], None] | None = None
 
         self._put_slots = _Slots(s.publish_queue_blocks, self.object_bytes)
         n_get = max(2, s.local_buffer_bytes // self.object_bytes)
@@ -1094,6 +1095,22 @@ class MooncakeTier:
                 return r
         return None
 
+    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:
+        """Call ``fn(blocks, seconds)`` after every load call that delivered
+        blocks: the seconds from the Mooncake call to the end of the checks of
+        its blocks, ``blocks`` the verified ones. The store's cost model prices
+        remote loads from these (``build`` wires it). ``fn`` runs on the
+        caller's thread and must not raise."""
+        self._load_observer = fn
+
+    def _observe(self, t0: float, out: list, idx: Sequence[int]) -> None:
+        fn = self._load_observer
+        if fn is None:
+            return
+        ok = sum(out[i] is Status.OK for i in idx)
+        if ok:
+            fn(ok, time.perf_counter() - t0)
+
     def get_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
         """Load blocks into ``dests``.
 
@@ -1156,6 +1173,7 @@ class MooncakeTier:
                 return
         names = [self._namer(k) for k in keys]
         self._bump("get_calls")
+        t0 = time.perf_counter()
         rcs = self._call("batch_get_into", client.batch_get_into, names,
                          [self._get_slots.ptr(i) for i in slots], [self.object_bytes] * len(keys),
                          on_late=lambda: self._get_slots.give(slots))
@@ -1172,6 +1190,7 @@ class MooncakeTier:
                 out[idx[j]] = st
         finally:
             self._get_slots.give(slots)
+        self._observe(t0, out, idx)
         self._after_gets(rcs)
 
     def _get_zero_copy(self, client, keys, dests, regions, idx, out) -> None:
@@ -1200,6 +1219,7 @@ class MooncakeTier:
                 for r, off in ranges:
                     _callback(r.on_release, off, self.block_bytes)
         self._bump("get_calls")
+        t0 = time.perf_counter()
         rcs = self._call("batch_get_into_multi_buffers", client.batch_get_into_multi_buffers, names,
                          [[self._hdr_slots.ptr(i), d.data_ptr()] for i, d in zip(slots, dests)],
                          [[HEADER_BYTES, self.block_bytes]] * len(keys), on_timeout=quarantine, on_late=late)
@@ -1215,6 +1235,7 @@ class MooncakeTier:
                 out[idx[j]] = st
         finally:
             self._hdr_slots.give(slots)
+        self._observe(t0, out, idx)
         self._after_gets(rcs)
 
     def _fail_all(self, idx, out) -> None:

@@ -445,7 +445,8 @@ class Service:
         res = self.store.lookup_keys(keys, ns=scope)  # ns: blocks found in the shared remote tier are kept when loaded
         self.metrics.count_hits("lookup", len(keys), res.matched_blocks)
         return web.json_response({"matched_blocks": res.matched_blocks, "useful_blocks": res.useful_blocks,
-                                  "tiers": [t.label for t in res.tiers], "load_s": res.load_s})
+                                  "tiers": [t.label for t in res.tiers], "load_s": res.load_s,
+                                  "not_useful_reason": res.not_useful_reason})
 
     async def pin(self, request: web.Request) -> web.Response:
         """Pin the resident leading blocks for a lease."""

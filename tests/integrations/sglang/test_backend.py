@@ -281,6 +281,34 @@ def test_restart_on_same_nvme_dir_serves_earlier_pages(tmp_path):
         b.close()
 
 
+def test_one_line_at_start_and_one_at_shutdown(tmp_path, caplog):
+    """Issue 22, item 13: tiers, NVMe file, pages recovered and the remote tier when the store
+    opens; pages written down to NVMe when it closes (SGLang logs at INFO through the root logger)."""
+    import logging
+    import re
+
+    pool = host_pool("mha", "page_first")
+    extra = tiers(tmp_path, host_bytes=16 * page_bytes_of(pool), nvme_bytes=8 * MiB)
+    keys = page_hashes(3, "log")
+    fill(pool, [1, 2, 3], keys)
+    with caplog.at_level(logging.INFO, logger="tierstore.integrations.sglang"):
+        b = backend(pool, extra)
+        assert b.batch_set_v1(keys, indices(pool, [1, 2, 3])) == [True] * 3  # host tier: memory only
+        b.close()
+        b = backend(pool, extra)
+        b.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "tierstore.integrations.sglang"]
+    assert len(lines) == 4, lines
+    who = "SGLang HiCache L3 (model acme/tiny-llama, tp 0/1, pp 0/1)"
+    nvme = rf"nvme [0-9.]+[KMG]iB at {re.escape(str(tmp_path))}/sglang_\S+\.nvme"
+    assert re.fullmatch(rf"tierstore opened for {re.escape(who)}: tiers host [0-9.]+[KM]iB, {nvme} "
+                        r"\(0 blocks recovered\); remote tier off; page_first layout, .*", lines[0]), lines[0]
+    assert lines[1] == f"tierstore closed for {who}: 3 blocks written down to NVMe, 3 blocks on NVMe for a " \
+                       "restart on the same path"
+    assert "(3 blocks recovered)" in lines[2], lines[2]
+    assert lines[3].endswith(": 0 blocks written down to NVMe, 3 blocks on NVMe for a restart on the same path")
+
+
 def _flip_page_byte(nvme_file, page: torch.Tensor) -> None:
     """Flip one byte inside a stored page's payload, found by its content."""
     blob = bytearray(open(nvme_file, "rb").read())

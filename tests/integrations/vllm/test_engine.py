@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,12 +85,13 @@ def baseline(model_dir):
 
 
 def _run_engine_process(args: dict) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    """The engine process's RESULT, plus ``log``: its output at vLLM's INFO level (what ``vllm serve`` prints)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
     r = subprocess.run([sys.executable, os.path.join(HERE, "_engine_proc.py"), json.dumps(args)],
                        capture_output=True, text=True, timeout=600, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine process failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return dict(json.loads(lines[-1][len("RESULT "):]), log=r.stdout + r.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def engine(model_dir, baseline, persisted):
     store = engine_store(eid)
     # freeze the cost model's bandwidth learning: which hits are "useful" must not depend on
     # how busy the shared test machine is (a slow read must not turn NVMe hits into misses)
-    store.cost_model.ewma_alpha = 0.0
+    store.cost_model.measured_window = 0
     yield llm, store, eid
     shutdown(llm)
 
@@ -271,6 +273,26 @@ def test_restart_persistence(persisted, baseline):
     assert first["stats"].get("store_bytes_nvme", 0) > 0
     assert second["stats"].get("load_bytes_nvme", 0) >= 6 * BLOCK_BYTES
     assert second["stats"].get("io_errors", 0) == 0
+
+
+
+def test_the_connector_says_one_line_at_start_and_one_at_shutdown(persisted):
+    """Issue 22, item 13: inside vLLM (its logger, its INFO level) one line when the store opens
+    (tiers, NVMe path, blocks recovered, remote tier) and one when it closes (blocks written down)."""
+    nvme_dir, first, second = persisted
+    for run, recovered in ((first, 0), (second, None)):
+        opened = [ln for ln in run["log"].splitlines() if "tierstore opened for vLLM engine" in ln]
+        closed = [ln for ln in run["log"].splitlines() if "tierstore closed for vLLM engine" in ln]
+        assert len(opened) == 1 and len(closed) == 1, run["log"][-4000:]
+        assert "INFO" in opened[0] and "INFO" in closed[0]
+        assert re.search(rf"tiers nvme [0-9.]+MiB at {re.escape(nvme_dir)}/\S+ \(", opened[0]), opened[0]
+        assert "remote tier off" in opened[0], opened[0]
+        assert "blocks written down to NVMe" in closed[0], closed[0]
+    kept = int(re.search(r"(\d+) blocks on NVMe for a restart", [ln for ln in first["log"].splitlines()
+                                                                 if "tierstore closed" in ln][0]).group(1))
+    assert kept >= 4  # PERSIST's 4 distinct full blocks (two prompts share 2): NVMe is the only tier
+    assert "(0 blocks recovered)" in [ln for ln in first["log"].splitlines() if "tierstore opened" in ln][0]
+    assert f"({kept} blocks recovered)" in [ln for ln in second["log"].splitlines() if "tierstore opened" in ln][0]
 
 
 def test_another_model_revision_gets_no_reuse(engine, persisted, baseline):
