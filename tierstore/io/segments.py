@@ -171,8 +171,9 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
 
     ``preferred_bytes`` (a device's RU size) if the tier holds at least
     ``min_segments`` of them; else about ``TARGET_SEGMENTS`` segments, whole
-    MiB (or 4 KiB multiples for small tiers), between one one-block extent and
-    256 MiB, and never fewer than ``min_segments``.
+    MiB (or 4 KiB multiples for small tiers), between one one-block extent
+    (plus the 4096-byte label segment 0 carries, :mod:`tierstore.io.label`)
+    and 256 MiB, and never fewer than ``min_segments``.
 
     Raises
     ------
@@ -180,14 +181,15 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
         If the tier cannot hold ``min_segments`` segments of one block each;
         the message gives the minimum capacity.
     """
-    one = fmt.extent_bytes_for(1, block_bytes)
+    one = fmt.extent_bytes_for(1, block_bytes) + lbl.LABEL_BYTES  # segment 0 holds the label and a block
     if preferred_bytes:
         if capacity_bytes // preferred_bytes >= min_segments:
             return int(preferred_bytes)
     if capacity_bytes // min_segments < one:
         raise ConfigError(f"NVMe tier of {capacity_bytes} bytes is too small for region eviction: it needs "
                           f"at least {min_segments} segments of one {block_bytes}-byte block ({one} bytes "
-                          f"with its header), i.e. nvme capacity >= {min_segments * one} bytes")
+                          f"with its header and the tier's label), i.e. nvme capacity >= {min_segments * one} "
+                          "bytes")
     seg = min(DEFAULT_SEGMENT_BYTES, max(one, capacity_bytes // TARGET_SEGMENTS))
     unit = 1 << 20 if seg >= 1 << 20 and one <= (seg >> 20 << 20) else fmt.ALIGN_BYTES
     seg = max(one, seg // unit * unit)
@@ -385,6 +387,8 @@ class SegmentStorage(BlockStorage):
             self._rpipe.close()
             if self._own_engine:
                 self.engine.close()
+                if not isinstance(engine, IOEngine) and getattr(self.engine, "created", False):
+                    os.unlink(path)  # a file this open created: leave nothing behind
             raise
 
     # ================================================================ seam API

@@ -44,7 +44,7 @@ import stat
 from ..errors import ConfigError
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
-from ..io.label import inspect_target, refusal, resolve_nvme_path
+from ..io.label import LABEL_BYTES, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import choose_segment_size
 from ..layout import KVLayout
 from .config import DaemonConfig
@@ -173,10 +173,10 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         return
     bb = layout.bytes_per_block
     cap = n.capacity_bytes
-    one = fmt.extent_bytes_for(1, bb)
+    one = fmt.extent_bytes_for(1, bb) + LABEL_BYTES  # segment 0 holds the tier's label and one block
     if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
         out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
-                          f"holding one block extent of {one} bytes (blocks of {bb} bytes)")
+                          f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
         return
     try:
         seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
@@ -185,7 +185,7 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         return
     if seg % fmt.ALIGN_BYTES or seg < one:
         out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
-                          f"extent of {one} bytes (blocks of {bb} bytes)")
+                          f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
         return
     n_seg = cap // seg
     if n_seg < 2:
