@@ -476,3 +476,18 @@ def test_a_failed_open_removes_only_the_file_it_created(tmp_path):
     with pytest.raises(ConfigError, match="segment_size_bytes=4096"):
         KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20, segment_size_bytes=4096)
     assert os.listdir(tmp_path) == ["kv.nvme"]
+
+
+def test_the_bench_says_a_tier_below_one_block_and_passes_format(capsys):
+    """The issue's command: ``--hbm_size=1k --host_size=0 --nvme_size=0`` said "every tier is
+    disabled"; ``--format=1`` reaches the NVMe tier's config (a device is formatted only then)."""
+    from tierstore.bench.cli import main
+    from tierstore.bench.kvjobs import nvme_options
+    assert main(["--name=k", "--rw=kvtrace", "--hbm_size=1k", "--host_size=0", "--nvme_size=0"]) != 0
+    err = capsys.readouterr().err
+    assert "the hbm tier's capacity, 1024 bytes (1.00KiB), is below one block" in err, err
+    assert "every tier is disabled" not in err
+    base = {"device": "/dev/ng0n1", "dataplacement": "none", "op": 0.07, "utilization": 0.9}
+    assert nvme_options({**base, "format": True})["format"] is True
+    assert nvme_options(base)["format"] is False
+    assert nvme_options({**base, "device": "file", "ioengine": "posix", "format": True})["format"] is True
