@@ -59,13 +59,14 @@ def main() -> None:
             time.sleep(0.005)
     stats = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    ns = engine_namespace(eid)  # the engine's registry entry goes with the shutdown
     shutdown(llm)  # closes the store: a restart must find everything on NVMe
     after = {}
     if mode == "closed":  # every call after shutdown raises StoreClosedError, the store's and the connector's
         from tierstore.errors import StoreClosedError
         req = type("Req", (), {"request_id": "after-shutdown"})()
-        calls = {"store.lookup": lambda: store.lookup(engine_namespace(eid), args["prompts"][0]),
-                 "store.store_keys": lambda: store.store_keys(engine_namespace(eid), [bytes(32)], [bytes(1)]),
+        calls = {"store.lookup": lambda: store.lookup(ns, args["prompts"][0]),
+                 "store.store_keys": lambda: store.store_keys(ns, [bytes(32)], [bytes(1)]),
                  "connector.get_num_new_matched_tokens": lambda: connector.get_num_new_matched_tokens(req, 0),
                  "connector.request_finished": lambda: connector.request_finished(req, [])}
         for name, call in calls.items():
