@@ -276,6 +276,28 @@ def test_a_store_racing_close_is_either_kept_or_refused(tmp_path):
             assert st == [Status.OK] and torch.equal(out[0], kv[0])
 
 
+def test_close_waits_for_a_store_in_progress_and_writes_it_down(tmp_path):
+    """A store that began before close() is acknowledged only if it is kept: close waits for it,
+    then writes the memory-only blocks down (the store's copy is held up here, as a slow one would be)."""
+    toks, kv = _prompt(9)
+    s = KVStore(LAYOUT, host_bytes=16 * BB, nvme_path=str(tmp_path), nvme_bytes=16 << 20)
+    real, entered, out = s._mover.run_store, threading.Event(), []
+
+    def slow_run_store(plan, sources):
+        entered.set()
+        time.sleep(0.5)
+        return real(plan, sources)
+    s._mover.run_store = slow_run_store
+    t = threading.Thread(target=lambda: out.append(s.store(NS, toks, kv)))
+    t.start()
+    assert entered.wait(30)
+    s.close()
+    t.join(30)
+    assert out == [[Status.OK] * 4]
+    with KVStore(LAYOUT, nvme_path=str(tmp_path), nvme_bytes=16 << 20) as again:
+        assert _loads_exact(again, toks, kv)
+
+
 # ----------------------------------------------------------------------------- item 3: another capacity
 def _fill(path, n_prompts: int, nvme_bytes: int, blocks: int = 4):
     prompts = [_prompt(100 + i, blocks) for i in range(n_prompts)]

@@ -107,17 +107,18 @@ def _open_call(fn):
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        with self._state:
+        lock = self._state  # a plain Lock (C-level enter/exit): this runs on every call
+        with lock:
             if self._closed:
                 raise StoreClosedError(f"KVStore.{name}: the store is closed")
             self._active += 1
         try:
             return fn(self, *args, **kwargs)
         finally:
-            with self._state:
+            with lock:
                 self._active -= 1
-                if not self._active:
-                    self._state.notify_all()
+                if self._closed and not self._active:
+                    self._idle.set()
     return call
 
 
@@ -314,7 +315,8 @@ class KVStore:
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
         #: open/closed state and the calls in progress (close waits for them; see the class doc)
-        self._state = threading.Condition(threading.Lock())
+        self._state = threading.Lock()
+        self._idle = threading.Event()  # set when close() began and no call is in progress
         self._active = 0
         self._closed = False
         self.remote = parts.remote
@@ -1233,8 +1235,9 @@ class KVStore:
             if self._closed:
                 return
             self._closed = True
-            while self._active:  # every acknowledged store is written down below
-                self._state.wait()
+            busy = self._active > 0
+        if busy:  # every store acknowledged by a call in progress is written down below
+            self._idle.wait()
         self._mover.shutdown()
         f = self._flush
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
