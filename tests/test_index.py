@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierstore import KVStore, Namespace, Status, Tier, leading_ok
-from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded
+from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
 from tierstore.index import BlockIndex, BlockState, IndexConfig
 from tierstore.policies import policy_names
 
@@ -422,7 +422,7 @@ def test_load_deadline_from_memory_delivers_in_time(make_store, layout, ns):
     fut = s.store(ns, tokens(3 * B), make_blocks(layout, 3), wait=False)  # the mover's store queue
     assert fut.result(30)[2] is Status.OK
     s.close()
-    with pytest.raises(ConfigError):  # a closed store's mover takes no more work
+    with pytest.raises(StoreClosedError):  # a closed store takes no more work
         s.load(s.keys_for(ns, toks), wait=False)
 
 

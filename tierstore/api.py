@@ -43,13 +43,15 @@ an invalidated namespace is never served again, restart or not.
 
 Errors: :class:`~tierstore.errors.LayoutError` for buffers that do not match
 the layout, :class:`~tierstore.errors.ConfigError` for bad configuration,
-:class:`~tierstore.errors.QuotaExceeded` for pins over quota. Misses, no space
+:class:`~tierstore.errors.QuotaExceeded` for pins over quota,
+:class:`~tierstore.errors.StoreClosedError` for a call after :meth:`KVStore.close`. Misses, no space
 and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -62,7 +64,7 @@ import torch
 from .build import StoreParts, assemble
 from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
                      TiersConfig)
-from .errors import ConfigError, LayoutError, Status
+from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
 from .index import Lease, LookupResult, Tier
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
@@ -99,11 +101,48 @@ def _check_keys(keys) -> list[bytes]:
     return [bytes(k) for k in out]
 
 
+def _open_call(fn):
+    """Run a :class:`KVStore` method only while the store is open: after
+    :meth:`KVStore.close` began it raises :class:`StoreClosedError`, and
+    ``close`` waits for the calls in progress."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        lock = self._state  # a plain Lock (C-level enter/exit): this runs on every call
+        with lock:
+            if self._closed:
+                raise StoreClosedError(f"KVStore.{name}: the store is closed")
+            self._active += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            with lock:
+                self._active -= 1
+                if self._closed and not self._active:
+                    self._idle.set()
+    return call
+
+
+def _check_start_block(start_block: int) -> None:
+    if start_block < 0:
+        raise LayoutError(f"start_block={start_block}: must be >= 0 (the index of the prompt's first full "
+                          "block given)")
+
+
+def _refuse_numpy(x, what: str) -> None:
+    """KV is given as torch tensors; a numpy array is refused by name (its dtype
+    has no bfloat16, and a silent conversion would copy)."""
+    if isinstance(x, np.ndarray):
+        raise LayoutError(f"{what}: numpy arrays are not accepted; pass torch tensors (torch.from_numpy(a) "
+                          "shares the array's memory)")
+
+
 #: KVStore keyword options that are policies (``policies:`` section of the config).
 _POLICY_OPTIONS = set(PoliciesConfig.model_fields)
 #: Run-time objects a config file cannot carry.
 _RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme"}
-_NVME_OPTIONS = {"nvme_device", "nvme_engine", "segment_size_bytes", "extent_size_bytes", "iodepth",
+_NVME_OPTIONS = {"nvme_device", "nvme_engine", "nvme_format", "segment_size_bytes", "extent_size_bytes", "iodepth",
                  "region_policy", "flush_on_close", "flush_timeout_s", "flush_max_bytes"}
 
 
@@ -150,7 +189,11 @@ class KVStore:
     hbm_bytes, host_bytes : int
         Memory tier capacities in bytes (0 disables a tier).
     nvme_path : str, optional
-        Directory or file for the NVMe tier; ``None`` disables it.
+        Directory (ends in ``/`` or exists; the tier is ``tierstore.nvme``
+        in it), file or device for the NVMe tier; ``None`` disables it.
+        tierstore writes only to a path that is empty or carries its label
+        (:mod:`tierstore.io.label`); ``nvme_format=True`` lets it format
+        anything else, destroying what it holds.
     nvme_bytes : int
         NVMe tier capacity in bytes.
     **options
@@ -167,10 +210,30 @@ class KVStore:
     The store is built by :func:`tierstore.build.assemble` from a
     :class:`~tierstore.config.StoreConfig`, as :meth:`from_config` does.
 
+    **After close.** Every call that stores, finds, loads, pins, evicts or
+    removes blocks, or reports on them (``store*``, ``lookup*``, ``probe``,
+    ``exists``, ``load*``, ``prefetch*``, ``pin*``, ``unpin``, ``invalidate``,
+    ``remove``, ``clear``, ``evict``, ``flush``, ``resident``, ``block_info``,
+    ``state_of``, ``tiers_of``, ``namespaces``, ``keys_of_namespace``, entering
+    ``request()`` or ``with store``) raises :class:`~tierstore.errors.StoreClosedError`
+    once :meth:`close` began; ``close`` waits for the calls already in
+    progress, so an acknowledged store is written down with the rest. Still
+    answered after close: ``close`` itself and ``__exit__`` (idempotent),
+    ``release``/``cancel`` (references are in memory; cleanup paths call
+    them), the counters and configuration (``stats``, ``device_stats``,
+    ``capacity_bytes``, ``bytes_per_tier``, ``references``, ``leases``,
+    ``tiers``, ``cost_model``, ``placement``, ``ftl``, ``take_events``,
+    ``drain``, ``check_invariants``), and the pure functions ``digest`` and
+    ``keys_for``.
+
     Raises
     ------
     ConfigError
         Invalid or unknown options (the message lists the accepted ones).
+    ForeignDataError
+        ``nvme_path`` holds data tierstore did not write (:mod:`tierstore.io.label`).
+    StoreLockedError
+        Another store (this process or another) has ``nvme_path`` open.
     """
 
     #: Longest wait for another load's read of the same block (a delay hit), seconds.
@@ -196,6 +259,8 @@ class KVStore:
                 extra["engine"] = nv_opts["nvme_engine"]
             if "nvme_device" in nv_opts:
                 extra["device"] = nv_opts["nvme_device"]
+            if "nvme_format" in nv_opts:
+                extra["format"] = nv_opts["nvme_format"]
             nvme_cfg = _validated(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **extra))
         elif nv_opts and runtime.get("nvme") is None:
             raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
@@ -251,7 +316,10 @@ class KVStore:
                        "flush_max_bytes": nv_opts.get("flush_max_bytes")}
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
-        self._pool_lock = threading.Lock()
+        #: open/closed state and the calls in progress (close waits for them; see the class doc)
+        self._state = threading.Lock()
+        self._idle = threading.Event()  # set when close() began and no call is in progress
+        self._active = 0
         self._closed = False
         self.remote = parts.remote
         self._share = parts.share
@@ -260,6 +328,16 @@ class KVStore:
         self._remote_ns: dict[bytes, bytes] = {}
         #: namespaces invalidated by this store: never served from the remote tier again
         self._remote_barred: set[bytes] = set()
+
+    def _check_open(self, what: str) -> None:
+        with self._state:
+            if self._closed:
+                raise StoreClosedError(f"KVStore.{what}: the store is closed")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
@@ -285,6 +363,7 @@ class KVStore:
     def request(self) -> Iterator[object]:
         """A request id whose references are released on exit, also on an exception
         (then counted as an abort)."""
+        self._check_open("request")
         rid = ("req", next(self._rids))
         try:
             yield rid
@@ -308,6 +387,7 @@ class KVStore:
         return self._mover.submit(kind, fn)
 
     # -------------------------------------------------------------- store
+    @_open_call
     def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
               kv_blocks: torch.Tensor | Sequence[torch.Tensor], start_block: int = 0,
               lifetime: str | None = None, *, wait: bool = True) -> list[Status] | Future:
@@ -341,9 +421,10 @@ class KVStore:
             On a shape/dtype mismatch or more blocks than full blocks in the
             prompt (nothing is stored then).
         """
+        _check_start_block(start_block)
         keys = self.keys_for(ns, token_ids)
         sources = self._sources(kv_blocks)
-        if start_block < 0 or start_block + len(sources) > len(keys):
+        if start_block + len(sources) > len(keys):
             raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
         sel = keys[start_block:start_block + len(sources)]
@@ -351,6 +432,7 @@ class KVStore:
                 if self._index.config.verify_tokens else None)
         return self._store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
 
+    @_open_call
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
                    first_position: int = 0, wait: bool = True) -> list[Status] | Future:
         """Store blocks under keys the caller computed (key-level API).
@@ -392,6 +474,7 @@ class KVStore:
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
         return self._store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
 
+    @_open_call
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
                         start_block: int = 0, lifetime: str | None = None, *,
                         wait: bool = True) -> list[Status] | Future:
@@ -417,9 +500,11 @@ class KVStore:
         LayoutError
             A wrong fragment count or size (the message names the fragment).
         """
+        _check_start_block(start_block)
+        _refuse_numpy(fragments_per_block, "fragments_per_block")
         keys = self.keys_for(ns, token_ids)
         plans = [self._plan(frags, destination=False) for frags in list(fragments_per_block)]
-        if start_block < 0 or start_block + len(plans) > len(keys):
+        if start_block + len(plans) > len(keys):
             raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
         toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
@@ -435,6 +520,7 @@ class KVStore:
         (checked once, copied into memory tiers with one copy per tier); a
         single 1-D tensor is one block; other sequences are planned per block.
         """
+        _refuse_numpy(blocks, "kv_blocks")
         bb = self._bb
         if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
             return []   # no new blocks (everything hit): nothing to plan, nothing stored
@@ -452,6 +538,7 @@ class KVStore:
             blocks = [blocks]
         out = []
         for b in blocks:
+            _refuse_numpy(b, "a block")
             if isinstance(b, torch.Tensor):
                 raw = self.layout.as_bytes(b) if b.dtype != torch.uint8 or b.dim() != 1 else b
                 if raw.numel() != bb:
@@ -493,8 +580,11 @@ class KVStore:
             if frags.dtype not in (None, lay.dtype, torch.uint8):
                 raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
             return plan_fragments(frags, destination=destination)  # a reading plan is no destination
+        _refuse_numpy(frags, "a block's fragments")
         if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
             raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
+        if len(frags):
+            _refuse_numpy(frags[0], "a fragment")
         if len(frags) != lay.num_fragments:
             raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
         plan = plan_fragments(frags, destination=destination)
@@ -504,6 +594,7 @@ class KVStore:
         return plan
 
     # -------------------------------------------------------------- lookup
+    @_open_call
     def lookup(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
                request_id: object = None) -> LookupResult:
         """Longest cached prefix of ``token_ids`` (full blocks only).
@@ -582,6 +673,7 @@ class KVStore:
                 touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
         return res
 
+    @_open_call
     def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
                     num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
         """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
@@ -601,10 +693,12 @@ class KVStore:
         return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
                                  keys, None if ns is None else self.digest(ns))
 
+    @_open_call
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens without taking references or touching recency."""
         return self._index.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
 
+    @_open_call
     def exists(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` resident in any tier.
 
@@ -615,6 +709,7 @@ class KVStore:
         return self._index.probe(_check_keys(keys))
 
     # -------------------------------------------------------------- load
+    @_open_call
     def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
              promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
@@ -664,12 +759,14 @@ class KVStore:
         return self._load(keys, plans, promote, wait, timeout_s, finish)
 
     def _dest_raw(self, d: torch.Tensor) -> torch.Tensor:
+        _refuse_numpy(d, "a destination")
         raw = self.layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
         if raw.numel() != self._bb or not raw.is_contiguous():
             raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
                               f"blocks are {self._bb} contiguous bytes")
         return raw
 
+    @_open_call
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
                        dest_fragments_per_block: Sequence[Sequence[torch.Tensor]], *,
                        wait: bool = True, timeout_s: float | None = None) -> list[Status] | Future:
@@ -831,6 +928,7 @@ class KVStore:
             self._index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
                                      "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
 
+    @_open_call
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> Future:
         """Bring the resident full blocks of a prefix up to ``tier`` (``"host"`` or
         ``"hbm"``) in the background, before a request needs them.
@@ -850,6 +948,7 @@ class KVStore:
         """
         return self.prefetch_keys(self.keys_for(ns, token_ids), tier)
 
+    @_open_call
     def prefetch_keys(self, keys: Sequence[bytes], tier: str = "host") -> Future:
         """:meth:`prefetch` by key."""
         try:
@@ -873,14 +972,17 @@ class KVStore:
             return n
         return self._submit("load", run)
 
+    @_open_call
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
         """Pin the resident full blocks of a prefix for ``lease_s`` seconds."""
         return self._index.pin(self.digest(ns), self.keys_for(ns, token_ids), lease_s)
 
+    @_open_call
     def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
         """:meth:`pin` by key."""
         return self._index.pin(self.digest(ns), _check_keys(keys), lease_s)
 
+    @_open_call
     def unpin(self, lease: Lease | int) -> bool:
         """End a pin lease early."""
         return self._index.unpin(lease.lease_id if isinstance(lease, Lease) else lease)
@@ -889,6 +991,7 @@ class KVStore:
         """Live pin leases by id."""
         return self._index.leases
 
+    @_open_call
     def invalidate(self, ns: Namespace | bytes) -> int:
         """Drop every block of a namespace, durably: after a restart on the same
         NVMe path nothing of it is served again. Returns blocks dropped."""
@@ -901,6 +1004,7 @@ class KVStore:
             self.nvme.invalidate_namespace(d)
         return n
 
+    @_open_call
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks by key from every tier; returns how many were resident."""
         keys = _check_keys(keys)
@@ -909,6 +1013,7 @@ class KVStore:
             self.nvme.delete(keys)
         return n
 
+    @_open_call
     def clear(self) -> int:
         """Remove every block."""
         n = self._index.clear()
@@ -934,9 +1039,10 @@ class KVStore:
             return self._index.complete_flush(plan, st)
         try:
             self._submit("store", run)
-        except ConfigError:  # closing: nothing to keep clean any more
+        except StoreClosedError:  # closing: nothing to keep clean any more
             pass
 
+    @_open_call
     def evict(self, tier: Tier | str, n: int) -> int:
         """Evict ``n`` unprotected blocks of a memory tier now (demoting them as
         the policies decide); returns ``n``, or 0 if that many cannot be found."""
@@ -957,12 +1063,16 @@ class KVStore:
         """The load-versus-recompute model (:class:`tierstore.policies.cost.CostModel`)."""
         return self._index.config.cost
 
+    @_open_call
     def flush(self, timeout_s: float | None = None, max_bytes: int | None = None) -> int:
         """Write blocks that live only in memory to the NVMe tier; returns blocks written.
 
         Stops after ``timeout_s`` seconds or ``max_bytes`` bytes (each checked
         between batches of ``evict_batch_blocks * 8`` blocks).
         """
+        return self._flush_down(timeout_s, max_bytes)
+
+    def _flush_down(self, timeout_s: float | None, max_bytes: int | None) -> int:
         if self.nvme is None:
             return 0
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -1050,6 +1160,7 @@ class KVStore:
         """The FTL model of a simulated or modelled device, or ``None``."""
         return self._parts.ftl
 
+    @_open_call
     def resident(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether it is resident (any tier). A pure probe like :meth:`exists`."""
         return self._index.resident(_check_keys(keys))
@@ -1066,6 +1177,7 @@ class KVStore:
         every request was released)."""
         return self._index.references()
 
+    @_open_call
     def block_info(self, key: bytes) -> dict | None:
         """What the index knows of one block (tiers, state, hits, position, lifetime
         hint, the lifetime class it was last written to NVMe with), or ``None``."""
@@ -1075,19 +1187,23 @@ class KVStore:
         """Resident bytes per tier (``hbm``, ``host``, ``nvme``)."""
         return self._index.bytes_per_tier()
 
+    @_open_call
     def state_of(self, key: bytes):
         """Ownership state of a block (:class:`tierstore.index.BlockState`) or ``None``."""
         return self._index.state_of(key)
 
+    @_open_call
     def tiers_of(self, key: bytes) -> list[Tier]:
         """Tiers holding a readable copy of ``key``."""
         return self._index.tiers_of(key)
 
+    @_open_call
     def namespaces(self) -> dict[bytes, int]:
         """Resident blocks per namespace, keyed by this store's digest of it
         (:meth:`digest`)."""
         return self._index.namespaces()
 
+    @_open_call
     def keys_of_namespace(self, digest: bytes) -> list[bytes]:
         """Resident keys of a namespace, given as this store's digest (:meth:`digest`)."""
         return self._index.keys_of_namespace(bytes(digest))
@@ -1114,8 +1230,10 @@ class KVStore:
 
     # -------------------------------------------------------------- close
     def close(self, *, flush: bool | None = None) -> int:
-        """Finish submitted calls, write memory-only blocks to NVMe (``flush``,
-        default: the ``flush_on_close`` setting) and close the NVMe tier.
+        """Refuse new calls, finish the calls in progress and the submitted ones,
+        write memory-only blocks to NVMe (``flush``, default: the
+        ``flush_on_close`` setting) and close the NVMe tier. Idempotent; a call
+        that starts once ``close`` began raises :class:`StoreClosedError`.
 
         Returns
         -------
@@ -1123,15 +1241,18 @@ class KVStore:
             Blocks written down to NVMe by this close (0 without NVMe, with
             ``flush`` off, or when the store was closed already).
         """
-        with self._pool_lock:
+        with self._state:
             if self._closed:
                 return 0
             self._closed = True
+            busy = self._active > 0
+        if busy:  # every store acknowledged by a call in progress is written down below
+            self._idle.wait()
         self._mover.shutdown()
         f = self._flush
         written = 0
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            written = self.flush(f["flush_timeout_s"], f["flush_max_bytes"])
+            written = self._flush_down(f["flush_timeout_s"], f["flush_max_bytes"])
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:
@@ -1139,6 +1260,7 @@ class KVStore:
         return written
 
     def __enter__(self) -> "KVStore":
+        self._check_open("__enter__")
         return self
 
     def __exit__(self, *exc) -> None:

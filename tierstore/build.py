@@ -20,7 +20,12 @@ wires, from the typed parts:
     discovery). **Not verified on hardware.**
 
   Its segment size is the device's reclaim-unit size where there is one, else
-  chosen from the capacity (:func:`~tierstore.io.segments.choose_segment_size`);
+  chosen from the capacity (:func:`~tierstore.io.segments.choose_segment_size`),
+  or, for a tier that exists, the one its label records. Before anything is
+  opened for writing, the path passes :func:`tierstore.io.label.check_target`
+  (tierstore writes only to what is empty or carries its label, unless
+  ``format: true``), and a file this assembly created is removed again when
+  the tier fails to open;
 * the placement (:class:`~tierstore.fdp.placement.PlacementPolicy` from the
   device's RUH Status; ``fdp.enabled: false`` gives no placement);
 * the block index (:class:`~tierstore.index.BlockIndex`) and its policies, the
@@ -33,11 +38,12 @@ wires, from the typed parts:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from typing import Any, Callable
 
 from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
-from .errors import ConfigError
+from .errors import ConfigError, TierStoreError
 from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateShim, placement_policy
 from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
@@ -46,7 +52,8 @@ from .index import BlockIndex, IndexConfig, Tier
 from .io.engine import IOEngine
 from .io.factory import open_engine
 from .io.null import NullEngine
-from .io.segments import SegmentStorage, choose_segment_size
+from .io.label import Target, check_target, resolve_nvme_path
+from .io.segments import MIN_SEGMENTS, SegmentStorage, choose_segment_size
 from .layout import KVLayout
 from .mover import Mover
 from .policies.admission import make_admission
@@ -55,8 +62,9 @@ from .policies.lifetime import make_classifier
 from .policies.reinsert import make_reinsert
 from .tiers.memory import BlockPool, cuda_available
 from .tiers.storage import BlockStorage
+from .units import format_bytes
 
-__all__ = ["StoreParts", "assemble", "build_store"]
+__all__ = ["StoreParts", "assemble", "build_store", "file_tier_geometry"]
 
 
 @dataclasses.dataclass
@@ -85,8 +93,54 @@ def _default_ru(device_bytes: int, page_bytes: int) -> int:
     return max(page_bytes, ru // unit * unit)
 
 
-def _file_path(path: str) -> str:
-    return os.path.join(path, "tierstore.nvme") if os.path.isdir(path) else path
+def _open_file_engine(kind: str, path: str, size_bytes: int, iodepth: int, what: str):
+    """``open_engine`` on a file or block device; an ``OSError`` becomes a
+    :class:`ConfigError` naming the path and what to do."""
+    try:
+        return open_engine(kind, path, size_bytes, iodepth=iodepth)
+    except OSError as e:
+        if isinstance(e, TierStoreError):
+            raise
+        hint = {errno.EFBIG: f": {size_bytes} bytes is larger than a file may be on this file system; lower "
+                             "capacity_bytes",
+                errno.EINVAL: ": the file system refuses O_DIRECT (e.g. tmpfs); use a directory on a disk",
+                errno.ENOSPC: f": smaller than the {size_bytes} bytes asked for",
+                errno.ENOENT: " (no file can be created there)", errno.EROFS: " (a read-only file system)",
+                errno.EACCES: " (not writable by this user)", errno.EPERM: " (not writable by this user)",
+                }.get(e.errno, "")
+        raise ConfigError(f"{what}: cannot open {path}: {e.strerror or e}{hint}") from None
+
+
+def file_tier_geometry(target: Target, nv: NvmeTierConfig, block_bytes: int) -> tuple[int, int]:
+    """``(segment bytes, engine bytes)`` of a file tier: the label's segment size
+    when the tier exists (fixed for its life; a reopen with another capacity
+    changes the number of segments only), else one chosen from the capacity.
+
+    Raises
+    ------
+    ConfigError
+        Another block size or segment size than the label's, or a capacity
+        that holds fewer than ``MIN_SEGMENTS`` of the label's segments.
+    """
+    old, cap, path = target.label, nv.capacity_bytes, target.path
+    if old is None:
+        seg = choose_segment_size(cap, block_bytes, nv.segment_size_bytes)
+        return seg, cap // seg * seg
+    seg = old.segment_size_bytes
+    if old.block_bytes != block_bytes:
+        raise ConfigError(f"{path}: holds blocks of [{old.block_bytes}] bytes, but was opened for {block_bytes}-byte "
+                          "blocks (another KV layout?); open it with the layout it was written with, or use "
+                          "another path. Nothing was changed.")
+    if nv.segment_size_bytes is not None and nv.segment_size_bytes != seg:
+        raise ConfigError(f"tiers.nvme.segment_size_bytes={nv.segment_size_bytes}: {path} was formatted with "
+                          f"{seg}-byte segments, and a tier keeps its segment size; remove the key or set it to "
+                          f"{seg}, or use another path. Nothing was changed.")
+    if cap // seg < MIN_SEGMENTS:
+        raise ConfigError(f"tiers.nvme.capacity_bytes={cap} ({format_bytes(cap)}): {path} was formatted with "
+                          f"{seg}-byte segments (as a {format_bytes(old.n_segments * seg)} tier); {cap} bytes hold "
+                          f"{cap // seg} of them, fewer than the {MIN_SEGMENTS} region eviction needs: give at least "
+                          f"{MIN_SEGMENTS * seg} bytes, or another path. Nothing was changed.")
+    return seg, max(cap // seg * seg, old.n_segments * seg)
 
 
 def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
@@ -127,15 +181,20 @@ def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngin
         if tier > dev or n_ru < 2:
             raise ConfigError(f"NVMe tier of {n_ru} RUs of {ru} bytes does not fit a {dev}-byte device "
                               "(need >= 2 RUs: one open segment and the GC reserve); use smaller RUs")
+        kind = "memory" if nv.engine == "auto" else nv.engine
+        if kind not in ("memory", "null"):  # the simulated device's data in a file
+            if nv.path is None:
+                raise ConfigError(f"device: sim with engine: {kind} needs a path")
+            geo["path"] = resolve_nvme_path(nv.path)
+            geo["target"] = check_target(geo["path"], format=nv.format)
         ftl = FTLModel(dev, ru, m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc, page_bytes=pb)
         device = SimFdpDevice(ftl)
-        kind = "memory" if nv.engine == "auto" else nv.engine
         if kind == "null":
             engine: IOEngine = NullEngine(dev)
+        elif kind == "memory":
+            engine = open_engine(kind, None, dev, iodepth=nv.iodepth)
         else:
-            if kind not in ("memory",) and nv.path is None:
-                raise ConfigError(f"device: sim with engine: {kind} needs a path")
-            engine = open_engine(kind, None if kind == "memory" else _file_path(nv.path), dev, iodepth=nv.iodepth)
+            engine = _open_file_engine(kind, geo["path"], dev, nv.iodepth, f"tiers.nvme.path={nv.path!r}")
         geo.update(device_bytes=dev, ru_size_bytes=ru, segment_size_bytes=ru, nvme_bytes=tier,
                    utilization=tier / dev, op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation,
                    gc=m.gc, page_bytes=pb,
@@ -145,15 +204,12 @@ def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngin
         return engine, tier, ru, ftl, device
     # device == "file"
     kind = nv.engine  # "auto": io_uring where this process can use it, else posix (io.factory)
-    seg = choose_segment_size(nv.capacity_bytes, block_bytes, nv.segment_size_bytes)
+    path = geo["path"] = resolve_nvme_path(nv.path)
+    target = geo["target"] = check_target(path, format=nv.format)  # before anything is written
+    seg, size = file_tier_geometry(target, nv, block_bytes)
     tier = nv.capacity_bytes // seg * seg
-    path = _file_path(nv.path)
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"tiers.nvme.path={nv.path!r}: the directory {parent} does not exist "
-                          "(create it, or give an existing directory or file path)")
+    engine = _open_file_engine(kind, path, size, nv.iodepth, f"tiers.nvme.path={nv.path!r}")
     _warn_if_sparse_overcommit(path, tier, geo)
-    engine = open_engine(kind, path, tier, iodepth=nv.iodepth)
     geo.update(device_bytes=tier, ru_size_bytes=seg, segment_size_bytes=seg, nvme_bytes=tier, utilization=1.0,
                description=f"file ({kind} engine) {path}")
     ftl = device = None
@@ -174,11 +230,12 @@ def _open_nvme(nv: NvmeTierConfig, block_bytes: int, geo: dict) -> tuple[IOEngin
 
 
 def _warn_if_sparse_overcommit(path: str, tier_bytes: int, geo: dict) -> None:
-    """A sparse file accepts any size; say so when the tier exceeds the free space."""
+    """A sparse file accepts any size; say so when the tier exceeds the free space
+    (plus what the tier's file already holds, in allocated blocks)."""
     d = os.path.dirname(os.path.abspath(path)) or "."
     try:
         st = os.statvfs(d)
-        free = st.f_bavail * st.f_frsize + (os.path.getsize(path) if os.path.exists(path) else 0)
+        free = st.f_bavail * st.f_frsize + (os.stat(path).st_blocks * 512 if os.path.exists(path) else 0)
     except OSError:
         return
     if tier_bytes > free:
@@ -198,7 +255,7 @@ def _open_real_device(nv: NvmeTierConfig, block_bytes: int, geo: dict):
     for comparison with the device's own counters."""
     from .fdp.device import discover_namespace
     from .fdp.nvme_cli import FdpDeviceStats
-    path = nv.path
+    path = geo["path"] = nv.path
     if not os.path.basename(path).startswith("ng"):
         raise ConfigError(f"device: fdp needs path=/dev/ngXnY (got {path!r})")
     ns = discover_namespace(path)
@@ -274,6 +331,12 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
     hbm_dev = ("cuda" if cuda_available() else "cpu") if dev == "auto" else dev
     if not t.keep_data:  # the accounting mode (TiersConfig): pools without bytes
         hbm_dev = "meta"
+    for name, tier_cfg in (("hbm", t.hbm), ("host", t.host)):
+        if 0 < tier_cfg.capacity_bytes < bb:  # not "disabled": too small for one block
+            raise ConfigError(f"the {name} tier's capacity, {tier_cfg.capacity_bytes} bytes "
+                              f"({format_bytes(tier_cfg.capacity_bytes)}), is below one block of this layout "
+                              f"({bb} bytes, {format_bytes(bb)}): give at least {bb} bytes, or 0 to disable the tier "
+                              f"(tiers.{name}.capacity_bytes; {name}_bytes in KVStore; --{name}_size in tierstore bench)")
     nh, nc = t.hbm.capacity_bytes // bb, t.host.capacity_bytes // bb
     if nh:
         pools[Tier.HBM] = BlockPool("hbm", nh, bb, hbm_dev)
@@ -281,10 +344,12 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu" if t.keep_data else "meta",
                                      pin_memory=cuda_available() and t.keep_data)
     placement = PlacementPolicy.disabled()
-    ftl = device = shim = None
+    ftl = device = shim = opened = None
     nv = t.nvme
     if nvme is None and nv is not None:
         engine, tier, seg, ftl, device = _open_nvme(nv, bb, geo)
+        path = geo.pop("path", None)
+        geo.pop("target", None)
         try:
             if nv.fdp.enabled:
                 f = nv.fdp
@@ -298,6 +363,15 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
                     raise ConfigError("fdp.enabled needs an FDP device whose RUH Status gives the PIDs: device: fdp "
                                       "(/dev/ngXnY), device: sim, or a file with model: {...}; the posix and "
                                       "uring engines on a file or block device cannot place writes")
+            geo.pop("discovery", None)
+            # a tier in a file or on a device carries its label (tierstore.io.label); a simulated
+            # device in memory does not outlive the process
+            nvme = SegmentStorage(path, tier, bb, segment_size_bytes=seg,
+                                  engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
+                                  region_policy=nv.region_policy, keep_data=t.keep_data,
+                                  invalidation_log=(path + ".invalidations") if path and nv.device != "fdp"
+                                  else False, label=path is not None, format=nv.format)
+            # the device model observes the tier's writes from here on (not the label's)
             ruh_update = nv.fdp.ruh_update_on_segment_open
             if ruh_update is None:
                 ruh_update = nv.fdp.enabled
@@ -307,14 +381,11 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
                     engine.add_observer(shim)
                 else:
                     engine.add_observer(device)
-            geo.pop("discovery", None)
-            nvme = SegmentStorage(nv.path if nv.device == "file" else None, tier, bb, segment_size_bytes=seg,
-                                  engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
-                                  region_policy=nv.region_policy, keep_data=t.keep_data,
-                                  invalidation_log=(_file_path(nv.path) + ".invalidations")
-                                  if nv.device == "file" or (nv.device == "sim" and nv.path) else False)
+            opened = nvme
         except BaseException:
             engine.close()
+            if getattr(engine, "created", False):  # a file this assembly created: leave nothing behind
+                os.unlink(path)
             raise
     elif nvme is not None and nv is not None and nv.fdp.enabled:
         # a caller-given backend on a device it placed itself (e.g. a tenant's
@@ -323,39 +394,46 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         if placement is None:
             raise ConfigError("an NVMe backend given by the caller with fdp.enabled needs explicit "
                               "long_pid/medium_pid/short_pid")
-    geo.setdefault("description", "memory only" if nvme is None else "NVMe backend given by the caller")
-    admit = admit if admit is not None else make_admission(p.admission)
-    icfg = IndexConfig(
-        block_bytes=bb, tokens_per_block=layout.tokens_per_block, hbm_blocks=nh, host_blocks=nc,
-        nvme=nvme is not None, nvme_blocks=nvme.capacity_blocks() if nvme is not None else 0,
-        promotion=p.promotion, eviction=p.eviction, evict_batch_blocks=p.evict_batch_blocks,
-        write_policy=p.write_policy, verify_tokens=p.verify_tokens, pin_quota_bytes=p.pin_quota_bytes,
-        default_lease_s=p.default_lease_s, admit_to_nvme=admit,
-        remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
-        classify=classify if classify is not None else make_classifier(p.classifier),
-        reinsert=make_reinsert(reinsert if reinsert is not None else p.reinsert),
-        cost=cost if cost is not None else CostModel())
-    if clock is not None:
-        icfg.clock = clock
-    index = BlockIndex(icfg)
-    if nvme is not None:
-        if nvme.block_bytes != bb:
-            raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
-        if hasattr(nvme, "set_listener"):
-            nvme.set_listener(index)
-        if hasattr(nvme, "scan"):
-            keys, nss, _ = nvme.scan()
-        else:
-            ent = nvme.entries()
-            keys, nss = list(ent), [v[0] for v in ent.values()]
-        index.adopt_nvme(keys, nss)
-    remote = share = None
-    if cfg.remote is not None:
-        remote, share = _open_remote(cfg, bb, index)
-    mover = Mover(pools, nvme, placement.placement_for if placement.enabled else None, remote)
-    if remote is not None:  # remote loads are priced from measured Mooncake transfers
-        remote.set_load_observer(lambda n, secs: index.config.cost.observe_load("remote", n * bb, secs, n))
-    return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)
+    try:
+        geo.setdefault("description", "memory only" if nvme is None else "NVMe backend given by the caller")
+        admit = admit if admit is not None else make_admission(p.admission)
+        icfg = IndexConfig(
+            block_bytes=bb, tokens_per_block=layout.tokens_per_block, hbm_blocks=nh, host_blocks=nc,
+            nvme=nvme is not None, nvme_blocks=nvme.capacity_blocks() if nvme is not None else 0,
+            promotion=p.promotion, eviction=p.eviction, evict_batch_blocks=p.evict_batch_blocks,
+            write_policy=p.write_policy, verify_tokens=p.verify_tokens, pin_quota_bytes=p.pin_quota_bytes,
+            default_lease_s=p.default_lease_s, admit_to_nvme=admit,
+            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
+            classify=classify if classify is not None else make_classifier(p.classifier),
+            reinsert=make_reinsert(reinsert if reinsert is not None else p.reinsert),
+            cost=cost if cost is not None else CostModel())
+        if clock is not None:
+            icfg.clock = clock
+        index = BlockIndex(icfg)
+        if nvme is not None:
+            if nvme.block_bytes != bb:
+                raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
+            if hasattr(nvme, "set_listener"):
+                nvme.set_listener(index)
+            if hasattr(nvme, "scan"):
+                keys, nss, _ = nvme.scan()
+            else:
+                ent = nvme.entries()
+                keys, nss = list(ent), [v[0] for v in ent.values()]
+            index.adopt_nvme(keys, nss)
+        remote = share = None
+        if cfg.remote is not None:
+            remote, share = _open_remote(cfg, bb, index)
+        mover = Mover(pools, nvme, placement.placement_for if placement.enabled else None, remote)
+        if remote is not None:  # remote loads are priced from measured Mooncake transfers
+            remote.set_load_observer(lambda n, secs: index.config.cost.observe_load("remote", n * bb, secs, n))
+        return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)
+    except BaseException:
+        if opened is not None:  # the NVMe tier this assembly opened: closed, and a file it created removed
+            opened.close()
+            if getattr(opened.engine, "created", False):
+                os.unlink(opened.path)
+        raise
 
 
 def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):

@@ -60,12 +60,13 @@ import itertools
 import json
 import threading
 import time
+import urllib.parse
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from .errors import ConfigError, LayoutError, QuotaExceeded, Status, TierStoreError
+from .errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
@@ -179,8 +180,14 @@ class RemoteKVStore:
     remember_keys : int
         How many ``key -> namespace`` pairs :meth:`load` remembers for raw keys.
 
+    After :meth:`close`, every call that talks to the daemon raises
+    :class:`~tierstore.errors.StoreClosedError` (``digest``, ``keys_for`` and
+    the no-op ``release``/``cancel`` still answer).
+
     Raises
     ------
+    ConfigError
+        A URL without ``http://`` or ``https://``.
     AuthError
         If the token is refused.
     RemoteError
@@ -189,7 +196,15 @@ class RemoteKVStore:
 
     def __init__(self, url: str, token: str, timeout_s: float = 60.0, retries: int = 5,
                  max_retry_wait_s: float = 2.0, remember_keys: int = 1 << 18) -> None:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"url={url!r}: the URL needs a scheme (http:// or https://) and a host, e.g. "
+                              "http://127.0.0.1:8470")
         self.url = url.rstrip("/")
+        #: open/closed state and the calls in progress (close waits for them)
+        self._state = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closed = False
         self._auth = {"Authorization": f"Bearer {token}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
@@ -222,8 +237,34 @@ class RemoteKVStore:
         self._session = aiohttp.ClientSession(timeout=self._timeout,
                                               connector=aiohttp.TCPConnector(limit=64))
 
+    def _enter(self, coro) -> None:
+        with self._state:
+            if self._closed:
+                coro.close()  # never scheduled
+                raise StoreClosedError("RemoteKVStore: the client is closed")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._state:
+            self._active -= 1
+            if not self._active:
+                self._state.notify_all()
+
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the client's loop and wait for it.
+
+        Raises
+        ------
+        StoreClosedError
+            After :meth:`close` began (nothing is sent).
+        """
+        self._enter(coro)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except concurrent.futures.CancelledError:
+            raise StoreClosedError("RemoteKVStore: the client was closed during the call") from None
+        finally:
+            self._leave()
 
     async def _error(self, resp: aiohttp.ClientResponse) -> RemoteError:
         try:
@@ -297,8 +338,13 @@ class RemoteKVStore:
     def _future(self, coro, wait: bool):
         """Run ``coro`` on the client's loop: its result, or with ``wait=False`` a
         :class:`concurrent.futures.Future` of it (as :class:`~tierstore.api.KVStore`)."""
-        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result() if wait else fut
+        if wait:
+            return self._call(coro)
+        self._enter(coro)
+        try:  # close() lets a submitted call finish (up to the client's timeout)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        finally:
+            self._leave()
 
     # ------------------------------------------------------------------ store
     def _raw_blocks(self, kv_blocks) -> list[torch.Tensor]:
@@ -510,6 +556,8 @@ class RemoteKVStore:
         return d
 
     def _load_keys(self, keys, ns) -> tuple[list[bytes], bytes]:
+        if self._closed:  # before the load's coroutines exist (_call checks again, race-safe)
+            raise StoreClosedError("RemoteKVStore: the client is closed")
         if isinstance(keys, RemoteLookupResult):
             ns = ns if ns is not None else keys.ns
             keys = keys.useful_keys
@@ -733,13 +781,37 @@ class RemoteKVStore:
         """The daemon's ``/v1/info`` answer (metrics live at ``/metrics``)."""
         return self._call(self._request_json("GET", "/v1/info", None))
 
+    async def _finish(self) -> None:
+        """Let submitted calls finish (up to the client's timeout), then close the session."""
+        me = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not me]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self._timeout.total)
+            for t in late:
+                t.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def close(self) -> None:
-        """Close the HTTP session and stop the background loop (idempotent)."""
+        """Refuse new calls, let the calls in progress finish, close the HTTP
+        session and stop the background loop. Idempotent; every later call
+        (``stats`` included: it asks the daemon) raises
+        :class:`~tierstore.errors.StoreClosedError`."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            while self._active:
+                self._state.wait()
         if self._loop.is_closed():
             return
-        if self._session is not None:
-            self._call(self._session.close())
-            self._session = None
+        asyncio.run_coroutine_threadsafe(self._finish(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()

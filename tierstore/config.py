@@ -160,11 +160,27 @@ class NvmeTierConfig(_Model):
       (``engine: memory``) or in ``path``; a simulation, reported as such;
     * ``fdp`` -- a real FDP namespace ``/dev/ngXnY`` (placed writes through
       NVMe passthrough, discovery through nvme-cli).
+
+    ``path``: a path that ends in ``/`` or names an existing directory is a
+    directory (the tier is the file ``tierstore.nvme`` in it); any other path
+    is the tier's file or device, in a directory that must exist
+    (:func:`tierstore.io.label.resolve_nvme_path`).
+
+    tierstore writes only to a file or device that is empty or carries its
+    label (:mod:`tierstore.io.label`); ``format: true`` lets it format anything
+    else (a non-empty file, a block device, ``/dev/ngXnY``), destroying what it
+    holds, as ``mkfs`` does. A tier that carries the label is never erased,
+    ``format`` or not. The segment size is fixed when the tier is formatted: a
+    reopen with a larger capacity keeps every block, a smaller one drops the
+    blocks of the segments past the new end (counted in
+    ``recovery_dropped_blocks``).
     """
 
     device: Literal["file", "sim", "fdp"] = "file"
     path: str | None = Field(None, description="directory, file, block device, or /dev/ngXnY for device: fdp")
     capacity_bytes: int | None = Field(None, description="null only with device: sim (utilization x device)")
+    format: bool = Field(False, description="let tierstore format a path without its label (a non-empty file, a "
+                                            "device); what it holds is lost")
     engine: Literal["auto", "posix", "uring", "memory", "null"] = "auto"
     segment_size_bytes: int | None = None
     extent_size_bytes: int = 16 << 20

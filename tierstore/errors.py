@@ -47,6 +47,25 @@ class InvariantError(TierStoreError, RuntimeError):
     """An internal invariant broke (negative refcount, double free, ...)."""
 
 
+class StoreClosedError(TierStoreError):
+    """A call on a store that was closed (:meth:`tierstore.api.KVStore.close`,
+    ``RemoteKVStore.close``, an engine connector's shutdown). Nothing of the
+    call took effect: a closed store acknowledges no store and serves no load."""
+
+
+class StoreLockedError(TierStoreError):
+    """The NVMe tier's file or device is open in another store (another
+    process, or another store of this one). The message names the path and,
+    where the kernel says it, the holder's PID. Nothing was written."""
+
+
+class ForeignDataError(ConfigError):
+    """The NVMe tier's path holds data tierstore did not write (a non-empty
+    file or a device without tierstore's label), or a device tierstore may
+    format only when told to (``format: true``). The message names the path
+    and what was found. Nothing was written."""
+
+
 class QuotaExceeded(TierStoreError):
     """A pin or store would exceed a namespace's byte quota."""
 

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import ConfigError, Status
+from .errors import ConfigError, Status, StoreClosedError
 from .fdp.lifetime import LifetimeClass
 from .index import LoadPlan, PromotePlan, StorePlan, Tier
 from .io.pages import FragmentPlan
@@ -121,13 +121,15 @@ class Mover:
         Raises
         ------
         ConfigError
-            For an unknown queue, or after :meth:`shutdown`.
+            For an unknown queue.
+        StoreClosedError
+            After :meth:`shutdown` (the store is closing).
         """
         if queue not in self.QUEUES:
             raise ConfigError(f"queue={queue!r}: accepted values are {list(self.QUEUES)}")
         with self._queue_lock:
             if self._stopped:
-                raise ConfigError("the store is closed")
+                raise StoreClosedError("the store is closed")
             pool = self._queues.get(queue)
             if pool is None:
                 pool = self._queues[queue] = ThreadPoolExecutor(max_workers=1,

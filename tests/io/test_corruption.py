@@ -9,6 +9,7 @@ from tierstore.errors import Status
 from tierstore.io import SegmentStorage
 from tierstore.io import format as fmt
 from tierstore.io._fileops import punch_hole
+from tierstore.io.label import LABEL_BYTES
 from tierstore.io.memory import MemoryEngine
 
 from .test_segments import content
@@ -98,9 +99,9 @@ def test_deleted_and_truncated_segments_miss(tmp_path, engine):
     seg_of = {k: s.locate(k)[0] for k in keys}
     assert len(set(seg_of.values())) >= 3
     s.close()
-    # "delete" segment 0 behind the store's back, truncate away the last used one
+    # "delete" segment 0's blocks behind the store's back (its label stays), truncate away the last used one
     fd = os.open(path, os.O_RDWR)
-    punch_hole(fd, 0, 2 * SEG, False)
+    punch_hole(fd, LABEL_BYTES, 2 * SEG - LABEL_BYTES, False)
     last = max(seg_of.values())
     os.ftruncate(fd, last * 2 * SEG)
     os.close(fd)

@@ -22,7 +22,7 @@ PUBLIC_NS = {"model": "shared-model@1", "tenant": "public"}
 
 
 def make_config(tmp: str, **over) -> dict:
-    """A small daemon config under ``tmp``: 8 KiB blocks, 4 MiB host, 64 MiB NVMe."""
+    """A small daemon config under ``tmp``: 8 KiB blocks, 4 MiB host, 96 MiB NVMe in the file ``tmp/nvme``."""
     cfg = {
         "state_dir": os.path.join(tmp, "state"),
         "listen": {"host": "127.0.0.1", "port": 0},

@@ -141,7 +141,7 @@ def test_check_refuses_a_layout_that_does_not_match_the_nvme_file(tmp_path, caps
         assert st[0].value == "ok"
     finally:
         svc.close()
-    nvme = tmp_path / "nvme" / "tierstore.nvme"
+    nvme = tmp_path / "nvme"
     before, mtime = _sha(nvme), os.stat(nvme).st_mtime_ns
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "recovered at start" in out, err

@@ -128,14 +128,15 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
         if "device_size" in explicit:
             model["device_bytes"] = options["device_size"]
         return {"device": "sim", "engine": "memory", "model": model, "fdp": fdp}
+    fmt_ok = bool(options.get("format", False))  # tierstore.io.label: formatting is an explicit choice
     if dev_opt != "file":
-        return {"device": "fdp", "path": dev_opt, "fdp": fdp}
+        return {"device": "fdp", "path": dev_opt, "fdp": fdp, "format": fmt_ok}
     eng = options.get("ioengine", "posix")
     if eng not in ("posix", "uring", "auto"):
         raise ConfigError(f"ioengine={eng}: device=file puts the NVMe tier in a file through posix, uring or auto; "
                           "use device=sim for a tier in memory")
     out = {"device": "file", "engine": eng, "model": {k: v for k, v in model.items() if k != "utilization"},
-           "fdp": fdp}
+           "fdp": fdp, "format": fmt_ok}
     if nvme_path is not None:
         out["path"] = nvme_path
     if "ru_size" in explicit:

@@ -85,7 +85,8 @@ hashes themselves (``storage_namespace_seed`` in ``mem_cache/utils.py``), so
 requests with different ``extra_key`` already have different keys.
 
 Each SGLang rank is a process with its own store. When ``tiers.nvme.path`` is
-a directory, each rank gets its own file in it,
+a directory (it ends in ``/`` or names an existing one; it must exist), each
+rank gets its own file in it,
 ``sglang_<model>-<hash>_tp<r>-<n>_pp<r>-<n>_dp<r>.nvme``; a restart of the
 same model and rank finds its file again and serves the pages stored before.
 The file is locked (``flock``) while open, so two live processes never share
@@ -167,9 +168,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
 import re
-import stat
 import threading
 import time
 from typing import Any, List, Literal, Optional
@@ -181,8 +180,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..api import KVStore
 from ..config import PoliciesConfig, StoreConfig, TiersConfig, parse_model
-from ..errors import ConfigError, LayoutError, Status
+from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
+from ..io.label import resolve_nvme_path
 from ..io.pages import FragmentPlan, KVPagePool
 from ..layout import KVLayout, dtype_name
 from ._common import close_store_logged, log_store_opened
@@ -523,7 +523,7 @@ class HiCacheTierStore(HiCacheStorage):
             then fails, so the server does not start).
         """
         if self._closed:
-            raise ConfigError("HiCacheTierStore is closed")
+            raise StoreClosedError("HiCacheTierStore is closed (SGLang detached the backend)")
         if self.store is not None:
             if mem_pool_host is self.mem_pool_host:
                 return
@@ -561,22 +561,19 @@ class HiCacheTierStore(HiCacheStorage):
         tiers = self.cfg.tiers
         nv = tiers.nvme
         if nv is not None and nv.path is not None and nv.device in ("file", "sim"):
-            path = nv.path
-            if not os.path.exists(path):
-                os.makedirs(path, exist_ok=True)
-            st = os.stat(path)
-            if stat.S_ISDIR(st.st_mode):
-                path = os.path.join(path, _rank_file_name(sc.model_name, sc))
+            # the one path rule (tierstore.io.label): a directory gets one file per rank
+            path = resolve_nvme_path(nv.path, file_name=_rank_file_name(sc.model_name, sc))
             tiers = tiers.model_copy(update={"nvme": nv.model_copy(update={"path": path})})
         return StoreConfig(tiers=tiers, policies=self.cfg.policies)
 
     def _require(self) -> tuple[KVStore, HostPoolView]:
+        store, view = self.store, self.view  # read before the flag: close() sets it first
         if self._closed:
-            raise ConfigError("HiCacheTierStore is closed")
-        if self.store is None or self.view is None:
+            raise StoreClosedError("HiCacheTierStore is closed (SGLang detached the backend)")
+        if store is None or view is None:
             raise ConfigError("HiCacheTierStore: no host pool registered yet (SGLang calls "
                               "register_mem_pool_host when it attaches the backend)")
-        return self.store, self.view
+        return store, view
 
     def _keys(self, keys: List[str]) -> list[bytes]:
         d = self._digest
@@ -779,9 +776,10 @@ class HiCacheTierStore(HiCacheStorage):
         return m
 
     def close(self) -> None:
-        """Close the store (SGLang calls this when it detaches the backend)."""
-        store, self.store = self.store, None
+        """Close the store (SGLang calls this when it detaches the backend); every
+        later call raises :class:`~tierstore.errors.StoreClosedError`. Idempotent."""
         self._closed = True
+        store, self.store = self.store, None
         if store is not None:
             close_store_logged(_log, self._who, store)
 

@@ -161,7 +161,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..api import KVStore
-from ..errors import ConfigError, LayoutError, Status
+from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
@@ -981,6 +981,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         _check_topology(vllm_config)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        self._closed = False
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self, settings)
         else:
@@ -988,12 +989,15 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     # ---- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._check_open("register_kv_caches")
         self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._check_open("handle_preemptions")
         self._worker._ingest(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._check_open("start_load_kv")
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -1003,9 +1007,11 @@ class TierstoreConnector(KVConnectorBase_V1):
         return  # stores are whole blocks after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self._check_open("wait_for_save")
         self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._check_open("get_finished")
         return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -1013,18 +1019,23 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side
     def on_new_request(self, request: "Request") -> None:
+        self._check_open("on_new_request")
         self._sched.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._check_open("get_num_new_matched_tokens")
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._check_open("update_state_after_alloc")
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        self._check_open("build_connector_meta")
         return self._sched.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._check_open("request_finished")
         return self._sched.request_finished(request, block_ids)
 
     # ---- both
@@ -1036,7 +1047,17 @@ class TierstoreConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return TierstoreConnectorStats(data=dict(data or {}))
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise StoreClosedError(f"TierstoreConnector.{what}: the connector was shut down")
+
     def shutdown(self) -> None:
+        """Release the scheduler side's references, or finish the worker side's
+        transfers and close its store. Idempotent; every later call that would
+        look up, load or store raises :class:`~tierstore.errors.StoreClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
         (self._sched or self._worker).shutdown()
 
 

@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import threading
 import time
@@ -94,8 +93,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..api import KVStore
 from ..config import StoreConfig, parse_model
-from ..errors import ConfigError, LayoutError, Status
+from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
+from ..io.label import resolve_nvme_path
 from ..layout import KVLayout
 from ._common import LIFETIME_HINTS, model_identity
 
@@ -212,17 +212,18 @@ def chunk_namespace(spec: "OffloadingSpec", settings: OffloadTierSettings, chunk
 
 
 def _per_engine_file(store_cfg: StoreConfig, ns: Namespace, layout: KVLayout) -> StoreConfig:
-    """``tiers.nvme.path`` a directory: this engine's own file in it,
+    """``tiers.nvme.path`` a directory (it ends in ``/`` or exists): this engine's own file in it,
     ``vllm_offload_<model>_<digest>.nvme``, named by the namespace and the chunk
     layout, so a restart of the same engine finds it again and engines of
     another model, topology or chunk size never open each other's file (the
     file is locked while open). A file or device path is used as it is."""
     nv = store_cfg.tiers.nvme
-    if nv is None or not os.path.isdir(nv.path):
+    if nv is None or nv.path is None or nv.device == "fdp":
         return store_cfg
     ident = hashlib.sha256(repr((ns, layout.fingerprint())).encode()).hexdigest()[:16]
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", ns.model)[-48:].strip("_") or "model"
-    path = os.path.join(nv.path, f"vllm_offload_{safe}_{ident}.nvme")
+    # the one path rule (tierstore.io.label): a directory (ends in / or exists) gets this engine's file
+    path = resolve_nvme_path(nv.path, file_name=f"vllm_offload_{safe}_{ident}.nvme")
     tiers = store_cfg.tiers.model_copy(update={"nvme": nv.model_copy(update={"path": path})})
     return store_cfg.model_copy(update={"tiers": tiers})
 
@@ -312,12 +313,18 @@ class TierstoreSecondaryTier(SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise StoreClosedError(f"TierstoreSecondaryTier.{what}: the tier was shut down")
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if tierstore holds the chunk in any tier, else MISS (a pure probe)."""
+        self._check_open("lookup")
         return LookupResult.HIT if self.store.exists([self._key(key)]) else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Copy primary rows ``chunk_ids`` into tierstore on the store thread (returns at once)."""
+        self._check_open("submit_store")
         keys = list(job_metadata.keys)
         rows = self._row_views(job_metadata.chunk_ids)
         if len(rows) != len(keys):
@@ -335,6 +342,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Copy chunks from tierstore into primary rows ``chunk_ids`` on the load thread."""
+        self._check_open("submit_load")
         keys = list(job_metadata.keys)
         rows = self._row_views(job_metadata.chunk_ids)
         if len(rows) != len(keys):

@@ -6,6 +6,7 @@ OR-ed with ``FALLOC_FL_KEEP_SIZE``; values 0x02 and 0x01 from
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -42,8 +43,51 @@ def check_queue_args(iodepth: int, max_io_bytes: int, block_size_bytes: int) -> 
         raise ConfigError(f"max_io_bytes={max_io_bytes}: must be a multiple of {block_size_bytes}")
 
 
+def lock_holder_pid(fd: int, proc_locks: str = "/proc/locks") -> int | None:
+    """PID of the process holding a flock(2) on the file open as ``fd``, from
+    ``/proc/locks`` (proc(5); Linux prints ``major:minor:inode`` of the file,
+    major and minor in hex). ``None`` when no holder is listed or the list
+    cannot be read; a PID of another PID namespace shows as 0 and is ``None``.
+    """
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open(proc_locks, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2147126 0 EOF"; "1: -> FLOCK ..." is a waiter
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+            try:
+                pid = int(parts[4])
+            except ValueError:
+                return None
+            return pid if pid > 0 else None
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process (a zombie is dead: it holds nothing
+    but its exit status)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
-    """flock(2) ``LOCK_EX`` on the open file description, waiting up to ``timeout_s``.
+    """flock(2) ``LOCK_EX`` on the open file description; fails at once when a
+    live process holds it.
 
     Why: one writer per store, and crash safety after kill -9. io_uring requests
     still in flight when a process dies complete *after* it is reaped (the ring
@@ -52,11 +96,18 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
     a new opener that gets the lock knows no write of a dead predecessor can
     land afterwards on space it is about to reuse.
 
+    The holder's PID comes from ``/proc/locks`` (:func:`lock_holder_pid`): a
+    live holder (another store, in this process or another) is refused at
+    once; a holder that has died (its last writes still landing) is waited
+    for, up to ``timeout_s``.
+
     Raises
     ------
-    OSError
-        EWOULDBLOCK if another live process holds the store after ``timeout_s``.
+    StoreLockedError
+        Another live process (or store of this process) holds ``path``, the
+        holder cannot be identified, or a dead holder's lock outlived ``timeout_s``.
     """
+    from ..errors import StoreLockedError
     deadline = time.monotonic() + timeout_s
     warned = False
     while True:
@@ -64,36 +115,69 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if not warned:
-                logging.getLogger("tierstore.io").warning(
-                    "%s is locked by another process; waiting up to %.0f s", path, timeout_s)
-                warned = True
-            if time.monotonic() >= deadline:
-                raise OSError(errno.EWOULDBLOCK, f"{path}: locked by another process "
-                              f"(flock LOCK_EX) for more than {timeout_s} s") from None
-            time.sleep(0.01)
+            pass
+        pid = lock_holder_pid(fd)
+        if pid == os.getpid():
+            raise StoreLockedError(f"{path}: already open in this process (pid {pid}) by another store; close "
+                                   "it first, or give this store another NVMe path") from None
+        if pid is None:
+            raise StoreLockedError(f"{path}: in use by another process (flock held; its PID is not visible "
+                                   "here, e.g. another container); stop it, or give this store another NVMe "
+                                   "path") from None
+        if process_alive(pid):
+            raise StoreLockedError(f"{path}: in use by process {pid} (another tierstore store or daemon holds "
+                                   "its lock); stop it, or give this store another NVMe path") from None
+        if not warned:
+            logging.getLogger("tierstore.io").warning(
+                "%s: locked by process %d, which has exited; waiting up to %.0f s for its last writes",
+                path, pid, timeout_s)
+            warned = True
+        if time.monotonic() >= deadline:
+            raise StoreLockedError(f"{path}: still locked {timeout_s:.0f} s after its holder, process {pid}, "
+                                   "exited") from None
+        time.sleep(0.01)
 
 
 def open_direct(path: str, size_bytes: int, create: bool = True,
-                lock_timeout_s: float = 30.0) -> tuple[int, bool]:
+                lock_timeout_s: float = 30.0) -> tuple[int, bool, bool]:
     """Open ``path`` read-write with O_DIRECT, lock it exclusively, and grow a
     regular file to ``size_bytes``.
 
-    Returns ``(fd, is_block_device)``. The file is sparse (ftruncate), so space
+    Returns ``(fd, is_block_device, created)``, ``created`` when this call
+    created the file. The file is sparse (ftruncate), so space
     is allocated on first write and ENOSPC surfaces at write time.
+
+    A file this call created is removed again when sizing it fails (a size
+    the file system refuses, EFBIG): a failed open leaves nothing behind.
 
     Raises
     ------
     OSError
         EINVAL if the file system refuses O_DIRECT: never falls back to
-        buffered I/O. EWOULDBLOCK if another process holds the store.
+        buffered I/O; EFBIG/ENOSPC for a size the file or device cannot have.
+    StoreLockedError
+        Another process holds the store (:func:`lock_exclusive`).
     """
     flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
+    created = False
     if create:
-        flags |= os.O_CREAT
-    fd = os.open(path, flags, 0o644)
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, flags)
+        except OSError:
+            # some file systems (tmpfs before Linux 6.6) create the file, then refuse O_DIRECT
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_size == 0:
+                    os.unlink(path)
+            raise
+    else:
+        fd = os.open(path, flags)
+    locked = False
     try:
         lock_exclusive(fd, path, lock_timeout_s)
+        locked = True
         st = os.fstat(fd)
         is_blk = stat.S_ISBLK(st.st_mode)
         if is_blk:
@@ -105,8 +189,10 @@ def open_direct(path: str, size_bytes: int, create: bool = True,
             os.ftruncate(fd, size_bytes)
     except BaseException:
         os.close(fd)
+        if created and locked:  # unlocked: another opener may have it by now
+            os.unlink(path)
         raise
-    return fd, is_blk
+    return fd, is_blk, created
 
 
 def preallocate(fd: int, offset: int, length: int, is_block_device: bool) -> None:

@@ -38,9 +38,10 @@ class FileEngine(IOEngine):
         Bad ``iodepth``/``max_io_bytes``/sizes.
     OSError
         The file cannot be opened with O_DIRECT (EINVAL on tmpfs; never falls
-        back to buffered I/O), another process holds it (EWOULDBLOCK), or a
-        block device is smaller than ``size_bytes`` (ENOSPC); or the backend's
-        ``_start`` failed (the file is closed again).
+        back to buffered I/O), a block device is smaller than ``size_bytes``
+        (ENOSPC); or the backend's ``_start`` failed (the file is closed again).
+    StoreLockedError
+        Another store holds the file (:func:`._fileops.lock_exclusive`).
     """
 
     def __init__(self, path: str, size_bytes: int, iodepth: int = 16,
@@ -51,10 +52,13 @@ class FileEngine(IOEngine):
         self.path = str(path)
         self.iodepth = int(iodepth)
         self.max_io_bytes = int(max_io_bytes)
-        self.fd, self.is_block_device = open_direct(self.path, size_bytes)
+        #: ``created``: this engine created the file (an owner removes it when the tier fails to open)
+        self.fd, self.is_block_device, self.created = open_direct(self.path, size_bytes)
         try:
             self._start()
         except BaseException:
+            if self.created:  # still locked: nobody else opened it
+                os.unlink(self.path)
             os.close(self.fd)
             raise
 

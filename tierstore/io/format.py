@@ -6,7 +6,10 @@ The device (file or block device) is cut into ``n_segments`` *segments* of
 ``segment_size_bytes`` (the reclaim unit: one FDP reclaim unit / erase-block
 multiple; CacheLib Navy calls them regions). Segment ``s`` starts at byte
 ``s * segment_size_bytes``. A segment is written strictly sequentially as a
-chain of *extents* starting at its byte 0, and is reclaimed only as a whole
+chain of *extents* starting at its byte 0 -- except segment 0 of a tier kept
+in a file or on a device, whose first 4096 bytes hold the tier's label
+(:mod:`tierstore.io.label`: the geometry it was formatted with) and whose
+chain starts at byte 4096 -- and is reclaimed only as a whole
 (fallocate(2) ``FALLOC_FL_PUNCH_HOLE|FALLOC_FL_KEEP_SIZE`` on files, BLKDISCARD
 / NVMe Deallocate on raw devices), after which it reads back as zeros.
 
@@ -69,7 +72,8 @@ A recovered segment is never appended to (it stays sealed until reclaimed as
 a whole): complete extents of a dead writer can lie beyond a torn one, and
 appending at the chain end could splice them back in. An exclusive flock(2)
 on the device file, held by the open store, makes a new opener wait until
-every in-flight io_uring write of a killed predecessor has landed.
+every in-flight io_uring write of a killed predecessor has landed (and
+refuses it at once while the holder lives: ``io._fileops.lock_exclusive``).
 When a key is found in two extents (a GC copy-forward cut short by a
 crash), the newer copy wins only if its payload CRC verifies at recovery.
 Deletes are volatile (a restart may bring back a deleted but not yet reclaimed

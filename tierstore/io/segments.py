@@ -72,6 +72,7 @@ import enum
 import errno
 import logging
 import os
+import stat
 import struct
 import threading
 from array import array
@@ -81,14 +82,16 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from . import label as lbl
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
 from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
-from ..errors import ConfigError, CorruptData, InvariantError, LayoutError, Status, TierStoreError
+from ..errors import (ConfigError, CorruptData, ForeignDataError, InvariantError, LayoutError, Status,
+                      StoreClosedError, TierStoreError)
 from ..keytable import KeyTable
 from ..tiers.storage import BlockStorage
-from ..units import parse_size
+from ..units import format_bytes, parse_size
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
 #: Navy region-size multiple; configure to the device's RU size.
@@ -153,14 +156,24 @@ def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
     return rows[i0:i0 + len(plans)]
 
 
+def _is_device(path: str | None) -> bool:
+    """Whether ``path`` is a block or character device (a raw SSD, ``/dev/ngXnY``)."""
+    try:
+        mode = os.stat(path).st_mode if path else 0
+    except OSError:
+        return False
+    return stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
+
+
 def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
                         min_segments: int = MIN_SEGMENTS) -> int:
     """Segment (reclaim unit) size for a tier of ``capacity_bytes``.
 
     ``preferred_bytes`` (a device's RU size) if the tier holds at least
     ``min_segments`` of them; else about ``TARGET_SEGMENTS`` segments, whole
-    MiB (or 4 KiB multiples for small tiers), between one one-block extent and
-    256 MiB, and never fewer than ``min_segments``.
+    MiB (or 4 KiB multiples for small tiers), between one one-block extent
+    (plus the 4096-byte label segment 0 carries, :mod:`tierstore.io.label`)
+    and 256 MiB, and never fewer than ``min_segments``.
 
     Raises
     ------
@@ -168,14 +181,15 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
         If the tier cannot hold ``min_segments`` segments of one block each;
         the message gives the minimum capacity.
     """
-    one = fmt.extent_bytes_for(1, block_bytes)
+    one = fmt.extent_bytes_for(1, block_bytes) + lbl.LABEL_BYTES  # segment 0 holds the label and a block
     if preferred_bytes:
         if capacity_bytes // preferred_bytes >= min_segments:
             return int(preferred_bytes)
     if capacity_bytes // min_segments < one:
         raise ConfigError(f"NVMe tier of {capacity_bytes} bytes is too small for region eviction: it needs "
                           f"at least {min_segments} segments of one {block_bytes}-byte block ({one} bytes "
-                          f"with its header), i.e. nvme capacity >= {min_segments * one} bytes")
+                          f"with its header and the tier's label), i.e. nvme capacity >= {min_segments * one} "
+                          "bytes")
     seg = min(DEFAULT_SEGMENT_BYTES, max(one, capacity_bytes // TARGET_SEGMENTS))
     unit = 1 << 20 if seg >= 1 << 20 and one <= (seg >> 20 << 20) else fmt.ALIGN_BYTES
     seg = max(one, seg // unit * unit)
@@ -222,6 +236,14 @@ class SegmentStorage(BlockStorage):
         regular file, none for devices and memory (``False`` disables it).
     owns_engine : bool, optional
         Close an engine object given in ``engine`` on :meth:`close` (default: no).
+    label : bool, optional
+        Keep the tier's label in device bytes ``[0, 4096)`` (:mod:`tierstore.io.label`):
+        the geometry it was formatted with, checked at every open; segment 0's
+        chain then starts at byte 4096. Default: when ``path`` is given (a tier
+        that outlives the process).
+    format : bool
+        Allowed to format a target without the label (``tiers.nvme.format``);
+        without it such a target is refused before anything is written.
     keep_data : bool
         ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`):
         every extent is laid out and written as usual with its real header
@@ -230,11 +252,21 @@ class SegmentStorage(BlockStorage):
         get of a present block reports ``OK`` without reading or scattering.
         Only for experiments at real block sizes; such a store serves no KV.
 
+    Reopening with another capacity keeps the segment size of the label: a
+    larger tier keeps every block; a smaller one keeps the blocks of the
+    segments that still fit and drops the others, counted in
+    ``recovery_dropped_blocks`` and said in one warning.
+
     Raises
     ------
     ConfigError
         Inconsistent sizes, an unknown region policy, or a file written with
-        another block size (nothing is changed then).
+        another block or segment size (nothing is changed then).
+    ForeignDataError
+        A labelled tier's target holds data tierstore did not write, and
+        ``format`` is not set (nothing is written).
+    StoreLockedError
+        Another store holds the file (:func:`tierstore.io._fileops.lock_exclusive`).
     OSError
         The device cannot be opened with O_DIRECT.
     """
@@ -247,7 +279,7 @@ class SegmentStorage(BlockStorage):
                  verify_on_recovery: bool = False, copy_threads: int | None = None,
                  region_policy: str = "lru", listener: RegionListener | None = None,
                  invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
-                 keep_data: bool = True):
+                 keep_data: bool = True, label: bool | None = None, format: bool = False):
         cap = parse_size(capacity_bytes, "capacity_bytes")
         self.keep_data = bool(keep_data)
         seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
@@ -279,14 +311,24 @@ class SegmentStorage(BlockStorage):
         self.blocks_per_extent = bpe
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._one_block_extent_bytes = one
+        self._labelled = (path is not None) if label is None else bool(label)
+        #: where segment 0's chain starts (after the label)
+        self._start0 = lbl.LABEL_BYTES if self._labelled else 0
+        if seg_b < self._start0 + one:
+            raise ConfigError(f"segment_size_bytes={seg_b}: must hold the label and one block extent "
+                              f"({self._start0 + one} bytes)")
         if isinstance(engine, IOEngine):
             self.engine = engine
             self._own_engine = bool(owns_engine)
             if engine.size_bytes < n_seg * seg_b:
                 raise ConfigError(f"engine of {engine.size_bytes} bytes < {n_seg * seg_b}")
         else:
-            self.engine = open_engine(engine, path, n_seg * seg_b, iodepth=iodepth,
-                                      max_io_bytes=max_io_bytes)
+            size = n_seg * seg_b
+            if path is not None and engine != "memory":
+                old = lbl.check_target(path, format=format).label
+                if old is not None and old.segment_size_bytes == seg_b:  # reach the segments a shrink drops
+                    size = max(size, old.n_segments * seg_b)
+            self.engine = open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes)
             self._own_engine = True
         self.path = path
         self._listener = listener
@@ -334,12 +376,19 @@ class SegmentStorage(BlockStorage):
             invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
         self._inval_path = invalidation_log or None
         try:
+            old = self._open_label(format) if self._labelled else None
             self._recover(verify_on_recovery)
+            if old is not None and old.n_segments > n_seg:
+                self._drop_beyond(old.n_segments)
+            if self._labelled and (old is None or old.n_segments != n_seg):
+                self._write_label()
         except BaseException:
             self._wpipe.close()
             self._rpipe.close()
             if self._own_engine:
                 self.engine.close()
+                if not isinstance(engine, IOEngine) and getattr(self.engine, "created", False):
+                    os.unlink(path)  # a file this open created: leave nothing behind
             raise
 
     # ================================================================ seam API
@@ -349,7 +398,9 @@ class SegmentStorage(BlockStorage):
 
     def capacity_blocks(self) -> int:
         """Blocks the store can hold when empty (batched puts pack more)."""
-        return (self.n_segments - self.reserve_segments) * (self.segment_size_bytes // self._one_block_extent_bytes)
+        per = self.segment_size_bytes // self._one_block_extent_bytes
+        per0 = (self.segment_size_bytes - self._start0) // self._one_block_extent_bytes
+        return (self.n_segments - self.reserve_segments) * per - (per - per0)
 
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
@@ -357,6 +408,8 @@ class SegmentStorage(BlockStorage):
             per = self.segment_size_bytes // self._one_block_extent_bytes
             n_free = int((self._state == SegmentState.FREE).sum())
             total = max(0, n_free - self.reserve_segments) * per
+            if total and self._state[0] == SegmentState.FREE:  # segment 0 holds the label
+                total -= per - (self.segment_size_bytes - self._start0) // self._one_block_extent_bytes
             for si in self._open.values():
                 total += (self.segment_size_bytes - int(self._wp[si])) // self._one_block_extent_bytes
             return total
@@ -575,7 +628,7 @@ class SegmentStorage(BlockStorage):
         status = [Status.MISS] * n
         with self._lock:
             if self._closed:
-                raise TierStoreError("SegmentStorage is closed")
+                raise StoreClosedError("SegmentStorage is closed")
             rows = self._table.get_many(keys)
             found = [(int(self._off[r]), i, int(self._crc[r])) for i, r in enumerate(rows.tolist()) if r >= 0]
             segs = [off // self.segment_size_bytes for off, _, _ in found]
@@ -651,7 +704,7 @@ class SegmentStorage(BlockStorage):
         n = len(keys)
         with self._lock:
             if self._closed:
-                raise TierStoreError("SegmentStorage is closed")
+                raise StoreClosedError("SegmentStorage is closed")
             status: list[Status | None] = [None] * n
             seen: set[bytes] = set()
             groups: dict[int | None, list[int]] = {}
@@ -820,7 +873,7 @@ class SegmentStorage(BlockStorage):
             return None
         self._state[si] = SegmentState.OPEN
         self._seg_placement[si] = _NO_PLACEMENT if placement is None else int(placement)
-        self._wp[si] = 0
+        self._wp[si] = self._chain_start(si)
         self._written[si] = 0
         self._live[si] = 0
         self._members[si] = array("i")
@@ -856,7 +909,7 @@ class SegmentStorage(BlockStorage):
                 take, pending = pending[:k], pending[k:]
                 seq = self._next_seq
                 self._next_seq += 1
-                if self._wp[si] == 0:
+                if self._wp[si] == self._chain_start(si):
                     self._gen[si] = seq
                 ext_off = si * self.segment_size_bytes + int(self._wp[si])
                 self._wp[si] += fmt.extent_bytes_for(k, self.block_bytes)
@@ -990,7 +1043,7 @@ class SegmentStorage(BlockStorage):
     def _rollback(self, plans: list[_Plan], first: dict[int, int]) -> None:
         for si, off in first.items():
             self._wp[si] = off - si * self.segment_size_bytes
-            if self._wp[si] == 0:
+            if self._wp[si] == self._chain_start(si):
                 self._written[si] = 0
 
     def _grow_rows(self) -> None:
@@ -1124,9 +1177,9 @@ class SegmentStorage(BlockStorage):
                 raise InvariantError(f"reclaiming segment {si} with {int(self._live[si])} live blocks")
             if self._state[si] != SegmentState.RECLAIMING:
                 raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(self._state[si])).name}")
-        base = si * self.segment_size_bytes
+        start = self._chain_start(si)  # segment 0's label stays
         try:
-            self.engine.trim(base, self.segment_size_bytes).get()
+            self.engine.trim(si * self.segment_size_bytes + start, self.segment_size_bytes - start).get()
             trim_failed = False
         except OSError:
             trim_failed = True  # still reusable: recovery ignores stale extents by segment_gen/seq
@@ -1134,7 +1187,7 @@ class SegmentStorage(BlockStorage):
             if trim_failed:
                 self._st["trim_errors"] += 1
             self._state[si] = SegmentState.FREE
-            self._wp[si] = 0
+            self._wp[si] = start
             self._written[si] = 0
             self._members[si] = array("i")
             self._st["segments_reclaimed"] += 1
@@ -1166,47 +1219,58 @@ class SegmentStorage(BlockStorage):
             out[ns] = max(out.get(ns, 0), seq)
         return out
 
+    def _chain_start(self, si: int) -> int:
+        """Byte of segment ``si`` where its extent chain starts (segment 0: after the label)."""
+        return self._start0 if si == 0 else 0
+
+    def _chain(self, si: int, buf: list):
+        """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in
+        order, until the first header that fails (:mod:`tierstore.io.format`).
+        ``buf`` is ``[keepalive, page]``, a reusable aligned buffer (grown here)."""
+        S = self.segment_size_bytes
+        base = si * S
+        pos = self._chain_start(si)
+        gen = None
+        last_seq = -1
+        while pos + fmt.ALIGN_BYTES <= S:
+            try:
+                self.engine.read(base + pos, buf[1][:fmt.ALIGN_BYTES]).get()
+                hb = fmt.peek_header_bytes(memoryview(buf[0])[:fmt.ALIGN_BYTES])
+                if pos + hb > S:
+                    return
+                if hb > fmt.ALIGN_BYTES:
+                    if hb > buf[1].numel():  # written with larger extents: grow, do not stop
+                        buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
+                    self.engine.read(base + pos, buf[1][:hb]).get()
+                h = fmt.decode_header(memoryview(buf[0])[:hb])
+            except (OSError, CorruptData):
+                return
+            if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
+                    or h.extent_offset != base + pos or pos + h.total_bytes > S
+                    or (gen is None and h.segment_gen != h.seq)):
+                return
+            gen = h.segment_gen
+            last_seq = h.seq
+            yield pos, h
+            pos += h.total_bytes
+
     def _recover(self, verify: bool) -> None:
         S = self.segment_size_bytes
-        keep, page = alloc_aligned(max(self.extent_size_bytes, 1 << 20))
-        mv = memoryview(keep)
+        buf = list(alloc_aligned(max(self.extent_size_bytes, 1 << 20)))
         max_seq = 0
         inval = self._read_invalidations()
+        self._inval = inval
         for si in range(self.n_segments):
             base = si * S
-            pos = 0
-            gen = None
-            last_seq = -1
-            while pos + fmt.ALIGN_BYTES <= S:
-                try:
-                    self.engine.read(base + pos, page[:fmt.ALIGN_BYTES]).get()
-                    hb = fmt.peek_header_bytes(mv[:fmt.ALIGN_BYTES])
-                    if pos + hb > S:
-                        break
-                    if hb > fmt.ALIGN_BYTES:
-                        if hb > page.numel():  # written with larger extents: grow, do not stop
-                            del mv, page, keep
-                            keep, page = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
-                            mv = memoryview(keep)
-                        self.engine.read(base + pos, page[:hb]).get()
-                    h = fmt.decode_header(mv[:hb])
-                except (OSError, CorruptData):
-                    break
-                if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
-                        or h.extent_offset != base + pos or pos + h.total_bytes > S
-                        or (gen is None and h.segment_gen != h.seq)):
-                    break
-                gen = h.segment_gen
-                last_seq = h.seq
+            start = pos = self._chain_start(si)
+            h = None
+            for pos, h in self._chain(si, buf):
                 # Opened with another block size (another KV layout): refuse,
                 # before anything is reclaimed. Serving a cut-off or padded
                 # block would be wrong KV; dropping them would lose the store.
                 other = {e.length_bytes for e in h.entries} - {self.block_bytes}
                 if other:
-                    raise ConfigError(
-                        f"{self.path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
-                        f"for {self.block_bytes}-byte blocks (another KV layout?); open it with the "
-                        f"layout it was written with, or use another path. Nothing was changed.")
+                    raise ConfigError(self._layout_refusal(other))
                 good = list(h.entries)
                 if verify:
                     good = self._verify_extent(base + pos, h)
@@ -1218,23 +1282,122 @@ class SegmentStorage(BlockStorage):
                     self._adopt(si, base + pos + e.payload_offset, e, h.seq)
                 self._written[si] += len(h.entries)
                 max_seq = max(max_seq, h.seq)
+            if h is not None:
                 pos += h.total_bytes
-            if pos:
                 self._state[si] = SegmentState.SEALED
-                self._gen[si] = gen or 0
+                self._gen[si] = h.segment_gen
                 self._wp[si] = pos
-                self._sealed_at[si] = last_seq
+                self._sealed_at[si] = h.seq
+            else:
+                self._wp[si] = start
         self._next_seq = max(max_seq, max(inval.values(), default=0)) + 1
         # Recovered segments are never appended to again (sealed until
         # reclaimed): a torn extent ends a chain, but complete extents of a dead
         # process may lie beyond it with sequence numbers above _next_seq;
         # appending at the chain end could splice them back into the chain.
         self._st["recovered_blocks"] = len(self._table)
-        del mv, page, keep
+        del buf
         for si in np.flatnonzero((self._state == SegmentState.SEALED) & (self._live == 0)).tolist():
             self._state[si] = SegmentState.RECLAIMING
             self._finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
+
+    def _layout_refusal(self, other) -> str:
+        return (f"{self.path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
+                f"for {self.block_bytes}-byte blocks (another KV layout?); open it with the "
+                f"layout it was written with, or use another path. Nothing was changed.")
+
+    # ================================================================ label
+    def _read_page(self, off: int) -> bytes:
+        keep, page = alloc_aligned(lbl.LABEL_BYTES)
+        self.engine.read(off, page[:lbl.LABEL_BYTES]).get()
+        return bytes(memoryview(keep)[:lbl.LABEL_BYTES])
+
+    def _open_label(self, format: bool) -> lbl.StoreLabel | None:
+        """Check the label through the engine (the module doc of :mod:`tierstore.io.label`):
+        the label found, or ``None`` for a target formatted now.
+
+        A target without the label is formatted (every segment's chain start
+        zeroed where it is not, so nothing written before is ever recovered)
+        when it holds nothing, or with ``format``; else refused. A tier that
+        grew gets the chain starts of its new segments zeroed the same way.
+        """
+        raw = self._read_page(0)
+        try:
+            found, damaged = lbl.decode_label(raw), ""
+        except CorruptData as e:
+            found, damaged = None, str(e)
+        where = self.path or "device"
+        if found is not None:
+            if found.block_bytes != self.block_bytes:
+                raise ConfigError(self._layout_refusal({found.block_bytes}))
+            if found.segment_size_bytes != self.segment_size_bytes:
+                raise ConfigError(
+                    f"{where}: formatted with segment_size_bytes={found.segment_size_bytes}, opened with "
+                    f"{self.segment_size_bytes}; a tier keeps its segment size whatever its capacity: open it "
+                    "with the first (tierstore's build does), or use another path. Nothing was changed.")
+            self._store_id = found.store_id
+            if found.n_segments < self.n_segments:
+                self._scrub(range(found.n_segments, self.n_segments))
+            return found
+        is_dev = bool(getattr(self.engine, "is_block_device", False)) or _is_device(self.path)
+        if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
+            kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
+            raise ForeignDataError(lbl.refusal(lbl.Target(where, kind, is_dev, self.engine.size_bytes, None,
+                                                          raw[:16], damaged)))
+        self._store_id = b""
+        self._scrub(range(self.n_segments))
+        return None
+
+    def _scrub(self, segments: Iterable[int]) -> None:
+        """Zero the chain start of each of ``segments`` that is not zero (read first,
+        so an empty sparse file gets no write)."""
+        keep, zero = alloc_aligned(fmt.ALIGN_BYTES)
+        zero.zero_()
+        wrote = False
+        for si in segments:
+            off = si * self.segment_size_bytes + self._chain_start(si)
+            if any(self._read_page(off)):
+                self.engine.write(off, zero[:fmt.ALIGN_BYTES]).get()
+                wrote = True
+        if wrote:
+            self.engine.sync()
+        del keep
+
+    def _write_label(self) -> None:
+        """Write the label (this geometry) and make it durable."""
+        page = lbl.StoreLabel(self.segment_size_bytes, self.block_bytes, self.n_segments,
+                              getattr(self, "_store_id", b"")).encode()
+        keep, buf = alloc_aligned(lbl.LABEL_BYTES)
+        memoryview(keep)[:lbl.LABEL_BYTES] = page
+        self.engine.write(0, buf[:lbl.LABEL_BYTES]).get()
+        self.engine.sync()
+        self._store_id = page[40:56]
+
+    def _drop_beyond(self, old_n: int) -> None:
+        """The tier was reopened with fewer segments than its label says: count the
+        blocks of the segments past the new end that are not recovered (dropped),
+        trim those segments, and say so once."""
+        S = self.segment_size_bytes
+        reach = min(old_n, self.engine.size_bytes // S)
+        buf = list(alloc_aligned(max(self.extent_size_bytes, 1 << 20)))
+        lost: set[bytes] = set()
+        for si in range(self.n_segments, reach):
+            for _, h in self._chain(si, buf):
+                lost.update(e.key for e in h.entries
+                            if not (e.ns_digest in self._inval and h.seq < self._inval[e.ns_digest]))
+        lost = {k for k in lost if self._table.get(k) < 0}
+        for si in range(self.n_segments, reach):
+            try:
+                self.engine.trim(si * S, S).get()
+            except OSError:
+                self._st["trim_errors"] += 1
+        self._st["recovery_dropped_blocks"] += len(lost)
+        unread = f"; {old_n - reach} segments past this open's device size were not read" if reach < old_n else ""
+        _log.warning("%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
+                     "segments past the new end were dropped (recovery_dropped_blocks)%s",
+                     self.path or "device", self.n_segments, S, format_bytes(self.n_segments * S), old_n,
+                     format_bytes(old_n * S), len(lost), unread)
 
     def _adopt(self, si: int, off: int, e: fmt.BlockEntry, seq: int) -> None:
         row = self._table.get(e.key)

@@ -9,17 +9,21 @@ start on this machine. :func:`preflight` checks, read-only:
 * **NVMe geometry**: a segment holds at least one block extent and the tier at
   least two segments (:class:`tierstore.io.SegmentStorage`'s own rules, from
   :mod:`tierstore.io.format`);
-* **NVMe path**: a device under ``/dev`` exists, is a block or character device
-  and is large enough; a file's directory is writable (or creatable) and its
-  file system has room for the tier (free space plus what an existing tier file
-  already holds: the file is sparse, so a tier larger than the disk starts
-  but refuses blocks once the disk is full) and accepts O_DIRECT (an existing
-  file is opened read-only; otherwise a probe file is created and removed);
-* **layout vs an existing NVMe file**: the extent headers of the file are read
-  (plain reads; nothing is written, trimmed or locked) and their block size
-  compared with the layout's, as :class:`~tierstore.io.SegmentStorage` does at
-  start (it refuses another block size). Scopes registered in ``state_dir``
-  under another layout are reported: start-up drops their blocks;
+* **NVMe path** (the one path rule, :func:`tierstore.io.label.resolve_nvme_path`):
+  a device under ``/dev`` exists, is a block or character device and is large
+  enough; a file's directory exists and is writable, and its file system has
+  room for the tier (free space plus what an existing tier file already holds:
+  the file is sparse, so a tier larger than the disk starts but refuses blocks
+  once the disk is full) and accepts O_DIRECT (an existing file is opened
+  read-only; otherwise a probe file is created and removed);
+* **what the path holds** (:func:`tierstore.io.label.inspect_target`, plain
+  reads, nothing written or locked): a non-empty file or a block device without
+  tierstore's label is refused unless ``format: true``, as start-up refuses it;
+  a tier's label gives its block size (compared with the layout's: start-up
+  refuses another) and segment size (a capacity that holds too few of them is
+  refused). Scopes registered in ``state_dir`` under another layout are
+  reported: start-up drops their blocks;
+* **in use**: a process holding the tier's lock (``/proc/locks``) is named;
 * **state_dir**: writable or creatable;
 * **ports**: the listen and metrics addresses can be bound now (a bind test,
   ``SO_REUSEADDR`` as aiohttp binds). Port 0 always binds.
@@ -39,6 +43,8 @@ import stat
 
 from ..errors import ConfigError
 from ..io import format as fmt
+from ..io._fileops import lock_holder_pid, process_alive
+from ..io.label import LABEL_BYTES, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import choose_segment_size
 from ..layout import KVLayout
 from .config import DaemonConfig
@@ -65,14 +71,16 @@ def _gib(n: int) -> str:
 
 
 def nvme_file_path(path: str) -> str:
-    """The file the daemon opens for ``tiers.nvme.path`` (a directory, or a path without an
-    extension, gets ``tierstore.nvme`` inside: the daemon creates that directory and
-    :func:`tierstore.build.assemble` opens the file in it)."""
-    if path.startswith("/dev/"):
-        return path
-    if os.path.isdir(path) or not os.path.splitext(path)[1]:
-        return os.path.join(path, "tierstore.nvme")
-    return path
+    """The file the daemon opens for ``tiers.nvme.path``: the one path rule of
+    :func:`tierstore.io.label.resolve_nvme_path` (a path that ends in ``/`` or
+    names an existing directory gets ``tierstore.nvme`` inside).
+
+    Raises
+    ------
+    ConfigError
+        The directory does not exist.
+    """
+    return resolve_nvme_path(path)
 
 
 def segment_size_bytes(capacity_bytes: int, configured: int | None, block_bytes: int) -> int:
@@ -159,46 +167,16 @@ def _check_o_direct(path: str, out: Preflight) -> None:
         os.unlink(target)
 
 
-def _read_headers(path: str, seg_bytes: int, n_seg: int) -> tuple[set[int], int]:
-    """Block sizes recorded in the first extent header of each segment, and segments with one.
-
-    Plain ``os.pread`` (no O_DIRECT, no lock, nothing written): the check must not
-    change the file or wait for a running daemon's lock.
-    """
-    sizes: set[int] = set()
-    used = 0
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        file_bytes = os.fstat(fd).st_size
-        for i in range(n_seg):
-            off = i * seg_bytes
-            if off + fmt.ALIGN_BYTES > file_bytes:
-                break
-            first = os.pread(fd, fmt.ALIGN_BYTES, off)
-            try:
-                hb = fmt.peek_header_bytes(first)
-                h = fmt.decode_header(first if hb <= len(first) else os.pread(fd, hb, off))
-            except (fmt.CorruptData, OSError, ValueError):
-                continue
-            if h.extent_offset != off:
-                continue
-            used += 1
-            sizes.update(e.length_bytes for e in h.entries)
-    finally:
-        os.close(fd)
-    return sizes, used
-
-
 def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
     n = cfg.tiers.nvme
     if n is None:
         return
     bb = layout.bytes_per_block
     cap = n.capacity_bytes
-    one = fmt.extent_bytes_for(1, bb)
+    one = fmt.extent_bytes_for(1, bb) + LABEL_BYTES  # segment 0 holds the tier's label and one block
     if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
         out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
-                          f"holding one block extent of {one} bytes (blocks of {bb} bytes)")
+                          f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
         return
     try:
         seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
@@ -207,14 +185,38 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         return
     if seg % fmt.ALIGN_BYTES or seg < one:
         out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
-                          f"extent of {one} bytes (blocks of {bb} bytes)")
+                          f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
         return
     n_seg = cap // seg
     if n_seg < 2:
         out.errors.append(f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
                           "store needs at least 2 (one reserved)")
         return
-    path = nvme_file_path(n.path)
+    try:
+        path = nvme_file_path(n.path)
+        target = inspect_target(path)
+    except ConfigError as e:
+        out.errors.append(str(e))
+        return
+    if target.kind in ("foreign", "legacy") and not n.format:
+        out.errors.append(refusal(target))
+        return
+    if target.label is not None:
+        from ..build import file_tier_geometry
+        try:
+            seg, _ = file_tier_geometry(target, n, bb)
+        except ConfigError as e:
+            out.errors.append(f"layout: {e}" if "bytes, but was opened for" in str(e) else str(e))
+            return
+        n_seg = cap // seg
+        out.notes.append(f"nvme: {path}: a tier of {target.label.n_segments} segments of {seg} bytes holding "
+                         f"{bb}-byte blocks; its blocks are recovered at start"
+                         + (f" (now {n_seg} segments: the blocks past them are dropped)"
+                            if n_seg < target.label.n_segments else ""))
+    elif target.kind in ("foreign", "legacy"):
+        out.notes.append(f"nvme: {path}: format: true: what it holds is overwritten at start")
+    if target.kind not in ("absent",):
+        _check_lock(path, out)
     if path.startswith("/dev/"):
         try:
             st = os.stat(path)
@@ -239,28 +241,13 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
             return
         if dev_bytes is not None and dev_bytes < n_seg * seg:
             out.errors.append(f"tiers.nvme.capacity_bytes={cap}: the device {path} has {dev_bytes} bytes")
+        if target.kind == "unreadable" and not n.format:
+            out.notes.append(f"nvme: {path}: a character device; its label is read when the tier opens, which "
+                             "refuses it unless it carries tierstore's label (or format: true)")
         return
     if _check_writable_dir("tiers.nvme.path", path, out):
         _check_o_direct(path, out)
-    held = 0
-    if os.path.exists(path):
-        if not os.path.isfile(path):
-            out.errors.append(f"tiers.nvme.path={n.path}: {path} exists and is not a regular file")
-            return
-        st = os.stat(path)
-        held = st.st_blocks * 512
-        try:
-            sizes, used = _read_headers(path, seg, n_seg)
-        except OSError as e:
-            out.errors.append(f"tiers.nvme.path={path}: cannot read: {e.strerror}")
-            return
-        other = sizes - {bb}
-        if other:
-            out.errors.append(f"layout: {path} holds blocks of {sorted(other)} bytes, but the layout makes "
-                              f"{bb}-byte blocks ({layout.name}); start-up refuses it (nothing is changed): use "
-                              "the layout it was written with, or another tiers.nvme.path")
-        elif used:
-            out.notes.append(f"nvme: {path}: {used} written segments of {bb}-byte blocks are recovered at start")
+    held = os.stat(path).st_blocks * 512 if target.kind != "absent" else 0
     try:
         vfs = os.statvfs(_existing_dir(path))
     except OSError as e:
@@ -274,6 +261,21 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
                           f"{_existing_dir(path)}"
                           + (f" (counting the {held} bytes the tier file already holds)" if held else "")
                           + "; the file is sparse, so blocks would be refused once the disk is full")
+
+
+def _check_lock(path: str, out: Preflight) -> None:
+    """A live process holding the tier's flock (start-up would be refused) is an error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        pid = lock_holder_pid(fd)
+    finally:
+        os.close(fd)
+    if pid is not None and process_alive(pid):
+        out.errors.append(f"tiers.nvme.path={path}: in use by process {pid} (another tierstore store or daemon "
+                          "holds its lock); stop it, or give this daemon another NVMe path")
 
 
 def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:

@@ -23,7 +23,6 @@ import concurrent.futures
 import json
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any
@@ -102,10 +101,7 @@ class Service:
         self.cfg = cfg
         self.layout = cfg.layout.build()
         self.block_bytes = self.layout.bytes_per_block
-        tiers = cfg.tiers
-        if tiers.nvme is not None and tiers.nvme.path and not tiers.nvme.path.startswith("/dev/"):
-            p = tiers.nvme.path
-            os.makedirs(p if not os.path.splitext(p)[1] else os.path.dirname(p) or ".", exist_ok=True)
+        tiers = cfg.tiers  # tiers.nvme.path: the one path rule (tierstore.io.label); no directory is created
         pol = cfg.policies.model_copy(update={
             "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
             "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})

@@ -11,7 +11,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from tierstore.errors import ConfigError, LayoutError
+from tierstore.errors import ConfigError, ForeignDataError, LayoutError, StoreClosedError
 from tierstore.integrations.sglang import HiCacheTierStore
 
 from .harness import (backend, content, fill, holds, host_pool, indices, page_bytes_of, page_hashes, poison,
@@ -233,8 +233,9 @@ def test_tp_ranks_are_isolated_on_one_file(tmp_path):
         assert r0.batch_exists(keys) == 3
     finally:
         r0.close()
-    # a directory: one file per rank, named for the model and the ranks
+    # a directory (it must exist: the one path rule): one file per rank, named for the model and the ranks
     d = tmp_path / "dir"
+    d.mkdir()
     ranks = [backend(pool, tiers(nvme_path=d, nvme_bytes=8 * MiB), tp_rank=r, tp_size=2) for r in (0, 1)]
     try:
         names = sorted(os.listdir(d))
@@ -535,3 +536,53 @@ def test_page_first_block_is_sglangs_flat_page(tmp_path):
         assert torch.equal(blocks[0].reshape(-1).view(torch.uint8), read_page(pool, 3))
     finally:
         b.close()
+
+
+# ---------------------------------------------------------------- issue 22: data safety
+def test_a_path_holding_data_tierstore_did_not_write_is_refused(tmp_path):
+    """Item 1: the backend builds its store through build.assemble, which refuses a non-empty file
+    without tierstore's label before anything is written (SGLang's attach then fails)."""
+    pool = host_pool("mha", "page_first")
+    victim = tmp_path / "data.bin"
+    victim.write_bytes(os.urandom(1 << 20))
+    before = victim.read_bytes()
+    with pytest.raises(ForeignDataError, match="first bytes"):
+        backend(pool, tiers(nvme_path=victim, nvme_bytes=8 * MiB))
+    assert victim.read_bytes() == before
+
+
+def test_the_one_path_rule(tmp_path):
+    """Item 13: a directory (ends in '/' or exists) gets one file per rank; a missing directory is
+    an error and nothing is created; any other path is the rank's file."""
+    pool = host_pool("mha", "page_first")
+    with pytest.raises(ConfigError, match="does not exist"):
+        backend(pool, tiers(nvme_path=str(tmp_path / "new") + "/", nvme_bytes=8 * MiB))
+    with pytest.raises(ConfigError, match="does not exist"):
+        backend(pool, tiers(nvme_path=tmp_path / "missing" / "kv", nvme_bytes=8 * MiB))
+    assert os.listdir(tmp_path) == []
+    b = backend(pool, tiers(nvme_path=tmp_path / "kv", nvme_bytes=8 * MiB))
+    b.close()
+    assert os.listdir(tmp_path) == ["kv"] and os.path.isfile(tmp_path / "kv")
+
+
+def test_every_call_after_close_raises(tmp_path):
+    """Item 2: after SGLang detached the backend, no call is acknowledged or answered."""
+    pool = host_pool("mha", "page_first")
+    keys = page_hashes(2)
+    fill(pool, [1, 2], keys)
+    b = backend(pool, tiers(tmp_path, nvme_bytes=8 * MiB))
+    assert b.batch_set_v1(keys, indices(pool, [1, 2])) == [True, True]
+    b.close()
+    calls = {"batch_exists": lambda: b.batch_exists(keys), "batch_set_v1": lambda: b.batch_set_v1(keys, indices(pool, [1, 2])),
+             "batch_get_v1": lambda: b.batch_get_v1(keys, indices(pool, [3, 4])), "exists": lambda: b.exists(keys[0]),
+             "get": lambda: b.get(keys[0]), "set": lambda: b.set(keys[0], read_page(pool, 1)),
+             "clear": lambda: b.clear(), "register_mem_pool_host": lambda: b.register_mem_pool_host(pool)}
+    for name, call in calls.items():
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()
+    b.close()  # idempotent
+    again = backend(pool, tiers(tmp_path, nvme_bytes=8 * MiB))
+    try:
+        assert again.batch_exists(keys) == 2  # what was acknowledged before close is there
+    finally:
+        again.close()

@@ -3,7 +3,10 @@
 Used by the restart-persistence test: ``python _engine_proc.py '<json args>'``
 with ``model``, ``revision``, ``nvme_dir``, ``prompts`` (token-id lists) and
 ``max_tokens``. Prints one line ``RESULT {...}``: generated tokens,
-``num_cached_tokens`` per prompt and the store's counters.
+``num_cached_tokens`` per prompt and the store's counters. ``mode``:
+``"refuse"`` only tries to start the engine and reports the error chain;
+``"closed"`` also calls the store and the connector after shutdown and
+reports what each call raised.
 """
 from __future__ import annotations
 
@@ -27,6 +30,19 @@ def main() -> None:
     from tierstore.integrations.vllm import engine_ids, engine_namespace, engine_store
 
     extra = {"tiers": {"nvme": {"path": args["nvme_dir"], "capacity_bytes": "64MiB"}}}
+    mode = args.get("mode", "serve")
+    if mode == "refuse":  # the engine must not start on this NVMe path; report the error
+        try:
+            LLM(**engine_kwargs(args["model"]), kv_transfer_config=connector_config(extra))
+        except Exception as e:  # noqa: BLE001 -- whatever vLLM wraps it in: report the chain
+            chain, cur = [], e
+            while cur is not None:
+                chain.append(f"{type(cur).__name__}: {cur}")
+                cur = cur.__cause__ or cur.__context__
+            print("RESULT " + json.dumps({"started": False, "errors": chain}), flush=True)
+            return
+        print("RESULT " + json.dumps({"started": True, "errors": []}), flush=True)
+        return
     llm = LLM(**engine_kwargs(args["model"], revision=args.get("revision")),
               kv_transfer_config=connector_config(extra))
     sp = SamplingParams(max_tokens=args["max_tokens"], temperature=0)
@@ -42,8 +58,27 @@ def main() -> None:
             llm.llm_engine.step()
             time.sleep(0.005)
     stats = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    ns = engine_namespace(eid)  # the engine's registry entry goes with the shutdown
     shutdown(llm)  # closes the store: a restart must find everything on NVMe
-    print("RESULT " + json.dumps({"outputs": outs, "stats": stats}), flush=True)
+    after = {}
+    if mode == "closed":  # every call after shutdown raises StoreClosedError, the store's and the connector's
+        from tierstore.errors import StoreClosedError
+        req = type("Req", (), {"request_id": "after-shutdown"})()
+        calls = {"store.lookup": lambda: store.lookup(ns, args["prompts"][0]),
+                 "store.store_keys": lambda: store.store_keys(ns, [bytes(32)], [bytes(1)]),
+                 "connector.get_num_new_matched_tokens": lambda: connector.get_num_new_matched_tokens(req, 0),
+                 "connector.request_finished": lambda: connector.request_finished(req, [])}
+        for name, call in calls.items():
+            try:
+                call()
+                after[name] = "returned"
+            except StoreClosedError as e:
+                after[name] = f"StoreClosedError: {e}"
+            except Exception as e:  # noqa: BLE001 -- reported, the test names what it expected
+                after[name] = f"{type(e).__name__}: {e}"
+        connector.shutdown()  # idempotent
+    print("RESULT " + json.dumps({"outputs": outs, "stats": stats, "after_shutdown": after}), flush=True)
 
 
 if __name__ == "__main__":

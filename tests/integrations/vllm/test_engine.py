@@ -412,3 +412,28 @@ def test_lifetime_hints(engine, baseline):
         wait_stored(llm, store, eid, p)
         lifetimes = {store.block_info(k)['lifetime'] for k in keys_of(store, eid, p)}
         assert lifetimes == {want[hint]}, hint
+
+
+# ---------------------------------------------------------------- issue 22: data safety
+def test_an_engine_refuses_an_nvme_path_holding_data_tierstore_did_not_write(model_dir, tmp_path):
+    """Item 1: the connector builds its store through build.assemble, which refuses a non-empty file
+    without tierstore's label before anything is written; the file is unchanged."""
+    import hashlib
+    victim = tmp_path / "data.bin"
+    victim.write_bytes(os.urandom(4 << 20))
+    before = hashlib.sha256(victim.read_bytes()).hexdigest()
+    res = _run_engine_process(dict(model=model_dir, nvme_dir=str(victim), mode="refuse"))
+    assert not res["started"]
+    assert any(e.startswith("ForeignDataError") and "first bytes" in e for e in res["errors"]), res["errors"]
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == before and victim.stat().st_size == 4 << 20
+
+
+def test_the_store_and_the_connector_refuse_calls_after_shutdown(model_dir, tmp_path):
+    """Item 2: after the engine shut down, the connector's store and its scheduler side raise
+    StoreClosedError instead of acknowledging or answering."""
+    res = _run_engine_process(dict(model=model_dir, nvme_dir=str(tmp_path) + "/", prompts=PERSIST[:1],
+                                   max_tokens=2, mode="closed"))
+    after = res["after_shutdown"]
+    assert set(after) == {"store.lookup", "store.store_keys", "connector.get_num_new_matched_tokens",
+                          "connector.request_finished"}
+    assert all(v.startswith("StoreClosedError") for v in after.values()), after

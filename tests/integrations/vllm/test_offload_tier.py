@@ -265,3 +265,25 @@ def test_vllm_refuses_the_offloading_worker_on_cpu(tmp_path):
     finally:
         if spec._manager is not None:
             spec._manager.shutdown()
+
+
+def test_the_tier_refuses_a_foreign_file_and_calls_after_shutdown(tmp_path, engines):
+    """Issue 22 items 1 and 2: an NVMe path holding data tierstore did not write is refused before
+    any write; after shutdown every call raises StoreClosedError."""
+    from tierstore.errors import ForeignDataError, StoreClosedError
+    victim = tmp_path / "data.bin"
+    victim.write_bytes(os.urandom(1 << 20))
+    before = victim.read_bytes()
+    with pytest.raises(ForeignDataError, match="first bytes"):
+        engines(tier_cfg(victim))
+    assert victim.read_bytes() == before
+    eng = engines(tier_cfg(tmp_path))
+    keys = [okey(i, "closed") for i in range(2)]
+    eng.offload(keys)
+    eng.close()
+    from vllm.v1.kv_offload.base import ReqContext
+    for call in (lambda: eng.tier.lookup(keys[0], ReqContext(req_id="late")),
+                 lambda: eng.tier.submit_store(None), lambda: eng.tier.submit_load(None)):
+        with pytest.raises(StoreClosedError, match="shut down"):
+            call()
+    eng.tier.shutdown()  # idempotent
