@@ -728,7 +728,7 @@ class Simulator:
                 break
             items.append(b)
         if plan.nvme_demote:
-            self.protect_put = plan.protect | set(plan.nvme_demote)
+            self.protect_put = plan.evicting[HBM] | plan.evicting[HOST] | set(plan.nvme_demote) | set(promos)
             self._nvme_put(plan.nvme_demote, [self._class_of(b, False) for b in plan.nvme_demote], gc=False)
             self.protect_put = set()
         self._apply_memory(plan)
@@ -784,7 +784,9 @@ class Simulator:
         first_bad = len(todo)
         if writes:
             classes = [self._class_of(b, False) for b in writes]
-            self.protect_put = plan.protect | set(writes)
+            # what BlockIndex._protected_row sees during the put: the plan's victims (EVICT flags),
+            # its NVMe writes (NVME_WRITING) and its new blocks (PENDING); not the plan's other keys
+            self.protect_put = plan.evicting[HBM] | plan.evicting[HOST] | set(writes) | set(todo)
             ok = self._nvme_put(writes, classes, gc=False)
             self.protect_put = set()
             k = len(plan.nvme_demote)
@@ -875,6 +877,8 @@ class Simulator:
             self._finish_reclaim(si)
 
     def _protected(self, b: int) -> bool:
+        """BlockIndex._protected_row during an NVMe put: the request's references, and what
+        the plan in flight marked (``protect_put``)."""
         return b in self.refs or b in self.protect_put
 
     def _put(self, blocks: list[int], pls: list, gc: bool) -> list[bool]:
