@@ -1384,6 +1384,113 @@ def print_rows(rows: list[dict], ref: dict | None) -> None:
               f"{_fmt(r.get('e2e_wa'))} | {gcc:,} | {gce:,} | {_fmt(r.get('placement_auc'), 3)} | {r['wall_s']} |")
 
 
+#: One line per configuration family, for the report.
+FAMILY = {"a": "region LRU (today's default)", "b": "region FIFO + clock copy-forward",
+          "c": "per-block, promotion top, conventional SSD", "d": "per-block, promotion top, FDP",
+          "mc": "per-block, exclusive tiers, conventional SSD", "m": "per-block, exclusive tiers, FDP"}
+
+
+def _family(r: dict) -> str:
+    if r["cfg_granularity"] == "region":
+        return "a" if r["cfg_region_policy"] == "lru" else "b"
+    if r["cfg_promotion"] == "move":
+        return "m" if r["cfg_fdp"] else "mc"
+    return "d" if r["cfg_fdp"] else "c"
+
+
+def load_rows(path: str) -> tuple[list[dict], dict]:
+    """Result rows and references (per workload) of a ``--json`` file (the last row per key wins)."""
+    rows: dict = {}
+    refs: dict = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "reference" in r:
+                refs[r["workload"]] = r["reference"]
+            elif "config" in r:
+                rows[(r["workload"], r["config"], r["cfg_util_req"], r["isolation"])] = r
+    return list(rows.values()), refs
+
+
+def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
+    """Markdown tables and one PNG per workload (saved prefill vs e2e WA) from a ``--json`` file;
+    returns the markdown (also written to ``out_dir/frontier.md``)."""
+    rows, refs = load_rows(path)
+    os.makedirs(out_dir, exist_ok=True)
+    md: list[str] = [f"(Every WA figure: FTL model, not an SSD. {_SIMULATED}.)", ""]
+    for wl in sorted({r["workload"] for r in rows}, key=lambda w: ("conv10", "conv40", "agent10").index(w)
+                     if w in ("conv10", "conv40", "agent10") else 9):
+        ref = refs.get(wl) or {}
+        sel = [r for r in rows if r["workload"] == wl]
+        flat = sel[0]["flat_lru_saved_tokens"]
+        md.append(f"### {wl}: flat LRU {sel[0]['flat_lru']:.4f} ({flat:,} tokens), Belady {sel[0]['belady']:.4f} "
+                  f"({sel[0]['belady_saved_tokens']:,}), {ref.get('capacity_blocks', sel[0]['capacity_blocks']):,} "
+                  "blocks in all tiers")
+        md.append("")
+        md.append("| config | family | util | isolation | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
+                  "device WAF (FTL model, not an SSD) | e2e WA (FTL model, not an SSD) | NAND GiB (model) | "
+                  "GC / region copies | GC / region evictions | NVMe live budget | placement AUC |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        order = {k: i for i, k in enumerate(CONFIGS)}
+        for r in sorted(sel, key=lambda r: (r["cfg_util_req"], r["isolation"] != "initial",
+                                            order.get(r["config"].split(":")[0], 99), r["config"])):
+            blk = r["cfg_granularity"] == "block"
+            md.append(
+                f"| `{r['config']}` | {_family(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | {r['hit_ratio']:.4f} | "
+                f"{r['saved_prefill_tokens']:,} | {100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} % | "
+                f"{r['host_wa']:.4f} | {r['device_waf']:.4f} | {r['e2e_wa']:.4f} | {r['mbmw_bytes'] / 2**30:.2f} | "
+                f"{(r['gc_copied_blocks'] if blk else r['region_kept_blocks']):,} | "
+                f"{(r['gc_evicted_blocks'] if blk else r['region_evicted_blocks']):,} | "
+                f"{r['live_budget_blocks'] if blk else '-'} | "
+                f"{'-' if math.isnan(r['placement_auc']) else format(r['placement_auc'], '.3f')} |")
+        md.append("")
+        _plot(sel, wl, os.path.join(out_dir, f"frontier_{wl}.png"), wa_max)
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(out_dir, "frontier.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def _plot(rows: list[dict], wl: str, path: str, wa_max: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"a": "tab:blue", "b": "tab:cyan", "c": "tab:orange", "d": "tab:red", "mc": "tab:olive",
+              "m": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r in rows:
+        if r["isolation"] != "initial":
+            continue
+        fam = _family(r)
+        filled = r["cfg_util_req"] < 0.95
+        ax.scatter(r["e2e_wa"], r["saved_prefill_tokens"] / 1e6, s=28, marker="o" if filled else "s",
+                   facecolors=colors[fam] if filled else "none", edgecolors=colors[fam])
+        ax.annotate(r["config"].replace("live_fraction", "lf"), (r["e2e_wa"], r["saved_prefill_tokens"] / 1e6),
+                    fontsize=5, xytext=(2, 2), textcoords="offset points")
+    flat, opt = rows[0]["flat_lru_saved_tokens"] / 1e6, rows[0]["belady_saved_tokens"] / 1e6
+    ys = [r["saved_prefill_tokens"] / 1e6 for r in rows] + [flat]
+    ax.axhline(flat, color="k", ls="--", lw=1, label="flat LRU, same blocks")
+    top = max(ys) + 0.15 * (max(ys) - min(ys) + 1e-9)
+    if opt <= top:
+        ax.axhline(opt, color="k", ls=":", lw=1, label="Belady MIN, same blocks")
+    else:   # far above every point: named, not drawn (the points would be squeezed)
+        ax.plot([], [], color="k", ls=":", lw=1, label=f"Belady MIN, same blocks: {opt:.1f} M (off the chart)")
+        ax.set_ylim(min(ys) - 0.05 * (max(ys) - min(ys) + 1e-9), top)
+    ax.axvspan(1.0, wa_max, color="0.9", zorder=0, label=f"e2e WA <= {wa_max}")
+    for fam, c in colors.items():
+        ax.scatter([], [], color=c, label=FAMILY[fam])
+    ax.scatter([], [], marker="o", color="0.5", label="utilisation 0.90")
+    ax.scatter([], [], marker="s", facecolors="none", edgecolors="0.5", label="utilisation 1.00")
+    ax.set_xlabel("end-to-end WA (NAND bytes / bytes the index wrote) - FTL model, not an SSD")
+    ax.set_ylabel("saved prefill tokens (millions)")
+    ax.set_title(f"{wl}: saved prefill vs write amplification (bench/frontier_sim.py; simulated device)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="excerpt", help="excerpt, conv10, conv40, agent10, agent40")
@@ -1402,10 +1509,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run --configs (region mode) here and through the real store (run_replay) and compare "
                          "(file: the replay's default NVMe file; sim: the FTL model at the first --utils)")
     ap.add_argument("--list-configs", action="store_true")
+    ap.add_argument("--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out")
+    ap.add_argument("--out", default=".", help="directory of --report's frontier.md and PNGs")
     a = ap.parse_args(argv)
     if a.list_configs:
         for c in CONFIGS.values():
             print(c)
+        return 0
+    if a.report:
+        print(report(a.report, a.out))
         return 0
     wl = load_workload(a.workload, a.trace, a.limit, parse_size(a.block_bytes, "block_bytes"), a.agent_trace)
     print(f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers {wl.hbm_bytes}/{wl.host_bytes}/"
