@@ -1398,6 +1398,25 @@ def _family(r: dict) -> str:
     return "d" if r["cfg_fdp"] else "c"
 
 
+def describe(r: dict) -> str:
+    """One line naming a result row's configuration."""
+    g = r["cfg_granularity"]
+    parts = [f"region {r['cfg_region_policy']}" if g == "region" else "per-block LRU"]
+    parts.append({"top": "promotion top", "none": "no promotion", "move": "exclusive tiers (move)"}[r["cfg_promotion"]])
+    if g == "region":
+        if r["cfg_survivors"] != "none":
+            parts.append(f"{r['cfg_survivors']} copy-forward")
+    else:
+        parts.append({"none": "GC evicts all", "clock": "GC keeps hit (clock)", "all": "GC keeps all"}[r["cfg_survivors"]])
+        parts.append(f"live {r['cfg_live_fraction']:.2f}" if r["cfg_lba"] == "tier" else "LBA = device")
+        if r["cfg_survivor_stream"]:
+            parts.append("survivor stream")
+    if r["cfg_classifier"] not in ("one", "survivor"):
+        parts.append(f"class: {r['cfg_classifier']}")
+    parts.append("FDP" if r["cfg_fdp"] else "one handle")
+    return ", ".join(parts)
+
+
 def load_rows(path: str) -> tuple[list[dict], dict]:
     """Result rows and references (per workload) of a ``--json`` file (the last row per key wins)."""
     rows: dict = {}
@@ -1418,6 +1437,7 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
     rows, refs = load_rows(path)
     os.makedirs(out_dir, exist_ok=True)
     md: list[str] = [f"(Every WA figure: FTL model, not an SSD. {_SIMULATED}.)", ""]
+    md += go_no_go(rows, wa_max)
     for wl in sorted({r["workload"] for r in rows}, key=lambda w: ("conv10", "conv40", "agent10").index(w)
                      if w in ("conv10", "conv40", "agent10") else 9):
         ref = refs.get(wl) or {}
@@ -1427,7 +1447,7 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
                   f"({sel[0]['belady_saved_tokens']:,}), {ref.get('capacity_blocks', sel[0]['capacity_blocks']):,} "
                   "blocks in all tiers")
         md.append("")
-        md.append("| config | family | util | isolation | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
+        md.append("| config | what | util | isolation | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
                   "device WAF (FTL model, not an SSD) | e2e WA (FTL model, not an SSD) | NAND GiB (model) | "
                   "GC / region copies | GC / region evictions | NVMe live budget | placement AUC |")
         md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -1436,7 +1456,7 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
                                             order.get(r["config"].split(":")[0], 99), r["config"])):
             blk = r["cfg_granularity"] == "block"
             md.append(
-                f"| `{r['config']}` | {_family(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | {r['hit_ratio']:.4f} | "
+                f"| `{r['config']}` | {describe(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | {r['hit_ratio']:.4f} | "
                 f"{r['saved_prefill_tokens']:,} | {100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} % | "
                 f"{r['host_wa']:.4f} | {r['device_waf']:.4f} | {r['e2e_wa']:.4f} | {r['mbmw_bytes'] / 2**30:.2f} | "
                 f"{(r['gc_copied_blocks'] if blk else r['region_kept_blocks']):,} | "
@@ -1449,6 +1469,60 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
     with open(os.path.join(out_dir, "frontier.md"), "w") as f:
         f.write(text)
     return text
+
+
+_CFG_FIELDS = [f.name for f in dataclasses.fields(SimConfig) if f.name not in ("name", "fdp")]
+
+
+def twin(rows: list[dict], r: dict) -> dict | None:
+    """The same configuration with ``fdp`` flipped (same workload, utilisation, isolation), if it ran."""
+    for o in rows:
+        if (o["workload"], o["cfg_util_req"], o["isolation"]) == (r["workload"], r["cfg_util_req"], r["isolation"]) \
+                and o["cfg_fdp"] != r["cfg_fdp"] and all(o["cfg_" + f] == r["cfg_" + f] for f in _CFG_FIELDS):
+            return o
+    return None
+
+
+def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
+    """The decision table: per workload and utilisation, the flat LRU's saved prefill against the
+    best configurations at e2e WA <= ``wa_max`` (FTL model), and the best per-block FDP
+    configuration's cost on the conventional one-handle device."""
+    def best(sel):
+        ok = [r for r in sel if r["e2e_wa"] <= wa_max]
+        return max(ok, key=lambda r: (r["saved_prefill_tokens"], -r["e2e_wa"])) if ok else None
+
+    def cell(r, flat):
+        if r is None:
+            return "none at this WA | - | -"
+        return (f"`{r['config']}` | {r['saved_prefill_tokens']:,} ({100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} %)"
+                f" | {r['e2e_wa']:.4f}")
+    out = [f"Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); \"store-visible\" excludes the "
+           "oracle placements (they need the future); \"conventional twin\" is the same per-block configuration "
+           "on the one-handle model without RUH Update.", "",
+           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA) | best region | saved (vs flat "
+           "LRU) | e2e WA | best per-block FDP, store-visible | saved (vs flat LRU) | e2e WA | its conventional twin: "
+           "e2e WA (device WAF) | best per-block FDP, oracle | saved (vs flat LRU) | e2e WA | per-block FDP >= flat "
+           "LRU at this WA? |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    init = [r for r in rows if r["isolation"] == "initial"]
+    for wl in sorted({r["workload"] for r in init}, key=lambda w: ("conv10", "conv40", "agent10").index(w)
+                     if w in ("conv10", "conv40", "agent10") else 9):
+        for u in sorted({r["cfg_util_req"] for r in init if r["workload"] == wl}):
+            sel = [r for r in init if r["workload"] == wl and r["cfg_util_req"] == u]
+            flat = sel[0]["flat_lru_saved_tokens"]
+            a = next((r for r in sel if r["config"] == "a"), None)
+            reg = best([r for r in sel if r["cfg_granularity"] == "region"])
+            blk = [r for r in sel if r["cfg_granularity"] == "block" and r["cfg_fdp"]]
+            vis = best([r for r in blk if not r["cfg_classifier"].startswith("oracle")])
+            orc = best([r for r in blk if r["cfg_classifier"].startswith("oracle")])
+            tw = twin(rows, vis) if vis is not None else None
+            twc = "not run" if tw is None else f"{tw['e2e_wa']:.4f} ({tw['device_waf']:.4f})"
+            reach = any(r is not None and r["saved_prefill_tokens"] >= flat for r in (vis, orc))
+            out.append(f"| {wl} | {u:.2f} | {flat:,} | "
+                       f"{'-' if a is None else format(a['saved_prefill_tokens'], ',')} "
+                       f"({'-' if a is None else format(a['e2e_wa'], '.4f')}) | {cell(reg, flat)} | {cell(vis, flat)} | "
+                       f"{twc} | {cell(orc, flat)} | {'yes' if reach else '**no**'} |")
+    return out + [""]
 
 
 def _plot(rows: list[dict], wl: str, path: str, wa_max: float) -> None:
