@@ -1499,9 +1499,10 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     out = [f"Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); \"store-visible\" excludes the "
            "oracle placements (they need the future); \"conventional twin\" is the same per-block configuration "
            "on the one-handle model without RUH Update.", "",
-           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA) | best region | saved (vs flat "
-           "LRU) | e2e WA | best per-block FDP, store-visible | saved (vs flat LRU) | e2e WA | its conventional twin: "
-           "e2e WA (device WAF) | best per-block FDP, oracle | saved (vs flat LRU) | e2e WA | per-block FDP >= flat "
+           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best region | "
+           "saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | best per-block FDP, store-visible | saved (vs flat "
+           "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not an SSD | "
+           "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP >= flat "
            "LRU at this WA? |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     init = [r for r in rows if r["isolation"] == "initial"]
