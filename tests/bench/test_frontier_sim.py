@@ -67,3 +67,16 @@ def test_auc_by_hand():
     assert fs.auc(np.array([0.0, 0.0, 0.0, 0.0, 0.0]), y) == 0.5      # ties: chance
     # positives score 2, 0; negatives 2, 0, 0: pairs won 1 + 1, tied 1 + 2 (half each), of 6
     assert fs.auc(np.array([2.0, 0.0, 2.0, 0.0, 0.0]), y) == pytest.approx(3.5 / 6)
+
+
+def test_region_mode_counts_equal_the_real_store_on_the_agent_workload(tmp_path):
+    """The agent workload's prefixes are resident past a request's first miss: during the put the real
+    store protects the plan's victims, writes and new blocks, not those already-stored keys, and the
+    simulator has to do the same to keep the store's NVMe evictions (found by a whole-trace run)."""
+    agent_workload = pytest.importorskip("agent_workload")
+    path = str(tmp_path / "agent.jsonl")
+    agent_workload.AgentWorkload(sessions=200, seed=0).write(path)
+    wl = fs.load_workload("agent10", agent_trace=path)
+    v = fs.validate(wl, "sim", "a")
+    for k in ("hit_ratio", "hit_blocks_nvme", "promotions", "flushed_blocks", "evictions_nvme", "host_wa"):
+        assert v["sim"][k] == v["real"][k], k
