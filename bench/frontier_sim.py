@@ -60,11 +60,15 @@ checked against :func:`tierstore.replay.run_replay`, see ``--validate``):
   (:class:`tierstore.fdp.device.RuhUpdateShim`: segment = RU).  Classifiers:
   ``one`` (every write one class), ``hint``/``reuse``/``prefix`` (the store's,
   :func:`tierstore.policies.lifetime.make_classifier`; the trace has no engine
-  hint), ``survivor`` (fresh writes SHORT, GC copies LONG) and ``oracle``
+  hint), ``survivor`` (fresh writes SHORT, GC copies LONG), ``oracle``
   (two passes: the first, with one class, records whether each NVMe write was
   hit on NVMe before it left; the second places reused writes LONG, the rest
-  SHORT).  ``fdp`` off: the conventional SSD, every write on one handle, no
-  RUH Update.
+  SHORT) and ``oracle3`` (the same first pass; classes by the terciles of each
+  copy's NVMe lifetime, counted in NVMe block writes).  ``fdp`` off: the
+  conventional SSD, every write on one handle, no RUH Update.
+* **Exclusive tiers** (``promotion: move``, an experiment the store does not
+  have): a promoted block's lower copies are dropped (in block mode its NVMe
+  slot is deallocated), and its HBM slot may cost demotions down to NVMe.
 * **Device** (:class:`tierstore.fdp.ftl.FTLModel`): sized as ``device: sim``
   sizes it (:func:`tierstore.build.assemble`): device = NVMe bytes /
   utilisation, RU = device / 60 (whole MiB), OP 7 %, greedy GC, 8 RUHs, 4 KiB
@@ -86,6 +90,9 @@ Usage (from a clone, with ``tierstore`` importable: ``pip install -e .`` or
     python bench/frontier_sim.py --workload excerpt --configs a --validate
     python bench/frontier_sim.py --workload conv10 --configs a,b,c,d0,d-surv --utils 0.9,1.0 --json out.jsonl
     python bench/frontier_sim.py --list-configs
+    python bench/frontier_sim.py --report out.jsonl --out DIR     # tables, go/no-go, PNGs
+
+bench/README_frontier.md has the sweep, its commands and what it showed.
 
 Results are appended to ``--json`` one JSON object per line as each
 configuration finishes (a sweep can be stopped and resumed: rows already there
