@@ -66,6 +66,61 @@ def test_trim_and_partial_pages():
         FTLModel(1 * MiB, 64 * KiB, 0.0)
 
 
+
+@pytest.mark.parametrize("header_bytes", [64 * KiB, 4 * KiB])
+def test_slot_trims_exact_when_page_aligned_partial_pages_stay_valid_otherwise(header_bytes):
+    """Per-block eviction deallocates single payload slots of an extent (issue 26 plan, section 2.5).
+
+    An extent = header + 3 slots of 2 MiB (one real 16-token Llama-3.1-8B block), 64 KiB mapping
+    pages. With the header padded to the page (the plan's ``payload_align_bytes``) a slot trim
+    invalidates exactly the slot; with today's 4 KiB header every slot straddles two pages, which
+    a trim cannot deallocate: they stay valid until the segment is trimmed whole.
+    """
+    pb, slot = 64 * KiB, 2 * MiB
+    m = FTLModel(64 * MiB, 4 * MiB, 0.25, num_ruh=1, page_bytes=pb)
+    end = header_bytes + 3 * slot
+    m.write(0, end, None)
+    pages_written = -(-end // pb)
+    assert m.stats()["valid_bytes"] == pages_written * pb
+    slots = [(header_bytes + j * slot, slot) for j in range(3)]
+
+    def covered(off, n):  # pages a trim of [off, off + n) deallocates: the fully covered ones
+        return max(0, (off + n) // pb - -(-off // pb))
+
+    before = m.stats()["valid_bytes"]
+    m.trim(*slots[1])
+    freed = before - m.stats()["valid_bytes"]
+    if header_bytes % pb == 0:
+        assert freed == slot                        # exact: the slot and nothing else
+    else:
+        assert freed == covered(*slots[1]) * pb == slot - pb  # two partial pages stay valid
+    m.trim(*slots[0])
+    m.trim(*slots[2])
+    left = m.stats()["valid_bytes"]
+    if header_bytes % pb == 0:
+        assert left == header_bytes                 # only the header's page is still mapped
+    else:
+        # header page, the two pages between slots, and the tail page: 4 partial pages
+        assert left == (pages_written - sum(covered(*r) for r in slots)) * pb == 4 * pb
+    m.trim(0, pages_written * pb)                   # the segment's whole-range trim at reset
+    assert m.stats()["valid_bytes"] == 0
+    m.check_invariants()
+
+
+def test_coalesced_slot_trim_frees_the_pages_between_slots():
+    """Adjacent dead slots trimmed as one range (what trim_many's caller coalesces) free the pages
+    that straddle their boundary, which separate misaligned slot trims cannot."""
+    pb, slot, hb = 64 * KiB, 2 * MiB, 4 * KiB
+    a = FTLModel(64 * MiB, 4 * MiB, 0.25, num_ruh=1, page_bytes=pb)
+    b = FTLModel(64 * MiB, 4 * MiB, 0.25, num_ruh=1, page_bytes=pb)
+    for m in (a, b):
+        m.write(0, hb + 3 * slot, None)
+    for j in range(3):
+        a.trim(hb + j * slot, slot)
+    b.trim(hb, 3 * slot)
+    assert a.stats()["valid_bytes"] - b.stats()["valid_bytes"] == 2 * pb
+    assert b.stats()["valid_bytes"] == 2 * pb       # the header's page and the tail's page
+
 def _uniform_waf(op: float, logical_pages: int, gc: str = "greedy") -> float:
     # Many RUs are needed at low OP: the GC reserve and open RUs are taken out of the spare.
     m = FTLModel(logical_pages * 4 * KiB, 256 * 4 * KiB, op, num_ruh=1, page_bytes=4 * KiB, gc=gc)

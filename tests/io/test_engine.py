@@ -88,6 +88,42 @@ def test_observer_sees_every_completed_write_and_trim(engine_kind, tmp_path):
     eng.close()
 
 
+def test_trim_many_trims_each_range_and_observers_see_each(engine_kind, tmp_path):
+    eng = make_engine(engine_kind, tmp_path, 4 << 20, max_io_bytes=64 << 10)
+    rec = Recorder()
+    eng.add_observer(rec)
+    keep, buf = alloc_aligned(1 << 20)
+    buf.fill_(7)
+    eng.write(0, buf[:1 << 20]).get()
+    ranges = [(8192, 4096), (65536, 3 * 4096), (0, 0), (1 << 19, 8192)]
+    assert eng.trim_many(ranges).get() == 4096 + 3 * 4096 + 8192
+    assert rec.trims == [(8192, 4096), (65536, 3 * 4096), (1 << 19, 8192)]
+    st = eng.stats()
+    assert st["trim_ops"] == 3 and st["bytes_trimmed"] == 4096 + 3 * 4096 + 8192
+    eng.read(0, buf[:1 << 20]).get()
+    b = buf.numpy()
+    for off, n in ranges:
+        assert not b[off:off + n].any()  # trimmed ranges read back zeros
+    assert (b[4096:8192] == 7).all() and (b[12288:65536] == 7).all()  # neighbours untouched
+    eng.close()
+
+
+def test_trim_many_checks_every_range_before_trimming_any():
+    eng = MemoryEngine(1 << 20)
+    rec = Recorder()
+    eng.add_observer(rec)
+    keep, buf = alloc_aligned(8192)
+    buf.fill_(1)
+    eng.write(0, buf[:8192]).get()
+    for bad in ([(0, 4096), (100, 4096)], [(0, 4096), ((1 << 20) - 4096, 8192)]):
+        with pytest.raises(AlignmentError):
+            eng.trim_many(bad)
+    assert rec.trims == [] and eng.stats()["trim_ops"] == 0
+    eng.read(0, buf[:8192]).get()
+    assert int(buf[:8192].min()) == 1  # nothing was trimmed
+    assert eng.trim_many([]).get() == 0
+
+
 def test_failed_write_is_not_observed_nor_counted():
     eng = MemoryEngine(1 << 20)
     eng.write_limit_bytes = 4096

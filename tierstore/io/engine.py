@@ -25,7 +25,7 @@ from __future__ import annotations
 import errno
 import mmap
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -306,6 +306,44 @@ class IOEngine:
         multiples of ``block_size_bytes``.
         """
         self._check_range(offset, length)
+        return self._trim_observed(offset, length)
+
+    def trim_many(self, ranges: Sequence[tuple[int, int]]) -> IOFuture:
+        """Deallocate several ranges with one call (``(offset, length)`` pairs, bytes).
+
+        NVMe Dataset Management carries up to 256 ranges in one command (NVM
+        Command Set Specification, Dataset Management, Number of Ranges); the
+        caller collects the dead ranges of one flush and hands them over at once.
+        Every range is checked before any is trimmed, so a bad range trims
+        nothing. This base implementation issues one ``_trim_impl`` per range
+        (a backend with a multi-range command may override it); statistics and
+        observers see each range as if :meth:`trim` had been called for it.
+
+        Parameters
+        ----------
+        ranges : sequence of (int, int)
+            ``(offset, length)`` in bytes, each a multiple of
+            ``block_size_bytes`` and inside the device; zero-length ranges are skipped.
+
+        Returns
+        -------
+        IOFuture
+            ``get()`` returns the total bytes trimmed, or raises the first
+            range's ``OSError`` (the other ranges are still issued and counted).
+
+        Raises
+        ------
+        AlignmentError
+            A misaligned or out-of-bounds range (nothing is trimmed).
+        """
+        todo = [(int(o), int(n)) for o, n in ranges]
+        for o, n in todo:
+            self._check_range(o, n)
+        parts = [self._trim_observed(o, n) for o, n in todo if n]
+        return CompositeFuture(parts, sum(n for _, n in todo), "trim")
+
+    def _trim_observed(self, offset: int, length: int) -> IOFuture:
+        """``_trim_impl`` plus the statistics and observer calls of one checked range."""
         fut = self._trim_impl(offset, length)
 
         def done(ok: bool) -> None:

@@ -1,0 +1,530 @@
+"""The NVMe tier's journal: durable tombstones, segment resets and namespace invalidations.
+
+Why it exists
+-------------
+Per-block eviction deallocates single payload slots (DSM Deallocate / TRIM,
+``fallocate(PUNCH_HOLE)``). Deallocate is advisory: a deallocated LBA may
+read back as zeros, ones *or the last data written* (NVMe DLFEAT; QEMU's
+emulated namespace ignores discards), so after a crash the extent chains on
+the device still list evicted blocks and may still hold their bytes. The
+journal says durably which of them are gone, and it must be **committed
+before the trim** (in memory: drop; then :meth:`Journal.append`; then
+:meth:`Journal.commit`; only then deallocate). It also replaces the segment
+store's ``<path>.invalidations`` log (:func:`read_legacy_invalidations` reads
+that one).
+
+On-disk format (little-endian, version 1)
+-----------------------------------------
+A 64-byte file header, ``struct`` ``HEADER_FMT`` = ``"<8sIIQ36sI"``:
+
+====== ==== ============ ==============================================
+offset size field        meaning
+====== ==== ============ ==============================================
+0      8    magic        ``b"TSJOURN1"``: a file tierstore created
+8      4    version      1
+12     4    record_bytes 64
+16     8    base_seq     journal sequence number of the first record
+24     36   reserved     zeros
+60     4    crc32c       CRC-32C of bytes ``[0, 60)``
+====== ==== ============ ==============================================
+
+then records of 64 bytes, ``RECORD_FMT`` = ``"<B3xIQQ32sII"``:
+
+====== ==== =========== =========================== ===================== =========================
+offset size field       NS_INVALIDATE (1)           BLOCK_DEAD (2)        SEGMENT_RESET (3)
+====== ==== =========== =========================== ===================== =========================
+0      1    kind        1                           2                     3
+4      4    segment     0                           segment index         segment index
+8      8    segment_gen 0                           gen of the segment    the gen being reset
+                                                    when the block was
+                                                    written
+16     8    value       write_seq: blocks written   payload device offset 0
+                        before it are invalid
+24     32   digest      namespace digest            block key             zeros
+56     4    seq32       journal sequence number mod 2**32 (record ``i`` has ``base_seq + i``)
+60     4    crc32c      CRC-32C of bytes ``[0, 60)``
+====== ==== =========== =========================== ===================== =========================
+
+The sequence number of a record is not stored whole: it is ``base_seq`` plus
+its index, and ``seq32`` must match it, so a stale record left behind in the
+file (from before a compaction) can never be read as a current one. Records
+are read until the first that is short, fails its CRC or has another
+``seq32`` (the end of the journal). A torn tail (a crash during an append:
+those records were never committed) is cut off when the journal is opened;
+a bad record followed by good ones is corruption, not a tear, and opening
+raises :class:`~tierstore.errors.CorruptData` instead of dropping the good
+ones (a lost NS_INVALIDATE would serve invalidated KV).
+
+Durability
+----------
+:meth:`Journal.append` only buffers; :meth:`Journal.commit` writes the
+buffered records with one ``write`` and ``fdatasync`` (group commit: one
+per put call). A new journal is created as ``<path>.tmp`` (header,
+``fdatasync``), renamed to ``path`` and the directory is ``fsync``'ed, so
+``path`` either does not exist or starts with a whole header. Compaction
+writes the live records (:func:`live_records`) the same way and renames over
+``path``; a crash before the rename leaves the old journal and a ``.tmp``
+that the next open deletes. ``path=None`` keeps the journal in memory (the
+``device: sim`` stores of the benches), with the same API.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import struct
+from typing import Iterable, NamedTuple, Sequence
+
+import crc32c
+
+from ..errors import ConfigError, CorruptData, LayoutError
+
+__all__ = ["RecordKind", "JournalRecord", "JournalState", "Journal", "live_records", "read_records",
+           "read_legacy_invalidations", "HEADER_FMT", "RECORD_FMT", "RECORD_BYTES", "MAGIC"]
+
+MAGIC = b"TSJOURN1"
+VERSION = 1
+HEADER_FMT = "<8sIIQ36sI"
+RECORD_FMT = "<B3xIQQ32sII"
+_HEADER = struct.Struct(HEADER_FMT)
+_RECORD = struct.Struct(RECORD_FMT)
+HEADER_BYTES = _HEADER.size     # 64
+RECORD_BYTES = _RECORD.size     # 64
+_CRC_AT = 60
+_ZERO32 = bytes(32)
+#: The segment store's legacy ``<path>.invalidations`` record: namespace digest, u64 write_seq,
+#: u32 CRC-32C of both (tierstore.io.segments: ``_INVAL_REC``, ``_append_invalidation``).
+_LEGACY = struct.Struct("<32sQI")
+
+
+class RecordKind(enum.IntEnum):
+    """What a journal record says (module doc)."""
+
+    NS_INVALIDATE = 1
+    BLOCK_DEAD = 2
+    SEGMENT_RESET = 3
+
+
+class JournalRecord(NamedTuple):
+    """One record. ``seq`` is the journal sequence number (assigned by the journal)."""
+
+    kind: RecordKind
+    segment: int = 0
+    segment_gen: int = 0
+    value: int = 0
+    digest: bytes = _ZERO32
+    seq: int = -1
+
+
+def _check(rec: JournalRecord) -> None:
+    if not isinstance(rec.kind, RecordKind):
+        raise LayoutError(f"record kind {rec.kind!r}: a RecordKind")
+    if len(rec.digest) != 32:
+        raise LayoutError(f"digest of {len(rec.digest)} bytes: must be 32")
+    if not (0 <= rec.segment < 1 << 32 and 0 <= rec.segment_gen < 1 << 64 and 0 <= rec.value < 1 << 64):
+        raise LayoutError(f"{rec}: segment is a u32, segment_gen and value u64")
+
+
+def _pack(rec: JournalRecord, seq: int) -> bytes:
+    buf = bytearray(_RECORD.pack(int(rec.kind), rec.segment, rec.segment_gen, rec.value, rec.digest,
+                                 seq & 0xFFFFFFFF, 0))
+    struct.pack_into("<I", buf, _CRC_AT, crc32c.crc32c(bytes(buf[:_CRC_AT])))
+    return bytes(buf)
+
+
+def _header(base_seq: int) -> bytes:
+    buf = bytearray(_HEADER.pack(MAGIC, VERSION, RECORD_BYTES, base_seq, bytes(36), 0))
+    struct.pack_into("<I", buf, _CRC_AT, crc32c.crc32c(bytes(buf[:_CRC_AT])))
+    return bytes(buf)
+
+
+@dataclasses.dataclass
+class ReadResult:
+    """What :func:`read_records` found.
+
+    Attributes
+    ----------
+    records : list of JournalRecord
+        The valid prefix, in order.
+    base_seq : int
+        Sequence number of the first record.
+    valid_bytes : int
+        Header plus the valid records (where the next append goes).
+    tail_bytes : int
+        Bytes after the valid prefix (a torn tail, or corruption).
+    good_after_bad : int
+        Well-formed records (CRC and sequence number right) found after the
+        first bad one: non-zero means corruption inside the journal, not a tear.
+    """
+
+    records: list
+    base_seq: int
+    valid_bytes: int
+    tail_bytes: int
+    good_after_bad: int
+
+
+def _decode(data: bytes, base_seq: int) -> ReadResult:
+    recs: list[JournalRecord] = []
+    off = HEADER_BYTES
+    n = len(data)
+    while off + RECORD_BYTES <= n:
+        rec = _decode_one(data, off, base_seq + len(recs))
+        if rec is None:
+            break
+        recs.append(rec)
+        off += RECORD_BYTES
+    valid = off
+    good_after = 0
+    probe = off + RECORD_BYTES
+    while probe + RECORD_BYTES <= n:   # a tear ends the file; good records after a bad one are corruption
+        if _decode_one(data, probe, base_seq + (probe - HEADER_BYTES) // RECORD_BYTES) is not None:
+            good_after += 1
+        probe += RECORD_BYTES
+    return ReadResult(recs, base_seq, valid, n - valid, good_after)
+
+
+def _decode_one(data: bytes, off: int, seq: int) -> JournalRecord | None:
+    kind, seg, gen, value, digest, seq32, crc = _RECORD.unpack_from(data, off)
+    if crc32c.crc32c(data[off:off + _CRC_AT]) != crc or seq32 != seq & 0xFFFFFFFF:
+        return None
+    try:
+        k = RecordKind(kind)
+    except ValueError:
+        return None
+    return JournalRecord(k, seg, gen, value, digest, seq)
+
+
+def read_records(path: str) -> ReadResult:
+    """Read a journal file (module doc) without changing it.
+
+    Raises
+    ------
+    CorruptData
+        The file does not start with a valid journal header (not a journal
+        tierstore wrote, or another version).
+    FileNotFoundError
+        No such file.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER_BYTES:
+        raise CorruptData(f"{path}: {len(data)} bytes, shorter than a journal header ({HEADER_BYTES})")
+    magic, version, rec_b, base, _, crc = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC or crc32c.crc32c(data[:_CRC_AT]) != crc:
+        raise CorruptData(f"{path}: not a tierstore journal (magic {magic!r} or header CRC wrong)")
+    if version != VERSION or rec_b != RECORD_BYTES:
+        raise CorruptData(f"{path}: journal version {version} with {rec_b}-byte records; this tierstore reads "
+                          f"version {VERSION} with {RECORD_BYTES}-byte records")
+    return _decode(data, base)
+
+
+def read_legacy_invalidations(path: str) -> dict[bytes, int]:
+    """``ns_digest -> write_seq`` (the largest per namespace) from a legacy
+    ``<path>.invalidations`` file of the segment store; reading stops at the
+    first record whose CRC is wrong (a torn tail). A missing file gives ``{}``."""
+    out: dict[bytes, int] = {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return out
+    for off in range(0, len(data) - _LEGACY.size + 1, _LEGACY.size):
+        ns, seq, crc = _LEGACY.unpack_from(data, off)
+        if crc32c.crc32c(ns + seq.to_bytes(8, "little")) != crc:
+            break
+        out[ns] = max(out.get(ns, 0), seq)
+    return out
+
+
+@dataclasses.dataclass
+class JournalState:
+    """What recovery needs from a journal (the segment store applies it to the chains it walks).
+
+    Attributes
+    ----------
+    reset_gen : dict
+        ``segment -> the highest segment_gen reset``: a chain whose first extent's
+        gen is not above it is stale (its trim was ignored or lost).
+    dead : dict
+        ``(segment, segment_gen) -> {payload device offset: block key}``: blocks
+        evicted from that generation of the segment (gens at or below the
+        segment's reset gen are dropped: the reset covers them).
+    invalidated : dict
+        ``ns digest -> write_seq``: blocks of the namespace in extents with a
+        smaller sequence number are invalid.
+    """
+
+    reset_gen: dict = dataclasses.field(default_factory=dict)
+    dead: dict = dataclasses.field(default_factory=dict)
+    invalidated: dict = dataclasses.field(default_factory=dict)
+
+    def apply(self, rec: JournalRecord) -> None:
+        """Fold one record in (records in journal order)."""
+        if rec.kind is RecordKind.NS_INVALIDATE:
+            self.invalidated[rec.digest] = max(self.invalidated.get(rec.digest, 0), rec.value)
+        elif rec.kind is RecordKind.SEGMENT_RESET:
+            g = max(self.reset_gen.get(rec.segment, -1), rec.segment_gen)
+            self.reset_gen[rec.segment] = g
+            for key in [k for k in self.dead if k[0] == rec.segment and k[1] <= g]:
+                del self.dead[key]
+        elif rec.segment_gen > self.reset_gen.get(rec.segment, -1):
+            self.dead.setdefault((rec.segment, rec.segment_gen), {})[rec.value] = rec.digest
+
+    @classmethod
+    def of(cls, records: Iterable[JournalRecord], legacy: dict[bytes, int] | None = None) -> "JournalState":
+        """The state of ``records`` (plus legacy invalidations, :func:`read_legacy_invalidations`)."""
+        st = cls()
+        for ns, seq in (legacy or {}).items():
+            st.invalidated[ns] = max(st.invalidated.get(ns, 0), seq)
+        for r in records:
+            st.apply(r)
+        return st
+
+
+def live_records(records: Sequence[JournalRecord]) -> list[JournalRecord]:
+    """The records a compacted journal keeps, in their original order: per
+    namespace the NS_INVALIDATE with the largest write_seq (the first of equals),
+    per segment the SEGMENT_RESET with the largest gen (the last of equals), and
+    every BLOCK_DEAD of a generation above its segment's last reset (the last
+    record per slot). :meth:`JournalState.of` gives the same state for both."""
+    ns_best: dict[bytes, int] = {}
+    reset_best: dict[int, int] = {}
+    dead_last: dict[tuple, int] = {}
+    for i, r in enumerate(records):
+        if r.kind is RecordKind.NS_INVALIDATE:
+            j = ns_best.get(r.digest)
+            if j is None or r.value > records[j].value:
+                ns_best[r.digest] = i
+        elif r.kind is RecordKind.SEGMENT_RESET:
+            j = reset_best.get(r.segment)
+            if j is None or r.segment_gen >= records[j].segment_gen:
+                reset_best[r.segment] = i
+        else:
+            dead_last[(r.segment, r.segment_gen, r.value)] = i
+    keep = set(ns_best.values()) | set(reset_best.values())
+    for (seg, gen, _), i in dead_last.items():
+        j = reset_best.get(seg)
+        if j is None or gen > records[j].segment_gen:
+            keep.add(i)
+    return [records[i] for i in sorted(keep)]
+
+
+class Journal:
+    """An append-only journal (module doc), in a file or in memory.
+
+    Parameters
+    ----------
+    path : str or None
+        The journal file (created if absent; a leftover ``<path>.tmp`` is
+        removed); ``None`` keeps the records in memory.
+
+    Attributes
+    ----------
+    records : list of JournalRecord
+        Every committed record since the journal was opened or last compacted
+        (what recovery reads back from the file).
+    opened : ReadResult or None
+        What opening the file found (torn tail bytes cut off, and so on).
+
+    Raises
+    ------
+    CorruptData
+        ``path`` exists and is not a journal tierstore wrote, or a bad record
+        is followed by good ones (nothing is changed then).
+    OSError
+        The file or its directory cannot be written.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.records: list[JournalRecord] = []
+        self._pending: list[JournalRecord] = []
+        self._base = 1
+        self._next = 1
+        self._fd = -1
+        self.opened: ReadResult | None = None
+        self.stats = {"records_appended": 0, "commits": 0, "compactions": 0, "bytes_written": 0,
+                      "torn_tail_bytes": 0}
+        if path is None:
+            return
+        tmp = path + ".tmp"
+        if os.path.exists(tmp):   # a compaction (or a creation) that did not reach its rename
+            os.unlink(tmp)
+            _fsync_dir(path)
+        if not os.path.exists(path):
+            self._create(path, base_seq=1, records=[])
+            self.opened = ReadResult([], 1, HEADER_BYTES, 0, 0)
+        else:
+            res = read_records(path)
+            if res.good_after_bad:
+                raise CorruptData(
+                    f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but {res.good_after_bad} "
+                    "later records are good: the journal is damaged, not torn; it was left as it is")
+            self.opened = res
+            self.records = list(res.records)
+            self._base = res.base_seq
+            self._next = res.base_seq + len(res.records)
+            if res.tail_bytes:   # a torn append: never committed, cut it so appends continue the chain
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, res.valid_bytes)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.stats["torn_tail_bytes"] = res.tail_bytes
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+
+    # ----------------------------------------------------------------- API
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the next appended record gets."""
+        return self._next + len(self._pending)
+
+    @property
+    def committed_seq(self) -> int:
+        """Sequence number of the last durable record (``base_seq - 1`` when none is)."""
+        return self._next - 1
+
+    def append(self, kind: RecordKind, segment: int = 0, segment_gen: int = 0, value: int = 0,
+               digest: bytes = _ZERO32) -> int:
+        """Buffer one record; returns its sequence number. Durable only after :meth:`commit`.
+
+        Raises
+        ------
+        LayoutError
+            A field out of its range (nothing is buffered).
+        """
+        rec = JournalRecord(RecordKind(kind), int(segment), int(segment_gen), int(value), bytes(digest))
+        _check(rec)
+        seq = self.next_seq
+        self._pending.append(rec._replace(seq=seq))
+        return seq
+
+    def commit(self) -> int:
+        """Write the buffered records and ``fdatasync`` (one write, one sync); returns
+        :attr:`committed_seq`. Nothing buffered: no I/O.
+
+        Raises
+        ------
+        OSError
+            The write or the sync failed; the records stay buffered (not durable),
+            and the file is cut back to its last committed record.
+        """
+        if not self._pending:
+            return self.committed_seq
+        if self._fd >= 0:
+            data = b"".join(_pack(r, r.seq) for r in self._pending)
+            size = HEADER_BYTES + (self._next - self._base) * RECORD_BYTES
+            try:
+                _write_all(self._fd, data)
+                os.fdatasync(self._fd)
+            except OSError:
+                os.ftruncate(self._fd, size)   # no half batch before the next try
+                raise
+            self.stats["bytes_written"] += len(data)
+        self.records.extend(self._pending)
+        self.stats["records_appended"] += len(self._pending)
+        self.stats["commits"] += 1
+        self._next += len(self._pending)
+        self._pending = []
+        return self.committed_seq
+
+    def state(self, legacy: dict[bytes, int] | None = None) -> JournalState:
+        """:class:`JournalState` of the committed records (plus ``legacy`` invalidations)."""
+        return JournalState.of(self.records, legacy)
+
+    def import_legacy_invalidations(self, legacy_path: str) -> int:
+        """Append and commit one NS_INVALIDATE per namespace of a legacy
+        ``.invalidations`` file not already covered; returns records added. The
+        caller may delete the legacy file after this returns."""
+        have = self.state().invalidated
+        n = 0
+        for ns, seq in sorted(read_legacy_invalidations(legacy_path).items()):
+            if have.get(ns, -1) < seq:
+                self.append(RecordKind.NS_INVALIDATE, value=seq, digest=ns)
+                n += 1
+        self.commit()
+        return n
+
+    def file_bytes(self) -> int:
+        """Bytes of the journal (header and committed records)."""
+        return HEADER_BYTES + len(self.records) * RECORD_BYTES
+
+    def should_compact(self, min_bytes: int = 1 << 20, ratio: float = 4.0) -> bool:
+        """Whether the journal exceeds ``min_bytes`` and ``ratio`` times its live records."""
+        return self.file_bytes() > min_bytes and len(self.records) > ratio * max(1, len(live_records(self.records)))
+
+    def compact(self) -> int:
+        """Commit what is buffered, then keep only :func:`live_records`: written to
+        ``<path>.tmp``, synced, renamed over the journal, directory synced. The kept
+        records are numbered so that they end just before :attr:`next_seq`. Returns
+        the records kept.
+
+        Raises
+        ------
+        OSError
+            Writing the new journal failed; the old one is still the journal.
+        """
+        self.commit()
+        live = live_records(self.records)
+        base = self._next - len(live)
+        live = [r._replace(seq=base + i) for i, r in enumerate(live)]
+        if self.path is not None:
+            os.close(self._fd)
+            self._fd = -1
+            try:
+                self._create(self.path, base, live)
+            finally:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self.records = live
+        self._base = base
+        self.stats["compactions"] += 1
+        return len(live)
+
+    def close(self) -> None:
+        """Commit what is buffered and close the file. Idempotent."""
+        if self._fd >= 0:
+            try:
+                self.commit()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- internals
+    @staticmethod
+    def _create(path: str, base_seq: int, records: Sequence[JournalRecord]) -> None:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"journal {path}: the directory {parent} does not exist")
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, _header(base_seq) + b"".join(_pack(r, base_seq + i) for i, r in enumerate(records)))
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        _fsync_dir(path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync(2) the directory holding ``path`` (a rename or a new name is durable only then)."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
