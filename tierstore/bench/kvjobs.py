@@ -12,8 +12,8 @@ and the plots, not the normal text.
 Device choice (``device=``; the store is a :class:`tierstore.config.StoreConfig` built by :mod:`tierstore.build`):
 
 * ``file`` (default): the NVMe tier is a segment file on this file system,
-  ``directory``/``filename`` (fio's ``jobname.0.0``; a temporary directory when
-  neither is set), through ``ioengine`` (``posix`` or ``uring``). An FTL
+  ``directory``/``filename`` (fio's ``jobname.0.0``; a private temporary directory,
+  removed at the end, when ``directory`` is not set), through ``ioengine`` (``posix`` or ``uring``). An FTL
   *model* observes its engine (RU = segment, capacity = the tier) so WAF is
   always reported; the ``device`` line says it is a model. A warning (from
   :mod:`tierstore.build`) is printed when the tier is larger than the free
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -182,16 +183,28 @@ def no_space_report(stats: dict, nvme_path: str | None) -> tuple[dict, int, str]
 def run_kvtrace(options: dict[str, Any]) -> JobResult:
     """Runner of ``rw=kvtrace``: replay a trace and report fio-style figures.
 
+    Without ``directory`` the NVMe tier's file (and the replay's scratch files) go to a private
+    temporary directory, removed when the job ends however it ends, so runs at once never meet.
+
     Raises
     ------
     JobInterrupted
         After Ctrl-C/SIGTERM: the replay stops within 50 requests (it reports
         no partial statistics).
     """
+    own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
+    try:
+        return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
+    finally:  # also after a failure, a stop request or a second Ctrl-C
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def _run_kvtrace(options: dict[str, Any]) -> JobResult:
     files: list[str] = []
     nvme_path = None
     if options.get("device", "file") == "file":
-        nvme_path = nvme_file(options, options.get("directory") or tempfile.gettempdir())
+        nvme_path = nvme_file(options, options["directory"])
         files.append(nvme_path)
     cfg = replay_config(options, nvme_path)
     progress = current_progress()
