@@ -42,14 +42,14 @@ from typing import Iterator, Sequence
 
 from ..errors import ConfigError, TierStoreError
 from . import output as out_mod
-from .jobfile import parse_jobs, schema_help, showcmd
+from .jobfile import JobSpec, parse_jobs, schema_help, showcmd
 from .plot import plot_results
 from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
                        reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal, warn)
-from .result import JobResult
+from .result import JobResult, merge_results
 from ..units import parse_time_s
 
-__all__ = ["main"]
+__all__ = ["main", "group_reports"]
 
 PROG = "tierstore bench"
 _VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp", "eta", "eta-newline", "eta_newline",
@@ -192,27 +192,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
 
-    results: list[JobResult] = []
+    results: list[JobResult | None] = [None] * len(specs)
     reset_stop()
     set_status_options(status)
     # fio prints its informational lines ("Laying out IO file") with the normal report
     set_info_sink(sys.stdout if formats == ["normal"] and not own.get("output") else sys.stderr)
     try:
         with _stop_on_signals(), _library_warnings():
-            for spec, runner in zip(specs, runners):
+            for batch in _batches(specs):
                 if stop_requested():
                     break
-                rc = _run_one(spec, runner, results)
+                rc = _run_batch(batch, [runners[i] for i in batch], [specs[i] for i in batch], results)
                 if rc:
                     return rc
     finally:
         set_info_sink(None)
-    for r in results:
+    ran = [(r, spec) for r, spec in zip(results, specs) if r is not None]
+    for r, _ in ran:
         if r.error:
             _report_error(r)
-    if not results and stop_signal():
+    if not ran and stop_signal():
         return 128 + stop_signal()
-    report = out_mod.render(results, specs, formats)
+    merged, merged_specs = group_reports([r for r, _ in ran], [spec for _, spec in ran])
+    report = out_mod.render(merged, merged_specs, formats)
     if own.get("output"):
         try:
             with open(str(own["output"]), "w", encoding="utf-8") as fh:
@@ -231,13 +233,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     sig = stop_signal()
     if sig:
         return 128 + sig
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for r, _ in ran) else 0
 
 
-def _run_one(spec, runner, results: list[JobResult]) -> int:
-    """Run one job into ``results``; returns 0, or 1 after printing why it could not run."""
+def _batches(specs: Sequence[JobSpec]) -> list[list[int]]:
+    """Indices of the jobs that start together: a new batch at each job that waits for the ones before it
+    (``stonewall``), as fio's ``run_threads`` starts every job up to the next stonewall at once."""
+    batches: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if not batches or spec.waits_for_previous:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+def _run_batch(batch: list[int], runners: list, specs: list[JobSpec], results: list[JobResult | None]) -> int:
+    """Run the jobs of one batch at once (one job: in this thread); returns 0 or 1 (a job could not run).
+
+    Each job runs in its own thread; a stop request (the first Ctrl-C) reaches every runner, which stops
+    and reports. The rich bar is drawn only for a batch of one (several live bars cannot share a terminal);
+    status lines are printed per job.
+    """
+    if len(batch) == 1:
+        return _run_one(specs[0], runners[0], results, batch[0], bar=True)
+    codes = [0] * len(batch)
+
+    def work(k: int) -> None:
+        codes[k] = _run_one(specs[k], runners[k], results, batch[k], bar=False)
+    threads = [threading.Thread(target=work, args=(k,), name=f"job-{specs[k].name}") for k in range(len(batch))]
+    for t in threads:
+        t.start()
     try:
-        with job_progress(spec.name):
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+    except KeyboardInterrupt:  # a second signal: the runners were asked to stop by the first; let them clean up
+        request_stop(signal.SIGINT)
+        for t in threads:
+            t.join()
+        raise
+    return max(codes)
+
+
+def group_reports(results: Sequence[JobResult], specs: Sequence[JobSpec]) -> tuple[list[JobResult], list[JobSpec]]:
+    """fio's ``group_reporting``: a job that sets it and shares the previous job's reporting group is
+    reported in the same entry (fio's ``__show_run_stats``); the others stay entries of their own.
+
+    Parameters
+    ----------
+    results : sequence of JobResult
+        What ran, in job order.
+    specs : sequence of JobSpec
+        Their parsed jobs.
+
+    Returns
+    -------
+    (list of JobResult, list of JobSpec)
+        One entry per report unit, with the spec whose ``job options`` fio shows (the last member's).
+    """
+    units: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if units and spec.options.get("group_reporting") and specs[units[-1][-1]].groupid == spec.groupid:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    out_results = [merge_results([results[i] for i in unit]) if len(unit) > 1 else results[unit[0]]
+                   for unit in units]
+    return out_results, [specs[unit[-1]] for unit in units]
+
+
+def _run_one(spec, runner, results: list[JobResult | None], index: int, bar: bool = True) -> int:
+    """Run one job into ``results[index]``; returns 0, or 1 after printing why it could not run."""
+    try:
+        with job_progress(spec.name, bar_allowed=bar):
             opts = dict(spec.options)
             opts["_explicit"] = frozenset(spec.explicit) | frozenset(spec.global_explicit)
             result = runner(opts)
@@ -260,7 +328,8 @@ def _run_one(spec, runner, results: list[JobResult]) -> int:
             raise
         return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
                       f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
-    results.append(result)
+    result.groupid = spec.groupid
+    results[index] = result
     return 0
 
 

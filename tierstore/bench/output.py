@@ -142,7 +142,7 @@ def job_options_json(spec: JobSpec | None, result: JobResult) -> dict[str, str]:
     so these four are always present.
     """
     opts = result.options
-    out = {"name": result.jobname}
+    out = {"name": spec.name if spec is not None else result.jobname}
     for key in ("rw", "bs", "iodepth", "numjobs"):
         out[key] = format_value(key, opts.get(key, ""))
     if spec is not None:
