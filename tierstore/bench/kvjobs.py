@@ -49,7 +49,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..config import StoreConfig
 from ..replay import ReplayConfig, run_replay
-from .jobfile import resolve_path
+from .jobfile import engine_kind, resolve_path
 from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionResult, JobResult
 
@@ -131,9 +131,10 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
         return {"device": "sim", "engine": "memory", "model": model, "fdp": fdp}
     if dev_opt != "file":
         return {"device": "fdp", "path": dev_opt, "fdp": fdp}
-    eng = options.get("ioengine", "posix")
+    eng = engine_kind(options.get("ioengine", "posix"))   # fio's names too: io_uring, libaio, psync, ...
     if eng not in ("posix", "uring", "auto"):
-        raise ConfigError(f"ioengine={eng}: device=file puts the NVMe tier in a file through posix, uring or auto; "
+        raise ConfigError(f"ioengine={options.get('ioengine')}: device=file puts the NVMe tier in a file through "
+                          "posix, uring or auto (or fio's io_uring, libaio, psync, sync, pvsync, pvsync2, posixaio); "
                           "use device=sim for a tier in memory")
     out = {"device": "file", "engine": eng, "model": {k: v for k, v in model.items() if k != "utilization"},
            "fdp": fdp}

@@ -101,6 +101,8 @@ _SQE = struct.Struct("<BBHiQQIIQHHiQQ")
 _SQE_HEAD48 = struct.Struct("<BBHiQQIIQHHi")
 #: ``struct io_uring_cqe``: user_data u64, res s32, flags u32 (+ 16 bytes big_cqe with CQE32).
 _CQE = struct.Struct("<QiI")
+#: Its first two fields, user_data u64 and res s32.
+_CQE_HEAD = struct.Struct("<Qi")
 #: ``struct iovec``: iov_base, iov_len (x86-64: two 8-byte words).
 _IOVEC = struct.Struct("<QQ")
 _ZERO64 = bytes(64)
@@ -335,6 +337,30 @@ class Ring:
         _SQE.pack_into(self._sqes, self._slot(), opcode, 0, 0, fd, offset, addr, length, 0, user_data,
                        0, 0, ext, 0, 0)
 
+    def prep_rw(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int) -> None:
+        """Queue one read/write SQE (``IORING_OP_READ``/``WRITE``/``READV``/``WRITEV``) in one call.
+
+        The same SQE as :meth:`prep_read`/:meth:`prep_write`/:meth:`prep_readv`/:meth:`prep_writev`,
+        for a loop that queues many per :meth:`submit` (``tierstore bench``'s io_uring jobs): the slot
+        is taken and the record packed without further calls.
+
+        Raises
+        ------
+        IoUringError
+            EBADF on a closed ring; EBUSY when the SQ is full (:meth:`submit` first); EINVAL on a ring
+            of 128-byte SQEs (use the per-opcode calls there).
+        """
+        tail = self._tail
+        if self.fd < 0:
+            raise IoUringError(errno.EBADF, "ring is closed")
+        if self.sqe_bytes != 64:
+            raise IoUringError(errno.EINVAL, "prep_rw needs a ring of 64-byte SQEs")
+        if ((tail - self._khead.value) & 0xFFFFFFFF) >= self.sq_entries:
+            raise IoUringError(errno.EBUSY, "submission queue full: submit() first")
+        self._tail = (tail + 1) & 0xFFFFFFFF
+        _SQE.pack_into(self._sqes, (tail & self._sq_mask) << 6, opcode, 0, 0, fd, offset, addr, length, 0,
+                       user_data, 0, 0, 0, 0, 0)
+
     def prep_nop(self, user_data: int) -> None:
         """Queue an ``IORING_OP_NOP`` (completes with res 0)."""
         self._prep_rw(IORING_OP_NOP, -1, 0, 0, 0, user_data)
@@ -452,6 +478,20 @@ class Ring:
             off = base + (head & mask) * cb
             ud, res, _flags = _CQE.unpack_from(cq, off)
             out.append((ud, res, bytes(cq[off + 16:off + 32]) if big else b""))
+            head = (head + 1) & 0xFFFFFFFF
+        self._kchead.value = head     # release: CQE slots may be reused by the kernel now
+        return out
+
+    def reap_results(self) -> list[tuple[int, int]]:
+        """:meth:`reap` without the CQE32 bytes: ``(user_data, res)`` of every posted completion, in CQ order."""
+        head = self._kchead.value
+        tail = self._kctail.value     # acquire: CQEs are loaded after this (x86-64 TSO)
+        if head == tail:
+            return []
+        cq, mask, cb, base, unpack = self._cq, self._cq_mask, self.cqe_bytes, self._cqe_off, _CQE_HEAD.unpack_from
+        out = []
+        while head != tail:
+            out.append(unpack(cq, base + (head & mask) * cb))
             head = (head + 1) & 0xFFFFFFFF
         self._kchead.value = head     # release: CQE slots may be reused by the kernel now
         return out
