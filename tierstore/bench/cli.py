@@ -5,12 +5,21 @@ Usage::
     tierstore bench [options] [--key=value ...] [jobfile ...]
 
 Job files are fio INI files (:mod:`tierstore.bench.jobfile`); every schema key
-is also a ``--key=value`` flag, overriding the files. Without a job file the
-flags define one job. Options of the command itself:
+is also a ``--key=value`` flag. As in fio, each ``--name=`` on the command line
+starts a job that inherits the flags given before the first ``--name=`` (which
+also override the job files' values); command-line jobs come before the files'
+jobs. Without ``--name=`` or a job file the flags define one job.
+
+Jobs run at once, each in its own thread (fio starts every job of a run
+together); a job with ``stonewall`` starts when every job before it has finished.
+``stonewall`` and ``new_group`` start a new reporting group (``Run status group
+N``); ``group_reporting`` reports a group's jobs as one entry. Options of the
+command itself:
 
 ``--parse-only``        validate the jobs and exit 0
 ``--showcmd``           print each job's equivalent command line and exit
-``--output-format=F``   ``normal``, ``json`` or ``json+`` (comma-combined)
+``--output-format=F``   ``normal``, ``json``, ``json+`` or ``terse`` (comma-combined; terse is fio's
+                        version 3, one line per job; ``--minimal`` is ``--output-format=terse``)
 ``--output=FILE``       write the report to FILE instead of stdout
 ``--plot=DIR``          write PNG charts to DIR
 ``--eta=WHEN``          ``auto`` (a bar on a terminal; status lines on stderr when
@@ -18,7 +27,7 @@ flags define one job. Options of the command itself:
 ``--eta-newline=T``     seconds between status lines (default 10)
 ``--status-interval=T`` a status line every T seconds, terminal or not
 ``--cmdhelp[=KEY]``     describe one key (or all)
-``--version``           print the version
+``--version``           print the version (``tierstore-X.Y.Z``, as fio prints ``fio-3.33``)
 
 Ctrl-C (SIGINT) or SIGTERM stops the running job: its worker threads stop, the
 statistics gathered so far are printed, files the job created are removed
@@ -53,8 +62,8 @@ __all__ = ["main", "group_reports"]
 
 PROG = "tierstore bench"
 _VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp", "eta", "eta-newline", "eta_newline",
-                "status-interval", "status_interval"}
-_BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version"}
+                "status-interval", "status_interval", "terse-version", "terse_version"}
+_BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version", "minimal"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], list[str]]:
@@ -179,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BrokenPipeError:   # `--cmdhelp | head`: the reader left; not an error
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        formats = out_mod.parse_output_formats(str(own.get("output-format", "normal")))
+        formats = out_mod.parse_output_formats("terse" if own.get("minimal") and "output-format" not in own
+                                               else str(own.get("output-format", "normal")))
+        if "terse-version" in own and str(own["terse-version"]).strip() != str(out_mod.TERSE_VERSION):
+            raise ConfigError(f"terse-version={own['terse-version']!r}: only {out_mod.TERSE_VERSION} is written "
+                              "(fio's default)")
         status = _status_options(own)
         specs = parse_jobs(key_flags, files)
         if own.get("showcmd"):

@@ -30,8 +30,9 @@ Where the bytes go (``device=``, the same three choices as the KV jobs):
 
 * ``file`` (default): the job's file, ``directory``/``filename`` (fio's ``jobname.0.0``; a
   temporary directory when neither is set), through ``ioengine``. Completed writes are also fed
-  to an FTL model (:class:`tierstore.fdp.ftl.FTLModel`), in batches, so write jobs report
-  HBMW/MBMW/MBE and WAF over time; that is a *model*, not the device under this file system.
+  to an FTL model (:class:`tierstore.fdp.ftl.FTLModel`) -- after the run, in completion order, so the
+  model costs the I/O loops nothing -- and write jobs report HBMW/MBMW/MBE and WAF over time; that is
+  a *model*, not the device under this file system.
   The model's logical capacity is ``size / utilization`` (the job's file covers ``utilization``
   of the modelled device).
 * ``sim``: the FTL model *is* the device: the data stays in memory (memory engine);
@@ -357,10 +358,11 @@ def _validate(options: dict[str, Any]) -> None:
 
 
 def _placement_picker(options: dict[str, Any], plids: list[int]
-                      ) -> Callable[[int, int, np.random.Generator], int | None]:
-    """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``)."""
+                      ) -> Callable[[int, int, np.random.Generator], int] | None:
+    """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``);
+    ``None`` without ``dataplacement=fdp`` (no write is placed)."""
     if options["dataplacement"] != "fdp":
-        return lambda clone, seq, rng: None
+        return None
     select = options["plid_select"]
     if select == "random":
         return lambda clone, seq, rng: plids[int(rng.integers(0, len(plids)))]
@@ -561,18 +563,15 @@ class _Draw:
 
 
 class _Log:
-    """One thread's completions per direction: latency (ns), completion time (ns), bytes moved."""
+    """One thread's completions per direction: latency (ns), completion time (ns), bytes moved; for
+    writes also the offset and the PID (-1: none), which the FTL model hears after the run."""
 
     def __init__(self) -> None:
         self.lat = (array.array("q"), array.array("q"))    # read, write
         self.done = (array.array("q"), array.array("q"))
         self.nbytes = (array.array("q"), array.array("q"))
-
-    def add(self, is_write: bool, lat_ns: int, done_ns: int, nbytes: int) -> None:
-        d = 1 if is_write else 0
-        self.lat[d].append(lat_ns)
-        self.done[d].append(done_ns)
-        self.nbytes[d].append(nbytes)
+        self.write_offset = array.array("q")
+        self.write_pid = array.array("q")
 
     def into(self, recorders: tuple[DirectionRecorder, DirectionRecorder], full_bytes: int) -> None:
         for d in (0, 1):
@@ -582,43 +581,60 @@ class _Log:
                                          np.frombuffer(self.nbytes[d], dtype=np.int64), full_bytes)
 
 
-class _Observed:
-    """Completed writes of one thread on their way to the FTL model, handed over in batches."""
+def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> dict[str, list]:
+    """Hand every completed write of the job to the FTL model in completion order, after the run (so the
+    model costs the I/O loops nothing), and sample its WAF every 0.25 s of completion time.
 
-    def __init__(self, observer: _LockedObserver | None) -> None:
-        self.observer = observer
-        self.offsets: list[int] = []
-        self.nbytes: list[int] = []
-        self.pids: list[int | None] = []
+    Returns
+    -------
+    dict
+        The time series: ``t_s``, ``waf``, ``hbmw_bytes``, ``mbmw_bytes``.
+    """
+    series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
+    done = np.concatenate([np.frombuffer(log.done[1], dtype=np.int64) for log in logs])
+    if not done.size:
+        return series
+    order = np.argsort(done, kind="stable")
+    done = done[order]
+    offsets = np.concatenate([np.frombuffer(log.write_offset, dtype=np.int64) for log in logs])[order]
+    nbytes = np.concatenate([np.frombuffer(log.nbytes[1], dtype=np.int64) for log in logs])[order]
+    pids = np.concatenate([np.frombuffer(log.write_pid, dtype=np.int64) for log in logs])[order]
+    step_ns = int(_DEVICE_SAMPLE_S * 1e9)
+    next_ns = t0_ns + step_ns
+    for a in range(0, done.size, _OBSERVE_BATCH):
+        b = min(a + _OBSERVE_BATCH, done.size)
+        observer.on_writes(offsets[a:b].tolist(), nbytes[a:b].tolist(),
+                           [None if p < 0 else p for p in pids[a:b].tolist()])
+        if done[b - 1] >= next_ns or b == done.size:
+            st = observer.stats()
+            series["t_s"].append((int(done[b - 1]) - t0_ns) / 1e9)
+            series["waf"].append(st["waf"])
+            series["hbmw_bytes"].append(st["hbmw_bytes"])
+            series["mbmw_bytes"].append(st["mbmw_bytes"])
+            next_ns = int(done[b - 1]) + step_ns
+    return series
 
-    def add(self, offset: int, nbytes: int, pid: int | None) -> None:
-        if self.observer is None:
-            return
-        self.offsets.append(offset)
-        self.nbytes.append(nbytes)
-        self.pids.append(pid)
-        if len(self.offsets) >= _OBSERVE_BATCH:
-            self.flush()
 
-    def flush(self) -> None:
-        if self.observer is not None and self.offsets:
-            self.observer.on_writes(self.offsets, self.nbytes, self.pids)
-            self.offsets, self.nbytes, self.pids = [], [], []
-
-
-def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, observed: _Observed, bs: int,
-               pick: Callable[[int, int, np.random.Generator], int | None], fill_random: bool) -> None:
+def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
+               pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
     """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the engines)."""
     keep, buf = alloc_aligned(bs)
     offset, is_write = -1, False
+    handle = None
     try:
         if fill_random:
             buf.copy_(torch.from_numpy(draw.rng.integers(0, 256, size=bs, dtype=np.uint8)))
         handle = target.prepare(buf)
+        read, write = target.read, target.write
         clock = time.perf_counter_ns
         deadline = shared.deadline_ns
+        stop = shared.stop
+        lat_r, lat_w = log.lat
+        done_r, done_w = log.done
+        nb_r, nb_w = log.nbytes
+        off_w, pid_w = log.write_offset, log.write_pid
         seq = 0
-        while not shared.stop.is_set():
+        while not stop.is_set():
             n = shared.take(_SYNC_TAKE)
             if not n:
                 return
@@ -627,41 +643,45 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, observed: _
             for offset, is_write in zip(offsets, writes):
                 if is_write:
                     seq += 1
-                    pid = pick(draw.clone, seq, draw.rng)
+                    pid = pick(draw.clone, seq, draw.rng) if pick is not None else None
                     start = clock()
-                    got = target.write(handle, offset, pid)
+                    got = write(handle, offset, pid)
                     done = clock()
-                    observed.add(offset, got, pid)
+                    lat_w.append(done - start)
+                    done_w.append(done)
+                    nb_w.append(got)
+                    off_w.append(offset)
+                    pid_w.append(-1 if pid is None else pid)
                 else:
                     start = clock()
-                    got = target.read(handle, offset)
+                    got = read(handle, offset)
                     done = clock()
-                log.add(is_write, done - start, done, got)
+                    lat_r.append(done - start)
+                    done_r.append(done)
+                    nb_r.append(got)
                 if deadline is not None and done >= deadline:
                     return
-                if shared.stop.is_set():
+                if stop.is_set():
                     return
     except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
         shared.fail(exc, offset, is_write)
     finally:
-        observed.flush()
         shared.finished_ns.append(time.perf_counter_ns())
         handle = None
         del buf
         keep.close()
 
 
-def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, observed: _Observed, bs: int,
-                pick: Callable[[int, int, np.random.Generator], int | None], fill_random: bool) -> None:
+def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
+                pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
     """One clone through its own io_uring, keeping ``depth`` I/Os in flight as fio's io_uring engine.
 
-    Each turn queues an I/O in every free slot (one :meth:`~tierstore.io.ring.Ring.prep_rw` each),
+    Each turn queues an I/O in every free slot (one :meth:`~tierstore.io.ring.Ring.prep_rw_batch`),
     publishes them and waits for a completion with one ``io_uring_enter`` (min_complete 1), then
     reaps every completion posted (:meth:`~tierstore.io.ring.Ring.reap_results`) and logs it. The
-    Python work is a few operations per I/O and one system call per turn. (Measured on the
+    Python work is a few list operations per I/O and one system call per turn. (Measured on the
     development VM: a second ``io_uring_enter`` per turn to publish before logging, or one per I/O
-    as fio does, or numpy records instead of per-SQE packing, were each slower; see
-    ``bench/README_io.md``.)
+    as fio does, or numpy records instead of packed SQEs, were each slower; see ``bench/README_io.md``.)
     """
     ring = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
@@ -676,19 +696,21 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, ob
         free = list(range(depth))
         slot_offset = [0] * depth
         slot_write = [False] * depth
-        slot_pid: list[int | None] = [None] * depth
+        slot_pid = [-1] * depth
         slot_start = [0] * depth
         seq = 0
         clock = time.perf_counter_ns
         deadline = shared.deadline_ns
         stop = shared.stop
         issuing = True
-        prep, submit, reap = ring.prep_rw, ring.submit, ring.reap_results
+        prep, submit, reap = ring.prep_rw_batch, ring.submit, ring.reap_results
         op_read, op_write = IORING_OP_READ, IORING_OP_WRITE
+        reads_only, writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
         lat_r, lat_w = log.lat
         done_r, done_w = log.done
         nb_r, nb_w = log.nbytes
-        observe = observed.add if observed.observer is not None else None
+        off_w, pid_w = log.write_offset, log.write_pid
+        placed = pick is not None
         while True:
             if issuing and free:
                 if stop.is_set() or (deadline is not None and clock() >= deadline):
@@ -698,18 +720,23 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, ob
                     if n:
                         shared.count(n)
                         offsets, writes = draw.next(n)
+                        slots = free[-n:]
+                        del free[-n:]
                         start = clock()
-                        for offset, is_write in zip(offsets, writes):
-                            slot = free.pop()
-                            slot_offset[slot] = offset
-                            slot_write[slot] = is_write
-                            slot_start[slot] = start
-                            if is_write:
-                                seq += 1
-                                slot_pid[slot] = pick(draw.clone, seq, draw.rng)
-                                prep(op_write, fd, addrs[slot], bs, offset, slot)
-                            else:
-                                prep(op_read, fd, addrs[slot], bs, offset, slot)
+                        if reads_only:   # the common case: one store per I/O
+                            for slot in slots:
+                                slot_start[slot] = start
+                            opcodes = op_read
+                        else:
+                            for slot, offset, is_write in zip(slots, offsets, writes):
+                                slot_offset[slot] = offset
+                                slot_write[slot] = is_write
+                                slot_start[slot] = start
+                                if placed and is_write:
+                                    seq += 1
+                                    slot_pid[slot] = pick(draw.clone, seq, draw.rng)
+                            opcodes = op_write if writes_only else [op_write if w else op_read for w in writes]
+                        prep(opcodes, fd, [addrs[slot] for slot in slots], bs, offsets, slots)
                         inflight += n
                     else:
                         issuing = False
@@ -719,7 +746,17 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, ob
             cqes = reap()
             done = clock()
             inflight -= len(cqes)
-            for slot, res in cqes:
+            if reads_only:
+                for slot, res, _ in cqes:
+                    free.append(slot)
+                    if res < 0:
+                        offset, is_write = -1, False
+                        raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
+                    lat_r.append(done - slot_start[slot])
+                    done_r.append(done)
+                    nb_r.append(res)
+                continue
+            for slot, res, _ in cqes:
                 free.append(slot)
                 if res < 0:
                     offset, is_write = slot_offset[slot], slot_write[slot]
@@ -728,8 +765,8 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, ob
                     lat_w.append(done - slot_start[slot])
                     done_w.append(done)
                     nb_w.append(res)
-                    if observe is not None:
-                        observe(slot_offset[slot], res, slot_pid[slot])
+                    off_w.append(slot_offset[slot])
+                    pid_w.append(slot_pid[slot])
                 else:
                     lat_r.append(done - slot_start[slot])
                     done_r.append(done)
@@ -739,7 +776,6 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, ob
         if ring is not None:  # the kernel must be done with the buffers before they are unmapped
             _drain(ring, inflight)
     finally:
-        observed.flush()
         shared.finished_ns.append(time.perf_counter_ns())
         if ring is not None:
             ring.close()
@@ -797,11 +833,10 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
             log = _Log()
             logs.append(log)
             draw = _Draw(shared, options, clone, lane, read_share)
-            observed = _Observed(None if self_observed else observer)
             if ring_fd is not None:
-                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, observed, bs, pick_placement, writes_any)
+                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick_placement, writes_any)
             else:
-                fn, args = _sync_lane, (shared, target, draw, log, observed, bs, pick_placement, writes_any)
+                fn, args = _sync_lane, (shared, target, draw, log, bs, pick_placement, writes_any)
             threads.append(threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}",
                                             daemon=True))
     progress = current_progress()
@@ -813,7 +848,7 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
     series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
 
     def sample_device() -> None:
-        if observer is None:
+        if observer is None or not self_observed:   # a file's writes reach the model after the run
             return
         st = observer.stats()
         if st["hbmw_bytes"]:
@@ -848,6 +883,8 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
         sample_device()
     for log in logs:
         log.into(recorders, bs)
+    if observer is not None and not self_observed:
+        series = _feed_model(observer, logs, t0_ns)
     read, write = recorders[0].result(end_ns), recorders[1].result(end_ns)
     device: dict[str, Any] = {}
     timeseries: dict[str, list] = {}

@@ -3,9 +3,12 @@
 A job file is an INI file as fio reads it: a ``[global]`` section whose keys
 every following ``[job]`` section inherits, then one section per job. Every
 key of the schema (:data:`SCHEMA`) also works as a command-line flag
-``--key=value``; flags override the file's values in every job. With no job
-file the flags define a single job, named after ``rw`` unless ``--name`` is
-given, on top of the embedded defaults (which need no device and no GPU).
+``--key=value``. On the command line, as in fio, each ``--name=`` starts a job
+that takes the flags after it and inherits those before the first ``--name=``;
+those global flags also override the job files' values in every job. Without
+``--name=`` and job files the flags define a single job, named after ``rw``, on
+top of the embedded defaults (which need no device and no GPU). Jobs run at
+once unless ``stonewall`` (:func:`parse_jobs`).
 
 Sizes take ``k``/``m``/``g``/``t`` suffixes with base 1024 and times take
 ``ns``/``us``/``ms``/``s``/``m``/``h`` suffixes, as in fio
@@ -148,7 +151,8 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
     _spec("ioengine", "choice", "posix", _IOENGINE_HELP, tuple(IOENGINES)),
     _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
-    _spec("directory", "str", "", "Directory for the job's files (empty: a temporary directory)."),
+    _spec("directory", "str", "", "Directory for the job's files (empty: a private temporary directory of its own, "
+          "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike)."),
     _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
     _spec("unlink", "bool", True,
           "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
