@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"config": {"size": args.size, "runtime_s": args.runtime, "pairs": args.pairs, "dir": args.dir,
                           "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
                           "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                          "command_example": {t: " ".join((["fio"] if t == "fio" else ["tierstore", "bench"])
+                          "command_example": {t: " ".join((["fio"] if t == "fio" else
+                                                           ["tierstore", "bench", "--eta=never"])
                                                           + job_args("randread", "io_uring", args.size, args.runtime,
                                                                      path, "OUT.json"))
                                               for t in ("fio", "tierstore")}},

@@ -22,8 +22,8 @@ from .fiostat import FIO_PERCENTILES, lat_buckets, lat_summary, num2str
 from .jobfile import JobSpec, format_value
 from .result import DirectionResult, JobResult
 
-__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "TERSE_VERSION", "DEVICE_TERMS", "parse_output_formats", "job_to_json", "render_json",
-           "render_normal", "render_terse", "to_jsonable"]
+__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "TERSE_VERSION", "DEVICE_TERMS", "parse_output_formats", "job_to_json",
+           "render_json", "render_normal", "render_terse", "to_jsonable"]
 
 def _package_version() -> str:
     """The installed distribution's version (package metadata), else the source tree's ``__version__``."""
