@@ -3,7 +3,7 @@
 ``tierstore bench [JOBFILE ...] [--key=value ...]``  fio-style benchmark (see ``tierstore bench --help``).
 ``tierstore serve --config FILE``                    the storage daemon.
 ``tierstore fdp discover|stats DEVICE``              an FDP namespace: configuration, PIDs per class, WAF.
-``tierstore version``                               print the version.
+``tierstore version``, ``tierstore --version``       print the version (from the package metadata).
 """
 from __future__ import annotations
 
@@ -38,12 +38,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "fdp":
         from .fdp.admin import main as fdp_main
         return fdp_main(rest)
-    if cmd == "version":
-        from . import __version__
-        print(__version__)
+    if cmd in ("version", "--version", "-V"):
+        print(f"tierstore {_version()}")
         return 0
-    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, fdp, version", file=sys.stderr)
+    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, fdp, version (or --version)",
+          file=sys.stderr)
     return 2
+
+
+def _version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's ``__version__``."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("tierstore")
+    except importlib.metadata.PackageNotFoundError:   # a source tree that is not installed
+        from . import __version__
+        return __version__
 
 
 def _entry() -> int:

@@ -55,7 +55,7 @@ def test_shipped_kv_job_files_put_the_nvme_tier_on_disk(name):
     cfg = _mode([], [path])
     assert cfg.device == "file" and cfg.engine == "posix" and cfg.path == "/tmp/x.0.0"
     (job,) = parse_jobs([], [path])
-    assert job.options["directory"] == "/tmp"
+    assert job.options["directory"] == ""  # a private temporary directory: runs at once never meet (issue 22)
     if name == "kvload":  # a load test loads what it matched (a bandwidth test), see the file's comment
         assert job.options["load_blocks"] == "matched"
 

@@ -75,8 +75,10 @@ def test_kvload_ramp_and_runtime_follow_fio(tmp_path):
     kv, read = job["kv"], job["read"]
     assert 1.4 <= read["runtime"] / 1000 <= 2.5  # ms, fio's unit: the runtime, not ramp + runtime
     assert kv["requests"] > 0 and kv["wrong_kv_blocks"] == 0
-    # one request = one read I/O of bs bytes (hits are full); ramp requests are in neither
-    assert abs(kv["requests"] - read["total_ios"]) <= 1
+    # one request = one load call of bs bytes = 1 block here (hits are full); ramp requests are in neither;
+    # an I/O is one KV block (issue 22)
+    assert abs(kv["requests"] - read["clat_ns"]["N"]) <= 1
+    assert read["total_ios"] == read["clat_ns"]["N"] * kv["blocks_per_request"]
 
 
 def test_a_run_that_ends_within_the_ramp_counts_nothing(tmp_path):

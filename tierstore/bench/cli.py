@@ -5,12 +5,21 @@ Usage::
     tierstore bench [options] [--key=value ...] [jobfile ...]
 
 Job files are fio INI files (:mod:`tierstore.bench.jobfile`); every schema key
-is also a ``--key=value`` flag, overriding the files. Without a job file the
-flags define one job. Options of the command itself:
+is also a ``--key=value`` flag. As in fio, each ``--name=`` on the command line
+starts a job that inherits the flags given before the first ``--name=`` (which
+also override the job files' values); command-line jobs come before the files'
+jobs. Without ``--name=`` or a job file the flags define one job.
+
+Jobs run at once, each in its own thread (fio starts every job of a run
+together); a job with ``stonewall`` starts when every job before it has finished.
+``stonewall`` and ``new_group`` start a new reporting group (``Run status group
+N``); ``group_reporting`` reports a group's jobs as one entry. Options of the
+command itself:
 
 ``--parse-only``        validate the jobs and exit 0
 ``--showcmd``           print each job's equivalent command line and exit
-``--output-format=F``   ``normal``, ``json`` or ``json+`` (comma-combined)
+``--output-format=F``   ``normal``, ``json``, ``json+`` or ``terse`` (comma-combined; terse is fio's
+                        version 3, one line per job; ``--minimal`` is ``--output-format=terse``)
 ``--output=FILE``       write the report to FILE instead of stdout
 ``--plot=DIR``          write PNG charts to DIR
 ``--eta=WHEN``          ``auto`` (a bar on a terminal; status lines on stderr when
@@ -18,7 +27,7 @@ flags define one job. Options of the command itself:
 ``--eta-newline=T``     seconds between status lines (default 10)
 ``--status-interval=T`` a status line every T seconds, terminal or not
 ``--cmdhelp[=KEY]``     describe one key (or all)
-``--version``           print the version
+``--version``           print the version (``tierstore-X.Y.Z``, as fio prints ``fio-3.33``)
 
 Ctrl-C (SIGINT) or SIGTERM stops the running job: its worker threads stop, the
 statistics gathered so far are printed, files the job created are removed
@@ -43,19 +52,19 @@ from typing import Iterator, Sequence
 from ..errors import ConfigError, TierStoreError
 from ..extras import require
 from . import output as out_mod
-from .jobfile import parse_jobs, schema_help, showcmd
+from .jobfile import JobSpec, parse_jobs, schema_help, showcmd
 from .plot import plot_results
 from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
                        reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal, warn)
-from .result import JobResult
+from .result import JobResult, merge_results
 from ..units import parse_time_s
 
-__all__ = ["main"]
+__all__ = ["main", "group_reports"]
 
 PROG = "tierstore bench"
 _VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp", "eta", "eta-newline", "eta_newline",
-                "status-interval", "status_interval"}
-_BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version"}
+                "status-interval", "status_interval", "terse-version", "terse_version"}
+_BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version", "minimal"}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], list[str]]:
@@ -180,7 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BrokenPipeError:   # `--cmdhelp | head`: the reader left; not an error
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        formats = out_mod.parse_output_formats(str(own.get("output-format", "normal")))
+        formats = out_mod.parse_output_formats("terse" if own.get("minimal") and "output-format" not in own
+                                               else str(own.get("output-format", "normal")))
+        if "terse-version" in own and str(own["terse-version"]).strip() != str(out_mod.TERSE_VERSION):
+            raise ConfigError(f"terse-version={own['terse-version']!r}: only {out_mod.TERSE_VERSION} is written "
+                              "(fio's default)")
         status = _status_options(own)
         specs = parse_jobs(key_flags, files)
         if own.get("showcmd"):
@@ -195,27 +208,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
 
-    results: list[JobResult] = []
+    results: list[JobResult | None] = [None] * len(specs)
     reset_stop()
     set_status_options(status)
     # fio prints its informational lines ("Laying out IO file") with the normal report
     set_info_sink(sys.stdout if formats == ["normal"] and not own.get("output") else sys.stderr)
     try:
         with _stop_on_signals(), _library_warnings():
-            for spec, runner in zip(specs, runners):
+            for batch in _batches(specs):
                 if stop_requested():
                     break
-                rc = _run_one(spec, runner, results)
+                rc = _run_batch(batch, [runners[i] for i in batch], [specs[i] for i in batch], results)
                 if rc:
                     return rc
     finally:
         set_info_sink(None)
-    for r in results:
+    ran = [(r, spec) for r, spec in zip(results, specs) if r is not None]
+    for r, _ in ran:
         if r.error:
             _report_error(r)
-    if not results and stop_signal():
+    if not ran and stop_signal():
         return 128 + stop_signal()
-    report = out_mod.render(results, specs, formats)
+    merged, merged_specs = group_reports([r for r, _ in ran], [spec for _, spec in ran])
+    report = out_mod.render(merged, merged_specs, formats)
     if own.get("output"):
         try:
             with open(str(own["output"]), "w", encoding="utf-8") as fh:
@@ -234,13 +249,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     sig = stop_signal()
     if sig:
         return 128 + sig
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for r, _ in ran) else 0
 
 
-def _run_one(spec, runner, results: list[JobResult]) -> int:
-    """Run one job into ``results``; returns 0, or 1 after printing why it could not run."""
+def _batches(specs: Sequence[JobSpec]) -> list[list[int]]:
+    """Indices of the jobs that start together: a new batch at each job that waits for the ones before it
+    (``stonewall``), as fio's ``run_threads`` starts every job up to the next stonewall at once."""
+    batches: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if not batches or spec.waits_for_previous:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+def _run_batch(batch: list[int], runners: list, specs: list[JobSpec], results: list[JobResult | None]) -> int:
+    """Run the jobs of one batch at once (one job: in this thread); returns 0 or 1 (a job could not run).
+
+    Each job runs in its own thread; a stop request (the first Ctrl-C) reaches every runner, which stops
+    and reports. The rich bar is drawn only for a batch of one (several live bars cannot share a terminal);
+    status lines are printed per job.
+    """
+    if len(batch) == 1:
+        return _run_one(specs[0], runners[0], results, batch[0], bar=True)
+    codes = [0] * len(batch)
+
+    def work(k: int) -> None:
+        codes[k] = _run_one(specs[k], runners[k], results, batch[k], bar=False)
+    threads = [threading.Thread(target=work, args=(k,), name=f"job-{specs[k].name}") for k in range(len(batch))]
+    for t in threads:
+        t.start()
     try:
-        with job_progress(spec.name):
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+    except KeyboardInterrupt:  # a second signal: the runners were asked to stop by the first; let them clean up
+        request_stop(signal.SIGINT)
+        for t in threads:
+            t.join()
+        raise
+    return max(codes)
+
+
+def group_reports(results: Sequence[JobResult], specs: Sequence[JobSpec]) -> tuple[list[JobResult], list[JobSpec]]:
+    """fio's ``group_reporting``: a job that sets it and shares the previous job's reporting group is
+    reported in the same entry (fio's ``__show_run_stats``); the others stay entries of their own.
+
+    Parameters
+    ----------
+    results : sequence of JobResult
+        What ran, in job order.
+    specs : sequence of JobSpec
+        Their parsed jobs.
+
+    Returns
+    -------
+    (list of JobResult, list of JobSpec)
+        One entry per report unit, with the spec whose ``job options`` fio shows (the last member's).
+    """
+    units: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if units and spec.options.get("group_reporting") and specs[units[-1][-1]].groupid == spec.groupid:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    out_results = [merge_results([results[i] for i in unit]) if len(unit) > 1 else results[unit[0]]
+                   for unit in units]
+    return out_results, [specs[unit[-1]] for unit in units]
+
+
+def _run_one(spec, runner, results: list[JobResult | None], index: int, bar: bool = True) -> int:
+    """Run one job into ``results[index]``; returns 0, or 1 after printing why it could not run."""
+    try:
+        with job_progress(spec.name, bar_allowed=bar):
             opts = dict(spec.options)
             opts["_explicit"] = frozenset(spec.explicit) | frozenset(spec.global_explicit)
             result = runner(opts)
@@ -263,7 +344,8 @@ def _run_one(spec, runner, results: list[JobResult]) -> int:
             raise
         return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
                       f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
-    results.append(result)
+    result.groupid = spec.groupid
+    results[index] = result
     return 0
 
 

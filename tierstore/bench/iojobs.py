@@ -1,77 +1,104 @@
-"""Plain fio-like I/O jobs: ``rw=read|write|randread|randwrite``.
+"""Plain fio-like I/O jobs: ``rw=read|write|randread|randwrite|randrw|rw``.
 
-Each job runs ``numjobs * iodepth`` threads, each keeping one request in
-flight at a time from its own page-aligned buffer through a
-:mod:`tierstore.io` engine (``open_engine(ioengine, ...)``; O_DIRECT), i.e.
-``engine.write(offset, buf, placement).get()``. That keeps ``iodepth``
-requests in flight per clone. ``ioengine=memory`` needs no file and no
-device. ``direct=0`` uses buffered ``os.preadv``/``os.pwritev`` on the file
-instead (the engines are O_DIRECT only). The ``numjobs`` clones are reported
-as one job (fio's ``group_reporting``).
+How the I/O is issued (``ioengine=``, mapped by :func:`tierstore.bench.jobfile.engine_kind`):
+
+* ``uring`` (and fio's ``io_uring``, ``libaio``; ``auto`` where io_uring works): one thread per
+  clone (``numjobs``) drives its own io_uring (:class:`tierstore.io.ring.Ring`) as fio's io_uring
+  engine does: it fills up to ``iodepth`` read/write SQEs, publishes them with one
+  ``io_uring_enter`` that also waits for at least one completion, reaps every completion posted,
+  and refills. Python runs a few microseconds per I/O and one system call per batch, not a
+  system call and a thread hand-off per I/O.
+* ``posix`` (and fio's ``posixaio``): ``iodepth`` threads per clone, each doing one
+  ``os.preadv``/``os.pwritev`` at a time on the O_DIRECT file (the GIL is released inside the
+  call), which keeps ``iodepth`` I/Os in flight.
+* fio's synchronous ``psync``, ``sync``, ``pvsync``, ``pvsync2``: one such thread per clone;
+  ``iodepth`` does not apply (as in fio), ``IO depths`` reports 1.
+* ``memory``, ``kvikio`` and an NVMe generic device (``/dev/ngXnY``): ``iodepth`` threads per
+  clone, each calling the :mod:`tierstore.io` engine and waiting for its future.
+
+The file is opened through :func:`tierstore.io.open_engine` (O_DIRECT, an exclusive lock, grown
+to ``size``); the loops above use its descriptor. ``direct=0`` uses buffered
+``os.preadv``/``os.pwritev`` on the file instead (posix-family engines only). The ``numjobs``
+clones are reported as one job.
+
+``rw=randrw`` and ``rw=rw`` (fio's ``readwrite``) mix reads and writes: each I/O is a read with
+probability ``rwmixread`` percent (or ``100 - rwmixwrite`` when only that is given), drawn from the
+job's ``seed``; ``randrw`` picks random offsets, ``rw`` walks the file in order. Both directions
+are reported.
 
 Where the bytes go (``device=``, the same three choices as the KV jobs):
 
-* ``file`` (default): the job's file, ``directory``/``filename`` (fio's
-  ``jobname.0.0``; a temporary directory when neither is set), through
-  ``ioengine``. Completed writes are also fed to an FTL model
-  (:class:`tierstore.fdp.ftl.FTLModel`) as an I/O observer, so write jobs
-  report HBMW/MBMW/MBE and WAF over time; that is a *model*, not the device
-  under this file system. The model's logical capacity is ``size /
-  utilization`` (the job's file covers ``utilization`` of the modelled device).
-* ``sim``: the FTL model *is* the device: the data stays in memory (memory
-  engine); ``ioengine``/``directory``/``filename`` are not used (a line says so).
-* ``/dev/ngXnY``: a real FDP namespace (the default ``filename``); placed
-  writes by NVMe passthrough. Not verified on hardware.
+* ``file`` (default): the job's file, ``directory``/``filename`` (fio's ``jobname.0.0``; a
+  temporary directory when neither is set), through ``ioengine``. Completed writes are also fed
+  to an FTL model (:class:`tierstore.fdp.ftl.FTLModel`) -- after the run, in completion order, so the
+  model costs the I/O loops nothing -- and write jobs report HBMW/MBMW/MBE and WAF over time; that is
+  a *model*, not the device under this file system.
+  The model's logical capacity is ``size / utilization`` (the job's file covers ``utilization``
+  of the modelled device).
+* ``sim``: the FTL model *is* the device: the data stays in memory (memory engine);
+  ``ioengine``/``directory``/``filename`` are not used (a line says so).
+* ``/dev/ngXnY``: a real FDP namespace (the default ``filename``); placed writes by NVMe
+  passthrough. Not verified on hardware.
 
-Writes are tagged with a placement ID when ``dataplacement=fdp``: ``plids``
-are indices into the device's RUH Status list, as fio's (``plids=0,1,2`` on a
-namespace whose RUH Status lists 0x0, 0x4000, 0x1 writes those three PIDs), and
-an index beyond the list is refused before anything is written. On the model
-(``device=file``/``sim``) the list is the model's: 8 RUHs in one reclaim group
-(PIDs 0..7). The entries are picked per ``plid_select`` (``roundrobin`` per
-write, ``random``, or ``lifetime``: one per clone).
+Writes are tagged with a placement ID when ``dataplacement=fdp``: ``plids`` are indices into the
+device's RUH Status list, as fio's (``plids=0,1,2`` on a namespace whose RUH Status lists 0x0,
+0x4000, 0x1 writes those three PIDs), and an index beyond the list is refused before anything is
+written. On the model (``device=file``/``sim``) the list is the model's: 8 RUHs in one reclaim
+group (PIDs 0..7). The entries are picked per ``plid_select`` (``roundrobin`` per write,
+``random``, or ``lifetime``: one per clone).
 
-Files: before writing anything the job checks that its file fits the free
-space of its file system (statvfs) and refuses otherwise; a read job lays its
-file out first (fio's ``Laying out IO file`` line). Files the job created are
-removed when it ends, also after Ctrl-C or SIGTERM, unless ``unlink=0``.
+Files: before writing anything the job checks that its file fits the free space of its file
+system (statvfs) and refuses otherwise; a job that reads lays its file out first (fio's
+``Laying out IO file`` line). Files the job created are removed when it ends, also after Ctrl-C
+or SIGTERM, unless ``unlink=0``.
 
-Failures: any failure of a worker (an I/O error, a bug) stops the job; the
-result carries fio's ``error`` (the errno; ``EIO`` when there is none) and the
-statistics up to then, and ``tierstore bench`` exits 1.
+Failures: any failure of a worker (an I/O error, a bug) stops the job; the result carries fio's
+``error`` (the errno; ``EIO`` when there is none) and the statistics up to then, and
+``tierstore bench`` exits 1.
 
-Completion latency of every operation is measured with
-:func:`time.perf_counter_ns` from submission to completion.
+Completion latency is measured with :func:`time.perf_counter_ns`: for the synchronous loops
+around each call; for io_uring from just before the ``io_uring_enter`` that submitted the I/O
+to just after the ``io_uring_enter`` whose wait ended and the reap that found its completion
+(fio's clat spans submission to reap the same way).
 """
 from __future__ import annotations
 
+import array
 import errno
+import mmap
 import os
 import stat
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError, TierStoreError
-from ..io.engine import alloc_aligned
-from .jobfile import resolve_path
+from ..io.engine import alloc_aligned, buffer_address
+from ..io.ring import IORING_OP_READ, IORING_OP_WRITE, IoUringError, Ring
+from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
 from .registry import current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
 
-__all__ = ["run_io_job", "IO_RW"]
+__all__ = ["run_io_job", "IO_RW", "NoSpaceForJob"]
 
 #: The workloads this module runs.
-IO_RW = ("read", "write", "randread", "randwrite")
+IO_RW = ("read", "write", "randread", "randwrite", "randrw", "rw")
 _DIRECT_ALIGN_BYTES = 4096
 _PROGRESS_POLL_S = 0.1
 _DEVICE_SAMPLE_S = 0.25
 _GC_SPARE_RUS = 5
 #: RUHs of the FTL model a plain job writes to (the RUH Status ``plids`` index), as ``device=sim``'s default.
 _MODEL_RUHS = 8
+#: Offsets and directions drawn per call of the random generator (numpy draws in bulk, Python reads lists).
+_DRAW_CHUNK = 4096
+#: I/Os a synchronous thread reserves per visit to the job's shared budget (fewer lock round trips).
+_SYNC_TAKE = 16
+#: Completed writes a synchronous thread hands to the FTL model at once.
+_OBSERVE_BATCH = 64
 
 
 def _free_bytes(path: str) -> int:
@@ -125,35 +152,62 @@ def _layout(name: str, path: str, size_bytes: int) -> None:
 
 
 def _bytes_view(buf: Any) -> memoryview:
-    """A writable byte view of a CPU ``uint8`` tensor (``os.preadv``/``os.pwritev`` take buffers, not tensors)."""
+    """A writable byte view of a CPU ``uint8`` tensor or an ``mmap`` (``os.preadv`` takes buffers, not tensors)."""
     if isinstance(buf, torch.Tensor):
         return memoryview(buf.numpy()).cast("B")
     return memoryview(buf).cast("B")
 
 
-class _BufferedTarget:
-    """``direct=0``: buffered positional I/O on a file (page cache; the :mod:`tierstore.io`
-    engines are O_DIRECT only). ``observer`` (the FTL model) sees every completed write."""
+class _FdTarget:
+    """The job's file as a descriptor the job's own loops drive: ``os.preadv``/``os.pwritev`` from the
+    calling thread (:meth:`read`, :meth:`write`), or the io_uring loop when :attr:`kind` is ``uring``.
 
-    observer: Any = None
+    ``direct=1``: the descriptor of a :mod:`tierstore.io` file engine (O_DIRECT, locked, sized) of
+    ``kind`` (``posix``, ``uring``: io_uring or :class:`~tierstore.io.ring.IoUringUnavailable` saying
+    why not, ``auto``: uring where it works), which stays open and owns the descriptor until
+    :meth:`close`. ``direct=0``: a buffered descriptor of the file (page cache). The job's loops feed
+    completed writes to the FTL model themselves.
+    """
 
-    def __init__(self, path: str) -> None:
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"filename={path!r}: cannot open: {exc.strerror}") from None
+    def __init__(self, path: str, direct: bool, kind: str, size_bytes: int) -> None:
+        self.engine: Any = None
+        if direct:
+            self.engine = _open_engine(kind, path, size_bytes, 1)
+            self.fd = self.engine.fd
+            self.kind = self.engine.kind    # auto: what it chose
+        else:
+            try:
+                self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise ConfigError(f"filename={path!r}: cannot open: {exc.strerror}") from None
+            self.kind = "posix"
 
-    def read(self, buf: Any, offset: int) -> int:
-        return os.preadv(self.fd, [_bytes_view(buf)], offset)
+    @staticmethod
+    def prepare(buf: Any) -> memoryview:
+        return _bytes_view(buf)
 
-    def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        n = os.pwritev(self.fd, [_bytes_view(buf)], offset)
-        if self.observer is not None and n:
-            self.observer.on_write(offset, n, placement)
-        return n
+    def read(self, view: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [view], offset)
+
+    def write(self, view: memoryview, offset: int, placement: int | None) -> int:
+        return os.pwritev(self.fd, [view], offset)
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.engine is not None:
+            self.engine.close()
+        else:
+            os.close(self.fd)
+
+
+def _open_engine(kind: str, path: str | None, size_bytes: int, iodepth: int) -> Any:
+    from ..io import open_engine
+    try:
+        return open_engine(kind, path, size_bytes, iodepth=iodepth)
+    except OSError as exc:
+        if isinstance(exc, TierStoreError):   # e.g. IoUringUnavailable: its message says why
+            raise
+        hint = " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)" if exc.errno == errno.EINVAL else ""
+        raise ConfigError(f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}") from None
 
 
 def _is_nvme_generic(path: str) -> bool:
@@ -180,6 +234,10 @@ class _PassthroughTarget:
         self.engine = PassthroughEngine(ns.char_dev, size_bytes, ns.nsid, ns.lba_bytes, pid_table=self.pid_table,
                                         max_transfer_bytes=ns.max_transfer_bytes)
 
+    @staticmethod
+    def prepare(buf: Any) -> Any:
+        return buf
+
     def read(self, buf: Any, offset: int) -> int:
         return self.engine.read(offset, buf).get()
 
@@ -194,14 +252,11 @@ class _EngineTarget:
     """A :mod:`tierstore.io` engine; each call waits for its own future."""
 
     def __init__(self, kind: str, path: str | None, size_bytes: int, iodepth: int) -> None:
-        from ..io import open_engine
-        try:
-            self.engine = open_engine(kind, path, size_bytes, iodepth=iodepth)
-        except OSError as exc:
-            if isinstance(exc, TierStoreError):   # e.g. IoUringUnavailable: its message says why
-                raise
-            hint = " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)" if exc.errno == errno.EINVAL else ""
-            raise ConfigError(f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}") from None
+        self.engine = _open_engine(kind, path, size_bytes, iodepth)
+
+    @staticmethod
+    def prepare(buf: Any) -> Any:
+        return buf
 
     def read(self, buf: Any, offset: int) -> int:
         return self.engine.read(offset, buf).get()
@@ -214,7 +269,7 @@ class _EngineTarget:
 
 
 class _LockedObserver:
-    """Serialises engine completions (from many threads) into the FTL model."""
+    """Serialises completed writes (from many threads) into the FTL model, one call per batch."""
 
     def __init__(self, ftl: Any) -> None:
         self.ftl = ftl
@@ -227,6 +282,26 @@ class _LockedObserver:
     def on_trim(self, offset_bytes: int, nbytes: int) -> None:
         with self.lock:
             self.ftl.on_trim(offset_bytes, nbytes)
+
+    def on_writes(self, offsets: Sequence[int], nbytes: Sequence[int], placements: Sequence[int | None]) -> None:
+        """Many completed writes: whole-page ones of one placement go to the model as one page array
+        (:meth:`~tierstore.fdp.ftl.FTLModel.write_pages`), the others one by one (same accounting as
+        :meth:`~tierstore.fdp.ftl.FTLModel.write`)."""
+        pb = self.ftl.page_bytes
+        groups: dict[int | None, list[int]] = {}
+        odd: list[tuple[int, int, int | None]] = []
+        for off, n, pid in zip(offsets, nbytes, placements):
+            if n <= 0:
+                continue
+            if off % pb == 0 and n % pb == 0:
+                groups.setdefault(pid, []).extend(range(off // pb, (off + n) // pb))
+            else:
+                odd.append((off, n, pid))
+        with self.lock:
+            for pid, lpns in groups.items():
+                self.ftl.write_pages(np.asarray(lpns, dtype=np.int64), pid)
+            for off, n, pid in odd:
+                self.ftl.on_write(off, n, pid)
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -250,27 +325,44 @@ def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, 
                  "op": op}
 
 
+def _read_share(options: dict[str, Any]) -> float:
+    """Probability that an I/O is a read: 1 or 0 for one-direction jobs, fio's ``rwmixread`` (or
+    ``100 - rwmixwrite`` when only that was given) for ``randrw``/``rw``."""
+    rw = options["rw"]
+    if rw in ("read", "randread"):
+        return 1.0
+    if rw in ("write", "randwrite"):
+        return 0.0
+    explicit = options.get("_explicit", frozenset())
+    if "rwmixwrite" in explicit and "rwmixread" not in explicit:
+        return 1.0 - options["rwmixwrite"] / 100.0
+    return options["rwmixread"] / 100.0
+
+
 def _validate(options: dict[str, Any]) -> None:
     bs, size = options["bs"], options["size"]
+    kind = engine_kind(options["ioengine"])
     if size < bs:
         raise ConfigError(f"size={size}: must be at least bs={bs}")
-    if options["ioengine"] != "memory" and options["direct"] and bs % _DIRECT_ALIGN_BYTES:
+    if kind != "memory" and options["direct"] and bs % _DIRECT_ALIGN_BYTES:
         raise ConfigError(f"bs={bs}: with direct=1 it must be a multiple of {_DIRECT_ALIGN_BYTES}")
-    if options["ioengine"] == "memory" and bs % _DIRECT_ALIGN_BYTES:
+    if kind == "memory" and bs % _DIRECT_ALIGN_BYTES:
         raise ConfigError(f"bs={bs}: ioengine=memory keeps O_DIRECT rules; use a multiple of {_DIRECT_ALIGN_BYTES}")
     if options["time_based"] and not options["runtime"]:
         raise ConfigError("time_based=1: needs runtime > 0")
-    if not options["direct"] and options["ioengine"] != "posix":
-        raise ConfigError(f"direct=0: only ioengine=posix supports buffered I/O, not {options['ioengine']!r}")
+    if not options["direct"] and kind != "posix":
+        raise ConfigError(f"direct=0: buffered I/O runs on the posix-family engines (posix, psync, sync, pvsync, "
+                          f"pvsync2, posixaio), not ioengine={options['ioengine']}")
     if options["dataplacement"] == "fdp" and not options["plids"]:
         raise ConfigError("dataplacement=fdp: needs plids, e.g. plids=0,1,2")
 
 
 def _placement_picker(options: dict[str, Any], plids: list[int]
-                      ) -> Callable[[int, int, np.random.Generator], int | None]:
-    """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``)."""
+                      ) -> Callable[[int, int, np.random.Generator], int] | None:
+    """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``);
+    ``None`` without ``dataplacement=fdp`` (no write is placed)."""
     if options["dataplacement"] != "fdp":
-        return lambda clone, seq, rng: None
+        return None
     select = options["plid_select"]
     if select == "random":
         return lambda clone, seq, rng: plids[int(rng.integers(0, len(plids)))]
@@ -290,7 +382,7 @@ def _resolve_target(options: dict[str, Any]) -> tuple[str, str | None]:
     model is the device), ``device=/dev/ngXnY`` is the default ``filename``."""
     explicit = options.get("_explicit", frozenset())
     mode = _device_mode(options)
-    engine = options["ioengine"]
+    engine = engine_kind(options["ioengine"])
     if mode == "sim":
         ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
                    if k in explicit and options[k] and not (k == "ioengine" and options[k] == "memory")]
@@ -314,14 +406,14 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         Typed job options (:data:`tierstore.bench.jobfile.SCHEMA`). Uses ``rw``,
         ``bs``, ``size``, ``iodepth``, ``numjobs``, ``runtime``, ``time_based``,
         ``ramp_time``, ``ioengine``, ``direct``, ``directory``, ``filename``,
-        ``unlink``, ``dataplacement``, ``plids``, ``plid_select``, ``device``,
-        ``ru_size``, ``op``, ``utilization`` and ``seed``.
+        ``unlink``, ``rwmixread``, ``rwmixwrite``, ``dataplacement``, ``plids``,
+        ``plid_select``, ``device``, ``ru_size``, ``op``, ``utilization`` and ``seed``.
 
     Returns
     -------
     JobResult
-        One direction filled (read or write) with per-op completion latencies;
-        for writes also ``device`` (the FTL model's figures) and ``timeseries``.
+        The read and/or write direction with per-op completion latencies; for
+        writes also ``device`` (the FTL model's figures) and ``timeseries``.
         A failed I/O (or any failure of a worker) ends the job: ``error`` is
         its errno (``EIO`` for a failure that has none) and ``error_message``
         says what failed; the statistics cover the I/Os done until then.
@@ -332,23 +424,25 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         For options this runner cannot honour, or a file it cannot open.
     NoSpaceForJob
         When the job's file would not fit its file system (checked before writing).
+    tierstore.io.ring.IoUringUnavailable
+        ``ioengine=uring`` (or ``io_uring``/``libaio``) where this process cannot use io_uring.
     """
     _validate(options)
-    rw, bs = options["rw"], options["bs"]
-    iodepth, numjobs = options["iodepth"], options["numjobs"]
-    is_write = rw in ("write", "randwrite")
-    is_random = rw.startswith("rand")
+    bs = options["bs"]
+    read_share = _read_share(options)
     span_blocks = options["size"] // bs
     span_bytes = span_blocks * bs
-    engine_kind, path = _resolve_target(options)
-    if not options["direct"] and engine_kind == "memory":
+    engine_kind_, path = _resolve_target(options)
+    if not options["direct"] and engine_kind_ == "memory":
         raise ConfigError("direct=0: buffered I/O needs a file (device=file, ioengine=posix)")
+    sync = options["ioengine"] in SYNC_IOENGINES
+    lanes = 1 if sync else options["iodepth"]
 
     tmpdir = None
     created = False
     target: Any = None
     try:
-        if engine_kind != "memory":
+        if engine_kind_ != "memory":
             if not path:
                 tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
                 path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
@@ -364,15 +458,15 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
             else:
                 _check_space(options, path, span_bytes)
                 created = not os.path.exists(path)
-                if not is_write:
+                if read_share > 0:
                     _layout(options["name"], path, span_bytes)
         if path is not None and _is_nvme_generic(path):
             target = _PassthroughTarget(path, span_bytes, options)
-        elif options["direct"] or engine_kind == "memory":
-            target = _EngineTarget(engine_kind, path, span_bytes, iodepth * numjobs)
+        elif engine_kind_ in ("posix", "uring", "auto") or not options["direct"]:
+            target = _FdTarget(path, options["direct"], engine_kind_, span_bytes)
         else:
-            target = _BufferedTarget(path)
-        return _run(options, target, span_blocks, span_bytes, is_write, is_random, engine_kind, path)
+            target = _EngineTarget(engine_kind_, path, span_bytes, lanes * options["numjobs"])
+        return _run(options, target, span_blocks, span_bytes, read_share, engine_kind_, path, lanes)
     finally:
         if target is not None:
             target.close()
@@ -385,21 +479,333 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
             tmpdir.cleanup()
 
 
-def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, is_write: bool,
-         is_random: bool, engine_kind: str, path: str | None) -> JobResult:
+class _Shared:
+    """What the threads of one job share: the I/O budget, the sequential cursors, the stop flag and
+    the failures. Each thread draws its own offsets and keeps its own log (no lock per I/O)."""
+
+    def __init__(self, options: dict[str, Any], span_blocks: int, limit_ios: int | None,
+                 deadline_ns: int | None) -> None:
+        self.lock = threading.Lock()
+        self.issued_ios = 0
+        self.limit_ios = limit_ios
+        self.span_blocks = span_blocks
+        self.cursors = [0] * options["numjobs"]
+        self.deadline_ns = deadline_ns
+        self.stop = threading.Event()
+        self.errors: list[tuple[BaseException, int, bool]] = []
+        self.finished_ns: list[int] = []
+
+    def take(self, n: int) -> int:
+        """Reserve up to ``n`` I/Os of the job's budget (all of them for a time-based job)."""
+        if self.limit_ios is None:
+            return n
+        with self.lock:
+            n = max(0, min(n, self.limit_ios - self.issued_ios))
+            self.issued_ios += n
+            return n
+
+    def count(self, n: int) -> None:
+        """Count ``n`` I/Os issued by a time-based job (the status line's bandwidth)."""
+        if self.limit_ios is None:
+            with self.lock:
+                self.issued_ios += n
+
+    def sequential(self, clone: int, n: int) -> list[int]:
+        """The next ``n`` block numbers of clone ``clone``'s sequential walk (wrapping at the end)."""
+        with self.lock:
+            first = self.cursors[clone]
+            self.cursors[clone] = (first + n) % self.span_blocks
+        return [(first + i) % self.span_blocks for i in range(n)]
+
+    def fail(self, exc: BaseException, offset: int, is_write: bool) -> None:
+        with self.lock:
+            self.errors.append((exc, offset, is_write))
+        self.stop.set()
+
+
+class _Draw:
+    """Offsets and directions of one thread: random ones drawn in bulk from its own generator
+    (``seed``, clone, lane), sequential ones from its clone's walk."""
+
+    def __init__(self, shared: _Shared, options: dict[str, Any], clone: int, lane: int, read_share: float) -> None:
+        self.shared, self.clone, self.bs = shared, clone, options["bs"]
+        self.rng = np.random.default_rng([options["seed"], clone, lane])
+        self.random = options["rw"].startswith("rand")
+        self.read_share = read_share
+        self._offsets: list[int] = []     # drawn random offsets (bytes), used from _at on
+        self._at = 0
+        self._writes: list[bool] = []
+        self._wat = 0
+        self._reads_only = [False] * _DRAW_CHUNK
+        self._writes_only = [True] * _DRAW_CHUNK
+
+    def next(self, n: int) -> tuple[list[int], list[bool]]:
+        """``n`` offsets in bytes and, for each, whether it is a write (``n`` <= 4096)."""
+        if self.random:
+            if self._at + n > len(self._offsets):
+                self._offsets = (self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs).tolist()
+                self._at = 0
+            offsets = self._offsets[self._at:self._at + n]
+            self._at += n
+        else:
+            bs = self.bs
+            offsets = [b * bs for b in self.shared.sequential(self.clone, n)]
+        if self.read_share >= 1.0:
+            return offsets, self._reads_only[:n]
+        if self.read_share <= 0.0:
+            return offsets, self._writes_only[:n]
+        if self._wat + n > len(self._writes):
+            self._writes = (self.rng.random(_DRAW_CHUNK) >= self.read_share).tolist()
+            self._wat = 0
+        writes = self._writes[self._wat:self._wat + n]
+        self._wat += n
+        return offsets, writes
+
+
+class _Log:
+    """One thread's completions per direction: latency (ns), completion time (ns), bytes moved; for
+    writes also the offset and the PID (-1: none), which the FTL model hears after the run."""
+
+    def __init__(self) -> None:
+        self.lat = (array.array("q"), array.array("q"))    # read, write
+        self.done = (array.array("q"), array.array("q"))
+        self.nbytes = (array.array("q"), array.array("q"))
+        self.write_offset = array.array("q")
+        self.write_pid = array.array("q")
+
+    def into(self, recorders: tuple[DirectionRecorder, DirectionRecorder], full_bytes: int) -> None:
+        for d in (0, 1):
+            if self.lat[d]:
+                recorders[d].record_many(np.frombuffer(self.lat[d], dtype=np.int64),
+                                         np.frombuffer(self.done[d], dtype=np.int64),
+                                         np.frombuffer(self.nbytes[d], dtype=np.int64), full_bytes)
+
+
+def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> dict[str, list]:
+    """Hand every completed write of the job to the FTL model in completion order, after the run (so the
+    model costs the I/O loops nothing), and sample its WAF every 0.25 s of completion time.
+
+    Returns
+    -------
+    dict
+        The time series: ``t_s``, ``waf``, ``hbmw_bytes``, ``mbmw_bytes``.
+    """
+    series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
+    done = np.concatenate([np.frombuffer(log.done[1], dtype=np.int64) for log in logs])
+    if not done.size:
+        return series
+    order = np.argsort(done, kind="stable")
+    done = done[order]
+    offsets = np.concatenate([np.frombuffer(log.write_offset, dtype=np.int64) for log in logs])[order]
+    nbytes = np.concatenate([np.frombuffer(log.nbytes[1], dtype=np.int64) for log in logs])[order]
+    pids = np.concatenate([np.frombuffer(log.write_pid, dtype=np.int64) for log in logs])[order]
+    step_ns = int(_DEVICE_SAMPLE_S * 1e9)
+    next_ns = t0_ns + step_ns
+    for a in range(0, done.size, _OBSERVE_BATCH):
+        b = min(a + _OBSERVE_BATCH, done.size)
+        observer.on_writes(offsets[a:b].tolist(), nbytes[a:b].tolist(),
+                           [None if p < 0 else p for p in pids[a:b].tolist()])
+        if done[b - 1] >= next_ns or b == done.size:
+            st = observer.stats()
+            series["t_s"].append((int(done[b - 1]) - t0_ns) / 1e9)
+            series["waf"].append(st["waf"])
+            series["hbmw_bytes"].append(st["hbmw_bytes"])
+            series["mbmw_bytes"].append(st["mbmw_bytes"])
+            next_ns = int(done[b - 1]) + step_ns
+    return series
+
+
+def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
+               pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
+    """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the engines)."""
+    keep, buf = alloc_aligned(bs)
+    offset, is_write = -1, False
+    handle = None
+    try:
+        if fill_random:
+            buf.copy_(torch.from_numpy(draw.rng.integers(0, 256, size=bs, dtype=np.uint8)))
+        handle = target.prepare(buf)
+        read, write = target.read, target.write
+        clock = time.perf_counter_ns
+        deadline = shared.deadline_ns
+        stop = shared.stop
+        lat_r, lat_w = log.lat
+        done_r, done_w = log.done
+        nb_r, nb_w = log.nbytes
+        off_w, pid_w = log.write_offset, log.write_pid
+        seq = 0
+        while not stop.is_set():
+            n = shared.take(_SYNC_TAKE)
+            if not n:
+                return
+            shared.count(n)
+            offsets, writes = draw.next(n)
+            for offset, is_write in zip(offsets, writes):
+                if is_write:
+                    seq += 1
+                    pid = pick(draw.clone, seq, draw.rng) if pick is not None else None
+                    start = clock()
+                    got = write(handle, offset, pid)
+                    done = clock()
+                    lat_w.append(done - start)
+                    done_w.append(done)
+                    nb_w.append(got)
+                    off_w.append(offset)
+                    pid_w.append(-1 if pid is None else pid)
+                else:
+                    start = clock()
+                    got = read(handle, offset)
+                    done = clock()
+                    lat_r.append(done - start)
+                    done_r.append(done)
+                    nb_r.append(got)
+                if deadline is not None and done >= deadline:
+                    return
+                if stop.is_set():
+                    return
+    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+        shared.fail(exc, offset, is_write)
+    finally:
+        shared.finished_ns.append(time.perf_counter_ns())
+        handle = None
+        del buf
+        keep.close()
+
+
+def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
+                pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
+    """One clone through its own io_uring, keeping ``depth`` I/Os in flight as fio's io_uring engine.
+
+    Each turn queues an I/O in every free slot (one :meth:`~tierstore.io.ring.Ring.prep_rw_batch`),
+    publishes them and waits for a completion with one ``io_uring_enter`` (min_complete 1), then
+    reaps every completion posted (:meth:`~tierstore.io.ring.Ring.reap_results`) and logs it. The
+    Python work is a few list operations per I/O and one system call per turn. (Measured on the
+    development VM: a second ``io_uring_enter`` per turn to publish before logging, or one per I/O
+    as fio does, or numpy records instead of packed SQEs, were each slower; see ``bench/README_io.md``.)
+    """
+    ring = None
+    mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
+    offset, is_write = -1, False
+    inflight = 0
+    try:
+        if fill_random:
+            mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
+        base = buffer_address(memoryview(mem))
+        addrs = [base + i * bs for i in range(depth)]
+        ring = Ring(depth)
+        free = list(range(depth))
+        slot_offset = [0] * depth
+        slot_write = [False] * depth
+        slot_pid = [-1] * depth
+        slot_start = [0] * depth
+        seq = 0
+        clock = time.perf_counter_ns
+        deadline = shared.deadline_ns
+        stop = shared.stop
+        issuing = True
+        prep, submit, reap = ring.prep_rw_batch, ring.submit, ring.reap_results
+        op_read, op_write = IORING_OP_READ, IORING_OP_WRITE
+        reads_only, writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
+        lat_r, lat_w = log.lat
+        done_r, done_w = log.done
+        nb_r, nb_w = log.nbytes
+        off_w, pid_w = log.write_offset, log.write_pid
+        placed = pick is not None
+        while True:
+            if issuing and free:
+                if stop.is_set() or (deadline is not None and clock() >= deadline):
+                    issuing = False
+                else:
+                    n = shared.take(min(len(free), _DRAW_CHUNK))
+                    if n:
+                        shared.count(n)
+                        offsets, writes = draw.next(n)
+                        slots = free[-n:]
+                        del free[-n:]
+                        start = clock()
+                        if reads_only:   # the common case: one store per I/O
+                            for slot in slots:
+                                slot_start[slot] = start
+                            opcodes = op_read
+                        else:
+                            for slot, offset, is_write in zip(slots, offsets, writes):
+                                slot_offset[slot] = offset
+                                slot_write[slot] = is_write
+                                slot_start[slot] = start
+                                if placed and is_write:
+                                    seq += 1
+                                    slot_pid[slot] = pick(draw.clone, seq, draw.rng)
+                            opcodes = op_write if writes_only else [op_write if w else op_read for w in writes]
+                        prep(opcodes, fd, [addrs[slot] for slot in slots], bs, offsets, slots)
+                        inflight += n
+                    else:
+                        issuing = False
+            if not inflight:
+                return
+            submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
+            cqes = reap()
+            done = clock()
+            inflight -= len(cqes)
+            if reads_only:
+                for slot, res, _ in cqes:
+                    free.append(slot)
+                    if res < 0:
+                        offset, is_write = -1, False
+                        raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
+                    lat_r.append(done - slot_start[slot])
+                    done_r.append(done)
+                    nb_r.append(res)
+                continue
+            for slot, res, _ in cqes:
+                free.append(slot)
+                if res < 0:
+                    offset, is_write = slot_offset[slot], slot_write[slot]
+                    raise OSError(-res, f"io_uring {'write' if is_write else 'read'}: {os.strerror(-res)}")
+                if slot_write[slot]:
+                    lat_w.append(done - slot_start[slot])
+                    done_w.append(done)
+                    nb_w.append(res)
+                    off_w.append(slot_offset[slot])
+                    pid_w.append(slot_pid[slot])
+                else:
+                    lat_r.append(done - slot_start[slot])
+                    done_r.append(done)
+                    nb_r.append(res)
+    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+        shared.fail(exc, offset, is_write)
+        if ring is not None:  # the kernel must be done with the buffers before they are unmapped
+            _drain(ring, inflight)
+    finally:
+        shared.finished_ns.append(time.perf_counter_ns())
+        if ring is not None:
+            ring.close()
+        mem.close()
+
+
+def _drain(ring: Ring, inflight: int) -> None:
+    """Wait for the I/Os still in flight after a failure (their completions are not counted)."""
+    try:
+        while inflight > 0:
+            ring.submit(1)
+            inflight -= len(ring.reap_results())
+    except IoUringError:  # the ring itself failed: closing it cancels what is left
+        return
+
+
+def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, read_share: float,
+         engine_kind_: str, path: str | None, lanes: int) -> JobResult:
     bs = options["bs"]
     iodepth, numjobs = options["iodepth"], options["numjobs"]
+    writes_any = read_share < 1.0
     observer = None
     device_geometry: dict[str, Any] = {}
-    if is_write and _device_mode(options) in ("file", "sim"):
+    if writes_any and _device_mode(options) in ("file", "sim"):
         ftl, device_geometry = _make_ftl(options, span_bytes)
         observer = _LockedObserver(ftl)
         if isinstance(target, _EngineTarget):
-            target.engine.add_observer(observer)
-        elif isinstance(target, _BufferedTarget):
-            target.observer = observer
+            target.engine.add_observer(observer)   # the engine reports its writes itself
     pids: list[int] = []
-    if is_write and options["dataplacement"] == "fdp":
+    if writes_any and options["dataplacement"] == "fdp":
         if isinstance(target, _PassthroughTarget):
             pids = target.pids
         elif observer is not None:   # the model's RUH Status, through the same PID table as a device's
@@ -409,76 +815,40 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
             raise ConfigError(f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
                               "writes need /dev/ngXnY (the posix and uring engines cannot place writes)")
     pick_placement = _placement_picker(options, pids)
+    self_observed = isinstance(target, _EngineTarget)
+    ring_fd = target.fd if isinstance(target, _FdTarget) and target.kind == "uring" else None
 
     ramp_ns = int(options["ramp_time"] * 1e9)
     runtime_ns = int(options["runtime"] * 1e9)
-    limit_bytes = None if options["time_based"] else span_bytes * numjobs
+    limit_ios = None if options["time_based"] else span_blocks * numjobs
     cpu = CpuUsage()
     t0_ns = time.perf_counter_ns()
-    recorder = DirectionRecorder(start_ns=t0_ns + ramp_ns)
+    recorders = (DirectionRecorder(start_ns=t0_ns + ramp_ns), DirectionRecorder(start_ns=t0_ns + ramp_ns))
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
-    lock = threading.Lock()
-    state = {"issued_bytes": 0, "seq": 0, "cursors": [0] * numjobs}
-    errors: list[tuple[BaseException, int]] = []
-    finished_ns: list[int] = []
-    stop = threading.Event()
-
-    def next_offset(clone: int, rng: np.random.Generator) -> tuple[int, int] | None:
-        with lock:
-            if limit_bytes is not None and state["issued_bytes"] >= limit_bytes:
-                return None
-            state["issued_bytes"] += bs
-            state["seq"] += 1
-            if is_random:
-                return int(rng.integers(0, span_blocks)) * bs, state["seq"]
-            block = state["cursors"][clone]
-            state["cursors"][clone] = (block + 1) % span_blocks
-            return block * bs, state["seq"]
-
-    def worker(clone: int, lane: int) -> None:
-        rng = np.random.default_rng([options["seed"], clone, lane])
-        keep, buf = alloc_aligned(bs)
-        offset = -1
-        if is_write:
-            buf.copy_(torch.from_numpy(rng.integers(0, 256, size=bs, dtype=np.uint8)))
-        try:
-            while not stop.is_set():
-                nxt = next_offset(clone, rng)
-                if nxt is None:
-                    return
-                offset, seq = nxt
-                if is_write:
-                    placement = pick_placement(clone, seq, rng)
-                    start = time.perf_counter_ns()
-                    n = target.write(buf, offset, placement)
-                else:
-                    start = time.perf_counter_ns()
-                    n = target.read(buf, offset)
-                done = time.perf_counter_ns()
-                recorder.record(n, done - start, done, short=n < bs)
-                if deadline_ns is not None and done >= deadline_ns:
-                    return
-        except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
-            with lock:
-                errors.append((exc, offset))
-            stop.set()
-        finally:
-            finished_ns.append(time.perf_counter_ns())
-            del buf
-            keep.close()
-
-    threads = [threading.Thread(target=worker, args=(c, d), name=f"{options['name']}-{c}.{d}", daemon=True)
-               for c in range(numjobs) for d in range(iodepth)]
+    shared = _Shared(options, span_blocks, limit_ios, deadline_ns)
+    logs: list[_Log] = []
+    threads = []
+    for clone in range(numjobs):
+        for lane in range(1 if ring_fd is not None else lanes):
+            log = _Log()
+            logs.append(log)
+            draw = _Draw(shared, options, clone, lane, read_share)
+            if ring_fd is not None:
+                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick_placement, writes_any)
+            else:
+                fn, args = _sync_lane, (shared, target, draw, log, bs, pick_placement, writes_any)
+            threads.append(threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}",
+                                            daemon=True))
     progress = current_progress()
-    progress.io_dir = "w" if is_write else "r"
+    progress.io_dir = "r" if read_share >= 1.0 else "w"
     if deadline_ns is not None:
         progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
     else:
-        progress.start(total=float(limit_bytes), unit="B")
+        progress.start(total=float(limit_ios * bs), unit="B")
     series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
 
     def sample_device() -> None:
-        if observer is None:
+        if observer is None or not self_observed:   # a file's writes reach the model after the run
             return
         st = observer.stats()
         if st["hbmw_bytes"]:
@@ -495,29 +865,32 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
             while t.is_alive():
                 t.join(_PROGRESS_POLL_S)
                 if stop_requested():  # Ctrl-C / SIGTERM: end the run, report what was done
-                    stop.set()
-                progress.io_bytes = state["issued_bytes"]
+                    shared.stop.set()
+                progress.io_bytes = shared.issued_ios * bs
                 if deadline_ns is not None:
                     progress.update((time.perf_counter_ns() - t0_ns) / 1e9)
                 else:
-                    progress.update(float(state["issued_bytes"]))
+                    progress.update(float(shared.issued_ios * bs))
                 if time.perf_counter_ns() >= next_sample_ns:
                     sample_device()
                     next_sample_ns += int(_DEVICE_SAMPLE_S * 1e9)
     finally:
-        stop.set()
+        shared.stop.set()
         for t in threads:
             t.join()
-        end_ns = max(finished_ns) if finished_ns else time.perf_counter_ns()
+        end_ns = max(shared.finished_ns) if shared.finished_ns else time.perf_counter_ns()
         usage = cpu.stop()
         sample_device()
-    measured = recorder.result(end_ns)
-    empty = DirectionResult()
+    for log in logs:
+        log.into(recorders, bs)
+    if observer is not None and not self_observed:
+        series = _feed_model(observer, logs, t0_ns)
+    read, write = recorders[0].result(end_ns), recorders[1].result(end_ns)
     device: dict[str, Any] = {}
     timeseries: dict[str, list] = {}
     if observer is not None:
         st = observer.stats()
-        where = "memory engine" if engine_kind == "memory" else f"{engine_kind} on {path}"
+        where = "memory engine" if engine_kind_ == "memory" else f"{getattr(target, 'kind', engine_kind_)} on {path}"
         what = ("sim (FTL model as the device)" if _device_mode(options) == "sim" else
                 f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
                 "system's device)")
@@ -528,17 +901,20 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
                   "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
         timeseries = series
     error, message = 0, ""
-    if errors:
-        exc, offset = errors[0]
+    if shared.errors:
+        exc, offset, is_write = shared.errors[0]
         error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
         what = "write" if is_write else "read"
         message = (f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
-                   f"{'' if len(errors) == 1 else f'; {len(errors)} workers failed'})")
-    return JobResult(jobname=options["name"], options=options,
-                     read=empty if is_write else measured, write=measured if is_write else empty,
+                   f"{'' if len(shared.errors) == 1 else f'; {len(shared.errors)} workers failed'})")
+    depth_level = None
+    if lanes == 1 and ring_fd is None:   # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
+        depth_level = {k: (100.0 if k == "1" else 0.0) for k in ("1", "2", "4", "8", "16", "32", ">=64")}
+    return JobResult(jobname=options["name"], options=options, read=read, write=write,
                      device=device, timeseries=timeseries, error=error, error_message=message,
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
-                     ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]))
+                     ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]),
+                     iodepth_level=depth_level)
 
 
 class NoSpaceForJob(TierStoreError):

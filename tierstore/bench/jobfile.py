@@ -3,9 +3,12 @@
 A job file is an INI file as fio reads it: a ``[global]`` section whose keys
 every following ``[job]`` section inherits, then one section per job. Every
 key of the schema (:data:`SCHEMA`) also works as a command-line flag
-``--key=value``; flags override the file's values in every job. With no job
-file the flags define a single job, named after ``rw`` unless ``--name`` is
-given, on top of the embedded defaults (which need no device and no GPU).
+``--key=value``. On the command line, as in fio, each ``--name=`` starts a job
+that takes the flags after it and inherits those before the first ``--name=``;
+those global flags also override the job files' values in every job. Without
+``--name=`` and job files the flags define a single job, named after ``rw``, on
+top of the embedded defaults (which need no device and no GPU). Jobs run at
+once unless ``stonewall`` (:func:`parse_jobs`).
 
 Sizes take ``k``/``m``/``g``/``t`` suffixes with base 1024 and times take
 ``ns``/``us``/``ms``/``s``/``m``/``h`` suffixes, as in fio
@@ -29,8 +32,9 @@ from ..errors import ConfigError
 from ..units import parse_size, parse_time_s
 
 __all__ = [
-    "OptionSpec", "SCHEMA", "ALIASES", "JobSpec", "parse_value", "parse_jobs",
-    "read_job_file", "showcmd", "format_value", "schema_help",
+    "OptionSpec", "SCHEMA", "ALIASES", "VALUE_ALIASES", "JobSpec", "parse_value", "parse_jobs",
+    "read_job_file", "showcmd", "format_value", "schema_help", "flag_pairs", "parse_flag_list",
+    "IOENGINES", "SYNC_IOENGINES", "KV_RW", "engine_kind",
 ]
 
 _TRUE = {"1", "true", "yes", "on", ""}
@@ -58,6 +62,8 @@ class OptionSpec:
         Accepted values of a ``choice`` key.
     minimum : float, optional
         Smallest accepted value of a numeric key.
+    maximum : float, optional
+        Largest accepted value of a numeric key.
     """
 
     name: str
@@ -66,16 +72,64 @@ class OptionSpec:
     help: str
     choices: tuple[str, ...] | None = None
     minimum: float | None = None
+    maximum: float | None = None
 
 
 def _spec(name: str, kind: str, default: Any, help: str, choices: Sequence[str] | None = None,
-          minimum: float | None = None) -> OptionSpec:
-    return OptionSpec(name, kind, default, help, tuple(choices) if choices else None, minimum)
+          minimum: float | None = None, maximum: float | None = None) -> OptionSpec:
+    return OptionSpec(name, kind, default, help, tuple(choices) if choices else None, minimum, maximum)
 
 
 #: Workloads: the KV ones are run by the tier manager's runners, the plain ones by
 #: :mod:`tierstore.bench.iojobs`.
-RW_CHOICES = ("kvtrace", "kvstore", "kvload", "kvmixed", "read", "write", "randread", "randwrite")
+RW_CHOICES = ("kvtrace", "kvstore", "kvload", "kvmixed", "read", "write", "randread", "randwrite", "randrw", "rw")
+#: The KV workloads (their I/O is a KV block; they report ``kv`` and ``device`` sections).
+KV_RW = ("kvtrace", "kvstore", "kvload", "kvmixed")
+
+#: ``ioengine=`` values and the tierstore engine each one runs on (:func:`engine_kind`). tierstore's own
+#: names map to themselves; fio's names to the engine that does what fio's does.
+IOENGINES: dict[str, str] = {
+    "posix": "posix", "uring": "uring", "auto": "auto", "kvikio": "kvikio", "memory": "memory",
+    "io_uring": "uring", "libaio": "uring", "posixaio": "posix",
+    "psync": "posix", "sync": "posix", "pvsync": "posix", "pvsync2": "posix",
+}
+#: fio's synchronous engines: one I/O at a time per job clone, whatever ``iodepth`` says (fio: "increasing
+#: iodepth beyond 1 will not affect synchronous ioengines").
+SYNC_IOENGINES = ("psync", "sync", "pvsync", "pvsync2")
+
+_IOENGINE_HELP = (
+    "I/O engine. tierstore's: posix (O_DIRECT preadv/pwritev from iodepth threads per clone), uring "
+    "(io_uring: up to iodepth reads/writes queued per io_uring_enter, completions reaped in batches), auto (uring "
+    "where this process can use io_uring, else posix with a warning), memory (no file), kvikio (GPUDirect "
+    "Storage). fio's names map to them: io_uring -> uring; libaio -> uring (the kernel's other asynchronous "
+    "interface; io_uring does the same job: iodepth I/Os in flight from one thread); posixaio -> posix (glibc's "
+    "POSIX AIO is a pool of threads doing pread/pwrite, as posix is); psync, sync, pvsync, pvsync2 -> one "
+    "synchronous preadv/pwritev at a time per clone on the O_DIRECT file (fio's synchronous engines ignore "
+    "iodepth; numjobs gives parallelism). KV jobs put their NVMe tier through posix or uring the same way.")
+
+
+def engine_kind(ioengine: str) -> str:
+    """The tierstore engine of an ``ioengine=`` value (:data:`IOENGINES`).
+
+    Parameters
+    ----------
+    ioengine : str
+        A value of :data:`IOENGINES`, e.g. ``"io_uring"`` or ``"posix"``.
+
+    Returns
+    -------
+    str
+        One of ``posix``, ``uring``, ``auto``, ``kvikio``, ``memory``.
+
+    Raises
+    ------
+    ConfigError
+        For a value that is not in :data:`IOENGINES`.
+    """
+    try:
+        return IOENGINES[ioengine]
+    except KeyError:
+        raise ConfigError(f"ioengine={ioengine!r}: accepted values are {list(IOENGINES)}") from None
 
 #: The schema: every known key with its type, default, accepted values and help.
 SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
@@ -95,10 +149,10 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."),
     _spec("time_based", "bool", False, "Keep running for runtime even when size is done."),
     _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
-    _spec("ioengine", "choice", "posix", "I/O engine (auto: uring where this process can use io_uring, "
-          "else posix with a warning).", ("posix", "uring", "auto", "kvikio", "memory")),
+    _spec("ioengine", "choice", "posix", _IOENGINE_HELP, tuple(IOENGINES)),
     _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
-    _spec("directory", "str", "", "Directory for the job's files (empty: a temporary directory)."),
+    _spec("directory", "str", "", "Directory for the job's files (empty: a private temporary directory of its own, "
+          "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike)."),
     _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
     _spec("unlink", "bool", True,
           "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
@@ -133,10 +187,25 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "rw=kvload/kvmixed: useful = load the prefix the cost model says beats recompute (what an engine "
           "does); matched = load every matched block (a bandwidth test).", ("useful", "matched")),
     _spec("seed", "int", 0, "Seed of every random choice (fio's randseed)."),
+    _spec("rwmixread", "int", 50, "rw=randrw|rw: percentage of I/Os that are reads (fio's rwmixread).", minimum=0,
+          maximum=100),
+    _spec("rwmixwrite", "int", 50, "rw=randrw|rw: percentage of I/Os that are writes (fio's rwmixwrite; "
+          "rwmixread wins when both are given).", minimum=0, maximum=100),
+    _spec("stonewall", "bool", False, "Start this job only when every job before it has finished, and start a new "
+          "reporting group (fio's stonewall, alias wait_for_previous). Without it, jobs run at once."),
+    _spec("new_group", "bool", False, "Start a new reporting group with this job (it still runs at once with the "
+          "jobs before it unless stonewall)."),
+    _spec("group_reporting", "bool", False, "Report this job together with the job before it when both are in "
+          "one reporting group (fio's rule; set in [global] or before the first --name, a whole group is one "
+          "entry). numjobs clones are always reported as one entry. KV jobs are not merged (their kv and device "
+          "sections are per store): a group that would merge one is refused."),
 ]}
 
 #: fio spellings accepted as aliases of schema keys.
-ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "name"}
+ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "name",
+                           "wait_for_previous": "stonewall"}
+#: fio spellings accepted as aliases of a key's values.
+VALUE_ALIASES: dict[str, dict[str, str]] = {"rw": {"readwrite": "rw"}}
 
 
 
@@ -242,6 +311,7 @@ def parse_value(key: str, raw: Any) -> Any:
         value: Any = raw.strip()
     elif kind == "choice":
         value = raw.strip().lower()
+        value = VALUE_ALIASES.get(key, {}).get(value, value)
         if value not in spec.choices:
             raise _bad(key, raw, f"accepted values are {list(spec.choices)}")
     elif kind == "int":
@@ -266,6 +336,8 @@ def parse_value(key: str, raw: Any) -> Any:
         raise ConfigError(f"{key}: schema kind {kind!r} is not supported")
     if spec.minimum is not None and value < spec.minimum:
         raise _bad(key, raw, f"must be >= {spec.minimum:g}")
+    if spec.maximum is not None and value > spec.maximum:
+        raise _bad(key, raw, f"must be <= {spec.maximum:g}")
     return value
 
 
@@ -319,12 +391,20 @@ class JobSpec:
         written (strings). fio's JSON ``job options`` shows these.
     global_explicit : dict
         The keys set by ``[global]`` (and command-line flags), as written.
+    groupid : int
+        fio's reporting group: 0 for the first job, one more at each job with
+        ``stonewall`` or ``new_group`` after the first (fio's ``add_job``).
+    waits_for_previous : bool
+        ``stonewall`` on a job after the first: it starts only when every job
+        before it has finished. Jobs between two such jobs run at once.
     """
 
     name: str
     options: dict[str, Any]
     explicit: dict[str, str]
     global_explicit: dict[str, str]
+    groupid: int = 0
+    waits_for_previous: bool = False
 
 
 def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
@@ -387,30 +467,49 @@ def _finish(name_hint: str, merged: dict[str, str], explicit: dict[str, str],
 
 
 def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequence[str] = ()) -> list[JobSpec]:
-    """Build the jobs from job files and ``--key=value`` flags.
+    """Build the jobs from job files and ``--key=value`` flags, as fio does.
+
+    Command-line jobs: each ``--name=`` flag starts a new job, which takes the
+    flags after it up to the next ``--name=``; the flags before the first
+    ``--name=`` are the command line's globals, inherited by every job (fio's
+    rule). Without any ``--name=`` all flags are globals and, without job files,
+    define one job named after ``rw``.
+
+    Job files: each section after ``[global]`` is a job that inherits the
+    file's ``[global]``. The command line's globals override the files' values
+    in every job (unlike fio, where a job file's own value wins; kept so that
+    ``tierstore bench job.fio --size=1m`` shrinks every job). Command-line jobs
+    come first, then the files' jobs, in order (fio's order).
+
+    Then every job gets fio's reporting group (:attr:`JobSpec.groupid`) and
+    whether it waits for the jobs before it (``stonewall``).
 
     Parameters
     ----------
     flags : sequence of str or mapping
-        ``--key=value`` (or ``--key`` for a boolean) strings, or a mapping
-        ``{key: raw value}``. They override the job files' values in every job.
+        ``--key=value`` (or ``--key`` for a boolean) strings in command-line
+        order, or a mapping ``{key: raw value}`` (globals only).
     job_files : sequence of str
         fio-style INI job files, read in order.
 
     Returns
     -------
     list of JobSpec
-        One per job section (or one job without job files).
+        In run order.
 
     Raises
     ------
     ConfigError
-        For an unknown key, a bad value or a job file with no job section.
+        For an unknown key, a bad value, a job file with no job section, or
+        ``group_reporting`` that would merge a KV job with another job.
     """
-    cli = _validate_raw(flags if isinstance(flags, Mapping) else parse_flag_list(flags), "command line")
-    if not job_files:
-        return [_finish("", dict(cli), dict(cli), {})]
+    if isinstance(flags, Mapping):
+        cli_globals, cli_jobs = _validate_raw(flags, "command line"), []
+    else:
+        cli_globals, cli_jobs = _split_command_line(flag_pairs(flags))
     jobs: list[JobSpec] = []
+    for own in cli_jobs:
+        jobs.append(_finish("", {**cli_globals, **own}, dict(own), dict(cli_globals)))
     for path in job_files:
         global_raw: dict[str, str] = {}
         found = False
@@ -421,29 +520,73 @@ def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequenc
                 global_raw.update(checked)
                 continue
             found = True
-            merged = {**global_raw, **checked, **cli}
-            own = {**checked, **{k: v for k, v in cli.items() if k in checked}}
-            jobs.append(_finish(section, merged, own, {**global_raw, **cli}))
+            merged = {**global_raw, **checked, **cli_globals}
+            own = {**checked, **{k: v for k, v in cli_globals.items() if k in checked}}
+            jobs.append(_finish(section, merged, own, {**global_raw, **cli_globals}))
         if not found:
             raise ConfigError(f"job file {path!r}: no job section (only [global])")
+    if not jobs:
+        jobs.append(_finish("", dict(cli_globals), dict(cli_globals), {}))
+    _assign_groups(jobs)
     return jobs
 
 
-def parse_flag_list(flags: Sequence[str]) -> dict[str, str]:
-    """Turn ``["--bs=4k", "--time_based"]`` into ``{"bs": "4k", "time_based": "1"}``.
+def _split_command_line(pairs: Sequence[tuple[str, str]]) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """``(globals, [job options, ...])``: a ``--name`` starts a job (fio's command line)."""
+    globals_raw: list[tuple[str, str]] = []
+    jobs: list[list[tuple[str, str]]] = []
+    for key, value in pairs:
+        if key == "name":  # only --name starts a job, as in fio (--jobname is an alias of the key)
+            jobs.append([])
+        (jobs[-1] if jobs else globals_raw).append((key, value))
+    return (_validate_raw(dict(globals_raw), "command line"),
+            [_validate_raw(dict(job), f"command line job {dict(job)['name']!r}") for job in jobs])
+
+
+def _assign_groups(jobs: list[JobSpec]) -> None:
+    """fio's ``add_job``: a new reporting group at each ``stonewall``/``new_group`` job after the first;
+    ``stonewall`` also makes the job wait for every job before it. Checks ``group_reporting`` merges."""
+    groupid = 0
+    for i, job in enumerate(jobs):
+        starts = job.options["stonewall"] or job.options["new_group"]
+        if i and starts:
+            groupid += 1
+        job.groupid = groupid
+        job.waits_for_previous = bool(i and job.options["stonewall"])
+    for prev, job in zip(jobs, jobs[1:]):
+        if job.options["group_reporting"] and job.groupid == prev.groupid and \
+                (job.options["rw"] in KV_RW or prev.options["rw"] in KV_RW):
+            raise ConfigError(f"group_reporting: job {job.name!r} (rw={job.options['rw']}) would be merged with job "
+                              f"{prev.name!r} (rw={prev.options['rw']}); KV jobs are not merged (their kv and device "
+                              "sections belong to one store): give one of them new_group or drop group_reporting")
+
+
+def flag_pairs(flags: Sequence[str]) -> list[tuple[str, str]]:
+    """Turn ``["--bs=4k", "--time_based"]`` into ``[("bs", "4k"), ("time_based", "1")]``, in order.
 
     Raises
     ------
     ConfigError
         For an argument that does not start with ``--``.
     """
-    out: dict[str, str] = {}
+    out: list[tuple[str, str]] = []
     for arg in flags:
         if not arg.startswith("--"):
             raise ConfigError(f"{arg!r}: expected --key=value")
         key, sep, value = arg[2:].partition("=")
-        out[key] = value if sep else "1"
+        out.append((key, value if sep else "1"))
     return out
+
+
+def parse_flag_list(flags: Sequence[str]) -> dict[str, str]:
+    """Turn ``["--bs=4k", "--time_based"]`` into ``{"bs": "4k", "time_based": "1"}`` (the last value wins).
+
+    Raises
+    ------
+    ConfigError
+        For an argument that does not start with ``--``.
+    """
+    return dict(flag_pairs(flags))
 
 
 def showcmd(jobs: Sequence[JobSpec], prog: str = "tierstore bench") -> list[str]:

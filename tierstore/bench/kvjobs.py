@@ -1,9 +1,12 @@
 """KV-cache workloads through the real tier manager.
 
 ``rw=kvtrace`` replays a Mooncake JSONL trace (:mod:`tierstore.replay`): the
-``read`` direction is the loads of prefix hits (one op per request that loaded
-blocks; latency = the whole load call), the ``write`` direction is the stores
-of missed blocks (one op per request that stored). The ``kv`` section carries
+``read`` direction is the loads of prefix hits, the ``write`` direction is the
+stores of missed blocks. One I/O is one KV block (``bs`` = the trace block's
+bytes), so IOPS are blocks per second; the latencies are per call (one load or
+store call per request that loaded or stored, of however many blocks). The
+normal report leads with one verdict line (:func:`verdict`, also ``kv.verdict``
+in the JSON). The ``kv`` section carries
 hit ratios, saved prefill tokens and per-tier bytes; the ``device`` section the
 NVMe backend's counters and the FDP figures (HBMW/MBMW/MBE, WAF, per-RUH bytes,
 end-to-end WA); the WAF time series goes to the JSON (``device.waf_timeseries``)
@@ -12,8 +15,8 @@ and the plots, not the normal text.
 Device choice (``device=``; the store is a :class:`tierstore.config.StoreConfig` built by :mod:`tierstore.build`):
 
 * ``file`` (default): the NVMe tier is a segment file on this file system,
-  ``directory``/``filename`` (fio's ``jobname.0.0``; a temporary directory when
-  neither is set), through ``ioengine`` (``posix`` or ``uring``). An FTL
+  ``directory``/``filename`` (fio's ``jobname.0.0``; a private temporary directory,
+  removed at the end, when ``directory`` is not set), through ``ioengine`` (``posix`` or ``uring``). An FTL
   *model* observes its engine (RU = segment, capacity = the tier) so WAF is
   always reported; the ``device`` line says it is a model. A warning (from
   :mod:`tierstore.build`) is printed when the tier is larger than the free
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -48,17 +52,36 @@ import numpy as np
 from ..errors import ConfigError
 from ..config import StoreConfig
 from ..replay import ReplayConfig, run_replay
-from .jobfile import resolve_path
+from .jobfile import engine_kind, resolve_path
 from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionResult, JobResult
 
 __all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file",
-           "no_space_report"]
+           "no_space_report", "verdict"]
 
 
-def _direction(lat_ns: np.ndarray, nbytes: int, wall_s: float) -> DirectionResult:
-    return DirectionResult(io_bytes=int(nbytes), ops=int(lat_ns.size), runtime_s=max(wall_s, 1e-9),
+def _direction(lat_ns: np.ndarray, nbytes: int, wall_s: float, block_bytes: int) -> DirectionResult:
+    """One direction of a replay: one I/O per KV block moved (IOPS are blocks/s), one latency per call."""
+    return DirectionResult(io_bytes=int(nbytes), ops=int(nbytes) // block_bytes, runtime_s=max(wall_s, 1e-9),
                            clat_ns=lat_ns.astype(np.int64))
+
+
+def verdict(kv: dict[str, Any]) -> str:
+    """The one line a replay's report leads with: the hit ratio against the trace's ideal, and the
+    prefill it saved.
+
+    The hit ratio is ``useful_hit_ratio`` (blocks loaded / prompt blocks looked up: what an engine
+    skips computing); the ideal is ``ideal_hit_ratio``, the share of the trace's full prompt blocks
+    whose hash was seen before (a cache of infinite capacity, :func:`tierstore.trace.ideal_hit_ratio`).
+    """
+    hit, ideal = float(kv.get("useful_hit_ratio", 0.0)), float(kv.get("ideal_hit_ratio", 0.0))
+    of_ideal = f", {hit / ideal:.0%} of it" if ideal > 0 else ""
+    matched = float(kv.get("lookup_hit_ratio", hit))
+    extra = f"; {matched:.1%} matched, the rest not worth loading or failed" if matched > hit + 5e-4 else ""
+    tokens, prompt = int(kv.get("saved_prefill_tokens", 0)), int(kv.get("prompt_tokens", 0))
+    share = f" of {prompt:,} prompt tokens ({tokens / prompt:.1%})" if prompt else ""
+    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an infinite "
+            f"cache (the trace's ideal{of_ideal}){extra}; saved {tokens:,} prefill tokens{share}")
 
 
 def replay_config(options: dict[str, Any], nvme_path: str | None = None) -> ReplayConfig:
@@ -131,9 +154,10 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
     fmt_ok = bool(options.get("format", False))  # tierstore.io.label: formatting is an explicit choice
     if dev_opt != "file":
         return {"device": "fdp", "path": dev_opt, "fdp": fdp, "format": fmt_ok}
-    eng = options.get("ioengine", "posix")
+    eng = engine_kind(options.get("ioengine", "posix"))   # fio's names too: io_uring, libaio, psync, ...
     if eng not in ("posix", "uring", "auto"):
-        raise ConfigError(f"ioengine={eng}: device=file puts the NVMe tier in a file through posix, uring or auto; "
+        raise ConfigError(f"ioengine={options.get('ioengine')}: device=file puts the NVMe tier in a file through "
+                          "posix, uring or auto (or fio's io_uring, libaio, psync, sync, pvsync, pvsync2, posixaio); "
                           "use device=sim for a tier in memory")
     out = {"device": "file", "engine": eng, "model": {k: v for k, v in model.items() if k != "utilization"},
            "fdp": fdp, "format": fmt_ok}
@@ -183,16 +207,28 @@ def no_space_report(stats: dict, nvme_path: str | None) -> tuple[dict, int, str]
 def run_kvtrace(options: dict[str, Any]) -> JobResult:
     """Runner of ``rw=kvtrace``: replay a trace and report fio-style figures.
 
+    Without ``directory`` the NVMe tier's file (and the replay's scratch files) go to a private
+    temporary directory, removed when the job ends however it ends, so runs at once never meet.
+
     Raises
     ------
     JobInterrupted
         After Ctrl-C/SIGTERM: the replay stops within 50 requests (it reports
         no partial statistics).
     """
+    own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
+    try:
+        return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
+    finally:  # also after a failure, a stop request or a second Ctrl-C
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def _run_kvtrace(options: dict[str, Any]) -> JobResult:
     files: list[str] = []
     nvme_path = None
     if options.get("device", "file") == "file":
-        nvme_path = nvme_file(options, options.get("directory") or tempfile.gettempdir())
+        nvme_path = nvme_file(options, options["directory"])
         files.append(nvme_path)
     cfg = replay_config(options, nvme_path)
     progress = current_progress()
@@ -244,6 +280,7 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
     if box and box[0].nvme is not None:
         space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
         kv.update(space)
+    kv["verdict"] = verdict(kv)
     if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
         error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
                                         "under their key (wrong KV)")
@@ -257,8 +294,8 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
     return JobResult(
         jobname=options.get("name") or "kvtrace",
         options={**options, "bs": cfg.block_bytes},  # one KV I/O = one trace block
-        read=_direction(rep.load_lat_ns, rep.load_bytes, rep.load_wall_s),
-        write=_direction(rep.store_lat_ns, rep.store_bytes, rep.store_wall_s),
+        read=_direction(rep.load_lat_ns, rep.load_bytes, rep.load_wall_s, cfg.block_bytes),
+        write=_direction(rep.store_lat_ns, rep.store_bytes, rep.store_wall_s, cfg.block_bytes),
         kv=kv, device=device, timeseries=rep.timeseries, error=error, error_message=message,
         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=rep.runtime_s,
         ctx=usage.get("ctx", 0), majf=usage.get("majf", 0), minf=usage.get("minf", 0),

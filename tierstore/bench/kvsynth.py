@@ -1,8 +1,10 @@
 """Synthetic KV workloads through the real store: ``rw=kvstore|kvload|kvmixed``.
 
-One *I/O* of a KV job is one request's store or load call. Its size is ``bs``
-rounded down to whole blocks of the ``layout`` preset (at least one block; a
-Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts.
+A request stores or loads ``bs`` bytes rounded down to whole blocks of the
+``layout`` preset (at least one block; a Llama-3.1-8B 16-token block is 2 MiB),
+so ``bs=32m`` means 16-block prompts. One *I/O* of the report is one KV block
+(IOPS are blocks per second, ``bs`` in the report is the block's bytes); the
+latencies are per call (one store or load call per request).
 
 * ``kvstore``: store ``size`` bytes of distinct prefixes; the tiers fill and demote
   (HBM -> host -> NVMe). Reports the write direction and per-tier bytes.
@@ -155,7 +157,8 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
         t0 = time.perf_counter_ns()
         st = store.store(_NS, toks, _blocks(layout, keys), start_block=start, lifetime=hint)
         t1 = time.perf_counter_ns()
-        wr.record(sum(bb for s in st if s is Status.OK), t1 - t0, t1)
+        ok = sum(1 for s in st if s is Status.OK)
+        wr.record(ok * bb, t1 - t0, t1, ops=ok)   # one I/O per block stored; one latency per call
 
     def load_req(pid: int, nb: int) -> int:
         toks = _prompt_tokens(pid, nb, tpb)
@@ -180,7 +183,7 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
                     for t in hit.tiers[hit.useful_blocks:hit.matched_blocks]:
                         counts["skipped_tiers"][t.label] += 1
             if want:
-                rd.record(n * bb, t1 - t0, t1)
+                rd.record(n * bb, t1 - t0, t1, ops=n)   # one I/O per block loaded; one latency per call
             return n
         finally:
             store.release(rid)
@@ -354,7 +357,7 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
         kv["not_loaded_reason"] = reason
     kv["load_lat_ns"] = read.clat_ns
     device = store.device_stats() if store.nvme is not None else {}
-    return JobResult(jobname=options.get("name") or rw, options={**options, "bs": nblk * bb}, read=read, write=write,
+    return JobResult(jobname=options.get("name") or rw, options={**options, "bs": bb}, read=read, write=write,
                      kv=kv, device=device, timeseries={}, error=error, error_message=message,
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=max(0, end - ramp_end) / 1e9,
                      ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])

@@ -9,6 +9,7 @@ units in their names.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -21,12 +22,23 @@ from .fiostat import FIO_PERCENTILES, lat_buckets, lat_summary, num2str
 from .jobfile import JobSpec, format_value
 from .result import DirectionResult, JobResult
 
-__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "parse_output_formats", "job_to_json", "render_json", "render_normal",
-           "to_jsonable"]
+__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "TERSE_VERSION", "DEVICE_TERMS", "parse_output_formats", "job_to_json",
+           "render_json", "render_normal", "render_terse", "to_jsonable"]
 
-#: Reported as ``"fio version"``; tools only check that the key exists.
-FIO_VERSION = "tierstore-0.1.0"
-OUTPUT_FORMATS = ("normal", "json", "json+")
+def _package_version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's ``__version__``."""
+    try:
+        return importlib.metadata.version("tierstore")
+    except importlib.metadata.PackageNotFoundError:   # run from a source tree that is not installed
+        from .. import __version__
+        return __version__
+
+
+#: Reported as ``"fio version"`` (and terse field 2); tools only check that the key exists.
+FIO_VERSION = f"tierstore-{_package_version()}"
+OUTPUT_FORMATS = ("normal", "json", "json+", "terse")
+#: The terse format version written (fio's default ``--terse-version=3``).
+TERSE_VERSION = 3
 
 _DIRECTIONS = ("read", "write", "trim")
 
@@ -142,7 +154,7 @@ def job_options_json(spec: JobSpec | None, result: JobResult) -> dict[str, str]:
     so these four are always present.
     """
     opts = result.options
-    out = {"name": result.jobname}
+    out = {"name": spec.name if spec is not None else result.jobname}
     for key in ("rw", "bs", "iodepth", "numjobs"):
         out[key] = format_value(key, opts.get(key, ""))
     if spec is not None:
@@ -348,7 +360,7 @@ def _kv_normal(kv: dict[str, Any]) -> str:
         label = "  kv           : " if i == 0 else "                 "
         out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i:i + 4]) + "\n")
     for key, value in kv.items():
-        if _is_sentence(value):
+        if _is_sentence(value) and key != "verdict":   # the verdict leads the report instead
             out.append(f"    {key}: {value}\n")
     for key, value in kv.items():
         if isinstance(value, dict) and "N" in value and "mean" in value:
@@ -367,6 +379,24 @@ def _dict_text(key: str, value: dict) -> str:
     return ", ".join(f"{k}={_fmt_kv_value(key, v)}" for k, v in value.items()) or "none"
 
 
+#: What the write-amplification figures of a ``device`` section mean, printed under it for those present.
+DEVICE_TERMS = {
+    "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD (its garbage-collection "
+           "copies; 1.000 = none)",
+    "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier (WAF plus segment headers, "
+              "padding and tierstore's own copy-forward)",
+    "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores + bytes it copied "
+                                "forward when it reclaimed regions) / bytes it wrote for stores (tierstore's share, "
+                                "before the SSD's)",
+}
+
+
+def _device_terms(device: dict[str, Any]) -> str:
+    present = [text for key, text in DEVICE_TERMS.items()
+               if key in device or f"nvme_{key}" in device]
+    return "".join(f"    ({text})\n" for text in present)
+
+
 def _device_normal(device: dict[str, Any]) -> str:
     if not device:
         return ""
@@ -382,6 +412,7 @@ def _device_normal(device: dict[str, Any]) -> str:
             out.append(f"    {key:14s}: " + _dict_text(key, value) + "\n")
         else:
             out.append(f"    {key:14s}: {_fmt_kv_value(key, value)}\n")
+    out.append(_device_terms(device))
     return "".join(out)
 
 
@@ -402,6 +433,9 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
     str
     """
     out: list[str] = []
+    for r in results:   # a KV replay leads with its verdict (one line)
+        if r.kv.get("verdict"):
+            out.append(f"{r.jobname}: {r.kv['verdict']}\n")
     for r in results:
         o = r.options
         bs = int(o.get("bs", 0))
@@ -419,7 +453,14 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
             out.append(f"  Description  : [{r.options['description']}]\n")
         for name in ("read", "write"):
             if j[name]["total_ios"]:
-                out.append(_direction_normal(name, j[name]))
+                text = _direction_normal(name, j[name])
+                if r.kv:  # KV jobs: say what an I/O is
+                    first, _, rest = text.partition("\n")
+                    calls = j[name]["clat_ns"]["N"]
+                    text = (f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
+                            f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} calls, "
+                            f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}")
+                out.append(text)
         out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))
         out.append(f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
                    f"majf={j['majf']}, minf={j['minf']}\n")
@@ -451,12 +492,81 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
     return "".join(out)
 
 
+# ---------------------------------------------------------------- terse ----
+
+def _terse_direction(d: dict[str, Any]) -> list[str]:
+    """One direction's 41 fields of terse v3 (fio's ``show_ddir_status_terse``): KiB, KiB/s, IOPS, ms;
+    slat, clat min/max/mean/stdev in usec; 20 clat percentiles ``P%=usec``; lat; bandwidth in KiB/s."""
+    out = [str(d["io_bytes"] >> 10), str(d["bw"]), str(int(d["iops"])), str(d["runtime"])]
+    for key in ("slat_ns", "clat_ns"):
+        lat = d[key]
+        if lat["N"]:
+            out += [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
+                    f"{lat['stddev'] / 1000:f}"]
+        else:
+            out += ["0", "0", f"{0:f}", f"{0:f}"]
+    pct = d["clat_ns"].get("percentile") or {f"{p:f}": 0 for p in FIO_PERCENTILES}
+    fields = [f"{float(p):f}%={int(v) // 1000}" for p, v in pct.items()]
+    out += (fields + ["0%=0"] * 20)[:20]
+    lat = d["lat_ns"]
+    if lat["N"]:
+        out += [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
+                f"{lat['stddev'] / 1000:f}"]
+    else:
+        out += ["0", "0", f"{0:f}", f"{0:f}"]
+    out += [str(d["bw_min"]), str(d["bw_max"]), f"{d['bw_agg']:f}%", f"{d['bw_mean']:f}", f"{d['bw_dev']:f}"]
+    return out
+
+
+def render_terse(results: Sequence[JobResult], specs: Sequence[JobSpec | None]) -> str:
+    """fio's terse (``--minimal``) format, version 3: one semicolon-separated line per job.
+
+    Fields, in fio 3.33's order (``man fio``, TERSE OUTPUT): terse version (3), fio version, job
+    name, group id, error; read, then write, 41 fields each (:func:`_terse_direction`); CPU user
+    and system percent, context switches, major and minor faults; IO depths <=1 .. >=64 (7); latency
+    shares at <=2 .. 1000 usec (10, nanosecond latencies counted in the first) and <=2 .. >=2000
+    msec (12): 121 fields. fio then adds 9 disk-utilization fields per disk it sampled; tierstore
+    samples no disk, as fio with a disk-less engine (``ioengine=null``: 121 fields). The job's
+    ``description``, when set, is the last field. ``kv`` and ``device`` sections have no terse
+    form (use json).
+
+    Parameters
+    ----------
+    results : sequence of JobResult
+        One per job.
+    specs : sequence of JobSpec or None
+        The parsed jobs, aligned with ``results``.
+
+    Returns
+    -------
+    str
+        One line per job, newline-terminated.
+    """
+    lines = []
+    for r, spec in zip(results, specs):
+        j = job_to_json(r, spec)
+        fields = [str(TERSE_VERSION), FIO_VERSION, r.jobname, str(r.groupid), str(r.error)]
+        fields += _terse_direction(j["read"]) + _terse_direction(j["write"])
+        fields += [f"{j['usr_cpu']:f}%", f"{j['sys_cpu']:f}%", str(j["ctx"]), str(j["majf"]), str(j["minf"])]
+        fields += [f"{v:3.1f}%" for v in j["iodepth_level"].values()]
+        lat_us = list(j["latency_us"].values())
+        lat_us[0] += sum(j["latency_ns"].values())
+        fields += [f"{v:3.2f}%" for v in lat_us]
+        fields += [f"{v:3.2f}%" for v in j["latency_ms"].values()]
+        if r.options.get("description"):
+            fields.append(str(r.options["description"]))
+        lines.append(";".join(fields) + "\n")
+    return "".join(lines)
+
+
 def render(results: Sequence[JobResult], specs: Sequence[JobSpec | None], formats: Iterable[str]) -> str:
     """All requested formats, concatenated in the order given (fio's behaviour)."""
     parts = []
     for fmt in formats:
         if fmt == "normal":
             parts.append(render_normal(results, specs))
+        elif fmt == "terse":
+            parts.append(render_terse(results, specs))
         else:
             parts.append(render_json(results, specs, plus=fmt == "json+"))
     return "".join(parts)

@@ -392,7 +392,7 @@ def current_progress() -> BenchProgress:
 
 @contextlib.contextmanager
 def job_progress(description: str, enabled: bool | None = None, delay_s: float = 2.0,
-                 status: StatusOptions | None = None) -> Iterator[BenchProgress]:
+                 status: StatusOptions | None = None, bar_allowed: bool = True) -> Iterator[BenchProgress]:
     """Context in which :func:`current_progress` returns the progress of ``description``.
 
     Parameters
@@ -405,6 +405,9 @@ def job_progress(description: str, enabled: bool | None = None, delay_s: float =
         Show the bar only for runs longer than this.
     status : StatusOptions, optional
         Bar vs status lines (default: what :func:`set_status_options` set).
+    bar_allowed : bool
+        False for a job that runs at once with others: no bar (one live bar per
+        terminal), the status lines as ``status`` says.
 
     Yields
     ------
@@ -412,7 +415,7 @@ def job_progress(description: str, enabled: bool | None = None, delay_s: float =
     """
     status = status or _STATUS[0]
     out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
-    bar = status.bar(out_tty, err_tty) if enabled is None else enabled
+    bar = (status.bar(out_tty, err_tty) and bar_allowed) if enabled is None else enabled
     lines = None if enabled is not None else status.line_interval_s(out_tty, err_tty)
     if bar and not available("rich"):  # the core install: fio's status lines instead of the bar
         bar = False

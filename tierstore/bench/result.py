@@ -15,6 +15,7 @@ dicts whose keys carry their units (``_bytes``, ``_ns``, ``_s``) and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import resource
 import threading
 import time
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DirectionResult", "JobResult", "DirectionRecorder", "CpuUsage", "SAMPLE_INTERVAL_S"]
+__all__ = ["DirectionResult", "JobResult", "DirectionRecorder", "CpuUsage", "SAMPLE_INTERVAL_S", "merge_directions",
+           "merge_results"]
 
 #: fio's default bandwidth / IOPS sampling period (``bw_avg_time=500``, ``iops_avg_time=500``).
 SAMPLE_INTERVAL_S = 0.5
@@ -134,12 +136,77 @@ class JobResult:
     groupid: int = 0
 
 
+def _sum_samples(series: list[list[float]]) -> list[float]:
+    """Element-wise sum of sample series that started together (a shorter one adds 0 after its end)."""
+    return [sum(vals) for vals in itertools.zip_longest(*series, fillvalue=0.0)] if series else []
+
+
+def merge_directions(parts: list[DirectionResult]) -> DirectionResult:
+    """One direction of several jobs that ran at once, as fio's ``group_reporting`` sums them.
+
+    Bytes, operations, short and dropped I/Os add up; the run time is the longest; the latencies
+    are pooled; the IOPS and bandwidth samples (taken from each job's start) add up interval by
+    interval.
+    """
+    used = [p for p in parts if p.ops]
+    if not used:
+        return DirectionResult()
+    return DirectionResult(
+        io_bytes=sum(p.io_bytes for p in used), ops=sum(p.ops for p in used),
+        runtime_s=max(p.runtime_s for p in used),
+        clat_ns=np.concatenate([p.clat_ns for p in used]),
+        slat_ns=np.concatenate([p.slat_ns for p in used]) if all(p.slat_ns.size for p in used) else _empty_ns(),
+        iops_samples=_sum_samples([p.iops_samples for p in used]),
+        bw_samples_bytes_s=_sum_samples([p.bw_samples_bytes_s for p in used]),
+        short_ios=sum(p.short_ios for p in used), drop_ios=sum(p.drop_ios for p in used))
+
+
+def merge_results(results: list[JobResult]) -> JobResult:
+    """Several jobs of one reporting group as one entry (fio's ``group_reporting``).
+
+    The entry has the first job's name and the last job's options (as fio) and every job's I/O merged
+    (:func:`merge_directions`); ``numjobs`` is the sum (fio's ``jobs=N``). The
+    CPU figures are the largest member's: every job measures this whole process
+    (``getrusage(RUSAGE_SELF)``), so they overlap rather than add. ``kv`` and
+    ``device`` are per store and per file and are not merged (the CLI refuses
+    to merge KV jobs): the entry's ``device`` says so when a member had one.
+    The first error of a member is the entry's.
+
+    Parameters
+    ----------
+    results : list of JobResult
+        The members, in job order (at least one).
+
+    Returns
+    -------
+    JobResult
+    """
+    first = results[0]
+    if len(results) == 1:
+        return first
+    failed = [r for r in results if r.error]
+    # fio shows the last member's options with the first member's name
+    options = {**results[-1].options, "numjobs": sum(int(r.options.get("numjobs", 1)) for r in results)}
+    device = {}
+    if any(r.device for r in results):
+        device = {"device": "not merged by group_reporting (one FTL model per job file); run without "
+                            "group_reporting to see each job's"}
+    return JobResult(
+        jobname=first.jobname, options=options,
+        read=merge_directions([r.read for r in results]), write=merge_directions([r.write for r in results]),
+        device=device, usr_cpu=max(r.usr_cpu for r in results), sys_cpu=max(r.sys_cpu for r in results),
+        runtime_s=max(r.runtime_s for r in results),
+        error=failed[0].error if failed else 0, error_message=failed[0].error_message if failed else "",
+        ctx=max(r.ctx for r in results), majf=max(r.majf for r in results), minf=max(r.minf for r in results),
+        groupid=first.groupid)
+
+
 class DirectionRecorder:
     """Thread-safe collector of one direction's completions.
 
-    Call :meth:`record` once per completed operation from any thread, then
-    :meth:`result` once at the end. Completions before ``ramp_end_ns`` are
-    not counted (fio's ``ramp_time``).
+    Call :meth:`record` once per completed operation from any thread (or
+    :meth:`record_many` with a thread's whole log), then :meth:`result` once at
+    the end. Completions before ``start_ns`` are not counted (fio's ``ramp_time``).
 
     Parameters
     ----------
@@ -155,11 +222,13 @@ class DirectionRecorder:
         self._interval_ns = int(sample_interval_s * 1e9)
         self._lat: list[int] = []
         self._done: list[int] = []
+        self._ops: list[int] = []
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._bytes = 0
         self._short = 0
 
-    def record(self, nbytes: int, lat_ns: int, done_ns: int, short: bool = False) -> None:
-        """Count one completed operation.
+    def record(self, nbytes: int, lat_ns: int, done_ns: int, short: bool = False, ops: int = 1) -> None:
+        """Count one completed call.
 
         Parameters
         ----------
@@ -171,14 +240,37 @@ class DirectionRecorder:
             ``time.perf_counter_ns()`` at completion.
         short : bool
             Whether it transferred fewer bytes than asked.
+        ops : int
+            I/Os it counts as (a KV call of 8 blocks is 8 block I/Os with one latency).
         """
         if done_ns < self._start_ns:
             return
         with self._lock:
             self._lat.append(lat_ns)
             self._done.append(done_ns)
+            self._ops.append(ops)
             self._bytes += nbytes
             self._short += int(short)
+
+    def record_many(self, lat_ns: np.ndarray, done_ns: np.ndarray, nbytes: np.ndarray, full_bytes: int) -> None:
+        """Count many completed I/Os of ``full_bytes`` each at once (one per entry).
+
+        Parameters
+        ----------
+        lat_ns, done_ns, nbytes : numpy.ndarray
+            int64, one entry per I/O: completion latency (ns), ``perf_counter_ns`` at
+            completion, bytes transferred.
+        full_bytes : int
+            Bytes each I/O asked for; fewer is a short I/O.
+        """
+        keep = np.asarray(done_ns) >= self._start_ns
+        lat = np.array(lat_ns, dtype=np.int64)[keep]
+        done = np.array(done_ns, dtype=np.int64)[keep]
+        moved = np.asarray(nbytes, dtype=np.int64)[keep]
+        with self._lock:
+            self._chunks.append((lat, done, np.ones(lat.size, dtype=np.int64)))
+            self._bytes += int(moved.sum())
+            self._short += int(np.count_nonzero(moved < full_bytes))
 
     def result(self, end_ns: int) -> DirectionResult:
         """Summarise everything recorded up to ``end_ns``.
@@ -191,11 +283,16 @@ class DirectionRecorder:
         Returns
         -------
         DirectionResult
+            ``ops`` counts I/Os (a call's ``ops``); ``clat_ns`` has one latency per call.
         """
         with self._lock:
-            lat = np.asarray(self._lat, dtype=np.int64)
-            done = np.asarray(self._done, dtype=np.int64)
+            parts = [(np.asarray(self._lat, dtype=np.int64), np.asarray(self._done, dtype=np.int64),
+                      np.asarray(self._ops, dtype=np.int64)), *self._chunks]
             nbytes, short = self._bytes, self._short
+        lat = np.concatenate([p[0] for p in parts])
+        done = np.concatenate([p[1] for p in parts])
+        weights = np.concatenate([p[2] for p in parts])
+        ops = int(weights.sum())
         runtime_ns = max(end_ns - self._start_ns, 1)
         iops_samples: list[float] = []
         bw_samples: list[float] = []
@@ -203,15 +300,15 @@ class DirectionRecorder:
             n_full = runtime_ns // self._interval_ns
             if n_full >= 1:
                 idx = (done - self._start_ns) // self._interval_ns
-                idx = idx[idx < n_full]
-                counts = np.bincount(idx, minlength=n_full).astype(float)
-                per_op_bytes = nbytes / lat.size
+                inside = idx < n_full
+                counts = np.bincount(idx[inside], weights=weights[inside], minlength=n_full).astype(float)
+                per_op_bytes = nbytes / ops if ops else 0.0
                 iops_samples = list(counts / (self._interval_ns / 1e9))
                 bw_samples = [c * per_op_bytes for c in iops_samples]
             else:  # shorter than one interval: a single sample over the whole run
-                iops_samples = [lat.size / (runtime_ns / 1e9)]
+                iops_samples = [ops / (runtime_ns / 1e9)]
                 bw_samples = [nbytes / (runtime_ns / 1e9)]
-        return DirectionResult(io_bytes=nbytes, ops=int(lat.size), runtime_s=runtime_ns / 1e9 if lat.size else 0.0,
+        return DirectionResult(io_bytes=nbytes, ops=ops, runtime_s=runtime_ns / 1e9 if lat.size else 0.0,
                                clat_ns=lat, iops_samples=iops_samples, bw_samples_bytes_s=bw_samples,
                                short_ios=short)
 
