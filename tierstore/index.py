@@ -1538,6 +1538,8 @@ class BlockIndex:
         Used at a clean shutdown so that a restart finds them, and in the
         background to keep clean victims for promotions (``coldest_first``:
         least recently used first). Returns ``None`` when nothing is left to write.
+        Each block is read from a readable memory copy (host first); a block whose
+        only memory copy is a victim of a store in flight is skipped.
         """
         if Tier.NVME not in self.tiers:
             return None
@@ -1547,7 +1549,13 @@ class BlockIndex:
             if not rows.size:
                 return None
             f = self._flags[rows]
-            mem = (self._slot[Tier.HBM][rows] >= 0) | (self._slot[Tier.HOST][rows] >= 0)
+            # only a readable copy is a source: a copy being evicted (_EVICT_*) belongs to a store
+            # plan in flight, which hands its slot on (to a new block, or to a victim moving down)
+            # and overwrites it without the lock; gathered from there, another block's bytes would
+            # be written to NVMe under this key, with a valid checksum. Such a row is skipped: its
+            # plan decides its fate (moved down, written to NVMe, or dropped and counted).
+            mem = (((self._slot[Tier.HBM][rows] >= 0) & ((f & _EVICT_HBM) == 0))
+                   | ((self._slot[Tier.HOST][rows] >= 0) & ((f & _EVICT_HOST) == 0)))
             rows = rows[mem & ((f & (_ON_NVME | _PENDING | _DOOMED | _NVME_WRITING)) == 0)]
             if coldest_first:
                 rows = rows[np.argsort(self._last[rows], kind="stable")]
@@ -1557,7 +1565,7 @@ class BlockIndex:
             plan = StorePlan([], [], [])
             for r in rows.tolist():
                 key = self._table.key_of(r)
-                t = Tier.HOST if self._slot[Tier.HOST][r] >= 0 else Tier.HBM
+                t = Tier.HOST if self._readable(r, Tier.HOST) else Tier.HBM
                 self._flags[r] |= _NVME_WRITING
                 self._readers[r] += 1
                 plan.nvme_demote.append(Demotion(r, key, t, int(self._slot[t][r]), Tier.NVME, -1,
