@@ -64,9 +64,9 @@ import torch
 from .build import StoreParts, assemble
 from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
                      TiersConfig)
+from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
-from .index import Lease, LookupResult, Tier
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .mover import LoadGate

@@ -43,12 +43,13 @@ import os
 from typing import Any, Callable
 
 from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
+from .contract import Tier
 from .errors import ConfigError, TierStoreError
 from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateShim, placement_policy
 from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
 from .fdp.simdevice import SimFdpDevice
-from .index import BlockIndex, IndexConfig, Tier
+from .index import BlockIndex, IndexConfig
 from .io.engine import IOEngine
 from .io.factory import open_engine
 from .io.null import NullEngine

@@ -34,9 +34,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from .contract import LoadPlan, PromotePlan, StorePlan, Tier
 from .errors import ConfigError, Status, StoreClosedError
 from .fdp.lifetime import LifetimeClass
-from .index import LoadPlan, PromotePlan, StorePlan, Tier
 from .io.pages import FragmentPlan
 from .tiers.memory import BlockPool
 from .tiers.storage import BlockStorage
