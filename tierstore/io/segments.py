@@ -76,7 +76,7 @@ import stat
 import struct
 import threading
 from array import array
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ from .factory import open_engine
 from ..errors import (ConfigError, CorruptData, ForeignDataError, InvariantError, LayoutError, Status,
                       StoreClosedError, TierStoreError)
 from ..keytable import KeyTable
-from ..tiers.storage import BlockStorage
+from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
 from ..units import format_bytes, parse_size
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
@@ -118,17 +118,6 @@ class SegmentState(enum.IntEnum):
     OPEN = 1
     SEALED = 2
     RECLAIMING = 3
-
-
-class RegionListener(Protocol):
-    """What the block index hears from the region manager (Navy's
-    ``BlockCache::onRegionReclaim`` / ``onRegionCleanup``)."""
-
-    def on_reclaim(self, keys: list[bytes]) -> Sequence[bool]:
-        """Which of a victim segment's live ``keys`` to keep (copy forward)."""
-
-    def on_dropped(self, keys: list[bytes]) -> None:
-        """``keys`` left the NVMe tier (evicted with their segment, or found corrupt)."""
 
 
 @dataclasses.dataclass
@@ -482,7 +471,7 @@ class SegmentStorage(BlockStorage):
             keys = self._table.keys_of(rows)
             return {k: (self._ns_list[int(self._ns_id[r])], int(self._seq[r])) for k, r in zip(keys, rows)}
 
-    def scan(self) -> tuple[list[bytes], list[bytes], np.ndarray]:
+    def scan(self) -> StoredBlocks:
         """Every stored block: ``(keys, namespace digest per key, write seq per key)``.
 
         What a restarted index adopts (one pass, no per-block objects kept)."""
@@ -490,7 +479,7 @@ class SegmentStorage(BlockStorage):
             rows = self._table.rows()
             keys = self._table.keys_of(rows)
             nss = [self._ns_list[i] for i in self._ns_id[rows].tolist()]
-            return keys, nss, self._seq[rows].copy()
+            return StoredBlocks(keys, nss, self._seq[rows].copy())
 
     def write_seq(self) -> int:
         """Sequence number the next extent will get."""
