@@ -371,7 +371,8 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
                                   engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
                                   region_policy=nv.region_policy, keep_data=t.keep_data,
                                   invalidation_log=(path + ".invalidations") if path and nv.device != "fdp"
-                                  else False, label=path is not None, format=nv.format)
+                                  else False, label=path is not None, format=nv.format,
+                                  metadata_placement=placement.placement_for_metadata())
             # the device model observes the tier's writes from here on (not the label's)
             ruh_update = nv.fdp.ruh_update_on_segment_open
             if ruh_update is None:
