@@ -65,7 +65,10 @@ def _iops(out: str) -> float:
 def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str) -> float:
     """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS."""
     out = os.path.join(tmp, f"{tool}.json")
-    cmd = ["fio"] if tool == "fio" else [sys.executable, "-m", "tierstore.cli", "bench", "--eta=never"]
+    # the file is the run's own (fio laid it out): tierstore writes over a file it did not create
+    # only with --format=1
+    cmd = (["fio"] if tool == "fio"
+           else [sys.executable, "-m", "tierstore.cli", "bench", "--eta=never", "--format=1"])
     cmd += job_args(rw, engine, size, runtime_s, path, out)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
     if proc.returncode != 0:
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                           "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
                           "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                           "command_example": {t: " ".join((["fio"] if t == "fio" else
-                                                           ["tierstore", "bench", "--eta=never"])
+                                                           ["tierstore", "bench", "--eta=never", "--format=1"])
                                                           + job_args("randread", "io_uring", args.size, args.runtime,
                                                                      path, "OUT.json"))
                                               for t in ("fio", "tierstore")}},

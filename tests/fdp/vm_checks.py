@@ -223,7 +223,7 @@ def invalid_pid(zyg: Zygote) -> dict:
     except ConfigError as e:
         out["store"] = f"ConfigError: {e}"
     from tierstore.bench.cli import main as bench
-    rc, _, err = capture(bench, ["--name=bad", "--rw=write", f"--filename={DEV}", f"--device={DEV}",
+    rc, _, err = capture(bench, ["--name=bad", "--rw=write", f"--filename={DEV}", f"--device={DEV}", "--format=1",
                                  "--dataplacement=fdp", f"--plids=0,{ARGS.nruh * ARGS.nrg + 1}", "--bs=4k",
                                  "--size=16k", "--output-format=json"])
     out["bench_rc"], out["bench_err"] = rc, err[-2000:]
@@ -473,7 +473,7 @@ def plids_vs_fio() -> dict:
     out: dict = {"plids": ARGS.fio_plids}
     lba = 512
     before = dev_state()
-    rc, _, err = capture(bench, ["--name=plids", "--rw=write", f"--filename={DEV}", f"--device={DEV}",
+    rc, _, err = capture(bench, ["--name=plids", "--rw=write", f"--filename={DEV}", f"--device={DEV}", "--format=1",
                                  "--dataplacement=fdp", f"--plids={ARGS.fio_plids}", "--bs=4k", "--size=24k",
                                  "--iodepth=1", "--output-format=json",
                                  f"--output={os.path.join(ARGS.out, 'plain.json')}"])

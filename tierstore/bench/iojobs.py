@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, TierStoreError
+from ..errors import ConfigError, ForeignDataError, TierStoreError
 from ..io.engine import alloc_aligned, buffer_address
 from ..io.ring import IORING_OP_READ, IORING_OP_WRITE, IoUringError, Ring
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
@@ -127,6 +127,59 @@ def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
                             f"bytes ({need / 2**30:.1f} GiB) but its file system has {free} bytes "
                             f"({free / 2**30:.1f} GiB) free; nothing was written. Choose a smaller size= "
                             "or another directory=")
+
+
+#: Extended attribute that marks a file a plain job created (and kept, ``unlink=0``): a later job
+#: may write over it without ``format=1``. A Linux ``user.`` attribute (xattr(7)).
+_OWN_XATTR = "user.tierstore.bench"
+
+
+def _mark_own(path: str) -> None:
+    """Mark a file this job created as tierstore's (see :data:`_OWN_XATTR`); a file system
+    without user xattrs (ENOTSUP) leaves it unmarked, so a later write job asks for ``format=1``."""
+    try:
+        os.setxattr(path, _OWN_XATTR, b"1")
+    except OSError as e:
+        if e.errno not in (errno.ENOTSUP, errno.EPERM):
+            raise
+
+
+def _is_own(path: str) -> bool:
+    try:
+        return os.getxattr(path, _OWN_XATTR) == b"1"
+    except OSError:
+        return False
+
+
+def _check_overwrite(options: dict[str, Any], path: str, device: bool, writes: bool) -> None:
+    """Refuse to write over data tierstore did not write (house rule: a user's data is sacred).
+
+    A job that writes (or lays out, i.e. extends) an existing non-empty file that no
+    tierstore job created, or that writes to a device, needs ``format=1``, as the NVMe
+    tier of a KV job does (:mod:`tierstore.io.label`). fio writes such targets without
+    asking; mkfs asks. Reads of an existing file change nothing and are always allowed.
+
+    Raises
+    ------
+    ForeignDataError
+        Before anything is written; the message names the target and the opt-in.
+    """
+    if options.get("format") or not writes:
+        return
+    if device:
+        what = "a device"
+    else:
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            return
+        if size == 0 or _is_own(path):
+            return
+        what = f"an existing {size}-byte file that no tierstore job created"
+    raise ForeignDataError(
+        f"filename={path!r}: {what}; job {options['name']!r} (rw={options['rw']}) would write over what it "
+        "holds. tierstore bench writes over data it did not write only when told to: --format=1 (format=1 in "
+        "a job file; fio writes without asking). Nothing was written")
 
 
 def _layout(name: str, path: str, size_bytes: int) -> None:
@@ -455,9 +508,12 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
                                       "namespace; the development host has none)") from None
                 if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
                     raise ConfigError(f"filename={path!r}: not a block or character device")
+                _check_overwrite(options, path, True, read_share < 1)
             else:
                 _check_space(options, path, span_bytes)
                 created = not os.path.exists(path)
+                grows = read_share > 0 and not created and os.path.getsize(path) < span_bytes
+                _check_overwrite(options, path, False, read_share < 1 or grows)
                 if read_share > 0:
                     _layout(options["name"], path, span_bytes)
         if path is not None and _is_nvme_generic(path):
@@ -466,6 +522,8 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
             target = _FdTarget(path, options["direct"], engine_kind_, span_bytes)
         else:
             target = _EngineTarget(engine_kind_, path, span_bytes, lanes * options["numjobs"])
+        if created and os.path.isfile(path):
+            _mark_own(path)
         return _run(options, target, span_blocks, span_bytes, read_share, engine_kind_, path, lanes)
     finally:
         if target is not None:

@@ -173,8 +173,10 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
           "hardware)."),
     _spec("format", "bool", False,
-          "KV jobs: let the NVMe tier format a device (or file) that does not carry tierstore's label; what it "
-          "holds is lost, as with mkfs. Without it such a target is refused before anything is written."),
+          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (or file) "
+          "without tierstore's label; plain jobs write to a device, or to an existing non-empty file no "
+          "tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
+          "before anything is written (fio writes without asking)."),
     _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
     _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
     _spec("op", "fraction", 0.07, "Over-provisioning of the simulated device, a fraction or a percentage."),

@@ -1,0 +1,65 @@
+"""Plain jobs never write over a file tierstore did not create, unless told to (``format=1``).
+
+fio writes into any ``filename=`` it is given; tierstore refuses a write job (or a read job whose
+layout would extend the file) on an existing non-empty file that no tierstore job created, before
+any write, and names the opt-in (house rule 9; issue 22 found the overwrite)."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+
+def _user_file(path, n_bytes: int = 3 << 20) -> str:
+    path.write_bytes(os.urandom(n_bytes))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("rw", ["write", "randwrite", "randrw", "rw"])
+def test_a_write_job_on_a_users_file_is_refused_and_the_file_unchanged(tmp_path, run_bench, rw):
+    f = tmp_path / "mine.bin"
+    digest = _user_file(f)
+    rc, _, err = run_bench("--name=w", f"--rw={rw}", f"--filename={f}", "--size=1m", "--bs=4k")
+    assert rc != 0
+    assert "no tierstore job created" in err and "--format=1" in err and "Nothing was written" in err
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest and f.stat().st_size == 3 << 20
+
+
+def test_a_read_job_that_would_extend_a_users_file_is_refused(tmp_path, run_bench):
+    f = tmp_path / "small.bin"
+    digest = _user_file(f, 64 << 10)
+    rc, _, err = run_bench("--name=r", "--rw=read", f"--filename={f}", "--size=1m", "--bs=4k")
+    assert rc != 0 and "--format=1" in err
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest
+
+
+def test_a_read_job_reads_a_users_file_and_leaves_it(tmp_path, run_bench):
+    f = tmp_path / "mine.bin"
+    digest = _user_file(f)
+    rc, out, err = run_bench("--name=r", "--rw=randread", f"--filename={f}", "--size=1m", "--bs=4k")
+    assert rc == 0, err
+    assert "read: IOPS=" in out
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest
+
+
+def test_format_1_writes_over_a_users_file(tmp_path, run_bench):
+    f = tmp_path / "scratch.bin"
+    digest = _user_file(f)
+    rc, _, err = run_bench("--name=w", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k", "--format=1")
+    assert rc == 0, err
+    assert hashlib.sha256(f.read_bytes()).hexdigest() != digest
+
+
+def test_a_file_a_job_created_and_kept_is_written_again_without_format(tmp_path, run_bench):
+    f = tmp_path / "kept.bin"
+    rc, _, err = run_bench("--name=a", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k", "--unlink=0")
+    assert rc == 0, err
+    if not f.exists():
+        pytest.fail("unlink=0 must keep the job's file")
+    try:
+        os.getxattr(f, "user.tierstore.bench")
+    except OSError as e:
+        pytest.skip(f"this file system keeps no user xattrs ({e.strerror}): the job's mark cannot be kept")
+    rc, _, err = run_bench("--name=b", "--rw=randwrite", f"--filename={f}", "--size=1m", "--bs=4k")
+    assert rc == 0, err
