@@ -450,6 +450,29 @@ def _resolve_target(options: dict[str, Any]) -> tuple[str, str | None]:
     return engine, resolve_path(options, f"{options['name']}.0.0") or None
 
 
+def _prepare_target(options: dict[str, Any], path: str, read_share: float, span_bytes: int) -> bool:
+    """Check a plain job's file or device before any write and lay a read job's file out;
+    returns whether the job creates the file (it removes it at the end unless ``unlink=0``)."""
+    if path.startswith("/dev/"):
+        # never create or fill a regular file under /dev: only existing block/char devices
+        try:
+            st_mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
+                              "namespace; the development host has none)") from None
+        if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
+            raise ConfigError(f"filename={path!r}: not a block or character device")
+        _check_overwrite(options, path, True, read_share < 1)
+        return False
+    _check_space(options, path, span_bytes)
+    created = not os.path.exists(path)
+    grows = read_share > 0 and not created and os.path.getsize(path) < span_bytes
+    _check_overwrite(options, path, False, read_share < 1 or grows)
+    if read_share > 0:
+        _layout(options["name"], path, span_bytes)
+    return created
+
+
 def run_io_job(options: dict[str, Any]) -> JobResult:
     """Run one plain I/O job (``rw`` in :data:`IO_RW`).
 
@@ -499,23 +522,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
             if not path:
                 tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
                 path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
-            if path.startswith("/dev/"):
-                # never create or fill a regular file under /dev: only existing block/char devices
-                try:
-                    st_mode = os.stat(path).st_mode
-                except FileNotFoundError:
-                    raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
-                                      "namespace; the development host has none)") from None
-                if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
-                    raise ConfigError(f"filename={path!r}: not a block or character device")
-                _check_overwrite(options, path, True, read_share < 1)
-            else:
-                _check_space(options, path, span_bytes)
-                created = not os.path.exists(path)
-                grows = read_share > 0 and not created and os.path.getsize(path) < span_bytes
-                _check_overwrite(options, path, False, read_share < 1 or grows)
-                if read_share > 0:
-                    _layout(options["name"], path, span_bytes)
+            created = _prepare_target(options, path, read_share, span_bytes)
         if path is not None and _is_nvme_generic(path):
             target = _PassthroughTarget(path, span_bytes, options)
         elif engine_kind_ in ("posix", "uring", "auto") or not options["direct"]:
