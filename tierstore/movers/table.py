@@ -58,8 +58,10 @@ class HandlerTable:
         handler = self.kinds.get(kind)
         if handler is None:
             src, dst = kind
-            other = dst if src is Medium.MEMORY else src
-            why = _WHY_MISSING.get(other, "no such transfer")
+            if Medium.MEMORY not in kind:
+                why = "no such transfer (a handler moves bytes between memory and one other medium)"
+            else:
+                why = _WHY_MISSING.get(dst if src is Medium.MEMORY else src, "no such transfer")
             raise ConfigError(f"no {src.value}->{dst.value} handler: {why}")
         return handler
 
