@@ -50,9 +50,10 @@ def test_without_a_placement_table_every_tag_is_none():
 
 def test_flush_and_fill_batches():
     mem = memory()
-    d = demotion_batch([Demotion(1, key(1), Tier.HOST, 2, Tier.NVME, -1, LifetimeClass.MEDIUM, NS_VICTIM)], mem,
-                       PID.get)
+    victim = Demotion(1, key(1), Tier.HOST, 2, Tier.NVME, -1, LifetimeClass.MEDIUM, NS_VICTIM)
+    d = demotion_batch([victim], mem, PID.get)
     assert (d.keys, d.placements, d.ns_digests, d.demotions) == ([key(1)], [2], [NS_VICTIM], 1)
     buf = torch.zeros(BB, dtype=torch.uint8)
-    f = add_new_blocks(NvmeBatch(), [key(5), key(6)], [[buf], [buf]], [None, LifetimeClass.LONG], b"", PID.get)
+    f = add_new_blocks(NvmeBatch(), [key(5), key(6)], [[buf], [buf]], [None, LifetimeClass.LONG], b"",
+                       PID.get)
     assert (f.keys, f.placements, f.ns_digests, f.demotions) == ([key(5), key(6)], [0, 3], [bytes(32)] * 2, 0)

@@ -34,7 +34,8 @@ def no_view(*_a):
 def test_copy_down_runs_in_plan_order(memory):
     hbm0, host1 = memory.view(Tier.HBM, 0).clone(), memory.view(Tier.HOST, 1).clone()
     # lowest tier first: host slot 1's block moves to slot 2 before HBM slot 0's lands in slot 1
-    memory.copy_down([Demotion(0, b"a", Tier.HOST, 1, Tier.HOST, 2), Demotion(1, b"b", Tier.HBM, 0, Tier.HOST, 1)])
+    memory.copy_down([Demotion(0, b"a", Tier.HOST, 1, Tier.HOST, 2),
+                      Demotion(1, b"b", Tier.HBM, 0, Tier.HOST, 1)])
     assert torch.equal(memory.view(Tier.HOST, 2), host1)
     assert torch.equal(memory.view(Tier.HOST, 1), hbm0)
 
@@ -110,7 +111,8 @@ def test_promote_reads_back_loaded_blocks_and_reports_failures(memory):
     plans = [FragmentPlan.of_bytes(loaded[0]), Unreadable(), FragmentPlan.of_bytes(loaded[1])]
     ok = memory.promote([(0, 10, Tier.HBM, 0), (1, 11, Tier.HBM, 1), (2, 12, Tier.HBM, 2)], plans)
     assert ok == [True, False, True]
-    assert torch.equal(memory.view(Tier.HBM, 0), loaded[0]) and torch.equal(memory.view(Tier.HBM, 2), loaded[1])
+    assert torch.equal(memory.view(Tier.HBM, 0), loaded[0])
+    assert torch.equal(memory.view(Tier.HBM, 2), loaded[1])
 
 
 def test_copy_slots(memory):

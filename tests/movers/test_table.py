@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierstore.contract import Medium, StorePlan, Demotion, Tier
+from tierstore.contract import Demotion, Medium, StorePlan, Tier
 from tierstore.errors import ConfigError
 from tierstore.movers import HandlerTable, MemoryHandler, Movers, NvmeHandler, RemoteHandler
 from tierstore.tiers.memory import BlockPool
@@ -48,7 +48,8 @@ def test_movers_route_through_the_table_and_refuse_a_missing_kind():
     pools = {Tier.HOST: BlockPool("host", 2, 64)}
     movers = Movers(HandlerTable(MemoryHandler(pools)))
     assert movers.memory is movers.handlers[M, M] and movers.nvme is None and movers.remote is None
-    plan = StorePlan([b"k" * 32], [None], [0], nvme_demote=[Demotion(0, b"k" * 32, Tier.HOST, 0, Tier.NVME, -1)])
+    victim = Demotion(0, b"k" * 32, Tier.HOST, 0, Tier.NVME, -1)
+    plan = StorePlan([b"k" * 32], [None], [0], nvme_demote=[victim])
     with pytest.raises(ConfigError, match="no memory->nvme handler"):
         movers.run_flush(plan)
     with pytest.raises(ConfigError, match="no remote->memory handler"):

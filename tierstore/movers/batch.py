@@ -24,7 +24,8 @@ NO_NAMESPACE = bytes(32)
 
 @dataclasses.dataclass
 class NvmeBatch:
-    """The arguments of one :meth:`BlockStorage.put_fragments <tierstore.tiers.storage.BlockStorage.put_fragments>`.
+    """The arguments of one
+    :meth:`BlockStorage.put_fragments <tierstore.tiers.storage.BlockStorage.put_fragments>`.
 
     Attributes
     ----------
@@ -82,5 +83,6 @@ def store_batch(plan: StorePlan, sources: Sequence[FragmentPlan | None], memory:
     """A store plan's NVMe writes: its victims (``plan.nvme_demote``), then its new blocks
     (``plan.nvme_new``: key ``i`` from ``sources[i]``), one batch."""
     batch = demotion_batch(plan.nvme_demote, memory, placement_for)
-    return add_new_blocks(batch, [plan.keys[i] for i, _ in plan.nvme_new], [sources[i] for i, _ in plan.nvme_new],
-                          [cls for _, cls in plan.nvme_new], plan.ns, placement_for)
+    new = plan.nvme_new
+    return add_new_blocks(batch, [plan.keys[i] for i, _ in new], [sources[i] for i, _ in new],
+                          [cls for _, cls in new], plan.ns, placement_for)

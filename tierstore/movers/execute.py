@@ -178,7 +178,8 @@ class Movers:
         """Fetch blocks from the remote tier into destination plans (:meth:`RemoteHandler.fetch`)."""
         return self.handlers[REMOTE, MEMORY].fetch(keys, dests, gate, indices)
 
-    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True) -> list[Status]:
+    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan],
+                recent: bool = True) -> list[Status]:
         """Queue blocks for the remote tier (:meth:`RemoteHandler.publish`)."""
         return self.handlers[MEMORY, REMOTE].publish(keys, sources, recent)
 
@@ -232,7 +233,8 @@ class Movers:
         bufs = remote.fill_buffers([mem.get(i) for i in todo], self.memory)
         got = remote.get_into([plan.keys[i] for i in todo], bufs) if todo else []
         held = remote.held_of({mem[i][1] for i in todo if i in mem and mem[i][0] == Tier.HOST})
-        out, nvme_st = self._deliver_fill(plan, dests, gate, indices, mem, zip(todo, got, bufs), remote.zero_copy)
+        out, nvme_st = self._deliver_fill(plan, dests, gate, indices, mem, zip(todo, got, bufs),
+                                          remote.zero_copy)
         return out, nvme_st, dem_st, held
 
     def _fill_victims(self, plan: StorePlan) -> dict[int, Status]:
@@ -282,7 +284,8 @@ class Movers:
         return out, nvme_st
 
 
-def make_movers(pools: Mapping[Tier, BlockPool], nvme: BlockStorage | None, placement_for: PlacementFor | None,
+def make_movers(pools: Mapping[Tier, BlockPool], nvme: BlockStorage | None,
+                placement_for: PlacementFor | None,
                 remote: RemoteBlockTier | None) -> Movers:
     """The movers of a store: a handler per transfer kind its tiers need, and the work queues."""
     return Movers(HandlerTable(MemoryHandler(pools),

@@ -101,7 +101,8 @@ class MemoryHandler:
                     dests[i].scatter(self.view(tier, slot), 0)
                     statuses[i] = Status.OK
 
-    def promote(self, items: Sequence[tuple[int, int, Tier, int]], loaded: Sequence[FragmentPlan]) -> list[bool]:
+    def promote(self, items: Sequence[tuple[int, int, Tier, int]],
+                loaded: Sequence[FragmentPlan]) -> list[bool]:
         """Copy just-loaded blocks, read back from their destinations ``loaded[i]``, into upper
         slots: ``items[j] = (i, row, tier, slot)``; ``False`` where the read-back failed."""
         out = []

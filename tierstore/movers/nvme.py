@@ -36,7 +36,8 @@ class NvmeHandler:
     def write(self, batch: NvmeBatch) -> list[Status]:
         """Write ``batch`` (one ``put_fragments``); per block its status, ``IO_ERROR`` each on ``OSError``."""
         try:
-            return list(self.storage.put_fragments(batch.keys, batch.fragments, batch.placements, batch.ns_digests))
+            return list(self.storage.put_fragments(batch.keys, batch.fragments, batch.placements,
+                                                   batch.ns_digests))
         except OSError:
             return [Status.IO_ERROR] * len(batch.keys)
 
@@ -54,7 +55,8 @@ class NvmeHandler:
                 got = list(self.storage.get_fragments(keys, dests))
             else:
                 pos = list(indices) if indices is not None else list(range(len(keys)))
-                got = list(self.storage.get_fragments(keys, dests, gate=lambda idx: gate.enter([pos[j] for j in idx])))
+                got = list(self.storage.get_fragments(keys, dests,
+                                                      gate=lambda idx: gate.enter([pos[j] for j in idx])))
         except OSError:
             got = [Status.IO_ERROR] * len(keys)
         return got, time.perf_counter() - t0

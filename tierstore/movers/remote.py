@@ -67,7 +67,8 @@ class RemoteHandler:
         except OSError:
             return [Status.IO_ERROR] * len(keys)
 
-    def fill_buffers(self, targets: Sequence[tuple[Tier, int] | None], memory: MemoryHandler) -> list[torch.Tensor]:
+    def fill_buffers(self, targets: Sequence[tuple[Tier, int] | None],
+                     memory: MemoryHandler) -> list[torch.Tensor]:
         """Where each fetched block lands: its host slot itself when the pool is registered
         (zero-copy), else a staging buffer (an HBM slot, NVMe only, or no slot: ``None``)."""
         out = []
@@ -105,7 +106,8 @@ class RemoteHandler:
         return st
 
     # -------------------------------------------------------------- memory -> remote
-    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True) -> list[Status]:
+    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan],
+                recent: bool = True) -> list[Status]:
         """Queue blocks for the remote tier (asynchronous; returns at once).
 
         A source that is one contiguous host tensor goes as is (the tier copies
@@ -115,8 +117,9 @@ class RemoteHandler:
         blocks = []
         for p in sources:
             frags = p.fragments
-            if p.strided is None and frags is not None and len(frags) == 1 and isinstance(frags[0], torch.Tensor) \
-                    and frags[0].device.type == "cpu" and frags[0].is_contiguous():
+            if p.strided is None and frags is not None and len(frags) == 1 \
+                    and isinstance(frags[0], torch.Tensor) and frags[0].device.type == "cpu" \
+                    and frags[0].is_contiguous():
                 blocks.append(frags[0])
             else:
                 b = torch.empty(p.nbytes, dtype=torch.uint8)
