@@ -388,7 +388,7 @@ def test_load_deadline_turns_a_slow_memory_copy_into_misses(make_store, layout, 
     blocks = make_blocks(layout, 4)
     s.store(ns, toks, blocks)
     keys = s.keys_for(ns, toks)
-    mover = s._mover
+    mover = s._mover.memory  # every memory copy passes through the memory handler's view
     real_view = mover.view
 
     def slow_view(tier, slot):

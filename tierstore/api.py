@@ -18,7 +18,7 @@ block straight from the engine's pages into its tier slot (or the NVMe staging
 extent), ``load_fragments`` scatters straight back: one copy each way.
 
 How a call runs: the block index decides (:mod:`tierstore.index`, under its
-lock), the mover moves bytes (:mod:`tierstore.mover`, no lock held), the index
+lock), the movers move bytes (:mod:`tierstore.movers`, no lock held), the index
 records the outcome. ``wait=False`` runs the same on the store's load or store
 executor and returns a :class:`concurrent.futures.Future` (loads and stores have
 separate executors, so a load never waits behind a store's NVMe writes).
@@ -69,7 +69,7 @@ from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
-from .mover import LoadGate
+from .movers.gate import LoadGate
 
 
 def leading_ok(statuses: Sequence[Status]) -> int:
@@ -873,7 +873,7 @@ class KVStore:
         Blocks a lookup found remotely under a known namespace are a cache fill:
         the index places them (:meth:`BlockIndex.prepare_store`), the mover
         fetches them straight into their host-tier slots and copies them on to
-        the destinations (:meth:`Mover.run_remote_fill`), and the index makes
+        the destinations (:meth:`Movers.run_remote_fill`), and the index makes
         them resident. Blocks of a key-level lookup without a namespace are
         fetched into their destinations only (they stay remote). A namespace
         invalidated by this store is never loaded from the remote tier.

@@ -30,7 +30,7 @@ wires, from the typed parts:
   device's RUH Status; ``fdp.enabled: false`` gives no placement);
 * the block index (:class:`~tierstore.index.BlockIndex`) and its policies, the
   region listener (the index hears what NVMe evicts), and the recovered blocks;
-* the mover (:class:`~tierstore.mover.Mover`);
+* the movers (:class:`~tierstore.movers.Movers`, a handler per transfer kind);
 * the shared remote tier, when the config has a ``remote`` section
   (:class:`~tierstore.remote.mooncake.MooncakeTier` on Mooncake Store, with its
   sharing admission rule; needs the ``tierstore[cluster]`` extra).
@@ -56,7 +56,7 @@ from .io.null import NullEngine
 from .io.label import Target, check_target, resolve_nvme_path
 from .io.segments import MIN_SEGMENTS, SegmentStorage, choose_segment_size
 from .layout import KVLayout
-from .mover import Mover
+from .movers import Movers, make_movers
 from .policies.admission import make_admission
 from .policies.cost import CostModel
 from .policies.lifetime import make_classifier
@@ -75,7 +75,7 @@ class StoreParts:
     layout: KVLayout
     config: StoreConfig
     index: BlockIndex
-    mover: Mover
+    mover: Movers
     pools: dict
     nvme: BlockStorage | None
     placement: PlacementPolicy
@@ -421,7 +421,7 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         remote = share = None
         if cfg.remote is not None:
             remote, share = _open_remote(cfg, bb, index)
-        mover = Mover(pools, nvme, placement.placement_for if placement.enabled else None, remote)
+        mover = make_movers(pools, nvme, placement.placement_for if placement.enabled else None, remote)
         if remote is not None:  # remote loads are priced from measured Mooncake transfers
             remote.set_load_observer(lambda n, secs: index.config.cost.observe_load("remote", n * bb, secs, n))
         return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)

@@ -169,7 +169,7 @@ def test_hung_cluster_load_is_bounded_and_the_late_transfer_never_lands_in_a_liv
         assert b.remote.state == "degraded"
         # the fill's two host slots stay reserved while the late transfer may write them:
         # local stores get the other two slots only
-        assert len(b._mover._held) == 2 and b._index.in_flight() == 1
+        assert len(b._mover.remote.held) == 2 and b._index.in_flight() == 1
         t2, kv2 = prompt(6, 4)
         assert b.store(NS, t2, kv2) == [Status.OK] * 2 + [Status.NO_SPACE] * 2
     finally:
@@ -177,7 +177,7 @@ def test_hung_cluster_load_is_bounded_and_the_late_transfer_never_lands_in_a_liv
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and b._index.in_flight():
         time.sleep(0.05)
-    assert not b._mover._held
+    assert not b._mover.remote.held
     b.check_invariants(quiescent=True)
     assert load_checked(b, NS, 6, 2)[1:] == (2, 0)  # the stored blocks were never overwritten
     assert b.remote.wait_ok(5)

@@ -1,0 +1,121 @@
+"""The memory handler on CPU BlockPools: slot copies in plan order, engine gathers and scatters
+(per block and the BlockRows one-copy-per-tier path), the load gate, promotions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstore.contract import Demotion, Tier
+from tierstore.errors import Status
+from tierstore.io.pages import BlockRows, FragmentPlan
+from tierstore.movers import LoadGate, MemoryHandler
+from tierstore.tiers.memory import BlockPool
+
+BB = 256
+
+
+def rand(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=g)
+
+
+@pytest.fixture
+def memory() -> MemoryHandler:
+    pools = {Tier.HBM: BlockPool("hbm", 4, BB), Tier.HOST: BlockPool("host", 8, BB)}
+    for i, p in enumerate(pools.values()):
+        p.data.copy_(rand(p.num_blocks, 100 + i))
+    return MemoryHandler(pools)
+
+
+def no_view(*_a):
+    raise AssertionError("a BlockRows batch copies whole tiers, never one slot at a time")
+
+
+def test_copy_down_runs_in_plan_order(memory):
+    hbm0, host1 = memory.view(Tier.HBM, 0).clone(), memory.view(Tier.HOST, 1).clone()
+    # lowest tier first: host slot 1's block moves to slot 2 before HBM slot 0's lands in slot 1
+    memory.copy_down([Demotion(0, b"a", Tier.HOST, 1, Tier.HOST, 2),
+                      Demotion(1, b"b", Tier.HBM, 0, Tier.HOST, 1)])
+    assert torch.equal(memory.view(Tier.HOST, 2), host1)
+    assert torch.equal(memory.view(Tier.HOST, 1), hbm0)
+
+
+def test_gather_per_block_and_as_rows_give_the_same_bytes(memory):
+    src = rand(5, 1)
+    items = [(0, Tier.HOST, 3), (1, Tier.HOST, 4), (2, Tier.HBM, 2), (3, Tier.HOST, 0), (4, Tier.HBM, 1)]
+    memory.gather([FragmentPlan.of_bytes(r) for r in src], items)
+    for i, t, s in items:
+        assert torch.equal(memory.view(t, s), src[i])
+    src2 = rand(5, 2)
+    memory.view = no_view  # consecutive host run 0-1 -> 3-4 (slice copy), the rest index_copy_
+    memory.gather(BlockRows(src2.clone()), items)
+    del memory.view
+    for i, t, s in items:
+        assert torch.equal(memory.view(t, s), src2[i])
+
+
+def test_a_single_block_of_rows_goes_through_the_slot_view(memory):
+    src = rand(1, 3)
+    seen = []
+    real = memory.view
+    memory.view = lambda t, s: seen.append((t, s)) or real(t, s)
+    memory.gather(BlockRows(src.clone()), [(0, Tier.HOST, 5)])
+    assert seen == [(Tier.HOST, 5)] and torch.equal(real(Tier.HOST, 5), src[0])
+
+
+def test_scatter_without_gate_per_block_and_as_rows(memory):
+    items = [(0, Tier.HOST, 6), (2, Tier.HBM, 3), (1, Tier.HOST, 7)]
+    out = torch.zeros(3, BB, dtype=torch.uint8)
+    st = [Status.MISS] * 4
+    memory.scatter([FragmentPlan.of_bytes(r, destination=True) for r in out.unbind(0)], items, None, st)
+    assert st == [Status.OK] * 3 + [Status.MISS]
+    for i, t, s in items:
+        assert torch.equal(out[i], memory.view(t, s))
+    rows = BlockRows(torch.zeros(3, BB, dtype=torch.uint8), destination=True)
+    st = [Status.MISS] * 3
+    memory.view = no_view
+    memory.scatter(rows, items, None, st)
+    del memory.view
+    assert st == [Status.OK] * 3
+    for i, t, s in items:
+        assert torch.equal(rows.rows[i], memory.view(t, s))
+
+
+def test_scatter_under_a_gate_delivers_only_while_it_is_open(memory):
+    out = torch.zeros(2, BB, dtype=torch.uint8)
+    dests = [FragmentPlan.of_bytes(r, destination=True) for r in out.unbind(0)]
+    gate = LoadGate()
+    st = [Status.MISS] * 2
+    memory.scatter(dests, [(0, Tier.HOST, 1)], gate, st)
+    assert st == [Status.OK, Status.MISS] and gate.delivered == {0}
+    assert gate.close() == {0}
+    memory.scatter(dests, [(1, Tier.HOST, 2)], gate, st)  # after the deadline: nothing lands
+    assert st == [Status.OK, Status.MISS] and not out[1].any()
+    # a gate also turns off the BlockRows batch: each block is copied under it
+    rows = BlockRows(torch.zeros(2, BB, dtype=torch.uint8), destination=True)
+    st = [Status.MISS] * 2
+    memory.scatter(rows, [(0, Tier.HOST, 1), (1, Tier.HOST, 2)], LoadGate(), st)
+    assert st == [Status.OK] * 2 and torch.equal(rows.rows[1], memory.view(Tier.HOST, 2))
+
+
+class Unreadable(FragmentPlan):
+    def __init__(self) -> None:  # noqa: D107 -- a plan whose bytes cannot be read back
+        self.nbytes = BB
+
+    def gather(self, staging, offset):
+        raise RuntimeError("the engine freed this buffer")
+
+
+def test_promote_reads_back_loaded_blocks_and_reports_failures(memory):
+    loaded = rand(2, 4)
+    plans = [FragmentPlan.of_bytes(loaded[0]), Unreadable(), FragmentPlan.of_bytes(loaded[1])]
+    ok = memory.promote([(0, 10, Tier.HBM, 0), (1, 11, Tier.HBM, 1), (2, 12, Tier.HBM, 2)], plans)
+    assert ok == [True, False, True]
+    assert torch.equal(memory.view(Tier.HBM, 0), loaded[0])
+    assert torch.equal(memory.view(Tier.HBM, 2), loaded[1])
+
+
+def test_copy_slots(memory):
+    want = memory.view(Tier.HOST, 7).clone()
+    memory.copy_slots([(Tier.HOST, 7, Tier.HBM, 3)])
+    assert torch.equal(memory.view(Tier.HBM, 3), want)

@@ -1,0 +1,43 @@
+"""The load gate: "copy into the engine's buffer" and "give up at the deadline" exclude each other.
+
+A load with a deadline hands one :class:`LoadGate` to every copy into its destinations (memory
+scatters, NVMe reads, remote fetches). :meth:`LoadGate.close`, called at the deadline, waits for a
+copy in progress and stops later ones, so the engine's buffers are never written behind its back.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Sequence
+
+
+class LoadGate:
+    """Makes "copy into the engine's buffer" and "give up at the deadline" exclusive.
+
+    A load with a deadline hands this gate to every copy into its
+    destinations. :meth:`close` (at the deadline) waits for a copy in progress
+    and stops later ones; the late I/O then completes into nothing, and the
+    caller reports those blocks as misses, so the engine recomputes them while
+    its buffers are never written behind its back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.closed = False
+        self.delivered: set[int] = set()
+
+    @contextlib.contextmanager
+    def enter(self, indices: Sequence[int]):
+        """Context manager yielding ``True`` if the copy of ``indices`` may proceed."""
+        with self._lock:
+            if self.closed:
+                yield False
+                return
+            yield True
+            self.delivered.update(indices)
+
+    def close(self) -> set[int]:
+        """Stop further copies; return the indices delivered so far."""
+        with self._lock:
+            self.closed = True
+            return set(self.delivered)
