@@ -73,7 +73,8 @@ def test_registry_names_and_refusal_wording():
     with pytest.raises(ConfigError, match=msg):
         SEGMENT_POLICY.make("clock")
     with pytest.raises(ConfigError, match=r"^region_policy='clock': accepted values are"):
-        SegmentStorage(None, 2 << 20, 4096, segment_size_bytes=256 << 10, engine="memory", region_policy="clock")
+        SegmentStorage(None, 2 << 20, 4096, segment_size_bytes=256 << 10, engine="memory",
+                       region_policy="clock")
 
 
 def _manager(policy: str, n: int = 8) -> SegmentManager:
@@ -108,7 +109,8 @@ def test_a_store_evicts_the_segment_its_policy_puts_first(policy, evicted):
     """Seven segments of eight one-block extents filled in order; segment 0's first block is then
     hit (LRU keeps it) and segment 2 loses a block (fewest live); the next put evicts one segment."""
     seg, cap = 64 << 10, 8 * (64 << 10)
-    s = SegmentStorage(None, cap, 4096, segment_size_bytes=seg, engine=MemoryEngine(cap), extent_size_bytes=8192,
+    s = SegmentStorage(None, cap, 4096, segment_size_bytes=seg, engine=MemoryEngine(cap),
+                       extent_size_bytes=8192,
                        region_policy=policy, listener=_KeepNothing())
     keys = [bytes([i + 1]) * 32 for i in range(57)]
     for k in keys[:56]:
@@ -121,3 +123,38 @@ def test_a_store_evicts_the_segment_its_policy_puts_first(policy, evicted):
     gone = [i for i, k in enumerate(keys[:56]) if not s.contains(k) and i != 16]
     assert gone == [i for i in range(8 * evicted, 8 * evicted + 8) if i != 16]
     s.close()
+
+
+def test_open_for_runs_fallocate_with_the_passed_lock_released_and_takes_it_back():
+    lock = threading.Lock()
+    seen = []
+
+    def preallocate(off, length):
+        seen.append((off, length, lock.locked()))
+        if len(seen) == 2:
+            raise OSError(28, "No space left on device")
+
+    counters = {"preallocate_errors": 0}
+    m = SegmentManager(4, 1 << 20, 4096, 4, 1, 0, LruSegments(), lock, preallocate, counters)
+    with lock:
+        plans, leftover = m.plan_extents({None: [0, 1]}, allow_reserve=False)
+        assert lock.locked()
+        assert [p.seg for p in plans] == [0] and not leftover
+        m.seal(0, set())
+        plans, leftover = m.plan_extents({7: [0]}, allow_reserve=False)   # fallocate fails: no space
+    assert seen == [(0, 1 << 20, False), (1 << 20, 1 << 20, False)]
+    assert plans == [] and leftover == {7: [0]}
+    assert counters["preallocate_errors"] == 1 and m.state[1] == SegmentState.FREE
+
+
+def test_a_segment_with_holes_stays_sealed_and_an_empty_one_is_handed_back():
+    m = _manager("lru", n=4)
+    m.state[0] = SegmentState.SEALED
+    m.live[0], m.written[0] = 2, 3
+    assert m.dead_blocks() == 1
+    assert m.release(0) is False and m.state[0] == SegmentState.SEALED    # 1 live of 3 written: holes
+    assert m.dead_blocks() == 2
+    assert m.release(0) is True and m.state[0] == SegmentState.RECLAIMING  # no live block: reclaim whole
+    m.state[2] = SegmentState.OPEN
+    m.live[2] = 1
+    assert m.release(2) is False and m.state[2] == SegmentState.OPEN      # an open one is never handed back
