@@ -172,16 +172,7 @@ class ExtentPipeline:
         LayoutError
             If a block does not fit in ``staging``.
         """
-        with self._omp_threads():
-            for i, j, view in _merged_runs(plans, offsets, destination=False):
-                if view is None:
-                    plans[i].gather(staging, offsets[i])
-                else:
-                    n = view.numel()
-                    if offsets[i] + n > staging.numel():
-                        raise LayoutError(f"gather overflows staging of {staging.numel()} bytes")
-                    staging[offsets[i]:offsets[i] + n].view(view.shape).copy_(view)
-            return [p.nbytes for p in plans]
+        return self._move_blocks(plans, staging, offsets, destination=False)
 
     def scatter_blocks(self, staging: torch.Tensor, offsets: Sequence[int],
                        plans: Sequence[FragmentPlan]) -> list[int]:
@@ -193,15 +184,25 @@ class ExtentPipeline:
         LayoutError
             If a block reads past the end of ``staging``.
         """
+        return self._move_blocks(plans, staging, offsets, destination=True)
+
+    def _move_blocks(self, plans: Sequence[FragmentPlan], staging: torch.Tensor, offsets: Sequence[int],
+                     destination: bool) -> list[int]:
+        """Gather ``plans`` into ``staging`` (``destination=False``) or scatter ``staging`` into them."""
         with self._omp_threads():
-            for i, j, view in _merged_runs(plans, offsets, destination=True):
+            for i, j, view in _merged_runs(plans, offsets, destination=destination):
                 if view is None:
-                    plans[i].scatter(staging, offsets[i])
+                    (plans[i].scatter if destination else plans[i].gather)(staging, offsets[i])
+                    continue
+                n = view.numel()
+                if offsets[i] + n > staging.numel():
+                    raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes" if destination
+                                      else f"gather overflows staging of {staging.numel()} bytes")
+                run = staging[offsets[i]:offsets[i] + n].view(view.shape)
+                if destination:
+                    view.copy_(run)
                 else:
-                    n = view.numel()
-                    if offsets[i] + n > staging.numel():
-                        raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes")
-                    view.copy_(staging[offsets[i]:offsets[i] + n].view(view.shape))
+                    run.copy_(view)
             return [p.nbytes for p in plans]
 
     @contextlib.contextmanager

@@ -93,7 +93,7 @@ RECORD_BYTES = _RECORD.size     # 64
 _CRC_AT = 60
 _ZERO32 = bytes(32)
 #: The segment store's legacy ``<path>.invalidations`` record: namespace digest, u64 write_seq,
-#: u32 CRC-32C of both (tierstore.io.segments: ``_INVAL_REC``, ``_append_invalidation``).
+#: u32 CRC-32C of both (:data:`tierstore.io.invalidation_log.NS_RECORD`).
 _LEGACY = struct.Struct("<32sQI")
 
 

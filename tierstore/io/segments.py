@@ -1,81 +1,37 @@
 """The NVMe tier: a log-structured segment store that owns all of its space.
 
-:class:`SegmentStorage` implements the tier seam
-:class:`tierstore.tiers.storage.BlockStorage` over an
-:class:`~tierstore.io.engine.IOEngine`, and it is the **one owner of NVMe
-space** (CacheLib Navy's ``RegionManager``): it keeps the segments (regions,
-one reclaim unit each), the open segment of every placement stream, the clean
-pool, region-level eviction and garbage collection. The block index never
-decides a segment's fate; it hears what left through a
-:class:`RegionListener` callback, and is asked, once per evicted segment,
-which of its blocks to keep (copy forward: blocks in use, pinned or predicted
-to be reused).
+:class:`SegmentStorage` implements :class:`tierstore.tiers.storage.BlockStorage` over an
+:class:`~tierstore.io.engine.IOEngine` and is the one owner of NVMe space. It is the facade of
+rooms that hold data and never lock on their own (they run under the locks it passes in):
 
-Blocks of a ``put`` are gathered into large extents (16 MiB default,
-:mod:`tierstore.io.batch`) and appended to the open segment of their
-placement stream (one open segment per placement, as FDP reclaim-unit handles
-want). The on-disk format, durability and recovery rules are in
-:mod:`tierstore.io.format`.
+* :class:`~tierstore.io.segment_manager.SegmentManager` (Navy's ``RegionManager``): segment
+  states, the open segment per placement stream, extent allocation;
+* :data:`~tierstore.io.segment_policies.SEGMENT_POLICY`: the eviction order (``region_policy``);
+* :class:`~tierstore.io.locator.BlockLocator`: key -> (segment, offset, length);
+* :class:`~tierstore.io.segment_reads.SegmentReader`: the read path;
+* :class:`~tierstore.io.invalidation_log.InvalidationLog` and :mod:`tierstore.io.recovery`
+  (label, extent chains, a smaller tier) at open.
 
-Segment life cycle (:class:`SegmentState`)
-------------------------------------------
-``FREE -> OPEN`` (allocated whole with fallocate when a stream needs room; a
-full file system shows here, before anything is written) ``-> SEALED`` (its
-tail cannot take one more extent) ``-> RECLAIMING`` (every live block is
-either copied forward or dropped; in-flight reads of it are waited for)
-``-> FREE`` (trimmed: punch hole / NVMe Deallocate). A sealed segment whose
-blocks were all deleted goes straight to ``RECLAIMING``.
+It owns the write path and eviction: blocks of a put are gathered into extents
+(:mod:`tierstore.io.batch`) appended to their stream's open segment; when no free segment is left
+(beyond ``reserve_segments``), one sealed segment is evicted: the listener (the index) says which
+live blocks to keep, those are copied forward (``gc_bytes_written``), the rest are dropped and
+reported (:meth:`RegionListener.on_dropped`), and the segment is trimmed.
 
-Region eviction
----------------
-When a put finds no free segment (beyond ``reserve_segments`` kept for GC),
-the region policy picks a victim among sealed segments: ``"lru"`` (the
-segment read or written least recently: Navy's region LRU, touched by
-:meth:`SegmentStorage.touch` on hits), ``"fifo"`` (the oldest sealed one; a
-reclaim unit's data then dies together) or ``"min_live"`` (the one with the
-fewest live blocks, greedy GC). The listener says which live blocks to keep; those
-are copied forward into the open segment of their stream (``gc_bytes_written``,
-host write amplification), the rest are dropped and reported with
-:meth:`RegionListener.on_dropped`.
-
-Locking: ``_lock`` guards metadata only and is never held across I/O. Writers
-are serialised by ``_write_lock`` (held across write I/O); reads never take it,
-so **reads never queue behind writes**. Reads and writes use separate staging
-pipelines. A segment with reads in flight is not trimmed until they finish.
-
-Memory: keys live in a :class:`~tierstore.keytable.KeyTable` and each block's
-location in numpy arrays indexed by row (about 70 bytes per block), not in a
-Python object per block.
-
-Failure semantics (per block, never raised)
--------------------------------------------
-* ENOSPC/EFBIG/EDQUOT on write -> ``NO_SPACE``; other write or fdatasync
-  errors -> ``IO_ERROR``. A failed block leaves no index entry, and the
-  segment's write pointer is rolled back so the log chain stays intact.
-* EIO, a short read or a CRC mismatch on read -> ``IO_ERROR`` for that block
-  only (a failed multi-block read is retried block by block); the block is
-  dropped, so later gets are ``MISS``. Destination bytes of a failed block
-  are never written.
-
-Invalidation log
-----------------
-:meth:`invalidate_namespace` drops every block of a namespace and appends a
-record ``(ns_digest, write_seq)`` to ``<path>.invalidations`` (fsync'ed) for
-file-backed stores. Recovery drops blocks of a logged namespace written
-before the record's sequence number, so an invalidated namespace is never
-served again after a restart; blocks stored under it afterwards are kept.
+Locks: ``_lock`` guards metadata and is never held across I/O; ``_write_lock`` serialises writers
+(held across write I/O); ``_read_lock`` the read pipeline. Reads never queue behind writes; a
+segment with reads in flight is not trimmed. Failures are per block, never raised:
+ENOSPC/EFBIG/EDQUOT -> ``NO_SPACE``, other write/fdatasync errors -> ``IO_ERROR`` (no index entry,
+the write pointer rolled back); EIO, a short read or a CRC mismatch -> ``IO_ERROR`` for that block,
+which is dropped (later gets ``MISS``); a failed block's destination is never written. On-disk
+format and durability: :mod:`tierstore.io.format`.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import errno
 import logging
 import os
-import stat
-import struct
 import threading
-from array import array
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -83,52 +39,36 @@ import torch
 
 from . import format as fmt
 from . import label as lbl
+from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
-from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
-from ..errors import (ConfigError, CorruptData, ForeignDataError, InvariantError, LayoutError, Status,
-                      StoreClosedError, TierStoreError)
-from ..keytable import KeyTable
+from .invalidation_log import InvalidationLog
+from .locator import BlockLocator
+from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
+from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
+from .segment_policies import SEGMENT_POLICY
+from .segment_reads import SegmentReader
+from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
 from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
-from ..units import format_bytes, parse_size
+from ..units import parse_size
+
+__all__ = ["SegmentStorage", "SegmentState", "choose_segment_size", "DEFAULT_SEGMENT_BYTES", "MIN_SEGMENTS",
+           "TARGET_SEGMENTS", "REGION_POLICIES"]
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
 #: Navy region-size multiple; configure to the device's RU size.
 DEFAULT_SEGMENT_BYTES = 256 << 20
-#: Fewest segments a store may have: region eviction frees one segment at a
-#: time, so with fewer a single eviction drops a large share of the tier
-#: (issue: a 2 MiB tier of two 1 MiB segments lost half its blocks at once).
+#: Fewest segments a store may have: segment eviction frees one segment at a
+#: time, so with fewer a single eviction would drop a large share of the tier.
 MIN_SEGMENTS = 8
-#: Segments a tier is cut into when its size allows (region eviction then frees
+#: Segments a tier is cut into when its size allows (segment eviction then frees
 #: about 1/64 of the tier at a time).
 TARGET_SEGMENTS = 64
 _NOSPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-_NO_PLACEMENT = -1
-REGION_POLICIES = ("lru", "fifo", "min_live")
+#: The accepted ``region_policy`` names (:data:`SEGMENT_POLICY`), for old imports.
+REGION_POLICIES = tuple(SEGMENT_POLICY.names())
 _log = logging.getLogger(__name__)
-#: Invalidation log record: 32-byte namespace digest, u64 write_seq, u32 CRC-32C of both.
-_INVAL_REC = struct.Struct("<32sQI")
-
-
-class SegmentState(enum.IntEnum):
-    """Life cycle of a segment (reclaim unit); see the module doc."""
-
-    FREE = 0
-    OPEN = 1
-    SEALED = 2
-    RECLAIMING = 3
-
-
-@dataclasses.dataclass
-class _Plan:
-    seg: int
-    ext_off: int
-    seq: int
-    gen: int
-    placement: int | None
-    idx: list
-    entries: list = dataclasses.field(default_factory=list)
 
 
 def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
@@ -143,16 +83,6 @@ def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
         if r is None or r[0] is not rows or r[1] != i0 + j:
             return None
     return rows[i0:i0 + len(plans)]
-
-
-def _is_device(path: str | None) -> bool:
-    """Whether ``path`` is a block or character device (a raw SSD, ``/dev/ngXnY``)."""
-    try:
-        mode = os.stat(path).st_mode if path else 0
-    except OSError:
-        return False
-    return stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
-
 
 def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
                         min_segments: int = MIN_SEGMENTS) -> int:
@@ -187,14 +117,139 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
     return seg
 
 
+def _check_sizes(cap: int, block_bytes: int, segment_size_bytes, extent_size_bytes, reserve_segments: int,
+                 region_policy: str, labelled: bool) -> tuple[int, int]:
+    """``(segment bytes, extent bytes)`` parsed; a ``ConfigError`` for any inconsistency."""
+    seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
+    ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
+    if block_bytes <= 0:
+        raise ConfigError(f"block_bytes={block_bytes}: must be > 0")
+    if seg_b <= 0 or seg_b % fmt.ALIGN_BYTES:
+        raise ConfigError(f"segment_size_bytes={seg_b}: must be a positive multiple of 4096")
+    one = fmt.extent_bytes_for(1, block_bytes)
+    if seg_b < one:
+        raise ConfigError(f"segment_size_bytes={seg_b}: must hold one block extent ({one} bytes)")
+    if reserve_segments < 1:
+        raise ConfigError(f"reserve_segments={reserve_segments}: must be >= 1")
+    SEGMENT_POLICY.canonical(region_policy)
+    n_seg = cap // seg_b
+    if n_seg < reserve_segments + 1:
+        raise ConfigError(f"capacity_bytes={cap}: holds {n_seg} segments of {seg_b}; need at "
+                          f"least reserve_segments + 1 = {reserve_segments + 1}")
+    start0 = lbl.LABEL_BYTES if labelled else 0  # where segment 0's chain starts
+    if seg_b < start0 + one:
+        raise ConfigError(f"segment_size_bytes={seg_b}: must hold the label and one block extent "
+                          f"({start0 + one} bytes)")
+    return seg_b, ext_b
+
+
+def _put_args(keys, fragments_per_block, placements, ns_digests,
+              block_bytes: int) -> tuple[list, list, list, list]:
+    """A put's arguments checked and normalised: ``(keys, fragment plans, placements, ns digests)``.
+
+    Raises
+    ------
+    LayoutError
+        Wrong key length, block size or argument lengths (nothing is written).
+    """
+    n = len(keys)
+    if len(fragments_per_block) != n:
+        raise LayoutError(f"{n} keys but {len(fragments_per_block)} fragment lists")
+    if placements is not None and len(placements) != n:
+        raise LayoutError(f"{n} keys but {len(placements)} placements")
+    if ns_digests is not None and len(ns_digests) != n:
+        raise LayoutError(f"{n} keys but {len(ns_digests)} ns_digests")
+    keys = [bytes(k) for k in keys]
+    for k in keys:
+        if len(k) != fmt.KEY_BYTES:
+            raise LayoutError(f"key of {len(k)} bytes; keys are {fmt.KEY_BYTES} bytes")
+    plans = [plan_fragments(frags) for frags in fragments_per_block]
+    for p in plans:
+        if p.nbytes != block_bytes:
+            raise LayoutError(f"block of {p.nbytes} bytes; this store holds {block_bytes}-byte blocks")
+    nss = [bytes(d) if d is not None else bytes(32) for d in (ns_digests or [None] * n)]
+    for d in nss:
+        if len(d) != 32:
+            raise LayoutError("ns_digest must be 32 bytes")
+    pls = list(placements) if placements is not None else [None] * n
+    return keys, plans, pls, nss
+
+
+def _get_args(keys, dest_fragments_per_block, block_bytes: int) -> tuple[list, list]:
+    """A get's arguments checked: ``(keys, destination plans)`` (``LayoutError`` otherwise)."""
+    n = len(keys)
+    if len(dest_fragments_per_block) != n:
+        raise LayoutError(f"{n} keys but {len(dest_fragments_per_block)} destination lists")
+    dests = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
+    check_distinct_destinations(dests)
+    for p in dests:
+        if p.nbytes != block_bytes:
+            raise LayoutError(f"destination of {p.nbytes} bytes; blocks are {block_bytes} bytes")
+    keys = [bytes(k) for k in keys]
+    return keys, dests
+
+
+def _extent_filler(p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data: bool,
+                   pipe: ExtentPipeline) -> Callable[[torch.Tensor], int]:
+    """``fill(buf)``: lay out the extent of ``p`` in the staging buffer (header, payloads,
+    padding) and record its entries in ``p.entries``; returns the bytes used."""
+    slot = fmt.block_slot_bytes(block_bytes)
+    bb = block_bytes
+
+    def fill(buf: torch.Tensor) -> int:
+        mv = memoryview(buf.numpy())
+        hb = fmt.header_bytes_for(len(p.idx))
+        jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
+        end = hb + len(jobs) * slot
+        if not keep_data:  # accounting mode: the real header, payload and padding unwritten
+            p.entries = [fmt.BlockEntry(keys[i], nss[i], pos, bb, 0) for i, pos in jobs]
+            fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, p.entries)
+            return end
+        # Copies back to back on torch's threads, then CRC-32C on the
+        # copy threads (crc32c releases the GIL).
+        mine = [frags[i] for i in p.idx]
+        k = len(mine)
+        rows = _consecutive_rows(mine)
+        if rows is not None:  # rows i..i+k of one BlockRows: one strided copy
+            buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
+        else:
+            pipe.gather_blocks(mine, buf, [pos for _, pos in jobs])
+        if slot > bb:
+            buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
+
+        def one(job) -> fmt.BlockEntry:
+            i, pos = job
+            return fmt.BlockEntry(keys[i], nss[i], pos, bb, fmt.payload_crc(keys[i], mv[pos:pos + bb]))
+        entries = pipe.map(one, jobs)
+        fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
+        p.entries = entries
+        return end
+    return fill
+
+
+def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int, owns_engine: bool | None,
+                format: bool, iodepth: int, max_io_bytes: int | str) -> tuple[IOEngine, bool]:
+    """``(engine, whether the store closes it)``: ``engine`` itself when it is one, else one opened
+    on ``path`` large enough for the tier and for the segments a shrink drops (after the label check)."""
+    if isinstance(engine, IOEngine):
+        if engine.size_bytes < n_seg * seg_b:
+            raise ConfigError(f"engine of {engine.size_bytes} bytes < {n_seg * seg_b}")
+        return engine, bool(owns_engine)
+    size = n_seg * seg_b
+    if path is not None and engine != "memory":
+        old = lbl.check_target(path, format=format).label
+        if old is not None and old.segment_size_bytes == seg_b:  # reach the segments a shrink drops
+            size = max(size, old.n_segments * seg_b)
+    return open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes), True
+
+
 class SegmentStorage(BlockStorage):
     """Crash-safe log-structured block store on a file or block device.
 
     Parameters
     ----------
     path : str or None
-        File (created sparse) or block device; ``None`` with an engine object
-        or ``engine="memory"``.
+        File (created sparse) or block device; ``None`` with an engine object or ``engine="memory"``.
     capacity_bytes : int or str
         Device bytes to use; rounded down to whole segments.
     block_bytes : int
@@ -217,40 +272,36 @@ class SegmentStorage(BlockStorage):
         CPUs used to gather/scatter and checksum next to I/O
         (:func:`tierstore.io.batch.default_copy_threads`).
     region_policy : {"lru", "fifo", "min_live"}
-        Which sealed segment region eviction picks (module doc).
+        Which sealed segment eviction tries first (:mod:`tierstore.io.segment_policies`).
     listener : RegionListener, optional
         The block index; may be set later with :meth:`set_listener`.
     invalidation_log : str or None or False
-        Path of the invalidation log; default ``<path>.invalidations`` for a
-        regular file, none for devices and memory (``False`` disables it).
+        Path of the invalidation log (:mod:`tierstore.io.invalidation_log`); default
+        ``<path>.invalidations`` for a regular file, none for devices and memory (``False``: none).
     owns_engine : bool, optional
         Close an engine object given in ``engine`` on :meth:`close` (default: no).
     label : bool, optional
-        Keep the tier's label in device bytes ``[0, 4096)`` (:mod:`tierstore.io.label`):
-        the geometry it was formatted with, checked at every open; segment 0's
-        chain then starts at byte 4096. Default: when ``path`` is given (a tier
-        that outlives the process).
+        Keep the tier's label in device bytes ``[0, 4096)`` (:mod:`tierstore.io.label`): the geometry
+        it was formatted with, checked at every open; segment 0's chain then starts at byte 4096.
+        Default: when ``path`` is given (a tier that outlives the process).
     format : bool
         Allowed to format a target without the label (``tiers.nvme.format``);
         without it such a target is refused before anything is written.
     metadata_placement : int or None
-        The placement (FDP PID) of the tier's own writes that carry no block: the
-        label and the zeroed chain starts of a format. ``None``: untagged. On an
-        FDP device build passes the default handle's PID
-        (:meth:`tierstore.fdp.placement.PlacementPolicy.placement_for_metadata`),
+        The placement (FDP PID) of the tier's own writes that carry no block: the label and the
+        zeroed chain starts of a format. ``None``: untagged. On an FDP device build passes the
+        default handle's PID (:meth:`tierstore.fdp.placement.PlacementPolicy.placement_for_metadata`),
         so every write the device sees names a reclaim unit handle.
     keep_data : bool
-        ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`):
-        every extent is laid out and written as usual with its real header
-        (keys, offsets, lengths; payload CRCs 0), but payload bytes are neither
-        gathered nor checksummed (the engine, e.g. ``null``, keeps none), and a
-        get of a present block reports ``OK`` without reading or scattering.
-        Only for experiments at real block sizes; such a store serves no KV.
+        ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`): every extent is laid
+        out and written as usual with its real header (keys, offsets, lengths; payload CRCs 0), but
+        payload bytes are neither gathered nor checksummed (the engine, e.g. ``null``, keeps none),
+        and a get of a present block reports ``OK`` without reading or scattering. Only for
+        experiments at real block sizes; such a store serves no KV.
 
-    Reopening with another capacity keeps the segment size of the label: a
-    larger tier keeps every block; a smaller one keeps the blocks of the
-    segments that still fit and drops the others, counted in
-    ``recovery_dropped_blocks`` and said in one warning.
+    Reopening with another capacity keeps the segment size of the label: a larger tier keeps every
+    block; a smaller one keeps the blocks of the segments that still fit and drops the others,
+    counted in ``recovery_dropped_blocks`` and said in one warning.
 
     Raises
     ------
@@ -278,55 +329,25 @@ class SegmentStorage(BlockStorage):
                  metadata_placement: int | None = None):
         cap = parse_size(capacity_bytes, "capacity_bytes")
         self.keep_data = bool(keep_data)
-        seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
-        ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
-        if block_bytes <= 0:
-            raise ConfigError(f"block_bytes={block_bytes}: must be > 0")
-        if seg_b <= 0 or seg_b % fmt.ALIGN_BYTES:
-            raise ConfigError(f"segment_size_bytes={seg_b}: must be a positive multiple of 4096")
-        one = fmt.extent_bytes_for(1, block_bytes)
-        if seg_b < one:
-            raise ConfigError(f"segment_size_bytes={seg_b}: must hold one block extent ({one} bytes)")
-        if reserve_segments < 1:
-            raise ConfigError(f"reserve_segments={reserve_segments}: must be >= 1")
-        if region_policy not in REGION_POLICIES:
-            raise ConfigError(f"region_policy={region_policy!r}: accepted values are {list(REGION_POLICIES)}")
+        self._labelled = (path is not None) if label is None else bool(label)
+        seg_b, ext_b = _check_sizes(cap, block_bytes, segment_size_bytes, extent_size_bytes, reserve_segments,
+                                    region_policy, self._labelled)
         n_seg = cap // seg_b
-        if n_seg < reserve_segments + 1:
-            raise ConfigError(f"capacity_bytes={cap}: holds {n_seg} segments of {seg_b}; need at "
-                              f"least reserve_segments + 1 = {reserve_segments + 1}")
         self.block_bytes = int(block_bytes)
         self.segment_size_bytes = seg_b
         self.n_segments = n_seg
         self.reserve_segments = int(reserve_segments)
         self.region_policy = region_policy
+        one = fmt.extent_bytes_for(1, self.block_bytes)
         self.extent_size_bytes = min(max(align_up(ext_b, fmt.ALIGN_BYTES), one), seg_b)
         bpe = 1
         while fmt.extent_bytes_for(bpe + 1, self.block_bytes) <= self.extent_size_bytes:
             bpe += 1
         self.blocks_per_extent = bpe
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
-        self._one_block_extent_bytes = one
-        self._labelled = (path is not None) if label is None else bool(label)
         self._metadata_placement = metadata_placement
-        #: where segment 0's chain starts (after the label)
-        self._start0 = lbl.LABEL_BYTES if self._labelled else 0
-        if seg_b < self._start0 + one:
-            raise ConfigError(f"segment_size_bytes={seg_b}: must hold the label and one block extent "
-                              f"({self._start0 + one} bytes)")
-        if isinstance(engine, IOEngine):
-            self.engine = engine
-            self._own_engine = bool(owns_engine)
-            if engine.size_bytes < n_seg * seg_b:
-                raise ConfigError(f"engine of {engine.size_bytes} bytes < {n_seg * seg_b}")
-        else:
-            size = n_seg * seg_b
-            if path is not None and engine != "memory":
-                old = lbl.check_target(path, format=format).label
-                if old is not None and old.segment_size_bytes == seg_b:  # reach the segments a shrink drops
-                    size = max(size, old.n_segments * seg_b)
-            self.engine = open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes)
-            self._own_engine = True
+        self.engine, self._own_engine = _engine_for(engine, path, n_seg, seg_b, owns_engine, format, iodepth,
+                                                    max_io_bytes)
         self.path = path
         self._listener = listener
         # Two pipelines: reads never wait for a writer's staging buffers.
@@ -336,32 +357,6 @@ class SegmentStorage(BlockStorage):
         self._write_lock = threading.RLock()       # one writer at a time (across write I/O)
         self._read_lock = threading.Lock()         # one user of the read pipeline at a time
         self._readers_done = threading.Condition(self._lock)
-        # --- per segment
-        self._state = np.zeros(n_seg, dtype=np.uint8)
-        self._gen = np.zeros(n_seg, dtype=np.int64)
-        self._wp = np.zeros(n_seg, dtype=np.int64)
-        self._written = np.zeros(n_seg, dtype=np.int64)
-        self._live = np.zeros(n_seg, dtype=np.int64)
-        self._seg_placement = np.full(n_seg, _NO_PLACEMENT, dtype=np.int64)
-        self._readers = np.zeros(n_seg, dtype=np.int64)
-        self._sealed_at = np.zeros(n_seg, dtype=np.int64)   # seq when sealed: FIFO order
-        self._touched = np.zeros(n_seg, dtype=np.int64)     # last write or hit (a counter): LRU order
-        self._ticks = 0
-        self._members: list[array] = [array("i") for _ in range(n_seg)]
-        self._open: dict[int | None, int] = {}
-        self._to_reclaim: list[int] = []
-        # --- per block (row of the key table)
-        rows = max(1024, self.capacity_blocks() + 1)
-        self._table = KeyTable(rows)
-        self._off = np.zeros(self._table.capacity_rows, dtype=np.int64)
-        self._crc = np.zeros(self._table.capacity_rows, dtype=np.uint32)
-        self._seq = np.zeros(self._table.capacity_rows, dtype=np.int64)
-        self._ns_id = np.zeros(self._table.capacity_rows, dtype=np.int32)
-        self._ns_list: list[bytes] = [bytes(32)]
-        self._ns_ids: dict[bytes, int] = {bytes(32): 0}
-        self._next_seq = 1
-        self._closed = False
-        self._warned_no_space = 0
         self._st = {"user_bytes_written": 0, "gc_bytes_written": 0, "bytes_loaded": 0,
                     "extents_written": 0, "put_blocks_ok": 0, "put_no_space": 0,
                     "put_io_error": 0, "get_hits": 0, "get_misses": 0, "get_io_errors": 0,
@@ -369,16 +364,19 @@ class SegmentStorage(BlockStorage):
                     "regions_evicted": 0, "region_evicted_blocks": 0, "region_kept_blocks": 0,
                     "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0,
                     "trim_errors": 0, "invalidated_blocks": 0, "recovery_invalidated_blocks": 0}
+        start0 = lbl.LABEL_BYTES if self._labelled else 0  # where segment 0's chain starts
+        self._segs = SegmentManager(n_seg, seg_b, self.block_bytes, bpe, self.reserve_segments, start0,
+                                    SEGMENT_POLICY.make(region_policy), self._lock, self.engine.preallocate,
+                                    self._st)
+        self._loc = BlockLocator(max(1024, self.capacity_blocks() + 1), seg_b, self._slot_bytes)
+        self._reader = SegmentReader(self.engine, self._rpipe, self._loc, self._segs, self._read_lock,
+                                     self.extent_size_bytes, self.keep_data, self._st)
+        self._closed = False
         if invalidation_log is None:
             invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
-        self._inval_path = invalidation_log or None
+        self._inval_log = InvalidationLog(invalidation_log) if invalidation_log else None
         try:
-            old = self._open_label(format) if self._labelled else None
-            self._recover(verify_on_recovery)
-            if old is not None and old.n_segments > n_seg:
-                self._drop_beyond(old.n_segments)
-            if self._labelled and (old is None or old.n_segments != n_seg):
-                self._write_label()
+            self._open(format, verify_on_recovery)
         except BaseException:
             self._wpipe.close()
             self._rpipe.close()
@@ -388,28 +386,39 @@ class SegmentStorage(BlockStorage):
                     os.unlink(path)  # a file this open created: leave nothing behind
             raise
 
-    # ================================================================ seam API
-    def set_listener(self, listener: RegionListener | None) -> None:
-        """Attach the block index (see :class:`RegionListener`)."""
-        self._listener = listener
+    def _open(self, format: bool, verify: bool) -> None:
+        """Check the label, recover the chains, drop what a smaller tier lost, write the label."""
+        old, store_id = None, b""
+        if self._labelled:
+            old, store_id = recovery.open_label(self.engine, self._segs, self.path, format,
+                                                self._metadata_placement)
+        inval = self._inval_log.read() if self._inval_log is not None else {}
+        found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
+                                 self.path)
+        self._st["recovery_dropped_blocks"] += found.dropped_blocks
+        self._st["recovery_invalidated_blocks"] += found.invalidated_blocks
+        self._st["recovered_blocks"] = found.recovered_blocks
+        for si in found.empty_segments:
+            self._segs.state[si] = SegmentState.RECLAIMING
+            self._finish_reclaim(si)
+        self._st["segments_reclaimed"] = 0
+        if old is not None and old.n_segments > self.n_segments:
+            dropped, trim_errors = recovery.drop_beyond(self.engine, self._segs, self._loc, inval,
+                                                        old.n_segments, self.extent_size_bytes, self.path)
+            self._st["recovery_dropped_blocks"] += dropped
+            self._st["trim_errors"] += trim_errors
+        if self._labelled and (old is None or old.n_segments != self.n_segments):
+            recovery.write_label(self.engine, self._segs, store_id, self._metadata_placement)
 
+    # ================================================================ seam API
     def capacity_blocks(self) -> int:
         """Blocks the store can hold when empty (batched puts pack more)."""
-        per = self.segment_size_bytes // self._one_block_extent_bytes
-        per0 = (self.segment_size_bytes - self._start0) // self._one_block_extent_bytes
-        return (self.n_segments - self.reserve_segments) * per - (per - per0)
+        return self._segs.capacity_blocks()
 
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:
-            per = self.segment_size_bytes // self._one_block_extent_bytes
-            n_free = int((self._state == SegmentState.FREE).sum())
-            total = max(0, n_free - self.reserve_segments) * per
-            if total and self._state[0] == SegmentState.FREE:  # segment 0 holds the label
-                total -= per - (self.segment_size_bytes - self._start0) // self._one_block_extent_bytes
-            for si in self._open.values():
-                total += (self.segment_size_bytes - int(self._wp[si])) // self._one_block_extent_bytes
-            return total
+            return self._segs.free_blocks()
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             placements: Sequence[int | None] | None = None,
@@ -423,79 +432,47 @@ class SegmentStorage(BlockStorage):
                 raise LayoutError("each block must be a 1-D uint8 tensor")
         return self.put_fragments(keys, [[b] for b in blocks], placements, ns_digests)
 
-    def get(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
-        """Load whole blocks into ``dests``; see :meth:`get_fragments`."""
-        if len(keys) != len(dests):
-            raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
-        return self.get_fragments(keys, [[d] for d in dests])
-
     def delete(self, keys: Iterable[bytes]) -> None:
         """Forget blocks; a sealed segment left without live blocks is reclaimed."""
-        empty: list[int] = []
         with self._lock:
-            for k in keys:
-                row = self._table.remove(bytes(k))
-                if row < 0:
-                    continue
-                si = int(self._off[row]) // self.segment_size_bytes
-                self._live[si] -= 1
-                if self._live[si] == 0 and self._state[si] == SegmentState.SEALED:
-                    self._state[si] = SegmentState.RECLAIMING
-                    empty.append(si)
+            freed = self._loc.remove(keys)
+            segments = [off // self.segment_size_bytes for off, _ in freed]
+            empty = [si for si in segments if self._segs.release(si)]
         for si in empty:
             self._finish_reclaim(si)
 
     def locate(self, key: bytes) -> tuple[int, int] | None:
         """``(segment, payload device offset)`` of ``key``, or ``None`` (for tools and tests)."""
         with self._lock:
-            row = self._table.get(bytes(key))
-            if row < 0:
-                return None
-            off = int(self._off[row])
-            return off // self.segment_size_bytes, off
+            where = self._loc.locate(bytes(key))
+        return None if where is None else where[:2]
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Record a hit on ``keys`` for the region LRU (Navy's ``RegionManager::touch``)."""
+        """Record a hit on ``keys`` for the segment LRU (Navy's ``RegionManager::touch``)."""
         with self._lock:
-            rows = self._table.get_many(keys)
+            rows = self._loc.rows_of(keys)
             rows = rows[rows >= 0]
             if rows.size:
-                self._ticks += 1
-                self._touched[np.unique(self._off[rows] // self.segment_size_bytes)] = self._ticks
+                self._segs.touch(np.unique(self._loc.off[rows] // self.segment_size_bytes))
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return self._table.get(bytes(key)) >= 0
-
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._table.keys_of(self._table.rows())
-
-    def entries(self) -> dict[bytes, tuple[bytes, int]]:
-        """``key -> (namespace digest, extent sequence number)`` from the on-disk
-        headers (survives restarts); a larger sequence number is a later write."""
-        with self._lock:
-            rows = self._table.rows()
-            keys = self._table.keys_of(rows)
-            return {k: (self._ns_list[int(self._ns_id[r])], int(self._seq[r])) for k, r in zip(keys, rows)}
+            return self._loc.row(bytes(key)) >= 0
 
     def scan(self) -> StoredBlocks:
         """Every stored block: ``(keys, namespace digest per key, write seq per key)``.
 
         What a restarted index adopts (one pass, no per-block objects kept)."""
         with self._lock:
-            rows = self._table.rows()
-            keys = self._table.keys_of(rows)
-            nss = [self._ns_list[i] for i in self._ns_id[rows].tolist()]
-            return StoredBlocks(keys, nss, self._seq[rows].copy())
+            return self._loc.scan()
 
     def write_seq(self) -> int:
         """Sequence number the next extent will get."""
         with self._lock:
-            return self._next_seq
+            return self._segs.next_seq
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._loc)
 
     def stats(self) -> dict:
         """Counters; ``host_write_amplification = (user + gc bytes) / user bytes``."""
@@ -503,10 +480,9 @@ class SegmentStorage(BlockStorage):
             out = dict(self._st)
             user = out["user_bytes_written"]
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
-            out["blocks"] = len(self._table)
-            for state in SegmentState:
-                out[f"segments_{state.name.lower()}"] = int((self._state == state).sum())
-            out["dead_blocks"] = int((self._written - self._live).sum())
+            out["blocks"] = len(self._loc)
+            out.update(self._segs.state_counts())
+            out["dead_blocks"] = self._segs.dead_blocks()
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes
             out["blocks_per_extent"] = self.blocks_per_extent
@@ -516,11 +492,7 @@ class SegmentStorage(BlockStorage):
 
     def index_nbytes(self) -> int:
         """Bytes of in-memory metadata: key table, per-block and per-segment arrays."""
-        per_row = self._off.nbytes + self._crc.nbytes + self._seq.nbytes + self._ns_id.nbytes
-        members = sum(m.itemsize * len(m) for m in self._members)
-        per_seg = sum(a.nbytes for a in (self._state, self._gen, self._wp, self._written, self._live,
-                                         self._seg_placement, self._readers, self._sealed_at))
-        return self._table.nbytes + per_row + members + per_seg
+        return self._loc.nbytes + self._segs.nbytes
 
     def close(self) -> None:
         with self._write_lock:
@@ -565,26 +537,7 @@ class SegmentStorage(BlockStorage):
             Wrong key length, block size or argument lengths (misuse; nothing
             is written).
         """
-        n = len(keys)
-        if len(fragments_per_block) != n:
-            raise LayoutError(f"{n} keys but {len(fragments_per_block)} fragment lists")
-        if placements is not None and len(placements) != n:
-            raise LayoutError(f"{n} keys but {len(placements)} placements")
-        if ns_digests is not None and len(ns_digests) != n:
-            raise LayoutError(f"{n} keys but {len(ns_digests)} ns_digests")
-        keys = [bytes(k) for k in keys]
-        for k in keys:
-            if len(k) != fmt.KEY_BYTES:
-                raise LayoutError(f"key of {len(k)} bytes; keys are {fmt.KEY_BYTES} bytes")
-        plans = [plan_fragments(frags) for frags in fragments_per_block]
-        for p in plans:
-            if p.nbytes != self.block_bytes:
-                raise LayoutError(f"block of {p.nbytes} bytes; this store holds {self.block_bytes}-byte blocks")
-        nss = [bytes(d) if d is not None else bytes(32) for d in (ns_digests or [None] * n)]
-        for d in nss:
-            if len(d) != 32:
-                raise LayoutError("ns_digest must be 32 bytes")
-        pls = list(placements) if placements is not None else [None] * n
+        keys, plans, pls, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
         with self._write_lock:
             return self._put_locked(keys, plans, pls, nss, gc=False)
 
@@ -613,49 +566,30 @@ class SegmentStorage(BlockStorage):
             Blocks are read in device order, neighbours coalesced into reads of
             up to ``extent_size_bytes``.
         """
-        n = len(keys)
-        if len(dest_fragments_per_block) != n:
-            raise LayoutError(f"{n} keys but {len(dest_fragments_per_block)} destination lists")
-        dests = [plan_fragments(frags, destination=True) for frags in dest_fragments_per_block]
-        check_distinct_destinations(dests)
-        for p in dests:
-            if p.nbytes != self.block_bytes:
-                raise LayoutError(f"destination of {p.nbytes} bytes; blocks are {self.block_bytes} bytes")
-        keys = [bytes(k) for k in keys]
-        status = [Status.MISS] * n
+        keys, dests = _get_args(keys, dest_fragments_per_block, self.block_bytes)
+        status = [Status.MISS] * len(keys)
         with self._lock:
             if self._closed:
                 raise StoreClosedError("SegmentStorage is closed")
-            rows = self._table.get_many(keys)
-            found = [(int(self._off[r]), i, int(self._crc[r])) for i, r in enumerate(rows.tolist()) if r >= 0]
-            segs = [off // self.segment_size_bytes for off, _, _ in found]
-            for si in segs:
-                self._readers[si] += 1
-        bad: list[tuple[bytes, int]] = []
+            found = self._reader.pin(keys)
         try:
-            if not self.keep_data:  # accounting mode: present blocks are hits, no bytes move
-                for _, i, _ in found:
-                    status[i] = Status.OK
-                found = []
-            found.sort()
-            runs = self._runs(found)
-            with self._read_lock:
-                self._read_runs(keys, runs, dests, status, bad, gate)
+            bad = self._reader.read(keys, found, dests, status, gate)
         finally:
             with self._lock:
-                for si in segs:
-                    self._readers[si] -= 1
+                self._reader.unpin(found)
                 self._readers_done.notify_all()
-        dropped = self._drop_corrupt(bad) if bad else []
+        dropped: list[bytes] = []
+        if bad:
+            with self._lock:
+                dropped, empty = self._reader.forget_bad(bad)
+            for si in empty:
+                self._finish_reclaim(si)
+        hits, misses = status.count(Status.OK), status.count(Status.MISS)
         with self._lock:
-            for s in status:
-                if s is Status.OK:
-                    self._st["get_hits"] += 1
-                    self._st["bytes_loaded"] += self.block_bytes
-                elif s is Status.MISS:
-                    self._st["get_misses"] += 1
-                else:
-                    self._st["get_io_errors"] += 1
+            self._st["get_hits"] += hits
+            self._st["bytes_loaded"] += hits * self.block_bytes
+            self._st["get_misses"] += misses
+            self._st["get_io_errors"] += len(status) - hits - misses
         if dropped and self._listener is not None:
             self._listener.on_dropped(dropped)
         return status
@@ -664,7 +598,7 @@ class SegmentStorage(BlockStorage):
         """Evict one region now (copying forward what the listener keeps);
         ``True`` if a segment was freed."""
         with self._write_lock:
-            return self._evict_region()
+            return self._evict_one_segment()
 
     def invalidate_namespace(self, ns_digest: bytes) -> int:
         """Drop every block of ``ns_digest``, durably (module doc). Returns blocks dropped.
@@ -681,16 +615,14 @@ class SegmentStorage(BlockStorage):
             raise LayoutError("ns_digest must be 32 bytes")
         with self._write_lock:
             with self._lock:
-                seq = self._next_seq
-                nid = self._ns_ids.get(ns_digest)
-            if self._inval_path is not None:
-                self._append_invalidation(ns_digest, seq)
-            if nid is None:
-                return 0
+                seq = self._segs.next_seq
+            if self._inval_log is not None:
+                self._inval_log.append(ns_digest, seq)
             with self._lock:
-                rows = self._table.rows()
-                rows = rows[self._ns_id[rows] == nid]
-                keys = self._table.keys_of(rows)
+                rows = self._loc.rows_of_namespace(ns_digest)
+                if rows is None:
+                    return 0
+                keys = self._loc.keys_of(rows)
             self.delete(keys)
             with self._lock:
                 self._st["invalidated_blocks"] += len(keys)
@@ -705,7 +637,7 @@ class SegmentStorage(BlockStorage):
             status: list[Status | None] = [None] * n
             seen: set[bytes] = set()
             groups: dict[int | None, list[int]] = {}
-            present = self._table.get_many(keys) if not gc else None
+            present = self._loc.rows_of(keys) if not gc else None
             for i, k in enumerate(keys):
                 if (present is not None and present[i] >= 0) or k in seen:
                     status[i] = Status.EXISTS
@@ -715,9 +647,9 @@ class SegmentStorage(BlockStorage):
         # Plan, write and acknowledge what fits; then evict a region and retry.
         while groups:
             with self._lock:
-                plan, leftover = self._plan(groups, allow_reserve=gc)
+                plan, leftover = self._segs.plan_extents(groups, allow_reserve=gc)
             self._write_plans(plan, keys, plans, nss, status, gc)
-            if leftover and not gc and self._evict_region():
+            if leftover and not gc and self._evict_one_segment():
                 groups = leftover
                 continue
             refused = sum(len(idx) for idx in leftover.values())
@@ -730,240 +662,30 @@ class SegmentStorage(BlockStorage):
             break
         return [s if s is not None else Status.IO_ERROR for s in status]
 
-    def _read_runs(self, keys, runs, dests, status, bad, gate) -> None:
-        def consume(r: int, view, err) -> None:
-            start, _, members = runs[r]
-            if err is not None:
-                for off, i, crc in members:
-                    self._read_one(keys[i], off, crc, dests[i], status, i, bad, gate)
-                return
-            mv = memoryview(view.numpy())
-            oks = self._rpipe.map(lambda m: fmt.payload_crc(keys[m[1]], mv[m[0] - start:m[0] - start + self.block_bytes])
-                                  == m[2], members)
-            good = [m for m, ok in zip(members, oks) if ok]
-            for (off, i, _), ok in zip(members, oks):
-                if not ok:
-                    bad.append((keys[i], off))
-                    status[i] = Status.IO_ERROR
-            self._scatter(view, [(off - start, i) for off, i, _ in good], dests, status, gate)
-        self._rpipe.read_extents([(start, length) for start, length, _ in runs], consume)
 
-    def _scatter(self, view, items, dests, status, gate) -> None:
-        if not items:
-            return
-        if gate is None:
-            self._rpipe.scatter_blocks(view, [rel for rel, _ in items], [dests[i] for _, i in items])
-            for _, i in items:
-                status[i] = Status.OK
-            return
-        with gate([i for _, i in items]) as go:
-            if not go:
-                return
-            self._rpipe.scatter_blocks(view, [rel for rel, _ in items], [dests[i] for _, i in items])
-            for _, i in items:
-                status[i] = Status.OK
-
-    def _runs(self, members: list[tuple[int, int, int]]) -> list[tuple[int, int, list]]:
-        """Coalesce sorted ``(offset, index, crc)`` into reads of at most ``extent_size_bytes``."""
-        cap = self.extent_size_bytes
-        slot = self._slot_bytes
-        runs: list[tuple[int, int, list]] = []
-        cur: list = []
-        start = end = 0
-        for m in members:
-            off = m[0]
-            b_end = off + slot
-            if cur and off >= end and b_end - start <= cap and off - end <= 64 * 1024:
-                cur.append(m)
-                end = b_end
-                continue
-            if cur:
-                runs.append((start, end - start, cur))
-            cur, start, end = [m], off, b_end
-        if cur:
-            runs.append((start, end - start, cur))
-        return runs
-
-    def _read_one(self, key, off, crc, dest: FragmentPlan, status, i, bad, gate) -> None:
-        keep, buf = alloc_aligned(self._slot_bytes)
-        try:
-            self.engine.read(off, buf[:self._slot_bytes]).get()
-        except OSError:
-            bad.append((key, off))
-            status[i] = Status.IO_ERROR
-            return
-        if fmt.payload_crc(key, memoryview(keep)[:self.block_bytes]) != crc:
-            bad.append((key, off))
-            status[i] = Status.IO_ERROR
-            return
-        self._scatter(buf, [(0, i)], {i: dest}, status, gate)
-        del keep
-
-    def _drop_corrupt(self, bad: list[tuple[bytes, int]]) -> list[bytes]:
-        """Forget blocks whose read failed, if the table still points at the bad copy."""
-        dropped = []
-        empty = []
-        with self._lock:
-            for key, off in bad:
-                self._st["corrupt_blocks"] += 1
-                row = self._table.get(key)
-                if row < 0 or int(self._off[row]) != off:
-                    continue
-                self._table.remove(key)
-                si = off // self.segment_size_bytes
-                self._live[si] -= 1
-                dropped.append(key)
-                if self._live[si] == 0 and self._state[si] == SegmentState.SEALED:
-                    self._state[si] = SegmentState.RECLAIMING
-                    empty.append(si)
-        for si in empty:
-            self._finish_reclaim(si)
-        return dropped
-
-    def _fit(self, remaining: int, want: int) -> int:
-        k = min(want, self.blocks_per_extent)
-        while k > 0 and fmt.extent_bytes_for(k, self.block_bytes) > remaining:
-            k -= 1
-        return k
-
-    def _take_free(self, allow_reserve: bool) -> int | None:
-        free = np.flatnonzero(self._state == SegmentState.FREE)
-        floor = 0 if allow_reserve else self.reserve_segments
-        return int(free[0]) if free.size > floor else None
-
-    def _seal(self, si: int, planned: set) -> None:
-        self._state[si] = SegmentState.SEALED
-        self._sealed_at[si] = self._next_seq
-        pl = int(self._seg_placement[si])
-        self._open.pop(None if pl == _NO_PLACEMENT else pl, None)
-        if self._live[si] == 0 and si not in planned and self._written[si] > 0:
-            # everything in it died before it filled: reclaim at once (after this plan)
-            self._state[si] = SegmentState.RECLAIMING
-            self._to_reclaim.append(si)
-
-    def _open_for(self, placement: int | None, allow_reserve: bool, planned: set) -> int | None:
-        si = self._open.get(placement)
-        if si is not None:
-            if self._fit(self.segment_size_bytes - int(self._wp[si]), 1):
-                return si
-            self._seal(si, planned)
-        si = self._take_free(allow_reserve)
-        if si is None:
-            return None
-        # Allocate the whole segment (reclaim unit) before writing into it:
-        # writes then never allocate, and a full file system shows here, with
-        # nothing written; the puts that needed it get NO_SPACE. fallocate is
-        # I/O: ``_lock`` is released around it (readers must not wait for it).
-        # The segment is claimed first (OPEN, no blocks yet); only writers take
-        # free segments, and they are serialised by ``_write_lock``.
-        self._state[si] = SegmentState.OPEN
-        err = self._unlocked(self.engine.preallocate, si * self.segment_size_bytes, self.segment_size_bytes)
-        if err is not None:
-            exc = err
-            self._state[si] = SegmentState.FREE
-            self._st["preallocate_errors"] += 1
-            if self._warned_no_space == 0:
-                _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space "
-                             "(logged once; see the preallocate_errors counter)",
-                             si, self.segment_size_bytes, exc)
-            self._warned_no_space += 1
-            return None
-        self._state[si] = SegmentState.OPEN
-        self._seg_placement[si] = _NO_PLACEMENT if placement is None else int(placement)
-        self._wp[si] = self._chain_start(si)
-        self._written[si] = 0
-        self._live[si] = 0
-        self._members[si] = array("i")
-        self._open[placement] = si
-        return si
-
-    def _unlocked(self, fn, *args) -> OSError | None:
-        """Run ``fn(*args)`` (an I/O) with ``_lock`` released; the caller holds
-        ``_lock`` and ``_write_lock``. Returns the ``OSError`` raised, if any."""
-        self._lock.release()
-        try:
-            fn(*args)
-        except OSError as exc:
-            return exc
-        finally:
-            self._lock.acquire()
-        return None
-
-    def _plan(self, groups, allow_reserve: bool) -> tuple[list[_Plan], dict]:
-        plans: list[_Plan] = []
-        leftover: dict = {}
-        planned: set[int] = set()
-        self._to_reclaim: list[int] = []
-        for placement, idx in groups.items():
-            pending = list(idx)
-            while pending:
-                si = self._open_for(placement, allow_reserve, planned)
-                if si is None:
-                    leftover[placement] = pending
-                    break
-                planned.add(si)
-                k = self._fit(self.segment_size_bytes - int(self._wp[si]), len(pending))
-                take, pending = pending[:k], pending[k:]
-                seq = self._next_seq
-                self._next_seq += 1
-                if self._wp[si] == self._chain_start(si):
-                    self._gen[si] = seq
-                ext_off = si * self.segment_size_bytes + int(self._wp[si])
-                self._wp[si] += fmt.extent_bytes_for(k, self.block_bytes)
-                plans.append(_Plan(si, ext_off, seq, int(self._gen[si]), placement, take))
-        return plans, leftover
-
-    def _write_plans(self, plans: list[_Plan], keys, frags, nss, status, gc: bool) -> None:
-        to_reclaim = list(self._to_reclaim)
-        self._to_reclaim = []
+    def _write_plans(self, plans: list[ExtentPlan], keys, frags, nss, status, gc: bool) -> None:
+        """Fill and write the extents of ``plans``, then settle them (:meth:`_settle`)."""
+        to_reclaim = self._segs.take_reclaims()
         if not plans:
             for si in to_reclaim:
                 self._finish_reclaim(si)
             return
-        slot = self._slot_bytes
-
-        def make_fill(p: _Plan):
-            def fill(buf: torch.Tensor) -> int:
-                mv = memoryview(buf.numpy())
-                hb = fmt.header_bytes_for(len(p.idx))
-                jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
-                # Copies back to back on torch's threads, then CRC-32C on the
-                # copy threads (crc32c releases the GIL).
-                mine = [frags[i] for i in p.idx]
-                bb = self.block_bytes
-                k = len(mine)
-                if not self.keep_data:  # accounting mode: the real header, payload and padding unwritten
-                    p.entries = [fmt.BlockEntry(keys[i], nss[i], pos, bb, 0) for i, pos in jobs]
-                    end = hb + len(jobs) * slot
-                    fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, p.entries)
-                    return end
-                rows = _consecutive_rows(mine)
-                if rows is not None:  # rows i..i+k of one BlockRows: one strided copy
-                    buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
-                else:
-                    self._wpipe.gather_blocks(mine, buf, [pos for _, pos in jobs])
-                if slot > bb:
-                    buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
-
-                def one(job) -> fmt.BlockEntry:
-                    i, pos = job
-                    return fmt.BlockEntry(keys[i], nss[i], pos, self.block_bytes,
-                                          fmt.payload_crc(keys[i], mv[pos:pos + self.block_bytes]))
-                entries = self._wpipe.map(one, jobs)
-                end = hb + len(jobs) * slot
-                fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
-                p.entries = entries
-                return end
-            return fill
-
         try:
-            results = self._wpipe.write_extents((p.ext_off, make_fill(p), p.placement) for p in plans)
+            bb, keep, pipe = self.block_bytes, self.keep_data, self._wpipe
+            results = pipe.write_extents((p.ext_off, _extent_filler(p, keys, frags, nss, bb, keep, pipe),
+                                          p.placement) for p in plans)
         except BaseException:
             # Nothing of this call is acknowledged: give the planned space back so
             # that no hole is left in a segment's chain (recovery stops at one).
             with self._lock:
-                self._rollback(plans, {p.seg: p.ext_off for p in reversed(plans)})
+                self._segs.rollback({p.seg: p.ext_off for p in reversed(plans)})
             raise
+        self._settle(plans, results, status, gc, to_reclaim)
+
+    def _settle(self, plans: list[ExtentPlan], results: list, status, gc: bool,
+                to_reclaim: list[int]) -> None:
+        """Acknowledge the written extents (fdatasync first), fail the others with ``NO_SPACE`` or
+        ``IO_ERROR``, roll write pointers back past a failure, and reclaim emptied segments."""
         # A failed extent breaks its segment's chain: later extents of the same
         # segment in this batch are not acknowledged either; roll the pointer back.
         first_fail: dict[int, int] = {}
@@ -979,7 +701,7 @@ class SegmentStorage(BlockStorage):
         errs = [r for r in results if isinstance(r, BaseException)] + ([sync_err] if sync_err else [])
         if errs:  # outside the lock: the cause of the IO_ERROR / NO_SPACE statuses, once per call
             _log.warning("segment store: %d of %d extents not acknowledged: %r", len(first_fail) or len(plans),
-                        len(plans), errs[0])
+                         len(plans), errs[0])
         with self._lock:
             for p, r in zip(plans, results):
                 failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
@@ -995,113 +717,40 @@ class SegmentStorage(BlockStorage):
                 for i in p.idx:
                     status[i] = Status.OK
             if first_fail or sync_err is not None:
-                self._rollback(plans, first_fail if sync_err is None else
-                               {p.seg: p.ext_off for p in reversed(plans)})
+                every = {p.seg: p.ext_off for p in reversed(plans)}
+                self._segs.rollback(first_fail if sync_err is None else every)
             for p in plans:  # old copies replaced by GC may leave dead sealed segments
-                if self._state[p.seg] == SegmentState.SEALED and self._live[p.seg] == 0:
-                    self._state[p.seg] = SegmentState.RECLAIMING
+                if self._segs.state[p.seg] == SegmentState.SEALED and self._segs.live[p.seg] == 0:
+                    self._segs.state[p.seg] = SegmentState.RECLAIMING
                     to_reclaim.append(p.seg)
         for si in to_reclaim:
             self._finish_reclaim(si)
 
-    def _commit(self, p: _Plan, gc: bool) -> None:
+    def _commit(self, p: ExtentPlan, gc: bool) -> None:
         """Index the blocks of a written extent (under ``_lock``), vectorised:
         keys of one extent are distinct (a put drops duplicates)."""
         ents = p.entries
-        k = len(ents)
         self._st["extents_written"] += 1
-        self._written[p.seg] += k
-        self._ticks += 1
-        self._touched[p.seg] = self._ticks
-        keys = [e.key for e in ents]
-        rows = self._table.get_many(keys)
-        new = rows < 0
-        old = rows[~new]
-        if old.size:  # a newer copy (GC copy-forward) retires the old one
-            np.subtract.at(self._live, self._off[old] // self.segment_size_bytes, 1)
-        if new.any():
-            rows[new] = self._table.add_absent([keys[i] for i in new.nonzero()[0].tolist()])
-            if int(rows.max()) >= self._off.size:
-                self._grow_rows()
-        self._off[rows] = [p.ext_off + e.payload_offset for e in ents]
-        self._crc[rows] = [e.payload_crc32c for e in ents]
-        self._seq[rows] = p.seq
-        ns0 = ents[0].ns_digest if ents else None
-        if all(e.ns_digest == ns0 for e in ents):
-            self._ns_id[rows] = self._intern_ns(ns0) if ents else 0
-        else:
-            self._ns_id[rows] = [self._intern_ns(e.ns_digest) for e in ents]
-        self._live[p.seg] += k
-        self._members[p.seg].frombytes(rows.astype(np.int32).tobytes())
+        rows, replaced = self._loc.commit(p.ext_off, p.seq, ents)
+        self._segs.committed(p.seg, rows, replaced)
         self._st["gc_bytes_written" if gc else "user_bytes_written"] += sum(e.length_bytes for e in ents)
         if not gc:
-            self._st["put_blocks_ok"] += k
+            self._st["put_blocks_ok"] += len(ents)
 
-    def _rollback(self, plans: list[_Plan], first: dict[int, int]) -> None:
-        for si, off in first.items():
-            self._wp[si] = off - si * self.segment_size_bytes
-            if self._wp[si] == self._chain_start(si):
-                self._written[si] = 0
-
-    def _grow_rows(self) -> None:
-        cap = self._table.capacity_rows
-        for name in ("_off", "_crc", "_seq", "_ns_id"):
-            old = getattr(self, name)
-            new = np.zeros(cap, dtype=old.dtype)
-            new[:old.size] = old
-            setattr(self, name, new)
-
-    def _intern_ns(self, ns: bytes) -> int:
-        nid = self._ns_ids.get(ns)
-        if nid is None:
-            nid = self._ns_ids[ns] = len(self._ns_list)
-            self._ns_list.append(ns)
-        return nid
-
-    def _live_rows(self, si: int) -> np.ndarray:
-        """Rows whose current copy lies in segment ``si`` (under ``_lock``)."""
-        rows = np.frombuffer(self._members[si], dtype=np.int32).astype(np.int64) if self._members[si] \
-            else np.empty(0, dtype=np.int64)
-        if not rows.size:
-            return rows
-        rows = np.unique(rows)
-        rows = rows[self._table.live_mask(rows)]
-        base = si * self.segment_size_bytes
-        off = self._off[rows]
-        return rows[(off >= base) & (off < base + self.segment_size_bytes)]
-
-    def _victims(self) -> list[int]:
-        """Sealed segments in the order eviction considers them (under ``_lock``).
-
-        With a listener (a cache): the region policy's order. Without one (a
-        plain store that must not lose acknowledged blocks): fewest live
-        blocks first, and only segments with dead space (greedy GC)."""
-        sealed = np.flatnonzero(self._state == SegmentState.SEALED)
-        if not sealed.size:
-            return []
-        if self._listener is None:
-            sealed = sealed[self._live[sealed] < self._written[sealed]]
-            return sealed[np.argsort(self._live[sealed], kind="stable")].tolist()
-        if self.region_policy == "min_live":
-            return sealed[np.argsort(self._live[sealed], kind="stable")].tolist()
-        if self.region_policy == "lru":
-            return sealed[np.argsort(self._touched[sealed], kind="stable")].tolist()
-        return sealed[np.argsort(self._sealed_at[sealed], kind="stable")].tolist()
-
-    def _evict_region(self) -> bool:
+    def _evict_one_segment(self) -> bool:
         """Free one segment (write lock held): the first victim in
-        :meth:`_victims` order whose eviction frees space; the blocks the
+        :meth:`SegmentManager.victims` order whose eviction frees space; the blocks the
         listener keeps are copied forward, the rest dropped. Without a
         listener every live block is kept (compaction)."""
         with self._lock:
-            order = self._victims()
+            order = self._segs.victims(self._listener is not None)
         for si in order:
             with self._lock:
-                if self._state[si] != SegmentState.SEALED:
+                if self._segs.state[si] != SegmentState.SEALED:
                     continue
-                rows = self._live_rows(si)
-                keys = self._table.keys_of(rows.tolist())
-                written = int(self._written[si])
+                rows = self._segs.live_rows(si, self._loc)
+                keys = self._loc.keys_of(rows.tolist())
+                written = int(self._segs.written[si])
             keep = (list(self._listener.on_reclaim(keys)) if (self._listener is not None and keys)
                     else [True] * len(keys))
             if len(keep) != len(keys):
@@ -1109,16 +758,16 @@ class SegmentStorage(BlockStorage):
             if sum(map(bool, keep)) >= written:
                 continue  # nothing dead and everything kept: evicting it frees nothing
             with self._lock:
-                if self._state[si] != SegmentState.SEALED:
+                if self._segs.state[si] != SegmentState.SEALED:
                     continue
-                self._state[si] = SegmentState.RECLAIMING
-                pls = int(self._seg_placement[si])
-                ns_of = {k: self._ns_list[int(self._ns_id[r])] for k, r in zip(keys, rows.tolist())}
-            if self._evict_segment(si, keys, keep, None if pls == _NO_PLACEMENT else pls, ns_of):
+                self._segs.state[si] = SegmentState.RECLAIMING
+                pls = int(self._segs.placement[si])
+                ns_of = {k: self._loc.namespace_of(r) for k, r in zip(keys, rows.tolist())}
+            if self._reclaim_segment(si, keys, keep, None if pls == NO_PLACEMENT else pls, ns_of):
                 return True
         return False
 
-    def _evict_segment(self, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
+    def _reclaim_segment(self, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
         """Copy the kept blocks forward, drop the others, free the segment. A kept
         block that cannot be copied (no space, a read error) is never dropped:
         the segment then stays sealed and ``False`` is returned."""
@@ -1144,17 +793,15 @@ class SegmentStorage(BlockStorage):
             for k in keys:
                 if k in moved or k in keep_set:
                     continue
-                row = self._table.get(k)
-                if row < 0 or not (base <= int(self._off[row]) < base + self.segment_size_bytes):
+                if not self._loc.remove_at(k, base, base + self.segment_size_bytes):
                     continue
-                self._table.remove(k)
-                self._live[si] -= 1
+                self._segs.live[si] -= 1
                 dropped.append(k)
             self._st["region_evicted_blocks"] += len(dropped)
             self._st["region_kept_blocks"] += len(moved)
-            stuck = self._live[si] > 0
+            stuck = self._segs.live[si] > 0
             if stuck:  # kept blocks could not move: the segment stays as it is
-                self._state[si] = SegmentState.SEALED
+                self._segs.state[si] = SegmentState.SEALED
                 self._st["region_evictions_abandoned"] = self._st.get("region_evictions_abandoned", 0) + 1
             else:
                 self._st["regions_evicted"] += 1
@@ -1167,14 +814,15 @@ class SegmentStorage(BlockStorage):
 
     def _finish_reclaim(self, si: int) -> None:
         """Wait for reads of ``si`` to end, trim it and return it to the clean pool."""
+        segs = self._segs
         with self._lock:
-            while self._readers[si] > 0:
+            while segs.readers[si] > 0:
                 self._readers_done.wait()
-            if self._live[si] != 0:
-                raise InvariantError(f"reclaiming segment {si} with {int(self._live[si])} live blocks")
-            if self._state[si] != SegmentState.RECLAIMING:
-                raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(self._state[si])).name}")
-        start = self._chain_start(si)  # segment 0's label stays
+            if segs.live[si] != 0:
+                raise InvariantError(f"reclaiming segment {si} with {int(segs.live[si])} live blocks")
+            if segs.state[si] != SegmentState.RECLAIMING:
+                raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(segs.state[si])).name}")
+        start = segs.chain_start(si)  # segment 0's label stays
         try:
             self.engine.trim(si * self.segment_size_bytes + start, self.segment_size_bytes - start).get()
             trim_failed = False
@@ -1183,250 +831,6 @@ class SegmentStorage(BlockStorage):
         with self._lock:
             if trim_failed:
                 self._st["trim_errors"] += 1
-            self._state[si] = SegmentState.FREE
-            self._wp[si] = start
-            self._written[si] = 0
-            self._members[si] = array("i")
+            segs.reset(si)
             self._st["segments_reclaimed"] += 1
 
-    # ================================================================ recovery
-    def _append_invalidation(self, ns_digest: bytes, seq: int) -> None:
-        import crc32c
-        rec = ns_digest + seq.to_bytes(8, "little")
-        data = _INVAL_REC.pack(ns_digest, seq, crc32c.crc32c(rec))
-        fd = os.open(self._inval_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _read_invalidations(self) -> dict[bytes, int]:
-        """``ns_digest -> write_seq`` of the latest record per namespace; a torn tail is ignored."""
-        import crc32c
-        out: dict[bytes, int] = {}
-        if self._inval_path is None or not os.path.exists(self._inval_path):
-            return out
-        with open(self._inval_path, "rb") as f:
-            data = f.read()
-        for off in range(0, len(data) - _INVAL_REC.size + 1, _INVAL_REC.size):
-            ns, seq, crc = _INVAL_REC.unpack_from(data, off)
-            if crc32c.crc32c(ns + seq.to_bytes(8, "little")) != crc:
-                break
-            out[ns] = max(out.get(ns, 0), seq)
-        return out
-
-    def _chain_start(self, si: int) -> int:
-        """Byte of segment ``si`` where its extent chain starts (segment 0: after the label)."""
-        return self._start0 if si == 0 else 0
-
-    def _chain(self, si: int, buf: list):
-        """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in
-        order, until the first header that fails (:mod:`tierstore.io.format`).
-        ``buf`` is ``[keepalive, page]``, a reusable aligned buffer (grown here)."""
-        S = self.segment_size_bytes
-        base = si * S
-        pos = self._chain_start(si)
-        gen = None
-        last_seq = -1
-        while pos + fmt.ALIGN_BYTES <= S:
-            try:
-                self.engine.read(base + pos, buf[1][:fmt.ALIGN_BYTES]).get()
-                hb = fmt.peek_header_bytes(memoryview(buf[0])[:fmt.ALIGN_BYTES])
-                if pos + hb > S:
-                    return
-                if hb > fmt.ALIGN_BYTES:
-                    if hb > buf[1].numel():  # written with larger extents: grow, do not stop
-                        buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
-                    self.engine.read(base + pos, buf[1][:hb]).get()
-                h = fmt.decode_header(memoryview(buf[0])[:hb])
-            except (OSError, CorruptData):
-                return
-            if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
-                    or h.extent_offset != base + pos or pos + h.total_bytes > S
-                    or (gen is None and h.segment_gen != h.seq)):
-                return
-            gen = h.segment_gen
-            last_seq = h.seq
-            yield pos, h
-            pos += h.total_bytes
-
-    def _recover(self, verify: bool) -> None:
-        S = self.segment_size_bytes
-        buf = list(alloc_aligned(max(self.extent_size_bytes, 1 << 20)))
-        max_seq = 0
-        inval = self._read_invalidations()
-        self._inval = inval
-        for si in range(self.n_segments):
-            base = si * S
-            start = pos = self._chain_start(si)
-            h = None
-            for pos, h in self._chain(si, buf):
-                # Opened with another block size (another KV layout): refuse,
-                # before anything is reclaimed. Serving a cut-off or padded
-                # block would be wrong KV; dropping them would lose the store.
-                other = {e.length_bytes for e in h.entries} - {self.block_bytes}
-                if other:
-                    raise ConfigError(self._layout_refusal(other))
-                good = list(h.entries)
-                if verify:
-                    good = self._verify_extent(base + pos, h)
-                    self._st["recovery_dropped_blocks"] += len(h.entries) - len(good)
-                for e in good:
-                    if e.ns_digest in inval and h.seq < inval[e.ns_digest]:
-                        self._st["recovery_invalidated_blocks"] += 1
-                        continue
-                    self._adopt(si, base + pos + e.payload_offset, e, h.seq)
-                self._written[si] += len(h.entries)
-                max_seq = max(max_seq, h.seq)
-            if h is not None:
-                pos += h.total_bytes
-                self._state[si] = SegmentState.SEALED
-                self._gen[si] = h.segment_gen
-                self._wp[si] = pos
-                self._sealed_at[si] = h.seq
-            else:
-                self._wp[si] = start
-        self._next_seq = max(max_seq, max(inval.values(), default=0)) + 1
-        # Recovered segments are never appended to again (sealed until
-        # reclaimed): a torn extent ends a chain, but complete extents of a dead
-        # process may lie beyond it with sequence numbers above _next_seq;
-        # appending at the chain end could splice them back into the chain.
-        self._st["recovered_blocks"] = len(self._table)
-        del buf
-        for si in np.flatnonzero((self._state == SegmentState.SEALED) & (self._live == 0)).tolist():
-            self._state[si] = SegmentState.RECLAIMING
-            self._finish_reclaim(si)
-        self._st["segments_reclaimed"] = 0
-
-    def _layout_refusal(self, other) -> str:
-        return (f"{self.path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
-                f"for {self.block_bytes}-byte blocks (another KV layout?); open it with the "
-                f"layout it was written with, or use another path. Nothing was changed.")
-
-    # ================================================================ label
-    def _read_page(self, off: int) -> bytes:
-        keep, page = alloc_aligned(lbl.LABEL_BYTES)
-        self.engine.read(off, page[:lbl.LABEL_BYTES]).get()
-        return bytes(memoryview(keep)[:lbl.LABEL_BYTES])
-
-    def _open_label(self, format: bool) -> lbl.StoreLabel | None:
-        """Check the label through the engine (the module doc of :mod:`tierstore.io.label`):
-        the label found, or ``None`` for a target formatted now.
-
-        A target without the label is formatted (every segment's chain start
-        zeroed where it is not, so nothing written before is ever recovered)
-        when it holds nothing, or with ``format``; else refused. A tier that
-        grew gets the chain starts of its new segments zeroed the same way.
-        """
-        raw = self._read_page(0)
-        try:
-            found, damaged = lbl.decode_label(raw), ""
-        except CorruptData as e:
-            found, damaged = None, str(e)
-        where = self.path or "device"
-        if found is not None:
-            if found.block_bytes != self.block_bytes:
-                raise ConfigError(self._layout_refusal({found.block_bytes}))
-            if found.segment_size_bytes != self.segment_size_bytes:
-                raise ConfigError(
-                    f"{where}: formatted with segment_size_bytes={found.segment_size_bytes}, opened with "
-                    f"{self.segment_size_bytes}; a tier keeps its segment size whatever its capacity: open it "
-                    "with the first (tierstore's build does), or use another path. Nothing was changed.")
-            self._store_id = found.store_id
-            if found.n_segments < self.n_segments:
-                self._scrub(range(found.n_segments, self.n_segments))
-            return found
-        is_dev = bool(getattr(self.engine, "is_block_device", False)) or _is_device(self.path)
-        if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
-            kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
-            raise ForeignDataError(lbl.refusal(lbl.Target(where, kind, is_dev, self.engine.size_bytes, None,
-                                                          raw[:16], damaged)))
-        self._store_id = b""
-        self._scrub(range(self.n_segments))
-        return None
-
-    def _scrub(self, segments: Iterable[int]) -> None:
-        """Zero the chain start of each of ``segments`` that is not zero (read first,
-        so an empty sparse file gets no write)."""
-        keep, zero = alloc_aligned(fmt.ALIGN_BYTES)
-        zero.zero_()
-        wrote = False
-        for si in segments:
-            off = si * self.segment_size_bytes + self._chain_start(si)
-            if any(self._read_page(off)):
-                self.engine.write(off, zero[:fmt.ALIGN_BYTES], self._metadata_placement).get()
-                wrote = True
-        if wrote:
-            self.engine.sync()
-        del keep
-
-    def _write_label(self) -> None:
-        """Write the label (this geometry) and make it durable."""
-        page = lbl.StoreLabel(self.segment_size_bytes, self.block_bytes, self.n_segments,
-                              getattr(self, "_store_id", b"")).encode()
-        keep, buf = alloc_aligned(lbl.LABEL_BYTES)
-        memoryview(keep)[:lbl.LABEL_BYTES] = page
-        self.engine.write(0, buf[:lbl.LABEL_BYTES], self._metadata_placement).get()
-        self.engine.sync()
-        self._store_id = page[40:56]
-
-    def _drop_beyond(self, old_n: int) -> None:
-        """The tier was reopened with fewer segments than its label says: count the
-        blocks of the segments past the new end that are not recovered (dropped),
-        trim those segments, and say so once."""
-        S = self.segment_size_bytes
-        reach = min(old_n, self.engine.size_bytes // S)
-        buf = list(alloc_aligned(max(self.extent_size_bytes, 1 << 20)))
-        lost: set[bytes] = set()
-        for si in range(self.n_segments, reach):
-            for _, h in self._chain(si, buf):
-                lost.update(e.key for e in h.entries
-                            if not (e.ns_digest in self._inval and h.seq < self._inval[e.ns_digest]))
-        lost = {k for k in lost if self._table.get(k) < 0}
-        for si in range(self.n_segments, reach):
-            try:
-                self.engine.trim(si * S, S).get()
-            except OSError:
-                self._st["trim_errors"] += 1
-        self._st["recovery_dropped_blocks"] += len(lost)
-        unread = f"; {old_n - reach} segments past this open's device size were not read" if reach < old_n else ""
-        _log.warning("%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
-                     "segments past the new end were dropped (recovery_dropped_blocks)%s",
-                     self.path or "device", self.n_segments, S, format_bytes(self.n_segments * S), old_n,
-                     format_bytes(old_n * S), len(lost), unread)
-
-    def _adopt(self, si: int, off: int, e: fmt.BlockEntry, seq: int) -> None:
-        row = self._table.get(e.key)
-        if row >= 0:
-            # Two copies (a GC copy-forward cut short by a crash): the newer
-            # wins only if its payload verifies, since a torn newer copy must
-            # not retire the good older one.
-            old = (int(self._off[row]), int(self._crc[row]), int(self._seq[row]))
-            new = (off, e.payload_crc32c, seq)
-            newer, older = (new, old) if seq > old[2] else (old, new)
-            winner = newer if self._verify_at(e.key, newer[0], newer[1]) else older
-            if winner is old:
-                return
-            self._live[old[0] // self.segment_size_bytes] -= 1
-        else:
-            row, _ = self._table.add(e.key)
-            if row >= self._off.size:
-                self._grow_rows()
-        self._off[row] = off
-        self._crc[row] = e.payload_crc32c
-        self._seq[row] = seq
-        self._ns_id[row] = self._intern_ns(e.ns_digest)
-        self._live[si] += 1
-        self._members[si].append(row)
-
-    def _verify_at(self, key: bytes, off: int, crc: int) -> bool:
-        keep, buf = alloc_aligned(self._slot_bytes)
-        try:
-            self.engine.read(off, buf[:self._slot_bytes]).get()
-        except OSError:
-            return False
-        return fmt.payload_crc(key, memoryview(keep)[:self.block_bytes]) == crc
-
-    def _verify_extent(self, ext_off: int, h: fmt.ExtentHeader) -> list:
-        return [e for e in h.entries if self._verify_at(e.key, ext_off + e.payload_offset, e.payload_crc32c)]

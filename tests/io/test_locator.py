@@ -1,0 +1,101 @@
+"""BlockLocator (io/locator.py): key -> (segment, offset, length), the extents remove() frees,
+copy-forward replacement, namespaces, and growth past the initial rows."""
+import numpy as np
+
+from tierstore.io import format as fmt
+from tierstore.io.locator import BlockLocator
+
+SEG = 1 << 20
+SLOT = 8192
+NS_A, NS_B = b"a" * 32, b"b" * 32
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def entries(keys, ns=NS_A, first_offset=4096):
+    return [fmt.BlockEntry(k, ns, first_offset + j * SLOT, 5000, 1000 + j) for j, k in enumerate(keys)]
+
+
+def test_commit_then_locate_find_and_scan():
+    loc = BlockLocator(16, SEG, SLOT)
+    ks = [key(i) for i in range(3)]
+    rows, replaced = loc.commit(3 * SEG + 8192, 7, entries(ks))
+    assert replaced.size == 0 and len(loc) == 3
+    assert loc.locate(ks[1]) == (3, 3 * SEG + 8192 + 4096 + SLOT, SLOT)
+    assert loc.locate(key(99)) is None
+    found = loc.find([key(99), ks[2], ks[0]])
+    assert found == [(3 * SEG + 8192 + 4096 + 2 * SLOT, 1, 1002), (3 * SEG + 8192 + 4096, 2, 1000)]
+    got = loc.scan()
+    assert sorted(got.keys) == sorted(ks) and set(got.ns_digests) == {NS_A}
+    assert got.write_seqs.tolist() == [7, 7, 7]
+    assert loc.entries() == {k: (NS_A, 7) for k in ks}
+
+
+def test_a_newer_copy_reports_the_offsets_it_replaces():
+    loc = BlockLocator(16, SEG, SLOT)
+    ks = [key(i) for i in range(4)]
+    loc.commit(0, 1, entries(ks))
+    old = [loc.locate(k)[1] for k in ks[1:3]]
+    rows, replaced = loc.commit(5 * SEG, 2, entries([ks[1], key(50), ks[2]]))
+    assert sorted(replaced.tolist()) == sorted(old)
+    assert len(loc) == 5
+    assert loc.locate(ks[1])[0] == 5 and loc.locate(ks[0])[0] == 0
+
+
+def test_remove_returns_the_freed_extents_in_key_order_and_skips_absent_keys():
+    loc = BlockLocator(16, SEG, SLOT)
+    ks = [key(i) for i in range(4)]
+    loc.commit(2 * SEG, 1, entries(ks))
+    offs = {k: loc.locate(k)[1] for k in ks}
+    freed = loc.remove([ks[3], key(77), ks[0], ks[3]])
+    assert freed == [(offs[ks[3]], SLOT), (offs[ks[0]], SLOT)]
+    assert len(loc) == 2 and loc.row(ks[0]) < 0
+    assert loc.remove([]) == []
+
+
+def test_remove_at_forgets_a_key_only_when_its_copy_lies_in_the_range():
+    loc = BlockLocator(16, SEG, SLOT)
+    k = key(1)
+    loc.commit(SEG, 1, entries([k]))
+    off = loc.locate(k)[1]
+    assert not loc.remove_at(k, 2 * SEG, 3 * SEG)    # another segment: the copy stays
+    assert not loc.remove_at(k, off + 1, off + 2)
+    assert loc.row(k) >= 0
+    assert loc.remove_at(k, off, off + 1)
+    assert loc.row(k) < 0 and not loc.remove_at(k, 0, 10 * SEG)
+
+
+def test_namespaces_are_interned_and_listed():
+    loc = BlockLocator(16, SEG, SLOT)
+    a = [key(i) for i in range(3)]
+    b = [key(i) for i in range(10, 12)]
+    loc.commit(0, 1, entries(a, NS_A))
+    loc.commit(SEG, 2, entries(a[:1], NS_A) + entries(b, NS_B, first_offset=4096 + SLOT))
+    assert loc.rows_of_namespace(b"z" * 32) is None
+    assert sorted(loc.keys_of(loc.rows_of_namespace(NS_B))) == sorted(b)
+    assert sorted(loc.keys_of(loc.rows_of_namespace(NS_A))) == sorted(a)
+    assert loc.namespace_of(loc.row(b[0])) == NS_B
+    assert loc.ns_list.count(NS_B) == 1
+
+
+def test_rows_in_selects_live_rows_of_a_device_range():
+    loc = BlockLocator(16, SEG, SLOT)
+    ks = [key(i) for i in range(3)]
+    rows, _ = loc.commit(SEG, 1, entries(ks))
+    loc.remove([ks[1]])
+    assert loc.rows_in(np.unique(rows), SEG, 2 * SEG).tolist() == sorted([loc.row(ks[0]), loc.row(ks[2])])
+    assert loc.rows_in(np.unique(rows), 0, SEG).size == 0
+
+
+def test_grows_past_its_initial_rows_and_keeps_every_location():
+    loc = BlockLocator(4, SEG, SLOT)
+    before = loc.nbytes
+    n = 3000
+    for a in range(0, n, 100):
+        loc.commit(a * SLOT, a + 1, entries([key(i) for i in range(a, a + 100)], first_offset=0))
+    assert len(loc) == n and loc.nbytes > before
+    assert all(loc.locate(key(i))[1] == i * SLOT for i in range(0, n, 7))
+    assert loc.place(key(5), 123 * 4096, 9, 99, NS_B) == loc.row(key(5))
+    assert loc.locate(key(5))[1] == 123 * 4096 and loc.entries()[key(5)] == (NS_B, 99)

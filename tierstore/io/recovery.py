@@ -1,0 +1,292 @@
+"""What a segment store finds when it opens: the label, the extent chains, a smaller tier.
+
+Functions of :class:`~tierstore.io.segments.SegmentStorage`'s open, run once,
+before the store is shared (no lock is taken; nothing else runs yet):
+
+* :func:`open_label` / :func:`write_label`: the tier's label in device bytes
+  ``[0, 4096)`` (:mod:`tierstore.io.label`): checked before anything is
+  written; a target without it is formatted (every chain start zeroed) only
+  when it holds nothing or ``format`` is set.
+* :func:`recover`: walks every segment's extent chain (:func:`read_chain`, the
+  rules of :mod:`tierstore.io.format`) in segment order and adopts each block
+  into the :class:`~tierstore.io.locator.BlockLocator` and the
+  :class:`~tierstore.io.segment_manager.SegmentManager`, skipping blocks of a
+  namespace the invalidation log dropped after they were written. Of two
+  copies of a key (a GC copy-forward cut short by a crash) the newer wins only
+  if its payload verifies. Recovered segments are sealed (never appended to).
+* :func:`drop_beyond`: a tier reopened with fewer segments counts and trims
+  the blocks past its new end.
+
+A block written with another block size refuses the open (:func:`layout_refusal`):
+serving a cut-off block would be wrong KV, dropping them would lose the store.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+from typing import Iterable, Iterator
+
+from . import format as fmt
+from . import label as lbl
+from .engine import IOEngine, alloc_aligned
+from .locator import BlockLocator
+from .pages import align_up
+from .segment_manager import SegmentManager, SegmentState
+from ..errors import ConfigError, CorruptData, ForeignDataError
+from ..units import format_bytes
+
+__all__ = ["RecoveryCounts", "recover", "read_chain", "drop_beyond", "open_label", "write_label",
+           "layout_refusal"]
+
+_log = logging.getLogger("tierstore.io.segments")
+
+
+@dataclasses.dataclass
+class RecoveryCounts:
+    """What :func:`recover` found: blocks adopted, dropped (failed verification), skipped as
+    invalidated, and the sealed segments left with no live block (to reclaim)."""
+
+    recovered_blocks: int = 0
+    dropped_blocks: int = 0
+    invalidated_blocks: int = 0
+    empty_segments: list = dataclasses.field(default_factory=list)
+
+
+def layout_refusal(path: str | None, block_bytes: int, other) -> str:
+    """The message refusing a tier that holds blocks of another size than ``block_bytes``."""
+    return (f"{path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
+            f"for {block_bytes}-byte blocks (another KV layout?); open it with the "
+            f"layout it was written with, or use another path. Nothing was changed.")
+
+
+def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
+               buf: list) -> Iterator[tuple[int, fmt.ExtentHeader]]:
+    """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
+    the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
+    a reusable aligned buffer (grown here)."""
+    S = segs.segment_bytes
+    base = si * S
+    pos = segs.chain_start(si)
+    gen = None
+    last_seq = -1
+    while pos + fmt.ALIGN_BYTES <= S:
+        try:
+            engine.read(base + pos, buf[1][:fmt.ALIGN_BYTES]).get()
+            hb = fmt.peek_header_bytes(memoryview(buf[0])[:fmt.ALIGN_BYTES])
+            if pos + hb > S:
+                return
+            if hb > fmt.ALIGN_BYTES:
+                if hb > buf[1].numel():  # written with larger extents: grow, do not stop
+                    buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
+                engine.read(base + pos, buf[1][:hb]).get()
+            h = fmt.decode_header(memoryview(buf[0])[:hb])
+        except (OSError, CorruptData):
+            return
+        if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
+                or h.extent_offset != base + pos or pos + h.total_bytes > S
+                or (gen is None and h.segment_gen != h.seq)):
+            return
+        gen = h.segment_gen
+        last_seq = h.seq
+        yield pos, h
+        pos += h.total_bytes
+
+
+def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, invalidated: dict[bytes, int],
+            extent_bytes: int, verify: bool, path: str | None) -> RecoveryCounts:
+    """Rebuild ``segs`` and ``locator`` from the extent chains on ``engine`` (module doc).
+
+    ``invalidated`` is the invalidation log's ``ns_digest -> write_seq``. Sets
+    ``segs.next_seq`` past every sequence number seen.
+
+    Raises
+    ------
+    ConfigError
+        A block of another size than ``segs.block_bytes`` (nothing is changed).
+    """
+    S = segs.segment_bytes
+    bb = segs.block_bytes
+    out = RecoveryCounts()
+    buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
+    max_seq = 0
+    for si in range(segs.n_segments):
+        base = si * S
+        start = pos = segs.chain_start(si)
+        h = None
+        for pos, h in read_chain(engine, segs, si, buf):
+            other = {e.length_bytes for e in h.entries} - {bb}
+            if other:
+                raise ConfigError(layout_refusal(path, bb, other))
+            good = list(h.entries)
+            if verify:
+                good = [e for e in h.entries
+                        if _verify_at(engine, bb, e.key, base + pos + e.payload_offset, e.payload_crc32c)]
+                out.dropped_blocks += len(h.entries) - len(good)
+            for e in good:
+                if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
+                    out.invalidated_blocks += 1
+                    continue
+                _adopt(engine, segs, locator, si, base + pos + e.payload_offset, e, h.seq)
+            segs.written[si] += len(h.entries)
+            max_seq = max(max_seq, h.seq)
+        if h is not None:
+            pos += h.total_bytes
+            segs.state[si] = SegmentState.SEALED
+            segs.gen[si] = h.segment_gen
+            segs.wp[si] = pos
+            segs.sealed_at[si] = h.seq
+        else:
+            segs.wp[si] = start
+    segs.next_seq = max(max_seq, max(invalidated.values(), default=0)) + 1
+    # Recovered segments are never appended to again (sealed until
+    # reclaimed): a torn extent ends a chain, but complete extents of a dead
+    # process may lie beyond it with sequence numbers above next_seq;
+    # appending at the chain end could splice them back into the chain.
+    out.recovered_blocks = len(locator)
+    del buf
+    empty = (segs.state == SegmentState.SEALED) & (segs.live == 0)
+    out.empty_segments = [int(si) for si in empty.nonzero()[0]]
+    return out
+
+
+def _adopt(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, si: int, off: int,
+           e: fmt.BlockEntry, seq: int) -> None:
+    row = locator.row(e.key)
+    if row >= 0:
+        # Two copies (a GC copy-forward cut short by a crash): the newer
+        # wins only if its payload verifies, since a torn newer copy must
+        # not retire the good older one.
+        old = (int(locator.off[row]), int(locator.crc[row]), int(locator.seq[row]))
+        new = (off, e.payload_crc32c, seq)
+        newer, older = (new, old) if seq > old[2] else (old, new)
+        winner = newer if _verify_at(engine, segs.block_bytes, e.key, newer[0], newer[1]) else older
+        if winner is old:
+            return
+        segs.live[old[0] // segs.segment_bytes] -= 1
+    row = locator.place(e.key, off, e.payload_crc32c, seq, e.ns_digest)
+    segs.adopted(si, row)
+
+
+def _verify_at(engine: IOEngine, block_bytes: int, key: bytes, off: int, crc: int) -> bool:
+    slot = fmt.block_slot_bytes(block_bytes)
+    keep, buf = alloc_aligned(slot)
+    try:
+        engine.read(off, buf[:slot]).get()
+    except OSError:
+        return False
+    return fmt.payload_crc(key, memoryview(keep)[:block_bytes]) == crc
+
+
+def drop_beyond(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, invalidated: dict[bytes, int],
+                old_n: int, extent_bytes: int, path: str | None) -> tuple[int, int]:
+    """The tier was reopened with fewer segments than its label says: count the blocks of the
+    segments past the new end that are not recovered (dropped), trim those segments, and say
+    so once. Returns ``(dropped blocks, trim errors)``."""
+    S = segs.segment_bytes
+    reach = min(old_n, engine.size_bytes // S)
+    buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
+    lost: set[bytes] = set()
+    for si in range(segs.n_segments, reach):
+        for _, h in read_chain(engine, segs, si, buf):
+            lost.update(e.key for e in h.entries
+                        if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]))
+    lost = {k for k in lost if locator.row(k) < 0}
+    trim_errors = 0
+    for si in range(segs.n_segments, reach):
+        try:
+            engine.trim(si * S, S).get()
+        except OSError:
+            trim_errors += 1
+    unread = f"; {old_n - reach} segments past this open's device size were not read" if reach < old_n else ""
+    _log.warning("%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
+                 "segments past the new end were dropped (recovery_dropped_blocks)%s",
+                 path or "device", segs.n_segments, S, format_bytes(segs.n_segments * S), old_n,
+                 format_bytes(old_n * S), len(lost), unread)
+    return len(lost), trim_errors
+
+
+# ---------------------------------------------------------------------------- label
+def _read_page(engine: IOEngine, off: int) -> bytes:
+    keep, page = alloc_aligned(lbl.LABEL_BYTES)
+    engine.read(off, page[:lbl.LABEL_BYTES]).get()
+    return bytes(memoryview(keep)[:lbl.LABEL_BYTES])
+
+
+def _is_device(path: str | None) -> bool:
+    """Whether ``path`` is a block or character device (a raw SSD, ``/dev/ngXnY``)."""
+    try:
+        mode = os.stat(path).st_mode if path else 0
+    except OSError:
+        return False
+    return stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
+
+
+def open_label(engine: IOEngine, segs: SegmentManager, path: str | None, format: bool,
+               metadata_placement: int | None) -> tuple[lbl.StoreLabel | None, bytes]:
+    """Check the label through the engine (the module doc of :mod:`tierstore.io.label`):
+    ``(the label found or None for a target formatted now, the store id)``.
+
+    A target without the label is formatted (every segment's chain start
+    zeroed where it is not, so nothing written before is ever recovered)
+    when it holds nothing, or with ``format``; else refused. A tier that
+    grew gets the chain starts of its new segments zeroed the same way.
+
+    Raises
+    ------
+    ConfigError
+        The label names another block or segment size (nothing is changed).
+    ForeignDataError
+        The target holds something else and ``format`` is not set (nothing is written).
+    """
+    raw = _read_page(engine, 0)
+    try:
+        found, damaged = lbl.decode_label(raw), ""
+    except CorruptData as e:
+        found, damaged = None, str(e)
+    where = path or "device"
+    if found is not None:
+        if found.block_bytes != segs.block_bytes:
+            raise ConfigError(layout_refusal(path, segs.block_bytes, {found.block_bytes}))
+        if found.segment_size_bytes != segs.segment_bytes:
+            raise ConfigError(
+                f"{where}: formatted with segment_size_bytes={found.segment_size_bytes}, opened with "
+                f"{segs.segment_bytes}; a tier keeps its segment size whatever its capacity: open it "
+                "with the first (tierstore's build does), or use another path. Nothing was changed.")
+        if found.n_segments < segs.n_segments:
+            _scrub(engine, segs, range(found.n_segments, segs.n_segments), metadata_placement)
+        return found, found.store_id
+    is_dev = bool(getattr(engine, "is_block_device", False)) or _is_device(path)
+    if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
+        kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
+        raise ForeignDataError(lbl.refusal(lbl.Target(where, kind, is_dev, engine.size_bytes, None,
+                                                      raw[:16], damaged)))
+    _scrub(engine, segs, range(segs.n_segments), metadata_placement)
+    return None, b""
+
+
+def _scrub(engine: IOEngine, segs: SegmentManager, segments: Iterable[int], placement: int | None) -> None:
+    """Zero the chain start of each of ``segments`` that is not zero (read first,
+    so an empty sparse file gets no write)."""
+    keep, zero = alloc_aligned(fmt.ALIGN_BYTES)
+    zero.zero_()
+    wrote = False
+    for si in segments:
+        off = si * segs.segment_bytes + segs.chain_start(si)
+        if any(_read_page(engine, off)):
+            engine.write(off, zero[:fmt.ALIGN_BYTES], placement).get()
+            wrote = True
+    if wrote:
+        engine.sync()
+    del keep
+
+
+def write_label(engine: IOEngine, segs: SegmentManager, store_id: bytes, placement: int | None) -> bytes:
+    """Write the label (this geometry) and make it durable; returns the store id written."""
+    page = lbl.StoreLabel(segs.segment_bytes, segs.block_bytes, segs.n_segments, store_id).encode()
+    keep, buf = alloc_aligned(lbl.LABEL_BYTES)
+    memoryview(keep)[:lbl.LABEL_BYTES] = page
+    engine.write(0, buf[:lbl.LABEL_BYTES], placement).get()
+    engine.sync()
+    return page[40:56]
