@@ -33,11 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
+from .policies.registry import ADMISSION, CLASSIFIER, EVICTION, REINSERT
+from .registry import Registry
 from .units import parse_size, parse_time_s
 
 #: Admission policies for blocks demoted to NVMe ("all"/"none": admit all;
-#: "reused"/"second": second sighting; "predicted": reuse predictor).
-ADMISSION_POLICIES = ("all", "none", "reused", "second", "predicted")
+#: "reused"/"second"/"second_hit": second sighting; "predicted": reuse predictor):
+#: the names of :data:`tierstore.policies.registry.ADMISSION`.
+ADMISSION_POLICIES = tuple(ADMISSION.names())
 
 
 def _size(v: Any, info) -> int:
@@ -247,29 +250,36 @@ class TiersConfig(_Model):
         return self
 
 
+def _registered(registry: Registry):
+    """A field validator: the value is a name (or alias) of ``registry``; it is kept as spelled."""
+    def check(v):
+        if v not in registry:
+            raise ValueError(f"accepted values are {sorted(registry.names())}")
+        return v
+    return field_validator(registry.family)(check)
+
+
 class PoliciesConfig(_Model):
-    """Placement and eviction policies (names registered in :mod:`tierstore.policies`)."""
+    """Placement and eviction policies. ``eviction``, ``admission``, ``classifier`` and
+    ``reinsert`` accept the names (and aliases) of their registry in
+    :mod:`tierstore.policies.registry`, as every other entry point does."""
 
     eviction: str = "lru"
-    admission: Literal["all", "none", "reused", "second", "predicted"] = "all"
+    admission: str = "all"
     promotion: Literal["top", "one", "none"] = "top"
     write_policy: Literal["write_back", "write_through"] = "write_back"
-    classifier: Literal["hint", "reuse", "prefix"] = "hint"
-    reinsert: Literal["none", "hits", "predicted", "clock"] = "none"
+    classifier: str = "hint"
+    reinsert: str = "none"
     evict_batch_blocks: int = Field(8, ge=1)
     verify_tokens: bool = False
     pin_quota_bytes: int = 1 << 62
     default_lease_s: float = Field(60.0, gt=0)
     _q = field_validator("pin_quota_bytes", mode="before")(_size)
     _l = field_validator("default_lease_s", mode="before")(_dur)
-
-    @field_validator("eviction")
-    @classmethod
-    def _ev(cls, v):
-        from .policies import policy_names
-        if v not in policy_names():
-            raise ValueError(f"accepted values are {policy_names()}")
-        return v
+    _ev = _registered(EVICTION)
+    _ad = _registered(ADMISSION)
+    _cl = _registered(CLASSIFIER)
+    _re = _registered(REINSERT)
 
 
 class RemoteConfig(_Model):
