@@ -28,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from .errors import ConfigError
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
-from .policies.registry import ADMISSION, CLASSIFIER, EVICTION, REINSERT
-from .registry import Registry
-from .units import parse_size, parse_time_s
+from .policies.config import PoliciesConfig
+from .policies.registry import ADMISSION
+from .schema import (DurationS, OptionalSizeBytes, SizeBytes, StrictModel, format_validation_error,  # noqa: F401
+                     parse_model, read_yaml)
 
 #: Admission policies for blocks demoted to NVMe ("all"/"none": admit all;
 #: "reused"/"second"/"second_hit": second sighting; "predicted": reuse predictor):
@@ -43,19 +42,7 @@ from .units import parse_size, parse_time_s
 ADMISSION_POLICIES = tuple(ADMISSION.names())
 
 
-def _size(v: Any, info) -> int:
-    return parse_size(v, info.field_name)
-
-
-def _dur(v: Any, info) -> float:
-    return parse_time_s(v, info.field_name)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LayoutConfig(_Model):
+class LayoutConfig(StrictModel):
     """The KV layout that defines ``block_bytes``: a preset or explicit dims."""
 
     preset: str | None = None
@@ -99,11 +86,10 @@ class LayoutConfig(_Model):
                         self.tokens_per_block or 16, "custom", self.block_order)
 
 
-class MemoryTierConfig(_Model):
+class MemoryTierConfig(StrictModel):
     """A memory tier (HBM or pinned host DRAM); 0 disables it."""
 
-    capacity_bytes: int = 0
-    _c = field_validator("capacity_bytes", mode="before")(_size)
+    capacity_bytes: SizeBytes = 0
 
 
 class HbmTierConfig(MemoryTierConfig):
@@ -113,7 +99,7 @@ class HbmTierConfig(MemoryTierConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
-class FdpConfig(_Model):
+class FdpConfig(StrictModel):
     """FDP placement: tag each NVMe write with the PID of its lifetime class.
 
     The PIDs come from the device's RUH Status (:mod:`tierstore.fdp.placement`);
@@ -135,24 +121,22 @@ class FdpConfig(_Model):
     default_pid: int | None = Field(None, ge=0, le=0xFFFF)
 
 
-class SimDeviceConfig(_Model):
+class SimDeviceConfig(StrictModel):
     """The FTL model of an FDP SSD (:class:`tierstore.fdp.ftl.FTLModel`): the
     whole device with ``device: sim``, or an observer of the file's writes with
     ``device: file`` (then WAF is reported for the run; a model, not the disk)."""
 
-    device_bytes: int | None = Field(None, description="user capacity; null: tier capacity / utilization")
+    device_bytes: OptionalSizeBytes = Field(None, description="user capacity; null: tier capacity / utilization")
     utilization: float = Field(0.9, gt=0, le=1)
-    ru_size_bytes: int | None = Field(None, description="reclaim unit; null: device / 60")
+    ru_size_bytes: OptionalSizeBytes = Field(None, description="reclaim unit; null: device / 60")
     op_fraction: float = Field(0.07, ge=0, lt=1)
     num_ruh: int = Field(8, ge=1, le=0xFFFF)
     isolation: Literal["initial", "persistent"] = "initial"
     gc: Literal["greedy", "cost_benefit"] = "greedy"
-    page_bytes: int = 4096
-    _b = field_validator("ru_size_bytes", "device_bytes", "page_bytes", mode="before")(
-        lambda v, info: None if v is None else parse_size(v, info.field_name))
+    page_bytes: SizeBytes = 4096
 
 
-class NvmeTierConfig(_Model):
+class NvmeTierConfig(StrictModel):
     """The NVMe tier: a crash-recoverable :class:`~tierstore.io.SegmentStorage`.
 
     ``device`` says what is underneath, explicitly:
@@ -181,28 +165,19 @@ class NvmeTierConfig(_Model):
 
     device: Literal["file", "sim", "fdp"] = "file"
     path: str | None = Field(None, description="directory, file, block device, or /dev/ngXnY for device: fdp")
-    capacity_bytes: int | None = Field(None, description="null only with device: sim (utilization x device)")
+    capacity_bytes: OptionalSizeBytes = Field(None, description="null only with device: sim (utilization x device)")
     format: bool = Field(False, description="let tierstore format a path without its label (a non-empty file, a "
                                             "device); what it holds is lost")
     engine: Literal["auto", "posix", "uring", "memory", "null"] = "auto"
-    segment_size_bytes: int | None = None
-    extent_size_bytes: int = 16 << 20
+    segment_size_bytes: OptionalSizeBytes = None
+    extent_size_bytes: SizeBytes = 16 << 20
     iodepth: int = Field(16, ge=1, le=1024)
     region_policy: Literal["lru", "fifo", "min_live"] = "lru"
     flush_on_close: bool = Field(True, description="write memory-only blocks to NVMe at a clean close")
-    flush_timeout_s: float = Field(30.0, ge=0)
-    flush_max_bytes: int | None = Field(None, description="cap on bytes written at close; null: no cap")
+    flush_timeout_s: DurationS = Field(30.0, ge=0)
+    flush_max_bytes: OptionalSizeBytes = Field(None, description="cap on bytes written at close; null: no cap")
     fdp: FdpConfig = FdpConfig()
     model: SimDeviceConfig | None = None
-    _c = field_validator("capacity_bytes", "flush_max_bytes", mode="before")(
-        lambda v, info: None if v is None else parse_size(v, info.field_name))
-    _e = field_validator("extent_size_bytes", mode="before")(_size)
-    _t = field_validator("flush_timeout_s", mode="before")(_dur)
-
-    @field_validator("segment_size_bytes", mode="before")
-    @classmethod
-    def _seg(cls, v, info):
-        return None if v is None else parse_size(v, info.field_name)
 
     @field_validator("capacity_bytes")
     @classmethod
@@ -225,7 +200,7 @@ class NvmeTierConfig(_Model):
         return self
 
 
-class TiersConfig(_Model):
+class TiersConfig(StrictModel):
     """Tier capacities. Without ``nvme`` nothing survives a restart.
 
     ``keep_data: false`` is the accounting mode, for experiments whose question
@@ -250,39 +225,7 @@ class TiersConfig(_Model):
         return self
 
 
-def _registered(registry: Registry):
-    """A field validator: the value is a name (or alias) of ``registry``; it is kept as spelled."""
-    def check(v):
-        if v not in registry:
-            raise ValueError(f"accepted values are {sorted(registry.names())}")
-        return v
-    return field_validator(registry.family)(check)
-
-
-class PoliciesConfig(_Model):
-    """Placement and eviction policies. ``eviction``, ``admission``, ``classifier`` and
-    ``reinsert`` accept the names (and aliases) of their registry in
-    :mod:`tierstore.policies.registry`, as every other entry point does."""
-
-    eviction: str = "lru"
-    admission: str = "all"
-    promotion: Literal["top", "one", "none"] = "top"
-    write_policy: Literal["write_back", "write_through"] = "write_back"
-    classifier: str = "hint"
-    reinsert: str = "none"
-    evict_batch_blocks: int = Field(8, ge=1)
-    verify_tokens: bool = False
-    pin_quota_bytes: int = 1 << 62
-    default_lease_s: float = Field(60.0, gt=0)
-    _q = field_validator("pin_quota_bytes", mode="before")(_size)
-    _l = field_validator("default_lease_s", mode="before")(_dur)
-    _ev = _registered(EVICTION)
-    _ad = _registered(ADMISSION)
-    _cl = _registered(CLASSIFIER)
-    _re = _registered(REINSERT)
-
-
-class RemoteConfig(_Model):
+class RemoteConfig(StrictModel):
     """A shared remote tier on a distributed KV store (Mooncake Store).
 
     Parameters mirror ``MooncakeDistributedStore.setup(local_hostname,
@@ -297,12 +240,12 @@ class RemoteConfig(_Model):
     master: str = Field("127.0.0.1:50051", description="master RPC address host:port")
     metadata: str = Field("http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE")
     local_hostname: str = "127.0.0.1"
-    segment_bytes: int = Field(256 << 20, description="memory this client contributes to the cluster")
-    local_buffer_bytes: int = Field(64 << 20, description="registered staging memory for loads")
+    segment_bytes: SizeBytes = Field(256 << 20, description="memory this client contributes to the cluster")
+    local_buffer_bytes: SizeBytes = Field(64 << 20, description="registered staging memory for loads")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = Field("", description="RDMA device name(s); empty for TCP")
     publish_queue_blocks: int = Field(64, ge=1, description="bounded queue of asynchronous puts")
-    timeout_s: float = 5.0
+    timeout_s: DurationS = 5.0
     admission: Literal["all", "reused"] = "all"
     publish: Literal["store", "evict"] = Field(
         "store", description="store: publish blocks when stored (shared at once); evict: when they leave "
@@ -311,11 +254,9 @@ class RemoteConfig(_Model):
     name_secret: str | None = Field(None, description="HMAC key for object names (hex or text)")
     mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")
     max_batch_blocks: int = Field(16, ge=1)
-    _b = field_validator("segment_bytes", "local_buffer_bytes", mode="before")(_size)
-    _t = field_validator("timeout_s", mode="before")(_dur)
 
 
-class StoreConfig(_Model):
+class StoreConfig(StrictModel):
     """A whole store: layout, tiers, policies and an optional remote tier.
 
     ``layout`` may be left out where the caller knows it (an engine connector
@@ -342,66 +283,3 @@ class StoreConfig(_Model):
     def from_yaml(cls, path: str) -> "StoreConfig":
         """Read and validate a YAML file. Raises :class:`ConfigError`."""
         return cls.from_dict(read_yaml(path), f"store config {path!r}")
-
-
-def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
-    """Field names of the model that owns the unknown key at ``loc``."""
-    cur: Any = model
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
-            return None
-        ann = cur.model_fields[part].annotation
-        cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
-                   None)
-        if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    if isinstance(cur, type) and issubclass(cur, BaseModel):
-        return sorted(cur.model_fields)
-    return None
-
-
-def format_validation_error(err: ValidationError, root: type[BaseModel], what: str) -> str:
-    """One line per problem: ``key=value: what is accepted``."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(document)"
-        val = e.get("input")
-        if e["type"] == "extra_forbidden":
-            acc = _accepted_keys(root, tuple(e["loc"]))
-            lines.append(f"{key}: unknown key; accepted keys here are {acc}")
-            continue
-        if e["type"] == "missing":
-            lines.append(f"{key}: required key is missing")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        inner = f"{e['loc'][-1]}=" if e["loc"] else None
-        if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
-            msg = msg.split(": ", 1)[1]
-        shown = repr(val) if not isinstance(val, dict) else "{...}"
-        lines.append(f"{key}={shown}: {msg}")
-    return f"invalid {what}:\n  " + "\n  ".join(lines)
-
-
-def parse_model(model: type[BaseModel], doc: Any, what: str):
-    """Validate ``doc`` into ``model``; every failure is one :class:`ConfigError`."""
-    if not isinstance(doc, dict):
-        raise ConfigError(f"invalid {what}: the document must be a mapping, got {type(doc).__name__}")
-    try:
-        return model.model_validate(doc)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, model, what)) from None
-    except ConfigError as e:  # raised by parse_size/parse_time_s inside a validator
-        raise ConfigError(f"invalid {what}: {e}") from None
-
-
-def read_yaml(path: str) -> Any:
-    """Parse a YAML file. Raises :class:`ConfigError` for an unreadable file or bad syntax."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"config file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r}: YAML syntax error: {e}") from None
