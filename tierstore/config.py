@@ -33,6 +33,7 @@ from pydantic import Field, field_validator, model_validator
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
 from .policies.config import PoliciesConfig
 from .policies.registry import ADMISSION
+from .remote.settings import RemoteConfig
 from .schema import (DurationS, OptionalSizeBytes, SizeBytes, StrictModel, format_validation_error,  # noqa: F401
                      parse_model, read_yaml)
 
@@ -223,37 +224,6 @@ class TiersConfig(StrictModel):
         if not self.keep_data and self.nvme is not None and self.nvme.engine != "null":
             raise ValueError("keep_data: false needs tiers.nvme.engine: null (an engine that keeps no data)")
         return self
-
-
-class RemoteConfig(StrictModel):
-    """A shared remote tier on a distributed KV store (Mooncake Store).
-
-    Parameters mirror ``MooncakeDistributedStore.setup(local_hostname,
-    metadata_server, global_segment_size, local_buffer_size, protocol,
-    device_name, master_server_address)`` (Mooncake ``mooncake-store`` Python
-    API); see :class:`tierstore.remote.mooncake.MooncakeSettings`.
-    ``publish_queue_blocks`` costs ``publish_queue_blocks x (block + 64 B)`` of
-    registered memory.
-    """
-
-    engine: Literal["mooncake"] = "mooncake"
-    master: str = Field("127.0.0.1:50051", description="master RPC address host:port")
-    metadata: str = Field("http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE")
-    local_hostname: str = "127.0.0.1"
-    segment_bytes: SizeBytes = Field(256 << 20, description="memory this client contributes to the cluster")
-    local_buffer_bytes: SizeBytes = Field(64 << 20, description="registered staging memory for loads")
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device: str = Field("", description="RDMA device name(s); empty for TCP")
-    publish_queue_blocks: int = Field(64, ge=1, description="bounded queue of asynchronous puts")
-    timeout_s: DurationS = 5.0
-    admission: Literal["all", "reused"] = "all"
-    publish: Literal["store", "evict"] = Field(
-        "store", description="store: publish blocks when stored (shared at once); evict: when they leave "
-                             "this store's last tier (a victim cache: no copy both here and remote)")
-    cluster: str = Field("default", description="deployment name in object names")
-    name_secret: str | None = Field(None, description="HMAC key for object names (hex or text)")
-    mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")
-    max_batch_blocks: int = Field(16, ge=1)
 
 
 class StoreConfig(StrictModel):

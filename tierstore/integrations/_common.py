@@ -229,7 +229,7 @@ def store_summary(store: "KVStore") -> str:
     if r is None:
         parts.append("remote tier off")
     else:
-        s = r.settings
+        s = r.config
         state = r.state
         why = f": {r.stats().get('degraded_reason', '')}" if state == "degraded" else ""
         parts.append(f"remote tier {state}{why} (Mooncake master {s.master}, cluster {s.cluster!r}, "
