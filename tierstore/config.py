@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .errors import ConfigError
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
 from .policies.config import PoliciesConfig
 from .policies.registry import ADMISSION
@@ -226,6 +227,15 @@ class TiersConfig(StrictModel):
         return self
 
 
+#: ``KVStore`` keywords that are not the field name of their section: keyword -> dotted path.
+OPTION_ALIASES = {"device": "tiers.hbm.device", "nvme_engine": "tiers.nvme.engine",
+                  "nvme_device": "tiers.nvme.device", "nvme_format": "tiers.nvme.format"}
+#: ``NvmeTierConfig`` fields a ``KVStore`` keyword sets under its own name (the path and the
+#: capacity are arguments of their own; ``fdp`` and ``model`` need a config).
+NVME_OPTIONS = ("segment_size_bytes", "extent_size_bytes", "iodepth", "region_policy", "flush_on_close",
+                "flush_timeout_s", "flush_max_bytes")
+
+
 class StoreConfig(StrictModel):
     """A whole store: layout, tiers, policies and an optional remote tier.
 
@@ -248,6 +258,45 @@ class StoreConfig(StrictModel):
             Naming each bad key, its value and what is accepted.
         """
         return parse_model(cls, doc, what)
+
+    @classmethod
+    def from_options(cls, hbm_bytes: int = 0, host_bytes: int = 0, nvme_path: str | None = None,
+                     nvme_bytes: int = 0, **options: Any) -> "StoreConfig":
+        """The config ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)``
+        opens, without its run-time objects.
+
+        ``options`` are :class:`PoliciesConfig` fields, :data:`NVME_OPTIONS`, the
+        :data:`OPTION_ALIASES` and ``remote`` (a :class:`RemoteConfig` or its dict). The NVMe
+        tier exists when ``nvme_path`` is given and ``nvme_bytes > 0``.
+
+        Raises
+        ------
+        ConfigError
+            For an unknown option (the message lists the accepted ones), a bad value, or NVMe
+            options without an NVMe tier.
+        """
+        nvme_keys = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
+        accepted = set(PoliciesConfig.model_fields) | nvme_keys | {"device", "remote"}
+        unknown = set(options) - accepted
+        if unknown:
+            raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
+
+        def model(m, fields):
+            return parse_model(m, fields, f"KVStore options ({m.__name__})")
+        remote = options.pop("remote", None)
+        if remote is not None and not isinstance(remote, RemoteConfig):
+            remote = model(RemoteConfig, dict(remote))
+        given = {k: options.pop(k) for k in list(options) if k in nvme_keys}
+        nv = {OPTION_ALIASES.get(k, k).rsplit(".", 1)[-1]: v for k, v in given.items()}
+        hbm = model(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
+        host = model(MemoryTierConfig, dict(capacity_bytes=host_bytes))
+        nvme = None
+        if nvme_path is not None and nvme_bytes > 0:
+            nvme = model(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **nv))
+        elif given:
+            raise ConfigError(f"{sorted(given)} need an NVMe tier (nvme_path and nvme_bytes)")
+        return cls(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme), policies=model(PoliciesConfig, options),
+                   remote=remote)
 
     @classmethod
     def from_yaml(cls, path: str) -> "StoreConfig":
