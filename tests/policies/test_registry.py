@@ -101,3 +101,21 @@ def test_aliases_build_the_member_of_their_canonical_name():
     assert ADMISSION.canonical("second_hit") == "reused"
     assert EVICTION.names() == ["lru", "s3fifo", "cost"]
     assert make_reinsert("none") is None and make_reinsert(None) is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_one_registry_per_family(family):
+    """The names the config's error message lists, the CLI's choices and ``make_*``'s message
+    are the registry's (plan section 11, item 9)."""
+    from tierstore.config import PoliciesConfig
+    from tierstore.schema import parse_model
+
+    registry = FAMILIES[family]
+    with pytest.raises(ConfigError) as config_error:
+        parse_model(PoliciesConfig, {family: "bogus"}, "policies")
+    assert f"accepted values are {sorted(registry.names())}" in str(config_error.value)
+    with pytest.raises(ConfigError) as make_error:
+        MAKE[family]("bogus")
+    assert f"accepted values are {registry.names()}" in str(make_error.value)
+    if family in CLI_FAMILIES:
+        assert list(SCHEMA[family].choices) == registry.names()
