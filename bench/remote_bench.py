@@ -59,7 +59,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 import torch  # noqa: E402
 
 from tierstore.errors import Status  # noqa: E402
-from tierstore.remote import MooncakeSettings, MooncakeTier, ObjectNamer  # noqa: E402
+from tierstore.remote import MooncakeTier, ObjectNamer, RemoteConfig  # noqa: E402
 from tierstore.remote.local_master import LocalMaster  # noqa: E402
 from tierstore.remote.mooncake import load_mooncake_store  # noqa: E402
 from tierstore.units import parse_size  # noqa: E402
@@ -190,7 +190,7 @@ class Bench:
     def run_size(self, bb: int) -> dict:
         a = self.args
         n = a.total // bb
-        tier = MooncakeTier(MooncakeSettings(
+        tier = MooncakeTier(RemoteConfig(
             master=self.master.address, metadata=self.master.metadata, segment_bytes=0,
             local_buffer_bytes=a.batch * (bb + 64), publish_queue_blocks=n, timeout_s=60.0,
             max_batch_blocks=a.batch, cluster="bench"), bb)

@@ -436,12 +436,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
 def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):
     """The shared remote tier (:mod:`tierstore.remote`; needs ``tierstore[cluster]``)."""
     from .remote.admission import ShareAdmission
-    from .remote.mooncake import MooncakeSettings, MooncakeTier
+    from .remote.mooncake import MooncakeTier
     r = cfg.remote
-    doc = r.model_dump(exclude={"engine", "admission", "publish"})
-    secret = doc.pop("name_secret")
-    settings = MooncakeSettings.from_mapping(doc, name_secret=None if secret is None else secret.encode())
-    return MooncakeTier(settings, block_bytes), ShareAdmission(mode=r.admission)
+    return MooncakeTier(r, block_bytes), ShareAdmission(mode=r.admission)
 
 
 def build_store(config: StoreConfig | dict, layout: KVLayout | None = None, **runtime):

@@ -28,31 +28,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
 from .layout import KVLayout, PRESETS, _DTYPES, get_layout
-from .units import parse_size, parse_time_s
+from .policies.config import PoliciesConfig
+from .policies.registry import ADMISSION
+from .remote.settings import RemoteConfig
+from .schema import (DurationS, OptionalSizeBytes, SizeBytes, StrictModel, format_validation_error,  # noqa: F401
+                     parse_model, read_yaml)
 
 #: Admission policies for blocks demoted to NVMe ("all"/"none": admit all;
-#: "reused"/"second": second sighting; "predicted": reuse predictor).
-ADMISSION_POLICIES = ("all", "none", "reused", "second", "predicted")
+#: "reused"/"second"/"second_hit": second sighting; "predicted": reuse predictor):
+#: the names of :data:`tierstore.policies.registry.ADMISSION`.
+ADMISSION_POLICIES = tuple(ADMISSION.names())
 
 
-def _size(v: Any, info) -> int:
-    return parse_size(v, info.field_name)
-
-
-def _dur(v: Any, info) -> float:
-    return parse_time_s(v, info.field_name)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LayoutConfig(_Model):
+class LayoutConfig(StrictModel):
     """The KV layout that defines ``block_bytes``: a preset or explicit dims."""
 
     preset: str | None = None
@@ -96,11 +88,10 @@ class LayoutConfig(_Model):
                         self.tokens_per_block or 16, "custom", self.block_order)
 
 
-class MemoryTierConfig(_Model):
+class MemoryTierConfig(StrictModel):
     """A memory tier (HBM or pinned host DRAM); 0 disables it."""
 
-    capacity_bytes: int = 0
-    _c = field_validator("capacity_bytes", mode="before")(_size)
+    capacity_bytes: SizeBytes = 0
 
 
 class HbmTierConfig(MemoryTierConfig):
@@ -110,7 +101,7 @@ class HbmTierConfig(MemoryTierConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
-class FdpConfig(_Model):
+class FdpConfig(StrictModel):
     """FDP placement: tag each NVMe write with the PID of its lifetime class.
 
     The PIDs come from the device's RUH Status (:mod:`tierstore.fdp.placement`);
@@ -132,24 +123,22 @@ class FdpConfig(_Model):
     default_pid: int | None = Field(None, ge=0, le=0xFFFF)
 
 
-class SimDeviceConfig(_Model):
+class SimDeviceConfig(StrictModel):
     """The FTL model of an FDP SSD (:class:`tierstore.fdp.ftl.FTLModel`): the
     whole device with ``device: sim``, or an observer of the file's writes with
     ``device: file`` (then WAF is reported for the run; a model, not the disk)."""
 
-    device_bytes: int | None = Field(None, description="user capacity; null: tier capacity / utilization")
+    device_bytes: OptionalSizeBytes = Field(None, description="user capacity; null: tier capacity / utilization")
     utilization: float = Field(0.9, gt=0, le=1)
-    ru_size_bytes: int | None = Field(None, description="reclaim unit; null: device / 60")
+    ru_size_bytes: OptionalSizeBytes = Field(None, description="reclaim unit; null: device / 60")
     op_fraction: float = Field(0.07, ge=0, lt=1)
     num_ruh: int = Field(8, ge=1, le=0xFFFF)
     isolation: Literal["initial", "persistent"] = "initial"
     gc: Literal["greedy", "cost_benefit"] = "greedy"
-    page_bytes: int = 4096
-    _b = field_validator("ru_size_bytes", "device_bytes", "page_bytes", mode="before")(
-        lambda v, info: None if v is None else parse_size(v, info.field_name))
+    page_bytes: SizeBytes = 4096
 
 
-class NvmeTierConfig(_Model):
+class NvmeTierConfig(StrictModel):
     """The NVMe tier: a crash-recoverable :class:`~tierstore.io.SegmentStorage`.
 
     ``device`` says what is underneath, explicitly:
@@ -178,28 +167,19 @@ class NvmeTierConfig(_Model):
 
     device: Literal["file", "sim", "fdp"] = "file"
     path: str | None = Field(None, description="directory, file, block device, or /dev/ngXnY for device: fdp")
-    capacity_bytes: int | None = Field(None, description="null only with device: sim (utilization x device)")
+    capacity_bytes: OptionalSizeBytes = Field(None, description="null only with device: sim (utilization x device)")
     format: bool = Field(False, description="let tierstore format a path without its label (a non-empty file, a "
                                             "device); what it holds is lost")
     engine: Literal["auto", "posix", "uring", "memory", "null"] = "auto"
-    segment_size_bytes: int | None = None
-    extent_size_bytes: int = 16 << 20
+    segment_size_bytes: OptionalSizeBytes = None
+    extent_size_bytes: SizeBytes = 16 << 20
     iodepth: int = Field(16, ge=1, le=1024)
     region_policy: Literal["lru", "fifo", "min_live"] = "lru"
     flush_on_close: bool = Field(True, description="write memory-only blocks to NVMe at a clean close")
-    flush_timeout_s: float = Field(30.0, ge=0)
-    flush_max_bytes: int | None = Field(None, description="cap on bytes written at close; null: no cap")
+    flush_timeout_s: DurationS = Field(30.0, ge=0)
+    flush_max_bytes: OptionalSizeBytes = Field(None, description="cap on bytes written at close; null: no cap")
     fdp: FdpConfig = FdpConfig()
     model: SimDeviceConfig | None = None
-    _c = field_validator("capacity_bytes", "flush_max_bytes", mode="before")(
-        lambda v, info: None if v is None else parse_size(v, info.field_name))
-    _e = field_validator("extent_size_bytes", mode="before")(_size)
-    _t = field_validator("flush_timeout_s", mode="before")(_dur)
-
-    @field_validator("segment_size_bytes", mode="before")
-    @classmethod
-    def _seg(cls, v, info):
-        return None if v is None else parse_size(v, info.field_name)
 
     @field_validator("capacity_bytes")
     @classmethod
@@ -222,7 +202,7 @@ class NvmeTierConfig(_Model):
         return self
 
 
-class TiersConfig(_Model):
+class TiersConfig(StrictModel):
     """Tier capacities. Without ``nvme`` nothing survives a restart.
 
     ``keep_data: false`` is the accounting mode, for experiments whose question
@@ -247,65 +227,16 @@ class TiersConfig(_Model):
         return self
 
 
-class PoliciesConfig(_Model):
-    """Placement and eviction policies (names registered in :mod:`tierstore.policies`)."""
-
-    eviction: str = "lru"
-    admission: Literal["all", "none", "reused", "second", "predicted"] = "all"
-    promotion: Literal["top", "one", "none"] = "top"
-    write_policy: Literal["write_back", "write_through"] = "write_back"
-    classifier: Literal["hint", "reuse", "prefix"] = "hint"
-    reinsert: Literal["none", "hits", "predicted", "clock"] = "none"
-    evict_batch_blocks: int = Field(8, ge=1)
-    verify_tokens: bool = False
-    pin_quota_bytes: int = 1 << 62
-    default_lease_s: float = Field(60.0, gt=0)
-    _q = field_validator("pin_quota_bytes", mode="before")(_size)
-    _l = field_validator("default_lease_s", mode="before")(_dur)
-
-    @field_validator("eviction")
-    @classmethod
-    def _ev(cls, v):
-        from .policies import policy_names
-        if v not in policy_names():
-            raise ValueError(f"accepted values are {policy_names()}")
-        return v
+#: ``KVStore`` keywords that are not the field name of their section: keyword -> dotted path.
+OPTION_ALIASES = {"device": "tiers.hbm.device", "nvme_engine": "tiers.nvme.engine",
+                  "nvme_device": "tiers.nvme.device", "nvme_format": "tiers.nvme.format"}
+#: ``NvmeTierConfig`` fields a ``KVStore`` keyword sets under its own name (the path and the
+#: capacity are arguments of their own; ``fdp`` and ``model`` need a config).
+NVME_OPTIONS = ("segment_size_bytes", "extent_size_bytes", "iodepth", "region_policy", "flush_on_close",
+                "flush_timeout_s", "flush_max_bytes")
 
 
-class RemoteConfig(_Model):
-    """A shared remote tier on a distributed KV store (Mooncake Store).
-
-    Parameters mirror ``MooncakeDistributedStore.setup(local_hostname,
-    metadata_server, global_segment_size, local_buffer_size, protocol,
-    device_name, master_server_address)`` (Mooncake ``mooncake-store`` Python
-    API); see :class:`tierstore.remote.mooncake.MooncakeSettings`.
-    ``publish_queue_blocks`` costs ``publish_queue_blocks x (block + 64 B)`` of
-    registered memory.
-    """
-
-    engine: Literal["mooncake"] = "mooncake"
-    master: str = Field("127.0.0.1:50051", description="master RPC address host:port")
-    metadata: str = Field("http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE")
-    local_hostname: str = "127.0.0.1"
-    segment_bytes: int = Field(256 << 20, description="memory this client contributes to the cluster")
-    local_buffer_bytes: int = Field(64 << 20, description="registered staging memory for loads")
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device: str = Field("", description="RDMA device name(s); empty for TCP")
-    publish_queue_blocks: int = Field(64, ge=1, description="bounded queue of asynchronous puts")
-    timeout_s: float = 5.0
-    admission: Literal["all", "reused"] = "all"
-    publish: Literal["store", "evict"] = Field(
-        "store", description="store: publish blocks when stored (shared at once); evict: when they leave "
-                             "this store's last tier (a victim cache: no copy both here and remote)")
-    cluster: str = Field("default", description="deployment name in object names")
-    name_secret: str | None = Field(None, description="HMAC key for object names (hex or text)")
-    mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")
-    max_batch_blocks: int = Field(16, ge=1)
-    _b = field_validator("segment_bytes", "local_buffer_bytes", mode="before")(_size)
-    _t = field_validator("timeout_s", mode="before")(_dur)
-
-
-class StoreConfig(_Model):
+class StoreConfig(StrictModel):
     """A whole store: layout, tiers, policies and an optional remote tier.
 
     ``layout`` may be left out where the caller knows it (an engine connector
@@ -329,69 +260,45 @@ class StoreConfig(_Model):
         return parse_model(cls, doc, what)
 
     @classmethod
+    def from_options(cls, hbm_bytes: int = 0, host_bytes: int = 0, nvme_path: str | None = None,
+                     nvme_bytes: int = 0, **options: Any) -> "StoreConfig":
+        """The config ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)``
+        opens, without its run-time objects.
+
+        ``options`` are :class:`PoliciesConfig` fields, :data:`NVME_OPTIONS`, the
+        :data:`OPTION_ALIASES` and ``remote`` (a :class:`RemoteConfig` or its dict). The NVMe
+        tier exists when ``nvme_path`` is given and ``nvme_bytes > 0``.
+
+        Raises
+        ------
+        ConfigError
+            For an unknown option (the message lists the accepted ones), a bad value, or NVMe
+            options without an NVMe tier.
+        """
+        nvme_keys = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
+        accepted = set(PoliciesConfig.model_fields) | nvme_keys | {"device", "remote"}
+        unknown = set(options) - accepted
+        if unknown:
+            raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
+
+        def model(m, fields):
+            return parse_model(m, fields, f"KVStore options ({m.__name__})")
+        remote = options.pop("remote", None)
+        if remote is not None and not isinstance(remote, RemoteConfig):
+            remote = model(RemoteConfig, dict(remote))
+        given = {k: options.pop(k) for k in list(options) if k in nvme_keys}
+        nv = {OPTION_ALIASES.get(k, k).rsplit(".", 1)[-1]: v for k, v in given.items()}
+        hbm = model(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
+        host = model(MemoryTierConfig, dict(capacity_bytes=host_bytes))
+        nvme = None
+        if nvme_path is not None and nvme_bytes > 0:
+            nvme = model(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **nv))
+        elif given:
+            raise ConfigError(f"{sorted(given)} need an NVMe tier (nvme_path and nvme_bytes)")
+        return cls(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme), policies=model(PoliciesConfig, options),
+                   remote=remote)
+
+    @classmethod
     def from_yaml(cls, path: str) -> "StoreConfig":
         """Read and validate a YAML file. Raises :class:`ConfigError`."""
         return cls.from_dict(read_yaml(path), f"store config {path!r}")
-
-
-def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
-    """Field names of the model that owns the unknown key at ``loc``."""
-    cur: Any = model
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
-            return None
-        ann = cur.model_fields[part].annotation
-        cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
-                   None)
-        if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    if isinstance(cur, type) and issubclass(cur, BaseModel):
-        return sorted(cur.model_fields)
-    return None
-
-
-def format_validation_error(err: ValidationError, root: type[BaseModel], what: str) -> str:
-    """One line per problem: ``key=value: what is accepted``."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(document)"
-        val = e.get("input")
-        if e["type"] == "extra_forbidden":
-            acc = _accepted_keys(root, tuple(e["loc"]))
-            lines.append(f"{key}: unknown key; accepted keys here are {acc}")
-            continue
-        if e["type"] == "missing":
-            lines.append(f"{key}: required key is missing")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        inner = f"{e['loc'][-1]}=" if e["loc"] else None
-        if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
-            msg = msg.split(": ", 1)[1]
-        shown = repr(val) if not isinstance(val, dict) else "{...}"
-        lines.append(f"{key}={shown}: {msg}")
-    return f"invalid {what}:\n  " + "\n  ".join(lines)
-
-
-def parse_model(model: type[BaseModel], doc: Any, what: str):
-    """Validate ``doc`` into ``model``; every failure is one :class:`ConfigError`."""
-    if not isinstance(doc, dict):
-        raise ConfigError(f"invalid {what}: the document must be a mapping, got {type(doc).__name__}")
-    try:
-        return model.model_validate(doc)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, model, what)) from None
-    except ConfigError as e:  # raised by parse_size/parse_time_s inside a validator
-        raise ConfigError(f"invalid {what}: {e}") from None
-
-
-def read_yaml(path: str) -> Any:
-    """Parse a YAML file. Raises :class:`ConfigError` for an unreadable file or bad syntax."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"config file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r}: YAML syntax error: {e}") from None

@@ -132,3 +132,16 @@ def test_bare_fraction_above_one_is_an_error_not_a_percentage():
     assert parse_value("utilization", "0.9") == pytest.approx(0.9)
     with pytest.raises(ConfigError, match="utilization"):
         parse_value("utilization", "2")
+
+
+@pytest.mark.parametrize("admission", SCHEMA["admission"].choices)
+def test_every_admission_choice_opens_a_store(admission, tmp_path):
+    """Each ``--admission`` the CLI offers is one the store config accepts (the documented
+    ``--admission=second_hit`` failed at job start, ``--admission=reused`` was refused)."""
+    from tierstore.bench.kvjobs import replay_config, store_config
+
+    (job,) = parse_jobs([f"--admission={admission}"])
+    cfg = replay_config(job.options).store_config(0, 1 << 20, 16 << 20, str(tmp_path))
+    assert cfg.policies.admission == admission
+    assert store_config(job.options, 0, 1 << 20, 16 << 20, str(tmp_path / "kv")).policies.admission == admission
+    assert "reused" in SCHEMA["admission"].choices and "second_hit" in SCHEMA["admission"].choices

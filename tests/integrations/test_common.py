@@ -118,3 +118,29 @@ def test_start_and_shutdown_lines_say_tiers_recovery_and_what_was_written_down(t
     assert lines[3].endswith(": 0 blocks written down to NVMe, 6 blocks on NVMe for a restart on the same path")
     assert lines[4] == f"tierstore opened for engine e3: tiers host {host}; remote tier off"
     assert lines[5] == "tierstore closed for engine e3: no NVMe tier, the 2 blocks in memory are not kept"
+
+
+def test_split_extra_config_with_own_keys_at_the_top_level_as_a_secondary_tier():
+    """The offloading tier's and SGLang's form: own keys beside the store's sections, extra
+    sections refused with the connector's reason, and a tier below the engine's HBM."""
+    kw = dict(refuse={"layout": "'layout' comes from the pool", "remote": "'remote' is not supported"},
+              secondary="the engine owns HBM", note=" (plus the engine's keys)")
+    cfg, own = split_extra_config({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "knob": 5,
+                                   "policies": {"admission": "second_hit"}}, None, Section, "tier", **kw)
+    assert own.knob == 5 and cfg.tiers.host.capacity_bytes == 1 << 20 and cfg.policies.admission == "second_hit"
+    for doc, match in [
+        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1},
+         r"invalid tier: unknown key\(s\) \['bogus'\]; accepted keys are \['knob', 'policies', 'tiers'\] "
+         r"\(plus the engine's keys\)"),
+        ({"remote": {}}, "invalid tier: 'remote' is not supported"),
+        ({"layout": {}}, "invalid tier: 'layout' comes from the pool"),
+        ({"tiers": {"hbm": {"capacity_bytes": "1MiB"}, "host": {"capacity_bytes": "1MiB"}}},
+         "invalid tier: tiers.hbm must be 0; the engine owns HBM"),
+        ({"knob": 1}, r"invalid tier: no tier configured; give tiers.nvme \{path, capacity_bytes\}"),
+        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "knob": "x"}, "invalid tier:\n  knob='x'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            split_extra_config(doc, None, Section, "tier", **kw)
+    # without ``secondary`` an HBM tier and an empty store are fine (the vLLM KV connector)
+    cfg, _ = split_extra_config({"tiers": {"hbm": {"capacity_bytes": "1MiB"}}}, None, Section, "tier")
+    assert cfg.tiers.hbm.capacity_bytes == 1 << 20

@@ -52,8 +52,8 @@ def corrupt(store: KVStore, ns: Namespace, seed: int, nblocks: int, block: int, 
     from tierstore.remote.format import HEADER_BYTES, ObjectNamer
     tokens, _ = prompt(seed, nblocks)
     key = store.keys_for(ns, tokens)[block]
-    s = store.remote.settings
-    name = ObjectNamer(s.cluster, s.name_secret)(key)
+    s = store.remote.config
+    name = ObjectNamer(s.cluster, s.name_secret_bytes)(key)
     raw = MooncakeDistributedStore()
     rc = raw.setup(s.local_hostname, s.metadata, 0, 16 << 20, s.protocol, s.device, s.master)
     if rc != 0:

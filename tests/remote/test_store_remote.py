@@ -262,9 +262,9 @@ def test_three_ways_to_configure(remote_cfg, tmp_path):
                  "remote: {engine: mooncake, master: '%s', metadata: P2PHANDSHAKE, segment_bytes: 0,"
                  " protocol: tcp, timeout_s: 500ms}\n" % remote_cfg["master"])
     with KVStore.from_config(StoreConfig.from_yaml(str(y))) as s:
-        assert s.remote is not None and s.remote.settings.timeout_s == 0.5 and s.remote.wait_ok(5)
+        assert s.remote is not None and s.remote.config.timeout_s == 0.5 and s.remote.wait_ok(5)
     with KVStore(LAYOUT, host_bytes=1 << 20, remote=remote_cfg) as s:  # KVStore options
-        assert s.remote.settings.master == remote_cfg["master"]
+        assert s.remote.config.master == remote_cfg["master"]
     with pytest.raises(ConfigError, match="segment_byte"):
         KVStore(LAYOUT, host_bytes=1 << 20, remote={**remote_cfg, "segment_byte": 1})
     with pytest.raises(ConfigError, match="protocol"):

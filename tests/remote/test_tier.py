@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tierstore.errors import ConfigError, LayoutError, Status
-from tierstore.remote import MooncakeSettings, MooncakeTier
+from tierstore.remote import MooncakeTier, MooncakeTuning, RemoteConfig, parse_remote_options
 from tierstore.remote.format import HEADER_BYTES, ObjectNamer
 from tierstore.remote.mooncake import load_mooncake_store
+from tierstore.schema import parse_model
 
 from .fake_mooncake import FakeCluster, FakeStore
 
@@ -61,7 +62,8 @@ def make_tier(cluster, fake_master):
         kw.setdefault("reconnect_backoff_s", (0.02, 0.1))
         kw.setdefault("set_env", False)
         c = cl or cluster
-        t = MooncakeTier(MooncakeSettings(**kw), BB, store_factory=lambda: FakeStore(c))
+        config, tuning = parse_remote_options(kw)
+        t = MooncakeTier(config, BB, tuning=tuning, store_factory=lambda: FakeStore(c))
         tiers.append(t)
         return t
 
@@ -150,17 +152,31 @@ def test_layout_errors(make_tier):
 
 
 def test_settings_validation():
+    """RemoteConfig holds every configured value and check; MooncakeTuning the other knobs."""
+    def remote(**kw):
+        return parse_model(RemoteConfig, kw, "remote")
     with pytest.raises(ConfigError, match="protocol"):
-        MooncakeSettings(protocol="udp")
+        remote(protocol="udp")
     with pytest.raises(ConfigError, match="timeout_s"):
-        MooncakeSettings(timeout_s=0)
-    with pytest.raises(ConfigError, match="unknown keys"):
-        MooncakeSettings.from_mapping({"master": "h:1", "segment_size": 1})
+        remote(timeout_s=0)
+    with pytest.raises(ConfigError, match="master='h': host:port"):
+        remote(master="h")
+    with pytest.raises(ConfigError, match="metadata"):
+        remote(metadata="")
     with pytest.raises(ConfigError, match="16 MiB"):  # Mooncake's setup would refuse it with -600
-        MooncakeSettings(segment_bytes=1 << 20)
-    s = MooncakeSettings.from_mapping({"engine": "mooncake", "admission": "reused", "master": "h:1",
-                                       "segment_bytes": 16 << 20}, cluster="c1")
-    assert s.master == "h:1" and s.cluster == "c1" and s.segment_bytes == 16 << 20
+        remote(segment_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="reconnect_backoff_s"):
+        MooncakeTuning(reconnect_backoff_s=(1.0, 0.5))
+    with pytest.raises(ConfigError, match="call_threads"):
+        MooncakeTuning(call_threads=0)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['segment_size'\]"):
+        parse_remote_options({"master": "h:1", "segment_size": 1})
+    c, t = parse_remote_options({"engine": "mooncake", "admission": "reused", "master": "h:1",
+                                 "segment_bytes": "16MiB", "cluster": "c1", "reconnect_backoff_s": [0.5, 1]})
+    assert c.master == "h:1" and c.cluster == "c1" and c.segment_bytes == 16 << 20 and c.admission == "reused"
+    assert t.reconnect_backoff_s == (0.5, 1) and t.call_threads == MooncakeTuning().call_threads
+    # one set of defaults: the store's config is the tier's (publish_queue_blocks was 256 in a copy)
+    assert RemoteConfig().publish_queue_blocks == 64
 
 
 def test_mooncake_missing_is_a_config_error_naming_the_extra(monkeypatch):
@@ -170,7 +186,7 @@ def test_mooncake_missing_is_a_config_error_naming_the_extra(monkeypatch):
         load_mooncake_store()
     assert e.value.__cause__ is None and e.value.__suppress_context__
     with pytest.raises(ConfigError, match=r"pip install 'tierstore\[cluster\]'"):
-        MooncakeTier(MooncakeSettings(set_env=False), BB)
+        MooncakeTier(RemoteConfig(), BB, tuning=MooncakeTuning(set_env=False))
 
 
 def test_native_load_failure_names_apt_packages(monkeypatch):

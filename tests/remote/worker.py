@@ -24,7 +24,7 @@ import torch
 
 from tierstore.errors import Status
 from tierstore.identity import Namespace, block_hashes
-from tierstore.remote import MooncakeSettings, MooncakeTier, ObjectNamer
+from tierstore.remote import MooncakeTier, ObjectNamer, parse_remote_options
 
 
 _CHAINS: dict[tuple[str, int], list[bytes]] = {}
@@ -55,8 +55,8 @@ class Worker:
     def __init__(self, opts: dict) -> None:
         self.bb = int(opts.pop("block_bytes"))
         ready_wait_s = float(opts.pop("ready_wait_s", 10))
-        self.settings = MooncakeSettings.from_mapping(opts)
-        self.tier = MooncakeTier(self.settings, self.bb)
+        self.config, tuning = parse_remote_options(opts)
+        self.tier = MooncakeTier(self.config, self.bb, tuning=tuning)
         self.tier.wait_ok(ready_wait_s)
         self._blocks: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -96,9 +96,9 @@ class Worker:
 
     def raw_put(self, i, hex, tag="t"):
         from mooncake.store import MooncakeDistributedStore
-        name = ObjectNamer(self.settings.cluster, self.settings.name_secret)(key_of(tag, i))
+        name = ObjectNamer(self.config.cluster, self.config.name_secret_bytes)(key_of(tag, i))
         raw = MooncakeDistributedStore()
-        s = self.settings
+        s = self.config
         rc = raw.setup(s.local_hostname, s.metadata, 0, 16 << 20, s.protocol, s.device, s.master)
         assert rc == 0, rc
         rc = raw.put(name, bytes.fromhex(hex))

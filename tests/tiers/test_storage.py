@@ -212,16 +212,17 @@ def test_the_segment_store_is_a_block_storage(layout):
 
 
 def test_a_mooncake_tier_is_a_remote_block_tier_with_the_remote_status_semantics():
-    from tierstore.remote import MooncakeSettings, MooncakeTier
+    from tierstore.remote import MooncakeTier, MooncakeTuning, RemoteConfig
 
     from ..remote.fake_mooncake import FakeCluster, FakeStore
     master = socket.socket()
     master.bind(("127.0.0.1", 0))
     master.listen(4)
     cluster = FakeCluster()
-    settings = MooncakeSettings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE",
-                                timeout_s=1.0, publish_queue_blocks=4, set_env=False)
-    tier: RemoteBlockTier = MooncakeTier(settings, BB, store_factory=lambda: FakeStore(cluster))
+    config = RemoteConfig(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE",
+                          timeout_s=1.0, publish_queue_blocks=4)
+    tier: RemoteBlockTier = MooncakeTier(config, BB, tuning=MooncakeTuning(set_env=False),
+                                         store_factory=lambda: FakeStore(cluster))
     try:
         assert isinstance(tier, RemoteBlockTier)
         assert tier.put([key(1), key(2)], [block(1), block(2)]) == [Status.OK] * 2  # queued

@@ -29,6 +29,7 @@ import shlex
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import ConfigError
+from ..policies.registry import ADMISSION, EVICTION
 from ..units import parse_size, parse_time_s
 
 __all__ = [
@@ -161,8 +162,9 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("hbm_size", "size", 256 << 20, "Capacity of the HBM (GPU) tier. rw=kvtrace default: 2% of the trace's unique bytes."),
     _spec("host_size", "size", 1 << 30, "Capacity of the pinned host DRAM tier. rw=kvtrace default: 8% of unique bytes."),
     _spec("nvme_size", "size", 4 << 30, "Capacity of the NVMe tier. rw=kvtrace default: 30% of unique bytes."),
-    _spec("eviction", "choice", "lru", "Eviction policy.", ("lru", "s3fifo", "cost")),
-    _spec("admission", "choice", "none", "Admission policy.", ("none", "second_hit", "predicted")),
+    _spec("eviction", "choice", "lru", "Eviction policy (policies.eviction).", EVICTION.names()),
+    _spec("admission", "choice", "none", "SSD admission policy (policies.admission; none = all).",
+          ADMISSION.names()),
     _spec("dataplacement", "choice", "none", "Data placement (fio's dataplacement=).", ("none", "fdp")),
     _spec("plids", "int_list", (), "Indices into the RUH Status list (fio's plids=/fdp_pli=), e.g. 0,1,2."),
     _spec("plid_select", "choice", "roundrobin", "How writes pick a placement ID.",

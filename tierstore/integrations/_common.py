@@ -134,20 +134,41 @@ def model_identity(model: str, revision: str | None, config: Mapping[str, Any] |
     return f"{model}@config-sha256:{config_fingerprint(config or {})}", False
 
 
-def split_extra_config(extra: Mapping[str, Any] | None, section: str, section_model: type,
-                       what: str) -> tuple[StoreConfig, Any]:
-    """Validate an engine's extra-config dict: the store's keys plus one section of our own.
+#: What an engine's extra config may not carry, by default: the layout comes from the engine.
+DERIVED_LAYOUT = {"layout": "'layout' is derived from the engine's KV cache; remove it"}
+#: The message when a tier below the engine's own memory tiers has none of its own.
+_NO_TIER = "no tier configured; give tiers.nvme {path, capacity_bytes} and/or tiers.host {capacity_bytes}"
+
+
+def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, section_model: type,
+                       what: str, *, refuse: Mapping[str, str] = DERIVED_LAYOUT, secondary: str | None = None,
+                       note: str = "") -> tuple[StoreConfig, Any]:
+    """Validate an engine's extra-config dict: the store's sections plus the connector's own keys.
+
+    The one splitter of every connector: the vLLM KV connector (its keys in a ``connector``
+    section), vLLM's offloading tier and SGLang's HiCache backend (their keys at the top level,
+    ``section=None``).
 
     Parameters
     ----------
     extra : mapping or None
-        The engine's free-form dict (vLLM ``kv_connector_extra_config``).
-    section : str
-        The key of the connector's own settings (e.g. ``"connector"``).
+        The engine's free-form dict (vLLM ``kv_connector_extra_config``, SGLang
+        ``--hicache-storage-backend-extra-config``).
+    section : str or None
+        The key of the connector's own settings (e.g. ``"connector"``); ``None``: the own
+        settings are the top-level keys that are fields of ``section_model``.
     section_model : type
-        Its pydantic model (``extra="forbid"``).
+        The pydantic model of the connector's own settings (``extra="forbid"``).
     what : str
-        Names the source in error messages.
+        Names the source in error messages (``"invalid {what}: ..."``).
+    refuse : mapping of str to str
+        Store sections this connector does not take, each with the sentence that says why
+        (default: ``layout``, derived from the engine).
+    secondary : str, optional
+        The connector sits below the engine's own HBM tier: ``tiers.hbm`` must be 0 (this
+        sentence says why) and the host or the NVMe tier must be configured.
+    note : str
+        Appended to the unknown-key message (keys the engine pops before the connector sees them).
 
     Returns
     -------
@@ -156,23 +177,34 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str, section_mo
     Raises
     ------
     ConfigError
-        For an unknown key anywhere, a bad value, or a ``layout`` section
-        (the connector derives the layout from the engine's KV cache).
+        For a dict that is not a mapping, an unknown key anywhere, a bad value, a refused
+        section, or (``secondary``) an HBM tier or no tier at all.
     """
     if extra is None:
         extra = {}
     if not isinstance(extra, Mapping):
         raise ConfigError(f"invalid {what}: expected a mapping, got {type(extra).__name__}")
     doc = dict(extra)
-    own = doc.pop(section, None) or {}
-    if "layout" in doc:
-        raise ConfigError(f"invalid {what}: 'layout' is derived from the engine's KV cache; remove it")
+    if section is None:
+        own = {k: doc.pop(k) for k in list(doc) if k in section_model.model_fields}
+    else:
+        own = doc.pop(section, None) or {}
+    for key, why in refuse.items():
+        if key in doc:
+            raise ConfigError(f"invalid {what}: {why}")
     unknown = sorted(k for k in doc if k not in StoreConfig.model_fields)
     if unknown:
-        accepted = sorted(set(StoreConfig.model_fields) - {"layout"} | {section})
-        raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}")
+        own_keys = set(section_model.model_fields) if section is None else {section}
+        accepted = sorted(set(StoreConfig.model_fields) - set(refuse) | own_keys)
+        raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}{note}")
     store_cfg = StoreConfig.from_dict(doc, what)
-    return store_cfg, parse_model(section_model, own, f"{what} section {section!r}")
+    if secondary is not None:
+        t = store_cfg.tiers
+        if t.hbm.capacity_bytes:
+            raise ConfigError(f"invalid {what}: tiers.hbm must be 0; {secondary}")
+        if not t.host.capacity_bytes and t.nvme is None:
+            raise ConfigError(f"invalid {what}: {_NO_TIER}")
+    return store_cfg, parse_model(section_model, own, what if section is None else f"{what} section {section!r}")
 
 
 def store_summary(store: "KVStore") -> str:
@@ -197,7 +229,7 @@ def store_summary(store: "KVStore") -> str:
     if r is None:
         parts.append("remote tier off")
     else:
-        s = r.settings
+        s = r.config
         state = r.state
         why = f": {r.stats().get('degraded_reason', '')}" if state == "degraded" else ""
         parts.append(f"remote tier {state}{why} (Mooncake master {s.master}, cluster {s.cluster!r}, "

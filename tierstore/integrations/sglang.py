@@ -21,8 +21,8 @@ SGLang pops its own keys -- ``prefetch_threshold``, ``prefetch_timeout_*``,
 ``hicache_storage_pass_prefix_keys``, ``tp_lcm_size`` -- before the backend
 sees the dict. Source: SGLang 0.5.23 ``mem_cache/storage/backend_factory.py``,
 ``managers/cache_controller.py``.) The extra config is validated at start-up
-into :class:`SGLangStorageConfig`; an unknown key is an error that lists the
-accepted ones.
+into the store's sections and :class:`SGLangStorageConfig` (the backend's own keys); an
+unknown key is an error that lists the accepted ones.
 
 Data path
 ---------
@@ -179,13 +179,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from ..api import KVStore
-from ..config import PoliciesConfig, StoreConfig, TiersConfig, parse_model
+from ..config import StoreConfig
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
 from ..io.label import resolve_nvme_path
 from ..io.pages import FragmentPlan, KVPagePool
 from ..layout import KVLayout, dtype_name
-from ._common import close_store_logged, log_store_opened
+from ._common import close_store_logged, log_store_opened, split_extra_config
 
 _log = logging.getLogger(__name__)
 
@@ -194,15 +194,17 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 #: SGLang write policies (``--hicache-write-policy``, ``HiCacheController``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _GIB = float(1 << 30)
+#: Names the extra config in error messages.
+_EXTRA_CONFIG = "SGLang --hicache-storage-backend-extra-config"
 
 
 class SGLangStorageConfig(BaseModel):
-    """The backend's ``--hicache-storage-backend-extra-config``, validated at start-up.
+    """The backend's own keys in ``--hicache-storage-backend-extra-config``, validated at start-up.
 
-    Unknown keys are errors. ``tiers`` and ``policies`` are tierstore's own
-    sections (:class:`tierstore.config.TiersConfig`,
-    :class:`tierstore.config.PoliciesConfig`); the block layout is derived
-    from SGLang's host pool, so there is no ``layout`` section.
+    The same dict carries tierstore's ``tiers`` and ``policies`` sections
+    (:class:`tierstore.config.TiersConfig`, :class:`tierstore.config.PoliciesConfig`):
+    :meth:`from_extra_config` splits the two. Unknown keys are errors; the block layout is
+    derived from SGLang's host pool, so there is no ``layout`` section.
 
     Attributes
     ----------
@@ -218,11 +220,6 @@ class SGLangStorageConfig(BaseModel):
         ``tenant`` is not given. Both given and different is an error.
     write_policy : str, optional
         ``--hicache-write-policy``; read from SGLang's runtime config when left out.
-    tiers : TiersConfig
-        Host and NVMe capacities (the NVMe ``path`` is a directory for
-        one file per rank, or a file/device for a single-rank server).
-    policies : PoliciesConfig
-        Eviction, admission and promotion policies.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -234,8 +231,6 @@ class SGLangStorageConfig(BaseModel):
     tenant: Optional[str] = Field(None, min_length=1)
     extra_backend_tag: Optional[str] = Field(None, min_length=1)
     write_policy: Optional[Literal["write_through", "write_through_selective", "write_back"]] = None
-    tiers: TiersConfig = TiersConfig()
-    policies: PoliciesConfig = PoliciesConfig()
 
     @field_validator("interface_v1", mode="before")
     @classmethod
@@ -243,8 +238,10 @@ class SGLangStorageConfig(BaseModel):
         return int(v) if isinstance(v, bool) else v
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "SGLangStorageConfig":
-        """Validate SGLang's extra-config dict.
+    def from_extra_config(cls, extra: dict | None) -> tuple[StoreConfig, "SGLangStorageConfig"]:
+        """Validate SGLang's extra-config dict into the store's sections (``tiers``,
+        ``policies``) and the backend's own keys
+        (:func:`tierstore.integrations._common.split_extra_config`).
 
         Raises
         ------
@@ -253,24 +250,17 @@ class SGLangStorageConfig(BaseModel):
             an HBM tier, no tier at all, or ``tenant`` and
             ``extra_backend_tag`` that disagree.
         """
-        doc = dict(extra or {})
-        if "layout" in doc:
-            raise ConfigError("SGLang extra config: 'layout' is derived from SGLang's host pool "
-                              "(page size, layers, heads, dtype); remove it")
-        if "remote" in doc:
-            raise ConfigError("SGLang extra config: 'remote' is not supported by this backend "
-                              "(SGLang's own 'mooncake' backend reaches Mooncake Store)")
-        cfg = parse_model(cls, doc, "SGLang --hicache-storage-backend-extra-config")
-        if cfg.tiers.hbm.capacity_bytes:
-            raise ConfigError("SGLang extra config: tiers.hbm must be 0; SGLang owns HBM (its L1), "
-                              "tierstore serves as L3 (host and NVMe tiers)")
-        if not cfg.tiers.host.capacity_bytes and cfg.tiers.nvme is None:
-            raise ConfigError("SGLang extra config: no tier configured; give tiers.nvme "
-                              "{path, capacity_bytes} and/or tiers.host {capacity_bytes}")
+        store_cfg, cfg = split_extra_config(
+            extra, None, cls, _EXTRA_CONFIG,
+            refuse={"layout": "'layout' is derived from SGLang's host pool (page size, layers, heads, dtype); "
+                              "remove it",
+                    "remote": "'remote' is not supported by this backend (SGLang's own 'mooncake' backend "
+                              "reaches Mooncake Store)"},
+            secondary="SGLang owns HBM (its L1), tierstore serves as L3 (host and NVMe tiers)")
         if cfg.tenant and cfg.extra_backend_tag and cfg.tenant != cfg.extra_backend_tag:
-            raise ConfigError(f"SGLang extra config: tenant={cfg.tenant!r} and extra_backend_tag="
+            raise ConfigError(f"invalid {_EXTRA_CONFIG}: tenant={cfg.tenant!r} and extra_backend_tag="
                               f"{cfg.extra_backend_tag!r} disagree; give one of them")
-        return cfg
+        return store_cfg, cfg
 
     @property
     def tenant_scope(self) -> str:
@@ -475,7 +465,7 @@ class HiCacheTierStore(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
-        self.cfg = SGLangStorageConfig.from_extra_config(storage_config.extra_config)
+        self._store_cfg, self.cfg = SGLangStorageConfig.from_extra_config(storage_config.extra_config)
         if not storage_config.model_name:
             raise ConfigError("HiCacheStorageConfig.model_name is empty; tierstore scopes pages by model "
                               "(set --served-model-name or --model-path)")
@@ -558,13 +548,13 @@ class HiCacheTierStore(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _store_config(self, sc: HiCacheStorageConfig) -> StoreConfig:
-        tiers = self.cfg.tiers
+        tiers = self._store_cfg.tiers
         nv = tiers.nvme
         if nv is not None and nv.path is not None and nv.device in ("file", "sim"):
             # the one path rule (tierstore.io.label): a directory gets one file per rank
             path = resolve_nvme_path(nv.path, file_name=_rank_file_name(sc.model_name, sc))
             tiers = tiers.model_copy(update={"nvme": nv.model_copy(update={"path": path})})
-        return StoreConfig(tiers=tiers, policies=self.cfg.policies)
+        return StoreConfig(tiers=tiers, policies=self._store_cfg.policies)
 
     def _require(self) -> tuple[KVStore, HostPoolView]:
         store, view = self.store, self.view  # read before the flag: close() sets it first

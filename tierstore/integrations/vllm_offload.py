@@ -92,12 +92,12 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..api import KVStore
-from ..config import StoreConfig, parse_model
+from ..config import StoreConfig
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
 from ..io.label import resolve_nvme_path
 from ..layout import KVLayout
-from ._common import LIFETIME_HINTS, model_identity
+from ._common import LIFETIME_HINTS, model_identity, split_extra_config
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -131,7 +131,9 @@ class OffloadTierSettings(BaseModel):
 
 
 def split_tier_config(config: dict) -> tuple[StoreConfig, OffloadTierSettings]:
-    """Validate the tier's dict (what the factory passes after popping its own keys).
+    """Validate the tier's dict (what the factory passes after popping its own keys):
+    :func:`tierstore.integrations._common.split_extra_config` with the tier's own keys at the
+    top level.
 
     Raises
     ------
@@ -139,25 +141,11 @@ def split_tier_config(config: dict) -> tuple[StoreConfig, OffloadTierSettings]:
         An unknown key (the message lists the accepted ones), a bad value, a
         ``layout`` section, an HBM tier, or no tier at all.
     """
-    doc = dict(config)
-    own = {k: doc.pop(k) for k in list(doc) if k in OffloadTierSettings.model_fields}
-    what = "TierstoreSecondaryTier config"
-    if "layout" in doc:
-        raise ConfigError(f"invalid {what}: 'layout' is derived from vLLM's offload chunk; remove it")
-    unknown = sorted(k for k in doc if k not in StoreConfig.model_fields)
-    if unknown:
-        accepted = sorted((set(StoreConfig.model_fields) - {"layout"}) | set(OffloadTierSettings.model_fields))
-        raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted} "
-                          "(plus vLLM's type, module_path, backpressure)")
-    store_cfg = StoreConfig.from_dict(doc, what)
-    t = store_cfg.tiers
-    if t.hbm.capacity_bytes:
-        raise ConfigError(f"invalid {what}: tiers.hbm must be 0; a secondary tier has no GPU access "
-                          "(vLLM's primary CPU tier sits between it and the GPU)")
-    if not t.host.capacity_bytes and t.nvme is None:
-        raise ConfigError(f"invalid {what}: no tier configured; give tiers.nvme {{path, capacity_bytes}} "
-                          "and/or tiers.host {capacity_bytes}")
-    return store_cfg, parse_model(OffloadTierSettings, own, what)
+    return split_extra_config(
+        config, None, OffloadTierSettings, "TierstoreSecondaryTier config",
+        refuse={"layout": "'layout' is derived from vLLM's offload chunk; remove it"},
+        secondary="a secondary tier has no GPU access (vLLM's primary CPU tier sits between it and the GPU)",
+        note=" (plus vLLM's type, module_path, backpressure)")
 
 
 def chunk_layout(chunk_bytes: int, tokens_per_chunk: int) -> KVLayout:

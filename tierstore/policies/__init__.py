@@ -4,8 +4,9 @@ from .base import EvictionPolicy, make_policy, policy_names, register_policy
 from .costaware import CostAwarePolicy
 from .lifetime import PrefixLifetimePredictor
 from .lru import LRUPolicy
+from .registry import ADMISSION, CLASSIFIER, EVICTION, REINSERT
 from .s3fifo import S3FIFOPolicy
 
-__all__ = ["CostAwarePolicy", "EvictionPolicy", "LRUPolicy", "PredictedReuseAdmission", "PrefixLifetimePredictor",
-           "S3FIFOPolicy", "SecondSightingAdmission", "make_admission", "make_policy", "policy_names",
-           "register_policy"]
+__all__ = ["ADMISSION", "CLASSIFIER", "EVICTION", "REINSERT", "CostAwarePolicy", "EvictionPolicy", "LRUPolicy",
+           "PredictedReuseAdmission", "PrefixLifetimePredictor", "S3FIFOPolicy", "SecondSightingAdmission",
+           "make_admission", "make_policy", "policy_names", "register_policy"]

@@ -104,23 +104,19 @@ class PredictedReuseAdmission:
 
 
 def make_admission(name: str | None) -> Callable[[EntryInfo], bool] | None:
-    """Admission by name.
+    """Admission by name (:data:`tierstore.policies.registry.ADMISSION`).
 
-    ``"none"``/``None`` (admit all), ``"second"``/``"second_hit"``
-    (:class:`SecondSightingAdmission`), ``"predicted"`` (:class:`PredictedReuseAdmission`
-    over :meth:`~tierstore.policies.lifetime.PrefixLifetimePredictor.reuse_probability`,
-    threshold 0.5).
+    ``"all"``/``"none"``/``None`` (admit every block: ``None``), ``"reused"``/``"second"``/
+    ``"second_hit"`` (:class:`SecondSightingAdmission`), ``"predicted"``
+    (:class:`PredictedReuseAdmission` over
+    :meth:`~tierstore.policies.lifetime.PrefixLifetimePredictor.reuse_probability`, threshold 0.5).
 
     Raises
     ------
     ConfigError
-        For an unknown name.
+        For an unknown name; the message lists the accepted ones.
     """
-    if name in (None, "none", "off", "all"):
+    if name is None:
         return None
-    if name in ("second", "second_hit", "on", "second_sighting", "reused"):
-        return SecondSightingAdmission()
-    if name == "predicted":
-        from .lifetime import PrefixLifetimePredictor
-        return PredictedReuseAdmission(PrefixLifetimePredictor().reuse_probability)
-    raise ConfigError(f"admission={name!r}: accepted values are ['all', 'none', 'predicted', 'reused', 'second', 'second_hit']")
+    from .registry import ADMISSION
+    return ADMISSION.make(name)

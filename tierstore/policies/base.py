@@ -80,29 +80,27 @@ class EvictionPolicy(abc.ABC):
         """Keys tracked."""
 
 
-_REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {}
-
-
 def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make a policy constructible by name (``eviction=`` in configs and the bench CLI)."""
-    _REGISTRY[name] = factory
+    """Make a policy constructible by name (``eviction=`` in configs, ``KVStore`` keywords, extra
+    configs and the bench CLI: :data:`tierstore.policies.registry.EVICTION`); a name registered
+    before is replaced."""
+    from .registry import EVICTION
+    EVICTION.register(name, factory, replace=True)
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """Construct a registered policy.
+    """Construct a registered policy (:data:`tierstore.policies.registry.EVICTION`).
 
     Raises
     ------
     ConfigError
         For an unknown name; the message lists the registered ones.
     """
-    from ..errors import ConfigError
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ConfigError(f"eviction={name!r}: accepted values are {sorted(_REGISTRY)}") from None
+    from .registry import EVICTION
+    return EVICTION.make(name)
 
 
 def policy_names() -> list[str]:
-    """Registered policy names."""
-    return sorted(_REGISTRY)
+    """Registered policy names, sorted."""
+    from .registry import EVICTION
+    return sorted(EVICTION.names())

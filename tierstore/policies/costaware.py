@@ -41,7 +41,7 @@ import math
 from typing import Callable
 
 from ..errors import ConfigError
-from .base import EntryInfo, EvictionPolicy, register_policy
+from .base import EntryInfo, EvictionPolicy
 from .cost import CostModel
 
 
@@ -141,5 +141,3 @@ class CostAwarePolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._prio)
 
-
-register_policy("cost", CostAwarePolicy)

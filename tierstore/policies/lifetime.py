@@ -158,15 +158,13 @@ class ReuseEntryClassifier:
         return LifetimeClass.SHORT
 
 
-CLASSIFIERS = ("hint", "reuse", "prefix")
-
-
 def make_classifier(spec):
     """The one lifetime classifier of a store: ``f(entry, now_s) -> LifetimeClass``.
 
     Parameters
     ----------
     spec : {"hint", "reuse", "prefix"} or callable or None
+        A name of :data:`tierstore.policies.registry.CLASSIFIER`.
         ``None``/``"hint"``: :func:`default_classify`; ``"reuse"``:
         :class:`ReuseEntryClassifier`; ``"prefix"``:
         :class:`PrefixLifetimePredictor`; a callable is used as is.
@@ -176,15 +174,15 @@ def make_classifier(spec):
     ConfigError
         For an unknown name.
     """
-    if spec is None or spec == "hint":
+    if spec is None:
         return default_classify
-    if spec == "reuse":
-        return ReuseEntryClassifier()
-    if spec == "prefix":
-        return PrefixLifetimePredictor()
     if callable(spec):
         return spec
-    raise ConfigError(f"classifier={spec!r}: accepted values are {list(CLASSIFIERS)} or a callable f(entry, now_s)")
+    from .registry import CLASSIFIER
+    if spec not in CLASSIFIER:
+        raise ConfigError(f"classifier={spec!r}: accepted values are {CLASSIFIER.names()} or a callable "
+                          "f(entry, now_s)")
+    return CLASSIFIER.make(spec)
 
 
 def true_class(lifetime_s: float, short_max_s: float, medium_max_s: float) -> LifetimeClass:

@@ -5,7 +5,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable
 
-from .base import EntryInfo, EvictionPolicy, register_policy
+from .base import EntryInfo, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
@@ -55,5 +55,3 @@ class LRUPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._order)
 
-
-register_policy("lru", LRUPolicy)

@@ -15,9 +15,6 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import EntryInfo
 
-REINSERT_POLICIES = ("none", "hits", "predicted", "clock")
-
-
 class HitsReinsertion:
     """Keep a block that was hit at least ``min_hits`` times.
 
@@ -70,22 +67,17 @@ class PredictedReinsertion:
 
 
 def make_reinsert(name):
-    """A reinsertion policy by name (``"none"``: keep only blocks in use), or a
-    callable ``f(entry, now_s) -> bool`` used as is.
+    """A reinsertion policy by name (:data:`tierstore.policies.registry.REINSERT`; ``"none"`` or
+    ``None``: keep only blocks in use), or a callable ``f(entry, now_s) -> bool`` used as is.
 
     Raises
     ------
     ConfigError
-        For an unknown name.
+        For an unknown name; the message lists the accepted ones.
     """
     if callable(name):
         return name
-    if name in (None, "none"):
+    if name is None:
         return None
-    if name == "hits":
-        return HitsReinsertion()
-    if name == "predicted":
-        return PredictedReinsertion()
-    if name == "clock":
-        return ClockReinsertion()
-    raise ConfigError(f"reinsert={name!r}: accepted values are {list(REINSERT_POLICIES)}")
+    from .registry import REINSERT
+    return REINSERT.make(name)

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from ..errors import ConfigError
-from .base import EntryInfo, EvictionPolicy, register_policy
+from .base import EntryInfo, EvictionPolicy
 
 _S, _M = "S", "M"
 
@@ -176,5 +176,3 @@ class S3FIFOPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._freq)
 
-
-register_policy("s3fifo", S3FIFOPolicy)

@@ -6,7 +6,8 @@ the ``tierstore[cluster]`` extra when it is not installed.
 """
 from .admission import ShareAdmission
 from .format import ObjectNamer
-from .mooncake import MooncakeSettings, MooncakeTier, RegisteredRegion, load_mooncake_store
+from .mooncake import MooncakeTier, RegisteredRegion, load_mooncake_store
+from .settings import MooncakeTuning, RemoteConfig, parse_remote_options
 
-__all__ = ["MooncakeSettings", "MooncakeTier", "ObjectNamer", "RegisteredRegion", "ShareAdmission",
-           "load_mooncake_store"]
+__all__ = ["MooncakeTier", "MooncakeTuning", "ObjectNamer", "RegisteredRegion", "RemoteConfig", "ShareAdmission",
+           "load_mooncake_store", "parse_remote_options"]

@@ -156,6 +156,7 @@ from ..io.format import KEY_BYTES, payload_crc
 from ..tiers.storage import RemoteBlockTier
 from .format import (CORRUPT_REASONS, HEADER_BYTES, ObjectCorrupt, ObjectNamer, check_header,
                      check_payload, encode_header, object_bytes)
+from .settings import MooncakeTuning, RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +180,6 @@ SETUP_RETRIES = 4
 #: master evict (``eviction_ratio`` of the objects, 5% by default; measured here: within
 #: about 20 ms), so a burst that outruns eviction loses fewer blocks. Then it is dropped.
 SPACE_RETRY_S = (0.03, 0.1)
-
-#: Smallest segment Mooncake 0.3.13.post1 mounts ("Total size must be at least 16777216"
-#: from client_buffer_allocation.cpp; setup returns -600), measured here.
-MIN_SEGMENT_BYTES = 16 << 20
 
 #: pip extra and package that bring Mooncake Store.
 EXTRA = "tierstore[cluster]"
@@ -210,119 +207,6 @@ def load_mooncake_store() -> type:
             f"remote.engine=mooncake: the Mooncake wheel is installed but its native code does not "
             f"load ({e}). It needs the system libraries of: apt-get install {APT_PACKAGES}") from None
     return MooncakeDistributedStore
-
-
-@dataclasses.dataclass(frozen=True)
-class MooncakeSettings:
-    """Settings of a :class:`MooncakeTier`.
-
-    The first nine fields are ``tierstore.config.RemoteConfig``'s (same names,
-    units and defaults; ``engine`` and ``admission`` are the core's), so the
-    wiring builds this from ``remote.model_dump()``.
-
-    Parameters
-    ----------
-    master : str
-        Master RPC address ``host:port``.
-    metadata : str
-        Transfer Engine metadata server: ``http://host:port/metadata`` (the
-        master's embedded HTTP server), ``etcd://...``, or ``P2PHANDSHAKE``.
-    local_hostname : str
-        Address (``host`` or ``host:port``) other clients reach this one at.
-    segment_bytes : int
-        DRAM this client contributes to the cluster (0: contributes none).
-    local_buffer_bytes : int
-        Registered staging memory for loads (``local_buffer_bytes //
-        object_bytes`` slots, at least 2). Mooncake's own local buffer (for
-        its copying calls, unused here) gets ``mooncake_local_buffer_bytes``.
-    protocol : {"tcp", "rdma"}
-    device : str
-        RDMA device names (``mlx5_0,mlx5_1``); empty for TCP.
-    publish_queue_blocks : int
-        Slots of the publish queue (registered staging memory of
-        ``publish_queue_blocks * object_bytes`` bytes).
-    timeout_s : float
-        Longest wait for one Mooncake call.
-    cluster : str
-        Deployment name in object names (:class:`~tierstore.remote.format.ObjectNamer`).
-    name_secret : bytes, optional
-        HMAC key for object names (tenant isolation, level 2).
-    mooncake_tenant : str
-        Mooncake ``tenant_id`` (level 3; effective with ``--enable_multi_tenants``).
-    max_batch_blocks : int
-        Blocks per ``batch_put_from`` / ``batch_get_into`` call.
-    call_threads : int
-        Threads that run Mooncake calls (a hung call holds one).
-    publish_threads : int
-        Publish calls in flight at once.
-    header_slots : int
-        Registered 64-byte header slots for zero-copy loads.
-    reconnect_backoff_s : tuple of float
-        First and longest delay between reconnect probes.
-    republish_after_s : float
-        A key published within this time is not published again (``EXISTS``).
-    mooncake_local_buffer_bytes : int
-        ``local_buffer_size`` passed to Mooncake's ``setup``.
-    set_env : bool
-        Set the Mooncake environment defaults named in the module docstring.
-    """
-
-    master: str = "127.0.0.1:50051"
-    metadata: str = "http://127.0.0.1:18080/metadata"
-    local_hostname: str = "127.0.0.1"
-    segment_bytes: int = 256 << 20
-    local_buffer_bytes: int = 64 << 20
-    protocol: str = "tcp"
-    device: str = ""
-    publish_queue_blocks: int = 256
-    timeout_s: float = 5.0
-    cluster: str = "default"
-    name_secret: bytes | None = None
-    mooncake_tenant: str = "default"
-    max_batch_blocks: int = 16
-    call_threads: int = 4
-    publish_threads: int = 1
-    header_slots: int = 1024
-    reconnect_backoff_s: tuple[float, float] = (0.1, 5.0)
-    republish_after_s: float = 60.0
-    mooncake_local_buffer_bytes: int = 16 << 20
-    set_env: bool = True
-
-    def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ConfigError:
-            return ConfigError(f"remote.{field}={getattr(self, field)!r}: {why}")
-        if self.protocol not in ("tcp", "rdma"):
-            raise bad("protocol", "accepted tcp, rdma")
-        if not isinstance(self.master, str) or ":" not in self.master:
-            raise bad("master", "host:port")
-        if not self.metadata:
-            raise bad("metadata", "a metadata server URL or P2PHANDSHAKE")
-        for f in ("segment_bytes", "local_buffer_bytes", "mooncake_local_buffer_bytes"):
-            if int(getattr(self, f)) < 0:
-                raise bad(f, "must be >= 0")
-        if 0 < int(self.segment_bytes) < MIN_SEGMENT_BYTES:
-            raise bad("segment_bytes", f"0 (contribute none) or at least {MIN_SEGMENT_BYTES >> 20} MiB "
-                                       "(Mooncake's setup refuses smaller segments with -600)")
-        for f in ("publish_queue_blocks", "max_batch_blocks", "call_threads", "header_slots", "publish_threads"):
-            if int(getattr(self, f)) < 1:
-                raise bad(f, "must be >= 1")
-        if not self.timeout_s > 0:
-            raise bad("timeout_s", "must be > 0")
-        lo, hi = self.reconnect_backoff_s
-        if not 0 < lo <= hi:
-            raise bad("reconnect_backoff_s", "need 0 < first <= longest")
-
-    @classmethod
-    def from_mapping(cls, doc: dict, **overrides) -> "MooncakeSettings":
-        """Build from a dict of ``RemoteConfig`` fields (``engine``/``admission``/``publish``
-        are dropped) plus keyword overrides; unknown keys raise :class:`ConfigError`."""
-        d = {k: v for k, v in dict(doc).items() if k not in ("engine", "admission", "publish")}
-        d.update(overrides)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"remote: unknown keys {unknown}; accepted {sorted(names)}")
-        return cls(**d)
 
 
 class RegisteredRegion:
@@ -466,10 +350,12 @@ class MooncakeTier(RemoteBlockTier):
 
     Parameters
     ----------
-    settings : MooncakeSettings
-        Where the cluster is and how much memory this client uses.
+    config : RemoteConfig
+        Where the cluster is and how much memory this client uses (the ``remote`` section).
     block_bytes : int
         Size of every block in bytes (the store's ``bytes_per_block``).
+    tuning : MooncakeTuning
+        Threads, header slots, reconnect back-off and the other knobs no configuration carries.
     store_factory : callable, optional
         Returns a new ``MooncakeDistributedStore``-like client (tests pass an
         in-memory fake). Default: :func:`load_mooncake_store`'s class.
@@ -480,35 +366,33 @@ class MooncakeTier(RemoteBlockTier):
     Raises
     ------
     ConfigError
-        Bad settings, or Mooncake is not installed (naming the ``tierstore[cluster]``
-        extra).
+        Mooncake is not installed (naming the ``tierstore[cluster]`` extra), or bad arguments.
 
     Notes
     -----
-    Threads: ``publish_threads`` publishers, a prober (reconnects, background
-    removals) and ``call_threads`` call threads. Every public method is thread-safe, returns
-    within about ``timeout_s`` (``put`` returns after a memory copy) and never
-    raises for an expected outcome. No lock is held across a Mooncake call or
-    a block copy. Memory: ``(publish_queue_blocks + max(2, local_buffer_bytes //
-    object_bytes)) * object_bytes`` of registered staging, plus
-    ``segment_bytes`` that Mooncake maps for the cluster.
+    Threads: ``publish_threads`` publishers, a prober (reconnects, background removals) and
+    ``call_threads`` call threads. Every public method is thread-safe, returns within about
+    ``timeout_s`` (``put`` returns after a memory copy) and never raises for an expected
+    outcome. No lock is held across a Mooncake call or a block copy. Memory:
+    ``(publish_queue_blocks + max(2, local_buffer_bytes // object_bytes)) * object_bytes`` of
+    registered staging, plus ``segment_bytes`` that Mooncake maps for the cluster.
 
     Implements :class:`tierstore.tiers.storage.RemoteBlockTier` (whose table says where
     it differs from the local interface): a block can vanish at any time (evicted, its
     holder died, the master restarted), publication is asynchronous, capacity the cluster's.
     """
 
-    def __init__(self, settings: MooncakeSettings, block_bytes: int, *,
+    def __init__(self, config: RemoteConfig, block_bytes: int, *, tuning: MooncakeTuning = MooncakeTuning(),
                  store_factory: Callable[[], Any] | None = None, connect: bool = True) -> None:
-        if not isinstance(settings, MooncakeSettings):
-            raise ConfigError(f"MooncakeTier: settings must be MooncakeSettings, got {type(settings).__name__}")
+        if not isinstance(config, RemoteConfig):
+            raise ConfigError(f"MooncakeTier: config must be a RemoteConfig, got {type(config).__name__}")
         if int(block_bytes) <= 0:
             raise ConfigError(f"block_bytes={block_bytes}: must be > 0")
-        self.settings = s = settings
+        self.config, self.tuning = s, tu = config, tuning
         self.block_bytes = int(block_bytes)
         self.object_bytes = object_bytes(self.block_bytes)
         self._factory = store_factory if store_factory is not None else load_mooncake_store()
-        self._namer = ObjectNamer(s.cluster, s.name_secret)
+        self._namer = ObjectNamer(s.cluster, s.name_secret_bytes)
         self._probe_name = self._namer.prefix + "probe"
         self._timeout_s = float(s.timeout_s)
 
@@ -519,7 +403,7 @@ class MooncakeTier(RemoteBlockTier):
         self._state = "connecting"
         self._reason = "not connected yet"
         self._degraded_since = time.monotonic()
-        self._backoff_s = s.reconnect_backoff_s[0]
+        self._backoff_s = tu.reconnect_backoff_s[0]
         self._next_probe = 0.0
         self._closed = False
         self._client: Any = None
@@ -530,7 +414,7 @@ class MooncakeTier(RemoteBlockTier):
         self._put_slots = _Slots(s.publish_queue_blocks, self.object_bytes)
         n_get = max(2, s.local_buffer_bytes // self.object_bytes)
         self._get_slots = _Slots(n_get, self.object_bytes)
-        self._hdr_slots = _Slots(s.header_slots, HEADER_BYTES)
+        self._hdr_slots = _Slots(tu.header_slots, HEADER_BYTES)
         self._regions: list[RegisteredRegion] = []
         self._queue: collections.deque = collections.deque()  # _Pub
         self._retry: list = []  # [due_s, _Pub]: refused for space, sent again (SPACE_RETRY_S)
@@ -541,15 +425,15 @@ class MooncakeTier(RemoteBlockTier):
         self._publishing = 0
         self._zc_queued = 0  # zero-copy publishes queued or in flight (bounded like the staged queue)
         self._work = threading.Condition(self._lock)
-        self._calls = _CallThreads(s.call_threads, "tierstore-mooncake-call")
-        if s.set_env:
+        self._calls = _CallThreads(tu.call_threads, "tierstore-mooncake-call")
+        if tu.set_env:
             self._set_env()
         if connect:
             self._connect()
         # publish_threads publishers: while one call is in flight, the next batch
         # is sent, so checksumming and copying overlap the network
         self._workers = [threading.Thread(target=self._publish_loop, name=f"tierstore-mooncake-publish-{i}",
-                                          daemon=True) for i in range(s.publish_threads)]
+                                          daemon=True) for i in range(tu.publish_threads)]
         self._prober = threading.Thread(target=self._probe_loop, name="tierstore-mooncake-probe",
                                         daemon=True)
         for w in self._workers:
@@ -559,7 +443,7 @@ class MooncakeTier(RemoteBlockTier):
 
     # ------------------------------------------------------------------ setup
     def _set_env(self) -> None:
-        s = self.settings
+        s = self.config
         host = s.local_hostname
         if host.count(":") == 1:
             host = host.split(":", 1)[0]
@@ -572,10 +456,10 @@ class MooncakeTier(RemoteBlockTier):
 
     def _setup_client(self) -> Any:
         """Create, set up and register a client (runs on a call thread)."""
-        s = self.settings
+        s = self.config
         client = self._factory()
         rc = client.setup(s.local_hostname, s.metadata, int(s.segment_bytes),
-                          int(s.mooncake_local_buffer_bytes), s.protocol, s.device, s.master,
+                          int(self.tuning.mooncake_local_buffer_bytes), s.protocol, s.device, s.master,
                           tenant_id=s.mooncake_tenant)
         if rc != 0:
             _close_quietly(client)
@@ -594,7 +478,7 @@ class MooncakeTier(RemoteBlockTier):
 
     def _endpoints(self) -> list[tuple[str, int]]:
         """``(host, port)`` of the master and of an HTTP/etcd metadata server."""
-        s = self.settings
+        s = self.config
         host, _, port = s.master.rpartition(":")
         out = [(host.strip("[]"), int(port))]
         u = urllib.parse.urlsplit(s.metadata)
@@ -644,14 +528,14 @@ class MooncakeTier(RemoteBlockTier):
                 was = self._state
                 self._client = client
                 self._state, self._reason = "ok", ""
-                self._backoff_s = self.settings.reconnect_backoff_s[0]
+                self._backoff_s = self.tuning.reconnect_backoff_s[0]
                 if was == "degraded":
                     self._counters["reconnects"] += 1
         if closing is not None:
             _close_quietly(closing)
             return False
-        log.info("mooncake tier connected: master=%s segment_bytes=%d", self.settings.master,
-                 self.settings.segment_bytes)
+        log.info("mooncake tier connected: master=%s segment_bytes=%d", self.config.master,
+                 self.config.segment_bytes)
         return True
 
     # --------------------------------------------------------------- helpers
@@ -827,12 +711,12 @@ class MooncakeTier(RemoteBlockTier):
                     out.append(Status.REJECTED)
                     continue
                 t = self._recent.get(key)
-                if key in self._queued_keys or (recent and t is not None and now - t < self.settings.republish_after_s):
+                if key in self._queued_keys or (recent and t is not None and now - t < self.tuning.republish_after_s):
                     self._counters["puts_exists"] += 1
                     out.append(Status.EXISTS)
                     continue
                 region = None if copy else self._region_of(block)
-                if region is not None and self._zc_queued >= self.settings.publish_queue_blocks:
+                if region is not None and self._zc_queued >= self.config.publish_queue_blocks:
                     self._counters["dropped_queue_full"] += 1
                     out.append(Status.REJECTED)
                     continue
@@ -869,7 +753,7 @@ class MooncakeTier(RemoteBlockTier):
         return out
 
     def _publish_loop(self) -> None:
-        s = self.settings
+        s = self.config
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
@@ -985,7 +869,7 @@ class MooncakeTier(RemoteBlockTier):
         """
         if timeout_s is None:
             with self._lock:
-                n = len(self._queue) // self.settings.max_batch_blocks + 1
+                n = len(self._queue) // self.config.max_batch_blocks + 1
             timeout_s = self._timeout_s * (n + 1)
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -1151,7 +1035,7 @@ class MooncakeTier(RemoteBlockTier):
             regions = [self._region_of(d) for d in dests]
         zc = [i for i in range(n) if regions[i] is not None]
         staged = [i for i in range(n) if regions[i] is None]
-        mb = self.settings.max_batch_blocks
+        mb = self.config.max_batch_blocks
         for group, fn in ((staged, self._get_staged), (zc, self._get_zero_copy)):
             for c in range(0, len(group), mb):
                 idx = group[c:c + mb]
@@ -1317,7 +1201,7 @@ class MooncakeTier(RemoteBlockTier):
 
     # ----------------------------------------------------------------- prober
     def _probe_loop(self) -> None:
-        lo, hi = self.settings.reconnect_backoff_s
+        lo, hi = self.tuning.reconnect_backoff_s
         while True:
             with self._lock:
                 if self._closed:

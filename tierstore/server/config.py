@@ -1,10 +1,9 @@
 """Typed configuration of the storage daemon (``tierstore serve --config FILE``).
 
-One pydantic v2 model per component, every model ``extra="forbid"`` (an unknown
-key is an error). Sizes (``*_bytes``) accept ``64GiB``, ``4k``, ``1g`` or an int
-(:func:`tierstore.units.parse_size`, base 1024) and durations (``*_s``) accept
-``30s``, ``500ms`` or a number of seconds (:func:`tierstore.units.parse_time_s`);
-both are parsed once, at load. :func:`load_config` turns every validation
+One pydantic v2 model per component on :mod:`tierstore.schema`'s base (every
+model ``extra="forbid"``; sizes and durations parsed once, at load); the store's
+sections (``layout``, ``tiers``, ``policies``, ``remote``) are the library's own
+models (:mod:`tierstore.config`). :func:`load_config` turns every validation
 failure into one :class:`~tierstore.errors.ConfigError` whose lines name the
 key, the value and what is accepted. See ``configs/daemon.yaml`` for a
 documented example.
@@ -15,52 +14,39 @@ import hashlib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ..config import (ADMISSION_POLICIES, FdpConfig, LayoutConfig, MemoryTierConfig, NvmeTierConfig,  # noqa: F401
-                      PoliciesConfig, RemoteConfig, TiersConfig, format_validation_error, parse_model, read_yaml)
+from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, TiersConfig
 from ..errors import ConfigError
 from ..identity import Namespace
-from ..units import parse_size, parse_time_s
+from ..schema import DurationS, SizeBytes, StrictModel, parse_model, read_yaml
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _size(v: Any, info) -> int:
-    return parse_size(v, info.field_name)
-
-
-def _dur(v: Any, info) -> float:
-    return parse_time_s(v, info.field_name)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ListenConfig(_Model):
+class ListenConfig(StrictModel):
     """Where the KV-block API listens (loopback by default)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535, description="TCP port; 0 picks a free one (printed in the log)")
 
 
-class MetricsConfig(_Model):
+class MetricsConfig(StrictModel):
     """Prometheus endpoint. ``/metrics`` is always served on the API listener too."""
 
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535, description="separate metrics port; null = API port only")
 
 
-class LogConfig(_Model):
+class LogConfig(StrictModel):
     """Structured JSON logs on stderr."""
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = True
 
 
-class PutsConfig(_Model):
+class PutsConfig(StrictModel):
     """Acknowledgement semantics of a put.
 
     ``durable: true`` (default, needs the NVMe tier): a put is answered only
@@ -72,14 +58,13 @@ class PutsConfig(_Model):
     durable: bool = True
 
 
-class TenantConfig(_Model):
+class TenantConfig(StrictModel):
     """A tenant: its bearer credentials and byte quota."""
 
     name: str
     tokens: list[str] = Field(default_factory=list, description="plain bearer tokens (prefer token_sha256)")
     token_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of each bearer token")
-    quota_bytes: int = 1 << 62
-    _q = field_validator("quota_bytes", mode="before")(_size)
+    quota_bytes: SizeBytes = 1 << 62
 
     @field_validator("name")
     @classmethod
@@ -117,7 +102,7 @@ class TenantConfig(_Model):
                [bytes.fromhex(h) for h in self.token_sha256]
 
 
-class PublicNamespaceConfig(_Model):
+class PublicNamespaceConfig(StrictModel):
     """A namespace explicitly shared across tenants.
 
     Clients address it with the same :class:`~tierstore.identity.Namespace`
@@ -130,8 +115,7 @@ class PublicNamespaceConfig(_Model):
     digest: str | None = None
     readers: list[str] | Literal["*"] = "*"
     writers: list[str] = Field(default_factory=list)
-    quota_bytes: int = 1 << 62
-    _q = field_validator("quota_bytes", mode="before")(_size)
+    quota_bytes: SizeBytes = 1 << 62
 
     @field_validator("digest")
     @classmethod
@@ -164,23 +148,20 @@ class PublicNamespaceConfig(_Model):
         return Namespace(**self.namespace).digest() if self.namespace is not None else bytes.fromhex(self.digest)
 
 
-class LimitsConfig(_Model):
+class LimitsConfig(StrictModel):
     """Request limits and backpressure."""
 
-    max_request_bytes: int = 64 << 20
-    max_manifest_bytes: int = 1 << 20
+    max_request_bytes: SizeBytes = 64 << 20
+    max_manifest_bytes: SizeBytes = 1 << 20
     max_keys_per_request: int = Field(4096, ge=1)
     max_inflight_requests: int = Field(64, ge=1)
     worker_threads: int = Field(4, ge=1, le=256)
-    request_timeout_s: float = 60.0
-    shutdown_timeout_s: float = 30.0
-    retry_after_s: float = 1.0
-    pin_quota_bytes: int = 1 << 62
-    default_lease_s: float = 60.0
-    max_lease_s: float = 3600.0
-    _b = field_validator("max_request_bytes", "max_manifest_bytes", "pin_quota_bytes", mode="before")(_size)
-    _t = field_validator("request_timeout_s", "shutdown_timeout_s", "retry_after_s", "default_lease_s",
-                         "max_lease_s", mode="before")(_dur)
+    request_timeout_s: DurationS = 60.0
+    shutdown_timeout_s: DurationS = 30.0
+    retry_after_s: DurationS = 1.0
+    pin_quota_bytes: SizeBytes = 1 << 62
+    default_lease_s: DurationS = 60.0
+    max_lease_s: DurationS = 3600.0
 
     @field_validator("request_timeout_s", "default_lease_s", "max_lease_s")
     @classmethod
@@ -190,7 +171,7 @@ class LimitsConfig(_Model):
         return v
 
 
-class DaemonConfig(_Model):
+class DaemonConfig(StrictModel):
     """The whole daemon configuration (the YAML document)."""
 
     listen: ListenConfig = ListenConfig()

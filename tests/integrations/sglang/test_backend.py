@@ -446,7 +446,7 @@ def test_clear_drops_this_namespace_only(tmp_path):
 
 # ---------------------------------------------------------------- refused at start-up
 @pytest.mark.parametrize("extra, match", [
-    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1}, "bogus: unknown key"),
+    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
     ({"layout": {"preset": "tiny"}}, "derived from SGLang's host pool"),
     ({"remote": {}}, "'remote' is not supported"),
     ({"tiers": {"hbm": {"capacity_bytes": "1GiB"}, "host": {"capacity_bytes": "1MiB"}}}, "SGLang owns HBM"),

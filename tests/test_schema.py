@@ -1,0 +1,88 @@
+"""tierstore.schema: the base of the store's and the daemon's configuration models."""
+import pytest
+
+from tierstore.errors import ConfigError
+from tierstore.schema import DurationS, OptionalSizeBytes, SizeBytes, StrictModel, parse_model
+
+
+class Knobs(StrictModel):
+    cache_bytes: SizeBytes = 0
+    spill_bytes: OptionalSizeBytes = None
+    wait_s: DurationS = 1.0
+
+
+def test_sizes_and_durations_are_parsed_once_at_load():
+    k = parse_model(Knobs, {"cache_bytes": "4k", "spill_bytes": "1MiB", "wait_s": "500ms"}, "knobs")
+    assert (k.cache_bytes, k.spill_bytes, k.wait_s) == (4096, 1 << 20, 0.5)
+    assert parse_model(Knobs, {"spill_bytes": None}, "knobs").spill_bytes is None
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"cache_bytes": "4q"}, r"^invalid knobs:\n  cache_bytes='4q': expected a size"),
+    ({"wait_s": "soon"}, r"^invalid knobs:\n  wait_s='soon': expected a duration"),
+    ({"cache_bytes": None}, r"cache_bytes=None: expected a size"),
+    ({"cache": 1}, r"cache: unknown key; accepted keys here are \['cache_bytes', 'spill_bytes', 'wait_s'\]"),
+    ([1], "the document must be a mapping"),
+])
+def test_one_error_format_names_key_value_and_what_is_accepted(doc, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_model(Knobs, doc, "knobs")
+
+
+def test_the_daemon_reuses_the_stores_models():
+    from tierstore import config
+    from tierstore.server import config as daemon
+    fields = daemon.DaemonConfig.model_fields
+    assert fields["layout"].annotation is config.LayoutConfig
+    assert fields["tiers"].annotation is config.TiersConfig
+    assert fields["policies"].annotation is config.PoliciesConfig
+    assert daemon.LimitsConfig.__mro__[1] is StrictModel is config.TiersConfig.__mro__[1]
+
+
+OPTION_SETS = [
+    dict(hbm_bytes=1 << 20, host_bytes="2MiB", device="cpu", eviction="s3fifo", admission="second_hit"),
+    dict(host_bytes=1 << 20, nvme_path="NVME", nvme_bytes=64 << 20, nvme_engine="posix", region_policy="fifo",
+         segment_size_bytes="4MiB", flush_on_close=False, flush_timeout_s="2s", flush_max_bytes="8m",
+         nvme_format=True, iodepth=4, classifier="reuse"),  # KVStore's reinsert= is a run-time object
+    dict(host_bytes=1 << 20, nvme_path="NVME", nvme_bytes=64 << 20, nvme_device="sim", nvme_engine="memory",
+         promotion="one", write_policy="write_through", pin_quota_bytes="1g", default_lease_s="5s"),
+    dict(host_bytes=1 << 20, remote={"master": "h:1", "segment_bytes": 0, "admission": "reused"}),
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_from_options_is_the_config_kvstore_keywords_open(options, layout, tmp_path, monkeypatch):
+    """StoreConfig.from_options (the one table of KVStore keyword spellings) builds exactly the
+    config KVStore(...)'s keywords hand to build.assemble, and refuses what they refuse."""
+    import tierstore.api as api
+    from tierstore.config import NVME_OPTIONS, OPTION_ALIASES, StoreConfig
+
+    options = {k: str(tmp_path / "kv") if v == "NVME" else v for k, v in options.items()}
+    seen = []
+
+    class Opened(Exception):
+        pass
+
+    def capture(cfg, layout, **runtime):
+        seen.append(cfg)
+        raise Opened  # stop before anything opens
+    monkeypatch.setattr(api, "assemble", capture)
+    with pytest.raises(Opened):
+        api.KVStore(layout, **options)
+    assert StoreConfig.from_options(**options) == seen[0]
+    nvme_keys = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
+    assert nvme_keys == api._NVME_OPTIONS
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(evicton="lru"), r"unknown option\(s\) \['evicton'\]"),
+    (dict(region_policy="fifo"), r"\['region_policy'\] need an NVMe tier"),
+    (dict(admission="sometimes"), "admission='sometimes'"),
+    (dict(device="tpu"), "device='tpu'"),
+])
+def test_from_options_refuses_what_kvstore_refuses(options, match, layout):
+    from tierstore import KVStore
+    from tierstore.config import StoreConfig
+    for open_ in (lambda: StoreConfig.from_options(**options), lambda: KVStore(layout, **options)):
+        with pytest.raises(ConfigError, match=match):
+            open_()

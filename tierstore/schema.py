@@ -1,0 +1,114 @@
+"""The pydantic base every configuration model shares: strict models, sizes and durations, and
+one error format.
+
+:class:`StrictModel` is ``extra="forbid"`` and frozen (an unknown key is an error that lists
+the accepted keys). :data:`SizeBytes` accepts ``64GiB``, ``4k``, ``1g`` or an int
+(:func:`tierstore.units.parse_size`, base 1024); :data:`DurationS` accepts ``30s``, ``500ms``
+or seconds (:func:`tierstore.units.parse_time_s`); ``Optional*`` let ``null`` through. Both
+are parsed once, at load, with the field's name in the message. :func:`parse_model` turns
+every validation failure into one :class:`~tierstore.errors.ConfigError` whose lines name the
+key, the value and what is accepted (:func:`format_validation_error`); :func:`read_yaml`
+reads a file. The store's models (:mod:`tierstore.config`, :mod:`tierstore.policies.config`)
+and the daemon's (:mod:`tierstore.server.config`) are built on these.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
+
+from .errors import ConfigError
+from .units import parse_size, parse_time_s
+
+__all__ = ["DurationS", "OptionalSizeBytes", "SizeBytes", "StrictModel", "format_validation_error",
+           "parse_model", "read_yaml"]
+
+
+class StrictModel(BaseModel):
+    """A configuration model: unknown keys are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _size(v: Any, info: ValidationInfo) -> int:
+    return parse_size(v, info.field_name)
+
+
+def _size_or_none(v: Any, info: ValidationInfo) -> int | None:
+    return None if v is None else parse_size(v, info.field_name)
+
+
+def _dur(v: Any, info: ValidationInfo) -> float:
+    return parse_time_s(v, info.field_name)
+
+
+#: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
+SizeBytes = Annotated[int, BeforeValidator(_size)]
+#: :data:`SizeBytes` or ``None``.
+OptionalSizeBytes = Annotated[Optional[int], BeforeValidator(_size_or_none)]
+#: Seconds: a number or a duration string (``30s``, ``500ms``), parsed before validation.
+DurationS = Annotated[float, BeforeValidator(_dur)]
+
+
+def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
+    """Field names of the model that owns the unknown key at ``loc``."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
+            return None
+        ann = cur.model_fields[part].annotation
+        cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
+                   None)
+        if cur is None and hasattr(ann, "__args__"):  # list[Model]
+            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    if isinstance(cur, type) and issubclass(cur, BaseModel):
+        return sorted(cur.model_fields)
+    return None
+
+
+def format_validation_error(err: ValidationError, root: type[BaseModel], what: str) -> str:
+    """One line per problem: ``key=value: what is accepted``."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(document)"
+        val = e.get("input")
+        if e["type"] == "extra_forbidden":
+            acc = _accepted_keys(root, tuple(e["loc"]))
+            lines.append(f"{key}: unknown key; accepted keys here are {acc}")
+            continue
+        if e["type"] == "missing":
+            lines.append(f"{key}: required key is missing")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        inner = f"{e['loc'][-1]}=" if e["loc"] else None
+        if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
+            msg = msg.split(": ", 1)[1]
+        shown = repr(val) if not isinstance(val, dict) else "{...}"
+        lines.append(f"{key}={shown}: {msg}")
+    return f"invalid {what}:\n  " + "\n  ".join(lines)
+
+
+def parse_model(model: type[BaseModel], doc: Any, what: str):
+    """Validate ``doc`` into ``model``; every failure is one :class:`ConfigError`."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"invalid {what}: the document must be a mapping, got {type(doc).__name__}")
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, model, what)) from None
+    except ConfigError as e:  # raised by parse_size/parse_time_s inside a validator
+        raise ConfigError(f"invalid {what}: {e}") from None
+
+
+def read_yaml(path: str) -> Any:
+    """Parse a YAML file. Raises :class:`ConfigError` for an unreadable file or bad syntax."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r}: YAML syntax error: {e}") from None
