@@ -272,7 +272,6 @@ OVERSIZE = {
     "mover.py::Mover.run_remote_fill": 88,                     # P5
     "remote/mooncake.py::MooncakeTier": 989,                   # P10
     "remote/mooncake.py::MooncakeTier.put": 106,               # P10
-    "replay.py::_replay": 133,                                 # P7
     "server/check.py::_check_nvme": 94,                        # P8
 }
 
