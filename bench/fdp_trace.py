@@ -50,12 +50,10 @@ import sys
 import time
 from typing import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tierstore.bench.lifetimes import LifetimeRecorder, OracleClassifier, tercile_bounds
+from tierstore.replay import ReplayConfig, run_replay, unique_full_blocks
+from tierstore.trace import read_mooncake
 
-from tierstore.replay import ReplayConfig, run_replay, unique_full_blocks  # noqa: E402
-from tierstore.trace import read_mooncake  # noqa: E402
-
-from nvme_lifetimes import LifetimeRecorder, OracleClassifier, tercile_bounds  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TRACE = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "traces",

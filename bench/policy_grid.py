@@ -47,14 +47,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tierstore.replay import REFERENCE_BLOCK_BYTES, ReplayConfig, run_replay  # noqa: E402
-from tierstore.trace import read_mooncake  # noqa: E402
-
-from cache_reference import distance, references  # noqa: E402
-from nvme_lifetimes import LifetimeRecorder  # noqa: E402
+from tierstore.bench.lifetimes import LifetimeRecorder
+from tierstore.bench.references import distance, references
+from tierstore.replay import REFERENCE_BLOCK_BYTES, ReplayConfig, run_replay
+from tierstore.trace import read_mooncake
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MOONCAKE = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl"))
