@@ -14,7 +14,7 @@ stand-in -> host -> NVMe, built by :func:`tierstore.build.build_store` from a
   (``policies.classifier``, or ``--classifier``) -> RUH -> PID from the
   device's RUH Status; a RUH Update when a segment opens;
 * ``oracle`` -- a first pass (``none``, same point) records, per NVMe write of
-  a key, when that copy left NVMe (:class:`nvme_lifetimes.LifetimeRecorder`);
+  a key, when that copy left NVMe (:class:`tierstore.bench.lifetimes.LifetimeRecorder`);
   the second pass places each write by its bucketed true remaining lifetime
   (terciles of the first pass's lifetimes -> SHORT/MEDIUM/LONG handles).  The
   second pass evolves a little differently, so the oracle is exact only for the
@@ -69,7 +69,7 @@ def run_point(args: dict) -> dict:
     sim``: :class:`~tierstore.fdp.simdevice.SimFdpDevice` over an
     :class:`~tierstore.fdp.ftl.FTLModel`, memory engine, or ``engine: null``
     with ``--no-data``); the classifier is recorded by
-    :class:`~nvme_lifetimes.LifetimeRecorder`, which also finds every NVMe
+    :class:`~tierstore.bench.lifetimes.LifetimeRecorder`, which also finds every NVMe
     copy's true death time in the event stream.
     """
     util, ru, dev, mode = args["util"], args["ru"], args["device_bytes"], args["mode"]

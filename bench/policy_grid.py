@@ -27,7 +27,7 @@ the same total blocks (:mod:`bench.cache_reference`: one flat LRU cache and
 Belady's MIN), saved prefill, bytes written to NVMe (also at the real 64 MiB
 block), host write amplification (copy-forward), the device's WAF and
 end-to-end WA, and the lifetime-class prediction accuracy against the true
-NVMe death times (:class:`bench.nvme_lifetimes.LifetimeRecorder`).
+NVMe death times (:class:`tierstore.bench.lifetimes.LifetimeRecorder`).
 
 Scale: a 512-token block is stored as ``--block-bytes`` (32 KiB default, the
 replay's; Llama-3.1-8B's real block is 64 MiB). The simulated device has RU =
