@@ -216,7 +216,27 @@ def _is_nvme_generic(path: str) -> bool:
         stat.S_ISCHR(os.stat(path).st_mode)
 
 
-class _PassthroughTarget:
+class _FutureTarget:
+    """A target over an engine whose calls return futures (``.get()``); each call waits for its own.
+    Subclasses set :attr:`engine`."""
+
+    engine: Any
+
+    @staticmethod
+    def prepare(buf: Any) -> Any:
+        return buf
+
+    def read(self, buf: Any, offset: int) -> int:
+        return self.engine.read(offset, buf).get()
+
+    def write(self, buf: Any, offset: int, placement: int | None) -> int:
+        return self.engine.write(offset, buf, placement).get()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _PassthroughTarget(_FutureTarget):
     """``/dev/ngXnY``: placed writes by NVMe passthrough (``IORING_OP_URING_CMD``), reads on the
     matching ``/dev/nvmeXnY`` (:class:`tierstore.fdp.device.PassthroughEngine`). Not verified on hardware."""
 
@@ -234,38 +254,12 @@ class _PassthroughTarget:
         self.engine = PassthroughEngine(ns.char_dev, size_bytes, ns.nsid, ns.lba_bytes, pid_table=self.pid_table,
                                         max_transfer_bytes=ns.max_transfer_bytes)
 
-    @staticmethod
-    def prepare(buf: Any) -> Any:
-        return buf
 
-    def read(self, buf: Any, offset: int) -> int:
-        return self.engine.read(offset, buf).get()
-
-    def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        return self.engine.write(offset, buf, placement).get()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class _EngineTarget:
+class _EngineTarget(_FutureTarget):
     """A :mod:`tierstore.io` engine; each call waits for its own future."""
 
     def __init__(self, kind: str, path: str | None, size_bytes: int, iodepth: int) -> None:
         self.engine = _open_engine(kind, path, size_bytes, iodepth)
-
-    @staticmethod
-    def prepare(buf: Any) -> Any:
-        return buf
-
-    def read(self, buf: Any, offset: int) -> int:
-        return self.engine.read(offset, buf).get()
-
-    def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        return self.engine.write(offset, buf, placement).get()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 class _LockedObserver:
