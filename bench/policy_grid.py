@@ -23,7 +23,7 @@ HBM stand-in -> host -> NVMe, the NVMe tier a
   (:mod:`bench.agent_workload`).
 
 Each row reports the hit ratio and its distance to the offline references of
-the same total blocks (:mod:`bench.cache_reference`: one flat LRU cache and
+the same total blocks (:mod:`tierstore.bench.references`: one flat LRU cache and
 Belady's MIN), saved prefill, bytes written to NVMe (also at the real 64 MiB
 block), host write amplification (copy-forward), the device's WAF and
 end-to-end WA, and the lifetime-class prediction accuracy against the true
