@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-sys.path.insert(0, os.path.abspath(BENCH))
+from tierstore.bench import lifetimes, references
 
-agent_workload = pytest.importorskip("agent_workload")
-policy_grid = pytest.importorskip("policy_grid")
+from ..bench.tools import load_tool
 
-from tierstore.bench import lifetimes, references  # noqa: E402
+agent_workload = load_tool("agent_workload")
+policy_grid = load_tool("policy_grid")
 
 
 def test_agent_workload_is_deterministic_mooncake_format(tmp_path):
