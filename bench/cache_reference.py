@@ -1,31 +1,9 @@
 #!/usr/bin/env python
 """Offline references for any trace and capacity: one flat LRU cache and Belady's MIN.
 
-Every capacity experiment reports its distance to two references of the *same
-total blocks* (all tiers together), computed offline from the trace alone,
-under tierstore's exact-hit rule (only full 512-token blocks are stored, and a
-request hits only the longest leading run of its blocks that is resident):
-
-* ``flat_lru`` -- one LRU cache of ``capacity_blocks``. Per request: count the
-  resident leading run (the hits), then touch every full block of the request
-  in chain order (a hit moves to the MRU end, a miss is inserted there, the LRU
-  end is evicted when full). This is what a single-tier cache that admits every
-  block does.
-* ``belady`` -- Belady's MIN (L. A. Belady, "A study of replacement algorithms
-  for a virtual-storage computer", IBM Systems Journal 5(2), 1966) with bypass:
-  on a miss the block is inserted only if its next use comes before that of
-  some resident block, and the resident block used furthest in the future is
-  evicted (a block never used again first; ties: the deepest chain position,
-  since losing a leading block breaks the chain behind it). Optimal for a
-  demand cache with per-block hits; under the prefix rule it is the usual
-  offline bound, not a proof of optimality.
-* ``infinite`` -- no capacity limit (:func:`tierstore.trace.ideal_hit_ratio`).
-
-Blocks are identified by their prefix chain (a block id at position ``i``
-after the same ``i`` ids), exactly the chained keys the replay stores.
-
-The functions live in :mod:`tierstore.bench.references` (importable without
-path tricks); this script is their command line and re-exports them.
+The command line of :mod:`tierstore.bench.references` (what each reference is, and its source, is
+there): the hit ratio of one flat LRU cache, of Belady's MIN and of an infinite cache, all of the
+same total blocks, under tierstore's exact-hit rule.
 
 Usage::
 
@@ -43,19 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tierstore.bench.references import (  # noqa: E402,F401  (re-exported for bench/policy_grid.py and older callers)
-    belady_hit_ratio, chain_keys, distance, flat_lru_hit_ratio, references, replay_capacity_blocks)
-from tierstore.trace import read_mooncake  # noqa: E402
-from tierstore.units import parse_size  # noqa: E402
-
-__all__ = ["chain_keys", "flat_lru_hit_ratio", "belady_hit_ratio", "references", "replay_capacity_blocks",
-           "distance", "main"]
+from tierstore.bench.references import chain_keys, references, replay_capacity_blocks
+from tierstore.trace import read_mooncake
+from tierstore.units import parse_size
 
 
 def main(argv: Sequence[str] | None = None) -> int:

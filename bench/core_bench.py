@@ -21,7 +21,7 @@ Parts (``--parts``):
   blocks of 256 KiB, 4 of 4 MiB a call), both on the posix O_DIRECT engine,
   the two in alternating order; and LMCache 0.5.6's LocalDiskBackend storing
   the same bytes in 4 MiB chunks (``--lmcache-python``;
-  ``bench/io_lmcache_helper.py``; it neither fsyncs nor checksums, tierstore
+  ``bench/lmcache_helper.py``; it neither fsyncs nor checksums, tierstore
   does both).
 * ``frag`` -- ``store_fragments``/``load_fragments`` of ``--frag-blocks`` 2 MiB
   blocks (Llama-3.1-8B: 32 layers x K/V x 32 KiB) through ``KVPagePool`` plans
@@ -372,7 +372,7 @@ def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
 
 
 def lmcache(py: str, d: str, total: int) -> dict:
-    helper = os.path.join(HERE, "io_lmcache_helper.py")
+    helper = os.path.join(HERE, "lmcache_helper.py")
     r = subprocess.run([py, helper, "--dir", d, "--total-bytes", str(total), "--chunk-bytes", str(4 << 20),
                         "--runs", "1"], capture_output=True, text=True)
     if r.returncode != 0:

@@ -24,19 +24,16 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tierstore.fdp.ftl import FTLModel  # noqa: E402
-from tierstore.fdp.lifetime import LifetimeClass  # noqa: E402
-from tierstore.fdp.passthrough import select_write_path  # noqa: E402
-from tierstore.fdp.simdevice import SimFdpDevice  # noqa: E402
-from tierstore.fdp.waf import WafWindow, analytic_greedy_waf  # noqa: E402
+from tierstore.fdp.ftl import FTLModel
+from tierstore.fdp.lifetime import LifetimeClass
+from tierstore.fdp.passthrough import select_write_path
+from tierstore.fdp.simdevice import SimFdpDevice
+from tierstore.fdp.waf import WafWindow, analytic_greedy_waf
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

@@ -29,16 +29,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from tierstore.errors import Status  # noqa: E402
-from tierstore.io import SegmentStorage, open_engine  # noqa: E402
-from tierstore.io.batch import ExtentPipeline  # noqa: E402
-from tierstore.io.pages import KVPagePool, plan_fragments  # noqa: E402
-from tierstore.io.engine import alloc_aligned  # noqa: E402
-from tierstore.units import parse_size  # noqa: E402
+from tierstore.errors import Status
+from tierstore.io import SegmentStorage, open_engine
+from tierstore.io.batch import ExtentPipeline
+from tierstore.io.pages import KVPagePool, plan_fragments
+from tierstore.io.engine import alloc_aligned
+from tierstore.units import parse_size
 
 FRAG_BYTES = 32 << 10
 LAYERS = 32
@@ -280,7 +279,7 @@ def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | N
 
 
 def lmcache_pass(py: str, dirpath: str, total: int, chunk: int) -> tuple[float, float]:
-    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "io_lmcache_helper.py")
+    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_helper.py")
     r = subprocess.run([py, helper, "--dir", dirpath, "--total-bytes", str(total), "--chunk-bytes",
                         str(chunk), "--runs", "1"], capture_output=True, text=True)
     if r.returncode != 0:

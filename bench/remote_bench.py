@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 import torch  # noqa: E402

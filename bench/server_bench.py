@@ -41,12 +41,14 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tierstore import Namespace
+from tierstore.client import RemoteKVStore
+from tierstore.errors import Status
 
-from tierstore import Namespace  # noqa: E402
-from tierstore.client import RemoteKVStore  # noqa: E402
-from tierstore.errors import Status  # noqa: E402
+#: This file's directory (the baseline server's subprocess imports this module from there) and the
+#: checkout (the daemon runs its ``tierstore``, which may not be the installed one).
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 TOKEN = "bench-token-0123456789abcdef"
 MiB = 1 << 20
@@ -289,9 +291,8 @@ def main(argv=None) -> int:
     order: list[str] = []
     try:
         daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
-        base = subprocess.Popen([sys.executable, "-c",
-                                 f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                                 f"import server_bench; server_bench.baseline_server({port_file!r})"])
+        base = subprocess.Popen([sys.executable, "-c", "import server_bench; server_bench.baseline_server("
+                                 f"{os.path.abspath(port_file)!r})"], cwd=HERE)
         bport = wait_for_port(port_file, base)
         block_bytes = 2 * MiB
         res = {"tierstore": [], "baseline": []}

@@ -56,7 +56,8 @@ runs single-threaded by default (``--threads``): on this shared 2-core VM a
 2-thread OpenMP team spins at barriers (a 64 KiB copy measured 0.47 ms with 2
 threads vs 0.03 ms with 1).
 
-Run (inside the ``sglang`` nox environment; see bench/README_sglang.md)::
+Run (inside the ``sglang`` nox environment; see bench/README_sglang.md; without torchvision,
+with ``PYTHONPATH=tests/integrations/sglang/stubs``)::
 
     .nox/sglang/bin/python bench/sglang_bench.py --runs 5 --json bench/sglang_results.json
 """
@@ -67,7 +68,6 @@ import ctypes
 import importlib.util
 import json
 import os
-import pathlib
 import shutil
 import statistics
 import sys
@@ -75,9 +75,9 @@ import tempfile
 import time
 import types
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("torchvision") is None:  # SGLang's configs import torchvision.transforms
-    sys.path.insert(0, str(ROOT / "tests" / "integrations" / "sglang" / "stubs"))
+    sys.exit("sglang_bench: SGLang imports torchvision, which is not installed here; install it, or put the "
+             "test stand-in first: PYTHONPATH=tests/integrations/sglang/stubs (see its README.md)")
 
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402

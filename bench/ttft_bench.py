@@ -39,12 +39,11 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tierstore import KVStore  # noqa: E402
-from tierstore.integrations.hf import HFPrefixCache, cache_to_blocks  # noqa: E402
-from tierstore.layout import dtype_from_name  # noqa: E402
-from tierstore.policies.cost import CostModel  # noqa: E402
+from tierstore import KVStore
+from tierstore.integrations.hf import HFPrefixCache, cache_to_blocks
+from tierstore.layout import dtype_from_name
+from tierstore.policies.cost import CostModel
 
 TIERS = ("hbm", "host", "nvme")
 

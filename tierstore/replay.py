@@ -279,17 +279,33 @@ class ReplaySession:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
+@dataclasses.dataclass
+class _Tally:
+    """A replay's running counts: what :func:`_report` sums up (latencies in ns, wall times in s)."""
+
+    load_lat: list = dataclasses.field(default_factory=list)
+    store_lat: list = dataclasses.field(default_factory=list)
+    load_bytes: int = 0
+    store_bytes: int = 0
+    load_wall: float = 0.0
+    store_wall: float = 0.0
+    wrong: int = 0
+    loaded_blocks: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    useful_blocks: int = 0
+    #: the time series of :func:`_sample`
+    ts: dict = dataclasses.field(default_factory=lambda: {"t_s": [], "hbm_bytes": [], "host_bytes": [],
+                                                          "nvme_bytes": [], "hit_ratio": []})
+
+
 def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample):
     """Generator: yields after each request; its return value is the :class:`ReplayReport`."""
     bb = layout.bytes_per_block
     ns = Namespace(model="mooncake-trace", kv_dtype="bf16").digest()
     keep = cfg.keep_data
     template = torch.arange(bb, dtype=torch.int64).to(torch.uint8) if keep else None
-    load_lat, store_lat = [], []
-    load_bytes = store_bytes = 0
-    load_wall = store_wall = 0.0
-    wrong = loaded_blocks = lookup_blocks = hit_blocks = useful_blocks = 0
-    ts = {"t_s": [], "hbm_bytes": [], "host_bytes": [], "nvme_bytes": [], "hit_ratio": []}
+    tally = _Tally()
     t_start = time.perf_counter()
     every = cfg.sample_every or max(1, len(reqs) // 200)
     try:
@@ -298,117 +314,133 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
             nfull = r.full_blocks()
             keys = chain_ids(ns, r.hash_ids[:nfull])
             rid = ("trace", i)
-            res = store.lookup_keys(keys, request_id=rid, num_prompt_tokens=r.input_length)
-            lookup_blocks += nfull
-            hit_blocks += res.matched_blocks
-            useful_blocks += res.useful_blocks
-            n_ok = 0
-            if res.useful_blocks:
-                dests = None if keep else [torch.empty(bb, dtype=torch.uint8, device="meta")
-                                           for _ in res.useful_keys]
-                t0 = time.perf_counter_ns()
-                st, outs = store.load(res.useful_keys, dests)
-                dt = time.perf_counter_ns() - t0
-                load_wall += dt / 1e9
-                n_ok = leading_ok(st)
-                store.drain()  # background cleaning a load asked for lands before this request's store
-                for k, o in zip(res.useful_keys[:n_ok] if keep else (), outs[:n_ok]):
-                    if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
-                        wrong += 1
-                load_lat.append(dt)
-                load_bytes += n_ok * bb
-                loaded_blocks += n_ok
+            n_ok = _lookup_and_load(store, keys, rid, r.input_length, bb, keep, tally)
             new = keys[n_ok:]
             if new:
-                blocks = []
-                for k in new:
-                    if not keep:
-                        blocks.append(torch.empty(bb, dtype=torch.uint8, device="meta"))
-                        continue
-                    b = template.clone()
-                    b[:32] = torch.frombuffer(bytearray(k), dtype=torch.uint8)
-                    blocks.append(b)
-                t0 = time.perf_counter_ns()
-                st = store.store_keys(ns, new, blocks, first_position=n_ok)
-                dt = time.perf_counter_ns() - t0
-                store_wall += dt / 1e9
-                store_lat.append(dt)
-                store_bytes += sum(bb for s in st if s is Status.OK)
+                _store_missed(store, ns, new, n_ok, bb, template, tally)
             store.release(rid)
             store.drain()  # deterministic: identical counts run to run
             if progress is not None and (i % 50 == 0 or i == len(reqs) - 1):
                 progress(i + 1, len(reqs))
             if i % every == 0 or i == len(reqs) - 1:
-                bpt = store.bytes_per_tier()
-                sample = {"t_s": clock.now_s, "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"],
-                          "nvme_bytes": bpt["nvme"], "hit_ratio": hit_blocks / max(1, lookup_blocks)}
-                if on_sample is not None:
-                    on_sample(store, sample)
-                for k, v in sample.items():
-                    ts.setdefault(k, []).append(v)
+                _sample(store, clock, tally, on_sample)
             yield i  # ReplaySession.step: one request done
         runtime = time.perf_counter() - t_start
-        store.check_invariants(quiescent=True)
-        snap = store.stats()
-        stats = snap.pop("nvme_backend", {})
-        device = store.device_stats() if store.nvme is not None else {}
-        ideal = ideal_hit_ratio(reqs)
-        bpt = store.bytes_per_tier()
-        lat = np.asarray(load_lat, dtype=np.int64)
-        kv = {
-            "requests": len(reqs),
-            "lookup_blocks": lookup_blocks,
-            "hit_blocks": hit_blocks,
-            "useful_blocks": useful_blocks,
-            "loaded_blocks": loaded_blocks,
-            "lookup_hit_ratio": hit_blocks / max(1, lookup_blocks),
-            "useful_hit_ratio": loaded_blocks / max(1, lookup_blocks),
-            "ideal_hit_ratio": ideal,
-            "ideal_hit_ratio_all_blocks": ideal_hit_ratio(reqs, full_blocks_only=False),
-            "saved_prefill_tokens": loaded_blocks * MOONCAKE_BLOCK_TOKENS,
-            "prompt_tokens": int(sum(r.input_length for r in reqs)),
-            "partial_tail_tokens": int(snap.get("partial_tail_tokens", 0)),
-            "wrong_kv_blocks": wrong if keep else None,
-            "keep_data": keep,
-            "io_error_blocks": int(snap.get("io_errors", 0)),
-            "block_bytes": layout.bytes_per_block,
-            "block_tokens": MOONCAKE_BLOCK_TOKENS,
-            "bytes_scale_factor": REFERENCE_BLOCK_BYTES / layout.bytes_per_block,
-            "hbm_capacity_bytes": sizes["hbm_bytes"], "host_capacity_bytes": sizes["host_bytes"],
-            "nvme_capacity_bytes": sizes["nvme_bytes"], "unique_blocks": sizes["unique_blocks"],
-            "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
-            "hit_blocks_hbm": int(snap.get("hit_blocks_hbm", 0)),
-            "hit_blocks_host": int(snap.get("hit_blocks_host", 0)),
-            "hit_blocks_nvme": int(snap.get("hit_blocks_nvme", 0)),
-            "load_bytes_hbm": int(snap.get("load_bytes_hbm", 0)),
-            "load_bytes_host": int(snap.get("load_bytes_host", 0)),
-            "load_bytes_nvme": int(snap.get("load_bytes_nvme", 0)),
-            "store_bytes_hbm": int(snap.get("store_bytes_hbm", 0)),
-            "store_bytes_host": int(snap.get("store_bytes_host", 0)),
-            "store_bytes_nvme": int(snap.get("store_bytes_nvme", 0)),
-            "nvme_write_bytes": int(snap.get("nvme_write_bytes", 0)),
-            "nvme_read_bytes": int(snap.get("nvme_read_bytes", 0)),
-            "evictions_hbm": int(snap.get("evictions_hbm", 0)),
-            "evictions_host": int(snap.get("evictions_host", 0)),
-            "evictions_nvme": int(snap.get("evictions_nvme", 0)),
-            "demotions_hbm_host": int(snap.get("demotions_hbm_host", 0)),
-            "demotions_host_nvme": int(snap.get("demotions_host_nvme", 0)),
-            "promotions": int(sum(v for k, v in snap.items() if k.startswith("promotions_"))),
-            "dropped_blocks": int(snap.get("dropped_blocks", 0)),
-            "store_no_space_blocks": int(snap.get("store_no_space", 0)),
-            "load_lat_ns": lat,
-            "trace_duration_s": reqs[-1].timestamp_s - reqs[0].timestamp_s,
-        }
-        for p in (50, 90, 99):
-            kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
-        return ReplayReport(len(reqs), kv, lat, np.asarray(store_lat, dtype=np.int64), load_bytes, store_bytes,
-                            load_wall, store_wall, runtime, ts, stats,
-                            # runtime objects (a store, locks) are neither deep-copied nor reported
-                            {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, runtime={})).items()
-                             if k != "runtime"}
-                            | {"layout": layout.to_dict()}, device, dict(snap, nvme_backend=stats))
+        return _report(store, reqs, layout, cfg, sizes, tally, runtime)
     finally:
         # A replay is a measurement: its report covers every byte the store wrote, so what sits
         # only in memory at the end is not written down at close (flush_on_close would add
         # writes after the report; on an FDP device HBMW would then exceed the reported bytes).
         _close_unflushed(store)
+
+
+def _lookup_and_load(store: KVStore, keys: list, rid, prompt_tokens: int, bb: int, keep: bool,
+                     tally: _Tally) -> int:
+    """Look up one request's full blocks and load its useful prefix (checked against the keys when
+    ``keep``); returns how many leading blocks loaded."""
+    res = store.lookup_keys(keys, request_id=rid, num_prompt_tokens=prompt_tokens)
+    tally.lookup_blocks += len(keys)
+    tally.hit_blocks += res.matched_blocks
+    tally.useful_blocks += res.useful_blocks
+    if not res.useful_blocks:
+        return 0
+    dests = None if keep else [torch.empty(bb, dtype=torch.uint8, device="meta") for _ in res.useful_keys]
+    t0 = time.perf_counter_ns()
+    st, outs = store.load(res.useful_keys, dests)
+    dt = time.perf_counter_ns() - t0
+    tally.load_wall += dt / 1e9
+    n_ok = leading_ok(st)
+    store.drain()  # background cleaning a load asked for lands before this request's store
+    for k, o in zip(res.useful_keys[:n_ok] if keep else (), outs[:n_ok]):
+        if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
+            tally.wrong += 1
+    tally.load_lat.append(dt)
+    tally.load_bytes += n_ok * bb
+    tally.loaded_blocks += n_ok
+    return n_ok
+
+
+def _store_missed(store: KVStore, ns: bytes, new: list, first_position: int, bb: int, template,
+                  tally: _Tally) -> None:
+    """Store the blocks a request missed: each carries its key in its first 32 bytes (``template``:
+    the rest of a block's bytes), or ``meta`` tensors when the replay keeps no data (``template`` None)."""
+    blocks = []
+    for k in new:
+        if template is None:
+            blocks.append(torch.empty(bb, dtype=torch.uint8, device="meta"))
+            continue
+        b = template.clone()
+        b[:32] = torch.frombuffer(bytearray(k), dtype=torch.uint8)
+        blocks.append(b)
+    t0 = time.perf_counter_ns()
+    st = store.store_keys(ns, new, blocks, first_position=first_position)
+    dt = time.perf_counter_ns() - t0
+    tally.store_wall += dt / 1e9
+    tally.store_lat.append(dt)
+    tally.store_bytes += sum(bb for s in st if s is Status.OK)
+
+
+def _sample(store: KVStore, clock, tally: _Tally, on_sample) -> None:
+    """One point of the time series: bytes per tier and the hit ratio so far, at trace time."""
+    bpt = store.bytes_per_tier()
+    sample = {"t_s": clock.now_s, "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"],
+              "nvme_bytes": bpt["nvme"], "hit_ratio": tally.hit_blocks / max(1, tally.lookup_blocks)}
+    if on_sample is not None:
+        on_sample(store, sample)
+    for k, v in sample.items():
+        tally.ts.setdefault(k, []).append(v)
+
+
+def _report(store: KVStore, reqs, layout, cfg, sizes, tally: _Tally, runtime: float) -> ReplayReport:
+    """The :class:`ReplayReport` of a finished replay (the store is quiescent: invariants checked)."""
+    store.check_invariants(quiescent=True)
+    snap = store.stats()
+    stats = snap.pop("nvme_backend", {})
+    device = store.device_stats() if store.nvme is not None else {}
+    bpt = store.bytes_per_tier()
+    lat = np.asarray(tally.load_lat, dtype=np.int64)
+    lookup_blocks, loaded_blocks = tally.lookup_blocks, tally.loaded_blocks
+    kv = {
+        "requests": len(reqs),
+        "lookup_blocks": lookup_blocks,
+        "hit_blocks": tally.hit_blocks,
+        "useful_blocks": tally.useful_blocks,
+        "loaded_blocks": loaded_blocks,
+        "lookup_hit_ratio": tally.hit_blocks / max(1, lookup_blocks),
+        "useful_hit_ratio": loaded_blocks / max(1, lookup_blocks),
+        "ideal_hit_ratio": ideal_hit_ratio(reqs),
+        "ideal_hit_ratio_all_blocks": ideal_hit_ratio(reqs, full_blocks_only=False),
+        "saved_prefill_tokens": loaded_blocks * MOONCAKE_BLOCK_TOKENS,
+        "prompt_tokens": int(sum(r.input_length for r in reqs)),
+        "partial_tail_tokens": int(snap.get("partial_tail_tokens", 0)),
+        "wrong_kv_blocks": tally.wrong if cfg.keep_data else None,
+        "keep_data": cfg.keep_data,
+        "io_error_blocks": int(snap.get("io_errors", 0)),
+        "block_bytes": layout.bytes_per_block,
+        "block_tokens": MOONCAKE_BLOCK_TOKENS,
+        "bytes_scale_factor": REFERENCE_BLOCK_BYTES / layout.bytes_per_block,
+        "hbm_capacity_bytes": sizes["hbm_bytes"], "host_capacity_bytes": sizes["host_bytes"],
+        "nvme_capacity_bytes": sizes["nvme_bytes"], "unique_blocks": sizes["unique_blocks"],
+        "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
+        **{k: int(snap.get(k, 0)) for k in _COUNTED},
+        "promotions": int(sum(v for k, v in snap.items() if k.startswith("promotions_"))),
+        "dropped_blocks": int(snap.get("dropped_blocks", 0)),
+        "store_no_space_blocks": int(snap.get("store_no_space", 0)),
+        "load_lat_ns": lat,
+        "trace_duration_s": reqs[-1].timestamp_s - reqs[0].timestamp_s,
+    }
+    for p in (50, 90, 99):
+        kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
+    return ReplayReport(len(reqs), kv, lat, np.asarray(tally.store_lat, dtype=np.int64), tally.load_bytes,
+                        tally.store_bytes, tally.load_wall, tally.store_wall, runtime, tally.ts, stats,
+                        # runtime objects (a store, locks) are neither deep-copied nor reported
+                        {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, runtime={})).items()
+                         if k != "runtime"}
+                        | {"layout": layout.to_dict()}, device, dict(snap, nvme_backend=stats))
+
+
+#: Store counters the report copies under their own names (0 when the store has none).
+_COUNTED = ("hit_blocks_hbm", "hit_blocks_host", "hit_blocks_nvme", "load_bytes_hbm", "load_bytes_host",
+            "load_bytes_nvme", "store_bytes_hbm", "store_bytes_host", "store_bytes_nvme", "nvme_write_bytes",
+            "nvme_read_bytes", "evictions_hbm", "evictions_host", "evictions_nvme", "demotions_hbm_host",
+            "demotions_host_nvme")

@@ -2,17 +2,13 @@
 against the offline references, on the packaged excerpt."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-sys.path.insert(0, os.path.abspath(BENCH))
+from tierstore.bench.references import flat_lru_hit_ratio
 
-fs = pytest.importorskip("frontier_sim")
+from .tools import load_tool
 
-from tierstore.bench.references import flat_lru_hit_ratio  # noqa: E402
+fs = load_tool("frontier_sim")
 
 
 @pytest.mark.parametrize("name", ["a", "b"])
@@ -73,7 +69,7 @@ def test_region_mode_counts_equal_the_real_store_on_the_agent_workload(tmp_path)
     """The agent workload's prefixes are resident past a request's first miss: during the put the real
     store protects the plan's victims, writes and new blocks, not those already-stored keys, and the
     simulator has to do the same to keep the store's NVMe evictions (found by a whole-trace run)."""
-    agent_workload = pytest.importorskip("agent_workload")
+    agent_workload = load_tool("agent_workload")
     path = str(tmp_path / "agent.jsonl")
     agent_workload.AgentWorkload(sessions=200, seed=0).write(path)
     wl = fs.load_workload("agent10", agent_trace=path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import socket
 
-from .conftest import REPO
+from .tools import load_tool
 
 
 def _dead_port() -> int:
@@ -15,11 +15,10 @@ def _dead_port() -> int:
     return port
 
 
-def test_reused_dir_and_abba_order(tmp_path, monkeypatch, capsys):
+def test_reused_dir_and_abba_order(tmp_path, capsys):
     """A stale baseline.port from an earlier run made the script connect to a dead port
     (ConnectionRefused, then an IndexError); the baseline always ran first."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import server_bench
+    server_bench = load_tool("server_bench")
     (tmp_path / "baseline.port").write_text(str(_dead_port()))  # what an earlier run leaves behind
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "scopes.jsonl").write_text("{torn")

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-sys.path.insert(0, os.path.abspath(BENCH))
+from tierstore.bench import lifetimes, references
 
-agent_workload = pytest.importorskip("agent_workload")
-policy_grid = pytest.importorskip("policy_grid")
-cache_reference = pytest.importorskip("cache_reference")
-nvme_lifetimes = pytest.importorskip("nvme_lifetimes")
+from ..bench.tools import load_tool
+
+agent_workload = load_tool("agent_workload")
+policy_grid = load_tool("policy_grid")
 
 
 def test_agent_workload_is_deterministic_mooncake_format(tmp_path):
@@ -38,28 +35,28 @@ def _req(ids, t=0.0):
 def test_references_by_hand():
     # a b | a b | c | a b : flat LRU of 2 blocks loses "a b" to "c"; Belady bypasses "c" (never reused)
     reqs = [_req([1, 2]), _req([1, 2]), _req([3]), _req([1, 2])]
-    ref = cache_reference.references(reqs, 2)
+    ref = references.references(reqs, 2)
     assert ref["flat_lru"] == pytest.approx(2 / 7)
     assert ref["belady"] == pytest.approx(4 / 7) == pytest.approx(ref["infinite"])
-    d = cache_reference.distance(3 / 7, ref)
+    d = references.distance(3 / 7, ref)
     assert d["gap_closed"] == pytest.approx(0.5)
     # the prefix rule: block 2 after another first block is another chain key
-    assert cache_reference.chain_keys([_req([1, 2]), _req([5, 2])]) == [[0, 1], [2, 3]]
+    assert references.chain_keys([_req([1, 2]), _req([5, 2])]) == [[0, 1], [2, 3]]
 
 
 def test_belady_never_below_flat_lru_on_agent_trace(tmp_path):
     reqs = [_req(r["hash_ids"][:-1], r["timestamp"] / 1000) for r in
             agent_workload.AgentWorkload(sessions=60, seed=2).generate()]
-    ks = cache_reference.chain_keys(reqs)
+    ks = references.chain_keys(reqs)
     for cap in (8, 32, 128, 10 ** 6):
-        lru = cache_reference.flat_lru_hit_ratio(ks, cap)
-        opt = cache_reference.belady_hit_ratio(ks, cap)
+        lru = references.flat_lru_hit_ratio(ks, cap)
+        opt = references.belady_hit_ratio(ks, cap)
         assert lru <= opt + 1e-12
-    assert cache_reference.belady_hit_ratio(ks, 10 ** 6) == pytest.approx(cache_reference.flat_lru_hit_ratio(ks, 10 ** 6))
+    assert references.belady_hit_ratio(ks, 10 ** 6) == pytest.approx(references.flat_lru_hit_ratio(ks, 10 ** 6))
 
 
 def test_lifetime_summary_against_known_deaths():
-    rec = nvme_lifetimes.LifetimeRecorder(lambda e, now: 0)
+    rec = lifetimes.LifetimeRecorder(lambda e, now: 0)
     for i in range(9):  # nine writes, lifetimes 1..9 s; predicted class = (lifetime-1)//3 is perfect
         rec.writes.append((bytes([i]), 0.0, i // 3))
         rec.death_s[i] = float(i + 1)

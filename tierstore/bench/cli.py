@@ -41,6 +41,7 @@ signal N.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -174,7 +175,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     int
         Exit status: 0 on success, 1 on a configuration error or a failed job.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = _parse(list(sys.argv[1:] if argv is None else argv))
+    if isinstance(cmd, int):
+        return cmd
+    specs = cmd.specs
+    results: list[JobResult | None] = [None] * len(specs)
+    reset_stop()
+    set_status_options(cmd.status)
+    # fio prints its informational lines ("Laying out IO file") with the normal report
+    set_info_sink(sys.stdout if cmd.formats == ["normal"] and not cmd.own.get("output") else sys.stderr)
+    try:
+        with _stop_on_signals(), _library_warnings():
+            for batch in _batches(specs):
+                if stop_requested():
+                    break
+                rc = _run_batch(batch, [cmd.runners[i] for i in batch], [specs[i] for i in batch], results)
+                if rc:
+                    return rc
+    finally:
+        set_info_sink(None)
+    ran = [(r, spec) for r, spec in zip(results, specs) if r is not None]
+    for r, _ in ran:
+        if r.error:
+            _report_error(r)
+    if not ran and stop_signal():
+        return 128 + stop_signal()
+    rc = _write_report(cmd, ran, results)
+    if rc:
+        return rc
+    sig = stop_signal()
+    if sig:
+        return 128 + sig
+    return 1 if any(r.error for r, _ in ran) else 0
+
+
+@dataclasses.dataclass
+class _Command:
+    """A parsed command line that runs jobs: the command's own flags, the report formats, the status
+    line options, the jobs and each job's runner."""
+
+    own: dict[str, str | bool]
+    formats: list[str]
+    status: StatusOptions
+    specs: list[JobSpec]
+    runners: list
+
+
+def _parse(argv: list[str]) -> _Command | int:
+    """The command line's jobs, or the exit status of a command that ends here (``--help``,
+    ``--version``, ``--cmdhelp``, ``--showcmd``, ``--parse-only``, a bad flag or job: 1)."""
     try:
         own, key_flags, files = _split_argv(argv)
         if own.get("help"):
@@ -207,30 +256,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("matplotlib", "--plot")
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
+    return _Command(own, formats, status, specs, runners)
 
-    results: list[JobResult | None] = [None] * len(specs)
-    reset_stop()
-    set_status_options(status)
-    # fio prints its informational lines ("Laying out IO file") with the normal report
-    set_info_sink(sys.stdout if formats == ["normal"] and not own.get("output") else sys.stderr)
-    try:
-        with _stop_on_signals(), _library_warnings():
-            for batch in _batches(specs):
-                if stop_requested():
-                    break
-                rc = _run_batch(batch, [runners[i] for i in batch], [specs[i] for i in batch], results)
-                if rc:
-                    return rc
-    finally:
-        set_info_sink(None)
-    ran = [(r, spec) for r, spec in zip(results, specs) if r is not None]
-    for r, _ in ran:
-        if r.error:
-            _report_error(r)
-    if not ran and stop_signal():
-        return 128 + stop_signal()
+
+def _write_report(cmd: _Command, ran: list[tuple[JobResult, JobSpec]], results: list[JobResult | None]) -> int:
+    """Render the report of the jobs that ran to ``--output`` or stdout, and the ``--plot`` charts;
+    returns 0, or 1 after saying which file could not be written."""
+    own = cmd.own
     merged, merged_specs = group_reports([r for r, _ in ran], [spec for _, spec in ran])
-    report = out_mod.render(merged, merged_specs, formats)
+    report = out_mod.render(merged, merged_specs, cmd.formats)
     if own.get("output"):
         try:
             with open(str(own["output"]), "w", encoding="utf-8") as fh:
@@ -246,10 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"plot: {path}", file=sys.stderr)
         except OSError as exc:
             return _error(f"plot={own['plot']!r}: {exc.strerror}")
-    sig = stop_signal()
-    if sig:
-        return 128 + sig
-    return 1 if any(r.error for r, _ in ran) else 0
+    return 0
 
 
 def _batches(specs: Sequence[JobSpec]) -> list[list[int]]:

@@ -269,7 +269,27 @@ def _is_nvme_generic(path: str) -> bool:
         stat.S_ISCHR(os.stat(path).st_mode)
 
 
-class _PassthroughTarget:
+class _FutureTarget:
+    """A target over an engine whose calls return futures (``.get()``); each call waits for its own.
+    Subclasses set :attr:`engine`."""
+
+    engine: Any
+
+    @staticmethod
+    def prepare(buf: Any) -> Any:
+        return buf
+
+    def read(self, buf: Any, offset: int) -> int:
+        return self.engine.read(offset, buf).get()
+
+    def write(self, buf: Any, offset: int, placement: int | None) -> int:
+        return self.engine.write(offset, buf, placement).get()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _PassthroughTarget(_FutureTarget):
     """``/dev/ngXnY``: placed writes by NVMe passthrough (``IORING_OP_URING_CMD``), reads on the
     matching ``/dev/nvmeXnY`` (:class:`tierstore.fdp.device.PassthroughEngine`). Not verified on hardware."""
 
@@ -287,38 +307,12 @@ class _PassthroughTarget:
         self.engine = PassthroughEngine(ns.char_dev, size_bytes, ns.nsid, ns.lba_bytes, pid_table=self.pid_table,
                                         max_transfer_bytes=ns.max_transfer_bytes)
 
-    @staticmethod
-    def prepare(buf: Any) -> Any:
-        return buf
 
-    def read(self, buf: Any, offset: int) -> int:
-        return self.engine.read(offset, buf).get()
-
-    def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        return self.engine.write(offset, buf, placement).get()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class _EngineTarget:
+class _EngineTarget(_FutureTarget):
     """A :mod:`tierstore.io` engine; each call waits for its own future."""
 
     def __init__(self, kind: str, path: str | None, size_bytes: int, iodepth: int) -> None:
         self.engine = _open_engine(kind, path, size_bytes, iodepth)
-
-    @staticmethod
-    def prepare(buf: Any) -> Any:
-        return buf
-
-    def read(self, buf: Any, offset: int) -> int:
-        return self.engine.read(offset, buf).get()
-
-    def write(self, buf: Any, offset: int, placement: int | None) -> int:
-        return self.engine.write(offset, buf, placement).get()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 class _LockedObserver:
@@ -748,103 +742,134 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
     development VM: a second ``io_uring_enter`` per turn to publish before logging, or one per I/O
     as fio does, or numpy records instead of packed SQEs, were each slower; see ``bench/README_io.md``.)
     """
-    ring = None
+    clone = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
-    offset, is_write = -1, False
-    inflight = 0
     try:
         if fill_random:
             mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
-        base = buffer_address(memoryview(mem))
-        addrs = [base + i * bs for i in range(depth)]
-        ring = Ring(depth)
-        free = list(range(depth))
-        slot_offset = [0] * depth
-        slot_write = [False] * depth
-        slot_pid = [-1] * depth
-        slot_start = [0] * depth
-        seq = 0
-        clock = time.perf_counter_ns
-        deadline = shared.deadline_ns
-        stop = shared.stop
-        issuing = True
-        prep, submit, reap = ring.prep_rw_batch, ring.submit, ring.reap_results
-        op_read, op_write = IORING_OP_READ, IORING_OP_WRITE
-        reads_only, writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
-        lat_r, lat_w = log.lat
-        done_r, done_w = log.done
-        nb_r, nb_w = log.nbytes
-        off_w, pid_w = log.write_offset, log.write_pid
-        placed = pick is not None
+        clone = _RingClone(shared, fd, depth, draw, log, bs, pick, mem)
+        submit, reap, clock = clone.ring.submit, clone.ring.reap_results, time.perf_counter_ns
         while True:
-            if issuing and free:
-                if stop.is_set() or (deadline is not None and clock() >= deadline):
-                    issuing = False
-                else:
-                    n = shared.take(min(len(free), _DRAW_CHUNK))
-                    if n:
-                        shared.count(n)
-                        offsets, writes = draw.next(n)
-                        slots = free[-n:]
-                        del free[-n:]
-                        start = clock()
-                        if reads_only:   # the common case: one store per I/O
-                            for slot in slots:
-                                slot_start[slot] = start
-                            opcodes = op_read
-                        else:
-                            for slot, offset, is_write in zip(slots, offsets, writes):
-                                slot_offset[slot] = offset
-                                slot_write[slot] = is_write
-                                slot_start[slot] = start
-                                if placed and is_write:
-                                    seq += 1
-                                    slot_pid[slot] = pick(draw.clone, seq, draw.rng)
-                            opcodes = op_write if writes_only else [op_write if w else op_read for w in writes]
-                        prep(opcodes, fd, [addrs[slot] for slot in slots], bs, offsets, slots)
-                        inflight += n
-                    else:
-                        issuing = False
-            if not inflight:
+            if clone.issuing and clone.free:
+                clone.issue()
+            if not clone.inflight:
                 return
             submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
             cqes = reap()
-            done = clock()
-            inflight -= len(cqes)
-            if reads_only:
-                for slot, res, _ in cqes:
-                    free.append(slot)
-                    if res < 0:
-                        offset, is_write = -1, False
-                        raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
-                    lat_r.append(done - slot_start[slot])
-                    done_r.append(done)
-                    nb_r.append(res)
-                continue
+            clone.complete(cqes, clock())
+    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+        if clone is None:
+            shared.fail(exc, -1, False)
+        else:
+            shared.fail(exc, clone.offset, clone.is_write)
+            _drain(clone.ring, clone.inflight)  # the kernel must be done with the buffers before they are unmapped
+    finally:
+        shared.finished_ns.append(time.perf_counter_ns())
+        if clone is not None:
+            clone.ring.close()
+        mem.close()
+
+
+class _RingClone:
+    """What one :func:`_ring_clone` keeps between turns: its ring, the slots of ``mem`` (one ``bs``
+    buffer each) with what is in flight in each, and the I/O a failure names (:attr:`offset`,
+    :attr:`is_write`)."""
+
+    def __init__(self, shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
+                 pick: Callable[[int, int, np.random.Generator], int] | None, mem: mmap.mmap) -> None:
+        self.shared, self.fd, self.draw, self.log, self.bs, self.pick = shared, fd, draw, log, bs, pick
+        base = buffer_address(memoryview(mem))
+        self.addrs = [base + i * bs for i in range(depth)]
+        self.free = list(range(depth))
+        self.slot_offset = [0] * depth
+        self.slot_write = [False] * depth
+        self.slot_pid = [-1] * depth
+        self.slot_start = [0] * depth
+        self.seq = 0
+        self.issuing = True
+        self.inflight = 0
+        self.offset, self.is_write = -1, False
+        self.reads_only, self.writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
+        self.ring = Ring(depth)   # last: nothing to close when an earlier line fails
+
+    def issue(self) -> None:
+        """Queue an I/O in every free slot, within the job's budget (one
+        :meth:`~tierstore.io.ring.Ring.prep_rw_batch`); after a stop, the deadline or the budget's end
+        nothing more is issued (:attr:`issuing`)."""
+        shared = self.shared
+        if shared.stop.is_set() or (shared.deadline_ns is not None and time.perf_counter_ns() >= shared.deadline_ns):
+            self.issuing = False
+            return
+        free = self.free
+        n = shared.take(min(len(free), _DRAW_CHUNK))
+        if not n:
+            self.issuing = False
+            return
+        shared.count(n)
+        offsets, writes = self.draw.next(n)
+        slots = free[-n:]
+        del free[-n:]
+        start = time.perf_counter_ns()
+        slot_start = self.slot_start
+        if self.reads_only:   # the common case: one store per I/O
+            for slot in slots:
+                slot_start[slot] = start
+            opcodes: Any = IORING_OP_READ
+        else:
+            slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
+            draw, pick, placed, seq = self.draw, self.pick, self.pick is not None, self.seq
+            offset, is_write = self.offset, self.is_write
+            try:
+                for slot, offset, is_write in zip(slots, offsets, writes):
+                    slot_offset[slot] = offset
+                    slot_write[slot] = is_write
+                    slot_start[slot] = start
+                    if placed and is_write:
+                        seq += 1
+                        slot_pid[slot] = pick(draw.clone, seq, draw.rng)
+            finally:
+                self.seq, self.offset, self.is_write = seq, offset, is_write
+            opcodes = IORING_OP_WRITE if self.writes_only else [IORING_OP_WRITE if w else IORING_OP_READ
+                                                                for w in writes]
+        addrs = self.addrs
+        self.ring.prep_rw_batch(opcodes, self.fd, [addrs[slot] for slot in slots], self.bs, offsets, slots)
+        self.inflight += n
+
+    def complete(self, cqes: list, done: int) -> None:
+        """Free the slots of one turn's completions (``(slot, res, flags)``) and log them at ``done`` (ns);
+        a failed I/O raises :class:`OSError` and names itself in :attr:`offset` and :attr:`is_write`."""
+        self.inflight -= len(cqes)
+        free, slot_start = self.free, self.slot_start
+        lat_r, lat_w = self.log.lat
+        done_r, done_w = self.log.done
+        nb_r, nb_w = self.log.nbytes
+        if self.reads_only:
             for slot, res, _ in cqes:
                 free.append(slot)
                 if res < 0:
-                    offset, is_write = slot_offset[slot], slot_write[slot]
-                    raise OSError(-res, f"io_uring {'write' if is_write else 'read'}: {os.strerror(-res)}")
-                if slot_write[slot]:
-                    lat_w.append(done - slot_start[slot])
-                    done_w.append(done)
-                    nb_w.append(res)
-                    off_w.append(slot_offset[slot])
-                    pid_w.append(slot_pid[slot])
-                else:
-                    lat_r.append(done - slot_start[slot])
-                    done_r.append(done)
-                    nb_r.append(res)
-    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
-        shared.fail(exc, offset, is_write)
-        if ring is not None:  # the kernel must be done with the buffers before they are unmapped
-            _drain(ring, inflight)
-    finally:
-        shared.finished_ns.append(time.perf_counter_ns())
-        if ring is not None:
-            ring.close()
-        mem.close()
+                    self.offset, self.is_write = -1, False
+                    raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
+                lat_r.append(done - slot_start[slot])
+                done_r.append(done)
+                nb_r.append(res)
+            return
+        slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
+        off_w, pid_w = self.log.write_offset, self.log.write_pid
+        for slot, res, _ in cqes:
+            free.append(slot)
+            if res < 0:
+                self.offset, self.is_write = slot_offset[slot], slot_write[slot]
+                raise OSError(-res, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(-res)}")
+            if slot_write[slot]:
+                lat_w.append(done - slot_start[slot])
+                done_w.append(done)
+                nb_w.append(res)
+                off_w.append(slot_offset[slot])
+                pid_w.append(slot_pid[slot])
+            else:
+                lat_r.append(done - slot_start[slot])
+                done_r.append(done)
+                nb_r.append(res)
 
 
 def _drain(ring: Ring, inflight: int) -> None:
@@ -860,7 +885,6 @@ def _drain(ring: Ring, inflight: int) -> None:
 def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, read_share: float,
          engine_kind_: str, path: str | None, lanes: int) -> JobResult:
     bs = options["bs"]
-    iodepth, numjobs = options["iodepth"], options["numjobs"]
     writes_any = read_share < 1.0
     observer = None
     device_geometry: dict[str, Any] = {}
@@ -869,41 +893,19 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
         observer = _LockedObserver(ftl)
         if isinstance(target, _EngineTarget):
             target.engine.add_observer(observer)   # the engine reports its writes itself
-    pids: list[int] = []
-    if writes_any and options["dataplacement"] == "fdp":
-        if isinstance(target, _PassthroughTarget):
-            pids = target.pids
-        elif observer is not None:   # the model's RUH Status, through the same PID table as a device's
-            from ..fdp.simdevice import SimFdpDevice
-            pids = SimFdpDevice(observer.ftl).pid_table().pids_at(options["plids"])
-        else:
-            raise ConfigError(f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
-                              "writes need /dev/ngXnY (the posix and uring engines cannot place writes)")
-    pick_placement = _placement_picker(options, pids)
+    pick_placement = _placement_picker(options, _placement_pids(options, target, observer, path, writes_any))
     self_observed = isinstance(target, _EngineTarget)
     ring_fd = target.fd if isinstance(target, _FdTarget) and target.kind == "uring" else None
 
     ramp_ns = int(options["ramp_time"] * 1e9)
     runtime_ns = int(options["runtime"] * 1e9)
-    limit_ios = None if options["time_based"] else span_blocks * numjobs
+    limit_ios = None if options["time_based"] else span_blocks * options["numjobs"]
     cpu = CpuUsage()
     t0_ns = time.perf_counter_ns()
     recorders = (DirectionRecorder(start_ns=t0_ns + ramp_ns), DirectionRecorder(start_ns=t0_ns + ramp_ns))
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     shared = _Shared(options, span_blocks, limit_ios, deadline_ns)
-    logs: list[_Log] = []
-    threads = []
-    for clone in range(numjobs):
-        for lane in range(1 if ring_fd is not None else lanes):
-            log = _Log()
-            logs.append(log)
-            draw = _Draw(shared, options, clone, lane, read_share)
-            if ring_fd is not None:
-                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick_placement, writes_any)
-            else:
-                fn, args = _sync_lane, (shared, target, draw, log, bs, pick_placement, writes_any)
-            threads.append(threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}",
-                                            daemon=True))
+    logs, threads = _threads(options, shared, target, ring_fd, lanes, read_share, pick_placement)
     progress = current_progress()
     progress.io_dir = "r" if read_share >= 1.0 else "w"
     if deadline_ns is not None:
@@ -922,23 +924,10 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
             series["hbmw_bytes"].append(st["hbmw_bytes"])
             series["mbmw_bytes"].append(st["mbmw_bytes"])
 
-    next_sample_ns = t0_ns
     for t in threads:
         t.start()
     try:
-        for t in threads:
-            while t.is_alive():
-                t.join(_PROGRESS_POLL_S)
-                if stop_requested():  # Ctrl-C / SIGTERM: end the run, report what was done
-                    shared.stop.set()
-                progress.io_bytes = shared.issued_ios * bs
-                if deadline_ns is not None:
-                    progress.update((time.perf_counter_ns() - t0_ns) / 1e9)
-                else:
-                    progress.update(float(shared.issued_ios * bs))
-                if time.perf_counter_ns() >= next_sample_ns:
-                    sample_device()
-                    next_sample_ns += int(_DEVICE_SAMPLE_S * 1e9)
+        _watch(threads, shared, progress, bs, t0_ns, sample_device)
     finally:
         shared.stop.set()
         for t in threads:
@@ -954,24 +943,9 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
     device: dict[str, Any] = {}
     timeseries: dict[str, list] = {}
     if observer is not None:
-        st = observer.stats()
-        where = "memory engine" if engine_kind_ == "memory" else f"{getattr(target, 'kind', engine_kind_)} on {path}"
-        what = ("sim (FTL model as the device)" if _device_mode(options) == "sim" else
-                f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
-                "system's device)")
-        device = {"device": what, **device_geometry, "hbmw_bytes": st["hbmw_bytes"],
-                  "mbmw_bytes": st["mbmw_bytes"], "mbe_bytes": st["mbe_bytes"], "waf": st["waf"],
-                  "gc_runs": st["gc_runs"],
-                  "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
-                  "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
+        device = _device_section(options, observer, device_geometry, target, engine_kind_, path)
         timeseries = series
-    error, message = 0, ""
-    if shared.errors:
-        exc, offset, is_write = shared.errors[0]
-        error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
-        what = "write" if is_write else "read"
-        message = (f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
-                   f"{'' if len(shared.errors) == 1 else f'; {len(shared.errors)} workers failed'})")
+    error, message = _job_error(shared, bs)
     depth_level = None
     if lanes == 1 and ring_fd is None:   # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
         depth_level = {k: (100.0 if k == "1" else 0.0) for k in ("1", "2", "4", "8", "16", "32", ">=64")}
@@ -980,6 +954,90 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
                      ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]),
                      iodepth_level=depth_level)
+
+
+def _placement_pids(options: dict[str, Any], target: Any, observer: _LockedObserver | None, path: str | None,
+                    writes_any: bool) -> list[int]:
+    """The PIDs ``plids`` names with ``dataplacement=fdp`` (empty otherwise): the namespace's, or the FTL
+    model's through the same PID table as a device's; a target that cannot place writes is refused."""
+    if not (writes_any and options["dataplacement"] == "fdp"):
+        return []
+    if isinstance(target, _PassthroughTarget):
+        return target.pids
+    if observer is not None:   # the model's RUH Status, through the same PID table as a device's
+        from ..fdp.simdevice import SimFdpDevice
+        return SimFdpDevice(observer.ftl).pid_table().pids_at(options["plids"])
+    raise ConfigError(f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
+                      "writes need /dev/ngXnY (the posix and uring engines cannot place writes)")
+
+
+def _threads(options: dict[str, Any], shared: _Shared, target: Any, ring_fd: int | None, lanes: int,
+             read_share: float, pick: Callable[[int, int, np.random.Generator], int] | None
+             ) -> tuple[list[_Log], list[threading.Thread]]:
+    """The job's threads (not started) and their logs: per clone (``numjobs``), one io_uring thread
+    (:func:`_ring_clone`, ``ring_fd`` set) or ``lanes`` synchronous ones (:func:`_sync_lane`)."""
+    bs, iodepth, writes_any = options["bs"], options["iodepth"], read_share < 1.0
+    logs: list[_Log] = []
+    threads = []
+    for clone in range(options["numjobs"]):
+        for lane in range(1 if ring_fd is not None else lanes):
+            log = _Log()
+            logs.append(log)
+            draw = _Draw(shared, options, clone, lane, read_share)
+            if ring_fd is not None:
+                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick, writes_any)
+            else:
+                fn, args = _sync_lane, (shared, target, draw, log, bs, pick, writes_any)
+            threads.append(threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}",
+                                            daemon=True))
+    return logs, threads
+
+
+def _watch(threads: list[threading.Thread], shared: _Shared, progress: Any, bs: int, t0_ns: int,
+           sample_device: Callable[[], None]) -> None:
+    """Wait for the started threads, updating the progress and sampling the device model; a stop
+    request (Ctrl-C / SIGTERM) ends the run, which then reports what was done."""
+    next_sample_ns = t0_ns
+    for t in threads:
+        while t.is_alive():
+            t.join(_PROGRESS_POLL_S)
+            if stop_requested():  # Ctrl-C / SIGTERM: end the run, report what was done
+                shared.stop.set()
+            progress.io_bytes = shared.issued_ios * bs
+            if shared.deadline_ns is not None:
+                progress.update((time.perf_counter_ns() - t0_ns) / 1e9)
+            else:
+                progress.update(float(shared.issued_ios * bs))
+            if time.perf_counter_ns() >= next_sample_ns:
+                sample_device()
+                next_sample_ns += int(_DEVICE_SAMPLE_S * 1e9)
+
+
+def _device_section(options: dict[str, Any], observer: _LockedObserver, geometry: dict[str, Any], target: Any,
+                    engine_kind_: str, path: str | None) -> dict[str, Any]:
+    """The report's ``device`` section: the FTL model's figures and what it stands for."""
+    st = observer.stats()
+    where = "memory engine" if engine_kind_ == "memory" else f"{getattr(target, 'kind', engine_kind_)} on {path}"
+    what = ("sim (FTL model as the device)" if _device_mode(options) == "sim" else
+            f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
+            "system's device)")
+    return {"device": what, **geometry, "hbmw_bytes": st["hbmw_bytes"],
+            "mbmw_bytes": st["mbmw_bytes"], "mbe_bytes": st["mbe_bytes"], "waf": st["waf"],
+            "gc_runs": st["gc_runs"],
+            "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
+            "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
+
+
+def _job_error(shared: _Shared, bs: int) -> tuple[int, str]:
+    """fio's ``err=`` and message of the first failure of the job's threads (``0, ""`` without one)."""
+    if not shared.errors:
+        return 0, ""
+    exc, offset, is_write = shared.errors[0]
+    error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+    what = "write" if is_write else "read"
+    message = (f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
+               f"{'' if len(shared.errors) == 1 else f'; {len(shared.errors)} workers failed'})")
+    return error, message
 
 
 class NoSpaceForJob(TierStoreError):

@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             nvme_path = nvme_file(options, directory)  # build_store warns if it exceeds the free space
         store = _build(options, layout, nvme_path)
         try:
-            return _run(options, rw, layout, store, nvme_path)
+            return _SyntheticRun(options, rw, layout, store, nvme_path).run()
         finally:
             store.close()
     finally:
@@ -125,57 +125,98 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: str | None) -> JobResult:
-    bb = layout.bytes_per_block
-    tpb = layout.tokens_per_block
-    nblk = max(1, options["bs"] // bb)
-    n_req = max(1, options["size"] // (nblk * bb))
-    load_all = options.get("load_blocks", "useful") == "matched"
-    rng = np.random.default_rng(options["seed"])
-    cpu = CpuUsage()
-    progress = current_progress()
-    threads = max(1, options["iodepth"] * options["numjobs"])
-    wrong = [0]
-    # fio's clock: ramp_time first (not counted), then runtime; set again
-    # after kvload's fill, which like fio's file layout is not part of the run
-    ramp_ns, runtime_ns = int(options["ramp_time"] * 1e9), int(options["runtime"] * 1e9)
-    t_begin = time.perf_counter_ns()
-    ramp_end = t_begin + ramp_ns
-    rd = DirectionRecorder(ramp_end)
-    wr = DirectionRecorder(ramp_end)
-    deadline = ramp_end + runtime_ns if runtime_ns else None
-    #: store counters when the ramp ended: the kv section counts only what follows
-    base_stats: dict = {}
-    base_lock = threading.Lock()
-    #: lookups counted after the ramp: matched / useful / attempted / loaded blocks
-    counts: dict[str, Any] = {"matched": 0, "useful": 0, "attempted": 0, "loaded": 0, "lookup_blocks": 0,
-                              "skipped_tiers": {t.label: 0 for t in Tier}}
+class _SyntheticRun:
+    """One synthetic job: its store, fio's clock (``ramp_time`` not counted, then ``runtime``), the
+    per-direction recorders, the lookup counts and the worker threads (see the module docstring)."""
 
-    def store_req(pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
-        toks = _prompt_tokens(pid, start + nb, tpb)
-        keys = store.keys_for(_NS, toks)[start:]
+    def __init__(self, options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: str | None) -> None:
+        self.options, self.rw, self.layout, self.store, self.nvme_path = options, rw, layout, store, nvme_path
+        self.bb = layout.bytes_per_block
+        self.tpb = layout.tokens_per_block
+        self.nblk = max(1, options["bs"] // self.bb)
+        self.n_req = max(1, options["size"] // (self.nblk * self.bb))
+        self.load_all = options.get("load_blocks", "useful") == "matched"
+        self.rng = np.random.default_rng(options["seed"])
+        self.cpu = CpuUsage()
+        self.progress = current_progress()
+        self.threads = max(1, options["iodepth"] * options["numjobs"])
+        self.wrong = 0
+        # fio's clock: ramp_time first (not counted), then runtime; set again
+        # after kvload's fill, which like fio's file layout is not part of the run
+        self.ramp_ns, self.runtime_ns = int(options["ramp_time"] * 1e9), int(options["runtime"] * 1e9)
+        self.timed = bool(options["time_based"] and self.runtime_ns)
+        self._reset_clock()
+        #: store counters when the ramp ended: the kv section counts only what follows
+        self.base_stats: dict = {}
+        self.base_lock = threading.Lock()
+        #: lookups counted after the ramp: matched / useful / attempted / loaded blocks
+        self.counts: dict[str, Any] = {"matched": 0, "useful": 0, "attempted": 0, "loaded": 0, "lookup_blocks": 0,
+                                       "skipped_tiers": {t.label: 0 for t in Tier}}
+        #: (exception, worker name) of requests that raised: the first one ends the job with err= set
+        self.failures: list[tuple[BaseException, str]] = []
+        self.done = 0       # requests done
+        self.counted = 0    # of them, done after the ramp
+
+    def _reset_clock(self) -> None:
+        self.t_begin = time.perf_counter_ns()
+        self.ramp_end = self.t_begin + self.ramp_ns
+        self.rd = DirectionRecorder(self.ramp_end)
+        self.wr = DirectionRecorder(self.ramp_end)
+        self.deadline = self.ramp_end + self.runtime_ns if self.runtime_ns else None
+
+    def run(self) -> JobResult:
+        """Run the job to its end (or a stop request, or a worker's failure) and report it."""
+        rw, nblk, n_req = self.rw, self.nblk, self.n_req
+        self.progress.start(total=n_req, unit="req")
+        if rw == "kvload":  # fill first, outside the run (as fio lays out its files)
+            for i in range(n_req):
+                if stop_requested():
+                    break
+                self._store_req(i, nblk)
+                if i % 16 == 0:
+                    self.progress.update(i)
+            self._reset_clock()
+        timer = self._start_clock()
+        self._start_progress()
+        if rw == "kvstore":
+            self._pool(lambda i: (self._store_req(i, nblk), self._tick()), range(n_req))
+        elif rw == "kvload":
+            self._pool(lambda i: (self._load_req(int(i), nblk), self._tick()),
+                       _passes(n_req, self.options["time_based"]))
+        else:
+            self._pool(self._mixed_request(), range(n_req) if not self.options["time_based"] else _cycle(n_req))
+        self._show_progress()
+        end = time.perf_counter_ns()
+        timer.cancel()
+        usage = self.cpu.stop()
+        return self._result(end, usage)
+
+    def _store_req(self, pid: int, nb: int, start: int = 0, hint: str | None = None) -> None:
+        toks = _prompt_tokens(pid, start + nb, self.tpb)
+        keys = self.store.keys_for(_NS, toks)[start:]
         t0 = time.perf_counter_ns()
-        st = store.store(_NS, toks, _blocks(layout, keys), start_block=start, lifetime=hint)
+        st = self.store.store(_NS, toks, _blocks(self.layout, keys), start_block=start, lifetime=hint)
         t1 = time.perf_counter_ns()
         ok = sum(1 for s in st if s is Status.OK)
-        wr.record(ok * bb, t1 - t0, t1, ops=ok)   # one I/O per block stored; one latency per call
+        self.wr.record(ok * self.bb, t1 - t0, t1, ops=ok)   # one I/O per block stored; one latency per call
 
-    def load_req(pid: int, nb: int) -> int:
-        toks = _prompt_tokens(pid, nb, tpb)
+    def _load_req(self, pid: int, nb: int) -> int:
+        store, counts = self.store, self.counts
+        toks = _prompt_tokens(pid, nb, self.tpb)
         rid = ("bench", pid, threading.get_ident())
         try:
             t0 = time.perf_counter_ns()
             hit = store.lookup(_NS, toks, request_id=rid)
-            want = hit.keys if load_all else hit.useful_keys
+            want = hit.keys if self.load_all else hit.useful_keys
             st, outs = store.load(want)
             t1 = time.perf_counter_ns()
             n = leading_ok(st)
             for k, o in zip(want[:n], outs[:n]):
                 if bytes(o.reshape(-1).view(torch.uint8)[:32].numpy()) != k:
-                    wrong[0] += 1
-            if t1 >= ramp_end:
-                with base_lock:
-                    counts["lookup_blocks"] += len(toks) // tpb
+                    self.wrong += 1
+            if t1 >= self.ramp_end:
+                with self.base_lock:
+                    counts["lookup_blocks"] += len(toks) // self.tpb
                     counts["matched"] += hit.matched_blocks
                     counts["useful"] += hit.useful_blocks
                     counts["attempted"] += len(want)
@@ -183,120 +224,23 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
                     for t in hit.tiers[hit.useful_blocks:hit.matched_blocks]:
                         counts["skipped_tiers"][t.label] += 1
             if want:
-                rd.record(n * bb, t1 - t0, t1, ops=n)   # one I/O per block loaded; one latency per call
+                self.rd.record(n * self.bb, t1 - t0, t1, ops=n)   # one I/O per block loaded; one latency per call
             return n
         finally:
             store.release(rid)
 
-    #: (exception, worker name) of requests that raised: the first one ends the job with err= set
-    failures: list[tuple[BaseException, str]] = []
-
-    def pool(fn, items) -> None:
-        it = iter(items)
-        lock = threading.Lock()
-        halt = threading.Event()
-
-        def work() -> None:
-            while not halt.is_set() and not stop_requested():
-                if deadline is not None and time.perf_counter_ns() > deadline:
-                    return
-                with lock:
-                    x = next(it, None)
-                if x is None:
-                    return
-                try:
-                    fn(x)
-                except Exception as exc:  # any failure ends the job, with fio's err= set (fio: td_verror)
-                    with lock:
-                        failures.append((exc, threading.current_thread().name))
-                    halt.set()
-                    return
-        ts = [threading.Thread(target=work, name=f"{options['name']}-{i}") for i in range(threads)]
-        for t in ts:
-            t.start()
-        try:
-            for t in ts:
-                t.join()
-        finally:  # a second Ctrl-C: the workers still stop before the store closes
-            halt.set()
-            for t in ts:
-                t.join()
-
-    timed = bool(options["time_based"] and runtime_ns)
-
-    def start_progress() -> None:
-        """Requests done of ``size``, or seconds of ramp + runtime for a time-based run."""
-        if timed:
-            progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
-        else:
-            progress.start(total=n_req, unit="req")
-
-    def show_progress() -> None:
-        progress.update((time.perf_counter_ns() - t_begin) / 1e9 if timed else done[0])
-
-    progress.start(total=n_req, unit="req")
-    done = [0]
-    counted = [0]
-
-    def tick() -> None:
-        done[0] += 1
-        if time.perf_counter_ns() >= ramp_end:
-            with base_lock:
-                counted[0] += 1
-        if done[0] % 16 == 0:
-            show_progress()
-
-    def snapshot_at_ramp_end() -> None:
-        """Store counters once the ramp is over (a timer; at once without a ramp)."""
-        with base_lock:
-            if not base_stats:
-                base_stats.update(store.stats())
-
-    def start_clock() -> threading.Timer:
-        t = threading.Timer(max(0.0, (ramp_end - time.perf_counter_ns()) / 1e9), snapshot_at_ramp_end)
-        t.daemon = True
-        if ramp_ns:
-            t.start()
-        else:
-            snapshot_at_ramp_end()
-        return t
-
-    if rw == "kvload":  # fill first, outside the run (as fio lays out its files)
-        for i in range(n_req):
-            if stop_requested():
-                break
-            store_req(i, nblk)
-            if i % 16 == 0:
-                progress.update(i)
-        t_begin = time.perf_counter_ns()
-        ramp_end = t_begin + ramp_ns
-        deadline = ramp_end + runtime_ns if runtime_ns else None
-        rd = DirectionRecorder(ramp_end)
-        wr = DirectionRecorder(ramp_end)
-    timer = start_clock()
-    start_progress()
-    if rw == "kvstore":
-        pool(lambda i: (store_req(i, nblk), tick()), range(n_req))
-    elif rw == "kvload":
-
-        def ids():
-            i = 0
-            while True:
-                yield i % n_req
-                i += 1
-                if i >= n_req and not options["time_based"]:
-                    return
-        pool(lambda i: (load_req(int(i), nblk), tick()), ids())
-    else:
-        mix = options["lifetime_mix"]
+    def _mixed_request(self) -> Callable[[int], None]:
+        """``kvmixed``'s request ``i``: its lifetime class drawn by ``lifetime_mix`` (see the module
+        docstring); it loads what hits and stores the rest with its lifetime hint."""
+        mix, nblk, n_req = self.options["lifetime_mix"], self.nblk, self.n_req
         classes = [c for c in ("long", "medium", "short") if mix.get(c, 0) > 0]
         w = np.array([mix[c] for c in classes], dtype=float)
-        picks = rng.choice(len(classes), size=n_req, p=w / w.sum())
+        picks = self.rng.choice(len(classes), size=n_req, p=w / w.sum())
         n_sys = 4
         n_conv = max(1, n_req // 8)
         conv_turns: dict[int, int] = {}
         conv_lock = threading.Lock()
-        conv_ids = rng.integers(0, n_conv, size=n_req)
+        conv_ids = self.rng.integers(0, n_conv, size=n_req)
 
         def one(i: int) -> None:
             j = i % n_req
@@ -311,56 +255,139 @@ def _run(options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: st
                 pid, nb, hint = 2_000_000 + cid, nblk * (turn + 1), "conversation"
             else:
                 pid, nb, hint = 3_000_000 + i, nblk, "query"
-            n = load_req(pid, nb)
+            n = self._load_req(pid, nb)
             if n < nb:
-                store_req(pid, nb - n, start=n, hint=hint)
-            tick()
-        pool(one, range(n_req) if not options["time_based"] else _cycle(n_req))
-    show_progress()
-    end = time.perf_counter_ns()
-    timer.cancel()
-    usage = cpu.stop()
-    now = store.stats()
-    with base_lock:
-        # a run that ended within the ramp counted nothing: subtract everything
-        base = dict(base_stats) if base_stats else dict(now)
-    s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-         for k, v in now.items()}
-    bpt = now["bytes_per_tier"]
-    lb = counts["lookup_blocks"]
-    read, write = rd.result(end), wr.result(end)
-    kv: dict[str, Any] = {
-        "requests": counted[0], "blocks_per_request": nblk, "block_bytes": bb,
-        "lookup_hit_ratio": counts["matched"] / lb if lb else 0.0,
-        "useful_hit_ratio": counts["loaded"] / lb if lb else 0.0,
-        "saved_prefill_tokens": counts["loaded"] * tpb,
-        "matched_blocks": counts["matched"], "useful_blocks": counts["useful"],
-        "loaded_blocks": counts["loaded"], "load_blocks": "matched" if load_all else "useful",
-        "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
-        "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
-        "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
-        "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
-        "wrong_kv_blocks": wrong[0],
-    }
-    space, error, message = no_space_report(now, nvme_path)
-    kv.update(space)  # whole job, fill included: refused blocks are refused whenever they happen
-    if failures:  # a worker's failure takes precedence: the job did not run to its end
-        exc, who = failures[0]
-        error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
-        message = (f"{type(exc).__name__}: {exc} (in worker {who}"
-                   f"{'' if len(failures) == 1 else f'; {len(failures)} workers failed'})")
-    elif wrong[0]:  # as fio's verify failure: EILSEQ
-        error, message = errno.EILSEQ, (f"{wrong[0]} loaded blocks did not hold the bytes stored under their "
-                                        "key (wrong KV)")
-    reason = _not_loaded_reason(counts, kv["load_blocks"])
-    if reason:
-        kv["not_loaded_reason"] = reason
-    kv["load_lat_ns"] = read.clat_ns
-    device = store.device_stats() if store.nvme is not None else {}
-    return JobResult(jobname=options.get("name") or rw, options={**options, "bs": bb}, read=read, write=write,
-                     kv=kv, device=device, timeseries={}, error=error, error_message=message,
-                     usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=max(0, end - ramp_end) / 1e9,
-                     ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
+                self._store_req(pid, nb - n, start=n, hint=hint)
+            self._tick()
+        return one
+
+    def _pool(self, fn: Callable[[Any], Any], items: Iterable) -> None:
+        """Run ``fn`` over ``items`` in ``iodepth * numjobs`` threads until they run out, the deadline
+        passes, a stop is requested or a call raises (recorded in :attr:`failures`)."""
+        it = iter(items)
+        lock = threading.Lock()
+        halt = threading.Event()
+
+        def work() -> None:
+            while not halt.is_set() and not stop_requested():
+                if self.deadline is not None and time.perf_counter_ns() > self.deadline:
+                    return
+                with lock:
+                    x = next(it, None)
+                if x is None:
+                    return
+                try:
+                    fn(x)
+                except Exception as exc:  # any failure ends the job, with fio's err= set (fio: td_verror)
+                    with lock:
+                        self.failures.append((exc, threading.current_thread().name))
+                    halt.set()
+                    return
+        ts = [threading.Thread(target=work, name=f"{self.options['name']}-{i}") for i in range(self.threads)]
+        for t in ts:
+            t.start()
+        try:
+            for t in ts:
+                t.join()
+        finally:  # a second Ctrl-C: the workers still stop before the store closes
+            halt.set()
+            for t in ts:
+                t.join()
+
+    def _start_progress(self) -> None:
+        """Requests done of ``size``, or seconds of ramp + runtime for a time-based run."""
+        if self.timed:
+            self.progress.start(total=(self.ramp_ns + self.runtime_ns) / 1e9, unit="s")
+        else:
+            self.progress.start(total=self.n_req, unit="req")
+
+    def _show_progress(self) -> None:
+        self.progress.update((time.perf_counter_ns() - self.t_begin) / 1e9 if self.timed else self.done)
+
+    def _tick(self) -> None:
+        self.done += 1
+        if time.perf_counter_ns() >= self.ramp_end:
+            with self.base_lock:
+                self.counted += 1
+        if self.done % 16 == 0:
+            self._show_progress()
+
+    def _snapshot_at_ramp_end(self) -> None:
+        """Store counters once the ramp is over (a timer; at once without a ramp)."""
+        with self.base_lock:
+            if not self.base_stats:
+                self.base_stats.update(self.store.stats())
+
+    def _start_clock(self) -> threading.Timer:
+        t = threading.Timer(max(0.0, (self.ramp_end - time.perf_counter_ns()) / 1e9), self._snapshot_at_ramp_end)
+        t.daemon = True
+        if self.ramp_ns:
+            t.start()
+        else:
+            self._snapshot_at_ramp_end()
+        return t
+
+    def _result(self, end: int, usage: dict[str, Any]) -> JobResult:
+        """The job's report: the directions, the ``kv`` section (counted after the ramp) and the error."""
+        options, rw, counts = self.options, self.rw, self.counts
+        now = self.store.stats()
+        with self.base_lock:
+            # a run that ended within the ramp counted nothing: subtract everything
+            base = dict(self.base_stats) if self.base_stats else dict(now)
+        s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+             for k, v in now.items()}
+        bpt = now["bytes_per_tier"]
+        lb = counts["lookup_blocks"]
+        read, write = self.rd.result(end), self.wr.result(end)
+        kv: dict[str, Any] = {
+            "requests": self.counted, "blocks_per_request": self.nblk, "block_bytes": self.bb,
+            "lookup_hit_ratio": counts["matched"] / lb if lb else 0.0,
+            "useful_hit_ratio": counts["loaded"] / lb if lb else 0.0,
+            "saved_prefill_tokens": counts["loaded"] * self.tpb,
+            "matched_blocks": counts["matched"], "useful_blocks": counts["useful"],
+            "loaded_blocks": counts["loaded"], "load_blocks": "matched" if self.load_all else "useful",
+            "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
+            "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
+            "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
+            "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
+            "wrong_kv_blocks": self.wrong,
+        }
+        space, error, message = no_space_report(now, self.nvme_path)
+        kv.update(space)  # whole job, fill included: refused blocks are refused whenever they happen
+        error, message = self._error(error, message)
+        reason = _not_loaded_reason(counts, kv["load_blocks"])
+        if reason:
+            kv["not_loaded_reason"] = reason
+        kv["load_lat_ns"] = read.clat_ns
+        device = self.store.device_stats() if self.store.nvme is not None else {}
+        return JobResult(jobname=options.get("name") or rw, options={**options, "bs": self.bb}, read=read,
+                         write=write, kv=kv, device=device, timeseries={}, error=error, error_message=message,
+                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"],
+                         runtime_s=max(0, end - self.ramp_end) / 1e9,
+                         ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
+
+    def _error(self, error: int, message: str) -> tuple[int, str]:
+        """fio's ``err=`` and message: a worker's failure first (the job did not run to its end), then
+        wrong KV (fio's verify failure, EILSEQ), then the store's own (no space)."""
+        if self.failures:
+            exc, who = self.failures[0]
+            error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+            message = (f"{type(exc).__name__}: {exc} (in worker {who}"
+                       f"{'' if len(self.failures) == 1 else f'; {len(self.failures)} workers failed'})")
+        elif self.wrong:
+            error, message = errno.EILSEQ, (f"{self.wrong} loaded blocks did not hold the bytes stored under "
+                                            "their key (wrong KV)")
+        return error, message
+
+
+def _passes(n: int, forever: bool):
+    """``kvload``'s prefix ids: one pass over ``n``, or passes until the deadline when ``forever``."""
+    i = 0
+    while True:
+        yield i % n
+        i += 1
+        if i >= n and not forever:
+            return
 
 
 def _cycle(n: int):

@@ -28,8 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from tierstore.fdp.lifetime import LifetimeClass
-from tierstore.policies.lifetime import make_classifier, true_class
+from ..fdp.lifetime import LifetimeClass
+from ..policies.lifetime import make_classifier, true_class
 
 __all__ = ["LifetimeRecorder", "OracleClassifier", "tercile_bounds"]
 
