@@ -415,9 +415,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         if nvme is not None:
             if nvme.block_bytes != bb:
                 raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
-            nvme.set_listener(index)
+            nvme.set_listener(index.listener)
             stored = nvme.scan()
-            index.adopt_nvme(stored.keys, stored.ns_digests)
+            index.listener.adopt(stored.keys, stored.ns_digests)
         remote = share = None
         if cfg.remote is not None:
             remote, share = _open_remote(cfg, bb, index)

@@ -1,0 +1,1032 @@
+"""The block index: it decides, it never moves bytes.
+
+Three tiers, fastest first: ``HBM`` (L1, a device block pool), ``HOST`` (L2,
+a pinned host block pool) and ``NVME`` (L3, the segment store). An *entry* is
+one full block of KV, keyed by its 32-byte chained prefix hash
+(:mod:`tierstore.identity`); it may have copies in several tiers.
+
+Decide, then move (vLLM ``v1/kv_offload/abstract.py``'s ``OffloadingManager``)
+--------------------------------------------------------------------------------
+Every operation that moves bytes has two phases. ``prepare_*`` runs under the
+index lock and returns a *plan*: which block goes to which slot of which tier,
+which victims leave, which are demoted and with which lifetime class. The
+:class:`~tierstore.mover.Mover` executes the plan **without** the index lock.
+``complete_*`` applies the outcome under the lock. A lookup therefore never
+waits for a copy or an I/O of another request, and the placement of a block
+(its tier and, on NVMe, its lifetime class) is decided in exactly one place:
+:meth:`BlockIndex.prepare_store` (with :meth:`_reserve` for its victims).
+
+* ``prepare_store`` -> :class:`StorePlan`: per new block its target (a memory
+  slot or NVMe), victims to drop (they have a lower copy) or demote (to the next
+  memory tier, or to NVMe when the admission policy lets them), and the NVMe
+  writes with their lifetime class. ``complete_store(plan, nvme_statuses)``.
+* ``prepare_load`` -> :class:`LoadPlan`: per key its source (tier and slot);
+  each source is held (``readers``) so it is never a victim meanwhile.
+  ``complete_load(plan, statuses)`` releases them, drops copies that failed
+  their checksum, and may return a :class:`PromotePlan`.
+* A prepare that is never completed leaks nothing once :meth:`abort` is called
+  with its plan (the request scope of :class:`tierstore.api.KVStore` does this).
+
+Write policy: ``write_back`` (stores land in the fastest memory tier with
+room; victims are demoted on eviction) or ``write_through`` (every store is
+written to NVMe, durable when acknowledged, and cached in memory when room
+is free). One configured policy, one code path.
+
+Ownership and states
+--------------------
+*Residency* is separate from *request references*: ``ref_count`` counts
+requests that looked the block up with a ``request_id`` and have not released
+it. ``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or
+``EVICTABLE``. A block that is ACTIVE, PINNED, being read, being stored or
+being evicted is never chosen as a victim, and the NVMe region manager is told
+to copy it forward rather than drop it (:meth:`on_reclaim`).
+
+NVMe space is owned by the segment store (:class:`~tierstore.io.segments.SegmentStorage`):
+it evicts whole regions and tells the index what left (:meth:`on_dropped`).
+
+Memory: one row per block in numpy arrays (about 45 bytes) plus the
+:class:`~tierstore.keytable.KeyTable` (about 46 bytes), no Python object per block.
+
+Exact-hit rule: only full blocks are stored and matched; a partial tail is
+recomputed and counted in ``partial_tail_tokens``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan,
+                        StorePlan, Tier)
+from ..errors import ConfigError, InvariantError, Status
+from ..fdp.lifetime import LifetimeClass, class_from_hint
+from ..metrics import Metrics
+from ..policies.cost import CostModel
+from ..policies.lifetime import default_classify
+from .introspect import EventLog, Introspection
+from .listener import NvmeListener
+from .pins import Pins
+from .placement import Placement
+from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING,
+                   EntryView, RowTable)
+
+_TIER_OF_INT = tuple(Tier)
+_TIERS = {int(t): t for t in Tier}
+_LABELS = {int(t): t.name.lower() for t in Tier}
+_HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
+_STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
+
+
+@dataclasses.dataclass
+class IndexConfig:
+    """Typed configuration of a :class:`BlockIndex`.
+
+    Parameters
+    ----------
+    block_bytes : int
+        Bytes per block (every tier's slot size).
+    tokens_per_block : int
+        Tokens per block.
+    hbm_blocks, host_blocks : int
+        Slots of the memory tiers (0 disables a tier).
+    nvme : bool
+        Whether an NVMe tier exists.
+    nvme_blocks : int
+        Capacity hint of the NVMe tier, in blocks (sizes the row arrays).
+    promotion : {"top", "one", "none"}
+        On a hit from a lower tier: copy to the fastest memory tier, one tier
+        up, or not at all. A promotion never triggers an NVMe write: it only
+        takes a free slot or evicts a block that has a lower copy.
+    eviction : str
+        Eviction policy of the memory tiers (:func:`tierstore.policies.make_policy`).
+    evict_batch_blocks : int
+        Victims taken per eviction round (>= 1): batches demotions to NVMe.
+    write_policy : {"write_back", "write_through"}
+        See the module doc.
+    verify_tokens : bool
+        Keep token ids and compare them on lookup (defence against collisions).
+    pin_quota_bytes : int
+        Per-namespace cap on bytes held by pin leases.
+    default_lease_s : float
+        Pin lease when none is given.
+    admit_to_nvme : callable or None
+        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash.
+    classify : callable or None
+        ``f(entry, now_s) -> LifetimeClass`` when a block is written to NVMe
+        (:func:`tierstore.policies.lifetime.make_classifier`).
+    reinsert : callable or None
+        ``f(entry, now_s) -> bool``: keep (copy forward) an evictable block when
+        its NVMe region is evicted. ``None``: only blocks in use are kept.
+    clock : callable
+        Seconds, monotonic. Tests pass a fake clock.
+    remote_victims : bool
+        List victims that would be lost in ``StorePlan.lost`` (the shared
+        remote tier's ``publish: evict`` mode, :mod:`tierstore.remote`).
+    cost : CostModel
+        Load-versus-recompute model for useful hits.
+    """
+
+    block_bytes: int
+    tokens_per_block: int
+    hbm_blocks: int = 0
+    host_blocks: int = 0
+    nvme: bool = False
+    nvme_blocks: int = 0
+    promotion: str = "top"
+    eviction: str = "lru"
+    evict_batch_blocks: int = 8
+    write_policy: str = "write_back"
+    verify_tokens: bool = False
+    pin_quota_bytes: int = 1 << 62
+    default_lease_s: float = 60.0
+    admit_to_nvme: Callable | None = None
+    classify: Callable | None = None
+    reinsert: Callable | None = None
+    clock: Callable[[], float] = time.monotonic
+    remote_victims: bool = False
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if self.promotion not in ("top", "one", "none"):
+            raise ConfigError(f"promotion={self.promotion!r}: accepted values are ['none', 'one', 'top']")
+        if self.write_policy not in ("write_back", "write_through"):
+            raise ConfigError(f"write_policy={self.write_policy!r}: accepted values are "
+                              "['write_back', 'write_through']")
+        if self.write_policy == "write_through" and not self.nvme:
+            raise ConfigError("write_policy='write_through' needs an NVMe tier")
+        if self.evict_batch_blocks < 1:
+            raise ConfigError(f"evict_batch_blocks={self.evict_batch_blocks}: must be >= 1")
+        for f in ("hbm_blocks", "host_blocks", "nvme_blocks"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f}={getattr(self, f)}: must be >= 0")
+        if self.hbm_blocks == 0 and self.host_blocks == 0 and not self.nvme:
+            raise ConfigError("every tier is disabled: give a memory tier capacity or an NVMe tier")
+
+
+class BlockIndex:
+    """Block index, refcounts, pins, states, victim choice and placement decisions.
+
+    Thread-safe: every method takes the index lock, and none holds it across a
+    copy or an I/O. See the module doc for the two-phase contract.
+
+    Parameters
+    ----------
+    config : IndexConfig
+    """
+
+    def __init__(self, config: IndexConfig) -> None:
+        self.config = config
+        c = config
+        self.block_bytes = c.block_bytes
+        self.tokens_per_block = c.tokens_per_block
+        self.rows = RowTable(max(1024, c.hbm_blocks + c.host_blocks + c.nvme_blocks + 64), c.block_bytes)
+        self.metrics = Metrics()
+        self.placement = Placement(
+            self.rows, self.metrics, hbm_blocks=c.hbm_blocks, host_blocks=c.host_blocks, nvme=c.nvme,
+            eviction=c.eviction, write_policy=c.write_policy, promotion=c.promotion,
+            evict_batch_blocks=c.evict_batch_blocks, admit=c.admit_to_nvme,
+            classify=c.classify or default_classify, remote_victims=c.remote_victims)
+        self.tiers = self.placement.tiers
+        self.policies = self.placement.policies
+        self._alloc = self.placement.alloc
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._pending_plans = 0
+        self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
+        self.events = EventLog(self._lock)
+        self.pins = Pins(self.rows, self._lock, self._now, self.metrics, c.pin_quota_bytes, c.default_lease_s,
+                         self._maybe_free_doomed)
+        self.listener = NvmeListener(self.rows, self._lock, self._now, c.reinsert, self.metrics, self.events,
+                                     self._forget_if_empty)
+        self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc, self.policies,
+                                        self.pins)
+
+    # ================================================================ helpers
+    def _now(self) -> float:
+        return self.config.clock()
+
+    @property
+    def record_events(self) -> bool:
+        """Whether events are recorded for :meth:`take_events` (tests turn it on)."""
+        return self.events.on
+
+    @record_events.setter
+    def record_events(self, on: bool) -> None:
+        self.events.on = on
+
+    def take_events(self) -> list[tuple]:
+        """Drain recorded events ``(kind, key, tier label)`` (``record_events`` must be on)."""
+        return self.events.take()
+
+    # ================================================================ queries
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys resident. Takes no reference, touches no recency, counts no hit."""
+        with self._lock:
+            tops = self.rows.tops(self.rows.table.get_many(keys))
+            miss = (tops < 0).nonzero()[0]
+            return int(miss[0]) if miss.size else len(tops)
+
+    def resident(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether a readable copy exists. Touches nothing."""
+        with self._lock:
+            return (self.rows.tops(self.rows.table.get_many(keys)) >= 0).tolist()
+
+    def lookup(self, keys: Sequence[bytes], tokens: Sequence[np.ndarray] | None = None,
+               request_id: object = None, num_prompt_tokens: int | None = None) -> LookupResult:
+        """Longest resident prefix of ``keys``.
+
+        Parameters
+        ----------
+        keys : sequence of bytes
+            Chained hashes of the prompt's full blocks.
+        tokens : sequence of numpy.ndarray, optional
+            Token ids per block; compared with stored ids when ``verify_tokens`` is on.
+        request_id : hashable, optional
+            Each matched block gets a request reference (ACTIVE) until :meth:`release`.
+        num_prompt_tokens : int, optional
+            The prompt length, for the partial-tail metric.
+
+        Returns
+        -------
+        LookupResult
+        """
+        now = self._now()
+        n = len(keys)
+        T = self.tokens_per_block
+        with self._lock:
+            rows = self.rows.table.get_many(keys)
+            tops = self.rows.tops(rows)
+            bad = (tops < 0).nonzero()[0]
+            m = int(bad[0]) if bad.size else n
+            if self.config.verify_tokens and tokens is not None:
+                for i in range(m):
+                    r = int(rows[i])
+                    if r in self.rows.tokens and not np.array_equal(self.rows.tokens[r],
+                                                                np.asarray(tokens[i], dtype=np.int64)):
+                        self.metrics.inc("verify_mismatch")
+                        m = i
+                        break
+            if m < n and self.placement.rejected and keys[m] in self.placement.rejected:
+                lost = 0
+                for k2 in keys[m:]:
+                    if k2 not in self.placement.rejected:
+                        break
+                    lost += 1
+                self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
+            c = {"lookups": 1, "lookup_blocks": n}
+            reason = None
+            if m:
+                mr = rows[:m] if m < n else rows
+                mt = tops[:m] if m < n else tops
+                self.rows.hits[mr] += 1
+                self.rows.last[mr] = now
+                lr = mr.tolist()
+                lt = mt.tolist()
+                counts = np.bincount(mt, minlength=3).tolist()
+                for t in MEMORY_TIERS:
+                    if counts[t]:
+                        if counts[t] == m:
+                            kt, rt = keys if m == n else keys[:m], lr
+                        else:
+                            sel = [j for j, tt in enumerate(lt) if tt == t]
+                            kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
+                        self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+                if request_id is not None:
+                    self.rows.refs[mr] += 1
+                    self.pins.reference(request_id, lr)
+                tiers = list(map(_TIER_OF_INT.__getitem__, lt))
+                cost = self.config.cost
+                present = [t for t in range(3) if counts[t]]
+                if len(present) == 1:  # one load call per tier: its latency is paid once
+                    load_s = cost.tier_load_s(_LABELS[present[0]], self.block_bytes, m)
+                else:
+                    load_s = cost.chain_load_s([_LABELS[t] for t in lt], self.block_bytes)
+                useful = cost.useful_prefix(load_s, T)
+                if useful < m:
+                    reason = cost.not_useful_reason([_LABELS[t] for t in lt], load_s, useful, self.block_bytes, T)
+                c["lookup_hits"] = 1
+                c["hit_blocks"] = m
+                c["matched_tokens"] = m * T
+                for t in range(3):
+                    if counts[t]:
+                        c[_HIT_COUNTER[t]] = counts[t]
+                mkeys = list(keys[:m])
+            else:
+                tiers, load_s, useful, mkeys = [], [], 0, []
+            c["useful_blocks"] = useful
+            if num_prompt_tokens is not None:
+                c["prompt_tokens"] = num_prompt_tokens
+                c["partial_tail_tokens"] = num_prompt_tokens - n * T
+            self.metrics.add(c)
+        return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id, reason)
+
+    # ================================================================ store
+    def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
+                      first_position: int = 0, tokens: Sequence[np.ndarray] | None = None) -> StorePlan:
+        """Decide where each new block goes (phase one of a store).
+
+        Parameters
+        ----------
+        ns : bytes
+            32-byte namespace digest.
+        keys : sequence of bytes
+            Chained block keys, in chain order.
+        lifetime : LifetimeClass or str, optional
+            Engine hint (``"system"``, ``"conversation"``, ``"query"``).
+        first_position : int
+            Chain position of ``keys[0]``.
+        tokens : sequence of numpy.ndarray, optional
+            Token ids per block (kept with ``verify_tokens``).
+
+        Returns
+        -------
+        StorePlan
+            Keys already stored or in flight are ``EXISTS``; a block that fits
+            nowhere is ``NO_SPACE``, and so is every later block of the chain
+            (they would be unreachable).
+        """
+        hint = class_from_hint(lifetime)
+        hint_i = NO_HINT if hint is None else int(hint)
+        now = self._now()
+        n = len(keys)
+        plan = StorePlan(list(keys), [None] * n, [-1] * n, ns=ns)
+        with self._lock:
+            nid = self.rows.intern(ns)
+            rows = self.rows.table.get_many(keys)
+            # doomed rows are detached from the key table: a row found is live
+            have = (rows >= 0).nonzero()[0].tolist()
+            for i in have:
+                plan.statuses[i] = Status.EXISTS
+            if len(have) == n:
+                todo: list[int] = []
+            elif not have:
+                todo = list(range(n))
+            else:
+                todo = (rows < 0).nonzero()[0].tolist()
+            tk = keys if len(todo) == n else [keys[i] for i in todo]
+            if len(set(tk)) < len(tk):
+                seen: set = set()  # a key given twice in one call: its later copies exist already
+                uniq = []
+                for i in todo:
+                    if keys[i] in seen:
+                        plan.statuses[i] = Status.EXISTS
+                    else:
+                        seen.add(keys[i])
+                        uniq.append(i)
+                todo = uniq
+                tk = [keys[i] for i in todo]
+            if todo:
+                new = self.rows.new_rows(tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now).tolist()
+                if len(todo) == n:
+                    plan.rows = new
+                else:
+                    for i, r in zip(todo, new):
+                        plan.rows[i] = r
+                if self.config.verify_tokens and tokens is not None:
+                    for i, r in zip(todo, new):
+                        self.rows.tokens[r] = np.asarray(tokens[i], dtype=np.int64).copy()
+                self.placement.place(plan, todo, now)
+            self._pending_plans += 1
+            if n - len(todo):
+                self.metrics.inc("store_exists", sum(1 for s in plan.statuses if s is Status.EXISTS))
+        return plan
+
+    def prepare_evict(self, tier: Tier, n: int) -> StorePlan | None:
+        """Plan the eviction of ``n`` unprotected blocks of memory tier ``tier``
+        now (demoted like any victim; all or nothing). ``None`` if ``n`` such
+        blocks do not exist. Execute it like a store plan."""
+        if tier not in self._alloc or n <= 0:
+            return None
+        with self._lock:
+            plan = self.placement.evict(tier, n, self._now())
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def complete_store(self, plan: StorePlan, nvme_statuses: dict[int, Status] | None = None,
+                       demote_statuses: dict[int, Status] | None = None, failed: bool = False) -> list[Status]:
+        """Apply a store's outcome (phase two).
+
+        Parameters
+        ----------
+        plan : StorePlan
+        nvme_statuses : dict, optional
+            ``i -> Status`` of each ``plan.nvme_new`` write.
+        demote_statuses : dict, optional
+            ``row -> Status`` of each ``plan.nvme_demote`` write.
+        failed : bool
+            The mover raised. The new blocks are forgotten. What happened to the
+            victims depends on how far the mover got (``plan.moved``): before
+            its NVMe batch, nothing happened and they keep their copies; after
+            it, their NVMe writes count (``plan.demote_statuses``) and they
+            leave their tier, since later copies may have overwritten their
+            slots; their copies down into memory count only if the mover
+            finished them. A miss, never wrong KV.
+
+        Returns
+        -------
+        list of Status
+            Per key: ``OK``, ``EXISTS``, ``NO_SPACE`` or ``IO_ERROR``.
+        """
+        nvme_statuses = nvme_statuses or {}
+        demote_statuses = demote_statuses or {}
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_store called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            if failed:
+                if plan.moved == StorePlan.NOTHING_DONE:
+                    self._undo_store(plan)
+                else:
+                    c = {"store_failed_midway": 1}
+                    self._apply_victims(plan, now, c, plan.demote_statuses,
+                                        copies_done=plan.moved >= StorePlan.COPIES_DONE)
+                    self._forget_new(plan)
+                    self.metrics.add(c)
+                self._idle.notify_all()
+                return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
+            c: dict = {}
+            self._apply_victims(plan, now, c, demote_statuses)
+            # 4. the new blocks
+            self._complete_new(plan, dict(nvme_statuses), now, c)
+            self.metrics.add(c)
+            self._idle.notify_all()
+            return list(plan.statuses)
+
+    def _complete_new(self, plan: StorePlan, nv: dict, now: float, c: dict) -> None:
+        """Make a plan's new blocks visible (or forget them): the common case
+        vectorised, failures and doomed rows one by one."""
+        pending = plan.pending
+        if not pending:
+            return
+        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)),
+                          default=None) if nv else None
+        prows = [plan.rows[i] for i in pending]
+        if failed_from is None and not (self.rows.flags[prows] & DOOMED).any():
+            good = pending
+        else:
+            good = self._complete_failed(plan, pending, nv, failed_from, c)
+            if not good:
+                return
+        in_good = None if len(good) == len(pending) else set(good)
+        bb = self.block_bytes
+        in_mem: set | None = set() if nv else None
+        for t in MEMORY_TIERS:
+            sel = [(i, s_) for i, tt, s_ in plan.memory if tt == t and (in_good is None or i in in_good)]
+            if not sel:
+                continue
+            rows = [plan.rows[i] for i, _ in sel]
+            self.rows.slot[t][rows] = [s_ for _, s_ in sel]
+            self.rows.flags[rows] |= IN[t]
+            kt = [plan.keys[i] for i, _ in sel]
+            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self.rows, rows[j], kt[j]), now)
+            if in_mem is not None:
+                in_mem.update(i for i, _ in sel)
+            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
+        rows_good = [plan.rows[i] for i in good]
+        self.rows.flags[rows_good] &= 0xFF ^ PENDING
+        if nv:
+            on_nvme = [i for i in good if i in nv]
+            if on_nvme:
+                self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
+                self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
+                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
+                only = sum(1 for i in on_nvme if i not in in_mem)
+                if only:
+                    c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
+        if self.placement.rejected:
+            for i in good:
+                self.placement.rejected.pop(plan.keys[i], None)
+        if self.events.on:
+            mem = {i: t for i, t, _ in plan.memory}
+            for i in good:
+                self.events.add("stored", plan.keys[i], mem.get(i, Tier.NVME))
+        st = plan.statuses
+        for i in good:
+            st[i] = Status.OK
+        c["store_ok"] = c.get("store_ok", 0) + len(good)
+
+    def _complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
+                         c: dict) -> list[int]:
+        """:meth:`_complete_new` when a write failed or a row was doomed meanwhile:
+        forget the failed blocks (and the rest of the chain after the first
+        failure), free doomed rows. Returns the indices still to make visible."""
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        good: list[int] = []
+        for i in pending:
+            r = plan.rows[i]
+            doomed = bool(self.rows.flags[r] & DOOMED)
+            ok = failed_from is None or i < failed_from
+            if i in nv and nv[i] not in (Status.OK, Status.EXISTS):
+                plan.statuses[i] = nv[i]
+                ok = False
+            elif not ok:
+                plan.statuses[i] = Status.NO_SPACE
+            if ok and not doomed:
+                good.append(i)
+                continue
+            if i in mem:
+                t, s_ = mem[i]
+                self._alloc[t].give(s_)
+            if doomed:
+                plan.statuses[i] = plan.statuses[i] or Status.OK
+                self.rows.doomed.discard(r)
+                self.rows.release_row(r, self._alloc)
+            else:
+                self.rows.drop_new(r)
+            name = "store_failed" if not ok else "store_doomed"
+            c[name] = c.get(name, 0) + 1
+        return good
+
+    def _apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
+                       copies_done: bool = True) -> None:
+        """Record what happened to a plan's victims (under the lock): written to
+        NVMe (by ``demote_statuses``), copied down into memory (if
+        ``copies_done``; else their destination slots are freed), and gone
+        from the tier they were evicted from."""
+        demote_statuses = demote_statuses or {}
+        # 1. victims written to NVMe
+        for d in plan.nvme_demote:
+            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+            st = demote_statuses.get(d.row, Status.IO_ERROR)
+            if st in (Status.OK, Status.EXISTS):
+                self.rows.flags[d.row] |= ON_NVME
+                self.rows.nvme_at[d.row] = now
+                c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
+                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes
+                self.events.add("demoted", d.key, Tier.NVME)
+            else:
+                c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
+        # 2. victims copied down into memory
+        for d in (plan.copies if copies_done else ()):
+            self.rows.set_slot(d.row, d.dst, d.dst_slot)
+            self.policies[d.dst].on_insert(self.rows.view(d.row, d.key), now)
+            c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
+            self.events.add("demoted", d.key, d.dst)
+        if not copies_done:  # each destination was a free slot or a victim's (given): free it
+            for d in plan.copies:
+                self._alloc[d.dst].give(d.dst_slot)
+        # 3. victims leave their tier
+        given = plan.given
+        for r, t, s in plan.frees:
+            self.rows.flags[r] &= 0xFF ^ EVICT[t]
+            key = self.rows.table.key_of(r)
+            self.policies[t].on_remove(key)
+            if self.rows.slot[t][r] == s:
+                self.rows.set_slot(r, t, -1)
+            if (t, s) not in given:
+                self._alloc[t].give(s)
+            self.events.add("removed", key, t)
+            self._forget_if_empty(r, key)
+
+    def _forget_new(self, plan: StorePlan) -> None:
+        """A failed plan's new blocks: their memory slots (fresh or a victim's) go
+        back to the free lists, their rows are dropped."""
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        for i in plan.pending:
+            if i in mem:
+                t, s = mem[i]
+                self._alloc[t].give(s)
+            r = plan.rows[i]
+            if r >= 0:
+                if self.rows.flags[r] & DOOMED:
+                    self.rows.doomed.discard(r)
+                    self.rows.release_row(r, self._alloc)
+                else:
+                    self.rows.drop_new(r)
+            plan.statuses[i] = Status.IO_ERROR
+
+    def _undo_store(self, plan: StorePlan) -> None:
+        """The mover failed before anything was applied: release the plan's reservations."""
+        given = plan.given
+        for d in plan.nvme_demote:
+            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+        for r, t, s in plan.frees:
+            self.rows.flags[r] &= 0xFF ^ EVICT[t]
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        for d in plan.copies:
+            if (d.dst, d.dst_slot) not in given:
+                self._alloc[d.dst].give(d.dst_slot)
+        for i in plan.pending:
+            if i in mem:
+                t, s = mem[i]
+                if (t, s) not in given:
+                    self._alloc[t].give(s)
+            r = plan.rows[i]
+            if r >= 0:
+                if self.rows.flags[r] & DOOMED:
+                    self.rows.doomed.discard(r)
+                    self.rows.release_row(r, self._alloc)
+                else:
+                    self.rows.drop_new(r)
+            plan.statuses[i] = Status.IO_ERROR
+
+    def abort_store(self, plan: StorePlan) -> None:
+        """Release a prepared store that will not be executed (nothing leaks)."""
+        if not plan.done:
+            self.complete_store(plan, failed=True)
+
+    def _forget_if_empty(self, row: int, key: bytes) -> None:
+        """Drop the row when no copy is left (and nobody uses it)."""
+        f = int(self.rows.flags[row])
+        if f & (PENDING | NVME_WRITING):
+            return
+        if self.rows.slot[Tier.HBM][row] >= 0 or self.rows.slot[Tier.HOST][row] >= 0 or f & ON_NVME:
+            return
+        self.metrics.inc("dropped_blocks")
+        self.events.add("dropped", key)
+        if self.rows.refs[row] > 0 or self.rows.readers[row] > 0:
+            self._doom(row, key)
+            return
+        self.rows.tokens.pop(row, None)
+        self.rows.table.remove(key)
+        self.rows.flags[row] = 0
+
+    def _doom(self, row: int, key: bytes) -> None:
+        """Hide ``row`` now; its memory is freed when its last user goes."""
+        if self.rows.flags[row] & DOOMED:
+            return
+        self.rows.flags[row] |= DOOMED
+        self.rows.table.detach(key)
+        self.rows.doomed.add(row)
+
+    def _maybe_free_doomed(self, row: int) -> None:
+        if (row in self.rows.doomed and self.rows.refs[row] == 0 and self.rows.readers[row] == 0
+                and not self.rows.flags[row] & (PENDING | NVME_WRITING | EVICT_HBM | EVICT_HOST)):
+            self.rows.doomed.discard(row)
+            self.rows.release_row(row, self._alloc)
+            self._idle.notify_all()
+
+    # ================================================================ load
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Choose each key's source copy and hold it (phase one of a load).
+
+        ``sources[i]`` is ``(tier, slot)``; ``None`` for a key not resident.
+        Each held row is never a victim until :meth:`complete_load`.
+        """
+        with self._lock:
+            rows = self.rows.table.get_many(keys).tolist()
+            plan = LoadPlan(list(keys), rows, [])
+            for i, r in enumerate(rows):
+                t = self.rows.top(r) if r >= 0 else None
+                if t is None:
+                    plan.sources.append(None)
+                    rows[i] = -1
+                    continue
+                self.rows.readers[r] += 1
+                plan.sources.append((t, int(self.rows.slot[t][r]) if t != Tier.NVME else -1))
+                if t == Tier.NVME:
+                    ev = self._reading.get(r)
+                    if ev is not None:
+                        plan.waits.append(ev)
+                    else:
+                        self._reading[r] = threading.Event()
+                        plan.leads.append(r)
+            self._pending_plans += 1
+            return plan
+
+    def abort_load(self, plan: LoadPlan) -> None:
+        """Release a prepared load that moved nothing (no metrics are counted)."""
+        with self._lock:
+            if plan.done:
+                raise InvariantError("load plan completed twice")
+            plan.done = True
+            self._pending_plans -= 1
+            for r, src in zip(plan.rows, plan.sources):
+                if src is not None:
+                    self.rows.readers[r] -= 1
+                    self._maybe_free_doomed(r)
+            self._end_reads(plan)
+            self._idle.notify_all()
+
+    def _end_reads(self, plan: LoadPlan) -> None:
+        for r in plan.leads:
+            ev = self._reading.pop(r, None)
+            if ev is not None:
+                ev.set()
+
+    def complete_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool = True,
+                      nvme_s: float | None = None) -> PromotePlan | None:
+        """Release a load's holds and record its outcome (phase two).
+
+        Parameters
+        ----------
+        plan : LoadPlan
+        statuses : sequence of Status
+            Per key, what the mover delivered (``OK``, ``MISS``, ``IO_ERROR``).
+        promote : bool
+            Whether to plan copies of loaded blocks into a faster memory tier.
+        nvme_s : float, optional
+            Seconds the NVMe part took (feeds the cost model's bandwidth).
+
+        Returns
+        -------
+        PromotePlan or None
+            Copies the mover makes from the loaded bytes, then passes to
+            :meth:`complete_promote`.
+        """
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_load called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            c: dict = {}
+            lead = 0
+            for s in statuses:
+                if s is not Status.OK:
+                    break
+                lead += 1
+            nvme_ok = 0
+            promos: list = []
+            for i, (r, src, st) in enumerate(zip(plan.rows, plan.sources, statuses)):
+                if src is None:
+                    continue
+                self.rows.readers[r] -= 1
+                if self.rows.readers[r] < 0:
+                    raise InvariantError("readers went negative")
+                t = src[0]
+                c[f"load_bytes_{t.label}"] = c.get(f"load_bytes_{t.label}", 0) + self.block_bytes
+                if st is Status.OK:
+                    if t == Tier.NVME:
+                        nvme_ok += 1
+                    if promote and t != Tier.HBM and not self.rows.flags[r] & DOOMED:
+                        promos.append((i, r, t))
+                elif st is Status.IO_ERROR:
+                    c["io_errors"] = c.get("io_errors", 0) + 1
+                    if t == Tier.NVME and self.rows.flags[r] & ON_NVME:
+                        self.rows.flags[r] &= 0xFF ^ ON_NVME  # never serve it again
+                        self._forget_if_empty(r, plan.keys[i])
+                self._maybe_free_doomed(r)
+            # Metrics count the leading run only: that is what the engine uses.
+            c["loaded_blocks"] = lead
+            c["reused_tokens"] = lead * self.tokens_per_block
+            c["nvme_read_bytes"] = nvme_ok * self.block_bytes
+            self.metrics.add(c)
+            if nvme_s is not None and nvme_ok:
+                self.config.cost.observe_load("nvme", nvme_ok * self.block_bytes, nvme_s, nvme_ok)
+            self._idle.notify_all()
+            promo = None
+            if promos and self.config.promotion != "none":
+                promo = self.placement.plan_promotions(promos, now)
+            if promo is None:
+                self._end_reads(plan)
+            else:  # followers wait until the promoted copies are in place
+                self._pending_plans += 1
+                promo.leads = plan.leads
+            return promo
+
+    def prepare_prefetch(self, keys: Sequence[bytes], target: Tier) -> PromotePlan | None:
+        """Plan copies of resident blocks up to memory tier ``target`` (a prefetch).
+
+        Blocks already in ``target`` or faster are skipped; a slot is taken
+        only if free or held by a block with a lower copy (no cascade). The
+        sources are held until :meth:`complete_promote`.
+
+        Raises
+        ------
+        ConfigError
+            If ``target`` is not an enabled memory tier.
+        """
+        if target not in self._alloc:
+            raise ConfigError(f"prefetch target {Tier(target).label!r}: accepted values are "
+                              f"{[t.label for t in self._alloc]} (enabled memory tiers)")
+        now = self._now()
+        with self._lock:
+            plan = self.placement.reserve_prefetch(keys, target, now)
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def complete_promote(self, plan: PromotePlan, ok: Sequence[bool]) -> None:
+        """Apply promotions: ``ok[j]`` says whether item ``j``'s copy landed
+        (the victims' copies down, executed first, always did)."""
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_promote called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            c: dict = {}
+            self._apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
+            self._end_reads(plan)
+            for (i, r, t, s), good in zip(plan.items, ok):
+                self.rows.readers[r] -= 1
+                if good and not self.rows.flags[r] & DOOMED and self.rows.slot[t][r] < 0:
+                    self.rows.set_slot(r, t, s)
+                    key = self.rows.table.key_of(r)
+                    self.policies[t].on_insert(self.rows.view(r, key), now)
+                    src = "host" if self.rows.slot[Tier.HOST][r] >= 0 and t == Tier.HBM else "nvme"
+                    c[f"promotions_{src}_{t.label}"] = c.get(f"promotions_{src}_{t.label}", 0) + 1
+                    self.events.add("promoted", key, t)
+                else:
+                    self._alloc[t].give(s)
+                self._maybe_free_doomed(r)
+            self.metrics.add(c)
+            self._idle.notify_all()
+
+    # ================================================================ flush (clean shutdown)
+    def take_clean_requests(self) -> int:
+        """Blocks the index would like cleaned (written to NVMe) in the background, and reset."""
+        with self._lock:
+            n, self.placement.clean_wanted = self.placement.clean_wanted, 0
+            return n
+
+    def prepare_flush(self, max_blocks: int, coldest_first: bool = False) -> StorePlan | None:
+        """Plan NVMe writes of up to ``max_blocks`` blocks that live only in memory.
+
+        Used at a clean shutdown so that a restart finds them, and in the
+        background to keep clean victims for promotions (``coldest_first``:
+        least recently used first). Returns ``None`` when nothing is left to write.
+        Each block is read from a readable memory copy (host first); a block whose
+        only memory copy is a victim of a store in flight is skipped.
+        """
+        if Tier.NVME not in self.tiers:
+            return None
+        now = self._now()
+        with self._lock:
+            plan = self.placement.pick_flush(max_blocks, coldest_first, now)
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def complete_flush(self, plan: StorePlan, demote_statuses: dict[int, Status]) -> int:
+        """Apply a flush; returns blocks now on NVMe."""
+        with self._lock:
+            plan.done = True
+            self._pending_plans -= 1
+            n = 0
+            for d in plan.nvme_demote:
+                self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+                self.rows.readers[d.row] -= 1
+                if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
+                    self.rows.flags[d.row] |= ON_NVME
+                    self.rows.nvme_at[d.row] = self._now()
+                    n += 1
+                self._maybe_free_doomed(d.row)
+            self.metrics.add({"flushed_blocks": n, "nvme_write_bytes": n * self.block_bytes})
+            self._idle.notify_all()
+            return n
+
+    # ================================================================ references and pins
+    def release(self, request_id: object) -> int:
+        """Drop every reference ``request_id`` holds (:meth:`Pins.release`)."""
+        return self.pins.release(request_id)
+
+    def cancel(self, request_id: object) -> int:
+        """Abort a request (:meth:`Pins.cancel`)."""
+        return self.pins.cancel(request_id)
+
+    def pin(self, ns: bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """Hold resident blocks until the lease expires or :meth:`unpin` (:meth:`Pins.pin`)."""
+        return self.pins.pin(ns, keys, lease_s)
+
+    def unpin(self, lease_id: int) -> bool:
+        """End a lease early (:meth:`Pins.unpin`)."""
+        return self.pins.unpin(lease_id)
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """Live leases by id (a copy)."""
+        return self.pins.live_leases()
+
+    # ================================================================ removal
+    def invalidate(self, ns: bytes) -> int:
+        """Hide every block of namespace ``ns`` now; in-use blocks are freed on
+        release and in-flight stores of it are discarded when they complete.
+        Waits until those stores are done, so that the caller's durable
+        invalidation record follows them. Returns the blocks removed."""
+        with self._lock:
+            nid = self.rows.ns_ids.get(ns)
+            if nid is None:
+                return 0
+            rows = self.rows.table.rows()
+            rows = rows[self.rows.ns[rows] == nid]
+            keys = self.rows.table.keys_of(rows.tolist())
+            pending = []
+            for r, k in zip(rows.tolist(), keys):
+                if self.rows.flags[r] & PENDING:
+                    self.rows.flags[r] |= DOOMED
+                    self.rows.table.detach(k)
+                    self.rows.doomed.add(r)
+                    pending.append(r)
+                else:
+                    self._remove_row(r, k)
+            self.pins.end_namespace(ns)
+            while any(self.rows.flags[r] & PENDING and r in self.rows.doomed for r in pending):
+                self._idle.wait()
+            return len(keys)
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks by key (in-use blocks are hidden now and freed on release).
+
+        Returns the number that were resident.
+        """
+        with self._lock:
+            n = 0
+            for k in keys:
+                r = self.rows.table.get(k)
+                if r >= 0 and not self.rows.flags[r] & PENDING:
+                    self._remove_row(r, k)
+                    n += 1
+            return n
+
+    def clear(self) -> int:
+        """Remove every block (in-use blocks are doomed and freed on release)."""
+        with self._lock:
+            rows = self.rows.table.rows()
+            keys = self.rows.table.keys_of(rows.tolist())
+            n = 0
+            for r, k in zip(rows.tolist(), keys):
+                if not self.rows.flags[r] & PENDING:
+                    self._remove_row(r, k)
+                    n += 1
+            self.pins.end_namespace()
+            return n
+
+    def _remove_row(self, row: int, key: bytes) -> None:
+        for t in MEMORY_TIERS:
+            if self.rows.slot[t][row] >= 0 and not self.rows.flags[row] & EVICT[t]:
+                self.policies[t].on_remove(key)
+        self.rows.flags[row] &= 0xFF ^ ON_NVME
+        self.events.add("invalidated", key)
+        if (self.rows.refs[row] > 0 or self.rows.readers[row] > 0
+                or self.rows.flags[row] & (EVICT_HBM | EVICT_HOST | NVME_WRITING)):
+            self._doom(row, key)
+            return
+        for t in MEMORY_TIERS:
+            s = int(self.rows.slot[t][row])
+            if s >= 0:
+                self._alloc[t].give(s)
+                self.rows.set_slot(row, t, -1)
+        self.rows.tokens.pop(row, None)
+        self.rows.table.remove(key)
+        self.rows.flags[row] = 0
+
+    # ================================================================ introspection
+    def state_of(self, key: bytes) -> BlockState | None:
+        """Ownership state of a visible block, or ``None`` if not resident."""
+        return self.introspect.state_of(key)
+
+    def tiers_of(self, key: bytes) -> list[Tier]:
+        """Tiers holding a readable copy of ``key`` (empty if not resident)."""
+        return self.introspect.tiers_of(key)
+
+    def references(self) -> dict[object, int]:
+        """``request_id -> blocks referenced`` of every open request."""
+        return self.introspect.references()
+
+    def block_info(self, key: bytes) -> dict | None:
+        """A visible block's index record as a dict, or ``None``."""
+        return self.introspect.block_info(key)
+
+    def memory_slot(self, key: bytes, tier: Tier) -> int:
+        """Slot of ``key`` in a memory tier, or -1."""
+        return self.introspect.memory_slot(key, tier)
+
+    def __len__(self) -> int:
+        return len(self.rows.table)
+
+    def resident_blocks(self) -> dict[str, int]:
+        """Blocks with a copy in each tier."""
+        return self.introspect.resident_blocks()
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        """Resident bytes per tier."""
+        return self.introspect.bytes_per_tier()
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Visible blocks per namespace digest."""
+        return self.introspect.namespaces()
+
+    def keys_of_namespace(self, ns: bytes) -> list[bytes]:
+        """Visible keys of namespace ``ns``."""
+        return self.introspect.keys_of_namespace(ns)
+
+    def nbytes(self) -> int:
+        """Bytes of per-block metadata (key table and row arrays)."""
+        return self.rows.nbytes()
+
+    def in_flight(self) -> int:
+        """Prepared plans not yet completed."""
+        with self._lock:
+            return self._pending_plans
+
+    def check_invariants(self, quiescent: bool = False) -> None:
+        """Verify that slots, policies, references and flags agree (:meth:`Introspection.check_invariants`;
+        ``quiescent``: also that no plan is in flight and nothing is held).
+
+        Raises
+        ------
+        InvariantError
+        """
+        with self._lock:
+            self.introspect.check_invariants(quiescent, self._pending_plans)
