@@ -264,8 +264,6 @@ OVERSIZE = {
     "bench/kvsynth.py::_run": 236,                             # P7
     "build.py::assemble": 134,                                 # P8
     "client.py::RemoteKVStore": 659,                           # unassigned (over 600 since c38303e)
-    "index/core.py::BlockIndex": 864,                          # P4
-    "index/core.py::BlockIndex.lookup": 88,                    # P4
     "io/segments.py::SegmentStorage": 1243,                    # P6
     "io/segments.py::SegmentStorage.__init__": 121,            # P6
     "io/segments.py::SegmentStorage._write_plans": 90,         # P6
@@ -281,7 +279,7 @@ DOCSTRING_OVERSIZE = {
     "api.py": 49, "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
     "bench/registry.py": 39, "build.py": 37, "client.py": 52, "fdp/device.py": 32, "fdp/ftl.py": 44,
     "fdp/nvme_cli.py": 53, "fdp/passthrough.py": 53, "fdp/placement.py": 42, "fdp/waf.py": 36,
-    "index/core.py": 52, "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
+    "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
     "integrations/vllm_offload.py": 76, "io/format.py": 82, "io/journal.py": 69, "io/label.py": 54,
     "io/ring.py": 48, "io/segments.py": 67, "policies/cost.py": 71, "policies/costaware.py": 35,
     "remote/format.py": 44, "remote/mooncake.py": 134, "server/check.py": 34, "server/tenancy.py": 33,

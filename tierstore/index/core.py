@@ -1,54 +1,27 @@
-"""The block index: it decides, it never moves bytes.
+"""The block index: it decides, it never moves bytes (ARCHITECTURE.md, "The two-phase contract").
 
-Three tiers, fastest first: ``HBM`` (L1, a device block pool), ``HOST`` (L2,
-a pinned host block pool) and ``NVME`` (L3, the segment store). An *entry* is
-one full block of KV, keyed by its 32-byte chained prefix hash
-(:mod:`tierstore.identity`); it may have copies in several tiers.
+Three tiers, fastest first: ``HBM`` (a device block pool), ``HOST`` (a pinned host block pool)
+and ``NVME`` (the segment store). An *entry* is one full block of KV, keyed by its 32-byte
+chained prefix hash (:mod:`tierstore.identity`); it may have copies in several tiers.
 
-Decide, then move (vLLM ``v1/kv_offload/abstract.py``'s ``OffloadingManager``)
---------------------------------------------------------------------------------
-Every operation that moves bytes has two phases. ``prepare_*`` runs under the
-index lock and returns a *plan*: which block goes to which slot of which tier,
-which victims leave, which are demoted and with which lifetime class. The
-:class:`~tierstore.mover.Mover` executes the plan **without** the index lock.
-``complete_*`` applies the outcome under the lock. A lookup therefore never
-waits for a copy or an I/O of another request, and the placement of a block
-(its tier and, on NVMe, its lifetime class) is decided in exactly one place:
-:meth:`BlockIndex.prepare_store` (with :meth:`_reserve` for its victims).
+Every operation that moves bytes has two phases (vLLM's ``OffloadingManager``): ``prepare_*``
+runs under the index lock and returns a *plan* (which block goes to which slot of which tier,
+which victims leave, which are demoted and with which lifetime class); the mover executes it
+without the lock; ``complete_*`` applies the outcome under the lock. A lookup never waits for a
+copy or an I/O, and a block's placement is decided in one place (:meth:`BlockIndex.prepare_store`,
+through :class:`~tierstore.index.placement.Placement`). A prepared plan that is never executed
+leaks nothing once aborted (``abort_store``, ``abort_load``).
 
-* ``prepare_store`` -> :class:`StorePlan`: per new block its target (a memory
-  slot or NVMe), victims to drop (they have a lower copy) or demote (to the next
-  memory tier, or to NVMe when the admission policy lets them), and the NVMe
-  writes with their lifetime class. ``complete_store(plan, nvme_statuses)``.
-* ``prepare_load`` -> :class:`LoadPlan`: per key its source (tier and slot);
-  each source is held (``readers``) so it is never a victim meanwhile.
-  ``complete_load(plan, statuses)`` releases them, drops copies that failed
-  their checksum, and may return a :class:`PromotePlan`.
-* A prepare that is never completed leaks nothing once :meth:`abort` is called
-  with its plan (the request scope of :class:`tierstore.api.KVStore` does this).
+:class:`BlockIndex` holds the one lock (``_lock``, an RLock, and its ``_idle`` condition), the
+count of plans in flight and the NVMe reads in flight (delay hits); its rooms run under that
+lock: ``rows`` (:class:`~tierstore.index.rows.RowTable`), ``placement``, ``completion``
+(phase two), ``pins`` (references and leases), ``listener`` (the NVMe region manager's
+callbacks) and ``introspect``. *Residency* is separate from *request references*: a block is
+``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or ``EVICTABLE``; one that is active,
+pinned, being read, stored or evicted is never a victim and is copied forward on reclaim.
 
-Write policy: ``write_back`` (stores land in the fastest memory tier with
-room; victims are demoted on eviction) or ``write_through`` (every store is
-written to NVMe, durable when acknowledged, and cached in memory when room
-is free). One configured policy, one code path.
-
-Ownership and states
---------------------
-*Residency* is separate from *request references*: ``ref_count`` counts
-requests that looked the block up with a ``request_id`` and have not released
-it. ``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or
-``EVICTABLE``. A block that is ACTIVE, PINNED, being read, being stored or
-being evicted is never chosen as a victim, and the NVMe region manager is told
-to copy it forward rather than drop it (:meth:`on_reclaim`).
-
-NVMe space is owned by the segment store (:class:`~tierstore.io.segments.SegmentStorage`):
-it evicts whole regions and tells the index what left (:meth:`on_dropped`).
-
-Memory: one row per block in numpy arrays (about 45 bytes) plus the
-:class:`~tierstore.keytable.KeyTable` (about 46 bytes), no Python object per block.
-
-Exact-hit rule: only full blocks are stored and matched; a partial tail is
-recomputed and counted in ``partial_tail_tokens``.
+Exact-hit rule: only full blocks are stored and matched; a partial tail is recomputed and
+counted in ``partial_tail_tokens``.
 """
 from __future__ import annotations
 
@@ -66,18 +39,16 @@ from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
 from ..policies.cost import CostModel
 from ..policies.lifetime import default_classify
+from .completion import Completion
 from .introspect import EventLog, Introspection
 from .listener import NvmeListener
 from .pins import Pins
 from .placement import Placement
-from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING,
-                   EntryView, RowTable)
+from .rows import DOOMED, NO_HINT, PENDING, EntryView, RowTable
 
 _TIER_OF_INT = tuple(Tier)
-_TIERS = {int(t): t for t in Tier}
 _LABELS = {int(t): t.name.lower() for t in Tier}
 _HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
-_STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
 
 
 @dataclasses.dataclass
@@ -197,10 +168,12 @@ class BlockIndex:
         self._pending_plans = 0
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
+        self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle, self._now,
+                                     c.tokens_per_block, c.cost)
         self.pins = Pins(self.rows, self._lock, self._now, self.metrics, c.pin_quota_bytes, c.default_lease_s,
-                         self._maybe_free_doomed)
+                         self.completion.maybe_free_doomed)
         self.listener = NvmeListener(self.rows, self._lock, self._now, c.reinsert, self.metrics, self.events,
-                                     self._forget_if_empty)
+                                     self.completion.forget_if_empty)
         self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc, self.policies,
                                         self.pins)
 
@@ -259,69 +232,88 @@ class BlockIndex:
         with self._lock:
             rows = self.rows.table.get_many(keys)
             tops = self.rows.tops(rows)
-            bad = (tops < 0).nonzero()[0]
-            m = int(bad[0]) if bad.size else n
-            if self.config.verify_tokens and tokens is not None:
-                for i in range(m):
-                    r = int(rows[i])
-                    if r in self.rows.tokens and not np.array_equal(self.rows.tokens[r],
-                                                                np.asarray(tokens[i], dtype=np.int64)):
-                        self.metrics.inc("verify_mismatch")
-                        m = i
-                        break
-            if m < n and self.placement.rejected and keys[m] in self.placement.rejected:
-                lost = 0
-                for k2 in keys[m:]:
-                    if k2 not in self.placement.rejected:
-                        break
-                    lost += 1
-                self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
+            m = self._match(rows, tops, tokens)
+            if m < n and self.placement.rejected:
+                self._count_rejected(keys, m)
             c = {"lookups": 1, "lookup_blocks": n}
-            reason = None
             if m:
-                mr = rows[:m] if m < n else rows
-                mt = tops[:m] if m < n else tops
-                self.rows.hits[mr] += 1
-                self.rows.last[mr] = now
-                lr = mr.tolist()
-                lt = mt.tolist()
-                counts = np.bincount(mt, minlength=3).tolist()
-                for t in MEMORY_TIERS:
-                    if counts[t]:
-                        if counts[t] == m:
-                            kt, rt = keys if m == n else keys[:m], lr
-                        else:
-                            sel = [j for j, tt in enumerate(lt) if tt == t]
-                            kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
-                        self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
-                if request_id is not None:
-                    self.rows.refs[mr] += 1
-                    self.pins.reference(request_id, lr)
-                tiers = list(map(_TIER_OF_INT.__getitem__, lt))
-                cost = self.config.cost
-                present = [t for t in range(3) if counts[t]]
-                if len(present) == 1:  # one load call per tier: its latency is paid once
-                    load_s = cost.tier_load_s(_LABELS[present[0]], self.block_bytes, m)
-                else:
-                    load_s = cost.chain_load_s([_LABELS[t] for t in lt], self.block_bytes)
-                useful = cost.useful_prefix(load_s, T)
-                if useful < m:
-                    reason = cost.not_useful_reason([_LABELS[t] for t in lt], load_s, useful, self.block_bytes, T)
-                c["lookup_hits"] = 1
-                c["hit_blocks"] = m
-                c["matched_tokens"] = m * T
-                for t in range(3):
-                    if counts[t]:
-                        c[_HIT_COUNTER[t]] = counts[t]
+                tiers, load_s, useful, reason = self._record_hits(keys, rows, tops, m, request_id, now, c)
                 mkeys = list(keys[:m])
             else:
-                tiers, load_s, useful, mkeys = [], [], 0, []
+                tiers, load_s, useful, reason, mkeys = [], [], 0, None, []
             c["useful_blocks"] = useful
             if num_prompt_tokens is not None:
                 c["prompt_tokens"] = num_prompt_tokens
                 c["partial_tail_tokens"] = num_prompt_tokens - n * T
             self.metrics.add(c)
         return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id, reason)
+
+    def _match(self, rows: np.ndarray, tops: np.ndarray, tokens: Sequence[np.ndarray] | None) -> int:
+        """Length of the leading run of readable rows (whose stored token ids, with
+        ``verify_tokens``, equal ``tokens``)."""
+        bad = (tops < 0).nonzero()[0]
+        m = int(bad[0]) if bad.size else len(tops)
+        if self.config.verify_tokens and tokens is not None:
+            stored = self.rows.tokens
+            for i in range(m):
+                r = int(rows[i])
+                if r in stored and not np.array_equal(stored[r], np.asarray(tokens[i], dtype=np.int64)):
+                    self.metrics.inc("verify_mismatch")
+                    return i
+        return m
+
+    def _count_rejected(self, keys: Sequence[bytes], m: int) -> None:
+        """If the first miss ``keys[m]`` was kept off NVMe by admission, count the run of such keys."""
+        rejected = self.placement.rejected
+        if keys[m] not in rejected:
+            return
+        lost = 0
+        for k2 in keys[m:]:
+            if k2 not in rejected:
+                break
+            lost += 1
+        self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
+
+    def _record_hits(self, keys: Sequence[bytes], rows: np.ndarray, tops: np.ndarray, m: int,
+                     request_id: object, now: float, c: dict) -> tuple[list, float, int, str | None]:
+        """The ``m`` matched blocks were hit: recency, policies, request references, counters into
+        ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
+        n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
+        mr = rows[:m] if m < n else rows
+        mt = tops[:m] if m < n else tops
+        self.rows.hits[mr] += 1
+        self.rows.last[mr] = now
+        lr = mr.tolist()
+        lt = mt.tolist()
+        counts = np.bincount(mt, minlength=3).tolist()
+        for t in MEMORY_TIERS:
+            if counts[t]:
+                if counts[t] == m:
+                    kt, rt = keys if m == n else keys[:m], lr
+                else:
+                    sel = [j for j, tt in enumerate(lt) if tt == t]
+                    kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
+                self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+        if request_id is not None:
+            self.rows.refs[mr] += 1
+            self.pins.reference(request_id, lr)
+        cost = self.config.cost
+        present = [t for t in range(3) if counts[t]]
+        if len(present) == 1:  # one load call per tier: its latency is paid once
+            load_s = cost.tier_load_s(_LABELS[present[0]], bb, m)
+        else:
+            load_s = cost.chain_load_s([_LABELS[t] for t in lt], bb)
+        useful = cost.useful_prefix(load_s, T)
+        reason = None
+        if useful < m:
+            reason = cost.not_useful_reason([_LABELS[t] for t in lt], load_s, useful, bb, T)
+        c["lookup_hits"] = 1
+        c["hit_blocks"] = m
+        c["matched_tokens"] = m * T
+        for t in range(3):
+            if counts[t]:
+                c[_HIT_COUNTER[t]] = counts[t]
+        return list(map(_TIER_OF_INT.__getitem__, lt)), load_s, useful, reason
 
     # ================================================================ store
     def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
@@ -407,6 +399,11 @@ class BlockIndex:
             self._pending_plans += 1
             return plan
 
+    def abort_store(self, plan: StorePlan) -> None:
+        """Release a prepared store that will not be executed (nothing leaks)."""
+        if not plan.done:
+            self.complete_store(plan, failed=True)
+
     def complete_store(self, plan: StorePlan, nvme_statuses: dict[int, Status] | None = None,
                        demote_statuses: dict[int, Status] | None = None, failed: bool = False) -> list[Status]:
         """Apply a store's outcome (phase two).
@@ -440,228 +437,9 @@ class BlockIndex:
                 raise InvariantError("complete_store called twice for one plan")
             plan.done = True
             self._pending_plans -= 1
-            if failed:
-                if plan.moved == StorePlan.NOTHING_DONE:
-                    self._undo_store(plan)
-                else:
-                    c = {"store_failed_midway": 1}
-                    self._apply_victims(plan, now, c, plan.demote_statuses,
-                                        copies_done=plan.moved >= StorePlan.COPIES_DONE)
-                    self._forget_new(plan)
-                    self.metrics.add(c)
-                self._idle.notify_all()
-                return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
-            c: dict = {}
-            self._apply_victims(plan, now, c, demote_statuses)
-            # 4. the new blocks
-            self._complete_new(plan, dict(nvme_statuses), now, c)
-            self.metrics.add(c)
+            out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now)
             self._idle.notify_all()
-            return list(plan.statuses)
-
-    def _complete_new(self, plan: StorePlan, nv: dict, now: float, c: dict) -> None:
-        """Make a plan's new blocks visible (or forget them): the common case
-        vectorised, failures and doomed rows one by one."""
-        pending = plan.pending
-        if not pending:
-            return
-        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)),
-                          default=None) if nv else None
-        prows = [plan.rows[i] for i in pending]
-        if failed_from is None and not (self.rows.flags[prows] & DOOMED).any():
-            good = pending
-        else:
-            good = self._complete_failed(plan, pending, nv, failed_from, c)
-            if not good:
-                return
-        in_good = None if len(good) == len(pending) else set(good)
-        bb = self.block_bytes
-        in_mem: set | None = set() if nv else None
-        for t in MEMORY_TIERS:
-            sel = [(i, s_) for i, tt, s_ in plan.memory if tt == t and (in_good is None or i in in_good)]
-            if not sel:
-                continue
-            rows = [plan.rows[i] for i, _ in sel]
-            self.rows.slot[t][rows] = [s_ for _, s_ in sel]
-            self.rows.flags[rows] |= IN[t]
-            kt = [plan.keys[i] for i, _ in sel]
-            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self.rows, rows[j], kt[j]), now)
-            if in_mem is not None:
-                in_mem.update(i for i, _ in sel)
-            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
-        rows_good = [plan.rows[i] for i in good]
-        self.rows.flags[rows_good] &= 0xFF ^ PENDING
-        if nv:
-            on_nvme = [i for i in good if i in nv]
-            if on_nvme:
-                self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
-                self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
-                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
-                only = sum(1 for i in on_nvme if i not in in_mem)
-                if only:
-                    c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
-        if self.placement.rejected:
-            for i in good:
-                self.placement.rejected.pop(plan.keys[i], None)
-        if self.events.on:
-            mem = {i: t for i, t, _ in plan.memory}
-            for i in good:
-                self.events.add("stored", plan.keys[i], mem.get(i, Tier.NVME))
-        st = plan.statuses
-        for i in good:
-            st[i] = Status.OK
-        c["store_ok"] = c.get("store_ok", 0) + len(good)
-
-    def _complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
-                         c: dict) -> list[int]:
-        """:meth:`_complete_new` when a write failed or a row was doomed meanwhile:
-        forget the failed blocks (and the rest of the chain after the first
-        failure), free doomed rows. Returns the indices still to make visible."""
-        mem = {i: (t, s) for i, t, s in plan.memory}
-        good: list[int] = []
-        for i in pending:
-            r = plan.rows[i]
-            doomed = bool(self.rows.flags[r] & DOOMED)
-            ok = failed_from is None or i < failed_from
-            if i in nv and nv[i] not in (Status.OK, Status.EXISTS):
-                plan.statuses[i] = nv[i]
-                ok = False
-            elif not ok:
-                plan.statuses[i] = Status.NO_SPACE
-            if ok and not doomed:
-                good.append(i)
-                continue
-            if i in mem:
-                t, s_ = mem[i]
-                self._alloc[t].give(s_)
-            if doomed:
-                plan.statuses[i] = plan.statuses[i] or Status.OK
-                self.rows.doomed.discard(r)
-                self.rows.release_row(r, self._alloc)
-            else:
-                self.rows.drop_new(r)
-            name = "store_failed" if not ok else "store_doomed"
-            c[name] = c.get(name, 0) + 1
-        return good
-
-    def _apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
-                       copies_done: bool = True) -> None:
-        """Record what happened to a plan's victims (under the lock): written to
-        NVMe (by ``demote_statuses``), copied down into memory (if
-        ``copies_done``; else their destination slots are freed), and gone
-        from the tier they were evicted from."""
-        demote_statuses = demote_statuses or {}
-        # 1. victims written to NVMe
-        for d in plan.nvme_demote:
-            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
-            st = demote_statuses.get(d.row, Status.IO_ERROR)
-            if st in (Status.OK, Status.EXISTS):
-                self.rows.flags[d.row] |= ON_NVME
-                self.rows.nvme_at[d.row] = now
-                c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
-                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes
-                self.events.add("demoted", d.key, Tier.NVME)
-            else:
-                c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
-        # 2. victims copied down into memory
-        for d in (plan.copies if copies_done else ()):
-            self.rows.set_slot(d.row, d.dst, d.dst_slot)
-            self.policies[d.dst].on_insert(self.rows.view(d.row, d.key), now)
-            c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
-            self.events.add("demoted", d.key, d.dst)
-        if not copies_done:  # each destination was a free slot or a victim's (given): free it
-            for d in plan.copies:
-                self._alloc[d.dst].give(d.dst_slot)
-        # 3. victims leave their tier
-        given = plan.given
-        for r, t, s in plan.frees:
-            self.rows.flags[r] &= 0xFF ^ EVICT[t]
-            key = self.rows.table.key_of(r)
-            self.policies[t].on_remove(key)
-            if self.rows.slot[t][r] == s:
-                self.rows.set_slot(r, t, -1)
-            if (t, s) not in given:
-                self._alloc[t].give(s)
-            self.events.add("removed", key, t)
-            self._forget_if_empty(r, key)
-
-    def _forget_new(self, plan: StorePlan) -> None:
-        """A failed plan's new blocks: their memory slots (fresh or a victim's) go
-        back to the free lists, their rows are dropped."""
-        mem = {i: (t, s) for i, t, s in plan.memory}
-        for i in plan.pending:
-            if i in mem:
-                t, s = mem[i]
-                self._alloc[t].give(s)
-            r = plan.rows[i]
-            if r >= 0:
-                if self.rows.flags[r] & DOOMED:
-                    self.rows.doomed.discard(r)
-                    self.rows.release_row(r, self._alloc)
-                else:
-                    self.rows.drop_new(r)
-            plan.statuses[i] = Status.IO_ERROR
-
-    def _undo_store(self, plan: StorePlan) -> None:
-        """The mover failed before anything was applied: release the plan's reservations."""
-        given = plan.given
-        for d in plan.nvme_demote:
-            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
-        for r, t, s in plan.frees:
-            self.rows.flags[r] &= 0xFF ^ EVICT[t]
-        mem = {i: (t, s) for i, t, s in plan.memory}
-        for d in plan.copies:
-            if (d.dst, d.dst_slot) not in given:
-                self._alloc[d.dst].give(d.dst_slot)
-        for i in plan.pending:
-            if i in mem:
-                t, s = mem[i]
-                if (t, s) not in given:
-                    self._alloc[t].give(s)
-            r = plan.rows[i]
-            if r >= 0:
-                if self.rows.flags[r] & DOOMED:
-                    self.rows.doomed.discard(r)
-                    self.rows.release_row(r, self._alloc)
-                else:
-                    self.rows.drop_new(r)
-            plan.statuses[i] = Status.IO_ERROR
-
-    def abort_store(self, plan: StorePlan) -> None:
-        """Release a prepared store that will not be executed (nothing leaks)."""
-        if not plan.done:
-            self.complete_store(plan, failed=True)
-
-    def _forget_if_empty(self, row: int, key: bytes) -> None:
-        """Drop the row when no copy is left (and nobody uses it)."""
-        f = int(self.rows.flags[row])
-        if f & (PENDING | NVME_WRITING):
-            return
-        if self.rows.slot[Tier.HBM][row] >= 0 or self.rows.slot[Tier.HOST][row] >= 0 or f & ON_NVME:
-            return
-        self.metrics.inc("dropped_blocks")
-        self.events.add("dropped", key)
-        if self.rows.refs[row] > 0 or self.rows.readers[row] > 0:
-            self._doom(row, key)
-            return
-        self.rows.tokens.pop(row, None)
-        self.rows.table.remove(key)
-        self.rows.flags[row] = 0
-
-    def _doom(self, row: int, key: bytes) -> None:
-        """Hide ``row`` now; its memory is freed when its last user goes."""
-        if self.rows.flags[row] & DOOMED:
-            return
-        self.rows.flags[row] |= DOOMED
-        self.rows.table.detach(key)
-        self.rows.doomed.add(row)
-
-    def _maybe_free_doomed(self, row: int) -> None:
-        if (row in self.rows.doomed and self.rows.refs[row] == 0 and self.rows.readers[row] == 0
-                and not self.rows.flags[row] & (PENDING | NVME_WRITING | EVICT_HBM | EVICT_HOST)):
-            self.rows.doomed.discard(row)
-            self.rows.release_row(row, self._alloc)
-            self._idle.notify_all()
+            return out
 
     # ================================================================ load
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
@@ -701,7 +479,7 @@ class BlockIndex:
             for r, src in zip(plan.rows, plan.sources):
                 if src is not None:
                     self.rows.readers[r] -= 1
-                    self._maybe_free_doomed(r)
+                    self.completion.maybe_free_doomed(r)
             self._end_reads(plan)
             self._idle.notify_all()
 
@@ -737,40 +515,7 @@ class BlockIndex:
                 raise InvariantError("complete_load called twice for one plan")
             plan.done = True
             self._pending_plans -= 1
-            c: dict = {}
-            lead = 0
-            for s in statuses:
-                if s is not Status.OK:
-                    break
-                lead += 1
-            nvme_ok = 0
-            promos: list = []
-            for i, (r, src, st) in enumerate(zip(plan.rows, plan.sources, statuses)):
-                if src is None:
-                    continue
-                self.rows.readers[r] -= 1
-                if self.rows.readers[r] < 0:
-                    raise InvariantError("readers went negative")
-                t = src[0]
-                c[f"load_bytes_{t.label}"] = c.get(f"load_bytes_{t.label}", 0) + self.block_bytes
-                if st is Status.OK:
-                    if t == Tier.NVME:
-                        nvme_ok += 1
-                    if promote and t != Tier.HBM and not self.rows.flags[r] & DOOMED:
-                        promos.append((i, r, t))
-                elif st is Status.IO_ERROR:
-                    c["io_errors"] = c.get("io_errors", 0) + 1
-                    if t == Tier.NVME and self.rows.flags[r] & ON_NVME:
-                        self.rows.flags[r] &= 0xFF ^ ON_NVME  # never serve it again
-                        self._forget_if_empty(r, plan.keys[i])
-                self._maybe_free_doomed(r)
-            # Metrics count the leading run only: that is what the engine uses.
-            c["loaded_blocks"] = lead
-            c["reused_tokens"] = lead * self.tokens_per_block
-            c["nvme_read_bytes"] = nvme_ok * self.block_bytes
-            self.metrics.add(c)
-            if nvme_s is not None and nvme_ok:
-                self.config.cost.observe_load("nvme", nvme_ok * self.block_bytes, nvme_s, nvme_ok)
+            promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
             self._idle.notify_all()
             promo = None
             if promos and self.config.promotion != "none":
@@ -814,22 +559,8 @@ class BlockIndex:
                 raise InvariantError("complete_promote called twice for one plan")
             plan.done = True
             self._pending_plans -= 1
-            c: dict = {}
-            self._apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
             self._end_reads(plan)
-            for (i, r, t, s), good in zip(plan.items, ok):
-                self.rows.readers[r] -= 1
-                if good and not self.rows.flags[r] & DOOMED and self.rows.slot[t][r] < 0:
-                    self.rows.set_slot(r, t, s)
-                    key = self.rows.table.key_of(r)
-                    self.policies[t].on_insert(self.rows.view(r, key), now)
-                    src = "host" if self.rows.slot[Tier.HOST][r] >= 0 and t == Tier.HBM else "nvme"
-                    c[f"promotions_{src}_{t.label}"] = c.get(f"promotions_{src}_{t.label}", 0) + 1
-                    self.events.add("promoted", key, t)
-                else:
-                    self._alloc[t].give(s)
-                self._maybe_free_doomed(r)
-            self.metrics.add(c)
+            self.completion.finish_promote(plan, ok, now)
             self._idle.notify_all()
 
     # ================================================================ flush (clean shutdown)
@@ -863,16 +594,7 @@ class BlockIndex:
         with self._lock:
             plan.done = True
             self._pending_plans -= 1
-            n = 0
-            for d in plan.nvme_demote:
-                self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
-                self.rows.readers[d.row] -= 1
-                if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
-                    self.rows.flags[d.row] |= ON_NVME
-                    self.rows.nvme_at[d.row] = self._now()
-                    n += 1
-                self._maybe_free_doomed(d.row)
-            self.metrics.add({"flushed_blocks": n, "nvme_write_bytes": n * self.block_bytes})
+            n = self.completion.finish_flush(plan, demote_statuses)
             self._idle.notify_all()
             return n
 
@@ -919,7 +641,7 @@ class BlockIndex:
                     self.rows.doomed.add(r)
                     pending.append(r)
                 else:
-                    self._remove_row(r, k)
+                    self.completion.remove_row(r, k)
             self.pins.end_namespace(ns)
             while any(self.rows.flags[r] & PENDING and r in self.rows.doomed for r in pending):
                 self._idle.wait()
@@ -935,7 +657,7 @@ class BlockIndex:
             for k in keys:
                 r = self.rows.table.get(k)
                 if r >= 0 and not self.rows.flags[r] & PENDING:
-                    self._remove_row(r, k)
+                    self.completion.remove_row(r, k)
                     n += 1
             return n
 
@@ -947,29 +669,10 @@ class BlockIndex:
             n = 0
             for r, k in zip(rows.tolist(), keys):
                 if not self.rows.flags[r] & PENDING:
-                    self._remove_row(r, k)
+                    self.completion.remove_row(r, k)
                     n += 1
             self.pins.end_namespace()
             return n
-
-    def _remove_row(self, row: int, key: bytes) -> None:
-        for t in MEMORY_TIERS:
-            if self.rows.slot[t][row] >= 0 and not self.rows.flags[row] & EVICT[t]:
-                self.policies[t].on_remove(key)
-        self.rows.flags[row] &= 0xFF ^ ON_NVME
-        self.events.add("invalidated", key)
-        if (self.rows.refs[row] > 0 or self.rows.readers[row] > 0
-                or self.rows.flags[row] & (EVICT_HBM | EVICT_HOST | NVME_WRITING)):
-            self._doom(row, key)
-            return
-        for t in MEMORY_TIERS:
-            s = int(self.rows.slot[t][row])
-            if s >= 0:
-                self._alloc[t].give(s)
-                self.rows.set_slot(row, t, -1)
-        self.rows.tokens.pop(row, None)
-        self.rows.table.remove(key)
-        self.rows.flags[row] = 0
 
     # ================================================================ introspection
     def state_of(self, key: bytes) -> BlockState | None:
