@@ -435,6 +435,30 @@ def _k(i: int) -> bytes:
     return i.to_bytes(32, "little")
 
 
+def test_a_growing_row_table_keeps_every_room_on_its_new_arrays():
+    """The RowTable replaces its arrays when it grows (index/rows.py); the rooms that share it
+    (pins, placement, completion, introspection) must all see the new ones: a pin taken before
+    the growth still protects its blocks, the blocks stored across it are all resident, and the
+    slots, flags and policies agree afterwards."""
+    ix = _index(host_blocks=8, nvme=True)
+    ns = bytes(32)
+    first = [_k(i) for i in range(8)]
+    ix.complete_store(ix.prepare_store(ns, first))
+    ix.pin(ns, first[:2], lease_s=100.0)
+    cap = ix.rows.table.capacity_rows
+    keys = [_k(1000 + i) for i in range(2 * cap)]
+    plan = ix.prepare_store(ns, keys)
+    ix.complete_store(plan, nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
+                      demote_statuses={d.row: Status.OK for d in plan.nvme_demote})
+    assert ix.rows.table.capacity_rows > cap
+    assert ix.state_of(first[0]) is BlockState.PINNED and Tier.HOST in ix.tiers_of(first[0])
+    assert ix.probe(keys) == len(keys)
+    assert ix.resident_blocks()["host"] == 8
+    ix.pin(ns, keys[-1:], lease_s=100.0)
+    assert ix.state_of(keys[-1]) is BlockState.PINNED
+    ix.check_invariants(quiescent=True)
+
+
 def test_abandoned_prepare_store_leaks_nothing():
     ix = _index(hbm_blocks=2, host_blocks=2)
     ns = bytes(32)

@@ -92,23 +92,24 @@ class Completion:
             lead += 1
         nvme_ok = 0
         promos: list = []
+        readers, flags = self.rows.readers, self.rows.flags  # the table cannot grow in here
         for i, (r, src, st) in enumerate(zip(plan.rows, plan.sources, statuses)):
             if src is None:
                 continue
-            self.rows.readers[r] -= 1
-            if self.rows.readers[r] < 0:
+            readers[r] -= 1
+            if readers[r] < 0:
                 raise InvariantError("readers went negative")
             t = src[0]
             c[f"load_bytes_{t.label}"] = c.get(f"load_bytes_{t.label}", 0) + self.block_bytes
             if st is Status.OK:
                 if t == Tier.NVME:
                     nvme_ok += 1
-                if promote and t != Tier.HBM and not self.rows.flags[r] & DOOMED:
+                if promote and t != Tier.HBM and not flags[r] & DOOMED:
                     promos.append((i, r, t))
             elif st is Status.IO_ERROR:
                 c["io_errors"] = c.get("io_errors", 0) + 1
-                if t == Tier.NVME and self.rows.flags[r] & ON_NVME:
-                    self.rows.flags[r] &= 0xFF ^ ON_NVME  # never serve it again
+                if t == Tier.NVME and flags[r] & ON_NVME:
+                    flags[r] &= 0xFF ^ ON_NVME  # never serve it again
                     self.forget_if_empty(r, plan.keys[i])
             self.maybe_free_doomed(r)
         # Metrics count the leading run only: that is what the engine uses.

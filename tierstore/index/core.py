@@ -449,16 +449,18 @@ class BlockIndex:
         Each held row is never a victim until :meth:`complete_load`.
         """
         with self._lock:
-            rows = self.rows.table.get_many(keys).tolist()
+            rt = self.rows
+            top, readers, slot = rt.top, rt.readers, rt.slot
+            rows = rt.table.get_many(keys).tolist()
             plan = LoadPlan(list(keys), rows, [])
             for i, r in enumerate(rows):
-                t = self.rows.top(r) if r >= 0 else None
+                t = top(r) if r >= 0 else None
                 if t is None:
                     plan.sources.append(None)
                     rows[i] = -1
                     continue
-                self.rows.readers[r] += 1
-                plan.sources.append((t, int(self.rows.slot[t][r]) if t != Tier.NVME else -1))
+                readers[r] += 1
+                plan.sources.append((t, int(slot[t][r]) if t != Tier.NVME else -1))
                 if t == Tier.NVME:
                     ev = self._reading.get(r)
                     if ev is not None:
