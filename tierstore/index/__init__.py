@@ -10,5 +10,5 @@ from ..contract import (MEMORY_TIERS, BlockState, Demotion, Lease, LoadPlan, Loo
 from .core import BlockIndex, IndexConfig
 from .rows import EntryView, RowTable
 
-__all__ = ["BlockIndex", "IndexConfig", "RowTable", "EntryView", "BlockState", "Demotion", "Lease", "LoadPlan",
-           "LookupResult", "Medium", "MEMORY_TIERS", "PromotePlan", "Status", "StorePlan", "Tier"]
+__all__ = ["BlockIndex", "IndexConfig", "RowTable", "EntryView", "BlockState", "Demotion", "Lease",
+           "LoadPlan", "LookupResult", "Medium", "MEMORY_TIERS", "PromotePlan", "Status", "StorePlan", "Tier"]

@@ -12,7 +12,7 @@ freed by its last user (:meth:`doom`, :meth:`maybe_free_doomed`). It runs under 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
 from ..errors import InvariantError, Status
@@ -20,7 +20,8 @@ from ..metrics import Metrics
 from ..policies.cost import CostModel
 from .introspect import EventLog
 from .placement import Placement
-from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, EntryView, RowTable
+from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, EntryView,
+                   RowTable)
 
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
 
@@ -351,6 +352,45 @@ class Completion:
             self.rows.doomed.discard(row)
             self.rows.release_row(row, self.alloc)
             self._idle.notify_all()
+
+    def remove_namespace(self, ns: bytes) -> tuple[int, list[int]]:
+        """Hide every row of namespace ``ns`` (a known one); rows of stores in flight are doomed
+        and discarded when their store completes. Returns ``(rows hidden, those still pending)``."""
+        rt = self.rows
+        rows = rt.table.rows()
+        rows = rows[rt.ns[rows] == rt.ns_ids[ns]]
+        keys = rt.table.keys_of(rows.tolist())
+        pending = []
+        for r, k in zip(rows.tolist(), keys):
+            if rt.flags[r] & PENDING:
+                rt.flags[r] |= DOOMED
+                rt.table.detach(k)
+                rt.doomed.add(r)
+                pending.append(r)
+            else:
+                self.remove_row(r, k)
+        return len(keys), pending
+
+    def remove_keys(self, keys: Iterable[bytes]) -> int:
+        """Remove the visible rows of ``keys``; returns how many there were."""
+        n = 0
+        for k in keys:
+            r = self.rows.table.get(k)
+            if r >= 0 and not self.rows.flags[r] & PENDING:
+                self.remove_row(r, k)
+                n += 1
+        return n
+
+    def remove_all(self) -> int:
+        """Remove every visible row; returns how many there were."""
+        rows = self.rows.table.rows()
+        keys = self.rows.table.keys_of(rows.tolist())
+        n = 0
+        for r, k in zip(rows.tolist(), keys):
+            if not self.rows.flags[r] & PENDING:
+                self.remove_row(r, k)
+                n += 1
+        return n
 
     def remove_row(self, row: int, key: bytes) -> None:
         for t in MEMORY_TIERS:

@@ -44,7 +44,7 @@ from .introspect import EventLog, Introspection
 from .listener import NvmeListener
 from .pins import Pins
 from .placement import Placement
-from .rows import DOOMED, NO_HINT, PENDING, EntryView, RowTable
+from .rows import NO_HINT, PENDING, EntryView, RowTable
 
 _TIER_OF_INT = tuple(Tier)
 _LABELS = {int(t): t.name.lower() for t in Tier}
@@ -146,6 +146,11 @@ class BlockIndex:
     Parameters
     ----------
     config : IndexConfig
+
+    Attributes
+    ----------
+    rows, placement, completion, pins, listener, introspect
+        The rooms (module doc); ``listener`` is what ``build`` hands the NVMe tier.
     """
 
     def __init__(self, config: IndexConfig) -> None:
@@ -168,14 +173,14 @@ class BlockIndex:
         self._pending_plans = 0
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
-        self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle, self._now,
-                                     c.tokens_per_block, c.cost)
+        self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
+                                     self._now, c.tokens_per_block, c.cost)
         self.pins = Pins(self.rows, self._lock, self._now, self.metrics, c.pin_quota_bytes, c.default_lease_s,
                          self.completion.maybe_free_doomed)
         self.listener = NvmeListener(self.rows, self._lock, self._now, c.reinsert, self.metrics, self.events,
                                      self.completion.forget_if_empty)
-        self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc, self.policies,
-                                        self.pins)
+        self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
+                                        self.policies, self.pins)
 
     # ================================================================ helpers
     def _now(self) -> float:
@@ -629,50 +634,24 @@ class BlockIndex:
         Waits until those stores are done, so that the caller's durable
         invalidation record follows them. Returns the blocks removed."""
         with self._lock:
-            nid = self.rows.ns_ids.get(ns)
-            if nid is None:
+            if ns not in self.rows.ns_ids:
                 return 0
-            rows = self.rows.table.rows()
-            rows = rows[self.rows.ns[rows] == nid]
-            keys = self.rows.table.keys_of(rows.tolist())
-            pending = []
-            for r, k in zip(rows.tolist(), keys):
-                if self.rows.flags[r] & PENDING:
-                    self.rows.flags[r] |= DOOMED
-                    self.rows.table.detach(k)
-                    self.rows.doomed.add(r)
-                    pending.append(r)
-                else:
-                    self.completion.remove_row(r, k)
+            n, pending = self.completion.remove_namespace(ns)
             self.pins.end_namespace(ns)
             while any(self.rows.flags[r] & PENDING and r in self.rows.doomed for r in pending):
                 self._idle.wait()
-            return len(keys)
+            return n
 
     def remove(self, keys: Iterable[bytes]) -> int:
         """Remove blocks by key (in-use blocks are hidden now and freed on release).
-
-        Returns the number that were resident.
-        """
+        Returns the number that were resident."""
         with self._lock:
-            n = 0
-            for k in keys:
-                r = self.rows.table.get(k)
-                if r >= 0 and not self.rows.flags[r] & PENDING:
-                    self.completion.remove_row(r, k)
-                    n += 1
-            return n
+            return self.completion.remove_keys(keys)
 
     def clear(self) -> int:
         """Remove every block (in-use blocks are doomed and freed on release)."""
         with self._lock:
-            rows = self.rows.table.rows()
-            keys = self.rows.table.keys_of(rows.tolist())
-            n = 0
-            for r, k in zip(rows.tolist(), keys):
-                if not self.rows.flags[r] & PENDING:
-                    self.completion.remove_row(r, k)
-                    n += 1
+            n = self.completion.remove_all()
             self.pins.end_namespace()
             return n
 

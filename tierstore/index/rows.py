@@ -184,7 +184,8 @@ class RowTable:
         self.hint[rows] = hint
         self.nvme_class[rows] = NO_HINT
 
-    def new_rows(self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int, now: float) -> np.ndarray:
+    def new_rows(self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int,
+                 now: float) -> np.ndarray:
         """Rows for many absent, distinct keys of a store in flight (``PENDING``): one batch insert."""
         rows = self.table.add_absent(keys)
         if rows.size:
