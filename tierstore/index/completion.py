@@ -208,7 +208,7 @@ class Completion:
         c["store_ok"] = c.get("store_ok", 0) + len(good)
 
     def complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
-                         c: dict) -> list[int]:
+                        c: dict) -> list[int]:
         """:meth:`complete_new` when a write failed or a row was doomed meanwhile:
         forget the failed blocks (and the rest of the chain after the first
         failure), free doomed rows. Returns the indices still to make visible."""
@@ -240,7 +240,7 @@ class Completion:
         return good
 
     def apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
-                       copies_done: bool = True) -> None:
+                      copies_done: bool = True) -> None:
         """Record what happened to a plan's victims (under the lock): written to
         NVMe (by ``demote_statuses``), copied down into memory (if
         ``copies_done``; else their destination slots are freed), and gone

@@ -88,6 +88,7 @@ class Placement:
             self._place_write_back(plan, todo, now)
 
     def protector(self, extra: set | None, now: float) -> Callable[[bytes], bool]:
+        """``f(key) -> bool``: never a victim (in ``extra``, absent, or protected now)."""
         get = self.rows.table.get
         protected = self.rows.protected
 
@@ -99,11 +100,13 @@ class Placement:
         return prot
 
     def lower_memory(self, tier: Tier) -> Tier | None:
+        """The memory tier a victim of ``tier`` moves down into, if any."""
         if tier == Tier.HBM and Tier.HOST in self.alloc:
             return Tier.HOST
         return None
 
     def has_lower_copy(self, row: int, tier: Tier) -> bool:
+        """Whether ``row`` keeps a readable copy below ``tier`` (dropping it there loses nothing)."""
         f = int(self.rows.flags[row])
         if tier == Tier.HBM and self.rows.slot[Tier.HOST][row] >= 0 and not f & EVICT_HOST:
             return True
@@ -143,6 +146,7 @@ class Placement:
             left = left[len(slots):]
 
     def refuse(self, plan: StorePlan, idx: list[int]) -> None:
+        """The blocks ``idx`` fit nowhere: they and every later block of the chain are ``NO_SPACE``."""
         first = min(idx)
         for i in range(first, len(plan.keys)):
             if plan.statuses[i] is None:
@@ -156,7 +160,7 @@ class Placement:
             1 for s in plan.statuses[first:] if s is Status.EXISTS))
 
     def reserve(self, tier: Tier, n: int, plan: StorePlan, protect: set | None, now: float,
-                 cheap_only: bool = False) -> list[int]:
+                cheap_only: bool = False) -> list[int]:
         """Up to ``n`` slots of memory tier ``tier`` for ``plan``: free ones, then
         victims' (:meth:`victimize`; a batch of ``evict_batch_blocks`` at least,
         so demotions to NVMe go out together). ``protect``: keys never to take
@@ -170,13 +174,13 @@ class Placement:
                 plan.protect = set(plan.keys)
             protect = plan.protect
         vrows = self.victimize(tier, need, plan, protect, now, cheap_only,
-                                batch=1 if cheap_only else self.evict_batch_blocks)
+                               batch=1 if cheap_only else self.evict_batch_blocks)
         given = [int(self.rows.slot[tier][r]) for r in vrows[:need]]
         plan.given.update((tier, s) for s in given)
         return slots + given
 
     def victimize(self, tier: Tier, n: int, plan: StorePlan, protect: set, now: float,
-                   cheap_only: bool = False, batch: int = 1) -> list[int]:
+                  cheap_only: bool = False, batch: int = 1) -> list[int]:
         """Choose ``n`` (up to ``max(n, batch)``) victims in ``tier`` and decide each
         one's fate: dropped when it has a lower copy, else demoted to the next
         memory tier (recursively making room there) or to NVMe (if admitted),
