@@ -7,8 +7,8 @@ the contract (:mod:`tierstore.contract`) stays importable from here.
 """
 from ..contract import (MEMORY_TIERS, BlockState, Demotion, Lease, LoadPlan, LookupResult, Medium,
                         PromotePlan, Status, StorePlan, Tier)
-from .core import BlockIndex, IndexConfig
+from .core import BlockIndex, IndexRuntime, IndexShape
 from .rows import EntryView, RowTable
 
-__all__ = ["BlockIndex", "IndexConfig", "RowTable", "EntryView", "BlockState", "Demotion", "Lease",
+__all__ = ["BlockIndex", "IndexShape", "IndexRuntime", "RowTable", "EntryView", "BlockState", "Demotion", "Lease",
            "LoadPlan", "LookupResult", "Medium", "MEMORY_TIERS", "PromotePlan", "Status", "StorePlan", "Tier"]

@@ -51,90 +51,76 @@ _LABELS = {int(t): t.name.lower() for t in Tier}
 _HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
 
 
-@dataclasses.dataclass
-class IndexConfig:
-    """Typed configuration of a :class:`BlockIndex`.
+@dataclasses.dataclass(frozen=True)
+class IndexShape:
+    """Slot counts of a :class:`BlockIndex` (``build.assemble`` computes them from the layout and
+    the tiers' capacities).
 
     Parameters
     ----------
     block_bytes : int
         Bytes per block (every tier's slot size).
     tokens_per_block : int
-        Tokens per block.
     hbm_blocks, host_blocks : int
         Slots of the memory tiers (0 disables a tier).
-    nvme : bool
-        Whether an NVMe tier exists.
-    nvme_blocks : int
-        Capacity hint of the NVMe tier, in blocks (sizes the row arrays).
-    promotion : {"top", "one", "none"}
-        On a hit from a lower tier: copy to the fastest memory tier, one tier
-        up, or not at all. A promotion never triggers an NVMe write: it only
-        takes a free slot or evicts a block that has a lower copy.
-    eviction : str
-        Eviction policy of the memory tiers (:func:`tierstore.policies.make_policy`).
-    evict_batch_blocks : int
-        Victims taken per eviction round (>= 1): batches demotions to NVMe.
-    write_policy : {"write_back", "write_through"}
-        See the module doc.
-    verify_tokens : bool
-        Keep token ids and compare them on lookup (defence against collisions).
-    pin_quota_bytes : int
-        Per-namespace cap on bytes held by pin leases.
-    default_lease_s : float
-        Pin lease when none is given.
-    admit_to_nvme : callable or None
-        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash.
-    classify : callable or None
-        ``f(entry, now_s) -> LifetimeClass`` when a block is written to NVMe
-        (:func:`tierstore.policies.lifetime.make_classifier`).
-    reinsert : callable or None
-        ``f(entry, now_s) -> bool``: keep (copy forward) an evictable block when
-        its NVMe region is evicted. ``None``: only blocks in use are kept.
-    clock : callable
-        Seconds, monotonic. Tests pass a fake clock.
-    remote_victims : bool
-        List victims that would be lost in ``StorePlan.lost`` (the shared
-        remote tier's ``publish: evict`` mode, :mod:`tierstore.remote`).
-    cost : CostModel
-        Load-versus-recompute model for useful hits.
+    nvme_blocks : int or None
+        Capacity of the NVMe tier in blocks (sizes the row arrays); ``None``: no NVMe tier.
     """
 
     block_bytes: int
     tokens_per_block: int
     hbm_blocks: int = 0
     host_blocks: int = 0
-    nvme: bool = False
-    nvme_blocks: int = 0
-    promotion: str = "top"
-    eviction: str = "lru"
-    evict_batch_blocks: int = 8
-    write_policy: str = "write_back"
-    verify_tokens: bool = False
-    pin_quota_bytes: int = 1 << 62
-    default_lease_s: float = 60.0
-    admit_to_nvme: Callable | None = None
-    classify: Callable | None = None
-    reinsert: Callable | None = None
-    clock: Callable[[], float] = time.monotonic
-    remote_victims: bool = False
-    cost: CostModel = dataclasses.field(default_factory=CostModel)
+    nvme_blocks: int | None = None
 
-    def __post_init__(self) -> None:
-        if self.promotion not in ("top", "one", "none"):
-            raise ConfigError(f"promotion={self.promotion!r}: accepted values are ['none', 'one', 'top']")
-        if self.write_policy not in ("write_back", "write_through"):
-            raise ConfigError(f"write_policy={self.write_policy!r}: accepted values are "
-                              "['write_back', 'write_through']")
-        if self.write_policy == "write_through" and not self.nvme:
+    @property
+    def nvme(self) -> bool:
+        return self.nvme_blocks is not None
+
+    def check(self, policies) -> None:
+        """The checks that need both the shape and the policies (the policies' own values are
+        validated by their model, :class:`~tierstore.config.PoliciesConfig`).
+
+        Raises
+        ------
+        ConfigError
+            For ``write_through`` without an NVMe tier, or when every tier is disabled.
+        """
+        if policies.write_policy == "write_through" and not self.nvme:
             raise ConfigError("write_policy='write_through' needs an NVMe tier")
-        if self.evict_batch_blocks < 1:
-            raise ConfigError(f"evict_batch_blocks={self.evict_batch_blocks}: must be >= 1")
-        for f in ("hbm_blocks", "host_blocks", "nvme_blocks"):
-            if getattr(self, f) < 0:
-                raise ConfigError(f"{f}={getattr(self, f)}: must be >= 0")
         if self.hbm_blocks == 0 and self.host_blocks == 0 and not self.nvme:
             raise ConfigError("every tier is disabled: give a memory tier capacity or an NVMe tier")
+
+
+@dataclasses.dataclass
+class IndexRuntime:
+    """The resolved objects of a :class:`BlockIndex` that a configuration file cannot carry.
+
+    Parameters
+    ----------
+    clock : callable
+        Seconds, monotonic. Tests pass a fake clock.
+    classify : callable
+        ``f(entry, now_s) -> LifetimeClass`` when a block is written to NVMe
+        (:func:`tierstore.policies.lifetime.make_classifier`).
+    admit : callable or None
+        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash (``None``: admit all).
+    reinsert : callable or None
+        ``f(entry, now_s) -> bool``: keep (copy forward) an evictable block when its NVMe region
+        is evicted. ``None``: only blocks in use are kept.
+    cost : CostModel
+        Load-versus-recompute model for useful hits.
+    remote_victims : bool
+        List victims that would be lost in ``StorePlan.lost`` (the shared remote tier's
+        ``publish: evict`` mode, :mod:`tierstore.remote`).
+    """
+
+    clock: Callable[[], float] = time.monotonic
+    classify: Callable = default_classify
+    admit: Callable | None = None
+    reinsert: Callable | None = None
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+    remote_victims: bool = False
 
 
 class BlockIndex:
@@ -145,7 +131,17 @@ class BlockIndex:
 
     Parameters
     ----------
-    config : IndexConfig
+    shape : IndexShape
+    policies : PoliciesConfig
+        The policy names and limits (:class:`tierstore.config.PoliciesConfig`, read as is:
+        ``eviction``, ``promotion``, ``write_policy``, ``evict_batch_blocks``, ``verify_tokens``,
+        ``pin_quota_bytes``, ``default_lease_s``).
+    runtime : IndexRuntime, optional
+
+    Raises
+    ------
+    ConfigError
+        From :meth:`IndexShape.check`.
 
     Attributes
     ----------
@@ -153,18 +149,21 @@ class BlockIndex:
         The rooms (module doc); ``listener`` is what ``build`` hands the NVMe tier.
     """
 
-    def __init__(self, config: IndexConfig) -> None:
-        self.config = config
-        c = config
-        self.block_bytes = c.block_bytes
-        self.tokens_per_block = c.tokens_per_block
-        self.rows = RowTable(max(1024, c.hbm_blocks + c.host_blocks + c.nvme_blocks + 64), c.block_bytes)
+    def __init__(self, shape: IndexShape, policies, runtime: IndexRuntime | None = None) -> None:
+        shape.check(policies)
+        self.shape = shape
+        self.settings = policies
+        self.runtime = runtime = runtime if runtime is not None else IndexRuntime()
+        self.block_bytes = shape.block_bytes
+        self.tokens_per_block = shape.tokens_per_block
+        c = shape
+        self.rows = RowTable(max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes)
         self.metrics = Metrics()
         self.placement = Placement(
             self.rows, self.metrics, hbm_blocks=c.hbm_blocks, host_blocks=c.host_blocks, nvme=c.nvme,
-            eviction=c.eviction, write_policy=c.write_policy, promotion=c.promotion,
-            evict_batch_blocks=c.evict_batch_blocks, admit=c.admit_to_nvme,
-            classify=c.classify or default_classify, remote_victims=c.remote_victims)
+            eviction=policies.eviction, write_policy=policies.write_policy, promotion=policies.promotion,
+            evict_batch_blocks=policies.evict_batch_blocks, admit=runtime.admit,
+            classify=runtime.classify, remote_victims=runtime.remote_victims)
         self.tiers = self.placement.tiers
         self.policies = self.placement.policies
         self._alloc = self.placement.alloc
@@ -174,17 +173,18 @@ class BlockIndex:
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
         self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
-                                     self._now, c.tokens_per_block, c.cost)
-        self.pins = Pins(self.rows, self._lock, self._now, self.metrics, c.pin_quota_bytes, c.default_lease_s,
+                                     self._now, c.tokens_per_block, runtime.cost)
+        self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
+                         policies.default_lease_s,
                          self.completion.maybe_free_doomed)
-        self.listener = NvmeListener(self.rows, self._lock, self._now, c.reinsert, self.metrics, self.events,
+        self.listener = NvmeListener(self.rows, self._lock, self._now, runtime.reinsert, self.metrics, self.events,
                                      self.completion.forget_if_empty)
         self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
                                         self.policies, self.pins)
 
     # ================================================================ helpers
     def _now(self) -> float:
-        return self.config.clock()
+        return self.runtime.clock()
 
     @property
     def record_events(self) -> bool:
@@ -258,7 +258,7 @@ class BlockIndex:
         ``verify_tokens``, equal ``tokens``)."""
         bad = (tops < 0).nonzero()[0]
         m = int(bad[0]) if bad.size else len(tops)
-        if self.config.verify_tokens and tokens is not None:
+        if self.settings.verify_tokens and tokens is not None:
             stored = self.rows.tokens
             for i in range(m):
                 r = int(rows[i])
@@ -302,7 +302,7 @@ class BlockIndex:
         if request_id is not None:
             self.rows.refs[mr] += 1
             self.pins.reference(request_id, lr)
-        cost = self.config.cost
+        cost = self.runtime.cost
         present = [t for t in range(3) if counts[t]]
         if len(present) == 1:  # one load call per tier: its latency is paid once
             load_s = cost.tier_load_s(_LABELS[present[0]], bb, m)
@@ -382,7 +382,7 @@ class BlockIndex:
                 else:
                     for i, r in zip(todo, new):
                         plan.rows[i] = r
-                if self.config.verify_tokens and tokens is not None:
+                if self.settings.verify_tokens and tokens is not None:
                     for i, r in zip(todo, new):
                         self.rows.tokens[r] = np.asarray(tokens[i], dtype=np.int64).copy()
                 self.placement.place(plan, todo, now)
@@ -525,7 +525,7 @@ class BlockIndex:
             promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
             self._idle.notify_all()
             promo = None
-            if promos and self.config.promotion != "none":
+            if promos and self.settings.promotion != "none":
                 promo = self.placement.plan_promotions(promos, now)
             if promo is None:
                 self._end_reads(plan)
