@@ -260,8 +260,6 @@ OVERSIZE = {
     "api.py::KVStore": 1084,                                   # P9
     "build.py::assemble": 134,                                 # P8
     "client.py::RemoteKVStore": 659,                           # unassigned (over 600 since c38303e)
-    "index.py::BlockIndex": 1448,                              # P4
-    "index.py::BlockIndex.lookup": 88,                         # P4
     "remote/mooncake.py::MooncakeTier": 989,                   # P10
     "remote/mooncake.py::MooncakeTier.put": 106,               # P10
     "server/check.py::_check_nvme": 94,                        # P8
@@ -272,7 +270,7 @@ DOCSTRING_OVERSIZE = {
     "api.py": 49, "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
     "bench/registry.py": 39, "build.py": 37, "client.py": 52, "fdp/device.py": 32, "fdp/ftl.py": 44,
     "fdp/nvme_cli.py": 53, "fdp/passthrough.py": 53, "fdp/placement.py": 42, "fdp/waf.py": 36,
-    "index.py": 52, "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
+    "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
     "integrations/vllm_offload.py": 76, "io/format.py": 82, "io/journal.py": 69, "io/label.py": 54,
     "io/ring.py": 48, "policies/cost.py": 71, "policies/costaware.py": 35,
     "remote/format.py": 44, "remote/mooncake.py": 134, "server/check.py": 34, "server/tenancy.py": 33,

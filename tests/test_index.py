@@ -15,7 +15,8 @@ import torch
 
 from tierstore import KVStore, Namespace, Status, Tier, leading_ok
 from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
-from tierstore.index import BlockIndex, BlockState, IndexConfig
+from tierstore.config import PoliciesConfig
+from tierstore.index import BlockIndex, BlockState, IndexRuntime, IndexShape
 from tierstore.policies import policy_names
 
 from .conftest import SlowEngine, make_blocks, memory_segment_store, tokens
@@ -427,12 +428,48 @@ def test_load_deadline_from_memory_delivers_in_time(make_store, layout, ns):
 
 
 # ----------------------------------------------------------------------------- two-phase contract
-def _index(**kw) -> BlockIndex:
-    return BlockIndex(IndexConfig(block_bytes=4096, tokens_per_block=16, **kw))
+def _index(*, nvme: bool = False, clock=None, **shape_kw) -> BlockIndex:
+    runtime = IndexRuntime() if clock is None else IndexRuntime(clock=clock)
+    shape = IndexShape(4096, 16, nvme_blocks=0 if nvme else None, **shape_kw)
+    return BlockIndex(shape, PoliciesConfig(), runtime)
 
 
 def _k(i: int) -> bytes:
     return i.to_bytes(32, "little")
+
+
+def test_the_index_refuses_a_shape_its_policies_cannot_use():
+    """IndexShape.check: write-through needs an NVMe tier, and some tier must exist."""
+    with pytest.raises(ConfigError, match="write_policy='write_through' needs an NVMe tier"):
+        BlockIndex(IndexShape(4096, 16, host_blocks=4), PoliciesConfig(write_policy="write_through"))
+    with pytest.raises(ConfigError, match="every tier is disabled"):
+        BlockIndex(IndexShape(4096, 16), PoliciesConfig())
+    ix = BlockIndex(IndexShape(4096, 16, nvme_blocks=0), PoliciesConfig(write_policy="write_through"))
+    assert ix.tiers == [Tier.NVME]
+
+
+def test_a_growing_row_table_keeps_every_room_on_its_new_arrays():
+    """The RowTable replaces its arrays when it grows (index/rows.py); the rooms that share it
+    (pins, placement, completion, introspection) must all see the new ones: a pin taken before
+    the growth still protects its blocks, the blocks stored across it are all resident, and the
+    slots, flags and policies agree afterwards."""
+    ix = _index(host_blocks=8, nvme=True)
+    ns = bytes(32)
+    first = [_k(i) for i in range(8)]
+    ix.complete_store(ix.prepare_store(ns, first))
+    ix.pin(ns, first[:2], lease_s=100.0)
+    cap = ix.rows.table.capacity_rows
+    keys = [_k(1000 + i) for i in range(2 * cap)]
+    plan = ix.prepare_store(ns, keys)
+    ix.complete_store(plan, nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
+                      demote_statuses={d.row: Status.OK for d in plan.nvme_demote})
+    assert ix.rows.table.capacity_rows > cap
+    assert ix.state_of(first[0]) is BlockState.PINNED and Tier.HOST in ix.tiers_of(first[0])
+    assert ix.probe(keys) == len(keys)
+    assert ix.resident_blocks()["host"] == 8
+    ix.pin(ns, keys[-1:], lease_s=100.0)
+    assert ix.state_of(keys[-1]) is BlockState.PINNED
+    ix.check_invariants(quiescent=True)
 
 
 def test_abandoned_prepare_store_leaks_nothing():

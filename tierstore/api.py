@@ -429,7 +429,7 @@ class KVStore:
                               f"{len(keys)} full blocks (partial tails are never stored)")
         sel = keys[start_block:start_block + len(sources)]
         toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(sources)]
-                if self._index.config.verify_tokens else None)
+                if self._index.settings.verify_tokens else None)
         return self._store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
 
     @_open_call
@@ -508,7 +508,7 @@ class KVStore:
             raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
         toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
-                if self._index.config.verify_tokens else None)
+                if self._index.settings.verify_tokens else None)
         return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
                            start_block, toks, wait)
 
@@ -603,7 +603,7 @@ class KVStore:
         :meth:`release`. See :meth:`tierstore.index.BlockIndex.lookup`.
         """
         keys = self.keys_for(ns, token_ids)
-        toks = self._token_blocks(token_ids, len(keys)) if self._index.config.verify_tokens else None
+        toks = self._token_blocks(token_ids, len(keys)) if self._index.settings.verify_tokens else None
         res = self._touched(self._index.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids)))
         return self._with_remote(res, keys, self.digest(ns))
 
@@ -1026,7 +1026,7 @@ class KVStore:
             return
 
         def run() -> int:
-            plan = self._index.prepare_flush(max(n, self._index.config.evict_batch_blocks), coldest_first=True)
+            plan = self._index.prepare_flush(max(n, self._index.settings.evict_batch_blocks), coldest_first=True)
             if plan is None:
                 return 0
             try:
@@ -1059,7 +1059,7 @@ class KVStore:
     @property
     def cost_model(self):
         """The load-versus-recompute model (:class:`tierstore.policies.cost.CostModel`)."""
-        return self._index.config.cost
+        return self._index.runtime.cost
 
     @_open_call
     def flush(self, timeout_s: float | None = None, max_bytes: int | None = None) -> int:
@@ -1075,7 +1075,7 @@ class KVStore:
             return 0
         t_end = None if timeout_s is None else time.monotonic() + timeout_s
         budget = None if max_bytes is None else max(0, max_bytes) // self.layout.bytes_per_block
-        batch = max(8, self._index.config.evict_batch_blocks * 8)
+        batch = max(8, self._index.settings.evict_batch_blocks * 8)
         n = 0
         while (t_end is None or time.monotonic() < t_end) and (budget is None or n < budget):
             plan = self._index.prepare_flush(batch if budget is None else min(batch, budget - n))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import time
 from typing import Any, Callable
 
 from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
@@ -49,7 +50,7 @@ from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateSh
 from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
 from .fdp.simdevice import SimFdpDevice
-from .index import BlockIndex, IndexConfig
+from .index import BlockIndex, IndexRuntime, IndexShape
 from .io.engine import IOEngine
 from .io.factory import open_engine
 from .io.null import NullEngine
@@ -399,31 +400,27 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
     try:
         geo.setdefault("description", "memory only" if nvme is None else "NVMe backend given by the caller")
         admit = admit if admit is not None else make_admission(p.admission)
-        icfg = IndexConfig(
-            block_bytes=bb, tokens_per_block=layout.tokens_per_block, hbm_blocks=nh, host_blocks=nc,
-            nvme=nvme is not None, nvme_blocks=nvme.capacity_blocks() if nvme is not None else 0,
-            promotion=p.promotion, eviction=p.eviction, evict_batch_blocks=p.evict_batch_blocks,
-            write_policy=p.write_policy, verify_tokens=p.verify_tokens, pin_quota_bytes=p.pin_quota_bytes,
-            default_lease_s=p.default_lease_s, admit_to_nvme=admit,
-            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
+        shape = IndexShape(bb, layout.tokens_per_block, hbm_blocks=nh, host_blocks=nc,
+                           nvme_blocks=nvme.capacity_blocks() if nvme is not None else None)
+        runtime = IndexRuntime(
+            clock=clock if clock is not None else time.monotonic,
             classify=classify if classify is not None else make_classifier(p.classifier),
-            reinsert=make_reinsert(reinsert if reinsert is not None else p.reinsert),
-            cost=cost if cost is not None else CostModel())
-        if clock is not None:
-            icfg.clock = clock
-        index = BlockIndex(icfg)
+            admit=admit, reinsert=make_reinsert(reinsert if reinsert is not None else p.reinsert),
+            cost=cost if cost is not None else CostModel(),
+            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict")
+        index = BlockIndex(shape, p, runtime)
         if nvme is not None:
             if nvme.block_bytes != bb:
                 raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
-            nvme.set_listener(index)
+            nvme.set_listener(index.listener)
             stored = nvme.scan()
-            index.adopt_nvme(stored.keys, stored.ns_digests)
+            index.listener.adopt(stored.keys, stored.ns_digests)
         remote = share = None
         if cfg.remote is not None:
             remote, share = _open_remote(cfg, bb, index)
         mover = make_movers(pools, nvme, placement.placement_for if placement.enabled else None, remote)
         if remote is not None:  # remote loads are priced from measured Mooncake transfers
-            remote.set_load_observer(lambda n, secs: index.config.cost.observe_load("remote", n * bb, secs, n))
+            remote.set_load_observer(lambda n, secs: index.runtime.cost.observe_load("remote", n * bb, secs, n))
         return StoreParts(layout, cfg, index, mover, pools, nvme, placement, ftl, device, shim, geo, remote, share)
     except BaseException:
         if opened is not None:  # the NVMe tier this assembly opened: closed, and a file it created removed

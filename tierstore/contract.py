@@ -172,7 +172,7 @@ class StorePlan:
     lost : list of (bytes, Tier, int)
         ``(key, tier, slot)`` of victims that leave the last tier holding them
         (no lower memory copy, not written to NVMe). With
-        ``IndexConfig.remote_victims`` the mover offers them to the shared
+        ``IndexRuntime.remote_victims`` the mover offers them to the shared
         remote tier before their slot is reused; otherwise empty.
     given : set of (Tier, int)
         Victims' slots handed on (to a new block or a demoted victim) rather than freed.

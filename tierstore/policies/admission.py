@@ -6,8 +6,8 @@ reused (Mooncake, FAST 2025: 182,790 unique of 288,500 block references). An
 admission policy decides, when a block is demoted from the last memory tier,
 whether it is written to NVMe or dropped. It is separate from eviction (a
 policy only picks victims) and plugs into
-:attr:`tierstore.index.IndexConfig.admit_to_nvme` (the index asks it in
-``_victimize``, where a victim's fate is decided).
+:attr:`tierstore.index.IndexRuntime.admit` (the index asks it in
+``Placement.victimize``, where a victim's fate is decided).
 
 :class:`SecondSightingAdmission` admits a block when
 

@@ -1,0 +1,412 @@
+"""Phase two of every plan: what the mover did becomes the index's state (the completion room).
+
+:class:`Completion` applies a plan's outcome under the index lock: victims written to NVMe,
+copied down or gone (:meth:`apply_victims`); new blocks made visible, or forgotten when their
+write failed, with the rest of the chain (:meth:`complete_new`, :meth:`complete_failed`); a plan
+the mover failed midway undone or completed by how far it got (:meth:`undo_store`,
+:meth:`forget_new`); loads, promotions and flushes (``finish_*``). It also owns a row's end: a
+row with no copy left is dropped (:meth:`forget_if_empty`), one still in use is hidden now and
+freed by its last user (:meth:`doom`, :meth:`maybe_free_doomed`). It runs under the index lock
+(``BlockIndex._lock``) and has none of its own; its ``idle`` condition is the index's.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Sequence
+
+from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
+from ..errors import InvariantError, Status
+from ..metrics import Metrics
+from ..policies.cost import CostModel
+from .introspect import EventLog
+from .placement import Placement
+from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, EntryView,
+                   RowTable)
+
+_STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
+
+
+class Completion:
+    """Applies plan outcomes to the rows (called under the index lock).
+
+    Parameters
+    ----------
+    rows : RowTable
+    placement : Placement
+        Its slot allocators, eviction policies and admission-rejected keys.
+    metrics : Metrics
+        The index's counters.
+    events : EventLog
+    idle : threading.Condition
+        The index's condition on its lock; notified when a doomed row is freed.
+    clock : callable
+        Seconds, monotonic (the index's clock).
+    tokens_per_block : int
+    cost : CostModel
+        Fed the measured NVMe load bandwidth.
+    """
+
+    def __init__(self, rows: RowTable, placement: Placement, metrics: Metrics, events: EventLog,
+                 idle: threading.Condition, clock: Callable[[], float], tokens_per_block: int,
+                 cost: CostModel) -> None:
+        self.rows = rows
+        self.placement = placement
+        self.alloc = placement.alloc
+        self.policies = placement.policies
+        self.metrics = metrics
+        self.events = events
+        self._idle = idle
+        self._clock = clock
+        self.block_bytes = rows.block_bytes
+        self.tokens_per_block = tokens_per_block
+        self.cost = cost
+
+    # ================================================================ phase two of each plan
+    def finish_store(self, plan: StorePlan, nvme_statuses: dict, demote_statuses: dict, failed: bool,
+                     now: float) -> list[Status]:
+        """Body of :meth:`BlockIndex.complete_store` (the plan is marked done and counted by the caller)."""
+        if failed:
+            if plan.moved == StorePlan.NOTHING_DONE:
+                self.undo_store(plan)
+            else:
+                c = {"store_failed_midway": 1}
+                self.apply_victims(plan, now, c, plan.demote_statuses,
+                                   copies_done=plan.moved >= StorePlan.COPIES_DONE)
+                self.forget_new(plan)
+                self.metrics.add(c)
+            return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
+        c: dict = {}
+        self.apply_victims(plan, now, c, demote_statuses)
+        self.complete_new(plan, dict(nvme_statuses), now, c)
+        self.metrics.add(c)
+        return list(plan.statuses)
+
+    def finish_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool,
+                    nvme_s: float | None) -> list:
+        """Body of :meth:`BlockIndex.complete_load`: release the holds, record the outcome. Returns the
+        loaded blocks worth promoting, ``(i, row, source tier)``."""
+        c: dict = {}
+        lead = 0
+        for s in statuses:
+            if s is not Status.OK:
+                break
+            lead += 1
+        nvme_ok = 0
+        promos: list = []
+        readers, flags = self.rows.readers, self.rows.flags  # the table cannot grow in here
+        for i, (r, src, st) in enumerate(zip(plan.rows, plan.sources, statuses)):
+            if src is None:
+                continue
+            readers[r] -= 1
+            if readers[r] < 0:
+                raise InvariantError("readers went negative")
+            t = src[0]
+            c[f"load_bytes_{t.label}"] = c.get(f"load_bytes_{t.label}", 0) + self.block_bytes
+            if st is Status.OK:
+                if t == Tier.NVME:
+                    nvme_ok += 1
+                if promote and t != Tier.HBM and not flags[r] & DOOMED:
+                    promos.append((i, r, t))
+            elif st is Status.IO_ERROR:
+                c["io_errors"] = c.get("io_errors", 0) + 1
+                if t == Tier.NVME and flags[r] & ON_NVME:
+                    flags[r] &= 0xFF ^ ON_NVME  # never serve it again
+                    self.forget_if_empty(r, plan.keys[i])
+            self.maybe_free_doomed(r)
+        # Metrics count the leading run only: that is what the engine uses.
+        c["loaded_blocks"] = lead
+        c["reused_tokens"] = lead * self.tokens_per_block
+        c["nvme_read_bytes"] = nvme_ok * self.block_bytes
+        self.metrics.add(c)
+        if nvme_s is not None and nvme_ok:
+            self.cost.observe_load("nvme", nvme_ok * self.block_bytes, nvme_s, nvme_ok)
+        return promos
+
+    def finish_promote(self, plan: PromotePlan, ok: Sequence[bool], now: float) -> None:
+        """Body of :meth:`BlockIndex.complete_promote`: the victims' fate, then each copy that landed."""
+        c: dict = {}
+        self.apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
+        for (i, r, t, s), good in zip(plan.items, ok):
+            self.rows.readers[r] -= 1
+            if good and not self.rows.flags[r] & DOOMED and self.rows.slot[t][r] < 0:
+                self.rows.set_slot(r, t, s)
+                key = self.rows.table.key_of(r)
+                self.policies[t].on_insert(self.rows.view(r, key), now)
+                src = "host" if self.rows.slot[Tier.HOST][r] >= 0 and t == Tier.HBM else "nvme"
+                c[f"promotions_{src}_{t.label}"] = c.get(f"promotions_{src}_{t.label}", 0) + 1
+                self.events.add("promoted", key, t)
+            else:
+                self.alloc[t].give(s)
+            self.maybe_free_doomed(r)
+        self.metrics.add(c)
+
+    def finish_flush(self, plan: StorePlan, demote_statuses: dict[int, Status]) -> int:
+        """Body of :meth:`BlockIndex.complete_flush`; returns blocks now on NVMe."""
+        n = 0
+        for d in plan.nvme_demote:
+            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+            self.rows.readers[d.row] -= 1
+            if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
+                self.rows.flags[d.row] |= ON_NVME
+                self.rows.nvme_at[d.row] = self._clock()
+                n += 1
+            self.maybe_free_doomed(d.row)
+        self.metrics.add({"flushed_blocks": n, "nvme_write_bytes": n * self.block_bytes})
+        return n
+
+    def complete_new(self, plan: StorePlan, nv: dict, now: float, c: dict) -> None:
+        """Make a plan's new blocks visible (or forget them): the common case
+        vectorised, failures and doomed rows one by one."""
+        pending = plan.pending
+        if not pending:
+            return
+        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)),
+                          default=None) if nv else None
+        prows = [plan.rows[i] for i in pending]
+        if failed_from is None and not (self.rows.flags[prows] & DOOMED).any():
+            good = pending
+        else:
+            good = self.complete_failed(plan, pending, nv, failed_from, c)
+            if not good:
+                return
+        in_good = None if len(good) == len(pending) else set(good)
+        bb = self.block_bytes
+        in_mem: set | None = set() if nv else None
+        for t in MEMORY_TIERS:
+            sel = [(i, s_) for i, tt, s_ in plan.memory if tt == t and (in_good is None or i in in_good)]
+            if not sel:
+                continue
+            rows = [plan.rows[i] for i, _ in sel]
+            self.rows.slot[t][rows] = [s_ for _, s_ in sel]
+            self.rows.flags[rows] |= IN[t]
+            kt = [plan.keys[i] for i, _ in sel]
+            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self.rows, rows[j], kt[j]), now)
+            if in_mem is not None:
+                in_mem.update(i for i, _ in sel)
+            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
+        rows_good = [plan.rows[i] for i in good]
+        self.rows.flags[rows_good] &= 0xFF ^ PENDING
+        if nv:
+            on_nvme = [i for i in good if i in nv]
+            if on_nvme:
+                self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
+                self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
+                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
+                only = sum(1 for i in on_nvme if i not in in_mem)
+                if only:
+                    c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
+        if self.placement.rejected:
+            for i in good:
+                self.placement.rejected.pop(plan.keys[i], None)
+        if self.events.on:
+            mem = {i: t for i, t, _ in plan.memory}
+            for i in good:
+                self.events.add("stored", plan.keys[i], mem.get(i, Tier.NVME))
+        st = plan.statuses
+        for i in good:
+            st[i] = Status.OK
+        c["store_ok"] = c.get("store_ok", 0) + len(good)
+
+    def complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
+                        c: dict) -> list[int]:
+        """:meth:`complete_new` when a write failed or a row was doomed meanwhile:
+        forget the failed blocks (and the rest of the chain after the first
+        failure), free doomed rows. Returns the indices still to make visible."""
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        good: list[int] = []
+        for i in pending:
+            r = plan.rows[i]
+            doomed = bool(self.rows.flags[r] & DOOMED)
+            ok = failed_from is None or i < failed_from
+            if i in nv and nv[i] not in (Status.OK, Status.EXISTS):
+                plan.statuses[i] = nv[i]
+                ok = False
+            elif not ok:
+                plan.statuses[i] = Status.NO_SPACE
+            if ok and not doomed:
+                good.append(i)
+                continue
+            if i in mem:
+                t, s_ = mem[i]
+                self.alloc[t].give(s_)
+            if doomed:
+                plan.statuses[i] = plan.statuses[i] or Status.OK
+                self.rows.doomed.discard(r)
+                self.rows.release_row(r, self.alloc)
+            else:
+                self.rows.drop_new(r)
+            name = "store_failed" if not ok else "store_doomed"
+            c[name] = c.get(name, 0) + 1
+        return good
+
+    def apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
+                      copies_done: bool = True) -> None:
+        """Record what happened to a plan's victims (under the lock): written to
+        NVMe (by ``demote_statuses``), copied down into memory (if
+        ``copies_done``; else their destination slots are freed), and gone
+        from the tier they were evicted from."""
+        demote_statuses = demote_statuses or {}
+        # 1. victims written to NVMe
+        for d in plan.nvme_demote:
+            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+            st = demote_statuses.get(d.row, Status.IO_ERROR)
+            if st in (Status.OK, Status.EXISTS):
+                self.rows.flags[d.row] |= ON_NVME
+                self.rows.nvme_at[d.row] = now
+                c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
+                c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes
+                self.events.add("demoted", d.key, Tier.NVME)
+            else:
+                c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
+        # 2. victims copied down into memory
+        for d in (plan.copies if copies_done else ()):
+            self.rows.set_slot(d.row, d.dst, d.dst_slot)
+            self.policies[d.dst].on_insert(self.rows.view(d.row, d.key), now)
+            c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
+            self.events.add("demoted", d.key, d.dst)
+        if not copies_done:  # each destination was a free slot or a victim's (given): free it
+            for d in plan.copies:
+                self.alloc[d.dst].give(d.dst_slot)
+        # 3. victims leave their tier
+        given = plan.given
+        for r, t, s in plan.frees:
+            self.rows.flags[r] &= 0xFF ^ EVICT[t]
+            key = self.rows.table.key_of(r)
+            self.policies[t].on_remove(key)
+            if self.rows.slot[t][r] == s:
+                self.rows.set_slot(r, t, -1)
+            if (t, s) not in given:
+                self.alloc[t].give(s)
+            self.events.add("removed", key, t)
+            self.forget_if_empty(r, key)
+
+    def forget_new(self, plan: StorePlan) -> None:
+        """A failed plan's new blocks: their memory slots (fresh or a victim's) go
+        back to the free lists, their rows are dropped."""
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        for i in plan.pending:
+            if i in mem:
+                t, s = mem[i]
+                self.alloc[t].give(s)
+            r = plan.rows[i]
+            if r >= 0:
+                if self.rows.flags[r] & DOOMED:
+                    self.rows.doomed.discard(r)
+                    self.rows.release_row(r, self.alloc)
+                else:
+                    self.rows.drop_new(r)
+            plan.statuses[i] = Status.IO_ERROR
+
+    def undo_store(self, plan: StorePlan) -> None:
+        """The mover failed before anything was applied: release the plan's reservations."""
+        given = plan.given
+        for d in plan.nvme_demote:
+            self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
+        for r, t, s in plan.frees:
+            self.rows.flags[r] &= 0xFF ^ EVICT[t]
+        mem = {i: (t, s) for i, t, s in plan.memory}
+        for d in plan.copies:
+            if (d.dst, d.dst_slot) not in given:
+                self.alloc[d.dst].give(d.dst_slot)
+        for i in plan.pending:
+            if i in mem:
+                t, s = mem[i]
+                if (t, s) not in given:
+                    self.alloc[t].give(s)
+            r = plan.rows[i]
+            if r >= 0:
+                if self.rows.flags[r] & DOOMED:
+                    self.rows.doomed.discard(r)
+                    self.rows.release_row(r, self.alloc)
+                else:
+                    self.rows.drop_new(r)
+            plan.statuses[i] = Status.IO_ERROR
+
+    def forget_if_empty(self, row: int, key: bytes) -> None:
+        """Drop the row when no copy is left (and nobody uses it)."""
+        f = int(self.rows.flags[row])
+        if f & (PENDING | NVME_WRITING):
+            return
+        if self.rows.slot[Tier.HBM][row] >= 0 or self.rows.slot[Tier.HOST][row] >= 0 or f & ON_NVME:
+            return
+        self.metrics.inc("dropped_blocks")
+        self.events.add("dropped", key)
+        if self.rows.refs[row] > 0 or self.rows.readers[row] > 0:
+            self.doom(row, key)
+            return
+        self.rows.tokens.pop(row, None)
+        self.rows.table.remove(key)
+        self.rows.flags[row] = 0
+
+    def doom(self, row: int, key: bytes) -> None:
+        """Hide ``row`` now; its memory is freed when its last user goes."""
+        if self.rows.flags[row] & DOOMED:
+            return
+        self.rows.flags[row] |= DOOMED
+        self.rows.table.detach(key)
+        self.rows.doomed.add(row)
+
+    def maybe_free_doomed(self, row: int) -> None:
+        if (row in self.rows.doomed and self.rows.refs[row] == 0 and self.rows.readers[row] == 0
+                and not self.rows.flags[row] & (PENDING | NVME_WRITING | EVICT_HBM | EVICT_HOST)):
+            self.rows.doomed.discard(row)
+            self.rows.release_row(row, self.alloc)
+            self._idle.notify_all()
+
+    def remove_namespace(self, ns: bytes) -> tuple[int, list[int]]:
+        """Hide every row of namespace ``ns`` (a known one); rows of stores in flight are doomed
+        and discarded when their store completes. Returns ``(rows hidden, those still pending)``."""
+        rt = self.rows
+        rows = rt.table.rows()
+        rows = rows[rt.ns[rows] == rt.ns_ids[ns]]
+        keys = rt.table.keys_of(rows.tolist())
+        pending = []
+        for r, k in zip(rows.tolist(), keys):
+            if rt.flags[r] & PENDING:
+                rt.flags[r] |= DOOMED
+                rt.table.detach(k)
+                rt.doomed.add(r)
+                pending.append(r)
+            else:
+                self.remove_row(r, k)
+        return len(keys), pending
+
+    def remove_keys(self, keys: Iterable[bytes]) -> int:
+        """Remove the visible rows of ``keys``; returns how many there were."""
+        n = 0
+        for k in keys:
+            r = self.rows.table.get(k)
+            if r >= 0 and not self.rows.flags[r] & PENDING:
+                self.remove_row(r, k)
+                n += 1
+        return n
+
+    def remove_all(self) -> int:
+        """Remove every visible row; returns how many there were."""
+        rows = self.rows.table.rows()
+        keys = self.rows.table.keys_of(rows.tolist())
+        n = 0
+        for r, k in zip(rows.tolist(), keys):
+            if not self.rows.flags[r] & PENDING:
+                self.remove_row(r, k)
+                n += 1
+        return n
+
+    def remove_row(self, row: int, key: bytes) -> None:
+        for t in MEMORY_TIERS:
+            if self.rows.slot[t][row] >= 0 and not self.rows.flags[row] & EVICT[t]:
+                self.policies[t].on_remove(key)
+        self.rows.flags[row] &= 0xFF ^ ON_NVME
+        self.events.add("invalidated", key)
+        if (self.rows.refs[row] > 0 or self.rows.readers[row] > 0
+                or self.rows.flags[row] & (EVICT_HBM | EVICT_HOST | NVME_WRITING)):
+            self.doom(row, key)
+            return
+        for t in MEMORY_TIERS:
+            s = int(self.rows.slot[t][row])
+            if s >= 0:
+                self.alloc[t].give(s)
+                self.rows.set_slot(row, t, -1)
+        self.rows.tokens.pop(row, None)
+        self.rows.table.remove(key)
+        self.rows.flags[row] = 0

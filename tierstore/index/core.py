@@ -1,0 +1,716 @@
+"""The block index: it decides, it never moves bytes (ARCHITECTURE.md, "The two-phase contract").
+
+Three tiers, fastest first: ``HBM`` (a device block pool), ``HOST`` (a pinned host block pool)
+and ``NVME`` (the segment store). An *entry* is one full block of KV, keyed by its 32-byte
+chained prefix hash (:mod:`tierstore.identity`); it may have copies in several tiers.
+
+Every operation that moves bytes has two phases (vLLM's ``OffloadingManager``): ``prepare_*``
+runs under the index lock and returns a *plan* (which block goes to which slot of which tier,
+which victims leave, which are demoted and with which lifetime class); the mover executes it
+without the lock; ``complete_*`` applies the outcome under the lock. A lookup never waits for a
+copy or an I/O, and a block's placement is decided in one place (:meth:`BlockIndex.prepare_store`,
+through :class:`~tierstore.index.placement.Placement`). A prepared plan that is never executed
+leaks nothing once aborted (``abort_store``, ``abort_load``).
+
+:class:`BlockIndex` holds the one lock (``_lock``, an RLock, and its ``_idle`` condition), the
+count of plans in flight and the NVMe reads in flight (delay hits); its rooms run under that
+lock: ``rows`` (:class:`~tierstore.index.rows.RowTable`), ``placement``, ``completion``
+(phase two), ``pins`` (references and leases), ``listener`` (the NVMe region manager's
+callbacks) and ``introspect``. *Residency* is separate from *request references*: a block is
+``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or ``EVICTABLE``; one that is active,
+pinned, being read, stored or evicted is never a victim and is copied forward on reclaim.
+
+Exact-hit rule: only full blocks are stored and matched; a partial tail is recomputed and
+counted in ``partial_tail_tokens``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan,
+                        StorePlan, Tier)
+from ..errors import ConfigError, InvariantError, Status
+from ..fdp.lifetime import LifetimeClass, class_from_hint
+from ..metrics import Metrics
+from ..policies.cost import CostModel
+from ..policies.lifetime import default_classify
+from .completion import Completion
+from .introspect import EventLog, Introspection
+from .listener import NvmeListener
+from .pins import Pins
+from .placement import Placement
+from .rows import NO_HINT, PENDING, EntryView, RowTable
+
+_TIER_OF_INT = tuple(Tier)
+_LABELS = {int(t): t.name.lower() for t in Tier}
+_HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexShape:
+    """Slot counts of a :class:`BlockIndex` (``build.assemble`` computes them from the layout and
+    the tiers' capacities).
+
+    Parameters
+    ----------
+    block_bytes : int
+        Bytes per block (every tier's slot size).
+    tokens_per_block : int
+    hbm_blocks, host_blocks : int
+        Slots of the memory tiers (0 disables a tier).
+    nvme_blocks : int or None
+        Capacity of the NVMe tier in blocks (sizes the row arrays); ``None``: no NVMe tier.
+    """
+
+    block_bytes: int
+    tokens_per_block: int
+    hbm_blocks: int = 0
+    host_blocks: int = 0
+    nvme_blocks: int | None = None
+
+    @property
+    def nvme(self) -> bool:
+        return self.nvme_blocks is not None
+
+    def check(self, policies) -> None:
+        """The checks that need both the shape and the policies (the policies' own values are
+        validated by their model, :class:`~tierstore.config.PoliciesConfig`).
+
+        Raises
+        ------
+        ConfigError
+            For ``write_through`` without an NVMe tier, or when every tier is disabled.
+        """
+        if policies.write_policy == "write_through" and not self.nvme:
+            raise ConfigError("write_policy='write_through' needs an NVMe tier")
+        if self.hbm_blocks == 0 and self.host_blocks == 0 and not self.nvme:
+            raise ConfigError("every tier is disabled: give a memory tier capacity or an NVMe tier")
+
+
+@dataclasses.dataclass
+class IndexRuntime:
+    """The resolved objects of a :class:`BlockIndex` that a configuration file cannot carry.
+
+    Parameters
+    ----------
+    clock : callable
+        Seconds, monotonic. Tests pass a fake clock.
+    classify : callable
+        ``f(entry, now_s) -> LifetimeClass`` when a block is written to NVMe
+        (:func:`tierstore.policies.lifetime.make_classifier`).
+    admit : callable or None
+        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash (``None``: admit all).
+    reinsert : callable or None
+        ``f(entry, now_s) -> bool``: keep (copy forward) an evictable block when its NVMe region
+        is evicted. ``None``: only blocks in use are kept.
+    cost : CostModel
+        Load-versus-recompute model for useful hits.
+    remote_victims : bool
+        List victims that would be lost in ``StorePlan.lost`` (the shared remote tier's
+        ``publish: evict`` mode, :mod:`tierstore.remote`).
+    """
+
+    clock: Callable[[], float] = time.monotonic
+    classify: Callable = default_classify
+    admit: Callable | None = None
+    reinsert: Callable | None = None
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+    remote_victims: bool = False
+
+
+class BlockIndex:
+    """Block index, refcounts, pins, states, victim choice and placement decisions.
+
+    Thread-safe: every method takes the index lock, and none holds it across a
+    copy or an I/O. See the module doc for the two-phase contract.
+
+    Parameters
+    ----------
+    shape : IndexShape
+    policies : PoliciesConfig
+        The policy names and limits (:class:`tierstore.config.PoliciesConfig`, read as is:
+        ``eviction``, ``promotion``, ``write_policy``, ``evict_batch_blocks``, ``verify_tokens``,
+        ``pin_quota_bytes``, ``default_lease_s``).
+    runtime : IndexRuntime, optional
+
+    Raises
+    ------
+    ConfigError
+        From :meth:`IndexShape.check`.
+
+    Attributes
+    ----------
+    rows, placement, completion, pins, listener, introspect
+        The rooms (module doc); ``listener`` is what ``build`` hands the NVMe tier.
+    """
+
+    def __init__(self, shape: IndexShape, policies, runtime: IndexRuntime | None = None) -> None:
+        shape.check(policies)
+        self.shape = shape
+        self.settings = policies
+        self.runtime = runtime = runtime if runtime is not None else IndexRuntime()
+        self.block_bytes = shape.block_bytes
+        self.tokens_per_block = shape.tokens_per_block
+        c = shape
+        self.rows = RowTable(max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes)
+        self.metrics = Metrics()
+        self.placement = Placement(
+            self.rows, self.metrics, hbm_blocks=c.hbm_blocks, host_blocks=c.host_blocks, nvme=c.nvme,
+            eviction=policies.eviction, write_policy=policies.write_policy, promotion=policies.promotion,
+            evict_batch_blocks=policies.evict_batch_blocks, admit=runtime.admit,
+            classify=runtime.classify, remote_victims=runtime.remote_victims)
+        self.tiers = self.placement.tiers
+        self.policies = self.placement.policies
+        self._alloc = self.placement.alloc
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._pending_plans = 0
+        self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
+        self.events = EventLog(self._lock)
+        self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
+                                     self._now, c.tokens_per_block, runtime.cost)
+        self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
+                         policies.default_lease_s,
+                         self.completion.maybe_free_doomed)
+        self.listener = NvmeListener(self.rows, self._lock, self._now, runtime.reinsert, self.metrics, self.events,
+                                     self.completion.forget_if_empty)
+        self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
+                                        self.policies, self.pins)
+
+    # ================================================================ helpers
+    def _now(self) -> float:
+        return self.runtime.clock()
+
+    @property
+    def record_events(self) -> bool:
+        """Whether events are recorded for :meth:`take_events` (tests turn it on)."""
+        return self.events.on
+
+    @record_events.setter
+    def record_events(self, on: bool) -> None:
+        self.events.on = on
+
+    def take_events(self) -> list[tuple]:
+        """Drain recorded events ``(kind, key, tier label)`` (``record_events`` must be on)."""
+        return self.events.take()
+
+    # ================================================================ queries
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys resident. Takes no reference, touches no recency, counts no hit."""
+        with self._lock:
+            tops = self.rows.tops(self.rows.table.get_many(keys))
+            miss = (tops < 0).nonzero()[0]
+            return int(miss[0]) if miss.size else len(tops)
+
+    def resident(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether a readable copy exists. Touches nothing."""
+        with self._lock:
+            return (self.rows.tops(self.rows.table.get_many(keys)) >= 0).tolist()
+
+    def lookup(self, keys: Sequence[bytes], tokens: Sequence[np.ndarray] | None = None,
+               request_id: object = None, num_prompt_tokens: int | None = None) -> LookupResult:
+        """Longest resident prefix of ``keys``.
+
+        Parameters
+        ----------
+        keys : sequence of bytes
+            Chained hashes of the prompt's full blocks.
+        tokens : sequence of numpy.ndarray, optional
+            Token ids per block; compared with stored ids when ``verify_tokens`` is on.
+        request_id : hashable, optional
+            Each matched block gets a request reference (ACTIVE) until :meth:`release`.
+        num_prompt_tokens : int, optional
+            The prompt length, for the partial-tail metric.
+
+        Returns
+        -------
+        LookupResult
+        """
+        now = self._now()
+        n = len(keys)
+        T = self.tokens_per_block
+        with self._lock:
+            rows = self.rows.table.get_many(keys)
+            tops = self.rows.tops(rows)
+            m = self._match(rows, tops, tokens)
+            if m < n and self.placement.rejected:
+                self._count_rejected(keys, m)
+            c = {"lookups": 1, "lookup_blocks": n}
+            if m:
+                tiers, load_s, useful, reason = self._record_hits(keys, rows, tops, m, request_id, now, c)
+                mkeys = list(keys[:m])
+            else:
+                tiers, load_s, useful, reason, mkeys = [], [], 0, None, []
+            c["useful_blocks"] = useful
+            if num_prompt_tokens is not None:
+                c["prompt_tokens"] = num_prompt_tokens
+                c["partial_tail_tokens"] = num_prompt_tokens - n * T
+            self.metrics.add(c)
+        return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id, reason)
+
+    def _match(self, rows: np.ndarray, tops: np.ndarray, tokens: Sequence[np.ndarray] | None) -> int:
+        """Length of the leading run of readable rows (whose stored token ids, with
+        ``verify_tokens``, equal ``tokens``)."""
+        bad = (tops < 0).nonzero()[0]
+        m = int(bad[0]) if bad.size else len(tops)
+        if self.settings.verify_tokens and tokens is not None:
+            stored = self.rows.tokens
+            for i in range(m):
+                r = int(rows[i])
+                if r in stored and not np.array_equal(stored[r], np.asarray(tokens[i], dtype=np.int64)):
+                    self.metrics.inc("verify_mismatch")
+                    return i
+        return m
+
+    def _count_rejected(self, keys: Sequence[bytes], m: int) -> None:
+        """If the first miss ``keys[m]`` was kept off NVMe by admission, count the run of such keys."""
+        rejected = self.placement.rejected
+        if keys[m] not in rejected:
+            return
+        lost = 0
+        for k2 in keys[m:]:
+            if k2 not in rejected:
+                break
+            lost += 1
+        self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
+
+    def _record_hits(self, keys: Sequence[bytes], rows: np.ndarray, tops: np.ndarray, m: int,
+                     request_id: object, now: float, c: dict) -> tuple[list, float, int, str | None]:
+        """The ``m`` matched blocks were hit: recency, policies, request references, counters into
+        ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
+        n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
+        mr = rows[:m] if m < n else rows
+        mt = tops[:m] if m < n else tops
+        self.rows.hits[mr] += 1
+        self.rows.last[mr] = now
+        lr = mr.tolist()
+        lt = mt.tolist()
+        counts = np.bincount(mt, minlength=3).tolist()
+        for t in MEMORY_TIERS:
+            if counts[t]:
+                if counts[t] == m:
+                    kt, rt = keys if m == n else keys[:m], lr
+                else:
+                    sel = [j for j, tt in enumerate(lt) if tt == t]
+                    kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
+                self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+        if request_id is not None:
+            self.rows.refs[mr] += 1
+            self.pins.reference(request_id, lr)
+        cost = self.runtime.cost
+        present = [t for t in range(3) if counts[t]]
+        if len(present) == 1:  # one load call per tier: its latency is paid once
+            load_s = cost.tier_load_s(_LABELS[present[0]], bb, m)
+        else:
+            load_s = cost.chain_load_s([_LABELS[t] for t in lt], bb)
+        useful = cost.useful_prefix(load_s, T)
+        reason = None
+        if useful < m:
+            reason = cost.not_useful_reason([_LABELS[t] for t in lt], load_s, useful, bb, T)
+        c["lookup_hits"] = 1
+        c["hit_blocks"] = m
+        c["matched_tokens"] = m * T
+        for t in range(3):
+            if counts[t]:
+                c[_HIT_COUNTER[t]] = counts[t]
+        return list(map(_TIER_OF_INT.__getitem__, lt)), load_s, useful, reason
+
+    # ================================================================ store
+    def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
+                      first_position: int = 0, tokens: Sequence[np.ndarray] | None = None) -> StorePlan:
+        """Decide where each new block goes (phase one of a store).
+
+        Parameters
+        ----------
+        ns : bytes
+            32-byte namespace digest.
+        keys : sequence of bytes
+            Chained block keys, in chain order.
+        lifetime : LifetimeClass or str, optional
+            Engine hint (``"system"``, ``"conversation"``, ``"query"``).
+        first_position : int
+            Chain position of ``keys[0]``.
+        tokens : sequence of numpy.ndarray, optional
+            Token ids per block (kept with ``verify_tokens``).
+
+        Returns
+        -------
+        StorePlan
+            Keys already stored or in flight are ``EXISTS``; a block that fits
+            nowhere is ``NO_SPACE``, and so is every later block of the chain
+            (they would be unreachable).
+        """
+        hint = class_from_hint(lifetime)
+        hint_i = NO_HINT if hint is None else int(hint)
+        now = self._now()
+        n = len(keys)
+        plan = StorePlan(list(keys), [None] * n, [-1] * n, ns=ns)
+        with self._lock:
+            nid = self.rows.intern(ns)
+            rows = self.rows.table.get_many(keys)
+            # doomed rows are detached from the key table: a row found is live
+            have = (rows >= 0).nonzero()[0].tolist()
+            for i in have:
+                plan.statuses[i] = Status.EXISTS
+            if len(have) == n:
+                todo: list[int] = []
+            elif not have:
+                todo = list(range(n))
+            else:
+                todo = (rows < 0).nonzero()[0].tolist()
+            tk = keys if len(todo) == n else [keys[i] for i in todo]
+            if len(set(tk)) < len(tk):
+                seen: set = set()  # a key given twice in one call: its later copies exist already
+                uniq = []
+                for i in todo:
+                    if keys[i] in seen:
+                        plan.statuses[i] = Status.EXISTS
+                    else:
+                        seen.add(keys[i])
+                        uniq.append(i)
+                todo = uniq
+                tk = [keys[i] for i in todo]
+            if todo:
+                new = self.rows.new_rows(tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now).tolist()
+                if len(todo) == n:
+                    plan.rows = new
+                else:
+                    for i, r in zip(todo, new):
+                        plan.rows[i] = r
+                if self.settings.verify_tokens and tokens is not None:
+                    for i, r in zip(todo, new):
+                        self.rows.tokens[r] = np.asarray(tokens[i], dtype=np.int64).copy()
+                self.placement.place(plan, todo, now)
+            self._pending_plans += 1
+            if n - len(todo):
+                self.metrics.inc("store_exists", sum(1 for s in plan.statuses if s is Status.EXISTS))
+        return plan
+
+    def prepare_evict(self, tier: Tier, n: int) -> StorePlan | None:
+        """Plan the eviction of ``n`` unprotected blocks of memory tier ``tier``
+        now (demoted like any victim; all or nothing). ``None`` if ``n`` such
+        blocks do not exist. Execute it like a store plan."""
+        if tier not in self._alloc or n <= 0:
+            return None
+        with self._lock:
+            plan = self.placement.evict(tier, n, self._now())
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def abort_store(self, plan: StorePlan) -> None:
+        """Release a prepared store that will not be executed (nothing leaks)."""
+        if not plan.done:
+            self.complete_store(plan, failed=True)
+
+    def complete_store(self, plan: StorePlan, nvme_statuses: dict[int, Status] | None = None,
+                       demote_statuses: dict[int, Status] | None = None, failed: bool = False) -> list[Status]:
+        """Apply a store's outcome (phase two).
+
+        Parameters
+        ----------
+        plan : StorePlan
+        nvme_statuses : dict, optional
+            ``i -> Status`` of each ``plan.nvme_new`` write.
+        demote_statuses : dict, optional
+            ``row -> Status`` of each ``plan.nvme_demote`` write.
+        failed : bool
+            The mover raised. The new blocks are forgotten. What happened to the
+            victims depends on how far the mover got (``plan.moved``): before
+            its NVMe batch, nothing happened and they keep their copies; after
+            it, their NVMe writes count (``plan.demote_statuses``) and they
+            leave their tier, since later copies may have overwritten their
+            slots; their copies down into memory count only if the mover
+            finished them. A miss, never wrong KV.
+
+        Returns
+        -------
+        list of Status
+            Per key: ``OK``, ``EXISTS``, ``NO_SPACE`` or ``IO_ERROR``.
+        """
+        nvme_statuses = nvme_statuses or {}
+        demote_statuses = demote_statuses or {}
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_store called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now)
+            self._idle.notify_all()
+            return out
+
+    # ================================================================ load
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Choose each key's source copy and hold it (phase one of a load).
+
+        ``sources[i]`` is ``(tier, slot)``; ``None`` for a key not resident.
+        Each held row is never a victim until :meth:`complete_load`.
+        """
+        with self._lock:
+            rt = self.rows
+            top, readers, slot = rt.top, rt.readers, rt.slot
+            rows = rt.table.get_many(keys).tolist()
+            plan = LoadPlan(list(keys), rows, [])
+            for i, r in enumerate(rows):
+                t = top(r) if r >= 0 else None
+                if t is None:
+                    plan.sources.append(None)
+                    rows[i] = -1
+                    continue
+                readers[r] += 1
+                plan.sources.append((t, int(slot[t][r]) if t != Tier.NVME else -1))
+                if t == Tier.NVME:
+                    ev = self._reading.get(r)
+                    if ev is not None:
+                        plan.waits.append(ev)
+                    else:
+                        self._reading[r] = threading.Event()
+                        plan.leads.append(r)
+            self._pending_plans += 1
+            return plan
+
+    def abort_load(self, plan: LoadPlan) -> None:
+        """Release a prepared load that moved nothing (no metrics are counted)."""
+        with self._lock:
+            if plan.done:
+                raise InvariantError("load plan completed twice")
+            plan.done = True
+            self._pending_plans -= 1
+            for r, src in zip(plan.rows, plan.sources):
+                if src is not None:
+                    self.rows.readers[r] -= 1
+                    self.completion.maybe_free_doomed(r)
+            self._end_reads(plan)
+            self._idle.notify_all()
+
+    def _end_reads(self, plan: LoadPlan) -> None:
+        for r in plan.leads:
+            ev = self._reading.pop(r, None)
+            if ev is not None:
+                ev.set()
+
+    def complete_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool = True,
+                      nvme_s: float | None = None) -> PromotePlan | None:
+        """Release a load's holds and record its outcome (phase two).
+
+        Parameters
+        ----------
+        plan : LoadPlan
+        statuses : sequence of Status
+            Per key, what the mover delivered (``OK``, ``MISS``, ``IO_ERROR``).
+        promote : bool
+            Whether to plan copies of loaded blocks into a faster memory tier.
+        nvme_s : float, optional
+            Seconds the NVMe part took (feeds the cost model's bandwidth).
+
+        Returns
+        -------
+        PromotePlan or None
+            Copies the mover makes from the loaded bytes, then passes to
+            :meth:`complete_promote`.
+        """
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_load called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
+            self._idle.notify_all()
+            promo = None
+            if promos and self.settings.promotion != "none":
+                promo = self.placement.plan_promotions(promos, now)
+            if promo is None:
+                self._end_reads(plan)
+            else:  # followers wait until the promoted copies are in place
+                self._pending_plans += 1
+                promo.leads = plan.leads
+            return promo
+
+    def prepare_prefetch(self, keys: Sequence[bytes], target: Tier) -> PromotePlan | None:
+        """Plan copies of resident blocks up to memory tier ``target`` (a prefetch).
+
+        Blocks already in ``target`` or faster are skipped; a slot is taken
+        only if free or held by a block with a lower copy (no cascade). The
+        sources are held until :meth:`complete_promote`.
+
+        Raises
+        ------
+        ConfigError
+            If ``target`` is not an enabled memory tier.
+        """
+        if target not in self._alloc:
+            raise ConfigError(f"prefetch target {Tier(target).label!r}: accepted values are "
+                              f"{[t.label for t in self._alloc]} (enabled memory tiers)")
+        now = self._now()
+        with self._lock:
+            plan = self.placement.reserve_prefetch(keys, target, now)
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def complete_promote(self, plan: PromotePlan, ok: Sequence[bool]) -> None:
+        """Apply promotions: ``ok[j]`` says whether item ``j``'s copy landed
+        (the victims' copies down, executed first, always did)."""
+        now = self._now()
+        with self._lock:
+            if plan.done:
+                raise InvariantError("complete_promote called twice for one plan")
+            plan.done = True
+            self._pending_plans -= 1
+            self._end_reads(plan)
+            self.completion.finish_promote(plan, ok, now)
+            self._idle.notify_all()
+
+    # ================================================================ flush (clean shutdown)
+    def take_clean_requests(self) -> int:
+        """Blocks the index would like cleaned (written to NVMe) in the background, and reset."""
+        with self._lock:
+            n, self.placement.clean_wanted = self.placement.clean_wanted, 0
+            return n
+
+    def prepare_flush(self, max_blocks: int, coldest_first: bool = False) -> StorePlan | None:
+        """Plan NVMe writes of up to ``max_blocks`` blocks that live only in memory.
+
+        Used at a clean shutdown so that a restart finds them, and in the
+        background to keep clean victims for promotions (``coldest_first``:
+        least recently used first). Returns ``None`` when nothing is left to write.
+        Each block is read from a readable memory copy (host first); a block whose
+        only memory copy is a victim of a store in flight is skipped.
+        """
+        if Tier.NVME not in self.tiers:
+            return None
+        now = self._now()
+        with self._lock:
+            plan = self.placement.pick_flush(max_blocks, coldest_first, now)
+            if plan is None:
+                return None
+            self._pending_plans += 1
+            return plan
+
+    def complete_flush(self, plan: StorePlan, demote_statuses: dict[int, Status]) -> int:
+        """Apply a flush; returns blocks now on NVMe."""
+        with self._lock:
+            plan.done = True
+            self._pending_plans -= 1
+            n = self.completion.finish_flush(plan, demote_statuses)
+            self._idle.notify_all()
+            return n
+
+    # ================================================================ references and pins
+    def release(self, request_id: object) -> int:
+        """Drop every reference ``request_id`` holds (:meth:`Pins.release`)."""
+        return self.pins.release(request_id)
+
+    def cancel(self, request_id: object) -> int:
+        """Abort a request (:meth:`Pins.cancel`)."""
+        return self.pins.cancel(request_id)
+
+    def pin(self, ns: bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """Hold resident blocks until the lease expires or :meth:`unpin` (:meth:`Pins.pin`)."""
+        return self.pins.pin(ns, keys, lease_s)
+
+    def unpin(self, lease_id: int) -> bool:
+        """End a lease early (:meth:`Pins.unpin`)."""
+        return self.pins.unpin(lease_id)
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """Live leases by id (a copy)."""
+        return self.pins.live_leases()
+
+    # ================================================================ removal
+    def invalidate(self, ns: bytes) -> int:
+        """Hide every block of namespace ``ns`` now; in-use blocks are freed on
+        release and in-flight stores of it are discarded when they complete.
+        Waits until those stores are done, so that the caller's durable
+        invalidation record follows them. Returns the blocks removed."""
+        with self._lock:
+            if ns not in self.rows.ns_ids:
+                return 0
+            n, pending = self.completion.remove_namespace(ns)
+            self.pins.end_namespace(ns)
+            while any(self.rows.flags[r] & PENDING and r in self.rows.doomed for r in pending):
+                self._idle.wait()
+            return n
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks by key (in-use blocks are hidden now and freed on release).
+        Returns the number that were resident."""
+        with self._lock:
+            return self.completion.remove_keys(keys)
+
+    def clear(self) -> int:
+        """Remove every block (in-use blocks are doomed and freed on release)."""
+        with self._lock:
+            n = self.completion.remove_all()
+            self.pins.end_namespace()
+            return n
+
+    # ================================================================ introspection
+    def state_of(self, key: bytes) -> BlockState | None:
+        """Ownership state of a visible block, or ``None`` if not resident."""
+        return self.introspect.state_of(key)
+
+    def tiers_of(self, key: bytes) -> list[Tier]:
+        """Tiers holding a readable copy of ``key`` (empty if not resident)."""
+        return self.introspect.tiers_of(key)
+
+    def references(self) -> dict[object, int]:
+        """``request_id -> blocks referenced`` of every open request."""
+        return self.introspect.references()
+
+    def block_info(self, key: bytes) -> dict | None:
+        """A visible block's index record as a dict, or ``None``."""
+        return self.introspect.block_info(key)
+
+    def memory_slot(self, key: bytes, tier: Tier) -> int:
+        """Slot of ``key`` in a memory tier, or -1."""
+        return self.introspect.memory_slot(key, tier)
+
+    def __len__(self) -> int:
+        return len(self.rows.table)
+
+    def resident_blocks(self) -> dict[str, int]:
+        """Blocks with a copy in each tier."""
+        return self.introspect.resident_blocks()
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        """Resident bytes per tier."""
+        return self.introspect.bytes_per_tier()
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Visible blocks per namespace digest."""
+        return self.introspect.namespaces()
+
+    def keys_of_namespace(self, ns: bytes) -> list[bytes]:
+        """Visible keys of namespace ``ns``."""
+        return self.introspect.keys_of_namespace(ns)
+
+    def nbytes(self) -> int:
+        """Bytes of per-block metadata (key table and row arrays)."""
+        return self.rows.nbytes()
+
+    def in_flight(self) -> int:
+        """Prepared plans not yet completed."""
+        with self._lock:
+            return self._pending_plans
+
+    def check_invariants(self, quiescent: bool = False) -> None:
+        """Verify that slots, policies, references and flags agree (:meth:`Introspection.check_invariants`;
+        ``quiescent``: also that no plan is in flight and nothing is held).
+
+        Raises
+        ------
+        InvariantError
+        """
+        with self._lock:
+            self.introspect.check_invariants(quiescent, self._pending_plans)

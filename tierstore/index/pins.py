@@ -1,0 +1,157 @@
+"""Request references, pin leases and the per-namespace pin quota of the block index.
+
+A request that looks blocks up with a ``request_id`` holds a reference on each (``ACTIVE``)
+until :meth:`Pins.release`; a lease holds resident blocks (``PINNED``) until it expires or
+:meth:`Pins.unpin`. A row's ``refs`` and ``pin_until`` (in :class:`~tierstore.index.rows.RowTable`)
+are what victim choice and reclaim read; this room keeps who holds them. It runs under the
+index lock it is given (``BlockIndex._lock``) and has none of its own.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Sequence
+
+from ..contract import Lease
+from ..errors import ConfigError, InvariantError, QuotaExceeded
+from ..metrics import Metrics
+from .rows import RowTable
+
+
+class Pins:
+    """Who holds which rows: requests (references) and leases (pins).
+
+    Parameters
+    ----------
+    rows : RowTable
+    lock : threading.RLock
+        The index lock (``BlockIndex._lock``).
+    clock : callable
+        Seconds, monotonic (the index's clock).
+    metrics : Metrics
+        The index's counters (``pins``, ``pin_expired``, ``aborted_requests``).
+    quota_bytes : int
+        Per-namespace cap on bytes held by leases.
+    default_lease_s : float
+        Lease when none is given.
+    free_doomed : callable
+        ``f(row)``: frees a doomed row once its last user went (the completion room's).
+    """
+
+    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], metrics: Metrics,
+                 quota_bytes: int, default_lease_s: float, free_doomed: Callable[[int], None]) -> None:
+        self.rows = rows
+        self._lock = lock
+        self._clock = clock
+        self.metrics = metrics
+        self.quota_bytes = quota_bytes
+        self.default_lease_s = default_lease_s
+        self._free_doomed = free_doomed
+        self.requests: dict[object, list[int]] = {}     # request id -> rows it references
+        self.leases: dict[int, Lease] = {}
+        self.row_pins: dict[int, dict[int, float]] = {}  # row -> {lease id: expiry}
+        self.pinned_bytes: dict[bytes, int] = {}         # namespace -> bytes its leases hold
+        self._lease_ids = itertools.count(1)
+
+    # ================================================================ references
+    def reference(self, request_id: object, rows: list[int]) -> None:
+        """Record that ``request_id`` holds ``rows`` (their ``refs`` were raised by the caller)."""
+        self.requests.setdefault(request_id, []).extend(rows)
+
+    def release(self, request_id: object) -> int:
+        """Drop every reference ``request_id`` holds. Unknown ids are a no-op."""
+        with self._lock:
+            rows = self.requests.pop(request_id, [])
+            refs = self.rows.refs
+            for r in rows:
+                refs[r] -= 1
+                if refs[r] < 0:
+                    raise InvariantError("ref_count went negative")
+                self._free_doomed(r)
+            return len(rows)
+
+    def cancel(self, request_id: object) -> int:
+        """Abort a request: like :meth:`release`, counted as an abort."""
+        self.metrics.inc("aborted_requests")
+        return self.release(request_id)
+
+    # ================================================================ leases
+    def pin(self, ns: bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """Hold resident blocks until the lease expires or :meth:`unpin`.
+
+        Raises
+        ------
+        QuotaExceeded
+            If the pin would exceed the namespace quota (nothing is pinned then).
+        ConfigError
+            For a non-positive lease.
+        """
+        lease_s = self.default_lease_s if lease_s is None else lease_s
+        if lease_s <= 0:
+            raise ConfigError(f"lease_s={lease_s}: must be > 0")
+        with self._lock:
+            self.expire()
+            rt = self.rows
+            rows = [r for r in rt.table.get_many(keys).tolist() if r >= 0 and rt.top(r) is not None]
+            nbytes = len(rows) * rt.block_bytes
+            used = self.pinned_bytes.get(ns, 0)
+            if used + nbytes > self.quota_bytes:
+                raise QuotaExceeded(f"pin of {nbytes} B would exceed the namespace quota "
+                                    f"({used} of {self.quota_bytes} B in use)")
+            lid = next(self._lease_ids)
+            exp = self._clock() + lease_s
+            pin_until = rt.pin_until
+            for r in rows:
+                self.row_pins.setdefault(r, {})[lid] = exp
+                pin_until[r] = max(pin_until[r], exp)
+            lease = Lease(lid, ns, rt.table.keys_of(rows), exp, nbytes)
+            self.leases[lid] = lease
+            self.pinned_bytes[ns] = used + nbytes
+            self.metrics.inc("pins")
+            return lease
+
+    def unpin(self, lease_id: int) -> bool:
+        """End a lease early. Returns False for an unknown or expired lease."""
+        with self._lock:
+            return self.end_lease(lease_id)
+
+    def live_leases(self) -> dict[int, Lease]:
+        """Live leases by id (a copy)."""
+        with self._lock:
+            self.expire()
+            return dict(self.leases)
+
+    def end_lease(self, lease_id: int) -> bool:
+        """End one lease (under the lock); False if it is unknown."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        pin_until = self.rows.pin_until
+        for r in self.rows.table.get_many(lease.keys).tolist():
+            if r < 0:
+                continue
+            pins = self.row_pins.get(r)
+            if pins is None:
+                continue
+            pins.pop(lease_id, None)
+            if pins:
+                pin_until[r] = max(pins.values())
+            else:
+                del self.row_pins[r]
+                pin_until[r] = 0.0
+        self.pinned_bytes[lease.ns] -= lease.bytes
+        if self.pinned_bytes[lease.ns] < 0:
+            raise InvariantError("pinned bytes went negative")
+        return True
+
+    def expire(self) -> None:
+        """End the leases whose time is up (under the lock)."""
+        now = self._clock()
+        for lid in [lid for lid, lease in self.leases.items() if lease.expiry_s <= now]:
+            self.end_lease(lid)
+            self.metrics.inc("pin_expired")
+
+    def end_namespace(self, ns: bytes | None = None) -> None:
+        """End every lease of namespace ``ns`` (every lease for ``None``), under the lock."""
+        for lid in [lid for lid, lease in self.leases.items() if ns is None or lease.ns == ns]:
+            self.end_lease(lid)

@@ -1,0 +1,335 @@
+"""Where blocks go: slots, victims and their fate, promotions, flushes (the index's placement room).
+
+:class:`Placement` owns the memory tiers' slot allocators and eviction policies, the SSD
+admission policy and the lifetime classifier, and makes every placement decision of a plan:
+a new block's tier (``write_back``: the fastest memory tier with room, then NVMe;
+``write_through``: NVMe, plus a memory copy where room is cheap), the victims that make room and
+each victim's fate (dropped when a lower copy exists, moved down into the next memory tier, or
+written to NVMe when admitted), the lifetime class of every NVMe write (:meth:`nvme_lifetime`,
+the one place it is decided), promotions and prefetches (never an NVMe write) and the blocks a
+flush writes. It changes rows (flags, holds) but completes nothing. It runs under the index
+lock (``BlockIndex._lock``) and has none of its own.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..contract import MEMORY_TIERS, Demotion, PromotePlan, StorePlan, Tier
+from ..errors import Status
+from ..fdp.lifetime import LifetimeClass
+from ..metrics import Metrics
+from ..policies.base import EvictionPolicy, make_policy
+from ..tiers.memory import SlotAllocator
+from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, NVME_WRITING, ON_NVME, PENDING, RowTable
+
+
+class Placement:
+    """Placement decisions of the block index (called under its lock).
+
+    Parameters
+    ----------
+    rows : RowTable
+    metrics : Metrics
+        The index's counters (evictions, admission rejections, refused stores).
+    hbm_blocks, host_blocks : int
+        Slots of the memory tiers (0 disables a tier).
+    nvme : bool
+        Whether an NVMe tier exists.
+    eviction : str
+        Eviction policy of the memory tiers (:func:`tierstore.policies.make_policy`).
+    write_policy : {"write_back", "write_through"}
+    promotion : {"top", "one", "none"}
+    evict_batch_blocks : int
+        Victims taken per eviction round (batches demotions to NVMe).
+    admit : callable or None
+        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash.
+    classify : callable
+        ``f(entry, now_s) -> LifetimeClass`` of a block written to NVMe.
+    remote_victims : bool
+        List victims that would be lost in ``StorePlan.lost``.
+    """
+
+    #: Bound on the remembered admission-rejected keys (32 B each).
+    REJECTED_KEYS_MAX = 1 << 18
+    #: Coldest blocks of the last memory tier a promotion looks at for a victim
+    #: that has an NVMe copy (leaves without a write); none among them: no slot.
+    CHEAP_SCAN_BLOCKS = 64
+
+    def __init__(self, rows: RowTable, metrics: Metrics, *, hbm_blocks: int, host_blocks: int, nvme: bool,
+                 eviction: str, write_policy: str, promotion: str, evict_batch_blocks: int,
+                 admit: Callable | None, classify: Callable, remote_victims: bool) -> None:
+        self.rows = rows
+        self.metrics = metrics
+        self.tiers: list[Tier] = [t for t, n in ((Tier.HBM, hbm_blocks), (Tier.HOST, host_blocks)) if n] + \
+            ([Tier.NVME] if nvme else [])
+        self.alloc: dict[Tier, SlotAllocator] = {}
+        if hbm_blocks:
+            self.alloc[Tier.HBM] = SlotAllocator(hbm_blocks)
+        if host_blocks:
+            self.alloc[Tier.HOST] = SlotAllocator(host_blocks)
+        self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(eviction) for t in self.alloc}
+        self.write_policy = write_policy
+        self.promotion = promotion
+        self.evict_batch_blocks = evict_batch_blocks
+        self.admit = admit
+        self.classify = classify
+        self.remote_victims = remote_victims
+        self.rejected: dict[bytes, None] = {}  # keys admission kept off NVMe (bounded, oldest first out)
+        self.clean_wanted = 0                  # promotions that found only dirty victims
+
+    def place(self, plan: StorePlan, todo: list[int], now: float) -> None:
+        """Decide the tier of each new block ``todo`` of ``plan`` (its rows exist, ``PENDING``)."""
+        if self.write_policy == "write_through":
+            self._place_write_through(plan, todo, now)
+        else:
+            self._place_write_back(plan, todo, now)
+
+    def protector(self, extra: set | None, now: float) -> Callable[[bytes], bool]:
+        """``f(key) -> bool``: never a victim (in ``extra``, absent, or protected now)."""
+        get = self.rows.table.get
+        protected = self.rows.protected
+
+        def prot(key: bytes) -> bool:
+            if extra is not None and key in extra:
+                return True
+            row = get(key)
+            return row < 0 or protected(row, now)
+        return prot
+
+    def lower_memory(self, tier: Tier) -> Tier | None:
+        """The memory tier a victim of ``tier`` moves down into, if any."""
+        if tier == Tier.HBM and Tier.HOST in self.alloc:
+            return Tier.HOST
+        return None
+
+    def has_lower_copy(self, row: int, tier: Tier) -> bool:
+        """Whether ``row`` keeps a readable copy below ``tier`` (dropping it there loses nothing)."""
+        f = int(self.rows.flags[row])
+        if tier == Tier.HBM and self.rows.slot[Tier.HOST][row] >= 0 and not f & EVICT_HOST:
+            return True
+        return bool(f & ON_NVME)
+
+    def nvme_lifetime(self, row: int, key: bytes, now: float) -> LifetimeClass:
+        """The one place a block's lifetime class (hence its FDP placement) is decided."""
+        c = self.classify(self.rows.view(row, key), now)
+        self.rows.nvme_class[row] = int(c)
+        return c
+
+    def _place_write_back(self, plan: StorePlan, todo: list[int], now: float) -> None:
+        left = todo
+        for t in self.tiers:
+            if not left:
+                break
+            if t == Tier.NVME:
+                for i in left:
+                    plan.nvme_new.append((i, self.nvme_lifetime(plan.rows[i], plan.keys[i], now)))
+                left = []
+                break
+            slots = self.reserve(t, len(left), plan, None, now)
+            plan.memory.extend(zip(left, itertools.repeat(t), slots))
+            left = left[len(slots):]
+        if left:  # fits nowhere: this block and the rest of the chain
+            self.refuse(plan, left)
+
+    def _place_write_through(self, plan: StorePlan, todo: list[int], now: float) -> None:
+        for i in todo:
+            plan.nvme_new.append((i, self.nvme_lifetime(plan.rows[i], plan.keys[i], now)))
+        left = todo
+        for t in MEMORY_TIERS:  # cache a copy where room is free or cheap (victims with a lower copy)
+            if t not in self.alloc or not left:
+                continue
+            slots = self.reserve(t, len(left), plan, None, now, cheap_only=True)
+            plan.memory.extend(zip(left, itertools.repeat(t), slots))
+            left = left[len(slots):]
+
+    def refuse(self, plan: StorePlan, idx: list[int]) -> None:
+        """The blocks ``idx`` fit nowhere: they and every later block of the chain are ``NO_SPACE``."""
+        first = min(idx)
+        for i in range(first, len(plan.keys)):
+            if plan.statuses[i] is None:
+                plan.statuses[i] = Status.NO_SPACE
+                if plan.rows[i] >= 0:
+                    self.rows.drop_new(plan.rows[i])
+                    plan.rows[i] = -1
+        plan.memory = [m for m in plan.memory if plan.statuses[m[0]] is None]
+        plan.nvme_new = [m for m in plan.nvme_new if plan.statuses[m[0]] is None]
+        self.metrics.inc("store_no_space", len(plan.keys) - first - sum(
+            1 for s in plan.statuses[first:] if s is Status.EXISTS))
+
+    def reserve(self, tier: Tier, n: int, plan: StorePlan, protect: set | None, now: float,
+                cheap_only: bool = False) -> list[int]:
+        """Up to ``n`` slots of memory tier ``tier`` for ``plan``: free ones, then
+        victims' (:meth:`victimize`; a batch of ``evict_batch_blocks`` at least,
+        so demotions to NVMe go out together). ``protect``: keys never to take
+        as victims; ``None`` is the plan's own keys (and victims chosen so far)."""
+        slots = self.alloc[tier].take(n)
+        need = n - len(slots)
+        if need <= 0:
+            return slots
+        if protect is None:
+            if plan.protect is None:
+                plan.protect = set(plan.keys)
+            protect = plan.protect
+        vrows = self.victimize(tier, need, plan, protect, now, cheap_only,
+                               batch=1 if cheap_only else self.evict_batch_blocks)
+        given = [int(self.rows.slot[tier][r]) for r in vrows[:need]]
+        plan.given.update((tier, s) for s in given)
+        return slots + given
+
+    def victimize(self, tier: Tier, n: int, plan: StorePlan, protect: set, now: float,
+                  cheap_only: bool = False, batch: int = 1) -> list[int]:
+        """Choose ``n`` (up to ``max(n, batch)``) victims in ``tier`` and decide each
+        one's fate: dropped when it has a lower copy, else demoted to the next
+        memory tier (recursively making room there) or to NVMe (if admitted),
+        else lost. Every victim's slot is freed (or given on) when ``plan``
+        completes. Returns the victims' rows (fewer than ``n`` when fewer are
+        evictable)."""
+        policy = self.policies[tier]
+        prot = self.protector(protect, now)
+        lower = self.lower_memory(tier)
+        scan = None
+        if cheap_only and lower is None:  # no NVMe writes: only victims with a lower copy
+            prot = lambda k, p=prot: p(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
+            scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
+        want = max(n, batch)
+        victims = policy.evict(want, prot, now, max_scan=scan) if want > n else []
+        if not victims:
+            victims = policy.evict(n, prot, now, max_scan=scan)
+        if not victims:  # fewer than n evictable: take them one at a time (partial)
+            taken: set = set()
+            one = lambda k: prot(k) or k in taken  # noqa: E731
+            while len(victims) < n:
+                v = policy.evict(1, one, now, max_scan=None if scan is None else scan + len(taken))
+                if not v:
+                    break
+                taken.add(v[0])
+                victims.append(v[0])
+        if not victims:
+            return []
+        vrows = [self.rows.table.get(k) for k in victims]
+        demote: list[tuple[int, bytes]] = []
+        for k, r in zip(victims, vrows):
+            self.rows.flags[r] |= EVICT[tier]
+            protect.add(k)
+            if not self.has_lower_copy(r, tier):
+                demote.append((r, k))
+        if demote and lower is not None:
+            dst = self.reserve(lower, len(demote), plan, protect, now, cheap_only)
+            for (r, k), s in zip(demote, dst):
+                plan.copies.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), lower, s))
+            demote = demote[len(dst):]
+            if cheap_only and demote:  # these would need NVMe writes: they stay where they are
+                back = {r for r, _ in demote}
+                for r, k in demote:
+                    self.rows.flags[r] &= 0xFF ^ EVICT[tier]
+                    protect.discard(k)
+                vrows = [r for r in vrows if r not in back]
+                demote = []
+        self.metrics.inc(f"evictions_{tier.label}", len(vrows))
+        for r in vrows:
+            plan.frees.append((r, tier, int(self.rows.slot[tier][r])))
+        if demote and Tier.NVME in self.tiers:
+            admit = self.admit
+            for r, k in demote:
+                if admit is not None and not admit(self.rows.view(r, k)):
+                    self.rejected[k] = None
+                    self.metrics.add({"admission_rejected_blocks": 1,
+                                      "admission_rejected_bytes": self.rows.block_bytes})
+                    if self.remote_victims:
+                        plan.lost.append((k, tier, int(self.rows.slot[tier][r])))
+                    continue
+                self.rows.flags[r] |= NVME_WRITING
+                plan.nvme_demote.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), Tier.NVME, -1,
+                                                 self.nvme_lifetime(r, k, now), self.rows.ns_list[int(self.rows.ns[r])]))
+            while len(self.rejected) > self.REJECTED_KEYS_MAX:
+                self.rejected.pop(next(iter(self.rejected)))
+        elif demote and self.remote_victims:
+            plan.lost.extend((k, tier, int(self.rows.slot[tier][r])) for r, k in demote)
+        return vrows
+
+    def plan_promotions(self, promos: list, now: float) -> PromotePlan | None:
+        """Reserve faster slots for just-loaded blocks. A promotion never writes
+        to NVMe: it takes a free slot, or a victim's that has a lower copy or
+        fits in the next memory tier (that copy is part of the plan)."""
+        plan = PromotePlan([])
+        protect = {self.rows.table.key_of(r) for _, r, _ in promos}
+        full: set = set()  # tiers where no slot was found: later blocks of this call skip them
+        for i, r, src in promos:
+            upper = [t for t in self.alloc if t < src and self.rows.slot[t][r] < 0]
+            if not upper:
+                continue
+            dst = upper[0] if self.promotion == "top" else upper[-1]
+            got = [] if dst in full else self.reserve(dst, 1, plan.victims, protect, now, cheap_only=True)
+            if not got:
+                # every candidate victim is dirty (lives only in memory): ask for a
+                # background clean so that later promotions find clean victims. The
+                # search is not repeated for the rest of this load (under the lock,
+                # each one scans the tier's policy order: it was O(tier) per block)
+                full.add(dst)
+                self.clean_wanted += 1
+                continue
+            self.rows.readers[r] += 1  # held until the copy lands
+            plan.items.append((i, r, dst, got[0]))
+        if not plan.items and not plan.victims.frees:
+            return None
+        return plan
+
+    def evict(self, tier: Tier, n: int, now: float) -> StorePlan | None:
+        """A plan evicting ``n`` unprotected blocks of memory tier ``tier`` (all or nothing), or ``None``."""
+        plan = StorePlan([], [], [])
+        if not self.victimize(tier, n, plan, set(), now):
+            return None
+        return plan
+
+    def reserve_prefetch(self, keys: Sequence[bytes], target: Tier, now: float) -> PromotePlan | None:
+        """Slots in memory tier ``target`` for the resident ``keys`` not there or faster yet (free, or a
+        victim's with a lower copy); each source held. ``None`` if there is nothing to copy."""
+        rows = self.rows.table.get_many(keys).tolist()
+        plan = PromotePlan([], keys=list(keys))
+        protect = set(keys)
+        for i, r in enumerate(rows):
+            top = self.rows.top(r) if r >= 0 else None
+            if top is None or top <= target or self.rows.slot[target][r] >= 0:
+                continue
+            got = self.reserve(target, 1, plan.victims, protect, now, cheap_only=True)
+            if not got:
+                break
+            self.rows.readers[r] += 1
+            plan.items.append((i, r, target, got[0]))
+            plan.sources.append((top, int(self.rows.slot[top][r]) if top != Tier.NVME else -1))
+        if not plan.items and not plan.victims.frees:
+            return None
+        return plan
+
+    def pick_flush(self, max_blocks: int, coldest_first: bool, now: float) -> StorePlan | None:
+        """A plan writing to NVMe up to ``max_blocks`` blocks that live only in memory (each read from
+        a readable memory copy, host first; held until the flush completes), or ``None``."""
+        rows = self.rows.table.rows()
+        if not rows.size:
+            return None
+        f = self.rows.flags[rows]
+        # only a readable copy is a source: a copy being evicted (_EVICT_*) belongs to a store
+        # plan in flight, which hands its slot on (to a new block, or to a victim moving down)
+        # and overwrites it without the lock; gathered from there, another block's bytes would
+        # be written to NVMe under this key, with a valid checksum. Such a row is skipped: its
+        # plan decides its fate (moved down, written to NVMe, or dropped and counted).
+        mem = (((self.rows.slot[Tier.HBM][rows] >= 0) & ((f & EVICT_HBM) == 0))
+               | ((self.rows.slot[Tier.HOST][rows] >= 0) & ((f & EVICT_HOST) == 0)))
+        rows = rows[mem & ((f & (ON_NVME | PENDING | DOOMED | NVME_WRITING)) == 0)]
+        if coldest_first:
+            rows = rows[np.argsort(self.rows.last[rows], kind="stable")]
+        rows = rows[:max_blocks]
+        if not rows.size:
+            return None
+        plan = StorePlan([], [], [])
+        for r in rows.tolist():
+            key = self.rows.table.key_of(r)
+            t = Tier.HOST if self.rows.readable(r, Tier.HOST) else Tier.HBM
+            self.rows.flags[r] |= NVME_WRITING
+            self.rows.readers[r] += 1
+            plan.nvme_demote.append(Demotion(r, key, t, int(self.rows.slot[t][r]), Tier.NVME, -1,
+                                             self.nvme_lifetime(r, key, now), self.rows.ns_list[int(self.rows.ns[r])]))
+        return plan

@@ -1,0 +1,263 @@
+"""The index's rows: one row per block in numpy arrays, no Python object per block.
+
+:class:`RowTable` owns the :class:`~tierstore.keytable.KeyTable` (key -> row) and every
+per-row array (flags, memory slots, namespace id, chain position, hits, times, request
+references, readers, pin expiry, lifetime hint and class, NVMe write time), about 45 bytes a
+row. It replaces its arrays when it grows, so nobody keeps an array in an attribute: a room
+reads ``rows.flags`` under the index lock each time (or binds it in a method that cannot grow
+the table). :class:`EntryView` is what policies read about one row. The ``flags`` byte of a
+row says what is in flight and where its copies are; ``TOP`` maps it to the fastest readable
+tier. Every method runs under the owner's lock (``BlockIndex._lock``); this module has none.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..contract import MEMORY_TIERS, Tier
+from ..fdp.lifetime import LifetimeClass
+from ..keytable import KeyTable
+from ..tiers.memory import SlotAllocator
+
+# --- row flags
+PENDING = 1          # a store of this key is in flight: not visible yet
+EVICT_HBM = 2        # its HBM copy is being evicted: not readable
+EVICT_HOST = 4       # its host copy is being evicted: not readable
+DOOMED = 8           # removed while in use: freed when the last user goes
+ON_NVME = 16         # has a copy on the NVMe tier
+NVME_WRITING = 32    # a demotion write to NVMe is in flight
+IN_HBM = 64          # holds an HBM slot (``slot[HBM][row] >= 0``)
+IN_HOST = 128        # holds a host slot (``slot[HOST][row] >= 0``)
+EVICT = {Tier.HBM: EVICT_HBM, Tier.HOST: EVICT_HOST}
+IN = {Tier.HBM: IN_HBM, Tier.HOST: IN_HOST}
+NO_HINT = -1
+#: Flags of a row that some plan or request still holds (never a victim, never freed).
+BUSY = PENDING | DOOMED | EVICT_HBM | EVICT_HOST | NVME_WRITING
+
+
+def _top_of_flags(f: int) -> int:
+    """Fastest readable tier (0 HBM, 1 host, 2 NVMe) of a row with flags ``f``, or -1."""
+    if f & (PENDING | DOOMED):
+        return -1
+    if f & IN_HBM and not f & EVICT_HBM:
+        return 0
+    if f & IN_HOST and not f & EVICT_HOST:
+        return 1
+    return 2 if f & ON_NVME else -1
+
+
+#: ``flags -> fastest readable tier`` for every flag byte: one gather finds the
+#: tops of a whole chain (:meth:`RowTable.tops`).
+TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
+TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
+
+#: Per-row arrays other than ``flags`` and ``slot``: ``(name, dtype, fill of a new element)``.
+_ARRAYS = (("ns", np.int32, 0), ("pos", np.int32, 0), ("hits", np.int32, 0), ("created", np.float64, 0),
+           ("last", np.float64, 0), ("refs", np.int32, 0), ("readers", np.int32, 0),
+           ("pin_until", np.float64, 0), ("hint", np.int8, NO_HINT), ("nvme_class", np.int8, NO_HINT),
+           ("nvme_at", np.float64, 0))
+
+
+class EntryView:
+    """What policies may read about one block (:class:`tierstore.policies.base.EntryInfo`).
+
+    A view over the row arrays, made on demand; not kept by the index.
+    """
+
+    __slots__ = ("_rows", "row", "key")
+
+    def __init__(self, rows: "RowTable", row: int, key: bytes) -> None:
+        self._rows = rows
+        self.row = row
+        self.key = key
+
+    @property
+    def size_bytes(self) -> int:
+        return self._rows.block_bytes
+
+    @property
+    def hits(self) -> int:
+        return int(self._rows.hits[self.row])
+
+    @property
+    def last_access_s(self) -> float:
+        return float(self._rows.last[self.row])
+
+    @property
+    def created_s(self) -> float:
+        return float(self._rows.created[self.row])
+
+    @property
+    def position(self) -> int:
+        return int(self._rows.pos[self.row])
+
+    @property
+    def ns(self) -> bytes:
+        return self._rows.ns_list[int(self._rows.ns[self.row])]
+
+    @property
+    def lifetime(self) -> LifetimeClass | None:
+        h = int(self._rows.hint[self.row])
+        return None if h == NO_HINT else LifetimeClass(h)
+
+    @property
+    def ref_count(self) -> int:
+        return int(self._rows.refs[self.row])
+
+    @property
+    def nvme_written_s(self) -> float:
+        """When its NVMe copy was last written (stored, demoted or copied forward),
+        clock seconds; 0.0 if it never was (a reinsertion policy's reference bit:
+        ``last_access_s > nvme_written_s`` means hit since written)."""
+        return float(self._rows.nvme_at[self.row])
+
+
+class RowTable:
+    """Key table and per-row arrays of the block index (no lock of its own).
+
+    Parameters
+    ----------
+    capacity_rows : int
+        Rows to allocate up front (the table grows beyond it).
+    block_bytes : int
+        Bytes per block (what :attr:`EntryView.size_bytes` says).
+    """
+
+    def __init__(self, capacity_rows: int, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.table = KeyTable(capacity_rows)
+        cap = self.table.capacity_rows
+        # one spare element at the end, always 0: ``flags[-1]`` is the flags of
+        # an absent key (row -1), so chains are classified without masking
+        self.flags = np.zeros(cap + 1, dtype=np.uint8)
+        self.slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
+        for name, dtype, fill in _ARRAYS:
+            setattr(self, name, np.full(cap, fill, dtype=dtype))
+        self.ns_list: list[bytes] = [bytes(32)]
+        self.ns_ids: dict[bytes, int] = {bytes(32): 0}
+        self.tokens: dict[int, np.ndarray] = {}   # row -> token ids (``verify_tokens``)
+        self.doomed: set[int] = set()             # rows hidden while in use, freed by their last user
+
+    def intern(self, ns: bytes) -> int:
+        """The id of namespace digest ``ns`` (a new one for a new digest)."""
+        nid = self.ns_ids.get(ns)
+        if nid is None:
+            nid = self.ns_ids[ns] = len(self.ns_list)
+            self.ns_list.append(ns)
+        return nid
+
+    def grow(self) -> None:
+        """Reallocate every array to the key table's capacity (after it grew)."""
+        cap = self.table.capacity_rows
+        old = self.flags
+        self.flags = np.zeros(cap + 1, dtype=np.uint8)
+        self.flags[:old.size - 1] = old[:-1]
+        for name, _, fill in _ARRAYS:
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[:old.size] = old
+            if fill:
+                new[old.size:] = fill
+            setattr(self, name, new)
+        for t in MEMORY_TIERS:
+            old = self.slot[t]
+            new = np.full(cap, -1, dtype=np.int32)
+            new[:old.size] = old
+            self.slot[t] = new
+
+    def _init(self, rows, flags: int, nid, positions, hint: int, now: float) -> None:
+        """Give new rows their first state (``rows`` an int or an index array)."""
+        if np.max(rows, initial=-1) >= self.flags.size - 1:
+            self.grow()
+        self.flags[rows] = flags
+        self.slot[Tier.HBM][rows] = -1
+        self.slot[Tier.HOST][rows] = -1
+        self.ns[rows] = nid
+        self.pos[rows] = positions
+        self.hits[rows] = 0
+        self.created[rows] = now
+        self.last[rows] = now
+        self.refs[rows] = 0
+        self.readers[rows] = 0
+        self.pin_until[rows] = 0.0
+        self.hint[rows] = hint
+        self.nvme_class[rows] = NO_HINT
+
+    def new_rows(self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int,
+                 now: float) -> np.ndarray:
+        """Rows for many absent, distinct keys of a store in flight (``PENDING``): one batch insert."""
+        rows = self.table.add_absent(keys)
+        if rows.size:
+            self._init(rows, PENDING, nid, positions, hint, now)
+        return rows
+
+    def adopt(self, keys: Sequence[bytes], nss: Sequence[bytes], now: float) -> int:
+        """Rows for blocks found on NVMe at start-up (keys already indexed are skipped).
+        Returns the rows added."""
+        n = 0
+        for k, ns in zip(keys, nss):
+            row, new = self.table.add(k)
+            if not new:
+                continue
+            self._init(row, ON_NVME, self.intern(ns), -1, NO_HINT, now)
+            self.nvme_at[row] = now
+            n += 1
+        return n
+
+    def drop_new(self, row: int) -> None:
+        """Forget a row whose store never became visible."""
+        self.tokens.pop(row, None)
+        self.table.remove_row(row)
+        self.flags[row] = 0
+
+    def release_row(self, row: int, alloc: dict[Tier, SlotAllocator]) -> None:
+        """Free a doomed row's memory slots (into ``alloc``) and the row itself."""
+        for t in MEMORY_TIERS:
+            s = int(self.slot[t][row])
+            if s >= 0 and not self.flags[row] & EVICT[t]:
+                alloc[t].give(s)
+                self.set_slot(row, t, -1)
+        self.tokens.pop(row, None)
+        self.flags[row] = 0
+        self.table.release_row(row)
+
+    def tops(self, rows: np.ndarray) -> np.ndarray:
+        """Per row (``-1`` = absent): the fastest readable tier (0 HBM, 1 host,
+        2 NVMe), or -1 when the row is absent, pending, doomed or has no
+        readable copy. One gather of the flags and one of a 256-entry table
+        (row -1 reads the spare, always-zero flags element)."""
+        return TOP[self.flags[rows]]
+
+    def top(self, row: int) -> Tier | None:
+        """Fastest readable copy of a visible row (``None`` for row -1)."""
+        return TOP_TIER[self.flags[row]]
+
+    def readable(self, row: int, tier: Tier) -> bool:
+        f = int(self.flags[row])
+        if tier == Tier.NVME:
+            return bool(f & ON_NVME)
+        return bool(f & IN[tier]) and not f & EVICT[tier]
+
+    def set_slot(self, row: int, tier: Tier, slot: int) -> None:
+        self.slot[tier][row] = slot
+        if slot >= 0:
+            self.flags[row] |= IN[tier]
+        else:
+            self.flags[row] &= 0xFF ^ IN[tier]
+
+    def pinned(self, row: int, now: float) -> bool:
+        return self.pin_until[row] > now
+
+    def protected(self, row: int, now: float) -> bool:
+        """In use (referenced, read, pinned) or held by a plan: never a victim, kept on reclaim."""
+        return (self.refs[row] > 0 or self.readers[row] > 0 or self.pin_until[row] > now
+                or bool(int(self.flags[row]) & BUSY))
+
+    def view(self, row: int, key: bytes | None = None) -> EntryView:
+        return EntryView(self, row, key if key is not None else self.table.key_of(row))
+
+    def nbytes(self) -> int:
+        """Bytes of per-block metadata (key table and row arrays)."""
+        arrays = [self.flags, *(getattr(self, name) for name, _, _ in _ARRAYS), *self.slot.values()]
+        return self.table.nbytes + sum(a.nbytes for a in arrays)
