@@ -707,6 +707,23 @@ def status_code(status: Status) -> int:
 # -- frames on a socket ----------------------------------------------------------------------
 
 
+def decode_body(decoder, body: bytes | memoryview) -> Message:
+    """Decode one frame's body against a side's schema (:data:`REQUEST_DECODER` or
+    :data:`REPLY_DECODER`). Bytes fields are copied out: ``body`` may be reused afterwards.
+
+    Raises
+    ------
+    ProtocolError
+        ``BAD_FRAME`` for a body that is not exactly one message of the schema (malformed
+        msgpack, wrong tag, type, bound or length, unknown field, trailing bytes).
+    """
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as e:  # ValidationError included
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(body)}-byte frame: {e}") from e
+
+
+
 class FrameSocket:
     """One end of a node connection: whole messages out, whole messages in.
 
@@ -834,10 +851,7 @@ class FrameSocket:
                 self._buf = bytearray(n)
             body = memoryview(self._buf)[:n]
             self._read_exact(body, 0, f"{n}-byte frame")
-            try:
-                return self._dec.decode(body), fds
-            except msgspec.DecodeError as e:  # ValidationError included
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"{n}-byte frame: {e}") from e
+            return decode_body(self._dec, body), fds
         except TimeoutError:
             if got:
                 self.broken = True

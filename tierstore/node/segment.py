@@ -569,10 +569,11 @@ class Segment:
         if not self._inherited:
             self.unregister_cuda()
         self._bytes = self._gens = self._np = None
+        mm, self._mm = self._mm, None
         try:
-            self._mm.close()
-        except BufferError:  # views still exported: the mapping goes with the last of them
-            pass
+            mm.close()
+        except BufferError:  # views still exported: they hold the mmap, unmapped with the last one
+            del mm
         if self.fd is not None and not self._inherited:
             os.close(self.fd)
         self.fd = None
