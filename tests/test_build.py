@@ -90,6 +90,21 @@ def test_fdp_tags_reach_ftl_per_ruh(layout):
         w.close()
 
 
+def test_fdp_tier_in_a_file_tags_its_label_with_the_default_pid(tmp_path, layout):
+    """The label and a format's zeroed chain starts are written with the metadata PID
+    (the default handle), not untagged: on an FDP SSD every write names a handle
+    (CI's fdp session found 4096 untagged bytes: the label)."""
+    w = _sim(layout, dataplacement="fdp", engine="posix", path=str(tmp_path))
+    try:
+        st, _, _ = _store_chain(w, 3, 4, lifetime="system")
+        assert st == [Status.OK] * 3
+        by = w.stats()["nvme_backend"]["engine"]["bytes_by_placement"]
+        assert "none" not in by and None not in by
+        assert by[w.placement.placement_for_metadata()] >= 4096
+    finally:
+        w.close()
+
+
 def test_dataplacement_none_goes_to_default_ruh(layout):
     w = _sim(layout, dataplacement="none")
     try:

@@ -4,7 +4,8 @@ Each case was a wrong result on the code before the fix: a random file given as 
 NVMe tier was overwritten (its sha256 changed), a closed store acknowledged stores
 that were gone after a reopen, a reopen with another capacity lost blocks without
 counting them, a second process on the same path waited 30 s and died with a raw
-BlockingIOError, and several messages named the wrong problem.
+BlockingIOError, and several messages named the wrong problem. The last case is wrong KV
+under concurrency: a flush planned while a store was in flight wrote another block's bytes.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import KVStore, Namespace, Status
+from tierstore import KVStore, Namespace, Status, Tier
 from tierstore.errors import (ConfigError, ForeignDataError, LayoutError, StoreClosedError, StoreLockedError,
                               TierStoreError)
 from tierstore.io import format as fmt
@@ -513,3 +514,60 @@ def test_the_bench_says_a_tier_below_one_block_and_passes_format(capsys):
     assert nvme_options({**base, "format": True})["format"] is True
     assert nvme_options(base)["format"] is False
     assert nvme_options({**base, "device": "file", "ioengine": "posix", "format": True})["format"] is True
+
+
+# ----------------------------------------------------------------------------- wrong KV under concurrency
+@pytest.mark.parametrize("victim", ["hbm_moves_down", "host_dropped"])
+def test_a_flush_never_reads_a_slot_that_a_store_in_flight_hands_on(tmp_path, victim):
+    """A miss, never wrong KV. Block A lives only in memory; the store of B makes A its victim and
+    gives A's slot to B (``hbm_moves_down``: A moves down to host; ``host_dropped``: no lower
+    tier and NVMe admission refuses A at its first sighting, so A is dropped). A flush (``flush()``, or the background
+    clean that promotions ask for) planned while that store was in flight took A's old slot as
+    A's source; gathered after B's bytes landed there, it wrote B's KV to NVMe under A's key with
+    a valid checksum, and A served B's KV from then on. Found by
+    tests/integrations/test_hf.py::test_concurrent_generation_matches_offload_off (first-token
+    logits 0.08 off); here the two threads are held at the points where that race interleaved."""
+    (toks_a, kv_a), (toks_b, kv_b) = _prompt(1, blocks=1), _prompt(2, blocks=1)
+    tiers = dict(hbm_bytes=BB, host_bytes=2 * BB) if victim == "hbm_moves_down" else \
+        dict(hbm_bytes=0, host_bytes=BB, admission="second")
+    s = KVStore(LAYOUT, nvme_path=str(tmp_path), nvme_bytes=16 << 20, **tiers)
+    try:
+        key_a = s.keys_for(NS, toks_a)[0]
+        assert s.store(NS, toks_a, kv_a) == [Status.OK] and Tier.NVME not in s.tiers_of(key_a)
+        real_store, real_flush = s._mover.run_store, s._mover.run_flush
+        planned, flush_planned, stored = threading.Event(), threading.Event(), threading.Event()
+
+        def held_store(plan, sources):  # B's plan is made: A is its victim, B takes A's slot
+            planned.set()
+            flush_planned.wait(30)
+            return real_store(plan, sources)
+
+        def late_flush(plan):  # the flush gathers only once B's store has completed
+            flush_planned.set()
+            stored.wait(30)
+            return real_flush(plan)
+
+        s._mover.run_store, s._mover.run_flush = held_store, late_flush
+        out = []
+        t = threading.Thread(target=lambda: (out.append(s.store(NS, toks_b, kv_b)), stored.set()))
+        t.start()
+        assert planned.wait(30)
+        s.flush()
+        flush_planned.set()  # a flush that planned nothing never reached late_flush
+        t.join(30)
+        s._mover.run_store, s._mover.run_flush = real_store, real_flush
+        assert out == [[Status.OK]]
+        if victim == "hbm_moves_down":
+            assert s.evict("host", 1) == 1  # A leaves memory: from here on it is read from NVMe
+            assert s.tiers_of(key_a) == [Tier.NVME]
+        else:  # A was dropped (admission), unless the flush wrote it down
+            assert s.stats()["admission_rejected_blocks"] == 1
+        st, got = s.load([key_a])
+        assert st[0] is not Status.OK or not torch.equal(got[0], kv_b[0]), "A's key served B's KV"
+        if victim == "hbm_moves_down":  # A was kept: written down from its host copy
+            assert st == [Status.OK] and torch.equal(got[0], kv_a[0])
+        else:  # A was dropped and is a miss
+            assert st == [Status.MISS] and s.tiers_of(key_a) == []
+        s.check_invariants(quiescent=True)
+    finally:
+        s.close()

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 #: public name -> submodule that defines it
 _EXPORTS = {"KVStore": "api", "leading_ok": "api", "Status": "errors", "Namespace": "identity",
-            "PRESETS": "layout", "KVLayout": "layout", "get_layout": "layout", "Tier": "index",
+            "PRESETS": "layout", "KVLayout": "layout", "get_layout": "layout", "Tier": "contract",
             "build_store": "build", "StoreConfig": "config"}
 
 __all__ = ["KVStore", "KVLayout", "Namespace", "PRESETS", "Status", "StoreConfig", "Tier", "build_store", "get_layout",
@@ -28,9 +28,9 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from .api import KVStore, leading_ok
     from .build import build_store
     from .config import StoreConfig
+    from .contract import Tier
     from .errors import Status
     from .identity import Namespace
-    from .index import Tier
     from .layout import PRESETS, KVLayout, get_layout
 
 

@@ -64,9 +64,9 @@ import torch
 from .build import StoreParts, assemble
 from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
                      TiersConfig)
+from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
-from .index import Lease, LookupResult, Tier
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
 from .mover import LoadGate
@@ -668,9 +668,7 @@ class KVStore:
     def _touched(self, res: LookupResult) -> LookupResult:
         """Tell the NVMe region manager which of its regions were hit (region LRU)."""
         if self.nvme is not None and Tier.NVME in res.tiers:
-            touch = getattr(self.nvme, "touch", None)
-            if touch is not None:
-                touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
+            self.nvme.touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
         return res
 
     @_open_call
@@ -1000,7 +998,7 @@ class KVStore:
             self._remote_barred.add(d)
             self.remote.remove(self._index.keys_of_namespace(d))
         n = self._index.invalidate(d)
-        if self.nvme is not None and hasattr(self.nvme, "invalidate_namespace"):
+        if self.nvme is not None:
             self.nvme.invalidate_namespace(d)
         return n
 

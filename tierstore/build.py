@@ -43,12 +43,13 @@ import os
 from typing import Any, Callable
 
 from .config import NvmeTierConfig, SimDeviceConfig, StoreConfig
+from .contract import Tier
 from .errors import ConfigError, TierStoreError
 from .fdp.device import NOT_VERIFIED_ON_HARDWARE, PassthroughEngine, RuhUpdateShim, placement_policy
 from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
 from .fdp.simdevice import SimFdpDevice
-from .index import BlockIndex, IndexConfig, Tier
+from .index import BlockIndex, IndexConfig
 from .io.engine import IOEngine
 from .io.factory import open_engine
 from .io.null import NullEngine
@@ -370,7 +371,8 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
                                   engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
                                   region_policy=nv.region_policy, keep_data=t.keep_data,
                                   invalidation_log=(path + ".invalidations") if path and nv.device != "fdp"
-                                  else False, label=path is not None, format=nv.format)
+                                  else False, label=path is not None, format=nv.format,
+                                  metadata_placement=placement.placement_for_metadata())
             # the device model observes the tier's writes from here on (not the label's)
             ruh_update = nv.fdp.ruh_update_on_segment_open
             if ruh_update is None:
@@ -413,14 +415,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         if nvme is not None:
             if nvme.block_bytes != bb:
                 raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
-            if hasattr(nvme, "set_listener"):
-                nvme.set_listener(index)
-            if hasattr(nvme, "scan"):
-                keys, nss, _ = nvme.scan()
-            else:
-                ent = nvme.entries()
-                keys, nss = list(ent), [v[0] for v in ent.values()]
-            index.adopt_nvme(keys, nss)
+            nvme.set_listener(index)
+            stored = nvme.scan()
+            index.adopt_nvme(stored.keys, stored.ns_digests)
         remote = share = None
         if cfg.remote is not None:
             remote, share = _open_remote(cfg, bb, index)

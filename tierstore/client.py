@@ -66,11 +66,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .layout import KVLayout
-from .index import Lease, LookupResult, Tier
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
 from .extras import require
 

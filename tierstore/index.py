@@ -53,15 +53,16 @@ recomputed and counted in ``partial_tail_tokens``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import threading
 import time
-import typing
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+# The contract types live in tierstore.contract; they stay importable from here.
+from .contract import (MEMORY_TIERS, BlockState, Demotion, Lease, LoadPlan,  # noqa: F401
+                       LookupResult, Medium, PromotePlan, StorePlan, Tier)
 from .errors import ConfigError, InvariantError, QuotaExceeded, Status
 from .fdp.lifetime import LifetimeClass, class_from_hint
 from .keytable import KeyTable
@@ -71,35 +72,11 @@ from .policies.cost import CostModel
 from .policies.lifetime import default_classify
 from .tiers.memory import SlotAllocator
 
-
-class Tier(enum.IntEnum):
-    """Tiers, fastest first."""
-
-    HBM = 0
-    HOST = 1
-    NVME = 2
-    REMOTE = 3    # the shared remote tier: found by lookup, never indexed locally
-
-    @property
-    def label(self) -> str:
-        """Lower-case name used in metrics and the cost model."""
-        return self.name.lower()
-
-
-MEMORY_TIERS = (Tier.HBM, Tier.HOST)
 _TIER_OF_INT = tuple(Tier)
 _TIERS = {int(t): t for t in Tier}
 _LABELS = {int(t): t.name.lower() for t in Tier}
 _HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
-
-
-class BlockState(enum.Enum):
-    """Derived ownership state of an entry."""
-
-    ACTIVE = "active"
-    PINNED = "pinned"
-    EVICTABLE = "evictable"
 
 
 # --- row flags
@@ -131,184 +108,6 @@ def _top_of_flags(f: int) -> int:
 #: tops of a whole chain (:meth:`BlockIndex._tops`).
 _TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
 _TOP_TIER = [None if t < 0 else Tier(t) for t in _TOP.tolist()]
-
-
-@dataclasses.dataclass
-class LookupResult:
-    """Outcome of :meth:`BlockIndex.lookup`.
-
-    Attributes
-    ----------
-    keys : list of bytes
-        The matched leading keys (a prefix of the keys asked for).
-    tiers : list of Tier
-        Tier each matched block would be loaded from (its fastest copy).
-    load_s : list of float
-        Estimated seconds to load each matched block (cost model; a tier's
-        first block also carries its load call's latency).
-    useful_blocks : int
-        Leading blocks worth loading (loading them beats recomputing).
-    requested_blocks : int
-        Full blocks asked for.
-    tokens_per_block : int
-        Block size in tokens.
-    request_id : object or None
-        The request holding references on the matched blocks, if any.
-    not_useful_reason : str or None
-        Why the matched blocks after ``useful_blocks`` are not worth loading
-        (e.g. ``"load slower than recompute: est 3.1 ms vs recompute 1.6 ms per
-        block (remote: declared ...)"``, :meth:`CostModel.not_useful_reason
-        <tierstore.policies.cost.CostModel.not_useful_reason>`); ``None`` when
-        ``useful_blocks == matched_blocks``.
-    """
-
-    keys: list
-    tiers: list
-    load_s: list
-    useful_blocks: int
-    requested_blocks: int
-    tokens_per_block: int
-    request_id: object = None
-    not_useful_reason: str | None = None
-
-    @property
-    def matched_blocks(self) -> int:
-        return len(self.keys)
-
-    @property
-    def matched_tokens(self) -> int:
-        return len(self.keys) * self.tokens_per_block
-
-    @property
-    def useful_tokens(self) -> int:
-        return self.useful_blocks * self.tokens_per_block
-
-    @property
-    def useful_keys(self) -> list:
-        return self.keys[:self.useful_blocks]
-
-
-@dataclasses.dataclass
-class Lease:
-    """A pin lease: blocks held resident until ``expiry_s`` or :meth:`BlockIndex.unpin`."""
-
-    lease_id: int
-    ns: bytes
-    keys: list
-    expiry_s: float
-    bytes: int
-
-
-@dataclasses.dataclass
-class Demotion:
-    """One victim moving down: from ``src`` slot to ``dst`` (a memory slot, or NVMe with ``slot=-1``)."""
-
-    row: int
-    key: bytes
-    src: Tier
-    src_slot: int
-    dst: Tier
-    dst_slot: int
-    lifetime: LifetimeClass | None = None
-    ns: bytes = b""
-
-
-@dataclasses.dataclass(eq=False)
-class StorePlan:
-    """What :meth:`BlockIndex.prepare_store` decided; the mover executes it.
-
-    Attributes
-    ----------
-    keys : list of bytes
-        All keys asked for, in chain order.
-    statuses : list of Status or None
-        Decided already (``EXISTS``, ``NO_SPACE``) or ``None`` (to be written).
-    rows : list of int
-        Row of each key to write (``-1`` for decided ones).
-    memory : list of (int, Tier, int)
-        ``(i, tier, slot)``: key ``i``'s bytes go into that memory slot.
-    nvme_new : list of (int, LifetimeClass)
-        ``(i, class)``: key ``i``'s bytes are written to NVMe with that class.
-    nvme_demote : list of Demotion
-        Victims written from a memory slot to NVMe (before their slot is reused).
-    copies : list of Demotion
-        Memory-to-memory demotions, lowest tier first (execute in order).
-    frees : list of (int, Tier, int)
-        ``(row, tier, slot)`` copies to drop once the plan completes.
-    lost : list of (bytes, Tier, int)
-        ``(key, tier, slot)`` of victims that leave the last tier holding them
-        (no lower memory copy, not written to NVMe). With
-        ``IndexConfig.remote_victims`` the mover offers them to the shared
-        remote tier before their slot is reused; otherwise empty.
-    given : set of (Tier, int)
-        Victims' slots handed on (to a new block or a demoted victim) rather than freed.
-    ns : bytes
-        Namespace digest of the new keys.
-    """
-
-    keys: list
-    statuses: list
-    rows: list
-    memory: list = dataclasses.field(default_factory=list)
-    nvme_new: list = dataclasses.field(default_factory=list)
-    nvme_demote: list = dataclasses.field(default_factory=list)
-    copies: list = dataclasses.field(default_factory=list)
-    frees: list = dataclasses.field(default_factory=list)
-    lost: list = dataclasses.field(default_factory=list)
-    ns: bytes = b""
-    given: set = dataclasses.field(default_factory=set)
-    done: bool = False
-    protect: set | None = None
-    #: How far the mover got (set by the mover): nothing, the NVMe batch
-    #: (``demote_statuses`` then holds its victims' statuses), or also the
-    #: memory-to-memory demotions. A failure is undone accordingly.
-    moved: int = 0
-    demote_statuses: dict = dataclasses.field(default_factory=dict)
-
-    NOTHING_DONE: typing.ClassVar[int] = 0
-    NVME_DONE: typing.ClassVar[int] = 1
-    COPIES_DONE: typing.ClassVar[int] = 2
-
-    @property
-    def pending(self) -> list[int]:
-        """Indices of keys this plan writes."""
-        return [i for i, s in enumerate(self.statuses) if s is None]
-
-
-@dataclasses.dataclass(eq=False)
-class LoadPlan:
-    """What :meth:`BlockIndex.prepare_load` decided.
-
-    ``sources[i]`` is ``(tier, slot)`` (``slot=-1`` for NVMe) or ``None`` (a miss).
-    ``waits`` are NVMe reads of the same blocks by other loads, in flight now:
-    the caller may :meth:`BlockIndex.abort_load`, wait for them and plan again
-    (a delay hit: concurrent cold loads of one block share one read).
-    """
-
-    keys: list
-    rows: list
-    sources: list
-    waits: list = dataclasses.field(default_factory=list)
-    leads: list = dataclasses.field(default_factory=list)
-    done: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class PromotePlan:
-    """Copies into a faster memory tier: ``items[j] = (i, row, tier, slot)``.
-
-    After a load the bytes come from the load's destinations; for a prefetch,
-    ``keys[i]`` is read from ``sources[j]`` (``(tier, slot)``, ``slot=-1`` for NVMe).
-    ``victims`` holds the slots' previous owners: their copies down into the
-    next memory tier (``victims.copies``, done first) and their frees.
-    """
-
-    items: list
-    victims: StorePlan = dataclasses.field(default_factory=lambda: StorePlan([], [], []))
-    keys: list = dataclasses.field(default_factory=list)
-    sources: list = dataclasses.field(default_factory=list)
-    leads: list = dataclasses.field(default_factory=list)
-    done: bool = False
 
 
 @dataclasses.dataclass
@@ -1538,6 +1337,8 @@ class BlockIndex:
         Used at a clean shutdown so that a restart finds them, and in the
         background to keep clean victims for promotions (``coldest_first``:
         least recently used first). Returns ``None`` when nothing is left to write.
+        Each block is read from a readable memory copy (host first); a block whose
+        only memory copy is a victim of a store in flight is skipped.
         """
         if Tier.NVME not in self.tiers:
             return None
@@ -1547,7 +1348,13 @@ class BlockIndex:
             if not rows.size:
                 return None
             f = self._flags[rows]
-            mem = (self._slot[Tier.HBM][rows] >= 0) | (self._slot[Tier.HOST][rows] >= 0)
+            # only a readable copy is a source: a copy being evicted (_EVICT_*) belongs to a store
+            # plan in flight, which hands its slot on (to a new block, or to a victim moving down)
+            # and overwrites it without the lock; gathered from there, another block's bytes would
+            # be written to NVMe under this key, with a valid checksum. Such a row is skipped: its
+            # plan decides its fate (moved down, written to NVMe, or dropped and counted).
+            mem = (((self._slot[Tier.HBM][rows] >= 0) & ((f & _EVICT_HBM) == 0))
+                   | ((self._slot[Tier.HOST][rows] >= 0) & ((f & _EVICT_HOST) == 0)))
             rows = rows[mem & ((f & (_ON_NVME | _PENDING | _DOOMED | _NVME_WRITING)) == 0)]
             if coldest_first:
                 rows = rows[np.argsort(self._last[rows], kind="stable")]
@@ -1557,7 +1364,7 @@ class BlockIndex:
             plan = StorePlan([], [], [])
             for r in rows.tolist():
                 key = self._table.key_of(r)
-                t = Tier.HOST if self._slot[Tier.HOST][r] >= 0 else Tier.HBM
+                t = Tier.HOST if self._readable(r, Tier.HOST) else Tier.HBM
                 self._flags[r] |= _NVME_WRITING
                 self._readers[r] += 1
                 plan.nvme_demote.append(Demotion(r, key, t, int(self._slot[t][r]), Tier.NVME, -1,

@@ -34,9 +34,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from .contract import LoadPlan, PromotePlan, StorePlan, Tier
 from .errors import ConfigError, Status, StoreClosedError
 from .fdp.lifetime import LifetimeClass
-from .index import LoadPlan, PromotePlan, StorePlan, Tier
 from .io.pages import FragmentPlan
 from .tiers.memory import BlockPool
 from .tiers.storage import BlockStorage
@@ -310,12 +310,9 @@ class Mover:
         return st, nvme_s
 
     def _get(self, keys, dests, gate) -> list[Status]:
-        fn = getattr(self.nvme, "get_fragments", None)
-        if fn is None:
-            raise TypeError("the NVMe tier has no get_fragments()")
         if gate is None:
-            return list(fn(keys, dests))
-        return list(fn(keys, dests, gate=gate))
+            return list(self.nvme.get_fragments(keys, dests))
+        return list(self.nvme.get_fragments(keys, dests, gate=gate))
 
     def run_prefetch(self, plan: PromotePlan) -> list[bool]:
         """Copy each prefetched block from its source into its reserved slot

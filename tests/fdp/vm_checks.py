@@ -216,7 +216,7 @@ def invalid_pid(zyg: Zygote) -> dict:
     out: dict = {}
     before = dev_state()
     try:
-        build_store({"tiers": {"nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "64MiB",
+        build_store({"tiers": {"nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "64MiB", "format": True,
                                         "fdp": {"enabled": True, "long_pid": 0x77, "medium_pid": 2,
                                                 "short_pid": 3}}}}, get_layout("tiny"))
         out["store"] = "accepted"
@@ -259,7 +259,7 @@ def ruh_update() -> dict:
     layout = KVLayout(2, 2, 16, torch.float32, 512, "fdp-vm-256k")  # 256 KiB blocks
     before = dev_state()
     store = build_store({"tiers": {"hbm": {"capacity_bytes": 0}, "host": {"capacity_bytes": 0},
-                                   "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "256MiB",
+                                   "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "256MiB", "format": True,
                                             "fdp": {"enabled": True},
                                             "model": {"page_bytes": 4096, "op_fraction": 0.5}}}}, layout)
     n_per_class = ARGS.ruh_update_blocks
@@ -323,7 +323,8 @@ def kvtrace() -> dict:
     make_trace(trace)
     res = os.path.join(ARGS.out, "kvtrace.json")
     argv = ["--rw=kvtrace", f"--device={DEV}", "--dataplacement=fdp", f"--trace={trace}", "--trace_block_size=16k",
-            "--hbm_size=0", "--host_size=128k", "--nvme_size=128m", "--output-format=json", f"--output={res}"]
+            "--hbm_size=0", "--host_size=128k", "--nvme_size=128m", "--format=1", "--output-format=json",
+            f"--output={res}"]
     if ARGS.kv_plids:
         argv.append(f"--plids={ARGS.kv_plids}")
     before = dev_state()
@@ -380,7 +381,7 @@ def _daemon_config(name: str, fdp_extra: dict | None = None) -> str:
     cfg = {"listen": {"host": "127.0.0.1", "port": 18470}, "log": {"level": "INFO", "access_log": False},
            "state_dir": state, "layout": {"preset": "tiny", "tokens_per_block": 64},
            "tiers": {"hbm": {"capacity_bytes": 0}, "host": {"capacity_bytes": "1MiB"},
-                     "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "128MiB",
+                     "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "128MiB", "format": True,
                               "fdp": {"enabled": True, **(fdp_extra or {})}}},
            "puts": {"durable": True},
            "tenants": [{"name": "t", "tokens": ["fdp-vm-token-0123456789"]}],

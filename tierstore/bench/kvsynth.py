@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 from ..api import KVStore, leading_ok
+from ..contract import Tier
 from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
-from ..index import Tier
 from .kvjobs import no_space_report, nvme_file, store_config
 from .registry import current_progress, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult

@@ -161,11 +161,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..api import KVStore
+from ..contract import Tier
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
-from ..index import Tier
 from ._common import LIFETIME_HINTS, close_store_logged, log_store_opened, model_identity, split_extra_config
 
 if TYPE_CHECKING:

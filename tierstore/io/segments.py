@@ -76,7 +76,7 @@ import stat
 import struct
 import threading
 from array import array
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ from .factory import open_engine
 from ..errors import (ConfigError, CorruptData, ForeignDataError, InvariantError, LayoutError, Status,
                       StoreClosedError, TierStoreError)
 from ..keytable import KeyTable
-from ..tiers.storage import BlockStorage
+from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
 from ..units import format_bytes, parse_size
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
@@ -118,17 +118,6 @@ class SegmentState(enum.IntEnum):
     OPEN = 1
     SEALED = 2
     RECLAIMING = 3
-
-
-class RegionListener(Protocol):
-    """What the block index hears from the region manager (Navy's
-    ``BlockCache::onRegionReclaim`` / ``onRegionCleanup``)."""
-
-    def on_reclaim(self, keys: list[bytes]) -> Sequence[bool]:
-        """Which of a victim segment's live ``keys`` to keep (copy forward)."""
-
-    def on_dropped(self, keys: list[bytes]) -> None:
-        """``keys`` left the NVMe tier (evicted with their segment, or found corrupt)."""
 
 
 @dataclasses.dataclass
@@ -244,6 +233,12 @@ class SegmentStorage(BlockStorage):
     format : bool
         Allowed to format a target without the label (``tiers.nvme.format``);
         without it such a target is refused before anything is written.
+    metadata_placement : int or None
+        The placement (FDP PID) of the tier's own writes that carry no block: the
+        label and the zeroed chain starts of a format. ``None``: untagged. On an
+        FDP device build passes the default handle's PID
+        (:meth:`tierstore.fdp.placement.PlacementPolicy.placement_for_metadata`),
+        so every write the device sees names a reclaim unit handle.
     keep_data : bool
         ``False``: the accounting mode (:class:`tierstore.config.TiersConfig`):
         every extent is laid out and written as usual with its real header
@@ -279,7 +274,8 @@ class SegmentStorage(BlockStorage):
                  verify_on_recovery: bool = False, copy_threads: int | None = None,
                  region_policy: str = "lru", listener: RegionListener | None = None,
                  invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
-                 keep_data: bool = True, label: bool | None = None, format: bool = False):
+                 keep_data: bool = True, label: bool | None = None, format: bool = False,
+                 metadata_placement: int | None = None):
         cap = parse_size(capacity_bytes, "capacity_bytes")
         self.keep_data = bool(keep_data)
         seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
@@ -312,6 +308,7 @@ class SegmentStorage(BlockStorage):
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._one_block_extent_bytes = one
         self._labelled = (path is not None) if label is None else bool(label)
+        self._metadata_placement = metadata_placement
         #: where segment 0's chain starts (after the label)
         self._start0 = lbl.LABEL_BYTES if self._labelled else 0
         if seg_b < self._start0 + one:
@@ -482,7 +479,7 @@ class SegmentStorage(BlockStorage):
             keys = self._table.keys_of(rows)
             return {k: (self._ns_list[int(self._ns_id[r])], int(self._seq[r])) for k, r in zip(keys, rows)}
 
-    def scan(self) -> tuple[list[bytes], list[bytes], np.ndarray]:
+    def scan(self) -> StoredBlocks:
         """Every stored block: ``(keys, namespace digest per key, write seq per key)``.
 
         What a restarted index adopts (one pass, no per-block objects kept)."""
@@ -490,7 +487,7 @@ class SegmentStorage(BlockStorage):
             rows = self._table.rows()
             keys = self._table.keys_of(rows)
             nss = [self._ns_list[i] for i in self._ns_id[rows].tolist()]
-            return keys, nss, self._seq[rows].copy()
+            return StoredBlocks(keys, nss, self._seq[rows].copy())
 
     def write_seq(self) -> int:
         """Sequence number the next extent will get."""
@@ -1358,7 +1355,7 @@ class SegmentStorage(BlockStorage):
         for si in segments:
             off = si * self.segment_size_bytes + self._chain_start(si)
             if any(self._read_page(off)):
-                self.engine.write(off, zero[:fmt.ALIGN_BYTES]).get()
+                self.engine.write(off, zero[:fmt.ALIGN_BYTES], self._metadata_placement).get()
                 wrote = True
         if wrote:
             self.engine.sync()
@@ -1370,7 +1367,7 @@ class SegmentStorage(BlockStorage):
                               getattr(self, "_store_id", b"")).encode()
         keep, buf = alloc_aligned(lbl.LABEL_BYTES)
         memoryview(keep)[:lbl.LABEL_BYTES] = page
-        self.engine.write(0, buf[:lbl.LABEL_BYTES]).get()
+        self.engine.write(0, buf[:lbl.LABEL_BYTES], self._metadata_placement).get()
         self.engine.sync()
         self._store_id = page[40:56]
 

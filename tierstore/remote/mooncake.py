@@ -153,6 +153,7 @@ import torch
 
 from ..errors import ConfigError, LayoutError, Status
 from ..io.format import KEY_BYTES, payload_crc
+from ..tiers.storage import RemoteBlockTier
 from .format import (CORRUPT_REASONS, HEADER_BYTES, ObjectCorrupt, ObjectNamer, check_header,
                      check_payload, encode_header, object_bytes)
 
@@ -460,7 +461,7 @@ _COUNTERS = (
 )
 
 
-class MooncakeTier:
+class MooncakeTier(RemoteBlockTier):
     """The remote tier: publish, look up and load blocks in a Mooncake cluster.
 
     Parameters
@@ -492,9 +493,9 @@ class MooncakeTier:
     object_bytes)) * object_bytes`` of registered staging, plus
     ``segment_bytes`` that Mooncake maps for the cluster.
 
-    Differences from :class:`tierstore.tiers.storage.BlockStorage`: a published
-    block can vanish at any time (evicted, its holder died, the master
-    restarted), publication is asynchronous, and capacity is the cluster's.
+    Implements :class:`tierstore.tiers.storage.RemoteBlockTier` (whose table says where
+    it differs from the local interface): a block can vanish at any time (evicted, its
+    holder died, the master restarted), publication is asynchronous, capacity the cluster's.
     """
 
     def __init__(self, settings: MooncakeSettings, block_bytes: int, *,

@@ -24,7 +24,7 @@ def repair_after_restart(store, tombstones: dict[bytes, int]) -> int:
     int
         Blocks dropped because of a tombstone.
     """
-    if store.nvme is None or not tombstones or not hasattr(store.nvme, "scan"):
+    if store.nvme is None or not tombstones:
         return 0
     keys, nss, seqs = store.nvme.scan()
     stale = [k for k, ns, seq in zip(keys, nss, seqs.tolist())

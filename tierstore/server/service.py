@@ -35,8 +35,8 @@ from pydantic import BaseModel
 
 from ..build import build_store
 from ..config import StoreConfig
+from ..contract import Tier
 from ..errors import QuotaExceeded, Status, TierStoreError
-from ..index import Tier
 from .config import DaemonConfig
 from .durable import repair_after_restart
 from .http import (UNAUTHORIZED_HEADERS, ApiError, InvalidateRequest, KeysRequest, PinRequest, PutManifest,
