@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import msgspec
 import numpy as np
@@ -160,9 +161,14 @@ BAD_REPLY_BODIES = {
 @pytest.mark.parametrize("why", sorted(BAD_BODIES))
 def test_a_request_outside_the_schema_is_a_bad_frame(pair, why):
     client, service = pair
-    client.sock.sendall(_frame(BAD_BODIES[why]))
+    # from a thread: a frame larger than the socket buffer ("too many keys") blocks sendall
+    # until the service reads it
+    sender = threading.Thread(target=client.sock.sendall, args=(_frame(BAD_BODIES[why]),), daemon=True)
+    sender.start()
     with pytest.raises(ProtocolError) as e:
         service.recv()
+    sender.join(10)
+    assert not sender.is_alive()
     assert e.value.code is ErrorCode.BAD_FRAME
     assert service.broken
 
@@ -259,12 +265,15 @@ def test_a_message_over_the_limit_is_not_sent():
 def test_the_largest_request_fits_the_default_frame(pair):
     client, service = pair
     big = P.PrepareStore(1, NS, os.urandom(32 * P.MAX_KEYS), 0, 0, True)
-    client.send(big)
-    assert service.recv() == big
     reply = P.TicketReply(1, 2, bytes(P.MAX_KEYS), bytes(4 * P.MAX_KEYS), bytes(8 * P.MAX_KEYS), True,
                           ready_ids=bytes(8 * P.MAX_READY))
-    service.send(reply)
-    assert client.recv() == reply
+    # each send from a thread: a frame larger than the socket buffer waits for its reader
+    for sender, receiver, msg in ((client, service, big), (service, client, reply)):
+        t = threading.Thread(target=sender.send, args=(msg,), daemon=True)
+        t.start()
+        assert receiver.recv() == msg
+        t.join(10)
+        assert not t.is_alive()
 
 
 def test_a_timeout_before_a_frame_keeps_the_connection_and_inside_one_breaks_it(pair):

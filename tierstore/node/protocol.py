@@ -757,6 +757,8 @@ class FrameSocket:
         self.sock = sock
         self.max_frame_bytes = int(max_frame_bytes)
         self.broken = False
+        #: a write failed (maybe inside a frame): nothing more may be written
+        self._out_broken = False
         self._dec = decoder
         self._enc = msgspec.msgpack.Encoder()
         self._out = bytearray(FRAME_HEADER.size)
@@ -792,7 +794,7 @@ class FrameSocket:
             sent = socket.send_fds(self.sock, [view], list(fds)) if fds else 0
             self.sock.sendall(view[sent:])
         except OSError:
-            self.broken = True
+            self.broken = self._out_broken = True
             raise
         finally:
             view.release()
@@ -858,6 +860,15 @@ class FrameSocket:
             for fd in fds:
                 os.close(fd)
             raise
+        except ConnectionResetError:
+            # the peer closed with our frames unread (AF_UNIX resets then): at a frame
+            # boundary that is the end of the connection, as EOF is
+            self.broken = True
+            for fd in fds:
+                os.close(fd)
+            if got == 0:
+                return None, []
+            raise ProtocolError(ErrorCode.CLOSED, "the peer reset the connection inside a frame") from None
         except BaseException:
             self.broken = True
             for fd in fds:
@@ -877,7 +888,8 @@ class FrameSocket:
         """Answer ``exc`` with one :class:`Error` and close: what a receiver does on
         ``BAD_FRAME``. A peer that is gone already does not get it (the close still happens)."""
         try:
-            if not self.broken:
+            if not self._out_broken:  # a bad frame breaks reading; the stream out is whole
+                self.broken = False
                 self.send(exc.error(rid))
         except (OSError, ProtocolError):  # the peer left first; it learns from the close
             self.broken = True
