@@ -18,6 +18,8 @@ extra       packages                what needs them
             engine-non-cuda
 ``vllm``    vllm                    :mod:`tierstore.integrations.vllm`
 ``sglang``  sglang                  :mod:`tierstore.integrations.sglang`
+``node``    msgspec                 the node service's control protocol
+                                    (:mod:`tierstore.node.protocol`)
 ========== ======================= ==============================================
 """
 from __future__ import annotations
@@ -29,7 +31,8 @@ from .errors import ConfigError
 
 #: top-level module -> the extra that installs it
 EXTRA_OF = {"aiohttp": "server", "prometheus_client": "server", "rich": "bench", "matplotlib": "bench",
-            "fio_plot": "bench", "sh": "fdp", "mooncake": "cluster", "vllm": "vllm", "sglang": "sglang"}
+            "fio_plot": "bench", "sh": "fdp", "mooncake": "cluster", "vllm": "vllm", "sglang": "sglang",
+            "msgspec": "node"}
 
 
 def require(module: str, what: str) -> ModuleType:

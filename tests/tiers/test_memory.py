@@ -3,7 +3,7 @@ tier round trip on a GPU (``gpu`` marker: skipped where CUDA is absent)."""
 import pytest
 import torch
 
-from tierstore.errors import ConfigError, Status
+from tierstore.errors import ConfigError, LayoutError, Status
 from tierstore.tiers.memory import BlockPool
 
 CUDA = torch.cuda.is_available()
@@ -40,3 +40,32 @@ def test_cuda_hbm_and_pinned_host_round_trip():
     assert st == [Status.OK] * 6
     for a, b in zip(blocks, dests):
         assert torch.equal(a, b)
+
+
+def test_from_tensor_wraps_strided_rows_and_the_movers_copies_stay_in_them():
+    """A pool over rows ``stride`` bytes apart (a segment's slots) aliases them, and the copies
+    the mover makes (slice copies, ``index_copy_``, ``index_select``) never touch the gaps."""
+    backing = torch.zeros(4 * 8192, dtype=torch.uint8)
+    rows = backing.as_strided((4, 5000), (8192, 1))
+    pool = BlockPool.from_tensor("host", rows)
+    assert (pool.name, pool.num_blocks, pool.block_bytes, pool.device.type) == ("host", 4, 5000, "cpu")
+    assert pool.data.data_ptr() == backing.data_ptr()
+    pool.view(1).fill_(1)
+    pool.data[2:4].copy_(torch.full((2, 5000), 2, dtype=torch.uint8))
+    pool.data.index_copy_(0, torch.tensor([0]), torch.full((1, 5000), 3, dtype=torch.uint8))
+    grid = backing.view(4, 8192)
+    assert grid[:, :5000].tolist() == [[3] * 5000, [1] * 5000, [2] * 5000, [2] * 5000]
+    assert int(grid[:, 5000:].count_nonzero()) == 0
+    assert pool.data.index_select(0, torch.tensor([1, 0]))[:, 0].tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("rows,why", [
+    (torch.zeros((4, 16), dtype=torch.float16), "2-D uint8"),
+    (torch.zeros(64, dtype=torch.uint8), "2-D uint8"),
+    (torch.zeros((4, 0), dtype=torch.uint8), "rows of 0 bytes"),
+    (torch.zeros((16, 4), dtype=torch.uint8).t(), "contiguous"),
+    (torch.zeros(96, dtype=torch.uint8).as_strided((4, 32), (16, 1)), "overlap"),
+])
+def test_from_tensor_refuses_rows_that_are_not_separate_blocks(rows, why):
+    with pytest.raises(LayoutError, match=why):
+        BlockPool.from_tensor("host", rows)

@@ -64,6 +64,47 @@ class BlockPool:
             raise ConfigError(f"{name}: cannot allocate {num_blocks} x {block_bytes} bytes of {what} "
                               f"memory: {str(exc).splitlines()[0]}") from exc
 
+    @classmethod
+    def from_tensor(cls, name: str, rows: torch.Tensor) -> "BlockPool":
+        """A pool over memory that exists already: slot ``s`` is ``rows[s]``; nothing is allocated.
+
+        The node service's host tier is the rows of its shared segment
+        (:meth:`tierstore.node.segment.Segment.host_rows`), which engine processes map
+        too; the pool aliases that memory, so a copy into a slot is visible to them.
+
+        Parameters
+        ----------
+        name : str
+            Tier name, as for the constructor.
+        rows : torch.Tensor
+            Shape ``(num_blocks, block_bytes)``, dtype ``uint8``, any device. Each row is
+            contiguous (``stride(1) == 1``); rows may be further apart than ``block_bytes``
+            (a slot stride rounded up to pages) but never overlap (``stride(0) >=
+            block_bytes``). The caller keeps the memory alive as long as the pool.
+
+        Raises
+        ------
+        LayoutError
+            For another dtype or rank, an empty row, non-contiguous rows or overlapping rows.
+        """
+        if rows.dtype != torch.uint8 or rows.dim() != 2:
+            raise LayoutError(f"{name}: rows must be a 2-D uint8 tensor, "
+                              f"got {tuple(rows.shape)} {rows.dtype}")
+        num_blocks, block_bytes = rows.shape
+        if block_bytes <= 0:
+            raise LayoutError(f"{name}: rows of {block_bytes} bytes are invalid")
+        if block_bytes > 1 and rows.stride(1) != 1:
+            raise LayoutError(f"{name}: each row must be contiguous, got strides {rows.stride()}")
+        if num_blocks > 1 and rows.stride(0) < block_bytes:
+            raise LayoutError(f"{name}: rows of {block_bytes} bytes {rows.stride(0)} bytes apart overlap")
+        pool = cls.__new__(cls)
+        pool.name = name
+        pool.block_bytes = int(block_bytes)
+        pool.num_blocks = int(num_blocks)
+        pool.device = rows.device
+        pool.data = rows
+        return pool
+
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes: a 1-D ``uint8`` view of ``block_bytes``."""
         return self.data[slot]
