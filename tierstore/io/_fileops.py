@@ -85,6 +85,11 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+#: Seconds a held lock whose holder /proc/locks does not list is tried again before it is
+#: refused: the holder may be releasing it (a killed process's last reference going).
+UNSEEN_HOLDER_RETRY_S = 1.0
+
+
 def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
     """flock(2) ``LOCK_EX`` on the open file description; fails at once when a
     live process holds it.
@@ -99,7 +104,8 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
     The holder's PID comes from ``/proc/locks`` (:func:`lock_holder_pid`): a
     live holder (another store, in this process or another) is refused at
     once; a holder that has died (its last writes still landing) is waited
-    for, up to ``timeout_s``.
+    for, up to ``timeout_s``. A held lock with no holder listed is tried again
+    for up to :data:`UNSEEN_HOLDER_RETRY_S` (it is being released) before it is refused.
 
     Raises
     ------
@@ -109,6 +115,8 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
     """
     from ..errors import StoreLockedError
     deadline = time.monotonic() + timeout_s
+    #: how long a lock with no visible holder is retried (the race above), at most timeout_s
+    unseen_until = time.monotonic() + min(UNSEEN_HOLDER_RETRY_S, timeout_s)
     warned = False
     while True:
         try:
@@ -120,6 +128,11 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
         if pid == os.getpid():
             raise StoreLockedError(f"{path}: already open in this process (pid {pid}) by another store; close "
                                    "it first, or give this store another NVMe path") from None
+        if pid is None and time.monotonic() < unseen_until:
+            # no holder listed: the lock went between our try and the read of /proc/locks (a
+            # killed holder's last io_uring reference dropping); try again before judging
+            time.sleep(0.01)
+            continue
         if pid is None:
             raise StoreLockedError(f"{path}: in use by another process (flock held; its PID is not visible "
                                    "here, e.g. another container); stop it, or give this store another NVMe "
