@@ -797,7 +797,7 @@ class KVStore:
               timeout_s: float | None, finish):
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
-        gate = LoadGate() if timeout_s is not None else None
+        gate = LoadGate(time.monotonic() + timeout_s) if timeout_s is not None else None
 
         def run() -> list[Status]:
             t0 = time.perf_counter_ns()

@@ -119,3 +119,17 @@ def test_copy_slots(memory):
     want = memory.view(Tier.HOST, 7).clone()
     memory.copy_slots([(Tier.HOST, 7, Tier.HBM, 3)])
     assert torch.equal(memory.view(Tier.HBM, 3), want)
+
+
+def test_the_gate_refuses_copies_past_its_deadline_before_anyone_closes_it():
+    """A load's deadline holds even when the thread that closes the gate runs late: a copy
+    that would start after the deadline is refused by the gate itself (under load,
+    test_load_deadline_turns_a_slow_memory_copy_into_misses saw every copy delivered)."""
+    import time as _time
+    gate = LoadGate(_time.monotonic() + 0.05)
+    with gate.enter([0]) as ok:
+        assert ok
+    _time.sleep(0.06)
+    with gate.enter([1]) as ok:
+        assert not ok
+    assert gate.close() == {0}

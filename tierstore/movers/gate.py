@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Sequence
 
 
@@ -21,16 +22,20 @@ class LoadGate:
     its buffers are never written behind its back.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: float | None = None) -> None:
+        """``deadline_s``: a :func:`time.monotonic` time after which no copy starts, even
+        before :meth:`close` runs (a thread that closes at the deadline may be scheduled
+        late, or wait behind copies that take the lock back one after another)."""
         self._lock = threading.Lock()
         self.closed = False
+        self.deadline_s = deadline_s
         self.delivered: set[int] = set()
 
     @contextlib.contextmanager
     def enter(self, indices: Sequence[int]):
         """Context manager yielding ``True`` if the copy of ``indices`` may proceed."""
         with self._lock:
-            if self.closed:
+            if self.closed or (self.deadline_s is not None and time.monotonic() >= self.deadline_s):
                 yield False
                 return
             yield True
