@@ -103,7 +103,6 @@ _COUNTERS = (
 )
 
 
-
 class MooncakeTier(Publisher, Loader, RemoteBlockTier):
     """The remote tier: publish, look up and load blocks in a Mooncake cluster.
 
@@ -135,6 +134,10 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
     outcome. No lock is held across a Mooncake call or a block copy. Memory:
     ``(publish_queue_blocks + max(2, local_buffer_bytes // object_bytes)) * object_bytes`` of
     registered staging, plus ``segment_bytes`` that Mooncake maps for the cluster.
+
+    ``put`` and ``flush`` are :class:`~tierstore.remote.publisher.Publisher`'s; ``register_memory``,
+    ``set_load_observer`` and ``get_into`` are :class:`~tierstore.remote.loader.Loader`'s (parts of
+    this class, on its lock and state).
 
     Implements :class:`tierstore.tiers.storage.RemoteBlockTier` (whose table says where
     it differs from the local interface): a block can vanish at any time (evicted, its
