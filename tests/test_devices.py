@@ -68,3 +68,55 @@ def test_device_stats_reports_the_geometry_fields_of_a_file_tier(tmp_path):
         assert d["utilization"] == 1.0 and d["dataplacement"] == "none"
     finally:
         s.close()
+
+
+def test_device_fdp_is_assembled_from_discovery_with_placement_and_device_counters(monkeypatch):
+    """``device: fdp`` without hardware: the QEMU 4x2 namespace of tests/fdp as discovery
+    answers it, a memory engine in place of the passthrough one, nvme-cli's counters faked."""
+    import os
+
+    from tests.fdp import gen_fixtures as G
+    from tests.fdp.test_device_path import _status_4x2
+    from tierstore import devices
+    from tierstore.fdp import device as fdp_device
+    from tierstore.fdp import discovery, logpages as lp, nvme_cli
+    from tierstore.io.factory import open_engine
+
+    with open(os.path.join(G.DATA, "qemu_4x2", "configs.bin"), "rb") as f:
+        cfg = lp.parse_fdp_configs(f.read()).configs[0]
+    with open(os.path.join(G.DATA, "qemu_4x2", "id_ns.bin"), "rb") as f:
+        idns = lp.parse_id_ns(f.read())
+    info = nvme_cli.FdpDeviceInfo("/dev/nvme0", True, True, 0, cfg, _status_4x2())
+    ns = discovery.FdpNamespace("/dev/ng0n1", "/dev/nvme0n1", "/dev/nvme0", 1, 1, idns, 524288, "fdpvm0001", info)
+    monkeypatch.setattr(fdp_device, "discover_namespace", lambda dev, endgid=1, cli=None: ns)
+    engines = []
+
+    def passthrough(char_dev, size_bytes, nsid, lba_bytes, **kw):
+        engines.append((char_dev, size_bytes, nsid, lba_bytes, kw))
+        return open_engine("memory", None, size_bytes)
+
+    class Counters:
+        def __init__(self, dev, endgid=1):
+            self.dev = dev
+
+        def stats(self):
+            return {"hbmw_bytes": 4096, "mbmw_bytes": 8192, "mbe_bytes": 0}
+
+    monkeypatch.setattr(devices, "PassthroughEngine", passthrough)
+    monkeypatch.setattr(nvme_cli, "FdpDeviceStats", Counters)
+    runs = cfg.runs_bytes
+    s = KVStore.from_config({"tiers": {"nvme": {"device": "fdp", "path": "/dev/ng0n1", "capacity_bytes": 4 * runs,
+                                                "fdp": {"enabled": True}}}}, get_layout("tiny"))
+    try:
+        assert engines[0][:4] == ("/dev/ng0n1", 4 * runs, 1, 512)
+        assert engines[0][4]["ruh_update_segment_bytes"] == runs and engines[0][4]["pid_table"] == ns.pid_table
+        assert s.placement.enabled and s.ftl is None
+        d = s.device_stats()
+        assert d["device"].startswith("/dev/ng0n1 (FDP namespace 1 of /dev/nvme0")
+        assert (d["device_bytes"], d["nvme_bytes"], d["ru_size_bytes"], d["segment_size_bytes"]) == \
+            (ns.size_bytes, 4 * runs, runs, runs)
+        assert "lba_bytes" not in d and s._parts.geometry.lba_bytes == 512
+        assert d["dataplacement"] == "fdp" and (d["hbmw_bytes"], d["mbmw_bytes"]) == (4096, 8192)
+        assert "ruh_updates" not in d
+    finally:
+        s.close()
