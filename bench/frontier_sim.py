@@ -312,7 +312,7 @@ def load_workload(name: str, trace: str | None = None, limit: int | None = None,
 # ============================================================== the device
 def default_ru_bytes(device_bytes: int, page_bytes: int) -> int:
     """RU = device / 60 in whole MiB (pages below 4 MiB): the rule of ``device: sim``
-    (``tierstore.build._default_ru``; restated here, checked by ``--validate``)."""
+    (``tierstore.devices._default_ru``; restated here, checked by ``--validate``)."""
     ru = device_bytes // 60
     unit = 1 << 20 if ru >= 4 << 20 else page_bytes
     return max(page_bytes, ru // unit * unit)

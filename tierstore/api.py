@@ -1115,38 +1115,8 @@ class KVStore:
         (``nvme_write_bytes``): it counts segment headers, padding, host
         copy-forward and the device's GC.
         """
-        p = self._parts
-        out: dict = {"device": p.geometry.get("description", "")}
-        for k in ("device_bytes", "nvme_bytes", "ru_size_bytes", "segment_size_bytes", "utilization", "op_fraction",
-                  "num_ruh", "isolation", "gc", "page_bytes", "warning"):
-            if k in p.geometry:
-                out[k] = p.geometry[k]
-        out["dataplacement"] = "fdp" if p.placement.enabled else "none"
-        written = int(self._index.metrics.snapshot().get("nvme_write_bytes", 0))
-        out["tier_write_bytes"] = written
-        if self.nvme is not None:
-            st = self.nvme.stats()
-            out["host_user_bytes"] = int(st.get("user_bytes_written", 0))
-            out["host_gc_bytes"] = int(st.get("gc_bytes_written", 0))
-            out["host_write_amplification"] = float(st.get("host_write_amplification", 1.0))
-            eng = st.get("engine", {})
-            out["engine_write_bytes"] = int(eng.get("bytes_written", 0))
-            out["engine_trim_bytes"] = int(eng.get("bytes_trimmed", 0))
-        src = p.device
-        if src is not None and hasattr(src, "stats"):
-            s = src.stats()
-            for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes", "waf", "gc_runs", "trimmed_bytes",
-                      "invalid_pid_writes", "valid_bytes"):
-                if k in s:
-                    out[k] = s[k]
-            if "ruh_host_bytes" in s:
-                out["ruh_bytes"] = {str(i): int(v) for i, v in enumerate(s["ruh_host_bytes"]) if v}
-                out["ruh_gc_bytes"] = {str(i): int(v) for i, v in enumerate(s["ruh_gc_bytes"]) if v}
-            if "mbmw_bytes" in s:
-                out["e2e_wa"] = s["mbmw_bytes"] / written if written else float("nan")
-        if p.shim is not None:
-            out["ruh_updates"] = p.shim.ruh_updates
-        return out
+        from .devices import device_report
+        return device_report(self._parts, int(self._index.metrics.snapshot().get("nvme_write_bytes", 0)))
 
     @property
     def placement(self) -> Any:

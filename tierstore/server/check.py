@@ -41,10 +41,12 @@ import os
 import socket
 import stat
 
+from ..config import NvmeTierConfig
+from ..devices import file_tier_geometry
 from ..errors import ConfigError
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
-from ..io.label import LABEL_BYTES, inspect_target, refusal, resolve_nvme_path
+from ..io.label import LABEL_BYTES, Target, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import choose_segment_size
 from ..layout import KVLayout
 from .config import DaemonConfig
@@ -172,25 +174,8 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
     if n is None:
         return
     bb = layout.bytes_per_block
-    cap = n.capacity_bytes
-    one = fmt.extent_bytes_for(1, bb) + LABEL_BYTES  # segment 0 holds the tier's label and one block
-    if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
-        out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
-                          f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
-        return
-    try:
-        seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
-    except ConfigError as e:
-        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: {e}")
-        return
-    if seg % fmt.ALIGN_BYTES or seg < one:
-        out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
-                          f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
-        return
-    n_seg = cap // seg
-    if n_seg < 2:
-        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
-                          "store needs at least 2 (one reserved)")
+    seg = _check_segments(n, bb, out)
+    if seg is None:
         return
     try:
         path = nvme_file_path(n.path)
@@ -202,49 +187,95 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         out.errors.append(refusal(target))
         return
     if target.label is not None:
-        from ..build import file_tier_geometry
-        try:
-            seg, _ = file_tier_geometry(target, n, bb)
-        except ConfigError as e:
-            out.errors.append(f"layout: {e}" if "bytes, but was opened for" in str(e) else str(e))
+        seg = _check_label(n, bb, path, target, out)
+        if seg is None:
             return
-        n_seg = cap // seg
-        out.notes.append(f"nvme: {path}: a tier of {target.label.n_segments} segments of {seg} bytes holding "
-                         f"{bb}-byte blocks; its blocks are recovered at start"
-                         + (f" (now {n_seg} segments: the blocks past them are dropped)"
-                            if n_seg < target.label.n_segments else ""))
     elif target.kind in ("foreign", "legacy"):
         out.notes.append(f"nvme: {path}: format: true: what it holds is overwritten at start")
     if target.kind not in ("absent",):
         _check_lock(path, out)
+    tier = n.capacity_bytes // seg * seg
     if path.startswith("/dev/"):
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            out.errors.append(f"tiers.nvme.path={path}: {e.strerror} (no such device on this machine)")
-            return
-        if not (stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)):
-            out.errors.append(f"tiers.nvme.path={path}: not a block or character device")
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                # A block device's size is where SEEK_END lands; a character device
-                # (an NVMe generic node /dev/ngXnY) cannot seek (ESPIPE): its
-                # namespace size comes from Identify Namespace when the store opens
-                # (tierstore.build checks capacity_bytes against it there).
-                dev_bytes = os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else None
-            finally:
-                os.close(fd)
-        except OSError as e:
-            out.errors.append(f"tiers.nvme.path={path}: cannot open: {e.strerror}")
-            return
-        if dev_bytes is not None and dev_bytes < n_seg * seg:
-            out.errors.append(f"tiers.nvme.capacity_bytes={cap}: the device {path} has {dev_bytes} bytes")
-        if target.kind == "unreadable" and not n.format:
-            out.notes.append(f"nvme: {path}: a character device; its label is read when the tier opens, which "
-                             "refuses it unless it carries tierstore's label (or format: true)")
+        _check_device_node(n, path, target, tier, out)
+    else:
+        _check_file_room(n, path, target, tier, out)
+
+
+def _check_segments(n: NvmeTierConfig, bb: int, out: Preflight) -> int | None:
+    """The segment size start-up would choose, or ``None`` after an error: a segment
+    holds one block extent and the label, the tier at least two segments."""
+    cap = n.capacity_bytes
+    one = fmt.extent_bytes_for(1, bb) + LABEL_BYTES  # segment 0 holds the tier's label and one block
+    if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
+        out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
+                          f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
+        return None
+    try:
+        seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
+    except ConfigError as e:
+        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: {e}")
+        return None
+    if seg % fmt.ALIGN_BYTES or seg < one:
+        out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
+                          f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
+        return None
+    n_seg = cap // seg
+    if n_seg < 2:
+        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
+                          "store needs at least 2 (one reserved)")
+        return None
+    return seg
+
+
+def _check_label(n: NvmeTierConfig, bb: int, path: str, target: Target, out: Preflight) -> int | None:
+    """A tier that exists: its label's segment size (start-up's own check,
+    :func:`tierstore.devices.file_tier_geometry`), or ``None`` after an error."""
+    try:
+        seg, _ = file_tier_geometry(target, n, bb)
+    except ConfigError as e:
+        out.errors.append(f"layout: {e}" if "bytes, but was opened for" in str(e) else str(e))
+        return None
+    n_seg = n.capacity_bytes // seg
+    out.notes.append(f"nvme: {path}: a tier of {target.label.n_segments} segments of {seg} bytes holding "
+                     f"{bb}-byte blocks; its blocks are recovered at start"
+                     + (f" (now {n_seg} segments: the blocks past them are dropped)"
+                        if n_seg < target.label.n_segments else ""))
+    return seg
+
+
+def _check_device_node(n: NvmeTierConfig, path: str, target: Target, tier_bytes: int, out: Preflight) -> None:
+    """A path under ``/dev``: exists, is a block or character device, and a block device is large enough."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        out.errors.append(f"tiers.nvme.path={path}: {e.strerror} (no such device on this machine)")
         return
+    if not (stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        out.errors.append(f"tiers.nvme.path={path}: not a block or character device")
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # A block device's size is where SEEK_END lands; a character device
+            # (an NVMe generic node /dev/ngXnY) cannot seek (ESPIPE): its
+            # namespace size comes from Identify Namespace when the store opens
+            # (tierstore.devices checks capacity_bytes against it there).
+            dev_bytes = os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else None
+        finally:
+            os.close(fd)
+    except OSError as e:
+        out.errors.append(f"tiers.nvme.path={path}: cannot open: {e.strerror}")
+        return
+    if dev_bytes is not None and dev_bytes < tier_bytes:
+        out.errors.append(f"tiers.nvme.capacity_bytes={n.capacity_bytes}: the device {path} has {dev_bytes} bytes")
+    if target.kind == "unreadable" and not n.format:
+        out.notes.append(f"nvme: {path}: a character device; its label is read when the tier opens, which "
+                         "refuses it unless it carries tierstore's label (or format: true)")
+
+
+def _check_file_room(n: NvmeTierConfig, path: str, target: Target, tier_bytes: int, out: Preflight) -> None:
+    """A file: its directory writable, O_DIRECT accepted, and room for the (sparse) tier."""
+    cap = n.capacity_bytes
     if _check_writable_dir("tiers.nvme.path", path, out):
         _check_o_direct(path, out)
     held = os.stat(path).st_blocks * 512 if target.kind != "absent" else 0
@@ -254,8 +285,7 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         out.errors.append(f"tiers.nvme.path={path}: statvfs: {e.strerror}")
         return
     free = vfs.f_bavail * vfs.f_frsize
-    tier = n_seg * seg
-    if tier > free + held:
+    if tier_bytes > free + held:
         out.errors.append(f"disk: tiers.nvme.capacity_bytes={cap} ({_gib(cap)}) is larger than the "
                           f"{free + held} bytes ({_gib(free + held)}) free on the file system of "
                           f"{_existing_dir(path)}"
