@@ -41,11 +41,16 @@ PACKAGES = ("aiohappyeyeballs", "aiohttp", "aiosignal", "annotated_types", "attr
             "markdown_it", "mdurl", "pygments")
 
 
-def _dependency_tops(root: str = "tierstore") -> set[str]:
+#: ``root``'s extras the guest's phases use: the daemon ([server]: aiohttp, prometheus-client),
+#: nvme-cli through ``sh`` ([fdp]) and the bench CLI ([bench])
+GUEST_EXTRAS = ("server", "fdp", "bench")
+
+
+def _dependency_tops(root: str = "tierstore", extras: tuple[str, ...] = GUEST_EXTRAS) -> set[str]:
     """Top-level names in site-packages of ``root``'s runtime dependencies, recursively
-    (``importlib.metadata``: each distribution's ``Requires-Dist`` without extras, and
-    the first path part of each of its files), so a new dependency reaches the guest
-    without an edit here. ``root`` itself is mounted, not packed."""
+    (``importlib.metadata``: each distribution's ``Requires-Dist`` without extras, except
+    ``root``'s own ``extras``, and the first path part of each of its files), so a new
+    dependency reaches the guest without an edit here. ``root`` itself is mounted, not packed."""
     from importlib import metadata
     tops: set[str] = set()
     seen: set[str] = set()
@@ -67,7 +72,9 @@ def _dependency_tops(root: str = "tierstore") -> set[str]:
                         and not top.endswith((".pth", ".dist-info")):
                     tops.add(top)
         for req in dist.requires or ():
-            if ";" in req and "extra" in req.split(";", 1)[1]:
+            marker = req.split(";", 1)[1] if ";" in req else ""
+            wanted = key == root and any(re.search(rf"extra\s*==\s*['\"]{e}['\"]", marker) for e in extras)
+            if "extra" in marker and not wanted:
                 continue
             todo.append(re.split(r"[\s;<>=!~\[(]", req.strip(), maxsplit=1)[0])
     return tops
