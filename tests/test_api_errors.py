@@ -42,3 +42,38 @@ def test_storing_zero_new_blocks_returns_an_empty_list():
         assert len(s.lookup(ns, ids).keys) == 4
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kw", [{"nvme_path": "PATH"}, {"nvme_bytes": 64 << 20},
+                                {"nvme_path": "PATH", "nvme_bytes": 0}])
+def test_an_nvme_tier_needs_both_a_path_and_a_size(tmp_path, kw):
+    """One without the other opened a memory-only store and said nothing (found by a new-user
+    trial: the user believed the blocks were kept on NVMe)."""
+    from tierstore import KVStore, get_layout
+    kw = {k: (str(tmp_path / "t.nvme") if v == "PATH" else v) for k, v in kw.items()}
+    with pytest.raises(ConfigError, match="an NVMe tier needs both"):
+        KVStore(get_layout("tiny"), host_bytes=1 << 20, **kw)
+    assert not (tmp_path / "t.nvme").exists()
+
+
+def test_sizes_may_be_given_as_strings(tmp_path):
+    from tierstore import KVStore, get_layout
+    s = KVStore(get_layout("tiny"), host_bytes="1MiB", nvme_path=str(tmp_path) + "/", nvme_bytes="64MiB")
+    try:
+        caps = s.capacity_bytes()
+        assert caps["host"] == 1 << 20 and 0 < caps["nvme"] <= 64 << 20
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("blocks", [None, 3, "kv"])
+def test_kv_blocks_that_are_not_blocks_get_a_layout_error(blocks):
+    from tierstore import KVStore, Namespace, get_layout
+    from tierstore.errors import LayoutError
+    lay = get_layout("tiny")
+    s = KVStore(lay, host_bytes=1 << 20)
+    try:
+        with pytest.raises(LayoutError, match="kv_blocks: expected"):
+            s.store(Namespace(model="m", tokenizer="t"), list(range(lay.tokens_per_block)), blocks)
+    finally:
+        s.close()

@@ -186,16 +186,18 @@ class KVStore:
     ----------
     layout : KVLayout
         KV geometry of the engine.
-    hbm_bytes, host_bytes : int
-        Memory tier capacities in bytes (0 disables a tier).
+    hbm_bytes, host_bytes : int or str
+        Memory tier capacities in bytes, or a size string such as ``"64MiB"``
+        (0 disables a tier).
     nvme_path : str, optional
         Directory (ends in ``/`` or exists; the tier is ``tierstore.nvme``
         in it), file or device for the NVMe tier; ``None`` disables it.
         tierstore writes only to a path that is empty or carries its label
         (:mod:`tierstore.io.label`); ``nvme_format=True`` lets it format
         anything else, destroying what it holds.
-    nvme_bytes : int
-        NVMe tier capacity in bytes.
+    nvme_bytes : int or str
+        NVMe tier capacity in bytes, or a size string (``"64MiB"``); given
+        with ``nvme_path`` or not at all.
     **options
         Policy fields of :class:`~tierstore.config.PoliciesConfig`
         (``eviction``, ``promotion``, ``write_policy``, ``admission``,
@@ -229,7 +231,8 @@ class KVStore:
     Raises
     ------
     ConfigError
-        Invalid or unknown options (the message lists the accepted ones).
+        Invalid or unknown options (the message lists the accepted ones); only one
+        of ``nvme_path`` and ``nvme_bytes`` given.
     ForeignDataError
         ``nvme_path`` holds data tierstore did not write (:mod:`tierstore.io.label`).
     StoreLockedError
@@ -240,7 +243,7 @@ class KVStore:
     MERGE_WAIT_S = 30.0
 
     def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
-                 nvme_path: str | None = None, nvme_bytes: int = 0, **options) -> None:
+                 nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> None:
         unknown = set(options) - _POLICY_OPTIONS - _RUNTIME_OPTIONS - _NVME_OPTIONS - {"device", "remote"}
         if unknown:
             raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
@@ -253,7 +256,12 @@ class KVStore:
         hbm = _validated(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
         host = _validated(MemoryTierConfig, dict(capacity_bytes=host_bytes))
         nvme_cfg = None
-        if nvme_path is not None and nvme_bytes > 0 and runtime.get("nvme") is None:
+        if runtime.get("nvme") is None and (nvme_path is None) != (not nvme_bytes):
+            # one without the other opened a store with no NVMe tier, silently
+            raise ConfigError(f"nvme_path={nvme_path!r}, nvme_bytes={nvme_bytes!r}: an NVMe tier needs both "
+                              "(a path and a capacity, e.g. nvme_bytes=64 << 20 or '64MiB'); give neither for "
+                              "a store in memory only")
+        if nvme_path is not None and nvme_bytes and runtime.get("nvme") is None:
             extra = {k: v for k, v in nv_opts.items() if not k.startswith("nvme_")}
             if "nvme_engine" in nv_opts:
                 extra["engine"] = nv_opts["nvme_engine"]
@@ -536,6 +544,9 @@ class KVStore:
             return BlockRows(rows if rows.is_contiguous() else rows.contiguous())
         if isinstance(blocks, torch.Tensor):
             blocks = [blocks]
+        elif blocks is None or isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+            raise LayoutError(f"kv_blocks: expected a tensor of blocks (n, *layout.block_shape) or a sequence "
+                              f"of blocks, got {type(blocks).__name__}")
         out = []
         for b in blocks:
             _refuse_numpy(b, "a block")
