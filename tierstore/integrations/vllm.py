@@ -144,6 +144,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import time
@@ -428,6 +429,22 @@ def _check_topology(vllm_config: "VllmConfig") -> None:
         raise ConfigError(f"TierstoreConnector needs the scheduler and the worker in one process (one store "
                           f"per engine process, the NVMe tier has one owner); got {bad}. Run one engine per "
                           f"GPU (e.g. one vllm serve per device, each with its own tiers.nvme.path)")
+    if _cpu_worker_in_own_process(pc):
+        raise ConfigError("TierstoreConnector needs the scheduler and the worker in one process; vLLM's CPU "
+                          "backend runs its worker in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                          "(vllm/platforms/cpu.py turns the in-process executor into 'mp'): set "
+                          "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment")
+
+
+def _cpu_worker_in_own_process(pc) -> bool:
+    """vLLM's CPU platform runs the worker in its own process (executor ``mp``) unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM 0.32 ``CpuPlatform.check_and_update_config``);
+    a GPU engine core keeps its one worker in-process (``uni``)."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return pc.distributed_executor_backend not in (None, "uni")
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" \
+        or pc.distributed_executor_backend not in (None, "uni")
 
 
 def _settings(vllm_config: "VllmConfig"):

@@ -39,3 +39,23 @@ def test_tensor_parallel_is_refused_in_seconds_with_one_message(tmp_path):
     assert out.count("TierstoreConnector needs the scheduler and the worker in one process") == 1, out[-4000:]
     assert "'tensor_parallel_size': 2" in out
     assert os.listdir(tmp_path) == ["llama"], "no store was opened (tiers.nvme.path is tmp_path)"
+
+
+def test_the_cpu_backend_with_its_worker_in_another_process_is_refused_in_seconds(tmp_path):
+    """On vLLM's CPU backend the worker runs in a process of its own unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=0; the connector's scheduler side then found no worker side
+    and the engine died on its first request (found by the new-user trial, README's LLM(...)
+    form and `vllm serve` both). It is refused while vLLM validates the config, naming the fix."""
+    model = make_tiny_llama(str(tmp_path / "llama"))
+    args = {"model": model, "nvme_dir": str(tmp_path), "engine": {}}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "_parallel_proc.py"), json.dumps(args)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-4000:]
+    m = re.search(r"^REFUSED (\w+) after ([0-9.]+) s: ", r.stdout, re.M)
+    assert m, out[-4000:]
+    assert float(m.group(2)) < 20.0, m.group(0)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in m.string
+    assert os.listdir(tmp_path) == ["llama"], "no store was opened (tiers.nvme.path is tmp_path)"
