@@ -67,7 +67,9 @@ from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesCo
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
-from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
+from .io.inputs import (check_keys, check_start_block, destination_bytes, plan_block, plan_sources,
+                        refuse_numpy)
+from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
 from .movers.gate import LoadGate
 
@@ -80,25 +82,6 @@ def leading_ok(statuses: Sequence[Status]) -> int:
             break
         n += 1
     return n
-
-
-def _check_keys(keys) -> list[bytes]:
-    """Block keys as a list of 32-byte ``bytes``.
-
-    Raises
-    ------
-    LayoutError
-        For a key of another length or type (e.g. token ids, or a truncated hex decode).
-    """
-    out = keys if type(keys) is list else list(keys)
-    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {32}:  # the common case, at C speed
-        return out
-    for k in out:
-        if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
-            raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
-                              f"of length {len(k) if hasattr(k, '__len__') else '?'} (token ids go to "
-                              "lookup()/store(), keys to the *_keys methods)")
-    return [bytes(k) for k in out]
 
 
 def _open_call(fn):
@@ -122,20 +105,6 @@ def _open_call(fn):
                 if self._closed and not self._active:
                     self._idle.set()
     return call
-
-
-def _check_start_block(start_block: int) -> None:
-    if start_block < 0:
-        raise LayoutError(f"start_block={start_block}: must be >= 0 (the index of the prompt's first full "
-                          "block given)")
-
-
-def _refuse_numpy(x, what: str) -> None:
-    """KV is given as torch tensors; a numpy array is refused by name (its dtype
-    has no bfloat16, and a silent conversion would copy)."""
-    if isinstance(x, np.ndarray):
-        raise LayoutError(f"{what}: numpy arrays are not accepted; pass torch tensors (torch.from_numpy(a) "
-                          "shares the array's memory)")
 
 
 #: KVStore keyword options that are policies (``policies:`` section of the config).
@@ -421,9 +390,9 @@ class KVStore:
             On a shape/dtype mismatch or more blocks than full blocks in the
             prompt (nothing is stored then).
         """
-        _check_start_block(start_block)
+        check_start_block(start_block)
         keys = self.keys_for(ns, token_ids)
-        sources = self._sources(kv_blocks)
+        sources = plan_sources(kv_blocks, self.layout)
         if start_block + len(sources) > len(keys):
             raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
@@ -468,8 +437,8 @@ class KVStore:
         LayoutError
             Malformed keys, or a block of the wrong size or dtype (nothing is stored).
         """
-        keys = _check_keys(keys)
-        sources = self._sources(blocks)
+        keys = check_keys(keys)
+        sources = plan_sources(blocks, self.layout)
         if len(sources) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
         return self._store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
@@ -500,10 +469,10 @@ class KVStore:
         LayoutError
             A wrong fragment count or size (the message names the fragment).
         """
-        _check_start_block(start_block)
-        _refuse_numpy(fragments_per_block, "fragments_per_block")
+        check_start_block(start_block)
+        refuse_numpy(fragments_per_block, "fragments_per_block")
         keys = self.keys_for(ns, token_ids)
-        plans = [self._plan(frags, destination=False) for frags in list(fragments_per_block)]
+        plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
         if start_block + len(plans) > len(keys):
             raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
@@ -511,44 +480,6 @@ class KVStore:
                 if self._index.settings.verify_tokens else None)
         return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
                            start_block, toks, wait)
-
-    def _sources(self, blocks) -> Sequence[FragmentPlan]:
-        """Plan each block's bytes as a copy source; checks sizes before anything is stored.
-
-        A tensor of blocks (``(n, *layout.block_shape)`` of the layout's dtype,
-        or ``(n, bytes_per_block)`` uint8) becomes one :class:`BlockRows`
-        (checked once, copied into memory tiers with one copy per tier); a
-        single 1-D tensor is one block; other sequences are planned per block.
-        """
-        _refuse_numpy(blocks, "kv_blocks")
-        bb = self._bb
-        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
-            return []   # no new blocks (everything hit): nothing to plan, nothing stored
-        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1:
-            lay = self.layout
-            if blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == bb:
-                rows = blocks
-            elif blocks.dtype == lay.dtype and tuple(blocks.shape[1:]) == lay.block_shape:
-                rows = blocks.view(blocks.shape[0], -1).view(torch.uint8) if blocks.is_contiguous() else \
-                    blocks.contiguous().view(blocks.shape[0], -1).view(torch.uint8)
-            else:
-                return self._sources(list(blocks))  # each block checked (and named) on its own
-            return BlockRows(rows if rows.is_contiguous() else rows.contiguous())
-        if isinstance(blocks, torch.Tensor):
-            blocks = [blocks]
-        out = []
-        for b in blocks:
-            _refuse_numpy(b, "a block")
-            if isinstance(b, torch.Tensor):
-                raw = self.layout.as_bytes(b) if b.dtype != torch.uint8 or b.dim() != 1 else b
-                if raw.numel() != bb:
-                    raise LayoutError(f"block of {raw.numel()} bytes; the layout's blocks are {bb} bytes")
-                if not raw.is_contiguous():
-                    raw = raw.contiguous()
-                out.append(FragmentPlan.of_bytes(raw))
-            else:
-                out.append(self._plan(b, destination=False))
-        return out
 
     def _store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
                tokens, wait: bool, publish: bool = True):
@@ -565,33 +496,6 @@ class KVStore:
                 self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
             return st
         return run() if wait else self._submit("store", run)
-
-    def _plan(self, frags, destination: bool) -> FragmentPlan:
-        """Check a block's fragments and plan the copy: views of one KV pool at
-        a constant stride move as one strided copy (:mod:`tierstore.io.pages`)."""
-        lay = self.layout
-        if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-            grid = tuple(frags.strided.shape[:-1]) if frags.strided is not None and frags.strided.dim() == 3 else None
-            if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, 1, lay.num_fragments)
-                    or grid not in (None, lay.fragment_grid)):
-                raise LayoutError(f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
-                                  f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
-                                  f"{lay.fragment_grid}, {lay.bytes_per_block} bytes")
-            if frags.dtype not in (None, lay.dtype, torch.uint8):
-                raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
-            return plan_fragments(frags, destination=destination)  # a reading plan is no destination
-        _refuse_numpy(frags, "a block's fragments")
-        if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
-            raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
-        if len(frags):
-            _refuse_numpy(frags[0], "a fragment")
-        if len(frags) != lay.num_fragments:
-            raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
-        plan = plan_fragments(frags, destination=destination)
-        if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
-                or plan.dtype not in (lay.dtype, torch.uint8)):
-            lay.check_fragments(frags)  # names the wrong fragment
-        return plan
 
     # -------------------------------------------------------------- lookup
     @_open_call
@@ -687,7 +591,7 @@ class KVStore:
         LayoutError
             For a key that is not 32 bytes.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
                                  keys, None if ns is None else self.digest(ns))
 
@@ -704,7 +608,7 @@ class KVStore:
         recency and counts no hit, so it never keeps a block from eviction
         (SGLang's ``batch_exists``, Mooncake's ``batch_is_exist``).
         """
-        return self._index.probe(_check_keys(keys))
+        return self._index.probe(check_keys(keys))
 
     # -------------------------------------------------------------- load
     @_open_call
@@ -734,14 +638,14 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
         if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
             plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
             raws = list(plans.rows.unbind(0)) if keys else []
         else:
-            raws = [self._dest_raw(d) for d in dests]
+            raws = [destination_bytes(d, self.layout) for d in dests]
             plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
 
         def finish(st: list[Status]):
@@ -755,14 +659,6 @@ class KVStore:
                     outs.append(d)
             return st, outs
         return self._load(keys, plans, promote, wait, timeout_s, finish)
-
-    def _dest_raw(self, d: torch.Tensor) -> torch.Tensor:
-        _refuse_numpy(d, "a destination")
-        raw = self.layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
-        if raw.numel() != self._bb or not raw.is_contiguous():
-            raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
-                              f"blocks are {self._bb} contiguous bytes")
-        return raw
 
     @_open_call
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
@@ -785,11 +681,11 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         dest_fragments_per_block = list(dest_fragments_per_block)
         if len(dest_fragments_per_block) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
-        plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
+        plans = [plan_block(frags, self.layout, destination=True) for frags in dest_fragments_per_block]
         check_distinct_destinations(plans)
         return self._load(keys, plans, True, wait, timeout_s, lambda st: st)
 
@@ -953,7 +849,7 @@ class KVStore:
             t = Tier[str(tier).upper()]
         except KeyError:
             raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         plan = self._index.prepare_prefetch(keys, t)
 
         def run() -> int:
@@ -978,7 +874,7 @@ class KVStore:
     @_open_call
     def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
         """:meth:`pin` by key."""
-        return self._index.pin(self.digest(ns), _check_keys(keys), lease_s)
+        return self._index.pin(self.digest(ns), check_keys(keys), lease_s)
 
     @_open_call
     def unpin(self, lease: Lease | int) -> bool:
@@ -1005,7 +901,7 @@ class KVStore:
     @_open_call
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks by key from every tier; returns how many were resident."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         n = self._index.remove(keys)
         if self.nvme is not None:
             self.nvme.delete(keys)
@@ -1131,7 +1027,7 @@ class KVStore:
     @_open_call
     def resident(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether it is resident (any tier). A pure probe like :meth:`exists`."""
-        return self._index.resident(_check_keys(keys))
+        return self._index.resident(check_keys(keys))
 
     def capacity_bytes(self) -> dict[str, int]:
         """Capacity per enabled tier in bytes."""
