@@ -61,7 +61,7 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from .build import StoreParts, assemble
+from .build import StoreParts, assemble, remote_planner
 from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
                      TiersConfig)
 from .contract import Lease, LookupResult, Tier
@@ -291,12 +291,7 @@ class KVStore:
         self._active = 0
         self._closed = False
         self.remote = parts.remote
-        self._share = parts.share
-        #: namespace digest of keys a lookup found remotely (bounded): a remote
-        #: block is indexed locally under the namespace it was looked up in
-        self._remote_ns: dict[bytes, bytes] = {}
-        #: namespaces invalidated by this store: never served from the remote tier again
-        self._remote_barred: set[bytes] = set()
+        self._planner = remote_planner(parts)
 
     def _check_open(self, what: str) -> None:
         with self._state:
@@ -491,7 +486,7 @@ class KVStore:
                 self._index.complete_store(plan, failed=True)
                 raise
             st = self._index.complete_store(plan, nvme_st, dem_st)
-            if publish and self.remote is not None and digest not in self._remote_barred:
+            if publish and self._planner is not None and not self._planner.barred(digest):
                 ok = [i for i, s in enumerate(st) if s is Status.OK]
                 self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
             return st
@@ -511,63 +506,9 @@ class KVStore:
         res = self._touched(self._index.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids)))
         return self._with_remote(res, keys, self.digest(ns))
 
-    #: Bound on remembered remote-hit keys (for indexing fetched blocks under their namespace).
-    REMOTE_NS_MAX = 1 << 16
-
-    #: Remote calls a lookup makes at most (a chain split remote / local / remote ...).
-    REMOTE_ROUNDS = 4
-
     def _with_remote(self, res: LookupResult, keys: list[bytes], digest: bytes | None) -> LookupResult:
-        """Extend a local match with the shared remote tier: the blocks it holds
-        next in the chain (one ``batch_is_exist``), then the blocks resident
-        here again after those, and so on (at most :attr:`REMOTE_ROUNDS`
-        remote calls): a chain can be split between the tiers, e.g. with
-        ``publish: evict`` the remote tier holds the blocks this store evicted
-        while later ones are still here. Blocks found here after a remote run
-        are probed (no reference taken; one evicted before the load is a miss
-        then). The useful prefix is recomputed over the whole match."""
-        if (self.remote is None or res.matched_blocks >= len(keys)
-                or (digest is not None and digest in self._remote_barred)):
-            return res
-        cost, bb = self.cost_model, self.layout.bytes_per_block
-        out_keys, tiers = list(res.keys), list(res.tiers)
-        pos, n_remote, n_local = res.matched_blocks, 0, 0
-        for _ in range(self.REMOTE_ROUNDS):
-            n = self.remote.exists_prefix(keys[pos:])
-            if n <= 0:
-                break
-            more = list(keys[pos:pos + n])
-            if digest is not None:
-                for k in more:
-                    self._remote_ns[k] = digest
-                while len(self._remote_ns) > self.REMOTE_NS_MAX:
-                    self._remote_ns.pop(next(iter(self._remote_ns)))
-            out_keys += more
-            tiers += [Tier.REMOTE] * n
-            pos += n
-            n_remote += n
-            m = self._index.probe(keys[pos:]) if pos < len(keys) else 0
-            for k in keys[pos:pos + m]:
-                here = self._index.tiers_of(k)
-                if not here:
-                    m = 0
-                    break
-                out_keys.append(k)
-                tiers.append(here[0])
-                pos += 1
-                n_local += 1
-            if m <= 0 or pos >= len(keys):
-                break
-        if n_remote == 0:
-            return res
-        labels = [t.label for t in tiers]
-        load_s = cost.chain_load_s(labels, bb)  # remote estimates: measured Mooncake loads (build wires them)
-        useful = cost.useful_prefix(load_s, self.layout.tokens_per_block)
-        reason = cost.not_useful_reason(labels, load_s, useful, bb, self.layout.tokens_per_block)
-        self._index.metrics.add({"remote_hit_blocks": n_remote, "hit_blocks": n_remote + n_local,
-                                 "useful_blocks": useful - res.useful_blocks})
-        return LookupResult(out_keys, tiers, load_s, useful, res.requested_blocks, res.tokens_per_block,
-                            res.request_id, reason)
+        """Extend a local match with the shared remote tier (:meth:`RemotePlanner.extend_lookup`)."""
+        return res if self._planner is None else self._planner.extend_lookup(res, keys, digest)
 
     def _touched(self, res: LookupResult) -> LookupResult:
         """Tell the NVMe region manager which of its regions were hit (region LRU)."""
@@ -734,7 +675,7 @@ class KVStore:
             want = self._index.take_clean_requests()
             if want:
                 self._clean_in_background(want)
-            if self._share is not None and self._share.mode == "reused":
+            if self._planner is not None and self._planner.publishes_reused:
                 local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
                 self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
             used = [src[0] for src in plan.sources if src is not None]
@@ -775,17 +716,10 @@ class KVStore:
         invalidated by this store is never loaded from the remote tier.
         """
         out: dict[int, Status] = {}
-        by_ns: dict[bytes, list[int]] = {}
-        rest: list[int] = []
-        for i in missed:
-            d = self._remote_ns.get(keys[i])
-            if d is None:
-                rest.append(i)
-            elif d in self._remote_barred:
-                out[i] = Status.MISS
-            else:
-                by_ns.setdefault(d, []).append(i)
-        for d, ii in by_ns.items():
+        rp = self._planner.plan_load(keys, missed)
+        out.update((i, Status.MISS) for i in rp.barred)
+        rest = rp.staged
+        for d, ii in rp.fill.items():
             fill = self._index.prepare_store(d, [keys[i] for i in ii], None, ii[0])
             pending = set(fill.pending)
             try:
@@ -812,9 +746,9 @@ class KVStore:
         """Offer blocks to the shared remote tier (its admission rule decides);
         with ``remote.publish: evict`` blocks go there when evicted instead
         (:attr:`tierstore.index.StorePlan.lost`)."""
-        if self.remote is None or not keys or self.config.remote.publish != "store":
+        if self._planner is None:
             return
-        sel = [j for j, k in enumerate(keys) if self._share.admit(k, hits)]
+        sel = self._planner.publishable(keys, hits)
         if sel:
             # a stored block missed remotely just now: publish it even if it was published before
             # (Mooncake may have evicted it since); a local hit re-offered is skipped if recent
@@ -891,8 +825,7 @@ class KVStore:
         NVMe path nothing of it is served again. Returns blocks dropped."""
         d = self.digest(ns)
         if self.remote is not None:  # this store never serves the namespace from the shared tier again
-            self._remote_barred.add(d)
-            self.remote.remove(self._index.keys_of_namespace(d))
+            self.remote.remove(self._planner.bar(d))
         n = self._index.invalidate(d)
         if self.nvme is not None:
             self.nvme.invalidate_namespace(d)
