@@ -49,12 +49,9 @@ and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import functools
 import itertools
-import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -65,13 +62,13 @@ from .build import StoreParts, assemble, remote_planner
 from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
                      TiersConfig)
 from .contract import Lease, LookupResult, Tier
-from .errors import ConfigError, LayoutError, Status, StoreClosedError
+from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
 from .io.inputs import (check_keys, check_start_block, destination_bytes, plan_block, plan_sources,
                         refuse_numpy)
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
-from .movers.gate import LoadGate
+from .transfers import Transfers
 
 
 def leading_ok(statuses: Sequence[Status]) -> int:
@@ -92,18 +89,12 @@ def _open_call(fn):
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        lock = self._state  # a plain Lock (C-level enter/exit): this runs on every call
-        with lock:
-            if self._closed:
-                raise StoreClosedError(f"KVStore.{name}: the store is closed")
-            self._active += 1
+        calls = self._transfers.calls
+        calls.enter(name)
         try:
             return fn(self, *args, **kwargs)
         finally:
-            with lock:
-                self._active -= 1
-                if self._closed and not self._active:
-                    self._idle.set()
+            calls.leave()
     return call
 
 
@@ -285,23 +276,18 @@ class KVStore:
                        "flush_max_bytes": nv_opts.get("flush_max_bytes")}
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
-        #: open/closed state and the calls in progress (close waits for them; see the class doc)
-        self._state = threading.Lock()
-        self._idle = threading.Event()  # set when close() began and no call is in progress
-        self._active = 0
-        self._closed = False
         self.remote = parts.remote
         self._planner = remote_planner(parts)
+        #: runs every prepare -> move -> complete; holds the open/closed state and the calls in progress
+        self._transfers = Transfers(parts.index, parts.mover, self._planner, parts.nvme, parts.layout)
 
     def _check_open(self, what: str) -> None:
-        with self._state:
-            if self._closed:
-                raise StoreClosedError(f"KVStore.{what}: the store is closed")
+        self._transfers.calls.check(what)
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._transfers.calls.closed
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
@@ -344,11 +330,6 @@ class KVStore:
     def cancel(self, request_id: object) -> int:
         """Abort ``request_id``: release its references."""
         return self._index.cancel(request_id)
-
-    # -------------------------------------------------------------- executors
-    def _submit(self, kind: str, fn) -> Future:
-        """Run ``fn`` on the mover's ``kind`` queue (``"load"`` or ``"store"``)."""
-        return self._mover.submit(kind, fn)
 
     # -------------------------------------------------------------- store
     @_open_call
@@ -394,7 +375,7 @@ class KVStore:
         sel = keys[start_block:start_block + len(sources)]
         toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(sources)]
                 if self._index.settings.verify_tokens else None)
-        return self._store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
+        return self._transfers.store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
 
     @_open_call
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
@@ -436,7 +417,7 @@ class KVStore:
         sources = plan_sources(blocks, self.layout)
         if len(sources) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
-        return self._store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
+        return self._transfers.store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
 
     @_open_call
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
@@ -473,24 +454,8 @@ class KVStore:
                               f"{len(keys)} full blocks (partial tails are never stored)")
         toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
                 if self._index.settings.verify_tokens else None)
-        return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
+        return self._transfers.store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
                            start_block, toks, wait)
-
-    def _store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
-               tokens, wait: bool, publish: bool = True):
-        def run() -> list[Status]:
-            plan = self._index.prepare_store(digest, keys, lifetime, first, tokens)
-            try:
-                nvme_st, dem_st = self._mover.run_store(plan, sources)
-            except BaseException:
-                self._index.complete_store(plan, failed=True)
-                raise
-            st = self._index.complete_store(plan, nvme_st, dem_st)
-            if publish and self._planner is not None and not self._planner.barred(digest):
-                ok = [i for i, s in enumerate(st) if s is Status.OK]
-                self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
-            return st
-        return run() if wait else self._submit("store", run)
 
     # -------------------------------------------------------------- lookup
     @_open_call
@@ -503,18 +468,7 @@ class KVStore:
         """
         keys = self.keys_for(ns, token_ids)
         toks = self._token_blocks(token_ids, len(keys)) if self._index.settings.verify_tokens else None
-        res = self._touched(self._index.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids)))
-        return self._with_remote(res, keys, self.digest(ns))
-
-    def _with_remote(self, res: LookupResult, keys: list[bytes], digest: bytes | None) -> LookupResult:
-        """Extend a local match with the shared remote tier (:meth:`RemotePlanner.extend_lookup`)."""
-        return res if self._planner is None else self._planner.extend_lookup(res, keys, digest)
-
-    def _touched(self, res: LookupResult) -> LookupResult:
-        """Tell the NVMe region manager which of its regions were hit (region LRU)."""
-        if self.nvme is not None and Tier.NVME in res.tiers:
-            self.nvme.touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
-        return res
+        return self._transfers.lookup(keys, toks, request_id, len(token_ids), self.digest(ns))
 
     @_open_call
     def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
@@ -533,8 +487,8 @@ class KVStore:
             For a key that is not 32 bytes.
         """
         keys = check_keys(keys)
-        return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
-                                 keys, None if ns is None else self.digest(ns))
+        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens,
+                                      None if ns is None else self.digest(ns))
 
     @_open_call
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
@@ -599,7 +553,7 @@ class KVStore:
                 else:
                     outs.append(d)
             return st, outs
-        return self._load(keys, plans, promote, wait, timeout_s, finish)
+        return self._transfers.load(keys, plans, promote, wait, timeout_s, finish, self.MERGE_WAIT_S)
 
     @_open_call
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
@@ -628,134 +582,9 @@ class KVStore:
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
         plans = [plan_block(frags, self.layout, destination=True) for frags in dest_fragments_per_block]
         check_distinct_destinations(plans)
-        return self._load(keys, plans, True, wait, timeout_s, lambda st: st)
-
-    def _load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, wait: bool,
-              timeout_s: float | None, finish):
-        if timeout_s is not None and timeout_s <= 0:
-            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
-        gate = LoadGate(time.monotonic() + timeout_s) if timeout_s is not None else None
-
-        def run() -> list[Status]:
-            t0 = time.perf_counter_ns()
-            plan = self._index.prepare_load(keys)
-            if plan.waits:  # a delay hit: another load is reading some of these blocks from NVMe
-                waits = plan.waits
-                self._index.abort_load(plan)
-                for ev in waits:
-                    ev.wait(self.MERGE_WAIT_S)
-                self._index.metrics.inc("merged_loads", len(waits))
-                plan = self._index.prepare_load(keys)  # they are in memory now if promoted
-            try:
-                st, nvme_s = self._mover.run_load(plan, plans, gate)
-            except BaseException:
-                self._index.complete_load(plan, [Status.IO_ERROR] * len(keys), promote=False)
-                raise
-            if self.remote is not None:
-                missed = [i for i, src in enumerate(plan.sources) if src is None]
-                if missed:
-                    got = self._remote_load(keys, plans, missed, gate)
-                    for i, s in zip(missed, got):
-                        st[i] = s if s is not Status.MISS else st[i]
-                    self._index.metrics.add({"remote_loaded_blocks": sum(s is Status.OK for s in got),
-                                             "remote_load_errors": sum(s is Status.IO_ERROR for s in got)})
-            if gate is not None:
-                delivered = gate.close()
-                st = [s if (s is not Status.OK or i in delivered) else Status.MISS for i, s in enumerate(st)]
-            # remote IO_ERRORs are misses for the index (the block is not local)
-            promo = self._index.complete_load(plan, [s if plan.sources[i] is not None else Status.MISS
-                                                     for i, s in enumerate(st)], promote and gate is None, nvme_s)
-            if promo is not None:
-                try:
-                    ok = self._mover.run_promote(promo, plans)
-                except BaseException:
-                    self._index.complete_promote(promo, [False] * len(promo.items))
-                    raise
-                self._index.complete_promote(promo, ok)
-            want = self._index.take_clean_requests()
-            if want:
-                self._clean_in_background(want)
-            if self._planner is not None and self._planner.publishes_reused:
-                local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
-                self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
-            used = [src[0] for src in plan.sources if src is not None]
-            if used:
-                self._index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
-            return st
-
-        if timeout_s is None:
-            return finish(run()) if wait else self._submit("load", lambda: finish(run()))
-        fut = self._submit("load", run)
-
-        def deadline():
-            try:
-                return finish(fut.result(timeout=timeout_s))
-            except cf.TimeoutError:
-                delivered = gate.close()
-                self._index.metrics.inc("load_timeouts")
-                return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
-        if wait:
-            return deadline()
-        out: Future = Future()
-        threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
-                         name="tierstore-deadline").start()
-        return out
+        return self._transfers.load(keys, plans, True, wait, timeout_s, lambda st: st, self.MERGE_WAIT_S)
 
     # -------------------------------------------------------------- prefetch / pins / admin
-    def _remote_load(self, keys: list[bytes], plans: list[FragmentPlan], missed: list[int],
-                     gate: LoadGate | None) -> list[Status]:
-        """Fetch locally missed blocks (positions ``missed`` of a load) from the
-        shared remote tier; returns their statuses.
-
-        Blocks a lookup found remotely under a known namespace are a cache fill:
-        the index places them (:meth:`BlockIndex.prepare_store`), the mover
-        fetches them straight into their host-tier slots and copies them on to
-        the destinations (:meth:`Movers.run_remote_fill`), and the index makes
-        them resident. Blocks of a key-level lookup without a namespace are
-        fetched into their destinations only (they stay remote). A namespace
-        invalidated by this store is never loaded from the remote tier.
-        """
-        out: dict[int, Status] = {}
-        rp = self._planner.plan_load(keys, missed)
-        out.update((i, Status.MISS) for i in rp.barred)
-        rest = rp.staged
-        for d, ii in rp.fill.items():
-            fill = self._index.prepare_store(d, [keys[i] for i in ii], None, ii[0])
-            pending = set(fill.pending)
-            try:
-                got, nvme_st, dem_st, held = self._mover.run_remote_fill(fill, [plans[i] for i in ii], gate, ii)
-            except BaseException:
-                self._index.complete_store(fill, failed=True)
-                raise
-            # a timed-out transfer may still write its slots: the index frees them only after it returns
-            self._mover.after_release(held, lambda f=fill, a=nvme_st, b=dem_st: self._index.complete_store(f, a, b))
-            self._index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
-            for j, i in enumerate(ii):
-                if j in pending:
-                    out[i] = got[j]
-                else:  # stored meanwhile (EXISTS) or no room here (NO_SPACE): straight to the destination
-                    rest.append(i)
-        if rest:
-            rest.sort()
-            for i, s in zip(rest, self._mover.remote_get([keys[i] for i in rest], [plans[i] for i in rest],
-                                                          gate, rest)):
-                out[i] = s
-        return [out[i] for i in missed]
-
-    def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
-        """Offer blocks to the shared remote tier (its admission rule decides);
-        with ``remote.publish: evict`` blocks go there when evicted instead
-        (:attr:`tierstore.index.StorePlan.lost`)."""
-        if self._planner is None:
-            return
-        sel = self._planner.publishable(keys, hits)
-        if sel:
-            # a stored block missed remotely just now: publish it even if it was published before
-            # (Mooncake may have evicted it since); a local hit re-offered is skipped if recent
-            st = self._mover.publish([keys[j] for j in sel], [sources[j] for j in sel], recent=hits > 0)
-            self._index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
-                                     "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
-
     @_open_call
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> Future:
         """Bring the resident full blocks of a prefix up to ``tier`` (``"host"`` or
@@ -783,22 +612,7 @@ class KVStore:
             t = Tier[str(tier).upper()]
         except KeyError:
             raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
-        keys = check_keys(keys)
-        plan = self._index.prepare_prefetch(keys, t)
-
-        def run() -> int:
-            if plan is None:
-                return 0
-            try:
-                ok = self._mover.run_prefetch(plan)
-            except BaseException:
-                self._index.complete_promote(plan, [False] * len(plan.items))
-                raise
-            self._index.complete_promote(plan, ok)
-            n = sum(ok)
-            self._index.metrics.inc("prefetched_blocks", n)
-            return n
-        return self._submit("load", run)
+        return self._transfers.prefetch(check_keys(keys), t)
 
     @_open_call
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
@@ -823,67 +637,24 @@ class KVStore:
     def invalidate(self, ns: Namespace | bytes) -> int:
         """Drop every block of a namespace, durably: after a restart on the same
         NVMe path nothing of it is served again. Returns blocks dropped."""
-        d = self.digest(ns)
-        if self.remote is not None:  # this store never serves the namespace from the shared tier again
-            self.remote.remove(self._planner.bar(d))
-        n = self._index.invalidate(d)
-        if self.nvme is not None:
-            self.nvme.invalidate_namespace(d)
-        return n
+        return self._transfers.invalidate(self.digest(ns))
 
     @_open_call
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks by key from every tier; returns how many were resident."""
-        keys = check_keys(keys)
-        n = self._index.remove(keys)
-        if self.nvme is not None:
-            self.nvme.delete(keys)
-        return n
+        return self._transfers.remove(check_keys(keys))
 
     @_open_call
     def clear(self) -> int:
         """Remove every block."""
-        n = self._index.clear()
-        if self.nvme is not None:
-            self.nvme.delete(self.nvme.keys())
-        return n
-
-    def _clean_in_background(self, n: int) -> None:
-        """Write the ``n`` coldest memory-only blocks to NVMe on the store executor,
-        so that promotions find victims that leave without an NVMe write."""
-        if self.nvme is None:
-            return
-
-        def run() -> int:
-            plan = self._index.prepare_flush(max(n, self._index.settings.evict_batch_blocks), coldest_first=True)
-            if plan is None:
-                return 0
-            try:
-                st = self._mover.run_flush(plan)
-            except BaseException:
-                self._index.complete_flush(plan, {})
-                raise
-            return self._index.complete_flush(plan, st)
-        try:
-            self._submit("store", run)
-        except StoreClosedError:  # closing: nothing to keep clean any more
-            pass
+        return self._transfers.clear()
 
     @_open_call
     def evict(self, tier: Tier | str, n: int) -> int:
         """Evict ``n`` unprotected blocks of a memory tier now (demoting them as
         the policies decide); returns ``n``, or 0 if that many cannot be found."""
         t = tier if isinstance(tier, Tier) else Tier[str(tier).upper()]
-        plan = self._index.prepare_evict(t, n)
-        if plan is None:
-            return 0
-        try:
-            nvme_st, dem_st = self._mover.run_store(plan, [])
-        except BaseException:
-            self._index.complete_store(plan, failed=True)
-            raise
-        self._index.complete_store(plan, nvme_st, dem_st)
-        return n
+        return self._transfers.evict(t, n)
 
     @property
     def cost_model(self):
@@ -897,29 +668,7 @@ class KVStore:
         Stops after ``timeout_s`` seconds or ``max_bytes`` bytes (each checked
         between batches of ``evict_batch_blocks * 8`` blocks).
         """
-        return self._flush_down(timeout_s, max_bytes)
-
-    def _flush_down(self, timeout_s: float | None, max_bytes: int | None) -> int:
-        if self.nvme is None:
-            return 0
-        t_end = None if timeout_s is None else time.monotonic() + timeout_s
-        budget = None if max_bytes is None else max(0, max_bytes) // self.layout.bytes_per_block
-        batch = max(8, self._index.settings.evict_batch_blocks * 8)
-        n = 0
-        while (t_end is None or time.monotonic() < t_end) and (budget is None or n < budget):
-            plan = self._index.prepare_flush(batch if budget is None else min(batch, budget - n))
-            if plan is None:
-                break
-            try:
-                st = self._mover.run_flush(plan)
-            except BaseException:
-                self._index.complete_flush(plan, {})
-                raise
-            done = self._index.complete_flush(plan, st)
-            n += done
-            if done == 0:
-                break
-        return n
+        return self._transfers.flush(timeout_s, max_bytes)
 
     # -------------------------------------------------------------- introspection
     def stats(self) -> dict:
@@ -1038,18 +787,13 @@ class KVStore:
             Blocks written down to NVMe by this close (0 without NVMe, with
             ``flush`` off, or when the store was closed already).
         """
-        with self._state:
-            if self._closed:
-                return 0
-            self._closed = True
-            busy = self._active > 0
-        if busy:  # every store acknowledged by a call in progress is written down below
-            self._idle.wait()
+        if not self._transfers.calls.close():
+            return 0
         self._mover.shutdown()
         f = self._flush
         written = 0
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            written = self._flush_down(f["flush_timeout_s"], f["flush_max_bytes"])
+            written = self._transfers.flush(f["flush_timeout_s"], f["flush_max_bytes"])
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:
