@@ -301,13 +301,13 @@ CLASS_MAX_LINES, FUNCTION_MAX_LINES, DOCSTRING_MAX_LINES = 600, 80, 30
 #: Units over the limit today -> their size; they may shrink, never grow (plan 1.1: the piece
 #: that splits each).
 OVERSIZE = {
-    "api.py::KVStore": 667,                                    # P9
+    "api.py::KVStore": 651,                                    # P9
     "client.py::RemoteKVStore": 659,                           # unassigned (over 600 since c38303e)
 }
 
 #: Module docstrings over the limit today -> their size (P11 unless a piece splits the module).
 DOCSTRING_OVERSIZE = {
-    "api.py": 49, "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
+    "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
     "bench/registry.py": 39, "client.py": 52, "fdp/device.py": 32, "fdp/ftl.py": 44,
     "fdp/nvme_cli.py": 53, "fdp/passthrough.py": 53, "fdp/placement.py": 42, "fdp/waf.py": 36,
     "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,

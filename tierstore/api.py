@@ -12,40 +12,16 @@ Typical use by an engine (one request)::
         store.store(ns, prompt_ids, new_kv_blocks)               # full blocks only
     # leaving the block releases the references, also on an exception
 
-Engines that keep KV in page pools pass fragment plans instead of tensors
-(:class:`tierstore.io.pages.KVPagePool`): ``store_fragments`` gathers each
-block straight from the engine's pages into its tier slot (or the NVMe staging
-extent), ``load_fragments`` scatters straight back: one copy each way.
-
-How a call runs: the block index decides (:mod:`tierstore.index`, under its
-lock), the movers move bytes (:mod:`tierstore.movers`, no lock held), the index
-records the outcome. ``wait=False`` runs the same on the store's load or store
-executor and returns a :class:`concurrent.futures.Future` (loads and stores have
-separate executors, so a load never waits behind a store's NVMe writes).
-``timeout_s`` on a load is a deadline: blocks not delivered by then are
-``MISS`` (the engine recomputes them) and the late I/O completes harmlessly.
-
-**Exact-hit rule.** Only full blocks of ``layout.tokens_per_block`` tokens are
-hashed, stored and matched; a partial tail is always recomputed.
-
-**Useful hits.** A matched block is *useful* only when loading it is faster than
-recomputing it (:class:`tierstore.policies.cost.CostModel`: declared tier figures,
-refined by measured loads, NVMe reads and Mooncake transfers, within bounds); load
-``LookupResult.useful_keys`` (``load(result)`` does), not all matched keys.
-``LookupResult.not_useful_reason`` says why when fewer are useful than matched.
-
-**Shutdown and restarts.** :meth:`KVStore.close` writes blocks that live only in
-memory down to the NVMe tier (bounded by ``flush_timeout_s`` and
-``flush_max_bytes``, on by default when an NVMe tier exists), so a restart on
-the same NVMe path finds them. A crash loses what was never written to NVMe;
-acknowledged NVMe writes survive it. :meth:`KVStore.invalidate` is durable:
-an invalidated namespace is never served again, restart or not.
-
-Errors: :class:`~tierstore.errors.LayoutError` for buffers that do not match
-the layout, :class:`~tierstore.errors.ConfigError` for bad configuration,
-:class:`~tierstore.errors.QuotaExceeded` for pins over quota,
-:class:`~tierstore.errors.StoreClosedError` for a call after :meth:`KVStore.close`. Misses, no space
-and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
+Page-pool engines pass fragment plans (:class:`tierstore.io.pages.KVPagePool`): ``store_fragments``
+gathers each block from the engine's pages into its slot, ``load_fragments`` scatters it back.
+:class:`KVStore` checks the input (:mod:`tierstore.io.inputs`) and runs each call through
+:class:`tierstore.transfers.Transfers` (the index decides, the movers move, the index records;
+``wait=False``: a Future; ``timeout_s``: a deadline, late blocks are ``MISS``).
+Only full blocks are stored and matched; load ``LookupResult.useful_keys`` (the blocks faster to
+load than to recompute, :class:`tierstore.policies.cost.CostModel`). ``close`` writes memory-only
+blocks down to NVMe (bounded), so a restart on the same path finds them; ``invalidate`` is durable.
+Errors: ``LayoutError`` (input), ``ConfigError``, ``QuotaExceeded`` (pins), ``StoreClosedError``
+(after ``close``); misses, no space and I/O errors are :class:`~tierstore.errors.Status` values.
 """
 from __future__ import annotations
 
@@ -59,8 +35,7 @@ import numpy as np
 import torch
 
 from .build import StoreParts, assemble, remote_planner
-from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
-                     TiersConfig)
+from .config import NVME_OPTIONS, OPTION_ALIASES, PoliciesConfig, StoreConfig
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
@@ -102,8 +77,8 @@ def _open_call(fn):
 _POLICY_OPTIONS = set(PoliciesConfig.model_fields)
 #: Run-time objects a config file cannot carry.
 _RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme"}
-_NVME_OPTIONS = {"nvme_device", "nvme_engine", "nvme_format", "segment_size_bytes", "extent_size_bytes", "iodepth",
-                 "region_policy", "flush_on_close", "flush_timeout_s", "flush_max_bytes"}
+#: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
+_NVME_OPTIONS = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
 
 
 @runtime_checkable
@@ -205,27 +180,12 @@ class KVStore:
         if unknown:
             raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
                               f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device', 'remote'})}")
-        remote = options.pop("remote", None)
-        if remote is not None and not isinstance(remote, RemoteConfig):
-            remote = _validated(RemoteConfig, dict(remote))
         runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
-        nv_opts = {k: options.pop(k) for k in list(options) if k in _NVME_OPTIONS}
-        hbm = _validated(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
-        host = _validated(MemoryTierConfig, dict(capacity_bytes=host_bytes))
-        nvme_cfg = None
-        if nvme_path is not None and nvme_bytes > 0 and runtime.get("nvme") is None:
-            extra = {k: v for k, v in nv_opts.items() if not k.startswith("nvme_")}
-            if "nvme_engine" in nv_opts:
-                extra["engine"] = nv_opts["nvme_engine"]
-            if "nvme_device" in nv_opts:
-                extra["device"] = nv_opts["nvme_device"]
-            if "nvme_format" in nv_opts:
-                extra["format"] = nv_opts["nvme_format"]
-            nvme_cfg = _validated(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **extra))
-        elif nv_opts and runtime.get("nvme") is None:
-            raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
-        cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme_cfg),
-                          policies=_validated(PoliciesConfig, options), remote=remote)
+        nv_opts = {k: v for k, v in options.items() if k in _NVME_OPTIONS}
+        if runtime.get("nvme") is not None:  # a ready NVMe backend: its options set only the flush on close
+            options = {k: v for k, v in options.items() if k not in _NVME_OPTIONS}
+            nvme_path, nvme_bytes = None, 0
+        cfg = StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)
         self._init(assemble(cfg, layout, **runtime), nv_opts)
 
     @classmethod
@@ -369,13 +329,7 @@ class KVStore:
         check_start_block(start_block)
         keys = self.keys_for(ns, token_ids)
         sources = plan_sources(kv_blocks, self.layout)
-        if start_block + len(sources) > len(keys):
-            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
-        sel = keys[start_block:start_block + len(sources)]
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(sources)]
-                if self._index.settings.verify_tokens else None)
-        return self._transfers.store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
+        return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
 
     @_open_call
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
@@ -449,13 +403,18 @@ class KVStore:
         refuse_numpy(fragments_per_block, "fragments_per_block")
         keys = self.keys_for(ns, token_ids)
         plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
-        if start_block + len(plans) > len(keys):
-            raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
+        return self._store_prompt(ns, token_ids, keys, plans, start_block, lifetime, wait)
+
+    def _store_prompt(self, ns, token_ids, keys: list[bytes], sources, start_block: int, lifetime, wait: bool):
+        """Store ``sources`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
+        if start_block + len(sources) > len(keys):
+            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
+        end = start_block + len(sources)
+        toks = (self._token_blocks(token_ids, len(keys))[start_block:end]
                 if self._index.settings.verify_tokens else None)
-        return self._transfers.store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
-                           start_block, toks, wait)
+        return self._transfers.store(self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks,
+                                     wait)
 
     # -------------------------------------------------------------- lookup
     @_open_call
@@ -806,11 +765,6 @@ class KVStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _validated(model, fields: dict):
-    from .config import parse_model
-    return parse_model(model, fields, f"KVStore options ({model.__name__})")
 
 
 __all__ = ["KVStore", "KVStoreProtocol", "Namespace", "KVLayout", "Status", "Tier", "leading_ok"]
