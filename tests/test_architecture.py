@@ -12,7 +12,7 @@ LAYER = {
     "tiers": 1,
     "contract": 2, "io": 2, "fdp": 2, "remote": 2,
     "policies": 3,
-    "index": 4, "mover": 4, "movers": 4, "planner": 4, "metrics": 4,
+    "index": 4, "movers": 4, "planner": 4, "metrics": 4,
     "api": 5, "build": 5, "config": 5, "devices": 5, "transfers": 5,
     "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "cli": 6,
     "node": 6,
@@ -190,7 +190,7 @@ def _check_pending(found: set, pending: dict, what: str) -> None:
 
 
 #: What api.py reaches only through ``build`` (and, after P9, ``transfers``) and attributes.
-API_NEVER_IMPORTS = ("policies", "planner", "index", "movers", "mover", "remote")
+API_NEVER_IMPORTS = ("policies", "planner", "index", "movers", "remote")
 #: api.py's imports of those today -> the piece that removes each.
 API_IMPORTS_PENDING: dict = {}
 
@@ -229,12 +229,12 @@ MOVERS_IMPORTS_PENDING: dict = {}
 
 
 def test_movers_import_no_index():
-    movers = [p for p in FILES if _rel(p) == "mover.py" or _rel(p).startswith("movers/")]
+    movers = [p for p in FILES if _rel(p).startswith("movers/")]
     found = {(_rel(p), m.split(".")[0]) for p in movers for m in imported_modules(p)
              if _under(m, MOVERS_NEVER_IMPORT)}
     index = [p for p in FILES if _rel(p) == "index.py" or _rel(p).startswith("index/")]
     found |= {(_rel(p), m.split(".")[0]) for p in index for m in imported_modules(p)
-              if _under(m, ("movers", "mover"))}
+              if _under(m, ("movers",))}
     _check_pending(found, MOVERS_IMPORTS_PENDING, "mover/index imports")
 
 
@@ -254,7 +254,7 @@ def test_contract_is_small_and_low():
 
 
 #: Where the core must call the storage interface instead of probing it.
-NO_PROBING_IN = ("index.py", "index/", "mover.py", "movers/", "planner.py", "transfers.py", "api.py",
+NO_PROBING_IN = ("index.py", "index/", "movers/", "planner.py", "transfers.py", "api.py",
                  "build.py", "server/")
 #: ``(file, method)`` probes today -> the piece that removes each.
 PROBES_PENDING: dict = {}
