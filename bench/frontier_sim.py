@@ -749,7 +749,7 @@ class Simulator:
         self.c["promotions"] += len(items)
 
     def _flush(self, max_blocks: int) -> None:
-        """KVStore._clean_in_background -> prepare_flush(coldest_first): the coldest
+        """Transfers.clean_in_background -> prepare_flush(coldest_first): the coldest
         memory-only blocks (by last access, then row) are written to NVMe."""
         heap = self._memonly
         hbm, host = self.lru

@@ -12,64 +12,38 @@ Typical use by an engine (one request)::
         store.store(ns, prompt_ids, new_kv_blocks)               # full blocks only
     # leaving the block releases the references, also on an exception
 
-Engines that keep KV in page pools pass fragment plans instead of tensors
-(:class:`tierstore.io.pages.KVPagePool`): ``store_fragments`` gathers each
-block straight from the engine's pages into its tier slot (or the NVMe staging
-extent), ``load_fragments`` scatters straight back: one copy each way.
-
-How a call runs: the block index decides (:mod:`tierstore.index`, under its
-lock), the movers move bytes (:mod:`tierstore.movers`, no lock held), the index
-records the outcome. ``wait=False`` runs the same on the store's load or store
-executor and returns a :class:`concurrent.futures.Future` (loads and stores have
-separate executors, so a load never waits behind a store's NVMe writes).
-``timeout_s`` on a load is a deadline: blocks not delivered by then are
-``MISS`` (the engine recomputes them) and the late I/O completes harmlessly.
-
-**Exact-hit rule.** Only full blocks of ``layout.tokens_per_block`` tokens are
-hashed, stored and matched; a partial tail is always recomputed.
-
-**Useful hits.** A matched block is *useful* only when loading it is faster than
-recomputing it (:class:`tierstore.policies.cost.CostModel`: declared tier figures,
-refined by measured loads, NVMe reads and Mooncake transfers, within bounds); load
-``LookupResult.useful_keys`` (``load(result)`` does), not all matched keys.
-``LookupResult.not_useful_reason`` says why when fewer are useful than matched.
-
-**Shutdown and restarts.** :meth:`KVStore.close` writes blocks that live only in
-memory down to the NVMe tier (bounded by ``flush_timeout_s`` and
-``flush_max_bytes``, on by default when an NVMe tier exists), so a restart on
-the same NVMe path finds them. A crash loses what was never written to NVMe;
-acknowledged NVMe writes survive it. :meth:`KVStore.invalidate` is durable:
-an invalidated namespace is never served again, restart or not.
-
-Errors: :class:`~tierstore.errors.LayoutError` for buffers that do not match
-the layout, :class:`~tierstore.errors.ConfigError` for bad configuration,
-:class:`~tierstore.errors.QuotaExceeded` for pins over quota,
-:class:`~tierstore.errors.StoreClosedError` for a call after :meth:`KVStore.close`. Misses, no space
-and I/O errors are :class:`~tierstore.errors.Status` values, never exceptions.
+Page-pool engines pass fragment plans (:class:`tierstore.io.pages.KVPagePool`): ``store_fragments``
+gathers each block from the engine's pages into its slot, ``load_fragments`` scatters it back.
+:class:`KVStore` checks the input (:mod:`tierstore.io.inputs`) and runs each call through
+:class:`tierstore.transfers.Transfers` (the index decides, the movers move, the index records;
+``wait=False``: a Future; ``timeout_s``: a deadline, late blocks are ``MISS``).
+Only full blocks are stored and matched; load ``LookupResult.useful_keys`` (the blocks faster to
+load than to recompute, :class:`tierstore.policies.cost.CostModel`). ``close`` writes memory-only
+blocks down to NVMe (bounded), so a restart on the same path finds them; ``invalidate`` is durable.
+Errors: ``LayoutError`` (input), ``ConfigError``, ``QuotaExceeded`` (pins), ``StoreClosedError``
+(after ``close``); misses, no space and I/O errors are :class:`~tierstore.errors.Status` values.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import functools
 import itertools
-import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
-from .build import StoreParts, assemble
-from .config import (HbmTierConfig, MemoryTierConfig, NvmeTierConfig, PoliciesConfig, RemoteConfig, StoreConfig,
-                     TiersConfig)
+from .build import StoreParts, assemble, remote_planner
+from .config import NVME_OPTIONS, OPTION_ALIASES, PoliciesConfig, StoreConfig
 from .contract import Lease, LookupResult, Tier
-from .errors import ConfigError, LayoutError, Status, StoreClosedError
+from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
+from .io.inputs import (check_keys, check_start_block, destination_bytes, plan_block, plan_sources,
+                        refuse_numpy)
+from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
-from .movers.gate import LoadGate
+from .transfers import Transfers
 
 
 def leading_ok(statuses: Sequence[Status]) -> int:
@@ -82,25 +56,6 @@ def leading_ok(statuses: Sequence[Status]) -> int:
     return n
 
 
-def _check_keys(keys) -> list[bytes]:
-    """Block keys as a list of 32-byte ``bytes``.
-
-    Raises
-    ------
-    LayoutError
-        For a key of another length or type (e.g. token ids, or a truncated hex decode).
-    """
-    out = keys if type(keys) is list else list(keys)
-    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {32}:  # the common case, at C speed
-        return out
-    for k in out:
-        if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
-            raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
-                              f"of length {len(k) if hasattr(k, '__len__') else '?'} (token ids go to "
-                              "lookup()/store(), keys to the *_keys methods)")
-    return [bytes(k) for k in out]
-
-
 def _open_call(fn):
     """Run a :class:`KVStore` method only while the store is open: after
     :meth:`KVStore.close` began it raises :class:`StoreClosedError`, and
@@ -109,41 +64,21 @@ def _open_call(fn):
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        lock = self._state  # a plain Lock (C-level enter/exit): this runs on every call
-        with lock:
-            if self._closed:
-                raise StoreClosedError(f"KVStore.{name}: the store is closed")
-            self._active += 1
+        calls = self._transfers.calls
+        calls.enter(name)
         try:
             return fn(self, *args, **kwargs)
         finally:
-            with lock:
-                self._active -= 1
-                if self._closed and not self._active:
-                    self._idle.set()
+            calls.leave()
     return call
-
-
-def _check_start_block(start_block: int) -> None:
-    if start_block < 0:
-        raise LayoutError(f"start_block={start_block}: must be >= 0 (the index of the prompt's first full "
-                          "block given)")
-
-
-def _refuse_numpy(x, what: str) -> None:
-    """KV is given as torch tensors; a numpy array is refused by name (its dtype
-    has no bfloat16, and a silent conversion would copy)."""
-    if isinstance(x, np.ndarray):
-        raise LayoutError(f"{what}: numpy arrays are not accepted; pass torch tensors (torch.from_numpy(a) "
-                          "shares the array's memory)")
 
 
 #: KVStore keyword options that are policies (``policies:`` section of the config).
 _POLICY_OPTIONS = set(PoliciesConfig.model_fields)
 #: Run-time objects a config file cannot carry.
 _RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme"}
-_NVME_OPTIONS = {"nvme_device", "nvme_engine", "nvme_format", "segment_size_bytes", "extent_size_bytes", "iodepth",
-                 "region_policy", "flush_on_close", "flush_timeout_s", "flush_max_bytes"}
+#: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
+_NVME_OPTIONS = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
 
 
 @runtime_checkable
@@ -187,8 +122,7 @@ class KVStore:
     layout : KVLayout
         KV geometry of the engine.
     hbm_bytes, host_bytes : int or str
-        Memory tier capacities in bytes, or a size string such as ``"64MiB"``
-        (0 disables a tier).
+        Memory tier capacities in bytes or size strings (``"64MiB"``); 0 disables a tier.
     nvme_path : str, optional
         Directory (ends in ``/`` or exists; the tier is ``tierstore.nvme``
         in it), file or device for the NVMe tier; ``None`` disables it.
@@ -196,8 +130,7 @@ class KVStore:
         (:mod:`tierstore.io.label`); ``nvme_format=True`` lets it format
         anything else, destroying what it holds.
     nvme_bytes : int or str
-        NVMe tier capacity in bytes, or a size string (``"64MiB"``); given
-        with ``nvme_path`` or not at all.
+        NVMe tier capacity in bytes or a size string; with ``nvme_path`` or not at all.
     **options
         Policy fields of :class:`~tierstore.config.PoliciesConfig`
         (``eviction``, ``promotion``, ``write_policy``, ``admission``,
@@ -231,8 +164,7 @@ class KVStore:
     Raises
     ------
     ConfigError
-        Invalid or unknown options (the message lists the accepted ones); only one
-        of ``nvme_path`` and ``nvme_bytes`` given.
+        Invalid or unknown options (the message lists the accepted ones).
     ForeignDataError
         ``nvme_path`` holds data tierstore did not write (:mod:`tierstore.io.label`).
     StoreLockedError
@@ -248,32 +180,12 @@ class KVStore:
         if unknown:
             raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
                               f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device', 'remote'})}")
-        remote = options.pop("remote", None)
-        if remote is not None and not isinstance(remote, RemoteConfig):
-            remote = _validated(RemoteConfig, dict(remote))
         runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
-        nv_opts = {k: options.pop(k) for k in list(options) if k in _NVME_OPTIONS}
-        hbm = _validated(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
-        host = _validated(MemoryTierConfig, dict(capacity_bytes=host_bytes))
-        nvme_cfg = None
-        if runtime.get("nvme") is None and (nvme_path is None) != (not nvme_bytes):
-            # one without the other opened a store with no NVMe tier, silently
-            raise ConfigError(f"nvme_path={nvme_path!r}, nvme_bytes={nvme_bytes!r}: an NVMe tier needs both "
-                              "(a path and a capacity, e.g. nvme_bytes=64 << 20 or '64MiB'); give neither for "
-                              "a store in memory only")
-        if nvme_path is not None and nvme_bytes and runtime.get("nvme") is None:
-            extra = {k: v for k, v in nv_opts.items() if not k.startswith("nvme_")}
-            if "nvme_engine" in nv_opts:
-                extra["engine"] = nv_opts["nvme_engine"]
-            if "nvme_device" in nv_opts:
-                extra["device"] = nv_opts["nvme_device"]
-            if "nvme_format" in nv_opts:
-                extra["format"] = nv_opts["nvme_format"]
-            nvme_cfg = _validated(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **extra))
-        elif nv_opts and runtime.get("nvme") is None:
-            raise ConfigError(f"{sorted(nv_opts)} need an NVMe tier (nvme_path and nvme_bytes)")
-        cfg = StoreConfig(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme_cfg),
-                          policies=_validated(PoliciesConfig, options), remote=remote)
+        nv_opts = {k: v for k, v in options.items() if k in _NVME_OPTIONS}
+        if runtime.get("nvme") is not None:  # a ready NVMe backend: its options set only the flush on close
+            options = {k: v for k, v in options.items() if k not in _NVME_OPTIONS}
+            nvme_path, nvme_bytes = None, 0
+        cfg = StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)
         self._init(assemble(cfg, layout, **runtime), nv_opts)
 
     @classmethod
@@ -324,28 +236,18 @@ class KVStore:
                        "flush_max_bytes": nv_opts.get("flush_max_bytes")}
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
-        #: open/closed state and the calls in progress (close waits for them; see the class doc)
-        self._state = threading.Lock()
-        self._idle = threading.Event()  # set when close() began and no call is in progress
-        self._active = 0
-        self._closed = False
         self.remote = parts.remote
-        self._share = parts.share
-        #: namespace digest of keys a lookup found remotely (bounded): a remote
-        #: block is indexed locally under the namespace it was looked up in
-        self._remote_ns: dict[bytes, bytes] = {}
-        #: namespaces invalidated by this store: never served from the remote tier again
-        self._remote_barred: set[bytes] = set()
+        self._planner = remote_planner(parts)
+        #: runs every prepare -> move -> complete; holds the open/closed state and the calls in progress
+        self._transfers = Transfers(parts.index, parts.mover, self._planner, parts.nvme, parts.layout)
 
     def _check_open(self, what: str) -> None:
-        with self._state:
-            if self._closed:
-                raise StoreClosedError(f"KVStore.{what}: the store is closed")
+        self._transfers.calls.check(what)
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._transfers.calls.closed
 
     # -------------------------------------------------------------- identity
     def digest(self, ns: Namespace | bytes) -> bytes:
@@ -389,11 +291,6 @@ class KVStore:
         """Abort ``request_id``: release its references."""
         return self._index.cancel(request_id)
 
-    # -------------------------------------------------------------- executors
-    def _submit(self, kind: str, fn) -> Future:
-        """Run ``fn`` on the mover's ``kind`` queue (``"load"`` or ``"store"``)."""
-        return self._mover.submit(kind, fn)
-
     # -------------------------------------------------------------- store
     @_open_call
     def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
@@ -429,16 +326,10 @@ class KVStore:
             On a shape/dtype mismatch or more blocks than full blocks in the
             prompt (nothing is stored then).
         """
-        _check_start_block(start_block)
+        check_start_block(start_block)
         keys = self.keys_for(ns, token_ids)
-        sources = self._sources(kv_blocks)
-        if start_block + len(sources) > len(keys):
-            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
-        sel = keys[start_block:start_block + len(sources)]
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(sources)]
-                if self._index.settings.verify_tokens else None)
-        return self._store(self.digest(ns), sel, sources, lifetime, start_block, toks, wait)
+        sources = plan_sources(kv_blocks, self.layout)
+        return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
 
     @_open_call
     def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
@@ -476,11 +367,11 @@ class KVStore:
         LayoutError
             Malformed keys, or a block of the wrong size or dtype (nothing is stored).
         """
-        keys = _check_keys(keys)
-        sources = self._sources(blocks)
+        keys = check_keys(keys)
+        sources = plan_sources(blocks, self.layout)
         if len(sources) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
-        return self._store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
+        return self._transfers.store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
 
     @_open_call
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
@@ -508,101 +399,22 @@ class KVStore:
         LayoutError
             A wrong fragment count or size (the message names the fragment).
         """
-        _check_start_block(start_block)
-        _refuse_numpy(fragments_per_block, "fragments_per_block")
+        check_start_block(start_block)
+        refuse_numpy(fragments_per_block, "fragments_per_block")
         keys = self.keys_for(ns, token_ids)
-        plans = [self._plan(frags, destination=False) for frags in list(fragments_per_block)]
-        if start_block + len(plans) > len(keys):
-            raise LayoutError(f"{len(plans)} blocks from block {start_block} exceed the prompt's "
+        plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
+        return self._store_prompt(ns, token_ids, keys, plans, start_block, lifetime, wait)
+
+    def _store_prompt(self, ns, token_ids, keys: list[bytes], sources, start_block: int, lifetime, wait: bool):
+        """Store ``sources`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
+        if start_block + len(sources) > len(keys):
+            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:start_block + len(plans)]
+        end = start_block + len(sources)
+        toks = (self._token_blocks(token_ids, len(keys))[start_block:end]
                 if self._index.settings.verify_tokens else None)
-        return self._store(self.digest(ns), keys[start_block:start_block + len(plans)], plans, lifetime,
-                           start_block, toks, wait)
-
-    def _sources(self, blocks) -> Sequence[FragmentPlan]:
-        """Plan each block's bytes as a copy source; checks sizes before anything is stored.
-
-        A tensor of blocks (``(n, *layout.block_shape)`` of the layout's dtype,
-        or ``(n, bytes_per_block)`` uint8) becomes one :class:`BlockRows`
-        (checked once, copied into memory tiers with one copy per tier); a
-        single 1-D tensor is one block; other sequences are planned per block.
-        """
-        _refuse_numpy(blocks, "kv_blocks")
-        bb = self._bb
-        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
-            return []   # no new blocks (everything hit): nothing to plan, nothing stored
-        if isinstance(blocks, torch.Tensor) and blocks.dim() > 1:
-            lay = self.layout
-            if blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == bb:
-                rows = blocks
-            elif blocks.dtype == lay.dtype and tuple(blocks.shape[1:]) == lay.block_shape:
-                rows = blocks.view(blocks.shape[0], -1).view(torch.uint8) if blocks.is_contiguous() else \
-                    blocks.contiguous().view(blocks.shape[0], -1).view(torch.uint8)
-            else:
-                return self._sources(list(blocks))  # each block checked (and named) on its own
-            return BlockRows(rows if rows.is_contiguous() else rows.contiguous())
-        if isinstance(blocks, torch.Tensor):
-            blocks = [blocks]
-        elif blocks is None or isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
-            raise LayoutError(f"kv_blocks: expected a tensor of blocks (n, *layout.block_shape) or a sequence "
-                              f"of blocks, got {type(blocks).__name__}")
-        out = []
-        for b in blocks:
-            _refuse_numpy(b, "a block")
-            if isinstance(b, torch.Tensor):
-                raw = self.layout.as_bytes(b) if b.dtype != torch.uint8 or b.dim() != 1 else b
-                if raw.numel() != bb:
-                    raise LayoutError(f"block of {raw.numel()} bytes; the layout's blocks are {bb} bytes")
-                if not raw.is_contiguous():
-                    raw = raw.contiguous()
-                out.append(FragmentPlan.of_bytes(raw))
-            else:
-                out.append(self._plan(b, destination=False))
-        return out
-
-    def _store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
-               tokens, wait: bool, publish: bool = True):
-        def run() -> list[Status]:
-            plan = self._index.prepare_store(digest, keys, lifetime, first, tokens)
-            try:
-                nvme_st, dem_st = self._mover.run_store(plan, sources)
-            except BaseException:
-                self._index.complete_store(plan, failed=True)
-                raise
-            st = self._index.complete_store(plan, nvme_st, dem_st)
-            if publish and self.remote is not None and digest not in self._remote_barred:
-                ok = [i for i, s in enumerate(st) if s is Status.OK]
-                self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
-            return st
-        return run() if wait else self._submit("store", run)
-
-    def _plan(self, frags, destination: bool) -> FragmentPlan:
-        """Check a block's fragments and plan the copy: views of one KV pool at
-        a constant stride move as one strided copy (:mod:`tierstore.io.pages`)."""
-        lay = self.layout
-        if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-            grid = tuple(frags.strided.shape[:-1]) if frags.strided is not None and frags.strided.dim() == 3 else None
-            if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, 1, lay.num_fragments)
-                    or grid not in (None, lay.fragment_grid)):
-                raise LayoutError(f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
-                                  f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
-                                  f"{lay.fragment_grid}, {lay.bytes_per_block} bytes")
-            if frags.dtype not in (None, lay.dtype, torch.uint8):
-                raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
-            return plan_fragments(frags, destination=destination)  # a reading plan is no destination
-        _refuse_numpy(frags, "a block's fragments")
-        if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
-            raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
-        if len(frags):
-            _refuse_numpy(frags[0], "a fragment")
-        if len(frags) != lay.num_fragments:
-            raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
-        plan = plan_fragments(frags, destination=destination)
-        if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
-                or plan.dtype not in (lay.dtype, torch.uint8)):
-            lay.check_fragments(frags)  # names the wrong fragment
-        return plan
+        return self._transfers.store(self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks,
+                                     wait)
 
     # -------------------------------------------------------------- lookup
     @_open_call
@@ -615,72 +427,7 @@ class KVStore:
         """
         keys = self.keys_for(ns, token_ids)
         toks = self._token_blocks(token_ids, len(keys)) if self._index.settings.verify_tokens else None
-        res = self._touched(self._index.lookup(keys, toks, request_id, num_prompt_tokens=len(token_ids)))
-        return self._with_remote(res, keys, self.digest(ns))
-
-    #: Bound on remembered remote-hit keys (for indexing fetched blocks under their namespace).
-    REMOTE_NS_MAX = 1 << 16
-
-    #: Remote calls a lookup makes at most (a chain split remote / local / remote ...).
-    REMOTE_ROUNDS = 4
-
-    def _with_remote(self, res: LookupResult, keys: list[bytes], digest: bytes | None) -> LookupResult:
-        """Extend a local match with the shared remote tier: the blocks it holds
-        next in the chain (one ``batch_is_exist``), then the blocks resident
-        here again after those, and so on (at most :attr:`REMOTE_ROUNDS`
-        remote calls): a chain can be split between the tiers, e.g. with
-        ``publish: evict`` the remote tier holds the blocks this store evicted
-        while later ones are still here. Blocks found here after a remote run
-        are probed (no reference taken; one evicted before the load is a miss
-        then). The useful prefix is recomputed over the whole match."""
-        if (self.remote is None or res.matched_blocks >= len(keys)
-                or (digest is not None and digest in self._remote_barred)):
-            return res
-        cost, bb = self.cost_model, self.layout.bytes_per_block
-        out_keys, tiers = list(res.keys), list(res.tiers)
-        pos, n_remote, n_local = res.matched_blocks, 0, 0
-        for _ in range(self.REMOTE_ROUNDS):
-            n = self.remote.exists_prefix(keys[pos:])
-            if n <= 0:
-                break
-            more = list(keys[pos:pos + n])
-            if digest is not None:
-                for k in more:
-                    self._remote_ns[k] = digest
-                while len(self._remote_ns) > self.REMOTE_NS_MAX:
-                    self._remote_ns.pop(next(iter(self._remote_ns)))
-            out_keys += more
-            tiers += [Tier.REMOTE] * n
-            pos += n
-            n_remote += n
-            m = self._index.probe(keys[pos:]) if pos < len(keys) else 0
-            for k in keys[pos:pos + m]:
-                here = self._index.tiers_of(k)
-                if not here:
-                    m = 0
-                    break
-                out_keys.append(k)
-                tiers.append(here[0])
-                pos += 1
-                n_local += 1
-            if m <= 0 or pos >= len(keys):
-                break
-        if n_remote == 0:
-            return res
-        labels = [t.label for t in tiers]
-        load_s = cost.chain_load_s(labels, bb)  # remote estimates: measured Mooncake loads (build wires them)
-        useful = cost.useful_prefix(load_s, self.layout.tokens_per_block)
-        reason = cost.not_useful_reason(labels, load_s, useful, bb, self.layout.tokens_per_block)
-        self._index.metrics.add({"remote_hit_blocks": n_remote, "hit_blocks": n_remote + n_local,
-                                 "useful_blocks": useful - res.useful_blocks})
-        return LookupResult(out_keys, tiers, load_s, useful, res.requested_blocks, res.tokens_per_block,
-                            res.request_id, reason)
-
-    def _touched(self, res: LookupResult) -> LookupResult:
-        """Tell the NVMe region manager which of its regions were hit (region LRU)."""
-        if self.nvme is not None and Tier.NVME in res.tiers:
-            self.nvme.touch([k for k, t in zip(res.keys, res.tiers) if t == Tier.NVME])
-        return res
+        return self._transfers.lookup(keys, toks, request_id, len(token_ids), self.digest(ns))
 
     @_open_call
     def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
@@ -698,9 +445,9 @@ class KVStore:
         LayoutError
             For a key that is not 32 bytes.
         """
-        keys = _check_keys(keys)
-        return self._with_remote(self._touched(self._index.lookup(keys, None, request_id, num_prompt_tokens)),
-                                 keys, None if ns is None else self.digest(ns))
+        keys = check_keys(keys)
+        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens,
+                                      None if ns is None else self.digest(ns))
 
     @_open_call
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
@@ -715,7 +462,7 @@ class KVStore:
         recency and counts no hit, so it never keeps a block from eviction
         (SGLang's ``batch_exists``, Mooncake's ``batch_is_exist``).
         """
-        return self._index.probe(_check_keys(keys))
+        return self._index.probe(check_keys(keys))
 
     # -------------------------------------------------------------- load
     @_open_call
@@ -745,14 +492,14 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
         if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
             plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
             raws = list(plans.rows.unbind(0)) if keys else []
         else:
-            raws = [self._dest_raw(d) for d in dests]
+            raws = [destination_bytes(d, self.layout) for d in dests]
             plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
 
         def finish(st: list[Status]):
@@ -765,15 +512,7 @@ class KVStore:
                 else:
                     outs.append(d)
             return st, outs
-        return self._load(keys, plans, promote, wait, timeout_s, finish)
-
-    def _dest_raw(self, d: torch.Tensor) -> torch.Tensor:
-        _refuse_numpy(d, "a destination")
-        raw = self.layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
-        if raw.numel() != self._bb or not raw.is_contiguous():
-            raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
-                              f"blocks are {self._bb} contiguous bytes")
-        return raw
+        return self._transfers.load(keys, plans, promote, wait, timeout_s, finish, self.MERGE_WAIT_S)
 
     @_open_call
     def load_fragments(self, keys: Sequence[bytes] | LookupResult,
@@ -796,147 +535,15 @@ class KVStore:
         """
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         dest_fragments_per_block = list(dest_fragments_per_block)
         if len(dest_fragments_per_block) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
-        plans = [self._plan(frags, destination=True) for frags in dest_fragments_per_block]
+        plans = [plan_block(frags, self.layout, destination=True) for frags in dest_fragments_per_block]
         check_distinct_destinations(plans)
-        return self._load(keys, plans, True, wait, timeout_s, lambda st: st)
-
-    def _load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, wait: bool,
-              timeout_s: float | None, finish):
-        if timeout_s is not None and timeout_s <= 0:
-            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
-        gate = LoadGate(time.monotonic() + timeout_s) if timeout_s is not None else None
-
-        def run() -> list[Status]:
-            t0 = time.perf_counter_ns()
-            plan = self._index.prepare_load(keys)
-            if plan.waits:  # a delay hit: another load is reading some of these blocks from NVMe
-                waits = plan.waits
-                self._index.abort_load(plan)
-                for ev in waits:
-                    ev.wait(self.MERGE_WAIT_S)
-                self._index.metrics.inc("merged_loads", len(waits))
-                plan = self._index.prepare_load(keys)  # they are in memory now if promoted
-            try:
-                st, nvme_s = self._mover.run_load(plan, plans, gate)
-            except BaseException:
-                self._index.complete_load(plan, [Status.IO_ERROR] * len(keys), promote=False)
-                raise
-            if self.remote is not None:
-                missed = [i for i, src in enumerate(plan.sources) if src is None]
-                if missed:
-                    got = self._remote_load(keys, plans, missed, gate)
-                    for i, s in zip(missed, got):
-                        st[i] = s if s is not Status.MISS else st[i]
-                    self._index.metrics.add({"remote_loaded_blocks": sum(s is Status.OK for s in got),
-                                             "remote_load_errors": sum(s is Status.IO_ERROR for s in got)})
-            if gate is not None:
-                delivered = gate.close()
-                st = [s if (s is not Status.OK or i in delivered) else Status.MISS for i, s in enumerate(st)]
-            # remote IO_ERRORs are misses for the index (the block is not local)
-            promo = self._index.complete_load(plan, [s if plan.sources[i] is not None else Status.MISS
-                                                     for i, s in enumerate(st)], promote and gate is None, nvme_s)
-            if promo is not None:
-                try:
-                    ok = self._mover.run_promote(promo, plans)
-                except BaseException:
-                    self._index.complete_promote(promo, [False] * len(promo.items))
-                    raise
-                self._index.complete_promote(promo, ok)
-            want = self._index.take_clean_requests()
-            if want:
-                self._clean_in_background(want)
-            if self._share is not None and self._share.mode == "reused":
-                local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
-                self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
-            used = [src[0] for src in plan.sources if src is not None]
-            if used:
-                self._index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
-            return st
-
-        if timeout_s is None:
-            return finish(run()) if wait else self._submit("load", lambda: finish(run()))
-        fut = self._submit("load", run)
-
-        def deadline():
-            try:
-                return finish(fut.result(timeout=timeout_s))
-            except cf.TimeoutError:
-                delivered = gate.close()
-                self._index.metrics.inc("load_timeouts")
-                return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
-        if wait:
-            return deadline()
-        out: Future = Future()
-        threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
-                         name="tierstore-deadline").start()
-        return out
+        return self._transfers.load(keys, plans, True, wait, timeout_s, lambda st: st, self.MERGE_WAIT_S)
 
     # -------------------------------------------------------------- prefetch / pins / admin
-    def _remote_load(self, keys: list[bytes], plans: list[FragmentPlan], missed: list[int],
-                     gate: LoadGate | None) -> list[Status]:
-        """Fetch locally missed blocks (positions ``missed`` of a load) from the
-        shared remote tier; returns their statuses.
-
-        Blocks a lookup found remotely under a known namespace are a cache fill:
-        the index places them (:meth:`BlockIndex.prepare_store`), the mover
-        fetches them straight into their host-tier slots and copies them on to
-        the destinations (:meth:`Movers.run_remote_fill`), and the index makes
-        them resident. Blocks of a key-level lookup without a namespace are
-        fetched into their destinations only (they stay remote). A namespace
-        invalidated by this store is never loaded from the remote tier.
-        """
-        out: dict[int, Status] = {}
-        by_ns: dict[bytes, list[int]] = {}
-        rest: list[int] = []
-        for i in missed:
-            d = self._remote_ns.get(keys[i])
-            if d is None:
-                rest.append(i)
-            elif d in self._remote_barred:
-                out[i] = Status.MISS
-            else:
-                by_ns.setdefault(d, []).append(i)
-        for d, ii in by_ns.items():
-            fill = self._index.prepare_store(d, [keys[i] for i in ii], None, ii[0])
-            pending = set(fill.pending)
-            try:
-                got, nvme_st, dem_st, held = self._mover.run_remote_fill(fill, [plans[i] for i in ii], gate, ii)
-            except BaseException:
-                self._index.complete_store(fill, failed=True)
-                raise
-            # a timed-out transfer may still write its slots: the index frees them only after it returns
-            self._mover.after_release(held, lambda f=fill, a=nvme_st, b=dem_st: self._index.complete_store(f, a, b))
-            self._index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
-            for j, i in enumerate(ii):
-                if j in pending:
-                    out[i] = got[j]
-                else:  # stored meanwhile (EXISTS) or no room here (NO_SPACE): straight to the destination
-                    rest.append(i)
-        if rest:
-            rest.sort()
-            for i, s in zip(rest, self._mover.remote_get([keys[i] for i in rest], [plans[i] for i in rest],
-                                                          gate, rest)):
-                out[i] = s
-        return [out[i] for i in missed]
-
-    def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
-        """Offer blocks to the shared remote tier (its admission rule decides);
-        with ``remote.publish: evict`` blocks go there when evicted instead
-        (:attr:`tierstore.index.StorePlan.lost`)."""
-        if self.remote is None or not keys or self.config.remote.publish != "store":
-            return
-        sel = [j for j, k in enumerate(keys) if self._share.admit(k, hits)]
-        if sel:
-            # a stored block missed remotely just now: publish it even if it was published before
-            # (Mooncake may have evicted it since); a local hit re-offered is skipped if recent
-            st = self._mover.publish([keys[j] for j in sel], [sources[j] for j in sel], recent=hits > 0)
-            self._index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
-                                     "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
-
     @_open_call
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> Future:
         """Bring the resident full blocks of a prefix up to ``tier`` (``"host"`` or
@@ -964,22 +571,7 @@ class KVStore:
             t = Tier[str(tier).upper()]
         except KeyError:
             raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
-        keys = _check_keys(keys)
-        plan = self._index.prepare_prefetch(keys, t)
-
-        def run() -> int:
-            if plan is None:
-                return 0
-            try:
-                ok = self._mover.run_prefetch(plan)
-            except BaseException:
-                self._index.complete_promote(plan, [False] * len(plan.items))
-                raise
-            self._index.complete_promote(plan, ok)
-            n = sum(ok)
-            self._index.metrics.inc("prefetched_blocks", n)
-            return n
-        return self._submit("load", run)
+        return self._transfers.prefetch(check_keys(keys), t)
 
     @_open_call
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
@@ -989,7 +581,7 @@ class KVStore:
     @_open_call
     def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
         """:meth:`pin` by key."""
-        return self._index.pin(self.digest(ns), _check_keys(keys), lease_s)
+        return self._index.pin(self.digest(ns), check_keys(keys), lease_s)
 
     @_open_call
     def unpin(self, lease: Lease | int) -> bool:
@@ -1004,68 +596,24 @@ class KVStore:
     def invalidate(self, ns: Namespace | bytes) -> int:
         """Drop every block of a namespace, durably: after a restart on the same
         NVMe path nothing of it is served again. Returns blocks dropped."""
-        d = self.digest(ns)
-        if self.remote is not None:  # this store never serves the namespace from the shared tier again
-            self._remote_barred.add(d)
-            self.remote.remove(self._index.keys_of_namespace(d))
-        n = self._index.invalidate(d)
-        if self.nvme is not None:
-            self.nvme.invalidate_namespace(d)
-        return n
+        return self._transfers.invalidate(self.digest(ns))
 
     @_open_call
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks by key from every tier; returns how many were resident."""
-        keys = _check_keys(keys)
-        n = self._index.remove(keys)
-        if self.nvme is not None:
-            self.nvme.delete(keys)
-        return n
+        return self._transfers.remove(check_keys(keys))
 
     @_open_call
     def clear(self) -> int:
         """Remove every block."""
-        n = self._index.clear()
-        if self.nvme is not None:
-            self.nvme.delete(self.nvme.keys())
-        return n
-
-    def _clean_in_background(self, n: int) -> None:
-        """Write the ``n`` coldest memory-only blocks to NVMe on the store executor,
-        so that promotions find victims that leave without an NVMe write."""
-        if self.nvme is None:
-            return
-
-        def run() -> int:
-            plan = self._index.prepare_flush(max(n, self._index.settings.evict_batch_blocks), coldest_first=True)
-            if plan is None:
-                return 0
-            try:
-                st = self._mover.run_flush(plan)
-            except BaseException:
-                self._index.complete_flush(plan, {})
-                raise
-            return self._index.complete_flush(plan, st)
-        try:
-            self._submit("store", run)
-        except StoreClosedError:  # closing: nothing to keep clean any more
-            pass
+        return self._transfers.clear()
 
     @_open_call
     def evict(self, tier: Tier | str, n: int) -> int:
         """Evict ``n`` unprotected blocks of a memory tier now (demoting them as
         the policies decide); returns ``n``, or 0 if that many cannot be found."""
         t = tier if isinstance(tier, Tier) else Tier[str(tier).upper()]
-        plan = self._index.prepare_evict(t, n)
-        if plan is None:
-            return 0
-        try:
-            nvme_st, dem_st = self._mover.run_store(plan, [])
-        except BaseException:
-            self._index.complete_store(plan, failed=True)
-            raise
-        self._index.complete_store(plan, nvme_st, dem_st)
-        return n
+        return self._transfers.evict(t, n)
 
     @property
     def cost_model(self):
@@ -1079,29 +627,7 @@ class KVStore:
         Stops after ``timeout_s`` seconds or ``max_bytes`` bytes (each checked
         between batches of ``evict_batch_blocks * 8`` blocks).
         """
-        return self._flush_down(timeout_s, max_bytes)
-
-    def _flush_down(self, timeout_s: float | None, max_bytes: int | None) -> int:
-        if self.nvme is None:
-            return 0
-        t_end = None if timeout_s is None else time.monotonic() + timeout_s
-        budget = None if max_bytes is None else max(0, max_bytes) // self.layout.bytes_per_block
-        batch = max(8, self._index.settings.evict_batch_blocks * 8)
-        n = 0
-        while (t_end is None or time.monotonic() < t_end) and (budget is None or n < budget):
-            plan = self._index.prepare_flush(batch if budget is None else min(batch, budget - n))
-            if plan is None:
-                break
-            try:
-                st = self._mover.run_flush(plan)
-            except BaseException:
-                self._index.complete_flush(plan, {})
-                raise
-            done = self._index.complete_flush(plan, st)
-            n += done
-            if done == 0:
-                break
-        return n
+        return self._transfers.flush(timeout_s, max_bytes)
 
     # -------------------------------------------------------------- introspection
     def stats(self) -> dict:
@@ -1142,7 +668,7 @@ class KVStore:
     @_open_call
     def resident(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether it is resident (any tier). A pure probe like :meth:`exists`."""
-        return self._index.resident(_check_keys(keys))
+        return self._index.resident(check_keys(keys))
 
     def capacity_bytes(self) -> dict[str, int]:
         """Capacity per enabled tier in bytes."""
@@ -1220,18 +746,13 @@ class KVStore:
             Blocks written down to NVMe by this close (0 without NVMe, with
             ``flush`` off, or when the store was closed already).
         """
-        with self._state:
-            if self._closed:
-                return 0
-            self._closed = True
-            busy = self._active > 0
-        if busy:  # every store acknowledged by a call in progress is written down below
-            self._idle.wait()
+        if not self._transfers.calls.close():
+            return 0
         self._mover.shutdown()
         f = self._flush
         written = 0
         if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            written = self._flush_down(f["flush_timeout_s"], f["flush_max_bytes"])
+            written = self._transfers.flush(f["flush_timeout_s"], f["flush_max_bytes"])
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:
@@ -1244,11 +765,6 @@ class KVStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _validated(model, fields: dict):
-    from .config import parse_model
-    return parse_model(model, fields, f"KVStore options ({model.__name__})")
 
 
 __all__ = ["KVStore", "KVStoreProtocol", "Namespace", "KVLayout", "Status", "Tier", "leading_ok"]

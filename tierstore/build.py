@@ -38,6 +38,7 @@ from .index import BlockIndex, IndexRuntime, IndexShape
 from .io.segments import SegmentStorage
 from .layout import KVLayout
 from .movers import Movers, make_movers
+from .planner import RemotePlanner
 from .policies.admission import make_admission
 from .policies.cost import CostModel
 from .policies.lifetime import make_classifier
@@ -46,7 +47,7 @@ from .tiers.memory import BlockPool, cuda_available
 from .tiers.storage import BlockStorage
 from .units import format_bytes
 
-__all__ = ["StoreParts", "assemble", "build_store", "file_tier_geometry"]
+__all__ = ["StoreParts", "assemble", "build_store", "file_tier_geometry", "remote_planner"]
 
 
 @dataclasses.dataclass
@@ -277,6 +278,14 @@ def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):
     from .remote.mooncake import MooncakeTier
     r = cfg.remote
     return MooncakeTier(r, block_bytes), ShareAdmission(mode=r.admission)
+
+
+def remote_planner(parts: StoreParts) -> RemotePlanner | None:
+    """The remote tier's :class:`~tierstore.planner.RemotePlanner` for a store that has one."""
+    if parts.remote is None:
+        return None
+    return RemotePlanner(parts.index, parts.remote, parts.share, parts.config.remote.publish,
+                         parts.layout.bytes_per_block, parts.layout.tokens_per_block)
 
 
 def build_store(config: StoreConfig | dict, layout: KVLayout | None = None, **runtime):

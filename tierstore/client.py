@@ -69,7 +69,8 @@ import torch
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from .identity import DigestCache, Namespace, block_hashes
-from .io.pages import FragmentPlan, check_distinct_destinations, plan_fragments
+from .io.inputs import plan_block
+from .io.pages import check_distinct_destinations
 from .layout import KVLayout
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
 from .extras import require
@@ -366,29 +367,8 @@ class RemoteKVStore:
             out.append(raw.contiguous())
         return out
 
-    def _plan(self, frags, destination: bool) -> FragmentPlan:
-        """Check one block's fragments against the layout and plan the copy
-        (the checks of :meth:`tierstore.api.KVStore.store_fragments`)."""
-        lay = self.layout
-        if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-            if frags.nbytes != lay.bytes_per_block or frags.count not in (None, lay.num_fragments):
-                raise LayoutError(f"planned block of {frags.count} fragments, {frags.nbytes} bytes; the layout "
-                                  f"has {lay.num_fragments} fragments, {lay.bytes_per_block} bytes")
-            if frags.dtype not in (None, lay.dtype, torch.uint8):
-                raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
-            return plan_fragments(frags, destination=destination)
-        if isinstance(frags, torch.Tensor) or not hasattr(frags, "__len__"):
-            raise LayoutError("each block's fragments must be a list of tensors (or a FragmentPlan)")
-        if len(frags) != lay.num_fragments:
-            raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
-        plan = plan_fragments(frags, destination=destination)
-        if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
-                or plan.dtype not in (lay.dtype, torch.uint8)):
-            lay.check_fragments(frags)  # names the wrong fragment
-        return plan
-
     def _gather(self, frags) -> torch.Tensor:
-        plan = self._plan(frags, destination=False)
+        plan = plan_block(frags, self.layout, destination=False)
         blk = torch.empty(self.block_bytes, dtype=torch.uint8)
         plan.gather(blk, 0)
         return blk
@@ -640,7 +620,7 @@ class RemoteKVStore:
         dests = list(dest_fragments_per_block)
         if len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} blocks to load but {len(dests)} destinations")
-        plans = [self._plan(f, destination=True) for f in dests]
+        plans = [plan_block(f, self.layout, destination=True) for f in dests]
         check_distinct_destinations(plans)
 
         statuses: list[Status] = []

@@ -260,20 +260,21 @@ class StoreConfig(StrictModel):
         return parse_model(cls, doc, what)
 
     @classmethod
-    def from_options(cls, hbm_bytes: int = 0, host_bytes: int = 0, nvme_path: str | None = None,
-                     nvme_bytes: int = 0, **options: Any) -> "StoreConfig":
+    def from_options(cls, hbm_bytes: int | str = 0, host_bytes: int | str = 0, nvme_path: str | None = None,
+                     nvme_bytes: int | str = 0, **options: Any) -> "StoreConfig":
         """The config ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)``
         opens, without its run-time objects.
 
         ``options`` are :class:`PoliciesConfig` fields, :data:`NVME_OPTIONS`, the
-        :data:`OPTION_ALIASES` and ``remote`` (a :class:`RemoteConfig` or its dict). The NVMe
-        tier exists when ``nvme_path`` is given and ``nvme_bytes > 0``.
+        :data:`OPTION_ALIASES` and ``remote`` (a :class:`RemoteConfig` or its dict). Sizes are
+        bytes or size strings (``"64MiB"``). The NVMe tier exists when both ``nvme_path`` and
+        ``nvme_bytes`` are given; one without the other is refused.
 
         Raises
         ------
         ConfigError
-            For an unknown option (the message lists the accepted ones), a bad value, or NVMe
-            options without an NVMe tier.
+            For an unknown option (the message lists the accepted ones), a bad value, NVMe
+            options without an NVMe tier, or only one of ``nvme_path`` and ``nvme_bytes``.
         """
         nvme_keys = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
         accepted = set(PoliciesConfig.model_fields) | nvme_keys | {"device", "remote"}
@@ -291,7 +292,12 @@ class StoreConfig(StrictModel):
         hbm = model(HbmTierConfig, dict(capacity_bytes=hbm_bytes, device=options.pop("device", "auto")))
         host = model(MemoryTierConfig, dict(capacity_bytes=host_bytes))
         nvme = None
-        if nvme_path is not None and nvme_bytes > 0:
+        if (nvme_path is None) != (not nvme_bytes):
+            # one without the other opened a store with no NVMe tier, silently
+            raise ConfigError(f"nvme_path={nvme_path!r}, nvme_bytes={nvme_bytes!r}: an NVMe tier needs both "
+                              "(a path and a capacity, e.g. nvme_bytes=64 << 20 or '64MiB'); give neither for "
+                              "a store in memory only")
+        if nvme_path is not None and nvme_bytes:
             nvme = model(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **nv))
         elif given:
             raise ConfigError(f"{sorted(given)} need an NVMe tier (nvme_path and nvme_bytes)")

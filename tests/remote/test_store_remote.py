@@ -289,7 +289,7 @@ def test_engine_extra_config_remote_section(remote_cfg):
     cfg, own = split_extra_config(extra, "connector", Own, "kv_connector_extra_config")
     assert own.tenant == "acme" and cfg.remote.segment_bytes == 0 and cfg.remote.timeout_s == 2.0
     with KVStore.from_config(cfg, LAYOUT) as s:
-        assert s.remote.wait_ok(5) and s._share.mode == "reused"
+        assert s.remote.wait_ok(5) and s._planner.share.mode == "reused"
     bad = dict(extra, remote={**extra["remote"], "rdma_device": "mlx5_0"})
     with pytest.raises(ConfigError, match="rdma_device"):
         split_extra_config(bad, "connector", Own, "kv_connector_extra_config")
