@@ -128,3 +128,21 @@ def test_truncation_under_a_live_store_is_io_error_then_miss(tmp_path):
     assert s.get(keys[:1], [d]) == [Status.IO_ERROR]
     assert s.get(keys[:1], [d]) == [Status.MISS]
     s.close()
+
+
+def test_a_corrupt_block_found_by_a_load_is_said_once_in_the_log(caplog):
+    """The engine recomputes a block whose CRC fails, and the store counts it; it also says so
+    (a new-user trial flipped bytes under vLLM: the request was recomputed, tierstore said nothing)."""
+    eng = MemoryEngine(CAP)
+    s = _store(eng)
+    keys = [os.urandom(32) for _ in range(3)]
+    assert s.put(keys, [content(k, BB) for k in keys]) == [Status.OK] * 3
+    off = s.locate(keys[1])[1]
+    eng.raw()[off + 7] ^= 0xFF
+    with caplog.at_level("WARNING", logger="tierstore.io.segments"):
+        dests = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
+        st = s.get(keys, dests)
+    assert st[1] is Status.IO_ERROR and st[0] is st[2] is Status.OK
+    lines = [r.getMessage() for r in caplog.records if "CRC-32C" in r.getMessage()]
+    assert len(lines) == 1 and "1 NVMe block(s)" in lines[0] and "corrupt_blocks=1" in lines[0]
+    s.close()

@@ -582,8 +582,13 @@ class SegmentStorage(BlockStorage):
         if bad:
             with self._lock:
                 dropped, empty = self._reader.forget_bad(bad)
+                total = self._st["corrupt_blocks"]
             for si in empty:
                 self._finish_reclaim(si)
+            # a block lost is said, not only counted (the caller sees IO_ERROR: a miss, recomputed)
+            _log.warning("%s: %d NVMe block(s) failed their read or payload CRC-32C and were dropped "
+                         "(served as misses, never as KV); corrupt_blocks=%d", self.path or "NVMe tier",
+                         len(bad), total)
         hits, misses = status.count(Status.OK), status.count(Status.MISS)
         with self._lock:
             self._st["get_hits"] += hits
