@@ -47,3 +47,35 @@ def test_a_fio_option_tierstore_lacks_says_so_in_one_line(run_bench, option, for
 def test_a_typo_names_the_nearest_option(run_bench):
     rc, _, err = run_bench("--parse-only", "--iodeth=4")
     assert rc == 1 and "iodeth: unknown option; did you mean iodepth?" in err
+
+
+# ------------------------------------------------------------------ 2: what bs is for a KV job
+def test_kv_header_says_what_bs_is_and_warns_once_on_partial_blocks(run_bench):
+    """kvload used to print the layout's block as bs=, silently rounding the job's bs down."""
+    rc, out, err = run_bench("--name=j", "--rw=kvload", "--bs=100k", "--size=2m", "--device=sim")
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "warning: bs=" in line]
+    assert len(warnings) == 1 and "not a multiple of the KV block (8192 B" in warnings[0]
+    assert "12 whole blocks (98304 B)" in warnings[0]
+    header = out.splitlines()
+    assert header[0].startswith("j: (g=0): rw=kvload, bs=(R) 8192B-8192B")
+    assert "one I/O is one KV block of 8192 B" in header[1] and "bs=102400 B in whole blocks: 12 blocks" in header[1]
+
+
+def test_kv_bs_of_whole_blocks_gives_no_warning(run_bench):
+    rc, out, err = run_bench("--name=j", "--rw=kvstore", "--bs=32k", "--size=1m", "--device=sim")
+    assert rc == 0, err
+    assert "warning: bs=" not in err and "4 blocks (32768 B)" in out.splitlines()[1]
+
+
+def test_kvtrace_says_bs_is_not_used(run_bench, tmp_path):
+    rc, out, err = run_bench("--rw=kvtrace", "--number_ios=50", "--bs=1m", f"--directory={tmp_path}")
+    assert rc == 0, err
+    assert "warning: bs=1048576: not used by rw=kvtrace" in err
+    assert "rw=kvtrace: one I/O is one trace block of 32768 B (trace_block_size)" in out
+
+
+def test_cmdhelp_bs_says_what_it_is_for_kv_jobs(run_bench):
+    rc, out, _ = run_bench("--cmdhelp=bs")
+    assert rc == 0
+    assert "rw=kvstore|kvload|kvmixed: bytes of one store/load call" in out and "rw=kvtrace: not used" in out
