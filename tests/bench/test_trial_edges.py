@@ -79,3 +79,16 @@ def test_cmdhelp_bs_says_what_it_is_for_kv_jobs(run_bench):
     rc, out, _ = run_bench("--cmdhelp=bs")
     assert rc == 0
     assert "rw=kvstore|kvload|kvmixed: bytes of one store/load call" in out and "rw=kvtrace: not used" in out
+
+
+# ------------------------------------------------------------------ 3: a KV job refusing an existing file
+@pytest.mark.parametrize("fmt", [[], ["--format=1"]])
+def test_kv_job_says_an_existing_file_is_not_its_own(tmp_path, run_bench, fmt):
+    """It used to guess "a run still going ... or an NVMe tier left by a run with unlink=0"."""
+    (tmp_path / "kvstore.0.0").write_bytes(b"precious")
+    rc, _, err = run_bench("--rw=kvstore", f"--directory={tmp_path}", "--size=1m", *fmt)
+    assert rc == 1
+    assert "kvstore.0.0': exists, and this job did not create it" in err
+    assert "choose another filename= or directory=" in err
+    assert "still going" not in err and "unlink=0" not in err and "--format=1" not in err
+    assert (tmp_path / "kvstore.0.0").read_bytes() == b"precious"

@@ -180,9 +180,9 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
           "hardware)."),
     _spec("format", "bool", False,
-          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (or file) "
-          "without tierstore's label; plain jobs write to a device, or to an existing non-empty file no "
-          "tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
+          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (device=/dev/...) "
+          "without tierstore's label (a KV job's file is always new: an existing one is refused whatever format "
+          "says); plain jobs write to a device, or to an existing non-empty file no tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
           "before anything is written (fio writes without asking)."),
     _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
     _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),

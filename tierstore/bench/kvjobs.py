@@ -117,10 +117,9 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
     if os.path.isdir(path):
         raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
     if os.path.exists(path):
-        raise ConfigError(f"filename={path!r}: exists (a run still going with the same directory and job "
-                          "name, or an NVMe tier left by a run with unlink=0 or a killed one); a KV job starts "
-                          "from an empty tier and never reuses or overwrites a file: choose another directory= "
-                          "or filename=, or remove it once no run uses it")
+        raise ConfigError(f"filename={path!r}: exists, and this job did not create it; a KV job's NVMe tier "
+                          "is always a new file (it never reuses or overwrites one, whatever format= says): "
+                          "choose another filename= or directory=. Nothing was written")
     return path
 
 
