@@ -56,10 +56,10 @@ def test_kv_header_says_what_bs_is_and_warns_once_on_partial_blocks(run_bench):
     assert rc == 0, err
     warnings = [line for line in err.splitlines() if "warning: bs=" in line]
     assert len(warnings) == 1 and "not a multiple of the KV block (8192 B" in warnings[0]
-    assert "12 whole blocks (98304 B)" in warnings[0]
+    assert "a request's prompt is 12 whole blocks (98304 B)" in warnings[0]
     header = out.splitlines()
     assert header[0].startswith("j: (g=0): rw=kvload, bs=(R) 8192B-8192B")
-    assert "one I/O is one KV block of 8192 B" in header[1] and "bs=102400 B in whole blocks: 12 blocks" in header[1]
+    assert "one I/O is one KV block of 8192 B" in header[1] and "prompt is the job's bs=102400 B in whole blocks: 12 blocks" in header[1]
 
 
 def test_kv_bs_of_whole_blocks_gives_no_warning(run_bench):
@@ -78,7 +78,7 @@ def test_kvtrace_says_bs_is_not_used(run_bench, tmp_path):
 def test_cmdhelp_bs_says_what_it_is_for_kv_jobs(run_bench):
     rc, out, _ = run_bench("--cmdhelp=bs")
     assert rc == 0
-    assert "rw=kvstore|kvload|kvmixed: bytes of one store/load call" in out and "rw=kvtrace: not used" in out
+    assert "rw=kvstore|kvload|kvmixed: bytes of a request's prompt" in out and "rw=kvtrace: not used" in out
 
 
 # ------------------------------------------------------------------ 3: a KV job refusing an existing file

@@ -144,8 +144,8 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "rw=kvtrace: bytes stored per 512-token trace block (scaled KV; real Llama-3.1-8B is 64m).",
           minimum=4096),
     _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
-    _spec("bs", "size", 4096, "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of one store/load "
-          "call (a prompt), rounded down to whole KV blocks of the layout (at least one; a warning when it is not "
+    _spec("bs", "size", 4096, "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of a request's "
+          "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at least one; a warning when it is not "
           "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used (trace_block_size sets a "
           "block's bytes, the trace each call's blocks).", minimum=1),
     _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),

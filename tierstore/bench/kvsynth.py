@@ -127,24 +127,25 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
 
 
 def call_blocks(bs: int, block_bytes: int) -> int:
-    """KV blocks one store/load call of a synthetic job moves: ``bs`` rounded down to whole blocks, at least one."""
+    """KV blocks of a synthetic job's request (its prompt): ``bs`` rounded down to whole blocks, at least one."""
     return max(1, bs // block_bytes)
 
 
 def io_unit(rw: str, bs: int, block_bytes: int) -> str:
     """The report's line on what a KV job's I/O and ``bs`` are (``kv.io_unit``, under the normal header)."""
     n = call_blocks(bs, block_bytes)
-    return (f"rw={rw}: one I/O is one KV block of {block_bytes} B, the bs shown; each store/load call moves "
-            f"the job's bs={bs} B in whole blocks: {n} block{'s' if n != 1 else ''} ({n * block_bytes} B)")
+    grows = "; a conversation's grows by that much a turn" if rw == "kvmixed" else ""
+    return (f"rw={rw}: one I/O is one KV block of {block_bytes} B, the bs shown; a request's prompt is the job's "
+            f"bs={bs} B in whole blocks: {n} block{'s' if n != 1 else ''} ({n * block_bytes} B{grows})")
 
 
 def _warn_partial_blocks(options: dict[str, Any], block_bytes: int) -> None:
-    """Warn (once, before the run) when a set ``bs`` is not whole KV blocks: calls move fewer bytes than it says."""
+    """Warn (once, before the run) when a set ``bs`` is not whole KV blocks: prompts are not the bytes it says."""
     bs = options["bs"]
     if "bs" in options.get("_explicit", ()) and bs % block_bytes:
         n = call_blocks(bs, block_bytes)
         warn(f"bs={bs}: not a multiple of the KV block ({block_bytes} B: layout={options['layout']}, "
-             f"block_tokens={options['block_tokens']}); each store/load call moves {n} whole "
+             f"block_tokens={options['block_tokens']}); a request's prompt is {n} whole "
              f"block{'s' if n != 1 else ''} ({n * block_bytes} B)")
 
 
