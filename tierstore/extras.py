@@ -41,15 +41,16 @@ def require(module: str, what: str) -> ModuleType:
     Raises
     ------
     ConfigError
-        When it is not installed: ``"<what> needs <module>: pip install
-        'tierstore[<extra>]'"``.
+        When it is not installed: ``"<what> needs <module>, which is not installed: pip install
+        'tierstore[<extra>]' (from a source checkout: pip install -e '.[<extra>]')"``.
     """
     try:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
         extra = EXTRA_OF.get(top)
-        how = f"pip install 'tierstore[{extra}]'" if extra else f"pip install {top}"
+        how = (f"pip install 'tierstore[{extra}]' (from a source checkout: pip install -e '.[{extra}]')" if extra
+               else f"pip install {top}")
         raise ConfigError(f"{what} needs {top}, which is not installed: {how}") from e
 
 

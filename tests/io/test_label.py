@@ -11,6 +11,7 @@ import torch
 from tierstore.errors import ConfigError, CorruptData, ForeignDataError, Status
 from tierstore.io import SegmentStorage
 from tierstore.io import format as fmt
+from tierstore.io import label
 from tierstore.io._fileops import lock_holder_pid, process_alive
 from tierstore.io.label import (LABEL_BYTES, StoreLabel, check_target, decode_label, inspect_target,
                                 resolve_nvme_path)
@@ -74,7 +75,8 @@ def test_inspect_tells_what_a_path_holds(tmp_path):
     (tmp_path / "ours").write_bytes(StoreLabel(SEG, BB, 8).encode())
     t = inspect_target(str(tmp_path / "ours"))
     assert t.kind == "tierstore" and t.label.segment_size_bytes == SEG
-    assert inspect_target("/dev/null").kind == "unreadable"
+    with pytest.raises(ConfigError, match="a character device that is not an NVMe generic device"):
+        inspect_target("/dev/null")
     with pytest.raises(ConfigError, match="is a directory"):
         inspect_target(str(tmp_path))
     for name in ("late", "legacy"):
@@ -164,3 +166,27 @@ def test_lock_holder_is_read_from_proc_locks(tmp_path):
         os.close(fd)
         os.close(other)
     assert not process_alive(2 ** 22 + 12345)  # above pid_max's limit: no such process
+
+
+def test_only_an_nvme_generic_character_device_is_a_tier_target(monkeypatch):
+    """/dev/null (a character device, not /dev/ngXnY) used to pass the check and fail at open with
+    "the file system refuses O_DIRECT (e.g. tmpfs)"."""
+    with pytest.raises(ConfigError) as err:
+        check_target("/dev/null", format=True)
+    assert "'/dev/null': a character device that is not an NVMe generic device (/dev/ngXnY)" in str(err.value)
+    assert "O_DIRECT" not in str(err.value)
+    st = os.stat("/dev/null")
+    assert not label.is_nvme_generic("/dev/null", st)
+    monkeypatch.setattr(label, "is_nvme_generic", lambda path, st: True)   # what /dev/ng0n1 is
+    assert inspect_target("/dev/null").kind == "unreadable"
+
+
+def test_only_a_device_refusal_offers_benchs_format(tmp_path):
+    """A KV job of tierstore bench never opens an existing file (it refuses one first), so a file's refusal
+    must not offer --format=1 in tierstore bench; a device's (device=/dev/...) may."""
+    (tmp_path / "f").write_bytes(b"user data")
+    with pytest.raises(ForeignDataError) as err:
+        check_target(str(tmp_path / "f"))
+    assert "nvme_format=True in KVStore(...)" in str(err.value) and "tierstore bench" not in str(err.value)
+    dev = label.refusal(label.Target("/dev/ng9n1", "foreign", True, 1 << 30, None, b"\x01" * 16))
+    assert "--format=1 with device=/dev/... in tierstore bench" in dev

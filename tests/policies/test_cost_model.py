@@ -142,6 +142,21 @@ def test_a_slow_measurement_is_logged_once_per_tier_and_size(caplog):
     assert cm.load_s("remote", MIB2) == pytest.approx(cm.declared_s("remote", MIB2))
 
 
+@pytest.mark.parametrize("max_slowdown,says", [
+    (1.0, "loads are still priced at the declared 3.10 ms (max_slowdown=1 caps the estimate at the declared figure)"),
+    (3.0, "loads are priced at 9.29 ms (max_slowdown=3 caps the estimate at 3x the declared figure)"),
+    (float("inf"), "loads are priced at the measured 20.00 ms (max_slowdown=inf: no cap)"),
+])
+def test_the_slow_measurement_warning_says_what_loads_are_priced_at(caplog, max_slowdown, says):
+    """It used to say "the estimate stays within 1x of the declared figure (CostModel.max_slowdown)"."""
+    cm = CostModel(max_slowdown=max_slowdown)
+    for _ in range(10):
+        cm.observe_load("remote", MIB2, 20e-3)
+    (msg,) = [r.getMessage() for r in caplog.records if "remote loads measured" in r.getMessage()]
+    assert says in msg
+    assert f"{cm.load_s('remote', MIB2) * 1e3:.2f} ms" in says
+
+
 def test_estimates_are_reported_per_tier():
     cm = CostModel()
     for _ in range(3):

@@ -172,5 +172,41 @@ def test_check_accepts_a_character_device_that_cannot_seek(tmp_path, capsys, mon
             raise OSError(errno.ESPIPE, os.strerror(errno.ESPIPE))
         return real(fd, pos, how)
     monkeypatch.setattr(check.os, "lseek", lseek)
+    monkeypatch.setattr("tierstore.io.label.is_nvme_generic", lambda path, st: True)   # what /dev/ngXnY is
     rc, _, err = _check(tmp_path, cfg, capsys)
     assert "Illegal seek" not in err and "tiers.nvme.path=/dev/null: cannot open" not in err, err
+
+
+def test_check_refuses_a_character_device_that_is_not_nvme_generic(tmp_path, capsys):
+    """/dev/null as the NVMe path: refused as what it is, not as a file system refusing O_DIRECT."""
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["path"] = "/dev/null"
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc != 0 and "'/dev/null': a character device that is not an NVMe generic device (/dev/ngXnY)" in err
+    assert "O_DIRECT" not in err
+
+
+def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
+    """A directory on a read-only mount was "not writable by this user (uid 0)" (statvfs says ST_RDONLY; this
+    test fakes the mount: access(2) refuses writes there, as it does with EROFS, and statvfs has ST_RDONLY)."""
+    import types
+    import tierstore.server.check as check
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["path"] = str(ro / "nvme")
+    real_access, real_statvfs = os.access, os.statvfs
+
+    def access(path, mode, **kw):
+        return False if str(path).startswith(str(ro)) and mode & os.W_OK else real_access(path, mode, **kw)
+
+    def statvfs(path):
+        vfs = real_statvfs(path)
+        if not str(path).startswith(str(ro)):
+            return vfs
+        fields = {k: getattr(vfs, k) for k in dir(vfs) if k.startswith("f_")}
+        return types.SimpleNamespace(**{**fields, "f_flag": vfs.f_flag | os.ST_RDONLY})
+    monkeypatch.setattr(check.os, "access", access)
+    monkeypatch.setattr(check.os, "statvfs", statvfs)
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc != 0 and f"{ro} is on a read-only file system" in err and "not writable by this user" not in err

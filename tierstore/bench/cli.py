@@ -5,7 +5,7 @@ Usage::
     tierstore bench [options] [--key=value ...] [jobfile ...]
 
 Job files are fio INI files (:mod:`tierstore.bench.jobfile`); every schema key
-is also a ``--key=value`` flag. As in fio, each ``--name=`` on the command line
+is also a ``--key=value`` (or ``--key value``) flag. As in fio, each ``--name=`` on the command line
 starts a job that inherits the flags given before the first ``--name=`` (which
 also override the job files' values); command-line jobs come before the files'
 jobs. Without ``--name=`` or a job file the flags define one job.
@@ -53,7 +53,7 @@ from typing import Iterator, Sequence
 from ..errors import ConfigError, TierStoreError
 from ..extras import require
 from . import output as out_mod
-from .jobfile import JobSpec, parse_jobs, schema_help, showcmd
+from .jobfile import JobSpec, is_bool_text, option_takes_argument, parse_jobs, schema_help, showcmd
 from .plot import plot_results
 from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
                        reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal, warn)
@@ -69,25 +69,44 @@ _BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version", "minima
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], list[str]]:
-    """Separate the command's own flags, the job-key flags and the job files."""
+    """Separate the command's own flags, the job-key flags (as ``--key=value``) and the job files.
+
+    As fio's ``getopt_long``, an option that takes a value takes it as ``--key=value`` or as the next
+    argument (``--bs 4k``); a boolean key alone means 1 and takes the next argument only when it is a
+    boolean's value (``--direct 0``). A missing value (the last argument, or another ``--option``) is
+    fio's "option '--name' requires an argument".
+    """
     own: dict[str, str | bool] = {}
     keys: list[str] = []
     files: list[str] = []
-    for arg in argv:
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
         if arg in ("-h",):
             own["help"] = True
-        elif arg.startswith("--"):
-            name, sep, value = arg[2:].partition("=")
-            if name in _BOOL_FLAGS:
-                own[name.replace("_", "-")] = True
-            elif name in _VALUE_FLAGS:
-                if name != "cmdhelp" and not sep:
-                    raise ConfigError(f"--{name}: needs a value, as --{name}=VALUE")
-                own[name.replace("_", "-")] = value
-            else:
-                keys.append(arg)
-        else:
+            continue
+        if not arg.startswith("--"):
             files.append(arg)
+            continue
+        name, sep, value = arg[2:].partition("=")
+        if name in _BOOL_FLAGS:
+            own[name.replace("_", "-")] = True
+            continue
+        if name in _VALUE_FLAGS:
+            takes = not sep and name != "cmdhelp"
+        else:
+            takes = not sep and option_takes_argument(name)
+            if not sep and not takes and i < len(args) and is_bool_text(args[i]):
+                takes = True   # a boolean given as --direct 0
+        if takes:
+            if i == len(args) or args[i].startswith("--"):
+                raise ConfigError(f"option '--{name}' requires an argument")
+            value, i = args[i], i + 1
+        if name in _VALUE_FLAGS:
+            own[name.replace("_", "-")] = value
+        else:
+            keys.append(f"--{name}={value}" if sep or takes else arg)
     return own, keys, files
 
 

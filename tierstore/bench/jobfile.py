@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import difflib
 import os
 import shlex
 from typing import Any, Callable, Mapping, Sequence
@@ -35,7 +36,8 @@ from ..units import parse_size, parse_time_s
 __all__ = [
     "OptionSpec", "SCHEMA", "ALIASES", "VALUE_ALIASES", "JobSpec", "parse_value", "parse_jobs",
     "read_job_file", "showcmd", "format_value", "schema_help", "flag_pairs", "parse_flag_list",
-    "IOENGINES", "SYNC_IOENGINES", "KV_RW", "engine_kind",
+    "IOENGINES", "SYNC_IOENGINES", "KV_RW", "engine_kind", "FIO_OPTION_NAMES", "unknown_option",
+    "option_takes_argument", "is_bool_text",
 ]
 
 _TRUE = {"1", "true", "yes", "on", ""}
@@ -142,7 +144,10 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "rw=kvtrace: bytes stored per 512-token trace block (scaled KV; real Llama-3.1-8B is 64m).",
           minimum=4096),
     _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
-    _spec("bs", "size", 4096, "Block size of one I/O (plain rw) or one KV block transfer.", minimum=1),
+    _spec("bs", "size", 4096, "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of a request's "
+          "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at least one; a warning when it is not "
+          "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used (trace_block_size sets a "
+          "block's bytes, the trace each call's blocks).", minimum=1),
     _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
     _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
     _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
@@ -175,9 +180,9 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
           "hardware)."),
     _spec("format", "bool", False,
-          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (or file) "
-          "without tierstore's label; plain jobs write to a device, or to an existing non-empty file no "
-          "tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
+          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (device=/dev/...) "
+          "without tierstore's label (a KV job's file is always new: an existing one is refused whatever format "
+          "says); plain jobs write to a device, or to an existing non-empty file no tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
           "before anything is written (fio writes without asking)."),
     _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
     _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
@@ -211,6 +216,70 @@ ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "n
 #: fio spellings accepted as aliases of a key's values.
 VALUE_ALIASES: dict[str, dict[str, str]] = {"rw": {"readwrite": "rw"}}
 
+#: fio's option names (``fio --cmdhelp=all`` of fio 3.33, its job options without the I/O engines' own): an
+#: unknown key among them is refused as a fio option tierstore bench does not have, not as a typo.
+FIO_OPTION_NAMES: frozenset[str] = frozenset("""
+    allow_file_create allow_mounted_write allrandrepeat atomic ba block_error_percentiles bs bs_unaligned
+    bsrange bssplit buffer_compress_chunk buffer_pattern buffered bwavgtime cgroup cgroup_nodelete cgroup_weight
+    clat_percentiles clocksource continue_on_error cpumask cpus_allowed cpus_allowed_policy create_fsync
+    create_on_open create_only create_serialize dedupe_global dedupe_mode dedupe_percentage description direct
+    directory disable_clat disable_lat disable_slat disk_util do_verify end_fsync error_dump exec_postrun
+    exec_prerun exit_what exitall exitall_on_error experimental_verify fadvise_hint fallocate fdatasync
+    file_append file_service_type filename filename_format filesize fill_device flow flow_id flow_sleep fsync
+    fsync_on_close gid group_reporting gtod_cpu gtod_reduce ignore_error ignore_zone_limits invalidate io_size
+    io_submit_mode iodepth iodepth_batch iodepth_low ioengine iopsavgtime ioscheduler job_max_open_zones kb_base
+    lat_percentiles latency_percentile latency_run latency_target latency_window lockfile lockmem
+    log_alternate_epoch log_avg_msec log_compression log_compression_cpus log_entries log_hist_coarseness
+    log_hist_msec log_max_value log_offset log_prio log_store_compressed log_unix_epoch loops max_latency
+    max_open_zones mem merge_blktrace_file merge_blktrace_iters merge_blktrace_scalars name new_group nice
+    norandommap nrfiles numa_cpu_nodes numa_mem_policy number_ios numjobs offset offset_align offset_increment
+    opendir openfiles overwrite per_job_logs percentage_random percentile_list pre_read prio prioclass profile
+    ramp_time random_distribution random_generator randrepeat randseed rate rate_cycle rate_ignore_thinktime
+    rate_iops rate_iops_min rate_min rate_process read_beyond_wp read_iolog read_iolog_chunked refill_buffers
+    replay_align replay_no_stall replay_redirect replay_scale replay_skip replay_time_scale runtime rw
+    rw_sequencer rwmixread rwmixwrite scramble_buffers serialize_overlap significant_figures size
+    slat_percentiles startdelay stats steadystate steadystate_duration steadystate_ramp_time stonewall sync
+    sync_file_range thinktime thinktime_blocks thinktime_blocks_type thinktime_iotime thinktime_spin thread
+    time_based trim_backlog trim_backlog_batch trim_percentage trim_verify_zero uid unified_rw_reporting
+    unique_filename unit_base unlink unlink_each_loop verify verify_async verify_backlog verify_backlog_batch
+    verify_dump verify_fatal verify_interval verify_offset verify_only verify_pattern verify_state_load
+    verify_state_save wait_for write_barrier write_bw_log write_hint write_hist_log write_iolog write_iops_log
+    write_lat_log zero_buffers zone_reset_frequency zone_reset_threshold zonecapacity zonemode zonerange
+    zonesize zoneskip
+""".split())
+
+
+
+def unknown_option(key: str) -> ConfigError:
+    """The error for a key that is not in :data:`SCHEMA` or :data:`ALIASES`: one line saying that a fio option
+    (:data:`FIO_OPTION_NAMES`) is not supported, or that the key is unknown, with the nearest known keys."""
+    if key in FIO_OPTION_NAMES:
+        return ConfigError(f"fio option {key!r} is not supported by tierstore bench "
+                           "(`tierstore bench --cmdhelp` lists the options it accepts)")
+    near = difflib.get_close_matches(key, [*SCHEMA, *ALIASES], n=3)
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    return ConfigError(f"{key}: unknown option{hint} (`tierstore bench --cmdhelp` lists the options it accepts)")
+
+
+def option_takes_argument(key: str) -> bool:
+    """Whether ``--key`` needs a value (every key but the booleans, which mean 1 alone), as fio's
+    ``getopt_long`` options take one as ``--key=value`` or ``--key value``.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key (:func:`unknown_option`).
+    """
+    spec = SCHEMA.get(ALIASES.get(key, key))
+    if spec is None:
+        raise unknown_option(key)
+    return spec.kind != "bool"
+
+
+def is_bool_text(raw: str) -> bool:
+    """Whether ``raw`` is a boolean's value spelt out (``1``, ``0``, ``true``, ``off``...; not empty)."""
+    text = raw.strip().lower()
+    return bool(text) and (text in _TRUE or text in _FALSE)
 
 
 def _bad(key: str, raw: Any, what: str) -> ConfigError:
@@ -306,8 +375,7 @@ def parse_value(key: str, raw: Any) -> Any:
     key = ALIASES.get(key, key)
     spec = SCHEMA.get(key)
     if spec is None:
-        raise ConfigError(f"{key}: unknown option; known options are {sorted(SCHEMA)} "
-                          f"(aliases {sorted(ALIASES)})")
+        raise unknown_option(key)
     if not isinstance(raw, str):
         raw = format_value(key, raw)
     kind = spec.kind
@@ -571,13 +639,16 @@ def flag_pairs(flags: Sequence[str]) -> list[tuple[str, str]]:
     Raises
     ------
     ConfigError
-        For an argument that does not start with ``--``.
+        For an argument that does not start with ``--``, an unknown key, or a key other than a boolean
+        without ``=value`` (fio's "option '--name' requires an argument").
     """
     out: list[tuple[str, str]] = []
     for arg in flags:
         if not arg.startswith("--"):
             raise ConfigError(f"{arg!r}: expected --key=value")
         key, sep, value = arg[2:].partition("=")
+        if not sep and option_takes_argument(key):
+            raise ConfigError(f"option '--{key}' requires an argument")
         out.append((key, value if sep else "1"))
     return out
 
@@ -634,7 +705,7 @@ def schema_help(key: str | None = None) -> str:
     for k in keys:
         spec = SCHEMA.get(k)
         if spec is None:
-            raise ConfigError(f"{k}: unknown option; known options are {sorted(SCHEMA)}")
+            raise unknown_option(k)
         accepted = f" [{'|'.join(spec.choices)}]" if spec.choices else f" <{spec.kind}>"
         default = format_value(k, spec.default) or '""'
         lines.append(f"{k:15s}{accepted}: {spec.help} (default: {default})")

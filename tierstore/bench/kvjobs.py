@@ -2,9 +2,9 @@
 
 ``rw=kvtrace`` replays a Mooncake JSONL trace (:mod:`tierstore.replay`): the
 ``read`` direction is the loads of prefix hits, the ``write`` direction is the
-stores of missed blocks. One I/O is one KV block (``bs`` = the trace block's
-bytes), so IOPS are blocks per second; the latencies are per call (one load or
-store call per request that loaded or stored, of however many blocks). The
+stores of missed blocks. One I/O is one KV block (``bs`` = ``trace_block_size``; the job's ``bs=`` is
+not used), so IOPS are blocks per second; the latencies are per call (one load or store call per request
+that loaded or stored, of however many blocks). The
 normal report leads with one verdict line (:func:`verdict`, also ``kv.verdict``
 in the JSON). The ``kv`` section carries
 hit ratios, saved prefill tokens and per-tier bytes; the ``device`` section the
@@ -53,7 +53,7 @@ from ..errors import ConfigError
 from ..config import StoreConfig
 from ..replay import ReplayConfig, run_replay
 from .jobfile import engine_kind, resolve_path
-from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested
+from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
 from .result import CpuUsage, DirectionResult, JobResult
 
 __all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file",
@@ -117,10 +117,9 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
     if os.path.isdir(path):
         raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
     if os.path.exists(path):
-        raise ConfigError(f"filename={path!r}: exists (a run still going with the same directory and job "
-                          "name, or an NVMe tier left by a run with unlink=0 or a killed one); a KV job starts "
-                          "from an empty tier and never reuses or overwrites a file: choose another directory= "
-                          "or filename=, or remove it once no run uses it")
+        raise ConfigError(f"filename={path!r}: exists, and this job did not create it; a KV job's NVMe tier "
+                          "is always a new file (it never reuses or overwrites one, whatever format= says): "
+                          "choose another filename= or directory=. Nothing was written")
     return path
 
 
@@ -216,6 +215,9 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
         After Ctrl-C/SIGTERM: the replay stops within 50 requests (it reports
         no partial statistics).
     """
+    if "bs" in options.get("_explicit", ()):
+        warn(f"bs={options['bs']}: not used by rw=kvtrace (each request moves the trace's blocks, "
+             f"trace_block_size={options['trace_block_size']} B each)")
     own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
     try:
         return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
@@ -281,6 +283,8 @@ def _run_kvtrace(options: dict[str, Any]) -> JobResult:
         space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
         kv.update(space)
     kv["verdict"] = verdict(kv)
+    kv["io_unit"] = (f"rw=kvtrace: one I/O is one trace block of {cfg.block_bytes} B (trace_block_size), the bs "
+                     "shown; each load/store call moves a request's blocks; the job's bs= is not used")
     if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
         error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
                                         "under their key (wrong KV)")

@@ -1,8 +1,8 @@
 """Synthetic KV workloads through the real store: ``rw=kvstore|kvload|kvmixed``.
 
 A request stores or loads ``bs`` bytes rounded down to whole blocks of the
-``layout`` preset (at least one block; a Llama-3.1-8B 16-token block is 2 MiB),
-so ``bs=32m`` means 16-block prompts. One *I/O* of the report is one KV block
+``layout`` preset (at least one block, a warning when ``bs`` is not whole blocks;
+a Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts. One *I/O* of the report is one KV block
 (IOPS are blocks per second, ``bs`` in the report is the block's bytes); the
 latencies are per call (one store or load call per request).
 
@@ -52,7 +52,7 @@ from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
 from .kvjobs import no_space_report, nvme_file, store_config
-from .registry import current_progress, register_runner, stop_requested
+from .registry import current_progress, register_runner, stop_requested, warn
 from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_kv_synthetic"]
@@ -104,6 +104,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
     if rw not in ("kvstore", "kvload", "kvmixed"):
         raise ConfigError(f"rw={rw!r}: not a synthetic KV workload")
     layout = get_layout(options["layout"]).with_tokens_per_block(options["block_tokens"])
+    _warn_partial_blocks(options, layout.bytes_per_block)
     own = not options["directory"]
     directory = tempfile.mkdtemp(prefix="tierstore-kv-") if own else options["directory"]
     nvme_path = None
@@ -125,6 +126,29 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def call_blocks(bs: int, block_bytes: int) -> int:
+    """KV blocks of a synthetic job's request (its prompt): ``bs`` rounded down to whole blocks, at least one."""
+    return max(1, bs // block_bytes)
+
+
+def io_unit(rw: str, bs: int, block_bytes: int) -> str:
+    """The report's line on what a KV job's I/O and ``bs`` are (``kv.io_unit``, under the normal header)."""
+    n = call_blocks(bs, block_bytes)
+    grows = "; a conversation's grows by that much a turn" if rw == "kvmixed" else ""
+    return (f"rw={rw}: one I/O is one KV block of {block_bytes} B, the bs shown; a request's prompt is the job's "
+            f"bs={bs} B in whole blocks: {n} block{'s' if n != 1 else ''} ({n * block_bytes} B{grows})")
+
+
+def _warn_partial_blocks(options: dict[str, Any], block_bytes: int) -> None:
+    """Warn (once, before the run) when a set ``bs`` is not whole KV blocks: prompts are not the bytes it says."""
+    bs = options["bs"]
+    if "bs" in options.get("_explicit", ()) and bs % block_bytes:
+        n = call_blocks(bs, block_bytes)
+        warn(f"bs={bs}: not a multiple of the KV block ({block_bytes} B: layout={options['layout']}, "
+             f"block_tokens={options['block_tokens']}); a request's prompt is {n} whole "
+             f"block{'s' if n != 1 else ''} ({n * block_bytes} B)")
+
+
 class _SyntheticRun:
     """One synthetic job: its store, fio's clock (``ramp_time`` not counted, then ``runtime``), the
     per-direction recorders, the lookup counts and the worker threads (see the module docstring)."""
@@ -133,7 +157,7 @@ class _SyntheticRun:
         self.options, self.rw, self.layout, self.store, self.nvme_path = options, rw, layout, store, nvme_path
         self.bb = layout.bytes_per_block
         self.tpb = layout.tokens_per_block
-        self.nblk = max(1, options["bs"] // self.bb)
+        self.nblk = call_blocks(options["bs"], self.bb)
         self.n_req = max(1, options["size"] // (self.nblk * self.bb))
         self.load_all = options.get("load_blocks", "useful") == "matched"
         self.rng = np.random.default_rng(options["seed"])
@@ -359,6 +383,7 @@ class _SyntheticRun:
         if reason:
             kv["not_loaded_reason"] = reason
         kv["load_lat_ns"] = read.clat_ns
+        kv["io_unit"] = io_unit(self.rw, options["bs"], self.bb)
         device = self.store.device_stats() if self.store.nvme is not None else {}
         return JobResult(jobname=options.get("name") or rw, options={**options, "bs": self.bb}, read=read,
                          write=write, kv=kv, device=device, timeseries={}, error=error, error_message=message,

@@ -360,7 +360,7 @@ def _kv_normal(kv: dict[str, Any]) -> str:
         label = "  kv           : " if i == 0 else "                 "
         out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i:i + 4]) + "\n")
     for key, value in kv.items():
-        if _is_sentence(value) and key != "verdict":   # the verdict leads the report instead
+        if _is_sentence(value) and key not in ("verdict", "io_unit"):   # those two lead the report instead
             out.append(f"    {key}: {value}\n")
     for key, value in kv.items():
         if isinstance(value, dict) and "N" in value and "mean" in value:
@@ -441,6 +441,8 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
         bs = int(o.get("bs", 0))
         out.append(f"{r.jobname}: (g={r.groupid}): rw={o.get('rw')}, bs=(R) {bs}B-{bs}B, (W) {bs}B-{bs}B, "
                    f"(T) {bs}B-{bs}B, ioengine={o.get('ioengine')}, iodepth={o.get('iodepth')}\n")
+        if r.kv.get("io_unit"):   # a KV job: what the bs above is, and what the job's bs= did
+            out.append(f"  ({r.kv['io_unit']})\n")
     out.append(f"{FIO_VERSION}\n")
     nproc = sum(int(r.options.get("numjobs", 1)) for r in results)
     out.append(f"Starting {nproc} process{'es' if nproc != 1 else ''}\n\n")

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 import stat
 import struct
 import uuid
@@ -176,13 +177,26 @@ def _no_data(fd: int) -> bool:
     return False
 
 
+def is_nvme_generic(path: str, st: os.stat_result) -> bool:
+    """Whether the character device ``path`` (its ``os.stat``) is an NVMe generic node (``/dev/ngXnY``).
+
+    Its sysfs entry says (``/sys/dev/char/MAJ:MIN/subsystem`` is the ``nvme-generic`` class, Linux 5.13+);
+    where ``/sys`` has no entry for it (a container without ``/sys``), its name does (``ngXnY``).
+    """
+    entry = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    if os.path.exists(entry):
+        return os.path.basename(os.path.realpath(os.path.join(entry, "subsystem"))) == "nvme-generic"
+    return re.fullmatch(r"ng[0-9]+n[0-9]+", os.path.basename(path)) is not None
+
+
 def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
     """Look at an NVMe tier's file or device without changing it (plain reads, no lock).
 
     Raises
     ------
     ConfigError
-        ``path`` is a directory, not a file or device, or cannot be read.
+        ``path`` is a directory, not a file or device, a character device other than an NVMe
+        generic node (:func:`is_nvme_generic`), or cannot be read.
     """
     try:
         st = os.stat(path)
@@ -193,6 +207,9 @@ def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
     if stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what}={path!r}: is a directory (its tier file is {DEFAULT_FILE_NAME} inside)")
     if stat.S_ISCHR(st.st_mode):
+        if not is_nvme_generic(path, st):
+            raise ConfigError(f"{what}={path!r}: a character device that is not an NVMe generic device "
+                              "(/dev/ngXnY); an NVMe tier is a file, a block device or an NVMe generic node")
         return Target(path, "unreadable", is_device=True)
     is_blk = stat.S_ISBLK(st.st_mode)
     if not (is_blk or stat.S_ISREG(st.st_mode)):
@@ -224,21 +241,25 @@ def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
     return Target(path, "foreign", is_blk, size, None, head[:16])
 
 
-#: How a user says ``format: true`` in each way of opening a tier.
-FORMAT_HOW = "format: true in tiers.nvme, nvme_format=True in KVStore(...), --format=1 in tierstore bench"
+#: How a user says ``format: true`` in each way of opening a tier's file (tierstore bench never opens an
+#: existing file as a KV job's tier: it refuses one before this check, whatever ``format`` says).
+FORMAT_HOW = "format: true in tiers.nvme, nvme_format=True in KVStore(...)"
+#: The same for a device, which ``tierstore bench`` also opens (``device=/dev/ngXnY``).
+FORMAT_HOW_DEVICE = f"{FORMAT_HOW}, --format=1 with device=/dev/... in tierstore bench"
 
 
 def refusal(t: Target, what: str = "tiers.nvme.path") -> str:
     """The one-line message of a target that may be written only with ``format: true``."""
     size = format_bytes(t.size_bytes) if t.size_bytes is not None else "unknown size"
     found = f"first bytes {t.head.hex(' ')}" if t.head else "contents unknown"
+    how = FORMAT_HOW_DEVICE if t.is_device else FORMAT_HOW
     if t.kind == "legacy":
         return (f"{what}={t.path!r}: holds a tierstore NVMe tier of the earlier format without a label "
                 f"({size}); this tierstore cannot reopen it. Its blocks are a cache: delete the file, or reformat "
-                f"it ({FORMAT_HOW}). Nothing was written")
+                f"it ({how}). Nothing was written")
     if t.is_device:
         return (f"{what}={t.path!r}: a {size} device without tierstore's label ({found}); formatting it destroys "
-                f"what it holds, so tierstore does it only when told to ({FORMAT_HOW}). Nothing was written")
+                f"what it holds, so tierstore does it only when told to ({how}). Nothing was written")
     why = f"a damaged tierstore label ({t.detail})" if t.detail else f"no tierstore label, {found}"
     return (f"{what}={t.path!r}: an existing {size} file with data tierstore did not write ({why}); tierstore "
             f"writes only to files it created: give a new path or an empty file, or let it overwrite this one "

@@ -233,12 +233,21 @@ class CostModel:
             if warn:
                 self._warned.add(key)
         if warn:
-            decl = self.declared_s(tier, bb)
-            log.warning("%s loads measured %.2f ms per %s block, %.1fx the declared %.2f ms "
-                        "(%.2g B/s + %.2g s a call); the estimate stays within %gx of the declared figure "
-                        "(CostModel.max_slowdown): declare the tier's bandwidth if this is the device, "
-                        "not a busy machine", tier, m * 1e3, _size(bb), m / decl, decl * 1e3,
-                        self.bandwidth_bytes_per_s[tier], self.latency_s[tier], self.max_slowdown)
+            decl, priced = self.declared_s(tier, bb), self.load_s(tier, bb)
+            log.warning("%s loads measured %.2f ms per %s block, %.1fx the declared %.2f ms (%.2g B/s + %.2g s a "
+                        "call); %s: declare the tier's bandwidth if this is the device, not a busy machine", tier,
+                        m * 1e3, _size(bb), m / decl, decl * 1e3, self.bandwidth_bytes_per_s[tier],
+                        self.latency_s[tier], self._priced_text(priced, decl))
+
+    def _priced_text(self, priced_s: float, declared_s: float) -> str:
+        """What the slow-measurement warning says loads are priced at, and why (``max_slowdown``)."""
+        if self.max_slowdown == 1:
+            return (f"loads are still priced at the declared {declared_s * 1e3:.2f} ms (max_slowdown=1 caps the "
+                    "estimate at the declared figure)")
+        if not math.isfinite(self.max_slowdown):
+            return f"loads are priced at the measured {priced_s * 1e3:.2f} ms (max_slowdown=inf: no cap)"
+        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the estimate "
+                f"at {self.max_slowdown:g}x the declared figure)")
 
     def reset_measurements(self) -> None:
         """Forget every measurement (the declared figures apply again)."""

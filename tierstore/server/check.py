@@ -142,9 +142,20 @@ def _check_memory(cfg: DaemonConfig, out: Preflight, meminfo: str) -> None:
 def _check_writable_dir(what: str, path: str, out: Preflight) -> bool:
     base = _existing_dir(path)
     if not os.access(base, os.W_OK | os.X_OK):
-        out.errors.append(f"{what}: {path}: {base} is not writable by this user (uid {os.getuid()})")
+        if _read_only_fs(base):   # access(2) refuses everyone there (EROFS), whatever the user
+            out.errors.append(f"{what}: {path}: {base} is on a read-only file system")
+        else:
+            out.errors.append(f"{what}: {path}: {base} is not writable by this user (uid {os.getuid()})")
         return False
     return True
+
+
+def _read_only_fs(path: str) -> bool:
+    """Whether ``path`` is on a file system mounted read-only (statvfs(3) ``ST_RDONLY``; False when unknown)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_o_direct(path: str, out: Preflight) -> None:
@@ -161,7 +172,8 @@ def _check_o_direct(path: str, out: Preflight) -> None:
     try:
         fd = os.open(target, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        hint = " (the file system refuses O_DIRECT, e.g. tmpfs)" if e.errno == errno.EINVAL else ""
+        hint = {errno.EINVAL: " (the file system refuses O_DIRECT, e.g. tmpfs)",
+                errno.EROFS: " (a read-only file system)"}.get(e.errno, "")
         out.errors.append(f"tiers.nvme.path={path}: cannot open with O_DIRECT: {e.strerror}{hint}")
         return
     os.close(fd)
