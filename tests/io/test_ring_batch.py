@@ -86,3 +86,72 @@ def test_bad_batches_queue_nothing(direct_fd):
         with pytest.raises(R.IoUringError) as wide:
             big.prep_rw_batch(R.IORING_OP_NOP, -1, [0], 0, [0], [1])
         assert wide.value.errno == errno.EINVAL
+
+
+def test_fixed_sqes_round_trip_in_any_order_across_the_end_of_both_rings(direct_fd):
+    """``fix_rw_sqes`` + ``queue_fixed`` + ``reap_arrays`` (the bench's numpy loop): SQE ``i`` moves buffer
+    ``i`` at the offset each batch sets, whatever SQ slot it is queued in; 9 batches wrap the SQ and the CQ."""
+    import numpy as np
+    keep, buf = alloc_aligned(8 * BS)
+    try:
+        addrs = buf.data_ptr() + BS * np.arange(8, dtype=np.uint64)
+        with R.Ring(8) as ring:
+            ring.fix_rw_sqes(R.IORING_OP_WRITE, direct_fd, addrs, BS)
+            rng = np.random.default_rng(0)
+            written = {}
+            for batch in range(9):
+                slots = rng.permutation(8)[:5 + batch % 4].astype(np.int64)
+                offsets = rng.choice(64, size=slots.size, replace=False).astype(np.int64) * BS
+                for s in slots.tolist():
+                    buf[s * BS:(s + 1) * BS].fill_(batch * 8 + s)
+                ring.queue_fixed(slots, offsets, np.full(slots.size, R.IORING_OP_WRITE, dtype=np.uint8))
+                ring.submit(slots.size)
+                user_data, res = ring.reap_arrays()
+                assert sorted(user_data.tolist()) == sorted(slots.tolist()) and res.tolist() == [BS] * slots.size
+                assert res.dtype == np.int32 and ring.cq_ready() == 0
+                written.update({o: batch * 8 + s for s, o in zip(slots.tolist(), offsets.tolist())})
+            # read every written block back through SQE 0, as reads (opcode per batch)
+            for offset, value in written.items():
+                ring.queue_fixed(np.zeros(1, dtype=np.int64), np.array([offset], dtype=np.int64),
+                                 np.array([R.IORING_OP_READ], dtype=np.uint8))
+                ring.submit(1)
+                user_data, res = ring.reap_arrays()
+                assert user_data.tolist() == [0] and res.tolist() == [BS]
+                assert int(buf[:BS].min()) == int(buf[:BS].max()) == value % 256
+    finally:
+        del buf
+        keep.close()
+
+
+def test_fixed_sqes_refuse_bad_input_and_the_per_record_calls(direct_fd):
+    import numpy as np
+    with R.Ring(4) as ring:
+        with pytest.raises(R.IoUringError) as before:
+            ring.queue_fixed(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        assert before.value.errno == errno.EINVAL
+        with pytest.raises(R.IoUringError) as op:
+            ring.fix_rw_sqes(R.IORING_OP_NOP, direct_fd, np.zeros(2, dtype=np.uint64), BS)
+        assert op.value.errno == errno.EINVAL
+        with pytest.raises(R.IoUringError) as many:
+            ring.fix_rw_sqes(R.IORING_OP_READ, direct_fd, np.zeros(5, dtype=np.uint64), BS)
+        assert many.value.errno == errno.EINVAL
+        ring.fix_rw_sqes(R.IORING_OP_READ, direct_fd, np.zeros(2, dtype=np.uint64), BS)
+        for bad in ([2], [-1]):   # outside the two fixed SQEs
+            with pytest.raises(R.IoUringError) as outside:
+                ring.queue_fixed(np.array(bad, dtype=np.int64), np.zeros(1, dtype=np.int64))
+            assert outside.value.errno == errno.EINVAL
+        with pytest.raises(R.IoUringError) as lengths:
+            ring.queue_fixed(np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        assert lengths.value.errno == errno.EINVAL
+        with pytest.raises(R.IoUringError) as full:
+            ring.queue_fixed(np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64))
+        assert full.value.errno == errno.EBUSY
+        assert ring.sq_pending() == 0
+        with pytest.raises(R.IoUringError) as mixed:   # SQ slot i no longer holds SQE i
+            ring.prep_rw_batch(R.IORING_OP_NOP, -1, [0], 0, [0], [1])
+        assert mixed.value.errno == errno.EINVAL
+        with pytest.raises(R.IoUringError):
+            ring.prep_nop(1)
+    with pytest.raises(R.IoUringError) as closed:
+        ring.queue_fixed(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    assert closed.value.errno == errno.EBADF
