@@ -100,6 +100,8 @@ _SYNC_TAKE = 16
 #: Completed writes a synchronous thread hands to the FTL model at once.
 _OBSERVE_BATCH = 64
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
+#: io_uring opcode of an I/O by its direction (0 read, 1 write): one lookup per batch of a mixed job.
+_OPCODE_OF = np.array([IORING_OP_READ, IORING_OP_WRITE], dtype=np.uint8)
 
 
 def _free_bytes(path: str) -> int:
@@ -642,6 +644,7 @@ class _Log:
         self.write_pid = array.array("q")
         self.batches: tuple[list, list] = ([], [])          # per direction: (done_ns, lat, nbytes) per turn
         self.batch_writes: list[tuple[np.ndarray, np.ndarray]] = []   # (offsets, PIDs) of each write batch
+        self.mixed: list[tuple] = []    # turns of a mixed job, split by direction when read (add_mixed_batch)
 
     def add_batch(self, d: int, done_ns: int, lat: np.ndarray, nbytes: np.ndarray,
                   offsets: np.ndarray | None = None, pids: np.ndarray | None = None) -> None:
@@ -652,8 +655,24 @@ class _Log:
             if d:
                 self.batch_writes.append((offsets, pids))
 
+    def add_mixed_batch(self, done_ns: int, lat: np.ndarray, nbytes: np.ndarray, is_write: np.ndarray,
+                        offsets: np.ndarray, pids: np.ndarray) -> None:
+        """Log a turn of a mixed job (``randrw``/``rw``) whole: as :meth:`add_batch`, with each I/O's
+        direction (``is_write``, bool), split into reads and writes when the log is read."""
+        if lat.size:
+            self.mixed.append((done_ns, lat, nbytes, is_write, offsets, pids))
+
+    def _split_mixed(self) -> None:
+        """Move the mixed turns into the per-direction batches (in turn order, once)."""
+        for done_ns, lat, nbytes, is_write, offsets, pids in self.mixed:
+            is_read = ~is_write
+            self.add_batch(0, done_ns, lat[is_read], nbytes[is_read])
+            self.add_batch(1, done_ns, lat[is_write], nbytes[is_write], offsets[is_write], pids[is_write])
+        self.mixed = []
+
     def columns(self, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Latency, completion time and bytes (int64 arrays, one entry per completed I/O) of direction ``d``."""
+        self._split_mixed()
         lat = [np.frombuffer(self.lat[d], dtype=np.int64)] + [b[1] for b in self.batches[d]]
         nbytes = [np.frombuffer(self.nbytes[d], dtype=np.int64)] + [b[2] for b in self.batches[d]]
         done = np.repeat(np.array([b[0] for b in self.batches[d]], dtype=np.int64),
@@ -664,6 +683,7 @@ class _Log:
 
     def write_columns(self) -> tuple[np.ndarray, np.ndarray]:
         """Offset (bytes) and PID (-1: none) of every completed write, in the order of :meth:`columns` (1)."""
+        self._split_mixed()
         return (np.concatenate([np.frombuffer(self.write_offset, dtype=np.int64)] + [w[0] for w in self.batch_writes]),
                 np.concatenate([np.frombuffer(self.write_pid, dtype=np.int64)] + [w[1] for w in self.batch_writes]))
 
@@ -860,7 +880,7 @@ class _RingClone:
         opcodes = None
         if writes is not None:   # randrw / rw: the direction of each I/O
             self.slot_write[slots] = writes
-            opcodes = writes.astype(np.uint8) + np.uint8(IORING_OP_READ)   # READ 22, WRITE 23
+            opcodes = _OPCODE_OF[writes.view(np.uint8)]
         elif self.writes_only:
             self.slot_write[slots] = True
         if self.pick is not None and not self.reads_only:
@@ -899,11 +919,9 @@ class _RingClone:
         if self.writes_only:
             log.add_batch(1, done, lat, res, self.slot_offset[user_data], self.slot_pid[user_data])
             return
-        is_write = self.slot_write[user_data]
-        is_read = ~is_write
-        log.add_batch(0, done, lat[is_read], res[is_read])
-        slots_w = user_data[is_write]
-        log.add_batch(1, done, lat[is_write], res[is_write], self.slot_offset[slots_w], self.slot_pid[slots_w])
+        # a mixed job logs the turn whole, with each I/O's direction; the log splits it after the run
+        log.add_mixed_batch(done, lat, res, self.slot_write[user_data], self.slot_offset[user_data],
+                            self.slot_pid[user_data])
 
 
 def _drain(ring: Ring, inflight: int) -> None:
