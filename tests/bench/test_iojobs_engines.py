@@ -67,16 +67,16 @@ def test_uring_write_job_feeds_the_ftl_model(tmp_path, run_bench):
 
 @needs_uring
 def test_a_failed_completion_fails_the_uring_job(tmp_path, run_bench, monkeypatch):
-    real = ring_mod.Ring.reap_arrays
+    real = ring_mod.Ring.reap_results
     calls = {"n": 0}
 
     def failing(self):
-        user_data, res = real(self)
+        got = real(self)
         calls["n"] += 1
-        if calls["n"] == 5 and res.size:
-            res[0] = -errno.EIO
-        return user_data, res
-    monkeypatch.setattr(ring_mod.Ring, "reap_arrays", failing)
+        if calls["n"] == 5 and got:
+            got[0] = (got[0][0], -errno.EIO)
+        return got
+    monkeypatch.setattr(ring_mod.Ring, "reap_results", failing)
     job = _job(run_bench, tmp_path, "--rw=randread", "--bs=4k", "--size=4m", "--iodepth=8", "--ioengine=io_uring",
                "--runtime=5", "--time_based", rc=1)
     assert job["error"] == errno.EIO and 0 < job["read"]["total_ios"]

@@ -99,9 +99,6 @@ _DRAW_CHUNK = 4096
 _SYNC_TAKE = 16
 #: Completed writes a synchronous thread hands to the FTL model at once.
 _OBSERVE_BATCH = 64
-_NO_SLOTS = np.zeros(0, dtype=np.int64)
-#: io_uring opcode of an I/O by its direction (0 read, 1 write): one lookup per batch of a mixed job.
-_OPCODE_OF = np.array([IORING_OP_READ, IORING_OP_WRITE], dtype=np.uint8)
 
 
 def _free_bytes(path: str) -> int:
@@ -572,12 +569,12 @@ class _Shared:
             with self.lock:
                 self.issued_ios += n
 
-    def sequential_array(self, clone: int, n: int) -> np.ndarray:
-        """The next ``n`` block numbers (int64) of clone ``clone``'s sequential walk (wrapping at the end)."""
+    def sequential(self, clone: int, n: int) -> list[int]:
+        """The next ``n`` block numbers of clone ``clone``'s sequential walk (wrapping at the end)."""
         with self.lock:
             first = self.cursors[clone]
             self.cursors[clone] = (first + n) % self.span_blocks
-        return np.arange(first, first + n, dtype=np.int64) % self.span_blocks
+        return [(first + i) % self.span_blocks for i in range(n)]
 
     def fail(self, exc: BaseException, offset: int, is_write: bool) -> None:
         with self.lock:
@@ -594,47 +591,39 @@ class _Draw:
         self.rng = np.random.default_rng([options["seed"], clone, lane])
         self.random = options["rw"].startswith("rand")
         self.read_share = read_share
-        self._offsets = _NO_SLOTS     # drawn random offsets (bytes, int64), used from _at on
+        self._offsets: list[int] = []     # drawn random offsets (bytes), used from _at on
         self._at = 0
-        self._writes = np.zeros(0, dtype=bool)
+        self._writes: list[bool] = []
         self._wat = 0
         self._reads_only = [False] * _DRAW_CHUNK
         self._writes_only = [True] * _DRAW_CHUNK
 
-    def next_arrays(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """``n`` offsets in bytes (int64) and, for a mixed job, whether each is a write (bool; None when
-        every I/O has the job's one direction); ``n`` <= 4096. The arrays are views: use before the next call."""
+    def next(self, n: int) -> tuple[list[int], list[bool]]:
+        """``n`` offsets in bytes and, for each, whether it is a write (``n`` <= 4096)."""
         if self.random:
-            if self._at + n > self._offsets.size:
-                self._offsets = self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs
+            if self._at + n > len(self._offsets):
+                self._offsets = (self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs).tolist()
                 self._at = 0
             offsets = self._offsets[self._at:self._at + n]
             self._at += n
         else:
-            offsets = self.shared.sequential_array(self.clone, n) * self.bs
-        if self.read_share >= 1.0 or self.read_share <= 0.0:
-            return offsets, None
-        if self._wat + n > self._writes.size:
-            self._writes = self.rng.random(_DRAW_CHUNK) >= self.read_share
+            bs = self.bs
+            offsets = [b * bs for b in self.shared.sequential(self.clone, n)]
+        if self.read_share >= 1.0:
+            return offsets, self._reads_only[:n]
+        if self.read_share <= 0.0:
+            return offsets, self._writes_only[:n]
+        if self._wat + n > len(self._writes):
+            self._writes = (self.rng.random(_DRAW_CHUNK) >= self.read_share).tolist()
             self._wat = 0
         writes = self._writes[self._wat:self._wat + n]
         self._wat += n
         return offsets, writes
 
-    def next(self, n: int) -> tuple[list[int], list[bool]]:
-        """:meth:`next_arrays` as lists (the synchronous loops)."""
-        offsets, writes = self.next_arrays(n)
-        if writes is not None:
-            return offsets.tolist(), writes.tolist()
-        return offsets.tolist(), (self._reads_only if self.read_share >= 1.0 else self._writes_only)[:n]
-
 
 class _Log:
     """One thread's completions per direction: latency (ns), completion time (ns), bytes moved; for
-    writes also the offset and the PID (-1: none), which the FTL model hears after the run.
-
-    A synchronous loop appends one I/O at a time to ``array('q')`` columns; the io_uring loop appends a
-    turn's completions as numpy arrays (:meth:`add_batch`). :meth:`columns` joins both, in that order."""
+    writes also the offset and the PID (-1: none), which the FTL model hears after the run."""
 
     def __init__(self) -> None:
         self.lat = (array.array("q"), array.array("q"))    # read, write
@@ -642,56 +631,13 @@ class _Log:
         self.nbytes = (array.array("q"), array.array("q"))
         self.write_offset = array.array("q")
         self.write_pid = array.array("q")
-        self.batches: tuple[list, list] = ([], [])          # per direction: (done_ns, lat, nbytes) per turn
-        self.batch_writes: list[tuple[np.ndarray, np.ndarray]] = []   # (offsets, PIDs) of each write batch
-        self.mixed: list[tuple] = []    # turns of a mixed job, split by direction when read (add_mixed_batch)
-
-    def add_batch(self, d: int, done_ns: int, lat: np.ndarray, nbytes: np.ndarray,
-                  offsets: np.ndarray | None = None, pids: np.ndarray | None = None) -> None:
-        """Log a turn's completions of direction ``d`` (0 read, 1 write) that all completed at ``done_ns``:
-        ``lat`` (int64 ns), ``nbytes`` (bytes moved), and for writes their ``offsets`` and ``pids``."""
-        if lat.size:
-            self.batches[d].append((done_ns, lat, nbytes))
-            if d:
-                self.batch_writes.append((offsets, pids))
-
-    def add_mixed_batch(self, done_ns: int, lat: np.ndarray, nbytes: np.ndarray, is_write: np.ndarray,
-                        offsets: np.ndarray, pids: np.ndarray) -> None:
-        """Log a turn of a mixed job (``randrw``/``rw``) whole: as :meth:`add_batch`, with each I/O's
-        direction (``is_write``, bool), split into reads and writes when the log is read."""
-        if lat.size:
-            self.mixed.append((done_ns, lat, nbytes, is_write, offsets, pids))
-
-    def _split_mixed(self) -> None:
-        """Move the mixed turns into the per-direction batches (in turn order, once)."""
-        for done_ns, lat, nbytes, is_write, offsets, pids in self.mixed:
-            is_read = ~is_write
-            self.add_batch(0, done_ns, lat[is_read], nbytes[is_read])
-            self.add_batch(1, done_ns, lat[is_write], nbytes[is_write], offsets[is_write], pids[is_write])
-        self.mixed = []
-
-    def columns(self, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Latency, completion time and bytes (int64 arrays, one entry per completed I/O) of direction ``d``."""
-        self._split_mixed()
-        lat = [np.frombuffer(self.lat[d], dtype=np.int64)] + [b[1] for b in self.batches[d]]
-        nbytes = [np.frombuffer(self.nbytes[d], dtype=np.int64)] + [b[2] for b in self.batches[d]]
-        done = np.repeat(np.array([b[0] for b in self.batches[d]], dtype=np.int64),
-                         [b[1].size for b in self.batches[d]])
-        return (np.concatenate(lat).astype(np.int64, copy=False),
-                np.concatenate((np.frombuffer(self.done[d], dtype=np.int64), done)),
-                np.concatenate(nbytes).astype(np.int64, copy=False))
-
-    def write_columns(self) -> tuple[np.ndarray, np.ndarray]:
-        """Offset (bytes) and PID (-1: none) of every completed write, in the order of :meth:`columns` (1)."""
-        self._split_mixed()
-        return (np.concatenate([np.frombuffer(self.write_offset, dtype=np.int64)] + [w[0] for w in self.batch_writes]),
-                np.concatenate([np.frombuffer(self.write_pid, dtype=np.int64)] + [w[1] for w in self.batch_writes]))
 
     def into(self, recorders: tuple[DirectionRecorder, DirectionRecorder], full_bytes: int) -> None:
         for d in (0, 1):
-            lat, done, nbytes = self.columns(d)
-            if lat.size:
-                recorders[d].record_many(lat, done, nbytes, full_bytes)
+            if self.lat[d]:
+                recorders[d].record_many(np.frombuffer(self.lat[d], dtype=np.int64),
+                                         np.frombuffer(self.done[d], dtype=np.int64),
+                                         np.frombuffer(self.nbytes[d], dtype=np.int64), full_bytes)
 
 
 def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> dict[str, list]:
@@ -704,16 +650,14 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
         The time series: ``t_s``, ``waf``, ``hbmw_bytes``, ``mbmw_bytes``.
     """
     series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
-    cols = [log.columns(1) for log in logs]
-    done = np.concatenate([c[1] for c in cols])
+    done = np.concatenate([np.frombuffer(log.done[1], dtype=np.int64) for log in logs])
     if not done.size:
         return series
     order = np.argsort(done, kind="stable")
     done = done[order]
-    nbytes = np.concatenate([c[2] for c in cols])[order]
-    where = [log.write_columns() for log in logs]
-    offsets = np.concatenate([w[0] for w in where])[order]
-    pids = np.concatenate([w[1] for w in where])[order]
+    offsets = np.concatenate([np.frombuffer(log.write_offset, dtype=np.int64) for log in logs])[order]
+    nbytes = np.concatenate([np.frombuffer(log.nbytes[1], dtype=np.int64) for log in logs])[order]
+    pids = np.concatenate([np.frombuffer(log.write_pid, dtype=np.int64) for log in logs])[order]
     step_ns = int(_DEVICE_SAMPLE_S * 1e9)
     next_ns = t0_ns + step_ns
     for a in range(0, done.size, _OBSERVE_BATCH):
@@ -791,13 +735,12 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
                 pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
     """One clone through its own io_uring, keeping ``depth`` I/Os in flight as fio's io_uring engine.
 
-    Slot ``i`` of ``mem`` (one ``bs`` buffer) is SQE ``i`` of the ring, filled once
-    (:meth:`~tierstore.io.ring.Ring.fix_rw_sqes`). Each turn queues an I/O in every free slot (offsets
-    drawn for the whole batch, one :meth:`~tierstore.io.ring.Ring.queue_fixed`), publishes them and
-    waits for a completion with one ``io_uring_enter`` (min_complete 1), then reaps every completion
-    posted as numpy arrays (:meth:`~tierstore.io.ring.Ring.reap_arrays`) and logs the batch. The Python
-    work is a fixed number of numpy operations and one system call per turn, none per I/O (except a
-    placement pick per write with ``dataplacement``).
+    Each turn queues an I/O in every free slot (one :meth:`~tierstore.io.ring.Ring.prep_rw_batch`),
+    publishes them and waits for a completion with one ``io_uring_enter`` (min_complete 1), then
+    reaps every completion posted (:meth:`~tierstore.io.ring.Ring.reap_results`) and logs it. The
+    Python work is a few list operations per I/O and one system call per turn. (Measured on the
+    development VM: a second ``io_uring_enter`` per turn to publish before logging, or one per I/O
+    as fio does, or numpy records instead of packed SQEs, were each slower; see ``bench/README_io.md``.)
     """
     clone = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
@@ -805,15 +748,15 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
         if fill_random:
             mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
         clone = _RingClone(shared, fd, depth, draw, log, bs, pick, mem)
-        submit, reap, clock = clone.ring.submit, clone.ring.reap_arrays, time.perf_counter_ns
+        submit, reap, clock = clone.ring.submit, clone.ring.reap_results, time.perf_counter_ns
         while True:
-            if clone.issuing and clone.free.size:
+            if clone.issuing and clone.free:
                 clone.issue()
             if not clone.inflight:
                 return
             submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
-            user_data, res = reap()
-            clone.complete(user_data, res, clock())
+            cqes = reap()
+            clone.complete(cqes, clock())
     except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
         if clone is None:
             shared.fail(exc, -1, False)
@@ -828,100 +771,105 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
 
 
 class _RingClone:
-    """What one :func:`_ring_clone` keeps between turns: its ring, the free slots of ``mem`` (one ``bs``
-    buffer and one SQE each) and, per slot (numpy arrays indexed by slot), the offset, direction, PID and
-    submit time of the I/O in flight in it; and the I/O a failure names (:attr:`offset`, :attr:`is_write`)."""
+    """What one :func:`_ring_clone` keeps between turns: its ring, the slots of ``mem`` (one ``bs``
+    buffer each) with what is in flight in each, and the I/O a failure names (:attr:`offset`,
+    :attr:`is_write`)."""
 
     def __init__(self, shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
                  pick: Callable[[int, int, np.random.Generator], int] | None, mem: mmap.mmap) -> None:
         self.shared, self.fd, self.draw, self.log, self.bs, self.pick = shared, fd, draw, log, bs, pick
-        self.free = np.arange(depth, dtype=np.int64)   # slots not in flight
-        self.slot_offset = np.zeros(depth, dtype=np.int64)
-        self.slot_write = np.zeros(depth, dtype=bool)
-        self.slot_pid = np.full(depth, -1, dtype=np.int64)
-        self.slot_start = np.zeros(depth, dtype=np.int64)
+        base = buffer_address(memoryview(mem))
+        self.addrs = [base + i * bs for i in range(depth)]
+        self.free = list(range(depth))
+        self.slot_offset = [0] * depth
+        self.slot_write = [False] * depth
+        self.slot_pid = [-1] * depth
+        self.slot_start = [0] * depth
         self.seq = 0
         self.issuing = True
         self.inflight = 0
         self.offset, self.is_write = -1, False
         self.reads_only, self.writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
-        base = buffer_address(memoryview(mem))
-        ring = Ring(depth)
-        try:
-            ring.fix_rw_sqes(IORING_OP_WRITE if self.writes_only else IORING_OP_READ, fd,
-                             base + bs * np.arange(depth, dtype=np.uint64), bs)
-        except BaseException:
-            ring.close()
-            raise
-        self.ring = ring
+        self.ring = Ring(depth)   # last: nothing to close when an earlier line fails
 
     def issue(self) -> None:
         """Queue an I/O in every free slot, within the job's budget (one
-        :meth:`~tierstore.io.ring.Ring.queue_fixed`); after a stop, the deadline or the budget's end
+        :meth:`~tierstore.io.ring.Ring.prep_rw_batch`); after a stop, the deadline or the budget's end
         nothing more is issued (:attr:`issuing`)."""
         shared = self.shared
-        start = time.perf_counter_ns()
-        if shared.stop.is_set() or (shared.deadline_ns is not None and start >= shared.deadline_ns):
+        if shared.stop.is_set() or (shared.deadline_ns is not None and time.perf_counter_ns() >= shared.deadline_ns):
             self.issuing = False
             return
         free = self.free
-        n = shared.take(min(free.size, _DRAW_CHUNK))
+        n = shared.take(min(len(free), _DRAW_CHUNK))
         if not n:
             self.issuing = False
             return
         shared.count(n)
-        offsets, writes = self.draw.next_arrays(n)
-        if n == free.size:
-            slots, self.free = free, _NO_SLOTS
+        offsets, writes = self.draw.next(n)
+        slots = free[-n:]
+        del free[-n:]
+        start = time.perf_counter_ns()
+        slot_start = self.slot_start
+        if self.reads_only:   # the common case: one store per I/O
+            for slot in slots:
+                slot_start[slot] = start
+            opcodes: Any = IORING_OP_READ
         else:
-            slots, self.free = free[-n:], free[:-n]
-        self.slot_start[slots] = start
-        self.slot_offset[slots] = offsets
-        opcodes = None
-        if writes is not None:   # randrw / rw: the direction of each I/O
-            self.slot_write[slots] = writes
-            opcodes = _OPCODE_OF[writes.view(np.uint8)]
-        elif self.writes_only:
-            self.slot_write[slots] = True
-        if self.pick is not None and not self.reads_only:
-            self._pick_pids(slots, writes)
-        self.ring.queue_fixed(slots, offsets, opcodes)
+            slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
+            draw, pick, placed, seq = self.draw, self.pick, self.pick is not None, self.seq
+            offset, is_write = self.offset, self.is_write
+            try:
+                for slot, offset, is_write in zip(slots, offsets, writes):
+                    slot_offset[slot] = offset
+                    slot_write[slot] = is_write
+                    slot_start[slot] = start
+                    if placed and is_write:
+                        seq += 1
+                        slot_pid[slot] = pick(draw.clone, seq, draw.rng)
+            finally:
+                self.seq, self.offset, self.is_write = seq, offset, is_write
+            opcodes = IORING_OP_WRITE if self.writes_only else [IORING_OP_WRITE if w else IORING_OP_READ
+                                                                for w in writes]
+        addrs = self.addrs
+        self.ring.prep_rw_batch(opcodes, self.fd, [addrs[slot] for slot in slots], self.bs, offsets, slots)
         self.inflight += n
 
-    def _pick_pids(self, slots: np.ndarray, writes: np.ndarray | None) -> None:
-        """The placement ID of each write of a batch (one ``pick`` call per write, in slot order)."""
-        draw, pick, seq, slot_pid = self.draw, self.pick, self.seq, self.slot_pid
-        for slot, is_write in zip(slots.tolist(), [True] * slots.size if writes is None else writes.tolist()):
-            if is_write:
-                seq += 1
-                slot_pid[slot] = pick(draw.clone, seq, draw.rng)
-        self.seq = seq
-
-    def complete(self, user_data: np.ndarray, res: np.ndarray, done: int) -> None:
-        """Free the slots of one turn's completions (``user_data`` is the slot, ``res`` the bytes moved or
-        ``-errno``) and log them at ``done`` (ns); a failed I/O raises :class:`OSError` and names itself in
-        :attr:`offset` and :attr:`is_write` (short transfers are logged with their byte count, as fio)."""
-        n = user_data.size
-        if not n:
-            return
-        self.inflight -= n
-        self.free = user_data if not self.free.size else np.concatenate((self.free, user_data))
-        if res.min() < 0:
-            i = int(np.flatnonzero(res < 0)[0])
-            slot, err = int(user_data[i]), -int(res[i])
-            self.offset, self.is_write = int(self.slot_offset[slot]), bool(self.slot_write[slot])
-            raise OSError(err, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(err)}")
-        lat = done - self.slot_start[user_data]
-        log = self.log
+    def complete(self, cqes: list, done: int) -> None:
+        """Free the slots of one turn's completions (``(slot, res, flags)``) and log them at ``done`` (ns);
+        a failed I/O raises :class:`OSError` and names itself in :attr:`offset` and :attr:`is_write`."""
+        self.inflight -= len(cqes)
+        free, slot_start = self.free, self.slot_start
+        lat_r, lat_w = self.log.lat
+        done_r, done_w = self.log.done
+        nb_r, nb_w = self.log.nbytes
         if self.reads_only:
-            log.add_batch(0, done, lat, res)
+            for slot, res, _ in cqes:
+                free.append(slot)
+                if res < 0:
+                    self.offset, self.is_write = -1, False
+                    raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
+                lat_r.append(done - slot_start[slot])
+                done_r.append(done)
+                nb_r.append(res)
             return
-        if self.writes_only:
-            log.add_batch(1, done, lat, res, self.slot_offset[user_data], self.slot_pid[user_data])
-            return
-        # a mixed job logs the turn whole, with each I/O's direction; the log splits it after the run
-        log.add_mixed_batch(done, lat, res, self.slot_write[user_data], self.slot_offset[user_data],
-                            self.slot_pid[user_data])
+        slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
+        off_w, pid_w = self.log.write_offset, self.log.write_pid
+        for slot, res, _ in cqes:
+            free.append(slot)
+            if res < 0:
+                self.offset, self.is_write = slot_offset[slot], slot_write[slot]
+                raise OSError(-res, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(-res)}")
+            if slot_write[slot]:
+                lat_w.append(done - slot_start[slot])
+                done_w.append(done)
+                nb_w.append(res)
+                off_w.append(slot_offset[slot])
+                pid_w.append(slot_pid[slot])
+            else:
+                lat_r.append(done - slot_start[slot])
+                done_r.append(done)
+                nb_r.append(res)
 
 
 def _drain(ring: Ring, inflight: int) -> None:

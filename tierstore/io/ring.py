@@ -58,8 +58,6 @@ import struct
 import threading
 from typing import Callable, Sequence
 
-import numpy as np
-
 from ..errors import InvariantError, TierStoreError
 
 __all__ = [
@@ -240,8 +238,6 @@ class Ring:
         self.cqe_bytes = 32 if cqe32 else 16
         self._khead = self._ktail = self._kchead = self._kctail = None
         self._sq = self._cq = self._sqes = None
-        self._fixed = 0        # SQEs filled by fix_rw_sqes (0: SQ slot i always holds SQE i)
-        self._np_sq_array = self._np_sqe_off = self._np_sqe_op = self._np_cq = None
         try:
             self._map()
         except BaseException:
@@ -282,7 +278,6 @@ class Ring:
         """Unmap and close the ring. Idempotent. Requests still in flight are
         cancelled by the kernel (their buffers must stay valid until then)."""
         self._khead = self._ktail = self._kchead = self._kctail = None   # drop buffer exports
-        self._np_sq_array = self._np_sqe_off = self._np_sqe_op = self._np_cq = None
         for m in {id(x): x for x in (self._sqes, self._cq, self._sq) if x is not None}.values():
             m.close()
         self._sq = self._cq = self._sqes = None
@@ -311,7 +306,6 @@ class Ring:
         Only valid while no ``io_uring_enter`` with ``to_submit`` > 0 runs
         concurrently (no SQPOLL here: the kernel takes SQEs only in that call).
         """
-        self._check_identity("unpublish")
         head = self._khead.value
         uds = []
         i = head
@@ -327,7 +321,6 @@ class Ring:
         """Byte offset of the next free SQE; raises if the SQ is full."""
         if self.fd < 0:
             raise IoUringError(errno.EBADF, "ring is closed")
-        self._check_identity("prep_*")
         tail = self._tail
         if ((tail - self._khead.value) & 0xFFFFFFFF) >= self.sq_entries:
             raise IoUringError(errno.EBUSY, "submission queue full: submit() first")
@@ -377,7 +370,6 @@ class Ring:
             raise IoUringError(errno.EBADF, "ring is closed")
         if self.sqe_bytes != 64:
             raise IoUringError(errno.EINVAL, "prep_rw_batch needs a ring of 64-byte SQEs")
-        self._check_identity("prep_rw_batch")
         n = len(offsets)
         if len(addrs) != n or len(user_data) != n or (not isinstance(opcodes, int) and len(opcodes) != n):
             raise IoUringError(errno.EINVAL, "prep_rw_batch: opcodes, addrs, offsets and user_data differ in length")
@@ -395,113 +387,6 @@ class Ring:
                 pack(sqes, (tail & mask) << 6, op, 0, 0, fd, offset, addr, nbytes, 0, ud, 0, 0, 0, 0, 0)
                 tail += 1
         self._tail = tail & 0xFFFFFFFF
-
-    # ------------------------------------------------- fixed SQEs (numpy)
-    def _check_identity(self, what: str) -> None:
-        if self._fixed:
-            raise IoUringError(errno.EINVAL, f"{what} on a ring whose SQEs were fixed with fix_rw_sqes: "
-                                             "use queue_fixed")
-
-    def fix_rw_sqes(self, opcode: int, fd: int, addrs: np.ndarray, nbytes: int) -> None:
-        """Fill SQE ``i`` once, for every ``i < len(addrs)``, as a read/write of ``nbytes`` at ``addrs[i]``
-        with ``user_data`` ``i``; afterwards each turn only sets offsets (and opcodes) and queues SQEs by
-        index with :meth:`queue_fixed`, whatever ring slot they land in (the SQ index array maps a ring
-        slot to any SQE, io_uring(7)). A loop that keeps one buffer per SQE (``tierstore bench``'s
-        io_uring jobs) then writes two numpy arrays per batch instead of packing a 64-byte record per I/O.
-
-        After this call the ring takes SQEs only through :meth:`queue_fixed` (``prep_*``,
-        :meth:`prep_rw_batch` and :meth:`unpublish` raise EINVAL).
-
-        Parameters
-        ----------
-        opcode : int
-            ``IORING_OP_READ`` or ``IORING_OP_WRITE`` (a batch may override it per SQE).
-        fd : int
-            File descriptor (O_DIRECT rules apply).
-        addrs : numpy.ndarray
-            Buffer address of SQE ``i`` (1-D, integers, at most :attr:`sq_entries`); each buffer must
-            stay valid until the completions of its SQE are reaped.
-        nbytes : int
-            Bytes of every I/O (``len``).
-
-        Raises
-        ------
-        IoUringError
-            EBADF on a closed ring; EINVAL on a ring of 128-byte SQEs, an opcode other than READ/WRITE,
-            or more addresses than SQEs; EBUSY while SQEs are pending.
-        """
-        if self.fd < 0:
-            raise IoUringError(errno.EBADF, "ring is closed")
-        if self.sqe_bytes != 64:
-            raise IoUringError(errno.EINVAL, "fix_rw_sqes needs a ring of 64-byte SQEs")
-        if opcode not in (IORING_OP_READ, IORING_OP_WRITE):
-            raise IoUringError(errno.EINVAL, f"fix_rw_sqes: opcode {opcode} is not IORING_OP_READ/WRITE")
-        addrs = np.asarray(addrs, dtype=np.uint64).reshape(-1)
-        k = addrs.size
-        if not 1 <= k <= self.sq_entries:
-            raise IoUringError(errno.EINVAL, f"fix_rw_sqes: {k} addresses for {self.sq_entries} SQEs")
-        if self.sq_pending():
-            raise IoUringError(errno.EBUSY, "fix_rw_sqes with SQEs pending: submit() first")
-        p = self.params
-        sqes = np.frombuffer(self._sqes, dtype=np.uint8).reshape(self.sq_entries, 64)
-        sqes[:] = 0
-        u64 = sqes.view(np.uint64)          # columns: 1 off, 2 addr, 4 user_data (io_uring.h offsets 8, 16, 32)
-        u32 = sqes.view(np.uint32)          # column 1: fd (offset 4), 6: len (offset 24)
-        sqes[:k, 0] = opcode
-        u32[:k, 1] = np.uint32(fd & 0xFFFFFFFF)
-        u64[:k, 2] = addrs
-        u32[:k, 6] = nbytes
-        u64[:k, 4] = np.arange(k, dtype=np.uint64)
-        self._np_sqe_off = sqes.view(np.int64)[:, 1]   # int64 as the offsets given: no cast per batch
-        self._np_sqe_op = sqes[:, 0]
-        self._np_sq_array = np.frombuffer(self._sq, dtype=np.uint32, count=self.sq_entries, offset=p.sq_array)
-        self._fixed = k
-
-    def queue_fixed(self, indices: np.ndarray, offsets: np.ndarray, opcodes: np.ndarray | None = None) -> None:
-        """Set the file offset (and the opcode) of the fixed SQEs ``indices`` and queue them in that order;
-        :meth:`submit` publishes them. Each SQE must be out of the kernel's hands (its last submission
-        consumed: an ``io_uring_enter`` returned since), which holds for an SQE whose I/O is not in flight.
-
-        Parameters
-        ----------
-        indices : numpy.ndarray
-            int64, 1-D, contiguous: SQEs filled by :meth:`fix_rw_sqes` (each ``< len(addrs)``).
-        offsets : numpy.ndarray
-            int64, 1-D, bytes: file offset of each.
-        opcodes : numpy.ndarray or None
-            uint8 ``IORING_OP_READ``/``WRITE`` of each; None keeps the SQEs' opcodes.
-
-        Raises
-        ------
-        IoUringError
-            EBADF on a closed ring; EINVAL before :meth:`fix_rw_sqes`, on an index outside the fixed
-            SQEs or arrays of different lengths; EBUSY when the SQ has fewer free slots than SQEs given
-            (nothing is queued then).
-        """
-        if self.fd < 0:
-            raise IoUringError(errno.EBADF, "ring is closed")
-        n = len(indices)
-        if not n:
-            return
-        # one reduction checks both ends: a negative index is a huge one as uint64
-        if not self._fixed or len(offsets) != n or (opcodes is not None and len(opcodes) != n) \
-                or int(indices.view(np.uint64).max()) >= self._fixed:
-            raise IoUringError(errno.EINVAL, f"queue_fixed: {n} indices in 0..{self._fixed - 1} with as many "
-                                             "offsets (and opcodes) expected, after fix_rw_sqes")
-        tail = self._tail
-        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(errno.EBUSY, f"submission queue has {self.sq_space_left()} free slots, not {n}: "
-                                            "submit() first")
-        self._np_sqe_off[indices] = offsets
-        if opcodes is not None:
-            self._np_sqe_op[indices] = opcodes
-        first = tail & self._sq_mask
-        k = min(n, self.sq_entries - first)
-        sq_array = self._np_sq_array
-        sq_array[first:first + k] = indices[:k]
-        if k < n:
-            sq_array[:n - k] = indices[k:]
-        self._tail = (tail + n) & 0xFFFFFFFF
 
     def prep_nop(self, user_data: int) -> None:
         """Queue an ``IORING_OP_NOP`` (completes with res 0)."""
@@ -644,25 +529,6 @@ class Ring:
                 head = (head + 1) & 0xFFFFFFFF
         self._kchead.value = tail     # release: CQE slots may be reused by the kernel now
         return out
-
-    def reap_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`reap_results` as two numpy arrays: ``user_data`` (int64) and ``res`` (int32, bytes moved
-        or ``-errno``) of every posted completion, in CQ order, copied out before the CQ head moves
-        (one slice copy, two when the completions wrap around the end of the CQ)."""
-        head = self._kchead.value
-        tail = self._kctail.value     # acquire: CQEs are loaded after this (x86-64 TSO)
-        cq = self._np_cq
-        if cq is None:
-            cq = self._np_cq = np.frombuffer(self._cq, dtype=np.int64, count=self.cq_entries * self.cqe_bytes // 8,
-                                             offset=self._cqe_off).reshape(self.cq_entries, self.cqe_bytes // 8)
-        n = (tail - head) & 0xFFFFFFFF
-        first = head & self._cq_mask
-        if first + n <= self.cq_entries:
-            got = cq[first:first + n, :2].copy()
-        else:
-            got = np.concatenate((cq[first:, :2], cq[:n - (self.cq_entries - first), :2]))
-        self._kchead.value = tail     # release: CQE slots may be reused by the kernel now
-        return got[:, 0], got.view(np.int32)[:, 2]
 
     def submit_and_wait(self, wait_nr: int = 1) -> list[tuple[int, int, bytes]]:
         """:meth:`submit` with ``wait_nr``, then :meth:`reap`."""
