@@ -210,3 +210,21 @@ def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(check.os, "statvfs", statvfs)
     rc, _, err = _check(tmp_path, cfg, capsys)
     assert rc != 0 and f"{ro} is on a read-only file system" in err and "not writable by this user" not in err
+
+
+def test_check_refuses_a_tier_file_this_user_cannot_write(tmp_path, capsys, monkeypatch):
+    """An existing (empty) tier file of mode 444 in a writable directory passed --check ("config OK") and the start
+    failed with Permission denied (re-trial of issue 22). access(2) is faked: this test runs as root."""
+    import tierstore.server.check as check
+    tier = tmp_path / "ro.nvme"
+    tier.touch()
+    tier.chmod(0o444)
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["path"] = str(tier)
+    real_access = os.access
+
+    def access(path, mode, **kw):
+        return False if str(path) == str(tier) and mode & os.W_OK else real_access(path, mode, **kw)
+    monkeypatch.setattr(check.os, "access", access)
+    rc, _, err = _check(tmp_path, cfg, capsys)
+    assert rc != 0 and f"{tier} is not readable and writable by this user" in err

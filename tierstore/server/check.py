@@ -140,6 +140,10 @@ def _check_memory(cfg: DaemonConfig, out: Preflight, meminfo: str) -> None:
 
 
 def _check_writable_dir(what: str, path: str, out: Preflight) -> bool:
+    if os.path.isfile(path) and not os.access(path, os.R_OK | os.W_OK):
+        # the tier file itself, not only its directory: start-up opens it read-write
+        out.errors.append(f"{what}: {path} is not readable and writable by this user (uid {os.getuid()})")
+        return False
     base = _existing_dir(path)
     if not os.access(base, os.W_OK | os.X_OK):
         if _read_only_fs(base):   # access(2) refuses everyone there (EROFS), whatever the user
