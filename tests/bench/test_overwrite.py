@@ -63,3 +63,32 @@ def test_a_file_a_job_created_and_kept_is_written_again_without_format(tmp_path,
         pytest.skip(f"this file system keeps no user xattrs ({e.strerror}): the job's mark cannot be kept")
     rc, _, err = run_bench("--name=b", "--rw=randwrite", f"--filename={f}", "--size=1m", "--bs=4k")
     assert rc == 0, err
+
+
+def test_a_users_file_copied_over_a_kept_job_file_is_refused(tmp_path, run_bench):
+    """`cp` onto a job's kept file keeps the file's xattrs: the mark alone made it look like the
+    job's own and the next write job overwrote the user's bytes (re-trial of issue 22)."""
+    f = tmp_path / "keep.0.0"
+    rc, _, err = run_bench("--name=keep", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k", "--unlink=0")
+    assert rc == 0, err
+    try:
+        os.getxattr(f, "user.tierstore.bench")
+    except OSError as e:
+        pytest.skip(f"this file system keeps no user xattrs ({e.strerror})")
+    with open(f, "r+b") as fh:        # what cp does to an existing target: same inode, new bytes
+        fh.write(os.urandom(2 << 20))
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    rc, _, err = run_bench("--name=keep", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k")
+    assert rc != 0 and "--format=1" in err
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest
+
+
+def test_a_read_job_without_size_reads_the_file_at_its_size(tmp_path, run_bench):
+    """fio: without size=, a job on an existing file uses its size; the default 64m made a read of a
+    3 MiB user file 'extend' it and be refused."""
+    f = tmp_path / "mine.bin"
+    digest = _user_file(f)
+    rc, out, err = run_bench("--name=r", "--rw=read", f"--filename={f}", "--bs=4k")
+    assert rc == 0, err
+    assert "io=3072KiB" in out
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest

@@ -135,20 +135,34 @@ _OWN_XATTR = "user.tierstore.bench"
 
 
 def _mark_own(path: str) -> None:
-    """Mark a file this job created as tierstore's (see :data:`_OWN_XATTR`); a file system
-    without user xattrs (ENOTSUP) leaves it unmarked, so a later write job asks for ``format=1``."""
+    """Mark a file a job created (or wrote as its own) as tierstore's (see :data:`_OWN_XATTR`):
+    the mark holds the file's size and mtime, so a file copied over it later (``cp`` keeps the
+    target's xattrs) is not taken for the job's own. A file system without user xattrs
+    (ENOTSUP) leaves it unmarked, so a later write job asks for ``format=1``."""
+    st = os.stat(path)
     try:
-        os.setxattr(path, _OWN_XATTR, b"1")
+        os.setxattr(path, _OWN_XATTR, f"{st.st_size}:{st.st_mtime_ns}".encode())
     except OSError as e:
         if e.errno not in (errno.ENOTSUP, errno.EPERM):
             raise
 
 
 def _is_own(path: str) -> bool:
+    """The mark of :func:`_mark_own` is there and the file is as the job left it."""
     try:
-        return os.getxattr(path, _OWN_XATTR) == b"1"
+        st = os.stat(path)
+        return os.getxattr(path, _OWN_XATTR) == f"{st.st_size}:{st.st_mtime_ns}".encode()
     except OSError:
         return False
+
+
+def _size_from_file(options: dict[str, Any], path: str | None) -> dict[str, Any]:
+    """fio's rule: without ``size=``, a job on an existing regular file uses the file's size
+    (whole ``bs`` blocks), so reading a file never extends it."""
+    if "size" in options.get("_explicit", frozenset()) or not path or not os.path.isfile(path):
+        return options
+    n = os.path.getsize(path)
+    return {**options, "size": n - n % options["bs"]} if n >= options["bs"] else options
 
 
 def _check_overwrite(options: dict[str, Any], path: str, device: bool, writes: bool) -> None:
@@ -176,10 +190,12 @@ def _check_overwrite(options: dict[str, Any], path: str, device: bool, writes: b
         if size == 0 or _is_own(path):
             return
         what = f"an existing {size}-byte file that no tierstore job created"
+    act = ("would write over what it holds" if options["rw"] not in ("read", "randread")
+           else f"would extend it to size={options['size']} bytes (fio's layout writes the rest)")
     raise ForeignDataError(
-        f"filename={path!r}: {what}; job {options['name']!r} (rw={options['rw']}) would write over what it "
-        "holds. tierstore bench writes over data it did not write only when told to: --format=1 (format=1 in "
-        "a job file; fio writes without asking). Nothing was written")
+        f"filename={path!r}: {what}; job {options['name']!r} (rw={options['rw']}) {act}. tierstore bench "
+        "writes over data it did not write only when told to: --format=1 (format=1 in a job file; fio writes "
+        "without asking). Nothing was written")
 
 
 def _layout(name: str, path: str, size_bytes: int) -> None:
@@ -500,31 +516,32 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     _validate(options)
     bs = options["bs"]
     read_share = _read_share(options)
+    engine_kind_, path = _resolve_target(options)
+    options = _size_from_file(options, path)
     span_blocks = options["size"] // bs
     span_bytes = span_blocks * bs
-    engine_kind_, path = _resolve_target(options)
     if not options["direct"] and engine_kind_ == "memory":
         raise ConfigError("direct=0: buffered I/O needs a file (device=file, ioengine=posix)")
     sync = options["ioengine"] in SYNC_IOENGINES
     lanes = 1 if sync else options["iodepth"]
 
     tmpdir = None
-    created = False
+    created = own = False
     target: Any = None
     try:
         if engine_kind_ != "memory":
             if not path:
                 tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
                 path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
+            own = os.path.isfile(path) and _is_own(path)
             created = _prepare_target(options, path, read_share, span_bytes)
+            own = own or created
         if path is not None and _is_nvme_generic(path):
             target = _PassthroughTarget(path, span_bytes, options)
         elif engine_kind_ in ("posix", "uring", "auto") or not options["direct"]:
             target = _FdTarget(path, options["direct"], engine_kind_, span_bytes)
         else:
             target = _EngineTarget(engine_kind_, path, span_bytes, lanes * options["numjobs"])
-        if created and os.path.isfile(path):
-            _mark_own(path)
         return _run(options, target, span_blocks, span_bytes, read_share, engine_kind_, path, lanes)
     finally:
         if target is not None:
@@ -534,6 +551,8 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        elif own and os.path.isfile(path):
+            _mark_own(path)   # as the job leaves it: size and mtime
         if tmpdir is not None:
             tmpdir.cleanup()
 
