@@ -52,6 +52,9 @@ class RecoveryCounts:
     dropped_blocks: int = 0
     invalidated_blocks: int = 0
     empty_segments: list = dataclasses.field(default_factory=list)
+    #: ``(segment, byte)`` of each extent header that carried the extent magic but failed its
+    #: checks: its blocks, and the rest of its segment's chain, are not recovered (misses)
+    damaged_extents: list = dataclasses.field(default_factory=list)
 
 
 def layout_refusal(path: str | None, block_bytes: int, other) -> str:
@@ -62,10 +65,12 @@ def layout_refusal(path: str | None, block_bytes: int, other) -> str:
 
 
 def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
-               buf: list) -> Iterator[tuple[int, fmt.ExtentHeader]]:
+               buf: list, damaged: list | None = None) -> Iterator[tuple[int, fmt.ExtentHeader]]:
     """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
     the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
-    a reusable aligned buffer (grown here)."""
+    a reusable aligned buffer (grown here). A header that starts with the extent magic but
+    fails its checksum or bounds is damage, not the chain's end: ``(si, position)`` goes to
+    ``damaged``."""
     S = segs.segment_bytes
     base = si * S
     pos = segs.chain_start(si)
@@ -82,7 +87,11 @@ def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
                     buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
                 engine.read(base + pos, buf[1][:hb]).get()
             h = fmt.decode_header(memoryview(buf[0])[:hb])
-        except (OSError, CorruptData):
+        except CorruptData:
+            if damaged is not None and bytes(memoryview(buf[0])[:len(fmt.MAGIC)]) == fmt.MAGIC:
+                damaged.append((si, pos))
+            return
+        except OSError:
             return
         if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
                 or h.extent_offset != base + pos or pos + h.total_bytes > S
@@ -115,7 +124,7 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
         base = si * S
         start = pos = segs.chain_start(si)
         h = None
-        for pos, h in read_chain(engine, segs, si, buf):
+        for pos, h in read_chain(engine, segs, si, buf, out.damaged_extents):
             other = {e.length_bytes for e in h.entries} - {bb}
             if other:
                 raise ConfigError(layout_refusal(path, bb, other))
@@ -145,6 +154,11 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
     # process may lie beyond it with sequence numbers above next_seq;
     # appending at the chain end could splice them back into the chain.
     out.recovered_blocks = len(locator)
+    if out.damaged_extents:
+        _log.warning("%s: %d extent header(s) failed their checksum at recovery (first at segment %d, byte %d): "
+                     "their blocks and the rest of their segments' chains are not recovered (misses, never "
+                     "KV); recovered %d blocks", path or "NVMe tier", len(out.damaged_extents),
+                     *out.damaged_extents[0], out.recovered_blocks)
     del buf
     empty = (segs.state == SegmentState.SEALED) & (segs.live == 0)
     out.empty_segments = [int(si) for si in empty.nonzero()[0]]

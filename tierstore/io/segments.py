@@ -396,6 +396,7 @@ class SegmentStorage(BlockStorage):
         found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
                                  self.path)
         self._st["recovery_dropped_blocks"] += found.dropped_blocks
+        self._st["recovery_damaged_extents"] = len(found.damaged_extents)
         self._st["recovery_invalidated_blocks"] += found.invalidated_blocks
         self._st["recovered_blocks"] = found.recovered_blocks
         for si in found.empty_segments:
