@@ -92,3 +92,10 @@ def test_kv_job_says_an_existing_file_is_not_its_own(tmp_path, run_bench, fmt):
     assert "choose another filename= or directory=" in err
     assert "still going" not in err and "unlink=0" not in err and "--format=1" not in err
     assert (tmp_path / "kvstore.0.0").read_bytes() == b"precious"
+
+
+def test_kvtrace_says_runtime_and_size_are_not_used(run_bench, tmp_path):
+    """The re-trial ran `--rw=kvtrace --runtime=2 --size=4m`: the whole trace, 16 s, a 192 MiB tier, not a word."""
+    rc, _, err = run_bench("--rw=kvtrace", "--number_ios=50", "--runtime=2", "--size=4m", f"--directory={tmp_path}")
+    assert rc == 0, err
+    assert "warning: runtime=2" in err and "warning: size=4194304: not used by rw=kvtrace" in err

@@ -218,6 +218,10 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
     if "bs" in options.get("_explicit", ()):
         warn(f"bs={options['bs']}: not used by rw=kvtrace (each request moves the trace's blocks, "
              f"trace_block_size={options['trace_block_size']} B each)")
+    for key, why in (("runtime", "the trace is replayed whole, or its first number_ios= requests"),
+                     ("size", "the tiers' sizes are hbm_size=, host_size= and nvme_size=")):
+        if key in options.get("_explicit", ()):
+            warn(f"{key}={options[key]}: not used by rw=kvtrace; {why}")
     own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
     try:
         return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
