@@ -22,6 +22,22 @@ def test_hash_is_deterministic_across_processes():
     assert all(len(h) == 32 for h in here)
 
 
+def test_known_digests_are_pinned():
+    """The chain is an on-disk and on-wire key: a change would orphan every NVMe file and
+    remote entry (it must come with a new layout fingerprint), so the digests are pinned."""
+    d = Namespace(model="m@1", tenant="t").digest()
+    assert d.hex() == "bdee501f0902f9ee9ed38e8c9bb6ba8126c605df2458b71f60336cb22679b074"
+    keys = block_hashes(d, np.arange(48), B)
+    assert keys[-1].hex() == "1ffe4577b70a59a1e3374d5c911cf9449253bed9dbc6b236335a24cc359316ee"
+    assert chain_ids(d, [1, 2, 3])[-1].hex() == "d64dcba7113dbe3828d6c0bec26e5ed791f5acaf2ca91c18cb54a2230cb21898"
+    # the optimised loop equals one link at a time
+    from tierstore.identity import hash_block, tokens_to_bytes
+    parent = d
+    for i, k in enumerate(keys):
+        parent = hash_block(parent, tokens_to_bytes(np.arange(48)[i * B:(i + 1) * B]))
+        assert k == parent
+
+
 def test_only_full_blocks_are_hashed():
     d = Namespace(model="m").digest()
     assert len(block_hashes(d, np.arange(47), B)) == 2
