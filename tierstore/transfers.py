@@ -373,11 +373,12 @@ class Transfers:
             return n
         return self.submit("load", run)
 
-    def clean_in_background(self, n: int) -> None:
+    def clean_in_background(self, n: int) -> Future | None:
         """Write the ``n`` coldest memory-only blocks to NVMe on the store queue,
-        so that promotions find victims that leave without an NVMe write."""
+        so that promotions find victims that leave without an NVMe write; the Future of
+        the blocks written (``None`` without NVMe or once the store is closing)."""
         if self.storage is None:
-            return
+            return None
 
         def run() -> int:
             plan = self.index.prepare_flush(max(n, self.index.settings.evict_batch_blocks), coldest_first=True)
@@ -390,9 +391,9 @@ class Transfers:
                 raise
             return self.index.complete_flush(plan, st)
         try:
-            self.submit("store", run)
+            return self.submit("store", run)
         except StoreClosedError:  # closing: nothing to keep clean any more
-            pass
+            return None
 
     def evict(self, tier: Tier, n: int) -> int:
         """Evict ``n`` unprotected blocks of a memory tier now; ``n``, or 0 if that many cannot be found."""

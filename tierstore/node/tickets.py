@@ -510,6 +510,11 @@ class PlanService:
             raise TicketError(f"plan {plan_id}: no such ticket")
         return t.readied.wait(timeout_s)
 
+    def open_ids(self) -> list[int]:
+        """Plan ids of the tickets prepared and not yet completed or aborted."""
+        with self._lock:
+            return list(self._tickets)
+
     def open_tickets(self) -> int:
         """Tickets prepared and not yet completed or aborted."""
         with self._lock:
