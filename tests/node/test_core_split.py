@@ -323,3 +323,35 @@ def test_abort_while_the_victims_are_written_keeps_nothing(node):
     assert node.index.probe(new_keys) == 0
     assert node.index.metrics.counters["tickets_aborted"] == 1
     node.quiet()
+
+
+def test_a_quarantined_store_keeps_its_slots_until_released(node):
+    keys, data = node.blocks(2)
+    t = node.svc.prepare_store(NS, keys, ranks=1)
+    held = set(t.slots.tolist())
+    node.clock.now += 61
+    assert node.svc.expire(quarantine=True) == 1  # its client may still be writing
+    assert node.svc.quarantined_slots() == 2 and node.svc.open_tickets() == 1
+    with pytest.raises(TicketError, match="quarantined"):
+        node.svc.complete_store(t.plan_id, b"\x01\x01")
+    for _ in range(2):  # churn through the host tier: the held slots are never handed out
+        more, more_data = node.blocks(HOST)
+        st, _ = node.store(more, more_data)
+        assert not held & set(st.slots.tolist())
+    assert node.svc.expire(quarantine=True) == 0
+    gens = node.seg.gens_of(t.slots)
+    assert node.svc.abort(t.plan_id)  # its owner is known to be done
+    assert (node.seg.gens_of(t.slots) == gens + 1).all()
+    assert node.index.probe(keys) == 0 and node.svc.quarantined_slots() == 0
+    node.quiet()
+
+
+def test_an_aborted_load_bumps_the_generations_its_reader_checks(node):
+    keys, data = node.blocks(2)
+    node.store(keys, data)
+    t = node.svc.prepare_load(keys, ranks=1)
+    assert (node.seg.gens_of(t.slots) == t.gens).all()
+    assert node.svc.quarantine(t.plan_id)  # a load is aborted at once: its reader sees new gens
+    assert (node.seg.gens_of(t.slots) != t.gens).all()
+    assert node.svc.complete_load(t.plan_id, b"\x01\x01") == [Status.MISS, Status.MISS]
+    node.quiet()

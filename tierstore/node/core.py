@@ -46,8 +46,11 @@ class NodeCore:
     staging_blocks : int
         Staging slots: blocks bound for NVMe only or read from NVMe, in flight at once.
     lease_s : float
-        A ticket not completed this long after it was prepared is aborted (its client is gone
-        or stuck; the node service aborts a dead client's tickets at once).
+        A ticket not completed this long after it was prepared is aborted (its client is gone).
+    quarantine_expired : bool
+        Quarantine such a ticket instead (its client may still be alive and write its slots;
+        the node service then aborts it once the client is known to be done:
+        :meth:`PlanService.quarantine`).
     tick_s : float
         Period of the background thread (expiry, cleaning).
     clean_below : float
@@ -77,7 +80,8 @@ class NodeCore:
     """
 
     def __init__(self, name: str, config: StoreConfig | dict, layout: KVLayout, *, staging_blocks: int = 256,
-                 lease_s: float = 60.0, tick_s: float = 0.5, clean_below: float = 0.25,
+                 lease_s: float = 60.0, quarantine_expired: bool = False, tick_s: float = 0.5,
+                 clean_below: float = 0.25,
                  clock: Callable[[], float] = time.monotonic, **runtime) -> None:
         cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
         bb = layout.bytes_per_block
@@ -103,6 +107,7 @@ class NodeCore:
         self._transfers = transfers_of(self.store)
         self.index = self._transfers.index
         self.tickets = PlanService(self._transfers, self.segment, lease_s, clock)
+        self.quarantine_expired = bool(quarantine_expired)
         self.tick_s = float(tick_s)
         self.clean_below = float(clean_below)
         self._cleaning: Future | None = None
@@ -147,7 +152,7 @@ class NodeCore:
     def _background(self) -> None:
         while not self._closing.wait(self.tick_s):
             try:
-                self.tickets.expire()
+                self.tickets.expire(quarantine=self.quarantine_expired)
                 self.keep_clean()
             except (TierStoreError, OSError) as e:  # said and counted; the thread goes on
                 self.index.metrics.inc("node_background_errors")
@@ -172,6 +177,7 @@ class NodeCore:
         out = self.store.stats()
         h = self.segment.header
         out["node"] = {"pool": self.name, "open_tickets": self.tickets.open_tickets(),
+                       "quarantined_slots": self.tickets.quarantined_slots(),
                        "staging_slots": h.staging_slots, "staging_free": self.tickets.staging.free,
                        "host_slots": h.host_slots, "slot_bytes": h.slot_bytes, "segment_bytes": h.segment_bytes}
         return out

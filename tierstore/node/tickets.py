@@ -12,7 +12,11 @@ from the slots, the index's ``complete_*``). Slots: the index's host tier is the
 slots ``[0, H)``; a block with no host slot (bound for NVMe only, or read from NVMe) gets a staging
 slot ``[H, H + S)`` from this service's allocator. A ticket's slots are never reused before it is
 completed or aborted; one not completed within its lease (``lease_s``) is aborted by
-:meth:`PlanService.expire`. Completing twice is answered with the first outcome.
+:meth:`PlanService.expire`, or *quarantined* when its client may still be alive: a quarantined
+store ticket keeps its slots (and its keys stay in flight) until :meth:`PlanService.abort`, once
+the owner of those slots is known to be done. An aborted ticket's slots have their generations
+bumped first, so a client that re-reads them after its copy sees a miss. Completing twice is
+answered with the first outcome.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from ..tiers.memory import SlotAllocator
 from ..transfers import Transfers
 from .segment import Segment
 
-PREPARING, READY, COMPLETING, DONE = "preparing", "ready", "completing", "done"
+PREPARING, READY, QUARANTINED, COMPLETING, DONE = "preparing", "ready", "quarantined", "completing", "done"
 
 
 class TicketError(TierStoreError):
@@ -113,6 +117,7 @@ class Ticket:
     reports: dict = dataclasses.field(default_factory=dict, repr=False)  # rank -> bool array
     outcome: object = None
     abort_wanted: bool = False
+    quarantine_wanted: bool = False
     errors: dict = dataclasses.field(default_factory=dict, repr=False)  # load: position -> staging status
     readied: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     settled: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -413,12 +418,15 @@ class PlanService:
                 raise TicketError(f"plan {plan_id}: {len(ok)} results for {len(t.keys)} keys")
             if not 0 <= rank < t.ranks:
                 raise TicketError(f"plan {plan_id}: rank {rank} outside [0, {t.ranks})")
+            if t.state == QUARANTINED:
+                raise TicketError(f"plan {plan_id} is quarantined (its client was given up): nothing is kept")
             if t.state in (COMPLETING, DONE):
                 wait = t.state == COMPLETING
             else:
                 if t.state == PREPARING:
                     raise TicketError(f"plan {plan_id}: not ready yet (its slots are not usable)")
-                t.reports.setdefault(rank, np.asarray(ok, dtype=bool).copy())
+                got = np.frombuffer(ok, dtype=np.uint8) if isinstance(ok, (bytes, bytearray, memoryview)) else ok
+                t.reports.setdefault(rank, np.asarray(got, dtype=bool).copy())
                 if len(t.reports) < t.ranks:
                     return t, None
                 t.state = COMPLETING
@@ -428,9 +436,11 @@ class PlanService:
         return t, None
 
     def abort(self, plan_id: int) -> bool:
-        """Give up a ticket: a store keeps none of its new blocks, a load delivers nothing; its
-        slots are free again. The caller makes sure no client still copies into or out of them.
-        ``False`` for a ticket already completing or done (or unknown)."""
+        """Give up a ticket (also a quarantined one): a store keeps none of its new blocks, a load
+        delivers nothing; its slots' generations are bumped, then the slots are free again. The
+        caller makes sure no client still copies *into* them (a store's slots; a client reading
+        a load's slots sees the bumped generation: a miss). ``False`` for a ticket already
+        completing or done (or unknown)."""
         with self._lock:
             t = self._tickets.get(plan_id)
             if t is None or t.state in (COMPLETING, DONE):
@@ -444,21 +454,50 @@ class PlanService:
 
     def _abort(self, t: Ticket) -> None:
         self.index.metrics.inc("tickets_aborted")
+        have = t.slots[t.slots >= 0]
+        if have.size:
+            self.segment.bump_gens(have)
         none = np.zeros(len(t.keys), dtype=bool)
         if t.kind == "store":
             self._end_store(t, none, publish=False)
         else:
             self._end_load(t, none)
 
-    def expire(self, now: float | None = None) -> int:
-        """Abort every ticket past its lease (its client is gone or stuck); returns how many."""
+    def quarantine(self, plan_id: int) -> bool:
+        """Take a ticket from its client, who may still be alive (its session ended, or it is
+        past its lease): reports are refused from now on; a store ticket keeps its slots and
+        its keys stay in flight until :meth:`abort` (the owner is known to be done), a load
+        ticket is aborted at once (its readers see the bumped generations). ``False`` for a
+        ticket already completing, done or quarantined (or unknown)."""
+        with self._lock:
+            t = self._tickets.get(plan_id)
+            if t is None or t.state in (COMPLETING, DONE, QUARANTINED):
+                return False
+            if t.kind == "store":
+                if t.state == PREPARING:  # quarantined once ready
+                    t.quarantine_wanted = True
+                else:
+                    t.state = QUARANTINED
+                    self.index.metrics.inc("tickets_quarantined")
+                return True
+        return self.abort(plan_id)
+
+    def expire(self, now: float | None = None, quarantine: bool = False) -> int:
+        """End every ticket past its lease: aborted (its client is gone), or with ``quarantine``
+        (its client may still be alive) quarantined (:meth:`quarantine`); returns how many."""
         now = self.clock() if now is None else now
         with self._lock:
-            late = [t.plan_id for t in self._tickets.values() if t.deadline_s <= now and t.state != COMPLETING]
-        n = sum(self.abort(p) for p in late)
+            late = [t.plan_id for t in self._tickets.values()
+                    if t.deadline_s <= now and t.state not in (COMPLETING, QUARANTINED)]
+        n = sum((self.quarantine if quarantine else self.abort)(p) for p in late)
         if n:
             self.index.metrics.inc("tickets_expired", n)
         return n
+
+    def quarantined_slots(self) -> int:
+        """Slots held by quarantined tickets (host and staging)."""
+        with self._lock:
+            return sum(int((t.slots >= 0).sum()) for t in self._tickets.values() if t.state == QUARANTINED)
 
     def _became_ready(self, t: Ticket, announce: bool) -> None:
         """The first half is done: the ticket's slots are usable (announced in :meth:`poll`
@@ -466,7 +505,10 @@ class PlanService:
         with self._lock:
             abort = t.abort_wanted
             t.readied.set()
-            if not abort:
+            if not abort and t.quarantine_wanted:
+                t.state, t.ready = QUARANTINED, True
+                self.index.metrics.inc("tickets_quarantined")
+            elif not abort:
                 t.state, t.ready = READY, True
                 if announce:
                     self._ready.append(Ready(t.plan_id, t.failed))
