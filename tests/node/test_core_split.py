@@ -355,3 +355,80 @@ def test_an_aborted_load_bumps_the_generations_its_reader_checks(node):
     assert (node.seg.gens_of(t.slots) != t.gens).all()
     assert node.svc.complete_load(t.plan_id, b"\x01\x01") == [Status.MISS, Status.MISS]
     node.quiet()
+
+
+def test_a_block_with_no_host_slot_goes_to_nvme_from_a_staging_slot(node):
+    keys, data = node.blocks(HOST)
+    node.store(keys, data)
+    held = node.svc.prepare_load(keys, ranks=1)  # every host block is being read: no victim
+    new_keys, new_data = node.blocks(3)
+    t = node.svc.prepare_store(NS, new_keys, ranks=2, wait=True)
+    assert t.ready and all(HOST <= s < HOST + STAGING for s in t.slots)
+    assert node.svc.staging.free == STAGING - 3
+    for r in range(2):
+        res = node.svc.complete_store(t.plan_id, node.gather(r, t, new_data), rank=r)
+    assert res.statuses == [Status.OK] * 3 and res.durable == frozenset(range(3))
+    assert all(node.index.tiers_of(k) == [Tier.NVME] for k in new_keys)
+    assert node.svc.complete_load(held.plan_id, [True] * HOST) == [Status.OK] * HOST
+    st, out = node.load(new_keys)  # read back from NVMe through staging slots
+    assert st == [Status.OK] * 3 and all(torch.equal(o, d) for o, d in zip(out, new_data))
+    node.quiet()
+
+
+def test_staging_runs_out_the_rest_of_the_chain_is_no_space(node):
+    keys, data = node.blocks(HOST)
+    node.store(keys, data)
+    held = node.svc.prepare_load(keys, ranks=1)
+    new_keys, new_data = node.blocks(STAGING + 2)
+    t = node.svc.prepare_store(NS, new_keys, ranks=1, wait=True)
+    assert t.statuses == [Status.OK] * STAGING + [Status.NO_SPACE] * 2
+    assert node.index.metrics.counters["staging_full"] == 2
+    res = node.svc.complete_store(t.plan_id, node.gather(0, t, new_data))
+    assert res.statuses == [Status.OK] * STAGING + [Status.NO_SPACE] * 2
+    assert node.index.probe(new_keys) == STAGING
+    node.svc.complete_load(held.plan_id, [True] * HOST)
+    node.quiet()
+
+
+def test_concurrent_clients_keep_every_byte_and_every_slot(node):
+    errors: list = []
+    kept: dict = {}
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(15):
+                n = int(rng.integers(1, 4))
+                keys = [rng.bytes(32) for _ in range(n)]
+                data = [torch.from_numpy(rng.integers(0, 256, BB, dtype=np.uint8)) for _ in range(n)]
+                t = node.svc.prepare_store(NS, keys, ranks=1, wait=bool(rng.integers(0, 2)))
+                assert node.svc.wait_ready(t.plan_id, 20)
+                if rng.random() < 0.2:
+                    node.svc.abort(t.plan_id)
+                    continue
+                rows = node.seg.rows()
+                for i, s in enumerate(t.slots):  # one rank: the whole block
+                    if s >= 0:
+                        rows[s, :BB].copy_(data[i])
+                res = node.svc.complete_store(t.plan_id, [bool(s >= 0) for s in t.slots])
+                with lock:
+                    kept.update((k, d) for k, d, s in zip(keys, data, res.statuses) if s is Status.OK)
+                    sample = list(kept.items())[-3:]
+                lt = node.svc.prepare_load([k for k, _ in sample], ranks=1, wait=True)
+                rows = node.seg.rows()
+                got = [rows[s, :BB].clone() if st is Status.OK else None for s, st in zip(lt.slots, lt.statuses)]
+                fresh = node.seg.gens_of(np.maximum(lt.slots, 0)) == lt.gens
+                for (k, d), g, f in zip(sample, got, fresh):
+                    assert g is None or not f or torch.equal(g, d), "wrong bytes"
+                node.svc.complete_load(lt.plan_id, [g is not None and f for g, f in zip(got, fresh)])
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    node.quiet()
