@@ -432,3 +432,16 @@ def test_concurrent_clients_keep_every_byte_and_every_slot(node):
         th.join(120)
     assert not errors, errors
     node.quiet()
+
+
+def test_a_ticket_with_a_callback_is_announced_to_it_not_to_poll(node):
+    keys, data = node.blocks(2)
+    node.store(keys, data)
+    node.tr.evict(Tier.HOST, 2)
+    told: list = []
+    t = node.svc.prepare_load(keys, ranks=1, on_ready=told.append)
+    assert node.svc.wait_ready(t.plan_id, 10)
+    node.parts.mover.drain()
+    assert told == [Ready(t.plan_id, ())] and node.svc.poll() == []
+    assert node.svc.complete_load(t.plan_id, [True, True]) == [Status.OK, Status.OK]
+    node.quiet()

@@ -122,15 +122,16 @@ class NodeCore:
             raise StoreClosedError(f"NodeCore.{what}: the pool {self.name!r} is closed")
 
     def prepare_store(self, ns: bytes, keys, lifetime=None, first_position: int = 0, tokens=None, *,
-                      ranks: int = 1, wait: bool = False) -> Ticket:
+                      ranks: int = 1, wait: bool = False, on_ready=None) -> Ticket:
         """:meth:`PlanService.prepare_store`; :class:`StoreClosedError` once closing."""
         self._check_open("prepare_store")
-        return self.tickets.prepare_store(ns, keys, lifetime, first_position, tokens, ranks=ranks, wait=wait)
+        return self.tickets.prepare_store(ns, keys, lifetime, first_position, tokens, ranks=ranks, wait=wait,
+                                          on_ready=on_ready)
 
-    def prepare_load(self, keys, *, ranks: int = 1, wait: bool = False) -> Ticket:
+    def prepare_load(self, keys, *, ranks: int = 1, wait: bool = False, on_ready=None) -> Ticket:
         """:meth:`PlanService.prepare_load`; :class:`StoreClosedError` once closing."""
         self._check_open("prepare_load")
-        return self.tickets.prepare_load(keys, ranks=ranks, wait=wait)
+        return self.tickets.prepare_load(keys, ranks=ranks, wait=wait, on_ready=on_ready)
 
     def complete_store(self, plan_id: int, ok, rank: int = 0):
         """:meth:`PlanService.complete_store`."""

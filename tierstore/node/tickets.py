@@ -118,6 +118,7 @@ class Ticket:
     outcome: object = None
     abort_wanted: bool = False
     quarantine_wanted: bool = False
+    on_ready: Callable[[Ready], None] | None = dataclasses.field(default=None, repr=False)
     errors: dict = dataclasses.field(default_factory=dict, repr=False)  # load: position -> staging status
     readied: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     settled: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -191,7 +192,8 @@ class PlanService:
 
     # ------------------------------------------------------------------ store
     def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime=None, first_position: int = 0,
-                      tokens=None, *, ranks: int = 1, wait: bool = False) -> Ticket:
+                      tokens=None, *, ranks: int = 1, wait: bool = False,
+                      on_ready: Callable[[Ready], None] | None = None) -> Ticket:
         """Plan a store of ``keys`` and hand out a slot per new block.
 
         Parameters
@@ -207,6 +209,9 @@ class PlanService:
         wait : bool
             Run the victims' NVMe writes in this thread and return a ready ticket; else they run
             on the store queue and the ticket's id comes out of :meth:`poll` when ready.
+        on_ready : callable, optional
+            Called with the :class:`Ready` instead (from the queue's thread; it must not block)
+            when a ticket not ready at hand-out becomes ready.
 
         Returns
         -------
@@ -239,7 +244,7 @@ class PlanService:
         if have.any():
             gens[have] = self.segment.bump_gens(slots[have])
         t = self._register(Ticket(0, "store", list(plan.keys), statuses, slots, gens, ranks,
-                                  self.clock() + self.lease_s, plan=plan, staged=staged))
+                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
         self.index.metrics.inc("tickets_store")
         if not plan.nvme_demote or wait:
             self._store_prelude(t, announce=False)
@@ -300,11 +305,13 @@ class PlanService:
         return self._finish(t, StoreResult(st, frozenset(durable)))
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, keys: Sequence[bytes], *, ranks: int = 1, wait: bool = False) -> Ticket:
+    def prepare_load(self, keys: Sequence[bytes], *, ranks: int = 1, wait: bool = False,
+                     on_ready: Callable[[Ready], None] | None = None) -> Ticket:
         """Plan a load of ``keys``: a host-resident block is read from its host slot (the index
         holds it: never a victim before completion); an NVMe block is staged into a staging slot
         (on the load queue, or in this thread with ``wait``). A key not resident, or with no
-        staging slot left (counted ``staging_full``), is ``MISS``.
+        staging slot left (counted ``staging_full``), is ``MISS``. ``ranks`` and ``on_ready``
+        as for :meth:`prepare_store`.
 
         Raises
         ------
@@ -338,7 +345,7 @@ class PlanService:
         if have.any():
             gens[have] = self.segment.gens_of(slots[have])
         t = self._register(Ticket(0, "load", list(plan.keys), statuses, slots, gens, ranks,
-                                  self.clock() + self.lease_s, plan=plan, staged=staged))
+                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
         self.index.metrics.inc("tickets_load")
         if not staged or wait:
             self._load_prelude(t, announce=False)
@@ -502,20 +509,25 @@ class PlanService:
     def _became_ready(self, t: Ticket, announce: bool) -> None:
         """The first half is done: the ticket's slots are usable (announced in :meth:`poll`
         when the caller was answered before), or it is aborted now if that was asked meanwhile."""
+        tell = None
         with self._lock:
             abort = t.abort_wanted
-            t.readied.set()
             if not abort and t.quarantine_wanted:
                 t.state, t.ready = QUARANTINED, True
                 self.index.metrics.inc("tickets_quarantined")
             elif not abort:
                 t.state, t.ready = READY, True
-                if announce:
+                if announce and t.on_ready is None:
                     self._ready.append(Ready(t.plan_id, t.failed))
+                elif announce:
+                    tell = t.on_ready
             else:
                 t.state = COMPLETING
+            t.readied.set()
         if abort:
             self._abort(t)
+        elif tell is not None:
+            tell(Ready(t.plan_id, t.failed))
 
     def _finish(self, t: Ticket, outcome) -> object:
         with self._lock:
