@@ -445,3 +445,14 @@ def test_a_ticket_with_a_callback_is_announced_to_it_not_to_poll(node):
     assert told == [Ready(t.plan_id, ())] and node.svc.poll() == []
     assert node.svc.complete_load(t.plan_id, [True, True]) == [Status.OK, Status.OK]
     node.quiet()
+
+
+def test_a_store_completed_without_waiting_runs_its_second_half_on_the_queue(node):
+    keys, data = node.blocks(2)
+    t = node.svc.prepare_store(NS, keys, ranks=2)
+    assert node.svc.complete_store(t.plan_id, node.gather(0, t, data), rank=0, wait=False).result(10) is None
+    fut = node.svc.complete_store(t.plan_id, node.gather(1, t, data), rank=1, wait=False)
+    res = fut.result(10)
+    assert res.statuses == [Status.OK, Status.OK]
+    assert node.svc.complete_store(t.plan_id, [0, 0], rank=1, wait=False).result(10) == res
+    node.quiet()

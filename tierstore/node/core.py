@@ -118,7 +118,7 @@ class NodeCore:
 
     # ------------------------------------------------------------------ tickets
     def _check_open(self, what: str) -> None:
-        if self._closing.is_set():
+        if self._closing.is_set() or self.store.closed:  # close the pool with close(), not its store's
             raise StoreClosedError(f"NodeCore.{what}: the pool {self.name!r} is closed")
 
     def prepare_store(self, ns: bytes, keys, lifetime=None, first_position: int = 0, tokens=None, *,
@@ -133,9 +133,9 @@ class NodeCore:
         self._check_open("prepare_load")
         return self.tickets.prepare_load(keys, ranks=ranks, wait=wait, on_ready=on_ready)
 
-    def complete_store(self, plan_id: int, ok, rank: int = 0):
+    def complete_store(self, plan_id: int, ok, rank: int = 0, *, wait: bool = True):
         """:meth:`PlanService.complete_store`."""
-        return self.tickets.complete_store(plan_id, ok, rank)
+        return self.tickets.complete_store(plan_id, ok, rank, wait=wait)
 
     def complete_load(self, plan_id: int, ok, rank: int = 0):
         """:meth:`PlanService.complete_load`."""

@@ -24,18 +24,25 @@ import collections
 import dataclasses
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..contract import Tier
-from ..errors import ConfigError, InvariantError, Status, TierStoreError
+from ..errors import ConfigError, InvariantError, Status, StoreClosedError, TierStoreError
 from ..io.pages import FragmentPlan
 from ..tiers.memory import SlotAllocator
 from ..transfers import Transfers
 from .segment import Segment
 
 PREPARING, READY, QUARANTINED, COMPLETING, DONE = "preparing", "ready", "quarantined", "completing", "done"
+
+
+def _resolved(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 class TicketError(TierStoreError):
@@ -270,15 +277,18 @@ class PlanService:
             raise
         self._became_ready(t, announce)
 
-    def complete_store(self, plan_id: int, ok: Sequence[bool], rank: int = 0) -> StoreResult | None:
+    def complete_store(self, plan_id: int, ok: Sequence[bool], rank: int = 0, *,
+                       wait: bool = True) -> StoreResult | None | Future:
         """Report rank ``rank``'s copies into a store ticket's slots (``ok[i]``: key ``i``'s shard
-        is in its slot; ignored for keys without a slot).
+        is in its slot; ignored for keys without a slot; a sequence of bools or ``u8`` bytes).
 
         Returns
         -------
-        StoreResult or None
+        StoreResult or None, or a Future of it
             The outcome once every rank reported (the AND of their ``ok``); ``None`` while
             some have not. A repeated report (also after an abort) returns the outcome again.
+            With ``wait=False`` a Future: the second half (NVMe writes of the blocks bound
+            there, the index's completion) runs on the store queue, not in this thread.
 
         Raises
         ------
@@ -286,10 +296,23 @@ class PlanService:
             For an unknown plan id, a load ticket, ``len(ok) != len(keys)``, a rank outside
             ``[0, ranks)``, or a ticket not ready yet.
         """
-        t, and_ok = self._report(plan_id, "store", ok, rank)
+        t, and_ok = self._report(plan_id, "store", ok, rank, block=wait)
         if and_ok is None:
-            return t.outcome if t.state == DONE else None
-        return self._end_store(t, and_ok)
+            state = t.state
+            if wait or state != COMPLETING:  # done, or other ranks still to report
+                out = t.outcome if state == DONE else None
+                return out if wait else _resolved(out)
+            return self._later(lambda: t.settled.wait() and t.outcome, lambda: t.outcome)
+        if wait:
+            return self._end_store(t, and_ok)
+        return self._later(lambda: self._end_store(t, and_ok), lambda: self._end_store(t, and_ok))
+
+    def _later(self, fn: Callable[[], object], inline: Callable[[], object]) -> Future:
+        """``fn`` on the store queue; ``inline`` here when the queue is closed (the store is closing)."""
+        try:
+            return self.transfers.submit("store", fn)
+        except StoreClosedError:
+            return _resolved(inline())
 
     def _end_store(self, t: Ticket, and_ok, publish: bool = True) -> StoreResult:
         """The second half: a key with a slot is ``OK`` where every rank copied it, else
@@ -412,9 +435,10 @@ class PlanService:
         return st
 
     # ------------------------------------------------------------------ reports, abort, expiry
-    def _report(self, plan_id: int, kind: str, ok: Sequence[bool], rank: int):
+    def _report(self, plan_id: int, kind: str, ok: Sequence[bool], rank: int, block: bool = True):
         """Record one rank's report; ``(ticket, AND of ok)`` when this report completes the
-        ticket (the caller then runs the second half), ``(ticket, None)`` otherwise."""
+        ticket (the caller then runs the second half), ``(ticket, None)`` otherwise (after the
+        ticket's end when it is completing now and ``block``)."""
         with self._lock:
             t = self._tickets.get(plan_id) or self._finished.get(plan_id)
             if t is None:
@@ -438,7 +462,7 @@ class PlanService:
                     return t, None
                 t.state = COMPLETING
                 return t, np.logical_and.reduce(list(t.reports.values()))
-        if wait:
+        if wait and block:
             t.settled.wait()
         return t, None
 
