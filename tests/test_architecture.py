@@ -23,9 +23,10 @@ LAYER = {
 # with them, since importing either imports it
 FILE_LAYER = {"node/__init__.py": 2, "node/segment.py": 2, "node/protocol.py": 2}
 # same-layer imports that ARCHITECTURE.md forbids (the I/O layer never knows FDP's tables; the
-# node transport imports layers 0-1 only; the storage layers never know plans)
+# node transport imports layers 0-1 only; the storage layers never know plans; the node store
+# knows no engine: the connectors use it, never the other way round)
 FORBIDDEN_SIDEWAYS = {("io", "fdp"), ("io", "remote"), ("remote", "fdp"),
-                      ("node", "io"), ("node", "fdp"), ("node", "remote"),
+                      ("node", "io"), ("node", "fdp"), ("node", "remote"), ("node", "integrations"),
                       ("io", "contract"), ("remote", "contract"), ("fdp", "contract")}
 
 

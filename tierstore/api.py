@@ -76,7 +76,7 @@ def _open_call(fn):
 #: KVStore keyword options that are policies (``policies:`` section of the config).
 _POLICY_OPTIONS = set(PoliciesConfig.model_fields)
 #: Run-time objects a config file cannot carry.
-_RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme"}
+_RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme", "host_pool"}
 #: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
 _NVME_OPTIONS = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
 
@@ -201,7 +201,7 @@ class KVStore:
             Overrides ``config.layout`` (a connector derives it from the engine).
         **runtime
             Run-time objects (``clock``, ``classify``, ``admit``, ``reinsert``,
-            ``cost``, ``nvme``), see :func:`tierstore.build.assemble`.
+            ``cost``, ``nvme``, ``host_pool``), see :func:`tierstore.build.assemble`.
 
         Raises
         ------
@@ -765,6 +765,13 @@ class KVStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def transfers_of(store: KVStore) -> Transfers:
+    """The :class:`~tierstore.transfers.Transfers` a store runs its calls on: for the node store
+    (:mod:`tierstore.node.core`), whose tickets execute plans of the same store in two halves
+    (:class:`tierstore.node.tickets.PlanService`) while its other calls go through ``store``."""
+    return store._transfers
 
 
 __all__ = ["KVStore", "KVStoreProtocol", "Namespace", "KVLayout", "Status", "Tier", "leading_ok"]

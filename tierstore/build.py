@@ -91,7 +91,7 @@ def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
 def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] | None = None,
              classify: Callable | None = None, admit: Callable | None = None,
              reinsert: Callable | None = None, cost: CostModel | None = None,
-             nvme: BlockStorage | None = None) -> StoreParts:
+             nvme: BlockStorage | None = None, host_pool: BlockPool | None = None) -> StoreParts:
     """Wire a store from its typed config (module doc).
 
     Parameters
@@ -104,16 +104,28 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         overrides its config name.
     nvme : BlockStorage, optional
         A ready NVMe backend (tests), instead of ``cfg.tiers.nvme``.
+    host_pool : BlockPool, optional
+        The host tier's memory, made by the caller (the node store: its shared segment's host
+        slots, :meth:`BlockPool.from_tensor <tierstore.tiers.memory.BlockPool.from_tensor>`),
+        instead of one allocated here; ``cfg.tiers.host.capacity_bytes`` must give its number
+        of blocks.
 
     Raises
     ------
     ConfigError
-        Inconsistent sizes or choices.
+        Inconsistent sizes or choices (a ``host_pool`` of another block size or block count
+        than the config's host tier).
     OSError
         A file or device cannot be opened.
     """
     bb = layout.bytes_per_block
-    pools = _open_pools(cfg.tiers, bb)
+    pools = _open_pools(cfg.tiers, bb, host_pool is None)
+    if host_pool is not None:
+        want = cfg.tiers.host.capacity_bytes // bb
+        if host_pool.block_bytes != bb or host_pool.num_blocks != want:
+            raise ConfigError(f"host_pool of {host_pool.num_blocks} blocks of {host_pool.block_bytes} bytes; "
+                              f"the config's host tier has {want} blocks of {bb} bytes")
+        pools[Tier.HOST] = host_pool
     nv = cfg.tiers.nvme
     opened: OpenedDevice | None = None
     shim = None
@@ -149,8 +161,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         raise
 
 
-def _open_pools(t: TiersConfig, bb: int) -> dict[Tier, BlockPool]:
-    """The HBM and host pools of ``bb``-byte blocks (a tier of capacity 0 has none).
+def _open_pools(t: TiersConfig, bb: int, host: bool = True) -> dict[Tier, BlockPool]:
+    """The HBM and host pools of ``bb``-byte blocks (a tier of capacity 0 has none; no host
+    pool without ``host``: the caller gives it).
 
     Raises
     ------
@@ -174,7 +187,7 @@ def _open_pools(t: TiersConfig, bb: int) -> dict[Tier, BlockPool]:
     nh, nc = t.hbm.capacity_bytes // bb, t.host.capacity_bytes // bb
     if nh:
         pools[Tier.HBM] = BlockPool("hbm", nh, bb, hbm_dev)
-    if nc:
+    if nc and host:
         pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu" if t.keep_data else "meta",
                                      pin_memory=cuda_available() and t.keep_data)
     return pools

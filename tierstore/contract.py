@@ -198,6 +198,9 @@ class StorePlan:
     #: memory-to-memory demotions. A failure is undone accordingly.
     moved: int = 0
     demote_statuses: dict = dataclasses.field(default_factory=dict)
+    #: The victims' outcome was applied before the plan completed (set by the index,
+    #: :meth:`~tierstore.index.BlockIndex.complete_victims`: split execution).
+    victims_done: bool = False
 
     NOTHING_DONE: typing.ClassVar[int] = 0
     NVME_DONE: typing.ClassVar[int] = 1

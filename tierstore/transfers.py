@@ -7,7 +7,10 @@ the three for a store, a load (with the remote tier for local misses, a deadline
 background cleaning and the re-offer of local hits), a remote cache fill, a prefetch, an
 eviction, a flush down to NVMe and an invalidation, in the caller's thread or on the movers'
 ``load``/``store`` queues (``wait=False``). :class:`tierstore.api.KVStore` checks the input,
-calls it and shapes the results; it holds no plan and no decision.
+calls it and shapes the results; it holds no plan and no decision. Split execution (the node
+store: a client copies the bytes into or out of shared slots between the halves):
+``store_prelude``/``store_epilogue`` and ``load_prelude``/``load_epilogue``, driven by
+:class:`tierstore.node.tickets.PlanService`.
 
 :class:`OpenCalls` is the store's open/closed state and the calls in progress (``close``
 waits for them).
@@ -15,11 +18,13 @@ waits for them).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
+from typing import Mapping, Sequence
 
-from .contract import LookupResult, Tier
+from .contract import LoadPlan, LookupResult, StorePlan, Tier
 from .errors import ConfigError, Status, StoreClosedError
 from .index import BlockIndex
 from .io.pages import FragmentPlan
@@ -272,6 +277,83 @@ class Transfers:
                 out[i] = s
         return [out[i] for i in missed]
 
+    # -------------------------------------------------------------- split execution (node store)
+    def store_prelude(self, plan: StorePlan) -> None:
+        """First half of a store whose new blocks someone else copies into their slots
+        (:mod:`tierstore.node.tickets`): the victims leave (:meth:`Movers.run_store_prelude`) and
+        the index records it (:meth:`BlockIndex.complete_victims`).
+        On an exception the plan is completed as failed (a miss, never wrong KV) and it propagates."""
+        try:
+            self.movers.run_store_prelude(plan)
+        except BaseException:
+            self.index.complete_store(plan, failed=True)
+            raise
+        self.index.complete_victims(plan)  # victims on NVMe are readable there during the copies
+
+    def store_epilogue(self, plan: StorePlan, sources: Sequence[FragmentPlan | None],
+                       copied: Sequence[Status | None], publish: bool = True) -> tuple[list[Status], set[int]]:
+        """Second half, after :meth:`store_prelude` and the copies: the new blocks bound for NVMe
+        are written from their slots (``sources[i]``) where ``copied[i]`` is ``OK`` (every rank
+        copied its shard), then the index completes the plan; a key whose copy is another
+        status is forgotten and its slot freed with that status (``memory_statuses``: a failed
+        copy is ``IO_ERROR``, a key handed no slot ``NO_SPACE``). Blocks stored OK are offered
+        to the remote tier when ``publish``.
+
+        Returns
+        -------
+        statuses : list of Status
+            Per key: ``OK``, ``EXISTS``, ``NO_SPACE`` or ``IO_ERROR``.
+        durable : set of int
+            Positions whose block is on NVMe now.
+        """
+        pending = plan.pending
+        mem_st = {i: copied[i] for i in pending}
+        srcs = [sources[i] if copied[i] is Status.OK and plan.statuses[i] is None else None
+                for i in range(len(plan.keys))]
+        try:
+            nvme_st = self.movers.run_store_epilogue(plan, srcs)
+        except BaseException:
+            self.index.complete_store(plan, failed=True)
+            raise
+        st = self.index.complete_store(plan, nvme_st, plan.demote_statuses, memory_statuses=mem_st)
+        durable = {i for i, s in nvme_st.items() if st[i] is Status.OK and s in (Status.OK, Status.EXISTS)}
+        if publish and self.planner is not None and not self.planner.barred(plan.ns):
+            ok = [i for i, s in enumerate(st) if s is Status.OK and srcs[i] is not None]
+            self._publish([plan.keys[i] for i in ok], [srcs[i] for i in ok], hits=0)
+        return st, durable
+
+    def load_prelude(self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
+                     ) -> tuple[dict[int, Status], float | None]:
+        """First half of a load whose blocks someone else copies out of slots: the sources of
+        the keys ``dests`` names (NVMe blocks) copied into those slots (:meth:`Movers.stage_load`).
+        On an exception the plan is completed (every key ``IO_ERROR``) and it propagates."""
+        try:
+            return self.movers.stage_load(plan, dests)
+        except BaseException:
+            self.index.complete_load(plan, [Status.IO_ERROR] * len(plan.keys), promote=False)
+            raise
+
+    def load_epilogue(self, plan: LoadPlan, statuses: Sequence[Status], loaded: Mapping[int, FragmentPlan],
+                      promote: bool = True, nvme_s: float | None = None) -> None:
+        """Second half, after the copies out of the slots: the index releases the readers and
+        records ``statuses`` (per key ``OK``, ``MISS`` or, for a source that failed to read,
+        ``IO_ERROR``); blocks read from NVMe are promoted from their slots (``loaded[i]``)
+        where the index plans it; the cleaning the index asked for is queued."""
+        promo = self.index.complete_load(plan, statuses, promote, nvme_s)
+        if promo is not None:
+            items = [it for it in promo.items if it[0] in loaded]
+            ok = [False] * len(promo.items)
+            try:
+                got = iter(self.movers.run_promote(dataclasses.replace(promo, items=items), loaded))
+            except BaseException:
+                self.index.complete_promote(promo, ok)
+                raise
+            ok = [next(got) if it[0] in loaded else False for it in promo.items]
+            self.index.complete_promote(promo, ok)
+        want = self.index.take_clean_requests()
+        if want:
+            self.clean_in_background(want)
+
     # -------------------------------------------------------------- prefetch, evict, flush
     def prefetch(self, keys: list[bytes], tier: Tier) -> Future:
         """Bring the resident ``keys`` up to ``tier`` on the load queue; a Future of the count."""
@@ -291,11 +373,12 @@ class Transfers:
             return n
         return self.submit("load", run)
 
-    def clean_in_background(self, n: int) -> None:
+    def clean_in_background(self, n: int) -> Future | None:
         """Write the ``n`` coldest memory-only blocks to NVMe on the store queue,
-        so that promotions find victims that leave without an NVMe write."""
+        so that promotions find victims that leave without an NVMe write; the Future of
+        the blocks written (``None`` without NVMe or once the store is closing)."""
         if self.storage is None:
-            return
+            return None
 
         def run() -> int:
             plan = self.index.prepare_flush(max(n, self.index.settings.evict_batch_blocks), coldest_first=True)
@@ -308,9 +391,9 @@ class Transfers:
                 raise
             return self.index.complete_flush(plan, st)
         try:
-            self.submit("store", run)
+            return self.submit("store", run)
         except StoreClosedError:  # closing: nothing to keep clean any more
-            pass
+            return None
 
     def evict(self, tier: Tier, n: int) -> int:
         """Evict ``n`` unprotected blocks of a memory tier now; ``n``, or 0 if that many cannot be found."""

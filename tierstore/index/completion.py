@@ -63,23 +63,55 @@ class Completion:
 
     # ================================================================ phase two of each plan
     def finish_store(self, plan: StorePlan, nvme_statuses: dict, demote_statuses: dict, failed: bool,
-                     now: float) -> list[Status]:
-        """Body of :meth:`BlockIndex.complete_store` (the plan is marked done and counted by the caller)."""
+                     now: float, memory_statuses: dict | None = None) -> list[Status]:
+        """Body of :meth:`BlockIndex.complete_store` (the plan is marked done and counted by the caller).
+
+        ``memory_statuses`` (``i -> Status``, split execution): a new block whose bytes did not all
+        reach its slot (a rank failed its copy) is not ``OK`` there and is forgotten like a failed
+        NVMe write (its slot freed, the rest of its chain ``NO_SPACE``)."""
         if failed:
             if plan.moved == StorePlan.NOTHING_DONE:
                 self.undo_store(plan)
             else:
                 c = {"store_failed_midway": 1}
-                self.apply_victims(plan, now, c, plan.demote_statuses,
-                                   copies_done=plan.moved >= StorePlan.COPIES_DONE)
+                if not plan.victims_done:
+                    self.apply_victims(plan, now, c, plan.demote_statuses,
+                                       copies_done=plan.moved >= StorePlan.COPIES_DONE)
                 self.forget_new(plan)
                 self.metrics.add(c)
             return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
         c: dict = {}
-        self.apply_victims(plan, now, c, demote_statuses)
-        self.complete_new(plan, dict(nvme_statuses), now, c)
+        if not plan.victims_done:
+            self.apply_victims(plan, now, c, demote_statuses)
+        nv = dict(nvme_statuses)
+        if memory_statuses:
+            bad = {i: s for i, s in memory_statuses.items() if s is not Status.OK}
+            nv.update(bad)
+            failed = sum(1 for s in bad.values() if s is Status.IO_ERROR)
+            if failed:
+                c["store_copy_failed"] = failed
+        self.complete_new(plan, nv, now, c)
         self.metrics.add(c)
         return list(plan.statuses)
+
+    def finish_victims(self, plan: StorePlan, now: float) -> None:
+        """Body of :meth:`BlockIndex.complete_victims`: what happened to a store plan's victims,
+        applied before its new blocks complete (split execution, :mod:`tierstore.node.tickets`:
+        the victims written to NVMe are readable there while a client copies the new blocks,
+        not only once it reports). Needs the mover's victim moves done (``plan.moved`` at
+        ``COPIES_DONE``); :meth:`finish_store` then skips the victims.
+
+        Raises
+        ------
+        InvariantError
+            For a plan completed already, or whose victims have not all moved.
+        """
+        if plan.done or plan.victims_done or plan.moved < StorePlan.COPIES_DONE:
+            raise InvariantError("complete_victims: the plan is done, or its victims are not moved yet")
+        c: dict = {}
+        self.apply_victims(plan, now, c, plan.demote_statuses)
+        plan.victims_done = True
+        self.metrics.add(c)
 
     def finish_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool,
                     nvme_s: float | None) -> list:

@@ -410,7 +410,8 @@ class BlockIndex:
             self.complete_store(plan, failed=True)
 
     def complete_store(self, plan: StorePlan, nvme_statuses: dict[int, Status] | None = None,
-                       demote_statuses: dict[int, Status] | None = None, failed: bool = False) -> list[Status]:
+                       demote_statuses: dict[int, Status] | None = None, failed: bool = False,
+                       memory_statuses: dict[int, Status] | None = None) -> list[Status]:
         """Apply a store's outcome (phase two).
 
         Parameters
@@ -428,6 +429,9 @@ class BlockIndex:
             leave their tier, since later copies may have overwritten their
             slots; their copies down into memory count only if the mover
             finished them. A miss, never wrong KV.
+        memory_statuses : dict, optional
+            ``i -> Status`` of each new block's copy into its slot by a client (split execution);
+            not ``OK``: forgotten like a failed NVMe write.
 
         Returns
         -------
@@ -442,9 +446,14 @@ class BlockIndex:
                 raise InvariantError("complete_store called twice for one plan")
             plan.done = True
             self._pending_plans -= 1
-            out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now)
+            out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now, memory_statuses)
             self._idle.notify_all()
             return out
+
+    def complete_victims(self, plan: StorePlan) -> None:
+        """Apply a store plan's victims first (split execution, :meth:`Completion.finish_victims`)."""
+        with self._lock:
+            self.completion.finish_victims(plan, self._now())
 
     # ================================================================ load
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:

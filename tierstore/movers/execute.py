@@ -9,7 +9,10 @@ from memory first, then read NVMe through the storage's one read path, under the
 
 The ``run_*`` methods are synchronous and thread-safe as long as the plans they are given are
 disjoint, which the index guarantees; ``KVStore`` calls them directly for ``wait=True`` and
-through :meth:`Movers.submit` (the work queues) for ``wait=False``.
+through :meth:`Movers.submit` (the work queues) for ``wait=False``. Split execution (the node
+store, where a client copies the new blocks into shared slots): :meth:`Movers.run_store_prelude`
+(the victims leave), :meth:`Movers.run_store_epilogue` (new blocks to NVMe from their filled slots)
+and :meth:`Movers.stage_load` (a load's sources into the slots a client reads).
 """
 from __future__ import annotations
 
@@ -104,6 +107,49 @@ class Movers:
         plan.moved = StorePlan.COPIES_DONE  # from here on new bytes overwrite given slots
         self.memory.gather(sources, plan.memory)
         return nvme_st, dem_st
+
+    # ------------------------------------------------------------------ split store (node store)
+    def run_store_prelude(self, plan: StorePlan) -> dict[int, Status]:
+        """A store plan's first half when someone else copies the new blocks into their slots
+        (split execution, :mod:`tierstore.node.tickets`): the victims leave their slots (lost
+        ones offered to the remote tier, NVMe-bound ones written, memory ones copied down), so
+        that the slots may be handed out. Returns the victims' NVMe statuses (``row -> Status``);
+        ``plan.moved`` says how far it got, as for :meth:`run_store`."""
+        dem_st = self._fill_victims(plan, mark=True)
+        return dem_st
+
+    def run_store_epilogue(self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
+                           ) -> dict[int, Status]:
+        """A store plan's second half: the new blocks bound for NVMe (``plan.nvme_new``) written
+        from ``sources[i]`` (their slots, once filled), one batch; a key whose source is ``None``
+        (its copy failed) is not written. Returns ``i -> Status`` of each write."""
+        new = [(i, cls) for i, cls in plan.nvme_new if sources[i] is not None]
+        if not new or self.nvme is None:
+            return {}
+        batch = add_new_blocks(NvmeBatch(), [plan.keys[i] for i, _ in new], [sources[i] for i, _ in new],
+                               [cls for _, cls in new], plan.ns, self.nvme.placement_for)
+        return {i: s for (i, _), s in zip(new, self.nvme.write(batch))}
+
+    def stage_load(self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
+                   ) -> tuple[dict[int, Status], float | None]:
+        """Copy the sources of the keys ``dests`` names into those destinations (split
+        execution: a load's NVMe blocks into the slots a client then reads; ``dests[i]`` a
+        ``FragmentPlan`` of a slot). Returns ``i -> Status`` and the seconds the NVMe part
+        took (``None`` without NVMe reads)."""
+        st: dict[int, Status] = {}
+        nv = [i for i in dests if plan.sources[i] is not None and plan.sources[i][0] == Tier.NVME]
+        mem = [(i, plan.sources[i][0], plan.sources[i][1]) for i in dests
+               if plan.sources[i] is not None and plan.sources[i][0] != Tier.NVME]
+        out = [Status.MISS] * len(plan.keys)
+        self.memory.scatter({i: dests[i] for i, _t, _s in mem}, mem, None, out)
+        st.update((i, out[i]) for i, _t, _s in mem)
+        nvme_s = None
+        if nv and self.nvme is not None:
+            got, nvme_s = self.nvme.read([plan.keys[i] for i in nv], [dests[i] for i in nv])
+            st.update(zip(nv, got))
+        for i in dests:
+            st.setdefault(i, Status.MISS)
+        return st, nvme_s
 
     def run_flush(self, plan: StorePlan) -> dict[int, Status]:
         """Write a flush plan's memory-only blocks to NVMe."""
@@ -237,15 +283,20 @@ class Movers:
                                           remote.zero_copy)
         return out, nvme_st, dem_st, held
 
-    def _fill_victims(self, plan: StorePlan) -> dict[int, Status]:
-        """A fill plan's victims leave before their slots are reused: lost ones offered to the
-        remote tier, NVMe-bound ones written, memory ones copied down; their NVMe statuses."""
+    def _fill_victims(self, plan: StorePlan, mark: bool = False) -> dict[int, Status]:
+        """A plan's victims leave before their slots are reused: lost ones offered to the
+        remote tier, NVMe-bound ones written, memory ones copied down; their NVMe statuses.
+        ``mark``: record the progress in ``plan.moved`` (as :meth:`run_store` does)."""
         self._publish_lost(plan)
         dem_st: dict[int, Status] = {}
         if plan.nvme_demote and self.nvme is not None:
             st = self.nvme.write(demotion_batch(plan.nvme_demote, self.memory, self.nvme.placement_for))
             dem_st = {d.row: s for d, s in zip(plan.nvme_demote, st)}
+        if mark:
+            plan.moved, plan.demote_statuses = StorePlan.NVME_DONE, dem_st
         self.memory.copy_down(plan.copies)
+        if mark:
+            plan.moved = StorePlan.COPIES_DONE
         return dem_st
 
     def _deliver_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None,
