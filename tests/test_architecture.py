@@ -299,16 +299,9 @@ def test_architecture_md_names_the_rooms():
 
 CLASS_MAX_LINES, FUNCTION_MAX_LINES, DOCSTRING_MAX_LINES = 600, 80, 30
 
-#: Module docstrings over the limit today -> their size (P11 unless a piece splits the module).
-DOCSTRING_OVERSIZE = {
-    "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
-    "bench/registry.py": 39, "client.py": 52, "fdp/device.py": 32, "fdp/ftl.py": 44,
-    "fdp/nvme_cli.py": 53, "fdp/passthrough.py": 53, "fdp/placement.py": 42, "fdp/waf.py": 36,
-    "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
-    "integrations/vllm_offload.py": 76, "io/format.py": 82, "io/journal.py": 69, "io/label.py": 54,
-    "io/ring.py": 48, "policies/cost.py": 71, "policies/costaware.py": 35,
-    "remote/format.py": 44, "server/check.py": 34, "server/tenancy.py": 33,
-}
+#: Module docstrings over the limit today -> their size (the rest moved to docs/; these two modules
+#: were being changed by other work when the others moved).
+DOCSTRING_OVERSIZE = {"bench/iojobs.py": 63, "io/ring.py": 48}
 
 
 def unit_sizes() -> dict[str, tuple[str, int]]:

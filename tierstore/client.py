@@ -10,45 +10,19 @@ An engine switches local <-> remote by constructing one or the other::
         ...
         store.store(ns, prompt_ids, new_kv_blocks)
 
-Differences from the local store, by design:
+Everything has :class:`~tierstore.api.KVStore`'s signature (``tests/server/test_client_parity.py``)
+except what :data:`NOT_OFFERED` lists: ``from_config``; ``pin_keys``, ``prefetch_keys``,
+``remove``, ``resident``, ``tiers_of``; ``flush``, ``evict``, ``clear``, ``drain``;
+``block_info``, ``state_of``, ``references``, ``leases``, ``namespaces``,
+``keys_of_namespace``, ``check_invariants``, ``record_events``, ``take_events``; and
+``bytes_per_tier``, ``capacity_bytes``, ``device_stats``, ``cost_model``, ``ftl``,
+``placement``, ``tiers`` (an ``AttributeError``). Keys are computed here and re-scoped to the
+caller's tenant by the daemon; lookups take no server-side references (use :meth:`pin`);
+key-level calls need ``ns=`` or keys of this client's :meth:`keys_for`. The HTTP side is
+:class:`tierstore.client_wire.DaemonConnection` (one aiohttp loop thread: the methods are
+synchronous and thread-safe).
 
-* Block keys are computed here (:meth:`keys_for`, the same chained SHA-256 as
-  :mod:`tierstore.identity`); the daemon re-scopes them to the caller's tenant,
-  so the ``tenant`` field of a :class:`~tierstore.identity.Namespace` does not
-  select the scope (the credential does). Use the namespace declared public in
-  the daemon config to share blocks across tenants.
-* ``lookup(..., request_id=...)`` takes no server-side references (a crashed
-  client must not leak them); :meth:`release` returns 0. Hold blocks with
-  :meth:`pin` (a lease that expires on its own).
-* Key-level calls (:meth:`load`, :meth:`load_fragments`, :meth:`exists`,
-  :meth:`lookup_keys`) need the keys' namespace: pass ``ns=`` (keyword-only,
-  an addition to :class:`~tierstore.api.KVStore`'s signature) or keys that came
-  from :meth:`keys_for`/:meth:`lookup` of this client (remembered).
-* :meth:`prefetch` brings blocks up into the *daemon's* memory tiers
-  (``tier="host"``); the engine's HBM is not the daemon's to fill.
-* A put is acknowledged (``OK``/``EXISTS``) only once durable on the daemon's
-  NVMe tier when the daemon runs with ``puts.durable: true`` (``durable`` attribute).
-* :meth:`stats` returns the daemon's ``/v1/info``; the counters are
-  Prometheus metrics at ``/metrics``.
-* Not offered remotely (:data:`NOT_OFFERED`): ``from_config`` (construct with
-  a URL and a token instead); the key-level ``pin_keys``, ``prefetch_keys``,
-  ``remove``, ``resident``, ``tiers_of``; operations on the store as a whole
-  (``flush``, ``evict``, ``clear``, ``drain``); introspection of the local
-  index (``block_info``, ``state_of``, ``references``, ``leases``,
-  ``namespaces``, ``keys_of_namespace``, ``check_invariants``,
-  ``record_events``, ``take_events``); and tier and device figures
-  (``bytes_per_tier``, ``capacity_bytes``, ``device_stats``, ``cost_model``,
-  ``ftl``, ``placement``, ``tiers``). Calling one is an ``AttributeError``.
-
-Everything else has :class:`~tierstore.api.KVStore`'s signature (checked by
-``tests/server/test_client_parity.py``), including ``wait=False`` futures and
-the fragment API: :meth:`store_fragments` gathers each block's fragments into
-the request body, :meth:`load_fragments` scatters the received bytes. Token ids
-passed where keys are expected raise :class:`~tierstore.errors.LayoutError`
-before any request.
-
-The HTTP client is aiohttp, driven from one background event-loop thread, so
-the methods are synchronous and thread-safe.
+Continued in ``docs/SERVER.md`` (``tierstore/client.py``): every difference from the local store.
 """
 from __future__ import annotations
 

@@ -19,37 +19,7 @@ RUH status             ``nvme io-mgmt-recv DEV -n NSID -m 1 -l LEN``  :func:`par
 Identify Namespace     ``nvme id-ns DEV -n NSID -b`` (4096 bytes)     :func:`logpages.parse_id_ns`
 =====================  =============================================  ==========================
 
-RUH Status is *not* read with ``nvme fdp status -b``: nvme-cli 2.3 (Debian 12)
-sizes that transfer as ``nruhsd * 32`` bytes, without the 16-byte header, so
-its binary output is 16 bytes shorter than its own descriptor count says
-(with 8 descriptors: 256 bytes where 272 are needed; seen on QEMU's emulated
-FDP namespace). :meth:`NvmeCli.ruh_status` asks for an explicit length with
-``nvme io-mgmt-recv`` instead: first for every descriptor the active
-configuration allows (reclaim groups x RUHs), then, if the header names more,
-once more with exactly that length. The parser still refuses a buffer shorter
-than its descriptor count. ``io-mgmt-recv`` of 2.3 exits 1 after a successful
-transfer when it writes the data to a file (``-d``), so the data is taken from
-its hexadecimal dump on stdout (exit 0), whose length is checked.
-nvme-cli 2.3's ``io-mgmt-send -m 1`` sends management operation 0 (it prints
-``mo:0``) and so cannot issue a RUH Update; that goes through passthrough
-(:func:`tierstore.fdp.passthrough.build_ruh_update_cmd`).
-
-Raw binary is preferred: the JSON printers of nvme-cli are incomplete and
-differ between versions (``nvme-print-json.c``: in 2.x ``json_nvme_fdp_configs``
-builds an ``obj_ruhs`` array but never attaches it, and omits ``maxpids``;
-128-bit stats counters are emitted as decimal *strings* by
-``json_object_add_value_uint128``; events carry no ``rgid``/``ruhid``).  The
-JSON parsers below accept those variants (string or number counters, missing
-optional keys) for the cases where only JSON is available.
-
-FDP feature (Set/Get Features, Feature Identifier 1Dh "Flexible Data
-Placement", Base Spec 2.1 / TP4146): CDW11 bits 15:0 = Endurance Group Identifier;
-CDW12 bit 0 = FDPE (enable), bits 15:8 = FDPCIDX (configuration index); the
-Get Features result has the same bit layout (nvme-cli ``fdp_feature``:
-``result & 0x1`` and ``(result >> 8) & 0xf``).  Endurance group identifiers
-start at 1 (Base Spec 2.1 "Endurance Groups": identifier 0h is not a valid
-endurance group); nvme-cli itself
-refuses 0 ("endurance group identifier required").
+Continued in ``docs/FDP.md`` (``tierstore/fdp/nvme_cli.py``).
 """
 from __future__ import annotations
 
