@@ -112,6 +112,20 @@ class RemoteLookupResult(LookupResult):
     ns: bytes = b""
 
 
+class _ConnectionSetting:
+    """A setting of the client's :class:`~tierstore.client_wire.DaemonConnection`, read and set
+    as an attribute of the client (``client.retries = 0`` sends no retry)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, client, owner=None):
+        return self if client is None else getattr(client._wire, self.name)
+
+    def __set__(self, client, value) -> None:
+        setattr(client._wire, self.name, value)
+
+
 class RemoteKVStore:
     """The daemon's KV-block API with :class:`~tierstore.api.KVStore`'s method names.
 
@@ -144,6 +158,10 @@ class RemoteKVStore:
         If the daemon cannot be reached or answers an error.
     """
 
+    #: retries of a 429/503 answer and the cap on one wait between them (settable)
+    retries = _ConnectionSetting()
+    max_retry_wait_s = _ConnectionSetting()
+
     def __init__(self, url: str, token: str, timeout_s: float = 60.0, retries: int = 5,
                  max_retry_wait_s: float = 2.0, remember_keys: int = 1 << 18) -> None:
         #: the HTTP session, its loop thread, the open/closed state, retries (:mod:`tierstore.client_wire`)
@@ -166,24 +184,6 @@ class RemoteKVStore:
         self.max_request_bytes: int = int(info["max_request_bytes"])
         self.max_keys_per_request: int = int(info["max_keys_per_request"])
         self._digests = DigestCache()
-
-    @property
-    def retries(self) -> int:
-        """Retries of a 429 ``overloaded`` / 503 ``draining`` answer (settable)."""
-        return self._wire.retries
-
-    @retries.setter
-    def retries(self, n: int) -> None:
-        self._wire.retries = n
-
-    @property
-    def max_retry_wait_s(self) -> float:
-        """Cap on one wait between retries, in seconds (settable)."""
-        return self._wire.max_retry_wait_s
-
-    @max_retry_wait_s.setter
-    def max_retry_wait_s(self, s: float) -> None:
-        self._wire.max_retry_wait_s = s
 
     # ------------------------------------------------------------------ identity
     def digest(self, ns: Namespace | bytes) -> bytes:

@@ -71,18 +71,8 @@ async def with_deadline(coro, timeout_s: float | None, partial: Callable):
 class DaemonConnection:
     """One HTTP session to a tierstore daemon (module doc).
 
-    Parameters
-    ----------
-    url : str
-        Daemon base URL, e.g. ``"http://127.0.0.1:8470"``.
-    token : str
-        Bearer token of the tenant.
-    timeout_s : float
-        Per-request timeout in seconds.
-    retries : int
-        Retries of a 429/503 answer (settable: :attr:`retries`).
-    max_retry_wait_s : float
-        Cap on one wait between retries, in seconds.
+    The parameters are :class:`~tierstore.client.RemoteKVStore`'s of the same names; ``retries`` and
+    ``max_retry_wait_s`` may be changed at any time.
 
     Raises
     ------
