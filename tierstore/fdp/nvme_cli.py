@@ -103,14 +103,26 @@ def parse_stats_text(text: str | bytes) -> lp.FdpStats:
 
 def parse_ruh_status_json(text: str | bytes) -> lp.RuhStatus:
     """``nvme fdp status -o json``: ``{"nruhsd": n, "ruhss": [{"pid","ruhid","earutr","ruamw"}]}``."""
-    d = json.loads(text)
-    n = _u(d["nruhsd"])
-    items = d.get("ruhss", [])
-    if len(items) < n:
-        raise CorruptData(f"fdp status JSON: nruhsd={n} but {len(items)} descriptors")
+    items = _counted_json(text, "status", "nruhsd", "ruhss")
     descs = tuple(lp.RuhStatusDesc(_u(x["pid"]), _u(x["ruhid"]), _u(x.get("earutr", 0)), _u(x.get("ruamw", 0)))
-                  for x in items[:n])
-    return lp.RuhStatus(n, descs)
+                  for x in items)
+    return lp.RuhStatus(len(items), descs)
+
+
+def _counted_json(text: str | bytes, what: str, count_key: str, list_key: str) -> list:
+    """The first ``count_key`` items of the list ``list_key`` of nvme-cli's JSON ``text``.
+
+    Raises
+    ------
+    CorruptData
+        When the list holds fewer items than the count says.
+    """
+    d = json.loads(text)
+    n = _u(d[count_key])
+    items = d.get(list_key, [])
+    if len(items) < n:
+        raise CorruptData(f"fdp {what} JSON: {count_key}={n} but {len(items)} descriptors")
+    return items[:n]
 
 
 def parse_configs_json(text: str | bytes) -> lp.FdpConfigLog:
@@ -134,12 +146,8 @@ def parse_configs_json(text: str | bytes) -> lp.FdpConfigLog:
 
 def parse_usage_json(text: str | bytes) -> lp.RuhUsageLog:
     """``nvme fdp usage -o json``: ``{"nruh": n, "ruhus": [{"ruha": a}]}``."""
-    d = json.loads(text)
-    n = _u(d["nruh"])
-    items = d.get("ruhus", [])
-    if len(items) < n:
-        raise CorruptData(f"fdp usage JSON: nruh={n} but {len(items)} descriptors")
-    return lp.RuhUsageLog(n, tuple(_u(x["ruha"]) for x in items[:n]))
+    items = _counted_json(text, "usage", "nruh", "ruhus")
+    return lp.RuhUsageLog(len(items), tuple(_u(x["ruha"]) for x in items))
 
 
 def parse_events_json(text: str | bytes) -> lp.FdpEventsLog:
