@@ -260,14 +260,26 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self._check_open("lookup")
         return LookupResult.HIT if self.store.exists([self._key(key)]) else LookupResult.MISS
 
+    def _job_rows(self, job: TransferJob, what: str) -> tuple[list, list, list[bytes]]:
+        """A ``what`` (store or load) job's keys, primary rows and tierstore keys, one row per key.
+
+        Raises
+        ------
+        StoreClosedError
+            After :meth:`shutdown`.
+        LayoutError
+            When the job has not one chunk id per key.
+        """
+        self._check_open(f"submit_{what}")
+        keys = list(job.keys)
+        rows = self._row_views(job.chunk_ids)
+        if len(rows) != len(keys):
+            raise LayoutError(f"{what} job {job.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
+        return keys, rows, [self._key(k) for k in keys]
+
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Copy primary rows ``chunk_ids`` into tierstore on the store thread (returns at once)."""
-        self._check_open("submit_store")
-        keys = list(job_metadata.keys)
-        rows = self._row_views(job_metadata.chunk_ids)
-        if len(rows) != len(keys):
-            raise LayoutError(f"store job {job_metadata.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
-        skeys = [self._key(k) for k in keys]
+        keys, rows, skeys = self._job_rows(job_metadata, "store")
         lifetime = self._lifetime(job_metadata.req_context)
         first = self._position(keys[0], job_metadata.req_context) if keys else 0
 
@@ -280,12 +292,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Copy chunks from tierstore into primary rows ``chunk_ids`` on the load thread."""
-        self._check_open("submit_load")
-        keys = list(job_metadata.keys)
-        rows = self._row_views(job_metadata.chunk_ids)
-        if len(rows) != len(keys):
-            raise LayoutError(f"load job {job_metadata.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
-        skeys = [self._key(k) for k in keys]
+        keys, rows, skeys = self._job_rows(job_metadata, "load")
 
         def run() -> tuple[list[Status], float]:
             t0 = time.perf_counter()
