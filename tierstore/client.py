@@ -324,7 +324,8 @@ class RemoteKVStore:
         d = self._ns_of(keys, ns)
         n = 0
         for a, b in self._batches(len(keys)):
-            got = self._wire.post("/v1/exists", {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])})["matched_blocks"]
+            body = {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])}
+            got = self._wire.post("/v1/exists", body)["matched_blocks"]
             n += got
             if got < b - a:
                 break
