@@ -14,7 +14,8 @@ LAYER = {
     "policies": 3,
     "index": 4, "movers": 4, "planner": 4, "metrics": 4,
     "api": 5, "build": 5, "config": 5, "devices": 5, "transfers": 5,
-    "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "cli": 6,
+    "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "client_wire": 6,
+    "cli": 6,
     "node": 6,
     "__init__": 7,
 }
@@ -205,7 +206,7 @@ def test_api_imports_no_policy_module():
 API_ATTRIBUTES = {"layout", "config", "nvme", "remote", "_parts", "_index", "_mover", "_planner",
                   "_transfers", "_digests", "_rids", "_closed", "_pool_lock", "_bb"}
 #: ``self.X = ...`` targets of api.py outside that set today -> the piece that removes each.
-API_STATE_PENDING = {"_flush": "P8 (FlushSettings)"}
+API_STATE_PENDING: dict = {}
 
 
 def _self_targets(path: pathlib.Path) -> set[str]:
@@ -299,23 +300,9 @@ def test_architecture_md_names_the_rooms():
 
 CLASS_MAX_LINES, FUNCTION_MAX_LINES, DOCSTRING_MAX_LINES = 600, 80, 30
 
-#: Units over the limit today -> their size; they may shrink, never grow (plan 1.1: the piece
-#: that splits each).
-OVERSIZE = {
-    "api.py::KVStore": 651,                                    # P9
-    "client.py::RemoteKVStore": 659,                           # unassigned (over 600 since c38303e)
-}
-
-#: Module docstrings over the limit today -> their size (P11 unless a piece splits the module).
-DOCSTRING_OVERSIZE = {
-    "bench/cli.py": 40, "bench/iojobs.py": 63, "bench/kvjobs.py": 41, "bench/kvsynth.py": 35,
-    "bench/registry.py": 39, "client.py": 52, "fdp/device.py": 32, "fdp/ftl.py": 44,
-    "fdp/nvme_cli.py": 53, "fdp/passthrough.py": 53, "fdp/placement.py": 42, "fdp/waf.py": 36,
-    "integrations/hf.py": 43, "integrations/sglang.py": 165, "integrations/vllm.py": 141,
-    "integrations/vllm_offload.py": 76, "io/format.py": 82, "io/journal.py": 69, "io/label.py": 54,
-    "io/ring.py": 48, "policies/cost.py": 71, "policies/costaware.py": 35,
-    "remote/format.py": 44, "server/check.py": 34, "server/tenancy.py": 33,
-}
+#: Module docstrings over the limit today -> their size (the rest moved to docs/; these two modules
+#: were being changed by other work when the others moved).
+DOCSTRING_OVERSIZE = {"bench/iojobs.py": 63, "io/ring.py": 48}
 
 
 def unit_sizes() -> dict[str, tuple[str, int]]:
@@ -373,7 +360,7 @@ def _check_sizes(sizes: dict[str, int], limit_of, allow: dict[str, int], what: s
 def test_size_limits():
     units = unit_sizes()
     limit = {k: CLASS_MAX_LINES if t == "class" else FUNCTION_MAX_LINES for k, (t, _) in units.items()}
-    _check_sizes({k: v for k, (_, v) in units.items()}, limit.__getitem__, OVERSIZE, "classes/functions")
+    _check_sizes({k: v for k, (_, v) in units.items()}, limit.__getitem__, {}, "classes/functions")
 
 
 def test_module_docstrings_at_most_30_lines():

@@ -79,6 +79,22 @@ def test_close_flush_can_be_turned_off_and_is_bounded(tmp_path):
         s.close()
 
 
+def test_close_flush_bounds_given_as_strings_are_the_configs_values(tmp_path):
+    """``flush_max_bytes="5 blocks' bytes"`` and ``flush_timeout_s="30s"`` are what the config
+    validated (a size and a duration string), not the raw strings: close wrote 5 blocks down
+    (with the raw strings, close() raised a TypeError and left the tier unclosed)."""
+    prompts = _prompts()
+    s = _open(tmp_path, 0, 64, flush_max_bytes=f"{5 * LAYOUT.bytes_per_block}B", flush_timeout_s="30s")
+    for toks, kv in prompts:
+        s.store(NS, toks, kv)
+    assert s.close() == 5
+    s = _open(tmp_path, 0, 64)
+    try:
+        assert s.stats()["blocks"] == 5
+    finally:
+        s.close()
+
+
 def test_invalidate_is_durable_and_the_namespace_can_be_stored_again(tmp_path):
     (toks, kv), (toks2, kv2) = _prompts(2)
     other = Namespace(model="m@1", tenant="bravo")

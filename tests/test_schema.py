@@ -55,6 +55,7 @@ def test_from_options_is_the_config_kvstore_keywords_open(options, layout, tmp_p
     """StoreConfig.from_options (the one table of KVStore keyword spellings) builds exactly the
     config KVStore(...)'s keywords hand to build.assemble, and refuses what they refuse."""
     import tierstore.api as api
+    import tierstore.build as build
     from tierstore.config import NVME_OPTIONS, OPTION_ALIASES, StoreConfig
 
     options = {k: str(tmp_path / "kv") if v == "NVME" else v for k, v in options.items()}
@@ -66,12 +67,12 @@ def test_from_options_is_the_config_kvstore_keywords_open(options, layout, tmp_p
     def capture(cfg, layout, **runtime):
         seen.append(cfg)
         raise Opened  # stop before anything opens
-    monkeypatch.setattr(api, "assemble", capture)
+    monkeypatch.setattr(build, "assemble", capture)
     with pytest.raises(Opened):
         api.KVStore(layout, **options)
     assert StoreConfig.from_options(**options) == seen[0]
     nvme_keys = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
-    assert nvme_keys == api._NVME_OPTIONS
+    assert nvme_keys == build.NVME_KEYWORDS
 
 
 @pytest.mark.parametrize("options, match", [

@@ -34,14 +34,13 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from .build import StoreParts, assemble, remote_planner
-from .config import NVME_OPTIONS, OPTION_ALIASES, PoliciesConfig, StoreConfig
+from .build import StoreParts, assemble_config, assemble_options, remote_planner
+from .config import StoreConfig
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import (check_keys, check_start_block, destination_bytes, plan_block, plan_sources,
-                        refuse_numpy)
-from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations
+from .io.inputs import (check_keys, check_start_block, plan_block, plan_destinations, plan_fragment_destinations,
+                        plan_sources, refuse_numpy, token_blocks)
 from .layout import KVLayout
 from .transfers import Transfers
 
@@ -71,14 +70,6 @@ def _open_call(fn):
         finally:
             calls.leave()
     return call
-
-
-#: KVStore keyword options that are policies (``policies:`` section of the config).
-_POLICY_OPTIONS = set(PoliciesConfig.model_fields)
-#: Run-time objects a config file cannot carry.
-_RUNTIME_OPTIONS = {"clock", "classify", "admit", "reinsert", "cost", "nvme", "host_pool"}
-#: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
-_NVME_OPTIONS = set(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
 
 
 @runtime_checkable
@@ -176,17 +167,7 @@ class KVStore:
 
     def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
                  nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> None:
-        unknown = set(options) - _POLICY_OPTIONS - _RUNTIME_OPTIONS - _NVME_OPTIONS - {"device", "remote"}
-        if unknown:
-            raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
-                              f"{sorted(_POLICY_OPTIONS | _RUNTIME_OPTIONS | _NVME_OPTIONS | {'device', 'remote'})}")
-        runtime = {k: options.pop(k) for k in list(options) if k in _RUNTIME_OPTIONS}
-        nv_opts = {k: v for k, v in options.items() if k in _NVME_OPTIONS}
-        if runtime.get("nvme") is not None:  # a ready NVMe backend: its options set only the flush on close
-            options = {k: v for k, v in options.items() if k not in _NVME_OPTIONS}
-            nvme_path, nvme_bytes = None, 0
-        cfg = StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)
-        self._init(assemble(cfg, layout, **runtime), nv_opts)
+        self._init(assemble_options(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options))
 
     @classmethod
     def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> "KVStore":
@@ -208,22 +189,11 @@ class KVStore:
         ConfigError
             Invalid configuration, or no layout given either way.
         """
-        cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
-        if layout is None:
-            if cfg.layout is None:
-                raise ConfigError("the store config has no 'layout' and none was given")
-            layout = cfg.layout.build()
-        unknown = set(runtime) - _RUNTIME_OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown run-time option(s) {sorted(unknown)}; accepted: {sorted(_RUNTIME_OPTIONS)}")
         self = cls.__new__(cls)
-        nv = cfg.tiers.nvme
-        self._init(assemble(cfg, layout, **runtime),
-                   {} if nv is None else {"flush_on_close": nv.flush_on_close, "flush_timeout_s": nv.flush_timeout_s,
-                                          "flush_max_bytes": nv.flush_max_bytes})
+        self._init(assemble_config(config, layout, **runtime))
         return self
 
-    def _init(self, parts: StoreParts, nv_opts: dict) -> None:
+    def _init(self, parts: StoreParts) -> None:
         self.layout = parts.layout
         self._bb = parts.layout.bytes_per_block
         self.config = parts.config
@@ -231,9 +201,6 @@ class KVStore:
         self._index = parts.index
         self._mover = parts.mover
         self.nvme = parts.nvme
-        self._flush = {"flush_on_close": nv_opts.get("flush_on_close", True),
-                       "flush_timeout_s": nv_opts.get("flush_timeout_s", 30.0),
-                       "flush_max_bytes": nv_opts.get("flush_max_bytes")}
         self._digests = DigestCache(scope=self.layout.fingerprint())  # other layouts never match
         self._rids = itertools.count(1)
         self.remote = parts.remote
@@ -257,11 +224,6 @@ class KVStore:
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids`` under ``ns``."""
         return block_hashes(self.digest(ns), token_ids, self.layout.tokens_per_block)
-
-    def _token_blocks(self, token_ids, n: int) -> list[np.ndarray]:
-        arr = np.asarray(token_ids, dtype=np.int64)
-        b = self.layout.tokens_per_block
-        return [arr[i * b:(i + 1) * b] for i in range(n)]
 
     @property
     def tiers(self) -> list[Tier]:
@@ -411,7 +373,7 @@ class KVStore:
             raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
                               f"{len(keys)} full blocks (partial tails are never stored)")
         end = start_block + len(sources)
-        toks = (self._token_blocks(token_ids, len(keys))[start_block:end]
+        toks = (token_blocks(token_ids, len(keys), self.layout)[start_block:end]
                 if self._index.settings.verify_tokens else None)
         return self._transfers.store(self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks,
                                      wait)
@@ -426,7 +388,7 @@ class KVStore:
         :meth:`release`. See :meth:`tierstore.index.BlockIndex.lookup`.
         """
         keys = self.keys_for(ns, token_ids)
-        toks = self._token_blocks(token_ids, len(keys)) if self._index.settings.verify_tokens else None
+        toks = token_blocks(token_ids, len(keys), self.layout) if self._index.settings.verify_tokens else None
         return self._transfers.lookup(keys, toks, request_id, len(token_ids), self.digest(ns))
 
     @_open_call
@@ -493,25 +455,7 @@ class KVStore:
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = check_keys(keys)
-        if dests is not None and len(dests) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
-        if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
-            plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
-            raws = list(plans.rows.unbind(0)) if keys else []
-        else:
-            raws = [destination_bytes(d, self.layout) for d in dests]
-            plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
-
-        def finish(st: list[Status]):
-            outs = []
-            for s, r, d in zip(st, raws, dests if dests is not None else raws):
-                if s is not Status.OK:
-                    outs.append(None)
-                elif dests is None:
-                    outs.append(self.layout.block_view(r))
-                else:
-                    outs.append(d)
-            return st, outs
+        plans, finish = plan_destinations(len(keys), dests, self.layout)
         return self._transfers.load(keys, plans, promote, wait, timeout_s, finish, self.MERGE_WAIT_S)
 
     @_open_call
@@ -536,11 +480,7 @@ class KVStore:
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = check_keys(keys)
-        dest_fragments_per_block = list(dest_fragments_per_block)
-        if len(dest_fragments_per_block) != len(keys):
-            raise LayoutError(f"{len(keys)} blocks to load but {len(dest_fragments_per_block)} destinations")
-        plans = [plan_block(frags, self.layout, destination=True) for frags in dest_fragments_per_block]
-        check_distinct_destinations(plans)
+        plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
         return self._transfers.load(keys, plans, True, wait, timeout_s, lambda st: st, self.MERGE_WAIT_S)
 
     # -------------------------------------------------------------- prefetch / pins / admin
@@ -631,18 +571,9 @@ class KVStore:
 
     # -------------------------------------------------------------- introspection
     def stats(self) -> dict:
-        """Counters, per-tier bytes, load-latency percentiles and NVMe backend stats."""
-        ix = self._index
-        out = ix.metrics.snapshot()
-        out["bytes_per_tier"] = ix.bytes_per_tier()
-        out["load_latency_ns"] = ix.metrics.latency_percentiles_ns()
-        out["index_bytes"] = ix.nbytes()
-        out["blocks"] = len(ix)
-        if self.nvme is not None:
-            out["nvme_backend"] = self.nvme.stats()
-        if self.remote is not None:
-            out["remote"] = self.remote.stats()
-        return out
+        """Counters, per-tier bytes, load-latency percentiles and NVMe backend stats
+        (:meth:`tierstore.build.StoreParts.stats`)."""
+        return self._parts.stats()
 
     def device_stats(self) -> dict:
         """The NVMe device's view: its description and, with an FDP device (real
@@ -672,10 +603,7 @@ class KVStore:
 
     def capacity_bytes(self) -> dict[str, int]:
         """Capacity per enabled tier in bytes."""
-        out = {t.label: p.num_blocks * self.layout.bytes_per_block for t, p in self._parts.pools.items()}
-        if self.nvme is not None:
-            out["nvme"] = self.nvme.capacity_blocks() * self.layout.bytes_per_block
-        return out
+        return self._parts.capacity_bytes()
 
     def references(self) -> dict[object, int]:
         """Open request references: ``request_id -> blocks referenced`` (empty when
@@ -749,10 +677,10 @@ class KVStore:
         if not self._transfers.calls.close():
             return 0
         self._mover.shutdown()
-        f = self._flush
+        f = self._parts.flush
         written = 0
-        if self.nvme is not None and (f["flush_on_close"] if flush is None else flush):
-            written = self._transfers.flush(f["flush_timeout_s"], f["flush_max_bytes"])
+        if self.nvme is not None and (f.on_close if flush is None else flush):
+            written = self._transfers.flush(f.timeout_s, f.max_bytes)
         if self.nvme is not None:
             self.nvme.close()
         if self.remote is not None:

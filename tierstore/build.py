@@ -27,7 +27,7 @@ import os
 import time
 from typing import Any, Callable
 
-from .config import NvmeTierConfig, StoreConfig, TiersConfig
+from .config import NVME_OPTIONS, OPTION_ALIASES, NvmeTierConfig, PoliciesConfig, StoreConfig, TiersConfig
 from .contract import Tier
 from .devices import DeviceStatsSource, NvmeGeometry, OpenedDevice, file_tier_geometry, open_device
 from .errors import ConfigError
@@ -47,7 +47,31 @@ from .tiers.memory import BlockPool, cuda_available
 from .tiers.storage import BlockStorage
 from .units import format_bytes
 
-__all__ = ["StoreParts", "assemble", "build_store", "file_tier_geometry", "remote_planner"]
+__all__ = ["FlushSettings", "StoreParts", "assemble", "assemble_config", "assemble_options", "build_store",
+           "file_tier_geometry", "remote_planner"]
+
+#: ``KVStore`` keyword options that are policies (``policies:`` section of the config).
+POLICY_OPTIONS = frozenset(PoliciesConfig.model_fields)
+#: Run-time objects a config file cannot carry (:func:`assemble`'s keyword arguments).
+RUNTIME_OPTIONS = frozenset({"clock", "classify", "admit", "reinsert", "cost", "nvme", "host_pool"})
+#: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
+NVME_KEYWORDS = frozenset(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlushSettings:
+    """What :meth:`KVStore.close <tierstore.api.KVStore.close>` writes down to NVMe: the
+    ``flush_on_close``, ``flush_timeout_s`` (seconds) and ``flush_max_bytes`` (``None``: no cap)
+    of :class:`~tierstore.config.NvmeTierConfig`; a store without an NVMe section has the defaults."""
+
+    on_close: bool = True
+    timeout_s: float | None = 30.0
+    max_bytes: int | None = None
+
+    @classmethod
+    def of(cls, nv: NvmeTierConfig | None) -> "FlushSettings":
+        """The settings of the ``tiers.nvme`` section ``nv`` (``None``: the defaults)."""
+        return cls() if nv is None else cls(nv.flush_on_close, nv.flush_timeout_s, nv.flush_max_bytes)
 
 
 @dataclasses.dataclass
@@ -67,6 +91,31 @@ class StoreParts:
     shim: RuhUpdateShim | None = None
     remote: Any = None
     share: Any = None
+    flush: FlushSettings = dataclasses.field(default_factory=FlushSettings)
+
+    def stats(self) -> dict:
+        """The store's counters (:meth:`KVStore.stats <tierstore.api.KVStore.stats>`): the index's
+        metrics, ``bytes_per_tier``, ``load_latency_ns`` percentiles, ``index_bytes``, ``blocks``,
+        and the NVMe backend's (``nvme_backend``) and remote tier's (``remote``) stats when present."""
+        ix = self.index
+        out = ix.metrics.snapshot()
+        out["bytes_per_tier"] = ix.bytes_per_tier()
+        out["load_latency_ns"] = ix.metrics.latency_percentiles_ns()
+        out["index_bytes"] = ix.nbytes()
+        out["blocks"] = len(ix)
+        if self.nvme is not None:
+            out["nvme_backend"] = self.nvme.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
+        return out
+
+    def capacity_bytes(self) -> dict[str, int]:
+        """Capacity per enabled tier in bytes (``hbm``, ``host``, ``nvme``)."""
+        bb = self.layout.bytes_per_block
+        out = {t.label: p.num_blocks * bb for t, p in self.pools.items()}
+        if self.nvme is not None:
+            out["nvme"] = self.nvme.capacity_blocks() * bb
+        return out
 
 
 def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
@@ -152,7 +201,8 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
             remote.set_load_observer(lambda n, secs: index.runtime.cost.observe_load("remote", n * bb, secs, n))
         return StoreParts(layout, cfg, index, mover, pools, nvme, placement, geometry,
                           opened.ftl if opened is not None else None,
-                          opened.stats_source if opened is not None else None, shim, remote, share)
+                          opened.stats_source if opened is not None else None, shim, remote, share,
+                          FlushSettings.of(nv))
     except BaseException:
         if opened is not None:  # the NVMe tier this assembly opened: closed, and a file it created removed
             nvme.close()
@@ -299,6 +349,58 @@ def remote_planner(parts: StoreParts) -> RemotePlanner | None:
         return None
     return RemotePlanner(parts.index, parts.remote, parts.share, parts.config.remote.publish,
                          parts.layout.bytes_per_block, parts.layout.tokens_per_block)
+
+
+def assemble_options(layout: KVLayout, hbm_bytes: int | str = 0, host_bytes: int | str = 0,
+                     nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> StoreParts:
+    """Wire the store ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)`` opens.
+
+    ``options`` are those :meth:`StoreConfig.from_options <tierstore.config.StoreConfig.from_options>`
+    takes and the run-time objects of :func:`assemble` (:data:`RUNTIME_OPTIONS`). With a ready NVMe
+    backend (``nvme=...``) the NVMe options set only the flush on close (as given, unchecked) and
+    ``nvme_path``/``nvme_bytes`` are not used.
+
+    Raises
+    ------
+    ConfigError
+        An unknown option (the message lists the accepted ones) or a bad value.
+    """
+    unknown = set(options) - POLICY_OPTIONS - RUNTIME_OPTIONS - NVME_KEYWORDS - {"device", "remote"}
+    if unknown:
+        raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
+                          f"{sorted(POLICY_OPTIONS | RUNTIME_OPTIONS | NVME_KEYWORDS | {'device', 'remote'})}")
+    runtime = {k: options.pop(k) for k in list(options) if k in RUNTIME_OPTIONS}
+    flush = None
+    if runtime.get("nvme") is not None:  # a ready NVMe backend: its options set only the flush on close
+        given = {k: options.pop(k) for k in list(options) if k in NVME_KEYWORDS}
+        flush = FlushSettings(given.get("flush_on_close", True), given.get("flush_timeout_s", 30.0),
+                              given.get("flush_max_bytes"))
+        nvme_path, nvme_bytes = None, 0
+    parts = assemble(StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options), layout,
+                     **runtime)
+    if flush is not None:
+        parts.flush = flush
+    return parts
+
+
+def assemble_config(config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> StoreParts:
+    """Wire the store of a typed config (or a dict to validate); ``layout`` overrides ``config.layout``
+    and ``runtime`` takes the run-time objects of :func:`assemble`.
+
+    Raises
+    ------
+    ConfigError
+        Invalid configuration, an unknown run-time option, or no layout given either way.
+    """
+    cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+    if layout is None:
+        if cfg.layout is None:
+            raise ConfigError("the store config has no 'layout' and none was given")
+        layout = cfg.layout.build()
+    unknown = set(runtime) - RUNTIME_OPTIONS
+    if unknown:
+        raise ConfigError(f"unknown run-time option(s) {sorted(unknown)}; accepted: {sorted(RUNTIME_OPTIONS)}")
+    return assemble(cfg, layout, **runtime)
 
 
 def build_store(config: StoreConfig | dict, layout: KVLayout | None = None, **runtime):

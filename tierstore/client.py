@@ -10,72 +10,39 @@ An engine switches local <-> remote by constructing one or the other::
         ...
         store.store(ns, prompt_ids, new_kv_blocks)
 
-Differences from the local store, by design:
+Everything has :class:`~tierstore.api.KVStore`'s signature (``tests/server/test_client_parity.py``)
+except what :data:`NOT_OFFERED` lists: ``from_config``; ``pin_keys``, ``prefetch_keys``,
+``remove``, ``resident``, ``tiers_of``; ``flush``, ``evict``, ``clear``, ``drain``;
+``block_info``, ``state_of``, ``references``, ``leases``, ``namespaces``,
+``keys_of_namespace``, ``check_invariants``, ``record_events``, ``take_events``; and
+``bytes_per_tier``, ``capacity_bytes``, ``device_stats``, ``cost_model``, ``ftl``,
+``placement``, ``tiers`` (an ``AttributeError``). Keys are computed here and re-scoped to the
+caller's tenant by the daemon; lookups take no server-side references (use :meth:`pin`);
+key-level calls need ``ns=`` or keys of this client's :meth:`keys_for`. The HTTP side is
+:class:`tierstore.client_wire.DaemonConnection` (one aiohttp loop thread: the methods are
+synchronous and thread-safe).
 
-* Block keys are computed here (:meth:`keys_for`, the same chained SHA-256 as
-  :mod:`tierstore.identity`); the daemon re-scopes them to the caller's tenant,
-  so the ``tenant`` field of a :class:`~tierstore.identity.Namespace` does not
-  select the scope (the credential does). Use the namespace declared public in
-  the daemon config to share blocks across tenants.
-* ``lookup(..., request_id=...)`` takes no server-side references (a crashed
-  client must not leak them); :meth:`release` returns 0. Hold blocks with
-  :meth:`pin` (a lease that expires on its own).
-* Key-level calls (:meth:`load`, :meth:`load_fragments`, :meth:`exists`,
-  :meth:`lookup_keys`) need the keys' namespace: pass ``ns=`` (keyword-only,
-  an addition to :class:`~tierstore.api.KVStore`'s signature) or keys that came
-  from :meth:`keys_for`/:meth:`lookup` of this client (remembered).
-* :meth:`prefetch` brings blocks up into the *daemon's* memory tiers
-  (``tier="host"``); the engine's HBM is not the daemon's to fill.
-* A put is acknowledged (``OK``/``EXISTS``) only once durable on the daemon's
-  NVMe tier when the daemon runs with ``puts.durable: true`` (``durable`` attribute).
-* :meth:`stats` returns the daemon's ``/v1/info``; the counters are
-  Prometheus metrics at ``/metrics``.
-* Not offered remotely (:data:`NOT_OFFERED`): ``from_config`` (construct with
-  a URL and a token instead); the key-level ``pin_keys``, ``prefetch_keys``,
-  ``remove``, ``resident``, ``tiers_of``; operations on the store as a whole
-  (``flush``, ``evict``, ``clear``, ``drain``); introspection of the local
-  index (``block_info``, ``state_of``, ``references``, ``leases``,
-  ``namespaces``, ``keys_of_namespace``, ``check_invariants``,
-  ``record_events``, ``take_events``); and tier and device figures
-  (``bytes_per_tier``, ``capacity_bytes``, ``device_stats``, ``cost_model``,
-  ``ftl``, ``placement``, ``tiers``). Calling one is an ``AttributeError``.
-
-Everything else has :class:`~tierstore.api.KVStore`'s signature (checked by
-``tests/server/test_client_parity.py``), including ``wait=False`` futures and
-the fragment API: :meth:`store_fragments` gathers each block's fragments into
-the request body, :meth:`load_fragments` scatters the received bytes. Token ids
-passed where keys are expected raise :class:`~tierstore.errors.LayoutError`
-before any request.
-
-The HTTP client is aiohttp, driven from one background event-loop thread, so
-the methods are synchronous and thread-safe.
+Continued in ``docs/SERVER.md`` (``tierstore/client.py``): every difference from the local store.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import contextlib
 import itertools
-import json
-import threading
 import time
-import urllib.parse
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .contract import Lease, LookupResult, Tier
-from .errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
+from .client_wire import AuthError, DaemonConnection, RemoteError, ServerBusy, with_deadline
+from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import plan_block
-from .io.pages import check_distinct_destinations
+from .io.inputs import plan_block, plan_fragment_destinations
 from .layout import KVLayout
-from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
-from .extras import require
-
-aiohttp = require("aiohttp", "tierstore.client (the daemon's client)")
+from .server.protocol import keys_to_hex
 
 #: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
 #: what they are for (``tests/server/test_client_parity.py`` keeps this equal to the difference of
@@ -90,25 +57,7 @@ NOT_OFFERED: dict[str, tuple[str, ...]] = {
                                 "placement", "tiers"),
 }
 
-_STATUS = {s.value: s for s in Status}
 _TIER = {t.label: t for t in Tier}
-
-
-class RemoteError(TierStoreError):
-    """The daemon refused a request (the message carries its status, code and message)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}")
-        self.status = status
-        self.code = code
-
-
-class AuthError(RemoteError):
-    """Missing or invalid credentials (HTTP 401) or a forbidden namespace (403)."""
-
-
-class ServerBusy(RemoteError):
-    """The daemon stayed overloaded or draining (429/503) through every retry."""
 
 
 def _check_keys(keys: Any) -> list[bytes]:
@@ -163,6 +112,20 @@ class RemoteLookupResult(LookupResult):
     ns: bytes = b""
 
 
+class _ConnectionSetting:
+    """A setting of the client's :class:`~tierstore.client_wire.DaemonConnection`, read and set
+    as an attribute of the client (``client.retries = 0`` sends no retry)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, client, owner=None):
+        return self if client is None else getattr(client._wire, self.name)
+
+    def __set__(self, client, value) -> None:
+        setattr(client._wire, self.name, value)
+
+
 class RemoteKVStore:
     """The daemon's KV-block API with :class:`~tierstore.api.KVStore`'s method names.
 
@@ -195,33 +158,22 @@ class RemoteKVStore:
         If the daemon cannot be reached or answers an error.
     """
 
+    #: retries of a 429/503 answer and the cap on one wait between them (settable)
+    retries = _ConnectionSetting()
+    max_retry_wait_s = _ConnectionSetting()
+
     def __init__(self, url: str, token: str, timeout_s: float = 60.0, retries: int = 5,
                  max_retry_wait_s: float = 2.0, remember_keys: int = 1 << 18) -> None:
-        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"url={url!r}: the URL needs a scheme (http:// or https://) and a host, e.g. "
-                              "http://127.0.0.1:8470")
-        self.url = url.rstrip("/")
-        #: open/closed state and the calls in progress (close waits for them)
-        self._state = threading.Condition(threading.Lock())
-        self._active = 0
-        self._closed = False
-        self._auth = {"Authorization": f"Bearer {token}"}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.retries = retries
-        self.max_retry_wait_s = max_retry_wait_s
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tierstore-client", daemon=True)
-        self._thread.start()
-        self._session: aiohttp.ClientSession | None = None
-        self._call(self._open())
+        #: the HTTP session, its loop thread, the open/closed state, retries (:mod:`tierstore.client_wire`)
+        self._wire = DaemonConnection(url, token, timeout_s, retries, max_retry_wait_s)
+        self.url = self._wire.url
         self._key_ns: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._remember_max = remember_keys
         self._rids = itertools.count(1)
         try:
-            info = self._call(self._request_json("GET", "/v1/info", None))
+            info = self._wire.call(self._wire.request_json("GET", "/v1/info", None))
         except BaseException:
-            self.close()
+            self._wire.close()
             raise
         lay = info["layout"]
         self.tenant: str = info["tenant"]
@@ -232,82 +184,6 @@ class RemoteKVStore:
         self.max_request_bytes: int = int(info["max_request_bytes"])
         self.max_keys_per_request: int = int(info["max_keys_per_request"])
         self._digests = DigestCache()
-
-    # ------------------------------------------------------------------ plumbing
-    async def _open(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout,
-                                              connector=aiohttp.TCPConnector(limit=64))
-
-    def _enter(self, coro) -> None:
-        with self._state:
-            if self._closed:
-                coro.close()  # never scheduled
-                raise StoreClosedError("RemoteKVStore: the client is closed")
-            self._active += 1
-
-    def _leave(self) -> None:
-        with self._state:
-            self._active -= 1
-            if not self._active:
-                self._state.notify_all()
-
-    def _call(self, coro):
-        """Run ``coro`` on the client's loop and wait for it.
-
-        Raises
-        ------
-        StoreClosedError
-            After :meth:`close` began (nothing is sent).
-        """
-        self._enter(coro)
-        try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-        except concurrent.futures.CancelledError:
-            raise StoreClosedError("RemoteKVStore: the client was closed during the call") from None
-        finally:
-            self._leave()
-
-    async def _error(self, resp: aiohttp.ClientResponse) -> RemoteError:
-        try:
-            err = json.loads(await resp.read())["error"]
-            code, msg = str(err["code"]), str(err["message"])
-        except (ValueError, KeyError, TypeError):
-            code, msg = "http_error", resp.reason or ""
-        if resp.status in (401, 403):
-            return AuthError(resp.status, code, msg)
-        if code in ("quota_exceeded", "pin_quota_exceeded"):
-            return QuotaExceeded(f"HTTP {resp.status} {code}: {msg}")
-        if resp.status in (429, 503):
-            return ServerBusy(resp.status, code, msg)
-        return RemoteError(resp.status, code, msg)
-
-    async def _send(self, method: str, path: str, handle, data=None, json_body=None, headers=None):
-        """Send with retries of retryable answers; ``handle(resp)`` consumes a 200."""
-        hdrs = dict(self._auth)
-        if headers:
-            hdrs.update(headers)
-        for attempt in itertools.count():
-            body = data() if callable(data) else data
-            try:
-                async with self._session.request(method, self.url + path, data=body, json=json_body,
-                                                 headers=hdrs) as resp:
-                    if resp.status == 200:
-                        return await handle(resp)
-                    err = await self._error(resp)
-                    retry_s = float(resp.headers.get("Retry-After", "0.1") or 0.1)
-            except aiohttp.ClientError as e:
-                raise RemoteError(0, "connection", f"{method} {path}: {e}") from None
-            if not isinstance(err, ServerBusy) or attempt >= self.retries:
-                raise err
-            await asyncio.sleep(min(self.max_retry_wait_s, retry_s) * (1 + 0.25 * attempt))
-
-    async def _request_json(self, method: str, path: str, body: dict | None):
-        async def handle(resp):
-            return json.loads(await resp.read())
-        return await self._send(method, path, handle, json_body=body)
-
-    def _post(self, path: str, body: dict) -> dict:
-        return self._call(self._request_json("POST", path, body))
 
     # ------------------------------------------------------------------ identity
     def digest(self, ns: Namespace | bytes) -> bytes:
@@ -334,18 +210,6 @@ class RemoteKVStore:
     def cancel(self, request_id: object) -> int:
         """No-op (remote lookups take no references); returns 0."""
         return 0
-
-    # ------------------------------------------------------------------ futures
-    def _future(self, coro, wait: bool):
-        """Run ``coro`` on the client's loop: its result, or with ``wait=False`` a
-        :class:`concurrent.futures.Future` of it (as :class:`~tierstore.api.KVStore`)."""
-        if wait:
-            return self._call(coro)
-        self._enter(coro)
-        try:  # close() lets a submitted call finish (up to the client's timeout)
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
-        finally:
-            self._leave()
 
     # ------------------------------------------------------------------ store
     def _raw_blocks(self, kv_blocks) -> list[torch.Tensor]:
@@ -402,26 +266,10 @@ class RemoteKVStore:
         async def run() -> list[Status]:
             out: list[Status] = []
             for a, b in self._batches(len(keys)):
-                out += await self._put(d, keys[a:b], raw[a:b], first_position + a, lifetime)
+                out += await self._wire.put_blocks(d, keys[a:b], raw[a:b], first_position + a, lifetime,
+                                                   self.block_bytes)
             return out
-        return self._future(run(), wait)
-
-    async def _put(self, d: bytes, keys, raw, first_position: int, lifetime) -> list[Status]:
-        prefix = encode_prefix({"namespace": d.hex(), "keys": keys_to_hex(keys),
-                                "first_position": first_position, "lifetime": lifetime})
-        length = len(prefix) + len(raw) * self.block_bytes
-
-        def body():
-            async def gen():
-                yield prefix
-                for t in raw:
-                    yield memoryview(t.numpy())
-            return gen()
-
-        async def handle(resp):
-            return [_STATUS[s] for s in json.loads(await resp.read())["statuses"]]
-        return await self._send("PUT", "/v1/blocks", handle, data=body,
-                                headers={"Content-Type": BLOCKS_CONTENT_TYPE, "Content-Length": str(length)})
+        return self._wire.future(run(), wait)
 
     def _remember(self, keys: Sequence[bytes], d: bytes) -> None:
         for k in keys:
@@ -476,7 +324,8 @@ class RemoteKVStore:
         d = self._ns_of(keys, ns)
         n = 0
         for a, b in self._batches(len(keys)):
-            got = self._post("/v1/exists", {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])})["matched_blocks"]
+            body = {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])}
+            got = self._wire.post("/v1/exists", body)["matched_blocks"]
             n += got
             if got < b - a:
                 break
@@ -491,7 +340,7 @@ class RemoteKVStore:
         matched, useful, tiers, load_s, reason = 0, 0, [], [], None
         for a in range(0, max(1, len(keys)), per):
             chunk = keys[a:a + per]
-            r = self._post("/v1/lookup", {"namespace": d.hex(), "keys": keys_to_hex(chunk)})
+            r = self._wire.post("/v1/lookup", {"namespace": d.hex(), "keys": keys_to_hex(chunk)})
             matched += r["matched_blocks"]
             tiers += [_TIER[t] for t in r["tiers"]]
             load_s += r["load_s"]
@@ -536,7 +385,7 @@ class RemoteKVStore:
         return d
 
     def _load_keys(self, keys, ns) -> tuple[list[bytes], bytes]:
-        if self._closed:  # before the load's coroutines exist (_call checks again, race-safe)
+        if self._wire.closed:  # before the load's coroutines exist (the connection checks again)
             raise StoreClosedError("RemoteKVStore: the client is closed")
         if isinstance(keys, RemoteLookupResult):
             ns = ns if ns is not None else keys.ns
@@ -574,10 +423,12 @@ class RemoteKVStore:
         async def run():
             for a, b in self._batches(len(keys)):
                 if timeout_s is None:
-                    st, o = await self._get(d, keys[a:b], None if dests is None else dests[a:b],
-                                            None if raw_dests is None else raw_dests[a:b], promote)
+                    st, o = await self._wire.get_blocks(
+                        d, keys[a:b], None if dests is None else dests[a:b],
+                        None if raw_dests is None else raw_dests[a:b], promote, self.layout, self.block_bytes)
                 else:  # private buffers: a cancelled batch never writes the caller's memory
-                    st, o = await self._get(d, keys[a:b], None, None, promote)
+                    st, o = await self._wire.get_blocks(d, keys[a:b], None, None, promote, self.layout,
+                                                        self.block_bytes)
                     if raw_dests is not None:
                         for i, (s, got) in enumerate(zip(st, o)):
                             if s is Status.OK:
@@ -586,19 +437,8 @@ class RemoteKVStore:
                 statuses.extend(st)
                 outs.extend(o)
             return statuses, outs
-        return self._future(self._deadline(run(), timeout_s, lambda: (
+        return self._wire.future(with_deadline(run(), timeout_s, lambda: (
             statuses + [Status.MISS] * (len(keys) - len(statuses)), outs + [None] * (len(keys) - len(outs)))), wait)
-
-    async def _deadline(self, coro, timeout_s: float | None, partial):
-        """``coro``, or ``partial()`` when it does not finish within ``timeout_s``."""
-        if timeout_s is None:
-            return await coro
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
-        try:
-            return await asyncio.wait_for(coro, timeout_s)
-        except asyncio.TimeoutError:
-            return partial()
 
     def load_fragments(self, keys: Sequence[bytes] | LookupResult, dest_fragments_per_block, *,
                        wait: bool = True, timeout_s: float | None = None,
@@ -617,23 +457,20 @@ class RemoteKVStore:
             A wrong fragment count or size, not one destination per key, or malformed keys.
         """
         keys, d = self._load_keys(keys, ns)
-        dests = list(dest_fragments_per_block)
-        if len(dests) != len(keys):
-            raise LayoutError(f"{len(keys)} blocks to load but {len(dests)} destinations")
-        plans = [plan_block(f, self.layout, destination=True) for f in dests]
-        check_distinct_destinations(plans)
+        plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
 
         statuses: list[Status] = []
 
         async def run() -> list[Status]:
             for a, b in self._batches(len(keys)):
-                st, outs = await self._get(d, keys[a:b], None, None, True)
+                st, outs = await self._wire.get_blocks(d, keys[a:b], None, None, True, self.layout,
+                                                       self.block_bytes)
                 for s, raw, plan in zip(st, outs, plans[a:b]):
                     if s is Status.OK:
                         plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
                 statuses.extend(st)
             return statuses
-        return self._future(self._deadline(run(), timeout_s,
+        return self._wire.future(with_deadline(run(), timeout_s,
                                            lambda: statuses + [Status.MISS] * (len(keys) - len(statuses))), wait)
 
     def _raw_dests(self, dests: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -643,55 +480,6 @@ class RemoteKVStore:
             if t.numel() != B or t.device.type != "cpu":
                 raise LayoutError(f"each destination must be a CPU block of {B} bytes")
         return raw
-
-    async def _get(self, d: bytes, keys, dests, raw_dests, promote: bool):
-        B = self.block_bytes
-
-        async def handle(resp):
-            c = resp.content
-            (mlen,) = PREFIX.unpack(await c.readexactly(PREFIX.size))
-            man = json.loads(await c.readexactly(mlen))
-            st = [_STATUS[s] for s in man["statuses"]]
-            if len(st) != len(keys) or man["block_bytes"] != B:
-                raise RemoteError(200, "bad_response", "manifest does not match the request")
-            ok = [i for i, s in enumerate(st) if s is Status.OK]
-            outs: list[torch.Tensor | None] = [None] * len(keys)
-            if raw_dests is not None:
-                # straight into the caller's buffers (contiguous CPU ones), no staging copy
-                targets = [memoryview(raw_dests[i].numpy()) if raw_dests[i].is_contiguous() else None for i in ok]
-                tmp = [torch.empty(B, dtype=torch.uint8) if t is None else None for t in targets]
-                views = [t if t is not None else memoryview(x.numpy()) for t, x in zip(targets, tmp)]
-            else:
-                buf = torch.empty(len(ok) * B, dtype=torch.uint8)
-                whole = memoryview(buf.numpy()) if ok else memoryview(b"")
-                views = [whole[j * B:(j + 1) * B] for j in range(len(ok))]
-            j, off, got, want = 0, 0, 0, len(ok) * B
-            while got < want:
-                chunk = await c.readany()
-                if not chunk:
-                    raise RemoteError(200, "truncated", f"response ended after {got} of {want} bytes")
-                cm = memoryview(chunk)
-                p = 0
-                while p < len(cm) and j < len(views):
-                    take = min(len(cm) - p, B - off)
-                    views[j][off:off + take] = cm[p:p + take]
-                    p += take
-                    off += take
-                    if off == B:
-                        j, off = j + 1, 0
-                got += p
-                if p < len(cm):
-                    raise RemoteError(200, "bad_response", "response is longer than its manifest says")
-            for j, i in enumerate(ok):
-                if raw_dests is not None:
-                    if tmp[j] is not None:
-                        raw_dests[i].copy_(tmp[j])
-                    outs[i] = dests[i]
-                else:
-                    outs[i] = self.layout.block_view(buf[j * B:(j + 1) * B])
-            return st, outs
-        body = {"namespace": d.hex(), "keys": keys_to_hex(keys), "promote": promote}
-        return await self._send("POST", "/v1/blocks/get", handle, json_body=body)
 
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> concurrent.futures.Future:
         """Bring the resident full blocks of a prefix up into the daemon's memory, before a request
@@ -724,11 +512,11 @@ class RemoteKVStore:
         async def run() -> int:
             n = 0
             for a, b in self._batches(len(keys)):
-                n += (await self._request_json("POST", "/v1/prefetch", {"namespace": d.hex(),
+                n += (await self._wire.request_json("POST", "/v1/prefetch", {"namespace": d.hex(),
                                                                         "keys": keys_to_hex(keys[a:b])}))[
                     "promoted_blocks"]
             return n
-        return self._future(run(), wait=False)
+        return self._wire.future(run(), wait=False)
 
     # ------------------------------------------------------------------ pins / admin
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
@@ -744,57 +532,34 @@ class RemoteKVStore:
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys)}
         if lease_s is not None:
             body["lease_s"] = float(lease_s)
-        r = self._post("/v1/pin", body)
+        r = self._wire.post("/v1/pin", body)
         n = r["pinned_blocks"]
         return Lease(r["lease_id"], d, keys[:n], time.monotonic() + r["lease_s"], n * self.block_bytes)
 
     def unpin(self, lease: Lease | int) -> bool:
         """End a pin lease early."""
         lid = lease.lease_id if isinstance(lease, Lease) else int(lease)
-        return bool(self._post("/v1/unpin", {"lease_id": lid})["unpinned"])
+        return bool(self._wire.post("/v1/unpin", {"lease_id": lid})["unpinned"])
 
     def invalidate(self, ns: Namespace | bytes) -> int:
         """Drop every block of a namespace (within the caller's tenant scope)."""
-        return int(self._post("/v1/invalidate", {"namespace": self.digest(ns).hex()})["removed_blocks"])
+        return int(self._wire.post("/v1/invalidate", {"namespace": self.digest(ns).hex()})["removed_blocks"])
 
     def stats(self) -> dict:
         """The daemon's ``/v1/info`` answer (metrics live at ``/metrics``)."""
-        return self._call(self._request_json("GET", "/v1/info", None))
-
-    async def _finish(self) -> None:
-        """Let submitted calls finish (up to the client's timeout), then close the session."""
-        me = asyncio.current_task()
-        pending = [t for t in asyncio.all_tasks() if t is not me]
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self._timeout.total)
-            for t in late:
-                t.cancel()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        return self._wire.call(self._wire.request_json("GET", "/v1/info", None))
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._wire.closed
 
     def close(self) -> None:
         """Refuse new calls, let the calls in progress finish, close the HTTP
         session and stop the background loop. Idempotent; every later call
         (``stats`` included: it asks the daemon) raises
         :class:`~tierstore.errors.StoreClosedError`."""
-        with self._state:
-            if self._closed:
-                return
-            self._closed = True
-            while self._active:
-                self._state.wait()
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._finish(), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
+        self._wire.close()
 
     def __enter__(self) -> "RemoteKVStore":
         return self

@@ -37,16 +37,8 @@ def parse_size(value: int | str, key: str = "size") -> int:
     ConfigError
         If the value is negative, not a number, or has an unknown suffix.
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r}: expected a size such as 4k, 16m or 1g")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}={value}: a size must be >= 0")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ConfigError(f"{key}={value!r}: expected a size such as 4096, 4k, 16MiB or 1g (base 1024)")
-    n = float(m.group(1)) * _SIZE_MULT[m.group(2).lower()]
+    n = _parse_quantity(value, key, "size", ("4k, 16m or 1g", "4096, 4k, 16MiB or 1g (base 1024)"), int,
+                        _SIZE_RE, _SIZE_MULT, "")
     if n != int(n):
         raise ConfigError(f"{key}={value!r}: not a whole number of bytes")
     return int(n)
@@ -60,16 +52,30 @@ def parse_time_s(value: int | float | str, key: str = "time") -> float:
     ConfigError
         If the value is negative, not a number, or has an unknown suffix.
     """
+    return float(_parse_quantity(value, key, "duration", ("30s or 500ms", "30, 30s, 500ms, 10us or 2m"),
+                                 (int, float), _TIME_RE, _TIME_MULT_S, "s"))
+
+
+def _parse_quantity(value, key: str, what: str, examples: tuple[str, str], numbers, pattern: re.Pattern,
+                    units: dict[str, float], default_unit: str) -> int | float:
+    """``value`` in the base unit: a number of type ``numbers`` as is, or a string that ``pattern``
+    matches as a number and a unit of ``units`` (``default_unit`` when none is given).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``key`` and ``examples``: a bool, a negative number, or a string ``pattern`` refuses.
+    """
     if isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r}: expected a duration such as 30s or 500ms")
-    if isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r}: expected a {what} such as {examples[0]}")
+    if isinstance(value, numbers):
         if value < 0:
-            raise ConfigError(f"{key}={value}: a duration must be >= 0")
-        return float(value)
-    m = _TIME_RE.match(str(value))
+            raise ConfigError(f"{key}={value}: a {what} must be >= 0")
+        return value
+    m = pattern.match(str(value))
     if not m:
-        raise ConfigError(f"{key}={value!r}: expected a duration such as 30, 30s, 500ms, 10us or 2m")
-    return float(m.group(1)) * _TIME_MULT_S[(m.group(2) or "s").lower()]
+        raise ConfigError(f"{key}={value!r}: expected a {what} such as {examples[1]}")
+    return float(m.group(1)) * units[(m.group(2) or default_unit).lower()]
 
 
 def format_bytes(n: float) -> str:

@@ -104,7 +104,7 @@ def test_token_ids_where_keys_are_expected_fail_before_any_request(client, monke
 
     async def no_request(*a, **k):
         raise AssertionError("a request was sent")
-    monkeypatch.setattr(c, "_send", no_request)
+    monkeypatch.setattr(c._wire, "send", no_request)
     toks99 = list(range(99))
     for call in (lambda: c.load(toks99, ns=ns), lambda: c.load(np.arange(5), ns=ns),
                  lambda: c.exists(toks99, ns=ns), lambda: c.lookup_keys(toks99[:3], ns=ns),

@@ -10,33 +10,7 @@ starts a job that inherits the flags given before the first ``--name=`` (which
 also override the job files' values); command-line jobs come before the files'
 jobs. Without ``--name=`` or a job file the flags define one job.
 
-Jobs run at once, each in its own thread (fio starts every job of a run
-together); a job with ``stonewall`` starts when every job before it has finished.
-``stonewall`` and ``new_group`` start a new reporting group (``Run status group
-N``); ``group_reporting`` reports a group's jobs as one entry. Options of the
-command itself:
-
-``--parse-only``        validate the jobs and exit 0
-``--showcmd``           print each job's equivalent command line and exit
-``--output-format=F``   ``normal``, ``json``, ``json+`` or ``terse`` (comma-combined; terse is fio's
-                        version 3, one line per job; ``--minimal`` is ``--output-format=terse``)
-``--output=FILE``       write the report to FILE instead of stdout
-``--plot=DIR``          write PNG charts to DIR
-``--eta=WHEN``          ``auto`` (a bar on a terminal; status lines on stderr when
-                        stdout is not a terminal), ``always`` (status lines), ``never``
-``--eta-newline=T``     seconds between status lines (default 10)
-``--status-interval=T`` a status line every T seconds, terminal or not
-``--cmdhelp[=KEY]``     describe one key (or all)
-``--version``           print the version (``tierstore-X.Y.Z``, as fio prints ``fio-3.33``)
-
-Ctrl-C (SIGINT) or SIGTERM stops the running job: its worker threads stop, the
-statistics gathered so far are printed, files the job created are removed
-(``unlink``), and the exit status is 128 + the signal (130 for Ctrl-C). A second
-signal interrupts at once.
-
-Exit status: 0 on success, 1 for a bad job (unknown key, bad value, no runner)
-or a job that failed (its ``err=`` is the errno, as fio's), 128 + N after
-signal N.
+Continued in ``docs/BENCH.md`` (``tierstore/bench/cli.py``).
 """
 from __future__ import annotations
 

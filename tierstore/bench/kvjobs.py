@@ -12,32 +12,7 @@ NVMe backend's counters and the FDP figures (HBMW/MBMW/MBE, WAF, per-RUH bytes,
 end-to-end WA); the WAF time series goes to the JSON (``device.waf_timeseries``)
 and the plots, not the normal text.
 
-Device choice (``device=``; the store is a :class:`tierstore.config.StoreConfig` built by :mod:`tierstore.build`):
-
-* ``file`` (default): the NVMe tier is a segment file on this file system,
-  ``directory``/``filename`` (fio's ``jobname.0.0``; a private temporary directory,
-  removed at the end, when ``directory`` is not set), through ``ioengine`` (``posix`` or ``uring``). An FTL
-  *model* observes its engine (RU = segment, capacity = the tier) so WAF is
-  always reported; the ``device`` line says it is a model. A warning (from
-  :mod:`tierstore.build`) is printed when the tier is larger than the free
-  space of that file system (the file is sparse: it fills as segments are
-  opened, and blocks are refused with NO_SPACE once the disk is full). The file is removed at the end unless
-  ``unlink=0``; a file already there is refused, never reused or overwritten.
-* ``sim``: the simulated FDP device (memory engine + FTL model), no disk
-  touched: ``device_size`` if given, else ``nvme tier / utilization``; the tier
-  is ``utilization x device`` (whole RUs); ``ru_size`` if given, else
-  device/60. ``ioengine``/``directory``/``filename`` are not used (a line says so).
-* ``device=/dev/ngXnY``: a real FDP namespace (not verified on hardware).
-
-``dataplacement=fdp`` tags NVMe writes with the PID of the block's lifetime
-class; ``none`` leaves every write untagged (default handle).
-
-Blocks refused for lack of space are reported in ``kv``:
-``store_no_space_blocks`` (stores answered NO_SPACE), ``demoted_no_space_blocks``
-(blocks demoted from host DRAM that the NVMe tier could not take, so they left
-the cache) and ``nvme_allocation_failures`` (segments the file system could not
-allocate). A failed allocation means the disk was full: the job's ``error`` is
-then ENOSPC.
+Continued in ``docs/BENCH.md`` (``tierstore/bench/kvjobs.py``).
 """
 from __future__ import annotations
 

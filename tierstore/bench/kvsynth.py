@@ -18,20 +18,7 @@ latencies are per call (one store or load call per request).
   single queries never seen again. Each request looks up, loads the hit,
   stores the rest with its lifetime hint (FDP placement), and releases.
 
-What is loaded (``load_blocks``): ``useful`` (default) loads the prefix the cost
-model says beats recompute, as an engine would; blocks it judges slower to load
-than to recompute (typically on NVMe, for small blocks) are matched but not
-loaded. ``matched`` loads every matched block: a bandwidth test of every tier.
-The ``kv`` section reports ``matched_blocks``, ``useful_blocks`` and
-``loaded_blocks`` and, when they differ, ``not_loaded_reason``.
-
-Where the NVMe tier lives (``device=file|sim|/dev/ngXnY``), the warning about a
-tier larger than the free disk space and the no-space counters are those of
-:mod:`tierstore.bench.kvjobs`. Random choices use ``seed``.
-
-Ctrl-C / SIGTERM (a stop request, :func:`tierstore.bench.registry.stop_requested`):
-the worker threads finish their current request and stop, and the job reports
-what it measured so far; the store is closed only after every worker stopped.
+Continued in ``docs/BENCH.md`` (``tierstore/bench/kvsynth.py``).
 """
 from __future__ import annotations
 

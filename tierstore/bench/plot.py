@@ -91,35 +91,36 @@ def plot_job(result: JobResult, directory: str) -> list[str]:
     ts = result.timeseries
     t_s = np.asarray(ts.get("t_s", []), dtype=np.float64)
     if t_s.size and len(ts.get("waf", [])) == t_s.size:
-        plt, fig, ax = _figure()
-        ax.plot(t_s, np.asarray(ts["waf"], dtype=np.float64), marker=".", label="WAF")
-        ax.axhline(1.0, linestyle=":", color="grey", linewidth=0.8)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("write amplification (media bytes / host bytes)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"{result.jobname}: WAF over time (cumulative since start)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(f"{stem}-waf.png")
-        plt.close(fig)
-        written.append(f"{stem}-waf.png")
+        written.append(_time_plot(f"{stem}-waf.png", f"{result.jobname}: WAF over time (cumulative since start)",
+                                  "write amplification (media bytes / host bytes)", t_s,
+                                  [("WAF", np.asarray(ts["waf"], dtype=np.float64), {"marker": "."})], hline=1.0))
     tiers = [(key, label) for key, label in _TIERS if len(ts.get(key, [])) == t_s.size and t_s.size]
     if tiers:
-        plt, fig, ax = _figure()
-        for key, label in tiers:
-            ax.plot(t_s, np.asarray(ts[key], dtype=np.float64) / (1 << 20), label=label)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("bytes resident (MiB)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"{result.jobname}: bytes per tier over time")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(f"{stem}-tier-bytes.png")
-        plt.close(fig)
-        written.append(f"{stem}-tier-bytes.png")
+        written.append(_time_plot(f"{stem}-tier-bytes.png", f"{result.jobname}: bytes per tier over time",
+                                  "bytes resident (MiB)", t_s,
+                                  [(label, np.asarray(ts[key], dtype=np.float64) / (1 << 20), {})
+                                   for key, label in tiers]))
     return written
+
+
+def _time_plot(path: str, title: str, ylabel: str, t_s: np.ndarray, series, hline: float | None = None) -> str:
+    """A chart over time ``t_s`` (seconds) of ``series`` (``[(label, values, plot keywords)]``, from 0
+    up, with a dotted grey line at ``hline``), saved as PNG to ``path``; returns ``path``."""
+    plt, fig, ax = _figure()
+    for label, values, kw in series:
+        ax.plot(t_s, values, label=label, **kw)
+    if hline is not None:
+        ax.axhline(hline, linestyle=":", color="grey", linewidth=0.8)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_results(results: Sequence[JobResult], directory: str) -> list[str]:

@@ -18,24 +18,7 @@ The CLI imports the modules in :data:`RUNNER_MODULES` (and those named in the
 environment variable ``TIERSTORE_BENCH_RUNNERS``, comma separated) so their
 ``register_runner`` calls run before jobs are dispatched.
 
-Stopping early
---------------
-``tierstore bench`` turns the first SIGINT (Ctrl-C) or SIGTERM into a *stop
-request* (:func:`request_stop`) instead of an exception: runners poll
-:func:`stop_requested` between operations, stop their worker threads, and
-return what they measured so far, which the command prints before it exits
-with ``128 + signal`` (130 for Ctrl-C), as fio prints the statistics of an
-interrupted run. A second signal interrupts at once (``KeyboardInterrupt``).
-
-Status output
--------------
-fio draws its ETA line only on a terminal. Here the rich bar is drawn when
-stdout and stderr are terminals and ``rich`` is installed (``tierstore[bench]``);
-otherwise :class:`BenchProgress` prints a
-fio-style status line (``Jobs: 1 (f=1): [kvtrace(1)][45.0%][...][eta 00m:11s]``)
-to stderr every ``eta_newline_s`` seconds, so a long run with redirected output
-still shows progress (``--eta=never`` silences it, ``--status-interval=T``
-forces a line every ``T`` seconds, terminal or not).
+Continued in ``docs/BENCH.md`` (``tierstore/bench/registry.py``): stopping early; status output.
 """
 from __future__ import annotations
 

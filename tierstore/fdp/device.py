@@ -13,22 +13,7 @@ so ``tierstore fdp`` starts quickly); their names are re-exported here.
   guest, ``tests/fdp/test_vm.py``), which models no garbage collection;
   **not verified on an FDP SSD**.
 
-Why RUH Update on segment open
-------------------------------
-A segment is sealed when its tail cannot take one more extent, so a few KiB
-at its end stay unwritten. A device fills its RUs in write order and knows
-nothing of segments, so without help the next segment's first pages land in
-the previous RU's tail; the offset drifts, and soon every RU holds the end of
-one segment and the start of the next: trimming one segment leaves valid pages
-in two RUs and the device's GC copies them. I/O Management Send, *Reclaim Unit
-Handle Update* (TP4146; NVMe Base Specification 2.1, I/O Management Send
-command, Management Operation 01h) points a handle at a fresh RU; sent before
-the first write of each segment, every segment starts a fresh RU. The engine
-skips the command when the handle's RU holds nothing yet: no byte was written
-through that PID since its last update, or the device's RUH Status reports
-the whole nominal RU still available (RUAMW x LBA >= RUNS, e.g. after the
-previous segment filled the RU exactly). A conventional drive has no such
-command and the drift stays -- that is part of what placement buys.
+Continued in ``docs/FDP.md`` (``tierstore/fdp/device.py``): why RUH Update on segment open.
 """
 from __future__ import annotations
 

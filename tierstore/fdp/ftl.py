@@ -1,46 +1,16 @@
 """An SSD/FTL model that stands in for an FDP device and measures WAF.
 
-The model is a page-mapped flash translation layer with FDP (NVMe TP4146,
-folded into NVMe Base Specification 2.1, "Flexible Data Placement" under
-the Endurance Groups / I/O Controller feature sections; section numbers are cited by
-name because the numbered 2.1 text was not available to check):
+The model is a page-mapped flash translation layer with FDP (NVMe TP4146, folded into NVMe Base
+Specification 2.1): reclaim groups of reclaim units, reclaim unit handles under Initially or
+Persistently Isolated GC, over-provisioning, greedy or cost-benefit GC (Rosenblum and Ousterhout,
+ACM TOCS 1992), and Deallocate/TRIM, at the granularity of a mapping page (a partial page write is
+a read-modify-write). State is kept in numpy arrays and every write/trim/GC step is vectorised.
 
-* **Reclaim groups (RGs)** each own a set of **reclaim units (RUs)** of
-  ``ru_size_bytes`` (the erase/GC unit; the device's "Reclaim Unit Nominal
-  Size", RUNS, of the FDP configuration descriptor).
-* **Reclaim unit handles (RUHs)** each point at one open RU per RG that takes
-  host writes tagged with a placement identifier naming that RUH.  Untagged
-  writes (``placement=None``) go to the default handle, placement handle 0
-  (TP4146: a write without a data placement directive uses placement
-  handle 0 in reclaim group 0).
-* **Isolation** (TP4146 "Reclaim Unit Handle Type", RUHT in the FDP
-  configuration descriptor): under *Initially Isolated* (RUHT 1h) GC may move
-  valid data written through different RUHs into a common RU; under
-  *Persistently Isolated* (RUHT 2h) GC keeps each RUH's data separate.  Here:
-  ``isolation="initial"`` relocates all GC data of an RG into one shared GC RU;
-  ``isolation="persistent"`` has one GC destination RU per RUH.
-* **Over-provisioning**: physical pages ``T = ceil(U (1 + op_fraction))``
-  rounded up to whole RUs per RG, ``U`` the logical page count.
-* **GC**: ``"greedy"`` (fewest valid pages) or ``"cost_benefit"`` (maximise
-  ``(1 - u) age / (2 u)``; M. Rosenblum and J. Ousterhout, "The Design and
-  Implementation of a Log-Structured File System", ACM TOCS 10(1), 1992,
-  cost-benefit cleaning policy; Kawaguchi et al., USENIX 1995).  GC runs on demand when an RG
-  has fewer than ``gc_free_ru_min`` free RUs and a new host RU is needed.
-* **Deallocate/TRIM** (Dataset Management command, Attribute Deallocate; NVM Command Set Specification)
-  invalidates the fully covered pages.
+The I/O observer interface (called by ``tierstore.io`` engines after each completed operation)
+is :meth:`FTLModel.on_write` / :meth:`FTLModel.on_trim`.
 
-Granularity: a *page* (mapping unit) of ``page_bytes`` (4 KiB .. 64 KiB).  A
-write or trim that is page-aligned is modelled exactly.  A write that covers a
-page partially is modelled as a read-modify-write of the whole page (what a
-device with that indirection unit does); a trim deallocates only fully covered
-pages.  HBMW counts the host's bytes; MBMW counts whole media pages.
-
-State is kept in numpy arrays (``l2p`` logical->physical, ``p2l``
-physical->logical, per-RU valid counts), and every write/trim/GC step is
-vectorised over its pages, so replaying ~300k multi-MiB writes takes seconds.
-
-The I/O observer interface (called by ``tierstore.io`` engines after each
-completed operation) is :meth:`FTLModel.on_write` / :meth:`FTLModel.on_trim`.
+Continued in ``docs/FDP.md`` (``tierstore/fdp/ftl.py``): each part of the model, with the
+specification sections and papers it follows.
 """
 from __future__ import annotations
 

@@ -19,37 +19,7 @@ RUH status             ``nvme io-mgmt-recv DEV -n NSID -m 1 -l LEN``  :func:`par
 Identify Namespace     ``nvme id-ns DEV -n NSID -b`` (4096 bytes)     :func:`logpages.parse_id_ns`
 =====================  =============================================  ==========================
 
-RUH Status is *not* read with ``nvme fdp status -b``: nvme-cli 2.3 (Debian 12)
-sizes that transfer as ``nruhsd * 32`` bytes, without the 16-byte header, so
-its binary output is 16 bytes shorter than its own descriptor count says
-(with 8 descriptors: 256 bytes where 272 are needed; seen on QEMU's emulated
-FDP namespace). :meth:`NvmeCli.ruh_status` asks for an explicit length with
-``nvme io-mgmt-recv`` instead: first for every descriptor the active
-configuration allows (reclaim groups x RUHs), then, if the header names more,
-once more with exactly that length. The parser still refuses a buffer shorter
-than its descriptor count. ``io-mgmt-recv`` of 2.3 exits 1 after a successful
-transfer when it writes the data to a file (``-d``), so the data is taken from
-its hexadecimal dump on stdout (exit 0), whose length is checked.
-nvme-cli 2.3's ``io-mgmt-send -m 1`` sends management operation 0 (it prints
-``mo:0``) and so cannot issue a RUH Update; that goes through passthrough
-(:func:`tierstore.fdp.passthrough.build_ruh_update_cmd`).
-
-Raw binary is preferred: the JSON printers of nvme-cli are incomplete and
-differ between versions (``nvme-print-json.c``: in 2.x ``json_nvme_fdp_configs``
-builds an ``obj_ruhs`` array but never attaches it, and omits ``maxpids``;
-128-bit stats counters are emitted as decimal *strings* by
-``json_object_add_value_uint128``; events carry no ``rgid``/``ruhid``).  The
-JSON parsers below accept those variants (string or number counters, missing
-optional keys) for the cases where only JSON is available.
-
-FDP feature (Set/Get Features, Feature Identifier 1Dh "Flexible Data
-Placement", Base Spec 2.1 / TP4146): CDW11 bits 15:0 = Endurance Group Identifier;
-CDW12 bit 0 = FDPE (enable), bits 15:8 = FDPCIDX (configuration index); the
-Get Features result has the same bit layout (nvme-cli ``fdp_feature``:
-``result & 0x1`` and ``(result >> 8) & 0xf``).  Endurance group identifiers
-start at 1 (Base Spec 2.1 "Endurance Groups": identifier 0h is not a valid
-endurance group); nvme-cli itself
-refuses 0 ("endurance group identifier required").
+Continued in ``docs/FDP.md`` (``tierstore/fdp/nvme_cli.py``).
 """
 from __future__ import annotations
 
@@ -133,14 +103,26 @@ def parse_stats_text(text: str | bytes) -> lp.FdpStats:
 
 def parse_ruh_status_json(text: str | bytes) -> lp.RuhStatus:
     """``nvme fdp status -o json``: ``{"nruhsd": n, "ruhss": [{"pid","ruhid","earutr","ruamw"}]}``."""
-    d = json.loads(text)
-    n = _u(d["nruhsd"])
-    items = d.get("ruhss", [])
-    if len(items) < n:
-        raise CorruptData(f"fdp status JSON: nruhsd={n} but {len(items)} descriptors")
+    items = _counted_json(text, "status", "nruhsd", "ruhss")
     descs = tuple(lp.RuhStatusDesc(_u(x["pid"]), _u(x["ruhid"]), _u(x.get("earutr", 0)), _u(x.get("ruamw", 0)))
-                  for x in items[:n])
-    return lp.RuhStatus(n, descs)
+                  for x in items)
+    return lp.RuhStatus(len(items), descs)
+
+
+def _counted_json(text: str | bytes, what: str, count_key: str, list_key: str) -> list:
+    """The first ``count_key`` items of the list ``list_key`` of nvme-cli's JSON ``text``.
+
+    Raises
+    ------
+    CorruptData
+        When the list holds fewer items than the count says.
+    """
+    d = json.loads(text)
+    n = _u(d[count_key])
+    items = d.get(list_key, [])
+    if len(items) < n:
+        raise CorruptData(f"fdp {what} JSON: {count_key}={n} but {len(items)} descriptors")
+    return items[:n]
 
 
 def parse_configs_json(text: str | bytes) -> lp.FdpConfigLog:
@@ -164,12 +146,8 @@ def parse_configs_json(text: str | bytes) -> lp.FdpConfigLog:
 
 def parse_usage_json(text: str | bytes) -> lp.RuhUsageLog:
     """``nvme fdp usage -o json``: ``{"nruh": n, "ruhus": [{"ruha": a}]}``."""
-    d = json.loads(text)
-    n = _u(d["nruh"])
-    items = d.get("ruhus", [])
-    if len(items) < n:
-        raise CorruptData(f"fdp usage JSON: nruh={n} but {len(items)} descriptors")
-    return lp.RuhUsageLog(n, tuple(_u(x["ruha"]) for x in items[:n]))
+    items = _counted_json(text, "usage", "nruh", "ruhus")
+    return lp.RuhUsageLog(len(items), tuple(_u(x["ruha"]) for x in items))
 
 
 def parse_events_json(text: str | bytes) -> lp.FdpEventsLog:

@@ -22,34 +22,7 @@ Three ways to write, picked by :func:`select_write_path`:
    number 1..max_write_streams, which the nvme driver maps to the namespace's
    placement handles.
 
-3. ``"none"`` -- neither is available: writes carry no placement, and
-   :attr:`WritePath.status` says so (the bench prints it).
-
-The same ring carries the two FDP management commands (TP4146 "Flexible Data
-Placement", folded into NVMe Base Specification 2.1; sections are cited by
-name because the numbered 2.1 text was not available to check; the encodings
-match libnvme ``src/nvme/ioctl.h`` ``nvme_io_mgmt_recv``/``nvme_io_mgmt_send``
-and ``nvme_fdp_ruh_update``, and QEMU ``hw/nvme/ctrl.c``
-``nvme_io_mgmt_recv_ruhs``/``nvme_io_mgmt_send_ruh_update``):
-
-* **I/O Management Receive** (opcode 12h), Management Operation 01h
-  *Reclaim Unit Handle Status*: CDW10 bits 7:0 = MO, bits 31:16 = MOS (0);
-  CDW11 = NUMD, the number of dwords to transfer, 0-based. The controller
-  returns at most NUMD + 1 dwords of the RUH Status data structure
-  (:func:`tierstore.fdp.logpages.parse_ruh_status`).
-* **I/O Management Send** (opcode 1Dh), Management Operation 01h
-  *Reclaim Unit Handle Update*: CDW10 bits 7:0 = MO, bits 31:16 = MOS =
-  the number of PIDs - 1; the data buffer is a list of 16-bit placement
-  identifiers, 2 bytes each, little-endian. Each named handle then references
-  a new, empty reclaim unit (the old one is left as written).
-
-The ring is tierstore's one io_uring, :mod:`tierstore.io.ring` (ctypes over
-``io_uring_setup``/``io_uring_enter`` and ``mmap``; layouts from linux
-``include/uapi/linux/io_uring.h``), set up with ``SQE128 | CQE32``; this module
-adds the NVMe command encoding (``include/uapi/linux/nvme_ioctl.h``). (The
-``liburing`` PyPI package, 2026.3.30, cannot be used: its ``SQE`` object cannot
-fill the 80-byte ``cmd`` area, and its Zig-built wheel executes AVX-512
-instructions, killing the process with SIGILL on CPUs without them.)
+Continued in ``docs/FDP.md`` (``tierstore/fdp/passthrough.py``).
 """
 from __future__ import annotations
 

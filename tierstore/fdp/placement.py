@@ -15,30 +15,7 @@ the reclaim group, the rest the placement handle::
 
 ``RGIF`` is FDPA bits 3:0 of the active FDP configuration descriptor.
 
-One table, one validation
-------------------------
-:class:`PidTable` is the namespace's RUH Status list in the device's order.
-It is the only source of PIDs: fio-style ``plids`` are *indices into it*
-(fio ``dataplacement.c`` ``init_ruh_info``: ``plis[i] = ruhs->plis[dp_ids[i]]``,
-and an index ``>= nr_ruhs`` is refused), explicit PIDs from a configuration
-must be listed in it, and the passthrough engine checks every PID it sends
-against it. A device that is handed a PID it does not list may silently place
-the write with placement handle 0 (QEMU's emulation does, as do some real
-devices), so only this check can catch a wrong PID. The library, the bench and
-the daemon all build their :class:`PlacementPolicy` here, through
-:meth:`PlacementPolicy.from_plids` or :meth:`PlacementPolicy.from_explicit`.
-
-Handle assignment without ``plids`` (placement handle 0 is the default handle, used by writes
-without a placement directive; it is kept for untagged writes and metadata):
-
-=========================  =========================================
-non-default handles         LONG / MEDIUM / SHORT
-=========================  =========================================
->= 3                        h1 / h2 / h3
-2                           h1 / h2 / h2   (medium and short die soon)
-1                           h0 / h1 / h1   (long shares the default)
-0                           h0 / h0 / h0   (no separation possible)
-=========================  =========================================
+Continued in ``docs/FDP.md`` (``tierstore/fdp/placement.py``).
 """
 from __future__ import annotations
 

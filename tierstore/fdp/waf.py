@@ -13,26 +13,7 @@ Two things live here:
   :class:`tierstore.fdp.nvme_cli.NvmeCli` (:meth:`~tierstore.fdp.nvme_cli.FdpDeviceStats.stats`)
   or the FTL model (:meth:`tierstore.fdp.ftl.FTLModel.stats`).
 
-* :func:`analytic_greedy_waf` -- the published write amplification of greedy
-  (equivalently, for many pages per block, LRW/FIFO) garbage collection under
-  uniform random single-page writes:
-
-  .. math::
-
-     \\alpha = T/U = 1 + \\mathrm{OP},\\qquad
-     X = -\\frac{1}{\\alpha} W_0\\left(-\\alpha e^{-\\alpha}\\right),\\qquad
-     \\mathrm{WA} = \\frac{1}{1 - X}
-
-  where ``T`` is the physical page count, ``U`` the user (logical) page count,
-  ``OP = (T - U) / U`` and ``X`` the valid fraction of the block chosen for
-  cleaning.  ``X`` is the non-trivial root of ``X = exp(-alpha (1 - X))``.
-  Source: P. Desnoyers, "Analytic Modeling of SSD Write Performance",
-  SYSTOR 2012 (LRW model; greedy converges to it as the number of
-  pages per block grows), and L. Xiang and B. Kurkoski, "An Improved Analytical
-  Expression for Write Amplification in NAND Flash", arXiv:1110.4245 (2011),
-  which gives the same Lambert-W form for greedy and reports WA 2.36 at OP 0.3
-  (simulation 2.35).  Hu et al., "Write Amplification Analysis in Flash-Based
-  Solid State Drives", SYSTOR 2009, introduced the uniform-traffic greedy model.
+Continued in ``docs/FDP.md`` (``tierstore/fdp/waf.py``).
 """
 from __future__ import annotations
 

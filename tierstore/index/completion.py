@@ -312,14 +312,16 @@ class Completion:
             self.events.add("removed", key, t)
             self.forget_if_empty(r, key)
 
-    def forget_new(self, plan: StorePlan) -> None:
+    def forget_new(self, plan: StorePlan, given=frozenset()) -> None:
         """A failed plan's new blocks: their memory slots (fresh or a victim's) go
-        back to the free lists, their rows are dropped."""
+        back to the free lists, except those in ``given`` (``(tier, slot)`` pairs
+        given back already), their rows are dropped."""
         mem = {i: (t, s) for i, t, s in plan.memory}
         for i in plan.pending:
             if i in mem:
                 t, s = mem[i]
-                self.alloc[t].give(s)
+                if (t, s) not in given:
+                    self.alloc[t].give(s)
             r = plan.rows[i]
             if r >= 0:
                 if self.rows.flags[r] & DOOMED:
@@ -336,23 +338,10 @@ class Completion:
             self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
         for r, t, s in plan.frees:
             self.rows.flags[r] &= 0xFF ^ EVICT[t]
-        mem = {i: (t, s) for i, t, s in plan.memory}
         for d in plan.copies:
             if (d.dst, d.dst_slot) not in given:
                 self.alloc[d.dst].give(d.dst_slot)
-        for i in plan.pending:
-            if i in mem:
-                t, s = mem[i]
-                if (t, s) not in given:
-                    self.alloc[t].give(s)
-            r = plan.rows[i]
-            if r >= 0:
-                if self.rows.flags[r] & DOOMED:
-                    self.rows.doomed.discard(r)
-                    self.rows.release_row(r, self.alloc)
-                else:
-                    self.rows.drop_new(r)
-            plan.statuses[i] = Status.IO_ERROR
+        self.forget_new(plan, given)
 
     def forget_if_empty(self, row: int, key: bytes) -> None:
         """Drop the row when no copy is left (and nobody uses it)."""

@@ -21,25 +21,7 @@ keeps ``(batch, num_kv_heads, seq, head_dim)``. Block ``b`` of layer ``l`` is
 ``keys[0, :, b*T:(b+1)*T, :].transpose(0, 1)`` (and the same for ``values``).
 Both directions are pure copies/permutations, so the round trip is bit-exact.
 
-Identity. :func:`model_fingerprint` hashes the model config and the weights;
-the namespace's ``model`` field is ``"<model_id>@sha256:<fingerprint>"``, so a
-different model, revision or fine-tune never reuses KV. ``adapter``,
-``tenant``, ``tokenizer`` and ``chat_template`` go into the
-:class:`~tierstore.identity.Namespace` unchanged.
-
-The code is device-agnostic: every tensor it creates follows the model's
-device and dtype, so it runs unchanged on CPU and on a GPU with a real
-checkpoint. Needs a transformers whose caches expose ``.layers`` (tested: 5.24.0); the
-cache keyword (``cache`` in 5.x, ``past_key_values`` before) is detected.
-
-Example::
-
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda().eval()
-    layout = HFPrefixCache.layout_for(model, tokens_per_block=16)
-    store = KVStore(layout, hbm_bytes=8 << 30, host_bytes=64 << 30,
-                    nvme_path="/mnt/nvme/kv", nvme_bytes=1 << 40)
-    engine = HFPrefixCache(model, store, model_id=f"{name}@{revision}", tenant="acme")
-    out = engine.generate(prompt_ids, max_new_tokens=64)   # out.reused_tokens, out.ttft_s
+Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/hf.py``).
 """
 from __future__ import annotations
 

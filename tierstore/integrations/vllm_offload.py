@@ -22,57 +22,7 @@ the class named ``type``; the factory pops ``type``, ``module_path`` and
 ``backpressure`` and passes every other key of the tier's dict to the
 constructor. Source: vLLM 0.32 ``v1/kv_offload/tiering/factory.py``, ``spec.py``.)
 
-**Where it runs.** vLLM 0.32 refuses the offloading worker on its CPU
-backend: ``CPUOffloadingSpec.get_worker`` (inherited by
-``TieringOffloadingSpec``) raises "CPU Offloading is currently only supported
-on CUDA-alike and XPU GPUs", and the worker's GPU <-> CPU copies use
-``torch.cuda`` streams. So this tier cannot run inside a vLLM engine on this
-project's CPU-only CI. What does run here, and is tested
-(``tests/integrations/vllm/test_offload_tier.py``): vLLM's own scheduler-side
-``TieringOffloadingManager`` built by ``TieringOffloadingSpec.get_manager()``
-over a real ``SharedOffloadRegion`` on CPU, with this tier as its secondary
-tier; the tests stand in only for the GPU worker (they write a primary row
-where the worker would). On a GPU, this tier's code path is the same (it only
-reads and writes primary rows), but it was not run inside an engine.
-
-**Configuration.** The tier's dict takes tierstore's YAML keys ``tiers``
-(``host`` and ``nvme``; no ``hbm``: a secondary tier has no GPU access),
-``policies`` and ``remote``, plus :class:`OffloadTierSettings` (``tenant``,
-``model_id``, ``locality``). Unknown keys are errors at start-up. When
-``tiers.nvme.path`` is a directory, the engine keeps its own file in it, named
-by its namespace and chunk layout (``vllm_offload_<model>_<digest>.nvme``);
-``capacity_bytes`` is per engine.
-
-**Blocks.** One tierstore block is one vLLM offload chunk: the primary
-row's bytes, ``primary_kv_view.strides[0]`` (``kv_bytes_per_chunk``, page
-aligned, all workers' shares of the chunk), stored opaquely (a ``uint8``
-layout of exactly that size, :func:`chunk_layout`). Nothing is converted:
-a promotion writes back the very bytes the store read.
-
-**Keys and isolation.** vLLM's ``OffloadKey`` (its chained block hash, which
-already covers the request's ``cache_salt``, LoRA and multimodal inputs, plus
-the KV cache group index) becomes ``scoped_key(store.digest(ns), key)``. The
-namespace ``ns`` holds the model (:func:`tierstore.integrations._common.model_identity`
-of ``OffloadingConfig.model.name``, with the engine's ``--revision`` when the
-scheduler's vLLM config is current, else a weights fingerprint for a local
-directory; ``model_id`` overrides), the KV cache dtype, the tensor, pipeline and
-context parallel sizes, the chunk geometry (tokens per chunk, KV cache groups
-and their layer names, canonical/replicated layout) and ``tenant``. Another
-model, dtype, topology or tenant never hits. vLLM's block hashes are stable
-across processes (``NONE_HASH`` has a fixed default seed unless
-``PYTHONHASHSEED`` is set, and then it must be equal on all instances), so a
-restarted engine on the same NVMe directory finds the chunks stored before.
-
-**Transfers.** ``submit_store``/``submit_load`` return at once: a store runs
-``KVStore.store_keys`` on a store thread, a promotion ``KVStore.load`` on a
-load thread (loads never queue behind stores), straight between the primary
-row (a ``uint8`` view of vLLM's mmap) and tierstore's tiers.
-``get_finished_jobs`` reports finished jobs with bytes and seconds. A
-promotion whose chunks are not all ``OK`` (evicted since the lookup, I/O
-error, CRC mismatch) reports ``success=False`` with the chunks that did load
-as ``successful_keys``; vLLM then frees the failed rows and recomputes those
-tokens. A failed chunk leaves its row untouched and is never reported loaded.
-``lookup`` is ``KVStore.exists`` (a pure probe: no reference, no recency).
+Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/vllm_offload.py``).
 """
 from __future__ import annotations
 
@@ -310,14 +260,26 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self._check_open("lookup")
         return LookupResult.HIT if self.store.exists([self._key(key)]) else LookupResult.MISS
 
+    def _job_rows(self, job: TransferJob, what: str) -> tuple[list, list, list[bytes]]:
+        """A ``what`` (store or load) job's keys, primary rows and tierstore keys, one row per key.
+
+        Raises
+        ------
+        StoreClosedError
+            After :meth:`shutdown`.
+        LayoutError
+            When the job has not one chunk id per key.
+        """
+        self._check_open(f"submit_{what}")
+        keys = list(job.keys)
+        rows = self._row_views(job.chunk_ids)
+        if len(rows) != len(keys):
+            raise LayoutError(f"{what} job {job.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
+        return keys, rows, [self._key(k) for k in keys]
+
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Copy primary rows ``chunk_ids`` into tierstore on the store thread (returns at once)."""
-        self._check_open("submit_store")
-        keys = list(job_metadata.keys)
-        rows = self._row_views(job_metadata.chunk_ids)
-        if len(rows) != len(keys):
-            raise LayoutError(f"store job {job_metadata.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
-        skeys = [self._key(k) for k in keys]
+        keys, rows, skeys = self._job_rows(job_metadata, "store")
         lifetime = self._lifetime(job_metadata.req_context)
         first = self._position(keys[0], job_metadata.req_context) if keys else 0
 
@@ -330,12 +292,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Copy chunks from tierstore into primary rows ``chunk_ids`` on the load thread."""
-        self._check_open("submit_load")
-        keys = list(job_metadata.keys)
-        rows = self._row_views(job_metadata.chunk_ids)
-        if len(rows) != len(keys):
-            raise LayoutError(f"load job {job_metadata.job_id}: {len(keys)} keys but {len(rows)} chunk ids")
-        skeys = [self._key(k) for k in keys]
+        keys, rows, skeys = self._job_rows(job_metadata, "load")
 
         def run() -> tuple[list[Status], float]:
             t0 = time.perf_counter()

@@ -305,14 +305,18 @@ class ExtentPipeline:
             consume(i, None if err is not None else self.staging[i % 2][:n], err)
 
 
-def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any],
-                        placement: int | None = None) -> int:
-    """Write fragments back to back from ``offset`` in extents of
-    ``pipe.extent_bytes`` (raw, no headers). Returns padded bytes written.
+def _extent_groups(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any]
+                   ) -> tuple[list[tuple[int, int, list[Any]]], int]:
+    """``fragments`` back to back from ``offset`` in extents of at most ``pipe.extent_bytes``:
+    ``([(position, bytes, fragments of the extent)], end)``, each extent starting where the one
+    before ended, aligned up to the engine's block size.
 
-    Raises the first ``OSError`` seen.
+    Raises
+    ------
+    LayoutError
+        A fragment larger than one extent.
     """
-    jobs = []
+    groups = []
     group: list[Any] = []
     size = 0
     pos = offset
@@ -320,7 +324,7 @@ def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[A
         n = 0 if f is None else fragment_nbytes(f)
         if f is None or size + n > pipe.extent_bytes:
             if group:
-                jobs.append((pos, (lambda g: lambda buf: gather_fragments(g, buf, 0))(group), placement))
+                groups.append((pos, size, group))
                 pos += align_up(size, pipe.engine.block_size_bytes)
             group, size = [], 0
         if f is not None:
@@ -328,35 +332,35 @@ def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[A
                 raise LayoutError(f"fragment of {n} bytes exceeds extent_bytes={pipe.extent_bytes}")
             group.append(f)
             size += n
+    return groups, pos
+
+
+def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any],
+                        placement: int | None = None) -> int:
+    """Write fragments back to back from ``offset`` in extents of
+    ``pipe.extent_bytes`` (raw, no headers). Returns padded bytes written.
+
+    Raises the first ``OSError`` seen; :class:`LayoutError` for a fragment larger than
+    an extent (nothing written).
+    """
+    groups, end = _extent_groups(pipe, offset, fragments)
+    jobs = [(pos, (lambda g: lambda buf: gather_fragments(g, buf, 0))(group), placement)
+            for pos, _, group in groups]
     for r in pipe.write_extents(jobs):
         if isinstance(r, BaseException):
             raise r
-    return pos - offset
+    return end - offset
 
 
 def read_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any]) -> int:
     """Inverse of :func:`write_fragments_raw`: fill ``fragments`` from ``offset``."""
     bs = pipe.engine.block_size_bytes
-    jobs: list[tuple[int, int]] = []
-    groups: list[list[Any]] = []
-    group: list[Any] = []
-    size = 0
-    pos = offset
-    for f in list(fragments) + [None]:
-        n = 0 if f is None else fragment_nbytes(f)
-        if f is None or size + n > pipe.extent_bytes:
-            if group:
-                jobs.append((pos, align_up(size, bs)))
-                groups.append(group)
-                pos += align_up(size, bs)
-            group, size = [], 0
-        if f is not None:
-            group.append(f)
-            size += n
+    groups, end = _extent_groups(pipe, offset, fragments)
+    jobs = [(pos, align_up(size, bs)) for pos, size, _ in groups]
 
     def consume(i: int, view, err) -> None:
         if err is not None:
             raise err
-        scatter_fragments(view, 0, groups[i])
+        scatter_fragments(view, 0, groups[i][2])
     pipe.read_extents(jobs, consume)
-    return pos - offset
+    return end - offset

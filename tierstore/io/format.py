@@ -13,72 +13,8 @@ chain starts at byte 4096 -- and is reclaimed only as a whole
 (fallocate(2) ``FALLOC_FL_PUNCH_HOLE|FALLOC_FL_KEEP_SIZE`` on files, BLKDISCARD
 / NVMe Deallocate on raw devices), after which it reads back as zeros.
 
-Extent layout
--------------
-``[header: header_bytes][block 0][pad][block 1][pad] ...``; every block starts
-at a multiple of 4096 bytes from the extent start (so single blocks can be
-read with O_DIRECT), ``header_bytes`` is a multiple of 4096, and the next
-extent of the chain starts at ``extent_offset + header_bytes + payload_bytes``.
-
-Header (little-endian; ``struct`` format ``HEADER_FMT``), 64 bytes:
-
-====== ==== ================= ==============================================
-offset size field             meaning
-====== ==== ================= ==============================================
-0      8    magic             ``b"TSKVEXT1"`` (identifies an extent header)
-8      4    format_version    ``FORMAT_VERSION`` (1); other values: not served
-12     4    header_bytes      bytes of header incl. entries, multiple of 4096
-16     8    seq               global extent sequence number, strictly
-                              increasing (newest copy of a key wins)
-24     8    segment_gen       ``seq`` of the first extent written to this
-                              segment since it was last reclaimed; every
-                              extent of a chain carries the same value, so
-                              stale extents of an earlier use end the chain
-32     8    extent_offset     absolute device byte offset of this extent
-                              (catches misdirected or stale reads)
-40     8    payload_bytes     bytes after the header (blocks + padding)
-48     8    placement         stream tag (int64; -1 = None)
-56     4    n_blocks          number of block entries that follow
-60     4    header_crc32c     CRC-32C of bytes [0, 64 + 96 * n_blocks) with
-                              this field zeroed
-====== ==== ================= ==============================================
-
-Block entry ``i`` at header offset ``64 + 96 * i`` (``ENTRY_FMT``), 96 bytes:
-
-====== ==== ================= ==============================================
-0      32   key               32-byte block hash
-32     32   ns_digest         32-byte namespace digest (zeros if none)
-64     8    payload_offset    offset of the block from the extent start
-                              (multiple of 4096)
-72     8    length_bytes      block length in bytes
-80     4    payload_crc32c    CRC-32C of the payload, seeded with the
-                              CRC-32C of ``key`` (binds bytes to their key)
-84     12   reserved          zeros
-====== ==== ================= ==============================================
-
-Durability and recovery (the extent headers *are* the journal)
---------------------------------------------------------------
-A put is acknowledged only after its extents are written with O_DIRECT and
-fdatasync(2) returned. Recovery reads every segment's chain from byte 0 and
-stops at the first header that fails: magic, version, header CRC, a
-``segment_gen`` different from the chain's, a non-increasing ``seq``, an
-``extent_offset`` different from its position, or lengths running past the
-segment. Each entry's payload CRC is verified on every read (lazily), or at
-recovery when ``verify_on_recovery=True``; a block that fails is never served,
-only reported (``IO_ERROR``) and dropped (a later ``get`` is a ``MISS``).
-Since fdatasync orders all earlier writes of the file, every acknowledged
-extent precedes the torn tail of its chain and is found again after kill -9.
-A recovered segment is never appended to (it stays sealed until reclaimed as
-a whole): complete extents of a dead writer can lie beyond a torn one, and
-appending at the chain end could splice them back in. An exclusive flock(2)
-on the device file, held by the open store, makes a new opener wait until
-every in-flight io_uring write of a killed predecessor has landed (and
-refuses it at once while the holder lives: ``io._fileops.lock_exclusive``).
-When a key is found in two extents (a GC copy-forward cut short by a
-crash), the newer copy wins only if its payload CRC verifies at recovery.
-Deletes are volatile (a restart may bring back a deleted but not yet reclaimed
-block; keys are content hashes, so the bytes are still the right ones).
-CRC-32C: the ``crc32c`` package (Castagnoli polynomial, as iSCSI/ext4/NVMe).
+Continued in ``docs/FORMAT.md`` (``tierstore/io/format.py``): extent layout; durability and
+recovery (the extent headers *are* the journal).
 """
 from __future__ import annotations
 

@@ -6,18 +6,20 @@ raises :class:`~tierstore.errors.LayoutError` and loses nothing.
 ``check_keys`` (32-byte keys), ``plan_block`` (one block's fragments or
 :class:`~tierstore.io.pages.FragmentPlan` → a checked plan), ``plan_sources`` (the blocks
 of a store call → :class:`~tierstore.io.pages.BlockRows` or plans), ``destination_bytes``
-(a load destination as its contiguous bytes), ``check_start_block``, ``refuse_numpy``.
+(a load destination as its contiguous bytes), ``plan_destinations`` (a load's destinations
+and the shaping of its result), ``plan_fragment_destinations`` (a fragment load's
+destinations), ``token_blocks``, ``check_start_block``, ``refuse_numpy``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import LayoutError
+from ..errors import LayoutError, Status
 from ..layout import KVLayout
-from .pages import BlockRows, FragmentPlan, plan_fragments
+from .pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
 
 
 def check_keys(keys) -> list[bytes]:
@@ -149,4 +151,79 @@ def destination_bytes(d: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return raw
 
 
-__all__ = ["check_keys", "check_start_block", "destination_bytes", "plan_block", "plan_sources", "refuse_numpy"]
+def token_blocks(token_ids, n: int, layout: KVLayout) -> list[np.ndarray]:
+    """The first ``n`` full blocks of ``token_ids`` as ``int64`` arrays of ``layout.tokens_per_block``
+    (what the index keeps to verify a match when ``verify_tokens`` is on)."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    b = layout.tokens_per_block
+    return [arr[i * b:(i + 1) * b] for i in range(n)]
+
+
+def plan_destinations(n: int, dests: Sequence[torch.Tensor] | None, layout: KVLayout
+                      ) -> tuple[Sequence[FragmentPlan], Callable[[list[Status]], tuple[list[Status], list]]]:
+    """Plan the destinations of a load of ``n`` blocks (``KVStore.load``), checked before anything
+    is loaded, and the function that turns the load's statuses into its result.
+
+    Parameters
+    ----------
+    n : int
+        Blocks to load.
+    dests : sequence of torch.Tensor or None
+        One per block, each as :func:`destination_bytes` accepts; ``None``: one new
+        ``(n, bytes_per_block)`` ``uint8`` CPU buffer (memory tiers fill it with one copy each).
+
+    Returns
+    -------
+    plans : sequence of FragmentPlan
+        A :class:`BlockRows` for the new buffer, else one plan per destination.
+    finish : callable
+        ``statuses -> (statuses, tensors)``: per block its destination (a typed block view of the
+        new buffer when ``dests`` is ``None``) when ``OK``, else ``None``.
+
+    Raises
+    ------
+    LayoutError
+        Not one destination per block, or a destination :func:`destination_bytes` refuses.
+    """
+    if dests is not None and len(dests) != n:
+        raise LayoutError(f"{n} keys but {len(dests)} destinations")
+    if dests is None:
+        plans: Sequence[FragmentPlan] = BlockRows(torch.empty((n, layout.bytes_per_block), dtype=torch.uint8),
+                                                  destination=True)
+        raws = list(plans.rows.unbind(0)) if n else []
+    else:
+        raws = [destination_bytes(d, layout) for d in dests]
+        plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
+
+    def finish(st: list[Status]) -> tuple[list[Status], list]:
+        outs = []
+        for s, r, d in zip(st, raws, dests if dests is not None else raws):
+            if s is not Status.OK:
+                outs.append(None)
+            elif dests is None:
+                outs.append(layout.block_view(r))
+            else:
+                outs.append(d)
+        return st, outs
+    return plans, finish
+
+
+def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayout) -> list[FragmentPlan]:
+    """Plan the destinations of a fragment load of ``n`` blocks (``load_fragments``): per block its
+    fragments or a :class:`FragmentPlan` (:func:`plan_block`), no two writing the same bytes.
+
+    Raises
+    ------
+    LayoutError
+        Not one destination per block, a wrong fragment count or size, or overlapping destinations.
+    """
+    dests = list(dest_fragments_per_block)
+    if len(dests) != n:
+        raise LayoutError(f"{n} blocks to load but {len(dests)} destinations")
+    plans = [plan_block(frags, layout, destination=True) for frags in dests]
+    check_distinct_destinations(plans)
+    return plans
+
+
+__all__ = ["check_keys", "check_start_block", "destination_bytes", "plan_block", "plan_destinations",
+           "plan_fragment_destinations", "plan_sources", "refuse_numpy", "token_blocks"]

@@ -13,59 +13,8 @@ before the trim** (in memory: drop; then :meth:`Journal.append`; then
 store's ``<path>.invalidations`` log (:func:`read_legacy_invalidations` reads
 that one).
 
-On-disk format (little-endian, version 1)
------------------------------------------
-A 64-byte file header, ``struct`` ``HEADER_FMT`` = ``"<8sIIQ36sI"``:
-
-====== ==== ============ ==============================================
-offset size field        meaning
-====== ==== ============ ==============================================
-0      8    magic        ``b"TSJOURN1"``: a file tierstore created
-8      4    version      1
-12     4    record_bytes 64
-16     8    base_seq     journal sequence number of the first record
-24     36   reserved     zeros
-60     4    crc32c       CRC-32C of bytes ``[0, 60)``
-====== ==== ============ ==============================================
-
-then records of 64 bytes, ``RECORD_FMT`` = ``"<B3xIQQ32sII"``:
-
-====== ==== =========== =========================== ===================== =========================
-offset size field       NS_INVALIDATE (1)           BLOCK_DEAD (2)        SEGMENT_RESET (3)
-====== ==== =========== =========================== ===================== =========================
-0      1    kind        1                           2                     3
-4      4    segment     0                           segment index         segment index
-8      8    segment_gen 0                           gen of the segment    the gen being reset
-                                                    when the block was
-                                                    written
-16     8    value       write_seq: blocks written   payload device offset 0
-                        before it are invalid
-24     32   digest      namespace digest            block key             zeros
-56     4    seq32       journal sequence number mod 2**32 (record ``i`` has ``base_seq + i``)
-60     4    crc32c      CRC-32C of bytes ``[0, 60)``
-====== ==== =========== =========================== ===================== =========================
-
-The sequence number of a record is not stored whole: it is ``base_seq`` plus
-its index, and ``seq32`` must match it, so a stale record left behind in the
-file (from before a compaction) can never be read as a current one. Records
-are read until the first that is short, fails its CRC or has another
-``seq32`` (the end of the journal). A torn tail (a crash during an append:
-those records were never committed) is cut off when the journal is opened;
-a bad record followed by good ones is corruption, not a tear, and opening
-raises :class:`~tierstore.errors.CorruptData` instead of dropping the good
-ones (a lost NS_INVALIDATE would serve invalidated KV).
-
-Durability
-----------
-:meth:`Journal.append` only buffers; :meth:`Journal.commit` writes the
-buffered records with one ``write`` and ``fdatasync`` (group commit: one
-per put call). A new journal is created as ``<path>.tmp`` (header,
-``fdatasync``), renamed to ``path`` and the directory is ``fsync``'ed, so
-``path`` either does not exist or starts with a whole header. Compaction
-writes the live records (:func:`live_records`) the same way and renames over
-``path``; a crash before the rename leaves the old journal and a ``.tmp``
-that the next open deletes. ``path=None`` keeps the journal in memory (the
-``device: sim`` stores of the benches), with the same API.
+Continued in ``docs/FORMAT.md`` (``tierstore/io/journal.py``): on-disk format (little-endian,
+version 1); durability.
 """
 from __future__ import annotations
 

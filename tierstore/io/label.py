@@ -10,47 +10,8 @@ the benchmark CLI, the engine connectors -- goes through
 :class:`~tierstore.io.segments.SegmentStorage` checks the label again through
 its engine (the only way to read an NVMe generic character device).
 
-Label
------
-The first 4096 bytes of a path-backed tier (device bytes ``[0, 4096)``, inside
-segment 0, whose extent chain then starts at byte 4096; see
-:mod:`tierstore.io.format`). Written when tierstore formats the target, and
-again when the tier is reopened with another number of segments. Fields
-(little-endian, ``struct`` format :data:`LABEL_FMT`), the rest of the page zero:
-
-====== ==== ===================== ==========================================
-offset size field                 meaning
-====== ==== ===================== ==========================================
-0      8    magic                 ``b"TSKVLBL1"``
-8      4    label_version         :data:`LABEL_VERSION` (1)
-12     4    format_version        extent format (``format.FORMAT_VERSION``)
-16     8    segment_size_bytes    the segment (reclaim unit) size the tier was
-                                  formatted with; fixed for the tier's life,
-                                  whatever capacity it is reopened with
-24     8    block_bytes           bytes of every block (the KV layout's)
-32     8    n_segments            segments of the last open (a reopen with
-                                  fewer drops the blocks past them, counted)
-40     16   store_id              random, set at format
-56     4    reserved              zeros
-60     4    label_crc32c          CRC-32C of bytes [0, 60)
-====== ==== ===================== ==========================================
-
-What a target may be (:func:`inspect_target`)
----------------------------------------------
-* missing, or an empty regular file, or a regular file without any data
-  (only holes, ``lseek(SEEK_DATA)`` finds none: e.g. ``truncate -s``, or a
-  tier whose creator died before writing its label): formatted freely;
-* a file or block device carrying the label: opened, its blocks recovered;
-* anything else -- a non-empty file without the label, a block device without
-  it, a tier of the earlier unlabelled format -- only with ``format: true``;
-* an NVMe generic character device (``/dev/ngXnY``) cannot be read with
-  read(2): its label is checked through the passthrough engine when the tier
-  opens, with the same rule.
-
-Paths (:func:`resolve_nvme_path`): a path that ends in ``/`` or names an
-existing directory is a directory, and the tier is the file ``tierstore.nvme``
-in it; any other path is the tier's file (or device). The directory of the
-file must exist: tierstore creates the file, never directories.
+Continued in ``docs/FORMAT.md`` (``tierstore/io/label.py``): label; what a target may be
+(:func:`inspect_target`).
 """
 from __future__ import annotations
 

@@ -11,63 +11,8 @@ engines with a measured quadratic attention term pass
 ``prefill_quadratic_s_per_token2`` (prefill FLOPs grow as
 ``O(n * d^2 + n^2 * d)``, Kaplan et al. 2020 §2.1).
 
-Load time: declared, then measured, always bounded
---------------------------------------------------
-A load moves each tier's blocks in **one call** (the mover's one
-``get_fragments`` for NVMe, one ``batch_get_into`` for the remote tier, one
-copy per memory tier), so ``j`` blocks of a tier cost, by the declared
-latency-bandwidth ("alpha-beta", Hockney 1994) model::
-
-    declared_s(tier, j) = latency_s[tier] + j * block_bytes / bandwidth_bytes_per_s[tier]
-
-The call's latency is charged once, on the tier's first block in the chain.
-Once a tier has ``min_measured`` loads of a block size (:meth:`observe_load`),
-the **median** seconds per block of its last ``measured_window`` loads
-replaces the declared figures: ``measured_s(j) = j * median`` (the median
-includes each call's latency, spread over the batch sizes really loaded; a
-median ignores a minority of outliers, e.g. cold reads right after a restart).
-The measured cumulative time is **bounded by the declared one**::
-
-    declared_s(j) / max_speedup  <=  estimate_s(j)  <=  max_slowdown * declared_s(j)
-
-With the default ``max_slowdown = 1`` a measurement can make a tier look faster
-than declared, never slower: a chain the declared figures call useful stays
-useful whatever the machine's load does to measured times, because the other
-side of the comparison, the prefill rate, is itself declared (nobody measures
-it for the store). Why this bound: before it, the NVMe estimate was an EWMA of
-measured bandwidth (``bytes / seconds`` of whole loads, which already include
-the call's latency) plus the declared latency again per block. On the
-project's 2-core VM (virtual disk, other jobs running) loads of 2 MiB blocks
-measured 3.6-6.5 ms per block, so two loads after a restart moved the estimate
-from 1.25 to 1.63 ms per block, past the 1.6 ms the default prefill rate gives
-16 tokens, and every NVMe hit of the store became a miss. A deployment that
-trusts its measurements more sets ``max_slowdown`` higher (``inf``: no upper
-bound); one whose tier really is slower declares its figures. A measurement
-more than twice slower than declared is logged once per tier and block size.
-
-Declared figures (defaults; orders of magnitude, not measurements of any
-device: pass your engine's and devices' figures):
-
-============ ============== ========== ==============================================
-tier          bandwidth      latency    source
-============ ============== ========== ==============================================
-``hbm``       1 TB/s         5 µs       HBM2e-class GPU memory; one kernel launch
-``host``      20 GB/s        20 µs      PCIe 4.0 x16 (about 25 GB/s one way), one copy
-``nvme``      2 GB/s         200 µs     a PCIe 3.0 x4 NVMe SSD (3.5 GB/s rated
-                                        sequential read), derated; a few QD1 4 KiB
-                                        reads (about 80 µs each) plus the software path
-``remote``    1 GB/s         1 ms       a 10 GbE link (1.25 GB/s line rate); one
-                                        Mooncake ``batch_get_into`` call (master RPC
-                                        plus transfer setup). Measured for issue 22
-                                        on the 2-core VM (two processes, one master,
-                                        loopback TCP, load average 2-3): 3.9 ms per
-                                        2 MiB object in batch_get_into calls of 8
-                                        (0.54 GB/s); whole loads of 8 objects of
-                                        8 KiB, 1.5-5.8 ms
-============ ============== ========== ==============================================
-
-``prefill_tokens_per_s`` 10,000: the order of an 8B model's prefill on one
-datacenter GPU; :func:`measure_prefill_tokens_per_s` gives a proxy for a CPU.
+Continued in ``docs/POLICIES.md`` (``tierstore/policies/cost.py``): load time: declared, then
+measured, always bounded.
 """
 from __future__ import annotations
 

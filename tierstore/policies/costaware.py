@@ -17,21 +17,7 @@ Score of a resident block (higher = keep)::
   from the next tier (``reload_tier``), converted to bytes at that tier's
   bandwidth so numerator and denominator have one unit (seconds per byte).
 
-Aging follows GreedyDual-Size (P. Cao and S. Irani, "Cost-Aware WWW Proxy
-Caching Algorithms", USITS 1997) with frequency (GDSF; L. Cherkasova,
-"Improving WWW Proxy Performance with Greedy-Dual-Size-Frequency Caching
-Policy", HP Labs TR HPL-98-69, 1998): the priority is ``L + value * scale``,
-computed when the block is inserted or hit, and ``L`` is raised to the
-priority of each victim. Blocks that are not hit again fall behind the rising
-``L`` and are evicted. ``scale`` makes ``value`` comparable with ``L``: it is
-set once, on the first insert, to ``1 / value`` of that block (so a fresh
-block's priority is about ``L + 1``).
-
-Ties (equal priority) go to the deeper chain position first: a block is only
-useful while every block before it in the chain is resident, so evicting the
-leaf first never strands other blocks.
-
-Victims are found through a lazy-deletion heap, ``O(log N)`` per operation.
+Continued in ``docs/POLICIES.md`` (``tierstore/policies/costaware.py``).
 """
 from __future__ import annotations
 

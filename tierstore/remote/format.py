@@ -8,39 +8,7 @@ payloads (its ``put``/``get`` move bytes between DRAM segments by RDMA or TCP),
 and a key can be written by any client of the cluster, so every reader checks
 everything below before a byte reaches KV memory. A failed check is a miss.
 
-Header (little-endian; ``struct`` format :data:`HEADER_FMT`), 64 bytes:
-
-====== ==== ================= ==============================================
-offset size field             meaning
-====== ==== ================= ==============================================
-0      8    magic             ``b"TSKVOBJ1"`` (a tierstore remote block)
-8      4    format_version    :data:`FORMAT_VERSION` (1); other values: miss
-12     4    header_bytes      :data:`HEADER_BYTES` (64); other values: miss
-16     32   key               the 32-byte scoped block key (namespace, layout
-                              and tenant are in it: :mod:`tierstore.identity`);
-                              must equal the key that was asked for
-48     8    payload_bytes     block length in bytes; must equal the reader's
-                              ``block_bytes`` and the object size - 64
-56     4    payload_crc32c    CRC-32C of the payload seeded with the CRC-32C
-                              of ``key`` (:func:`tierstore.io.format.payload_crc`,
-                              the NVMe extent format's block checksum)
-60     4    header_crc32c     CRC-32C of bytes [0, 60)
-====== ==== ================= ==============================================
-
-The payload follows the header directly (offset 64). CRC-32C (Castagnoli) is
-the ``crc32c`` package, as in :mod:`tierstore.io.format`; it detects transport
-and memory corruption and objects of another key or format, not a malicious
-writer (a writer with access to the cluster can compute a valid CRC; see
-:class:`ObjectNamer` for who can name objects at all).
-
-Object names
-------------
-``tierstore/v1/<cluster>/<hex>`` where ``<hex>`` is the 64-hex-digit block key,
-or, when the cluster has a name secret, ``HMAC-SHA256(secret, key)`` in hex
-(RFC 2104). ``<cluster>`` separates tierstore deployments that share one
-Mooncake cluster. Mooncake keys are opaque strings (Mooncake docs, "KV Cache
-Sharing and Isolation"); the ``tierstore/v1/`` prefix keeps ours apart from
-other users' (vLLM, SGLang, LMCache keys).
+Continued in ``docs/FORMAT.md`` (``tierstore/remote/format.py``): object names.
 """
 from __future__ import annotations
 

@@ -1,36 +1,15 @@
 """``tierstore serve --check``: find what start-up would refuse, without starting or changing anything.
 
-A config that validates (:mod:`tierstore.server.config`) can still fail to
-start on this machine. :func:`preflight` checks, read-only:
+A config that validates (:mod:`tierstore.server.config`) can still fail to start on this machine.
+:func:`preflight` checks, read-only: memory (the memory tiers against ``MemAvailable``), the NVMe
+geometry, the NVMe path (:func:`tierstore.io.label.resolve_nvme_path`), what the path holds
+(:func:`tierstore.io.label.inspect_target`), a process holding the tier's lock, ``state_dir``, and
+the listen and metrics ports.
 
-* **memory**: the memory tiers are allocated at start (one tensor each,
-  :class:`tierstore.tiers.memory.BlockPool`): host (plus HBM when it is the
-  CPU stand-in, no CUDA) against ``MemAvailable`` of ``/proc/meminfo``;
-* **NVMe geometry**: a segment holds at least one block extent and the tier at
-  least two segments (:class:`tierstore.io.SegmentStorage`'s own rules, from
-  :mod:`tierstore.io.format`);
-* **NVMe path** (the one path rule, :func:`tierstore.io.label.resolve_nvme_path`):
-  a device under ``/dev`` exists, is a block or character device and is large
-  enough; a file's directory exists and is writable, and its file system has
-  room for the tier (free space plus what an existing tier file already holds:
-  the file is sparse, so a tier larger than the disk starts but refuses blocks
-  once the disk is full) and accepts O_DIRECT (an existing file is opened
-  read-only; otherwise a probe file is created and removed);
-* **what the path holds** (:func:`tierstore.io.label.inspect_target`, plain
-  reads, nothing written or locked): a non-empty file or a block device without
-  tierstore's label is refused unless ``format: true``, as start-up refuses it;
-  a tier's label gives its block size (compared with the layout's: start-up
-  refuses another) and segment size (a capacity that holds too few of them is
-  refused). Scopes registered in ``state_dir`` under another layout are
-  reported: start-up drops their blocks;
-* **in use**: a process holding the tier's lock (``/proc/locks``) is named;
-* **state_dir**: writable or creatable;
-* **ports**: the listen and metrics addresses can be bound now (a bind test,
-  ``SO_REUSEADDR`` as aiohttp binds). Port 0 always binds.
+Errors make ``--check`` exit 2 with one line each; notes are printed and do not fail. Start-up
+runs the same checks except the port test (the real bind does that) and refuses on an error.
 
-Errors make ``--check`` exit 2 with one line each; notes are printed and do not
-fail. Start-up runs the same checks except the port test (the real bind does
-that) and refuses on an error.
+Continued in ``docs/SERVER.md`` (``tierstore/server/check.py``): each check in detail.
 """
 from __future__ import annotations
 

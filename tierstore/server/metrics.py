@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 __all__ = ["ServerMetrics"]
 
 
+def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetricFamily:
+    """A counter family ``name{counter=...}`` of the ``int`` values of ``counters`` (a stats dict)."""
+    family = CounterMetricFamily(name, documentation, labels=["counter"])
+    for k, v in counters.items():
+        if isinstance(v, int):
+            family.add_metric([k], v)
+    return family
+
+
 class _StoreCollector:
     """Scrape-time gauges: bytes per tier, store counters, WAF, tenant usage."""
 
@@ -36,12 +45,7 @@ class _StoreCollector:
             cap.add_metric([tier], b)
         yield cap
         snap = store.stats()
-        c = CounterMetricFamily("tierstore_manager_events", "Store counters (see tierstore.metrics)",
-                                labels=["counter"])
-        for k, v in snap.items():
-            if isinstance(v, int):
-                c.add_metric([k], v)
-        yield c
+        yield _int_counters("tierstore_manager_events", "Store counters (see tierstore.metrics)", snap)
         ratio = GaugeMetricFamily("tierstore_block_hit_ratio",
                                   "Blocks found / blocks asked for, over gets (OK blocks) and lookups (matched "
                                   "blocks); 0 before any; see tierstore_block_hits_total{op}")
@@ -64,12 +68,7 @@ class _StoreCollector:
                                    "or degraded (0; local tiers keep serving)")
             up.add_metric([], 1.0 if rs["state"] == "ok" else 0.0)
             yield up
-            rc = CounterMetricFamily("tierstore_remote_events", "Remote tier counters (tierstore.remote.mooncake)",
-                                     labels=["counter"])
-            for k, v in rs.items():
-                if isinstance(v, int):
-                    rc.add_metric([k], v)
-            yield rc
+            yield _int_counters("tierstore_remote_events", "Remote tier counters (tierstore.remote.mooncake)", rs)
         use = GaugeMetricFamily("tierstore_tenant_usage_bytes", "Resident bytes per tenant (owner)",
                                 labels=["tenant"])
         quota = GaugeMetricFamily("tierstore_tenant_quota_bytes", "Byte quota per tenant (owner)", labels=["tenant"])

@@ -12,24 +12,8 @@ configured credential (no early exit). Clients send the 32-byte digest of their
     scope = SHA-256("tierstore/scope/v2" 0x00 owner 0x00 client_namespace_digest || layout_fingerprint)
     key   = SHA-256("tierstore/server-key/v1" || scope || client_key)
 
-``layout_fingerprint`` is :meth:`~tierstore.layout.KVLayout.fingerprint` of the
-daemon's layout: a daemon restarted with another layout never serves the old
-bytes. ``owner`` comes from the credential, so a client cannot name another tenant's
-scope: equal namespaces and keys of two tenants map to unrelated storage keys,
-and no request of tenant B can address, probe, pin, load or invalidate a block
-of tenant A. Only namespaces declared in ``public_namespaces`` (matched by the
-client's namespace digest) map to a shared owner, readable by their
-``readers`` and writable by their ``writers``. Every answer about keys is
-computed inside the caller's scopes, so responses and errors never depend on
-another tenant's blocks. ``scope`` is the store's namespace (the unit
-of :meth:`~tierstore.api.KVStore.invalidate`, pin quotas and tenant usage).
-
-Registry and invalidation log
------------------------------
-Segment deletes are volatile, so invalidations are logged (fsync'ed) in
-``state_dir/invalidations.jsonl``; ``state_dir/scopes.jsonl`` maps scopes to
-owners (and the layout they were written under) so tenant usage is known again
-after a restart. A torn last line (a crash mid-append) is skipped.
+Continued in ``docs/SERVER.md`` (``tierstore/server/tenancy.py``): registry and invalidation
+log.
 """
 from __future__ import annotations
 
