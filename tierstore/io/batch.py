@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import mmap
 import os
 from typing import Any, Callable, Iterable, Sequence
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .engine import IOEngine, IOFuture, alloc_aligned
+from .copies import OMP_SET, copy_thread_init, set_omp
 from .pages import (FragmentPlan, _merged_runs, align_up, fragment_nbytes, gather_fragments, scatter_fragments)
 from ..errors import ConfigError, LayoutError
 
@@ -60,38 +60,6 @@ def alloc_staging(nbytes: int) -> tuple[Any, torch.Tensor]:
         if t.data_ptr() % mmap.PAGESIZE == 0:
             return t, t
     return alloc_aligned(nbytes)
-
-
-def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch uses, if it is loaded."""
-    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD).omp_set_num_threads
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
-_OMP_SET = _omp_set_num_threads()
-
-
-def _set_omp(n: int) -> None:
-    if _OMP_SET is not None:
-        _OMP_SET(n)
-
-
-def _single_threaded_torch() -> None:
-    """Copy-thread initializer: this thread's torch ops run on this thread only.
-
-    The copy threads already split work across the CPUs; torch's intra-op
-    OpenMP team per copy thread would oversubscribe them (on 2 CPUs, 2 copy
-    threads x 2 OpenMP threads). ``omp_set_num_threads`` is per calling thread,
-    so other threads (and ``torch.get_num_threads()``) are unaffected.
-    """
-    torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo ours
-    fn = _omp_set_num_threads()
-    if fn is not None:
-        fn(1)
 
 
 class ExtentPipeline:
@@ -125,7 +93,7 @@ class ExtentPipeline:
         if self.copy_threads < 1:
             raise ConfigError(f"copy_threads={copy_threads}: must be >= 1")
         self._workers = (cf.ThreadPoolExecutor(self.copy_threads, thread_name_prefix="tierstore-copy",
-                                               initializer=_single_threaded_torch)
+                                               initializer=copy_thread_init)
                          if self.copy_threads > 1 else None)
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
@@ -142,10 +110,10 @@ class ExtentPipeline:
         futs = [self._workers.submit(lambda c: [fn(x) for x in c], c) for c in chunks[1:]]
         nthreads = torch.get_num_threads()
         try:  # the helpers take the other CPUs: keep torch's OpenMP team off them
-            _set_omp(1)
+            set_omp(1)
             out = [fn(x) for x in chunks[0]]
         finally:
-            _set_omp(nthreads)
+            set_omp(nthreads)
         for f in futs:
             out.extend(f.result())
         return out
@@ -209,14 +177,14 @@ class ExtentPipeline:
     def _omp_threads(self):
         """This thread's torch ops use ``copy_threads`` OpenMP threads meanwhile."""
         n = torch.get_num_threads()
-        if n == self.copy_threads or _OMP_SET is None:
+        if n == self.copy_threads or OMP_SET is None:
             yield
             return
-        _set_omp(self.copy_threads)
+        set_omp(self.copy_threads)
         try:
             yield
         finally:
-            _set_omp(n)
+            set_omp(n)
 
     def close(self) -> None:
         """Stop the copy threads."""
