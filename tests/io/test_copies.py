@@ -102,3 +102,34 @@ def test_bad_settings_are_refused():
         Copier(threads=0)
     with pytest.raises(ConfigError):
         Copier(split_bytes=0)
+
+
+def test_configure_replaces_the_shared_copier_for_later_stores():
+    from tierstore.io import copies
+    from tierstore.movers.memory import MemoryHandler
+    old = copies.shared_copier()
+    try:
+        new = copies.configure(threads=1, split_bytes=1 << 20, chunk_bytes=1 << 16)
+        assert copies.shared_copier() is new and new.threads == 1 and new.chunk_bytes == 1 << 16
+        assert MemoryHandler({}).copier is new
+    finally:
+        copies.configure(old.threads, old.split_bytes, old.chunk_bytes)
+
+
+def test_extent_pipeline_gathers_scatters_and_maps_over_its_copy_threads(tmp_path):
+    from tierstore.io.batch import ExtentPipeline
+    from tierstore.io.memory import MemoryEngine
+    from tierstore.io.pages import KVPagePool
+    pool = torch.randint(0, 255, (4, 2, 6, 4096), dtype=torch.uint8)
+    pipe = ExtentPipeline(MemoryEngine(16 << 20), 1 << 20, copy_threads=3)
+    try:
+        plans = KVPagePool(pool).plans(range(6))
+        staging = torch.zeros(6 * pool[:, :, 0].numel(), dtype=torch.uint8)
+        offs = [b * pool[:, :, 0].numel() for b in range(6)]
+        assert pipe.gather_blocks(plans, staging, offs) == [p.nbytes for p in plans]
+        out = torch.zeros_like(pool)
+        pipe.scatter_blocks(staging, offs, KVPagePool(out).plans(range(6), destination=True))
+        assert torch.equal(out, pool)
+        assert pipe.map(lambda x: x * x, range(37)) == [x * x for x in range(37)]
+    finally:
+        pipe.close()

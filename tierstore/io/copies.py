@@ -158,14 +158,18 @@ class Copier:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def run(self, pieces: Sequence[Callable[[], Any]], nbytes: int) -> None:
-        """Call every piece once (each a copy that releases the GIL), ``nbytes`` in all.
+    def run(self, pieces: Sequence[Callable[[], Any]], nbytes: int = 0, *, split: bool | None = None) -> None:
+        """Call every piece once (each a copy, or other work that releases the GIL).
 
-        Pieces must be independent (any order, concurrently). The first exception a piece
-        raises is raised here once no piece is running; pieces not yet started are skipped.
+        ``nbytes`` (all pieces together) decides whether helpers take part
+        (``>= split_bytes``), unless ``split`` says. Pieces must be independent (any
+        order, concurrently). The first exception a piece raises is raised here once no
+        piece is running; pieces not yet started are skipped.
         """
+        if split is None:
+            split = nbytes >= self.split_bytes
         with one_omp_thread():
-            if len(pieces) < 2 or nbytes < self.split_bytes or self.threads < 2:
+            if len(pieces) < 2 or not split or self.threads < 2:
                 for p in pieces:
                     p()
                 return
@@ -219,3 +223,22 @@ def shared_copier() -> Copier:
             if _SHARED is None:
                 _SHARED = Copier()
     return _SHARED
+
+
+def configure(threads: int | None = None, split_bytes: int = DEFAULT_SPLIT_BYTES,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Copier:
+    """Replace the process's default :class:`Copier` (see its parameters) for stores built
+    afterwards; the old one's copy threads stop once its calls are done. Returns the new one.
+
+    Raises
+    ------
+    ConfigError
+        If a value is not positive.
+    """
+    global _SHARED
+    new = Copier(threads, split_bytes, chunk_bytes)
+    with _SHARED_LOCK:
+        old, _SHARED = _SHARED, new
+    if old is not None:
+        old.close()
+    return new
