@@ -23,11 +23,14 @@ Parts (``--parts``):
   the same bytes in 4 MiB chunks (``--lmcache-python``;
   ``bench/lmcache_helper.py``; it neither fsyncs nor checksums, tierstore
   does both).
-* ``frag`` -- ``store_fragments``/``load_fragments`` of ``--frag-blocks`` 2 MiB
-  blocks (Llama-3.1-8B: 32 layers x K/V x 32 KiB) through ``KVPagePool`` plans
-  into/from the host tier vs ``copy_`` of the same bytes between two
-  contiguous buffers; one warm-up pass, then the median of 5 passes; the
-  loaded pool is checked against the stored one.
+* ``frag`` -- ``--frag-blocks`` 2 MiB blocks (Llama-3.1-8B: 32 layers x K/V x
+  32 KiB) into/from the host tier in three forms: ``store_fragments``/
+  ``load_fragments`` through ``KVPagePool`` plans (``plans_*``) and given as
+  64 per-layer views per block, the plain list form (``lists_*``); and
+  ``store``/``load`` of whole blocks (one ``(n, *block_shape)`` tensor in, a
+  list of block tensors out: ``blocks_*``); each against ``copy_`` of the same
+  bytes between two contiguous buffers (``memcpy``); one warm-up pass, then the
+  median of 5 passes; every load is checked against what was stored.
 * ``meta`` -- tiny blocks (64 B), one thread, chains of ``--chains`` blocks:
   store (``store_keys`` of a tensor of blocks), lookup by keys, lookup by
   tokens, and the chained hashing alone; blocks/s by wall time and by the
@@ -37,6 +40,12 @@ Parts (``--parts``):
   an NVMe tier that keeps no data (:class:`tierstore.io.null.NullEngine`):
   the index's and the region manager's arrays, and the process's RSS growth.
   The baseline is measured at ``--base-mem-blocks`` (200k: it fills at ~300 blocks/s).
+
+``--busy N`` measures every part but ``mem`` twice in each run: quiet, then
+with N processes spinning on the CPUs (``while True: pass``; started before
+and killed after both checkouts' workers), as on an engine's host. Keys are
+then prefixed ``quiet.``/``busy.``; each worker's 1-minute load average at its
+end is kept (``loadavg_1m``).
 
 Example::
 
@@ -220,41 +229,58 @@ def worker_frag(a: dict) -> dict:
     pool = torch.randn(lay.num_layers, 2, nb, 16, 8, 128).to(torch.bfloat16)
     dst = torch.zeros_like(pool)
     pages, dpages = KVPagePool(pool), KVPagePool(dst)
+    blocks = torch.randn(nb, *lay.block_shape).to(lay.dtype)  # whole blocks, one tensor
+    dblocks = torch.zeros_like(blocks)
     s = KVStore(lay, host_bytes=(nb + 4) * bb, device="cpu")
     ns = Namespace(model="frag")
     toks = np.arange(nb * 16)
     keys = s.keys_for(ns, toks)
-    res = {"store": [], "load": [], "memcpy": []}
+    forms = ("plans", "lists", "blocks")
+    res: dict = {k: [] for f in forms for k in (f"{f}_store", f"{f}_load")}
+    res["memcpy"] = []
     src_flat = torch.ones(nb * bb, dtype=torch.uint8)
     dst_flat = torch.zeros(nb * bb, dtype=torch.uint8)
+
+    def views(t, b):  # the plain list form: one block's 64 per-layer K/V views
+        return [t[layer, kv, b] for layer in range(lay.num_layers) for kv in range(2)]
+
+    def ok(st, what):
+        if any(x is not Status.OK for x in st):
+            raise SystemExit(f"{what}: {st}")
     for rep in range(6):  # rep 0 warms up (first touch of the host tier and the buffers)
-        plans = pages.plans(range(nb))
-        dplans = dpages.plans(range(nb), destination=True)
+        for form in forms:
+            if form == "plans":
+                src, dsts = pages.plans(range(nb)), dpages.plans(range(nb), destination=True)
+            elif form == "lists":
+                src, dsts = [views(pool, b) for b in range(nb)], [views(dst, b) for b in range(nb)]
+            else:
+                src, dsts = blocks, list(dblocks)
+            t0 = time.perf_counter()
+            st = s.store(ns, toks, src) if form == "blocks" else s.store_fragments(ns, toks, src)
+            t1 = time.perf_counter()
+            ok(st, f"{form} store")
+            (dblocks if form == "blocks" else dst).zero_()
+            t2 = time.perf_counter()
+            st = s.load(keys, dsts)[0] if form == "blocks" else s.load_fragments(keys, dsts)
+            t3 = time.perf_counter()
+            ok(st, f"{form} load")
+            if not (torch.equal(dblocks, blocks) if form == "blocks" else torch.equal(dst, pool)):
+                raise SystemExit(f"{form}: loaded KV differs from the stored KV")
+            if rep:
+                res[f"{form}_store"].append(t1 - t0)
+                res[f"{form}_load"].append(t3 - t2)
+            s.remove(keys) if hasattr(s, "remove") else s.manager.remove(keys)
         t0 = time.perf_counter()
-        st = s.store_fragments(ns, toks, plans)
-        t1 = time.perf_counter()
-        if any(x is not Status.OK for x in st):
-            raise SystemExit(f"store_fragments: {st}")
-        dst.zero_()
-        t2 = time.perf_counter()
-        st = s.load_fragments(keys, dplans)
-        t3 = time.perf_counter()
-        if any(x is not Status.OK for x in st):
-            raise SystemExit(f"load_fragments: {st}")
         dst_flat.copy_(src_flat)
-        t4 = time.perf_counter()
-        if not torch.equal(dst, pool):
-            raise SystemExit("loaded KV differs from the stored KV")
+        t1 = time.perf_counter()
         if rep:
-            res["store"].append(t1 - t0)
-            res["load"].append(t3 - t2)
-            res["memcpy"].append(t4 - t3)
-        s.remove(keys) if hasattr(s, "remove") else s.manager.remove(keys)
+            res["memcpy"].append(t1 - t0)
     s.close()
     total = nb * bb
     out = {f"{k}_gbps": total / statistics.median(v) / 1e9 for k, v in res.items()}
-    out["store_over_memcpy"] = out["store_gbps"] / out["memcpy_gbps"]
-    out["load_over_memcpy"] = out["load_gbps"] / out["memcpy_gbps"]
+    for k in res:
+        if k != "memcpy":
+            out[f"{k}_over_memcpy"] = out[f"{k}_gbps"] / out["memcpy_gbps"]
     return out
 
 
@@ -359,6 +385,27 @@ WORKERS = {"stall": worker_stall, "nvme": worker_nvme, "frag": worker_frag, "met
 
 
 # =============================================================================== driver
+class Spinners:
+    """``n`` processes that spin on the CPUs while the block runs (an engine's busy host:
+    tokenizers, schedulers, other engines); stopped and reaped on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list = []
+
+    def __enter__(self) -> "Spinners":
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        if self.procs:
+            time.sleep(0.5)  # let the scheduler see them
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
 def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=root)
     try:
@@ -413,6 +460,8 @@ def main() -> None:
     ap.add_argument("--base-mem-blocks", type=int, default=200_000)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per worker")
     ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/tmp/lmcache-venv/bin/python"))
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="also measure every part but mem with N competing processes spinning on the CPUs")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.worker:
@@ -431,21 +480,31 @@ def main() -> None:
         if part == "nvme" and use_lmc:
             rows["lmcache"] = []
         runs = a.mem_runs if part == "mem" else a.runs
+        modes = ["quiet", "busy"] if a.busy and part != "mem" else ["quiet"]
         for run in range(runs):
             order = codes if run % 2 == 0 else codes[::-1]  # ABBA
-            for k, (name, root) in enumerate(order):
-                wa = dict(wargs, run=run)
-                if part == "mem" and name == "base":
-                    # the old core fills an NVMe-only store at ~300 blocks/s here: 200k blocks (the
-                    # issue measured ~0.9 KB a block at 1M)
-                    wa["mem_blocks"] = min(a.mem_blocks, a.base_mem_blocks)
-                rows[name].append(run_worker(root, part, wa, a.timeout_s))
-                print(f"[{time.time() - started:7.0f} s] {part} run {run} {name}: "
-                      f"{json.dumps(rows[name][-1])[:400]}", file=sys.stderr, flush=True)
-                if part == "nvme" and use_lmc and k == 0:  # LMCache between the two checkouts
-                    rows["lmcache"].append(lmcache(a.lmcache_python, a.dir, a.nvme_bytes))
-                    print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: {rows['lmcache'][-1]}",
-                          file=sys.stderr, flush=True)
+            got: dict = {name: {} for name, _ in codes}
+            for mode in modes:
+                with Spinners(a.busy if mode == "busy" else 0):
+                    for k, (name, root) in enumerate(order):
+                        wa = dict(wargs, run=run)
+                        if part == "mem" and name == "base":
+                            # the old core fills an NVMe-only store at ~300 blocks/s here: 200k blocks
+                            # (the issue measured ~0.9 KB a block at 1M)
+                            wa["mem_blocks"] = min(a.mem_blocks, a.base_mem_blocks)
+                        r = run_worker(root, part, wa, a.timeout_s)
+                        r["loadavg_1m"] = os.getloadavg()[0]
+                        got[name][mode] = r
+                        print(f"[{time.time() - started:7.0f} s] {part} run {run} {mode} {name}: "
+                              f"{json.dumps(r)[:400]}", file=sys.stderr, flush=True)
+                        if part == "nvme" and use_lmc and k == 0 and mode == "quiet":  # LMCache between them
+                            rows["lmcache"].append(lmcache(a.lmcache_python, a.dir, a.nvme_bytes))
+                            print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: {rows['lmcache'][-1]}",
+                                  file=sys.stderr, flush=True)
+            for name, by_mode in got.items():  # one mode: the row as before; both: {"quiet": .., "busy": ..}
+                errs = [r["error"] for r in by_mode.values() if "error" in r]
+                row = by_mode if len(modes) > 1 else by_mode["quiet"]
+                rows[name].append({"error": errs[0]} if errs else row)
         results[part] = rows
     summary: dict = {}
     for part, rows in results.items():
@@ -467,7 +526,8 @@ def main() -> None:
             paired[label] = _stat(vals)
     res = results
     if "nvme" in res and "lmcache" in res["nvme"]:
-        pair("nvme.new_kvstore_4m_over_lmcache", res["nvme"]["new"], "4096k.kvstore_gbps",
+        pair("nvme.new_kvstore_4m_over_lmcache", res["nvme"]["new"],
+             ("quiet." if a.busy else "") + "4096k.kvstore_gbps",
              res["nvme"]["lmcache"], "store_gbps")
     if a.base:
         for part, keys in (("meta", [k for k in summary if k.startswith("meta.new.") and "per_" in k]),
@@ -477,6 +537,8 @@ def main() -> None:
                 continue
             for k in keys:
                 sub = k.split(".", 2)[2]
+                if sub.startswith("loadavg"):
+                    continue
                 pair(f"{part}.new_over_base.{sub}", res[part]["new"], sub, res[part]["base"], sub)
     for k, v in {**summary, **{f"ratio.{k}": v for k, v in paired.items()}}.items():
         print(f"{k:70s} {v['median']:14.4g}  [{v['min']:.4g}, {v['max']:.4g}]")

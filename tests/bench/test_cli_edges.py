@@ -105,7 +105,7 @@ def test_layout_line_and_created_files_removed(tmp_path, run_bench):
 
 
 def _bench_proc(args: list[str], cwd) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "tierstore.cli", "bench", *args, "--eta=always",
                              "--eta-newline=0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                             env=env)

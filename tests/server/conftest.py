@@ -62,7 +62,7 @@ class Daemon:
     def start(self, timeout_s: float = 60.0) -> "Daemon":
         self.starts += 1
         self.log_path = os.path.join(self.tmp, f"daemon-{self.starts}.log")
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=ROOT)
         with open(self.log_path, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--config", self.cfg_path],
                                          stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)

@@ -21,15 +21,14 @@ double-buffered extent loops.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import ctypes
+import functools
 import mmap
 import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .copies import Copier, one_omp_thread
 from .engine import IOEngine, IOFuture, alloc_aligned
 from .pages import (FragmentPlan, _merged_runs, align_up, fragment_nbytes, gather_fragments, scatter_fragments)
 from ..errors import ConfigError, LayoutError
@@ -62,38 +61,6 @@ def alloc_staging(nbytes: int) -> tuple[Any, torch.Tensor]:
     return alloc_aligned(nbytes)
 
 
-def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch uses, if it is loaded."""
-    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD).omp_set_num_threads
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
-_OMP_SET = _omp_set_num_threads()
-
-
-def _set_omp(n: int) -> None:
-    if _OMP_SET is not None:
-        _OMP_SET(n)
-
-
-def _single_threaded_torch() -> None:
-    """Copy-thread initializer: this thread's torch ops run on this thread only.
-
-    The copy threads already split work across the CPUs; torch's intra-op
-    OpenMP team per copy thread would oversubscribe them (on 2 CPUs, 2 copy
-    threads x 2 OpenMP threads). ``omp_set_num_threads`` is per calling thread,
-    so other threads (and ``torch.get_num_threads()``) are unaffected.
-    """
-    torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo ours
-    fn = _omp_set_num_threads()
-    if fn is not None:
-        fn(1)
-
-
 class ExtentPipeline:
     """Two staging buffers of ``extent_bytes`` and the double-buffered loops.
 
@@ -124,41 +91,40 @@ class ExtentPipeline:
         self.copy_threads = int(copy_threads or default_copy_threads())
         if self.copy_threads < 1:
             raise ConfigError(f"copy_threads={copy_threads}: must be >= 1")
-        self._workers = (cf.ThreadPoolExecutor(self.copy_threads, thread_name_prefix="tierstore-copy",
-                                               initializer=_single_threaded_torch)
-                         if self.copy_threads > 1 else None)
+        #: Runs the copies and checksums: pieces claimed by the caller and ``copy_threads - 1``
+        #: helpers, each on one OpenMP thread (see :mod:`tierstore.io.copies`).
+        self._copier = Copier(threads=self.copy_threads)
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        """``[fn(x) for x in items]``, on the copy threads when there are several."""
+        """``[fn(x) for x in items]``, on the copy threads when there are several (the caller
+        included; a helper that is not running when the call starts takes nothing)."""
         items = list(items)
-        if self._workers is None or len(items) < 2:
-            return [fn(x) for x in items]
-        # One contiguous chunk per thread, the first on the calling thread: one
-        # hand-off per helper thread per call rather than one per item (thread
-        # wake-ups cost tens of microseconds, a 2 MiB block copy ~200).
-        k = min(self.copy_threads, len(items))
+        if self.copy_threads < 2 or len(items) < 2:
+            with one_omp_thread():
+                return [fn(x) for x in items]
+        out: list[Any] = [None] * len(items)
+        # A few contiguous chunks per thread: few hand-offs (a thread wake-up costs tens of
+        # microseconds, a 2 MiB block's CRC ~400), and a late helper leaves little to wait for.
+        k = min(len(items), 4 * self.copy_threads)
         bounds = [len(items) * i // k for i in range(k + 1)]
-        chunks = [items[bounds[i]:bounds[i + 1]] for i in range(k)]
-        futs = [self._workers.submit(lambda c: [fn(x) for x in c], c) for c in chunks[1:]]
-        nthreads = torch.get_num_threads()
-        try:  # the helpers take the other CPUs: keep torch's OpenMP team off them
-            _set_omp(1)
-            out = [fn(x) for x in chunks[0]]
-        finally:
-            _set_omp(nthreads)
-        for f in futs:
-            out.extend(f.result())
+
+        def chunk(a: int, b: int) -> Callable[[], None]:
+            def run() -> None:
+                for i in range(a, b):
+                    out[i] = fn(items[i])
+            return run
+        self._copier.run([chunk(bounds[i], bounds[i + 1]) for i in range(k)], split=True)
         return out
 
     def gather_blocks(self, plans: Sequence[FragmentPlan], staging: torch.Tensor,
                       offsets: Sequence[int]) -> list[int]:
         """Gather each planned block into ``staging`` at its offset; return bytes per block.
 
-        The copies run back to back on the calling thread, each split across
-        ``copy_threads`` of torch's intra-op (OpenMP) threads, as one large
-        ``copy_`` is. Measured on 2 vCPUs (``bench/io_bench.py``): this keeps the
-        OpenMP team busy, where one Python thread per CPU copying its own blocks
-        lost 10-25 % to thread hand-offs and OpenMP wake-ups.
+        The copies (runs of blocks cut into pieces of ~2 MiB) are claimed by the
+        calling thread and the pipeline's other ``copy_threads - 1`` copy threads,
+        each copying on one OpenMP thread (:class:`~tierstore.io.copies.Copier`):
+        torch's OpenMP team would wait at its barrier for a thread that a busy
+        host descheduled.
 
         Consecutive blocks whose strided views step by a constant address
         offset, at consecutive staging offsets (blocks ``b, b+1, ...`` of one
@@ -189,40 +155,31 @@ class ExtentPipeline:
     def _move_blocks(self, plans: Sequence[FragmentPlan], staging: torch.Tensor, offsets: Sequence[int],
                      destination: bool) -> list[int]:
         """Gather ``plans`` into ``staging`` (``destination=False``) or scatter ``staging`` into them."""
-        with self._omp_threads():
-            for i, j, view in _merged_runs(plans, offsets, destination=destination):
-                if view is None:
-                    (plans[i].scatter if destination else plans[i].gather)(staging, offsets[i])
-                    continue
-                n = view.numel()
-                if offsets[i] + n > staging.numel():
-                    raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes" if destination
-                                      else f"gather overflows staging of {staging.numel()} bytes")
-                run = staging[offsets[i]:offsets[i] + n].view(view.shape)
-                if destination:
-                    view.copy_(run)
-                else:
-                    run.copy_(view)
-            return [p.nbytes for p in plans]
-
-    @contextlib.contextmanager
-    def _omp_threads(self):
-        """This thread's torch ops use ``copy_threads`` OpenMP threads meanwhile."""
-        n = torch.get_num_threads()
-        if n == self.copy_threads or _OMP_SET is None:
-            yield
-            return
-        _set_omp(self.copy_threads)
-        try:
-            yield
-        finally:
-            _set_omp(n)
+        pieces: list[Callable[[], Any]] = []
+        total = 0
+        chunk = self._copier.chunk_bytes
+        for i, j, view in _merged_runs(plans, offsets, destination=destination):
+            if view is None:
+                p, off = plans[i], offsets[i]
+                pieces.append(functools.partial(p.scatter if destination else p.gather, staging, off))
+                total += p.nbytes
+                continue
+            n = view.numel()
+            if offsets[i] + n > staging.numel():
+                raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes" if destination
+                                  else f"gather overflows staging of {staging.numel()} bytes")
+            run = staging[offsets[i]:offsets[i] + n].view(view.shape)
+            step = max(1, chunk // max(1, n // (j - i)))  # blocks per piece
+            for a in range(0, j - i, step):
+                d, src = (view[a:a + step], run[a:a + step]) if destination else (run[a:a + step], view[a:a + step])
+                pieces.append(functools.partial(torch.Tensor.copy_, d, src))
+            total += n
+        self._copier.run(pieces, total)
+        return [p.nbytes for p in plans]
 
     def close(self) -> None:
         """Stop the copy threads."""
-        if self._workers is not None:
-            self._workers.shutdown(wait=True)
-            self._workers = None
+        self._copier.close()
 
     def write_extents(self, jobs: Iterable[tuple[int, Callable[[torch.Tensor], int], int | None]]
                       ) -> list[BaseException | int]:

@@ -41,6 +41,7 @@ from . import format as fmt
 from . import label as lbl
 from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
+from .copies import one_omp_thread
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from .invalidation_log import InvalidationLog
@@ -205,17 +206,19 @@ def _extent_filler(p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data:
             p.entries = [fmt.BlockEntry(keys[i], nss[i], pos, bb, 0) for i, pos in jobs]
             fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, p.entries)
             return end
-        # Copies back to back on torch's threads, then CRC-32C on the
-        # copy threads (crc32c releases the GIL).
+        # Copies back to back (see ExtentPipeline.gather_blocks), then CRC-32C
+        # on the copy threads (crc32c releases the GIL).
         mine = [frags[i] for i in p.idx]
         k = len(mine)
         rows = _consecutive_rows(mine)
-        if rows is not None:  # rows i..i+k of one BlockRows: one strided copy
-            buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
+        if rows is not None:  # rows i..i+k of one BlockRows: one strided copy, on one OpenMP thread
+            with one_omp_thread():
+                buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
         else:
             pipe.gather_blocks(mine, buf, [pos for _, pos in jobs])
         if slot > bb:
-            buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
+            with one_omp_thread():
+                buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
 
         def one(job) -> fmt.BlockEntry:
             i, pos = job

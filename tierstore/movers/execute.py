@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..errors import Status
+from ..io.copies import one_omp_thread
 from ..io.pages import FragmentPlan
 from ..tiers.memory import BlockPool
 from ..tiers.storage import BlockStorage, RemoteBlockTier
@@ -309,24 +310,25 @@ class Movers:
         idx = list(indices) if indices is not None else list(range(len(plan.keys)))
         nv_new = dict(plan.nvme_new)
         new: list[tuple[int, object]] = []
-        for i, s, b in fetched:
-            if s is not Status.OK:
-                nvme_st[i] = Status.IO_ERROR
-                out[i] = s
-                continue
-            t, slot = mem.get(i, (None, -1))
-            if t is not None and not (t == Tier.HOST and zero_copy):
-                self.memory.view(t, slot).copy_(b)
-            if i in nv_new:
-                new.append((i, b))
-            if gate is None:
-                dests[i].scatter(b, 0)
-                out[i] = Status.OK
-                continue
-            with gate.enter([idx[i]]) as go:
-                if go:
+        with one_omp_thread():  # copies of the calling thread on one OpenMP thread (io.copies)
+            for i, s, b in fetched:
+                if s is not Status.OK:
+                    nvme_st[i] = Status.IO_ERROR
+                    out[i] = s
+                    continue
+                t, slot = mem.get(i, (None, -1))
+                if t is not None and not (t == Tier.HOST and zero_copy):
+                    self.memory.view(t, slot).copy_(b)
+                if i in nv_new:
+                    new.append((i, b))
+                if gate is None:
                     dests[i].scatter(b, 0)
                     out[i] = Status.OK
+                    continue
+                with gate.enter([idx[i]]) as go:
+                    if go:
+                        dests[i].scatter(b, 0)
+                        out[i] = Status.OK
         if new and self.nvme is not None:
             batch = add_new_blocks(NvmeBatch(), [plan.keys[i] for i, _ in new], [[b] for _, b in new],
                                    [nv_new[i] for i, _ in new], plan.ns, self.nvme.placement_for)

@@ -4,7 +4,9 @@ It knows the memory tiers' pools (``Mapping[Tier, BlockPool]``) and nothing else
 plan beyond the ``(tier, slot)`` items a plan carries. One copy each: a block is gathered straight
 from the engine's pages into its slot and scattered straight back; a :class:`~tierstore.io.pages.
 BlockRows` batch (the engine's blocks as rows of one tensor) is one slice copy or one
-``index_copy_`` per tier. Every memory copy of the store passes through :meth:`MemoryHandler.view`.
+``index_copy_`` per tier. Every memory copy of the store passes through :meth:`MemoryHandler.view`,
+and runs through a :class:`~tierstore.io.copies.Copier` (one OpenMP thread per copying thread, a
+call's blocks claimed by the caller and a few copy threads: copies that a busy host does not stall).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from ..contract import Demotion, Tier
 from ..errors import Status
+from ..io.copies import Copier, one_omp_thread, shared_copier
 from ..io.pages import FragmentPlan
 from ..tiers.memory import BlockPool
 from .gate import LoadGate
@@ -34,6 +37,11 @@ def by_tier(items: Sequence[Item]) -> dict[Tier, tuple[list[int], list[int]]]:
     return out
 
 
+#: Rows at least this long move one copy each rather than through ``index_select`` +
+#: ``index_copy_`` (which copies twice; for tiny rows one C call beats per-row Python).
+_ROW_COPY_BYTES = 64 << 10
+
+
 def _consecutive(ix: list[int]) -> bool:
     return ix == list(range(ix[0], ix[0] + len(ix)))
 
@@ -46,10 +54,20 @@ class MemoryHandler:
     pools : mapping of Tier to BlockPool
         The enabled memory tiers; slot ``s`` of tier ``t`` is ``pools[t].view(s)``
         (1-D ``uint8``, ``block_bytes`` long).
+    copier : Copier, optional
+        Runs the copies (default: the process's :func:`~tierstore.io.copies.shared_copier`).
     """
 
-    def __init__(self, pools: Mapping[Tier, BlockPool]) -> None:
+    def __init__(self, pools: Mapping[Tier, BlockPool], copier: Copier | None = None) -> None:
         self.pools = pools
+        self.copier = copier if copier is not None else shared_copier()
+
+    def _each(self, fn, items: Sequence, block_bytes: int) -> None:
+        """``fn(item)`` for every item, each a copy of ``block_bytes``, through the copier in
+        pieces of at least its ``chunk_bytes`` (fewer hand-offs for small blocks)."""
+        k = max(1, self.copier.chunk_bytes // max(1, block_bytes))
+        pieces = [lambda part=items[a:a + k]: [fn(x) for x in part] for a in range(0, len(items), k)]
+        self.copier.run(pieces, len(items) * block_bytes)
 
     def view(self, tier: Tier, slot: int) -> torch.Tensor:
         """A memory slot's bytes (1-D ``uint8``)."""
@@ -57,13 +75,15 @@ class MemoryHandler:
 
     def copy_down(self, copies: Sequence[Demotion]) -> None:
         """Slot to slot, in the given order (a plan lists them lowest tier first)."""
-        for d in copies:
-            self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
+        with one_omp_thread():  # in order: a later copy may read a slot an earlier one wrote
+            for d in copies:
+                self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))
 
     def copy_slots(self, pairs: Sequence[tuple[Tier, int, Tier, int]]) -> None:
         """``(src_tier, src_slot, dst_tier, dst_slot)`` copies, in order (a prefetch from a memory tier)."""
-        for st, ss, dt, ds in pairs:
-            self.view(dt, ds).copy_(self.view(st, ss))
+        with one_omp_thread():
+            for st, ss, dt, ds in pairs:
+                self.view(dt, ds).copy_(self.view(st, ss))
 
     def gather(self, sources: Sequence[FragmentPlan | None], items: Sequence[Item]) -> None:
         """Engine bytes into slots: ``sources[i]`` into ``(tier, slot)`` for each item.
@@ -74,8 +94,8 @@ class MemoryHandler:
         if rows is not None and len(items) > 1:
             self._move_rows(rows, items, to_slots=True)
             return
-        for i, tier, slot in items:
-            sources[i].gather(self.view(tier, slot), 0)
+        self._each(lambda it: sources[it[0]].gather(self.view(it[1], it[2]), 0), items,
+                   sources[items[0][0]].nbytes if items else 0)
 
     def scatter(self, dests: Sequence[FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
                 statuses: list[Status]) -> None:
@@ -91,27 +111,31 @@ class MemoryHandler:
             if items:
                 self._move_rows(rows, items, to_slots=False)
             return
-        for i, tier, slot in items:
-            if gate is None:
-                dests[i].scatter(self.view(tier, slot), 0)
-                statuses[i] = Status.OK
-                continue
-            with gate.enter([i]) as go:
-                if go:
-                    dests[i].scatter(self.view(tier, slot), 0)
-                    statuses[i] = Status.OK
+        if gate is None:
+            def one(it: Item) -> None:
+                dests[it[0]].scatter(self.view(it[1], it[2]), 0)
+                statuses[it[0]] = Status.OK
+            self._each(one, items, dests[items[0][0]].nbytes if items else 0)
+            return
+        with one_omp_thread():
+            for i, tier, slot in items:
+                with gate.enter([i]) as go:
+                    if go:
+                        dests[i].scatter(self.view(tier, slot), 0)
+                        statuses[i] = Status.OK
 
     def promote(self, items: Sequence[tuple[int, int, Tier, int]],
                 loaded: Sequence[FragmentPlan]) -> list[bool]:
         """Copy just-loaded blocks, read back from their destinations ``loaded[i]``, into upper
         slots: ``items[j] = (i, row, tier, slot)``; ``False`` where the read-back failed."""
         out = []
-        for i, _row, tier, slot in items:
-            try:
-                loaded[i].gather(self.view(tier, slot), 0)
-                out.append(True)
-            except (RuntimeError, ValueError):
-                out.append(False)
+        with one_omp_thread():
+            for i, _row, tier, slot in items:
+                try:
+                    loaded[i].gather(self.view(tier, slot), 0)
+                    out.append(True)
+                except (RuntimeError, ValueError):
+                    out.append(False)
         return out
 
     def _move_rows(self, rows: torch.Tensor, items: Sequence[Item], to_slots: bool) -> None:
@@ -121,7 +145,11 @@ class MemoryHandler:
             data = self.pools[tier].data
             src, dst, src_ix, dst_ix = (rows, data, ix, sl) if to_slots else (data, rows, sl, ix)
             if _consecutive(ix) and _consecutive(sl):
-                dst[dst_ix[0]:dst_ix[0] + len(dst_ix)].copy_(src[src_ix[0]:src_ix[0] + len(src_ix)])
+                self.copier.copy(dst[dst_ix[0]:dst_ix[0] + len(dst_ix)], src[src_ix[0]:src_ix[0] + len(src_ix)])
                 continue
-            picked = src.index_select(0, torch.tensor(src_ix, device=src.device))
-            dst.index_copy_(0, torch.tensor(dst_ix, device=dst.device), picked.to(dst.device))
+            if data.shape[1] >= _ROW_COPY_BYTES:  # large rows: one copy each, no staging copy
+                self._each(lambda p: dst[p[1]].copy_(src[p[0]]), list(zip(src_ix, dst_ix)), data.shape[1])
+                continue
+            with one_omp_thread():
+                picked = src.index_select(0, torch.tensor(src_ix, device=src.device))
+                dst.index_copy_(0, torch.tensor(dst_ix, device=dst.device), picked.to(dst.device))

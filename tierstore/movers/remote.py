@@ -17,6 +17,7 @@ import torch
 
 from ..contract import Tier
 from ..errors import Status
+from ..io.copies import one_omp_thread
 from ..io.pages import FragmentPlan
 from ..tiers.memory import BlockPool
 from ..tiers.storage import RemoteBlockTier
@@ -92,17 +93,18 @@ class RemoteHandler:
         except OSError:
             return [Status.IO_ERROR] * len(keys)
         idx = list(indices) if indices is not None else list(range(len(keys)))
-        for j, (s, p, b) in enumerate(zip(st, dests, bufs)):
-            if s is not Status.OK:
-                continue
-            if gate is None:
-                p.scatter(b, 0)
-                continue
-            with gate.enter([idx[j]]) as go:
-                if go:
+        with one_omp_thread():
+            for j, (s, p, b) in enumerate(zip(st, dests, bufs)):
+                if s is not Status.OK:
+                    continue
+                if gate is None:
                     p.scatter(b, 0)
-                else:
-                    st[j] = Status.MISS
+                    continue
+                with gate.enter([idx[j]]) as go:
+                    if go:
+                        p.scatter(b, 0)
+                    else:
+                        st[j] = Status.MISS
         return st
 
     # -------------------------------------------------------------- memory -> remote

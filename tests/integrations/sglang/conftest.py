@@ -18,9 +18,3 @@ else:
     if importlib.util.find_spec("torchvision") is None:
         # test-only stand-in (see stubs/README.md); only in this environment
         sys.path.insert(0, str(pathlib.Path(__file__).parent / "stubs"))
-    import torch
-
-    # One intra-op thread: on a loaded 2-core machine a 2-thread OpenMP team spins at
-    # barriers and a 64 KiB page copy takes ~0.5 ms instead of ~30 us (measured here);
-    # the suite checks behaviour, bench/sglang_bench.py measures speed.
-    torch.set_num_threads(1)
