@@ -37,6 +37,7 @@ from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult,
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
+from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
 from ..policies.lifetime import default_classify
 from .completion import Completion
@@ -44,7 +45,7 @@ from .introspect import EventLog, Introspection
 from .listener import NvmeListener
 from .pins import Pins
 from .placement import Placement
-from .rows import NO_HINT, PENDING, EntryView, RowTable
+from .rows import NO_HINT, ON_NVME, PENDING, EntryView, RowTable
 
 _TIER_OF_INT = tuple(Tier)
 _LABELS = {int(t): t.name.lower() for t in Tier}
@@ -113,6 +114,9 @@ class IndexRuntime:
     remote_victims : bool
         List victims that would be lost in ``StorePlan.lost`` (the shared remote tier's
         ``publish: evict`` mode, :mod:`tierstore.remote`).
+    nvme_policy : EvictionPolicy or None
+        The order in which single NVMe blocks are evicted (``eviction_granularity: block``; a
+        hit on any tier refreshes a block's NVMe copy). ``None``: the NVMe tier evicts regions.
     """
 
     clock: Callable[[], float] = time.monotonic
@@ -121,6 +125,7 @@ class IndexRuntime:
     reinsert: Callable | None = None
     cost: CostModel = dataclasses.field(default_factory=CostModel)
     remote_victims: bool = False
+    nvme_policy: EvictionPolicy | None = None
 
 
 class BlockIndex:
@@ -173,14 +178,14 @@ class BlockIndex:
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
         self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
-                                     self._now, c.tokens_per_block, runtime.cost)
+                                     self._now, c.tokens_per_block, runtime.cost, runtime.nvme_policy)
         self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
                          policies.default_lease_s,
                          self.completion.maybe_free_doomed)
         self.listener = NvmeListener(self.rows, self._lock, self._now, runtime.reinsert, self.metrics, self.events,
-                                     self.completion.forget_if_empty)
+                                     self.completion.forget_if_empty, runtime.nvme_policy)
         self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
-                                        self.policies, self.pins)
+                                        self.policies, self.pins, runtime.nvme_policy)
 
     # ================================================================ helpers
     def _now(self) -> float:
@@ -299,6 +304,12 @@ class BlockIndex:
                     sel = [j for j, tt in enumerate(lt) if tt == t]
                     kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
                 self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+        nvp = self.runtime.nvme_policy
+        if nvp is not None:  # block mode: a hit on any tier refreshes the NVMe copy (one flat LRU)
+            on = [j for j, r in enumerate(lr) if self.rows.flags[r] & ON_NVME]
+            if on:
+                kn = [keys[j] for j in on]
+                nvp.on_access_many(kn, lambda j: EntryView(self.rows, lr[on[j]], kn[j]), now)
         if request_id is not None:
             self.rows.refs[mr] += 1
             self.pins.reference(request_id, lr)
