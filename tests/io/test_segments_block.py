@@ -283,3 +283,46 @@ def test_stale_reset_segment_not_adopted_when_its_trim_was_ignored(tmp_path):
     assert st["recovery_stale_segments"] > 0
     s2.check_invariants()
     s2.close()
+
+
+def test_trim_only_after_its_record_is_durable():
+    s, lis, _ = memory_store()
+
+    class Check:
+        bad: list = []
+
+        def on_write(self, off, n, placement):
+            pass
+
+        def on_trim(self, off, n):   # the committed records at the moment of the trim
+            recs = s._blk.journal.records
+            if n == SEG:
+                ok = any(r.kind is RecordKind.SEGMENT_RESET and r.segment == off // SEG for r in recs)
+            else:
+                dead = {r.value for r in recs if r.kind is RecordKind.BLOCK_DEAD}
+                ok = all(o in dead for o in range(off, off + n, SLOT))
+            if not ok:
+                self.bad.append((off, n))
+    chk = Check()
+    s.engine.add_observer(chk)
+    for a in range(0, 15 * 10, 5):
+        put(s, lis, range(a, a + 5))
+    s.delete([key(149), key(148)])
+    put(s, lis, range(1000, 1005))
+    assert s.stats()["trim_ranges"] > 0 and s.stats()["segments_reset"] > 0
+    assert chk.bad == []
+
+
+def test_trim_waits_for_a_read_in_flight():
+    s, lis, log = memory_store()
+    budget = s.capacity_blocks()
+    for a in range(0, budget, 5):
+        put(s, lis, range(a, a + 5))
+    si, off0 = s.locate(key(0))
+    s._segs.readers[si] += 1            # a get pinned the segment before the eviction
+    put(s, lis, range(1000, 1005))
+    assert lis.picked == [key(i) for i in range(5)] and log.trims == []
+    assert s.stats()["dead_pending_bytes"] == 5 * SLOT
+    s._segs.readers[si] -= 1
+    put(s, lis, [1005])                 # the next flush trims them
+    assert (off0, 5 * SLOT) in log.trims
