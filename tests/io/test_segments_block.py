@@ -3,6 +3,12 @@ slots deallocated in runs after their tombstones are durable, exact accounting, 
 reopen that never brings an evicted block back (trims real or ignored)."""
 import collections
 import os
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import pytest
 import torch
@@ -197,9 +203,10 @@ def test_invariants_catch_a_wrong_count():
         s.check_invariants()
 
 
-def _file_store(path, lis, engine="posix"):
+def _file_store(path, lis, engine="posix", live_fraction=0.5):
     return SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine=engine, extent_size_bytes=SEG,
-                          eviction_granularity="block", live_fraction=0.5, trim_min_bytes=SLOT, listener=lis)
+                          eviction_granularity="block", live_fraction=live_fraction, trim_min_bytes=SLOT,
+                          listener=lis)
 
 
 def _ignore_trims(s):
@@ -326,3 +333,81 @@ def test_trim_waits_for_a_read_in_flight():
     s._segs.readers[si] -= 1
     put(s, lis, [1005])                 # the next flush trims them
     assert (off0, 5 * SLOT) in log.trims
+
+
+class _BlockMachine(RuleBasedStateMachine):
+    evicted = 0
+    """put / hit / protect / delete / get / reopen (trims real or ignored) on a file store in
+    block mode, compaction forced; invariants and the live budget after every step, and a
+    reopen brings back exactly the blocks that were live."""
+
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="blk-")
+        self.path = os.path.join(self.dir, "tier.bin")
+        self.lis = LruListener()
+        self.s = self._open(False)
+        self.next = 0
+
+    def _open(self, ignore):
+        s = _file_store(self.path, self.lis, live_fraction=0.15)   # a budget of 31 blocks: evictions soon
+        if ignore:
+            _ignore_trims(s)
+        s._blk.journal.should_compact = lambda *a, **k: True   # compaction at every check
+        s._blk._compact_check_bytes = 0
+        return s
+
+    @rule(n=st.integers(1, 30))
+    def put_blocks(self, n):
+        ids = range(self.next, self.next + n)
+        self.next += n
+        st_ = put(self.s, self.lis, ids)
+        assert Status.IO_ERROR not in st_
+        assert len(self.s) <= self.s.capacity_blocks()
+
+    @rule(i=st.integers(0, 400))
+    def hit(self, i):
+        if self.s.contains(key(i)):
+            self.lis.track([key(i)])
+
+    @rule(i=st.integers(0, 400))
+    def protect(self, i):
+        if len(self.lis.protected) < 5:
+            self.lis.protected.add(key(i))
+
+    @rule(i=st.integers(0, 400))
+    def delete(self, i):
+        self.s.delete([key(i)])
+        self.lis.order.pop(key(i), None)
+
+    @rule(i=st.integers(0, 400))
+    def get(self, i):
+        d = torch.empty(BB, dtype=torch.uint8)
+        st_ = self.s.get([key(i)], [d])[0]
+        assert st_ is (Status.OK if self.s.contains(key(i)) else Status.MISS) or st_ is Status.MISS
+        if st_ is Status.OK:
+            assert torch.equal(d, block(key(i)))
+
+    @rule(ignore=st.booleans())
+    def reopen(self, ignore):
+        live = set(self.s.keys())
+        self.s.close()
+        self.s = self._open(ignore)
+        assert set(self.s.keys()) == live
+        self.lis.order = collections.OrderedDict((k, None) for k in self.lis.order if k in live)
+
+    @invariant()
+    def consistent(self):
+        self.s.check_invariants()
+
+    def teardown(self):
+        _BlockMachine.evicted += self.s.stats()["block_evictions"]
+        self.s.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def test_accounting_invariants_stateful():
+    run_state_machine_as_test(_BlockMachine, settings=settings(max_examples=12, stateful_step_count=40,
+                                                               deadline=None,
+                                                               suppress_health_check=list(HealthCheck)))
+    assert _BlockMachine.evicted > 0

@@ -109,6 +109,7 @@ class BlockEviction:
         self.other_dead = np.zeros(n, dtype=np.int64)  # dead without a record (GC-superseded, recovery)
         self.pending: list[list[int]] = [[] for _ in range(n)]   # durable, not yet trimmed
         self._staged: list[tuple] = []                 # records not yet durable, in order
+        self._compact_check_bytes = 1 << 20            # look at compaction again once the journal is this big
         for name in ("block_evictions", "gc_evicted_blocks", "trimmed_bytes", "trim_ranges", "trim_calls",
                      "journal_errors", "recovery_tombstoned_blocks", "recovery_stale_segments",
                      "journal_mismatch", "segments_reset"):
@@ -244,10 +245,13 @@ class BlockEviction:
         return sum(len(p) for p in self.pending) * self.slot_bytes
 
     def stats(self) -> dict:
-        """``live_budget_blocks``, ``dead_pending_bytes``, ``hole_blocks`` (dead slots in segments
-        not yet reset), ``journal_records``, ``journal_commits``."""
+        """``live_budget_blocks``, ``dead_pending_bytes``, ``live_bytes`` (device bytes of the live
+        slots), ``hole_blocks`` / ``hole_bytes`` (dead slots in segments not yet reset),
+        ``journal_records``, ``journal_commits``."""
+        holes = int(self.dead.sum() + self.other_dead.sum())
         return {"live_budget_blocks": self.live_budget, "dead_pending_bytes": self.pending_bytes(),
-                "hole_blocks": int(self.dead.sum() + self.other_dead.sum()),
+                "live_bytes": len(self.loc) * self.slot_bytes, "hole_blocks": holes,
+                "hole_bytes": holes * self.slot_bytes,
                 "journal_records": self.journal.stats["records_appended"],
                 "journal_commits": self.journal.stats["commits"]}
 
@@ -289,8 +293,10 @@ class BlockEviction:
                 self.journal.append(kind, si, gen, off, key)
             try:
                 self.journal.commit()
-                if self.journal.should_compact():
-                    self.journal.compact()
+                if self.journal.file_bytes() >= self._compact_check_bytes:  # not every commit: O(records)
+                    if self.journal.should_compact():
+                        self.journal.compact()
+                    self._compact_check_bytes = max(1 << 20, 2 * self.journal.file_bytes())
             except OSError:
                 with self._lock:
                     self._st["journal_errors"] += 1
