@@ -411,3 +411,18 @@ def test_accounting_invariants_stateful():
                                                                deadline=None,
                                                                suppress_health_check=list(HealthCheck)))
     assert _BlockMachine.evicted > 0
+
+
+@pytest.mark.parametrize("given", ["name", "engine object"])
+def test_refused_target_gets_no_journal_beside_it(tmp_path, given):
+    from tierstore.errors import ForeignDataError
+    path = tmp_path / "user.bin"
+    path.write_bytes(b"a user's data" * (CAP // 13 + 1))
+    before = path.read_bytes()
+    eng = open_engine("posix", str(path), CAP) if given == "engine object" else "posix"
+    with pytest.raises(ForeignDataError):
+        SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine=eng, label=True,
+                       eviction_granularity="block", listener=LruListener())
+    if given == "engine object":
+        eng.close()
+    assert not os.path.exists(str(path) + ".journal") and path.read_bytes() == before

@@ -415,12 +415,9 @@ class SegmentStorage(BlockStorage):
             invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
         self._inval_log = InvalidationLog(invalidation_log) if invalidation_log else None
         try:
-            journal, self._journal_state = _open_journal(path, journal_path, block)
-            if block:
-                self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes,
-                                          live_budget_for(self._segs, live_fraction),
-                                          parse_size(trim_min_bytes, "trim_min_bytes"), journal, self._lock, self._st)
-            self._open(format, verify_on_recovery)
+            budget = live_budget_for(self._segs, live_fraction) if block else 0
+            self._open(format, verify_on_recovery, (journal_path, block, budget, parse_size(trim_min_bytes,
+                                                                                              "trim_min_bytes")))
         except BaseException:
             self._wpipe.close()
             self._rpipe.close()
@@ -430,15 +427,21 @@ class SegmentStorage(BlockStorage):
                     os.unlink(path)  # a file this open created: leave nothing behind
             raise
 
-    def _open(self, format: bool, verify: bool) -> None:
-        """Check the label, recover the chains, drop what a smaller tier lost, write the label."""
+    def _open(self, format: bool, verify: bool, blk: tuple) -> None:
+        """Check the label, open the journal (``blk``: path, block mode, live budget, trim_min_bytes;
+        after the label: nothing is created beside a target that is refused), recover the chains,
+        drop what a smaller tier lost, write the label."""
         old, store_id = None, b""
         if self._labelled:
             old, store_id = recovery.open_label(self.engine, self._segs, self.path, format,
                                                 self._metadata_placement)
+        journal, state = _open_journal(self.path, blk[0], blk[1])
+        if blk[1]:
+            self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes, blk[2], blk[3],
+                                      journal, self._lock, self._st)
         inval = self._inval_log.read() if self._inval_log is not None else {}
         found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
-                                 self.path, self._journal_state)
+                                 self.path, state)
         for si in found.stale_segments:   # reset, but its trim was lost or ignored: trim it again
             self.engine.trim(si * self.segment_size_bytes + self._segs.chain_start(si),
                              self.segment_size_bytes - self._segs.chain_start(si)).get()
