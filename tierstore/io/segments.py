@@ -443,8 +443,11 @@ class SegmentStorage(BlockStorage):
         found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
                                  self.path, state)
         for si in found.stale_segments:   # reset, but its trim was lost or ignored: trim it again
-            self.engine.trim(si * self.segment_size_bytes + self._segs.chain_start(si),
-                             self.segment_size_bytes - self._segs.chain_start(si)).get()
+            try:
+                self.engine.trim(si * self.segment_size_bytes + self._segs.chain_start(si),
+                                 self.segment_size_bytes - self._segs.chain_start(si)).get()
+            except OSError:
+                self._st["trim_errors"] += 1   # still free: its chain is stale by gen (recovery.recover)
         if self._blk is not None:
             self._blk.recovered(found.tombstoned, found.stale_segments, found.journal_mismatch)
         self._st["recovery_dropped_blocks"] += found.dropped_blocks
