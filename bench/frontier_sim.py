@@ -1335,10 +1335,15 @@ def validate(wl: Workload, device: str, name: str = "a", util: float = 0.9) -> d
     (:func:`tierstore.replay.run_replay` with the same policies) on ``wl``."""
     from tierstore.replay import ReplayConfig, run_replay
     cfg = CONFIGS[name]
-    if cfg.granularity != "region" or cfg.promotion == "move":
-        raise ValueError(f"--validate: {name} is not a configuration the store has (region mode, promotion top/none)")
+    if cfg.promotion == "move" or (cfg.granularity == "block" and (cfg.survivor_stream or cfg.lba != "tier"
+                                                                   or cfg.gc_victim != "min_live")):
+        raise ValueError(f"--validate: {name} is not a configuration the store has (promotion top/none; block mode "
+                         "with one stream, LBA = the tier, GC victim min_live)")
     sim = Simulator(wl, cfg, util, "initial", device).run()
     nv = {"region_policy": cfg.region_policy}
+    if cfg.granularity == "block":  # every dead slot deallocated at once, as the simulator does
+        nv.update(eviction_granularity="block", live_fraction=cfg.live_fraction,
+                  trim_min_bytes=-(-wl.block_bytes // 4096) * 4096)
     if device == "sim":
         nv.update(device="sim", engine="memory", model={"utilization": util}, fdp={"enabled": cfg.fdp})
     pol = {"promotion": cfg.promotion, "reinsert": cfg.survivors,

@@ -40,6 +40,7 @@ from .layout import KVLayout
 from .movers import Movers, make_movers
 from .planner import RemotePlanner
 from .policies.admission import make_admission
+from .policies.base import make_policy
 from .policies.cost import CostModel
 from .policies.lifetime import make_classifier
 from .policies.reinsert import make_reinsert
@@ -192,7 +193,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
             admit=admit if admit is not None else make_admission(cfg.policies.admission),
             reinsert=make_reinsert(reinsert if reinsert is not None else cfg.policies.reinsert),
             cost=cost if cost is not None else CostModel(),
-            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict"))
+            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
+            nvme_policy=make_policy(cfg.policies.eviction)
+            if nvme is not None and nvme.eviction_granularity == "block" else None))
         remote = share = None
         if cfg.remote is not None:
             remote, share = _open_remote(cfg, bb, index)
@@ -292,7 +295,9 @@ def _open_storage(nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDe
                               region_policy=nv.region_policy, keep_data=keep_data,
                               invalidation_log=(path + ".invalidations") if path and nv.device != "fdp"
                               else False, label=path is not None, format=nv.format,
-                              metadata_placement=placement.placement_for_metadata())
+                              metadata_placement=placement.placement_for_metadata(),
+                              eviction_granularity=nv.eviction_granularity, live_fraction=nv.live_fraction,
+                              trim_min_bytes=nv.trim_min_bytes, journal_path=nv.journal_path)
         ruh_update = nv.fdp.ruh_update_on_segment_open
         if ruh_update is None:
             ruh_update = nv.fdp.enabled
@@ -331,7 +336,7 @@ def _open_index(cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None,
             raise ConfigError(f"NVMe backend block_bytes={nvme.block_bytes} != layout {bb}")
         nvme.set_listener(index.listener)
         stored = nvme.scan()
-        index.listener.adopt(stored.keys, stored.ns_digests)
+        index.listener.adopt(stored.keys, stored.ns_digests, stored.write_seqs)
     return index
 
 

@@ -163,6 +163,15 @@ class NvmeTierConfig(StrictModel):
     reopen with a larger capacity keeps every block, a smaller one drops the
     blocks of the segments past the new end (counted in
     ``recovery_dropped_blocks``).
+
+    ``eviction_granularity``: ``region`` (the default) evicts whole segments;
+    ``block`` evicts single blocks in ``policies.eviction``'s order, keeps at
+    most ``live_fraction`` of the tier's blocks live (the rest is room for
+    holes), deallocates dead slots in runs of at least ``trim_min_bytes`` and
+    records every eviction in a journal first (``journal_path``; default
+    ``<path>.journal`` beside a file, in memory for ``device: sim`` without a
+    path; required on a block device or ``device: fdp``). See
+    :mod:`tierstore.io.block_eviction`.
     """
 
     device: Literal["file", "sim", "fdp"] = "file"
@@ -175,6 +184,10 @@ class NvmeTierConfig(StrictModel):
     extent_size_bytes: SizeBytes = 16 << 20
     iodepth: int = Field(16, ge=1, le=1024)
     region_policy: Literal["lru", "fifo", "min_live"] = "lru"
+    eviction_granularity: Literal["region", "block"] = "region"
+    live_fraction: float = Field(0.9, gt=0.0, le=1.0, description="block mode: share of the tier's blocks kept live")
+    trim_min_bytes: SizeBytes = Field(1 << 20, description="block mode: shortest dead run worth a deallocate")
+    journal_path: str | None = Field(None, description="block mode: the journal file (durable before a trim)")
     flush_on_close: bool = Field(True, description="write memory-only blocks to NVMe at a clean close")
     flush_timeout_s: DurationS = Field(30.0, ge=0)
     flush_max_bytes: OptionalSizeBytes = Field(None, description="cap on bytes written at close; null: no cap")
@@ -233,7 +246,8 @@ OPTION_ALIASES = {"device": "tiers.hbm.device", "nvme_engine": "tiers.nvme.engin
 #: ``NvmeTierConfig`` fields a ``KVStore`` keyword sets under its own name (the path and the
 #: capacity are arguments of their own; ``fdp`` and ``model`` need a config).
 NVME_OPTIONS = ("segment_size_bytes", "extent_size_bytes", "iodepth", "region_policy", "flush_on_close",
-                "flush_timeout_s", "flush_max_bytes")
+                "flush_timeout_s", "flush_max_bytes", "eviction_granularity", "live_fraction", "trim_min_bytes",
+                "journal_path")
 
 
 class StoreConfig(StrictModel):

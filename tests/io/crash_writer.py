@@ -1,6 +1,13 @@
 """Subprocess writer for the kill -9 test: puts deterministic blocks and prints
-``A <hex>`` after each acknowledged put and ``D <hex>`` before each delete."""
+``A <hex>`` after each acknowledged put and ``D <hex>`` before each delete.
+
+Mode ``block`` / ``block-notrim`` (``eviction_granularity: block``; ``notrim``: the engine
+ignores deallocation, as QEMU's ``discard=ignore``): an LRU listener prints ``E <hex>`` when
+it names a victim, ``G <hex>`` for a block host GC dropped, and ``T <hex>`` once the put (or
+delete) that evicted it returned, i.e. its tombstone is durable (and its slot may be trimmed)."""
+import collections
 import hashlib
+import itertools
 import sys
 
 import numpy as np
@@ -8,6 +15,8 @@ import torch
 
 from tierstore.errors import Status
 from tierstore.io import SegmentStorage
+from tierstore.io import format as fmt
+from tierstore.io.engine import IOFuture
 
 BB = 12288 + 100
 SEG = 256 << 10
@@ -19,17 +28,62 @@ def content(key: bytes, n: int) -> torch.Tensor:
     return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
 
 
-def open_store(path, engine):
-    return SegmentStorage(path, CAP, BB, segment_size_bytes=SEG, engine=engine,
-                          extent_size_bytes=64 << 10, iodepth=4, max_io_bytes=16 << 10)
+def open_store(path, engine, mode="region", listener=None):
+    kw = {}
+    if mode.startswith("block"):
+        kw = dict(eviction_granularity="block", trim_min_bytes=fmt.block_slot_bytes(BB), listener=listener)
+    s = SegmentStorage(path, CAP, BB, segment_size_bytes=SEG, engine=engine,
+                       extent_size_bytes=64 << 10, iodepth=4, max_io_bytes=16 << 10, **kw)
+    if mode == "block-notrim":
+        s.engine._trim_impl = lambda off, n: IOFuture.completed(n)
+    return s
+
+
+class Lru:
+    """The index's NVMe LRU in miniature, saying what it evicts on ``out``."""
+
+    def __init__(self, out):
+        self.out = out
+        self.order: collections.OrderedDict = collections.OrderedDict()
+        self.evicted: list = []
+
+    def pick_victims(self, n):
+        ks = list(itertools.islice(self.order, n))
+        for k in ks:
+            del self.order[k]
+            self.out.write(f"E {k.hex()}\n")
+        self.out.flush()
+        self.evicted += ks
+        return ks
+
+    def on_reclaim(self, keys):
+        return [False] * len(keys)
+
+    def on_dropped(self, keys):
+        for k in keys:
+            self.order.pop(k, None)
+            self.out.write(f"G {k.hex()}\n")
+        self.out.flush()
+
+    def durable(self):
+        for k in self.evicted:
+            self.out.write(f"T {k.hex()}\n")
+        self.out.flush()
+        self.evicted = []
 
 
 def main() -> None:
     path, engine, run = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    s = open_store(path, engine)
+    mode = sys.argv[4] if len(sys.argv) > 4 else "region"
+    out = sys.stdout
+    lru = Lru(out) if mode.startswith("block") else None
+    s = open_store(path, engine, mode, lru)
     rng = np.random.default_rng(run)
     live = list(s.keys())
-    out = sys.stdout
+    if lru is not None:  # a restarted LRU starts as FIFO: oldest write first
+        found = s.scan()
+        live = [found.keys[i] for i in np.argsort(found.write_seqs, kind="stable")]
+        lru.order.update((k, None) for k in live)
     out.write("READY\n")
     out.flush()
     i = 0
@@ -42,7 +96,12 @@ def main() -> None:
             if x is Status.OK:
                 out.write(f"A {k.hex()}\n")
                 live.append(k)
+                if lru is not None:
+                    lru.order[k] = None
         out.flush()
+        if lru is not None:
+            lru.durable()
+            live = [k for k in live if k in lru.order]
         if Status.NO_SPACE in st or rng.random() < 0.1:
             victims = live[: max(1, len(live) // 3)]
             live = live[len(victims):]
@@ -50,6 +109,11 @@ def main() -> None:
                 out.write(f"D {k.hex()}\n")
             out.flush()
             s.delete(victims)
+            if lru is not None:
+                for k in victims:
+                    lru.order.pop(k, None)
+                    out.write(f"T {k.hex()}\n")
+                out.flush()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
 from ..errors import InvariantError, Status
 from ..metrics import Metrics
+from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
 from .introspect import EventLog
 from .placement import Placement
@@ -44,11 +45,15 @@ class Completion:
     tokens_per_block : int
     cost : CostModel
         Fed the measured NVMe load bandwidth.
+    nvme_policy : EvictionPolicy or None
+        The order of the NVMe-resident blocks (``eviction_granularity: block``); told of every
+        NVMe copy made and forgotten here.
     """
 
     def __init__(self, rows: RowTable, placement: Placement, metrics: Metrics, events: EventLog,
                  idle: threading.Condition, clock: Callable[[], float], tokens_per_block: int,
-                 cost: CostModel) -> None:
+                 cost: CostModel, nvme_policy: EvictionPolicy | None = None) -> None:
+        self.nvme_policy = nvme_policy
         self.rows = rows
         self.placement = placement
         self.alloc = placement.alloc
@@ -143,6 +148,7 @@ class Completion:
                 c["io_errors"] = c.get("io_errors", 0) + 1
                 if t == Tier.NVME and flags[r] & ON_NVME:
                     flags[r] &= 0xFF ^ ON_NVME  # never serve it again
+                    self._nvme_out(plan.keys[i])
                     self.forget_if_empty(r, plan.keys[i])
             self.maybe_free_doomed(r)
         # Metrics count the leading run only: that is what the engine uses.
@@ -181,6 +187,7 @@ class Completion:
             if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
                 self.rows.flags[d.row] |= ON_NVME
                 self.rows.nvme_at[d.row] = self._clock()
+                self._nvme_in([d.row], [d.key], self._clock())
                 n += 1
             self.maybe_free_doomed(d.row)
         self.metrics.add({"flushed_blocks": n, "nvme_write_bytes": n * self.block_bytes})
@@ -223,6 +230,7 @@ class Completion:
             if on_nvme:
                 self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
                 self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
+                self._nvme_in([plan.rows[i] for i in on_nvme], [plan.keys[i] for i in on_nvme], now)
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
                 only = sum(1 for i in on_nvme if i not in in_mem)
                 if only:
@@ -285,6 +293,7 @@ class Completion:
             if st in (Status.OK, Status.EXISTS):
                 self.rows.flags[d.row] |= ON_NVME
                 self.rows.nvme_at[d.row] = now
+                self._nvme_in([d.row], [d.key], now)
                 c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes
                 self.events.add("demoted", d.key, Tier.NVME)
@@ -311,6 +320,15 @@ class Completion:
                 self.alloc[t].give(s)
             self.events.add("removed", key, t)
             self.forget_if_empty(r, key)
+
+    def _nvme_in(self, rows: list[int], keys: list[bytes], now: float) -> None:
+        """NVMe copies of ``rows`` were written: the NVMe policy (block mode) hears of them."""
+        if self.nvme_policy is not None:
+            self.nvme_policy.on_insert_many(keys, lambda j: EntryView(self.rows, rows[j], keys[j]), now)
+
+    def _nvme_out(self, key: bytes) -> None:
+        if self.nvme_policy is not None:
+            self.nvme_policy.on_remove(key)
 
     def forget_new(self, plan: StorePlan, given=frozenset()) -> None:
         """A failed plan's new blocks: their memory slots (fresh or a victim's) go
@@ -417,6 +435,8 @@ class Completion:
         for t in MEMORY_TIERS:
             if self.rows.slot[t][row] >= 0 and not self.rows.flags[row] & EVICT[t]:
                 self.policies[t].on_remove(key)
+        if self.rows.flags[row] & ON_NVME:
+            self._nvme_out(key)
         self.rows.flags[row] &= 0xFF ^ ON_NVME
         self.events.add("invalidated", key)
         if (self.rows.refs[row] > 0 or self.rows.readers[row] > 0

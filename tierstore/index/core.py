@@ -37,6 +37,7 @@ from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult,
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
+from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
 from ..policies.lifetime import default_classify
 from .completion import Completion
@@ -113,6 +114,9 @@ class IndexRuntime:
     remote_victims : bool
         List victims that would be lost in ``StorePlan.lost`` (the shared remote tier's
         ``publish: evict`` mode, :mod:`tierstore.remote`).
+    nvme_policy : EvictionPolicy or None
+        The order in which single NVMe blocks are evicted (``eviction_granularity: block``; a
+        hit on any tier refreshes a block's NVMe copy). ``None``: the NVMe tier evicts regions.
     """
 
     clock: Callable[[], float] = time.monotonic
@@ -121,6 +125,7 @@ class IndexRuntime:
     reinsert: Callable | None = None
     cost: CostModel = dataclasses.field(default_factory=CostModel)
     remote_victims: bool = False
+    nvme_policy: EvictionPolicy | None = None
 
 
 class BlockIndex:
@@ -173,27 +178,20 @@ class BlockIndex:
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
         self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
-                                     self._now, c.tokens_per_block, runtime.cost)
+                                     self._now, c.tokens_per_block, runtime.cost, runtime.nvme_policy)
         self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
-                         policies.default_lease_s,
-                         self.completion.maybe_free_doomed)
+                         policies.default_lease_s, self.completion.maybe_free_doomed)
         self.listener = NvmeListener(self.rows, self._lock, self._now, runtime.reinsert, self.metrics, self.events,
-                                     self.completion.forget_if_empty)
+                                     self.completion.forget_if_empty, runtime.nvme_policy)
         self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
-                                        self.policies, self.pins)
+                                        self.policies, self.pins, runtime.nvme_policy)
 
     # ================================================================ helpers
     def _now(self) -> float:
         return self.runtime.clock()
 
-    @property
-    def record_events(self) -> bool:
-        """Whether events are recorded for :meth:`take_events` (tests turn it on)."""
-        return self.events.on
-
-    @record_events.setter
-    def record_events(self, on: bool) -> None:
-        self.events.on = on
+    record_events = property(lambda self: self.events.on, lambda self, on: setattr(self.events, "on", bool(on)),
+                             doc="Whether events are recorded for :meth:`take_events` (tests turn it on).")
 
     def take_events(self) -> list[tuple]:
         """Drain recorded events ``(kind, key, tier label)`` (``record_events`` must be on)."""
@@ -299,6 +297,8 @@ class BlockIndex:
                     sel = [j for j, tt in enumerate(lt) if tt == t]
                     kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
                 self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+        if self.listener.policy is not None:  # block mode: a hit on any tier refreshes the NVMe copy
+            self.listener.on_hits(keys, lr, now)
         if request_id is not None:
             self.rows.refs[mr] += 1
             self.pins.reference(request_id, lr)

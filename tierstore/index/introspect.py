@@ -63,7 +63,9 @@ class Introspection:
     """
 
     def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], tiers: list[Tier],
-                 alloc: dict[Tier, SlotAllocator], policies: dict[Tier, EvictionPolicy], pins: Pins) -> None:
+                 alloc: dict[Tier, SlotAllocator], policies: dict[Tier, EvictionPolicy], pins: Pins,
+                 nvme_policy: EvictionPolicy | None = None) -> None:
+        self.nvme_policy = nvme_policy
         self.rows = rows
         self._lock = lock
         self._clock = clock
@@ -178,6 +180,10 @@ class Introspection:
                 n = int(((self.rows.slot[t][rows] >= 0) & ((self.rows.flags[rows] & PENDING) == 0)).sum())
                 if quiescent and len(self.policies[t]) != n:
                     raise InvariantError(f"{t.label}: policy tracks {len(self.policies[t])}, {n} resident")
+            nvp = self.nvme_policy
+            n_nvme = int(((self.rows.flags[rows] & ON_NVME) != 0).sum())
+            if nvp is not None and len(nvp) != n_nvme:
+                raise InvariantError(f"nvme: policy tracks {len(nvp)}, {n_nvme} rows on NVMe")
             for t in MEMORY_TIERS:
                 if ((self.rows.slot[t][live] >= 0) != ((self.rows.flags[live] & IN[t]) != 0)).any():
                     raise InvariantError(f"{t.label}: slot and residency flag disagree")

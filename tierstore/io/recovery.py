@@ -11,7 +11,8 @@ before the store is shared (no lock is taken; nothing else runs yet):
   rules of :mod:`tierstore.io.format`) in segment order and adopts each block
   into the :class:`~tierstore.io.locator.BlockLocator` and the
   :class:`~tierstore.io.segment_manager.SegmentManager`, skipping blocks of a
-  namespace the invalidation log dropped after they were written. Of two
+  namespace the invalidation log dropped after they were written, and blocks (and
+  whole reset segments) the journal tombstoned (:mod:`tierstore.io.journal`). Of two
   copies of a key (a GC copy-forward cut short by a crash) the newer wins only
   if its payload verifies. Recovered segments are sealed (never appended to).
 * :func:`drop_beyond`: a tier reopened with fewer segments counts and trims
@@ -31,6 +32,7 @@ from typing import Iterable, Iterator
 from . import format as fmt
 from . import label as lbl
 from .engine import IOEngine, alloc_aligned
+from .journal import JournalState
 from .locator import BlockLocator
 from .pages import align_up
 from .segment_manager import SegmentManager, SegmentState
@@ -55,6 +57,12 @@ class RecoveryCounts:
     #: ``(segment, byte)`` of each extent header that carried the extent magic but failed its
     #: checks: its blocks, and the rest of its segment's chain, are not recovered (misses)
     damaged_extents: list = dataclasses.field(default_factory=list)
+    #: ``(segment, payload device offset)`` of each block a journal BLOCK_DEAD record skipped
+    tombstoned: list = dataclasses.field(default_factory=list)
+    #: segments whose chain is older than their last SEGMENT_RESET (left free, to trim again)
+    stale_segments: list = dataclasses.field(default_factory=list)
+    #: BLOCK_DEAD records naming another key than the block at their offset (ignored)
+    journal_mismatch: int = 0
 
 
 def layout_refusal(path: str | None, block_bytes: int, other) -> str:
@@ -104,11 +112,14 @@ def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
 
 
 def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, invalidated: dict[bytes, int],
-            extent_bytes: int, verify: bool, path: str | None) -> RecoveryCounts:
+            extent_bytes: int, verify: bool, path: str | None, journal: JournalState | None = None) -> RecoveryCounts:
     """Rebuild ``segs`` and ``locator`` from the extent chains on ``engine`` (module doc).
 
-    ``invalidated`` is the invalidation log's ``ns_digest -> write_seq``. Sets
-    ``segs.next_seq`` past every sequence number seen.
+    ``invalidated`` is the invalidation log's ``ns_digest -> write_seq``; ``journal`` the state
+    of the tier's journal: a chain whose first extent's gen is not above its segment's last
+    reset is stale (the segment stays free), and a block its BLOCK_DEAD record names (same
+    segment, gen, offset and key) is skipped. Sets ``segs.next_seq`` past every sequence
+    number seen.
 
     Raises
     ------
@@ -120,11 +131,17 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
     out = RecoveryCounts()
     buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
     max_seq = 0
+    js = journal if journal is not None else JournalState()
     for si in range(segs.n_segments):
         base = si * S
         start = pos = segs.chain_start(si)
         h = None
         for pos, h in read_chain(engine, segs, si, buf, out.damaged_extents):
+            if pos == start and h.segment_gen <= js.reset_gen.get(si, -1):
+                out.stale_segments.append(si)  # reset durably; its trim was lost or ignored
+                h = None
+                break
+            dead = js.dead.get((si, h.segment_gen), {})
             other = {e.length_bytes for e in h.entries} - {bb}
             if other:
                 raise ConfigError(layout_refusal(path, bb, other))
@@ -137,6 +154,8 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
                 if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
                     out.invalidated_blocks += 1
                     continue
+                if _tombstoned(dead, base + pos + e.payload_offset, e.key, si, out):
+                    continue
                 _adopt(engine, segs, locator, si, base + pos + e.payload_offset, e, h.seq)
             segs.written[si] += len(h.entries)
             max_seq = max(max_seq, h.seq)
@@ -148,7 +167,7 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
             segs.sealed_at[si] = h.seq
         else:
             segs.wp[si] = start
-    segs.next_seq = max(max_seq, max(invalidated.values(), default=0)) + 1
+    segs.next_seq = max(max_seq, max(invalidated.values(), default=0), max(js.reset_gen.values(), default=0)) + 1
     # Recovered segments are never appended to again (sealed until
     # reclaimed): a torn extent ends a chain, but complete extents of a dead
     # process may lie beyond it with sequence numbers above next_seq;
@@ -163,6 +182,19 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
     empty = (segs.state == SegmentState.SEALED) & (segs.live == 0)
     out.empty_segments = [int(si) for si in empty.nonzero()[0]]
     return out
+
+
+def _tombstoned(dead: dict, off: int, key: bytes, si: int, out: RecoveryCounts) -> bool:
+    """Whether the journal says the block ``key`` at ``off`` was evicted (a record naming another
+    key there is counted in ``journal_mismatch`` and ignored: a tombstone never drops another block)."""
+    k = dead.get(off)
+    if k is None:
+        return False
+    if k != key:
+        out.journal_mismatch += 1
+        return False
+    out.tombstoned.append((si, off))
+    return True
 
 
 def _adopt(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, si: int, off: int,

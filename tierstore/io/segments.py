@@ -41,10 +41,12 @@ from . import format as fmt
 from . import label as lbl
 from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
+from .block_eviction import GRANULARITIES, BlockEviction, live_budget_for
 from .copies import one_omp_thread
 from .engine import IOEngine, alloc_aligned
 from .factory import open_engine
 from .invalidation_log import InvalidationLog
+from .journal import Journal, JournalState, read_records
 from .locator import BlockLocator
 from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
 from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
@@ -246,6 +248,31 @@ def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int
     return open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes), True
 
 
+def _open_journal(path: str | None, journal_path: str | None, block: bool) -> tuple[Journal | None, JournalState | None]:
+    """``(journal to append to, state to recover with)``. Block mode: ``journal_path``, else
+    ``<path>.journal`` beside a regular file, else in memory without a path. Region mode appends
+    nothing but still reads a journal a block-mode open left (its tombstones stay dead).
+
+    Raises
+    ------
+    ConfigError
+        Block mode on a device without ``journal_path`` (it has nowhere durable to go).
+    """
+    if journal_path is None and path is not None:
+        if not os.path.isfile(path):
+            if block:
+                raise ConfigError(f"eviction_granularity='block' on {path}: give journal_path, a file on a "
+                                  "durable file system (a deallocated block must never come back after a crash)")
+        else:
+            journal_path = path + ".journal"
+    if block:
+        j = Journal(journal_path)
+        return j, j.state()
+    if journal_path is not None and os.path.exists(journal_path):
+        return None, JournalState.of(read_records(journal_path).records)
+    return None, None
+
+
 class SegmentStorage(BlockStorage):
     """Crash-safe log-structured block store on a file or block device.
 
@@ -275,7 +302,13 @@ class SegmentStorage(BlockStorage):
         CPUs used to gather/scatter and checksum next to I/O
         (:func:`tierstore.io.batch.default_copy_threads`).
     region_policy : {"lru", "fifo", "min_live"}
-        Which sealed segment eviction tries first (:mod:`tierstore.io.segment_policies`).
+        Which sealed segment eviction tries first (:mod:`tierstore.io.segment_policies`); block mode
+        collects garbage from the segment with the fewest live blocks (``min_live``).
+    eviction_granularity : {"region", "block"}
+        ``block``: evict single blocks in the listener's order (:mod:`tierstore.io.block_eviction`).
+    live_fraction, trim_min_bytes, journal_path
+        Block mode: the share of the usable blocks kept live, the shortest dead run worth a
+        deallocate, the journal's file (default ``<path>.journal``; in memory without a path).
     listener : RegionListener, optional
         The block index; may be set later with :meth:`set_listener`.
     invalidation_log : str or None or False
@@ -329,7 +362,11 @@ class SegmentStorage(BlockStorage):
                  region_policy: str = "lru", listener: RegionListener | None = None,
                  invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
                  keep_data: bool = True, label: bool | None = None, format: bool = False,
-                 metadata_placement: int | None = None):
+                 metadata_placement: int | None = None, eviction_granularity: str = "region",
+                 live_fraction: float = 0.9, trim_min_bytes: int | str = 1 << 20, journal_path: str | None = None):
+        if eviction_granularity not in GRANULARITIES:
+            raise ConfigError(f"eviction_granularity={eviction_granularity!r}: accepted values are {list(GRANULARITIES)}")
+        block = eviction_granularity == "block"
         cap = parse_size(capacity_bytes, "capacity_bytes")
         self.keep_data = bool(keep_data)
         self._labelled = (path is not None) if label is None else bool(label)
@@ -341,6 +378,7 @@ class SegmentStorage(BlockStorage):
         self.n_segments = n_seg
         self.reserve_segments = int(reserve_segments)
         self.region_policy = region_policy
+        self.eviction_granularity = eviction_granularity
         one = fmt.extent_bytes_for(1, self.block_bytes)
         self.extent_size_bytes = min(max(align_up(ext_b, fmt.ALIGN_BYTES), one), seg_b)
         bpe = 1
@@ -369,8 +407,9 @@ class SegmentStorage(BlockStorage):
                     "trim_errors": 0, "invalidated_blocks": 0, "recovery_invalidated_blocks": 0}
         start0 = lbl.LABEL_BYTES if self._labelled else 0  # where segment 0's chain starts
         self._segs = SegmentManager(n_seg, seg_b, self.block_bytes, bpe, self.reserve_segments, start0,
-                                    SEGMENT_POLICY.make(region_policy), self._lock, self.engine.preallocate,
-                                    self._st)
+                                    SEGMENT_POLICY.make("min_live" if block else region_policy), self._lock,
+                                    self.engine.preallocate, self._st)
+        self._blk: BlockEviction | None = None
         self._loc = BlockLocator(max(1024, self.capacity_blocks() + 1), seg_b, self._slot_bytes)
         self._reader = SegmentReader(self.engine, self._rpipe, self._loc, self._segs, self._read_lock,
                                      self.extent_size_bytes, self.keep_data, self._st)
@@ -379,7 +418,9 @@ class SegmentStorage(BlockStorage):
             invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
         self._inval_log = InvalidationLog(invalidation_log) if invalidation_log else None
         try:
-            self._open(format, verify_on_recovery)
+            budget = live_budget_for(self._segs, live_fraction) if block else 0
+            self._open(format, verify_on_recovery, (journal_path, block, budget, parse_size(trim_min_bytes,
+                                                                                              "trim_min_bytes")))
         except BaseException:
             self._wpipe.close()
             self._rpipe.close()
@@ -389,15 +430,29 @@ class SegmentStorage(BlockStorage):
                     os.unlink(path)  # a file this open created: leave nothing behind
             raise
 
-    def _open(self, format: bool, verify: bool) -> None:
-        """Check the label, recover the chains, drop what a smaller tier lost, write the label."""
+    def _open(self, format: bool, verify: bool, blk: tuple) -> None:
+        """Check the label, open the journal (``blk``: path, block mode, live budget, trim_min_bytes;
+        after the label: nothing is created beside a target that is refused), recover the chains,
+        drop what a smaller tier lost, write the label."""
         old, store_id = None, b""
         if self._labelled:
             old, store_id = recovery.open_label(self.engine, self._segs, self.path, format,
                                                 self._metadata_placement)
+        journal, state = _open_journal(self.path, blk[0], blk[1])
+        if blk[1]:
+            self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes, blk[2], blk[3],
+                                      journal, self._lock, self._st)
         inval = self._inval_log.read() if self._inval_log is not None else {}
         found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
-                                 self.path)
+                                 self.path, state)
+        for si in found.stale_segments:   # reset, but its trim was lost or ignored: trim it again
+            try:
+                self.engine.trim(si * self.segment_size_bytes + self._segs.chain_start(si),
+                                 self.segment_size_bytes - self._segs.chain_start(si)).get()
+            except OSError:
+                self._st["trim_errors"] += 1   # still free: its chain is stale by gen (recovery.recover)
+        if self._blk is not None:
+            self._blk.recovered(found.tombstoned, found.stale_segments, found.journal_mismatch)
         self._st["recovery_dropped_blocks"] += found.dropped_blocks
         self._st["recovery_damaged_extents"] = len(found.damaged_extents)
         self._st["recovery_invalidated_blocks"] += found.invalidated_blocks
@@ -416,13 +471,13 @@ class SegmentStorage(BlockStorage):
 
     # ================================================================ seam API
     def capacity_blocks(self) -> int:
-        """Blocks the store can hold when empty (batched puts pack more)."""
-        return self._segs.capacity_blocks()
+        """Blocks the store can hold when empty (batched puts pack more; block mode: the live budget)."""
+        return self._blk.live_budget if self._blk is not None else self._segs.capacity_blocks()
 
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:
-            return self._segs.free_blocks()
+            return self._blk.live_budget - len(self._loc) if self._blk is not None else self._segs.free_blocks()
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             placements: Sequence[int | None] | None = None,
@@ -439,9 +494,13 @@ class SegmentStorage(BlockStorage):
     def delete(self, keys: Iterable[bytes]) -> None:
         """Forget blocks; a sealed segment left without live blocks is reclaimed."""
         with self._lock:
-            freed = self._loc.remove(keys)
-            segments = [off // self.segment_size_bytes for off, _ in freed]
-            empty = [si for si in segments if self._segs.release(si)]
+            if self._blk is not None:  # block mode: tombstoned, trimmed by a later put
+                empty = self._blk.evict_keys(keys, "deleted_blocks")
+            else:
+                freed = self._loc.remove(keys)
+                empty = [si for si in (off // self.segment_size_bytes for off, _ in freed) if self._segs.release(si)]
+        if self._blk is not None:
+            self._blk.commit()
         for si in empty:
             self._finish_reclaim(si)
 
@@ -491,6 +550,8 @@ class SegmentStorage(BlockStorage):
             out["segment_size_bytes"] = self.segment_size_bytes
             out["blocks_per_extent"] = self.blocks_per_extent
             out["index_bytes"] = self.index_nbytes()
+            if self._blk is not None:
+                out.update(self._blk.stats(), eviction_granularity="block")
             out["engine"] = self.engine.stats()
             return out
 
@@ -506,8 +567,26 @@ class SegmentStorage(BlockStorage):
                 self._closed = True
             self._wpipe.close()
             self._rpipe.close()
+            if self._blk is not None:
+                self._blk.flush_trims()
+                self._blk.journal.close()
             if self._own_engine:
                 self.engine.close()
+
+    def check_invariants(self) -> None:
+        """Blocks, live counts and (block mode) dead slots agree (:meth:`BlockEviction.check`).
+
+        Raises
+        ------
+        InvariantError
+        """
+        with self._lock:
+            if len(self._loc) != int(self._segs.live.sum()) or (self._segs.live > self._segs.written).any():
+                raise InvariantError(f"{len(self._loc)} blocks, live counts sum to {int(self._segs.live.sum())}")
+            if self._blk is not None:
+                if len(self._loc) > self._blk.live_budget:
+                    raise InvariantError(f"{len(self._loc)} live blocks > budget {self._blk.live_budget}")
+                self._blk.check(self._loc.off[self._loc.table.rows()])
 
     # ============================================================ fragment API
     def put_fragments(self, keys: Sequence[bytes], fragments_per_block: Sequence[Sequence[Any]],
@@ -587,6 +666,9 @@ class SegmentStorage(BlockStorage):
             with self._lock:
                 dropped, empty = self._reader.forget_bad(bad)
                 total = self._st["corrupt_blocks"]
+                for key, off in (bad if self._blk is not None else ()):
+                    if key in dropped:
+                        self._blk.retire(off // self.segment_size_bytes, off, key)
             for si in empty:
                 self._finish_reclaim(si)
             # a block lost is said, not only counted (the caller sees IO_ERROR: a miss, recomputed)
@@ -607,7 +689,7 @@ class SegmentStorage(BlockStorage):
         """Evict one region now (copying forward what the listener keeps);
         ``True`` if a segment was freed."""
         with self._write_lock:
-            return self._evict_one_segment()
+            return _evict_one_segment(self)
 
     def invalidate_namespace(self, ns_digest: bytes) -> int:
         """Drop every block of ``ns_digest``, durably (module doc). Returns blocks dropped.
@@ -653,12 +735,15 @@ class SegmentStorage(BlockStorage):
                     continue
                 seen.add(k)
                 groups.setdefault(pls[i], []).append(i)
+        if self._blk is not None and not gc:  # block mode: make room by single blocks first
+            for si in self._blk.make_room(groups, status, self._listener, Status.NO_SPACE):
+                self._finish_reclaim(si)
         # Plan, write and acknowledge what fits; then evict a region and retry.
         while groups:
             with self._lock:
                 plan, leftover = self._segs.plan_extents(groups, allow_reserve=gc)
             self._write_plans(plan, keys, plans, nss, status, gc)
-            if leftover and not gc and self._evict_one_segment():
+            if leftover and not gc and _evict_one_segment(self):
                 groups = leftover
                 continue
             refused = sum(len(idx) for idx in leftover.values())
@@ -669,6 +754,8 @@ class SegmentStorage(BlockStorage):
                 with self._lock:
                     self._st["put_no_space"] += refused
             break
+        if self._blk is not None and not gc:
+            self._blk.flush_trims()
         return [s if s is not None else Status.IO_ERROR for s in status]
 
 
@@ -742,84 +829,11 @@ class SegmentStorage(BlockStorage):
         self._st["extents_written"] += 1
         rows, replaced = self._loc.commit(p.ext_off, p.seq, ents)
         self._segs.committed(p.seg, rows, replaced)
+        if self._blk is not None:
+            self._blk.superseded(replaced // self.segment_size_bytes)
         self._st["gc_bytes_written" if gc else "user_bytes_written"] += sum(e.length_bytes for e in ents)
         if not gc:
             self._st["put_blocks_ok"] += len(ents)
-
-    def _evict_one_segment(self) -> bool:
-        """Free one segment (write lock held): the first victim in
-        :meth:`SegmentManager.victims` order whose eviction frees space; the blocks the
-        listener keeps are copied forward, the rest dropped. Without a
-        listener every live block is kept (compaction)."""
-        with self._lock:
-            order = self._segs.victims(self._listener is not None)
-        for si in order:
-            with self._lock:
-                if self._segs.state[si] != SegmentState.SEALED:
-                    continue
-                rows = self._segs.live_rows(si, self._loc)
-                keys = self._loc.keys_of(rows.tolist())
-                written = int(self._segs.written[si])
-            keep = (list(self._listener.on_reclaim(keys)) if (self._listener is not None and keys)
-                    else [True] * len(keys))
-            if len(keep) != len(keys):
-                raise InvariantError(f"listener kept {len(keep)} flags for {len(keys)} keys")
-            if sum(map(bool, keep)) >= written:
-                continue  # nothing dead and everything kept: evicting it frees nothing
-            with self._lock:
-                if self._segs.state[si] != SegmentState.SEALED:
-                    continue
-                self._segs.state[si] = SegmentState.RECLAIMING
-                pls = int(self._segs.placement[si])
-                ns_of = {k: self._loc.namespace_of(r) for k, r in zip(keys, rows.tolist())}
-            if self._reclaim_segment(si, keys, keep, None if pls == NO_PLACEMENT else pls, ns_of):
-                return True
-        return False
-
-    def _reclaim_segment(self, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
-        """Copy the kept blocks forward, drop the others, free the segment. A kept
-        block that cannot be copied (no space, a read error) is never dropped:
-        the segment then stays sealed and ``False`` is returned."""
-        kept = [k for k, flag in zip(keys, keep) if flag]
-        moved: set[bytes] = set()
-        if kept:
-            with self._lock:
-                self._st["gc_runs"] += 1
-            for a in range(0, len(kept), self.blocks_per_extent):
-                ck = kept[a:a + self.blocks_per_extent]
-                bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in ck]
-                st = self.get_fragments(ck, [[b] for b in bufs])
-                ok = [j for j, x in enumerate(st) if x is Status.OK]
-                if not ok:
-                    continue
-                res = self._put_locked([ck[j] for j in ok], [plan_fragments([bufs[j]]) for j in ok],
-                                       [placement] * len(ok), [ns_of[ck[j]] for j in ok], gc=True)
-                moved.update(ck[j] for j, r in zip(ok, res) if r is Status.OK)
-        dropped: list[bytes] = []
-        keep_set = set(kept)
-        with self._lock:
-            base = si * self.segment_size_bytes
-            for k in keys:
-                if k in moved or k in keep_set:
-                    continue
-                if not self._loc.remove_at(k, base, base + self.segment_size_bytes):
-                    continue
-                self._segs.live[si] -= 1
-                dropped.append(k)
-            self._st["region_evicted_blocks"] += len(dropped)
-            self._st["region_kept_blocks"] += len(moved)
-            stuck = self._segs.live[si] > 0
-            if stuck:  # kept blocks could not move: the segment stays as it is
-                self._segs.state[si] = SegmentState.SEALED
-                self._st["region_evictions_abandoned"] = self._st.get("region_evictions_abandoned", 0) + 1
-            else:
-                self._st["regions_evicted"] += 1
-        if dropped and self._listener is not None:
-            self._listener.on_dropped(dropped)
-        if stuck:
-            return False
-        self._finish_reclaim(si)
-        return True
 
     def _finish_reclaim(self, si: int) -> None:
         """Wait for reads of ``si`` to end, trim it and return it to the clean pool."""
@@ -832,14 +846,96 @@ class SegmentStorage(BlockStorage):
             if segs.state[si] != SegmentState.RECLAIMING:
                 raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(segs.state[si])).name}")
         start = segs.chain_start(si)  # segment 0's label stays
-        try:
-            self.engine.trim(si * self.segment_size_bytes + start, self.segment_size_bytes - start).get()
+        try:  # block mode: its SEGMENT_RESET is durable first, else it is not trimmed
+            if self._blk is None or self._blk.before_reset(si):
+                self.engine.trim(si * self.segment_size_bytes + start, self.segment_size_bytes - start).get()
             trim_failed = False
         except OSError:
             trim_failed = True  # still reusable: recovery ignores stale extents by segment_gen/seq
         with self._lock:
             if trim_failed:
                 self._st["trim_errors"] += 1
+            if self._blk is not None:
+                self._blk.cleared(si)
             segs.reset(si)
             self._st["segments_reclaimed"] += 1
 
+
+# ================================================================ region eviction (GC)
+def _evict_one_segment(self: "SegmentStorage") -> bool:
+    """Free one segment (write lock held): the first victim in
+    :meth:`SegmentManager.victims` order whose eviction frees space; the blocks the
+    listener keeps are copied forward, the rest dropped. Without a
+    listener every live block is kept (compaction)."""
+    with self._lock:
+        order = self._segs.victims(self._listener is not None)
+    for si in order:
+        with self._lock:
+            if self._segs.state[si] != SegmentState.SEALED:
+                continue
+            rows = self._segs.live_rows(si, self._loc)
+            keys = self._loc.keys_of(rows.tolist())
+            written = int(self._segs.written[si])
+        keep = (list(self._listener.on_reclaim(keys)) if (self._listener is not None and keys)
+                else [True] * len(keys))
+        if len(keep) != len(keys):
+            raise InvariantError(f"listener kept {len(keep)} flags for {len(keys)} keys")
+        if sum(map(bool, keep)) >= written:
+            continue  # nothing dead and everything kept: evicting it frees nothing
+        with self._lock:
+            if self._segs.state[si] != SegmentState.SEALED:
+                continue
+            self._segs.state[si] = SegmentState.RECLAIMING
+            pls = int(self._segs.placement[si])
+            ns_of = {k: self._loc.namespace_of(r) for k, r in zip(keys, rows.tolist())}
+        if _reclaim_segment(self, si, keys, keep, None if pls == NO_PLACEMENT else pls, ns_of):
+            return True
+    return False
+
+def _reclaim_segment(self: "SegmentStorage", si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
+    """Copy the kept blocks forward, drop the others, free the segment. A kept
+    block that cannot be copied (no space, a read error) is never dropped:
+    the segment then stays sealed and ``False`` is returned."""
+    kept = [k for k, flag in zip(keys, keep) if flag]
+    moved: set[bytes] = set()
+    if kept:
+        with self._lock:
+            self._st["gc_runs"] += 1
+        for a in range(0, len(kept), self.blocks_per_extent):
+            ck = kept[a:a + self.blocks_per_extent]
+            bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in ck]
+            st = self.get_fragments(ck, [[b] for b in bufs])
+            ok = [j for j, x in enumerate(st) if x is Status.OK]
+            if not ok:
+                continue
+            res = self._put_locked([ck[j] for j in ok], [plan_fragments([bufs[j]]) for j in ok],
+                                   [placement] * len(ok), [ns_of[ck[j]] for j in ok], gc=True)
+            moved.update(ck[j] for j, r in zip(ok, res) if r is Status.OK)
+    dropped: list[bytes] = []
+    keep_set = set(kept)
+    with self._lock:
+        base = si * self.segment_size_bytes
+        for k in keys:
+            if k in moved or k in keep_set:
+                continue
+            if not self._loc.remove_at(k, base, base + self.segment_size_bytes):
+                continue
+            self._segs.live[si] -= 1
+            dropped.append(k)
+        self._st["region_evicted_blocks"] += len(dropped)
+        if self._blk is not None:  # dropped by GC: covered by the reset that follows (or kept intact)
+            self._blk.superseded(np.full(len(dropped), si))
+            self._st["gc_evicted_blocks"] += len(dropped)
+        self._st["region_kept_blocks"] += len(moved)
+        stuck = self._segs.live[si] > 0
+        if stuck:  # kept blocks could not move: the segment stays as it is
+            self._segs.state[si] = SegmentState.SEALED
+            self._st["region_evictions_abandoned"] = self._st.get("region_evictions_abandoned", 0) + 1
+        else:
+            self._st["regions_evicted"] += 1
+    if dropped and self._listener is not None:
+        self._listener.on_dropped(dropped)
+    if stuck:
+        return False
+    self._finish_reclaim(si)
+    return True

@@ -46,6 +46,10 @@ class RegionListener(Protocol):
     def on_dropped(self, keys: list[bytes]) -> None:
         """``keys`` left the NVMe tier (evicted with their segment, or found corrupt)."""
 
+    def pick_victims(self, n: int) -> list[bytes]:
+        """Up to ``n`` blocks to evict now, in the NVMe eviction policy's order (a store with
+        ``eviction_granularity: block``); the index forgets their NVMe copies before returning."""
+
 
 class StoredBlocks(NamedTuple):
     """Every block a :class:`BlockStorage` holds (what a restarted index adopts).
@@ -78,6 +82,9 @@ class BlockStorage(abc.ABC):
     """
 
     block_bytes: int
+    #: ``"region"`` or ``"block"``: whether the backend asks its listener for single victims
+    #: (:meth:`RegionListener.pick_victims`); the index then keeps an NVMe eviction order.
+    eviction_granularity: str = "region"
 
     @abc.abstractmethod
     def capacity_blocks(self) -> int:
