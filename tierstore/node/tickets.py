@@ -205,12 +205,9 @@ class PlanService:
 
         Parameters
         ----------
-        ns : bytes
-            32-byte namespace digest.
-        keys : sequence of bytes
-            Chained block keys, in chain order.
-        lifetime, first_position, tokens :
-            As :meth:`BlockIndex.prepare_store <tierstore.index.BlockIndex.prepare_store>`.
+        ns, keys, lifetime, first_position, tokens :
+            As :meth:`BlockIndex.prepare_store <tierstore.index.BlockIndex.prepare_store>`
+            (32-byte namespace digest, chained block keys in chain order, ...).
         ranks : int
             Reports :meth:`complete_store` waits for (one per rank that copies a column).
         wait : bool
