@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -185,6 +185,14 @@ class BlockIndex:
     # ================================================================ helpers
     def _now(self) -> float:
         return self.runtime.clock()
+
+    def _counted(self, choose: Callable[[], Any]) -> Any:
+        """``choose()`` under the index lock; a plan it returns (not ``None``) is counted pending."""
+        with self._lock:
+            plan = choose()
+            if plan is not None:
+                self._pending_plans += 1
+            return plan
 
     @property
     def record_events(self) -> bool:
@@ -397,12 +405,7 @@ class BlockIndex:
         blocks do not exist. Execute it like a store plan."""
         if tier not in self._alloc or n <= 0:
             return None
-        with self._lock:
-            plan = self.placement.evict(tier, n, self._now())
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.evict(tier, n, self._now()))
 
     def abort_store(self, plan: StorePlan) -> None:
         """Release a prepared store that will not be executed (nothing leaks)."""
@@ -559,12 +562,7 @@ class BlockIndex:
             raise ConfigError(f"prefetch target {Tier(target).label!r}: accepted values are "
                               f"{[t.label for t in self._alloc]} (enabled memory tiers)")
         now = self._now()
-        with self._lock:
-            plan = self.placement.reserve_prefetch(keys, target, now)
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.reserve_prefetch(keys, target, now))
 
     def complete_promote(self, plan: PromotePlan, ok: Sequence[bool]) -> None:
         """Apply promotions: ``ok[j]`` says whether item ``j``'s copy landed
@@ -598,12 +596,7 @@ class BlockIndex:
         if Tier.NVME not in self.tiers:
             return None
         now = self._now()
-        with self._lock:
-            plan = self.placement.pick_flush(max_blocks, coldest_first, now)
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.pick_flush(max_blocks, coldest_first, now))
 
     def complete_flush(self, plan: StorePlan, demote_statuses: dict[int, Status]) -> int:
         """Apply a flush; returns blocks now on NVMe."""
