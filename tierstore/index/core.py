@@ -186,6 +186,19 @@ class BlockIndex:
     def _now(self) -> float:
         return self.runtime.clock()
 
+    def _close(self, plan: StorePlan | LoadPlan | PromotePlan, call: str) -> None:
+        """Under the index lock: ``plan`` is done and no longer pending.
+
+        Raises
+        ------
+        InvariantError
+            When ``plan`` was done already (``call`` names the second completion).
+        """
+        if plan.done:
+            raise InvariantError(f"{call} called twice for one plan")
+        plan.done = True
+        self._pending_plans -= 1
+
     def _counted(self, choose: Callable[[], Any]) -> Any:
         """``choose()`` under the index lock; a plan it returns (not ``None``) is counted pending."""
         with self._lock:
@@ -445,10 +458,7 @@ class BlockIndex:
         demote_statuses = demote_statuses or {}
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_store called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_store")
             out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now, memory_statuses)
             self._idle.notify_all()
             return out
@@ -530,10 +540,7 @@ class BlockIndex:
         """
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_load called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_load")
             promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
             self._idle.notify_all()
             promo = None
@@ -569,10 +576,7 @@ class BlockIndex:
         (the victims' copies down, executed first, always did)."""
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_promote called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_promote")
             self._end_reads(plan)
             self.completion.finish_promote(plan, ok, now)
             self._idle.notify_all()
