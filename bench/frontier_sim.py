@@ -118,6 +118,7 @@ from tierstore.fdp.device import RuhUpdateShim
 from tierstore.fdp.ftl import FTLModel
 from tierstore.fdp.lifetime import LifetimeClass
 from tierstore.fdp.simdevice import SimFdpDevice
+from tierstore.index.placement import choose_victims
 from tierstore.io import format as fmt
 from tierstore.policies.lifetime import make_classifier
 from tierstore.trace import MOONCAKE_BLOCK_TOKENS, read_mooncake
@@ -668,19 +669,7 @@ class Simulator:
             scan = CHEAP_SCAN_BLOCKS
         else:
             prot = lambda b: b in protect or b in refs  # noqa: E731
-        want = max(n, batch)
-        victims = self._evict_lru(tier, want, prot, scan) if want > n else []
-        if not victims:
-            victims = self._evict_lru(tier, n, prot, scan)
-        if not victims:
-            taken: set = set()
-            while len(victims) < n:
-                v = self._evict_lru(tier, 1, lambda b: prot(b) or b in taken,
-                                    None if scan is None else scan + len(taken))
-                if not v:
-                    break
-                taken.add(v[0])
-                victims.append(v[0])
+        victims = choose_victims(lambda m, p, s: self._evict_lru(tier, m, p, s), n, batch, prot, scan)
         if not victims:
             return []
         demote = []

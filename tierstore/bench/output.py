@@ -496,26 +496,23 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
 
 # ---------------------------------------------------------------- terse ----
 
+def _terse_latency_us(lat: dict[str, Any]) -> list[str]:
+    """A latency's 4 terse fields from its ``*_ns`` section: min, max (integer usec), mean, stdev (usec)."""
+    if not lat["N"]:
+        return ["0", "0", f"{0:f}", f"{0:f}"]
+    return [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
+            f"{lat['stddev'] / 1000:f}"]
+
+
 def _terse_direction(d: dict[str, Any]) -> list[str]:
     """One direction's 41 fields of terse v3 (fio's ``show_ddir_status_terse``): KiB, KiB/s, IOPS, ms;
     slat, clat min/max/mean/stdev in usec; 20 clat percentiles ``P%=usec``; lat; bandwidth in KiB/s."""
     out = [str(d["io_bytes"] >> 10), str(d["bw"]), str(int(d["iops"])), str(d["runtime"])]
-    for key in ("slat_ns", "clat_ns"):
-        lat = d[key]
-        if lat["N"]:
-            out += [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
-                    f"{lat['stddev'] / 1000:f}"]
-        else:
-            out += ["0", "0", f"{0:f}", f"{0:f}"]
+    out += _terse_latency_us(d["slat_ns"]) + _terse_latency_us(d["clat_ns"])
     pct = d["clat_ns"].get("percentile") or {f"{p:f}": 0 for p in FIO_PERCENTILES}
     fields = [f"{float(p):f}%={int(v) // 1000}" for p, v in pct.items()]
     out += (fields + ["0%=0"] * 20)[:20]
-    lat = d["lat_ns"]
-    if lat["N"]:
-        out += [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
-                f"{lat['stddev'] / 1000:f}"]
-    else:
-        out += ["0", "0", f"{0:f}", f"{0:f}"]
+    out += _terse_latency_us(d["lat_ns"])
     out += [str(d["bw_min"]), str(d["bw_max"]), f"{d['bw_agg']:f}%", f"{d['bw_mean']:f}", f"{d['bw_dev']:f}"]
     return out
 
@@ -532,17 +529,7 @@ def render_terse(results: Sequence[JobResult], specs: Sequence[JobSpec | None]) 
     ``description``, when set, is the last field. ``kv`` and ``device`` sections have no terse
     form (use json).
 
-    Parameters
-    ----------
-    results : sequence of JobResult
-        One per job.
-    specs : sequence of JobSpec or None
-        The parsed jobs, aligned with ``results``.
-
-    Returns
-    -------
-    str
-        One line per job, newline-terminated.
+    ``results`` and ``specs`` as in :func:`render_normal`. Returns one line per job, newline-terminated.
     """
     lines = []
     for r, spec in zip(results, specs):

@@ -77,6 +77,25 @@ def _need(buf: bytes | memoryview, n: int, what: str) -> None:
         raise CorruptData(f"{what}: need {n} bytes, buffer has {len(buf)}")
 
 
+def _counted_page(buf: bytes | memoryview, hdr: struct.Struct, hdr_bytes: int, entry_bytes: int, what: str,
+                  entries: str, max_n: int | None = None) -> tuple[bytes, int]:
+    """``(bytes(buf), n)`` for a log page of a ``hdr_bytes`` header, whose ``hdr`` (read at byte 0)
+    has the one field ``n``, followed by ``n`` entries of ``entry_bytes``.
+
+    Raises
+    ------
+    CorruptData
+        When the buffer is shorter than the header or its ``n`` entries, or ``n > max_n``.
+    """
+    buf = bytes(buf)
+    _need(buf, hdr_bytes, f"{what} header")
+    (n,) = hdr.unpack_from(buf, 0)
+    if max_n is not None and n > max_n:
+        raise CorruptData(f"{what}: n={n} exceeds the {max_n} {entries} the log holds")
+    _need(buf, hdr_bytes + entry_bytes * n, f"{what} with {n} {entries}")
+    return buf, n
+
+
 def le128(b: bytes | memoryview) -> int:
     """Unsigned little-endian 128-bit integer (16 bytes), as the FDP Statistics counters."""
     if len(b) != 16:
@@ -188,10 +207,7 @@ class RuhUsageLog:
 
 def parse_ruh_usage(buf: bytes | memoryview) -> RuhUsageLog:
     """Parse the RUH Usage log page (LID 21h): 8-byte header (nruh le16 @0), 8-byte descriptors."""
-    buf = bytes(buf)
-    _need(buf, 8, "RUH usage header")
-    (nruh,) = _RUHU_HDR.unpack_from(buf, 0)
-    _need(buf, 8 + 8 * nruh, f"RUH usage with {nruh} descriptors")
+    buf, nruh = _counted_page(buf, _RUHU_HDR, 8, 8, "RUH usage", "descriptors")
     return RuhUsageLog(nruh, tuple(_RUHU_DESC.unpack_from(buf, 8 + 8 * i)[0] for i in range(nruh)))
 
 
@@ -263,12 +279,7 @@ class FdpEventsLog:
 
 def parse_fdp_events(buf: bytes | memoryview) -> FdpEventsLog:
     """Parse the FDP Events log page (LID 23h): 64-byte header (n le32 @0) + n 64-byte events."""
-    buf = bytes(buf)
-    _need(buf, 64, "FDP events header")
-    (n,) = _EVENTS_HDR.unpack_from(buf, 0)
-    if n > 63:
-        raise CorruptData(f"FDP events: n={n} exceeds the 63 events the log holds")
-    _need(buf, 64 + 64 * n, f"FDP events with {n} entries")
+    buf, n = _counted_page(buf, _EVENTS_HDR, 64, 64, "FDP events", "entries", max_n=63)
     events = []
     for i in range(n):
         typ, flags, pid, ts, _attr, _r, nsid, spec, rgid, ruhid, _vs = _EVENT.unpack_from(buf, 64 + 64 * i)
@@ -305,10 +316,7 @@ def parse_ruh_status(buf: bytes | memoryview) -> RuhStatus:
     Stops at ``nruhsd`` descriptors even when the buffer is longer (the host
     usually over-allocates the transfer).
     """
-    buf = bytes(buf)
-    _need(buf, 16, "RUH status header")
-    (nruhsd,) = _RUHS_HDR.unpack_from(buf, 0)
-    _need(buf, 16 + 32 * nruhsd, f"RUH status with {nruhsd} descriptors")
+    buf, nruhsd = _counted_page(buf, _RUHS_HDR, 16, 32, "RUH status", "descriptors")
     return RuhStatus(nruhsd, tuple(RuhStatusDesc(*_RUHS_DESC.unpack_from(buf, 16 + 32 * i)) for i in range(nruhsd)))
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -189,6 +189,27 @@ class BlockIndex:
     # ================================================================ helpers
     def _now(self) -> float:
         return self.runtime.clock()
+
+    def _close(self, plan: StorePlan | LoadPlan | PromotePlan, call: str) -> None:
+        """Under the index lock: ``plan`` is done and no longer pending.
+
+        Raises
+        ------
+        InvariantError
+            When ``plan`` was done already (``call`` names the second completion).
+        """
+        if plan.done:
+            raise InvariantError(f"{call} called twice for one plan")
+        plan.done = True
+        self._pending_plans -= 1
+
+    def _counted(self, choose: Callable[[], Any]) -> Any:
+        """``choose()`` under the index lock; a plan it returns (not ``None``) is counted pending."""
+        with self._lock:
+            plan = choose()
+            if plan is not None:
+                self._pending_plans += 1
+            return plan
 
     record_events = property(lambda self: self.events.on, lambda self, on: setattr(self.events, "on", bool(on)),
                              doc="Whether events are recorded for :meth:`take_events` (tests turn it on).")
@@ -397,12 +418,7 @@ class BlockIndex:
         blocks do not exist. Execute it like a store plan."""
         if tier not in self._alloc or n <= 0:
             return None
-        with self._lock:
-            plan = self.placement.evict(tier, n, self._now())
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.evict(tier, n, self._now()))
 
     def abort_store(self, plan: StorePlan) -> None:
         """Release a prepared store that will not be executed (nothing leaks)."""
@@ -442,10 +458,7 @@ class BlockIndex:
         demote_statuses = demote_statuses or {}
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_store called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_store")
             out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now, memory_statuses)
             self._idle.notify_all()
             return out
@@ -527,10 +540,7 @@ class BlockIndex:
         """
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_load called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_load")
             promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
             self._idle.notify_all()
             promo = None
@@ -559,22 +569,14 @@ class BlockIndex:
             raise ConfigError(f"prefetch target {Tier(target).label!r}: accepted values are "
                               f"{[t.label for t in self._alloc]} (enabled memory tiers)")
         now = self._now()
-        with self._lock:
-            plan = self.placement.reserve_prefetch(keys, target, now)
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.reserve_prefetch(keys, target, now))
 
     def complete_promote(self, plan: PromotePlan, ok: Sequence[bool]) -> None:
         """Apply promotions: ``ok[j]`` says whether item ``j``'s copy landed
         (the victims' copies down, executed first, always did)."""
         now = self._now()
         with self._lock:
-            if plan.done:
-                raise InvariantError("complete_promote called twice for one plan")
-            plan.done = True
-            self._pending_plans -= 1
+            self._close(plan, "complete_promote")
             self._end_reads(plan)
             self.completion.finish_promote(plan, ok, now)
             self._idle.notify_all()
@@ -598,12 +600,7 @@ class BlockIndex:
         if Tier.NVME not in self.tiers:
             return None
         now = self._now()
-        with self._lock:
-            plan = self.placement.pick_flush(max_blocks, coldest_first, now)
-            if plan is None:
-                return None
-            self._pending_plans += 1
-            return plan
+        return self._counted(lambda: self.placement.pick_flush(max_blocks, coldest_first, now))
 
     def complete_flush(self, plan: StorePlan, demote_statuses: dict[int, Status]) -> int:
         """Apply a flush; returns blocks now on NVMe."""

@@ -19,7 +19,7 @@ from ..fdp.lifetime import LifetimeClass
 from ..policies.base import EvictionPolicy
 from ..tiers.memory import SlotAllocator
 from .pins import Pins
-from .rows import DOOMED, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING, RowTable
+from .rows import DOOMED, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING, IndexRoom, RowTable
 
 
 class EventLog:
@@ -42,16 +42,13 @@ class EventLog:
             return out
 
 
-class Introspection:
+class Introspection(IndexRoom):
     """Read-only questions about the index, and its invariants.
 
     Parameters
     ----------
-    rows : RowTable
-    lock : threading.RLock
-        The index lock (``BlockIndex._lock``).
-    clock : callable
-        Seconds, monotonic (the index's clock).
+    rows, lock, clock
+        As :class:`~tierstore.index.rows.IndexRoom`.
     tiers : list of Tier
         The enabled tiers, fastest first.
     alloc : dict
@@ -65,10 +62,8 @@ class Introspection:
     def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], tiers: list[Tier],
                  alloc: dict[Tier, SlotAllocator], policies: dict[Tier, EvictionPolicy], pins: Pins,
                  nvme_policy: EvictionPolicy | None = None) -> None:
+        super().__init__(rows, lock, clock)
         self.nvme_policy = nvme_policy
-        self.rows = rows
-        self._lock = lock
-        self._clock = clock
         self.tiers = tiers
         self.alloc = alloc
         self.policies = policies

@@ -18,19 +18,16 @@ from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
 from ..tiers.storage import RegionListener
 from .introspect import EventLog
-from .rows import DOOMED, ON_NVME, EntryView, RowTable
+from .rows import DOOMED, ON_NVME, EntryView, IndexRoom, RowTable
 
 
-class NvmeListener(RegionListener):
+class NvmeListener(IndexRoom, RegionListener):
     """What the region manager asks and tells the index.
 
     Parameters
     ----------
-    rows : RowTable
-    lock : threading.RLock
-        The index lock (``BlockIndex._lock``).
-    clock : callable
-        Seconds, monotonic (the index's clock).
+    rows, lock, clock
+        As :class:`~tierstore.index.rows.IndexRoom`.
     reinsert : callable or None
         ``f(entry, now_s) -> bool``: keep an evictable block when its region is evicted.
     metrics : Metrics
@@ -45,10 +42,8 @@ class NvmeListener(RegionListener):
     def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float],
                  reinsert: Callable | None, metrics: Metrics, events: EventLog,
                  forget_if_empty: Callable[[int, bytes], None], policy: EvictionPolicy | None = None) -> None:
+        super().__init__(rows, lock, clock)
         self.policy = policy
-        self.rows = rows
-        self._lock = lock
-        self._clock = clock
         self.reinsert = reinsert
         self.metrics = metrics
         self.events = events

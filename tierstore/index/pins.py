@@ -15,19 +15,16 @@ from typing import Callable, Sequence
 from ..contract import Lease
 from ..errors import ConfigError, InvariantError, QuotaExceeded
 from ..metrics import Metrics
-from .rows import RowTable
+from .rows import IndexRoom, RowTable
 
 
-class Pins:
+class Pins(IndexRoom):
     """Who holds which rows: requests (references) and leases (pins).
 
     Parameters
     ----------
-    rows : RowTable
-    lock : threading.RLock
-        The index lock (``BlockIndex._lock``).
-    clock : callable
-        Seconds, monotonic (the index's clock).
+    rows, lock, clock
+        As :class:`~tierstore.index.rows.IndexRoom`.
     metrics : Metrics
         The index's counters (``pins``, ``pin_expired``, ``aborted_requests``).
     quota_bytes : int
@@ -40,9 +37,7 @@ class Pins:
 
     def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], metrics: Metrics,
                  quota_bytes: int, default_lease_s: float, free_doomed: Callable[[int], None]) -> None:
-        self.rows = rows
-        self._lock = lock
-        self._clock = clock
+        super().__init__(rows, lock, clock)
         self.metrics = metrics
         self.quota_bytes = quota_bytes
         self.default_lease_s = default_lease_s

@@ -13,7 +13,7 @@ lock (``BlockIndex._lock``) and has none of its own.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -24,6 +24,42 @@ from ..metrics import Metrics
 from ..policies.base import EvictionPolicy, make_policy
 from ..tiers.memory import SlotAllocator
 from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, NVME_WRITING, ON_NVME, PENDING, RowTable
+
+
+def choose_victims(evict: Callable[[int, Callable[[Hashable], bool], int | None], list],
+                   n: int, batch: int, protected: Callable[[Hashable], bool], max_scan: int | None) -> list:
+    """Up to ``max(n, batch)`` victims: a batch when the policy has one, else ``n``, else as many
+    of ``n`` as it gives one at a time (fewer than ``n`` evictable: a partial answer).
+
+    Parameters
+    ----------
+    evict : callable
+        ``evict(count, protected, max_scan) -> list``: the eviction policy's choice of up to
+        ``count`` coldest keys that ``protected`` does not keep, looking at ``max_scan`` at most
+        (``None``: all); an empty list when it cannot give ``count``.
+    n : int
+        Victims needed.
+    batch : int
+        Victims worth taking at once (``evict_batch_blocks``).
+    protected : callable
+        ``protected(key) -> bool``: a key that must not be chosen.
+    max_scan : int or None
+        As ``evict``'s; one-at-a-time picks widen it by the keys already taken.
+    """
+    want = max(n, batch)
+    victims = evict(want, protected, max_scan) if want > n else []
+    if not victims:
+        victims = evict(n, protected, max_scan)
+    if not victims:
+        taken: set = set()
+        one = lambda k: protected(k) or k in taken  # noqa: E731
+        while len(victims) < n:
+            v = evict(1, one, None if max_scan is None else max_scan + len(taken))
+            if not v:
+                break
+            taken.add(v[0])
+            victims.append(v[0])
+    return victims
 
 
 class Placement:
@@ -194,19 +230,7 @@ class Placement:
         if cheap_only and lower is None:  # no NVMe writes: only victims with a lower copy
             prot = lambda k, p=prot: p(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
             scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
-        want = max(n, batch)
-        victims = policy.evict(want, prot, now, max_scan=scan) if want > n else []
-        if not victims:
-            victims = policy.evict(n, prot, now, max_scan=scan)
-        if not victims:  # fewer than n evictable: take them one at a time (partial)
-            taken: set = set()
-            one = lambda k: prot(k) or k in taken  # noqa: E731
-            while len(victims) < n:
-                v = policy.evict(1, one, now, max_scan=None if scan is None else scan + len(taken))
-                if not v:
-                    break
-                taken.add(v[0])
-                victims.append(v[0])
+        victims = choose_victims(lambda m, p, s: policy.evict(m, p, now, max_scan=s), n, batch, prot, scan)
         if not victims:
             return []
         vrows = [self.rows.table.get(k) for k in victims]

@@ -11,7 +11,8 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 """
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -261,3 +262,21 @@ class RowTable:
         """Bytes of per-block metadata (key table and row arrays)."""
         arrays = [self.flags, *(getattr(self, name) for name, _, _ in _ARRAYS), *self.slot.values()]
         return self.table.nbytes + sum(a.nbytes for a in arrays)
+
+
+class IndexRoom:
+    """A room of the block index: it shares the index's rows, lock and clock, and has no lock of its own.
+
+    Parameters
+    ----------
+    rows : RowTable
+    lock : threading.RLock
+        The index lock (``BlockIndex._lock``).
+    clock : callable
+        Seconds, monotonic (the index's clock).
+    """
+
+    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float]) -> None:
+        self.rows = rows
+        self._lock = lock
+        self._clock = clock

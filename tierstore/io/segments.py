@@ -594,19 +594,10 @@ class SegmentStorage(BlockStorage):
                       ns_digests: Sequence[bytes] | None = None) -> list[Status]:
         """Store blocks given as lists of fragments (or plans), without a contiguous copy.
 
-        Parameters
-        ----------
-        keys : sequence of bytes
-            32-byte block hashes.
-        fragments_per_block : sequence
-            Per block, its fragments in order (CPU tensors of any dtype/shape,
-            ndarrays or bytes-likes) or a :class:`~tierstore.io.pages.FragmentPlan`;
-            their byte sizes must sum to ``block_bytes``. They are gathered
-            straight into the staging extent.
-        placements : sequence of int or None, optional
-            Placement stream per block; one open segment per stream.
-        ns_digests : sequence of bytes, optional
-            32-byte namespace digest per block, recorded in the extent header.
+        Parameters as :meth:`~tierstore.tiers.storage.BlockStorage.put_fragments`. Here a
+        fragment may also be an ndarray or a bytes-like (tensors must be on the CPU); fragments
+        are gathered straight into the staging extent; a placement is the stream (one open
+        segment each); a namespace digest is recorded in the extent header.
 
         Returns
         -------

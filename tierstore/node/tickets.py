@@ -197,6 +197,24 @@ class PlanService:
             self._tickets[t.plan_id] = t
         return t
 
+    def _open(self, kind: str, plan, statuses: list[Status], slots: np.ndarray, gens: np.ndarray, ranks: int,
+              staged: dict[int, int], on_ready: Callable[[Ready], None] | None) -> Ticket:
+        """Register a ``kind`` (``"store"`` or ``"load"``) ticket of ``plan``, leased for ``lease_s``
+        from now, and count it in ``tickets_<kind>``."""
+        t = self._register(Ticket(0, kind, list(plan.keys), statuses, slots, gens, ranks,
+                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
+        self.index.metrics.inc("tickets_" + kind)
+        return t
+
+    @staticmethod
+    def _slot_gens(slots: np.ndarray, gens_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """``uint64`` generation per key: ``gens_of(slots)`` where a key has a slot, 0 elsewhere."""
+        gens = np.zeros(len(slots), dtype=np.uint64)
+        have = slots >= 0
+        if have.any():
+            gens[have] = gens_of(slots[have])
+        return gens
+
     # ------------------------------------------------------------------ store
     def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime=None, first_position: int = 0,
                       tokens=None, *, ranks: int = 1, wait: bool = False,
@@ -205,12 +223,9 @@ class PlanService:
 
         Parameters
         ----------
-        ns : bytes
-            32-byte namespace digest.
-        keys : sequence of bytes
-            Chained block keys, in chain order.
-        lifetime, first_position, tokens :
-            As :meth:`BlockIndex.prepare_store <tierstore.index.BlockIndex.prepare_store>`.
+        ns, keys, lifetime, first_position, tokens :
+            As :meth:`BlockIndex.prepare_store <tierstore.index.BlockIndex.prepare_store>`
+            (32-byte namespace digest, chained block keys in chain order, ...).
         ranks : int
             Reports :meth:`complete_store` waits for (one per rank that copies a column).
         wait : bool
@@ -246,13 +261,8 @@ class PlanService:
             slots[i] = s
         if cut is not None:
             self.index.metrics.inc("staging_full", sum(1 for i in need if i not in staged))
-        gens = np.zeros(n, dtype=np.uint64)
-        have = slots >= 0
-        if have.any():
-            gens[have] = self.segment.bump_gens(slots[have])
-        t = self._register(Ticket(0, "store", list(plan.keys), statuses, slots, gens, ranks,
-                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
-        self.index.metrics.inc("tickets_store")
+        t = self._open("store", plan, statuses, slots, self._slot_gens(slots, self.segment.bump_gens), ranks,
+                       staged, on_ready)
         if not plan.nvme_demote or wait:
             self._store_prelude(t, announce=False)
             return t
@@ -361,15 +371,10 @@ class PlanService:
             self.index.metrics.inc("staging_full", len(need) - len(got))
         for i, s in staged.items():
             slots[i], statuses[i] = s, Status.OK
-        gens = np.zeros(n, dtype=np.uint64)
         if got:
             self.segment.bump_gens(got)
-        have = slots >= 0
-        if have.any():
-            gens[have] = self.segment.gens_of(slots[have])
-        t = self._register(Ticket(0, "load", list(plan.keys), statuses, slots, gens, ranks,
-                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
-        self.index.metrics.inc("tickets_load")
+        t = self._open("load", plan, statuses, slots, self._slot_gens(slots, self.segment.gens_of), ranks,
+                       staged, on_ready)
         if not staged or wait:
             self._load_prelude(t, announce=False)
             return t

@@ -157,14 +157,9 @@ class Loader:
         return out
 
     def _get_staged(self, client, keys, dests, _regions, idx, out) -> None:
-        slots = self._get_slots.take(len(keys), wait_s=self._timeout_s)
-        if len(slots) < len(keys):
-            self._bump("get_no_slot", len(keys) - len(slots))
-            for j in range(len(slots), len(keys)):
-                out[idx[j]] = Status.IO_ERROR
-            keys, dests, idx = keys[:len(slots)], dests[:len(slots)], idx[:len(slots)]
-            if not slots:
-                return
+        slots, keys, dests, _regions, idx = self._take_slots(self._get_slots, keys, dests, _regions, idx, out)
+        if not slots:
+            return
         names = [self._namer(k) for k in keys]
         self._bump("get_calls")
         t0 = time.perf_counter()
@@ -188,15 +183,9 @@ class Loader:
         self._after_gets(rcs)
 
     def _get_zero_copy(self, client, keys, dests, regions, idx, out) -> None:
-        slots = self._hdr_slots.take(len(keys), wait_s=self._timeout_s)
-        if len(slots) < len(keys):
-            self._bump("get_no_slot", len(keys) - len(slots))
-            for j in range(len(slots), len(keys)):
-                out[idx[j]] = Status.IO_ERROR
-            keys, dests, regions, idx = (keys[:len(slots)], dests[:len(slots)],
-                                         regions[:len(slots)], idx[:len(slots)])
-            if not slots:
-                return
+        slots, keys, dests, regions, idx = self._take_slots(self._hdr_slots, keys, dests, regions, idx, out)
+        if not slots:
+            return
         names = [self._namer(k) for k in keys]
         ranges = [(r, d.data_ptr() - r.base_ptr) for r, d in zip(regions, dests)]
 
@@ -231,6 +220,18 @@ class Loader:
             self._hdr_slots.give(slots)
         self._observe(t0, out, idx)
         self._after_gets(rcs)
+
+    def _take_slots(self, pool, keys, dests, regions, idx, out) -> tuple:
+        """Up to ``len(keys)`` slots of ``pool`` (waits at most the call timeout) and the blocks they
+        serve: ``(slots, keys, dests, regions, idx)`` cut to ``len(slots)``. The blocks left without
+        a slot are ``IO_ERROR`` in ``out`` and counted in ``get_no_slot``."""
+        slots = pool.take(len(keys), wait_s=self._timeout_s)
+        k = len(slots)
+        if k < len(keys):
+            self._bump("get_no_slot", len(keys) - k)
+            for j in range(k, len(keys)):
+                out[idx[j]] = Status.IO_ERROR
+        return slots, keys[:k], dests[:k], regions[:k], idx[:k]
 
     def _fail_all(self, idx, out) -> None:
         for i in idx:

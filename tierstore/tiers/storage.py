@@ -69,6 +69,19 @@ class StoredBlocks(NamedTuple):
     write_seqs: np.ndarray
 
 
+def _one_fragment_each(keys: Sequence[bytes], tensors: Sequence[torch.Tensor], noun: str) -> list[list[torch.Tensor]]:
+    """``[[t] for t in tensors]``: whole blocks as one fragment each.
+
+    Raises
+    ------
+    LayoutError
+        When ``keys`` and ``tensors`` differ in number (``noun`` names the tensors in the message).
+    """
+    if len(keys) != len(tensors):
+        raise LayoutError(f"{len(keys)} keys but {len(tensors)} {noun}")
+    return [[t] for t in tensors]
+
+
 class BlockStorage(abc.ABC):
     """Abstract key -> block storage (SGLang's L3 "storage": hash -> bytes); the NVMe tier's seam.
 
@@ -157,23 +170,15 @@ class BlockStorage(abc.ABC):
         LayoutError
             When the numbers of keys and blocks differ.
         """
-        if len(keys) != len(blocks):
-            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
-        return self.put_fragments(keys, [[b] for b in blocks], placements, ns_digests)
+        return self.put_fragments(keys, _one_fragment_each(keys, blocks, "blocks"), placements, ns_digests)
 
     def get(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
         """Read whole blocks into ``dests`` (each a contiguous ``uint8`` tensor of ``block_bytes``).
 
-        Default: :meth:`get_fragments` with one fragment per block. Statuses as there.
-
-        Raises
-        ------
-        LayoutError
-            When the numbers of keys and destinations differ.
+        Default: :meth:`get_fragments` with one fragment per block. Statuses as there;
+        :class:`~tierstore.errors.LayoutError` as :meth:`put` (keys and destinations differ in number).
         """
-        if len(keys) != len(dests):
-            raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
-        return self.get_fragments(keys, [[d] for d in dests])
+        return self.get_fragments(keys, _one_fragment_each(keys, dests, "destinations"))
 
     @abc.abstractmethod
     def delete(self, keys: Iterable[bytes]) -> None:
