@@ -61,6 +61,7 @@ ROOT = os.path.dirname(HERE)
 # =============================================================================== workers
 def _layout(head_dim: int, tokens: int = 16, layers: int = 2, heads: int = 1):
     import torch
+
     from tierstore.layout import KVLayout
     return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=torch.float16,
                     tokens_per_block=tokens)
@@ -93,6 +94,7 @@ def worker_stall(a: dict) -> dict:
 
     import numpy as np
     import torch
+
     from tierstore import Namespace
     lay = _layout(head_dim=4096, tokens=16, layers=1, heads=1)  # 2 x 1 x 1 x 4096 x 2 B x 16 = 256 KiB blocks
     bb = lay.bytes_per_block
@@ -156,6 +158,7 @@ def worker_stall(a: dict) -> dict:
 def worker_nvme(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import Namespace, Status
     from tierstore.io import SegmentStorage
     out = {}
@@ -211,6 +214,7 @@ def worker_nvme(a: dict) -> dict:
 def worker_frag(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace, Status
     from tierstore.io.pages import KVPagePool
     from tierstore.layout import KVLayout
@@ -261,6 +265,7 @@ def worker_frag(a: dict) -> dict:
 def worker_meta(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace
     from tierstore.identity import block_hashes
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)   # 64-byte blocks
@@ -309,6 +314,7 @@ def worker_mem(a: dict) -> dict:
 
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block

@@ -109,7 +109,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

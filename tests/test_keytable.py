@@ -4,10 +4,11 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.errors import LayoutError
-from tierstore.keytable import KeyTable, VECTOR_MIN_KEYS
+from tierstore.keytable import VECTOR_MIN_KEYS, KeyTable
 
 
 def _keys(n, seed=0):

@@ -20,7 +20,13 @@ import hypothesis.strategies as st
 import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tierstore import KVStore, Namespace, Status, Tier, get_layout
 from tierstore.errors import QuotaExceeded

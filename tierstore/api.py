@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -39,8 +40,14 @@ from .config import NVME_OPTIONS, OPTION_ALIASES, PoliciesConfig, StoreConfig
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import (check_keys, check_start_block, destination_bytes, plan_block, plan_sources,
-                        refuse_numpy)
+from .io.inputs import (
+    check_keys,
+    check_start_block,
+    destination_bytes,
+    plan_block,
+    plan_sources,
+    refuse_numpy,
+)
 from .io.pages import BlockRows, FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
 from .transfers import Transfers
@@ -189,7 +196,7 @@ class KVStore:
         self._init(assemble(cfg, layout, **runtime), nv_opts)
 
     @classmethod
-    def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> "KVStore":
+    def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> KVStore:
         """Open a store from its typed configuration (:class:`tierstore.config.StoreConfig`).
 
         Parameters
@@ -759,7 +766,7 @@ class KVStore:
             self.remote.close()
         return written
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> KVStore:
         self._check_open("__enter__")
         return self
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .config import NvmeTierConfig, StoreConfig, TiersConfig
 from .contract import Tier

@@ -61,19 +61,20 @@ import json
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
+from .extras import require
 from .identity import DigestCache, Namespace, block_hashes
 from .io.inputs import plan_block
 from .io.pages import check_distinct_destinations
 from .layout import KVLayout
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
-from .extras import require
 
 aiohttp = require("aiohttp", "tierstore.client (the daemon's client)")
 
@@ -796,7 +797,7 @@ class RemoteKVStore:
         self._thread.join(timeout=5)
         self._loop.close()
 
-    def __enter__(self) -> "RemoteKVStore":
+    def __enter__(self) -> RemoteKVStore:
         return self
 
     def __exit__(self, *exc) -> None:

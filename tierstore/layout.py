@@ -21,7 +21,7 @@ config.json) this is 131072 B = 128 KiB per token.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -251,7 +251,7 @@ class KVLayout:
                 raise LayoutError(f"fragment {i}: expected {self.fragment_bytes} bytes, "
                                   f"got {f.numel() * f.element_size()}")
 
-    def with_tokens_per_block(self, tokens_per_block: int) -> "KVLayout":
+    def with_tokens_per_block(self, tokens_per_block: int) -> KVLayout:
         """Same model, other block size."""
         return dataclasses.replace(self, tokens_per_block=tokens_per_block)
 

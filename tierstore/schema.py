@@ -13,7 +13,7 @@ and the daemon's (:mod:`tierstore.server.config`) are built on these.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
@@ -46,7 +46,7 @@ def _dur(v: Any, info: ValidationInfo) -> float:
 #: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
 SizeBytes = Annotated[int, BeforeValidator(_size)]
 #: :data:`SizeBytes` or ``None``.
-OptionalSizeBytes = Annotated[Optional[int], BeforeValidator(_size_or_none)]
+OptionalSizeBytes = Annotated[int | None, BeforeValidator(_size_or_none)]
 #: Seconds: a number or a duration string (``30s``, ``500ms``), parsed before validation.
 DurationS = Annotated[float, BeforeValidator(_dur)]
 

@@ -9,7 +9,8 @@ from tests.fdp import gen_fixtures as G
 from tierstore.errors import ConfigError
 from tierstore.fdp import logpages as lp
 from tierstore.fdp.ftl import FTLModel
-from tierstore.fdp.lifetime import LifetimeClass as L, ReuseLifetimeClassifier, class_from_hint
+from tierstore.fdp.lifetime import LifetimeClass as L
+from tierstore.fdp.lifetime import ReuseLifetimeClassifier, class_from_hint
 from tierstore.fdp.placement import PlacementPolicy, make_pid, split_pid
 from tierstore.fdp.simdevice import SimFdpDevice
 

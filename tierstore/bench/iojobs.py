@@ -71,7 +71,8 @@ import stat
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ from ..io.engine import alloc_aligned, buffer_address
 from ..io.ring import IORING_OP_READ, IORING_OP_WRITE, IoUringError, Ring
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
 from .registry import current_progress, info, register_runner, stop_requested
-from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
+from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_io_job", "IO_RW", "NoSpaceForJob"]
 

@@ -41,7 +41,8 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch

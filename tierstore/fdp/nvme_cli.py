@@ -56,8 +56,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..errors import ConfigError, CorruptData, TierStoreError
 from ..extras import require
@@ -256,7 +257,7 @@ class NvmeCli:
         self.nvme = nvme
         self.timeout_s = timeout_s
 
-    def _cmd(self) -> "sh.Command":
+    def _cmd(self) -> sh.Command:
         sh = require("sh", "driving nvme-cli")
         try:
             return sh.Command(self.nvme)

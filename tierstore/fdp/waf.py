@@ -37,8 +37,9 @@ Two things live here:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from ..errors import ConfigError, InvariantError
 
@@ -69,7 +70,7 @@ class WafSample:
     mbe_bytes: int
 
     @classmethod
-    def of(cls, source: StatsSource) -> "WafSample":
+    def of(cls, source: StatsSource) -> WafSample:
         """Read ``source.stats()`` once."""
         s = source.stats()
         return cls(int(s["hbmw_bytes"]), int(s["mbmw_bytes"]), int(s["mbe_bytes"]))

@@ -12,7 +12,7 @@ freed by its last user (:meth:`doom`, :meth:`maybe_free_doomed`). It runs under 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
 from ..errors import InvariantError, Status
@@ -20,8 +20,18 @@ from ..metrics import Metrics
 from ..policies.cost import CostModel
 from .introspect import EventLog
 from .placement import Placement
-from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, EntryView,
-                   RowTable)
+from .rows import (
+    DOOMED,
+    EVICT,
+    EVICT_HBM,
+    EVICT_HOST,
+    IN,
+    NVME_WRITING,
+    ON_NVME,
+    PENDING,
+    EntryView,
+    RowTable,
+)
 
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan,
-                        StorePlan, Tier)
+from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics

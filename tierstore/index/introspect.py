@@ -9,7 +9,7 @@ index lock they are given (``BlockIndex._lock``) and have none of their own.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

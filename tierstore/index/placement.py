@@ -13,7 +13,7 @@ lock (``BlockIndex._lock``) and has none of its own.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

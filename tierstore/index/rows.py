@@ -11,7 +11,7 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class EntryView:
 
     __slots__ = ("_rows", "row", "key")
 
-    def __init__(self, rows: "RowTable", row: int, key: bytes) -> None:
+    def __init__(self, rows: RowTable, row: int, key: bytes) -> None:
         self._rows = rows
         self.row = row
         self.key = key

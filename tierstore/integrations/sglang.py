@@ -171,11 +171,10 @@ import logging
 import re
 import threading
 import time
-from typing import Any, List, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from ..api import KVStore
@@ -228,9 +227,9 @@ class SGLangStorageConfig(BaseModel):
     module_path: str = "tierstore.integrations.sglang"
     class_name: str = "HiCacheTierStore"
     interface_v1: Literal[0, 1] = 1
-    tenant: Optional[str] = Field(None, min_length=1)
-    extra_backend_tag: Optional[str] = Field(None, min_length=1)
-    write_policy: Optional[Literal["write_through", "write_through_selective", "write_back"]] = None
+    tenant: str | None = Field(None, min_length=1)
+    extra_backend_tag: str | None = Field(None, min_length=1)
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] | None = None
 
     @field_validator("interface_v1", mode="before")
     @classmethod
@@ -238,7 +237,7 @@ class SGLangStorageConfig(BaseModel):
         return int(v) if isinstance(v, bool) else v
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> tuple[StoreConfig, "SGLangStorageConfig"]:
+    def from_extra_config(cls, extra: dict | None) -> tuple[StoreConfig, SGLangStorageConfig]:
         """Validate SGLang's extra-config dict into the store's sections (``tiers``,
         ``policies``) and the backend's own keys
         (:func:`tierstore.integrations._common.split_extra_config`).
@@ -565,12 +564,12 @@ class HiCacheTierStore(HiCacheStorage):
                               "register_mem_pool_host when it attaches the backend)")
         return store, view
 
-    def _keys(self, keys: List[str]) -> list[bytes]:
+    def _keys(self, keys: list[str]) -> list[bytes]:
         d = self._digest
         return [scoped_key(d, k) for k in keys]
 
     @staticmethod
-    def _position(extra_info: Optional[HiCacheStorageExtraInfo]) -> int:
+    def _position(extra_info: HiCacheStorageExtraInfo | None) -> int:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         return len(prefix) if prefix else 0
 
@@ -581,14 +580,14 @@ class HiCacheTierStore(HiCacheStorage):
                 bandwidth.append(n * self.view.page_bytes / _GIB / max(dt_s, 1e-9))
 
     # ------------------------------------------------------------------ zero-copy v1
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Number of leading ``keys`` in the store (a pure probe: no reference,
         no lease, no recency, no hit)."""
         store, _ = self._require()
         return store.exists(self._keys(keys)) if keys else 0
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store host pages under their page hashes.
 
         Parameters
@@ -628,8 +627,8 @@ class HiCacheTierStore(HiCacheStorage):
                      time.perf_counter() - t0)
         return [s in (Status.OK, Status.EXISTS) for s in st]
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load pages into the host pool at ``host_indices``.
 
         Only the leading run of stored pages is loaded (SGLang uses only the
@@ -668,14 +667,14 @@ class HiCacheTierStore(HiCacheStorage):
         """Whether ``key`` is stored (a pure probe)."""
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         """Load one page into a flat page tensor (``get_dummy_flat_data_page()``;
         one is allocated when ``target_location`` is None); None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Load pages into flat page tensors (SGLang's copying path).
 
         Returns
@@ -708,13 +707,13 @@ class HiCacheTierStore(HiCacheStorage):
                      time.perf_counter() - t0)
         return [t if s is Status.OK else None for t, s in zip(targets, st)] + [None] * (len(keys) - n)
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         """Store one flat page (``get_data_page(i, flat=True)``)."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         """Store flat pages (SGLang's copying path); True when all are stored or present.
 
         Raises

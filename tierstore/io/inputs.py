@@ -10,7 +10,7 @@ of a store call → :class:`~tierstore.io.pages.BlockRows` or plans), ``destinat
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -17,7 +17,7 @@ account for them (freed extents, replaced offsets).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

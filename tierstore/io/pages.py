@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Sequence
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ class FragmentPlan:
         self.row_of = None
 
     @classmethod
-    def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> "FragmentPlan":
+    def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> FragmentPlan:
         """A plan for a block that is one contiguous 1-D ``uint8`` tensor (checked by the caller)."""
         p = cls([raw], raw.numel(), None, torch.uint8, 1, destination)
         p.flat = raw
@@ -236,7 +236,7 @@ class _RowPlan(FragmentPlan):
 
     __slots__ = ()
 
-    def __init__(self, batch: BlockRows, i: int) -> None:  # noqa: D107 -- cheap on purpose
+    def __init__(self, batch: BlockRows, i: int) -> None:
         self.fragments = None
         self.nbytes = batch.rows.shape[1]
         self.strided = None

@@ -56,7 +56,7 @@ import os
 import platform
 import struct
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import InvariantError, TierStoreError
 
@@ -285,7 +285,7 @@ class Ring:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Ring":
+    def __enter__(self) -> Ring:
         return self
 
     def __exit__(self, *exc: object) -> None:

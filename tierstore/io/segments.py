@@ -32,16 +32,20 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
+from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
+from ..units import parse_size
 from . import format as fmt
 from . import label as lbl
 from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
-from .engine import IOEngine, alloc_aligned
+from .engine import IOEngine
 from .factory import open_engine
 from .invalidation_log import InvalidationLog
 from .locator import BlockLocator
@@ -49,9 +53,6 @@ from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fra
 from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
-from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
-from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
-from ..units import parse_size
 
 __all__ = ["SegmentStorage", "SegmentState", "choose_segment_size", "DEFAULT_SEGMENT_BYTES", "MIN_SEGMENTS",
            "TARGET_SEGMENTS", "REGION_POLICIES"]

@@ -9,7 +9,7 @@ its namespace digest (32 zero bytes when the plan has none).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..contract import Demotion, StorePlan
 from ..fdp.lifetime import LifetimeClass

@@ -13,8 +13,8 @@ through :meth:`Movers.submit` (the work queues) for ``wait=False``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Callable, Mapping, Sequence
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..errors import Status

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class LoadGate:

@@ -8,7 +8,7 @@ BlockRows` batch (the engine's blocks as rows of one tensor) is one slice copy o
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

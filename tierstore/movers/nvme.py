@@ -9,7 +9,7 @@ storage is ``IO_ERROR`` for every block of the call: a miss, never wrong KV.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import Status
 from ..tiers.storage import BlockStorage

@@ -8,8 +8,8 @@ same way). Loads and prefetches never queue behind a store's NVMe writes. After
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 from ..errors import ConfigError, StoreClosedError
 

@@ -11,7 +11,7 @@ Publication is asynchronous (the tier copies into its publish queue; a full queu
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -10,7 +10,8 @@ component, :mod:`tierstore.policies.admission`).
 from __future__ import annotations
 
 import abc
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 
 class EntryInfo(Protocol):

@@ -30,7 +30,7 @@ ghost, i.e. straight into ``M`` -- its second sighting.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from .base import EntryInfo, EvictionPolicy

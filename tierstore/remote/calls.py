@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -39,8 +39,19 @@ from ..contract import Tier
 from ..errors import QuotaExceeded, Status, TierStoreError
 from .config import DaemonConfig
 from .durable import repair_after_restart
-from .http import (UNAUTHORIZED_HEADERS, ApiError, InvalidateRequest, KeysRequest, PinRequest, PutManifest,
-                   UnpinRequest, error_response, hex32, parse_json, require_json)
+from .http import (
+    UNAUTHORIZED_HEADERS,
+    ApiError,
+    InvalidateRequest,
+    KeysRequest,
+    PinRequest,
+    PutManifest,
+    UnpinRequest,
+    error_response,
+    hex32,
+    parse_json,
+    require_json,
+)
 from .metrics import ServerMetrics
 from .protocol import BLOCKS_CONTENT_TYPE, PREFIX
 from .tenancy import Tenancy

@@ -39,7 +39,8 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .config import DaemonConfig
 from .http import ApiError, bearer_token

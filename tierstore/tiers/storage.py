@@ -26,7 +26,8 @@ backend is :class:`tierstore.remote.mooncake.MooncakeTier`.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch

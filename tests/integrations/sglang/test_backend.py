@@ -14,8 +14,21 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from tierstore.errors import ConfigError, ForeignDataError, LayoutError, StoreClosedError
 from tierstore.integrations.sglang import HiCacheTierStore
 
-from .harness import (backend, content, fill, holds, host_pool, indices, page_bytes_of, page_hashes, poison,
-                      poisoned, read_page, storage_config, tiers)
+from .harness import (
+    backend,
+    content,
+    fill,
+    holds,
+    host_pool,
+    indices,
+    page_bytes_of,
+    page_hashes,
+    poison,
+    poisoned,
+    read_page,
+    storage_config,
+    tiers,
+)
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 MiB = 1 << 20

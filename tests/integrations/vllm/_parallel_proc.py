@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import connector_config, engine_kwargs, shutdown  # noqa: E402
+from _util import connector_config, engine_kwargs, shutdown
 
 
 def main() -> int:
