@@ -344,7 +344,7 @@ def worker_mem(a: dict) -> dict:
     ns = Namespace(model="mem")
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    for i in range(0, nblocks, per):
+    for _i in range(0, nblocks, per):
         raw = rng.bytes(32 * per)
         put([raw[j:j + 32] for j in range(0, 32 * per, 32)])
     dt = time.perf_counter() - t0

@@ -713,7 +713,7 @@ class Simulator:
             host.move_to_end(b)
         for b, tier in plan.frees:
             self.lru[tier].pop(b, None)
-        for b, tier in plan.frees:
+        for b, _tier in plan.frees:
             self._forget_if_empty(b)
 
     def _promote(self, promos: list[int]) -> None:
@@ -1178,7 +1178,7 @@ class Simulator:
     def check_invariants(self) -> None:
         """Cross-check the bookkeeping (segments, tiers, budget); raises RuntimeError."""
         live = [0] * self.n_seg
-        for b, s in enumerate(self.seg_of):
+        for _b, s in enumerate(self.seg_of):
             if s >= 0:
                 live[s] += 1
         if live != self.live:
@@ -1644,7 +1644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_rows(rows, ref)
     if a.json and ref:
         with open(a.json, "a") as f:
-            f.write(json.dumps({"reference": {k: v for k, v in ref.items()}, "workload": wl.name}) + "\n")
+            f.write(json.dumps({"reference": dict(ref.items()), "workload": wl.name}) + "\n")
     return 0
 
 

@@ -145,7 +145,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES))
     def invalidate(self, ns):
         self.store.invalidate(ns)  # referenced blocks of ns are hidden now, freed on release
-        for rid, (rns, keys, n) in list(self.open_requests.items()):
+        for rid, (rns, _keys, n) in list(self.open_requests.items()):
             if rns == ns:
                 self.open_requests[rid] = (rns, [], n)
 

@@ -64,7 +64,8 @@ def test_reuse_classifier():
     c.observe("sys", 0.0)
     for t in (10.0, 20.0, 30.0):
         c.observe("sys", t)
-    c.observe("conv", 0.0); c.observe("conv", 120.0)
+    c.observe("conv", 0.0)
+    c.observe("conv", 120.0)
     c.observe("q", 5.0)
     assert c.classify("sys", now_s=40.0) is L.LONG
     assert c.classify("conv", now_s=200.0) is L.MEDIUM

@@ -143,7 +143,7 @@ class Zygote:
                     from tierstore.server.daemon import main
                     try:
                         rc = main(["--config", msg["config"]])
-                    except BaseException:
+                    except BaseException:  # noqa: BLE001 (the daemon child: traceback to its log, rc 99)
                         traceback.print_exc()
                         rc = 99
                     sys.stdout.flush()
@@ -452,7 +452,7 @@ def daemon(zyg: Zygote) -> dict:
     ok = bad = 0
     with RemoteKVStore(url, token) as c:
         bb = c.block_bytes
-        for cls, ns, toks, keys in acked:
+        for _cls, ns, _toks, keys in acked:
             st, outs = c.load(keys, ns=ns)
             for s, k, o in zip(st, keys, outs):
                 good = s is Status.OK and bytes(c.layout.as_bytes(o).numpy()) == k * (bb // len(k))

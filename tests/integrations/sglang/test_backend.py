@@ -590,7 +590,7 @@ def test_every_call_after_close_raises(tmp_path):
              "batch_get_v1": lambda: b.batch_get_v1(keys, indices(pool, [3, 4])), "exists": lambda: b.exists(keys[0]),
              "get": lambda: b.get(keys[0]), "set": lambda: b.set(keys[0], read_page(pool, 1)),
              "clear": lambda: b.clear(), "register_mem_pool_host": lambda: b.register_mem_pool_host(pool)}
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(StoreClosedError, match="closed"):
             call()
     b.close()  # idempotent
