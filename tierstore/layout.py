@@ -228,7 +228,7 @@ class KVLayout:
         (layer 0 K, layer 0 V, layer 1 K, ...) order. Views share storage."""
         if tuple(block.shape) != self.block_shape:
             raise LayoutError(f"expected block shape {self.block_shape}, got {tuple(block.shape)}")
-        return [block[l, kv] for l in range(self.num_layers) for kv in (0, 1)]
+        return [block[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
 
     def check_fragments(self, frags: Sequence[torch.Tensor]) -> None:
         """Check a fragment list (``2 * num_layers`` tensors of :attr:`fragment_bytes`

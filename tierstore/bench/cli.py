@@ -171,7 +171,7 @@ class _LibraryWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             warn(record.getMessage())
-        except Exception:  # a broken format string: logging's own report, never a dead job
+        except Exception:  # noqa: BLE001 (a broken format string: logging's own report, never a dead job)
             self.handleError(record)
 
 

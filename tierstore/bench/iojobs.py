@@ -742,7 +742,7 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
                     return
                 if stop.is_set():
                     return
-    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+    except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         shared.fail(exc, offset, is_write)
     finally:
         shared.finished_ns.append(time.perf_counter_ns())
@@ -777,7 +777,7 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
             submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
             cqes = reap()
             clone.complete(cqes, clock())
-    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+    except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         if clone is None:
             shared.fail(exc, -1, False)
         else:

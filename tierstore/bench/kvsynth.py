@@ -303,7 +303,7 @@ class _SyntheticRun:
                     return
                 try:
                     fn(x)
-                except Exception as exc:  # any failure ends the job, with fio's err= set (fio: td_verror)
+                except Exception as exc:  # noqa: BLE001 (ends the job with err= set; fio: td_verror)
                     with lock:
                         self.failures.append((exc, threading.current_thread().name))
                     halt.set()

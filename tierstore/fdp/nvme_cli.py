@@ -58,11 +58,14 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, CorruptData, TierStoreError
 from ..extras import require
 from . import logpages as lp
+
+if TYPE_CHECKING:
+    import sh  # the fdp extra, imported when nvme-cli is driven (require below)
 
 __all__ = ["NvmeCliError", "NvmeCli", "FdpDeviceStats", "FdpDeviceInfo", "FID_FDP",
            "parse_stats_json", "parse_stats_text", "parse_ruh_status_json", "parse_configs_json",

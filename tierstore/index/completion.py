@@ -136,7 +136,7 @@ class Completion:
         """Body of :meth:`BlockIndex.complete_promote`: the victims' fate, then each copy that landed."""
         c: dict = {}
         self.apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
-        for (i, r, t, s), good in zip(plan.items, ok):
+        for (_i, r, t, s), good in zip(plan.items, ok):
             self.rows.readers[r] -= 1
             if good and not self.rows.flags[r] & DOOMED and self.rows.slot[t][r] < 0:
                 self.rows.set_slot(r, t, s)
@@ -312,7 +312,7 @@ class Completion:
         given = plan.given
         for d in plan.nvme_demote:
             self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
-        for r, t, s in plan.frees:
+        for r, t, _s in plan.frees:
             self.rows.flags[r] &= 0xFF ^ EVICT[t]
         mem = {i: (t, s) for i, t, s in plan.memory}
         for d in plan.copies:

@@ -336,11 +336,11 @@ class HostPoolView:
                 block_dim, kv_dim = 0, 1
             elif layout == "layer_first":  # (L, pages*P, 1, C)
                 order = "layer_fused"
-                layers = [buf[l].view(n_pages, P * C) for l in range(L)]
+                layers = [buf[layer].view(n_pages, P * C) for layer in range(L)]
                 block_dim, kv_dim = 0, None
             else:  # page_first_direct (pages, L, P, 1, C)
                 order = "layer_fused"
-                layers = [buf[:, l].reshape(n_pages, P * C) for l in range(L)]
+                layers = [buf[:, layer].reshape(n_pages, P * C) for layer in range(L)]
                 block_dim, kv_dim = 0, None
         else:
             H, D = int(pool.head_num), int(pool.head_dim)
@@ -353,11 +353,11 @@ class HostPoolView:
             elif layout == "layer_first":  # (2, L, pages*P, H, D)
                 order = "layer_kv"
                 v = buf.view(2, L, n_pages, P * H * D)
-                layers = [v[:, l] for l in range(L)]
+                layers = [v[:, layer] for layer in range(L)]
             else:  # page_first_direct (2, pages, L, P, H, D)
                 order = "layer_kv"
                 v = buf.view(2, n_pages, L, P * H * D)
-                layers = [v[:, :, l] for l in range(L)]
+                layers = [v[:, :, layer] for layer in range(L)]
             block_dim, kv_dim = 1, 0
         self.layout = KVLayout(L, heads, head_dim, buf.dtype, P, f"sglang-{layout}", order)
         self.pages = KVPagePool(layers, block_dim=block_dim, kv_dim=kv_dim)

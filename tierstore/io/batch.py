@@ -191,7 +191,7 @@ class ExtentPipeline:
                      destination: bool) -> list[int]:
         """Gather ``plans`` into ``staging`` (``destination=False``) or scatter ``staging`` into them."""
         with self._omp_threads():
-            for i, j, view in _merged_runs(plans, offsets, destination=destination):
+            for i, _j, view in _merged_runs(plans, offsets, destination=destination):
                 if view is None:
                     (plans[i].scatter if destination else plans[i].gather)(staging, offsets[i])
                     continue

@@ -637,22 +637,20 @@ def _merged_runs(plans: Sequence[FragmentPlan], offsets: Sequence[int], destinat
         v = plans[i].strided
         j = i + 1
         step = 0
-        if v is not None and j < n and plans[j].strided is not None:
-            w = plans[j].strided
+        w = plans[j].strided if j < n else None
+        if v is not None and w is not None:
             step = w.data_ptr() - v.data_ptr()
             nb = plans[i].nbytes
             sto = v.untyped_storage().data_ptr()
-
-            def follows(k: int) -> bool:
-                x = plans[k].strided
-                return (x is not None and x.shape == v.shape and x.stride() == v.stride()
-                        and x.data_ptr() - v.data_ptr() == step * (k - i)
-                        and offsets[k] - offsets[i] == nb * (k - i)
-                        and x.untyped_storage().data_ptr() == sto)
-            if step > 0:
-                while j < n and follows(j):
-                    j += 1
-        if j - i > 1:
+            while step > 0 and j < n:  # plans[j] follows plans[i] at the same step
+                x = plans[j].strided
+                if not (x is not None and x.shape == v.shape and x.stride() == v.stride()
+                        and x.data_ptr() - v.data_ptr() == step * (j - i)
+                        and offsets[j] - offsets[i] == nb * (j - i)
+                        and x.untyped_storage().data_ptr() == sto):
+                    break
+                j += 1
+        if v is not None and j - i > 1:
             shape, strides = (j - i, *v.shape), (step, *v.stride())
             merged = None
             if not destination or _non_overlapping(shape, strides):

@@ -9,8 +9,6 @@ handler for those kinds; asking for one is a :class:`~tierstore.errors.ConfigErr
 """
 from __future__ import annotations
 
-from typing import Union
-
 from ..contract import Medium
 from ..errors import ConfigError
 from .memory import MemoryHandler
@@ -19,7 +17,7 @@ from .remote import RemoteHandler
 
 #: ``(source medium, destination medium)``.
 TransferKind = tuple[Medium, Medium]
-Handler = Union[MemoryHandler, NvmeHandler, RemoteHandler]
+Handler = MemoryHandler | NvmeHandler | RemoteHandler
 
 _WHY_MISSING = {Medium.NVME: "no NVMe tier", Medium.REMOTE: "no remote tier"}
 

@@ -30,14 +30,17 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 import numpy as np
 
 from ..errors import Status, TierStoreError
 from ..extras import require
 
-msgspec = require("msgspec", "the node service protocol (tierstore.node.protocol)")
+if TYPE_CHECKING:  # the checker reads msgspec's classes; at run time a missing extra is a clear error
+    import msgspec
+else:
+    msgspec = require("msgspec", "the node service protocol (tierstore.node.protocol)")
 Meta = msgspec.Meta
 
 PROTOCOL_VERSION = 1
@@ -570,8 +573,8 @@ REQUESTS = (Hello, Lookup, Exists, Release, Cancel, PrepareStore, CompleteStore,
             CompleteLoad, Abort, Poll, Pin, Unpin, Invalidate, Stats, Reclaim, Bye)
 #: what the service may send
 REPLIES = (Welcome, LookupReply, Count, TicketReply, StoreOutcome, Ack, LeaseReply, StatsReply, Error, Bye)
-ClientMessage = Union[REQUESTS]  # type: ignore[valid-type]
-ServerMessage = Union[REPLIES]  # type: ignore[valid-type]
+ClientMessage = Union[REQUESTS]  # type: ignore[valid-type]  # noqa: UP007 (a tuple built above)
+ServerMessage = Union[REPLIES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple built above)
 #: decoders of each side (thread-safe, shareable)
 REQUEST_DECODER = msgspec.msgpack.Decoder(ClientMessage)
 REPLY_DECODER = msgspec.msgpack.Decoder(ServerMessage)

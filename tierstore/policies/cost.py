@@ -76,10 +76,14 @@ import dataclasses
 import logging
 import math
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -296,7 +296,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         except _CallFailed as e:
             self._degrade(f"setup failed: {e}", count="setup_failures", code=e.code)
             return False
-        except Exception as e:  # a client that raises is a failed setup, not a crash
+        except Exception as e:  # noqa: BLE001 (a client that raises is a failed setup, not a crash)
             self._degrade(f"setup raised {type(e).__name__}: {e}", count="setup_failures")
             return False
         with self._lock:
@@ -369,7 +369,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
                 fut.add_done_callback(lambda _f: on_late())
             self._degrade(f"{what} took more than {self._timeout_s:.1f} s", count="timeouts")
             return _NO_RESULT
-        except Exception as e:  # a raising client is a failed call, counted
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
             if on_late is not None:
                 on_late()
             self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
@@ -390,7 +390,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
             self._direct[token] = [time.monotonic(), what, False]
         try:
             return fn(*args)
-        except Exception as e:  # a raising client is a failed call, counted
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
             self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
             return _NO_RESULT
         finally:
@@ -547,7 +547,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         except cf.TimeoutError:
             self._bump("timeouts")
             return False
-        except Exception as e:  # a raising client is a failed probe
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed probe)
             log.debug("mooncake probe raised %r", e)
             return False
 

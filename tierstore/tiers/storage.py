@@ -177,7 +177,7 @@ class BlockStorage(abc.ABC):
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is stored."""
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Record a hit on ``keys`` (region recency: Navy's ``RegionManager::touch``). Default: nothing."""
 
     @abc.abstractmethod
@@ -230,7 +230,7 @@ class BlockStorage(abc.ABC):
         """Backend counters (bytes written/read, host write amplification, ...); default ``{}``."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Flush and release resources (default: nothing to release)."""
 
     def __len__(self) -> int:
@@ -302,7 +302,7 @@ class RemoteBlockTier(abc.ABC):
         """Register memory (the host tier's pool) for zero-copy loads and publishes; the tier calls
         ``on_hold(offset, nbytes)`` while it may still touch a range and ``on_release`` after."""
 
-    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:
+    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:  # noqa: B027 (optional hook)
         """Call ``fn(blocks, seconds)`` after each load that delivered blocks (the cost model prices
         remote loads from these). Default: never called (the declared figures stay)."""
 
