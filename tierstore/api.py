@@ -503,14 +503,15 @@ class KVStore:
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
         if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
-            plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
-            raws = list(plans.rows.unbind(0)) if keys else []
+            batch = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
+            raws = list(batch.rows.unbind(0)) if keys else []
+            plans: Sequence[FragmentPlan] = batch
         else:
             raws = [destination_bytes(d, self.layout) for d in dests]
             plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
 
         def finish(st: list[Status]):
-            outs = []
+            outs: list[torch.Tensor | None] = []
             for s, r, d in zip(st, raws, dests if dests is not None else raws):
                 if s is not Status.OK:
                     outs.append(None)

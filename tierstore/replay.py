@@ -155,7 +155,7 @@ class _TraceClock:
 
 def unique_full_blocks(requests: list[TraceRequest]) -> int:
     """Distinct full-block ids (prefix-position-qualified) in the trace."""
-    seen = set()
+    seen: set[int] = set()
     for r in requests:
         seen.update(r.hash_ids[:r.full_blocks()])
     return len(seen)

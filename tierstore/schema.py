@@ -32,15 +32,15 @@ class StrictModel(BaseModel):
 
 
 def _size(v: Any, info: ValidationInfo) -> int:
-    return parse_size(v, info.field_name)
+    return parse_size(v, info.field_name or "size")
 
 
 def _size_or_none(v: Any, info: ValidationInfo) -> int | None:
-    return None if v is None else parse_size(v, info.field_name)
+    return None if v is None else parse_size(v, info.field_name or "size")
 
 
 def _dur(v: Any, info: ValidationInfo) -> float:
-    return parse_time_s(v, info.field_name)
+    return parse_time_s(v, info.field_name or "duration")
 
 
 #: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
@@ -63,7 +63,7 @@ def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
         cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
                    None)
         if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            cur = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None)
     if isinstance(cur, type) and issubclass(cur, BaseModel):
         return sorted(cur.model_fields)
     return None

@@ -15,8 +15,10 @@ waits for them).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from .contract import LookupResult, Tier
@@ -118,7 +120,7 @@ class Transfers:
         return res
 
     # -------------------------------------------------------------- store
-    def store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
+    def store(self, digest: bytes, keys: list[bytes], sources: Sequence[FragmentPlan], lifetime, first: int,
               tokens, wait: bool, publish: bool = True):
         """Store ``sources`` under ``keys`` (statuses, or a Future of them with ``wait=False``);
         blocks stored OK are offered to the remote tier."""
@@ -136,7 +138,7 @@ class Transfers:
             return st
         return run() if wait else self.submit("store", run)
 
-    def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
+    def _publish(self, keys: list[bytes], sources: Sequence[FragmentPlan], hits: int) -> None:
         """Offer blocks to the shared remote tier (its admission rule decides);
         with ``remote.publish: evict`` blocks go there when evicted instead
         (:attr:`tierstore.index.StorePlan.lost`)."""
@@ -151,7 +153,7 @@ class Transfers:
                                     "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
 
     # -------------------------------------------------------------- load
-    def load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, wait: bool,
+    def load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, wait: bool,
              timeout_s: float | None, finish, merge_wait_s: float):
         """Load ``keys`` into the destination ``plans``; ``finish(statuses)`` shapes the result.
         ``timeout_s`` is a deadline: blocks not delivered by then are ``MISS``."""
@@ -180,7 +182,7 @@ class Transfers:
                          name="tierstore-deadline").start()
         return out
 
-    def _run_load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, gate: LoadGate | None,
+    def _run_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, gate: LoadGate | None,
                   merge_wait_s: float) -> list[Status]:
         """One load: NVMe/memory move → remote for misses → gate close → ``complete_load``
         (remote statuses are misses for the index) → promote → clean requests → the
@@ -231,7 +233,7 @@ class Transfers:
             self.index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
         return st
 
-    def remote_load(self, keys: list[bytes], plans: list[FragmentPlan], missed: list[int],
+    def remote_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], missed: list[int],
                     gate: LoadGate | None) -> list[Status]:
         """Fetch locally missed blocks (positions ``missed`` of a load) from the
         shared remote tier; returns their statuses.
@@ -245,6 +247,8 @@ class Transfers:
         invalidated by this store is never loaded from the remote tier
         (:meth:`RemotePlanner.plan_load`).
         """
+        if self.planner is None:  # no remote tier
+            return [Status.MISS] * len(missed)
         out: dict[int, Status] = {}
         rp = self.planner.plan_load(keys, missed)
         out.update((i, Status.MISS) for i in rp.barred)
@@ -258,7 +262,7 @@ class Transfers:
                 self.index.complete_store(fill, failed=True)
                 raise
             # a timed-out transfer may still write its slots: the index frees them only after it returns
-            self.movers.after_release(held, lambda f=fill, a=nvme_st, b=dem_st: self.index.complete_store(f, a, b))
+            self.movers.after_release(held, functools.partial(self.index.complete_store, fill, nvme_st, dem_st))
             self.index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
             for j, i in enumerate(ii):
                 if j in pending:

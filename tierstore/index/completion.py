@@ -29,7 +29,6 @@ from .rows import (
     NVME_WRITING,
     ON_NVME,
     PENDING,
-    EntryView,
     RowTable,
 )
 
@@ -79,13 +78,13 @@ class Completion:
             if plan.moved == StorePlan.NOTHING_DONE:
                 self.undo_store(plan)
             else:
-                c = {"store_failed_midway": 1}
+                c: dict = {"store_failed_midway": 1}
                 self.apply_victims(plan, now, c, plan.demote_statuses,
                                    copies_done=plan.moved >= StorePlan.COPIES_DONE)
                 self.forget_new(plan)
                 self.metrics.add(c)
             return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
-        c: dict = {}
+        c = {}
         self.apply_victims(plan, now, c, demote_statuses)
         self.complete_new(plan, dict(nvme_statuses), now, c)
         self.metrics.add(c)
@@ -190,7 +189,7 @@ class Completion:
             self.rows.slot[t][rows] = [s_ for _, s_ in sel]
             self.rows.flags[rows] |= IN[t]
             kt = [plan.keys[i] for i, _ in sel]
-            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self.rows, rows[j], kt[j]), now)
+            self.policies[t].on_insert_many(kt, self.rows.views(rows, kt), now)
             if in_mem is not None:
                 in_mem.update(i for i, _ in sel)
             c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
@@ -202,7 +201,7 @@ class Completion:
                 self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
                 self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
-                only = sum(1 for i in on_nvme if i not in in_mem)
+                only = sum(1 for i in on_nvme if in_mem is None or i not in in_mem)
                 if only:
                     c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
         if self.placement.rejected:

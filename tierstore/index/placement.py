@@ -192,7 +192,8 @@ class Placement:
         lower = self.lower_memory(tier)
         scan = None
         if cheap_only and lower is None:  # no NVMe writes: only victims with a lower copy
-            prot = lambda k, p=prot: p(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
+            inner = prot
+            prot = lambda k: inner(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
             scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
         want = max(n, batch)
         victims = policy.evict(want, prot, now, max_scan=scan) if want > n else []

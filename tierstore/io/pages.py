@@ -67,7 +67,7 @@ def _host_ptr(t: torch.Tensor) -> int | None:
 
 _CPU = torch.device("cpu")
 _DATA_PTR = torch.Tensor.data_ptr
-_NBYTES = torch.Tensor.nbytes.__get__
+_NBYTES = torch.Tensor.nbytes.__get__  # type: ignore[attr-defined]  # the property's getter (torch's stub says int)
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
@@ -140,10 +140,10 @@ class FragmentPlan:
         #: Number of fragments.
         self.count = count if count is not None else (len(fragments) if fragments is not None else None)
         #: The block as one contiguous 1-D uint8 tensor, when it is one (then one plain copy).
-        self.flat = None
+        self.flat: torch.Tensor | None = None
         #: ``(rows, i)`` when the block is row ``i`` of a :class:`BlockRows` batch
         #: (consecutive rows then move as one copy).
-        self.row_of = None
+        self.row_of: tuple[torch.Tensor, int] | None = None
 
     @classmethod
     def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> FragmentPlan:
@@ -169,7 +169,7 @@ class FragmentPlan:
         if self.strided is not None:
             staging[offset:offset + n].view(self.strided.shape).copy_(self.strided)
             return n
-        return _gather_list(self.fragments, staging, offset)
+        return _gather_list(self.fragments, staging, offset)  # type: ignore[arg-type]  # only row plans (flat) have none
 
     def scatter(self, staging: torch.Tensor, offset: int) -> int:
         """Copy ``staging[offset:offset + nbytes]`` into the fragments; return bytes.
@@ -190,10 +190,10 @@ class FragmentPlan:
         if self.strided is not None:
             self.strided.copy_(staging[offset:offset + n].view(self.strided.shape))
             return n
-        return _scatter_list(staging, offset, self.fragments)
+        return _scatter_list(staging, offset, self.fragments)  # type: ignore[arg-type]  # only row plans (flat) have none
 
 
-class BlockRows(Sequence):
+class BlockRows(Sequence[FragmentPlan]):
     """``n`` blocks that are the rows of one ``(n, block_bytes)`` uint8 tensor.
 
     A sequence of per-block :class:`FragmentPlan` (made when one is asked
@@ -247,7 +247,7 @@ class _RowPlan(FragmentPlan):
         self.row_of = (batch.rows, i)
 
     def _view(self) -> torch.Tensor:
-        rows, i = self.row_of
+        rows, i = self.row_of  # type: ignore[misc]  # a row plan's, set in __init__
         return rows[i]
 
     def gather(self, staging: torch.Tensor, offset: int) -> int:

@@ -544,7 +544,7 @@ class SegmentStorage(BlockStorage):
             return self._put_locked(keys, plans, pls, nss, gc=False)
 
     def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
-                      gate: Callable[[], Any] | None = None) -> list[Status]:
+                      gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
         """Load blocks and scatter each into its destination fragments.
 
         Parameters

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import Final
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..errors import Status
@@ -29,7 +30,9 @@ from .queues import WorkQueues
 from .remote import RemoteHandler
 from .table import HandlerTable
 
-MEMORY, NVME, REMOTE = Medium.MEMORY, Medium.NVME, Medium.REMOTE
+MEMORY: Final = Medium.MEMORY
+NVME: Final = Medium.NVME
+REMOTE: Final = Medium.REMOTE
 
 
 class Movers:
@@ -183,7 +186,7 @@ class Movers:
         """Queue blocks for the remote tier (:meth:`RemoteHandler.publish`)."""
         return self.handlers[MEMORY, REMOTE].publish(keys, sources, recent)
 
-    def after_release(self, slots: set[int], fn: Callable[[], None]) -> None:
+    def after_release(self, slots: set[int], fn: Callable[[], object]) -> None:
         """Run ``fn`` once no late remote transfer holds any of these host slots
         (at once when none does, or without a remote tier)."""
         if self.remote is None:

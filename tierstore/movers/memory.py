@@ -24,7 +24,7 @@ Item = tuple[int, Tier, int]
 
 def by_tier(items: Sequence[Item]) -> dict[Tier, tuple[list[int], list[int]]]:
     """``{tier: (positions, slots)}`` of ``(i, tier, slot)`` items, in their order."""
-    out: dict = {}
+    out: dict[Tier, tuple[list[int], list[int]]] = {}
     for i, tier, slot in items:
         e = out.get(tier)
         if e is None:
@@ -75,7 +75,7 @@ class MemoryHandler:
             self._move_rows(rows, items, to_slots=True)
             return
         for i, tier, slot in items:
-            sources[i].gather(self.view(tier, slot), 0)
+            sources[i].gather(self.view(tier, slot), 0)  # type: ignore[union-attr]  # items name given sources
 
     def scatter(self, dests: Sequence[FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
                 statuses: list[Status]) -> None:
