@@ -888,7 +888,7 @@ class Simulator:
         the plan in flight marked (``protect_put``)."""
         return b in self.refs or b in self.protect_put
 
-    def _put(self, blocks: list[int], pls: list, gc: bool) -> list[bool]:
+    def _put(self, blocks: list[int], placements: list, gc: bool) -> list[bool]:
         """SegmentStorage._put_locked: plan extents per placement stream, write, commit;
         when a stream finds no free segment, make room (region eviction or host GC) and retry."""
         n = len(blocks)
@@ -900,7 +900,7 @@ class Simulator:
                 status[i] = True   # EXISTS
                 continue
             seen.add(b)
-            groups.setdefault(pls[i], []).append(i)
+            groups.setdefault(placements[i], []).append(i)
         while groups:
             plans, leftover = self._plan(groups, gc)
             self._write(plans, blocks, status, gc)

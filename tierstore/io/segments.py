@@ -172,8 +172,8 @@ def _put_args(keys, fragments_per_block, placements, ns_digests,
     for d in nss:
         if len(d) != 32:
             raise LayoutError("ns_digest must be 32 bytes")
-    pls = list(placements) if placements is not None else [None] * n
-    return keys, plans, pls, nss
+    placements = list(placements) if placements is not None else [None] * n
+    return keys, plans, placements, nss
 
 
 def _get_args(keys, dest_fragments_per_block, block_bytes: int) -> tuple[list, list]:
@@ -539,9 +539,9 @@ class SegmentStorage(BlockStorage):
             Wrong key length, block size or argument lengths (misuse; nothing
             is written).
         """
-        keys, plans, pls, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
+        keys, plans, placements, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
         with self._write_lock:
-            return self._put_locked(keys, plans, pls, nss, gc=False)
+            return self._put_locked(keys, plans, placements, nss, gc=False)
 
     def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
                       gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
@@ -636,7 +636,7 @@ class SegmentStorage(BlockStorage):
             return len(keys)
 
     # =============================================================== internals
-    def _put_locked(self, keys, plans, pls, nss, gc: bool) -> list[Status]:
+    def _put_locked(self, keys, plans, placements, nss, gc: bool) -> list[Status]:
         n = len(keys)
         with self._lock:
             if self._closed:
@@ -650,7 +650,7 @@ class SegmentStorage(BlockStorage):
                     status[i] = Status.EXISTS
                     continue
                 seen.add(k)
-                groups.setdefault(pls[i], []).append(i)
+                groups.setdefault(placements[i], []).append(i)
         # Plan, write and acknowledge what fits; then evict a region and retry.
         while groups:
             with self._lock:
@@ -768,9 +768,9 @@ class SegmentStorage(BlockStorage):
                 if self._segs.state[si] != SegmentState.SEALED:
                     continue
                 self._segs.state[si] = SegmentState.RECLAIMING
-                pls = int(self._segs.placement[si])
+                placement = int(self._segs.placement[si])
                 ns_of = {k: self._loc.namespace_of(r) for k, r in zip(keys, rows.tolist())}
-            if self._reclaim_segment(si, keys, keep, None if pls == NO_PLACEMENT else pls, ns_of):
+            if self._reclaim_segment(si, keys, keep, None if placement == NO_PLACEMENT else placement, ns_of):
                 return True
         return False
 
