@@ -13,13 +13,15 @@ and the daemon's (:mod:`tierstore.server.config`) are built on these.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
 
 from .errors import ConfigError
 from .units import parse_size, parse_time_s
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 __all__ = ["DurationS", "OptionalSizeBytes", "SizeBytes", "StrictModel", "format_validation_error",
            "parse_model", "read_yaml"]
@@ -51,7 +53,7 @@ OptionalSizeBytes = Annotated[int | None, BeforeValidator(_size_or_none)]
 DurationS = Annotated[float, BeforeValidator(_dur)]
 
 
-def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
+def _accepted_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
     """Field names of the model that owns the unknown key at ``loc``."""
     cur: Any = model
     for part in loc[:-1]:
@@ -91,7 +93,7 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], what: s
     return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
-def parse_model(model: type[BaseModel], doc: Any, what: str):
+def parse_model(model: type[_Model], doc: Any, what: str) -> _Model:
     """Validate ``doc`` into ``model``; every failure is one :class:`ConfigError`."""
     if not isinstance(doc, dict):
         raise ConfigError(f"invalid {what}: the document must be a mapping, got {type(doc).__name__}")

@@ -18,8 +18,9 @@ import concurrent.futures as cf
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 from .contract import LookupResult, Tier
 from .errors import ConfigError, Status, StoreClosedError
@@ -30,6 +31,13 @@ from .movers import Movers
 from .movers.gate import LoadGate
 from .planner import RemotePlanner
 from .tiers.storage import BlockStorage
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .fdp.lifetime import LifetimeClass
+
+_R = TypeVar("_R")
 
 
 class OpenCalls:
@@ -101,12 +109,13 @@ class Transfers:
         self.layout = layout
         self.calls = OpenCalls()
 
-    def submit(self, kind: str, fn) -> Future:
+    def submit(self, kind: str, fn: Callable[[], _R]) -> Future[_R]:
         """Run ``fn`` on the movers' ``kind`` queue (``"load"`` or ``"store"``)."""
         return self.movers.submit(kind, fn)
 
     # -------------------------------------------------------------- lookup
-    def lookup(self, keys: list[bytes], tokens, request_id: object, num_prompt_tokens: int | None,
+    def lookup(self, keys: list[bytes], tokens: Sequence[np.ndarray] | None, request_id: object,
+               num_prompt_tokens: int | None,
                digest: bytes | None) -> LookupResult:
         """The index's match of ``keys``, the NVMe regions it hit told, extended with the
         remote tier (``digest``: the namespace the keys belong to, or ``None``)."""
@@ -120,8 +129,9 @@ class Transfers:
         return res
 
     # -------------------------------------------------------------- store
-    def store(self, digest: bytes, keys: list[bytes], sources: Sequence[FragmentPlan], lifetime, first: int,
-              tokens, wait: bool, publish: bool = True):
+    def store(self, digest: bytes, keys: list[bytes], sources: Sequence[FragmentPlan],
+              lifetime: LifetimeClass | str | None, first: int, tokens: Sequence[np.ndarray] | None, wait: bool,
+              publish: bool = True) -> list[Status] | Future[list[Status]]:
         """Store ``sources`` under ``keys`` (statuses, or a Future of them with ``wait=False``);
         blocks stored OK are offered to the remote tier."""
         def run() -> list[Status]:
@@ -154,7 +164,7 @@ class Transfers:
 
     # -------------------------------------------------------------- load
     def load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, wait: bool,
-             timeout_s: float | None, finish, merge_wait_s: float):
+             timeout_s: float | None, finish: Callable[[list[Status]], _R], merge_wait_s: float) -> _R | Future[_R]:
         """Load ``keys`` into the destination ``plans``; ``finish(statuses)`` shapes the result.
         ``timeout_s`` is a deadline: blocks not delivered by then are ``MISS``."""
         if timeout_s is not None and timeout_s <= 0:
@@ -164,11 +174,11 @@ class Transfers:
         def run() -> list[Status]:
             return self._run_load(keys, plans, promote, gate, merge_wait_s)
 
-        if timeout_s is None:
+        if timeout_s is None or gate is None:
             return finish(run()) if wait else self.submit("load", lambda: finish(run()))
         fut = self.submit("load", run)
 
-        def deadline():
+        def deadline() -> _R:
             try:
                 return finish(fut.result(timeout=timeout_s))
             except cf.TimeoutError:
@@ -177,7 +187,7 @@ class Transfers:
                 return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
         if wait:
             return deadline()
-        out: Future = Future()
+        out: Future[_R] = Future()
         threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
                          name="tierstore-deadline").start()
         return out
@@ -277,7 +287,7 @@ class Transfers:
         return [out[i] for i in missed]
 
     # -------------------------------------------------------------- prefetch, evict, flush
-    def prefetch(self, keys: list[bytes], tier: Tier) -> Future:
+    def prefetch(self, keys: list[bytes], tier: Tier) -> Future[int]:
         """Bring the resident ``keys`` up to ``tier`` on the load queue; a Future of the count."""
         plan = self.index.prepare_prefetch(keys, tier)
 

@@ -88,7 +88,7 @@ class Completion:
         self.apply_victims(plan, now, c, demote_statuses)
         self.complete_new(plan, dict(nvme_statuses), now, c)
         self.metrics.add(c)
-        return list(plan.statuses)
+        return list(plan.statuses)  # type: ignore[arg-type]  # complete_new decided every pending one
 
     def finish_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool,
                     nvme_s: float | None) -> list:

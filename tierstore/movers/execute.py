@@ -13,9 +13,9 @@ through :meth:`Movers.submit` (the work queues) for ``wait=False``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Final
+from typing import Any, Final
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..errors import Status
@@ -61,7 +61,7 @@ class Movers:
         self.remote: RemoteHandler | None = handlers.remote
 
     # ------------------------------------------------------------------ queues
-    def submit(self, queue: str, fn: Callable[[], object]) -> Future:
+    def submit(self, queue: str, fn: Callable[[], object]) -> Future[Any]:
         """Run ``fn`` on the ``"load"`` or ``"store"`` queue (see :meth:`WorkQueues.submit`)."""
         return self.queues.submit(queue, fn)
 
@@ -252,7 +252,8 @@ class Movers:
         return dem_st
 
     def _deliver_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None,
-                      indices: Sequence[int] | None, mem: Mapping[int, tuple[Tier, int]], fetched,
+                      indices: Sequence[int] | None, mem: Mapping[int, tuple[Tier, int]],
+                      fetched: Iterable[tuple[int, Status, Any]],
                       zero_copy: bool) -> tuple[list[Status], dict[int, Status]]:
         """Verified fetched blocks into their slots (unless fetched there), the destinations and,
         where the plan says so, NVMe (one batch); per key the engine's status, and the NVMe statuses."""

@@ -41,7 +41,7 @@ class RemoteHandler:
         self._slot_bytes = host.block_bytes if host is not None else 0  # of the registered host pool
         #: host-tier slots a timed-out remote transfer may still write (slot -> holds)
         self._held: dict[int, int] = {}
-        self._waiters: list[tuple[set, Callable[[], object]]] = []
+        self._waiters: list[tuple[set[int], Callable[[], object]]] = []
         self._lock = threading.Lock()
         self.zero_copy = False
         if host is not None and host.num_blocks and host.device.type == "cpu":
@@ -154,7 +154,7 @@ class RemoteHandler:
 
     def _on_release(self, off: int, n: int) -> None:
         bb = self._slot_bytes
-        ready: list[tuple[set, Callable[[], object]]] = []
+        ready: list[tuple[set[int], Callable[[], object]]] = []
         with self._lock:
             for s in range(off // bb, (off + n - 1) // bb + 1):
                 left = self._held.get(s, 0) - 1
@@ -162,7 +162,7 @@ class RemoteHandler:
                     self._held[s] = left
                 else:
                     self._held.pop(s, None)
-            keep: list[tuple[set, Callable[[], object]]] = []
+            keep: list[tuple[set[int], Callable[[], object]]] = []
             for slots, fn in self._waiters:
                 (keep if any(s in self._held for s in slots) else ready).append((slots, fn))
             self._waiters = keep

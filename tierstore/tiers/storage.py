@@ -226,7 +226,7 @@ class BlockStorage(abc.ABC):
         """Sequence number the next write will get (default 0: writes are unordered)."""
         return 0
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Backend counters (bytes written/read, host write amplification, ...); default ``{}``."""
         return {}
 
@@ -317,7 +317,7 @@ class RemoteBlockTier(abc.ABC):
         """``connecting``, ``ok``, ``degraded`` or ``closed``."""
 
     @abc.abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and state."""
 
     @abc.abstractmethod
