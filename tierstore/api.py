@@ -502,13 +502,12 @@ class KVStore:
         keys = check_keys(keys)
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
-        if dests is None:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
-            batch = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
-            raws = list(batch.rows.unbind(0)) if keys else []
-            plans: Sequence[FragmentPlan] = batch
-        else:
+        if dests is not None:
             raws = [destination_bytes(d, self.layout) for d in dests]
-            plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
+            plans: Sequence[FragmentPlan] = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
+        else:  # one (n, bytes_per_block) buffer: memory tiers fill it with one copy each
+            plans = BlockRows(torch.empty((len(keys), self._bb), dtype=torch.uint8), destination=True)
+            raws = list(plans.rows.unbind(0)) if keys else []
 
         def finish(st: list[Status]):
             outs: list[torch.Tensor | None] = []
