@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierstore.bench.references import chain_keys, references, replay_capacity_blocks
 from tierstore.trace import read_mooncake

@@ -70,6 +70,7 @@ ROOT = os.path.dirname(HERE)
 # =============================================================================== workers
 def _layout(head_dim: int, tokens: int = 16, layers: int = 2, heads: int = 1):
     import torch
+
     from tierstore.layout import KVLayout
     return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=torch.float16,
                     tokens_per_block=tokens)
@@ -102,6 +103,7 @@ def worker_stall(a: dict) -> dict:
 
     import numpy as np
     import torch
+
     from tierstore import Namespace
     lay = _layout(head_dim=4096, tokens=16, layers=1, heads=1)  # 2 x 1 x 1 x 4096 x 2 B x 16 = 256 KiB blocks
     bb = lay.bytes_per_block
@@ -165,6 +167,7 @@ def worker_stall(a: dict) -> dict:
 def worker_nvme(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import Namespace, Status
     from tierstore.io import SegmentStorage
     out = {}
@@ -220,6 +223,7 @@ def worker_nvme(a: dict) -> dict:
 def worker_frag(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace, Status
     from tierstore.io.pages import KVPagePool
     from tierstore.layout import KVLayout
@@ -287,6 +291,7 @@ def worker_frag(a: dict) -> dict:
 def worker_meta(a: dict) -> dict:
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace
     from tierstore.identity import block_hashes
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)   # 64-byte blocks
@@ -335,6 +340,7 @@ def worker_mem(a: dict) -> dict:
 
     import numpy as np
     import torch
+
     from tierstore import KVStore, Namespace
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block
@@ -364,7 +370,7 @@ def worker_mem(a: dict) -> dict:
     ns = Namespace(model="mem")
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    for i in range(0, nblocks, per):
+    for _i in range(0, nblocks, per):
         raw = rng.bytes(32 * per)
         put([raw[j:j + 32] for j in range(0, 32 * per, 32)])
     dt = time.perf_counter() - t0
@@ -393,7 +399,7 @@ class Spinners:
         self.n = n
         self.procs: list = []
 
-    def __enter__(self) -> "Spinners":
+    def __enter__(self) -> Spinners:
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
         if self.procs:
             time.sleep(0.5)  # let the scheduler see them

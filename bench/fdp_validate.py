@@ -28,7 +28,6 @@ import time
 
 import numpy as np
 
-
 from tierstore.fdp.ftl import FTLModel
 from tierstore.fdp.lifetime import LifetimeClass
 from tierstore.fdp.passthrough import select_write_path

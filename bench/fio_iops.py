@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("randread", "read", "randwrite", "write", "randrw")
@@ -46,7 +46,7 @@ ENGINES = ("io_uring", "psync")
 
 def job_args(rw: str, engine: str, size: str, runtime_s: float, path: str, out: str) -> list[str]:
     """The job, as both tools read it."""
-    args = [f"--name=job", f"--rw={rw}", "--bs=4k", "--iodepth=16", f"--ioengine={engine}", "--direct=1",
+    args = ["--name=job", f"--rw={rw}", "--bs=4k", "--iodepth=16", f"--ioengine={engine}", "--direct=1",
             f"--size={size}", f"--runtime={runtime_s:g}", "--time_based", f"--filename={path}",
             "--output-format=json", f"--output={out}"]
     if rw == "randrw":

@@ -109,7 +109,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -702,7 +702,7 @@ class Simulator:
             host.move_to_end(b)
         for b, tier in plan.frees:
             self.lru[tier].pop(b, None)
-        for b, tier in plan.frees:
+        for b, _tier in plan.frees:
             self._forget_if_empty(b)
 
     def _promote(self, promos: list[int]) -> None:
@@ -877,7 +877,7 @@ class Simulator:
         the plan in flight marked (``protect_put``)."""
         return b in self.refs or b in self.protect_put
 
-    def _put(self, blocks: list[int], pls: list, gc: bool) -> list[bool]:
+    def _put(self, blocks: list[int], placements: list, gc: bool) -> list[bool]:
         """SegmentStorage._put_locked: plan extents per placement stream, write, commit;
         when a stream finds no free segment, make room (region eviction or host GC) and retry."""
         n = len(blocks)
@@ -889,7 +889,7 @@ class Simulator:
                 status[i] = True   # EXISTS
                 continue
             seen.add(b)
-            groups.setdefault(pls[i], []).append(i)
+            groups.setdefault(placements[i], []).append(i)
         while groups:
             plans, leftover = self._plan(groups, gc)
             self._write(plans, blocks, status, gc)
@@ -1167,7 +1167,7 @@ class Simulator:
     def check_invariants(self) -> None:
         """Cross-check the bookkeeping (segments, tiers, budget); raises RuntimeError."""
         live = [0] * self.n_seg
-        for b, s in enumerate(self.seg_of):
+        for _b, s in enumerate(self.seg_of):
             if s >= 0:
                 live[s] += 1
         if live != self.live:
@@ -1638,7 +1638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_rows(rows, ref)
     if a.json and ref:
         with open(a.json, "a") as f:
-            f.write(json.dumps({"reference": {k: v for k, v in ref.items()}, "workload": wl.name}) + "\n")
+            f.write(json.dumps({"reference": dict(ref.items()), "workload": wl.name}) + "\n")
     return 0
 
 

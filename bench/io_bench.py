@@ -29,14 +29,13 @@ import sys
 import tempfile
 import time
 
-
 import torch
 
 from tierstore.errors import Status
 from tierstore.io import SegmentStorage, open_engine
 from tierstore.io.batch import ExtentPipeline
-from tierstore.io.pages import KVPagePool, plan_fragments
 from tierstore.io.engine import alloc_aligned
+from tierstore.io.pages import KVPagePool, plan_fragments
 from tierstore.units import parse_size
 
 FRAG_BYTES = 32 << 10

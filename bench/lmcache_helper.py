@@ -17,7 +17,6 @@ import threading
 import time
 
 import torch
-
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator

@@ -50,8 +50,8 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Sequence
 
 from tierstore.bench.lifetimes import LifetimeRecorder, OracleClassifier, tercile_bounds
 from tierstore.bench.references import distance, references

@@ -55,13 +55,13 @@ import time
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-import torch  # noqa: E402
+import torch
 
-from tierstore.errors import Status  # noqa: E402
-from tierstore.remote import MooncakeTier, ObjectNamer, RemoteConfig  # noqa: E402
-from tierstore.remote.local_master import LocalMaster  # noqa: E402
-from tierstore.remote.mooncake import load_mooncake_store  # noqa: E402
-from tierstore.units import parse_size  # noqa: E402
+from tierstore.errors import Status
+from tierstore.remote import MooncakeTier, ObjectNamer, RemoteConfig
+from tierstore.remote.local_master import LocalMaster
+from tierstore.remote.mooncake import load_mooncake_store
+from tierstore.units import parse_size
 
 HOLDER = """
 import os, sys

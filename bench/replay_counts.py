@@ -37,8 +37,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tierstore.bench.jobfile import parse_jobs
 from tierstore.bench.kvjobs import run_kvtrace

@@ -157,7 +157,7 @@ def run_phase(n_clients: int, fn) -> tuple[float, list[float]]:
         t.start()
     for t in ths:
         t.join()
-    return time.perf_counter() - t0, [x for l in lats for x in l]
+    return time.perf_counter() - t0, [x for lat in lats for x in lat]
 
 
 def bench_tierstore(url: str, sizes_mib: list[int], ops: int, n_clients: int, run: int) -> dict:

@@ -79,15 +79,19 @@ if importlib.util.find_spec("torchvision") is None:  # SGLang's configs import t
     sys.exit("sglang_bench: SGLang imports torchvision, which is not installed here; install it, or put the "
              "test stand-in first: PYTHONPATH=tests/integrations/sglang/stubs (see its README.md)")
 
-import torch  # noqa: E402
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
-    STORAGE_BATCH_SIZE, HiCacheFile, HiCacheStorageConfig, HiCacheStorageExtraInfo)
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheFile,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from tierstore.integrations.sglang import HiCacheTierStore  # noqa: E402
-from tierstore.units import parse_size  # noqa: E402
+from tierstore.integrations.sglang import HiCacheTierStore
+from tierstore.units import parse_size
 
 #: name -> (layers, KV heads, head_dim, page_size); bf16
 CLASSES = {"16KiB": (32, 1, 128, 1), "128KiB": (32, 8, 128, 1), "2MiB": (32, 8, 128, 16)}

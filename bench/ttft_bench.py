@@ -39,7 +39,6 @@ import time
 import numpy as np
 import torch
 
-
 from tierstore import KVStore
 from tierstore.integrations.hf import HFPrefixCache, cache_to_blocks
 from tierstore.layout import dtype_from_name

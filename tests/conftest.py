@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny layout, a fake clock, stores with all three tiers."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -53,8 +52,8 @@ def make_store(tmp_path, layout, clock):
     def _make(hbm=4, host=4, nvme=16, **kw):
         """A store with ``hbm``/``host`` memory slots and an NVMe tier of at
         least ``nvme`` blocks (a segment store in memory, one block per segment)."""
-        from tierstore.io.segments import SegmentStorage
         from tierstore.io import format as fmt
+        from tierstore.io.segments import SegmentStorage
         bb = layout.bytes_per_block
         nv = None
         if nvme:

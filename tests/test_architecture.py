@@ -100,6 +100,15 @@ def test_no_upward_imports(path):
             pytest.fail(f"{path.relative_to(PKG)} (layer {mine}) imports {'.'.join(parts)} (layer {theirs})")
 
 
+def test_imports_are_read_as_parts():
+    """``test_no_upward_imports`` reads ``imported_modules`` as lists of parts (a second function of
+    that name returning dotted strings once shadowed it: ``parts[0]`` was a letter, in no layer, and
+    the layer check passed on anything)."""
+    got = list(imported_modules(PKG / "config.py"))
+    assert ["errors", "ConfigError"] in got
+    assert ["policies", "config", "PoliciesConfig"] in got
+
+
 def test_files_below_their_package_are_checked_against_the_package_rest():
     """A layer-2 file of node/ importing a layer-6 sibling is caught (the package is not one
     unit for this check), and importing the node package itself means its __init__."""
@@ -155,7 +164,7 @@ def _rel(path: pathlib.Path) -> str:
     return path.relative_to(PKG).as_posix()
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
+def imported_dotted(path: pathlib.Path) -> set[str]:
     """Dotted tierstore modules ``path`` imports (``"policies.admission"``, ``"index"``), from every
     import in the file (function-level ones too); ``from . import x`` gives ``x`` under the package."""
     rel = path.relative_to(PKG)
@@ -198,7 +207,7 @@ API_IMPORTS_PENDING: dict = {}
 
 
 def test_api_imports_no_policy_module():
-    found = {m for m in imported_modules(PKG / "api.py") if _under(m, API_NEVER_IMPORTS)}
+    found = {m for m in imported_dotted(PKG / "api.py") if _under(m, API_NEVER_IMPORTS)}
     _check_pending({m.split(".")[0] for m in found}, API_IMPORTS_PENDING, "api.py imports")
 
 
@@ -232,10 +241,10 @@ MOVERS_IMPORTS_PENDING: dict = {}
 
 def test_movers_import_no_index():
     movers = [p for p in FILES if _rel(p).startswith("movers/")]
-    found = {(_rel(p), m.split(".")[0]) for p in movers for m in imported_modules(p)
+    found = {(_rel(p), m.split(".")[0]) for p in movers for m in imported_dotted(p)
              if _under(m, MOVERS_NEVER_IMPORT)}
     index = [p for p in FILES if _rel(p) == "index.py" or _rel(p).startswith("index/")]
-    found |= {(_rel(p), m.split(".")[0]) for p in index for m in imported_modules(p)
+    found |= {(_rel(p), m.split(".")[0]) for p in index for m in imported_dotted(p)
               if _under(m, ("movers",))}
     _check_pending(found, MOVERS_IMPORTS_PENDING, "mover/index imports")
 
@@ -250,7 +259,7 @@ def test_contract_is_small_and_low():
     import tierstore.index
     path = PKG / "contract.py"
     assert len(path.read_text().splitlines()) <= CONTRACT_MAX_LINES
-    assert imported_modules(path) == {"errors", "fdp.lifetime"}
+    assert imported_dotted(path) == {"errors", "fdp.lifetime"}
     for name in tierstore.contract.__all__:
         assert getattr(tierstore.index, name) is getattr(tierstore.contract, name), name
 

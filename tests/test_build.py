@@ -189,8 +189,8 @@ def test_ruh_update_shim_starts_fresh_ru():
 
 
 def test_kvtrace_device_section_sim(tmp_path, capsys):
-    from tierstore.bench.cli import main
     from tierstore.bench import registry
+    from tierstore.bench.cli import main
     from tierstore.bench.kvjobs import run_kvtrace
     registry.register_runner(["kvtrace"], run_kvtrace, replace=True)
     for dp in ("fdp", "none"):

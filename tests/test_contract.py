@@ -1,8 +1,17 @@
 """tierstore.contract: the types the deciding and the moving side share."""
 import pickle
 
-from tierstore.contract import (MEMORY_TIERS, Demotion, LoadPlan, LookupResult, Medium, PromotePlan, Status,
-                                StorePlan, Tier)
+from tierstore.contract import (
+    MEMORY_TIERS,
+    Demotion,
+    LoadPlan,
+    LookupResult,
+    Medium,
+    PromotePlan,
+    Status,
+    StorePlan,
+    Tier,
+)
 from tierstore.fdp.lifetime import LifetimeClass
 
 

@@ -23,8 +23,14 @@ import pytest
 import torch
 
 from tierstore import KVStore, Namespace, Status, Tier
-from tierstore.errors import (ConfigError, ForeignDataError, LayoutError, StoreClosedError, StoreLockedError,
-                              TierStoreError)
+from tierstore.errors import (
+    ConfigError,
+    ForeignDataError,
+    LayoutError,
+    StoreClosedError,
+    StoreLockedError,
+    TierStoreError,
+)
 from tierstore.io import format as fmt
 from tierstore.layout import KVLayout
 

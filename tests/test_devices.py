@@ -79,7 +79,8 @@ def test_device_fdp_is_assembled_from_discovery_with_placement_and_device_counte
     from tests.fdp.test_device_path import _status_4x2
     from tierstore import devices
     from tierstore.fdp import device as fdp_device
-    from tierstore.fdp import discovery, logpages as lp, nvme_cli
+    from tierstore.fdp import discovery, nvme_cli
+    from tierstore.fdp import logpages as lp
     from tierstore.io.factory import open_engine
 
     with open(os.path.join(G.DATA, "qemu_4x2", "configs.bin"), "rb") as f:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tierstore import KVStore, Namespace, Status, Tier, leading_ok
-from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
 from tierstore.config import PoliciesConfig
+from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
 from tierstore.index import BlockIndex, BlockState, IndexRuntime, IndexShape
 from tierstore.policies import policy_names
 

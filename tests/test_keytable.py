@@ -4,10 +4,11 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.errors import LayoutError
-from tierstore.keytable import KeyTable, VECTOR_MIN_KEYS
+from tierstore.keytable import VECTOR_MIN_KEYS, KeyTable
 
 
 def _keys(n, seed=0):
@@ -31,7 +32,7 @@ def test_add_get_remove_and_row_reuse():
         assert t.get(k) == -1 and t.remove(k) == -1
     assert len(t) == 500
     r, new = t.add(os.urandom(32))
-    assert new and r in {x for x in range(1000)} - set(rows.values())  # a freed row is reused
+    assert new and r in set(range(1000)) - set(rows.values())  # a freed row is reused
     assert all(t.get(k) == r for k, r in rows.items())
     assert sorted(t.rows().tolist()) == sorted(list(rows.values()) + [r])
     assert t.key_of(rows[keys[1]]) == keys[1]

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import tierstore.remote.mooncake as mc
+from tests.remote.fake_mooncake import FakeCluster, FakeStore
 from tierstore import KVLayout, KVStore, Namespace, Status
 from tierstore.api import leading_ok
 from tierstore.index import Tier
 from tierstore.planner import RemotePlanner
-
-from tests.remote.fake_mooncake import FakeCluster, FakeStore
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, tokens_per_block=16)
 BB = LAYOUT.bytes_per_block

@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -39,8 +40,16 @@ from .config import StoreConfig
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import (check_keys, check_start_block, plan_block, plan_destinations, plan_fragment_destinations,
-                        plan_sources, refuse_numpy, token_blocks)
+from .io.inputs import (
+    check_keys,
+    check_start_block,
+    plan_block,
+    plan_destinations,
+    plan_fragment_destinations,
+    plan_sources,
+    refuse_numpy,
+    token_blocks,
+)
 from .layout import KVLayout
 from .transfers import Transfers
 
@@ -170,7 +179,7 @@ class KVStore:
         self._init(assemble_options(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options))
 
     @classmethod
-    def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> "KVStore":
+    def from_config(cls, config: StoreConfig | dict, layout: KVLayout | None = None, **runtime) -> KVStore:
         """Open a store from its typed configuration (:class:`tierstore.config.StoreConfig`).
 
         Parameters
@@ -687,7 +696,7 @@ class KVStore:
             self.remote.close()
         return written
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> KVStore:
         self._check_open("__enter__")
         return self
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .config import NVME_OPTIONS, OPTION_ALIASES, NvmeTierConfig, PoliciesConfig, StoreConfig, TiersConfig
 from .contract import Tier
@@ -70,7 +71,7 @@ class FlushSettings:
     max_bytes: int | None = None
 
     @classmethod
-    def of(cls, nv: NvmeTierConfig | None) -> "FlushSettings":
+    def of(cls, nv: NvmeTierConfig | None) -> FlushSettings:
         """The settings of the ``tiers.nvme`` section ``nv`` (``None``: the defaults)."""
         return cls() if nv is None else cls(nv.flush_on_close, nv.flush_timeout_s, nv.flush_max_bytes)
 

@@ -31,13 +31,14 @@ import concurrent.futures
 import contextlib
 import itertools
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from .contract import Lease, LookupResult, Tier
 from .client_wire import AuthError, DaemonConnection, RemoteError, ServerBusy, with_deadline
+from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.inputs import plan_block, plan_fragment_destinations
@@ -561,7 +562,7 @@ class RemoteKVStore:
         :class:`~tierstore.errors.StoreClosedError`."""
         self._wire.close()
 
-    def __enter__(self) -> "RemoteKVStore":
+    def __enter__(self) -> RemoteKVStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,7 @@ import itertools
 import json
 import threading
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -31,12 +31,19 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
-from .layout import KVLayout, PRESETS, _DTYPES, get_layout
+from .layout import _DTYPES, PRESETS, KVLayout, get_layout
 from .policies.config import PoliciesConfig
 from .policies.registry import ADMISSION
 from .remote.settings import RemoteConfig
-from .schema import (DurationS, OptionalSizeBytes, SizeBytes, StrictModel, format_validation_error,  # noqa: F401
-                     parse_model, read_yaml)
+from .schema import (  # noqa: F401
+    DurationS,
+    OptionalSizeBytes,
+    SizeBytes,
+    StrictModel,
+    format_validation_error,
+    parse_model,
+    read_yaml,
+)
 
 #: Admission policies for blocks demoted to NVMe ("all"/"none": admit all;
 #: "reused"/"second"/"second_hit": second sighting; "predicted": reuse predictor):
@@ -263,7 +270,7 @@ class StoreConfig(StrictModel):
     remote: RemoteConfig | None = None
 
     @classmethod
-    def from_dict(cls, doc: Any, what: str = "store config") -> "StoreConfig":
+    def from_dict(cls, doc: Any, what: str = "store config") -> StoreConfig:
         """Validate a dict (parsed YAML/JSON, or an engine's extra config).
 
         Raises
@@ -275,7 +282,7 @@ class StoreConfig(StrictModel):
 
     @classmethod
     def from_options(cls, hbm_bytes: int | str = 0, host_bytes: int | str = 0, nvme_path: str | None = None,
-                     nvme_bytes: int | str = 0, **options: Any) -> "StoreConfig":
+                     nvme_bytes: int | str = 0, **options: Any) -> StoreConfig:
         """The config ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)``
         opens, without its run-time objects.
 
@@ -319,6 +326,6 @@ class StoreConfig(StrictModel):
                    remote=remote)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "StoreConfig":
+    def from_yaml(cls, path: str) -> StoreConfig:
         """Read and validate a YAML file. Raises :class:`ConfigError`."""
         return cls.from_dict(read_yaml(path), f"store config {path!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 import typing
 
 from .errors import Status
@@ -96,9 +97,9 @@ class LookupResult:
         ``useful_blocks == matched_blocks``.
     """
 
-    keys: list
-    tiers: list
-    load_s: list
+    keys: list[bytes]
+    tiers: list[Tier]
+    load_s: list[float]
     useful_blocks: int
     requested_blocks: int
     tokens_per_block: int
@@ -118,7 +119,7 @@ class LookupResult:
         return self.useful_blocks * self.tokens_per_block
 
     @property
-    def useful_keys(self) -> list:
+    def useful_keys(self) -> list[bytes]:
         return self.keys[:self.useful_blocks]
 
 
@@ -128,7 +129,7 @@ class Lease:
 
     lease_id: int
     ns: bytes
-    keys: list
+    keys: list[bytes]
     expiry_s: float
     bytes: int
 
@@ -180,24 +181,24 @@ class StorePlan:
         Namespace digest of the new keys.
     """
 
-    keys: list
-    statuses: list
-    rows: list
-    memory: list = dataclasses.field(default_factory=list)
-    nvme_new: list = dataclasses.field(default_factory=list)
-    nvme_demote: list = dataclasses.field(default_factory=list)
-    copies: list = dataclasses.field(default_factory=list)
-    frees: list = dataclasses.field(default_factory=list)
-    lost: list = dataclasses.field(default_factory=list)
+    keys: list[bytes]
+    statuses: list[Status | None]
+    rows: list[int]
+    memory: list[tuple[int, Tier, int]] = dataclasses.field(default_factory=list)
+    nvme_new: list[tuple[int, LifetimeClass | None]] = dataclasses.field(default_factory=list)
+    nvme_demote: list[Demotion] = dataclasses.field(default_factory=list)
+    copies: list[Demotion] = dataclasses.field(default_factory=list)
+    frees: list[tuple[int, Tier, int]] = dataclasses.field(default_factory=list)
+    lost: list[tuple[bytes, Tier, int]] = dataclasses.field(default_factory=list)
     ns: bytes = b""
-    given: set = dataclasses.field(default_factory=set)
+    given: set[tuple[Tier, int]] = dataclasses.field(default_factory=set)
     done: bool = False
-    protect: set | None = None
+    protect: set[bytes] | None = None
     #: How far the mover got (set by the mover): nothing, the NVMe batch
     #: (``demote_statuses`` then holds its victims' statuses), or also the
     #: memory-to-memory demotions. A failure is undone accordingly.
     moved: int = 0
-    demote_statuses: dict = dataclasses.field(default_factory=dict)
+    demote_statuses: dict[int, Status] = dataclasses.field(default_factory=dict)
     #: The victims' outcome was applied before the plan completed (set by the index,
     #: :meth:`~tierstore.index.BlockIndex.complete_victims`: split execution).
     victims_done: bool = False
@@ -222,11 +223,11 @@ class LoadPlan:
     (a delay hit: concurrent cold loads of one block share one read).
     """
 
-    keys: list
-    rows: list
-    sources: list
-    waits: list = dataclasses.field(default_factory=list)
-    leads: list = dataclasses.field(default_factory=list)
+    keys: list[bytes]
+    rows: list[int]
+    sources: list[tuple[Tier, int] | None]
+    waits: list[threading.Event] = dataclasses.field(default_factory=list)
+    leads: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
 
 
@@ -240,10 +241,10 @@ class PromotePlan:
     next memory tier (``victims.copies``, done first) and their frees.
     """
 
-    items: list
+    items: list[tuple[int, int, Tier, int]]
     victims: StorePlan = dataclasses.field(default_factory=lambda: StorePlan([], [], []))
-    keys: list = dataclasses.field(default_factory=list)
-    sources: list = dataclasses.field(default_factory=list)
-    leads: list = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    sources: list[tuple[Tier, int]] = dataclasses.field(default_factory=list)
+    leads: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class Namespace:
         blob = json.dumps([_NS_DOMAIN, d], sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 
-    def with_tenant(self, tenant: str) -> "Namespace":
+    def with_tenant(self, tenant: str) -> Namespace:
         """The same namespace under another tenant scope."""
         return dataclasses.replace(self, tenant=tenant)
 
@@ -123,7 +123,7 @@ class DigestCache:
             return d
         return hashlib.sha256(b"tierstore/scoped-ns/v1\0" + d + self._scope).digest()
 
-    def __call__(self, ns: "Namespace | bytes") -> bytes:
+    def __call__(self, ns: Namespace | bytes) -> bytes:
         """The 32-byte digest of ``ns`` (a ready digest is checked and returned).
 
         Raises

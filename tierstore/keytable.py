@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -21,7 +21,7 @@ config.json) this is 131072 B = 128 KiB per token.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -228,7 +228,7 @@ class KVLayout:
         (layer 0 K, layer 0 V, layer 1 K, ...) order. Views share storage."""
         if tuple(block.shape) != self.block_shape:
             raise LayoutError(f"expected block shape {self.block_shape}, got {tuple(block.shape)}")
-        return [block[l, kv] for l in range(self.num_layers) for kv in (0, 1)]
+        return [block[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
 
     def check_fragments(self, frags: Sequence[torch.Tensor]) -> None:
         """Check a fragment list (``2 * num_layers`` tensors of :attr:`fragment_bytes`
@@ -251,7 +251,7 @@ class KVLayout:
                 raise LayoutError(f"fragment {i}: expected {self.fragment_bytes} bytes, "
                                   f"got {f.numel() * f.element_size()}")
 
-    def with_tokens_per_block(self, tokens_per_block: int) -> "KVLayout":
+    def with_tokens_per_block(self, tokens_per_block: int) -> KVLayout:
         """Same model, other block size."""
         return dataclasses.replace(self, tokens_per_block=tokens_per_block)
 

@@ -54,11 +54,11 @@ class Metrics:
             self.load_latency_ns["all"].record_value(ns)
 
     def latency_percentiles_ns(self, tier: str = "all",
-                               pcts: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)) -> dict[str, int]:
-        """Percentiles of load latency, keys like ``"p50"``, in ns (0 when empty)."""
+                               pcts: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)) -> dict[str, float]:
+        """Percentiles of load latency, keys like ``"p50"``, in ns (0 when empty), ``count`` and ``mean``."""
         h = self.load_latency_ns[tier]
         with self._lock:
-            out = {f"p{p:g}": int(h.get_value_at_percentile(p)) if h.get_total_count() else 0 for p in pcts}
+            out: dict[str, float] = {f"p{p:g}": int(h.get_value_at_percentile(p)) if h.get_total_count() else 0 for p in pcts}
             out["count"] = int(h.get_total_count())
             out["mean"] = float(h.get_mean_value()) if h.get_total_count() else 0.0
         return out
@@ -66,7 +66,7 @@ class Metrics:
     def snapshot(self) -> dict:
         """A copy of every counter plus derived ratios."""
         with self._lock:
-            c = dict(self.counters)
+            c: dict[str, float] = dict(self.counters)
         lb = c.get("lookup_blocks", 0)
         c["block_hit_ratio"] = c.get("hit_blocks", 0) / lb if lb else 0.0
         c["useful_block_ratio"] = c.get("useful_blocks", 0) / lb if lb else 0.0

@@ -12,7 +12,8 @@ error messages show).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 from .errors import ConfigError
 

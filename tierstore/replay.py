@@ -24,7 +24,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from .api import KVStore, leading_ok
 from .config import StoreConfig
 from .errors import ConfigError, Status
 from .identity import Namespace, chain_ids
-from .layout import KVLayout, PRESETS
+from .layout import PRESETS, KVLayout
 from .trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, ideal_hit_ratio, read_mooncake
 
 #: Real bytes of one 512-token block of Llama-3.1-8B (bf16), the scale reference.
@@ -155,7 +155,7 @@ class _TraceClock:
 
 def unique_full_blocks(requests: list[TraceRequest]) -> int:
     """Distinct full-block ids (prefix-position-qualified) in the trace."""
-    seen = set()
+    seen: set[int] = set()
     for r in requests:
         seen.update(r.hash_ids[:r.full_blocks()])
     return len(seen)

@@ -13,13 +13,15 @@ and the daemon's (:mod:`tierstore.server.config`) are built on these.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
 
 from .errors import ConfigError
 from .units import parse_size, parse_time_s
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 __all__ = ["DurationS", "OptionalSizeBytes", "SizeBytes", "StrictModel", "format_validation_error",
            "parse_model", "read_yaml"]
@@ -32,26 +34,26 @@ class StrictModel(BaseModel):
 
 
 def _size(v: Any, info: ValidationInfo) -> int:
-    return parse_size(v, info.field_name)
+    return parse_size(v, info.field_name or "size")
 
 
 def _size_or_none(v: Any, info: ValidationInfo) -> int | None:
-    return None if v is None else parse_size(v, info.field_name)
+    return None if v is None else parse_size(v, info.field_name or "size")
 
 
 def _dur(v: Any, info: ValidationInfo) -> float:
-    return parse_time_s(v, info.field_name)
+    return parse_time_s(v, info.field_name or "duration")
 
 
 #: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
 SizeBytes = Annotated[int, BeforeValidator(_size)]
 #: :data:`SizeBytes` or ``None``.
-OptionalSizeBytes = Annotated[Optional[int], BeforeValidator(_size_or_none)]
+OptionalSizeBytes = Annotated[int | None, BeforeValidator(_size_or_none)]
 #: Seconds: a number or a duration string (``30s``, ``500ms``), parsed before validation.
 DurationS = Annotated[float, BeforeValidator(_dur)]
 
 
-def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
+def _accepted_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
     """Field names of the model that owns the unknown key at ``loc``."""
     cur: Any = model
     for part in loc[:-1]:
@@ -63,7 +65,7 @@ def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str] | None:
         cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
                    None)
         if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in ann.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            cur = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None)
     if isinstance(cur, type) and issubclass(cur, BaseModel):
         return sorted(cur.model_fields)
     return None
@@ -91,7 +93,7 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], what: s
     return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 
-def parse_model(model: type[BaseModel], doc: Any, what: str):
+def parse_model(model: type[_Model], doc: Any, what: str) -> _Model:
     """Validate ``doc`` into ``model``; every failure is one :class:`ConfigError`."""
     if not isinstance(doc, dict):
         raise ConfigError(f"invalid {what}: the document must be a mapping, got {type(doc).__name__}")

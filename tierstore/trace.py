@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from importlib import resources
-from typing import Iterator
 
 from .errors import TraceFormatError
 
@@ -77,7 +77,7 @@ def read_mooncake(path: str | None = None, limit: int | None = None) -> list[Tra
     if not os.path.exists(path):
         raise FileNotFoundError(f"trace {path!r} does not exist")
     out: list[TraceRequest] = []
-    with open(path, "r", encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .contract import LoadPlan, LookupResult, StorePlan, Tier
 from .errors import ConfigError, Status, StoreClosedError
@@ -33,6 +35,13 @@ from .movers import Movers
 from .movers.gate import LoadGate
 from .planner import RemotePlanner
 from .tiers.storage import BlockStorage
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .fdp.lifetime import LifetimeClass
+
+_R = TypeVar("_R")
 
 
 class OpenCalls:
@@ -104,12 +113,13 @@ class Transfers:
         self.layout = layout
         self.calls = OpenCalls()
 
-    def submit(self, kind: str, fn) -> Future:
+    def submit(self, kind: str, fn: Callable[[], _R]) -> Future[_R]:
         """Run ``fn`` on the movers' ``kind`` queue (``"load"`` or ``"store"``)."""
         return self.movers.submit(kind, fn)
 
     # -------------------------------------------------------------- lookup
-    def lookup(self, keys: list[bytes], tokens, request_id: object, num_prompt_tokens: int | None,
+    def lookup(self, keys: list[bytes], tokens: Sequence[np.ndarray] | None, request_id: object,
+               num_prompt_tokens: int | None,
                digest: bytes | None) -> LookupResult:
         """The index's match of ``keys``, the NVMe regions it hit told, extended with the
         remote tier (``digest``: the namespace the keys belong to, or ``None``)."""
@@ -123,8 +133,9 @@ class Transfers:
         return res
 
     # -------------------------------------------------------------- store
-    def store(self, digest: bytes, keys: list[bytes], sources: list[FragmentPlan], lifetime, first: int,
-              tokens, wait: bool, publish: bool = True):
+    def store(self, digest: bytes, keys: list[bytes], sources: Sequence[FragmentPlan],
+              lifetime: LifetimeClass | str | None, first: int, tokens: Sequence[np.ndarray] | None, wait: bool,
+              publish: bool = True) -> list[Status] | Future[list[Status]]:
         """Store ``sources`` under ``keys`` (statuses, or a Future of them with ``wait=False``);
         blocks stored OK are offered to the remote tier."""
         def run() -> list[Status]:
@@ -141,7 +152,7 @@ class Transfers:
             return st
         return run() if wait else self.submit("store", run)
 
-    def _publish(self, keys: list[bytes], sources: list[FragmentPlan], hits: int) -> None:
+    def _publish(self, keys: list[bytes], sources: Sequence[FragmentPlan], hits: int) -> None:
         """Offer blocks to the shared remote tier (its admission rule decides);
         with ``remote.publish: evict`` blocks go there when evicted instead
         (:attr:`tierstore.index.StorePlan.lost`)."""
@@ -156,8 +167,8 @@ class Transfers:
                                     "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
 
     # -------------------------------------------------------------- load
-    def load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, wait: bool,
-             timeout_s: float | None, finish, merge_wait_s: float):
+    def load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, wait: bool,
+             timeout_s: float | None, finish: Callable[[list[Status]], _R], merge_wait_s: float) -> _R | Future[_R]:
         """Load ``keys`` into the destination ``plans``; ``finish(statuses)`` shapes the result.
         ``timeout_s`` is a deadline: blocks not delivered by then are ``MISS``."""
         if timeout_s is not None and timeout_s <= 0:
@@ -167,11 +178,11 @@ class Transfers:
         def run() -> list[Status]:
             return self._run_load(keys, plans, promote, gate, merge_wait_s)
 
-        if timeout_s is None:
+        if timeout_s is None or gate is None:
             return finish(run()) if wait else self.submit("load", lambda: finish(run()))
         fut = self.submit("load", run)
 
-        def deadline():
+        def deadline() -> _R:
             try:
                 return finish(fut.result(timeout=timeout_s))
             except cf.TimeoutError:
@@ -180,12 +191,12 @@ class Transfers:
                 return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
         if wait:
             return deadline()
-        out: Future = Future()
+        out: Future[_R] = Future()
         threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
                          name="tierstore-deadline").start()
         return out
 
-    def _run_load(self, keys: list[bytes], plans: list[FragmentPlan], promote: bool, gate: LoadGate | None,
+    def _run_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, gate: LoadGate | None,
                   merge_wait_s: float) -> list[Status]:
         """One load: NVMe/memory move → remote for misses → gate close → ``complete_load``
         (remote statuses are misses for the index) → promote → clean requests → the
@@ -236,7 +247,7 @@ class Transfers:
             self.index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
         return st
 
-    def remote_load(self, keys: list[bytes], plans: list[FragmentPlan], missed: list[int],
+    def remote_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], missed: list[int],
                     gate: LoadGate | None) -> list[Status]:
         """Fetch locally missed blocks (positions ``missed`` of a load) from the
         shared remote tier; returns their statuses.
@@ -250,6 +261,8 @@ class Transfers:
         invalidated by this store is never loaded from the remote tier
         (:meth:`RemotePlanner.plan_load`).
         """
+        if self.planner is None:  # no remote tier
+            return [Status.MISS] * len(missed)
         out: dict[int, Status] = {}
         rp = self.planner.plan_load(keys, missed)
         out.update((i, Status.MISS) for i in rp.barred)
@@ -263,7 +276,7 @@ class Transfers:
                 self.index.complete_store(fill, failed=True)
                 raise
             # a timed-out transfer may still write its slots: the index frees them only after it returns
-            self.movers.after_release(held, lambda f=fill, a=nvme_st, b=dem_st: self.index.complete_store(f, a, b))
+            self.movers.after_release(held, functools.partial(self.index.complete_store, fill, nvme_st, dem_st))
             self.index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
             for j, i in enumerate(ii):
                 if j in pending:
@@ -315,11 +328,12 @@ class Transfers:
         except BaseException:
             self.index.complete_store(plan, failed=True)
             raise
-        st = self.index.complete_store(plan, nvme_st, plan.demote_statuses, memory_statuses=mem_st)
+        st = self.index.complete_store(plan, nvme_st, plan.demote_statuses,
+                                       memory_statuses=mem_st)  # type: ignore[arg-type]  # None: not copied
         durable = {i for i, s in nvme_st.items() if st[i] is Status.OK and s in (Status.OK, Status.EXISTS)}
         if publish and self.planner is not None and not self.planner.barred(plan.ns):
             ok = [i for i, s in enumerate(st) if s is Status.OK and srcs[i] is not None]
-            self._publish([plan.keys[i] for i in ok], [srcs[i] for i in ok], hits=0)
+            self._publish([plan.keys[i] for i in ok], [srcs[i] for i in ok], hits=0)  # type: ignore[misc]  # ok: given
         return st, durable
 
     def load_prelude(self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
@@ -355,7 +369,7 @@ class Transfers:
             self.clean_in_background(want)
 
     # -------------------------------------------------------------- prefetch, evict, flush
-    def prefetch(self, keys: list[bytes], tier: Tier) -> Future:
+    def prefetch(self, keys: list[bytes], tier: Tier) -> Future[int]:
         """Bring the resident ``keys`` up to ``tier`` on the load queue; a Future of the count."""
         plan = self.index.prepare_prefetch(keys, tier)
 
@@ -373,7 +387,7 @@ class Transfers:
             return n
         return self.submit("load", run)
 
-    def clean_in_background(self, n: int) -> Future | None:
+    def clean_in_background(self, n: int) -> Future[Any] | None:
         """Write the ``n`` coldest memory-only blocks to NVMe on the store queue,
         so that promotions find victims that leave without an NVMe write; the Future of
         the blocks written (``None`` without NVMe or once the store is closing)."""

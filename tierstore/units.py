@@ -8,6 +8,7 @@ a bare number is seconds (fio's ``runtime=`` default unit).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from .errors import ConfigError
 
@@ -57,7 +58,7 @@ def parse_time_s(value: int | float | str, key: str = "time") -> float:
 
 
 def _parse_quantity(value, key: str, what: str, examples: tuple[str, str], numbers, pattern: re.Pattern,
-                    units: dict[str, float], default_unit: str) -> int | float:
+                    units: Mapping[str, float], default_unit: str) -> int | float:
     """``value`` in the base unit: a number of type ``numbers`` as is, or a string that ``pattern``
     matches as a number and a unit of ``units`` (``default_unit`` when none is given).
 

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from tierstore.bench import registry
-from tierstore.bench.registry import BenchProgress, current_progress, get_runner, job_progress, register_runner
+from tierstore.bench.registry import (
+    BenchProgress,
+    current_progress,
+    get_runner,
+    job_progress,
+    register_runner,
+)
 from tierstore.bench.result import DirectionRecorder, DirectionResult, JobResult
 from tierstore.errors import ConfigError
 
@@ -184,8 +190,8 @@ def test_progress_follows_a_real_run():
 
     from rich.console import Console
 
-    from tierstore.bench.jobfile import parse_jobs
     from tierstore.bench.iojobs import run_io_job
+    from tierstore.bench.jobfile import parse_jobs
 
     sink = io.StringIO()
     (job,) = parse_jobs(["--rw=randread", "--ioengine=memory", "--size=1m", "--runtime=0.4", "--time_based"])

@@ -9,7 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-from tierstore.bench.fiostat import FIO_PERCENTILES, lat_buckets, lat_summary, plat_idx_to_val, plat_val_to_idx
+from tierstore.bench.fiostat import (
+    FIO_PERCENTILES,
+    lat_buckets,
+    lat_summary,
+    plat_idx_to_val,
+    plat_val_to_idx,
+)
 
 from .conftest import FIXTURES
 

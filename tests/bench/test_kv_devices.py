@@ -9,9 +9,9 @@ from collections import namedtuple
 
 import pytest
 
+from tierstore.bench.cli import main
 from tierstore.bench.jobfile import parse_jobs, schema_help
 from tierstore.bench.kvjobs import store_config
-from tierstore.bench.cli import main
 
 from .conftest import REPO
 

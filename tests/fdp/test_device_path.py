@@ -153,7 +153,7 @@ def engine(monkeypatch):
     from tierstore.io.factory import open_engine as real_open
 
     def make(initial=None, segment=1 << 20):
-        FakeWriter.initial = initial or {p: (1 << 20) // 512 for p in range(4)}
+        FakeWriter.initial = initial or dict.fromkeys(range(4), (1 << 20) // 512)
         monkeypatch.setattr(pt, "PassthroughWriter", FakeWriter)
         monkeypatch.setattr(dv, "open_engine", lambda kind, path, size, **k: real_open("memory", None, size))
         tab = PidTable(tuple(sorted(FakeWriter.initial)), 0)

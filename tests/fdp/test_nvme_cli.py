@@ -86,7 +86,8 @@ def test_logs_via_sh(fake_nvme):
     st = cli.stats("/dev/nvme0", 1)
     assert st.hbmw_bytes == G.HBMW
     w = WafWindow(nc.FdpDeviceStats("/dev/nvme0", 1, cli))
-    w.start(); w.stop()
+    w.start()
+    w.stop()
     assert w.host_bytes == 0
 
 

@@ -9,7 +9,8 @@ from tests.fdp import gen_fixtures as G
 from tierstore.errors import ConfigError
 from tierstore.fdp import logpages as lp
 from tierstore.fdp.ftl import FTLModel
-from tierstore.fdp.lifetime import LifetimeClass as L, ReuseLifetimeClassifier, class_from_hint
+from tierstore.fdp.lifetime import LifetimeClass as L
+from tierstore.fdp.lifetime import ReuseLifetimeClassifier, class_from_hint
 from tierstore.fdp.placement import PlacementPolicy, make_pid, split_pid
 from tierstore.fdp.simdevice import SimFdpDevice
 
@@ -63,7 +64,8 @@ def test_reuse_classifier():
     c.observe("sys", 0.0)
     for t in (10.0, 20.0, 30.0):
         c.observe("sys", t)
-    c.observe("conv", 0.0); c.observe("conv", 120.0)
+    c.observe("conv", 0.0)
+    c.observe("conv", 120.0)
     c.observe("q", 5.0)
     assert c.classify("sys", now_s=40.0) is L.LONG
     assert c.classify("conv", now_s=200.0) is L.MEDIUM

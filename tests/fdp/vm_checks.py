@@ -143,7 +143,7 @@ class Zygote:
                     from tierstore.server.daemon import main
                     try:
                         rc = main(["--config", msg["config"]])
-                    except BaseException:
+                    except BaseException:  # noqa: BLE001 (the daemon child: traceback to its log, rc 99)
                         traceback.print_exc()
                         rc = 99
                     sys.stdout.flush()
@@ -169,7 +169,8 @@ class Zygote:
 @phase("discovery")
 def discovery() -> dict:
     """Our discovery (`tierstore fdp discover` / `stats`) and the raw log pages read independently."""
-    from tierstore.fdp import admin, logpages as lp
+    from tierstore.fdp import admin
+    from tierstore.fdp import logpages as lp
     rc, text, err = capture(admin.main, ["discover", DEV, "--output-format=json"])   # one discovery (slow here)
     out = {"discover_json_rc": rc, "discover_err": err, "report": json.loads(text) if rc == 0 else {}}
     out["discover_text"] = capture(admin._print_discover, out["report"])[1] if rc == 0 else ""
@@ -193,14 +194,14 @@ def discovery() -> dict:
 @phase("imports")
 def heavy_imports() -> dict:
     t = time.monotonic()
-    import torch  # noqa: F401
+    import torch
     _mark("import_torch", t)
-    import tierstore.api  # noqa: F401
-    import tierstore.bench.cli  # noqa: F401
-    import tierstore.bench.iojobs  # noqa: F401
-    import tierstore.bench.kvjobs  # noqa: F401
-    import tierstore.client  # noqa: F401
-    import tierstore.server.daemon  # noqa: F401
+    import tierstore.api
+    import tierstore.bench.cli
+    import tierstore.bench.iojobs
+    import tierstore.bench.kvjobs
+    import tierstore.client
+    import tierstore.server.daemon
     import tierstore.server.service  # noqa: F401
     return {"torch": torch.__version__}
 
@@ -253,6 +254,7 @@ def ruh_update() -> dict:
     """Blocks of the three classes through the library; RUH Update on segment open; the FTL model
     (fed the same writes and updates) against the device's MBMW - HBMW."""
     import torch
+
     from tierstore import Namespace, build_store
     from tierstore.layout import KVLayout
     discard_all()
@@ -412,6 +414,7 @@ def _wait_ready(url: str, pid_alive, timeout_s: float) -> float:
 def daemon(zyg: Zygote) -> dict:
     """The daemon on /dev/ng0n1 with fdp.enabled: puts per class; kill -9; restart; acknowledged puts back."""
     import torch
+
     from tierstore import Namespace
     from tierstore.client import RemoteKVStore
     from tierstore.errors import Status
@@ -449,7 +452,7 @@ def daemon(zyg: Zygote) -> dict:
     ok = bad = 0
     with RemoteKVStore(url, token) as c:
         bb = c.block_bytes
-        for cls, ns, toks, keys in acked:
+        for _cls, ns, _toks, keys in acked:
             st, outs = c.load(keys, ns=ns)
             for s, k, o in zip(st, keys, outs):
                 good = s is Status.OK and bytes(c.layout.as_bytes(o).numpy()) == k * (bb // len(k))

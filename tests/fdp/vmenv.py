@@ -111,7 +111,7 @@ def _entries() -> list[tuple[str, str]]:
             out.append((p, f"lib/{ver}/site-packages/{name}"))
     for p in sorted(glob.glob(os.path.join(sp, "*.dist-info"))) + sorted(glob.glob(os.path.join(sp, "*.so"))):
         out.append((p, f"lib/{ver}/site-packages/{os.path.basename(p)}"))
-    return list(dict((dst, (src, dst)) for src, dst in out).values())   # each destination once
+    return list({dst: (src, dst) for src, dst in out}.values())   # each destination once
 
 
 def _fingerprint(entries: list[tuple[str, str]]) -> str:

@@ -5,8 +5,12 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from tierstore.errors import ConfigError
-from tierstore.integrations._common import (config_fingerprint, fingerprint_model_dir, model_identity,
-                                             split_extra_config)
+from tierstore.integrations._common import (
+    config_fingerprint,
+    fingerprint_model_dir,
+    model_identity,
+    split_extra_config,
+)
 
 
 def write_model(d, weights: bytes, config: str = '{"hidden_size": 8}'):

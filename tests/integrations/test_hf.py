@@ -17,13 +17,18 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierstore import KVStore  # noqa: E402
-from tierstore.errors import ConfigError  # noqa: E402
-from tierstore.policies.cost import CostModel  # noqa: E402
-from tierstore.integrations.hf import (HFPrefixCache, blocks_to_cache, cache_to_blocks,  # noqa: E402
-                                       layout_from_config, model_fingerprint)
+from tierstore import KVStore
+from tierstore.errors import ConfigError
+from tierstore.integrations.hf import (
+    HFPrefixCache,
+    blocks_to_cache,
+    cache_to_blocks,
+    layout_from_config,
+    model_fingerprint,
+)
+from tierstore.policies.cost import CostModel
 
 VOCAB = 512
 T = 16

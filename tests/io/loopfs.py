@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 #: where images live; ``TIERSTORE_TEST_MOUNTS_DIR`` moves it (a test of the sweep itself uses a private
 #: one, so that the sweeps of other test sessions on the machine never race it)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from tierstore.io.batch import ExtentPipeline, read_fragments_raw, write_fragments_raw
-from tierstore.io.pages import gather_fragments, scatter_fragments
-from tierstore.io.engine import alloc_aligned
 from tierstore.errors import LayoutError
+from tierstore.io.batch import ExtentPipeline, read_fragments_raw, write_fragments_raw
+from tierstore.io.engine import alloc_aligned
+from tierstore.io.pages import gather_fragments, scatter_fragments
 
 from .conftest import make_engine
 
@@ -131,8 +131,8 @@ def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
 def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
     """Consecutive pool blocks at consecutive staging offsets move as one copy;
     broken runs (other ids, a gap in staging) fall back; bytes are the same."""
-    from tierstore.io.pages import KVPagePool, _merged_runs
     from tierstore.io.memory import MemoryEngine
+    from tierstore.io.pages import KVPagePool, _merged_runs
     pipe = ExtentPipeline(MemoryEngine(1 << 20), 64 << 10, 1)
     src = torch.randn(3, 2, 8, 4, 8)
     pages = KVPagePool(src)
@@ -172,9 +172,10 @@ def test_overlapping_destination_blocks_are_not_merged():
 def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
     """Plans from a pool that is a slice of a bigger buffer: a merged view may
     not reach past the slice's storage; it falls back, it does not raise."""
-    from tierstore.io.pages import KVPagePool
-    from tierstore.io.memory import MemoryEngine
     import numpy as np
+
+    from tierstore.io.memory import MemoryEngine
+    from tierstore.io.pages import KVPagePool
     a = np.random.default_rng(0).integers(0, 256, (1, 2, 8, 4096), dtype=np.uint8)
     small = KVPagePool(torch.from_numpy(a[:, :, :2]))  # a copy-free slice: its own, shorter storage view
     big = KVPagePool(torch.from_numpy(a))

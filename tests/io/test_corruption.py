@@ -91,8 +91,10 @@ def test_verify_on_recovery_drops_corrupt_blocks():
 def test_deleted_and_truncated_segments_miss(tmp_path, engine):
     path = str(tmp_path / "store.bin")
     bb = 16 << 10
-    mk = lambda: SegmentStorage(path, 8 * SEG * 2, bb, segment_size_bytes=2 * SEG, engine=engine,
-                                extent_size_bytes=32 << 10)
+
+    def mk():
+        return SegmentStorage(path, 8 * SEG * 2, bb, segment_size_bytes=2 * SEG, engine=engine,
+                              extent_size_bytes=32 << 10)
     s = mk()
     keys = [os.urandom(32) for _ in range(20)]
     assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 20

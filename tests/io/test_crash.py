@@ -72,7 +72,7 @@ def _kill_loop(path, engines, seed):
         missing = required - present
         if missing:
             losses.append(f"after kill {run}: {len(missing)} acknowledged blocks lost "
-                          f"(acked before kills {sorted(set(acked_in[k] for k in missing))})")
+                          f"(acked before kills {sorted({acked_in[k] for k in missing})})")
         for k in present:
             d = torch.empty(cw.BB, dtype=torch.uint8)
             st = s.get([k], [d])[0]

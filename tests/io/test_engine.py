@@ -167,7 +167,7 @@ def test_preallocate_allocates_a_range_and_reads_zeros(tmp_path, kind):
     buf.fill_(7)
     eng.read(1 << 20, buf).get()
     assert int(buf.sum()) == 0
-    with pytest.raises(Exception):
+    with pytest.raises(AlignmentError):
         eng.preallocate(1, 4096)  # unaligned offset is refused
     eng.close()
 

@@ -44,7 +44,7 @@ def test_sources_destinations_and_keys():
     blocks = torch.zeros((3, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
     assert isinstance(plan_sources(blocks, LAYOUT), BlockRows)       # one batch, checked once
     assert plan_sources(blocks[:0], LAYOUT) == []
-    assert len(plan_sources([b for b in blocks], LAYOUT)) == 3
+    assert len(plan_sources(list(blocks), LAYOUT)) == 3
     with pytest.raises(LayoutError, match=f"block of {BB - 1} bytes"):
         plan_sources([torch.zeros(BB - 1, dtype=torch.uint8)], LAYOUT)
     d = torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype)

@@ -9,12 +9,17 @@ import pytest
 import torch
 
 from tierstore.errors import ConfigError, CorruptData, ForeignDataError, Status
-from tierstore.io import SegmentStorage
+from tierstore.io import SegmentStorage, label
 from tierstore.io import format as fmt
-from tierstore.io import label
 from tierstore.io._fileops import lock_holder_pid, process_alive
-from tierstore.io.label import (LABEL_BYTES, StoreLabel, check_target, decode_label, inspect_target,
-                                resolve_nvme_path)
+from tierstore.io.label import (
+    LABEL_BYTES,
+    StoreLabel,
+    check_target,
+    decode_label,
+    inspect_target,
+    resolve_nvme_path,
+)
 from tierstore.io.posix import PosixEngine
 
 from .test_segments import content

@@ -30,7 +30,7 @@ def test_commit_then_locate_find_and_scan():
     got = loc.scan()
     assert sorted(got.keys) == sorted(ks) and set(got.ns_digests) == {NS_A}
     assert got.write_seqs.tolist() == [7, 7, 7]
-    assert loc.entries() == {k: (NS_A, 7) for k in ks}
+    assert loc.entries() == dict.fromkeys(ks, (NS_A, 7))
 
 
 def test_a_newer_copy_reports_the_offsets_it_replaces():

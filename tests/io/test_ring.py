@@ -210,7 +210,7 @@ def test_engine_concurrent_submitters(tmp_path):
                     while not f.done():
                         pass
                 assert f.get() == 1 << 20 and torch.equal(src, dst), (k, it)
-        except BaseException as exc:  # reported below with the thread's id
+        except BaseException as exc:  # noqa: BLE001 (reported below with the thread's id)
             errors.append((k, exc))
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:

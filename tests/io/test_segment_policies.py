@@ -10,8 +10,14 @@ from tierstore.errors import ConfigError, Status
 from tierstore.io import segments
 from tierstore.io.memory import MemoryEngine
 from tierstore.io.segment_manager import SegmentManager, SegmentState
-from tierstore.io.segment_policies import (SEGMENT_POLICY, FifoSegments, GreedyCompaction, LruSegments,
-                                           MinLiveSegments, SegmentStats)
+from tierstore.io.segment_policies import (
+    SEGMENT_POLICY,
+    FifoSegments,
+    GreedyCompaction,
+    LruSegments,
+    MinLiveSegments,
+    SegmentStats,
+)
 from tierstore.io.segments import SegmentStorage
 
 

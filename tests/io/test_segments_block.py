@@ -7,21 +7,20 @@ import shutil
 import tempfile
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from tierstore.config import NvmeTierConfig
 from tierstore.errors import ConfigError, InvariantError, Status
 from tierstore.io import SegmentStorage
 from tierstore.io import format as fmt
+from tierstore.io.engine import IOFuture
 from tierstore.io.factory import open_engine
 from tierstore.io.journal import RecordKind, read_records
-from tierstore.io.segments import _open_journal
 from tierstore.io.memory import MemoryEngine  # noqa: F401  (the engine the memory stores use)
-from tierstore.io.engine import IOFuture
+from tierstore.io.segments import _open_journal
 
 BB = 4096
 SEG = 64 << 10

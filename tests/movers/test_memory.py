@@ -99,7 +99,7 @@ def test_scatter_under_a_gate_delivers_only_while_it_is_open(memory):
 
 
 class Unreadable(FragmentPlan):
-    def __init__(self) -> None:  # noqa: D107 -- a plan whose bytes cannot be read back
+    def __init__(self) -> None:
         self.nbytes = BB
 
     def gather(self, staging, offset):

@@ -17,8 +17,9 @@ from tierstore.movers import HandlerTable, LoadGate, MemoryHandler, Movers, Nvme
 from tierstore.tiers.memory import BlockPool
 
 from ..conftest import memory_segment_store
-# the tier's fixtures (a FakeCluster, a listening socket for the master, MooncakeTier on FakeStore)
-from ..remote.test_tier import BB, block, cluster, fake_master, key, make_tier, publish  # noqa: F401
+
+# the tier's helpers (its fixtures come in through conftest.py)
+from ..remote.test_tier import BB, block, key, publish
 
 
 def host_pool(n: int = 4) -> BlockPool:

@@ -419,10 +419,10 @@ def test_concurrent_clients_keep_every_byte_and_every_slot(node):
                 rows = node.seg.rows()
                 got = [rows[s, :BB].clone() if st is Status.OK else None for s, st in zip(lt.slots, lt.statuses)]
                 fresh = node.seg.gens_of(np.maximum(lt.slots, 0)) == lt.gens
-                for (k, d), g, f in zip(sample, got, fresh):
+                for (_k, d), g, f in zip(sample, got, fresh):
                     assert g is None or not f or torch.equal(g, d), "wrong bytes"
                 node.svc.complete_load(lt.plan_id, [g is not None and f for g, f in zip(got, fresh)])
-        except BaseException as e:  # reported by the main thread
+        except BaseException as e:  # noqa: BLE001  reported by the main thread
             errors.append(e)
 
     threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]

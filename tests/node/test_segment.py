@@ -16,15 +16,25 @@ import sys
 import textwrap
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
 from tierstore.errors import LayoutError
 from tierstore.node import protocol as P
-from tierstore.node.segment import (F_ADD_SEALS, F_GET_SEALS, GEN_OFFSET, HEADER, PAGE_BYTES, SEALS,
-                                    SLOT_ALIGN_BYTES, ColumnPool, Segment, SegmentError, SegmentHeader,
-                                    column_offsets)
+from tierstore.node.segment import (
+    F_ADD_SEALS,
+    F_GET_SEALS,
+    GEN_OFFSET,
+    HEADER,
+    PAGE_BYTES,
+    SEALS,
+    SLOT_ALIGN_BYTES,
+    ColumnPool,
+    Segment,
+    SegmentError,
+    SegmentHeader,
+    column_offsets,
+)
 from tierstore.tiers.memory import BlockPool
 
 

@@ -12,8 +12,14 @@ from tierstore import Status, Tier, leading_ok
 from tierstore.errors import ConfigError
 from tierstore.fdp.lifetime import LifetimeClass
 from tierstore.index import BlockState
-from tierstore.policies import (CostAwarePolicy, PrefixLifetimePredictor, S3FIFOPolicy, SecondSightingAdmission,
-                                make_policy, policy_names)
+from tierstore.policies import (
+    CostAwarePolicy,
+    PrefixLifetimePredictor,
+    S3FIFOPolicy,
+    SecondSightingAdmission,
+    make_policy,
+    policy_names,
+)
 from tierstore.policies.cost import CostModel
 from tierstore.policies.lifetime import true_class
 
@@ -321,6 +327,7 @@ def test_measured_prefill_rate_is_positive():
 def test_prefetch_brings_prefix_up_without_blocking(tmp_path, layout, ns, clock):
     from tierstore import KVStore
     from tierstore.io import format as fmt
+
     from ..conftest import SlowEngine, memory_segment_store
     bb = layout.bytes_per_block
     slow = SlowEngine.make(17 * fmt.extent_bytes_for(1, bb))

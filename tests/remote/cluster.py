@@ -58,6 +58,10 @@ class WorkerProc:
             self._ready = self._reply(self._ready_timeout_s)
         return self._ready
 
+    def wait_ready(self) -> dict:
+        """Wait for the worker's first line (:attr:`ready`) and return it."""
+        return self.ready
+
     def _reply(self, timeout_s: float) -> dict:
         import selectors
         sel = selectors.DefaultSelector()
@@ -74,7 +78,7 @@ class WorkerProc:
 
     def send(self, op: str, **kw) -> None:
         """Send a command without waiting for its reply (read it with :meth:`reply`)."""
-        self.ready
+        self.wait_ready()
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
 
@@ -82,7 +86,7 @@ class WorkerProc:
         return self._reply(timeout_s)
 
     def call(self, op: str, timeout_s: float = 60, **kw) -> dict:
-        self.ready
+        self.wait_ready()
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
         return self._reply(timeout_s)
@@ -95,7 +99,7 @@ class WorkerProc:
         """Ask the worker to close its tier and exit (:meth:`close` waits for it)."""
         if self.proc.poll() is None and not self._exit_sent:
             try:
-                self.ready
+                self.wait_ready()
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.flush()
                 self._exit_sent = True

@@ -57,7 +57,7 @@ def test_daemons_join_the_cluster_contribute_memory_and_share(mooncake_wheel, tm
         assert p.call("store", prompts=[[50, 4]])["ok"] == 4
         q = WorkerProc(wopts, tmp_path, "q", script=SCRIPT)
         workers.append(q)
-        q.ready
+        q.wait_ready()
         p.kill9()
         r = q.call("lookup", prompts=[[50, 4]])["results"][0]
         assert r["loaded"] == 4 and r["wrong"] == 0 and set(r["tiers"]) == {"remote"}, r

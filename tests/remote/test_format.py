@@ -11,8 +11,17 @@ import pytest
 from tierstore.errors import ConfigError, CorruptData, LayoutError
 from tierstore.io.format import payload_crc
 from tierstore.remote.admission import ShareAdmission
-from tierstore.remote.format import (HEADER_BYTES, HEADER_FMT, MAGIC, ObjectCorrupt, ObjectNamer,
-                                     check_header, check_payload, encode_header, object_bytes)
+from tierstore.remote.format import (
+    HEADER_BYTES,
+    HEADER_FMT,
+    MAGIC,
+    ObjectCorrupt,
+    ObjectNamer,
+    check_header,
+    check_payload,
+    encode_header,
+    object_bytes,
+)
 
 KEY = bytes(range(32))
 

@@ -174,7 +174,7 @@ def test_kill9_of_the_segment_owner_gives_misses_never_wrong_bytes(mooncake_whee
         c = procs.spawn(m, "c", segment_bytes=0)
         r = b.call("lookup", prompts=[[11, 4]])["results"][0]
         assert r["loaded"] == 4 and r["wrong"] == 0  # B filled its host tier
-        c.ready
+        c.wait_ready()
         a.kill9()
         t0 = time.monotonic()
         r = c.call("lookup", prompts=[[11, 4]], timeout_s=60)["results"][0]

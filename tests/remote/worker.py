@@ -26,7 +26,6 @@ from tierstore.errors import Status
 from tierstore.identity import Namespace, block_hashes
 from tierstore.remote import MooncakeTier, ObjectNamer, parse_remote_options
 
-
 _CHAINS: dict[tuple[str, int], list[bytes]] = {}
 
 

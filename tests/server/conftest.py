@@ -59,7 +59,7 @@ class Daemon:
         self.log_path = ""
         self.starts = 0
 
-    def start(self, timeout_s: float = 60.0) -> "Daemon":
+    def start(self, timeout_s: float = 60.0) -> Daemon:
         self.starts += 1
         self.log_path = os.path.join(self.tmp, f"daemon-{self.starts}.log")
         env = dict(os.environ, PYTHONPATH=ROOT)

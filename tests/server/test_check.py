@@ -162,6 +162,7 @@ def test_check_accepts_a_character_device_that_cannot_seek(tmp_path, capsys, mon
     """An NVMe generic node (/dev/ngXnY, a character device) answers SEEK_END with ESPIPE:
     the preflight must not call that "cannot open" (it stopped the daemon in the FDP VM)."""
     import errno
+
     import tierstore.server.check as check
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["nvme"]["path"] = "/dev/null"          # a character device on every Linux
@@ -190,6 +191,7 @@ def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
     """A directory on a read-only mount was "not writable by this user (uid 0)" (statvfs says ST_RDONLY; this
     test fakes the mount: access(2) refuses writes there, as it does with EROFS, and statvfs has ST_RDONLY)."""
     import types
+
     import tierstore.server.check as check
     ro = tmp_path / "ro"
     ro.mkdir()

@@ -18,6 +18,7 @@ from tierstore.io import KVPagePool
 from .conftest import TOKENS
 from .helpers import block_for
 
+
 def _protocol_methods() -> list[str]:
     return sorted(n for n, m in vars(KVStoreProtocol).items() if not n.startswith("_") and callable(m))
 

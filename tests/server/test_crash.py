@@ -51,7 +51,7 @@ def test_kill9_under_load_keeps_every_acknowledged_put(tmp_path):
     try:
         for w, puts in acked.items():
             with RemoteKVStore(d.url, TOKENS["acme" if w < 2 else "bravo"]) as c:
-                for ns, toks, keys in puts:
+                for ns, _toks, keys in puts:
                     st, outs = c.load(keys, ns=ns)
                     assert st == [Status.OK] * len(keys), f"writer {w}: acknowledged blocks missing: {st}"
                     for k, o in zip(keys, outs):

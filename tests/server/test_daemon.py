@@ -284,8 +284,9 @@ def test_shipped_example_configs_are_valid():
 
 def test_openapi_document_matches_routes(tmp_path):
     import yaml
-    from tierstore.server.service import Service
+
     from tierstore.server.config import parse_config
+    from tierstore.server.service import Service
     cfg = make_config(str(tmp_path))
     cfg["tiers"] = {"host": {"capacity_bytes": "1MiB"}}
     cfg["puts"] = {"durable": False}

@@ -140,7 +140,7 @@ def test_a_closed_client_refuses_every_call(daemon):
         "invalidate": lambda: c.invalidate(ns),
         "stats": lambda: c.stats(),
     }
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(StoreClosedError, match="closed"):
             call()
     c.close()  # idempotent

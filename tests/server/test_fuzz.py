@@ -9,7 +9,8 @@ import socket
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from .conftest import TOKENS
 
@@ -170,9 +171,10 @@ def test_fuzz_truncated_and_lying_lengths(daemon, path, body, claimed_extra, gar
 
 
 def test_daemon_still_serves_after_fuzz(daemon):
+    import torch
+
     from tierstore import Namespace
     from tierstore.client import RemoteKVStore
-    import torch
     assert daemon.get("/healthz")[0] == 200
     with RemoteKVStore(daemon.url, TOKENS["acme"]) as c:
         ns = Namespace(model="after-fuzz")

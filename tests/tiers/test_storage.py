@@ -61,7 +61,6 @@ class MemStorage(BlockStorage):
                 out.append(Status.MISS)
                 continue
             plan = plan_fragments(frags, destination=True)
-            go = True
             with (gate([i]) if gate is not None else contextlib.nullcontext(True)) as go:
                 if go:
                     plan.scatter(got[0], 0)

@@ -22,17 +22,29 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from ..errors import ConfigError, TierStoreError
 from ..extras import require
+from ..units import parse_time_s
 from . import output as out_mod
 from .jobfile import JobSpec, is_bool_text, option_takes_argument, parse_jobs, schema_help, showcmd
 from .plot import plot_results
-from .registry import (JobInterrupted, StatusOptions, get_runner, job_progress, load_runner_modules, request_stop,
-                       reset_stop, set_info_sink, set_status_options, stop_requested, stop_signal, warn)
+from .registry import (
+    JobInterrupted,
+    StatusOptions,
+    get_runner,
+    job_progress,
+    load_runner_modules,
+    request_stop,
+    reset_stop,
+    set_info_sink,
+    set_status_options,
+    stop_requested,
+    stop_signal,
+    warn,
+)
 from .result import JobResult, merge_results
-from ..units import parse_time_s
 
 __all__ = ["main", "group_reports"]
 
@@ -133,7 +145,7 @@ class _LibraryWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             warn(record.getMessage())
-        except Exception:  # a broken format string: logging's own report, never a dead job
+        except Exception:  # noqa: BLE001 (a broken format string: logging's own report, never a dead job)
             self.handleError(record)
 
 

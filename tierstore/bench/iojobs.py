@@ -71,7 +71,8 @@ import stat
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ from ..io.engine import alloc_aligned, buffer_address
 from ..io.ring import IORING_OP_READ, IORING_OP_WRITE, IoUringError, Ring
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
 from .registry import current_progress, info, register_runner, stop_requested
-from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
+from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_io_job", "IO_RW", "NoSpaceForJob"]
 
@@ -741,7 +742,7 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
                     return
                 if stop.is_set():
                     return
-    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+    except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         shared.fail(exc, offset, is_write)
     finally:
         shared.finished_ns.append(time.perf_counter_ns())
@@ -776,7 +777,7 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
             submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
             cqes = reap()
             clone.complete(cqes, clock())
-    except Exception as exc:  # any failure ends the job with err= set (fio: td_verror)
+    except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         if clone is None:
             shared.fail(exc, -1, False)
         else:

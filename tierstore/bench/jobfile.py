@@ -27,7 +27,8 @@ import dataclasses
 import difflib
 import os
 import shlex
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from ..policies.registry import ADMISSION, EVICTION

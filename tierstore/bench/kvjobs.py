@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..config import StoreConfig
+from ..errors import ConfigError
 from ..replay import ReplayConfig, run_replay
 from .jobfile import engine_kind, resolve_path
 from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn

@@ -28,7 +28,8 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -289,7 +290,7 @@ class _SyntheticRun:
                     return
                 try:
                     fn(x)
-                except Exception as exc:  # any failure ends the job, with fio's err= set (fio: td_verror)
+                except Exception as exc:  # noqa: BLE001 (ends the job with err= set; fio: td_verror)
                     with lock:
                         self.failures.append((exc, threading.current_thread().name))
                     halt.set()

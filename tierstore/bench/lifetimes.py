@@ -24,7 +24,7 @@ left out otherwise.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..trace import TraceRequest, ideal_hit_ratio
 

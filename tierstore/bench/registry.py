@@ -30,7 +30,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO
 
 from ..errors import ConfigError, TierStoreError
 from ..extras import available
@@ -343,8 +344,14 @@ class BenchProgress:
             if time.monotonic() - self._t0_s < self.delay_s:
                 return
             from rich.console import Console
-            from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                       console=self.console or Console(stderr=True), transient=True)

@@ -31,7 +31,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import TierStoreError
 from . import logpages as lp

@@ -20,13 +20,14 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from ..io.engine import IOEngine, IOFuture
 from ..io.factory import open_engine
 from . import logpages as lp
-from .discovery import FdpNamespace, discover_namespace, nvme_names, placement_policy  # noqa: F401 (re-exported)
+from .discovery import FdpNamespace, discover_namespace, nvme_names, placement_policy
 from .placement import PidTable
 
 __all__ = ["placement_policy", "RuhUpdateShim", "PassthroughEngine", "NOT_VERIFIED_ON_HARDWARE",

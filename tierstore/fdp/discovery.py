@@ -19,8 +19,9 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from . import logpages as lp

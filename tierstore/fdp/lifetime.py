@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from typing import Hashable, Protocol
+from collections.abc import Hashable
+from typing import Protocol
 
 from ..errors import ConfigError
 

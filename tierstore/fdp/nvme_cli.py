@@ -26,12 +26,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, CorruptData, TierStoreError
 from ..extras import require
 from . import logpages as lp
+
+if TYPE_CHECKING:
+    import sh  # the fdp extra, imported when nvme-cli is driven (require below)
 
 __all__ = ["NvmeCliError", "NvmeCli", "FdpDeviceStats", "FdpDeviceInfo", "FID_FDP",
            "parse_stats_json", "parse_stats_text", "parse_ruh_status_json", "parse_configs_json",
@@ -234,7 +238,7 @@ class NvmeCli:
         self.nvme = nvme
         self.timeout_s = timeout_s
 
-    def _cmd(self) -> "sh.Command":
+    def _cmd(self) -> sh.Command:
         sh = require("sh", "driving nvme-cli")
         try:
             return sh.Command(self.nvme)

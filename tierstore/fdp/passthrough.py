@@ -35,9 +35,17 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import AlignmentError, ConfigError
-from .discovery import max_transfer_bytes  # noqa: F401 (re-exported)
-from ..io.ring import (IORING_OP_NOP, IORING_OP_URING_CMD, IORING_OP_WRITE, IORING_SETUP_CQE32,  # noqa: F401
-                       IORING_SETUP_SQE128, IoUringError, Ring, RingQueue)
+from ..io.ring import (  # noqa: F401
+    IORING_OP_NOP,
+    IORING_OP_URING_CMD,
+    IORING_OP_WRITE,
+    IORING_SETUP_CQE32,
+    IORING_SETUP_SQE128,
+    IoUringError,
+    Ring,
+    RingQueue,
+)
+from .discovery import max_transfer_bytes
 
 __all__ = [
     "NVME_CMD_WRITE", "NVME_CMD_READ", "NVME_CMD_IO_MGMT_RECV", "NVME_CMD_IO_MGMT_SEND",
@@ -115,7 +123,7 @@ class NvmeUringCmd:
                                     self.timeout_ms, 0)
 
     @classmethod
-    def unpack(cls, b: bytes) -> "NvmeUringCmd":
+    def unpack(cls, b: bytes) -> NvmeUringCmd:
         """Inverse of :meth:`pack`."""
         (op, fl, _r1, nsid, c2, c3, md, addr, mdl, dl, c10, c11, c12, c13, c14, c15, to, _r2) = \
             _NVME_URING_CMD.unpack(bytes(b[:NVME_URING_CMD_BYTES]))
@@ -181,7 +189,7 @@ def build_ruh_status_cmd(nsid: int, addr: int, data_len: int) -> NvmeUringCmd:
                         cdw10=IOMR_MO_RUH_STATUS, cdw11=data_len // 4 - 1)
 
 
-def encode_ruh_update_pids(pids: "list[int] | tuple[int, ...]") -> bytes:
+def encode_ruh_update_pids(pids: list[int] | tuple[int, ...]) -> bytes:
     """The data buffer of a Reclaim Unit Handle Update: each PID as a little-endian u16.
 
     Raises
@@ -244,7 +252,7 @@ class IoUring(Ring):
     def __init__(self, entries: int = 64, big: bool = True) -> None:
         super().__init__(entries, sqe128=big, cqe32=big)
 
-    def prep_nvme_cmd(self, fd: int, cmd: "NvmeUringCmd | bytes", user_data: int,
+    def prep_nvme_cmd(self, fd: int, cmd: NvmeUringCmd | bytes, user_data: int,
                       cmd_op: int = NVME_URING_CMD_IO) -> None:
         """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs ``big=True``).
 
@@ -372,7 +380,7 @@ class PassthroughWriter:
         self.ring = ring
         self._queue = RingQueue(ring, min(entries, ring.sq_entries))
 
-    def _run(self, cmds: "list[NvmeUringCmd]", what: str) -> None:
+    def _run(self, cmds: list[NvmeUringCmd], what: str) -> None:
         """Submit ``cmds`` together and wait for all; raise the first failure."""
         box: list[int] = []
         n = len(cmds)
@@ -418,7 +426,7 @@ class PassthroughWriter:
         self._run([build_ruh_status_cmd(self.nsid, ctypes.addressof(buf), data_len)], "RUH Status")
         return bytes(buf)
 
-    def ruh_update(self, pids: "list[int] | tuple[int, ...]") -> None:
+    def ruh_update(self, pids: list[int] | tuple[int, ...]) -> None:
         """Reclaim Unit Handle Update (I/O Management Send, MO 01h) of ``pids``.
 
         Raises

@@ -19,8 +19,8 @@ Continued in ``docs/FDP.md`` (``tierstore/fdp/placement.py``).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
 
 from ..errors import ConfigError
 from .lifetime import LifetimeClass, LifetimeClassifier, ReuseLifetimeClassifier
@@ -71,7 +71,7 @@ class PidTable:
     rgif: int = 0
 
     @classmethod
-    def from_ruh_status(cls, status: RuhStatus, rgif: int) -> "PidTable":
+    def from_ruh_status(cls, status: RuhStatus, rgif: int) -> PidTable:
         """The table of a parsed RUH Status (I/O Management Receive, MO 01h).
 
         Raises
@@ -161,7 +161,7 @@ class PlacementPolicy:
     @classmethod
     def from_ruh_status(cls, status: RuhStatus, rgif: int, reclaim_group: int = 0,
                         classifier: LifetimeClassifier | None = None,
-                        class_handles: Mapping[LifetimeClass, int] | None = None) -> "PlacementPolicy":
+                        class_handles: Mapping[LifetimeClass, int] | None = None) -> PlacementPolicy:
         """Build the policy from a device's RUH Status.
 
         Parameters
@@ -204,7 +204,7 @@ class PlacementPolicy:
 
     @classmethod
     def from_plids(cls, status: RuhStatus, rgif: int, plids: Sequence[int] = (),
-                   classifier: LifetimeClassifier | None = None) -> "PlacementPolicy":
+                   classifier: LifetimeClassifier | None = None) -> PlacementPolicy:
         """The policy of a device, with fio's ``plids`` meaning.
 
         Parameters
@@ -235,7 +235,7 @@ class PlacementPolicy:
     @classmethod
     def from_explicit(cls, status: RuhStatus | None, rgif: int, long_pid: int, medium_pid: int, short_pid: int,
                       default_pid: int | None = None,
-                      classifier: LifetimeClassifier | None = None) -> "PlacementPolicy":
+                      classifier: LifetimeClassifier | None = None) -> PlacementPolicy:
         """The policy of explicit per-class PIDs (a configuration's ``fdp.*_pid``), each checked
         against the device's RUH Status.
 
@@ -258,7 +258,7 @@ class PlacementPolicy:
         return pol
 
     @classmethod
-    def _with_default(cls, tab: PidTable, class_pid: dict, classifier) -> "PlacementPolicy":
+    def _with_default(cls, tab: PidTable, class_pid: dict, classifier) -> PlacementPolicy:
         """Default PID: placement handle 0 in the reclaim group of the LONG class, else RUH Status entry 0."""
         handle_pid: dict[tuple[int, int], int] = {}
         for pid in tab.pids:
@@ -273,7 +273,7 @@ class PlacementPolicy:
         return sorted(set(self.class_pid.values()) | {self.default_pid}) if self.enabled else []
 
     @classmethod
-    def disabled(cls) -> "PlacementPolicy":
+    def disabled(cls) -> PlacementPolicy:
         """A policy for devices without FDP: every write has ``placement=None``."""
         return cls(class_pid={}, default_pid=0, rgif=0, enabled=False)
 

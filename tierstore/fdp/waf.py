@@ -18,8 +18,9 @@ Continued in ``docs/FDP.md`` (``tierstore/fdp/waf.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from ..errors import ConfigError, InvariantError
 
@@ -50,7 +51,7 @@ class WafSample:
     mbe_bytes: int
 
     @classmethod
-    def of(cls, source: StatsSource) -> "WafSample":
+    def of(cls, source: StatsSource) -> WafSample:
         """Read ``source.stats()`` once."""
         s = source.stats()
         return cls(int(s["hbmw_bytes"]), int(s["mbmw_bytes"]), int(s["mbe_bytes"]))

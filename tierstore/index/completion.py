@@ -12,7 +12,7 @@ freed by its last user (:meth:`doom`, :meth:`maybe_free_doomed`). It runs under 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
 from ..errors import InvariantError, Status
@@ -21,8 +21,17 @@ from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
 from .introspect import EventLog
 from .placement import Placement
-from .rows import (DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, EntryView,
-                   RowTable)
+from .rows import (
+    DOOMED,
+    EVICT,
+    EVICT_HBM,
+    EVICT_HOST,
+    IN,
+    NVME_WRITING,
+    ON_NVME,
+    PENDING,
+    RowTable,
+)
 
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
 
@@ -78,26 +87,26 @@ class Completion:
             if plan.moved == StorePlan.NOTHING_DONE:
                 self.undo_store(plan)
             else:
-                c = {"store_failed_midway": 1}
+                c: dict = {"store_failed_midway": 1}
                 if not plan.victims_done:
                     self.apply_victims(plan, now, c, plan.demote_statuses,
                                        copies_done=plan.moved >= StorePlan.COPIES_DONE)
                 self.forget_new(plan)
                 self.metrics.add(c)
             return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
-        c: dict = {}
+        c = {}
         if not plan.victims_done:
             self.apply_victims(plan, now, c, demote_statuses)
         nv = dict(nvme_statuses)
         if memory_statuses:
             bad = {i: s for i, s in memory_statuses.items() if s is not Status.OK}
             nv.update(bad)
-            failed = sum(1 for s in bad.values() if s is Status.IO_ERROR)
-            if failed:
-                c["store_copy_failed"] = failed
+            copy_failed = sum(1 for s in bad.values() if s is Status.IO_ERROR)
+            if copy_failed:
+                c["store_copy_failed"] = copy_failed
         self.complete_new(plan, nv, now, c)
         self.metrics.add(c)
-        return list(plan.statuses)
+        return list(plan.statuses)  # type: ignore[arg-type]  # complete_new decided every pending one
 
     def finish_victims(self, plan: StorePlan, now: float) -> None:
         """Body of :meth:`BlockIndex.complete_victims`: what happened to a store plan's victims,
@@ -164,7 +173,7 @@ class Completion:
         """Body of :meth:`BlockIndex.complete_promote`: the victims' fate, then each copy that landed."""
         c: dict = {}
         self.apply_victims(plan.victims, now, c, copies_done=plan.victims.moved >= StorePlan.COPIES_DONE)
-        for (i, r, t, s), good in zip(plan.items, ok):
+        for (_i, r, t, s), good in zip(plan.items, ok):
             self.rows.readers[r] -= 1
             if good and not self.rows.flags[r] & DOOMED and self.rows.slot[t][r] < 0:
                 self.rows.set_slot(r, t, s)
@@ -219,7 +228,7 @@ class Completion:
             self.rows.slot[t][rows] = [s_ for _, s_ in sel]
             self.rows.flags[rows] |= IN[t]
             kt = [plan.keys[i] for i, _ in sel]
-            self.policies[t].on_insert_many(kt, lambda j, kt=kt, rows=rows: EntryView(self.rows, rows[j], kt[j]), now)
+            self.policies[t].on_insert_many(kt, self.rows.views(rows, kt), now)
             if in_mem is not None:
                 in_mem.update(i for i, _ in sel)
             c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
@@ -232,7 +241,7 @@ class Completion:
                 self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
                 self._nvme_in([plan.rows[i] for i in on_nvme], [plan.keys[i] for i in on_nvme], now)
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
-                only = sum(1 for i in on_nvme if i not in in_mem)
+                only = sum(1 for i in on_nvme if in_mem is None or i not in in_mem)
                 if only:
                     c["store_bytes_nvme"] = c.get("store_bytes_nvme", 0) + only * bb
         if self.placement.rejected:
@@ -324,7 +333,7 @@ class Completion:
     def _nvme_in(self, rows: list[int], keys: list[bytes], now: float) -> None:
         """NVMe copies of ``rows`` were written: the NVMe policy (block mode) hears of them."""
         if self.nvme_policy is not None:
-            self.nvme_policy.on_insert_many(keys, lambda j: EntryView(self.rows, rows[j], keys[j]), now)
+            self.nvme_policy.on_insert_many(keys, self.rows.views(rows, keys), now)
 
     def _nvme_out(self, key: bytes) -> None:
         if self.nvme_policy is not None:
@@ -354,7 +363,7 @@ class Completion:
         given = plan.given
         for d in plan.nvme_demote:
             self.rows.flags[d.row] &= 0xFF ^ NVME_WRITING
-        for r, t, s in plan.frees:
+        for r, t, _s in plan.frees:
             self.rows.flags[r] &= 0xFF ^ EVICT[t]
         for d in plan.copies:
             if (d.dst, d.dst_slot) not in given:

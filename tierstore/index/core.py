@@ -28,12 +28,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..contract import (MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan,
-                        StorePlan, Tier)
+from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
@@ -45,7 +45,7 @@ from .introspect import EventLog, Introspection
 from .listener import NvmeListener
 from .pins import Pins
 from .placement import Placement
-from .rows import NO_HINT, PENDING, EntryView, RowTable
+from .rows import NO_HINT, PENDING, RowTable
 
 _TIER_OF_INT = tuple(Tier)
 _LABELS = {int(t): t.name.lower() for t in Tier}
@@ -299,7 +299,7 @@ class BlockIndex:
         self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
 
     def _record_hits(self, keys: Sequence[bytes], rows: np.ndarray, tops: np.ndarray, m: int,
-                     request_id: object, now: float, c: dict) -> tuple[list, float, int, str | None]:
+                     request_id: object, now: float, c: dict) -> tuple[list, list[float], int, str | None]:
         """The ``m`` matched blocks were hit: recency, policies, request references, counters into
         ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
         n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
@@ -317,7 +317,7 @@ class BlockIndex:
                 else:
                     sel = [j for j, tt in enumerate(lt) if tt == t]
                     kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
-                self.policies[t].on_access_many(kt, lambda j, kt=kt, rt=rt: EntryView(self.rows, rt[j], kt[j]), now)
+                self.policies[t].on_access_many(kt, self.rows.views(rt, kt), now)
         if self.listener.policy is not None:  # block mode: a hit on any tier refreshes the NVMe copy
             self.listener.on_hits(keys, lr, now)
         if request_id is not None:
@@ -336,9 +336,9 @@ class BlockIndex:
         c["lookup_hits"] = 1
         c["hit_blocks"] = m
         c["matched_tokens"] = m * T
-        for t in range(3):
-            if counts[t]:
-                c[_HIT_COUNTER[t]] = counts[t]
+        for ti in range(3):
+            if counts[ti]:
+                c[_HIT_COUNTER[ti]] = counts[ti]
         return list(map(_TIER_OF_INT.__getitem__, lt)), load_s, useful, reason
 
     # ================================================================ store
@@ -512,7 +512,7 @@ class BlockIndex:
             self._end_reads(plan)
             self._idle.notify_all()
 
-    def _end_reads(self, plan: LoadPlan) -> None:
+    def _end_reads(self, plan: LoadPlan | PromotePlan) -> None:
         for r in plan.leads:
             ev = self._reading.pop(r, None)
             if ev is not None:

@@ -9,7 +9,7 @@ index lock they are given (``BlockIndex._lock``) and have none of their own.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,7 +19,18 @@ from ..fdp.lifetime import LifetimeClass
 from ..policies.base import EvictionPolicy
 from ..tiers.memory import SlotAllocator
 from .pins import Pins
-from .rows import DOOMED, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING, IndexRoom, RowTable
+from .rows import (
+    DOOMED,
+    EVICT_HBM,
+    EVICT_HOST,
+    IN,
+    NO_HINT,
+    NVME_WRITING,
+    ON_NVME,
+    PENDING,
+    IndexRoom,
+    RowTable,
+)
 
 
 class EventLog:

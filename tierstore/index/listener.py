@@ -11,7 +11,7 @@ what a persistent NVMe tier recovered. It runs under the index lock it is given
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..contract import Tier
 from ..metrics import Metrics

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..contract import Lease
 from ..errors import ConfigError, InvariantError, QuotaExceeded

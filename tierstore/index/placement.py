@@ -13,7 +13,8 @@ lock (``BlockIndex._lock``) and has none of its own.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +27,8 @@ from ..tiers.memory import SlotAllocator
 from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, NVME_WRITING, ON_NVME, PENDING, RowTable
 
 
-def choose_victims(evict: Callable[[int, Callable[[Hashable], bool], int | None], list],
-                   n: int, batch: int, protected: Callable[[Hashable], bool], max_scan: int | None) -> list:
+def choose_victims(evict: Callable[[int, Callable[[Any], bool], int | None], list],
+                   n: int, batch: int, protected: Callable[[Any], bool], max_scan: int | None) -> list:
     """Up to ``max(n, batch)`` victims: a batch when the policy has one, else ``n``, else as many
     of ``n`` as it gives one at a time (fewer than ``n`` evictable: a partial answer).
 
@@ -228,7 +229,8 @@ class Placement:
         lower = self.lower_memory(tier)
         scan = None
         if cheap_only and lower is None:  # no NVMe writes: only victims with a lower copy
-            prot = lambda k, p=prot: p(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
+            inner = prot
+            prot = lambda k: inner(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
             scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
         victims = choose_victims(lambda m, p, s: policy.evict(m, p, now, max_scan=s), n, batch, prot, scan)
         if not victims:

@@ -12,7 +12,7 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class EntryView:
 
     __slots__ = ("_rows", "row", "key")
 
-    def __init__(self, rows: "RowTable", row: int, key: bytes) -> None:
+    def __init__(self, rows: RowTable, row: int, key: bytes) -> None:
         self._rows = rows
         self.row = row
         self.key = key
@@ -125,6 +125,19 @@ class RowTable:
         Bytes per block (what :attr:`EntryView.size_bytes` says).
     """
 
+    # the per-row arrays of _ARRAYS (set by name in __init__ and grow)
+    ns: np.ndarray
+    pos: np.ndarray
+    hits: np.ndarray
+    created: np.ndarray
+    last: np.ndarray
+    refs: np.ndarray
+    readers: np.ndarray
+    pin_until: np.ndarray
+    hint: np.ndarray
+    nvme_class: np.ndarray
+    nvme_at: np.ndarray
+
     def __init__(self, capacity_rows: int, block_bytes: int) -> None:
         self.block_bytes = block_bytes
         self.table = KeyTable(capacity_rows)
@@ -151,9 +164,9 @@ class RowTable:
     def grow(self) -> None:
         """Reallocate every array to the key table's capacity (after it grew)."""
         cap = self.table.capacity_rows
-        old = self.flags
+        old_flags = self.flags
         self.flags = np.zeros(cap + 1, dtype=np.uint8)
-        self.flags[:old.size - 1] = old[:-1]
+        self.flags[:old_flags.size - 1] = old_flags[:-1]
         for name, _, fill in _ARRAYS:
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
@@ -257,6 +270,10 @@ class RowTable:
 
     def view(self, row: int, key: bytes | None = None) -> EntryView:
         return EntryView(self, row, key if key is not None else self.table.key_of(row))
+
+    def views(self, rows: Sequence[int], keys: Sequence[bytes]) -> Callable[[int], EntryView]:
+        """``j -> view(rows[j], keys[j])``: the entry callback of a policy's ``on_*_many``."""
+        return lambda j: EntryView(self, rows[j], keys[j])
 
     def nbytes(self) -> int:
         """Bytes of per-block metadata (key table and row arrays)."""

@@ -32,7 +32,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..config import StoreConfig, parse_model
 from ..errors import ConfigError
@@ -207,7 +208,7 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, sec
     return store_cfg, parse_model(section_model, own, what if section is None else f"{what} section {section!r}")
 
 
-def store_summary(store: "KVStore") -> str:
+def store_summary(store: KVStore) -> str:
     """One line on an open store: tiers with capacities, the NVMe path and the
     blocks recovered from it (and dropped), the remote tier's state.
 
@@ -237,12 +238,12 @@ def store_summary(store: "KVStore") -> str:
     return "; ".join(parts)
 
 
-def log_store_opened(log: logging.Logger, who: str, store: "KVStore", detail: str = "") -> None:
+def log_store_opened(log: logging.Logger, who: str, store: KVStore, detail: str = "") -> None:
     """The start line: ``"tierstore opened for <who>: <store_summary>[; <detail>]"`` at INFO."""
     log.info("tierstore opened for %s: %s%s", who, store_summary(store), f"; {detail}" if detail else "")
 
 
-def close_store_logged(log: logging.Logger, who: str, store: "KVStore") -> int:
+def close_store_logged(log: logging.Logger, who: str, store: KVStore) -> int:
     """Close ``store`` and say what was kept, at INFO: the blocks written down to
     NVMe by the close (memory-only blocks, :meth:`KVStore.close <tierstore.api.KVStore.close>`)
     and the blocks on NVMe; without an NVMe tier, the blocks that are not kept.

@@ -33,7 +33,7 @@ import json
 import threading
 import time
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ DEFAULT_SAMPLE_ELEMENTS = 4096
 #: Tensors up to this many elements are hashed completely by the sampled fingerprint.
 FULL_HASH_MAX_ELEMENTS = 1 << 16
 
-_FP_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_FP_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 _FP_LOCK = threading.Lock()
 
 

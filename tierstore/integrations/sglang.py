@@ -25,11 +25,10 @@ import logging
 import re
 import threading
 import time
-from typing import Any, List, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from ..api import KVStore
@@ -82,9 +81,9 @@ class SGLangStorageConfig(BaseModel):
     module_path: str = "tierstore.integrations.sglang"
     class_name: str = "HiCacheTierStore"
     interface_v1: Literal[0, 1] = 1
-    tenant: Optional[str] = Field(None, min_length=1)
-    extra_backend_tag: Optional[str] = Field(None, min_length=1)
-    write_policy: Optional[Literal["write_through", "write_through_selective", "write_back"]] = None
+    tenant: str | None = Field(None, min_length=1)
+    extra_backend_tag: str | None = Field(None, min_length=1)
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] | None = None
 
     @field_validator("interface_v1", mode="before")
     @classmethod
@@ -92,7 +91,7 @@ class SGLangStorageConfig(BaseModel):
         return int(v) if isinstance(v, bool) else v
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> tuple[StoreConfig, "SGLangStorageConfig"]:
+    def from_extra_config(cls, extra: dict | None) -> tuple[StoreConfig, SGLangStorageConfig]:
         """Validate SGLang's extra-config dict into the store's sections (``tiers``,
         ``policies``) and the backend's own keys
         (:func:`tierstore.integrations._common.split_extra_config`).
@@ -191,11 +190,11 @@ class HostPoolView:
                 block_dim, kv_dim = 0, 1
             elif layout == "layer_first":  # (L, pages*P, 1, C)
                 order = "layer_fused"
-                layers = [buf[l].view(n_pages, P * C) for l in range(L)]
+                layers = [buf[layer].view(n_pages, P * C) for layer in range(L)]
                 block_dim, kv_dim = 0, None
             else:  # page_first_direct (pages, L, P, 1, C)
                 order = "layer_fused"
-                layers = [buf[:, l].reshape(n_pages, P * C) for l in range(L)]
+                layers = [buf[:, layer].reshape(n_pages, P * C) for layer in range(L)]
                 block_dim, kv_dim = 0, None
         else:
             H, D = int(pool.head_num), int(pool.head_dim)
@@ -208,11 +207,11 @@ class HostPoolView:
             elif layout == "layer_first":  # (2, L, pages*P, H, D)
                 order = "layer_kv"
                 v = buf.view(2, L, n_pages, P * H * D)
-                layers = [v[:, l] for l in range(L)]
+                layers = [v[:, layer] for layer in range(L)]
             else:  # page_first_direct (2, pages, L, P, H, D)
                 order = "layer_kv"
                 v = buf.view(2, n_pages, L, P * H * D)
-                layers = [v[:, :, l] for l in range(L)]
+                layers = [v[:, :, layer] for layer in range(L)]
             block_dim, kv_dim = 1, 0
         self.layout = KVLayout(L, heads, head_dim, buf.dtype, P, f"sglang-{layout}", order)
         self.pages = KVPagePool(layers, block_dim=block_dim, kv_dim=kv_dim)
@@ -419,12 +418,12 @@ class HiCacheTierStore(HiCacheStorage):
                               "register_mem_pool_host when it attaches the backend)")
         return store, view
 
-    def _keys(self, keys: List[str]) -> list[bytes]:
+    def _keys(self, keys: list[str]) -> list[bytes]:
         d = self._digest
         return [scoped_key(d, k) for k in keys]
 
     @staticmethod
-    def _position(extra_info: Optional[HiCacheStorageExtraInfo]) -> int:
+    def _position(extra_info: HiCacheStorageExtraInfo | None) -> int:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         return len(prefix) if prefix else 0
 
@@ -435,14 +434,14 @@ class HiCacheTierStore(HiCacheStorage):
                 bandwidth.append(n * self.view.page_bytes / _GIB / max(dt_s, 1e-9))
 
     # ------------------------------------------------------------------ zero-copy v1
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Number of leading ``keys`` in the store (a pure probe: no reference,
         no lease, no recency, no hit)."""
         store, _ = self._require()
         return store.exists(self._keys(keys)) if keys else 0
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store host pages under their page hashes.
 
         Parameters
@@ -482,8 +481,8 @@ class HiCacheTierStore(HiCacheStorage):
                      time.perf_counter() - t0)
         return [s in (Status.OK, Status.EXISTS) for s in st]
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load pages into the host pool at ``host_indices``.
 
         Only the leading run of stored pages is loaded (SGLang uses only the
@@ -522,14 +521,14 @@ class HiCacheTierStore(HiCacheStorage):
         """Whether ``key`` is stored (a pure probe)."""
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         """Load one page into a flat page tensor (``get_dummy_flat_data_page()``;
         one is allocated when ``target_location`` is None); None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Load pages into flat page tensors (SGLang's copying path).
 
         Returns
@@ -562,13 +561,13 @@ class HiCacheTierStore(HiCacheStorage):
                      time.perf_counter() - t0)
         return [t if s is Status.OK else None for t, s in zip(targets, st)] + [None] * (len(keys) - n)
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         """Store one flat page (``get_data_page(i, flat=True)``)."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         """Store flat pages (SGLang's copying path); True when all are stored or present.
 
         Raises

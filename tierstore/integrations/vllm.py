@@ -32,12 +32,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -295,7 +295,7 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def _check_topology(vllm_config: "VllmConfig") -> None:
+def _check_topology(vllm_config: VllmConfig) -> None:
     """Refuse set-ups whose scheduler and worker are not one process (see the module docstring).
 
     The one place of this rule (a later issue lifts it for multi-process engines).
@@ -331,7 +331,7 @@ def _cpu_worker_in_own_process(pc) -> bool:
         or pc.distributed_executor_backend not in (None, "uni")
 
 
-def _settings(vllm_config: "VllmConfig"):
+def _settings(vllm_config: VllmConfig):
     ktc = vllm_config.kv_transfer_config
     store_cfg, settings = split_extra_config(ktc.kv_connector_extra_config, SECTION, ConnectorSettings,
                                              "kv_connector_extra_config")
@@ -343,7 +343,7 @@ def _settings(vllm_config: "VllmConfig"):
     return store_cfg, settings
 
 
-def _base_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings, engine: EngineLayout) -> Namespace:
+def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine: EngineLayout) -> Namespace:
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_config", None)
     cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
@@ -431,7 +431,7 @@ class TierstoreConnectorStats(KVConnectorStats):
     def add(self, key: str, n: float) -> None:
         self.data[key] = self.data.get(key, 0) + n
 
-    def aggregate(self, other: KVConnectorStats) -> "TierstoreConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> TierstoreConnectorStats:
         for k, v in (other.data or {}).items():
             self.add(k, v)
         return self
@@ -464,7 +464,7 @@ class _Req:
 
 
 class _SchedulerSide:
-    def __init__(self, connector: "TierstoreConnector", settings: ConnectorSettings):
+    def __init__(self, connector: TierstoreConnector, settings: ConnectorSettings):
         self._c = connector
         self._settings = settings
         self._shared: _EngineStore | None = None
@@ -488,7 +488,7 @@ class _SchedulerSide:
                     "only one engine with a KV connector per process)")
         return self._shared
 
-    def _state(self, request: "Request") -> _Req:
+    def _state(self, request: Request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is not None:
             return st
@@ -522,10 +522,10 @@ class _SchedulerSide:
             (store.cancel if abort else store.release)(st.rid)
             st.holds_refs = False
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._state(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         self._release(st)  # a repeated call (the request was not scheduled) starts over
         st.pending = None
@@ -560,7 +560,7 @@ class _SchedulerSide:
         self._stats.add("offered_blocks", end - local_blocks)
         return end * b - num_computed_tokens, is_async
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or st.pending is None:
             return  # nothing offered (or the second call after an asynchronous load)
@@ -575,7 +575,7 @@ class _SchedulerSide:
         job = LoadJob(request.request_id, self._keys(st, stop)[start:stop], block_ids)
         (self._async if is_async else self._sync).append(job)
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> TierstoreConnectorMetadata:
+    def build_connector_meta(self, so: SchedulerOutput) -> TierstoreConnectorMetadata:
         meta = TierstoreConnectorMetadata(self._sync, self._async, [], set(so.preempted_req_ids or ()),
                                           self._await_saves, idle=not so.num_scheduled_tokens)
         self._sync, self._async, self._await_saves = [], [], set()
@@ -621,7 +621,7 @@ class _SchedulerSide:
         if hi > max(lo, system_end):
             yield max(lo, system_end), hi, st.lifetime
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -648,7 +648,7 @@ class _SchedulerSide:
 
 # ----------------------------------------------------------------------------- worker side
 class _WorkerSide:
-    def __init__(self, connector: "TierstoreConnector", vllm_config: "VllmConfig", kv_cache_config,
+    def __init__(self, connector: TierstoreConnector, vllm_config: VllmConfig, kv_cache_config,
                  store_cfg, settings: ConnectorSettings):
         self._c = connector
         self._vllm_config = vllm_config
@@ -876,7 +876,7 @@ class TierstoreConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a future miss
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         store_cfg, settings = _settings(vllm_config)
         _check_topology(vllm_config)
@@ -897,7 +897,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._check_open("handle_preemptions")
         self._worker._ingest(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._check_open("start_load_kv")
         self._worker.start_load_kv(self._get_connector_metadata())
 
@@ -919,23 +919,23 @@ class TierstoreConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors()
 
     # ---- scheduler side
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._check_open("on_new_request")
         self._sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._check_open("get_num_new_matched_tokens")
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._check_open("update_state_after_alloc")
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._check_open("build_connector_meta")
         return self._sched.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._check_open("request_finished")
         return self._sched.request_finished(request, block_ids)
 
@@ -962,7 +962,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         (self._sched or self._worker).shutdown()
 
 
-def _config_being_built() -> "VllmConfig | None":
+def _config_being_built() -> VllmConfig | None:
     """The ``VllmConfig`` whose ``__post_init__`` is importing this module, if any.
 
     vLLM 0.32 imports a connector's module while it validates the engine's

@@ -31,13 +31,20 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadKey, ReqContext,
-                                     RequestOffloadingContext)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -75,9 +82,9 @@ class OffloadTierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: Optional[str] = Field(None, min_length=1)
-    model_id: Optional[str] = Field(None, min_length=1)
-    locality: Optional[Literal["LOCAL", "REMOTE"]] = None
+    tenant: str | None = Field(None, min_length=1)
+    model_id: str | None = Field(None, min_length=1)
+    locality: Literal["LOCAL", "REMOTE"] | None = None
 
 
 def split_tier_config(config: dict) -> tuple[StoreConfig, OffloadTierSettings]:
@@ -130,7 +137,7 @@ def _revision_of(model: str) -> str | None:
     return getattr(mc, "revision", None)
 
 
-def chunk_namespace(spec: "OffloadingSpec", settings: OffloadTierSettings, chunk_bytes: int) -> Namespace:
+def chunk_namespace(spec: OffloadingSpec, settings: OffloadTierSettings, chunk_bytes: int) -> Namespace:
     """The namespace of every chunk of this engine (module docstring, "Keys and isolation")."""
     cfg = spec.config
     model = cfg.model.name
@@ -194,8 +201,8 @@ class TierstoreSecondaryTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: "BackpressureDetector | None" = None, **config: Any) -> None:
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **config: Any) -> None:
         store_cfg, settings = split_tier_config(config)
         if primary_kv_view.readonly or not primary_kv_view.c_contiguous or primary_kv_view.ndim != 2:
             raise ConfigError(f"primary KV view: need a writable, C-contiguous (num_chunks, chunk_bytes) view; "

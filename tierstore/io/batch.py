@@ -24,14 +24,15 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
+from ..errors import ConfigError, LayoutError
 from .copies import Copier, one_omp_thread
 from .engine import IOEngine, IOFuture, alloc_aligned
-from .pages import (FragmentPlan, _merged_runs, align_up, fragment_nbytes, gather_fragments, scatter_fragments)
-from ..errors import ConfigError, LayoutError
+from .pages import FragmentPlan, _merged_runs, align_up, fragment_nbytes, gather_fragments, scatter_fragments
 
 #: Default staging extent size (16 MiB): large enough to reach device bandwidth
 #: with a handful of 1 MiB I/Os in flight (vLLM saw TTFT gains growing transfer

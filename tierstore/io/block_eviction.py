@@ -27,13 +27,13 @@ import threading
 
 import numpy as np
 
+from ..errors import ConfigError, InvariantError
+from ..tiers.storage import RegionListener
 from . import format as fmt
 from .engine import IOEngine
 from .journal import Journal, RecordKind
 from .locator import BlockLocator
 from .segment_manager import SegmentManager, SegmentState
-from ..errors import ConfigError, InvariantError
-from ..tiers.storage import RegionListener
 
 __all__ = ["BlockEviction", "FORCE_TRIM_BYTES", "GRANULARITIES", "live_budget_for"]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -85,6 +86,11 @@ def copy_thread_init() -> None:
     set_omp(1)
 
 
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, a: int, step: int) -> None:
+    """One piece of a split copy: rows ``[a, a + step)`` of ``src`` into ``dst``."""
+    dst[a:a + step].copy_(src[a:a + step])
+
 class _Work:
     """One call's pieces, claimed one at a time by whoever is free (caller or helpers)."""
 
@@ -108,7 +114,7 @@ class _Work:
                 self.running += 1
             try:
                 pieces[i]()
-            except BaseException as e:  # handed to the caller, which raises it
+            except BaseException as e:  # noqa: BLE001  handed to the caller, which raises it
                 with cv:
                     self.error = self.error or e
             finally:
@@ -190,7 +196,8 @@ class Copier:
                 dst.copy_(src)
             return
         step = max(1, self.chunk_bytes * rows // nbytes)
-        self.run([lambda a=a: dst[a:a + step].copy_(src[a:a + step]) for a in range(0, rows, step)], nbytes)
+        pieces: list[Callable[[], Any]] = [functools.partial(_copy_rows, dst, src, a, step) for a in range(0, rows, step)]
+        self.run(pieces, nbytes)
 
     def _helpers(self) -> ThreadPoolExecutor:
         pool = self._pool

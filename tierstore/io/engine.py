@@ -25,7 +25,8 @@ from __future__ import annotations
 import errno
 import mmap
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -79,12 +80,12 @@ class IOFuture:
         self._callbacks: list[Callable[[bool], None]] = []
 
     @classmethod
-    def completed(cls, nbytes: int) -> "IOFuture":
+    def completed(cls, nbytes: int) -> IOFuture:
         """A future that is already done with ``nbytes``."""
         return cls(lambda: nbytes, lambda: True)
 
     @classmethod
-    def failed(cls, exc: BaseException) -> "IOFuture":
+    def failed(cls, exc: BaseException) -> IOFuture:
         """A future that is already done with an error."""
         def _raise() -> int:
             raise exc
@@ -394,7 +395,7 @@ class IOEngine:
             self._closed = True
             self._close_impl()
 
-    def __enter__(self) -> "IOEngine":
+    def __enter__(self) -> IOEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

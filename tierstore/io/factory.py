@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from .engine import DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine
 from ..errors import ConfigError
 from ..units import parse_size
+from .engine import DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine
 
 ENGINE_KINDS = ("posix", "uring", "auto", "memory", "kvikio")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .engine import DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine, IOFuture
 from ._fileops import check_queue_args, open_direct, preallocate, punch_hole
+from .engine import DEFAULT_BLOCK_SIZE_BYTES, DEFAULT_MAX_IO_BYTES, IOEngine, IOFuture
 
 
 class FileEngine(IOEngine):

@@ -12,7 +12,7 @@ destinations), ``token_blocks``, ``check_start_block``, ``refuse_numpy``.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -190,13 +190,13 @@ def plan_destinations(n: int, dests: Sequence[torch.Tensor] | None, layout: KVLa
     if dests is None:
         plans: Sequence[FragmentPlan] = BlockRows(torch.empty((n, layout.bytes_per_block), dtype=torch.uint8),
                                                   destination=True)
-        raws = list(plans.rows.unbind(0)) if n else []
+        raws = list(plans.rows.unbind(0)) if n else []  # type: ignore[attr-defined]  # BlockRows
     else:
         raws = [destination_bytes(d, layout) for d in dests]
         plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
 
     def finish(st: list[Status]) -> tuple[list[Status], list]:
-        outs = []
+        outs: list[torch.Tensor | None] = []
         for s, r, d in zip(st, raws, dests if dests is not None else raws):
             if s is not Status.OK:
                 outs.append(None)

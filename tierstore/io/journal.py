@@ -22,7 +22,8 @@ import dataclasses
 import enum
 import os
 import struct
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import crc32c
 
@@ -221,7 +222,7 @@ class JournalState:
             self.dead.setdefault((rec.segment, rec.segment_gen), {})[rec.value] = rec.digest
 
     @classmethod
-    def of(cls, records: Iterable[JournalRecord], legacy: dict[bytes, int] | None = None) -> "JournalState":
+    def of(cls, records: Iterable[JournalRecord], legacy: dict[bytes, int] | None = None) -> JournalState:
         """The state of ``records`` (plus legacy invalidations, :func:`read_legacy_invalidations`)."""
         st = cls()
         for ns, seq in (legacy or {}).items():
@@ -440,7 +441,7 @@ class Journal:
                 os.close(self._fd)
                 self._fd = -1
 
-    def __enter__(self) -> "Journal":
+    def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc: object) -> None:

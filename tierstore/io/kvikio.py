@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .engine import DEFAULT_BLOCK_SIZE_BYTES, IOEngine, IOFuture, as_byte_view
-from ._fileops import preallocate, punch_hole
 from ..errors import AlignmentError, TierStoreError
+from ._fileops import preallocate, punch_hole
+from .engine import DEFAULT_BLOCK_SIZE_BYTES, IOEngine, IOFuture, as_byte_view
 
 
 class KvikioUnavailable(TierStoreError, RuntimeError):

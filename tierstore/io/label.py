@@ -25,9 +25,9 @@ import uuid
 
 import crc32c
 
-from . import format as fmt
 from ..errors import ConfigError, CorruptData, ForeignDataError
 from ..units import format_bytes
+from . import format as fmt
 
 MAGIC = b"TSKVLBL1"
 LABEL_VERSION = 1

@@ -17,7 +17,7 @@ account for them (freed extents, replaced offsets).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class BlockLocator:
         rows = self.table.get_many(keys)
         return [(int(self.off[r]), i, int(self.crc[r])) for i, r in enumerate(rows.tolist()) if r >= 0]
 
-    def remove(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+    def remove(self, keys: Iterable[bytes]) -> list[tuple[int, int]]:
         """Forget ``keys``; the ``(offset, length)`` device extent each present one occupied,
         in the order of ``keys`` (absent keys are skipped)."""
         freed = []

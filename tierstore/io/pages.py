@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Sequence
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ def _host_ptr(t: torch.Tensor) -> int | None:
 
 _CPU = torch.device("cpu")
 _DATA_PTR = torch.Tensor.data_ptr
-_NBYTES = torch.Tensor.nbytes.__get__
+_NBYTES = torch.Tensor.nbytes.__get__  # type: ignore[attr-defined]  # the property's getter (torch's stub says int)
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
@@ -140,13 +140,13 @@ class FragmentPlan:
         #: Number of fragments.
         self.count = count if count is not None else (len(fragments) if fragments is not None else None)
         #: The block as one contiguous 1-D uint8 tensor, when it is one (then one plain copy).
-        self.flat = None
+        self.flat: torch.Tensor | None = None
         #: ``(rows, i)`` when the block is row ``i`` of a :class:`BlockRows` batch
         #: (consecutive rows then move as one copy).
-        self.row_of = None
+        self.row_of: tuple[torch.Tensor, int] | None = None
 
     @classmethod
-    def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> "FragmentPlan":
+    def of_bytes(cls, raw: torch.Tensor, destination: bool = False) -> FragmentPlan:
         """A plan for a block that is one contiguous 1-D ``uint8`` tensor (checked by the caller)."""
         p = cls([raw], raw.numel(), None, torch.uint8, 1, destination)
         p.flat = raw
@@ -169,7 +169,7 @@ class FragmentPlan:
         if self.strided is not None:
             staging[offset:offset + n].view(self.strided.shape).copy_(self.strided)
             return n
-        return _gather_list(self.fragments, staging, offset)
+        return _gather_list(self.fragments, staging, offset)  # type: ignore[arg-type]  # only row plans (flat) have none
 
     def scatter(self, staging: torch.Tensor, offset: int) -> int:
         """Copy ``staging[offset:offset + nbytes]`` into the fragments; return bytes.
@@ -190,10 +190,10 @@ class FragmentPlan:
         if self.strided is not None:
             self.strided.copy_(staging[offset:offset + n].view(self.strided.shape))
             return n
-        return _scatter_list(staging, offset, self.fragments)
+        return _scatter_list(staging, offset, self.fragments)  # type: ignore[arg-type]  # only row plans (flat) have none
 
 
-class BlockRows(Sequence):
+class BlockRows(Sequence[FragmentPlan]):
     """``n`` blocks that are the rows of one ``(n, block_bytes)`` uint8 tensor.
 
     A sequence of per-block :class:`FragmentPlan` (made when one is asked
@@ -236,7 +236,7 @@ class _RowPlan(FragmentPlan):
 
     __slots__ = ()
 
-    def __init__(self, batch: BlockRows, i: int) -> None:  # noqa: D107 -- cheap on purpose
+    def __init__(self, batch: BlockRows, i: int) -> None:
         self.fragments = None
         self.nbytes = batch.rows.shape[1]
         self.strided = None
@@ -247,7 +247,7 @@ class _RowPlan(FragmentPlan):
         self.row_of = (batch.rows, i)
 
     def _view(self) -> torch.Tensor:
-        rows, i = self.row_of
+        rows, i = self.row_of  # type: ignore[misc]  # a row plan's, set in __init__
         return rows[i]
 
     def gather(self, staging: torch.Tensor, offset: int) -> int:
@@ -637,22 +637,20 @@ def _merged_runs(plans: Sequence[FragmentPlan], offsets: Sequence[int], destinat
         v = plans[i].strided
         j = i + 1
         step = 0
-        if v is not None and j < n and plans[j].strided is not None:
-            w = plans[j].strided
+        w = plans[j].strided if j < n else None
+        if v is not None and w is not None:
             step = w.data_ptr() - v.data_ptr()
             nb = plans[i].nbytes
             sto = v.untyped_storage().data_ptr()
-
-            def follows(k: int) -> bool:
-                x = plans[k].strided
-                return (x is not None and x.shape == v.shape and x.stride() == v.stride()
-                        and x.data_ptr() - v.data_ptr() == step * (k - i)
-                        and offsets[k] - offsets[i] == nb * (k - i)
-                        and x.untyped_storage().data_ptr() == sto)
-            if step > 0:
-                while j < n and follows(j):
-                    j += 1
-        if j - i > 1:
+            while step > 0 and j < n:  # plans[j] follows plans[i] at the same step
+                x = plans[j].strided
+                if not (x is not None and x.shape == v.shape and x.stride() == v.stride()
+                        and x.data_ptr() - v.data_ptr() == step * (j - i)
+                        and offsets[j] - offsets[i] == nb * (j - i)
+                        and x.untyped_storage().data_ptr() == sto):
+                    break
+                j += 1
+        if v is not None and j - i > 1:
             shape, strides = (j - i, *v.shape), (step, *v.stride())
             merged = None
             if not destination or _non_overlapping(shape, strides):

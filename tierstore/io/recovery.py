@@ -27,8 +27,10 @@ import dataclasses
 import logging
 import os
 import stat
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
+from ..errors import ConfigError, CorruptData, ForeignDataError
+from ..units import format_bytes
 from . import format as fmt
 from . import label as lbl
 from .engine import IOEngine, alloc_aligned
@@ -36,8 +38,6 @@ from .journal import JournalState
 from .locator import BlockLocator
 from .pages import align_up
 from .segment_manager import SegmentManager, SegmentState
-from ..errors import ConfigError, CorruptData, ForeignDataError
-from ..units import format_bytes
 
 __all__ = ["RecoveryCounts", "recover", "read_chain", "drop_beyond", "open_label", "write_label",
            "layout_refusal"]

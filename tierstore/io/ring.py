@@ -56,7 +56,7 @@ import os
 import platform
 import struct
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import InvariantError, TierStoreError
 
@@ -144,7 +144,7 @@ if ctypes.sizeof(_Params) != 120:
 
 
 @functools.lru_cache(maxsize=1)
-def _syscall() -> ctypes._CFuncPtr:
+def _syscall() -> Callable[..., int]:
     """libc's ``syscall(2)`` from the running process (no library is loaded)."""
     fn = ctypes.CDLL(None, use_errno=True).syscall
     # Integer arguments travel in the same registers whether a call is variadic
@@ -215,6 +215,16 @@ class Ring:
         Another setup or mmap failure (ENOMEM: e.g. RLIMIT_MEMLOCK on Linux < 5.12).
     """
 
+    # the mapped rings and live views of their head/tail words: set by _map, dropped by close (a
+    # closed ring is not used again, so the hot paths read them without a None check)
+    _sq: mmap.mmap
+    _cq: mmap.mmap
+    _sqes: mmap.mmap
+    _khead: ctypes.c_uint32
+    _ktail: ctypes.c_uint32
+    _kchead: ctypes.c_uint32
+    _kctail: ctypes.c_uint32
+
     def __init__(self, entries: int, *, sqe128: bool = False, cqe32: bool = False) -> None:
         self.fd = -1
         ok, why = _arch_supported()
@@ -236,8 +246,7 @@ class Ring:
         self.sq_entries, self.cq_entries = p.sq_entries, p.cq_entries
         self.sqe_bytes = 128 if sqe128 else 64
         self.cqe_bytes = 32 if cqe32 else 16
-        self._khead = self._ktail = self._kchead = self._kctail = None
-        self._sq = self._cq = self._sqes = None
+        self._drop_maps()
         try:
             self._map()
         except BaseException:
@@ -273,19 +282,24 @@ class Ring:
         self._tail = self._ktail.value   # SQEs prepared (published up to _ktail)
         self._cqe_off = p.cq_cqes
 
+    def _drop_maps(self) -> None:
+        """No ring mapped (before :meth:`_map`, after :meth:`close`)."""
+        self._khead = self._ktail = self._kchead = self._kctail = None  # type: ignore[assignment]
+        self._sq = self._cq = self._sqes = None  # type: ignore[assignment]
+
     # ----------------------------------------------------------------- life
     def close(self) -> None:
         """Unmap and close the ring. Idempotent. Requests still in flight are
         cancelled by the kernel (their buffers must stay valid until then)."""
-        self._khead = self._ktail = self._kchead = self._kctail = None   # drop buffer exports
-        for m in {id(x): x for x in (self._sqes, self._cq, self._sq) if x is not None}.values():
+        maps = {id(x): x for x in (self._sqes, self._cq, self._sq) if x is not None}.values()
+        self._drop_maps()  # the head/tail views go first: an mmap with buffer exports cannot close
+        for m in maps:
             m.close()
-        self._sq = self._cq = self._sqes = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Ring":
+    def __enter__(self) -> Ring:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -31,7 +31,7 @@ import enum
 import logging
 import threading
 from array import array
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -19,15 +19,16 @@ whose CRC does not match is ``IO_ERROR`` and reported in ``bad``. With a
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from ..errors import Status
 from . import format as fmt
 from .batch import ExtentPipeline
 from .engine import IOEngine, alloc_aligned
 from .locator import BlockLocator
 from .pages import FragmentPlan
 from .segment_manager import SegmentManager
-from ..errors import Status
 
 __all__ = ["SegmentReader"]
 

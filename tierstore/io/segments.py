@@ -32,18 +32,22 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
+from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
+from ..units import parse_size
 from . import format as fmt
 from . import label as lbl
 from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
 from .block_eviction import GRANULARITIES, BlockEviction, live_budget_for
 from .copies import one_omp_thread
-from .engine import IOEngine, alloc_aligned
+from .engine import IOEngine
 from .factory import open_engine
 from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, read_records
@@ -52,9 +56,6 @@ from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fra
 from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
-from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
-from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
-from ..units import parse_size
 
 __all__ = ["SegmentStorage", "SegmentState", "choose_segment_size", "DEFAULT_SEGMENT_BYTES", "MIN_SEGMENTS",
            "TARGET_SEGMENTS", "REGION_POLICIES"]
@@ -174,8 +175,8 @@ def _put_args(keys, fragments_per_block, placements, ns_digests,
     for d in nss:
         if len(d) != 32:
             raise LayoutError("ns_digest must be 32 bytes")
-    pls = list(placements) if placements is not None else [None] * n
-    return keys, plans, pls, nss
+    placements = list(placements) if placements is not None else [None] * n
+    return keys, plans, placements, nss
 
 
 def _get_args(keys, dest_fragments_per_block, block_bytes: int) -> tuple[list, list]:
@@ -611,12 +612,12 @@ class SegmentStorage(BlockStorage):
             Wrong key length, block size or argument lengths (misuse; nothing
             is written).
         """
-        keys, plans, pls, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
+        keys, plans, placements, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
         with self._write_lock:
-            return self._put_locked(keys, plans, pls, nss, gc=False)
+            return self._put_locked(keys, plans, placements, nss, gc=False)
 
     def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
-                      gate: Callable[[], Any] | None = None) -> list[Status]:
+                      gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
         """Load blocks and scatter each into its destination fragments.
 
         Parameters
@@ -711,7 +712,7 @@ class SegmentStorage(BlockStorage):
             return len(keys)
 
     # =============================================================== internals
-    def _put_locked(self, keys, plans, pls, nss, gc: bool) -> list[Status]:
+    def _put_locked(self, keys, plans, placements, nss, gc: bool) -> list[Status]:
         n = len(keys)
         with self._lock:
             if self._closed:
@@ -725,7 +726,7 @@ class SegmentStorage(BlockStorage):
                     status[i] = Status.EXISTS
                     continue
                 seen.add(k)
-                groups.setdefault(pls[i], []).append(i)
+                groups.setdefault(placements[i], []).append(i)
         if self._blk is not None and not gc:  # block mode: make room by single blocks first
             for si in self._blk.make_room(groups, status, self._listener, Status.NO_SPACE):
                 self._finish_reclaim(si)
@@ -853,7 +854,7 @@ class SegmentStorage(BlockStorage):
 
 
 # ================================================================ region eviction (GC)
-def _evict_one_segment(self: "SegmentStorage") -> bool:
+def _evict_one_segment(self: SegmentStorage) -> bool:
     """Free one segment (write lock held): the first victim in
     :meth:`SegmentManager.victims` order whose eviction frees space; the blocks the
     listener keeps are copied forward, the rest dropped. Without a
@@ -877,13 +878,13 @@ def _evict_one_segment(self: "SegmentStorage") -> bool:
             if self._segs.state[si] != SegmentState.SEALED:
                 continue
             self._segs.state[si] = SegmentState.RECLAIMING
-            pls = int(self._segs.placement[si])
+            placement = int(self._segs.placement[si])
             ns_of = {k: self._loc.namespace_of(r) for k, r in zip(keys, rows.tolist())}
-        if _reclaim_segment(self, si, keys, keep, None if pls == NO_PLACEMENT else pls, ns_of):
+        if _reclaim_segment(self, si, keys, keep, None if placement == NO_PLACEMENT else placement, ns_of):
             return True
     return False
 
-def _reclaim_segment(self: "SegmentStorage", si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
+def _reclaim_segment(self: SegmentStorage, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
     """Copy the kept blocks forward, drop the others, free the segment. A kept
     block that cannot be copied (no space, a read error) is never dropped:
     the segment then stays sealed and ``False`` is returned."""

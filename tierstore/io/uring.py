@@ -38,7 +38,7 @@ class _Op:
         self.want = want
         self.error: OSError | None = None
         self.what = what
-        self.view = view        # keeps the caller's buffer alive until every piece completes
+        self.view: memoryview | None = view  # keeps the caller's buffer alive until every piece completes
 
     def piece_done(self, res: int, want: int, _big: bytes) -> None:
         if res < 0:

@@ -9,7 +9,8 @@ its namespace digest (32 zero bytes when the plan has none).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..contract import Demotion, StorePlan
 from ..fdp.lifetime import LifetimeClass
@@ -39,16 +40,16 @@ class NvmeBatch:
         The first ``demotions`` blocks are victims (:func:`store_batch`), the rest new blocks.
     """
 
-    keys: list = dataclasses.field(default_factory=list)
-    fragments: list = dataclasses.field(default_factory=list)
-    placements: list = dataclasses.field(default_factory=list)
-    ns_digests: list = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    fragments: list[Any] = dataclasses.field(default_factory=list)
+    placements: list[int | None] = dataclasses.field(default_factory=list)
+    ns_digests: list[bytes] = dataclasses.field(default_factory=list)
     demotions: int = 0
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add(self, key: bytes, fragments, placement: int | None, ns: bytes) -> None:
+    def add(self, key: bytes, fragments: Any, placement: int | None, ns: bytes) -> None:
         self.keys.append(key)
         self.fragments.append(fragments)
         self.placements.append(placement)
@@ -69,7 +70,8 @@ def demotion_batch(demotes: Sequence[Demotion], memory: MemoryHandler,
     return batch
 
 
-def add_new_blocks(batch: NvmeBatch, keys: Sequence[bytes], fragments: Sequence, classes: Sequence,
+def add_new_blocks(batch: NvmeBatch, keys: Sequence[bytes], fragments: Sequence[Any],
+                   classes: Sequence[LifetimeClass | None],
                    ns: bytes, placement_for: PlacementFor | None) -> NvmeBatch:
     """Append new blocks (``keys[j]`` from ``fragments[j]`` with lifetime class ``classes[j]``, all of
     namespace ``ns``) after what ``batch`` holds; returns ``batch``."""

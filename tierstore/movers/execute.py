@@ -16,8 +16,9 @@ and :meth:`Movers.stage_load` (a load's sources into the slots a client reads).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Callable, Mapping, Sequence
+from typing import Any, Final
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..errors import Status
@@ -33,7 +34,9 @@ from .queues import WorkQueues
 from .remote import RemoteHandler
 from .table import HandlerTable
 
-MEMORY, NVME, REMOTE = Medium.MEMORY, Medium.NVME, Medium.REMOTE
+MEMORY: Final = Medium.MEMORY
+NVME: Final = Medium.NVME
+REMOTE: Final = Medium.REMOTE
 
 
 class Movers:
@@ -62,7 +65,7 @@ class Movers:
         self.remote: RemoteHandler | None = handlers.remote
 
     # ------------------------------------------------------------------ queues
-    def submit(self, queue: str, fn: Callable[[], object]) -> Future:
+    def submit(self, queue: str, fn: Callable[[], object]) -> Future[Any]:
         """Run ``fn`` on the ``"load"`` or ``"store"`` queue (see :meth:`WorkQueues.submit`)."""
         return self.queues.submit(queue, fn)
 
@@ -138,9 +141,9 @@ class Movers:
         ``FragmentPlan`` of a slot). Returns ``i -> Status`` and the seconds the NVMe part
         took (``None`` without NVMe reads)."""
         st: dict[int, Status] = {}
-        nv = [i for i in dests if plan.sources[i] is not None and plan.sources[i][0] == Tier.NVME]
-        mem = [(i, plan.sources[i][0], plan.sources[i][1]) for i in dests
-               if plan.sources[i] is not None and plan.sources[i][0] != Tier.NVME]
+        given = {i: s for i in dests if (s := plan.sources[i]) is not None}
+        nv = [i for i, s in given.items() if s[0] == Tier.NVME]
+        mem = [(i, s[0], s[1]) for i, s in given.items() if s[0] != Tier.NVME]
         out = [Status.MISS] * len(plan.keys)
         self.memory.scatter({i: dests[i] for i, _t, _s in mem}, mem, None, out)
         st.update((i, out[i]) for i, _t, _s in mem)
@@ -207,7 +210,7 @@ class Movers:
                 ok[j] = s is Status.OK
         return ok
 
-    def run_promote(self, plan: PromotePlan, loaded: Sequence[FragmentPlan]) -> list[bool]:
+    def run_promote(self, plan: PromotePlan, loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan]) -> list[bool]:
         """Copy just-loaded blocks (read back from their destinations) into upper slots."""
         self._victim_copies(plan)
         return self.memory.promote(plan.items, loaded)
@@ -230,7 +233,7 @@ class Movers:
         """Queue blocks for the remote tier (:meth:`RemoteHandler.publish`)."""
         return self.handlers[MEMORY, REMOTE].publish(keys, sources, recent)
 
-    def after_release(self, slots: set[int], fn: Callable[[], None]) -> None:
+    def after_release(self, slots: set[int], fn: Callable[[], object]) -> None:
         """Run ``fn`` once no late remote transfer holds any of these host slots
         (at once when none does, or without a remote tier)."""
         if self.remote is None:
@@ -301,7 +304,8 @@ class Movers:
         return dem_st
 
     def _deliver_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None,
-                      indices: Sequence[int] | None, mem: Mapping[int, tuple[Tier, int]], fetched,
+                      indices: Sequence[int] | None, mem: Mapping[int, tuple[Tier, int]],
+                      fetched: Iterable[tuple[int, Status, Any]],
                       zero_copy: bool) -> tuple[list[Status], dict[int, Status]]:
         """Verified fetched blocks into their slots (unless fetched there), the destinations and,
         where the plan says so, NVMe (one batch); per key the engine's status, and the NVMe statuses."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Sequence
+from collections.abc import Iterator, Sequence
 
 
 class LoadGate:
@@ -32,7 +32,7 @@ class LoadGate:
         self.delivered: set[int] = set()
 
     @contextlib.contextmanager
-    def enter(self, indices: Sequence[int]):
+    def enter(self, indices: Sequence[int]) -> Iterator[bool]:
         """Context manager yielding ``True`` if the copy of ``indices`` may proceed."""
         with self._lock:
             if self.closed or (self.deadline_s is not None and time.monotonic() >= self.deadline_s):

@@ -10,7 +10,9 @@ call's blocks claimed by the caller and a few copy threads: copies that a busy h
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -27,7 +29,7 @@ Item = tuple[int, Tier, int]
 
 def by_tier(items: Sequence[Item]) -> dict[Tier, tuple[list[int], list[int]]]:
     """``{tier: (positions, slots)}`` of ``(i, tier, slot)`` items, in their order."""
-    out: dict = {}
+    out: dict[Tier, tuple[list[int], list[int]]] = {}
     for i, tier, slot in items:
         e = out.get(tier)
         if e is None:
@@ -46,6 +48,11 @@ def _consecutive(ix: list[int]) -> bool:
     return ix == list(range(ix[0], ix[0] + len(ix)))
 
 
+
+def _copy_row(dst: torch.Tensor, src: torch.Tensor, pair: tuple[int, int]) -> None:
+    """``dst[pair[1]] = src[pair[0]]``: one row of a row move."""
+    dst[pair[1]].copy_(src[pair[0]])
+
 class MemoryHandler:
     """Copies between engine buffers and memory-tier slots (memory -> memory transfers).
 
@@ -62,7 +69,7 @@ class MemoryHandler:
         self.pools = pools
         self.copier = copier if copier is not None else shared_copier()
 
-    def _each(self, fn, items: Sequence, block_bytes: int) -> None:
+    def _each(self, fn: Callable[[Any], object], items: Sequence[Any], block_bytes: int) -> None:
         """``fn(item)`` for every item, each a copy of ``block_bytes``, through the copier in
         pieces of at least its ``chunk_bytes`` (fewer hand-offs for small blocks)."""
         k = max(1, self.copier.chunk_bytes // max(1, block_bytes))
@@ -95,9 +102,9 @@ class MemoryHandler:
             self._move_rows(rows, items, to_slots=True)
             return
         self._each(lambda it: sources[it[0]].gather(self.view(it[1], it[2]), 0), items,
-                   sources[items[0][0]].nbytes if items else 0)
+                   sources[items[0][0]].nbytes if items else 0)  # type: ignore[union-attr]  # items name given sources
 
-    def scatter(self, dests: Sequence[FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
+    def scatter(self, dests: Sequence[FragmentPlan] | Mapping[int, FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
                 statuses: list[Status]) -> None:
         """Slots into engine buffers: ``(tier, slot)`` into ``dests[i]``; ``statuses[i] = OK`` for each
         block delivered (under ``gate`` when the load has a deadline; a closed gate delivers nothing).
@@ -125,7 +132,7 @@ class MemoryHandler:
                         statuses[i] = Status.OK
 
     def promote(self, items: Sequence[tuple[int, int, Tier, int]],
-                loaded: Sequence[FragmentPlan]) -> list[bool]:
+                loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan]) -> list[bool]:
         """Copy just-loaded blocks, read back from their destinations ``loaded[i]``, into upper
         slots: ``items[j] = (i, row, tier, slot)``; ``False`` where the read-back failed."""
         out = []
@@ -148,7 +155,7 @@ class MemoryHandler:
                 self.copier.copy(dst[dst_ix[0]:dst_ix[0] + len(dst_ix)], src[src_ix[0]:src_ix[0] + len(src_ix)])
                 continue
             if data.shape[1] >= _ROW_COPY_BYTES:  # large rows: one copy each, no staging copy
-                self._each(lambda p: dst[p[1]].copy_(src[p[0]]), list(zip(src_ix, dst_ix)), data.shape[1])
+                self._each(functools.partial(_copy_row, dst, src), list(zip(src_ix, dst_ix)), data.shape[1])
                 continue
             with one_omp_thread():
                 picked = src.index_select(0, torch.tensor(src_ix, device=src.device))

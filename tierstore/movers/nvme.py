@@ -9,7 +9,8 @@ storage is ``IO_ERROR`` for every block of the call: a miss, never wrong KV.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import Status
 from ..tiers.storage import BlockStorage
@@ -41,7 +42,7 @@ class NvmeHandler:
         except OSError:
             return [Status.IO_ERROR] * len(batch.keys)
 
-    def read(self, keys: Sequence[bytes], dests: Sequence, gate: LoadGate | None = None,
+    def read(self, keys: Sequence[bytes], dests: Sequence[Any], gate: LoadGate | None = None,
              indices: Sequence[int] | None = None) -> tuple[list[Status], float]:
         """Read ``keys[j]`` into ``dests[j]`` (a ``FragmentPlan`` or a list of tensors).
 

@@ -8,8 +8,9 @@ same way). Loads and prefetches never queue behind a store's NVMe writes. After
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any
 
 from ..errors import ConfigError, StoreClosedError
 
@@ -25,7 +26,7 @@ class WorkQueues:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def submit(self, queue: str, fn: Callable[[], object]) -> Future:
+    def submit(self, queue: str, fn: Callable[[], object]) -> Future[Any]:
         """Run ``fn`` on queue ``queue`` (``"load"`` or ``"store"``, one worker
         thread each, FIFO); returns its Future.
 

@@ -11,7 +11,7 @@ Publication is asynchronous (the tier copies into its publish queue; a full queu
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,9 +39,10 @@ class RemoteHandler:
     def __init__(self, tier: RemoteBlockTier, host: BlockPool | None = None) -> None:
         self.tier = tier
         self.host = host
+        self._slot_bytes = host.block_bytes if host is not None else 0  # of the registered host pool
         #: host-tier slots a timed-out remote transfer may still write (slot -> holds)
         self._held: dict[int, int] = {}
-        self._waiters: list[tuple[set, Callable[[], None]]] = []
+        self._waiters: list[tuple[set[int], Callable[[], object]]] = []
         self._lock = threading.Lock()
         self.zero_copy = False
         if host is not None and host.num_blocks and host.device.type == "cpu":
@@ -138,7 +139,7 @@ class RemoteHandler:
                           recent=False)  # its remote copy, if any, may have been evicted since
 
     # -------------------------------------------------------------- held slots
-    def after_release(self, slots: set[int], fn: Callable[[], None]) -> None:
+    def after_release(self, slots: set[int], fn: Callable[[], object]) -> None:
         """Run ``fn`` once no late remote transfer holds any of these host
         slots (at once when none does; otherwise on the remote tier's thread)."""
         with self._lock:
@@ -148,14 +149,14 @@ class RemoteHandler:
         fn()
 
     def _on_hold(self, off: int, n: int) -> None:
-        bb = self.host.block_bytes
+        bb = self._slot_bytes
         with self._lock:
             for s in range(off // bb, (off + n - 1) // bb + 1):
                 self._held[s] = self._held.get(s, 0) + 1
 
     def _on_release(self, off: int, n: int) -> None:
-        bb = self.host.block_bytes
-        ready = []
+        bb = self._slot_bytes
+        ready: list[tuple[set[int], Callable[[], object]]] = []
         with self._lock:
             for s in range(off // bb, (off + n - 1) // bb + 1):
                 left = self._held.get(s, 0) - 1
@@ -163,7 +164,7 @@ class RemoteHandler:
                     self._held[s] = left
                 else:
                     self._held.pop(s, None)
-            keep = []
+            keep: list[tuple[set[int], Callable[[], object]]] = []
             for slots, fn in self._waiters:
                 (keep if any(s in self._held for s in slots) else ready).append((slots, fn))
             self._waiters = keep

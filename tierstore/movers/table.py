@@ -9,7 +9,7 @@ handler for those kinds; asking for one is a :class:`~tierstore.errors.ConfigErr
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, overload
 
 from ..contract import Medium
 from ..errors import ConfigError
@@ -19,7 +19,8 @@ from .remote import RemoteHandler
 
 #: ``(source medium, destination medium)``.
 TransferKind = tuple[Medium, Medium]
-Handler = Union[MemoryHandler, NvmeHandler, RemoteHandler]
+Handler = MemoryHandler | NvmeHandler | RemoteHandler
+_M = Literal[Medium.MEMORY]
 
 _WHY_MISSING = {Medium.NVME: "no NVMe tier", Medium.REMOTE: "no remote tier"}
 
@@ -45,6 +46,15 @@ class HandlerTable:
         for medium, handler in ((Medium.NVME, nvme), (Medium.REMOTE, remote)):
             if handler is not None:
                 self.kinds[(m, medium)] = self.kinds[(medium, m)] = handler
+
+    @overload
+    def __getitem__(self, kind: tuple[_M, _M]) -> MemoryHandler: ...
+    @overload
+    def __getitem__(self, kind: tuple[_M, Literal[Medium.NVME]] | tuple[Literal[Medium.NVME], _M]) -> NvmeHandler: ...
+    @overload
+    def __getitem__(self, kind: tuple[_M, Literal[Medium.REMOTE]] | tuple[Literal[Medium.REMOTE], _M]) -> RemoteHandler: ...
+    @overload
+    def __getitem__(self, kind: TransferKind) -> Handler: ...
 
     def __getitem__(self, kind: TransferKind) -> Handler:
         """The handler of ``(source, destination)``.

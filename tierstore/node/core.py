@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 from ..api import KVStore, transfers_of
 from ..config import StoreConfig
@@ -215,7 +215,7 @@ class NodeCore:
         self.segment.close()
         return written
 
-    def __enter__(self) -> "NodeCore":
+    def __enter__(self) -> NodeCore:
         return self
 
     def __exit__(self, *exc) -> None:

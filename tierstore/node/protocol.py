@@ -29,14 +29,18 @@ import enum
 import os
 import socket
 import struct
-from typing import Annotated, Literal, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 import numpy as np
 
 from ..errors import Status, TierStoreError
 from ..extras import require
 
-msgspec = require("msgspec", "the node service protocol (tierstore.node.protocol)")
+if TYPE_CHECKING:  # the checker reads msgspec's classes; at run time a missing extra is a clear error
+    import msgspec
+else:
+    msgspec = require("msgspec", "the node service protocol (tierstore.node.protocol)")
 Meta = msgspec.Meta
 
 PROTOCOL_VERSION = 1
@@ -125,7 +129,7 @@ class ProtocolError(TierStoreError, ValueError):
         self.code = code
         self.detail = message
 
-    def error(self, rid: int = 0) -> "Error":
+    def error(self, rid: int = 0) -> Error:
         """This error as the :class:`Error` reply to request ``rid`` (0: not known)."""
         return Error(rid, self.code, self.detail[:MAX_TEXT_CHARS])
 
@@ -214,9 +218,9 @@ class Hello(Request, tag=1):
     v: Annotated[int, Meta(ge=0, le=0xFFFF)]
     token: Text
     role: Literal["leader", "rank", "solo"]
-    pool: Optional[Name]
-    block_bytes: Optional[BlockBytes]
-    tokens_per_block: Optional[Annotated[int, Meta(ge=1, le=MAX_TOKENS_PER_BLOCK)]]
+    pool: Name | None
+    block_bytes: BlockBytes | None
+    tokens_per_block: Annotated[int, Meta(ge=1, le=MAX_TOKENS_PER_BLOCK)] | None
     group: Annotated[bytes, Meta(max_length=16)]
     join_token: Annotated[bytes, Meta(max_length=32)]
     world_rank: Annotated[int, Meta(ge=0, le=MAX_WORLD_RANK)]
@@ -257,8 +261,8 @@ class Lookup(_KeysRequest, tag=2):
         Also pin the matched blocks for this many seconds.
     """
 
-    hold: Optional[Id]
-    pin_s: Optional[Seconds]
+    hold: Id | None
+    pin_s: Seconds | None
 
 
 class Exists(_KeysRequest, tag=3):
@@ -328,7 +332,7 @@ class PrepareLoad(_KeysRequest, tag=8):
         As for :class:`PrepareStore` (NVMe sources are staged before the ticket is ready).
     """
 
-    hold: Optional[Id]
+    hold: Id | None
     wait: bool
 
 
@@ -362,7 +366,7 @@ class Pin(_KeysRequest, tag=12):
         Lease length in seconds (None: the service's default); bounded by its ``max_lease_s``.
     """
 
-    lease_s: Optional[Seconds]
+    lease_s: Seconds | None
 
 
 class Unpin(Request, tag=13):
@@ -461,7 +465,7 @@ class LookupReply(_Notices, tag=65):
     useful: Annotated[int, Meta(ge=0, le=MAX_KEYS)]
     tiers: Codes
     load_s: Annotated[bytes, Meta(max_length=MAX_KEYS * 4)]
-    reason: Optional[Text] = None
+    reason: Text | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -569,8 +573,8 @@ REQUESTS = (Hello, Lookup, Exists, Release, Cancel, PrepareStore, CompleteStore,
             CompleteLoad, Abort, Poll, Pin, Unpin, Invalidate, Stats, Reclaim, Bye)
 #: what the service may send
 REPLIES = (Welcome, LookupReply, Count, TicketReply, StoreOutcome, Ack, LeaseReply, StatsReply, Error, Bye)
-ClientMessage = Union[REQUESTS]  # type: ignore[valid-type]
-ServerMessage = Union[REPLIES]  # type: ignore[valid-type]
+ClientMessage = Union[REQUESTS]  # type: ignore[valid-type]  # noqa: UP007 (a tuple built above)
+ServerMessage = Union[REPLIES]  # type: ignore[valid-type]  # noqa: UP007 (a tuple built above)
 #: decoders of each side (thread-safe, shareable)
 REQUEST_DECODER = msgspec.msgpack.Decoder(ClientMessage)
 REPLY_DECODER = msgspec.msgpack.Decoder(ServerMessage)

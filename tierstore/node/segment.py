@@ -38,8 +38,8 @@ import stat
 import struct
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ BOOT_ID_BYTES = 16
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # memfd names are <= 249 bytes (MFD_NAME_MAX_LEN)
 _PREFAULT_CHUNK_BYTES = 8 << 20
 
-_LIVE: "weakref.WeakSet[Segment]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
 def _mark_inherited() -> None:
@@ -136,7 +136,7 @@ class SegmentHeader:
 
     @classmethod
     def for_blocks(cls, block_bytes: int, host_slots: int, staging_slots: int,
-                   boot_id: bytes) -> "SegmentHeader":
+                   boot_id: bytes) -> SegmentHeader:
         """The geometry for ``host_slots + staging_slots`` blocks of ``block_bytes`` bytes.
 
         Raises
@@ -163,7 +163,7 @@ class SegmentHeader:
                            self.slot_offset, self.boot_id)
 
     @classmethod
-    def unpack(cls, raw: bytes, size_bytes: int) -> "SegmentHeader":
+    def unpack(cls, raw: bytes, size_bytes: int) -> SegmentHeader:
         """Parse and check the header of a segment of ``size_bytes`` bytes.
 
         Raises
@@ -244,7 +244,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, block_bytes: int, host_slots: int, staging_slots: int = 0, *,
-               boot_id: bytes | None = None) -> "Segment":
+               boot_id: bytes | None = None) -> Segment:
         """Create, size, seal and map a new segment (the service side).
 
         Parameters
@@ -297,7 +297,7 @@ class Segment:
 
     @classmethod
     def attach(cls, fd: int, *, block_bytes: int | None = None,
-               boot_id: bytes | None = None) -> "Segment":
+               boot_id: bytes | None = None) -> Segment:
         """Map a segment from an fd handed over by its owner (the engine side).
 
         Takes ownership of ``fd``: it is closed before this returns, mapped or not (the mapping
@@ -399,7 +399,7 @@ class Segment:
         """
         return self.rows()[:self.header.host_slots, :self.block_bytes]
 
-    def column(self, offset_bytes: int, shard_bytes: int, name: str = "host") -> "ColumnPool":
+    def column(self, offset_bytes: int, shard_bytes: int, name: str = "host") -> ColumnPool:
         """One rank's share of every slot (see :class:`ColumnPool`).
 
         Raises
@@ -578,7 +578,7 @@ class Segment:
             os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,8 +24,8 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -28,7 +28,7 @@ exceeds a threshold.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from .base import EntryInfo

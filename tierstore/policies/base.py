@@ -10,7 +10,11 @@ component, :mod:`tierstore.policies.admission`).
 from __future__ import annotations
 
 import abc
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..fdp.lifetime import LifetimeClass
 
 
 class EntryInfo(Protocol):
@@ -18,15 +22,33 @@ class EntryInfo(Protocol):
 
     Attributes: ``key`` (bytes), ``size_bytes`` (int), ``hits`` (int),
     ``last_access_s`` (float), ``created_s`` (float), ``position`` (int, block
-    index in its prefix chain), ``lifetime`` (LifetimeClass or None).
+    index in its prefix chain), ``lifetime`` (LifetimeClass or None), ``nvme_written_s`` (float).
     """
 
-    key: bytes
-    size_bytes: int
-    hits: int
-    last_access_s: float
-    created_s: float
-    position: int
+    # read-only (properties): the index's EntryView computes them from its row arrays
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def last_access_s(self) -> float: ...
+
+    @property
+    def created_s(self) -> float: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def lifetime(self) -> LifetimeClass | None: ...
+
+    @property
+    def nvme_written_s(self) -> float: ...
 
 
 class EvictionPolicy(abc.ABC):

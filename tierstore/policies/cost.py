@@ -21,10 +21,14 @@ import dataclasses
 import logging
 import math
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +316,7 @@ def _size(n: int) -> str:
 
 def measure_prefill_tokens_per_s(hidden: int = 1024, layers: int = 2, tokens: int = 512,
                                  repeats: int = 3, device: str = "cpu",
-                                 dtype: "torch.dtype | None" = None) -> float:
+                                 dtype: torch.dtype | None = None) -> float:
     """Measure a prefill rate with a matmul proxy of a transformer's dense layers.
 
     Per layer, a prefill of ``n`` tokens runs the QKV and output projections

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from .base import EntryInfo, EvictionPolicy

@@ -28,7 +28,7 @@ protocol (``observe``/``classify`` by key).
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from ..errors import ConfigError
 from ..fdp.lifetime import LifetimeClass, ReuseHistory, class_from_hint

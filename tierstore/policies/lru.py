@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from .base import EntryInfo, EvictionPolicy
 

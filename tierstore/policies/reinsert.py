@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import EntryInfo
 
+
 class HitsReinsertion:
     """Keep a block that was hit at least ``min_hits`` times.
 

@@ -30,7 +30,7 @@ ghost, i.e. straight into ``M`` -- its second sighting.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from .base import EntryInfo, EvictionPolicy
@@ -60,7 +60,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self.small_fraction = float(small_fraction)
         self.main_threshold = int(main_threshold)
         self.ghost_min_keys = int(ghost_min_keys)
-        self._q = {_S: OrderedDict(), _M: OrderedDict()}  # oldest first
+        self._q: dict[str, OrderedDict[bytes, None]] = {_S: OrderedDict(), _M: OrderedDict()}  # oldest first
         self._freq: dict[bytes, int] = {}
         self._victims: dict[bytes, str] = {}  # picked, not yet removed -> queue it came from
         self._ghost: OrderedDict[bytes, None] = OrderedDict()

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -134,7 +134,7 @@ class _CallThreads:
                     self.busy += 1
                 try:
                     fut.set_result(fn(*args))
-                except BaseException as e:  # handed to the waiter, which counts it
+                except BaseException as e:  # noqa: BLE001 (handed to the waiter, which counts it)
                     fut.set_exception(e)
                 finally:
                     with self._lock:
@@ -184,7 +184,7 @@ def _probe_call(client, name: str) -> bool:
 def _close_quietly(client) -> None:
     try:
         client.close()
-    except Exception as e:  # closing a broken client: nothing left to save
+    except Exception as e:  # noqa: BLE001 (closing a broken client: nothing left to save)
         log.debug("mooncake client close raised %r", e)
 
 

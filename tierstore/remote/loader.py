@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import LayoutError, Status
-from .calls import (_NO_RESULT, INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, RegisteredRegion, _callback,
-                    _memcpy)
+from .calls import (
+    _NO_RESULT,
+    INVALID_PARAMS,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    RegisteredRegion,
+    _callback,
+    _memcpy,
+)
 from .format import HEADER_BYTES, ObjectCorrupt, check_header, check_payload
 
 log = logging.getLogger("tierstore.remote.mooncake")  # the tier's one logger

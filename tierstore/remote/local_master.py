@@ -26,6 +26,7 @@ import socket
 import subprocess
 import time
 
+
 def master_binary() -> str:
     """Path of the native ``mooncake_master`` inside the installed wheel."""
     import mooncake
@@ -96,7 +97,7 @@ class LocalMaster:
     def metadata(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata" if self.metadata_mode == "http" else "P2PHANDSHAKE"
 
-    def start(self, timeout_s: float = 20) -> "LocalMaster":
+    def start(self, timeout_s: float = 20) -> LocalMaster:
         self.starts += 1
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen([master_binary(), *self.args], stdout=log, stderr=subprocess.STDOUT,

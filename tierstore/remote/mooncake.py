@@ -36,18 +36,35 @@ import threading
 import time
 import urllib.parse
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError, LayoutError
 from ..io.format import KEY_BYTES
 from ..tiers.storage import RemoteBlockTier
-from .calls import (_NO_RESULT, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, RPC_FAIL, RegisteredRegion, _CallFailed,
-                    _CallThreads, _callback, _close_late_client, _close_quietly, _probe_call, _Slots)
+
 # public names of this module before the split, still importable from here
-from .calls import INVALID_PARAMS, LEASE_EXPIRED, NO_AVAILABLE_HANDLE  # noqa: F401
-from .calls import OBJECT_ALREADY_EXISTS, TRANSFER_FAIL  # noqa: F401
+from .calls import (  # noqa: F401  # noqa: F401
+    _NO_RESULT,
+    INVALID_PARAMS,
+    LEASE_EXPIRED,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    TRANSFER_FAIL,
+    RegisteredRegion,
+    _callback,
+    _CallFailed,
+    _CallThreads,
+    _close_late_client,
+    _close_quietly,
+    _probe_call,
+    _Slots,
+)
 from .format import CORRUPT_REASONS, HEADER_BYTES, ObjectNamer, object_bytes
 from .loader import Loader
 from .publisher import SPACE_RETRY_S, Publisher  # noqa: F401 (SPACE_RETRY_S: as above)
@@ -76,7 +93,7 @@ def load_mooncake_store() -> type:
         its native libraries cannot load (naming the apt packages).
     """
     try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 (optional dependency)
+        from mooncake.store import MooncakeDistributedStore
     except ModuleNotFoundError as e:
         raise ConfigError(
             f"remote.engine=mooncake needs Mooncake Store, which is not installed ({e}). "
@@ -279,7 +296,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         except _CallFailed as e:
             self._degrade(f"setup failed: {e}", count="setup_failures", code=e.code)
             return False
-        except Exception as e:  # a client that raises is a failed setup, not a crash
+        except Exception as e:  # noqa: BLE001 (a client that raises is a failed setup, not a crash)
             self._degrade(f"setup raised {type(e).__name__}: {e}", count="setup_failures")
             return False
         with self._lock:
@@ -352,7 +369,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
                 fut.add_done_callback(lambda _f: on_late())
             self._degrade(f"{what} took more than {self._timeout_s:.1f} s", count="timeouts")
             return _NO_RESULT
-        except Exception as e:  # a raising client is a failed call, counted
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
             if on_late is not None:
                 on_late()
             self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
@@ -373,7 +390,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
             self._direct[token] = [time.monotonic(), what, False]
         try:
             return fn(*args)
-        except Exception as e:  # a raising client is a failed call, counted
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
             self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
             return _NO_RESULT
         finally:
@@ -530,7 +547,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         except cf.TimeoutError:
             self._bump("timeouts")
             return False
-        except Exception as e:  # a raising client is a failed probe
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed probe)
             log.debug("mooncake probe raised %r", e)
             return False
 
@@ -615,7 +632,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         self._calls.stop(self._timeout_s)
         _LIVE.discard(self)
 
-    def __enter__(self) -> "MooncakeTier":
+    def __enter__(self) -> MooncakeTier:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -624,7 +641,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
 
 
 #: Tiers not closed yet; closed at interpreter exit (before daemon threads are torn down).
-_LIVE: "weakref.WeakSet[MooncakeTier]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[MooncakeTier] = weakref.WeakSet()
 
 
 @atexit.register

@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..errors import Status
 from ..io.format import payload_crc
-from .calls import (_NO_RESULT, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, RPC_FAIL, RegisteredRegion,
-                    _callback, _memcpy)
+from .calls import (
+    _NO_RESULT,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    RPC_FAIL,
+    RegisteredRegion,
+    _callback,
+    _memcpy,
+)
 from .format import HEADER_BYTES, encode_header
 
 #: Delays before a publish refused for space (-200) is sent again: a refused put makes the
@@ -196,7 +204,7 @@ class Publisher:
                     self._publishing -= 1
                     self._work.notify_all()
 
-    def _publish(self, batch: list["_Pub"], client: Any, zero_copy: bool) -> None:
+    def _publish(self, batch: list[_Pub], client: Any, zero_copy: bool) -> None:
         keys = [b.key for b in batch]
         pool = self._hdr_slots if zero_copy else self._put_slots
         kept: set[int] = set()  # slots of blocks sent again later (refused for space)

@@ -10,7 +10,8 @@ splits one flat dict of both (a test worker's options) into the two.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 

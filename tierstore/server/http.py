@@ -15,7 +15,16 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 __all__ = ["ApiError", "error_response", "JsonFormatter", "setup_logging", "JsonAccessLogger", "KeysRequest",
            "PutManifest", "PinRequest", "UnpinRequest", "InvalidateRequest", "hex32", "validation_message",
@@ -68,7 +77,7 @@ def setup_logging(level: str) -> None:
 class JsonAccessLogger(AbstractAccessLogger):
     """aiohttp access log as JSON (method, path, status, bytes, duration, tenant)."""
 
-    def log(self, request, response, time_s: float) -> None:  # noqa: A003 (aiohttp API name)
+    def log(self, request, response, time_s: float) -> None:
         self.logger.info("request", extra={"fields": {
             "event": "access", "method": request.method, "path": request.path, "status": response.status,
             "resp_bytes": response.body_length, "duration_s": round(time_s, 6),

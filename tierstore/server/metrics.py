@@ -31,7 +31,7 @@ def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetri
 class _StoreCollector:
     """Scrape-time gauges: bytes per tier, store counters, WAF, tenant usage."""
 
-    def __init__(self, svc: "Service") -> None:
+    def __init__(self, svc: Service) -> None:
         self.svc = svc
 
     def collect(self):
@@ -85,7 +85,7 @@ class _StoreCollector:
 class ServerMetrics:
     """Prometheus metrics of the daemon (private registry)."""
 
-    def __init__(self, svc: "Service") -> None:
+    def __init__(self, svc: Service) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tierstore_requests", "API requests by operation and HTTP status",

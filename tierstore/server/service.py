@@ -23,6 +23,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import sys
 import threading
 import time
 from typing import Any
@@ -39,11 +40,27 @@ from ..contract import Tier
 from ..errors import QuotaExceeded, Status, TierStoreError
 from .config import DaemonConfig
 from .durable import repair_after_restart
-from .http import (UNAUTHORIZED_HEADERS, ApiError, InvalidateRequest, KeysRequest, PinRequest, PutManifest,
-                   UnpinRequest, error_response, hex32, parse_json, require_json)
+from .http import (
+    UNAUTHORIZED_HEADERS,
+    ApiError,
+    InvalidateRequest,
+    KeysRequest,
+    PinRequest,
+    PutManifest,
+    UnpinRequest,
+    error_response,
+    hex32,
+    parse_json,
+    require_json,
+)
 from .metrics import ServerMetrics
 from .protocol import BLOCKS_CONTENT_TYPE, PREFIX
 from .tenancy import Tenancy
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # asyncio.timeout is 3.11's; aiohttp requires async-timeout, the same context manager, below 3.11
+    from async_timeout import timeout as _timeout
 
 __all__ = ["Service", "BufferPool"]
 
@@ -180,7 +197,7 @@ class Service:
                     self.inflight += 1
                     counted = True
                 try:
-                    async with asyncio.timeout(lim.request_timeout_s):
+                    async with _timeout(lim.request_timeout_s):
                         resp = await handler(request)
                 except ApiError as e:
                     hdrs = dict(e.headers)
@@ -188,7 +205,7 @@ class Service:
                         hdrs.update(retry)
                         self.metrics.rejected.labels(e.code).inc()
                     resp = error_response(e.status, e.code, e.message, hdrs)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError from 3.11; async-timeout's below
                     resp = error_response(408, "timeout", f"request not completed within {lim.request_timeout_s} s")
                 except web.HTTPException as e:
                     if e.status >= 400 and e.content_type != "application/json":

@@ -23,7 +23,8 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
@@ -76,7 +77,7 @@ class Tenancy:
 
     @staticmethod
     def _read_jsonl(path: str) -> list[dict]:
-        out = []
+        out: list[dict] = []
         if not os.path.exists(path):
             return out
         with open(path, encoding="utf-8") as f:
@@ -163,9 +164,9 @@ class Tenancy:
 
     def _prune(self, owner: str, store) -> None:
         for s in self._owner_scopes.get(owner, ()):
-            ks = self._keys.get(s)
-            if ks:
-                ks = list(ks)
+            put = self._keys.get(s)
+            if put:
+                ks = list(put)
                 self._keys[s] = {k for k, r in zip(ks, store.resident(ks)) if r}
 
     def reserve(self, owner: str, scope: bytes, keys: Sequence[bytes], store) -> list[bytes]:

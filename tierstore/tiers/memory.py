@@ -65,7 +65,7 @@ class BlockPool:
                               f"memory: {str(exc).splitlines()[0]}") from exc
 
     @classmethod
-    def from_tensor(cls, name: str, rows: torch.Tensor) -> "BlockPool":
+    def from_tensor(cls, name: str, rows: torch.Tensor) -> BlockPool:
         """A pool over memory that exists already: slot ``s`` is ``rows[s]``; nothing is allocated.
 
         The node service's host tier is the rows of its shared segment

@@ -26,7 +26,8 @@ backend is :class:`tierstore.remote.mooncake.MooncakeTier`.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -188,7 +189,7 @@ class BlockStorage(abc.ABC):
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is stored."""
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Record a hit on ``keys`` (region recency: Navy's ``RegionManager::touch``). Default: nothing."""
 
     @abc.abstractmethod
@@ -237,11 +238,11 @@ class BlockStorage(abc.ABC):
         """Sequence number the next write will get (default 0: writes are unordered)."""
         return 0
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Backend counters (bytes written/read, host write amplification, ...); default ``{}``."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Flush and release resources (default: nothing to release)."""
 
     def __len__(self) -> int:
@@ -313,7 +314,7 @@ class RemoteBlockTier(abc.ABC):
         """Register memory (the host tier's pool) for zero-copy loads and publishes; the tier calls
         ``on_hold(offset, nbytes)`` while it may still touch a range and ``on_release`` after."""
 
-    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:
+    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:  # noqa: B027 (optional hook)
         """Call ``fn(blocks, seconds)`` after each load that delivered blocks (the cost model prices
         remote loads from these). Default: never called (the declared figures stay)."""
 
@@ -328,7 +329,7 @@ class RemoteBlockTier(abc.ABC):
         """``connecting``, ``ok``, ``degraded`` or ``closed``."""
 
     @abc.abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and state."""
 
     @abc.abstractmethod

@@ -9,7 +9,7 @@ page read back can be checked byte for byte.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig

@@ -14,8 +14,21 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from tierstore.errors import ConfigError, ForeignDataError, LayoutError, StoreClosedError
 from tierstore.integrations.sglang import HiCacheTierStore
 
-from .harness import (backend, content, fill, holds, host_pool, indices, page_bytes_of, page_hashes, poison,
-                      poisoned, read_page, storage_config, tiers)
+from .harness import (
+    backend,
+    content,
+    fill,
+    holds,
+    host_pool,
+    indices,
+    page_bytes_of,
+    page_hashes,
+    poison,
+    poisoned,
+    read_page,
+    storage_config,
+    tiers,
+)
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 MiB = 1 << 20
@@ -577,7 +590,7 @@ def test_every_call_after_close_raises(tmp_path):
              "batch_get_v1": lambda: b.batch_get_v1(keys, indices(pool, [3, 4])), "exists": lambda: b.exists(keys[0]),
              "get": lambda: b.get(keys[0]), "set": lambda: b.set(keys[0], read_page(pool, 1)),
              "clear": lambda: b.clear(), "register_mem_pool_host": lambda: b.register_mem_pool_host(pool)}
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(StoreClosedError, match="closed"):
             call()
     b.close()  # idempotent

@@ -10,7 +10,18 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from .harness import backend, fill, holds, host_pool, indices, page_bytes_of, page_hashes, poison, poisoned, tiers
+from .harness import (
+    backend,
+    fill,
+    holds,
+    host_pool,
+    indices,
+    page_bytes_of,
+    page_hashes,
+    poison,
+    poisoned,
+    tiers,
+)
 
 KEYS = 64            # key space; the store holds about 38 pages (8 host, ~30 NVMe): pages get evicted
 DEST = KEYS + 1      # first host page used as a load destination

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import connector_config, engine_kwargs, shutdown  # noqa: E402
+from _util import connector_config, engine_kwargs, shutdown
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import connector_config, engine_kwargs, shutdown  # noqa: E402
+from _util import connector_config, engine_kwargs, shutdown
 
 
 def main() -> int:
@@ -27,7 +27,7 @@ def main() -> int:
         llm = LLM(**engine_kwargs(args["model"], **args["engine"]),
                   kv_transfer_config=connector_config({"tiers": {"nvme": {"path": args["nvme_dir"],
                                                                           "capacity_bytes": "64MiB"}}}))
-    except Exception as e:  # the refusal, however vLLM wraps it
+    except Exception as e:  # noqa: BLE001 (the refusal, however vLLM wraps it: printed)
         print(f"REFUSED {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
         return 3
     print(f"STARTED after {time.monotonic() - t0:.1f} s", flush=True)

@@ -280,7 +280,7 @@ def test_the_connector_says_one_line_at_start_and_one_at_shutdown(persisted):
     """Issue 22, item 13: inside vLLM (its logger, its INFO level) one line when the store opens
     (tiers, NVMe path, blocks recovered, remote tier) and one when it closes (blocks written down)."""
     nvme_dir, first, second = persisted
-    for run, recovered in ((first, 0), (second, None)):
+    for run, _recovered in ((first, 0), (second, None)):
         opened = [ln for ln in run["log"].splitlines() if "tierstore opened for vLLM engine" in ln]
         closed = [ln for ln in run["log"].splitlines() if "tierstore closed for vLLM engine" in ln]
         assert len(opened) == 1 and len(closed) == 1, run["log"][-4000:]

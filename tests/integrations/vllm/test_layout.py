@@ -75,7 +75,7 @@ def test_five_dim_gpu_layouts_map_to_layer_kv(flashinfer):
     assert eng.layout.block_order == "layer_kv" and eng.interior == "NHD"
     roundtrip(eng, 5, 9)
     for t in caches.values():
-        blk = (lambda b: t[b]) if flashinfer else (lambda b: t[:, b])
+        blk = (lambda b, t=t: t[b]) if flashinfer else (lambda b, t=t: t[:, b])
         assert torch.equal(blk(9), blk(5))
 
 

@@ -30,8 +30,13 @@ MODULE = "tierstore.integrations.vllm_offload"
 
 def offloading_config(extra: dict, *, model: str = "acme/tiny@rev-a", dtype: str = "float32", tp: int = 1,
                       engine_id: str | None = None):
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False, extra_config=extra,
@@ -124,7 +129,13 @@ class Engine:
         self.step()
         return [ok.get(k, False) for k in keys]
 
+    closed = False
+
     def close(self) -> None:
+        """Settle and shut the manager down; a second call does nothing (the fixture closes every engine)."""
+        if self.closed:
+            return
+        self.closed = True
         self.settle()
         self.mgr.shutdown()
 
@@ -160,10 +171,7 @@ def engines():
         return e
     yield make
     for e in made:
-        try:
-            e.close()
-        except Exception:  # already closed by the test
-            pass
+        e.close()
 
 
 @pytest.mark.parametrize("where", ["host", "nvme"])
