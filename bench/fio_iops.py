@@ -14,9 +14,9 @@ Method: ``--pairs`` pairs per case, run back to back in ABBA order (pair 0: fio 
 pair 1: tierstore then fio, ...), so neither side always follows the other. The ratio is
 tierstore IOPS / fio IOPS per pair; the table gives the median of the per-pair ratios with min and
 max, the median IOPS of each side, and the 1-minute load average before each pair (median, and
-min-max). ``--conditions quiet,busy`` repeats everything with one competitor process: a Python spin
-loop (``while True: pass``) started before each pair and stopped after it, so both sides of a pair
-share the CPU with it.
+min-max). ``--conditions quiet,busy`` repeats everything with ``--busy N`` (default 1) competitor
+processes: Python spin loops (``while True: pass``) started before each pair and stopped after it, so
+both sides of a pair share the CPU with them.
 
 Usage::
 
@@ -77,18 +77,20 @@ def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: 
 
 
 @contextlib.contextmanager
-def competitor(busy: bool) -> Iterator[None]:
-    """One busy process (a Python spin loop) for the duration of the block, or nothing."""
-    if not busy:
+def competitor(busy: int) -> Iterator[None]:
+    """``busy`` busy processes (Python spin loops) for the duration of the block, or nothing."""
+    if busy <= 0:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        time.sleep(0.5)  # let it get scheduled before the pair starts
+        time.sleep(0.5)  # let them get scheduled before the pair starts
         yield
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def lay_out(path: str, size_bytes: int) -> None:
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=5, help="ABBA pairs per case")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--engines", default=",".join(ENGINES))
-    ap.add_argument("--conditions", default="quiet,busy", help="quiet, busy (one spin-loop competitor), or both")
+    ap.add_argument("--conditions", default="quiet,busy", help="quiet, busy (--busy spin-loop competitors), or both")
+    ap.add_argument("--busy", type=int, default=1, help="spin-loop processes that run through each busy pair")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     if shutil.which("fio") is None:
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="fio-iops-", dir=args.dir)
     path = os.path.join(work, "job.dat")
     results = {"config": {"size": args.size, "runtime_s": args.runtime, "pairs": args.pairs, "dir": args.dir,
+                          "busy_processes": args.busy,
                           "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
                           "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                           "command_example": {t: " ".join((["fio"] if t == "fio" else
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         order = ("fio", "tierstore") if i % 2 == 0 else ("tierstore", "fio")
                         load = os.getloadavg()[0]
                         got = {}
-                        with competitor(condition == "busy"):
+                        with competitor(args.busy if condition == "busy" else 0):
                             for tool in order:
                                 got[tool] = run_one(tool, rw, engine, args.size, args.runtime, path, work)
                         pair = {"order": list(order), "loadavg_1m": load, "fio_iops": got["fio"],
