@@ -8,7 +8,8 @@ For every (workload, ioengine) the same command line is given to fio and to ``ti
 
 (``--rwmixread=70`` added for ``randrw``), on one preallocated O_DIRECT file on the disk under
 ``--dir`` (laid out once, before any timing; removed at the end). Both read their own JSON; the
-IOPS of a run is ``read.iops + write.iops``.
+IOPS of a run is ``read.iops + write.iops``; each tool's CPU per I/O (user + system, us) comes from
+its own ``usr_cpu``/``sys_cpu`` over its I/Os.
 
 Method: ``--pairs`` pairs per case, run back to back in ABBA order (pair 0: fio then tierstore,
 pair 1: tierstore then fio, ...), so neither side always follows the other. The ratio is
@@ -54,16 +55,29 @@ def job_args(rw: str, engine: str, size: str, runtime_s: float, path: str, out: 
     return args
 
 
-def _iops(out: str) -> float:
+def _job(out: str) -> dict:
     text = open(out, encoding="utf-8").read()
     job = json.loads(text[text.index("{"):])["jobs"][0]
     if job.get("error"):
         raise RuntimeError(f"{out}: the job failed with error={job['error']}")
+    return job
+
+
+def _iops(out: str) -> float:
+    job = _job(out)
     return float(job["read"]["iops"]) + float(job["write"]["iops"])
 
 
-def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str) -> float:
-    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS."""
+def _cpu_us_per_io(out: str, runtime_s: float) -> tuple[float, float]:
+    """User and system CPU per I/O (us), from the tool's own ``usr_cpu``/``sys_cpu`` (percent of its runtime)."""
+    job = _job(out)
+    ios = max(1, int(job["read"]["total_ios"]) + int(job["write"]["total_ios"]))
+    return (float(job["usr_cpu"]) / 100 * runtime_s / ios * 1e6, float(job["sys_cpu"]) / 100 * runtime_s / ios * 1e6)
+
+
+def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str
+            ) -> tuple[float, tuple[float, float]]:
+    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS and its (user, system) CPU us per I/O."""
     out = os.path.join(tmp, f"{tool}.json")
     # the file is the run's own (fio laid it out): tierstore writes over a file it did not create
     # only with --format=1
@@ -73,7 +87,7 @@ def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return _iops(out)
+    return _iops(out), _cpu_us_per_io(out, runtime_s)
 
 
 @contextlib.contextmanager
@@ -145,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(args.pairs):
                         order = ("fio", "tierstore") if i % 2 == 0 else ("tierstore", "fio")
                         load = os.getloadavg()[0]
-                        got = {}
+                        got, cpu = {}, {}
                         with competitor(args.busy if condition == "busy" else 0):
                             for tool in order:
-                                got[tool] = run_one(tool, rw, engine, args.size, args.runtime, path, work)
+                                got[tool], cpu[tool] = run_one(tool, rw, engine, args.size, args.runtime, path, work)
                         pair = {"order": list(order), "loadavg_1m": load, "fio_iops": got["fio"],
-                                "tierstore_iops": got["tierstore"], "ratio": got["tierstore"] / got["fio"]}
+                                "tierstore_iops": got["tierstore"], "ratio": got["tierstore"] / got["fio"],
+                                "fio_cpu_us_per_io": cpu["fio"], "tierstore_cpu_us_per_io": cpu["tierstore"]}
                         case["pairs"].append(pair)
                         print(f"{condition:5s} {engine:8s} {rw:9s} pair {i}: fio {got['fio']:9.0f}  tierstore "
                               f"{got['tierstore']:9.0f}  ratio {pair['ratio']:.2f}  load {load:.2f}", flush=True)
@@ -158,17 +173,21 @@ def main(argv: list[str] | None = None) -> int:
                     case["fio_iops"] = summarize([p["fio_iops"] for p in case["pairs"]])
                     case["tierstore_iops"] = summarize([p["tierstore_iops"] for p in case["pairs"]])
                     case["loadavg_1m"] = summarize([p["loadavg_1m"] for p in case["pairs"]])
+                    for tool in ("fio", "tierstore"):   # user + system CPU per I/O, us
+                        case[f"{tool}_cpu_us_per_io"] = summarize([sum(p[f"{tool}_cpu_us_per_io"])
+                                                                   for p in case["pairs"]])
                     results["cases"].append(case)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["config"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print("\n| condition | ioengine | rw | tierstore / fio IOPS (median, min-max) | fio IOPS | tierstore IOPS "
-          "| load avg 1 min |")
-    print("|---|---|---|---|---:|---:|---|")
+          "| CPU us per I/O, fio / tierstore | load avg 1 min |")
+    print("|---|---|---|---|---:|---:|---|---|")
     for c in results["cases"]:
         r, la = c["ratio"], c["loadavg_1m"]
         print(f"| {c['condition']} | {c['engine']} | {c['rw']} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) "
               f"| {c['fio_iops']['median']:.0f} | {c['tierstore_iops']['median']:.0f} "
+              f"| {c['fio_cpu_us_per_io']['median']:.1f} / {c['tierstore_cpu_us_per_io']['median']:.1f} "
               f"| {la['median']:.1f} ({la['min']:.1f}-{la['max']:.1f}) |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
