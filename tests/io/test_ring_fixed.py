@@ -93,7 +93,8 @@ def test_a_fixed_ring_refuses_what_would_break_the_slot_mapping(direct_fd, slots
         for call in (lambda: ring.prep_read(direct_fd, addrs[0], BS, 0, 1),
                      lambda: ring.prep_rw_batch(R.IORING_OP_READ, direct_fd, addrs[:1], BS, [0], [1]),
                      lambda: ring.fix_rw_slots(R.IORING_OP_READ, direct_fd, addrs, BS),
-                     lambda: ring.prep_fixed([0, 1], [0])):
+                     lambda: ring.prep_fixed([0, 1], [0]),
+                     lambda: ring.prep_fixed([8], [0]), lambda: ring.prep_fixed([-1], [0])):   # 8 slots: 0..7
             with pytest.raises(R.IoUringError) as e:
                 call()
             assert e.value.errno == errno.EINVAL

@@ -218,6 +218,7 @@ class Ring:
     def __init__(self, entries: int, *, sqe128: bool = False, cqe32: bool = False) -> None:
         self.fd = -1
         self._fixed_words = self._fixed_bytes = self._sq_index = None   # views set by fix_rw_slots
+        self._n_fixed = 0
         ok, why = _arch_supported()
         if not ok:
             raise IoUringUnavailable(errno.ENOTSUP, why)
@@ -439,6 +440,7 @@ class Ring:
         for i, addr in enumerate(addrs):
             _SQE.pack_into(self._sqes, i << 6, opcode, 0, 0, fd, 0, addr, nbytes, 0, i, 0, 0, 0, 0, 0)
         p = self.params
+        self._n_fixed = len(addrs)
         self._fixed_words = memoryview(self._sqes).cast("Q")     # u64 word 1 of SQE i: off
         self._fixed_bytes = memoryview(self._sqes)               # byte 0 of SQE i: opcode
         self._sq_index = memoryview(self._sq)[p.sq_array:p.sq_array + 4 * p.sq_entries].cast("I")
@@ -458,8 +460,8 @@ class Ring:
         Raises
         ------
         IoUringError
-            EINVAL on a ring not fixed to slots or sequences of different lengths; EBUSY when the SQ
-            has fewer free entries than slots (nothing is queued then).
+            EINVAL on a ring not fixed to slots, a slot outside them, or sequences of different lengths;
+            EBUSY when the SQ has fewer free entries than slots (nothing is queued then).
         """
         index = self._sq_index
         if index is None:
@@ -467,6 +469,8 @@ class Ring:
         n = len(slots)
         if len(offsets) != n or (opcodes is not None and len(opcodes) != n):
             raise IoUringError(errno.EINVAL, "prep_fixed: slots, offsets and opcodes differ in length")
+        if n and (min(slots) < 0 or max(slots) >= self._n_fixed):
+            raise IoUringError(errno.EINVAL, f"prep_fixed: slots must be 0..{self._n_fixed - 1}")
         tail = self._tail
         if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
             raise IoUringError(errno.EBUSY, f"submission queue has {self.sq_space_left()} free slots, not {n}: "
