@@ -8,15 +8,16 @@ For every (workload, ioengine) the same command line is given to fio and to ``ti
 
 (``--rwmixread=70`` added for ``randrw``), on one preallocated O_DIRECT file on the disk under
 ``--dir`` (laid out once, before any timing; removed at the end). Both read their own JSON; the
-IOPS of a run is ``read.iops + write.iops``.
+IOPS of a run is ``read.iops + write.iops``; each tool's CPU per I/O (user + system, us) comes from
+its own ``usr_cpu``/``sys_cpu`` over its I/Os.
 
 Method: ``--pairs`` pairs per case, run back to back in ABBA order (pair 0: fio then tierstore,
 pair 1: tierstore then fio, ...), so neither side always follows the other. The ratio is
 tierstore IOPS / fio IOPS per pair; the table gives the median of the per-pair ratios with min and
 max, the median IOPS of each side, and the 1-minute load average before each pair (median, and
-min-max). ``--conditions quiet,busy`` repeats everything with one competitor process: a Python spin
-loop (``while True: pass``) started before each pair and stopped after it, so both sides of a pair
-share the CPU with it.
+min-max). ``--conditions quiet,busy`` repeats everything with ``--busy N`` (default 1) competitor
+processes: Python spin loops (``while True: pass``) started before each pair and stopped after it, so
+both sides of a pair share the CPU with them.
 
 Usage::
 
@@ -54,16 +55,29 @@ def job_args(rw: str, engine: str, size: str, runtime_s: float, path: str, out: 
     return args
 
 
-def _iops(out: str) -> float:
+def _job(out: str) -> dict:
     text = open(out, encoding="utf-8").read()
     job = json.loads(text[text.index("{"):])["jobs"][0]
     if job.get("error"):
         raise RuntimeError(f"{out}: the job failed with error={job['error']}")
+    return job
+
+
+def _iops(out: str) -> float:
+    job = _job(out)
     return float(job["read"]["iops"]) + float(job["write"]["iops"])
 
 
-def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str) -> float:
-    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS."""
+def _cpu_us_per_io(out: str, runtime_s: float) -> tuple[float, float]:
+    """User and system CPU per I/O (us), from the tool's own ``usr_cpu``/``sys_cpu`` (percent of its runtime)."""
+    job = _job(out)
+    ios = max(1, int(job["read"]["total_ios"]) + int(job["write"]["total_ios"]))
+    return (float(job["usr_cpu"]) / 100 * runtime_s / ios * 1e6, float(job["sys_cpu"]) / 100 * runtime_s / ios * 1e6)
+
+
+def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str
+            ) -> tuple[float, tuple[float, float]]:
+    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS and its (user, system) CPU us per I/O."""
     out = os.path.join(tmp, f"{tool}.json")
     # the file is the run's own (fio laid it out): tierstore writes over a file it did not create
     # only with --format=1
@@ -73,22 +87,24 @@ def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return _iops(out)
+    return _iops(out), _cpu_us_per_io(out, runtime_s)
 
 
 @contextlib.contextmanager
-def competitor(busy: bool) -> Iterator[None]:
-    """One busy process (a Python spin loop) for the duration of the block, or nothing."""
-    if not busy:
+def competitor(busy: int) -> Iterator[None]:
+    """``busy`` busy processes (Python spin loops) for the duration of the block, or nothing."""
+    if busy <= 0:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        time.sleep(0.5)  # let it get scheduled before the pair starts
+        time.sleep(0.5)  # let them get scheduled before the pair starts
         yield
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def lay_out(path: str, size_bytes: int) -> None:
@@ -113,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=5, help="ABBA pairs per case")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--engines", default=",".join(ENGINES))
-    ap.add_argument("--conditions", default="quiet,busy", help="quiet, busy (one spin-loop competitor), or both")
+    ap.add_argument("--conditions", default="quiet,busy", help="quiet, busy (--busy spin-loop competitors), or both")
+    ap.add_argument("--busy", type=int, default=1, help="spin-loop processes that run through each busy pair")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     if shutil.which("fio") is None:
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="fio-iops-", dir=args.dir)
     path = os.path.join(work, "job.dat")
     results = {"config": {"size": args.size, "runtime_s": args.runtime, "pairs": args.pairs, "dir": args.dir,
+                          "busy_processes": args.busy,
                           "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
                           "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                           "command_example": {t: " ".join((["fio"] if t == "fio" else
@@ -141,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(args.pairs):
                         order = ("fio", "tierstore") if i % 2 == 0 else ("tierstore", "fio")
                         load = os.getloadavg()[0]
-                        got = {}
-                        with competitor(condition == "busy"):
+                        got, cpu = {}, {}
+                        with competitor(args.busy if condition == "busy" else 0):
                             for tool in order:
-                                got[tool] = run_one(tool, rw, engine, args.size, args.runtime, path, work)
+                                got[tool], cpu[tool] = run_one(tool, rw, engine, args.size, args.runtime, path, work)
                         pair = {"order": list(order), "loadavg_1m": load, "fio_iops": got["fio"],
-                                "tierstore_iops": got["tierstore"], "ratio": got["tierstore"] / got["fio"]}
+                                "tierstore_iops": got["tierstore"], "ratio": got["tierstore"] / got["fio"],
+                                "fio_cpu_us_per_io": cpu["fio"], "tierstore_cpu_us_per_io": cpu["tierstore"]}
                         case["pairs"].append(pair)
                         print(f"{condition:5s} {engine:8s} {rw:9s} pair {i}: fio {got['fio']:9.0f}  tierstore "
                               f"{got['tierstore']:9.0f}  ratio {pair['ratio']:.2f}  load {load:.2f}", flush=True)
@@ -154,17 +173,21 @@ def main(argv: list[str] | None = None) -> int:
                     case["fio_iops"] = summarize([p["fio_iops"] for p in case["pairs"]])
                     case["tierstore_iops"] = summarize([p["tierstore_iops"] for p in case["pairs"]])
                     case["loadavg_1m"] = summarize([p["loadavg_1m"] for p in case["pairs"]])
+                    for tool in ("fio", "tierstore"):   # user + system CPU per I/O, us
+                        case[f"{tool}_cpu_us_per_io"] = summarize([sum(p[f"{tool}_cpu_us_per_io"])
+                                                                   for p in case["pairs"]])
                     results["cases"].append(case)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["config"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print("\n| condition | ioengine | rw | tierstore / fio IOPS (median, min-max) | fio IOPS | tierstore IOPS "
-          "| load avg 1 min |")
-    print("|---|---|---|---|---:|---:|---|")
+          "| CPU us per I/O, fio / tierstore | load avg 1 min |")
+    print("|---|---|---|---|---:|---:|---|---|")
     for c in results["cases"]:
         r, la = c["ratio"], c["loadavg_1m"]
         print(f"| {c['condition']} | {c['engine']} | {c['rw']} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) "
               f"| {c['fio_iops']['median']:.0f} | {c['tierstore_iops']['median']:.0f} "
+              f"| {c['fio_cpu_us_per_io']['median']:.1f} / {c['tierstore_cpu_us_per_io']['median']:.1f} "
               f"| {la['median']:.1f} ({la['min']:.1f}-{la['max']:.1f}) |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

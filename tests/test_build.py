@@ -225,3 +225,25 @@ def test_several_streams_never_drop_demotions(layout):
         assert w.device_stats()["waf"] == pytest.approx(1.0)
     finally:
         w.close()
+
+
+def test_small_blocks_say_how_much_of_the_nvme_tier_they_can_use(tmp_path, caplog):
+    """4 KiB blocks: each may take an extent of its own with a 4096-byte header, so 64 MiB holds 31.5 MiB
+    of KV; that was said nowhere (a fresh-user trial found it). One warning at build, with both figures."""
+    from tierstore.layout import KVLayout
+    small = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
+    assert small.bytes_per_block == 4096
+    with caplog.at_level("WARNING", logger="tierstore"):
+        s = KVStore(small, host_bytes=0, nvme_path=str(tmp_path / "small"), nvme_bytes=64 << 20)
+    try:
+        held = s.capacity_bytes()["nvme"]
+    finally:
+        s.close()
+    said = [r.getMessage() for r in caplog.records if "header" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(64 << 20) in said[0] and str(held) in said[0] and held < 40 << 20
+    caplog.clear()
+    big = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=64, dtype=torch.float16)  # 128 KiB
+    with caplog.at_level("WARNING", logger="tierstore"):
+        KVStore(big, host_bytes=0, nvme_path=str(tmp_path / "big"), nvme_bytes=64 << 20).close()
+    assert not [r for r in caplog.records if "header" in r.getMessage()]

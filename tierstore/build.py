@@ -23,6 +23,7 @@ wires, from the typed parts:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from .fdp.device import RuhUpdateShim, placement_policy
 from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
 from .index import BlockIndex, IndexRuntime, IndexShape
+from .io import format as fmt
 from .io.segments import SegmentStorage
 from .layout import KVLayout
 from .movers import Movers, make_movers
@@ -48,6 +50,8 @@ from .policies.reinsert import make_reinsert
 from .tiers.memory import BlockPool, cuda_available
 from .tiers.storage import BlockStorage
 from .units import format_bytes
+
+_log = logging.getLogger("tierstore.build")
 
 __all__ = ["FlushSettings", "StoreParts", "assemble", "assemble_config", "assemble_options", "build_store",
            "file_tier_geometry", "remote_planner"]
@@ -317,6 +321,28 @@ def _open_storage(nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDe
         raise
 
 
+#: A one-block extent's header share of the NVMe tier above which the build says what the tier holds.
+_HEADER_SHARE_SAID = 0.10
+
+
+def _say_header_share(tier_bytes: int, blocks: int, block_bytes: int) -> None:
+    """One warning when small blocks leave much of the NVMe tier to extent headers.
+
+    The tier is sized for the worst case, one block per extent
+    (:meth:`~tierstore.io.segment_manager.SegmentManager.capacity_blocks`); each extent starts
+    with a header of at least 4096 bytes (:func:`tierstore.io.format.header_bytes_for`), which
+    with 4 KiB blocks is half of the tier.
+    """
+    header, extent = fmt.header_bytes_for(1), fmt.extent_bytes_for(1, block_bytes)
+    if header / extent < _HEADER_SHARE_SAID:
+        return
+    _log.warning("NVMe tier of %d bytes (%s) holds %d blocks of %d bytes, i.e. %d bytes (%s) of KV: a block "
+                 "may be stored as an extent of its own, whose %d-byte header is %.0f%% of it at this block "
+                 "size; larger blocks (more tokens_per_block) lose less", tier_bytes, format_bytes(tier_bytes),
+                 blocks, block_bytes, blocks * block_bytes, format_bytes(blocks * block_bytes), header,
+                 100.0 * header / extent)
+
+
 def _open_index(cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None,
                 runtime: IndexRuntime) -> BlockIndex:
     """The block index over the tiers, listening to the NVMe tier and holding the
@@ -331,6 +357,8 @@ def _open_index(cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None,
     shape = IndexShape(bb, layout.tokens_per_block, hbm_blocks=t.hbm.capacity_bytes // bb,
                        host_blocks=t.host.capacity_bytes // bb,
                        nvme_blocks=nvme.capacity_blocks() if nvme is not None else None)
+    if nvme is not None and isinstance(nvme, SegmentStorage):
+        _say_header_share(nvme.n_segments * nvme.segment_size_bytes, shape.nvme_blocks, bb)
     index = BlockIndex(shape, cfg.policies, runtime)
     if nvme is not None:
         if nvme.block_bytes != bb:

@@ -28,6 +28,20 @@ def test_an_option_without_its_value_is_fios_error(run_bench, argv, option):
     assert f"option '{option}' requires an argument" in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["--name"], ["--name=j", "--bs", "--rw=read"], ["--name=j", "--rw=read", "--eta"],    # a value missing
+    ["--nosuch=1"], ["--rw=bogus"], ["--iodepth=0"], ["--name=j", "--verify=md5"],        # a value refused
+])
+def test_every_command_line_refusal_begins_the_same_way(run_bench, argv):
+    """A missing value said "option '--bs' requires an argument" where every other refusal of the command
+    line begins "command line:" (a fresh-user trial leftover): one prefix for both."""
+    rc, out, err = run_bench("--parse-only", *argv)
+    assert rc == 1 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(("tierstore bench: error: command line: ",
+                            "tierstore bench: error: command line job 'j': ")), line
+
+
 def test_a_bare_value_option_in_a_flag_list_is_refused():
     """parse_jobs(["--name"]) used to make a job named '1'."""
     with pytest.raises(Exception, match=r"option '--name' requires an argument"):

@@ -87,7 +87,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], 
                 takes = True   # a boolean given as --direct 0
         if takes:
             if i == len(args) or args[i].startswith("--"):
-                raise ConfigError(f"option '--{name}' requires an argument")
+                raise ConfigError(f"command line: option '--{name}' requires an argument")
             value, i = args[i], i + 1
         if name in _VALUE_FLAGS:
             own[name.replace("_", "-")] = value

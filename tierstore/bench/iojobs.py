@@ -5,9 +5,9 @@ How the I/O is issued (``ioengine=``, mapped by :func:`tierstore.bench.jobfile.e
 * ``uring`` (and fio's ``io_uring``, ``libaio``; ``auto`` where io_uring works): one thread per
   clone (``numjobs``) drives its own io_uring (:class:`tierstore.io.ring.Ring`) as fio's io_uring
   engine does: it fills up to ``iodepth`` read/write SQEs, publishes them with one
-  ``io_uring_enter`` that also waits for at least one completion, reaps every completion posted,
-  and refills. Python runs a few microseconds per I/O and one system call per batch, not a
-  system call and a thread hand-off per I/O.
+  ``io_uring_enter`` that also waits for ``iodepth // 4`` completions (at least one), reaps every
+  completion posted, and refills. Python runs about a microsecond per I/O and one system call
+  per batch, not a system call and a thread hand-off per I/O.
 * ``posix`` (and fio's ``posixaio``): ``iodepth`` threads per clone, each doing one
   ``os.preadv``/``os.pwritev`` at a time on the O_DIRECT file (the GIL is released inside the
   call), which keeps ``iodepth`` I/Os in flight.
@@ -98,6 +98,10 @@ _MODEL_RUHS = 8
 _DRAW_CHUNK = 4096
 #: I/Os a synchronous thread reserves per visit to the job's shared budget (fewer lock round trips).
 _SYNC_TAKE = 16
+#: A plain job's io_uring loop waits for ``iodepth // 4`` completions (at least 1; fewer when fewer are in
+#: flight) before it refills: the queue stays between 3/4 of ``iodepth`` and full, and one turn's Python
+#: cost is shared by several I/Os (measured against 1, 4 and 8 at depth 16: bench/README_io.md).
+_REAP_DEPTH_DIVISOR = 4
 #: Completed writes a synchronous thread hands to the FTL model at once.
 _OBSERVE_BATCH = 64
 
@@ -753,14 +757,15 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
 
 def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
                 pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
-    """One clone through its own io_uring, keeping ``depth`` I/Os in flight as fio's io_uring engine.
+    """One clone through its own io_uring, keeping between 3/4 of ``depth`` and ``depth`` I/Os in flight.
 
-    Each turn queues an I/O in every free slot (one :meth:`~tierstore.io.ring.Ring.prep_rw_batch`),
-    publishes them and waits for a completion with one ``io_uring_enter`` (min_complete 1), then
-    reaps every completion posted (:meth:`~tierstore.io.ring.Ring.reap_results`) and logs it. The
-    Python work is a few list operations per I/O and one system call per turn. (Measured on the
-    development VM: a second ``io_uring_enter`` per turn to publish before logging, or one per I/O
-    as fio does, or numpy records instead of packed SQEs, were each slower; see ``bench/README_io.md``.)
+    SQE ``i`` is fixed to buffer slot ``i`` once (:meth:`~tierstore.io.ring.Ring.fix_rw_slots`). Each
+    turn queues an I/O in every free slot (:meth:`~tierstore.io.ring.Ring.prep_fixed`: an offset, and
+    an opcode for mixed jobs, per I/O), then one ``io_uring_enter`` submits them and waits until
+    ``depth // 4`` (at least 1) I/Os are done (:meth:`~tierstore.io.ring.Ring.submit_reap_results`,
+    fio's ``iodepth_batch_complete_min``), and every completion posted is freed and logged as
+    columns. (Measured on the development VM, bench/README_io.md: waiting for 1 completion per turn,
+    numpy records, and splitting a batch over several enters were each slower.)
     """
     clone = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
@@ -768,14 +773,14 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
         if fill_random:
             mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
         clone = _RingClone(shared, fd, depth, draw, log, bs, pick, mem)
-        submit, reap, clock = clone.ring.submit, clone.ring.reap_results, time.perf_counter_ns
+        submit_reap, clock = clone.ring.submit_reap_results, time.perf_counter_ns
+        reap_at_least = max(1, depth // _REAP_DEPTH_DIVISOR)
         while True:
             if clone.issuing and clone.free:
                 clone.issue()
             if not clone.inflight:
                 return
-            submit(1)       # one io_uring_enter: publish the batch, wait for >= 1 completion
-            cqes = reap()
+            cqes = submit_reap(min(clone.inflight, reap_at_least))   # one io_uring_enter
             clone.complete(cqes, clock())
     except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         if clone is None:
@@ -811,10 +816,16 @@ class _RingClone:
         self.offset, self.is_write = -1, False
         self.reads_only, self.writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
         self.ring = Ring(depth)   # last: nothing to close when an earlier line fails
+        first_op = IORING_OP_READ if self.reads_only or not self.writes_only else IORING_OP_WRITE
+        try:
+            self.ring.fix_rw_slots(first_op, fd, self.addrs, bs)
+        except BaseException:
+            self.ring.close()
+            raise
 
     def issue(self) -> None:
         """Queue an I/O in every free slot, within the job's budget (one
-        :meth:`~tierstore.io.ring.Ring.prep_rw_batch`); after a stop, the deadline or the budget's end
+        :meth:`~tierstore.io.ring.Ring.prep_fixed`); after a stop, the deadline or the budget's end
         nothing more is issued (:attr:`issuing`)."""
         shared = self.shared
         if shared.stop.is_set() or (shared.deadline_ns is not None and time.perf_counter_ns() >= shared.deadline_ns):
@@ -831,10 +842,10 @@ class _RingClone:
         del free[-n:]
         start = time.perf_counter_ns()
         slot_start = self.slot_start
+        opcodes = None
         if self.reads_only:   # the common case: one store per I/O
             for slot in slots:
                 slot_start[slot] = start
-            opcodes: Any = IORING_OP_READ
         else:
             slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
             draw, pick, placed, seq = self.draw, self.pick, self.pick is not None, self.seq
@@ -849,37 +860,42 @@ class _RingClone:
                         slot_pid[slot] = pick(draw.clone, seq, draw.rng)
             finally:
                 self.seq, self.offset, self.is_write = seq, offset, is_write
-            opcodes = IORING_OP_WRITE if self.writes_only else [IORING_OP_WRITE if w else IORING_OP_READ
-                                                                for w in writes]
-        addrs = self.addrs
-        self.ring.prep_rw_batch(opcodes, self.fd, [addrs[slot] for slot in slots], self.bs, offsets, slots)
+            if not self.writes_only:
+                opcodes = [IORING_OP_WRITE if w else IORING_OP_READ for w in writes]
+        self.ring.prep_fixed(slots, offsets, opcodes)
         self.inflight += n
 
     def complete(self, cqes: list, done: int) -> None:
         """Free the slots of one turn's completions (``(slot, res, flags)``) and log them at ``done`` (ns);
         a failed I/O raises :class:`OSError` and names itself in :attr:`offset` and :attr:`is_write`."""
+        if not cqes:
+            return
         self.inflight -= len(cqes)
-        free, slot_start = self.free, self.slot_start
-        lat_r, lat_w = self.log.lat
-        done_r, done_w = self.log.done
-        nb_r, nb_w = self.log.nbytes
-        if self.reads_only:
-            for slot, res, _ in cqes:
-                free.append(slot)
-                if res < 0:
-                    self.offset, self.is_write = -1, False
-                    raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
-                lat_r.append(done - slot_start[slot])
-                done_r.append(done)
-                nb_r.append(res)
+        slots, results, _ = zip(*cqes)
+        self.free.extend(slots)
+        if min(results) < 0:
+            slot, res = next((s, r) for s, r in zip(slots, results) if r < 0)
+            self.offset, self.is_write = self.slot_offset[slot], self.slot_write[slot]
+            if self.reads_only:
+                self.offset = -1
+            raise OSError(-res, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(-res)}")
+        slot_start, log = self.slot_start, self.log
+        if self.reads_only or self.writes_only:   # one direction: a column append per field
+            d = 0 if self.reads_only else 1    # array.fromlist: a C loop (extend goes through the iterator protocol)
+            log.lat[d].fromlist([done - slot_start[s] for s in slots])
+            log.done[d].fromlist([done] * len(slots))
+            log.nbytes[d].fromlist(list(results))
+            if d:
+                slot_offset, slot_pid = self.slot_offset, self.slot_pid
+                log.write_offset.fromlist([slot_offset[s] for s in slots])
+                log.write_pid.fromlist([slot_pid[s] for s in slots])
             return
         slot_offset, slot_write, slot_pid = self.slot_offset, self.slot_write, self.slot_pid
-        off_w, pid_w = self.log.write_offset, self.log.write_pid
-        for slot, res, _ in cqes:
-            free.append(slot)
-            if res < 0:
-                self.offset, self.is_write = slot_offset[slot], slot_write[slot]
-                raise OSError(-res, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(-res)}")
+        lat_r, lat_w = log.lat
+        done_r, done_w = log.done
+        nb_r, nb_w = log.nbytes
+        off_w, pid_w = log.write_offset, log.write_pid
+        for slot, res in zip(slots, results):
             if slot_write[slot]:
                 lat_w.append(done - slot_start[slot])
                 done_w.append(done)

@@ -646,10 +646,10 @@ def flag_pairs(flags: Sequence[str]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for arg in flags:
         if not arg.startswith("--"):
-            raise ConfigError(f"{arg!r}: expected --key=value")
+            raise ConfigError(f"command line: {arg!r}: expected --key=value")
         key, sep, value = arg[2:].partition("=")
         if not sep and option_takes_argument(key):
-            raise ConfigError(f"option '--{key}' requires an argument")
+            raise ConfigError(f"command line: option '--{key}' requires an argument")
         out.append((key, value if sep else "1"))
     return out
 
