@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from tierstore.config import NvmeTierConfig
-from tierstore.errors import ConfigError, InvariantError, Status
+from tierstore.errors import ConfigError, ForeignDataError, InvariantError, Status, StoreLockedError
 from tierstore.io import SegmentStorage
 from tierstore.io import format as fmt
 from tierstore.io.engine import IOFuture
 from tierstore.io.factory import open_engine
-from tierstore.io.journal import RecordKind, read_records
+from tierstore.io.journal import Journal, RecordKind, read_records
 from tierstore.io.memory import MemoryEngine  # noqa: F401  (the engine the memory stores use)
 from tierstore.io.segments import _open_journal
 
@@ -202,10 +202,10 @@ def test_invariants_catch_a_wrong_count():
         s.check_invariants()
 
 
-def _file_store(path, lis, engine="posix", live_fraction=0.5):
+def _file_store(path, lis, engine="posix", live_fraction=0.5, **kw):
     return SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine=engine, extent_size_bytes=SEG,
                           eviction_granularity="block", live_fraction=live_fraction, trim_min_bytes=SLOT,
-                          listener=lis)
+                          listener=lis, **kw)
 
 
 def _ignore_trims(s):
@@ -425,3 +425,72 @@ def test_refused_target_gets_no_journal_beside_it(tmp_path, given):
     if given == "engine object":
         eng.close()
     assert not os.path.exists(str(path) + ".journal") and path.read_bytes() == before
+
+
+# ---------------------------------------------------------------- the journal is the tier's own (trial29)
+def test_a_users_file_named_like_the_journals_tmp_is_never_deleted(tmp_path):
+    """Found by a fresh-user trial: opening a block-mode tier deleted ``<journal>.tmp`` whatever it
+    held. A file tierstore did not write is refused and left as it is."""
+    path = tmp_path / "tier.bin"
+    tmp = tmp_path / "tier.bin.journal.tmp"
+    mine = os.urandom(5000)
+    tmp.write_bytes(mine)
+    with pytest.raises(ForeignDataError, match="not a journal tierstore was writing"):
+        _file_store(path, LruListener())
+    assert tmp.read_bytes() == mine
+    tmp.unlink()
+    s = _file_store(path, LruListener())   # once it is moved, the tier opens
+    s.close()
+    # a .tmp tierstore left (a crash before its rename) is still cleaned up
+    j = tmp_path / "other.journal"
+    tmp2 = tmp_path / "other.journal.tmp"
+    tmp2.write_bytes(b"TSJOURN1" + bytes(56))
+    Journal(str(j)).close()
+    assert not tmp2.exists() and j.exists()
+
+
+def test_another_tiers_journal_is_refused_and_drops_nothing(tmp_path):
+    """Found by a fresh-user trial: tier B opened with tier A's journal_path silently lost every
+    block (A's segment resets marked B's segments stale, and they were trimmed)."""
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    la, lb = LruListener(), LruListener()
+    sa = _file_store(a, la)
+    put(sa, la, range(0, 10))
+    sa.close()
+    sb = _file_store(b, lb)
+    put(sb, lb, range(100, 110))
+    kept = set(sb.keys())
+    sb.close()
+    before = (tmp_path / "a.bin.journal").read_bytes()
+    with pytest.raises(ForeignDataError, match="journal of another tier"):
+        _file_store(b, LruListener(), journal_path=str(tmp_path / "a.bin.journal"))
+    assert (tmp_path / "a.bin.journal").read_bytes() == before
+    with pytest.raises(ForeignDataError, match="journal of another tier"):   # region mode reads it too
+        SegmentStorage(str(b), CAP, BB, segment_size_bytes=SEG, engine="posix", extent_size_bytes=SEG,
+                       journal_path=str(tmp_path / "a.bin.journal"))
+    sb = _file_store(b, LruListener())
+    assert set(sb.keys()) == kept
+    sb.close()
+
+
+def test_one_journal_one_open_tier(tmp_path):
+    """Two tiers given one journal_path (trial29: both appended to it): the second is refused."""
+    j = str(tmp_path / "shared.journal")
+    s1 = _file_store(tmp_path / "one.bin", LruListener(), journal_path=j)
+    try:
+        with pytest.raises(ForeignDataError, match="journal of another tier"):
+            _file_store(tmp_path / "two.bin", LruListener(), journal_path=j)
+        with pytest.raises(StoreLockedError, match="journal is in use"):   # an id-less opener too
+            Journal(j)
+    finally:
+        s1.close()
+    Journal(j).close()   # the lock goes with the tier
+
+
+@pytest.mark.parametrize("bad", ["", "DIR", "SELF"])
+def test_a_journal_path_that_is_no_file_of_its_own_is_a_config_error(tmp_path, bad):
+    path = tmp_path / "tier.bin"
+    jp = {"": "", "DIR": str(tmp_path), "SELF": str(path)}[bad]
+    with pytest.raises(ConfigError, match="journal_path"):
+        _file_store(path, LruListener(), journal_path=jp)
+    assert not os.path.exists(".tmp") or bad != ""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fcntl
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import crc32c
 
-from ..errors import ConfigError, CorruptData, LayoutError
+from ..errors import ConfigError, CorruptData, ForeignDataError, LayoutError, StoreLockedError
 
 __all__ = ["RecordKind", "JournalRecord", "JournalState", "Journal", "live_records", "read_records",
            "read_legacy_invalidations", "HEADER_FMT", "RECORD_FMT", "RECORD_BYTES", "MAGIC"]
@@ -82,8 +83,10 @@ def _pack(rec: JournalRecord, seq: int) -> bytes:
     return bytes(buf)
 
 
-def _header(base_seq: int) -> bytes:
-    buf = bytearray(_HEADER.pack(MAGIC, VERSION, RECORD_BYTES, base_seq, bytes(36), 0))
+def _header(base_seq: int, owner_id: bytes = b"") -> bytes:
+    """The 64-byte header; ``owner_id`` (16 bytes: the tier label's store id, or empty) goes to
+    the first 16 reserved bytes, so a journal is never read for another tier (docs/FORMAT.md)."""
+    buf = bytearray(_HEADER.pack(MAGIC, VERSION, RECORD_BYTES, base_seq, owner_id[:16].ljust(36, b"\0"), 0))
     struct.pack_into("<I", buf, _CRC_AT, crc32c.crc32c(bytes(buf[:_CRC_AT])))
     return bytes(buf)
 
@@ -105,6 +108,8 @@ class ReadResult:
     good_after_bad : int
         Well-formed records (CRC and sequence number right) found after the
         first bad one: non-zero means corruption inside the journal, not a tear.
+    owner_id : bytes
+        The store id of the tier the journal belongs to (16 bytes; zeros: not recorded).
     """
 
     records: list
@@ -112,6 +117,7 @@ class ReadResult:
     valid_bytes: int
     tail_bytes: int
     good_after_bad: int
+    owner_id: bytes = bytes(16)
 
 
 def _decode(data: bytes, base_seq: int) -> ReadResult:
@@ -160,13 +166,42 @@ def read_records(path: str) -> ReadResult:
         data = f.read()
     if len(data) < HEADER_BYTES:
         raise CorruptData(f"{path}: {len(data)} bytes, shorter than a journal header ({HEADER_BYTES})")
-    magic, version, rec_b, base, _, crc = _HEADER.unpack_from(data, 0)
+    magic, version, rec_b, base, reserved, crc = _HEADER.unpack_from(data, 0)
     if magic != MAGIC or crc32c.crc32c(data[:_CRC_AT]) != crc:
         raise CorruptData(f"{path}: not a tierstore journal (magic {magic!r} or header CRC wrong)")
     if version != VERSION or rec_b != RECORD_BYTES:
         raise CorruptData(f"{path}: journal version {version} with {rec_b}-byte records; this tierstore reads "
                           f"version {VERSION} with {RECORD_BYTES}-byte records")
-    return _decode(data, base)
+    res = _decode(data, base)
+    res.owner_id = bytes(reserved[:16])
+    return res
+
+
+def check_owner(res: ReadResult, path: str, owner_id: bytes) -> None:
+    """Refuse a journal that belongs to another tier.
+
+    Raises
+    ------
+    ForeignDataError
+        ``res`` names a store id and it is not ``owner_id`` (a journal of another tier given as
+        ``journal_path``, or the journal of a tier that was deleted and made again at the same
+        path): its resets and tombstones would drop this tier's blocks. Nothing was changed.
+    """
+    if owner_id and any(res.owner_id) and res.owner_id != owner_id[:16]:
+        raise ForeignDataError(
+            f"{path}: the journal of another tier (store id {res.owner_id.hex()}; this tier is "
+            f"{owner_id[:16].hex()}): its tombstones and segment resets would drop this tier's blocks. "
+            "Give this tier its own journal_path, or remove that file if its tier is gone. Nothing was changed.")
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is empty or starts with a journal header's magic (a ``.tmp`` a crash left)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError:
+        return False
+    return head in (b"", MAGIC)
 
 
 def read_legacy_invalidations(path: str) -> dict[bytes, int]:
@@ -266,8 +301,12 @@ class Journal:
     Parameters
     ----------
     path : str or None
-        The journal file (created if absent; a leftover ``<path>.tmp`` is
-        removed); ``None`` keeps the records in memory.
+        The journal file (created if absent, through ``<path>.tmp``: a leftover of
+        tierstore's is removed, any other file there is refused); ``None`` keeps the
+        records in memory.
+    owner_id : bytes, optional
+        The tier's store id (its label's, 16 bytes), written into a new journal's header;
+        an existing journal that names another id is refused.
 
     Attributes
     ----------
@@ -279,6 +318,12 @@ class Journal:
 
     Raises
     ------
+    ConfigError
+        ``path`` is empty or a directory, or its directory does not exist.
+    ForeignDataError
+        ``path`` is another tier's journal, or ``<path>.tmp`` is a file tierstore did not write.
+    StoreLockedError
+        Another open tier holds the journal.
     CorruptData
         ``path`` exists and is not a journal tierstore wrote, or a bad record
         is followed by good ones (nothing is changed then).
@@ -286,8 +331,11 @@ class Journal:
         The file or its directory cannot be written.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, owner_id: bytes = b"") -> None:
+        if path is not None and (not path or os.path.isdir(path)):
+            raise ConfigError(f"journal_path {path!r}: give a file path (in an existing directory)")
         self.path = path
+        self._owner = owner_id
         self.records: list[JournalRecord] = []
         self._pending: list[JournalRecord] = []
         self._base = 1
@@ -298,15 +346,10 @@ class Journal:
                       "torn_tail_bytes": 0}
         if path is None:
             return
-        tmp = path + ".tmp"
-        if os.path.exists(tmp):   # a compaction (or a creation) that did not reach its rename
-            os.unlink(tmp)
-            _fsync_dir(path)
-        if not os.path.exists(path):
-            self._create(path, base_seq=1, records=[])
-            self.opened = ReadResult([], 1, HEADER_BYTES, 0, 0)
-        else:
+        self._clear_tmp(path)   # a compaction (or a creation) that did not reach its rename
+        if os.path.exists(path):
             res = read_records(path)
+            check_owner(res, path, owner_id)
             if res.good_after_bad:
                 raise CorruptData(
                     f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but {res.good_after_bad} "
@@ -323,7 +366,17 @@ class Journal:
                 finally:
                     os.close(fd)
                 self.stats["torn_tail_bytes"] = res.tail_bytes
+        else:
+            self._create(path, base_seq=1, records=[], owner_id=owner_id)
+            self.opened = ReadResult([], 1, HEADER_BYTES, 0, 0)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:   # one writer per journal, as per tier file (io/_fileops.py's lock)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise StoreLockedError(f"{path}: the journal is in use by another open tier (each tier needs "
+                                   "its own journal_path)") from None
 
     # ----------------------------------------------------------------- API
     @property
@@ -424,9 +477,10 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
             try:
-                self._create(self.path, base, live)
+                self._create(self.path, base, live, owner_id=self._owner)
             finally:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the new inode: this process's
         self.records = live
         self._base = base
         self.stats["compactions"] += 1
@@ -449,14 +503,28 @@ class Journal:
 
     # ----------------------------------------------------------- internals
     @staticmethod
-    def _create(path: str, base_seq: int, records: Sequence[JournalRecord]) -> None:
+    def _clear_tmp(path: str) -> None:
+        """Remove ``<path>.tmp`` if tierstore left it (empty, or a journal header: a crash before
+        the rename); refuse anything else there (a user's file) with nothing changed."""
+        tmp = path + ".tmp"
+        if not os.path.lexists(tmp):
+            return
+        if os.path.islink(tmp) or not _ours(tmp):
+            raise ForeignDataError(f"{tmp}: exists and is not a journal tierstore was writing; the journal "
+                                   "is written there before its rename: move that file. Nothing was changed.")
+        os.unlink(tmp)
+        _fsync_dir(path)
+
+    @staticmethod
+    def _create(path: str, base_seq: int, records: Sequence[JournalRecord], owner_id: bytes = b"") -> None:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise ConfigError(f"journal {path}: the directory {parent} does not exist")
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        Journal._clear_tmp(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, _header(base_seq) + b"".join(_pack(r, base_seq + i) for i, r in enumerate(records)))
+            _write_all(fd, _header(base_seq, owner_id) + b"".join(_pack(r, base_seq + i) for i, r in enumerate(records)))
             os.fdatasync(fd)
         finally:
             os.close(fd)

@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from .copies import one_omp_thread
 from .engine import IOEngine
 from .factory import open_engine
 from .invalidation_log import InvalidationLog
-from .journal import Journal, JournalState, read_records
+from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
 from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
 from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
@@ -249,7 +250,8 @@ def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int
     return open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes), True
 
 
-def _open_journal(path: str | None, journal_path: str | None, block: bool) -> tuple[Journal | None, JournalState | None]:
+def _open_journal(path: str | None, journal_path: str | None, block: bool,
+                  owner_id: bytes = b"") -> tuple[Journal | None, JournalState | None]:
     """``(journal to append to, state to recover with)``. Block mode: ``journal_path``, else
     ``<path>.journal`` beside a regular file, else in memory without a path. Region mode appends
     nothing but still reads a journal a block-mode open left (its tombstones stay dead).
@@ -257,8 +259,13 @@ def _open_journal(path: str | None, journal_path: str | None, block: bool) -> tu
     Raises
     ------
     ConfigError
-        Block mode on a device without ``journal_path`` (it has nowhere durable to go).
+        Block mode on a device without ``journal_path`` (it has nowhere durable to go), or
+        ``journal_path`` is the tier's own path.
+    ForeignDataError
+        The journal belongs to another tier (:func:`~tierstore.io.journal.check_owner`).
     """
+    if journal_path is not None and path is not None and os.path.abspath(journal_path) == os.path.abspath(path):
+        raise ConfigError(f"journal_path {journal_path!r} is the NVMe tier's own path: give the journal its own file")
     if journal_path is None and path is not None:
         if not os.path.isfile(path):
             if block:
@@ -267,10 +274,12 @@ def _open_journal(path: str | None, journal_path: str | None, block: bool) -> tu
         else:
             journal_path = path + ".journal"
     if block:
-        j = Journal(journal_path)
+        j = Journal(journal_path, owner_id)
         return j, j.state()
     if journal_path is not None and os.path.exists(journal_path):
-        return None, JournalState.of(read_records(journal_path).records)
+        res = read_records(journal_path)
+        check_owner(res, journal_path, owner_id)
+        return None, JournalState.of(res.records)
     return None, None
 
 
@@ -439,7 +448,9 @@ class SegmentStorage(BlockStorage):
         if self._labelled:
             old, store_id = recovery.open_label(self.engine, self._segs, self.path, format,
                                                 self._metadata_placement)
-        journal, state = _open_journal(self.path, blk[0], blk[1])
+        if self._labelled and not store_id:   # a new tier: its id now, so its journal names it
+            store_id = uuid.uuid4().bytes
+        journal, state = _open_journal(self.path, blk[0], blk[1], store_id)
         if blk[1]:
             self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes, blk[2], blk[3],
                                       journal, self._lock, self._st)
