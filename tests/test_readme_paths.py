@@ -7,13 +7,14 @@ import re
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "tierstore/server/README.md", "bench/jobs/kvtrace.fio"]
+DOCS = ["README.md", "tierstore/server/README.md", "bench/jobs/kvtrace.fio",
+        *sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("bench/*.md"), *REPO.glob("docs/*.md")])]
 
 
 def _command_lines(text: str) -> list[str]:
     """Lines of ```bash blocks, and ';' comment lines of job files, that run tierstore or python."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
         lines += block.splitlines()
     lines += [ln.lstrip("; ") for ln in text.splitlines() if ln.startswith(";")]
     return [ln for ln in lines if "tierstore " in ln or "python" in ln]
@@ -27,7 +28,7 @@ def test_paths_in_commands_exist_from_the_checkout_root(doc):
     for line in _command_lines(text):
         assert "PATH/TO" not in line, line
         for path in re.findall(r"(?:--trace=|--config |\s)((?:\.\./|/)?[\w./-]+\.(?:jsonl|fio|yaml|py))\b", line):
-            if path.startswith("/work/shared/"):  # the workspace copy, named as an absolute path
+            if path.startswith(("/work/shared/", "/tmp/")):  # the workspace copy; an output the command writes
                 continue
             assert not path.startswith("../"), f"{doc}: {path!r} only works from one directory"
             if path in downloaded:  # fetched by a curl line of the same document
