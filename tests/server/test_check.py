@@ -242,3 +242,27 @@ def test_daemon_yaml_names_every_nvme_key():
     section = text[text.index("  nvme:"):text.index("\n# Shared remote tier")]
     missing = [k for k in NvmeTierConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
     assert not missing, f"configs/daemon.yaml lacks NVMe keys {missing}"
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "directory", "empty", "foreign", "foreign_tmp"])
+def test_check_refuses_a_block_mode_journal_that_start_up_refuses(tmp_path, capsys, case):
+    """serve --check said 'config OK' for block-mode journals that start-up then refused (fresh-user trial)."""
+    cfg = make_config(str(tmp_path))
+    nv = cfg["tiers"]["nvme"]
+    nv["eviction_granularity"] = "block"
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(os.urandom(5000))
+    nv["journal_path"] = {"missing_dir": str(tmp_path / "no" / "j"), "directory": str(tmp_path), "empty": "",
+                          "foreign": str(foreign), "foreign_tmp": str(tmp_path / "j")}[case]
+    if case == "foreign_tmp":
+        (tmp_path / "j.tmp").write_bytes(os.urandom(100))
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc != 0 and "journal_path" in err and "config OK" not in out, (out, err)
+    assert foreign.stat().st_size == 5000
+
+
+def test_check_passes_block_mode_with_its_own_journal(tmp_path, capsys):
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"]["eviction_granularity"] = "block"
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 0 and "config OK" in out, err

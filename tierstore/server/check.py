@@ -22,9 +22,11 @@ import stat
 
 from ..config import NvmeTierConfig
 from ..devices import file_tier_geometry
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptData
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
+from ..io.journal import MAGIC as JOURNAL_MAGIC
+from ..io.journal import check_owner, read_records
 from ..io.label import LABEL_BYTES, Target, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import choose_segment_size
 from ..layout import KVLayout
@@ -189,11 +191,50 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         out.notes.append(f"nvme: {path}: format: true: what it holds is overwritten at start")
     if target.kind not in ("absent",):
         _check_lock(path, out)
+    if n.eviction_granularity == "block":
+        _check_journal(n, path, target, out)
     tier = n.capacity_bytes // seg * seg
     if path.startswith("/dev/"):
         _check_device_node(n, path, target, tier, out)
     else:
         _check_file_room(n, path, target, tier, out)
+
+
+def _check_journal(n: NvmeTierConfig, path: str, target: Target, out: Preflight) -> None:
+    """Block mode's journal (:mod:`tierstore.io.journal`), as opening the tier checks it: a file of its
+    own in an existing directory, a tierstore journal of this tier if it exists, no foreign
+    ``<journal>.tmp`` beside it."""
+    jp = n.journal_path
+    if jp is None:
+        if path.startswith("/dev/"):
+            out.errors.append(f"tiers.nvme.journal_path: eviction_granularity: block on the device {path} needs "
+                              "one (a file on a durable file system)")
+            return
+        jp = path + ".journal"
+    what = f"tiers.nvme.journal_path={jp!r}"
+    if not jp or os.path.isdir(jp) or os.path.abspath(jp) == os.path.abspath(path):
+        out.errors.append(f"{what}: give a file of its own (not empty, not a directory, not the tier's path)")
+        return
+    if not os.path.isdir(os.path.dirname(os.path.abspath(jp))):
+        out.errors.append(f"{what}: its directory does not exist")
+        return
+    if os.path.exists(jp):
+        try:
+            res = read_records(jp)
+            if target.label is not None:
+                check_owner(res, jp, target.label.store_id)
+        except (CorruptData, ConfigError, OSError) as e:
+            out.errors.append(f"{what}: {e}")
+            return
+    tmp = jp + ".tmp"
+    if os.path.lexists(tmp):
+        try:
+            with open(tmp, "rb") as f:
+                ours = f.read(len(JOURNAL_MAGIC)) in (b"", JOURNAL_MAGIC)
+        except OSError:
+            ours = False
+        if not ours:
+            out.errors.append(f"{what}: {tmp} exists and is not a journal tierstore was writing: move it")
 
 
 def _check_segments(n: NvmeTierConfig, bb: int, out: Preflight) -> int | None:
