@@ -1,6 +1,9 @@
 """tierstore.schema: the base of the store's and the daemon's configuration models."""
+import copy
+
 import pytest
 
+from tierstore.config import StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.schema import DurationS, OptionalSizeBytes, SizeBytes, StrictModel, parse_model
 
@@ -87,3 +90,25 @@ def test_from_options_refuses_what_kvstore_refuses(options, match, layout):
     for open_ in (lambda: StoreConfig.from_options(**options), lambda: KVStore(layout, **options)):
         with pytest.raises(ConfigError, match=match):
             open_()
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}}, ("tiers", "nvme", "live_fraction")),
+    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}}, ("tiers", "nvme", "iodepth")),
+    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m", "device": "sim"}}},
+     ("tiers", "nvme", "model", "num_ruh")),
+    ({}, ("policies", "evict_batch_blocks")),
+])
+def test_a_yes_no_value_is_no_number(section, key):
+    """YAML's ``true``/``yes`` given where a number belongs was read as 1 (``live_fraction: true`` kept
+    every block live): pydantic's lax mode turns a bool into 1 or 1.0. A number field refuses it, naming
+    the key; a bool field still takes it."""
+    doc = copy.deepcopy(section)
+    node = doc
+    for part in key[:-1]:
+        node = node.setdefault(part, {})
+    node[key[-1]] = True
+    with pytest.raises(ConfigError, match=rf"{key[-1]}.*a number, not a yes/no value"):
+        parse_model(StoreConfig, doc, "store config")
+    node[key[-1]] = 2 if key[-1] != "live_fraction" else 0.5
+    parse_model(StoreConfig, doc, "store config")   # the same key with a number is fine

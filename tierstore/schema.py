@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from .errors import ConfigError
 from .units import parse_size, parse_time_s
@@ -31,6 +31,25 @@ class StrictModel(BaseModel):
     """A configuration model: unknown keys are errors, instances are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """Refuse ``true``/``false`` where a number belongs: pydantic's lax mode reads a bool as 1 or 0
+        (``live_fraction: true`` would keep every block live). Fields that take a bool are untouched."""
+        if isinstance(v, bool) and info.field_name is not None:
+            if _takes_a_number_not_a_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError(f"{info.field_name}={v}: expected a number, not a yes/no value")
+        return v
+
+
+def _takes_a_number_not_a_bool(annotation: Any) -> bool:
+    """True for ``int``, ``float`` and their ``Optional``/``Annotated`` forms, unless ``bool`` is allowed too."""
+    args = getattr(annotation, "__args__", None)
+    kinds = set(args) if args and getattr(annotation, "__metadata__", None) is None else {annotation}
+    if getattr(annotation, "__metadata__", None) is not None:   # Annotated[int, ...]
+        kinds = {annotation.__origin__}
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 def _size(v: Any, info: ValidationInfo) -> int:
