@@ -577,3 +577,18 @@ def test_a_flush_never_reads_a_slot_that_a_store_in_flight_hands_on(tmp_path, vi
         s.check_invariants(quiescent=True)
     finally:
         s.close()
+
+
+def test_an_empty_file_is_left_empty_when_the_tier_fails_to_open(tmp_path):
+    """An empty file is a valid target (it is formatted); when the open then fails (here: another tier's
+    journal), the file is left as it was found. It was left grown to the tier's size (a sparse 16 MiB
+    file where the user had an empty one; stop-29 fresh-user trial)."""
+    with KVStore(LAYOUT, nvme_path=str(tmp_path / "a.bin"), nvme_bytes=16 << 20,
+                 eviction_granularity="block") as a:
+        a.store(NS, list(range(4 * B)), torch.ones(4, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
+    p = tmp_path / "b.bin"
+    p.write_bytes(b"")
+    with pytest.raises(ForeignDataError, match="journal of another tier"):
+        KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20, eviction_granularity="block",
+                journal_path=str(tmp_path / "a.bin.journal"))
+    assert p.stat().st_size == 0 and p.stat().st_blocks == 0

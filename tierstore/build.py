@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from .fdp.ftl import FTLModel
 from .fdp.placement import PlacementPolicy
 from .index import BlockIndex, IndexRuntime, IndexShape
 from .io import format as fmt
+from .io.file import undo_open
 from .io.segments import SegmentStorage
 from .layout import KVLayout
 from .movers import Movers, make_movers
@@ -212,10 +212,9 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
                           opened.stats_source if opened is not None else None, shim, remote, share,
                           FlushSettings.of(nv))
     except BaseException:
-        if opened is not None:  # the NVMe tier this assembly opened: closed, and a file it created removed
+        if opened is not None:  # the NVMe tier this assembly opened: closed, its file as it was found
             nvme.close()
-            if getattr(nvme.engine, "created", False):
-                os.unlink(nvme.path)
+            undo_open(nvme.engine, nvme.path)
         raise
 
 
@@ -316,8 +315,7 @@ def _open_storage(nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDe
         return placement, nvme, shim
     except BaseException:
         engine.close()
-        if getattr(engine, "created", False):  # a file this assembly created: leave nothing behind
-            os.unlink(path)
+        undo_open(engine, path)  # a file this assembly created or grew: as it was found
         raise
 
 

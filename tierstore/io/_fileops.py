@@ -152,12 +152,13 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
 
 
 def open_direct(path: str, size_bytes: int, create: bool = True,
-                lock_timeout_s: float = 30.0) -> tuple[int, bool, bool]:
+                lock_timeout_s: float = 30.0) -> tuple[int, bool, bool, int | None]:
     """Open ``path`` read-write with O_DIRECT, lock it exclusively, and grow a
     regular file to ``size_bytes``.
 
-    Returns ``(fd, is_block_device, created)``, ``created`` when this call
-    created the file. The file is sparse (ftruncate), so space
+    Returns ``(fd, is_block_device, created, grown_from_bytes)``: ``created`` when this call
+    created the file; ``grown_from_bytes``, the size of an existing file this call grew (else
+    ``None``), so that an owner whose open then fails can give the file its size back. The file is sparse (ftruncate), so space
     is allocated on first write and ENOSPC surfaces at write time.
 
     A file this call created is removed again when sizing it fails (a size
@@ -188,6 +189,7 @@ def open_direct(path: str, size_bytes: int, create: bool = True,
     else:
         fd = os.open(path, flags)
     locked = False
+    grown_from = None
     try:
         lock_exclusive(fd, path, lock_timeout_s)
         locked = True
@@ -200,12 +202,13 @@ def open_direct(path: str, size_bytes: int, create: bool = True,
                 raise OSError(errno.ENOSPC, f"{path}: device has {dev_size} bytes < {size_bytes}")
         elif st.st_size < size_bytes:
             os.ftruncate(fd, size_bytes)
+            grown_from = None if created else st.st_size
     except BaseException:
         os.close(fd)
         if created and locked:  # unlocked: another opener may have it by now
             os.unlink(path)
         raise
-    return fd, is_blk, created
+    return fd, is_blk, created, grown_from
 
 
 def preallocate(fd: int, offset: int, length: int, is_block_device: bool) -> None:

@@ -52,8 +52,9 @@ class FileEngine(IOEngine):
         self.path = str(path)
         self.iodepth = int(iodepth)
         self.max_io_bytes = int(max_io_bytes)
-        #: ``created``: this engine created the file (an owner removes it when the tier fails to open)
-        self.fd, self.is_block_device, self.created = open_direct(self.path, size_bytes)
+        #: ``created``: this engine created the file; ``grown_from_bytes``: the size of an existing file
+        #: it grew (else None). An owner whose tier then fails to open undoes either (``undo_open``).
+        self.fd, self.is_block_device, self.created, self.grown_from_bytes = open_direct(self.path, size_bytes)
         try:
             self._start()
         except BaseException:
@@ -93,3 +94,23 @@ class FileEngine(IOEngine):
             self._stop()
         finally:
             os.close(self.fd)
+
+
+def undo_open(engine: object, path: str | None) -> None:
+    """Leave ``path`` as it was before ``engine`` opened it, once the engine is closed and the tier
+    that opened it failed to: a file the engine created is removed, an existing file it grew (an
+    empty file given as the tier) gets its old size back. Other engines (memory, null, an engine
+    the caller passed in) have neither mark and are left alone.
+
+    Raises
+    ------
+    OSError
+        The unlink or truncate failed (the caller is already raising the open's error).
+    """
+    if path is None:
+        return
+    if getattr(engine, "created", False):
+        os.unlink(path)
+    elif (grown_from := getattr(engine, "grown_from_bytes", None)) is not None:
+        os.truncate(path, grown_from)
+

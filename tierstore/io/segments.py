@@ -50,6 +50,7 @@ from .block_eviction import GRANULARITIES, BlockEviction, live_budget_for
 from .copies import one_omp_thread
 from .engine import IOEngine
 from .factory import open_engine
+from .file import undo_open
 from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
@@ -436,8 +437,8 @@ class SegmentStorage(BlockStorage):
             self._rpipe.close()
             if self._own_engine:
                 self.engine.close()
-                if not isinstance(engine, IOEngine) and getattr(self.engine, "created", False):
-                    os.unlink(path)  # a file this open created: leave nothing behind
+                if not isinstance(engine, IOEngine):
+                    undo_open(self.engine, path)  # a file this open created or grew: as it was
             raise
 
     def _open(self, format: bool, verify: bool, blk: tuple) -> None:
