@@ -12,6 +12,9 @@ import pytest
 import torch
 import yaml
 
+from tierstore import KVStore
+from tierstore.errors import ConfigError
+from tierstore.layout import KVLayout
 from tierstore.server.check import mem_available_bytes, preflight
 from tierstore.server.config import load_config, parse_config
 from tierstore.server.daemon import main
@@ -266,3 +269,20 @@ def test_check_passes_block_mode_with_its_own_journal(tmp_path, capsys):
     cfg["tiers"]["nvme"]["eviction_granularity"] = "block"
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "config OK" in out, err
+
+
+def test_check_refuses_a_block_mode_live_budget_below_one_block(tmp_path, capsys):
+    """Block mode keeps at most live_fraction x the blocks beyond the reserve and the open segment; a budget
+    below one block is refused at start-up, and serve --check said 'config OK' for it (stop-29 trial)."""
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["nvme"].update(eviction_granularity="block", live_fraction=0.00001)
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc != 0 and "no block fits the live budget" in err and "config OK" not in out, (out, err)
+    nv = cfg["tiers"]["nvme"]
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32, tokens_per_block=16)
+    with pytest.raises(ConfigError, match="no block fits the live budget"):   # start-up agrees
+        KVStore(layout, nvme_path=nv["path"], nvme_bytes=nv["capacity_bytes"], **{
+            k: nv[k] for k in ("segment_size_bytes", "extent_size_bytes", "eviction_granularity", "live_fraction")})
+    nv["live_fraction"] = 0.01
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 0 and "config OK" in out and "block mode keeps at most" in out, err

@@ -45,8 +45,16 @@ FORCE_TRIM_BYTES = 64 << 20
 
 
 def live_budget_for(segs: SegmentManager, live_fraction: float) -> int:
+    """:func:`live_budget` of a segment store's geometry."""
+    return live_budget(segs.n_segments, segs.reserve, segs.segment_bytes, segs.block_bytes, segs.blocks_per_extent,
+                       live_fraction)
+
+
+def live_budget(n_segments: int, reserve: int, segment_bytes: int, block_bytes: int, blocks_per_extent: int,
+                live_fraction: float) -> int:
     """``floor(live_fraction x usable blocks)``: usable = the blocks full extents pack into the
-    segments beyond the reserve and one open segment (plan §2.1).
+    segments beyond the reserve and one open segment (plan §2.1). Start-up (:func:`live_budget_for`)
+    and ``serve --check`` compute it with this one function.
 
     Raises
     ------
@@ -55,13 +63,13 @@ def live_budget_for(segs: SegmentManager, live_fraction: float) -> int:
     """
     if not 0.0 < live_fraction <= 1.0:
         raise ConfigError(f"live_fraction={live_fraction}: must be in (0, 1]")
-    bpe, S = segs.blocks_per_extent, segs.segment_bytes
-    full = fmt.extent_bytes_for(bpe, segs.block_bytes)
-    per = S // full * bpe + segs.fit(S % full, bpe)
-    budget = int(live_fraction * (segs.n_segments - segs.reserve - 1) * per)
+    full = fmt.extent_bytes_for(blocks_per_extent, block_bytes)
+    per = segment_bytes // full * blocks_per_extent + fmt.blocks_fitting(segment_bytes % full, blocks_per_extent,
+                                                                          block_bytes)
+    budget = int(live_fraction * (n_segments - reserve - 1) * per)
     if budget < 1:
-        raise ConfigError(f"eviction_granularity='block' on {segs.n_segments} segments with reserve "
-                          f"{segs.reserve}: no block fits the live budget (give more segments)")
+        raise ConfigError(f"eviction_granularity='block' on {n_segments} segments with reserve "
+                          f"{reserve}: no block fits the live budget (give more segments)")
     return budget
 
 

@@ -57,6 +57,26 @@ def extent_bytes_for(n_blocks: int, length_bytes: int) -> int:
     return header_bytes_for(n_blocks) + n_blocks * block_slot_bytes(length_bytes)
 
 
+def blocks_fitting(remaining_bytes: int, want: int, length_bytes: int) -> int:
+    """Blocks of ``length_bytes`` (at most ``want``) whose one extent fits in ``remaining_bytes``."""
+    k = want
+    while k > 0 and extent_bytes_for(k, length_bytes) > remaining_bytes:
+        k -= 1
+    return k
+
+
+def blocks_per_extent_for(extent_size_bytes: int, segment_bytes: int, length_bytes: int) -> tuple[int, int]:
+    """``(extent bytes, blocks per extent)`` of a tier: the configured extent size aligned up to
+    :data:`ALIGN_BYTES`, at least one block's extent and at most a segment, and the most blocks of
+    ``length_bytes`` one such extent holds (at least 1)."""
+    one = extent_bytes_for(1, length_bytes)
+    ext = min(max(-(-extent_size_bytes // ALIGN_BYTES) * ALIGN_BYTES, one), segment_bytes)
+    bpe = 1
+    while extent_bytes_for(bpe + 1, length_bytes) <= ext:
+        bpe += 1
+    return ext, bpe
+
+
 def payload_crc(key: bytes, payload) -> int:
     """CRC-32C of ``payload`` seeded with CRC-32C of ``key``."""
     return crc32c.crc32c(payload, crc32c.crc32c(key))

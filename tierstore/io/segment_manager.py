@@ -163,10 +163,7 @@ class SegmentManager:
     # ------------------------------------------------------------ allocation
     def fit(self, remaining: int, want: int) -> int:
         """Blocks (at most ``want``) one extent in ``remaining`` bytes holds."""
-        k = min(want, self.blocks_per_extent)
-        while k > 0 and fmt.extent_bytes_for(k, self.block_bytes) > remaining:
-            k -= 1
-        return k
+        return fmt.blocks_fitting(remaining, min(want, self.blocks_per_extent), self.block_bytes)
 
     def take_free(self, allow_reserve: bool) -> int | None:
         free = np.flatnonzero(self.state == SegmentState.FREE)

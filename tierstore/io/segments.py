@@ -54,7 +54,7 @@ from .file import undo_open
 from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
-from .pages import FragmentPlan, align_up, check_distinct_destinations, plan_fragments
+from .pages import FragmentPlan, check_distinct_destinations, plan_fragments
 from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
@@ -89,6 +89,10 @@ def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
         if r is None or r[0] is not rows or r[1] != i0 + j:
             return None
     return rows[i0:i0 + len(plans)]
+
+#: Segments kept free for eviction's copy-forward (the store's default; ``serve --check`` uses it too).
+RESERVE_SEGMENTS = 1
+
 
 def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
                         min_segments: int = MIN_SEGMENTS) -> int:
@@ -368,7 +372,7 @@ class SegmentStorage(BlockStorage):
                  segment_size_bytes: int | str = DEFAULT_SEGMENT_BYTES,
                  engine: str | IOEngine = "posix",
                  extent_size_bytes: int | str = DEFAULT_EXTENT_BYTES, iodepth: int = 16,
-                 max_io_bytes: int | str = 1 << 20, reserve_segments: int = 1,
+                 max_io_bytes: int | str = 1 << 20, reserve_segments: int = RESERVE_SEGMENTS,
                  verify_on_recovery: bool = False, copy_threads: int | None = None,
                  region_policy: str = "lru", listener: RegionListener | None = None,
                  invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
@@ -390,11 +394,7 @@ class SegmentStorage(BlockStorage):
         self.reserve_segments = int(reserve_segments)
         self.region_policy = region_policy
         self.eviction_granularity = eviction_granularity
-        one = fmt.extent_bytes_for(1, self.block_bytes)
-        self.extent_size_bytes = min(max(align_up(ext_b, fmt.ALIGN_BYTES), one), seg_b)
-        bpe = 1
-        while fmt.extent_bytes_for(bpe + 1, self.block_bytes) <= self.extent_size_bytes:
-            bpe += 1
+        self.extent_size_bytes, bpe = fmt.blocks_per_extent_for(ext_b, seg_b, self.block_bytes)
         self.blocks_per_extent = bpe
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._metadata_placement = metadata_placement

@@ -25,10 +25,11 @@ from ..devices import file_tier_geometry
 from ..errors import ConfigError, CorruptData
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
+from ..io.block_eviction import live_budget
 from ..io.journal import MAGIC as JOURNAL_MAGIC
 from ..io.journal import check_owner, read_records
 from ..io.label import LABEL_BYTES, Target, inspect_target, refusal, resolve_nvme_path
-from ..io.segments import choose_segment_size
+from ..io.segments import RESERVE_SEGMENTS, choose_segment_size
 from ..layout import KVLayout
 from .config import DaemonConfig
 
@@ -193,6 +194,7 @@ def _check_nvme(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
         _check_lock(path, out)
     if n.eviction_granularity == "block":
         _check_journal(n, path, target, out)
+        _check_live_budget(n, bb, seg, out)
     tier = n.capacity_bytes // seg * seg
     if path.startswith("/dev/"):
         _check_device_node(n, path, target, tier, out)
@@ -235,6 +237,18 @@ def _check_journal(n: NvmeTierConfig, path: str, target: Target, out: Preflight)
             ours = False
         if not ours:
             out.errors.append(f"{what}: {tmp} exists and is not a journal tierstore was writing: move it")
+
+
+def _check_live_budget(n: NvmeTierConfig, bb: int, seg: int, out: Preflight) -> None:
+    """Block mode's live budget, computed as start-up computes it (:func:`tierstore.io.block_eviction.
+    live_budget`, the store's one reserved segment): below one block start-up refuses."""
+    _, bpe = fmt.blocks_per_extent_for(n.extent_size_bytes, seg, bb)
+    try:
+        budget = live_budget(n.capacity_bytes // seg, RESERVE_SEGMENTS, seg, bb, bpe, n.live_fraction)
+    except ConfigError as e:
+        out.errors.append(f"tiers.nvme: {e}")
+        return
+    out.notes.append(f"nvme: block mode keeps at most {budget} blocks live (live_fraction={n.live_fraction})")
 
 
 def _check_segments(n: NvmeTierConfig, bb: int, out: Preflight) -> int | None:
