@@ -277,26 +277,20 @@ class KeyTable:
         With ``free_row=False`` the row is not reused until :meth:`release_row`
         (an owner whose row is still referenced, e.g. by I/O in flight).
         """
-        if len(key) != KEY_BYTES:
+        row = self.get(key)
+        if row < 0:
             return -1
         slots = self._slots
-        kb = self._keys
         p = _HOME(key)[0] & self._mask
-        while True:
-            s = slots[p]
-            if s == _EMPTY:
-                return -1
-            if s >= 0:
-                o = s * KEY_BYTES
-                if kb[o:o + KEY_BYTES] == key:
-                    slots[p] = _TOMB
-                    self._tombs += 1
-                    self._live[s] = 0
-                    self._n -= 1
-                    if free_row:
-                        self._free.append(s)
-                    return s
+        while slots[p] != row:  # the key's slot: the first on its probe chain that holds its row
             p += 1
+        slots[p] = _TOMB
+        self._tombs += 1
+        self._live[row] = 0
+        self._n -= 1
+        if free_row:
+            self._free.append(row)
+        return row
 
     def remove_row(self, row: int) -> bool:
         """Remove the key at ``row``; False if the row is not live."""
