@@ -144,12 +144,12 @@ class Introspection(IndexRoom):
             rows = self.rows.table.rows()
             ok = (self.rows.flags[rows] & (PENDING | DOOMED)) == 0
             ids, counts = np.unique(self.rows.ns[rows[ok]], return_counts=True)
-            return {self.rows.ns_list[int(i)]: int(c) for i, c in zip(ids, counts)}
+            return {self.rows.namespaces.digests[int(i)]: int(c) for i, c in zip(ids, counts)}
 
     def keys_of_namespace(self, ns: bytes) -> list[bytes]:
         """Visible keys of namespace ``ns``."""
         with self._lock:
-            nid = self.rows.ns_ids.get(ns)
+            nid = self.rows.namespaces.ids.get(ns)
             if nid is None:
                 return []
             rows = self.rows.table.rows()

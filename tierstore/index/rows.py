@@ -18,6 +18,7 @@ import numpy as np
 
 from ..contract import MEMORY_TIERS, Tier
 from ..fdp.lifetime import LifetimeClass
+from ..identity import NamespaceIds
 from ..keytable import KeyTable
 from ..tiers.memory import SlotAllocator
 
@@ -95,7 +96,7 @@ class EntryView:
 
     @property
     def ns(self) -> bytes:
-        return self._rows.ns_list[int(self._rows.ns[self.row])]
+        return self._rows.namespaces.digests[int(self._rows.ns[self.row])]
 
     @property
     def lifetime(self) -> LifetimeClass | None:
@@ -148,18 +149,9 @@ class RowTable:
         self.slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
-        self.ns_list: list[bytes] = [bytes(32)]
-        self.ns_ids: dict[bytes, int] = {bytes(32): 0}
+        self.namespaces = NamespaceIds()
         self.tokens: dict[int, np.ndarray] = {}   # row -> token ids (``verify_tokens``)
         self.doomed: set[int] = set()             # rows hidden while in use, freed by their last user
-
-    def intern(self, ns: bytes) -> int:
-        """The id of namespace digest ``ns`` (a new one for a new digest)."""
-        nid = self.ns_ids.get(ns)
-        if nid is None:
-            nid = self.ns_ids[ns] = len(self.ns_list)
-            self.ns_list.append(ns)
-        return nid
 
     def grow(self) -> None:
         """Reallocate every array to the key table's capacity (after it grew)."""
@@ -214,7 +206,7 @@ class RowTable:
             row, new = self.table.add(k)
             if not new:
                 continue
-            self._init(row, ON_NVME, self.intern(ns), -1, NO_HINT, now)
+            self._init(row, ON_NVME, self.namespaces.intern(ns), -1, NO_HINT, now)
             self.nvme_at[row] = now
             n += 1
         return n
