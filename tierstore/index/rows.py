@@ -11,8 +11,10 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 """
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,13 +63,36 @@ _ARRAYS = (("ns", np.int32, 0), ("pos", np.int32, 0), ("hits", np.int32, 0), ("c
            ("nvme_at", np.float64, 0))
 
 
+def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
+    """A read-only :class:`EntryView` attribute: the view's element of row array ``array``, as ``cast``.
+    A plain ``property`` (as fast as a hand-written one); its type is the annotation at its use."""
+    get = operator.attrgetter(array)
+    return property(lambda view: cast(get(view._rows)[view.row]))
+
+
+def _lifetime(hint: np.int8) -> LifetimeClass | None:
+    return None if hint == NO_HINT else LifetimeClass(int(hint))
+
+
 class EntryView:
     """What policies may read about one block (:class:`tierstore.policies.base.EntryInfo`).
 
-    A view over the row arrays, made on demand; not kept by the index.
+    A view over the row arrays, made on demand; not kept by the index. Every
+    attribute but ``key``, ``size_bytes`` and ``ns`` is one row array's element.
+    ``nvme_written_s``: when its NVMe copy was last written (stored, demoted or
+    copied forward), clock seconds; 0.0 if it never was (a reinsertion policy's
+    reference bit: ``last_access_s > nvme_written_s`` means hit since written).
     """
 
     __slots__ = ("_rows", "row", "key")
+
+    hits: int = _row_field("hits", int)
+    last_access_s: float = _row_field("last", float)
+    created_s: float = _row_field("created", float)
+    position: int = _row_field("pos", int)
+    lifetime: LifetimeClass | None = _row_field("hint", _lifetime)
+    ref_count: int = _row_field("refs", int)
+    nvme_written_s: float = _row_field("nvme_at", float)
 
     def __init__(self, rows: RowTable, row: int, key: bytes) -> None:
         self._rows = rows
@@ -79,40 +104,8 @@ class EntryView:
         return self._rows.block_bytes
 
     @property
-    def hits(self) -> int:
-        return int(self._rows.hits[self.row])
-
-    @property
-    def last_access_s(self) -> float:
-        return float(self._rows.last[self.row])
-
-    @property
-    def created_s(self) -> float:
-        return float(self._rows.created[self.row])
-
-    @property
-    def position(self) -> int:
-        return int(self._rows.pos[self.row])
-
-    @property
     def ns(self) -> bytes:
         return self._rows.namespaces.digests[int(self._rows.ns[self.row])]
-
-    @property
-    def lifetime(self) -> LifetimeClass | None:
-        h = int(self._rows.hint[self.row])
-        return None if h == NO_HINT else LifetimeClass(h)
-
-    @property
-    def ref_count(self) -> int:
-        return int(self._rows.refs[self.row])
-
-    @property
-    def nvme_written_s(self) -> float:
-        """When its NVMe copy was last written (stored, demoted or copied forward),
-        clock seconds; 0.0 if it never was (a reinsertion policy's reference bit:
-        ``last_access_s > nvme_written_s`` means hit since written)."""
-        return float(self._rows.nvme_at[self.row])
 
 
 class RowTable:
