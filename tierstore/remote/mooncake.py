@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..closing import Closing
 from ..errors import ConfigError, LayoutError, Status
 from ..io.format import KEY_BYTES
 from ..tiers.storage import RemoteBlockTier
@@ -121,7 +122,7 @@ _COUNTERS = (
 )
 
 
-class MooncakeTier(RemoteBlockTier):
+class MooncakeTier(RemoteBlockTier, Closing):
     """The remote tier: publish, look up and load blocks in a Mooncake cluster.
 
     Parameters
@@ -632,13 +633,6 @@ class MooncakeTier(RemoteBlockTier):
         # seen with 1 in 8 processes before this join).
         self._calls.stop(self._timeout_s)
         _LIVE.discard(self)
-
-    def __enter__(self) -> MooncakeTier:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 
 #: Tiers not closed yet; closed at interpreter exit (before daemon threads are torn down).
