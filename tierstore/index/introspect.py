@@ -8,8 +8,8 @@ index lock they are given (``BlockIndex._lock``) and have none of their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from .rows import (
     ON_NVME,
     PENDING,
     IndexRoom,
-    RowTable,
 )
 
 
@@ -53,6 +52,7 @@ class EventLog:
             return out
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Introspection(IndexRoom):
     """Read-only questions about the index, and its invariants.
 
@@ -70,15 +70,11 @@ class Introspection(IndexRoom):
         References and leases.
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], tiers: list[Tier],
-                 alloc: dict[Tier, SlotAllocator], policies: dict[Tier, EvictionPolicy], pins: Pins,
-                 nvme_policy: EvictionPolicy | None = None) -> None:
-        super().__init__(rows, lock, clock)
-        self.nvme_policy = nvme_policy
-        self.tiers = tiers
-        self.alloc = alloc
-        self.policies = policies
-        self.pins = pins
+    tiers: list[Tier]
+    alloc: dict[Tier, SlotAllocator]
+    policies: dict[Tier, EvictionPolicy]
+    pins: Pins
+    nvme_policy: EvictionPolicy | None = None
 
     def state_of(self, key: bytes) -> BlockState | None:
         """Ownership state of a visible block, or ``None`` if not resident."""

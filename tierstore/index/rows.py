@@ -11,6 +11,7 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -266,6 +267,7 @@ class RowTable:
         return self.table.nbytes + sum(a.nbytes for a in arrays)
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class IndexRoom:
     """A room of the block index: it shares the index's rows, lock and clock, and has no lock of its own.
 
@@ -278,7 +280,6 @@ class IndexRoom:
         Seconds, monotonic (the index's clock).
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float]) -> None:
-        self.rows = rows
-        self._lock = lock
-        self._clock = clock
+    rows: RowTable
+    _lock: threading.RLock
+    _clock: Callable[[], float]
