@@ -7,11 +7,12 @@ import socket
 import pytest
 
 import tierstore.remote.mooncake as mc
+from tierstore import KVStore
 from tierstore.errors import ConfigError
 
 from .cluster import Master, WorkerProc
 from .fake_mooncake import FakeCluster, FakeStore
-from .prompts import BB
+from .prompts import BB, LAYOUT
 
 
 @pytest.fixture
@@ -38,6 +39,28 @@ def remote_cfg(cluster, fake_master, monkeypatch):
         monkeypatch.setenv(k, "1")
     return {"master": fake_master, "metadata": "P2PHANDSHAKE", "segment_bytes": 0,
             "local_buffer_bytes": 8 * (BB + 64), "publish_queue_blocks": 16, "timeout_s": 0.5}
+
+
+@pytest.fixture
+def host_blocks():
+    """Host-tier blocks of a ``make_store`` store (a module may override it)."""
+    return 32
+
+
+@pytest.fixture
+def make_store(remote_cfg, host_blocks):
+    """``make_store(**remote)``: a host-tier KVStore (``LAYOUT``, no promotion) on the fake cluster,
+    connected; all are closed at teardown."""
+    stores = []
+
+    def _make(host_blocks: int = host_blocks, **remote) -> KVStore:
+        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none", remote={**remote_cfg, **remote})
+        assert st.remote.wait_ok(5)
+        stores.append(st)
+        return st
+    yield _make
+    for st in stores:
+        st.close()
 
 
 def _mooncake_missing() -> str | None:

@@ -16,22 +16,17 @@ from tierstore.api import leading_ok
 from tierstore.index import Tier
 from tierstore.planner import RemotePlanner
 
-from .prompts import BB, LAYOUT, NS, prompt
+from .prompts import NS, prompt
 
 
 @pytest.fixture
-def make_store(remote_cfg):
-    stores = []
+def remote_cfg(remote_cfg):
+    return {**remote_cfg, "publish_queue_blocks": 64}
 
-    def _make(host_blocks: int = 64, **remote) -> KVStore:
-        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none",
-                     remote={**remote_cfg, "publish_queue_blocks": 64, **remote})
-        assert st.remote.wait_ok(5)
-        stores.append(st)
-        return st
-    yield _make
-    for st in stores:
-        st.close()
+
+@pytest.fixture
+def host_blocks():
+    return 64
 
 
 def exists_calls(store: KVStore) -> int:

@@ -24,21 +24,7 @@ from tierstore.index import Tier
 from tierstore.remote.format import ObjectNamer
 
 from .fake_mooncake import FakeStore
-from .prompts import BB, LAYOUT, NS, prompt
-
-
-@pytest.fixture
-def make_store(remote_cfg):
-    stores = []
-
-    def _make(host_blocks: int = 32, **remote) -> KVStore:
-        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none", remote={**remote_cfg, **remote})
-        assert st.remote.wait_ok(5)
-        stores.append(st)
-        return st
-    yield _make
-    for st in stores:
-        st.close()
+from .prompts import LAYOUT, NS, prompt
 
 
 def load_checked(store: KVStore, ns, seed: int, n: int, key_level: bool = False):
