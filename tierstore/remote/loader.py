@@ -110,6 +110,10 @@ class Loader:
             self._regions.append(region)
         return region
 
+    def free_slots(self) -> int:
+        """Free staging slots for loads into plain memory."""
+        return self._get_slots.free_count()
+
     def regions(self) -> list[tuple[int, int]]:
         """``(base_ptr, nbytes)`` of every registered region (what a new client registers)."""
         with self._tier._lock:

@@ -194,12 +194,13 @@ class MooncakeTier(RemoteBlockTier, Closing):
         self._removals: dict[str, list] = {}  # name -> [next_attempt_s, attempts]
         self._work = threading.Condition(self._lock)
 
-        # registered staging: every slot pool is registered with each new client (_setup_client)
+        # registered staging, the parts' slots: every pool is registered with each new client
+        put_slots = _Slots(s.publish_queue_blocks, self.object_bytes)
+        get_slots = _Slots(max(2, s.local_buffer_bytes // self.object_bytes), self.object_bytes)
         hdr_slots = _Slots(tu.header_slots, HEADER_BYTES)
-        self._slot_pools = (_Slots(s.publish_queue_blocks, self.object_bytes),
-                            _Slots(max(2, s.local_buffer_bytes // self.object_bytes), self.object_bytes), hdr_slots)
-        self.loader = Loader(self, self._slot_pools[1], hdr_slots)
-        self.publisher = Publisher(self, self._slot_pools[0], hdr_slots, self.loader.region_of)
+        self._slot_pools = (put_slots, get_slots, hdr_slots)
+        self.loader = Loader(self, get_slots, hdr_slots)
+        self.publisher = Publisher(self, put_slots, hdr_slots, self.loader.region_of)
         self._calls = _CallThreads(tu.call_threads, "tierstore-mooncake-call")
         if tu.set_env:
             self._set_env()
@@ -599,8 +600,8 @@ class MooncakeTier(RemoteBlockTier, Closing):
             d["errors"] = dict(self._errors)
             for r in CORRUPT_REASONS:
                 d[f"corrupt_{r}"] = self._corrupt[r]
-        d["publish_slots_free"] = self._slot_pools[0].free_count()
-        d["get_slots_free"] = self._slot_pools[1].free_count()
+        d["publish_slots_free"] = self.publisher.free_slots()
+        d["get_slots_free"] = self.loader.free_slots()
         return d
 
     def close(self) -> None:

@@ -106,6 +106,10 @@ class Publisher:
         for th in self._threads:
             th.join(max(0.0, deadline - time.monotonic()))
 
+    def free_slots(self) -> int:
+        """Free publish-queue slots."""
+        return self._put_slots.free_count()
+
     def queued_blocks(self) -> int:
         """Blocks queued or waiting to be sent again. Under the tier's lock."""
         return len(self._queue) + len(self._retry)
