@@ -1,11 +1,29 @@
 """Shared fixtures: a tiny layout, a fake clock, stores with all three tiers."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from tierstore import KVStore, Namespace, get_layout
+
+
+@dataclasses.dataclass
+class FakeEntry:
+    """An entry as a policy sees it (:class:`tierstore.policies.base.EntryInfo`), with plain fields."""
+
+    key: bytes
+    size_bytes: int = 4096
+    hits: int = 0
+    last_access_s: float = 0.0
+    created_s: float = 0.0
+    position: int = 0
+    lifetime: object = None
+    ref_count: int = 0
+    ns: bytes = bytes(32)
+    nvme_written_s: float = 0.0
 
 
 class FakeClock:

@@ -8,7 +8,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "tierstore"
 
 LAYER = {
     "errors": 0, "units": 0, "layout": 0, "identity": 0, "keytable": 0, "extras": 0, "registry": 0,
-    "schema": 0,
+    "schema": 0, "closing": 0,
     "tiers": 1,
     "contract": 2, "io": 2, "fdp": 2, "remote": 2,
     "policies": 3,

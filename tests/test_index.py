@@ -19,7 +19,7 @@ from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExce
 from tierstore.index import BlockIndex, BlockState, IndexRuntime, IndexShape
 from tierstore.policies import policy_names
 
-from .conftest import SlowEngine, make_blocks, memory_segment_store, tokens
+from .conftest import FakeEntry, SlowEngine, make_blocks, memory_segment_store, tokens
 
 B = 16
 POLICIES = policy_names()
@@ -542,21 +542,10 @@ def test_batch_policy_hooks_decide_as_the_single_ones(policy):
     when told key by key."""
     from tierstore.policies import make_policy
 
-    @dataclasses.dataclass
-    class E:
-        key: bytes
-        size_bytes: int = 4096
-        hits: int = 0
-        last_access_s: float = 0.0
-        created_s: float = 0.0
-        position: int = 0
-        lifetime: object = None
-        ref_count: int = 0
-        ns: bytes = bytes(32)
 
     one, many = make_policy(policy), make_policy(policy)
     keys = [i.to_bytes(32, "little") for i in range(40)]
-    ents = {k: E(k, position=i % 8) for i, k in enumerate(keys)}
+    ents = {k: FakeEntry(k, position=i % 8) for i, k in enumerate(keys)}
     ops = [("insert", keys[0:16]), ("access", keys[4:12]), ("insert", keys[16:32]), ("access", keys[0:3] + keys[20:25]),
            ("insert", keys[32:40]), ("access", keys[30:36])]
     for now, (op, ks) in enumerate(ops):

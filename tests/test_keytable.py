@@ -123,3 +123,14 @@ def test_add_absent_places_every_key_like_add(cap):
     assert all(t.key_of(r) == k for k, r in model.items())
     with pytest.raises(LayoutError):
         t.add_absent([b"x" * 33] * VECTOR_MIN_KEYS)
+
+
+def test_ghost_keys_take_and_bound():
+    from tierstore.keytable import GhostKeys
+    g = GhostKeys(2)
+    for k in (b"a" * 32, b"b" * 32, b"c" * 32):
+        g.add(k)
+    assert len(g) == 2
+    assert not g.take(b"a" * 32)             # the oldest went when the third came
+    assert g.take(b"b" * 32) and not g.take(b"b" * 32)   # taken once, then forgotten
+    assert g.take(b"c" * 32) and len(g) == 0

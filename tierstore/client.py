@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .client_wire import AuthError, DaemonConnection, RemoteError, ServerBusy, with_deadline
+from .closing import Closing
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
@@ -127,7 +128,7 @@ class _ConnectionSetting:
         setattr(client._wire, self.name, value)
 
 
-class RemoteKVStore:
+class RemoteKVStore(Closing):
     """The daemon's KV-block API with :class:`~tierstore.api.KVStore`'s method names.
 
     Parameters
@@ -562,11 +563,6 @@ class RemoteKVStore:
         :class:`~tierstore.errors.StoreClosedError`."""
         self._wire.close()
 
-    def __enter__(self) -> RemoteKVStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = ["RemoteKVStore", "RemoteLookupResult", "RemoteError", "AuthError", "ServerBusy"]

@@ -148,6 +148,35 @@ class DigestCache:
         return d
 
 
+class NamespaceIds:
+    """Small integer ids of namespace digests, for per-row ``int32`` arrays.
+
+    Id 0 is the all-zero digest (no namespace); a new digest gets the next id
+    and keeps it. The block index and the NVMe locator each keep one.
+
+    Attributes
+    ----------
+    digests : list of bytes
+        The 32-byte digest of each id (``digests[nid]``).
+    ids : dict
+        ``digest -> id`` of every digest seen.
+    """
+
+    __slots__ = ("digests", "ids")
+
+    def __init__(self) -> None:
+        self.digests: list[bytes] = [bytes(32)]
+        self.ids: dict[bytes, int] = {bytes(32): 0}
+
+    def intern(self, ns: bytes) -> int:
+        """The id of digest ``ns`` (a new one for a new digest)."""
+        nid = self.ids.get(ns)
+        if nid is None:
+            nid = self.ids[ns] = len(self.digests)
+            self.digests.append(ns)
+        return nid
+
+
 def hash_block(parent: bytes, content: bytes) -> BlockKey:
     """One link of the chain: ``SHA-256(domain || parent || content)``.
 

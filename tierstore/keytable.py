@@ -20,11 +20,15 @@ running maximum of ``home - i`` plus ``i``).
 
 Rows are dense and reused after removal, so owners index numpy arrays by row.
 Not thread-safe: the owner serialises access under its own lock.
+
+:class:`GhostKeys` is the bounded FIFO of recently refused keys that both
+"admit on the second sighting" rules keep (NVMe and remote admission).
 """
 from __future__ import annotations
 
 import struct
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -277,26 +281,20 @@ class KeyTable:
         With ``free_row=False`` the row is not reused until :meth:`release_row`
         (an owner whose row is still referenced, e.g. by I/O in flight).
         """
-        if len(key) != KEY_BYTES:
+        row = self.get(key)
+        if row < 0:
             return -1
         slots = self._slots
-        kb = self._keys
         p = _HOME(key)[0] & self._mask
-        while True:
-            s = slots[p]
-            if s == _EMPTY:
-                return -1
-            if s >= 0:
-                o = s * KEY_BYTES
-                if kb[o:o + KEY_BYTES] == key:
-                    slots[p] = _TOMB
-                    self._tombs += 1
-                    self._live[s] = 0
-                    self._n -= 1
-                    if free_row:
-                        self._free.append(s)
-                    return s
+        while slots[p] != row:  # the key's slot: the first on its probe chain that holds its row
             p += 1
+        slots[p] = _TOMB
+        self._tombs += 1
+        self._live[row] = 0
+        self._n -= 1
+        if free_row:
+            self._free.append(row)
+        return row
 
     def remove_row(self, row: int) -> bool:
         """Remove the key at ``row``; False if the row is not live."""
@@ -382,3 +380,39 @@ class KeyTable:
         self._slots = array("i", slots.tobytes())
         self._mask = mask
         self._tombs = 0
+
+
+class GhostKeys:
+    """A bounded FIFO set of keys: the "ghost" set of a second-sighting admission rule.
+
+    TinyLFU's doorkeeper (G. Einziger, R. Friedman and B. Manes, ACM TOS 13(4),
+    2017, section 3.4.2) as an exact key set instead of a Bloom filter.
+
+    Parameters
+    ----------
+    limit : int
+        Keys remembered; adding one more forgets the oldest. Memory is about
+        ``100 * limit`` bytes (a 32-byte ``bytes`` key and its dict entry).
+    """
+
+    __slots__ = ("limit", "_keys")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def take(self, key: bytes) -> bool:
+        """Forget ``key``; whether it was remembered (its second sighting)."""
+        if key in self._keys:
+            del self._keys[key]
+            return True
+        return False
+
+    def add(self, key: bytes) -> None:
+        """Remember ``key`` (the newest), forgetting the oldest beyond :attr:`limit`."""
+        self._keys[key] = None
+        if len(self._keys) > self.limit:
+            self._keys.popitem(last=False)

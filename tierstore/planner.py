@@ -48,6 +48,7 @@ class RemoteLoadPlan:
     barred: list[int]
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class RemotePlanner:
     """The remote tier's decisions and their state (see the module docstring).
 
@@ -72,19 +73,17 @@ class RemotePlanner:
     #: Remote calls a lookup makes at most (a chain split remote / local / remote ...).
     REMOTE_ROUNDS = 4
 
-    def __init__(self, index: BlockIndex, tier: RemoteBlockTier, share: ShareAdmission,
-                 publish: Literal["store", "evict"], block_bytes: int, tokens_per_block: int) -> None:
-        self.index = index
-        self.tier = tier
-        self.share = share
-        self.publish = publish
-        self.block_bytes = block_bytes
-        self.tokens_per_block = tokens_per_block
-        #: namespace digest of keys a lookup found remotely (bounded): a remote
-        #: block is indexed locally under the namespace it was looked up in
-        self._remote_ns: dict[bytes, bytes] = {}
-        #: namespaces invalidated by this store: never served from the remote tier again
-        self._remote_barred: set[bytes] = set()
+    index: BlockIndex
+    tier: RemoteBlockTier
+    share: ShareAdmission
+    publish: Literal["store", "evict"]
+    block_bytes: int
+    tokens_per_block: int
+    #: namespace digest of keys a lookup found remotely (bounded): a remote
+    #: block is indexed locally under the namespace it was looked up in
+    _remote_ns: dict[bytes, bytes] = dataclasses.field(default_factory=dict, init=False)
+    #: namespaces invalidated by this store: never served from the remote tier again
+    _remote_barred: set[bytes] = dataclasses.field(default_factory=set, init=False)
 
     def barred(self, digest: bytes) -> bool:
         """Whether this store invalidated the namespace ``digest``."""

@@ -77,7 +77,7 @@ def test_namespaces_are_interned_and_listed():
     assert sorted(loc.keys_of(loc.rows_of_namespace(NS_B))) == sorted(b)
     assert sorted(loc.keys_of(loc.rows_of_namespace(NS_A))) == sorted(a)
     assert loc.namespace_of(loc.row(b[0])) == NS_B
-    assert loc.ns_list.count(NS_B) == 1
+    assert loc.namespaces.digests.count(NS_B) == 1
 
 
 def test_rows_in_selects_live_rows_of_a_device_range():

@@ -1,8 +1,6 @@
 """Eviction policies, SSD admission, lifetime prediction, cost model and prefetch."""
 from __future__ import annotations
 
-import dataclasses
-
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -23,19 +21,10 @@ from tierstore.policies import (
 from tierstore.policies.cost import CostModel
 from tierstore.policies.lifetime import true_class
 
+from ..conftest import FakeEntry as E
 from ..conftest import make_blocks, tokens
 
 B = 16
-
-
-@dataclasses.dataclass
-class E:
-    key: bytes
-    size_bytes: int = 4096
-    hits: int = 0
-    last_access_s: float = 0.0
-    created_s: float = 0.0
-    position: int = 0
 
 
 def k(i: int) -> bytes:

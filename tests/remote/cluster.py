@@ -13,6 +13,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 from tierstore.remote.local_master import LocalMaster
 
@@ -121,3 +122,13 @@ class WorkerProc:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+def wait_until(fn, timeout_s: float, every_s: float = 0.1):
+    """Poll ``fn()`` every ``every_s`` until it is truthy or ``timeout_s`` passed; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = fn()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(every_s)

@@ -11,18 +11,11 @@ import time
 
 import pytest
 
-from .cluster import Master, WorkerProc
+from .cluster import Master, WorkerProc, wait_until
 
 OK, MISS, IO_ERROR, REJECTED = "ok", "miss", "io_error", "rejected"
 
 
-def wait_until(fn, timeout_s: float, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = fn()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(every_s)
 
 
 @pytest.fixture(scope="module")

@@ -11,67 +11,20 @@ both ways, and the three ways to configure the tier.
 """
 from __future__ import annotations
 
-import socket
 import time
 
-import numpy as np
 import pytest
 import torch
 
-import tierstore.remote.mooncake as mc
-from tierstore import KVLayout, KVStore, Namespace, Status
+from tierstore import KVStore, Namespace, Status
 from tierstore.api import leading_ok
 from tierstore.config import StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.index import Tier
 from tierstore.remote.format import ObjectNamer
 
-from .fake_mooncake import FakeCluster, FakeStore
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, tokens_per_block=16)
-BB = LAYOUT.bytes_per_block
-NS = Namespace(model="m@1", tenant="acme")
-
-
-def prompt(seed: int, nblocks: int):
-    tokens = np.random.default_rng(seed).integers(0, 30000, nblocks * LAYOUT.tokens_per_block)
-    kv = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal(
-        (nblocks, *LAYOUT.block_shape)).astype(np.float16))
-    return tokens, kv
-
-
-@pytest.fixture
-def cluster():
-    return FakeCluster(lease_s=0.2)
-
-
-@pytest.fixture
-def remote_cfg(cluster, monkeypatch):
-    """RemoteConfig fields for a store on the fake cluster (a listening socket stands in for the master)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(16)
-    monkeypatch.setattr(mc, "load_mooncake_store", lambda: (lambda: FakeStore(cluster)))
-    for k in ("MC_TCP_BIND_ADDRESS", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS",
-              "MC_STORE_CLIENT_SETUP_RETRIES"):  # the tier sets these with setdefault: keep them out of os.environ
-        monkeypatch.setenv(k, "1")
-    yield {"master": f"127.0.0.1:{s.getsockname()[1]}", "metadata": "P2PHANDSHAKE", "segment_bytes": 0,
-           "local_buffer_bytes": 8 * (BB + 64), "publish_queue_blocks": 16, "timeout_s": 0.5}
-    s.close()
-
-
-@pytest.fixture
-def make_store(remote_cfg):
-    stores = []
-
-    def _make(host_blocks: int = 32, **remote) -> KVStore:
-        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none", remote={**remote_cfg, **remote})
-        assert st.remote.wait_ok(5)
-        stores.append(st)
-        return st
-    yield _make
-    for st in stores:
-        st.close()
+from .fake_mooncake import FakeStore
+from .prompts import LAYOUT, NS, prompt
 
 
 def load_checked(store: KVStore, ns, seed: int, n: int, key_level: bool = False):

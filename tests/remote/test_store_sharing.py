@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .cluster import Master, WorkerProc
+from .cluster import Master, WorkerProc, wait_until
 
 SCRIPT = pathlib.Path(__file__).with_name("store_worker.py")
 
@@ -26,13 +26,6 @@ def _remote(master, **kw) -> dict:
     return d
 
 
-def wait_until(fn, timeout_s: float, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = fn()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(every_s)
 
 
 class _Procs:

@@ -35,21 +35,6 @@ def block(i: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def cluster():
-    return FakeCluster(lease_s=0.2)
-
-
-@pytest.fixture
-def fake_master():
-    """A listening 127.0.0.1 socket: the tier checks that the master answers before ``setup``."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(16)
-    yield f"127.0.0.1:{s.getsockname()[1]}"
-    s.close()
-
-
-@pytest.fixture
 def make_tier(cluster, fake_master):
     tiers = []
 

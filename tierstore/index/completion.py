@@ -406,7 +406,7 @@ class Completion:
         and discarded when their store completes. Returns ``(rows hidden, those still pending)``."""
         rt = self.rows
         rows = rt.table.rows()
-        rows = rows[rt.ns[rows] == rt.ns_ids[ns]]
+        rows = rows[rt.ns[rows] == rt.namespaces.ids[ns]]
         keys = rt.table.keys_of(rows.tolist())
         pending = []
         for r, k in zip(rows.tolist(), keys):

@@ -372,7 +372,7 @@ class BlockIndex:
         n = len(keys)
         plan = StorePlan(list(keys), [None] * n, [-1] * n, ns=ns)
         with self._lock:
-            nid = self.rows.intern(ns)
+            nid = self.rows.namespaces.intern(ns)
             rows = self.rows.table.get_many(keys)
             # doomed rows are detached from the key table: a row found is live
             have = (rows >= 0).nonzero()[0].tolist()
@@ -640,7 +640,7 @@ class BlockIndex:
         Waits until those stores are done, so that the caller's durable
         invalidation record follows them. Returns the blocks removed."""
         with self._lock:
-            if ns not in self.rows.ns_ids:
+            if ns not in self.rows.namespaces.ids:
                 return 0
             n, pending = self.completion.remove_namespace(ns)
             self.pins.end_namespace(ns)

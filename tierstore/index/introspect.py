@@ -8,8 +8,8 @@ index lock they are given (``BlockIndex._lock``) and have none of their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from .rows import (
     ON_NVME,
     PENDING,
     IndexRoom,
-    RowTable,
 )
 
 
@@ -53,6 +52,7 @@ class EventLog:
             return out
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Introspection(IndexRoom):
     """Read-only questions about the index, and its invariants.
 
@@ -70,15 +70,11 @@ class Introspection(IndexRoom):
         References and leases.
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], tiers: list[Tier],
-                 alloc: dict[Tier, SlotAllocator], policies: dict[Tier, EvictionPolicy], pins: Pins,
-                 nvme_policy: EvictionPolicy | None = None) -> None:
-        super().__init__(rows, lock, clock)
-        self.nvme_policy = nvme_policy
-        self.tiers = tiers
-        self.alloc = alloc
-        self.policies = policies
-        self.pins = pins
+    tiers: list[Tier]
+    alloc: dict[Tier, SlotAllocator]
+    policies: dict[Tier, EvictionPolicy]
+    pins: Pins
+    nvme_policy: EvictionPolicy | None = None
 
     def state_of(self, key: bytes) -> BlockState | None:
         """Ownership state of a visible block, or ``None`` if not resident."""
@@ -144,12 +140,12 @@ class Introspection(IndexRoom):
             rows = self.rows.table.rows()
             ok = (self.rows.flags[rows] & (PENDING | DOOMED)) == 0
             ids, counts = np.unique(self.rows.ns[rows[ok]], return_counts=True)
-            return {self.rows.ns_list[int(i)]: int(c) for i, c in zip(ids, counts)}
+            return {self.rows.namespaces.digests[int(i)]: int(c) for i, c in zip(ids, counts)}
 
     def keys_of_namespace(self, ns: bytes) -> list[bytes]:
         """Visible keys of namespace ``ns``."""
         with self._lock:
-            nid = self.rows.ns_ids.get(ns)
+            nid = self.rows.namespaces.ids.get(ns)
             if nid is None:
                 return []
             rows = self.rows.table.rows()

@@ -10,7 +10,7 @@ what a persistent NVMe tier recovered. It runs under the index lock it is given
 """
 from __future__ import annotations
 
-import threading
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from ..contract import Tier
@@ -18,9 +18,10 @@ from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
 from ..tiers.storage import RegionListener
 from .introspect import EventLog
-from .rows import DOOMED, ON_NVME, EntryView, IndexRoom, RowTable
+from .rows import DOOMED, ON_NVME, EntryView, IndexRoom
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class NvmeListener(IndexRoom, RegionListener):
     """What the region manager asks and tells the index.
 
@@ -39,15 +40,11 @@ class NvmeListener(IndexRoom, RegionListener):
         The order of the NVMe-resident blocks (block mode); ``None``: region mode.
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float],
-                 reinsert: Callable | None, metrics: Metrics, events: EventLog,
-                 forget_if_empty: Callable[[int, bytes], None], policy: EvictionPolicy | None = None) -> None:
-        super().__init__(rows, lock, clock)
-        self.policy = policy
-        self.reinsert = reinsert
-        self.metrics = metrics
-        self.events = events
-        self._forget_if_empty = forget_if_empty
+    reinsert: Callable | None
+    metrics: Metrics
+    events: EventLog
+    _forget_if_empty: Callable[[int, bytes], None]
+    policy: EvictionPolicy | None = None
 
     def on_hits(self, keys: Sequence[bytes], rows: Sequence[int], now: float) -> None:
         """Block mode: ``keys`` (at ``rows``) were hit on some tier; those with an NVMe copy move

@@ -269,7 +269,7 @@ class Placement:
                     continue
                 self.rows.flags[r] |= NVME_WRITING
                 plan.nvme_demote.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), Tier.NVME, -1,
-                                                 self.nvme_lifetime(r, k, now), self.rows.ns_list[int(self.rows.ns[r])]))
+                                                 self.nvme_lifetime(r, k, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
             while len(self.rejected) > self.REJECTED_KEYS_MAX:
                 self.rejected.pop(next(iter(self.rejected)))
         elif demote and self.remote_victims:
@@ -357,5 +357,5 @@ class Placement:
             self.rows.flags[r] |= NVME_WRITING
             self.rows.readers[r] += 1
             plan.nvme_demote.append(Demotion(r, key, t, int(self.rows.slot[t][r]), Tier.NVME, -1,
-                                             self.nvme_lifetime(r, key, now), self.rows.ns_list[int(self.rows.ns[r])]))
+                                             self.nvme_lifetime(r, key, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
         return plan

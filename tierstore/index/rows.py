@@ -11,13 +11,17 @@ tier. Every method runs under the owner's lock (``BlockIndex._lock``); this modu
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..contract import MEMORY_TIERS, Tier
 from ..fdp.lifetime import LifetimeClass
+from ..identity import NamespaceIds
 from ..keytable import KeyTable
 from ..tiers.memory import SlotAllocator
 
@@ -60,13 +64,36 @@ _ARRAYS = (("ns", np.int32, 0), ("pos", np.int32, 0), ("hits", np.int32, 0), ("c
            ("nvme_at", np.float64, 0))
 
 
+def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
+    """A read-only :class:`EntryView` attribute: the view's element of row array ``array``, as ``cast``.
+    A plain ``property`` (as fast as a hand-written one); its type is the annotation at its use."""
+    get = operator.attrgetter(array)
+    return property(lambda view: cast(get(view._rows)[view.row]))
+
+
+def _lifetime(hint: np.int8) -> LifetimeClass | None:
+    return None if hint == NO_HINT else LifetimeClass(int(hint))
+
+
 class EntryView:
     """What policies may read about one block (:class:`tierstore.policies.base.EntryInfo`).
 
-    A view over the row arrays, made on demand; not kept by the index.
+    A view over the row arrays, made on demand; not kept by the index. Every
+    attribute but ``key``, ``size_bytes`` and ``ns`` is one row array's element.
+    ``nvme_written_s``: when its NVMe copy was last written (stored, demoted or
+    copied forward), clock seconds; 0.0 if it never was (a reinsertion policy's
+    reference bit: ``last_access_s > nvme_written_s`` means hit since written).
     """
 
     __slots__ = ("_rows", "row", "key")
+
+    hits: int = _row_field("hits", int)
+    last_access_s: float = _row_field("last", float)
+    created_s: float = _row_field("created", float)
+    position: int = _row_field("pos", int)
+    lifetime: LifetimeClass | None = _row_field("hint", _lifetime)
+    ref_count: int = _row_field("refs", int)
+    nvme_written_s: float = _row_field("nvme_at", float)
 
     def __init__(self, rows: RowTable, row: int, key: bytes) -> None:
         self._rows = rows
@@ -78,40 +105,8 @@ class EntryView:
         return self._rows.block_bytes
 
     @property
-    def hits(self) -> int:
-        return int(self._rows.hits[self.row])
-
-    @property
-    def last_access_s(self) -> float:
-        return float(self._rows.last[self.row])
-
-    @property
-    def created_s(self) -> float:
-        return float(self._rows.created[self.row])
-
-    @property
-    def position(self) -> int:
-        return int(self._rows.pos[self.row])
-
-    @property
     def ns(self) -> bytes:
-        return self._rows.ns_list[int(self._rows.ns[self.row])]
-
-    @property
-    def lifetime(self) -> LifetimeClass | None:
-        h = int(self._rows.hint[self.row])
-        return None if h == NO_HINT else LifetimeClass(h)
-
-    @property
-    def ref_count(self) -> int:
-        return int(self._rows.refs[self.row])
-
-    @property
-    def nvme_written_s(self) -> float:
-        """When its NVMe copy was last written (stored, demoted or copied forward),
-        clock seconds; 0.0 if it never was (a reinsertion policy's reference bit:
-        ``last_access_s > nvme_written_s`` means hit since written)."""
-        return float(self._rows.nvme_at[self.row])
+        return self._rows.namespaces.digests[int(self._rows.ns[self.row])]
 
 
 class RowTable:
@@ -148,18 +143,9 @@ class RowTable:
         self.slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
-        self.ns_list: list[bytes] = [bytes(32)]
-        self.ns_ids: dict[bytes, int] = {bytes(32): 0}
+        self.namespaces = NamespaceIds()
         self.tokens: dict[int, np.ndarray] = {}   # row -> token ids (``verify_tokens``)
         self.doomed: set[int] = set()             # rows hidden while in use, freed by their last user
-
-    def intern(self, ns: bytes) -> int:
-        """The id of namespace digest ``ns`` (a new one for a new digest)."""
-        nid = self.ns_ids.get(ns)
-        if nid is None:
-            nid = self.ns_ids[ns] = len(self.ns_list)
-            self.ns_list.append(ns)
-        return nid
 
     def grow(self) -> None:
         """Reallocate every array to the key table's capacity (after it grew)."""
@@ -214,7 +200,7 @@ class RowTable:
             row, new = self.table.add(k)
             if not new:
                 continue
-            self._init(row, ON_NVME, self.intern(ns), -1, NO_HINT, now)
+            self._init(row, ON_NVME, self.namespaces.intern(ns), -1, NO_HINT, now)
             self.nvme_at[row] = now
             n += 1
         return n
@@ -281,6 +267,7 @@ class RowTable:
         return self.table.nbytes + sum(a.nbytes for a in arrays)
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class IndexRoom:
     """A room of the block index: it shares the index's rows, lock and clock, and has no lock of its own.
 
@@ -293,7 +280,6 @@ class IndexRoom:
         Seconds, monotonic (the index's clock).
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float]) -> None:
-        self.rows = rows
-        self._lock = lock
-        self._clock = clock
+    rows: RowTable
+    _lock: threading.RLock
+    _clock: Callable[[], float]

@@ -418,6 +418,14 @@ class HiCacheTierStore(HiCacheStorage):
                               "register_mem_pool_host when it attaches the backend)")
         return store, view
 
+    def _batch(self, keys: list[str], host_indices: torch.Tensor) -> tuple[KVStore, HostPoolView, list[int]] | None:
+        """The store, the host pool and the page of each key of a zero-copy batch call; ``None``
+        for no keys. Raises as :meth:`HostPoolView.page_ids`, before anything is moved."""
+        store, view = self._require()
+        if not keys:
+            return None
+        return store, view, view.page_ids(host_indices, len(keys))
+
     def _keys(self, keys: list[str]) -> list[bytes]:
         d = self._digest
         return [scoped_key(d, k) for k in keys]
@@ -464,10 +472,10 @@ class HiCacheTierStore(HiCacheStorage):
         LayoutError
             Malformed ``host_indices`` (nothing is stored).
         """
-        store, view = self._require()
-        if not keys:
+        batch = self._batch(keys, host_indices)
+        if batch is None:
             return []
-        ids = view.page_ids(host_indices, len(keys))
+        store, view, ids = batch
         skeys = self._keys(keys)
         if store.exists(skeys) == len(keys):  # all stored already: nothing to copy
             return [True] * len(keys)
@@ -493,16 +501,13 @@ class HiCacheTierStore(HiCacheStorage):
         list of bool
             True for a page written into the host pool; False for a miss, an
             I/O error or a corrupt page (its host page is left untouched).
-
-        Raises
-        ------
-        LayoutError
-            Malformed ``host_indices`` (nothing is loaded).
+            A malformed ``host_indices`` raises as in :meth:`batch_set_v1`
+            (nothing is loaded).
         """
-        store, view = self._require()
-        if not keys:
+        batch = self._batch(keys, host_indices)
+        if batch is None:
             return []
-        ids = view.page_ids(host_indices, len(keys))
+        store, view, ids = batch
         rid = ("sglang", next(self._rids))
         t0 = time.perf_counter()
         try:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..closing import Closing
 from ..errors import AlignmentError, ConfigError, TierStoreError
 
 #: Default logical block size in bytes (Linux open(2) O_DIRECT alignment unit;
@@ -206,7 +207,7 @@ def alloc_aligned(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     return m, t
 
 
-class IOEngine:
+class IOEngine(Closing):
     """A byte-addressed device of ``size_bytes`` with O_DIRECT alignment rules.
 
     Parameters
@@ -395,11 +396,6 @@ class IOEngine:
             self._closed = True
             self._close_impl()
 
-    def __enter__(self) -> IOEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- helpers
     def _count(self, what: str, nbytes: int, ok: bool) -> None:

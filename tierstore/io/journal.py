@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import crc32c
 
+from ..closing import Closing
 from ..errors import ConfigError, CorruptData, ForeignDataError, LayoutError, StoreLockedError
 
 __all__ = ["RecordKind", "JournalRecord", "JournalState", "Journal", "live_records", "read_records",
@@ -295,7 +296,7 @@ def live_records(records: Sequence[JournalRecord]) -> list[JournalRecord]:
     return [records[i] for i in sorted(keep)]
 
 
-class Journal:
+class Journal(Closing):
     """An append-only journal (module doc), in a file or in memory.
 
     Parameters
@@ -495,11 +496,6 @@ class Journal:
                 os.close(self._fd)
                 self._fd = -1
 
-    def __enter__(self) -> Journal:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------- internals
     @staticmethod

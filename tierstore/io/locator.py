@@ -4,7 +4,7 @@
 :class:`~tierstore.keytable.KeyTable` and keeps, per row, in numpy arrays:
 the payload's device offset (``off``), its CRC-32C (``crc``), the sequence
 number of the extent it was written in (``seq``) and its interned namespace
-(``ns_id``; ``ns_list[ns_id]`` is the 32-byte digest). About 70 bytes per
+(``ns_id``; ``namespaces.digests[ns_id]`` is the 32-byte digest). About 70 bytes per
 block, no Python object per block. Every payload occupies one slot of
 ``slot_bytes`` (the block padded to 4096, :func:`tierstore.io.format.block_slot_bytes`)
 in segment ``off // segment_bytes``.
@@ -21,13 +21,12 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..identity import NamespaceIds
 from ..keytable import KeyTable
 from ..tiers.storage import StoredBlocks
 from . import format as fmt
 
 __all__ = ["BlockLocator"]
-
-_NO_NS = bytes(32)
 
 
 class BlockLocator:
@@ -52,8 +51,7 @@ class BlockLocator:
         self.crc = np.zeros(cap, dtype=np.uint32)
         self.seq = np.zeros(cap, dtype=np.int64)
         self.ns_id = np.zeros(cap, dtype=np.int32)
-        self.ns_list: list[bytes] = [_NO_NS]
-        self._ns_ids: dict[bytes, int] = {_NO_NS: 0}
+        self.namespaces = NamespaceIds()
 
     def __len__(self) -> int:
         return len(self.table)
@@ -117,9 +115,9 @@ class BlockLocator:
         self.seq[rows] = seq
         ns0 = entries[0].ns_digest if entries else None
         if all(e.ns_digest == ns0 for e in entries):
-            self.ns_id[rows] = self._intern(ns0) if entries else 0
+            self.ns_id[rows] = self.namespaces.intern(ns0) if entries else 0
         else:
-            self.ns_id[rows] = [self._intern(e.ns_digest) for e in entries]
+            self.ns_id[rows] = [self.namespaces.intern(e.ns_digest) for e in entries]
         return rows, replaced
 
     def place(self, key: bytes, off: int, crc: int, seq: int, ns_digest: bytes) -> int:
@@ -132,18 +130,18 @@ class BlockLocator:
         self.off[row] = off
         self.crc[row] = crc
         self.seq[row] = seq
-        self.ns_id[row] = self._intern(ns_digest)
+        self.ns_id[row] = self.namespaces.intern(ns_digest)
         return row
 
     def keys_of(self, rows) -> list[bytes]:
         return self.table.keys_of(rows)
 
     def namespace_of(self, row: int) -> bytes:
-        return self.ns_list[int(self.ns_id[row])]
+        return self.namespaces.digests[int(self.ns_id[row])]
 
     def rows_of_namespace(self, ns_digest: bytes) -> np.ndarray | None:
         """Rows of the blocks of ``ns_digest``; ``None`` if it was never seen."""
-        nid = self._ns_ids.get(ns_digest)
+        nid = self.namespaces.ids.get(ns_digest)
         if nid is None:
             return None
         rows = self.table.rows()
@@ -159,13 +157,13 @@ class BlockLocator:
         """Every block: keys, namespace digest per key, write sequence number per key."""
         rows = self.table.rows()
         keys = self.table.keys_of(rows)
-        return StoredBlocks(keys, [self.ns_list[i] for i in self.ns_id[rows].tolist()], self.seq[rows].copy())
+        return StoredBlocks(keys, [self.namespaces.digests[i] for i in self.ns_id[rows].tolist()], self.seq[rows].copy())
 
     def entries(self) -> dict[bytes, tuple[bytes, int]]:
         """``key -> (namespace digest, write sequence number)``."""
         rows = self.table.rows()
         keys = self.table.keys_of(rows)
-        return {k: (self.ns_list[int(self.ns_id[r])], int(self.seq[r])) for k, r in zip(keys, rows)}
+        return {k: (self.namespaces.digests[int(self.ns_id[r])], int(self.seq[r])) for k, r in zip(keys, rows)}
 
     @property
     def nbytes(self) -> int:
@@ -179,10 +177,3 @@ class BlockLocator:
             new = np.zeros(cap, dtype=old.dtype)
             new[:old.size] = old
             setattr(self, name, new)
-
-    def _intern(self, ns: bytes) -> int:
-        nid = self._ns_ids.get(ns)
-        if nid is None:
-            nid = self._ns_ids[ns] = len(self.ns_list)
-            self.ns_list.append(ns)
-        return nid

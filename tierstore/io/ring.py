@@ -58,6 +58,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 
+from ..closing import Closing
 from ..errors import InvariantError, TierStoreError
 
 __all__ = [
@@ -184,7 +185,7 @@ def _why_setup_failed(err: int, flags: int) -> str:
     return s
 
 
-class Ring:
+class Ring(Closing):
     """One io_uring: the SQ, the CQ and the SQE array mapped into this process.
 
     Not thread-safe: one thread at a time calls it (or wrap it in :class:`RingQueue`).
@@ -309,11 +310,6 @@ class Ring:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> Ring:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------ SQ side
     def sq_space_left(self) -> int:

@@ -630,28 +630,12 @@ class SegmentStorage(BlockStorage):
 
     def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
                       gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
-        """Load blocks and scatter each into its destination fragments.
+        """:meth:`BlockStorage.get_fragments <tierstore.tiers.storage.BlockStorage.get_fragments>`.
 
-        Parameters
-        ----------
-        keys : sequence of bytes
-            32-byte block hashes.
-        dest_fragments_per_block : sequence
-            Per block, writable destinations (tensors of any dtype/shape,
-            contiguous or not) whose byte sizes sum to ``block_bytes``, or a
-            destination :class:`~tierstore.io.pages.FragmentPlan`.
-        gate : callable, optional
-            ``gate(indices)`` returns a context manager entered around each
-            scatter of the blocks at ``indices``; it yields ``False`` when the
-            caller gave up (a deadline passed), and those blocks are then
-            reported ``MISS`` and their destinations left untouched.
-
-        Returns
-        -------
-        list of Status
-            ``OK`` (bytes verified and copied), ``MISS`` or ``IO_ERROR``.
-            Blocks are read in device order, neighbours coalesced into reads of
-            up to ``extent_size_bytes``.
+        Destinations may be tensors of any dtype and shape, contiguous or not.
+        Blocks are read in device order, neighbours coalesced into reads of up
+        to ``extent_size_bytes``; a block that fails its read or CRC-32C is
+        dropped and reported ``IO_ERROR``.
         """
         keys, dests = _get_args(keys, dest_fragments_per_block, self.block_bytes)
         status = [Status.MISS] * len(keys)

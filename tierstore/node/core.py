@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ..api import KVStore, transfers_of
+from ..closing import Closing
 from ..config import StoreConfig
 from ..contract import Tier
 from ..errors import ConfigError, InvariantError, StoreClosedError, TierStoreError
@@ -31,7 +32,7 @@ from .tickets import PlanService, Ticket
 _log = logging.getLogger(__name__)
 
 
-class NodeCore:
+class NodeCore(Closing):
     """A store over a shared segment, with tickets and a background cleaner.
 
     Parameters
@@ -215,8 +216,3 @@ class NodeCore:
         self.segment.close()
         return written
 
-    def __enter__(self) -> NodeCore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..closing import Closing
 from ..errors import LayoutError, TierStoreError
 from ..tiers.memory import BlockPool
 
@@ -188,7 +189,7 @@ class SegmentHeader:
         return hdr
 
 
-class Segment:
+class Segment(Closing):
     """One process's mapping of a pool's shared segment.
 
     Made by :meth:`create` (the service: owns the memfd, writes the header, bumps gens) or
@@ -578,11 +579,6 @@ class Segment:
             os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> Segment:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class ColumnPool(BlockPool):

@@ -27,10 +27,10 @@ exceeds a threshold.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 from ..errors import ConfigError
+from ..keytable import GhostKeys
 from .base import EntryInfo
 
 
@@ -56,20 +56,17 @@ class SecondSightingAdmission:
                               f"(got {min_hits}, {ghost_keys})")
         self.min_hits = int(min_hits)
         self.ghost_keys = int(ghost_keys)
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost = GhostKeys(self.ghost_keys)
         self.admitted = 0
         self.rejected = 0
 
     def __call__(self, entry: EntryInfo) -> bool:
         """``True``: write ``entry`` to NVMe; ``False``: drop it."""
         k = entry.key
-        if entry.hits >= self.min_hits or k in self._ghost:
-            self._ghost.pop(k, None)
+        if self._ghost.take(k) or entry.hits >= self.min_hits:
             self.admitted += 1
             return True
-        self._ghost[k] = None
-        if len(self._ghost) > self.ghost_keys:
-            self._ghost.popitem(last=False)
+        self._ghost.add(k)
         self.rejected += 1
         return False
 

@@ -24,9 +24,8 @@ by the caller, and it never sees block bytes.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from ..errors import ConfigError
+from ..keytable import GhostKeys
 
 MODES = ("all", "reused")
 
@@ -69,7 +68,7 @@ class ShareAdmission:
         self.mode = mode
         self.min_hits = int(min_hits)
         self.ghost_keys = int(ghost_keys)
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost = GhostKeys(self.ghost_keys)
         self.admitted = 0
         self.declined = 0
 
@@ -89,15 +88,9 @@ class ShareAdmission:
             ``True``: publish. ``False``: keep it local (in ``reused`` mode the
             key is remembered, and admitted when it is offered again).
         """
-        ok = self.mode == "all" or hits >= self.min_hits
-        if not ok and key in self._ghost:
-            del self._ghost[key]
-            ok = True
-        if ok:
+        if self.mode == "all" or hits >= self.min_hits or self._ghost.take(key):
             self.admitted += 1
             return True
-        self._ghost[key] = None
-        if len(self._ghost) > self.ghost_keys:
-            self._ghost.popitem(last=False)
+        self._ghost.add(key)
         self.declined += 1
         return False

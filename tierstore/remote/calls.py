@@ -3,11 +3,14 @@
 Mooncake Store's error codes, :class:`RegisteredRegion` (memory registered for zero-copy
 transfers), ``_Slots`` (a registered staging buffer cut into slots that return to the free
 list only when the call using them has returned), ``_CallThreads`` (daemon threads that run
-the calls a caller waits for) and the small helpers the tier, its publisher and its loader
-share. Nothing here holds tier state; see :mod:`tierstore.remote.mooncake`.
+the calls a caller waits for), :class:`TierLink` (what the tier's parts, its
+:class:`~tierstore.remote.publisher.Publisher` and :class:`~tierstore.remote.loader.Loader`,
+use of it) and the small helpers the three share. Nothing here holds tier state; see
+:mod:`tierstore.remote.mooncake`.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import ctypes
 import logging
@@ -15,8 +18,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
+
+from .format import ObjectNamer
+from .settings import MooncakeTuning, RemoteConfig
 
 log = logging.getLogger("tierstore.remote.mooncake")
 
@@ -52,6 +59,43 @@ class RegisteredRegion:
     def holds(self, ptr: int, n: int) -> bool:
         """Whether ``[ptr, ptr + n)`` lies inside the region."""
         return self.base_ptr <= ptr and ptr + n <= self.base_ptr + self.nbytes
+
+
+class TierLink(Protocol):
+    """What a part of :class:`~tierstore.remote.mooncake.MooncakeTier` (its publisher, its
+    loader) uses of the tier: its settings, its one lock and the condition its threads wait
+    on, its counters, its connection state and its Mooncake calls. A part keeps its own state
+    and its own slots; it reads the state fields and changes the counters under ``_lock``."""
+
+    config: RemoteConfig
+    tuning: MooncakeTuning
+    block_bytes: int
+    object_bytes: int
+    _timeout_s: float
+    _lock: threading.Lock
+    _work: threading.Condition
+    _counters: dict[str, int]
+    _errors: collections.Counter
+    _corrupt: collections.Counter
+    _state: str
+    _closed: bool
+    _client: Any
+    _namer: ObjectNamer
+
+    def _bump(self, name: str, n: int = 1) -> None: ...
+
+    def _degrade(self, reason: str, *, count: str | None = None, code: int | None = None) -> None: ...
+
+    def _usable(self) -> Any: ...
+
+    def _call(self, what: str, fn: Callable, *args: Any, on_timeout: Callable[[], None] | None = None,
+              on_late: Callable[[], None] | None = None) -> Any: ...
+
+    def _call_here(self, what: str, fn: Callable, *args: Any) -> Any: ...
+
+    def _check_keys(self, keys: Sequence[bytes], bufs: Sequence[torch.Tensor], what: str) -> None: ...
+
+    def _remove_later(self, names: Sequence[str]) -> None: ...
 
 
 class _Slots:

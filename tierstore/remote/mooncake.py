@@ -7,10 +7,11 @@ up, load and publish, and calls it (from its mover, never under its lock).
 
 The tier is split in four modules: this one (lifecycle, connecting and the
 degraded state, the prober, ``exists_prefix``, ``remove``, ``stats``, ``close``),
-:mod:`~tierstore.remote.publisher` (``put``, the publish queue and its threads),
-:mod:`~tierstore.remote.loader` (``register_memory``, ``get_into``, the object
-checks) and :mod:`~tierstore.remote.calls` (call threads, registered slots,
-Mooncake's error codes).
+and the two parts it builds and owns, :mod:`~tierstore.remote.publisher` (``put``,
+the publish queue and its threads) and :mod:`~tierstore.remote.loader`
+(``register_memory``, ``get_into``, the object checks), which reach it through
+:class:`~tierstore.remote.calls.TierLink`; :mod:`~tierstore.remote.calls` (call
+threads, registered slots, Mooncake's error codes).
 
 Contract: every public method is thread-safe, returns within about ``timeout_s``
 (``put`` after a memory copy) and never raises for an expected outcome; a failure
@@ -41,7 +42,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, LayoutError
+from ..closing import Closing
+from ..errors import ConfigError, LayoutError, Status
 from ..io.format import KEY_BYTES
 from ..tiers.storage import RemoteBlockTier
 
@@ -120,7 +122,7 @@ _COUNTERS = (
 )
 
 
-class MooncakeTier(Publisher, Loader, RemoteBlockTier):
+class MooncakeTier(RemoteBlockTier, Closing):
     """The remote tier: publish, look up and load blocks in a Mooncake cluster.
 
     Parameters
@@ -152,9 +154,10 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
     ``(publish_queue_blocks + max(2, local_buffer_bytes // object_bytes)) * object_bytes`` of
     registered staging, plus ``segment_bytes`` that Mooncake maps for the cluster.
 
-    ``put`` and ``flush`` are :class:`~tierstore.remote.publisher.Publisher`'s; ``register_memory``,
-    ``set_load_observer`` and ``get_into`` are :class:`~tierstore.remote.loader.Loader`'s (parts of
-    this class, on its lock and state).
+    ``put`` and ``flush`` run on its :class:`~tierstore.remote.publisher.Publisher` (``publisher``);
+    ``register_memory``, ``set_load_observer`` and ``get_into`` on its
+    :class:`~tierstore.remote.loader.Loader` (``loader``): parts it builds, each with its own state
+    and slots, reaching the tier through :class:`~tierstore.remote.calls.TierLink`.
 
     Implements :class:`tierstore.tiers.storage.RemoteBlockTier` (whose table says where
     it differs from the local interface): a block can vanish at any time (evicted, its
@@ -188,35 +191,24 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         self._client: Any = None
         self._inflight_calls = 0
         self._direct: dict[object, list] = {}  # publisher calls in progress: [start_s, what, reported]
-        self._load_observer: Callable[[int, float], None] | None = None
-
-        self._put_slots = _Slots(s.publish_queue_blocks, self.object_bytes)
-        n_get = max(2, s.local_buffer_bytes // self.object_bytes)
-        self._get_slots = _Slots(n_get, self.object_bytes)
-        self._hdr_slots = _Slots(tu.header_slots, HEADER_BYTES)
-        self._regions: list[RegisteredRegion] = []
-        self._queue: collections.deque = collections.deque()  # _Pub
-        self._retry: list = []  # [due_s, _Pub]: refused for space, sent again (SPACE_RETRY_S)
-        self._queued_keys: set[bytes] = set()
-        self._recent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._recent_max = 1 << 16
         self._removals: dict[str, list] = {}  # name -> [next_attempt_s, attempts]
-        self._publishing = 0
-        self._zc_queued = 0  # zero-copy publishes queued or in flight (bounded like the staged queue)
         self._work = threading.Condition(self._lock)
+
+        # registered staging, the parts' slots: every pool is registered with each new client
+        put_slots = _Slots(s.publish_queue_blocks, self.object_bytes)
+        get_slots = _Slots(max(2, s.local_buffer_bytes // self.object_bytes), self.object_bytes)
+        hdr_slots = _Slots(tu.header_slots, HEADER_BYTES)
+        self._slot_pools = (put_slots, get_slots, hdr_slots)
+        self.loader = Loader(self, get_slots, hdr_slots)
+        self.publisher = Publisher(self, put_slots, hdr_slots, self.loader.region_of)
         self._calls = _CallThreads(tu.call_threads, "tierstore-mooncake-call")
         if tu.set_env:
             self._set_env()
         if connect:
             self._connect()
-        # publish_threads publishers: while one call is in flight, the next batch
-        # is sent, so checksumming and copying overlap the network
-        self._workers = [threading.Thread(target=self._publish_loop, name=f"tierstore-mooncake-publish-{i}",
-                                          daemon=True) for i in range(tu.publish_threads)]
         self._prober = threading.Thread(target=self._probe_loop, name="tierstore-mooncake-probe",
                                         daemon=True)
-        for w in self._workers:
-            w.start()
+        self.publisher.start()
         self._prober.start()
         _LIVE.add(self)
 
@@ -243,11 +235,7 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         if rc != 0:
             _close_quietly(client)
             raise _CallFailed(f"setup returned {rc}", rc)
-        bufs = [(self._put_slots.base_ptr, self._put_slots.buf.numel()),
-                (self._get_slots.base_ptr, self._get_slots.buf.numel()),
-                (self._hdr_slots.base_ptr, self._hdr_slots.buf.numel())]
-        with self._lock:
-            bufs += [(r.base_ptr, r.nbytes) for r in self._regions]
+        bufs = [(p.base_ptr, p.buf.numel()) for p in self._slot_pools] + self.loader.regions()
         for ptr, n in bufs:
             rc = client.register_buffer(ptr, n)
             if rc != 0:
@@ -424,6 +412,29 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
                                   f"blocks are {self.block_bytes} bytes")
 
 
+    # ------------------------------------------------------------------ parts
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False, recent: bool = True) -> list[Status]:
+        """:meth:`Publisher.put <tierstore.remote.publisher.Publisher.put>`."""
+        return self.publisher.put(keys, blocks, ns_digests, copy=copy, recent=recent)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """:meth:`Publisher.flush <tierstore.remote.publisher.Publisher.flush>`."""
+        return self.publisher.flush(timeout_s)
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
+        """:meth:`Loader.get_into <tierstore.remote.loader.Loader.get_into>`."""
+        return self.loader.get_into(keys, dests)
+
+    def register_memory(self, tensor: torch.Tensor, on_hold: Callable[[int, int], None],
+                        on_release: Callable[[int, int], None]) -> RegisteredRegion:
+        """:meth:`Loader.register_memory <tierstore.remote.loader.Loader.register_memory>`."""
+        return self.loader.register_memory(tensor, on_hold, on_release)
+
+    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:
+        """:meth:`Loader.set_load_observer <tierstore.remote.loader.Loader.set_load_observer>`."""
+        self.loader.set_load_observer(fn)
+
     # ----------------------------------------------------------------- lookup
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the cluster holds (one ``batch_is_exist``).
@@ -471,7 +482,10 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
     def remove(self, keys: Sequence[bytes]) -> None:
         """Remove blocks from the cluster in the background (best effort: an
         object under a read lease is retried with backoff; unknown keys are ignored)."""
-        names = [self._namer(bytes(k)) for k in keys]
+        self._remove_later([self._namer(bytes(k)) for k in keys])
+
+    def _remove_later(self, names: Sequence[str]) -> None:
+        """Queue objects for removal by the prober (also corrupt ones the loader found)."""
         now = time.monotonic()
         with self._lock:
             for nm in names:
@@ -581,13 +595,13 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
             d["state"] = self._state
             d["degraded_reason"] = self._reason
             d["degraded_for_s"] = (time.monotonic() - self._degraded_since) if self._state == "degraded" else 0.0
-            d["queued_blocks"] = len(self._queue) + len(self._retry)
+            d["queued_blocks"] = self.publisher.queued_blocks()
             d["pending_removals"] = len(self._removals)
             d["errors"] = dict(self._errors)
             for r in CORRUPT_REASONS:
                 d[f"corrupt_{r}"] = self._corrupt[r]
-        d["publish_slots_free"] = self._put_slots.free_count()
-        d["get_slots_free"] = self._get_slots.free_count()
+        d["publish_slots_free"] = self.publisher.free_slots()
+        d["get_slots_free"] = self.loader.free_slots()
         return d
 
     def close(self) -> None:
@@ -600,24 +614,13 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         with self._lock:
             self._closed = True
             self._state = "closed"
-            dropped = list(self._queue) + [b for _t, b in self._retry]
-            self._queue.clear()
-            self._retry.clear()
-            self._counters["dropped_closed"] += len(dropped)
-            for b in dropped:
-                self._queued_keys.discard(b.key)
-            self._zc_queued -= sum(b.region is not None for b in dropped)
+            dropped = self.publisher.take_queued()
             client, self._client = self._client, None
             self._work.notify_all()
-        for b in dropped:  # give their memory back (the owner's too)
-            if b.region is None:
-                self._put_slots.give([b.slot])
-            else:
-                self._hdr_slots.give([b.slot])
-                _callback(b.region.on_release, b.offset, self.block_bytes)
+        self.publisher.give_back(dropped)
         deadline = time.monotonic() + self._timeout_s
-        for th in (*self._workers, self._prober):
-            th.join(max(0.0, deadline - time.monotonic()))
+        self.publisher.join(deadline)
+        self._prober.join(max(0.0, deadline - time.monotonic()))
         if client is not None:
             fut = self._calls.submit(_close_quietly, client)
             try:
@@ -631,13 +634,6 @@ class MooncakeTier(Publisher, Loader, RemoteBlockTier):
         # seen with 1 in 8 processes before this join).
         self._calls.stop(self._timeout_s)
         _LIVE.discard(self)
-
-    def __enter__(self) -> MooncakeTier:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 
 #: Tiers not closed yet; closed at interpreter exit (before daemon threads are torn down).

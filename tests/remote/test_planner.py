@@ -8,54 +8,25 @@ publish admission (``all``, ``reused`` with its second sighting, ``publish: evic
 """
 from __future__ import annotations
 
-import socket
-
-import numpy as np
 import pytest
 import torch
 
-import tierstore.remote.mooncake as mc
-from tests.remote.fake_mooncake import FakeCluster, FakeStore
-from tierstore import KVLayout, KVStore, Namespace, Status
+from tierstore import KVStore, Namespace, Status
 from tierstore.api import leading_ok
 from tierstore.index import Tier
 from tierstore.planner import RemotePlanner
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, tokens_per_block=16)
-BB = LAYOUT.bytes_per_block
-NS = Namespace(model="m@1", tenant="acme")
-
-
-def prompt(seed: int, nblocks: int):
-    tokens = np.random.default_rng(seed).integers(0, 30000, nblocks * LAYOUT.tokens_per_block)
-    kv = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal(
-        (nblocks, *LAYOUT.block_shape)).astype(np.float16))
-    return tokens, kv
+from .prompts import NS, prompt
 
 
 @pytest.fixture
-def make_store(monkeypatch):
-    cluster = FakeCluster(lease_s=0.2)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(16)
-    monkeypatch.setattr(mc, "load_mooncake_store", lambda: (lambda: FakeStore(cluster)))
-    for k in ("MC_TCP_BIND_ADDRESS", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS",
-              "MC_STORE_CLIENT_SETUP_RETRIES"):
-        monkeypatch.setenv(k, "1")
-    cfg = {"master": f"127.0.0.1:{s.getsockname()[1]}", "metadata": "P2PHANDSHAKE", "segment_bytes": 0,
-           "local_buffer_bytes": 8 * (BB + 64), "publish_queue_blocks": 64, "timeout_s": 0.5}
-    stores = []
+def remote_cfg(remote_cfg):
+    return {**remote_cfg, "publish_queue_blocks": 64}
 
-    def _make(host_blocks: int = 64, **remote) -> KVStore:
-        st = KVStore(LAYOUT, host_bytes=host_blocks * BB, promotion="none", remote={**cfg, **remote})
-        assert st.remote.wait_ok(5)
-        stores.append(st)
-        return st
-    yield _make
-    for st in stores:
-        st.close()
-    s.close()
+
+@pytest.fixture
+def host_blocks():
+    return 64
 
 
 def exists_calls(store: KVStore) -> int:
