@@ -6,8 +6,8 @@ How the I/O is issued (``ioengine=``, mapped by :func:`tierstore.bench.jobfile.e
   clone (``numjobs``) drives its own io_uring (:class:`tierstore.io.ring.Ring`) as fio's io_uring
   engine does: it fills up to ``iodepth`` read/write SQEs, publishes them with one
   ``io_uring_enter`` that also waits for ``iodepth // 4`` completions (at least one), reaps every
-  completion posted, and refills. Python runs about a microsecond per I/O and one system call
-  per batch, not a system call and a thread hand-off per I/O.
+  completion posted, and refills: in C without the GIL (``tierstore.io._ringloop``, built at install
+  where a C compiler is), else in Python; the job's first line says which.
 * ``posix`` (and fio's ``posixaio``): ``iodepth`` threads per clone, each doing one
   ``os.preadv``/``os.pwritev`` at a time on the O_DIRECT file (the GIL is released inside the
   call), which keeps ``iodepth`` I/Os in flight.
