@@ -271,6 +271,23 @@ def test_a_failed_io_fails_the_job_with_its_errno_and_offset(tmp_path, run_bench
     assert job["read"]["runtime"] < 4000   # it stopped at the failure, not at the runtime
 
 
+def test_the_c_turn_batches_many_ios_per_enter(tmp_path, run_bench, monkeypatch):
+    """The point of the turn (issue 22 item 8): I/Os go in and come back in batches, one enter per turn."""
+    count = {"enters": 0, "ios": 0}
+    real = iojobs.run_fixed_turns
+
+    def counting(*a, **kw):
+        got = real(*a, **kw)
+        count["enters"] += got.enters
+        count["ios"] += got.logged
+        return got
+    monkeypatch.setattr(iojobs, "run_fixed_turns", counting)
+    job, _ = _job(run_bench, tmp_path, "--rw=randread", "--size=8m", "--iodepth=16", "--runtime=1", "--time_based",
+                  f"--directory={tmp_path}")
+    assert job["read"]["total_ios"] == count["ios"] > 500
+    assert count["ios"] / count["enters"] >= 4, count   # a turn waits for iodepth // 4 = 4
+
+
 def test_a_time_based_job_stops_at_its_runtime_with_sane_latencies(tmp_path, run_bench):
     job, _ = _job(run_bench, tmp_path, "--rw=randread", "--size=8m", "--iodepth=16", "--runtime=1", "--time_based",
                   f"--directory={tmp_path}")

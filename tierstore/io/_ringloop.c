@@ -85,10 +85,11 @@ PyDoc_STRVAR(run_doc,
 "no I/O is issued at or after it (0: none); return_ns: the call returns, I/Os still in flight,\n"
 "after the first turn that ends at or after it (0: none); wait_nr: completions per enter;\n"
 "drain: issue nothing, wait for every I/O in flight.\n\n"
-"Returns (issued, logged, reason, err_res, err_offset, err_opcode, inflight): reason 0 = the\n"
+"Returns (issued, logged, reason, err_res, err_offset, err_opcode, inflight, enters): reason 0 = the\n"
 "offsets are used up or return_ns passed (I/Os may be in flight), 1 = nothing in flight and nothing\n"
 "more to issue (deadline, drain), 2 = an I/O failed (err_res = -errno; nothing more issued, the\n"
-"rest drained, not logged), 3 = io_uring_enter failed (err_res = -errno; I/Os may be in flight).");
+"rest drained, not logged), 3 = io_uring_enter failed (err_res = -errno; I/Os may be in flight);\n"
+"enters: io_uring_enter calls made.");
 
 static PyObject *run(PyObject *self, PyObject *args)
 {
@@ -165,7 +166,7 @@ static PyObject *run(PyObject *self, PyObject *args)
             free_slots[nfree++] = (int32_t)s;
     }
 
-    Py_ssize_t next = 0, logged = 0;
+    Py_ssize_t next = 0, logged = 0, enters = 0;
     int reason = R_MORE, issuing = !drain, failed = 0;
     long long err_res = 0, err_offset = -1, err_opcode = -1;
     int64_t now = now_ns();
@@ -208,6 +209,7 @@ static PyObject *run(PyObject *self, PyObject *args)
         uint32_t want = (uint32_t)(inflight < (Py_ssize_t)wait_nr ? inflight : wait_nr);
         long r;
         for (;;) {
+            enters++;
             r = syscall(__NR_io_uring_enter, fd, to_submit, want, IORING_ENTER_GETEVENTS, NULL, 0);
             if (r >= 0 || errno != EINTR)
                 break;
@@ -265,7 +267,7 @@ static PyObject *run(PyObject *self, PyObject *args)
 
     free(free_slots);
     release_all(&b);
-    return Py_BuildValue("nniLLLn", next, logged, reason, err_res, err_offset, err_opcode, inflight);
+    return Py_BuildValue("nniLLLnn", next, logged, reason, err_res, err_offset, err_opcode, inflight, enters);
 
 fail:
     release_all(&b);

@@ -941,6 +941,7 @@ class TurnResult(NamedTuple):
     in flight and nothing more issued (the deadline passed, or ``drain``); 2 an I/O failed
     (``err_res`` = -errno, at ``err_offset`` with ``err_opcode``; the I/Os then in flight were
     drained, not logged); 3 ``io_uring_enter`` failed (``err_res`` = -errno; I/Os may be in flight).
+    ``enters``: the ``io_uring_enter`` calls the call made.
     """
 
     issued: int
@@ -950,6 +951,7 @@ class TurnResult(NamedTuple):
     err_offset: int
     err_opcode: int
     inflight: int
+    enters: int
 
 
 def native_turn() -> tuple[bool, str]:
