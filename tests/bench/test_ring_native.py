@@ -271,21 +271,39 @@ def test_a_failed_io_fails_the_job_with_its_errno_and_offset(tmp_path, run_bench
     assert job["read"]["runtime"] < 4000   # it stopped at the failure, not at the runtime
 
 
-def test_the_c_turn_batches_many_ios_per_enter(tmp_path, run_bench, monkeypatch):
-    """The point of the turn (issue 22 item 8): I/Os go in and come back in batches, one enter per turn."""
-    count = {"enters": 0, "ios": 0}
+def test_one_enter_per_turn_submits_every_free_slot_and_waits_for_wait_nr(tmp_path):
+    """The point of the turn (issue 22 item 8): I/Os go in as a batch per ``io_uring_enter``, and each
+    enter waits for ``wait_nr`` completions (the last ones excepted), so ``wait_nr`` or more per enter."""
+    path = tmp_path / "b.dat"
+    path.write_bytes(bytes(256 * BS))
+    r = _Ring(path, 16, IORING_OP_READ)
+    try:
+        offsets = np.random.default_rng(3).integers(0, 256, size=2000) * BS
+        got = r.run(offsets, wait_nr=4)
+        done, enters = got.logged, got.enters
+        assert got.issued == 2000
+        got = r.run([], drain=True, wait_nr=4)
+        done, enters = done + got.logged, enters + got.enters
+        assert done == 2000 and done / enters >= 4 * 0.95, (done, enters)   # 16 in flight: the tail waits for fewer
+    finally:
+        r.close()
+
+
+def test_a_job_through_the_c_turn_waits_for_one_completion_per_enter(tmp_path, run_bench, monkeypatch):
+    count = {"enters": 0, "ios": 0, "wait_nr": set()}
     real = iojobs.run_fixed_turns
 
     def counting(*a, **kw):
         got = real(*a, **kw)
         count["enters"] += got.enters
         count["ios"] += got.logged
+        count["wait_nr"].add(kw["wait_nr"])
         return got
     monkeypatch.setattr(iojobs, "run_fixed_turns", counting)
     job, _ = _job(run_bench, tmp_path, "--rw=randread", "--size=8m", "--iodepth=16", "--runtime=1", "--time_based",
                   f"--directory={tmp_path}")
-    assert job["read"]["total_ios"] == count["ios"] > 500
-    assert count["ios"] / count["enters"] >= 4, count   # a turn waits for iodepth // 4 = 4
+    assert job["read"]["total_ios"] == count["ios"] > 500 and count["wait_nr"] == {iojobs._NATIVE_REAP_MIN} == {1}
+    assert count["enters"] <= count["ios"] + 1   # never more than one enter per I/O
 
 
 def test_a_time_based_job_stops_at_its_runtime_with_sane_latencies(tmp_path, run_bench):

@@ -113,7 +113,13 @@ _SYNC_TAKE = 16
 _REAP_DEPTH_DIVISOR = 4
 #: Completed writes a synchronous thread hands to the FTL model at once.
 _OBSERVE_BATCH = 64
-#: The C turn (:func:`_native_turns`) comes back to Python at least this often (to see a stop request), ns.
+#: Completions the C turn (:func:`_native_turns`) waits for per ``io_uring_enter``: 1, fio's default
+#: ``iodepth_batch_complete_min``. The Python turn waits for ``iodepth // 4`` to share its per-turn cost; the
+#: C turn's is too small to matter, and a queue refilled after every completion stays full. Measured
+#: (bench/README_io.md, 2026-12-03): wait 1 against 4, ABBA, load 14-17 with a spin loop, faster in 8 of 8
+#: pairs (randrw median 19.3k vs 15.7k IOPS, randread 24.8k vs 17.7k), CPU per I/O the same.
+_NATIVE_REAP_MIN = 1
+#: The C turn comes back to Python at least this often (to see a stop request), ns.
 _NATIVE_RETURN_NS = 50_000_000
 #: I/Os a C turn reserves per call from a job with an I/O budget (not time-based): clones share the
 #: budget about evenly, and one call's Python (~30 us) is spread over this many I/Os.
@@ -851,14 +857,15 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
 
 
 def _native_turns(clone: _RingClone, depth: int) -> None:
-    """:func:`_ring_clone`'s turns in C (:func:`~tierstore.io.ring.run_fixed_turns`, the GIL released): each
-    call is given the clone's next pre-drawn I/Os (:func:`_native_chunk`) and returns when they are issued,
-    every ``_NATIVE_RETURN_NS`` (to see a stop request), at the deadline (drained) or at the first failure,
-    with the completions of its turns logged (:meth:`_RingClone.log_rows`)."""
+    """:func:`_ring_clone`'s turns in C (:func:`~tierstore.io.ring.run_fixed_turns`, the GIL released; each
+    enter waits for ``_NATIVE_REAP_MIN`` completions, not ``depth // 4``): each call is given the clone's
+    next pre-drawn I/Os (:func:`_native_chunk`) and returns when they are issued, every
+    ``_NATIVE_RETURN_NS`` (to see a stop request), at the deadline (drained) or at the first failure, with
+    the completions of its turns logged (:meth:`_RingClone.log_rows`)."""
     shared, ring = clone.shared, clone.ring
     state = np.zeros((depth, SLOT_STATE_COLS), dtype=np.int64)
     out = np.empty((max(_DRAW_CHUNK, _NATIVE_BUDGET_TAKE) + depth, len(TURN_LOG_COLS)), dtype=np.int64)
-    wait_nr = max(1, depth // _REAP_DEPTH_DIVISOR)
+    wait_nr = _NATIVE_REAP_MIN
     deadline = shared.deadline_ns or 0
     offsets, opcodes, tags = _NO_OFFSETS, None, None
     while True:
