@@ -7,4 +7,5 @@ Python headers) the install still succeeds and the jobs run the Python turn, say
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("tierstore.io._ringloop", ["tierstore/io/_ringloop.c"], optional=True,
-                             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"])])
+                             extra_compile_args=["-O2", "-Wall", "-Wextra",
+                                                 "-Werror=implicit-function-declaration"])])

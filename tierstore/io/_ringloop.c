@@ -64,7 +64,8 @@ static void release_all(Buffers *b)
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
 {
-    if (PyObject_GetBuffer(obj, view, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS) < 0) {
+    int flags = writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS;
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
         PyErr_Format(PyExc_TypeError, "_ringloop.run: %s must be a C-contiguous%s buffer", what,
                      writable ? " writable" : "");
         return -1;
@@ -78,7 +79,8 @@ PyDoc_STRVAR(run_doc,
 "Drive a ring fixed to slots until its I/Os are issued, a deadline, an error, or ``return_ns``.\n\n"
 "sq, cq, sqes: the ring's mmaps (writable buffers); fd: the ring fd; layout: (sq_head, sq_tail,\n"
 "sq mask value, sq_array, cq_head, cq_tail, cq mask value, cq_cqes, sq_entries): io_uring_params'\n"
-"byte offsets into the mmaps, the two ring masks' values, and sq_entries; state: int64 (depth, 5) per-slot [busy, start_ns, offset, opcode, tag],\n"
+"byte offsets into the mmaps, the two ring masks' values, and sq_entries; state: int64 (depth, 5)\n"
+"per-slot [busy, start_ns, offset, opcode, tag],\n"
 "kept between calls; offsets: int64 (n,) file offsets to issue in order; opcodes: uint8 (n,) or\n"
 "None (keep each SQE's); tags: int64 (n,) or None (0), carried to the log; log: int64 (n + depth, 7)\n"
 "[start_ns, done_ns, res, offset, opcode, tag, slot] per completion, in completion order. deadline_ns:\n"
@@ -136,8 +138,9 @@ static PyObject *run(PyObject *self, PyObject *args)
         (Py_ssize_t)l_sq_head + 4 > b.sq.len || (Py_ssize_t)l_sq_tail + 4 > b.sq.len ||
         (Py_ssize_t)l_cq_head + 4 > b.cq.len || (Py_ssize_t)l_cq_tail + 4 > b.cq.len ||
         (Py_ssize_t)l_cq_cqes + 16 * ((Py_ssize_t)cq_mask_v + 1) > b.cq.len || wait_nr < 1) {
-        PyErr_SetString(PyExc_ValueError, "_ringloop.run: array or ring sizes do not match (state (depth, 5), "
-                        "offsets (n,), opcodes/tags (n,) or None, log at least (n + depth, 7), depth <= sq_entries, "
+        PyErr_SetString(PyExc_ValueError,
+                        "_ringloop.run: array or ring sizes do not match (state (depth, 5), offsets (n,), "
+                        "opcodes/tags (n,) or None, log at least (n + depth, 7), depth <= sq_entries, "
                         "wait_nr >= 1)");
         goto fail;
     }
