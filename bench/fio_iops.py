@@ -9,7 +9,8 @@ For every (workload, ioengine) the same command line is given to fio and to ``ti
 (``--rwmixread=70`` added for ``randrw``), on one preallocated O_DIRECT file on the disk under
 ``--dir`` (laid out once, before any timing; removed at the end). Both read their own JSON; the
 IOPS of a run is ``read.iops + write.iops``; each tool's CPU per I/O (user + system, us) comes from
-its own ``usr_cpu``/``sys_cpu`` over its I/Os.
+its own ``usr_cpu``/``sys_cpu`` over its I/Os. Which io_uring turn tierstore runs (C where
+``tierstore.io._ringloop`` is built, else Python) is printed first and kept in the JSON's ``config``.
 
 Method: ``--pairs`` pairs per case, run back to back in ABBA order (pair 0: fio then tierstore,
 pair 1: tierstore then fio, ...), so neither side always follows the other. The ratio is
@@ -136,14 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("fio") is None:
         print("fio is not installed", file=sys.stderr)
         return 1
+    from tierstore.io.ring import native_turn
     from tierstore.units import parse_size
     size_bytes = parse_size(args.size, "size")
+    native, why = native_turn()
+    turn = "C (tierstore.io._ringloop)" if native else f"Python ({why})"
+    print(f"tierstore's io_uring turn: {turn}", flush=True)
     work = tempfile.mkdtemp(prefix="fio-iops-", dir=args.dir)
     path = os.path.join(work, "job.dat")
     results = {"config": {"size": args.size, "runtime_s": args.runtime, "pairs": args.pairs, "dir": args.dir,
                           "busy_processes": args.busy,
                           "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip(),
                           "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                          "tierstore_io_uring_turn": turn,
                           "command_example": {t: " ".join((["fio"] if t == "fio" else
                                                            ["tierstore", "bench", "--eta=never", "--format=1"])
                                                           + job_args("randread", "io_uring", args.size, args.runtime,

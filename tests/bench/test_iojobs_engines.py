@@ -24,7 +24,9 @@ def _job(run_bench, tmp_path, *args, rc=0) -> dict:
 
 @pytest.fixture
 def enters(monkeypatch):
-    """Counts io_uring_enter calls of every ring in this process."""
+    """Counts io_uring_enter calls of every ring in this process (the Python turn's: the C turn's enters
+    are its own, tests/bench/test_ring_native.py)."""
+    monkeypatch.setattr(ring_mod, "_ringloop", None)
     count = {"n": 0}
     real = ring_mod.Ring._enter
 
@@ -67,6 +69,7 @@ def test_uring_write_job_feeds_the_ftl_model(tmp_path, run_bench):
 
 @needs_uring
 def test_a_failed_completion_fails_the_uring_job(tmp_path, run_bench, monkeypatch):
+    monkeypatch.setattr(ring_mod, "_ringloop", None)   # the Python turn (the C turn's: test_ring_native.py)
     real = ring_mod.Ring.reap_results
     calls = {"n": 0}
 

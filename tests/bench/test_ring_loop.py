@@ -16,6 +16,12 @@ from tierstore.io.ring import uring_available
 
 pytestmark = pytest.mark.skipif(not uring_available()[0], reason="io_uring is not usable here")
 
+
+@pytest.fixture(autouse=True)
+def python_turn(monkeypatch):
+    """These tests spy on the Python turn (the reference; tests/bench/test_ring_native.py tests the C one)."""
+    monkeypatch.setattr(ring_mod, "_ringloop", None)
+
 BS = 4096
 
 

@@ -318,7 +318,9 @@ def test_other_architectures_are_refused(monkeypatch):
 @pytest.mark.uring
 def test_no_third_party_native_library_is_loaded(tmp_path):
     """Creating rings and doing I/O maps no new shared object (only libc, already
-    mapped, is reached through ctypes.CDLL(None)) and imports no liburing."""
+    mapped, is reached through ctypes.CDLL(None)) and imports no liburing. tierstore's own
+    ``tierstore.io._ringloop`` (built from tierstore/io/_ringloop.c with the compiler's default
+    -march, the plain jobs' C turn) is the one exception."""
     code = f"""
 import sys
 import tierstore.io  # torch, numpy: loaded before the snapshot
@@ -335,7 +337,7 @@ keep, buf = alloc_aligned(8192)
 e.write(0, buf).get(); e.read(0, buf).get(); e.close()
 with IoUring(4, big=True) as r:
     r.prep_nop(1); r.submit_and_wait(1)
-new = sos() - before
+new = {{p for p in sos() - before if "/tierstore/io/_ringloop." not in p}}
 assert not new, new
 assert not [m for m in sys.modules if "liburing" in m], sorted(sys.modules)
 print("ok")

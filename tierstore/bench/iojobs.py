@@ -6,8 +6,8 @@ How the I/O is issued (``ioengine=``, mapped by :func:`tierstore.bench.jobfile.e
   clone (``numjobs``) drives its own io_uring (:class:`tierstore.io.ring.Ring`) as fio's io_uring
   engine does: it fills up to ``iodepth`` read/write SQEs, publishes them with one
   ``io_uring_enter`` that also waits for ``iodepth // 4`` completions (at least one), reaps every
-  completion posted, and refills. Python runs about a microsecond per I/O and one system call
-  per batch, not a system call and a thread hand-off per I/O.
+  completion posted, and refills: in C without the GIL (``tierstore.io._ringloop``, built at install
+  where a C compiler is), else in Python; the job's first line says which.
 * ``posix`` (and fio's ``posixaio``): ``iodepth`` threads per clone, each doing one
   ``os.preadv``/``os.pwritev`` at a time on the O_DIRECT file (the GIL is released inside the
   call), which keeps ``iodepth`` I/Os in flight.
@@ -79,7 +79,16 @@ import torch
 
 from ..errors import ConfigError, ForeignDataError, TierStoreError
 from ..io.engine import alloc_aligned, buffer_address
-from ..io.ring import IORING_OP_READ, IORING_OP_WRITE, IoUringError, Ring
+from ..io.ring import (
+    IORING_OP_READ,
+    IORING_OP_WRITE,
+    SLOT_STATE_COLS,
+    TURN_LOG_COLS,
+    IoUringError,
+    Ring,
+    native_turn,
+    run_fixed_turns,
+)
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
 from .registry import current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
@@ -104,6 +113,20 @@ _SYNC_TAKE = 16
 _REAP_DEPTH_DIVISOR = 4
 #: Completed writes a synchronous thread hands to the FTL model at once.
 _OBSERVE_BATCH = 64
+#: Completions the C turn (:func:`_native_turns`) waits for per ``io_uring_enter``: 1, fio's default
+#: ``iodepth_batch_complete_min``. The Python turn waits for ``iodepth // 4`` to share its per-turn cost; the
+#: C turn's is too small to matter, and a queue refilled after every completion stays full. Measured
+#: (bench/README_io.md, 2026-12-03): wait 1 against 4, ABBA, load 14-17 with a spin loop, faster in 8 of 8
+#: pairs (randrw median 19.3k vs 15.7k IOPS, randread 24.8k vs 17.7k), CPU per I/O the same.
+_NATIVE_REAP_MIN = 1
+#: The C turn comes back to Python at least this often (to see a stop request), ns.
+_NATIVE_RETURN_NS = 50_000_000
+#: I/Os a C turn reserves per call from a job with an I/O budget (not time-based): clones share the
+#: budget about evenly, and one call's Python (~30 us) is spread over this many I/Os.
+_NATIVE_BUDGET_TAKE = 256
+_NO_OFFSETS = np.empty(0, dtype=np.int64)
+# run_fixed_turns' reasons (tierstore.io.ring.TurnResult)
+_TURN_DONE, _TURN_FAILED, _TURN_ENTER_FAILED = 1, 2, 3
 
 
 def _free_bytes(path: str) -> int:
@@ -608,15 +631,21 @@ class _Shared:
 
 class _Draw:
     """Offsets and directions of one thread: random ones drawn in bulk from its own generator
-    (``seed``, clone, lane), sequential ones from its clone's walk."""
+    (``seed``, clone, lane), sequential ones from its clone's walk. The random stream does not depend on
+    how many are taken at a time (what a chunk leaves is used first by the next), so the Python and the
+    C turn of a ring issue the same offsets; placements (``plid_select=random``) draw from a generator
+    of their own (:attr:`pick_rng`) for the same reason."""
 
     def __init__(self, shared: _Shared, options: dict[str, Any], clone: int, lane: int, read_share: float) -> None:
         self.shared, self.clone, self.bs = shared, clone, options["bs"]
         self.rng = np.random.default_rng([options["seed"], clone, lane])
+        self.pick_rng = np.random.default_rng([options["seed"], clone, lane, 1])
         self.random = options["rw"].startswith("rand")
         self.read_share = read_share
-        self._offsets: list[int] = []     # drawn random offsets (bytes), used from _at on
+        self._offsets_np = np.empty(0, dtype=np.int64)   # drawn random offsets (bytes), used from _at on
+        self._offsets: list[int] = []                   # the same as a list (what the Python loops read)
         self._at = 0
+        self._writes_np = np.empty(0, dtype=bool)
         self._writes: list[bool] = []
         self._wat = 0
         self._reads_only = [False] * _DRAW_CHUNK
@@ -626,8 +655,7 @@ class _Draw:
         """``n`` offsets in bytes and, for each, whether it is a write (``n`` <= 4096)."""
         if self.random:
             if self._at + n > len(self._offsets):
-                self._offsets = (self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs).tolist()
-                self._at = 0
+                self._draw_offsets()
             offsets = self._offsets[self._at:self._at + n]
             self._at += n
         else:
@@ -638,11 +666,39 @@ class _Draw:
         if self.read_share <= 0.0:
             return offsets, self._writes_only[:n]
         if self._wat + n > len(self._writes):
-            self._writes = (self.rng.random(_DRAW_CHUNK) >= self.read_share).tolist()
-            self._wat = 0
+            self._draw_writes()
         writes = self._writes[self._wat:self._wat + n]
         self._wat += n
         return offsets, writes
+
+    def next_arrays(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`next` as numpy arrays: offsets (int64, bytes) and writes (bool; ``None`` for a job of
+        one direction), the same values :meth:`next` would give."""
+        if self.random:
+            if self._at + n > len(self._offsets_np):
+                self._draw_offsets()
+            offsets = self._offsets_np[self._at:self._at + n]
+            self._at += n
+        else:
+            offsets = np.array(self.shared.sequential(self.clone, n), dtype=np.int64) * self.bs
+        if self.read_share >= 1.0 or self.read_share <= 0.0:
+            return offsets, None
+        if self._wat + n > len(self._writes_np):
+            self._draw_writes()
+        writes = self._writes_np[self._wat:self._wat + n]
+        self._wat += n
+        return offsets, writes
+
+    def _draw_offsets(self) -> None:
+        fresh = self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs
+        self._offsets_np = np.concatenate([self._offsets_np[self._at:], fresh])
+        self._offsets = self._offsets_np.tolist()
+        self._at = 0
+
+    def _draw_writes(self) -> None:
+        self._writes_np = np.concatenate([self._writes_np[self._wat:], self.rng.random(_DRAW_CHUNK) >= self.read_share])
+        self._writes = self._writes_np.tolist()
+        self._wat = 0
 
 
 class _Log:
@@ -726,7 +782,7 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
             for offset, is_write in zip(offsets, writes):
                 if is_write:
                     seq += 1
-                    pid = pick(draw.clone, seq, draw.rng) if pick is not None else None
+                    pid = pick(draw.clone, seq, draw.pick_rng) if pick is not None else None
                     start = clock()
                     got = write(handle, offset, pid)
                     done = clock()
@@ -765,7 +821,9 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
     ``depth // 4`` (at least 1) I/Os are done (:meth:`~tierstore.io.ring.Ring.submit_reap_results`,
     fio's ``iodepth_batch_complete_min``), and every completion posted is freed and logged as
     columns. (Measured on the development VM, bench/README_io.md: waiting for 1 completion per turn,
-    numpy records, and splitting a batch over several enters were each slower.)
+    numpy records, and splitting a batch over several enters were each slower.) Where the C module
+    ``tierstore.io._ringloop`` is built the same turns run in C (:func:`_native_turns`); this Python loop
+    is the reference and the fallback.
     """
     clone = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
@@ -773,6 +831,9 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
         if fill_random:
             mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
         clone = _RingClone(shared, fd, depth, draw, log, bs, pick, mem)
+        if native_turn()[0]:
+            _native_turns(clone, depth)
+            return
         submit_reap, clock = clone.ring.submit_reap_results, time.perf_counter_ns
         reap_at_least = max(1, depth // _REAP_DEPTH_DIVISOR)
         while True:
@@ -793,6 +854,67 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
         if clone is not None:
             clone.ring.close()
         mem.close()
+
+
+def _native_turns(clone: _RingClone, depth: int) -> None:
+    """:func:`_ring_clone`'s turns in C (:func:`~tierstore.io.ring.run_fixed_turns`, the GIL released; each
+    enter waits for ``_NATIVE_REAP_MIN`` completions, not ``depth // 4``): each call is given the clone's
+    next pre-drawn I/Os (:func:`_native_chunk`) and returns when they are issued, every
+    ``_NATIVE_RETURN_NS`` (to see a stop request), at the deadline (drained) or at the first failure, with
+    the completions of its turns logged (:meth:`_RingClone.log_rows`)."""
+    shared, ring = clone.shared, clone.ring
+    state = np.zeros((depth, SLOT_STATE_COLS), dtype=np.int64)
+    out = np.empty((max(_DRAW_CHUNK, _NATIVE_BUDGET_TAKE) + depth, len(TURN_LOG_COLS)), dtype=np.int64)
+    wait_nr = _NATIVE_REAP_MIN
+    deadline = shared.deadline_ns or 0
+    offsets, opcodes, tags = _NO_OFFSETS, None, None
+    while True:
+        if clone.issuing and shared.stop.is_set():
+            clone.issuing = False
+        if clone.issuing and not len(offsets):
+            offsets, opcodes, tags = _native_chunk(clone)
+            clone.issuing = bool(len(offsets))
+        if not clone.issuing:
+            offsets, opcodes, tags = _NO_OFFSETS, None, None
+        got = run_fixed_turns(ring, state, offsets, opcodes, tags, out, deadline_ns=deadline,
+                              return_ns=time.perf_counter_ns() + _NATIVE_RETURN_NS, wait_nr=wait_nr,
+                              drain=not clone.issuing)
+        offsets = offsets[got.issued:]
+        opcodes = None if opcodes is None else opcodes[got.issued:]
+        tags = None if tags is None else tags[got.issued:]
+        clone.inflight = got.inflight
+        clone.log_rows(out[:got.logged])
+        if got.reason == _TURN_FAILED:
+            clone.offset, clone.is_write = got.err_offset, got.err_opcode == IORING_OP_WRITE
+            what = "write" if clone.is_write else "read"
+            raise OSError(-got.err_res, f"io_uring {what}: {os.strerror(-got.err_res)}")
+        if got.reason == _TURN_ENTER_FAILED:
+            raise IoUringError(-got.err_res, f"io_uring_enter failed: {os.strerror(-got.err_res)}")
+        if got.reason == _TURN_DONE:
+            return
+
+
+def _native_chunk(clone: _RingClone) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The clone's next I/Os for the C turn, within the job's budget: offsets (int64, bytes), opcodes
+    (uint8; ``None`` for one direction) and placement IDs as tags (int64, -1 for none; ``None`` without
+    placement); empty offsets when the budget is spent."""
+    shared, draw = clone.shared, clone.draw
+    n = shared.take(_DRAW_CHUNK if shared.limit_ios is None else _NATIVE_BUDGET_TAKE)
+    if not n:
+        return _NO_OFFSETS, None, None
+    shared.count(n)
+    offsets, writes = draw.next_arrays(n)
+    opcodes = None if writes is None else np.where(writes, IORING_OP_WRITE, IORING_OP_READ).astype(np.uint8)
+    tags = None
+    if clone.pick is not None and not clone.reads_only:
+        at = np.arange(n) if writes is None else np.flatnonzero(writes)
+        pids = []
+        for _ in range(len(at)):   # per write, in issue order, as the Python turn
+            clone.seq += 1
+            pids.append(clone.pick(draw.clone, clone.seq, draw.pick_rng))
+        tags = np.full(n, -1, dtype=np.int64)
+        tags[at] = pids
+    return offsets, opcodes, tags
 
 
 class _RingClone:
@@ -857,13 +979,30 @@ class _RingClone:
                     slot_start[slot] = start
                     if placed and is_write:
                         seq += 1
-                        slot_pid[slot] = pick(draw.clone, seq, draw.rng)
+                        slot_pid[slot] = pick(draw.clone, seq, draw.pick_rng)
             finally:
                 self.seq, self.offset, self.is_write = seq, offset, is_write
             if not self.writes_only:
                 opcodes = [IORING_OP_WRITE if w else IORING_OP_READ for w in writes]
         self.ring.prep_fixed(slots, offsets, opcodes)
         self.inflight += n
+
+    def log_rows(self, rows: np.ndarray) -> None:
+        """Log the completions the C turn reported (rows of :data:`~tierstore.io.ring.TURN_LOG_COLS`): as
+        :meth:`complete` does, a column append per field and direction."""
+        if not len(rows):
+            return
+        log, is_write = self.log, rows[:, 4] == IORING_OP_WRITE
+        for d, sel in ((0, rows[~is_write]), (1, rows[is_write])):
+            if not len(sel):
+                continue
+            log.lat[d].frombytes((sel[:, 1] - sel[:, 0]).tobytes())
+            log.done[d].frombytes(sel[:, 1].tobytes())
+            log.nbytes[d].frombytes(sel[:, 2].tobytes())
+            if d:
+                log.write_offset.frombytes(sel[:, 3].tobytes())
+                log.write_pid.frombytes((sel[:, 5] if self.pick is not None else np.full(len(sel), -1, np.int64))
+                                        .tobytes())
 
     def complete(self, cqes: list, done: int) -> None:
         """Free the slots of one turn's completions (``(slot, res, flags)``) and log them at ``done`` (ns);
@@ -941,6 +1080,10 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
     recorders = (DirectionRecorder(start_ns=t0_ns + ramp_ns), DirectionRecorder(start_ns=t0_ns + ramp_ns))
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     shared = _Shared(options, span_blocks, limit_ios, deadline_ns)
+    if ring_fd is not None:
+        native, why = native_turn()
+        info(f"{options['name']}: io_uring turn in " + ("C (tierstore.io._ringloop)" if native else
+                                                        f"Python ({why})"))
     logs, threads = _threads(options, shared, target, ring_fd, lanes, read_share, pick_placement)
     progress = current_progress()
     progress.io_dir = "r" if read_share >= 1.0 else "w"

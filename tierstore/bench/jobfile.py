@@ -103,7 +103,8 @@ SYNC_IOENGINES = ("psync", "sync", "pvsync", "pvsync2")
 
 _IOENGINE_HELP = (
     "I/O engine. tierstore's: posix (O_DIRECT preadv/pwritev from iodepth threads per clone), uring "
-    "(io_uring: up to iodepth reads/writes queued per io_uring_enter, completions reaped in batches), auto (uring "
+    "(io_uring: up to iodepth reads/writes queued per io_uring_enter, completions reaped in batches; plain jobs "
+    "run this loop in C, tierstore.io._ringloop, where it was built at install, else in Python, and say which), auto (uring "
     "where this process can use io_uring, else posix with a warning), memory (no file), kvikio (GPUDirect "
     "Storage). fio's names map to them: io_uring -> uring; libaio -> uring (the kernel's other asynchronous "
     "interface; io_uring does the same job: iodepth I/Os in flight from one thread); posixaio -> posix (glibc's "

@@ -57,14 +57,23 @@ import platform
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from ..closing import Closing
 from ..errors import InvariantError, TierStoreError
+
+try:   # the turn of a plain bench job in C (tierstore/io/_ringloop.c, built by setup.py; optional)
+    from . import _ringloop
+    _RINGLOOP_MISSING = ""
+except ImportError as _exc:   # built without a C compiler: the Python turn runs instead
+    _ringloop = None  # type: ignore[assignment]
+    _RINGLOOP_MISSING = f"tierstore.io._ringloop is not built ({_exc})"
 
 __all__ = [
     "IORING_OP_NOP", "IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_READ", "IORING_OP_WRITE",
     "IORING_OP_URING_CMD", "IORING_SETUP_SQE128", "IORING_SETUP_CQE32", "URING_CMD_BYTES",
     "IoUringError", "IoUringUnavailable", "Ring", "RingQueue", "uring_available",
+    "native_turn", "run_fixed_turns", "TurnResult", "SLOT_STATE_COLS", "TURN_LOG_COLS",
 ]
 
 # --- include/uapi/linux/io_uring.h: enum io_uring_op
@@ -913,3 +922,102 @@ def uring_available() -> tuple[bool, str]:
     if [(ud, res) for ud, res, _ in got] != [(0x7A, 0)]:
         return False, f"io_uring NOP round trip returned {got!r}, expected one completion (0x7a, 0)"
     return True, ""
+
+
+#: Columns of :func:`run_fixed_turns`' per-slot state (int64): busy, start_ns, offset, opcode, tag.
+SLOT_STATE_COLS = 5
+#: Columns of :func:`run_fixed_turns`' completion log (int64), in this order.
+TURN_LOG_COLS = ("start_ns", "done_ns", "res", "offset", "opcode", "tag", "slot")
+
+
+class TurnResult(NamedTuple):
+    """What one :func:`run_fixed_turns` call did.
+
+    ``reason``: 0 the offsets are used up or ``return_ns`` passed (I/Os may be in flight); 1 nothing
+    in flight and nothing more issued (the deadline passed, or ``drain``); 2 an I/O failed
+    (``err_res`` = -errno, at ``err_offset`` with ``err_opcode``; the I/Os then in flight were
+    drained, not logged); 3 ``io_uring_enter`` failed (``err_res`` = -errno; I/Os may be in flight).
+    ``enters``: the ``io_uring_enter`` calls the call made.
+    """
+
+    issued: int
+    logged: int
+    reason: int
+    err_res: int
+    err_offset: int
+    err_opcode: int
+    inflight: int
+    enters: int
+
+
+def native_turn() -> tuple[bool, str]:
+    """Whether :func:`run_fixed_turns` can run: ``(True, "")``, or ``(False, why)`` when the C module
+    ``tierstore.io._ringloop`` was not built (no C compiler when the package was installed)."""
+    return (True, "") if _ringloop is not None else (False, _RINGLOOP_MISSING or "tierstore.io._ringloop is absent")
+
+
+def run_fixed_turns(ring: Ring, state: Any, offsets: Any, opcodes: Any, tags: Any, log: Any, *,
+                    deadline_ns: int, return_ns: int, wait_nr: int, drain: bool) -> TurnResult:
+    """Drive a ring fixed to slots (:meth:`Ring.fix_rw_slots`) in C, without the GIL, turn after turn.
+
+    Each turn queues an I/O in every free slot (in the order of ``offsets``), makes one
+    ``io_uring_enter(2)`` that submits them and waits for ``wait_nr`` completions (fewer when fewer
+    are in flight), reads the clock once and logs every completion posted: the turn of ``tierstore
+    bench``'s Python loop (``tierstore.bench.iojobs._ring_clone``), with its clat (from before the
+    submitting enter to after the reaping one). Source: ``tierstore/io/_ringloop.c``.
+
+    Parameters
+    ----------
+    ring : Ring
+        Fixed to ``depth`` slots, SQE64/CQE16, nothing queued by Python.
+    state : numpy.ndarray, int64, shape (depth, 5)
+        Per slot: busy, start_ns, offset, opcode, tag (:data:`SLOT_STATE_COLS`); zeros at first, then
+        kept by the caller between calls (I/Os stay in flight across calls).
+    offsets : numpy.ndarray, int64, shape (n,)
+        File offsets in bytes, issued in this order.
+    opcodes : numpy.ndarray of uint8, shape (n,), or None
+        ``IORING_OP_READ``/``WRITE`` per I/O; ``None`` keeps each SQE's opcode.
+    tags : numpy.ndarray of int64, shape (n,), or None
+        Carried to the log with each I/O (a placement ID); ``None``: 0.
+    log : numpy.ndarray, int64, shape (>= n + depth, 7)
+        Filled with one row per completed I/O (:data:`TURN_LOG_COLS`), in completion order.
+    deadline_ns : int
+        ``time.perf_counter_ns`` value at and after which nothing is issued (0: none).
+    return_ns : int
+        Return after the first turn that ends at or after it, I/Os still in flight (0: none).
+    wait_nr : int
+        Completions each enter waits for (>= 1).
+    drain : bool
+        Issue nothing; wait for every I/O in flight.
+
+    Returns
+    -------
+    TurnResult
+        How many of ``offsets`` were issued, how many rows of ``log`` were filled, and why it returned.
+
+    Raises
+    ------
+    IoUringUnavailable
+        ``tierstore.io._ringloop`` was not built (:func:`native_turn` says why).
+    IoUringError
+        EINVAL: the ring is not fixed to slots, or has 128-byte SQEs / 32-byte CQEs.
+    ValueError, TypeError
+        Arrays of the wrong sizes, or not writable where written.
+    """
+    if _ringloop is None:
+        raise IoUringUnavailable(errno.ENOSYS, native_turn()[1])
+    if ring.fd < 0 or ring._sq_index is None or ring.sqe_bytes != 64 or ring.cqe_bytes != 16 \
+            or ring._n_fixed != len(state):
+        raise IoUringError(errno.EINVAL, "run_fixed_turns needs an open SQE64/CQE16 ring fixed to len(state) slots")
+    if ring.sq_pending():
+        raise IoUringError(errno.EINVAL, "run_fixed_turns: SQEs queued from Python; submit them first")
+    p = ring.params
+    # byte offsets into the mmaps, except the two masks (their values) and sq_entries
+    layout = (p.sq_head, p.sq_tail, ring._sq_mask, p.sq_array, p.cq_head, p.cq_tail, ring._cq_mask, p.cq_cqes,
+              p.sq_entries)
+    try:
+        got = TurnResult(*_ringloop.run(ring._sq, ring._cq, ring._sqes, ring.fd, layout, state, offsets, opcodes,
+                                        tags, log, deadline_ns, return_ns, wait_nr, drain))
+    finally:
+        ring._tail = ring._ktail.value   # C advanced the SQ tail
+    return got
