@@ -630,3 +630,41 @@ def test_resident_blocks_counts_nvme_copies_with_the_index_lock_released(monkeyp
     monkeypatch.setattr(introspect, "np", Numpy())
     ix.resident_blocks()
     assert held == [False]
+
+
+def test_a_region_callback_holds_the_index_lock_per_chunk_and_decides_as_per_block():
+    """A region of small blocks holds ~16k of them: examining and dropping them in one hold of
+    the index lock kept lookups waiting 13 ms and 55-77 ms (issue 25 item 4). The listener takes
+    the lock per CHUNK_KEYS keys, and still keeps exactly the blocks in use (pinned or referenced)
+    and drops the others from NVMe."""
+    from tierstore.index.listener import CHUNK_KEYS
+    ix = _index(nvme=True)
+    ns = bytes(32)
+    n = 2 * CHUNK_KEYS + 10
+    keys = [_k(i) for i in range(n)]
+    plan = ix.prepare_store(ns, keys)
+    ix.complete_store(plan, nvme_statuses={i: Status.OK for i, _ in plan.nvme_new})
+    ix.pin(ns, keys[5:7], lease_s=100.0)
+    assert ix.lookup(keys[:1], request_id="r").matched_blocks == 1  # keys[0] referenced
+    inner = ix.listener._lock
+    holds = []
+
+    class Counting:
+        def __enter__(self):
+            holds.append(1)
+            return inner.__enter__()
+
+        def __exit__(self, *exc):
+            return inner.__exit__(*exc)
+    ix.listener._lock = Counting()
+    keep = ix.listener.on_reclaim(keys + [_k(10**6)])  # an unknown key is not kept
+    assert [i for i, k in enumerate(keep) if k] == [0, 5, 6]
+    assert len(holds) == 3  # ceil((n + 1) / CHUNK_KEYS)
+    holds.clear()
+    ix.listener.on_dropped([k for k, kept in zip(keys, keep) if not kept])
+    assert len(holds) == 3
+    ix.listener._lock = inner
+    assert ix.resident_blocks()["nvme"] == 3
+    assert ix.lookup(keys[5:7]).matched_blocks == 2 and ix.lookup(keys[1:2]).matched_blocks == 0
+    ix.release("r")
+    ix.check_invariants(quiescent=True)
