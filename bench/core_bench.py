@@ -36,6 +36,14 @@ Parts (``--parts``):
   tokens, and the chained hashing alone; blocks/s by wall time and by the
   thread's CPU time (``time.thread_time``: what the machine's other load does
   not inflate as much).
+* ``scrape`` -- thread B looks up a pinned, resident 8-block prefix in a loop while thread A
+  calls ``stats()`` back to back (a metrics scrape) on a store indexing ``--scrape-blocks``
+  (1M) blocks on an NVMe tier that keeps no data; B's latency idle vs during the scrapes,
+  and A's CPU per ``stats()``. Not in the default ``--parts``.
+* ``reclaim`` -- the same lookups while thread A stores 256-block batches of 64 B blocks into
+  a full NVMe tier (no data kept) of 8 regions of ~15.6k blocks: ``--reclaim-regions`` (6)
+  region evictions, each asking the index about and then dropping a whole region. Not in the
+  default ``--parts``.
 * ``mem`` -- bytes of metadata per indexed block at ``--mem-blocks`` blocks on
   an NVMe tier that keeps no data (:class:`tierstore.io.null.NullEngine`):
   the index's and the region manager's arrays, and the process's RSS growth.
@@ -386,8 +394,153 @@ def worker_mem(a: dict) -> dict:
     return out
 
 
+def worker_scrape(a: dict) -> dict:
+    """Lookups of a pinned, resident prefix while another thread polls ``stats()`` (a metrics
+    scrape, back to back) on a store indexing ``scrape_blocks`` NVMe blocks (a NullEngine tier):
+    the lookup thread's latency idle vs during the scrapes, and the scraping thread's CPU per
+    ``stats()`` call."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from tierstore import KVStore, Namespace
+    from tierstore.io.null import NullEngine
+    from tierstore.io.segments import SegmentStorage
+    lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
+    bb = lay.bytes_per_block
+    nblocks, per = a["scrape_blocks"], 4000
+    ext = 4096 + per * 4096
+    seg = ext * 4
+    cap = (nblocks // per + 64) * ext // seg * seg + 8 * seg
+    nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
+                        owns_engine=True)
+    s = KVStore(lay, nvme=nv, host_bytes=64 * bb, device="cpu")
+    ns = Namespace(model="scrape")
+    rng = np.random.default_rng(0)
+    blk = torch.zeros(per, bb, dtype=torch.uint8)
+    for _ in range(0, nblocks, per):
+        raw = rng.bytes(32 * per)
+        s.store_keys(ns, [raw[j:j + 32] for j in range(0, 32 * per, 32)], blk)
+    hot = np.arange(8 * 16)
+    s.store(ns, hot, torch.zeros(8, bb, dtype=torch.uint8))
+    s.pin(ns, hot, lease_s=3600)
+
+    def probe(seconds: float, lat: list, stop=None) -> None:
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end and not (stop is not None and stop.is_set()):
+            t0 = time.perf_counter_ns()
+            r = s.lookup(ns, hot)
+            lat.append(time.perf_counter_ns() - t0)
+            if r.matched_blocks != 8:
+                raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
+    idle: list = []
+    probe(a["idle_s"], idle)
+    busy: list = []
+    stop = threading.Event()
+    cpu: list = []
+
+    def scraper() -> None:
+        t_end = time.perf_counter() + a["idle_s"]
+        while time.perf_counter() < t_end:
+            c0 = time.thread_time()
+            s.stats()
+            cpu.append(time.thread_time() - c0)
+        stop.set()
+    t = threading.Thread(target=scraper)
+    t.start()
+    probe(3600, busy, stop)
+    t.join()
+    blocks = s.stats()["blocks"]
+    s.close()
+
+    def summ(x):
+        v = np.asarray(x, dtype=np.int64)
+        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
+                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+                "max_ms": float(v.max()) / 1e6, "over_5ms": int((v > 5_000_000).sum())}
+    return {"idle": summ(idle), "busy": summ(busy), "blocks": blocks, "scrapes": len(cpu),
+            "stats_cpu_ms_median": 1e3 * statistics.median(cpu), "stats_cpu_ms_max": 1e3 * max(cpu),
+            "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"]}
+
+
+def worker_reclaim(a: dict) -> dict:
+    """Lookups of a pinned, resident prefix while another thread stores 256-block batches of
+    64 B blocks into a full NVMe tier (a NullEngine tier of 8 segments of ~15.6k blocks), so
+    that every few batches a region is evicted: the lookup thread's latency idle vs during
+    ``reclaim_regions`` region evictions."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from tierstore import KVStore, Namespace
+    from tierstore.io.null import NullEngine
+    from tierstore.io.segments import SegmentStorage
+    lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
+    bb = lay.bytes_per_block
+    per, batch = 4000, 256
+    ext = 4096 + per * 4096
+    seg = ext * 4
+    cap = 8 * seg
+    nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
+                        owns_engine=True)
+    s = KVStore(lay, nvme=nv, host_bytes=64 * bb, device="cpu")
+    ns = Namespace(model="reclaim")
+    rng = np.random.default_rng(0)
+    blk = torch.zeros(batch, bb, dtype=torch.uint8)
+
+    def put() -> None:
+        raw = rng.bytes(32 * batch)
+        s.store_keys(ns, [raw[j:j + 32] for j in range(0, 32 * batch, 32)], blk)
+    while nv.stats().get("regions_evicted", 0) == 0:  # full: every later store evicts in turn
+        put()
+    hot = np.arange(8 * 16)
+    s.store(ns, hot, torch.zeros(8, bb, dtype=torch.uint8))
+    s.pin(ns, hot, lease_s=3600)
+
+    def probe(seconds: float, lat: list, stop=None) -> None:
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end and not (stop is not None and stop.is_set()):
+            t0 = time.perf_counter_ns()
+            r = s.lookup(ns, hot)
+            lat.append(time.perf_counter_ns() - t0)
+            if r.matched_blocks != 8:
+                raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
+    idle: list = []
+    probe(a["idle_s"], idle)
+    busy: list = []
+    stop = threading.Event()
+    ev0 = nv.stats()["regions_evicted"]
+
+    def writer() -> None:
+        try:
+            while nv.stats()["regions_evicted"] - ev0 < a["reclaim_regions"]:
+                put()
+        finally:
+            stop.set()
+    t = threading.Thread(target=writer)
+    t0 = time.perf_counter()
+    t.start()
+    probe(3600, busy, stop)
+    t.join()
+    dt = time.perf_counter() - t0
+    regions = nv.stats()["regions_evicted"] - ev0
+    s.close()
+
+    def summ(x):
+        v = np.asarray(x, dtype=np.int64)
+        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
+                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+                "max_ms": float(v.max()) / 1e6, "over_5ms": int((v > 5_000_000).sum()),
+                "over_20ms": int((v > 20_000_000).sum())}
+    return {"idle": summ(idle), "busy": summ(busy), "regions_evicted": regions, "busy_s": dt,
+            "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"]}
+
+
 WORKERS = {"stall": worker_stall, "nvme": worker_nvme, "frag": worker_frag, "meta": worker_meta,
-           "mem": worker_mem}
+           "mem": worker_mem, "scrape": worker_scrape,
+           "reclaim": worker_reclaim}
 
 
 # =============================================================================== driver
@@ -462,6 +615,9 @@ def main() -> None:
     ap.add_argument("--chains", default="64,256")
     ap.add_argument("--meta-ops", type=int, default=200_000)
     ap.add_argument("--mem-blocks", type=int, default=10_000_000)
+    ap.add_argument("--scrape-blocks", type=int, default=1_000_000,
+                    help="blocks indexed on NVMe in the scrape part")
+    ap.add_argument("--reclaim-regions", type=int, default=6, help="region evictions in the reclaim part")
     ap.add_argument("--mem-runs", type=int, default=1, help="runs of the mem part (deterministic sizes)")
     ap.add_argument("--base-mem-blocks", type=int, default=200_000)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per worker")
@@ -476,7 +632,8 @@ def main() -> None:
         return
     wargs = {"dir": a.dir, "stall_bytes": a.stall_bytes, "idle_s": a.idle_s, "nvme_bytes": a.nvme_bytes,
              "frag_blocks": a.frag_blocks, "chains": [int(c) for c in a.chains.split(",")], "meta_ops": a.meta_ops,
-             "mem_blocks": a.mem_blocks}
+             "mem_blocks": a.mem_blocks, "scrape_blocks": a.scrape_blocks,
+             "reclaim_regions": a.reclaim_regions}
     codes = [("new", ROOT)] + ([("base", os.path.abspath(a.base))] if a.base else [])
     use_lmc = os.path.exists(a.lmcache_python)
     results: dict = {}

@@ -121,14 +121,21 @@ class Introspection(IndexRoom):
             return -1 if r < 0 else int(self.rows.slot[tier][r])
 
     def resident_blocks(self) -> dict[str, int]:
-        """Blocks with a copy in each tier."""
+        """Blocks with a copy in each tier.
+
+        The NVMe count is a pass over every row's flags (10M rows: ~10 ms), so it runs after the
+        index lock is released, on the flags array read under it (a row that is neither indexed
+        nor doomed has flags 0; an array the table replaces when it grows stays valid): lookups
+        never wait for it, and numpy releases the GIL over arrays this long. Calls that overlap
+        a store may count its blocks or not.
+        """
         with self._lock:
             out = {t.label: 0 for t in Tier}
             for t, a in self.alloc.items():
                 out[t.label] = a.used
-            rows = self.rows.table.rows()
-            out["nvme"] = int(((self.rows.flags[rows] & ON_NVME) != 0).sum())
-            return out
+            flags = self.rows.flags
+        out["nvme"] = int(np.count_nonzero((flags & (ON_NVME | DOOMED)) == ON_NVME))
+        return out
 
     def bytes_per_tier(self) -> dict[str, int]:
         """Resident bytes per tier."""
@@ -191,6 +198,10 @@ class Introspection(IndexRoom):
                     raise InvariantError(f"{t.label}: slot and residency flag disagree")
             if self.rows.flags[-1]:
                 raise InvariantError("the spare flags element (absent rows) was written")
+            free = np.ones(self.rows.flags.size, dtype=bool)
+            free[live] = False
+            if self.rows.flags[free].any():  # resident_blocks counts NVMe copies over every row's flags
+                raise InvariantError("a row that is neither indexed nor doomed has flags set")
             if (self.rows.refs[live] < 0).any() or (self.rows.readers[live] < 0).any():
                 raise InvariantError("negative reference or reader count")
             counts: dict[int, int] = {}

@@ -13,12 +13,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ..contract import Tier
 from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
 from ..tiers.storage import RegionListener
 from .introspect import EventLog
-from .rows import DOOMED, ON_NVME, EntryView, IndexRoom
+from .rows import BUSY, DOOMED, ON_NVME, EntryView, IndexRoom
+
+#: Keys a region callback handles per hold of the index lock (a region of 64 B blocks holds ~16k;
+#: dropping them in one hold kept lookups waiting 55-77 ms, issue 25 item 4).
+CHUNK_KEYS = 256
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -58,29 +64,44 @@ class NvmeListener(IndexRoom, RegionListener):
         """Which blocks of an NVMe region being evicted to keep (copy forward):
         those in use, pinned, being read or written, and those the reinsertion
         policy predicts will be reused. Changes nothing else than the NVMe write
-        time of the blocks the policy keeps (they are copied forward now)."""
+        time of the blocks the policy keeps (they are copied forward now).
+
+        The index lock is taken per :data:`CHUNK_KEYS` keys, so a lookup waits for one chunk, not
+        for a whole region; each answer is the block's state when its chunk was examined."""
         now = self._clock()
-        reinsert = self.reinsert
-        with self._lock:
-            rt = self.rows
-            rows = rt.table.get_many(keys).tolist()
-            out = []
-            for k, r in zip(keys, rows):
-                if r < 0:
-                    out.append(False)
-                    continue
-                keep = rt.protected(r, now) and not rt.flags[r] & DOOMED
-                if not keep and reinsert is not None:
-                    keep = bool(reinsert(rt.view(r, k), now))
-                    if keep:  # copied forward now: its reference bit restarts
-                        rt.nvme_at[r] = now
-                out.append(keep)
-            return out
+        out: list[bool] = []
+        for a in range(0, len(keys), CHUNK_KEYS):
+            with self._lock:
+                out.extend(self._keep(keys[a:a + CHUNK_KEYS], now))
+        return out
+
+    def _keep(self, keys: list[bytes], now: float) -> list[bool]:
+        """:meth:`on_reclaim` of one chunk, under the lock: the protection test of
+        :meth:`RowTable.protected <tierstore.index.rows.RowTable.protected>` over the chunk's rows
+        at once; the reinsertion policy is asked per block, for the unprotected ones only."""
+        rt = self.rows
+        rows = rt.table.get_many(keys)
+        found = rows >= 0
+        r = rows[found]
+        f = rt.flags[r]
+        keep = np.zeros(len(keys), dtype=bool)
+        keep[found] = (((rt.refs[r] > 0) | (rt.readers[r] > 0) | (rt.pin_until[r] > now) | ((f & BUSY) != 0))
+                       & ((f & DOOMED) == 0))
+        if self.reinsert is not None:
+            for j in np.flatnonzero(found & ~keep).tolist():
+                row = int(rows[j])
+                if self.reinsert(rt.view(row, keys[j]), now):
+                    keep[j] = True
+                    rt.nvme_at[row] = now  # copied forward now: its reference bit restarts
+        return keep.tolist()
 
     def on_dropped(self, keys: list[bytes]) -> None:
-        """Blocks left the NVMe tier (region evicted or corrupt)."""
-        with self._lock:
-            self._forget_nvme(keys)
+        """Blocks left the NVMe tier (region evicted or corrupt); the index lock is taken per
+        :data:`CHUNK_KEYS` keys (a lookup in between may still plan a read of a later chunk's
+        block: the NVMe tier answers it with a miss)."""
+        for a in range(0, len(keys), CHUNK_KEYS):
+            with self._lock:
+                self._forget_nvme(keys[a:a + CHUNK_KEYS])
 
     def pick_victims(self, n: int) -> list[bytes]:
         """Up to ``n`` unprotected NVMe blocks in the NVMe policy's order (block mode; none in region
@@ -104,18 +125,17 @@ class NvmeListener(IndexRoom, RegionListener):
 
     def _forget_nvme(self, keys: list[bytes]) -> None:
         rt = self.rows
-        rows = rt.table.get_many(keys).tolist()
-        n = 0
-        for k, r in zip(keys, rows):
-            if r < 0 or not rt.flags[r] & ON_NVME:
-                continue
-            rt.flags[r] &= 0xFF ^ ON_NVME
+        rows = rt.table.get_many(keys)
+        idx = np.flatnonzero(rt.flags[rows] & ON_NVME)  # row -1 reads the spare flags element (0)
+        gone = rows[idx]
+        rt.flags[gone] &= 0xFF ^ ON_NVME
+        for j, r in zip(idx.tolist(), gone.tolist()):
+            k = keys[j]
             if self.policy is not None:
                 self.policy.on_remove(k)
-            n += 1
             self.events.add("removed", k, Tier.NVME)
             self._forget_if_empty(r, k)
-        self.metrics.add({"evictions_nvme": n})
+        self.metrics.add({"evictions_nvme": int(idx.size)})
 
     def adopt(self, keys: Sequence[bytes], nss: Sequence[bytes], write_seqs: Sequence[int] | None = None) -> int:
         """Index blocks a persistent NVMe tier recovered at start-up (the NVMe policy gets them oldest

@@ -55,6 +55,10 @@ class EvictionPolicy(abc.ABC):
     """Victim selection for one tier."""
 
     name = "abstract"
+    #: ``evict(k)`` returns what ``k`` successive ``evict(1)`` calls would (each excluding the keys
+    #: already taken) and changes no state: a caller short of victims may then ask for several at
+    #: once (:func:`tierstore.index.placement.choose_victims`). Off unless a policy says so.
+    evict_is_prefix = False
 
     @abc.abstractmethod
     def on_insert(self, entry: EntryInfo, now_s: float) -> None:

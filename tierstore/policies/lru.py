@@ -12,6 +12,7 @@ class LRUPolicy(EvictionPolicy):
     """Evict the least recently inserted-or-hit unprotected keys first."""
 
     name = "lru"
+    evict_is_prefix = True  # evict(k): the k coldest unprotected keys, nothing moved
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
