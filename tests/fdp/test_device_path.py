@@ -5,6 +5,7 @@ emulated FDP namespace in tests/fdp/test_vm.py."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import struct
 
@@ -379,6 +380,29 @@ def test_fdp_discover_report(fake_ns):
     assert [s["pid"] for s in r["ruh_status"]] == [0, 0x4000, 1, 0x4001, 2, 0x4002, 3, 0x4003]
     assert {c["class"]: (c["pid"], c["plid"]) for c in r["placement"]["classes"]} == \
         {"default": (0x4000, 1), "long": (0x4001, 3), "medium": (0x4002, 5), "short": (0x4003, 7)}
+
+
+def test_fdp_discover_says_which_eviction_mode_and_why(fake_ns, monkeypatch, capsys):
+    """Issue 26 item 4: discover names the eviction granularity the device gets by default, and the
+    store's default is that mode (the config and discover cannot disagree)."""
+    from tierstore.config import NvmeTierConfig
+    from tierstore.fdp import discovery
+    admin, _ = fake_ns
+    r = admin.discover_report("/dev/ng0n1")
+    assert (r["eviction_granularity"], r["eviction_why"]) == discovery.default_eviction(True)
+    assert r["eviction_granularity"] == NvmeTierConfig.model_fields["eviction_granularity"].default
+    assert "README_frontier.md" in r["eviction_why"] and "flat LRU" in r["eviction_why"]
+    admin._print_discover(r)
+    assert f"eviction on this device by default: {r['eviction_granularity']}" in capsys.readouterr().out
+    ns = discovery.discover_namespace("/dev/ng0n1")   # the same namespace with FDP off: a conventional device
+    off = dataclasses.replace(ns, info=dataclasses.replace(ns.info, fdp_enabled=False))
+    monkeypatch.setattr(discovery, "discover_namespace", lambda dev, endgid=1, cli=None: off)
+    r = admin.discover_report("/dev/ng0n1")
+    assert (r["eviction_granularity"], r["eviction_why"]) == discovery.default_eviction(False)
+    assert r["eviction_granularity"] == NvmeTierConfig.model_fields["eviction_granularity"].default and "config" not in r
+    admin._print_discover(r)
+    out = capsys.readouterr().out
+    assert "NOT enabled" in out and "conventional device keeps region" in out
 
 
 def test_fdp_stats_baseline(fake_ns, tmp_path, capsys):

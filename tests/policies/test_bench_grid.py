@@ -66,6 +66,19 @@ def test_lifetime_summary_against_known_deaths():
     assert s["confusion"] == [[3, 0, 0], [0, 3, 0], [0, 0, 3]]
 
 
+def test_lifetime_summary_chance_keeps_the_predicted_shares():
+    rec = lifetimes.LifetimeRecorder(lambda e, now: 0)
+    for i in range(9):  # true classes 0,0,0,1,1,1,2,2,2; predicted: six SHORT, three LONG, unrelated
+        rec.writes.append((bytes([i]), 0.0, 2 if i % 3 == 0 else 0))
+        rec.death_s[i] = float(i + 1)
+    rec.now_s = 100.0
+    s = rec.summary()
+    # random assignment with shares (2/3, 0, 1/3) against true shares (1/3, 1/3, 1/3): 1/3
+    assert s["chance_same_shares"] == pytest.approx(1 / 3)
+    assert s["accuracy"] == pytest.approx(3 / 9)   # SHORT right for 1,2; LONG right for 6
+    assert s["chance"] == pytest.approx(1 / 3)
+
+
 def test_one_cell(tmp_path):
     trace = tmp_path / "t.jsonl"
     agent_workload.AgentWorkload(sessions=120, seed=1).write(str(trace))

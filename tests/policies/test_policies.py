@@ -19,7 +19,7 @@ from tierstore.policies import (
     policy_names,
 )
 from tierstore.policies.cost import CostModel
-from tierstore.policies.lifetime import true_class
+from tierstore.policies.lifetime import DemotionClassifier, make_classifier, true_class
 
 from ..conftest import FakeEntry as E
 from ..conftest import make_blocks, tokens
@@ -226,6 +226,28 @@ def test_prefix_lifetime_predictor_rules():
     assert true_class(1.0, 2.0, 5.0) is LifetimeClass.SHORT
     assert true_class(3.0, 2.0, 5.0) is LifetimeClass.MEDIUM
     assert true_class(5.0, 2.0, 5.0) is LifetimeClass.LONG
+
+
+def test_demotion_classifier_rules():
+    c = DemotionClassifier(shared_prefix_blocks=2, window=4)
+    e = E(k(0), position=5, hits=0, created_s=0.0)
+    e.lifetime = None
+    assert c(e, 100.0) is LifetimeClass.SHORT   # no history yet: an age is not "young"
+    assert c(e, 10.0) is LifetimeClass.MEDIUM   # age 10 s < the median of ages seen (100 s)
+    assert c(e, 1000.0) is LifetimeClass.SHORT  # older than the median, never hit
+    e.hits = 1
+    assert c(e, 1000.0) is LifetimeClass.MEDIUM  # reused in memory
+    e.position = 1
+    assert c(e, 1000.0) is LifetimeClass.LONG    # reused shared prefix
+    e.lifetime = LifetimeClass.SHORT
+    assert c(e, 1000.0) is LifetimeClass.SHORT   # the engine's hint wins
+    for _ in range(8):                           # the window forgets: only the last 4 ages count
+        e.lifetime, e.hits, e.position = None, 0, 5
+        c(e, 2000.0)
+    assert c(e, 1500.0) is LifetimeClass.MEDIUM  # 1,500 s < median of the last four (2,000 s)
+    assert isinstance(make_classifier("demotion"), DemotionClassifier)
+    with pytest.raises(ConfigError):
+        DemotionClassifier(window=0)
 
 
 # ---------------------------------------------------------------- load vs recompute (peers' failure modes)

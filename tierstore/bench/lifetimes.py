@@ -101,7 +101,10 @@ class LifetimeRecorder:
         dict
             ``writes``, ``died``, ``bounds_s`` (terciles of the finite
             lifetimes), ``accuracy``, ``chance`` (accuracy of the best constant
-            guess on the same judged writes), ``spearman`` (rank correlation of
+            guess on the same judged writes), ``chance_same_shares`` (expected
+            accuracy of a random class assignment with the predicted classes'
+            shares on the judged writes: sum over classes of predicted share x
+            true share), ``spearman`` (rank correlation of
             predicted class and true lifetime), ``confusion`` (rows: predicted
             SHORT/MEDIUM/LONG, columns: true), ``predicted_share``.
         """
@@ -115,9 +118,11 @@ class LifetimeRecorder:
         p = pred[judged]
         conf = np.zeros((3, 3), dtype=np.int64)
         np.add.at(conf, (p, truth), 1)
-        chance = float(np.bincount(truth, minlength=3).max() / max(1, truth.size))
+        true_share = np.bincount(truth, minlength=3) / max(1, truth.size)
+        pred_share = np.bincount(p, minlength=3) / max(1, p.size)
         out.update(bounds_s=[float(lo), float(hi)], judged=int(judged.sum()),
-                   accuracy=float((p == truth).mean()), chance=chance,
+                   accuracy=float((p == truth).mean()), chance=float(true_share.max()),
+                   chance_same_shares=float(pred_share @ true_share),
                    spearman=_spearman(p.astype(float), life[judged]),
                    confusion=conf.tolist(),
                    predicted_share=(np.bincount(pred, minlength=3) / max(1, pred.size)).tolist())

@@ -5,7 +5,9 @@
     RUHs and their types, RU nominal size, RGIF), the RUH Status list (the
     list fio-style ``plids`` index) and the PID tierstore would use per
     lifetime class (:func:`tierstore.fdp.device.discover_namespace`, the same
-    discovery the library, the bench and the daemon use).
+    discovery the library, the bench and the daemon use), and the NVMe tier's
+    eviction mode the device gets by default, with why
+    (:func:`tierstore.fdp.discovery.default_eviction`).
 ``tierstore fdp stats DEVICE [--save-baseline] [--baseline FILE]``
     HBMW, MBMW, MBE (FDP Statistics, log 22h) now and since a saved baseline,
     WAF = delta MBMW / delta HBMW over that window, and per-RUH usage from RUH
@@ -57,14 +59,15 @@ def discover_report(dev: str, endgid: int = 1, plids: Sequence[int] = (), cli: A
     ConfigError, NvmeCliError, CorruptData
         As :func:`tierstore.fdp.device.discover_namespace`, or ``plids`` outside RUH Status.
     """
-    from .discovery import discover_namespace
+    from .discovery import default_eviction, discover_namespace
     ns = discover_namespace(dev, endgid, cli)
+    mode, why = default_eviction(bool(ns.info.fdp_enabled))
     out: dict[str, Any] = {
         "device": ns.char_dev, "block_device": ns.block_dev, "controller": ns.ctrl_dev, "serial": ns.serial,
         "nsid": ns.nsid, "size_bytes": ns.size_bytes, "lba_bytes": ns.lba_bytes,
         "max_transfer_bytes": ns.max_transfer_bytes, "endgid": endgid,
         "fdp_supported": bool(ns.info.fdp_supported), "fdp_enabled": bool(ns.info.fdp_enabled),
-        "config_index": ns.info.config_index,
+        "config_index": ns.info.config_index, "eviction_granularity": mode, "eviction_why": why,
     }
     if not ns.info.fdp_enabled:
         return out
@@ -172,11 +175,10 @@ def _print_discover(r: dict) -> None:
     print(f"{r['device']}: namespace {r['nsid']} of {r['controller']} (serial {r['serial']}), "
           f"{r['size_bytes']} bytes in {r['lba_bytes']}-byte blocks, max transfer "
           f"{'unknown' if mt is None else f'{mt} bytes'}")
-    if not r["fdp_supported"]:
-        print("FDP: not supported (Identify Controller CTRATT bit 19 is 0)")
-        return
-    if not r["fdp_enabled"]:
-        print(f"FDP: supported, NOT enabled on endurance group {r['endgid']}")
+    if not r["fdp_supported"] or not r["fdp_enabled"]:
+        print("FDP: not supported (Identify Controller CTRATT bit 19 is 0)" if not r["fdp_supported"]
+              else f"FDP: supported, NOT enabled on endurance group {r['endgid']}")
+        _print_eviction(r)
         return
     c = r["config"]
     print(f"FDP: supported, enabled on endurance group {r['endgid']}, configuration {r['config_index']}")
@@ -200,6 +202,12 @@ def _print_discover(r: dict) -> None:
     for row in p["classes"]:
         label = "default (untagged, metadata)" if row["class"] == "default" else row["class"]
         print(f"  {label:<28}  PID {row['pid']:#06x}  (plid {row['plid']})")
+    _print_eviction(r)
+
+
+def _print_eviction(r: dict) -> None:
+    print(f"tierstore NVMe eviction on this device by default: {r['eviction_granularity']} "
+          f"(tiers.nvme.eviction_granularity): {r['eviction_why']}")
 
 
 def _print_stats(r: dict) -> None:

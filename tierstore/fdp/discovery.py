@@ -7,6 +7,8 @@
   support and enablement, the active configuration and the RUH Status, all
   through nvme-cli (:mod:`tierstore.fdp.nvme_cli`). The library (``device:
   fdp``), ``tierstore bench``, the daemon and ``tierstore fdp`` all start here.
+* :func:`default_eviction` -- the NVMe tier's eviction granularity a device gets
+  by default (FDP or conventional), and why (issue 26 item 4: the measurement decides).
 * :func:`placement_policy` -- the lifetime class -> PID table from a device's
   RUH Status (real, or the simulated device's): fio-style ``plids`` (indices
   into the RUH Status list) or explicit PIDs, every one validated against RUH
@@ -27,13 +29,44 @@ from ..errors import ConfigError
 from . import logpages as lp
 from .placement import PidTable, PlacementPolicy
 
-__all__ = ["placement_policy", "FdpNamespace", "discover_namespace", "nvme_names", "max_transfer_bytes",
+__all__ = ["default_eviction", "placement_policy", "FdpNamespace", "discover_namespace", "nvme_names", "max_transfer_bytes",
            "NVME_IOCTL_ID"]
 
 
 #: ``NVME_IOCTL_ID = _IO('N', 0x40)`` (linux ``include/uapi/linux/nvme_ioctl.h``): the namespace id of a
 #: namespace's block or generic character device.
 NVME_IOCTL_ID = (ord("N") << 8) | 0x40
+
+
+#: ``fdp_enabled -> (eviction_granularity, why)``: the NVMe tier's default per device kind. Issue 26
+#: item 4: an FDP device gets per-block eviction with placement only if that configuration saves at
+#: least a flat LRU's prefill at e2e WA <= 1.10 on conversation 10 %, conversation 40 % and agent
+#: 10 % (FTL model). Measured through the real store (``bench/frontier_store.py``, table in
+#: ``bench/README_frontier.md``, 2026-12-03): it does not, so both kinds keep ``region``.
+EVICTION_DEFAULTS: dict[bool, tuple[str, str]] = {
+    True: ("region", "per-block eviction with FDP placement saved less prefill than a flat LRU of the same "
+                     "bytes on every measured point (FTL model; bench/README_frontier.md, 2026-12-03), so an FDP "
+                     "device keeps region eviction; set tiers.nvme.eviction_granularity: block to choose it"),
+    False: ("region", "a conventional device keeps region eviction, the best configuration measured there at "
+                      "e2e WA <= 1.10 (FTL model; bench/README_frontier.md, 2026-12-03)"),
+}
+
+
+def default_eviction(fdp_enabled: bool) -> tuple[str, str]:
+    """The NVMe tier's default ``eviction_granularity`` on a device, and why.
+
+    Parameters
+    ----------
+    fdp_enabled : bool
+        Whether the namespace has FDP enabled (the tier places writes by handle).
+
+    Returns
+    -------
+    (str, str)
+        ``"region"`` or ``"block"`` (:class:`tierstore.config.NvmeTierConfig` values), and the
+        reason: the measurement it follows (:data:`EVICTION_DEFAULTS`).
+    """
+    return EVICTION_DEFAULTS[bool(fdp_enabled)]
 
 
 def max_transfer_bytes(block_dev: str, sys_root: str = "/sys") -> int | None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import numpy as np
+
 from ..errors import ConfigError
 from ..fdp.lifetime import LifetimeClass, ReuseHistory, class_from_hint
 from .base import EntryInfo
@@ -158,16 +160,61 @@ class ReuseEntryClassifier:
         return LifetimeClass.SHORT
 
 
+class DemotionClassifier:
+    """Classify a block by the reuse observed on it when it is demoted to NVMe (per-block eviction).
+
+    Under per-block LRU a block dies when it falls off the NVMe LRU, unless a hit refreshes it; what
+    the store knows at demotion is its hits in the memory tiers, its age (``now_s - created_s``) and
+    its chain position. Engine hint first; else
+
+    * ``hits >= 1`` and ``position < shared_prefix_blocks`` -> LONG (a shared prefix, reused);
+    * ``hits >= 1``, or an age below the running median of the ages at demotion -> MEDIUM
+      (a block pushed out of memory young, i.e. in a burst, outlives the NVMe LRU's drain time);
+    * otherwise SHORT.
+
+    The median is kept online over the last ``window`` demotions (a ring of ages; no trace is fitted).
+
+    Parameters
+    ----------
+    shared_prefix_blocks : int
+        Chain positions below this count as a shared prefix.
+    window : int
+        Demotions the age median is taken over (>= 1).
+    """
+
+    def __init__(self, shared_prefix_blocks: int = 4, window: int = 1024) -> None:
+        if shared_prefix_blocks < 0 or window < 1:
+            raise ConfigError("DemotionClassifier: shared_prefix_blocks >= 0 and window >= 1")
+        self.shared_prefix_blocks = int(shared_prefix_blocks)
+        self._ages = np.zeros(int(window))
+        self._n = 0
+
+    def __call__(self, entry: EntryInfo, now_s: float) -> LifetimeClass:
+        if entry.lifetime is not None:
+            return entry.lifetime
+        age_s = max(0.0, now_s - entry.created_s)
+        filled = min(self._n, self._ages.size)
+        young = filled > 0 and age_s < float(np.median(self._ages[:filled]))
+        self._ages[self._n % self._ages.size] = age_s
+        self._n += 1
+        if entry.hits >= 1 and 0 <= int(getattr(entry, "position", -1)) < self.shared_prefix_blocks:
+            return LifetimeClass.LONG
+        if entry.hits >= 1 or young:
+            return LifetimeClass.MEDIUM
+        return LifetimeClass.SHORT
+
+
 def make_classifier(spec):
     """The one lifetime classifier of a store: ``f(entry, now_s) -> LifetimeClass``.
 
     Parameters
     ----------
-    spec : {"hint", "reuse", "prefix"} or callable or None
+    spec : {"hint", "reuse", "prefix", "demotion"} or callable or None
         A name of :data:`tierstore.policies.registry.CLASSIFIER`.
         ``None``/``"hint"``: :func:`default_classify`; ``"reuse"``:
         :class:`ReuseEntryClassifier`; ``"prefix"``:
-        :class:`PrefixLifetimePredictor`; a callable is used as is.
+        :class:`PrefixLifetimePredictor`; ``"demotion"``:
+        :class:`DemotionClassifier`; a callable is used as is.
 
     Raises
     ------

@@ -12,7 +12,8 @@ eviction   ``lru``, ``s3fifo``, ``cost``         an :class:`~.base.EvictionPolic
 admission  ``all`` (``none``), ``reused``         ``None`` (admit every block), a
            (``second``, ``second_hit``),          :class:`~.admission.SecondSightingAdmission`,
            ``predicted``                          a :class:`~.admission.PredictedReuseAdmission`
-classifier ``hint``, ``reuse``, ``prefix``        ``f(entry, now_s) -> LifetimeClass``
+classifier ``hint``, ``reuse``, ``prefix``,     ``f(entry, now_s) -> LifetimeClass``
+           ``demotion``
 reinsert   ``none``, ``hits``, ``predicted``,     ``None`` (keep blocks in use only) or
            ``clock``                              ``f(entry, now_s) -> bool``
 ========== ==================================== ==========================================
@@ -25,7 +26,7 @@ from ..registry import Registry
 from .admission import PredictedReuseAdmission, SecondSightingAdmission
 from .base import EvictionPolicy
 from .costaware import CostAwarePolicy
-from .lifetime import PrefixLifetimePredictor, ReuseEntryClassifier, default_classify
+from .lifetime import DemotionClassifier, PrefixLifetimePredictor, ReuseEntryClassifier, default_classify
 from .lru import LRUPolicy
 from .reinsert import ClockReinsertion, HitsReinsertion, PredictedReinsertion
 from .s3fifo import S3FIFOPolicy
@@ -49,6 +50,7 @@ CLASSIFIER: Registry = Registry("classifier")
 CLASSIFIER.register("hint", lambda: default_classify)
 CLASSIFIER.register("reuse", ReuseEntryClassifier)
 CLASSIFIER.register("prefix", PrefixLifetimePredictor)
+CLASSIFIER.register("demotion", DemotionClassifier)
 
 #: Which blocks of an NVMe region being evicted are copied forward.
 REINSERT: Registry = Registry("reinsert")
