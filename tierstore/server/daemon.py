@@ -1,5 +1,8 @@
 """``tierstore serve --config FILE``: run the storage daemon until SIGTERM/SIGINT.
 
+``--node`` serves the same config's store to the node's engine processes on ``node.socket``
+instead (:mod:`tierstore.node.server`: a UNIX socket and a shared segment, no HTTP).
+
 Exit codes: 0 after a clean drain, 2 for a bad command line or config
 (the message names the key, the value and what is accepted) and for a
 ``--check`` that finds the config cannot start on this machine
@@ -93,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tierstore serve", description="Run the tierstore KV-block daemon.")
     ap.add_argument("--config", required=True, help="YAML config file (see configs/daemon.yaml)")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    ap.add_argument("--node", action="store_true",
+                    help="serve the store to engine processes on the config's node.socket (UNIX socket and "
+                         "shared memory) instead of HTTP")
     try:
         args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
@@ -101,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"tierstore serve: {e}", file=sys.stderr)
+        return 2
+    if args.node and cfg.node is None:
+        print(f"tierstore serve: {args.config}: --node needs a 'node' section (node: {{socket: PATH}})",
+              file=sys.stderr)
         return 2
     from .check import preflight
     if args.check:
@@ -124,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for note in pf.notes:
         log.info("preflight", extra={"fields": {"event": "preflight", "note": note}})
+    if args.node:
+        from ..node.server import run_node
+        return run_node(cfg)
     return asyncio.run(serve(cfg))
 
 
