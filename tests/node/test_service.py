@@ -27,7 +27,7 @@ from tierstore.node.core import NodeCore
 from tierstore.node.server import NodeServer, NodeServiceError, claim_socket_path
 from tierstore.server.config import NodeConfig
 
-from ..server.conftest import ROOT, make_config
+from ..server.conftest import ROOT, TOKENS, Daemon, make_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, tokens_per_block=16)
 BB = LAYOUT.bytes_per_block
@@ -356,3 +356,45 @@ def test_the_one_config_key_selects_the_node_service_and_unset_keeps_the_embedde
     cfg, _ = split_extra_config({"tiers": {"host": {"capacity_bytes": 4 * BB}}}, "connector", Section, "extra")
     with open_store(cfg, LAYOUT) as store:
         assert isinstance(store, KVStore)
+
+
+def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
+    from tierstore.client import RemoteKVStore
+    cfg_path = _write_config(tmp_path)
+    with open(cfg_path) as f:
+        cfg = yaml.safe_load(f)
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        sock = cfg["node"]["socket"]
+        assert any(r.get("node_socket") == sock for r in d.records())
+        with NodeKVStore("unix://" + sock, LAYOUT) as c:
+            assert c.store(NS, _tokens(0, 3), _data(9, 3)) == [Status.OK] * 3
+            st, out = c.load(c.lookup(NS, _tokens(0, 3)))
+            assert st == [Status.OK] * 3 and _sha(out) == _sha(_data(9, 3))
+            before = c.stats()["blocks"]
+        http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)
+        try:
+            assert http.store(NS, _tokens(0, 2), _data(10, 2)) == [Status.OK] * 2
+            assert http.lookup(NS, _tokens(0, 2)).matched_blocks == 2
+        finally:
+            http.close()
+        with NodeKVStore("unix://" + sock, LAYOUT) as c:  # one store: the HTTP blocks count there too
+            assert c.stats()["blocks"] == before + 2
+    finally:
+        assert d.stop() == 0
+
+
+def test_check_names_a_node_socket_that_cannot_be_taken(service, tmp_path):
+    from tierstore.server.check import preflight
+    from tierstore.server.config import parse_config
+    _, server, _ = service
+
+    def errors(sock: str) -> list[str]:
+        cfg = make_config(str(tmp_path), node={"socket": sock})
+        return preflight(parse_config(cfg), ports=False).errors
+
+    assert any("another service listens" in e for e in errors(server.path))
+    (tmp_path / "plain").write_text("x")
+    assert any("not a socket" in e for e in errors(str(tmp_path / "plain")))
+    assert any("does not exist" in e for e in errors(str(tmp_path / "no" / "node.sock")))
+    assert not [e for e in errors(str(tmp_path / "free.sock")) if "node.socket" in e]

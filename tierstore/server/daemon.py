@@ -1,7 +1,8 @@
 """``tierstore serve --config FILE``: run the storage daemon until SIGTERM/SIGINT.
 
-``--node`` serves the same config's store to the node's engine processes on ``node.socket``
-instead (:mod:`tierstore.node.server`: a UNIX socket and a shared segment, no HTTP).
+With a ``node`` section the store is also served to the node's engine processes on
+``node.socket`` (:mod:`tierstore.node.server`: a UNIX socket and a shared segment); ``--node``
+serves it there only (no HTTP listener).
 
 Exit codes: 0 after a clean drain, 2 for a bad command line or config
 (the message names the key, the value and what is accepted) and for a
@@ -69,12 +70,24 @@ async def serve(cfg: DaemonConfig) -> int:
             await r.cleanup()
         await loop.run_in_executor(None, svc.close)
         return 1
+    node_server = None
+    if cfg.node is not None:  # the same store on the node's UNIX socket too
+        from ..node.server import NodeServer, NodeServiceError
+        try:
+            node_server = await loop.run_in_executor(None, NodeServer(svc.node_core, cfg.node).start)
+        except NodeServiceError as e:
+            log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+            for r in runners:
+                await r.cleanup()
+            await loop.run_in_executor(None, svc.close)
+            return 1
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     svc.ready = True
     log.info("listening", extra={"fields": {"event": "listening", "host": cfg.listen.host, "port": port,
                                             "metrics_port": mport, "block_bytes": svc.block_bytes,
+                                            "node_socket": cfg.node.socket if cfg.node else None,
                                             "durable": svc.durable}})
     await stop.wait()
     log.info("draining", extra={"fields": {"event": "draining", "inflight": svc.inflight}})
@@ -86,6 +99,8 @@ async def serve(cfg: DaemonConfig) -> int:
         log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
     for r in runners:
         await r.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout_s
+    if node_server is not None:
+        await loop.run_in_executor(None, node_server.close)
     await loop.run_in_executor(None, svc.close)
     log.info("stopped", extra={"fields": {"event": "stopped"}})
     return 0
