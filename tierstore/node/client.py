@@ -3,7 +3,9 @@ served by the node's store (:mod:`tierstore.node.server`) over its UNIX socket.
 
 Control goes over the socket, bytes through the pool's shared segment: a store gathers each
 new block straight into the slot the service handed out, a load scatters each block straight
-out of its slot (no copy beyond the engine's own gather and scatter). After a copy the client
+out of its slot (no copy beyond the engine's own gather and scatter), on the process's
+:func:`~tierstore.io.copies.shared_copier` (one OpenMP thread per copying thread, as the
+embedded store copies). The mapping is faulted in when attached. After a copy the client
 re-reads the slots' generations: a slot handed to someone else meanwhile (its ticket was
 given up) is reported not copied, so it is a miss, never wrong KV (a load's destination of
 such a block may have been written; its status is ``MISS``).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import os
 import socket
@@ -37,6 +40,7 @@ import torch
 from ..contract import Lease, LookupResult, Tier
 from ..errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from ..identity import DigestCache, Namespace, block_hashes
+from ..io.copies import shared_copier
 from ..io.inputs import (
     check_keys,
     check_start_block,
@@ -136,6 +140,12 @@ class _Connection:
         except SegmentError as e:
             self.frames.close()
             raise _Down(f"attach: {e}") from e
+        try:
+            self.segment.prefault()  # this mapping's page tables now, not on the first copy of each slot
+        except SegmentError as e:
+            self.segment.close()
+            self.frames.close()
+            raise _Down(f"prefault: {e}") from e
         self.welcome = msg
         self.rows: torch.Tensor | None = self.segment.rows()
         self.rids = itertools.count(1)
@@ -361,11 +371,10 @@ class NodeKVStore:
         assert self._conn is not None
         seg, rows = self._conn.segment, self._conn.rows
         assert rows is not None
-        ok = np.zeros(len(keys), dtype=bool)
-        for i, s in enumerate(slots.tolist()):
-            if s >= 0 and statuses[i] is Status.OK:
-                sources[at + i].gather(rows[s], 0)
-                ok[i] = True
+        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
+        todo = np.flatnonzero(ok).tolist()
+        shared_copier().run([functools.partial(sources[at + i].gather, rows[int(slots[i])], 0) for i in todo],
+                            len(todo) * self.layout.bytes_per_block)
         ok &= self._same_gens(seg, slots, gens)
         out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
         return P.unpack_statuses(out.statuses)
@@ -471,11 +480,10 @@ class NodeKVStore:
         assert self._conn is not None
         seg, rows = self._conn.segment, self._conn.rows
         assert rows is not None
-        ok = np.zeros(len(keys), dtype=bool)
-        for i, s in enumerate(slots.tolist()):
-            if s >= 0 and statuses[i] is Status.OK:
-                plans[at + i].scatter(rows[s], 0)
-                ok[i] = True
+        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
+        todo = np.flatnonzero(ok).tolist()
+        shared_copier().run([functools.partial(plans[at + i].scatter, rows[int(slots[i])], 0) for i in todo],
+                            len(todo) * self.layout.bytes_per_block)
         ok &= self._same_gens(seg, slots, gens)
         self._call(lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s)
         return [Status.OK if k else Status.MISS for k in ok.tolist()]

@@ -513,7 +513,8 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     """The pool of a daemon config with a ``node`` section: its layout, tiers, policies and
     remote tier; puts as the HTTP daemon makes them (``puts.durable``: write-through, every
     acknowledged block on NVMe), its pin quota and default lease; tickets quarantined, not
-    aborted, past ``node.lease_s`` (the server frees them once their client is gone).
+    aborted, past ``node.lease_s`` (the server frees them once their client is gone). The
+    segment is faulted in before this returns.
 
     Raises
     ------
@@ -526,8 +527,14 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     pol = cfg.policies.model_copy(update={
         "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
         "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})
-    return NodeCore(node.pool, StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), cfg.layout.build(),
+    core = NodeCore(node.pool, StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), cfg.layout.build(),
                     staging_blocks=node.staging_blocks, lease_s=node.lease_s, quarantine_expired=True)
+    try:
+        core.segment.prefault()  # host memory allocated now, not by the first copy into each slot
+    except TierStoreError:
+        core.close()
+        raise
+    return core
 
 
 def run_node(cfg: DaemonConfig) -> int:
