@@ -398,3 +398,41 @@ def test_check_names_a_node_socket_that_cannot_be_taken(service, tmp_path):
     assert any("not a socket" in e for e in errors(str(tmp_path / "plain")))
     assert any("does not exist" in e for e in errors(str(tmp_path / "no" / "node.sock")))
     assert not [e for e in errors(str(tmp_path / "free.sock")) if "node.socket" in e]
+
+
+def test_the_client_has_kvstores_signatures_for_what_it_offers():
+    import inspect
+
+    from tierstore.api import KVStore, KVStoreProtocol
+    from tierstore.node.client import NOT_OFFERED
+    local = {n for n, _ in inspect.getmembers(KVStore) if not n.startswith("_")}
+    mine = {n for n, _ in inspect.getmembers(NodeKVStore) if not n.startswith("_")}
+    assert local - mine == {n for names in NOT_OFFERED.values() for n in names} and not mine - local - {"closed"}
+    for name in sorted(mine & local):
+        member = getattr(KVStore, name)
+        if not callable(member) or isinstance(member, type):
+            continue
+        want = [(p.name, p.kind, p.default) for p in inspect.signature(member).parameters.values()]
+        got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(NodeKVStore, name)).parameters.values()]
+        if name == "close":  # KVStore.close takes flush=; the service decides what it writes down
+            want = [w for w in want if w[0] != "flush"]
+        assert got == want, name
+    protocol = {n for n, m in vars(KVStoreProtocol).items() if not n.startswith("_") and callable(m)}
+    assert protocol - mine == {"prefetch"}
+
+
+def test_a_service_at_its_session_limit_gives_misses_not_errors(tmp_path):
+    core = NodeCore(f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT,
+                    staging_blocks=0)
+    with NodeServer(core, NodeConfig(socket=str(tmp_path / "n.sock"), max_clients=1)) as server:
+        a = NodeKVStore("unix://" + server.path, LAYOUT)
+        b = NodeKVStore("unix://" + server.path, LAYOUT, retry_s=0)
+        assert a.store(NS, _tokens(0, 1), _data(1, 1)) == [Status.OK]
+        assert b.lookup(NS, _tokens(0, 1)).matched_blocks == 0 and b.stats()["client"]["down"] >= 1
+        a.close()
+        t_end = time.monotonic() + 5
+        while server.sessions() and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert b.lookup(NS, _tokens(0, 1)).matched_blocks == 1  # it connects once there is room
+        b.close()
+    core.close()

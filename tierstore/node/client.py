@@ -57,7 +57,8 @@ from .segment import Segment, SegmentError
 #: KVStore's public calls this client does not offer, by what they are for
 NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
-    "tier moves the service decides": ("prefetch", "prefetch_keys", "evict", "flush", "clear", "remove"),
+    "tier moves the service decides": ("prefetch", "prefetch_keys", "evict", "flush", "clear", "remove",
+                                       "MERGE_WAIT_S"),
     "introspection of the service's index": ("block_info", "state_of", "references", "leases", "namespaces",
                                              "keys_of_namespace", "check_invariants", "record_events",
                                              "take_events", "resident", "tiers_of", "drain"),
@@ -129,6 +130,8 @@ class _Connection:
             raise _Down(f"hello: {e}") from e
         if isinstance(msg, P.Error):
             self.frames.close()
+            if msg.code in (P.ErrorCode.BUSY, P.ErrorCode.CLOSED, P.ErrorCode.INTERNAL):
+                raise _Down(f"hello: {msg.code.value}: {msg.message}")  # try again later
             raise ConfigError(f"node service {path} refused this client: {msg.code.value}: {msg.message}")
         if not isinstance(msg, P.Welcome) or len(fds) != 1:
             for fd in fds:
@@ -265,7 +268,12 @@ class NodeKVStore:
             raise
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        step = self._conn.welcome.max_keys if self._conn is not None else 1024
+        """``[a, b)`` ranges of at most the service's ``max_keys`` (the caller holds ``_lock``;
+        one range when the service is down: its call then misses)."""
+        try:
+            step = self._connection().welcome.max_keys if not self._closed else max(n, 1)
+        except _Down:
+            step = max(n, 1)
         return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
 
     # ------------------------------------------------------------------ identity
@@ -492,8 +500,19 @@ class NodeKVStore:
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
         """Pin the resident blocks of a prefix (as :meth:`KVStore.pin`); an empty lease (id 0)
         while the service is down."""
+        return self.pin_keys(ns, self.keys_for(ns, token_ids), lease_s)
+
+    def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """Pin the resident leading ``keys`` of ``ns`` (as :meth:`KVStore.pin_keys`); an empty
+        lease (id 0) while the service is down.
+
+        Raises
+        ------
+        QuotaExceeded
+            Past the namespace's pin quota (nothing is pinned).
+        """
         d = self.digest(ns)
-        keys = self.keys_for(ns, token_ids)
+        keys = check_keys(keys)
         with self._lock:
             try:
                 r = self._call(lambda rid: P.Pin(rid, ns=d, keys=P.pack_keys(keys), lease_s=lease_s))
