@@ -70,6 +70,7 @@ NOT_OFFERED: dict[str, tuple[str, ...]] = {
 _LIFETIME_CODE = {"system": 3, "system_prompt": 3, "tool": 3, "long": 3, "conversation": 2, "medium": 2,
                   "query": 1, "single_query": 1, "short": 1}
 _ZERO_NS = bytes(P.NS_BYTES)
+_TIERS = tuple(Tier)  # wire code i is Tier(i)
 
 
 class _Down(Exception):
@@ -371,7 +372,7 @@ class NodeKVStore:
     def _store_chunk(self, ns: bytes, keys, sources, at: int, lifetime: int, first: int) -> list[Status]:
         if not keys:
             return []
-        t = self._call(lambda rid: P.PrepareStore(rid, ns=ns, keys=P.pack_keys(keys), first_position=first,
+        t = self._call(lambda rid: P.PrepareStore(rid, ns=ns, keys=b"".join(keys), first_position=first,
                                                   lifetime=lifetime, wait=True))
         statuses = P.unpack_statuses(t.statuses)
         slots = P.unpack_slots(t.slots)
@@ -416,12 +417,12 @@ class NodeKVStore:
             if request_id is not None:
                 hold = self._holds.setdefault(request_id, next(self._next_hold))
             try:
-                r = self._call(lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=P.pack_keys(keys),
+                r = self._call(lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=b"".join(keys),
                                                     hold=hold, pin_s=None))
             except (_Down, _Refused):
                 return miss
         m = r.matched
-        return LookupResult(keys[:m], [Tier(c) for c in r.tiers], P.unpack_load_s(r.load_s).tolist(), r.useful,
+        return LookupResult(keys[:m], [_TIERS[c] for c in r.tiers], P.unpack_load_s(r.load_s).tolist(), r.useful,
                             len(keys), tpb, request_id, r.reason)
 
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
@@ -437,7 +438,7 @@ class NodeKVStore:
             return 0
         with self._lock:
             try:
-                return int(self._call(lambda rid: P.Exists(rid, ns=ns, keys=P.pack_keys(keys))).n)
+                return int(self._call(lambda rid: P.Exists(rid, ns=ns, keys=b"".join(keys))).n)
             except (_Down, _Refused):
                 return 0
 
@@ -480,7 +481,7 @@ class NodeKVStore:
     def _load_chunk(self, keys, plans, at: int, timeout_s: float | None) -> list[Status]:
         if not keys:
             return []
-        t = self._call(lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=P.pack_keys(keys), hold=None, wait=True),
+        t = self._call(lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True),
                        timeout_s)
         statuses = P.unpack_statuses(t.statuses)
         slots = P.unpack_slots(t.slots)
@@ -515,7 +516,7 @@ class NodeKVStore:
         keys = check_keys(keys)
         with self._lock:
             try:
-                r = self._call(lambda rid: P.Pin(rid, ns=d, keys=P.pack_keys(keys), lease_s=lease_s))
+                r = self._call(lambda rid: P.Pin(rid, ns=d, keys=b"".join(keys), lease_s=lease_s))
             except _Refused as e:
                 if e.code is P.ErrorCode.QUOTA:
                     raise QuotaExceeded(str(e)) from None

@@ -365,7 +365,7 @@ class NodeServer:
         if m.pin_s is not None and res.keys and ns is not None:
             s.leases.add(self.core.pin(ns, res.keys, m.pin_s).lease_id)
         return self._notices(s, P.LookupReply(
-            m.rid, matched=len(res.keys), useful=res.useful_blocks, tiers=bytes(int(t) for t in res.tiers),
+            m.rid, matched=len(res.keys), useful=res.useful_blocks, tiers=bytes(res.tiers),
             load_s=P.pack_load_s(res.load_s), reason=(res.not_useful_reason or None) and
             res.not_useful_reason[:P.MAX_TEXT_CHARS]))
 
