@@ -436,3 +436,20 @@ def test_a_service_at_its_session_limit_gives_misses_not_errors(tmp_path):
         assert b.lookup(NS, _tokens(0, 1)).matched_blocks == 1  # it connects once there is room
         b.close()
     core.close()
+
+
+def test_a_connection_that_never_says_hello_is_closed_after_op_timeout(tmp_path):
+    core = NodeCore(f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT,
+                    staging_blocks=0)
+    with NodeServer(core, NodeConfig(socket=str(tmp_path / "n.sock"), op_timeout_s=0.3)) as server:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(server.path)
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end and not server.sessions():
+                time.sleep(0.01)
+            while time.monotonic() < t_end and server.sessions():
+                time.sleep(0.05)
+            assert server.sessions() == 0
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed by the service
+    core.close()

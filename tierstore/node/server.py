@@ -15,7 +15,8 @@ store ticket's slots: its store tickets are quarantined (slots kept) until the p
 is gone (its ``pidfd`` readable) or ``lease_s`` passed, then aborted; load tickets are aborted
 at once (a reader sees the bumped generations: a miss). Bounds: ``max_clients`` sessions,
 ``max_tickets_per_client`` open tickets each, ``max_keys`` keys a request, ``max_frame_bytes``
-a frame, ``op_timeout_s`` for the rest of a frame once its first byte came and for a reply.
+a frame, ``op_timeout_s`` for the ``Hello``, for the rest of a frame once its first byte came,
+and for a reply.
 
 The socket file gets ``socket_mode`` before the socket listens. Start-up refuses a path that
 answers (a live service) or is not a socket; a socket nobody listens on (a stale one) is
@@ -260,7 +261,7 @@ class NodeServer:
             try:
                 msg = fs.recv()
             except TimeoutError:
-                if fs.broken:  # stalled inside a frame
+                if fs.broken or not s.welcomed:  # stalled inside a frame, or no Hello in time
                     return
                 continue  # idle between frames
             except P.ProtocolError as e:
