@@ -453,3 +453,25 @@ def test_a_connection_that_never_says_hello_is_closed_after_op_timeout(tmp_path)
             s.settimeout(5)
             assert s.recv(1) == b""  # closed by the service
     core.close()
+
+
+def _forked_lookup(c: NodeKVStore, q) -> None:
+    q.put(c.lookup(NS, _tokens(0, 2)).matched_blocks)
+    c.close()
+
+
+def test_a_forked_child_makes_its_own_session_and_leaves_the_parents_alone(service):
+    core, server, url = service
+    c = NodeKVStore(url, LAYOUT)
+    assert c.store(NS, _tokens(0, 2), _data(3, 2)) == [Status.OK] * 2
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_lookup, args=(c, q))
+    p.start()
+    assert q.get(timeout=60) == 2
+    p.join(60)
+    assert p.exitcode == 0
+    st, out = c.load(c.lookup(NS, _tokens(0, 2)))  # the parent's session still works
+    assert st == [Status.OK] * 2 and _sha(out) == _sha(_data(3, 2)) and c.stats()["client"]["connects"] == 1
+    c.close()
+    core.check_invariants(quiescent=True)

@@ -173,6 +173,14 @@ class _Connection:
             raise _Refused(reply.code, reply.message)
         return reply
 
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the socket and the mapping, leaving
+        the parent's session as it is (no ``Bye``, no shutdown: those act on the shared socket)."""
+        self.frames.broken = True
+        self.frames.sock.close()
+        self.rows = None
+        self.segment.close()  # an inherited mapping is only forgotten
+
     def close(self, bye: bool) -> None:
         if bye and not self.frames.broken:
             with contextlib.suppress(OSError, P.ProtocolError):
@@ -221,7 +229,7 @@ class NodeKVStore:
         self._digests = DigestCache(scope=layout.fingerprint())  # as KVStore: other layouts never match
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
-        self._last_try = -float("inf")
+        self._last_fail = -float("inf")
         self._holds: dict[object, int] = {}
         self._next_hold = itertools.count(1)
         self._rids = itertools.count(1)
@@ -236,15 +244,19 @@ class NodeKVStore:
 
     def _connection(self) -> _Connection:
         c = self._conn
-        if c is not None and c.pid != os.getpid():  # inherited across fork: not ours to use
+        if c is not None and c.pid != os.getpid():  # inherited across fork: the parent's session
+            c.forget()
             self._conn = c = None
         if c is not None:
             return c
-        now = time.monotonic()
-        if now - self._last_try < self.retry_s:
+        if time.monotonic() - self._last_fail < self.retry_s:
             raise _Down("the service was down moments ago")
-        self._last_try = now
-        self._conn = _Connection(self.path, self.layout, self.pool, self.timeout_s, f"tierstore pid {os.getpid()}")
+        try:
+            self._conn = _Connection(self.path, self.layout, self.pool, self.timeout_s,
+                                     f"tierstore pid {os.getpid()}")
+        except _Down:
+            self._last_fail = time.monotonic()
+            raise
         self.counters["connects"] += 1
         self._holds.clear()  # holds were the old session's: released by the service
         return self._conn
@@ -253,7 +265,7 @@ class NodeKVStore:
         c, self._conn = self._conn, None
         if c is not None:
             c.close(bye=False)
-        self._last_try = time.monotonic()
+        self._last_fail = time.monotonic()
 
     def _call(self, msg_of, timeout_s: float | None = None):
         """One request and its reply on the connection (the caller holds ``_lock``)."""
@@ -582,6 +594,8 @@ class NodeKVStore:
             c, self._conn = self._conn, None
         if c is not None and c.pid == os.getpid():
             c.close(bye=True)
+        elif c is not None:
+            c.forget()
 
     def __enter__(self) -> NodeKVStore:
         return self
