@@ -178,16 +178,18 @@ def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_p
     monkeypatch.setattr(srv, "_EXIT_GRACE_S", 0.2)
     host = core.index.placement.alloc[Tier.HOST]
     free0 = host.free
-    server.cfg = server.cfg.model_copy(update={"lease_s": 1.5})
+    server.cfg = server.cfg.model_copy(update={"lease_s": 5.0})
     c = NodeKVStore(url, LAYOUT)
     with c._lock:
         keys = c.keys_for(NS, _tokens(0, 3))
         c._call(lambda rid: P.PrepareStore(rid, ns=c.digest(NS), keys=P.pack_keys(keys), first_position=0,
                                            lifetime=0, wait=True))
         c._conn.frames.close()  # this process lives on: it might still write into the slots
-    time.sleep(0.6)
+    t_end = time.monotonic() + 4  # the service sees the end, waits 0.2 s for an exit, then quarantines
+    while time.monotonic() < t_end and not core.tickets.quarantined_slots():
+        time.sleep(0.02)
     assert core.tickets.quarantined_slots() == 3 and host.free == free0 - 3
-    t_end = time.monotonic() + 5
+    t_end = time.monotonic() + 15
     while time.monotonic() < t_end and core.tickets.open_tickets():
         time.sleep(0.05)
     core.check_invariants(quiescent=True)
