@@ -424,9 +424,13 @@ def assemble_config(config: StoreConfig | dict, layout: KVLayout | None = None, 
     Raises
     ------
     ConfigError
-        Invalid configuration, an unknown run-time option, or no layout given either way.
+        Invalid configuration, an unknown run-time option, no layout given either way, or a
+        ``store.url`` (a node service's store is not built here).
     """
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
+    if cfg.store.url is not None:
+        raise ConfigError(f"store.url={cfg.store.url!r} names the node service's store, which is not built "
+                          f"here: open it with tierstore.integrations._common.open_store (a NodeKVStore)")
     if layout is None:
         if cfg.layout is None:
             raise ConfigError("the store config has no 'layout' and none was given")

@@ -2,6 +2,7 @@
 
 ``tierstore bench [JOBFILE ...] [--key=value ...]``  fio-style benchmark (see ``tierstore bench --help``).
 ``tierstore serve --config FILE``                    the storage daemon.
+``tierstore serve --node --config FILE``             the node service (UNIX socket, shared memory).
 ``tierstore fdp discover|stats DEVICE``              an FDP namespace: configuration, PIDs per class, WAF.
 ``tierstore version``, ``tierstore --version``       print the version (from the package metadata).
 """

@@ -257,17 +257,50 @@ NVME_OPTIONS = ("segment_size_bytes", "extent_size_bytes", "iodepth", "region_po
                 "journal_path")
 
 
+class StoreLocation(StrictModel):
+    """Where an engine's store lives (the ``store`` section of a connector's extra config).
+
+    ``url`` unset (the default): the store is embedded in the engine process, built from the
+    config's other sections. ``url: unix:///run/tierstore/node.sock``: the node service's store
+    (``tierstore serve --node``), shared by every engine process on the node; its tiers and
+    policies are the service's, so the config then carries no ``tiers``, ``policies`` or
+    ``remote``. ``timeout_s`` bounds every wait for the service (a miss after it); ``pool``
+    names the service's pool (default: its only one).
+    """
+
+    url: str | None = None
+    timeout_s: DurationS = 5.0
+    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+
+    @field_validator("url")
+    @classmethod
+    def _unix(cls, v):
+        if v is not None and (not v.startswith("unix:///") or len(v) > len("unix://") + 107):
+            raise ValueError("expected unix:///absolute/path/node.sock (at most 107 bytes of path)")
+        return v
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _positive(cls, v):
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+
 class StoreConfig(StrictModel):
     """A whole store: layout, tiers, policies and an optional remote tier.
 
     ``layout`` may be left out where the caller knows it (an engine connector
-    derives it from the engine's model config).
+    derives it from the engine's model config). ``store.url`` names a node service
+    instead (:class:`StoreLocation`; opened by
+    :func:`tierstore.integrations._common.open_store`).
     """
 
     layout: LayoutConfig | None = None
     tiers: TiersConfig = TiersConfig()
     policies: PoliciesConfig = PoliciesConfig()
     remote: RemoteConfig | None = None
+    store: StoreLocation = StoreLocation()
 
     @classmethod
     def from_dict(cls, doc: Any, what: str = "store config") -> StoreConfig:

@@ -72,7 +72,7 @@ def test_split_extra_config():
 
 
 @pytest.mark.parametrize("doc, match", [
-    ({"tierz": {}}, r"unknown key\(s\) \['tierz'\]; accepted keys are \['mine', 'policies', 'remote', 'tiers'\]"),
+    ({"tierz": {}}, r"unknown key\(s\) \['tierz'\]; accepted keys are \['mine', 'policies', 'remote', 'store', 'tiers'\]"),
     ({"mine": {"knobs": 1}}, "knobs: unknown key"),
     ({"layout": {"preset": "tiny"}}, "derived from the engine"),
     ({"policies": {"eviction": "nope"}}, "policies.eviction"),
@@ -134,7 +134,7 @@ def test_split_extra_config_with_own_keys_at_the_top_level_as_a_secondary_tier()
     assert own.knob == 5 and cfg.tiers.host.capacity_bytes == 1 << 20 and cfg.policies.admission == "second_hit"
     for doc, match in [
         ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1},
-         r"invalid tier: unknown key\(s\) \['bogus'\]; accepted keys are \['knob', 'policies', 'tiers'\] "
+         r"invalid tier: unknown key\(s\) \['bogus'\]; accepted keys are \['knob', 'policies', 'store', 'tiers'\] "
          r"\(plus the engine's keys\)"),
         ({"remote": {}}, "invalid tier: 'remote' is not supported"),
         ({"layout": {}}, "invalid tier: 'layout' comes from the pool"),

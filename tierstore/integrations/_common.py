@@ -40,7 +40,8 @@ from ..errors import ConfigError
 from ..units import format_bytes
 
 if TYPE_CHECKING:
-    from ..api import KVStore
+    from ..api import KVStore, KVStoreProtocol
+    from ..layout import KVLayout
 
 #: Weight files hashed by :func:`fingerprint_model_dir` (suffixes).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -179,7 +180,8 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, sec
     ------
     ConfigError
         For a dict that is not a mapping, an unknown key anywhere, a bad value, a refused
-        section, or (``secondary``) an HBM tier or no tier at all.
+        section, or (``secondary``, embedded store) an HBM tier or no tier at all; with
+        ``store.url`` (the node service's store), for ``tiers``, ``policies`` or ``remote``.
     """
     if extra is None:
         extra = {}
@@ -199,13 +201,40 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, sec
         accepted = sorted(set(StoreConfig.model_fields) - set(refuse) | own_keys)
         raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}{note}")
     store_cfg = StoreConfig.from_dict(doc, what)
-    if secondary is not None:
+    if store_cfg.store.url is not None:
+        owned = sorted(k for k in ("tiers", "policies", "remote") if k in doc)
+        if owned:
+            raise ConfigError(f"invalid {what}: store.url={store_cfg.store.url!r} names the node service, whose "
+                              f"tiers and policies are its own; remove {owned}")
+    elif secondary is not None:
         t = store_cfg.tiers
         if t.hbm.capacity_bytes:
             raise ConfigError(f"invalid {what}: tiers.hbm must be 0; {secondary}")
         if not t.host.capacity_bytes and t.nvme is None:
             raise ConfigError(f"invalid {what}: {_NO_TIER}")
     return store_cfg, parse_model(section_model, own, what if section is None else f"{what} section {section!r}")
+
+
+def open_store(store_cfg: StoreConfig, layout: KVLayout, **runtime: Any) -> KVStoreProtocol:
+    """The engine's store: embedded (:meth:`KVStore.from_config <tierstore.api.KVStore.from_config>`
+    with ``runtime``) when ``store.url`` is unset, else the node service's
+    (:class:`tierstore.node.client.NodeKVStore` on ``store.url``, with ``store.timeout_s`` and
+    ``store.pool``; it connects at its first call).
+
+    Raises
+    ------
+    ConfigError
+        What ``from_config`` raises; run-time objects given for the node service's store.
+    """
+    loc = store_cfg.store
+    if loc.url is None:
+        from ..api import KVStore
+        return KVStore.from_config(store_cfg, layout, **runtime)
+    if runtime:
+        raise ConfigError(f"run-time options {sorted(runtime)} do not apply to the node service's store "
+                          f"({loc.url}): its tiers and policies are the service's")
+    from ..node.client import NodeKVStore
+    return NodeKVStore(loc.url, layout, timeout_s=loc.timeout_s, pool=loc.pool)
 
 
 def store_summary(store: KVStore) -> str:

@@ -150,6 +150,26 @@ class NodeCore(Closing):
         """:meth:`PlanService.poll`."""
         return self.tickets.poll()
 
+    # ------------------------------------------------------------------ key-level calls by digest
+    def lookup(self, keys, request_id=None, ns: bytes | None = None):
+        """Longest resident prefix of ``keys`` (:class:`~tierstore.contract.LookupResult`);
+        ``request_id`` holds references as :meth:`KVStore.lookup_keys`. ``ns`` is a namespace
+        *digest* the client computed (used as is, never digested again; only the remote tier
+        reads it)."""
+        self._check_open("lookup")
+        return self._transfers.lookup(list(keys), None, request_id, None, ns)
+
+    def pin(self, ns: bytes, keys, lease_s: float | None = None):
+        """Pin the resident ``keys`` of namespace digest ``ns`` (used as is): a
+        :class:`~tierstore.contract.Lease`; :class:`~tierstore.errors.QuotaExceeded` past the quota."""
+        self._check_open("pin")
+        return self.index.pin(ns, list(keys), lease_s)
+
+    def invalidate(self, ns: bytes) -> int:
+        """Drop every block of namespace digest ``ns`` (used as is); returns blocks dropped."""
+        self._check_open("invalidate")
+        return self._transfers.invalidate(ns)
+
     # ------------------------------------------------------------------ background
     def _background(self) -> None:
         while not self._closing.wait(self.tick_s):

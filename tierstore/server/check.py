@@ -4,7 +4,7 @@ A config that validates (:mod:`tierstore.server.config`) can still fail to start
 :func:`preflight` checks, read-only: memory (the memory tiers against ``MemAvailable``), the NVMe
 geometry, the NVMe path (:func:`tierstore.io.label.resolve_nvme_path`), what the path holds
 (:func:`tierstore.io.label.inspect_target`), a process holding the tier's lock, ``state_dir``, and
-the listen and metrics ports.
+the node socket's path, and the listen and metrics ports.
 
 Errors make ``--check`` exit 2 with one line each; notes are printed and do not fail. Start-up
 runs the same checks except the port test (the real bind does that) and refuses on an error.
@@ -358,6 +358,32 @@ def _check_lock(path: str, out: Preflight) -> None:
                           "holds its lock); stop it, or give this daemon another NVMe path")
 
 
+def _check_node(cfg: DaemonConfig, out: Preflight) -> None:
+    """The node socket: its directory exists, and the path is free or a stale socket (nothing listens)."""
+    if cfg.node is None:
+        return
+    path = cfg.node.socket
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        out.errors.append(f"node.socket={path}: the directory {parent} does not exist")
+        return
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        out.errors.append(f"node.socket={path}: exists and is not a socket (tierstore never replaces it)")
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            out.notes.append(f"node.socket={path}: a stale socket (nothing listens); start-up replaces it")
+            return
+    out.errors.append(f"node.socket={path}: another service listens there")
+
+
 def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
     _check_writable_dir("state_dir", cfg.state_dir, out)
     reg = os.path.join(cfg.state_dir, _DEFAULT_STATE_FILE)
@@ -422,6 +448,7 @@ def preflight(cfg: DaemonConfig, *, ports: bool = True, meminfo: str = "/proc/me
     _check_memory(cfg, out, meminfo)
     _check_nvme(cfg, layout, out)
     _check_state_layout(cfg, layout, out)
+    _check_node(cfg, out)
     if ports:
         _bind_test("listen", cfg.listen.host, cfg.listen.port, out)
         if cfg.metrics.port is not None:

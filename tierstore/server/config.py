@@ -171,6 +171,35 @@ class LimitsConfig(StrictModel):
         return v
 
 
+class NodeConfig(StrictModel):
+    """The node service (``tierstore serve --node``, issue 24): one pool on a UNIX socket whose
+    host tier is a shared memory segment that engine processes map.
+
+    ``socket`` is the listening path (its directory must exist); ``socket_mode`` its file
+    mode (``"0600"``: this user only; ``"0660"``: also the group). A ticket not completed
+    within ``lease_s`` is quarantined, then freed when its client is gone. ``op_timeout_s``
+    bounds a frame's transfer and is the wait the service tells clients to use.
+    """
+
+    socket: str = Field(..., min_length=1, max_length=107, description="UNIX socket path (sun_path is 108 bytes)")
+    socket_mode: Literal["0600", "0660"] = "0600"
+    pool: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    staging_blocks: int = Field(64, ge=0, le=1 << 20)
+    lease_s: DurationS = 60.0
+    op_timeout_s: DurationS = 10.0
+    max_clients: int = Field(64, ge=1, le=4096)
+    max_tickets_per_client: int = Field(64, ge=1, le=1 << 16)
+    max_keys: int = Field(4096, ge=1, le=1 << 16)
+    max_frame_bytes: SizeBytes = Field(4 << 20, ge=4096, le=1 << 30)
+
+    @field_validator("lease_s", "op_timeout_s")
+    @classmethod
+    def _positive(cls, v):
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+
 class DaemonConfig(StrictModel):
     """The whole daemon configuration (the YAML document)."""
 
@@ -186,6 +215,7 @@ class DaemonConfig(StrictModel):
     tenants: list[TenantConfig]
     public_namespaces: list[PublicNamespaceConfig] = Field(default_factory=list)
     limits: LimitsConfig = LimitsConfig()
+    node: NodeConfig | None = None
 
     @model_validator(mode="after")
     def _cross(self):

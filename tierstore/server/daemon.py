@@ -1,5 +1,9 @@
 """``tierstore serve --config FILE``: run the storage daemon until SIGTERM/SIGINT.
 
+With a ``node`` section the store is also served to the node's engine processes on
+``node.socket`` (:mod:`tierstore.node.server`: a UNIX socket and a shared segment); ``--node``
+serves it there only (no HTTP listener).
+
 Exit codes: 0 after a clean drain, 2 for a bad command line or config
 (the message names the key, the value and what is accepted) and for a
 ``--check`` that finds the config cannot start on this machine
@@ -66,12 +70,24 @@ async def serve(cfg: DaemonConfig) -> int:
             await r.cleanup()
         await loop.run_in_executor(None, svc.close)
         return 1
+    node_server = None
+    if cfg.node is not None:  # the same store on the node's UNIX socket too
+        from ..node.server import NodeServer, NodeServiceError
+        try:
+            node_server = await loop.run_in_executor(None, NodeServer(svc.node_core, cfg.node).start)
+        except NodeServiceError as e:
+            log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+            for r in runners:
+                await r.cleanup()
+            await loop.run_in_executor(None, svc.close)
+            return 1
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     svc.ready = True
     log.info("listening", extra={"fields": {"event": "listening", "host": cfg.listen.host, "port": port,
                                             "metrics_port": mport, "block_bytes": svc.block_bytes,
+                                            "node_socket": cfg.node.socket if cfg.node else None,
                                             "durable": svc.durable}})
     await stop.wait()
     log.info("draining", extra={"fields": {"event": "draining", "inflight": svc.inflight}})
@@ -83,6 +99,8 @@ async def serve(cfg: DaemonConfig) -> int:
         log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
     for r in runners:
         await r.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout_s
+    if node_server is not None:
+        await loop.run_in_executor(None, node_server.close)
     await loop.run_in_executor(None, svc.close)
     log.info("stopped", extra={"fields": {"event": "stopped"}})
     return 0
@@ -93,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tierstore serve", description="Run the tierstore KV-block daemon.")
     ap.add_argument("--config", required=True, help="YAML config file (see configs/daemon.yaml)")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    ap.add_argument("--node", action="store_true",
+                    help="serve the store to engine processes on the config's node.socket (UNIX socket and "
+                         "shared memory) instead of HTTP")
     try:
         args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
@@ -101,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"tierstore serve: {e}", file=sys.stderr)
+        return 2
+    if args.node and cfg.node is None:
+        print(f"tierstore serve: {args.config}: --node needs a 'node' section (node: {{socket: PATH}})",
+              file=sys.stderr)
         return 2
     from .check import preflight
     if args.check:
@@ -124,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for note in pf.notes:
         log.info("preflight", extra={"fields": {"event": "preflight", "note": note}})
+    if args.node:
+        from ..node.server import run_node
+        return run_node(cfg)
     return asyncio.run(serve(cfg))
 
 

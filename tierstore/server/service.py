@@ -122,7 +122,14 @@ class Service:
         pol = cfg.policies.model_copy(update={
             "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
             "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})
-        self.store = build_store(StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), self.layout)
+        #: with a ``node`` section the store is the node service's pool (one store, two transports)
+        self.node_core = None
+        if cfg.node is not None:
+            from ..node.server import open_node_core
+            self.node_core = open_node_core(cfg)
+            self.store = self.node_core.store
+        else:
+            self.store = build_store(StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), self.layout)
         self.durable = cfg.puts.durable and self.store.nvme is not None
         self.tenancy = Tenancy(cfg, self.block_bytes, self.layout.fingerprint())
         dropped = repair_after_restart(self.store, self.tenancy.tombstones)
@@ -130,7 +137,9 @@ class Service:
         # with another layout, or state from before layouts were recorded) can
         # never be addressed again: drop them rather than charge their owners.
         known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
-        orphans = [k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)]
+        # With the node transport on, engine processes address namespaces of their own: none is an orphan.
+        orphans = [] if self.node_core is not None else \
+            [k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)]
         dropped_orphans = self.store.remove(orphans) if orphans else 0
         self.tenancy.adopt(self.store)
         self.recovered_blocks = sum(self.store.namespaces().values())
@@ -523,4 +532,7 @@ class Service:
             return
         self._closed = True
         self.executor.shutdown(wait=True)
-        self.store.close()
+        if self.node_core is not None:
+            self.node_core.close()
+        else:
+            self.store.close()

@@ -1,0 +1,607 @@
+"""The node service's client: :class:`NodeKVStore`, :class:`~tierstore.api.KVStore`'s calls
+served by the node's store (:mod:`tierstore.node.server`) over its UNIX socket.
+
+Control goes over the socket, bytes through the pool's shared segment: a store gathers each
+new block straight into the slot the service handed out, a load scatters each block straight
+out of its slot (no copy beyond the engine's own gather and scatter), on the process's
+:func:`~tierstore.io.copies.shared_copier` (one OpenMP thread per copying thread, as the
+embedded store copies). The mapping is faulted in when attached. After a copy the client
+re-reads the slots' generations: a slot handed to someone else meanwhile (its ticket was
+given up) is reported not copied, so it is a miss, never wrong KV (a load's destination of
+such a block may have been written; its status is ``MISS``).
+
+Every call is bounded: a reply is awaited at most ``timeout_s`` (or the call's own
+``timeout_s``). A service that is down, restarting or too slow gives misses: ``store`` →
+``REJECTED`` per block, ``load`` → ``MISS``, ``lookup`` → nothing matched, ``exists`` → 0,
+``pin`` → an empty lease; the connection is dropped and made again, at most once per
+``retry_s``, by a later call (a restarted service hands over its new segment). Requests of one
+client are serialised (one connection, one lock); use one client per engine thread that
+needs its own. Keys are computed here as :class:`~tierstore.api.KVStore` computes them (the
+namespace digest scoped to the layout), so an embedded store and the service agree on keys.
+
+Not offered (``AttributeError``): :data:`NOT_OFFERED`; ``promote`` of :meth:`load` is the
+service's decision. A forked child makes its own connection and mapping.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..contract import Lease, LookupResult, Tier
+from ..errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
+from ..identity import DigestCache, Namespace, block_hashes
+from ..io.copies import shared_copier
+from ..io.inputs import (
+    check_keys,
+    check_start_block,
+    plan_block,
+    plan_destinations,
+    plan_fragment_destinations,
+    plan_sources,
+    refuse_numpy,
+)
+from ..layout import KVLayout
+from . import protocol as P
+from .segment import Segment, SegmentError
+
+#: KVStore's public calls this client does not offer, by what they are for
+NOT_OFFERED: dict[str, tuple[str, ...]] = {
+    "construction": ("from_config",),
+    "tier moves the service decides": ("prefetch", "prefetch_keys", "evict", "flush", "clear", "remove",
+                                       "MERGE_WAIT_S"),
+    "introspection of the service's index": ("block_info", "state_of", "references", "leases", "namespaces",
+                                             "keys_of_namespace", "check_invariants", "record_events",
+                                             "take_events", "resident", "tiers_of", "drain"),
+    "tier and device figures": ("bytes_per_tier", "capacity_bytes", "device_stats", "cost_model", "ftl",
+                                "placement", "tiers"),
+}
+#: engine lifetime hints → the wire's lifetime code (:data:`tierstore.node.protocol.LIFETIME_NAMES`:
+#: 1 short, 2 medium, 3 long), the hints of ``tierstore.fdp.lifetime.HINTS``
+_LIFETIME_CODE = {"system": 3, "system_prompt": 3, "tool": 3, "long": 3, "conversation": 2, "medium": 2,
+                  "query": 1, "single_query": 1, "short": 1}
+_ZERO_NS = bytes(P.NS_BYTES)
+_TIERS = tuple(Tier)  # wire code i is Tier(i)
+
+
+class _Down(Exception):
+    """The service cannot answer now (not running, restarting, too slow, the connection broke)."""
+
+
+class _Refused(Exception):
+    """The service answered a request with an ``Error`` (the connection stays usable)."""
+
+    def __init__(self, code: P.ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+
+
+def socket_path(url: str) -> str:
+    """The socket path of a ``unix:///path`` URL (or a plain absolute path).
+
+    Raises
+    ------
+    ConfigError
+        For another scheme or a relative path.
+    """
+    path = url[len("unix://"):] if url.startswith("unix://") else url
+    if not path.startswith("/") or "://" in path:
+        raise ConfigError(f"node service URL {url!r}: expected unix:///absolute/path/node.sock")
+    return path
+
+
+def _lifetime_code(hint: str | None) -> int:
+    if hint is None:
+        return 0
+    code = _LIFETIME_CODE.get(str(hint).strip().lower().replace(" ", "_").replace("-", "_"))
+    if code is None:
+        raise ConfigError(f"lifetime hint {hint!r}: accepted values are {sorted(_LIFETIME_CODE)}")
+    return code
+
+
+class _Connection:
+    """One session: the socket, its frames and the attached segment."""
+
+    def __init__(self, path: str, layout: KVLayout, pool: str | None, timeout_s: float, client: str) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except OSError as e:
+            sock.close()
+            raise _Down(f"connect {path}: {e}") from e
+        self.frames = P.FrameSocket(sock, P.REPLY_DECODER)
+        self.pid = os.getpid()
+        try:
+            self.frames.send(P.Hello(0, v=P.PROTOCOL_VERSION, token="", role="solo", pool=pool,
+                                     block_bytes=layout.bytes_per_block, tokens_per_block=layout.tokens_per_block,
+                                     group=b"", join_token=b"", world_rank=0, client=client))
+            msg, fds = self.frames.recv_with_fds(1)
+        except (OSError, P.ProtocolError) as e:
+            self.frames.close()
+            raise _Down(f"hello: {e}") from e
+        if isinstance(msg, P.Error):
+            self.frames.close()
+            if msg.code in (P.ErrorCode.BUSY, P.ErrorCode.CLOSED, P.ErrorCode.INTERNAL):
+                raise _Down(f"hello: {msg.code.value}: {msg.message}")  # try again later
+            raise ConfigError(f"node service {path} refused this client: {msg.code.value}: {msg.message}")
+        if not isinstance(msg, P.Welcome) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self.frames.close()
+            raise _Down(f"hello: expected a Welcome with the segment's fd, got {type(msg).__name__}")
+        try:
+            self.segment = Segment.attach(fds[0], block_bytes=msg.block_bytes, boot_id=msg.boot_id)
+        except SegmentError as e:
+            self.frames.close()
+            raise _Down(f"attach: {e}") from e
+        try:
+            self.segment.prefault()  # this mapping's page tables now, not on the first copy of each slot
+        except SegmentError as e:
+            self.segment.close()
+            self.frames.close()
+            raise _Down(f"prefault: {e}") from e
+        self.welcome = msg
+        self.rows: torch.Tensor | None = self.segment.rows()
+        self.rids = itertools.count(1)
+
+    def call(self, msg_of, timeout_s: float):
+        """Send ``msg_of(rid)`` and return its reply; :class:`_Down` when the connection fails or
+        the service is closing, :class:`_Refused` for any other ``Error`` reply."""
+        rid = next(self.rids)
+        try:
+            self.frames.sock.settimeout(timeout_s)
+            self.frames.send(msg_of(rid))
+            reply = self.frames.recv()
+        except (OSError, P.ProtocolError) as e:
+            raise _Down(f"{type(e).__name__}: {e}") from e
+        if reply is None or not isinstance(reply, P.Reply) or reply.rid != rid:
+            raise _Down("the service closed the connection" if reply is None else f"a reply to another request "
+                        f"({type(reply).__name__}) for request {rid}")
+        if isinstance(reply, P.Error):
+            if reply.code in (P.ErrorCode.CLOSED, P.ErrorCode.BAD_FRAME):
+                raise _Down(f"{reply.code.value}: {reply.message}")
+            raise _Refused(reply.code, reply.message)
+        return reply
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the socket and the mapping, leaving
+        the parent's session as it is (no ``Bye``, no shutdown: those act on the shared socket)."""
+        self.frames.broken = True
+        self.frames.sock.close()
+        self.rows = None
+        self.segment.close()  # an inherited mapping is only forgotten
+
+    def close(self, bye: bool) -> None:
+        if bye and not self.frames.broken:
+            with contextlib.suppress(OSError, P.ProtocolError):
+                self.frames.sock.settimeout(0.5)
+                self.frames.send(P.Bye(0, reason="client closed"))
+        self.frames.close()
+        self.rows = None
+        if self.pid == os.getpid():
+            self.segment.close()
+
+
+class NodeKVStore:
+    """:class:`~tierstore.api.KVStore`'s calls served by the node service (see the module docstring).
+
+    Parameters
+    ----------
+    url : str
+        ``unix:///path/node.sock`` (the service's ``node.socket``).
+    layout : KVLayout
+        The engine's block layout; the service's pool must hold blocks of the same bytes and tokens.
+    timeout_s : float
+        Longest wait for a reply (and for connecting), seconds.
+    pool : str, optional
+        The pool to attach to (default: the service's only one).
+    retry_s : float
+        Seconds between connection attempts while the service is down.
+
+    Raises
+    ------
+    ConfigError
+        For a bad URL or timeout. A service that is down is not an error: calls miss until it is up.
+        A service that refuses this client (another block class, pool or protocol version)
+        raises :class:`ConfigError` from the call that connects.
+    """
+
+    def __init__(self, url: str, layout: KVLayout, *, timeout_s: float = 5.0, pool: str | None = None,
+                 retry_s: float = 0.5) -> None:
+        if not timeout_s > 0 or not retry_s >= 0:
+            raise ConfigError(f"timeout_s={timeout_s} (> 0), retry_s={retry_s} (>= 0)")
+        self.url = url
+        self.path = socket_path(url)
+        self.layout = layout
+        self.timeout_s = float(timeout_s)
+        self.retry_s = float(retry_s)
+        self.pool = pool
+        self._digests = DigestCache(scope=layout.fingerprint())  # as KVStore: other layouts never match
+        self._lock = threading.Lock()
+        self._conn: _Connection | None = None
+        self._last_fail = -float("inf")
+        self._holds: dict[object, int] = {}
+        self._next_hold = itertools.count(1)
+        self._rids = itertools.count(1)
+        self._closed = False
+        self._pool_exec: concurrent.futures.ThreadPoolExecutor | None = None
+        self.counters = {"calls": 0, "down": 0, "connects": 0, "gen_mismatch": 0}
+
+    # ------------------------------------------------------------------ connection
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _connection(self) -> _Connection:
+        c = self._conn
+        if c is not None and c.pid != os.getpid():  # inherited across fork: the parent's session
+            c.forget()
+            self._conn = c = None
+        if c is not None:
+            return c
+        if time.monotonic() - self._last_fail < self.retry_s:
+            raise _Down("the service was down moments ago")
+        try:
+            self._conn = _Connection(self.path, self.layout, self.pool, self.timeout_s,
+                                     f"tierstore pid {os.getpid()}")
+        except _Down:
+            self._last_fail = time.monotonic()
+            raise
+        self.counters["connects"] += 1
+        self._holds.clear()  # holds were the old session's: released by the service
+        return self._conn
+
+    def _drop(self) -> None:
+        c, self._conn = self._conn, None
+        if c is not None:
+            c.close(bye=False)
+        self._last_fail = time.monotonic()
+
+    def _call(self, msg_of, timeout_s: float | None = None):
+        """One request and its reply on the connection (the caller holds ``_lock``)."""
+        if self._closed:
+            raise StoreClosedError("NodeKVStore is closed")
+        self.counters["calls"] += 1
+        t = self.timeout_s if timeout_s is None else max(min(timeout_s, self.timeout_s), 1e-3)
+        try:
+            return self._connection().call(msg_of, t)
+        except _Down:
+            self.counters["down"] += 1
+            self._drop()
+            raise
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """``[a, b)`` ranges of at most the service's ``max_keys`` (the caller holds ``_lock``;
+        one range when the service is down: its call then misses)."""
+        try:
+            step = self._connection().welcome.max_keys if not self._closed else max(n, 1)
+        except _Down:
+            step = max(n, 1)
+        return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+
+    # ------------------------------------------------------------------ identity
+    def digest(self, ns: Namespace | bytes) -> bytes:
+        """The namespace's 32-byte digest, scoped to the layout (as :meth:`KVStore.digest`)."""
+        return self._digests(ns)
+
+    def keys_for(self, ns: Namespace | bytes, token_ids) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids`` under ``ns`` (as :meth:`KVStore.keys_for`)."""
+        return block_hashes(self.digest(ns), token_ids, self.layout.tokens_per_block)
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[object]:
+        """A request id whose lookup references are released on exit."""
+        rid = ("node-request", next(self._rids))
+        try:
+            yield rid
+        finally:
+            self.release(rid)
+
+    def release(self, request_id: object) -> int:
+        """Drop the references a lookup took under ``request_id``; returns how many."""
+        return self._end_hold(request_id, P.Release)
+
+    def cancel(self, request_id: object) -> int:
+        """As :meth:`release` (abandoning the request)."""
+        return self._end_hold(request_id, P.Cancel)
+
+    def _end_hold(self, request_id: object, kind) -> int:
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+            if hold is None or self._closed:
+                return 0
+            try:
+                return int(self._call(lambda rid: kind(rid, hold=hold)).n)
+            except (_Down, _Refused):
+                return 0  # the session ended: the service released them
+
+    # ------------------------------------------------------------------ store
+    def store(self, ns: Namespace | bytes, token_ids, kv_blocks, start_block: int = 0,
+              lifetime: str | None = None, *, wait: bool = True):
+        """Store KV of full blocks of a prompt (as :meth:`KVStore.store`); ``REJECTED`` per block
+        while the service is down."""
+        check_start_block(start_block)
+        keys = self.keys_for(ns, token_ids)
+        sources = plan_sources(kv_blocks, self.layout)
+        return self._store_prompt(ns, keys, sources, start_block, lifetime, wait)
+
+    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
+                   first_position: int = 0, wait: bool = True):
+        """Store blocks under keys the caller computed (as :meth:`KVStore.store_keys`)."""
+        keys = check_keys(keys)
+        sources = plan_sources(blocks, self.layout)
+        if len(sources) != len(keys):
+            raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
+        return self._later(wait, self._store, self.digest(ns), keys, sources, _lifetime_code(lifetime),
+                           first_position)
+
+    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block, start_block: int = 0,
+                        lifetime: str | None = None, *, wait: bool = True):
+        """Store blocks given as engine fragments (as :meth:`KVStore.store_fragments`): each is
+        gathered straight into its segment slot."""
+        check_start_block(start_block)
+        refuse_numpy(fragments_per_block, "fragments_per_block")
+        keys = self.keys_for(ns, token_ids)
+        plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
+        return self._store_prompt(ns, keys, plans, start_block, lifetime, wait)
+
+    def _store_prompt(self, ns, keys, sources, start_block: int, lifetime, wait: bool):
+        if start_block + len(sources) > len(keys):
+            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
+                              f"{len(keys)} full blocks (partial tails are never stored)")
+        end = start_block + len(sources)
+        return self._later(wait, self._store, self.digest(ns), keys[start_block:end], sources,
+                           _lifetime_code(lifetime), start_block)
+
+    def _later(self, wait: bool, fn, *args):
+        if wait:
+            return fn(*args)
+        if self._pool_exec is None:
+            self._pool_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-node-client")
+        return self._pool_exec.submit(fn, *args)
+
+    def _store(self, ns: bytes, keys: list[bytes], sources, lifetime: int, first: int) -> list[Status]:
+        out: list[Status] = []
+        with self._lock:
+            for a, b in self._chunks(len(keys)):
+                try:
+                    out += self._store_chunk(ns, keys[a:b], sources, a, lifetime, first + a)
+                except (_Down, _Refused):  # the ticket (if any) ends with the session or its lease
+                    out += [Status.REJECTED] * (len(keys) - len(out))
+                    break
+        return out
+
+    def _store_chunk(self, ns: bytes, keys, sources, at: int, lifetime: int, first: int) -> list[Status]:
+        if not keys:
+            return []
+        t = self._call(lambda rid: P.PrepareStore(rid, ns=ns, keys=b"".join(keys), first_position=first,
+                                                  lifetime=lifetime, wait=True))
+        statuses = P.unpack_statuses(t.statuses)
+        slots = P.unpack_slots(t.slots)
+        gens = P.unpack_u64(t.gens)
+        assert self._conn is not None
+        seg, rows = self._conn.segment, self._conn.rows
+        assert rows is not None
+        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
+        todo = np.flatnonzero(ok).tolist()
+        shared_copier().run([functools.partial(sources[at + i].gather, rows[int(slots[i])], 0) for i in todo],
+                            len(todo) * self.layout.bytes_per_block)
+        ok &= self._same_gens(seg, slots, gens)
+        out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
+        return P.unpack_statuses(out.statuses)
+
+    def _same_gens(self, seg: Segment, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        have = slots >= 0
+        same = np.zeros(len(slots), dtype=bool)
+        if have.any():
+            same[have] = seg.gens_of(slots[have]) == gens[have]
+        self.counters["gen_mismatch"] += int((have & ~same).sum())
+        return same
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> LookupResult:
+        """Longest cached prefix of ``token_ids`` (as :meth:`KVStore.lookup`); nothing matched
+        while the service is down."""
+        return self._lookup(self.keys_for(ns, token_ids), request_id, self.digest(ns))
+
+    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
+                    num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
+        """Longest cached prefix of ``keys`` (as :meth:`KVStore.lookup_keys`)."""
+        return self._lookup(check_keys(keys), request_id, None if ns is None else self.digest(ns))
+
+    def _lookup(self, keys: list[bytes], request_id: object, ns: bytes | None) -> LookupResult:
+        tpb = self.layout.tokens_per_block
+        miss = LookupResult([], [], [], 0, len(keys), tpb, request_id)
+        if not keys:
+            return miss
+        with self._lock:
+            hold = None
+            if request_id is not None:
+                hold = self._holds.setdefault(request_id, next(self._next_hold))
+            try:
+                r = self._call(lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=b"".join(keys),
+                                                    hold=hold, pin_s=None))
+            except (_Down, _Refused):
+                return miss
+        m = r.matched
+        return LookupResult(keys[:m], [_TIERS[c] for c in r.tiers], P.unpack_load_s(r.load_s).tolist(), r.useful,
+                            len(keys), tpb, request_id, r.reason)
+
+    def probe(self, ns: Namespace | bytes, token_ids) -> int:
+        """Matched tokens, no references taken (0 while the service is down)."""
+        return self._exists(self.keys_for(ns, token_ids), self.digest(ns)) * self.layout.tokens_per_block
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """Leading ``keys`` resident (0 while the service is down)."""
+        return self._exists(check_keys(keys), _ZERO_NS)
+
+    def _exists(self, keys: list[bytes], ns: bytes) -> int:
+        if not keys:
+            return 0
+        with self._lock:
+            try:
+                return int(self._call(lambda rid: P.Exists(rid, ns=ns, keys=b"".join(keys))).n)
+            except (_Down, _Refused):
+                return 0
+
+    # ------------------------------------------------------------------ load
+    def load(self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
+        """Load blocks (default: a lookup's useful keys) into ``dests`` or new CPU tensors (as
+        :meth:`KVStore.load`): ``(statuses, tensors)``; ``MISS`` while the service is down."""
+        if isinstance(keys, LookupResult):
+            keys = keys.useful_keys
+        keys = check_keys(keys)
+        plans, finish = plan_destinations(len(keys), dests, self.layout)
+        return self._later(wait, lambda: finish(self._load(keys, plans, timeout_s)))
+
+    def load_fragments(self, keys, dest_fragments_per_block, *, wait: bool = True, timeout_s: float | None = None):
+        """Load blocks and scatter each straight out of its slot into its destination fragments
+        (as :meth:`KVStore.load_fragments`); per-block statuses."""
+        if isinstance(keys, LookupResult):
+            keys = keys.useful_keys
+        keys = check_keys(keys)
+        plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
+        return self._later(wait, self._load, keys, plans, timeout_s)
+
+    def _load(self, keys: list[bytes], plans, timeout_s: float | None) -> list[Status]:
+        out: list[Status] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            for a, b in self._chunks(len(keys)):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                try:
+                    got = self._load_chunk(keys[a:b], plans, a, left)
+                except (_Down, _Refused):
+                    break
+                out += got
+                if any(s is not Status.OK for s in got):
+                    break  # a hole ends the usable prefix
+        return out + [Status.MISS] * (len(keys) - len(out))
+
+    def _load_chunk(self, keys, plans, at: int, timeout_s: float | None) -> list[Status]:
+        if not keys:
+            return []
+        t = self._call(lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True),
+                       timeout_s)
+        statuses = P.unpack_statuses(t.statuses)
+        slots = P.unpack_slots(t.slots)
+        gens = P.unpack_u64(t.gens)
+        assert self._conn is not None
+        seg, rows = self._conn.segment, self._conn.rows
+        assert rows is not None
+        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
+        todo = np.flatnonzero(ok).tolist()
+        shared_copier().run([functools.partial(plans[at + i].scatter, rows[int(slots[i])], 0) for i in todo],
+                            len(todo) * self.layout.bytes_per_block)
+        ok &= self._same_gens(seg, slots, gens)
+        self._call(lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s)
+        return [Status.OK if k else Status.MISS for k in ok.tolist()]
+
+    # ------------------------------------------------------------------ pins, invalidation, stats
+    def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
+        """Pin the resident blocks of a prefix (as :meth:`KVStore.pin`); an empty lease (id 0)
+        while the service is down."""
+        return self.pin_keys(ns, self.keys_for(ns, token_ids), lease_s)
+
+    def pin_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
+        """Pin the resident leading ``keys`` of ``ns`` (as :meth:`KVStore.pin_keys`); an empty
+        lease (id 0) while the service is down.
+
+        Raises
+        ------
+        QuotaExceeded
+            Past the namespace's pin quota (nothing is pinned).
+        """
+        d = self.digest(ns)
+        keys = check_keys(keys)
+        with self._lock:
+            try:
+                r = self._call(lambda rid: P.Pin(rid, ns=d, keys=b"".join(keys), lease_s=lease_s))
+            except _Refused as e:
+                if e.code is P.ErrorCode.QUOTA:
+                    raise QuotaExceeded(str(e)) from None
+                return Lease(0, d, [], 0.0, 0)
+            except _Down:
+                return Lease(0, d, [], 0.0, 0)
+        return Lease(r.lease_id, d, keys[:r.pinned], time.monotonic() + r.expires_in_s, r.lease_bytes)
+
+    def unpin(self, lease: Lease | int) -> bool:
+        """End a lease of this session; ``False`` if it was not live (or the service is down)."""
+        lid = lease.lease_id if isinstance(lease, Lease) else int(lease)
+        if lid <= 0:
+            return False
+        with self._lock:
+            try:
+                return bool(self._call(lambda rid: P.Unpin(rid, lease_id=lid)).n)
+            except (_Down, _Refused):
+                return False
+
+    def invalidate(self, ns: Namespace | bytes) -> int:
+        """Drop every block of a namespace in the service's store; returns blocks dropped.
+
+        Raises
+        ------
+        StoreClosedError
+            When the service is down (an invalidation must not be lost silently).
+        """
+        d = self.digest(ns)
+        with self._lock:
+            try:
+                return int(self._call(lambda rid: P.Invalidate(rid, ns=d)).n)
+            except _Down as e:
+                raise StoreClosedError(f"node service {self.url} is down; nothing was invalidated ({e})") from e
+            except _Refused as e:
+                raise TierStoreError(f"node service {self.url} refused the invalidation: {e}") from None
+
+    def stats(self) -> dict:
+        """The service's statistics (its store, pool and this session) with a ``client`` section
+        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
+        ``gen_mismatch``: copies given up because their slot was reused)."""
+        import json
+        out: dict = {}
+        with self._lock:
+            if not self._closed:
+                try:
+                    out = json.loads(self._call(lambda rid: P.Stats(rid)).json)
+                except (_Down, _Refused):
+                    out = {}
+            out["client"] = dict(self.counters, connected=self._conn is not None, url=self.url)
+        return out
+
+    def close(self) -> None:
+        """Say ``Bye`` and close the connection and mapping (idempotent); calls then raise
+        :class:`StoreClosedError`."""
+        if self._closed:
+            return
+        if self._pool_exec is not None:  # calls with wait=False finish first
+            self._pool_exec.shutdown(wait=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            c, self._conn = self._conn, None
+        if c is not None and c.pid == os.getpid():
+            c.close(bye=True)
+        elif c is not None:
+            c.forget()
+
+    def __enter__(self) -> NodeKVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["NOT_OFFERED", "NodeKVStore", "socket_path"]

@@ -1,0 +1,570 @@
+"""The node service: one :class:`~tierstore.node.core.NodeCore` served over a UNIX socket.
+
+Engine processes connect to ``node.socket`` (:class:`~tierstore.server.config.NodeConfig`),
+say :class:`~tierstore.node.protocol.Hello` and get the pool's segment fd with the
+``Welcome`` (``SCM_RIGHTS``); from then on every request is one frame and one reply
+(:mod:`tierstore.node.protocol`): lookup, exists, store (prepare → the client gathers into
+the slots → complete with its ``ok`` flags), load (prepare, NVMe blocks staged → the client
+scatters → complete), pin/unpin, invalidate, stats, release/cancel of a lookup's hold, bye.
+One thread per connection; a request is answered before the next is read.
+
+What a session holds (its tickets, holds, leases) is released when it ends. After ``Bye`` the
+client copies no more: its tickets are aborted at once. A connection that ends without one
+(the process died, or closed the socket mid-call) may still have a thread copying into a
+store ticket's slots: its store tickets are quarantined (slots kept) until the peer process
+is gone (its ``pidfd`` readable) or ``lease_s`` passed, then aborted; load tickets are aborted
+at once (a reader sees the bumped generations: a miss). Bounds: ``max_clients`` sessions,
+``max_tickets_per_client`` open tickets each, ``max_keys`` keys a request, ``max_frame_bytes``
+a frame, ``op_timeout_s`` for the ``Hello``, for the rest of a frame once its first byte came,
+and for a reply.
+
+The socket file gets ``socket_mode`` before the socket listens. Start-up refuses a path that
+answers (a live service) or is not a socket; a socket nobody listens on (a stale one) is
+removed. Authentication is the socket file's mode: the ``Hello`` token and the leader/rank
+groups of the protocol are not served yet (a ``Hello`` with either is refused).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import StoreConfig
+from ..errors import ConfigError, QuotaExceeded, StoreClosedError, TierStoreError
+from ..server.config import DaemonConfig, NodeConfig
+from . import protocol as P
+from .core import NodeCore
+from .tickets import Ready
+
+_log = logging.getLogger(__name__)
+_ZERO_NS = bytes(P.NS_BYTES)
+#: seconds a session waits for the peer process to exit after an unannounced close
+_EXIT_GRACE_S = 2.0
+
+
+class NodeServiceError(TierStoreError):
+    """The service cannot start: the socket path answers (another service listens there), is
+    not a socket, or cannot be bound."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    sid: int
+    frames: P.FrameSocket
+    pid: int
+    pidfd: int | None
+    tickets: set = dataclasses.field(default_factory=set)
+    holds: set = dataclasses.field(default_factory=set)
+    leases: set = dataclasses.field(default_factory=set)
+    ready: list = dataclasses.field(default_factory=list)  # Ready notices not told yet
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    said_bye: bool = False
+    welcomed: bool = False
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):  # an old kernel or the peer gone already: leases decide
+        return None
+
+
+def _exited(pidfd: int | None, wait_s: float) -> bool:
+    """Whether the process of ``pidfd`` exited within ``wait_s`` (a pidfd polls readable then)."""
+    if pidfd is None:
+        return False
+    r, _, _ = select.select([pidfd], [], [], max(wait_s, 0.0))
+    return bool(r)
+
+
+def claim_socket_path(path: str) -> None:
+    """Make ``path`` free for a new listening socket: nothing there, or a stale socket (removed).
+
+    Raises
+    ------
+    NodeServiceError
+        When something listens on ``path`` or it is not a socket (nothing is removed then).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise NodeServiceError(f"{path} exists and is not a socket: refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # stale: nothing listens
+        return
+    except OSError as e:
+        raise NodeServiceError(f"{path}: cannot tell whether a service listens there ({e})") from e
+    finally:
+        probe.close()
+    raise NodeServiceError(f"{path}: another service listens there; stop it or choose another node.socket")
+
+
+class NodeServer:
+    """Serve ``core`` on the UNIX socket of ``config`` (see the module docstring).
+
+    Parameters
+    ----------
+    core : NodeCore
+        The pool; the server does not close it (its owner does, after :meth:`close`).
+    config : NodeConfig
+        Socket path and mode, limits and timeouts.
+
+    Attributes
+    ----------
+    path : str
+        The socket path.
+    """
+
+    def __init__(self, core: NodeCore, config: NodeConfig) -> None:
+        self.core = core
+        self.cfg = config
+        self.path = config.socket
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._sessions: dict[int, _Session] = {}
+        self._threads: set[threading.Thread] = set()
+        self._next_sid = 1
+        self._closing = threading.Event()
+        self._accepter: threading.Thread | None = None
+        self._handlers: dict[type, Callable[[_Session, Any], P.Reply]] = {
+            P.Lookup: self._lookup, P.Exists: self._exists, P.Release: self._release, P.Cancel: self._cancel,
+            P.PrepareStore: self._prepare_store, P.CompleteStore: self._complete_store,
+            P.PrepareLoad: self._prepare_load, P.CompleteLoad: self._complete_load, P.Abort: self._abort,
+            P.Poll: self._poll, P.Pin: self._pin, P.Unpin: self._unpin, P.Invalidate: self._invalidate,
+            P.Stats: self._stats, P.Reclaim: self._reclaim,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> NodeServer:
+        """Claim the socket path, bind, set its mode, listen and start accepting.
+
+        Raises
+        ------
+        NodeServiceError
+            See :func:`claim_socket_path`; or the bind fails.
+        """
+        claim_socket_path(self.path)
+        ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            ls.bind(self.path)
+            os.chmod(self.path, int(self.cfg.socket_mode, 8))  # before listen: nobody connects earlier
+            ls.listen(min(self.cfg.max_clients, socket.SOMAXCONN))
+        except OSError as e:
+            ls.close()
+            raise NodeServiceError(f"cannot listen on {self.path}: {e}") from e
+        self._listener = ls
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="tierstore-node-accept")
+        self._accepter.start()
+        _log.info("node service listening on %s (pool %r, mode %s)", self.path, self.core.name,
+                  self.cfg.socket_mode)
+        return self
+
+    def close(self) -> None:
+        """Stop accepting, end every session (their tickets aborted, holds and leases released),
+        remove the socket file. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            with contextlib.suppress(OSError):
+                s.frames.sock.shutdown(socket.SHUT_RDWR)  # its thread ends the session
+        if self._accepter is not None:
+            self._accepter.join()
+        for t in list(self._threads):
+            t.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> NodeServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def sessions(self) -> int:
+        """Sessions open (connected, or ending and still holding slots)."""
+        with self._lock:
+            return len(self._sessions)
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.05)  # EMFILE and friends: keep serving those connected
+                continue
+            with self._lock:
+                full = len(self._sessions) >= self.cfg.max_clients
+                sid = self._next_sid
+                self._next_sid += 1
+            fs = P.FrameSocket(conn, P.REQUEST_DECODER, max_frame_bytes=self.cfg.max_frame_bytes)
+            if full:
+                self.core.index.metrics.inc("node_sessions_refused")
+                conn.settimeout(self.cfg.op_timeout_s)
+                fs.fail(P.ProtocolError(P.ErrorCode.BUSY, f"{self.cfg.max_clients} sessions open"))
+                continue
+            pid = _peer_pid(conn)
+            s = _Session(sid, fs, pid, _open_pidfd(pid))
+            with self._lock:
+                self._sessions[sid] = s
+            t = threading.Thread(target=self._serve, args=(s,), daemon=True, name=f"tierstore-node-{sid}")
+            self._threads.add(t)
+            t.start()
+
+    def _serve(self, s: _Session) -> None:
+        try:
+            self._serve_frames(s)
+        finally:
+            s.frames.close()
+            self._end_session(s)
+            with self._lock:
+                self._sessions.pop(s.sid, None)
+            self._threads.discard(threading.current_thread())
+
+    def _serve_frames(self, s: _Session) -> None:
+        fs = s.frames
+        fs.sock.settimeout(self.cfg.op_timeout_s)
+        while not self._closing.is_set():
+            try:
+                msg = fs.recv()
+            except TimeoutError:
+                if fs.broken or not s.welcomed:  # stalled inside a frame, or no Hello in time
+                    return
+                continue  # idle between frames
+            except P.ProtocolError as e:
+                self.core.index.metrics.inc("node_bad_frames")
+                _log.warning("node session %d (pid %d): %s", s.sid, s.pid, e)
+                if e.code is P.ErrorCode.BAD_FRAME:
+                    fs.fail(e)
+                return
+            except OSError:
+                return
+            if not isinstance(msg, P.Request):  # None: the peer closed between frames
+                return
+            if isinstance(msg, P.Bye):
+                s.said_bye = True
+                return
+            reply = self._answer(s, msg)
+            if reply is None:  # a Welcome, sent with its fd
+                continue
+            try:
+                fs.send(reply)
+            except P.ProtocolError as e:  # a reply over max_frame_bytes
+                fs.send(e.error(reply.rid))
+            except OSError:
+                return
+
+    def _answer(self, s: _Session, msg: P.Request) -> P.Reply | None:
+        rid = msg.rid
+        try:
+            if isinstance(msg, P.Hello):
+                return self._hello(s, msg)
+            if not s.welcomed:
+                return P.Error(rid, P.ErrorCode.BAD_REQUEST, "say Hello first")
+            keys = getattr(msg, "keys", b"")
+            if len(keys) > self.cfg.max_keys * P.KEY_BYTES:
+                return P.Error(rid, P.ErrorCode.LIMIT, f"{len(keys) // P.KEY_BYTES} keys; this service takes "
+                                                       f"{self.cfg.max_keys} a request")
+            return self._handlers[type(msg)](s, msg)
+        except P.ProtocolError as e:
+            return e.error(rid)
+        except QuotaExceeded as e:
+            return P.Error(rid, P.ErrorCode.QUOTA, str(e)[:P.MAX_TEXT_CHARS])
+        except StoreClosedError as e:
+            return P.Error(rid, P.ErrorCode.CLOSED, str(e)[:P.MAX_TEXT_CHARS])
+        except TierStoreError as e:  # TicketError, ConfigError, LayoutError: the request's fault
+            return P.Error(rid, P.ErrorCode.BAD_REQUEST, str(e)[:P.MAX_TEXT_CHARS])
+        except Exception as e:  # noqa: BLE001 (logged and counted; the client takes it as a miss)
+            self.core.index.metrics.inc("node_internal_errors")
+            _log.exception("node session %d: %s failed", s.sid, type(msg).__name__)
+            return P.Error(rid, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_TEXT_CHARS])
+
+    def _hello(self, s: _Session, m: P.Hello) -> P.Reply | None:
+        core = self.core
+        lay = core.layout
+        why = None
+        if s.welcomed:
+            why = "a session says Hello once"
+        elif m.v != P.PROTOCOL_VERSION:
+            why = f"protocol version {m.v}; this service speaks {P.PROTOCOL_VERSION}"
+        elif m.role != "solo":
+            why = f"role {m.role!r}: leader/rank groups are not served yet; connect each process as 'solo'"
+        elif m.token:
+            why = "this service has no token authentication (the socket file's mode is the boundary)"
+        elif m.pool is not None and m.pool != core.name:
+            return P.Error(m.rid, P.ErrorCode.NOT_FOUND, f"no pool {m.pool!r}; this service serves {core.name!r}")
+        elif m.block_bytes != lay.bytes_per_block or m.tokens_per_block != lay.tokens_per_block:
+            why = (f"block class {m.block_bytes} B / {m.tokens_per_block} tokens; pool {core.name!r} holds "
+                   f"{lay.bytes_per_block} B / {lay.tokens_per_block} tokens blocks")
+        if why is not None:
+            return P.Error(m.rid, P.ErrorCode.BAD_REQUEST, why)
+        h = core.segment.header
+        w = P.Welcome(m.rid, session=s.sid, pool=core.name, block_bytes=core.segment.block_bytes,
+                      slot_bytes=h.slot_bytes, host_slots=h.host_slots, staging_slots=h.staging_slots,
+                      segment_bytes=h.segment_bytes, boot_id=h.boot_id, op_timeout_s=self.cfg.op_timeout_s,
+                      max_keys=self.cfg.max_keys)
+        assert core.segment.fd is not None
+        s.frames.send(w, fds=[core.segment.fd])
+        s.welcomed = True
+        _log.info("node session %d: pid %d attached (%s)", s.sid, s.pid, m.client[:200])
+        return None
+
+    # ------------------------------------------------------------------ requests
+    def _notices(self, s: _Session, reply):
+        """``reply`` with the session's Ready notices not told yet."""
+        with s.lock:
+            ready, s.ready = s.ready[:P.MAX_READY], s.ready[P.MAX_READY:]
+        if not ready:
+            return reply
+        failed = [(i, k) for i, r in enumerate(ready) for k in r.failed]
+        return dataclasses.replace(reply, ready_ids=P.pack_u64([r.plan_id for r in ready]),
+                                   ready_failed=P.pack_failed(failed) if failed else b"")
+
+    def _hold(self, s: _Session, hold: int | None):
+        if hold is None:
+            return None
+        s.holds.add(hold)
+        return ("node", s.sid, hold)
+
+    def _lookup(self, s: _Session, m: P.Lookup):
+        keys = P.unpack_keys(m.keys)
+        ns = None if m.ns == _ZERO_NS else m.ns
+        res = self.core.lookup(keys, self._hold(s, m.hold), ns)
+        if m.pin_s is not None and res.keys and ns is not None:
+            s.leases.add(self.core.pin(ns, res.keys, m.pin_s).lease_id)
+        return self._notices(s, P.LookupReply(
+            m.rid, matched=len(res.keys), useful=res.useful_blocks, tiers=bytes(res.tiers),
+            load_s=P.pack_load_s(res.load_s), reason=(res.not_useful_reason or None) and
+            res.not_useful_reason[:P.MAX_TEXT_CHARS]))
+
+    def _exists(self, s: _Session, m: P.Exists):
+        return self._notices(s, P.Count(m.rid, n=self.core.store.exists(P.unpack_keys(m.keys))))
+
+    def _release(self, s: _Session, m: P.Release):
+        s.holds.discard(m.hold)
+        return self._notices(s, P.Count(m.rid, n=self.core.store.release(("node", s.sid, m.hold))))
+
+    def _cancel(self, s: _Session, m: P.Cancel):
+        s.holds.discard(m.hold)
+        return self._notices(s, P.Count(m.rid, n=self.core.store.cancel(("node", s.sid, m.hold))))
+
+    def _room(self, s: _Session, rid: int):
+        if len(s.tickets) >= self.cfg.max_tickets_per_client:
+            return P.Error(rid, P.ErrorCode.BUSY, f"{len(s.tickets)} tickets open in this session "
+                                                  f"(max_tickets_per_client={self.cfg.max_tickets_per_client})")
+        return None
+
+    def _on_ready(self, s: _Session):
+        def tell(r: Ready) -> None:
+            with s.lock:
+                s.ready.append(r)
+        return tell
+
+    def _ticket_reply(self, s: _Session, rid: int, t) -> P.Reply:
+        s.tickets.add(t.plan_id)
+        return self._notices(s, P.TicketReply(rid, plan_id=t.plan_id, statuses=P.pack_statuses(t.statuses),
+                                              slots=P.pack_slots(t.slots), gens=P.pack_u64(t.gens),
+                                              ready=bool(t.ready)))
+
+    def _prepare_store(self, s: _Session, m: P.PrepareStore):
+        busy = self._room(s, m.rid)
+        if busy is not None:
+            return busy
+        lifetime = P.LIFETIME_NAMES[m.lifetime]
+        t = self.core.prepare_store(m.ns, P.unpack_keys(m.keys), lifetime, m.first_position, wait=m.wait,
+                                    on_ready=self._on_ready(s))
+        return self._ticket_reply(s, m.rid, t)
+
+    def _mine(self, s: _Session, plan_id: int) -> None:
+        if plan_id not in s.tickets:
+            raise P.ProtocolError(P.ErrorCode.FORBIDDEN, f"plan {plan_id} is not a ticket of this session")
+
+    def _complete_store(self, s: _Session, m: P.CompleteStore):
+        self._mine(s, m.plan_id)
+        out = self.core.complete_store(m.plan_id, m.ok)
+        s.tickets.discard(m.plan_id)
+        if out is None:  # every ticket of a solo session has one rank
+            raise P.ProtocolError(P.ErrorCode.INTERNAL, f"plan {m.plan_id}: no outcome after its one report")
+        durable = bytes(1 if i in out.durable else 0 for i in range(len(out.statuses)))
+        return self._notices(s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable))
+
+    def _prepare_load(self, s: _Session, m: P.PrepareLoad):
+        busy = self._room(s, m.rid)
+        if busy is not None:
+            return busy
+        t = self.core.prepare_load(P.unpack_keys(m.keys), wait=m.wait, on_ready=self._on_ready(s))
+        return self._ticket_reply(s, m.rid, t)
+
+    def _complete_load(self, s: _Session, m: P.CompleteLoad):
+        self._mine(s, m.plan_id)
+        self.core.complete_load(m.plan_id, m.ok)
+        s.tickets.discard(m.plan_id)
+        return self._notices(s, P.Ack(m.rid))
+
+    def _abort(self, s: _Session, m: P.Abort):
+        self._mine(s, m.plan_id)
+        self.core.abort(m.plan_id)
+        s.tickets.discard(m.plan_id)
+        return self._notices(s, P.Ack(m.rid))
+
+    def _poll(self, s: _Session, m: P.Poll):
+        return self._notices(s, P.Ack(m.rid))
+
+    def _pin(self, s: _Session, m: P.Pin):
+        lease = self.core.pin(m.ns, P.unpack_keys(m.keys), m.lease_s)
+        s.leases.add(lease.lease_id)
+        left = max(0.0, lease.expiry_s - self.core.index.runtime.clock()) if lease.keys else 0.0
+        return self._notices(s, P.LeaseReply(m.rid, lease_id=lease.lease_id, pinned=len(lease.keys),
+                                             lease_bytes=lease.bytes, expires_in_s=min(left, P.MAX_SECONDS)))
+
+    def _unpin(self, s: _Session, m: P.Unpin):
+        if m.lease_id not in s.leases:
+            return self._notices(s, P.Count(m.rid, n=0))
+        s.leases.discard(m.lease_id)
+        return self._notices(s, P.Count(m.rid, n=int(self.core.store.unpin(m.lease_id))))
+
+    def _invalidate(self, s: _Session, m: P.Invalidate):
+        return self._notices(s, P.Count(m.rid, n=self.core.invalidate(m.ns)))
+
+    def _stats(self, s: _Session, m: P.Stats):
+        out = self.core.stats()
+        out["session"] = {"id": s.sid, "pid": s.pid, "open_tickets": len(s.tickets), "holds": len(s.holds),
+                          "leases": len(s.leases), "sessions": self.sessions()}
+        raw = json.dumps(out, default=str).encode()
+        if len(raw) > P.MAX_STATS_BYTES:
+            raise P.ProtocolError(P.ErrorCode.LIMIT, f"statistics of {len(raw)} bytes")
+        return self._notices(s, P.StatsReply(m.rid, json=raw))
+
+    def _reclaim(self, s: _Session, m: P.Reclaim):
+        raise P.ProtocolError(P.ErrorCode.BAD_REQUEST, "reclaim is not served: a session's quarantined slots "
+                                                       "are freed when its process exits or after lease_s")
+
+    # ------------------------------------------------------------------ the end of a session
+    def _end_session(self, s: _Session) -> None:
+        """Release what ``s`` held (see the module docstring): tickets, holds, leases."""
+        core = self.core
+        try:
+            for hold in list(s.holds):
+                core.store.cancel(("node", s.sid, hold))
+            for lease_id in list(s.leases):
+                core.store.unpin(lease_id)
+            open_ids = set(core.tickets.open_ids())
+            mine = [p for p in s.tickets if p in open_ids]
+            if mine and not s.said_bye and not self._closing.is_set() \
+                    and not _exited(s.pidfd, _EXIT_GRACE_S):
+                self._quarantine_until_gone(s, mine)
+            for plan_id in mine:
+                core.abort(plan_id)
+            if mine:
+                core.index.metrics.inc("node_session_tickets_aborted", len(mine))
+        except StoreClosedError:  # the pool closes: NodeCore.close aborts what is left
+            pass
+        finally:
+            if s.pidfd is not None:
+                os.close(s.pidfd)
+
+    def _quarantine_until_gone(self, s: _Session, plan_ids: list[int]) -> None:
+        """The peer may still copy into its store tickets' slots: keep them from reuse until it
+        exits or ``lease_s`` passed (or the service closes)."""
+        for plan_id in plan_ids:
+            self.core.tickets.quarantine(plan_id)
+        deadline = time.monotonic() + self.cfg.lease_s
+        while not self._closing.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or _exited(s.pidfd, min(left, 0.5)):
+                return
+            if s.pidfd is None:
+                self._closing.wait(min(left, 0.5))
+
+
+def open_node_core(cfg: DaemonConfig) -> NodeCore:
+    """The pool of a daemon config with a ``node`` section: its layout, tiers, policies and
+    remote tier; puts as the HTTP daemon makes them (``puts.durable``: write-through, every
+    acknowledged block on NVMe), its pin quota and default lease; tickets quarantined, not
+    aborted, past ``node.lease_s`` (the server frees them once their client is gone). The
+    segment is faulted in before this returns.
+
+    Raises
+    ------
+    ConfigError
+        Without a ``node`` section, or for what :class:`NodeCore` refuses.
+    """
+    if cfg.node is None:
+        raise ConfigError("the config has no 'node' section (node: {socket: /run/tierstore/node.sock})")
+    node, tiers = cfg.node, cfg.tiers
+    pol = cfg.policies.model_copy(update={
+        "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
+        "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})
+    core = NodeCore(node.pool, StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), cfg.layout.build(),
+                    staging_blocks=node.staging_blocks, lease_s=node.lease_s, quarantine_expired=True)
+    try:
+        core.segment.prefault()  # host memory allocated now, not by the first copy into each slot
+    except TierStoreError:
+        core.close()
+        raise
+    return core
+
+
+def run_node(cfg: DaemonConfig) -> int:
+    """``tierstore serve --node``: serve the config's pool on ``node.socket`` until SIGTERM or
+    SIGINT, then end the sessions and close the store (memory blocks written down as
+    :meth:`KVStore.close` does). Returns the exit status: 0, or 1 when it cannot start."""
+    try:
+        core = open_node_core(cfg)
+    except (TierStoreError, OSError) as e:
+        _log.error("cannot open the node store: %s", e)
+        return 1
+    assert cfg.node is not None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = NodeServer(core, cfg.node).start()
+    except NodeServiceError as e:
+        _log.error("%s", e)
+        core.close()
+        return 1
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.close()
+        written = core.close()
+        _log.info("node service stopped (%d blocks written down to NVMe)", written)
+    return 0
+
+
+__all__ = ["NodeServer", "NodeServiceError", "claim_socket_path", "open_node_core", "run_node"]
