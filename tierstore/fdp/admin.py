@@ -95,6 +95,54 @@ def default_baseline_path(serial: str, nsid: int, endgid: int) -> str:
     return os.path.join(base, "tierstore", f"fdp-{safe}-nsid{nsid}-eg{endgid}.json")
 
 
+def _compare_with_baseline(out: dict[str, Any], now: dict[str, int], path: str) -> None:
+    """``out["baseline"]`` and ``out["since_baseline"]`` (the counters' growth since the baseline
+    saved at ``path`` and its WAF), or ``out["baseline_error"]`` for an unreadable baseline or
+    counters below it."""
+    base = None
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                base = json.load(f)
+            base = {k: int(base[k]) for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")} | {
+                "time_s": float(base.get("time_s", 0.0))}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            out["baseline_error"] = f"{path}: unreadable baseline ({exc})"
+            base = None
+    if base is not None:
+        d = {k: now[k] - base[k] for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")}
+        out["baseline"] = base
+        if any(v < 0 for v in d.values()):
+            out["baseline_error"] = (f"{path}: the device's counters are below the baseline's (another device, "
+                                     "or its counters were reset); save a new one with --save-baseline")
+        else:
+            out["since_baseline"] = d | {"waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None}
+
+
+def _ruh_usage(ns: Any, cfg: Any, usage: Any) -> list[dict[str, Any]]:
+    """One row per reclaim unit handle of the namespace's placement handles: its PID, reclaim
+    group, handle, type, attributes, the bytes left in and written to its reclaim unit, and the
+    lifetime class that uses it."""
+    tab = ns.pid_table
+    st = ns.ruh_status
+    rows: list[dict[str, Any]] = []
+    for d in st.descs:
+        avail = d.ruamw_blocks * ns.lba_bytes
+        rows.append({
+            "pid": d.pid, "reclaim_group": tab.split(d.pid)[0], "placement_handle": tab.split(d.pid)[1],
+            "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
+            "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid])) if d.ruhid < usage.nruh else "unknown",
+            "ruamw_blocks": d.ruamw_blocks, "ru_available_bytes": avail,
+            "ru_written_bytes": max(0, cfg.runs_bytes - avail)})
+    pol = ns.placement()
+    cls = {pol.default_pid: "default"}
+    for c in (LifetimeClass.SHORT, LifetimeClass.MEDIUM, LifetimeClass.LONG):
+        cls[pol.class_pid[c]] = c.name.lower()
+    for row in rows:
+        row["class"] = cls.get(row["pid"], "")
+    return rows
+
+
 def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_baseline: bool = False,
                  cli: Any = None) -> dict:
     """Everything ``tierstore fdp stats`` prints, as a JSON-ready dict (module doc).
@@ -117,41 +165,8 @@ def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_ba
                            "endgid": endgid, "time_s": time.time(), "counters": now,
                            "waf": now["mbmw_bytes"] / now["hbmw_bytes"] if now["hbmw_bytes"] else None,
                            "baseline_path": path, "baseline": None, "since_baseline": None}
-    base = None
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                base = json.load(f)
-            base = {k: int(base[k]) for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")} | {
-                "time_s": float(base.get("time_s", 0.0))}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            out["baseline_error"] = f"{path}: unreadable baseline ({exc})"
-            base = None
-    if base is not None:
-        d = {k: now[k] - base[k] for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")}
-        out["baseline"] = base
-        if any(v < 0 for v in d.values()):
-            out["baseline_error"] = (f"{path}: the device's counters are below the baseline's (another device, "
-                                     "or its counters were reset); save a new one with --save-baseline")
-        else:
-            out["since_baseline"] = d | {"waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None}
-    tab = ns.pid_table
-    st = ns.ruh_status
-    out["ruh_usage"] = []
-    for d in st.descs:
-        avail = d.ruamw_blocks * ns.lba_bytes
-        out["ruh_usage"].append({
-            "pid": d.pid, "reclaim_group": tab.split(d.pid)[0], "placement_handle": tab.split(d.pid)[1],
-            "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
-            "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid])) if d.ruhid < usage.nruh else "unknown",
-            "ruamw_blocks": d.ruamw_blocks, "ru_available_bytes": avail,
-            "ru_written_bytes": max(0, cfg.runs_bytes - avail)})
-    pol = ns.placement()
-    cls = {pol.default_pid: "default"}
-    for c in (LifetimeClass.SHORT, LifetimeClass.MEDIUM, LifetimeClass.LONG):
-        cls[pol.class_pid[c]] = c.name.lower()
-    for row in out["ruh_usage"]:
-        row["class"] = cls.get(row["pid"], "")
+    _compare_with_baseline(out, now, path)
+    out["ruh_usage"] = _ruh_usage(ns, cfg, usage)
     out["runs_bytes"] = cfg.runs_bytes
     if save_baseline:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
