@@ -250,8 +250,8 @@ def _open_file(nv: NvmeTierConfig, block_bytes: int) -> OpenedDevice:
     opened.geometry = dataclasses.replace(
         geometry, op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
         page_bytes=m.page_bytes,
-        description=f"{geometry.description}; WAF from an FTL model observing the engine (a model, not this file "
-                    f"system's device): RU = segment = {seg} B, OP {m.op_fraction}")
+        description=f"{geometry.description}; WAF from an FTL model observing the engine "
+                    f"(a model, not this file system's device): RU = segment = {seg} B, OP {m.op_fraction}")
     return opened
 
 

@@ -226,7 +226,8 @@ def _layout(name: str, path: str, size_bytes: int) -> None:
 
 
 def _bytes_view(buf: Any) -> memoryview:
-    """A writable byte view of a CPU ``uint8`` tensor or an ``mmap`` (``os.preadv`` takes buffers, not tensors)."""
+    """A writable byte view of a CPU ``uint8`` tensor or an ``mmap`` (``os.preadv`` takes buffers, not
+    tensors)."""
     if isinstance(buf, torch.Tensor):
         return memoryview(buf.numpy()).cast("B")
     return memoryview(buf).cast("B")
@@ -700,7 +701,8 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
 
 def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
                pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
-    """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the engines)."""
+    """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the
+    engines)."""
     keep, buf = alloc_aligned(bs)
     offset, is_write = -1, False
     handle = None

@@ -55,7 +55,8 @@ def verdict(kv: dict[str, Any]) -> str:
     extra = f"; {matched:.1%} matched, the rest not worth loading or failed" if matched > hit + 5e-4 else ""
     tokens, prompt = int(kv.get("saved_prefill_tokens", 0)), int(kv.get("prompt_tokens", 0))
     share = f" of {prompt:,} prompt tokens ({tokens / prompt:.1%})" if prompt else ""
-    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an infinite "
+    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an "
+            "infinite "
             f"cache (the trace's ideal{of_ideal}){extra}; saved {tokens:,} prefill tokens{share}")
 
 
@@ -120,7 +121,8 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
         ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
                    if k in explicit and options.get(k)]
         if ignored:
-            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL model "
+            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL "
+                 "model "
                  f"is the device); {', '.join(ignored)} not used (device=file puts it in a file)")
         if "device_size" in explicit:
             model["device_bytes"] = options["device_size"]

@@ -324,7 +324,8 @@ def _direction_normal(name: str, dj: dict[str, Any]) -> str:
         out.append(f"   bw ({unit:>5s}/s): min={int(dj['bw_min'] / div):5d}, max={int(dj['bw_max'] / div):5d}, "
                    f"per={dj['bw_agg']:3.2f}%, avg={dj['bw_mean'] / div:5.02f}, stdev={dj['bw_dev'] / div:5.02f}, "
                    f"samples={dj['bw_samples']}\n")
-        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, avg={dj['iops_mean']:5.02f}, "
+        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, "
+                   f"avg={dj['iops_mean']:5.02f}, "
                    f"stdev={dj['iops_stddev']:5.02f}, samples={dj['iops_samples']}\n")
     return "".join(out)
 
@@ -382,13 +383,13 @@ def _dict_text(key: str, value: dict) -> str:
 
 #: What the write-amplification figures of a ``device`` section mean, printed under it for those present.
 DEVICE_TERMS = {
-    "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD (its garbage-collection "
-           "copies; 1.000 = none)",
-    "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier (WAF plus segment headers, "
-              "padding and tierstore's own copy-forward)",
-    "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores + bytes it copied "
-                                "forward when it reclaimed regions) / bytes it wrote for stores (tierstore's share, "
-                                "before the SSD's)",
+    "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD "
+           "(its garbage-collection copies; 1.000 = none)",
+    "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier "
+              "(WAF plus segment headers, padding and tierstore's own copy-forward)",
+    "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores "
+                                "+ bytes it copied forward when it reclaimed regions) / bytes it wrote "
+                                "for stores (tierstore's share, before the SSD's)",
 }
 
 
@@ -431,7 +432,8 @@ def _job_normal(r: JobResult, j: dict[str, Any], stamp: str) -> str:
                 first, _, rest = text.partition("\n")
                 calls = j[name]["clat_ns"]["N"]
                 text = (f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
-                        f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} calls, "
+                        f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} "
+                        "calls, "
                         f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}")
             out.append(text)
     out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))

@@ -205,7 +205,8 @@ def _print_discover(r: dict) -> None:
     for i, t in enumerate(c["ruh_types"]):
         print(f"    [{i}]: {t}")
     print(f"RUH Status ({len(r['ruh_status'])} entries; fio-style plids index this list):")
-    print(f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  {'RU available':>14}")
+    print(f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  "
+          f"{'RU available':>14}")
     for s in r["ruh_status"]:
         print(f"  {s['plid']:>4}  {s['pid']:#06x}  {s['reclaim_group']:>3}  {s['placement_handle']:>3}  "
               f"{s['ruhid']:>5}  {s['ruamw_blocks']:>12}  {s['ruamw_bytes']:>14}")
@@ -226,7 +227,8 @@ def _print_stats(r: dict) -> None:
         if r.get("baseline_error"):
             print(f"baseline: {r['baseline_error']}")
         else:
-            print(f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} --save-baseline)")
+            print(f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} "
+                  "--save-baseline)")
     else:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["baseline"]["time_s"]))
         head = f"since {when}"
@@ -239,7 +241,8 @@ def _print_stats(r: dict) -> None:
     print(f"  {'WAF (MBMW / HBMW)':<45} {_fmt_waf(r['waf']):>16} "
           f"{'-' if d is None else _fmt_waf(d['waf']):>22}")
     print(f"RUH usage (RUH Status; RU written = RUNS {r['runs_bytes']} - RUAMW x LBA):")
-    print(f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  {'RUAMW blocks':>12}  "
+    print(f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  "
+          f"{'RUAMW blocks':>12}  "
           f"{'RU written':>12}")
     for u in r["ruh_usage"]:
         print(f"  {u['pid']:#06x}  {u['reclaim_group']:>3}  {u['placement_handle']:>3}  {u['ruhid']:>5}  "

@@ -195,7 +195,8 @@ class CostModel:
                     "estimate at the declared figure)")
         if not math.isfinite(self.max_slowdown):
             return f"loads are priced at the measured {priced_s * 1e3:.2f} ms (max_slowdown=inf: no cap)"
-        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the estimate "
+        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the "
+                "estimate "
                 f"at {self.max_slowdown:g}x the declared figure)")
 
     def reset_measurements(self) -> None:

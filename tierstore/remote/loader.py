@@ -34,7 +34,8 @@ log = logging.getLogger("tierstore.remote.mooncake")  # the tier's one logger
 
 
 class Loader:
-    """``register_memory``, ``get_into`` and the object checks of :class:`~tierstore.remote.mooncake.MooncakeTier`.
+    """``register_memory``, ``get_into`` and the object checks of
+    :class:`~tierstore.remote.mooncake.MooncakeTier`.
 
     Uses the tier's ``_lock``, ``_counters``, ``_errors``, ``_corrupt``, ``_removals``, slots
     (``_get_slots``, ``_hdr_slots``), ``_regions``, ``_namer``, ``_call`` and ``_degrade``.
