@@ -117,7 +117,7 @@ class BlockLocator:
         self.seq[rows] = seq
         ns0 = entries[0].ns_digest if entries else None
         if all(e.ns_digest == ns0 for e in entries):
-            self.ns_id[rows] = self._intern(ns0) if entries else 0
+            self.ns_id[rows] = self._intern(entries[0].ns_digest) if entries else 0
         else:
             self.ns_id[rows] = [self._intern(e.ns_digest) for e in entries]
         return rows, replaced
