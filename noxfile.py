@@ -2,13 +2,12 @@
 
 A bare ``nox`` (the README's test command, and ``.ci/run``) runs them all:
 
-    nox -s core        # ruff check, mypy, then the core suite in the current venv (`python -m pytest -q`)
+    nox -s core        # ruff check, ruff format --check, mypy, then the core suite (`python -m pytest -q`)
     nox -s vllm        # the vLLM KV connector under vLLM's CPU backend (tests/integrations/vllm)
     nox -s sglang      # SGLang HiCache storage backend against SGLang's real host pool
     nox -s fdp         # the FDP device path inside QEMU's emulated FDP SSD (tests/fdp, -m fdp)
 
-``nox -s lint`` (not in a bare ``nox`` until the tree is ``ruff format``-ed) adds
-``ruff format --check`` to ``core``'s two checks.
+``nox -s lint`` runs ``core``'s checks alone, without the tests.
 
 Each engine pins its own torch/transformers, so vllm and sglang get their own
 virtualenvs under ``.nox/`` (reused on later runs). Every session installs the
@@ -30,23 +29,25 @@ CPU_TORCH = "torch==2.13.0"
 
 
 def _checks(session: nox.Session) -> None:
-    """ruff's lint rules over the repository and mypy over tierstore/ (pyproject.toml configures both)."""
+    """ruff's lint rules and its layout (``ruff format --check``: what ``ruff format`` would change
+    fails) over the repository, and mypy over tierstore/ (pyproject.toml configures all three)."""
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("mypy")
 
 
 @nox.session(python=False)
 def core(session: nox.Session) -> None:
-    """ruff and mypy, then the core suite, in the current environment (what `.ci/run` uses first)."""
+    """ruff (lint and format) and mypy, then the core suite, in the current environment (what
+    `.ci/run` uses first)."""
     _checks(session)
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
 @nox.session(python=False)
 def lint(session: nox.Session) -> None:
-    """``core``'s checks plus ``ruff format --check`` (the layout ``ruff format`` writes), no tests."""
+    """``core``'s checks (ruff lint and format, mypy), no tests."""
     _checks(session)
-    session.run("ruff", "format", "--check", ".")
 
 
 #: The vLLM build the connector is verified against: vLLM's CPU backend from PyPI

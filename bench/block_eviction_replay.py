@@ -63,12 +63,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = [run(n, a.trace, a.limit, a.util) for n in a.configs.split(",")]
     print("(FTL model, not an SSD)")
-    print("| config | saved prefill tokens | NVMe hit blocks | NVMe bytes kept | tier bytes written (user + GC) | "
+    print("| config | saved prefill tokens | NVMe hit blocks | NVMe bytes kept | tier bytes written (user + "
+          "GC) | "
           "trimmed bytes | block evictions | GC evicted | device WAF (FTL model) | e2e WA (FTL model) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['saved_prefill_tokens']:,} | {r['hit_blocks_nvme']:,} | {r['nvme_write_bytes']:,} | "
-              f"{r['user_bytes_written'] + r['gc_bytes_written']:,} | {r['trimmed_bytes']:,} | {r['block_evictions']:,} "
+        print(f"| {r['config']} | {r['saved_prefill_tokens']:,} | {r['hit_blocks_nvme']:,} | "
+              f"{r['nvme_write_bytes']:,} | "
+              f"{r['user_bytes_written'] + r['gc_bytes_written']:,} | {r['trimmed_bytes']:,} | "
+              f"{r['block_evictions']:,} "
               f"| {r['gc_evicted_blocks']:,} | {r['device_waf_ftl_model']:.4f} | {r['e2e_wa_ftl_model']:.4f} |")
     if a.json:
         with open(a.json, "w") as f:

@@ -662,7 +662,8 @@ def main() -> None:
                               f"{json.dumps(r)[:400]}", file=sys.stderr, flush=True)
                         if part == "nvme" and use_lmc and k == 0 and mode == "quiet":  # LMCache between them
                             rows["lmcache"].append(lmcache(a.lmcache_python, a.dir, a.nvme_bytes))
-                            print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: {rows['lmcache'][-1]}",
+                            print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: "
+                                  f"{rows['lmcache'][-1]}",
                                   file=sys.stderr, flush=True)
             for name, by_mode in got.items():  # one mode: the row as before; both: {"quiet": .., "busy": ..}
                 errs = [r["error"] for r in by_mode.values() if "error" in r]

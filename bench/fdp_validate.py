@@ -157,7 +157,8 @@ def main() -> None:
         print(f"\n## Greedy GC vs analytic (uniform random 4 KiB writes, {pages} logical pages, 256 pages/RU)")
         print("| OP | GC | model WA | analytic WA | error % |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['op']:.2f} | {r['gc']} | {r['model_waf']:.3f} | {r['analytic_waf']:.3f} | {r['error_pct']:+.2f} |")
+            print(f"| {r['op']:.2f} | {r['gc']} | {r['model_waf']:.3f} | {r['analytic_waf']:.3f} | "
+                  f"{r['error_pct']:+.2f} |")
 
     if "noisy" in only:
         rows = noisy(2 ** 15 if args.quick else 2 ** 17)
@@ -165,7 +166,8 @@ def main() -> None:
         print("\n## Noisy RUH (OP 14 %; RUH0 quiet 10 % of writes, RUH1 noisy 90 %)")
         print("| isolation | GC | device WAF | quiet RUH WAF | noisy RUH WAF |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['isolation']} | {r['gc']} | {r['waf']:.3f} | {r['quiet_ruh_waf']:.3f} | {r['noisy_ruh_waf']:.3f} |")
+            print(f"| {r['isolation']} | {r['gc']} | {r['waf']:.3f} | {r['quiet_ruh_waf']:.3f} | "
+                  f"{r['noisy_ruh_waf']:.3f} |")
 
     if "kv" in only:
         n = 30_000 if args.quick else args.kv_writes

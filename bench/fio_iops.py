@@ -70,7 +70,8 @@ def _iops(out: str) -> float:
 
 
 def _cpu_us_per_io(out: str, runtime_s: float) -> tuple[float, float]:
-    """User and system CPU per I/O (us), from the tool's own ``usr_cpu``/``sys_cpu`` (percent of its runtime)."""
+    """User and system CPU per I/O (us), from the tool's own ``usr_cpu``/``sys_cpu`` (percent of its
+    runtime)."""
     job = _job(out)
     ios = max(1, int(job["read"]["total_ios"]) + int(job["write"]["total_ios"]))
     return (float(job["usr_cpu"]) / 100 * runtime_s / ios * 1e6, float(job["sys_cpu"]) / 100 * runtime_s / ios * 1e6)
@@ -78,7 +79,8 @@ def _cpu_us_per_io(out: str, runtime_s: float) -> tuple[float, float]:
 
 def run_one(tool: str, rw: str, engine: str, size: str, runtime_s: float, path: str, tmp: str
             ) -> tuple[float, tuple[float, float]]:
-    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS and its (user, system) CPU us per I/O."""
+    """One run of ``tool`` (``fio`` or ``tierstore``); returns its IOPS and its (user, system) CPU us per
+    I/O."""
     out = os.path.join(tmp, f"{tool}.json")
     # the file is the run's own (fio laid it out): tierstore writes over a file it did not create
     # only with --format=1
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---:|---:|---|---|")
     for c in results["cases"]:
         r, la = c["ratio"], c["loadavg_1m"]
-        print(f"| {c['condition']} | {c['engine']} | {c['rw']} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) "
+        print(f"| {c['condition']} | {c['engine']} | {c['rw']} | {r['median']:.2f} "
+              f"({r['min']:.2f}-{r['max']:.2f}) "
               f"| {c['fio_iops']['median']:.0f} | {c['tierstore_iops']['median']:.0f} "
               f"| {c['fio_cpu_us_per_io']['median']:.1f} / {c['tierstore_cpu_us_per_io']['median']:.1f} "
               f"| {la['median']:.1f} ({la['min']:.1f}-{la['max']:.1f}) |")

@@ -272,7 +272,8 @@ class Workload:
 
     @property
     def capacity_blocks(self) -> int:
-        """Total blocks of the three tiers (the references' capacity; cache_reference.replay_capacity_blocks)."""
+        """Total blocks of the three tiers (the references' capacity;
+        cache_reference.replay_capacity_blocks)."""
         bb = self.block_bytes
         return self.hbm_bytes // bb + self.host_bytes // bb + self.nvme_bytes // bb
 
@@ -1372,7 +1373,8 @@ def print_rows(rows: list[dict], ref: dict | None) -> None:
     print(f"\n(FTL model, not an SSD) flat LRU {_fmt(ref and ref['flat_lru'])} "
           f"({_fmt(ref and ref['flat_lru_saved_tokens'])} tokens), Belady {_fmt(ref and ref['belady'])}, "
           f"{_fmt(ref and ref['capacity_blocks'])} blocks" if ref else "")
-    print("| workload | config | util | iso | hit ratio | saved prefill tokens | vs flat LRU | host WA | device WAF "
+    print("| workload | config | util | iso | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
+          "device WAF "
           "(model) | e2e WA (model) | GC copied | GC evicted | AUC | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -1380,9 +1382,11 @@ def print_rows(rows: list[dict], ref: dict | None) -> None:
               if ref and ref.get("flat_lru_saved_tokens") else "-")
         gcc = r["gc_copied_blocks"] if r["cfg_granularity"] == "block" else r["region_kept_blocks"]
         gce = r["gc_evicted_blocks"] if r["cfg_granularity"] == "block" else r["region_evicted_blocks"]
-        print(f"| {r['workload']} | {r['config']} | {r.get('cfg_util_req', r['util']):.2f} | {r['isolation'][:4]} | {r['hit_ratio']:.4f} | "
+        print(f"| {r['workload']} | {r['config']} | {r.get('cfg_util_req', r['util']):.2f} | "
+              f"{r['isolation'][:4]} | {r['hit_ratio']:.4f} | "
               f"{r['saved_prefill_tokens']:,} | {vs} | {r['host_wa']:.4f} | {_fmt(r.get('device_waf'))} | "
-              f"{_fmt(r.get('e2e_wa'))} | {gcc:,} | {gce:,} | {_fmt(r.get('placement_auc'), 3)} | {r['wall_s']} |")
+              f"{_fmt(r.get('e2e_wa'))} | {gcc:,} | {gce:,} | {_fmt(r.get('placement_auc'), 3)} | "
+              f"{r['wall_s']} |")
 
 
 #: One line per configuration family, for the report.
@@ -1457,9 +1461,11 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
                                             order.get(r["config"].split(":")[0], 99), r["config"])):
             blk = r["cfg_granularity"] == "block"
             md.append(
-                f"| `{r['config']}` | {describe(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | {r['hit_ratio']:.4f} | "
+                f"| `{r['config']}` | {describe(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | "
+                f"{r['hit_ratio']:.4f} | "
                 f"{r['saved_prefill_tokens']:,} | {100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} % | "
-                f"{r['host_wa']:.4f} | {r['device_waf']:.4f} | {r['e2e_wa']:.4f} | {r['mbmw_bytes'] / 2**30:.2f} | "
+                f"{r['host_wa']:.4f} | {r['device_waf']:.4f} | {r['e2e_wa']:.4f} | "
+                f"{r['mbmw_bytes'] / 2**30:.2f} | "
                 f"{(r['gc_copied_blocks'] if blk else r['region_kept_blocks']):,} | "
                 f"{(r['gc_evicted_blocks'] if blk else r['region_evicted_blocks']):,} | "
                 f"{r['live_budget_blocks'] if blk else '-'} | "
@@ -1495,15 +1501,20 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     def cell(r, flat):
         if r is None:
             return "none at this WA | - | -"
-        return (f"`{r['config']}` | {r['saved_prefill_tokens']:,} ({100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} %)"
+        return (f"`{r['config']}` | {r['saved_prefill_tokens']:,} "
+                f"({100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} %)"
                 f" | {r['e2e_wa']:.4f}")
     out = [f"Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); \"store-visible\" excludes the "
            "oracle placements (they need the future); \"conventional twin\" is the same per-block configuration "
            "on the one-handle model without RUH Update.", "",
-           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best region | "
-           "saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | best per-block FDP, store-visible | saved (vs flat "
-           "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not an SSD | "
-           "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP >= flat "
+           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best "
+           "region | "
+           "saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | best per-block FDP, store-visible | saved "
+           "(vs flat "
+           "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not "
+           "an SSD | "
+           "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP "
+           ">= flat "
            "LRU at this WA? |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     init = [r for r in rows if r["isolation"] == "initial"]
@@ -1522,7 +1533,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
             reach = any(r is not None and r["saved_prefill_tokens"] >= flat for r in (vis, orc))
             out.append(f"| {wl} | {u:.2f} | {flat:,} | "
                        f"{'-' if a is None else format(a['saved_prefill_tokens'], ',')} "
-                       f"({'-' if a is None else format(a['e2e_wa'], '.4f')}) | {cell(reg, flat)} | {cell(vis, flat)} | "
+                       f"({'-' if a is None else format(a['e2e_wa'], '.4f')}) | {cell(reg, flat)} | "
+                       f"{cell(vis, flat)} | "
                        f"{twc} | {cell(orc, flat)} | {'yes' if reach else '**no**'} |")
     return out + [""]
 
@@ -1596,7 +1608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(a.report, a.out))
         return 0
     wl = load_workload(a.workload, a.trace, a.limit, parse_size(a.block_bytes, "block_bytes"), a.agent_trace)
-    print(f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers {wl.hbm_bytes}/{wl.host_bytes}/"
+    print(f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers "
+          f"{wl.hbm_bytes}/{wl.host_bytes}/"
           f"{wl.nvme_bytes} B ({wl.capacity_blocks} blocks); load average {os.getloadavg()[0]:.1f}",
           file=sys.stderr)
     if a.validate:

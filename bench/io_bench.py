@@ -504,7 +504,8 @@ def main() -> None:
         met = "-" if v["met"] is None else ("yes" if v["met"] else "NO")
         print(f"{k:<64}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}{goal:>7}  {met}")
     if bounds:
-        print(f"\n{'fio 1 MiB vs the same baseline (what fio itself scores)':<56}{'median':>8}{'min':>8}{'max':>8}")
+        title = "fio 1 MiB vs the same baseline (what fio itself scores)"
+        print(f"\n{title:<56}{'median':>8}{'min':>8}{'max':>8}")
         for k, v in bounds.items():
             print(f"{k:<56}{v['median']:>8.2f}{v['min']:>8.2f}{v['max']:>8.2f}")
     if args.json:

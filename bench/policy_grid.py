@@ -1,4 +1,5 @@
-"""Policy comparison grid: configured policy sets x capacity x trace, through the real store onto the FTL model.
+"""Policy comparison grid: configured policy sets x capacity x trace, through the real store onto the FTL
+model.
 
 One command makes the table (markdown + CSV + JSON) and a PNG plot::
 
@@ -472,7 +473,8 @@ def print_sweep_table(rows: list[dict]) -> None:
         if r["placement"] == "none" and r["e2e_wa"] <= 1.02:
             key = (r["ru_size_bytes"], r["utilization"])
             best_none[key] = max(best_none.get(key, 0), r["saved_prefill_tokens"])
-    print("| RU (of device) | utilisation | placement | config | saved prefill tokens | vs best none (WA<=1.02) | "
+    print("| RU (of device) | utilisation | placement | config | saved prefill tokens | vs best none "
+          "(WA<=1.02) | "
           "hit ratio | end-to-end WA | device WAF | host WA | format overhead | lifetime acc. | replay s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -480,7 +482,8 @@ def print_sweep_table(rows: list[dict]) -> None:
         rel = f"{100 * (r['saved_prefill_tokens'] / ref - 1):+.2f}%" if ref else "-"
         acc = r.get("lifetime_accuracy")
         print(f"| {r['ru_fraction']} ({r['ru_size_bytes'] / 2**20:.1f} MiB) | {r['utilization']:.2f} | "
-              f"{r['placement']} | {r['config']} | {r['saved_prefill_tokens']:,} | {rel} | {r['hit_ratio']:.4f} | "
+              f"{r['placement']} | {r['config']} | {r['saved_prefill_tokens']:,} | {rel} | "
+              f"{r['hit_ratio']:.4f} | "
               f"{r['e2e_wa']:.4f} | {r['device_waf']:.4f} | {r['host_wa']:.4f} | {r['format_overhead']:.4f} | "
               f"{'-' if acc is None else f'{acc:.3f}'} | {r['replay_wall_s']} |")
 

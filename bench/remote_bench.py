@@ -29,8 +29,8 @@ Per object size (2 MiB and 16 MiB by default) and repetition:
 GB/s counts block payload bytes. The benchmark process's CPU time per GB
 (user + system, all threads, ``getrusage``) is reported beside it: on a
 machine whose cores are the bottleneck (loopback TCP copies on both ends), the
-tier's extra passes over the bytes (CRC-32C, and the staging copy) show there. Each figure is the median of ``--reps``
-repetitions x 2 measurements, with min and max; a ratio is tier / raw computed
+tier's extra passes over the bytes (CRC-32C, and the staging copy) show there. Each figure is the median of
+``--reps`` repetitions x 2 measurements, with min and max; a ratio is tier / raw computed
 per repetition (mean of that repetition's two measurements of each), reported
 as median [min, max].
 

@@ -320,7 +320,8 @@ def main(argv=None) -> int:
         return statistics.median(xs), min(xs), max(xs)
     print(f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs in ABBA order; "
           "median (min..max); GB/s = 1e9 B/s; latency per request\n")
-    print("| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / p99 ms |")
+    print("| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / "
+          "p99 ms |")
     print("|---|---|---|---|---|---|---|")
     raw = []
     for op in ("put", "get"):

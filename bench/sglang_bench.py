@@ -275,7 +275,8 @@ def main(argv=None) -> int:
             m, f, n = one["ts_mem"], one["file"], one["ts_nvme"]
             print(f"[{cls} run {r + 1}/{args.runs} {'/'.join(order)}] "
                   f"DRAM: set {m['set_GBps']:.3f} vs {f['set_GBps']:.3f}, get {m['get_GBps']:.3f} vs "
-                  f"{f['get_warm_GBps']:.3f} GB/s | disk: set {n['set_GBps']:.3f} vs {f['set_syncfs_GBps']:.3f}, "
+                  f"{f['get_warm_GBps']:.3f} GB/s | disk: set {n['set_GBps']:.3f} vs "
+                  f"{f['set_syncfs_GBps']:.3f}, "
                   f"get {n['get_GBps']:.3f} vs {f['get_cold_GBps']:.3f} GB/s (tierstore nvme_share "
                   f"{n['nvme_share']:.2f}, ts_mem {m['nvme_share']:.2f})", flush=True)
         del pool

@@ -202,7 +202,8 @@ def table(results: dict) -> str:
             c, w = r["cold_s"], r["warm"]["nvme"]["ttft_s"]
             win = "load" if w["median"] < c["median"] else "recompute"
             out.append(f"| {r['prefix']} | {c['median']:.4f} [{c['min']:.4f}, {c['max']:.4f}] | "
-                       f"{w['median']:.4f} [{w['min']:.4f}, {w['max']:.4f}] | {r['warm']['nvme']['load_s']:.5f} | {win} |")
+                       f"{w['median']:.4f} [{w['min']:.4f}, {w['max']:.4f}] | {r['warm']['nvme']['load_s']:.5f} | "
+                       f"{win} |")
         out.append("")
         out.append(f"Break-even prefix (smallest measured p from which NVMe load wins at every larger p, medians): "
                    f"{be['break_even_tokens']}")

@@ -328,7 +328,8 @@ def report(results: dict, args) -> str:
         lines.append(f"Mixed replay: first {args.trace_requests} requests of {os.path.basename(args.trace)}, "
                      f"{args.trace_block_tokens} tokens per 512-token hash block, prompts <= {args.trace_max_prompt}, "
                      f"outputs <= {args.trace_max_output}; vLLM KV cache {args.replay_gpu_blocks} blocks of {BLOCK}; "
-                     f"ideal cached/prompt (infinite cache) {args.ideal:.3f}; median [min, max] over {args.rounds} rounds")
+                     f"ideal cached/prompt (infinite cache) {args.ideal:.3f}; median [min, max] over {args.rounds} "
+                     "rounds")
         lines.append(f"{'config':<12} {'wall s':>21} {'tokens/s':>9} {'cached/prompt':>13}  vs replay_vllm")
         base = None
         for name, runs in r.items():

@@ -1,4 +1,5 @@
-"""Never destroy a user's file, never acknowledge what is not kept (issue 22 items 1-4, 13, 14), through KVStore.
+"""Never destroy a user's file, never acknowledge what is not kept (issue 22 items 1-4, 13, 14), through
+KVStore.
 
 Each case was a wrong result on the code before the fix: a random file given as the
 NVMe tier was overwritten (its sha256 changed), a closed store acknowledged stores
@@ -527,8 +528,8 @@ def test_the_bench_says_a_tier_below_one_block_and_passes_format(capsys):
 def test_a_flush_never_reads_a_slot_that_a_store_in_flight_hands_on(tmp_path, victim):
     """A miss, never wrong KV. Block A lives only in memory; the store of B makes A its victim and
     gives A's slot to B (``hbm_moves_down``: A moves down to host; ``host_dropped``: no lower
-    tier and NVMe admission refuses A at its first sighting, so A is dropped). A flush (``flush()``, or the background
-    clean that promotions ask for) planned while that store was in flight took A's old slot as
+    tier and NVMe admission refuses A at its first sighting, so A is dropped). A flush (``flush()``, or the
+    background clean that promotions ask for) planned while that store was in flight took A's old slot as
     A's source; gathered after B's bytes landed there, it wrote B's KV to NVMe under A's key with
     a valid checksum, and A served B's KV from then on. Found by
     tests/integrations/test_hf.py::test_concurrent_generation_matches_offload_off (first-token

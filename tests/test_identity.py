@@ -15,7 +15,8 @@ def test_hash_is_deterministic_across_processes():
     ns = Namespace(model="m@1", tenant="t")
     here = block_hashes(ns.digest(), np.arange(64), B)
     code = ("import numpy as np; from tierstore.identity import *; "
-            "print(','.join(h.hex() for h in block_hashes(Namespace(model='m@1', tenant='t').digest(), np.arange(64), 16)))")
+            "print(','.join(h.hex() for h in block_hashes(Namespace(model='m@1', tenant='t').digest(), "
+            "np.arange(64), 16)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
     assert out == ",".join(h.hex() for h in here)

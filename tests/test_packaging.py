@@ -27,7 +27,8 @@ CONNECTORS = ("tierstore/integrations/vllm.py", "tierstore/integrations/sglang.p
 
 
 def _tierstore_imports_of(path: pathlib.Path) -> set[str]:
-    """The tierstore modules a file imports at module level (``from ..api import KVStore`` -> tierstore.api)."""
+    """The tierstore modules a file imports at module level (``from ..api import KVStore`` ->
+    tierstore.api)."""
     pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     out = set()
     for node in ast.parse(path.read_text()).body:
@@ -71,7 +72,8 @@ def test_core_install_imports_stores_and_loads_without_the_extras(core_venv, tmp
         import tierstore
         from tierstore import KVStore, Namespace, get_layout, leading_ok
         lay = get_layout("tiny")
-        s = KVStore(lay, host_bytes=2 * lay.bytes_per_block, nvme_path={str(tmp_path / "kv")!r}, nvme_bytes=16 << 20)
+        s = KVStore(lay, host_bytes=2 * lay.bytes_per_block, nvme_path={str(tmp_path / "kv")!r},
+                    nvme_bytes=16 << 20)
         ns = Namespace(model="m")
         toks = np.arange(4 * lay.tokens_per_block)
         kv = torch.randn(4, *lay.block_shape).to(lay.dtype)

@@ -26,7 +26,6 @@ Errors: ``LayoutError`` (input), ``ConfigError``, ``QuotaExceeded`` (pins), ``St
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -38,18 +37,11 @@ import torch
 from .build import StoreParts, assemble_config, assemble_options, remote_planner
 from .config import StoreConfig
 from .contract import Lease, LookupResult, Tier
-from .errors import ConfigError, LayoutError, Status
+from .errors import LayoutError, Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import (
-    check_keys,
-    check_start_block,
-    plan_block,
-    plan_destinations,
-    plan_fragment_destinations,
-    plan_sources,
-    refuse_numpy,
-    token_blocks,
-)
+from .io.inputs import check_keys, check_start_block, plan_block, plan_sources, refuse_numpy, token_blocks
+from .key_api import KeyAPI
+from .key_api import open_call as _open_call
 from .layout import KVLayout
 from .transfers import Transfers
 
@@ -62,23 +54,6 @@ def leading_ok(statuses: Sequence[Status]) -> int:
             break
         n += 1
     return n
-
-
-def _open_call(fn):
-    """Run a :class:`KVStore` method only while the store is open: after
-    :meth:`KVStore.close` began it raises :class:`StoreClosedError`, and
-    ``close`` waits for the calls in progress."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def call(self, *args, **kwargs):
-        calls = self._transfers.calls
-        calls.enter(name)
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            calls.leave()
-    return call
 
 
 @runtime_checkable
@@ -114,7 +89,7 @@ class KVStoreProtocol(Protocol):
     def close(self) -> None: ...
 
 
-class KVStore:
+class KVStore(KeyAPI):
     """Tiered prefix KV store (HBM -> pinned host -> NVMe).
 
     Parameters
@@ -171,9 +146,6 @@ class KVStore:
         Another store (this process or another) has ``nvme_path`` open.
     """
 
-    #: Longest wait for another load's read of the same block (a delay hit), seconds.
-    MERGE_WAIT_S = 30.0
-
     def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
                  nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> None:
         self._init(assemble_options(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options))
@@ -226,10 +198,6 @@ class KVStore:
         return self._transfers.calls.closed
 
     # -------------------------------------------------------------- identity
-    def digest(self, ns: Namespace | bytes) -> bytes:
-        """Namespace digest, scoped by this store's layout (cached)."""
-        return self._digests(ns)
-
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids`` under ``ns``."""
         return block_hashes(self.digest(ns), token_ids, self.layout.tokens_per_block)
@@ -303,48 +271,6 @@ class KVStore:
         return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
 
     @_open_call
-    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
-                   first_position: int = 0, wait: bool = True) -> list[Status] | Future:
-        """Store blocks under keys the caller computed (key-level API).
-
-        For engines that hash blocks themselves (SGLang page hashes scoped with
-        :func:`tierstore.identity.scoped_key`) or that keep keys from an
-        earlier :meth:`keys_for`.
-
-        Parameters
-        ----------
-        ns : Namespace or bytes
-            The namespace the keys belong to (for invalidation and quotas).
-        keys : sequence of bytes
-            32-byte block keys, in chain order.
-        blocks : sequence
-            One per key: a typed block (``layout.block_shape``, ``layout.dtype``),
-            a raw ``uint8`` block of ``bytes_per_block``, a list of fragments,
-            or a :class:`~tierstore.io.pages.FragmentPlan`.
-        lifetime : str, optional
-            Placement hint: ``"system"``, ``"conversation"``, ``"query"``.
-        first_position : int
-            Chain position of ``keys[0]``.
-        wait : bool
-            ``False`` returns a :class:`concurrent.futures.Future` of the
-            statuses; the source memory must stay untouched until it resolves.
-
-        Returns
-        -------
-        list of Status or Future
-
-        Raises
-        ------
-        LayoutError
-            Malformed keys, or a block of the wrong size or dtype (nothing is stored).
-        """
-        keys = check_keys(keys)
-        sources = plan_sources(blocks, self.layout)
-        if len(sources) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
-        return self._transfers.store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
-
-    @_open_call
     def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
                         start_block: int = 0, lifetime: str | None = None, *,
                         wait: bool = True) -> list[Status] | Future:
@@ -401,26 +327,6 @@ class KVStore:
         return self._transfers.lookup(keys, toks, request_id, len(token_ids), self.digest(ns))
 
     @_open_call
-    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
-                    num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
-        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
-        ``num_prompt_tokens`` feeds the partial-tail metric.
-
-        ``ns``, the namespace the keys belong to, matters only with a shared
-        remote tier: blocks found there are then kept locally when loaded (a
-        cache fill, indexed under ``ns``); without it they are loaded into the
-        destinations only.
-
-        Raises
-        ------
-        LayoutError
-            For a key that is not 32 bytes.
-        """
-        keys = check_keys(keys)
-        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens,
-                                      None if ns is None else self.digest(ns))
-
-    @_open_call
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens without taking references or touching recency."""
         return self._index.probe(self.keys_for(ns, token_ids)) * self.layout.tokens_per_block
@@ -434,63 +340,6 @@ class KVStore:
         (SGLang's ``batch_exists``, Mooncake's ``batch_is_exist``).
         """
         return self._index.probe(check_keys(keys))
-
-    # -------------------------------------------------------------- load
-    @_open_call
-    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
-        """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
-
-        Parameters
-        ----------
-        keys : sequence of bytes or LookupResult
-        dests : sequence of torch.Tensor, optional
-            Per key a contiguous ``uint8`` tensor of ``bytes_per_block`` or a
-            typed block of the layout, on any device; new CPU tensors otherwise.
-        promote : bool
-            Copy NVMe/host hits into a faster memory tier (``promotion`` policy).
-        wait : bool
-            ``False`` returns a Future of the result pair.
-        timeout_s : float, optional
-            Deadline: blocks not delivered by then are ``MISS``.
-
-        Returns
-        -------
-        statuses : list of Status
-            Use :func:`leading_ok`: a failed block is never reported as loaded.
-        tensors : list of torch.Tensor or None
-            The destination of each ``OK`` block (typed blocks when new), else ``None``.
-        """
-        if isinstance(keys, LookupResult):
-            keys = keys.useful_keys
-        keys = check_keys(keys)
-        plans, finish = plan_destinations(len(keys), dests, self.layout)
-        return self._transfers.load(keys, plans, promote, wait, timeout_s, finish, self.MERGE_WAIT_S)
-
-    @_open_call
-    def load_fragments(self, keys: Sequence[bytes] | LookupResult,
-                       dest_fragments_per_block: Sequence[Sequence[torch.Tensor]], *,
-                       wait: bool = True, timeout_s: float | None = None) -> list[Status] | Future:
-        """Load blocks and scatter each straight into its destination fragments.
-
-        ``dest_fragments_per_block`` is as in :meth:`store_fragments` (fragment
-        tensors, contiguous or not, or ``KVPagePool.plans(block_ids,
-        destination=True)``). Destinations are checked before anything is
-        loaded; a block whose status is not ``OK`` leaves its destination
-        untouched. Returns per-block statuses, or with ``wait=False`` a
-        :class:`concurrent.futures.Future` of them (destinations must not be
-        read before it resolves). ``timeout_s`` is a deadline as in :meth:`load`.
-
-        Raises
-        ------
-        LayoutError
-            A wrong fragment count or size, or not one destination per key.
-        """
-        if isinstance(keys, LookupResult):
-            keys = keys.useful_keys
-        keys = check_keys(keys)
-        plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
-        return self._transfers.load(keys, plans, True, wait, timeout_s, lambda st: st, self.MERGE_WAIT_S)
 
     # -------------------------------------------------------------- prefetch / pins / admin
     @_open_call
@@ -512,15 +361,6 @@ class KVStore:
             For an unknown or disabled tier.
         """
         return self.prefetch_keys(self.keys_for(ns, token_ids), tier)
-
-    @_open_call
-    def prefetch_keys(self, keys: Sequence[bytes], tier: str = "host") -> Future:
-        """:meth:`prefetch` by key."""
-        try:
-            t = Tier[str(tier).upper()]
-        except KeyError:
-            raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']") from None
-        return self._transfers.prefetch(check_keys(keys), t)
 
     @_open_call
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
@@ -548,21 +388,9 @@ class KVStore:
         return self._transfers.invalidate(self.digest(ns))
 
     @_open_call
-    def remove(self, keys: Sequence[bytes]) -> int:
-        """Remove blocks by key from every tier; returns how many were resident."""
-        return self._transfers.remove(check_keys(keys))
-
-    @_open_call
     def clear(self) -> int:
         """Remove every block."""
         return self._transfers.clear()
-
-    @_open_call
-    def evict(self, tier: Tier | str, n: int) -> int:
-        """Evict ``n`` unprotected blocks of a memory tier now (demoting them as
-        the policies decide); returns ``n``, or 0 if that many cannot be found."""
-        t = tier if isinstance(tier, Tier) else Tier[str(tier).upper()]
-        return self._transfers.evict(t, n)
 
     @property
     def cost_model(self):

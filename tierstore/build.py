@@ -176,11 +176,7 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
     bb = layout.bytes_per_block
     pools = _open_pools(cfg.tiers, bb, host_pool is None)
     if host_pool is not None:
-        want = cfg.tiers.host.capacity_bytes // bb
-        if host_pool.block_bytes != bb or host_pool.num_blocks != want:
-            raise ConfigError(f"host_pool of {host_pool.num_blocks} blocks of {host_pool.block_bytes} bytes; "
-                              f"the config's host tier has {want} blocks of {bb} bytes")
-        pools[Tier.HOST] = host_pool
+        pools[Tier.HOST] = _checked_host_pool(host_pool, cfg.tiers, bb)
     nv = cfg.tiers.nvme
     opened: OpenedDevice | None = None
     shim = None
@@ -190,32 +186,59 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
     else:
         placement = _placement(nv, None)
     try:
-        geometry = opened.geometry if opened is not None else NvmeGeometry(
-            "memory only" if nvme is None else "NVMe backend given by the caller")
-        index = _open_index(cfg, layout, nvme, IndexRuntime(
-            clock=clock if clock is not None else time.monotonic,
-            classify=classify if classify is not None else make_classifier(cfg.policies.classifier),
-            admit=admit if admit is not None else make_admission(cfg.policies.admission),
-            reinsert=make_reinsert(reinsert if reinsert is not None else cfg.policies.reinsert),
-            cost=cost if cost is not None else CostModel(),
-            remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
-            nvme_policy=make_policy(cfg.policies.eviction)
-            if nvme is not None and nvme.eviction_granularity == "block" else None))
-        remote = share = None
-        if cfg.remote is not None:
-            remote, share = _open_remote(cfg, bb, index)
-        mover = make_movers(pools, nvme, placement.placement_for if placement.enabled else None, remote)
-        if remote is not None:  # remote loads are priced from measured Mooncake transfers
-            remote.set_load_observer(lambda n, secs: index.runtime.cost.observe_load("remote", n * bb, secs, n))
-        return StoreParts(layout, cfg, index, mover, pools, nvme, placement, geometry,
-                          opened.ftl if opened is not None else None,
-                          opened.stats_source if opened is not None else None, shim, remote, share,
-                          FlushSettings.of(nv))
+        runtime = _index_runtime(cfg, nvme, clock, classify, admit, reinsert, cost)
+        return _wire(cfg, layout, pools, nvme, placement, opened, shim, runtime)
     except BaseException:
         if opened is not None:  # the NVMe tier this assembly opened: closed, its file as it was found
             nvme.close()
             undo_open(nvme.engine, nvme.path)
         raise
+
+
+def _wire(cfg: StoreConfig, layout: KVLayout, pools: dict[Tier, BlockPool], nvme: BlockStorage | None,
+          placement: PlacementPolicy, opened: OpenedDevice | None, shim: RuhUpdateShim | None,
+          runtime: IndexRuntime) -> StoreParts:
+    """The index, the remote tier and the movers over the open tiers, as :class:`StoreParts`."""
+    bb = layout.bytes_per_block
+    nv = cfg.tiers.nvme
+    geometry = opened.geometry if opened is not None else NvmeGeometry(
+        "memory only" if nvme is None else "NVMe backend given by the caller")
+    index = _open_index(cfg, layout, nvme, runtime)
+    remote = share = None
+    if cfg.remote is not None:
+        remote, share = _open_remote(cfg, bb, index)
+    mover = make_movers(pools, nvme, placement.placement_for if placement.enabled else None, remote)
+    if remote is not None:  # remote loads are priced from measured Mooncake transfers
+        remote.set_load_observer(lambda n, secs: index.runtime.cost.observe_load("remote", n * bb, secs, n))
+    return StoreParts(layout, cfg, index, mover, pools, nvme, placement, geometry,
+                      opened.ftl if opened is not None else None,
+                      opened.stats_source if opened is not None else None, shim, remote, share,
+                      FlushSettings.of(nv))
+
+
+def _checked_host_pool(host_pool: BlockPool, t: TiersConfig, bb: int) -> BlockPool:
+    """``host_pool``, the caller's host tier, when it has the config's block size and count."""
+    want = t.host.capacity_bytes // bb
+    if host_pool.block_bytes != bb or host_pool.num_blocks != want:
+        raise ConfigError(f"host_pool of {host_pool.num_blocks} blocks of {host_pool.block_bytes} bytes; "
+                          f"the config's host tier has {want} blocks of {bb} bytes")
+    return host_pool
+
+
+def _index_runtime(cfg: StoreConfig, nvme: BlockStorage | None, clock: Callable[[], float] | None,
+                   classify: Callable | None, admit: Callable | None, reinsert: Callable | None,
+                   cost: CostModel | None) -> IndexRuntime:
+    """The index's run-time objects: each one :func:`assemble` was given, else the one its config
+    name makes (the classifier, admission, reinsertion and, in block mode, the NVMe block order)."""
+    block_mode = nvme is not None and nvme.eviction_granularity == "block"
+    return IndexRuntime(
+        clock=clock if clock is not None else time.monotonic,
+        classify=classify if classify is not None else make_classifier(cfg.policies.classifier),
+        admit=admit if admit is not None else make_admission(cfg.policies.admission),
+        reinsert=make_reinsert(reinsert if reinsert is not None else cfg.policies.reinsert),
+        cost=cost if cost is not None else CostModel(),
+        remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
+        nvme_policy=make_policy(cfg.policies.eviction) if block_mode else None)
 
 
 def _open_pools(t: TiersConfig, bb: int, host: bool = True) -> dict[Tier, BlockPool]:

@@ -28,7 +28,7 @@ import dataclasses
 import errno
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import NvmeTierConfig, SimDeviceConfig
 from .errors import ConfigError, TierStoreError
@@ -250,8 +250,8 @@ def _open_file(nv: NvmeTierConfig, block_bytes: int) -> OpenedDevice:
     opened.geometry = dataclasses.replace(
         geometry, op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
         page_bytes=m.page_bytes,
-        description=f"{geometry.description}; WAF from an FTL model observing the engine (a model, not this file "
-                    f"system's device): RU = segment = {seg} B, OP {m.op_fraction}")
+        description=f"{geometry.description}; WAF from an FTL model observing the engine "
+                    f"(a model, not this file system's device): RU = segment = {seg} B, OP {m.op_fraction}")
     return opened
 
 
@@ -270,6 +270,21 @@ def _sparse_overcommit_warning(path: str, tier_bytes: int) -> str | None:
            f"{path}: writes will fail with no space once it fills")
     logging.getLogger("tierstore").warning(msg)
     return msg
+
+
+def _namespace_model(nv: NvmeTierConfig, ns: Any, tier: int, runs: int, engine: PassthroughEngine
+                     ) -> tuple[FTLModel | None, str]:
+    """``(model, what to add to the description)``: an FTL model of the FDP namespace ``ns``'s
+    geometry (``nv.model``'s settings) observing ``engine``'s writes and RUH Updates, or ``None``
+    when the geometry is one the model refuses (the reason said)."""
+    m, cfg = nv.model, ns.info.config
+    try:
+        ftl = FTLModel(tier, runs, m.op_fraction, num_ruh=cfg.nruh, isolation=m.isolation, gc=m.gc,
+                       page_bytes=m.page_bytes, num_rg=max(1, cfg.nrg), rgif=cfg.rgif)
+    except ConfigError as exc:
+        return None, f"; no FTL model ({exc})"
+    engine.add_observer(SimFdpDevice(ftl))
+    return ftl, "; an FTL model observes its writes and RUH Updates (KVStore.ftl)"
 
 
 def _open_fdp(nv: NvmeTierConfig) -> OpenedDevice:
@@ -307,15 +322,8 @@ def _open_fdp(nv: NvmeTierConfig) -> OpenedDevice:
                    f"{NOT_VERIFIED_ON_HARDWARE})")
     ftl = None
     if nv.model is not None and fdp_on:
-        m, cfg = nv.model, ns.info.config
-        try:
-            ftl = FTLModel(tier, runs, m.op_fraction, num_ruh=cfg.nruh, isolation=m.isolation, gc=m.gc,
-                           page_bytes=m.page_bytes, num_rg=max(1, cfg.nrg), rgif=cfg.rgif)
-        except ConfigError as exc:
-            description += f"; no FTL model ({exc})"
-        else:
-            engine.add_observer(SimFdpDevice(ftl))
-            description += "; an FTL model observes its writes and RUH Updates (KVStore.ftl)"
+        ftl, said = _namespace_model(nv, ns, tier, runs, engine)
+        description += said
     geometry = NvmeGeometry(description=description, device_bytes=ns.size_bytes, nvme_bytes=tier,
                             ru_size_bytes=runs or ru, segment_size_bytes=ru, utilization=tier / ns.size_bytes,
                             lba_bytes=ns.lba_bytes)

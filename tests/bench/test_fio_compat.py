@@ -1,4 +1,5 @@
-"""fio compatibility: statistics as fio computes them, JSON keys as fio writes them, fio-plot reads our JSON."""
+"""fio compatibility: statistics as fio computes them, JSON keys as fio writes them, fio-plot reads our
+JSON."""
 from __future__ import annotations
 
 import json

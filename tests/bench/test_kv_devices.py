@@ -192,7 +192,8 @@ def test_full_disk_is_reported_with_enospc(tmp_path, monkeypatch, capsys):
     assert kv["store_no_space_blocks"] + kv["demoted_no_space_blocks"] > 0
     err = capsys.readouterr().err
     assert "err=28 (ENOSPC)" in err and "ran out of space" in err
-    # the condition is logged once (a 40 MB file system printed 113 identical lines), with the count at the end
+    # the condition is logged once (a 40 MB file system printed 113 identical lines), with the count at the
+    # end
     assert err.count("cannot allocate") == 1 and kv["nvme_allocation_failures"] >= 2, err
     assert f"{kv['nvme_allocation_failures']} segment allocations failed" in err
     assert "tierstore bench: warning: segment " in err

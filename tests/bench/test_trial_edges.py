@@ -7,7 +7,8 @@ import pytest
 from tierstore.bench.jobfile import parse_jobs
 
 
-# ------------------------------------------------------------------ 1: fio's --opt value and unknown fio options
+# ------------------------------------------------------------------ 1: fio's --opt value and unknown fio
+# options
 def test_space_separated_values_parse_as_fio_does(run_bench):
     """``--bs 4k`` used to make '4k' a job file and ``--rw read`` set rw='1'."""
     rc, out, err = run_bench("--time_based", "--group_reporting", "--name", "j", "--rw", "read", "--bs", "8k",
@@ -109,7 +110,8 @@ def test_kv_job_says_an_existing_file_is_not_its_own(tmp_path, run_bench, fmt):
 
 
 def test_kvtrace_says_runtime_and_size_are_not_used(run_bench, tmp_path):
-    """The re-trial ran `--rw=kvtrace --runtime=2 --size=4m`: the whole trace, 16 s, a 192 MiB tier, not a word."""
+    """The re-trial ran `--rw=kvtrace --runtime=2 --size=4m`: the whole trace, 16 s, a 192 MiB tier, not a
+    word."""
     rc, _, err = run_bench("--rw=kvtrace", "--number_ios=50", "--runtime=2", "--size=4m", f"--directory={tmp_path}")
     assert rc == 0, err
     assert "warning: runtime=2" in err and "warning: size=4194304: not used by rw=kvtrace" in err

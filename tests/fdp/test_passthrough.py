@@ -88,7 +88,8 @@ def test_alignment():
 
 @pytest.mark.fdp
 @pytest.mark.skipif(not pt.ng_char_devices() or not os.environ.get("TIERSTORE_FDP_SCRATCH_NG"),
-                    reason="needs /dev/ng* and TIERSTORE_FDP_SCRATCH_NG=/dev/ngXnY (a scratch namespace: LBA 0 is overwritten)")
+                    reason="needs /dev/ng* and TIERSTORE_FDP_SCRATCH_NG=/dev/ngXnY "
+                           "(a scratch namespace: LBA 0 is overwritten)")
 def test_device_placed_write():
     dev = os.environ["TIERSTORE_FDP_SCRATCH_NG"]
     w = pt.PassthroughWriter(dev, nsid=int(dev.rsplit("n", 1)[1]))

@@ -1,4 +1,5 @@
-"""The NVMe tier's label and the check before any write (:mod:`tierstore.io.label`, issue 22 items 1, 3, 4, 13)."""
+"""The NVMe tier's label and the check before any write (:mod:`tierstore.io.label`, issue 22 items 1, 3, 4,
+13)."""
 from __future__ import annotations
 
 import fcntl

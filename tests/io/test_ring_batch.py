@@ -49,7 +49,8 @@ def test_a_batch_of_writes_then_reads_round_trips(direct_fd):
 
 
 def test_reap_results_across_the_end_of_the_cq(direct_fd):
-    """The CQ (32 entries for a 16-entry SQ) wraps: completions before and after the end come back in order."""
+    """The CQ (32 entries for a 16-entry SQ) wraps: completions before and after the end come back in
+    order."""
     keep, buf = alloc_aligned(BS)
     try:
         with R.Ring(16) as ring:

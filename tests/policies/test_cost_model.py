@@ -143,7 +143,8 @@ def test_a_slow_measurement_is_logged_once_per_tier_and_size(caplog):
 
 
 @pytest.mark.parametrize("max_slowdown,says", [
-    (1.0, "loads are still priced at the declared 3.10 ms (max_slowdown=1 caps the estimate at the declared figure)"),
+    (1.0, "loads are still priced at the declared 3.10 ms (max_slowdown=1 caps the estimate at the "
+          "declared figure)"),
     (3.0, "loads are priced at 9.29 ms (max_slowdown=3 caps the estimate at 3x the declared figure)"),
     (float("inf"), "loads are priced at the measured 20.00 ms (max_slowdown=inf: no cap)"),
 ])

@@ -25,7 +25,8 @@ class Master(LocalMaster):
     """:class:`LocalMaster` with the options a test worker needs."""
 
     def settings(self, **kw) -> dict:
-        """Worker options (``RemoteConfig`` fields, ``MooncakeTuning`` knobs, ``block_bytes``) for this master."""
+        """Worker options (``RemoteConfig`` fields, ``MooncakeTuning`` knobs, ``block_bytes``) for this
+        master."""
         d = {"master": self.address, "metadata": self.metadata, "local_hostname": "127.0.0.1",
              "segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20, "publish_queue_blocks": 64,
              "timeout_s": 3.0, "block_bytes": 256 << 10, "reconnect_backoff_s": (0.1, 1.0)}

@@ -193,7 +193,8 @@ def test_check_refuses_a_character_device_that_is_not_nvme_generic(tmp_path, cap
 
 def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
     """A directory on a read-only mount was "not writable by this user (uid 0)" (statvfs says ST_RDONLY; this
-    test fakes the mount: access(2) refuses writes there, as it does with EROFS, and statvfs has ST_RDONLY)."""
+    test fakes the mount: access(2) refuses writes there, as it does with EROFS, and statvfs has
+    ST_RDONLY)."""
     import types
 
     import tierstore.server.check as check
@@ -219,7 +220,8 @@ def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
 
 
 def test_check_refuses_a_tier_file_this_user_cannot_write(tmp_path, capsys, monkeypatch):
-    """An existing (empty) tier file of mode 444 in a writable directory passed --check ("config OK") and the start
+    """An existing (empty) tier file of mode 444 in a writable directory passed --check ("config OK") and the
+    start
     failed with Permission denied (re-trial of issue 22). access(2) is faked: this test runs as root."""
     import tierstore.server.check as check
     tier = tmp_path / "ro.nvme"
@@ -249,7 +251,8 @@ def test_daemon_yaml_names_every_nvme_key():
 
 @pytest.mark.parametrize("case", ["missing_dir", "directory", "empty", "foreign", "foreign_tmp"])
 def test_check_refuses_a_block_mode_journal_that_start_up_refuses(tmp_path, capsys, case):
-    """serve --check said 'config OK' for block-mode journals that start-up then refused (fresh-user trial)."""
+    """serve --check said 'config OK' for block-mode journals that start-up then refused (fresh-user
+    trial)."""
     cfg = make_config(str(tmp_path))
     nv = cfg["tiers"]["nvme"]
     nv["eviction_granularity"] = "block"

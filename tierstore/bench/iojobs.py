@@ -249,7 +249,8 @@ def _layout(name: str, path: str, size_bytes: int) -> None:
 
 
 def _bytes_view(buf: Any) -> memoryview:
-    """A writable byte view of a CPU ``uint8`` tensor or an ``mmap`` (``os.preadv`` takes buffers, not tensors)."""
+    """A writable byte view of a CPU ``uint8`` tensor or an ``mmap`` (``os.preadv`` takes buffers, not
+    tensors)."""
     if isinstance(buf, torch.Tensor):
         return memoryview(buf.numpy()).cast("B")
     return memoryview(buf).cast("B")
@@ -756,7 +757,8 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
 
 def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
                pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
-    """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the engines)."""
+    """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the
+    engines)."""
     keep, buf = alloc_aligned(bs)
     offset, is_write = -1, False
     handle = None
@@ -1057,6 +1059,37 @@ def _drain(ring: Ring, inflight: int) -> None:
         return
 
 
+#: fio's ``iodepth_level`` of a job that has one I/O in flight at a time.
+_DEPTH_ONE = {k: (100.0 if k == "1" else 0.0) for k in ("1", "2", "4", "8", "16", "32", ">=64")}
+
+
+def _start_progress(read_share: float, total: float, timed: bool) -> Any:
+    """The run's progress display, started: over ``total`` seconds (a run with a runtime), else
+    over ``total`` bytes."""
+    progress = current_progress()
+    progress.io_dir = "r" if read_share >= 1.0 else "w"
+    progress.start(total=total, unit="s" if timed else "B")
+    return progress
+
+
+def _device_sampler(observer: _LockedObserver | None, t0_ns: int) -> tuple[dict[str, list], Callable[[], None]]:
+    """``(series, sample)``: ``sample()`` appends the FTL model's WAF and host/media bytes at the
+    time since ``t0_ns`` to ``series`` (``None``: no model sampled during the run, as a file's
+    writes reach the model only after it)."""
+    series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
+
+    def sample() -> None:
+        if observer is None:
+            return
+        st = observer.stats()
+        if st["hbmw_bytes"]:
+            series["t_s"].append((time.perf_counter_ns() - t0_ns) / 1e9)
+            series["waf"].append(st["waf"])
+            series["hbmw_bytes"].append(st["hbmw_bytes"])
+            series["mbmw_bytes"].append(st["mbmw_bytes"])
+    return series, sample
+
+
 def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, read_share: float,
          engine_kind_: str, path: str | None, lanes: int) -> JobResult:
     bs = options["bs"]
@@ -1085,24 +1118,9 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
         info(f"{options['name']}: io_uring turn in " + ("C (tierstore.io._ringloop)" if native else
                                                         f"Python ({why})"))
     logs, threads = _threads(options, shared, target, ring_fd, lanes, read_share, pick_placement)
-    progress = current_progress()
-    progress.io_dir = "r" if read_share >= 1.0 else "w"
-    if deadline_ns is not None:
-        progress.start(total=(ramp_ns + runtime_ns) / 1e9, unit="s")
-    else:
-        progress.start(total=float(limit_ios * bs), unit="B")
-    series: dict[str, list] = {"t_s": [], "waf": [], "hbmw_bytes": [], "mbmw_bytes": []}
-
-    def sample_device() -> None:
-        if observer is None or not self_observed:   # a file's writes reach the model after the run
-            return
-        st = observer.stats()
-        if st["hbmw_bytes"]:
-            series["t_s"].append((time.perf_counter_ns() - t0_ns) / 1e9)
-            series["waf"].append(st["waf"])
-            series["hbmw_bytes"].append(st["hbmw_bytes"])
-            series["mbmw_bytes"].append(st["mbmw_bytes"])
-
+    timed = deadline_ns is not None
+    progress = _start_progress(read_share, (ramp_ns + runtime_ns) / 1e9 if timed else float(limit_ios * bs), timed)
+    series, sample_device = _device_sampler(observer if self_observed else None, t0_ns)
     for t in threads:
         t.start()
     try:
@@ -1125,9 +1143,8 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
         device = _device_section(options, observer, device_geometry, target, engine_kind_, path)
         timeseries = series
     error, message = _job_error(shared, bs)
-    depth_level = None
-    if lanes == 1 and ring_fd is None:   # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
-        depth_level = {k: (100.0 if k == "1" else 0.0) for k in ("1", "2", "4", "8", "16", "32", ">=64")}
+    # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
+    depth_level = dict(_DEPTH_ONE) if lanes == 1 and ring_fd is None else None
     return JobResult(jobname=options["name"], options=options, read=read, write=write,
                      device=device, timeseries=timeseries, error=error, error_message=message,
                      usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,

@@ -107,7 +107,8 @@ _IOENGINE_HELP = (
     "run this loop in C, tierstore.io._ringloop, where it was built at install, else in Python, and say which), auto (uring "
     "where this process can use io_uring, else posix with a warning), memory (no file), kvikio (GPUDirect "
     "Storage). fio's names map to them: io_uring -> uring; libaio -> uring (the kernel's other asynchronous "
-    "interface; io_uring does the same job: iodepth I/Os in flight from one thread); posixaio -> posix (glibc's "
+    "interface; io_uring does the same job: iodepth I/Os in flight from one thread); posixaio -> posix "
+    "(glibc's "
     "POSIX AIO is a pool of threads doing pread/pwrite, as posix is); psync, sync, pvsync, pvsync2 -> one "
     "synchronous preadv/pwritev at a time per clone on the O_DIRECT file (fio's synchronous engines ignore "
     "iodepth; numjobs gives parallelism). KV jobs put their NVMe tier through posix or uring the same way.")
@@ -147,8 +148,10 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
           minimum=4096),
     _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
     _spec("bs", "size", 4096, "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of a request's "
-          "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at least one; a warning when it is not "
-          "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used (trace_block_size sets a "
+          "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at "
+          "least one; a warning when it is not "
+          "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used "
+          "(trace_block_size sets a "
           "block's bytes, the trace each call's blocks).", minimum=1),
     _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
     _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
@@ -177,14 +180,19 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("plid_select", "choice", "roundrobin", "How writes pick a placement ID.",
           ("roundrobin", "random", "lifetime")),
     _spec("device", "device", "file",
-          "Where the NVMe tier (KV jobs) or the job's I/O (plain jobs) goes: file = a file on this file system "
-          "(directory/filename, through ioengine; WAF from an FTL model observing it), sim = the FTL model is "
+          "Where the NVMe tier (KV jobs) or the job's I/O (plain jobs) goes: file = a file on this file "
+          "system "
+          "(directory/filename, through ioengine; WAF from an FTL model observing it), sim = the FTL "
+          "model is "
           "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
           "hardware)."),
     _spec("format", "bool", False,
-          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device (device=/dev/...) "
-          "without tierstore's label (a KV job's file is always new: an existing one is refused whatever format "
-          "says); plain jobs write to a device, or to an existing non-empty file no tierstore job created. What it holds is lost, as with mkfs. Without it such a target is refused "
+          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device "
+          "(device=/dev/...) "
+          "without tierstore's label (a KV job's file is always new: an existing one is refused whatever "
+          "format "
+          "says); plain jobs write to a device, or to an existing non-empty file no tierstore job "
+          "created. What it holds is lost, as with mkfs. Without it such a target is refused "
           "before anything is written (fio writes without asking)."),
     _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
     _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
@@ -207,8 +215,10 @@ SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
     _spec("new_group", "bool", False, "Start a new reporting group with this job (it still runs at once with the "
           "jobs before it unless stonewall)."),
     _spec("group_reporting", "bool", False, "Report this job together with the job before it when both are in "
-          "one reporting group (fio's rule; set in [global] or before the first --name, a whole group is one "
-          "entry). numjobs clones are always reported as one entry. KV jobs are not merged (their kv and device "
+          "one reporting group (fio's rule; set in [global] or before the first --name, a whole group is "
+          "one "
+          "entry). numjobs clones are always reported as one entry. KV jobs are not merged (their kv and "
+          "device "
           "sections are per store): a group that would merge one is refused."),
 ]}
 
@@ -222,15 +232,16 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {"rw": {"readwrite": "rw"}}
 #: unknown key among them is refused as a fio option tierstore bench does not have, not as a typo.
 FIO_OPTION_NAMES: frozenset[str] = frozenset("""
     allow_file_create allow_mounted_write allrandrepeat atomic ba block_error_percentiles bs bs_unaligned
-    bsrange bssplit buffer_compress_chunk buffer_pattern buffered bwavgtime cgroup cgroup_nodelete cgroup_weight
+    bsrange bssplit buffer_compress_chunk buffer_pattern buffered bwavgtime cgroup cgroup_nodelete
+    cgroup_weight
     clat_percentiles clocksource continue_on_error cpumask cpus_allowed cpus_allowed_policy create_fsync
     create_on_open create_only create_serialize dedupe_global dedupe_mode dedupe_percentage description direct
     directory disable_clat disable_lat disable_slat disk_util do_verify end_fsync error_dump exec_postrun
     exec_prerun exit_what exitall exitall_on_error experimental_verify fadvise_hint fallocate fdatasync
     file_append file_service_type filename filename_format filesize fill_device flow flow_id flow_sleep fsync
     fsync_on_close gid group_reporting gtod_cpu gtod_reduce ignore_error ignore_zone_limits invalidate io_size
-    io_submit_mode iodepth iodepth_batch iodepth_low ioengine iopsavgtime ioscheduler job_max_open_zones kb_base
-    lat_percentiles latency_percentile latency_run latency_target latency_window lockfile lockmem
+    io_submit_mode iodepth iodepth_batch iodepth_low ioengine iopsavgtime ioscheduler job_max_open_zones
+    kb_base lat_percentiles latency_percentile latency_run latency_target latency_window lockfile lockmem
     log_alternate_epoch log_avg_msec log_compression log_compression_cpus log_entries log_hist_coarseness
     log_hist_msec log_max_value log_offset log_prio log_store_compressed log_unix_epoch loops max_latency
     max_open_zones mem merge_blktrace_file merge_blktrace_iters merge_blktrace_scalars name new_group nice

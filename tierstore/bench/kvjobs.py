@@ -55,7 +55,8 @@ def verdict(kv: dict[str, Any]) -> str:
     extra = f"; {matched:.1%} matched, the rest not worth loading or failed" if matched > hit + 5e-4 else ""
     tokens, prompt = int(kv.get("saved_prefill_tokens", 0)), int(kv.get("prompt_tokens", 0))
     share = f" of {prompt:,} prompt tokens ({tokens / prompt:.1%})" if prompt else ""
-    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an infinite "
+    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an "
+            "infinite "
             f"cache (the trace's ideal{of_ideal}){extra}; saved {tokens:,} prefill tokens{share}")
 
 
@@ -120,7 +121,8 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
         ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
                    if k in explicit and options.get(k)]
         if ignored:
-            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL model "
+            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL "
+                 "model "
                  f"is the device); {', '.join(ignored)} not used (device=file puts it in a file)")
         if "device_size" in explicit:
             model["device_bytes"] = options["device_size"]
@@ -205,6 +207,47 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
             shutil.rmtree(own_dir, ignore_errors=True)
 
 
+def _trace_kv(rep, block_bytes: int, nvme: bool, files: list[str]) -> tuple[dict, int, str]:
+    """``(kv section, error, error message)`` of a trace replay's result: the replay's counters, why
+    matched blocks were not loaded, the NVMe tier's free-space report, the verdict and the I/O unit;
+    wrong KV is fio's verify failure (EILSEQ)."""
+    kv = dict(rep.kv)
+    skipped = int(kv.get("hit_blocks", 0)) - int(kv.get("useful_blocks", 0))
+    failed = int(kv.get("useful_blocks", 0)) - int(kv.get("loaded_blocks", 0))
+    reasons = []
+    if skipped > 0:
+        reasons.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
+                       "faster than loading them (the replay loads the useful prefix, as an engine does)")
+    if failed > 0:
+        reasons.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
+    if reasons:
+        kv["not_loaded_reason"] = "; ".join(reasons)
+    error, message = 0, ""
+    if nvme:
+        space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
+        kv.update(space)
+    kv["verdict"] = verdict(kv)
+    kv["io_unit"] = (f"rw=kvtrace: one I/O is one trace block of {block_bytes} B (trace_block_size), the bs "
+                     "shown; each load/store call moves a request's blocks; the job's bs= is not used")
+    if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
+        error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
+                                        "under their key (wrong KV)")
+    return kv, error, message
+
+
+def _trace_device(rep) -> dict:
+    """The device section of a trace replay's result: the device's counters, the NVMe tier's
+    (``nvme_*``), bytes per PID and the WAF time series."""
+    device = dict(rep.device) if rep.device else {}
+    device.update({f"nvme_{k}": v for k, v in rep.store_stats.items() if isinstance(v, (int, float))})
+    engine = rep.store_stats.get("engine") or (rep.store_stats.get("nvme_backend") or {}).get("engine") or {}
+    if engine.get("bytes_by_placement"):  # bytes the store sent per PID ("none": no placement directive)
+        device["bytes_by_pid"] = {str(k): int(v) for k, v in engine["bytes_by_placement"].items()}
+    if "waf" in rep.timeseries:  # in the JSON (fio's output has no timeseries section) and the plots
+        device["waf_timeseries"] = {"t_s": list(rep.timeseries["t_s"]), "waf": list(rep.timeseries["waf"])}
+    return device
+
+
 def _run_kvtrace(options: dict[str, Any]) -> JobResult:
     files: list[str] = []
     nvme_path = None
@@ -246,34 +289,8 @@ def _run_kvtrace(options: dict[str, Any]) -> JobResult:
                 except FileNotFoundError:
                     pass
     usage = cpu.stop()
-    kv = dict(rep.kv)
-    skipped = int(kv.get("hit_blocks", 0)) - int(kv.get("useful_blocks", 0))
-    failed = int(kv.get("useful_blocks", 0)) - int(kv.get("loaded_blocks", 0))
-    reasons = []
-    if skipped > 0:
-        reasons.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
-                       "faster than loading them (the replay loads the useful prefix, as an engine does)")
-    if failed > 0:
-        reasons.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
-    if reasons:
-        kv["not_loaded_reason"] = "; ".join(reasons)
-    error, message = 0, ""
-    if box and box[0].nvme is not None:
-        space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
-        kv.update(space)
-    kv["verdict"] = verdict(kv)
-    kv["io_unit"] = (f"rw=kvtrace: one I/O is one trace block of {cfg.block_bytes} B (trace_block_size), the bs "
-                     "shown; each load/store call moves a request's blocks; the job's bs= is not used")
-    if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
-        error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
-                                        "under their key (wrong KV)")
-    device = dict(rep.device) if rep.device else {}
-    device.update({f"nvme_{k}": v for k, v in rep.store_stats.items() if isinstance(v, (int, float))})
-    engine = rep.store_stats.get("engine") or (rep.store_stats.get("nvme_backend") or {}).get("engine") or {}
-    if engine.get("bytes_by_placement"):  # bytes the store sent per PID ("none": no placement directive)
-        device["bytes_by_pid"] = {str(k): int(v) for k, v in engine["bytes_by_placement"].items()}
-    if "waf" in rep.timeseries:  # in the JSON (fio's output has no timeseries section) and the plots
-        device["waf_timeseries"] = {"t_s": list(rep.timeseries["t_s"]), "waf": list(rep.timeseries["waf"])}
+    kv, error, message = _trace_kv(rep, cfg.block_bytes, bool(box and box[0].nvme is not None), files)
+    device = _trace_device(rep)
     return JobResult(
         jobname=options.get("name") or "kvtrace",
         options={**options, "bs": cfg.block_bytes},  # one KV I/O = one trace block

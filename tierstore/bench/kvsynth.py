@@ -2,8 +2,8 @@
 
 A request stores or loads ``bs`` bytes rounded down to whole blocks of the
 ``layout`` preset (at least one block, a warning when ``bs`` is not whole blocks;
-a Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts. One *I/O* of the report is one KV block
-(IOPS are blocks per second, ``bs`` in the report is the block's bytes); the
+a Llama-3.1-8B 16-token block is 2 MiB), so ``bs=32m`` means 16-block prompts. One *I/O* of the report is one
+KV block (IOPS are blocks per second, ``bs`` in the report is the block's bytes); the
 latencies are per call (one store or load call per request).
 
 * ``kvstore``: store ``size`` bytes of distinct prefixes; the tiers fill and demote
@@ -115,7 +115,8 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
 
 
 def call_blocks(bs: int, block_bytes: int) -> int:
-    """KV blocks of a synthetic job's request (its prompt): ``bs`` rounded down to whole blocks, at least one."""
+    """KV blocks of a synthetic job's request (its prompt): ``bs`` rounded down to whole blocks, at least
+    one."""
     return max(1, bs // block_bytes)
 
 
@@ -128,7 +129,8 @@ def io_unit(rw: str, bs: int, block_bytes: int) -> str:
 
 
 def _warn_partial_blocks(options: dict[str, Any], block_bytes: int) -> None:
-    """Warn (once, before the run) when a set ``bs`` is not whole KV blocks: prompts are not the bytes it says."""
+    """Warn (once, before the run) when a set ``bs`` is not whole KV blocks: prompts are not the bytes it
+    says."""
     bs = options["bs"]
     if "bs" in options.get("_explicit", ()) and bs % block_bytes:
         n = call_blocks(bs, block_bytes)

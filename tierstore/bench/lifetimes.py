@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,7 @@ class LifetimeRecorder:
             SHORT/MEDIUM/LONG, columns: true), ``predicted_share``.
         """
         life, died, pred = self.lifetimes(end_s)
-        out = {"writes": int(life.size), "died": int(died.sum())}
+        out: dict[str, Any] = {"writes": int(life.size), "died": int(died.sum())}
         if died.sum() < 3:
             return out | {"accuracy": float("nan")}
         lo, hi = tercile_bounds(life[died])

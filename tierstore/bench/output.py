@@ -324,7 +324,8 @@ def _direction_normal(name: str, dj: dict[str, Any]) -> str:
         out.append(f"   bw ({unit:>5s}/s): min={int(dj['bw_min'] / div):5d}, max={int(dj['bw_max'] / div):5d}, "
                    f"per={dj['bw_agg']:3.2f}%, avg={dj['bw_mean'] / div:5.02f}, stdev={dj['bw_dev'] / div:5.02f}, "
                    f"samples={dj['bw_samples']}\n")
-        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, avg={dj['iops_mean']:5.02f}, "
+        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, "
+                   f"avg={dj['iops_mean']:5.02f}, "
                    f"stdev={dj['iops_stddev']:5.02f}, samples={dj['iops_samples']}\n")
     return "".join(out)
 
@@ -382,13 +383,13 @@ def _dict_text(key: str, value: dict) -> str:
 
 #: What the write-amplification figures of a ``device`` section mean, printed under it for those present.
 DEVICE_TERMS = {
-    "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD (its garbage-collection "
-           "copies; 1.000 = none)",
-    "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier (WAF plus segment headers, "
-              "padding and tierstore's own copy-forward)",
-    "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores + bytes it copied "
-                                "forward when it reclaimed regions) / bytes it wrote for stores (tierstore's share, "
-                                "before the SSD's)",
+    "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD "
+           "(its garbage-collection copies; 1.000 = none)",
+    "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier "
+              "(WAF plus segment headers, padding and tierstore's own copy-forward)",
+    "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores "
+                                "+ bytes it copied forward when it reclaimed regions) / bytes it wrote "
+                                "for stores (tierstore's share, before the SSD's)",
 }
 
 
@@ -414,6 +415,62 @@ def _device_normal(device: dict[str, Any]) -> str:
         else:
             out.append(f"    {key:14s}: {_fmt_kv_value(key, value)}\n")
     out.append(_device_terms(device))
+    return "".join(out)
+
+
+def _job_normal(r: JobResult, j: dict[str, Any], stamp: str) -> str:
+    """One job's block of :func:`render_normal` (``j``: its JSON, :func:`job_to_json`)."""
+    out: list[str] = []
+    out.append(f"{r.jobname}: (groupid={r.groupid}, jobs={r.options.get('numjobs', 1)}): err={r.error:2d}: "
+               f"pid={os.getpid()}: {stamp}\n")
+    if r.options.get("description"):
+        out.append(f"  Description  : [{r.options['description']}]\n")
+    for name in ("read", "write"):
+        if j[name]["total_ios"]:
+            text = _direction_normal(name, j[name])
+            if r.kv:  # KV jobs: say what an I/O is
+                first, _, rest = text.partition("\n")
+                calls = j[name]["clat_ns"]["N"]
+                text = (f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
+                        f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} "
+                        "calls, "
+                        f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}")
+            out.append(text)
+    out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))
+    out.append(f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
+               f"majf={j['majf']}, minf={j['minf']}\n")
+    out.append("  IO depths    : " + ", ".join(f"{k}={v:3.1f}%" for k, v in j["iodepth_level"].items()) + "\n")
+    out.append(f"     issued rwts: total={j['read']['total_ios']},{j['write']['total_ios']},0,0 "
+               f"short={j['read']['short_ios']},{j['write']['short_ios']},0,0 "
+               f"dropped={j['read']['drop_ios']},{j['write']['drop_ios']},0,0\n")
+    out.append(f"     latency   : target=0, window=0, percentile=100.00%, depth={j['latency_depth']}\n")
+    out.append(_kv_normal(j["kv"]))
+    out.append(_device_normal(j["device"]))
+    out.append("\n")
+    return "".join(out)
+
+
+def _run_status_normal(results: Sequence[JobResult], jobs_json: list[dict[str, Any]]) -> str:
+    """The ``Run status group`` lines of :func:`render_normal`: per group and direction, the
+    aggregate bandwidth, the range of the jobs' bandwidths, the bytes moved and the run times."""
+    out: list[str] = []
+    groups = sorted({r.groupid for r in results})
+    for g in groups:
+        out.append(f"Run status group {g} (all jobs):\n")
+        members = [j for r, j in zip(results, jobs_json) if r.groupid == g]
+        for name, label in (("read", "READ"), ("write", "WRITE")):
+            dirs = [m[name] for m in members if m[name]["total_ios"]]
+            if not dirs:
+                continue
+            io = sum(d["io_bytes"] for d in dirs)
+            run_max = max(d["runtime"] for d in dirs)
+            run_min = min(d["runtime"] for d in dirs)
+            agg = io * 1000 / run_max if run_max else 0
+            bws = [d["bw_bytes"] for d in dirs]
+            out.append(f"{label:>7s}: bw={num2str(agg, 1024, 'B/s')} ({num2str(agg, 1000, 'B/s')}), "
+                       f"{num2str(min(bws), 1024, 'B/s')}-{num2str(max(bws), 1024, 'B/s')} "
+                       f"({num2str(min(bws), 1000, 'B/s')}-{num2str(max(bws), 1000, 'B/s')}), "
+                       f"io={num2str(io, 1024, 'B')} ({num2str(io, 1000, 'B')}), run={run_min}-{run_max}msec\n")
     return "".join(out)
 
 
@@ -450,48 +507,8 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
     jobs_json = [job_to_json(r, s) for r, s in zip(results, specs)]
     stamp = datetime.datetime.now().strftime("%a %b %d %H:%M:%S %Y")
     for r, j in zip(results, jobs_json):
-        out.append(f"{r.jobname}: (groupid={r.groupid}, jobs={r.options.get('numjobs', 1)}): err={r.error:2d}: "
-                   f"pid={os.getpid()}: {stamp}\n")
-        if r.options.get("description"):
-            out.append(f"  Description  : [{r.options['description']}]\n")
-        for name in ("read", "write"):
-            if j[name]["total_ios"]:
-                text = _direction_normal(name, j[name])
-                if r.kv:  # KV jobs: say what an I/O is
-                    first, _, rest = text.partition("\n")
-                    calls = j[name]["clat_ns"]["N"]
-                    text = (f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
-                            f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} calls, "
-                            f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}")
-                out.append(text)
-        out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))
-        out.append(f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
-                   f"majf={j['majf']}, minf={j['minf']}\n")
-        out.append("  IO depths    : " + ", ".join(f"{k}={v:3.1f}%" for k, v in j["iodepth_level"].items()) + "\n")
-        out.append(f"     issued rwts: total={j['read']['total_ios']},{j['write']['total_ios']},0,0 "
-                   f"short={j['read']['short_ios']},{j['write']['short_ios']},0,0 "
-                   f"dropped={j['read']['drop_ios']},{j['write']['drop_ios']},0,0\n")
-        out.append(f"     latency   : target=0, window=0, percentile=100.00%, depth={j['latency_depth']}\n")
-        out.append(_kv_normal(j["kv"]))
-        out.append(_device_normal(j["device"]))
-        out.append("\n")
-    groups = sorted({r.groupid for r in results})
-    for g in groups:
-        out.append(f"Run status group {g} (all jobs):\n")
-        members = [j for r, j in zip(results, jobs_json) if r.groupid == g]
-        for name, label in (("read", "READ"), ("write", "WRITE")):
-            dirs = [m[name] for m in members if m[name]["total_ios"]]
-            if not dirs:
-                continue
-            io = sum(d["io_bytes"] for d in dirs)
-            run_max = max(d["runtime"] for d in dirs)
-            run_min = min(d["runtime"] for d in dirs)
-            agg = io * 1000 / run_max if run_max else 0
-            bws = [d["bw_bytes"] for d in dirs]
-            out.append(f"{label:>7s}: bw={num2str(agg, 1024, 'B/s')} ({num2str(agg, 1000, 'B/s')}), "
-                       f"{num2str(min(bws), 1024, 'B/s')}-{num2str(max(bws), 1024, 'B/s')} "
-                       f"({num2str(min(bws), 1000, 'B/s')}-{num2str(max(bws), 1000, 'B/s')}), "
-                       f"io={num2str(io, 1024, 'B')} ({num2str(io, 1000, 'B')}), run={run_min}-{run_max}msec\n")
+        out.append(_job_normal(r, j, stamp))
+    out.append(_run_status_normal(results, jobs_json))
     return "".join(out)
 
 

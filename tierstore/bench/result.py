@@ -329,7 +329,8 @@ class CpuUsage:
         self._r0 = resource.getrusage(resource.RUSAGE_SELF)
 
     def stop(self) -> dict[str, float]:
-        """Return ``usr_cpu``/``sys_cpu`` (percent of wall time), ``ctx``, ``majf``, ``minf``, ``runtime_s``."""
+        """Return ``usr_cpu``/``sys_cpu`` (percent of wall time), ``ctx``, ``majf``, ``minf``,
+        ``runtime_s``."""
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         wall_s = max(time.perf_counter() - self._t0_s, 1e-9)
         r0 = self._r0

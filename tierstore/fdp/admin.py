@@ -98,6 +98,54 @@ def default_baseline_path(serial: str, nsid: int, endgid: int) -> str:
     return os.path.join(base, "tierstore", f"fdp-{safe}-nsid{nsid}-eg{endgid}.json")
 
 
+def _compare_with_baseline(out: dict[str, Any], now: dict[str, int], path: str) -> None:
+    """``out["baseline"]`` and ``out["since_baseline"]`` (the counters' growth since the baseline
+    saved at ``path`` and its WAF), or ``out["baseline_error"]`` for an unreadable baseline or
+    counters below it."""
+    base = None
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                base = json.load(f)
+            base = {k: int(base[k]) for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")} | {
+                "time_s": float(base.get("time_s", 0.0))}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            out["baseline_error"] = f"{path}: unreadable baseline ({exc})"
+            base = None
+    if base is not None:
+        d = {k: now[k] - base[k] for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")}
+        out["baseline"] = base
+        if any(v < 0 for v in d.values()):
+            out["baseline_error"] = (f"{path}: the device's counters are below the baseline's (another device, "
+                                     "or its counters were reset); save a new one with --save-baseline")
+        else:
+            out["since_baseline"] = d | {"waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None}
+
+
+def _ruh_usage(ns: Any, cfg: Any, usage: Any) -> list[dict[str, Any]]:
+    """One row per reclaim unit handle of the namespace's placement handles: its PID, reclaim
+    group, handle, type, attributes, the bytes left in and written to its reclaim unit, and the
+    lifetime class that uses it."""
+    tab = ns.pid_table
+    st = ns.ruh_status
+    rows: list[dict[str, Any]] = []
+    for d in st.descs:
+        avail = d.ruamw_blocks * ns.lba_bytes
+        rows.append({
+            "pid": d.pid, "reclaim_group": tab.split(d.pid)[0], "placement_handle": tab.split(d.pid)[1],
+            "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
+            "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid])) if d.ruhid < usage.nruh else "unknown",
+            "ruamw_blocks": d.ruamw_blocks, "ru_available_bytes": avail,
+            "ru_written_bytes": max(0, cfg.runs_bytes - avail)})
+    pol = ns.placement()
+    cls = {pol.default_pid: "default"}
+    for c in (LifetimeClass.SHORT, LifetimeClass.MEDIUM, LifetimeClass.LONG):
+        cls[pol.class_pid[c]] = c.name.lower()
+    for row in rows:
+        row["class"] = cls.get(row["pid"], "")
+    return rows
+
+
 def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_baseline: bool = False,
                  cli: Any = None) -> dict:
     """Everything ``tierstore fdp stats`` prints, as a JSON-ready dict (module doc).
@@ -120,41 +168,8 @@ def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_ba
                            "endgid": endgid, "time_s": time.time(), "counters": now,
                            "waf": now["mbmw_bytes"] / now["hbmw_bytes"] if now["hbmw_bytes"] else None,
                            "baseline_path": path, "baseline": None, "since_baseline": None}
-    base = None
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                base = json.load(f)
-            base = {k: int(base[k]) for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")} | {
-                "time_s": float(base.get("time_s", 0.0))}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            out["baseline_error"] = f"{path}: unreadable baseline ({exc})"
-            base = None
-    if base is not None:
-        d = {k: now[k] - base[k] for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")}
-        out["baseline"] = base
-        if any(v < 0 for v in d.values()):
-            out["baseline_error"] = (f"{path}: the device's counters are below the baseline's (another device, "
-                                     "or its counters were reset); save a new one with --save-baseline")
-        else:
-            out["since_baseline"] = d | {"waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None}
-    tab = ns.pid_table
-    st = ns.ruh_status
-    out["ruh_usage"] = []
-    for d in st.descs:
-        avail = d.ruamw_blocks * ns.lba_bytes
-        out["ruh_usage"].append({
-            "pid": d.pid, "reclaim_group": tab.split(d.pid)[0], "placement_handle": tab.split(d.pid)[1],
-            "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
-            "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid])) if d.ruhid < usage.nruh else "unknown",
-            "ruamw_blocks": d.ruamw_blocks, "ru_available_bytes": avail,
-            "ru_written_bytes": max(0, cfg.runs_bytes - avail)})
-    pol = ns.placement()
-    cls = {pol.default_pid: "default"}
-    for c in (LifetimeClass.SHORT, LifetimeClass.MEDIUM, LifetimeClass.LONG):
-        cls[pol.class_pid[c]] = c.name.lower()
-    for row in out["ruh_usage"]:
-        row["class"] = cls.get(row["pid"], "")
+    _compare_with_baseline(out, now, path)
+    out["ruh_usage"] = _ruh_usage(ns, cfg, usage)
     out["runs_bytes"] = cfg.runs_bytes
     if save_baseline:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -192,7 +207,8 @@ def _print_discover(r: dict) -> None:
     for i, t in enumerate(c["ruh_types"]):
         print(f"    [{i}]: {t}")
     print(f"RUH Status ({len(r['ruh_status'])} entries; fio-style plids index this list):")
-    print(f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  {'RU available':>14}")
+    print(f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  "
+          f"{'RU available':>14}")
     for s in r["ruh_status"]:
         print(f"  {s['plid']:>4}  {s['pid']:#06x}  {s['reclaim_group']:>3}  {s['placement_handle']:>3}  "
               f"{s['ruhid']:>5}  {s['ruamw_blocks']:>12}  {s['ruamw_bytes']:>14}")
@@ -219,7 +235,8 @@ def _print_stats(r: dict) -> None:
         if r.get("baseline_error"):
             print(f"baseline: {r['baseline_error']}")
         else:
-            print(f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} --save-baseline)")
+            print(f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} "
+                  "--save-baseline)")
     else:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["baseline"]["time_s"]))
         head = f"since {when}"
@@ -232,7 +249,8 @@ def _print_stats(r: dict) -> None:
     print(f"  {'WAF (MBMW / HBMW)':<45} {_fmt_waf(r['waf']):>16} "
           f"{'-' if d is None else _fmt_waf(d['waf']):>22}")
     print(f"RUH usage (RUH Status; RU written = RUNS {r['runs_bytes']} - RUAMW x LBA):")
-    print(f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  {'RUAMW blocks':>12}  "
+    print(f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  "
+          f"{'RUAMW blocks':>12}  "
           f"{'RU written':>12}")
     for u in r["ruh_usage"]:
         print(f"  {u['pid']:#06x}  {u['reclaim_group']:>3}  {u['placement_handle']:>3}  {u['ruhid']:>5}  "

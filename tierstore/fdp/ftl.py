@@ -40,6 +40,29 @@ class _Stream:
         self.wp = 0    # next page offset inside the RU
 
 
+def _check_args(capacity_bytes: int, ru_size_bytes: int, op_fraction: float, num_ruh: int, isolation: str,
+                gc: str, page_bytes: int, num_rg: int, rgif: int, gc_free_ru_min: int) -> None:
+    """:class:`FTLModel`'s arguments checked, each against its own rule (``ConfigError`` naming it)."""
+    if page_bytes <= 0 or page_bytes & (page_bytes - 1):
+        raise ConfigError(f"page_bytes={page_bytes}: must be a power of two")
+    if capacity_bytes <= 0 or capacity_bytes % page_bytes:
+        raise ConfigError(f"capacity_bytes={capacity_bytes}: must be a positive multiple of page_bytes={page_bytes}")
+    if ru_size_bytes <= 0 or ru_size_bytes % page_bytes:
+        raise ConfigError(f"ru_size_bytes={ru_size_bytes}: must be a positive multiple of page_bytes={page_bytes}")
+    if not op_fraction > 0:
+        raise ConfigError(f"op_fraction={op_fraction!r}: must be > 0")
+    if isolation not in (ISOLATION_INITIAL, ISOLATION_PERSISTENT):
+        raise ConfigError(f"isolation={isolation!r}: accepted 'initial' | 'persistent'")
+    if gc not in GC_POLICIES:
+        raise ConfigError(f"gc={gc!r}: accepted {GC_POLICIES}")
+    if not (1 <= num_ruh <= 65535 and 1 <= num_rg):
+        raise ConfigError(f"num_ruh={num_ruh}, num_rg={num_rg}: need num_ruh in 1..65535, num_rg >= 1")
+    if not 0 <= rgif <= 15 or (1 << rgif) < num_rg:
+        raise ConfigError(f"rgif={rgif}: must be 0..15 and 2**rgif >= num_rg={num_rg}")
+    if gc_free_ru_min < 2:
+        raise ConfigError(f"gc_free_ru_min={gc_free_ru_min}: must be >= 2 (GC needs a spare RU)")
+
+
 class FTLModel:
     """Page-mapped FTL with FDP reclaim groups, RUHs, isolation and GC.
 
@@ -77,24 +100,8 @@ class FTLModel:
                  num_ruh: int = 8, isolation: str = ISOLATION_INITIAL, gc: str = "greedy",
                  page_bytes: int = 64 * 1024, num_rg: int = 1, rgif: int = 0,
                  gc_free_ru_min: int = 3) -> None:
-        if page_bytes <= 0 or page_bytes & (page_bytes - 1):
-            raise ConfigError(f"page_bytes={page_bytes}: must be a power of two")
-        if capacity_bytes <= 0 or capacity_bytes % page_bytes:
-            raise ConfigError(f"capacity_bytes={capacity_bytes}: must be a positive multiple of page_bytes={page_bytes}")
-        if ru_size_bytes <= 0 or ru_size_bytes % page_bytes:
-            raise ConfigError(f"ru_size_bytes={ru_size_bytes}: must be a positive multiple of page_bytes={page_bytes}")
-        if not op_fraction > 0:
-            raise ConfigError(f"op_fraction={op_fraction!r}: must be > 0")
-        if isolation not in (ISOLATION_INITIAL, ISOLATION_PERSISTENT):
-            raise ConfigError(f"isolation={isolation!r}: accepted 'initial' | 'persistent'")
-        if gc not in GC_POLICIES:
-            raise ConfigError(f"gc={gc!r}: accepted {GC_POLICIES}")
-        if not (1 <= num_ruh <= 65535 and 1 <= num_rg):
-            raise ConfigError(f"num_ruh={num_ruh}, num_rg={num_rg}: need num_ruh in 1..65535, num_rg >= 1")
-        if not 0 <= rgif <= 15 or (1 << rgif) < num_rg:
-            raise ConfigError(f"rgif={rgif}: must be 0..15 and 2**rgif >= num_rg={num_rg}")
-        if gc_free_ru_min < 2:
-            raise ConfigError(f"gc_free_ru_min={gc_free_ru_min}: must be >= 2 (GC needs a spare RU)")
+        _check_args(capacity_bytes, ru_size_bytes, op_fraction, num_ruh, isolation, gc, page_bytes, num_rg, rgif,
+                    gc_free_ru_min)
         self.capacity_bytes = int(capacity_bytes)
         self.ru_size_bytes = int(ru_size_bytes)
         self.op_fraction = float(op_fraction)
@@ -133,14 +140,19 @@ class FTLModel:
         self._in_gc = False
         self._clock = 0.0
 
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        """The model's counters at creation: bytes written by the host (HBMW), to the media (whole
+        pages, MBMW) and erased (MBE), per RUH and per tenant, and the events counted."""
         # Counters (bytes). HBMW counts the host's bytes; MBMW whole media pages.
         self.hbmw_bytes = 0
         self.mbmw_bytes = 0
         self.mbe_bytes = 0
         self.trimmed_bytes = 0
         self.invalid_pid_writes = 0
-        self.ruh_host_bytes = np.zeros(num_ruh, dtype=np.int64)      # host bytes per RUH (page-rounded)
-        self.ruh_gc_bytes = np.zeros(num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
+        self.ruh_host_bytes = np.zeros(self.num_ruh, dtype=np.int64)      # host bytes per RUH (page-rounded)
+        self.ruh_gc_bytes = np.zeros(self.num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
         self.gc_runs = 0
         self.ruh_updates = 0
         # Optional tenants: named LBA ranges (set_tenants); bytes per tenant.

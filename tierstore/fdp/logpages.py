@@ -294,7 +294,8 @@ def parse_fdp_events(buf: bytes | memoryview) -> FdpEventsLog:
 # ------------------------------------------------------------- RUH status
 @dataclass(frozen=True)
 class RuhStatusDesc:
-    """RUH Status descriptor (32 bytes): pid le16 @0, ruhid le16 @2, earutr le32 @4 (s), ruamw le64 @8 (logical blocks)."""
+    """RUH Status descriptor (32 bytes): pid le16 @0, ruhid le16 @2, earutr le32 @4 (s), ruamw le64 @8
+    (logical blocks)."""
 
     pid: int
     ruhid: int

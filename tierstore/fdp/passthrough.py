@@ -254,7 +254,8 @@ class IoUring(Ring):
 
     def prep_nvme_cmd(self, fd: int, cmd: NvmeUringCmd | bytes, user_data: int,
                       cmd_op: int = NVME_URING_CMD_IO) -> None:
-        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs ``big=True``).
+        """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs
+        ``big=True``).
 
         A convenience over :meth:`~tierstore.io.ring.Ring.prep_uring_cmd`, whose
         signature ``(fd, cmd_op, cmd, user_data)`` this class keeps unchanged, so a
@@ -265,7 +266,8 @@ class IoUring(Ring):
 
     def prep_write(self, fd: int, addr: int, nbytes: int, offset_bytes: int, user_data: int,
                    write_stream: int = 0) -> None:
-        """Queue an ``IORING_OP_WRITE``; ``write_stream`` (1..255) selects a block-layer write stream (Linux >= 6.16).
+        """Queue an ``IORING_OP_WRITE``; ``write_stream`` (1..255) selects a block-layer write stream (Linux
+        >= 6.16).
 
         Raises
         ------

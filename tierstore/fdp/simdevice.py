@@ -45,7 +45,8 @@ class SimFdpDevice:
         return lp.build_fdp_configs([desc])
 
     def ruh_status_bytes(self) -> bytes:
-        """RUH Status: one descriptor per (reclaim group, placement handle); RUAMW = room left in the open RU."""
+        """RUH Status: one descriptor per (reclaim group, placement handle); RUAMW = room left in the open
+        RU."""
         descs = []
         for g in range(self.ftl.num_rg):
             for h in range(self.ftl.num_ruh):

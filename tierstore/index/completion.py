@@ -21,17 +21,7 @@ from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
 from .introspect import EventLog
 from .placement import Placement
-from .rows import (
-    DOOMED,
-    EVICT,
-    EVICT_HBM,
-    EVICT_HOST,
-    IN,
-    NVME_WRITING,
-    ON_NVME,
-    PENDING,
-    RowTable,
-)
+from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, RowTable
 
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
 

@@ -14,11 +14,12 @@ leaks nothing once aborted (``abort_store``, ``abort_load``).
 
 :class:`BlockIndex` holds the one lock (``_lock``, an RLock, and its ``_idle`` condition), the
 count of plans in flight and the NVMe reads in flight (delay hits); its rooms run under that
-lock: ``rows`` (:class:`~tierstore.index.rows.RowTable`), ``placement``, ``completion``
-(phase two), ``pins`` (references and leases), ``listener`` (the NVMe region manager's
-callbacks) and ``introspect``. *Residency* is separate from *request references*: a block is
-``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or ``EVICTABLE``; one that is active,
-pinned, being read, stored or evicted is never a victim and is copied forward on reclaim.
+lock: ``rows`` (:class:`~tierstore.index.rows.RowTable`), ``lookups`` (the lookup path),
+``placement``, ``completion`` (phase two), ``pins`` (references and leases), ``listener`` (the
+NVMe region manager's callbacks) and ``introspect``. *Residency* is separate from *request
+references*: a block is ``ACTIVE`` (referenced), ``PINNED`` (an unexpired lease) or
+``EVICTABLE``; one that is active, pinned, being read, stored or evicted is never a victim and is
+copied forward on reclaim.
 
 Exact-hit rule: only full blocks are stored and matched; a partial tail is recomputed and
 counted in ``partial_tail_tokens``.
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
+from ..contract import BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
@@ -43,13 +44,10 @@ from ..policies.lifetime import default_classify
 from .completion import Completion
 from .introspect import EventLog, Introspection
 from .listener import NvmeListener
+from .lookup import Lookups
 from .pins import Pins
 from .placement import Placement
 from .rows import NO_HINT, PENDING, RowTable
-
-_TIER_OF_INT = tuple(Tier)
-_LABELS = {int(t): t.name.lower() for t in Tier}
-_HIT_COUNTER = {int(t): f"hit_blocks_{t.name.lower()}" for t in Tier}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +126,53 @@ class IndexRuntime:
     nvme_policy: EvictionPolicy | None = None
 
 
+def _new_blocks(keys: Sequence[bytes], rows: np.ndarray, statuses: list) -> list[int]:
+    """Indices of the ``keys`` a store adds: not in the index (``rows[i] < 0``; doomed rows are
+    detached from the key table, so a row found is live) and not given earlier in the call. The
+    others' ``statuses[i]`` become ``EXISTS``."""
+    n = len(keys)
+    have = (rows >= 0).nonzero()[0].tolist()
+    for i in have:
+        statuses[i] = Status.EXISTS
+    if len(have) == n:
+        return []
+    todo = list(range(n)) if not have else (rows < 0).nonzero()[0].tolist()
+    tk = keys if len(todo) == n else [keys[i] for i in todo]
+    if len(set(tk)) == len(tk):
+        return todo
+    seen: set = set()  # a key given twice in one call: its later copies exist already
+    uniq = []
+    for i in todo:
+        if keys[i] in seen:
+            statuses[i] = Status.EXISTS
+        else:
+            seen.add(keys[i])
+            uniq.append(i)
+    return uniq
+
+
+def _hold_sources(rt: RowTable, plan: LoadPlan, reading: dict[int, threading.Event]) -> None:
+    """Under the index lock: ``plan.sources`` of a new load plan, each source row held as a reader
+    (``plan.rows[i]``: -1 for a key not resident); an NVMe source joins the read in flight of its
+    row (``reading``, a delay hit: ``plan.waits``) or leads a new one (``plan.leads``)."""
+    top, readers, slot, rows = rt.top, rt.readers, rt.slot, plan.rows
+    for i, r in enumerate(rows):
+        t = top(r) if r >= 0 else None
+        if t is None:
+            plan.sources.append(None)
+            rows[i] = -1
+            continue
+        readers[r] += 1
+        plan.sources.append((t, int(slot[t][r]) if t != Tier.NVME else -1))
+        if t == Tier.NVME:
+            ev = reading.get(r)
+            if ev is not None:
+                plan.waits.append(ev)
+            else:
+                reading[r] = threading.Event()
+                plan.leads.append(r)
+
+
 class BlockIndex:
     """Block index, refcounts, pins, states, victim choice and placement decisions.
 
@@ -150,7 +195,7 @@ class BlockIndex:
 
     Attributes
     ----------
-    rows, placement, completion, pins, listener, introspect
+    rows, placement, completion, pins, listener, introspect, lookups
         The rooms (module doc); ``listener`` is what ``build`` hands the NVMe tier.
     """
 
@@ -177,6 +222,11 @@ class BlockIndex:
         self._pending_plans = 0
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
+        self._open_rooms(policies, runtime)
+
+    def _open_rooms(self, policies, runtime: IndexRuntime) -> None:
+        """The rooms that run under the index lock beside ``rows`` and ``placement`` (module doc)."""
+        c = self.shape
         self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
                                      self._now, c.tokens_per_block, runtime.cost, runtime.nvme_policy)
         self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
@@ -185,6 +235,8 @@ class BlockIndex:
                                      self.completion.forget_if_empty, runtime.nvme_policy)
         self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
                                         self.policies, self.pins, runtime.nvme_policy)
+        self.lookups = Lookups(self.rows, self._lock, self._now, self.placement, self.pins, self.listener,
+                               self.metrics, runtime.cost, policies.verify_tokens, c.tokens_per_block)
 
     # ================================================================ helpers
     def _now(self) -> float:
@@ -251,95 +303,8 @@ class BlockIndex:
         LookupResult
         """
         now = self._now()
-        n = len(keys)
-        T = self.tokens_per_block
         with self._lock:
-            rows = self.rows.table.get_many(keys)
-            tops = self.rows.tops(rows)
-            m = self._match(rows, tops, tokens)
-            if m < n and self.placement.rejected:
-                self._count_rejected(keys, m)
-            c = {"lookups": 1, "lookup_blocks": n}
-            if m:
-                tiers, load_s, useful, reason = self._record_hits(keys, rows, tops, m, request_id, now, c)
-                mkeys = list(keys[:m])
-            else:
-                tiers, load_s, useful, reason, mkeys = [], [], 0, None, []
-            c["useful_blocks"] = useful
-            if num_prompt_tokens is not None:
-                c["prompt_tokens"] = num_prompt_tokens
-                c["partial_tail_tokens"] = num_prompt_tokens - n * T
-            self.metrics.add(c)
-        return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id, reason)
-
-    def _match(self, rows: np.ndarray, tops: np.ndarray, tokens: Sequence[np.ndarray] | None) -> int:
-        """Length of the leading run of readable rows (whose stored token ids, with
-        ``verify_tokens``, equal ``tokens``)."""
-        bad = (tops < 0).nonzero()[0]
-        m = int(bad[0]) if bad.size else len(tops)
-        if self.settings.verify_tokens and tokens is not None:
-            stored = self.rows.tokens
-            for i in range(m):
-                r = int(rows[i])
-                if r in stored and not np.array_equal(stored[r], np.asarray(tokens[i], dtype=np.int64)):
-                    self.metrics.inc("verify_mismatch")
-                    return i
-        return m
-
-    def _count_rejected(self, keys: Sequence[bytes], m: int) -> None:
-        """If the first miss ``keys[m]`` was kept off NVMe by admission, count the run of such keys."""
-        rejected = self.placement.rejected
-        if keys[m] not in rejected:
-            return
-        lost = 0
-        for k2 in keys[m:]:
-            if k2 not in rejected:
-                break
-            lost += 1
-        self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
-
-    def _record_hits(self, keys: Sequence[bytes], rows: np.ndarray, tops: np.ndarray, m: int,
-                     request_id: object, now: float, c: dict) -> tuple[list, list[float], int, str | None]:
-        """The ``m`` matched blocks were hit: recency, policies, request references, counters into
-        ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
-        n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
-        mr = rows[:m] if m < n else rows
-        mt = tops[:m] if m < n else tops
-        self.rows.hits[mr] += 1
-        self.rows.last[mr] = now
-        lr = mr.tolist()
-        lt = mt.tolist()
-        counts = np.bincount(mt, minlength=3).tolist()
-        for t in MEMORY_TIERS:
-            if counts[t]:
-                if counts[t] == m:
-                    kt, rt = keys if m == n else keys[:m], lr
-                else:
-                    sel = [j for j, tt in enumerate(lt) if tt == t]
-                    kt, rt = [keys[j] for j in sel], [lr[j] for j in sel]
-                self.policies[t].on_access_many(kt, self.rows.views(rt, kt), now)
-        if self.listener.policy is not None:  # block mode: a hit on any tier refreshes the NVMe copy
-            self.listener.on_hits(keys, lr, now)
-        if request_id is not None:
-            self.rows.refs[mr] += 1
-            self.pins.reference(request_id, lr)
-        cost = self.runtime.cost
-        present = [t for t in range(3) if counts[t]]
-        if len(present) == 1:  # one load call per tier: its latency is paid once
-            load_s = cost.tier_load_s(_LABELS[present[0]], bb, m)
-        else:
-            load_s = cost.chain_load_s([_LABELS[t] for t in lt], bb)
-        useful = cost.useful_prefix(load_s, T)
-        reason = None
-        if useful < m:
-            reason = cost.not_useful_reason([_LABELS[t] for t in lt], load_s, useful, bb, T)
-        c["lookup_hits"] = 1
-        c["hit_blocks"] = m
-        c["matched_tokens"] = m * T
-        for ti in range(3):
-            if counts[ti]:
-                c[_HIT_COUNTER[ti]] = counts[ti]
-        return list(map(_TIER_OF_INT.__getitem__, lt)), load_s, useful, reason
+            return self.lookups.lookup(keys, tokens, request_id, num_prompt_tokens, now)
 
     # ================================================================ store
     def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
@@ -374,28 +339,8 @@ class BlockIndex:
         with self._lock:
             nid = self.rows.namespaces.intern(ns)
             rows = self.rows.table.get_many(keys)
-            # doomed rows are detached from the key table: a row found is live
-            have = (rows >= 0).nonzero()[0].tolist()
-            for i in have:
-                plan.statuses[i] = Status.EXISTS
-            if len(have) == n:
-                todo: list[int] = []
-            elif not have:
-                todo = list(range(n))
-            else:
-                todo = (rows < 0).nonzero()[0].tolist()
+            todo = _new_blocks(keys, rows, plan.statuses)
             tk = keys if len(todo) == n else [keys[i] for i in todo]
-            if len(set(tk)) < len(tk):
-                seen: set = set()  # a key given twice in one call: its later copies exist already
-                uniq = []
-                for i in todo:
-                    if keys[i] in seen:
-                        plan.statuses[i] = Status.EXISTS
-                    else:
-                        seen.add(keys[i])
-                        uniq.append(i)
-                todo = uniq
-                tk = [keys[i] for i in todo]
             if todo:
                 new = self.rows.new_rows(tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now).tolist()
                 if len(todo) == n:
@@ -476,25 +421,8 @@ class BlockIndex:
         Each held row is never a victim until :meth:`complete_load`.
         """
         with self._lock:
-            rt = self.rows
-            top, readers, slot = rt.top, rt.readers, rt.slot
-            rows = rt.table.get_many(keys).tolist()
-            plan = LoadPlan(list(keys), rows, [])
-            for i, r in enumerate(rows):
-                t = top(r) if r >= 0 else None
-                if t is None:
-                    plan.sources.append(None)
-                    rows[i] = -1
-                    continue
-                readers[r] += 1
-                plan.sources.append((t, int(slot[t][r]) if t != Tier.NVME else -1))
-                if t == Tier.NVME:
-                    ev = self._reading.get(r)
-                    if ev is not None:
-                        plan.waits.append(ev)
-                    else:
-                        self._reading[r] = threading.Event()
-                        plan.leads.append(r)
+            plan = LoadPlan(list(keys), self.rows.table.get_many(keys).tolist(), [])
+            _hold_sources(self.rows, plan, self._reading)
             self._pending_plans += 1
             return plan
 

@@ -4,7 +4,8 @@ The segment store owns NVMe space and evicts whole regions. Before it drops a re
 :meth:`NvmeListener.on_reclaim` which of the region's blocks to keep (copy forward): those in use,
 pinned, being read or written, and those the reinsertion policy predicts will be reused. Then it
 says what left (:meth:`NvmeListener.on_dropped`). With ``eviction_granularity: block`` it asks
-:meth:`NvmeListener.pick_victims` for single blocks, in the order of the index's NVMe policy. At start-up :meth:`NvmeListener.adopt` indexes
+:meth:`NvmeListener.pick_victims` for single blocks, in the order of the index's NVMe policy. At start-up
+:meth:`NvmeListener.adopt` indexes
 what a persistent NVMe tier recovered. It runs under the index lock it is given
 (``BlockIndex._lock``) and has none of its own; ``build.assemble`` attaches it.
 """

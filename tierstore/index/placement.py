@@ -270,23 +270,29 @@ class Placement:
         for r in vrows:
             plan.frees.append((r, tier, int(self.rows.slot[tier][r])))
         if demote and Tier.NVME in self.tiers:
-            admit = self.admit
-            for r, k in demote:
-                if admit is not None and not admit(self.rows.view(r, k)):
-                    self.rejected[k] = None
-                    self.metrics.add({"admission_rejected_blocks": 1,
-                                      "admission_rejected_bytes": self.rows.block_bytes})
-                    if self.remote_victims:
-                        plan.lost.append((k, tier, int(self.rows.slot[tier][r])))
-                    continue
-                self.rows.flags[r] |= NVME_WRITING
-                plan.nvme_demote.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), Tier.NVME, -1,
-                                                 self.nvme_lifetime(r, k, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
-            while len(self.rejected) > self.REJECTED_KEYS_MAX:
-                self.rejected.pop(next(iter(self.rejected)))
+            self._demote_to_nvme(tier, demote, plan, now)
         elif demote and self.remote_victims:
             plan.lost.extend((k, tier, int(self.rows.slot[tier][r])) for r, k in demote)
         return vrows
+
+    def _demote_to_nvme(self, tier: Tier, demote: list[tuple[int, bytes]], plan: StorePlan, now: float) -> None:
+        """Victims of ``tier`` without a lower copy go to NVMe when admitted (``plan.nvme_demote``,
+        with their lifetime class); a rejected one is remembered in ``rejected`` (bounded), counted,
+        and, with ``remote_victims``, listed in ``plan.lost``."""
+        admit = self.admit
+        for r, k in demote:
+            if admit is not None and not admit(self.rows.view(r, k)):
+                self.rejected[k] = None
+                self.metrics.add({"admission_rejected_blocks": 1,
+                                  "admission_rejected_bytes": self.rows.block_bytes})
+                if self.remote_victims:
+                    plan.lost.append((k, tier, int(self.rows.slot[tier][r])))
+                continue
+            self.rows.flags[r] |= NVME_WRITING
+            plan.nvme_demote.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), Tier.NVME, -1,
+                                             self.nvme_lifetime(r, k, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
+        while len(self.rejected) > self.REJECTED_KEYS_MAX:
+            self.rejected.pop(next(iter(self.rejected)))
 
     def plan_promotions(self, promos: list, now: float) -> PromotePlan | None:
         """Reserve faster slots for just-loaded blocks. A promotion never writes

@@ -40,6 +40,8 @@ from ..errors import ConfigError
 from ..units import format_bytes
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from ..api import KVStore, KVStoreProtocol
     from ..layout import KVLayout
 
@@ -142,7 +144,7 @@ DERIVED_LAYOUT = {"layout": "'layout' is derived from the engine's KV cache; rem
 _NO_TIER = "no tier configured; give tiers.nvme {path, capacity_bytes} and/or tiers.host {capacity_bytes}"
 
 
-def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, section_model: type,
+def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, section_model: type[BaseModel],
                        what: str, *, refuse: Mapping[str, str] = DERIVED_LAYOUT, secondary: str | None = None,
                        note: str = "") -> tuple[StoreConfig, Any]:
     """Validate an engine's extra-config dict: the store's sections plus the connector's own keys.

@@ -121,6 +121,51 @@ class SGLangStorageConfig(BaseModel):
         return self.tenant or self.extra_backend_tag or "default"
 
 
+def _mla_views(pool: Any, buf: torch.Tensor, layout: str, n_pages: int, P: int, L: int) -> tuple:
+    """``(heads, head_dim, block order, layer tensors, block_dim, kv_dim)`` of an MLA host pool's
+    ``kv_buffer`` in ``layout`` (the latent of a token split in two halves, as K and V)."""
+    C = int(pool.kv_cache_dim)
+    if C % 2:
+        raise ConfigError(f"MLA latent width kv_cache_dim={C} is odd; tierstore's layout splits a "
+                          "token's latent into two equal halves")
+    heads, head_dim = 1, C // 2
+    if layout == "page_first":  # (pages*P, L, 1, C): a page is one run, cut in two halves
+        order = "kv_layer"
+        layers = [buf.view(n_pages, 2, P * L * C // 2)]
+        block_dim, kv_dim = 0, 1
+    elif layout == "layer_first":  # (L, pages*P, 1, C)
+        order = "layer_fused"
+        layers = [buf[layer].view(n_pages, P * C) for layer in range(L)]
+        block_dim, kv_dim = 0, None
+    else:  # page_first_direct (pages, L, P, 1, C)
+        order = "layer_fused"
+        layers = [buf[:, layer].reshape(n_pages, P * C) for layer in range(L)]
+        block_dim, kv_dim = 0, None
+    return heads, head_dim, order, layers, block_dim, kv_dim
+
+
+def _mha_views(pool: Any, buf: torch.Tensor, layout: str, n_pages: int, P: int, L: int) -> tuple:
+    """``(heads, head_dim, block order, layer tensors, block_dim, kv_dim)`` of an MHA host pool's
+    ``kv_buffer`` in ``layout``."""
+    H, D = int(pool.head_num), int(pool.head_dim)
+    if int(getattr(pool, "v_head_dim", D)) != D:
+        raise ConfigError("K and V head dims differ; tierstore's layout has one head_dim")
+    heads, head_dim = H, D
+    if layout == "page_first":  # (2, pages*P, L, H, D)
+        order = "kv_layer"
+        layers = [buf.view(2, n_pages, P * L * H * D)]
+    elif layout == "layer_first":  # (2, L, pages*P, H, D)
+        order = "layer_kv"
+        v = buf.view(2, L, n_pages, P * H * D)
+        layers = [v[:, layer] for layer in range(L)]
+    else:  # page_first_direct (2, pages, L, P, H, D)
+        order = "layer_kv"
+        v = buf.view(2, n_pages, L, P * H * D)
+        layers = [v[:, :, layer] for layer in range(L)]
+    block_dim, kv_dim = 1, 0
+    return heads, head_dim, order, layers, block_dim, kv_dim
+
+
 class HostPoolView:
     """SGLang's host KV pool seen as tierstore blocks (one block = one page).
 
@@ -178,41 +223,8 @@ class HostPoolView:
         self.is_mla = kind is MLATokenToKVPoolHost
         self.host_layout = layout
         self.dtype = buf.dtype
-        if self.is_mla:
-            C = int(pool.kv_cache_dim)
-            if C % 2:
-                raise ConfigError(f"MLA latent width kv_cache_dim={C} is odd; tierstore's layout splits a "
-                                  "token's latent into two equal halves")
-            heads, head_dim = 1, C // 2
-            if layout == "page_first":  # (pages*P, L, 1, C): a page is one run, cut in two halves
-                order = "kv_layer"
-                layers = [buf.view(n_pages, 2, P * L * C // 2)]
-                block_dim, kv_dim = 0, 1
-            elif layout == "layer_first":  # (L, pages*P, 1, C)
-                order = "layer_fused"
-                layers = [buf[layer].view(n_pages, P * C) for layer in range(L)]
-                block_dim, kv_dim = 0, None
-            else:  # page_first_direct (pages, L, P, 1, C)
-                order = "layer_fused"
-                layers = [buf[:, layer].reshape(n_pages, P * C) for layer in range(L)]
-                block_dim, kv_dim = 0, None
-        else:
-            H, D = int(pool.head_num), int(pool.head_dim)
-            if int(getattr(pool, "v_head_dim", D)) != D:
-                raise ConfigError("K and V head dims differ; tierstore's layout has one head_dim")
-            heads, head_dim = H, D
-            if layout == "page_first":  # (2, pages*P, L, H, D)
-                order = "kv_layer"
-                layers = [buf.view(2, n_pages, P * L * H * D)]
-            elif layout == "layer_first":  # (2, L, pages*P, H, D)
-                order = "layer_kv"
-                v = buf.view(2, L, n_pages, P * H * D)
-                layers = [v[:, layer] for layer in range(L)]
-            else:  # page_first_direct (2, pages, L, P, H, D)
-                order = "layer_kv"
-                v = buf.view(2, n_pages, L, P * H * D)
-                layers = [v[:, :, layer] for layer in range(L)]
-            block_dim, kv_dim = 1, 0
+        views = _mla_views if self.is_mla else _mha_views
+        heads, head_dim, order, layers, block_dim, kv_dim = views(pool, buf, layout, n_pages, P, L)
         self.layout = KVLayout(L, heads, head_dim, buf.dtype, P, f"sglang-{layout}", order)
         self.pages = KVPagePool(layers, block_dim=block_dim, kv_dim=kv_dim)
         if self.pages.block_bytes != self.layout.bytes_per_block:

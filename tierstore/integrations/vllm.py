@@ -150,6 +150,40 @@ def _layer_index(name: str) -> int:
     return nums[0]
 
 
+def _page_pool(layers: list[torch.Tensor], num_blocks: int, block_size: int, num_kv_heads: int,
+               head_size: int, desc: str) -> tuple[KVPagePool, KVLayout, str]:
+    """``(pool, layout, interior)`` of the known per-layer shapes (:func:`detect_engine_layout`);
+    ``desc`` describes the first layer for the error of an unknown one."""
+    t0 = layers[0]
+    shape = tuple(t0.shape)
+    if (len(shape) == 4 and shape[0] % num_blocks == 0 and shape[1] == num_kv_heads
+            and shape[3] == 2 * head_size and shape[0] // num_blocks * shape[2] == block_size):
+        ratio = shape[0] // num_blocks
+        if ratio > 1:  # kernel blocks: vLLM block b is kernel blocks [b*ratio, (b+1)*ratio)
+            layers, interior = _physical([t.unflatten(0, (num_blocks, ratio)) for t in layers], 1, "KHNC")
+            interior = f"k{shape[2]}/{interior}"
+        else:
+            layers, interior = _physical(layers, 1, "HNC")
+        pool = KVPagePool(layers, block_dim=0, kv_dim=None)
+        lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_fused")
+    elif (len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
+          and shape[3] == num_kv_heads and shape[4] == head_size):
+        layers, interior = _physical(layers, 2, "NHD")
+        pool = KVPagePool(layers, block_dim=1, kv_dim=0)
+        lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
+    elif (len(shape) == 5 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
+          and shape[3] == num_kv_heads and shape[4] == head_size):
+        layers, interior = _physical(layers, 2, "NHD")
+        pool = KVPagePool(layers, block_dim=0, kv_dim=1)
+        lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
+    else:
+        raise LayoutError(
+            f"unknown vLLM KV cache layout: {desc}. Supported per layer: (blocks, kv_heads, "
+            "block_size, 2*head_size) [vLLM >= 0.32], (2, blocks, block_size, kv_heads, head_size) "
+            "[FlashAttention], (blocks, 2, block_size, kv_heads, head_size) [FlashInfer]; not MLA")
+    return pool, lay, interior
+
+
 def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int,
                          num_kv_heads: int, head_size: int, head_size_v: int | None = None) -> EngineLayout:
     """Map vLLM's registered KV cache tensors to a :class:`KVLayout` and a :class:`KVPagePool`.
@@ -187,33 +221,8 @@ def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, bl
             f"head_size={head_size}, head_size_v={head_size_v})")
     if head_size_v != head_size:
         raise LayoutError(f"unsupported KV cache: K and V head sizes differ; {desc}")
-    shape = tuple(t0.shape)
     try:
-        if (len(shape) == 4 and shape[0] % num_blocks == 0 and shape[1] == num_kv_heads
-                and shape[3] == 2 * head_size and shape[0] // num_blocks * shape[2] == block_size):
-            ratio = shape[0] // num_blocks
-            if ratio > 1:  # kernel blocks: vLLM block b is kernel blocks [b*ratio, (b+1)*ratio)
-                layers, interior = _physical([t.unflatten(0, (num_blocks, ratio)) for t in layers], 1, "KHNC")
-                interior = f"k{shape[2]}/{interior}"
-            else:
-                layers, interior = _physical(layers, 1, "HNC")
-            pool = KVPagePool(layers, block_dim=0, kv_dim=None)
-            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_fused")
-        elif (len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
-              and shape[3] == num_kv_heads and shape[4] == head_size):
-            layers, interior = _physical(layers, 2, "NHD")
-            pool = KVPagePool(layers, block_dim=1, kv_dim=0)
-            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
-        elif (len(shape) == 5 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
-              and shape[3] == num_kv_heads and shape[4] == head_size):
-            layers, interior = _physical(layers, 2, "NHD")
-            pool = KVPagePool(layers, block_dim=0, kv_dim=1)
-            lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
-        else:
-            raise LayoutError(
-                f"unknown vLLM KV cache layout: {desc}. Supported per layer: (blocks, kv_heads, "
-                "block_size, 2*head_size) [vLLM >= 0.32], (2, blocks, block_size, kv_heads, head_size) "
-                "[FlashAttention], (blocks, 2, block_size, kv_heads, head_size) [FlashInfer]; not MLA")
+        pool, lay, interior = _page_pool(layers, num_blocks, block_size, num_kv_heads, head_size, desc)
     except LayoutError as e:
         if str(e).startswith("unknown vLLM KV cache layout"):
             raise

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, LayoutError
+from ..errors import ConfigError, InvariantError, LayoutError
 from .copies import Copier, one_omp_thread
 from .engine import IOEngine, IOFuture, alloc_aligned
 from .pages import FragmentPlan, _merged_runs, align_up, fragment_nbytes, gather_fragments, scatter_fragments
@@ -253,6 +253,8 @@ class ExtentPipeline:
             if i + 1 < len(jobs):
                 submit(i + 1)
             entry = inflight[i % 2]
+            if entry is None:  # submit(i) filled it
+                raise InvariantError(f"read {i} of {len(jobs)} was never submitted")
             _, fut, err, n = entry
             if fut is not None:
                 try:

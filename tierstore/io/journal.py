@@ -192,7 +192,8 @@ def check_owner(res: ReadResult, path: str, owner_id: bytes) -> None:
         raise ForeignDataError(
             f"{path}: the journal of another tier (store id {res.owner_id.hex()}; this tier is "
             f"{owner_id[:16].hex()}): its tombstones and segment resets would drop this tier's blocks. "
-            "Give this tier its own journal_path, or remove that file if its tier is gone. Nothing was changed.")
+            "Give this tier its own journal_path, or remove that file if its tier is gone. Nothing was "
+            "changed.")
 
 
 def _ours(path: str) -> bool:
@@ -353,7 +354,8 @@ class Journal(Closing):
             check_owner(res, path, owner_id)
             if res.good_after_bad:
                 raise CorruptData(
-                    f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but {res.good_after_bad} "
+                    f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but "
+                    f"{res.good_after_bad} "
                     "later records are good: the journal is damaged, not torn; it was left as it is")
             self.opened = res
             self.records = list(res.records)

@@ -216,7 +216,8 @@ def refusal(t: Target, what: str = "tiers.nvme.path") -> str:
     how = FORMAT_HOW_DEVICE if t.is_device else FORMAT_HOW
     if t.kind == "legacy":
         return (f"{what}={t.path!r}: holds a tierstore NVMe tier of the earlier format without a label "
-                f"({size}); this tierstore cannot reopen it. Its blocks are a cache: delete the file, or reformat "
+                f"({size}); this tierstore cannot reopen it. Its blocks are a cache: delete the file, or "
+                "reformat "
                 f"it ({how}). Nothing was written")
     if t.is_device:
         return (f"{what}={t.path!r}: a {size} device without tierstore's label ({found}); formatting it destroys "

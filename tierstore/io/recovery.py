@@ -127,7 +127,6 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
         A block of another size than ``segs.block_bytes`` (nothing is changed).
     """
     S = segs.segment_bytes
-    bb = segs.block_bytes
     out = RecoveryCounts()
     buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
     max_seq = 0
@@ -141,32 +140,10 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
                 out.stale_segments.append(si)  # reset durably; its trim was lost or ignored
                 h = None
                 break
-            dead = js.dead.get((si, h.segment_gen), {})
-            other = {e.length_bytes for e in h.entries} - {bb}
-            if other:
-                raise ConfigError(layout_refusal(path, bb, other))
-            good = list(h.entries)
-            if verify:
-                good = [e for e in h.entries
-                        if _verify_at(engine, bb, e.key, base + pos + e.payload_offset, e.payload_crc32c)]
-                out.dropped_blocks += len(h.entries) - len(good)
-            for e in good:
-                if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
-                    out.invalidated_blocks += 1
-                    continue
-                if _tombstoned(dead, base + pos + e.payload_offset, e.key, si, out):
-                    continue
-                _adopt(engine, segs, locator, si, base + pos + e.payload_offset, e, h.seq)
-            segs.written[si] += len(h.entries)
+            _adopt_extent(engine, segs, locator, si, base + pos, h, js.dead.get((si, h.segment_gen), {}),
+                          invalidated, verify, path, out)
             max_seq = max(max_seq, h.seq)
-        if h is not None:
-            pos += h.total_bytes
-            segs.state[si] = SegmentState.SEALED
-            segs.gen[si] = h.segment_gen
-            segs.wp[si] = pos
-            segs.sealed_at[si] = h.seq
-        else:
-            segs.wp[si] = start
+        _end_chain(segs, si, h, pos, start)
     segs.next_seq = max(max_seq, max(invalidated.values(), default=0), max(js.reset_gen.values(), default=0)) + 1
     # Recovered segments are never appended to again (sealed until
     # reclaimed): a torn extent ends a chain, but complete extents of a dead
@@ -182,6 +159,49 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
     empty = (segs.state == SegmentState.SEALED) & (segs.live == 0)
     out.empty_segments = [int(si) for si in empty.nonzero()[0]]
     return out
+
+
+def _end_chain(segs: SegmentManager, si: int, h, pos: int, start: int) -> None:
+    """Segment ``si`` after its chain was read: sealed at the end of its last extent ``h`` (at
+    ``pos``), with that extent's gen and seq; without one (empty, or stale), its write pointer at
+    the chain's ``start``."""
+    if h is not None:
+        segs.state[si] = SegmentState.SEALED
+        segs.gen[si] = h.segment_gen
+        segs.wp[si] = pos + h.total_bytes
+        segs.sealed_at[si] = h.seq
+    else:
+        segs.wp[si] = start
+
+
+def _adopt_extent(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, si: int, ext_off: int, h,
+                  dead: dict, invalidated: dict[bytes, int], verify: bool, path: str | None,
+                  out: RecoveryCounts) -> None:
+    """Adopt the blocks of the extent at device offset ``ext_off`` of segment ``si`` (header ``h``):
+    each one not failing its CRC (``verify``), not invalidated after it was written and not
+    tombstoned (``dead``: the journal's dead blocks of this segment generation); counted in ``out``.
+
+    Raises
+    ------
+    ConfigError
+        A block of another size than ``segs.block_bytes``.
+    """
+    bb = segs.block_bytes
+    other = {e.length_bytes for e in h.entries} - {bb}
+    if other:
+        raise ConfigError(layout_refusal(path, bb, other))
+    good = list(h.entries)
+    if verify:
+        good = [e for e in h.entries if _verify_at(engine, bb, e.key, ext_off + e.payload_offset, e.payload_crc32c)]
+        out.dropped_blocks += len(h.entries) - len(good)
+    for e in good:
+        if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
+            out.invalidated_blocks += 1
+            continue
+        if _tombstoned(dead, ext_off + e.payload_offset, e.key, si, out):
+            continue
+        _adopt(engine, segs, locator, si, ext_off + e.payload_offset, e, h.seq)
+    segs.written[si] += len(h.entries)
 
 
 def _tombstoned(dead: dict, off: int, key: bytes, si: int, out: RecoveryCounts) -> bool:

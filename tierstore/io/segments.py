@@ -9,11 +9,13 @@ rooms that hold data and never lock on their own (they run under the locks it pa
 * :data:`~tierstore.io.segment_policies.SEGMENT_POLICY`: the eviction order (``region_policy``);
 * :class:`~tierstore.io.locator.BlockLocator`: key -> (segment, offset, length);
 * :class:`~tierstore.io.segment_reads.SegmentReader`: the read path;
+* :class:`~tierstore.io.segment_writes.SegmentWriter`: the write path (extents written,
+  acknowledged, indexed) and the trim that returns a segment to the clean pool;
 * :class:`~tierstore.io.invalidation_log.InvalidationLog` and :mod:`tierstore.io.recovery`
   (label, extent chains, a smaller tier) at open.
 
-It owns the write path and eviction: blocks of a put are gathered into extents
-(:mod:`tierstore.io.batch`) appended to their stream's open segment; when no free segment is left
+It owns eviction: blocks of a put are gathered into extents appended to their stream's open
+segment (:mod:`tierstore.io.segment_writes`); when no free segment is left
 (beyond ``reserve_segments``), one sealed segment is evicted: the listener (the index) says which
 live blocks to keep, those are copied forward (``gc_bytes_written``), the rest are dropped and
 reported (:meth:`RegionListener.on_dropped`), and the segment is trimmed.
@@ -28,7 +30,6 @@ format and durability: :mod:`tierstore.io.format`.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -47,17 +48,17 @@ from . import label as lbl
 from . import recovery
 from .batch import DEFAULT_EXTENT_BYTES, ExtentPipeline
 from .block_eviction import GRANULARITIES, BlockEviction, live_budget_for
-from .copies import one_omp_thread
 from .engine import IOEngine
 from .factory import open_engine
 from .file import undo_open
 from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
-from .pages import FragmentPlan, check_distinct_destinations, plan_fragments
-from .segment_manager import NO_PLACEMENT, ExtentPlan, SegmentManager, SegmentState
+from .pages import check_distinct_destinations, plan_fragments
+from .segment_manager import NO_PLACEMENT, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
+from .segment_writes import SegmentWriter
 
 __all__ = ["SegmentStorage", "SegmentState", "choose_segment_size", "DEFAULT_SEGMENT_BYTES", "MIN_SEGMENTS",
            "TARGET_SEGMENTS", "REGION_POLICIES"]
@@ -71,24 +72,16 @@ MIN_SEGMENTS = 8
 #: Segments a tier is cut into when its size allows (segment eviction then frees
 #: about 1/64 of the tier at a time).
 TARGET_SEGMENTS = 64
-_NOSPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+#: The store's counters (:meth:`SegmentStorage.stats`), all 0 at open.
+_COUNTERS = ("user_bytes_written", "gc_bytes_written", "bytes_loaded", "extents_written", "put_blocks_ok",
+             "put_no_space", "put_io_error", "get_hits", "get_misses", "get_io_errors", "corrupt_blocks",
+             "segments_reclaimed", "gc_runs", "regions_evicted", "region_evicted_blocks", "region_kept_blocks",
+             "recovered_blocks", "recovery_dropped_blocks", "preallocate_errors", "trim_errors",
+             "invalidated_blocks", "recovery_invalidated_blocks")
 #: The accepted ``region_policy`` names (:data:`SEGMENT_POLICY`), for old imports.
 REGION_POLICIES = tuple(SEGMENT_POLICY.names())
 _log = logging.getLogger(__name__)
 
-
-def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
-    """``rows[i:i + k]`` when ``plans`` are the plans of rows ``i .. i + k - 1``
-    of one :class:`~tierstore.io.pages.BlockRows` (one copy moves them all), else None."""
-    first = getattr(plans[0], "row_of", None) if plans else None
-    if first is None or len(plans) < 2:
-        return None
-    rows, i0 = first
-    for j, p in enumerate(plans):
-        r = getattr(p, "row_of", None)
-        if r is None or r[0] is not rows or r[1] != i0 + j:
-            return None
-    return rows[i0:i0 + len(plans)]
 
 #: Segments kept free for eviction's copy-forward (the store's default; ``serve --check`` uses it too).
 RESERVE_SEGMENTS = 1
@@ -199,44 +192,27 @@ def _get_args(keys, dest_fragments_per_block, block_bytes: int) -> tuple[list, l
     return keys, dests
 
 
-def _extent_filler(p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data: bool,
-                   pipe: ExtentPipeline) -> Callable[[torch.Tensor], int]:
-    """``fill(buf)``: lay out the extent of ``p`` in the staging buffer (header, payloads,
-    padding) and record its entries in ``p.entries``; returns the bytes used."""
-    slot = fmt.block_slot_bytes(block_bytes)
-    bb = block_bytes
+def _group_new(keys: list[bytes], placements: list, present) -> tuple[list, dict[int | None, list[int]]]:
+    """``(status, groups)`` of a put: ``EXISTS`` for a key ``present`` (its row, ``>= 0``; ``None``:
+    nothing is) or earlier in ``keys``, ``None`` for the others, grouped by placement stream."""
+    status: list[Status | None] = [None] * len(keys)
+    seen: set[bytes] = set()
+    groups: dict[int | None, list[int]] = {}
+    for i, k in enumerate(keys):
+        if (present is not None and present[i] >= 0) or k in seen:
+            status[i] = Status.EXISTS
+            continue
+        seen.add(k)
+        groups.setdefault(placements[i], []).append(i)
+    return status, groups
 
-    def fill(buf: torch.Tensor) -> int:
-        mv = memoryview(buf.numpy())
-        hb = fmt.header_bytes_for(len(p.idx))
-        jobs = [(i, hb + j * slot) for j, i in enumerate(p.idx)]
-        end = hb + len(jobs) * slot
-        if not keep_data:  # accounting mode: the real header, payload and padding unwritten
-            p.entries = [fmt.BlockEntry(keys[i], nss[i], pos, bb, 0) for i, pos in jobs]
-            fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, p.entries)
-            return end
-        # Copies back to back (see ExtentPipeline.gather_blocks), then CRC-32C
-        # on the copy threads (crc32c releases the GIL).
-        mine = [frags[i] for i in p.idx]
-        k = len(mine)
-        rows = _consecutive_rows(mine)
-        if rows is not None:  # rows i..i+k of one BlockRows: one strided copy, on one OpenMP thread
-            with one_omp_thread():
-                buf.as_strided((k, bb), (slot, 1), buf.storage_offset() + hb).copy_(rows)
-        else:
-            pipe.gather_blocks(mine, buf, [pos for _, pos in jobs])
-        if slot > bb:
-            with one_omp_thread():
-                buf.as_strided((k, slot - bb), (slot, 1), buf.storage_offset() + hb + bb).zero_()
 
-        def one(job) -> fmt.BlockEntry:
-            i, pos = job
-            return fmt.BlockEntry(keys[i], nss[i], pos, bb, fmt.payload_crc(keys[i], mv[pos:pos + bb]))
-        entries = pipe.map(one, jobs)
-        fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
-        p.entries = entries
-        return end
-    return fill
+def _invalidation_log(path: str | None, log: str | None | bool) -> InvalidationLog | None:
+    """The tier's invalidation log: ``log`` (a path; ``False``: none), by default
+    ``<path>.invalidations`` beside a regular file and none for devices and memory."""
+    if log is None:
+        log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
+    return InvalidationLog(log) if log else None
 
 
 def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int, owns_engine: bool | None,
@@ -387,47 +363,21 @@ class SegmentStorage(BlockStorage):
         self._labelled = (path is not None) if label is None else bool(label)
         seg_b, ext_b = _check_sizes(cap, block_bytes, segment_size_bytes, extent_size_bytes, reserve_segments,
                                     region_policy, self._labelled)
-        n_seg = cap // seg_b
         self.block_bytes = int(block_bytes)
         self.segment_size_bytes = seg_b
-        self.n_segments = n_seg
+        self.n_segments = cap // seg_b
         self.reserve_segments = int(reserve_segments)
         self.region_policy = region_policy
         self.eviction_granularity = eviction_granularity
-        self.extent_size_bytes, bpe = fmt.blocks_per_extent_for(ext_b, seg_b, self.block_bytes)
-        self.blocks_per_extent = bpe
+        self.extent_size_bytes, self.blocks_per_extent = fmt.blocks_per_extent_for(ext_b, seg_b, self.block_bytes)
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._metadata_placement = metadata_placement
-        self.engine, self._own_engine = _engine_for(engine, path, n_seg, seg_b, owns_engine, format, iodepth,
-                                                    max_io_bytes)
+        self.engine, self._own_engine = _engine_for(engine, path, self.n_segments, seg_b, owns_engine, format,
+                                                    iodepth, max_io_bytes)
         self.path = path
         self._listener = listener
-        # Two pipelines: reads never wait for a writer's staging buffers.
-        self._wpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
-        self._rpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
-        self._lock = threading.Lock()              # metadata only, never across I/O
-        self._write_lock = threading.RLock()       # one writer at a time (across write I/O)
-        self._read_lock = threading.Lock()         # one user of the read pipeline at a time
-        self._readers_done = threading.Condition(self._lock)
-        self._st = {"user_bytes_written": 0, "gc_bytes_written": 0, "bytes_loaded": 0,
-                    "extents_written": 0, "put_blocks_ok": 0, "put_no_space": 0,
-                    "put_io_error": 0, "get_hits": 0, "get_misses": 0, "get_io_errors": 0,
-                    "corrupt_blocks": 0, "segments_reclaimed": 0, "gc_runs": 0,
-                    "regions_evicted": 0, "region_evicted_blocks": 0, "region_kept_blocks": 0,
-                    "recovered_blocks": 0, "recovery_dropped_blocks": 0, "preallocate_errors": 0,
-                    "trim_errors": 0, "invalidated_blocks": 0, "recovery_invalidated_blocks": 0}
-        start0 = lbl.LABEL_BYTES if self._labelled else 0  # where segment 0's chain starts
-        self._segs = SegmentManager(n_seg, seg_b, self.block_bytes, bpe, self.reserve_segments, start0,
-                                    SEGMENT_POLICY.make("min_live" if block else region_policy), self._lock,
-                                    self.engine.preallocate, self._st)
-        self._blk: BlockEviction | None = None
-        self._loc = BlockLocator(max(1024, self.capacity_blocks() + 1), seg_b, self._slot_bytes)
-        self._reader = SegmentReader(self.engine, self._rpipe, self._loc, self._segs, self._read_lock,
-                                     self.extent_size_bytes, self.keep_data, self._st)
-        self._closed = False
-        if invalidation_log is None:
-            invalidation_log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
-        self._inval_log = InvalidationLog(invalidation_log) if invalidation_log else None
+        self._make_rooms(copy_threads, "min_live" if block else region_policy)
+        self._inval_log = _invalidation_log(path, invalidation_log)
         try:
             budget = live_budget_for(self._segs, live_fraction) if block else 0
             self._open(format, verify_on_recovery, (journal_path, block, budget, parse_size(trim_min_bytes,
@@ -440,6 +390,29 @@ class SegmentStorage(BlockStorage):
                 if not isinstance(engine, IOEngine):
                     undo_open(self.engine, path)  # a file this open created or grew: as it was
             raise
+
+    def _make_rooms(self, copy_threads: int | None, segment_policy: str) -> None:
+        """The locks, the two pipelines, the counters and the rooms (module doc) over the open engine."""
+        # Two pipelines: reads never wait for a writer's staging buffers.
+        self._wpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
+        self._rpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
+        self._lock = threading.Lock()              # metadata only, never across I/O
+        self._write_lock = threading.RLock()       # one writer at a time (across write I/O)
+        self._read_lock = threading.Lock()         # one user of the read pipeline at a time
+        self._readers_done = threading.Condition(self._lock)
+        self._st = dict.fromkeys(_COUNTERS, 0)
+        start0 = lbl.LABEL_BYTES if self._labelled else 0  # where segment 0's chain starts
+        self._segs = SegmentManager(self.n_segments, self.segment_size_bytes, self.block_bytes,
+                                    self.blocks_per_extent, self.reserve_segments, start0,
+                                    SEGMENT_POLICY.make(segment_policy), self._lock, self.engine.preallocate,
+                                    self._st)
+        self._blk: BlockEviction | None = None
+        self._loc = BlockLocator(max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes)
+        self._reader = SegmentReader(self.engine, self._rpipe, self._loc, self._segs, self._read_lock,
+                                     self.extent_size_bytes, self.keep_data, self._st)
+        self._writer = SegmentWriter(self.engine, self._wpipe, self._loc, self._segs, self._readers_done,
+                                     self.block_bytes, self.keep_data, self._st)
+        self._closed = False
 
     def _open(self, format: bool, verify: bool, blk: tuple) -> None:
         """Check the label, open the journal (``blk``: path, block mode, live budget, trim_min_bytes;
@@ -455,6 +428,7 @@ class SegmentStorage(BlockStorage):
         if blk[1]:
             self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes, blk[2], blk[3],
                                       journal, self._lock, self._st)
+            self._writer.blk = self._blk
         inval = self._inval_log.read() if self._inval_log is not None else {}
         found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
                                  self.path, state)
@@ -472,7 +446,7 @@ class SegmentStorage(BlockStorage):
         self._st["recovered_blocks"] = found.recovered_blocks
         for si in found.empty_segments:
             self._segs.state[si] = SegmentState.RECLAIMING
-            self._finish_reclaim(si)
+            self._writer.finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
         if old is not None and old.n_segments > self.n_segments:
             dropped, trim_errors = recovery.drop_beyond(self.engine, self._segs, self._loc, inval,
@@ -515,7 +489,7 @@ class SegmentStorage(BlockStorage):
         if self._blk is not None:
             self._blk.commit()
         for si in empty:
-            self._finish_reclaim(si)
+            self._writer.finish_reclaim(si)
 
     def locate(self, key: bytes) -> tuple[int, int] | None:
         """``(segment, payload device offset)`` of ``key``, or ``None`` (for tools and tests)."""
@@ -658,7 +632,7 @@ class SegmentStorage(BlockStorage):
                     if key in dropped:
                         self._blk.retire(off // self.segment_size_bytes, off, key)
             for si in empty:
-                self._finish_reclaim(si)
+                self._writer.finish_reclaim(si)
             # a block lost is said, not only counted (the caller sees IO_ERROR: a miss, recomputed)
             _log.warning("%s: %d NVMe block(s) failed their read or payload CRC-32C and were dropped "
                          "(served as misses, never as KV); corrupt_blocks=%d", self.path or "NVMe tier",
@@ -709,28 +683,18 @@ class SegmentStorage(BlockStorage):
 
     # =============================================================== internals
     def _put_locked(self, keys, plans, placements, nss, gc: bool) -> list[Status]:
-        n = len(keys)
         with self._lock:
             if self._closed:
                 raise StoreClosedError("SegmentStorage is closed")
-            status: list[Status | None] = [None] * n
-            seen: set[bytes] = set()
-            groups: dict[int | None, list[int]] = {}
-            present = self._loc.rows_of(keys) if not gc else None
-            for i, k in enumerate(keys):
-                if (present is not None and present[i] >= 0) or k in seen:
-                    status[i] = Status.EXISTS
-                    continue
-                seen.add(k)
-                groups.setdefault(placements[i], []).append(i)
+            status, groups = _group_new(keys, placements, self._loc.rows_of(keys) if not gc else None)
         if self._blk is not None and not gc:  # block mode: make room by single blocks first
             for si in self._blk.make_room(groups, status, self._listener, Status.NO_SPACE):
-                self._finish_reclaim(si)
+                self._writer.finish_reclaim(si)
         # Plan, write and acknowledge what fits; then evict a region and retry.
         while groups:
             with self._lock:
                 plan, leftover = self._segs.plan_extents(groups, allow_reserve=gc)
-            self._write_plans(plan, keys, plans, nss, status, gc)
+            self._writer.write(plan, keys, plans, nss, status, gc)
             if leftover and not gc and _evict_one_segment(self):
                 groups = leftover
                 continue
@@ -745,108 +709,6 @@ class SegmentStorage(BlockStorage):
         if self._blk is not None and not gc:
             self._blk.flush_trims()
         return [s if s is not None else Status.IO_ERROR for s in status]
-
-
-    def _write_plans(self, plans: list[ExtentPlan], keys, frags, nss, status, gc: bool) -> None:
-        """Fill and write the extents of ``plans``, then settle them (:meth:`_settle`)."""
-        to_reclaim = self._segs.take_reclaims()
-        if not plans:
-            for si in to_reclaim:
-                self._finish_reclaim(si)
-            return
-        try:
-            bb, keep, pipe = self.block_bytes, self.keep_data, self._wpipe
-            results = pipe.write_extents((p.ext_off, _extent_filler(p, keys, frags, nss, bb, keep, pipe),
-                                          p.placement) for p in plans)
-        except BaseException:
-            # Nothing of this call is acknowledged: give the planned space back so
-            # that no hole is left in a segment's chain (recovery stops at one).
-            with self._lock:
-                self._segs.rollback({p.seg: p.ext_off for p in reversed(plans)})
-            raise
-        self._settle(plans, results, status, gc, to_reclaim)
-
-    def _settle(self, plans: list[ExtentPlan], results: list, status, gc: bool,
-                to_reclaim: list[int]) -> None:
-        """Acknowledge the written extents (fdatasync first), fail the others with ``NO_SPACE`` or
-        ``IO_ERROR``, roll write pointers back past a failure, and reclaim emptied segments."""
-        # A failed extent breaks its segment's chain: later extents of the same
-        # segment in this batch are not acknowledged either; roll the pointer back.
-        first_fail: dict[int, int] = {}
-        for p, r in zip(plans, results):
-            if isinstance(r, BaseException):
-                first_fail[p.seg] = min(first_fail.get(p.seg, p.ext_off), p.ext_off)
-        sync_err: OSError | None = None
-        if len(first_fail) < len({p.seg for p in plans}):
-            try:
-                self.engine.sync()
-            except OSError as exc:
-                sync_err = exc
-        errs = [r for r in results if isinstance(r, BaseException)] + ([sync_err] if sync_err else [])
-        if errs:  # outside the lock: the cause of the IO_ERROR / NO_SPACE statuses, once per call
-            _log.warning("segment store: %d of %d extents not acknowledged: %r", len(first_fail) or len(plans),
-                         len(plans), errs[0])
-        with self._lock:
-            for p, r in zip(plans, results):
-                failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
-                if failed or sync_err is not None:
-                    err = r if isinstance(r, BaseException) else sync_err
-                    st = (Status.NO_SPACE if isinstance(err, OSError) and err.errno in _NOSPACE_ERRNOS
-                          else Status.IO_ERROR)
-                    for i in p.idx:
-                        status[i] = st
-                    self._st["put_no_space" if st is Status.NO_SPACE else "put_io_error"] += len(p.idx)
-                    continue
-                self._commit(p, gc)
-                for i in p.idx:
-                    status[i] = Status.OK
-            if first_fail or sync_err is not None:
-                every = {p.seg: p.ext_off for p in reversed(plans)}
-                self._segs.rollback(first_fail if sync_err is None else every)
-            for p in plans:  # old copies replaced by GC may leave dead sealed segments
-                if self._segs.state[p.seg] == SegmentState.SEALED and self._segs.live[p.seg] == 0:
-                    self._segs.state[p.seg] = SegmentState.RECLAIMING
-                    to_reclaim.append(p.seg)
-        for si in to_reclaim:
-            self._finish_reclaim(si)
-
-    def _commit(self, p: ExtentPlan, gc: bool) -> None:
-        """Index the blocks of a written extent (under ``_lock``), vectorised:
-        keys of one extent are distinct (a put drops duplicates)."""
-        ents = p.entries
-        self._st["extents_written"] += 1
-        rows, replaced = self._loc.commit(p.ext_off, p.seq, ents)
-        self._segs.committed(p.seg, rows, replaced)
-        if self._blk is not None:
-            self._blk.superseded(replaced // self.segment_size_bytes)
-        self._st["gc_bytes_written" if gc else "user_bytes_written"] += sum(e.length_bytes for e in ents)
-        if not gc:
-            self._st["put_blocks_ok"] += len(ents)
-
-    def _finish_reclaim(self, si: int) -> None:
-        """Wait for reads of ``si`` to end, trim it and return it to the clean pool."""
-        segs = self._segs
-        with self._lock:
-            while segs.readers[si] > 0:
-                self._readers_done.wait()
-            if segs.live[si] != 0:
-                raise InvariantError(f"reclaiming segment {si} with {int(segs.live[si])} live blocks")
-            if segs.state[si] != SegmentState.RECLAIMING:
-                raise InvariantError(f"segment {si} reclaimed while {SegmentState(int(segs.state[si])).name}")
-        start = segs.chain_start(si)  # segment 0's label stays
-        try:  # block mode: its SEGMENT_RESET is durable first, else it is not trimmed
-            if self._blk is None or self._blk.before_reset(si):
-                self.engine.trim(si * self.segment_size_bytes + start, self.segment_size_bytes - start).get()
-            trim_failed = False
-        except OSError:
-            trim_failed = True  # still reusable: recovery ignores stale extents by segment_gen/seq
-        with self._lock:
-            if trim_failed:
-                self._st["trim_errors"] += 1
-            if self._blk is not None:
-                self._blk.cleared(si)
-            segs.reset(si)
-            self._st["segments_reclaimed"] += 1
 
 
 # ================================================================ region eviction (GC)
@@ -925,5 +787,5 @@ def _reclaim_segment(self: SegmentStorage, si: int, keys: list[bytes], keep: lis
         self._listener.on_dropped(dropped)
     if stuck:
         return False
-    self._finish_reclaim(si)
+    self._writer.finish_reclaim(si)
     return True

@@ -101,8 +101,9 @@ class MemoryHandler:
         if rows is not None and len(items) > 1:
             self._move_rows(rows, items, to_slots=True)
             return
-        self._each(lambda it: sources[it[0]].gather(self.view(it[1], it[2]), 0), items,
-                   sources[items[0][0]].nbytes if items else 0)  # type: ignore[union-attr]  # items name given sources
+        # items name given sources (never None)
+        nbytes = sources[items[0][0]].nbytes if items else 0  # type: ignore[union-attr]
+        self._each(lambda it: sources[it[0]].gather(self.view(it[1], it[2]), 0), items, nbytes)
 
     def scatter(self, dests: Sequence[FragmentPlan] | Mapping[int, FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
                 statuses: list[Status]) -> None:

@@ -195,7 +195,8 @@ class CostModel:
                     "estimate at the declared figure)")
         if not math.isfinite(self.max_slowdown):
             return f"loads are priced at the measured {priced_s * 1e3:.2f} ms (max_slowdown=inf: no cap)"
-        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the estimate "
+        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the "
+                "estimate "
                 f"at {self.max_slowdown:g}x the declared figure)")
 
     def reset_measurements(self) -> None:
@@ -230,10 +231,10 @@ class CostModel:
         rate = self.prefill_tokens_per_s
         q = self.prefill_quadratic_s_per_token2
         if len(load_s) >= 128:  # below, the loop is cheaper than numpy's per-call cost
-            n = np.arange(1, len(load_s) + 1, dtype=np.float64) * tokens_per_block
-            saved = n / rate + q * n * n - np.cumsum(np.asarray(load_s, dtype=np.float64))
-            k = int(np.argmax(saved))
-            return k + 1 if saved[k] > 0.0 else 0
+            tokens = np.arange(1, len(load_s) + 1, dtype=np.float64) * tokens_per_block
+            saved_s = tokens / rate + q * tokens * tokens - np.cumsum(np.asarray(load_s, dtype=np.float64))
+            k = int(np.argmax(saved_s))
+            return k + 1 if saved_s[k] > 0.0 else 0
         for i, x in enumerate(load_s):
             load += x
             n = (i + 1) * tokens_per_block

@@ -112,7 +112,7 @@ class PrefixLifetimePredictor:
         """Class of a key from :meth:`observe` history (no position or namespace known)."""
         rec = self._seen.get(key)
         hits = 0 if rec is None else int(rec[2])
-        interval_s = (rec[1] - rec[0]) / hits if hits else float("inf")
+        interval_s = (rec[1] - rec[0]) / hits if rec is not None and hits else float("inf")
         return self._rules(hint, -1, hits, interval_s, b"\x00")
 
 

@@ -278,53 +278,24 @@ class Publisher:
                     self._publishing -= 1
                     self._tier._work.notify_all()
 
-    def _publish(self, batch: list[_Pub], client: Any, zero_copy: bool) -> None:
-        keys = [b.key for b in batch]
-        pool = self._hdr_slots if zero_copy else self._put_slots
-        kept: set[int] = set()  # slots of blocks sent again later (refused for space)
+    def _forget(self, keys: list[bytes], status_by_key: dict[bytes, bool | None]) -> None:
+        """The sent ``keys`` leave the queued set (a key retried, ``None``, stays); those published
+        (``True``) are remembered as recent, the oldest forgotten past ``_recent_max``."""
+        now = time.monotonic()
+        with self._tier._lock:
+            for k in keys:
+                if k in status_by_key and status_by_key[k] is None:
+                    continue  # retried: still queued
+                self._queued_keys.discard(k)
+                if status_by_key.get(k):
+                    self._recent[k] = now
+                    self._recent.move_to_end(k)
+            while len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
 
-        def done() -> None:  # the memory of this batch is free again
-            pool.give([b.slot for b in batch if b.slot not in kept])
-            if zero_copy:
-                with self._tier._lock:
-                    self._zc_queued -= len(batch)
-                for b in batch:
-                    if b.region is not None:  # every block of a zero-copy batch has one
-                        _callback(b.region.on_release, b.offset, self._tier.block_bytes)
-
-        def forget(status_by_key: dict[bytes, bool | None]) -> None:
-            now = time.monotonic()
-            with self._tier._lock:
-                for k in keys:
-                    if k in status_by_key and status_by_key[k] is None:
-                        continue  # retried: still queued
-                    self._queued_keys.discard(k)
-                    if status_by_key.get(k):
-                        self._recent[k] = now
-                        self._recent.move_to_end(k)
-                while len(self._recent) > self._recent_max:
-                    self._recent.popitem(last=False)
-
-        if client is None:
-            with self._tier._lock:
-                self._tier._counters["dropped_degraded" if not self._tier._closed else "dropped_closed"] += len(batch)
-            done()
-            forget({})
-            return
-        names = [b.name for b in batch]
-        self._tier._bump("put_calls")
-        if zero_copy:
-            rcs = self._tier._call_here("batch_put_from_multi_buffers", client.batch_put_from_multi_buffers, names,
-                                  [[self._hdr_slots.ptr(b.slot), b.ptr] for b in batch],
-                                  [[HEADER_BYTES, self._tier.block_bytes]] * len(batch))
-        else:
-            rcs = self._tier._call_here("batch_put_from", client.batch_put_from, names,
-                                  [self._put_slots.ptr(b.slot) for b in batch], [self._tier.object_bytes] * len(batch))
-        if rcs is _NO_RESULT:
-            done()  # the call has returned: its memory is free (also after a timeout the watchdog reported)
-            self._tier._bump("put_failed", len(batch))
-            forget({})
-            return
+    def _tally(self, batch: list[_Pub], rcs: list[int], zero_copy: bool, kept: set[int]) -> dict[bytes, bool | None]:
+        """Count a put's return codes: ``key -> True`` published (or there already), ``None`` refused
+        for space and queued to be sent again (its slot added to ``kept``); failures are counted."""
         ok: dict[bytes, bool | None] = {}
         now = time.monotonic()
         with self._tier._lock:
@@ -347,8 +318,46 @@ class Publisher:
                     self._tier._errors[rc] += 1
             if kept:
                 self._tier._work.notify_all()
+        return ok
+
+    def _publish(self, batch: list[_Pub], client: Any, zero_copy: bool) -> None:
+        keys = [b.key for b in batch]
+        pool = self._hdr_slots if zero_copy else self._put_slots
+        kept: set[int] = set()  # slots of blocks sent again later (refused for space)
+
+        def done() -> None:  # the memory of this batch is free again
+            pool.give([b.slot for b in batch if b.slot not in kept])
+            if zero_copy:
+                with self._tier._lock:
+                    self._zc_queued -= len(batch)
+                for b in batch:
+                    if b.region is not None:  # every block of a zero-copy batch has one
+                        _callback(b.region.on_release, b.offset, self._tier.block_bytes)
+
+        if client is None:
+            with self._tier._lock:
+                self._tier._counters["dropped_degraded" if not self._tier._closed else "dropped_closed"] += len(batch)
+            done()
+            self._forget(keys, {})
+            return
+        names = [b.name for b in batch]
+        self._tier._bump("put_calls")
+        if zero_copy:
+            rcs = self._tier._call_here("batch_put_from_multi_buffers", client.batch_put_from_multi_buffers, names,
+                                        [[self._hdr_slots.ptr(b.slot), b.ptr] for b in batch],
+                                        [[HEADER_BYTES, self._tier.block_bytes]] * len(batch))
+        else:
+            rcs = self._tier._call_here("batch_put_from", client.batch_put_from, names,
+                                        [self._put_slots.ptr(b.slot) for b in batch],
+                                        [self._tier.object_bytes] * len(batch))
+        if rcs is _NO_RESULT:
+            done()  # the call has returned: its memory is free (also after a timeout the watchdog reported)
+            self._tier._bump("put_failed", len(batch))
+            self._forget(keys, {})
+            return
+        ok = self._tally(batch, rcs, zero_copy, kept)
         done()
-        forget(ok)
+        self._forget(keys, ok)
         if RPC_FAIL in rcs:
             self._tier._degrade("batch_put_from: master unreachable (-900)", count="rpc_failures")
 

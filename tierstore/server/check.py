@@ -137,7 +137,8 @@ def _check_writable_dir(what: str, path: str, out: Preflight) -> bool:
 
 
 def _read_only_fs(path: str) -> bool:
-    """Whether ``path`` is on a file system mounted read-only (statvfs(3) ``ST_RDONLY``; False when unknown)."""
+    """Whether ``path`` is on a file system mounted read-only (statvfs(3) ``ST_RDONLY``; False when
+    unknown)."""
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:

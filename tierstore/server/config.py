@@ -145,7 +145,8 @@ class PublicNamespaceConfig(StrictModel):
 
     def ns_digest(self) -> bytes:
         """The client-side namespace digest this declaration matches."""
-        return Namespace(**self.namespace).digest() if self.namespace is not None else bytes.fromhex(self.digest)
+        # exactly one of the two is set (_one)
+        return Namespace(**self.namespace).digest() if self.namespace is not None else bytes.fromhex(str(self.digest))
 
 
 class LimitsConfig(StrictModel):

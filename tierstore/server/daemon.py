@@ -26,6 +26,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 from aiohttp import web
 
@@ -55,7 +56,8 @@ async def serve(cfg: DaemonConfig) -> int:
         await runner.setup()
         site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else cfg.listen.port
+        server = cast("asyncio.Server | None", site._server)  # what TCPSite.start made: a listening server
+        port = server.sockets[0].getsockname()[1] if server and server.sockets else cfg.listen.port
         mport = None
         if cfg.metrics.port is not None:
             mr = web.AppRunner(svc.make_metrics_app(), handle_signals=False, access_log=None)
@@ -63,7 +65,8 @@ async def serve(cfg: DaemonConfig) -> int:
             msite = web.TCPSite(mr, cfg.metrics.host, cfg.metrics.port)
             await msite.start()
             runners.append(mr)
-            mport = msite._server.sockets[0].getsockname()[1] if msite._server else cfg.metrics.port
+            mserver = cast("asyncio.Server | None", msite._server)
+            mport = mserver.sockets[0].getsockname()[1] if mserver else cfg.metrics.port
     except OSError as e:
         log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
         for r in runners:

@@ -2,7 +2,8 @@
 
 A pool is one ``uint8`` tensor of shape ``(num_blocks, block_bytes)``; which
 slots are free is the block index's business, kept by a :class:`SlotAllocator`
-(SGLang's split of "allocator" and "device pool": one owner per resource). The HBM pool lives on ``cuda`` when CUDA is present, otherwise on
+(SGLang's split of "allocator" and "device pool": one owner per resource). The HBM pool lives on ``cuda``
+when CUDA is present, otherwise on
 the CPU as a stand-in that runs the same code. The host pool is allocated with
 ``pin_memory=True`` when CUDA is present (so host<->device copies are DMA), and
 plain otherwise (``pin_memory=True`` raises without a CUDA driver).

@@ -85,7 +85,8 @@ def baseline(model_dir):
 
 
 def _run_engine_process(args: dict) -> dict:
-    """The engine process's RESULT, plus ``log``: its output at vLLM's INFO level (what ``vllm serve`` prints)."""
+    """The engine process's RESULT, plus ``log``: its output at vLLM's INFO level (what ``vllm serve``
+    prints)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
     r = subprocess.run([sys.executable, os.path.join(HERE, "_engine_proc.py"), json.dumps(args)],
                        capture_output=True, text=True, timeout=600, env=env)
