@@ -14,6 +14,7 @@ virtualenvs under ``.nox/`` (reused on later runs). Every session installs the
 CPU build of torch (``torch==2.13.0``): a bare ``torch`` requirement would
 pull a multi-GB CUDA build.
 """
+
 from __future__ import annotations
 
 import nox
@@ -77,8 +78,18 @@ def vllm(session: nox.Session) -> None:
     with open(pins, "w") as f:
         f.write(frozen)
     session.install("--no-compile", "-c", pins, "-e", ".", "pytest>=7", "pytest-timeout>=2.2", env=env)
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/integrations/vllm",
-                *session.posargs, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/integrations/vllm",
+        *session.posargs,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+
 
 #: SGLang release the HiCache backend is tested against.
 SGLANG = "sglang==0.5.23"
@@ -86,9 +97,27 @@ SGLANG = "sglang==0.5.23"
 #: own requirements (those pull CUDA torch and ~3 GB of CUDA wheels). List from
 #: issue 15; in a clean venv these are enough for every SGLang module the suite imports.
 SGLANG_DEPS = (
-    "orjson", "psutil", "pybase64", "requests", "triton", "packaging", "pillow", "starlette",
-    "msgspec", "pydantic", "pyzmq", "tqdm", "IPython", "aiohttp", "apache-tvm-ffi==0.1.11",
-    "sentencepiece", "compressed-tensors", "gguf", "transformers", "dill", "numpy",
+    "orjson",
+    "psutil",
+    "pybase64",
+    "requests",
+    "triton",
+    "packaging",
+    "pillow",
+    "starlette",
+    "msgspec",
+    "pydantic",
+    "pyzmq",
+    "tqdm",
+    "IPython",
+    "aiohttp",
+    "apache-tvm-ffi==0.1.11",
+    "sentencepiece",
+    "compressed-tensors",
+    "gguf",
+    "transformers",
+    "dill",
+    "numpy",
 )
 SGLANG_CONSTRAINTS = "tests/integrations/sglang/constraints.txt"
 
@@ -106,10 +135,20 @@ def sglang(session: nox.Session) -> None:
     env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     # one resolve for torch (CPU), SGLang's import-time deps and tierstore; --no-compile:
     # no .pyc for the thousands of modules at install (imports compile what they use)
-    session.install("--no-compile", "-c", SGLANG_CONSTRAINTS, CPU_TORCH, *SGLANG_DEPS, "-e", ".[test]", env=env)
+    session.install(
+        "--no-compile", "-c", SGLANG_CONSTRAINTS, CPU_TORCH, *SGLANG_DEPS, "-e", ".[test]", env=env
+    )
     session.install("--no-compile", "--no-deps", SGLANG, env=env)
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/integrations/sglang",
-                *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/integrations/sglang",
+        *session.posargs,
+    )
 
 
 @nox.session(python=False)

@@ -24,6 +24,7 @@ Run::
 
     python bench/agent_workload.py --out /tmp/agent.jsonl --sessions 600 --seed 0
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,11 @@ class AgentWorkload:
         t = 0.0
         for _ in range(self.sessions):
             t += rng.exponential(1.0 / self.session_rate_per_s)
-            ctx = system + tools[int(rng.integers(self.tool_sets))] + fresh(int(rng.integers(1, self.max_turn_blocks + 1)))
+            ctx = (
+                system
+                + tools[int(rng.integers(self.tool_sets))]
+                + fresh(int(rng.integers(1, self.max_turn_blocks + 1)))
+            )
             now = t
             turns = int(rng.geometric(1.0 / self.mean_turns))
             for _ in range(turns):
@@ -87,8 +92,14 @@ class AgentWorkload:
         out = []
         for ts, _, ids in events:
             tail = int(rng.integers(1, BLOCK_TOKENS + 1))  # the last block is partial
-            out.append({"timestamp": int(ts * 1000), "input_length": (len(ids) - 1) * BLOCK_TOKENS + tail,
-                        "output_length": int(rng.integers(16, 512)), "hash_ids": ids})
+            out.append(
+                {
+                    "timestamp": int(ts * 1000),
+                    "input_length": (len(ids) - 1) * BLOCK_TOKENS + tail,
+                    "output_length": int(rng.integers(16, 512)),
+                    "hash_ids": ids,
+                }
+            )
         return out
 
     def write(self, path: str) -> int:

@@ -17,6 +17,7 @@ Usage::
 whole blocks); ``--fractions`` takes fractions of the trace's unique full-block
 bytes (the replay's default sizing, 2 % + 8 % + 30 % = 40 %).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,19 +53,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         # as the replay sizes default tiers: each fraction of the unique bytes, whole blocks
         caps += [int(uniq * float(f)) for f in a.fractions.split(",")]
     if a.hbm_size or a.host_size or a.nvme_size:
-        caps.append(replay_capacity_blocks(bb, *(parse_size(x or 0, n) for x, n in
-                                                 ((a.hbm_size, "hbm_size"), (a.host_size, "host_size"),
-                                                  (a.nvme_size, "nvme_size")))))
+        caps.append(
+            replay_capacity_blocks(
+                bb,
+                *(
+                    parse_size(x or 0, n)
+                    for x, n in (
+                        (a.hbm_size, "hbm_size"),
+                        (a.host_size, "host_size"),
+                        (a.nvme_size, "nvme_size"),
+                    )
+                ),
+            )
+        )
     if not caps:
         caps = [int(uniq * 0.1), int(uniq * 0.4)]
     rows = [references(reqs, c, ks) for c in caps]
-    print(f"trace {a.trace or 'packaged excerpt'}: {len(reqs)} requests, {uniq} unique full blocks "
-          "(offline references, full-block prefix rule)")
+    print(
+        f"trace {a.trace or 'packaged excerpt'}: {len(reqs)} requests, {uniq} unique full blocks "
+        "(offline references, full-block prefix rule)"
+    )
     print("| capacity blocks | of unique | flat LRU | Belady MIN | infinite |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['capacity_blocks']:,} | {r['capacity_fraction']:.3f} | {r['flat_lru']:.4f} | "
-              f"{r['belady']:.4f} | {r['infinite']:.4f} |")
+        print(
+            f"| {r['capacity_blocks']:,} | {r['capacity_fraction']:.3f} | {r['flat_lru']:.4f} | "
+            f"{r['belady']:.4f} | {r['infinite']:.4f} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"trace": a.trace, "requests": len(reqs), "rows": rows}, f, indent=1)

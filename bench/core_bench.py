@@ -59,6 +59,7 @@ Example::
 
     python bench/core_bench.py --base /tmp/base --runs 3 --dir /work --json bench/results/core.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,13 +81,16 @@ def _layout(head_dim: int, tokens: int = 16, layers: int = 2, heads: int = 1):
     import torch
 
     from tierstore.layout import KVLayout
-    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=torch.float16,
-                    tokens_per_block=tokens)
+
+    return KVLayout(
+        num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=torch.float16, tokens_per_block=tokens
+    )
 
 
 def _new_core() -> bool:
     try:
         import tierstore.index  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -95,6 +99,7 @@ def _new_core() -> bool:
 def _nvme_store(lay, path: str, nbytes: int, **kw):
     """A KVStore with an NVMe file tier on the posix engine (both cores)."""
     from tierstore import KVStore
+
     if _new_core():
         kw["nvme_engine"] = "posix"
     return KVStore(lay, nvme_path=path, nvme_bytes=nbytes, **kw)
@@ -113,6 +118,7 @@ def worker_stall(a: dict) -> dict:
     import torch
 
     from tierstore import Namespace
+
     lay = _layout(head_dim=4096, tokens=16, layers=1, heads=1)  # 2 x 1 x 1 x 4096 x 2 B x 16 = 256 KiB blocks
     bb = lay.bytes_per_block
     d = tempfile.mkdtemp(dir=a["dir"], prefix="core-stall-")
@@ -130,6 +136,7 @@ def worker_stall(a: dict) -> dict:
             lat.append(time.perf_counter_ns() - t0)
             if r.matched_blocks != 8:
                 raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
+
     idle: list = []
     probe(a["idle_s"], idle)
     busy: list = []
@@ -151,6 +158,7 @@ def worker_stall(a: dict) -> dict:
                 written[0] = nvme_written()
         finally:
             stop.set()
+
     t = threading.Thread(target=writer)
     t0 = time.perf_counter()
     t.start()
@@ -165,11 +173,24 @@ def worker_stall(a: dict) -> dict:
     def summ(x):
         v = np.asarray(x, dtype=np.int64)
         over = v[v > 5_000_000]
-        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
-                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
-                "max_ms": float(v.max()) / 1e6, "over_5ms": int(over.size), "stall_s": float(over.sum()) / 1e9}
-    return {"idle": summ(idle), "busy": summ(busy), "idle_after": summ(idle_after), "demoted_bytes": written[0],
-            "busy_s": dt, "block_bytes": bb}
+        return {
+            "n": int(v.size),
+            "p50_us": float(np.percentile(v, 50)) / 1e3,
+            "p99_us": float(np.percentile(v, 99)) / 1e3,
+            "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+            "max_ms": float(v.max()) / 1e6,
+            "over_5ms": int(over.size),
+            "stall_s": float(over.sum()) / 1e9,
+        }
+
+    return {
+        "idle": summ(idle),
+        "busy": summ(busy),
+        "idle_after": summ(idle_after),
+        "demoted_bytes": written[0],
+        "busy_s": dt,
+        "block_bytes": bb,
+    }
 
 
 def worker_nvme(a: dict) -> dict:
@@ -178,6 +199,7 @@ def worker_nvme(a: dict) -> dict:
 
     from tierstore import Namespace, Status
     from tierstore.io import SegmentStorage
+
     out = {}
     for bb_k, per_call in ((256, 16), (4096, 4)):
         head_dim = bb_k * 1024 // (2 * 2 * 16)  # 1 layer, 1 head, fp16, 16 tokens
@@ -209,11 +231,12 @@ def worker_nvme(a: dict) -> dict:
             keys = [os.urandom(32) for _ in range(n)]
             t0 = time.perf_counter()
             for i in range(0, n, per_call):
-                st = g.put(keys[i:i + per_call], list(blocks))
+                st = g.put(keys[i : i + per_call], list(blocks))
                 if any(x is not Status.OK for x in st):
                     raise SystemExit(f"SegmentStorage put: {st}")
             res["segment_gbps"] = n * bb / (time.perf_counter() - t0) / 1e9
             g.close()
+
         if a.get("run", 0) % 2 == 0:
             segment(kvstore())
         else:  # the segment store first: same segment size as the KVStore would choose
@@ -235,6 +258,7 @@ def worker_frag(a: dict) -> dict:
     from tierstore import KVStore, Namespace, Status
     from tierstore.io.pages import KVPagePool
     from tierstore.layout import KVLayout
+
     lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, tokens_per_block=16)
     nb = a["frag_blocks"]
     bb = lay.bytes_per_block
@@ -259,6 +283,7 @@ def worker_frag(a: dict) -> dict:
     def ok(st, what):
         if any(x is not Status.OK for x in st):
             raise SystemExit(f"{what}: {st}")
+
     for rep in range(6):  # rep 0 warms up (first touch of the host tier and the buffers)
         for form in forms:
             if form == "plans":
@@ -302,7 +327,8 @@ def worker_meta(a: dict) -> dict:
 
     from tierstore import KVStore, Namespace
     from tierstore.identity import block_hashes
-    lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)   # 64-byte blocks
+
+    lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)  # 64-byte blocks
     bb = lay.bytes_per_block
     out: dict = {}
     for chain in a["chains"]:
@@ -318,6 +344,7 @@ def worker_meta(a: dict) -> dict:
             w0, c0 = time.perf_counter(), time.thread_time()
             r = fn()
             return time.perf_counter() - w0, time.thread_time() - c0, r
+
         hash_w, hash_c, keys = timed(lambda: [block_hashes(d, p, 16) for p in prompts])
         if new_api:
             store = lambda: [s.store_keys(ns, k, blk) for k in keys]  # noqa: E731
@@ -334,11 +361,16 @@ def worker_meta(a: dict) -> dict:
         s.close()
         out[f"chain{chain}"] = {
             "blocks": n,
-            "store_blocks_per_s": n / st_w, "store_blocks_per_cpu_s": n / st_c,
-            "lookup_keys_blocks_per_s": n / lk_w, "lookup_keys_blocks_per_cpu_s": n / lk_c,
-            "lookup_tokens_blocks_per_s": n / lt_w, "lookup_tokens_blocks_per_cpu_s": n / lt_c,
-            "hash_blocks_per_s": n / hash_w, "hash_blocks_per_cpu_s": n / hash_c,
-            "lookup_tokens_over_hash_cpu": lt_c / hash_c}
+            "store_blocks_per_s": n / st_w,
+            "store_blocks_per_cpu_s": n / st_c,
+            "lookup_keys_blocks_per_s": n / lk_w,
+            "lookup_keys_blocks_per_cpu_s": n / lk_c,
+            "lookup_tokens_blocks_per_s": n / lt_w,
+            "lookup_tokens_blocks_per_cpu_s": n / lt_c,
+            "hash_blocks_per_s": n / hash_w,
+            "hash_blocks_per_cpu_s": n / hash_c,
+            "lookup_tokens_over_hash_cpu": lt_c / hash_c,
+        }
     return out
 
 
@@ -350,6 +382,7 @@ def worker_mem(a: dict) -> dict:
     import torch
 
     from tierstore import KVStore, Namespace
+
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block
     nblocks = a["mem_blocks"]
@@ -361,17 +394,27 @@ def worker_mem(a: dict) -> dict:
     try:
         from tierstore.io.null import NullEngine
         from tierstore.io.segments import SegmentStorage
-        nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
-                            owns_engine=True)
+
+        nv = SegmentStorage(
+            None,
+            cap,
+            bb,
+            segment_size_bytes=seg,
+            engine=NullEngine(cap),
+            extent_size_bytes=ext,
+            owns_engine=True,
+        )
         s = KVStore(lay, nvme=nv)
         blk = torch.zeros(per, bb, dtype=torch.uint8)
         put = lambda keys: s.store_keys(ns, keys, blk)  # noqa: E731
     except ImportError:  # the old core: no NullEngine; a memory engine would hold the data, so a
         # sparse file stands in (its pages are the kernel's, not this process's RSS)
         from tierstore.io import SegmentStorage
+
         d = tempfile.mkdtemp(dir=a["dir"], prefix="core-mem-")
-        nv = SegmentStorage(os.path.join(d, "mem.bin"), cap, bb, segment_size_bytes=seg, engine="posix",
-                            extent_size_bytes=ext)
+        nv = SegmentStorage(
+            os.path.join(d, "mem.bin"), cap, bb, segment_size_bytes=seg, engine="posix", extent_size_bytes=ext
+        )
         s = KVStore(lay, nvme=nv)
         rows = list(torch.zeros(per, bb, dtype=torch.uint8))
         put = lambda keys: s.manager.store(s.digest(ns), keys, rows, None, None, 0)  # noqa: E731
@@ -380,13 +423,17 @@ def worker_mem(a: dict) -> dict:
     t0 = time.perf_counter()
     for _i in range(0, nblocks, per):
         raw = rng.bytes(32 * per)
-        put([raw[j:j + 32] for j in range(0, 32 * per, 32)])
+        put([raw[j : j + 32] for j in range(0, 32 * per, 32)])
     dt = time.perf_counter() - t0
     stats = s.stats()
     got = stats["blocks"] if "blocks" in stats else len(s.manager.index)  # the old core's entry dict
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"mem_blocks": got, "rss_bytes_per_block": (rss1 - rss0) * 1024 / got, "fill_s": dt,
-           "fill_blocks_per_s": got / dt}
+    out = {
+        "mem_blocks": got,
+        "rss_bytes_per_block": (rss1 - rss0) * 1024 / got,
+        "fill_s": dt,
+        "fill_blocks_per_s": got / dt,
+    }
     if "index_bytes" in stats and hasattr(nv, "index_nbytes"):
         out["index_bytes_per_block"] = stats["index_bytes"] / got
         out["nvme_index_bytes_per_block"] = nv.index_nbytes() / got
@@ -407,21 +454,23 @@ def worker_scrape(a: dict) -> dict:
     from tierstore import KVStore, Namespace
     from tierstore.io.null import NullEngine
     from tierstore.io.segments import SegmentStorage
+
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block
     nblocks, per = a["scrape_blocks"], 4000
     ext = 4096 + per * 4096
     seg = ext * 4
     cap = (nblocks // per + 64) * ext // seg * seg + 8 * seg
-    nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
-                        owns_engine=True)
+    nv = SegmentStorage(
+        None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext, owns_engine=True
+    )
     s = KVStore(lay, nvme=nv, host_bytes=64 * bb, device="cpu")
     ns = Namespace(model="scrape")
     rng = np.random.default_rng(0)
     blk = torch.zeros(per, bb, dtype=torch.uint8)
     for _ in range(0, nblocks, per):
         raw = rng.bytes(32 * per)
-        s.store_keys(ns, [raw[j:j + 32] for j in range(0, 32 * per, 32)], blk)
+        s.store_keys(ns, [raw[j : j + 32] for j in range(0, 32 * per, 32)], blk)
     hot = np.arange(8 * 16)
     s.store(ns, hot, torch.zeros(8, bb, dtype=torch.uint8))
     s.pin(ns, hot, lease_s=3600)
@@ -434,6 +483,7 @@ def worker_scrape(a: dict) -> dict:
             lat.append(time.perf_counter_ns() - t0)
             if r.matched_blocks != 8:
                 raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
+
     idle: list = []
     probe(a["idle_s"], idle)
     busy: list = []
@@ -447,6 +497,7 @@ def worker_scrape(a: dict) -> dict:
             s.stats()
             cpu.append(time.thread_time() - c0)
         stop.set()
+
     t = threading.Thread(target=scraper)
     t.start()
     probe(3600, busy, stop)
@@ -456,12 +507,24 @@ def worker_scrape(a: dict) -> dict:
 
     def summ(x):
         v = np.asarray(x, dtype=np.int64)
-        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
-                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
-                "max_ms": float(v.max()) / 1e6, "over_5ms": int((v > 5_000_000).sum())}
-    return {"idle": summ(idle), "busy": summ(busy), "blocks": blocks, "scrapes": len(cpu),
-            "stats_cpu_ms_median": 1e3 * statistics.median(cpu), "stats_cpu_ms_max": 1e3 * max(cpu),
-            "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"]}
+        return {
+            "n": int(v.size),
+            "p50_us": float(np.percentile(v, 50)) / 1e3,
+            "p99_us": float(np.percentile(v, 99)) / 1e3,
+            "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+            "max_ms": float(v.max()) / 1e6,
+            "over_5ms": int((v > 5_000_000).sum()),
+        }
+
+    return {
+        "idle": summ(idle),
+        "busy": summ(busy),
+        "blocks": blocks,
+        "scrapes": len(cpu),
+        "stats_cpu_ms_median": 1e3 * statistics.median(cpu),
+        "stats_cpu_ms_max": 1e3 * max(cpu),
+        "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"],
+    }
 
 
 def worker_reclaim(a: dict) -> dict:
@@ -477,14 +540,16 @@ def worker_reclaim(a: dict) -> dict:
     from tierstore import KVStore, Namespace
     from tierstore.io.null import NullEngine
     from tierstore.io.segments import SegmentStorage
+
     lay = _layout(head_dim=1, tokens=16, layers=1, heads=1)
     bb = lay.bytes_per_block
     per, batch = 4000, 256
     ext = 4096 + per * 4096
     seg = ext * 4
     cap = 8 * seg
-    nv = SegmentStorage(None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext,
-                        owns_engine=True)
+    nv = SegmentStorage(
+        None, cap, bb, segment_size_bytes=seg, engine=NullEngine(cap), extent_size_bytes=ext, owns_engine=True
+    )
     s = KVStore(lay, nvme=nv, host_bytes=64 * bb, device="cpu")
     ns = Namespace(model="reclaim")
     rng = np.random.default_rng(0)
@@ -492,7 +557,8 @@ def worker_reclaim(a: dict) -> dict:
 
     def put() -> None:
         raw = rng.bytes(32 * batch)
-        s.store_keys(ns, [raw[j:j + 32] for j in range(0, 32 * batch, 32)], blk)
+        s.store_keys(ns, [raw[j : j + 32] for j in range(0, 32 * batch, 32)], blk)
+
     while nv.stats().get("regions_evicted", 0) == 0:  # full: every later store evicts in turn
         put()
     hot = np.arange(8 * 16)
@@ -507,6 +573,7 @@ def worker_reclaim(a: dict) -> dict:
             lat.append(time.perf_counter_ns() - t0)
             if r.matched_blocks != 8:
                 raise SystemExit(f"the pinned prefix was not found ({r.matched_blocks} blocks)")
+
     idle: list = []
     probe(a["idle_s"], idle)
     busy: list = []
@@ -519,6 +586,7 @@ def worker_reclaim(a: dict) -> dict:
                 put()
         finally:
             stop.set()
+
     t = threading.Thread(target=writer)
     t0 = time.perf_counter()
     t.start()
@@ -530,17 +598,34 @@ def worker_reclaim(a: dict) -> dict:
 
     def summ(x):
         v = np.asarray(x, dtype=np.int64)
-        return {"n": int(v.size), "p50_us": float(np.percentile(v, 50)) / 1e3,
-                "p99_us": float(np.percentile(v, 99)) / 1e3, "p999_us": float(np.percentile(v, 99.9)) / 1e3,
-                "max_ms": float(v.max()) / 1e6, "over_5ms": int((v > 5_000_000).sum()),
-                "over_20ms": int((v > 20_000_000).sum())}
-    return {"idle": summ(idle), "busy": summ(busy), "regions_evicted": regions, "busy_s": dt,
-            "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"]}
+        return {
+            "n": int(v.size),
+            "p50_us": float(np.percentile(v, 50)) / 1e3,
+            "p99_us": float(np.percentile(v, 99)) / 1e3,
+            "p999_us": float(np.percentile(v, 99.9)) / 1e3,
+            "max_ms": float(v.max()) / 1e6,
+            "over_5ms": int((v > 5_000_000).sum()),
+            "over_20ms": int((v > 20_000_000).sum()),
+        }
+
+    return {
+        "idle": summ(idle),
+        "busy": summ(busy),
+        "regions_evicted": regions,
+        "busy_s": dt,
+        "p999_busy_over_idle": summ(busy)["p999_us"] / summ(idle)["p999_us"],
+    }
 
 
-WORKERS = {"stall": worker_stall, "nvme": worker_nvme, "frag": worker_frag, "meta": worker_meta,
-           "mem": worker_mem, "scrape": worker_scrape,
-           "reclaim": worker_reclaim}
+WORKERS = {
+    "stall": worker_stall,
+    "nvme": worker_nvme,
+    "frag": worker_frag,
+    "meta": worker_meta,
+    "mem": worker_mem,
+    "scrape": worker_scrape,
+    "reclaim": worker_reclaim,
+}
 
 
 # =============================================================================== driver
@@ -568,8 +653,14 @@ class Spinners:
 def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=root)
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", part, json.dumps(args)],
-                           capture_output=True, text=True, env=env, cwd=root, timeout=timeout_s)
+        r = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--worker", part, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s} s"}
     if r.returncode != 0:
@@ -579,8 +670,11 @@ def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
 
 def lmcache(py: str, d: str, total: int) -> dict:
     helper = os.path.join(HERE, "lmcache_helper.py")
-    r = subprocess.run([py, helper, "--dir", d, "--total-bytes", str(total), "--chunk-bytes", str(4 << 20),
-                        "--runs", "1"], capture_output=True, text=True)
+    r = subprocess.run(
+        [py, helper, "--dir", d, "--total-bytes", str(total), "--chunk-bytes", str(4 << 20), "--runs", "1"],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         return {"error": r.stderr[-2000:]}
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -615,25 +709,41 @@ def main() -> None:
     ap.add_argument("--chains", default="64,256")
     ap.add_argument("--meta-ops", type=int, default=200_000)
     ap.add_argument("--mem-blocks", type=int, default=10_000_000)
-    ap.add_argument("--scrape-blocks", type=int, default=1_000_000,
-                    help="blocks indexed on NVMe in the scrape part")
+    ap.add_argument(
+        "--scrape-blocks", type=int, default=1_000_000, help="blocks indexed on NVMe in the scrape part"
+    )
     ap.add_argument("--reclaim-regions", type=int, default=6, help="region evictions in the reclaim part")
     ap.add_argument("--mem-runs", type=int, default=1, help="runs of the mem part (deterministic sizes)")
     ap.add_argument("--base-mem-blocks", type=int, default=200_000)
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per worker")
-    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/tmp/lmcache-venv/bin/python"))
-    ap.add_argument("--busy", type=int, default=0, metavar="N",
-                    help="also measure every part but mem with N competing processes spinning on the CPUs")
+    ap.add_argument(
+        "--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/tmp/lmcache-venv/bin/python")
+    )
+    ap.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure every part but mem with N competing processes spinning on the CPUs",
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.worker:
         part, args = a.worker
         print(json.dumps(WORKERS[part](json.loads(args))))
         return
-    wargs = {"dir": a.dir, "stall_bytes": a.stall_bytes, "idle_s": a.idle_s, "nvme_bytes": a.nvme_bytes,
-             "frag_blocks": a.frag_blocks, "chains": [int(c) for c in a.chains.split(",")], "meta_ops": a.meta_ops,
-             "mem_blocks": a.mem_blocks, "scrape_blocks": a.scrape_blocks,
-             "reclaim_regions": a.reclaim_regions}
+    wargs = {
+        "dir": a.dir,
+        "stall_bytes": a.stall_bytes,
+        "idle_s": a.idle_s,
+        "nvme_bytes": a.nvme_bytes,
+        "frag_blocks": a.frag_blocks,
+        "chains": [int(c) for c in a.chains.split(",")],
+        "meta_ops": a.meta_ops,
+        "mem_blocks": a.mem_blocks,
+        "scrape_blocks": a.scrape_blocks,
+        "reclaim_regions": a.reclaim_regions,
+    }
     codes = [("new", ROOT)] + ([("base", os.path.abspath(a.base))] if a.base else [])
     use_lmc = os.path.exists(a.lmcache_python)
     results: dict = {}
@@ -658,13 +768,20 @@ def main() -> None:
                         r = run_worker(root, part, wa, a.timeout_s)
                         r["loadavg_1m"] = os.getloadavg()[0]
                         got[name][mode] = r
-                        print(f"[{time.time() - started:7.0f} s] {part} run {run} {mode} {name}: "
-                              f"{json.dumps(r)[:400]}", file=sys.stderr, flush=True)
+                        print(
+                            f"[{time.time() - started:7.0f} s] {part} run {run} {mode} {name}: "
+                            f"{json.dumps(r)[:400]}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         if part == "nvme" and use_lmc and k == 0 and mode == "quiet":  # LMCache between them
                             rows["lmcache"].append(lmcache(a.lmcache_python, a.dir, a.nvme_bytes))
-                            print(f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: "
-                                  f"{rows['lmcache'][-1]}",
-                                  file=sys.stderr, flush=True)
+                            print(
+                                f"[{time.time() - started:7.0f} s] nvme run {run} lmcache: "
+                                f"{rows['lmcache'][-1]}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
             for name, by_mode in got.items():  # one mode: the row as before; both: {"quiet": .., "busy": ..}
                 errs = [r["error"] for r in by_mode.values() if "error" in r]
                 row = by_mode if len(modes) > 1 else by_mode["quiet"]
@@ -688,15 +805,22 @@ def main() -> None:
                 vals.append(fx[a_key] / fy[b_key])
         if vals:
             paired[label] = _stat(vals)
+
     res = results
     if "nvme" in res and "lmcache" in res["nvme"]:
-        pair("nvme.new_kvstore_4m_over_lmcache", res["nvme"]["new"],
-             ("quiet." if a.busy else "") + "4096k.kvstore_gbps",
-             res["nvme"]["lmcache"], "store_gbps")
+        pair(
+            "nvme.new_kvstore_4m_over_lmcache",
+            res["nvme"]["new"],
+            ("quiet." if a.busy else "") + "4096k.kvstore_gbps",
+            res["nvme"]["lmcache"],
+            "store_gbps",
+        )
     if a.base:
-        for part, keys in (("meta", [k for k in summary if k.startswith("meta.new.") and "per_" in k]),
-                           ("nvme", [k for k in summary if k.startswith("nvme.new.") and k.endswith("_gbps")]),
-                           ("frag", [k for k in summary if k.startswith("frag.new.") and k.endswith("_gbps")])):
+        for part, keys in (
+            ("meta", [k for k in summary if k.startswith("meta.new.") and "per_" in k]),
+            ("nvme", [k for k in summary if k.startswith("nvme.new.") and k.endswith("_gbps")]),
+            ("frag", [k for k in summary if k.startswith("frag.new.") and k.endswith("_gbps")]),
+        ):
             if part not in res:
                 continue
             for k in keys:
@@ -708,8 +832,18 @@ def main() -> None:
         print(f"{k:70s} {v['median']:14.4g}  [{v['min']:.4g}, {v['max']:.4g}]")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "raw": results, "summary": summary, "paired_ratios": paired,
-                       "loadavg_at_end": os.getloadavg(), "elapsed_s": time.time() - started}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(a),
+                    "raw": results,
+                    "summary": summary,
+                    "paired_ratios": paired,
+                    "loadavg_at_end": os.getloadavg(),
+                    "elapsed_s": time.time() - started,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Usage::
 
     python bench/fdp_validate.py [--quick] [--json out.json] [--only lambert,noisy,kv]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,18 +48,27 @@ def lambert(ops: list[float], logical_pages: int, gcs: list[str], seed: int = 1)
             u = m.logical_pages
             m.write_pages(np.arange(u))
             batch = 4096
-            for _ in range(3 * u // batch):                 # warm up to steady state
+            for _ in range(3 * u // batch):  # warm up to steady state
                 m.write_pages(rng.integers(0, u, batch))
             w = WafWindow(m)
             w.start()
-            for _ in range(3 * u // batch):                 # measurement window
+            for _ in range(3 * u // batch):  # measurement window
                 m.write_pages(rng.integers(0, u, batch))
             w.stop()
             m.check_invariants()
             ref = analytic_greedy_waf(op)
-            rows.append({"op": op, "gc": gc, "num_ru": m.num_ru, "pages_per_ru": m.ru_pages,
-                         "model_waf": w.waf, "analytic_waf": ref, "error_pct": 100 * (w.waf - ref) / ref,
-                         "time_s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "op": op,
+                    "gc": gc,
+                    "num_ru": m.num_ru,
+                    "pages_per_ru": m.ru_pages,
+                    "model_waf": w.waf,
+                    "analytic_waf": ref,
+                    "error_pct": 100 * (w.waf - ref) / ref,
+                    "time_s": time.perf_counter() - t0,
+                }
+            )
     return rows
 
 
@@ -66,8 +76,15 @@ def noisy(logical_pages: int, seed: int = 3) -> list[dict]:
     rows = []
     for isolation in ("initial", "persistent"):
         for gc in ("greedy", "cost_benefit"):
-            m = FTLModel(logical_pages * 4 * KiB, 256 * 4 * KiB, 0.14, num_ruh=2, isolation=isolation,
-                         gc=gc, page_bytes=4 * KiB)
+            m = FTLModel(
+                logical_pages * 4 * KiB,
+                256 * 4 * KiB,
+                0.14,
+                num_ruh=2,
+                isolation=isolation,
+                gc=gc,
+                page_bytes=4 * KiB,
+            )
             rng = np.random.default_rng(seed)
             half = int(m.logical_pages * 0.45)
             m.write_pages(np.arange(half), 0)
@@ -90,8 +107,15 @@ def noisy(logical_pages: int, seed: int = 3) -> list[dict]:
             s1 = m.stats()
             h = np.subtract(s1["ruh_host_bytes"], s0["ruh_host_bytes"])
             g = np.subtract(s1["ruh_gc_bytes"], s0["ruh_gc_bytes"])
-            rows.append({"isolation": isolation, "gc": gc, "waf": w.waf,
-                         "quiet_ruh_waf": float((h[0] + g[0]) / h[0]), "noisy_ruh_waf": float((h[1] + g[1]) / h[1])})
+            rows.append(
+                {
+                    "isolation": isolation,
+                    "gc": gc,
+                    "waf": w.waf,
+                    "quiet_ruh_waf": float((h[0] + g[0]) / h[0]),
+                    "noisy_ruh_waf": float((h[1] + g[1]) / h[1]),
+                }
+            )
     return rows
 
 
@@ -99,7 +123,11 @@ def noisy(logical_pages: int, seed: int = 3) -> list[dict]:
 # i.e. how many times the device's slots could be rewritten before the entry expires).  The TTLs
 # are exponential; the class shares and TTL ratios are illustrative (single-query KV dies ~10x
 # sooner than conversation context, system prefixes ~100x later), not measured from a trace.
-KV_MIX = [(LifetimeClass.SHORT, 0.60, 0.25), (LifetimeClass.MEDIUM, 0.30, 2.5), (LifetimeClass.LONG, 0.10, 250.0)]
+KV_MIX = [
+    (LifetimeClass.SHORT, 0.60, 0.25),
+    (LifetimeClass.MEDIUM, 0.30, 2.5),
+    (LifetimeClass.LONG, 0.10, 250.0),
+]
 
 
 def kv(n_writes: int, capacity_bytes: int, placed: bool, isolation: str, op: float, seed: int = 0) -> dict:
@@ -112,7 +140,7 @@ def kv(n_writes: int, capacity_bytes: int, placed: bool, isolation: str, op: flo
     n_slots = capacity_bytes // slot_bytes
     target = int(0.9 * n_slots)
     free = list(rng.permutation(n_slots))
-    live: list[tuple[float, int]] = []          # (expiry, slot)
+    live: list[tuple[float, int]] = []  # (expiry, slot)
     classes = rng.choice(len(KV_MIX), size=n_writes, p=[s for _, s, _ in KV_MIX])
     sizes = rng.integers(32, 65, size=n_writes) * 64 * KiB
     ttl = np.array([KV_MIX[c][2] for c in classes]) * n_slots * rng.exponential(1.0, size=n_writes)
@@ -133,9 +161,16 @@ def kv(n_writes: int, capacity_bytes: int, placed: bool, isolation: str, op: flo
             w.start()
     w.stop()
     st = m.stats()
-    return {"placed": placed, "isolation": isolation, "op": op, "writes": n_writes,
-            "written_gib": st["hbmw_bytes"] / GiB, "waf": w.waf, "ruh_waf": st["ruh_waf"],
-            "replay_s": time.perf_counter() - t0}
+    return {
+        "placed": placed,
+        "isolation": isolation,
+        "op": op,
+        "writes": n_writes,
+        "written_gib": st["hbmw_bytes"] / GiB,
+        "waf": w.waf,
+        "ruh_waf": st["ruh_waf"],
+        "replay_s": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -151,36 +186,49 @@ def main() -> None:
     print(f"write path on this host: {out['write_path']}")
 
     if "lambert" in only:
-        pages = 2 ** 16 if args.quick else 2 ** 18
+        pages = 2**16 if args.quick else 2**18
         rows = lambert([0.07, 0.14, 0.28, 0.5], pages, ["greedy", "cost_benefit"])
         out["lambert"] = rows
-        print(f"\n## Greedy GC vs analytic (uniform random 4 KiB writes, {pages} logical pages, 256 pages/RU)")
+        print(
+            f"\n## Greedy GC vs analytic (uniform random 4 KiB writes, {pages} logical pages, 256 pages/RU)"
+        )
         print("| OP | GC | model WA | analytic WA | error % |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['op']:.2f} | {r['gc']} | {r['model_waf']:.3f} | {r['analytic_waf']:.3f} | "
-                  f"{r['error_pct']:+.2f} |")
+            print(
+                f"| {r['op']:.2f} | {r['gc']} | {r['model_waf']:.3f} | {r['analytic_waf']:.3f} | "
+                f"{r['error_pct']:+.2f} |"
+            )
 
     if "noisy" in only:
-        rows = noisy(2 ** 15 if args.quick else 2 ** 17)
+        rows = noisy(2**15 if args.quick else 2**17)
         out["noisy"] = rows
         print("\n## Noisy RUH (OP 14 %; RUH0 quiet 10 % of writes, RUH1 noisy 90 %)")
         print("| isolation | GC | device WAF | quiet RUH WAF | noisy RUH WAF |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['isolation']} | {r['gc']} | {r['waf']:.3f} | {r['quiet_ruh_waf']:.3f} | "
-                  f"{r['noisy_ruh_waf']:.3f} |")
+            print(
+                f"| {r['isolation']} | {r['gc']} | {r['waf']:.3f} | {r['quiet_ruh_waf']:.3f} | "
+                f"{r['noisy_ruh_waf']:.3f} |"
+            )
 
     if "kv" in only:
         n = 30_000 if args.quick else args.kv_writes
         cap = (32 if args.quick else args.kv_capacity_gib) * GiB
-        rows = [kv(n, cap, False, "initial", 0.07), kv(n, cap, True, "initial", 0.07),
-                kv(n, cap, True, "persistent", 0.07)]
+        rows = [
+            kv(n, cap, False, "initial", 0.07),
+            kv(n, cap, True, "initial", 0.07),
+            kv(n, cap, True, "persistent", 0.07),
+        ]
         out["kv"] = rows
-        print(f"\n## KV replay: {n} writes of 2-4 MiB, {cap // GiB} GiB at 90 % utilisation, OP 7 %, "
-              "64 MiB RUs, 64 KiB pages (WAF over the second half)")
+        print(
+            f"\n## KV replay: {n} writes of 2-4 MiB, {cap // GiB} GiB at 90 % utilisation, OP 7 %, "
+            "64 MiB RUs, 64 KiB pages (WAF over the second half)"
+        )
         print("| placement | isolation | WAF | written GiB | replay s |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {'by lifetime class' if r['placed'] else 'none'} | {r['isolation']} | {r['waf']:.3f} "
-                  f"| {r['written_gib']:.0f} | {r['replay_s']:.1f} |")
+            print(
+                f"| {'by lifetime class' if r['placed'] else 'none'} | {r['isolation']} | {r['waf']:.3f} "
+                f"| {r['written_gib']:.0f} | {r['replay_s']:.1f} |"
+            )
 
     if args.json:
         with open(args.json, "w") as f:

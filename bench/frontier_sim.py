@@ -98,6 +98,7 @@ Results are appended to ``--json`` one JSON object per line as each
 configuration finishes (a sweep can be stopped and resumed: rows already there
 are skipped with ``--resume``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -185,11 +186,15 @@ class SimConfig:
     lba: str = "tier"
 
     def __post_init__(self) -> None:
-        checks = {"granularity": ("region", "block"), "region_policy": ("lru", "fifo", "min_live"),
-                  "survivors": ("none", "clock", "all"), "promotion": ("top", "none", "move"),
-                  "gc_victim": ("min_live", "cost_benefit"),
-                  "classifier": ("one", "hint", "reuse", "prefix", "survivor", "oracle", "oracle3"),
-                  "lba": ("tier", "device")}
+        checks = {
+            "granularity": ("region", "block"),
+            "region_policy": ("lru", "fifo", "min_live"),
+            "survivors": ("none", "clock", "all"),
+            "promotion": ("top", "none", "move"),
+            "gc_victim": ("min_live", "cost_benefit"),
+            "classifier": ("one", "hint", "reuse", "prefix", "survivor", "oracle", "oracle3"),
+            "lba": ("tier", "device"),
+        }
         for f, ok in checks.items():
             if getattr(self, f) not in ok:
                 raise ValueError(f"{self.name}: {f}={getattr(self, f)!r}: accepted {ok}")
@@ -203,33 +208,38 @@ class SimConfig:
 #: (GC keeps every live block, ``survivors: all``). ``c*`` run on the conventional (one-handle) device.
 _B = dict(granularity="block", survivors="clock")
 _M = dict(granularity="block", survivors="all", promotion="move")
-CONFIGS: dict[str, SimConfig] = {c.name: c for c in [
-    SimConfig("a"),                                                     # today's default
-    SimConfig("a-class", classifier="hint", fdp=True),
-    SimConfig("a-excl", promotion="none"),
-    SimConfig("a-move", promotion="move"),
-    SimConfig("b", region_policy="fifo", survivors="clock"),
-    SimConfig("b-excl", region_policy="fifo", survivors="clock", promotion="none"),
-    SimConfig("c", **_B),                                               # per-block, conventional SSD
-    SimConfig("d0", fdp=True, **_B),
-    SimConfig("d-surv", survivor_stream=True, classifier="survivor", fdp=True, **_B),
-    SimConfig("d-hint", survivor_stream=True, classifier="hint", fdp=True, **_B),
-    SimConfig("d-reuse", survivor_stream=True, classifier="reuse", fdp=True, **_B),
-    SimConfig("d-prefix", survivor_stream=True, classifier="prefix", fdp=True, **_B),
-    SimConfig("d-oracle", survivor_stream=True, classifier="oracle", fdp=True, **_B),
-    SimConfig("d-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, **_B),
-    SimConfig("d-eq", survivor_stream=True, classifier="survivor", fdp=True, lba="device", **_B),
-    SimConfig("mc", **_M),                                              # exclusive tiers, conventional SSD
-    SimConfig("m0", fdp=True, **_M),
-    SimConfig("m-surv", survivor_stream=True, classifier="survivor", fdp=True, **_M),
-    SimConfig("m-hint", survivor_stream=True, classifier="hint", fdp=True, **_M),
-    SimConfig("m-reuse", survivor_stream=True, classifier="reuse", fdp=True, **_M),
-    SimConfig("m-prefix", survivor_stream=True, classifier="prefix", fdp=True, **_M),
-    SimConfig("m-oracle", survivor_stream=True, classifier="oracle", fdp=True, **_M),
-    SimConfig("m-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, **_M),
-    SimConfig("mc-oracle", survivor_stream=True, classifier="oracle", **_M),   # m-oracle's conventional twin
-    SimConfig("m-eq-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, lba="device", **_M),
-]}
+CONFIGS: dict[str, SimConfig] = {
+    c.name: c
+    for c in [
+        SimConfig("a"),  # today's default
+        SimConfig("a-class", classifier="hint", fdp=True),
+        SimConfig("a-excl", promotion="none"),
+        SimConfig("a-move", promotion="move"),
+        SimConfig("b", region_policy="fifo", survivors="clock"),
+        SimConfig("b-excl", region_policy="fifo", survivors="clock", promotion="none"),
+        SimConfig("c", **_B),  # per-block, conventional SSD
+        SimConfig("d0", fdp=True, **_B),
+        SimConfig("d-surv", survivor_stream=True, classifier="survivor", fdp=True, **_B),
+        SimConfig("d-hint", survivor_stream=True, classifier="hint", fdp=True, **_B),
+        SimConfig("d-reuse", survivor_stream=True, classifier="reuse", fdp=True, **_B),
+        SimConfig("d-prefix", survivor_stream=True, classifier="prefix", fdp=True, **_B),
+        SimConfig("d-oracle", survivor_stream=True, classifier="oracle", fdp=True, **_B),
+        SimConfig("d-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, **_B),
+        SimConfig("d-eq", survivor_stream=True, classifier="survivor", fdp=True, lba="device", **_B),
+        SimConfig("mc", **_M),  # exclusive tiers, conventional SSD
+        SimConfig("m0", fdp=True, **_M),
+        SimConfig("m-surv", survivor_stream=True, classifier="survivor", fdp=True, **_M),
+        SimConfig("m-hint", survivor_stream=True, classifier="hint", fdp=True, **_M),
+        SimConfig("m-reuse", survivor_stream=True, classifier="reuse", fdp=True, **_M),
+        SimConfig("m-prefix", survivor_stream=True, classifier="prefix", fdp=True, **_M),
+        SimConfig("m-oracle", survivor_stream=True, classifier="oracle", fdp=True, **_M),
+        SimConfig("m-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, **_M),
+        SimConfig(
+            "mc-oracle", survivor_stream=True, classifier="oracle", **_M
+        ),  # m-oracle's conventional twin
+        SimConfig("m-eq-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, lba="device", **_M),
+    ]
+}
 
 
 def config_from_spec(spec: str) -> SimConfig:
@@ -278,13 +288,19 @@ class Workload:
         return self.hbm_bytes // bb + self.host_bytes // bb + self.nvme_bytes // bb
 
 
-def load_workload(name: str, trace: str | None = None, limit: int | None = None, block_bytes: int = 32 << 10,
-                  agent_trace: str | None = None) -> Workload:
+def load_workload(
+    name: str,
+    trace: str | None = None,
+    limit: int | None = None,
+    block_bytes: int = 32 << 10,
+    agent_trace: str | None = None,
+) -> Workload:
     """The named capacity points: ``excerpt`` (packaged 1,000 requests, the replay's default
     2/8/30 % sizing), ``conv10`` (28m/112m/420m, the issue's row), ``conv40`` (40 % split
     5/20/75 %), ``agent10`` (10 % of ``agent_trace``, made by ``bench/agent_workload.py
     --sessions 200 --seed 0``)."""
     from tierstore.replay import unique_full_blocks
+
     if name == "excerpt":
         path = trace
     elif name.startswith("conv"):
@@ -292,8 +308,10 @@ def load_workload(name: str, trace: str | None = None, limit: int | None = None,
     elif name.startswith("agent"):
         path = agent_trace or trace
         if path is None:
-            raise ValueError("agent workloads need --agent-trace (python bench/agent_workload.py --out F "
-                             "--sessions 200 --seed 0)")
+            raise ValueError(
+                "agent workloads need --agent-trace (python bench/agent_workload.py --out F "
+                "--sessions 200 --seed 0)"
+            )
     else:
         raise ValueError(f"workload {name!r}: known are excerpt, conv10, conv40, agent10, agent40")
     reqs = read_mooncake(path, limit)
@@ -333,7 +351,9 @@ class Geometry:
     util: float
 
 
-def sim_geometry(nvme_bytes: int, util: float, lba: str, page_bytes: int = 4096, op: float = 0.07) -> Geometry:
+def sim_geometry(
+    nvme_bytes: int, util: float, lba: str, page_bytes: int = 4096, op: float = 0.07
+) -> Geometry:
     """Sizes as ``tiers.nvme.device: sim`` with ``capacity_bytes=nvme_bytes`` and
     ``model.utilization=util``: device = nvme / util rounded down to whole RUs, tier =
     whole RUs of nvme; ``lba="device"`` gives the whole device to the tier."""
@@ -352,12 +372,12 @@ class _Plan:
     __slots__ = ("evicting", "copies", "frees", "nvme_demote", "protect", "avail")
 
     def __init__(self, protect: set, avail: list[int]) -> None:
-        self.evicting: tuple[set, set] = (set(), set())   # victims per memory tier (EVICT flags)
-        self.copies: list[int] = []                        # HBM victims copied into host
-        self.frees: list[tuple[int, int]] = []             # (block, tier) leaving that tier
-        self.nvme_demote: list[int] = []                   # victims written to NVMe
+        self.evicting: tuple[set, set] = (set(), set())  # victims per memory tier (EVICT flags)
+        self.copies: list[int] = []  # HBM victims copied into host
+        self.frees: list[tuple[int, int]] = []  # (block, tier) leaving that tier
+        self.nvme_demote: list[int] = []  # victims written to NVMe
         self.protect = protect
-        self.avail = avail                                 # free slots per memory tier not yet taken
+        self.avail = avail  # free slots per memory tier not yet taken
 
 
 class Simulator:
@@ -380,14 +400,23 @@ class Simulator:
         (classifier ``oracle``).
     """
 
-    def __init__(self, wl: Workload, cfg: SimConfig, util: float = 0.9, isolation: str = "initial",
-                 device: str = "sim", oracle: dict | None = None, page_bytes: int = 4096) -> None:
+    def __init__(
+        self,
+        wl: Workload,
+        cfg: SimConfig,
+        util: float = 0.9,
+        isolation: str = "initial",
+        device: str = "sim",
+        oracle: dict | None = None,
+        page_bytes: int = 4096,
+    ) -> None:
         self.wl, self.cfg = wl, cfg
         bb = self.bb = wl.block_bytes
         self.block_mode = cfg.granularity == "block"
         # ---- device and segments
         if device == "file":
             from tierstore.io.segments import choose_segment_size
+
             seg = choose_segment_size(wl.nvme_bytes, bb, None)
             tier = wl.nvme_bytes // seg * seg
             self.geo = Geometry(tier, seg, tier, tier, tier // seg, 0.0, 1.0)
@@ -397,8 +426,15 @@ class Simulator:
         else:
             self.geo = sim_geometry(wl.nvme_bytes, util, cfg.lba if self.block_mode else "tier", page_bytes)
             g = self.geo
-            self.ftl = FTLModel(g.device_bytes, g.ru_bytes, g.op_fraction, num_ruh=8, isolation=isolation,
-                                gc="greedy", page_bytes=page_bytes)
+            self.ftl = FTLModel(
+                g.device_bytes,
+                g.ru_bytes,
+                g.op_fraction,
+                num_ruh=8,
+                isolation=isolation,
+                gc="greedy",
+                page_bytes=page_bytes,
+            )
             dev = SimFdpDevice(self.ftl)
             self.policy = dev.placement_policy() if cfg.fdp else None
             self._sink = RuhUpdateShim(self.ftl, g.ru_bytes) if cfg.fdp else self.ftl
@@ -424,7 +460,7 @@ class Simulator:
         self.touched = [0] * n
         self.sealed_at = [0] * n
         self.members: list[list[int]] = [[] for _ in range(n)]
-        self.header_bytes_in = [0] * n    # extent header bytes written into each segment since it was FREE
+        self.header_bytes_in = [0] * n  # extent header bytes written into each segment since it was FREE
         self.open: dict = {}
         self.next_seq = 1
         self.ticks = 0
@@ -447,7 +483,7 @@ class Simulator:
         self.lru = (OrderedDict(), OrderedDict())
         self.cap = (wl.hbm_bytes // bb, wl.host_bytes // bb)
         self.nvme_lru: OrderedDict = OrderedDict()
-        self._memonly: list = []   # lazy heap (last_s, row, block) of blocks in memory only (flush order)
+        self._memonly: list = []  # lazy heap (last_s, row, block) of blocks in memory only (flush order)
         self.refs: set = set()
         self.protect_put: set = set()
         self.now = 0.0
@@ -482,18 +518,48 @@ class Simulator:
         self.w_gc: list[bool] = []
         self.w_reused: list[bool] = []
         self.w_nth: list[int] = []
-        self.w_t0: list[int] = []      # write clock (NVMe block writes so far) at the write
-        self.w_t1: list[int] = []      # write clock when the copy left NVMe (-1: still there)
+        self.w_t0: list[int] = []  # write clock (NVMe block writes so far) at the write
+        self.w_t1: list[int] = []  # write clock when the copy left NVMe (-1: still there)
         self.wclock = 0
         self.cur_w = [-1] * nb
         # ---- counters
         self.c = dict.fromkeys(
-            ("lookup_blocks", "hit_blocks", "hit_hbm", "hit_host", "hit_nvme", "user_blocks", "gc_blocks",
-             "engine_write_bytes", "extents", "trim_ranges", "trim_calls", "trimmed_bytes", "region_evictions",
-             "region_evicted_blocks", "region_kept_blocks", "lru_evicted_blocks", "gc_runs", "gc_copied_blocks",
-             "gc_evicted_blocks", "segments_reset_clean", "segments_reset_gc", "no_space_blocks", "promotions",
-             "flushed_blocks", "store_no_space", "dropped_blocks", "evictions_hbm", "evictions_host",
-             "evictions_nvme", "store_exists", "stuck_evictions", "nvme_copies_dropped"), 0)
+            (
+                "lookup_blocks",
+                "hit_blocks",
+                "hit_hbm",
+                "hit_host",
+                "hit_nvme",
+                "user_blocks",
+                "gc_blocks",
+                "engine_write_bytes",
+                "extents",
+                "trim_ranges",
+                "trim_calls",
+                "trimmed_bytes",
+                "region_evictions",
+                "region_evicted_blocks",
+                "region_kept_blocks",
+                "lru_evicted_blocks",
+                "gc_runs",
+                "gc_copied_blocks",
+                "gc_evicted_blocks",
+                "segments_reset_clean",
+                "segments_reset_gc",
+                "no_space_blocks",
+                "promotions",
+                "flushed_blocks",
+                "store_no_space",
+                "dropped_blocks",
+                "evictions_hbm",
+                "evictions_host",
+                "evictions_nvme",
+                "store_exists",
+                "stuck_evictions",
+                "nvme_copies_dropped",
+            ),
+            0,
+        )
 
     # ---------------------------------------------------------------- helpers
     def _n_streams(self) -> int:
@@ -503,7 +569,7 @@ class Simulator:
             return 1
         if self.cfg.classifier == "one":
             return 2 if self.cfg.survivor_stream else 1
-        return 2 if self.cfg.classifier in ("survivor", "oracle") else 3   # oracle3, hint, reuse, prefix: 3
+        return 2 if self.cfg.classifier in ("survivor", "oracle") else 3  # oracle3, hint, reuse, prefix: 3
 
     def _stream_of(self, cls: int) -> int:
         """Stream key of a write of class ``cls`` (one stream unless placement or block-mode
@@ -610,7 +676,7 @@ class Simulator:
             for b in nv_top:
                 self.touched[self.seg_of[b]] = self.ticks
         self.refs = set(keys[:m])
-        if self.cfg.promotion != "none":   # every matched block is loaded (useful == matched, see module doc)
+        if self.cfg.promotion != "none":  # every matched block is loaded (useful == matched, see module doc)
             promos = [b for b in keys[:m] if b not in hbm]
             if promos:
                 self._promote(promos)
@@ -747,8 +813,13 @@ class Simulator:
         seen: set = set()
         while heap and len(out) < max_blocks:
             last, row, b = heapq.heappop(heap)
-            if (b in seen or self.seg_of[b] >= 0 or not (b in hbm or b in host) or self.row[b] != row
-                    or self.last_s[b] != last):
+            if (
+                b in seen
+                or self.seg_of[b] >= 0
+                or not (b in hbm or b in host)
+                or self.row[b] != row
+                or self.last_s[b] != last
+            ):
                 continue
             seen.add(b)
             out.append(b)
@@ -793,10 +864,10 @@ class Simulator:
                 first_bad = min(bad)
                 self.c["store_no_space"] += len(todo) - first_bad
                 for b in todo[first_bad:]:
-                    if self.seg_of[b] >= 0:   # written, but the chain before it failed: forgotten
+                    if self.seg_of[b] >= 0:  # written, but the chain before it failed: forgotten
                         self._drop_nvme_copy(b)
         self._apply_memory(plan)
-        for j, (b, t) in enumerate(mem):   # mem holds todo's leading blocks in order
+        for j, (b, t) in enumerate(mem):  # mem holds todo's leading blocks in order
             if j < first_bad:
                 self.lru[t][b] = None
                 self._mark_memonly(b)
@@ -887,7 +958,7 @@ class Simulator:
         seen: set = set()
         for i, b in enumerate(blocks):
             if not gc and (self.seg_of[b] >= 0 or b in seen):
-                status[i] = True   # EXISTS
+                status[i] = True  # EXISTS
                 continue
             seen.add(b)
             groups.setdefault(placements[i], []).append(i)
@@ -973,7 +1044,7 @@ class Simulator:
             for j, i in enumerate(take):
                 b = blocks[i]
                 old = self.seg_of[b]
-                if old >= 0:   # a copy-forward retires the old copy
+                if old >= 0:  # a copy-forward retires the old copy
                     self.live[old] -= 1
                 else:
                     self.live_blocks += 1
@@ -1046,6 +1117,7 @@ class Simulator:
             def benefit(s: int) -> float:
                 u = self.live[s] / max(1, self.written[s])
                 return -(1.0 - u) * (now - self.sealed_at[s] + 1) / (1.0 + u)
+
             return sorted(sealed, key=benefit)
         pol = self.cfg.region_policy
         if pol == "min_live":
@@ -1088,8 +1160,8 @@ class Simulator:
     def _empty_segment(self, si: int, blocks: list[int], keep: list[bool], pl, gc: bool) -> bool:
         kept = [b for b, k in zip(blocks, keep) if k]
         moved: set = set()
-        for a in range(0, len(kept), self.bpe):   # SegmentStorage._evict_segment: one put per extent's worth
-            ck = kept[a:a + self.bpe]
+        for a in range(0, len(kept), self.bpe):  # SegmentStorage._evict_segment: one put per extent's worth
+            ck = kept[a : a + self.bpe]
             ok = self._put(ck, [pl] * len(ck), gc=True)
             for b, good in zip(ck, ok):
                 if good:
@@ -1160,7 +1232,7 @@ class Simulator:
                     start = off
                 prev = off
             self._trim(start, prev + slot - start)
-            self.c["trim_calls"] += 1   # one IOEngine.trim_many per flush
+            self.c["trim_calls"] += 1  # one IOEngine.trim_many per flush
         for si in emptied:
             self._finish_reclaim(si)
 
@@ -1197,32 +1269,55 @@ class Simulator:
         c, bb, wl, cfg = self.c, self.bb, self.wl, self.cfg
         user_b = c["user_blocks"] * bb
         gc_b = c["gc_blocks"] * bb
-        out = {"workload": wl.name, "config": cfg.name, **{f"cfg_{k}": v for k, v in dataclasses.asdict(cfg).items()
-                                                           if k != "name"},
-               "util": round(self.geo.util, 4), "isolation": self.isolation, "device_bytes": self.geo.device_bytes,
-               "ru_bytes": self.geo.ru_bytes, "tier_bytes": self.geo.tier_bytes, "lba_bytes": self.geo.lba_bytes,
-               "n_segments": self.n_seg, "blocks_per_segment": self.blocks_per_segment,
-               "capacity_blocks": wl.capacity_blocks,
-               "nvme_blocks_nominal": wl.nvme_bytes // bb,
-               "live_budget_blocks": self.live_budget if self.block_mode else None,
-               "nvme_live_blocks_end": self.live_blocks,
-               "requests": len(wl.keys), "lookup_blocks": c["lookup_blocks"], "hit_blocks": c["hit_blocks"],
-               "hit_ratio": c["hit_blocks"] / max(1, c["lookup_blocks"]),
-               "saved_prefill_tokens": c["hit_blocks"] * MOONCAKE_BLOCK_TOKENS,
-               "hit_blocks_hbm": c["hit_hbm"], "hit_blocks_host": c["hit_host"], "hit_blocks_nvme": c["hit_nvme"],
-               "nvme_user_bytes": user_b, "nvme_gc_bytes": gc_b,
-               "host_wa": (user_b + gc_b) / user_b if user_b else float("nan"),
-               "format_overhead": c["engine_write_bytes"] / max(1, user_b + gc_b),
-               **{k: v for k, v in c.items() if k not in ("lookup_blocks", "hit_blocks", "hit_hbm", "hit_host",
-                                                          "hit_nvme")},
-               "oracle_unknown_writes": self.oracle_unknown, "wall_s": round(wall_s, 1),
-               "simulated": _SIMULATED}
+        out = {
+            "workload": wl.name,
+            "config": cfg.name,
+            **{f"cfg_{k}": v for k, v in dataclasses.asdict(cfg).items() if k != "name"},
+            "util": round(self.geo.util, 4),
+            "isolation": self.isolation,
+            "device_bytes": self.geo.device_bytes,
+            "ru_bytes": self.geo.ru_bytes,
+            "tier_bytes": self.geo.tier_bytes,
+            "lba_bytes": self.geo.lba_bytes,
+            "n_segments": self.n_seg,
+            "blocks_per_segment": self.blocks_per_segment,
+            "capacity_blocks": wl.capacity_blocks,
+            "nvme_blocks_nominal": wl.nvme_bytes // bb,
+            "live_budget_blocks": self.live_budget if self.block_mode else None,
+            "nvme_live_blocks_end": self.live_blocks,
+            "requests": len(wl.keys),
+            "lookup_blocks": c["lookup_blocks"],
+            "hit_blocks": c["hit_blocks"],
+            "hit_ratio": c["hit_blocks"] / max(1, c["lookup_blocks"]),
+            "saved_prefill_tokens": c["hit_blocks"] * MOONCAKE_BLOCK_TOKENS,
+            "hit_blocks_hbm": c["hit_hbm"],
+            "hit_blocks_host": c["hit_host"],
+            "hit_blocks_nvme": c["hit_nvme"],
+            "nvme_user_bytes": user_b,
+            "nvme_gc_bytes": gc_b,
+            "host_wa": (user_b + gc_b) / user_b if user_b else float("nan"),
+            "format_overhead": c["engine_write_bytes"] / max(1, user_b + gc_b),
+            **{
+                k: v
+                for k, v in c.items()
+                if k not in ("lookup_blocks", "hit_blocks", "hit_hbm", "hit_host", "hit_nvme")
+            },
+            "oracle_unknown_writes": self.oracle_unknown,
+            "wall_s": round(wall_s, 1),
+            "simulated": _SIMULATED,
+        }
         if self.ftl is not None:
             s = self.ftl.stats()
-            out.update(hbmw_bytes=s["hbmw_bytes"], mbmw_bytes=s["mbmw_bytes"], device_waf=s["waf"],
-                       e2e_wa=s["mbmw_bytes"] / user_b if user_b else float("nan"),
-                       device_gc_runs=s["gc_runs"], ruh_host_bytes=s["ruh_host_bytes"], ruh_gc_bytes=s["ruh_gc_bytes"],
-                       ruh_updates=getattr(self._sink, "ruh_updates", 0))
+            out.update(
+                hbmw_bytes=s["hbmw_bytes"],
+                mbmw_bytes=s["mbmw_bytes"],
+                device_waf=s["waf"],
+                e2e_wa=s["mbmw_bytes"] / user_b if user_b else float("nan"),
+                device_gc_runs=s["gc_runs"],
+                ruh_host_bytes=s["ruh_host_bytes"],
+                ruh_gc_bytes=s["ruh_gc_bytes"],
+                ruh_updates=getattr(self._sink, "ruh_updates", 0),
+            )
         out.update(self.placement_accuracy())
         return out
 
@@ -1234,7 +1329,10 @@ class Simulator:
         y = np.asarray(self.w_reused, dtype=bool)
         sel = ~gc
         cls, y = cls[sel], y[sel]
-        out = {"nvme_fresh_writes": int(sel.sum()), "nvme_reused_share": float(y.mean()) if y.size else float("nan")}
+        out = {
+            "nvme_fresh_writes": int(sel.sum()),
+            "nvme_reused_share": float(y.mean()) if y.size else float("nan"),
+        }
         out["placement_auc"] = auc(cls.astype(np.float64), y)
         return out
 
@@ -1247,7 +1345,7 @@ class Simulator:
         t1 = np.asarray([self.w_t1[i] for i in fresh], dtype=np.int64)
         died = t1 >= 0
         life = np.where(died, t1 - t0, np.iinfo(np.int64).max)
-        lo, hi = (np.quantile(life[died], [1 / 3, 2 / 3]) if died.sum() >= 3 else (0, 0))
+        lo, hi = np.quantile(life[died], [1 / 3, 2 / 3]) if died.sum() >= 3 else (0, 0)
         L, M, S = int(LifetimeClass.LONG), int(LifetimeClass.MEDIUM), int(LifetimeClass.SHORT)
         out = {}
         for j, i in enumerate(fresh):
@@ -1292,21 +1390,24 @@ def auc(score: np.ndarray, label: np.ndarray) -> float:
         j = i
         while j + 1 < s.size and s[j + 1] == s[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
         i = j + 1
     u = ranks[label].sum() - n1 * (n1 + 1) / 2.0
     return float(u / (n1 * n0))
 
 
 # ============================================================== driver
-def run_config(wl: Workload, cfg: SimConfig, util: float, isolation: str = "initial", device: str = "sim") -> dict:
+def run_config(
+    wl: Workload, cfg: SimConfig, util: float, isolation: str = "initial", device: str = "sim"
+) -> dict:
     """One row; the ``oracle`` classifier runs its first pass (the same config with one class) first."""
     oracle = None
     if cfg.classifier in ("oracle", "oracle3"):
-        first = Simulator(wl, dataclasses.replace(cfg, classifier="one", name=cfg.name + "/pass1"), util, isolation,
-                          device)
+        first = Simulator(
+            wl, dataclasses.replace(cfg, classifier="one", name=cfg.name + "/pass1"), util, isolation, device
+        )
         first.run()
-        first.cfg = cfg   # the truth is cut by the second pass's classifier
+        first.cfg = cfg  # the truth is cut by the second pass's classifier
         oracle = first.oracle_truth()
     sim = Simulator(wl, cfg, util, isolation, device, oracle=oracle)
     return sim.run()
@@ -1316,46 +1417,85 @@ def reference_row(wl: Workload) -> dict:
     """Flat LRU / Belady of the same total blocks (tierstore.bench.references)."""
     ref = references(wl.requests, wl.capacity_blocks, wl.keys)
     tok = MOONCAKE_BLOCK_TOKENS
-    return {**ref, "flat_lru_saved_tokens": round(ref["flat_lru"] * ref["lookup_blocks"]) * tok,
-            "belady_saved_tokens": round(ref["belady"] * ref["lookup_blocks"]) * tok}
+    return {
+        **ref,
+        "flat_lru_saved_tokens": round(ref["flat_lru"] * ref["lookup_blocks"]) * tok,
+        "belady_saved_tokens": round(ref["belady"] * ref["lookup_blocks"]) * tok,
+    }
 
 
 def validate(wl: Workload, device: str, name: str = "a", util: float = 0.9) -> dict:
     """A region-mode configuration in the simulator vs the real store
     (:func:`tierstore.replay.run_replay` with the same policies) on ``wl``."""
     from tierstore.replay import ReplayConfig, run_replay
+
     cfg = CONFIGS[name]
-    if cfg.promotion == "move" or (cfg.granularity == "block" and (cfg.survivor_stream or cfg.lba != "tier"
-                                                                   or cfg.gc_victim != "min_live")):
-        raise ValueError(f"--validate: {name} is not a configuration the store has (promotion top/none; block mode "
-                         "with one stream, LBA = the tier, GC victim min_live)")
+    if cfg.promotion == "move" or (
+        cfg.granularity == "block"
+        and (cfg.survivor_stream or cfg.lba != "tier" or cfg.gc_victim != "min_live")
+    ):
+        raise ValueError(
+            f"--validate: {name} is not a configuration the store has (promotion top/none; block mode "
+            "with one stream, LBA = the tier, GC victim min_live)"
+        )
     sim = Simulator(wl, cfg, util, "initial", device).run()
     nv = {"region_policy": cfg.region_policy}
     if cfg.granularity == "block":  # every dead slot deallocated at once, as the simulator does
-        nv.update(eviction_granularity="block", live_fraction=cfg.live_fraction,
-                  trim_min_bytes=-(-wl.block_bytes // 4096) * 4096)
+        nv.update(
+            eviction_granularity="block",
+            live_fraction=cfg.live_fraction,
+            trim_min_bytes=-(-wl.block_bytes // 4096) * 4096,
+        )
     if device == "sim":
         nv.update(device="sim", engine="memory", model={"utilization": util}, fdp={"enabled": cfg.fdp})
-    pol = {"promotion": cfg.promotion, "reinsert": cfg.survivors,
-           "classifier": cfg.classifier if cfg.classifier != "one" else "hint"}
+    pol = {
+        "promotion": cfg.promotion,
+        "reinsert": cfg.survivors,
+        "classifier": cfg.classifier if cfg.classifier != "one" else "hint",
+    }
     t0 = time.perf_counter()
-    rep = run_replay(ReplayConfig(trace=wl.trace, limit=wl.limit, block_bytes=wl.block_bytes, hbm_bytes=wl.hbm_bytes,
-                                  host_bytes=wl.host_bytes, nvme_bytes=wl.nvme_bytes, nvme_options=nv,
-                                  policies=pol))
+    rep = run_replay(
+        ReplayConfig(
+            trace=wl.trace,
+            limit=wl.limit,
+            block_bytes=wl.block_bytes,
+            hbm_bytes=wl.hbm_bytes,
+            host_bytes=wl.host_bytes,
+            nvme_bytes=wl.nvme_bytes,
+            nvme_options=nv,
+            policies=pol,
+        )
+    )
     real_wall = time.perf_counter() - t0
     kv, d = rep.kv, rep.device
-    real = {"hit_ratio": kv["lookup_hit_ratio"], "hit_blocks_hbm": kv["hit_blocks_hbm"],
-            "hit_blocks_host": kv["hit_blocks_host"], "hit_blocks_nvme": kv["hit_blocks_nvme"],
-            "nvme_user_bytes": kv["nvme_write_bytes"], "promotions": kv["promotions"],
-            "flushed_blocks": int(rep.final_stats.get("flushed_blocks", 0)),
-            "evictions_nvme": kv["evictions_nvme"], "host_wa": d.get("host_write_amplification"),
-            "segment_bytes": d.get("segment_size_bytes"), "device_bytes": d.get("device_bytes"),
-            "device_waf": d.get("waf"), "e2e_wa": d.get("e2e_wa"), "wall_s": round(real_wall, 1)}
+    real = {
+        "hit_ratio": kv["lookup_hit_ratio"],
+        "hit_blocks_hbm": kv["hit_blocks_hbm"],
+        "hit_blocks_host": kv["hit_blocks_host"],
+        "hit_blocks_nvme": kv["hit_blocks_nvme"],
+        "nvme_user_bytes": kv["nvme_write_bytes"],
+        "promotions": kv["promotions"],
+        "flushed_blocks": int(rep.final_stats.get("flushed_blocks", 0)),
+        "evictions_nvme": kv["evictions_nvme"],
+        "host_wa": d.get("host_write_amplification"),
+        "segment_bytes": d.get("segment_size_bytes"),
+        "device_bytes": d.get("device_bytes"),
+        "device_waf": d.get("waf"),
+        "e2e_wa": d.get("e2e_wa"),
+        "wall_s": round(real_wall, 1),
+    }
     mine = {k: sim.get(k) for k in real if k not in ("segment_bytes",)}
     mine["segment_bytes"] = sim["ru_bytes"]
     mine["wall_s"] = sim["wall_s"]
-    return {"workload": wl.name, "device": device, "config": name, "util": util, "real": real, "sim": mine,
-            "hit_ratio_gap": sim["hit_ratio"] - real["hit_ratio"]}
+    return {
+        "workload": wl.name,
+        "device": device,
+        "config": name,
+        "util": util,
+        "real": real,
+        "sim": mine,
+        "hit_ratio_gap": sim["hit_ratio"] - real["hit_ratio"],
+    }
 
 
 def _fmt(v, nd=4) -> str:
@@ -1370,29 +1510,45 @@ def _fmt(v, nd=4) -> str:
 
 def print_rows(rows: list[dict], ref: dict | None) -> None:
     """Markdown table (FTL model, not an SSD)."""
-    print(f"\n(FTL model, not an SSD) flat LRU {_fmt(ref and ref['flat_lru'])} "
-          f"({_fmt(ref and ref['flat_lru_saved_tokens'])} tokens), Belady {_fmt(ref and ref['belady'])}, "
-          f"{_fmt(ref and ref['capacity_blocks'])} blocks" if ref else "")
-    print("| workload | config | util | iso | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
-          "device WAF "
-          "(model) | e2e WA (model) | GC copied | GC evicted | AUC | s |")
+    print(
+        f"\n(FTL model, not an SSD) flat LRU {_fmt(ref and ref['flat_lru'])} "
+        f"({_fmt(ref and ref['flat_lru_saved_tokens'])} tokens), Belady {_fmt(ref and ref['belady'])}, "
+        f"{_fmt(ref and ref['capacity_blocks'])} blocks"
+        if ref
+        else ""
+    )
+    print(
+        "| workload | config | util | iso | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
+        "device WAF "
+        "(model) | e2e WA (model) | GC copied | GC evicted | AUC | s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        vs = (f"{100 * (r['saved_prefill_tokens'] / ref['flat_lru_saved_tokens'] - 1):+.2f}%"
-              if ref and ref.get("flat_lru_saved_tokens") else "-")
+        vs = (
+            f"{100 * (r['saved_prefill_tokens'] / ref['flat_lru_saved_tokens'] - 1):+.2f}%"
+            if ref and ref.get("flat_lru_saved_tokens")
+            else "-"
+        )
         gcc = r["gc_copied_blocks"] if r["cfg_granularity"] == "block" else r["region_kept_blocks"]
         gce = r["gc_evicted_blocks"] if r["cfg_granularity"] == "block" else r["region_evicted_blocks"]
-        print(f"| {r['workload']} | {r['config']} | {r.get('cfg_util_req', r['util']):.2f} | "
-              f"{r['isolation'][:4]} | {r['hit_ratio']:.4f} | "
-              f"{r['saved_prefill_tokens']:,} | {vs} | {r['host_wa']:.4f} | {_fmt(r.get('device_waf'))} | "
-              f"{_fmt(r.get('e2e_wa'))} | {gcc:,} | {gce:,} | {_fmt(r.get('placement_auc'), 3)} | "
-              f"{r['wall_s']} |")
+        print(
+            f"| {r['workload']} | {r['config']} | {r.get('cfg_util_req', r['util']):.2f} | "
+            f"{r['isolation'][:4]} | {r['hit_ratio']:.4f} | "
+            f"{r['saved_prefill_tokens']:,} | {vs} | {r['host_wa']:.4f} | {_fmt(r.get('device_waf'))} | "
+            f"{_fmt(r.get('e2e_wa'))} | {gcc:,} | {gce:,} | {_fmt(r.get('placement_auc'), 3)} | "
+            f"{r['wall_s']} |"
+        )
 
 
 #: One line per configuration family, for the report.
-FAMILY = {"a": "region LRU (today's default)", "b": "region FIFO + clock copy-forward",
-          "c": "per-block, promotion top, conventional SSD", "d": "per-block, promotion top, FDP",
-          "mc": "per-block, exclusive tiers, conventional SSD", "m": "per-block, exclusive tiers, FDP"}
+FAMILY = {
+    "a": "region LRU (today's default)",
+    "b": "region FIFO + clock copy-forward",
+    "c": "per-block, promotion top, conventional SSD",
+    "d": "per-block, promotion top, FDP",
+    "mc": "per-block, exclusive tiers, conventional SSD",
+    "m": "per-block, exclusive tiers, FDP",
+}
 
 
 def _family(r: dict) -> str:
@@ -1407,12 +1563,18 @@ def describe(r: dict) -> str:
     """One line naming a result row's configuration."""
     g = r["cfg_granularity"]
     parts = [f"region {r['cfg_region_policy']}" if g == "region" else "per-block LRU"]
-    parts.append({"top": "promotion top", "none": "no promotion", "move": "exclusive tiers (move)"}[r["cfg_promotion"]])
+    parts.append(
+        {"top": "promotion top", "none": "no promotion", "move": "exclusive tiers (move)"}[r["cfg_promotion"]]
+    )
     if g == "region":
         if r["cfg_survivors"] != "none":
             parts.append(f"{r['cfg_survivors']} copy-forward")
     else:
-        parts.append({"none": "GC evicts all", "clock": "GC keeps hit (clock)", "all": "GC keeps all"}[r["cfg_survivors"]])
+        parts.append(
+            {"none": "GC evicts all", "clock": "GC keeps hit (clock)", "all": "GC keeps all"}[
+                r["cfg_survivors"]
+            ]
+        )
         parts.append(f"live {r['cfg_live_fraction']:.2f}" if r["cfg_lba"] == "tier" else "LBA = device")
         if r["cfg_survivor_stream"]:
             parts.append("survivor stream")
@@ -1443,22 +1605,35 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
     os.makedirs(out_dir, exist_ok=True)
     md: list[str] = [f"(Every WA figure: FTL model, not an SSD. {_SIMULATED}.)", ""]
     md += go_no_go(rows, wa_max)
-    for wl in sorted({r["workload"] for r in rows}, key=lambda w: ("conv10", "conv40", "agent10").index(w)
-                     if w in ("conv10", "conv40", "agent10") else 9):
+    for wl in sorted(
+        {r["workload"] for r in rows},
+        key=lambda w: ("conv10", "conv40", "agent10").index(w) if w in ("conv10", "conv40", "agent10") else 9,
+    ):
         ref = refs.get(wl) or {}
         sel = [r for r in rows if r["workload"] == wl]
         flat = sel[0]["flat_lru_saved_tokens"]
-        md.append(f"### {wl}: flat LRU {sel[0]['flat_lru']:.4f} ({flat:,} tokens), Belady {sel[0]['belady']:.4f} "
-                  f"({sel[0]['belady_saved_tokens']:,}), {ref.get('capacity_blocks', sel[0]['capacity_blocks']):,} "
-                  "blocks in all tiers")
+        md.append(
+            f"### {wl}: flat LRU {sel[0]['flat_lru']:.4f} ({flat:,} tokens), Belady {sel[0]['belady']:.4f} "
+            f"({sel[0]['belady_saved_tokens']:,}), {ref.get('capacity_blocks', sel[0]['capacity_blocks']):,} "
+            "blocks in all tiers"
+        )
         md.append("")
-        md.append("| config | what | util | isolation | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
-                  "device WAF (FTL model, not an SSD) | e2e WA (FTL model, not an SSD) | NAND GiB (model) | "
-                  "GC / region copies | GC / region evictions | NVMe live budget | placement AUC |")
+        md.append(
+            "| config | what | util | isolation | hit ratio | saved prefill tokens | vs flat LRU | host WA | "
+            "device WAF (FTL model, not an SSD) | e2e WA (FTL model, not an SSD) | NAND GiB (model) | "
+            "GC / region copies | GC / region evictions | NVMe live budget | placement AUC |"
+        )
         md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         order = {k: i for i, k in enumerate(CONFIGS)}
-        for r in sorted(sel, key=lambda r: (r["cfg_util_req"], r["isolation"] != "initial",
-                                            order.get(r["config"].split(":")[0], 99), r["config"])):
+        for r in sorted(
+            sel,
+            key=lambda r: (
+                r["cfg_util_req"],
+                r["isolation"] != "initial",
+                order.get(r["config"].split(":")[0], 99),
+                r["config"],
+            ),
+        ):
             blk = r["cfg_granularity"] == "block"
             md.append(
                 f"| `{r['config']}` | {describe(r)} | {r['cfg_util_req']:.2f} | {r['isolation']} | "
@@ -1469,7 +1644,8 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
                 f"{(r['gc_copied_blocks'] if blk else r['region_kept_blocks']):,} | "
                 f"{(r['gc_evicted_blocks'] if blk else r['region_evicted_blocks']):,} | "
                 f"{r['live_budget_blocks'] if blk else '-'} | "
-                f"{'-' if math.isnan(r['placement_auc']) else format(r['placement_auc'], '.3f')} |")
+                f"{'-' if math.isnan(r['placement_auc']) else format(r['placement_auc'], '.3f')} |"
+            )
         md.append("")
         _plot(sel, wl, os.path.join(out_dir, f"frontier_{wl}.png"), wa_max)
     text = "\n".join(md) + "\n"
@@ -1484,8 +1660,12 @@ _CFG_FIELDS = [f.name for f in dataclasses.fields(SimConfig) if f.name not in ("
 def twin(rows: list[dict], r: dict) -> dict | None:
     """The same configuration with ``fdp`` flipped (same workload, utilisation, isolation), if it ran."""
     for o in rows:
-        if (o["workload"], o["cfg_util_req"], o["isolation"]) == (r["workload"], r["cfg_util_req"], r["isolation"]) \
-                and o["cfg_fdp"] != r["cfg_fdp"] and all(o["cfg_" + f] == r["cfg_" + f] for f in _CFG_FIELDS):
+        if (
+            (o["workload"], o["cfg_util_req"], o["isolation"])
+            == (r["workload"], r["cfg_util_req"], r["isolation"])
+            and o["cfg_fdp"] != r["cfg_fdp"]
+            and all(o["cfg_" + f] == r["cfg_" + f] for f in _CFG_FIELDS)
+        ):
             return o
     return None
 
@@ -1494,6 +1674,7 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     """The decision table: per workload and utilisation, the flat LRU's saved prefill against the
     best configurations at e2e WA <= ``wa_max`` (FTL model), and the best per-block FDP
     configuration's cost on the conventional one-handle device."""
+
     def best(sel):
         ok = [r for r in sel if r["e2e_wa"] <= wa_max]
         return max(ok, key=lambda r: (r["saved_prefill_tokens"], -r["e2e_wa"])) if ok else None
@@ -1501,25 +1682,33 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     def cell(r, flat):
         if r is None:
             return "none at this WA | - | -"
-        return (f"`{r['config']}` | {r['saved_prefill_tokens']:,} "
-                f"({100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} %)"
-                f" | {r['e2e_wa']:.4f}")
-    out = [f"Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); \"store-visible\" excludes the "
-           "oracle placements (they need the future); \"conventional twin\" is the same per-block configuration "
-           "on the one-handle model without RUH Update.", "",
-           "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best "
-           "region | "
-           "saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | best per-block FDP, store-visible | saved "
-           "(vs flat "
-           "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not "
-           "an SSD | "
-           "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP "
-           ">= flat "
-           "LRU at this WA? |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        return (
+            f"`{r['config']}` | {r['saved_prefill_tokens']:,} "
+            f"({100 * (r['saved_prefill_tokens'] / flat - 1):+.2f} %)"
+            f" | {r['e2e_wa']:.4f}"
+        )
+
+    out = [
+        f'Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); "store-visible" excludes the '
+        'oracle placements (they need the future); "conventional twin" is the same per-block configuration '
+        "on the one-handle model without RUH Update.",
+        "",
+        "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best "
+        "region | "
+        "saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | best per-block FDP, store-visible | saved "
+        "(vs flat "
+        "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not "
+        "an SSD | "
+        "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP "
+        ">= flat "
+        "LRU at this WA? |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     init = [r for r in rows if r["isolation"] == "initial"]
-    for wl in sorted({r["workload"] for r in init}, key=lambda w: ("conv10", "conv40", "agent10").index(w)
-                     if w in ("conv10", "conv40", "agent10") else 9):
+    for wl in sorted(
+        {r["workload"] for r in init},
+        key=lambda w: ("conv10", "conv40", "agent10").index(w) if w in ("conv10", "conv40", "agent10") else 9,
+    ):
         for u in sorted({r["cfg_util_req"] for r in init if r["workload"] == wl}):
             sel = [r for r in init if r["workload"] == wl and r["cfg_util_req"] == u]
             flat = sel[0]["flat_lru_saved_tokens"]
@@ -1531,38 +1720,61 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
             tw = twin(rows, vis) if vis is not None else None
             twc = "not run" if tw is None else f"{tw['e2e_wa']:.4f} ({tw['device_waf']:.4f})"
             reach = any(r is not None and r["saved_prefill_tokens"] >= flat for r in (vis, orc))
-            out.append(f"| {wl} | {u:.2f} | {flat:,} | "
-                       f"{'-' if a is None else format(a['saved_prefill_tokens'], ',')} "
-                       f"({'-' if a is None else format(a['e2e_wa'], '.4f')}) | {cell(reg, flat)} | "
-                       f"{cell(vis, flat)} | "
-                       f"{twc} | {cell(orc, flat)} | {'yes' if reach else '**no**'} |")
+            out.append(
+                f"| {wl} | {u:.2f} | {flat:,} | "
+                f"{'-' if a is None else format(a['saved_prefill_tokens'], ',')} "
+                f"({'-' if a is None else format(a['e2e_wa'], '.4f')}) | {cell(reg, flat)} | "
+                f"{cell(vis, flat)} | "
+                f"{twc} | {cell(orc, flat)} | {'yes' if reach else '**no**'} |"
+            )
     return out + [""]
 
 
 def _plot(rows: list[dict], wl: str, path: str, wa_max: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"a": "tab:blue", "b": "tab:cyan", "c": "tab:orange", "d": "tab:red", "mc": "tab:olive",
-              "m": "tab:green"}
+
+    colors = {
+        "a": "tab:blue",
+        "b": "tab:cyan",
+        "c": "tab:orange",
+        "d": "tab:red",
+        "mc": "tab:olive",
+        "m": "tab:green",
+    }
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for r in rows:
         if r["isolation"] != "initial":
             continue
         fam = _family(r)
         filled = r["cfg_util_req"] < 0.95
-        ax.scatter(r["e2e_wa"], r["saved_prefill_tokens"] / 1e6, s=28, marker="o" if filled else "s",
-                   facecolors=colors[fam] if filled else "none", edgecolors=colors[fam])
-        ax.annotate(r["config"].replace("live_fraction", "lf"), (r["e2e_wa"], r["saved_prefill_tokens"] / 1e6),
-                    fontsize=5, xytext=(2, 2), textcoords="offset points")
+        ax.scatter(
+            r["e2e_wa"],
+            r["saved_prefill_tokens"] / 1e6,
+            s=28,
+            marker="o" if filled else "s",
+            facecolors=colors[fam] if filled else "none",
+            edgecolors=colors[fam],
+        )
+        ax.annotate(
+            r["config"].replace("live_fraction", "lf"),
+            (r["e2e_wa"], r["saved_prefill_tokens"] / 1e6),
+            fontsize=5,
+            xytext=(2, 2),
+            textcoords="offset points",
+        )
     flat, opt = rows[0]["flat_lru_saved_tokens"] / 1e6, rows[0]["belady_saved_tokens"] / 1e6
     ys = [r["saved_prefill_tokens"] / 1e6 for r in rows] + [flat]
     ax.axhline(flat, color="k", ls="--", lw=1, label="flat LRU, same blocks")
     top = max(ys) + 0.15 * (max(ys) - min(ys) + 1e-9)
     if opt <= top:
         ax.axhline(opt, color="k", ls=":", lw=1, label="Belady MIN, same blocks")
-    else:   # far above every point: named, not drawn (the points would be squeezed)
-        ax.plot([], [], color="k", ls=":", lw=1, label=f"Belady MIN, same blocks: {opt:.1f} M (off the chart)")
+    else:  # far above every point: named, not drawn (the points would be squeezed)
+        ax.plot(
+            [], [], color="k", ls=":", lw=1, label=f"Belady MIN, same blocks: {opt:.1f} M (off the chart)"
+        )
         ax.set_ylim(min(ys) - 0.05 * (max(ys) - min(ys) + 1e-9), top)
     ax.axvspan(1.0, wa_max, color="0.9", zorder=0, label=f"e2e WA <= {wa_max}")
     for fam, c in colors.items():
@@ -1582,22 +1794,37 @@ def _plot(rows: list[dict], wl: str, path: str, wa_max: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="excerpt", help="excerpt, conv10, conv40, agent10, agent40")
-    ap.add_argument("--trace", default=None, help="Mooncake JSONL (excerpt: the packaged one; conv*: the "
-                    f"conversation trace, default {CONVERSATION})")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake JSONL (excerpt: the packaged one; conv*: the "
+        f"conversation trace, default {CONVERSATION})",
+    )
     ap.add_argument("--agent-trace", default=None, help="agent workload JSONL (bench/agent_workload.py)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--block-bytes", default="32k")
-    ap.add_argument("--configs", default="a", help="comma-separated names (--list-configs) or name:field=value;...")
+    ap.add_argument(
+        "--configs", default="a", help="comma-separated names (--list-configs) or name:field=value;..."
+    )
     ap.add_argument("--utils", default="0.9", help="comma-separated NVMe tier / device utilisations")
-    ap.add_argument("--isolations", default="initial", help="initial, persistent (multi-handle configs only "
-                    "differ; one-handle configs run once)")
+    ap.add_argument(
+        "--isolations",
+        default="initial",
+        help="initial, persistent (multi-handle configs only differ; one-handle configs run once)",
+    )
     ap.add_argument("--json", default=None, help="append one JSON row per configuration to this file")
     ap.add_argument("--resume", action="store_true", help="skip rows already in --json")
-    ap.add_argument("--validate", choices=("file", "sim"), default=None,
-                    help="run --configs (region mode) here and through the real store (run_replay) and compare "
-                         "(file: the replay's default NVMe file; sim: the FTL model at the first --utils)")
+    ap.add_argument(
+        "--validate",
+        choices=("file", "sim"),
+        default=None,
+        help="run --configs (region mode) here and through the real store (run_replay) and compare "
+        "(file: the replay's default NVMe file; sim: the FTL model at the first --utils)",
+    )
     ap.add_argument("--list-configs", action="store_true")
-    ap.add_argument("--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out")
+    ap.add_argument(
+        "--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out"
+    )
     ap.add_argument("--out", default=".", help="directory of --report's frontier.md and PNGs")
     a = ap.parse_args(argv)
     if a.list_configs:
@@ -1608,10 +1835,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(a.report, a.out))
         return 0
     wl = load_workload(a.workload, a.trace, a.limit, parse_size(a.block_bytes, "block_bytes"), a.agent_trace)
-    print(f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers "
-          f"{wl.hbm_bytes}/{wl.host_bytes}/"
-          f"{wl.nvme_bytes} B ({wl.capacity_blocks} blocks); load average {os.getloadavg()[0]:.1f}",
-          file=sys.stderr)
+    print(
+        f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers "
+        f"{wl.hbm_bytes}/{wl.host_bytes}/"
+        f"{wl.nvme_bytes} B ({wl.capacity_blocks} blocks); load average {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+    )
     if a.validate:
         for name in a.configs.split(","):
             v = validate(wl, a.validate, name, float(a.utils.split(",")[0]))
@@ -1634,14 +1863,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_spec(spec)
         multi = cfg.fdp and cfg.classifier not in ("one",)
         for u in (float(x) for x in a.utils.split(",")):
-            for iso in (a.isolations.split(",") if multi else ["initial"]):
+            for iso in a.isolations.split(",") if multi else ["initial"]:
                 if (wl.name, cfg.name, u, iso) in done:
                     continue
                 load0 = os.getloadavg()[0]
                 r = run_config(wl, cfg, u, iso)
-                r.update(cfg_util_req=u, cfg_spec=spec, loadavg_start=round(load0, 2), loadavg_end=round(os.getloadavg()[0], 2),
-                         flat_lru=ref["flat_lru"], flat_lru_saved_tokens=ref["flat_lru_saved_tokens"],
-                         belady=ref["belady"], belady_saved_tokens=ref["belady_saved_tokens"])
+                r.update(
+                    cfg_util_req=u,
+                    cfg_spec=spec,
+                    loadavg_start=round(load0, 2),
+                    loadavg_end=round(os.getloadavg()[0], 2),
+                    flat_lru=ref["flat_lru"],
+                    flat_lru_saved_tokens=ref["flat_lru_saved_tokens"],
+                    belady=ref["belady"],
+                    belady_saved_tokens=ref["belady_saved_tokens"],
+                )
                 rows.append(r)
                 print_rows([r], None)
                 if a.json:

@@ -21,6 +21,7 @@ deterministic (trace time, no timing): the host's load does not change them; it 
     python bench/frontier_store.py --workload excerpt --json R/rows.jsonl --resume
     python bench/frontier_store.py --report R/rows.jsonl --out R     # tables + one PNG per workload
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def _sibling(name: str):
     """``bench/<name>.py`` as a module (the bench scripts are not a package)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                      f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -58,11 +60,18 @@ _BLOCK = {"eviction_granularity": "block"}
 CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "a": ("region LRU (default), one handle", {}, {}),
     "b": ("region FIFO + clock copy-forward, one handle", {"reinsert": "clock"}, {"region_policy": "fifo"}),
-    "c": ("per-block LRU, GC keeps hit (clock), conventional (one handle)", {"reinsert": "clock"}, dict(_BLOCK)),
+    "c": (
+        "per-block LRU, GC keeps hit (clock), conventional (one handle)",
+        {"reinsert": "clock"},
+        dict(_BLOCK),
+    ),
 }
 for _n in CLASSIFIER.names():
-    CONFIGS[f"d-{_n}"] = (f"per-block LRU, GC clock, FDP, placement by classifier {_n}",
-                          {"reinsert": "clock", "classifier": _n}, {**_BLOCK, "fdp": {"enabled": True}})
+    CONFIGS[f"d-{_n}"] = (
+        f"per-block LRU, GC clock, FDP, placement by classifier {_n}",
+        {"reinsert": "clock", "classifier": _n},
+        {**_BLOCK, "fdp": {"enabled": True}},
+    )
 SIMULATED = "FTL model (tierstore/fdp/ftl.py), not an SSD"
 
 
@@ -77,7 +86,9 @@ class FeatureRecorder(LifetimeRecorder):
         n = len(self.writes)
         c = super().__call__(entry, now_s)
         if len(self.writes) > n:
-            self.features.append((entry.hits, now_s - entry.created_s, now_s - entry.last_access_s, entry.position))
+            self.features.append(
+                (entry.hits, now_s - entry.created_s, now_s - entry.last_access_s, entry.position)
+            )
         return c
 
 
@@ -85,26 +96,59 @@ def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRe
     """One configuration through the real store (module doc)."""
     what, pol, nv_over = CONFIGS[name]
     rec = FeatureRecorder(pol.get("classifier", "hint"))
-    nv = {"device": "sim", "engine": "memory", "model": {"utilization": util, "isolation": isolation}, **nv_over}
+    nv = {
+        "device": "sim",
+        "engine": "memory",
+        "model": {"utilization": util, "isolation": isolation},
+        **nv_over,
+    }
     t0 = time.perf_counter()
     l0 = os.getloadavg()[0]
-    rep = run_replay(ReplayConfig(trace=wl.trace, limit=wl.limit, block_bytes=wl.block_bytes, hbm_bytes=wl.hbm_bytes,
-                                  host_bytes=wl.host_bytes, nvme_bytes=wl.nvme_bytes, nvme_options=nv,
-                                  policies=pol, runtime={"classify": rec}, sample_every=1),
-                     on_sample=rec.on_sample, on_open=rec.on_open)
+    rep = run_replay(
+        ReplayConfig(
+            trace=wl.trace,
+            limit=wl.limit,
+            block_bytes=wl.block_bytes,
+            hbm_bytes=wl.hbm_bytes,
+            host_bytes=wl.host_bytes,
+            nvme_bytes=wl.nvme_bytes,
+            nvme_options=nv,
+            policies=pol,
+            runtime={"classify": rec},
+            sample_every=1,
+        ),
+        on_sample=rec.on_sample,
+        on_open=rec.on_open,
+    )
     kv, d = rep.kv, rep.device
     nb = rep.final_stats.get("nvme_backend", {})
     acc = rec.summary()
-    row = {"workload": wl.name, "config": name, "what": what, "util": util, "isolation": isolation,
-           "requests": kv["requests"], "hit_ratio": kv["lookup_hit_ratio"],
-           "saved_prefill_tokens": kv["saved_prefill_tokens"], "hit_blocks_nvme": kv["hit_blocks_nvme"],
-           "nvme_write_bytes": kv["nvme_write_bytes"], "host_wa": d.get("host_write_amplification"),
-           "device_waf": d.get("waf"), "e2e_wa": d.get("e2e_wa"), "nand_bytes": d.get("mbmw_bytes"),
-           "gc_bytes_written": nb.get("gc_bytes_written"), "block_evictions": nb.get("block_evictions", 0),
-           "gc_evicted_blocks": nb.get("gc_evicted_blocks", 0), "trimmed_bytes": nb.get("trimmed_bytes", 0),
-           "wrong_kv_blocks": kv["wrong_kv_blocks"], "placement": acc,
-           "simulated": SIMULATED, "wall_s": round(time.perf_counter() - t0, 1),
-           "loadavg_start": round(l0, 2), "loadavg_end": round(os.getloadavg()[0], 2)}
+    row = {
+        "workload": wl.name,
+        "config": name,
+        "what": what,
+        "util": util,
+        "isolation": isolation,
+        "requests": kv["requests"],
+        "hit_ratio": kv["lookup_hit_ratio"],
+        "saved_prefill_tokens": kv["saved_prefill_tokens"],
+        "hit_blocks_nvme": kv["hit_blocks_nvme"],
+        "nvme_write_bytes": kv["nvme_write_bytes"],
+        "host_wa": d.get("host_write_amplification"),
+        "device_waf": d.get("waf"),
+        "e2e_wa": d.get("e2e_wa"),
+        "nand_bytes": d.get("mbmw_bytes"),
+        "gc_bytes_written": nb.get("gc_bytes_written"),
+        "block_evictions": nb.get("block_evictions", 0),
+        "gc_evicted_blocks": nb.get("gc_evicted_blocks", 0),
+        "trimmed_bytes": nb.get("trimmed_bytes", 0),
+        "wrong_kv_blocks": kv["wrong_kv_blocks"],
+        "placement": acc,
+        "simulated": SIMULATED,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "loadavg_start": round(l0, 2),
+        "loadavg_end": round(os.getloadavg()[0], 2),
+    }
     return row, rec
 
 
@@ -116,6 +160,7 @@ def fit_mix(feats: np.ndarray, life: np.ndarray, died: np.ndarray, shares, seed:
     number of writes judged."""
     from tierstore.bench.lifetimes import tercile_bounds
     from tierstore.policies.lifetime import true_class
+
     if died.sum() < 30:
         return {"accuracy": float("nan")}
     lo, hi = tercile_bounds(life[died])
@@ -127,7 +172,7 @@ def fit_mix(feats: np.ndarray, life: np.ndarray, died: np.ndarray, shares, seed:
     z = np.c_[(x - mu) / sd, np.ones(x.shape[0])]
     w = np.zeros((z.shape[1], 3))
     onehot = np.eye(3)[y[:half]]
-    for _ in range(300):   # plain gradient descent on the softmax cross-entropy (no library needed)
+    for _ in range(300):  # plain gradient descent on the softmax cross-entropy (no library needed)
         p = np.exp(z[:half] @ w)
         p /= p.sum(1, keepdims=True)
         w -= 0.5 * z[:half].T @ (p - onehot) / half
@@ -138,15 +183,25 @@ def fit_mix(feats: np.ndarray, life: np.ndarray, died: np.ndarray, shares, seed:
     pred = np.searchsorted(cuts, s, side="right")
     t = y[half:]
     ps, ts = np.bincount(pred, minlength=3) / t.size, np.bincount(t, minlength=3) / t.size
-    return {"accuracy": float((pred == t).mean()), "chance_same_shares": float(ps @ ts), "judged": int(t.size)}
+    return {
+        "accuracy": float((pred == t).mean()),
+        "chance_same_shares": float(ps @ ts),
+        "judged": int(t.size),
+    }
 
 
 def _row_with_refs(row: dict, ref: dict, rec: FeatureRecorder) -> dict:
-    row.update(flat_lru=ref["flat_lru"], flat_lru_saved_tokens=ref["flat_lru_saved_tokens"],
-               belady=ref["belady"], belady_saved_tokens=ref["belady_saved_tokens"])
+    row.update(
+        flat_lru=ref["flat_lru"],
+        flat_lru_saved_tokens=ref["flat_lru_saved_tokens"],
+        belady=ref["belady"],
+        belady_saved_tokens=ref["belady_saved_tokens"],
+    )
     if row["config"].startswith("d-") and rec.features:
         life, died, _ = rec.lifetimes()
-        row["placement"]["learned_mix"] = fit_mix(np.asarray(rec.features, dtype=float), life, died, [1 / 3] * 3)
+        row["placement"]["learned_mix"] = fit_mix(
+            np.asarray(rec.features, dtype=float), life, died, [1 / 3] * 3
+        )
     return row
 
 
@@ -161,21 +216,28 @@ def sweep(a) -> None:
     for name in a.configs.split(","):
         multi = CONFIGS[name][2].get("fdp", {}).get("enabled", False)
         for u in (float(x) for x in a.utils.split(",")):
-            for iso in (a.isolations.split(",") if multi else ["initial"]):
+            for iso in a.isolations.split(",") if multi else ["initial"]:
                 if (wl.name, name, u, iso) in done:
                     continue
                 row, rec = run_one(wl, name, u, iso)
                 row = _row_with_refs(row, ref, rec)
                 if a.features:
-                    np.savez_compressed(f"{a.features}_{wl.name}_{name}_{u}_{iso}.npz",
-                                        features=np.asarray(rec.features), life=rec.lifetimes()[0],
-                                        died=rec.lifetimes()[1], pred=rec.lifetimes()[2])
+                    np.savez_compressed(
+                        f"{a.features}_{wl.name}_{name}_{u}_{iso}.npz",
+                        features=np.asarray(rec.features),
+                        life=rec.lifetimes()[0],
+                        died=rec.lifetimes()[1],
+                        pred=rec.lifetimes()[2],
+                    )
                 p = row["placement"]
-                print(f"{wl.name} {name} u={u} {iso}: saved {row['saved_prefill_tokens']:,} "
-                      f"(flat LRU {row['flat_lru_saved_tokens']:,}) e2e WA {row['e2e_wa']:.4f} "
-                      f"(FTL model) acc {p.get('accuracy', float('nan')):.3f} "
-                      f"chance {p.get('chance_same_shares', float('nan')):.3f} {row['wall_s']} s "
-                      f"load {row['loadavg_end']}", flush=True)
+                print(
+                    f"{wl.name} {name} u={u} {iso}: saved {row['saved_prefill_tokens']:,} "
+                    f"(flat LRU {row['flat_lru_saved_tokens']:,}) e2e WA {row['e2e_wa']:.4f} "
+                    f"(FTL model) acc {p.get('accuracy', float('nan')):.3f} "
+                    f"chance {p.get('chance_same_shares', float('nan')):.3f} {row['wall_s']} s "
+                    f"load {row['loadavg_end']}",
+                    flush=True,
+                )
                 if a.json:
                     with open(a.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
@@ -193,40 +255,61 @@ def _pct(v: int, flat: int) -> str:
 def summary(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     """Per workload and utilisation: the flat LRU, the best (d) at e2e WA <= ``wa_max`` (initial
     isolation) and its gap, and what the same per-block eviction costs on a conventional device (c)."""
-    out = [f"| workload | util | flat LRU saved tokens | best (d) at e2e WA <= {wa_max} (else best) | saved (vs flat LRU) | "
-           "e2e WA, FDP (device WAF), FTL model | (c) conventional: saved | e2e WA (device WAF), FTL model | "
-           "(a) region default: saved (e2e WA) | (b) region FIFO+clock: saved (e2e WA) | (d) wins? |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"| workload | util | flat LRU saved tokens | best (d) at e2e WA <= {wa_max} (else best) "
+        "| saved (vs flat LRU) | "
+        "e2e WA, FDP (device WAF), FTL model | (c) conventional: saved | e2e WA (device WAF), FTL model | "
+        "(a) region default: saved (e2e WA) | (b) region FIFO+clock: saved (e2e WA) | (d) wins? |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for wl in dict.fromkeys(r["workload"] for r in rows):
         for u in sorted({r["util"] for r in rows if r["workload"] == wl}):
-            rs = {r["config"]: r for r in rows if r["workload"] == wl and r["util"] == u
-                  and r["isolation"] == "initial"}
+            rs = {
+                r["config"]: r
+                for r in rows
+                if r["workload"] == wl and r["util"] == u and r["isolation"] == "initial"
+            }
             flat = next(iter(rs.values()))["flat_lru_saved_tokens"]
             every = [r for n, r in rs.items() if n.startswith("d-")]
-            ds = [r for r in every if r["e2e_wa"] <= wa_max] or every   # none within the bound: the best
+            ds = [r for r in every if r["e2e_wa"] <= wa_max] or every  # none within the bound: the best
             d = max(ds, key=lambda r: (r["saved_prefill_tokens"], -r["e2e_wa"]), default=None)
             c, a, b = rs.get("c"), rs.get("a"), rs.get("b")
 
             def cell(r):
                 return "-" if r is None else f"{r['saved_prefill_tokens']:,} ({r['e2e_wa']:.4f})"
+
             out.append(
-                f"| {wl} | {u:.2f} | {flat:,} | " + (f"`{d['config']}`{'' if d['e2e_wa'] <= wa_max else ' (over the bound)'} | "
-                                                    f"{d['saved_prefill_tokens']:,} "
-                                                    f"({_pct(d['saved_prefill_tokens'], flat)}) | "
-                                                    f"{d['e2e_wa']:.4f} ({d['device_waf']:.4f})" if d else
-                                                    "none | - | -")
-                + (f" | {c['saved_prefill_tokens']:,} | {c['e2e_wa']:.4f} ({c['device_waf']:.4f})" if c else " | - | -")
+                f"| {wl} | {u:.2f} | {flat:,} | "
+                + (
+                    f"`{d['config']}`{'' if d['e2e_wa'] <= wa_max else ' (over the bound)'} | "
+                    f"{d['saved_prefill_tokens']:,} "
+                    f"({_pct(d['saved_prefill_tokens'], flat)}) | "
+                    f"{d['e2e_wa']:.4f} ({d['device_waf']:.4f})"
+                    if d
+                    else "none | - | -"
+                )
+                + (
+                    f" | {c['saved_prefill_tokens']:,} | {c['e2e_wa']:.4f} ({c['device_waf']:.4f})"
+                    if c
+                    else " | - | -"
+                )
                 + f" | {cell(a)} | {cell(b)} | "
-                + ("yes" if d and d["saved_prefill_tokens"] >= flat and d["e2e_wa"] <= wa_max else "**no**") + " |")
+                + ("yes" if d and d["saved_prefill_tokens"] >= flat and d["e2e_wa"] <= wa_max else "**no**")
+                + " |"
+            )
     return out
 
 
 def fdp_vs_conventional(rows: list[dict], placed: str = "d-hint") -> list[str]:
     """The same per-block eviction on a conventional device (c) and with FDP placement (``placed``,
     the default classifier; both isolation types): saved prefill, device WAF and e2e WA."""
-    out = ["| workload | util | saved prefill tokens, conventional / FDP | device WAF: conventional | FDP initially "
-           "isolated | FDP persistently isolated | e2e WA: conventional | FDP initially isolated | "
-           "FDP persistently isolated |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| workload | util | saved prefill tokens, conventional / FDP | device WAF: conventional "
+        "| FDP initially "
+        "isolated | FDP persistently isolated | e2e WA: conventional | FDP initially isolated | "
+        "FDP persistently isolated |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for wl in dict.fromkeys(r["workload"] for r in rows):
         for u in sorted({r["util"] for r in rows if r["workload"] == wl}):
             at = {(r["config"], r["isolation"]): r for r in rows if r["workload"] == wl and r["util"] == u}
@@ -236,9 +319,12 @@ def fdp_vs_conventional(rows: list[dict], placed: str = "d-hint") -> list[str]:
 
             def f(r, k):
                 return "-" if r is None else f"{r[k]:.4f}"
-            out.append(f"| {wl} | {u:.2f} | {c['saved_prefill_tokens']:,} / {di['saved_prefill_tokens']:,} | "
-                       f"{f(c, 'device_waf')} | {f(di, 'device_waf')} | {f(dp, 'device_waf')} | {f(c, 'e2e_wa')} | "
-                       f"{f(di, 'e2e_wa')} | {f(dp, 'e2e_wa')} |")
+
+            out.append(
+                f"| {wl} | {u:.2f} | {c['saved_prefill_tokens']:,} / {di['saved_prefill_tokens']:,} | "
+                f"{f(c, 'device_waf')} | {f(di, 'device_waf')} | {f(dp, 'device_waf')} | {f(c, 'e2e_wa')} | "
+                f"{f(di, 'e2e_wa')} | {f(dp, 'e2e_wa')} |"
+            )
     return out
 
 
@@ -248,23 +334,38 @@ def report(rows: list[dict], out_dir: str | None = None, wa_max: float = 1.10) -
     for wl in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == wl]
         flat = rs[0]["flat_lru_saved_tokens"]
-        out += [f"**{wl}**: flat LRU {flat:,} saved tokens ({rs[0]['flat_lru']:.4f}), Belady "
-                f"{rs[0]['belady_saved_tokens']:,} ({rs[0]['belady']:.4f})", "",
-                "| config | util | isolation | saved prefill tokens | vs flat LRU | host WA | device WAF (FTL model) "
-                "| e2e WA (FTL model) | placement accuracy | chance (same shares) | Spearman |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"**{wl}**: flat LRU {flat:,} saved tokens ({rs[0]['flat_lru']:.4f}), Belady "
+            f"{rs[0]['belady_saved_tokens']:,} ({rs[0]['belady']:.4f})",
+            "",
+            "| config | util | isolation | saved prefill tokens | vs flat LRU | host WA "
+            "| device WAF (FTL model) "
+            "| e2e WA (FTL model) | placement accuracy | chance (same shares) | Spearman |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(rs, key=lambda r: (r["util"], r["config"], r["isolation"])):
             p = r["placement"]
-            acc = f"{p['accuracy']:.3f}" if r["config"].startswith("d-") and "chance_same_shares" in p else "-"
+            acc = (
+                f"{p['accuracy']:.3f}" if r["config"].startswith("d-") and "chance_same_shares" in p else "-"
+            )
             ch = f"{p['chance_same_shares']:.3f}" if acc != "-" else "-"
             sp = f"{p['spearman']:.3f}" if acc != "-" else "-"
-            out.append(f"| `{r['config']}` | {r['util']:.2f} | {r['isolation']} | {r['saved_prefill_tokens']:,} | "
-                       f"{_pct(r['saved_prefill_tokens'], flat)} | {r['host_wa']:.4f} | {r['device_waf']:.4f} | "
-                       f"{r['e2e_wa']:.4f} | {acc} | {ch} | {sp} |")
-        win = [r for r in rs if r["config"].startswith("d-") and r["e2e_wa"] <= wa_max
-               and r["saved_prefill_tokens"] >= flat]
-        out += ["", f"(d) at saved >= flat LRU and e2e WA <= {wa_max} (FTL model): "
-                + (", ".join(f"`{r['config']}` u={r['util']}" for r in win) or "**none**"), ""]
+            out.append(
+                f"| `{r['config']}` | {r['util']:.2f} | {r['isolation']} | {r['saved_prefill_tokens']:,} | "
+                f"{_pct(r['saved_prefill_tokens'], flat)} | {r['host_wa']:.4f} | {r['device_waf']:.4f} | "
+                f"{r['e2e_wa']:.4f} | {acc} | {ch} | {sp} |"
+            )
+        win = [
+            r
+            for r in rs
+            if r["config"].startswith("d-") and r["e2e_wa"] <= wa_max and r["saved_prefill_tokens"] >= flat
+        ]
+        out += [
+            "",
+            f"(d) at saved >= flat LRU and e2e WA <= {wa_max} (FTL model): "
+            + (", ".join(f"`{r['config']}` u={r['util']}" for r in win) or "**none**"),
+            "",
+        ]
         if out_dir:
             _plot(rs, wl, os.path.join(out_dir, f"frontier_store_{wl}.png"), wa_max)
     return "\n".join(out)
@@ -272,24 +373,41 @@ def report(rows: list[dict], out_dir: str | None = None, wa_max: float = 1.10) -
 
 def _plot(rows: list[dict], wl: str, path: str, wa_max: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     color = {"a": "tab:blue", "b": "tab:cyan", "c": "tab:orange"}
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for r in rows:
         c = color.get(r["config"], "tab:red")
         filled = r["util"] < 0.95
         mk = "o" if r["isolation"] == "initial" else "^"
-        ax.scatter(r["e2e_wa"], r["saved_prefill_tokens"] / 1e6, s=30, marker=mk if filled else "s",
-                   facecolors=c if filled else "none", edgecolors=c)
-        ax.annotate(f"{r['config']}", (r["e2e_wa"], r["saved_prefill_tokens"] / 1e6), fontsize=6,
-                    xytext=(2, 2), textcoords="offset points")
+        ax.scatter(
+            r["e2e_wa"],
+            r["saved_prefill_tokens"] / 1e6,
+            s=30,
+            marker=mk if filled else "s",
+            facecolors=c if filled else "none",
+            edgecolors=c,
+        )
+        ax.annotate(
+            f"{r['config']}",
+            (r["e2e_wa"], r["saved_prefill_tokens"] / 1e6),
+            fontsize=6,
+            xytext=(2, 2),
+            textcoords="offset points",
+        )
     flat, opt = rows[0]["flat_lru_saved_tokens"] / 1e6, rows[0]["belady_saved_tokens"] / 1e6
     ax.axhline(flat, color="k", ls="--", lw=1, label="flat LRU, same blocks")
     ax.axhline(opt, color="k", ls=":", lw=1, label="Belady MIN, same blocks")
     ax.axvspan(1.0, wa_max, color="0.9", zorder=0, label=f"e2e WA <= {wa_max}")
-    for name, c in [("a region LRU", "tab:blue"), ("b region FIFO+clock", "tab:cyan"),
-                    ("c per-block, one handle", "tab:orange"), ("d per-block + placement (FDP)", "tab:red")]:
+    for name, c in [
+        ("a region LRU", "tab:blue"),
+        ("b region FIFO+clock", "tab:cyan"),
+        ("c per-block, one handle", "tab:orange"),
+        ("d per-block + placement (FDP)", "tab:red"),
+    ]:
         ax.scatter([], [], color=c, label=name)
     ax.scatter([], [], marker="o", color="0.5", label="util 0.90 (triangle: persistent isolation)")
     ax.scatter([], [], marker="s", facecolors="none", edgecolors="0.5", label="util 1.00")
@@ -307,7 +425,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="excerpt", help="excerpt, conv10, conv40, agent10, agent40")
     ap.add_argument("--trace", default=None)
-    ap.add_argument("--agent-trace", default=None, help="bench/agent_workload.py --sessions 200 --seed 0 output")
+    ap.add_argument(
+        "--agent-trace", default=None, help="bench/agent_workload.py --sessions 200 --seed 0 output"
+    )
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--utils", default="0.9,1.0")

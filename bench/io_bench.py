@@ -17,6 +17,7 @@ KV geometry: Llama-3.1-8B, 16-token blocks = 32 layers x {K, V} fragments of
 32 KiB = 2 MiB per block (tierstore.layout). Fragments are views of per-layer
 page pools, as in vLLM's paged layout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,23 +63,37 @@ class KVPool:
         chunk = 64 << 20
         for a in range(0, self.flat.numel(), chunk):
             n = min(chunk, self.flat.numel() - a)
-            self.flat[a:a + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+            self.flat[a : a + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
 
     def block_fragments(self, block_bytes: int) -> list[list[torch.Tensor]]:
         """Fragments per block of ``block_bytes`` (a multiple of 32 KiB), layer-major."""
         per_block = block_bytes // self.frag_bytes
-        frags = [self.pool[layer, kv, b] for b in range(self.blocks_2mib)
-                 for layer in range(LAYERS) for kv in range(2)]
-        return [frags[i:i + per_block] for i in range(0, len(frags) - per_block + 1, per_block)]
+        frags = [
+            self.pool[layer, kv, b]
+            for b in range(self.blocks_2mib)
+            for layer in range(LAYERS)
+            for kv in range(2)
+        ]
+        return [frags[i : i + per_block] for i in range(0, len(frags) - per_block + 1, per_block)]
 
 
 def fio(dirpath: str, rw: str, total: int, engine: str, bs: str = "1M") -> float:
     path = os.path.join(dirpath, "fio.bin")
-    cmd = ["fio", "--name=seq", f"--filename={path}", f"--size={total}", f"--bs={bs}", "--direct=1",
-           "--iodepth=16", f"--ioengine={engine}", f"--rw={rw}", "--output-format=json",
-           "--end_fsync=1" if rw == "write" else "--invalidate=1"]
+    cmd = [
+        "fio",
+        "--name=seq",
+        f"--filename={path}",
+        f"--size={total}",
+        f"--bs={bs}",
+        "--direct=1",
+        "--iodepth=16",
+        f"--ioengine={engine}",
+        f"--rw={rw}",
+        "--output-format=json",
+        "--end_fsync=1" if rw == "write" else "--invalidate=1",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     side = job["write" if rw == "write" else "read"]
     return side["bw_bytes"] / 1e9
 
@@ -93,7 +108,7 @@ def engine_pass(dirpath: str, pool: KVPool, dst: KVPool, engine: str, args) -> t
     total = pool.blocks_2mib * (2 << 20)
     bs = args.max_io
     eng = open_engine(engine, path, total, iodepth=args.iodepth, max_io_bytes=bs)
-    eng.preallocate(0, total)   # fio lays its file out before the timed job, too
+    eng.preallocate(0, total)  # fio lays its file out before the timed job, too
     dst.flat.zero_()
 
     def run(submit) -> float:
@@ -107,11 +122,11 @@ def engine_pass(dirpath: str, pool: KVPool, dst: KVPool, engine: str, args) -> t
             f.get()
         return time.perf_counter() - t0
 
-    t_w = run(lambda off: eng.write(off, pool.flat[off:off + bs]))
+    t_w = run(lambda off: eng.write(off, pool.flat[off : off + bs]))
     t0 = time.perf_counter()
     eng.sync()
     t_w += time.perf_counter() - t0
-    t_r = run(lambda off: eng.read(off, dst.flat[off:off + bs]))
+    t_r = run(lambda off: eng.read(off, dst.flat[off : off + bs]))
     eng.close()
     os.unlink(path)
     if not torch.equal(pool.flat[:total], dst.flat[:total]):
@@ -119,8 +134,15 @@ def engine_pass(dirpath: str, pool: KVPool, dst: KVPool, engine: str, args) -> t
     return _gbps(total, t_w), _gbps(total, t_r)
 
 
-def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, args,
-                   pages: bool = False, engine: str | None = None) -> tuple[float, float]:
+def tierstore_pass(
+    dirpath: str,
+    pool: KVPool,
+    dst: KVPool,
+    block_bytes: int,
+    args,
+    pages: bool = False,
+    engine: str | None = None,
+) -> tuple[float, float]:
     """Store then load ``pool`` in ``block_bytes`` blocks, ``--batch`` bytes per call.
 
     Blocks are given as lists of fragment views (checked per fragment inside
@@ -142,9 +164,17 @@ def tierstore_pass(dirpath: str, pool: KVPool, dst: KVPool, block_bytes: int, ar
     total = n * block_bytes
     seg = args.segment
     cap = (total // seg + 3) * seg
-    s = SegmentStorage(path, cap, block_bytes, segment_size_bytes=seg, engine=engine or args.engine,
-                       extent_size_bytes=args.extent, iodepth=args.iodepth, max_io_bytes=args.max_io,
-                       copy_threads=args.copy_threads)
+    s = SegmentStorage(
+        path,
+        cap,
+        block_bytes,
+        segment_size_bytes=seg,
+        engine=engine or args.engine,
+        extent_size_bytes=args.extent,
+        iodepth=args.iodepth,
+        max_io_bytes=args.max_io,
+        copy_threads=args.copy_threads,
+    )
     keys = [i.to_bytes(32, "little") for i in range(n)]
     batch = max(1, args.batch_bytes // block_bytes)
     t0 = time.perf_counter()
@@ -197,8 +227,9 @@ def per_fragment_pass(dirpath: str, pool: KVPool, dst: KVPool, args) -> tuple[fl
     return _gbps(total, t_w), _gbps(total, t_r)
 
 
-def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | None,
-                   reps: int = 3) -> tuple[float, ...]:
+def gather_scatter(
+    pool: KVPool, dst: KVPool, extent: int, copy_threads: int | None, reps: int = 3
+) -> tuple[float, ...]:
     """Gather 2 MiB blocks of 32 KiB fragments into 16 MiB staging extents and
     scatter back, exactly as the store and load do: each block's fragments are
     checked and planned (``plan_fragments``, timed), then moved with
@@ -237,34 +268,34 @@ def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | N
             # the same bytes, contiguous, through the same staging buffer
             t0 = time.perf_counter()
             for a in range(0, total, chunk):
-                staging[:min(chunk, total - a)].copy_(pool.flat[a:a + chunk])
+                staging[: min(chunk, total - a)].copy_(pool.flat[a : a + chunk])
             t_mg.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for a in range(0, total, chunk):
-                dst.flat[a:a + chunk].copy_(staging[:min(chunk, total - a)])
+                dst.flat[a : a + chunk].copy_(staging[: min(chunk, total - a)])
             t_ms.append(time.perf_counter() - t0)
             torch.set_num_threads(nthreads)
             t0 = time.perf_counter()
             plans = [plan_fragments(b) for b in src_blocks]
             for a in range(0, len(plans), per):
-                pipe.gather_blocks(plans[a:a + per], staging, offsets)
+                pipe.gather_blocks(plans[a : a + per], staging, offsets)
             t_g.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             plans = [plan_fragments(b, destination=True) for b in dst_blocks]
             for a in range(0, len(plans), per):
-                pipe.scatter_blocks(staging, offsets, plans[a:a + per])
+                pipe.scatter_blocks(staging, offsets, plans[a : a + per])
             t_s.append(time.perf_counter() - t0)
             # the engine's page pool named by block ids (KVPagePool): no
             # per-fragment check
             t0 = time.perf_counter()
             plans = src_pages.plans(range(len(src_blocks)))
             for a in range(0, len(plans), per):
-                pipe.gather_blocks(plans[a:a + per], staging, offsets)
+                pipe.gather_blocks(plans[a : a + per], staging, offsets)
             t_gp.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             plans = dst_pages.plans(range(len(dst_blocks)), destination=True)
             for a in range(0, len(plans), per):
-                pipe.scatter_blocks(staging, offsets, plans[a:a + per])
+                pipe.scatter_blocks(staging, offsets, plans[a : a + per])
             t_sp.append(time.perf_counter() - t0)
             torch.set_num_threads(threads)
             t0 = time.perf_counter()
@@ -279,8 +310,22 @@ def gather_scatter(pool: KVPool, dst: KVPool, extent: int, copy_threads: int | N
 
 def lmcache_pass(py: str, dirpath: str, total: int, chunk: int) -> tuple[float, float]:
     helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_helper.py")
-    r = subprocess.run([py, helper, "--dir", dirpath, "--total-bytes", str(total), "--chunk-bytes",
-                        str(chunk), "--runs", "1"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            py,
+            helper,
+            "--dir",
+            dirpath,
+            "--total-bytes",
+            str(total),
+            "--chunk-bytes",
+            str(chunk),
+            "--runs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         raise SystemExit(f"LMCache helper failed: {r.stdout[-500:]} {r.stderr[-2000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -293,23 +338,37 @@ def summarise(values: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=tempfile.gettempdir(),
-                    help="parent of the temp dir: the file system under test (default: the system temp dir)")
+    ap.add_argument(
+        "--dir",
+        default=tempfile.gettempdir(),
+        help="parent of the temp dir: the file system under test (default: the system temp dir)",
+    )
     ap.add_argument("--total", default="1g", help="bytes per pass (fio size too)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--engine", default="uring",
-                    help="posix|uring|auto, or a comma list measured side by side in every run (e.g. "
-                         "uring,posix); the first one also runs the per-fragment and LMCache passes")
+    ap.add_argument(
+        "--engine",
+        default="uring",
+        help="posix|uring|auto, or a comma list measured side by side in every run (e.g. "
+        "uring,posix); the first one also runs the per-fragment and LMCache passes",
+    )
     ap.add_argument("--extent", default="16m")
     ap.add_argument("--segment", default="256m")
     ap.add_argument("--iodepth", type=int, default=16)
     ap.add_argument("--max-io", default="1m")
     ap.add_argument("--batch", default="256m", help="bytes per put/get call")
-    ap.add_argument("--copy-threads", type=int, default=None, help="copy/checksum threads (store/load default: CPUs - 1; gather bench: torch's threads)")
+    ap.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="copy/checksum threads (store/load default: CPUs - 1; gather bench: torch's threads)",
+    )
     ap.add_argument("--fio-engine", default="io_uring")
-    ap.add_argument("--settle", type=float, default=2.0,
-                    help="seconds idle (after a sync) before every timed pass")
-    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/work/lmcache-venv/bin/python"))
+    ap.add_argument(
+        "--settle", type=float, default=2.0, help="seconds idle (after a sync) before every timed pass"
+    )
+    ap.add_argument(
+        "--lmcache-python", default=os.environ.get("LMCACHE_PYTHON", "/work/lmcache-venv/bin/python")
+    )
     ap.add_argument("--skip", default="", help="comma list of: fio,engine,perfrag,lmcache,gather")
     ap.add_argument("--json", default=None, help="also write results to this file")
     args = ap.parse_args()
@@ -327,8 +386,11 @@ def main() -> None:
         print("fio not found: skipping fio comparison", file=sys.stderr)
         skip.add("fio")
     if "lmcache" not in skip and not os.path.exists(args.lmcache_python):
-        print(f"LMCache venv python {args.lmcache_python} absent: skipping LMCache comparison "
-              f"(set --lmcache-python or LMCACHE_PYTHON)", file=sys.stderr)
+        print(
+            f"LMCache venv python {args.lmcache_python} absent: skipping LMCache comparison "
+            f"(set --lmcache-python or LMCACHE_PYTHON)",
+            file=sys.stderr,
+        )
         skip.add("lmcache")
     tmp = tempfile.mkdtemp(prefix="tierstore-iobench-", dir=args.dir)
     pool, dst = KVPool(total), KVPool(total)
@@ -354,7 +416,7 @@ def main() -> None:
             flip = run % 2 == 1
 
             def pair(base, *ours):
-                for step in ((*ours, base) if flip else (base, *ours)):
+                for step in (*ours, base) if flip else (base, *ours):
                     settle()
                     step()
 
@@ -363,6 +425,7 @@ def main() -> None:
                     rec(f"fio_write_{tag}GBps", fio(tmp, "write", total, args.fio_engine, bs))
                     rec(f"fio_read_{tag}GBps", fio(tmp, "read", total, args.fio_engine, bs))
                     os.unlink(os.path.join(tmp, "fio.bin"))
+
                 return step
 
             def ts_pass(block_bytes: int, tag: str, pages: bool = False, engine: str | None = None):
@@ -370,6 +433,7 @@ def main() -> None:
                     w, r = tierstore_pass(tmp, pool, dst, block_bytes, args, pages, engine)
                     rec(f"tierstore_store_{tag}_GBps", w)
                     rec(f"tierstore_load_{tag}_GBps", r)
+
                 return step
 
             def engine_step(engine: str):
@@ -377,6 +441,7 @@ def main() -> None:
                     w, r = engine_pass(tmp, pool, dst, engine, args)
                     rec(f"{engine}_engine_write_GBps", w)
                     rec(f"{engine}_engine_read_GBps", r)
+
                 return step
 
             def perfrag_step():
@@ -389,6 +454,7 @@ def main() -> None:
                     w, r = lmcache_pass(args.lmcache_python, tmp, total, chunk)
                     rec(f"lmcache_store_{tag}_GBps", w)
                     rec(f"lmcache_load_{tag}_GBps", r)
+
                 return step
 
             # the same blocks as lists of fragment views, and as KVPagePool plans (block ids)
@@ -398,8 +464,10 @@ def main() -> None:
                 sfx = "" if i == 0 else f"_{eng}"
                 if "engine" not in skip:
                     ours.append(engine_step(eng))
-                ours += [ts_pass(2 << 20, f"2MiB{sfx}", engine=eng),
-                         ts_pass(2 << 20, f"2MiB_pages{sfx}", pages=True, engine=eng)]
+                ours += [
+                    ts_pass(2 << 20, f"2MiB{sfx}", engine=eng),
+                    ts_pass(2 << 20, f"2MiB_pages{sfx}", pages=True, engine=eng),
+                ]
             if "fio" not in skip:
                 pair(fio_pass("1M", ""), *ours)
             else:
@@ -431,34 +499,85 @@ def main() -> None:
         """A per-run ratio; ``goal=None``: a reference figure with no goal."""
         if num in raw and den in raw:
             vals = [a / b for a, b in zip(raw[num], raw[den])]
-            ratios[name] = dict(summarise(vals), goal=goal,
-                                met=None if goal is None else statistics.median(vals) >= goal)
+            ratios[name] = dict(
+                summarise(vals), goal=goal, met=None if goal is None else statistics.median(vals) >= goal
+            )
 
     ratios: dict[str, dict] = {}
-    ratio("store vs fio write (2 MiB blocks of 32 KiB fragments)", "tierstore_store_2MiB_GBps", "fio_write_GBps", 0.9)
-    ratio("load vs fio read (2 MiB blocks of 32 KiB fragments)", "tierstore_load_2MiB_GBps", "fio_read_GBps", 0.9)
-    ratio("store vs fio write (KVPagePool block ids)", "tierstore_store_2MiB_pages_GBps", "fio_write_GBps", 0.9)
+    ratio(
+        "store vs fio write (2 MiB blocks of 32 KiB fragments)",
+        "tierstore_store_2MiB_GBps",
+        "fio_write_GBps",
+        0.9,
+    )
+    ratio(
+        "load vs fio read (2 MiB blocks of 32 KiB fragments)",
+        "tierstore_load_2MiB_GBps",
+        "fio_read_GBps",
+        0.9,
+    )
+    ratio(
+        "store vs fio write (KVPagePool block ids)", "tierstore_store_2MiB_pages_GBps", "fio_write_GBps", 0.9
+    )
     ratio("load vs fio read (KVPagePool block ids)", "tierstore_load_2MiB_pages_GBps", "fio_read_GBps", 0.9)
     for i, eng in enumerate(args.engines):
         if i:
             sfx = f"_{eng}"
-            ratio(f"[{eng}] store vs fio write (2 MiB blocks of 32 KiB fragments)",
-                  f"tierstore_store_2MiB{sfx}_GBps", "fio_write_GBps", 0.9)
-            ratio(f"[{eng}] load vs fio read (2 MiB blocks of 32 KiB fragments)",
-                  f"tierstore_load_2MiB{sfx}_GBps", "fio_read_GBps", 0.9)
-            ratio(f"[{eng}] store vs fio write (KVPagePool block ids)",
-                  f"tierstore_store_2MiB_pages{sfx}_GBps", "fio_write_GBps", 0.9)
-            ratio(f"[{eng}] load vs fio read (KVPagePool block ids)",
-                  f"tierstore_load_2MiB_pages{sfx}_GBps", "fio_read_GBps", 0.9)
-    for eng in args.engines:   # the bare engine: a reference without a goal
-        ratio(f"(ref) {eng} engine 1 MiB writes vs fio write", f"{eng}_engine_write_GBps", "fio_write_GBps", None)
+            ratio(
+                f"[{eng}] store vs fio write (2 MiB blocks of 32 KiB fragments)",
+                f"tierstore_store_2MiB{sfx}_GBps",
+                "fio_write_GBps",
+                0.9,
+            )
+            ratio(
+                f"[{eng}] load vs fio read (2 MiB blocks of 32 KiB fragments)",
+                f"tierstore_load_2MiB{sfx}_GBps",
+                "fio_read_GBps",
+                0.9,
+            )
+            ratio(
+                f"[{eng}] store vs fio write (KVPagePool block ids)",
+                f"tierstore_store_2MiB_pages{sfx}_GBps",
+                "fio_write_GBps",
+                0.9,
+            )
+            ratio(
+                f"[{eng}] load vs fio read (KVPagePool block ids)",
+                f"tierstore_load_2MiB_pages{sfx}_GBps",
+                "fio_read_GBps",
+                0.9,
+            )
+    for eng in args.engines:  # the bare engine: a reference without a goal
+        ratio(
+            f"(ref) {eng} engine 1 MiB writes vs fio write",
+            f"{eng}_engine_write_GBps",
+            "fio_write_GBps",
+            None,
+        )
         ratio(f"(ref) {eng} engine 1 MiB reads vs fio read", f"{eng}_engine_read_GBps", "fio_read_GBps", None)
     ratio("store vs one I/O per 32 KiB fragment", "tierstore_store_2MiB_GBps", "per_fragment_store_GBps", 3.0)
     ratio("load vs one I/O per 32 KiB fragment", "tierstore_load_2MiB_GBps", "per_fragment_load_GBps", 3.0)
-    ratio("store vs LMCache LocalDisk, 4 MiB chunks", "tierstore_store_4MiB_GBps", "lmcache_store_4MiB_GBps", 1.0)
-    ratio("load vs LMCache LocalDisk, 4 MiB chunks", "tierstore_load_4MiB_GBps", "lmcache_load_4MiB_GBps", 1.0)
-    ratio("store vs LMCache LocalDisk, 256 KiB chunks", "tierstore_store_256KiB_GBps", "lmcache_store_256KiB_GBps", 3.0)
-    ratio("load vs LMCache LocalDisk, 256 KiB chunks", "tierstore_load_256KiB_GBps", "lmcache_load_256KiB_GBps", 3.0)
+    ratio(
+        "store vs LMCache LocalDisk, 4 MiB chunks",
+        "tierstore_store_4MiB_GBps",
+        "lmcache_store_4MiB_GBps",
+        1.0,
+    )
+    ratio(
+        "load vs LMCache LocalDisk, 4 MiB chunks", "tierstore_load_4MiB_GBps", "lmcache_load_4MiB_GBps", 1.0
+    )
+    ratio(
+        "store vs LMCache LocalDisk, 256 KiB chunks",
+        "tierstore_store_256KiB_GBps",
+        "lmcache_store_256KiB_GBps",
+        3.0,
+    )
+    ratio(
+        "load vs LMCache LocalDisk, 256 KiB chunks",
+        "tierstore_load_256KiB_GBps",
+        "lmcache_load_256KiB_GBps",
+        3.0,
+    )
     ratio("gather vs contiguous memcpy", "gather_GBps", "memcpy_GBps", 0.8)
     ratio("scatter vs contiguous memcpy", "scatter_GBps", "memcpy_GBps", 0.8)
     ratio("gather from a KVPagePool (block ids) vs memcpy", "gather_page_pool_GBps", "memcpy_GBps", 0.8)
@@ -485,15 +604,27 @@ def main() -> None:
     bound("load vs LMCache LocalDisk, 256 KiB chunks", "fio_read_GBps", "lmcache_load_256KiB_GBps")
     bound("fio 32 KiB vs fio 1 MiB, write", "fio_write_32KiB_GBps", "fio_write_GBps")
     bound("fio 32 KiB vs fio 1 MiB, read", "fio_read_32KiB_GBps", "fio_read_GBps")
-    results = {"config": {"total_bytes": total, "runs": args.runs, "engine": args.engine,
-                          "engines": args.engines,
-                          "extent_bytes": args.extent, "segment_bytes": args.segment,
-                          "iodepth": args.iodepth, "max_io_bytes": args.max_io,
-                          "batch_bytes": args.batch_bytes, "copy_threads": args.copy_threads, "fio_engine": args.fio_engine,
-                          "settle_s": args.settle, "order": "ABBA: odd runs run tierstore before its baseline",
-                          "dir": args.dir},
-               "bandwidth_GBps": {k: summarise(v) for k, v in raw.items()}, "ratios": ratios,
-               "fio_vs_baseline": bounds}
+    results = {
+        "config": {
+            "total_bytes": total,
+            "runs": args.runs,
+            "engine": args.engine,
+            "engines": args.engines,
+            "extent_bytes": args.extent,
+            "segment_bytes": args.segment,
+            "iodepth": args.iodepth,
+            "max_io_bytes": args.max_io,
+            "batch_bytes": args.batch_bytes,
+            "copy_threads": args.copy_threads,
+            "fio_engine": args.fio_engine,
+            "settle_s": args.settle,
+            "order": "ABBA: odd runs run tierstore before its baseline",
+            "dir": args.dir,
+        },
+        "bandwidth_GBps": {k: summarise(v) for k, v in raw.items()},
+        "ratios": ratios,
+        "fio_vs_baseline": bounds,
+    }
     print(f"\nconfig: {json.dumps(results['config'])}")
     print(f"\n{'bandwidth (GB/s)':<40}{'median':>9}{'min':>9}{'max':>9}")
     for k, v in results["bandwidth_GBps"].items():

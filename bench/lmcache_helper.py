@@ -6,6 +6,7 @@ tierstore's. One file per chunk, written by LMCache's disk worker pool
 use ``batched_get_blocking`` (its read thread pool). Prints one JSON object:
 ``{"write_s": [...], "read_s": [...], "total_bytes": N, "chunk_bytes": C}``.
 """
+
 import argparse
 import asyncio
 import json
@@ -41,9 +42,13 @@ def main() -> None:
         d = os.path.join(a.dir, f"lmc-{run}")
         os.makedirs(d, exist_ok=True)
         cfg = LMCacheEngineConfig.from_defaults(
-            chunk_size=256, local_cpu=False, max_local_cpu_size=(2 * a.total_bytes) / 2**30 + 0.5,
-            local_disk=f"file://{d}/", max_local_disk_size=(2 * a.total_bytes) / 2**30,
-            extra_config={"use_odirect": True, "disk_io_threads": a.threads})
+            chunk_size=256,
+            local_cpu=False,
+            max_local_cpu_size=(2 * a.total_bytes) / 2**30 + 0.5,
+            local_disk=f"file://{d}/",
+            max_local_disk_size=(2 * a.total_bytes) / 2**30,
+            extra_config={"use_odirect": True, "disk_io_threads": a.threads},
+        )
         # Page-aligned host memory (as LMCache's pinned allocators give on GPU
         # hosts): its O_DIRECT path needs aligned buffers, torch.empty is not.
         arena = mmap.mmap(-1, 2 * a.total_bytes + (64 << 20))
@@ -77,8 +82,17 @@ def main() -> None:
         disk.close()
         del objs, got
         shutil.rmtree(d, ignore_errors=True)
-    print(json.dumps({"write_s": write_s, "read_s": read_s, "total_bytes": n * a.chunk_bytes,
-                      "chunk_bytes": a.chunk_bytes, "threads": a.threads}))
+    print(
+        json.dumps(
+            {
+                "write_s": write_s,
+                "read_s": read_s,
+                "total_bytes": n * a.chunk_bytes,
+                "chunk_bytes": a.chunk_bytes,
+                "threads": a.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

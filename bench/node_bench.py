@@ -15,6 +15,7 @@ once; reported: p50 and p99 over every lookup, in microseconds.
 
     python bench/node_bench.py --dir /tmp/nodebench --runs 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,27 +41,40 @@ NS = b"b" * 32
 
 def _layout():
     from tierstore.config import LayoutConfig
+
     return LayoutConfig(preset="llama-3.1-8b", tokens_per_block=16).build()  # 2 MiB blocks
 
 
 def _tiers(d: str, host_bytes: int) -> dict:
-    return {"hbm": {"capacity_bytes": 0}, "host": {"capacity_bytes": host_bytes},
-            "nvme": {"path": os.path.join(d, "nvme"), "capacity_bytes": "2GiB", "segment_size_bytes": "64MiB"}}
+    return {
+        "hbm": {"capacity_bytes": 0},
+        "host": {"capacity_bytes": host_bytes},
+        "nvme": {"path": os.path.join(d, "nvme"), "capacity_bytes": "2GiB", "segment_size_bytes": "64MiB"},
+    }
 
 
 def start_service(d: str, host_bytes: int, sock: str) -> subprocess.Popen:
     """``tierstore serve --node`` on a generated config; waits until it answers."""
-    cfg = {"state_dir": os.path.join(d, "state"), "log": {"level": "WARNING", "access_log": False},
-           "layout": {"preset": "llama-3.1-8b", "tokens_per_block": 16}, "tiers": _tiers(d, host_bytes),
-           "puts": {"durable": False}, "tenants": [{"name": "bench", "tokens": ["bench-token-0123456789"]}],
-           "node": {"socket": sock, "staging_blocks": 64, "max_keys": 4096}}
+    cfg = {
+        "state_dir": os.path.join(d, "state"),
+        "log": {"level": "WARNING", "access_log": False},
+        "layout": {"preset": "llama-3.1-8b", "tokens_per_block": 16},
+        "tiers": _tiers(d, host_bytes),
+        "puts": {"durable": False},
+        "tenants": [{"name": "bench", "tokens": ["bench-token-0123456789"]}],
+        "node": {"socket": sock, "staging_blocks": 64, "max_keys": 4096},
+    }
     path = os.path.join(d, "node.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     with open(os.path.join(d, "node.log"), "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--node", "--config", path],
-                                stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=ROOT))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.cli", "serve", "--node", "--config", path],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
     for _ in range(600):
         if proc.poll() is not None:
             raise SystemExit(f"the node service exited {proc.returncode}; see {d}/node.log")
@@ -77,6 +91,7 @@ def start_service(d: str, host_bytes: int, sock: str) -> subprocess.Popen:
 def one_run(store, data: torch.Tensor, dests: list, base: int) -> tuple[float, float]:
     """Store ``data`` as fresh blocks, load them back into ``dests``; (store GB/s, load GB/s)."""
     from tierstore.errors import Status
+
     n, bb = data.shape
     toks = list(range(base, base + n * 16))
     t0 = time.perf_counter()
@@ -97,6 +112,7 @@ def one_run(store, data: torch.Tensor, dests: list, base: int) -> tuple[float, f
 def lookup_client(url: str, keys: list, lookups: int, start) -> list[float]:
     """One client process: ``lookups`` lookups of ``keys``; latencies in seconds."""
     from tierstore.node.client import NodeKVStore
+
     c = NodeKVStore(url, _layout())
     c.lookup_keys(keys[:1])  # connect and map before timing
     start.wait()
@@ -118,6 +134,7 @@ def _spread(xs: list[float]) -> dict:
 def throughput(args, url: str) -> dict:
     from tierstore.api import KVStore
     from tierstore.node.client import NodeKVStore
+
     lay = _layout()
     bb = lay.bytes_per_block
     emb_dir = os.path.join(args.dir, "embedded")
@@ -129,10 +146,14 @@ def throughput(args, url: str) -> dict:
     dests = [torch.empty(bb, dtype=torch.uint8) for _ in range(args.blocks)]
     res: dict = {"node": {"store": [], "load": []}, "embedded": {"store": [], "load": []}, "order": []}
     base = 0
-    one_run(embedded, data, dests, 10 ** 8)  # warm both (first touch of pages, connection)
-    one_run(node, data, dests, 10 ** 8)
+    one_run(embedded, data, dests, 10**8)  # warm both (first touch of pages, connection)
+    one_run(node, data, dests, 10**8)
     for i in range(args.runs):
-        order = [("embedded", embedded), ("node", node)] if i % 2 == 0 else [("node", node), ("embedded", embedded)]
+        order = (
+            [("embedded", embedded), ("node", node)]
+            if i % 2 == 0
+            else [("node", node), ("embedded", embedded)]
+        )
         res["order"].append([o[0] for o in order])
         for name, store in order:
             base += args.blocks * 16
@@ -143,13 +164,15 @@ def throughput(args, url: str) -> dict:
     embedded.close()
     out = {k: {op: _spread(v) for op, v in res[k].items()} for k in ("node", "embedded")}
     out["order"] = res["order"]
-    out["ratio_node_over_embedded"] = {op: out["node"][op]["median"] / out["embedded"][op]["median"]
-                                       for op in ("store", "load")}
+    out["ratio_node_over_embedded"] = {
+        op: out["node"][op]["median"] / out["embedded"][op]["median"] for op in ("store", "load")
+    }
     return out
 
 
 def lookups(args, url: str) -> dict:
     from tierstore.node.client import NodeKVStore
+
     lay = _layout()
     c = NodeKVStore(url, lay, timeout_s=60)
     toks = list(range(7_000_000, 7_000_000 + args.prefix_blocks * 16))
@@ -159,15 +182,22 @@ def lookups(args, url: str) -> dict:
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Manager().Event()
     with ctx.Pool(args.clients) as pool:
-        jobs = [pool.apply_async(lookup_client, (url, keys, args.lookups, start)) for _ in range(args.clients)]
+        jobs = [
+            pool.apply_async(lookup_client, (url, keys, args.lookups, start)) for _ in range(args.clients)
+        ]
         time.sleep(5)  # the clients import, connect and wait
         start.set()
         lat = np.concatenate([np.asarray(j.get()) for j in jobs]) * 1e6
     c.invalidate(NS)
     c.close()
-    return {"clients": args.clients, "prefix_blocks": args.prefix_blocks, "lookups": int(lat.size),
-            "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
-            "mean_us": float(lat.mean())}
+    return {
+        "clients": args.clients,
+        "prefix_blocks": args.prefix_blocks,
+        "lookups": int(lat.size),
+        "p50_us": float(np.percentile(lat, 50)),
+        "p99_us": float(np.percentile(lat, 99)),
+        "mean_us": float(lat.mean()),
+    }
 
 
 def main() -> None:
@@ -191,18 +221,26 @@ def main() -> None:
     sock = os.path.join(args.dir, "node.sock")
     proc = start_service(args.dir, args.host_bytes, sock)
     try:
-        out = {"load_average_before": os.getloadavg(), "throughput": throughput(args, "unix://" + sock),
-               "lookup": lookups(args, "unix://" + sock), "load_average_after": os.getloadavg()}
+        out = {
+            "load_average_before": os.getloadavg(),
+            "throughput": throughput(args, "unix://" + sock),
+            "lookup": lookups(args, "unix://" + sock),
+            "load_average_after": os.getloadavg(),
+        }
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     t, lk = out["throughput"], out["lookup"]
     for op in ("store", "load"):
         n, e = t["node"][op], t["embedded"][op]
-        print(f"{op}: node {n['median']:.2f} GB/s ({n['min']:.2f}..{n['max']:.2f}), embedded {e['median']:.2f} "
-              f"GB/s ({e['min']:.2f}..{e['max']:.2f}), ratio {t['ratio_node_over_embedded'][op]:.2f}")
-    print(f"lookup of {lk['prefix_blocks']} blocks, {lk['clients']} clients: p50 {lk['p50_us']:.0f} us, "
-          f"p99 {lk['p99_us']:.0f} us ({lk['lookups']} lookups)")
+        print(
+            f"{op}: node {n['median']:.2f} GB/s ({n['min']:.2f}..{n['max']:.2f}), embedded {e['median']:.2f} "
+            f"GB/s ({e['min']:.2f}..{e['max']:.2f}), ratio {t['ratio_node_over_embedded'][op]:.2f}"
+        )
+    print(
+        f"lookup of {lk['prefix_blocks']} blocks, {lk['clients']} clients: p50 {lk['p50_us']:.0f} us, "
+        f"p99 {lk['p99_us']:.0f} us ({lk['lookups']} lookups)"
+    )
     print(f"load average before {out['load_average_before']}, after {out['load_average_after']}")
     if args.json:
         with open(args.json, "w") as f:

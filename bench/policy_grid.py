@@ -42,6 +42,7 @@ Determinism: the replay, the policies and the generator (fixed seed) are
 deterministic, so counts are identical run to run; ``--repeats`` re-runs the
 first cell to show it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,9 @@ from tierstore.replay import REFERENCE_BLOCK_BYTES, ReplayConfig, run_replay, un
 from tierstore.trace import read_mooncake
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MOONCAKE = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl"))
+MOONCAKE = os.path.normpath(
+    os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+)
 BLOCK_BYTES = 32 << 10
 CAPACITIES = (0.05, 0.10, 0.20, 0.40)
 #: Tier split of a capacity (the replay's defaults 2 % / 8 % / 30 % are 5 % / 20 % / 75 % of 40 %).
@@ -74,15 +77,35 @@ POLICY_SETS: dict[str, dict] = {
     "lru": {"eviction": "lru", "promotion": "top", "reinsert": "none", "region_policy": "lru"},
     "s3fifo": {"eviction": "s3fifo", "promotion": "top", "reinsert": "none", "region_policy": "lru"},
     "cost": {"eviction": "cost", "promotion": "top", "reinsert": "none", "region_policy": "lru"},
-    "lru+second": {"eviction": "lru", "admission": "second", "promotion": "top", "reinsert": "none",
-                   "region_policy": "lru"},
+    "lru+second": {
+        "eviction": "lru",
+        "admission": "second",
+        "promotion": "top",
+        "reinsert": "none",
+        "region_policy": "lru",
+    },
     "exclusive": {"eviction": "lru", "promotion": "none", "reinsert": "none", "region_policy": "lru"},
-    "exclusive+fifo+clock": {"eviction": "lru", "promotion": "none", "reinsert": "clock", "region_policy": "fifo"},
+    "exclusive+fifo+clock": {
+        "eviction": "lru",
+        "promotion": "none",
+        "reinsert": "clock",
+        "region_policy": "fifo",
+    },
     "top+fifo+clock": {"eviction": "lru", "promotion": "top", "reinsert": "clock", "region_policy": "fifo"},
-    "exclusive+fifo+clock+b32": {"eviction": "lru", "promotion": "none", "reinsert": "clock", "region_policy": "fifo",
-                                 "evict_batch_blocks": 32},
-    "top+fifo+clock+b32": {"eviction": "lru", "promotion": "top", "reinsert": "clock", "region_policy": "fifo",
-                           "evict_batch_blocks": 32},
+    "exclusive+fifo+clock+b32": {
+        "eviction": "lru",
+        "promotion": "none",
+        "reinsert": "clock",
+        "region_policy": "fifo",
+        "evict_batch_blocks": 32,
+    },
+    "top+fifo+clock+b32": {
+        "eviction": "lru",
+        "promotion": "top",
+        "reinsert": "clock",
+        "region_policy": "fifo",
+        "evict_batch_blocks": 32,
+    },
 }
 
 
@@ -97,14 +120,23 @@ def tier_sizes(cap, unique_blocks: int, block_bytes: int) -> dict[str, int]:
     """Tier bytes of a capacity: a fraction of the unique full-block bytes split by
     :data:`SPLIT`, or ``"HBM/HOST/NVME"`` sizes (``"28m/112m/420m"``, as ``tierstore bench``'s flags)."""
     from tierstore.units import parse_size
+
     if isinstance(cap, str) and "/" in cap:
         h, c, n = (parse_size(x, "capacity") for x in cap.split("/"))
         return {"hbm": h, "host": c, "nvme": n}
     return {t: int(unique_blocks * float(cap) * f) * block_bytes for t, f in SPLIT.items()}
 
 
-def run_cell(trace: str, set_name: str, cap, limit: int | None, block_bytes: int = BLOCK_BYTES,
-             utilization: float = 0.9, dataplacement: str = "none", device: str = "sim") -> dict:
+def run_cell(
+    trace: str,
+    set_name: str,
+    cap,
+    limit: int | None,
+    block_bytes: int = BLOCK_BYTES,
+    utilization: float = 0.9,
+    dataplacement: str = "none",
+    device: str = "sim",
+) -> dict:
     """Replay one cell; returns its row (module doc).
 
     ``device="file"`` puts the NVMe tier in a file through the default engine,
@@ -113,6 +145,7 @@ def run_cell(trace: str, set_name: str, cap, limit: int | None, block_bytes: int
     also reports device WAF.
     """
     import tempfile
+
     reqs = read_mooncake(trace, limit)
     pol, nv = policy_set(set_name)
     eviction = pol.pop("eviction", None)
@@ -120,56 +153,125 @@ def run_cell(trace: str, set_name: str, cap, limit: int | None, block_bytes: int
     uniq = unique_full_blocks(reqs)
     sizes = tier_sizes(cap, uniq, block_bytes)
     if device == "sim":
-        nvme_opts = {"device": "sim", "engine": "memory", "model": {"utilization": utilization},
-                     "fdp": {"enabled": dataplacement == "fdp"}, **nv}
+        nvme_opts = {
+            "device": "sim",
+            "engine": "memory",
+            "model": {"utilization": utilization},
+            "fdp": {"enabled": dataplacement == "fdp"},
+            **nv,
+        }
     else:  # as tierstore bench: a file in a temporary directory, an FTL model observing it
-        nvme_opts = {"device": "file", "engine": "auto", "model": {"op_fraction": 0.07},
-                     "fdp": {"enabled": dataplacement == "fdp"}, **nv}
+        nvme_opts = {
+            "device": "file",
+            "engine": "auto",
+            "model": {"op_fraction": 0.07},
+            "fdp": {"enabled": dataplacement == "fdp"},
+            **nv,
+        }
     kw = {} if eviction is None else {"eviction": eviction}
     tmp = tempfile.mkdtemp(prefix="policy-grid-") if device == "file" else None
     if tmp:
         nvme_opts["path"] = os.path.join(tmp, "kvtrace.0.0")
-    cfg = ReplayConfig(trace=trace, limit=limit, block_bytes=block_bytes, hbm_bytes=sizes["hbm"],
-                       host_bytes=sizes["host"], nvme_bytes=sizes["nvme"], sample_every=1, policies=pol,
-                       nvme_options=nvme_opts, runtime={"classify": rec}, directory=tmp, **kw)
+    cfg = ReplayConfig(
+        trace=trace,
+        limit=limit,
+        block_bytes=block_bytes,
+        hbm_bytes=sizes["hbm"],
+        host_bytes=sizes["host"],
+        nvme_bytes=sizes["nvme"],
+        sample_every=1,
+        policies=pol,
+        nvme_options=nvme_opts,
+        runtime={"classify": rec},
+        directory=tmp,
+        **kw,
+    )
     t0 = time.perf_counter()
     try:
         rep = run_replay(cfg, on_open=rec.on_open, on_sample=rec.on_sample)
     finally:
         if tmp:
             import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)
     wall = time.perf_counter() - t0
     kv, d = rep.kv, rep.device
-    cap_blocks = (kv["hbm_capacity_bytes"] + kv["host_capacity_bytes"] + kv["nvme_capacity_bytes"]) // block_bytes
+    cap_blocks = (
+        kv["hbm_capacity_bytes"] + kv["host_capacity_bytes"] + kv["nvme_capacity_bytes"]
+    ) // block_bytes
     ref = references(reqs, cap_blocks)
     dist = distance(kv["lookup_hit_ratio"], ref)
     life = rec.summary()
     scale = REFERENCE_BLOCK_BYTES / block_bytes
     return dict(
-        trace=os.path.basename(trace).split(".")[0], policy_set=set_name, capacity=cap, dataplacement=dataplacement,
-        device=device, nvme_capacity_blocks=kv["nvme_capacity_bytes"] // block_bytes,
-        requests=kv["requests"], capacity_blocks=cap_blocks, capacity_fraction=ref["capacity_fraction"], lookup_hit_ratio=kv["lookup_hit_ratio"],
-        useful_hit_ratio=kv["useful_hit_ratio"], flat_lru=ref["flat_lru"], belady=ref["belady"],
-        vs_flat_lru=dist["vs_flat_lru"], gap_closed=dist["gap_closed"], ideal=kv["ideal_hit_ratio"],
-        saved_prefill_tokens=kv["saved_prefill_tokens"], hit_blocks_hbm=kv["hit_blocks_hbm"],
-        hit_blocks_host=kv["hit_blocks_host"], hit_blocks_nvme=kv["hit_blocks_nvme"],
-        nvme_write_bytes=kv["nvme_write_bytes"], nvme_write_bytes_ref=int(kv["nvme_write_bytes"] * scale),
+        trace=os.path.basename(trace).split(".")[0],
+        policy_set=set_name,
+        capacity=cap,
+        dataplacement=dataplacement,
+        device=device,
+        nvme_capacity_blocks=kv["nvme_capacity_bytes"] // block_bytes,
+        requests=kv["requests"],
+        capacity_blocks=cap_blocks,
+        capacity_fraction=ref["capacity_fraction"],
+        lookup_hit_ratio=kv["lookup_hit_ratio"],
+        useful_hit_ratio=kv["useful_hit_ratio"],
+        flat_lru=ref["flat_lru"],
+        belady=ref["belady"],
+        vs_flat_lru=dist["vs_flat_lru"],
+        gap_closed=dist["gap_closed"],
+        ideal=kv["ideal_hit_ratio"],
+        saved_prefill_tokens=kv["saved_prefill_tokens"],
+        hit_blocks_hbm=kv["hit_blocks_hbm"],
+        hit_blocks_host=kv["hit_blocks_host"],
+        hit_blocks_nvme=kv["hit_blocks_nvme"],
+        nvme_write_bytes=kv["nvme_write_bytes"],
+        nvme_write_bytes_ref=int(kv["nvme_write_bytes"] * scale),
         kept_off_flash_bytes=int(rep.final_stats.get("admission_rejected_bytes", 0)),
-        host_wa=d.get("host_write_amplification", float("nan")), device_waf=d.get("waf", float("nan")),
-        e2e_wa=d.get("e2e_wa", float("nan")), lifetime_accuracy=life.get("accuracy", float("nan")),
-        lifetime_chance=life.get("chance", float("nan")), lifetime_spearman=life.get("spearman", float("nan")),
-        load_p50_ms=kv["load_lat_p50_ns"] / 1e6, load_p99_ms=kv["load_lat_p99_ns"] / 1e6,
-        wrong_kv_blocks=kv["wrong_kv_blocks"], wall_s=round(wall, 1))
+        host_wa=d.get("host_write_amplification", float("nan")),
+        device_waf=d.get("waf", float("nan")),
+        e2e_wa=d.get("e2e_wa", float("nan")),
+        lifetime_accuracy=life.get("accuracy", float("nan")),
+        lifetime_chance=life.get("chance", float("nan")),
+        lifetime_spearman=life.get("spearman", float("nan")),
+        load_p50_ms=kv["load_lat_p50_ns"] / 1e6,
+        load_p99_ms=kv["load_lat_p99_ns"] / 1e6,
+        wrong_kv_blocks=kv["wrong_kv_blocks"],
+        wall_s=round(wall, 1),
+    )
 
 
 #: Wall-clock columns: they vary run to run (everything else is a deterministic count).
 TIMING_COLS = ("load_p50_ms", "load_p99_ms", "wall_s")
 
-COLS = ["trace", "policy_set", "capacity", "device", "dataplacement", "capacity_blocks", "lookup_hit_ratio", "flat_lru", "belady", "vs_flat_lru",
-        "gap_closed", "saved_prefill_tokens", "hit_blocks_hbm", "hit_blocks_host", "hit_blocks_nvme",
-        "nvme_write_bytes_ref", "kept_off_flash_bytes", "host_wa", "device_waf", "e2e_wa", "lifetime_accuracy",
-        "lifetime_chance", "lifetime_spearman", "load_p50_ms", "load_p99_ms", "wrong_kv_blocks", "wall_s"]
+COLS = [
+    "trace",
+    "policy_set",
+    "capacity",
+    "device",
+    "dataplacement",
+    "capacity_blocks",
+    "lookup_hit_ratio",
+    "flat_lru",
+    "belady",
+    "vs_flat_lru",
+    "gap_closed",
+    "saved_prefill_tokens",
+    "hit_blocks_hbm",
+    "hit_blocks_host",
+    "hit_blocks_nvme",
+    "nvme_write_bytes_ref",
+    "kept_off_flash_bytes",
+    "host_wa",
+    "device_waf",
+    "e2e_wa",
+    "lifetime_accuracy",
+    "lifetime_chance",
+    "lifetime_spearman",
+    "load_p50_ms",
+    "load_p99_ms",
+    "wrong_kv_blocks",
+    "wall_s",
+]
 
 
 def fmt(v) -> str:
@@ -181,8 +283,10 @@ def fmt(v) -> str:
 def plot(rows, path: str) -> None:
     """Hit ratio vs capacity per policy set, one panel per trace, with the two references."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     traces = sorted({r["trace"] for r in rows})
     fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.5), squeeze=False)
     for j, tr in enumerate(traces):
@@ -190,7 +294,12 @@ def plot(rows, path: str) -> None:
         sel_t = [r for r in rows if r["trace"] == tr]
         for name in sorted({r["policy_set"] for r in sel_t}):
             sel = sorted((r for r in sel_t if r["policy_set"] == name), key=lambda r: r["capacity_fraction"])
-            ax.plot([100 * r["capacity_fraction"] for r in sel], [r["lookup_hit_ratio"] for r in sel], marker="o", label=name)
+            ax.plot(
+                [100 * r["capacity_fraction"] for r in sel],
+                [r["lookup_hit_ratio"] for r in sel],
+                marker="o",
+                label=name,
+            )
         ref = sorted({(r["capacity_fraction"], r["flat_lru"], r["belady"]) for r in sel_t})
         ax.plot([100 * c for c, _, _ in ref], [x for _, x, _ in ref], "k--", label="flat LRU (offline)")
         ax.plot([100 * c for c, _, _ in ref], [x for _, _, x in ref], "k:", label="Belady MIN (offline)")
@@ -214,50 +323,79 @@ def main(argv=None) -> int:
     ap.add_argument("--agent-sessions", type=int, default=400)
     ap.add_argument("--traces", default="mooncake,agent")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests of each trace")
-    ap.add_argument("--capacities", default=",".join(str(c) for c in CAPACITIES),
-                    help="fractions of the unique bytes (split 5/20/75 %%) or HBM/HOST/NVME sizes, e.g. 28m/112m/420m")
-    ap.add_argument("--sets", default="default,lru,s3fifo,cost,lru+second,exclusive+fifo+clock",
-                    help=f"comma-separated policy sets ({', '.join(POLICY_SETS)}) or JSON objects")
+    ap.add_argument(
+        "--capacities",
+        default=",".join(str(c) for c in CAPACITIES),
+        help="fractions of the unique bytes (split 5/20/75 %%) or HBM/HOST/NVME sizes, e.g. 28m/112m/420m",
+    )
+    ap.add_argument(
+        "--sets",
+        default="default,lru,s3fifo,cost,lru+second,exclusive+fifo+clock",
+        help=f"comma-separated policy sets ({', '.join(POLICY_SETS)}) or JSON objects",
+    )
     ap.add_argument("--block-bytes", type=int, default=BLOCK_BYTES)
     ap.add_argument("--utilization", type=float, default=0.9)
-    ap.add_argument("--device", default="sim", choices=("sim", "file"),
-                    help="file: the NVMe tier as tierstore bench puts it (hit ratios = the main job's); "
-                         "sim: the simulated FDP SSD (device WAF)")
+    ap.add_argument(
+        "--device",
+        default="sim",
+        choices=("sim", "file"),
+        help="file: the NVMe tier as tierstore bench puts it (hit ratios = the main job's); "
+        "sim: the simulated FDP SSD (device WAF)",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="re-run the first cell to show run-to-run noise")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     from agent_workload import AgentWorkload
+
     agent = os.path.join(a.out, "agent_workload.jsonl")
     AgentWorkload(sessions=a.agent_sessions, seed=0).write(agent)
     paths = {"mooncake": a.mooncake, "agent": agent}
     sets = [s for s in a.sets.split(";" if "{" in a.sets else ",") if s]
     caps = [c if "/" in c else float(c) for c in a.capacities.split(",")]
-    cells = [(paths[tr], s, c, a.limit, a.block_bytes, a.utilization, "none", a.device)
-             for tr in a.traces.split(",") for c in caps for s in sets]
+    cells = [
+        (paths[tr], s, c, a.limit, a.block_bytes, a.utilization, "none", a.device)
+        for tr in a.traces.split(",")
+        for c in caps
+        for s in sets
+    ]
     t0 = time.perf_counter()
     rows = []
     with ProcessPoolExecutor(a.jobs) as ex:
         for i, r in enumerate(ex.map(run_cell, *zip(*cells))):
             rows.append(r)
-            print(f"[{i + 1}/{len(cells)} {time.perf_counter() - t0:.0f}s] {r['trace']} {r['policy_set']} "
-                  f"cap={r['capacity']}: hit={r['lookup_hit_ratio']:.4f} (flat LRU {r['flat_lru']:.4f}, "
-                  f"Belady {r['belady']:.4f}) host WA {r['host_wa']:.3f}", file=sys.stderr, flush=True)
-        noise = [ex.submit(run_cell, *cells[0]).result()["saved_prefill_tokens"] for _ in range(a.repeats - 1)]
+            print(
+                f"[{i + 1}/{len(cells)} {time.perf_counter() - t0:.0f}s] {r['trace']} {r['policy_set']} "
+                f"cap={r['capacity']}: hit={r['lookup_hit_ratio']:.4f} (flat LRU {r['flat_lru']:.4f}, "
+                f"Belady {r['belady']:.4f}) host WA {r['host_wa']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        noise = [
+            ex.submit(run_cell, *cells[0]).result()["saved_prefill_tokens"] for _ in range(a.repeats - 1)
+        ]
     if noise:
-        print(f"repeat of cell 0: saved_prefill_tokens {[rows[0]['saved_prefill_tokens']] + noise}", file=sys.stderr)
+        print(
+            f"repeat of cell 0: saved_prefill_tokens {[rows[0]['saved_prefill_tokens']] + noise}",
+            file=sys.stderr,
+        )
     with open(os.path.join(a.out, "grid.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     with open(os.path.join(a.out, "grid.json"), "w") as f:
-        json.dump({"argv": sys.argv[1:], "policy_sets": {s: policy_set(s) for s in sets}, "rows": rows}, f, indent=1)
+        json.dump(
+            {"argv": sys.argv[1:], "policy_sets": {s: policy_set(s) for s in sets}, "rows": rows}, f, indent=1
+        )
     with open(os.path.join(a.out, "grid.md"), "w") as f:
         f.write("| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS) + "\n")
         for r in rows:
             f.write("| " + " | ".join(fmt(r[c]) for c in COLS) + " |\n")
     plot(rows, os.path.join(a.out, "grid.png"))
-    print(f"wrote {a.out}/grid.md, grid.csv, grid.json, grid.png in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    print(
+        f"wrote {a.out}/grid.md, grid.csv, grid.json, grid.png in {time.perf_counter() - t0:.0f}s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -305,7 +443,7 @@ Usage::
     python bench/policy_grid.py sweep --limit 600 --quick                         # smoke (~1 min)
     python bench/policy_grid.py sweep --utilizations 0.9 --ru-fractions 60 --configs default,lru
 """
-DEVICE_FRACTION = 0.30     # device user capacity / unique trace bytes
+DEVICE_FRACTION = 0.30  # device user capacity / unique trace bytes
 RU_GRAIN = 240 * (64 << 10)
 
 
@@ -324,40 +462,75 @@ def run_point(args: dict) -> dict:
     if mode == "oracle":
         classifier = OracleClassifier(args["deaths"], args["bounds_s"])
     rec = LifetimeRecorder(classifier)
-    nvme_opts = {"device": "sim", "engine": args.get("engine", "memory"),
-                 "model": {"device_bytes": dev, "utilization": util, "ru_size_bytes": ru, "op_fraction": args["op"],
-                           "isolation": args["isolation"], "gc": args["gc"],
-                           **({"page_bytes": args["page_bytes"]} if args.get("page_bytes") else {})},
-                 "fdp": {"enabled": mode != "none"}}
+    nvme_opts = {
+        "device": "sim",
+        "engine": args.get("engine", "memory"),
+        "model": {
+            "device_bytes": dev,
+            "utilization": util,
+            "ru_size_bytes": ru,
+            "op_fraction": args["op"],
+            "isolation": args["isolation"],
+            "gc": args["gc"],
+            **({"page_bytes": args["page_bytes"]} if args.get("page_bytes") else {}),
+        },
+        "fdp": {"enabled": mode != "none"},
+    }
     if args.get("region_policy"):
         nvme_opts["region_policy"] = args["region_policy"]
     pol = dict(args.get("policies") or {})
-    cfg = ReplayConfig(trace=args["trace"], limit=args["limit"], block_bytes=args["block_bytes"],
-                       nvme_bytes=0, eviction=args.get("eviction", "lru"), sample_every=1, policies=pol,
-                       nvme_options=nvme_opts, runtime={"classify": rec},
-                       keep_data=not args.get("no_data", False))
+    cfg = ReplayConfig(
+        trace=args["trace"],
+        limit=args["limit"],
+        block_bytes=args["block_bytes"],
+        nvme_bytes=0,
+        eviction=args.get("eviction", "lru"),
+        sample_every=1,
+        policies=pol,
+        nvme_options=nvme_opts,
+        runtime={"classify": rec},
+        keep_data=not args.get("no_data", False),
+    )
     t0 = time.perf_counter()
     rep = run_replay(cfg, on_open=rec.on_open, on_sample=rec.on_sample)
     wall = time.perf_counter() - t0
     d = rep.device
     life = rec.summary()
-    row = {"placement": mode, "config": args.get("config", "default"), "eviction": args.get("eviction", "lru"),
-           "policies": pol,
-           "classifier": classifier if isinstance(classifier, str) else type(classifier).__name__,
-           "utilization": round(d["utilization"], 4), "ru_size_bytes": ru,
-           "ru_fraction": f"1/{round(dev / ru)}", "device_bytes": dev, "nvme_bytes": d["nvme_bytes"],
-           "saved_prefill_tokens": rep.kv["saved_prefill_tokens"], "hit_ratio": rep.kv["lookup_hit_ratio"],
-           "ideal_hit_ratio": rep.kv["ideal_hit_ratio"], "wrong_kv_blocks": rep.kv["wrong_kv_blocks"],
-           "e2e_wa": d["e2e_wa"], "device_waf": d["waf"],
-           "host_wa": d["host_write_amplification"],
-           "format_overhead": d["engine_write_bytes"] / max(1, d["host_user_bytes"] + d["host_gc_bytes"]),
-           "tier_write_bytes": d["tier_write_bytes"], "mbmw_bytes": d["mbmw_bytes"],
-           "hbmw_bytes": d["hbmw_bytes"], "mbe_bytes": d["mbe_bytes"], "ruh_bytes": d.get("ruh_bytes", {}),
-           "ruh_gc_bytes": d.get("ruh_gc_bytes", {}), "device_gc_runs": d.get("gc_runs"),
-           "ruh_updates": d.get("ruh_updates", 0), "replay_wall_s": round(wall, 1),
-           "nvme_hits": rep.kv["hit_blocks_nvme"], "dropped_blocks": rep.kv["dropped_blocks"],
-           "lifetime_accuracy": life.get("accuracy"), "lifetime_chance": life.get("chance"),
-           "lifetime_spearman": life.get("spearman"), "lifetime_confusion": life.get("confusion")}
+    row = {
+        "placement": mode,
+        "config": args.get("config", "default"),
+        "eviction": args.get("eviction", "lru"),
+        "policies": pol,
+        "classifier": classifier if isinstance(classifier, str) else type(classifier).__name__,
+        "utilization": round(d["utilization"], 4),
+        "ru_size_bytes": ru,
+        "ru_fraction": f"1/{round(dev / ru)}",
+        "device_bytes": dev,
+        "nvme_bytes": d["nvme_bytes"],
+        "saved_prefill_tokens": rep.kv["saved_prefill_tokens"],
+        "hit_ratio": rep.kv["lookup_hit_ratio"],
+        "ideal_hit_ratio": rep.kv["ideal_hit_ratio"],
+        "wrong_kv_blocks": rep.kv["wrong_kv_blocks"],
+        "e2e_wa": d["e2e_wa"],
+        "device_waf": d["waf"],
+        "host_wa": d["host_write_amplification"],
+        "format_overhead": d["engine_write_bytes"] / max(1, d["host_user_bytes"] + d["host_gc_bytes"]),
+        "tier_write_bytes": d["tier_write_bytes"],
+        "mbmw_bytes": d["mbmw_bytes"],
+        "hbmw_bytes": d["hbmw_bytes"],
+        "mbe_bytes": d["mbe_bytes"],
+        "ruh_bytes": d.get("ruh_bytes", {}),
+        "ruh_gc_bytes": d.get("ruh_gc_bytes", {}),
+        "device_gc_runs": d.get("gc_runs"),
+        "ruh_updates": d.get("ruh_updates", 0),
+        "replay_wall_s": round(wall, 1),
+        "nvme_hits": rep.kv["hit_blocks_nvme"],
+        "dropped_blocks": rep.kv["dropped_blocks"],
+        "lifetime_accuracy": life.get("accuracy"),
+        "lifetime_chance": life.get("chance"),
+        "lifetime_spearman": life.get("spearman"),
+        "lifetime_confusion": life.get("confusion"),
+    }
     if mode == "oracle":
         row["oracle_unknown_writes"] = classifier.unknown
     if args.get("record"):
@@ -379,21 +552,42 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--isolation", default="initial")
     ap.add_argument("--gc", default="greedy")
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--configs", default="default",
-                    help="policy sets (POLICY_SETS names, or JSON) replayed at every point")
-    ap.add_argument("--placements", default="none,class,oracle", help="none, class (lifetime-class PIDs), "
-                    "oracle (a first 'none' pass records the true death times; the second places by them)")
+    ap.add_argument(
+        "--configs",
+        default="default",
+        help="policy sets (POLICY_SETS names, or JSON) replayed at every point",
+    )
+    ap.add_argument(
+        "--placements",
+        default="none,class,oracle",
+        help="none, class (lifetime-class PIDs), "
+        "oracle (a first 'none' pass records the true death times; the second places by them)",
+    )
     ap.add_argument("--classifier", default="hint", help="classifier of the class placement")
-    ap.add_argument("--baseline-configs", default="lru,s3fifo,cost",
-                    help="further policy sets run without placement at the sweep point only "
-                         "(the 'best no-placement' reference)")
-    ap.add_argument("--engine", default="memory", choices=("memory", "null"),
-                    help="null: account extents, keep no data (loads from NVMe then miss; for real block sizes)")
-    ap.add_argument("--no-data", action="store_true",
-                    help="the accounting mode (tiers.keep_data: false, engine: null): real extent headers and "
-                         "padding, no payload bytes; NVMe hits count as hits (for 64 MiB blocks)")
-    ap.add_argument("--page-bytes", type=int, default=None,
-                    help="the FTL model's mapping unit (default: the sim device's 4 KiB)")
+    ap.add_argument(
+        "--baseline-configs",
+        default="lru,s3fifo,cost",
+        help="further policy sets run without placement at the sweep point only "
+        "(the 'best no-placement' reference)",
+    )
+    ap.add_argument(
+        "--engine",
+        default="memory",
+        choices=("memory", "null"),
+        help="null: account extents, keep no data (loads from NVMe then miss; for real block sizes)",
+    )
+    ap.add_argument(
+        "--no-data",
+        action="store_true",
+        help="the accounting mode (tiers.keep_data: false, engine: null): real extent headers and "
+        "padding, no payload bytes; NVMe hits count as hits (for 64 MiB blocks)",
+    )
+    ap.add_argument(
+        "--page-bytes",
+        type=int,
+        default=None,
+        help="the FTL model's mapping unit (default: the sim device's 4 KiB)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke: utilisation 0.9, RU 1/60 only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -403,18 +597,34 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     dev = max(1, int(uniq_bytes * DEVICE_FRACTION) // RU_GRAIN) * RU_GRAIN
     utils = [float(x) for x in a.utilizations.split(",")]
     points = [(u, a.base_ru_fraction) for u in utils]
-    points += [(a.sweep_util, f) for f in (int(x) for x in a.ru_fractions.split(",")) if f != a.base_ru_fraction]
+    points += [
+        (a.sweep_util, f) for f in (int(x) for x in a.ru_fractions.split(",")) if f != a.base_ru_fraction
+    ]
     if a.quick:
         points = [(a.sweep_util, a.base_ru_fraction)]
-    base = {"trace": a.trace, "limit": a.limit, "block_bytes": a.block_bytes, "device_bytes": dev,
-            "op": a.op, "isolation": a.isolation, "gc": a.gc, "engine": "null" if a.no_data else a.engine,
-            "no_data": a.no_data, "page_bytes": a.page_bytes}
+    base = {
+        "trace": a.trace,
+        "limit": a.limit,
+        "block_bytes": a.block_bytes,
+        "device_bytes": dev,
+        "op": a.op,
+        "isolation": a.isolation,
+        "gc": a.gc,
+        "engine": "null" if a.no_data else a.engine,
+        "no_data": a.no_data,
+        "page_bytes": a.page_bytes,
+    }
     placements = a.placements.split(",")
 
     def conf(name):
         pol, nv = policy_set(name)
-        return {"config": name, "eviction": pol.pop("eviction", "lru"), "policies": pol,
-                "region_policy": nv.get("region_policy")}
+        return {
+            "config": name,
+            "eviction": pol.pop("eviction", "lru"),
+            "policies": pol,
+            "region_policy": nv.get("region_policy"),
+        }
+
     jobs = []
     for u, f in points:
         args = {**base, "util": u, "ru": dev // f}
@@ -429,8 +639,11 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
         if (u, f) == (a.sweep_util, a.base_ru_fraction):
             for name in filter(None, a.baseline_configs.split(",")):
                 jobs.append(("none", {**args, **conf(name)}))
-    print(f"trace {a.trace}: {len(reqs)} requests, unique bytes {uniq_bytes}, block {a.block_bytes} B; "
-          f"device {dev} B; {len(points)} points, {len(jobs)} jobs", file=sys.stderr)
+    print(
+        f"trace {a.trace}: {len(reqs)} requests, unique bytes {uniq_bytes}, block {a.block_bytes} B; "
+        f"device {dev} B; {len(points)} points, {len(jobs)} jobs",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     if a.procs > 1:
         with mp.get_context("fork").Pool(a.procs) as pool:
@@ -440,16 +653,32 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for r in results:
         rows.extend(r)
-    rows.sort(key=lambda r: (r["ru_size_bytes"], r["utilization"],
-                             ["none", "class", "oracle"].index(r["placement"]), r["config"]))
+    rows.sort(
+        key=lambda r: (
+            r["ru_size_bytes"],
+            r["utilization"],
+            ["none", "class", "oracle"].index(r["placement"]),
+            r["config"],
+        )
+    )
     print_sweep_table(rows)
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": {**base, "device_fraction_of_unique": DEVICE_FRACTION,
-                                  "requests": len(reqs), "unique_bytes": uniq_bytes,
-                                  "simulated": "every WAF/WA figure is from the FTL model, not an SSD"},
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "config": {
+                        **base,
+                        "device_fraction_of_unique": DEVICE_FRACTION,
+                        "requests": len(reqs),
+                        "unique_bytes": uniq_bytes,
+                        "simulated": "every WAF/WA figure is from the FTL model, not an SSD",
+                    },
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -473,19 +702,23 @@ def print_sweep_table(rows: list[dict]) -> None:
         if r["placement"] == "none" and r["e2e_wa"] <= 1.02:
             key = (r["ru_size_bytes"], r["utilization"])
             best_none[key] = max(best_none.get(key, 0), r["saved_prefill_tokens"])
-    print("| RU (of device) | utilisation | placement | config | saved prefill tokens | vs best none "
-          "(WA<=1.02) | "
-          "hit ratio | end-to-end WA | device WAF | host WA | format overhead | lifetime acc. | replay s |")
+    print(
+        "| RU (of device) | utilisation | placement | config | saved prefill tokens | vs best none "
+        "(WA<=1.02) | "
+        "hit ratio | end-to-end WA | device WAF | host WA | format overhead | lifetime acc. | replay s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = best_none.get((r["ru_size_bytes"], r["utilization"]))
         rel = f"{100 * (r['saved_prefill_tokens'] / ref - 1):+.2f}%" if ref else "-"
         acc = r.get("lifetime_accuracy")
-        print(f"| {r['ru_fraction']} ({r['ru_size_bytes'] / 2**20:.1f} MiB) | {r['utilization']:.2f} | "
-              f"{r['placement']} | {r['config']} | {r['saved_prefill_tokens']:,} | {rel} | "
-              f"{r['hit_ratio']:.4f} | "
-              f"{r['e2e_wa']:.4f} | {r['device_waf']:.4f} | {r['host_wa']:.4f} | {r['format_overhead']:.4f} | "
-              f"{'-' if acc is None else f'{acc:.3f}'} | {r['replay_wall_s']} |")
+        print(
+            f"| {r['ru_fraction']} ({r['ru_size_bytes'] / 2**20:.1f} MiB) | {r['utilization']:.2f} | "
+            f"{r['placement']} | {r['config']} | {r['saved_prefill_tokens']:,} | {rel} | "
+            f"{r['hit_ratio']:.4f} | "
+            f"{r['e2e_wa']:.4f} | {r['device_waf']:.4f} | {r['host_wa']:.4f} | {r['format_overhead']:.4f} | "
+            f"{'-' if acc is None else f'{acc:.3f}'} | {r['replay_wall_s']} |"
+        )
 
 
 if __name__ == "__main__":

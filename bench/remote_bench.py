@@ -39,6 +39,7 @@ Usage::
     . .venv/bin/activate   # with pip install '.[cluster]'
     python bench/remote_bench.py --sizes 2m,16m --total 256m --reps 5 --json bench/results/remote.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,8 +133,10 @@ class Bench:
         base = self.raw_src.data_ptr()
         t0 = self._start()
         for a in range(0, len(names), b):
-            chunk = names[a:a + b]
-            rcs = self.raw.batch_put_from(chunk, [base + (a + i) * bb for i in range(len(chunk))], [bb] * len(chunk))
+            chunk = names[a : a + b]
+            rcs = self.raw.batch_put_from(
+                chunk, [base + (a + i) * bb for i in range(len(chunk))], [bb] * len(chunk)
+            )
             if any(rc != 0 for rc in rcs):
                 raise SystemExit(f"raw batch_put_from: {set(rcs)}")
         return gbps(len(names) * bb, time.perf_counter() - t0), self._cpu_per_gb(len(names) * bb)
@@ -144,8 +147,10 @@ class Bench:
         self.raw_dst.zero_()
         t0 = self._start()
         for a in range(0, len(names), b):
-            chunk = names[a:a + b]
-            rcs = self.raw.batch_get_into(chunk, [base + (a + i) * bb for i in range(len(chunk))], [bb] * len(chunk))
+            chunk = names[a : a + b]
+            rcs = self.raw.batch_get_into(
+                chunk, [base + (a + i) * bb for i in range(len(chunk))], [bb] * len(chunk)
+            )
             if any(rc != bb for rc in rcs):
                 raise SystemExit(f"raw batch_get_into: {set(rcs)}")
         r = gbps(len(names) * bb, time.perf_counter() - t0), self._cpu_per_gb(len(names) * bb)
@@ -155,8 +160,10 @@ class Bench:
         return r
 
     # --- tierstore
-    def tier_put(self, tier: MooncakeTier, bb: int, keys: list[bytes], src: torch.Tensor) -> tuple[float, float]:
-        blocks = [src[i * bb:(i + 1) * bb] for i in range(len(keys))]
+    def tier_put(
+        self, tier: MooncakeTier, bb: int, keys: list[bytes], src: torch.Tensor
+    ) -> tuple[float, float]:
+        blocks = [src[i * bb : (i + 1) * bb] for i in range(len(keys))]
         t0 = self._start()
         st = tier.put(keys, blocks)
         if not tier.flush(600):
@@ -168,9 +175,11 @@ class Bench:
             raise SystemExit(f"tier put: {set(st)} {s}")
         return gbps(len(keys) * bb, dt), cpu
 
-    def tier_get(self, tier: MooncakeTier, bb: int, keys: list[bytes], dst: torch.Tensor) -> tuple[float, float]:
+    def tier_get(
+        self, tier: MooncakeTier, bb: int, keys: list[bytes], dst: torch.Tensor
+    ) -> tuple[float, float]:
         dst.zero_()
-        dests = [dst[i * bb:(i + 1) * bb] for i in range(len(keys))]
+        dests = [dst[i * bb : (i + 1) * bb] for i in range(len(keys))]
         t0 = self._start()
         st = tier.get_into(keys, dests)
         dt = time.perf_counter() - t0
@@ -184,24 +193,37 @@ class Bench:
 
     def remove(self, names: list[str]) -> None:
         for a in range(0, len(names), 256):
-            self.raw.batch_remove(names[a:a + 256], True)
+            self.raw.batch_remove(names[a : a + 256], True)
 
     def run_size(self, bb: int) -> dict:
         a = self.args
         n = a.total // bb
-        tier = MooncakeTier(RemoteConfig(
-            master=self.master.address, metadata=self.master.metadata, segment_bytes=0,
-            local_buffer_bytes=a.batch * (bb + 64), publish_queue_blocks=n, timeout_s=60.0,
-            max_batch_blocks=a.batch, cluster="bench"), bb)
+        tier = MooncakeTier(
+            RemoteConfig(
+                master=self.master.address,
+                metadata=self.master.metadata,
+                segment_bytes=0,
+                local_buffer_bytes=a.batch * (bb + 64),
+                publish_queue_blocks=n,
+                timeout_s=60.0,
+                max_batch_blocks=a.batch,
+                cluster="bench",
+            ),
+            bb,
+        )
         if not tier.wait_ok(30):
             raise SystemExit(f"tier not connected: {tier.stats()}")
         tier.register_memory(self.zc_dst, lambda o, k: None, lambda o, k: None)
         tier.register_memory(self.zc_src, lambda o, k: None, lambda o, k: None)
         namer = ObjectNamer("bench")
-        res = {"put": {"raw": [], "tier_staged": [], "tier_zero_copy": []},
-               "get": {"raw": [], "tier_staged": [], "tier_zero_copy": []},
-               "ratio_put_staged": [], "ratio_put_zero_copy": [], "ratio_get_staged": [],
-               "ratio_get_zero_copy": []}
+        res = {
+            "put": {"raw": [], "tier_staged": [], "tier_zero_copy": []},
+            "get": {"raw": [], "tier_staged": [], "tier_zero_copy": []},
+            "ratio_put_staged": [],
+            "ratio_put_zero_copy": [],
+            "ratio_get_staged": [],
+            "ratio_get_zero_copy": [],
+        }
         cpu = {op: {"raw": [], "tier_staged": [], "tier_zero_copy": []} for op in ("put", "get")}
         # warm-up: fault in the holder's segment pages and open the TCP connections
         w_names, w_keys = self.names("warm", n), self.keys(n)
@@ -213,12 +235,22 @@ class Bench:
         for rep in range(a.reps):
             r1, r2 = self.names("raw", n), self.names("raw", n)
             k1, k2, k3, k4 = self.keys(n), self.keys(n), self.keys(n), self.keys(n)
-            p = [self.raw_put(bb, r1), self.tier_put(tier, bb, k1, self.src),
-                 self.tier_put(tier, bb, k2, self.zc_src), self.tier_put(tier, bb, k3, self.zc_src),
-                 self.tier_put(tier, bb, k4, self.src), self.raw_put(bb, r2)]
-            g = [self.raw_get(bb, r1), self.tier_get(tier, bb, k1, self.staged_dst),
-                 self.tier_get(tier, bb, k2, self.zc_dst), self.tier_get(tier, bb, k3, self.zc_dst),
-                 self.tier_get(tier, bb, k4, self.staged_dst), self.raw_get(bb, r2)]
+            p = [
+                self.raw_put(bb, r1),
+                self.tier_put(tier, bb, k1, self.src),
+                self.tier_put(tier, bb, k2, self.zc_src),
+                self.tier_put(tier, bb, k3, self.zc_src),
+                self.tier_put(tier, bb, k4, self.src),
+                self.raw_put(bb, r2),
+            ]
+            g = [
+                self.raw_get(bb, r1),
+                self.tier_get(tier, bb, k1, self.staged_dst),
+                self.tier_get(tier, bb, k2, self.zc_dst),
+                self.tier_get(tier, bb, k3, self.zc_dst),
+                self.tier_get(tier, bb, k4, self.staged_dst),
+                self.raw_get(bb, r2),
+            ]
             self.remove(r1 + r2 + [namer(k) for k in k1 + k2 + k3 + k4])
             for name, lst, i, j in (("raw", p, 0, 5), ("tier_staged", p, 1, 4), ("tier_zero_copy", p, 2, 3)):
                 res["put"][name] += [lst[i][0], lst[j][0]]
@@ -232,20 +264,26 @@ class Bench:
             res["ratio_put_zero_copy"].append((p[2] + p[3]) / 2 / raw_p)
             res["ratio_get_staged"].append((g[1] + g[4]) / 2 / raw_g)
             res["ratio_get_zero_copy"].append((g[2] + g[3]) / 2 / raw_g)
-            print(f"  {bb >> 20} MiB rep {rep}: put raw {p[0]:.2f}/{p[5]:.2f} staged {p[1]:.2f}/{p[4]:.2f} "
-                  f"zc {p[2]:.2f}/{p[3]:.2f}  get raw {g[0]:.2f}/{g[5]:.2f} staged {g[1]:.2f}/{g[4]:.2f} "
-                  f"zc {g[2]:.2f}/{g[3]:.2f} GB/s", flush=True)
+            print(
+                f"  {bb >> 20} MiB rep {rep}: put raw {p[0]:.2f}/{p[5]:.2f} staged {p[1]:.2f}/{p[4]:.2f} "
+                f"zc {p[2]:.2f}/{p[3]:.2f}  get raw {g[0]:.2f}/{g[5]:.2f} staged {g[1]:.2f}/{g[4]:.2f} "
+                f"zc {g[2]:.2f}/{g[3]:.2f} GB/s",
+                flush=True,
+            )
         stats = tier.stats()
         tier.close()
-        out = {"object_bytes": bb, "objects_per_run": n,
-               "put": {k: summary(v) for k, v in res["put"].items()},
-               "get": {k: summary(v) for k, v in res["get"].items()},
-               "ratio_put_staged": summary(res["ratio_put_staged"]),
-               "ratio_put_zero_copy": summary(res["ratio_put_zero_copy"]),
-               "ratio_get_staged": summary(res["ratio_get_staged"]),
-               "ratio_get_zero_copy": summary(res["ratio_get_zero_copy"]),
-               "client_cpu_s_per_gb": {op: {k: summary(v) for k, v in d.items()} for op, d in cpu.items()},
-               "tier_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
+        out = {
+            "object_bytes": bb,
+            "objects_per_run": n,
+            "put": {k: summary(v) for k, v in res["put"].items()},
+            "get": {k: summary(v) for k, v in res["get"].items()},
+            "ratio_put_staged": summary(res["ratio_put_staged"]),
+            "ratio_put_zero_copy": summary(res["ratio_put_zero_copy"]),
+            "ratio_get_staged": summary(res["ratio_get_staged"]),
+            "ratio_get_zero_copy": summary(res["ratio_get_zero_copy"]),
+            "client_cpu_s_per_gb": {op: {k: summary(v) for k, v in d.items()} for op, d in cpu.items()},
+            "tier_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        }
         return out
 
 
@@ -262,19 +300,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="remote-bench-") as d:
         master = LocalMaster(d, metadata="p2p", lease_ms=10000).start()  # Mooncake's default lease
         seg = 6 * a.total + 4 * max(sizes) + (64 << 20)  # six object sets live at once per repetition
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, master.address, str(seg)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(os.path.join(d, "holder.log"), "w"),
-                                  text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, master.metadata, master.address, str(seg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(d, "holder.log"), "w"),
+            text=True,
+        )
         try:
             if holder.stdout.readline().strip() != "0":
                 raise SystemExit("holder setup failed")
             bench = Bench(a, master)
-            results = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "host": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                                "mooncake": _mooncake_version()},
-                       "transport": "tcp over loopback: pure clients, segment in a separate holder process",
-                       "total_bytes_per_run": a.total, "batch": a.batch, "reps": a.reps,
-                       "loadavg_1min_start": os.getloadavg()[0], "sizes": {}}
+            results = {
+                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "host": {
+                    "cpu": _cpu(),
+                    "cores": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "mooncake": _mooncake_version(),
+                },
+                "transport": "tcp over loopback: pure clients, segment in a separate holder process",
+                "total_bytes_per_run": a.total,
+                "batch": a.batch,
+                "reps": a.reps,
+                "loadavg_1min_start": os.getloadavg()[0],
+                "sizes": {},
+            }
             for bb in sizes:
                 results["sizes"][str(bb)] = bench.run_size(bb)
             results["loadavg_1min_end"] = os.getloadavg()[0]
@@ -287,17 +338,26 @@ def main() -> None:
     print("client CPU s per GB (benchmark process, all threads), median:")
     for bb, r in results["sizes"].items():
         c = r["client_cpu_s_per_gb"]
-        print(f"  {int(bb) >> 20:>3} MiB " + "  ".join(
-            f"{op} " + " ".join(f"{k}={c[op][k]['median']:.2f}" for k in ("raw", "tier_staged", "tier_zero_copy"))
-            for op in ("put", "get")))
+        print(
+            f"  {int(bb) >> 20:>3} MiB "
+            + "  ".join(
+                f"{op} "
+                + " ".join(f"{k}={c[op][k]['median']:.2f}" for k in ("raw", "tier_staged", "tier_zero_copy"))
+                for op in ("put", "get")
+            )
+        )
     print()
     print(f"{'size':>6} {'op':>4} {'raw GB/s':>18} {'tier GB/s':>18} {'tier/raw':>20}")
     for bb, r in results["sizes"].items():
         mib = int(bb) >> 20
         _row(mib, "put", r["put"]["raw"], r["put"]["tier_staged"], r["ratio_put_staged"], " (staged)")
-        _row(mib, "put", r["put"]["raw"], r["put"]["tier_zero_copy"], r["ratio_put_zero_copy"], " (zero-copy)")
+        _row(
+            mib, "put", r["put"]["raw"], r["put"]["tier_zero_copy"], r["ratio_put_zero_copy"], " (zero-copy)"
+        )
         _row(mib, "get", r["get"]["raw"], r["get"]["tier_staged"], r["ratio_get_staged"], " (staged)")
-        _row(mib, "get", r["get"]["raw"], r["get"]["tier_zero_copy"], r["ratio_get_zero_copy"], " (zero-copy)")
+        _row(
+            mib, "get", r["get"]["raw"], r["get"]["tier_zero_copy"], r["ratio_get_zero_copy"], " (zero-copy)"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -324,6 +384,7 @@ def _cpu() -> str:
 
 def _mooncake_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("mooncake-transfer-engine-non-cuda")
     except PackageNotFoundError:

@@ -27,6 +27,7 @@ every differing key (``config.counts.section.key: before -> after``) and exits 1
 (also for a configuration FILE lacks); FILE's configurations not run here are named, not compared.
 :func:`run_config`, :func:`compare` and :func:`digest` are importable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,23 @@ from tierstore.replay import ReplayConfig, run_replay
 #: :class:`~tierstore.replay.ReplayConfig` fields of each matrix configuration (the excerpt).
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "copy_forward": {"policies": {"promotion": "none", "reinsert": "clock"},
-                     "nvme_options": {"region_policy": "fifo"}},
-    "fdp_sim": {"policies": {"classifier": "reuse"},
-                "nvme_options": {"device": "sim", "fdp": {"enabled": True}, "model": {"utilization": 0.9}}},
-    "write_through": {"eviction": "s3fifo",
-                      "policies": {"write_policy": "write_through", "admission": "reused"}},
-    "min_live_cost": {"eviction": "cost", "policies": {"promotion": "one"},
-                      "nvme_options": {"region_policy": "min_live"}},
+    "copy_forward": {
+        "policies": {"promotion": "none", "reinsert": "clock"},
+        "nvme_options": {"region_policy": "fifo"},
+    },
+    "fdp_sim": {
+        "policies": {"classifier": "reuse"},
+        "nvme_options": {"device": "sim", "fdp": {"enabled": True}, "model": {"utilization": 0.9}},
+    },
+    "write_through": {
+        "eviction": "s3fifo",
+        "policies": {"write_policy": "write_through", "admission": "reused"},
+    },
+    "min_live_cost": {
+        "eviction": "cost",
+        "policies": {"promotion": "one"},
+        "nvme_options": {"region_policy": "min_live"},
+    },
     "accounting": {"keep_data": False, "nvme_options": {"device": "sim"}},
 }
 #: Names of the bench-job configurations (``tierstore bench --rw=kvtrace [--trace=...]``).
@@ -67,8 +77,11 @@ _TIMING = re.compile(r"(_ns|_ms)$|latency|^load_lat|^store_lat|cpu|wall|runtime"
 def _counts(obj: Any) -> Any:
     """``obj`` without timings and temporary paths; numpy scalars as Python numbers."""
     if isinstance(obj, dict):
-        return {str(k): _counts(v) for k, v in obj.items()
-                if not _TIMING.search(str(k)) and str(k) not in ("device", "waf_timeseries")}
+        return {
+            str(k): _counts(v)
+            for k, v in obj.items()
+            if not _TIMING.search(str(k)) and str(k) not in ("device", "waf_timeseries")
+        }
     if isinstance(obj, (list, tuple)):
         return [_counts(v) for v in obj]
     if hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0:
@@ -90,11 +103,16 @@ def digest(obj: Any) -> str:
 
 def _summary(kv: dict, nvme: dict, device: dict) -> dict:
     nvme = nvme or {k[5:]: v for k, v in device.items() if k.startswith("nvme_")}
-    return {"hits": [kv.get(f"hit_blocks_{t}", 0) for t in ("hbm", "host", "nvme")],
-            "useful": kv.get("useful_blocks"), "saved_prefill_tokens": kv.get("saved_prefill_tokens"),
-            "nvme_write_bytes": kv.get("nvme_write_bytes"),
-            "engine_write_bytes": device.get("engine_write_bytes"), "gc_bytes": nvme.get("gc_bytes_written"),
-            "kept_blocks": nvme.get("region_kept_blocks"), "waf": device.get("waf")}
+    return {
+        "hits": [kv.get(f"hit_blocks_{t}", 0) for t in ("hbm", "host", "nvme")],
+        "useful": kv.get("useful_blocks"),
+        "saved_prefill_tokens": kv.get("saved_prefill_tokens"),
+        "nvme_write_bytes": kv.get("nvme_write_bytes"),
+        "engine_write_bytes": device.get("engine_write_bytes"),
+        "gc_bytes": nvme.get("gc_bytes_written"),
+        "kept_blocks": nvme.get("region_kept_blocks"),
+        "waf": device.get("waf"),
+    }
 
 
 def run_config(name: str, full_trace: str | None = None, limit: int | None = None) -> dict:
@@ -136,11 +154,19 @@ def run_config(name: str, full_trace: str | None = None, limit: int | None = Non
         final = dict(rep.final_stats)
         nvme = final.pop("nvme_backend", {}) or {}
         kv, index, device, series = rep.kv, final, rep.device, rep.timeseries
-    counts = {"kv": _counts(kv), "nvme": _counts(nvme), "device": _counts(device), "index": _counts(index),
-              "timeseries_sha256": digest(_counts(series))}
-    return {"config": config, "counts": counts, "summary": _summary(counts["kv"], counts["nvme"],
-                                                                     counts["device"]),
-            "sha256": digest(counts)}
+    counts = {
+        "kv": _counts(kv),
+        "nvme": _counts(nvme),
+        "device": _counts(device),
+        "index": _counts(index),
+        "timeseries_sha256": digest(_counts(series)),
+    }
+    return {
+        "config": config,
+        "counts": counts,
+        "summary": _summary(counts["kv"], counts["nvme"], counts["device"]),
+        "sha256": digest(counts),
+    }
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -176,8 +202,13 @@ def compare(before: dict, after: dict) -> tuple[list[str], list[str]]:
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except OSError:
         return None
     return out.stdout.strip() or None
@@ -190,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--full", metavar="TRACE", help="also replay this trace through the bench job (minutes)")
     ap.add_argument("--limit", type=int, help="replay only the first N requests of each trace (quick check)")
     ap.add_argument("--only", help="comma-separated configurations to run (default: all; 'full' with --full)")
-    ap.add_argument("--compare", metavar="FILE",
-                    help="compare with this earlier output; exit 1 on a difference")
+    ap.add_argument(
+        "--compare", metavar="FILE", help="compare with this earlier output; exit 1 on a difference"
+    )
     args = ap.parse_args(argv)
     names = ["excerpt", *CONFIGS] + (["full"] if args.full else [])
     if args.only:
@@ -205,13 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         configs[name] = run_config(name, args.full, args.limit)
         s = configs[name]["summary"]
-        print(f"{name:14s} hits hbm/host/nvme {s['hits']} useful {s['useful']} "
-              f"saved {s['saved_prefill_tokens']} "
-              f"nvme_write {s['nvme_write_bytes']} engine_write {s['engine_write_bytes']} gc {s['gc_bytes']} "
-              f"kept {s['kept_blocks']} waf {s['waf']} sha256 {configs[name]['sha256'][:16]} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = {"meta": {"tool": "bench/replay_counts.py", "commit": _commit(), "full_trace": args.full},
-           "configs": configs}
+        print(
+            f"{name:14s} hits hbm/host/nvme {s['hits']} useful {s['useful']} "
+            f"saved {s['saved_prefill_tokens']} "
+            f"nvme_write {s['nvme_write_bytes']} engine_write {s['engine_write_bytes']} gc {s['gc_bytes']} "
+            f"kept {s['kept_blocks']} waf {s['waf']} sha256 {configs[name]['sha256'][:16]} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    out = {
+        "meta": {"tool": "bench/replay_counts.py", "commit": _commit(), "full_trace": args.full},
+        "configs": configs,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     if not args.compare:

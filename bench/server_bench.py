@@ -23,6 +23,7 @@ removed first, so a stale port or a recovered tier never leaks into a run.
 
     python bench/server_bench.py --dir /tmp/tsbench --runs 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ MiB = 1 << 20
 def baseline_server(port_file: str) -> None:
     """A trivial aiohttp app serving bytes from a dict (the framework's own cost)."""
     from aiohttp import web
+
     store: dict[str, bytes] = {}
 
     async def put(request):
@@ -78,18 +80,28 @@ def baseline_server(port_file: str) -> None:
             f.write(str(site._server.sockets[0].getsockname()[1]))
         os.replace(tmp, port_file)
         await asyncio.Event().wait()
+
     asyncio.run(main())
 
 
 def start_daemon(work: str, host_bytes: str, nvme_bytes: str) -> tuple[subprocess.Popen, int, str]:
-    cfg = {"state_dir": os.path.join(work, "state"), "listen": {"host": "127.0.0.1", "port": 0},
-           "log": {"level": "WARNING", "access_log": False},
-           "layout": {"preset": "llama-3.1-8b"},
-           "tiers": {"host": {"capacity_bytes": host_bytes},
-                     "nvme": {"path": os.path.join(work, "nvme"), "capacity_bytes": nvme_bytes,
-                              "segment_size_bytes": "64MiB", "extent_size_bytes": "16MiB"}},
-           "tenants": [{"name": "bench", "tokens": [TOKEN]}, {"name": "other", "tokens": ["other-" + TOKEN]}],
-           "limits": {"max_request_bytes": "40MiB", "worker_threads": 4}}
+    cfg = {
+        "state_dir": os.path.join(work, "state"),
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "log": {"level": "WARNING", "access_log": False},
+        "layout": {"preset": "llama-3.1-8b"},
+        "tiers": {
+            "host": {"capacity_bytes": host_bytes},
+            "nvme": {
+                "path": os.path.join(work, "nvme"),
+                "capacity_bytes": nvme_bytes,
+                "segment_size_bytes": "64MiB",
+                "extent_size_bytes": "16MiB",
+            },
+        },
+        "tenants": [{"name": "bench", "tokens": [TOKEN]}, {"name": "other", "tokens": ["other-" + TOKEN]}],
+        "limits": {"max_request_bytes": "40MiB", "worker_threads": 4},
+    }
     path = os.path.join(work, "daemon.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -100,8 +112,12 @@ def start_daemon(work: str, host_bytes: str, nvme_bytes: str) -> tuple[subproces
         cfg["log"]["level"] = "INFO"
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
-        p = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--config", path],
-                             stderr=err, stdout=subprocess.DEVNULL, env=env)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.cli", "serve", "--config", path],
+            stderr=err,
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )
     for _ in range(600):
         with open(log) as f:
             for line in f:
@@ -122,6 +138,7 @@ class BaselineClient:
 
     def __init__(self, url: str) -> None:
         import aiohttp
+
         self.url = url
         self.loop = asyncio.new_event_loop()
         self.t = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -129,18 +146,21 @@ class BaselineClient:
 
         async def mk():
             return aiohttp.ClientSession()
+
         self.s = asyncio.run_coroutine_threadsafe(mk(), self.loop).result()
 
     def put(self, key: str, data: memoryview) -> None:
         async def go():
             async with self.s.put(f"{self.url}/b/{key}", data=data) as r:
                 await r.read()
+
         asyncio.run_coroutine_threadsafe(go(), self.loop).result()
 
     def get(self, key: str) -> int:
         async def go():
             async with self.s.get(f"{self.url}/b/{key}") as r:
                 return len(await r.read())
+
         return asyncio.run_coroutine_threadsafe(go(), self.loop).result()
 
     def close(self) -> None:
@@ -187,6 +207,7 @@ def bench_tierstore(url: str, sizes_mib: list[int], ops: int, n_clients: int, ru
                 lat.append(time.perf_counter() - t)
                 if any(s is not Status.OK for s in st):
                     raise RuntimeError(f"get failed: {st}")
+
         nbytes = n_clients * ops * nblk * B
         for op, fn in (("put", put), ("get", get)):
             wall, lat = run_phase(n_clients, fn)
@@ -201,7 +222,9 @@ def bench_tierstore(url: str, sizes_mib: list[int], ops: int, n_clients: int, ru
     return out
 
 
-def bench_baseline(url: str, sizes_mib: list[int], ops: int, n_clients: int, run: int, block_bytes: int) -> dict:
+def bench_baseline(
+    url: str, sizes_mib: list[int], ops: int, n_clients: int, run: int, block_bytes: int
+) -> dict:
     clients = [BaselineClient(url) for _ in range(n_clients)]
     out = {}
     for mib in sizes_mib:
@@ -220,6 +243,7 @@ def bench_baseline(url: str, sizes_mib: list[int], ops: int, n_clients: int, run
                 t = time.perf_counter()
                 clients[i].get(k)
                 lat.append(time.perf_counter() - t)
+
         nbytes = n_clients * ops * nblk * block_bytes
         for op, fn in (("put", put), ("get", get)):
             wall, lat = run_phase(n_clients, fn)
@@ -291,18 +315,28 @@ def main(argv=None) -> int:
     order: list[str] = []
     try:
         daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
-        base = subprocess.Popen([sys.executable, "-c", "import server_bench; server_bench.baseline_server("
-                                 f"{os.path.abspath(port_file)!r})"], cwd=HERE)
+        base = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import server_bench; server_bench.baseline_server({os.path.abspath(port_file)!r})",
+            ],
+            cwd=HERE,
+        )
         bport = wait_for_port(port_file, base)
         block_bytes = 2 * MiB
         res = {"tierstore": [], "baseline": []}
 
         def run_baseline(r: int) -> None:
-            res["baseline"].append(bench_baseline(f"http://127.0.0.1:{bport}", sizes, args.ops, args.clients, r,
-                                                  block_bytes))
+            res["baseline"].append(
+                bench_baseline(f"http://127.0.0.1:{bport}", sizes, args.ops, args.clients, r, block_bytes)
+            )
 
         def run_tierstore(r: int) -> None:
-            res["tierstore"].append(bench_tierstore(f"http://127.0.0.1:{port}", sizes, args.ops, args.clients, r))
+            res["tierstore"].append(
+                bench_tierstore(f"http://127.0.0.1:{port}", sizes, args.ops, args.clients, r)
+            )
+
         for r in range(args.runs):  # ABBA: odd runs run tierstore before its baseline
             pair = (run_tierstore, run_baseline) if r % 2 else (run_baseline, run_tierstore)
             order.append("tierstore,baseline" if r % 2 else "baseline,tierstore")
@@ -318,10 +352,15 @@ def main(argv=None) -> int:
     def med(name, key, idx):
         xs = [run[key][idx] for run in res[name]]
         return statistics.median(xs), min(xs), max(xs)
-    print(f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs in ABBA order; "
-          "median (min..max); GB/s = 1e9 B/s; latency per request\n")
-    print("| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / "
-          "p99 ms |")
+
+    print(
+        f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs in ABBA order; "
+        "median (min..max); GB/s = 1e9 B/s; latency per request\n"
+    )
+    print(
+        "| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / "
+        "p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     raw = []
     for op in ("put", "get"):
@@ -329,11 +368,19 @@ def main(argv=None) -> int:
             t, b = med("tierstore", (mib, op), 0), med("baseline", (mib, op), 0)
             tp50, tp99 = med("tierstore", (mib, op), 1)[0], med("tierstore", (mib, op), 2)[0]
             bp50, bp99 = med("baseline", (mib, op), 1)[0], med("baseline", (mib, op), 2)[0]
-            print(f"| {op} | {mib} MiB | {t[0] / 1e9:.2f} ({t[1] / 1e9:.2f}..{t[2] / 1e9:.2f}) | "
-                  f"{b[0] / 1e9:.2f} ({b[1] / 1e9:.2f}..{b[2] / 1e9:.2f}) | {t[0] / b[0]:.2f} | "
-                  f"{tp50 * 1e3:.1f} / {tp99 * 1e3:.1f} | {bp50 * 1e3:.1f} / {bp99 * 1e3:.1f} |")
-            raw.append({"op": op, "batch_mib": mib, "tierstore_Bps": [x[(mib, op)][0] for x in res["tierstore"]],
-                        "baseline_Bps": [x[(mib, op)][0] for x in res["baseline"]]})
+            print(
+                f"| {op} | {mib} MiB | {t[0] / 1e9:.2f} ({t[1] / 1e9:.2f}..{t[2] / 1e9:.2f}) | "
+                f"{b[0] / 1e9:.2f} ({b[1] / 1e9:.2f}..{b[2] / 1e9:.2f}) | {t[0] / b[0]:.2f} | "
+                f"{tp50 * 1e3:.1f} / {tp99 * 1e3:.1f} | {bp50 * 1e3:.1f} / {bp99 * 1e3:.1f} |"
+            )
+            raw.append(
+                {
+                    "op": op,
+                    "batch_mib": mib,
+                    "tierstore_Bps": [x[(mib, op)][0] for x in res["tierstore"]],
+                    "baseline_Bps": [x[(mib, op)][0] for x in res["baseline"]],
+                }
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"order": order, "results": raw}, f, indent=1)

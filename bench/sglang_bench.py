@@ -61,6 +61,7 @@ with ``PYTHONPATH=tests/integrations/sglang/stubs``)::
 
     .nox/sglang/bin/python bench/sglang_bench.py --runs 5 --json bench/sglang_results.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,10 @@ import time
 import types
 
 if importlib.util.find_spec("torchvision") is None:  # SGLang's configs import torchvision.transforms
-    sys.exit("sglang_bench: SGLang imports torchvision, which is not installed here; install it, or put the "
-             "test stand-in first: PYTHONPATH=tests/integrations/sglang/stubs (see its README.md)")
+    sys.exit(
+        "sglang_bench: SGLang imports torchvision, which is not installed here; install it, or put the "
+        "test stand-in first: PYTHONPATH=tests/integrations/sglang/stubs (see its README.md)"
+    )
 
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController
@@ -124,12 +127,31 @@ def drop_file_cache(directory: str) -> None:
 def make_pool(cls: str, n_pages: int) -> MHATokenToKVPoolHost:
     """SGLang's host pool with room for ``2 * n_pages`` pages (sources, destinations)."""
     layers, heads, head_dim, page = CLASSES[cls]
-    dev = MHATokenToKVPool(size=page * 4, page_size=page, dtype=torch.bfloat16, head_num=heads,
-                           head_dim=head_dim, layer_num=layers, device="cpu", enable_memory_saver=False,
-                           start_layer=0, end_layer=layers)
-    pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, page, "page_first",
-                                pin_memory=False, device="cpu", device_capacity_tokens=page * 4,
-                                start_layer=0, end_layer=layers, host_token_capacity=2 * n_pages * page)
+    dev = MHATokenToKVPool(
+        size=page * 4,
+        page_size=page,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=layers,
+    )
+    pool = MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        1.0,
+        0,
+        page,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=page * 4,
+        start_layer=0,
+        end_layer=layers,
+        host_token_capacity=2 * n_pages * page,
+    )
     g = torch.Generator().manual_seed(0)
     u8 = pool.kv_buffer.view(torch.uint8)
     for kv in range(2):
@@ -138,13 +160,24 @@ def make_pool(cls: str, n_pages: int) -> MHATokenToKVPoolHost:
 
 
 def storage_config(extra: dict) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                model_name="meta-llama/Llama-3.1-8B", extra_config=extra)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="meta-llama/Llama-3.1-8B",
+        extra_config=extra,
+    )
 
 
 def page_keys(n: int, tag: str) -> list[str]:
     import hashlib
+
     return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(n)]
 
 
@@ -153,8 +186,9 @@ class Pass:
 
     def __init__(self, name: str, pool, backend, zero_copy: bool, directory: str):
         self.name, self.pool, self.b, self.zero_copy, self.dir = name, pool, backend, zero_copy, directory
-        self.ctl = types.SimpleNamespace(storage_backend=backend, storage_host_pool=pool,
-                                         page_size=pool.page_size)
+        self.ctl = types.SimpleNamespace(
+            storage_backend=backend, storage_host_pool=pool, page_size=pool.page_size
+        )
         self.op = types.SimpleNamespace(request_id="bench", is_terminated=lambda: False)
 
     def _idx(self, first_page: int, n: int) -> torch.Tensor:
@@ -164,30 +198,38 @@ class Pass:
     def set_all(self, keys: list[str]) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(keys), STORAGE_BATCH_SIZE):
-            kb = keys[i:i + STORAGE_BATCH_SIZE]
+            kb = keys[i : i + STORAGE_BATCH_SIZE]
             idx = self._idx(i, len(kb))
             info = HiCacheStorageExtraInfo(prefix_keys=keys[:i])
-            ok = (HiCacheController._page_set_zero_copy(self.ctl, kb, idx, info) if self.zero_copy
-                  else HiCacheController._generic_page_set(self.ctl, kb, idx, info))
+            ok = (
+                HiCacheController._page_set_zero_copy(self.ctl, kb, idx, info)
+                if self.zero_copy
+                else HiCacheController._generic_page_set(self.ctl, kb, idx, info)
+            )
             if not ok:
                 raise RuntimeError(f"{self.name}: set of batch {i // STORAGE_BATCH_SIZE} failed")
         return time.perf_counter() - t0
 
     def get_all(self, keys: list[str]) -> float:
         n = len(keys)
-        dst = self.pool.kv_buffer[:, n * self.pool.page_size:]
+        dst = self.pool.kv_buffer[:, n * self.pool.page_size :]
         dst.zero_()
         t0 = time.perf_counter()
         for i in range(0, n, STORAGE_BATCH_SIZE):
-            kb = keys[i:i + STORAGE_BATCH_SIZE]
+            kb = keys[i : i + STORAGE_BATCH_SIZE]
             idx = self._idx(n + i, len(kb))
             info = HiCacheStorageExtraInfo(prefix_keys=keys[:i])
-            got = (HiCacheController._page_get_zero_copy(self.ctl, self.op, kb, idx, info) if self.zero_copy
-                   else HiCacheController._generic_page_get(self.ctl, self.op, kb, idx, info))
+            got = (
+                HiCacheController._page_get_zero_copy(self.ctl, self.op, kb, idx, info)
+                if self.zero_copy
+                else HiCacheController._generic_page_get(self.ctl, self.op, kb, idx, info)
+            )
             if got != len(kb):
-                raise RuntimeError(f"{self.name}: get of batch {i // STORAGE_BATCH_SIZE} loaded {got}/{len(kb)}")
+                raise RuntimeError(
+                    f"{self.name}: get of batch {i // STORAGE_BATCH_SIZE} loaded {got}/{len(kb)}"
+                )
         dt = time.perf_counter() - t0
-        src = self.pool.kv_buffer[:, :n * self.pool.page_size]
+        src = self.pool.kv_buffer[:, : n * self.pool.page_size]
         if not torch.equal(src.view(torch.uint8), dst.view(torch.uint8)):
             raise RuntimeError(f"{self.name}: loaded pages differ from their sources")
         return dt
@@ -202,12 +244,22 @@ def run_pass(name: str, cls: str, pool, n_pages: int, root: str, args) -> dict:
     keys = page_keys(n_pages, f"{cls}/{time.monotonic_ns()}")
     try:
         if name.startswith("ts_"):
-            host = total + 64 * page_bytes if name == "ts_mem" else max(page_bytes, int(total * args.host_fraction))
-            extra = {"backend_name": "tierstore", "module_path": "tierstore.integrations.sglang",
-                     "class_name": "HiCacheTierStore", "interface_v1": 1,
-                     "tiers": {"host": {"capacity_bytes": host},
-                               "nvme": {"path": d, "capacity_bytes": 2 * total + (256 << 20)}},
-                     "policies": {"promotion": "none"}}
+            host = (
+                total + 64 * page_bytes
+                if name == "ts_mem"
+                else max(page_bytes, int(total * args.host_fraction))
+            )
+            extra = {
+                "backend_name": "tierstore",
+                "module_path": "tierstore.integrations.sglang",
+                "class_name": "HiCacheTierStore",
+                "interface_v1": 1,
+                "tiers": {
+                    "host": {"capacity_bytes": host},
+                    "nvme": {"path": d, "capacity_bytes": 2 * total + (256 << 20)},
+                },
+                "policies": {"promotion": "none"},
+            }
             b = HiCacheTierStore(storage_config(extra), {})
             b.register_mem_pool_host(pool)
             zero_copy = True
@@ -251,8 +303,12 @@ def main(argv=None) -> int:
     ap.add_argument("--total", default="256m", help="bytes of pages per pass (each class)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="parent of the benchmark directories")
-    ap.add_argument("--host-fraction", type=float, default=0.125,
-                    help="tierstore host tier as a fraction of the data (a write buffer)")
+    ap.add_argument(
+        "--host-fraction",
+        type=float,
+        default=0.125,
+        help="tierstore host tier as a fraction of the data (a write buffer)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--settle", type=float, default=1.0, help="idle seconds before each timed phase")
     ap.add_argument("--json", default=None)
@@ -260,8 +316,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
     total = parse_size(args.total, "total")
-    results: dict = {"config": {**vars(args), "total_bytes": total, "batch_pages": STORAGE_BATCH_SIZE,
-                                "loadavg_start": os.getloadavg()}, "classes": {}}
+    results: dict = {
+        "config": {
+            **vars(args),
+            "total_bytes": total,
+            "batch_pages": STORAGE_BATCH_SIZE,
+            "loadavg_start": os.getloadavg(),
+        },
+        "classes": {},
+    }
     for cls in args.classes.split(","):
         layers, heads, head_dim, page = CLASSES[cls]
         page_bytes = 2 * layers * heads * head_dim * 2 * page
@@ -273,26 +336,39 @@ def main(argv=None) -> int:
             one = {name: run_pass(name, cls, pool, n_pages, args.dir, args) for name in order}
             runs.append(one)
             m, f, n = one["ts_mem"], one["file"], one["ts_nvme"]
-            print(f"[{cls} run {r + 1}/{args.runs} {'/'.join(order)}] "
-                  f"DRAM: set {m['set_GBps']:.3f} vs {f['set_GBps']:.3f}, get {m['get_GBps']:.3f} vs "
-                  f"{f['get_warm_GBps']:.3f} GB/s | disk: set {n['set_GBps']:.3f} vs "
-                  f"{f['set_syncfs_GBps']:.3f}, "
-                  f"get {n['get_GBps']:.3f} vs {f['get_cold_GBps']:.3f} GB/s (tierstore nvme_share "
-                  f"{n['nvme_share']:.2f}, ts_mem {m['nvme_share']:.2f})", flush=True)
+            print(
+                f"[{cls} run {r + 1}/{args.runs} {'/'.join(order)}] "
+                f"DRAM: set {m['set_GBps']:.3f} vs {f['set_GBps']:.3f}, get {m['get_GBps']:.3f} vs "
+                f"{f['get_warm_GBps']:.3f} GB/s | disk: set {n['set_GBps']:.3f} vs "
+                f"{f['set_syncfs_GBps']:.3f}, "
+                f"get {n['get_GBps']:.3f} vs {f['get_cold_GBps']:.3f} GB/s (tierstore nvme_share "
+                f"{n['nvme_share']:.2f}, ts_mem {m['nvme_share']:.2f})",
+                flush=True,
+            )
         del pool
-        cls_out = {"page_bytes": page_bytes, "pages": n_pages, "runs": runs, "bandwidth_GBps": {}, "ratios": {}}
+        cls_out = {
+            "page_bytes": page_bytes,
+            "pages": n_pages,
+            "runs": runs,
+            "bandwidth_GBps": {},
+            "ratios": {},
+        }
         for name in ("ts_mem", "ts_nvme", "file"):
             for k in runs[0][name]:
                 cls_out["bandwidth_GBps"][f"{name}_{k}"] = summary([x[name][k] for x in runs])
-        pairs = {"set, DRAM: ts_mem vs HiCacheFile (page cache)": ("ts_mem", "set_GBps", "set_GBps"),
-                 "get, DRAM: ts_mem vs HiCacheFile warm": ("ts_mem", "get_GBps", "get_warm_GBps"),
-                 "set, disk: ts_nvme vs HiCacheFile+syncfs": ("ts_nvme", "set_GBps", "set_syncfs_GBps"),
-                 "get, disk: ts_nvme vs HiCacheFile cold": ("ts_nvme", "get_GBps", "get_cold_GBps"),
-                 "(ref) set: ts_nvme vs HiCacheFile (page cache)": ("ts_nvme", "set_GBps", "set_GBps")}
+        pairs = {
+            "set, DRAM: ts_mem vs HiCacheFile (page cache)": ("ts_mem", "set_GBps", "set_GBps"),
+            "get, DRAM: ts_mem vs HiCacheFile warm": ("ts_mem", "get_GBps", "get_warm_GBps"),
+            "set, disk: ts_nvme vs HiCacheFile+syncfs": ("ts_nvme", "set_GBps", "set_syncfs_GBps"),
+            "get, disk: ts_nvme vs HiCacheFile cold": ("ts_nvme", "get_GBps", "get_cold_GBps"),
+            "(ref) set: ts_nvme vs HiCacheFile (page cache)": ("ts_nvme", "set_GBps", "set_GBps"),
+        }
         for label, (who, a, b) in pairs.items():
             cls_out["ratios"][label] = summary([x[who][a] / x["file"][b] for x in runs])
         results["classes"][cls] = cls_out
-        print(f"\n{cls} pages ({page_bytes} B, {n_pages} pages per pass), median (min-max) of {args.runs} runs:")
+        print(
+            f"\n{cls} pages ({page_bytes} B, {n_pages} pages per pass), median (min-max) of {args.runs} runs:"
+        )
         for k, v in cls_out["bandwidth_GBps"].items():
             print(f"  {k:28s} {v['median']:7.3f} ({v['min']:.3f}-{v['max']:.3f})")
         for k, v in cls_out["ratios"].items():

@@ -47,6 +47,7 @@ prefix cache on plus tierstore (host + NVMe).
 
 Outputs a text table and a JSON file (``--out``) with every sample.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,10 @@ TTFT_CONFIGS = {
 }
 REPLAY_CONFIGS = {
     "replay_vllm": {"apc": True},
-    "replay_ts": {"apc": True, "tiers": {"host": {"capacity_bytes": "64MiB"}, "nvme": {"capacity_bytes": "1GiB"}}},
+    "replay_ts": {
+        "apc": True,
+        "tiers": {"host": {"capacity_bytes": "64MiB"}, "nvme": {"capacity_bytes": "1GiB"}},
+    },
 }
 
 
@@ -81,10 +85,20 @@ REPLAY_CONFIGS = {
 #: x 4 B = 6 KiB of KV per token; Llama-3.1-8B has ~120 MFLOP of prefill per KiB of KV,
 #: this one ~13). ``replay``: small enough to replay hundreds of requests on 2 cores.
 MODELS = {
-    "ttft": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "replay": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2),
+    "ttft": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+    "replay": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 
 
@@ -103,14 +117,24 @@ class HookTimer:
     """Engine-thread seconds spent inside the connector's hooks (its share of TTFT);
     the store thread's work is off that path and reported apart (``store_s``)."""
 
-    HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-             "request_finished", "handle_preemptions", "start_load_kv", "wait_for_save", "get_finished",
-             "get_block_ids_with_load_errors")
+    HOOKS = (
+        "on_new_request",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "request_finished",
+        "handle_preemptions",
+        "start_load_kv",
+        "wait_for_save",
+        "get_finished",
+        "get_block_ids_with_load_errors",
+    )
 
     def __init__(self):
         import threading
 
         from tierstore.integrations.vllm import TierstoreConnector
+
         self.total_s = 0.0
         main = threading.main_thread()
         for name in self.HOOKS:
@@ -124,6 +148,7 @@ class HookTimer:
                     return _real(*a, **kw)
                 finally:
                     self.total_s += time.perf_counter() - t0
+
             setattr(TierstoreConnector, name, timed)
 
 
@@ -132,9 +157,17 @@ def _engine(model: str, cfg: dict, nvme_dir: str, gpu_blocks: int | None, max_mo
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_model_len,
-              block_size=BLOCK, dtype="float32", enable_prefix_caching=bool(cfg.get("apc")), seed=0,
-              max_num_batched_tokens=max(max_model_len, 2048))
+    kw = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        block_size=BLOCK,
+        dtype="float32",
+        enable_prefix_caching=bool(cfg.get("apc")),
+        seed=0,
+        max_num_batched_tokens=max(max_model_len, 2048),
+    )
     if gpu_blocks:
         kw["num_gpu_blocks_override"] = gpu_blocks
     if "tiers" in cfg:
@@ -145,13 +178,18 @@ def _engine(model: str, cfg: dict, nvme_dir: str, gpu_blocks: int | None, max_mo
         if "connector" in cfg:
             extra["connector"] = cfg["connector"]
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="TierstoreConnector", kv_connector_module_path="tierstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+            kv_connector="TierstoreConnector",
+            kv_connector_module_path="tierstore.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
     return LLM(**kw)
 
 
 def _store_of(llm):
     from tierstore.integrations.vllm import engine_store
+
     if llm.llm_engine.vllm_config.kv_transfer_config is None:
         return None
     return engine_store(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
@@ -160,6 +198,7 @@ def _store_of(llm):
 def _generate(llm, prompts: list[list[int]], max_tokens: list[int]):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
     sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
 
@@ -169,12 +208,15 @@ def _wait_stored(llm, store, tokens: list[int], timeout_s: float = 30.0) -> None
     if store is None:
         return
     from tierstore.integrations.vllm import engine_namespace
+
     eid = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     keys = store.keys_for(engine_namespace(eid), tokens)
     deadline = time.monotonic() + timeout_s
     while store.exists(keys) < len(keys):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tierstore holds {store.exists(keys)} of {len(keys)} blocks after {timeout_s} s")
+            raise RuntimeError(
+                f"tierstore holds {store.exists(keys)} of {len(keys)} blocks after {timeout_s} s"
+            )
         llm.llm_engine.step()  # lets the engine report finished stores and free blocks
         time.sleep(0.002)
 
@@ -206,8 +248,14 @@ def worker_ttft(args, cfg: dict) -> dict:
         warm.append(time.perf_counter() - t0)
         warm_hook.append((hooks.total_s if hooks else 0.0) - h0)
         cached.append(o.num_cached_tokens)
-    res = {"cold_s": cold, "warm_s": warm, "warm_cached_tokens": cached, "expected_cached_tokens": expect,
-           "cold_hook_s": cold_hook, "warm_hook_s": warm_hook}
+    res = {
+        "cold_s": cold,
+        "warm_s": warm,
+        "warm_cached_tokens": cached,
+        "expected_cached_tokens": expect,
+        "cold_hook_s": cold_hook,
+        "warm_hook_s": warm_hook,
+    }
     if store is not None:
         res["store"] = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
     return res
@@ -216,6 +264,7 @@ def worker_ttft(args, cfg: dict) -> dict:
 def trace_requests(path: str, limit: int, block_tokens: int, max_prompt: int, max_output: int):
     """Scaled Mooncake requests: token ids per hash block, deterministic in the hash id."""
     from tierstore.trace import MOONCAKE_BLOCK_TOKENS, read_mooncake
+
     reqs = read_mooncake(path, limit=limit)
     out = []
     for r in reqs:
@@ -230,10 +279,13 @@ def trace_requests(path: str, limit: int, block_tokens: int, max_prompt: int, ma
 
 
 def worker_replay(args, cfg: dict) -> dict:
-    reqs = trace_requests(args.trace, args.trace_requests, args.trace_block_tokens, args.trace_max_prompt,
-                          args.trace_max_output)
+    reqs = trace_requests(
+        args.trace, args.trace_requests, args.trace_block_tokens, args.trace_max_prompt, args.trace_max_output
+    )
     hooks = HookTimer() if "tiers" in cfg else None
-    llm = _engine(args.model, cfg, args.nvme_dir, args.replay_gpu_blocks, args.trace_max_prompt + args.trace_max_output)
+    llm = _engine(
+        args.model, cfg, args.nvme_dir, args.replay_gpu_blocks, args.trace_max_prompt + args.trace_max_output
+    )
     rng = random.Random(args.seed)
     warm = [[rng.randrange(1, 1000) for _ in range(256)] for _ in range(2)]
     _generate(llm, warm, [4, 4])
@@ -244,8 +296,14 @@ def worker_replay(args, cfg: dict) -> dict:
     hook_s = (hooks.total_s if hooks else 0.0) - h0
     prompt_tokens = sum(len(p) for p, _ in reqs)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"wall_s": wall, "requests": len(reqs), "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-           "cached_tokens": sum(o.num_cached_tokens for o in outs), "hook_s": hook_s}
+    res = {
+        "wall_s": wall,
+        "requests": len(reqs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "cached_tokens": sum(o.num_cached_tokens for o in outs),
+        "hook_s": hook_s,
+    }
     store = _store_of(llm)
     if store is not None:
         res["store"] = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
@@ -255,19 +313,42 @@ def worker_replay(args, cfg: dict) -> dict:
 # ----------------------------------------------------------------------------- driver
 def run_worker(args, part: str, name: str, cfg: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="vllm-bench-nvme-", dir=args.nvme_parent) as nvme_dir:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(
-            {"part": part, "name": name, "cfg": cfg, "nvme_dir": nvme_dir, "model": args.models[part]})]
-        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                if k in ("reps", "prompt_tokens", "seed", "trace", "trace_requests", "trace_block_tokens",
-                         "trace_max_prompt", "trace_max_output", "replay_gpu_blocks")]
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_LOGGING_LEVEL="ERROR")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            json.dumps(
+                {"part": part, "name": name, "cfg": cfg, "nvme_dir": nvme_dir, "model": args.models[part]}
+            ),
+        ]
+        cmd += [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k
+            in (
+                "reps",
+                "prompt_tokens",
+                "seed",
+                "trace",
+                "trace_requests",
+                "trace_block_tokens",
+                "trace_max_prompt",
+                "trace_max_output",
+                "replay_gpu_blocks",
+            )
+        ]
+        env = dict(
+            os.environ,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_LOGGING_LEVEL="ERROR",
+        )
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
         if r.returncode != 0 or not lines:
             raise RuntimeError(f"{name}: worker failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
-        res = json.loads(lines[-1][len("RESULT "):])
+        res = json.loads(lines[-1][len("RESULT ") :])
         res["process_s"] = time.perf_counter() - t0
         return res
 
@@ -284,11 +365,12 @@ def ideal_cached_fraction(reqs) -> float:
     """Cached/prompt tokens with an infinite cache under vLLM's rules (full 32-token
     blocks whose whole prefix was seen before; at most ``(len - 1) // 32`` blocks)."""
     from tierstore.identity import block_hashes
+
     seen: set = set()
     hit = total = 0
     for p, _ in reqs:
         keys = block_hashes(bytes(32), p, BLOCK)
-        for k in keys[:(len(p) - 1) // BLOCK]:
+        for k in keys[: (len(p) - 1) // BLOCK]:
             if k not in seen:
                 break
             hit += BLOCK
@@ -303,33 +385,44 @@ def report(results: dict, args) -> str:
         t = results["ttft"]
         cold_ref = med([x for run in t["vllm"] for x in run["cold_s"]])
         apc = med([x for run in t["vllm_apc"] for x in run["warm_s"]])
-        lines.append(f"TTFT, {args.prompt_tokens}-token prompt, generate(max_tokens=1) wall time; "
-                     f"median [min, max] over {args.rounds} rounds x {args.reps} reps")
-        lines.append(f"{'config':<13} {'cold ms':>21} {'warm ms':>19} {'warm/cold':>9} {'warm/APC':>8} "
-                     f"{'cold/vllm':>9} {'hooks cold ms (%)':>17}  warm cached")
+        lines.append(
+            f"TTFT, {args.prompt_tokens}-token prompt, generate(max_tokens=1) wall time; "
+            f"median [min, max] over {args.rounds} rounds x {args.reps} reps"
+        )
+        lines.append(
+            f"{'config':<13} {'cold ms':>21} {'warm ms':>19} {'warm/cold':>9} {'warm/APC':>8} "
+            f"{'cold/vllm':>9} {'hooks cold ms (%)':>17}  warm cached"
+        )
         for name, runs in t.items():
             cold = [x for run in runs for x in run["cold_s"]]
             warm = [x for run in runs for x in run["warm_s"]]
             hook = [x for run in runs for x in run.get("cold_hook_s", [])]
-            hook_txt = (f"{med(hook)*1e3:6.2f} ({100*med([h / c for h, c in zip(hook, cold)]):4.2f}%)"
-                        if name.startswith("ts_") else "-")
+            hook_txt = (
+                f"{med(hook) * 1e3:6.2f} ({100 * med([h / c for h, c in zip(hook, cold)]):4.2f}%)"
+                if name.startswith("ts_")
+                else "-"
+            )
             cached = sorted({c for run in runs for c in run["warm_cached_tokens"]})
             exp = runs[0]["expected_cached_tokens"]
             ok = "" if (name == "vllm" or cached == [exp]) else f" (expected {exp})"
             c_lo, c_hi = spread(cold)
             w_lo, w_hi = spread(warm)
-            lines.append(f"{name:<13} {med(cold)*1e3:6.0f} [{c_lo*1e3:5.0f}, {c_hi*1e3:5.0f}] "
-                         f"{med(warm)*1e3:6.1f} [{w_lo*1e3:4.0f}, {w_hi*1e3:4.0f}] "
-                         f"{med(warm)/med(cold):9.3f} {med(warm)/apc:8.2f} {med(cold)/cold_ref:9.3f} "
-                         f"{hook_txt:>17}  {cached}{ok}")
+            lines.append(
+                f"{name:<13} {med(cold) * 1e3:6.0f} [{c_lo * 1e3:5.0f}, {c_hi * 1e3:5.0f}] "
+                f"{med(warm) * 1e3:6.1f} [{w_lo * 1e3:4.0f}, {w_hi * 1e3:4.0f}] "
+                f"{med(warm) / med(cold):9.3f} {med(warm) / apc:8.2f} {med(cold) / cold_ref:9.3f} "
+                f"{hook_txt:>17}  {cached}{ok}"
+            )
     if "replay" in results:
         r = results["replay"]
         lines.append("")
-        lines.append(f"Mixed replay: first {args.trace_requests} requests of {os.path.basename(args.trace)}, "
-                     f"{args.trace_block_tokens} tokens per 512-token hash block, prompts <= {args.trace_max_prompt}, "
-                     f"outputs <= {args.trace_max_output}; vLLM KV cache {args.replay_gpu_blocks} blocks of {BLOCK}; "
-                     f"ideal cached/prompt (infinite cache) {args.ideal:.3f}; median [min, max] over {args.rounds} "
-                     "rounds")
+        lines.append(
+            f"Mixed replay: first {args.trace_requests} requests of {os.path.basename(args.trace)}, "
+            f"{args.trace_block_tokens} tokens per 512-token hash block, prompts <= {args.trace_max_prompt}, "
+            f"outputs <= {args.trace_max_output}; vLLM KV cache {args.replay_gpu_blocks} blocks of {BLOCK}; "
+            f"ideal cached/prompt (infinite cache) {args.ideal:.3f}; median [min, max] over {args.rounds} "
+            "rounds"
+        )
         lines.append(f"{'config':<12} {'wall s':>21} {'tokens/s':>9} {'cached/prompt':>13}  vs replay_vllm")
         base = None
         for name, runs in r.items():
@@ -338,8 +431,10 @@ def report(results: dict, args) -> str:
             hit = med([run["cached_tokens"] / run["prompt_tokens"] for run in runs])
             lo, hi = spread(walls)
             base = base or tps
-            lines.append(f"{name:<12} {med(walls):7.1f} [{lo:5.1f}, {hi:5.1f}] {tps:9.0f} {hit:13.3f}"
-                         f"  x{tps / base:.2f}")
+            lines.append(
+                f"{name:<12} {med(walls):7.1f} [{lo:5.1f}, {hi:5.1f}] {tps:9.0f} {hit:13.3f}"
+                f"  x{tps / base:.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -350,9 +445,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="model dir for every part (default: build MODELS in a temp dir)")
-    ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the packaged excerpt, "
-                    "the first 1,000 requests of the conversation trace)")
+    ap.add_argument(
+        "--model", default=None, help="model dir for every part (default: build MODELS in a temp dir)"
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL (default: the packaged excerpt, "
+        "the first 1,000 requests of the conversation trace)",
+    )
     ap.add_argument("--trace-requests", type=int, default=600)
     ap.add_argument("--trace-block-tokens", type=int, default=32)
     ap.add_argument("--trace-max-prompt", type=int, default=2048)
@@ -371,14 +472,22 @@ def main(argv=None) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if args.trace is None:
         from tierstore.trace import default_trace_path
+
         args.trace = default_trace_path()
     if "replay" in parts and not os.path.exists(args.trace):
         ap.error(f"--trace {args.trace!r} does not exist (the Mooncake conversation trace JSONL)")
     tmp = tempfile.TemporaryDirectory(prefix="vllm-bench-model-")
     args.models = {part: args.model or make_bench_llama(os.path.join(tmp.name, part), part) for part in parts}
     if "replay" in parts:
-        args.ideal = ideal_cached_fraction(trace_requests(args.trace, args.trace_requests, args.trace_block_tokens,
-                                                          args.trace_max_prompt, args.trace_max_output))
+        args.ideal = ideal_cached_fraction(
+            trace_requests(
+                args.trace,
+                args.trace_requests,
+                args.trace_block_tokens,
+                args.trace_max_prompt,
+                args.trace_max_output,
+            )
+        )
     results: dict = {}
     plan = []
     if "ttft" in parts:
@@ -387,15 +496,24 @@ def main(argv=None) -> int:
         plan += [("replay", n, c) for n, c in REPLAY_CONFIGS.items()]
     t_start = time.time()
     for rnd in range(args.rounds):
-        for part, name, cfg in (plan if rnd % 2 == 0 else plan[::-1]):
+        for part, name, cfg in plan if rnd % 2 == 0 else plan[::-1]:
             res = run_worker(args, part, name, cfg)
             results.setdefault(part, {}).setdefault(name, []).append(res)
-            print(f"round {rnd + 1} {part} {name}: done in {res['process_s']:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"round {rnd + 1} {part} {name}: done in {res['process_s']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     text = report(results, args)
     print(text)
     if args.out:
-        meta = {"argv": sys.argv[1:], "started": t_start, "duration_s": time.time() - t_start,
-                "nproc": os.cpu_count(), "note": "shared 2-core VM; other sessions ran concurrently"}
+        meta = {
+            "argv": sys.argv[1:],
+            "started": t_start,
+            "duration_s": time.time() - t_start,
+            "nproc": os.cpu_count(),
+            "note": "shared 2-core VM; other sessions ran concurrently",
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results, "table": text}, f, indent=1)
     tmp.cleanup()

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny layout, a fake clock, stores with all three tiers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,12 +73,20 @@ def make_store(tmp_path, layout, clock):
         least ``nvme`` blocks (a segment store in memory, one block per segment)."""
         from tierstore.io import format as fmt
         from tierstore.io.segments import SegmentStorage
+
         bb = layout.bytes_per_block
         nv = None
         if nvme:
             seg = fmt.extent_bytes_for(1, bb)
-            nv = SegmentStorage(None, (nvme + 1) * seg, bb, segment_size_bytes=seg, engine="memory",
-                                extent_size_bytes=seg, owns_engine=True)
+            nv = SegmentStorage(
+                None,
+                (nvme + 1) * seg,
+                bb,
+                segment_size_bytes=seg,
+                engine="memory",
+                extent_size_bytes=seg,
+                owns_engine=True,
+            )
         s = KVStore(layout, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme=nv, clock=clock, **kw)
         stores.append(s)
         return s
@@ -123,6 +132,7 @@ class SlowEngine:
                     else:
                         assert self.release.wait(30)
                 return super()._write_impl(offset, view, nbytes, placement)
+
         return _Slow()
 
 
@@ -130,16 +140,25 @@ def memory_segment_store(layout, blocks: int, engine=None):
     """A segment store in memory holding at least ``blocks`` blocks (one per segment)."""
     from tierstore.io import format as fmt
     from tierstore.io.segments import SegmentStorage
+
     bb = layout.bytes_per_block
     seg = fmt.extent_bytes_for(1, bb)
     size = (blocks + 1) * seg
-    return SegmentStorage(None, size, bb, segment_size_bytes=seg, engine=engine or "memory",
-                          extent_size_bytes=seg, owns_engine=True)
+    return SegmentStorage(
+        None,
+        size,
+        bb,
+        segment_size_bytes=seg,
+        engine=engine or "memory",
+        extent_size_bytes=seg,
+        owns_engine=True,
+    )
 
 
 def pytest_sessionstart(session):
     """Remove loop mounts and images that killed test processes left behind (tests/io/loopfs.py)."""
     from tests.io.loopfs import sweep_stale
+
     for what in sweep_stale():
         print(f"tierstore tests: removed stale {what}")
 
@@ -148,12 +167,14 @@ def pytest_collection_modifyitems(config, items):
     """Where this process cannot use io_uring (or TIERSTORE_IO_URING=0), tests that need it
     (marked ``uring``, or parametrized with the ``"uring"`` engine) skip and say why."""
     from tierstore.io.ring import uring_available
+
     ok, why = uring_available()
     if ok:
         return
     skip = pytest.mark.skip(reason=f"io_uring unavailable: {why}")
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.get_closest_marker("uring") or any(v == "uring" for v in params.values()
-                                                   if isinstance(v, str)):
+        if item.get_closest_marker("uring") or any(
+            v == "uring" for v in params.values() if isinstance(v, str)
+        ):
             item.add_marker(skip)

@@ -1,5 +1,6 @@
 """KVStore fragment API: engine fragments in and out, through the strided
 (one copy per block) and the per-fragment paths, bit-exact, with misuse refused."""
+
 import pytest
 import torch
 
@@ -39,11 +40,18 @@ def test_fragments_round_trip(dest_kind):
         dst = torch.zeros_like(src)
         dests = [block_fragments(dst, b) for b in (0, 5, 3)]
     elif dest_kind == "separate":
-        dests = [[torch.zeros(LAYOUT.fragment_shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_fragments)]
-                 for _ in range(3)]
+        dests = [
+            [torch.zeros(LAYOUT.fragment_shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_fragments)]
+            for _ in range(3)
+        ]
     else:  # transposed views: scatter must honour their strides
-        dests = [[torch.zeros(LAYOUT.fragment_shape[::-1], dtype=LAYOUT.dtype).permute(2, 1, 0)
-                  for _ in range(LAYOUT.num_fragments)] for _ in range(3)]
+        dests = [
+            [
+                torch.zeros(LAYOUT.fragment_shape[::-1], dtype=LAYOUT.dtype).permute(2, 1, 0)
+                for _ in range(LAYOUT.num_fragments)
+            ]
+            for _ in range(3)
+        ]
     assert store.load_fragments(hit.keys, dests) == [Status.OK] * 3
     for want, got in zip(frags, dests):
         for a, b in zip(want, got):
@@ -69,6 +77,7 @@ def test_fragment_misuse_is_refused():
 
 def test_page_pool_plans_round_trip_through_the_store():
     from tierstore.io import KVPagePool
+
     store = KVStore(LAYOUT, host_bytes=64 * LAYOUT.bytes_per_block)
     tokens = list(range(2 * LAYOUT.tokens_per_block))
     src = paged_pool(5, seed=3)
@@ -109,6 +118,7 @@ def test_a_store_with_another_layout_never_sees_the_old_kv(tmp_path):
 
 def test_fragments_of_another_dtype_or_geometry_are_refused():
     import numpy as np
+
     store = KVStore(LAYOUT, host_bytes=16 * LAYOUT.bytes_per_block)
     tokens = list(range(LAYOUT.tokens_per_block))
     fp32 = torch.zeros((LAYOUT.num_layers, 2, 2, 16, 2, 4), dtype=torch.float32)  # same bytes, fp32
@@ -156,6 +166,7 @@ def test_key_level_api_and_async_calls():
     """store_keys / lookup_keys / exists work on caller keys; wait=False returns futures
     with the same outcome as the blocking calls; exists() touches nothing."""
     from tierstore.identity import scoped_key
+
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=torch.float16)
     store = KVStore(layout, host_bytes=8 * layout.bytes_per_block)
     d = store.digest(NS)
@@ -181,11 +192,17 @@ def test_fused_kv_layout_round_trip_and_never_matches_layer_kv():
     """vLLM's CPU layout (K and V fused per layer) stores and loads through
     KVPagePool plans; a store of another block order never serves it."""
     L, H, T, D = 2, 2, 4, 8
-    fused = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, tokens_per_block=T, dtype=torch.float16,
-                     block_order="layer_fused")
+    fused = KVLayout(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        tokens_per_block=T,
+        dtype=torch.float16,
+        block_order="layer_fused",
+    )
     plain = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, tokens_per_block=T, dtype=torch.float16)
     assert fused.fingerprint() != plain.fingerprint() and fused.bytes_per_block == plain.bytes_per_block
-    src = torch.randn(L, 6, H, T, 2 * D).to(torch.float16)   # one allocation, per layer (blocks, H, T, 2D)
+    src = torch.randn(L, 6, H, T, 2 * D).to(torch.float16)  # one allocation, per layer (blocks, H, T, 2D)
     dst = torch.zeros_like(src)
     store = KVStore(fused, host_bytes=8 * fused.bytes_per_block)
     tokens = list(range(2 * T))
@@ -197,7 +214,9 @@ def test_fused_kv_layout_round_trip_and_never_matches_layer_kv():
     assert store.load_fragments(hit.keys, dpages.plans([0, 5], destination=True)) == [Status.OK] * 2
     assert torch.equal(dst[:, 0], src[:, 3]) and torch.equal(dst[:, 5], src[:, 1])
     with pytest.raises(LayoutError, match="layer_fused"):  # a layer_kv pool's plans do not fit this layout
-        store.store_fragments(NS, tokens, KVPagePool(torch.zeros(L, 2, 6, T, H, D, dtype=torch.float16)).plans([0]))
+        store.store_fragments(
+            NS, tokens, KVPagePool(torch.zeros(L, 2, 6, T, H, D, dtype=torch.float16)).plans([0])
+        )
     other = KVStore(plain, host_bytes=8 * plain.bytes_per_block)
     assert other.keys_for(NS, tokens) != store.keys_for(NS, tokens)
     store.close()
@@ -207,8 +226,11 @@ def test_fused_kv_layout_round_trip_and_never_matches_layer_kv():
 def test_from_config_validates_the_engine_dict(tmp_path):
     """One typed config for every way in: unknown keys are errors naming the accepted ones."""
     from tierstore.errors import ConfigError
-    cfg = {"layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "fp16", "tokens_per_block": 4},
-           "tiers": {"host": {"capacity_bytes": "64k"}, "nvme": {"path": str(tmp_path), "capacity_bytes": "8m"}}}
+
+    cfg = {
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "fp16", "tokens_per_block": 4},
+        "tiers": {"host": {"capacity_bytes": "64k"}, "nvme": {"path": str(tmp_path), "capacity_bytes": "8m"}},
+    }
     store = KVStore.from_config(cfg)
     assert store.layout.tokens_per_block == 4 and store.nvme is not None
     store.close()
@@ -231,8 +253,9 @@ def test_batched_blocks_land_in_scattered_slots_and_come_back(form):
     assert ok == [Status.OK] * 12
     store.remove([bytes([9, i]) + bytes(30) for i in (1, 4, 6, 10)])  # free slots here and there
     new = torch.randn((6, *LAYOUT.block_shape), generator=g).to(LAYOUT.dtype)
-    blocks = {"typed": new, "uint8_rows": new.view(6, -1).view(torch.uint8),
-              "list": list(new.unbind(0))}[form]
+    blocks = {"typed": new, "uint8_rows": new.view(6, -1).view(torch.uint8), "list": list(new.unbind(0))}[
+        form
+    ]
     keys = [bytes([7, i]) + bytes(30) for i in range(6)]
     assert store.store_keys(NS, keys, blocks) == [Status.OK] * 6
     tiers = {t for k in keys for t in store.tiers_of(k)}

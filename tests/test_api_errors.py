@@ -1,4 +1,5 @@
 """Bad input to the Python API is a typed TierStoreError (found by a new-user run of the README)."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,12 +45,14 @@ def test_storing_zero_new_blocks_returns_an_empty_list():
         s.close()
 
 
-@pytest.mark.parametrize("kw", [{"nvme_path": "PATH"}, {"nvme_bytes": 64 << 20},
-                                {"nvme_path": "PATH", "nvme_bytes": 0}])
+@pytest.mark.parametrize(
+    "kw", [{"nvme_path": "PATH"}, {"nvme_bytes": 64 << 20}, {"nvme_path": "PATH", "nvme_bytes": 0}]
+)
 def test_an_nvme_tier_needs_both_a_path_and_a_size(tmp_path, kw):
     """One without the other opened a memory-only store and said nothing (found by a new-user
     trial: the user believed the blocks were kept on NVMe)."""
     from tierstore import KVStore, get_layout
+
     kw = {k: (str(tmp_path / "t.nvme") if v == "PATH" else v) for k, v in kw.items()}
     with pytest.raises(ConfigError, match="an NVMe tier needs both"):
         KVStore(get_layout("tiny"), host_bytes=1 << 20, **kw)
@@ -58,6 +61,7 @@ def test_an_nvme_tier_needs_both_a_path_and_a_size(tmp_path, kw):
 
 def test_sizes_may_be_given_as_strings(tmp_path):
     from tierstore import KVStore, get_layout
+
     s = KVStore(get_layout("tiny"), host_bytes="1MiB", nvme_path=str(tmp_path) + "/", nvme_bytes="64MiB")
     try:
         caps = s.capacity_bytes()
@@ -70,6 +74,7 @@ def test_sizes_may_be_given_as_strings(tmp_path):
 def test_kv_blocks_that_are_not_blocks_get_a_layout_error(blocks):
     from tierstore import KVStore, Namespace, get_layout
     from tierstore.errors import LayoutError
+
     lay = get_layout("tiny")
     s = KVStore(lay, host_bytes=1 << 20)
     try:

@@ -1,4 +1,5 @@
 """Lower layers never import upper ones (ARCHITECTURE.md)."""
+
 import ast
 import pathlib
 
@@ -7,14 +8,38 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[1] / "tierstore"
 
 LAYER = {
-    "errors": 0, "units": 0, "layout": 0, "identity": 0, "keytable": 0, "extras": 0, "registry": 0,
-    "schema": 0, "closing": 0,
+    "errors": 0,
+    "units": 0,
+    "layout": 0,
+    "identity": 0,
+    "keytable": 0,
+    "extras": 0,
+    "registry": 0,
+    "schema": 0,
+    "closing": 0,
     "tiers": 1,
-    "contract": 2, "io": 2, "fdp": 2, "remote": 2,
+    "contract": 2,
+    "io": 2,
+    "fdp": 2,
+    "remote": 2,
     "policies": 3,
-    "index": 4, "movers": 4, "planner": 4, "metrics": 4,
-    "api": 5, "key_api": 5, "build": 5, "config": 5, "devices": 5, "transfers": 5,
-    "trace": 6, "replay": 6, "bench": 6, "integrations": 6, "server": 6, "client": 6, "client_wire": 6,
+    "index": 4,
+    "movers": 4,
+    "planner": 4,
+    "metrics": 4,
+    "api": 5,
+    "key_api": 5,
+    "build": 5,
+    "config": 5,
+    "devices": 5,
+    "transfers": 5,
+    "trace": 6,
+    "replay": 6,
+    "bench": 6,
+    "integrations": 6,
+    "server": 6,
+    "client": 6,
+    "client_wire": 6,
     "cli": 6,
     "node": 6,
     "__init__": 7,
@@ -26,9 +51,18 @@ FILE_LAYER = {"node/__init__.py": 2, "node/segment.py": 2, "node/protocol.py": 2
 # same-layer imports that ARCHITECTURE.md forbids (the I/O layer never knows FDP's tables; the
 # node transport imports layers 0-1 only; the storage layers never know plans; the node store
 # knows no engine: the connectors use it, never the other way round)
-FORBIDDEN_SIDEWAYS = {("io", "fdp"), ("io", "remote"), ("remote", "fdp"),
-                      ("node", "io"), ("node", "fdp"), ("node", "remote"), ("node", "integrations"),
-                      ("io", "contract"), ("remote", "contract"), ("fdp", "contract")}
+FORBIDDEN_SIDEWAYS = {
+    ("io", "fdp"),
+    ("io", "remote"),
+    ("remote", "fdp"),
+    ("node", "io"),
+    ("node", "fdp"),
+    ("node", "remote"),
+    ("node", "integrations"),
+    ("io", "contract"),
+    ("remote", "contract"),
+    ("fdp", "contract"),
+}
 
 
 def top_of(path: pathlib.Path) -> str:
@@ -66,7 +100,7 @@ def imported_modules(path: pathlib.Path):
             up = node.level - 1
             if up > depth:
                 continue
-            base = [p.removesuffix(".py") for p in rel.parts[:depth - up]]
+            base = [p.removesuffix(".py") for p in rel.parts[: depth - up]]
             mod = (node.module or "").split(".")
             parts = base + [p for p in mod if p]
             for a in node.names:
@@ -121,6 +155,7 @@ def test_files_below_their_package_are_checked_against_the_package_rest():
 def _layer_table():
     """``[(layer, module, [files listed])]``, the rows of ARCHITECTURE.md's layer table."""
     import re
+
     text = (PKG.parent / "ARCHITECTURE.md").read_text()
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     out = []
@@ -151,14 +186,19 @@ def test_the_layer_table_of_architecture_md_is_the_one_enforced_here():
             continue
         have = sorted(p.name for p in (PKG / name).glob("*.py") if p.name != "__init__.py")
         if layer < doc[name]:
-            assert set(files) <= set(have), f"{name}/: ARCHITECTURE.md lists {sorted(files)}, the package has {have}"
+            assert set(files) <= set(have), (
+                f"{name}/: ARCHITECTURE.md lists {sorted(files)}, the package has {have}"
+            )
             continue
         have = [f for f in have if f"{name}/{f}" not in FILE_LAYER]
-        assert sorted(files) == have, f"{name}/: ARCHITECTURE.md lists {sorted(files)}, the package has {have}"
+        assert sorted(files) == have, (
+            f"{name}/: ARCHITECTURE.md lists {sorted(files)}, the package has {have}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
 # Issue 23: who may import what, beyond the layers.
+
 
 def _rel(path: pathlib.Path) -> str:
     return path.relative_to(PKG).as_posix()
@@ -178,7 +218,7 @@ def imported_dotted(path: pathlib.Path) -> set[str]:
                 continue
             if node.level - 1 > depth:
                 continue
-            base = list(rel.parts[:depth - (node.level - 1)])
+            base = list(rel.parts[: depth - (node.level - 1)])
             base += [p for p in (node.module or "").split(".") if p]
             if node.module:
                 out.add(".".join(base))
@@ -216,8 +256,22 @@ def test_api_imports_no_policy_module():
 
 
 #: KVStore's attributes once it is a facade (plan 8.4): no policy state in api.py.
-API_ATTRIBUTES = {"layout", "config", "nvme", "remote", "_parts", "_index", "_mover", "_planner",
-                  "_transfers", "_digests", "_rids", "_closed", "_pool_lock", "_bb"}
+API_ATTRIBUTES = {
+    "layout",
+    "config",
+    "nvme",
+    "remote",
+    "_parts",
+    "_index",
+    "_mover",
+    "_planner",
+    "_transfers",
+    "_digests",
+    "_rids",
+    "_closed",
+    "_pool_lock",
+    "_bb",
+}
 #: ``self.X = ...`` targets of api.py outside that set today -> the piece that removes each.
 API_STATE_PENDING: dict = {}
 
@@ -225,10 +279,15 @@ API_STATE_PENDING: dict = {}
 def _self_targets(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         for t in targets:
-            for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            for x in t.elts if isinstance(t, ast.Tuple) else [t]:
                 if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
                     out.add(x.attr)
     return out
@@ -246,11 +305,14 @@ MOVERS_IMPORTS_PENDING: dict = {}
 
 def test_movers_import_no_index():
     movers = [p for p in FILES if _rel(p).startswith("movers/")]
-    found = {(_rel(p), m.split(".")[0]) for p in movers for m in imported_dotted(p)
-             if _under(m, MOVERS_NEVER_IMPORT)}
+    found = {
+        (_rel(p), m.split(".")[0])
+        for p in movers
+        for m in imported_dotted(p)
+        if _under(m, MOVERS_NEVER_IMPORT)
+    }
     index = [p for p in FILES if _rel(p) == "index.py" or _rel(p).startswith("index/")]
-    found |= {(_rel(p), m.split(".")[0]) for p in index for m in imported_dotted(p)
-              if _under(m, ("movers",))}
+    found |= {(_rel(p), m.split(".")[0]) for p in index for m in imported_dotted(p) if _under(m, ("movers",))}
     _check_pending(found, MOVERS_IMPORTS_PENDING, "mover/index imports")
 
 
@@ -262,6 +324,7 @@ def test_contract_is_small_and_low():
     of it is the same object under tierstore.index (tests and connectors import it from there)."""
     import tierstore.contract
     import tierstore.index
+
     path = PKG / "contract.py"
     assert len(path.read_text().splitlines()) <= CONTRACT_MAX_LINES
     assert imported_dotted(path) == {"errors", "fdp.lifetime"}
@@ -270,14 +333,24 @@ def test_contract_is_small_and_low():
 
 
 #: Where the core must call the storage interface instead of probing it.
-NO_PROBING_IN = ("index.py", "index/", "movers/", "planner.py", "transfers.py", "api.py", "key_api.py",
-                 "build.py", "server/")
+NO_PROBING_IN = (
+    "index.py",
+    "index/",
+    "movers/",
+    "planner.py",
+    "transfers.py",
+    "api.py",
+    "key_api.py",
+    "build.py",
+    "server/",
+)
 #: ``(file, method)`` probes today -> the piece that removes each.
 PROBES_PENDING: dict = {}
 
 
 def _storage_methods() -> set[str]:
     from tierstore.tiers.storage import BlockStorage, RemoteBlockTier
+
     return {n for cls in (BlockStorage, RemoteBlockTier) for n in dir(cls) if not n.startswith("_")}
 
 
@@ -289,16 +362,29 @@ def test_no_storage_probing():
         if not any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in NO_PROBING_IN):
             continue
         for node in ast.walk(ast.parse(p.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
-                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in methods):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in methods
+            ):
                 found.add((rel, node.args[1].value))
     _check_pending(found, PROBES_PENDING, "run-time probing of the storage interface")
 
 
 #: Names ARCHITECTURE.md must mention once the refactor is done.
-ROOMS = ("contract.py", "HandlerTable", "BlockStorage", "RemoteBlockTier", "SegmentManager", "SEGMENT_POLICY",
-         "RemotePlanner", "Transfers")
+ROOMS = (
+    "contract.py",
+    "HandlerTable",
+    "BlockStorage",
+    "RemoteBlockTier",
+    "SegmentManager",
+    "SEGMENT_POLICY",
+    "RemotePlanner",
+    "Transfers",
+)
 #: Not mentioned yet -> the piece that writes them.
 ROOMS_PENDING: dict = {}
 
@@ -343,8 +429,12 @@ def docstring_sizes() -> dict[str, int]:
     out = {}
     for p in FILES:
         body = ast.parse(p.read_text()).body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             out[_rel(p)] = body[0].end_lineno - body[0].lineno + 1
     return out
 
@@ -353,6 +443,7 @@ def largest(n: int = 5) -> dict[str, list[tuple[str, int]]]:
     """The ``n`` largest classes, functions and module docstrings of tierstore/, as ``(name, lines)``
     (for the closing note: ``python -c "from tests.test_architecture import largest; print(largest(5))"``)."""
     units = unit_sizes()
+
     def top(items):
         return sorted(items, key=lambda kv: (-kv[1], kv[0]))[:n]
 

@@ -1,6 +1,7 @@
 """``tiers.nvme.eviction_granularity: block`` through KVStore and the trace replay (issue 26 item 1):
 the index's NVMe policy names single victims, the store stays within its live budget, a reopen
 serves only what it kept, and the packaged excerpt replays with no wrong KV."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,14 +20,23 @@ B = LAYOUT.tokens_per_block
 
 def _prompt(i: int, blocks: int = 4):
     toks = np.arange(i * 1000, i * 1000 + blocks * B)
-    kv = torch.from_numpy(np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape)).astype(np.float16))
+    kv = torch.from_numpy(
+        np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape)).astype(np.float16)
+    )
     return toks, kv
 
 
 def _open(path, **kw) -> KVStore:
     bb = LAYOUT.bytes_per_block
-    return KVStore(LAYOUT, hbm_bytes=2 * bb, host_bytes=4 * bb, nvme_path=str(path), nvme_bytes=1 << 20,
-                   eviction_granularity="block", **kw)
+    return KVStore(
+        LAYOUT,
+        hbm_bytes=2 * bb,
+        host_bytes=4 * bb,
+        nvme_path=str(path),
+        nvme_bytes=1 << 20,
+        eviction_granularity="block",
+        **kw,
+    )
 
 
 def test_bad_granularity_is_a_config_error(tmp_path):
@@ -39,12 +49,12 @@ def test_kvstore_block_mode_keeps_the_recent_blocks_and_reopens(tmp_path):
     n = 60
     for i in range(n):
         assert s.store(NS, *_prompt(i)) == [Status.OK] * 4
-        s.check_invariants(quiescent=True)   # the index's NVMe policy tracks every NVMe copy
+        s.check_invariants(quiescent=True)  # the index's NVMe policy tracks every NVMe copy
     nv = s.stats()["nvme_backend"]
     assert nv["eviction_granularity"] == "block" and nv["block_evictions"] > 0
     assert nv["blocks"] <= nv["live_budget_blocks"]
     old, new = _prompt(0), _prompt(n - 1)
-    assert s.lookup(NS, old[0]).matched_blocks == 0          # least recently used: evicted
+    assert s.lookup(NS, old[0]).matched_blocks == 0  # least recently used: evicted
     hit = s.lookup(NS, new[0])
     st, out = s.load(hit.keys)
     assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, new[1]))
@@ -57,10 +67,10 @@ def test_kvstore_block_mode_keeps_the_recent_blocks_and_reopens(tmp_path):
             toks, kv = _prompt(i)
             hit = s.lookup(NS, toks)
             st, out = s.load(hit.keys)
-            assert all(torch.equal(a, b) for a, b in zip(out[:hit.matched_blocks], kv))
+            assert all(torch.equal(a, b) for a, b in zip(out[: hit.matched_blocks], kv))
             back += hit.matched_blocks
         assert 0 < back <= s.stats()["nvme_backend"]["live_budget_blocks"]
-        for i in range(n, n + 20):   # evicting again after the reopen (a restarted LRU starts as FIFO)
+        for i in range(n, n + 20):  # evicting again after the reopen (a restarted LRU starts as FIFO)
             assert s.store(NS, *_prompt(i)) == [Status.OK] * 4
         s.check_invariants(quiescent=True)
     finally:
@@ -71,8 +81,12 @@ def test_kvstore_block_mode_keeps_the_recent_blocks_and_reopens(tmp_path):
 def excerpt_reports():
     out = {}
     for gran in ("region", "block"):
-        out[gran] = run_replay(ReplayConfig(limit=600, nvme_options={
-            "device": "sim", "model": {"utilization": 0.9}, "eviction_granularity": gran}))
+        out[gran] = run_replay(
+            ReplayConfig(
+                limit=600,
+                nvme_options={"device": "sim", "model": {"utilization": 0.9}, "eviction_granularity": gran},
+            )
+        )
     return out
 
 

@@ -1,5 +1,6 @@
 """tierstore.build: one assembly path for every NVMe device kind, placement tags reaching
 the FTL per RUH, dataplacement none in the default RUH, and the kvtrace device section."""
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,22 @@ def _store_chain(store, n_blocks: int, seed: int, lifetime: str | None = None) -
     return store.store(NS, toks, blocks, lifetime=lifetime), toks, blocks
 
 
-def _sim(layout, dataplacement="none", plids=(), engine="memory", path=None, host_bytes=0,
-         ru_size_bytes=256 << 10, **runtime) -> KVStore:
-    nvme = {"device": "sim", "engine": engine, "fdp": {"enabled": dataplacement == "fdp", "plids": list(plids)},
-            "model": {"device_bytes": 8 << 20, "utilization": 0.75, "ru_size_bytes": ru_size_bytes, "num_ruh": 4}}
+def _sim(
+    layout,
+    dataplacement="none",
+    plids=(),
+    engine="memory",
+    path=None,
+    host_bytes=0,
+    ru_size_bytes=256 << 10,
+    **runtime,
+) -> KVStore:
+    nvme = {
+        "device": "sim",
+        "engine": engine,
+        "fdp": {"enabled": dataplacement == "fdp", "plids": list(plids)},
+        "model": {"device_bytes": 8 << 20, "utilization": 0.75, "ru_size_bytes": ru_size_bytes, "num_ruh": 4},
+    }
     if path is not None:
         nvme["path"] = path
     cfg = StoreConfig.from_dict({"tiers": {"host": {"capacity_bytes": host_bytes}, "nvme": nvme}})
@@ -43,8 +56,19 @@ def _sim(layout, dataplacement="none", plids=(), engine="memory", path=None, hos
 
 
 def test_file_mode_roundtrip_with_model(tmp_path, layout):
-    w = KVStore.from_config({"tiers": {"nvme": {"path": str(tmp_path), "capacity_bytes": "4m",
-                                                "segment_size_bytes": "256k", "model": {}}}}, layout)
+    w = KVStore.from_config(
+        {
+            "tiers": {
+                "nvme": {
+                    "path": str(tmp_path),
+                    "capacity_bytes": "4m",
+                    "segment_size_bytes": "256k",
+                    "model": {},
+                }
+            }
+        },
+        layout,
+    )
     try:
         st, toks, blocks = _store_chain(w, 4, 1)
         assert st == [Status.OK] * 4
@@ -121,7 +145,11 @@ def test_dataplacement_none_goes_to_default_ruh(layout):
 def test_plids_pick_handles(layout):
     w = _sim(layout, dataplacement="fdp", plids=(3, 2))
     try:
-        assert w.placement.class_pid == {LifetimeClass.LONG: 3, LifetimeClass.MEDIUM: 2, LifetimeClass.SHORT: 3}
+        assert w.placement.class_pid == {
+            LifetimeClass.LONG: 3,
+            LifetimeClass.MEDIUM: 2,
+            LifetimeClass.SHORT: 3,
+        }
     finally:
         w.close()
     with pytest.raises(ConfigError, match="plids"):
@@ -132,13 +160,16 @@ def test_bad_configs_are_clear(layout, tmp_path):
     with pytest.raises(ConfigError, match="device"):
         StoreConfig.from_dict({"tiers": {"nvme": {"device": "nvme", "path": "x", "capacity_bytes": 1}}})
     with pytest.raises(ConfigError, match="utilization"):
-        StoreConfig.from_dict({"tiers": {"nvme": {"device": "sim", "capacity_bytes": "1m",
-                                                  "model": {"utilization": 1.5}}}})
+        StoreConfig.from_dict(
+            {"tiers": {"nvme": {"device": "sim", "capacity_bytes": "1m", "model": {"utilization": 1.5}}}}
+        )
     with pytest.raises(ConfigError, match="RU"):
         _sim(layout, ru_size_bytes=8 << 20)
     with pytest.raises(ConfigError, match="/dev/ng"):
-        KVStore.from_config({"tiers": {"nvme": {"device": "fdp", "path": str(tmp_path / "x"),
-                                                "capacity_bytes": "1m"}}}, layout)
+        KVStore.from_config(
+            {"tiers": {"nvme": {"device": "fdp", "path": str(tmp_path / "x"), "capacity_bytes": "1m"}}},
+            layout,
+        )
     with pytest.raises(ConfigError, match="too small"):
         KVStore(layout, nvme_path=str(tmp_path), nvme_bytes=layout.bytes_per_block)
     assert "hardware" in NOT_VERIFIED_ON_HARDWARE
@@ -183,8 +214,14 @@ def test_ruh_update_shim_starts_fresh_ru():
     s.on_write(4096, 4096, 5)
     s.on_write(1 << 20, 4096, 5)
     s.on_trim(0, 1 << 20)
-    assert t.log == [("update", 5), ("write", 0), ("write", 4096), ("update", 5), ("write", 1 << 20),
-                     ("trim", 0)]
+    assert t.log == [
+        ("update", 5),
+        ("write", 0),
+        ("write", 4096),
+        ("update", 5),
+        ("write", 1 << 20),
+        ("trim", 0),
+    ]
     assert s.ruh_updates == 2
 
 
@@ -192,11 +229,21 @@ def test_kvtrace_device_section_sim(tmp_path, capsys):
     from tierstore.bench import registry
     from tierstore.bench.cli import main
     from tierstore.bench.kvjobs import run_kvtrace
+
     registry.register_runner(["kvtrace"], run_kvtrace, replace=True)
     for dp in ("fdp", "none"):
         out = tmp_path / f"{dp}.json"
-        rc = main(["--rw=kvtrace", "--number_ios=150", "--device=sim", f"--dataplacement={dp}",
-                   "--utilization=0.9", "--output-format=json", f"--output={out}"])
+        rc = main(
+            [
+                "--rw=kvtrace",
+                "--number_ios=150",
+                "--device=sim",
+                f"--dataplacement={dp}",
+                "--utilization=0.9",
+                "--output-format=json",
+                f"--output={out}",
+            ]
+        )
         assert rc == 0, capsys.readouterr().err
         d = json.loads(out.read_text())["jobs"][0]["device"]
         for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes", "waf", "ruh_bytes", "e2e_wa"):
@@ -231,6 +278,7 @@ def test_small_blocks_say_how_much_of_the_nvme_tier_they_can_use(tmp_path, caplo
     """4 KiB blocks: each may take an extent of its own with a 4096-byte header, so 64 MiB holds 31.5 MiB
     of KV; that was said nowhere (a fresh-user trial found it). One warning at build, with both figures."""
     from tierstore.layout import KVLayout
+
     small = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=16, dtype=torch.float16)
     assert small.bytes_per_block == 4096
     with caplog.at_level("WARNING", logger="tierstore"):
@@ -243,7 +291,7 @@ def test_small_blocks_say_how_much_of_the_nvme_tier_they_can_use(tmp_path, caplo
     assert len(said) == 1, said
     assert str(64 << 20) in said[0] and str(held) in said[0] and held < 40 << 20
     caplog.clear()
-    for name, tpb in (("big", 64), ("trace", 16)):   # 128 KiB; 32 KiB, the packaged trace's (the main job)
+    for name, tpb in (("big", 64), ("trace", 16)):  # 128 KiB; 32 KiB, the packaged trace's (the main job)
         big = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=tpb, dtype=torch.float16)
         with caplog.at_level("WARNING", logger="tierstore"):
             KVStore(big, host_bytes=0, nvme_path=str(tmp_path / name), nvme_bytes=64 << 20).close()

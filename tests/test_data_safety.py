@@ -8,6 +8,7 @@ counting them, a second process on the same path waited 30 s and died with a raw
 BlockingIOError, and several messages named the wrong problem. The last case is wrong KV
 under concurrency: a flush planned while a store was in flight wrote another block's bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _prompt(i: int, blocks: int = 4):
     toks = np.arange(i * 1000, i * 1000 + blocks * B)
-    kv = torch.from_numpy(np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape)).astype(np.float16))
+    kv = torch.from_numpy(
+        np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape)).astype(np.float16)
+    )
     return toks, kv
 
 
@@ -61,8 +64,11 @@ def _stat(path):
 def _loads_exact(s: KVStore, toks, kv) -> bool:
     hit = s.lookup(NS, toks)
     st, out = s.load(hit.keys)
-    return (len(hit.keys) == kv.shape[0] and st == [Status.OK] * kv.shape[0]
-            and all(torch.equal(a, b) for a, b in zip(out, kv)))
+    return (
+        len(hit.keys) == kv.shape[0]
+        and st == [Status.OK] * kv.shape[0]
+        and all(torch.equal(a, b) for a, b in zip(out, kv))
+    )
 
 
 # ----------------------------------------------------------------------------- item 1: a user's file
@@ -267,7 +273,8 @@ def test_a_store_racing_close_is_either_kept_or_refused(tmp_path):
                     refused.append(w)
                 return
             with lock:
-                acked.extend((toks, kv[j:j + 1]) for j, x in enumerate(st) if x is Status.OK and j == 0)
+                acked.extend((toks, kv[j : j + 1]) for j, x in enumerate(st) if x is Status.OK and j == 0)
+
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
@@ -295,6 +302,7 @@ def test_close_waits_for_a_store_in_progress_and_writes_it_down(tmp_path):
         entered.set()
         time.sleep(0.5)
         return real(plan, sources)
+
     s._mover.run_store = slow_run_store
     t = threading.Thread(target=lambda: out.append(s.store(NS, toks, kv)))
     t.start()
@@ -405,8 +413,13 @@ def test_a_second_process_fails_at_once_naming_the_holder(tmp_path):
     """The issue: it waited 30 s and died with a raw BlockingIOError from io/_fileops.py."""
     with KVStore(LAYOUT, nvme_path=str(tmp_path), nvme_bytes=16 << 20):
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-c", _SECOND, str(tmp_path)], capture_output=True, text=True,
-                           timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        r = subprocess.run(
+            [sys.executable, "-c", _SECOND, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
         wall_s = time.monotonic() - t0
     assert r.returncode == 3, r.stdout + r.stderr
     open_s, msg = r.stdout.strip().split(" ", 1)
@@ -445,8 +458,10 @@ def test_one_path_rule(tmp_path):
 # ----------------------------------------------------------------------------- item 14: messages
 def test_a_capacity_below_one_block_says_so():
     """--hbm_size=1k --host_size=0 --nvme_size=0 said "every tier is disabled"."""
-    with pytest.raises(ConfigError, match=f"the hbm tier's capacity, 1024 bytes .* is below one block of this "
-                                          f"layout \\({BB} bytes"):
+    with pytest.raises(
+        ConfigError,
+        match=f"the hbm tier's capacity, 1024 bytes .* is below one block of this layout \\({BB} bytes",
+    ):
         KVStore(LAYOUT, hbm_bytes=1024)
     with pytest.raises(ConfigError, match="host tier's capacity, 100 bytes"):
         KVStore(LAYOUT, hbm_bytes=4 * BB, host_bytes=100)
@@ -466,7 +481,9 @@ def test_numpy_kv_is_refused_by_name():
     toks, kv = _prompt(8)
     with KVStore(LAYOUT, host_bytes=8 * BB) as s:
         for what, blocks in (("kv_blocks", kv.numpy()), ("a block", list(kv.numpy()))):
-            with pytest.raises(LayoutError, match=f"^{what}: numpy arrays are not accepted; pass torch tensors"):
+            with pytest.raises(
+                LayoutError, match=f"^{what}: numpy arrays are not accepted; pass torch tensors"
+            ):
                 s.store(NS, toks, blocks)
         with pytest.raises(LayoutError, match="numpy arrays are not accepted"):
             s.store_keys(NS, s.keys_for(NS, toks), list(kv.numpy()))
@@ -477,7 +494,9 @@ def test_numpy_kv_is_refused_by_name():
 
 
 def test_a_path_under_proc_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"tiers.nvme.path='/proc/tierstore-kv': cannot open /proc/tierstore-kv"):
+    with pytest.raises(
+        ConfigError, match=r"tiers.nvme.path='/proc/tierstore-kv': cannot open /proc/tierstore-kv"
+    ):
         KVStore(LAYOUT, nvme_path="/proc/tierstore-kv", nvme_bytes=16 << 20)
 
 
@@ -513,6 +532,7 @@ def test_the_bench_says_a_tier_below_one_block_and_passes_format(capsys):
     disabled"; ``--format=1`` reaches the NVMe tier's config (a device is formatted only then)."""
     from tierstore.bench.cli import main
     from tierstore.bench.kvjobs import nvme_options
+
     assert main(["--name=k", "--rw=kvtrace", "--hbm_size=1k", "--host_size=0", "--nvme_size=0"]) != 0
     err = capsys.readouterr().err
     assert "the hbm tier's capacity, 1024 bytes (1.00KiB), is below one block" in err, err
@@ -535,8 +555,11 @@ def test_a_flush_never_reads_a_slot_that_a_store_in_flight_hands_on(tmp_path, vi
     tests/integrations/test_hf.py::test_concurrent_generation_matches_offload_off (first-token
     logits 0.08 off); here the two threads are held at the points where that race interleaved."""
     (toks_a, kv_a), (toks_b, kv_b) = _prompt(1, blocks=1), _prompt(2, blocks=1)
-    tiers = dict(hbm_bytes=BB, host_bytes=2 * BB) if victim == "hbm_moves_down" else \
-        dict(hbm_bytes=0, host_bytes=BB, admission="second")
+    tiers = (
+        dict(hbm_bytes=BB, host_bytes=2 * BB)
+        if victim == "hbm_moves_down"
+        else dict(hbm_bytes=0, host_bytes=BB, admission="second")
+    )
     s = KVStore(LAYOUT, nvme_path=str(tmp_path), nvme_bytes=16 << 20, **tiers)
     try:
         key_a = s.keys_for(NS, toks_a)[0]
@@ -584,12 +607,18 @@ def test_an_empty_file_is_left_empty_when_the_tier_fails_to_open(tmp_path):
     """An empty file is a valid target (it is formatted); when the open then fails (here: another tier's
     journal), the file is left as it was found. It was left grown to the tier's size (a sparse 16 MiB
     file where the user had an empty one; stop-29 fresh-user trial)."""
-    with KVStore(LAYOUT, nvme_path=str(tmp_path / "a.bin"), nvme_bytes=16 << 20,
-                 eviction_granularity="block") as a:
+    with KVStore(
+        LAYOUT, nvme_path=str(tmp_path / "a.bin"), nvme_bytes=16 << 20, eviction_granularity="block"
+    ) as a:
         a.store(NS, list(range(4 * B)), torch.ones(4, *LAYOUT.block_shape, dtype=LAYOUT.dtype))
     p = tmp_path / "b.bin"
     p.write_bytes(b"")
     with pytest.raises(ForeignDataError, match="journal of another tier"):
-        KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20, eviction_granularity="block",
-                journal_path=str(tmp_path / "a.bin.journal"))
+        KVStore(
+            LAYOUT,
+            nvme_path=str(p),
+            nvme_bytes=16 << 20,
+            eviction_granularity="block",
+            journal_path=str(tmp_path / "a.bin.journal"),
+        )
     assert p.stat().st_size == 0 and p.stat().st_blocks == 0

@@ -1,4 +1,5 @@
 """tierstore.extras: a missing optional package is a one-line error naming how to install it."""
+
 from __future__ import annotations
 
 import pytest

@@ -14,11 +14,18 @@ B = 16
 def test_hash_is_deterministic_across_processes():
     ns = Namespace(model="m@1", tenant="t")
     here = block_hashes(ns.digest(), np.arange(64), B)
-    code = ("import numpy as np; from tierstore.identity import *; "
-            "print(','.join(h.hex() for h in block_hashes(Namespace(model='m@1', tenant='t').digest(), "
-            "np.arange(64), 16)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    code = (
+        "import numpy as np; from tierstore.identity import *; "
+        "print(','.join(h.hex() for h in block_hashes(Namespace(model='m@1', tenant='t').digest(), "
+        "np.arange(64), 16)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    ).stdout.strip()
     assert out == ",".join(h.hex() for h in here)
     assert all(len(h) == 32 for h in here)
 
@@ -30,12 +37,16 @@ def test_known_digests_are_pinned():
     assert d.hex() == "bdee501f0902f9ee9ed38e8c9bb6ba8126c605df2458b71f60336cb22679b074"
     keys = block_hashes(d, np.arange(48), B)
     assert keys[-1].hex() == "1ffe4577b70a59a1e3374d5c911cf9449253bed9dbc6b236335a24cc359316ee"
-    assert chain_ids(d, [1, 2, 3])[-1].hex() == "d64dcba7113dbe3828d6c0bec26e5ed791f5acaf2ca91c18cb54a2230cb21898"
+    assert (
+        chain_ids(d, [1, 2, 3])[-1].hex()
+        == "d64dcba7113dbe3828d6c0bec26e5ed791f5acaf2ca91c18cb54a2230cb21898"
+    )
     # the optimised loop equals one link at a time
     from tierstore.identity import hash_block, tokens_to_bytes
+
     parent = d
     for i, k in enumerate(keys):
-        parent = hash_block(parent, tokens_to_bytes(np.arange(48)[i * B:(i + 1) * B]))
+        parent = hash_block(parent, tokens_to_bytes(np.arange(48)[i * B : (i + 1) * B]))
         assert k == parent
 
 
@@ -53,11 +64,22 @@ def test_chain_depends_on_prefix():
     assert a[0] != b[0] and a[1] != b[1]  # same second-block tokens, different prefix
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model", "m@2"), ("tokenizer", "tok@2"), ("chat_template", "x"), ("adapter", "lora1"),
-    ("rope_scaling", "yarn:4"), ("kv_dtype", "fp8_e4m3"), ("layout_version", 2), ("tp_rank", 1),
-    ("tp_size", 4), ("pp_size", 2), ("tenant", "other"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "m@2"),
+        ("tokenizer", "tok@2"),
+        ("chat_template", "x"),
+        ("adapter", "lora1"),
+        ("rope_scaling", "yarn:4"),
+        ("kv_dtype", "fp8_e4m3"),
+        ("layout_version", 2),
+        ("tp_rank", 1),
+        ("tp_size", 4),
+        ("pp_size", 2),
+        ("tenant", "other"),
+    ],
+)
 def test_every_identity_field_changes_the_digest(field, value):
     base = Namespace(model="m@1", tokenizer="tok@1", tp_size=2)
     other = dataclasses.replace(base, **{field: value})
@@ -79,8 +101,10 @@ def test_chain_ids_matches_prefix_semantics():
     assert a[:2] == b[:2] and a[2] != b[2]
 
 
-@pytest.mark.parametrize("bad", [np.random.default_rng(0).random(32), ["a"] * 32, np.full(32, -1),
-                                 np.zeros((2, 16), dtype=np.int64)])
+@pytest.mark.parametrize(
+    "bad",
+    [np.random.default_rng(0).random(32), ["a"] * 32, np.full(32, -1), np.zeros((2, 16), dtype=np.int64)],
+)
 def test_bad_token_ids_are_typed_errors(bad):
     with pytest.raises(ConfigError):
         block_hashes(Namespace(model="m").digest(), bad, B)
@@ -88,6 +112,7 @@ def test_bad_token_ids_are_typed_errors(bad):
 
 def test_digest_cache_is_bounded_and_scoped():
     from tierstore.identity import DigestCache
+
     c = DigestCache(scope=b"x" * 32)
     d = Namespace(model="m").digest()
     assert c(d) != d and c(d) == c(Namespace(model="m")) and len(c(d)) == 32

@@ -4,6 +4,7 @@ Internals are not pinned: every test observes the store through KVStore's
 methods (lookup, load, tiers_of, state_of, stats, events) and ends with the
 invariant checker.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,7 +104,7 @@ def test_duplicate_store_is_idempotent_and_does_not_fail_batch(make_store, layou
     s = make_store()
     toks = tokens(4 * B)
     blocks = make_blocks(layout, 4)
-    s.store(ns, toks[:2 * B], blocks[:2])
+    s.store(ns, toks[: 2 * B], blocks[:2])
     assert s.store(ns, toks, blocks) == [Status.EXISTS, Status.EXISTS, Status.OK, Status.OK]
 
 
@@ -147,7 +148,7 @@ def test_pin_quota(make_store, layout, ns):
     s.store(ns, toks, make_blocks(layout, 3))
     with pytest.raises(QuotaExceeded):
         s.pin(ns, toks)
-    lease = s.pin(ns, toks[:2 * B])
+    lease = s.pin(ns, toks[: 2 * B])
     assert s.unpin(lease)
     assert not s.unpin(lease)
     with pytest.raises(ConfigError):
@@ -256,8 +257,14 @@ def test_concurrent_cold_loads_share_one_read(layout, ns, clock):
     """Delay hits: four loads of one cold NVMe block while its read is in flight
     read it once; the others find it promoted."""
     slow = SlowEngine.make(64 << 20)
-    s = KVStore(layout, hbm_bytes=0, host_bytes=4 * layout.bytes_per_block, nvme=memory_segment_store(layout, 8, slow),
-                clock=clock, promotion="top")
+    s = KVStore(
+        layout,
+        hbm_bytes=0,
+        host_bytes=4 * layout.bytes_per_block,
+        nvme=memory_segment_store(layout, 8, slow),
+        clock=clock,
+        promotion="top",
+    )
     try:
         toks = tokens(B)
         s.store(ns, toks, make_blocks(layout, 1))
@@ -299,9 +306,17 @@ def test_nvme_region_eviction_frees_whole_segments(layout, ns, clock):
     """The region manager evicts whole segments and the index hears of every
     block that left: index and NVMe tier always agree."""
     from tierstore.io import SegmentStorage
+
     bb = layout.bytes_per_block
-    nv = SegmentStorage(None, capacity_bytes=8 * 64 * 1024, block_bytes=bb, segment_size_bytes=64 * 1024,
-                        engine="memory", extent_size_bytes=64 * 1024, owns_engine=True)
+    nv = SegmentStorage(
+        None,
+        capacity_bytes=8 * 64 * 1024,
+        block_bytes=bb,
+        segment_size_bytes=64 * 1024,
+        engine="memory",
+        extent_size_bytes=64 * 1024,
+        owns_engine=True,
+    )
     s = KVStore(layout, hbm_bytes=0, host_bytes=0, nvme=nv, clock=clock)
     try:
         for i in range(40):
@@ -324,7 +339,9 @@ def test_lookups_proceed_while_a_demotion_writes_to_a_slow_nvme(layout, ns, cloc
     in an NVMe write does not stop lookups (of other blocks) or loads from memory."""
     slow = SlowEngine.make(64 << 20)
     bb = layout.bytes_per_block
-    s = KVStore(layout, hbm_bytes=0, host_bytes=4 * bb, nvme=memory_segment_store(layout, 32, slow), clock=clock)
+    s = KVStore(
+        layout, hbm_bytes=0, host_bytes=4 * bb, nvme=memory_segment_store(layout, 32, slow), clock=clock
+    )
     try:
         hot = tokens(2 * B, start=50_000)
         s.store(ns, hot, make_blocks(layout, 2, seed=9))
@@ -354,7 +371,9 @@ def test_load_deadline_turns_a_slow_read_into_a_miss_then_completes_harmlessly(l
     engine's buffer, nothing is freed twice, and a later load succeeds."""
     slow = SlowEngine.make(64 << 20)
     bb = layout.bytes_per_block
-    s = KVStore(layout, hbm_bytes=0, host_bytes=2 * bb, nvme=memory_segment_store(layout, 16, slow), clock=clock)
+    s = KVStore(
+        layout, hbm_bytes=0, host_bytes=2 * bb, nvme=memory_segment_store(layout, 16, slow), clock=clock
+    )
     try:
         toks = tokens(2 * B)
         blocks = make_blocks(layout, 2)
@@ -395,6 +414,7 @@ def test_load_deadline_turns_a_slow_memory_copy_into_misses(make_store, layout, 
     def slow_view(tier, slot):
         time.sleep(0.25)
         return real_view(tier, slot)
+
     mover.view = slow_view
     dest = torch.zeros((4, *layout.block_shape), dtype=layout.dtype)
     st, out = s.load(keys, list(dest.unbind(0)), timeout_s=0.3)  # all four copies take >= 1 s
@@ -461,8 +481,11 @@ def test_a_growing_row_table_keeps_every_room_on_its_new_arrays():
     cap = ix.rows.table.capacity_rows
     keys = [_k(1000 + i) for i in range(2 * cap)]
     plan = ix.prepare_store(ns, keys)
-    ix.complete_store(plan, nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
-                      demote_statuses={d.row: Status.OK for d in plan.nvme_demote})
+    ix.complete_store(
+        plan,
+        nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
+        demote_statuses={d.row: Status.OK for d in plan.nvme_demote},
+    )
     assert ix.rows.table.capacity_rows > cap
     assert ix.state_of(first[0]) is BlockState.PINNED and Tier.HOST in ix.tiers_of(first[0])
     assert ix.probe(keys) == len(keys)
@@ -542,12 +565,17 @@ def test_batch_policy_hooks_decide_as_the_single_ones(policy):
     when told key by key."""
     from tierstore.policies import make_policy
 
-
     one, many = make_policy(policy), make_policy(policy)
     keys = [i.to_bytes(32, "little") for i in range(40)]
     ents = {k: FakeEntry(k, position=i % 8) for i, k in enumerate(keys)}
-    ops = [("insert", keys[0:16]), ("access", keys[4:12]), ("insert", keys[16:32]), ("access", keys[0:3] + keys[20:25]),
-           ("insert", keys[32:40]), ("access", keys[30:36])]
+    ops = [
+        ("insert", keys[0:16]),
+        ("access", keys[4:12]),
+        ("insert", keys[16:32]),
+        ("access", keys[0:3] + keys[20:25]),
+        ("insert", keys[32:40]),
+        ("access", keys[30:36]),
+    ]
     for now, (op, ks) in enumerate(ops):
         for k in ks:
             ents[k].hits += op == "access"
@@ -596,12 +624,16 @@ def test_resident_blocks_counts_nvme_copies_with_the_index_lock_released(monkeyp
     import numpy as np
 
     import tierstore.index.introspect as introspect
+
     ix = _index(host_blocks=4, nvme=True)
     ns = bytes(32)
     keys = [_k(i) for i in range(12)]
     plan = ix.prepare_store(ns, keys)
-    ix.complete_store(plan, nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
-                      demote_statuses={d.row: Status.OK for d in plan.nvme_demote})
+    ix.complete_store(
+        plan,
+        nvme_statuses={i: Status.OK for i, _ in plan.nvme_new},
+        demote_statuses={d.row: Status.OK for d in plan.nvme_demote},
+    )
     on_nvme = ix.resident_blocks()["nvme"]
     assert on_nvme == sum(Tier.NVME in ix.tiers_of(k) for k in keys) > 0
     ix.remove(keys[:2])  # freed rows: their flags are cleared
@@ -616,6 +648,7 @@ def test_resident_blocks_counts_nvme_copies_with_the_index_lock_released(monkeyp
         def count_nonzero(self, a):
             held.append(ix._lock._is_owned())
             return np.count_nonzero(a)
+
     monkeypatch.setattr(introspect, "np", Numpy())
     ix.resident_blocks()
     assert held == [False]
@@ -627,6 +660,7 @@ def test_a_region_callback_holds_the_index_lock_per_chunk_and_decides_as_per_blo
     the lock per CHUNK_KEYS keys, and still keeps exactly the blocks in use (pinned or referenced)
     and drops the others from NVMe."""
     from tierstore.index.listener import CHUNK_KEYS
+
     ix = _index(nvme=True)
     ns = bytes(32)
     n = 2 * CHUNK_KEYS + 10
@@ -645,6 +679,7 @@ def test_a_region_callback_holds_the_index_lock_per_chunk_and_decides_as_per_blo
 
         def __exit__(self, *exc):
             return inner.__exit__(*exc)
+
     ix.listener._lock = Counting()
     keep = ix.listener.on_reclaim(keys + [_k(10**6)])  # an unknown key is not kept
     assert [i for i, k in enumerate(keep) if k] == [0, 5, 6]
@@ -669,6 +704,7 @@ def test_victims_short_of_the_need_are_taken_in_runs_from_an_lru_tier():
 
     from tierstore.index.placement import choose_victims
     from tierstore.policies.lru import LRUPolicy
+
     lru = LRUPolicy()
     assert lru.evict_is_prefix
     keys = [_k(i) for i in range(64)]
@@ -680,6 +716,7 @@ def test_victims_short_of_the_need_are_taken_in_runs_from_an_lru_tier():
     def evict(m, p, s):
         calls.append(m)
         return lru.evict(m, p, 0.0, max_scan=s)
+
     one_by_one = choose_victims(evict, 256, 1, pinned.__contains__, None)
     singles = len(calls)
     calls.clear()

@@ -1,4 +1,5 @@
 """KeyTable against a dict model: every operation sequence agrees."""
+
 import os
 import random
 
@@ -110,7 +111,7 @@ def test_add_absent_places_every_key_like_add(cap):
     for k in old[::2]:
         t.remove(k)  # tombstones, and free rows to reuse
     twins = [old[1][:8] + os.urandom(24) for _ in range(30)]  # same home slot as a live key
-    batches = [keys[1000 + i:1000 + i + 700] for i in range(0, 4000, 700)] + [twins]
+    batches = [keys[1000 + i : 1000 + i + 700] for i in range(0, 4000, 700)] + [twins]
     model = {k: t.get(k) for k in old[1::2]}
     for b in batches:
         rows = t.add_absent(b)
@@ -127,10 +128,11 @@ def test_add_absent_places_every_key_like_add(cap):
 
 def test_ghost_keys_take_and_bound():
     from tierstore.keytable import GhostKeys
+
     g = GhostKeys(2)
     for k in (b"a" * 32, b"b" * 32, b"c" * 32):
         g.add(k)
     assert len(g) == 2
-    assert not g.take(b"a" * 32)             # the oldest went when the third came
-    assert g.take(b"b" * 32) and not g.take(b"b" * 32)   # taken once, then forgotten
+    assert not g.take(b"a" * 32)  # the oldest went when the third came
+    assert g.take(b"b" * 32) and not g.take(b"b" * 32)  # taken once, then forgotten
     assert g.take(b"c" * 32) and len(g) == 0

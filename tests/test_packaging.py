@@ -8,6 +8,7 @@ venv without system site-packages; pip resolves the rest from the wheel's metada
 ``pip install tierstore`` does. Measured on the 2-core VM: about 90-110 s (most of it pip
 installing torch), hence ``slow``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,8 +23,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPTIONAL = ("matplotlib", "rich", "aiohttp", "prometheus_client", "sh")
-CONNECTORS = ("tierstore/integrations/vllm.py", "tierstore/integrations/sglang.py",
-              "tierstore/integrations/vllm_offload.py", "tierstore/integrations/hf.py")
+CONNECTORS = (
+    "tierstore/integrations/vllm.py",
+    "tierstore/integrations/sglang.py",
+    "tierstore/integrations/vllm_offload.py",
+    "tierstore/integrations/hf.py",
+)
 
 
 def _tierstore_imports_of(path: pathlib.Path) -> set[str]:
@@ -33,7 +38,7 @@ def _tierstore_imports_of(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
             out.add(".".join(base + ([node.module] if node.module else [])))
     return out
 
@@ -47,8 +52,20 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def core_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("core-install")
-    p = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp),
-              str(ROOT)])
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp),
+            str(ROOT),
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (wheel,) = tmp.glob("tierstore-*.whl")
     venv = tmp / "venv"
@@ -106,7 +123,9 @@ def test_core_install_imports_stores_and_loads_without_the_extras(core_venv, tmp
     # what needs an extra says which
     p = _run([str(core_venv / "bin" / "tierstore"), "serve", "--config", "x.yaml"], cwd=str(tmp_path))
     assert p.returncode == 1 and "pip install 'tierstore[server]'" in p.stderr
-    p = _run([str(core_venv / "bin" / "tierstore"), "bench", "--rw=kvtrace", "--plot=plots"], cwd=str(tmp_path))
+    p = _run(
+        [str(core_venv / "bin" / "tierstore"), "bench", "--rw=kvtrace", "--plot=plots"], cwd=str(tmp_path)
+    )
     assert "pip install 'tierstore[bench]'" in p.stderr, p.stderr[-2000:]
 
 
@@ -114,10 +133,13 @@ def test_every_optional_import_is_an_extra_of_pyproject():
     tomllib = pytest.importorskip("tomllib")
 
     from tierstore.extras import EXTRA_OF
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for mod, extra in EXTRA_OF.items():
         assert extra in extras, (mod, extra)
     deps = " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
     for name in ("matplotlib", "rich", "aiohttp", "prometheus", "sh>"):
         assert name not in deps
-    assert {"server", "bench", "fdp", "cluster"} <= set(extras["test"][-1].split("[")[1].rstrip("]").split(","))
+    assert {"server", "bench", "fdp", "cluster"} <= set(
+        extras["test"][-1].split("[")[1].rstrip("]").split(",")
+    )

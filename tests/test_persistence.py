@@ -4,6 +4,7 @@ Each case failed on the old core: close() dropped every block that lived only in
 memory (0/40 back with 64 host blocks), invalidate() was undone by a restart, and a
 2 MiB NVMe tier of two 1 MiB segments dropped half of itself at once.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,15 +24,18 @@ def _prompts(n: int = 10, blocks: int = 4):
     out = []
     for i in range(n):
         toks = np.arange(i * 1000, i * 1000 + blocks * B)
-        kv = torch.from_numpy(np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape))
-                              .astype(np.float16))
+        kv = torch.from_numpy(
+            np.random.default_rng(i).standard_normal((blocks, *LAYOUT.block_shape)).astype(np.float16)
+        )
         out.append((toks, kv))
     return out
 
 
 def _open(path, hbm=0, host=0, **kw) -> KVStore:
     bb = LAYOUT.bytes_per_block
-    return KVStore(LAYOUT, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme_path=str(path), nvme_bytes=8 << 20, **kw)
+    return KVStore(
+        LAYOUT, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme_path=str(path), nvme_bytes=8 << 20, **kw
+    )
 
 
 @pytest.mark.parametrize("hbm,host", [(0, 0), (2, 2), (0, 64)], ids=["nvme-only", "2hbm+2host", "64host"])
@@ -47,7 +51,7 @@ def test_close_writes_memory_only_blocks_down(tmp_path, hbm, host):
         for toks, kv in prompts:
             hit = s.lookup(NS, toks)
             st, out = s.load(hit.keys)
-            assert all(torch.equal(a, b) for a, b in zip(out[:hit.matched_blocks], kv))
+            assert all(torch.equal(a, b) for a, b in zip(out[: hit.matched_blocks], kv))
             back += sum(x is Status.OK for x in st)
         assert back == 40
     finally:
@@ -61,7 +65,9 @@ def test_close_flush_can_be_turned_off_and_is_bounded(tmp_path):
         s.store(NS, toks, kv)
     s.close()
     s = _open(tmp_path, 0, 64, flush_max_bytes=5 * LAYOUT.bytes_per_block)
-    assert sum(s.lookup(NS, t).matched_blocks for t, _ in prompts) == 0  # nothing was written: a crash-like close
+    assert (
+        sum(s.lookup(NS, t).matched_blocks for t, _ in prompts) == 0
+    )  # nothing was written: a crash-like close
     for toks, kv in prompts:
         s.store(NS, toks, kv)
     s.close()

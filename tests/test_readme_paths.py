@@ -1,4 +1,5 @@
 """The README's commands name paths that exist in a fresh clone (issue 19, item 11)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -7,8 +8,12 @@ import re
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "tierstore/server/README.md", "bench/jobs/kvtrace.fio",
-        *sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("bench/*.md"), *REPO.glob("docs/*.md")])]
+DOCS = [
+    "README.md",
+    "tierstore/server/README.md",
+    "bench/jobs/kvtrace.fio",
+    *sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("bench/*.md"), *REPO.glob("docs/*.md")]),
+]
 
 
 def _command_lines(text: str) -> list[str]:
@@ -27,13 +32,19 @@ def test_paths_in_commands_exist_from_the_checkout_root(doc):
     checked = 0
     for line in _command_lines(text):
         assert "PATH/TO" not in line, line
-        for path in re.findall(r"(?:--trace=|--config |\s)((?:\.\./|/)?[\w./-]+\.(?:jsonl|fio|yaml|py))\b", line):
-            if path.startswith(("/work/shared/", "/tmp/")):  # the workspace copy; an output the command writes
+        for path in re.findall(
+            r"(?:--trace=|--config |\s)((?:\.\./|/)?[\w./-]+\.(?:jsonl|fio|yaml|py))\b", line
+        ):
+            if path.startswith(
+                ("/work/shared/", "/tmp/")
+            ):  # the workspace copy; an output the command writes
                 continue
             assert not path.startswith("../"), f"{doc}: {path!r} only works from one directory"
             if path in downloaded:  # fetched by a curl line of the same document
                 continue
-            assert (REPO / path).exists(), f"{doc}: {line.strip()!r} names {path!r}, which a clone does not have"
+            assert (REPO / path).exists(), (
+                f"{doc}: {line.strip()!r} names {path!r}, which a clone does not have"
+            )
             checked += 1
     assert checked or doc != "README.md"
 

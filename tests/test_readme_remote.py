@@ -1,4 +1,5 @@
 """The README's scale-out section and configs/daemon.yaml's ``remote:`` keys are valid (issue 22, item 11)."""
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,11 @@ def test_the_remote_yaml_block_is_a_remote_config():
     (block,) = re.findall(r"```yaml\n(.*?)```", _section(), flags=re.S)
     cfg = StoreConfig.from_dict(yaml.safe_load(block), "README remote block")
     r = cfg.remote
-    assert (r.master, r.metadata, r.local_hostname) == ("10.0.0.1:50051", "http://10.0.0.1:18080/metadata",
-                                                         "10.0.0.2")
+    assert (r.master, r.metadata, r.local_hostname) == (
+        "10.0.0.1:50051",
+        "http://10.0.0.1:18080/metadata",
+        "10.0.0.2",
+    )
     assert r.segment_bytes == 4 << 30 and r.cluster == "prod" and r.protocol == "tcp"
 
 
@@ -55,8 +59,11 @@ def test_the_vllm_extra_config_carries_the_remote_section():
 
 
 def test_the_master_command_uses_the_wheels_flags_and_the_clients_default_ports():
-    (cmd,) = [ln for ln in re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)[0].splitlines()
-              if ln.startswith("mooncake_master")]
+    (cmd,) = [
+        ln
+        for ln in re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)[0].splitlines()
+        if ln.startswith("mooncake_master")
+    ]
     flags = dict(f[2:].split("=", 1) for f in cmd.split()[1:])
     d = RemoteConfig()
     assert d.master == f"127.0.0.1:{flags['rpc_port']}"

@@ -1,4 +1,5 @@
 """tierstore.registry: one name -> factory table per family, aliases, one error message."""
+
 import pytest
 
 from tierstore.errors import ConfigError
@@ -31,8 +32,10 @@ def test_an_alias_builds_its_canonical_member():
 @pytest.mark.parametrize("bad", ["second-hit", "", "ALL", None, 3])
 def test_an_unknown_name_names_the_family_and_every_accepted_value(bad):
     reg = _admission()
-    msg = (f"admission={bad!r}: accepted values are "
-           "['all', 'none', 'reused', 'second', 'second_hit', 'predicted']")
+    msg = (
+        f"admission={bad!r}: accepted values are "
+        "['all', 'none', 'reused', 'second', 'second_hit', 'predicted']"
+    )
     with pytest.raises(ConfigError) as e:
         reg.make(bad)
     assert str(e.value) == msg
@@ -45,7 +48,7 @@ def test_a_name_or_alias_is_registered_once():
     with pytest.raises(ConfigError, match="admission='all': already registered"):
         reg.register("all", dict)
     with pytest.raises(ConfigError, match="admission='none': already registered"):
-        reg.register("none", dict)          # an alias is not a new member
+        reg.register("none", dict)  # an alias is not a new member
     with pytest.raises(ConfigError, match="'second'"):
         reg.register("fresh", dict, aliases=("second",))
     with pytest.raises(ConfigError, match="'reused'"):

@@ -1,4 +1,5 @@
 """Trace replay (rw=kvtrace) on a small limit, and clear errors for bad trace lines."""
+
 from __future__ import annotations
 
 import json
@@ -41,11 +42,10 @@ def test_timeseries_aligned(small_report):
 GOOD = {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}
 
 
-@pytest.mark.parametrize("bad", [
-    "{not json",
-    json.dumps({"timestamp": 5, "input_length": 10}),
-    json.dumps({**GOOD, "input_length": -3}),
-])
+@pytest.mark.parametrize(
+    "bad",
+    ["{not json", json.dumps({"timestamp": 5, "input_length": 10}), json.dumps({**GOOD, "input_length": -3})],
+)
 def test_bad_line_names_the_line(tmp_path, bad):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n" + bad + "\n")
@@ -72,13 +72,23 @@ def test_runtime_objects_are_not_copied_into_the_report(tmp_path):
 
         def __call__(self, entry, now_s):
             from tierstore.fdp.lifetime import LifetimeClass
+
             with self.lock:
                 self.calls += 1
             return LifetimeClass.MEDIUM
 
     c = Classify()
-    rep = run_replay(ReplayConfig(limit=60, block_bytes=8 << 10, directory=str(tmp_path), sample_every=100,
-                                  hbm_bytes=64 << 10, host_bytes=64 << 10, nvme_bytes=4 << 20,
-                                  runtime={"classify": c}))
+    rep = run_replay(
+        ReplayConfig(
+            limit=60,
+            block_bytes=8 << 10,
+            directory=str(tmp_path),
+            sample_every=100,
+            hbm_bytes=64 << 10,
+            host_bytes=64 << 10,
+            nvme_bytes=4 << 20,
+            runtime={"classify": c},
+        )
+    )
     assert c.calls > 0
     assert "runtime" not in rep.config and rep.config["limit"] == 60

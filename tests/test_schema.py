@@ -1,4 +1,5 @@
 """tierstore.schema: the base of the store's and the daemon's configuration models."""
+
 import copy
 
 import pytest
@@ -20,13 +21,19 @@ def test_sizes_and_durations_are_parsed_once_at_load():
     assert parse_model(Knobs, {"spill_bytes": None}, "knobs").spill_bytes is None
 
 
-@pytest.mark.parametrize("doc, match", [
-    ({"cache_bytes": "4q"}, r"^invalid knobs:\n  cache_bytes='4q': expected a size"),
-    ({"wait_s": "soon"}, r"^invalid knobs:\n  wait_s='soon': expected a duration"),
-    ({"cache_bytes": None}, r"cache_bytes=None: expected a size"),
-    ({"cache": 1}, r"cache: unknown key; accepted keys here are \['cache_bytes', 'spill_bytes', 'wait_s'\]"),
-    ([1], "the document must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        ({"cache_bytes": "4q"}, r"^invalid knobs:\n  cache_bytes='4q': expected a size"),
+        ({"wait_s": "soon"}, r"^invalid knobs:\n  wait_s='soon': expected a duration"),
+        ({"cache_bytes": None}, r"cache_bytes=None: expected a size"),
+        (
+            {"cache": 1},
+            r"cache: unknown key; accepted keys here are \['cache_bytes', 'spill_bytes', 'wait_s'\]",
+        ),
+        ([1], "the document must be a mapping"),
+    ],
+)
 def test_one_error_format_names_key_value_and_what_is_accepted(doc, match):
     with pytest.raises(ConfigError, match=match):
         parse_model(Knobs, doc, "knobs")
@@ -35,6 +42,7 @@ def test_one_error_format_names_key_value_and_what_is_accepted(doc, match):
 def test_the_daemon_reuses_the_stores_models():
     from tierstore import config
     from tierstore.server import config as daemon
+
     fields = daemon.DaemonConfig.model_fields
     assert fields["layout"].annotation is config.LayoutConfig
     assert fields["tiers"].annotation is config.TiersConfig
@@ -44,11 +52,31 @@ def test_the_daemon_reuses_the_stores_models():
 
 OPTION_SETS = [
     dict(hbm_bytes=1 << 20, host_bytes="2MiB", device="cpu", eviction="s3fifo", admission="second_hit"),
-    dict(host_bytes=1 << 20, nvme_path="NVME", nvme_bytes=64 << 20, nvme_engine="posix", region_policy="fifo",
-         segment_size_bytes="4MiB", flush_on_close=False, flush_timeout_s="2s", flush_max_bytes="8m",
-         nvme_format=True, iodepth=4, classifier="reuse"),  # KVStore's reinsert= is a run-time object
-    dict(host_bytes=1 << 20, nvme_path="NVME", nvme_bytes=64 << 20, nvme_device="sim", nvme_engine="memory",
-         promotion="one", write_policy="write_through", pin_quota_bytes="1g", default_lease_s="5s"),
+    dict(
+        host_bytes=1 << 20,
+        nvme_path="NVME",
+        nvme_bytes=64 << 20,
+        nvme_engine="posix",
+        region_policy="fifo",
+        segment_size_bytes="4MiB",
+        flush_on_close=False,
+        flush_timeout_s="2s",
+        flush_max_bytes="8m",
+        nvme_format=True,
+        iodepth=4,
+        classifier="reuse",
+    ),  # KVStore's reinsert= is a run-time object
+    dict(
+        host_bytes=1 << 20,
+        nvme_path="NVME",
+        nvme_bytes=64 << 20,
+        nvme_device="sim",
+        nvme_engine="memory",
+        promotion="one",
+        write_policy="write_through",
+        pin_quota_bytes="1g",
+        default_lease_s="5s",
+    ),
     dict(host_bytes=1 << 20, remote={"master": "h:1", "segment_bytes": 0, "admission": "reused"}),
 ]
 
@@ -70,6 +98,7 @@ def test_from_options_is_the_config_kvstore_keywords_open(options, layout, tmp_p
     def capture(cfg, layout, **runtime):
         seen.append(cfg)
         raise Opened  # stop before anything opens
+
     monkeypatch.setattr(build, "assemble", capture)
     with pytest.raises(Opened):
         api.KVStore(layout, **options)
@@ -78,27 +107,39 @@ def test_from_options_is_the_config_kvstore_keywords_open(options, layout, tmp_p
     assert nvme_keys == build.NVME_KEYWORDS
 
 
-@pytest.mark.parametrize("options, match", [
-    (dict(evicton="lru"), r"unknown option\(s\) \['evicton'\]"),
-    (dict(region_policy="fifo"), r"\['region_policy'\] need an NVMe tier"),
-    (dict(admission="sometimes"), "admission='sometimes'"),
-    (dict(device="tpu"), "device='tpu'"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(evicton="lru"), r"unknown option\(s\) \['evicton'\]"),
+        (dict(region_policy="fifo"), r"\['region_policy'\] need an NVMe tier"),
+        (dict(admission="sometimes"), "admission='sometimes'"),
+        (dict(device="tpu"), "device='tpu'"),
+    ],
+)
 def test_from_options_refuses_what_kvstore_refuses(options, match, layout):
     from tierstore import KVStore
     from tierstore.config import StoreConfig
+
     for open_ in (lambda: StoreConfig.from_options(**options), lambda: KVStore(layout, **options)):
         with pytest.raises(ConfigError, match=match):
             open_()
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}}, ("tiers", "nvme", "live_fraction")),
-    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}}, ("tiers", "nvme", "iodepth")),
-    ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m", "device": "sim"}}},
-     ("tiers", "nvme", "model", "num_ruh")),
-    ({}, ("policies", "evict_batch_blocks")),
-])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        (
+            {"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}},
+            ("tiers", "nvme", "live_fraction"),
+        ),
+        ({"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m"}}}, ("tiers", "nvme", "iodepth")),
+        (
+            {"tiers": {"nvme": {"path": "/tmp/x/", "capacity_bytes": "64m", "device": "sim"}}},
+            ("tiers", "nvme", "model", "num_ruh"),
+        ),
+        ({}, ("policies", "evict_batch_blocks")),
+    ],
+)
 def test_a_yes_no_value_is_no_number(section, key):
     """YAML's ``true``/``yes`` given where a number belongs was read as 1 (``live_fraction: true`` kept
     every block live): pydantic's lax mode turns a bool into 1 or 1.0. A number field refuses it, naming
@@ -111,4 +152,4 @@ def test_a_yes_no_value_is_no_number(section, key):
     with pytest.raises(ConfigError, match=rf"{key[-1]}.*a number, not a yes/no value"):
         parse_model(StoreConfig, doc, "store config")
     node[key[-1]] = 2 if key[-1] != "live_fraction" else 0.5
-    parse_model(StoreConfig, doc, "store config")   # the same key with a number is fine
+    parse_model(StoreConfig, doc, "store config")  # the same key with a number is fine

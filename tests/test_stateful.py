@@ -14,6 +14,7 @@ Invariants after every step: slots, policies, references and flags agree
 load returns exactly the stored bytes. At teardown, after completing or
 aborting every plan, releasing and clearing, the store is quiescent and empty.
 """
+
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -70,8 +71,15 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         bb = L.bytes_per_block
         self.clock = Clock()
-        self.store = KVStore(L, hbm_bytes=3 * bb, host_bytes=3 * bb, nvme=memory_segment_store(L, 8),
-                             clock=self.clock, pin_quota_bytes=4 * bb, evict_batch_blocks=2)
+        self.store = KVStore(
+            L,
+            hbm_bytes=3 * bb,
+            host_bytes=3 * bb,
+            nvme=memory_segment_store(L, 8),
+            clock=self.clock,
+            pin_quota_bytes=4 * bb,
+            evict_batch_blocks=2,
+        )
         self.store.MERGE_WAIT_S = 0.0  # held loads below never finish on their own: do not wait for them
         self.ix = self.store._index  # the index's phases are driven directly by some rules
         self.open_requests: dict[int, list[bytes]] = {}
@@ -119,8 +127,12 @@ class StoreMachine(RuleBasedStateMachine):
         n = self.store.cancel(rid) if cancel else self.store.release(rid)
         assert n == self.open_requests.pop(rid)[2]
 
-    @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3),
-          lease=st.floats(0.5, 5.0))
+    @rule(
+        ns=st.sampled_from(NAMESPACES),
+        chain=st.integers(0, 5),
+        n=st.integers(1, 3),
+        lease=st.floats(0.5, 5.0),
+    )
     def pin(self, ns, chain, n, lease):
         try:
             self.leases.append(self.store.pin(ns, self._prompt(chain, n), lease_s=lease))
@@ -183,8 +195,9 @@ class StoreMachine(RuleBasedStateMachine):
             if not h:
                 assert not self.store.resident([k])[0], "a failed store left a block indexed"
 
-    @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3),
-          dt=st.floats(0.6, 6.0))
+    @rule(
+        ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3), dt=st.floats(0.6, 6.0)
+    )
     def load_outlives_its_lease(self, ns, chain, n, dt):
         """A load prepared under a pin lease completes after the lease expired."""
         toks = self._prompt(chain, n)
@@ -203,7 +216,8 @@ class StoreMachine(RuleBasedStateMachine):
         held = {k for lease in self.ix.pins.live_leases().values() for k in lease.keys}
         for k in keys:
             assert self.store.state_of(k) in (None, BlockState.EVICTABLE, BlockState.ACTIVE) or (
-                k in held and self.store.state_of(k) is BlockState.PINNED)
+                k in held and self.store.state_of(k) is BlockState.PINNED
+            )
 
     @rule(ns=st.sampled_from(NAMESPACES), chain=st.integers(0, 5), n=st.integers(1, 3))
     def hold_a_load(self, ns, chain, n):
@@ -263,8 +277,14 @@ def test_stateful_10k_operations():
     STEPS["n"] = 0
     run_state_machine_as_test(
         StoreMachine,
-        settings=settings(max_examples=75, stateful_step_count=200, deadline=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck)))
+        settings=settings(
+            max_examples=75,
+            stateful_step_count=200,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     # Hypothesis ends some runs early (an invalid step, a stop rule): 75 runs
     # of up to 200 steps give >= 10k steps with margin (60 gave 9,786 in CI).
     assert STEPS["n"] >= 10_000, STEPS

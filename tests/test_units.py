@@ -4,8 +4,9 @@ from tierstore.errors import ConfigError
 from tierstore.units import parse_size, parse_time_s
 
 
-@pytest.mark.parametrize("text,val", [("4k", 4096), ("16MiB", 16 << 20), ("1g", 1 << 30), ("512", 512),
-                                      ("2m", 2 << 20), (7, 7)])
+@pytest.mark.parametrize(
+    "text,val", [("4k", 4096), ("16MiB", 16 << 20), ("1g", 1 << 30), ("512", 512), ("2m", 2 << 20), (7, 7)]
+)
 def test_sizes(text, val):
     assert parse_size(text) == val
 

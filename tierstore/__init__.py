@@ -9,6 +9,7 @@ needs it, so ``tierstore --help`` is quick and a Ctrl-C during start-up ends in
 the command's own handler (exit 130, one line) rather than in a traceback from
 inside an import.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,12 +18,32 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 #: public name -> submodule that defines it
-_EXPORTS = {"KVStore": "api", "leading_ok": "api", "Status": "errors", "Namespace": "identity",
-            "PRESETS": "layout", "KVLayout": "layout", "get_layout": "layout", "Tier": "contract",
-            "build_store": "build", "StoreConfig": "config"}
+_EXPORTS = {
+    "KVStore": "api",
+    "leading_ok": "api",
+    "Status": "errors",
+    "Namespace": "identity",
+    "PRESETS": "layout",
+    "KVLayout": "layout",
+    "get_layout": "layout",
+    "Tier": "contract",
+    "build_store": "build",
+    "StoreConfig": "config",
+}
 
-__all__ = ["KVStore", "KVLayout", "Namespace", "PRESETS", "Status", "StoreConfig", "Tier", "build_store", "get_layout",
-           "leading_ok", "__version__"]
+__all__ = [
+    "KVStore",
+    "KVLayout",
+    "Namespace",
+    "PRESETS",
+    "Status",
+    "StoreConfig",
+    "Tier",
+    "build_store",
+    "get_layout",
+    "leading_ok",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from .api import KVStore, leading_ok

@@ -23,6 +23,7 @@ blocks down to NVMe (bounded), so a restart on the same path finds them; ``inval
 Errors: ``LayoutError`` (input), ``ConfigError``, ``QuotaExceeded`` (pins), ``StoreClosedError``
 (after ``close``); misses, no space and I/O errors are :class:`~tierstore.errors.Status` values.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,25 +69,45 @@ class KVStoreProtocol(Protocol):
     def request(self) -> contextlib.AbstractContextManager: ...
     def release(self, request_id: object) -> int: ...
     def cancel(self, request_id: object) -> int: ...
-    def store(self, ns, token_ids, kv_blocks, start_block: int = 0, lifetime: str | None = None, *,
-              wait: bool = True): ...
-    def store_keys(self, ns, keys, blocks, *, lifetime: str | None = None, first_position: int = 0,
-                   wait: bool = True): ...
-    def store_fragments(self, ns, token_ids, fragments_per_block, start_block: int = 0,
-                        lifetime: str | None = None, *, wait: bool = True): ...
+    def store(
+        self,
+        ns,
+        token_ids,
+        kv_blocks,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ): ...
+    def store_keys(
+        self, ns, keys, blocks, *, lifetime: str | None = None, first_position: int = 0, wait: bool = True
+    ): ...
+    def store_fragments(
+        self,
+        ns,
+        token_ids,
+        fragments_per_block,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ): ...
     def lookup(self, ns, token_ids, request_id: object = None) -> LookupResult: ...
     def lookup_keys(self, keys, request_id: object = None) -> LookupResult: ...
     def probe(self, ns, token_ids) -> int: ...
     def exists(self, keys) -> int: ...
-    def load(self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None): ...
-    def load_fragments(self, keys, dest_fragments_per_block, *, wait: bool = True,
-                       timeout_s: float | None = None): ...
+    def load(
+        self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None
+    ): ...
+    def load_fragments(
+        self, keys, dest_fragments_per_block, *, wait: bool = True, timeout_s: float | None = None
+    ): ...
     def prefetch(self, ns, token_ids, tier: str = "host") -> Future: ...
     def pin(self, ns, token_ids, lease_s: float | None = None) -> Lease: ...
     def unpin(self, lease: Lease | int) -> bool: ...
     def invalidate(self, ns) -> int: ...
     def stats(self) -> dict: ...
-    def close(self) -> None: ...
+    def close(self) -> object: ...
 
 
 class KVStore(KeyAPI):
@@ -146,8 +167,15 @@ class KVStore(KeyAPI):
         Another store (this process or another) has ``nvme_path`` open.
     """
 
-    def __init__(self, layout: KVLayout, hbm_bytes: int = 0, host_bytes: int = 0,
-                 nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        hbm_bytes: int = 0,
+        host_bytes: int = 0,
+        nvme_path: str | None = None,
+        nvme_bytes: int | str = 0,
+        **options,
+    ) -> None:
         self._init(assemble_options(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options))
 
     @classmethod
@@ -232,9 +260,16 @@ class KVStore(KeyAPI):
 
     # -------------------------------------------------------------- store
     @_open_call
-    def store(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
-              kv_blocks: torch.Tensor | Sequence[torch.Tensor], start_block: int = 0,
-              lifetime: str | None = None, *, wait: bool = True) -> list[Status] | Future:
+    def store(
+        self,
+        ns: Namespace | bytes,
+        token_ids: Sequence[int] | np.ndarray,
+        kv_blocks: torch.Tensor | Sequence[torch.Tensor],
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ) -> list[Status] | Future:
         """Store KV of the full blocks of a prompt.
 
         Parameters
@@ -271,9 +306,16 @@ class KVStore(KeyAPI):
         return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
 
     @_open_call
-    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block: Sequence[Sequence[torch.Tensor]],
-                        start_block: int = 0, lifetime: str | None = None, *,
-                        wait: bool = True) -> list[Status] | Future:
+    def store_fragments(
+        self,
+        ns: Namespace | bytes,
+        token_ids,
+        fragments_per_block: Sequence[Sequence[torch.Tensor]],
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ) -> list[Status] | Future:
         """Store blocks given as engine fragments.
 
         Parameters
@@ -302,21 +344,30 @@ class KVStore(KeyAPI):
         plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
         return self._store_prompt(ns, token_ids, keys, plans, start_block, lifetime, wait)
 
-    def _store_prompt(self, ns, token_ids, keys: list[bytes], sources, start_block: int, lifetime, wait: bool):
+    def _store_prompt(
+        self, ns, token_ids, keys: list[bytes], sources, start_block: int, lifetime, wait: bool
+    ):
         """Store ``sources`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
         if start_block + len(sources) > len(keys):
-            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
+            raise LayoutError(
+                f"{len(sources)} blocks from block {start_block} exceed the prompt's "
+                f"{len(keys)} full blocks (partial tails are never stored)"
+            )
         end = start_block + len(sources)
-        toks = (token_blocks(token_ids, len(keys), self.layout)[start_block:end]
-                if self._index.settings.verify_tokens else None)
-        return self._transfers.store(self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks,
-                                     wait)
+        toks = (
+            token_blocks(token_ids, len(keys), self.layout)[start_block:end]
+            if self._index.settings.verify_tokens
+            else None
+        )
+        return self._transfers.store(
+            self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks, wait
+        )
 
     # -------------------------------------------------------------- lookup
     @_open_call
-    def lookup(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray,
-               request_id: object = None) -> LookupResult:
+    def lookup(
+        self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray, request_id: object = None
+    ) -> LookupResult:
         """Longest cached prefix of ``token_ids`` (full blocks only).
 
         With ``request_id`` the matched blocks are referenced (ACTIVE) until
@@ -421,6 +472,7 @@ class KVStore(KeyAPI):
         copy-forward and the device's GC.
         """
         from .devices import device_report
+
         return device_report(self._parts, int(self._index.metrics.snapshot().get("nvme_write_bytes", 0)))
 
     @property

@@ -20,6 +20,7 @@ wires, from the typed parts:
   (:class:`~tierstore.remote.mooncake.MooncakeTier` on Mooncake Store, with its
   sharing admission rule; needs the ``tierstore[cluster]`` extra).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,15 +54,25 @@ from .units import format_bytes
 
 _log = logging.getLogger("tierstore.build")
 
-__all__ = ["FlushSettings", "StoreParts", "assemble", "assemble_config", "assemble_options", "build_store",
-           "file_tier_geometry", "remote_planner"]
+__all__ = [
+    "FlushSettings",
+    "StoreParts",
+    "assemble",
+    "assemble_config",
+    "assemble_options",
+    "build_store",
+    "file_tier_geometry",
+    "remote_planner",
+]
 
 #: ``KVStore`` keyword options that are policies (``policies:`` section of the config).
 POLICY_OPTIONS = frozenset(PoliciesConfig.model_fields)
 #: Run-time objects a config file cannot carry (:func:`assemble`'s keyword arguments).
 RUNTIME_OPTIONS = frozenset({"clock", "classify", "admit", "reinsert", "cost", "nvme", "host_pool"})
 #: NVMe tier options (:data:`tierstore.config.NVME_OPTIONS` and the ``nvme_*`` aliases).
-NVME_KEYWORDS = frozenset(NVME_OPTIONS) | {k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")}
+NVME_KEYWORDS = frozenset(NVME_OPTIONS) | {
+    k for k, v in OPTION_ALIASES.items() if v.startswith("tiers.nvme.")
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,21 +143,36 @@ def _explicit_placement(nv: NvmeTierConfig) -> PlacementPolicy | None:
     shared simulated SSD), whose RUH Status this assembly cannot read.
     """
     from .fdp.lifetime import LifetimeClass
+
     f = nv.fdp
     pids = (f.long_pid, f.medium_pid, f.short_pid)
     if all(p is None for p in pids):
         return None
     if any(p is None for p in pids):
         raise ConfigError("fdp: give all of long_pid, medium_pid, short_pid, or none")
-    return PlacementPolicy(class_pid={LifetimeClass.LONG: f.long_pid, LifetimeClass.MEDIUM: f.medium_pid,
-                                      LifetimeClass.SHORT: f.short_pid},
-                           default_pid=f.default_pid or 0, rgif=0)
+    return PlacementPolicy(
+        class_pid={
+            LifetimeClass.LONG: f.long_pid,
+            LifetimeClass.MEDIUM: f.medium_pid,
+            LifetimeClass.SHORT: f.short_pid,
+        },
+        default_pid=f.default_pid or 0,
+        rgif=0,
+    )
 
 
-def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] | None = None,
-             classify: Callable | None = None, admit: Callable | None = None,
-             reinsert: Callable | None = None, cost: CostModel | None = None,
-             nvme: BlockStorage | None = None, host_pool: BlockPool | None = None) -> StoreParts:
+def assemble(
+    cfg: StoreConfig,
+    layout: KVLayout,
+    *,
+    clock: Callable[[], float] | None = None,
+    classify: Callable | None = None,
+    admit: Callable | None = None,
+    reinsert: Callable | None = None,
+    cost: CostModel | None = None,
+    nvme: BlockStorage | None = None,
+    host_pool: BlockPool | None = None,
+) -> StoreParts:
     """Wire a store from its typed config (module doc).
 
     Parameters
@@ -195,14 +221,24 @@ def assemble(cfg: StoreConfig, layout: KVLayout, *, clock: Callable[[], float] |
         raise
 
 
-def _wire(cfg: StoreConfig, layout: KVLayout, pools: dict[Tier, BlockPool], nvme: BlockStorage | None,
-          placement: PlacementPolicy, opened: OpenedDevice | None, shim: RuhUpdateShim | None,
-          runtime: IndexRuntime) -> StoreParts:
+def _wire(
+    cfg: StoreConfig,
+    layout: KVLayout,
+    pools: dict[Tier, BlockPool],
+    nvme: BlockStorage | None,
+    placement: PlacementPolicy,
+    opened: OpenedDevice | None,
+    shim: RuhUpdateShim | None,
+    runtime: IndexRuntime,
+) -> StoreParts:
     """The index, the remote tier and the movers over the open tiers, as :class:`StoreParts`."""
     bb = layout.bytes_per_block
     nv = cfg.tiers.nvme
-    geometry = opened.geometry if opened is not None else NvmeGeometry(
-        "memory only" if nvme is None else "NVMe backend given by the caller")
+    geometry = (
+        opened.geometry
+        if opened is not None
+        else NvmeGeometry("memory only" if nvme is None else "NVMe backend given by the caller")
+    )
     index = _open_index(cfg, layout, nvme, runtime)
     remote = share = None
     if cfg.remote is not None:
@@ -210,24 +246,44 @@ def _wire(cfg: StoreConfig, layout: KVLayout, pools: dict[Tier, BlockPool], nvme
     mover = make_movers(pools, nvme, placement.placement_for if placement.enabled else None, remote)
     if remote is not None:  # remote loads are priced from measured Mooncake transfers
         remote.set_load_observer(lambda n, secs: index.runtime.cost.observe_load("remote", n * bb, secs, n))
-    return StoreParts(layout, cfg, index, mover, pools, nvme, placement, geometry,
-                      opened.ftl if opened is not None else None,
-                      opened.stats_source if opened is not None else None, shim, remote, share,
-                      FlushSettings.of(nv))
+    return StoreParts(
+        layout,
+        cfg,
+        index,
+        mover,
+        pools,
+        nvme,
+        placement,
+        geometry,
+        opened.ftl if opened is not None else None,
+        opened.stats_source if opened is not None else None,
+        shim,
+        remote,
+        share,
+        FlushSettings.of(nv),
+    )
 
 
 def _checked_host_pool(host_pool: BlockPool, t: TiersConfig, bb: int) -> BlockPool:
     """``host_pool``, the caller's host tier, when it has the config's block size and count."""
     want = t.host.capacity_bytes // bb
     if host_pool.block_bytes != bb or host_pool.num_blocks != want:
-        raise ConfigError(f"host_pool of {host_pool.num_blocks} blocks of {host_pool.block_bytes} bytes; "
-                          f"the config's host tier has {want} blocks of {bb} bytes")
+        raise ConfigError(
+            f"host_pool of {host_pool.num_blocks} blocks of {host_pool.block_bytes} bytes; "
+            f"the config's host tier has {want} blocks of {bb} bytes"
+        )
     return host_pool
 
 
-def _index_runtime(cfg: StoreConfig, nvme: BlockStorage | None, clock: Callable[[], float] | None,
-                   classify: Callable | None, admit: Callable | None, reinsert: Callable | None,
-                   cost: CostModel | None) -> IndexRuntime:
+def _index_runtime(
+    cfg: StoreConfig,
+    nvme: BlockStorage | None,
+    clock: Callable[[], float] | None,
+    classify: Callable | None,
+    admit: Callable | None,
+    reinsert: Callable | None,
+    cost: CostModel | None,
+) -> IndexRuntime:
     """The index's run-time objects: each one :func:`assemble` was given, else the one its config
     name makes (the classifier, admission, reinsertion and, in block mode, the NVMe block order)."""
     block_mode = nvme is not None and nvme.eviction_granularity == "block"
@@ -238,7 +294,8 @@ def _index_runtime(cfg: StoreConfig, nvme: BlockStorage | None, clock: Callable[
         reinsert=make_reinsert(reinsert if reinsert is not None else cfg.policies.reinsert),
         cost=cost if cost is not None else CostModel(),
         remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
-        nvme_policy=make_policy(cfg.policies.eviction) if block_mode else None)
+        nvme_policy=make_policy(cfg.policies.eviction) if block_mode else None,
+    )
 
 
 def _open_pools(t: TiersConfig, bb: int, host: bool = True) -> dict[Tier, BlockPool]:
@@ -252,24 +309,29 @@ def _open_pools(t: TiersConfig, bb: int, host: bool = True) -> dict[Tier, BlockP
     """
     dev = t.hbm.device
     if dev == "cuda" and not cuda_available():
-        raise ConfigError("device='cuda' but CUDA is not available (torch.cuda.is_available() is "
-                          "False); use device='auto' to fall back to host memory")
+        raise ConfigError(
+            "device='cuda' but CUDA is not available (torch.cuda.is_available() is "
+            "False); use device='auto' to fall back to host memory"
+        )
     hbm_dev = ("cuda" if cuda_available() else "cpu") if dev == "auto" else dev
     if not t.keep_data:  # the accounting mode (TiersConfig): pools without bytes
         hbm_dev = "meta"
     for name, tier_cfg in (("hbm", t.hbm), ("host", t.host)):
         if 0 < tier_cfg.capacity_bytes < bb:  # not "disabled": too small for one block
-            raise ConfigError(f"the {name} tier's capacity, {tier_cfg.capacity_bytes} bytes "
-                              f"({format_bytes(tier_cfg.capacity_bytes)}), is below one block of this layout "
-                              f"({bb} bytes, {format_bytes(bb)}): give at least {bb} bytes, or 0 to disable the tier "
-                              f"(tiers.{name}.capacity_bytes; {name}_bytes in KVStore; --{name}_size in tierstore bench)")
+            raise ConfigError(
+                f"the {name} tier's capacity, {tier_cfg.capacity_bytes} bytes "
+                f"({format_bytes(tier_cfg.capacity_bytes)}), is below one block of this layout "
+                f"({bb} bytes, {format_bytes(bb)}): give at least {bb} bytes, or 0 to disable the tier "
+                f"(tiers.{name}.capacity_bytes; {name}_bytes in KVStore; --{name}_size in tierstore bench)"
+            )
     pools: dict[Tier, BlockPool] = {}
     nh, nc = t.hbm.capacity_bytes // bb, t.host.capacity_bytes // bb
     if nh:
         pools[Tier.HBM] = BlockPool("hbm", nh, bb, hbm_dev)
     if nc and host:
-        pools[Tier.HOST] = BlockPool("host", nc, bb, "cpu" if t.keep_data else "meta",
-                                     pin_memory=cuda_available() and t.keep_data)
+        pools[Tier.HOST] = BlockPool(
+            "host", nc, bb, "cpu" if t.keep_data else "meta", pin_memory=cuda_available() and t.keep_data
+        )
     return pools
 
 
@@ -292,22 +354,28 @@ def _placement(nv: NvmeTierConfig | None, opened: OpenedDevice | None) -> Placem
         # range of a shared simulated SSD): the explicit PIDs are the placement
         placement = _explicit_placement(nv)
         if placement is None:
-            raise ConfigError("an NVMe backend given by the caller with fdp.enabled needs explicit "
-                              "long_pid/medium_pid/short_pid")
+            raise ConfigError(
+                "an NVMe backend given by the caller with fdp.enabled needs explicit "
+                "long_pid/medium_pid/short_pid"
+            )
         return placement
     explicit = (f.long_pid, f.medium_pid, f.short_pid, f.default_pid)
     if opened.discovery is not None:
         return opened.discovery.placement(f.plids, explicit)
     if opened.device is not None:
-        return placement_policy(opened.device.ruh_status(), opened.device.configs().configs[0].rgif, f.plids,
-                                explicit)
-    raise ConfigError("fdp.enabled needs an FDP device whose RUH Status gives the PIDs: device: fdp "
-                      "(/dev/ngXnY), device: sim, or a file with model: {...}; the posix and "
-                      "uring engines on a file or block device cannot place writes")
+        return placement_policy(
+            opened.device.ruh_status(), opened.device.configs().configs[0].rgif, f.plids, explicit
+        )
+    raise ConfigError(
+        "fdp.enabled needs an FDP device whose RUH Status gives the PIDs: device: fdp "
+        "(/dev/ngXnY), device: sim, or a file with model: {...}; the posix and "
+        "uring engines on a file or block device cannot place writes"
+    )
 
 
-def _open_storage(nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDevice
-                  ) -> tuple[PlacementPolicy, SegmentStorage, RuhUpdateShim | None]:
+def _open_storage(
+    nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDevice
+) -> tuple[PlacementPolicy, SegmentStorage, RuhUpdateShim | None]:
     """The placement, the segment store on the opened device, and the RUH Update
     shim (the device model observes the tier's writes from here on, not the
     label's). On any failure the engine is closed and a file that
@@ -317,14 +385,25 @@ def _open_storage(nv: NvmeTierConfig, keep_data: bool, bb: int, opened: OpenedDe
         placement = _placement(nv, opened)
         # a tier in a file or on a device carries its label (tierstore.io.label); a simulated
         # device in memory does not outlive the process
-        nvme = SegmentStorage(path, opened.tier_bytes, bb, segment_size_bytes=seg,
-                              engine=engine, owns_engine=True, extent_size_bytes=nv.extent_size_bytes,
-                              region_policy=nv.region_policy, keep_data=keep_data,
-                              invalidation_log=(path + ".invalidations") if path and nv.device != "fdp"
-                              else False, label=path is not None, format=nv.format,
-                              metadata_placement=placement.placement_for_metadata(),
-                              eviction_granularity=nv.eviction_granularity, live_fraction=nv.live_fraction,
-                              trim_min_bytes=nv.trim_min_bytes, journal_path=nv.journal_path)
+        nvme = SegmentStorage(
+            path,
+            opened.tier_bytes,
+            bb,
+            segment_size_bytes=seg,
+            engine=engine,
+            owns_engine=True,
+            extent_size_bytes=nv.extent_size_bytes,
+            region_policy=nv.region_policy,
+            keep_data=keep_data,
+            invalidation_log=(path + ".invalidations") if path and nv.device != "fdp" else False,
+            label=path is not None,
+            format=nv.format,
+            metadata_placement=placement.placement_for_metadata(),
+            eviction_granularity=nv.eviction_granularity,
+            live_fraction=nv.live_fraction,
+            trim_min_bytes=nv.trim_min_bytes,
+            journal_path=nv.journal_path,
+        )
         ruh_update = nv.fdp.ruh_update_on_segment_open
         if ruh_update is None:
             ruh_update = nv.fdp.enabled
@@ -359,15 +438,24 @@ def _say_header_share(tier_bytes: int, blocks: int, block_bytes: int) -> None:
     header, extent = fmt.header_bytes_for(1), fmt.extent_bytes_for(1, block_bytes)
     if header / extent < _HEADER_SHARE_SAID:
         return
-    _log.warning("NVMe tier of %d bytes (%s) holds %d blocks of %d bytes, i.e. %d bytes (%s) of KV: a block "
-                 "may be stored as an extent of its own, whose %d-byte header is %.0f%% of it at this block "
-                 "size; larger blocks (more tokens_per_block) lose less", tier_bytes, format_bytes(tier_bytes),
-                 blocks, block_bytes, blocks * block_bytes, format_bytes(blocks * block_bytes), header,
-                 100.0 * header / extent)
+    _log.warning(
+        "NVMe tier of %d bytes (%s) holds %d blocks of %d bytes, i.e. %d bytes (%s) of KV: a block "
+        "may be stored as an extent of its own, whose %d-byte header is %.0f%% of it at this block "
+        "size; larger blocks (more tokens_per_block) lose less",
+        tier_bytes,
+        format_bytes(tier_bytes),
+        blocks,
+        block_bytes,
+        blocks * block_bytes,
+        format_bytes(blocks * block_bytes),
+        header,
+        100.0 * header / extent,
+    )
 
 
-def _open_index(cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None,
-                runtime: IndexRuntime) -> BlockIndex:
+def _open_index(
+    cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None, runtime: IndexRuntime
+) -> BlockIndex:
     """The block index over the tiers, listening to the NVMe tier and holding the
     blocks it recovered.
 
@@ -377,9 +465,13 @@ def _open_index(cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None,
         An NVMe backend of another block size than the layout's.
     """
     bb, t = layout.bytes_per_block, cfg.tiers
-    shape = IndexShape(bb, layout.tokens_per_block, hbm_blocks=t.hbm.capacity_bytes // bb,
-                       host_blocks=t.host.capacity_bytes // bb,
-                       nvme_blocks=nvme.capacity_blocks() if nvme is not None else None)
+    shape = IndexShape(
+        bb,
+        layout.tokens_per_block,
+        hbm_blocks=t.hbm.capacity_bytes // bb,
+        host_blocks=t.host.capacity_bytes // bb,
+        nvme_blocks=nvme.capacity_blocks() if nvme is not None else None,
+    )
     if nvme is not None and isinstance(nvme, SegmentStorage):
         _say_header_share(nvme.n_segments * nvme.segment_size_bytes, shape.nvme_blocks, bb)
     index = BlockIndex(shape, cfg.policies, runtime)
@@ -396,6 +488,7 @@ def _open_remote(cfg: StoreConfig, block_bytes: int, index: BlockIndex):
     """The shared remote tier (:mod:`tierstore.remote`; needs ``tierstore[cluster]``)."""
     from .remote.admission import ShareAdmission
     from .remote.mooncake import MooncakeTier
+
     r = cfg.remote
     return MooncakeTier(r, block_bytes), ShareAdmission(mode=r.admission)
 
@@ -404,12 +497,24 @@ def remote_planner(parts: StoreParts) -> RemotePlanner | None:
     """The remote tier's :class:`~tierstore.planner.RemotePlanner` for a store that has one."""
     if parts.remote is None:
         return None
-    return RemotePlanner(parts.index, parts.remote, parts.share, parts.config.remote.publish,
-                         parts.layout.bytes_per_block, parts.layout.tokens_per_block)
+    return RemotePlanner(
+        parts.index,
+        parts.remote,
+        parts.share,
+        parts.config.remote.publish,
+        parts.layout.bytes_per_block,
+        parts.layout.tokens_per_block,
+    )
 
 
-def assemble_options(layout: KVLayout, hbm_bytes: int | str = 0, host_bytes: int | str = 0,
-                     nvme_path: str | None = None, nvme_bytes: int | str = 0, **options) -> StoreParts:
+def assemble_options(
+    layout: KVLayout,
+    hbm_bytes: int | str = 0,
+    host_bytes: int | str = 0,
+    nvme_path: str | None = None,
+    nvme_bytes: int | str = 0,
+    **options,
+) -> StoreParts:
     """Wire the store ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)`` opens.
 
     ``options`` are those :meth:`StoreConfig.from_options <tierstore.config.StoreConfig.from_options>`
@@ -424,17 +529,23 @@ def assemble_options(layout: KVLayout, hbm_bytes: int | str = 0, host_bytes: int
     """
     unknown = set(options) - POLICY_OPTIONS - RUNTIME_OPTIONS - NVME_KEYWORDS - {"device", "remote"}
     if unknown:
-        raise ConfigError(f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
-                          f"{sorted(POLICY_OPTIONS | RUNTIME_OPTIONS | NVME_KEYWORDS | {'device', 'remote'})}")
+        raise ConfigError(
+            f"KVStore: unknown option(s) {sorted(unknown)}; accepted: "
+            f"{sorted(POLICY_OPTIONS | RUNTIME_OPTIONS | NVME_KEYWORDS | {'device', 'remote'})}"
+        )
     runtime = {k: options.pop(k) for k in list(options) if k in RUNTIME_OPTIONS}
     flush = None
     if runtime.get("nvme") is not None:  # a ready NVMe backend: its options set only the flush on close
         given = {k: options.pop(k) for k in list(options) if k in NVME_KEYWORDS}
-        flush = FlushSettings(given.get("flush_on_close", True), given.get("flush_timeout_s", 30.0),
-                              given.get("flush_max_bytes"))
+        flush = FlushSettings(
+            given.get("flush_on_close", True),
+            given.get("flush_timeout_s", 30.0),
+            given.get("flush_max_bytes"),
+        )
         nvme_path, nvme_bytes = None, 0
-    parts = assemble(StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options), layout,
-                     **runtime)
+    parts = assemble(
+        StoreConfig.from_options(hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options), layout, **runtime
+    )
     if flush is not None:
         parts.flush = flush
     return parts
@@ -452,15 +563,19 @@ def assemble_config(config: StoreConfig | dict, layout: KVLayout | None = None, 
     """
     cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
     if cfg.store.url is not None:
-        raise ConfigError(f"store.url={cfg.store.url!r} names the node service's store, which is not built "
-                          f"here: open it with tierstore.integrations._common.open_store (a NodeKVStore)")
+        raise ConfigError(
+            f"store.url={cfg.store.url!r} names the node service's store, which is not built "
+            f"here: open it with tierstore.integrations._common.open_store (a NodeKVStore)"
+        )
     if layout is None:
         if cfg.layout is None:
             raise ConfigError("the store config has no 'layout' and none was given")
         layout = cfg.layout.build()
     unknown = set(runtime) - RUNTIME_OPTIONS
     if unknown:
-        raise ConfigError(f"unknown run-time option(s) {sorted(unknown)}; accepted: {sorted(RUNTIME_OPTIONS)}")
+        raise ConfigError(
+            f"unknown run-time option(s) {sorted(unknown)}; accepted: {sorted(RUNTIME_OPTIONS)}"
+        )
     return assemble(cfg, layout, **runtime)
 
 
@@ -475,4 +590,5 @@ def build_store(config: StoreConfig | dict, layout: KVLayout | None = None, **ru
         Invalid configuration, or no layout given either way.
     """
     from .api import KVStore
+
     return KVStore.from_config(config, layout, **runtime)

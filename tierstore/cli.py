@@ -6,6 +6,7 @@
 ``tierstore fdp discover|stats DEVICE``              an FDP namespace: configuration, PIDs per class, WAF.
 ``tierstore version``, ``tierstore --version``       print the version (from the package metadata).
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,10 +22,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         from .bench.cli import main as bench_main
+
         return bench_main(rest)
     if cmd == "serve":
         from .errors import ConfigError
         from .extras import require
+
         try:
             for mod in ("aiohttp", "prometheus_client"):
                 require(mod, "the daemon")
@@ -38,22 +41,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_main(rest)
     if cmd == "fdp":
         from .fdp.admin import main as fdp_main
+
         return fdp_main(rest)
     if cmd in ("version", "--version", "-V"):
         print(f"tierstore {_version()}")
         return 0
-    print(f"tierstore: unknown command {cmd!r}; commands: bench, serve, fdp, version (or --version)",
-          file=sys.stderr)
+    print(
+        f"tierstore: unknown command {cmd!r}; commands: bench, serve, fdp, version (or --version)",
+        file=sys.stderr,
+    )
     return 2
 
 
 def _version() -> str:
     """The installed distribution's version (package metadata), else the source tree's ``__version__``."""
     import importlib.metadata
+
     try:
         return importlib.metadata.version("tierstore")
-    except importlib.metadata.PackageNotFoundError:   # a source tree that is not installed
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
         from . import __version__
+
         return __version__
 
 

@@ -24,6 +24,7 @@ synchronous and thread-safe).
 
 Continued in ``docs/SERVER.md`` (``tierstore/client.py``): every difference from the local store.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,10 +54,26 @@ NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
     "key-level variants": ("pin_keys", "prefetch_keys", "remove", "resident", "tiers_of"),
     "operations on the whole store": ("flush", "evict", "clear", "drain"),
-    "introspection of the local index": ("block_info", "state_of", "references", "leases", "namespaces",
-                                         "keys_of_namespace", "check_invariants", "record_events", "take_events"),
-    "tier and device figures": ("bytes_per_tier", "capacity_bytes", "device_stats", "cost_model", "ftl",
-                                "placement", "tiers"),
+    "introspection of the local index": (
+        "block_info",
+        "state_of",
+        "references",
+        "leases",
+        "namespaces",
+        "keys_of_namespace",
+        "check_invariants",
+        "record_events",
+        "take_events",
+    ),
+    "tier and device figures": (
+        "bytes_per_tier",
+        "capacity_bytes",
+        "device_stats",
+        "cost_model",
+        "ftl",
+        "placement",
+        "tiers",
+    ),
 }
 
 _TIER = {t.label: t for t in Tier}
@@ -74,16 +91,23 @@ def _check_keys(keys: Any) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray)):
         raise LayoutError("keys: expected a sequence of 32-byte keys, got one bytes object")
     if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu":
-        raise LayoutError(f"keys: got an integer array of shape {keys.shape}: token ids? Keys are 32-byte "
-                          "block hashes: use keys_for(ns, token_ids), or the token-id method")
+        raise LayoutError(
+            f"keys: got an integer array of shape {keys.shape}: token ids? Keys are 32-byte "
+            "block hashes: use keys_for(ns, token_ids), or the token-id method"
+        )
     out = list(keys)
     for i, k in enumerate(out):
         if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
             what = type(k).__name__
-            hint = " (token ids? keys are 32-byte block hashes: use keys_for(ns, token_ids))" \
-                if isinstance(k, (int, np.integer)) else ""
-            raise LayoutError(f"keys[{i}]: expected 32 bytes, got {what}"
-                              f"{f' of length {len(k)}' if hasattr(k, '__len__') else ''}{hint}")
+            hint = (
+                " (token ids? keys are 32-byte block hashes: use keys_for(ns, token_ids))"
+                if isinstance(k, (int, np.integer))
+                else ""
+            )
+            raise LayoutError(
+                f"keys[{i}]: expected 32 bytes, got {what}"
+                f"{f' of length {len(k)}' if hasattr(k, '__len__') else ''}{hint}"
+            )
     return [bytes(k) for k in out]
 
 
@@ -101,10 +125,14 @@ def _check_token_ids(token_ids: Any) -> Any:
         try:
             first = token_ids[0] if len(token_ids) else None
         except TypeError:
-            raise LayoutError(f"token_ids: expected a sequence of integers, got {type(token_ids).__name__}") from None
+            raise LayoutError(
+                f"token_ids: expected a sequence of integers, got {type(token_ids).__name__}"
+            ) from None
         if isinstance(first, (bytes, bytearray)):
-            raise LayoutError("token_ids: got block keys (bytes); the key-level methods take keys "
-                              "(store_keys, lookup_keys, load, exists)")
+            raise LayoutError(
+                "token_ids: got block keys (bytes); the key-level methods take keys "
+                "(store_keys, lookup_keys, load, exists)"
+            )
     return token_ids
 
 
@@ -164,8 +192,15 @@ class RemoteKVStore(Closing):
     retries = _ConnectionSetting()
     max_retry_wait_s = _ConnectionSetting()
 
-    def __init__(self, url: str, token: str, timeout_s: float = 60.0, retries: int = 5,
-                 max_retry_wait_s: float = 2.0, remember_keys: int = 1 << 18) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        timeout_s: float = 60.0,
+        retries: int = 5,
+        max_retry_wait_s: float = 2.0,
+        remember_keys: int = 1 << 18,
+    ) -> None:
         #: the HTTP session, its loop thread, the open/closed state, retries (:mod:`tierstore.client_wire`)
         self._wire = DaemonConnection(url, token, timeout_s, retries, max_retry_wait_s)
         self.url = self._wire.url
@@ -179,8 +214,15 @@ class RemoteKVStore(Closing):
             raise
         lay = info["layout"]
         self.tenant: str = info["tenant"]
-        self.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["dtype"],
-                               lay["tokens_per_block"], lay["name"], lay.get("block_order", "layer_kv"))
+        self.layout = KVLayout(
+            lay["num_layers"],
+            lay["num_kv_heads"],
+            lay["head_dim"],
+            lay["dtype"],
+            lay["tokens_per_block"],
+            lay["name"],
+            lay.get("block_order", "layer_kv"),
+        )
         self.block_bytes: int = int(info["block_bytes"])
         self.durable: bool = bool(info["durable"])
         self.max_request_bytes: int = int(info["max_request_bytes"])
@@ -215,8 +257,11 @@ class RemoteKVStore(Closing):
 
     # ------------------------------------------------------------------ store
     def _raw_blocks(self, kv_blocks) -> list[torch.Tensor]:
-        if isinstance(kv_blocks, torch.Tensor) and kv_blocks.dim() > 1 and \
-                tuple(kv_blocks.shape[1:]) == self.layout.block_shape:
+        if (
+            isinstance(kv_blocks, torch.Tensor)
+            and kv_blocks.dim() > 1
+            and tuple(kv_blocks.shape[1:]) == self.layout.block_shape
+        ):
             kv_blocks = list(kv_blocks)
         elif isinstance(kv_blocks, torch.Tensor) and kv_blocks.dim() == 2 and kv_blocks.dtype == torch.uint8:
             kv_blocks = list(kv_blocks)
@@ -240,12 +285,25 @@ class RemoteKVStore(Closing):
         return blk
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
-        per = max(1, min(self.max_keys_per_request,
-                         (self.max_request_bytes - 80 * 1024) // max(1, self.block_bytes + 70)))
+        per = max(
+            1,
+            min(
+                self.max_keys_per_request,
+                (self.max_request_bytes - 80 * 1024) // max(1, self.block_bytes + 70),
+            ),
+        )
         return [(i, min(n, i + per)) for i in range(0, n, per)]
 
-    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
-                   first_position: int = 0, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+    def store_keys(
+        self,
+        ns: Namespace | bytes,
+        keys: Sequence[bytes],
+        blocks,
+        *,
+        lifetime: str | None = None,
+        first_position: int = 0,
+        wait: bool = True,
+    ) -> list[Status] | concurrent.futures.Future:
         """Store blocks under explicit client keys (see :meth:`tierstore.api.KVStore.store_keys`),
         batched into requests under the daemon's size limit.
 
@@ -268,9 +326,11 @@ class RemoteKVStore(Closing):
         async def run() -> list[Status]:
             out: list[Status] = []
             for a, b in self._batches(len(keys)):
-                out += await self._wire.put_blocks(d, keys[a:b], raw[a:b], first_position + a, lifetime,
-                                                   self.block_bytes)
+                out += await self._wire.put_blocks(
+                    d, keys[a:b], raw[a:b], first_position + a, lifetime, self.block_bytes
+                )
             return out
+
         return self._wire.future(run(), wait)
 
     def _remember(self, keys: Sequence[bytes], d: bytes) -> None:
@@ -280,20 +340,44 @@ class RemoteKVStore(Closing):
         while len(self._key_ns) > self._remember_max:
             self._key_ns.popitem(last=False)
 
-    def store(self, ns: Namespace | bytes, token_ids, kv_blocks, start_block: int = 0,
-              lifetime: str | None = None, *, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+    def store(
+        self,
+        ns: Namespace | bytes,
+        token_ids,
+        kv_blocks,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ) -> list[Status] | concurrent.futures.Future:
         """Store KV of the full blocks of a prompt (see :meth:`tierstore.api.KVStore.store`);
         ``wait=False`` returns a Future (the blocks are copied into the request body first)."""
         keys = self.keys_for(ns, _check_token_ids(token_ids))
         raw = self._raw_blocks(kv_blocks)
         if start_block < 0 or start_block + len(raw) > len(keys):
-            raise LayoutError(f"{len(raw)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
-        return self.store_keys(ns, keys[start_block:start_block + len(raw)], raw, lifetime=lifetime,
-                               first_position=start_block, wait=wait)
+            raise LayoutError(
+                f"{len(raw)} blocks from block {start_block} exceed the prompt's "
+                f"{len(keys)} full blocks (partial tails are never stored)"
+            )
+        return self.store_keys(
+            ns,
+            keys[start_block : start_block + len(raw)],
+            raw,
+            lifetime=lifetime,
+            first_position=start_block,
+            wait=wait,
+        )
 
-    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block, start_block: int = 0,
-                        lifetime: str | None = None, *, wait: bool = True) -> list[Status] | concurrent.futures.Future:
+    def store_fragments(
+        self,
+        ns: Namespace | bytes,
+        token_ids,
+        fragments_per_block,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ) -> list[Status] | concurrent.futures.Future:
         """Store blocks given as engine fragments (see :meth:`tierstore.api.KVStore.store_fragments`).
 
         Each block's fragments (``2 * num_layers`` tensors, or a
@@ -310,11 +394,19 @@ class RemoteKVStore(Closing):
         keys = self.keys_for(ns, _check_token_ids(token_ids))
         frags = list(fragments_per_block)
         if start_block < 0 or start_block + len(frags) > len(keys):
-            raise LayoutError(f"{len(frags)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
+            raise LayoutError(
+                f"{len(frags)} blocks from block {start_block} exceed the prompt's "
+                f"{len(keys)} full blocks (partial tails are never stored)"
+            )
         raw = [self._gather(f) for f in frags]
-        return self.store_keys(ns, keys[start_block:start_block + len(raw)], raw, lifetime=lifetime,
-                               first_position=start_block, wait=wait)
+        return self.store_keys(
+            ns,
+            keys[start_block : start_block + len(raw)],
+            raw,
+            lifetime=lifetime,
+            first_position=start_block,
+            wait=wait,
+        )
 
     # ------------------------------------------------------------------ lookup / load
     def exists(self, keys: Sequence[bytes], *, ns: Namespace | bytes | None = None) -> int:
@@ -335,13 +427,15 @@ class RemoteKVStore(Closing):
 
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens, without touching recency."""
-        return self.exists(self.keys_for(ns, _check_token_ids(token_ids)), ns=ns) * self.layout.tokens_per_block
+        return (
+            self.exists(self.keys_for(ns, _check_token_ids(token_ids)), ns=ns) * self.layout.tokens_per_block
+        )
 
     def _lookup_keys(self, d: bytes, keys: list[bytes], request_id, num_keys: int) -> RemoteLookupResult:
         per = self.max_keys_per_request
         matched, useful, tiers, load_s, reason = 0, 0, [], [], None
         for a in range(0, max(1, len(keys)), per):
-            chunk = keys[a:a + per]
+            chunk = keys[a : a + per]
             r = self._wire.post("/v1/lookup", {"namespace": d.hex(), "keys": keys_to_hex(chunk)})
             matched += r["matched_blocks"]
             tiers += [_TIER[t] for t in r["tiers"]]
@@ -351,8 +445,16 @@ class RemoteKVStore(Closing):
                 reason = r.get("not_useful_reason")
             if r["matched_blocks"] < len(chunk):
                 break
-        res = RemoteLookupResult(keys[:matched], tiers, load_s, useful, num_keys, self.layout.tokens_per_block,
-                                 request_id, reason if useful < matched else None)
+        res = RemoteLookupResult(
+            keys[:matched],
+            tiers,
+            load_s,
+            useful,
+            num_keys,
+            self.layout.tokens_per_block,
+            request_id,
+            reason if useful < matched else None,
+        )
         res.ns = d
         return res
 
@@ -361,8 +463,9 @@ class RemoteKVStore(Closing):
         keys = self.keys_for(ns, _check_token_ids(token_ids))
         return self._lookup_keys(self.digest(ns), keys, request_id, len(keys))
 
-    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
-                    ns: Namespace | bytes | None = None) -> RemoteLookupResult:
+    def lookup_keys(
+        self, keys: Sequence[bytes], request_id: object = None, *, ns: Namespace | bytes | None = None
+    ) -> RemoteLookupResult:
         """Longest cached prefix of ``keys`` (key-level :meth:`lookup`); takes no references.
 
         Raises
@@ -382,8 +485,10 @@ class RemoteKVStore(Closing):
             return bytes(32)
         d = self._key_ns.get(keys[0])
         if d is None:
-            raise LayoutError("key-level calls of raw keys need ns=... (these keys were not produced by this "
-                              "client's keys_for/lookup)")
+            raise LayoutError(
+                "key-level calls of raw keys need ns=... (these keys were not produced by this "
+                "client's keys_for/lookup)"
+            )
         return d
 
     def _load_keys(self, keys, ns) -> tuple[list[bytes], bytes]:
@@ -397,9 +502,16 @@ class RemoteKVStore(Closing):
         keys = _check_keys(keys)
         return keys, self._ns_of(keys, ns)
 
-    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True, *, wait: bool = True, timeout_s: float | None = None,
-             ns: Namespace | bytes | None = None):
+    def load(
+        self,
+        keys: Sequence[bytes] | LookupResult,
+        dests: Sequence[torch.Tensor] | None = None,
+        promote: bool = True,
+        *,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        ns: Namespace | bytes | None = None,
+    ):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
 
         Returns per-block statuses and the filled tensors (typed blocks of
@@ -426,11 +538,18 @@ class RemoteKVStore(Closing):
             for a, b in self._batches(len(keys)):
                 if timeout_s is None:
                     st, o = await self._wire.get_blocks(
-                        d, keys[a:b], None if dests is None else dests[a:b],
-                        None if raw_dests is None else raw_dests[a:b], promote, self.layout, self.block_bytes)
+                        d,
+                        keys[a:b],
+                        None if dests is None else dests[a:b],
+                        None if raw_dests is None else raw_dests[a:b],
+                        promote,
+                        self.layout,
+                        self.block_bytes,
+                    )
                 else:  # private buffers: a cancelled batch never writes the caller's memory
-                    st, o = await self._wire.get_blocks(d, keys[a:b], None, None, promote, self.layout,
-                                                        self.block_bytes)
+                    st, o = await self._wire.get_blocks(
+                        d, keys[a:b], None, None, promote, self.layout, self.block_bytes
+                    )
                     if raw_dests is not None:
                         for i, (s, got) in enumerate(zip(st, o)):
                             if s is Status.OK:
@@ -439,12 +558,28 @@ class RemoteKVStore(Closing):
                 statuses.extend(st)
                 outs.extend(o)
             return statuses, outs
-        return self._wire.future(with_deadline(run(), timeout_s, lambda: (
-            statuses + [Status.MISS] * (len(keys) - len(statuses)), outs + [None] * (len(keys) - len(outs)))), wait)
 
-    def load_fragments(self, keys: Sequence[bytes] | LookupResult, dest_fragments_per_block, *,
-                       wait: bool = True, timeout_s: float | None = None,
-                       ns: Namespace | bytes | None = None) -> list[Status] | concurrent.futures.Future:
+        return self._wire.future(
+            with_deadline(
+                run(),
+                timeout_s,
+                lambda: (
+                    statuses + [Status.MISS] * (len(keys) - len(statuses)),
+                    outs + [None] * (len(keys) - len(outs)),
+                ),
+            ),
+            wait,
+        )
+
+    def load_fragments(
+        self,
+        keys: Sequence[bytes] | LookupResult,
+        dest_fragments_per_block,
+        *,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        ns: Namespace | bytes | None = None,
+    ) -> list[Status] | concurrent.futures.Future:
         """Load blocks and scatter each into its destination fragments
         (see :meth:`tierstore.api.KVStore.load_fragments`).
 
@@ -465,15 +600,19 @@ class RemoteKVStore(Closing):
 
         async def run() -> list[Status]:
             for a, b in self._batches(len(keys)):
-                st, outs = await self._wire.get_blocks(d, keys[a:b], None, None, True, self.layout,
-                                                       self.block_bytes)
+                st, outs = await self._wire.get_blocks(
+                    d, keys[a:b], None, None, True, self.layout, self.block_bytes
+                )
                 for s, raw, plan in zip(st, outs, plans[a:b]):
                     if s is Status.OK:
                         plan.scatter(raw.reshape(-1).view(torch.uint8), 0)
                 statuses.extend(st)
             return statuses
-        return self._wire.future(with_deadline(run(), timeout_s,
-                                           lambda: statuses + [Status.MISS] * (len(keys) - len(statuses))), wait)
+
+        return self._wire.future(
+            with_deadline(run(), timeout_s, lambda: statuses + [Status.MISS] * (len(keys) - len(statuses))),
+            wait,
+        )
 
     def _raw_dests(self, dests: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         B = self.block_bytes
@@ -506,18 +645,23 @@ class RemoteKVStore(Closing):
             For keys passed instead of token ids.
         """
         if str(tier).lower() != "host":
-            raise ConfigError(f"tier={tier!r}: a remote prefetch fills the daemon's memory; accepted values are "
-                              "['host'] (the engine's HBM is not the daemon's to fill)")
+            raise ConfigError(
+                f"tier={tier!r}: a remote prefetch fills the daemon's memory; accepted values are "
+                "['host'] (the engine's HBM is not the daemon's to fill)"
+            )
         keys = self.keys_for(ns, _check_token_ids(token_ids))
         d = self.digest(ns)
 
         async def run() -> int:
             n = 0
             for a, b in self._batches(len(keys)):
-                n += (await self._wire.request_json("POST", "/v1/prefetch", {"namespace": d.hex(),
-                                                                        "keys": keys_to_hex(keys[a:b])}))[
-                    "promoted_blocks"]
+                n += (
+                    await self._wire.request_json(
+                        "POST", "/v1/prefetch", {"namespace": d.hex(), "keys": keys_to_hex(keys[a:b])}
+                    )
+                )["promoted_blocks"]
             return n
+
         return self._wire.future(run(), wait=False)
 
     # ------------------------------------------------------------------ pins / admin
@@ -530,7 +674,7 @@ class RemoteKVStore(Closing):
             If the daemon's pin quota would be exceeded.
         """
         d = self.digest(ns)
-        keys = self.keys_for(ns, token_ids)[:self.max_keys_per_request]
+        keys = self.keys_for(ns, token_ids)[: self.max_keys_per_request]
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys)}
         if lease_s is not None:
             body["lease_s"] = float(lease_s)
@@ -562,7 +706,6 @@ class RemoteKVStore(Closing):
         (``stats`` included: it asks the daemon) raises
         :class:`~tierstore.errors.StoreClosedError`."""
         self._wire.close()
-
 
 
 __all__ = ["RemoteKVStore", "RemoteLookupResult", "RemoteError", "AuthError", "ServerBusy"]

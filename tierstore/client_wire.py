@@ -10,6 +10,7 @@ block transfers: a PUT's streamed body (:meth:`DaemonConnection.put_blocks`) and
 manifest and block stream received straight into the caller's buffers
 (:meth:`DaemonConnection.get_blocks`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,10 @@ class DaemonConnection:
     def __init__(self, url: str, token: str, timeout_s: float, retries: int, max_retry_wait_s: float) -> None:
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"url={url!r}: the URL needs a scheme (http:// or https://) and a host, e.g. "
-                              "http://127.0.0.1:8470")
+            raise ConfigError(
+                f"url={url!r}: the URL needs a scheme (http:// or https://) and a host, e.g. "
+                "http://127.0.0.1:8470"
+            )
         self.url = url.rstrip("/")
         #: open/closed state and the calls in progress (close waits for them)
         self._state = threading.Condition(threading.Lock())
@@ -101,8 +104,7 @@ class DaemonConnection:
         self.call(self._open())
 
     async def _open(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout,
-                                              connector=aiohttp.TCPConnector(limit=64))
+        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=64))
 
     # ------------------------------------------------------------------ calls in progress
     def _enter(self, coro) -> None:
@@ -175,8 +177,9 @@ class DaemonConnection:
         for attempt in itertools.count():
             body = data() if callable(data) else data
             try:
-                async with self._session.request(method, self.url + path, data=body, json=json_body,
-                                                 headers=hdrs) as resp:
+                async with self._session.request(
+                    method, self.url + path, data=body, json=json_body, headers=hdrs
+                ) as resp:
                     if resp.status == 200:
                         return await handle(resp)
                     err = await self._error(resp)
@@ -189,8 +192,10 @@ class DaemonConnection:
 
     async def request_json(self, method: str, path: str, body: dict | None):
         """A JSON request's JSON answer."""
+
         async def handle(resp):
             return json.loads(await resp.read())
+
         return await self.send(method, path, handle, json_body=body)
 
     def post(self, path: str, body: dict) -> dict:
@@ -198,12 +203,19 @@ class DaemonConnection:
         return self.call(self.request_json("POST", path, body))
 
     # ------------------------------------------------------------------ blocks
-    async def put_blocks(self, d: bytes, keys, raw, first_position: int, lifetime, block_bytes: int
-                         ) -> list[Status]:
+    async def put_blocks(
+        self, d: bytes, keys, raw, first_position: int, lifetime, block_bytes: int
+    ) -> list[Status]:
         """``PUT /v1/blocks``: the prefix (namespace digest ``d``, keys, first position, lifetime)
         then each raw block of ``block_bytes``, streamed from ``raw``; the daemon's statuses."""
-        prefix = encode_prefix({"namespace": d.hex(), "keys": keys_to_hex(keys),
-                                "first_position": first_position, "lifetime": lifetime})
+        prefix = encode_prefix(
+            {
+                "namespace": d.hex(),
+                "keys": keys_to_hex(keys),
+                "first_position": first_position,
+                "lifetime": lifetime,
+            }
+        )
         length = len(prefix) + len(raw) * block_bytes
 
         def body():
@@ -211,15 +223,23 @@ class DaemonConnection:
                 yield prefix
                 for t in raw:
                     yield memoryview(t.numpy())
+
             return gen()
 
         async def handle(resp):
             return [STATUS[s] for s in json.loads(await resp.read())["statuses"]]
-        return await self.send("PUT", "/v1/blocks", handle, data=body,
-                               headers={"Content-Type": BLOCKS_CONTENT_TYPE, "Content-Length": str(length)})
 
-    async def get_blocks(self, d: bytes, keys, dests, raw_dests, promote: bool, layout: KVLayout,
-                         block_bytes: int):
+        return await self.send(
+            "PUT",
+            "/v1/blocks",
+            handle,
+            data=body,
+            headers={"Content-Type": BLOCKS_CONTENT_TYPE, "Content-Length": str(length)},
+        )
+
+    async def get_blocks(
+        self, d: bytes, keys, dests, raw_dests, promote: bool, layout: KVLayout, block_bytes: int
+    ):
         """``POST /v1/blocks/get``: per key its status and, when ``OK``, its bytes.
 
         With ``raw_dests`` (per key a CPU ``uint8`` view of ``block_bytes``) the bytes are received
@@ -249,13 +269,15 @@ class DaemonConnection:
             outs: list[torch.Tensor | None] = [None] * len(keys)
             if raw_dests is not None:
                 # straight into the caller's buffers (contiguous CPU ones), no staging copy
-                targets = [memoryview(raw_dests[i].numpy()) if raw_dests[i].is_contiguous() else None for i in ok]
+                targets = [
+                    memoryview(raw_dests[i].numpy()) if raw_dests[i].is_contiguous() else None for i in ok
+                ]
                 tmp = [torch.empty(B, dtype=torch.uint8) if t is None else None for t in targets]
                 views = [t if t is not None else memoryview(x.numpy()) for t, x in zip(targets, tmp)]
             else:
                 buf = torch.empty(len(ok) * B, dtype=torch.uint8)
                 whole = memoryview(buf.numpy()) if ok else memoryview(b"")
-                views = [whole[j * B:(j + 1) * B] for j in range(len(ok))]
+                views = [whole[j * B : (j + 1) * B] for j in range(len(ok))]
             j, off, got, want = 0, 0, 0, len(ok) * B
             while got < want:
                 chunk = await c.readany()
@@ -265,7 +287,7 @@ class DaemonConnection:
                 p = 0
                 while p < len(cm) and j < len(views):
                     take = min(len(cm) - p, B - off)
-                    views[j][off:off + take] = cm[p:p + take]
+                    views[j][off : off + take] = cm[p : p + take]
                     p += take
                     off += take
                     if off == B:
@@ -279,8 +301,9 @@ class DaemonConnection:
                         raw_dests[i].copy_(tmp[j])
                     outs[i] = dests[i]
                 else:
-                    outs[i] = layout.block_view(buf[j * B:(j + 1) * B])
+                    outs[i] = layout.block_view(buf[j * B : (j + 1) * B])
             return st, outs
+
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys), "promote": promote}
         return await self.send("POST", "/v1/blocks/get", handle, json_body=body)
 

@@ -5,6 +5,7 @@ A resource that holds files, threads, rings or connections has ``close()``;
 swallows the exception (``__exit__`` returns ``None``). A class whose ``with``
 does more (``KVStore`` checks it is open) writes its own.
 """
+
 from __future__ import annotations
 
 from typing import TypeVar

@@ -23,6 +23,7 @@ Example (YAML, or the same keys as a JSON dict)::
     policies: {eviction: lru, admission: all, promotion: top}
     remote: {engine: mooncake, master: 127.0.0.1:50051, metadata: http://127.0.0.1:18080/metadata}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,7 +83,9 @@ class LayoutConfig(StrictModel):
         if self.preset is None and any(d is None for d in dims):
             raise ValueError("give either 'preset' or all of num_layers, num_kv_heads, head_dim")
         if self.preset is not None and any(d is not None for d in dims):
-            raise ValueError("'preset' excludes num_layers/num_kv_heads/head_dim (use tokens_per_block to resize)")
+            raise ValueError(
+                "'preset' excludes num_layers/num_kv_heads/head_dim (use tokens_per_block to resize)"
+            )
         return self
 
     def build(self) -> KVLayout:
@@ -91,8 +94,15 @@ class LayoutConfig(StrictModel):
             lay = get_layout(self.preset)
             lay = lay.with_tokens_per_block(self.tokens_per_block) if self.tokens_per_block else lay
             return dataclasses.replace(lay, block_order=self.block_order)
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                        self.tokens_per_block or 16, "custom", self.block_order)
+        return KVLayout(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.tokens_per_block or 16,
+            "custom",
+            self.block_order,
+        )
 
 
 class MemoryTierConfig(StrictModel):
@@ -123,7 +133,8 @@ class FdpConfig(StrictModel):
     enabled: bool = False
     plids: list[int] = Field(default_factory=list)
     ruh_update_on_segment_open: bool | None = Field(
-        None, description="send RUH Update when a segment opens; null: on with FDP placement")
+        None, description="send RUH Update when a segment opens; null: on with FDP placement"
+    )
     long_pid: int | None = Field(None, ge=0, le=0xFFFF)
     medium_pid: int | None = Field(None, ge=0, le=0xFFFF)
     short_pid: int | None = Field(None, ge=0, le=0xFFFF)
@@ -135,7 +146,9 @@ class SimDeviceConfig(StrictModel):
     whole device with ``device: sim``, or an observer of the file's writes with
     ``device: file`` (then WAF is reported for the run; a model, not the disk)."""
 
-    device_bytes: OptionalSizeBytes = Field(None, description="user capacity; null: tier capacity / utilization")
+    device_bytes: OptionalSizeBytes = Field(
+        None, description="user capacity; null: tier capacity / utilization"
+    )
     utilization: float = Field(0.9, gt=0, le=1)
     ru_size_bytes: OptionalSizeBytes = Field(None, description="reclaim unit; null: device / 60")
     op_fraction: float = Field(0.07, ge=0, lt=1)
@@ -183,21 +196,30 @@ class NvmeTierConfig(StrictModel):
 
     device: Literal["file", "sim", "fdp"] = "file"
     path: str | None = Field(None, description="directory, file, block device, or /dev/ngXnY for device: fdp")
-    capacity_bytes: OptionalSizeBytes = Field(None, description="null only with device: sim (utilization x device)")
-    format: bool = Field(False, description="let tierstore format a path without its label (a non-empty file, a "
-                                            "device); what it holds is lost")
+    capacity_bytes: OptionalSizeBytes = Field(
+        None, description="null only with device: sim (utilization x device)"
+    )
+    format: bool = Field(
+        False,
+        description="let tierstore format a path without its label (a non-empty file, a "
+        "device); what it holds is lost",
+    )
     engine: Literal["auto", "posix", "uring", "memory", "null"] = "auto"
     segment_size_bytes: OptionalSizeBytes = None
     extent_size_bytes: SizeBytes = 16 << 20
     iodepth: int = Field(16, ge=1, le=1024)
     region_policy: Literal["lru", "fifo", "min_live"] = "lru"
     eviction_granularity: Literal["region", "block"] = "region"
-    live_fraction: float = Field(0.9, gt=0.0, le=1.0, description="block mode: share of the tier's blocks kept live")
+    live_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="block mode: share of the tier's blocks kept live"
+    )
     trim_min_bytes: SizeBytes = Field(1 << 20, description="block mode: shortest dead run worth a deallocate")
     journal_path: str | None = Field(None, description="block mode: the journal file (durable before a trim)")
     flush_on_close: bool = Field(True, description="write memory-only blocks to NVMe at a clean close")
     flush_timeout_s: DurationS = Field(30.0, ge=0)
-    flush_max_bytes: OptionalSizeBytes = Field(None, description="cap on bytes written at close; null: no cap")
+    flush_max_bytes: OptionalSizeBytes = Field(
+        None, description="cap on bytes written at close; null: no cap"
+    )
     fdp: FdpConfig = FdpConfig()
     model: SimDeviceConfig | None = None
 
@@ -214,8 +236,11 @@ class NvmeTierConfig(StrictModel):
             raise ValueError(f"device: {self.device} needs a path")
         if self.device != "sim" and self.capacity_bytes is None:
             raise ValueError(f"device: {self.device} needs capacity_bytes")
-        if self.device == "sim" and self.capacity_bytes is None and (self.model is None
-                                                                      or self.model.device_bytes is None):
+        if (
+            self.device == "sim"
+            and self.capacity_bytes is None
+            and (self.model is None or self.model.device_bytes is None)
+        ):
             raise ValueError("device: sim needs capacity_bytes or model.device_bytes")
         if self.engine in ("memory", "null") and self.device == "file":
             raise ValueError(f"engine: {self.engine} keeps no file; use device: sim")
@@ -248,13 +273,27 @@ class TiersConfig(StrictModel):
 
 
 #: ``KVStore`` keywords that are not the field name of their section: keyword -> dotted path.
-OPTION_ALIASES = {"device": "tiers.hbm.device", "nvme_engine": "tiers.nvme.engine",
-                  "nvme_device": "tiers.nvme.device", "nvme_format": "tiers.nvme.format"}
+OPTION_ALIASES = {
+    "device": "tiers.hbm.device",
+    "nvme_engine": "tiers.nvme.engine",
+    "nvme_device": "tiers.nvme.device",
+    "nvme_format": "tiers.nvme.format",
+}
 #: ``NvmeTierConfig`` fields a ``KVStore`` keyword sets under its own name (the path and the
 #: capacity are arguments of their own; ``fdp`` and ``model`` need a config).
-NVME_OPTIONS = ("segment_size_bytes", "extent_size_bytes", "iodepth", "region_policy", "flush_on_close",
-                "flush_timeout_s", "flush_max_bytes", "eviction_granularity", "live_fraction", "trim_min_bytes",
-                "journal_path")
+NVME_OPTIONS = (
+    "segment_size_bytes",
+    "extent_size_bytes",
+    "iodepth",
+    "region_policy",
+    "flush_on_close",
+    "flush_timeout_s",
+    "flush_max_bytes",
+    "eviction_granularity",
+    "live_fraction",
+    "trim_min_bytes",
+    "journal_path",
+)
 
 
 class StoreLocation(StrictModel):
@@ -314,8 +353,14 @@ class StoreConfig(StrictModel):
         return parse_model(cls, doc, what)
 
     @classmethod
-    def from_options(cls, hbm_bytes: int | str = 0, host_bytes: int | str = 0, nvme_path: str | None = None,
-                     nvme_bytes: int | str = 0, **options: Any) -> StoreConfig:
+    def from_options(
+        cls,
+        hbm_bytes: int | str = 0,
+        host_bytes: int | str = 0,
+        nvme_path: str | None = None,
+        nvme_bytes: int | str = 0,
+        **options: Any,
+    ) -> StoreConfig:
         """The config ``KVStore(layout, hbm_bytes, host_bytes, nvme_path, nvme_bytes, **options)``
         opens, without its run-time objects.
 
@@ -338,6 +383,7 @@ class StoreConfig(StrictModel):
 
         def model(m, fields):
             return parse_model(m, fields, f"KVStore options ({m.__name__})")
+
         remote = options.pop("remote", None)
         if remote is not None and not isinstance(remote, RemoteConfig):
             remote = model(RemoteConfig, dict(remote))
@@ -348,15 +394,20 @@ class StoreConfig(StrictModel):
         nvme = None
         if (nvme_path is None) != (not nvme_bytes):
             # one without the other opened a store with no NVMe tier, silently
-            raise ConfigError(f"nvme_path={nvme_path!r}, nvme_bytes={nvme_bytes!r}: an NVMe tier needs both "
-                              "(a path and a capacity, e.g. nvme_bytes=64 << 20 or '64MiB'); give neither for "
-                              "a store in memory only")
+            raise ConfigError(
+                f"nvme_path={nvme_path!r}, nvme_bytes={nvme_bytes!r}: an NVMe tier needs both "
+                "(a path and a capacity, e.g. nvme_bytes=64 << 20 or '64MiB'); give neither for "
+                "a store in memory only"
+            )
         if nvme_path is not None and nvme_bytes:
             nvme = model(NvmeTierConfig, dict(path=nvme_path, capacity_bytes=nvme_bytes, **nv))
         elif given:
             raise ConfigError(f"{sorted(given)} need an NVMe tier (nvme_path and nvme_bytes)")
-        return cls(tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme), policies=model(PoliciesConfig, options),
-                   remote=remote)
+        return cls(
+            tiers=TiersConfig(hbm=hbm, host=host, nvme=nvme),
+            policies=model(PoliciesConfig, options),
+            remote=remote,
+        )
 
     @classmethod
     def from_yaml(cls, path: str) -> StoreConfig:

@@ -13,6 +13,7 @@ A *medium* is where bytes live, as a transfer handler sees it (vLLM ``kv_offload
 ``memory`` (HBM and host slots, engine buffers), ``nvme`` (the block storage), ``remote`` (the
 shared tier). Every name here stays importable from :mod:`tierstore.index`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,16 +24,27 @@ import typing
 from .errors import Status
 from .fdp.lifetime import LifetimeClass
 
-__all__ = ["Tier", "Medium", "MEMORY_TIERS", "BlockState", "LookupResult", "Lease", "Demotion", "StorePlan",
-           "LoadPlan", "PromotePlan", "Status"]
+__all__ = [
+    "Tier",
+    "Medium",
+    "MEMORY_TIERS",
+    "BlockState",
+    "LookupResult",
+    "Lease",
+    "Demotion",
+    "StorePlan",
+    "LoadPlan",
+    "PromotePlan",
+    "Status",
+]
 
 
 class Medium(enum.Enum):
     """Where a tier's bytes live, as a transfer handler sees it."""
 
-    MEMORY = "memory"   # HBM and host slots (and engine buffers)
-    NVME = "nvme"       # the block storage (tierstore.tiers.storage.BlockStorage)
-    REMOTE = "remote"   # the shared remote tier
+    MEMORY = "memory"  # HBM and host slots (and engine buffers)
+    NVME = "nvme"  # the block storage (tierstore.tiers.storage.BlockStorage)
+    REMOTE = "remote"  # the shared remote tier
 
 
 class Tier(enum.IntEnum):
@@ -41,7 +53,7 @@ class Tier(enum.IntEnum):
     HBM = 0
     HOST = 1
     NVME = 2
-    REMOTE = 3    # the shared remote tier: found by lookup, never indexed locally
+    REMOTE = 3  # the shared remote tier: found by lookup, never indexed locally
 
     @property
     def label(self) -> str:
@@ -54,8 +66,12 @@ class Tier(enum.IntEnum):
         return _MEDIUM[self]
 
 
-_MEDIUM = {Tier.HBM: Medium.MEMORY, Tier.HOST: Medium.MEMORY, Tier.NVME: Medium.NVME,
-           Tier.REMOTE: Medium.REMOTE}
+_MEDIUM = {
+    Tier.HBM: Medium.MEMORY,
+    Tier.HOST: Medium.MEMORY,
+    Tier.NVME: Medium.NVME,
+    Tier.REMOTE: Medium.REMOTE,
+}
 MEMORY_TIERS = (Tier.HBM, Tier.HOST)
 
 
@@ -65,7 +81,6 @@ class BlockState(enum.Enum):
     ACTIVE = "active"
     PINNED = "pinned"
     EVICTABLE = "evictable"
-
 
 
 @dataclasses.dataclass
@@ -120,7 +135,7 @@ class LookupResult:
 
     @property
     def useful_keys(self) -> list[bytes]:
-        return self.keys[:self.useful_blocks]
+        return self.keys[: self.useful_blocks]
 
 
 @dataclasses.dataclass
@@ -247,4 +262,3 @@ class PromotePlan:
     sources: list[tuple[Tier, int]] = dataclasses.field(default_factory=list)
     leads: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
-

@@ -22,6 +22,7 @@ reports are one frozen :class:`NvmeGeometry` (``KVStore.device_stats()``).
 ``--check`` (:mod:`tierstore.server.check`) runs :func:`file_tier_geometry`
 without opening anything.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,15 +47,40 @@ if TYPE_CHECKING:
     from .build import StoreParts
     from .fdp.discovery import FdpNamespace
 
-__all__ = ["DeviceStatsSource", "NvmeGeometry", "OpenedDevice", "device_report", "file_tier_geometry",
-           "open_device"]
+__all__ = [
+    "DeviceStatsSource",
+    "NvmeGeometry",
+    "OpenedDevice",
+    "device_report",
+    "file_tier_geometry",
+    "open_device",
+]
 
 #: ``NvmeGeometry`` fields ``device_stats()`` reports, in its order (``lba_bytes`` is kept, not reported).
-_REPORTED = ("device_bytes", "nvme_bytes", "ru_size_bytes", "segment_size_bytes", "utilization", "op_fraction",
-             "num_ruh", "isolation", "gc", "page_bytes", "warning")
+_REPORTED = (
+    "device_bytes",
+    "nvme_bytes",
+    "ru_size_bytes",
+    "segment_size_bytes",
+    "utilization",
+    "op_fraction",
+    "num_ruh",
+    "isolation",
+    "gc",
+    "page_bytes",
+    "warning",
+)
 #: Keys of a device's own counters that ``device_stats()`` copies as they are.
-_DEVICE_KEYS = ("hbmw_bytes", "mbmw_bytes", "mbe_bytes", "waf", "gc_runs", "trimmed_bytes", "invalid_pid_writes",
-                "valid_bytes")
+_DEVICE_KEYS = (
+    "hbmw_bytes",
+    "mbmw_bytes",
+    "mbe_bytes",
+    "waf",
+    "gc_runs",
+    "trimmed_bytes",
+    "invalid_pid_writes",
+    "valid_bytes",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +107,11 @@ class NvmeGeometry:
 
     def as_dict(self) -> dict:
         """The fields that are set (not ``None``), in field order."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
 
 
 class DeviceStatsSource(Protocol):
@@ -126,13 +156,16 @@ def _open_file_engine(kind: str, path: str, size_bytes: int, iodepth: int, what:
     except OSError as e:
         if isinstance(e, TierStoreError):
             raise
-        hint = {errno.EFBIG: f": {size_bytes} bytes is larger than a file may be on this file system; lower "
-                             "capacity_bytes",
-                errno.EINVAL: ": the file system refuses O_DIRECT (e.g. tmpfs); use a directory on a disk",
-                errno.ENOSPC: f": smaller than the {size_bytes} bytes asked for",
-                errno.ENOENT: " (no file can be created there)", errno.EROFS: " (a read-only file system)",
-                errno.EACCES: " (not writable by this user)", errno.EPERM: " (not writable by this user)",
-                }.get(e.errno, "")
+        hint = {
+            errno.EFBIG: f": {size_bytes} bytes is larger than a file may be on this file system; lower "
+            "capacity_bytes",
+            errno.EINVAL: ": the file system refuses O_DIRECT (e.g. tmpfs); use a directory on a disk",
+            errno.ENOSPC: f": smaller than the {size_bytes} bytes asked for",
+            errno.ENOENT: " (no file can be created there)",
+            errno.EROFS: " (a read-only file system)",
+            errno.EACCES: " (not writable by this user)",
+            errno.EPERM: " (not writable by this user)",
+        }.get(e.errno, "")
         raise ConfigError(f"{what}: cannot open {path}: {e.strerror or e}{hint}") from None
 
 
@@ -153,18 +186,24 @@ def file_tier_geometry(target: Target, nv: NvmeTierConfig, block_bytes: int) -> 
         return seg, cap // seg * seg
     seg = old.segment_size_bytes
     if old.block_bytes != block_bytes:
-        raise ConfigError(f"{path}: holds blocks of [{old.block_bytes}] bytes, but was opened for {block_bytes}-byte "
-                          "blocks (another KV layout?); open it with the layout it was written with, or use "
-                          "another path. Nothing was changed.")
+        raise ConfigError(
+            f"{path}: holds blocks of [{old.block_bytes}] bytes, but was opened for {block_bytes}-byte "
+            "blocks (another KV layout?); open it with the layout it was written with, or use "
+            "another path. Nothing was changed."
+        )
     if nv.segment_size_bytes is not None and nv.segment_size_bytes != seg:
-        raise ConfigError(f"tiers.nvme.segment_size_bytes={nv.segment_size_bytes}: {path} was formatted with "
-                          f"{seg}-byte segments, and a tier keeps its segment size; remove the key or set it to "
-                          f"{seg}, or use another path. Nothing was changed.")
+        raise ConfigError(
+            f"tiers.nvme.segment_size_bytes={nv.segment_size_bytes}: {path} was formatted with "
+            f"{seg}-byte segments, and a tier keeps its segment size; remove the key or set it to "
+            f"{seg}, or use another path. Nothing was changed."
+        )
     if cap // seg < MIN_SEGMENTS:
-        raise ConfigError(f"tiers.nvme.capacity_bytes={cap} ({format_bytes(cap)}): {path} was formatted with "
-                          f"{seg}-byte segments (as a {format_bytes(old.n_segments * seg)} tier); {cap} bytes hold "
-                          f"{cap // seg} of them, fewer than the {MIN_SEGMENTS} region eviction needs: give at least "
-                          f"{MIN_SEGMENTS * seg} bytes, or another path. Nothing was changed.")
+        raise ConfigError(
+            f"tiers.nvme.capacity_bytes={cap} ({format_bytes(cap)}): {path} was formatted with "
+            f"{seg}-byte segments (as a {format_bytes(old.n_segments * seg)} tier); {cap} bytes hold "
+            f"{cap // seg} of them, fewer than the {MIN_SEGMENTS} region eviction needs: give at least "
+            f"{MIN_SEGMENTS * seg} bytes, or another path. Nothing was changed."
+        )
     return seg, max(cap // seg * seg, old.n_segments * seg)
 
 
@@ -196,11 +235,15 @@ def _open_sim(nv: NvmeTierConfig) -> OpenedDevice:
     if ru % pb or ru % 4096:
         raise ConfigError(f"ru_size_bytes={ru}: must be a multiple of page_bytes={pb} and 4096")
     dev = dev // ru * ru
-    n_ru = (nv.capacity_bytes // ru) if nv.capacity_bytes is not None else int(m.utilization * dev + 1e-6) // ru
+    n_ru = (
+        (nv.capacity_bytes // ru) if nv.capacity_bytes is not None else int(m.utilization * dev + 1e-6) // ru
+    )
     tier = n_ru * ru
     if tier > dev or n_ru < 2:
-        raise ConfigError(f"NVMe tier of {n_ru} RUs of {ru} bytes does not fit a {dev}-byte device "
-                          "(need >= 2 RUs: one open segment and the GC reserve); use smaller RUs")
+        raise ConfigError(
+            f"NVMe tier of {n_ru} RUs of {ru} bytes does not fit a {dev}-byte device "
+            "(need >= 2 RUs: one open segment and the GC reserve); use smaller RUs"
+        )
     kind = "memory" if nv.engine == "auto" else nv.engine
     path = None
     if kind not in ("memory", "null"):  # the simulated device's data in a file
@@ -218,9 +261,18 @@ def _open_sim(nv: NvmeTierConfig) -> OpenedDevice:
         engine = _open_file_engine(kind, path, dev, nv.iodepth, f"tiers.nvme.path={nv.path!r}")
     geometry = NvmeGeometry(
         description=f"sim (FTL model, {kind} engine): {dev} B user capacity, RU {ru} B, OP {m.op_fraction}, "
-                    f"{m.num_ruh} RUHs, {m.isolation} isolation, {m.gc} GC; a simulation, not an SSD",
-        device_bytes=dev, nvme_bytes=tier, ru_size_bytes=ru, segment_size_bytes=ru, utilization=tier / dev,
-        op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc, page_bytes=pb)
+        f"{m.num_ruh} RUHs, {m.isolation} isolation, {m.gc} GC; a simulation, not an SSD",
+        device_bytes=dev,
+        nvme_bytes=tier,
+        ru_size_bytes=ru,
+        segment_size_bytes=ru,
+        utilization=tier / dev,
+        op_fraction=m.op_fraction,
+        num_ruh=m.num_ruh,
+        isolation=m.isolation,
+        gc=m.gc,
+        page_bytes=pb,
+    )
     return OpenedDevice(engine, tier, ru, path, geometry, ftl=ftl, device=device, stats_source=device)
 
 
@@ -232,26 +284,46 @@ def _open_file(nv: NvmeTierConfig, block_bytes: int) -> OpenedDevice:
     seg, size = file_tier_geometry(target, nv, block_bytes)
     tier = nv.capacity_bytes // seg * seg
     engine = _open_file_engine(kind, path, size, nv.iodepth, f"tiers.nvme.path={nv.path!r}")
-    geometry = NvmeGeometry(description=f"file ({kind} engine) {path}", device_bytes=tier, nvme_bytes=tier,
-                            ru_size_bytes=seg, segment_size_bytes=seg, utilization=1.0,
-                            warning=_sparse_overcommit_warning(path, tier))
+    geometry = NvmeGeometry(
+        description=f"file ({kind} engine) {path}",
+        device_bytes=tier,
+        nvme_bytes=tier,
+        ru_size_bytes=seg,
+        segment_size_bytes=seg,
+        utilization=1.0,
+        warning=_sparse_overcommit_warning(path, tier),
+    )
     opened = OpenedDevice(engine, tier, seg, path, geometry)
     if nv.model is None:
         return opened
     m = nv.model
     try:
-        ftl = FTLModel(tier, seg, m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
-                       page_bytes=m.page_bytes)
+        ftl = FTLModel(
+            tier,
+            seg,
+            m.op_fraction,
+            num_ruh=m.num_ruh,
+            isolation=m.isolation,
+            gc=m.gc,
+            page_bytes=m.page_bytes,
+        )
     except ConfigError as exc:
-        opened.geometry = dataclasses.replace(geometry, description=f"{geometry.description}; no FTL model ({exc})")
+        opened.geometry = dataclasses.replace(
+            geometry, description=f"{geometry.description}; no FTL model ({exc})"
+        )
         return opened
     opened.ftl = ftl
     opened.device = opened.stats_source = SimFdpDevice(ftl)
     opened.geometry = dataclasses.replace(
-        geometry, op_fraction=m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc,
+        geometry,
+        op_fraction=m.op_fraction,
+        num_ruh=m.num_ruh,
+        isolation=m.isolation,
+        gc=m.gc,
         page_bytes=m.page_bytes,
         description=f"{geometry.description}; WAF from an FTL model observing the engine "
-                    f"(a model, not this file system's device): RU = segment = {seg} B, OP {m.op_fraction}")
+        f"(a model, not this file system's device): RU = segment = {seg} B, OP {m.op_fraction}",
+    )
     return opened
 
 
@@ -266,21 +338,33 @@ def _sparse_overcommit_warning(path: str, tier_bytes: int) -> str | None:
         return None
     if tier_bytes <= free:
         return None
-    msg = (f"NVMe tier of {tier_bytes} bytes is larger than the {free} bytes free on the file system of "
-           f"{path}: writes will fail with no space once it fills")
+    msg = (
+        f"NVMe tier of {tier_bytes} bytes is larger than the {free} bytes free on the file system of "
+        f"{path}: writes will fail with no space once it fills"
+    )
     logging.getLogger("tierstore").warning(msg)
     return msg
 
 
-def _namespace_model(nv: NvmeTierConfig, ns: Any, tier: int, runs: int, engine: PassthroughEngine
-                     ) -> tuple[FTLModel | None, str]:
+def _namespace_model(
+    nv: NvmeTierConfig, ns: Any, tier: int, runs: int, engine: PassthroughEngine
+) -> tuple[FTLModel | None, str]:
     """``(model, what to add to the description)``: an FTL model of the FDP namespace ``ns``'s
     geometry (``nv.model``'s settings) observing ``engine``'s writes and RUH Updates, or ``None``
     when the geometry is one the model refuses (the reason said)."""
     m, cfg = nv.model, ns.info.config
     try:
-        ftl = FTLModel(tier, runs, m.op_fraction, num_ruh=cfg.nruh, isolation=m.isolation, gc=m.gc,
-                       page_bytes=m.page_bytes, num_rg=max(1, cfg.nrg), rgif=cfg.rgif)
+        ftl = FTLModel(
+            tier,
+            runs,
+            m.op_fraction,
+            num_ruh=cfg.nruh,
+            isolation=m.isolation,
+            gc=m.gc,
+            page_bytes=m.page_bytes,
+            num_rg=max(1, cfg.nrg),
+            rgif=cfg.rgif,
+        )
     except ConfigError as exc:
         return None, f"; no FTL model ({exc})"
     engine.add_observer(SimFdpDevice(ftl))
@@ -296,6 +380,7 @@ def _open_fdp(nv: NvmeTierConfig) -> OpenedDevice:
     for comparison with the device's own counters."""
     from .fdp.device import discover_namespace
     from .fdp.nvme_cli import FdpDeviceStats
+
     path = nv.path
     if not os.path.basename(path).startswith("ng"):
         raise ConfigError(f"device: fdp needs path=/dev/ngXnY (got {path!r})")
@@ -309,26 +394,48 @@ def _open_fdp(nv: NvmeTierConfig) -> OpenedDevice:
         raise ConfigError("device: fdp without FDP needs segment_size_bytes")
     tier = nv.capacity_bytes // ru * ru
     if tier > ns.size_bytes:
-        raise ConfigError(f"capacity_bytes={nv.capacity_bytes}: the namespace {path} has {ns.size_bytes} bytes")
+        raise ConfigError(
+            f"capacity_bytes={nv.capacity_bytes}: the namespace {path} has {ns.size_bytes} bytes"
+        )
     ruh_update = nv.fdp.ruh_update_on_segment_open
     if ruh_update is None:
         ruh_update = nv.fdp.enabled
-    engine = PassthroughEngine(ns.char_dev, tier, ns.nsid, ns.lba_bytes,
-                               pid_table=ns.pid_table if fdp_on else None,
-                               max_transfer_bytes=ns.max_transfer_bytes,
-                               ruh_update_segment_bytes=ru if (ruh_update and fdp_on) else None,
-                               ru_nominal_bytes=runs)
-    description = (f"{path} (FDP namespace {ns.nsid} of {ns.ctrl_dev} via NVMe passthrough; "
-                   f"{NOT_VERIFIED_ON_HARDWARE})")
+    engine = PassthroughEngine(
+        ns.char_dev,
+        tier,
+        ns.nsid,
+        ns.lba_bytes,
+        pid_table=ns.pid_table if fdp_on else None,
+        max_transfer_bytes=ns.max_transfer_bytes,
+        ruh_update_segment_bytes=ru if (ruh_update and fdp_on) else None,
+        ru_nominal_bytes=runs,
+    )
+    description = (
+        f"{path} (FDP namespace {ns.nsid} of {ns.ctrl_dev} via NVMe passthrough; {NOT_VERIFIED_ON_HARDWARE})"
+    )
     ftl = None
     if nv.model is not None and fdp_on:
         ftl, said = _namespace_model(nv, ns, tier, runs, engine)
         description += said
-    geometry = NvmeGeometry(description=description, device_bytes=ns.size_bytes, nvme_bytes=tier,
-                            ru_size_bytes=runs or ru, segment_size_bytes=ru, utilization=tier / ns.size_bytes,
-                            lba_bytes=ns.lba_bytes)
-    return OpenedDevice(engine, tier, ru, path, geometry, ftl=ftl,
-                        stats_source=FdpDeviceStats(ns.ctrl_dev, ns.endgid), discovery=ns)
+    geometry = NvmeGeometry(
+        description=description,
+        device_bytes=ns.size_bytes,
+        nvme_bytes=tier,
+        ru_size_bytes=runs or ru,
+        segment_size_bytes=ru,
+        utilization=tier / ns.size_bytes,
+        lba_bytes=ns.lba_bytes,
+    )
+    return OpenedDevice(
+        engine,
+        tier,
+        ru,
+        path,
+        geometry,
+        ftl=ftl,
+        stats_source=FdpDeviceStats(ns.ctrl_dev, ns.endgid),
+        discovery=ns,
+    )
 
 
 def device_report(parts: StoreParts, tier_write_bytes: int) -> dict:

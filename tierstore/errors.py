@@ -4,6 +4,7 @@ Expected outcomes (a miss, a rejected store, no space) are *values* of
 :class:`Status`, modelled on CacheLib Navy's ``Status``. Broken invariants and
 bad input raise the typed exceptions below; nothing relies on ``assert``.
 """
+
 from __future__ import annotations
 
 import enum

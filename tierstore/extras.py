@@ -22,6 +22,7 @@ extra       packages                what needs them
                                     (:mod:`tierstore.node.protocol`)
 ========== ======================= ==============================================
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,9 +31,18 @@ from types import ModuleType
 from .errors import ConfigError
 
 #: top-level module -> the extra that installs it
-EXTRA_OF = {"aiohttp": "server", "prometheus_client": "server", "rich": "bench", "matplotlib": "bench",
-            "fio_plot": "bench", "sh": "fdp", "mooncake": "cluster", "vllm": "vllm", "sglang": "sglang",
-            "msgspec": "node"}
+EXTRA_OF = {
+    "aiohttp": "server",
+    "prometheus_client": "server",
+    "rich": "bench",
+    "matplotlib": "bench",
+    "fio_plot": "bench",
+    "sh": "fdp",
+    "mooncake": "cluster",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "msgspec": "node",
+}
 
 
 def require(module: str, what: str) -> ModuleType:
@@ -49,8 +59,11 @@ def require(module: str, what: str) -> ModuleType:
     except ImportError as e:
         top = module.split(".")[0]
         extra = EXTRA_OF.get(top)
-        how = (f"pip install 'tierstore[{extra}]' (from a source checkout: pip install -e '.[{extra}]')" if extra
-               else f"pip install {top}")
+        how = (
+            f"pip install 'tierstore[{extra}]' (from a source checkout: pip install -e '.[{extra}]')"
+            if extra
+            else f"pip install {top}"
+        )
         raise ConfigError(f"{what} needs {top}, which is not installed: {how}") from e
 
 

@@ -20,6 +20,7 @@ and restarts: there is no random seed and no use of Python's ``hash()``.
 **Exact-hit rule.** Only *full* blocks of ``tokens_per_block`` tokens are hashed,
 stored or shared. A partial tail block is always recomputed by the engine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -138,8 +139,9 @@ class DigestCache:
             if self._scope is None:
                 return ns
         elif not hasattr(ns, "digest"):
-            raise ConfigError(f"a namespace must be a tierstore.Namespace or a 32-byte digest, "
-                              f"got {type(ns).__name__}")
+            raise ConfigError(
+                f"a namespace must be a tierstore.Namespace or a 32-byte digest, got {type(ns).__name__}"
+            )
         d = self._digests.get(ns)
         if d is None:
             if len(self._digests) >= self.MAX_ENTRIES:  # bounded: per-request namespaces must not grow it
@@ -223,8 +225,9 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(tokens, dtype="<i8").tobytes()
 
 
-def block_hashes(ns_digest: bytes, token_ids: Sequence[int] | np.ndarray,
-                 tokens_per_block: int) -> list[BlockKey]:
+def block_hashes(
+    ns_digest: bytes, token_ids: Sequence[int] | np.ndarray, tokens_per_block: int
+) -> list[BlockKey]:
     """Chained hashes of the *full* blocks of ``token_ids``.
 
     Parameters
@@ -252,14 +255,14 @@ def block_hashes(ns_digest: bytes, token_ids: Sequence[int] | np.ndarray,
     # (tests/test_identity.py pins them); 1.4-2.7x the per-block calls here.
     base = hashlib.sha256(_BLOCK_DOMAIN)
     step = tokens_per_block * 8
-    buf = memoryview(arr[:n * tokens_per_block].tobytes())
+    buf = memoryview(arr[: n * tokens_per_block].tobytes())
     out: list[BlockKey] = []
     append = out.append
     parent = ns_digest
     for off in range(0, n * step, step):
         h = base.copy()
         h.update(parent)
-        h.update(buf[off:off + step])
+        h.update(buf[off : off + step])
         parent = h.digest()
         append(parent)
     return out

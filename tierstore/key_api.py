@@ -9,6 +9,7 @@ input (:mod:`tierstore.io.inputs`: keys of 32 bytes, blocks, fragments and desti
 layout) and runs through :class:`tierstore.transfers.Transfers`; :func:`open_call` makes a call
 refuse to start once the store is closing (``StoreClosedError``) and lets ``close`` wait for it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,6 +42,7 @@ def open_call(fn):
             return fn(self, *args, **kwargs)
         finally:
             calls.leave()
+
     return call
 
 
@@ -64,8 +66,16 @@ class KeyAPI:
 
     # -------------------------------------------------------------- store
     @open_call
-    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
-                   first_position: int = 0, wait: bool = True) -> list[Status] | Future:
+    def store_keys(
+        self,
+        ns: Namespace | bytes,
+        keys: Sequence[bytes],
+        blocks,
+        *,
+        lifetime: str | None = None,
+        first_position: int = 0,
+        wait: bool = True,
+    ) -> list[Status] | Future:
         """Store blocks under keys the caller computed (key-level API).
 
         For engines that hash blocks themselves (SGLang page hashes scoped with
@@ -107,8 +117,14 @@ class KeyAPI:
 
     # -------------------------------------------------------------- lookup
     @open_call
-    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
-                    num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
+    def lookup_keys(
+        self,
+        keys: Sequence[bytes],
+        request_id: object = None,
+        *,
+        num_prompt_tokens: int | None = None,
+        ns: Namespace | bytes | None = None,
+    ) -> LookupResult:
         """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
         ``num_prompt_tokens`` feeds the partial-tail metric.
 
@@ -123,13 +139,21 @@ class KeyAPI:
             For a key that is not 32 bytes.
         """
         keys = check_keys(keys)
-        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens,
-                                      None if ns is None else self.digest(ns))
+        return self._transfers.lookup(
+            keys, None, request_id, num_prompt_tokens, None if ns is None else self.digest(ns)
+        )
 
     # -------------------------------------------------------------- load
     @open_call
-    def load(self, keys: Sequence[bytes] | LookupResult, dests: Sequence[torch.Tensor] | None = None,
-             promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
+    def load(
+        self,
+        keys: Sequence[bytes] | LookupResult,
+        dests: Sequence[torch.Tensor] | None = None,
+        promote: bool = True,
+        *,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new tensors.
 
         Parameters
@@ -159,9 +183,14 @@ class KeyAPI:
         return self._transfers.load(keys, plans, promote, wait, timeout_s, finish, self.MERGE_WAIT_S)
 
     @open_call
-    def load_fragments(self, keys: Sequence[bytes] | LookupResult,
-                       dest_fragments_per_block: Sequence[Sequence[torch.Tensor]], *,
-                       wait: bool = True, timeout_s: float | None = None) -> list[Status] | Future:
+    def load_fragments(
+        self,
+        keys: Sequence[bytes] | LookupResult,
+        dest_fragments_per_block: Sequence[Sequence[torch.Tensor]],
+        *,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ) -> list[Status] | Future:
         """Load blocks and scatter each straight into its destination fragments.
 
         ``dest_fragments_per_block`` is as in :meth:`store_fragments` (fragment

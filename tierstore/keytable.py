@@ -24,6 +24,7 @@ Not thread-safe: the owner serialises access under its own lock.
 :class:`GhostKeys` is the bounded FIFO of recently refused keys that both
 "admit on the second sighting" rules keep (NVMe and remote admission).
 """
+
 from __future__ import annotations
 
 import struct
@@ -92,8 +93,12 @@ class KeyTable:
     @property
     def nbytes(self) -> int:
         """Bytes held by the table's buffers."""
-        return len(self._keys) + len(self._live) + self._slots.itemsize * len(self._slots) + \
-            self._free.itemsize * len(self._free)
+        return (
+            len(self._keys)
+            + len(self._live)
+            + self._slots.itemsize * len(self._slots)
+            + self._free.itemsize * len(self._free)
+        )
 
     # --------------------------------------------------------------- lookups
     def get(self, key: bytes) -> int:
@@ -136,7 +141,7 @@ class KeyTable:
         kv = np.frombuffer(self._keys, dtype=_V32)
         pos = (np.frombuffer(raw, dtype="<u8")[::4] & np.uint64(self._mask)).astype(np.intp)
         s = slots[pos]
-        match = kv[s] == q          # s < 0 reads some other row: masked next
+        match = kv[s] == q  # s < 0 reads some other row: masked next
         match &= s >= 0
         out = np.where(match, s, -1).astype(np.int64)
         more = (~match & (s != _EMPTY)).nonzero()[0]
@@ -170,8 +175,8 @@ class KeyTable:
         rows = self._take_rows(n)
         if fresh:  # consecutive new rows: plain byte copies
             r0 = int(rows[0])
-            self._keys[r0 * KEY_BYTES:(r0 + n) * KEY_BYTES] = raw
-            self._live[r0:r0 + n] = b"\x01" * n
+            self._keys[r0 * KEY_BYTES : (r0 + n) * KEY_BYTES] = raw
+            self._live[r0 : r0 + n] = b"\x01" * n
         else:
             np.frombuffer(self._keys, dtype=_V32)[rows] = np.frombuffer(raw, dtype=_V32)
             np.frombuffer(self._live, dtype=np.uint8)[rows] = 1
@@ -212,16 +217,16 @@ class KeyTable:
     def key_of(self, row: int) -> bytes:
         """The key stored at ``row``."""
         o = row * KEY_BYTES
-        return bytes(self._keys[o:o + KEY_BYTES])
+        return bytes(self._keys[o : o + KEY_BYTES])
 
     def keys_of(self, rows: Iterable[int]) -> list[bytes]:
         """Keys of several rows."""
         kb = self._keys
-        return [bytes(kb[r * KEY_BYTES:(r + 1) * KEY_BYTES]) for r in rows]
+        return [bytes(kb[r * KEY_BYTES : (r + 1) * KEY_BYTES]) for r in rows]
 
     def rows(self) -> np.ndarray:
         """Live rows, ascending (``int64``)."""
-        return np.flatnonzero(np.frombuffer(self._live, dtype=np.uint8)[:self._next_row])
+        return np.flatnonzero(np.frombuffer(self._live, dtype=np.uint8)[: self._next_row])
 
     def live_mask(self, rows: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``rows`` hold a key."""
@@ -258,12 +263,12 @@ class KeyTable:
                     tomb = p
             else:
                 o = s * KEY_BYTES
-                if kb[o:o + KEY_BYTES] == key:
+                if kb[o : o + KEY_BYTES] == key:
                     return s, False
             p += 1
         row = self._take_row()
         o = row * KEY_BYTES
-        self._keys[o:o + KEY_BYTES] = key
+        self._keys[o : o + KEY_BYTES] = key
         self._live[row] = 1
         if tomb >= 0:
             self._slots[tomb] = row
@@ -319,8 +324,8 @@ class KeyTable:
         k = min(n, len(self._free))
         out = np.empty(n, dtype=np.int64)
         if k:
-            out[:k] = np.frombuffer(self._free, dtype=np.int32)[len(self._free) - k:][::-1]
-            del self._free[len(self._free) - k:]
+            out[:k] = np.frombuffer(self._free, dtype=np.int32)[len(self._free) - k :][::-1]
+            del self._free[len(self._free) - k :]
         fresh = n - k
         if fresh:
             while self._next_row + fresh > self._cap:
@@ -349,9 +354,9 @@ class KeyTable:
     def _grow_rows(self) -> None:
         new_cap = self._cap + max(16, self._cap // 2)
         keys = bytearray(KEY_BYTES * new_cap)
-        keys[:len(self._keys)] = self._keys
+        keys[: len(self._keys)] = self._keys
         live = bytearray(new_cap)
-        live[:len(self._live)] = self._live
+        live[: len(self._live)] = self._live
         self._keys, self._live, self._cap = keys, live, new_cap
 
     def _rebuild(self, at_least: int) -> None:

@@ -18,6 +18,7 @@ Bytes per token = ``2 * num_layers * num_kv_heads * head_dim * itemsize``.
 For Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16; the model's
 config.json) this is 131072 B = 128 KiB per token.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,18 +29,21 @@ import torch
 from .errors import ConfigError, LayoutError
 
 #: Block byte orders -> ``num_layers -> (outer, inner)`` fragment grid (see ``KVLayout.block_order``).
-BLOCK_ORDERS = {
-    "layer_kv": lambda n: (n, 2),
-    "layer_fused": lambda n: (n, 1),
-    "kv_layer": lambda n: (1, 2),
-}
+BLOCK_ORDERS = {"layer_kv": lambda n: (n, 2), "layer_fused": lambda n: (n, 1), "kv_layer": lambda n: (1, 2)}
 
 _DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-    "int8": torch.int8, "uint8": torch.uint8,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 
@@ -118,8 +122,9 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{f}={v!r}: must be a positive integer")
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
         if self.block_order not in BLOCK_ORDERS:
-            raise ConfigError(f"KVLayout.block_order={self.block_order!r}: accepted values are "
-                              f"{sorted(BLOCK_ORDERS)}")
+            raise ConfigError(
+                f"KVLayout.block_order={self.block_order!r}: accepted values are {sorted(BLOCK_ORDERS)}"
+            )
 
     def fingerprint(self) -> bytes:
         """32-byte SHA-256 of the geometry and dtype (``num_layers``,
@@ -132,8 +137,17 @@ class KVLayout:
         """
         import hashlib
         import json
-        fields = [self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype), self.tokens_per_block]
-        if self.block_order != "layer_kv":  # the default keeps the fingerprints of stores written before it existed
+
+        fields = [
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype_name(self.dtype),
+            self.tokens_per_block,
+        ]
+        if (
+            self.block_order != "layer_kv"
+        ):  # the default keeps the fingerprints of stores written before it existed
             fields.append(self.block_order)
         desc = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(b"tierstore/kv-layout/v1\0" + desc.encode()).digest()
@@ -205,7 +219,8 @@ class KVLayout:
         if raw.dtype != torch.uint8 or raw.numel() != self.bytes_per_block or not raw.is_contiguous():
             raise LayoutError(
                 f"expected a contiguous uint8 tensor of {self.bytes_per_block} bytes, "
-                f"got dtype={raw.dtype} numel={raw.numel()} contiguous={raw.is_contiguous()}")
+                f"got dtype={raw.dtype} numel={raw.numel()} contiguous={raw.is_contiguous()}"
+            )
         return raw.view(self.dtype).view(self.block_shape)
 
     def as_bytes(self, block: torch.Tensor) -> torch.Tensor:
@@ -219,8 +234,10 @@ class KVLayout:
         if block.dtype == torch.uint8 and block.numel() == self.bytes_per_block:
             return block.reshape(-1)
         if block.dtype != self.dtype or tuple(block.shape) != self.block_shape:
-            raise LayoutError(f"expected a block of shape {self.block_shape} and dtype {self.dtype}, "
-                              f"got {tuple(block.shape)} {block.dtype}")
+            raise LayoutError(
+                f"expected a block of shape {self.block_shape} and dtype {self.dtype}, "
+                f"got {tuple(block.shape)} {block.dtype}"
+            )
         return block.contiguous().view(torch.uint8).reshape(-1)
 
     def fragments(self, block: torch.Tensor) -> list[torch.Tensor]:
@@ -245,11 +262,13 @@ class KVLayout:
             if not isinstance(f, torch.Tensor):
                 raise LayoutError(f"fragment {i}: expected a torch.Tensor, got {type(f).__name__}")
             if f.dtype != self.dtype and f.dtype != torch.uint8:
-                raise LayoutError(f"fragment {i}: dtype {f.dtype}; the layout's is {self.dtype} "
-                                  f"(or uint8 for raw bytes)")
+                raise LayoutError(
+                    f"fragment {i}: dtype {f.dtype}; the layout's is {self.dtype} (or uint8 for raw bytes)"
+                )
             if f.numel() * f.element_size() != self.fragment_bytes:
-                raise LayoutError(f"fragment {i}: expected {self.fragment_bytes} bytes, "
-                                  f"got {f.numel() * f.element_size()}")
+                raise LayoutError(
+                    f"fragment {i}: expected {self.fragment_bytes} bytes, got {f.numel() * f.element_size()}"
+                )
 
     def with_tokens_per_block(self, tokens_per_block: int) -> KVLayout:
         """Same model, other block size."""
@@ -257,10 +276,17 @@ class KVLayout:
 
     def to_dict(self) -> dict:
         """JSON-serialisable description."""
-        return {"name": self.name, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype),
-                "tokens_per_block": self.tokens_per_block, "block_order": self.block_order,
-                "bytes_per_token": self.bytes_per_token, "bytes_per_block": self.bytes_per_block}
+        return {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": dtype_name(self.dtype),
+            "tokens_per_block": self.tokens_per_block,
+            "block_order": self.block_order,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_block": self.bytes_per_block,
+        }
 
 
 #: Presets. Sources: each model's Hugging Face ``config.json``.

@@ -17,6 +17,7 @@ Counter meanings (all cumulative since construction):
 Load latency is an HdrHistogram (Gil Tene's HdrHistogram, 3 significant digits)
 in nanoseconds.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,12 +54,15 @@ class Metrics:
             self.load_latency_ns[tier].record_value(ns)
             self.load_latency_ns["all"].record_value(ns)
 
-    def latency_percentiles_ns(self, tier: str = "all",
-                               pcts: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)) -> dict[str, float]:
+    def latency_percentiles_ns(
+        self, tier: str = "all", pcts: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
+    ) -> dict[str, float]:
         """Percentiles of load latency, keys like ``"p50"``, in ns (0 when empty), ``count`` and ``mean``."""
         h = self.load_latency_ns[tier]
         with self._lock:
-            out: dict[str, float] = {f"p{p:g}": int(h.get_value_at_percentile(p)) if h.get_total_count() else 0 for p in pcts}
+            out: dict[str, float] = {
+                f"p{p:g}": int(h.get_value_at_percentile(p)) if h.get_total_count() else 0 for p in pcts
+            }
             out["count"] = int(h.get_total_count())
             out["mean"] = float(h.get_mean_value()) if h.get_total_count() else 0.0
         return out

@@ -17,6 +17,7 @@ the barred namespaces) and makes no transfer: :class:`tierstore.transfers.Transf
 runs the movers on its plans. ``exists_prefix`` is network I/O: it is called with no
 lock held (the index's ``probe``/``tiers_of`` lock briefly).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,7 +112,7 @@ class RemotePlanner:
             n = self.tier.exists_prefix(keys[pos:])
             if n <= 0:
                 break
-            more = list(keys[pos:pos + n])
+            more = list(keys[pos : pos + n])
             if digest is not None:
                 self._remember(more, digest)
             out_keys += more
@@ -119,7 +120,7 @@ class RemotePlanner:
             pos += n
             n_remote += n
             m = self.index.probe(keys[pos:]) if pos < len(keys) else 0
-            for k in keys[pos:pos + m]:
+            for k in keys[pos : pos + m]:
                 here = self.index.tiers_of(k)
                 if not here:
                     m = 0
@@ -140,18 +141,32 @@ class RemotePlanner:
         while len(self._remote_ns) > self.REMOTE_NS_MAX:
             self._remote_ns.pop(next(iter(self._remote_ns)))
 
-    def _priced(self, res: LookupResult, out_keys: list[bytes], tiers: list[Tier], n_remote: int,
-                n_local: int) -> LookupResult:
+    def _priced(
+        self, res: LookupResult, out_keys: list[bytes], tiers: list[Tier], n_remote: int, n_local: int
+    ) -> LookupResult:
         """The extended match with its load estimate and useful prefix (counted)."""
         cost, bb = self.index.runtime.cost, self.block_bytes
         labels = [t.label for t in tiers]
         load_s = cost.chain_load_s(labels, bb)  # remote estimates: measured Mooncake loads (build wires them)
         useful = cost.useful_prefix(load_s, self.tokens_per_block)
         reason = cost.not_useful_reason(labels, load_s, useful, bb, self.tokens_per_block)
-        self.index.metrics.add({"remote_hit_blocks": n_remote, "hit_blocks": n_remote + n_local,
-                                "useful_blocks": useful - res.useful_blocks})
-        return LookupResult(out_keys, tiers, load_s, useful, res.requested_blocks, res.tokens_per_block,
-                            res.request_id, reason)
+        self.index.metrics.add(
+            {
+                "remote_hit_blocks": n_remote,
+                "hit_blocks": n_remote + n_local,
+                "useful_blocks": useful - res.useful_blocks,
+            }
+        )
+        return LookupResult(
+            out_keys,
+            tiers,
+            load_s,
+            useful,
+            res.requested_blocks,
+            res.tokens_per_block,
+            res.request_id,
+            reason,
+        )
 
     def plan_load(self, keys: list[bytes], missed: list[int]) -> RemoteLoadPlan:
         """Split the locally missed positions ``missed`` of a load of ``keys`` into a

@@ -10,6 +10,7 @@ A name is registered once; an alias is a second spelling of one canonical name a
 member of its own. Members keep registration order (the order :meth:`Registry.names` lists and
 error messages show).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -44,8 +45,9 @@ class Registry(Generic[T]):
         self._factories: dict[str, Callable[..., T]] = {}
         self._aliases: dict[str, str] = {}  # alias -> canonical name
 
-    def register(self, name: str, factory: Callable[..., T], *, aliases: Iterable[str] = (),
-                 replace: bool = False) -> None:
+    def register(
+        self, name: str, factory: Callable[..., T], *, aliases: Iterable[str] = (), replace: bool = False
+    ) -> None:
         """Make ``factory`` the member ``name`` (also reachable as each of ``aliases``).
 
         Parameters

@@ -18,6 +18,7 @@ Scaling (so the run fits a small machine; reported in the output):
 * **Capacity.** Tier sizes default to fractions of the trace's unique full-block
   bytes (HBM 2%, host 8%, NVMe 30%), or are given in bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -108,21 +109,36 @@ class ReplayConfig:
                 nv["engine"] = "null"
             if nv.get("device") == "sim" and nv.get("engine", "auto") in ("auto", "memory", "null"):
                 nv.pop("path")
-        return StoreConfig.from_dict({"tiers": {"hbm": {"capacity_bytes": hbm_bytes},
-                                                "host": {"capacity_bytes": host_bytes}, "nvme": nv,
-                                                "keep_data": self.keep_data},
-                                      "policies": {"eviction": self.eviction, **self.policies}},
-                                     "replay store config")
+        return StoreConfig.from_dict(
+            {
+                "tiers": {
+                    "hbm": {"capacity_bytes": hbm_bytes},
+                    "host": {"capacity_bytes": host_bytes},
+                    "nvme": nv,
+                    "keep_data": self.keep_data,
+                },
+                "policies": {"eviction": self.eviction, **self.policies},
+            },
+            "replay store config",
+        )
 
     def layout(self) -> KVLayout:
         """A scaled layout whose 512-token block is ``block_bytes`` bytes (bf16, 1 KV head)."""
         per_token = self.block_bytes // MOONCAKE_BLOCK_TOKENS
         if self.block_bytes % (MOONCAKE_BLOCK_TOKENS * 4) or per_token < 4:
-            raise ConfigError(f"block_bytes={self.block_bytes}: must be a multiple of "
-                              f"{MOONCAKE_BLOCK_TOKENS * 4} (2 KV x bf16 x 512 tokens)")
+            raise ConfigError(
+                f"block_bytes={self.block_bytes}: must be a multiple of "
+                f"{MOONCAKE_BLOCK_TOKENS * 4} (2 KV x bf16 x 512 tokens)"
+            )
         # 2 (K,V) * layers * heads * head_dim * 2 B = per_token  ->  layers=2, heads=1, head_dim=per_token/8
-        return KVLayout(num_layers=2, num_kv_heads=1, head_dim=per_token // 8, dtype=torch.bfloat16,
-                        tokens_per_block=MOONCAKE_BLOCK_TOKENS, name="trace-scaled")
+        return KVLayout(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=per_token // 8,
+            dtype=torch.bfloat16,
+            tokens_per_block=MOONCAKE_BLOCK_TOKENS,
+            name="trace-scaled",
+        )
 
 
 @dataclasses.dataclass
@@ -157,13 +173,16 @@ def unique_full_blocks(requests: list[TraceRequest]) -> int:
     """Distinct full-block ids (prefix-position-qualified) in the trace."""
     seen: set[int] = set()
     for r in requests:
-        seen.update(r.hash_ids[:r.full_blocks()])
+        seen.update(r.hash_ids[: r.full_blocks()])
     return len(seen)
 
 
-def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = None,
-               on_sample: Callable[[KVStore, dict], None] | None = None,
-               on_open: Callable[[KVStore], None] | None = None) -> ReplayReport:
+def run_replay(
+    cfg: ReplayConfig,
+    progress: Callable[[int, int], None] | None = None,
+    on_sample: Callable[[KVStore, dict], None] | None = None,
+    on_open: Callable[[KVStore], None] | None = None,
+) -> ReplayReport:
     """Replay ``cfg.trace`` through a fresh :class:`KVStore`.
 
     Parameters
@@ -198,6 +217,7 @@ def run_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = 
 def _close_unflushed(store) -> None:
     """Close a replay's store without ``flush_on_close`` (a store without that option: plainly)."""
     import inspect
+
     if "flush" in inspect.signature(store.close).parameters:
         store.close(flush=False)
     else:
@@ -229,22 +249,39 @@ class ReplaySession:
         def cap(explicit, frac):
             return int(explicit) if explicit is not None else int(unique_bytes * frac) // bb * bb
 
-        hbm, host, nvme = cap(cfg.hbm_bytes, cfg.hbm_fraction), cap(cfg.host_bytes, cfg.host_fraction), \
-            cap(cfg.nvme_bytes, cfg.nvme_fraction)
+        hbm, host, nvme = (
+            cap(cfg.hbm_bytes, cfg.hbm_fraction),
+            cap(cfg.host_bytes, cfg.host_fraction),
+            cap(cfg.nvme_bytes, cfg.nvme_fraction),
+        )
         self._own_dir = cfg.directory is None
         self.directory = tempfile.mkdtemp(prefix="tierstore-replay-") if self._own_dir else cfg.directory
         self.report: ReplayReport | None = None
         self._done = 0
         clock = _TraceClock()
         try:
-            self.store = KVStore.from_config(cfg.store_config(hbm, host, nvme, self.directory), layout,
-                                             clock=clock, **cfg.runtime)
+            self.store = KVStore.from_config(
+                cfg.store_config(hbm, host, nvme, self.directory), layout, clock=clock, **cfg.runtime
+            )
             nvme = int(self.store.device_stats().get("nvme_bytes", nvme))
             if on_open is not None:
                 on_open(self.store)
-            self._gen = _replay(self.store, reqs, layout, cfg, clock,
-                                dict(hbm_bytes=hbm, host_bytes=host, nvme_bytes=nvme, unique_blocks=uniq,
-                                     directory=self.directory), progress, on_sample)
+            self._gen = _replay(
+                self.store,
+                reqs,
+                layout,
+                cfg,
+                clock,
+                dict(
+                    hbm_bytes=hbm,
+                    host_bytes=host,
+                    nvme_bytes=nvme,
+                    unique_blocks=uniq,
+                    directory=self.directory,
+                ),
+                progress,
+                on_sample,
+            )
         except BaseException:
             self.close()
             raise
@@ -295,8 +332,15 @@ class _Tally:
     hit_blocks: int = 0
     useful_blocks: int = 0
     #: the time series of :func:`_sample`
-    ts: dict = dataclasses.field(default_factory=lambda: {"t_s": [], "hbm_bytes": [], "host_bytes": [],
-                                                          "nvme_bytes": [], "hit_ratio": []})
+    ts: dict = dataclasses.field(
+        default_factory=lambda: {
+            "t_s": [],
+            "hbm_bytes": [],
+            "host_bytes": [],
+            "nvme_bytes": [],
+            "hit_ratio": [],
+        }
+    )
 
 
 def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample):
@@ -334,8 +378,9 @@ def _replay(store: KVStore, reqs, layout, cfg, clock, sizes, progress, on_sample
         _close_unflushed(store)
 
 
-def _lookup_and_load(store: KVStore, keys: list, rid, prompt_tokens: int, bb: int, keep: bool,
-                     tally: _Tally) -> int:
+def _lookup_and_load(
+    store: KVStore, keys: list, rid, prompt_tokens: int, bb: int, keep: bool, tally: _Tally
+) -> int:
     """Look up one request's full blocks and load its useful prefix (checked against the keys when
     ``keep``); returns how many leading blocks loaded."""
     res = store.lookup_keys(keys, request_id=rid, num_prompt_tokens=prompt_tokens)
@@ -360,8 +405,9 @@ def _lookup_and_load(store: KVStore, keys: list, rid, prompt_tokens: int, bb: in
     return n_ok
 
 
-def _store_missed(store: KVStore, ns: bytes, new: list, first_position: int, bb: int, template,
-                  tally: _Tally) -> None:
+def _store_missed(
+    store: KVStore, ns: bytes, new: list, first_position: int, bb: int, template, tally: _Tally
+) -> None:
     """Store the blocks a request missed: each carries its key in its first 32 bytes (``template``:
     the rest of a block's bytes), or ``meta`` tensors when the replay keeps no data (``template`` None)."""
     blocks = []
@@ -383,8 +429,13 @@ def _store_missed(store: KVStore, ns: bytes, new: list, first_position: int, bb:
 def _sample(store: KVStore, clock, tally: _Tally, on_sample) -> None:
     """One point of the time series: bytes per tier and the hit ratio so far, at trace time."""
     bpt = store.bytes_per_tier()
-    sample = {"t_s": clock.now_s, "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"],
-              "nvme_bytes": bpt["nvme"], "hit_ratio": tally.hit_blocks / max(1, tally.lookup_blocks)}
+    sample = {
+        "t_s": clock.now_s,
+        "hbm_bytes": bpt["hbm"],
+        "host_bytes": bpt["host"],
+        "nvme_bytes": bpt["nvme"],
+        "hit_ratio": tally.hit_blocks / max(1, tally.lookup_blocks),
+    }
     if on_sample is not None:
         on_sample(store, sample)
     for k, v in sample.items():
@@ -419,9 +470,13 @@ def _report(store: KVStore, reqs, layout, cfg, sizes, tally: _Tally, runtime: fl
         "block_bytes": layout.bytes_per_block,
         "block_tokens": MOONCAKE_BLOCK_TOKENS,
         "bytes_scale_factor": REFERENCE_BLOCK_BYTES / layout.bytes_per_block,
-        "hbm_capacity_bytes": sizes["hbm_bytes"], "host_capacity_bytes": sizes["host_bytes"],
-        "nvme_capacity_bytes": sizes["nvme_bytes"], "unique_blocks": sizes["unique_blocks"],
-        "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
+        "hbm_capacity_bytes": sizes["hbm_bytes"],
+        "host_capacity_bytes": sizes["host_bytes"],
+        "nvme_capacity_bytes": sizes["nvme_bytes"],
+        "unique_blocks": sizes["unique_blocks"],
+        "hbm_bytes": bpt["hbm"],
+        "host_bytes": bpt["host"],
+        "nvme_bytes": bpt["nvme"],
         **{k: int(snap.get(k, 0)) for k in _COUNTED},
         "promotions": int(sum(v for k, v in snap.items() if k.startswith("promotions_"))),
         "dropped_blocks": int(snap.get("dropped_blocks", 0)),
@@ -431,16 +486,42 @@ def _report(store: KVStore, reqs, layout, cfg, sizes, tally: _Tally, runtime: fl
     }
     for p in (50, 90, 99):
         kv[f"load_lat_p{p}_ns"] = int(np.percentile(lat, p)) if lat.size else 0
-    return ReplayReport(len(reqs), kv, lat, np.asarray(tally.store_lat, dtype=np.int64), tally.load_bytes,
-                        tally.store_bytes, tally.load_wall, tally.store_wall, runtime, tally.ts, stats,
-                        # runtime objects (a store, locks) are neither deep-copied nor reported
-                        {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, runtime={})).items()
-                         if k != "runtime"}
-                        | {"layout": layout.to_dict()}, device, dict(snap, nvme_backend=stats))
+    return ReplayReport(
+        len(reqs),
+        kv,
+        lat,
+        np.asarray(tally.store_lat, dtype=np.int64),
+        tally.load_bytes,
+        tally.store_bytes,
+        tally.load_wall,
+        tally.store_wall,
+        runtime,
+        tally.ts,
+        stats,
+        # runtime objects (a store, locks) are neither deep-copied nor reported
+        {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, runtime={})).items() if k != "runtime"}
+        | {"layout": layout.to_dict()},
+        device,
+        dict(snap, nvme_backend=stats),
+    )
 
 
 #: Store counters the report copies under their own names (0 when the store has none).
-_COUNTED = ("hit_blocks_hbm", "hit_blocks_host", "hit_blocks_nvme", "load_bytes_hbm", "load_bytes_host",
-            "load_bytes_nvme", "store_bytes_hbm", "store_bytes_host", "store_bytes_nvme", "nvme_write_bytes",
-            "nvme_read_bytes", "evictions_hbm", "evictions_host", "evictions_nvme", "demotions_hbm_host",
-            "demotions_host_nvme")
+_COUNTED = (
+    "hit_blocks_hbm",
+    "hit_blocks_host",
+    "hit_blocks_nvme",
+    "load_bytes_hbm",
+    "load_bytes_host",
+    "load_bytes_nvme",
+    "store_bytes_hbm",
+    "store_bytes_host",
+    "store_bytes_nvme",
+    "nvme_write_bytes",
+    "nvme_read_bytes",
+    "evictions_hbm",
+    "evictions_host",
+    "evictions_nvme",
+    "demotions_hbm_host",
+    "demotions_host_nvme",
+)

@@ -11,6 +11,7 @@ key, the value and what is accepted (:func:`format_validation_error`); :func:`re
 reads a file. The store's models (:mod:`tierstore.config`, :mod:`tierstore.policies.config`)
 and the daemon's (:mod:`tierstore.server.config`) are built on these.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
@@ -23,8 +24,15 @@ from .units import parse_size, parse_time_s
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
-__all__ = ["DurationS", "OptionalSizeBytes", "SizeBytes", "StrictModel", "format_validation_error",
-           "parse_model", "read_yaml"]
+__all__ = [
+    "DurationS",
+    "OptionalSizeBytes",
+    "SizeBytes",
+    "StrictModel",
+    "format_validation_error",
+    "parse_model",
+    "read_yaml",
+]
 
 
 class StrictModel(BaseModel):
@@ -44,10 +52,11 @@ class StrictModel(BaseModel):
 
 
 def _takes_a_number_not_a_bool(annotation: Any) -> bool:
-    """True for ``int``, ``float`` and their ``Optional``/``Annotated`` forms, unless ``bool`` is allowed too."""
+    """True for ``int``, ``float`` and their ``Optional``/``Annotated`` forms, unless ``bool`` is
+    allowed too."""
     args = getattr(annotation, "__args__", None)
     kinds = set(args) if args and getattr(annotation, "__metadata__", None) is None else {annotation}
-    if getattr(annotation, "__metadata__", None) is not None:   # Annotated[int, ...]
+    if getattr(annotation, "__metadata__", None) is not None:  # Annotated[int, ...]
         kinds = {annotation.__origin__}
     return bool(kinds & {int, float}) and bool not in kinds
 
@@ -81,10 +90,15 @@ def _accepted_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[s
         if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
             return None
         ann = cur.model_fields[part].annotation
-        cur = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
-                   None)
+        cur = next(
+            (a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
+            None,
+        )
         if cur is None and hasattr(ann, "__args__"):  # list[Model]
-            cur = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            cur = next(
+                (a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
+                None,
+            )
     if isinstance(cur, type) and issubclass(cur, BaseModel):
         return sorted(cur.model_fields)
     return None

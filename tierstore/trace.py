@@ -13,6 +13,7 @@ Each line is one request (Mooncake, ``FAST25-release/traces``)::
 The packaged default is an excerpt (first 1,000 requests; see
 ``tierstore/data/NOTICE.md`` for attribution, Apache-2.0).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,10 +89,21 @@ def read_mooncake(path: str | None = None, limit: int | None = None) -> list[Tra
                 d = json.loads(line)
                 ts, il, ol, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request "
-                                       f"(need timestamp, input_length, output_length, hash_ids): {e}") from None
-            if not (isinstance(ts, (int, float)) and isinstance(il, int) and isinstance(ol, int)
-                    and isinstance(ids, list) and all(isinstance(x, int) for x in ids)) or il < 0 or ts < 0:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: not a Mooncake request "
+                    f"(need timestamp, input_length, output_length, hash_ids): {e}"
+                ) from None
+            if (
+                not (
+                    isinstance(ts, (int, float))
+                    and isinstance(il, int)
+                    and isinstance(ol, int)
+                    and isinstance(ids, list)
+                    and all(isinstance(x, int) for x in ids)
+                )
+                or il < 0
+                or ts < 0
+            ):
                 raise TraceFormatError(f"{path}:{lineno}: bad field types or negative values")
             out.append(TraceRequest(ts / 1000.0, il, ol, tuple(ids)))
     if not out:
@@ -99,8 +111,9 @@ def read_mooncake(path: str | None = None, limit: int | None = None) -> list[Tra
     return out
 
 
-def ideal_hit_ratio(requests: list[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                    full_blocks_only: bool = True) -> float:
+def ideal_hit_ratio(
+    requests: list[TraceRequest], block_tokens: int = MOONCAKE_BLOCK_TOKENS, full_blocks_only: bool = True
+) -> float:
     """Hit ratio (blocks) of an infinite cache.
 
     With ``full_blocks_only`` the exact-hit rule applies (partial tails are never
@@ -110,7 +123,7 @@ def ideal_hit_ratio(requests: list[TraceRequest], block_tokens: int = MOONCAKE_B
     seen: set = set()
     hit = total = 0
     for r in requests:
-        ids = r.hash_ids[:r.full_blocks(block_tokens)] if full_blocks_only else r.hash_ids
+        ids = r.hash_ids[: r.full_blocks(block_tokens)] if full_blocks_only else r.hash_ids
         k = 0
         for h in ids:
             if h in seen:
@@ -126,4 +139,4 @@ def ideal_hit_ratio(requests: list[TraceRequest], block_tokens: int = MOONCAKE_B
 def iter_chunks(requests: list[TraceRequest], n: int) -> Iterator[list[TraceRequest]]:
     """Split into chunks of ``n`` requests."""
     for i in range(0, len(requests), n):
-        yield requests[i:i + n]
+        yield requests[i : i + n]

@@ -15,6 +15,7 @@ store: a client copies the bytes into or out of shared slots between the halves)
 :class:`OpenCalls` is the store's open/closed state and the calls in progress (``close``
 waits for them).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -104,8 +105,14 @@ class Transfers:
         The store's layout.
     """
 
-    def __init__(self, index: BlockIndex, movers: Movers, planner: RemotePlanner | None,
-                 storage: BlockStorage | None, layout: KVLayout) -> None:
+    def __init__(
+        self,
+        index: BlockIndex,
+        movers: Movers,
+        planner: RemotePlanner | None,
+        storage: BlockStorage | None,
+        layout: KVLayout,
+    ) -> None:
         self.index = index
         self.movers = movers
         self.planner = planner
@@ -118,9 +125,14 @@ class Transfers:
         return self.movers.submit(kind, fn)
 
     # -------------------------------------------------------------- lookup
-    def lookup(self, keys: list[bytes], tokens: Sequence[np.ndarray] | None, request_id: object,
-               num_prompt_tokens: int | None,
-               digest: bytes | None) -> LookupResult:
+    def lookup(
+        self,
+        keys: list[bytes],
+        tokens: Sequence[np.ndarray] | None,
+        request_id: object,
+        num_prompt_tokens: int | None,
+        digest: bytes | None,
+    ) -> LookupResult:
         """The index's match of ``keys``, the NVMe regions it hit told, extended with the
         remote tier (``digest``: the namespace the keys belong to, or ``None``)."""
         res = self._touched(self.index.lookup(keys, tokens, request_id, num_prompt_tokens))
@@ -133,11 +145,20 @@ class Transfers:
         return res
 
     # -------------------------------------------------------------- store
-    def store(self, digest: bytes, keys: list[bytes], sources: Sequence[FragmentPlan],
-              lifetime: LifetimeClass | str | None, first: int, tokens: Sequence[np.ndarray] | None, wait: bool,
-              publish: bool = True) -> list[Status] | Future[list[Status]]:
+    def store(
+        self,
+        digest: bytes,
+        keys: list[bytes],
+        sources: Sequence[FragmentPlan],
+        lifetime: LifetimeClass | str | None,
+        first: int,
+        tokens: Sequence[np.ndarray] | None,
+        wait: bool,
+        publish: bool = True,
+    ) -> list[Status] | Future[list[Status]]:
         """Store ``sources`` under ``keys`` (statuses, or a Future of them with ``wait=False``);
         blocks stored OK are offered to the remote tier."""
+
         def run() -> list[Status]:
             plan = self.index.prepare_store(digest, keys, lifetime, first, tokens)
             try:
@@ -150,6 +171,7 @@ class Transfers:
                 ok = [i for i, s in enumerate(st) if s is Status.OK]
                 self._publish([keys[i] for i in ok], [sources[i] for i in ok], hits=0)
             return st
+
         return run() if wait else self.submit("store", run)
 
     def _publish(self, keys: list[bytes], sources: Sequence[FragmentPlan], hits: int) -> None:
@@ -163,12 +185,24 @@ class Transfers:
             # a stored block missed remotely just now: publish it even if it was published before
             # (Mooncake may have evicted it since); a local hit re-offered is skipped if recent
             st = self.movers.publish([keys[j] for j in sel], [sources[j] for j in sel], recent=hits > 0)
-            self.index.metrics.add({"remote_published_blocks": sum(s is Status.OK for s in st),
-                                    "remote_publish_dropped": sum(s is Status.REJECTED for s in st)})
+            self.index.metrics.add(
+                {
+                    "remote_published_blocks": sum(s is Status.OK for s in st),
+                    "remote_publish_dropped": sum(s is Status.REJECTED for s in st),
+                }
+            )
 
     # -------------------------------------------------------------- load
-    def load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, wait: bool,
-             timeout_s: float | None, finish: Callable[[list[Status]], _R], merge_wait_s: float) -> _R | Future[_R]:
+    def load(
+        self,
+        keys: list[bytes],
+        plans: Sequence[FragmentPlan],
+        promote: bool,
+        wait: bool,
+        timeout_s: float | None,
+        finish: Callable[[list[Status]], _R],
+        merge_wait_s: float,
+    ) -> _R | Future[_R]:
         """Load ``keys`` into the destination ``plans``; ``finish(statuses)`` shapes the result.
         ``timeout_s`` is a deadline: blocks not delivered by then are ``MISS``."""
         if timeout_s is not None and timeout_s <= 0:
@@ -189,15 +223,23 @@ class Transfers:
                 delivered = gate.close()
                 self.index.metrics.inc("load_timeouts")
                 return finish([Status.OK if i in delivered else Status.MISS for i in range(len(keys))])
+
         if wait:
             return deadline()
         out: Future[_R] = Future()
-        threading.Thread(target=lambda: out.set_result(deadline()), daemon=True,
-                         name="tierstore-deadline").start()
+        threading.Thread(
+            target=lambda: out.set_result(deadline()), daemon=True, name="tierstore-deadline"
+        ).start()
         return out
 
-    def _run_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], promote: bool, gate: LoadGate | None,
-                  merge_wait_s: float) -> list[Status]:
+    def _run_load(
+        self,
+        keys: list[bytes],
+        plans: Sequence[FragmentPlan],
+        promote: bool,
+        gate: LoadGate | None,
+        merge_wait_s: float,
+    ) -> list[Status]:
         """One load: NVMe/memory move → remote for misses → gate close → ``complete_load``
         (remote statuses are misses for the index) → promote → clean requests → the
         ``reused`` publish → latency record."""
@@ -221,14 +263,22 @@ class Transfers:
                 got = self.remote_load(keys, plans, missed, gate)
                 for i, s in zip(missed, got):
                     st[i] = s if s is not Status.MISS else st[i]
-                self.index.metrics.add({"remote_loaded_blocks": sum(s is Status.OK for s in got),
-                                        "remote_load_errors": sum(s is Status.IO_ERROR for s in got)})
+                self.index.metrics.add(
+                    {
+                        "remote_loaded_blocks": sum(s is Status.OK for s in got),
+                        "remote_load_errors": sum(s is Status.IO_ERROR for s in got),
+                    }
+                )
         if gate is not None:
             delivered = gate.close()
             st = [s if (s is not Status.OK or i in delivered) else Status.MISS for i, s in enumerate(st)]
         # remote IO_ERRORs are misses for the index (the block is not local)
-        promo = self.index.complete_load(plan, [s if plan.sources[i] is not None else Status.MISS
-                                                for i, s in enumerate(st)], promote and gate is None, nvme_s)
+        promo = self.index.complete_load(
+            plan,
+            [s if plan.sources[i] is not None else Status.MISS for i, s in enumerate(st)],
+            promote and gate is None,
+            nvme_s,
+        )
         if promo is not None:
             try:
                 ok = self.movers.run_promote(promo, plans)
@@ -247,8 +297,9 @@ class Transfers:
             self.index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
         return st
 
-    def remote_load(self, keys: list[bytes], plans: Sequence[FragmentPlan], missed: list[int],
-                    gate: LoadGate | None) -> list[Status]:
+    def remote_load(
+        self, keys: list[bytes], plans: Sequence[FragmentPlan], missed: list[int], gate: LoadGate | None
+    ) -> list[Status]:
         """Fetch locally missed blocks (positions ``missed`` of a load) from the
         shared remote tier; returns their statuses.
 
@@ -271,12 +322,16 @@ class Transfers:
             fill = self.index.prepare_store(d, [keys[i] for i in ii], None, ii[0])
             pending = set(fill.pending)
             try:
-                got, nvme_st, dem_st, held = self.movers.run_remote_fill(fill, [plans[i] for i in ii], gate, ii)
+                got, nvme_st, dem_st, held = self.movers.run_remote_fill(
+                    fill, [plans[i] for i in ii], gate, ii
+                )
             except BaseException:
                 self.index.complete_store(fill, failed=True)
                 raise
             # a timed-out transfer may still write its slots: the index frees them only after it returns
-            self.movers.after_release(held, functools.partial(self.index.complete_store, fill, nvme_st, dem_st))
+            self.movers.after_release(
+                held, functools.partial(self.index.complete_store, fill, nvme_st, dem_st)
+            )
             self.index.metrics.add({"remote_fill_blocks": sum(got[j] is Status.OK for j in pending)})
             for j, i in enumerate(ii):
                 if j in pending:
@@ -285,8 +340,9 @@ class Transfers:
                     rest.append(i)
         if rest:
             rest.sort()
-            for i, s in zip(rest, self.movers.remote_get([keys[i] for i in rest], [plans[i] for i in rest],
-                                                         gate, rest)):
+            for i, s in zip(
+                rest, self.movers.remote_get([keys[i] for i in rest], [plans[i] for i in rest], gate, rest)
+            ):
                 out[i] = s
         return [out[i] for i in missed]
 
@@ -303,8 +359,13 @@ class Transfers:
             raise
         self.index.complete_victims(plan)  # victims on NVMe are readable there during the copies
 
-    def store_epilogue(self, plan: StorePlan, sources: Sequence[FragmentPlan | None],
-                       copied: Sequence[Status | None], publish: bool = True) -> tuple[list[Status], set[int]]:
+    def store_epilogue(
+        self,
+        plan: StorePlan,
+        sources: Sequence[FragmentPlan | None],
+        copied: Sequence[Status | None],
+        publish: bool = True,
+    ) -> tuple[list[Status], set[int]]:
         """Second half, after :meth:`store_prelude` and the copies: the new blocks bound for NVMe
         are written from their slots (``sources[i]``) where ``copied[i]`` is ``OK`` (every rank
         copied its shard), then the index completes the plan; a key whose copy is another
@@ -321,23 +382,25 @@ class Transfers:
         """
         pending = plan.pending
         mem_st = {i: copied[i] for i in pending}
-        srcs = [sources[i] if copied[i] is Status.OK and plan.statuses[i] is None else None
-                for i in range(len(plan.keys))]
+        srcs = [
+            sources[i] if copied[i] is Status.OK and plan.statuses[i] is None else None
+            for i in range(len(plan.keys))
+        ]
         try:
             nvme_st = self.movers.run_store_epilogue(plan, srcs)
         except BaseException:
             self.index.complete_store(plan, failed=True)
             raise
-        st = self.index.complete_store(plan, nvme_st, plan.demote_statuses,
-                                       memory_statuses=mem_st)  # type: ignore[arg-type]  # None: not copied
+        st = self.index.complete_store(plan, nvme_st, plan.demote_statuses, memory_statuses=mem_st)  # type: ignore[arg-type]  # None: not copied
         durable = {i for i, s in nvme_st.items() if st[i] is Status.OK and s in (Status.OK, Status.EXISTS)}
         if publish and self.planner is not None and not self.planner.barred(plan.ns):
             ok = [i for i, s in enumerate(st) if s is Status.OK and srcs[i] is not None]
             self._publish([plan.keys[i] for i in ok], [srcs[i] for i in ok], hits=0)  # type: ignore[misc]  # ok: given
         return st, durable
 
-    def load_prelude(self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
-                     ) -> tuple[dict[int, Status], float | None]:
+    def load_prelude(
+        self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
+    ) -> tuple[dict[int, Status], float | None]:
         """First half of a load whose blocks someone else copies out of slots: the sources of
         the keys ``dests`` names (NVMe blocks) copied into those slots (:meth:`Movers.stage_load`).
         On an exception the plan is completed (every key ``IO_ERROR``) and it propagates."""
@@ -347,8 +410,14 @@ class Transfers:
             self.index.complete_load(plan, [Status.IO_ERROR] * len(plan.keys), promote=False)
             raise
 
-    def load_epilogue(self, plan: LoadPlan, statuses: Sequence[Status], loaded: Mapping[int, FragmentPlan],
-                      promote: bool = True, nvme_s: float | None = None) -> None:
+    def load_epilogue(
+        self,
+        plan: LoadPlan,
+        statuses: Sequence[Status],
+        loaded: Mapping[int, FragmentPlan],
+        promote: bool = True,
+        nvme_s: float | None = None,
+    ) -> None:
         """Second half, after the copies out of the slots: the index releases the readers and
         records ``statuses`` (per key ``OK``, ``MISS`` or, for a source that failed to read,
         ``IO_ERROR``); blocks read from NVMe are promoted from their slots (``loaded[i]``)
@@ -385,6 +454,7 @@ class Transfers:
             n = sum(ok)
             self.index.metrics.inc("prefetched_blocks", n)
             return n
+
         return self.submit("load", run)
 
     def clean_in_background(self, n: int) -> Future[Any] | None:
@@ -395,7 +465,9 @@ class Transfers:
             return None
 
         def run() -> int:
-            plan = self.index.prepare_flush(max(n, self.index.settings.evict_batch_blocks), coldest_first=True)
+            plan = self.index.prepare_flush(
+                max(n, self.index.settings.evict_batch_blocks), coldest_first=True
+            )
             if plan is None:
                 return 0
             try:
@@ -404,6 +476,7 @@ class Transfers:
                 self.index.complete_flush(plan, {})
                 raise
             return self.index.complete_flush(plan, st)
+
         try:
             return self.submit("store", run)
         except StoreClosedError:  # closing: nothing to keep clean any more

@@ -5,6 +5,7 @@ Sizes take ``k``, ``m``, ``g``, ``t`` suffixes with base 1024 (fio's default,
 Durations take ``ns``, ``us``, ``ms``, ``s``, ``m``, ``h``, ``d`` suffixes;
 a bare number is seconds (fio's ``runtime=`` default unit).
 """
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,16 @@ def parse_size(value: int | str, key: str = "size") -> int:
     ConfigError
         If the value is negative, not a number, or has an unknown suffix.
     """
-    n = _parse_quantity(value, key, "size", ("4k, 16m or 1g", "4096, 4k, 16MiB or 1g (base 1024)"), int,
-                        _SIZE_RE, _SIZE_MULT, "")
+    n = _parse_quantity(
+        value,
+        key,
+        "size",
+        ("4k, 16m or 1g", "4096, 4k, 16MiB or 1g (base 1024)"),
+        int,
+        _SIZE_RE,
+        _SIZE_MULT,
+        "",
+    )
     if n != int(n):
         raise ConfigError(f"{key}={value!r}: not a whole number of bytes")
     return int(n)
@@ -53,12 +62,30 @@ def parse_time_s(value: int | float | str, key: str = "time") -> float:
     ConfigError
         If the value is negative, not a number, or has an unknown suffix.
     """
-    return float(_parse_quantity(value, key, "duration", ("30s or 500ms", "30, 30s, 500ms, 10us or 2m"),
-                                 (int, float), _TIME_RE, _TIME_MULT_S, "s"))
+    return float(
+        _parse_quantity(
+            value,
+            key,
+            "duration",
+            ("30s or 500ms", "30, 30s, 500ms, 10us or 2m"),
+            (int, float),
+            _TIME_RE,
+            _TIME_MULT_S,
+            "s",
+        )
+    )
 
 
-def _parse_quantity(value, key: str, what: str, examples: tuple[str, str], numbers, pattern: re.Pattern,
-                    units: Mapping[str, float], default_unit: str) -> int | float:
+def _parse_quantity(
+    value,
+    key: str,
+    what: str,
+    examples: tuple[str, str],
+    numbers,
+    pattern: re.Pattern,
+    units: Mapping[str, float],
+    default_unit: str,
+) -> int | float:
     """``value`` in the base unit: a number of type ``numbers`` as is, or a string that ``pattern``
     matches as a number and a unit of ``units`` (``default_unit`` when none is given).
 

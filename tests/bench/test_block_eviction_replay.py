@@ -1,5 +1,6 @@
 """bench/block_eviction_replay.py on a short excerpt: its rows are the store's counts, block mode evicts
 single blocks and deallocates, region mode does neither."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """End to end: registry, runners, normal/json output, --output, --plot, progress."""
+
 from __future__ import annotations
 
 import json
@@ -27,19 +28,47 @@ def _fake_kv_runner(options: dict) -> JobResult:
     hbmw = 1e6 * (1 + t_s)
     mbmw = hbmw * (1.0 + 0.08 * t_s)
     current_progress().update(1.0)
-    write = DirectionResult(io_bytes=5000 * 65536, ops=5000, runtime_s=10.0,
-                            clat_ns=rng.integers(20_000, 80_000, size=5000), iops_samples=[500.0] * 20,
-                            bw_samples_bytes_s=[500.0 * 65536] * 20)
+    write = DirectionResult(
+        io_bytes=5000 * 65536,
+        ops=5000,
+        runtime_s=10.0,
+        clat_ns=rng.integers(20_000, 80_000, size=5000),
+        iops_samples=[500.0] * 20,
+        bw_samples_bytes_s=[500.0 * 65536] * 20,
+    )
     return JobResult(
-        jobname=options["name"], options=options, write=write, read=DirectionResult(),
-        kv={"lookup_hit_ratio": 0.61, "useful_hit_ratio": 0.55, "ideal_hit_ratio": 0.7,
-            "saved_prefill_tokens": 123456, "hbm_bytes": 1 << 30, "host_bytes": 3 << 30, "nvme_bytes": 20 << 30,
-            "load_lat_ns": load_lat_ns},
-        device={"hbmw_bytes": int(hbmw[-1]), "mbmw_bytes": int(mbmw[-1]), "mbe_bytes": int(mbmw[-1] * 0.9),
-                "waf": float(mbmw[-1] / hbmw[-1]), "ruh_bytes": {0: 1 << 20, 1: 2 << 20, 2: 3 << 20}},
-        timeseries={"t_s": list(t_s), "waf": list(mbmw / hbmw), "hbm_bytes": list(np.minimum(t_s, 4) * (1 << 28)),
-                    "host_bytes": list(np.minimum(t_s, 6) * (1 << 29)), "nvme_bytes": list(t_s * (1 << 30))},
-        usr_cpu=12.5, sys_cpu=3.0, runtime_s=10.0)
+        jobname=options["name"],
+        options=options,
+        write=write,
+        read=DirectionResult(),
+        kv={
+            "lookup_hit_ratio": 0.61,
+            "useful_hit_ratio": 0.55,
+            "ideal_hit_ratio": 0.7,
+            "saved_prefill_tokens": 123456,
+            "hbm_bytes": 1 << 30,
+            "host_bytes": 3 << 30,
+            "nvme_bytes": 20 << 30,
+            "load_lat_ns": load_lat_ns,
+        },
+        device={
+            "hbmw_bytes": int(hbmw[-1]),
+            "mbmw_bytes": int(mbmw[-1]),
+            "mbe_bytes": int(mbmw[-1] * 0.9),
+            "waf": float(mbmw[-1] / hbmw[-1]),
+            "ruh_bytes": {0: 1 << 20, 1: 2 << 20, 2: 3 << 20},
+        },
+        timeseries={
+            "t_s": list(t_s),
+            "waf": list(mbmw / hbmw),
+            "hbm_bytes": list(np.minimum(t_s, 4) * (1 << 28)),
+            "host_bytes": list(np.minimum(t_s, 6) * (1 << 29)),
+            "nvme_bytes": list(t_s * (1 << 30)),
+        },
+        usr_cpu=12.5,
+        sys_cpu=3.0,
+        runtime_s=10.0,
+    )
 
 
 @pytest.fixture
@@ -53,6 +82,7 @@ def fake_kv(monkeypatch):
 def test_registry_rejects_double_registration(monkeypatch, fake_kv):
     def other(options):
         raise AssertionError("not called")
+
     with pytest.raises(ConfigError, match="already registered"):
         register_runner("kvtrace", other)
     register_runner("kvtrace", fake_kv)  # the same function again is fine
@@ -68,12 +98,18 @@ def test_unregistered_rw_is_a_clear_error(monkeypatch, run_bench):
 
 def test_kv_job_normal_and_json(tmp_path, run_bench, fake_kv):
     out = tmp_path / "r.txt"
-    rc, stdout, err = run_bench("--rw=kvmixed", "--name=mix", "--dataplacement=fdp", "--plids=0,1,2",
-                                "--output-format=normal,json", f"--output={out}")
+    rc, stdout, err = run_bench(
+        "--rw=kvmixed",
+        "--name=mix",
+        "--dataplacement=fdp",
+        "--plids=0,1,2",
+        "--output-format=normal,json",
+        f"--output={out}",
+    )
     assert rc == 0, err
     assert stdout == ""
     text = out.read_text()
-    normal, js = text[:text.index("{\n")], text[text.index("{\n"):]
+    normal, js = text[: text.index("{\n")], text[text.index("{\n") :]
     assert "mix: (groupid=0, jobs=1): err= 0: pid=" in normal
     assert "  write: IOPS=500, BW=31.2MiB/s (32.8MB/s)(312MiB/10000msec)" in normal
     assert "    clat (usec): min=" in normal and "    clat percentiles (nsec):" in normal
@@ -89,16 +125,19 @@ def test_kv_job_normal_and_json(tmp_path, run_bench, fake_kv):
     load = job["kv"]["load_lat_ns"]
     assert load["N"] == 5000 and set(load["percentile"]) >= {"50.000000", "99.000000", "99.900000"}
     assert load["percentile"]["50.000000"] == pytest.approx(200_000, rel=0.1)
-    assert job["device"]["waf"] == pytest.approx(1.8) and job["device"]["ruh_bytes"] == {"0": 1 << 20,
-                                                                                           "1": 2 << 20,
-                                                                                           "2": 3 << 20}
+    assert job["device"]["waf"] == pytest.approx(1.8) and job["device"]["ruh_bytes"] == {
+        "0": 1 << 20,
+        "1": 2 << 20,
+        "2": 3 << 20,
+    }
     assert job["write"]["iops_stddev"] == 0.0 and job["write"]["iops_samples"] == 20
 
 
 def test_plot_pngs(tmp_path, run_bench, fake_kv):
     plots = tmp_path / "plots"
-    rc, _, err = run_bench("--rw=kvtrace", "--output-format=json", f"--output={tmp_path / 'o.json'}",
-                           f"--plot={plots}")
+    rc, _, err = run_bench(
+        "--rw=kvtrace", "--output-format=json", f"--output={tmp_path / 'o.json'}", f"--plot={plots}"
+    )
     assert rc == 0, err
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["kvtrace-lat-cdf.png", "kvtrace-tier-bytes.png", "kvtrace-waf.png"]
@@ -108,9 +147,18 @@ def test_plot_pngs(tmp_path, run_bench, fake_kv):
 
 def test_plain_write_job_with_sim_device(tmp_path, run_bench):
     plots = tmp_path / "plots"
-    rc, out, err = run_bench("--rw=randwrite", "--ioengine=memory", "--size=2m", "--bs=4k", "--runtime=0.6",
-                             "--time_based", "--dataplacement=fdp", "--plids=0,1,2", "--output-format=json",
-                             f"--plot={plots}")
+    rc, out, err = run_bench(
+        "--rw=randwrite",
+        "--ioengine=memory",
+        "--size=2m",
+        "--bs=4k",
+        "--runtime=0.6",
+        "--time_based",
+        "--dataplacement=fdp",
+        "--plids=0,1,2",
+        "--output-format=json",
+        f"--plot={plots}",
+    )
     assert rc == 0, err
     job = json.loads(out)["jobs"][0]
     dev = job["device"]
@@ -121,13 +169,26 @@ def test_plain_write_job_with_sim_device(tmp_path, run_bench):
 
 
 def test_posix_engine_on_a_file(tmp_path, run_bench):
-    rc, out, err = run_bench("--rw=write", f"--directory={tmp_path}", "--size=1m", "--bs=64k", "--iodepth=2",
-                             "--numjobs=2", "--output-format=json")
+    rc, out, err = run_bench(
+        "--rw=write",
+        f"--directory={tmp_path}",
+        "--size=1m",
+        "--bs=64k",
+        "--iodepth=2",
+        "--numjobs=2",
+        "--output-format=json",
+    )
     assert rc == 0, err
     job = json.loads(out)["jobs"][0]
     assert job["write"]["io_bytes"] == 2 << 20 and job["write"]["total_ios"] == 32
-    rc, out, err = run_bench("--rw=read", f"--directory={tmp_path}", "--size=1m", "--bs=64k", "--name=write",
-                             "--output-format=json")
+    rc, out, err = run_bench(
+        "--rw=read",
+        f"--directory={tmp_path}",
+        "--size=1m",
+        "--bs=64k",
+        "--name=write",
+        "--output-format=json",
+    )
     assert rc == 0, err
     assert json.loads(out)["jobs"][0]["read"]["io_bytes"] == 1 << 20
 
@@ -215,6 +276,7 @@ def test_progress_without_rich_prints_status_lines_on_a_terminal(monkeypatch, ca
     import sys as _sys
 
     from tierstore.bench.registry import StatusOptions
+
     monkeypatch.setitem(_sys.modules, "rich", None)  # import rich -> ImportError
     monkeypatch.setattr(_sys.stdout, "isatty", lambda: True)
     monkeypatch.setattr(_sys.stderr, "isatty", lambda: True)

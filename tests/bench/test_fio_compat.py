@@ -1,5 +1,6 @@
 """fio compatibility: statistics as fio computes them, JSON keys as fio writes them, fio-plot reads our
 JSON."""
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,26 @@ def _fio_json(tmp_path) -> dict:
     """fio's own JSON: run fio briefly when installed, else the committed fio-3.33 capture."""
     if shutil.which("fio"):
         out = tmp_path / "fio.json"
-        proc = subprocess.run(["fio", "--name=randread", "--rw=randread", "--bs=4k", "--size=1m", "--runtime=200ms",
-                               "--time_based", f"--filename={tmp_path / 'f'}", "--output-format=json",
-                               f"--output={out}"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                "fio",
+                "--name=randread",
+                "--rw=randread",
+                "--bs=4k",
+                "--size=1m",
+                "--runtime=200ms",
+                "--time_based",
+                f"--filename={tmp_path / 'f'}",
+                "--output-format=json",
+                f"--output={out}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         text = out.read_text() if out.exists() else ""
         if proc.returncode == 0 and text.lstrip().startswith("{"):
-            return json.loads(text[text.index("{"):])
+            return json.loads(text[text.index("{") :])
     return json.loads((FIXTURES / "fio-3.33-randread.json").read_text())
 
 
@@ -64,20 +79,22 @@ def test_latency_buckets_fio_semantics():
     lat = np.array([1, 3, 999, 1_000, 49_999, 50_000, 1_999_999, 2_000_000_000, 5_000_000_000])
     b = lat_buckets(lat)
     share = 100.0 / lat.size
-    assert b["latency_ns"]["2"] == pytest.approx(share)      # [0, 2) ns
-    assert b["latency_ns"]["4"] == pytest.approx(share)      # [2, 4) ns
-    assert b["latency_ns"]["1000"] == pytest.approx(share)   # [750, 1000) ns
-    assert b["latency_us"]["2"] == pytest.approx(share)      # 1 us
-    assert b["latency_us"]["50"] == pytest.approx(share)     # 49 us in [20, 50)
-    assert b["latency_us"]["100"] == pytest.approx(share)    # 50 us in [50, 100)
-    assert b["latency_ms"]["2"] == pytest.approx(share)      # 1 ms
+    assert b["latency_ns"]["2"] == pytest.approx(share)  # [0, 2) ns
+    assert b["latency_ns"]["4"] == pytest.approx(share)  # [2, 4) ns
+    assert b["latency_ns"]["1000"] == pytest.approx(share)  # [750, 1000) ns
+    assert b["latency_us"]["2"] == pytest.approx(share)  # 1 us
+    assert b["latency_us"]["50"] == pytest.approx(share)  # 49 us in [20, 50)
+    assert b["latency_us"]["100"] == pytest.approx(share)  # 50 us in [50, 100)
+    assert b["latency_ms"]["2"] == pytest.approx(share)  # 1 ms
     assert b["latency_ms"][">=2000"] == pytest.approx(2 * share)
     assert sum(sum(d.values()) for d in b.values()) == pytest.approx(100.0)
 
 
 def _shape(d):
-    return {k: _shape(v) if isinstance(v, dict) and k not in ("percentile", "bins", "job options") else None
-            for k, v in d.items()}
+    return {
+        k: _shape(v) if isinstance(v, dict) and k not in ("percentile", "bins", "job options") else None
+        for k, v in d.items()
+    }
 
 
 def test_json_keys_match_fio(tmp_path, bench_json):
@@ -91,7 +108,14 @@ def test_json_keys_match_fio(tmp_path, bench_json):
         assert list(oj[direction]) == list(fj[direction]), direction
         for lat in ("slat_ns", "clat_ns", "lat_ns"):
             assert set(oj[direction][lat]) == set(fj[direction][lat]), (direction, lat)
-    for key in ("latency_ns", "latency_us", "latency_ms", "iodepth_level", "iodepth_submit", "iodepth_complete"):
+    for key in (
+        "latency_ns",
+        "latency_us",
+        "latency_ms",
+        "iodepth_level",
+        "iodepth_submit",
+        "iodepth_complete",
+    ):
         assert list(oj[key]) == list(fj[key]), key
     assert list(oj["read"]["clat_ns"]["percentile"]) == list(fj["read"]["clat_ns"]["percentile"])
     assert _shape(oj["sync"]) == _shape(fj["sync"])
@@ -131,9 +155,30 @@ def test_fio_plot_charts_our_json(tmp_path, bench_json):
     (data_dir / "randread-1-1.json").write_text(json.dumps(doc))
     for args, name in ((["-L", "-t", "iops"], "bar3d.png"), (["-l"], "line2d.png"), (["-H"], "hist.png")):
         png = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "fio_plot", "-i", str(data_dir), "-T", "tierstore", *args,
-                               "-r", "randread", "-d", "1", "-n", "1", "-o", str(png)],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fio_plot",
+                "-i",
+                str(data_dir),
+                "-T",
+                "tierstore",
+                *args,
+                "-r",
+                "randread",
+                "-d",
+                "1",
+                "-n",
+                "1",
+                "-o",
+                str(png),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -141,14 +186,24 @@ def test_fio_plot_charts_our_json(tmp_path, bench_json):
 def test_fio_plot_json_parsing_reads_our_fields(tmp_path, bench_json):
     pytest.importorskip("fio_plot", reason="fio-plot is not installed (pip install fio-plot)")
     from fio_plot.fiolib import jsonimport, jsonparsing
+
     doc = bench_json("--rw=randread", "--runtime=0.2", "--time_based", "--iodepth=2")
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "r.json").write_text(json.dumps(doc))
-    settings = {"input_directory": [str(data_dir)], "rw": "randread", "iodepth": [2], "numjobs": [1],
-                "filter": ["read", "write"], "include_hosts": None, "exclude_hosts": None, "compare_graph": False}
-    dataset = jsonparsing.parse_json_data(settings, jsonimport.import_json_dataset(
-        settings, jsonimport.list_json_files(settings)))
+    settings = {
+        "input_directory": [str(data_dir)],
+        "rw": "randread",
+        "iodepth": [2],
+        "numjobs": [1],
+        "filter": ["read", "write"],
+        "include_hosts": None,
+        "exclude_hosts": None,
+        "compare_graph": False,
+    }
+    dataset = jsonparsing.parse_json_data(
+        settings, jsonimport.import_json_dataset(settings, jsonimport.list_json_files(settings))
+    )
     (row,) = dataset[0]["data"]
     read = doc["jobs"][0]["read"]
     assert row["iops"] == pytest.approx(read["iops"]) and row["bw"] == read["bw"]

@@ -1,5 +1,6 @@
 """The offline frontier simulator (bench/frontier_sim.py, issue 26 P0a) against the real store and
 against the offline references, on the packaged excerpt."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,18 @@ def test_region_mode_counts_equal_the_real_store(name):
     cleans and NVMe evictions (tierstore.replay.run_replay on the replay's default NVMe file)."""
     wl = fs.load_workload("excerpt", limit=300)
     v = fs.validate(wl, "file", name)
-    for k in ("hit_ratio", "hit_blocks_hbm", "hit_blocks_host", "hit_blocks_nvme", "nvme_user_bytes",
-              "promotions", "flushed_blocks", "evictions_nvme", "host_wa", "segment_bytes"):
+    for k in (
+        "hit_ratio",
+        "hit_blocks_hbm",
+        "hit_blocks_host",
+        "hit_blocks_nvme",
+        "nvme_user_bytes",
+        "promotions",
+        "flushed_blocks",
+        "evictions_nvme",
+        "host_wa",
+        "segment_bytes",
+    ):
         assert v["sim"][k] == v["real"][k], k
     assert v["real"]["hit_blocks_nvme"] > 0 and v["real"]["evictions_nvme"] > 0  # the NVMe tier was exercised
 
@@ -44,10 +55,11 @@ def test_block_mode_keeps_budget_and_the_device_maps_only_live_data(fdp):
     (Simulator.check_invariants: the model maps exactly headers + live slots), and on an FDP
     device (RUH Update per segment, segment = RU) the model's GC never copies (WAF 1)."""
     wl = fs.load_workload("excerpt", limit=400)
-    cfg = fs.SimConfig("t", granularity="block", survivors="clock", survivor_stream=True, classifier="survivor",
-                       fdp=fdp)
+    cfg = fs.SimConfig(
+        "t", granularity="block", survivors="clock", survivor_stream=True, classifier="survivor", fdp=fdp
+    )
     sim = fs.Simulator(wl, cfg, util=1.0)
-    r = sim.run()   # runs check_invariants at the end
+    r = sim.run()  # runs check_invariants at the end
     assert 0 < r["nvme_live_blocks_end"] <= r["live_budget_blocks"]
     assert r["lru_evicted_blocks"] > 0 and r["trim_ranges"] > r["segments_reset_clean"]
     if fdp:
@@ -58,9 +70,10 @@ def test_block_mode_keeps_budget_and_the_device_maps_only_live_data(fdp):
 
 def test_auc_by_hand():
     import numpy as np
+
     y = np.array([True, True, False, False, False])
     assert fs.auc(np.array([2.0, 2.0, 0.0, 0.0, 0.0]), y) == 1.0
-    assert fs.auc(np.array([0.0, 0.0, 0.0, 0.0, 0.0]), y) == 0.5      # ties: chance
+    assert fs.auc(np.array([0.0, 0.0, 0.0, 0.0, 0.0]), y) == 0.5  # ties: chance
     # positives score 2, 0; negatives 2, 0, 0: pairs won 1 + 1, tied 1 + 2 (half each), of 6
     assert fs.auc(np.array([2.0, 0.0, 2.0, 0.0, 0.0]), y) == pytest.approx(3.5 / 6)
 

@@ -1,5 +1,6 @@
 """bench/frontier_store.py: one configuration per registered classifier, rows that are the real store's
 counts with the placement's accuracy against chance, and the learned-mix check."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ def test_every_classifier_has_a_per_block_fdp_config():
     for name in CLASSIFIER.names():
         what, pol, nv = fs.CONFIGS[f"d-{name}"]
         assert pol["classifier"] == name and nv["eviction_granularity"] == "block" and nv["fdp"]["enabled"]
-    assert fs.CONFIGS["c"][2] == {"eviction_granularity": "block"}   # conventional: no FDP
+    assert fs.CONFIGS["c"][2] == {"eviction_granularity": "block"}  # conventional: no FDP
 
 
 def test_fit_mix_beats_chance_only_when_the_features_say_something():
@@ -38,8 +39,25 @@ def test_fit_mix_beats_chance_only_when_the_features_say_something():
 def test_rows_through_the_real_store(tmp_path):
     fs = load_tool("frontier_store")
     out = tmp_path / "rows.jsonl"
-    assert fs.main(["--workload", "excerpt", "--limit", "150", "--configs", "a,c,d-demotion", "--utils", "0.9",
-                    "--isolations", "initial", "--json", str(out)]) == 0
+    assert (
+        fs.main(
+            [
+                "--workload",
+                "excerpt",
+                "--limit",
+                "150",
+                "--configs",
+                "a,c,d-demotion",
+                "--utils",
+                "0.9",
+                "--isolations",
+                "initial",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {r["config"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {"a", "c", "d-demotion"}
     for r in rows.values():

@@ -1,5 +1,6 @@
 """Plain jobs per ioengine (issue 22, items 7 and 8): fio's engine names, io_uring batches per
 ``io_uring_enter``, synchronous engines at depth 1, ``randrw`` with ``rwmixread``, failures."""
+
 from __future__ import annotations
 
 import errno
@@ -33,6 +34,7 @@ def enters(monkeypatch):
     def counting(self, to_submit, min_complete, flags):
         count["n"] += 1
         return real(self, to_submit, min_complete, flags)
+
     monkeypatch.setattr(ring_mod.Ring, "_enter", counting)
     return count
 
@@ -42,8 +44,17 @@ def enters(monkeypatch):
 def test_uring_jobs_batch_many_ios_per_enter(tmp_path, run_bench, enters, engine):
     """One Python call and at least one io_uring_enter per I/O made 4 KiB random reads at depth 16 ten
     times slower than fio (3.9k vs 41.8k IOPS): now a batch of I/Os goes in per enter."""
-    job = _job(run_bench, tmp_path, "--rw=randread", "--bs=4k", "--size=8m", "--iodepth=16",
-               f"--ioengine={engine}", "--runtime=1", "--time_based")
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=randread",
+        "--bs=4k",
+        "--size=8m",
+        "--iodepth=16",
+        f"--ioengine={engine}",
+        "--runtime=1",
+        "--time_based",
+    )
     ios = job["read"]["total_ios"]
     assert ios > 500
     assert ios / enters["n"] >= 4, (ios, enters["n"])  # ~16 when the device keeps up; 1 or less before
@@ -52,16 +63,25 @@ def test_uring_jobs_batch_many_ios_per_enter(tmp_path, run_bench, enters, engine
 
 @needs_uring
 def test_uring_sequential_job_moves_exactly_size(tmp_path, run_bench):
-    job = _job(run_bench, tmp_path, "--rw=read", "--bs=4k", "--size=4m", "--iodepth=8", "--ioengine=io_uring",
-               "--numjobs=2")
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=read",
+        "--bs=4k",
+        "--size=4m",
+        "--iodepth=8",
+        "--ioengine=io_uring",
+        "--numjobs=2",
+    )
     assert job["read"]["total_ios"] == 2 * 1024 and job["read"]["io_bytes"] == 2 * (4 << 20)
     assert job["read"]["short_ios"] == 0 and job["error"] == 0
 
 
 @needs_uring
 def test_uring_write_job_feeds_the_ftl_model(tmp_path, run_bench):
-    job = _job(run_bench, tmp_path, "--rw=randwrite", "--bs=4k", "--size=4m", "--iodepth=16",
-               "--ioengine=io_uring")
+    job = _job(
+        run_bench, tmp_path, "--rw=randwrite", "--bs=4k", "--size=4m", "--iodepth=16", "--ioengine=io_uring"
+    )
     assert job["write"]["io_bytes"] == 4 << 20
     assert job["device"]["hbmw_bytes"] == job["write"]["io_bytes"]  # every completed write reached the model
     assert not list(tmp_path.glob("*.0.0"))  # its file is removed (unlink=1)
@@ -69,7 +89,7 @@ def test_uring_write_job_feeds_the_ftl_model(tmp_path, run_bench):
 
 @needs_uring
 def test_a_failed_completion_fails_the_uring_job(tmp_path, run_bench, monkeypatch):
-    monkeypatch.setattr(ring_mod, "_ringloop", None)   # the Python turn (the C turn's: test_ring_native.py)
+    monkeypatch.setattr(ring_mod, "_ringloop", None)  # the Python turn (the C turn's: test_ring_native.py)
     real = ring_mod.Ring.reap_results
     calls = {"n": 0}
 
@@ -79,9 +99,20 @@ def test_a_failed_completion_fails_the_uring_job(tmp_path, run_bench, monkeypatc
         if calls["n"] == 5 and got:
             got[0] = (got[0][0], -errno.EIO)
         return got
+
     monkeypatch.setattr(ring_mod.Ring, "reap_results", failing)
-    job = _job(run_bench, tmp_path, "--rw=randread", "--bs=4k", "--size=4m", "--iodepth=8", "--ioengine=io_uring",
-               "--runtime=5", "--time_based", rc=1)
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=randread",
+        "--bs=4k",
+        "--size=4m",
+        "--iodepth=8",
+        "--ioengine=io_uring",
+        "--runtime=5",
+        "--time_based",
+        rc=1,
+    )
     assert job["error"] == errno.EIO and 0 < job["read"]["total_ios"]
     assert job["read"]["runtime"] < 4000  # it stopped at the failure, not at the runtime
 
@@ -94,9 +125,18 @@ def test_synchronous_engines_run_one_io_at_a_time_per_clone(tmp_path, run_bench,
     def spy(*args):
         threads.append(1)
         return real(*args)
+
     monkeypatch.setattr(iojobs, "_sync_lane", spy)
-    job = _job(run_bench, tmp_path, "--rw=randread", "--bs=4k", "--size=2m", "--iodepth=16",
-               f"--ioengine={engine}", "--numjobs=2")
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=randread",
+        "--bs=4k",
+        "--size=2m",
+        "--iodepth=16",
+        f"--ioengine={engine}",
+        "--numjobs=2",
+    )
     assert len(threads) == 2  # one per clone: fio's synchronous engines ignore iodepth
     assert job["iodepth_level"]["1"] == 100.0 and job["read"]["total_ios"] == 2 * 512
     assert job["job options"]["ioengine"] == engine
@@ -106,18 +146,30 @@ def test_posix_keeps_iodepth_threads_per_clone(tmp_path, run_bench, monkeypatch)
     threads = []
     real = iojobs._sync_lane
     monkeypatch.setattr(iojobs, "_sync_lane", lambda *a: (threads.append(1), real(*a))[1])
-    job = _job(run_bench, tmp_path, "--rw=write", "--bs=4k", "--size=1m", "--iodepth=4", "--ioengine=posixaio")
+    job = _job(
+        run_bench, tmp_path, "--rw=write", "--bs=4k", "--size=1m", "--iodepth=4", "--ioengine=posixaio"
+    )
     assert len(threads) == 4 and job["write"]["io_bytes"] == 1 << 20
 
 
 def test_randrw_mixes_reads_and_writes_per_rwmixread(tmp_path, run_bench):
-    job = _job(run_bench, tmp_path, "--rw=randrw", "--rwmixread=70", "--bs=4k", "--size=16m", "--iodepth=4",
-               "--ioengine=psync")
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=randrw",
+        "--rwmixread=70",
+        "--bs=4k",
+        "--size=16m",
+        "--iodepth=4",
+        "--ioengine=psync",
+    )
     r, w = job["read"]["total_ios"], job["write"]["total_ios"]
     assert r + w == 4096
     assert 0.66 < r / (r + w) < 0.74  # 70% reads, drawn per I/O (binomial sd 0.7%)
     assert job["device"]["hbmw_bytes"] == job["write"]["io_bytes"]  # only writes reach the FTL model
-    job = _job(run_bench, tmp_path, "--rw=randrw", "--rwmixwrite=10", "--bs=4k", "--size=16m", "--ioengine=psync")
+    job = _job(
+        run_bench, tmp_path, "--rw=randrw", "--rwmixwrite=10", "--bs=4k", "--size=16m", "--ioengine=psync"
+    )
     assert 0.86 < job["read"]["total_ios"] / 4096 < 0.94  # fio: rwmixwrite alone sets the read share to 90%
 
 
@@ -143,6 +195,16 @@ def test_an_engine_we_do_not_have_is_one_line_naming_what_is_accepted(run_bench)
 
 
 def test_kv_jobs_take_fio_engine_names(tmp_path, run_bench):
-    job = _job(run_bench, tmp_path, "--rw=kvstore", "--layout=tiny", "--bs=64k", "--size=2m", "--hbm_size=256k",
-               "--host_size=512k", "--nvme_size=16m", "--ioengine=psync")
+    job = _job(
+        run_bench,
+        tmp_path,
+        "--rw=kvstore",
+        "--layout=tiny",
+        "--bs=64k",
+        "--size=2m",
+        "--hbm_size=256k",
+        "--host_size=512k",
+        "--nvme_size=16m",
+        "--ioengine=psync",
+    )
     assert job["device"]["device"].startswith("file (posix engine)")

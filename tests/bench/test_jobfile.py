@@ -1,4 +1,5 @@
 """Job files, flags, schema validation, --parse-only and --showcmd."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,12 +57,21 @@ def test_no_job_file_uses_defaults_and_rw_name():
     assert job.options["device"] == "file"  # what --cmdhelp says and what runs (issue 19 item 7)
 
 
-@pytest.mark.parametrize("key,raw,want", [
-    ("size", "16MiB", 16 << 20), ("hbm_size", "2g", 2 << 30), ("runtime", "250ms", 0.25),
-    ("ramp_time", "10us", 1e-5), ("op", "7%", 0.07), ("utilization", "0.9", 0.9),
-    ("lifetime_mix", "long:10,medium:30,short:60", {"long": 10.0, "medium": 30.0, "short": 60.0}),
-    ("time_based", "", True), ("direct", "0", False), ("layout", "Qwen2.5-7B", "qwen2.5-7b"),
-])
+@pytest.mark.parametrize(
+    "key,raw,want",
+    [
+        ("size", "16MiB", 16 << 20),
+        ("hbm_size", "2g", 2 << 30),
+        ("runtime", "250ms", 0.25),
+        ("ramp_time", "10us", 1e-5),
+        ("op", "7%", 0.07),
+        ("utilization", "0.9", 0.9),
+        ("lifetime_mix", "long:10,medium:30,short:60", {"long": 10.0, "medium": 30.0, "short": 60.0}),
+        ("time_based", "", True),
+        ("direct", "0", False),
+        ("layout", "Qwen2.5-7B", "qwen2.5-7b"),
+    ],
+)
 def test_value_parsing(key, raw, want):
     got = parse_value(key, raw)
     if isinstance(want, float):
@@ -70,16 +80,19 @@ def test_value_parsing(key, raw, want):
         assert got == want
 
 
-@pytest.mark.parametrize("key,raw,needle", [
-    ("rw", "randfoo", "accepted values are ['kvtrace'"),
-    ("eviction", "fifo", "accepted values are ['lru', 's3fifo', 'cost']"),
-    ("bs", "4x", "expected a size"),
-    ("runtime", "10 parsecs", "expected a duration"),
-    ("plids", "a,b", "comma-separated list"),
-    ("lifetime_mix", "forever:1", "classes ['long', 'medium', 'short']"),
-    ("iodepth", "0", ">= 1"),
-    ("nosuchkey", "1", "unknown option"),
-])
+@pytest.mark.parametrize(
+    "key,raw,needle",
+    [
+        ("rw", "randfoo", "accepted values are ['kvtrace'"),
+        ("eviction", "fifo", "accepted values are ['lru', 's3fifo', 'cost']"),
+        ("bs", "4x", "expected a size"),
+        ("runtime", "10 parsecs", "expected a duration"),
+        ("plids", "a,b", "comma-separated list"),
+        ("lifetime_mix", "forever:1", "classes ['long', 'medium', 'short']"),
+        ("iodepth", "0", ">= 1"),
+        ("nosuchkey", "1", "unknown option"),
+    ],
+)
 def test_bad_values_name_key_value_and_accepted(key, raw, needle):
     with pytest.raises(ConfigError) as err:
         parse_value(key, raw)
@@ -101,7 +114,9 @@ def test_unknown_flag_exit_1(run_bench):
     assert rc == 1 and "iodeth: unknown option" in err
 
 
-@pytest.mark.parametrize("name", ["kvtrace", "kvstore", "kvload", "kvmixed", "seqwrite", "randread", "fdp-device"])
+@pytest.mark.parametrize(
+    "name", ["kvtrace", "kvstore", "kvload", "kvmixed", "seqwrite", "randread", "fdp-device"]
+)
 def test_shipped_job_files_parse(name, run_bench):
     path = REPO / "bench" / "jobs" / f"{name}.fio"
     rc, out, err = run_bench("--parse-only", str(path))
@@ -128,6 +143,7 @@ def test_showcmd_round_trips(tmp_path, run_bench):
 def test_bare_fraction_above_one_is_an_error_not_a_percentage():
     from tierstore.bench.jobfile import parse_value
     from tierstore.errors import ConfigError
+
     assert parse_value("utilization", "90%") == pytest.approx(0.9)
     assert parse_value("utilization", "0.9") == pytest.approx(0.9)
     with pytest.raises(ConfigError, match="utilization"):
@@ -143,5 +159,7 @@ def test_every_admission_choice_opens_a_store(admission, tmp_path):
     (job,) = parse_jobs([f"--admission={admission}"])
     cfg = replay_config(job.options).store_config(0, 1 << 20, 16 << 20, str(tmp_path))
     assert cfg.policies.admission == admission
-    assert store_config(job.options, 0, 1 << 20, 16 << 20, str(tmp_path / "kv")).policies.admission == admission
+    assert (
+        store_config(job.options, 0, 1 << 20, 16 << 20, str(tmp_path / "kv")).policies.admission == admission
+    )
     assert "reused" in SCHEMA["admission"].choices and "second_hit" in SCHEMA["admission"].choices

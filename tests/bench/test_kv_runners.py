@@ -1,4 +1,5 @@
 """The KV runners through the real CLI: the main job's JSON contract and the synthetic jobs."""
+
 import json
 import subprocess
 import sys
@@ -32,17 +33,40 @@ def test_kvtrace_json_contract(tmp_path):
 
 
 def test_console_script_main_job(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "bench", "--rw=kvtrace", "--number_ios=100",
-                        "--output-format=json", f"--directory={tmp_path}"], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "bench",
+            "--rw=kvtrace",
+            "--number_ios=100",
+            "--output-format=json",
+            f"--directory={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["jobs"][0]["kv"]["requests"] == 100
 
 
 @pytest.mark.parametrize("rw", ["kvstore", "kvload", "kvmixed"])
 def test_synthetic_kv_jobs(tmp_path, rw):
-    doc = run(tmp_path, f"--rw={rw}", "--layout=tiny", "--bs=64k", "--size=8m", "--hbm_size=1m",
-              "--host_size=2m", "--nvme_size=16m", "--iodepth=2", "--runtime=3")
+    doc = run(
+        tmp_path,
+        f"--rw={rw}",
+        "--layout=tiny",
+        "--bs=64k",
+        "--size=8m",
+        "--hbm_size=1m",
+        "--host_size=2m",
+        "--nvme_size=16m",
+        "--iodepth=2",
+        "--runtime=3",
+    )
     job = doc["jobs"][0]
     kv = job["kv"]
     assert kv["wrong_kv_blocks"] == 0 and kv["requests"] > 0
@@ -68,9 +92,21 @@ def test_kvload_ramp_and_runtime_follow_fio(tmp_path):
     runtime follows the ramp; the kv section counts the same requests as read."""
     # load_blocks=matched: every request loads (with "useful", a cost model calibrated on a loaded
     # machine may judge NVMe blocks not worth loading, and such a request does no read I/O)
-    doc = run(tmp_path, "--rw=kvload", "--layout=tiny", "--bs=64k", "--size=4m", "--hbm_size=1m",
-              "--host_size=2m", "--nvme_size=16m", "--iodepth=1", "--runtime=1.5", "--ramp_time=1",
-              "--time_based", "--load_blocks=matched")
+    doc = run(
+        tmp_path,
+        "--rw=kvload",
+        "--layout=tiny",
+        "--bs=64k",
+        "--size=4m",
+        "--hbm_size=1m",
+        "--host_size=2m",
+        "--nvme_size=16m",
+        "--iodepth=1",
+        "--runtime=1.5",
+        "--ramp_time=1",
+        "--time_based",
+        "--load_blocks=matched",
+    )
     job = doc["jobs"][0]
     kv, read = job["kv"], job["read"]
     assert 1.4 <= read["runtime"] / 1000 <= 2.5  # ms, fio's unit: the runtime, not ramp + runtime
@@ -82,7 +118,18 @@ def test_kvload_ramp_and_runtime_follow_fio(tmp_path):
 
 
 def test_a_run_that_ends_within_the_ramp_counts_nothing(tmp_path):
-    doc = run(tmp_path, "--rw=kvload", "--layout=tiny", "--bs=64k", "--size=2m", "--hbm_size=1m",
-              "--host_size=2m", "--nvme_size=16m", "--iodepth=1", "--runtime=1", "--ramp_time=30")
+    doc = run(
+        tmp_path,
+        "--rw=kvload",
+        "--layout=tiny",
+        "--bs=64k",
+        "--size=2m",
+        "--hbm_size=1m",
+        "--host_size=2m",
+        "--nvme_size=16m",
+        "--iodepth=1",
+        "--runtime=1",
+        "--ramp_time=30",
+    )
     kv = doc["jobs"][0]["kv"]
     assert kv["requests"] == 0 and kv["saved_prefill_tokens"] == 0 and kv["hit_blocks_hbm"] == 0

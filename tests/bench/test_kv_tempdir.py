@@ -1,6 +1,7 @@
 """KV jobs without ``--directory`` put their NVMe tier in a private temporary directory, as plain jobs
 do (issue 22, item 5): two runs at once both succeed, and the directory is gone afterwards, also after a
 failure or a stop request."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,26 @@ def test_two_kvtrace_runs_at_once_both_succeed(tmp_path):
     tmp = tmp_path / "systmp"
     tmp.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(tmp))
-    procs = [subprocess.Popen([sys.executable, "-m", "tierstore.cli", "bench", "--rw=kvtrace", "--number_ios=300",
-                               "--output-format=json", "--eta=never"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, cwd=tmp_path, env=env, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tierstore.cli",
+                "bench",
+                "--rw=kvtrace",
+                "--number_ios=300",
+                "--output-format=json",
+                "--eta=never",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=tmp_path,
+            env=env,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
@@ -60,6 +78,7 @@ def test_kvtrace_private_directory_removed_after_a_failure(private_tmp, monkeypa
         assert os.path.dirname(cfg.nvme_options["path"]) != str(private_tmp)  # a directory of its own
         open(cfg.nvme_options["path"], "wb").close()
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(kvjobs, "run_replay", failing_replay)
     assert main(["--rw=kvtrace", "--number_ios=50"]) == 1
     assert "Input/output error" in capsys.readouterr().err
@@ -74,6 +93,7 @@ def test_kvtrace_private_directory_removed_after_a_stop_request(private_tmp, mon
     def reset_then_arm():
         real_reset()
         timer.start()
+
     monkeypatch.setattr("tierstore.bench.cli.reset_stop", reset_then_arm)
     rc = main(["--rw=kvtrace", "--number_ios=100000"])
     timer.cancel()

@@ -3,6 +3,7 @@
 fio writes into any ``filename=`` it is given; tierstore refuses a write job (or a read job whose
 layout would extend the file) on an existing non-empty file that no tierstore job created, before
 any write, and names the opt-in (house rule 9; issue 22 found the overwrite)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -69,13 +70,15 @@ def test_a_users_file_copied_over_a_kept_job_file_is_refused(tmp_path, run_bench
     """`cp` onto a job's kept file keeps the file's xattrs: the mark alone made it look like the
     job's own and the next write job overwrote the user's bytes (re-trial of issue 22)."""
     f = tmp_path / "keep.0.0"
-    rc, _, err = run_bench("--name=keep", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k", "--unlink=0")
+    rc, _, err = run_bench(
+        "--name=keep", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k", "--unlink=0"
+    )
     assert rc == 0, err
     try:
         os.getxattr(f, "user.tierstore.bench")
     except OSError as e:
         pytest.skip(f"this file system keeps no user xattrs ({e.strerror})")
-    with open(f, "r+b") as fh:        # what cp does to an existing target: same inode, new bytes
+    with open(f, "r+b") as fh:  # what cp does to an existing target: same inode, new bytes
         fh.write(os.urandom(2 << 20))
     digest = hashlib.sha256(f.read_bytes()).hexdigest()
     rc, _, err = run_bench("--name=keep", "--rw=write", f"--filename={f}", "--size=1m", "--bs=4k")

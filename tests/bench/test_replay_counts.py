@@ -1,4 +1,5 @@
 """bench/replay_counts.py: the counts issue 23 compares before and after each refactor piece."""
+
 import copy
 import importlib.util
 import json
@@ -47,8 +48,11 @@ def test_compare_names_each_differing_key_and_a_configuration_the_baseline_lacks
     after["default"]["counts"]["nvme"]["engine"]["write_ops"] = -1
     diffs, skipped = tool.compare(before, after)
     assert skipped == ["full"]
-    assert [d.split(":")[0] for d in diffs] == ["default.counts.kv.hit_blocks_nvme",
-                                                 "default.counts.nvme.engine.write_ops", "excerpt"]
+    assert [d.split(":")[0] for d in diffs] == [
+        "default.counts.kv.hit_blocks_nvme",
+        "default.counts.nvme.engine.write_ops",
+        "excerpt",
+    ]
 
 
 def test_the_command_exits_1_on_a_difference(tool, short, tmp_path, capsys):

@@ -1,4 +1,5 @@
 """bench/server_bench.py with a reused --dir, and its ABBA pairing (issue 19, item 17)."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,26 @@ def test_reused_dir_and_abba_order(tmp_path, capsys):
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "scopes.jsonl").write_text("{torn")
     out = tmp_path / "r.json"
-    rc = server_bench.main(["--dir", str(tmp_path), "--runs", "2", "--ops", "1", "--clients", "1",
-                            "--sizes-mib", "2", "--host-bytes", "64MiB", "--nvme-bytes", "512MiB",
-                            "--json", str(out)])
+    rc = server_bench.main(
+        [
+            "--dir",
+            str(tmp_path),
+            "--runs",
+            "2",
+            "--ops",
+            "1",
+            "--clients",
+            "1",
+            "--sizes-mib",
+            "2",
+            "--host-bytes",
+            "64MiB",
+            "--nvme-bytes",
+            "512MiB",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["order"] == ["baseline,tierstore", "tierstore,baseline"]

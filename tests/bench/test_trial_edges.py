@@ -1,5 +1,6 @@
 """What a new user's trial of ``tierstore bench`` hit: fio command lines pasted with ``--opt value``,
 fio options tierstore does not have, what ``bs`` means for KV jobs, and the messages of refused files."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,36 +12,74 @@ from tierstore.bench.jobfile import parse_jobs
 # options
 def test_space_separated_values_parse_as_fio_does(run_bench):
     """``--bs 4k`` used to make '4k' a job file and ``--rw read`` set rw='1'."""
-    rc, out, err = run_bench("--time_based", "--group_reporting", "--name", "j", "--rw", "read", "--bs", "8k",
-                             "--size", "1m", "--direct", "0", "--stonewall", "--output-format", "json", "--showcmd")
+    rc, out, err = run_bench(
+        "--time_based",
+        "--group_reporting",
+        "--name",
+        "j",
+        "--rw",
+        "read",
+        "--bs",
+        "8k",
+        "--size",
+        "1m",
+        "--direct",
+        "0",
+        "--stonewall",
+        "--output-format",
+        "json",
+        "--showcmd",
+    )
     assert rc == 0, err
-    assert out.split() == ["tierstore", "bench", "--name=j", "--rw=read", "--bs=8k", "--size=1m",
-                           "--time_based=1", "--direct=0", "--stonewall=1", "--group_reporting=1"]
+    assert out.split() == [
+        "tierstore",
+        "bench",
+        "--name=j",
+        "--rw=read",
+        "--bs=8k",
+        "--size=1m",
+        "--time_based=1",
+        "--direct=0",
+        "--stonewall=1",
+        "--group_reporting=1",
+    ]
 
 
-@pytest.mark.parametrize("argv,option", [
-    (["--name"], "--name"),
-    (["--name=j", "--bs", "--rw=read"], "--bs"),
-    (["--name=j", "--rw=read", "--output-format"], "--output-format"),
-])
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["--name"], "--name"),
+        (["--name=j", "--bs", "--rw=read"], "--bs"),
+        (["--name=j", "--rw=read", "--output-format"], "--output-format"),
+    ],
+)
 def test_an_option_without_its_value_is_fios_error(run_bench, argv, option):
     rc, out, err = run_bench("--parse-only", *argv)
     assert rc == 1 and out == ""
     assert f"option '{option}' requires an argument" in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["--name"], ["--name=j", "--bs", "--rw=read"], ["--name=j", "--rw=read", "--eta"],    # a value missing
-    ["--nosuch=1"], ["--rw=bogus"], ["--iodepth=0"], ["--name=j", "--verify=md5"],        # a value refused
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--name"],
+        ["--name=j", "--bs", "--rw=read"],
+        ["--name=j", "--rw=read", "--eta"],  # a value missing
+        ["--nosuch=1"],
+        ["--rw=bogus"],
+        ["--iodepth=0"],
+        ["--name=j", "--verify=md5"],  # a value refused
+    ],
+)
 def test_every_command_line_refusal_begins_the_same_way(run_bench, argv):
     """A missing value said "option '--bs' requires an argument" where every other refusal of the command
     line begins "command line:" (a fresh-user trial leftover): one prefix for both."""
     rc, out, err = run_bench("--parse-only", *argv)
     assert rc == 1 and out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith(("tierstore bench: error: command line: ",
-                            "tierstore bench: error: command line job 'j': ")), line
+    assert line.startswith(
+        ("tierstore bench: error: command line: ", "tierstore bench: error: command line job 'j': ")
+    ), line
 
 
 def test_a_bare_value_option_in_a_flag_list_is_refused():
@@ -74,7 +113,10 @@ def test_kv_header_says_what_bs_is_and_warns_once_on_partial_blocks(run_bench):
     assert "a request's prompt is 12 whole blocks (98304 B)" in warnings[0]
     header = out.splitlines()
     assert header[0].startswith("j: (g=0): rw=kvload, bs=(R) 8192B-8192B")
-    assert "one I/O is one KV block of 8192 B" in header[1] and "prompt is the job's bs=102400 B in whole blocks: 12 blocks" in header[1]
+    assert (
+        "one I/O is one KV block of 8192 B" in header[1]
+        and "prompt is the job's bs=102400 B in whole blocks: 12 blocks" in header[1]
+    )
 
 
 def test_kv_bs_of_whole_blocks_gives_no_warning(run_bench):
@@ -112,6 +154,8 @@ def test_kv_job_says_an_existing_file_is_not_its_own(tmp_path, run_bench, fmt):
 def test_kvtrace_says_runtime_and_size_are_not_used(run_bench, tmp_path):
     """The re-trial ran `--rw=kvtrace --runtime=2 --size=4m`: the whole trace, 16 s, a 192 MiB tier, not a
     word."""
-    rc, _, err = run_bench("--rw=kvtrace", "--number_ios=50", "--runtime=2", "--size=4m", f"--directory={tmp_path}")
+    rc, _, err = run_bench(
+        "--rw=kvtrace", "--number_ios=50", "--runtime=2", "--size=4m", f"--directory={tmp_path}"
+    )
     assert rc == 0, err
     assert "warning: runtime=2" in err and "warning: size=4194304: not used by rw=kvtrace" in err

@@ -1,6 +1,7 @@
 """Import a ``bench/`` script as a module by its path (the scripts are not a package; no ``sys.path`` edit).
 
 A script that fails to import fails the test that loads it (never a silent skip)."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Parsers against byte-by-byte fixtures (tests/fdp/gen_fixtures.py)."""
+
 from __future__ import annotations
 
 import os
@@ -30,13 +31,19 @@ def test_configs_stepped_by_descriptor_size():
     assert [r.ruht for r in c0.ruhs] == [1, 1, 1, 1]
     # second descriptor has 16 vendor bytes after 8 RUH descriptors: only reachable via DSZE stepping
     assert c1.size_bytes == 64 + 32 + 16 and c1.vss_bytes == 16
-    assert (c1.valid, c1.volatile_write_cache, c1.nnss, c1.runs_bytes, c1.erutl_s) == (False, True, 4, G.RUNS_1, 3600)
+    assert (c1.valid, c1.volatile_write_cache, c1.nnss, c1.runs_bytes, c1.erutl_s) == (
+        False,
+        True,
+        4,
+        G.RUNS_1,
+        3600,
+    )
     assert [r.persistent for r in c1.ruhs] == [False, True, True, False, False, False, False, True]
 
 
 def test_configs_corrupt_size_raises():
     b = bytearray(_read("fdp_configs.bin"))
-    b[16:18] = (4000).to_bytes(2, "little")      # DSZE past the end
+    b[16:18] = (4000).to_bytes(2, "little")  # DSZE past the end
     with pytest.raises(CorruptData):
         lp.parse_fdp_configs(bytes(b))
     with pytest.raises(CorruptData):
@@ -48,12 +55,17 @@ def test_usage_stats_events():
     assert u.nruh == 4 and u.ruha == (1, 1, 2, 0)
     s = lp.parse_fdp_stats(_read("fdp_stats.bin"))
     assert (s.hbmw_bytes, s.mbmw_bytes, s.mbe_bytes) == (G.HBMW, G.MBMW, G.MBE)
-    assert s.hbmw_bytes > 2 ** 64            # 128-bit counter, not truncated
+    assert s.hbmw_bytes > 2**64  # 128-bit counter, not truncated
     e = lp.parse_fdp_events(_read("fdp_events.bin"))
     assert e.n == 2
     a, b = e.events
-    assert (a.type, a.pid, a.nsid, a.timestamp_ms, a.name) == (3, 0x4007, 1, 1_700_000_000_000,
-                                                               "Invalid Placement Identifier")
+    assert (a.type, a.pid, a.nsid, a.timestamp_ms, a.name) == (
+        3,
+        0x4007,
+        1,
+        1_700_000_000_000,
+        "Invalid Placement Identifier",
+    )
     assert (b.type, b.nlbam, b.lba, b.rgid, b.ruhid) == (0x80, 16, 0x12345678, 1, 1)
 
 
@@ -64,7 +76,7 @@ def test_ruh_status_stops_at_nruhsd():
     assert [d.pid for d in st.descs] == [0, 1, 2, 3]
     assert st.descs[3].ruamw_blocks == 4096
     with pytest.raises(CorruptData):
-        lp.parse_ruh_status(buf[:16 + 32 * 3])
+        lp.parse_ruh_status(buf[: 16 + 32 * 3])
 
 
 def test_id_ctrl_fdps_bit19():

@@ -1,4 +1,5 @@
 """nvme-cli driving through `sh`, with a fake `nvme` executable that prints fixture bytes."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from tierstore.errors import ConfigError, CorruptData
 from tierstore.fdp import nvme_cli as nc
 from tierstore.fdp.waf import WafWindow
 
-FAKE = r'''#!{python}
+FAKE = r"""#!{python}
 import os, sys
 data = {data!r}
 args = sys.argv[1:]
@@ -49,7 +50,7 @@ if args[:1] == ["fdp"]:
     out({{"configs": "fdp_configs.bin", "usage": "ruh_usage.bin", "stats": "fdp_stats.bin",
           "events": "fdp_events.bin", "status": "ruh_status.bin"}}[sub])
 sys.stderr.write("fake nvme: unsupported " + " ".join(args) + "\n"); sys.exit(1)
-'''
+"""
 
 
 @pytest.fixture()
@@ -109,8 +110,17 @@ def test_failure_is_nvmecli_error(fake_nvme):
 
 
 def test_enable_args():
-    assert nc.NvmeCli.enable_fdp_args("/dev/nvme0", 1, 2) == \
-        ["set-feature", "/dev/nvme0", "-f", "0x1d", "-v", "1", "-c", "0x201", "-s"]
+    assert nc.NvmeCli.enable_fdp_args("/dev/nvme0", 1, 2) == [
+        "set-feature",
+        "/dev/nvme0",
+        "-f",
+        "0x1d",
+        "-v",
+        "1",
+        "-c",
+        "0x201",
+        "-s",
+    ]
     with pytest.raises(ConfigError):
         nc.NvmeCli.enable_fdp_args("/dev/nvme0", 0)
 
@@ -121,13 +131,13 @@ def _t(name: str) -> str:
 
 
 def test_json_and_text_variants():
-    assert nc.parse_stats_json(_t("fdp_stats.json")).mbmw_bytes == G.MBMW        # uint128 as string
+    assert nc.parse_stats_json(_t("fdp_stats.json")).mbmw_bytes == G.MBMW  # uint128 as string
     assert nc.parse_stats_json(_t("fdp_stats_numbers.json")).mbmw_bytes == 1500  # plain numbers
-    assert nc.parse_stats_text(_t("fdp_stats.txt")).hbmw_bytes == G.HBMW          # l10n separators
+    assert nc.parse_stats_text(_t("fdp_stats.txt")).hbmw_bytes == G.HBMW  # l10n separators
     st = nc.parse_ruh_status_json(_t("fdp_status.json"))
     assert [d.pid for d in st.descs] == [0, 1, 2, 3]
     cfg = nc.parse_configs_json(_t("fdp_configs.json")).configs[0]
-    assert cfg.rgif == 2 and cfg.ruhs == () and cfg.maxpids == 3                   # 2.x omits ruhs/maxpids
+    assert cfg.rgif == 2 and cfg.ruhs == () and cfg.maxpids == 3  # 2.x omits ruhs/maxpids
     assert nc.parse_usage_json(_t("fdp_usage.json")).ruha == (1, 1, 2, 0)
     ev = nc.parse_events_json(_t("fdp_events.json")).events[0]
     assert (ev.type, ev.nlbam, ev.lba) == (0x80, 16, 0x12345678)
@@ -149,6 +159,7 @@ def _b(name: str) -> bytes:
 def test_qemu_captures_parse():
     """Bytes captured from QEMU's emulated FDP namespace (4 RUHs x 2 reclaim groups, 8 MiB RUs)."""
     from tierstore.fdp import logpages as lp
+
     cfg = lp.parse_fdp_configs(_b("configs.bin")).configs[0]
     assert (cfg.nrg, cfg.nruh, cfg.runs_bytes, cfg.rgif, cfg.valid) == (2, 4, 8 << 20, 2, True)
     assert [r.ruht for r in cfg.ruhs] == [lp.RUHT_INITIALLY_ISOLATED] * 4
@@ -157,8 +168,11 @@ def test_qemu_captures_parse():
     assert lp.serial_from_id_ctrl(_b("id_ctrl.bin")) == "fdpvm0001"
     assert lp.fdp_supported(lp.ctratt_from_id_ctrl(_b("id_ctrl.bin")))
     assert lp.parse_ruh_usage(_b("usage.bin")).ruha == (1, 1, 1, 1)
-    assert lp.parse_fdp_stats(_b("stats_after_512.bin")).as_dict() == \
-        {"hbmw_bytes": 512, "mbmw_bytes": 512, "mbe_bytes": 0}
+    assert lp.parse_fdp_stats(_b("stats_after_512.bin")).as_dict() == {
+        "hbmw_bytes": 512,
+        "mbmw_bytes": 512,
+        "mbe_bytes": 0,
+    }
     st = lp.parse_ruh_status(_b("ruh_status_l4096.bin"))
     assert [d.pid for d in st.descs] == [0, 0x4000, 1, 0x4001, 2, 0x4002, 3, 0x4003]
     assert {d.ruamw_blocks for d in st.descs} == {(8 << 20) // 512}
@@ -167,6 +181,7 @@ def test_qemu_captures_parse():
 def test_nvme_cli_23_fdp_status_is_short_and_refused():
     """`nvme fdp status -b` of nvme-cli 2.3 returns 16 bytes less than its descriptor count needs."""
     from tierstore.fdp import logpages as lp
+
     raw = _b("fdp_status_nvme_cli_2.3.bin")
     assert len(raw) == 256 and int.from_bytes(raw[14:16], "little") == 8
     with pytest.raises(CorruptData, match="need 272 bytes, buffer has 256"):
@@ -194,8 +209,10 @@ def test_ruh_status_reads_explicit_length(fake_nvme, monkeypatch):
     # a first guess too small for the header's count: read again with exactly that length
     st = cli.ruh_status("/dev/ng0n1", 1, max_descs=2)
     assert st.nruhsd == 8
-    assert log.read_text().splitlines()[-2:] == ["io-mgmt-recv /dev/ng0n1 -n 1 -m 1 -l 80",
-                                                  "io-mgmt-recv /dev/ng0n1 -n 1 -m 1 -l 272"]
+    assert log.read_text().splitlines()[-2:] == [
+        "io-mgmt-recv /dev/ng0n1 -n 1 -m 1 -l 80",
+        "io-mgmt-recv /dev/ng0n1 -n 1 -m 1 -l 272",
+    ]
 
 
 def test_ruh_status_truly_short_transfer_refused(fake_nvme, monkeypatch):

@@ -1,4 +1,5 @@
 """Exact NVMe passthrough encoding; the ring itself is exercised with NOPs; device path is @fdp."""
+
 from __future__ import annotations
 
 import ctypes
@@ -25,17 +26,18 @@ def test_pid_and_cdw_encoding():
 
 def test_nvme_uring_cmd_layout():
     assert pt.NVME_URING_CMD_IO == 0xC0484E80
-    cmd = pt.build_write_cmd(nsid=1, slba=(5 << 32) | 7, nlb=8, addr=0x1122334455667788,
-                             lba_bytes=4096, pid=0x4003)
+    cmd = pt.build_write_cmd(
+        nsid=1, slba=(5 << 32) | 7, nlb=8, addr=0x1122334455667788, lba_bytes=4096, pid=0x4003
+    )
     b = cmd.pack()
     assert len(b) == 72
-    assert b[0] == 0x01                                          # opcode write
-    assert struct.unpack_from("<I", b, 4)[0] == 1                # nsid
+    assert b[0] == 0x01  # opcode write
+    assert struct.unpack_from("<I", b, 4)[0] == 1  # nsid
     assert struct.unpack_from("<Q", b, 24)[0] == 0x1122334455667788  # addr
-    assert struct.unpack_from("<I", b, 36)[0] == 8 * 4096        # data_len
-    assert struct.unpack_from("<II", b, 40) == (7, 5)            # cdw10/cdw11 = slba lo/hi
-    assert struct.unpack_from("<I", b, 48)[0] == 0x00200007      # cdw12
-    assert struct.unpack_from("<I", b, 52)[0] == 0x40030000      # cdw13
+    assert struct.unpack_from("<I", b, 36)[0] == 8 * 4096  # data_len
+    assert struct.unpack_from("<II", b, 40) == (7, 5)  # cdw10/cdw11 = slba lo/hi
+    assert struct.unpack_from("<I", b, 48)[0] == 0x00200007  # cdw12
+    assert struct.unpack_from("<I", b, 52)[0] == 0x40030000  # cdw13
     assert pt.NvmeUringCmd.unpack(b) == cmd
 
 
@@ -49,10 +51,10 @@ def test_ring_sqe128_cqe32_and_uring_cmd_sqe():
         assert len(sqe) == 128
         assert sqe[0] == pt.IORING_OP_URING_CMD
         assert struct.unpack_from("<I", sqe, 8)[0] == pt.NVME_URING_CMD_IO
-        assert sqe[48:48 + 72] == cmd.pack()
+        assert sqe[48 : 48 + 72] == cmd.pack()
         got = {ud: res for ud, res, _ in ring.submit_and_wait(2)}
         assert got[11] == 0
-        assert got[12] == -9        # EBADF: the kernel accepted the URING_CMD SQE shape, fd -1 rejected
+        assert got[12] == -9  # EBADF: the kernel accepted the URING_CMD SQE shape, fd -1 rejected
 
 
 @pytest.mark.uring
@@ -87,9 +89,11 @@ def test_alignment():
 
 
 @pytest.mark.fdp
-@pytest.mark.skipif(not pt.ng_char_devices() or not os.environ.get("TIERSTORE_FDP_SCRATCH_NG"),
-                    reason="needs /dev/ng* and TIERSTORE_FDP_SCRATCH_NG=/dev/ngXnY "
-                           "(a scratch namespace: LBA 0 is overwritten)")
+@pytest.mark.skipif(
+    not pt.ng_char_devices() or not os.environ.get("TIERSTORE_FDP_SCRATCH_NG"),
+    reason="needs /dev/ng* and TIERSTORE_FDP_SCRATCH_NG=/dev/ngXnY "
+    "(a scratch namespace: LBA 0 is overwritten)",
+)
 def test_device_placed_write():
     dev = os.environ["TIERSTORE_FDP_SCRATCH_NG"]
     w = pt.PassthroughWriter(dev, nsid=int(dev.rsplit("n", 1)[1]))
@@ -113,10 +117,11 @@ def test_writer_sends_commands_through_the_shared_queue(tmp_path):
     w = pt.PassthroughWriter(str(f), 1, 4096, entries=4)
     try:
         import ctypes
+
         buf = (ctypes.c_char * 4096)()
         with pytest.raises(pt.IoUringError) as e:
             w.write(buf, 0, 3)
-        assert e.value.errno in (95, 22, 25)   # EOPNOTSUPP / EINVAL / ENOTTY, by kernel version
+        assert e.value.errno in (95, 22, 25)  # EOPNOTSUPP / EINVAL / ENOTTY, by kernel version
         with pytest.raises(pt.IoUringError):
             w.ruh_status_bytes(64)
     finally:

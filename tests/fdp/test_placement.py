@@ -1,4 +1,5 @@
 """Placement policy (handle->PID table from RUH Status) and the lifetime classifier."""
+
 from __future__ import annotations
 
 import os
@@ -69,10 +70,10 @@ def test_reuse_classifier():
     c.observe("q", 5.0)
     assert c.classify("sys", now_s=40.0) is L.LONG
     assert c.classify("conv", now_s=200.0) is L.MEDIUM
-    assert c.classify("conv", now_s=1000.0) is L.SHORT       # idle too long
+    assert c.classify("conv", now_s=1000.0) is L.SHORT  # idle too long
     assert c.classify("q", now_s=6.0) is L.SHORT
     assert c.classify("unseen") is L.SHORT
-    assert c.classify("q", hint="system") is L.LONG          # the hint wins
+    assert c.classify("q", hint="system") is L.LONG  # the hint wins
     small = ReuseLifetimeClassifier(max_keys=2)
     for k in "abc":
         small.observe(k, 0.0)

@@ -11,6 +11,7 @@ costs ~40 s and Python under TCG is slow, so the plain test run does not pay for
 This is QEMU's emulation (``hw/nvme``), not an SSD: it models no garbage collection, so MBMW
 exceeds HBMW only by the unwritten tails of RUs switched by RUH Update, and MBE stays 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,16 +22,26 @@ from tests.fdp import vmenv
 
 pytestmark = pytest.mark.fdp
 
-LBA = 512          # the emulated namespace's logical block size (Identify Namespace, checked below)
-RUNS = 8 << 20     # --ru-size 8M
-SIZE = 1 << 30     # --size 1G
+LBA = 512  # the emulated namespace's logical block size (Identify Namespace, checked below)
+RUNS = 8 << 20  # --ru-size 8M
+SIZE = 1 << 30  # --size 1G
 
 #: The two emulator configurations and what each boot runs (the 4x2 boot skips the phases whose
 #: subject does not depend on the geometry, to keep the group inside its CI budget).
 CONFIGS = {
     "8ruh-1rg": {"nruh": 8, "nrg": 1, "driver": ["--fio-plids", "1,3,6"]},
-    "4ruh-2rg": {"nruh": 4, "nrg": 2, "driver": ["--fio-plids", "1,3,6", "--kv-plids", "3,5,7",
-                                                  "--phases", "discovery,imports,kvtrace,plids_vs_fio"]},
+    "4ruh-2rg": {
+        "nruh": 4,
+        "nrg": 2,
+        "driver": [
+            "--fio-plids",
+            "1,3,6",
+            "--kv-plids",
+            "3,5,7",
+            "--phases",
+            "discovery,imports,kvtrace,plids_vs_fio",
+        ],
+    },
 }
 
 
@@ -47,8 +58,9 @@ _BOOTS: dict = {}
 def _boot_all() -> dict:
     if not _BOOTS:
         from concurrent.futures import ThreadPoolExecutor
+
         fio, why = vmenv.fio_with_fdp()
-        vmenv.python_image()     # built (or found) once, before the boots share it
+        vmenv.python_image()  # built (or found) once, before the boots share it
         pool = ThreadPoolExecutor(max_workers=len(CONFIGS), thread_name_prefix="fdp-vm")
         for name, c in CONFIGS.items():
             args = list(c["driver"]) + (["--fio", fio] if fio else [])
@@ -60,16 +72,22 @@ def _boot_all() -> dict:
 @pytest.fixture(scope="session", params=list(CONFIGS))
 def vm(request):
     if vmenv.tool_path() is None:
-        pytest.skip(f"the FDP VM tool is absent ({vmenv.TOOL} not found: ../shared is not next to this checkout)")
+        pytest.skip(
+            f"the FDP VM tool is absent ({vmenv.TOOL} not found: ../shared is not next to this checkout)"
+        )
     if not _selected(request.config):
-        pytest.skip("boots an emulated FDP SSD (QEMU, minutes under TCG): run with `-m fdp` or TIERSTORE_FDP_VM=1")
+        pytest.skip(
+            "boots an emulated FDP SSD (QEMU, minutes under TCG): run with `-m fdp` or TIERSTORE_FDP_VM=1"
+        )
     fut, _why = _boot_all()[request.param]
     res = fut.result()
     res["_name"] = request.param
     res["_fio_why"] = _why
     if not res.get("config"):
-        pytest.fail(f"the guest produced no results (rc {res['_vm']['rc']}):\n{res['_vm']['tool_output']}\n"
-                    f"{res['_vm']['driver_log']}")
+        pytest.fail(
+            f"the guest produced no results (rc {res['_vm']['rc']}):\n{res['_vm']['tool_output']}\n"
+            f"{res['_vm']['driver_log']}"
+        )
     return res
 
 
@@ -78,10 +96,12 @@ def _phase(vm, name):
         pytest.fail(f"{vm['_name']}: phase {name} raised in the guest:\n{vm['errors'][name]}")
     if name not in vm:
         planned = vm.get("config", {}).get("phases", "").split(",")
-        if name in planned:   # the guest meant to run it and stopped first: never a silent skip
-            pytest.fail(f"{vm['_name']}: the guest stopped before phase {name} (rc {vm['_vm']['rc']}, "
-                        f"{vm['_vm']['wall_s']} s):\n{vm['_vm']['tool_output'][-2000:]}\n"
-                        f"driver.log:\n{vm['_vm']['driver_log'][-3000:]}")
+        if name in planned:  # the guest meant to run it and stopped first: never a silent skip
+            pytest.fail(
+                f"{vm['_name']}: the guest stopped before phase {name} (rc {vm['_vm']['rc']}, "
+                f"{vm['_vm']['wall_s']} s):\n{vm['_vm']['tool_output'][-2000:]}\n"
+                f"driver.log:\n{vm['_vm']['driver_log'][-3000:]}"
+            )
         pytest.skip(f"{vm['_name']}: phase {name} is not run in this configuration")
     return vm[name]
 
@@ -105,21 +125,29 @@ def test_discovery_matches_the_emulator_configuration(vm):
     # RUH Status: one entry per (placement handle, reclaim group), every RU fresh at boot
     st = rep["ruh_status"]
     assert len(st) == cfg["nruh"] * cfg["nrg"]
-    assert sorted(s["pid"] for s in st) == sorted(_pid(g, h, rgif) for g in range(cfg["nrg"])
-                                                  for h in range(cfg["nruh"]))
+    assert sorted(s["pid"] for s in st) == sorted(
+        _pid(g, h, rgif) for g in range(cfg["nrg"]) for h in range(cfg["nruh"])
+    )
     for s in st:
-        assert (s["reclaim_group"], s["placement_handle"]) == ((s["pid"] >> (16 - rgif)) if rgif else 0,
-                                                               s["pid"] & ((1 << (16 - rgif)) - 1))
+        assert (s["reclaim_group"], s["placement_handle"]) == (
+            (s["pid"] >> (16 - rgif)) if rgif else 0,
+            s["pid"] & ((1 << (16 - rgif)) - 1),
+        )
         assert s["ruamw_bytes"] == RUNS and s["ruhid"] == s["placement_handle"]
     assert [s["plid"] for s in st] == list(range(len(st)))
     # the four log pages read independently (nvme get-log) say the same
     raw = d["raw"]
-    assert (raw["nrg"], raw["nruh"], raw["runs_bytes"], raw["rgif"], raw["valid"]) == \
-        (cfg["nrg"], cfg["nruh"], RUNS, rgif, True)
+    assert (raw["nrg"], raw["nruh"], raw["runs_bytes"], raw["rgif"], raw["valid"]) == (
+        cfg["nrg"],
+        cfg["nruh"],
+        RUNS,
+        rgif,
+        True,
+    )
     assert raw["ruht"] == [1] * cfg["nruh"] and raw["numfdpc"] == 1
-    assert raw["ruha"] == [1] * cfg["nruh"]                         # log 21h: host specified
-    assert raw["stats"] == {"hbmw_bytes": 0, "mbmw_bytes": 0, "mbe_bytes": 0}   # log 22h at boot
-    assert raw["host_events"] == 0                                  # log 23h
+    assert raw["ruha"] == [1] * cfg["nruh"]  # log 21h: host specified
+    assert raw["stats"] == {"hbmw_bytes": 0, "mbmw_bytes": 0, "mbe_bytes": 0}  # log 22h at boot
+    assert raw["host_events"] == 0  # log 23h
     # tierstore's PIDs per class: handles 1, 2, 3 of the first entry's reclaim group, default handle 0
     classes = {r["class"]: r["pid"] for r in rep["placement"]["classes"]}
     assert classes == {"default": 0, "long": 1, "medium": 2, "short": 3}
@@ -130,8 +158,8 @@ def test_discovery_matches_the_emulator_configuration(vm):
 def test_nvme_cli_23_fdp_status_is_short_so_we_do_not_use_it(vm):
     d = _phase(vm, "discovery")
     n = vm["config"]["nruh"] * vm["config"]["nrg"]
-    assert d["fdp_status_cli_bytes"] == 32 * n          # 16 bytes short of 16 + 32 n: nvme-cli 2.3's bug
-    assert len(d["report"]["ruh_status"]) == n           # io-mgmt-recv with an explicit length has them all
+    assert d["fdp_status_cli_bytes"] == 32 * n  # 16 bytes short of 16 + 32 n: nvme-cli 2.3's bug
+    assert len(d["report"]["ruh_status"]) == n  # io-mgmt-recv with an explicit length has them all
 
 
 # ------------------------------------------------------------------ kvtrace
@@ -146,7 +174,7 @@ def test_kvtrace_puts_each_class_into_its_own_handle(vm):
     # started a fresh RU (a RUH Update where an earlier phase had left the RU partly written).
     dev = {pid: RUNS - after["ruamw"][str(pid)] * LBA for pid in cls_pids}
     ours = {int(p): b for p, b in k["device"]["bytes_by_pid"].items() if p != "none"}
-    assert "none" not in k["device"]["bytes_by_pid"]                 # every write carried a PID
+    assert "none" not in k["device"]["bytes_by_pid"]  # every write carried a PID
     for cls in ("long", "medium", "short"):
         pid = placement[cls]
         assert ours.get(pid, 0) > 0, f"no {cls} bytes in this trace: {ours}"
@@ -158,13 +186,16 @@ def test_kvtrace_puts_each_class_into_its_own_handle(vm):
     assert {int(p) for p in after["ruamw"] if after["ruamw"][p] != before["ruamw"][p]} <= cls_pids | {meta}
     assert cls_pids <= set(ours) <= cls_pids | {meta}
     if meta not in cls_pids:
-        assert ours.get(meta, 0) >= 4096 and ours[meta] % 4096 == 0   # at least the label (io/label.py)
+        assert ours.get(meta, 0) >= 4096 and ours[meta] % 4096 == 0  # at least the label (io/label.py)
     dh = after["stats"]["hbmw_bytes"] - before["stats"]["hbmw_bytes"]
     assert dh == sum(ours.values()) == k["device"]["engine_write_bytes"]
-    if vm["config"]["nrg"] > 1:                          # plids=3,5,7 on 4 RUHs x 2 groups: group 1's PIDs
+    if vm["config"]["nrg"] > 1:  # plids=3,5,7 on 4 RUHs x 2 groups: group 1's PIDs
         rgif = _phase(vm, "discovery")["report"]["config"]["rgif"]
-        assert [placement[c] for c in ("long", "medium", "short")] == [_pid(1, 1, rgif), _pid(1, 2, rgif),
-                                                                       _pid(1, 3, rgif)]
+        assert [placement[c] for c in ("long", "medium", "short")] == [
+            _pid(1, 1, rgif),
+            _pid(1, 2, rgif),
+            _pid(1, 3, rgif),
+        ]
 
 
 def test_hbmw_equals_the_bytes_we_wrote_metadata_included(vm):
@@ -175,7 +206,10 @@ def test_hbmw_equals_the_bytes_we_wrote_metadata_included(vm):
     assert dh == d["engine_write_bytes"] > d["tier_write_bytes"]
     if "ruh_update" in vm:
         r = _phase(vm, "ruh_update")
-        assert r["after"]["stats"]["hbmw_bytes"] - r["before"]["stats"]["hbmw_bytes"] == r["engine"]["bytes_written"]
+        assert (
+            r["after"]["stats"]["hbmw_bytes"] - r["before"]["stats"]["hbmw_bytes"]
+            == r["engine"]["bytes_written"]
+        )
 
 
 # ------------------------------------------------------------------ RUH Update
@@ -183,7 +217,7 @@ def test_ruh_update_on_segment_open_shows_in_mbmw_and_the_model_predicts_it(vm):
     r = _phase(vm, "ruh_update")
     assert all(s == "ok" for st in r["statuses"].values() for s in st), r["statuses"]
     e, m = r["engine"], r["model"]
-    assert e["ruh_updates_sent"] >= 3                   # one per class at least: each filled a segment
+    assert e["ruh_updates_sent"] >= 3  # one per class at least: each filled a segment
     b, a = r["before"]["stats"], r["after"]["stats"]
     dev_extra = (a["mbmw_bytes"] - b["mbmw_bytes"]) - (a["hbmw_bytes"] - b["hbmw_bytes"])
     assert dev_extra > 0
@@ -212,7 +246,7 @@ def test_an_invalid_pid_from_configuration_is_refused_before_any_write(vm):
     assert v["bench_rc"] != 0 and "must be smaller than" in v["bench_err"]
     assert v["daemon_exit"]["exit"] not in (0, None), v["daemon_log"]
     assert "0x77" in v["daemon_log"]
-    assert v["after"] == v["before"]                    # not a byte reached the device, RUH state unchanged
+    assert v["after"] == v["before"]  # not a byte reached the device, RUH state unchanged
 
 
 def test_every_pid_we_send_is_listed_by_ruh_status(vm):
@@ -234,12 +268,16 @@ def test_daemon_places_puts_by_class_and_recovers_them_after_kill9(vm):
     # the device's view: the RU each class handle has open (fresh at the daemon's first segment) took
     # RUNS - RUAMW x LBA bytes, and no other handle moved
     exp = d["expected_extent_bytes"]
-    assert {pid: RUNS - m["ruamw"][str(pid)] * LBA for pid in (1, 2, 3)} == \
-        {1: exp["system"], 2: exp["conversation"], 3: exp["query"]}
+    assert {pid: RUNS - m["ruamw"][str(pid)] * LBA for pid in (1, 2, 3)} == {
+        1: exp["system"],
+        2: exp["conversation"],
+        3: exp["query"],
+    }
     assert {int(p) for p in m["ruamw"] if m["ruamw"][p] != b["ruamw"][p]} <= {1, 2, 3}
     # the puts' extents, and the tier's label that the daemon's first start writes (on the default
     # handle, io/label.py; the namespace was zeroed before, so formatting zeroes no chain start)
     from tierstore.io.label import LABEL_BYTES
+
     assert m["stats"]["hbmw_bytes"] - b["stats"]["hbmw_bytes"] == sum(exp.values()) + LABEL_BYTES
 
 

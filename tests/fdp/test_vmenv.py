@@ -1,4 +1,5 @@
 """tests/fdp/vmenv.py: the guest image holds every package the guest's phases import."""
+
 from __future__ import annotations
 
 from tests.fdp import vmenv

@@ -12,6 +12,7 @@ process: the bench CLI in-process (``tierstore.bench.cli.main``), the library th
 the imports (no torch op ran in it, so no OpenMP pool is inherited), so that ``kill -9`` and the
 restart are real process deaths and starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +49,15 @@ def phase(name: str):
             except BaseException:  # noqa: BLE001 - recorded for the host-side test
                 R["errors"][name] = traceback.format_exc()
             _mark(name, t)
-            print(f"[{time.monotonic() - T0:7.1f} s] {name} done in {R['timings_s'][name]} s"
-                  f"{' (raised)' if name in R['errors'] else ''}", flush=True)
+            print(
+                f"[{time.monotonic() - T0:7.1f} s] {name} done in {R['timings_s'][name]} s"
+                f"{' (raised)' if name in R['errors'] else ''}",
+                flush=True,
+            )
             _save()
+
         return run
+
     return deco
 
 
@@ -74,6 +80,7 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def dev_state() -> dict:
     """What the device reports: FDP Statistics (22h) and RUH Status (I/O Management Receive)."""
     from tierstore.fdp.nvme_cli import NvmeCli
+
     cli = NvmeCli()
     st = cli.stats(CTRL, 1).as_dict()
     ruhs = cli.ruh_status(DEV, 1, 64)
@@ -82,8 +89,11 @@ def dev_state() -> dict:
 
 def written_per_pid(before: dict, after: dict, lba: int) -> dict:
     """Bytes the device says each PID's handle took, from RUAMW (valid while its RU did not switch)."""
-    return {p: (before["ruamw"][p] - after["ruamw"][p]) * lba for p in after["ruamw"]
-            if before["ruamw"][p] != after["ruamw"][p]}
+    return {
+        p: (before["ruamw"][p] - after["ruamw"][p]) * lba
+        for p in after["ruamw"]
+        if before["ruamw"][p] != after["ruamw"][p]
+    }
 
 
 def discard_all() -> None:
@@ -141,6 +151,7 @@ class Zygote:
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     from tierstore.server.daemon import main
+
                     try:
                         rc = main(["--config", msg["config"]])
                     except BaseException:  # noqa: BLE001 (the daemon child: traceback to its log, rc 99)
@@ -152,9 +163,16 @@ class Zygote:
                 tx.write(json.dumps({"pid": pid}) + "\n")
             elif msg["cmd"] == "wait":
                 _, status = os.waitpid(msg["pid"], 0)
-                tx.write(json.dumps({"status": status, "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                     else None, "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status)
-                                     else None}) + "\n")
+                tx.write(
+                    json.dumps(
+                        {
+                            "status": status,
+                            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                            "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                        }
+                    )
+                    + "\n"
+                )
             elif msg["cmd"] == "quit":
                 return
             tx.flush()
@@ -171,20 +189,42 @@ def discovery() -> dict:
     """Our discovery (`tierstore fdp discover` / `stats`) and the raw log pages read independently."""
     from tierstore.fdp import admin
     from tierstore.fdp import logpages as lp
-    rc, text, err = capture(admin.main, ["discover", DEV, "--output-format=json"])   # one discovery (slow here)
+
+    rc, text, err = capture(
+        admin.main, ["discover", DEV, "--output-format=json"]
+    )  # one discovery (slow here)
     out = {"discover_json_rc": rc, "discover_err": err, "report": json.loads(text) if rc == 0 else {}}
     out["discover_text"] = capture(admin._print_discover, out["report"])[1] if rc == 0 else ""
     raw = {}
     for lid, n in ((0x20, 4096), (0x21, 4096), (0x22, 64), (0x23, 4096)):
-        raw[lid] = sh("nvme", "get-log", CTRL, "-i", hex(lid), "-l", str(n), "-S", "1", "-b",
-                      *(["-s", "1"] if lid == 0x23 else [])).stdout
+        raw[lid] = sh(
+            "nvme",
+            "get-log",
+            CTRL,
+            "-i",
+            hex(lid),
+            "-l",
+            str(n),
+            "-S",
+            "1",
+            "-b",
+            *(["-s", "1"] if lid == 0x23 else []),
+        ).stdout
     cfg = lp.parse_fdp_configs(raw[0x20])
     c = cfg.configs[0]
-    out["raw"] = {"numfdpc": cfg.numfdpc, "nrg": c.nrg, "nruh": c.nruh, "runs_bytes": c.runs_bytes, "rgif": c.rgif,
-                  "maxpids": c.maxpids, "ruht": [r.ruht for r in c.ruhs], "valid": c.valid,
-                  "ruha": list(lp.parse_ruh_usage(raw[0x21]).ruha),
-                  "stats": lp.parse_fdp_stats(raw[0x22]).as_dict(),
-                  "host_events": lp.parse_fdp_events(raw[0x23]).n}
+    out["raw"] = {
+        "numfdpc": cfg.numfdpc,
+        "nrg": c.nrg,
+        "nruh": c.nruh,
+        "runs_bytes": c.runs_bytes,
+        "rgif": c.rgif,
+        "maxpids": c.maxpids,
+        "ruht": [r.ruht for r in c.ruhs],
+        "valid": c.valid,
+        "ruha": list(lp.parse_ruh_usage(raw[0x21]).ruha),
+        "stats": lp.parse_fdp_stats(raw[0x22]).as_dict(),
+        "host_events": lp.parse_fdp_events(raw[0x23]).n,
+    }
     out["fdp_status_cli_bytes"] = len(sh("nvme", "fdp", "status", DEV, "-b").stdout)
     js = json.loads(sh("nvme", "fdp", "status", DEV, "-o", "json").stdout)
     out["fdp_status_cli_json_pids"] = [int(x["pid"]) for x in js["ruhss"]]
@@ -195,6 +235,7 @@ def discovery() -> dict:
 def heavy_imports() -> dict:
     t = time.monotonic()
     import torch
+
     _mark("import_torch", t)
     import tierstore.api
     import tierstore.bench.cli
@@ -203,6 +244,7 @@ def heavy_imports() -> dict:
     import tierstore.client
     import tierstore.server.daemon
     import tierstore.server.service  # noqa: F401
+
     return {"torch": torch.__version__}
 
 
@@ -214,19 +256,44 @@ def invalid_pid(zyg: Zygote) -> dict:
     from tierstore.fdp.device import PassthroughEngine, discover_namespace
     from tierstore.io.engine import alloc_aligned
     from tierstore.layout import get_layout
+
     out: dict = {}
     before = dev_state()
     try:
-        build_store({"tiers": {"nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "64MiB", "format": True,
-                                        "fdp": {"enabled": True, "long_pid": 0x77, "medium_pid": 2,
-                                                "short_pid": 3}}}}, get_layout("tiny"))
+        build_store(
+            {
+                "tiers": {
+                    "nvme": {
+                        "device": "fdp",
+                        "path": DEV,
+                        "capacity_bytes": "64MiB",
+                        "format": True,
+                        "fdp": {"enabled": True, "long_pid": 0x77, "medium_pid": 2, "short_pid": 3},
+                    }
+                }
+            },
+            get_layout("tiny"),
+        )
         out["store"] = "accepted"
     except ConfigError as e:
         out["store"] = f"ConfigError: {e}"
     from tierstore.bench.cli import main as bench
-    rc, _, err = capture(bench, ["--name=bad", "--rw=write", f"--filename={DEV}", f"--device={DEV}", "--format=1",
-                                 "--dataplacement=fdp", f"--plids=0,{ARGS.nruh * ARGS.nrg + 1}", "--bs=4k",
-                                 "--size=16k", "--output-format=json"])
+
+    rc, _, err = capture(
+        bench,
+        [
+            "--name=bad",
+            "--rw=write",
+            f"--filename={DEV}",
+            f"--device={DEV}",
+            "--format=1",
+            "--dataplacement=fdp",
+            f"--plids=0,{ARGS.nruh * ARGS.nrg + 1}",
+            "--bs=4k",
+            "--size=16k",
+            "--output-format=json",
+        ],
+    )
     out["bench_rc"], out["bench_err"] = rc, err[-2000:]
     ns = discover_namespace(DEV)
     eng = PassthroughEngine(DEV, 1 << 20, ns.nsid, ns.lba_bytes, pid_table=ns.pid_table)
@@ -257,20 +324,34 @@ def ruh_update() -> dict:
 
     from tierstore import Namespace, build_store
     from tierstore.layout import KVLayout
+
     discard_all()
     layout = KVLayout(2, 2, 16, torch.float32, 512, "fdp-vm-256k")  # 256 KiB blocks
     before = dev_state()
-    store = build_store({"tiers": {"hbm": {"capacity_bytes": 0}, "host": {"capacity_bytes": 0},
-                                   "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "256MiB", "format": True,
-                                            "fdp": {"enabled": True},
-                                            "model": {"page_bytes": 4096, "op_fraction": 0.5}}}}, layout)
+    store = build_store(
+        {
+            "tiers": {
+                "hbm": {"capacity_bytes": 0},
+                "host": {"capacity_bytes": 0},
+                "nvme": {
+                    "device": "fdp",
+                    "path": DEV,
+                    "capacity_bytes": "256MiB",
+                    "format": True,
+                    "fdp": {"enabled": True},
+                    "model": {"page_bytes": 4096, "op_fraction": 0.5},
+                },
+            }
+        },
+        layout,
+    )
     n_per_class = ARGS.ruh_update_blocks
     sent = {}
     try:
         base = 0
         for cls in ("system", "conversation", "query"):
             ns = Namespace(model=f"ruh-update-{cls}")
-            for part in range(2):                  # two puts per class: the second opens a new segment
+            for part in range(2):  # two puts per class: the second opens a new segment
                 nb = n_per_class // 2
                 toks = list(range(base, base + nb * layout.tokens_per_block))
                 base += len(toks)
@@ -280,14 +361,27 @@ def ruh_update() -> dict:
         estats = eng.stats()
         model = store.ftl.stats()
         pol = store.placement
-        out = {"placement": {c.name: p for c, p in pol.class_pid.items()}, "default_pid": pol.default_pid,
-               "engine": {k: estats[k] for k in ("bytes_written", "write_ops", "ruh_updates_sent",
-                                                  "ruh_updates_skipped", "ruh_update_unwritten_bytes")},
-               "bytes_by_placement": {str(k): v for k, v in estats["bytes_by_placement"].items()},
-               "model": {k: model[k] for k in ("hbmw_bytes", "mbmw_bytes", "ruh_updates",
-                                                "ruh_update_unwritten_bytes")},
-               "statuses": sent, "segment_size_bytes": store.nvme.segment_size_bytes,
-               "block_bytes": layout.bytes_per_block}
+        out = {
+            "placement": {c.name: p for c, p in pol.class_pid.items()},
+            "default_pid": pol.default_pid,
+            "engine": {
+                k: estats[k]
+                for k in (
+                    "bytes_written",
+                    "write_ops",
+                    "ruh_updates_sent",
+                    "ruh_updates_skipped",
+                    "ruh_update_unwritten_bytes",
+                )
+            },
+            "bytes_by_placement": {str(k): v for k, v in estats["bytes_by_placement"].items()},
+            "model": {
+                k: model[k] for k in ("hbmw_bytes", "mbmw_bytes", "ruh_updates", "ruh_update_unwritten_bytes")
+            },
+            "statuses": sent,
+            "segment_size_bytes": store.nvme.segment_size_bytes,
+            "block_bytes": layout.bytes_per_block,
+        }
     finally:
         store.close()
     out["before"], out["after"] = before, dev_state()
@@ -304,11 +398,14 @@ def make_trace(path: str, n: int = 10, qlen: int = 4, clen: int = 3) -> None:
         r = list(range(nid[0], nid[0] + k))
         nid[0] += k
         return r
+
     for i in range(n):
         conv = new(clen)
         sysp = [0, 1] if i % 2 == 0 else [2, 3]
         for ids in (sysp + conv, sysp + conv + new(1), sysp + new(qlen), sysp + new(qlen)):
-            rows.append({"timestamp": t, "input_length": 512 * len(ids) + 100, "output_length": 10, "hash_ids": ids})
+            rows.append(
+                {"timestamp": t, "input_length": 512 * len(ids) + 100, "output_length": 10, "hash_ids": ids}
+            )
             t += 1000
     with open(path, "w") as f:
         for r in rows:
@@ -320,13 +417,24 @@ def kvtrace() -> dict:
     """`tierstore bench --rw=kvtrace --device=/dev/ng0n1 --dataplacement=fdp` on a short trace."""
     from tierstore.bench.cli import main as bench
     from tierstore.fdp import admin
+
     discard_all()
     trace = os.path.join(ARGS.out, "trace.jsonl")
     make_trace(trace)
     res = os.path.join(ARGS.out, "kvtrace.json")
-    argv = ["--rw=kvtrace", f"--device={DEV}", "--dataplacement=fdp", f"--trace={trace}", "--trace_block_size=16k",
-            "--hbm_size=0", "--host_size=128k", "--nvme_size=128m", "--format=1", "--output-format=json",
-            f"--output={res}"]
+    argv = [
+        "--rw=kvtrace",
+        f"--device={DEV}",
+        "--dataplacement=fdp",
+        f"--trace={trace}",
+        "--trace_block_size=16k",
+        "--hbm_size=0",
+        "--host_size=128k",
+        "--nvme_size=128m",
+        "--format=1",
+        "--output-format=json",
+        f"--output={res}",
+    ]
     if ARGS.kv_plids:
         argv.append(f"--plids={ARGS.kv_plids}")
     before = dev_state()
@@ -334,8 +442,9 @@ def kvtrace() -> dict:
     after = dev_state()
     out = {"argv": argv, "rc": rc, "stderr": err[-3000:], "before": before, "after": after}
     if rc != 0 or not os.path.exists(res):
-        raise RuntimeError(f"tierstore bench {' '.join(argv)}: exit {rc}\nstdout: {out_text[-2000:]}\n"
-                           f"stderr: {err[-3000:]}")
+        raise RuntimeError(
+            f"tierstore bench {' '.join(argv)}: exit {rc}\nstdout: {out_text[-2000:]}\nstderr: {err[-3000:]}"
+        )
     with open(res) as f:
         job = json.load(f)["jobs"][0]
     out["device"] = {k: v for k, v in job["device"].items() if not k.startswith("waf_timeseries")}
@@ -351,6 +460,7 @@ def kvtrace() -> dict:
 def stats_cli() -> dict:
     """`tierstore fdp stats` with a baseline saved before a known write."""
     from tierstore.fdp import admin
+
     base = os.path.join(ARGS.out, "baseline.json")
     rc0, save_text, _ = capture(admin.main, ["stats", DEV, "--baseline", base, "--save-baseline"])
     data = os.path.join(ARGS.out, "data1m")
@@ -360,6 +470,7 @@ def stats_cli() -> dict:
     # command may carry at most MDTS bytes (QEMU's default MDTS 7 = 512 KiB at 4 KiB pages; a
     # 1 MiB `nvme write` fails with EINVAL), and the LBA size is the namespace's own
     from tierstore.fdp.discovery import discover_namespace
+
     lba = discover_namespace(DEV).lba_bytes
     chunk = 128 << 10
     first = (ARGS.size_bytes - (1 << 20)) // lba
@@ -368,26 +479,61 @@ def stats_cli() -> dict:
         with open(data, "rb") as src, open(part, "wb") as dst:
             src.seek(i * chunk)
             dst.write(src.read(chunk))
-        sh("nvme", "write", DEV, "-s", str(first + i * chunk // lba), "-c", str(chunk // lba - 1),
-           "-z", str(chunk), "-d", part, "-T", "2", "-S", "1")
+        sh(
+            "nvme",
+            "write",
+            DEV,
+            "-s",
+            str(first + i * chunk // lba),
+            "-c",
+            str(chunk // lba - 1),
+            "-z",
+            str(chunk),
+            "-d",
+            part,
+            "-T",
+            "2",
+            "-S",
+            "1",
+        )
     rc1, text, err = capture(admin.main, ["stats", DEV, "--baseline", base])
     rc2, js, _ = capture(admin.main, ["stats", DEV, "--baseline", base, "--output-format=json"])
-    return {"save_rc": rc0, "save_text": save_text, "rc": rc1, "text": text, "err": err, "json_rc": rc2,
-            "json": json.loads(js) if rc2 == 0 else js}
+    return {
+        "save_rc": rc0,
+        "save_text": save_text,
+        "rc": rc1,
+        "text": text,
+        "err": err,
+        "json_rc": rc2,
+        "json": json.loads(js) if rc2 == 0 else js,
+    }
 
 
 def _daemon_config(name: str, fdp_extra: dict | None = None) -> str:
     import yaml
+
     state = os.path.join(ARGS.out, f"state-{name}")
     os.makedirs(state, exist_ok=True)
-    cfg = {"listen": {"host": "127.0.0.1", "port": 18470}, "log": {"level": "INFO", "access_log": False},
-           "state_dir": state, "layout": {"preset": "tiny", "tokens_per_block": 64},
-           "tiers": {"hbm": {"capacity_bytes": 0}, "host": {"capacity_bytes": "1MiB"},
-                     "nvme": {"device": "fdp", "path": DEV, "capacity_bytes": "128MiB", "format": True,
-                              "fdp": {"enabled": True, **(fdp_extra or {})}}},
-           "puts": {"durable": True},
-           "tenants": [{"name": "t", "tokens": ["fdp-vm-token-0123456789"]}],
-           "limits": {"worker_threads": 2}}
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": 18470},
+        "log": {"level": "INFO", "access_log": False},
+        "state_dir": state,
+        "layout": {"preset": "tiny", "tokens_per_block": 64},
+        "tiers": {
+            "hbm": {"capacity_bytes": 0},
+            "host": {"capacity_bytes": "1MiB"},
+            "nvme": {
+                "device": "fdp",
+                "path": DEV,
+                "capacity_bytes": "128MiB",
+                "format": True,
+                "fdp": {"enabled": True, **(fdp_extra or {})},
+            },
+        },
+        "puts": {"durable": True},
+        "tenants": [{"name": "t", "tokens": ["fdp-vm-token-0123456789"]}],
+        "limits": {"worker_threads": 2},
+    }
     path = os.path.join(ARGS.out, f"daemon-{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -396,6 +542,7 @@ def _daemon_config(name: str, fdp_extra: dict | None = None) -> str:
 
 def _wait_ready(url: str, pid_alive, timeout_s: float) -> float:
     import urllib.request
+
     t = time.monotonic()
     while time.monotonic() - t < timeout_s:
         if not pid_alive():
@@ -419,6 +566,7 @@ def daemon(zyg: Zygote) -> dict:
     from tierstore.client import RemoteKVStore
     from tierstore.errors import Status
     from tierstore.io import format as fmt
+
     discard_all()
     cfg = _daemon_config("ok")
     url = "http://127.0.0.1:18470"
@@ -429,6 +577,7 @@ def daemon(zyg: Zygote) -> dict:
 
     def alive(p):
         return lambda: os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+
     out["start_s"] = _wait_ready(url, alive(pid), 600)
     acked, expect = [], {}
     with RemoteKVStore(url, token) as c:
@@ -436,10 +585,13 @@ def daemon(zyg: Zygote) -> dict:
         for cls, nblocks, nputs in (("system", 2, 2), ("conversation", 4, 3), ("query", 6, 4)):
             for r in range(nputs):
                 ns = Namespace(model=f"daemon-{cls}")
-                toks = [hash((cls, r)) % 1_000_000 * 1000 + i for i in range(c.layout.tokens_per_block * nblocks)]
+                toks = [
+                    hash((cls, r)) % 1_000_000 * 1000 + i for i in range(c.layout.tokens_per_block * nblocks)
+                ]
                 keys = c.keys_for(ns, toks)
-                blocks = torch.stack([torch.frombuffer(bytearray(k * (bb // len(k))), dtype=torch.uint8)
-                                      for k in keys])
+                blocks = torch.stack(
+                    [torch.frombuffer(bytearray(k * (bb // len(k))), dtype=torch.uint8) for k in keys]
+                )
                 st = c.store(ns, toks, blocks, lifetime=cls)
                 if all(s is Status.OK for s in st):
                     acked.append((cls, ns, toks, keys))
@@ -463,9 +615,16 @@ def daemon(zyg: Zygote) -> dict:
     with open(out["log"]) as f:
         lines = [json.loads(x) for x in f if x.startswith("{")]
     out["recovered"] = [x for x in lines if x.get("event") == "recovered"]
-    out.update(before=before, after_puts=mid, after=dev_state(), acked_puts=len(acked),
-               acked_blocks=sum(len(a[3]) for a in acked), loaded_ok=ok, loaded_bad=bad,
-               expected_extent_bytes=expect)
+    out.update(
+        before=before,
+        after_puts=mid,
+        after=dev_state(),
+        acked_puts=len(acked),
+        acked_blocks=sum(len(a[3]) for a in acked),
+        loaded_ok=ok,
+        loaded_bad=bad,
+        expected_extent_bytes=expect,
+    )
     return out
 
 
@@ -473,26 +632,57 @@ def daemon(zyg: Zygote) -> dict:
 def plids_vs_fio() -> dict:
     """Plain job with plids= against real fio with the same plids: the PIDs the device saw."""
     from tierstore.bench.cli import main as bench
+
     out: dict = {"plids": ARGS.fio_plids}
     lba = 512
     before = dev_state()
-    rc, _, err = capture(bench, ["--name=plids", "--rw=write", f"--filename={DEV}", f"--device={DEV}", "--format=1",
-                                 "--dataplacement=fdp", f"--plids={ARGS.fio_plids}", "--bs=4k", "--size=24k",
-                                 "--iodepth=1", "--output-format=json",
-                                 f"--output={os.path.join(ARGS.out, 'plain.json')}"])
+    rc, _, err = capture(
+        bench,
+        [
+            "--name=plids",
+            "--rw=write",
+            f"--filename={DEV}",
+            f"--device={DEV}",
+            "--format=1",
+            "--dataplacement=fdp",
+            f"--plids={ARGS.fio_plids}",
+            "--bs=4k",
+            "--size=24k",
+            "--iodepth=1",
+            "--output-format=json",
+            f"--output={os.path.join(ARGS.out, 'plain.json')}",
+        ],
+    )
     mid = dev_state()
     out["ours"] = {"rc": rc, "stderr": err[-2000:], "pid_bytes": written_per_pid(before, mid, lba)}
     if not ARGS.fio:
         out["fio"] = {"skipped": "no fio with FDP support (fio >= 3.34) was given"}
         return out
-    p = subprocess.run([ARGS.fio, "--name=fio-plids", f"--filename={DEV}", "--ioengine=io_uring_cmd",
-                        "--cmd_type=nvme", "--rw=write", "--bs=4k", "--size=24k", "--offset=64m", "--iodepth=1",
-                        "--dataplacement=fdp", f"--plids={ARGS.fio_plids}", "--output-format=json"],
-                       capture_output=True)
+    p = subprocess.run(
+        [
+            ARGS.fio,
+            "--name=fio-plids",
+            f"--filename={DEV}",
+            "--ioengine=io_uring_cmd",
+            "--cmd_type=nvme",
+            "--rw=write",
+            "--bs=4k",
+            "--size=24k",
+            "--offset=64m",
+            "--iodepth=1",
+            "--dataplacement=fdp",
+            f"--plids={ARGS.fio_plids}",
+            "--output-format=json",
+        ],
+        capture_output=True,
+    )
     after = dev_state()
-    out["fio"] = {"rc": p.returncode, "stderr": p.stderr.decode(errors="replace")[-2000:],
-                  "version": sh(ARGS.fio, "--version").stdout.decode().strip(),
-                  "pid_bytes": written_per_pid(mid, after, lba)}
+    out["fio"] = {
+        "rc": p.returncode,
+        "stderr": p.stderr.decode(errors="replace")[-2000:],
+        "version": sh(ARGS.fio, "--version").stdout.decode().strip(),
+        "pid_bytes": written_per_pid(mid, after, lba),
+    }
     return out
 
 
@@ -504,7 +694,9 @@ def main() -> int:
     ap.add_argument("--nrg", type=int, required=True)
     ap.add_argument("--runs-bytes", type=int, required=True)
     ap.add_argument("--size-bytes", type=int, required=True)
-    ap.add_argument("--phases", default="discovery,imports,invalid_pid,ruh_update,kvtrace,stats_cli,daemon,plids_vs_fio")
+    ap.add_argument(
+        "--phases", default="discovery,imports,invalid_pid,ruh_update,kvtrace,stats_cli,daemon,plids_vs_fio"
+    )
     ap.add_argument("--kv-plids", default="")
     ap.add_argument("--fio-plids", default="0,1,2")
     ap.add_argument("--fio", default="")
@@ -512,16 +704,23 @@ def main() -> int:
     ARGS = ap.parse_args()
     import faulthandler
     import logging
+
     # A real crash still prints every thread's stack. No periodic dump_traceback_later: it reads
     # other threads' frames without the GIL, and under a loaded host (phases over its period) it
     # crashed the guest with SIGSEGV in the daemon phase.
     faulthandler.enable()
     # tierstore's warnings and errors (e.g. why a put failed) go to driver.log
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="[guest log] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="[guest log] %(levelname)s %(name)s: %(message)s"
+    )
     print(f"[{time.monotonic() - T0:7.1f} s] started", flush=True)
-    R["config"] = {"nruh": ARGS.nruh, "nrg": ARGS.nrg, "runs_bytes": ARGS.runs_bytes, "size_bytes": ARGS.size_bytes,
-                   "phases": ARGS.phases}
+    R["config"] = {
+        "nruh": ARGS.nruh,
+        "nrg": ARGS.nrg,
+        "runs_bytes": ARGS.runs_bytes,
+        "size_bytes": ARGS.size_bytes,
+        "phases": ARGS.phases,
+    }
     phases = ARGS.phases.split(",")
     if "discovery" in phases:
         discovery()

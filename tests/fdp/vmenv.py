@@ -14,6 +14,7 @@ checkout itself is imported from its own path. Without ``mksquashfs`` the venv i
 3.33 predates FDP): ``$TIERSTORE_FDP_FIO``, ``$XDG_CACHE_HOME/tierstore/fio-*/fio``, or ``fio`` on
 ``PATH``.
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,11 +35,44 @@ CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.
 
 #: Packages of the venv the guest needs (what the bench, the library, the daemon and the client import,
 #: found with ``python -X importtime``), plus torch's lazily imported dependencies.
-PACKAGES = ("aiohappyeyeballs", "aiohttp", "aiosignal", "annotated_types", "attr", "crc32c", "frozenlist", "hdrh",
-            "idna", "multidict", "numpy", "numpy.libs", "propcache", "pydantic", "pydantic_core",
-            "typing_extensions.py", "typing_inspection", "yaml", "_yaml", "yarl", "tqdm", "sh", "sh.py", "torch",
-            "torchgen", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "filelock", "rich",
-            "markdown_it", "mdurl", "pygments")
+PACKAGES = (
+    "aiohappyeyeballs",
+    "aiohttp",
+    "aiosignal",
+    "annotated_types",
+    "attr",
+    "crc32c",
+    "frozenlist",
+    "hdrh",
+    "idna",
+    "multidict",
+    "numpy",
+    "numpy.libs",
+    "propcache",
+    "pydantic",
+    "pydantic_core",
+    "typing_extensions.py",
+    "typing_inspection",
+    "yaml",
+    "_yaml",
+    "yarl",
+    "tqdm",
+    "sh",
+    "sh.py",
+    "torch",
+    "torchgen",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
+    "filelock",
+    "rich",
+    "markdown_it",
+    "mdurl",
+    "pygments",
+)
 
 
 #: ``root``'s extras the guest's phases use: the daemon ([server]: aiohttp, prometheus-client),
@@ -52,6 +86,7 @@ def _dependency_tops(root: str = "tierstore", extras: tuple[str, ...] = GUEST_EX
     ``root``'s own ``extras``, and the first path part of each of its files), so a new
     dependency reaches the guest without an edit here. ``root`` itself is mounted, not packed."""
     from importlib import metadata
+
     tops: set[str] = set()
     seen: set[str] = set()
     todo = [root]
@@ -68,8 +103,11 @@ def _dependency_tops(root: str = "tierstore", extras: tuple[str, ...] = GUEST_EX
         if key != root:
             for f in dist.files or ():
                 top = f.parts[0] if f.parts else ""
-                if top and not top.startswith(("..", "__editable__", "__pycache__")) \
-                        and not top.endswith((".pth", ".dist-info")):
+                if (
+                    top
+                    and not top.startswith(("..", "__editable__", "__pycache__"))
+                    and not top.endswith((".pth", ".dist-info"))
+                ):
                     tops.add(top)
         for req in dist.requires or ():
             marker = req.split(";", 1)[1] if ";" in req else ""
@@ -90,8 +128,9 @@ def tool_path() -> str | None:
 
 def guest_python() -> str:
     """The interpreter binary behind the venv (the guest sees the host's root at the same paths)."""
-    return os.path.realpath(os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}."
-                                                                 f"{sys.version_info.minor}"))
+    return os.path.realpath(
+        os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    )
 
 
 def _site_packages() -> str:
@@ -102,8 +141,11 @@ def _entries() -> list[tuple[str, str]]:
     """``(source, destination relative to the image root)`` of everything in the image."""
     std = sysconfig.get_paths()["stdlib"]
     ver = os.path.basename(std)
-    out = [(os.path.join(std, n), f"lib/{ver}/{n}") for n in sorted(os.listdir(std))
-           if n not in _STDLIB_SKIP and not n.startswith("config-")]
+    out = [
+        (os.path.join(std, n), f"lib/{ver}/{n}")
+        for n in sorted(os.listdir(std))
+        if n not in _STDLIB_SKIP and not n.startswith("config-")
+    ]
     sp = _site_packages()
     for name in sorted(set(PACKAGES) | _dependency_tops()):
         p = os.path.join(sp, name)
@@ -111,7 +153,7 @@ def _entries() -> list[tuple[str, str]]:
             out.append((p, f"lib/{ver}/site-packages/{name}"))
     for p in sorted(glob.glob(os.path.join(sp, "*.dist-info"))) + sorted(glob.glob(os.path.join(sp, "*.so"))):
         out.append((p, f"lib/{ver}/site-packages/{os.path.basename(p)}"))
-    return list({dst: (src, dst) for src, dst in out}.values())   # each destination once
+    return list({dst: (src, dst) for src, dst in out}.values())  # each destination once
 
 
 def _fingerprint(entries: list[tuple[str, str]]) -> str:
@@ -133,7 +175,7 @@ def python_image() -> str | None:
         return img
     os.makedirs(os.path.dirname(img), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fdp-vm-py-", dir=os.path.dirname(img)) as stage:
-        for src, dst in entries:      # hard links where possible: nothing is copied on one file system
+        for src, dst in entries:  # hard links where possible: nothing is copied on one file system
             target = os.path.join(stage, dst)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             if os.path.isdir(src):
@@ -145,11 +187,23 @@ def python_image() -> str | None:
                     os.link(src, target)
                 except OSError:
                     shutil.copy2(src, target)
-        shutil.rmtree(os.path.join(stage, "lib", os.path.basename(sysconfig.get_paths()["stdlib"]),
-                                   "site-packages", "torch", "include"), ignore_errors=True)
+        shutil.rmtree(
+            os.path.join(
+                stage,
+                "lib",
+                os.path.basename(sysconfig.get_paths()["stdlib"]),
+                "site-packages",
+                "torch",
+                "include",
+            ),
+            ignore_errors=True,
+        )
         tmp = img + ".tmp"
-        subprocess.run([mk, stage, tmp, "-comp", "lz4", "-noappend", "-all-root", "-no-xattrs", "-quiet"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [mk, stage, tmp, "-comp", "lz4", "-noappend", "-all-root", "-no-xattrs", "-quiet"],
+            check=True,
+            capture_output=True,
+        )
         os.replace(tmp, img)
     for old in glob.glob(os.path.join(CACHE, "fdp-vm", "python-*.sqfs")):
         if old != img:
@@ -167,39 +221,85 @@ def _has_fdp(fio: str) -> bool:
 
 def fio_with_fdp() -> tuple[str | None, str]:
     """``(path, why)``: a fio that knows ``dataplacement=fdp``, or ``None`` and the reason."""
-    cands = [os.environ.get("TIERSTORE_FDP_FIO", "")] + sorted(glob.glob(os.path.join(CACHE, "fio-*", "fio")),
-                                                               reverse=True) + [shutil.which("fio") or ""]
+    cands = (
+        [os.environ.get("TIERSTORE_FDP_FIO", "")]
+        + sorted(glob.glob(os.path.join(CACHE, "fio-*", "fio")), reverse=True)
+        + [shutil.which("fio") or ""]
+    )
     for c in cands:
         if c and _has_fdp(c):
             return c, ""
     which = shutil.which("fio")
-    ver = subprocess.run([which, "--version"], capture_output=True).stdout.decode().strip() if which else "none"
-    return None, (f"no fio with FDP support (dataplacement=fdp, fio >= 3.34) was found; fio on PATH: {ver} "
-                  "(Debian 12 ships 3.33, which predates FDP). Build one with tests/fdp/build_fio.sh or set "
-                  "TIERSTORE_FDP_FIO")
+    ver = (
+        subprocess.run([which, "--version"], capture_output=True).stdout.decode().strip() if which else "none"
+    )
+    return None, (
+        f"no fio with FDP support (dataplacement=fdp, fio >= 3.34) was found; fio on PATH: {ver} "
+        "(Debian 12 ships 3.33, which predates FDP). Build one with tests/fdp/build_fio.sh or set "
+        "TIERSTORE_FDP_FIO"
+    )
 
 
-def run_config(name: str, nruh: int, nrg: int, runs: str, size: str, driver_args: list[str],
-               timeout_s: float = 1500) -> dict:
+def run_config(
+    name: str, nruh: int, nrg: int, runs: str, size: str, driver_args: list[str], timeout_s: float = 1500
+) -> dict:
     """Boot the guest once with this FDP configuration, run ``vm_checks.py``, return its results.
 
     The returned dict is ``results.json`` plus ``_vm`` (exit status, wall time, the tool's and the
     driver's output tails, the output directory).
     """
+
     def size_bytes(s: str) -> int:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+
     # compile the checkout's modules here: the guest reads .pyc and writes none
-    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "tierstore"),
-                    os.path.join(REPO, "tests", "fdp")], capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compileall",
+            "-q",
+            os.path.join(REPO, "tierstore"),
+            os.path.join(REPO, "tests", "fdp"),
+        ],
+        capture_output=True,
+    )
     img = python_image()
     out = tempfile.mkdtemp(prefix=f"tierstore-fdp-vm-{name}-")
     os.chmod(out, 0o777)
     py = guest_python() if img else os.path.join(REPO, ".venv", "bin", "python")
-    cmd = [TOOL, "--nruh", str(nruh), "--nrg", str(nrg), "--ru-size", runs, "--size", size, "--memory", "3G",
-           "--rwdir", out, "--", "bash", os.path.join(REPO, "tests", "fdp", "vm_guest.sh"), py, img or "-", REPO,
-           out, "--nruh", str(nruh), "--nrg", str(nrg), "--runs-bytes", str(size_bytes(runs)),
-           "--size-bytes", str(size_bytes(size)), *driver_args]
+    cmd = [
+        TOOL,
+        "--nruh",
+        str(nruh),
+        "--nrg",
+        str(nrg),
+        "--ru-size",
+        runs,
+        "--size",
+        size,
+        "--memory",
+        "3G",
+        "--rwdir",
+        out,
+        "--",
+        "bash",
+        os.path.join(REPO, "tests", "fdp", "vm_guest.sh"),
+        py,
+        img or "-",
+        REPO,
+        out,
+        "--nruh",
+        str(nruh),
+        "--nrg",
+        str(nrg),
+        "--runs-bytes",
+        str(size_bytes(runs)),
+        "--size-bytes",
+        str(size_bytes(size)),
+        *driver_args,
+    ]
     t = time.monotonic()
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=timeout_s)
@@ -216,7 +316,13 @@ def run_config(name: str, nruh: int, nrg: int, runs: str, size: str, driver_args
     if os.path.exists(os.path.join(out, "driver.log")):
         with open(os.path.join(out, "driver.log"), errors="replace") as f:
             drv = f.read()[-6000:]
-    res["_vm"] = {"rc": rc, "wall_s": round(wall, 1), "tool_output": "\n".join(
-        ln for ln in tool_out.splitlines() if "WARNING: Location" not in ln)[-4000:],
-        "driver_log": drv, "out_dir": out, "image": img, "command": cmd}
+    res["_vm"] = {
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "tool_output": "\n".join(ln for ln in tool_out.splitlines() if "WARNING: Location" not in ln)[-4000:],
+        "driver_log": drv,
+        "out_dir": out,
+        "image": img,
+        "command": cmd,
+    }
     return res

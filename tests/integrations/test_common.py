@@ -1,4 +1,5 @@
 """Engine-independent helpers of the connectors (tierstore.integrations._common)."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,20 +65,28 @@ class Section(BaseModel):
 
 
 def test_split_extra_config():
-    cfg, own = split_extra_config({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "mine": {"knob": 3}},
-                                  "mine", Section, "extra")
+    cfg, own = split_extra_config(
+        {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "mine": {"knob": 3}}, "mine", Section, "extra"
+    )
     assert cfg.tiers.host.capacity_bytes == 1 << 20 and own.knob == 3
     cfg, own = split_extra_config(None, "mine", Section, "extra")
     assert own.knob == 1 and cfg.tiers.nvme is None
 
 
-@pytest.mark.parametrize("doc, match", [
-    ({"tierz": {}}, r"unknown key\(s\) \['tierz'\]; accepted keys are \['mine', 'policies', 'remote', 'store', 'tiers'\]"),
-    ({"mine": {"knobs": 1}}, "knobs: unknown key"),
-    ({"layout": {"preset": "tiny"}}, "derived from the engine"),
-    ({"policies": {"eviction": "nope"}}, "policies.eviction"),
-    ([1], "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        (
+            {"tierz": {}},
+            r"unknown key\(s\) \['tierz'\]; accepted keys are "
+            r"\['mine', 'policies', 'remote', 'store', 'tiers'\]",
+        ),
+        ({"mine": {"knobs": 1}}, "knobs: unknown key"),
+        ({"layout": {"preset": "tiny"}}, "derived from the engine"),
+        ({"policies": {"eviction": "nope"}}, "policies.eviction"),
+        ([1], "expected a mapping"),
+    ],
+)
 def test_split_extra_config_errors(doc, match):
     with pytest.raises(ConfigError, match=match):
         split_extra_config(doc, "mine", Section, "extra")
@@ -108,18 +117,24 @@ def test_start_and_shutdown_lines_say_tiers_recovery_and_what_was_written_down(t
         log_store_opened(log, "engine e2", s)
         assert close_store_logged(log, "engine e2", s) == 0
         m = KVStore(lay, host_bytes=8 * lay.bytes_per_block)
-        m.store(ns, toks[:2 * lay.tokens_per_block], torch.randn(2, *lay.block_shape).to(lay.dtype))
+        m.store(ns, toks[: 2 * lay.tokens_per_block], torch.randn(2, *lay.block_shape).to(lay.dtype))
         log_store_opened(log, "engine e3", m)
         close_store_logged(log, "engine e3", m)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(lines) == 6, lines
     host, nvme = format_bytes(8 * lay.bytes_per_block), format_bytes(s.capacity_bytes()["nvme"])
-    assert lines[0] == (f"tierstore opened for engine e1: tiers host {host}, nvme {nvme} at {path} "
-                        "(0 blocks recovered); remote tier off; layout x")
-    assert lines[1] == "tierstore closed for engine e1: 6 blocks written down to NVMe, 6 blocks on NVMe " \
-                       "for a restart on the same path"
+    assert lines[0] == (
+        f"tierstore opened for engine e1: tiers host {host}, nvme {nvme} at {path} "
+        "(0 blocks recovered); remote tier off; layout x"
+    )
+    assert (
+        lines[1] == "tierstore closed for engine e1: 6 blocks written down to NVMe, 6 blocks on NVMe "
+        "for a restart on the same path"
+    )
     assert lines[2].startswith("tierstore opened for engine e2: ") and "(6 blocks recovered)" in lines[2]
-    assert lines[3].endswith(": 0 blocks written down to NVMe, 6 blocks on NVMe for a restart on the same path")
+    assert lines[3].endswith(
+        ": 0 blocks written down to NVMe, 6 blocks on NVMe for a restart on the same path"
+    )
     assert lines[4] == f"tierstore opened for engine e3: tiers host {host}; remote tier off"
     assert lines[5] == "tierstore closed for engine e3: no NVMe tier, the 2 blocks in memory are not kept"
 
@@ -127,19 +142,34 @@ def test_start_and_shutdown_lines_say_tiers_recovery_and_what_was_written_down(t
 def test_split_extra_config_with_own_keys_at_the_top_level_as_a_secondary_tier():
     """The offloading tier's and SGLang's form: own keys beside the store's sections, extra
     sections refused with the connector's reason, and a tier below the engine's HBM."""
-    kw = dict(refuse={"layout": "'layout' comes from the pool", "remote": "'remote' is not supported"},
-              secondary="the engine owns HBM", note=" (plus the engine's keys)")
-    cfg, own = split_extra_config({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "knob": 5,
-                                   "policies": {"admission": "second_hit"}}, None, Section, "tier", **kw)
-    assert own.knob == 5 and cfg.tiers.host.capacity_bytes == 1 << 20 and cfg.policies.admission == "second_hit"
+    kw = dict(
+        refuse={"layout": "'layout' comes from the pool", "remote": "'remote' is not supported"},
+        secondary="the engine owns HBM",
+        note=" (plus the engine's keys)",
+    )
+    cfg, own = split_extra_config(
+        {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "knob": 5, "policies": {"admission": "second_hit"}},
+        None,
+        Section,
+        "tier",
+        **kw,
+    )
+    assert (
+        own.knob == 5 and cfg.tiers.host.capacity_bytes == 1 << 20 and cfg.policies.admission == "second_hit"
+    )
     for doc, match in [
-        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1},
-         r"invalid tier: unknown key\(s\) \['bogus'\]; accepted keys are \['knob', 'policies', 'store', 'tiers'\] "
-         r"\(plus the engine's keys\)"),
+        (
+            {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1},
+            r"invalid tier: unknown key\(s\) \['bogus'\]; accepted keys are "
+            r"\['knob', 'policies', 'store', 'tiers'\] "
+            r"\(plus the engine's keys\)",
+        ),
         ({"remote": {}}, "invalid tier: 'remote' is not supported"),
         ({"layout": {}}, "invalid tier: 'layout' comes from the pool"),
-        ({"tiers": {"hbm": {"capacity_bytes": "1MiB"}, "host": {"capacity_bytes": "1MiB"}}},
-         "invalid tier: tiers.hbm must be 0; the engine owns HBM"),
+        (
+            {"tiers": {"hbm": {"capacity_bytes": "1MiB"}, "host": {"capacity_bytes": "1MiB"}}},
+            "invalid tier: tiers.hbm must be 0; the engine owns HBM",
+        ),
         ({"knob": 1}, r"invalid tier: no tier configured; give tiers.nvme \{path, capacity_bytes\}"),
         ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "knob": "x"}, "invalid tier:\n  knob='x'"),
     ]:

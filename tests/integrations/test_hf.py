@@ -6,6 +6,7 @@ bit-exact; model outputs with reuse must match full recompute (tokens exactly,
 first-token logits within 1e-5) and the engine's own in-memory prefix reuse
 with the same split (bitwise).
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,8 +39,15 @@ LOGIT_TOL = 1e-5
 def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """Seeded random tiny Llama (fp32, eval mode)."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     kw.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
 
@@ -57,18 +65,32 @@ def new_store(tmp_path):
         """``backend``: the NVMe segment store on a file (``"file"``) or in memory."""
         from tierstore.io import format as fmt
         from tierstore.io.segments import SegmentStorage
+
         bb = layout.bytes_per_block
         nv = None
         if nvme and backend == "memory":
             seg = fmt.extent_bytes_for(1, bb)
-            nv = SegmentStorage(None, (nvme + 1) * seg, bb, segment_size_bytes=seg, engine="memory",
-                                extent_size_bytes=seg, owns_engine=True)
+            nv = SegmentStorage(
+                None,
+                (nvme + 1) * seg,
+                bb,
+                segment_size_bytes=seg,
+                engine="memory",
+                extent_size_bytes=seg,
+                owns_engine=True,
+            )
         # frozen cost model (no bandwidth learning): which hits are "useful" must not depend
         # on how busy the shared test machine is
         kw.setdefault("cost", CostModel(measured_window=0))
-        s = KVStore(layout, hbm_bytes=hbm * bb, host_bytes=host * bb, nvme=nv,
-                    nvme_path=str(tmp_path / f"seg{len(stores)}") if backend == "file" else None,
-                    nvme_bytes=max(nvme * bb, 8 << 20) if backend == "file" else 0, **kw)
+        s = KVStore(
+            layout,
+            hbm_bytes=hbm * bb,
+            host_bytes=host * bb,
+            nvme=nv,
+            nvme_path=str(tmp_path / f"seg{len(stores)}") if backend == "file" else None,
+            nvme_bytes=max(nvme * bb, 8 << 20) if backend == "file" else 0,
+            **kw,
+        )
         stores.append(s)
         return s
 
@@ -99,8 +121,13 @@ def engine_reuse_generate(ref: HFPrefixCache, prefix_cache, ids: np.ndarray, spl
 # ----------------------------------------------------------------------------- geometry / identity
 def test_layout_from_config_and_store_mismatch(model, new_store):
     lay = HFPrefixCache.layout_for(model)
-    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.tokens_per_block) == \
-        (2, 2, 16, torch.float32, 16)
+    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.tokens_per_block) == (
+        2,
+        2,
+        16,
+        torch.float32,
+        16,
+    )
     assert layout_from_config(model.config, torch.bfloat16, 32).bytes_per_block == 2 * 2 * 2 * 16 * 2 * 32
     wrong = new_store(dataclasses.replace(lay, num_kv_heads=4), nvme=0)
     with pytest.raises(ConfigError):
@@ -135,7 +162,7 @@ def test_cache_block_conversion_is_exact(model):
     assert blocks.shape == (3, *ref.layout.block_shape)
     back = blocks_to_cache(blocks, ref.layout, model.config)
     for a, b in zip(cache.layers, back.layers):
-        assert torch.equal(a.keys[:, :, :3 * T], b.keys) and torch.equal(a.values[:, :, :3 * T], b.values)
+        assert torch.equal(a.keys[:, :, : 3 * T], b.keys) and torch.equal(a.values[:, :, : 3 * T], b.values)
     # a middle range lands at the right offset
     assert torch.equal(cache_to_blocks(cache, ref.layout, 1, 3), blocks[1:])
 
@@ -168,8 +195,15 @@ def test_kv_roundtrip_bit_exact_through_every_tier(model, new_store, backend):
             assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (rnd, pr.hit_tiers)
     st = s.stats()
     assert seen_tiers == {"hbm", "host", "nvme"}
-    for c in ("hit_blocks_hbm", "hit_blocks_host", "hit_blocks_nvme", "demotions_hbm_host",
-              "demotions_host_nvme", "evictions_hbm", "evictions_host"):
+    for c in (
+        "hit_blocks_hbm",
+        "hit_blocks_host",
+        "hit_blocks_nvme",
+        "demotions_hbm_host",
+        "demotions_host_nvme",
+        "evictions_hbm",
+        "evictions_host",
+    ):
         assert st.get(c, 0) > 0, (c, st)
     assert sum(v for k, v in st.items() if k.startswith("promotions_")) > 0
     assert st["nvme_read_bytes"] > 0 and st["loaded_blocks"] == st["hit_blocks"]
@@ -233,8 +267,10 @@ def test_concurrent_generation_matches_offload_off(model, new_store):
     ref = HFPrefixCache(model, None)
     rng = np.random.default_rng(5)
     shared = [rand_tokens(rng, n) for n in (16, 33, 48, 70)]
-    work = [[np.concatenate([shared[(t + i) % 4], rand_tokens(rng, 1 + (3 * i + t) % 20)]) for i in range(8)]
-            for t in range(4)]
+    work = [
+        [np.concatenate([shared[(t + i) % 4], rand_tokens(rng, 1 + (3 * i + t) % 20)]) for i in range(8)]
+        for t in range(4)
+    ]
     expect = [[ref.generate(x, 4) for x in w] for w in work]
     results: list = [None] * len(work)
     errors: list = []
@@ -291,15 +327,45 @@ def test_ttft_bench_smoke(tmp_path):
     import importlib.util
     import json
     import pathlib
+
     path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "ttft_bench.py"
     spec = importlib.util.spec_from_file_location("ttft_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "r.json"
-    assert mod.main(["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
-                     "--kv-heads", "2", "--vocab", "512", "--lengths", "48,80", "--break-even", "16",
-                     "--runs", "1", "--suffix", "8", "--nvme-dir", str(tmp_path / "nv"), "--out", str(out),
-                     "--cost-prefill-tok-s", "1"]) == 0
+    assert (
+        mod.main(
+            [
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--intermediate",
+                "128",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--vocab",
+                "512",
+                "--lengths",
+                "48,80",
+                "--break-even",
+                "16",
+                "--runs",
+                "1",
+                "--suffix",
+                "8",
+                "--nvme-dir",
+                str(tmp_path / "nv"),
+                "--out",
+                str(out),
+                "--cost-prefill-tok-s",
+                "1",
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert [r["prefix"] for r in res["lengths"]] == [32, 64]
     for r in res["lengths"]:
@@ -311,10 +377,17 @@ def test_ttft_bench_smoke(tmp_path):
 def test_generation_result_repr_is_short():
     """Printing a GenerationResult dumped the whole logits tensor (issue 19, item 16)."""
     from tierstore.integrations.hf import GenerationResult
+
     logits = torch.linspace(-3.0, 3.0, 128_256)  # a Llama-3 vocabulary
-    res = GenerationResult(tokens=list(range(40)), first_logits=logits, reused_tokens=64,
-                           hit_tiers=["hbm", "host", "host", "nvme"], ttft_s=0.0123456, stored_blocks=3,
-                           store_s=0.5)
+    res = GenerationResult(
+        tokens=list(range(40)),
+        first_logits=logits,
+        reused_tokens=64,
+        hit_tiers=["hbm", "host", "host", "nvme"],
+        ttft_s=0.0123456,
+        stored_blocks=3,
+        store_s=0.5,
+    )
     text = repr(res)
     assert len(text) < 400 and "\n" not in text
     assert "shape=(128256,)" in text and "torch.float32" in text and "40 tokens" in text

@@ -8,8 +8,9 @@ ENGINES = ["posix", "uring", "memory"]
 
 
 def make_engine(kind, tmp_path, size_bytes, **kw):
-    return open_engine(kind, None if kind == "memory" else str(tmp_path / f"dev-{kind}.bin"),
-                       size_bytes, **kw)
+    return open_engine(
+        kind, None if kind == "memory" else str(tmp_path / f"dev-{kind}.bin"), size_bytes, **kw
+    )
 
 
 @pytest.fixture(params=ENGINES)

@@ -5,6 +5,7 @@ Mode ``block`` / ``block-notrim`` (``eviction_granularity: block``; ``notrim``: 
 ignores deallocation, as QEMU's ``discard=ignore``): an LRU listener prints ``E <hex>`` when
 it names a victim, ``G <hex>`` for a block host GC dropped, and ``T <hex>`` once the put (or
 delete) that evicted it returned, i.e. its tombstone is durable (and its slot may be trimmed)."""
+
 import collections
 import hashlib
 import itertools
@@ -32,8 +33,17 @@ def open_store(path, engine, mode="region", listener=None):
     kw = {}
     if mode.startswith("block"):
         kw = dict(eviction_granularity="block", trim_min_bytes=fmt.block_slot_bytes(BB), listener=listener)
-    s = SegmentStorage(path, CAP, BB, segment_size_bytes=SEG, engine=engine,
-                       extent_size_bytes=64 << 10, iodepth=4, max_io_bytes=16 << 10, **kw)
+    s = SegmentStorage(
+        path,
+        CAP,
+        BB,
+        segment_size_bytes=SEG,
+        engine=engine,
+        extent_size_bytes=64 << 10,
+        iodepth=4,
+        max_io_bytes=16 << 10,
+        **kw,
+    )
     if mode == "block-notrim":
         s.engine._trim_impl = lambda off, n: IOFuture.completed(n)
     return s
@@ -104,7 +114,7 @@ def main() -> None:
             live = [k for k in live if k in lru.order]
         if Status.NO_SPACE in st or rng.random() < 0.1:
             victims = live[: max(1, len(live) // 3)]
-            live = live[len(victims):]
+            live = live[len(victims) :]
             for k in victims:
                 out.write(f"D {k.hex()}\n")
             out.flush()

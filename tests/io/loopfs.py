@@ -16,6 +16,7 @@ unmounts anything mounted under that directory in this namespace whose owner
 pid is dead. Directories of live pids (another test session on the same
 machine) are never touched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,10 @@ from collections.abc import Iterator
 
 #: where images live; ``TIERSTORE_TEST_MOUNTS_DIR`` moves it (a test of the sweep itself uses a private
 #: one, so that the sweeps of other test sessions on the machine never race it)
-BASE = pathlib.Path(os.environ.get("TIERSTORE_TEST_MOUNTS_DIR") or
-                    pathlib.Path(tempfile.gettempdir()) / "tierstore-test-mounts")
+BASE = pathlib.Path(
+    os.environ.get("TIERSTORE_TEST_MOUNTS_DIR")
+    or pathlib.Path(tempfile.gettempdir()) / "tierstore-test-mounts"
+)
 
 
 class MountUnavailable(RuntimeError):
@@ -79,17 +82,32 @@ def loop_ext4(size_bytes: int = 16 << 20) -> Iterator[pathlib.Path]:
             f.truncate(size_bytes)
         subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
         script = 'mount -o loop "$1" "$2" || exit 1; echo ready; exec cat >/dev/null'
-        helper = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--",
-                                   "sh", "-c", script, "sh", str(img), str(mnt)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        helper = subprocess.Popen(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                str(img),
+                str(mnt),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if helper.stdout.readline().strip() != "ready":
             helper.wait(30)
             raise MountUnavailable(f"loop mount unavailable: {helper.stderr.read().strip()}")
         yield pathlib.Path(f"/proc/{helper.pid}/root") / mnt.relative_to("/")
     finally:
         if helper is not None:
-            helper.stdin.close()      # the helper exits; its namespace and the mount go with it
+            helper.stdin.close()  # the helper exits; its namespace and the mount go with it
             try:
                 helper.wait(30)
             except subprocess.TimeoutExpired:
@@ -115,7 +133,7 @@ def sweep_stale(base: pathlib.Path | None = None) -> list[str]:
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         points = [line.split()[4] for line in f]
     for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
-        owner = _owner_pid(mp[len(prefix):])
+        owner = _owner_pid(mp[len(prefix) :])
         if owner is not None and not _pid_alive(owner):
             if subprocess.run(["umount", mp], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", mp], capture_output=True)

@@ -11,10 +11,19 @@ from .conftest import make_engine
 EXT = 64 << 10  # small extent keeps the test fast; same code path as 16 MiB
 
 
-@pytest.mark.parametrize("sizes", [
-    [1], [4095], [4096], [4097], [EXT - 1], [EXT], [32 << 10] * 9,
-    [1, 4095, 4096, 4097, EXT - 1, EXT, 3, 32 << 10, 7],
-])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [1],
+        [4095],
+        [4096],
+        [4097],
+        [EXT - 1],
+        [EXT],
+        [32 << 10] * 9,
+        [1, 4095, 4096, 4097, EXT - 1, EXT, 3, 32 << 10, 7],
+    ],
+)
 def test_fragments_round_trip(engine_kind, tmp_path, sizes):
     eng = make_engine(engine_kind, tmp_path, 4 << 20, max_io_bytes=16 << 10)
     pipe = ExtentPipeline(eng, EXT)
@@ -44,6 +53,7 @@ def test_mixed_dtypes_and_non_contiguous_destinations():
 
 def test_extent_size_validated(tmp_path):
     from tierstore.errors import ConfigError
+
     eng = make_engine("memory", tmp_path, 1 << 20)
     with pytest.raises(ConfigError):
         ExtentPipeline(eng, 5000)
@@ -52,6 +62,7 @@ def test_extent_size_validated(tmp_path):
 @pytest.mark.parametrize("kind", ["one_tensor", "layers_one_allocation", "separate_layers", "bf16"])
 def test_page_pool_plans_match_the_per_fragment_path(kind):
     from tierstore.io.pages import KVPagePool, plan_fragments
+
     g = torch.Generator().manual_seed(7)
     if kind == "one_tensor":
         layers = torch.randn(3, 2, 6, 4, 8, generator=g)
@@ -69,7 +80,7 @@ def test_page_pool_plans_match_the_per_fragment_path(kind):
     for b in range(pages.num_blocks):
         n = pages.plan(b).gather(staging, 4096)
         assert n == plan_fragments(pages.fragments(b)).gather(ref, 4096) == pages.block_bytes
-        assert torch.equal(staging[4096:4096 + n], ref[4096:4096 + n])
+        assert torch.equal(staging[4096 : 4096 + n], ref[4096 : 4096 + n])
     dst = [torch.zeros_like(t) for t in (layers.unbind(0) if isinstance(layers, torch.Tensor) else layers)]
     dpages = KVPagePool(dst)
     pages.plan(2).gather(staging, 0)
@@ -82,6 +93,7 @@ def test_page_pool_plans_match_the_per_fragment_path(kind):
 def test_page_pool_rejects_bad_layouts():
     from tierstore.errors import LayoutError
     from tierstore.io.pages import KVPagePool
+
     with pytest.raises(LayoutError):
         KVPagePool(torch.zeros(3, 3, 4, 8))  # K/V axis of 3
     with pytest.raises(LayoutError):
@@ -95,6 +107,7 @@ def test_page_pool_rejects_bad_layouts():
 def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
     from tierstore.errors import LayoutError
     from tierstore.io.pages import KVPagePool
+
     buf = torch.zeros(1 << 12)
     frag = 8
     # layer l's V is layer l+1's K: K/V stride == layer stride == one fragment pair... overlapping
@@ -118,6 +131,7 @@ def test_page_pool_refuses_to_scatter_into_overlapping_fragments():
 
 def test_page_pool_reversed_layer_list_falls_back_and_round_trips():
     from tierstore.io.pages import KVPagePool
+
     pool = torch.randn(3, 2, 5, 16)
     layers = list(pool.unbind(0))[::-1]  # one allocation, negative layer stride
     pages = KVPagePool(layers)
@@ -133,6 +147,7 @@ def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
     broken runs (other ids, a gap in staging) fall back; bytes are the same."""
     from tierstore.io.memory import MemoryEngine
     from tierstore.io.pages import KVPagePool, _merged_runs
+
     pipe = ExtentPipeline(MemoryEngine(1 << 20), 64 << 10, 1)
     src = torch.randn(3, 2, 8, 4, 8)
     pages = KVPagePool(src)
@@ -159,9 +174,10 @@ def test_blocks_merge_into_one_copy_and_match_block_by_block(ids):
 
 def test_overlapping_destination_blocks_are_not_merged():
     from tierstore.io.pages import _merged_runs, plan_fragments
+
     buf = torch.zeros(4096, dtype=torch.uint8)
     # block i's 4 fragments of 64 bytes at buf[i*32 + r*512]: blocks overlap by half a fragment
-    blocks = [[buf[i * 32 + r * 512: i * 32 + r * 512 + 64] for r in range(4)] for i in range(3)]
+    blocks = [[buf[i * 32 + r * 512 : i * 32 + r * 512 + 64] for r in range(4)] for i in range(3)]
     plans = [plan_fragments(b, destination=True) for b in blocks]
     assert all(p.strided is not None for p in plans)
     runs = list(_merged_runs(plans, [0, 256, 512], destination=True))
@@ -176,6 +192,7 @@ def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
 
     from tierstore.io.memory import MemoryEngine
     from tierstore.io.pages import KVPagePool
+
     a = np.random.default_rng(0).integers(0, 256, (1, 2, 8, 4096), dtype=np.uint8)
     small = KVPagePool(torch.from_numpy(a[:, :, :2]))  # a copy-free slice: its own, shorter storage view
     big = KVPagePool(torch.from_numpy(a))
@@ -184,20 +201,24 @@ def test_blocks_from_a_smaller_view_of_the_same_memory_do_not_merge_past_it():
     keep, staging = alloc_aligned(1 << 16)
     pipe.gather_blocks(plans, staging, [0, 8192, 16384])
     want = torch.cat([torch.from_numpy(a[0, :, b].reshape(-1).copy()) for b in (0, 1, 2)])
-    assert torch.equal(staging[:3 * 8192], want)
+    assert torch.equal(staging[: 3 * 8192], want)
     pipe.close()
 
 
-@pytest.mark.parametrize("shape,block_dim,kv_dim", [
-    ((6, 3, 4, 2 * 8), 0, None),      # vLLM CPU backend: (blocks, H, T, 2*D), K and V fused
-    ((6, 2, 4, 3, 8), 0, 1),          # vLLM FlashInfer: (blocks, 2, T, H, D)
-    ((2, 6, 4, 3, 8), 1, 0),          # vLLM FlashAttention / SGLang layer_first: (2, blocks, T, H, D)
-])
+@pytest.mark.parametrize(
+    "shape,block_dim,kv_dim",
+    [
+        ((6, 3, 4, 2 * 8), 0, None),  # vLLM CPU backend: (blocks, H, T, 2*D), K and V fused
+        ((6, 2, 4, 3, 8), 0, 1),  # vLLM FlashInfer: (blocks, 2, T, H, D)
+        ((2, 6, 4, 3, 8), 1, 0),  # vLLM FlashAttention / SGLang layer_first: (2, blocks, T, H, D)
+    ],
+)
 def test_page_pool_engine_layouts_round_trip(shape, block_dim, kv_dim):
     """Every engine layout: a block's plan gathers exactly its fragments in
     layer-major order, and scatters back bit-exactly into another pool,
     touching no other block."""
     from tierstore.io.pages import KVPagePool
+
     layers = 3
     g = torch.Generator().manual_seed(7)
     src = torch.randn((layers, *shape), generator=g).to(torch.bfloat16)  # one allocation, fixed layer stride
@@ -220,6 +241,7 @@ def test_page_pool_engine_layouts_round_trip(shape, block_dim, kv_dim):
 def test_page_pool_fused_separate_layers_fall_back():
     """Per-layer tensors in separate allocations plan fragment by fragment and still round-trip."""
     from tierstore.io.pages import KVPagePool
+
     layers = [torch.randn(5, 2, 4, 16) for _ in range(3)]
     pool = KVPagePool(layers, block_dim=0, kv_dim=None)
     stage = torch.empty(pool.block_bytes, dtype=torch.uint8)
@@ -231,6 +253,7 @@ def test_page_pool_fused_separate_layers_fall_back():
 
 def test_page_pool_rejects_non_leading_axes():
     from tierstore.io.pages import KVPagePool
+
     with pytest.raises(LayoutError, match="leading axes"):
         KVPagePool(torch.zeros(2, 4, 3, 8), block_dim=2, kv_dim=0)
     with pytest.raises(LayoutError, match="2 entries"):

@@ -1,5 +1,6 @@
 """tierstore's own copy threading (io/copies.py): every piece once, one OpenMP thread per copying
 thread, the caller's torch setting restored, and no wait for a helper that never started."""
+
 from __future__ import annotations
 
 import threading
@@ -20,7 +21,9 @@ def test_run_calls_every_piece_once_over_the_copy_threads():
         def f():
             with lock:
                 seen.append(i)
+
         return f
+
     try:
         for _ in range(20):
             seen.clear()
@@ -46,6 +49,7 @@ def test_a_piece_that_raises_is_raised_by_run_after_the_others_stop():
 
     def bad():
         raise ValueError("piece 3")
+
     try:
         with pytest.raises(ValueError, match="piece 3"):
             c.run([lambda: None] * 3 + [bad] + [lambda: None] * 3, nbytes=7)
@@ -81,6 +85,7 @@ def test_copies_use_one_omp_thread_and_leave_the_callers_setting_alone():
     def piece():
         with lock:
             inside.append(torch.get_num_threads())
+
     try:
         c.run([piece] * 16, nbytes=16)
     finally:
@@ -107,6 +112,7 @@ def test_bad_settings_are_refused():
 def test_configure_replaces_the_shared_copier_for_later_stores():
     from tierstore.io import copies
     from tierstore.movers.memory import MemoryHandler
+
     old = copies.shared_copier()
     try:
         new = copies.configure(threads=1, split_bytes=1 << 20, chunk_bytes=1 << 16)
@@ -120,6 +126,7 @@ def test_extent_pipeline_gathers_scatters_and_maps_over_its_copy_threads(tmp_pat
     from tierstore.io.batch import ExtentPipeline
     from tierstore.io.memory import MemoryEngine
     from tierstore.io.pages import KVPagePool
+
     pool = torch.randint(0, 255, (4, 2, 6, 4096), dtype=torch.uint8)
     pipe = ExtentPipeline(MemoryEngine(16 << 20), 1 << 20, copy_threads=3)
     try:

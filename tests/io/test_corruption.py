@@ -1,4 +1,5 @@
 """Bit flips, deleted and truncated segments: never wrong bytes, only misses."""
+
 import os
 import random
 
@@ -14,14 +15,13 @@ from tierstore.io.memory import MemoryEngine
 
 from .test_segments import content
 
-BB = 5000          # odd block size: payload slots have padding
+BB = 5000  # odd block size: payload slots have padding
 SEG = 64 << 10
 CAP = 4 * SEG
 
 
 def _store(eng, **kw):
-    return SegmentStorage(None, CAP, BB, segment_size_bytes=SEG, engine=eng,
-                          extent_size_bytes=32 << 10, **kw)
+    return SegmentStorage(None, CAP, BB, segment_size_bytes=SEG, engine=eng, extent_size_bytes=32 << 10, **kw)
 
 
 def _check_all(eng, keys, expect_bad=()):
@@ -93,8 +93,10 @@ def test_deleted_and_truncated_segments_miss(tmp_path, engine):
     bb = 16 << 10
 
     def mk():
-        return SegmentStorage(path, 8 * SEG * 2, bb, segment_size_bytes=2 * SEG, engine=engine,
-                              extent_size_bytes=32 << 10)
+        return SegmentStorage(
+            path, 8 * SEG * 2, bb, segment_size_bytes=2 * SEG, engine=engine, extent_size_bytes=32 << 10
+        )
+
     s = mk()
     keys = [os.urandom(32) for _ in range(20)]
     assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 20
@@ -121,8 +123,9 @@ def test_deleted_and_truncated_segments_miss(tmp_path, engine):
 def test_truncation_under_a_live_store_is_io_error_then_miss(tmp_path):
     path = str(tmp_path / "store.bin")
     bb = 16 << 10
-    s = SegmentStorage(path, 8 * SEG, bb, segment_size_bytes=2 * SEG, engine="posix",
-                       extent_size_bytes=32 << 10)
+    s = SegmentStorage(
+        path, 8 * SEG, bb, segment_size_bytes=2 * SEG, engine="posix", extent_size_bytes=32 << 10
+    )
     keys = [os.urandom(32) for _ in range(4)]
     assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 4
     os.truncate(path, 4096)

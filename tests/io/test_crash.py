@@ -1,5 +1,6 @@
 """kill -9 a writer at random points; every acknowledged block must come back
 bit-exact and nothing corrupt may be served."""
+
 import os
 import random
 import signal
@@ -37,8 +38,13 @@ def _kill_loop(path, engines, seed):
     for run, engine in enumerate(engines):
         err_path = os.path.join(os.path.dirname(path), f"writer-{run}.err")
         with open(err_path, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "tests.io.crash_writer", path, engine, str(run)],
-                                 stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "tests.io.crash_writer", path, engine, str(run)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                text=True,
+            )
         line = p.stdout.readline()
         if line.strip() != "READY":
             p.kill()
@@ -71,8 +77,10 @@ def _kill_loop(path, engines, seed):
         required = acked - deleted
         missing = required - present
         if missing:
-            losses.append(f"after kill {run}: {len(missing)} acknowledged blocks lost "
-                          f"(acked before kills {sorted({acked_in[k] for k in missing})})")
+            losses.append(
+                f"after kill {run}: {len(missing)} acknowledged blocks lost "
+                f"(acked before kills {sorted({acked_in[k] for k in missing})})"
+            )
         for k in present:
             d = torch.empty(cw.BB, dtype=torch.uint8)
             st = s.get([k], [d])[0]
@@ -102,16 +110,21 @@ def test_kill9_block_mode_never_serves_deallocated(tmp_path, engine, trims):
 def _block_kill_loop(path, engine, mode, kills, seed):
     rnd = random.Random(seed)
     acked: set[bytes] = set()
-    gone: set[bytes] = set()      # evicted, GC-dropped or deleted: may come back only if not durable
-    dead: set[bytes] = set()      # tombstone durable: must never come back
+    gone: set[bytes] = set()  # evicted, GC-dropped or deleted: may come back only if not durable
+    dead: set[bytes] = set()  # tombstone durable: must never come back
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     losses: list[str] = []
     evictions = 0
     for run in range(kills):
         err_path = os.path.join(os.path.dirname(path), f"writer-{run}.err")
         with open(err_path, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "tests.io.crash_writer", path, engine, str(run), mode],
-                                 stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "tests.io.crash_writer", path, engine, str(run), mode],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                text=True,
+            )
         line = p.stdout.readline()
         if line.strip() != "READY":
             p.kill()
@@ -123,7 +136,7 @@ def _block_kill_loop(path, engine, mode, kills, seed):
         p.wait()
         lines = out.splitlines()
         if lines and not out.endswith("\n"):
-            lines = lines[:-1]   # torn last line
+            lines = lines[:-1]  # torn last line
         for ln in lines:
             tag, _, hx = ln.partition(" ")
             if len(hx) != 64:

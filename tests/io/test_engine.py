@@ -78,7 +78,7 @@ def test_observer_sees_every_completed_write_and_trim(engine_kind, tmp_path):
     rec = Recorder()
     eng.add_observer(rec)
     keep, buf = alloc_aligned(1 << 20)
-    eng.write(0, buf[:1 << 20], placement=1).get()
+    eng.write(0, buf[: 1 << 20], placement=1).get()
     eng.write(1 << 20, buf[:8192]).get()
     eng.trim(0, 1 << 20).get()
     assert rec.writes == [(0, 1 << 20, 1), (1 << 20, 8192, None)]
@@ -94,16 +94,16 @@ def test_trim_many_trims_each_range_and_observers_see_each(engine_kind, tmp_path
     eng.add_observer(rec)
     keep, buf = alloc_aligned(1 << 20)
     buf.fill_(7)
-    eng.write(0, buf[:1 << 20]).get()
+    eng.write(0, buf[: 1 << 20]).get()
     ranges = [(8192, 4096), (65536, 3 * 4096), (0, 0), (1 << 19, 8192)]
     assert eng.trim_many(ranges).get() == 4096 + 3 * 4096 + 8192
     assert rec.trims == [(8192, 4096), (65536, 3 * 4096), (1 << 19, 8192)]
     st = eng.stats()
     assert st["trim_ops"] == 3 and st["bytes_trimmed"] == 4096 + 3 * 4096 + 8192
-    eng.read(0, buf[:1 << 20]).get()
+    eng.read(0, buf[: 1 << 20]).get()
     b = buf.numpy()
     for off, n in ranges:
-        assert not b[off:off + n].any()  # trimmed ranges read back zeros
+        assert not b[off : off + n].any()  # trimmed ranges read back zeros
     assert (b[4096:8192] == 7).all() and (b[12288:65536] == 7).all()  # neighbours untouched
     eng.close()
 
@@ -148,6 +148,7 @@ def test_factory_rejects_unknown_kind(tmp_path):
 def test_file_is_opened_with_o_direct(tmp_path, kind):
     import fcntl
     import os
+
     eng = open_engine(kind, str(tmp_path / "d.bin"), 1 << 20)
     assert fcntl.fcntl(eng.fd, fcntl.F_GETFL) & os.O_DIRECT
     eng.close()
@@ -156,6 +157,7 @@ def test_file_is_opened_with_o_direct(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["posix", "uring"])
 def test_preallocate_allocates_a_range_and_reads_zeros(tmp_path, kind):
     from .conftest import make_engine
+
     eng = make_engine(kind, tmp_path, 8 << 20)
     path = eng.path
     before = os.stat(path).st_blocks
@@ -174,6 +176,7 @@ def test_preallocate_allocates_a_range_and_reads_zeros(tmp_path, kind):
 
 def test_preallocate_enospc_releases_the_partial_range(tmp_path):
     from tierstore.io._fileops import preallocate
+
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_CREAT | os.O_RDWR)
     try:

@@ -1,5 +1,6 @@
 """ENOSPC on a real, small file system (loop-mounted ext4): the store is
 rejected with NO_SPACE and existing entries stay intact."""
+
 import contextlib
 import os
 
@@ -33,14 +34,16 @@ def test_enospc_rejects_store_and_keeps_entries(small_fs, engine):
     bb = 64 << 10
     path = str(small_fs / "store.bin")
     # 64 MiB sparse store on a 16 MiB file system: the file system fills first.
-    s = SegmentStorage(path, 64 << 20, bb, segment_size_bytes=1 << 20, engine=engine,
-                       extent_size_bytes=256 << 10)
+    s = SegmentStorage(
+        path, 64 << 20, bb, segment_size_bytes=1 << 20, engine=engine, extent_size_bytes=256 << 10
+    )
     try:
         _fill_and_check(s, bb)
     finally:
         s.close()
-    s = SegmentStorage(path, 64 << 20, bb, segment_size_bytes=1 << 20, engine=engine,
-                       extent_size_bytes=256 << 10)
+    s = SegmentStorage(
+        path, 64 << 20, bb, segment_size_bytes=1 << 20, engine=engine, extent_size_bytes=256 << 10
+    )
     try:
         assert len(s.keys()) > 25
         for k in s.keys():
@@ -78,4 +81,4 @@ def _fill_and_check(s, bb):
     assert s.stats()["segments_reclaimed"] > 0
     k2 = [os.urandom(32) for _ in range(4)]
     assert s.put(k2, [content(k, bb) for k in k2]) == [Status.OK] * 4
-    assert set(s.keys()) == set(stored[len(stored) // 2:]) | set(k2)
+    assert set(s.keys()) == set(stored[len(stored) // 2 :]) | set(k2)

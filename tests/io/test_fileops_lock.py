@@ -1,4 +1,5 @@
 """io/_fileops.lock_exclusive: the lock of one writer per NVMe tier file."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """tierstore/io/inputs.py: the one copy of the input checks KVStore and the daemon client share
 (duplicate D3 of issue 23: the client's own ``_plan`` is gone)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,14 +36,16 @@ def test_fragments_are_counted_and_numpy_is_refused_by_name():
     with pytest.raises(LayoutError, match=f"expected {LAYOUT.num_fragments} fragments, got 1"):
         plan_block(frags[:1], LAYOUT, destination=False)
     with pytest.raises(LayoutError, match="numpy arrays are not accepted"):
-        plan_block([np.zeros(LAYOUT.fragment_bytes, np.uint8)] * LAYOUT.num_fragments, LAYOUT, destination=False)
+        plan_block(
+            [np.zeros(LAYOUT.fragment_bytes, np.uint8)] * LAYOUT.num_fragments, LAYOUT, destination=False
+        )
     with pytest.raises(LayoutError, match="must be a list of tensors"):
         plan_block(torch.zeros(BB, dtype=torch.uint8), LAYOUT, destination=False)
 
 
 def test_sources_destinations_and_keys():
     blocks = torch.zeros((3, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
-    assert isinstance(plan_sources(blocks, LAYOUT), BlockRows)       # one batch, checked once
+    assert isinstance(plan_sources(blocks, LAYOUT), BlockRows)  # one batch, checked once
     assert plan_sources(blocks[:0], LAYOUT) == []
     assert len(plan_sources(list(blocks), LAYOUT)) == 3
     with pytest.raises(LayoutError, match=f"block of {BB - 1} bytes"):

@@ -1,5 +1,6 @@
 """InvalidationLog (io/invalidation_log.py): the on-disk bytes of the ``<path>.invalidations``
 format, a torn tail, a CRC mismatch, and a store that reopens over each."""
+
 import os
 import struct
 
@@ -24,11 +25,11 @@ def test_bytes_on_disk_are_the_format_of_before(tmp_path):
     log = InvalidationLog(str(tmp_path / "x.invalidations"))
     assert log.read() == {}
     log.append(A, 5)
-    log.append(B, 2 ** 64 - 1)
+    log.append(B, 2**64 - 1)
     log.append(A, 3)
     assert NS_RECORD.size == 44
-    assert (tmp_path / "x.invalidations").read_bytes() == record(A, 5) + record(B, 2 ** 64 - 1) + record(A, 3)
-    assert log.read() == {A: 5, B: 2 ** 64 - 1}      # the largest sequence number per namespace
+    assert (tmp_path / "x.invalidations").read_bytes() == record(A, 5) + record(B, 2**64 - 1) + record(A, 3)
+    assert log.read() == {A: 5, B: 2**64 - 1}  # the largest sequence number per namespace
     assert read_legacy_invalidations(log.path) == log.read()
 
 
@@ -69,8 +70,8 @@ def test_a_store_reopens_over_a_torn_log_and_still_drops_the_invalidated_namespa
     assert s.put(keys, blocks, ns_digests=[A, A, B, B]) == [Status.OK] * 4
     assert s.invalidate_namespace(A) == 2
     s.close()
-    with open(path + ".invalidations", "ab") as f:   # a crash during a second append
-        f.write(record(B, 10 ** 6)[:30])
+    with open(path + ".invalidations", "ab") as f:  # a crash during a second append
+        f.write(record(B, 10**6)[:30])
     s = _store(path)
     assert sorted(s.keys()) == sorted(keys[2:])
     assert s.stats()["recovery_invalidated_blocks"] == 2

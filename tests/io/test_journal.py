@@ -1,5 +1,6 @@
 """The NVMe tier's journal (tierstore/io/journal.py): records, torn tails, corruption, compaction,
 the legacy invalidation log."""
+
 from __future__ import annotations
 
 import os
@@ -44,15 +45,17 @@ def test_round_trip_every_kind_and_extreme_field(tmp_path):
     st = JournalState.of(again)
     assert st.invalidated == {NS_A: 10, NS_B: 11}
     assert st.reset_gen == {5: 2**40}
-    assert st.dead == {(3, 7): {3 * 8192 + 4096: key(1), 3 * 8192 + 36864: key(2)},
-                       (2**32 - 1, 2**64 - 1): {2**64 - 1: key(3)}}
+    assert st.dead == {
+        (3, 7): {3 * 8192 + 4096: key(1), 3 * 8192 + 36864: key(2)},
+        (2**32 - 1, 2**64 - 1): {2**64 - 1: key(3)},
+    }
 
 
 def test_nothing_is_durable_before_commit_and_memory_journal_has_the_same_api(tmp_path):
     p = str(tmp_path / "j")
     j = Journal(p)
     j.append(K.BLOCK_DEAD, segment=1, segment_gen=1, value=4096, digest=key(9))
-    assert read_records(p).records == [] and j.committed_seq == 0   # buffered only
+    assert read_records(p).records == [] and j.committed_seq == 0  # buffered only
     j.commit()
     assert len(read_records(p).records) == 1
     m = Journal(None)
@@ -79,8 +82,8 @@ def test_torn_tail_at_every_byte_of_the_last_record_keeps_the_earlier_ones(tmp_p
             f.write(full[:cut])
         j = Journal(p)
         assert j.records == recs[:-1], cut
-        assert j.opened.tail_bytes == cut - last and os.path.getsize(p) == last   # the torn bytes are cut off
-        assert j.append(K.NS_INVALIDATE, value=99, digest=NS_B) == 5            # the chain continues
+        assert j.opened.tail_bytes == cut - last and os.path.getsize(p) == last  # the torn bytes are cut off
+        assert j.append(K.NS_INVALIDATE, value=99, digest=NS_B) == 5  # the chain continues
         j.close()
         back = read_records(p)
         assert back.records[:4] == recs[:4] and back.records[4].value == 99 and back.tail_bytes == 0
@@ -146,18 +149,18 @@ def test_refuses_a_file_it_did_not_create(tmp_path):
 def _hand_sequence() -> tuple[list[tuple], list[int]]:
     """Records (kind, segment, gen, value, digest) and the indices compaction must keep."""
     recs = [
-        (K.NS_INVALIDATE, 0, 0, 5, NS_A),        # 0: superseded by 6 (larger write_seq)
-        (K.BLOCK_DEAD, 1, 10, 4096, key(1)),      # 1: gen 10 of segment 1 is reset by 4: dropped
-        (K.BLOCK_DEAD, 2, 20, 4096, key(2)),      # 2: kept (segment 2 never reset)
-        (K.BLOCK_DEAD, 1, 10, 36864, key(3)),     # 3: dropped (reset by 4)
-        (K.SEGMENT_RESET, 1, 10, 0, bytes(32)),   # 4: superseded by 8 (larger gen)
-        (K.BLOCK_DEAD, 1, 30, 4096, key(4)),      # 5: gen 30 > reset 10... but 8 resets 30: dropped
-        (K.NS_INVALIDATE, 0, 0, 9, NS_A),         # 6: kept (largest for NS_A)
-        (K.NS_INVALIDATE, 0, 0, 3, NS_B),         # 7: kept (only one for NS_B)
-        (K.SEGMENT_RESET, 1, 30, 0, bytes(32)),   # 8: kept (latest reset of segment 1)
-        (K.BLOCK_DEAD, 1, 40, 4096, key(5)),      # 9: kept (gen 40 after the reset of 30)
-        (K.BLOCK_DEAD, 2, 20, 4096, key(6)),      # 10: the same slot as 2 again: the last one is kept, 2 goes
-        (K.NS_INVALIDATE, 0, 0, 9, NS_A),         # 11: equal to 6: the first is kept
+        (K.NS_INVALIDATE, 0, 0, 5, NS_A),  # 0: superseded by 6 (larger write_seq)
+        (K.BLOCK_DEAD, 1, 10, 4096, key(1)),  # 1: gen 10 of segment 1 is reset by 4: dropped
+        (K.BLOCK_DEAD, 2, 20, 4096, key(2)),  # 2: kept (segment 2 never reset)
+        (K.BLOCK_DEAD, 1, 10, 36864, key(3)),  # 3: dropped (reset by 4)
+        (K.SEGMENT_RESET, 1, 10, 0, bytes(32)),  # 4: superseded by 8 (larger gen)
+        (K.BLOCK_DEAD, 1, 30, 4096, key(4)),  # 5: gen 30 > reset 10... but 8 resets 30: dropped
+        (K.NS_INVALIDATE, 0, 0, 9, NS_A),  # 6: kept (largest for NS_A)
+        (K.NS_INVALIDATE, 0, 0, 3, NS_B),  # 7: kept (only one for NS_B)
+        (K.SEGMENT_RESET, 1, 30, 0, bytes(32)),  # 8: kept (latest reset of segment 1)
+        (K.BLOCK_DEAD, 1, 40, 4096, key(5)),  # 9: kept (gen 40 after the reset of 30)
+        (K.BLOCK_DEAD, 2, 20, 4096, key(6)),  # 10: the same slot as 2 again: the last one is kept, 2 goes
+        (K.NS_INVALIDATE, 0, 0, 9, NS_A),  # 11: equal to 6: the first is kept
     ]
     return recs, [6, 7, 8, 9, 10]
 
@@ -173,8 +176,10 @@ def test_compaction_keeps_exactly_the_live_set(tmp_path):
     assert [r.seq for r in live_records(j.records)] == [k + 1 for k in keep]
     assert j.compact() == len(keep)
     back = read_records(p)
-    assert [(r.kind, r.segment, r.segment_gen, r.value, r.digest) for r in back.records] == [recs[i] for i in keep]
-    assert [r.seq for r in back.records] == [8, 9, 10, 11, 12]      # renumbered to end before next_seq (13)
+    assert [(r.kind, r.segment, r.segment_gen, r.value, r.digest) for r in back.records] == [
+        recs[i] for i in keep
+    ]
+    assert [r.seq for r in back.records] == [8, 9, 10, 11, 12]  # renumbered to end before next_seq (13)
     assert JournalState.of(back.records) == before == j.state()
     assert not os.path.exists(p + ".tmp")
     assert j.append(K.NS_INVALIDATE, value=1, digest=key(7)) == 13
@@ -202,7 +207,9 @@ def test_compaction_is_tmp_sync_rename_then_directory_sync(tmp_path, monkeypatch
                 return fd
             log.append((name, names.get(a[0], a[0]) if name != "rename" else a))
             return real[name](*a, **kw)
+
         return f
+
     for n in real:
         monkeypatch.setattr(os, n, op(n))
     j.compact()
@@ -221,15 +228,16 @@ def test_a_crash_before_the_rename_keeps_the_old_journal_and_removes_the_tmp(tmp
 
     def crash(*a):
         raise OSError(5, "simulated crash before the rename")
+
     monkeypatch.setattr(os, "rename", crash)
     with pytest.raises(OSError):
         j.compact()
     monkeypatch.undo()
-    assert open(p, "rb").read() == old and os.path.exists(p + ".tmp")   # what a crash leaves
-    assert len(j.records) == 12                                         # still the old journal
+    assert open(p, "rb").read() == old and os.path.exists(p + ".tmp")  # what a crash leaves
+    assert len(j.records) == 12  # still the old journal
     j.append(K.NS_INVALIDATE, value=1, digest=key(8))
     j.close()
-    reopened = Journal(p)                                                # the next open removes the .tmp
+    reopened = Journal(p)  # the next open removes the .tmp
     assert not os.path.exists(p + ".tmp") and len(reopened.records) == 13
     reopened.close()
 
@@ -244,12 +252,13 @@ def test_a_failed_commit_leaves_nothing_half_written(tmp_path, monkeypatch):
 
     def eio(fd):
         raise OSError(5, "simulated EIO")
+
     monkeypatch.setattr(os, "fdatasync", eio)
     with pytest.raises(OSError):
         j.commit()
     monkeypatch.undo()
     assert os.path.getsize(p) == size and j.committed_seq == 1
-    assert j.commit() == 2                                               # retried: now durable
+    assert j.commit() == 2  # retried: now durable
     j.close()
     assert [r.seq for r in Journal(p).records] == [1, 2]
 
@@ -257,6 +266,7 @@ def test_a_failed_commit_leaves_nothing_half_written(tmp_path, monkeypatch):
 def _legacy_log(tmp_path, invalidations) -> str:
     """A legacy ``.invalidations`` file written by the segment store itself."""
     from tierstore.io.segments import SegmentStorage
+
     path = str(tmp_path / "store.nvme")
     st = SegmentStorage(path, 8 * (1 << 20), 4096, segment_size_bytes=1 << 20, engine="posix")
     try:
@@ -272,13 +282,13 @@ def test_reads_the_legacy_invalidation_log(tmp_path):
     got = jr.read_legacy_invalidations(legacy)
     assert set(got) == {NS_A, NS_B} and all(v >= 1 for v in got.values())
     assert os.path.getsize(legacy) == 3 * 44
-    with open(legacy, "ab") as f:           # a torn legacy tail (a whole record's bytes, bad CRC) is ignored
+    with open(legacy, "ab") as f:  # a torn legacy tail (a whole record's bytes, bad CRC) is ignored
         f.write(b"\x07" * (44 + 30))
     assert jr.read_legacy_invalidations(legacy) == got
     assert jr.read_legacy_invalidations(str(tmp_path / "absent")) == {}
     j = Journal(str(tmp_path / "j"))
     assert j.import_legacy_invalidations(legacy) == 2
     assert j.state().invalidated == got
-    assert j.import_legacy_invalidations(legacy) == 0                    # already covered
+    assert j.import_legacy_invalidations(legacy) == 0  # already covered
     assert JournalState.of([], legacy=got).invalidated == got
     j.close()

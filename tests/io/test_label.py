@@ -1,5 +1,6 @@
 """The NVMe tier's label and the check before any write (:mod:`tierstore.io.label`, issue 22 items 1, 3, 4,
 13)."""
+
 from __future__ import annotations
 
 import fcntl
@@ -38,7 +39,9 @@ def test_label_round_trip_and_damage():
     page = StoreLabel(SEG, BB, 12).encode()
     assert len(page) == LABEL_BYTES and page[:8] == b"TSKVLBL1"
     got = decode_label(page)
-    assert (got.segment_size_bytes, got.block_bytes, got.n_segments) == (SEG, BB, 12) and len(got.store_id) == 16
+    assert (got.segment_size_bytes, got.block_bytes, got.n_segments) == (SEG, BB, 12) and len(
+        got.store_id
+    ) == 16
     assert decode_label(bytes(LABEL_BYTES)) is None and decode_label(os.urandom(LABEL_BYTES)) is None
     for byte in (8, 16, 24, 32, 40, 60):  # every field is under the CRC
         bad = bytearray(page)
@@ -115,7 +118,7 @@ def test_format_zeroes_every_chain_start_so_nothing_older_is_recovered(tmp_path)
     old = SegmentStorage(p, 8 * SEG, BB, segment_size_bytes=SEG, label=False)
     keys = [os.urandom(32) for _ in range(60)]
     for i in range(0, 60, 4):
-        assert old.put(keys[i:i + 4], [content(k, BB) for k in keys[i:i + 4]]) == [Status.OK] * 4
+        assert old.put(keys[i : i + 4], [content(k, BB) for k in keys[i : i + 4]]) == [Status.OK] * 4
     assert len({old.locate(k)[0] for k in keys}) >= 3
     old.close()
     with pytest.raises(ForeignDataError, match="earlier format"):
@@ -133,7 +136,7 @@ def test_grow_and_shrink_keep_the_label_geometry(tmp_path):
     s = SegmentStorage(p, 8 * SEG, BB, segment_size_bytes=SEG)
     keys = [os.urandom(32) for _ in range(40)]
     for i in range(0, 40, 4):
-        assert s.put(keys[i:i + 4], [content(k, BB) for k in keys[i:i + 4]]) == [Status.OK] * 4
+        assert s.put(keys[i : i + 4], [content(k, BB) for k in keys[i : i + 4]]) == [Status.OK] * 4
     where = {k: s.locate(k)[0] for k in keys}
     s.close()
     s = SegmentStorage(p, 16 * SEG, BB, segment_size_bytes=SEG)  # grow: every block
@@ -171,7 +174,7 @@ def test_lock_holder_is_read_from_proc_locks(tmp_path):
     finally:
         os.close(fd)
         os.close(other)
-    assert not process_alive(2 ** 22 + 12345)  # above pid_max's limit: no such process
+    assert not process_alive(2**22 + 12345)  # above pid_max's limit: no such process
 
 
 def test_only_an_nvme_generic_character_device_is_a_tier_target(monkeypatch):
@@ -183,7 +186,7 @@ def test_only_an_nvme_generic_character_device_is_a_tier_target(monkeypatch):
     assert "O_DIRECT" not in str(err.value)
     st = os.stat("/dev/null")
     assert not label.is_nvme_generic("/dev/null", st)
-    monkeypatch.setattr(label, "is_nvme_generic", lambda path, st: True)   # what /dev/ng0n1 is
+    monkeypatch.setattr(label, "is_nvme_generic", lambda path, st: True)  # what /dev/ng0n1 is
     assert inspect_target("/dev/null").kind == "unreadable"
 
 

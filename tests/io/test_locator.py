@@ -1,5 +1,6 @@
 """BlockLocator (io/locator.py): key -> (segment, offset, length), the extents remove() frees,
 copy-forward replacement, namespaces, and growth past the initial rows."""
+
 import numpy as np
 
 from tierstore.io import format as fmt
@@ -60,7 +61,7 @@ def test_remove_at_forgets_a_key_only_when_its_copy_lies_in_the_range():
     k = key(1)
     loc.commit(SEG, 1, entries([k]))
     off = loc.locate(k)[1]
-    assert not loc.remove_at(k, 2 * SEG, 3 * SEG)    # another segment: the copy stays
+    assert not loc.remove_at(k, 2 * SEG, 3 * SEG)  # another segment: the copy stays
     assert not loc.remove_at(k, off + 1, off + 2)
     assert loc.row(k) >= 0
     assert loc.remove_at(k, off, off + 1)

@@ -2,6 +2,7 @@
 SQE64 and SQE128|CQE32, error and short completions, more requests than ring
 slots, concurrent submitters, the availability probe and the posix fallback,
 and that no third-party native library is loaded."""
+
 from __future__ import annotations
 
 import ctypes
@@ -80,14 +81,14 @@ def test_readv_writev_round_trip(tmp_path, sqe128, cqe32):
 @pytest.mark.uring
 @pytest.mark.parametrize("sqe128,cqe32", RING_SIZES)
 def test_error_and_short_completions(tmp_path, sqe128, cqe32):
-    fd = _direct_file(tmp_path, 8192)   # an 8 KiB file
+    fd = _direct_file(tmp_path, 8192)  # an 8 KiB file
     keep, buf = alloc_aligned(16384)
     try:
         with R.Ring(8, sqe128=sqe128, cqe32=cqe32) as ring:
-            ring.prep_read(fd, _addr(buf), 16384, 4096, user_data=1)     # crosses EOF: short
-            ring.prep_read(fd, _addr(buf), 4096, 65536, user_data=2)     # past EOF: 0 bytes
-            ring.prep_write(fd, _addr(buf), 1000, 0, user_data=3)        # O_DIRECT, unaligned size
-            ring.prep_read(-1, _addr(buf), 4096, 0, user_data=4)         # bad fd
+            ring.prep_read(fd, _addr(buf), 16384, 4096, user_data=1)  # crosses EOF: short
+            ring.prep_read(fd, _addr(buf), 4096, 65536, user_data=2)  # past EOF: 0 bytes
+            ring.prep_write(fd, _addr(buf), 1000, 0, user_data=3)  # O_DIRECT, unaligned size
+            ring.prep_read(-1, _addr(buf), 4096, 0, user_data=4)  # bad fd
             ring.prep_nop(user_data=5)
             res = {}
             while len(res) < 5:
@@ -107,7 +108,7 @@ def test_sq_full_is_an_error_not_an_overwrite():
         assert ei.value.errno == errno.EBUSY
         got = ring.submit_and_wait(ring.sq_entries)
         assert sorted(ud for ud, _, _ in got) == list(range(ring.sq_entries))
-    ring.close()   # idempotent
+    ring.close()  # idempotent
     with pytest.raises(R.IoUringError):
         ring.prep_nop(1)
 
@@ -147,6 +148,7 @@ def test_queue_fails_what_the_kernel_refused(monkeypatch):
 
     def refuse(wait_nr=0):
         raise R.IoUringError(errno.EFAULT, "injected")
+
     monkeypatch.setattr(q.ring, "submit", refuse)
     q.submit_nop(lambda res, arg, big: got.append(res))
     assert got == [-errno.EFAULT] and q.inflight == 0 and q.ring.sq_pending() == 0
@@ -175,12 +177,12 @@ def test_engine_short_read_and_error_cqe_raise(tmp_path):
     path = str(tmp_path / "d.bin")
     eng = UringEngine(path, 64 << 10, iodepth=4, max_io_bytes=8192)
     keep, buf = alloc_aligned(16384)
-    os.truncate(path, 8192)                 # the file shrinks behind the engine's back
+    os.truncate(path, 8192)  # the file shrinks behind the engine's back
     with pytest.raises(ShortIOError) as ei:
         eng.read(0, buf).get()
     assert (ei.value.got, ei.value.want) == (8192, 16384)
     ro = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    os.dup2(ro, eng.fd)                     # now writes through eng.fd fail with EBADF
+    os.dup2(ro, eng.fd)  # now writes through eng.fd fail with EBADF
     os.close(ro)
     fut = eng.write(0, buf)
     with pytest.raises(OSError) as ei:
@@ -206,12 +208,13 @@ def test_engine_concurrent_submitters(tmp_path):
                 off = (k * 4 + it % 4) << 20
                 eng.write(off, src).get()
                 f = eng.read(off, dst)
-                if k % 2:                # half the threads poll, half block in get()
+                if k % 2:  # half the threads poll, half block in get()
                     while not f.done():
                         pass
                 assert f.get() == 1 << 20 and torch.equal(src, dst), (k, it)
         except BaseException as exc:  # noqa: BLE001 (reported below with the thread's id)
             errors.append((k, exc))
+
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
@@ -235,6 +238,7 @@ def io_uring_disabled(monkeypatch):
             ctypes.set_errno(errno.EPERM)
             return -1
         return real(nr, *args)
+
     monkeypatch.delenv("TIERSTORE_IO_URING", raising=False)
     monkeypatch.setattr(R, "_syscall", lambda: fake)
     monkeypatch.setattr(R, "_sysctl_disabled", lambda: 2)
@@ -279,8 +283,17 @@ def test_explicit_uring_unavailable_raises_before_opening(io_uring_disabled, tmp
 
 def test_bench_cli_explicit_uring_unavailable_is_a_clear_error(io_uring_disabled, tmp_path, capsys):
     from tierstore.bench.cli import main
-    rc = main(["--name=x", "--ioengine=uring", "--rw=write", "--bs=64k", "--size=1m",
-               f"--filename={tmp_path / 'x.bin'}"])
+
+    rc = main(
+        [
+            "--name=x",
+            "--ioengine=uring",
+            "--rw=write",
+            "--bs=64k",
+            "--size=1m",
+            f"--filename={tmp_path / 'x.bin'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc != 0 and "io_uring" in err and "kernel.io_uring_disabled=2" in err
     assert "Traceback" not in err
@@ -332,7 +345,7 @@ from tierstore.io import alloc_aligned, open_engine
 from tierstore.io.ring import Ring, uring_available
 from tierstore.fdp.passthrough import IoUring
 assert uring_available() == (True, ""), uring_available()
-e = open_engine("uring", {str(tmp_path / 'd.bin')!r}, 1 << 20)
+e = open_engine("uring", {str(tmp_path / "d.bin")!r}, 1 << 20)
 keep, buf = alloc_aligned(8192)
 e.write(0, buf).get(); e.read(0, buf).get(); e.close()
 with IoUring(4, big=True) as r:

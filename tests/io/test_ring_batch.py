@@ -1,5 +1,6 @@
 """``Ring.prep_rw_batch`` and ``Ring.reap_results``: many SQEs packed in one call, every CQE reaped in
 one, as ``tierstore bench``'s io_uring loop uses them (issue 22, item 8)."""
+
 from __future__ import annotations
 
 import errno
@@ -30,13 +31,15 @@ def test_a_batch_of_writes_then_reads_round_trips(direct_fd):
         src = torch.arange(16 * BS, dtype=torch.int64).to(torch.uint8)
         buf.copy_(src)
         addrs = [buf.data_ptr() + i * BS for i in range(16)]
-        offsets = [(15 - i) * 4 * BS for i in range(16)]        # scattered, out of order
+        offsets = [(15 - i) * 4 * BS for i in range(16)]  # scattered, out of order
         with R.Ring(16) as ring:
             ring.prep_rw_batch(R.IORING_OP_WRITE, direct_fd, addrs, BS, offsets, list(range(100, 116)))
             assert ring.sq_pending() == 16
             ring.submit(16)
             got = ring.reap_results()
-            assert sorted(ud for ud, _, _ in got) == list(range(100, 116)) and {res for _, res, _ in got} == {BS}
+            assert sorted(ud for ud, _, _ in got) == list(range(100, 116)) and {res for _, res, _ in got} == {
+                BS
+            }
             buf.zero_()
             ops = [R.IORING_OP_READ] * 16
             ring.prep_rw_batch(ops, direct_fd, addrs, BS, offsets, list(range(16)))
@@ -55,7 +58,7 @@ def test_reap_results_across_the_end_of_the_cq(direct_fd):
     try:
         with R.Ring(16) as ring:
             seen = []
-            for batch in range(7):   # 7 x 10 = 70 completions: the head wraps twice
+            for batch in range(7):  # 7 x 10 = 70 completions: the head wraps twice
                 uds = list(range(batch * 10, batch * 10 + 10))
                 ring.prep_rw_batch(R.IORING_OP_READ, direct_fd, [buf.data_ptr()] * 10, BS, [0] * 10, uds)
                 ring.submit(10)

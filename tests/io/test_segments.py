@@ -23,19 +23,35 @@ def open_store(kind, tmp_path, block_bytes, capacity=2 << 20, **kw):
     eng = kw.pop("engine_obj", None)
     if kind == "memory":
         eng = eng or MemoryEngine(capacity)
-        return SegmentStorage(None, capacity, block_bytes, segment_size_bytes=kw.pop("seg", SEG),
-                              engine=eng, extent_size_bytes=kw.pop("ext", EXT), **kw)
-    return SegmentStorage(str(tmp_path / "store.bin"), capacity, block_bytes,
-                          segment_size_bytes=kw.pop("seg", SEG), engine=kind,
-                          extent_size_bytes=kw.pop("ext", EXT), iodepth=4, max_io_bytes=16 << 10, **kw)
+        return SegmentStorage(
+            None,
+            capacity,
+            block_bytes,
+            segment_size_bytes=kw.pop("seg", SEG),
+            engine=eng,
+            extent_size_bytes=kw.pop("ext", EXT),
+            **kw,
+        )
+    return SegmentStorage(
+        str(tmp_path / "store.bin"),
+        capacity,
+        block_bytes,
+        segment_size_bytes=kw.pop("seg", SEG),
+        engine=kind,
+        extent_size_bytes=kw.pop("ext", EXT),
+        iodepth=4,
+        max_io_bytes=16 << 10,
+        **kw,
+    )
 
 
 def test_is_a_block_storage():
     assert issubclass(SegmentStorage, BlockStorage)
 
 
-@pytest.mark.parametrize("block_bytes", [1, 4095, 4096, 4097, EXT - 4096 - 1, EXT - 4096,
-                                         EXT - 4096 + 1, EXT - 1, EXT, EXT + 1])
+@pytest.mark.parametrize(
+    "block_bytes", [1, 4095, 4096, 4097, EXT - 4096 - 1, EXT - 4096, EXT - 4096 + 1, EXT - 1, EXT, EXT + 1]
+)
 def test_round_trip_bit_exact_and_recovered(engine_kind, tmp_path, block_bytes):
     capacity = 8 * max(SEG, 2 * fmt.extent_bytes_for(1, block_bytes))
     seg = capacity // 8
@@ -188,7 +204,9 @@ def test_observer_sees_the_exact_lba_stream(tmp_path):
     eng.add_observer(rec)
     s = open_store("memory", tmp_path, 16 << 10, engine_obj=eng)
     keys = [os.urandom(32) for _ in range(30)]
-    assert s.put(keys, [content(k, 16 << 10) for k in keys], placements=[7] * 15 + [9] * 15) == [Status.OK] * 30
+    assert (
+        s.put(keys, [content(k, 16 << 10) for k in keys], placements=[7] * 15 + [9] * 15) == [Status.OK] * 30
+    )
     st = eng.stats()
     assert sum(n for _, n, _ in rec.w) == st["bytes_written"]
     assert {p for _, _, p in rec.w} == {7, 9}
@@ -243,14 +261,19 @@ def test_recovery_reads_headers_larger_than_its_own_extents(tmp_path):
     path = str(tmp_path / "big.bin")
     n = 12000
     keys = [i.to_bytes(32, "little") for i in range(n)]
-    s = SegmentStorage(path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix",
-                       extent_size_bytes=48 << 20)
+    s = SegmentStorage(
+        path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=48 << 20
+    )
     data = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
     assert s.put(keys, [data] * n) == [Status.OK] * n
     s.close()
     with pytest.raises(ConfigError, match="4096"):
-        SegmentStorage(path, 128 << 20, 8192, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20)
-    s = SegmentStorage(path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20)
+        SegmentStorage(
+            path, 128 << 20, 8192, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20
+        )
+    s = SegmentStorage(
+        path, 128 << 20, 4096, segment_size_bytes=64 << 20, engine="posix", extent_size_bytes=1 << 20
+    )
     try:
         assert s.stats()["recovered_blocks"] == n
         d = torch.empty(4096, dtype=torch.uint8)
@@ -263,6 +286,7 @@ def test_a_failing_fill_leaves_no_hole_and_later_puts_survive_restart(tmp_path):
     """An exception while gathering (after the space was planned) must give the
     space back: a hole in a segment's chain would hide later acknowledged puts."""
     from tierstore.io.pages import FragmentPlan
+
     path = str(tmp_path / "h.bin")
     s = SegmentStorage(path, 8 << 20, 8192, segment_size_bytes=1 << 20, engine="posix")
     k = [bytes([i]) * 32 for i in range(1, 6)]
@@ -271,6 +295,7 @@ def test_a_failing_fill_leaves_no_hole_and_later_puts_survive_restart(tmp_path):
     class Boom(FragmentPlan):
         def gather(self, staging, offset):
             raise RuntimeError("gather failed")
+
     bad = Boom([torch.zeros(8192, dtype=torch.uint8)], 8192, None)
     with pytest.raises(RuntimeError, match="gather failed"):
         s.put_fragments(k[1:3], [[content(k[1], 8192)], bad])

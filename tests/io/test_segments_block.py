@@ -1,6 +1,7 @@
 """``eviction_granularity: block`` on the segment store: victims in the listener's order, dead
 slots deallocated in runs after their tombstones are durable, exact accounting, and a
 reopen that never brings an evicted block back (trims real or ignored)."""
+
 import collections
 import os
 import shutil
@@ -88,8 +89,15 @@ def put(s, lis, ids):
 
 def memory_store(**kw):
     lis = LruListener()
-    args = dict(segment_size_bytes=SEG, engine="memory", extent_size_bytes=SEG, eviction_granularity="block",
-                live_fraction=0.5, trim_min_bytes=SLOT, listener=lis)
+    args = dict(
+        segment_size_bytes=SEG,
+        engine="memory",
+        extent_size_bytes=SEG,
+        eviction_granularity="block",
+        live_fraction=0.5,
+        trim_min_bytes=SLOT,
+        listener=lis,
+    )
     args.update(kw)
     s = SegmentStorage(None, CAP, BB, **args)
     log = TrimLog()
@@ -103,8 +111,15 @@ def test_bad_granularity_is_refused():
     with pytest.raises(Exception, match="eviction_granularity"):
         NvmeTierConfig(device="sim", capacity_bytes=CAP, eviction_granularity="page")
     with pytest.raises(ConfigError, match="live_fraction"):
-        SegmentStorage(None, CAP, BB, segment_size_bytes=SEG, engine="memory", eviction_granularity="block",
-                       live_fraction=1.5)
+        SegmentStorage(
+            None,
+            CAP,
+            BB,
+            segment_size_bytes=SEG,
+            engine="memory",
+            eviction_granularity="block",
+            live_fraction=1.5,
+        )
     assert NvmeTierConfig(device="sim", capacity_bytes=CAP).eviction_granularity == "region"
 
 
@@ -120,8 +135,8 @@ def test_evicts_single_blocks_in_the_listeners_order():
     for a in range(0, budget, 5):
         assert put(s, lis, range(a, a + 5)) == [Status.OK] * 5
     assert len(s) == budget and s.free_blocks() == 0
-    lis.track([key(i) for i in range(0, 10)])           # hits: 0..9 become the most recent
-    lis.protected = {key(10)}                           # in use: never a victim
+    lis.track([key(i) for i in range(0, 10)])  # hits: 0..9 become the most recent
+    lis.protected = {key(10)}  # in use: never a victim
     assert put(s, lis, range(1000, 1004)) == [Status.OK] * 4
     assert lis.picked == [key(i) for i in (11, 12, 13, 14)]
     assert len(s) == budget
@@ -141,11 +156,11 @@ def test_adjacent_dead_slots_trimmed_as_one_run_never_a_header_or_live_slot():
     for a in range(0, budget, 5):
         put(s, lis, range(a, a + 5))
     where = {i: s.locate(key(i))[1] for i in range(budget)}
-    put(s, lis, range(1000, 1005))          # evicts 0..4: one extent's five adjacent slots
+    put(s, lis, range(1000, 1005))  # evicts 0..4: one extent's five adjacent slots
     first = where[0]
     assert log.trims == [(first, 5 * SLOT)]
     assert all(where[i] == first + i * SLOT for i in range(5))
-    assert first % SEG >= fmt.header_bytes_for(5)   # the header before them stays
+    assert first % SEG >= fmt.header_bytes_for(5)  # the header before them stays
     st = s.stats()
     assert st["trimmed_bytes"] == 5 * SLOT and st["trim_ranges"] == 1 and st["dead_pending_bytes"] == 0
     assert st["hole_blocks"] == 5
@@ -156,11 +171,11 @@ def test_short_runs_wait_for_trim_min_bytes():
     budget = s.capacity_blocks()
     for a in range(0, budget, 5):
         put(s, lis, range(a, a + 5))
-    lis.track([key(i) for i in range(1, budget)])   # only block 0 is old
+    lis.track([key(i) for i in range(1, budget)])  # only block 0 is old
     put(s, lis, [1000])
     assert lis.picked == [key(0)] and log.trims == []
     assert s.stats()["dead_pending_bytes"] == SLOT
-    lis.track([key(i) for i in range(3, budget)])   # then 1 and 2, its neighbours
+    lis.track([key(i) for i in range(3, budget)])  # then 1 and 2, its neighbours
     put(s, lis, [1001, 1002])
     assert log.trims == [(s.locate(key(3))[1] - 3 * SLOT, 3 * SLOT)]
     assert s.stats()["dead_pending_bytes"] == 0
@@ -169,7 +184,7 @@ def test_short_runs_wait_for_trim_min_bytes():
 def test_segment_reused_only_after_its_reset_and_trimmed_whole():
     s, lis, log = memory_store()
     budget = s.capacity_blocks()
-    for a in range(0, 15 * 8, 5):   # far past the budget: every early segment empties
+    for a in range(0, 15 * 8, 5):  # far past the budget: every early segment empties
         put(s, lis, range(a, a + 5))
     st = s.stats()
     assert len(s) <= budget
@@ -189,7 +204,7 @@ def test_gc_keeps_or_evicts_and_accounting_stays_exact():
         assert Status.IO_ERROR not in st
         assert len(s) <= s.capacity_blocks()
     st = s.stats()
-    assert st["gc_evicted_blocks"] > 0 and st["gc_bytes_written"] > 0   # kept ones were copied forward
+    assert st["gc_evicted_blocks"] > 0 and st["gc_bytes_written"] > 0  # kept ones were copied forward
     assert s.contains(key(0)) and s.contains(key(1))
     assert st["put_blocks_ok"] == len(s) + st["block_evictions"] + st["gc_evicted_blocks"]
 
@@ -203,13 +218,23 @@ def test_invariants_catch_a_wrong_count():
 
 
 def _file_store(path, lis, engine="posix", live_fraction=0.5, **kw):
-    return SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine=engine, extent_size_bytes=SEG,
-                          eviction_granularity="block", live_fraction=live_fraction, trim_min_bytes=SLOT,
-                          listener=lis, **kw)
+    return SegmentStorage(
+        str(path),
+        CAP,
+        BB,
+        segment_size_bytes=SEG,
+        engine=engine,
+        extent_size_bytes=SEG,
+        eviction_granularity="block",
+        live_fraction=live_fraction,
+        trim_min_bytes=SLOT,
+        listener=lis,
+        **kw,
+    )
 
 
 def _ignore_trims(s):
-    s.engine._trim_impl = lambda off, n: IOFuture.completed(n)   # as QEMU's discard=ignore
+    s.engine._trim_impl = lambda off, n: IOFuture.completed(n)  # as QEMU's discard=ignore
 
 
 @pytest.mark.parametrize("trims", ["real", "ignored"])
@@ -238,7 +263,7 @@ def test_reopen_never_brings_an_evicted_block_back(tmp_path, trims):
     for k in evicted:
         assert s2.get([k], [torch.empty(BB, dtype=torch.uint8)]) == [Status.MISS]
     s2.close()
-    if trims == "ignored":   # the journal is what keeps them dead: their bytes are still there
+    if trims == "ignored":  # the journal is what keeps them dead: their bytes are still there
         os.unlink(str(path) + ".journal")
         s3 = SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine="posix", extent_size_bytes=SEG)
         assert evicted & set(s3.keys())
@@ -300,7 +325,7 @@ def test_trim_only_after_its_record_is_durable():
         def on_write(self, off, n, placement):
             pass
 
-        def on_trim(self, off, n):   # the committed records at the moment of the trim
+        def on_trim(self, off, n):  # the committed records at the moment of the trim
             recs = s._blk.journal.records
             if n == SEG:
                 ok = any(r.kind is RecordKind.SEGMENT_RESET and r.segment == off // SEG for r in recs)
@@ -309,6 +334,7 @@ def test_trim_only_after_its_record_is_durable():
                 ok = all(o in dead for o in range(off, off + n, SLOT))
             if not ok:
                 self.bad.append((off, n))
+
     chk = Check()
     s.engine.add_observer(chk)
     for a in range(0, 15 * 10, 5):
@@ -325,12 +351,12 @@ def test_trim_waits_for_a_read_in_flight():
     for a in range(0, budget, 5):
         put(s, lis, range(a, a + 5))
     si, off0 = s.locate(key(0))
-    s._segs.readers[si] += 1            # a get pinned the segment before the eviction
+    s._segs.readers[si] += 1  # a get pinned the segment before the eviction
     put(s, lis, range(1000, 1005))
     assert lis.picked == [key(i) for i in range(5)] and log.trims == []
     assert s.stats()["dead_pending_bytes"] == 5 * SLOT
     s._segs.readers[si] -= 1
-    put(s, lis, [1005])                 # the next flush trims them
+    put(s, lis, [1005])  # the next flush trims them
     assert (off0, 5 * SLOT) in log.trims
 
 
@@ -349,10 +375,10 @@ class _BlockMachine(RuleBasedStateMachine):
         self.next = 0
 
     def _open(self, ignore):
-        s = _file_store(self.path, self.lis, live_fraction=0.15)   # a budget of 31 blocks: evictions soon
+        s = _file_store(self.path, self.lis, live_fraction=0.15)  # a budget of 31 blocks: evictions soon
         if ignore:
             _ignore_trims(s)
-        s._blk.journal.should_compact = lambda *a, **k: True   # compaction at every check
+        s._blk.journal.should_compact = lambda *a, **k: True  # compaction at every check
         s._blk._compact_check_bytes = 0
         return s
 
@@ -406,22 +432,34 @@ class _BlockMachine(RuleBasedStateMachine):
 
 
 def test_accounting_invariants_stateful():
-    run_state_machine_as_test(_BlockMachine, settings=settings(max_examples=12, stateful_step_count=40,
-                                                               deadline=None,
-                                                               suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        _BlockMachine,
+        settings=settings(
+            max_examples=12, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
     assert _BlockMachine.evicted > 0
 
 
 @pytest.mark.parametrize("given", ["name", "engine object"])
 def test_refused_target_gets_no_journal_beside_it(tmp_path, given):
     from tierstore.errors import ForeignDataError
+
     path = tmp_path / "user.bin"
     path.write_bytes(b"a user's data" * (CAP // 13 + 1))
     before = path.read_bytes()
     eng = open_engine("posix", str(path), CAP) if given == "engine object" else "posix"
     with pytest.raises(ForeignDataError):
-        SegmentStorage(str(path), CAP, BB, segment_size_bytes=SEG, engine=eng, label=True,
-                       eviction_granularity="block", listener=LruListener())
+        SegmentStorage(
+            str(path),
+            CAP,
+            BB,
+            segment_size_bytes=SEG,
+            engine=eng,
+            label=True,
+            eviction_granularity="block",
+            listener=LruListener(),
+        )
     if given == "engine object":
         eng.close()
     assert not os.path.exists(str(path) + ".journal") and path.read_bytes() == before
@@ -439,7 +477,7 @@ def test_a_users_file_named_like_the_journals_tmp_is_never_deleted(tmp_path):
         _file_store(path, LruListener())
     assert tmp.read_bytes() == mine
     tmp.unlink()
-    s = _file_store(path, LruListener())   # once it is moved, the tier opens
+    s = _file_store(path, LruListener())  # once it is moved, the tier opens
     s.close()
     # a .tmp tierstore left (a crash before its rename) is still cleaned up
     j = tmp_path / "other.journal"
@@ -465,9 +503,16 @@ def test_another_tiers_journal_is_refused_and_drops_nothing(tmp_path):
     with pytest.raises(ForeignDataError, match="journal of another tier"):
         _file_store(b, LruListener(), journal_path=str(tmp_path / "a.bin.journal"))
     assert (tmp_path / "a.bin.journal").read_bytes() == before
-    with pytest.raises(ForeignDataError, match="journal of another tier"):   # region mode reads it too
-        SegmentStorage(str(b), CAP, BB, segment_size_bytes=SEG, engine="posix", extent_size_bytes=SEG,
-                       journal_path=str(tmp_path / "a.bin.journal"))
+    with pytest.raises(ForeignDataError, match="journal of another tier"):  # region mode reads it too
+        SegmentStorage(
+            str(b),
+            CAP,
+            BB,
+            segment_size_bytes=SEG,
+            engine="posix",
+            extent_size_bytes=SEG,
+            journal_path=str(tmp_path / "a.bin.journal"),
+        )
     sb = _file_store(b, LruListener())
     assert set(sb.keys()) == kept
     sb.close()
@@ -480,11 +525,11 @@ def test_one_journal_one_open_tier(tmp_path):
     try:
         with pytest.raises(ForeignDataError, match="journal of another tier"):
             _file_store(tmp_path / "two.bin", LruListener(), journal_path=j)
-        with pytest.raises(StoreLockedError, match="journal is in use"):   # an id-less opener too
+        with pytest.raises(StoreLockedError, match="journal is in use"):  # an id-less opener too
             Journal(j)
     finally:
         s1.close()
-    Journal(j).close()   # the lock goes with the tier
+    Journal(j).close()  # the lock goes with the tier
 
 
 @pytest.mark.parametrize("bad", ["", "DIR", "SELF"])

@@ -1,5 +1,6 @@
 """The memory handler on CPU BlockPools: slot copies in plan order, engine gathers and scatters
 (per block and the BlockRows one-copy-per-tier path), the load gate, promotions."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,9 @@ def no_view(*_a):
 def test_copy_down_runs_in_plan_order(memory):
     hbm0, host1 = memory.view(Tier.HBM, 0).clone(), memory.view(Tier.HOST, 1).clone()
     # lowest tier first: host slot 1's block moves to slot 2 before HBM slot 0's lands in slot 1
-    memory.copy_down([Demotion(0, b"a", Tier.HOST, 1, Tier.HOST, 2),
-                      Demotion(1, b"b", Tier.HBM, 0, Tier.HOST, 1)])
+    memory.copy_down(
+        [Demotion(0, b"a", Tier.HOST, 1, Tier.HOST, 2), Demotion(1, b"b", Tier.HBM, 0, Tier.HOST, 1)]
+    )
     assert torch.equal(memory.view(Tier.HOST, 2), host1)
     assert torch.equal(memory.view(Tier.HOST, 1), hbm0)
 
@@ -126,6 +128,7 @@ def test_the_gate_refuses_copies_past_its_deadline_before_anyone_closes_it():
     that would start after the deadline is refused by the gate itself (under load,
     test_load_deadline_turns_a_slow_memory_copy_into_misses saw every copy delivered)."""
     import time as _time
+
     gate = LoadGate(_time.monotonic() + 0.05)
     with gate.enter([0]) as ok:
         assert ok

@@ -1,5 +1,6 @@
 """The NVMe handler on an in-memory SegmentStorage: a batch written in one put and read back,
 placement tags and namespaces passed through, OSError -> IO_ERROR, reads under the load gate."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,6 +67,7 @@ def test_os_error_is_io_error_for_every_block(storage, monkeypatch):
 
     def fail(*_a, **_k):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(storage, "put_fragments", fail)
     assert nvme.write(batch_of(bb, [1, 2])) == [Status.IO_ERROR] * 2
     monkeypatch.setattr(storage, "get_fragments", fail)

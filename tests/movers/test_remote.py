@@ -1,6 +1,7 @@
 """The remote handler on MooncakeTier + the in-memory Mooncake client: host-pool registration,
 fetch and publish (verified bytes only, under the gate), lost victims published before their slot
 is reused, held slots and after_release, and a whole remote fill through the executor."""
+
 from __future__ import annotations
 
 import threading
@@ -40,7 +41,7 @@ def test_a_cpu_host_pool_is_registered_once(make_tier):
 def test_publish_then_fetch_only_verified_bytes_under_the_gate(make_tier):
     a, b = RemoteHandler(make_tier()), RemoteHandler(make_tier())
     whole = FragmentPlan.of_bytes(block(1))
-    halves = plan_fragments([block(2)[:BB // 2].clone(), block(2)[BB // 2:].clone()])  # gathered first
+    halves = plan_fragments([block(2)[: BB // 2].clone(), block(2)[BB // 2 :].clone()])  # gathered first
     assert a.publish([key(1), key(2)], [whole, halves]) == [Status.OK] * 2
     assert a.tier.flush(5)
     out = torch.zeros(3, BB, dtype=torch.uint8)
@@ -110,13 +111,24 @@ def test_a_remote_fill_lands_in_its_slot_the_destination_and_nvme(make_tier):
     storage = memory_segment_store(types.SimpleNamespace(bytes_per_block=BB), 4)
     try:
         pids = {LifetimeClass.LONG: 3}
-        movers = Movers(HandlerTable(MemoryHandler({Tier.HOST: pool}), NvmeHandler(storage, pids.get),
-                                     RemoteHandler(make_tier(), pool)))
+        movers = Movers(
+            HandlerTable(
+                MemoryHandler({Tier.HOST: pool}),
+                NvmeHandler(storage, pids.get),
+                RemoteHandler(make_tier(), pool),
+            )
+        )
         placed = []
         real = storage.put_fragments
         storage.put_fragments = lambda k, f, p, n: placed.append(p) or real(k, f, p, n)
-        plan = StorePlan([key(1), key(2), key(3)], [None] * 3, [0, 1, 2], memory=[(0, Tier.HOST, 1)],
-                         nvme_new=[(1, LifetimeClass.LONG)], ns=b"n" * 32)
+        plan = StorePlan(
+            [key(1), key(2), key(3)],
+            [None] * 3,
+            [0, 1, 2],
+            memory=[(0, Tier.HOST, 1)],
+            nvme_new=[(1, LifetimeClass.LONG)],
+            ns=b"n" * 32,
+        )
         out = torch.zeros(3, BB, dtype=torch.uint8)
         st, nvme_st, dem_st, held = movers.run_remote_fill(plan, plans_of(out), LoadGate(), [10, 11, 12])
         assert st == [Status.OK, Status.OK, Status.MISS]

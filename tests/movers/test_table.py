@@ -1,5 +1,6 @@
 """The handler table: one handler per (source medium, destination medium), a clear error for a
 kind the store has no tier for, and the executor routing through it."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,12 @@ def test_kinds_of_a_memory_only_store_and_the_missing_handler_errors():
     table = HandlerTable(memory)
     assert table[M, M] is memory and (M, M) in table
     assert set(table.kinds) == {(M, M)}
-    for kind, msg in (((M, N), "no memory->nvme handler: no NVMe tier"),
-                      ((N, M), "no nvme->memory handler: no NVMe tier"),
-                      ((M, R), "no memory->remote handler: no remote tier"),
-                      ((R, M), "no remote->memory handler: no remote tier")):
+    for kind, msg in (
+        ((M, N), "no memory->nvme handler: no NVMe tier"),
+        ((N, M), "no nvme->memory handler: no NVMe tier"),
+        ((M, R), "no memory->remote handler: no remote tier"),
+        ((R, M), "no remote->memory handler: no remote tier"),
+    ):
         assert kind not in table
         with pytest.raises(ConfigError, match=msg):
             table[kind]

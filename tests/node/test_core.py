@@ -1,5 +1,6 @@
 """A node pool (issue 24, N4): a KVStore over a shared segment's host slots, its tickets, and the
 background thread that expires abandoned tickets and keeps victims clean."""
+
 from __future__ import annotations
 
 import threading
@@ -25,19 +26,25 @@ RNG = np.random.default_rng(11)
 
 
 def _cfg(tmp_path, host: int = 8, **policies) -> dict:
-    return {"tiers": {"host": {"capacity_bytes": host * BB},
-                      "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m", "segment_size_bytes": "256k"}},
-            "policies": policies}
+    return {
+        "tiers": {
+            "host": {"capacity_bytes": host * BB},
+            "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m", "segment_size_bytes": "256k"},
+        },
+        "policies": policies,
+    }
 
 
 def _core(tmp_path, host: int = 8, policies=None, **kw) -> NodeCore:
-    return NodeCore(f"p{uuid.uuid4().hex[:10]}", _cfg(tmp_path, host, **(policies or {})), LAYOUT,
-                    staging_blocks=4, **kw)
+    return NodeCore(
+        f"p{uuid.uuid4().hex[:10]}", _cfg(tmp_path, host, **(policies or {})), LAYOUT, staging_blocks=4, **kw
+    )
 
 
 def _blocks(n):
-    return [RNG.bytes(32) for _ in range(n)], [torch.from_numpy(RNG.integers(0, 256, BB, dtype=np.uint8))
-                                               for _ in range(n)]
+    return [RNG.bytes(32) for _ in range(n)], [
+        torch.from_numpy(RNG.integers(0, 256, BB, dtype=np.uint8)) for _ in range(n)
+    ]
 
 
 def put(core: NodeCore, keys, data, wait: bool = True):
@@ -110,7 +117,7 @@ def test_an_abandoned_ticket_is_expired_by_the_background_thread(tmp_path):
     try:
         keys, data = _blocks(2)
         t = core.prepare_store(NS, keys)
-        core.segment.rows()[int(t.slots[0]), :BB // 2].copy_(data[0][:BB // 2])  # half a copy, then gone
+        core.segment.rows()[int(t.slots[0]), : BB // 2].copy_(data[0][: BB // 2])  # half a copy, then gone
         end = time.monotonic() + 10
         while core.tickets.open_tickets() and time.monotonic() < end:
             time.sleep(0.02)
@@ -175,4 +182,6 @@ def test_the_background_thread_does_not_outlive_close(tmp_path):
     core = _core(tmp_path, tick_s=0.01)
     assert any(t.name.startswith("tierstore-node-") for t in threading.enumerate())
     core.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-node-") and t.name not in before]
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith("tierstore-node-") and t.name not in before
+    ]

@@ -1,6 +1,7 @@
 """Split execution (issue 24, N3): the index prepares, a client (here: two "ranks", each a
 column of the shared segment, in two threads) copies the bytes into or out of the slots, the
 service completes. Every test checks the index's invariants and that every slot is free again."""
+
 from __future__ import annotations
 
 import threading
@@ -41,10 +42,19 @@ class Node:
 
     def __init__(self, tmp_path, **policies) -> None:
         self.seg = Segment.create(f"t{uuid.uuid4().hex[:12]}", BB, HOST, STAGING)
-        cfg = StoreConfig.from_dict({"tiers": {"host": {"capacity_bytes": HOST * BB},
-                                               "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m",
-                                                        "segment_size_bytes": "256k"}},
-                                     "policies": policies})
+        cfg = StoreConfig.from_dict(
+            {
+                "tiers": {
+                    "host": {"capacity_bytes": HOST * BB},
+                    "nvme": {
+                        "path": str(tmp_path) + "/",
+                        "capacity_bytes": "4m",
+                        "segment_size_bytes": "256k",
+                    },
+                },
+                "policies": policies,
+            }
+        )
         self.parts = assemble(cfg, LAYOUT, host_pool=BlockPool.from_tensor("host", self.seg.host_rows()))
         self.index = self.parts.index
         self.tr = Transfers(self.index, self.parts.mover, None, self.parts.nvme, LAYOUT)
@@ -69,13 +79,15 @@ class Node:
         for i, s in enumerate(ticket.slots):
             good = s >= 0 and (ok is None or ok[i])
             if good:
-                self.cols[rank].view(int(s)).copy_(data[i][OFFS[rank]:OFFS[rank] + SHARDS[rank]])
+                self.cols[rank].view(int(s)).copy_(data[i][OFFS[rank] : OFFS[rank] + SHARDS[rank]])
             out.append(bool(good))
         return out
 
     def scatter(self, rank: int, ticket) -> list[torch.Tensor | None]:
-        return [self.cols[rank].view(int(s)).clone() if st is Status.OK else None
-                for s, st in zip(ticket.slots, ticket.statuses)]
+        return [
+            self.cols[rank].view(int(s)).clone() if st is Status.OK else None
+            for s, st in zip(ticket.slots, ticket.statuses)
+        ]
 
     def store(self, keys, data, ranks: int = 2):
         t = self.svc.prepare_store(NS, keys, ranks=ranks, wait=True)
@@ -90,8 +102,13 @@ class Node:
         gens_ok = self.seg.gens_of(np.maximum(t.slots, 0)) == t.gens
         st = None
         for r in range(ranks):
-            st = self.svc.complete_load(t.plan_id, [p is not None and g for p, g in zip(parts[r], gens_ok)], rank=r)
-        out = [torch.cat([parts[0][i], parts[1][i]]) if parts[0][i] is not None else None for i in range(len(keys))]
+            st = self.svc.complete_load(
+                t.plan_id, [p is not None and g for p, g in zip(parts[r], gens_ok)], rank=r
+            )
+        out = [
+            torch.cat([parts[0][i], parts[1][i]]) if parts[0][i] is not None else None
+            for i in range(len(keys))
+        ]
         return st, out
 
     def host_used(self) -> int:
@@ -122,6 +139,7 @@ def test_two_ranks_store_into_their_columns_and_load_back(node):
 
     def rank(r):
         results[r] = node.svc.complete_store(t.plan_id, node.gather(r, t, data), rank=r)
+
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for th in threads:
         th.start()
@@ -167,7 +185,7 @@ def test_reports_are_idempotent_and_checked(node):
     with pytest.raises(TicketError, match="rank 1 outside"):
         node.svc.complete_load(lt.plan_id, [True, True], rank=1)
     with pytest.raises(TicketError, match="no such ticket"):
-        node.svc.complete_load(10 ** 6, [True])
+        node.svc.complete_load(10**6, [True])
     assert node.svc.complete_load(lt.plan_id, [True, True]) == [Status.OK, Status.OK]
     assert node.svc.complete_load(lt.plan_id, [False, False]) == [Status.OK, Status.OK]
     assert node.svc.abort(lt.plan_id) is False
@@ -230,6 +248,7 @@ def test_a_block_on_nvme_is_staged_once_for_both_ranks_then_promoted(node):
     def counting(ks, dests, *a, **k):
         reads.extend(ks)
         return real(ks, dests, *a, **k)
+
     node.parts.mover.nvme.read = counting
     t = node.svc.prepare_load(keys, ranks=2, wait=False)
     assert node.svc.wait_ready(t.plan_id, 10)
@@ -263,8 +282,11 @@ def test_a_corrupt_nvme_block_is_a_failed_key_of_the_ready_ticket(node):
     assert node.svc.poll() == [Ready(t.plan_id, (1,))]
     assert t.failed == (1,) and t.statuses == [Status.OK, Status.MISS, Status.OK]
     got = node.scatter(0, t)
-    assert node.svc.complete_load(t.plan_id, [g is not None for g in got]) == \
-        [Status.OK, Status.IO_ERROR, Status.OK]
+    assert node.svc.complete_load(t.plan_id, [g is not None for g in got]) == [
+        Status.OK,
+        Status.IO_ERROR,
+        Status.OK,
+    ]
     assert node.index.tiers_of(keys[1]) == []  # never served again
     node.quiet()
 
@@ -417,7 +439,9 @@ def test_concurrent_clients_keep_every_byte_and_every_slot(node):
                     sample = list(kept.items())[-3:]
                 lt = node.svc.prepare_load([k for k, _ in sample], ranks=1, wait=True)
                 rows = node.seg.rows()
-                got = [rows[s, :BB].clone() if st is Status.OK else None for s, st in zip(lt.slots, lt.statuses)]
+                got = [
+                    rows[s, :BB].clone() if st is Status.OK else None for s, st in zip(lt.slots, lt.statuses)
+                ]
                 fresh = node.seg.gens_of(np.maximum(lt.slots, 0)) == lt.gens
                 for (_k, d), g, f in zip(sample, got, fresh):
                     assert g is None or not f or torch.equal(g, d), "wrong bytes"

@@ -2,6 +2,7 @@
 is closed and bounded (wrong tags, types, bounds, lengths and extra fields are bad frames); frame
 limits hold on both sides; a bad frame is answered with one Error("bad_frame") and a close; fds
 travel with a frame; the wire codes are pinned to the library's enums."""
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,11 @@ GROUP, JOIN = b"g" * 16, b"j" * 32
 enc = msgspec.msgpack.Encoder()
 
 EXAMPLES = {
-    P.Hello: [P.Hello(1, 1, "tok", "leader", "llama8b", 2 << 20, 16, GROUP, JOIN, 0, "vllm 0.32 pid 7"),
-              P.Hello(2, 1, "", "rank", None, None, None, GROUP, JOIN, 3, ""),
-              P.Hello(3, 1, "", "solo", None, 4096, 16, b"", b"", 0, "sglang")],
+    P.Hello: [
+        P.Hello(1, 1, "tok", "leader", "llama8b", 2 << 20, 16, GROUP, JOIN, 0, "vllm 0.32 pid 7"),
+        P.Hello(2, 1, "", "rank", None, None, None, GROUP, JOIN, 3, ""),
+        P.Hello(3, 1, "", "solo", None, 4096, 16, b"", b"", 0, "sglang"),
+    ],
     P.Lookup: [P.Lookup(4, NS, K3, 11, None), P.Lookup(5, NS, b"", None, 30.0)],
     P.Exists: [P.Exists(6, NS, K3)],
     P.Release: [P.Release(7, 11)],
@@ -43,16 +46,45 @@ EXAMPLES = {
     P.Stats: [P.Stats(21)],
     P.Reclaim: [P.Reclaim(22, 9, b"p" * 32)],
     P.Bye: [P.Bye(23, "shutting down"), P.Bye(0)],
-    P.Welcome: [P.Welcome(1, session=9, pool="llama8b", block_bytes=5000, slot_bytes=8192, host_slots=1024,
-                          staging_slots=64, segment_bytes=(2 << 20) + 1088 * 8192, boot_id=b"b" * 16,
-                          op_timeout_s=2.0, max_keys=4096)],
-    P.LookupReply: [P.LookupReply(4, 3, 2, bytes([1, 1, 2]), P.pack_load_s([1e-4, 1e-4, 3e-3]),
-                                  "load slower than recompute", ready_ids=P.pack_u64([42, 43]),
-                                  ready_failed=P.pack_failed([(1, 0), (1, 2)])),
-                    P.LookupReply(5, 0, 0, b"", b"")],
+    P.Welcome: [
+        P.Welcome(
+            1,
+            session=9,
+            pool="llama8b",
+            block_bytes=5000,
+            slot_bytes=8192,
+            host_slots=1024,
+            staging_slots=64,
+            segment_bytes=(2 << 20) + 1088 * 8192,
+            boot_id=b"b" * 16,
+            op_timeout_s=2.0,
+            max_keys=4096,
+        )
+    ],
+    P.LookupReply: [
+        P.LookupReply(
+            4,
+            3,
+            2,
+            bytes([1, 1, 2]),
+            P.pack_load_s([1e-4, 1e-4, 3e-3]),
+            "load slower than recompute",
+            ready_ids=P.pack_u64([42, 43]),
+            ready_failed=P.pack_failed([(1, 0), (1, 2)]),
+        ),
+        P.LookupReply(5, 0, 0, b"", b""),
+    ],
     P.Count: [P.Count(6, 3), P.Count(7, 0, ready_ids=P.pack_u64([1]))],
-    P.TicketReply: [P.TicketReply(9, 42, P.pack_statuses([Status.OK, Status.EXISTS, Status.NO_SPACE]),
-                                  P.pack_slots([5, -1, -1]), P.pack_u64([3, 0, 0]), False)],
+    P.TicketReply: [
+        P.TicketReply(
+            9,
+            42,
+            P.pack_statuses([Status.OK, Status.EXISTS, Status.NO_SPACE]),
+            P.pack_slots([5, -1, -1]),
+            P.pack_u64([3, 0, 0]),
+            False,
+        )
+    ],
     P.StoreOutcome: [P.StoreOutcome(11, P.pack_statuses([Status.OK, Status.IO_ERROR]), P.pack_flags([1, 0]))],
     P.Ack: [P.Ack(14), P.Ack(16, ready_ids=P.pack_u64([44]), ready_failed=P.pack_failed([(0, 7)]))],
     P.LeaseReply: [P.LeaseReply(17, 5, 3, 3 * 5000, 59.5)],
@@ -95,7 +127,7 @@ def test_every_message_round_trips_through_a_frame(pair, msg):
 
 def test_a_message_of_the_other_direction_is_a_bad_frame(pair):
     client, service = pair
-    service.send(P.Count(1, 2))           # fine service -> client ...
+    service.send(P.Count(1, 2))  # fine service -> client ...
     assert client.recv() == P.Count(1, 2)
     client.sock.sendall(_frame(enc.encode(P.Count(1, 2))))  # ... but a client never sends a reply
     with pytest.raises(ProtocolError) as e:
@@ -120,7 +152,7 @@ BAD_BODIES = {
     "tag of a string": enc.encode(["Lookup", 1, NS, K3, None, None]),
     "map not array": enc.encode({"rid": 1}),
     "negative rid": enc.encode(_lookup(rid=-1)),
-    "rid past int64": enc.encode(_lookup(rid=2 ** 64 - 1)),
+    "rid past int64": enc.encode(_lookup(rid=2**64 - 1)),
     "bool for int": enc.encode(_lookup(rid=True)),
     "float for int": enc.encode(_lookup(hold=1.0)),
     "str for bytes": enc.encode(_lookup(keys="k" * 32)),
@@ -154,7 +186,9 @@ BAD_REPLY_BODIES = {
     "ready ids not u64": enc.encode([69, 1, b"\x00" * 7, b""]),
     "unknown error code": enc.encode([72, 1, "teapot", ""]),
     "zero timeout": enc.encode([64, 1, 1, "p", 1, 4096, 1, 0, 4096, b"b" * 16, 0.0, 1]),
-    "max keys past the schema": enc.encode([64, 1, 1, "p", 1, 4096, 1, 0, 4096, b"b" * 16, 1.0, P.MAX_KEYS + 1]),
+    "max keys past the schema": enc.encode(
+        [64, 1, 1, "p", 1, 4096, 1, 0, 4096, b"b" * 16, 1.0, P.MAX_KEYS + 1]
+    ),
 }
 
 
@@ -197,14 +231,14 @@ def test_a_bad_frame_is_answered_with_one_error_and_a_close(pair):
     client, service = pair
     client.send(P.Poll(1))
     client.sock.sendall(_frame(b"\xc1"))
-    client.send(P.Poll(2))                      # after the bad frame: never read
+    client.send(P.Poll(2))  # after the bad frame: never read
     assert service.recv() == P.Poll(1)
     with pytest.raises(ProtocolError) as e:
         service.recv()
     service.fail(e.value)
     err = client.recv()
     assert err == P.Error(0, ErrorCode.BAD_FRAME, e.value.detail) and "invalid opcode" in err.message
-    assert client.recv() is None                # then the service closed
+    assert client.recv() is None  # then the service closed
     with pytest.raises(ProtocolError) as e2:
         service.recv()
     assert e2.value.code is ErrorCode.CLOSED
@@ -218,7 +252,7 @@ def test_a_frame_length_outside_the_limit_is_refused_before_reading_it(length):
         with pytest.raises(ProtocolError, match=f"frame of {length} bytes") as e:
             service.recv()
         assert e.value.code is ErrorCode.BAD_FRAME
-        assert len(service._buf) <= 64          # nothing was allocated for it
+        assert len(service._buf) <= 64  # nothing was allocated for it
     finally:
         client.close()
         service.close()
@@ -253,20 +287,29 @@ def test_a_message_over_the_limit_is_not_sent():
         with pytest.raises(ProtocolError, match="exceeds max_frame_bytes=4096") as e:
             client.send(P.Exists(1, NS, b"k" * 32 * 200))
         assert e.value.code is ErrorCode.LIMIT and not client.broken
-        client.send(P.Poll(2))                  # the connection is still fine
+        client.send(P.Poll(2))  # the connection is still fine
         assert service.recv() == P.Poll(2)
     finally:
         client.close()
         service.close()
     with pytest.raises(ProtocolError, match="max_frame_bytes"):
-        P.FrameSocket(socket.socket(socket.AF_UNIX), P.REQUEST_DECODER, max_frame_bytes=P.MAX_FRAME_LIMIT_BYTES + 1)
+        P.FrameSocket(
+            socket.socket(socket.AF_UNIX), P.REQUEST_DECODER, max_frame_bytes=P.MAX_FRAME_LIMIT_BYTES + 1
+        )
 
 
 def test_the_largest_request_fits_the_default_frame(pair):
     client, service = pair
     big = P.PrepareStore(1, NS, os.urandom(32 * P.MAX_KEYS), 0, 0, True)
-    reply = P.TicketReply(1, 2, bytes(P.MAX_KEYS), bytes(4 * P.MAX_KEYS), bytes(8 * P.MAX_KEYS), True,
-                          ready_ids=bytes(8 * P.MAX_READY))
+    reply = P.TicketReply(
+        1,
+        2,
+        bytes(P.MAX_KEYS),
+        bytes(4 * P.MAX_KEYS),
+        bytes(8 * P.MAX_KEYS),
+        True,
+        ready_ids=bytes(8 * P.MAX_READY),
+    )
     # each send from a thread: a frame larger than the socket buffer waits for its reader
     for sender, receiver, msg in ((client, service, big), (service, client, reply)):
         t = threading.Thread(target=sender.send, args=(msg,), daemon=True)
@@ -313,7 +356,7 @@ def test_an_fd_travels_with_a_frame_and_extra_fds_are_refused_and_closed(pair, t
         with pytest.raises(ProtocolError, match="more than 1 fds") as e:
             client.recv_with_fds(1)
         assert e.value.code is ErrorCode.BAD_FRAME
-        assert _open_fds() == before            # the one fd that did arrive was closed
+        assert _open_fds() == before  # the one fd that did arrive was closed
     finally:
         os.close(fd)
 
@@ -334,8 +377,8 @@ def test_per_key_helpers_round_trip_and_refuse_bad_input():
     assert P.unpack_statuses(P.pack_statuses(statuses)) == statuses
     with pytest.raises(ProtocolError):
         P.unpack_statuses(b"\x06")
-    assert P.unpack_slots(P.pack_slots([0, -1, 2 ** 31 - 1])).tolist() == [0, -1, 2 ** 31 - 1]
-    assert P.unpack_u64(P.pack_u64([0, 2 ** 64 - 1])).tolist() == [0, 2 ** 64 - 1]
+    assert P.unpack_slots(P.pack_slots([0, -1, 2**31 - 1])).tolist() == [0, -1, 2**31 - 1]
+    assert P.unpack_u64(P.pack_u64([0, 2**64 - 1])).tolist() == [0, 2**64 - 1]
     assert P.unpack_load_s(P.pack_load_s([0.5, 1e-6])).tolist() == pytest.approx([0.5, 1e-6])
     assert P.unpack_flags(P.pack_flags([True, False])).tolist() == [True, False]
     with pytest.raises(ProtocolError):
@@ -348,6 +391,7 @@ def test_wire_codes_are_pinned_to_the_library_enums():
     in step with the enums (the protocol itself imports nothing of the index)."""
     from tierstore.fdp.lifetime import LifetimeClass
     from tierstore.index import Tier
+
     assert set(P.WIRE_STATUSES) == set(Status) and len(P.WIRE_STATUSES) == len(Status)
     assert [P.status_code(s) for s in P.WIRE_STATUSES] == list(range(len(Status)))
     assert P.WIRE_STATUSES[:3] == (Status.OK, Status.EXISTS, Status.MISS)  # never reordered
@@ -357,15 +401,27 @@ def test_wire_codes_are_pinned_to_the_library_enums():
 
 
 def test_without_msgspec_the_protocol_names_the_extra():
-    script = ("import sys; sys.modules['msgspec'] = None\n"
-              "from tierstore.errors import ConfigError\n"
-              "try:\n    import tierstore.node.protocol\nexcept ConfigError as e:\n    print(e)\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    script = (
+        "import sys; sys.modules['msgspec'] = None\n"
+        "from tierstore.errors import ConfigError\n"
+        "try:\n    import tierstore.node.protocol\nexcept ConfigError as e:\n    print(e)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "pip install 'tierstore[node]'" in p.stdout
     # and the segment half needs no msgspec at all
     script = "import sys; sys.modules['msgspec'] = None\nimport tierstore.node.segment\nprint('ok')\n"
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    p = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

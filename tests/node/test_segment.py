@@ -2,6 +2,7 @@
 attach from a handed-over fd (in this process and in a real second process over SCM_RIGHTS),
 read-only fds the kernel keeps read-only, fork refusal, pre-faulting, and unmapping only after
 the last view."""
+
 from __future__ import annotations
 
 import errno
@@ -48,9 +49,18 @@ def _mapped(name: str) -> bool:
 
 
 def _run(script: str, pass_fds=(), timeout=120, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], pass_fds=pass_fds, env=env,
-                          capture_output=True, text=True, timeout=timeout, **kw)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    )
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        pass_fds=pass_fds,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -107,9 +117,9 @@ def test_columns_and_host_rows_alias_the_mapping(seg):
     r0, r1 = seg.column(offs[0], 3000), seg.column(offs[1], 2000, name="rank1")
     assert isinstance(r1, BlockPool) and (r1.num_blocks, r1.block_bytes, r1.name) == (5, 2000, "rank1")
     assert r1.data.shape == (5, 2000) and r1.data.stride() == (8192, 1)
-    r0.view(4).fill_(7)          # a staging slot, rank 0
-    r1.view(4).fill_(9)          # the same slot, rank 1
-    r1.data[1:3].fill_(5)        # what the mover's slice copies do
+    r0.view(4).fill_(7)  # a staging slot, rank 0
+    r1.view(4).fill_(9)  # the same slot, rank 1
+    r1.data[1:3].fill_(5)  # what the mover's slice copies do
     off = seg.header.slot_offset
     slot4 = os.pread(seg.fd, 8192, off + 4 * 8192)
     assert slot4[:3000] == b"\7" * 3000 and slot4[3000:5000] == b"\t" * 2000
@@ -284,12 +294,27 @@ def test_the_memfd_goes_to_a_second_process_over_scm_rights(seg):
     seg.bump_gens([1])
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     h = seg.header
-    welcome = P.Welcome(7, session=1, pool="p", block_bytes=5000, slot_bytes=h.slot_bytes,
-                        host_slots=h.host_slots, staging_slots=h.staging_slots,
-                        segment_bytes=h.segment_bytes, boot_id=h.boot_id, op_timeout_s=2.0, max_keys=64)
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK_PROCESS.format(sock=theirs.fileno()))],
-                             pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    welcome = P.Welcome(
+        7,
+        session=1,
+        pool="p",
+        block_bytes=5000,
+        slot_bytes=h.slot_bytes,
+        host_slots=h.host_slots,
+        staging_slots=h.staging_slots,
+        segment_bytes=h.segment_bytes,
+        boot_id=h.boot_id,
+        op_timeout_s=2.0,
+        max_keys=64,
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(RANK_PROCESS.format(sock=theirs.fileno()))],
+        pass_fds=(theirs.fileno(),),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     theirs.close()
     fs = P.FrameSocket(ours, P.REQUEST_DECODER)
     try:
@@ -303,9 +328,9 @@ def test_the_memfd_goes_to_a_second_process_over_scm_rights(seg):
     assert ack == P.Bye(7, "attached")
     words = out.split()
     assert int(words[1]) != os.getpid()
-    assert words[3] == "EPERM"                        # the sealed segment cannot be shrunk there either
+    assert words[3] == "EPERM"  # the sealed segment cannot be shrunk there either
     assert words[5] == bytes(pattern[:8].numpy()).hex()  # rank 1 reads what rank 0 wrote here
-    assert " ".join(words[7:9]) == "[0, 1]"           # and the gens the service bumped
+    assert " ".join(words[7:9]) == "[0, 1]"  # and the gens the service bumped
     assert words[-1] == "1"
     # and this process sees the other rank's shard, in its own column of the same slot
     assert torch.equal(seg.column(3000, 2000).view(1), pattern[:2000] + 1)
@@ -319,8 +344,14 @@ def test_a_forked_child_refuses_the_inherited_mapping_and_attaches_its_own(seg):
     if pid == 0:  # the child: only our calls, then _exit
         os.close(r)
         out = []
-        for call in (lambda: col.view(0), lambda: col.data, seg.rows, lambda: seg.column(0, 10),
-                     lambda: seg.gens_of([0]), seg.prefault):
+        for call in (
+            lambda: col.view(0),
+            lambda: col.data,
+            seg.rows,
+            lambda: seg.column(0, 10),
+            lambda: seg.gens_of([0]),
+            seg.prefault,
+        ):
             try:
                 call()
                 out.append("used")
@@ -364,7 +395,7 @@ def test_prefault_of_a_readonly_mapping_reads_the_pages_in():
     s = Segment.create(_name(), block_bytes=64 << 10, host_slots=16)
     peer = Segment.attach(s.readonly_fd())
     try:
-        assert peer.prefault() == "madvise"   # MADV_POPULATE_READ: WRITE is EINVAL on PROT_READ
+        assert peer.prefault() == "madvise"  # MADV_POPULATE_READ: WRITE is EINVAL on PROT_READ
         assert os.fstat(s.fd).st_blocks * 512 >= s.size_bytes
         with pytest.raises(SegmentError, match="method"):
             peer.prefault("fast")
@@ -382,14 +413,14 @@ def test_close_unmaps_only_after_the_last_view():
     fd = s.fd
     s.close()
     with pytest.raises(OSError):
-        os.fstat(fd)                   # the owner's memfd is closed ...
-    assert _mapped(name)               # ... but the mapping lives while a view does
+        os.fstat(fd)  # the owner's memfd is closed ...
+    assert _mapped(name)  # ... but the mapping lives while a view does
     assert bytes(keep[1, :2].numpy()) == b"aa"
     with pytest.raises(SegmentError, match="closed"):
         col.view(1)
     with pytest.raises(SegmentError, match="closed"):
         s.rows()
-    s.close()                          # idempotent
+    s.close()  # idempotent
     del keep, col
     assert not _mapped(name)
     # without outstanding views close() unmaps at once

@@ -1,6 +1,7 @@
 """The segment registered with CUDA (``cudaHostRegister`` on the mapping, the ``gpu`` path): rank
 columns become page-locked, device copies into and out of them are exact, and unregistering
 undoes it. Without CUDA only the refusal runs here; the GPU tests skip, saying why."""
+
 from __future__ import annotations
 
 import os
@@ -38,13 +39,13 @@ def test_registered_columns_are_pinned_and_device_copies_are_exact():
         assert seg.cuda_registered and rank0.view(0).is_pinned() and rank1.data.is_pinned()
         g = torch.Generator(device="cuda").manual_seed(0)
         shard = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda", generator=g)
-        rank1.view(5).copy_(shard, non_blocking=True)          # D2H straight into the slot (a gather)
+        rank1.view(5).copy_(shard, non_blocking=True)  # D2H straight into the slot (a gather)
         back = torch.empty_like(shard)
-        back.copy_(rank1.view(5), non_blocking=True)           # H2D from it (a scatter)
+        back.copy_(rank1.view(5), non_blocking=True)  # H2D from it (a scatter)
         torch.cuda.synchronize()
         assert torch.equal(back, shard)
         assert torch.equal(rank1.view(5).to("cuda"), shard)
-        assert int(rank0.view(5).count_nonzero()) == 0         # the other rank's column is untouched
+        assert int(rank0.view(5).count_nonzero()) == 0  # the other rank's column is untouched
         seg.unregister_cuda()
         assert not seg.cuda_registered and not rank0.view(0).is_pinned()
 

@@ -1,5 +1,6 @@
 """The node service and its client (issue 24, N5-N6): engine processes share one store through a
 UNIX socket and a shared segment; dead clients leak nothing; a dead service gives misses."""
+
 from __future__ import annotations
 
 import hashlib
@@ -49,11 +50,18 @@ def _sha(rows) -> list[str]:
 
 @pytest.fixture
 def service(tmp_path):
-    core = NodeCore(f"t{uuid.uuid4().hex[:8]}",
-                    {"tiers": {"host": {"capacity_bytes": 8 * BB},
-                               "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m",
-                                        "segment_size_bytes": "256k"}}},
-                    LAYOUT, staging_blocks=4, quarantine_expired=True)
+    core = NodeCore(
+        f"t{uuid.uuid4().hex[:8]}",
+        {
+            "tiers": {
+                "host": {"capacity_bytes": 8 * BB},
+                "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m", "segment_size_bytes": "256k"},
+            }
+        },
+        LAYOUT,
+        staging_blocks=4,
+        quarantine_expired=True,
+    )
     server = NodeServer(core, NodeConfig(socket=str(tmp_path / "node.sock"), lease_s=30)).start()
     yield core, server, "unix://" + server.path
     server.close()
@@ -72,9 +80,10 @@ def child_lookup_load(url: str, base: int, n: int) -> tuple[int, list[str]]:
     with NodeKVStore(url, LAYOUT, timeout_s=10) as c:
         hit = c.lookup(NS, _tokens(base, n))
         st, out = c.load(hit)
-        return hit.matched_blocks, [h if s is Status.OK else "" for s, h in zip(st, _sha(o if o is not None else
-                                                                                          torch.zeros(1)
-                                                                                          for o in out))]
+        return hit.matched_blocks, [
+            h if s is Status.OK else ""
+            for s, h in zip(st, _sha(o if o is not None else torch.zeros(1) for o in out))
+        ]
 
 
 def child_hang_mid_store(url: str, base: int, ready) -> None:
@@ -83,8 +92,11 @@ def child_hang_mid_store(url: str, base: int, ready) -> None:
     c = NodeKVStore(url, LAYOUT, timeout_s=10)
     with c._lock:
         keys = c.keys_for(NS, _tokens(base + 10_000, 4))
-        t = c._call(lambda rid: P.PrepareStore(rid, ns=c.digest(NS), keys=P.pack_keys(keys), first_position=0,
-                                               lifetime=0, wait=True))
+        t = c._call(
+            lambda rid: P.PrepareStore(
+                rid, ns=c.digest(NS), keys=P.pack_keys(keys), first_position=0, lifetime=0, wait=True
+            )
+        )
         rows = c._conn.rows
         for s in P.unpack_slots(t.slots)[:2]:
             rows[int(s)].fill_(0xEE)
@@ -113,8 +125,17 @@ def test_a_block_stored_by_one_process_is_loaded_byte_exact_by_another(service):
         assert core.store.exists(keys) == 5 and c.exists(keys) == 5 and c.probe(NS, _tokens(0, 5)) == 80
         # past the host tier: the rest goes through NVMe and staging slots, still byte-exact
         assert c.store(NS, _tokens(500, 12), _data(8, 12)) == [Status.OK] * 12
+        core.store.evict(Tier.HOST, 8)  # host slots free: a prefetch may take them
+        on_nvme = [
+            k for k in c.keys_for(NS, _tokens(500, 12)) if core.store.block_info(k)["tiers"] == [Tier.NVME]
+        ]
+        assert on_nvme
+        # a prefetch brings NVMe blocks up to the service's host tier; the future resolves to how many
+        up = c.prefetch(NS, _tokens(500, 12)).result(timeout=10)
+        assert up >= 1 and up == sum(Tier.HOST in core.store.block_info(k)["tiers"] for k in on_nvme)
+        with pytest.raises(ConfigError):
+            c.prefetch(NS, _tokens(500, 12), tier="disk")
         hit = c.lookup(NS, _tokens(500, 12))
-        assert Tier.NVME in hit.tiers
         st, out = c.load(hit)
         assert st == [Status.OK] * 12 and _sha(out) == _sha(_data(8, 12))
     core.check_invariants(quiescent=True)
@@ -123,20 +144,36 @@ def test_a_block_stored_by_one_process_is_loaded_byte_exact_by_another(service):
 def test_fragments_references_pins_and_invalidation_through_the_service(service):
     core, server, url = service
     with NodeKVStore(url, LAYOUT) as c:
-        pages = torch.zeros(LAYOUT.num_layers, 2, 4, LAYOUT.tokens_per_block, LAYOUT.num_kv_heads,
-                            LAYOUT.head_dim, dtype=LAYOUT.dtype)
-        pages.view(torch.uint8).copy_(torch.from_numpy(
-            np.random.default_rng(3).integers(0, 256, pages.view(torch.uint8).shape, dtype=np.uint8)))
-        frags = [[pages[layer, kv, b] for layer in range(LAYOUT.num_layers) for kv in range(2)] for b in range(3)]
+        pages = torch.zeros(
+            LAYOUT.num_layers,
+            2,
+            4,
+            LAYOUT.tokens_per_block,
+            LAYOUT.num_kv_heads,
+            LAYOUT.head_dim,
+            dtype=LAYOUT.dtype,
+        )
+        pages.view(torch.uint8).copy_(
+            torch.from_numpy(
+                np.random.default_rng(3).integers(0, 256, pages.view(torch.uint8).shape, dtype=np.uint8)
+            )
+        )
+        frags = [
+            [pages[layer, kv, b] for layer in range(LAYOUT.num_layers) for kv in range(2)] for b in range(3)
+        ]
         assert c.store_fragments(NS, _tokens(0, 3), frags) == [Status.OK] * 3
         back = torch.zeros_like(pages)
-        dst = [[back[layer, kv, b] for layer in range(LAYOUT.num_layers) for kv in range(2)] for b in range(3)]
+        dst = [
+            [back[layer, kv, b] for layer in range(LAYOUT.num_layers) for kv in range(2)] for b in range(3)
+        ]
         with c.request() as rid:
             hit = c.lookup(NS, _tokens(0, 3), request_id=rid)
             assert sum(core.store.references().values()) == 3
             assert c.load_fragments(hit, dst) == [Status.OK] * 3
         assert core.store.references() == {}
-        assert torch.equal(back.view(torch.uint8)[:, :, :3], pages.view(torch.uint8)[:, :, :3])  # bytes: NaNs too
+        assert torch.equal(
+            back.view(torch.uint8)[:, :, :3], pages.view(torch.uint8)[:, :, :3]
+        )  # bytes: NaNs too
         lease = c.pin(NS, _tokens(0, 3), lease_s=60)
         assert len(lease.keys) == 3 and core.store.leases() and c.unpin(lease) and not core.store.leases()
         assert c.invalidate(NS) == 3 and c.lookup(NS, _tokens(0, 3)).matched_blocks == 0
@@ -172,9 +209,12 @@ def test_kill9_of_a_client_mid_store_leaks_nothing(service):
         assert st == [Status.OK] * 2 and _sha(out) == _sha(_data(1, 2))
 
 
-def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_process_exits(service, monkeypatch):
+def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_process_exits(
+    service, monkeypatch
+):
     core, server, url = service
     import tierstore.node.server as srv
+
     monkeypatch.setattr(srv, "_EXIT_GRACE_S", 0.2)
     host = core.index.placement.alloc[Tier.HOST]
     free0 = host.free
@@ -182,8 +222,11 @@ def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_p
     c = NodeKVStore(url, LAYOUT)
     with c._lock:
         keys = c.keys_for(NS, _tokens(0, 3))
-        c._call(lambda rid: P.PrepareStore(rid, ns=c.digest(NS), keys=P.pack_keys(keys), first_position=0,
-                                           lifetime=0, wait=True))
+        c._call(
+            lambda rid: P.PrepareStore(
+                rid, ns=c.digest(NS), keys=P.pack_keys(keys), first_position=0, lifetime=0, wait=True
+            )
+        )
         c._conn.frames.close()  # this process lives on: it might still write into the slots
     t_end = time.monotonic() + 4  # the service sees the end, waits 0.2 s for an exit, then quarantines
     while time.monotonic() < t_end and not core.tickets.quarantined_slots():
@@ -199,7 +242,13 @@ def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_p
 
 def _write_config(tmp_path) -> str:
     cfg = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "staging_blocks": 24})
-    cfg["layout"] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "dtype": "fp16", "tokens_per_block": 16}
+    cfg["layout"] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "dtype": "fp16",
+        "tokens_per_block": 16,
+    }
     cfg["tiers"]["host"] = {"capacity_bytes": 8 * BB}
     path = str(tmp_path / "daemon.yaml")
     with open(path, "w") as f:
@@ -209,9 +258,13 @@ def _write_config(tmp_path) -> str:
 
 def _start_service(cfg_path: str, sock: str, log: str) -> subprocess.Popen:
     with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--node", "--config", cfg_path],
-                                stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ, PYTHONPATH=ROOT),
-                                cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierstore.cli", "serve", "--node", "--config", cfg_path],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            cwd=ROOT,
+        )
     t_end = time.monotonic() + 60
     while time.monotonic() < t_end:
         assert proc.poll() is None, open(log).read()[-2000:]
@@ -260,7 +313,12 @@ def test_kill9_of_the_service_gives_misses_in_time_and_a_restart_recovers_every_
 
 def test_malformed_frames_get_an_error_reply_and_the_service_goes_on(service):
     core, server, url = service
-    for raw in (b"\x05\x00\x00\x00hello", b"\x00\x00\x00\x00", b"\xff\xff\xff\x7f", b"\x03\x00\x00\x00\x93\x01\x02"):
+    for raw in (
+        b"\x05\x00\x00\x00hello",
+        b"\x00\x00\x00\x00",
+        b"\xff\xff\xff\x7f",
+        b"\x03\x00\x00\x00\x93\x01\x02",
+    ):
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(5)
             s.connect(server.path)
@@ -316,14 +374,18 @@ def test_the_socket_path_is_claimed_only_from_a_stale_socket(service, tmp_path):
 
 
 def test_tickets_per_client_are_bounded(tmp_path):
-    core = NodeCore(f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT,
-                    staging_blocks=0)
+    core = NodeCore(
+        f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT, staging_blocks=0
+    )
     with NodeServer(core, NodeConfig(socket=str(tmp_path / "n.sock"), max_tickets_per_client=2)) as server:
         c = NodeKVStore("unix://" + server.path, LAYOUT)
         with c._lock:
             for i in range(2):
-                c._call(lambda rid, i=i: P.PrepareStore(rid, ns=NS, keys=bytes([i]) * 32, first_position=0,
-                                                        lifetime=0, wait=True))
+                c._call(
+                    lambda rid, i=i: P.PrepareStore(
+                        rid, ns=NS, keys=bytes([i]) * 32, first_position=0, lifetime=0, wait=True
+                    )
+                )
         assert c.store(NS, _tokens(0, 1), _data(1, 1)) == [Status.REJECTED]  # BUSY: not stored
         c.close()  # Bye: its tickets are aborted at once
         t_end = time.monotonic() + 5
@@ -343,25 +405,37 @@ def test_the_one_config_key_selects_the_node_service_and_unset_keeps_the_embedde
         knob: int = 0
 
     _, _, url = service
-    cfg, _ = split_extra_config({"store": {"url": url, "timeout_s": "2s"}}, "connector", Section, "extra",
-                                secondary="the engine owns HBM")
+    cfg, _ = split_extra_config(
+        {"store": {"url": url, "timeout_s": "2s"}},
+        "connector",
+        Section,
+        "extra",
+        secondary="the engine owns HBM",
+    )
     with open_store(cfg, LAYOUT) as store:
         assert isinstance(store, NodeKVStore) and store.timeout_s == 2.0
         assert store.store(NS, _tokens(0, 2), _data(4, 2)) == [Status.OK] * 2
     with pytest.raises(ConfigError, match="remove \\['tiers'\\]"):
-        split_extra_config({"store": {"url": url}, "tiers": {"host": {"capacity_bytes": "1m"}}}, "connector",
-                           Section, "extra")
+        split_extra_config(
+            {"store": {"url": url}, "tiers": {"host": {"capacity_bytes": "1m"}}},
+            "connector",
+            Section,
+            "extra",
+        )
     with pytest.raises(ConfigError, match="unix:///"):
         split_extra_config({"store": {"url": "http://h:1"}}, "connector", Section, "extra")
     with pytest.raises(ConfigError, match="open_store"):
         KVStore.from_config(cfg, LAYOUT)
-    cfg, _ = split_extra_config({"tiers": {"host": {"capacity_bytes": 4 * BB}}}, "connector", Section, "extra")
+    cfg, _ = split_extra_config(
+        {"tiers": {"host": {"capacity_bytes": 4 * BB}}}, "connector", Section, "extra"
+    )
     with open_store(cfg, LAYOUT) as store:
         assert isinstance(store, KVStore)
 
 
 def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
     from tierstore.client import RemoteKVStore
+
     cfg_path = _write_config(tmp_path)
     with open(cfg_path) as f:
         cfg = yaml.safe_load(f)
@@ -389,6 +463,7 @@ def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
 def test_check_names_a_node_socket_that_cannot_be_taken(service, tmp_path):
     from tierstore.server.check import preflight
     from tierstore.server.config import parse_config
+
     _, server, _ = service
 
     def errors(sock: str) -> list[str]:
@@ -407,25 +482,32 @@ def test_the_client_has_kvstores_signatures_for_what_it_offers():
 
     from tierstore.api import KVStore, KVStoreProtocol
     from tierstore.node.client import NOT_OFFERED
+
     local = {n for n, _ in inspect.getmembers(KVStore) if not n.startswith("_")}
     mine = {n for n, _ in inspect.getmembers(NodeKVStore) if not n.startswith("_")}
-    assert local - mine == {n for names in NOT_OFFERED.values() for n in names} and not mine - local - {"closed"}
+    assert local - mine == {n for names in NOT_OFFERED.values() for n in names} and not mine - local - {
+        "closed"
+    }
     for name in sorted(mine & local):
         member = getattr(KVStore, name)
         if not callable(member) or isinstance(member, type):
             continue
         want = [(p.name, p.kind, p.default) for p in inspect.signature(member).parameters.values()]
-        got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(NodeKVStore, name)).parameters.values()]
+        got = [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(getattr(NodeKVStore, name)).parameters.values()
+        ]
         if name == "close":  # KVStore.close takes flush=; the service decides what it writes down
             want = [w for w in want if w[0] != "flush"]
         assert got == want, name
     protocol = {n for n, m in vars(KVStoreProtocol).items() if not n.startswith("_") and callable(m)}
-    assert protocol - mine == {"prefetch"}
+    assert protocol <= mine, protocol - mine
 
 
 def test_a_service_at_its_session_limit_gives_misses_not_errors(tmp_path):
-    core = NodeCore(f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT,
-                    staging_blocks=0)
+    core = NodeCore(
+        f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT, staging_blocks=0
+    )
     with NodeServer(core, NodeConfig(socket=str(tmp_path / "n.sock"), max_clients=1)) as server:
         a = NodeKVStore("unix://" + server.path, LAYOUT)
         b = NodeKVStore("unix://" + server.path, LAYOUT, retry_s=0)
@@ -441,8 +523,9 @@ def test_a_service_at_its_session_limit_gives_misses_not_errors(tmp_path):
 
 
 def test_a_connection_that_never_says_hello_is_closed_after_op_timeout(tmp_path):
-    core = NodeCore(f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT,
-                    staging_blocks=0)
+    core = NodeCore(
+        f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT, staging_blocks=0
+    )
     with NodeServer(core, NodeConfig(socket=str(tmp_path / "n.sock"), op_timeout_s=0.3)) as server:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(server.path)

@@ -1,4 +1,5 @@
 """The policy grid's pieces on a tiny agent trace: generator, references, lifetime recorder, one cell."""
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,12 @@ def test_agent_workload_is_deterministic_mooncake_format(tmp_path):
     assert all(-(-r["input_length"] // 512) == len(r["hash_ids"]) for r in rows)
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
     system = list(range(w.system_blocks))
-    assert all(r["hash_ids"][:w.system_blocks] == system for r in rows)  # shared system prefix
+    assert all(r["hash_ids"][: w.system_blocks] == system for r in rows)  # shared system prefix
 
 
 def _req(ids, t=0.0):
     from tierstore.trace import TraceRequest
+
     return TraceRequest(t, 512 * len(ids), 1, tuple(ids))
 
 
@@ -45,14 +47,16 @@ def test_references_by_hand():
 
 
 def test_belady_never_below_flat_lru_on_agent_trace(tmp_path):
-    reqs = [_req(r["hash_ids"][:-1], r["timestamp"] / 1000) for r in
-            agent_workload.AgentWorkload(sessions=60, seed=2).generate()]
+    reqs = [
+        _req(r["hash_ids"][:-1], r["timestamp"] / 1000)
+        for r in agent_workload.AgentWorkload(sessions=60, seed=2).generate()
+    ]
     ks = references.chain_keys(reqs)
-    for cap in (8, 32, 128, 10 ** 6):
+    for cap in (8, 32, 128, 10**6):
         lru = references.flat_lru_hit_ratio(ks, cap)
         opt = references.belady_hit_ratio(ks, cap)
         assert lru <= opt + 1e-12
-    assert references.belady_hit_ratio(ks, 10 ** 6) == pytest.approx(references.flat_lru_hit_ratio(ks, 10 ** 6))
+    assert references.belady_hit_ratio(ks, 10**6) == pytest.approx(references.flat_lru_hit_ratio(ks, 10**6))
 
 
 def test_lifetime_summary_against_known_deaths():
@@ -75,7 +79,7 @@ def test_lifetime_summary_chance_keeps_the_predicted_shares():
     s = rec.summary()
     # random assignment with shares (2/3, 0, 1/3) against true shares (1/3, 1/3, 1/3): 1/3
     assert s["chance_same_shares"] == pytest.approx(1 / 3)
-    assert s["accuracy"] == pytest.approx(3 / 9)   # SHORT right for 1,2; LONG right for 6
+    assert s["accuracy"] == pytest.approx(3 / 9)  # SHORT right for 1,2; LONG right for 6
     assert s["chance"] == pytest.approx(1 / 3)
 
 
@@ -89,5 +93,6 @@ def test_one_cell(tmp_path):
     assert r["e2e_wa"] >= 1.0 and r["host_wa"] >= 1.0
     again = policy_grid.run_cell(str(trace), "default", 0.3, None)  # deterministic: counts have noise 0
     timing = {k for k in r if k in policy_grid.TIMING_COLS}
-    assert timing and {k: v for k, v in r.items() if k not in timing} == \
-        {k: v for k, v in again.items() if k not in timing}
+    assert timing and {k: v for k, v in r.items() if k not in timing} == {
+        k: v for k, v in again.items() if k not in timing
+    }

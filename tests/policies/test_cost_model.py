@@ -1,4 +1,5 @@
 """The load-versus-recompute cost model: declared figures, measured loads, bounds (issue 22, item 9)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -72,8 +73,16 @@ def test_measuring_off_keeps_the_declared_figures():
     assert cm.measured_s("nvme", MIB2) is None
 
 
-@pytest.mark.parametrize("bad", [dict(prefill_tokens_per_s=0), dict(max_slowdown=0.5), dict(min_measured=0),
-                                 dict(bandwidth_bytes_per_s={"nvme": 0.0}), dict(latency_s={"nvme": -1.0})])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prefill_tokens_per_s=0),
+        dict(max_slowdown=0.5),
+        dict(min_measured=0),
+        dict(bandwidth_bytes_per_s={"nvme": 0.0}),
+        dict(latency_s={"nvme": -1.0}),
+    ],
+)
 def test_bad_figures_are_config_errors(bad):
     with pytest.raises(ConfigError, match="CostModel"):
         CostModel(**bad)
@@ -142,12 +151,18 @@ def test_a_slow_measurement_is_logged_once_per_tier_and_size(caplog):
     assert cm.load_s("remote", MIB2) == pytest.approx(cm.declared_s("remote", MIB2))
 
 
-@pytest.mark.parametrize("max_slowdown,says", [
-    (1.0, "loads are still priced at the declared 3.10 ms (max_slowdown=1 caps the estimate at the "
-          "declared figure)"),
-    (3.0, "loads are priced at 9.29 ms (max_slowdown=3 caps the estimate at 3x the declared figure)"),
-    (float("inf"), "loads are priced at the measured 20.00 ms (max_slowdown=inf: no cap)"),
-])
+@pytest.mark.parametrize(
+    "max_slowdown,says",
+    [
+        (
+            1.0,
+            "loads are still priced at the declared 3.10 ms (max_slowdown=1 caps the estimate at the "
+            "declared figure)",
+        ),
+        (3.0, "loads are priced at 9.29 ms (max_slowdown=3 caps the estimate at 3x the declared figure)"),
+        (float("inf"), "loads are priced at the measured 20.00 ms (max_slowdown=inf: no cap)"),
+    ],
+)
 def test_the_slow_measurement_warning_says_what_loads_are_priced_at(caplog, max_slowdown, says):
     """It used to say "the estimate stays within 1x of the declared figure (CostModel.max_slowdown)"."""
     cm = CostModel(max_slowdown=max_slowdown)
@@ -175,6 +190,7 @@ def test_bounded_estimates_are_the_clamped_cumulative_time():
     import random
 
     from tierstore.policies.cost import _bounded_increments
+
     rng = random.Random(7)
     for _ in range(3000):
         lat, x = rng.choice([0.0, rng.uniform(0, 2e-3)]), rng.uniform(1e-7, 5e-3)

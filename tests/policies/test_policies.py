@@ -1,4 +1,5 @@
 """Eviction policies, SSD admission, lifetime prediction, cost model and prefetch."""
+
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -91,14 +92,22 @@ def test_cost_value_formula():
     p = CostAwarePolicy(cost=cm, horizon_s=100.0, tokens_per_block=10)
     e = E(k(0), size_bytes=1000, hits=0, created_s=0.0)
     import math
+
     p_reuse = 1 - math.exp(-1.0)
     denom = 1000 + cm.load_s("nvme", 1000) * cm.bandwidth_bytes_per_s["nvme"]
     assert p.value(e, 50.0) == pytest.approx(p_reuse * 0.01 / denom)
 
 
 # ---------------------------------------------------------------- manager properties, every policy
-OPS = st.lists(st.tuples(st.sampled_from(["store", "hold", "pin", "inflight", "evict", "tick", "release"]),
-                         st.integers(0, 7), st.floats(0.5, 4.0)), min_size=5, max_size=40)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "hold", "pin", "inflight", "evict", "tick", "release"]),
+        st.integers(0, 7),
+        st.floats(0.5, 4.0),
+    ),
+    min_size=5,
+    max_size=40,
+)
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -232,16 +241,16 @@ def test_demotion_classifier_rules():
     c = DemotionClassifier(shared_prefix_blocks=2, window=4)
     e = E(k(0), position=5, hits=0, created_s=0.0)
     e.lifetime = None
-    assert c(e, 100.0) is LifetimeClass.SHORT   # no history yet: an age is not "young"
-    assert c(e, 10.0) is LifetimeClass.MEDIUM   # age 10 s < the median of ages seen (100 s)
+    assert c(e, 100.0) is LifetimeClass.SHORT  # no history yet: an age is not "young"
+    assert c(e, 10.0) is LifetimeClass.MEDIUM  # age 10 s < the median of ages seen (100 s)
     assert c(e, 1000.0) is LifetimeClass.SHORT  # older than the median, never hit
     e.hits = 1
     assert c(e, 1000.0) is LifetimeClass.MEDIUM  # reused in memory
     e.position = 1
-    assert c(e, 1000.0) is LifetimeClass.LONG    # reused shared prefix
+    assert c(e, 1000.0) is LifetimeClass.LONG  # reused shared prefix
     e.lifetime = LifetimeClass.SHORT
-    assert c(e, 1000.0) is LifetimeClass.SHORT   # the engine's hint wins
-    for _ in range(8):                           # the window forgets: only the last 4 ages count
+    assert c(e, 1000.0) is LifetimeClass.SHORT  # the engine's hint wins
+    for _ in range(8):  # the window forgets: only the last 4 ages count
         e.lifetime, e.hits, e.position = None, 0, 5
         c(e, 2000.0)
     assert c(e, 1500.0) is LifetimeClass.MEDIUM  # 1,500 s < median of the last four (2,000 s)
@@ -265,8 +274,9 @@ def test_disk_hits_slower_than_recompute_are_not_loaded(make_store, layout, ns, 
     hit = s.lookup(ns, toks)
     assert hit.matched_blocks == 6 and hit.useful_blocks == 6 and hit.not_useful_reason is None
     assert cm.measured_s("nvme", layout.bytes_per_block) == pytest.approx(1e-2)
-    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records
-                                                          if "measured 10.00 ms" in r.message)) == 1
+    assert [r.message for r in caplog.records].count(
+        next(r.message for r in caplog.records if "measured 10.00 ms" in r.message)
+    ) == 1
     # a deployment that trusts its measurements lifts the bound: the slow NVMe run is not loaded
     cm.max_slowdown = float("inf")
     hit = s.lookup(ns, toks)
@@ -296,7 +306,7 @@ def test_slow_nvme_never_turns_a_short_prefill_into_a_long_one(make_store, layou
     cm.bandwidth_bytes_per_s["nvme"] = layout.bytes_per_block / 5.0  # 5 s per block: 40 s for 8
     hit = s.lookup(ns, toks)
     assert hit.matched_blocks == n and hit.useful_blocks == 0
-    ttft_s = sum(hit.load_s[:hit.useful_blocks]) + cm.prefill_s((n - hit.useful_blocks) * B)
+    ttft_s = sum(hit.load_s[: hit.useful_blocks]) + cm.prefill_s((n - hit.useful_blocks) * B)
     assert ttft_s == pytest.approx(0.9)
     # mixed: a fast host prefix is still used, the slow NVMe tail is recomputed
     s2 = make_store(hbm=0, host=n, nvme=16, promotion="none")
@@ -330,6 +340,7 @@ def test_useful_part_only_is_loaded(make_store, layout, ns):
 
 def test_measured_prefill_rate_is_positive():
     from tierstore.policies.cost import measure_prefill_tokens_per_s
+
     r = measure_prefill_tokens_per_s(hidden=64, layers=1, tokens=64, repeats=2)
     assert r > 0
 
@@ -340,10 +351,17 @@ def test_prefetch_brings_prefix_up_without_blocking(tmp_path, layout, ns, clock)
     from tierstore.io import format as fmt
 
     from ..conftest import SlowEngine, memory_segment_store
+
     bb = layout.bytes_per_block
     slow = SlowEngine.make(17 * fmt.extent_bytes_for(1, bb))
-    s = KVStore(layout, hbm_bytes=0, host_bytes=4 * bb, nvme=memory_segment_store(layout, 16, slow),
-                clock=clock, promotion="none")
+    s = KVStore(
+        layout,
+        hbm_bytes=0,
+        host_bytes=4 * bb,
+        nvme=memory_segment_store(layout, 16, slow),
+        clock=clock,
+        promotion="none",
+    )
     try:
         toks = tokens(3 * B)
         blocks = make_blocks(layout, 3)
@@ -380,12 +398,14 @@ def test_prefetch_brings_prefix_up_without_blocking(tmp_path, layout, ns, clock)
 @pytest.mark.parametrize("name", ["lru", "s3fifo", "cost"])
 def test_max_scan_bounds_the_victim_search(name):
     """A promotion asks for a cheap victim among the coldest few only (index CHEAP_SCAN_BLOCKS)."""
+
     def fresh():
         p = make_policy(name)
         for i in range(50):
             p.on_insert(E(k(i), position=i), float(i))
         return p
-    order = fresh().evict(50, lambda key: False, 60.0)   # the policy's own victim order
+
+    order = fresh().evict(50, lambda key: False, 60.0)  # the policy's own victim order
     assert sorted(order) == sorted(k(i) for i in range(50))
     p = fresh()
     only_last = lambda key: key != order[-1]  # noqa: E731  the one evictable key comes last

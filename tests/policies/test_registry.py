@@ -1,5 +1,6 @@
 """One registry per policy family: YAML, KVStore keywords, an engine's extra config, the
 ``make_*`` factories and the bench CLI accept exactly the names of the family's registry."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,12 +18,18 @@ from tierstore.policies.registry import ADMISSION, CLASSIFIER, EVICTION, REINSER
 from tierstore.policies.reinsert import make_reinsert
 
 FAMILIES = {"eviction": EVICTION, "admission": ADMISSION, "classifier": CLASSIFIER, "reinsert": REINSERT}
-MAKE = {"eviction": make_policy, "admission": make_admission, "classifier": make_classifier,
-        "reinsert": make_reinsert}
+MAKE = {
+    "eviction": make_policy,
+    "admission": make_admission,
+    "classifier": make_classifier,
+    "reinsert": make_reinsert,
+}
 #: The families the bench CLI has a key for (the others are set through a job's store config).
 CLI_FAMILIES = ("eviction", "admission")
 #: Every name any family accepts, and names none accepts: each family must refuse the others'.
-CANDIDATES = sorted({n for r in FAMILIES.values() for n in r.names()} | {"bogus", "second_sighting", "LRU", ""})
+CANDIDATES = sorted(
+    {n for r in FAMILIES.values() for n in r.names()} | {"bogus", "second_sighting", "LRU", ""}
+)
 
 
 def _accepted(check) -> list[str]:
@@ -41,6 +48,7 @@ def _yaml(tmp_path, family):
         path = tmp_path / f"{family}.yaml"
         path.write_text(f"tiers: {{host: {{capacity_bytes: 1MiB}}}}\npolicies: {{{family}: '{name}'}}\n")
         assert getattr(StoreConfig.from_yaml(str(path)).policies, family) == name
+
     return check
 
 
@@ -50,14 +58,18 @@ class ConnectorSection(BaseModel):
 
 def _extra_config(family):
     def check(name):
-        cfg, _ = split_extra_config({"policies": {family: name}}, "connector", ConnectorSection, "extra config")
+        cfg, _ = split_extra_config(
+            {"policies": {family: name}}, "connector", ConnectorSection, "extra config"
+        )
         assert getattr(cfg.policies, family) == name
+
     return check
 
 
 def _kwargs(layout, family):
     def check(name):
         KVStore(layout, host_bytes=8 * layout.bytes_per_block, **{family: name}).close()
+
     return check
 
 
@@ -65,6 +77,7 @@ def _cli(family):
     def check(name):
         (job,) = parse_jobs([f"--{family}={name}"])
         assert job.options[family] == name.lower()  # the CLI folds the case of every choice, as fio does
+
     return check
 
 
@@ -97,7 +110,9 @@ def test_every_entry_point_refuses_a_name_with_the_accepted_ones(family, layout,
 
 def test_aliases_build_the_member_of_their_canonical_name():
     assert make_admission("none") is None and make_admission("all") is None and make_admission(None) is None
-    assert type(make_admission("second_hit")) is type(make_admission("second")) is type(make_admission("reused"))
+    assert (
+        type(make_admission("second_hit")) is type(make_admission("second")) is type(make_admission("reused"))
+    )
     assert ADMISSION.canonical("second_hit") == "reused"
     assert EVICTION.names() == ["lru", "s3fifo", "cost"]
     assert make_reinsert("none") is None and make_reinsert(None) is None

@@ -5,6 +5,7 @@ ports, 500 ms read leases, 2 s client TTL: see there) plus the options a test
 worker takes. :class:`WorkerProc` runs tests/remote/worker.py, one MooncakeTier
 per process.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,17 @@ class Master(LocalMaster):
     def settings(self, **kw) -> dict:
         """Worker options (``RemoteConfig`` fields, ``MooncakeTuning`` knobs, ``block_bytes``) for this
         master."""
-        d = {"master": self.address, "metadata": self.metadata, "local_hostname": "127.0.0.1",
-             "segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20, "publish_queue_blocks": 64,
-             "timeout_s": 3.0, "block_bytes": 256 << 10, "reconnect_backoff_s": (0.1, 1.0)}
+        d = {
+            "master": self.address,
+            "metadata": self.metadata,
+            "local_hostname": "127.0.0.1",
+            "segment_bytes": 64 << 20,
+            "local_buffer_bytes": 16 << 20,
+            "publish_queue_blocks": 64,
+            "timeout_s": 3.0,
+            "block_bytes": 256 << 10,
+            "reconnect_backoff_s": (0.1, 1.0),
+        }
         d.update(kw)
         return d
 
@@ -37,19 +46,35 @@ class Master(LocalMaster):
 class WorkerProc:
     """A tests/remote/worker.py process (one MooncakeTier)."""
 
-    def __init__(self, opts: dict, workdir: pathlib.Path, name: str, ready_timeout_s: float = 90,
-                 script: pathlib.Path = WORKER) -> None:
+    def __init__(
+        self,
+        opts: dict,
+        workdir: pathlib.Path,
+        name: str,
+        ready_timeout_s: float = 90,
+        script: pathlib.Path = WORKER,
+    ) -> None:
         self.name = name
         self._ready: dict | None = None
         self._exit_sent = False
         self._ready_timeout_s = ready_timeout_s
         self.log_path = pathlib.Path(workdir) / f"worker-{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   MC_TCP_BIND_ADDRESS="127.0.0.1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            MC_TCP_BIND_ADDRESS="127.0.0.1",
+        )
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(opts)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=workdir,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+        )
         log.close()
 
     @property
@@ -66,6 +91,7 @@ class WorkerProc:
 
     def _reply(self, timeout_s: float) -> dict:
         import selectors
+
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         try:

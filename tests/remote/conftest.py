@@ -1,5 +1,6 @@
 """Fixtures of the remote suite: an in-memory Mooncake cluster (``cluster``, ``fake_master``,
 ``remote_cfg``) and a real Mooncake master (skipped without the wheel)."""
+
 from __future__ import annotations
 
 import socket
@@ -33,12 +34,22 @@ def fake_master():
 @pytest.fixture
 def remote_cfg(cluster, fake_master, monkeypatch):
     """RemoteConfig fields for a store on the fake cluster (``fake_master`` stands in for the master)."""
-    monkeypatch.setattr(mc, "load_mooncake_store", lambda: (lambda: FakeStore(cluster)))
-    for k in ("MC_TCP_BIND_ADDRESS", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS",
-              "MC_STORE_CLIENT_SETUP_RETRIES"):  # the tier sets these with setdefault: keep them out of os.environ
+    monkeypatch.setattr(mc, "load_mooncake_store", lambda: lambda: FakeStore(cluster))
+    for k in (
+        "MC_TCP_BIND_ADDRESS",
+        "MC_RPC_TIMEOUT_MS",
+        "MC_RPC_CONNECT_TIMEOUT_MS",
+        "MC_STORE_CLIENT_SETUP_RETRIES",
+    ):  # the tier sets these with setdefault: keep them out of os.environ
         monkeypatch.setenv(k, "1")
-    return {"master": fake_master, "metadata": "P2PHANDSHAKE", "segment_bytes": 0,
-            "local_buffer_bytes": 8 * (BB + 64), "publish_queue_blocks": 16, "timeout_s": 0.5}
+    return {
+        "master": fake_master,
+        "metadata": "P2PHANDSHAKE",
+        "segment_bytes": 0,
+        "local_buffer_bytes": 8 * (BB + 64),
+        "publish_queue_blocks": 16,
+        "timeout_s": 0.5,
+    }
 
 
 @pytest.fixture
@@ -58,6 +69,7 @@ def make_store(remote_cfg, host_blocks):
         assert st.remote.wait_ok(5)
         stores.append(st)
         return st
+
     yield _make
     for st in stores:
         st.close()
@@ -66,6 +78,7 @@ def make_store(remote_cfg, host_blocks):
 def _mooncake_missing() -> str | None:
     try:
         from tierstore.remote.mooncake import load_mooncake_store
+
         load_mooncake_store()
     except ConfigError as e:
         return str(e)

@@ -12,6 +12,7 @@ is set), ``dead`` (transfers fail with -800).
 Memory moves with ``ctypes.memmove`` between the caller's pointers and Python
 ``bytes``, as the real client moves it between registered buffers and segments.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,8 +61,17 @@ class FakeStore:
     def _registered(self, ptr: int, n: int) -> bool:
         return any(b <= ptr and ptr + n <= b + m for b, m in self.registered)
 
-    def setup(self, local_hostname, metadata_server, global_segment_size, local_buffer_size,
-              protocol, rdma_devices, master_server_addr, tenant_id="default") -> int:
+    def setup(
+        self,
+        local_hostname,
+        metadata_server,
+        global_segment_size,
+        local_buffer_size,
+        protocol,
+        rdma_devices,
+        master_server_addr,
+        tenant_id="default",
+    ) -> int:
         self._enter("setup")
         return -900 if self.c.master_down else self.c.setup_rc
 
@@ -130,7 +140,7 @@ class FakeStore:
             self._lease(k)
         off = 0
         for p, n in bufs:
-            chunk = obj[off:off + n]
+            chunk = obj[off : off + n]
             ctypes.memmove(p, chunk, len(chunk))
             off += len(chunk)
             if off >= len(obj):

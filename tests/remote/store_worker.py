@@ -24,6 +24,7 @@ Line protocol on stdin/stdout (one JSON object per line), as tests/remote/worker
 
 Every command may carry ``"tenant"`` (default: the process's).
 """
+
 import faulthandler
 import json
 import sys
@@ -41,8 +42,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16
 
 def prompt(seed: int, nblocks: int):
     tokens = np.random.default_rng(seed).integers(0, 30000, nblocks * LAYOUT.tokens_per_block)
-    kv = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal(
-        (nblocks, *LAYOUT.block_shape)).astype(np.float16))
+    kv = torch.from_numpy(
+        np.random.default_rng(seed + 1).standard_normal((nblocks, *LAYOUT.block_shape)).astype(np.float16)
+    )
     return tokens, kv
 
 
@@ -50,6 +52,7 @@ def corrupt(store: KVStore, ns: Namespace, seed: int, nblocks: int, block: int, 
     from mooncake.store import MooncakeDistributedStore
 
     from tierstore.remote.format import HEADER_BYTES, ObjectNamer
+
     tokens, _ = prompt(seed, nblocks)
     key = store.keys_for(ns, tokens)[block]
     s = store.remote.config
@@ -64,7 +67,7 @@ def corrupt(store: KVStore, ns: Namespace, seed: int, nblocks: int, block: int, 
     else:  # the block's true object, one payload byte flipped
         buf = bytearray(size)
         got = raw.get(name)
-        buf[:len(got)] = got
+        buf[: len(got)] = got
         buf[-1] ^= 0x5A
         obj = bytes(buf)
     # the master keeps the first object under a name: remove it first; a read lease
@@ -87,8 +90,13 @@ def main() -> None:
     runtime = {}
     if "prefill_tokens_per_s" in opts:
         runtime["cost"] = CostModel(prefill_tokens_per_s=opts["prefill_tokens_per_s"])
-    store = KVStore(LAYOUT, host_bytes=opts.get("host_blocks", 64) * LAYOUT.bytes_per_block, promotion="none",
-                    remote=opts["remote"], **runtime)
+    store = KVStore(
+        LAYOUT,
+        host_bytes=opts.get("host_blocks", 64) * LAYOUT.bytes_per_block,
+        promotion="none",
+        remote=opts["remote"],
+        **runtime,
+    )
     store.remote.wait_ok(10)
     print(json.dumps({"ready": store.remote.state}), flush=True)
     for line in sys.stdin:
@@ -111,9 +119,18 @@ def main() -> None:
                 dt = time.monotonic() - t0
                 k = leading_ok(statuses)
                 wrong = sum(not torch.equal(blocks[i], kv[i]) for i in range(k))
-                res.append({"matched": hit.matched_blocks, "loaded": k, "wrong": wrong, "seconds": dt,
-                            "tiers": [t.label for t in hit.tiers], "status": [x.value for x in statuses],
-                            "useful": hit.useful_blocks, "not_useful_reason": hit.not_useful_reason})
+                res.append(
+                    {
+                        "matched": hit.matched_blocks,
+                        "loaded": k,
+                        "wrong": wrong,
+                        "seconds": dt,
+                        "tiers": [t.label for t in hit.tiers],
+                        "status": [x.value for x in statuses],
+                        "useful": hit.useful_blocks,
+                        "not_useful_reason": hit.not_useful_reason,
+                    }
+                )
             out = {"results": res}
         elif op == "cost":
             out = store.cost_model.estimates(LAYOUT.bytes_per_block)

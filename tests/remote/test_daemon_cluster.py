@@ -6,6 +6,7 @@ Real processes on 127.0.0.1: one ``mooncake_master``, two daemons
 harness) and two plain KVStore processes without a segment of their own
 (tests/remote/store_worker.py). Skipped without the Mooncake wheel.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -30,22 +31,36 @@ SCRIPT = pathlib.Path(__file__).with_name("store_worker.py")
 def _metric(d: Daemon, name: str, label: str | None = None) -> float:
     code, body = d.get("/metrics")
     assert code == 200
-    pat = "^" + re.escape(name) + (r'\{counter="' + re.escape(label) + r'"\}' if label else "") + r" ([0-9.e+]+)$"
+    pat = (
+        "^"
+        + re.escape(name)
+        + (r'\{counter="' + re.escape(label) + r'"\}' if label else "")
+        + r" ([0-9.e+]+)$"
+    )
     m = re.search(pat, body.decode(), re.M)
     return float(m.group(1)) if m else 0.0
 
 
 def test_daemons_join_the_cluster_contribute_memory_and_share(mooncake_wheel, tmp_path):
     m = Master(tmp_path).start()
-    remote = {"engine": "mooncake", "master": m.address, "metadata": m.metadata, "local_hostname": "127.0.0.1",
-              "timeout_s": "3s", "cluster": "daemons"}
+    remote = {
+        "engine": "mooncake",
+        "master": m.address,
+        "metadata": m.metadata,
+        "local_hostname": "127.0.0.1",
+        "timeout_s": "3s",
+        "cluster": "daemons",
+    }
     daemons, workers = [], []
     try:
         for name, seg in (("d1", "64MiB"), ("d2", "0")):  # d1 is the storage server: the only segment
             tmp = str(tmp_path / name)
             os.makedirs(tmp)
             daemons.append(Daemon(tmp, make_config(tmp, remote={**remote, "segment_bytes": seg})))
-        wopts = {"remote": {k: v for k, v in remote.items() if k != "engine"} | {"segment_bytes": 0, "timeout_s": 3}}
+        wopts = {
+            "remote": {k: v for k, v in remote.items() if k != "engine"}
+            | {"segment_bytes": 0, "timeout_s": 3}
+        }
         p = WorkerProc(wopts, tmp_path, "p", script=SCRIPT)  # start while the daemons start
         workers.append(p)
         with concurrent.futures.ThreadPoolExecutor(2) as ex:  # both start at once
@@ -70,8 +85,10 @@ def test_daemons_join_the_cluster_contribute_memory_and_share(mooncake_wheel, tm
             blocks = torch.stack([block_for(k, c1.block_bytes) for k in keys])
             assert c1.store(ns, toks, blocks) == [Status.OK] * 6
             deadline = time.monotonic() + 10
-            while _metric(d1, "tierstore_remote_events_total", "published_blocks") < 6 \
-                    and time.monotonic() < deadline:
+            while (
+                _metric(d1, "tierstore_remote_events_total", "published_blocks") < 6
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
             hit = c2.lookup(ns, toks)
             assert hit.matched_blocks == 6 and {t.label for t in hit.tiers} == {"remote"}
@@ -89,10 +106,13 @@ def test_daemons_join_the_cluster_contribute_memory_and_share(mooncake_wheel, tm
         with RemoteKVStore(d1.url, TOKENS["acme"]) as c1:
             deadline = time.monotonic() + 20
             while _metric(d1, "tierstore_remote_up") == 1.0 and time.monotonic() < deadline:
-                c1.lookup(ns, list(range(10_000, 10_000 + c1.layout.tokens_per_block)))  # a remote lookup notices
+                c1.lookup(
+                    ns, list(range(10_000, 10_000 + c1.layout.tokens_per_block))
+                )  # a remote lookup notices
                 time.sleep(0.2)
             assert _metric(d1, "tierstore_remote_up") == 0.0, "\n".join(
-                ln for ln in d1.log().splitlines() if "mooncake" in ln.lower() or "degraded" in ln)[-4000:]
+                ln for ln in d1.log().splitlines() if "mooncake" in ln.lower() or "degraded" in ln
+            )[-4000:]
             st, outs = c1.load(c1.lookup(ns, toks).keys)
             assert leading_ok(st) == 6
     finally:

@@ -1,4 +1,5 @@
 """Remote object header, checks and names (tierstore.remote.format)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,9 +43,17 @@ def test_header_is_64_bytes_and_round_trips():
     check_payload(KEY, bytes(obj[HEADER_BYTES:]), crc)
 
 
-@pytest.mark.parametrize("offset,reason", [
-    (0, "magic"), (8, "version"), (12, "version"), (20, "header_crc"), (50, "header_crc"),
-    (61, "header_crc")])
+@pytest.mark.parametrize(
+    "offset,reason",
+    [
+        (0, "magic"),
+        (8, "version"),
+        (12, "version"),
+        (20, "header_crc"),
+        (50, "header_crc"),
+        (61, "header_crc"),
+    ],
+)
 def test_any_flipped_header_byte_is_caught(offset, reason):
     obj = make_object()
     obj[offset] ^= 0x01
@@ -114,12 +123,12 @@ def test_admission_all_and_reused():
     a = ShareAdmission("all")
     assert a.admit(KEY) and a.admitted == 1
     r = ShareAdmission("reused", min_hits=2, ghost_keys=2)
-    assert not r.admit(b"a" * 32, hits=1)       # seen once, not hit enough: stays local
-    assert r.admit(b"a" * 32, hits=0)           # second sighting
-    assert r.admit(b"b" * 32, hits=2)           # hit locally
+    assert not r.admit(b"a" * 32, hits=1)  # seen once, not hit enough: stays local
+    assert r.admit(b"a" * 32, hits=0)  # second sighting
+    assert r.admit(b"b" * 32, hits=2)  # hit locally
     assert not r.admit(b"c" * 32)
     assert not r.admit(b"d" * 32)
-    assert not r.admit(b"e" * 32)               # ghost FIFO of 2 forgets c
+    assert not r.admit(b"e" * 32)  # ghost FIFO of 2 forgets c
     assert not r.admit(b"c" * 32)
     assert (r.admitted, r.declined) == (2, 5)
     with pytest.raises(ConfigError, match="accepted all, reused"):

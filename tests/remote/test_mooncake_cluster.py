@@ -5,6 +5,7 @@ and drives MooncakeTier instances in separate processes (tests/remote/worker.py)
 TCP transport on loopback. Skipped, with the reason, without the Mooncake wheel
 (``pip install 'tierstore[cluster]'``).
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,6 @@ from .cluster import Master, WorkerProc, wait_until
 OK, MISS, IO_ERROR, REJECTED = "ok", "miss", "io_error", "rejected"
 
 
-
-
 @pytest.fixture(scope="module")
 def pool(mooncake_wheel, tmp_path_factory):
     """One master (HTTP metadata server, the config default; 3 s read leases, so that a
@@ -25,11 +24,14 @@ def pool(mooncake_wheel, tmp_path_factory):
     that neither kill nor restart anything, started together (a start costs seconds)."""
     tmp = tmp_path_factory.mktemp("tier-pool")
     m = Master(tmp, metadata="http", lease_ms=3000).start()
-    spec = {"a": {"cluster": "share"}, "b": {"cluster": "share"},
-            "c": {"cluster": "share", "segment_bytes": 0},               # cold, contributes no memory
-            "other": {"cluster": "other-deployment"},                    # same master, other cluster name
-            "t": {"cluster": "cr", "block_bytes": 64 << 10},
-            "lq": {"cluster": "lq", "publish_queue_blocks": 2, "block_bytes": 1 << 20}}
+    spec = {
+        "a": {"cluster": "share"},
+        "b": {"cluster": "share"},
+        "c": {"cluster": "share", "segment_bytes": 0},  # cold, contributes no memory
+        "other": {"cluster": "other-deployment"},  # same master, other cluster name
+        "t": {"cluster": "cr", "block_bytes": 64 << 10},
+        "lq": {"cluster": "lq", "publish_queue_blocks": 2, "block_bytes": 1 << 20},
+    }
     ws = {n: WorkerProc(m.settings(**kw), tmp, n) for n, kw in spec.items()}
     try:
         for w in ws.values():
@@ -62,7 +64,9 @@ def test_processes_share_blocks_bytes_identical(pool):
 def test_kill9_segment_owner_gives_misses_and_the_rest_keeps_working(master_factory, workers):
     m = master_factory()
     owner = workers(m.settings(cluster="k9"), "owner")
-    pub = workers(m.settings(cluster="k9", segment_bytes=0), "publisher")  # no segment: objects land in owner's
+    pub = workers(
+        m.settings(cluster="k9", segment_bytes=0), "publisher"
+    )  # no segment: objects land in owner's
     assert owner.ready == pub.ready == {"ready": "ok"}  # the owner's segment is mounted
     assert pub.call("put", ids=list(range(6)), tag="k")["status"] == [OK] * 6
     assert pub.call("stats")["published_blocks"] == 6
@@ -78,8 +82,13 @@ def test_kill9_segment_owner_gives_misses_and_the_rest_keeps_working(master_fact
     assert wait_until(lambda: pub.call("exists", ids=[0], tag="k")["n"] == 0, 15)
     assert pub.call("get", ids=list(range(6)), tag="k")["status"] == [MISS] * 6
     # publishing and loading go on in the surviving segment
-    assert wait_until(lambda: pub.call("put", ids=[100], tag="k2")["status"] == [OK]
-                      and other.call("get", ids=[100], tag="k2")["status"] == [OK], 15)
+    assert wait_until(
+        lambda: (
+            pub.call("put", ids=[100], tag="k2")["status"] == [OK]
+            and other.call("get", ids=[100], tag="k2")["status"] == [OK]
+        ),
+        15,
+    )
     s = pub.call("stats")
     assert s["state"] == "ok" and s["corrupt_objects"] == 0
 
@@ -104,8 +113,13 @@ def test_master_restart_degrades_then_reconnects(master_factory, workers):
     assert a.call("stats")["reconnects"] >= 1
     # a non-HA master forgets every object: old blocks are misses, new ones are shared again
     assert b.call("exists", ids=list(range(4)), tag="x")["n"] == 0
-    assert wait_until(lambda: a.call("put", ids=[60, 61], tag="y")["status"] == [OK, OK]
-                      and b.call("get", ids=[60, 61], tag="y")["status"] == [OK, OK], 30)
+    assert wait_until(
+        lambda: (
+            a.call("put", ids=[60, 61], tag="y")["status"] == [OK, OK]
+            and b.call("get", ids=[60, 61], tag="y")["status"] == [OK, OK]
+        ),
+        30,
+    )
     assert b.call("get", ids=[60, 61], tag="y")["wrong"] == []
 
 
@@ -114,10 +128,12 @@ def test_corrupt_objects_from_a_raw_client_are_counted_misses(pool):
     good = {i: t.call("object_of", i=i, tag="c")["hex"] for i in (0, 2, 3)}
     bad_payload = bytearray(bytes.fromhex(good[2]))
     bad_payload[-1] ^= 0xFF
-    cases = {1: "ff" * (len(good[0]) // 2),          # garbage of the right size: magic
-             2: bytes(bad_payload).hex(),            # block 2's object, one payload bit flipped: payload_crc
-             3: good[3][:len(good[3]) // 2],         # block 3's object, truncated: size
-             4: good[0]}                             # block 0's valid object under block 4's name: key
+    cases = {
+        1: "ff" * (len(good[0]) // 2),  # garbage of the right size: magic
+        2: bytes(bad_payload).hex(),  # block 2's object, one payload bit flipped: payload_crc
+        3: good[3][: len(good[3]) // 2],  # block 3's object, truncated: size
+        4: good[0],
+    }  # block 0's valid object under block 4's name: key
     for i, hx in cases.items():
         assert t.call("raw_put", i=i, hex=hx, tag="c")["rc"] == 0
     r = t.call("get", ids=[1, 2, 3, 4], tag="c")
@@ -155,10 +171,16 @@ def test_tenants_never_see_each_other_scoped_keys(pool):
 def test_tenants_never_see_each_other_mooncake_tenants(master_factory, workers, tmp_path):
     """Level 3: Mooncake's own tenants (master --enable_multi_tenants, client tenant_id)."""
     quota = tmp_path / "tenants.yaml"
-    quota.write_text("version: 1\ntenants:\n  - name: tenant-a\n    quota: 256MB\n"
-                     "  - name: tenant-b\n    quota: 256MB\n")
-    mt = master_factory(extra_args=("--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
-                                    f"--tenant_quota_connector_uri={quota}"))
+    quota.write_text(
+        "version: 1\ntenants:\n  - name: tenant-a\n    quota: 256MB\n  - name: tenant-b\n    quota: 256MB\n"
+    )
+    mt = master_factory(
+        extra_args=(
+            "--enable_multi_tenants=true",
+            "--tenant_quota_connector_type=file",
+            f"--tenant_quota_connector_uri={quota}",
+        )
+    )
     a = workers(mt.settings(cluster="ten", mooncake_tenant="tenant-a"), "mt-a")
     b = workers(mt.settings(cluster="ten", mooncake_tenant="tenant-b"), "mt-b")
     a2 = workers(mt.settings(cluster="ten", mooncake_tenant="tenant-a", segment_bytes=0), "mt-a2")
@@ -199,10 +221,15 @@ def test_four_processes_two_threads_random_ops(master_factory, workers):
     ``TIERSTORE_CHURN_S=60 python -m pytest tests/remote -k four_processes``.
     """
     import os
+
     seconds = float(os.environ.get("TIERSTORE_CHURN_S", "25"))
     m = master_factory()
-    procs = [workers(m.settings(cluster="churn", segment_bytes=32 << 20, block_bytes=128 << 10,
-                                timeout_s=5.0), f"p{i}") for i in range(4)]
+    procs = [
+        workers(
+            m.settings(cluster="churn", segment_bytes=32 << 20, block_bytes=128 << 10, timeout_s=5.0), f"p{i}"
+        )
+        for i in range(4)
+    ]
     for i, p in enumerate(procs):
         p.send("churn", seconds=seconds, threads=2, keys=48, seed=i)
     results = [p.reply(seconds + 120) for p in procs]

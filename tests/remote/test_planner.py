@@ -6,6 +6,7 @@ Checked: a chain split remote / local / remote / ... is matched with at most
 invalidated is never looked up or loaded remotely again (other namespaces still are);
 publish admission (``all``, ``reused`` with its second sighting, ``publish: evict``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,9 +43,12 @@ def test_a_chain_split_remote_local_remote_is_matched_in_at_most_four_remote_cal
     tokens, kv = prompt(1, 18)
     keys = a.keys_for(NS, tokens)
     for i in range(0, 18, 4):
-        assert a.store_keys(NS, keys[i:i + 2], kv[i:i + 2], first_position=i) == [Status.OK] * 2
+        assert a.store_keys(NS, keys[i : i + 2], kv[i : i + 2], first_position=i) == [Status.OK] * 2
         if i + 2 < 18:
-            assert b.store_keys(NS, keys[i + 2:i + 4], kv[i + 2:i + 4], first_position=i + 2) == [Status.OK] * 2
+            assert (
+                b.store_keys(NS, keys[i + 2 : i + 4], kv[i + 2 : i + 4], first_position=i + 2)
+                == [Status.OK] * 2
+            )
     assert a.remote.flush(5)
     before = exists_calls(b)
     hit = b.lookup(NS, tokens)
@@ -74,7 +78,7 @@ def test_an_invalidated_namespace_is_never_looked_up_or_loaded_remotely_again(ma
     assert a.store(NS, tokens, kv) == [Status.OK] * 4
     assert a.store(other, tokens, kv) == [Status.OK] * 4
     assert a.remote.flush(5)
-    hit = b.lookup(NS, tokens)                     # remembered under NS: a load would be a cache fill
+    hit = b.lookup(NS, tokens)  # remembered under NS: a load would be a cache fill
     assert hit.tiers == [Tier.REMOTE] * 4
     d = b.digest(NS)
     assert b._planner.plan_load(hit.keys, [0, 1]).fill == {d: [0, 1]}
@@ -82,11 +86,11 @@ def test_an_invalidated_namespace_is_never_looked_up_or_loaded_remotely_again(ma
     assert b._planner.barred(d) and not b._planner.barred(b.digest(other))
     plan = b._planner.plan_load(hit.keys, [0, 1, 2, 3])
     assert plan.barred == [0, 1, 2, 3] and plan.fill == {} and plan.staged == []
-    st, _ = b.load(hit.keys)                       # the lookup from before the invalidation
+    st, _ = b.load(hit.keys)  # the lookup from before the invalidation
     assert st == [Status.MISS] * 4
     before = exists_calls(b)
     assert b.lookup(NS, tokens).matched_blocks == 0
-    assert exists_calls(b) == before               # no remote call for a barred namespace
+    assert exists_calls(b) == before  # no remote call for a barred namespace
     hit = b.lookup(other, tokens)
     assert hit.tiers == [Tier.REMOTE] * 4 and exists_calls(b) == before + 1
     st, blocks = b.load(hit.keys)
@@ -102,7 +106,7 @@ def test_publish_admission_all_reused_and_evict(make_store):
 
     reused = make_store(admission="reused")._planner
     assert reused.publishes_reused
-    assert reused.publishable(keys, hits=0) == []          # first sighting: kept local
+    assert reused.publishable(keys, hits=0) == []  # first sighting: kept local
     assert reused.publishable(keys[:2], hits=0) == [0, 1]  # second sighting (the ghost set)
     assert reused.publishable(keys[2:], hits=1) == [0, 1]  # a local hit admits at once
     assert (reused.share.admitted, reused.share.declined) == (4, 4)
@@ -116,7 +120,7 @@ def test_a_store_publishes_what_admission_takes(make_store):
     s = make_store(admission="reused")
     tokens, kv = prompt(4, 3)
     assert s.store(NS, tokens, kv) == [Status.OK] * 3
-    assert s.stats().get("remote_published_blocks", 0) == 0   # seen once: local only
-    st, _ = s.load(s.lookup(NS, tokens))                       # a local hit is offered again
+    assert s.stats().get("remote_published_blocks", 0) == 0  # seen once: local only
+    st, _ = s.load(s.lookup(NS, tokens))  # a local hit is offered again
     assert leading_ok(st) == 3
     assert s.remote.flush(5) and s.stats()["remote_published_blocks"] == 3

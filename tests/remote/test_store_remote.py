@@ -9,6 +9,7 @@ failure cases at the store level (corrupt objects, a hung cluster, the master
 down: misses, never wrong bytes, local tiers keep serving), tenant isolation
 both ways, and the three ways to configure the tier.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,11 @@ from .prompts import LAYOUT, NS, prompt
 def load_checked(store: KVStore, ns, seed: int, n: int, key_level: bool = False):
     """Lookup + load of prompt ``seed``; returns (lookup, loaded blocks, wrong blocks)."""
     tokens, kv = prompt(seed, n)
-    hit = (store.lookup_keys(store.keys_for(ns, tokens), ns=ns if key_level == "ns" else None)
-           if key_level else store.lookup(ns, tokens))
+    hit = (
+        store.lookup_keys(store.keys_for(ns, tokens), ns=ns if key_level == "ns" else None)
+        if key_level
+        else store.lookup(ns, tokens)
+    )
     st, blocks = store.load(hit.keys)
     k = leading_ok(st)
     wrong = sum(not torch.equal(blocks[i], kv[i]) for i in range(k))
@@ -172,6 +176,7 @@ def test_tenants_never_see_each_other_both_ways(make_store, cluster):
         cluster.record = False
         calls = [(c[0], len(c[1][0]) if c[1] and isinstance(c[1][0], tuple) else None) for c in cluster.calls]
         return hit.matched_blocks, st, calls
+
     never, _ = prompt(12, 4)
     fresh_x, fresh_y = make_store(), make_store()
     # y asks for x's tokens: the same calls and answers as for tokens nobody stored; and x for y's
@@ -210,10 +215,12 @@ def test_invalidated_namespace_is_never_served_from_the_remote_tier(make_store):
 
 def test_three_ways_to_configure(remote_cfg, tmp_path):
     y = tmp_path / "store.yaml"
-    y.write_text("layout: {num_layers: 2, num_kv_heads: 2, head_dim: 16, dtype: float16, tokens_per_block: 16}\n"
-                 "tiers: {host: {capacity_bytes: 1MiB}}\n"
-                 "remote: {engine: mooncake, master: '%s', metadata: P2PHANDSHAKE, segment_bytes: 0,"
-                 " protocol: tcp, timeout_s: 500ms}\n" % remote_cfg["master"])
+    y.write_text(
+        "layout: {num_layers: 2, num_kv_heads: 2, head_dim: 16, dtype: float16, tokens_per_block: 16}\n"
+        "tiers: {host: {capacity_bytes: 1MiB}}\n"
+        "remote: {engine: mooncake, master: '%s', metadata: P2PHANDSHAKE, segment_bytes: 0,"
+        " protocol: tcp, timeout_s: 500ms}\n" % remote_cfg["master"]
+    )
     with KVStore.from_config(StoreConfig.from_yaml(str(y))) as s:
         assert s.remote is not None and s.remote.config.timeout_s == 0.5 and s.remote.wait_ok(5)
     with KVStore(LAYOUT, host_bytes=1 << 20, remote=remote_cfg) as s:  # KVStore options
@@ -235,10 +242,20 @@ def test_engine_extra_config_remote_section(remote_cfg):
         model_config = pydantic.ConfigDict(extra="forbid")
         tenant: str = "default"
 
-    extra = {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "connector": {"tenant": "acme"},
-             "remote": {"engine": "mooncake", "master": remote_cfg["master"], "metadata": "P2PHANDSHAKE",
-                        "segment_bytes": "0", "local_buffer_bytes": "1MiB", "protocol": "tcp",
-                        "timeout_s": "2s", "admission": "reused"}}
+    extra = {
+        "tiers": {"host": {"capacity_bytes": "1MiB"}},
+        "connector": {"tenant": "acme"},
+        "remote": {
+            "engine": "mooncake",
+            "master": remote_cfg["master"],
+            "metadata": "P2PHANDSHAKE",
+            "segment_bytes": "0",
+            "local_buffer_bytes": "1MiB",
+            "protocol": "tcp",
+            "timeout_s": "2s",
+            "admission": "reused",
+        },
+    }
     cfg, own = split_extra_config(extra, "connector", Own, "kv_connector_extra_config")
     assert own.tenant == "acme" and cfg.remote.segment_bytes == 0 and cfg.remote.timeout_s == 2.0
     with KVStore.from_config(cfg, LAYOUT) as s:

@@ -6,6 +6,7 @@ module's first tests share one master and four processes (starting a process
 costs seconds on 2 cores); the failure tests (kill -9, master restart) get
 their own. Skipped, with the reason, without the Mooncake wheel.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -20,12 +21,20 @@ SCRIPT = pathlib.Path(__file__).with_name("store_worker.py")
 
 def _remote(master, **kw) -> dict:
     s = master.settings()
-    d = {k: s[k] for k in ("master", "metadata", "local_hostname", "segment_bytes", "local_buffer_bytes",
-                           "publish_queue_blocks", "timeout_s")} | {"cluster": "store-sharing"}
+    d = {
+        k: s[k]
+        for k in (
+            "master",
+            "metadata",
+            "local_hostname",
+            "segment_bytes",
+            "local_buffer_bytes",
+            "publish_queue_blocks",
+            "timeout_s",
+        )
+    } | {"cluster": "store-sharing"}
     d.update(kw)
     return d
-
-
 
 
 class _Procs:
@@ -33,8 +42,9 @@ class _Procs:
         self.tmp = tmp
         self.procs: list[WorkerProc] = []
 
-    def spawn(self, master, name: str, tenant: str = "acme", prefill_tokens_per_s: float | None = None,
-              **remote) -> WorkerProc:
+    def spawn(
+        self, master, name: str, tenant: str = "acme", prefill_tokens_per_s: float | None = None, **remote
+    ) -> WorkerProc:
         opts = {"remote": _remote(master, **remote), "tenant": tenant}
         if prefill_tokens_per_s is not None:
             opts["prefill_tokens_per_s"] = prefill_tokens_per_s
@@ -62,8 +72,10 @@ def shared(mooncake_wheel, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("store-sharing")
     m = Master(tmp, metadata="http").start()
     p = _Procs(tmp)
-    ws = {n: p.spawn(m, n, tenant=t, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
-          for n, t in (("a", "acme"), ("b", "acme"), ("y", "bravo"), ("c", "acme"))}
+    ws = {
+        n: p.spawn(m, n, tenant=t, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
+        for n, t in (("a", "acme"), ("b", "acme"), ("y", "bravo"), ("c", "acme"))
+    }
     try:
         for w in ws.values():
             assert w.ready["ready"] == "ok", w.log_tail()
@@ -127,8 +139,8 @@ def test_a_remote_hit_that_beats_recompute_is_useful_and_load_of_the_result_load
 
 def test_other_tenant_zero_remote_reuse_both_ways(shared):
     a, y = shared["a"], shared["y"]
-    assert a.call("store", prompts=[[20, 4]])["ok"] == 4          # acme stores T
-    assert y.call("store", prompts=[[21, 4]])["ok"] == 4          # bravo stores U
+    assert a.call("store", prompts=[[20, 4]])["ok"] == 4  # acme stores T
+    assert y.call("store", prompts=[[21, 4]])["ok"] == 4  # bravo stores U
     # the same tokens under the other tenant: nothing, and the same answer as tokens nobody stored
     for who, theirs, never in ((y, 20, 22), (a, 21, 23)):
         r_theirs, r_never = who.call("lookup", prompts=[[theirs, 4], [never, 4]])["results"]
@@ -160,10 +172,10 @@ def test_corrupt_remote_object_from_mooncakes_own_client_is_a_counted_miss(share
 def test_kill9_of_the_segment_owner_gives_misses_never_wrong_bytes(mooncake_wheel, tmp_path, procs):
     m = Master(tmp_path).start()
     try:
-        a = procs.spawn(m, "a")                     # the only segment: A's objects live in A's memory
+        a = procs.spawn(m, "a")  # the only segment: A's objects live in A's memory
         assert a.ready["ready"] == "ok"
         assert a.call("store", prompts=[[11, 4]])["ok"] == 4
-        b = procs.spawn(m, "b")                     # started after: survives with its own segment
+        b = procs.spawn(m, "b")  # started after: survives with its own segment
         c = procs.spawn(m, "c", segment_bytes=0)
         r = b.call("lookup", prompts=[[11, 4]])["results"][0]
         assert r["loaded"] == 4 and r["wrong"] == 0  # B filled its host tier
@@ -171,7 +183,7 @@ def test_kill9_of_the_segment_owner_gives_misses_never_wrong_bytes(mooncake_whee
         a.kill9()
         t0 = time.monotonic()
         r = c.call("lookup", prompts=[[11, 4]], timeout_s=60)["results"][0]
-        assert time.monotonic() - t0 < 15, r       # bounded: timeout_s=3 per Mooncake call
+        assert time.monotonic() - t0 < 15, r  # bounded: timeout_s=3 per Mooncake call
         assert r["wrong"] == 0 and r["loaded"] == 0, r  # listed a while by the master, then gone: misses
         assert all(s in ("miss", "io_error") for s in r["status"]), r
         # the others keep working: B serves its copy locally, and sharing goes on in B's segment
@@ -196,18 +208,19 @@ def test_master_restart_degrades_local_tiers_keep_serving_then_reconnects(moonca
         assert b.call("lookup", prompts=[[40, 3]])["results"][0]["loaded"] == 3
         m.kill()
         t0 = time.monotonic()
-        assert a.call("store", prompts=[[41, 3]])["ok"] == 3    # local stores go on
-        for w, seed in ((a, 41), (b, 40)):                       # and local hits are served
+        assert a.call("store", prompts=[[41, 3]])["ok"] == 3  # local stores go on
+        for w, seed in ((a, 41), (b, 40)):  # and local hits are served
             r = w.call("lookup", prompts=[[seed, 3]])["results"][0]
             assert r["loaded"] == 3 and r["wrong"] == 0 and set(r["tiers"]) == {"host"}
-        r = b.call("lookup", prompts=[[41, 3]])["results"][0]   # remote-only: a miss, not a hang
+        r = b.call("lookup", prompts=[[41, 3]])["results"][0]  # remote-only: a miss, not a hang
         assert r["loaded"] == 0 and r["wrong"] == 0
         assert time.monotonic() - t0 < 20
         sa = a.call("stats")
         assert sa["tier_state"] == "degraded" and sa["tier_degraded_reason"], sa
         m.start()  # same ports; a non-HA master comes back empty
-        assert wait_until(lambda: a.call("stats")["tier_state"] == "ok" and b.call("stats")["tier_state"] == "ok",
-                          30)
+        assert wait_until(
+            lambda: a.call("stats")["tier_state"] == "ok" and b.call("stats")["tier_state"] == "ok", 30
+        )
         assert a.call("stats")["tier_reconnects"] >= 1
         # Sharing resumes: a block a stores reaches b. Right after the reconnect the restarted
         # master may not hold every segment yet, and a publish it refuses for space is retried
@@ -223,6 +236,7 @@ def test_master_restart_degrades_local_tiers_keep_serving_then_reconnects(moonca
             if wait_until(lambda: b.call("lookup", prompts=[[seed, 2]])["results"][0]["loaded"] == 2, 3):
                 got.append(seed)
             return bool(got)
+
         assert wait_until(shared_again, 30)
         r = b.call("lookup", prompts=[[got[0], 2]])["results"][0]
         assert r["wrong"] == 0

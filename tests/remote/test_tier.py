@@ -3,6 +3,7 @@
 The same scenarios run against a real ``mooncake_master`` in
 test_mooncake_cluster.py; here the failure knobs are exact and fast.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -138,8 +139,10 @@ def test_layout_errors(make_tier):
 
 def test_settings_validation():
     """RemoteConfig holds every configured value and check; MooncakeTuning the other knobs."""
+
     def remote(**kw):
         return parse_model(RemoteConfig, kw, "remote")
+
     with pytest.raises(ConfigError, match="protocol"):
         remote(protocol="udp")
     with pytest.raises(ConfigError, match="timeout_s"):
@@ -156,8 +159,16 @@ def test_settings_validation():
         MooncakeTuning(call_threads=0)
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['segment_size'\]"):
         parse_remote_options({"master": "h:1", "segment_size": 1})
-    c, t = parse_remote_options({"engine": "mooncake", "admission": "reused", "master": "h:1",
-                                 "segment_bytes": "16MiB", "cluster": "c1", "reconnect_backoff_s": [0.5, 1]})
+    c, t = parse_remote_options(
+        {
+            "engine": "mooncake",
+            "admission": "reused",
+            "master": "h:1",
+            "segment_bytes": "16MiB",
+            "cluster": "c1",
+            "reconnect_backoff_s": [0.5, 1],
+        }
+    )
     assert c.master == "h:1" and c.cluster == "c1" and c.segment_bytes == 16 << 20 and c.admission == "reused"
     assert t.reconnect_backoff_s == (0.5, 1) and t.call_threads == MooncakeTuning().call_threads
     # one set of defaults: the store's config is the tier's (publish_queue_blocks was 256 in a copy)
@@ -181,6 +192,7 @@ def test_native_load_failure_names_apt_packages(monkeypatch):
         if name == "mooncake.store":
             raise ImportError("libibverbs.so.1: cannot open shared object file")
         return real_import(name, *a, **kw)
+
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ConfigError, match="libibverbs1"):
         load_mooncake_store()
@@ -270,17 +282,18 @@ def test_zero_copy_into_registered_memory(make_tier, cluster):
     t = make_tier(timeout_s=0.3)
     pool = torch.zeros(4 * BB, dtype=torch.uint8)
     events = []
-    t.register_memory(pool, lambda off, n: events.append(("q", off, n)),
-                      lambda off, n: events.append(("r", off, n)))
+    t.register_memory(
+        pool, lambda off, n: events.append(("q", off, n)), lambda off, n: events.append(("r", off, n))
+    )
     assert publish(t, [1, 2]) == [Status.OK] * 2
-    dests = [pool[BB:2 * BB], pool[3 * BB:4 * BB]]
+    dests = [pool[BB : 2 * BB], pool[3 * BB : 4 * BB]]
     assert t.get_into([key(1), key(2)], dests) == [Status.OK] * 2
     assert torch.equal(dests[0], block(1)) and torch.equal(dests[1], block(2))
     assert t.stats()["zero_copy_gets"] == 2 and t.stats()["staged_gets"] == 0
     # a hung zero-copy load: the owner hears which memory is withheld, and when it is free again
     cluster.hang.clear()
     try:
-        assert t.get_into([key(1)], [pool[2 * BB:3 * BB]]) == [Status.IO_ERROR]
+        assert t.get_into([key(1)], [pool[2 * BB : 3 * BB]]) == [Status.IO_ERROR]
         assert events == [("q", 2 * BB, BB)]
     finally:
         cluster.hang.set()
@@ -292,19 +305,24 @@ def test_zero_copy_publish_from_registered_memory(make_tier, cluster):
     t = make_tier(publish_queue_blocks=2)
     pool = torch.zeros(4 * BB, dtype=torch.uint8)
     events = []
-    t.register_memory(pool, lambda off, n: events.append(("hold", off, n)),
-                      lambda off, n: events.append(("release", off, n)))
+    t.register_memory(
+        pool,
+        lambda off, n: events.append(("hold", off, n)),
+        lambda off, n: events.append(("release", off, n)),
+    )
     for i in range(3):
-        pool[i * BB:(i + 1) * BB] = block(i)
+        pool[i * BB : (i + 1) * BB] = block(i)
     cluster.hang.clear()  # hold the publisher: the queue bound applies to zero-copy publishes too
     try:
-        st = t.put([key(i) for i in range(3)], [pool[i * BB:(i + 1) * BB] for i in range(3)])
+        st = t.put([key(i) for i in range(3)], [pool[i * BB : (i + 1) * BB] for i in range(3)])
         assert st == [Status.OK, Status.OK, Status.REJECTED]
         assert events == [("hold", 0, BB), ("hold", BB, BB)]  # the owner must keep these bytes
     finally:
         cluster.hang.set()
     assert t.flush(5)
-    assert sorted(events) == sorted([("hold", 0, BB), ("hold", BB, BB), ("release", 0, BB), ("release", BB, BB)])
+    assert sorted(events) == sorted(
+        [("hold", 0, BB), ("hold", BB, BB), ("release", 0, BB), ("release", BB, BB)]
+    )
     s = t.stats()
     assert s["zero_copy_puts"] == 2 and s["staged_puts"] == 0 and s["dropped_queue_full"] == 1
     d = torch.zeros(BB, dtype=torch.uint8)
@@ -344,8 +362,16 @@ def corrupt_cases(name: str, good: bytes):
     }
 
 
-@pytest.mark.parametrize("case,reason", [("magic", "magic"), ("payload_crc", "payload_crc"),
-                                         ("size", "size"), ("garbage", "magic"), ("larger", "size")])
+@pytest.mark.parametrize(
+    "case,reason",
+    [
+        ("magic", "magic"),
+        ("payload_crc", "payload_crc"),
+        ("size", "size"),
+        ("garbage", "magic"),
+        ("larger", "size"),
+    ],
+)
 def test_corrupt_object_is_a_counted_miss_and_is_removed(make_tier, cluster, case, reason):
     t = make_tier()
     assert publish(t, [1]) == [Status.OK]
@@ -444,8 +470,12 @@ def test_tenant_scoped_keys_leave_no_trace_across_tenants(make_tier, cluster):
         cluster.record = False
         shape = [(c[0], len(c[1][0]) if c[1] and isinstance(c[1][0], tuple) else None) for c in cluster.calls]
         return n, st, shape
-    assert trace(stored) == trace(fresh) == (0, [Status.MISS] * 4, [("batch_is_exist", 4),
-                                                                    ("batch_get_into", 4)])
+
+    assert (
+        trace(stored)
+        == trace(fresh)
+        == (0, [Status.MISS] * 4, [("batch_is_exist", 4), ("batch_get_into", 4)])
+    )
 
 
 def test_close_is_bounded_with_a_hung_cluster_and_idempotent(make_tier, cluster):
@@ -482,6 +512,7 @@ def test_concurrent_threads_never_see_wrong_bytes(make_tier):
                 t.exists_prefix([key(i), key(i + 1)])
             elif t.get_into([key(i)], [d]) == [Status.OK] and not torch.equal(d, block(i)):
                 errors.append(i)
+
     ths = [threading.Thread(target=worker, args=(t, s)) for s, t in enumerate([a, a, b, b])]
     for th in ths:
         th.start()

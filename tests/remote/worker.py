@@ -10,6 +10,7 @@ Commands: ``put``, ``get``, ``exists`` (``ids``, ``tag``), ``remove``, ``stats``
 name: a foreign or hostile writer), ``churn`` (random put/get/exists from
 ``threads`` threads for ``seconds``), ``exit``.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -40,7 +41,8 @@ def key_of(tag: str, i: int) -> bytes:
         if chain is None or len(chain) <= i:
             ns = Namespace(model="tiny-llama@rev1", tenant=tenant).digest()
             chain = _CHAINS[(tenant, int(first))] = block_hashes(
-                ns, list(range(int(first), int(first) + 16 * (i + 64))), 16)
+                ns, list(range(int(first), int(first) + 16 * (i + 64))), 16
+            )
         return chain[i]
     return hashlib.sha256(f"{tag}/{i}".encode()).digest()
 
@@ -75,7 +77,9 @@ class Worker:
         t0 = time.monotonic()
         st = self.tier.get_into([key_of(tag, i) for i in ids], dests)
         dt = time.monotonic() - t0
-        wrong = [i for i, s, d in zip(ids, st, dests) if s is Status.OK and not torch.equal(d, self.block(tag, i))]
+        wrong = [
+            i for i, s, d in zip(ids, st, dests) if s is Status.OK and not torch.equal(d, self.block(tag, i))
+        ]
         untouched = all(torch.count_nonzero(d) == 0 for s, d in zip(st, dests) if s is not Status.OK)
         return {"status": [s.value for s in st], "wrong": wrong, "seconds": dt, "untouched": untouched}
 
@@ -95,6 +99,7 @@ class Worker:
 
     def raw_put(self, i, hex, tag="t"):
         from mooncake.store import MooncakeDistributedStore
+
         name = ObjectNamer(self.config.cluster, self.config.name_secret_bytes)(key_of(tag, i))
         raw = MooncakeDistributedStore()
         s = self.config
@@ -108,6 +113,7 @@ class Worker:
         """The valid object bytes this tier would publish for (tag, i), hex."""
         from tierstore.io.format import payload_crc
         from tierstore.remote.format import HEADER_BYTES, encode_header
+
         k = key_of(tag, i)
         payload = self.block(tag, i).numpy().tobytes()
         buf = bytearray(HEADER_BYTES + len(payload))
@@ -119,8 +125,17 @@ class Worker:
         """Random put/get/exists from ``threads`` threads for ``seconds``, half of the
         puts and gets zero-copy (from / into memory registered with the tier)."""
         stop = time.monotonic() + seconds
-        counts = {"put": 0, "get": 0, "exists": 0, "hits": 0, "wrong": 0, "max_call_s": 0.0,
-                  "zero_copy_puts": 0, "zero_copy_gets": 0, "holds_open": 0}
+        counts = {
+            "put": 0,
+            "get": 0,
+            "exists": 0,
+            "hits": 0,
+            "wrong": 0,
+            "max_call_s": 0.0,
+            "zero_copy_puts": 0,
+            "zero_copy_gets": 0,
+            "holds_open": 0,
+        }
         lock = threading.Lock()
         # zero-copy sources: every key's block, written once, registered; never changed
         src = torch.cat([self.block(tag, i) for i in range(keys)])
@@ -135,13 +150,14 @@ class Worker:
         def release(off: int, n: int) -> None:
             with lock:
                 held[off] -= 1
+
         self.tier.register_memory(src, hold, release)
         self.tier.register_memory(dst, lambda off, n: None, lambda off, n: None)
 
         def run(tid: int) -> None:
             rnd = random.Random(seed * 100 + tid)
             plain = torch.zeros(self.bb, dtype=torch.uint8)
-            mine = dst[tid * self.bb:(tid + 1) * self.bb]
+            mine = dst[tid * self.bb : (tid + 1) * self.bb]
             while time.monotonic() < stop:
                 op = rnd.choice(("put", "get", "get", "exists"))
                 zc = rnd.random() < 0.5
@@ -149,7 +165,7 @@ class Worker:
                 t0 = time.monotonic()
                 hits = wrong = 0
                 if op == "put":
-                    blocks = [src[i * self.bb:(i + 1) * self.bb] if zc else self.block(tag, i) for i in ids]
+                    blocks = [src[i * self.bb : (i + 1) * self.bb] if zc else self.block(tag, i) for i in ids]
                     self.tier.put([key_of(tag, i) for i in ids], blocks)
                 elif op == "exists":
                     self.tier.exists_prefix([key_of(tag, i) for i in ids])
@@ -165,6 +181,7 @@ class Worker:
                     counts["hits"] += hits
                     counts["wrong"] += wrong
                     counts["max_call_s"] = max(counts["max_call_s"], dt)
+
         ths = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
         for th in ths:
             th.start()

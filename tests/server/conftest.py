@@ -1,4 +1,5 @@
 """Fixtures that run the real daemon (``python -m tierstore.cli serve``) as a subprocess on loopback."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,11 @@ import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKENS = {"acme": "acme-token-0123456789abcdef", "bravo": "bravo-token-0123456789abcdef",
-          "carol": "carol-token-0123456789abcdef"}
+TOKENS = {
+    "acme": "acme-token-0123456789abcdef",
+    "bravo": "bravo-token-0123456789abcdef",
+    "carol": "carol-token-0123456789abcdef",
+}
 #: Client-side namespace declared public in the test config.
 PUBLIC_NS = {"model": "shared-model@1", "tenant": "public"}
 
@@ -27,19 +31,38 @@ def make_config(tmp: str, **over) -> dict:
         "state_dir": os.path.join(tmp, "state"),
         "listen": {"host": "127.0.0.1", "port": 0},
         "log": {"level": "INFO", "access_log": False},
-        "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "fp32", "tokens_per_block": 16},
-        "tiers": {"host": {"capacity_bytes": "4MiB"},
-                  "nvme": {"path": os.path.join(tmp, "nvme"), "capacity_bytes": "96MiB",
-                           "segment_size_bytes": "4MiB", "extent_size_bytes": "1MiB"}},
+        "layout": {
+            "num_layers": 1,
+            "num_kv_heads": 1,
+            "head_dim": 64,
+            "dtype": "fp32",
+            "tokens_per_block": 16,
+        },
+        "tiers": {
+            "host": {"capacity_bytes": "4MiB"},
+            "nvme": {
+                "path": os.path.join(tmp, "nvme"),
+                "capacity_bytes": "96MiB",
+                "segment_size_bytes": "4MiB",
+                "extent_size_bytes": "1MiB",
+            },
+        },
         "tenants": [
             {"name": "acme", "tokens": [TOKENS["acme"]], "quota_bytes": "64MiB"},
             # bravo is configured by token hash only
             {"name": "bravo", "token_sha256": [hashlib.sha256(TOKENS["bravo"].encode()).hexdigest()]},
             {"name": "carol", "tokens": [TOKENS["carol"]], "quota_bytes": "64KiB"},
         ],
-        "public_namespaces": [{"name": "shared", "namespace": PUBLIC_NS, "writers": ["acme"], "readers": "*"}],
-        "limits": {"max_request_bytes": "4MiB", "max_inflight_requests": 32, "request_timeout_s": "20s",
-                   "shutdown_timeout_s": "10s", "max_keys_per_request": 1024},
+        "public_namespaces": [
+            {"name": "shared", "namespace": PUBLIC_NS, "writers": ["acme"], "readers": "*"}
+        ],
+        "limits": {
+            "max_request_bytes": "4MiB",
+            "max_inflight_requests": 32,
+            "request_timeout_s": "20s",
+            "shutdown_timeout_s": "10s",
+            "max_keys_per_request": 1024,
+        },
     }
     for k, v in over.items():
         cfg[k] = v
@@ -64,8 +87,13 @@ class Daemon:
         self.log_path = os.path.join(self.tmp, f"daemon-{self.starts}.log")
         env = dict(os.environ, PYTHONPATH=ROOT)
         with open(self.log_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--config", self.cfg_path],
-                                         stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierstore.cli", "serve", "--config", self.cfg_path],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                cwd=ROOT,
+            )
         t_end = time.monotonic() + timeout_s
         while time.monotonic() < t_end:
             if self.proc.poll() is not None:

@@ -1,4 +1,5 @@
 """Deterministic block contents for byte-exact checks."""
+
 from __future__ import annotations
 
 import hashlib

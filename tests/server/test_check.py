@@ -1,4 +1,5 @@
 """``tierstore serve --check`` catches what start-up would refuse (issue 19, item 13)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -61,9 +62,14 @@ def test_check_refuses_a_host_tier_larger_than_available_memory(tmp_path, capsys
 def test_startup_refuses_it_too(tmp_path):
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["host"]["capacity_bytes"] = 2 * mem_available_bytes()
-    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "serve", "--config", _write(tmp_path, cfg)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "serve", "--config", _write(tmp_path, cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert r.returncode == 1
     assert '"event": "startup_failed"' in r.stderr and "exceed MemAvailable" in r.stderr
 
@@ -73,7 +79,9 @@ def test_shipped_configs(tmp_path, capsys):
     daemon-small.yaml starts here."""
     big = load_config(os.path.join(ROOT, "configs", "daemon.yaml"))
     pf = preflight(big, ports=False, meminfo=_meminfo(tmp_path, 24))
-    assert any(e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.0 GiB) exceed") for e in pf.errors)
+    assert any(
+        e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.0 GiB) exceed") for e in pf.errors
+    )
     small = os.path.join(ROOT, "configs", "daemon-small.yaml")
     rc = main(["--config", small, "--check"])
     out = capsys.readouterr()
@@ -86,7 +94,9 @@ def test_check_refuses_an_nvme_tier_larger_than_the_free_disk(tmp_path, capsys):
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["nvme"]["capacity_bytes"] = "1024TiB"
     rc, _, err = _check(tmp_path, cfg, capsys)
-    assert rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1048576.0 GiB) is larger than" in err
+    assert (
+        rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1048576.0 GiB) is larger than" in err
+    )
 
 
 def test_check_refuses_a_missing_device(tmp_path, capsys):
@@ -136,6 +146,7 @@ def _sha(path) -> str:
 def test_check_refuses_a_layout_that_does_not_match_the_nvme_file(tmp_path, capsys):
     """A layout whose blocks do not match the existing NVMe file passed --check; start-up refuses it."""
     from tierstore.server.service import Service
+
     cfg = make_config(str(tmp_path))
     cfg["puts"] = {"durable": True}
     svc = Service(parse_config(cfg))  # writes one block of the 8 KiB layout
@@ -155,8 +166,9 @@ def test_check_refuses_a_layout_that_does_not_match_the_nvme_file(tmp_path, caps
     assert _sha(nvme) == before and os.stat(nvme).st_mtime_ns == mtime  # --check changed nothing
     # same block size, another geometry: starts, but drops the blocks of scopes of the old layout
     (tmp_path / "state").mkdir(exist_ok=True)
-    (tmp_path / "state" / "scopes.jsonl").write_text('{"scope": "%s", "owner": "acme", "layout": "%s"}\n'
-                                                     % ("00" * 32, "ff" * 32))
+    (tmp_path / "state" / "scopes.jsonl").write_text(
+        '{"scope": "%s", "owner": "acme", "layout": "%s"}\n' % ("00" * 32, "ff" * 32)
+    )
     same = dict(cfg, layout=dict(cfg["layout"], num_kv_heads=2, head_dim=32))
     rc, out, err = _check(tmp_path, same, capsys)
     assert rc == 0 and "1 scopes in" in out and "drops their blocks" in out
@@ -168,16 +180,18 @@ def test_check_accepts_a_character_device_that_cannot_seek(tmp_path, capsys, mon
     import errno
 
     import tierstore.server.check as check
+
     cfg = make_config(str(tmp_path))
-    cfg["tiers"]["nvme"]["path"] = "/dev/null"          # a character device on every Linux
+    cfg["tiers"]["nvme"]["path"] = "/dev/null"  # a character device on every Linux
     real = os.lseek
 
     def lseek(fd, pos, how):
         if how == os.SEEK_END:
             raise OSError(errno.ESPIPE, os.strerror(errno.ESPIPE))
         return real(fd, pos, how)
+
     monkeypatch.setattr(check.os, "lseek", lseek)
-    monkeypatch.setattr("tierstore.io.label.is_nvme_generic", lambda path, st: True)   # what /dev/ngXnY is
+    monkeypatch.setattr("tierstore.io.label.is_nvme_generic", lambda path, st: True)  # what /dev/ngXnY is
     rc, _, err = _check(tmp_path, cfg, capsys)
     assert "Illegal seek" not in err and "tiers.nvme.path=/dev/null: cannot open" not in err, err
 
@@ -187,7 +201,9 @@ def test_check_refuses_a_character_device_that_is_not_nvme_generic(tmp_path, cap
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["nvme"]["path"] = "/dev/null"
     rc, _, err = _check(tmp_path, cfg, capsys)
-    assert rc != 0 and "'/dev/null': a character device that is not an NVMe generic device (/dev/ngXnY)" in err
+    assert (
+        rc != 0 and "'/dev/null': a character device that is not an NVMe generic device (/dev/ngXnY)" in err
+    )
     assert "O_DIRECT" not in err
 
 
@@ -198,6 +214,7 @@ def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
     import types
 
     import tierstore.server.check as check
+
     ro = tmp_path / "ro"
     ro.mkdir()
     cfg = make_config(str(tmp_path))
@@ -213,6 +230,7 @@ def test_check_says_read_only_file_system(tmp_path, capsys, monkeypatch):
             return vfs
         fields = {k: getattr(vfs, k) for k in dir(vfs) if k.startswith("f_")}
         return types.SimpleNamespace(**{**fields, "f_flag": vfs.f_flag | os.ST_RDONLY})
+
     monkeypatch.setattr(check.os, "access", access)
     monkeypatch.setattr(check.os, "statvfs", statvfs)
     rc, _, err = _check(tmp_path, cfg, capsys)
@@ -224,6 +242,7 @@ def test_check_refuses_a_tier_file_this_user_cannot_write(tmp_path, capsys, monk
     start
     failed with Permission denied (re-trial of issue 22). access(2) is faked: this test runs as root."""
     import tierstore.server.check as check
+
     tier = tmp_path / "ro.nvme"
     tier.touch()
     tier.chmod(0o444)
@@ -233,6 +252,7 @@ def test_check_refuses_a_tier_file_this_user_cannot_write(tmp_path, capsys, monk
 
     def access(path, mode, **kw):
         return False if str(path) == str(tier) and mode & os.W_OK else real_access(path, mode, **kw)
+
     monkeypatch.setattr(check.os, "access", access)
     rc, _, err = _check(tmp_path, cfg, capsys)
     assert rc != 0 and f"{tier} is not readable and writable by this user" in err
@@ -243,8 +263,9 @@ def test_daemon_yaml_names_every_nvme_key():
     the flush bounds, the region policy) were missing (fresh-user trial). Each must be there, set or
     in a comment."""
     from tierstore.config import NvmeTierConfig
+
     text = open(os.path.join(ROOT, "configs", "daemon.yaml")).read()
-    section = text[text.index("  nvme:"):text.index("\n# Shared remote tier")]
+    section = text[text.index("  nvme:") : text.index("\n# Shared remote tier")]
     missing = [k for k in NvmeTierConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
     assert not missing, f"configs/daemon.yaml lacks NVMe keys {missing}"
 
@@ -258,8 +279,13 @@ def test_check_refuses_a_block_mode_journal_that_start_up_refuses(tmp_path, caps
     nv["eviction_granularity"] = "block"
     foreign = tmp_path / "foreign.bin"
     foreign.write_bytes(os.urandom(5000))
-    nv["journal_path"] = {"missing_dir": str(tmp_path / "no" / "j"), "directory": str(tmp_path), "empty": "",
-                          "foreign": str(foreign), "foreign_tmp": str(tmp_path / "j")}[case]
+    nv["journal_path"] = {
+        "missing_dir": str(tmp_path / "no" / "j"),
+        "directory": str(tmp_path),
+        "empty": "",
+        "foreign": str(foreign),
+        "foreign_tmp": str(tmp_path / "j"),
+    }[case]
     if case == "foreign_tmp":
         (tmp_path / "j.tmp").write_bytes(os.urandom(100))
     rc, out, err = _check(tmp_path, cfg, capsys)
@@ -283,9 +309,16 @@ def test_check_refuses_a_block_mode_live_budget_below_one_block(tmp_path, capsys
     assert rc != 0 and "no block fits the live budget" in err and "config OK" not in out, (out, err)
     nv = cfg["tiers"]["nvme"]
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32, tokens_per_block=16)
-    with pytest.raises(ConfigError, match="no block fits the live budget"):   # start-up agrees
-        KVStore(layout, nvme_path=nv["path"], nvme_bytes=nv["capacity_bytes"], **{
-            k: nv[k] for k in ("segment_size_bytes", "extent_size_bytes", "eviction_granularity", "live_fraction")})
+    with pytest.raises(ConfigError, match="no block fits the live budget"):  # start-up agrees
+        KVStore(
+            layout,
+            nvme_path=nv["path"],
+            nvme_bytes=nv["capacity_bytes"],
+            **{
+                k: nv[k]
+                for k in ("segment_size_bytes", "extent_size_bytes", "eviction_granularity", "live_fraction")
+            },
+        )
     nv["live_fraction"] = 0.01
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "config OK" in out and "block mode keeps at most" in out, err

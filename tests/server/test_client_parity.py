@@ -1,5 +1,6 @@
 """RemoteKVStore has KVStore's signatures for what it offers, the fragment API, and refuses token ids
 where keys are expected before any request (issue 19, item 14, client side)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -30,11 +31,17 @@ def test_signatures_match_kvstore():
     names = _protocol_methods()
     assert len(names) >= 20 and not [n for n in names if n not in remote], "the client lacks protocol methods"
     for name in names:
-        want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(KVStoreProtocol, name)).parameters.values()]
+        want = [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(getattr(KVStoreProtocol, name)).parameters.values()
+        ]
         for impl in (local, remote):
             got = [(p.name, p.kind, p.default) for p in inspect.signature(impl[name]).parameters.values()]
             pos = [p for p in got if p[1] is not inspect.Parameter.KEYWORD_ONLY]
-            assert pos == [p for p in want if p[1] is not inspect.Parameter.KEYWORD_ONLY], (name, impl is remote)
+            assert pos == [p for p in want if p[1] is not inspect.Parameter.KEYWORD_ONLY], (
+                name,
+                impl is remote,
+            )
             kw = {p for p in got if p[1] is inspect.Parameter.KEYWORD_ONLY}
             want_kw = {p for p in want if p[1] is inspect.Parameter.KEYWORD_ONLY}
             assert want_kw <= kw, (name, impl is remote, want_kw - kw)
@@ -105,12 +112,17 @@ def test_token_ids_where_keys_are_expected_fail_before_any_request(client, monke
 
     async def no_request(*a, **k):
         raise AssertionError("a request was sent")
+
     monkeypatch.setattr(c._wire, "send", no_request)
     toks99 = list(range(99))
-    for call in (lambda: c.load(toks99, ns=ns), lambda: c.load(np.arange(5), ns=ns),
-                 lambda: c.exists(toks99, ns=ns), lambda: c.lookup_keys(toks99[:3], ns=ns),
-                 lambda: c.store_keys(ns, [1, 2], torch.zeros(2, c.block_bytes, dtype=torch.uint8)),
-                 lambda: c.load_fragments(toks99[:1], [[]], ns=ns)):
+    for call in (
+        lambda: c.load(toks99, ns=ns),
+        lambda: c.load(np.arange(5), ns=ns),
+        lambda: c.exists(toks99, ns=ns),
+        lambda: c.lookup_keys(toks99[:3], ns=ns),
+        lambda: c.store_keys(ns, [1, 2], torch.zeros(2, c.block_bytes, dtype=torch.uint8)),
+        lambda: c.load_fragments(toks99[:1], [[]], ns=ns),
+    ):
         with pytest.raises(LayoutError, match="token ids"):
             call()
     keys = c.keys_for(ns, list(range(c.layout.tokens_per_block)))
@@ -142,14 +154,19 @@ def test_what_the_client_does_not_offer_is_listed_and_documented():
 
     import tierstore.client as client_mod
     from tierstore.client import NOT_OFFERED
-    lacking = {n for n in dir(KVStore) if not n.startswith("_") and n.islower() and not hasattr(RemoteKVStore, n)}
+
+    lacking = {
+        n for n in dir(KVStore) if not n.startswith("_") and n.islower() and not hasattr(RemoteKVStore, n)
+    }
     listed = [n for names in NOT_OFFERED.values() for n in names]
     assert len(listed) == len(set(listed))
-    assert set(listed) == lacking, (f"offered now, drop from NOT_OFFERED: {sorted(set(listed) - lacking)}; "
-                                    f"missing remotely, add to NOT_OFFERED and the READMEs: {sorted(lacking - set(listed))}")
+    assert set(listed) == lacking, (
+        f"offered now, drop from NOT_OFFERED: {sorted(set(listed) - lacking)}; "
+        f"missing remotely, add to NOT_OFFERED and the READMEs: {sorted(lacking - set(listed))}"
+    )
     root = pathlib.Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
-    daemon = readme[readme.index("## The daemon"):readme.index("## Benchmarks and results")]
+    daemon = readme[readme.index("## The daemon") : readme.index("## Benchmarks and results")]
     for name in listed:
         assert f"`{name}`" in daemon, name
         assert f"``{name}``" in client_mod.__doc__, name

@@ -1,4 +1,5 @@
 """kill -9 under load, restart: every acknowledged put is served byte-exact, nothing corrupt."""
+
 from __future__ import annotations
 
 import threading
@@ -37,6 +38,7 @@ def test_kill9_under_load_keeps_every_acknowledged_put(tmp_path):
                 r += 1
         finally:
             c.close()
+
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()

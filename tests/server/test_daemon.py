@@ -1,4 +1,5 @@
 """The real daemon on loopback: concurrent clients, tenancy/auth, limits, ops endpoints, SIGTERM drain."""
+
 from __future__ import annotations
 
 import json
@@ -60,9 +61,12 @@ def test_concurrent_clients_byte_exact(daemon):
                 # into caller buffers, typed
                 dests = [torch.empty(c.layout.block_shape, dtype=c.layout.dtype) for _ in keys[:3]]
                 stt, _ = c.load(keys[:3], dests=dests)
-                if not all(torch.equal(c.layout.as_bytes(x), block_for(k, c.block_bytes))
-                           for x, k in zip(dests, keys)):
+                if not all(
+                    torch.equal(c.layout.as_bytes(x), block_for(k, c.block_bytes))
+                    for x, k in zip(dests, keys)
+                ):
                     errors.append("dest bytes differ")
+
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
@@ -73,9 +77,15 @@ def test_concurrent_clients_byte_exact(daemon):
 
 def test_auth_rejects_missing_and_wrong_tokens(daemon):
     body = json.dumps({"namespace": "00" * 32, "keys": []}).encode()
-    for hdrs in ({}, {"Authorization": "Bearer nope-nope-nope-nope"}, {"Authorization": TOKENS["acme"]},
-                 {"Authorization": "Basic " + TOKENS["acme"]}):
-        status, h, raw = _raw(daemon, "POST", "/v1/exists", body, {"Content-Type": "application/json", **hdrs})
+    for hdrs in (
+        {},
+        {"Authorization": "Bearer nope-nope-nope-nope"},
+        {"Authorization": TOKENS["acme"]},
+        {"Authorization": "Basic " + TOKENS["acme"]},
+    ):
+        status, h, raw = _raw(
+            daemon, "POST", "/v1/exists", body, {"Content-Type": "application/json", **hdrs}
+        )
         assert status == 401
         assert json.loads(raw)["error"]["code"] == "unauthorized"
         assert h.get("WWW-Authenticate", "").startswith("Bearer")
@@ -136,17 +146,21 @@ def test_quota_is_a_retryable_429(daemon):
         ns = Namespace(model="q")
         toks = list(range(c.layout.tokens_per_block * 12))
         blocks = torch.zeros(12, c.block_bytes, dtype=torch.uint8)
-        assert c.store(ns, toks[:c.layout.tokens_per_block * 8], blocks[:8]) == [Status.OK] * 8
+        assert c.store(ns, toks[: c.layout.tokens_per_block * 8], blocks[:8]) == [Status.OK] * 8
         with pytest.raises(QuotaExceeded):
             c.store(ns, toks, blocks[8:], start_block=8)
-        status, hdrs, raw = _raw(daemon, "PUT", "/v1/blocks",
-                                 encode_prefix({"namespace": c.digest(ns).hex(), "keys": [c.keys_for(ns, toks)[9].hex()]})
-                                 + bytes(c.block_bytes),
-                                 {"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": BLOCKS_CONTENT_TYPE})
+        status, hdrs, raw = _raw(
+            daemon,
+            "PUT",
+            "/v1/blocks",
+            encode_prefix({"namespace": c.digest(ns).hex(), "keys": [c.keys_for(ns, toks)[9].hex()]})
+            + bytes(c.block_bytes),
+            {"Authorization": f"Bearer {TOKENS['carol']}", "Content-Type": BLOCKS_CONTENT_TYPE},
+        )
         assert status == 429 and int(hdrs["Retry-After"]) >= 1
         assert json.loads(raw)["error"]["code"] == "quota_exceeded"
         assert c.invalidate(ns) == 8
-        assert c.store(ns, toks[:c.layout.tokens_per_block * 4], blocks[:4]) == [Status.OK] * 4
+        assert c.store(ns, toks[: c.layout.tokens_per_block * 4], blocks[:4]) == [Status.OK] * 4
 
 
 def test_oversized_and_malformed(daemon):
@@ -155,22 +169,31 @@ def test_oversized_and_malformed(daemon):
     assert big == "4MiB"
     n = (4 << 20) // 8192 + 1
     man = encode_prefix({"namespace": "ab" * 32, "keys": [f"{i:064x}" for i in range(n)]})
-    status, _, raw = _raw(daemon, "PUT", "/v1/blocks", man + bytes(n * 8192),
-                          {**auth, "Content-Type": BLOCKS_CONTENT_TYPE})
+    status, _, raw = _raw(
+        daemon, "PUT", "/v1/blocks", man + bytes(n * 8192), {**auth, "Content-Type": BLOCKS_CONTENT_TYPE}
+    )
     assert status == 413
-    status, _, raw = _raw(daemon, "POST", "/v1/exists", b"{not json", {**auth, "Content-Type": "application/json"})
+    status, _, raw = _raw(
+        daemon, "POST", "/v1/exists", b"{not json", {**auth, "Content-Type": "application/json"}
+    )
     assert status == 400 and json.loads(raw)["error"]["code"] == "bad_json"
     js = {**auth, "Content-Type": "application/json"}
     status, _, raw = _raw(daemon, "POST", "/v1/exists", json.dumps({"namespace": 5, "keys": []}).encode(), js)
     assert status == 400
-    status, _, raw = _raw(daemon, "POST", "/v1/exists", json.dumps({"namespace": "zz", "keys": []}).encode(), js)
+    status, _, raw = _raw(
+        daemon, "POST", "/v1/exists", json.dumps({"namespace": "zz", "keys": []}).encode(), js
+    )
     assert status == 400 and "namespace" in json.loads(raw)["error"]["message"]
     # a JSON body sent as a form (urllib's default Content-Type) is refused as the OpenAPI document says
-    status, _, raw = _raw(daemon, "POST", "/v1/exists", json.dumps({"namespace": "zz", "keys": []}).encode(), auth)
+    status, _, raw = _raw(
+        daemon, "POST", "/v1/exists", json.dumps({"namespace": "zz", "keys": []}).encode(), auth
+    )
     assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_media_type"
     # put whose payload is one block short
     man = encode_prefix({"namespace": "ab" * 32, "keys": ["cd" * 32, "ef" * 32]})
-    status, _, raw = _raw(daemon, "PUT", "/v1/blocks", man + bytes(8192), {**auth, "Content-Type": BLOCKS_CONTENT_TYPE})
+    status, _, raw = _raw(
+        daemon, "PUT", "/v1/blocks", man + bytes(8192), {**auth, "Content-Type": BLOCKS_CONTENT_TYPE}
+    )
     assert status == 400 and json.loads(raw)["error"]["code"] == "bad_length"
 
 
@@ -180,9 +203,14 @@ def test_ops_endpoints(daemon):
     status, body = daemon.get("/metrics")
     text = body.decode()
     assert status == 200
-    for name in ("tierstore_tier_bytes{tier=\"host\"}", "tierstore_load_latency_seconds_bucket",
-                 "tierstore_nvme_host_write_amplification", "tierstore_tenant_usage_bytes{tenant=\"acme\"}",
-                 "tierstore_blocks_total", "tierstore_manager_events_total"):
+    for name in (
+        'tierstore_tier_bytes{tier="host"}',
+        "tierstore_load_latency_seconds_bucket",
+        "tierstore_nvme_host_write_amplification",
+        'tierstore_tenant_usage_bytes{tenant="acme"}',
+        "tierstore_blocks_total",
+        "tierstore_manager_events_total",
+    ):
         assert name in text
     # access logs are off in this config; the startup lines are JSON
     assert any(r.get("event") == "listening" for r in daemon.records())
@@ -213,8 +241,10 @@ def test_overload_429_then_sigterm_drains_and_restart_serves(tmp_path):
                     outcomes.append(e.code)
                     continue
                 ok = st == [Status.OK] * 40 and all(
-                    torch.equal(h.layout.as_bytes(o), block_for(k, h.block_bytes)) for k, o in zip(keys, outs))
+                    torch.equal(h.layout.as_bytes(o), block_for(k, h.block_bytes)) for k, o in zip(keys, outs)
+                )
                 outcomes.append("ok" if ok else "corrupt")
+
     ths = [threading.Thread(target=hammer, args=(h,)) for h in hammers]
     for t in ths:
         t.start()
@@ -228,16 +258,21 @@ def test_overload_429_then_sigterm_drains_and_restart_serves(tmp_path):
         assert c.invalidate(inv) == 2
     # a put in flight when SIGTERM arrives: its body is half sent; the drain lets it finish
     late_key = os.urandom(32)
-    body = encode_prefix({"namespace": c.digest(ns).hex(), "keys": [late_key.hex()]}) + \
-        bytes(block_for(late_key, c.block_bytes).numpy())
+    body = encode_prefix({"namespace": c.digest(ns).hex(), "keys": [late_key.hex()]}) + bytes(
+        block_for(late_key, c.block_bytes).numpy()
+    )
     sock = socket.create_connection(("127.0.0.1", d.port), timeout=20)
-    sock.sendall((f"PUT /v1/blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['acme']}\r\n"
-                  f"Content-Type: {BLOCKS_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-                 + body[:len(body) // 2])
+    sock.sendall(
+        (
+            f"PUT /v1/blocks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['acme']}\r\n"
+            f"Content-Type: {BLOCKS_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body[: len(body) // 2]
+    )
     time.sleep(0.3)
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    sock.sendall(body[len(body) // 2:])
+    sock.sendall(body[len(body) // 2 :])
     resp = b""
     while b"\r\n\r\n" not in resp or not resp.rstrip().endswith(b"}"):
         chunk = sock.recv(65536)
@@ -260,11 +295,13 @@ def test_overload_429_then_sigterm_drains_and_restart_serves(tmp_path):
 
 def test_bad_config_exit_code(tmp_path, capsys):
     from tierstore.server.daemon import main
+
     p = tmp_path / "bad.yaml"
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["host"]["capacity_bytes"] = "lots"
     cfg["limits"]["frobnicate"] = 1
     import yaml
+
     p.write_text(yaml.safe_dump(cfg))
     assert main(["--config", str(p)]) == 2
     err = capsys.readouterr().err
@@ -277,6 +314,7 @@ def test_bad_config_exit_code(tmp_path, capsys):
 def test_shipped_example_configs_are_valid():
     """Both shipped configs validate; whether they fit this machine is tests/server/test_check.py's part."""
     from tierstore.server.config import load_config
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name in ("daemon.yaml", "daemon-small.yaml"):
         load_config(os.path.join(root, "configs", name))
@@ -287,13 +325,17 @@ def test_openapi_document_matches_routes(tmp_path):
 
     from tierstore.server.config import parse_config
     from tierstore.server.service import Service
+
     cfg = make_config(str(tmp_path))
     cfg["tiers"] = {"host": {"capacity_bytes": "1MiB"}}
     cfg["puts"] = {"durable": False}
     svc = Service(parse_config(cfg))
     try:
-        routes = {(r.method.lower(), r.resource.canonical) for r in svc.make_app().router.routes()
-                  if r.method != "HEAD"}
+        routes = {
+            (r.method.lower(), r.resource.canonical)
+            for r in svc.make_app().router.routes()
+            if r.method != "HEAD"
+        }
     finally:
         svc.close()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,5 +1,6 @@
 """The daemon, ``serve --check`` and the client never destroy a user's file nor acknowledge what is not kept
 (issue 22 items 1, 2, 4, 13, 14)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -51,14 +52,22 @@ def test_check_and_start_up_refuse_a_non_tierstore_file(tmp_path, capsys):
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 2 and "config OK" not in out
     (line,) = [ln for ln in _errors(err) if "tiers.nvme.path" in ln]
-    assert str(victim) in line and "4.00MiB" in line and "first bytes" in line and "Nothing was written" in line
+    assert (
+        str(victim) in line and "4.00MiB" in line and "first bytes" in line and "Nothing was written" in line
+    )
     with pytest.raises(ForeignDataError):
         Service(parse_config(cfg))
     assert (_sha(victim), victim.stat().st_size) == before
     # the daemon's own start-up (a process): refused, one line, the file untouched
     p = tmp_path / "daemon.yaml"
-    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "serve", "--config", str(p)], capture_output=True,
-                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "serve", "--config", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert r.returncode == 1 and '"event": "startup_failed"' in r.stderr and "first bytes" in r.stderr
     assert (_sha(victim), victim.stat().st_size) == before
 
@@ -87,9 +96,14 @@ def test_check_and_start_up_name_the_process_holding_the_tier(tmp_path, capsys):
             Service(parse_config(cfg))
         assert time.monotonic() - t0 < 5
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "tierstore.cli", "serve", "--config", str(tmp_path / "daemon.yaml")],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=ROOT))
+        r = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "serve", "--config", str(tmp_path / "daemon.yaml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
         assert r.returncode == 1 and f"in use by process {os.getpid()}" in r.stderr, r.stderr
         assert "BlockingIOError" not in r.stderr and time.monotonic() - t0 < 60  # interpreter start included
     finally:
@@ -114,7 +128,9 @@ def test_the_daemon_follows_the_one_path_rule(tmp_path, capsys):
 # ----------------------------------------------------------------------------- the client
 def test_a_url_without_a_scheme_is_refused_by_name():
     """RemoteKVStore("127.0.0.1:8470") said "HTTP 0 connection"."""
-    with pytest.raises(ConfigError, match=r"url='127.0.0.1:8470': the URL needs a scheme \(http:// or https://\)"):
+    with pytest.raises(
+        ConfigError, match=r"url='127.0.0.1:8470': the URL needs a scheme \(http:// or https://\)"
+    ):
         RemoteKVStore("127.0.0.1:8470", TOKENS["acme"])
 
 
@@ -167,6 +183,7 @@ def test_a_store_racing_the_client_close_is_kept_or_refused(daemon):
                 return
             if st == [Status.OK]:
                 acked.append(keys[0])
+
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()

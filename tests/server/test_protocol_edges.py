@@ -1,5 +1,6 @@
 """Protocol details of the daemon (issue 19, items 12 and 15): huge integers, Content-Type, UTF-8,
 the Authorization scheme, and what the block hit ratio counts."""
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,9 @@ def test_json_endpoints_require_application_json(daemon, path):
         status, _, raw = _raw(daemon, "POST", path, body, hdrs)
         assert status == 415, (ctype, raw[:200])
         assert json.loads(raw)["error"]["code"] == "unsupported_media_type"
-    status, _, _ = _raw(daemon, "POST", path, body, {**AUTH, "Content-Type": "application/json; charset=utf-8"})
+    status, _, _ = _raw(
+        daemon, "POST", path, body, {**AUTH, "Content-Type": "application/json; charset=utf-8"}
+    )
     assert status < 300
 
 
@@ -112,11 +115,21 @@ def test_non_utf8_bodies_are_a_400_that_says_utf8(daemon):
 
 def test_bearer_scheme_is_case_insensitive(daemon):
     """RFC 7235 section 2.1: the auth-scheme is case-insensitive; 'bearer <token>' got 401."""
-    for header in (f"bearer {TOKENS['acme']}", f"BEARER {TOKENS['acme']}", f"Bearer  {TOKENS['acme']}",
-                   f"bEaReR {TOKENS['acme']} "):
+    for header in (
+        f"bearer {TOKENS['acme']}",
+        f"BEARER {TOKENS['acme']}",
+        f"Bearer  {TOKENS['acme']}",
+        f"bEaReR {TOKENS['acme']} ",
+    ):
         status, _, raw = _raw(daemon, "GET", "/v1/info", None, {"Authorization": header})
         assert status == 200 and json.loads(raw)["tenant"] == "acme", header
-    for header in (f"Bearerx {TOKENS['acme']}", f"Basic {TOKENS['acme']}", "bearer", "bearer ", TOKENS["acme"]):
+    for header in (
+        f"Bearerx {TOKENS['acme']}",
+        f"Basic {TOKENS['acme']}",
+        "bearer",
+        "bearer ",
+        TOKENS["acme"],
+    ):
         status, hdrs, _ = _raw(daemon, "GET", "/v1/info", None, {"Authorization": header})
         assert status == 401 and hdrs["WWW-Authenticate"].startswith("Bearer"), header
 
@@ -128,8 +141,10 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 def test_block_hit_ratio_counts_gets(daemon):
     """tierstore_block_hit_ratio read 0.0 after hundreds of successful gets and no lookups."""
+
     def scrape():
         return daemon.get("/metrics")[1].decode()
+
     before = scrape()
     with RemoteKVStore(daemon.url, TOKENS["acme"]) as c:
         ns = Namespace(model="hit-ratio")
@@ -137,15 +152,19 @@ def test_block_hit_ratio_counts_gets(daemon):
         keys = c.keys_for(ns, toks)
         c.store(ns, toks, torch.stack([block_for(k, c.block_bytes) for k in keys]))
         for _ in range(5):
-            st, _ = c.load(keys)                      # 6 OK each
+            st, _ = c.load(keys)  # 6 OK each
         c.load(c.keys_for(Namespace(model="hit-ratio-missing"), toks))  # 6 misses
     after = scrape()
-    d_req = _metric(after, "tierstore_block_requests_total", '{op="get"}') - \
-        _metric(before, "tierstore_block_requests_total", '{op="get"}')
-    d_hit = _metric(after, "tierstore_block_hits_total", '{op="get"}') - \
-        _metric(before, "tierstore_block_hits_total", '{op="get"}')
+    d_req = _metric(after, "tierstore_block_requests_total", '{op="get"}') - _metric(
+        before, "tierstore_block_requests_total", '{op="get"}'
+    )
+    d_hit = _metric(after, "tierstore_block_hits_total", '{op="get"}') - _metric(
+        before, "tierstore_block_hits_total", '{op="get"}'
+    )
     assert (d_req, d_hit) == (36, 30)
-    asked = sum(_metric(after, "tierstore_block_requests_total", f'{{op="{op}"}}') for op in ("get", "lookup"))
+    asked = sum(
+        _metric(after, "tierstore_block_requests_total", f'{{op="{op}"}}') for op in ("get", "lookup")
+    )
     found = sum(_metric(after, "tierstore_block_hits_total", f'{{op="{op}"}}') for op in ("get", "lookup"))
     assert found / asked > 0
     assert _metric(after, "tierstore_block_hit_ratio") == pytest.approx(found / asked)

@@ -1,5 +1,6 @@
 """Memory tiers: clear errors without CUDA; the CUDA HBM pool and pinned host
 tier round trip on a GPU (``gpu`` marker: skipped where CUDA is absent)."""
+
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ def test_without_cuda_pinned_and_cuda_pools_are_config_errors():
     with pytest.raises(ConfigError, match="pinned host"):
         BlockPool("host", 4, 4096, pin_memory=True)
     from tierstore import KVStore, get_layout
+
     with pytest.raises(ConfigError, match="CUDA is not available"):
         KVStore(get_layout("tiny"), hbm_bytes=1 << 20, device="cuda")
 
@@ -22,15 +24,18 @@ def test_without_cuda_pinned_and_cuda_pools_are_config_errors():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_hbm_and_pinned_host_round_trip():
     from tierstore import KVStore, Namespace, get_layout
+
     layout = get_layout("tiny")
-    store = KVStore(layout, hbm_bytes=2 * layout.bytes_per_block, host_bytes=8 * layout.bytes_per_block,
-                    device="cuda")
+    store = KVStore(
+        layout, hbm_bytes=2 * layout.bytes_per_block, host_bytes=8 * layout.bytes_per_block, device="cuda"
+    )
     ns = Namespace(model="m")
     tokens = list(range(6 * layout.tokens_per_block))
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks = torch.randn((6,) + layout.block_shape, generator=g, device="cuda").to(layout.dtype)
     assert store.store(ns, tokens, blocks) == [Status.OK] * 6  # 4 of them demoted to pinned host
     from tierstore.index import Tier
+
     pools = store._parts.pools  # what build_store wired
     assert pools[Tier.HBM].data.device.type == "cuda"
     assert pools[Tier.HOST].data.is_pinned()
@@ -59,13 +64,16 @@ def test_from_tensor_wraps_strided_rows_and_the_movers_copies_stay_in_them():
     assert pool.data.index_select(0, torch.tensor([1, 0]))[:, 0].tolist() == [1, 3]
 
 
-@pytest.mark.parametrize("rows,why", [
-    (torch.zeros((4, 16), dtype=torch.float16), "2-D uint8"),
-    (torch.zeros(64, dtype=torch.uint8), "2-D uint8"),
-    (torch.zeros((4, 0), dtype=torch.uint8), "rows of 0 bytes"),
-    (torch.zeros((16, 4), dtype=torch.uint8).t(), "contiguous"),
-    (torch.zeros(96, dtype=torch.uint8).as_strided((4, 32), (16, 1)), "overlap"),
-])
+@pytest.mark.parametrize(
+    "rows,why",
+    [
+        (torch.zeros((4, 16), dtype=torch.float16), "2-D uint8"),
+        (torch.zeros(64, dtype=torch.uint8), "2-D uint8"),
+        (torch.zeros((4, 0), dtype=torch.uint8), "rows of 0 bytes"),
+        (torch.zeros((16, 4), dtype=torch.uint8).t(), "contiguous"),
+        (torch.zeros(96, dtype=torch.uint8).as_strided((4, 32), (16, 1)), "overlap"),
+    ],
+)
 def test_from_tensor_refuses_rows_that_are_not_separate_blocks(rows, why):
     with pytest.raises(LayoutError, match=why):
         BlockPool.from_tensor("host", rows)

@@ -2,6 +2,7 @@
 minimal backend that implements only the abstract methods passes it on the defaults, a store runs
 on that backend (the core calls the interface, it never probes), and the real backends are
 instances of their interfaces."""
+
 from __future__ import annotations
 
 import contextlib
@@ -61,7 +62,7 @@ class MemStorage(BlockStorage):
                 out.append(Status.MISS)
                 continue
             plan = plan_fragments(frags, destination=True)
-            with (gate([i]) if gate is not None else contextlib.nullcontext(True)) as go:
+            with gate([i]) if gate is not None else contextlib.nullcontext(True) as go:
                 if go:
                     plan.scatter(got[0], 0)
             out.append(Status.OK if go else Status.MISS)
@@ -93,9 +94,17 @@ def storage(request):
         s = MemStorage(BB, capacity=16)
     else:
         from tierstore.io import format as fmt
+
         seg = fmt.extent_bytes_for(1, BB)
-        s = SegmentStorage(None, 17 * seg, BB, segment_size_bytes=seg, engine="memory", extent_size_bytes=seg,
-                           owns_engine=True)
+        s = SegmentStorage(
+            None,
+            17 * seg,
+            BB,
+            segment_size_bytes=seg,
+            engine="memory",
+            extent_size_bytes=seg,
+            owns_engine=True,
+        )
     yield s
     s.close()
 
@@ -116,7 +125,7 @@ def test_put_get_round_trip_exists_and_miss(storage):
 
 def test_fragments_in_and_out_and_a_closed_gate_is_a_miss(storage):
     src = block(5)
-    halves = [src[:BB // 2].view(torch.int16), src[BB // 2:]]
+    halves = [src[: BB // 2].view(torch.int16), src[BB // 2 :]]
     assert storage.put_fragments([key(5)], [halves], ns_digests=[NS_A]) == [Status.OK]
     out = torch.zeros(BB, dtype=torch.uint8)
     assert storage.get_fragments([key(5)], [[out[:1000], out[1000:]]]) == [Status.OK]
@@ -214,14 +223,20 @@ def test_a_mooncake_tier_is_a_remote_block_tier_with_the_remote_status_semantics
     from tierstore.remote import MooncakeTier, MooncakeTuning, RemoteConfig
 
     from ..remote.fake_mooncake import FakeCluster, FakeStore
+
     master = socket.socket()
     master.bind(("127.0.0.1", 0))
     master.listen(4)
     cluster = FakeCluster()
-    config = RemoteConfig(master=f"127.0.0.1:{master.getsockname()[1]}", metadata="P2PHANDSHAKE",
-                          timeout_s=1.0, publish_queue_blocks=4)
-    tier: RemoteBlockTier = MooncakeTier(config, BB, tuning=MooncakeTuning(set_env=False),
-                                         store_factory=lambda: FakeStore(cluster))
+    config = RemoteConfig(
+        master=f"127.0.0.1:{master.getsockname()[1]}",
+        metadata="P2PHANDSHAKE",
+        timeout_s=1.0,
+        publish_queue_blocks=4,
+    )
+    tier: RemoteBlockTier = MooncakeTier(
+        config, BB, tuning=MooncakeTuning(set_env=False), store_factory=lambda: FakeStore(cluster)
+    )
     try:
         assert isinstance(tier, RemoteBlockTier)
         assert tier.put([key(1), key(2)], [block(1), block(2)]) == [Status.OK] * 2  # queued

@@ -16,12 +16,20 @@ A runner plugs in with::
     from tierstore.bench import JobResult, register_runner
     register_runner(["kvtrace"], run_kvtrace)   # run_kvtrace(options: dict) -> JobResult
 """
+
 from __future__ import annotations
 
 from .registry import current_progress, get_runner, job_progress, register_runner, registered_runners
 from .result import CpuUsage, DirectionRecorder, DirectionResult, JobResult
 
 __all__ = [
-    "JobResult", "DirectionResult", "DirectionRecorder", "CpuUsage",
-    "register_runner", "get_runner", "registered_runners", "current_progress", "job_progress",
+    "JobResult",
+    "DirectionResult",
+    "DirectionRecorder",
+    "CpuUsage",
+    "register_runner",
+    "get_runner",
+    "registered_runners",
+    "current_progress",
+    "job_progress",
 ]

@@ -12,6 +12,7 @@ jobs. Without ``--name=`` or a job file the flags define one job.
 
 Continued in ``docs/BENCH.md`` (``tierstore/bench/cli.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,20 @@ from .result import JobResult, merge_results
 __all__ = ["main", "group_reports"]
 
 PROG = "tierstore bench"
-_VALUE_FLAGS = {"output-format", "output_format", "output", "plot", "cmdhelp", "eta", "eta-newline", "eta_newline",
-                "status-interval", "status_interval", "terse-version", "terse_version"}
+_VALUE_FLAGS = {
+    "output-format",
+    "output_format",
+    "output",
+    "plot",
+    "cmdhelp",
+    "eta",
+    "eta-newline",
+    "eta_newline",
+    "status-interval",
+    "status_interval",
+    "terse-version",
+    "terse_version",
+}
 _BOOL_FLAGS = {"parse-only", "parse_only", "showcmd", "help", "version", "minimal"}
 
 
@@ -84,7 +97,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str], 
         else:
             takes = not sep and option_takes_argument(name)
             if not sep and not takes and i < len(args) and is_bool_text(args[i]):
-                takes = True   # a boolean given as --direct 0
+                takes = True  # a boolean given as --direct 0
         if takes:
             if i == len(args) or args[i].startswith("--"):
                 raise ConfigError(f"command line: option '--{name}' requires an argument")
@@ -106,7 +119,9 @@ def _status_options(own: dict) -> StatusOptions:
     if eta not in ("auto", "always", "never"):
         raise ConfigError(f"eta={eta!r}: accepted values are ['auto', 'always', 'never']")
     newline = parse_time_s(str(own["eta-newline"]), key="eta-newline") if "eta-newline" in own else 10.0
-    interval = parse_time_s(str(own["status-interval"]), key="status-interval") if "status-interval" in own else 0.0
+    interval = (
+        parse_time_s(str(own["status-interval"]), key="status-interval") if "status-interval" in own else 0.0
+    )
     if newline <= 0:
         raise ConfigError(f"eta-newline={own['eta-newline']!r}: must be > 0")
     if interval < 0:
@@ -163,8 +178,11 @@ def _library_warnings() -> Iterator[None]:
 def _report_error(result: JobResult) -> None:
     """fio's error line for a job that failed: ``fio: pid=N, err=5/..., error=...``."""
     name = errno.errorcode.get(result.error, str(result.error))
-    print(f"{PROG}: job {result.jobname!r}: pid={os.getpid()}, err={result.error} ({name}), "
-          f"error={result.error_message or os.strerror(result.error)}", file=sys.stderr)
+    print(
+        f"{PROG}: job {result.jobname!r}: pid={os.getpid()}, err={result.error} ({name}), "
+        f"error={result.error_message or os.strerror(result.error)}",
+        file=sys.stderr,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,14 +258,19 @@ def _parse(argv: list[str]) -> _Command | int:
         if "cmdhelp" in own:
             try:
                 print(schema_help(str(own["cmdhelp"]) or None), flush=True)
-            except BrokenPipeError:   # `--cmdhelp | head`: the reader left; not an error
+            except BrokenPipeError:  # `--cmdhelp | head`: the reader left; not an error
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        formats = out_mod.parse_output_formats("terse" if own.get("minimal") and "output-format" not in own
-                                               else str(own.get("output-format", "normal")))
+        formats = out_mod.parse_output_formats(
+            "terse"
+            if own.get("minimal") and "output-format" not in own
+            else str(own.get("output-format", "normal"))
+        )
         if "terse-version" in own and str(own["terse-version"]).strip() != str(out_mod.TERSE_VERSION):
-            raise ConfigError(f"terse-version={own['terse-version']!r}: only {out_mod.TERSE_VERSION} is written "
-                              "(fio's default)")
+            raise ConfigError(
+                f"terse-version={own['terse-version']!r}: only {out_mod.TERSE_VERSION} is written "
+                "(fio's default)"
+            )
         status = _status_options(own)
         specs = parse_jobs(key_flags, files)
         if own.get("showcmd"):
@@ -264,7 +287,9 @@ def _parse(argv: list[str]) -> _Command | int:
     return _Command(own, formats, status, specs, runners)
 
 
-def _write_report(cmd: _Command, ran: list[tuple[JobResult, JobSpec]], results: list[JobResult | None]) -> int:
+def _write_report(
+    cmd: _Command, ran: list[tuple[JobResult, JobSpec]], results: list[JobResult | None]
+) -> int:
     """Render the report of the jobs that ran to ``--output`` or stdout, and the ``--plot`` charts;
     returns 0, or 1 after saying which file could not be written."""
     own = cmd.own
@@ -312,14 +337,19 @@ def _run_batch(batch: list[int], runners: list, specs: list[JobSpec], results: l
 
     def work(k: int) -> None:
         codes[k] = _run_one(specs[k], runners[k], results, batch[k], bar=False)
-    threads = [threading.Thread(target=work, args=(k,), name=f"job-{specs[k].name}") for k in range(len(batch))]
+
+    threads = [
+        threading.Thread(target=work, args=(k,), name=f"job-{specs[k].name}") for k in range(len(batch))
+    ]
     for t in threads:
         t.start()
     try:
         for t in threads:
             while t.is_alive():
                 t.join(0.1)
-    except KeyboardInterrupt:  # a second signal: the runners were asked to stop by the first; let them clean up
+    except (
+        KeyboardInterrupt
+    ):  # a second signal: the runners were asked to stop by the first; let them clean up
         request_stop(signal.SIGINT)
         for t in threads:
             t.join()
@@ -327,7 +357,9 @@ def _run_batch(batch: list[int], runners: list, specs: list[JobSpec], results: l
     return max(codes)
 
 
-def group_reports(results: Sequence[JobResult], specs: Sequence[JobSpec]) -> tuple[list[JobResult], list[JobSpec]]:
+def group_reports(
+    results: Sequence[JobResult], specs: Sequence[JobSpec]
+) -> tuple[list[JobResult], list[JobSpec]]:
     """fio's ``group_reporting``: a job that sets it and shares the previous job's reporting group is
     reported in the same entry (fio's ``__show_run_stats``); the others stay entries of their own.
 
@@ -349,8 +381,9 @@ def group_reports(results: Sequence[JobResult], specs: Sequence[JobSpec]) -> tup
             units[-1].append(i)
         else:
             units.append([i])
-    out_results = [merge_results([results[i] for i in unit]) if len(unit) > 1 else results[unit[0]]
-                   for unit in units]
+    out_results = [
+        merge_results([results[i] for i in unit]) if len(unit) > 1 else results[unit[0]] for unit in units
+    ]
     return out_results, [specs[unit[-1]] for unit in units]
 
 
@@ -370,16 +403,22 @@ def _run_one(spec, runner, results: list[JobResult | None], index: int, bar: boo
         where = f" ({exc.filename})" if exc.filename else ""
         hint = ""
         if exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC):
-            hint = "; the tier capacities (hbm_size, host_size, nvme_size, device_size) do not fit this machine"
+            hint = (
+                "; the tier capacities (hbm_size, host_size, nvme_size, device_size) do not fit this machine"
+            )
         return _error(f"job {spec.name!r}: {exc.strerror or exc}{where}{hint}")
     except MemoryError:
-        return _error(f"job {spec.name!r}: cannot allocate memory; the tier capacities (hbm_size, host_size, "
-                      "nvme_size, device_size) do not fit this machine")
+        return _error(
+            f"job {spec.name!r}: cannot allocate memory; the tier capacities (hbm_size, host_size, "
+            "nvme_size, device_size) do not fit this machine"
+        )
     except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
         if "allocate" not in str(exc):
             raise
-        return _error(f"job {spec.name!r}: cannot allocate memory for the memory tiers "
-                      f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})")
+        return _error(
+            f"job {spec.name!r}: cannot allocate memory for the memory tiers "
+            f"(hbm_size={spec.options.get('hbm_size')}, host_size={spec.options.get('host_size')})"
+        )
     result.groupid = spec.groupid
     results[index] = result
     return 0

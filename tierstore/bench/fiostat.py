@@ -9,6 +9,7 @@
   (``io_u_mark_lat_nsec`` etc.): each key is a bucket's upper bound, the
   value the percentage of all I/Os in it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,8 +18,13 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "FIO_PERCENTILES", "plat_val_to_idx", "plat_idx_to_val", "lat_summary", "lat_buckets",
-    "num2str", "percentile_key",
+    "FIO_PERCENTILES",
+    "plat_val_to_idx",
+    "plat_idx_to_val",
+    "lat_summary",
+    "lat_buckets",
+    "num2str",
+    "percentile_key",
 ]
 
 PLAT_BITS = 6
@@ -27,8 +33,25 @@ PLAT_GROUP_NR = 29
 PLAT_NR = PLAT_GROUP_NR * PLAT_VAL
 
 #: fio's default ``percentile_list``.
-FIO_PERCENTILES = (1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0,
-                   99.0, 99.5, 99.9, 99.95, 99.99)
+FIO_PERCENTILES = (
+    1.0,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    70.0,
+    80.0,
+    90.0,
+    95.0,
+    99.0,
+    99.5,
+    99.9,
+    99.95,
+    99.99,
+)
 
 #: Bucket upper bounds of ``latency_ns`` / ``latency_us`` (fio's ``FIO_IO_U_LAT_N_NR``/``_U_NR``).
 _NS_US_BOUNDS = (2, 4, 10, 20, 50, 100, 250, 500, 750, 1000)
@@ -90,8 +113,11 @@ def percentile_key(p: float) -> str:
     return f"{p:f}"
 
 
-def lat_summary(lat_ns: np.ndarray | Sequence[int], percentiles: Sequence[float] | None = FIO_PERCENTILES,
-                bins: bool = False) -> dict[str, Any]:
+def lat_summary(
+    lat_ns: np.ndarray | Sequence[int],
+    percentiles: Sequence[float] | None = FIO_PERCENTILES,
+    bins: bool = False,
+) -> dict[str, Any]:
     """fio's ``clat_ns``/``lat_ns`` object for a set of latencies.
 
     Parameters
@@ -115,8 +141,11 @@ def lat_summary(lat_ns: np.ndarray | Sequence[int], percentiles: Sequence[float]
     if n == 0:
         return {"min": 0, "max": 0, "mean": 0.0, "stddev": 0.0, "N": 0}
     out: dict[str, Any] = {
-        "min": int(v.min()), "max": int(v.max()), "mean": float(v.mean()),
-        "stddev": float(v.std(ddof=1)) if n > 1 else 0.0, "N": n,
+        "min": int(v.min()),
+        "max": int(v.max()),
+        "mean": float(v.mean()),
+        "stddev": float(v.std(ddof=1)) if n > 1 else 0.0,
+        "N": n,
     }
     if percentiles is None and not bins:
         return out
@@ -134,7 +163,9 @@ def lat_summary(lat_ns: np.ndarray | Sequence[int], percentiles: Sequence[float]
     return out
 
 
-def lat_buckets(lat_ns: np.ndarray | Sequence[int], total_ios: int | None = None) -> dict[str, dict[str, float]]:
+def lat_buckets(
+    lat_ns: np.ndarray | Sequence[int], total_ios: int | None = None
+) -> dict[str, dict[str, float]]:
     """fio's ``latency_ns``, ``latency_us`` and ``latency_ms`` bucket percentages.
 
     Parameters
@@ -197,11 +228,15 @@ def num2str(value: float, base: int = 1000, unit: str = "", sig_figs: int = 4) -
         prefixes[0] = ""
     i = 0
     v = float(value)
-    while abs(v) >= 10 ** sig_figs and i < len(prefixes) - 1:
+    while abs(v) >= 10**sig_figs and i < len(prefixes) - 1:
         v /= base
         i += 1
     if i == 0:
-        text = f"{v:.0f}" if v == int(v) or abs(v) >= 10 ** (sig_figs - 1) else f"{v:.{sig_figs - 1 - len(str(int(abs(v))))}f}"
+        text = (
+            f"{v:.0f}"
+            if v == int(v) or abs(v) >= 10 ** (sig_figs - 1)
+            else f"{v:.{sig_figs - 1 - len(str(int(abs(v))))}f}"
+        )
     else:
         int_digits = len(str(int(abs(v))))
         decimals = max(sig_figs - int_digits - 1, 0)

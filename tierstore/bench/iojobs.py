@@ -61,6 +61,7 @@ around each call; for io_uring from just before the ``io_uring_enter`` that subm
 to just after the ``io_uring_enter`` whose wait ended and the reap that found its completion
 (fio's clat spans submission to reap the same way).
 """
+
 from __future__ import annotations
 
 import array
@@ -151,10 +152,12 @@ def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
     need = max(0, size_bytes - have)
     free = _free_bytes(path)
     if need > free:
-        raise NoSpaceForJob(f"size={options['size']} bytes: the file {path} needs {need} more "
-                            f"bytes ({need / 2**30:.1f} GiB) but its file system has {free} bytes "
-                            f"({free / 2**30:.1f} GiB) free; nothing was written. Choose a smaller size= "
-                            "or another directory=")
+        raise NoSpaceForJob(
+            f"size={options['size']} bytes: the file {path} needs {need} more "
+            f"bytes ({need / 2**30:.1f} GiB) but its file system has {free} bytes "
+            f"({free / 2**30:.1f} GiB) free; nothing was written. Choose a smaller size= "
+            "or another directory="
+        )
 
 
 #: Extended attribute that marks a file a plain job created (and kept, ``unlink=0``): a later job
@@ -218,12 +221,16 @@ def _check_overwrite(options: dict[str, Any], path: str, device: bool, writes: b
         if size == 0 or _is_own(path):
             return
         what = f"an existing {size}-byte file that no tierstore job created"
-    act = ("would write over what it holds" if options["rw"] not in ("read", "randread")
-           else f"would extend it to size={options['size']} bytes (fio's layout writes the rest)")
+    act = (
+        "would write over what it holds"
+        if options["rw"] not in ("read", "randread")
+        else f"would extend it to size={options['size']} bytes (fio's layout writes the rest)"
+    )
     raise ForeignDataError(
         f"filename={path!r}: {what}; job {options['name']!r} (rw={options['rw']}) {act}. tierstore bench "
         "writes over data it did not write only when told to: --format=1 (format=1 in a job file; fio writes "
-        "without asking). Nothing was written")
+        "without asking). Nothing was written"
+    )
 
 
 def _layout(name: str, path: str, size_bytes: int) -> None:
@@ -272,7 +279,7 @@ class _FdTarget:
         if direct:
             self.engine = _open_engine(kind, path, size_bytes, 1)
             self.fd = self.engine.fd
-            self.kind = self.engine.kind    # auto: what it chose
+            self.kind = self.engine.kind  # auto: what it chose
         else:
             try:
                 self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -299,19 +306,29 @@ class _FdTarget:
 
 def _open_engine(kind: str, path: str | None, size_bytes: int, iodepth: int) -> Any:
     from ..io import open_engine
+
     try:
         return open_engine(kind, path, size_bytes, iodepth=iodepth)
     except OSError as exc:
-        if isinstance(exc, TierStoreError):   # e.g. IoUringUnavailable: its message says why
+        if isinstance(exc, TierStoreError):  # e.g. IoUringUnavailable: its message says why
             raise
-        hint = " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)" if exc.errno == errno.EINVAL else ""
-        raise ConfigError(f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}") from None
+        hint = (
+            " (the filesystem may refuse O_DIRECT, e.g. tmpfs: try direct=0)"
+            if exc.errno == errno.EINVAL
+            else ""
+        )
+        raise ConfigError(
+            f"filename={path!r}: cannot open with ioengine={kind}: {exc.strerror}{hint}"
+        ) from None
 
 
 def _is_nvme_generic(path: str) -> bool:
     """``/dev/ngXnY``: an NVMe generic character device (I/O passthrough only)."""
-    return os.path.basename(path).startswith("ng") and os.path.exists(path) and \
-        stat.S_ISCHR(os.stat(path).st_mode)
+    return (
+        os.path.basename(path).startswith("ng")
+        and os.path.exists(path)
+        and stat.S_ISCHR(os.stat(path).st_mode)
+    )
 
 
 class _FutureTarget:
@@ -340,7 +357,8 @@ class _PassthroughTarget(_FutureTarget):
 
     def __init__(self, path: str, size_bytes: int, options: dict[str, Any]) -> None:
         from ..fdp.device import PassthroughEngine, discover_namespace
-        ns = discover_namespace(path)      # the discovery the library and the daemon use
+
+        ns = discover_namespace(path)  # the discovery the library and the daemon use
         placed = options["dataplacement"] == "fdp"
         if placed:
             ns.require_fdp()
@@ -349,8 +367,14 @@ class _PassthroughTarget(_FutureTarget):
         #: the namespace's PIDs; plids index it (checked before any write)
         self.pid_table = ns.pid_table if ns.info.fdp_enabled else None
         self.pids = self.pid_table.pids_at(options["plids"]) if placed else []
-        self.engine = PassthroughEngine(ns.char_dev, size_bytes, ns.nsid, ns.lba_bytes, pid_table=self.pid_table,
-                                        max_transfer_bytes=ns.max_transfer_bytes)
+        self.engine = PassthroughEngine(
+            ns.char_dev,
+            size_bytes,
+            ns.nsid,
+            ns.lba_bytes,
+            pid_table=self.pid_table,
+            max_transfer_bytes=ns.max_transfer_bytes,
+        )
 
 
 class _EngineTarget(_FutureTarget):
@@ -375,7 +399,9 @@ class _LockedObserver:
         with self.lock:
             self.ftl.on_trim(offset_bytes, nbytes)
 
-    def on_writes(self, offsets: Sequence[int], nbytes: Sequence[int], placements: Sequence[int | None]) -> None:
+    def on_writes(
+        self, offsets: Sequence[int], nbytes: Sequence[int], placements: Sequence[int | None]
+    ) -> None:
         """Many completed writes: whole-page ones of one placement go to the model as one page array
         (:meth:`~tierstore.fdp.ftl.FTLModel.write_pages`), the others one by one (same accounting as
         :meth:`~tierstore.fdp.ftl.FTLModel.write`)."""
@@ -403,6 +429,7 @@ class _LockedObserver:
 def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, Any]]:
     """The FTL model standing in for ``device=sim`` and the geometry it was given."""
     from ..fdp.ftl import FTLModel
+
     page_bytes = min(64 << 10, 1 << (min(options["bs"], 64 << 10).bit_length() - 1))
     capacity = -(-int(span_bytes / max(options["utilization"], 0.01)) // page_bytes) * page_bytes
     num_ruh = _MODEL_RUHS
@@ -413,8 +440,7 @@ def _make_ftl(options: dict[str, Any], span_bytes: int) -> tuple[Any, dict[str, 
     ru = max(page_bytes, min(options["ru_size"], ru_fit))
     capacity = -(-capacity // ru) * ru
     ftl = FTLModel(capacity, ru, op, num_ruh=num_ruh, page_bytes=page_bytes)
-    return ftl, {"capacity_bytes": capacity, "ru_size_bytes": ru, "page_bytes": page_bytes,
-                 "op": op}
+    return ftl, {"capacity_bytes": capacity, "ru_size_bytes": ru, "page_bytes": page_bytes, "op": op}
 
 
 def _read_share(options: dict[str, Any]) -> float:
@@ -439,18 +465,23 @@ def _validate(options: dict[str, Any]) -> None:
     if kind != "memory" and options["direct"] and bs % _DIRECT_ALIGN_BYTES:
         raise ConfigError(f"bs={bs}: with direct=1 it must be a multiple of {_DIRECT_ALIGN_BYTES}")
     if kind == "memory" and bs % _DIRECT_ALIGN_BYTES:
-        raise ConfigError(f"bs={bs}: ioengine=memory keeps O_DIRECT rules; use a multiple of {_DIRECT_ALIGN_BYTES}")
+        raise ConfigError(
+            f"bs={bs}: ioengine=memory keeps O_DIRECT rules; use a multiple of {_DIRECT_ALIGN_BYTES}"
+        )
     if options["time_based"] and not options["runtime"]:
         raise ConfigError("time_based=1: needs runtime > 0")
     if not options["direct"] and kind != "posix":
-        raise ConfigError(f"direct=0: buffered I/O runs on the posix-family engines (posix, psync, sync, pvsync, "
-                          f"pvsync2, posixaio), not ioengine={options['ioengine']}")
+        raise ConfigError(
+            f"direct=0: buffered I/O runs on the posix-family engines (posix, psync, sync, pvsync, "
+            f"pvsync2, posixaio), not ioengine={options['ioengine']}"
+        )
     if options["dataplacement"] == "fdp" and not options["plids"]:
         raise ConfigError("dataplacement=fdp: needs plids, e.g. plids=0,1,2")
 
 
-def _placement_picker(options: dict[str, Any], plids: list[int]
-                      ) -> Callable[[int, int, np.random.Generator], int] | None:
+def _placement_picker(
+    options: dict[str, Any], plids: list[int]
+) -> Callable[[int, int, np.random.Generator], int] | None:
     """Per write, the PID: ``plids`` are the PIDs the job's plids index (fio's ``dp_fill_dspec_data``);
     ``None`` without ``dataplacement=fdp`` (no write is placed)."""
     if options["dataplacement"] != "fdp":
@@ -476,11 +507,16 @@ def _resolve_target(options: dict[str, Any]) -> tuple[str, str | None]:
     mode = _device_mode(options)
     engine = engine_kind(options["ioengine"])
     if mode == "sim":
-        ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
-                   if k in explicit and options[k] and not (k == "ioengine" and options[k] == "memory")]
+        ignored = [
+            f"{k}={options[k]}"
+            for k in ("ioengine", "directory", "filename")
+            if k in explicit and options[k] and not (k == "ioengine" and options[k] == "memory")
+        ]
         if ignored:
-            info(f"{options['name']}: device=sim keeps the data in memory (the FTL model is the device); "
-                 f"{', '.join(ignored)} not used (device=file writes a file)")
+            info(
+                f"{options['name']}: device=sim keeps the data in memory (the FTL model is the device); "
+                f"{', '.join(ignored)} not used (device=file writes a file)"
+            )
         return "memory", None
     if engine == "memory":
         return "memory", None
@@ -497,8 +533,10 @@ def _prepare_target(options: dict[str, Any], path: str, read_share: float, span_
         try:
             st_mode = os.stat(path).st_mode
         except FileNotFoundError:
-            raise ConfigError(f"filename={path!r}: no such device (this job needs a real NVMe "
-                              "namespace; the development host has none)") from None
+            raise ConfigError(
+                f"filename={path!r}: no such device (this job needs a real NVMe "
+                "namespace; the development host has none)"
+            ) from None
         if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
             raise ConfigError(f"filename={path!r}: not a block or character device")
         _check_overwrite(options, path, True, read_share < 1)
@@ -581,7 +619,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
             except FileNotFoundError:
                 pass
         elif own and os.path.isfile(path):
-            _mark_own(path)   # as the job leaves it: size and mtime
+            _mark_own(path)  # as the job leaves it: size and mtime
         if tmpdir is not None:
             tmpdir.cleanup()
 
@@ -590,8 +628,9 @@ class _Shared:
     """What the threads of one job share: the I/O budget, the sequential cursors, the stop flag and
     the failures. Each thread draws its own offsets and keeps its own log (no lock per I/O)."""
 
-    def __init__(self, options: dict[str, Any], span_blocks: int, limit_ios: int | None,
-                 deadline_ns: int | None) -> None:
+    def __init__(
+        self, options: dict[str, Any], span_blocks: int, limit_ios: int | None, deadline_ns: int | None
+    ) -> None:
         self.lock = threading.Lock()
         self.issued_ios = 0
         self.limit_ios = limit_ios
@@ -637,14 +676,16 @@ class _Draw:
     C turn of a ring issue the same offsets; placements (``plid_select=random``) draw from a generator
     of their own (:attr:`pick_rng`) for the same reason."""
 
-    def __init__(self, shared: _Shared, options: dict[str, Any], clone: int, lane: int, read_share: float) -> None:
+    def __init__(
+        self, shared: _Shared, options: dict[str, Any], clone: int, lane: int, read_share: float
+    ) -> None:
         self.shared, self.clone, self.bs = shared, clone, options["bs"]
         self.rng = np.random.default_rng([options["seed"], clone, lane])
         self.pick_rng = np.random.default_rng([options["seed"], clone, lane, 1])
         self.random = options["rw"].startswith("rand")
         self.read_share = read_share
-        self._offsets_np = np.empty(0, dtype=np.int64)   # drawn random offsets (bytes), used from _at on
-        self._offsets: list[int] = []                   # the same as a list (what the Python loops read)
+        self._offsets_np = np.empty(0, dtype=np.int64)  # drawn random offsets (bytes), used from _at on
+        self._offsets: list[int] = []  # the same as a list (what the Python loops read)
         self._at = 0
         self._writes_np = np.empty(0, dtype=bool)
         self._writes: list[bool] = []
@@ -657,7 +698,7 @@ class _Draw:
         if self.random:
             if self._at + n > len(self._offsets):
                 self._draw_offsets()
-            offsets = self._offsets[self._at:self._at + n]
+            offsets = self._offsets[self._at : self._at + n]
             self._at += n
         else:
             bs = self.bs
@@ -668,7 +709,7 @@ class _Draw:
             return offsets, self._writes_only[:n]
         if self._wat + n > len(self._writes):
             self._draw_writes()
-        writes = self._writes[self._wat:self._wat + n]
+        writes = self._writes[self._wat : self._wat + n]
         self._wat += n
         return offsets, writes
 
@@ -678,7 +719,7 @@ class _Draw:
         if self.random:
             if self._at + n > len(self._offsets_np):
                 self._draw_offsets()
-            offsets = self._offsets_np[self._at:self._at + n]
+            offsets = self._offsets_np[self._at : self._at + n]
             self._at += n
         else:
             offsets = np.array(self.shared.sequential(self.clone, n), dtype=np.int64) * self.bs
@@ -686,18 +727,20 @@ class _Draw:
             return offsets, None
         if self._wat + n > len(self._writes_np):
             self._draw_writes()
-        writes = self._writes_np[self._wat:self._wat + n]
+        writes = self._writes_np[self._wat : self._wat + n]
         self._wat += n
         return offsets, writes
 
     def _draw_offsets(self) -> None:
         fresh = self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs
-        self._offsets_np = np.concatenate([self._offsets_np[self._at:], fresh])
+        self._offsets_np = np.concatenate([self._offsets_np[self._at :], fresh])
         self._offsets = self._offsets_np.tolist()
         self._at = 0
 
     def _draw_writes(self) -> None:
-        self._writes_np = np.concatenate([self._writes_np[self._wat:], self.rng.random(_DRAW_CHUNK) >= self.read_share])
+        self._writes_np = np.concatenate(
+            [self._writes_np[self._wat :], self.rng.random(_DRAW_CHUNK) >= self.read_share]
+        )
         self._writes = self._writes_np.tolist()
         self._wat = 0
 
@@ -707,7 +750,7 @@ class _Log:
     writes also the offset and the PID (-1: none), which the FTL model hears after the run."""
 
     def __init__(self) -> None:
-        self.lat = (array.array("q"), array.array("q"))    # read, write
+        self.lat = (array.array("q"), array.array("q"))  # read, write
         self.done = (array.array("q"), array.array("q"))
         self.nbytes = (array.array("q"), array.array("q"))
         self.write_offset = array.array("q")
@@ -716,9 +759,12 @@ class _Log:
     def into(self, recorders: tuple[DirectionRecorder, DirectionRecorder], full_bytes: int) -> None:
         for d in (0, 1):
             if self.lat[d]:
-                recorders[d].record_many(np.frombuffer(self.lat[d], dtype=np.int64),
-                                         np.frombuffer(self.done[d], dtype=np.int64),
-                                         np.frombuffer(self.nbytes[d], dtype=np.int64), full_bytes)
+                recorders[d].record_many(
+                    np.frombuffer(self.lat[d], dtype=np.int64),
+                    np.frombuffer(self.done[d], dtype=np.int64),
+                    np.frombuffer(self.nbytes[d], dtype=np.int64),
+                    full_bytes,
+                )
 
 
 def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> dict[str, list]:
@@ -743,8 +789,9 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
     next_ns = t0_ns + step_ns
     for a in range(0, done.size, _OBSERVE_BATCH):
         b = min(a + _OBSERVE_BATCH, done.size)
-        observer.on_writes(offsets[a:b].tolist(), nbytes[a:b].tolist(),
-                           [None if p < 0 else p for p in pids[a:b].tolist()])
+        observer.on_writes(
+            offsets[a:b].tolist(), nbytes[a:b].tolist(), [None if p < 0 else p for p in pids[a:b].tolist()]
+        )
         if done[b - 1] >= next_ns or b == done.size:
             st = observer.stats()
             series["t_s"].append((int(done[b - 1]) - t0_ns) / 1e9)
@@ -755,8 +802,15 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
     return series
 
 
-def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
-               pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
+def _sync_lane(
+    shared: _Shared,
+    target: Any,
+    draw: _Draw,
+    log: _Log,
+    bs: int,
+    pick: Callable[[int, int, np.random.Generator], int] | None,
+    fill_random: bool,
+) -> None:
     """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the
     engines)."""
     keep, buf = alloc_aligned(bs)
@@ -813,8 +867,16 @@ def _sync_lane(shared: _Shared, target: Any, draw: _Draw, log: _Log, bs: int,
         keep.close()
 
 
-def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
-                pick: Callable[[int, int, np.random.Generator], int] | None, fill_random: bool) -> None:
+def _ring_clone(
+    shared: _Shared,
+    fd: int,
+    depth: int,
+    draw: _Draw,
+    log: _Log,
+    bs: int,
+    pick: Callable[[int, int, np.random.Generator], int] | None,
+    fill_random: bool,
+) -> None:
     """One clone through its own io_uring, keeping between 3/4 of ``depth`` and ``depth`` I/Os in flight.
 
     SQE ``i`` is fixed to buffer slot ``i`` once (:meth:`~tierstore.io.ring.Ring.fix_rw_slots`). Each
@@ -828,7 +890,7 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
     is the reference and the fallback.
     """
     clone = None
-    mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # page-aligned
+    mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
     try:
         if fill_random:
             mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
@@ -843,14 +905,16 @@ def _ring_clone(shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs
                 clone.issue()
             if not clone.inflight:
                 return
-            cqes = submit_reap(min(clone.inflight, reap_at_least))   # one io_uring_enter
+            cqes = submit_reap(min(clone.inflight, reap_at_least))  # one io_uring_enter
             clone.complete(cqes, clock())
     except Exception as exc:  # noqa: BLE001 (any failure ends the job with err= set; fio: td_verror)
         if clone is None:
             shared.fail(exc, -1, False)
         else:
             shared.fail(exc, clone.offset, clone.is_write)
-            _drain(clone.ring, clone.inflight)  # the kernel must be done with the buffers before they are unmapped
+            _drain(
+                clone.ring, clone.inflight
+            )  # the kernel must be done with the buffers before they are unmapped
     finally:
         shared.finished_ns.append(time.perf_counter_ns())
         if clone is not None:
@@ -878,14 +942,23 @@ def _native_turns(clone: _RingClone, depth: int) -> None:
             clone.issuing = bool(len(offsets))
         if not clone.issuing:
             offsets, opcodes, tags = _NO_OFFSETS, None, None
-        got = run_fixed_turns(ring, state, offsets, opcodes, tags, out, deadline_ns=deadline,
-                              return_ns=time.perf_counter_ns() + _NATIVE_RETURN_NS, wait_nr=wait_nr,
-                              drain=not clone.issuing)
-        offsets = offsets[got.issued:]
-        opcodes = None if opcodes is None else opcodes[got.issued:]
-        tags = None if tags is None else tags[got.issued:]
+        got = run_fixed_turns(
+            ring,
+            state,
+            offsets,
+            opcodes,
+            tags,
+            out,
+            deadline_ns=deadline,
+            return_ns=time.perf_counter_ns() + _NATIVE_RETURN_NS,
+            wait_nr=wait_nr,
+            drain=not clone.issuing,
+        )
+        offsets = offsets[got.issued :]
+        opcodes = None if opcodes is None else opcodes[got.issued :]
+        tags = None if tags is None else tags[got.issued :]
         clone.inflight = got.inflight
-        clone.log_rows(out[:got.logged])
+        clone.log_rows(out[: got.logged])
         if got.reason == _TURN_FAILED:
             clone.offset, clone.is_write = got.err_offset, got.err_opcode == IORING_OP_WRITE
             what = "write" if clone.is_write else "read"
@@ -911,7 +984,7 @@ def _native_chunk(clone: _RingClone) -> tuple[np.ndarray, np.ndarray | None, np.
     if clone.pick is not None and not clone.reads_only:
         at = np.arange(n) if writes is None else np.flatnonzero(writes)
         pids = []
-        for _ in range(len(at)):   # per write, in issue order, as the Python turn
+        for _ in range(len(at)):  # per write, in issue order, as the Python turn
             clone.seq += 1
             pids.append(clone.pick(draw.clone, clone.seq, draw.pick_rng))
         tags = np.full(n, -1, dtype=np.int64)
@@ -924,8 +997,17 @@ class _RingClone:
     buffer each) with what is in flight in each, and the I/O a failure names (:attr:`offset`,
     :attr:`is_write`)."""
 
-    def __init__(self, shared: _Shared, fd: int, depth: int, draw: _Draw, log: _Log, bs: int,
-                 pick: Callable[[int, int, np.random.Generator], int] | None, mem: mmap.mmap) -> None:
+    def __init__(
+        self,
+        shared: _Shared,
+        fd: int,
+        depth: int,
+        draw: _Draw,
+        log: _Log,
+        bs: int,
+        pick: Callable[[int, int, np.random.Generator], int] | None,
+        mem: mmap.mmap,
+    ) -> None:
         self.shared, self.fd, self.draw, self.log, self.bs, self.pick = shared, fd, draw, log, bs, pick
         base = buffer_address(memoryview(mem))
         self.addrs = [base + i * bs for i in range(depth)]
@@ -939,7 +1021,7 @@ class _RingClone:
         self.inflight = 0
         self.offset, self.is_write = -1, False
         self.reads_only, self.writes_only = draw.read_share >= 1.0, draw.read_share <= 0.0
-        self.ring = Ring(depth)   # last: nothing to close when an earlier line fails
+        self.ring = Ring(depth)  # last: nothing to close when an earlier line fails
         first_op = IORING_OP_READ if self.reads_only or not self.writes_only else IORING_OP_WRITE
         try:
             self.ring.fix_rw_slots(first_op, fd, self.addrs, bs)
@@ -952,7 +1034,9 @@ class _RingClone:
         :meth:`~tierstore.io.ring.Ring.prep_fixed`); after a stop, the deadline or the budget's end
         nothing more is issued (:attr:`issuing`)."""
         shared = self.shared
-        if shared.stop.is_set() or (shared.deadline_ns is not None and time.perf_counter_ns() >= shared.deadline_ns):
+        if shared.stop.is_set() or (
+            shared.deadline_ns is not None and time.perf_counter_ns() >= shared.deadline_ns
+        ):
             self.issuing = False
             return
         free = self.free
@@ -967,7 +1051,7 @@ class _RingClone:
         start = time.perf_counter_ns()
         slot_start = self.slot_start
         opcodes = None
-        if self.reads_only:   # the common case: one store per I/O
+        if self.reads_only:  # the common case: one store per I/O
             for slot in slots:
                 slot_start[slot] = start
         else:
@@ -1003,8 +1087,9 @@ class _RingClone:
             log.nbytes[d].frombytes(sel[:, 2].tobytes())
             if d:
                 log.write_offset.frombytes(sel[:, 3].tobytes())
-                log.write_pid.frombytes((sel[:, 5] if self.pick is not None else np.full(len(sel), -1, np.int64))
-                                        .tobytes())
+                log.write_pid.frombytes(
+                    (sel[:, 5] if self.pick is not None else np.full(len(sel), -1, np.int64)).tobytes()
+                )
 
     def complete(self, cqes: list, done: int) -> None:
         """Free the slots of one turn's completions (``(slot, res, flags)``) and log them at ``done`` (ns);
@@ -1021,8 +1106,10 @@ class _RingClone:
                 self.offset = -1
             raise OSError(-res, f"io_uring {'write' if self.is_write else 'read'}: {os.strerror(-res)}")
         slot_start, log = self.slot_start, self.log
-        if self.reads_only or self.writes_only:   # one direction: a column append per field
-            d = 0 if self.reads_only else 1    # array.fromlist: a C loop (extend goes through the iterator protocol)
+        if self.reads_only or self.writes_only:  # one direction: a column append per field
+            d = (
+                0 if self.reads_only else 1
+            )  # array.fromlist: a C loop (extend goes through the iterator protocol)
             log.lat[d].fromlist([done - slot_start[s] for s in slots])
             log.done[d].fromlist([done] * len(slots))
             log.nbytes[d].fromlist(list(results))
@@ -1072,7 +1159,9 @@ def _start_progress(read_share: float, total: float, timed: bool) -> Any:
     return progress
 
 
-def _device_sampler(observer: _LockedObserver | None, t0_ns: int) -> tuple[dict[str, list], Callable[[], None]]:
+def _device_sampler(
+    observer: _LockedObserver | None, t0_ns: int
+) -> tuple[dict[str, list], Callable[[], None]]:
     """``(series, sample)``: ``sample()`` appends the FTL model's WAF and host/media bytes at the
     time since ``t0_ns`` to ``series`` (``None``: no model sampled during the run, as a file's
     writes reach the model only after it)."""
@@ -1087,11 +1176,20 @@ def _device_sampler(observer: _LockedObserver | None, t0_ns: int) -> tuple[dict[
             series["waf"].append(st["waf"])
             series["hbmw_bytes"].append(st["hbmw_bytes"])
             series["mbmw_bytes"].append(st["mbmw_bytes"])
+
     return series, sample
 
 
-def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int, read_share: float,
-         engine_kind_: str, path: str | None, lanes: int) -> JobResult:
+def _run(
+    options: dict[str, Any],
+    target: Any,
+    span_blocks: int,
+    span_bytes: int,
+    read_share: float,
+    engine_kind_: str,
+    path: str | None,
+    lanes: int,
+) -> JobResult:
     bs = options["bs"]
     writes_any = read_share < 1.0
     observer = None
@@ -1100,7 +1198,7 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
         ftl, device_geometry = _make_ftl(options, span_bytes)
         observer = _LockedObserver(ftl)
         if isinstance(target, _EngineTarget):
-            target.engine.add_observer(observer)   # the engine reports its writes itself
+            target.engine.add_observer(observer)  # the engine reports its writes itself
     pick_placement = _placement_picker(options, _placement_pids(options, target, observer, path, writes_any))
     self_observed = isinstance(target, _EngineTarget)
     ring_fd = target.fd if isinstance(target, _FdTarget) and target.kind == "uring" else None
@@ -1114,12 +1212,12 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     shared = _Shared(options, span_blocks, limit_ios, deadline_ns)
     if ring_fd is not None:
-        native, why = native_turn()
-        info(f"{options['name']}: io_uring turn in " + ("C (tierstore.io._ringloop)" if native else
-                                                        f"Python ({why})"))
+        _say_turn(options["name"])
     logs, threads = _threads(options, shared, target, ring_fd, lanes, read_share, pick_placement)
     timed = deadline_ns is not None
-    progress = _start_progress(read_share, (ramp_ns + runtime_ns) / 1e9 if timed else float(limit_ios * bs), timed)
+    progress = _start_progress(
+        read_share, (ramp_ns + runtime_ns) / 1e9 if timed else float(limit_ios * bs), timed
+    )
     series, sample_device = _device_sampler(observer if self_observed else None, t0_ns)
     for t in threads:
         t.start()
@@ -1145,31 +1243,59 @@ def _run(options: dict[str, Any], target: Any, span_blocks: int, span_bytes: int
     error, message = _job_error(shared, bs)
     # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
     depth_level = dict(_DEPTH_ONE) if lanes == 1 and ring_fd is None else None
-    return JobResult(jobname=options["name"], options=options, read=read, write=write,
-                     device=device, timeseries=timeseries, error=error, error_message=message,
-                     usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
-                     ctx=int(usage["ctx"]), majf=int(usage["majf"]), minf=int(usage["minf"]),
-                     iodepth_level=depth_level)
+    return JobResult(
+        jobname=options["name"],
+        options=options,
+        read=read,
+        write=write,
+        device=device,
+        timeseries=timeseries,
+        error=error,
+        error_message=message,
+        usr_cpu=usage["usr_cpu"],
+        sys_cpu=usage["sys_cpu"],
+        runtime_s=(end_ns - t0_ns - ramp_ns) / 1e9,
+        ctx=int(usage["ctx"]),
+        majf=int(usage["majf"]),
+        minf=int(usage["minf"]),
+        iodepth_level=depth_level,
+    )
 
 
-def _placement_pids(options: dict[str, Any], target: Any, observer: _LockedObserver | None, path: str | None,
-                    writes_any: bool) -> list[int]:
+def _say_turn(name: str) -> None:
+    """Say whether the job's io_uring turn runs in C (``tierstore.io._ringloop``) or in Python, and why."""
+    native, why = native_turn()
+    info(f"{name}: io_uring turn in " + ("C (tierstore.io._ringloop)" if native else f"Python ({why})"))
+
+
+def _placement_pids(
+    options: dict[str, Any], target: Any, observer: _LockedObserver | None, path: str | None, writes_any: bool
+) -> list[int]:
     """The PIDs ``plids`` names with ``dataplacement=fdp`` (empty otherwise): the namespace's, or the FTL
     model's through the same PID table as a device's; a target that cannot place writes is refused."""
     if not (writes_any and options["dataplacement"] == "fdp"):
         return []
     if isinstance(target, _PassthroughTarget):
         return target.pids
-    if observer is not None:   # the model's RUH Status, through the same PID table as a device's
+    if observer is not None:  # the model's RUH Status, through the same PID table as a device's
         from ..fdp.simdevice import SimFdpDevice
+
         return SimFdpDevice(observer.ftl).pid_table().pids_at(options["plids"])
-    raise ConfigError(f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
-                      "writes need /dev/ngXnY (the posix and uring engines cannot place writes)")
+    raise ConfigError(
+        f"dataplacement=fdp: {path} is not an NVMe generic character device; placed "
+        "writes need /dev/ngXnY (the posix and uring engines cannot place writes)"
+    )
 
 
-def _threads(options: dict[str, Any], shared: _Shared, target: Any, ring_fd: int | None, lanes: int,
-             read_share: float, pick: Callable[[int, int, np.random.Generator], int] | None
-             ) -> tuple[list[_Log], list[threading.Thread]]:
+def _threads(
+    options: dict[str, Any],
+    shared: _Shared,
+    target: Any,
+    ring_fd: int | None,
+    lanes: int,
+    read_share: float,
+    pick: Callable[[int, int, np.random.Generator], int] | None,
+) -> tuple[list[_Log], list[threading.Thread]]:
     """The job's threads (not started) and their logs: per clone (``numjobs``), one io_uring thread
     (:func:`_ring_clone`, ``ring_fd`` set) or ``lanes`` synchronous ones (:func:`_sync_lane`)."""
     bs, iodepth, writes_any = options["bs"], options["iodepth"], read_share < 1.0
@@ -1184,13 +1310,20 @@ def _threads(options: dict[str, Any], shared: _Shared, target: Any, ring_fd: int
                 fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick, writes_any)
             else:
                 fn, args = _sync_lane, (shared, target, draw, log, bs, pick, writes_any)
-            threads.append(threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}",
-                                            daemon=True))
+            threads.append(
+                threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}", daemon=True)
+            )
     return logs, threads
 
 
-def _watch(threads: list[threading.Thread], shared: _Shared, progress: Any, bs: int, t0_ns: int,
-           sample_device: Callable[[], None]) -> None:
+def _watch(
+    threads: list[threading.Thread],
+    shared: _Shared,
+    progress: Any,
+    bs: int,
+    t0_ns: int,
+    sample_device: Callable[[], None],
+) -> None:
     """Wait for the started threads, updating the progress and sampling the device model; a stop
     request (Ctrl-C / SIGTERM) ends the run, which then reports what was done."""
     next_sample_ns = t0_ns
@@ -1209,19 +1342,36 @@ def _watch(threads: list[threading.Thread], shared: _Shared, progress: Any, bs: 
                 next_sample_ns += int(_DEVICE_SAMPLE_S * 1e9)
 
 
-def _device_section(options: dict[str, Any], observer: _LockedObserver, geometry: dict[str, Any], target: Any,
-                    engine_kind_: str, path: str | None) -> dict[str, Any]:
+def _device_section(
+    options: dict[str, Any],
+    observer: _LockedObserver,
+    geometry: dict[str, Any],
+    target: Any,
+    engine_kind_: str,
+    path: str | None,
+) -> dict[str, Any]:
     """The report's ``device`` section: the FTL model's figures and what it stands for."""
     st = observer.stats()
-    where = "memory engine" if engine_kind_ == "memory" else f"{getattr(target, 'kind', engine_kind_)} on {path}"
-    what = ("sim (FTL model as the device)" if _device_mode(options) == "sim" else
-            f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
-            "system's device)")
-    return {"device": what, **geometry, "hbmw_bytes": st["hbmw_bytes"],
-            "mbmw_bytes": st["mbmw_bytes"], "mbe_bytes": st["mbe_bytes"], "waf": st["waf"],
-            "gc_runs": st["gc_runs"],
-            "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
-            "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b}}
+    where = (
+        "memory engine" if engine_kind_ == "memory" else f"{getattr(target, 'kind', engine_kind_)} on {path}"
+    )
+    what = (
+        "sim (FTL model as the device)"
+        if _device_mode(options) == "sim"
+        else f"file ({where}); WAF from an FTL model observing the writes (a model, not this file "
+        "system's device)"
+    )
+    return {
+        "device": what,
+        **geometry,
+        "hbmw_bytes": st["hbmw_bytes"],
+        "mbmw_bytes": st["mbmw_bytes"],
+        "mbe_bytes": st["mbe_bytes"],
+        "waf": st["waf"],
+        "gc_runs": st["gc_runs"],
+        "ruh_host_bytes": {str(i): b for i, b in enumerate(st["ruh_host_bytes"]) if b},
+        "ruh_gc_bytes": {str(i): b for i, b in enumerate(st["ruh_gc_bytes"]) if b},
+    }
 
 
 def _job_error(shared: _Shared, bs: int) -> tuple[int, str]:
@@ -1231,8 +1381,10 @@ def _job_error(shared: _Shared, bs: int) -> tuple[int, str]:
     exc, offset, is_write = shared.errors[0]
     error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
     what = "write" if is_write else "read"
-    message = (f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
-               f"{'' if len(shared.errors) == 1 else f'; {len(shared.errors)} workers failed'})")
+    message = (
+        f"{type(exc).__name__}: {exc} ({what} offset={offset}, buflen={bs}"
+        f"{'' if len(shared.errors) == 1 else f'; {len(shared.errors)} workers failed'})"
+    )
     return error, message
 
 

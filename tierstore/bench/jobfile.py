@@ -20,6 +20,7 @@ Examples
 >>> jobs[0].name, jobs[0].options["bs"]
 ('randread', 4096)
 """
+
 from __future__ import annotations
 
 import configparser
@@ -35,10 +36,27 @@ from ..policies.registry import ADMISSION, EVICTION
 from ..units import parse_size, parse_time_s
 
 __all__ = [
-    "OptionSpec", "SCHEMA", "ALIASES", "VALUE_ALIASES", "JobSpec", "parse_value", "parse_jobs",
-    "read_job_file", "showcmd", "format_value", "schema_help", "flag_pairs", "parse_flag_list",
-    "IOENGINES", "SYNC_IOENGINES", "KV_RW", "engine_kind", "FIO_OPTION_NAMES", "unknown_option",
-    "option_takes_argument", "is_bool_text",
+    "OptionSpec",
+    "SCHEMA",
+    "ALIASES",
+    "VALUE_ALIASES",
+    "JobSpec",
+    "parse_value",
+    "parse_jobs",
+    "read_job_file",
+    "showcmd",
+    "format_value",
+    "schema_help",
+    "flag_pairs",
+    "parse_flag_list",
+    "IOENGINES",
+    "SYNC_IOENGINES",
+    "KV_RW",
+    "engine_kind",
+    "FIO_OPTION_NAMES",
+    "unknown_option",
+    "option_takes_argument",
+    "is_bool_text",
 ]
 
 _TRUE = {"1", "true", "yes", "on", ""}
@@ -79,23 +97,50 @@ class OptionSpec:
     maximum: float | None = None
 
 
-def _spec(name: str, kind: str, default: Any, help: str, choices: Sequence[str] | None = None,
-          minimum: float | None = None, maximum: float | None = None) -> OptionSpec:
+def _spec(
+    name: str,
+    kind: str,
+    default: Any,
+    help: str,
+    choices: Sequence[str] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> OptionSpec:
     return OptionSpec(name, kind, default, help, tuple(choices) if choices else None, minimum, maximum)
 
 
 #: Workloads: the KV ones are run by the tier manager's runners, the plain ones by
 #: :mod:`tierstore.bench.iojobs`.
-RW_CHOICES = ("kvtrace", "kvstore", "kvload", "kvmixed", "read", "write", "randread", "randwrite", "randrw", "rw")
+RW_CHOICES = (
+    "kvtrace",
+    "kvstore",
+    "kvload",
+    "kvmixed",
+    "read",
+    "write",
+    "randread",
+    "randwrite",
+    "randrw",
+    "rw",
+)
 #: The KV workloads (their I/O is a KV block; they report ``kv`` and ``device`` sections).
 KV_RW = ("kvtrace", "kvstore", "kvload", "kvmixed")
 
 #: ``ioengine=`` values and the tierstore engine each one runs on (:func:`engine_kind`). tierstore's own
 #: names map to themselves; fio's names to the engine that does what fio's does.
 IOENGINES: dict[str, str] = {
-    "posix": "posix", "uring": "uring", "auto": "auto", "kvikio": "kvikio", "memory": "memory",
-    "io_uring": "uring", "libaio": "uring", "posixaio": "posix",
-    "psync": "posix", "sync": "posix", "pvsync": "posix", "pvsync2": "posix",
+    "posix": "posix",
+    "uring": "uring",
+    "auto": "auto",
+    "kvikio": "kvikio",
+    "memory": "memory",
+    "io_uring": "uring",
+    "libaio": "uring",
+    "posixaio": "posix",
+    "psync": "posix",
+    "sync": "posix",
+    "pvsync": "posix",
+    "pvsync2": "posix",
 }
 #: fio's synchronous engines: one I/O at a time per job clone, whatever ``iodepth`` says (fio: "increasing
 #: iodepth beyond 1 will not affect synchronous ioengines").
@@ -103,15 +148,17 @@ SYNC_IOENGINES = ("psync", "sync", "pvsync", "pvsync2")
 
 _IOENGINE_HELP = (
     "I/O engine. tierstore's: posix (O_DIRECT preadv/pwritev from iodepth threads per clone), uring "
-    "(io_uring: up to iodepth reads/writes queued per io_uring_enter, completions reaped in batches; plain jobs "
-    "run this loop in C, tierstore.io._ringloop, where it was built at install, else in Python, and say which), auto (uring "
+    "(io_uring: up to iodepth reads/writes queued per io_uring_enter, completions reaped in batches; "
+    "plain jobs run this loop in C, tierstore.io._ringloop, where it was built at install, else in "
+    "Python, and say which), auto (uring "
     "where this process can use io_uring, else posix with a warning), memory (no file), kvikio (GPUDirect "
     "Storage). fio's names map to them: io_uring -> uring; libaio -> uring (the kernel's other asynchronous "
     "interface; io_uring does the same job: iodepth I/Os in flight from one thread); posixaio -> posix "
     "(glibc's "
     "POSIX AIO is a pool of threads doing pread/pwrite, as posix is); psync, sync, pvsync, pvsync2 -> one "
     "synchronous preadv/pwritev at a time per clone on the O_DIRECT file (fio's synchronous engines ignore "
-    "iodepth; numjobs gives parallelism). KV jobs put their NVMe tier through posix or uring the same way.")
+    "iodepth; numjobs gives parallelism). KV jobs put their NVMe tier through posix or uring the same way."
+)
 
 
 def engine_kind(ioengine: str) -> str:
@@ -137,100 +184,209 @@ def engine_kind(ioengine: str) -> str:
     except KeyError:
         raise ConfigError(f"ioengine={ioengine!r}: accepted values are {list(IOENGINES)}") from None
 
+
 #: The schema: every known key with its type, default, accepted values and help.
-SCHEMA: dict[str, OptionSpec] = {s.name: s for s in [
-    _spec("name", "str", "", "Job name (defaults to the section name, or to rw without a job file)."),
-    _spec("description", "str", "", "Free-text description of the job."),
-    _spec("rw", "choice", "kvtrace", "Workload to run.", RW_CHOICES),
-    _spec("trace", "str", "", "Mooncake JSONL trace for rw=kvtrace (empty: the packaged 1,000-request excerpt)."),
-    _spec("trace_block_size", "size", 32 << 10,
-          "rw=kvtrace: bytes stored per 512-token trace block (scaled KV; real Llama-3.1-8B is 64m).",
-          minimum=4096),
-    _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
-    _spec("bs", "size", 4096, "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of a request's "
-          "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at "
-          "least one; a warning when it is not "
-          "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used "
-          "(trace_block_size sets a "
-          "block's bytes, the trace each call's blocks).", minimum=1),
-    _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
-    _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
-    _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
-    _spec("numjobs", "int", 1, "Number of clones of the job (reported as one group).", minimum=1),
-    _spec("runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."),
-    _spec("time_based", "bool", False, "Keep running for runtime even when size is done."),
-    _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
-    _spec("ioengine", "choice", "posix", _IOENGINE_HELP, tuple(IOENGINES)),
-    _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
-    _spec("directory", "str", "", "Directory for the job's files (empty: a private temporary directory of its own, "
-          "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike)."),
-    _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
-    _spec("unlink", "bool", True,
-          "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
-          "default is 0). 0 keeps them. A file that existed before the job is never removed."),
-    _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
-    _spec("hbm_size", "size", 256 << 20, "Capacity of the HBM (GPU) tier. rw=kvtrace default: 2% of the trace's unique bytes."),
-    _spec("host_size", "size", 1 << 30, "Capacity of the pinned host DRAM tier. rw=kvtrace default: 8% of unique bytes."),
-    _spec("nvme_size", "size", 4 << 30, "Capacity of the NVMe tier. rw=kvtrace default: 30% of unique bytes."),
-    _spec("eviction", "choice", "lru", "Eviction policy (policies.eviction).", EVICTION.names()),
-    _spec("admission", "choice", "none", "SSD admission policy (policies.admission; none = all).",
-          ADMISSION.names()),
-    _spec("dataplacement", "choice", "none", "Data placement (fio's dataplacement=).", ("none", "fdp")),
-    _spec("plids", "int_list", (), "Indices into the RUH Status list (fio's plids=/fdp_pli=), e.g. 0,1,2."),
-    _spec("plid_select", "choice", "roundrobin", "How writes pick a placement ID.",
-          ("roundrobin", "random", "lifetime")),
-    _spec("device", "device", "file",
-          "Where the NVMe tier (KV jobs) or the job's I/O (plain jobs) goes: file = a file on this file "
-          "system "
-          "(directory/filename, through ioengine; WAF from an FTL model observing it), sim = the FTL "
-          "model is "
-          "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
-          "hardware)."),
-    _spec("format", "bool", False,
-          "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device "
-          "(device=/dev/...) "
-          "without tierstore's label (a KV job's file is always new: an existing one is refused whatever "
-          "format "
-          "says); plain jobs write to a device, or to an existing non-empty file no tierstore job "
-          "created. What it holds is lost, as with mkfs. Without it such a target is refused "
-          "before anything is written (fio writes without asking)."),
-    _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
-    _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
-    _spec("op", "fraction", 0.07, "Over-provisioning of the simulated device, a fraction or a percentage."),
-    _spec("utilization", "fraction", 0.9, "Share of the device's user capacity the workload fills."),
-    _spec("lifetime_mix", "mix", {"long": 10.0, "medium": 30.0, "short": 60.0},
-          "Share of writes per lifetime class, e.g. long:10,medium:30,short:60."),
-    _spec("time_scale", "float", 1.0, "Speed-up of trace time (2: twice as fast).", minimum=0),
-    _spec("block_tokens", "int", 16, "Tokens per KV block.", minimum=1),
-    _spec("load_blocks", "choice", "useful",
-          "rw=kvload/kvmixed: useful = load the prefix the cost model says beats recompute (what an engine "
-          "does); matched = load every matched block (a bandwidth test).", ("useful", "matched")),
-    _spec("seed", "int", 0, "Seed of every random choice (fio's randseed)."),
-    _spec("rwmixread", "int", 50, "rw=randrw|rw: percentage of I/Os that are reads (fio's rwmixread).", minimum=0,
-          maximum=100),
-    _spec("rwmixwrite", "int", 50, "rw=randrw|rw: percentage of I/Os that are writes (fio's rwmixwrite; "
-          "rwmixread wins when both are given).", minimum=0, maximum=100),
-    _spec("stonewall", "bool", False, "Start this job only when every job before it has finished, and start a new "
-          "reporting group (fio's stonewall, alias wait_for_previous). Without it, jobs run at once."),
-    _spec("new_group", "bool", False, "Start a new reporting group with this job (it still runs at once with the "
-          "jobs before it unless stonewall)."),
-    _spec("group_reporting", "bool", False, "Report this job together with the job before it when both are in "
-          "one reporting group (fio's rule; set in [global] or before the first --name, a whole group is "
-          "one "
-          "entry). numjobs clones are always reported as one entry. KV jobs are not merged (their kv and "
-          "device "
-          "sections are per store): a group that would merge one is refused."),
-]}
+SCHEMA: dict[str, OptionSpec] = {
+    s.name: s
+    for s in [
+        _spec("name", "str", "", "Job name (defaults to the section name, or to rw without a job file)."),
+        _spec("description", "str", "", "Free-text description of the job."),
+        _spec("rw", "choice", "kvtrace", "Workload to run.", RW_CHOICES),
+        _spec(
+            "trace",
+            "str",
+            "",
+            "Mooncake JSONL trace for rw=kvtrace (empty: the packaged 1,000-request excerpt).",
+        ),
+        _spec(
+            "trace_block_size",
+            "size",
+            32 << 10,
+            "rw=kvtrace: bytes stored per 512-token trace block (scaled KV; real Llama-3.1-8B is 64m).",
+            minimum=4096,
+        ),
+        _spec("number_ios", "int", 0, "rw=kvtrace: replay at most this many requests (0: all).", minimum=0),
+        _spec(
+            "bs",
+            "size",
+            4096,
+            "Plain rw: block size of one I/O. rw=kvstore|kvload|kvmixed: bytes of a request's "
+            "prompt (kvmixed: of a conversation's turn), rounded down to whole KV blocks of the layout (at "
+            "least one; a warning when it is not "
+            "whole blocks); the report's bs and IOPS are per KV block. rw=kvtrace: not used "
+            "(trace_block_size sets a "
+            "block's bytes, the trace each call's blocks).",
+            minimum=1,
+        ),
+        _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
+        _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
+        _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
+        _spec("numjobs", "int", 1, "Number of clones of the job (reported as one group).", minimum=1),
+        _spec(
+            "runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."
+        ),
+        _spec("time_based", "bool", False, "Keep running for runtime even when size is done."),
+        _spec("ramp_time", "time", 0.0, "Run this long before counting statistics."),
+        _spec("ioengine", "choice", "posix", _IOENGINE_HELP, tuple(IOENGINES)),
+        _spec("direct", "bool", True, "Open files with O_DIRECT (as fio's direct=1)."),
+        _spec(
+            "directory",
+            "str",
+            "",
+            "Directory for the job's files (empty: a private temporary directory of its own, "
+            "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike).",
+        ),
+        _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
+        _spec(
+            "unlink",
+            "bool",
+            True,
+            "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
+            "default is 0). 0 keeps them. A file that existed before the job is never removed.",
+        ),
+        _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
+        _spec(
+            "hbm_size",
+            "size",
+            256 << 20,
+            "Capacity of the HBM (GPU) tier. rw=kvtrace default: 2% of the trace's unique bytes.",
+        ),
+        _spec(
+            "host_size",
+            "size",
+            1 << 30,
+            "Capacity of the pinned host DRAM tier. rw=kvtrace default: 8% of unique bytes.",
+        ),
+        _spec(
+            "nvme_size",
+            "size",
+            4 << 30,
+            "Capacity of the NVMe tier. rw=kvtrace default: 30% of unique bytes.",
+        ),
+        _spec("eviction", "choice", "lru", "Eviction policy (policies.eviction).", EVICTION.names()),
+        _spec(
+            "admission",
+            "choice",
+            "none",
+            "SSD admission policy (policies.admission; none = all).",
+            ADMISSION.names(),
+        ),
+        _spec("dataplacement", "choice", "none", "Data placement (fio's dataplacement=).", ("none", "fdp")),
+        _spec(
+            "plids", "int_list", (), "Indices into the RUH Status list (fio's plids=/fdp_pli=), e.g. 0,1,2."
+        ),
+        _spec(
+            "plid_select",
+            "choice",
+            "roundrobin",
+            "How writes pick a placement ID.",
+            ("roundrobin", "random", "lifetime"),
+        ),
+        _spec(
+            "device",
+            "device",
+            "file",
+            "Where the NVMe tier (KV jobs) or the job's I/O (plain jobs) goes: file = a file on this file "
+            "system "
+            "(directory/filename, through ioengine; WAF from an FTL model observing it), sim = the FTL "
+            "model is "
+            "the device (data in memory, no disk touched), or an FDP namespace /dev/ngXnY (not verified on "
+            "hardware).",
+        ),
+        _spec(
+            "format",
+            "bool",
+            False,
+            "Let a job write over data tierstore did not write: KV jobs format an NVMe tier device "
+            "(device=/dev/...) "
+            "without tierstore's label (a KV job's file is always new: an existing one is refused whatever "
+            "format "
+            "says); plain jobs write to a device, or to an existing non-empty file no tierstore job "
+            "created. What it holds is lost, as with mkfs. Without it such a target is refused "
+            "before anything is written (fio writes without asking).",
+        ),
+        _spec("device_size", "size", 4 << 30, "Capacity of the (simulated) device.", minimum=1),
+        _spec("ru_size", "size", 32 << 20, "Reclaim unit size of the (simulated) device.", minimum=1),
+        _spec(
+            "op", "fraction", 0.07, "Over-provisioning of the simulated device, a fraction or a percentage."
+        ),
+        _spec("utilization", "fraction", 0.9, "Share of the device's user capacity the workload fills."),
+        _spec(
+            "lifetime_mix",
+            "mix",
+            {"long": 10.0, "medium": 30.0, "short": 60.0},
+            "Share of writes per lifetime class, e.g. long:10,medium:30,short:60.",
+        ),
+        _spec("time_scale", "float", 1.0, "Speed-up of trace time (2: twice as fast).", minimum=0),
+        _spec("block_tokens", "int", 16, "Tokens per KV block.", minimum=1),
+        _spec(
+            "load_blocks",
+            "choice",
+            "useful",
+            "rw=kvload/kvmixed: useful = load the prefix the cost model says beats recompute (what an engine "
+            "does); matched = load every matched block (a bandwidth test).",
+            ("useful", "matched"),
+        ),
+        _spec("seed", "int", 0, "Seed of every random choice (fio's randseed)."),
+        _spec(
+            "rwmixread",
+            "int",
+            50,
+            "rw=randrw|rw: percentage of I/Os that are reads (fio's rwmixread).",
+            minimum=0,
+            maximum=100,
+        ),
+        _spec(
+            "rwmixwrite",
+            "int",
+            50,
+            "rw=randrw|rw: percentage of I/Os that are writes (fio's rwmixwrite; "
+            "rwmixread wins when both are given).",
+            minimum=0,
+            maximum=100,
+        ),
+        _spec(
+            "stonewall",
+            "bool",
+            False,
+            "Start this job only when every job before it has finished, and start a new "
+            "reporting group (fio's stonewall, alias wait_for_previous). Without it, jobs run at once.",
+        ),
+        _spec(
+            "new_group",
+            "bool",
+            False,
+            "Start a new reporting group with this job (it still runs at once with the "
+            "jobs before it unless stonewall).",
+        ),
+        _spec(
+            "group_reporting",
+            "bool",
+            False,
+            "Report this job together with the job before it when both are in "
+            "one reporting group (fio's rule; set in [global] or before the first --name, a whole group is "
+            "one "
+            "entry). numjobs clones are always reported as one entry. KV jobs are not merged (their kv and "
+            "device "
+            "sections are per store): a group that would merge one is refused.",
+        ),
+    ]
+}
 
 #: fio spellings accepted as aliases of schema keys.
-ALIASES: dict[str, str] = {"fdp_pli": "plids", "randseed": "seed", "jobname": "name",
-                           "wait_for_previous": "stonewall"}
+ALIASES: dict[str, str] = {
+    "fdp_pli": "plids",
+    "randseed": "seed",
+    "jobname": "name",
+    "wait_for_previous": "stonewall",
+}
 #: fio spellings accepted as aliases of a key's values.
 VALUE_ALIASES: dict[str, dict[str, str]] = {"rw": {"readwrite": "rw"}}
 
 #: fio's option names (``fio --cmdhelp=all`` of fio 3.33, its job options without the I/O engines' own): an
 #: unknown key among them is refused as a fio option tierstore bench does not have, not as a typo.
-FIO_OPTION_NAMES: frozenset[str] = frozenset("""
+FIO_OPTION_NAMES: frozenset[str] = frozenset(
+    """
     allow_file_create allow_mounted_write allrandrepeat atomic ba block_error_percentiles bs bs_unaligned
     bsrange bssplit buffer_compress_chunk buffer_pattern buffered bwavgtime cgroup cgroup_nodelete
     cgroup_weight
@@ -259,19 +415,23 @@ FIO_OPTION_NAMES: frozenset[str] = frozenset("""
     verify_state_save wait_for write_barrier write_bw_log write_hint write_hist_log write_iolog write_iops_log
     write_lat_log zero_buffers zone_reset_frequency zone_reset_threshold zonecapacity zonemode zonerange
     zonesize zoneskip
-""".split())
-
+""".split()
+)
 
 
 def unknown_option(key: str) -> ConfigError:
     """The error for a key that is not in :data:`SCHEMA` or :data:`ALIASES`: one line saying that a fio option
     (:data:`FIO_OPTION_NAMES`) is not supported, or that the key is unknown, with the nearest known keys."""
     if key in FIO_OPTION_NAMES:
-        return ConfigError(f"fio option {key!r} is not supported by tierstore bench "
-                           "(`tierstore bench --cmdhelp` lists the options it accepts)")
+        return ConfigError(
+            f"fio option {key!r} is not supported by tierstore bench "
+            "(`tierstore bench --cmdhelp` lists the options it accepts)"
+        )
     near = difflib.get_close_matches(key, [*SCHEMA, *ALIASES], n=3)
     hint = f"; did you mean {' or '.join(near)}?" if near else ""
-    return ConfigError(f"{key}: unknown option{hint} (`tierstore bench --cmdhelp` lists the options it accepts)")
+    return ConfigError(
+        f"{key}: unknown option{hint} (`tierstore bench --cmdhelp` lists the options it accepts)"
+    )
 
 
 def option_takes_argument(key: str) -> bool:
@@ -342,8 +502,12 @@ def _parse_mix(key: str, raw: str) -> dict[str, float]:
         cls, sep, weight = part.partition(":")
         cls = cls.strip().lower()
         if not sep or cls not in _LIFETIME_CLASSES:
-            raise _bad(key, raw, f"expected class:weight pairs with classes {list(_LIFETIME_CLASSES)}, "
-                                 "e.g. long:10,medium:30,short:60")
+            raise _bad(
+                key,
+                raw,
+                f"expected class:weight pairs with classes {list(_LIFETIME_CLASSES)}, "
+                "e.g. long:10,medium:30,short:60",
+            )
         w = _parse_number(key, weight, float, "a number as each weight")
         if w < 0:
             raise _bad(key, raw, "weights must be >= 0")
@@ -359,8 +523,12 @@ def _parse_device(key: str, raw: str) -> str:
         return text.lower()
     if text.startswith("/dev/"):
         return text
-    raise _bad(key, raw, "accepted values are file (a file on this file system), sim (the FTL model) or an "
-                         "NVMe namespace path such as /dev/ng0n1")
+    raise _bad(
+        key,
+        raw,
+        "accepted values are file (a file on this file system), sim (the FTL model) or an "
+        "NVMe namespace path such as /dev/ng0n1",
+    )
 
 
 def parse_value(key: str, raw: Any) -> Any:
@@ -511,9 +679,14 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     ConfigError
         If the file cannot be read or is not valid INI.
     """
-    parser = configparser.ConfigParser(allow_no_value=True, interpolation=None, strict=False,
-                                       comment_prefixes=("#", ";"), inline_comment_prefixes=(";",),
-                                       default_section="\x00none")
+    parser = configparser.ConfigParser(
+        allow_no_value=True,
+        interpolation=None,
+        strict=False,
+        comment_prefixes=("#", ";"),
+        inline_comment_prefixes=(";",),
+        default_section="\x00none",
+    )
     parser.optionxform = str  # keep keys as written (fio keys are lower case anyway)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -541,8 +714,9 @@ def _validate_raw(raw: Mapping[str, str], where: str) -> dict[str, str]:
     return out
 
 
-def _finish(name_hint: str, merged: dict[str, str], explicit: dict[str, str],
-            global_explicit: dict[str, str]) -> JobSpec:
+def _finish(
+    name_hint: str, merged: dict[str, str], explicit: dict[str, str], global_explicit: dict[str, str]
+) -> JobSpec:
     options = {k: spec.default for k, spec in SCHEMA.items()}
     for key, value in merged.items():
         options[key] = parse_value(key, value)
@@ -624,8 +798,10 @@ def _split_command_line(pairs: Sequence[tuple[str, str]]) -> tuple[dict[str, str
         if key == "name":  # only --name starts a job, as in fio (--jobname is an alias of the key)
             jobs.append([])
         (jobs[-1] if jobs else globals_raw).append((key, value))
-    return (_validate_raw(dict(globals_raw), "command line"),
-            [_validate_raw(dict(job), f"command line job {dict(job)['name']!r}") for job in jobs])
+    return (
+        _validate_raw(dict(globals_raw), "command line"),
+        [_validate_raw(dict(job), f"command line job {dict(job)['name']!r}") for job in jobs],
+    )
 
 
 def _assign_groups(jobs: list[JobSpec]) -> None:
@@ -639,11 +815,16 @@ def _assign_groups(jobs: list[JobSpec]) -> None:
         job.groupid = groupid
         job.waits_for_previous = bool(i and job.options["stonewall"])
     for prev, job in zip(jobs, jobs[1:]):
-        if job.options["group_reporting"] and job.groupid == prev.groupid and \
-                (job.options["rw"] in KV_RW or prev.options["rw"] in KV_RW):
-            raise ConfigError(f"group_reporting: job {job.name!r} (rw={job.options['rw']}) would be merged with job "
-                              f"{prev.name!r} (rw={prev.options['rw']}); KV jobs are not merged (their kv and device "
-                              "sections belong to one store): give one of them new_group or drop group_reporting")
+        if (
+            job.options["group_reporting"]
+            and job.groupid == prev.groupid
+            and (job.options["rw"] in KV_RW or prev.options["rw"] in KV_RW)
+        ):
+            raise ConfigError(
+                f"group_reporting: job {job.name!r} (rw={job.options['rw']}) would be merged with job "
+                f"{prev.name!r} (rw={prev.options['rw']}); KV jobs are not merged (their kv and device "
+                "sections belong to one store): give one of them new_group or drop group_reporting"
+            )
 
 
 def flag_pairs(flags: Sequence[str]) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ and the plots, not the normal text.
 
 Continued in ``docs/BENCH.md`` (``tierstore/bench/kvjobs.py``).
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,14 +32,17 @@ from .jobfile import engine_kind, resolve_path
 from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
 from .result import CpuUsage, DirectionResult, JobResult
 
-__all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file",
-           "no_space_report", "verdict"]
+__all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file", "no_space_report", "verdict"]
 
 
 def _direction(lat_ns: np.ndarray, nbytes: int, wall_s: float, block_bytes: int) -> DirectionResult:
     """One direction of a replay: one I/O per KV block moved (IOPS are blocks/s), one latency per call."""
-    return DirectionResult(io_bytes=int(nbytes), ops=int(nbytes) // block_bytes, runtime_s=max(wall_s, 1e-9),
-                           clat_ns=lat_ns.astype(np.int64))
+    return DirectionResult(
+        io_bytes=int(nbytes),
+        ops=int(nbytes) // block_bytes,
+        runtime_s=max(wall_s, 1e-9),
+        clat_ns=lat_ns.astype(np.int64),
+    )
 
 
 def verdict(kv: dict[str, Any]) -> str:
@@ -55,9 +59,11 @@ def verdict(kv: dict[str, Any]) -> str:
     extra = f"; {matched:.1%} matched, the rest not worth loading or failed" if matched > hit + 5e-4 else ""
     tokens, prompt = int(kv.get("saved_prefill_tokens", 0)), int(kv.get("prompt_tokens", 0))
     share = f" of {prompt:,} prompt tokens ({tokens / prompt:.1%})" if prompt else ""
-    return (f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an "
-            "infinite "
-            f"cache (the trace's ideal{of_ideal}){extra}; saved {tokens:,} prefill tokens{share}")
+    return (
+        f"hit ratio {hit:.1%} of {int(kv.get('lookup_blocks', 0)):,} prompt blocks vs {ideal:.1%} with an "
+        "infinite "
+        f"cache (the trace's ideal{of_ideal}){extra}; saved {tokens:,} prefill tokens{share}"
+    )
 
 
 def replay_config(options: dict[str, Any], nvme_path: str | None = None) -> ReplayConfig:
@@ -88,14 +94,18 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
         When the file already exists (a KV job starts from an empty tier; it
         never reuses or overwrites a file it did not create).
     """
-    path = resolve_path({**options, "directory": options.get("directory") or directory},
-                        f"{options.get('name') or options['rw']}.0.0")
+    path = resolve_path(
+        {**options, "directory": options.get("directory") or directory},
+        f"{options.get('name') or options['rw']}.0.0",
+    )
     if os.path.isdir(path):
         raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
     if os.path.exists(path):
-        raise ConfigError(f"filename={path!r}: exists, and this job did not create it; a KV job's NVMe tier "
-                          "is always a new file (it never reuses or overwrites one, whatever format= says): "
-                          "choose another filename= or directory=. Nothing was written")
+        raise ConfigError(
+            f"filename={path!r}: exists, and this job did not create it; a KV job's NVMe tier "
+            "is always a new file (it never reuses or overwrites one, whatever format= says): "
+            "choose another filename= or directory=. Nothing was written"
+        )
     return path
 
 
@@ -112,31 +122,45 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
     """
     explicit = options.get("_explicit", frozenset())
     dev_opt = str(options.get("device", "file"))
-    fdp = {"enabled": options.get("dataplacement", "none") == "fdp",
-           "plids": list(options.get("plids", ()) or ())}
+    fdp = {
+        "enabled": options.get("dataplacement", "none") == "fdp",
+        "plids": list(options.get("plids", ()) or ()),
+    }
     model = {"op_fraction": options.get("op", 0.07), "utilization": float(options.get("utilization", 0.9))}
     if "ru_size" in explicit:
         model["ru_size_bytes"] = options["ru_size"]
     if dev_opt == "sim":
-        ignored = [f"{k}={options[k]}" for k in ("ioengine", "directory", "filename")
-                   if k in explicit and options.get(k)]
+        ignored = [
+            f"{k}={options[k]}"
+            for k in ("ioengine", "directory", "filename")
+            if k in explicit and options.get(k)
+        ]
         if ignored:
-            info(f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL "
-                 "model "
-                 f"is the device); {', '.join(ignored)} not used (device=file puts it in a file)")
+            info(
+                f"{options.get('name') or options['rw']}: device=sim keeps the NVMe tier in memory (the FTL "
+                "model "
+                f"is the device); {', '.join(ignored)} not used (device=file puts it in a file)"
+            )
         if "device_size" in explicit:
             model["device_bytes"] = options["device_size"]
         return {"device": "sim", "engine": "memory", "model": model, "fdp": fdp}
     fmt_ok = bool(options.get("format", False))  # tierstore.io.label: formatting is an explicit choice
     if dev_opt != "file":
         return {"device": "fdp", "path": dev_opt, "fdp": fdp, "format": fmt_ok}
-    eng = engine_kind(options.get("ioengine", "posix"))   # fio's names too: io_uring, libaio, psync, ...
+    eng = engine_kind(options.get("ioengine", "posix"))  # fio's names too: io_uring, libaio, psync, ...
     if eng not in ("posix", "uring", "auto"):
-        raise ConfigError(f"ioengine={options.get('ioengine')}: device=file puts the NVMe tier in a file through "
-                          "posix, uring or auto (or fio's io_uring, libaio, psync, sync, pvsync, pvsync2, posixaio); "
-                          "use device=sim for a tier in memory")
-    out = {"device": "file", "engine": eng, "model": {k: v for k, v in model.items() if k != "utilization"},
-           "fdp": fdp, "format": fmt_ok}
+        raise ConfigError(
+            f"ioengine={options.get('ioengine')}: device=file puts the NVMe tier in a file through "
+            "posix, uring or auto (or fio's io_uring, libaio, psync, sync, pvsync, pvsync2, posixaio); "
+            "use device=sim for a tier in memory"
+        )
+    out = {
+        "device": "file",
+        "engine": eng,
+        "model": {k: v for k, v in model.items() if k != "utilization"},
+        "fdp": fdp,
+        "format": fmt_ok,
+    }
     if nvme_path is not None:
         out["path"] = nvme_path
     if "ru_size" in explicit:
@@ -144,17 +168,33 @@ def nvme_options(options: dict[str, Any], nvme_path: str | None = None) -> dict:
     return out
 
 
-def store_config(options: dict[str, Any], hbm_bytes: int, host_bytes: int, nvme_bytes: int,
-                 nvme_path: str | None, promotion: str = "top") -> StoreConfig:
+def store_config(
+    options: dict[str, Any],
+    hbm_bytes: int,
+    host_bytes: int,
+    nvme_bytes: int,
+    nvme_path: str | None,
+    promotion: str = "top",
+) -> StoreConfig:
     """The whole typed store config of a KV job (tiers sized by the caller)."""
     nvme = None
     if nvme_bytes:
         nvme = {"capacity_bytes": nvme_bytes, **nvme_options(options, nvme_path)}
-    return StoreConfig.from_dict({"tiers": {"hbm": {"capacity_bytes": hbm_bytes}, "host": {"capacity_bytes": host_bytes},
-                                            "nvme": nvme},
-                                  "policies": {"eviction": options["eviction"], "promotion": promotion,
-                                               "admission": options.get("admission", "none") or "none"}},
-                                 "bench store config")
+    return StoreConfig.from_dict(
+        {
+            "tiers": {
+                "hbm": {"capacity_bytes": hbm_bytes},
+                "host": {"capacity_bytes": host_bytes},
+                "nvme": nvme,
+            },
+            "policies": {
+                "eviction": options["eviction"],
+                "promotion": promotion,
+                "admission": options.get("admission", "none") or "none",
+            },
+        },
+        "bench store config",
+    )
 
 
 def no_space_report(stats: dict, nvme_path: str | None) -> tuple[dict, int, str]:
@@ -172,12 +212,22 @@ def no_space_report(stats: dict, nvme_path: str | None) -> tuple[dict, int, str]
     demoted = int(stats.get("nvme_put_no_space", 0))
     backend = stats.get("nvme_backend") or {}
     alloc = int(backend.get("preallocate_errors", 0)) if isinstance(backend, dict) else 0
-    kv = {"store_no_space_blocks": refused, "demoted_no_space_blocks": demoted, "nvme_allocation_failures": alloc}
+    kv = {
+        "store_no_space_blocks": refused,
+        "demoted_no_space_blocks": demoted,
+        "nvme_allocation_failures": alloc,
+    }
     if not alloc:
         return kv, 0, ""
     where = f" of {os.path.dirname(os.path.abspath(nvme_path))}" if nvme_path else ""
-    return kv, errno.ENOSPC, (f"the file system{where} ran out of space: {alloc} segment allocations failed; "
-                              f"{refused} stores and {demoted} demoted blocks were refused (NO_SPACE)")
+    return (
+        kv,
+        errno.ENOSPC,
+        (
+            f"the file system{where} ran out of space: {alloc} segment allocations failed; "
+            f"{refused} stores and {demoted} demoted blocks were refused (NO_SPACE)"
+        ),
+    )
 
 
 def run_kvtrace(options: dict[str, Any]) -> JobResult:
@@ -193,10 +243,14 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
         no partial statistics).
     """
     if "bs" in options.get("_explicit", ()):
-        warn(f"bs={options['bs']}: not used by rw=kvtrace (each request moves the trace's blocks, "
-             f"trace_block_size={options['trace_block_size']} B each)")
-    for key, why in (("runtime", "the trace is replayed whole, or its first number_ios= requests"),
-                     ("size", "the tiers' sizes are hbm_size=, host_size= and nvme_size=")):
+        warn(
+            f"bs={options['bs']}: not used by rw=kvtrace (each request moves the trace's blocks, "
+            f"trace_block_size={options['trace_block_size']} B each)"
+        )
+    for key, why in (
+        ("runtime", "the trace is replayed whole, or its first number_ios= requests"),
+        ("size", "the tiers' sizes are hbm_size=, host_size= and nvme_size="),
+    ):
         if key in options.get("_explicit", ()):
             warn(f"{key}={options[key]}: not used by rw=kvtrace; {why}")
     own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
@@ -216,10 +270,14 @@ def _trace_kv(rep, block_bytes: int, nvme: bool, files: list[str]) -> tuple[dict
     failed = int(kv.get("useful_blocks", 0)) - int(kv.get("loaded_blocks", 0))
     reasons = []
     if skipped > 0:
-        reasons.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
-                       "faster than loading them (the replay loads the useful prefix, as an engine does)")
+        reasons.append(
+            f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
+            "faster than loading them (the replay loads the useful prefix, as an engine does)"
+        )
     if failed > 0:
-        reasons.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
+        reasons.append(
+            f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses"
+        )
     if reasons:
         kv["not_loaded_reason"] = "; ".join(reasons)
     error, message = 0, ""
@@ -227,11 +285,18 @@ def _trace_kv(rep, block_bytes: int, nvme: bool, files: list[str]) -> tuple[dict
         space, error, message = no_space_report(rep.final_stats, files[0] if files else None)
         kv.update(space)
     kv["verdict"] = verdict(kv)
-    kv["io_unit"] = (f"rw=kvtrace: one I/O is one trace block of {block_bytes} B (trace_block_size), the bs "
-                     "shown; each load/store call moves a request's blocks; the job's bs= is not used")
+    kv["io_unit"] = (
+        f"rw=kvtrace: one I/O is one trace block of {block_bytes} B (trace_block_size), the bs "
+        "shown; each load/store call moves a request's blocks; the job's bs= is not used"
+    )
     if kv.get("wrong_kv_blocks"):  # as fio's verify failure: EILSEQ, before any other error
-        error, message = errno.EILSEQ, (f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
-                                        "under their key (wrong KV)")
+        error, message = (
+            errno.EILSEQ,
+            (
+                f"{kv['wrong_kv_blocks']} loaded blocks did not hold the bytes stored "
+                "under their key (wrong KV)"
+            ),
+        )
     return kv, error, message
 
 
@@ -260,8 +325,10 @@ def _run_kvtrace(options: dict[str, Any]) -> JobResult:
 
     def prog(done: int, total: int) -> None:
         if stop_requested():
-            raise JobInterrupted(f"rw=kvtrace stopped after {done} of {total} requests; the replay reports "
-                                 "statistics only for a whole run")
+            raise JobInterrupted(
+                f"rw=kvtrace stopped after {done} of {total} requests; the replay reports "
+                "statistics only for a whole run"
+            )
         if not started:
             progress.start(total=total, unit="req")
             started.append(True)
@@ -296,9 +363,17 @@ def _run_kvtrace(options: dict[str, Any]) -> JobResult:
         options={**options, "bs": cfg.block_bytes},  # one KV I/O = one trace block
         read=_direction(rep.load_lat_ns, rep.load_bytes, rep.load_wall_s, cfg.block_bytes),
         write=_direction(rep.store_lat_ns, rep.store_bytes, rep.store_wall_s, cfg.block_bytes),
-        kv=kv, device=device, timeseries=rep.timeseries, error=error, error_message=message,
-        usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"], runtime_s=rep.runtime_s,
-        ctx=usage.get("ctx", 0), majf=usage.get("majf", 0), minf=usage.get("minf", 0),
+        kv=kv,
+        device=device,
+        timeseries=rep.timeseries,
+        error=error,
+        error_message=message,
+        usr_cpu=usage["usr_cpu"],
+        sys_cpu=usage["sys_cpu"],
+        runtime_s=rep.runtime_s,
+        ctx=usage.get("ctx", 0),
+        majf=usage.get("majf", 0),
+        minf=usage.get("minf", 0),
     )
 
 

@@ -20,6 +20,7 @@ latencies are per call (one store or load call per request).
 
 Continued in ``docs/BENCH.md`` (``tierstore/bench/kvsynth.py``).
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,8 +53,14 @@ def _build(options: dict[str, Any], layout, path: str | None) -> KVStore:
     """The store for a synthetic job, from the same options as ``rw=kvtrace``
     (:func:`tierstore.bench.kvjobs.store_config`: file, sim or FDP device,
     placement, admission); ``path`` is the NVMe tier's file with ``device=file``."""
-    cfg = store_config(options, options["hbm_size"], options["host_size"], options["nvme_size"], path,
-                       promotion="none" if options["rw"] == "kvload" else "top")
+    cfg = store_config(
+        options,
+        options["hbm_size"],
+        options["host_size"],
+        options["nvme_size"],
+        path,
+        promotion="none" if options["rw"] == "kvload" else "top",
+    )
     return KVStore.from_config(cfg, layout)
 
 
@@ -78,11 +85,15 @@ def _not_loaded_reason(c: dict[str, Any], load_blocks: str) -> str:
     skipped = c["matched"] - c["useful"] if load_blocks == "useful" else 0
     if skipped:
         tiers = ", ".join(f"{t}: {n}" for t, n in c["skipped_tiers"].items() if n)
-        parts.append(f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
-                     f"faster than loading them ({tiers}); load_blocks=matched loads every matched block")
+        parts.append(
+            f"{skipped} matched blocks were not loaded because the cost model judged recomputing them "
+            f"faster than loading them ({tiers}); load_blocks=matched loads every matched block"
+        )
     failed = c["attempted"] - c["loaded"]
     if failed:
-        parts.append(f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses")
+        parts.append(
+            f"{failed} blocks failed to load (I/O error, or evicted before the load) and count as misses"
+        )
     return "; ".join(parts)
 
 
@@ -124,8 +135,10 @@ def io_unit(rw: str, bs: int, block_bytes: int) -> str:
     """The report's line on what a KV job's I/O and ``bs`` are (``kv.io_unit``, under the normal header)."""
     n = call_blocks(bs, block_bytes)
     grows = "; a conversation's grows by that much a turn" if rw == "kvmixed" else ""
-    return (f"rw={rw}: one I/O is one KV block of {block_bytes} B, the bs shown; a request's prompt is the job's "
-            f"bs={bs} B in whole blocks: {n} block{'s' if n != 1 else ''} ({n * block_bytes} B{grows})")
+    return (
+        f"rw={rw}: one I/O is one KV block of {block_bytes} B, the bs shown; a request's prompt is the job's "
+        f"bs={bs} B in whole blocks: {n} block{'s' if n != 1 else ''} ({n * block_bytes} B{grows})"
+    )
 
 
 def _warn_partial_blocks(options: dict[str, Any], block_bytes: int) -> None:
@@ -134,16 +147,20 @@ def _warn_partial_blocks(options: dict[str, Any], block_bytes: int) -> None:
     bs = options["bs"]
     if "bs" in options.get("_explicit", ()) and bs % block_bytes:
         n = call_blocks(bs, block_bytes)
-        warn(f"bs={bs}: not a multiple of the KV block ({block_bytes} B: layout={options['layout']}, "
-             f"block_tokens={options['block_tokens']}); a request's prompt is {n} whole "
-             f"block{'s' if n != 1 else ''} ({n * block_bytes} B)")
+        warn(
+            f"bs={bs}: not a multiple of the KV block ({block_bytes} B: layout={options['layout']}, "
+            f"block_tokens={options['block_tokens']}); a request's prompt is {n} whole "
+            f"block{'s' if n != 1 else ''} ({n * block_bytes} B)"
+        )
 
 
 class _SyntheticRun:
     """One synthetic job: its store, fio's clock (``ramp_time`` not counted, then ``runtime``), the
     per-direction recorders, the lookup counts and the worker threads (see the module docstring)."""
 
-    def __init__(self, options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: str | None) -> None:
+    def __init__(
+        self, options: dict[str, Any], rw: str, layout, store: KVStore, nvme_path: str | None
+    ) -> None:
         self.options, self.rw, self.layout, self.store, self.nvme_path = options, rw, layout, store, nvme_path
         self.bb = layout.bytes_per_block
         self.tpb = layout.tokens_per_block
@@ -164,12 +181,18 @@ class _SyntheticRun:
         self.base_stats: dict = {}
         self.base_lock = threading.Lock()
         #: lookups counted after the ramp: matched / useful / attempted / loaded blocks
-        self.counts: dict[str, Any] = {"matched": 0, "useful": 0, "attempted": 0, "loaded": 0, "lookup_blocks": 0,
-                                       "skipped_tiers": {t.label: 0 for t in Tier}}
+        self.counts: dict[str, Any] = {
+            "matched": 0,
+            "useful": 0,
+            "attempted": 0,
+            "loaded": 0,
+            "lookup_blocks": 0,
+            "skipped_tiers": {t.label: 0 for t in Tier},
+        }
         #: (exception, worker name) of requests that raised: the first one ends the job with err= set
         self.failures: list[tuple[BaseException, str]] = []
-        self.done = 0       # requests done
-        self.counted = 0    # of them, done after the ramp
+        self.done = 0  # requests done
+        self.counted = 0  # of them, done after the ramp
 
     def _reset_clock(self) -> None:
         self.t_begin = time.perf_counter_ns()
@@ -195,10 +218,14 @@ class _SyntheticRun:
         if rw == "kvstore":
             self._pool(lambda i: (self._store_req(i, nblk), self._tick()), range(n_req))
         elif rw == "kvload":
-            self._pool(lambda i: (self._load_req(int(i), nblk), self._tick()),
-                       _passes(n_req, self.options["time_based"]))
+            self._pool(
+                lambda i: (self._load_req(int(i), nblk), self._tick()),
+                _passes(n_req, self.options["time_based"]),
+            )
         else:
-            self._pool(self._mixed_request(), range(n_req) if not self.options["time_based"] else _cycle(n_req))
+            self._pool(
+                self._mixed_request(), range(n_req) if not self.options["time_based"] else _cycle(n_req)
+            )
         self._show_progress()
         end = time.perf_counter_ns()
         timer.cancel()
@@ -212,7 +239,7 @@ class _SyntheticRun:
         st = self.store.store(_NS, toks, _blocks(self.layout, keys), start_block=start, lifetime=hint)
         t1 = time.perf_counter_ns()
         ok = sum(1 for s in st if s is Status.OK)
-        self.wr.record(ok * self.bb, t1 - t0, t1, ops=ok)   # one I/O per block stored; one latency per call
+        self.wr.record(ok * self.bb, t1 - t0, t1, ops=ok)  # one I/O per block stored; one latency per call
 
     def _load_req(self, pid: int, nb: int) -> int:
         store, counts = self.store, self.counts
@@ -235,10 +262,12 @@ class _SyntheticRun:
                     counts["useful"] += hit.useful_blocks
                     counts["attempted"] += len(want)
                     counts["loaded"] += n
-                    for t in hit.tiers[hit.useful_blocks:hit.matched_blocks]:
+                    for t in hit.tiers[hit.useful_blocks : hit.matched_blocks]:
                         counts["skipped_tiers"][t.label] += 1
             if want:
-                self.rd.record(n * self.bb, t1 - t0, t1, ops=n)   # one I/O per block loaded; one latency per call
+                self.rd.record(
+                    n * self.bb, t1 - t0, t1, ops=n
+                )  # one I/O per block loaded; one latency per call
             return n
         finally:
             store.release(rid)
@@ -273,6 +302,7 @@ class _SyntheticRun:
             if n < nb:
                 self._store_req(pid, nb - n, start=n, hint=hint)
             self._tick()
+
         return one
 
     def _pool(self, fn: Callable[[Any], Any], items: Iterable) -> None:
@@ -297,6 +327,7 @@ class _SyntheticRun:
                         self.failures.append((exc, threading.current_thread().name))
                     halt.set()
                     return
+
         ts = [threading.Thread(target=work, name=f"{self.options['name']}-{i}") for i in range(self.threads)]
         for t in ts:
             t.start()
@@ -333,7 +364,9 @@ class _SyntheticRun:
                 self.base_stats.update(self.store.stats())
 
     def _start_clock(self) -> threading.Timer:
-        t = threading.Timer(max(0.0, (self.ramp_end - time.perf_counter_ns()) / 1e9), self._snapshot_at_ramp_end)
+        t = threading.Timer(
+            max(0.0, (self.ramp_end - time.perf_counter_ns()) / 1e9), self._snapshot_at_ramp_end
+        )
         t.daemon = True
         if self.ramp_ns:
             t.start()
@@ -348,20 +381,29 @@ class _SyntheticRun:
         with self.base_lock:
             # a run that ended within the ramp counted nothing: subtract everything
             base = dict(self.base_stats) if self.base_stats else dict(now)
-        s = {k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-             for k, v in now.items()}
+        s = {
+            k: (v - base.get(k, 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in now.items()
+        }
         bpt = now["bytes_per_tier"]
         lb = counts["lookup_blocks"]
         read, write = self.rd.result(end), self.wr.result(end)
         kv: dict[str, Any] = {
-            "requests": self.counted, "blocks_per_request": self.nblk, "block_bytes": self.bb,
+            "requests": self.counted,
+            "blocks_per_request": self.nblk,
+            "block_bytes": self.bb,
             "lookup_hit_ratio": counts["matched"] / lb if lb else 0.0,
             "useful_hit_ratio": counts["loaded"] / lb if lb else 0.0,
             "saved_prefill_tokens": counts["loaded"] * self.tpb,
-            "matched_blocks": counts["matched"], "useful_blocks": counts["useful"],
-            "loaded_blocks": counts["loaded"], "load_blocks": "matched" if self.load_all else "useful",
-            "hbm_bytes": bpt["hbm"], "host_bytes": bpt["host"], "nvme_bytes": bpt["nvme"],
-            "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)), "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
+            "matched_blocks": counts["matched"],
+            "useful_blocks": counts["useful"],
+            "loaded_blocks": counts["loaded"],
+            "load_blocks": "matched" if self.load_all else "useful",
+            "hbm_bytes": bpt["hbm"],
+            "host_bytes": bpt["host"],
+            "nvme_bytes": bpt["nvme"],
+            "hit_blocks_hbm": int(s.get("hit_blocks_hbm", 0)),
+            "hit_blocks_host": int(s.get("hit_blocks_host", 0)),
             "hit_blocks_nvme": int(s.get("hit_blocks_nvme", 0)),
             "nvme_write_bytes": int(s.get("nvme_write_bytes", 0)),
             "wrong_kv_blocks": self.wrong,
@@ -375,11 +417,23 @@ class _SyntheticRun:
         kv["load_lat_ns"] = read.clat_ns
         kv["io_unit"] = io_unit(self.rw, options["bs"], self.bb)
         device = self.store.device_stats() if self.store.nvme is not None else {}
-        return JobResult(jobname=options.get("name") or rw, options={**options, "bs": self.bb}, read=read,
-                         write=write, kv=kv, device=device, timeseries={}, error=error, error_message=message,
-                         usr_cpu=usage["usr_cpu"], sys_cpu=usage["sys_cpu"],
-                         runtime_s=max(0, end - self.ramp_end) / 1e9,
-                         ctx=usage["ctx"], majf=usage["majf"], minf=usage["minf"])
+        return JobResult(
+            jobname=options.get("name") or rw,
+            options={**options, "bs": self.bb},
+            read=read,
+            write=write,
+            kv=kv,
+            device=device,
+            timeseries={},
+            error=error,
+            error_message=message,
+            usr_cpu=usage["usr_cpu"],
+            sys_cpu=usage["sys_cpu"],
+            runtime_s=max(0, end - self.ramp_end) / 1e9,
+            ctx=usage["ctx"],
+            majf=usage["majf"],
+            minf=usage["minf"],
+        )
 
     def _error(self, error: int, message: str) -> tuple[int, str]:
         """fio's ``err=`` and message: a worker's failure first (the job did not run to its end), then
@@ -387,11 +441,15 @@ class _SyntheticRun:
         if self.failures:
             exc, who = self.failures[0]
             error = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
-            message = (f"{type(exc).__name__}: {exc} (in worker {who}"
-                       f"{'' if len(self.failures) == 1 else f'; {len(self.failures)} workers failed'})")
+            message = (
+                f"{type(exc).__name__}: {exc} (in worker {who}"
+                f"{'' if len(self.failures) == 1 else f'; {len(self.failures)} workers failed'})"
+            )
         elif self.wrong:
-            error, message = errno.EILSEQ, (f"{self.wrong} loaded blocks did not hold the bytes stored under "
-                                            "their key (wrong KV)")
+            error, message = (
+                errno.EILSEQ,
+                (f"{self.wrong} loaded blocks did not hold the bytes stored under their key (wrong KV)"),
+            )
         return error, message
 
 

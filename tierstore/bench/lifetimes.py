@@ -21,6 +21,7 @@ and :meth:`LifetimeRecorder.deaths` gives, per key, the death times a second
 censored: they count as LONG when already older than the upper tercile and are
 left out otherwise.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,9 +55,9 @@ class LifetimeRecorder:
     def __init__(self, classify="hint", clock: Callable[[], float] | None = None) -> None:
         self.inner = make_classifier(classify)
         self.clock = clock
-        self.writes: list[tuple[bytes, float, int]] = []       # (key, t_s, class)
-        self._open: dict[bytes, int] = {}                        # key -> index of its live write
-        self.death_s: dict[int, float] = {}                      # write index -> death time
+        self.writes: list[tuple[bytes, float, int]] = []  # (key, t_s, class)
+        self._open: dict[bytes, int] = {}  # key -> index of its live write
+        self.death_s: dict[int, float] = {}  # write index -> death time
         self.now_s = 0.0
 
     def __call__(self, entry, now_s: float) -> LifetimeClass:
@@ -121,12 +122,16 @@ class LifetimeRecorder:
         np.add.at(conf, (p, truth), 1)
         true_share = np.bincount(truth, minlength=3) / max(1, truth.size)
         pred_share = np.bincount(p, minlength=3) / max(1, p.size)
-        out.update(bounds_s=[float(lo), float(hi)], judged=int(judged.sum()),
-                   accuracy=float((p == truth).mean()), chance=float(true_share.max()),
-                   chance_same_shares=float(pred_share @ true_share),
-                   spearman=_spearman(p.astype(float), life[judged]),
-                   confusion=conf.tolist(),
-                   predicted_share=(np.bincount(pred, minlength=3) / max(1, pred.size)).tolist())
+        out.update(
+            bounds_s=[float(lo), float(hi)],
+            judged=int(judged.sum()),
+            accuracy=float((p == truth).mean()),
+            chance=float(true_share.max()),
+            chance_same_shares=float(pred_share @ true_share),
+            spearman=_spearman(p.astype(float), life[judged]),
+            confusion=conf.tolist(),
+            predicted_share=(np.bincount(pred, minlength=3) / max(1, pred.size)).tolist(),
+        )
         return out
 
     def deaths(self) -> dict[bytes, list[float]]:
@@ -145,6 +150,7 @@ def tercile_bounds(lifetimes_s: np.ndarray) -> tuple[float, float]:
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
+
     def rank(x):
         o = np.argsort(x, kind="stable")
         r = np.empty(x.size)
@@ -153,6 +159,7 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
         u, inv, cnt = np.unique(x, return_inverse=True, return_counts=True)
         sums = np.bincount(inv, weights=r)
         return (sums / cnt)[inv]
+
     if a.size < 3 or np.all(a == a[0]) or np.all(b == b[0]):
         return float("nan")
     return float(np.corrcoef(rank(a), rank(b))[0, 1])

@@ -6,6 +6,7 @@ written for fio (fio-plot, fio2gnuplot, spreadsheets) read it unchanged. Our
 own ``kv`` and ``device`` sections are added to each job; their keys carry
 units in their names.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -23,15 +24,27 @@ from .fiostat import FIO_PERCENTILES, lat_buckets, lat_summary, num2str
 from .jobfile import JobSpec, format_value
 from .result import DirectionResult, JobResult
 
-__all__ = ["FIO_VERSION", "OUTPUT_FORMATS", "TERSE_VERSION", "DEVICE_TERMS", "parse_output_formats", "job_to_json",
-           "render_json", "render_normal", "render_terse", "to_jsonable"]
+__all__ = [
+    "FIO_VERSION",
+    "OUTPUT_FORMATS",
+    "TERSE_VERSION",
+    "DEVICE_TERMS",
+    "parse_output_formats",
+    "job_to_json",
+    "render_json",
+    "render_normal",
+    "render_terse",
+    "to_jsonable",
+]
+
 
 def _package_version() -> str:
     """The installed distribution's version (package metadata), else the source tree's ``__version__``."""
     try:
         return importlib.metadata.version("tierstore")
-    except importlib.metadata.PackageNotFoundError:   # run from a source tree that is not installed
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
         from .. import __version__
+
         return __version__
 
 
@@ -55,9 +68,13 @@ def parse_output_formats(text: str) -> list[str]:
     formats = [f.strip() for f in text.split(",") if f.strip()]
     for f in formats:
         if f not in OUTPUT_FORMATS:
-            raise ValueError(f"output-format={f!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined")
+            raise ValueError(
+                f"output-format={f!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined"
+            )
     if not formats:
-        raise ValueError(f"output-format={text!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined")
+        raise ValueError(
+            f"output-format={text!r}: accepted values are {list(OUTPUT_FORMATS)}, comma-combined"
+        )
     if "json" in formats and "json+" in formats:
         formats.remove("json")  # json+ is a superset, as in fio
     return formats
@@ -221,8 +238,12 @@ def job_to_json(result: JobResult, spec: JobSpec | None = None, plus: bool = Fal
     return job
 
 
-def render_json(results: Sequence[JobResult], specs: Sequence[JobSpec | None], plus: bool = False,
-                now_s: float | None = None) -> str:
+def render_json(
+    results: Sequence[JobResult],
+    specs: Sequence[JobSpec | None],
+    plus: bool = False,
+    now_s: float | None = None,
+) -> str:
     """The whole JSON document, laid out as fio prints it.
 
     Parameters
@@ -258,6 +279,7 @@ def render_json(results: Sequence[JobResult], specs: Sequence[JobSpec | None], p
 
 # ---------------------------------------------------------------- normal ----
 
+
 def _scale_lat(values: dict[str, Any]) -> tuple[str, float]:
     """fio's ``display_lat`` unit choice: msec, usec or nsec."""
     mn, mx, mean, dev = values["min"], values["max"], values["mean"], values["stddev"]
@@ -270,9 +292,11 @@ def _scale_lat(values: dict[str, Any]) -> tuple[str, float]:
 
 def _lat_line(label: str, summary: dict[str, Any]) -> str:
     unit, div = _scale_lat(summary)
-    return (f"    {label} ({unit}): min={num2str(int(summary['min'] // div), unit='', sig_figs=6)}, "
-            f"max={num2str(int(summary['max'] // div), unit='', sig_figs=6)}, "
-            f"avg={summary['mean'] / div:5.02f}, stdev={summary['stddev'] / div:5.02f}\n")
+    return (
+        f"    {label} ({unit}): min={num2str(int(summary['min'] // div), unit='', sig_figs=6)}, "
+        f"max={num2str(int(summary['max'] // div), unit='', sig_figs=6)}, "
+        f"avg={summary['mean'] / div:5.02f}, stdev={summary['stddev'] / div:5.02f}\n"
+    )
 
 
 def _percentile_block(label: str, percentiles: dict[str, int]) -> str:
@@ -303,7 +327,7 @@ def _buckets_lines(buckets: dict[str, dict[str, float]]) -> str:
     for key, unit in (("latency_ns", "nsec"), ("latency_us", "usec"), ("latency_ms", "msec")):
         shown = [(k, v) for k, v in buckets[key].items() if v > 0.0]
         for i in range(0, len(shown), 5):
-            chunk = ", ".join(f"{k}={v:3.2f}%" for k, v in shown[i:i + 5])
+            chunk = ", ".join(f"{k}={v:3.2f}%" for k, v in shown[i : i + 5])
             lines.append(f"  lat ({unit})   : {chunk}\n")
     return "".join(lines)
 
@@ -311,8 +335,10 @@ def _buckets_lines(buckets: dict[str, dict[str, float]]) -> str:
 def _direction_normal(name: str, dj: dict[str, Any]) -> str:
     runtime_ms = dj["runtime"]
     bw_b = dj["bw_bytes"]
-    out = [f"  {name}: IOPS={num2str(dj['iops'])}, BW={num2str(bw_b, 1024, 'B/s')} "
-           f"({num2str(bw_b, 1000, 'B/s')})({num2str(dj['io_bytes'], 1024, 'B')}/{runtime_ms}msec)\n"]
+    out = [
+        f"  {name}: IOPS={num2str(dj['iops'])}, BW={num2str(bw_b, 1024, 'B/s')} "
+        f"({num2str(bw_b, 1000, 'B/s')})({num2str(dj['io_bytes'], 1024, 'B')}/{runtime_ms}msec)\n"
+    ]
     if dj["clat_ns"]["N"]:
         if dj["slat_ns"]["N"]:
             out.append(_lat_line("slat", dj["slat_ns"]))
@@ -321,12 +347,16 @@ def _direction_normal(name: str, dj: dict[str, Any]) -> str:
         out.append(_percentile_block("clat", dj["clat_ns"]["percentile"]))
     if dj["bw_samples"]:
         unit, div = ("MiB", 1024.0) if dj["bw_mean"] > 1024 * 1024 else ("KiB", 1.0)
-        out.append(f"   bw ({unit:>5s}/s): min={int(dj['bw_min'] / div):5d}, max={int(dj['bw_max'] / div):5d}, "
-                   f"per={dj['bw_agg']:3.2f}%, avg={dj['bw_mean'] / div:5.02f}, stdev={dj['bw_dev'] / div:5.02f}, "
-                   f"samples={dj['bw_samples']}\n")
-        out.append(f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, "
-                   f"avg={dj['iops_mean']:5.02f}, "
-                   f"stdev={dj['iops_stddev']:5.02f}, samples={dj['iops_samples']}\n")
+        out.append(
+            f"   bw ({unit:>5s}/s): min={int(dj['bw_min'] / div):5d}, max={int(dj['bw_max'] / div):5d}, "
+            f"per={dj['bw_agg']:3.2f}%, avg={dj['bw_mean'] / div:5.02f}, stdev={dj['bw_dev'] / div:5.02f}, "
+            f"samples={dj['bw_samples']}\n"
+        )
+        out.append(
+            f"   iops        : min={dj['iops_min']:5d}, max={dj['iops_max']:5d}, "
+            f"avg={dj['iops_mean']:5.02f}, "
+            f"stdev={dj['iops_stddev']:5.02f}, samples={dj['iops_samples']}\n"
+        )
     return "".join(out)
 
 
@@ -344,8 +374,9 @@ def _fmt_kv_value(key: str, value: Any) -> str:
 
 def _is_series(value: Any) -> bool:
     """A time series (lists of samples): the JSON and the plots carry it, the text report does not."""
-    return isinstance(value, (list, tuple)) or (isinstance(value, dict) and bool(value)
-                                                and all(isinstance(v, (list, tuple)) for v in value.values()))
+    return isinstance(value, (list, tuple)) or (
+        isinstance(value, dict) and bool(value) and all(isinstance(v, (list, tuple)) for v in value.values())
+    )
 
 
 def _is_sentence(value: Any) -> bool:
@@ -355,18 +386,19 @@ def _is_sentence(value: Any) -> bool:
 def _kv_normal(kv: dict[str, Any]) -> str:
     if not kv:
         return ""
-    scalars = [(k, v) for k, v in kv.items() if not isinstance(v, dict) and not _is_series(v)
-               and not _is_sentence(v)]
+    scalars = [
+        (k, v) for k, v in kv.items() if not isinstance(v, dict) and not _is_series(v) and not _is_sentence(v)
+    ]
     out = []
     for i in range(0, len(scalars), 4):
         label = "  kv           : " if i == 0 else "                 "
-        out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i:i + 4]) + "\n")
+        out.append(label + ", ".join(f"{k}={_fmt_kv_value(k, v)}" for k, v in scalars[i : i + 4]) + "\n")
     for key, value in kv.items():
-        if _is_sentence(value) and key not in ("verdict", "io_unit"):   # those two lead the report instead
+        if _is_sentence(value) and key not in ("verdict", "io_unit"):  # those two lead the report instead
             out.append(f"    {key}: {value}\n")
     for key, value in kv.items():
         if isinstance(value, dict) and "N" in value and "mean" in value:
-            name = key[:-len("_lat_ns")].replace("_", " ") + " lat" if key.endswith("_lat_ns") else key
+            name = key[: -len("_lat_ns")].replace("_", " ") + " lat" if key.endswith("_lat_ns") else key
             if value["N"]:
                 out.append(_lat_line(name, value))
                 if "percentile" in value:
@@ -384,18 +416,17 @@ def _dict_text(key: str, value: dict) -> str:
 #: What the write-amplification figures of a ``device`` section mean, printed under it for those present.
 DEVICE_TERMS = {
     "waf": "WAF = media bytes written / host bytes written, in the FTL model of the SSD "
-           "(its garbage-collection copies; 1.000 = none)",
+    "(its garbage-collection copies; 1.000 = none)",
     "e2e_wa": "e2e_wa = media bytes written / bytes the store wrote to its NVMe tier "
-              "(WAF plus segment headers, padding and tierstore's own copy-forward)",
+    "(WAF plus segment headers, padding and tierstore's own copy-forward)",
     "host_write_amplification": "host_write_amplification = (bytes the NVMe tier wrote for stores "
-                                "+ bytes it copied forward when it reclaimed regions) / bytes it wrote "
-                                "for stores (tierstore's share, before the SSD's)",
+    "+ bytes it copied forward when it reclaimed regions) / bytes it wrote "
+    "for stores (tierstore's share, before the SSD's)",
 }
 
 
 def _device_terms(device: dict[str, Any]) -> str:
-    present = [text for key, text in DEVICE_TERMS.items()
-               if key in device or f"nvme_{key}" in device]
+    present = [text for key, text in DEVICE_TERMS.items() if key in device or f"nvme_{key}" in device]
     return "".join(f"    ({text})\n" for text in present)
 
 
@@ -421,8 +452,10 @@ def _device_normal(device: dict[str, Any]) -> str:
 def _job_normal(r: JobResult, j: dict[str, Any], stamp: str) -> str:
     """One job's block of :func:`render_normal` (``j``: its JSON, :func:`job_to_json`)."""
     out: list[str] = []
-    out.append(f"{r.jobname}: (groupid={r.groupid}, jobs={r.options.get('numjobs', 1)}): err={r.error:2d}: "
-               f"pid={os.getpid()}: {stamp}\n")
+    out.append(
+        f"{r.jobname}: (groupid={r.groupid}, jobs={r.options.get('numjobs', 1)}): err={r.error:2d}: "
+        f"pid={os.getpid()}: {stamp}\n"
+    )
     if r.options.get("description"):
         out.append(f"  Description  : [{r.options['description']}]\n")
     for name in ("read", "write"):
@@ -431,18 +464,26 @@ def _job_normal(r: JobResult, j: dict[str, Any], stamp: str) -> str:
             if r.kv:  # KV jobs: say what an I/O is
                 first, _, rest = text.partition("\n")
                 calls = j[name]["clat_ns"]["N"]
-                text = (f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
-                        f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} "
-                        "calls, "
-                        f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}")
+                text = (
+                    f"{first}\n    (IOPS are KV blocks/s, {num2str(int(r.options.get('bs', 0)), 1024, 'B')} "
+                    f"each; the latencies are per {'load' if name == 'read' else 'store'} call: {calls} "
+                    "calls, "
+                    f"{j[name]['total_ios'] / max(calls, 1):.1f} blocks each on average)\n{rest}"
+                )
             out.append(text)
     out.append(_buckets_lines({k: j[k] for k in ("latency_ns", "latency_us", "latency_ms")}))
-    out.append(f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
-               f"majf={j['majf']}, minf={j['minf']}\n")
-    out.append("  IO depths    : " + ", ".join(f"{k}={v:3.1f}%" for k, v in j["iodepth_level"].items()) + "\n")
-    out.append(f"     issued rwts: total={j['read']['total_ios']},{j['write']['total_ios']},0,0 "
-               f"short={j['read']['short_ios']},{j['write']['short_ios']},0,0 "
-               f"dropped={j['read']['drop_ios']},{j['write']['drop_ios']},0,0\n")
+    out.append(
+        f"  cpu          : usr={j['usr_cpu']:3.2f}%, sys={j['sys_cpu']:3.2f}%, ctx={j['ctx']}, "
+        f"majf={j['majf']}, minf={j['minf']}\n"
+    )
+    out.append(
+        "  IO depths    : " + ", ".join(f"{k}={v:3.1f}%" for k, v in j["iodepth_level"].items()) + "\n"
+    )
+    out.append(
+        f"     issued rwts: total={j['read']['total_ios']},{j['write']['total_ios']},0,0 "
+        f"short={j['read']['short_ios']},{j['write']['short_ios']},0,0 "
+        f"dropped={j['read']['drop_ios']},{j['write']['drop_ios']},0,0\n"
+    )
     out.append(f"     latency   : target=0, window=0, percentile=100.00%, depth={j['latency_depth']}\n")
     out.append(_kv_normal(j["kv"]))
     out.append(_device_normal(j["device"]))
@@ -467,10 +508,12 @@ def _run_status_normal(results: Sequence[JobResult], jobs_json: list[dict[str, A
             run_min = min(d["runtime"] for d in dirs)
             agg = io * 1000 / run_max if run_max else 0
             bws = [d["bw_bytes"] for d in dirs]
-            out.append(f"{label:>7s}: bw={num2str(agg, 1024, 'B/s')} ({num2str(agg, 1000, 'B/s')}), "
-                       f"{num2str(min(bws), 1024, 'B/s')}-{num2str(max(bws), 1024, 'B/s')} "
-                       f"({num2str(min(bws), 1000, 'B/s')}-{num2str(max(bws), 1000, 'B/s')}), "
-                       f"io={num2str(io, 1024, 'B')} ({num2str(io, 1000, 'B')}), run={run_min}-{run_max}msec\n")
+            out.append(
+                f"{label:>7s}: bw={num2str(agg, 1024, 'B/s')} ({num2str(agg, 1000, 'B/s')}), "
+                f"{num2str(min(bws), 1024, 'B/s')}-{num2str(max(bws), 1024, 'B/s')} "
+                f"({num2str(min(bws), 1000, 'B/s')}-{num2str(max(bws), 1000, 'B/s')}), "
+                f"io={num2str(io, 1024, 'B')} ({num2str(io, 1000, 'B')}), run={run_min}-{run_max}msec\n"
+            )
     return "".join(out)
 
 
@@ -491,15 +534,17 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
     str
     """
     out: list[str] = []
-    for r in results:   # a KV replay leads with its verdict (one line)
+    for r in results:  # a KV replay leads with its verdict (one line)
         if r.kv.get("verdict"):
             out.append(f"{r.jobname}: {r.kv['verdict']}\n")
     for r in results:
         o = r.options
         bs = int(o.get("bs", 0))
-        out.append(f"{r.jobname}: (g={r.groupid}): rw={o.get('rw')}, bs=(R) {bs}B-{bs}B, (W) {bs}B-{bs}B, "
-                   f"(T) {bs}B-{bs}B, ioengine={o.get('ioengine')}, iodepth={o.get('iodepth')}\n")
-        if r.kv.get("io_unit"):   # a KV job: what the bs above is, and what the job's bs= did
+        out.append(
+            f"{r.jobname}: (g={r.groupid}): rw={o.get('rw')}, bs=(R) {bs}B-{bs}B, (W) {bs}B-{bs}B, "
+            f"(T) {bs}B-{bs}B, ioengine={o.get('ioengine')}, iodepth={o.get('iodepth')}\n"
+        )
+        if r.kv.get("io_unit"):  # a KV job: what the bs above is, and what the job's bs= did
             out.append(f"  ({r.kv['io_unit']})\n")
     out.append(f"{FIO_VERSION}\n")
     nproc = sum(int(r.options.get("numjobs", 1)) for r in results)
@@ -514,12 +559,17 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
 
 # ---------------------------------------------------------------- terse ----
 
+
 def _terse_latency_us(lat: dict[str, Any]) -> list[str]:
     """A latency's 4 terse fields from its ``*_ns`` section: min, max (integer usec), mean, stdev (usec)."""
     if not lat["N"]:
         return ["0", "0", f"{0:f}", f"{0:f}"]
-    return [str(int(lat["min"]) // 1000), str(int(lat["max"]) // 1000), f"{lat['mean'] / 1000:f}",
-            f"{lat['stddev'] / 1000:f}"]
+    return [
+        str(int(lat["min"]) // 1000),
+        str(int(lat["max"]) // 1000),
+        f"{lat['mean'] / 1000:f}",
+        f"{lat['stddev'] / 1000:f}",
+    ]
 
 
 def _terse_direction(d: dict[str, Any]) -> list[str]:

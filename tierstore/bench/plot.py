@@ -9,6 +9,7 @@ Per job, whichever its result has data for:
 * ``<job>-tier-bytes.png``: bytes resident per tier over time
   (``timeseries["hbm_bytes"|"host_bytes"|"nvme_bytes"]``).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ def _figure():
     matplotlib = require("matplotlib", "tierstore bench --plot")
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     return plt, fig, ax
 
@@ -82,28 +84,49 @@ def plot_job(result: JobResult, directory: str) -> list[str]:
     written = []
     load = result.kv.get("load_lat_ns")
     if load is not None and len(load):
-        written.append(_cdf(f"{stem}-lat-cdf.png", f"{result.jobname}: KV load latency CDF",
-                            [("load", np.asarray(load))]))
+        written.append(
+            _cdf(
+                f"{stem}-lat-cdf.png", f"{result.jobname}: KV load latency CDF", [("load", np.asarray(load))]
+            )
+        )
     else:
-        series = [(name, d.clat_ns) for name, d in (("read", result.read), ("write", result.write)) if d.clat_ns.size]
+        series = [
+            (name, d.clat_ns)
+            for name, d in (("read", result.read), ("write", result.write))
+            if d.clat_ns.size
+        ]
         if series:
             written.append(_cdf(f"{stem}-lat-cdf.png", f"{result.jobname}: completion latency CDF", series))
     ts = result.timeseries
     t_s = np.asarray(ts.get("t_s", []), dtype=np.float64)
     if t_s.size and len(ts.get("waf", [])) == t_s.size:
-        written.append(_time_plot(f"{stem}-waf.png", f"{result.jobname}: WAF over time (cumulative since start)",
-                                  "write amplification (media bytes / host bytes)", t_s,
-                                  [("WAF", np.asarray(ts["waf"], dtype=np.float64), {"marker": "."})], hline=1.0))
+        written.append(
+            _time_plot(
+                f"{stem}-waf.png",
+                f"{result.jobname}: WAF over time (cumulative since start)",
+                "write amplification (media bytes / host bytes)",
+                t_s,
+                [("WAF", np.asarray(ts["waf"], dtype=np.float64), {"marker": "."})],
+                hline=1.0,
+            )
+        )
     tiers = [(key, label) for key, label in _TIERS if len(ts.get(key, [])) == t_s.size and t_s.size]
     if tiers:
-        written.append(_time_plot(f"{stem}-tier-bytes.png", f"{result.jobname}: bytes per tier over time",
-                                  "bytes resident (MiB)", t_s,
-                                  [(label, np.asarray(ts[key], dtype=np.float64) / (1 << 20), {})
-                                   for key, label in tiers]))
+        written.append(
+            _time_plot(
+                f"{stem}-tier-bytes.png",
+                f"{result.jobname}: bytes per tier over time",
+                "bytes resident (MiB)",
+                t_s,
+                [(label, np.asarray(ts[key], dtype=np.float64) / (1 << 20), {}) for key, label in tiers],
+            )
+        )
     return written
 
 
-def _time_plot(path: str, title: str, ylabel: str, t_s: np.ndarray, series, hline: float | None = None) -> str:
+def _time_plot(
+    path: str, title: str, ylabel: str, t_s: np.ndarray, series, hline: float | None = None
+) -> str:
     """A chart over time ``t_s`` (seconds) of ``series`` (``[(label, values, plot keywords)]``, from 0
     up, with a dotted grey line at ``hline``), saved as PNG to ``path``; returns ``path``."""
     plt, fig, ax = _figure()

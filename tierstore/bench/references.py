@@ -26,6 +26,7 @@ after the same ``i`` ids), exactly the chained keys the replay stores.
 The command line is ``bench/cache_reference.py``; the offline simulator
 ``bench/frontier_sim.py`` and the policy grid use these functions.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -34,8 +35,14 @@ from collections.abc import Sequence
 
 from ..trace import TraceRequest, ideal_hit_ratio
 
-__all__ = ["chain_keys", "flat_lru_hit_ratio", "belady_hit_ratio", "references", "replay_capacity_blocks",
-           "distance"]
+__all__ = [
+    "chain_keys",
+    "flat_lru_hit_ratio",
+    "belady_hit_ratio",
+    "references",
+    "replay_capacity_blocks",
+    "distance",
+]
 
 _NEVER = float("inf")
 
@@ -48,7 +55,7 @@ def chain_keys(requests: Sequence[TraceRequest]) -> list[list[int]]:
     for r in requests:
         prev = -1
         ks = []
-        for h in r.hash_ids[:r.full_blocks()]:
+        for h in r.hash_ids[: r.full_blocks()]:
             k = ids.get((prev, h))
             if k is None:
                 k = ids[(prev, h)] = len(ids)
@@ -94,8 +101,8 @@ def belady_hit_ratio(keys_per_request: list[list[int]], capacity_blocks: int) ->
         nxt_of[i] = [last.get(k, _NEVER) for k in ks]
         for k in ks:
             last[k] = i
-    resident: dict[int, tuple[float, int]] = {}   # key -> (next use, position)
-    heap: list[tuple[float, int, int]] = []       # max-heap by (next use, position): (-next, -pos, key)
+    resident: dict[int, tuple[float, int]] = {}  # key -> (next use, position)
+    heap: list[tuple[float, int, int]] = []  # max-heap by (next use, position): (-next, -pos, key)
     hit = total = 0
     for i, ks in enumerate(keys_per_request):
         hit += _hits(ks, resident)
@@ -131,8 +138,9 @@ def replay_capacity_blocks(block_bytes: int, hbm_bytes: int, host_bytes: int, nv
     return hbm_bytes // block_bytes + host_bytes // block_bytes + nvme_bytes // block_bytes
 
 
-def references(requests: Sequence[TraceRequest], capacity_blocks: int,
-               keys_per_request: list[list[int]] | None = None) -> dict:
+def references(
+    requests: Sequence[TraceRequest], capacity_blocks: int, keys_per_request: list[list[int]] | None = None
+) -> dict:
     """The three references at ``capacity_blocks``.
 
     Returns
@@ -146,12 +154,15 @@ def references(requests: Sequence[TraceRequest], capacity_blocks: int,
     """
     ks = keys_per_request if keys_per_request is not None else chain_keys(requests)
     uniq = len({k for r in ks for k in r})
-    return {"capacity_blocks": int(capacity_blocks), "unique_blocks": uniq,
-            "lookup_blocks": sum(len(r) for r in ks),
-            "capacity_fraction": capacity_blocks / max(1, uniq),
-            "flat_lru": flat_lru_hit_ratio(ks, capacity_blocks),
-            "belady": belady_hit_ratio(ks, capacity_blocks),
-            "infinite": ideal_hit_ratio(list(requests))}
+    return {
+        "capacity_blocks": int(capacity_blocks),
+        "unique_blocks": uniq,
+        "lookup_blocks": sum(len(r) for r in ks),
+        "capacity_fraction": capacity_blocks / max(1, uniq),
+        "flat_lru": flat_lru_hit_ratio(ks, capacity_blocks),
+        "belady": belady_hit_ratio(ks, capacity_blocks),
+        "infinite": ideal_hit_ratio(list(requests)),
+    }
 
 
 def distance(hit_ratio: float, ref: dict) -> dict:
@@ -159,5 +170,8 @@ def distance(hit_ratio: float, ref: dict) -> dict:
     ``vs_belady`` (difference) and ``gap_closed`` = (hit - LRU) / (Belady - LRU)
     (1.0: Belady reached; 0.0: no better than flat LRU; negative: below it)."""
     span = ref["belady"] - ref["flat_lru"]
-    return {"vs_flat_lru": hit_ratio - ref["flat_lru"], "vs_belady": hit_ratio - ref["belady"],
-            "gap_closed": (hit_ratio - ref["flat_lru"]) / span if span > 0 else float("nan")}
+    return {
+        "vs_flat_lru": hit_ratio - ref["flat_lru"],
+        "vs_belady": hit_ratio - ref["belady"],
+        "gap_closed": (hit_ratio - ref["flat_lru"]) / span if span > 0 else float("nan"),
+    }

@@ -20,6 +20,7 @@ environment variable ``TIERSTORE_BENCH_RUNNERS``, comma separated) so their
 
 Continued in ``docs/BENCH.md`` (``tierstore/bench/registry.py``): stopping early; status output.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,10 +39,25 @@ from ..extras import available
 from .result import JobResult
 
 __all__ = [
-    "Runner", "register_runner", "get_runner", "registered_runners", "load_runner_modules",
-    "RUNNER_MODULES", "BenchProgress", "current_progress", "job_progress", "StatusOptions",
-    "request_stop", "stop_requested", "stop_signal", "reset_stop", "info", "warn", "set_info_sink",
-    "set_status_options", "JobInterrupted",
+    "Runner",
+    "register_runner",
+    "get_runner",
+    "registered_runners",
+    "load_runner_modules",
+    "RUNNER_MODULES",
+    "BenchProgress",
+    "current_progress",
+    "job_progress",
+    "StatusOptions",
+    "request_stop",
+    "stop_requested",
+    "stop_signal",
+    "reset_stop",
+    "info",
+    "warn",
+    "set_info_sink",
+    "set_status_options",
+    "JobInterrupted",
 ]
 
 #: ``fn(job_options) -> JobResult``.
@@ -75,7 +91,9 @@ def register_runner(rw_names: str | Iterable[str], fn: Runner, *, replace: bool 
     for name in names:
         old = _RUNNERS.get(name)
         if old is not None and old is not fn and not replace:
-            raise ConfigError(f"rw={name!r}: a runner is already registered ({old.__module__}.{old.__qualname__})")
+            raise ConfigError(
+                f"rw={name!r}: a runner is already registered ({old.__module__}.{old.__qualname__})"
+            )
         _RUNNERS[name] = fn
 
 
@@ -107,8 +125,9 @@ def get_runner(rw: str) -> Runner:
     try:
         return _RUNNERS[rw]
     except KeyError:
-        raise ConfigError(f"rw={rw!r}: no runner is registered for it in this build; "
-                          f"available: {sorted(_RUNNERS)}") from None
+        raise ConfigError(
+            f"rw={rw!r}: no runner is registered for it in this build; available: {sorted(_RUNNERS)}"
+        ) from None
 
 
 def registered_runners() -> dict[str, Runner]:
@@ -265,8 +284,15 @@ class BenchProgress:
         Where status lines go (default: stderr).
     """
 
-    def __init__(self, description: str, enabled: bool | None = None, delay_s: float = 2.0,
-                 console: Any = None, line_interval_s: float | None = None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        description: str,
+        enabled: bool | None = None,
+        delay_s: float = 2.0,
+        console: Any = None,
+        line_interval_s: float | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
         self.description = description
         self.console = console
         self.enabled = (sys.stdout.isatty() and sys.stderr.isatty()) if enabled is None else enabled
@@ -352,9 +378,17 @@ class BenchProgress:
                 TimeElapsedColumn,
                 TimeRemainingColumn,
             )
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                      console=self.console or Console(stderr=True), transient=True)
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console or Console(stderr=True),
+                transient=True,
+            )
             self._progress.start()
             self._task = self._progress.add_task(self.description, total=self.total)
         self._progress.update(self._task, completed=self.completed)
@@ -370,8 +404,9 @@ class BenchProgress:
             self._progress = None
 
 
-_CURRENT: contextvars.ContextVar[BenchProgress | None] = contextvars.ContextVar("tierstore_bench_progress",
-                                                                                 default=None)
+_CURRENT: contextvars.ContextVar[BenchProgress | None] = contextvars.ContextVar(
+    "tierstore_bench_progress", default=None
+)
 
 
 def current_progress() -> BenchProgress:
@@ -381,8 +416,13 @@ def current_progress() -> BenchProgress:
 
 
 @contextlib.contextmanager
-def job_progress(description: str, enabled: bool | None = None, delay_s: float = 2.0,
-                 status: StatusOptions | None = None, bar_allowed: bool = True) -> Iterator[BenchProgress]:
+def job_progress(
+    description: str,
+    enabled: bool | None = None,
+    delay_s: float = 2.0,
+    status: StatusOptions | None = None,
+    bar_allowed: bool = True,
+) -> Iterator[BenchProgress]:
     """Context in which :func:`current_progress` returns the progress of ``description``.
 
     Parameters

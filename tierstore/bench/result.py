@@ -12,6 +12,7 @@ dicts whose keys carry their units (``_bytes``, ``_ns``, ``_s``) and
 :attr:`JobResult.timeseries` with equally long lists keyed by ``t_s``,
 ``waf``, ``hbm_bytes``, ``host_bytes``, ``nvme_bytes`` (what ``--plot`` draws).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DirectionResult", "JobResult", "DirectionRecorder", "CpuUsage", "SAMPLE_INTERVAL_S", "merge_directions",
-           "merge_results"]
+__all__ = [
+    "DirectionResult",
+    "JobResult",
+    "DirectionRecorder",
+    "CpuUsage",
+    "SAMPLE_INTERVAL_S",
+    "merge_directions",
+    "merge_results",
+]
 
 #: fio's default bandwidth / IOPS sampling period (``bw_avg_time=500``, ``iops_avg_time=500``).
 SAMPLE_INTERVAL_S = 0.5
@@ -152,13 +160,18 @@ def merge_directions(parts: list[DirectionResult]) -> DirectionResult:
     if not used:
         return DirectionResult()
     return DirectionResult(
-        io_bytes=sum(p.io_bytes for p in used), ops=sum(p.ops for p in used),
+        io_bytes=sum(p.io_bytes for p in used),
+        ops=sum(p.ops for p in used),
         runtime_s=max(p.runtime_s for p in used),
         clat_ns=np.concatenate([p.clat_ns for p in used]),
-        slat_ns=np.concatenate([p.slat_ns for p in used]) if all(p.slat_ns.size for p in used) else _empty_ns(),
+        slat_ns=np.concatenate([p.slat_ns for p in used])
+        if all(p.slat_ns.size for p in used)
+        else _empty_ns(),
         iops_samples=_sum_samples([p.iops_samples for p in used]),
         bw_samples_bytes_s=_sum_samples([p.bw_samples_bytes_s for p in used]),
-        short_ios=sum(p.short_ios for p in used), drop_ios=sum(p.drop_ios for p in used))
+        short_ios=sum(p.short_ios for p in used),
+        drop_ios=sum(p.drop_ios for p in used),
+    )
 
 
 def merge_results(results: list[JobResult]) -> JobResult:
@@ -189,16 +202,26 @@ def merge_results(results: list[JobResult]) -> JobResult:
     options = {**results[-1].options, "numjobs": sum(int(r.options.get("numjobs", 1)) for r in results)}
     device = {}
     if any(r.device for r in results):
-        device = {"device": "not merged by group_reporting (one FTL model per job file); run without "
-                            "group_reporting to see each job's"}
+        device = {
+            "device": "not merged by group_reporting (one FTL model per job file); run without "
+            "group_reporting to see each job's"
+        }
     return JobResult(
-        jobname=first.jobname, options=options,
-        read=merge_directions([r.read for r in results]), write=merge_directions([r.write for r in results]),
-        device=device, usr_cpu=max(r.usr_cpu for r in results), sys_cpu=max(r.sys_cpu for r in results),
+        jobname=first.jobname,
+        options=options,
+        read=merge_directions([r.read for r in results]),
+        write=merge_directions([r.write for r in results]),
+        device=device,
+        usr_cpu=max(r.usr_cpu for r in results),
+        sys_cpu=max(r.sys_cpu for r in results),
         runtime_s=max(r.runtime_s for r in results),
-        error=failed[0].error if failed else 0, error_message=failed[0].error_message if failed else "",
-        ctx=max(r.ctx for r in results), majf=max(r.majf for r in results), minf=max(r.minf for r in results),
-        groupid=first.groupid)
+        error=failed[0].error if failed else 0,
+        error_message=failed[0].error_message if failed else "",
+        ctx=max(r.ctx for r in results),
+        majf=max(r.majf for r in results),
+        minf=max(r.minf for r in results),
+        groupid=first.groupid,
+    )
 
 
 class DirectionRecorder:
@@ -252,7 +275,9 @@ class DirectionRecorder:
             self._bytes += nbytes
             self._short += int(short)
 
-    def record_many(self, lat_ns: np.ndarray, done_ns: np.ndarray, nbytes: np.ndarray, full_bytes: int) -> None:
+    def record_many(
+        self, lat_ns: np.ndarray, done_ns: np.ndarray, nbytes: np.ndarray, full_bytes: int
+    ) -> None:
         """Count many completed I/Os of ``full_bytes`` each at once (one per entry).
 
         Parameters
@@ -286,8 +311,14 @@ class DirectionRecorder:
             ``ops`` counts I/Os (a call's ``ops``); ``clat_ns`` has one latency per call.
         """
         with self._lock:
-            parts = [(np.asarray(self._lat, dtype=np.int64), np.asarray(self._done, dtype=np.int64),
-                      np.asarray(self._ops, dtype=np.int64)), *self._chunks]
+            parts = [
+                (
+                    np.asarray(self._lat, dtype=np.int64),
+                    np.asarray(self._done, dtype=np.int64),
+                    np.asarray(self._ops, dtype=np.int64),
+                ),
+                *self._chunks,
+            ]
             nbytes, short = self._bytes, self._short
         lat = np.concatenate([p[0] for p in parts])
         done = np.concatenate([p[1] for p in parts])
@@ -308,9 +339,15 @@ class DirectionRecorder:
             else:  # shorter than one interval: a single sample over the whole run
                 iops_samples = [ops / (runtime_ns / 1e9)]
                 bw_samples = [nbytes / (runtime_ns / 1e9)]
-        return DirectionResult(io_bytes=nbytes, ops=ops, runtime_s=runtime_ns / 1e9 if lat.size else 0.0,
-                               clat_ns=lat, iops_samples=iops_samples, bw_samples_bytes_s=bw_samples,
-                               short_ios=short)
+        return DirectionResult(
+            io_bytes=nbytes,
+            ops=ops,
+            runtime_s=runtime_ns / 1e9 if lat.size else 0.0,
+            clat_ns=lat,
+            iops_samples=iops_samples,
+            bw_samples_bytes_s=bw_samples,
+            short_ios=short,
+        )
 
 
 class CpuUsage:

@@ -26,6 +26,7 @@ the work done since the operator saved it. On QEMU's emulation MBMW exceeds
 HBMW only by the unwritten tails of RUs switched by RUH Update (it models no
 garbage collection), so there WAF is no statement about an SSD.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,34 +61,65 @@ def discover_report(dev: str, endgid: int = 1, plids: Sequence[int] = (), cli: A
         As :func:`tierstore.fdp.device.discover_namespace`, or ``plids`` outside RUH Status.
     """
     from .discovery import default_eviction, discover_namespace
+
     ns = discover_namespace(dev, endgid, cli)
     mode, why = default_eviction(bool(ns.info.fdp_enabled))
     out: dict[str, Any] = {
-        "device": ns.char_dev, "block_device": ns.block_dev, "controller": ns.ctrl_dev, "serial": ns.serial,
-        "nsid": ns.nsid, "size_bytes": ns.size_bytes, "lba_bytes": ns.lba_bytes,
-        "max_transfer_bytes": ns.max_transfer_bytes, "endgid": endgid,
-        "fdp_supported": bool(ns.info.fdp_supported), "fdp_enabled": bool(ns.info.fdp_enabled),
-        "config_index": ns.info.config_index, "eviction_granularity": mode, "eviction_why": why,
+        "device": ns.char_dev,
+        "block_device": ns.block_dev,
+        "controller": ns.ctrl_dev,
+        "serial": ns.serial,
+        "nsid": ns.nsid,
+        "size_bytes": ns.size_bytes,
+        "lba_bytes": ns.lba_bytes,
+        "max_transfer_bytes": ns.max_transfer_bytes,
+        "endgid": endgid,
+        "fdp_supported": bool(ns.info.fdp_supported),
+        "fdp_enabled": bool(ns.info.fdp_enabled),
+        "config_index": ns.info.config_index,
+        "eviction_granularity": mode,
+        "eviction_why": why,
     }
     if not ns.info.fdp_enabled:
         return out
     cfg = ns.info.config
-    out["config"] = {"nrg": cfg.nrg, "nruh": cfg.nruh, "runs_bytes": cfg.runs_bytes, "rgif": cfg.rgif,
-                     "maxpids": cfg.maxpids + 1, "nnss": cfg.nnss, "erutl_s": cfg.erutl_s,
-                     "volatile_write_cache": cfg.volatile_write_cache, "valid": cfg.valid,
-                     "ruh_types": [_ruht(cfg, i) for i in range(cfg.nruh)]}
+    out["config"] = {
+        "nrg": cfg.nrg,
+        "nruh": cfg.nruh,
+        "runs_bytes": cfg.runs_bytes,
+        "rgif": cfg.rgif,
+        "maxpids": cfg.maxpids + 1,
+        "nnss": cfg.nnss,
+        "erutl_s": cfg.erutl_s,
+        "volatile_write_cache": cfg.volatile_write_cache,
+        "valid": cfg.valid,
+        "ruh_types": [_ruht(cfg, i) for i in range(cfg.nruh)],
+    }
     tab = ns.pid_table
-    out["ruh_status"] = [{"plid": i, "pid": d.pid, "reclaim_group": tab.split(d.pid)[0],
-                          "placement_handle": tab.split(d.pid)[1], "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
-                          "earutr_s": d.earutr_s, "ruamw_blocks": d.ruamw_blocks,
-                          "ruamw_bytes": d.ruamw_blocks * ns.lba_bytes}
-                         for i, d in enumerate(ns.ruh_status.descs)]
+    out["ruh_status"] = [
+        {
+            "plid": i,
+            "pid": d.pid,
+            "reclaim_group": tab.split(d.pid)[0],
+            "placement_handle": tab.split(d.pid)[1],
+            "ruhid": d.ruhid,
+            "type": _ruht(cfg, d.ruhid),
+            "earutr_s": d.earutr_s,
+            "ruamw_blocks": d.ruamw_blocks,
+            "ruamw_bytes": d.ruamw_blocks * ns.lba_bytes,
+        }
+        for i, d in enumerate(ns.ruh_status.descs)
+    ]
     pol = ns.placement(plids)
     where = {p: i for i, p in reversed(list(enumerate(tab.pids)))}
-    rows = [("default", pol.default_pid)] + [(c.name.lower(), pol.class_pid[c])
-                                             for c in (LifetimeClass.LONG, LifetimeClass.MEDIUM, LifetimeClass.SHORT)]
-    out["placement"] = {"plids": list(plids),
-                        "classes": [{"class": name, "pid": pid, "plid": where[pid]} for name, pid in rows]}
+    rows = [("default", pol.default_pid)] + [
+        (c.name.lower(), pol.class_pid[c])
+        for c in (LifetimeClass.LONG, LifetimeClass.MEDIUM, LifetimeClass.SHORT)
+    ]
+    out["placement"] = {
+        "plids": list(plids),
+        "classes": [{"class": name, "pid": pid, "plid": where[pid]} for name, pid in rows],
+    }
     return out
 
 
@@ -108,7 +140,8 @@ def _compare_with_baseline(out: dict[str, Any], now: dict[str, int], path: str) 
             with open(path, encoding="utf-8") as f:
                 base = json.load(f)
             base = {k: int(base[k]) for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")} | {
-                "time_s": float(base.get("time_s", 0.0))}
+                "time_s": float(base.get("time_s", 0.0))
+            }
         except (OSError, ValueError, KeyError, TypeError) as exc:
             out["baseline_error"] = f"{path}: unreadable baseline ({exc})"
             base = None
@@ -116,10 +149,14 @@ def _compare_with_baseline(out: dict[str, Any], now: dict[str, int], path: str) 
         d = {k: now[k] - base[k] for k in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes")}
         out["baseline"] = base
         if any(v < 0 for v in d.values()):
-            out["baseline_error"] = (f"{path}: the device's counters are below the baseline's (another device, "
-                                     "or its counters were reset); save a new one with --save-baseline")
+            out["baseline_error"] = (
+                f"{path}: the device's counters are below the baseline's (another device, "
+                "or its counters were reset); save a new one with --save-baseline"
+            )
         else:
-            out["since_baseline"] = d | {"waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None}
+            out["since_baseline"] = d | {
+                "waf": d["mbmw_bytes"] / d["hbmw_bytes"] if d["hbmw_bytes"] else None
+            }
 
 
 def _ruh_usage(ns: Any, cfg: Any, usage: Any) -> list[dict[str, Any]]:
@@ -131,12 +168,21 @@ def _ruh_usage(ns: Any, cfg: Any, usage: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for d in st.descs:
         avail = d.ruamw_blocks * ns.lba_bytes
-        rows.append({
-            "pid": d.pid, "reclaim_group": tab.split(d.pid)[0], "placement_handle": tab.split(d.pid)[1],
-            "ruhid": d.ruhid, "type": _ruht(cfg, d.ruhid),
-            "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid])) if d.ruhid < usage.nruh else "unknown",
-            "ruamw_blocks": d.ruamw_blocks, "ru_available_bytes": avail,
-            "ru_written_bytes": max(0, cfg.runs_bytes - avail)})
+        rows.append(
+            {
+                "pid": d.pid,
+                "reclaim_group": tab.split(d.pid)[0],
+                "placement_handle": tab.split(d.pid)[1],
+                "ruhid": d.ruhid,
+                "type": _ruht(cfg, d.ruhid),
+                "ruha": _RUHA.get(usage.ruha[d.ruhid], str(usage.ruha[d.ruhid]))
+                if d.ruhid < usage.nruh
+                else "unknown",
+                "ruamw_blocks": d.ruamw_blocks,
+                "ru_available_bytes": avail,
+                "ru_written_bytes": max(0, cfg.runs_bytes - avail),
+            }
+        )
     pol = ns.placement()
     cls = {pol.default_pid: "default"}
     for c in (LifetimeClass.SHORT, LifetimeClass.MEDIUM, LifetimeClass.LONG):
@@ -146,8 +192,9 @@ def _ruh_usage(ns: Any, cfg: Any, usage: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_baseline: bool = False,
-                 cli: Any = None) -> dict:
+def stats_report(
+    dev: str, endgid: int = 1, baseline: str | None = None, save_baseline: bool = False, cli: Any = None
+) -> dict:
     """Everything ``tierstore fdp stats`` prints, as a JSON-ready dict (module doc).
 
     Raises
@@ -157,6 +204,7 @@ def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_ba
     """
     from .discovery import discover_namespace
     from .nvme_cli import NvmeCli
+
     cli = cli or NvmeCli()
     ns = discover_namespace(dev, endgid, cli)
     ns.require_fdp()
@@ -164,10 +212,19 @@ def stats_report(dev: str, endgid: int = 1, baseline: str | None = None, save_ba
     now = cli.stats(ns.ctrl_dev, endgid).as_dict()
     usage = cli.usage(ns.ctrl_dev, endgid)
     path = baseline or default_baseline_path(ns.serial, ns.nsid, endgid)
-    out: dict[str, Any] = {"device": ns.char_dev, "controller": ns.ctrl_dev, "serial": ns.serial, "nsid": ns.nsid,
-                           "endgid": endgid, "time_s": time.time(), "counters": now,
-                           "waf": now["mbmw_bytes"] / now["hbmw_bytes"] if now["hbmw_bytes"] else None,
-                           "baseline_path": path, "baseline": None, "since_baseline": None}
+    out: dict[str, Any] = {
+        "device": ns.char_dev,
+        "controller": ns.ctrl_dev,
+        "serial": ns.serial,
+        "nsid": ns.nsid,
+        "endgid": endgid,
+        "time_s": time.time(),
+        "counters": now,
+        "waf": now["mbmw_bytes"] / now["hbmw_bytes"] if now["hbmw_bytes"] else None,
+        "baseline_path": path,
+        "baseline": None,
+        "since_baseline": None,
+    }
     _compare_with_baseline(out, now, path)
     out["ruh_usage"] = _ruh_usage(ns, cfg, usage)
     out["runs_bytes"] = cfg.runs_bytes
@@ -187,12 +244,17 @@ def _fmt_waf(v: float | None) -> str:
 
 def _print_discover(r: dict) -> None:
     mt = r["max_transfer_bytes"]
-    print(f"{r['device']}: namespace {r['nsid']} of {r['controller']} (serial {r['serial']}), "
-          f"{r['size_bytes']} bytes in {r['lba_bytes']}-byte blocks, max transfer "
-          f"{'unknown' if mt is None else f'{mt} bytes'}")
+    print(
+        f"{r['device']}: namespace {r['nsid']} of {r['controller']} (serial {r['serial']}), "
+        f"{r['size_bytes']} bytes in {r['lba_bytes']}-byte blocks, max transfer "
+        f"{'unknown' if mt is None else f'{mt} bytes'}"
+    )
     if not r["fdp_supported"] or not r["fdp_enabled"]:
-        print("FDP: not supported (Identify Controller CTRATT bit 19 is 0)" if not r["fdp_supported"]
-              else f"FDP: supported, NOT enabled on endurance group {r['endgid']}")
+        print(
+            "FDP: not supported (Identify Controller CTRATT bit 19 is 0)"
+            if not r["fdp_supported"]
+            else f"FDP: supported, NOT enabled on endurance group {r['endgid']}"
+        )
         _print_eviction(r)
         return
     c = r["config"]
@@ -201,19 +263,29 @@ def _print_discover(r: dict) -> None:
     print(f"  Number of Reclaim Unit Handles: {c['nruh']}")
     print(f"  Reclaim Unit Nominal Size: {c['runs_bytes']} bytes ({c['runs_bytes'] / 2**20:g} MiB)")
     print(f"  Reclaim Group Identifier Format (RGIF): {c['rgif']}; Max Placement Identifiers: {c['maxpids']}")
-    print(f"  Volatile Write Cache: {'yes' if c['volatile_write_cache'] else 'no'}; "
-          f"Estimated RU Time Limit: {c['erutl_s'] or 'not reported'}")
+    print(
+        f"  Volatile Write Cache: {'yes' if c['volatile_write_cache'] else 'no'}; "
+        f"Estimated RU Time Limit: {c['erutl_s'] or 'not reported'}"
+    )
     print("  Reclaim Unit Handle List:")
     for i, t in enumerate(c["ruh_types"]):
         print(f"    [{i}]: {t}")
     print(f"RUH Status ({len(r['ruh_status'])} entries; fio-style plids index this list):")
-    print(f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  "
-          f"{'RU available':>14}")
+    print(
+        f"  {'plid':>4}  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUAMW blocks':>12}  "
+        f"{'RU available':>14}"
+    )
     for s in r["ruh_status"]:
-        print(f"  {s['plid']:>4}  {s['pid']:#06x}  {s['reclaim_group']:>3}  {s['placement_handle']:>3}  "
-              f"{s['ruhid']:>5}  {s['ruamw_blocks']:>12}  {s['ruamw_bytes']:>14}")
+        print(
+            f"  {s['plid']:>4}  {s['pid']:#06x}  {s['reclaim_group']:>3}  {s['placement_handle']:>3}  "
+            f"{s['ruhid']:>5}  {s['ruamw_blocks']:>12}  {s['ruamw_bytes']:>14}"
+        )
     p = r["placement"]
-    how = f"plids={','.join(map(str, p['plids']))}" if p["plids"] else "default table; fdp.plids / --plids override"
+    how = (
+        f"plids={','.join(map(str, p['plids']))}"
+        if p["plids"]
+        else "default table; fdp.plids / --plids override"
+    )
     print(f"tierstore placement (lifetime class -> PID; {how}):")
     for row in p["classes"]:
         label = "default (untagged, metadata)" if row["class"] == "default" else row["class"]
@@ -222,39 +294,52 @@ def _print_discover(r: dict) -> None:
 
 
 def _print_eviction(r: dict) -> None:
-    print(f"tierstore NVMe eviction on this device by default: {r['eviction_granularity']} "
-          f"(tiers.nvme.eviction_granularity): {r['eviction_why']}")
+    print(
+        f"tierstore NVMe eviction on this device by default: {r['eviction_granularity']} "
+        f"(tiers.nvme.eviction_granularity): {r['eviction_why']}"
+    )
 
 
 def _print_stats(r: dict) -> None:
-    print(f"{r['device']}: namespace {r['nsid']} of {r['controller']} (serial {r['serial']}), "
-          f"endurance group {r['endgid']}")
+    print(
+        f"{r['device']}: namespace {r['nsid']} of {r['controller']} (serial {r['serial']}), "
+        f"endurance group {r['endgid']}"
+    )
     c, d = r["counters"], r["since_baseline"]
     if d is None:
         head = "since baseline"
         if r.get("baseline_error"):
             print(f"baseline: {r['baseline_error']}")
         else:
-            print(f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} "
-                  "--save-baseline)")
+            print(
+                f"baseline: none saved at {r['baseline_path']} (tierstore fdp stats {r['device']} "
+                "--save-baseline)"
+            )
     else:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["baseline"]["time_s"]))
         head = f"since {when}"
         print(f"baseline: {r['baseline_path']}")
     print(f"  {'':<45} {'device total':>16} {head:>22}")
-    for key, label in (("hbmw_bytes", "Host Bytes with Metadata Written (HBMW)"),
-                       ("mbmw_bytes", "Media Bytes with Metadata Written (MBMW)"),
-                       ("mbe_bytes", "Media Bytes Erased (MBE)")):
+    for key, label in (
+        ("hbmw_bytes", "Host Bytes with Metadata Written (HBMW)"),
+        ("mbmw_bytes", "Media Bytes with Metadata Written (MBMW)"),
+        ("mbe_bytes", "Media Bytes Erased (MBE)"),
+    ):
         print(f"  {label:<45} {c[key]:>16} {'-' if d is None else d[key]:>22}")
-    print(f"  {'WAF (MBMW / HBMW)':<45} {_fmt_waf(r['waf']):>16} "
-          f"{'-' if d is None else _fmt_waf(d['waf']):>22}")
+    print(
+        f"  {'WAF (MBMW / HBMW)':<45} {_fmt_waf(r['waf']):>16} {'-' if d is None else _fmt_waf(d['waf']):>22}"
+    )
     print(f"RUH usage (RUH Status; RU written = RUNS {r['runs_bytes']} - RUAMW x LBA):")
-    print(f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  "
-          f"{'RUAMW blocks':>12}  "
-          f"{'RU written':>12}")
+    print(
+        f"  {'PID':>6}  {'RG':>3}  {'PH':>3}  {'RUHID':>5}  {'RUHA':<15}  {'class':<7}  "
+        f"{'RUAMW blocks':>12}  "
+        f"{'RU written':>12}"
+    )
     for u in r["ruh_usage"]:
-        print(f"  {u['pid']:#06x}  {u['reclaim_group']:>3}  {u['placement_handle']:>3}  {u['ruhid']:>5}  "
-              f"{u['ruha']:<15}  {u['class']:<7}  {u['ruamw_blocks']:>12}  {u['ru_written_bytes']:>12}")
+        print(
+            f"  {u['pid']:#06x}  {u['reclaim_group']:>3}  {u['placement_handle']:>3}  {u['ruhid']:>5}  "
+            f"{u['ruha']:<15}  {u['class']:<7}  {u['ruamw_blocks']:>12}  {u['ru_written_bytes']:>12}"
+        )
     if r.get("baseline_saved"):
         print(f"baseline saved: {r['baseline_saved']}")
 
@@ -262,17 +347,23 @@ def _print_stats(r: dict) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tierstore fdp", description="FDP namespace discovery and statistics.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("discover", "FDP support, configuration, RUH Status and tierstore's PIDs per class"),
-                        ("stats", "HBMW/MBMW/MBE and WAF since a saved baseline, per-RUH usage")):
+    for name, help_ in (
+        ("discover", "FDP support, configuration, RUH Status and tierstore's PIDs per class"),
+        ("stats", "HBMW/MBMW/MBE and WAF since a saved baseline, per-RUH usage"),
+    ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("device", help="the namespace: /dev/ngXnY (or /dev/nvmeXnY)")
         p.add_argument("--endgid", "-e", type=int, default=1, help="endurance group (default 1)")
         p.add_argument("--output-format", "-o", choices=("normal", "json"), default="normal")
         if name == "discover":
-            p.add_argument("--plids", default="", help="indices into RUH Status for long,medium,short (as fio's)")
+            p.add_argument(
+                "--plids", default="", help="indices into RUH Status for long,medium,short (as fio's)"
+            )
         else:
             p.add_argument("--baseline", help="baseline file (default: under $XDG_STATE_HOME/tierstore)")
-            p.add_argument("--save-baseline", action="store_true", help="save the counters read now as the baseline")
+            p.add_argument(
+                "--save-baseline", action="store_true", help="save the counters read now as the baseline"
+            )
     return ap
 
 
@@ -284,8 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 plids = [int(x) for x in args.plids.split(",") if x.strip()]
             except ValueError:
-                print(f"tierstore fdp discover: --plids={args.plids!r}: a comma-separated list of integers",
-                      file=sys.stderr)
+                print(
+                    f"tierstore fdp discover: --plids={args.plids!r}: a comma-separated list of integers",
+                    file=sys.stderr,
+                )
                 return 2
             rep = discover_report(args.device, args.endgid, plids)
             show = _print_discover

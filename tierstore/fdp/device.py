@@ -15,6 +15,7 @@ so ``tierstore fdp`` starts quickly); their names are re-exported here.
 
 Continued in ``docs/FDP.md`` (``tierstore/fdp/device.py``): why RUH Update on segment open.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,12 +31,20 @@ from . import logpages as lp
 from .discovery import FdpNamespace, discover_namespace, nvme_names, placement_policy
 from .placement import PidTable
 
-__all__ = ["placement_policy", "RuhUpdateShim", "PassthroughEngine", "NOT_VERIFIED_ON_HARDWARE",
-           "FdpNamespace", "discover_namespace", "nvme_names"]
+__all__ = [
+    "placement_policy",
+    "RuhUpdateShim",
+    "PassthroughEngine",
+    "NOT_VERIFIED_ON_HARDWARE",
+    "FdpNamespace",
+    "discover_namespace",
+    "nvme_names",
+]
 
 #: Marker put into descriptions of the real-device path.
-NOT_VERIFIED_ON_HARDWARE = ("run against QEMU's emulated FDP namespace (no garbage collection modelled); "
-                            "not verified on hardware")
+NOT_VERIFIED_ON_HARDWARE = (
+    "run against QEMU's emulated FDP namespace (no garbage collection modelled); not verified on hardware"
+)
 
 
 class RuhUpdateShim:
@@ -62,11 +71,11 @@ class RuhUpdateShim:
         self.target = target
         self.segment_bytes = int(segment_bytes)
         self.ruh_updates = 0
-        self._segment_of: dict = {}      # placement -> the segment its handle's RU now takes
+        self._segment_of: dict = {}  # placement -> the segment its handle's RU now takes
 
     def on_write(self, offset_bytes: int, nbytes: int, placement: int | None) -> None:
         seg = offset_bytes // self.segment_bytes
-        if self._segment_of.get(placement) != seg:   # the model ignores an update of an empty RU
+        if self._segment_of.get(placement) != seg:  # the model ignores an update of an empty RU
             self.target.ruh_update(placement)
             self.ruh_updates += 1
             self._segment_of[placement] = seg
@@ -124,10 +133,20 @@ class PassthroughEngine(IOEngine):
 
     kind = "fdp-passthrough"
 
-    def __init__(self, char_dev: str, size_bytes: int, nsid: int, lba_bytes: int = 4096, *,
-                 pid_table: PidTable | None = None, max_transfer_bytes: int | None = None,
-                 ruh_update_segment_bytes: int | None = None, ru_nominal_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        char_dev: str,
+        size_bytes: int,
+        nsid: int,
+        lba_bytes: int = 4096,
+        *,
+        pid_table: PidTable | None = None,
+        max_transfer_bytes: int | None = None,
+        ruh_update_segment_bytes: int | None = None,
+        ru_nominal_bytes: int | None = None,
+    ) -> None:
         from .passthrough import PassthroughWriter
+
         if re.search(r"ng\d+n\d+$", char_dev) is None:
             raise ConfigError(f"device={char_dev!r}: expected an NVMe generic character device /dev/ngXnY")
         if ruh_update_segment_bytes is not None and not ru_nominal_bytes:
@@ -140,7 +159,9 @@ class PassthroughEngine(IOEngine):
         self.ru_nominal_bytes = ru_nominal_bytes
         self._rw = open_engine("posix", self.block_dev, size_bytes)
         try:
-            self._writer = PassthroughWriter(char_dev, nsid, self.lba_bytes, max_transfer_bytes=max_transfer_bytes)
+            self._writer = PassthroughWriter(
+                char_dev, nsid, self.lba_bytes, max_transfer_bytes=max_transfer_bytes
+            )
         except BaseException:
             self._rw.close()
             raise
@@ -151,7 +172,7 @@ class PassthroughEngine(IOEngine):
         # device order (a lagging observer once put 1.8 MB of one RU after its update).
         self._inflight: dict[int, int] = {}
         self._inflight_cv = threading.Condition(self._ruh_lock)
-        self._segment_of: dict[int, int] = {}    # PID -> the segment its handle's RU now takes
+        self._segment_of: dict[int, int] = {}  # PID -> the segment its handle's RU now takes
         self._counted = threading.local()
         self._since_update: dict[int, int] = {}
         self._ruh = {"ruh_updates_sent": 0, "ruh_updates_skipped": 0, "ruh_update_unwritten_bytes": 0}
@@ -197,7 +218,7 @@ class PassthroughEngine(IOEngine):
         with self._ruh_lock:
             while self._segment_of.get(pid) != segment and self._inflight.get(pid, 0):
                 self._inflight_cv.wait()
-            if self._segment_of.get(pid) == segment:   # this segment's update is done
+            if self._segment_of.get(pid) == segment:  # this segment's update is done
                 return
             self._segment_of[pid] = segment
             if self._since_update.get(pid, 0) == 0:
@@ -225,7 +246,7 @@ class PassthroughEngine(IOEngine):
         return self._rw._read_impl(offset, view, nbytes)
 
     def _write_impl(self, offset, view, nbytes, placement):
-        placement = self._check_pid(placement)   # raises before anything is sent
+        placement = self._check_pid(placement)  # raises before anything is sent
         if self.segment_bytes and placement is not None:
             try:
                 self._maybe_ruh_update(placement, offset // self.segment_bytes)
@@ -235,7 +256,7 @@ class PassthroughEngine(IOEngine):
         if placement is not None:
             with self._ruh_lock:
                 self._inflight[placement] = self._inflight.get(placement, 0) + 1
-            self._counted.pid = placement     # write() takes it off after the observers saw it
+            self._counted.pid = placement  # write() takes it off after the observers saw it
         try:
             self._writer.write(buf, offset, placement)
         except OSError as exc:

@@ -16,6 +16,7 @@
 
 The write path that uses them is :mod:`tierstore.fdp.device`.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -29,8 +30,15 @@ from ..errors import ConfigError
 from . import logpages as lp
 from .placement import PidTable, PlacementPolicy
 
-__all__ = ["default_eviction", "placement_policy", "FdpNamespace", "discover_namespace", "nvme_names", "max_transfer_bytes",
-           "NVME_IOCTL_ID"]
+__all__ = [
+    "default_eviction",
+    "placement_policy",
+    "FdpNamespace",
+    "discover_namespace",
+    "nvme_names",
+    "max_transfer_bytes",
+    "NVME_IOCTL_ID",
+]
 
 
 #: ``NVME_IOCTL_ID = _IO('N', 0x40)`` (linux ``include/uapi/linux/nvme_ioctl.h``): the namespace id of a
@@ -44,11 +52,17 @@ NVME_IOCTL_ID = (ord("N") << 8) | 0x40
 #: 10 % (FTL model). Measured through the real store (``bench/frontier_store.py``, table in
 #: ``bench/README_frontier.md``, 2026-12-03): it does not, so both kinds keep ``region``.
 EVICTION_DEFAULTS: dict[bool, tuple[str, str]] = {
-    True: ("region", "per-block eviction with FDP placement saved less prefill than a flat LRU of the same "
-                     "bytes on every measured point (FTL model; bench/README_frontier.md, 2026-12-03), so an FDP "
-                     "device keeps region eviction; set tiers.nvme.eviction_granularity: block to choose it"),
-    False: ("region", "a conventional device keeps region eviction, the best configuration measured there at "
-                      "e2e WA <= 1.10 (FTL model; bench/README_frontier.md, 2026-12-03)"),
+    True: (
+        "region",
+        "per-block eviction with FDP placement saved less prefill than a flat LRU of the same "
+        "bytes on every measured point (FTL model; bench/README_frontier.md, 2026-12-03), so an FDP "
+        "device keeps region eviction; set tiers.nvme.eviction_granularity: block to choose it",
+    ),
+    False: (
+        "region",
+        "a conventional device keeps region eviction, the best configuration measured there at "
+        "e2e WA <= 1.10 (FTL model; bench/README_frontier.md, 2026-12-03)",
+    ),
 }
 
 
@@ -81,8 +95,12 @@ def max_transfer_bytes(block_dev: str, sys_root: str = "/sys") -> int | None:
     return kb * 1024 if kb > 0 else None
 
 
-def placement_policy(ruh_status: lp.RuhStatus, rgif: int, plids: Sequence[int] = (),
-                     explicit: Sequence[int | None] | None = None) -> PlacementPolicy:
+def placement_policy(
+    ruh_status: lp.RuhStatus,
+    rgif: int,
+    plids: Sequence[int] = (),
+    explicit: Sequence[int | None] | None = None,
+) -> PlacementPolicy:
     """The class -> PID table for a device, every PID one its RUH Status lists.
 
     Parameters
@@ -107,8 +125,10 @@ def placement_policy(ruh_status: lp.RuhStatus, rgif: int, plids: Sequence[int] =
         if plids:
             raise ConfigError("fdp: give plids or long_pid/medium_pid/short_pid, not both")
         if any(p is None for p in explicit[:3]):
-            raise ConfigError("fdp: give all of long_pid, medium_pid, short_pid, or none (then the device's "
-                              "RUH Status decides)")
+            raise ConfigError(
+                "fdp: give all of long_pid, medium_pid, short_pid, or none (then the device's "
+                "RUH Status decides)"
+            )
         long_pid, medium_pid, short_pid = explicit[:3]
         default = explicit[3] if len(explicit) > 3 else None
         return PlacementPolicy.from_explicit(ruh_status, rgif, long_pid, medium_pid, short_pid, default)
@@ -205,15 +225,20 @@ class FdpNamespace:
     def require_fdp(self) -> None:
         """Raise :class:`ConfigError` unless FDP is supported and enabled."""
         if not self.info.fdp_supported:
-            raise ConfigError(f"{self.ctrl_dev}: the controller does not support FDP (Identify Controller "
-                              "CTRATT bit 19 is 0)")
+            raise ConfigError(
+                f"{self.ctrl_dev}: the controller does not support FDP (Identify Controller "
+                "CTRATT bit 19 is 0)"
+            )
         if not self.info.fdp_enabled:
-            raise ConfigError(f"{self.ctrl_dev}: FDP is supported but not enabled on endurance group "
-                              f"{self.endgid} (Get Features 1Dh); enable it (NvmeCli.enable_fdp_args; the "
-                              "endurance group must have no namespaces) or set fdp.enabled: false")
+            raise ConfigError(
+                f"{self.ctrl_dev}: FDP is supported but not enabled on endurance group "
+                f"{self.endgid} (Get Features 1Dh); enable it (NvmeCli.enable_fdp_args; the "
+                "endurance group must have no namespaces) or set fdp.enabled: false"
+            )
 
-    def placement(self, plids: Sequence[int] = (), explicit: Sequence[int | None] | None = None
-                  ) -> PlacementPolicy:
+    def placement(
+        self, plids: Sequence[int] = (), explicit: Sequence[int | None] | None = None
+    ) -> PlacementPolicy:
         """:func:`placement_policy` from this namespace's RUH Status."""
         return placement_policy(self.ruh_status, self.config.rgif, plids, explicit)
 
@@ -231,6 +256,7 @@ def discover_namespace(dev: str, endgid: int = 1, cli: Any = None, sys_root: str
         The device answered with a structure that does not parse.
     """
     from .nvme_cli import NvmeCli
+
     ctrl, blk, chr_ = nvme_names(dev)
     for p in (ctrl, chr_):
         if not os.path.exists(p):
@@ -239,5 +265,6 @@ def discover_namespace(dev: str, endgid: int = 1, cli: Any = None, sys_root: str
     nsid = _namespace_id(chr_)
     idns = cli.id_ns(chr_, nsid)
     info = cli.discover(ctrl, chr_, endgid, nsid)
-    return FdpNamespace(chr_, blk, ctrl, nsid, endgid, idns, max_transfer_bytes(blk, sys_root),
-                        cli.serial(ctrl), info)
+    return FdpNamespace(
+        chr_, blk, ctrl, nsid, endgid, idns, max_transfer_bytes(blk, sys_root), cli.serial(ctrl), info
+    )

@@ -12,6 +12,7 @@ is :meth:`FTLModel.on_write` / :meth:`FTLModel.on_trim`.
 Continued in ``docs/FDP.md`` (``tierstore/fdp/ftl.py``): each part of the model, with the
 specification sections and papers it follows.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ from ..errors import ConfigError, InvariantError
 
 __all__ = ["FTLModel", "ISOLATION_INITIAL", "ISOLATION_PERSISTENT", "GC_POLICIES"]
 
-ISOLATION_INITIAL = "initial"        # RUHT 1h, Initially Isolated (TP4146)
+ISOLATION_INITIAL = "initial"  # RUHT 1h, Initially Isolated (TP4146)
 ISOLATION_PERSISTENT = "persistent"  # RUHT 2h, Persistently Isolated (TP4146)
 GC_POLICIES = ("greedy", "cost_benefit")
 
@@ -36,19 +37,33 @@ class _Stream:
     __slots__ = ("ru", "wp")
 
     def __init__(self) -> None:
-        self.ru = -1   # RU index, -1 = none open
-        self.wp = 0    # next page offset inside the RU
+        self.ru = -1  # RU index, -1 = none open
+        self.wp = 0  # next page offset inside the RU
 
 
-def _check_args(capacity_bytes: int, ru_size_bytes: int, op_fraction: float, num_ruh: int, isolation: str,
-                gc: str, page_bytes: int, num_rg: int, rgif: int, gc_free_ru_min: int) -> None:
+def _check_args(
+    capacity_bytes: int,
+    ru_size_bytes: int,
+    op_fraction: float,
+    num_ruh: int,
+    isolation: str,
+    gc: str,
+    page_bytes: int,
+    num_rg: int,
+    rgif: int,
+    gc_free_ru_min: int,
+) -> None:
     """:class:`FTLModel`'s arguments checked, each against its own rule (``ConfigError`` naming it)."""
     if page_bytes <= 0 or page_bytes & (page_bytes - 1):
         raise ConfigError(f"page_bytes={page_bytes}: must be a power of two")
     if capacity_bytes <= 0 or capacity_bytes % page_bytes:
-        raise ConfigError(f"capacity_bytes={capacity_bytes}: must be a positive multiple of page_bytes={page_bytes}")
+        raise ConfigError(
+            f"capacity_bytes={capacity_bytes}: must be a positive multiple of page_bytes={page_bytes}"
+        )
     if ru_size_bytes <= 0 or ru_size_bytes % page_bytes:
-        raise ConfigError(f"ru_size_bytes={ru_size_bytes}: must be a positive multiple of page_bytes={page_bytes}")
+        raise ConfigError(
+            f"ru_size_bytes={ru_size_bytes}: must be a positive multiple of page_bytes={page_bytes}"
+        )
     if not op_fraction > 0:
         raise ConfigError(f"op_fraction={op_fraction!r}: must be > 0")
     if isolation not in (ISOLATION_INITIAL, ISOLATION_PERSISTENT):
@@ -96,12 +111,31 @@ class FTLModel:
     (HBMW, MBMW, MBE), so :class:`tierstore.fdp.waf.WafWindow` works on both.
     """
 
-    def __init__(self, capacity_bytes: int, ru_size_bytes: int, op_fraction: float,
-                 num_ruh: int = 8, isolation: str = ISOLATION_INITIAL, gc: str = "greedy",
-                 page_bytes: int = 64 * 1024, num_rg: int = 1, rgif: int = 0,
-                 gc_free_ru_min: int = 3) -> None:
-        _check_args(capacity_bytes, ru_size_bytes, op_fraction, num_ruh, isolation, gc, page_bytes, num_rg, rgif,
-                    gc_free_ru_min)
+    def __init__(
+        self,
+        capacity_bytes: int,
+        ru_size_bytes: int,
+        op_fraction: float,
+        num_ruh: int = 8,
+        isolation: str = ISOLATION_INITIAL,
+        gc: str = "greedy",
+        page_bytes: int = 64 * 1024,
+        num_rg: int = 1,
+        rgif: int = 0,
+        gc_free_ru_min: int = 3,
+    ) -> None:
+        _check_args(
+            capacity_bytes,
+            ru_size_bytes,
+            op_fraction,
+            num_ruh,
+            isolation,
+            gc,
+            page_bytes,
+            num_rg,
+            rgif,
+            gc_free_ru_min,
+        )
         self.capacity_bytes = int(capacity_bytes)
         self.ru_size_bytes = int(ru_size_bytes)
         self.op_fraction = float(op_fraction)
@@ -120,20 +154,23 @@ class FTLModel:
         # Every stream may hold one open RU; need room for them plus the GC reserve.
         streams_per_rg = num_ruh + (num_ruh if isolation == ISOLATION_PERSISTENT else 1)
         if self.rus_per_rg < streams_per_rg + gc_free_ru_min + 1:
-            raise ConfigError(f"{self.rus_per_rg} RUs per RG is too few for {streams_per_rg} open "
-                              f"streams and a GC reserve of {gc_free_ru_min}; use smaller RUs")
+            raise ConfigError(
+                f"{self.rus_per_rg} RUs per RG is too few for {streams_per_rg} open "
+                f"streams and a GC reserve of {gc_free_ru_min}; use smaller RUs"
+            )
         self.num_ru = self.rus_per_rg * num_rg
         self.physical_pages = self.num_ru * self.ru_pages
 
         self.l2p = np.full(self.logical_pages, -1, dtype=np.int64)
         self.p2l = np.full(self.physical_pages, -1, dtype=np.int64)
-        self.p_ruh = np.zeros(self.physical_pages, dtype=np.int32)   # RUH of the host write that made the page
+        self.p_ruh = np.zeros(self.physical_pages, dtype=np.int32)  # RUH of the host write that made the page
         self.ru_valid = np.zeros(self.num_ru, dtype=np.int64)
         self.ru_state = np.zeros(self.num_ru, dtype=np.int8)
-        self.ru_stamp = np.zeros(self.num_ru, dtype=np.float64)       # host-page clock of last append
+        self.ru_stamp = np.zeros(self.num_ru, dtype=np.float64)  # host-page clock of last append
         self.ru_erases = np.zeros(self.num_ru, dtype=np.int64)
-        self._free: list[list[int]] = [list(range((g + 1) * self.rus_per_rg - 1, g * self.rus_per_rg - 1, -1))
-                                       for g in range(num_rg)]
+        self._free: list[list[int]] = [
+            list(range((g + 1) * self.rus_per_rg - 1, g * self.rus_per_rg - 1, -1)) for g in range(num_rg)
+        ]
         self._host = [[_Stream() for _ in range(num_ruh)] for _ in range(num_rg)]
         n_gc = num_ruh if isolation == ISOLATION_PERSISTENT else 1
         self._gcs = [[_Stream() for _ in range(n_gc)] for _ in range(num_rg)]
@@ -151,16 +188,16 @@ class FTLModel:
         self.mbe_bytes = 0
         self.trimmed_bytes = 0
         self.invalid_pid_writes = 0
-        self.ruh_host_bytes = np.zeros(self.num_ruh, dtype=np.int64)      # host bytes per RUH (page-rounded)
-        self.ruh_gc_bytes = np.zeros(self.num_ruh, dtype=np.int64)        # GC relocation bytes per originating RUH
+        self.ruh_host_bytes = np.zeros(self.num_ruh, dtype=np.int64)  # host bytes per RUH (page-rounded)
+        self.ruh_gc_bytes = np.zeros(self.num_ruh, dtype=np.int64)  # GC relocation bytes per originating RUH
         self.gc_runs = 0
         self.ruh_updates = 0
         # Optional tenants: named LBA ranges (set_tenants); bytes per tenant.
         self.tenant_names: list[str] = []
-        self._tenant_lo = np.zeros(0, dtype=np.int64)       # first logical page of each tenant
+        self._tenant_lo = np.zeros(0, dtype=np.int64)  # first logical page of each tenant
         self.tenant_host_bytes = np.zeros(0, dtype=np.int64)
         self.tenant_gc_bytes = np.zeros(0, dtype=np.int64)
-        self.ruh_update_unwritten_bytes = 0   # unwritten tails of RUs closed by RUH Update
+        self.ruh_update_unwritten_bytes = 0  # unwritten tails of RUs closed by RUH Update
 
     # ------------------------------------------------------------------ PIDs
     def pid_of(self, rg: int, handle: int) -> int:
@@ -212,8 +249,10 @@ class FTLModel:
         los, names = [], []
         for name, lo, hi in rs:
             if lo % pb or hi % pb or not 0 <= lo < hi <= self.capacity_bytes or lo < prev:
-                raise ConfigError(f"tenant {name!r}: range [{lo}, {hi}) must be page-aligned, inside "
-                                  f"[0, {self.capacity_bytes}) and not overlap the previous one")
+                raise ConfigError(
+                    f"tenant {name!r}: range [{lo}, {hi}) must be page-aligned, inside "
+                    f"[0, {self.capacity_bytes}) and not overlap the previous one"
+                )
             if lo > prev:
                 los.append(prev // pb)
                 names.append("other")
@@ -266,7 +305,9 @@ class FTLModel:
     # --------------------------------------------------------------- direct API
     def _page_range(self, offset_bytes: int, nbytes: int, outward: bool) -> tuple[int, int]:
         if offset_bytes < 0 or nbytes < 0 or offset_bytes + nbytes > self.capacity_bytes:
-            raise ConfigError(f"range [{offset_bytes}, {offset_bytes + nbytes}) outside capacity {self.capacity_bytes}")
+            raise ConfigError(
+                f"range [{offset_bytes}, {offset_bytes + nbytes}) outside capacity {self.capacity_bytes}"
+            )
         pb = self.page_bytes
         if outward:
             return offset_bytes // pb, -(-(offset_bytes + nbytes) // pb)
@@ -280,8 +321,9 @@ class FTLModel:
         self.hbmw_bytes += int(nbytes)
         self.write_pages(np.arange(lo, hi, dtype=np.int64), placement, count_host_bytes=False)
 
-    def write_pages(self, lpns: np.ndarray, placement: int | None = None,
-                    count_host_bytes: bool = True) -> None:
+    def write_pages(
+        self, lpns: np.ndarray, placement: int | None = None, count_host_bytes: bool = True
+    ) -> None:
         """Host write of whole pages ``lpns`` (int64 array, any order, duplicates allowed).
 
         Used by the validation workload (uniform random single-page writes).
@@ -348,7 +390,9 @@ class FTLModel:
         if not self.tenant_names:
             return {}
         out: dict[str, dict] = {}
-        for name, h, g in zip(self.tenant_names, self.tenant_host_bytes.tolist(), self.tenant_gc_bytes.tolist()):
+        for name, h, g in zip(
+            self.tenant_names, self.tenant_host_bytes.tolist(), self.tenant_gc_bytes.tolist()
+        ):
             cur = out.setdefault(name, {"host_bytes": 0, "gc_bytes": 0})
             cur["host_bytes"] += int(h)
             cur["gc_bytes"] += int(g)
@@ -399,7 +443,7 @@ class FTLModel:
                 st.ru = self._alloc_ru(rg, for_gc=not host)
                 st.wp = 0
             k = min(rp - st.wp, n - done)
-            chunk = lpns[done:done + k]
+            chunk = lpns[done : done + k]
             if host:
                 old = self.l2p[chunk]
                 old = old[old >= 0]
@@ -407,9 +451,9 @@ class FTLModel:
                     self._invalidate(np.unique(old))
             phys = np.arange(st.ru * rp + st.wp, st.ru * rp + st.wp + k, dtype=np.int64)
             self.l2p[chunk] = phys
-            live = self.l2p[chunk] == phys          # duplicates inside the chunk: last one wins
+            live = self.l2p[chunk] == phys  # duplicates inside the chunk: last one wins
             self.p2l[phys] = np.where(live, chunk, -1)
-            self.p_ruh[phys] = ruh if np.isscalar(ruh) else ruh[done:done + k]
+            self.p_ruh[phys] = ruh if np.isscalar(ruh) else ruh[done : done + k]
             self.ru_valid[st.ru] += int(live.sum()) if k > 1 else int(live[0])
             self.ru_stamp[st.ru] = self._clock
             self.mbmw_bytes += k * self.page_bytes
@@ -441,19 +485,21 @@ class FTLModel:
         try:
             victim = self._pick_victim(rg)
             if self.ru_valid[victim] >= self.ru_pages:
-                raise InvariantError(f"reclaim group {rg}: every full RU is fully valid; "
-                                     "device is full (raise op_fraction or trim)")
+                raise InvariantError(
+                    f"reclaim group {rg}: every full RU is fully valid; "
+                    "device is full (raise op_fraction or trim)"
+                )
             rp = self.ru_pages
             base = victim * rp
-            lp = self.p2l[base:base + rp]
+            lp = self.p2l[base : base + rp]
             keep = lp >= 0
             n_valid = int(keep.sum())
             if n_valid:
                 moved = lp[keep].copy()
-                owners = self.p_ruh[base:base + rp][keep].copy()
+                owners = self.p_ruh[base : base + rp][keep].copy()
                 self.ruh_gc_bytes += np.bincount(owners, minlength=self.num_ruh) * self.page_bytes
                 self._tenant_add(self.tenant_gc_bytes, moved)
-                self.p2l[base:base + rp] = -1
+                self.p2l[base : base + rp] = -1
                 self.ru_valid[victim] = 0
                 if self.isolation == ISOLATION_PERSISTENT:
                     for h in np.unique(owners):

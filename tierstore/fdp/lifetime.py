@@ -12,6 +12,7 @@ KV-cache entries fall into three classes by expected lifetime (cf. RocksDB's
 The placement policy (:mod:`tierstore.fdp.placement`) maps a class to a
 reclaim unit handle (RUH) and its placement identifier (PID).
 """
+
 from __future__ import annotations
 
 import enum
@@ -32,10 +33,15 @@ class LifetimeClass(enum.IntEnum):
 
 #: Engine hints accepted by :func:`class_from_hint`.
 HINTS = {
-    "system": LifetimeClass.LONG, "system_prompt": LifetimeClass.LONG, "tool": LifetimeClass.LONG,
+    "system": LifetimeClass.LONG,
+    "system_prompt": LifetimeClass.LONG,
+    "tool": LifetimeClass.LONG,
     "long": LifetimeClass.LONG,
-    "conversation": LifetimeClass.MEDIUM, "medium": LifetimeClass.MEDIUM,
-    "query": LifetimeClass.SHORT, "single_query": LifetimeClass.SHORT, "short": LifetimeClass.SHORT,
+    "conversation": LifetimeClass.MEDIUM,
+    "medium": LifetimeClass.MEDIUM,
+    "query": LifetimeClass.SHORT,
+    "single_query": LifetimeClass.SHORT,
+    "short": LifetimeClass.SHORT,
 }
 # Accepted spellings: case-insensitive; spaces and dashes count as underscores
 # ("system prompt", "single-query").
@@ -71,8 +77,9 @@ class LifetimeClassifier(Protocol):
         """Record that ``key`` was stored or reused at time ``now_s`` (seconds, any monotonic clock)."""
         ...
 
-    def classify(self, key: Hashable, hint: str | LifetimeClass | None = None,
-                 now_s: float | None = None) -> LifetimeClass:  # pragma: no cover - protocol
+    def classify(
+        self, key: Hashable, hint: str | LifetimeClass | None = None, now_s: float | None = None
+    ) -> LifetimeClass:  # pragma: no cover - protocol
         """Class for ``key``; an engine ``hint`` wins when given."""
         ...
 
@@ -127,11 +134,18 @@ class ReuseLifetimeClassifier:
     max_keys : int
     """
 
-    def __init__(self, long_min_reuses: int = 3, long_max_interval_s: float = 600.0,
-                 medium_max_idle_s: float = 600.0, max_keys: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        long_min_reuses: int = 3,
+        long_max_interval_s: float = 600.0,
+        medium_max_idle_s: float = 600.0,
+        max_keys: int = 1 << 20,
+    ) -> None:
         if long_min_reuses < 1 or long_max_interval_s <= 0 or medium_max_idle_s <= 0 or max_keys < 1:
-            raise ConfigError("ReuseLifetimeClassifier: thresholds must be positive "
-                              f"(got {long_min_reuses}, {long_max_interval_s}, {medium_max_idle_s}, {max_keys})")
+            raise ConfigError(
+                "ReuseLifetimeClassifier: thresholds must be positive "
+                f"(got {long_min_reuses}, {long_max_interval_s}, {medium_max_idle_s}, {max_keys})"
+            )
         self.long_min_reuses = int(long_min_reuses)
         self.long_max_interval_s = float(long_max_interval_s)
         self.medium_max_idle_s = float(medium_max_idle_s)
@@ -150,8 +164,9 @@ class ReuseLifetimeClassifier:
             return 0, float("inf")
         return int(rec[2]), (rec[1] - rec[0]) / rec[2]
 
-    def classify(self, key: Hashable, hint: str | LifetimeClass | None = None,
-                 now_s: float | None = None) -> LifetimeClass:
+    def classify(
+        self, key: Hashable, hint: str | LifetimeClass | None = None, now_s: float | None = None
+    ) -> LifetimeClass:
         """Engine hint if given; else LONG / MEDIUM / SHORT from reuse (see class doc)."""
         cls = class_from_hint(hint)
         if cls is not None:

@@ -21,6 +21,7 @@ All parsers take ``bytes``/``bytearray``/``memoryview`` and raise
 :class:`tierstore.errors.CorruptData` on a buffer that is too short or whose
 sizes do not add up.
 """
+
 from __future__ import annotations
 
 import struct
@@ -29,12 +30,33 @@ from dataclasses import dataclass, field
 from ..errors import CorruptData
 
 __all__ = [
-    "LID_FDP_CONFIGS", "LID_RUH_USAGE", "LID_FDP_STATS", "LID_FDP_EVENTS",
-    "CTRATT_OFFSET", "CTRATT_FDPS_BIT", "RUHT_INITIALLY_ISOLATED", "RUHT_PERSISTENTLY_ISOLATED",
-    "RuhDesc", "FdpConfig", "FdpConfigLog", "RuhUsageLog", "FdpStats", "FdpEvent", "FdpEventsLog",
-    "RuhStatusDesc", "RuhStatus",
-    "parse_fdp_configs", "parse_ruh_usage", "parse_fdp_stats", "parse_fdp_events",
-    "parse_ruh_status", "ctratt_from_id_ctrl", "fdp_supported", "IdNamespace", "parse_id_ns", "serial_from_id_ctrl",
+    "LID_FDP_CONFIGS",
+    "LID_RUH_USAGE",
+    "LID_FDP_STATS",
+    "LID_FDP_EVENTS",
+    "CTRATT_OFFSET",
+    "CTRATT_FDPS_BIT",
+    "RUHT_INITIALLY_ISOLATED",
+    "RUHT_PERSISTENTLY_ISOLATED",
+    "RuhDesc",
+    "FdpConfig",
+    "FdpConfigLog",
+    "RuhUsageLog",
+    "FdpStats",
+    "FdpEvent",
+    "FdpEventsLog",
+    "RuhStatusDesc",
+    "RuhStatus",
+    "parse_fdp_configs",
+    "parse_ruh_usage",
+    "parse_fdp_stats",
+    "parse_fdp_events",
+    "parse_ruh_status",
+    "ctratt_from_id_ctrl",
+    "fdp_supported",
+    "IdNamespace",
+    "parse_id_ns",
+    "serial_from_id_ctrl",
     "ruh_status_bytes_for",
 ]
 
@@ -54,21 +76,35 @@ ID_CTRL_BYTES = 4096
 #: Reclaim Unit Handle Type (RUHT) values (FDP config descriptor RUH descriptor byte 0).
 RUHT_INITIALLY_ISOLATED = 0x1
 RUHT_PERSISTENTLY_ISOLATED = 0x2
-RUHT_NAMES = {RUHT_INITIALLY_ISOLATED: "Initially Isolated", RUHT_PERSISTENTLY_ISOLATED: "Persistently Isolated"}
+RUHT_NAMES = {
+    RUHT_INITIALLY_ISOLATED: "Initially Isolated",
+    RUHT_PERSISTENTLY_ISOLATED: "Persistently Isolated",
+}
 
-_CONFIG_LOG_HDR = struct.Struct("<HBBI8x")          # n(0-based), version, rsvd3, size; 16 bytes
-_CONFIG_DESC_HDR = struct.Struct("<HBBIHHIQI36x")   # size, fdpa, vss, nrg, nruh, maxpids, nnss, runs, erutl; 64 bytes
-_RUH_DESC = struct.Struct("<B3x")                   # ruht; 4 bytes
-_RUHU_HDR = struct.Struct("<H6x")                   # nruh; 8 bytes
-_RUHU_DESC = struct.Struct("<B7x")                  # ruha; 8 bytes
-_STATS_BYTES = 64                                   # hbmw[16] mbmw[16] mbe[16] rsvd48[16]
-_EVENTS_HDR = struct.Struct("<I60x")                # n; 64 bytes
-_EVENT = struct.Struct("<BBH6sBBI16sHB5x24s")        # 64 bytes, see FdpEvent
-_RUHS_HDR = struct.Struct("<14xH")                  # rsvd0[14], nruhsd; 16 bytes
-_RUHS_DESC = struct.Struct("<HHIQ16x")              # pid, ruhid, earutr, ruamw; 32 bytes
+_CONFIG_LOG_HDR = struct.Struct("<HBBI8x")  # n(0-based), version, rsvd3, size; 16 bytes
+_CONFIG_DESC_HDR = struct.Struct(
+    "<HBBIHHIQI36x"
+)  # size, fdpa, vss, nrg, nruh, maxpids, nnss, runs, erutl; 64 bytes
+_RUH_DESC = struct.Struct("<B3x")  # ruht; 4 bytes
+_RUHU_HDR = struct.Struct("<H6x")  # nruh; 8 bytes
+_RUHU_DESC = struct.Struct("<B7x")  # ruha; 8 bytes
+_STATS_BYTES = 64  # hbmw[16] mbmw[16] mbe[16] rsvd48[16]
+_EVENTS_HDR = struct.Struct("<I60x")  # n; 64 bytes
+_EVENT = struct.Struct("<BBH6sBBI16sHB5x24s")  # 64 bytes, see FdpEvent
+_RUHS_HDR = struct.Struct("<14xH")  # rsvd0[14], nruhsd; 16 bytes
+_RUHS_DESC = struct.Struct("<HHIQ16x")  # pid, ruhid, earutr, ruamw; 32 bytes
 
-if (_CONFIG_LOG_HDR.size, _CONFIG_DESC_HDR.size, _RUH_DESC.size, _RUHU_HDR.size, _RUHU_DESC.size,
-        _EVENTS_HDR.size, _EVENT.size, _RUHS_HDR.size, _RUHS_DESC.size) != (16, 64, 4, 8, 8, 64, 64, 16, 32):
+if (
+    _CONFIG_LOG_HDR.size,
+    _CONFIG_DESC_HDR.size,
+    _RUH_DESC.size,
+    _RUHU_HDR.size,
+    _RUHU_DESC.size,
+    _EVENTS_HDR.size,
+    _EVENT.size,
+    _RUHS_HDR.size,
+    _RUHS_DESC.size,
+) != (16, 64, 4, 8, 8, 64, 64, 16, 32):
     raise ImportError("FDP struct layouts do not match libnvme types.h sizes")
 
 
@@ -77,8 +113,15 @@ def _need(buf: bytes | memoryview, n: int, what: str) -> None:
         raise CorruptData(f"{what}: need {n} bytes, buffer has {len(buf)}")
 
 
-def _counted_page(buf: bytes | memoryview, hdr: struct.Struct, hdr_bytes: int, entry_bytes: int, what: str,
-                  entries: str, max_n: int | None = None) -> tuple[bytes, int]:
+def _counted_page(
+    buf: bytes | memoryview,
+    hdr: struct.Struct,
+    hdr_bytes: int,
+    entry_bytes: int,
+    what: str,
+    entries: str,
+    max_n: int | None = None,
+) -> tuple[bytes, int]:
     """``(bytes(buf), n)`` for a log page of a ``hdr_bytes`` header, whose ``hdr`` (read at byte 0)
     has the one field ``n``, followed by ``n`` entries of ``entry_bytes``.
 
@@ -188,8 +231,10 @@ def parse_fdp_configs(buf: bytes | memoryview) -> FdpConfigLog:
         _need(buf[:size], off + 64, f"FDP config descriptor {i}")
         dsze, fdpa, vss, nrg, nruh, maxpids, nnss, runs, erutl = _CONFIG_DESC_HDR.unpack_from(buf, off)
         if dsze < 64 + 4 * nruh or off + dsze > size:
-            raise CorruptData(f"FDP config descriptor {i}: size {dsze} too small for {nruh} RUHs "
-                              f"or past the log end ({off}+{dsze} > {size})")
+            raise CorruptData(
+                f"FDP config descriptor {i}: size {dsze} too small for {nruh} RUHs "
+                f"or past the log end ({off}+{dsze} > {size})"
+            )
         ruhs = tuple(RuhDesc(_RUH_DESC.unpack_from(buf, off + 64 + 4 * j)[0]) for j in range(nruh))
         configs.append(FdpConfig(dsze, fdpa, vss, nrg, nruh, maxpids, nnss, runs, erutl, ruhs))
         off += dsze
@@ -237,10 +282,14 @@ def parse_fdp_stats(buf: bytes | memoryview) -> FdpStats:
 
 
 # ---------------------------------------------------------------- events 23h
-EVENT_NAMES = {0x00: "Reclaim Unit Not Fully Written", 0x01: "Reclaim Unit Time Limit Exceeded",
-               0x02: "Controller Level Reset Modified Reclaim Unit Handles",
-               0x03: "Invalid Placement Identifier", 0x80: "Media Reallocated",
-               0x81: "Implicitly Modified Reclaim Unit Handle"}
+EVENT_NAMES = {
+    0x00: "Reclaim Unit Not Fully Written",
+    0x01: "Reclaim Unit Time Limit Exceeded",
+    0x02: "Controller Level Reset Modified Reclaim Unit Handles",
+    0x03: "Invalid Placement Identifier",
+    0x80: "Media Reallocated",
+    0x81: "Implicitly Modified Reclaim Unit Handle",
+}
 
 
 @dataclass(frozen=True)
@@ -318,7 +367,9 @@ def parse_ruh_status(buf: bytes | memoryview) -> RuhStatus:
     usually over-allocates the transfer).
     """
     buf, nruhsd = _counted_page(buf, _RUHS_HDR, 16, 32, "RUH status", "descriptors")
-    return RuhStatus(nruhsd, tuple(RuhStatusDesc(*_RUHS_DESC.unpack_from(buf, 16 + 32 * i)) for i in range(nruhsd)))
+    return RuhStatus(
+        nruhsd, tuple(RuhStatusDesc(*_RUHS_DESC.unpack_from(buf, 16 + 32 * i)) for i in range(nruhsd))
+    )
 
 
 # ------------------------------------------------------------ id-ctrl
@@ -384,7 +435,9 @@ def parse_id_ns(buf: bytes | memoryview) -> IdNamespace:
     lbaf = struct.unpack_from("<I", buf, 128 + 4 * idx)[0]
     lbads = lbaf >> 16 & 0xFF
     if lbads < 9:
-        raise CorruptData(f"Identify Namespace: LBADS {lbads} of format {idx} (logical blocks are >= 512 bytes)")
+        raise CorruptData(
+            f"Identify Namespace: LBADS {lbads} of format {idx} (logical blocks are >= 512 bytes)"
+        )
     return IdNamespace(nsze, 1 << lbads, lbaf & 0xFFFF)
 
 
@@ -410,15 +463,29 @@ def build_ruh_status(descs: list[tuple[int, int, int, int]], pad_to_bytes: int =
 
 def build_fdp_stats(hbmw_bytes: int, mbmw_bytes: int, mbe_bytes: int) -> bytes:
     """Build a 64-byte FDP Statistics log page."""
-    return (hbmw_bytes.to_bytes(16, "little") + mbmw_bytes.to_bytes(16, "little")
-            + mbe_bytes.to_bytes(16, "little") + bytes(16))
+    return (
+        hbmw_bytes.to_bytes(16, "little")
+        + mbmw_bytes.to_bytes(16, "little")
+        + mbe_bytes.to_bytes(16, "little")
+        + bytes(16)
+    )
 
 
-def build_fdp_config_desc(fdpa: int, nrg: int, ruhts: list[int], maxpids: int, nnss: int,
-                          runs_bytes: int, erutl_s: int = 0, vss: bytes = b"") -> bytes:
+def build_fdp_config_desc(
+    fdpa: int,
+    nrg: int,
+    ruhts: list[int],
+    maxpids: int,
+    nnss: int,
+    runs_bytes: int,
+    erutl_s: int = 0,
+    vss: bytes = b"",
+) -> bytes:
     """Build one FDP configuration descriptor: 64-byte header, RUH descriptors, vendor bytes."""
     dsze = 64 + 4 * len(ruhts) + len(vss)
-    out = bytearray(_CONFIG_DESC_HDR.pack(dsze, fdpa, len(vss), nrg, len(ruhts), maxpids, nnss, runs_bytes, erutl_s))
+    out = bytearray(
+        _CONFIG_DESC_HDR.pack(dsze, fdpa, len(vss), nrg, len(ruhts), maxpids, nnss, runs_bytes, erutl_s)
+    )
     for t in ruhts:
         out += _RUH_DESC.pack(t)
     out += vss
@@ -443,7 +510,18 @@ def build_fdp_events(events: list[FdpEvent]) -> bytes:
         spec = bytes(16)
         if e.type == 0x80:
             spec = struct.pack("<BxHQ4x", 1 if e.lba is not None else 0, e.nlbam or 0, e.lba or 0)
-        out += _EVENT.pack(e.type, e.flags, e.pid, e.timestamp_ms.to_bytes(6, "little"), 0, 0,
-                           e.nsid, spec, e.rgid, e.ruhid, bytes(24))
+        out += _EVENT.pack(
+            e.type,
+            e.flags,
+            e.pid,
+            e.timestamp_ms.to_bytes(6, "little"),
+            0,
+            0,
+            e.nsid,
+            spec,
+            e.rgid,
+            e.ruhid,
+            bytes(24),
+        )
     out += bytes(64 + 64 * 63 - len(out))
     return bytes(out)

@@ -21,6 +21,7 @@ Identify Namespace     ``nvme id-ns DEV -n NSID -b`` (4096 bytes)     :func:`log
 
 Continued in ``docs/FDP.md`` (``tierstore/fdp/nvme_cli.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,21 @@ from . import logpages as lp
 if TYPE_CHECKING:
     import sh  # the fdp extra, imported when nvme-cli is driven (require below)
 
-__all__ = ["NvmeCliError", "NvmeCli", "FdpDeviceStats", "FdpDeviceInfo", "FID_FDP",
-           "parse_stats_json", "parse_stats_text", "parse_ruh_status_json", "parse_configs_json",
-           "parse_usage_json", "parse_events_json", "parse_feature_value", "parse_hex_dump"]
+__all__ = [
+    "NvmeCliError",
+    "NvmeCli",
+    "FdpDeviceStats",
+    "FdpDeviceInfo",
+    "FID_FDP",
+    "parse_stats_json",
+    "parse_stats_text",
+    "parse_ruh_status_json",
+    "parse_configs_json",
+    "parse_usage_json",
+    "parse_events_json",
+    "parse_feature_value",
+    "parse_hex_dump",
+]
 
 #: Feature identifier of Flexible Data Placement (Base Spec 2.1, figure "Feature Identifiers").
 FID_FDP = 0x1D
@@ -52,7 +65,9 @@ class NvmeCliError(TierStoreError):
 def _check_endgid(endgid: int) -> int:
     endgid = int(endgid)
     if not 1 <= endgid <= 0xFFFF:
-        raise ConfigError(f"endurance group id {endgid}: valid ids are 1..65535 (0 is not an endurance group)")
+        raise ConfigError(
+            f"endurance group id {endgid}: valid ids are 1..65535 (0 is not an endurance group)"
+        )
     return endgid
 
 
@@ -81,8 +96,11 @@ def parse_stats_json(text: str | bytes) -> lp.FdpStats:
         raise CorruptData(f"fdp stats JSON lacks {e}") from None
 
 
-_STATS_TEXT = {"hbmw": r"\(HBMW\)\s*:\s*([0-9.,' \u00a0\u202f]+)", "mbmw": r"\(MBMW\)\s*:\s*([0-9.,' \u00a0\u202f]+)",
-               "mbe": r"\(MBE\)\s*:\s*([0-9.,' \u00a0\u202f]+)"}
+_STATS_TEXT = {
+    "hbmw": r"\(HBMW\)\s*:\s*([0-9.,' \u00a0\u202f]+)",
+    "mbmw": r"\(MBMW\)\s*:\s*([0-9.,' \u00a0\u202f]+)",
+    "mbe": r"\(MBE\)\s*:\s*([0-9.,' \u00a0\u202f]+)",
+}
 
 
 def parse_stats_text(text: str | bytes) -> lp.FdpStats:
@@ -108,8 +126,10 @@ def parse_stats_text(text: str | bytes) -> lp.FdpStats:
 def parse_ruh_status_json(text: str | bytes) -> lp.RuhStatus:
     """``nvme fdp status -o json``: ``{"nruhsd": n, "ruhss": [{"pid","ruhid","earutr","ruamw"}]}``."""
     items = _counted_json(text, "status", "nruhsd", "ruhss")
-    descs = tuple(lp.RuhStatusDesc(_u(x["pid"]), _u(x["ruhid"]), _u(x.get("earutr", 0)), _u(x.get("ruamw", 0)))
-                  for x in items)
+    descs = tuple(
+        lp.RuhStatusDesc(_u(x["pid"]), _u(x["ruhid"]), _u(x.get("earutr", 0)), _u(x.get("ruamw", 0)))
+        for x in items
+    )
     return lp.RuhStatus(len(items), descs)
 
 
@@ -140,10 +160,20 @@ def parse_configs_json(text: str | bytes) -> lp.FdpConfigLog:
     for c in d.get("configs", []):
         ruhs = tuple(lp.RuhDesc(_u(r["ruht"])) for r in c.get("ruhs", []))
         nruh = _u(c["nruh"])
-        configs.append(lp.FdpConfig(size_bytes=0, fdpa=_u(c["fdpa"]), vss_bytes=_u(c.get("vss", 0)),
-                                    nrg=_u(c["nrg"]), nruh=nruh, maxpids=_u(c.get("maxpids", max(nruh - 1, 0))),
-                                    nnss=_u(c.get("nnss", 0)), runs_bytes=_u(c["runs"]),
-                                    erutl_s=_u(c.get("erutl", 0)), ruhs=ruhs))
+        configs.append(
+            lp.FdpConfig(
+                size_bytes=0,
+                fdpa=_u(c["fdpa"]),
+                vss_bytes=_u(c.get("vss", 0)),
+                nrg=_u(c["nrg"]),
+                nruh=nruh,
+                maxpids=_u(c.get("maxpids", max(nruh - 1, 0))),
+                nnss=_u(c.get("nnss", 0)),
+                runs_bytes=_u(c["runs"]),
+                erutl_s=_u(c.get("erutl", 0)),
+                ruhs=ruhs,
+            )
+        )
     n = _u(d.get("n", len(configs) - 1)) + 1
     return lp.FdpConfigLog(n, 0, 0, tuple(configs))
 
@@ -163,11 +193,19 @@ def parse_events_json(text: str | bytes) -> lp.FdpEventsLog:
     n = _u(d["n"])
     evs = []
     for x in d.get("events", [])[:n]:
-        evs.append(lp.FdpEvent(type=_u(x["type"]), flags=_u(x.get("fdpef", x.get("flags", 0))), pid=_u(x.get("pid", 0)),
-                               timestamp_ms=_u(x.get("timestamp", 0)) & ((1 << 48) - 1), nsid=_u(x.get("nsid", 0)),
-                               rgid=_u(x.get("rgid", 0)), ruhid=_u(x.get("ruhid", 0)),
-                               nlbam=_u(x["nlbam"]) if "nlbam" in x else None,
-                               lba=_u(x["lba"]) if "lba" in x else None))
+        evs.append(
+            lp.FdpEvent(
+                type=_u(x["type"]),
+                flags=_u(x.get("fdpef", x.get("flags", 0))),
+                pid=_u(x.get("pid", 0)),
+                timestamp_ms=_u(x.get("timestamp", 0)) & ((1 << 48) - 1),
+                nsid=_u(x.get("nsid", 0)),
+                rgid=_u(x.get("rgid", 0)),
+                ruhid=_u(x.get("ruhid", 0)),
+                nlbam=_u(x["nlbam"]) if "nlbam" in x else None,
+                lba=_u(x["lba"]) if "lba" in x else None,
+            )
+        )
     return lp.FdpEventsLog(n, tuple(evs))
 
 
@@ -251,11 +289,17 @@ class NvmeCli:
         cmd = self._cmd()
         sh = require("sh", "driving nvme-cli")
         try:
-            rc = cmd(*[str(a) for a in args], _return_cmd=True, _timeout=self.timeout_s,
-                     _env={**os.environ, "LC_ALL": "C"})
+            rc = cmd(
+                *[str(a) for a in args],
+                _return_cmd=True,
+                _timeout=self.timeout_s,
+                _env={**os.environ, "LC_ALL": "C"},
+            )
         except sh.ErrorReturnCode as e:
             err = e.stderr.decode("utf-8", "replace").strip()
-            raise NvmeCliError(f"nvme {' '.join(map(str, args))} failed (exit {e.exit_code}): {err}") from None
+            raise NvmeCliError(
+                f"nvme {' '.join(map(str, args))} failed (exit {e.exit_code}): {err}"
+            ) from None
         except sh.TimeoutException:
             raise NvmeCliError(f"nvme {' '.join(map(str, args))} timed out after {self.timeout_s}s") from None
         return bytes(rc.stdout)
@@ -266,7 +310,7 @@ class NvmeCli:
         out = self.run(["id-ctrl", dev, "-b"])
         if len(out) < lp.ID_CTRL_BYTES:
             raise CorruptData(f"id-ctrl -b returned {len(out)} bytes, expected {lp.ID_CTRL_BYTES}")
-        return out[:lp.ID_CTRL_BYTES]
+        return out[: lp.ID_CTRL_BYTES]
 
     def fdp_supported(self, dev: str) -> bool:
         """CTRATT bit 19 (FDPS) of Identify Controller."""
@@ -310,7 +354,11 @@ class NvmeCli:
 
     def events(self, dev: str, endgid: int, host_events: bool = False) -> lp.FdpEventsLog:
         """FDP Events log (23h); ``host_events`` selects host events (``-E``)."""
-        args = ["fdp", "events", dev, "-e", str(_check_endgid(endgid))] + (["-E"] if host_events else []) + ["-b"]
+        args = (
+            ["fdp", "events", dev, "-e", str(_check_endgid(endgid))]
+            + (["-E"] if host_events else [])
+            + ["-b"]
+        )
         return lp.parse_fdp_events(self.run(args))
 
     def ruh_status_raw(self, dev: str, nsid: int, data_len: int) -> bytes:
@@ -363,8 +411,9 @@ class NvmeCli:
         if idx >= len(log.configs):
             raise CorruptData(f"active FDP config index {idx} but the log lists {len(log.configs)}")
         cfg = log.configs[idx]
-        return FdpDeviceInfo(ctrl_dev, True, True, idx, cfg,
-                             self.ruh_status(ns_dev, nsid, max(1, cfg.nrg) * max(1, cfg.nruh)))
+        return FdpDeviceInfo(
+            ctrl_dev, True, True, idx, cfg, self.ruh_status(ns_dev, nsid, max(1, cfg.nrg) * max(1, cfg.nruh))
+        )
 
 
 class FdpDeviceStats:

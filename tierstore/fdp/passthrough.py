@@ -24,6 +24,7 @@ Three ways to write, picked by :func:`select_write_path`:
 
 Continued in ``docs/FDP.md`` (``tierstore/fdp/passthrough.py``).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,11 +49,30 @@ from ..io.ring import (  # noqa: F401
 from .discovery import max_transfer_bytes
 
 __all__ = [
-    "NVME_CMD_WRITE", "NVME_CMD_READ", "NVME_CMD_IO_MGMT_RECV", "NVME_CMD_IO_MGMT_SEND",
-    "IOMR_MO_RUH_STATUS", "IOMS_MO_RUH_UPDATE", "DTYPE_DATA_PLACEMENT", "NVME_URING_CMD_IO",
-    "IORING_OP_URING_CMD", "NvmeUringCmd", "NvmeStatusError", "write_cdw12", "write_cdw13", "build_write_cmd",
-    "build_ruh_status_cmd", "encode_ruh_update_pids", "build_ruh_update_cmd", "IoUring", "IoUringError",
-    "PassthroughWriter", "WritePath", "select_write_path", "ng_char_devices", "max_write_streams",
+    "NVME_CMD_WRITE",
+    "NVME_CMD_READ",
+    "NVME_CMD_IO_MGMT_RECV",
+    "NVME_CMD_IO_MGMT_SEND",
+    "IOMR_MO_RUH_STATUS",
+    "IOMS_MO_RUH_UPDATE",
+    "DTYPE_DATA_PLACEMENT",
+    "NVME_URING_CMD_IO",
+    "IORING_OP_URING_CMD",
+    "NvmeUringCmd",
+    "NvmeStatusError",
+    "write_cdw12",
+    "write_cdw13",
+    "build_write_cmd",
+    "build_ruh_status_cmd",
+    "encode_ruh_update_pids",
+    "build_ruh_update_cmd",
+    "IoUring",
+    "IoUringError",
+    "PassthroughWriter",
+    "WritePath",
+    "select_write_path",
+    "ng_char_devices",
+    "max_write_streams",
     "max_transfer_bytes",
 ]
 
@@ -117,16 +137,33 @@ class NvmeUringCmd:
 
     def pack(self) -> bytes:
         """The 72 little-endian bytes the kernel reads from ``sqe->cmd``."""
-        return _NVME_URING_CMD.pack(self.opcode, self.flags, 0, self.nsid, self.cdw2, self.cdw3,
-                                    self.metadata, self.addr, self.metadata_len, self.data_len,
-                                    self.cdw10, self.cdw11, self.cdw12, self.cdw13, self.cdw14, self.cdw15,
-                                    self.timeout_ms, 0)
+        return _NVME_URING_CMD.pack(
+            self.opcode,
+            self.flags,
+            0,
+            self.nsid,
+            self.cdw2,
+            self.cdw3,
+            self.metadata,
+            self.addr,
+            self.metadata_len,
+            self.data_len,
+            self.cdw10,
+            self.cdw11,
+            self.cdw12,
+            self.cdw13,
+            self.cdw14,
+            self.cdw15,
+            self.timeout_ms,
+            0,
+        )
 
     @classmethod
     def unpack(cls, b: bytes) -> NvmeUringCmd:
         """Inverse of :meth:`pack`."""
-        (op, fl, _r1, nsid, c2, c3, md, addr, mdl, dl, c10, c11, c12, c13, c14, c15, to, _r2) = \
+        (op, fl, _r1, nsid, c2, c3, md, addr, mdl, dl, c10, c11, c12, c13, c14, c15, to, _r2) = (
             _NVME_URING_CMD.unpack(bytes(b[:NVME_URING_CMD_BYTES]))
+        )
         return cls(op, nsid, addr, dl, c10, c11, c12, c13, c14, c15, fl, c2, c3, md, mdl, to)
 
 
@@ -146,8 +183,9 @@ def write_cdw13(pid: int | None) -> int:
     return pid << CDW13_DSPEC_SHIFT
 
 
-def build_write_cmd(nsid: int, slba: int, nlb: int, addr: int, lba_bytes: int,
-                    pid: int | None = None) -> NvmeUringCmd:
+def build_write_cmd(
+    nsid: int, slba: int, nlb: int, addr: int, lba_bytes: int, pid: int | None = None
+) -> NvmeUringCmd:
     """The ``nvme_uring_cmd`` of a Write of ``nlb`` blocks at ``slba`` from host address ``addr``.
 
     Parameters
@@ -161,9 +199,16 @@ def build_write_cmd(nsid: int, slba: int, nlb: int, addr: int, lba_bytes: int,
     """
     if nsid < 1:
         raise ConfigError(f"nsid={nsid}: namespace ids start at 1")
-    return NvmeUringCmd(opcode=NVME_CMD_WRITE, nsid=nsid, addr=addr, data_len=nlb * lba_bytes,
-                        cdw10=slba & 0xFFFFFFFF, cdw11=slba >> 32,
-                        cdw12=write_cdw12(nlb, pid is not None), cdw13=write_cdw13(pid))
+    return NvmeUringCmd(
+        opcode=NVME_CMD_WRITE,
+        nsid=nsid,
+        addr=addr,
+        data_len=nlb * lba_bytes,
+        cdw10=slba & 0xFFFFFFFF,
+        cdw11=slba >> 32,
+        cdw12=write_cdw12(nlb, pid is not None),
+        cdw13=write_cdw13(pid),
+    )
 
 
 def build_ruh_status_cmd(nsid: int, addr: int, data_len: int) -> NvmeUringCmd:
@@ -185,8 +230,14 @@ def build_ruh_status_cmd(nsid: int, addr: int, data_len: int) -> NvmeUringCmd:
         raise ConfigError(f"nsid={nsid}: namespace ids start at 1")
     if data_len <= 0 or data_len % 4 or data_len // 4 - 1 > 0xFFFFFFFF:
         raise ConfigError(f"data_len={data_len}: must be a positive multiple of 4 (NUMD counts dwords)")
-    return NvmeUringCmd(opcode=NVME_CMD_IO_MGMT_RECV, nsid=nsid, addr=addr, data_len=data_len,
-                        cdw10=IOMR_MO_RUH_STATUS, cdw11=data_len // 4 - 1)
+    return NvmeUringCmd(
+        opcode=NVME_CMD_IO_MGMT_RECV,
+        nsid=nsid,
+        addr=addr,
+        data_len=data_len,
+        cdw10=IOMR_MO_RUH_STATUS,
+        cdw11=data_len // 4 - 1,
+    )
 
 
 def encode_ruh_update_pids(pids: list[int] | tuple[int, ...]) -> bytes:
@@ -216,8 +267,13 @@ def build_ruh_update_cmd(nsid: int, npids: int, addr: int) -> NvmeUringCmd:
         raise ConfigError(f"nsid={nsid}: namespace ids start at 1")
     if not 1 <= npids <= 0x10000:
         raise ConfigError(f"npids={npids}: 1..65536")
-    return NvmeUringCmd(opcode=NVME_CMD_IO_MGMT_SEND, nsid=nsid, addr=addr, data_len=2 * npids,
-                        cdw10=IOMS_MO_RUH_UPDATE | ((npids - 1) << 16))
+    return NvmeUringCmd(
+        opcode=NVME_CMD_IO_MGMT_SEND,
+        nsid=nsid,
+        addr=addr,
+        data_len=2 * npids,
+        cdw10=IOMS_MO_RUH_UPDATE | ((npids - 1) << 16),
+    )
 
 
 class NvmeStatusError(IoUringError):
@@ -252,8 +308,9 @@ class IoUring(Ring):
     def __init__(self, entries: int = 64, big: bool = True) -> None:
         super().__init__(entries, sqe128=big, cqe32=big)
 
-    def prep_nvme_cmd(self, fd: int, cmd: NvmeUringCmd | bytes, user_data: int,
-                      cmd_op: int = NVME_URING_CMD_IO) -> None:
+    def prep_nvme_cmd(
+        self, fd: int, cmd: NvmeUringCmd | bytes, user_data: int, cmd_op: int = NVME_URING_CMD_IO
+    ) -> None:
         """Queue an ``IORING_OP_URING_CMD`` carrying ``cmd`` (a ``struct nvme_uring_cmd``; needs
         ``big=True``).
 
@@ -264,8 +321,9 @@ class IoUring(Ring):
         """
         self.prep_uring_cmd(fd, cmd_op, cmd.pack() if isinstance(cmd, NvmeUringCmd) else cmd, user_data)
 
-    def prep_write(self, fd: int, addr: int, nbytes: int, offset_bytes: int, user_data: int,
-                   write_stream: int = 0) -> None:
+    def prep_write(
+        self, fd: int, addr: int, nbytes: int, offset_bytes: int, user_data: int, write_stream: int = 0
+    ) -> None:
         """Queue an ``IORING_OP_WRITE``; ``write_stream`` (1..255) selects a block-layer write stream (Linux
         >= 6.16).
 
@@ -309,8 +367,9 @@ class WritePath:
     status: str
 
 
-def select_write_path(block_dev: str | None = None, char_dev: str | None = None,
-                      dev_root: str = "/dev", sys_root: str = "/sys") -> WritePath:
+def select_write_path(
+    block_dev: str | None = None, char_dev: str | None = None, dev_root: str = "/dev", sys_root: str = "/sys"
+) -> WritePath:
     """Pick passthrough (``/dev/ngXnY``), block-layer write streams, or no placement."""
     if char_dev is None and block_dev is not None:
         m = re.search(r"nvme(\d+)n(\d+)$", block_dev)
@@ -321,22 +380,36 @@ def select_write_path(block_dev: str | None = None, char_dev: str | None = None,
         ngs = ng_char_devices(dev_root)
         char_dev = ngs[0] if ngs else None
     if char_dev is not None and os.path.exists(char_dev):
-        return WritePath("uring_cmd", char_dev, 0,
-                         f"FDP placement via NVMe passthrough (IORING_OP_URING_CMD) on {char_dev}")
+        return WritePath(
+            "uring_cmd",
+            char_dev,
+            0,
+            f"FDP placement via NVMe passthrough (IORING_OP_URING_CMD) on {char_dev}",
+        )
     if block_dev is not None:
         n = max_write_streams(block_dev, sys_root)
         if n > 0:
-            return WritePath("write_stream", block_dev, n,
-                             f"FDP placement via block-layer write streams on {block_dev} ({n} streams)")
-    return WritePath("none", block_dev, 0,
-                     "no FDP placement: no /dev/ng* passthrough device and no block-layer write streams; "
-                     "writes carry no placement")
+            return WritePath(
+                "write_stream",
+                block_dev,
+                n,
+                f"FDP placement via block-layer write streams on {block_dev} ({n} streams)",
+            )
+    return WritePath(
+        "none",
+        block_dev,
+        0,
+        "no FDP placement: no /dev/ng* passthrough device and no block-layer write streams; "
+        "writes carry no placement",
+    )
 
 
 def check_aligned(offset_bytes: int, nbytes: int, lba_bytes: int) -> tuple[int, int]:
     """``(slba, nlb)`` for an LBA-aligned byte range; raise :class:`AlignmentError` otherwise."""
     if offset_bytes % lba_bytes or nbytes % lba_bytes or nbytes <= 0:
-        raise AlignmentError(f"offset {offset_bytes} / length {nbytes} not multiples of the {lba_bytes}-byte LBA")
+        raise AlignmentError(
+            f"offset {offset_bytes} / length {nbytes} not multiples of the {lba_bytes}-byte LBA"
+        )
     return offset_bytes // lba_bytes, nbytes // lba_bytes
 
 
@@ -364,8 +437,14 @@ class PassthroughWriter:
         io_uring, or SQE128/CQE32 rings (Linux >= 5.19), cannot be used here.
     """
 
-    def __init__(self, char_dev: str, nsid: int, lba_bytes: int = 4096, entries: int = 64,
-                 max_transfer_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        char_dev: str,
+        nsid: int,
+        lba_bytes: int = 4096,
+        entries: int = 64,
+        max_transfer_bytes: int | None = None,
+    ) -> None:
         if lba_bytes <= 0 or lba_bytes & (lba_bytes - 1):
             raise ConfigError(f"lba_bytes={lba_bytes}: must be a power of two")
         ring = IoUring(entries, big=True)
@@ -389,6 +468,7 @@ class PassthroughWriter:
 
         def on_done(res: int, _arg: int, _big: bytes) -> None:
             box.append(res)
+
         for c in cmds:
             self._queue.submit_cmd(self.fd, NVME_URING_CMD_IO, c.pack(), on_done)
         self._queue.wait_until(lambda: len(box) == n)
@@ -416,8 +496,16 @@ class PassthroughWriter:
         cmds = []
         for pos in range(0, nbytes, step):
             n = min(step, nbytes - pos)
-            cmds.append(build_write_cmd(self.nsid, (offset_bytes + pos) // self.lba_bytes, n // self.lba_bytes,
-                                        base + pos, self.lba_bytes, placement))
+            cmds.append(
+                build_write_cmd(
+                    self.nsid,
+                    (offset_bytes + pos) // self.lba_bytes,
+                    n // self.lba_bytes,
+                    base + pos,
+                    self.lba_bytes,
+                    placement,
+                )
+            )
         self._run(cmds, f"passthrough write of {nbytes} bytes at {offset_bytes} (pid {placement})")
         return 0
 
@@ -440,8 +528,10 @@ class PassthroughWriter:
         """
         data = encode_ruh_update_pids(pids)
         buf = ctypes.create_string_buffer(data, max(len(data), 4))
-        self._run([build_ruh_update_cmd(self.nsid, len(data) // 2, ctypes.addressof(buf))],
-                  f"RUH Update of PIDs {[hex(p) for p in pids]}")
+        self._run(
+            [build_ruh_update_cmd(self.nsid, len(data) // 2, ctypes.addressof(buf))],
+            f"RUH Update of PIDs {[hex(p) for p in pids]}",
+        )
 
     def close(self) -> None:
         """Wait for commands in flight, close the ring and the device."""

@@ -17,6 +17,7 @@ the reclaim group, the rest the placement handle::
 
 Continued in ``docs/FDP.md`` (``tierstore/fdp/placement.py``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
@@ -80,8 +81,9 @@ class PidTable:
             The status lists no descriptor (no PID could ever be sent).
         """
         if not status.descs:
-            raise ConfigError("RUH Status lists no placement identifier: FDP placement is not possible "
-                              "on this namespace")
+            raise ConfigError(
+                "RUH Status lists no placement identifier: FDP placement is not possible on this namespace"
+            )
         return cls(tuple(int(d.pid) for d in status.descs), int(rgif))
 
     def __len__(self) -> int:
@@ -100,8 +102,10 @@ class PidTable:
         """
         plid = int(plid)
         if not 0 <= plid < len(self.pids):
-            raise ConfigError(f"plids: index {plid} must be smaller than {len(self.pids)}, the number of "
-                              f"entries in the device's RUH Status (PIDs {self.describe()})")
+            raise ConfigError(
+                f"plids: index {plid} must be smaller than {len(self.pids)}, the number of "
+                f"entries in the device's RUH Status (PIDs {self.describe()})"
+            )
         return self.pids[plid]
 
     def pids_at(self, plids: Sequence[int]) -> list[int]:
@@ -119,8 +123,10 @@ class PidTable:
         if pid is None:
             return None
         if int(pid) not in self.pids:
-            raise ConfigError(f"{what}={int(pid):#x}: not a placement identifier of this namespace; its RUH Status "
-                              f"lists {self.describe()}")
+            raise ConfigError(
+                f"{what}={int(pid):#x}: not a placement identifier of this namespace; its RUH Status "
+                f"lists {self.describe()}"
+            )
         return int(pid)
 
     def split(self, pid: int) -> tuple[int, int]:
@@ -159,9 +165,14 @@ class PlacementPolicy:
     pid_table: PidTable | None = None
 
     @classmethod
-    def from_ruh_status(cls, status: RuhStatus, rgif: int, reclaim_group: int = 0,
-                        classifier: LifetimeClassifier | None = None,
-                        class_handles: Mapping[LifetimeClass, int] | None = None) -> PlacementPolicy:
+    def from_ruh_status(
+        cls,
+        status: RuhStatus,
+        rgif: int,
+        reclaim_group: int = 0,
+        classifier: LifetimeClassifier | None = None,
+        class_handles: Mapping[LifetimeClass, int] | None = None,
+    ) -> PlacementPolicy:
         """Build the policy from a device's RUH Status.
 
         Parameters
@@ -192,19 +203,35 @@ class PlacementPolicy:
                 pick = (default_h, others[0], others[0])
             else:
                 pick = (default_h, default_h, default_h)
-            class_handles = {LifetimeClass.LONG: pick[0], LifetimeClass.MEDIUM: pick[1], LifetimeClass.SHORT: pick[2]}
+            class_handles = {
+                LifetimeClass.LONG: pick[0],
+                LifetimeClass.MEDIUM: pick[1],
+                LifetimeClass.SHORT: pick[2],
+            }
         class_pid = {}
         for c, h in class_handles.items():
             if (reclaim_group, h) not in table:
-                raise ConfigError(f"class {c.name}: handle {h} not in the device's RUH status {sorted(table)}")
+                raise ConfigError(
+                    f"class {c.name}: handle {h} not in the device's RUH status {sorted(table)}"
+                )
             class_pid[LifetimeClass(c)] = table[(reclaim_group, h)]
-        return cls(class_pid=class_pid, default_pid=table[(reclaim_group, default_h)], rgif=rgif,
-                   handle_pid=table, classifier=classifier or ReuseLifetimeClassifier(),
-                   pid_table=PidTable.from_ruh_status(status, rgif))
+        return cls(
+            class_pid=class_pid,
+            default_pid=table[(reclaim_group, default_h)],
+            rgif=rgif,
+            handle_pid=table,
+            classifier=classifier or ReuseLifetimeClassifier(),
+            pid_table=PidTable.from_ruh_status(status, rgif),
+        )
 
     @classmethod
-    def from_plids(cls, status: RuhStatus, rgif: int, plids: Sequence[int] = (),
-                   classifier: LifetimeClassifier | None = None) -> PlacementPolicy:
+    def from_plids(
+        cls,
+        status: RuhStatus,
+        rgif: int,
+        plids: Sequence[int] = (),
+        classifier: LifetimeClassifier | None = None,
+    ) -> PlacementPolicy:
         """The policy of a device, with fio's ``plids`` meaning.
 
         Parameters
@@ -228,14 +255,24 @@ class PlacementPolicy:
         if not plids:
             return cls.from_ruh_status(status, rgif, tab.split(tab.pids[0])[0], classifier)
         picks = tab.pids_at(plids)
-        class_pid = {LifetimeClass.LONG: picks[0], LifetimeClass.MEDIUM: picks[1 % len(picks)],
-                     LifetimeClass.SHORT: picks[2 % len(picks)]}
+        class_pid = {
+            LifetimeClass.LONG: picks[0],
+            LifetimeClass.MEDIUM: picks[1 % len(picks)],
+            LifetimeClass.SHORT: picks[2 % len(picks)],
+        }
         return cls._with_default(tab, class_pid, classifier)
 
     @classmethod
-    def from_explicit(cls, status: RuhStatus | None, rgif: int, long_pid: int, medium_pid: int, short_pid: int,
-                      default_pid: int | None = None,
-                      classifier: LifetimeClassifier | None = None) -> PlacementPolicy:
+    def from_explicit(
+        cls,
+        status: RuhStatus | None,
+        rgif: int,
+        long_pid: int,
+        medium_pid: int,
+        short_pid: int,
+        default_pid: int | None = None,
+        classifier: LifetimeClassifier | None = None,
+    ) -> PlacementPolicy:
         """The policy of explicit per-class PIDs (a configuration's ``fdp.*_pid``), each checked
         against the device's RUH Status.
 
@@ -246,12 +283,16 @@ class PlacementPolicy:
             PID it does not list.
         """
         if status is None:
-            raise ConfigError("fdp.long_pid/medium_pid/short_pid need a device whose RUH Status can be read "
-                              "(device: fdp or device: sim); nothing else can check them")
+            raise ConfigError(
+                "fdp.long_pid/medium_pid/short_pid need a device whose RUH Status can be read "
+                "(device: fdp or device: sim); nothing else can check them"
+            )
         tab = PidTable.from_ruh_status(status, rgif)
-        class_pid = {LifetimeClass.LONG: tab.check(long_pid, "fdp.long_pid"),
-                     LifetimeClass.MEDIUM: tab.check(medium_pid, "fdp.medium_pid"),
-                     LifetimeClass.SHORT: tab.check(short_pid, "fdp.short_pid")}
+        class_pid = {
+            LifetimeClass.LONG: tab.check(long_pid, "fdp.long_pid"),
+            LifetimeClass.MEDIUM: tab.check(medium_pid, "fdp.medium_pid"),
+            LifetimeClass.SHORT: tab.check(short_pid, "fdp.short_pid"),
+        }
         pol = cls._with_default(tab, class_pid, classifier)
         if default_pid is not None:
             pol.default_pid = tab.check(default_pid, "fdp.default_pid")
@@ -265,8 +306,14 @@ class PlacementPolicy:
             handle_pid.setdefault(tab.split(pid), pid)
         rg = tab.split(class_pid[LifetimeClass.LONG])[0]
         default = handle_pid.get((rg, 0), tab.pids[0])
-        return cls(class_pid=class_pid, default_pid=default, rgif=tab.rgif, handle_pid=handle_pid,
-                   classifier=classifier or ReuseLifetimeClassifier(), pid_table=tab)
+        return cls(
+            class_pid=class_pid,
+            default_pid=default,
+            rgif=tab.rgif,
+            handle_pid=handle_pid,
+            classifier=classifier or ReuseLifetimeClassifier(),
+            pid_table=tab,
+        )
 
     def all_pids(self) -> list[int]:
         """Every PID this policy can send (classes and default), sorted."""
@@ -289,8 +336,9 @@ class PlacementPolicy:
         """Metadata goes to the default handle."""
         return self.default_pid if self.enabled else None
 
-    def placement_for_key(self, key: Hashable, hint: str | LifetimeClass | None = None,
-                          now_s: float | None = None) -> int | None:
+    def placement_for_key(
+        self, key: Hashable, hint: str | LifetimeClass | None = None, now_s: float | None = None
+    ) -> int | None:
         """Classify ``key`` (hint first, then observed reuse) and return its PID."""
         if not self.enabled:
             return None

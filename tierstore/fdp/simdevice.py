@@ -7,6 +7,7 @@ structures* a device returns (built with the layouts of
 :mod:`tierstore.fdp.logpages`, then parsed back), so the policy is built by the
 same code on both.  It is also an I/O observer (``on_write``/``on_trim``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,11 +38,20 @@ class SimFdpDevice:
     # what a device answers ------------------------------------------------
     def fdp_configs_bytes(self) -> bytes:
         """FDP Configurations log (20h) with one valid configuration matching the model."""
-        ruht = lp.RUHT_PERSISTENTLY_ISOLATED if self.ftl.isolation == ISOLATION_PERSISTENT else lp.RUHT_INITIALLY_ISOLATED
+        ruht = (
+            lp.RUHT_PERSISTENTLY_ISOLATED
+            if self.ftl.isolation == ISOLATION_PERSISTENT
+            else lp.RUHT_INITIALLY_ISOLATED
+        )
         fdpa = 0x80 | (self.ftl.rgif & 0xF)
-        desc = lp.build_fdp_config_desc(fdpa, self.ftl.num_rg, [ruht] * self.ftl.num_ruh,
-                                        maxpids=self.ftl.num_ruh * self.ftl.num_rg - 1, nnss=1,
-                                        runs_bytes=self.ftl.ru_size_bytes)
+        desc = lp.build_fdp_config_desc(
+            fdpa,
+            self.ftl.num_rg,
+            [ruht] * self.ftl.num_ruh,
+            maxpids=self.ftl.num_ruh * self.ftl.num_rg - 1,
+            nnss=1,
+            runs_bytes=self.ftl.ru_size_bytes,
+        )
         return lp.build_fdp_configs([desc])
 
     def ruh_status_bytes(self) -> bytes:
@@ -52,8 +62,9 @@ class SimFdpDevice:
             for h in range(self.ftl.num_ruh):
                 st = self.ftl._host[g][h]
                 left_pages = self.ftl.ru_pages - st.wp if st.ru >= 0 else self.ftl.ru_pages
-                descs.append((make_pid(g, h, self.ftl.rgif), h, 0,
-                              left_pages * self.ftl.page_bytes // self.lba_bytes))
+                descs.append(
+                    (make_pid(g, h, self.ftl.rgif), h, 0, left_pages * self.ftl.page_bytes // self.lba_bytes)
+                )
         return lp.build_ruh_status(descs, pad_to_bytes=16 + 32 * len(descs) + 64)
 
     def fdp_stats_bytes(self) -> bytes:

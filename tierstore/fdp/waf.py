@@ -15,6 +15,7 @@ Two things live here:
 
 Continued in ``docs/FDP.md`` (``tierstore/fdp/waf.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -88,8 +89,10 @@ class WafWindow:
         self.end = WafSample.of(self.source)
         for name in ("hbmw_bytes", "mbmw_bytes", "mbe_bytes"):
             if getattr(self.end, name) < getattr(self.begin, name):
-                raise InvariantError(f"cumulative counter {name} went backwards "
-                                     f"({getattr(self.begin, name)} -> {getattr(self.end, name)})")
+                raise InvariantError(
+                    f"cumulative counter {name} went backwards "
+                    f"({getattr(self.begin, name)} -> {getattr(self.end, name)})"
+                )
         return self.end
 
     def _delta(self, name: str) -> int:
@@ -142,7 +145,7 @@ def lambert_w0(x: float, tol: float = 1e-15, max_iter: int = 100) -> float:
         return 0.0
     if x < -0.25:
         p = math.sqrt(max(0.0, 2.0 * (math.e * x + 1.0)))
-        w = -1.0 + p - p * p / 3.0 + 11.0 / 72.0 * p ** 3
+        w = -1.0 + p - p * p / 3.0 + 11.0 / 72.0 * p**3
     else:
         w = math.log1p(x) if x < 3 else math.log(x) - math.log(math.log(x))
     for _ in range(max_iter):

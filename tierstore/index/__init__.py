@@ -5,21 +5,38 @@ its rooms run under that lock and have none of their own: ``rows.py`` (:class:`R
 table and per-row arrays), and the others listed in ARCHITECTURE.md's layer table. Every name of
 the contract (:mod:`tierstore.contract`) stays importable from here.
 """
+
 from ..contract import (
-                        MEMORY_TIERS,
-                        BlockState,
-                        Demotion,
-                        Lease,
-                        LoadPlan,
-                        LookupResult,
-                        Medium,
-                        PromotePlan,
-                        Status,
-                        StorePlan,
-                        Tier,
+    MEMORY_TIERS,
+    BlockState,
+    Demotion,
+    Lease,
+    LoadPlan,
+    LookupResult,
+    Medium,
+    PromotePlan,
+    Status,
+    StorePlan,
+    Tier,
 )
 from .core import BlockIndex, IndexRuntime, IndexShape
 from .rows import EntryView, RowTable
 
-__all__ = ["BlockIndex", "IndexShape", "IndexRuntime", "RowTable", "EntryView", "BlockState", "Demotion", "Lease",
-           "LoadPlan", "LookupResult", "Medium", "MEMORY_TIERS", "PromotePlan", "Status", "StorePlan", "Tier"]
+__all__ = [
+    "BlockIndex",
+    "IndexShape",
+    "IndexRuntime",
+    "RowTable",
+    "EntryView",
+    "BlockState",
+    "Demotion",
+    "Lease",
+    "LoadPlan",
+    "LookupResult",
+    "Medium",
+    "MEMORY_TIERS",
+    "PromotePlan",
+    "Status",
+    "StorePlan",
+    "Tier",
+]

@@ -9,6 +9,7 @@ row with no copy left is dropped (:meth:`forget_if_empty`), one still in use is 
 freed by its last user (:meth:`doom`, :meth:`maybe_free_doomed`). It runs under the index lock
 (``BlockIndex._lock``) and has none of its own; its ``idle`` condition is the index's.
 """
+
 from __future__ import annotations
 
 import threading
@@ -49,9 +50,18 @@ class Completion:
         NVMe copy made and forgotten here.
     """
 
-    def __init__(self, rows: RowTable, placement: Placement, metrics: Metrics, events: EventLog,
-                 idle: threading.Condition, clock: Callable[[], float], tokens_per_block: int,
-                 cost: CostModel, nvme_policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        rows: RowTable,
+        placement: Placement,
+        metrics: Metrics,
+        events: EventLog,
+        idle: threading.Condition,
+        clock: Callable[[], float],
+        tokens_per_block: int,
+        cost: CostModel,
+        nvme_policy: EvictionPolicy | None = None,
+    ) -> None:
         self.nvme_policy = nvme_policy
         self.rows = rows
         self.placement = placement
@@ -66,8 +76,15 @@ class Completion:
         self.cost = cost
 
     # ================================================================ phase two of each plan
-    def finish_store(self, plan: StorePlan, nvme_statuses: dict, demote_statuses: dict, failed: bool,
-                     now: float, memory_statuses: dict | None = None) -> list[Status]:
+    def finish_store(
+        self,
+        plan: StorePlan,
+        nvme_statuses: dict,
+        demote_statuses: dict,
+        failed: bool,
+        now: float,
+        memory_statuses: dict | None = None,
+    ) -> list[Status]:
         """Body of :meth:`BlockIndex.complete_store` (the plan is marked done and counted by the caller).
 
         ``memory_statuses`` (``i -> Status``, split execution): a new block whose bytes did not all
@@ -79,8 +96,9 @@ class Completion:
             else:
                 c: dict = {"store_failed_midway": 1}
                 if not plan.victims_done:
-                    self.apply_victims(plan, now, c, plan.demote_statuses,
-                                       copies_done=plan.moved >= StorePlan.COPIES_DONE)
+                    self.apply_victims(
+                        plan, now, c, plan.demote_statuses, copies_done=plan.moved >= StorePlan.COPIES_DONE
+                    )
                 self.forget_new(plan)
                 self.metrics.add(c)
             return [s if s is not None else Status.IO_ERROR for s in plan.statuses]
@@ -117,8 +135,9 @@ class Completion:
         plan.victims_done = True
         self.metrics.add(c)
 
-    def finish_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool,
-                    nvme_s: float | None) -> list:
+    def finish_load(
+        self, plan: LoadPlan, statuses: Sequence[Status], promote: bool, nvme_s: float | None
+    ) -> list:
         """Body of :meth:`BlockIndex.complete_load`: release the holds, record the outcome. Returns the
         loaded blocks worth promoting, ``(i, row, source tier)``."""
         c: dict = {}
@@ -198,8 +217,11 @@ class Completion:
         pending = plan.pending
         if not pending:
             return
-        failed_from = min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)),
-                          default=None) if nv else None
+        failed_from = (
+            min((i for i in pending if i in nv and nv[i] not in (Status.OK, Status.EXISTS)), default=None)
+            if nv
+            else None
+        )
         prows = [plan.rows[i] for i in pending]
         if failed_from is None and not (self.rows.flags[prows] & DOOMED).any():
             good = pending
@@ -246,8 +268,9 @@ class Completion:
             st[i] = Status.OK
         c["store_ok"] = c.get("store_ok", 0) + len(good)
 
-    def complete_failed(self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None,
-                        c: dict) -> list[int]:
+    def complete_failed(
+        self, plan: StorePlan, pending: list[int], nv: dict, failed_from: int | None, c: dict
+    ) -> list[int]:
         """:meth:`complete_new` when a write failed or a row was doomed meanwhile:
         forget the failed blocks (and the rest of the chain after the first
         failure), free doomed rows. Returns the indices still to make visible."""
@@ -278,8 +301,14 @@ class Completion:
             c[name] = c.get(name, 0) + 1
         return good
 
-    def apply_victims(self, plan: StorePlan, now: float, c: dict, demote_statuses: dict | None = None,
-                      copies_done: bool = True) -> None:
+    def apply_victims(
+        self,
+        plan: StorePlan,
+        now: float,
+        c: dict,
+        demote_statuses: dict | None = None,
+        copies_done: bool = True,
+    ) -> None:
         """Record what happened to a plan's victims (under the lock): written to
         NVMe (by ``demote_statuses``), copied down into memory (if
         ``copies_done``; else their destination slots are freed), and gone
@@ -299,10 +328,12 @@ class Completion:
             else:
                 c[f"nvme_put_{st.value}"] = c.get(f"nvme_put_{st.value}", 0) + 1
         # 2. victims copied down into memory
-        for d in (plan.copies if copies_done else ()):
+        for d in plan.copies if copies_done else ():
             self.rows.set_slot(d.row, d.dst, d.dst_slot)
             self.policies[d.dst].on_insert(self.rows.view(d.row, d.key), now)
-            c[f"demotions_{d.src.label}_{d.dst.label}"] = c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
+            c[f"demotions_{d.src.label}_{d.dst.label}"] = (
+                c.get(f"demotions_{d.src.label}_{d.dst.label}", 0) + 1
+            )
             self.events.add("demoted", d.key, d.dst)
         if not copies_done:  # each destination was a free slot or a victim's (given): free it
             for d in plan.copies:
@@ -385,8 +416,12 @@ class Completion:
         self.rows.doomed.add(row)
 
     def maybe_free_doomed(self, row: int) -> None:
-        if (row in self.rows.doomed and self.rows.refs[row] == 0 and self.rows.readers[row] == 0
-                and not self.rows.flags[row] & (PENDING | NVME_WRITING | EVICT_HBM | EVICT_HOST)):
+        if (
+            row in self.rows.doomed
+            and self.rows.refs[row] == 0
+            and self.rows.readers[row] == 0
+            and not self.rows.flags[row] & (PENDING | NVME_WRITING | EVICT_HBM | EVICT_HOST)
+        ):
             self.rows.doomed.discard(row)
             self.rows.release_row(row, self.alloc)
             self._idle.notify_all()
@@ -438,8 +473,11 @@ class Completion:
             self._nvme_out(key)
         self.rows.flags[row] &= 0xFF ^ ON_NVME
         self.events.add("invalidated", key)
-        if (self.rows.refs[row] > 0 or self.rows.readers[row] > 0
-                or self.rows.flags[row] & (EVICT_HBM | EVICT_HOST | NVME_WRITING)):
+        if (
+            self.rows.refs[row] > 0
+            or self.rows.readers[row] > 0
+            or self.rows.flags[row] & (EVICT_HBM | EVICT_HOST | NVME_WRITING)
+        ):
             self.doom(row, key)
             return
         for t in MEMORY_TIERS:

@@ -24,6 +24,7 @@ copied forward on reclaim.
 Exact-hit rule: only full blocks are stored and matched; a partial tail is recomputed and
 counted in ``partial_tail_tokens``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -207,13 +208,24 @@ class BlockIndex:
         self.block_bytes = shape.block_bytes
         self.tokens_per_block = shape.tokens_per_block
         c = shape
-        self.rows = RowTable(max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes)
+        self.rows = RowTable(
+            max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes
+        )
         self.metrics = Metrics()
         self.placement = Placement(
-            self.rows, self.metrics, hbm_blocks=c.hbm_blocks, host_blocks=c.host_blocks, nvme=c.nvme,
-            eviction=policies.eviction, write_policy=policies.write_policy, promotion=policies.promotion,
-            evict_batch_blocks=policies.evict_batch_blocks, admit=runtime.admit,
-            classify=runtime.classify, remote_victims=runtime.remote_victims)
+            self.rows,
+            self.metrics,
+            hbm_blocks=c.hbm_blocks,
+            host_blocks=c.host_blocks,
+            nvme=c.nvme,
+            eviction=policies.eviction,
+            write_policy=policies.write_policy,
+            promotion=policies.promotion,
+            evict_batch_blocks=policies.evict_batch_blocks,
+            admit=runtime.admit,
+            classify=runtime.classify,
+            remote_victims=runtime.remote_victims,
+        )
         self.tiers = self.placement.tiers
         self.policies = self.placement.policies
         self._alloc = self.placement.alloc
@@ -227,16 +239,58 @@ class BlockIndex:
     def _open_rooms(self, policies, runtime: IndexRuntime) -> None:
         """The rooms that run under the index lock beside ``rows`` and ``placement`` (module doc)."""
         c = self.shape
-        self.completion = Completion(self.rows, self.placement, self.metrics, self.events, self._idle,
-                                     self._now, c.tokens_per_block, runtime.cost, runtime.nvme_policy)
-        self.pins = Pins(self.rows, self._lock, self._now, self.metrics, policies.pin_quota_bytes,
-                         policies.default_lease_s, self.completion.maybe_free_doomed)
-        self.listener = NvmeListener(self.rows, self._lock, self._now, runtime.reinsert, self.metrics, self.events,
-                                     self.completion.forget_if_empty, runtime.nvme_policy)
-        self.introspect = Introspection(self.rows, self._lock, self._now, self.tiers, self._alloc,
-                                        self.policies, self.pins, runtime.nvme_policy)
-        self.lookups = Lookups(self.rows, self._lock, self._now, self.placement, self.pins, self.listener,
-                               self.metrics, runtime.cost, policies.verify_tokens, c.tokens_per_block)
+        self.completion = Completion(
+            self.rows,
+            self.placement,
+            self.metrics,
+            self.events,
+            self._idle,
+            self._now,
+            c.tokens_per_block,
+            runtime.cost,
+            runtime.nvme_policy,
+        )
+        self.pins = Pins(
+            self.rows,
+            self._lock,
+            self._now,
+            self.metrics,
+            policies.pin_quota_bytes,
+            policies.default_lease_s,
+            self.completion.maybe_free_doomed,
+        )
+        self.listener = NvmeListener(
+            self.rows,
+            self._lock,
+            self._now,
+            runtime.reinsert,
+            self.metrics,
+            self.events,
+            self.completion.forget_if_empty,
+            runtime.nvme_policy,
+        )
+        self.introspect = Introspection(
+            self.rows,
+            self._lock,
+            self._now,
+            self.tiers,
+            self._alloc,
+            self.policies,
+            self.pins,
+            runtime.nvme_policy,
+        )
+        self.lookups = Lookups(
+            self.rows,
+            self._lock,
+            self._now,
+            self.placement,
+            self.pins,
+            self.listener,
+            self.metrics,
+            runtime.cost,
+            policies.verify_tokens,
+            c.tokens_per_block,
+        )
 
     # ================================================================ helpers
     def _now(self) -> float:
@@ -263,8 +317,11 @@ class BlockIndex:
                 self._pending_plans += 1
             return plan
 
-    record_events = property(lambda self: self.events.on, lambda self, on: setattr(self.events, "on", bool(on)),
-                             doc="Whether events are recorded for :meth:`take_events` (tests turn it on).")
+    record_events = property(
+        lambda self: self.events.on,
+        lambda self, on: setattr(self.events, "on", bool(on)),
+        doc="Whether events are recorded for :meth:`take_events` (tests turn it on).",
+    )
 
     def take_events(self) -> list[tuple]:
         """Drain recorded events ``(kind, key, tier label)`` (``record_events`` must be on)."""
@@ -283,8 +340,13 @@ class BlockIndex:
         with self._lock:
             return (self.rows.tops(self.rows.table.get_many(keys)) >= 0).tolist()
 
-    def lookup(self, keys: Sequence[bytes], tokens: Sequence[np.ndarray] | None = None,
-               request_id: object = None, num_prompt_tokens: int | None = None) -> LookupResult:
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        tokens: Sequence[np.ndarray] | None = None,
+        request_id: object = None,
+        num_prompt_tokens: int | None = None,
+    ) -> LookupResult:
         """Longest resident prefix of ``keys``.
 
         Parameters
@@ -307,8 +369,14 @@ class BlockIndex:
             return self.lookups.lookup(keys, tokens, request_id, num_prompt_tokens, now)
 
     # ================================================================ store
-    def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime: LifetimeClass | str | None = None,
-                      first_position: int = 0, tokens: Sequence[np.ndarray] | None = None) -> StorePlan:
+    def prepare_store(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        lifetime: LifetimeClass | str | None = None,
+        first_position: int = 0,
+        tokens: Sequence[np.ndarray] | None = None,
+    ) -> StorePlan:
         """Decide where each new block goes (phase one of a store).
 
         Parameters
@@ -342,7 +410,9 @@ class BlockIndex:
             todo = _new_blocks(keys, rows, plan.statuses)
             tk = keys if len(todo) == n else [keys[i] for i in todo]
             if todo:
-                new = self.rows.new_rows(tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now).tolist()
+                new = self.rows.new_rows(
+                    tk, nid, np.asarray(todo, dtype=np.int64) + first_position, hint_i, now
+                ).tolist()
                 if len(todo) == n:
                     plan.rows = new
                 else:
@@ -370,9 +440,14 @@ class BlockIndex:
         if not plan.done:
             self.complete_store(plan, failed=True)
 
-    def complete_store(self, plan: StorePlan, nvme_statuses: dict[int, Status] | None = None,
-                       demote_statuses: dict[int, Status] | None = None, failed: bool = False,
-                       memory_statuses: dict[int, Status] | None = None) -> list[Status]:
+    def complete_store(
+        self,
+        plan: StorePlan,
+        nvme_statuses: dict[int, Status] | None = None,
+        demote_statuses: dict[int, Status] | None = None,
+        failed: bool = False,
+        memory_statuses: dict[int, Status] | None = None,
+    ) -> list[Status]:
         """Apply a store's outcome (phase two).
 
         Parameters
@@ -404,7 +479,9 @@ class BlockIndex:
         now = self._now()
         with self._lock:
             self._close(plan, "complete_store")
-            out = self.completion.finish_store(plan, nvme_statuses, demote_statuses, failed, now, memory_statuses)
+            out = self.completion.finish_store(
+                plan, nvme_statuses, demote_statuses, failed, now, memory_statuses
+            )
             self._idle.notify_all()
             return out
 
@@ -446,8 +523,9 @@ class BlockIndex:
             if ev is not None:
                 ev.set()
 
-    def complete_load(self, plan: LoadPlan, statuses: Sequence[Status], promote: bool = True,
-                      nvme_s: float | None = None) -> PromotePlan | None:
+    def complete_load(
+        self, plan: LoadPlan, statuses: Sequence[Status], promote: bool = True, nvme_s: float | None = None
+    ) -> PromotePlan | None:
         """Release a load's holds and record its outcome (phase two).
 
         Parameters
@@ -494,8 +572,10 @@ class BlockIndex:
             If ``target`` is not an enabled memory tier.
         """
         if target not in self._alloc:
-            raise ConfigError(f"prefetch target {Tier(target).label!r}: accepted values are "
-                              f"{[t.label for t in self._alloc]} (enabled memory tiers)")
+            raise ConfigError(
+                f"prefetch target {Tier(target).label!r}: accepted values are "
+                f"{[t.label for t in self._alloc]} (enabled memory tiers)"
+            )
         now = self._now()
         return self._counted(lambda: self.placement.reserve_prefetch(keys, target, now))
 

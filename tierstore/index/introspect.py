@@ -6,6 +6,7 @@ tests and ``KVStore.check()`` rely on (slots, policies, references and flags agr
 :class:`EventLog` records what happened to blocks when a test asks for it. Both run under the
 index lock they are given (``BlockIndex._lock``) and have none of their own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,17 +20,7 @@ from ..fdp.lifetime import LifetimeClass
 from ..policies.base import EvictionPolicy
 from ..tiers.memory import SlotAllocator
 from .pins import Pins
-from .rows import (
-    DOOMED,
-    EVICT_HBM,
-    EVICT_HOST,
-    IN,
-    NO_HINT,
-    NVME_WRITING,
-    ON_NVME,
-    PENDING,
-    IndexRoom,
-)
+from .rows import DOOMED, EVICT_HBM, EVICT_HOST, IN, NO_HINT, NVME_WRITING, ON_NVME, PENDING, IndexRoom
 
 
 class EventLog:
@@ -109,10 +100,18 @@ class Introspection(IndexRoom):
                 return None
             v = self.rows.view(r, key)
             nc = int(self.rows.nvme_class[r])
-            return {"tiers": [t for t in self.tiers if self.rows.readable(r, t)], "ref_count": v.ref_count,
-                    "pinned": self.rows.pinned(r, self._clock()), "hits": v.hits, "position": v.position,
-                    "created_s": v.created_s, "last_access_s": v.last_access_s, "namespace": v.ns,
-                    "lifetime": v.lifetime, "nvme_lifetime": None if nc == NO_HINT else LifetimeClass(nc)}
+            return {
+                "tiers": [t for t in self.tiers if self.rows.readable(r, t)],
+                "ref_count": v.ref_count,
+                "pinned": self.rows.pinned(r, self._clock()),
+                "hits": v.hits,
+                "position": v.position,
+                "created_s": v.created_s,
+                "last_access_s": v.last_access_s,
+                "namespace": v.ns,
+                "lifetime": v.lifetime,
+                "nvme_lifetime": None if nc == NO_HINT else LifetimeClass(nc),
+            }
 
     def memory_slot(self, key: bytes, tier: Tier) -> int:
         """Slot of ``key`` in a memory tier, or -1."""
@@ -210,7 +209,9 @@ class Introspection(IndexRoom):
                     counts[r] = counts.get(r, 0) + 1
             for r in live.tolist():
                 if counts.get(r, 0) != int(self.rows.refs[r]):
-                    raise InvariantError(f"row {r}: ref_count {int(self.rows.refs[r])} != {counts.get(r, 0)} references")
+                    raise InvariantError(
+                        f"row {r}: ref_count {int(self.rows.refs[r])} != {counts.get(r, 0)} references"
+                    )
             for r in rows.tolist():
                 if self.rows.flags[r] & DOOMED:
                     raise InvariantError(f"row {r} is doomed but still indexed")

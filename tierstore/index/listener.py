@@ -9,6 +9,7 @@ says what left (:meth:`NvmeListener.on_dropped`). With ``eviction_granularity: b
 what a persistent NVMe tier recovered. It runs under the index lock it is given
 (``BlockIndex._lock``) and has none of its own; ``build.assemble`` attaches it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,7 +74,7 @@ class NvmeListener(IndexRoom, RegionListener):
         out: list[bool] = []
         for a in range(0, len(keys), CHUNK_KEYS):
             with self._lock:
-                out.extend(self._keep(keys[a:a + CHUNK_KEYS], now))
+                out.extend(self._keep(keys[a : a + CHUNK_KEYS], now))
         return out
 
     def _keep(self, keys: list[bytes], now: float) -> list[bool]:
@@ -86,8 +87,9 @@ class NvmeListener(IndexRoom, RegionListener):
         r = rows[found]
         f = rt.flags[r]
         keep = np.zeros(len(keys), dtype=bool)
-        keep[found] = (((rt.refs[r] > 0) | (rt.readers[r] > 0) | (rt.pin_until[r] > now) | ((f & BUSY) != 0))
-                       & ((f & DOOMED) == 0))
+        keep[found] = (
+            (rt.refs[r] > 0) | (rt.readers[r] > 0) | (rt.pin_until[r] > now) | ((f & BUSY) != 0)
+        ) & ((f & DOOMED) == 0)
         if self.reinsert is not None:
             for j in np.flatnonzero(found & ~keep).tolist():
                 row = int(rows[j])
@@ -102,7 +104,7 @@ class NvmeListener(IndexRoom, RegionListener):
         block: the NVMe tier answers it with a miss)."""
         for a in range(0, len(keys), CHUNK_KEYS):
             with self._lock:
-                self._forget_nvme(keys[a:a + CHUNK_KEYS])
+                self._forget_nvme(keys[a : a + CHUNK_KEYS])
 
     def pick_victims(self, n: int) -> list[bytes]:
         """Up to ``n`` unprotected NVMe blocks in the NVMe policy's order (block mode; none in region
@@ -117,6 +119,7 @@ class NvmeListener(IndexRoom, RegionListener):
             def protected(key: bytes) -> bool:
                 r = rt.table.get(key)
                 return r < 0 or rt.protected(r, now)
+
             keys = self.policy.evict(n, protected, now)
             while not keys and n > 1:  # policies are all-or-nothing: take what there is
                 n //= 2
@@ -138,7 +141,9 @@ class NvmeListener(IndexRoom, RegionListener):
             self._forget_if_empty(r, k)
         self.metrics.add({"evictions_nvme": int(idx.size)})
 
-    def adopt(self, keys: Sequence[bytes], nss: Sequence[bytes], write_seqs: Sequence[int] | None = None) -> int:
+    def adopt(
+        self, keys: Sequence[bytes], nss: Sequence[bytes], write_seqs: Sequence[int] | None = None
+    ) -> int:
         """Index blocks a persistent NVMe tier recovered at start-up (the NVMe policy gets them oldest
         write first, so a restarted LRU starts as FIFO). Returns blocks adopted."""
         now = self._clock()

@@ -9,6 +9,7 @@ tier (:meth:`~tierstore.policies.cost.CostModel.tier_load_s`) or a chain over se
 (:meth:`~tierstore.policies.cost.CostModel.chain_load_s`), and the useful prefix, where loading
 beats recomputing (:meth:`~tierstore.policies.cost.CostModel.useful_prefix`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,9 +54,19 @@ class Lookups(IndexRoom):
     tokens_per_block : int
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], placement: Placement,
-                 pins: Pins, listener: NvmeListener, metrics: Metrics, cost: CostModel, verify_tokens: bool,
-                 tokens_per_block: int) -> None:
+    def __init__(
+        self,
+        rows: RowTable,
+        lock: threading.RLock,
+        clock: Callable[[], float],
+        placement: Placement,
+        pins: Pins,
+        listener: NvmeListener,
+        metrics: Metrics,
+        cost: CostModel,
+        verify_tokens: bool,
+        tokens_per_block: int,
+    ) -> None:
         super().__init__(rows, lock, clock)
         self.placement = placement
         self.policies = placement.policies
@@ -67,8 +78,14 @@ class Lookups(IndexRoom):
         self.tokens_per_block = int(tokens_per_block)
         self.block_bytes = rows.block_bytes
 
-    def lookup(self, keys: Sequence[bytes], tokens: Sequence[np.ndarray] | None, request_id: object,
-               num_prompt_tokens: int | None, now: float) -> LookupResult:
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        tokens: Sequence[np.ndarray] | None,
+        request_id: object,
+        num_prompt_tokens: int | None,
+        now: float,
+    ) -> LookupResult:
         """:meth:`BlockIndex.lookup <tierstore.index.core.BlockIndex.lookup>` at ``now``, under the
         index lock."""
         n = len(keys)
@@ -117,8 +134,16 @@ class Lookups(IndexRoom):
             lost += 1
         self.metrics.add({"admission_lost_lookups": 1, "admission_lost_blocks": lost})
 
-    def _record_hits(self, keys: Sequence[bytes], rows: np.ndarray, tops: np.ndarray, m: int,
-                     request_id: object, now: float, c: dict) -> tuple[list, list[float], int, str | None]:
+    def _record_hits(
+        self,
+        keys: Sequence[bytes],
+        rows: np.ndarray,
+        tops: np.ndarray,
+        m: int,
+        request_id: object,
+        now: float,
+        c: dict,
+    ) -> tuple[list, list[float], int, str | None]:
         """The ``m`` matched blocks were hit: recency, policies, request references, counters into
         ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
         n, T, bb = len(keys), self.tokens_per_block, self.block_bytes

@@ -6,6 +6,7 @@ until :meth:`Pins.release`; a lease holds resident blocks (``PINNED``) until it 
 are what victim choice and reclaim read; this room keeps who holds them. It runs under the
 index lock it is given (``BlockIndex._lock``) and has none of its own.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,17 +36,25 @@ class Pins(IndexRoom):
         ``f(row)``: frees a doomed row once its last user went (the completion room's).
     """
 
-    def __init__(self, rows: RowTable, lock: threading.RLock, clock: Callable[[], float], metrics: Metrics,
-                 quota_bytes: int, default_lease_s: float, free_doomed: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        rows: RowTable,
+        lock: threading.RLock,
+        clock: Callable[[], float],
+        metrics: Metrics,
+        quota_bytes: int,
+        default_lease_s: float,
+        free_doomed: Callable[[int], None],
+    ) -> None:
         super().__init__(rows, lock, clock)
         self.metrics = metrics
         self.quota_bytes = quota_bytes
         self.default_lease_s = default_lease_s
         self._free_doomed = free_doomed
-        self.requests: dict[object, list[int]] = {}     # request id -> rows it references
+        self.requests: dict[object, list[int]] = {}  # request id -> rows it references
         self.leases: dict[int, Lease] = {}
         self.row_pins: dict[int, dict[int, float]] = {}  # row -> {lease id: expiry}
-        self.pinned_bytes: dict[bytes, int] = {}         # namespace -> bytes its leases hold
+        self.pinned_bytes: dict[bytes, int] = {}  # namespace -> bytes its leases hold
         self._lease_ids = itertools.count(1)
 
     # ================================================================ references
@@ -91,8 +100,10 @@ class Pins(IndexRoom):
             nbytes = len(rows) * rt.block_bytes
             used = self.pinned_bytes.get(ns, 0)
             if used + nbytes > self.quota_bytes:
-                raise QuotaExceeded(f"pin of {nbytes} B would exceed the namespace quota "
-                                    f"({used} of {self.quota_bytes} B in use)")
+                raise QuotaExceeded(
+                    f"pin of {nbytes} B would exceed the namespace quota "
+                    f"({used} of {self.quota_bytes} B in use)"
+                )
             lid = next(self._lease_ids)
             exp = self._clock() + lease_s
             pin_until = rt.pin_until

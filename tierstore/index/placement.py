@@ -10,6 +10,7 @@ the one place it is decided), promotions and prefetches (never an NVMe write) an
 flush writes. It changes rows (flags, holds) but completes nothing. It runs under the index
 lock (``BlockIndex._lock``) and has none of its own.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,9 +28,14 @@ from ..tiers.memory import SlotAllocator
 from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, NVME_WRITING, ON_NVME, PENDING, RowTable
 
 
-def choose_victims(evict: Callable[[int, Callable[[Any], bool], int | None], list],
-                   n: int, batch: int, protected: Callable[[Any], bool], max_scan: int | None,
-                   prefix: bool = False) -> list:
+def choose_victims(
+    evict: Callable[[int, Callable[[Any], bool], int | None], list],
+    n: int,
+    batch: int,
+    protected: Callable[[Any], bool],
+    max_scan: int | None,
+    prefix: bool = False,
+) -> list:
     """Up to ``max(n, batch)`` victims: a batch when the policy has one, else ``n``, else as many
     of ``n`` as it gives one at a time (fewer than ``n`` evictable: a partial answer).
 
@@ -106,13 +112,27 @@ class Placement:
     #: that has an NVMe copy (leaves without a write); none among them: no slot.
     CHEAP_SCAN_BLOCKS = 64
 
-    def __init__(self, rows: RowTable, metrics: Metrics, *, hbm_blocks: int, host_blocks: int, nvme: bool,
-                 eviction: str, write_policy: str, promotion: str, evict_batch_blocks: int,
-                 admit: Callable | None, classify: Callable, remote_victims: bool) -> None:
+    def __init__(
+        self,
+        rows: RowTable,
+        metrics: Metrics,
+        *,
+        hbm_blocks: int,
+        host_blocks: int,
+        nvme: bool,
+        eviction: str,
+        write_policy: str,
+        promotion: str,
+        evict_batch_blocks: int,
+        admit: Callable | None,
+        classify: Callable,
+        remote_victims: bool,
+    ) -> None:
         self.rows = rows
         self.metrics = metrics
-        self.tiers: list[Tier] = [t for t, n in ((Tier.HBM, hbm_blocks), (Tier.HOST, host_blocks)) if n] + \
-            ([Tier.NVME] if nvme else [])
+        self.tiers: list[Tier] = [t for t, n in ((Tier.HBM, hbm_blocks), (Tier.HOST, host_blocks)) if n] + (
+            [Tier.NVME] if nvme else []
+        )
         self.alloc: dict[Tier, SlotAllocator] = {}
         if hbm_blocks:
             self.alloc[Tier.HBM] = SlotAllocator(hbm_blocks)
@@ -126,7 +146,7 @@ class Placement:
         self.classify = classify
         self.remote_victims = remote_victims
         self.rejected: dict[bytes, None] = {}  # keys admission kept off NVMe (bounded, oldest first out)
-        self.clean_wanted = 0                  # promotions that found only dirty victims
+        self.clean_wanted = 0  # promotions that found only dirty victims
 
     def place(self, plan: StorePlan, todo: list[int], now: float) -> None:
         """Decide the tier of each new block ``todo`` of ``plan`` (its rows exist, ``PENDING``)."""
@@ -145,6 +165,7 @@ class Placement:
                 return True
             row = get(key)
             return row < 0 or protected(row, now)
+
         return prot
 
     def lower_memory(self, tier: Tier) -> Tier | None:
@@ -178,7 +199,7 @@ class Placement:
                 break
             slots = self.reserve(t, len(left), plan, None, now)
             plan.memory.extend(zip(left, itertools.repeat(t), slots))
-            left = left[len(slots):]
+            left = left[len(slots) :]
         if left:  # fits nowhere: this block and the rest of the chain
             self.refuse(plan, left)
 
@@ -191,7 +212,7 @@ class Placement:
                 continue
             slots = self.reserve(t, len(left), plan, None, now, cheap_only=True)
             plan.memory.extend(zip(left, itertools.repeat(t), slots))
-            left = left[len(slots):]
+            left = left[len(slots) :]
 
     def refuse(self, plan: StorePlan, idx: list[int]) -> None:
         """The blocks ``idx`` fit nowhere: they and every later block of the chain are ``NO_SPACE``."""
@@ -204,11 +225,14 @@ class Placement:
                     plan.rows[i] = -1
         plan.memory = [m for m in plan.memory if plan.statuses[m[0]] is None]
         plan.nvme_new = [m for m in plan.nvme_new if plan.statuses[m[0]] is None]
-        self.metrics.inc("store_no_space", len(plan.keys) - first - sum(
-            1 for s in plan.statuses[first:] if s is Status.EXISTS))
+        self.metrics.inc(
+            "store_no_space",
+            len(plan.keys) - first - sum(1 for s in plan.statuses[first:] if s is Status.EXISTS),
+        )
 
-    def reserve(self, tier: Tier, n: int, plan: StorePlan, protect: set | None, now: float,
-                cheap_only: bool = False) -> list[int]:
+    def reserve(
+        self, tier: Tier, n: int, plan: StorePlan, protect: set | None, now: float, cheap_only: bool = False
+    ) -> list[int]:
         """Up to ``n`` slots of memory tier ``tier`` for ``plan``: free ones, then
         victims' (:meth:`victimize`; a batch of ``evict_batch_blocks`` at least,
         so demotions to NVMe go out together). ``protect``: keys never to take
@@ -221,14 +245,23 @@ class Placement:
             if plan.protect is None:
                 plan.protect = set(plan.keys)
             protect = plan.protect
-        vrows = self.victimize(tier, need, plan, protect, now, cheap_only,
-                               batch=1 if cheap_only else self.evict_batch_blocks)
+        vrows = self.victimize(
+            tier, need, plan, protect, now, cheap_only, batch=1 if cheap_only else self.evict_batch_blocks
+        )
         given = [int(self.rows.slot[tier][r]) for r in vrows[:need]]
         plan.given.update((tier, s) for s in given)
         return slots + given
 
-    def victimize(self, tier: Tier, n: int, plan: StorePlan, protect: set, now: float,
-                  cheap_only: bool = False, batch: int = 1) -> list[int]:
+    def victimize(
+        self,
+        tier: Tier,
+        n: int,
+        plan: StorePlan,
+        protect: set,
+        now: float,
+        cheap_only: bool = False,
+        batch: int = 1,
+    ) -> list[int]:
         """Choose ``n`` (up to ``max(n, batch)``) victims in ``tier`` and decide each
         one's fate: dropped when it has a lower copy, else demoted to the next
         memory tier (recursively making room there) or to NVMe (if admitted),
@@ -243,8 +276,9 @@ class Placement:
             inner = prot
             prot = lambda k: inner(k) or not self.has_lower_copy(self.rows.table.get(k), tier)  # noqa: E731
             scan = self.CHEAP_SCAN_BLOCKS  # among the coldest few (a full scan per promotion was O(tier))
-        victims = choose_victims(lambda m, p, s: policy.evict(m, p, now, max_scan=s), n, batch, prot, scan,
-                                 policy.evict_is_prefix)
+        victims = choose_victims(
+            lambda m, p, s: policy.evict(m, p, now, max_scan=s), n, batch, prot, scan, policy.evict_is_prefix
+        )
         if not victims:
             return []
         vrows = [self.rows.table.get(k) for k in victims]
@@ -258,7 +292,7 @@ class Placement:
             dst = self.reserve(lower, len(demote), plan, protect, now, cheap_only)
             for (r, k), s in zip(demote, dst):
                 plan.copies.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), lower, s))
-            demote = demote[len(dst):]
+            demote = demote[len(dst) :]
             if cheap_only and demote:  # these would need NVMe writes: they stay where they are
                 back = {r for r, _ in demote}
                 for r, k in demote:
@@ -275,7 +309,9 @@ class Placement:
             plan.lost.extend((k, tier, int(self.rows.slot[tier][r])) for r, k in demote)
         return vrows
 
-    def _demote_to_nvme(self, tier: Tier, demote: list[tuple[int, bytes]], plan: StorePlan, now: float) -> None:
+    def _demote_to_nvme(
+        self, tier: Tier, demote: list[tuple[int, bytes]], plan: StorePlan, now: float
+    ) -> None:
         """Victims of ``tier`` without a lower copy go to NVMe when admitted (``plan.nvme_demote``,
         with their lifetime class); a rejected one is remembered in ``rejected`` (bounded), counted,
         and, with ``remote_victims``, listed in ``plan.lost``."""
@@ -283,14 +319,25 @@ class Placement:
         for r, k in demote:
             if admit is not None and not admit(self.rows.view(r, k)):
                 self.rejected[k] = None
-                self.metrics.add({"admission_rejected_blocks": 1,
-                                  "admission_rejected_bytes": self.rows.block_bytes})
+                self.metrics.add(
+                    {"admission_rejected_blocks": 1, "admission_rejected_bytes": self.rows.block_bytes}
+                )
                 if self.remote_victims:
                     plan.lost.append((k, tier, int(self.rows.slot[tier][r])))
                 continue
             self.rows.flags[r] |= NVME_WRITING
-            plan.nvme_demote.append(Demotion(r, k, tier, int(self.rows.slot[tier][r]), Tier.NVME, -1,
-                                             self.nvme_lifetime(r, k, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
+            plan.nvme_demote.append(
+                Demotion(
+                    r,
+                    k,
+                    tier,
+                    int(self.rows.slot[tier][r]),
+                    Tier.NVME,
+                    -1,
+                    self.nvme_lifetime(r, k, now),
+                    self.rows.namespaces.digests[int(self.rows.ns[r])],
+                )
+            )
         while len(self.rejected) > self.REJECTED_KEYS_MAX:
             self.rejected.pop(next(iter(self.rejected)))
 
@@ -360,8 +407,9 @@ class Placement:
         # and overwrites it without the lock; gathered from there, another block's bytes would
         # be written to NVMe under this key, with a valid checksum. Such a row is skipped: its
         # plan decides its fate (moved down, written to NVMe, or dropped and counted).
-        mem = (((self.rows.slot[Tier.HBM][rows] >= 0) & ((f & EVICT_HBM) == 0))
-               | ((self.rows.slot[Tier.HOST][rows] >= 0) & ((f & EVICT_HOST) == 0)))
+        mem = ((self.rows.slot[Tier.HBM][rows] >= 0) & ((f & EVICT_HBM) == 0)) | (
+            (self.rows.slot[Tier.HOST][rows] >= 0) & ((f & EVICT_HOST) == 0)
+        )
         rows = rows[mem & ((f & (ON_NVME | PENDING | DOOMED | NVME_WRITING)) == 0)]
         if coldest_first:
             rows = rows[np.argsort(self.rows.last[rows], kind="stable")]
@@ -374,6 +422,16 @@ class Placement:
             t = Tier.HOST if self.rows.readable(r, Tier.HOST) else Tier.HBM
             self.rows.flags[r] |= NVME_WRITING
             self.rows.readers[r] += 1
-            plan.nvme_demote.append(Demotion(r, key, t, int(self.rows.slot[t][r]), Tier.NVME, -1,
-                                             self.nvme_lifetime(r, key, now), self.rows.namespaces.digests[int(self.rows.ns[r])]))
+            plan.nvme_demote.append(
+                Demotion(
+                    r,
+                    key,
+                    t,
+                    int(self.rows.slot[t][r]),
+                    Tier.NVME,
+                    -1,
+                    self.nvme_lifetime(r, key, now),
+                    self.rows.namespaces.digests[int(self.rows.ns[r])],
+                )
+            )
         return plan

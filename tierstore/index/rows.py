@@ -9,6 +9,7 @@ the table). :class:`EntryView` is what policies read about one row. The ``flags`
 row says what is in flight and where its copies are; ``TOP`` maps it to the fastest readable
 tier. Every method runs under the owner's lock (``BlockIndex._lock``); this module has none.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,14 +27,14 @@ from ..keytable import KeyTable
 from ..tiers.memory import SlotAllocator
 
 # --- row flags
-PENDING = 1          # a store of this key is in flight: not visible yet
-EVICT_HBM = 2        # its HBM copy is being evicted: not readable
-EVICT_HOST = 4       # its host copy is being evicted: not readable
-DOOMED = 8           # removed while in use: freed when the last user goes
-ON_NVME = 16         # has a copy on the NVMe tier
-NVME_WRITING = 32    # a demotion write to NVMe is in flight
-IN_HBM = 64          # holds an HBM slot (``slot[HBM][row] >= 0``)
-IN_HOST = 128        # holds a host slot (``slot[HOST][row] >= 0``)
+PENDING = 1  # a store of this key is in flight: not visible yet
+EVICT_HBM = 2  # its HBM copy is being evicted: not readable
+EVICT_HOST = 4  # its host copy is being evicted: not readable
+DOOMED = 8  # removed while in use: freed when the last user goes
+ON_NVME = 16  # has a copy on the NVMe tier
+NVME_WRITING = 32  # a demotion write to NVMe is in flight
+IN_HBM = 64  # holds an HBM slot (``slot[HBM][row] >= 0``)
+IN_HOST = 128  # holds a host slot (``slot[HOST][row] >= 0``)
 EVICT = {Tier.HBM: EVICT_HBM, Tier.HOST: EVICT_HOST}
 IN = {Tier.HBM: IN_HBM, Tier.HOST: IN_HOST}
 NO_HINT = -1
@@ -58,10 +59,19 @@ TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
 TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
 
 #: Per-row arrays other than ``flags`` and ``slot``: ``(name, dtype, fill of a new element)``.
-_ARRAYS = (("ns", np.int32, 0), ("pos", np.int32, 0), ("hits", np.int32, 0), ("created", np.float64, 0),
-           ("last", np.float64, 0), ("refs", np.int32, 0), ("readers", np.int32, 0),
-           ("pin_until", np.float64, 0), ("hint", np.int8, NO_HINT), ("nvme_class", np.int8, NO_HINT),
-           ("nvme_at", np.float64, 0))
+_ARRAYS = (
+    ("ns", np.int32, 0),
+    ("pos", np.int32, 0),
+    ("hits", np.int32, 0),
+    ("created", np.float64, 0),
+    ("last", np.float64, 0),
+    ("refs", np.int32, 0),
+    ("readers", np.int32, 0),
+    ("pin_until", np.float64, 0),
+    ("hint", np.int8, NO_HINT),
+    ("nvme_class", np.int8, NO_HINT),
+    ("nvme_at", np.float64, 0),
+)
 
 
 def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
@@ -144,26 +154,26 @@ class RowTable:
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
         self.namespaces = NamespaceIds()
-        self.tokens: dict[int, np.ndarray] = {}   # row -> token ids (``verify_tokens``)
-        self.doomed: set[int] = set()             # rows hidden while in use, freed by their last user
+        self.tokens: dict[int, np.ndarray] = {}  # row -> token ids (``verify_tokens``)
+        self.doomed: set[int] = set()  # rows hidden while in use, freed by their last user
 
     def grow(self) -> None:
         """Reallocate every array to the key table's capacity (after it grew)."""
         cap = self.table.capacity_rows
         old_flags = self.flags
         self.flags = np.zeros(cap + 1, dtype=np.uint8)
-        self.flags[:old_flags.size - 1] = old_flags[:-1]
+        self.flags[: old_flags.size - 1] = old_flags[:-1]
         for name, _, fill in _ARRAYS:
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
-            new[:old.size] = old
+            new[: old.size] = old
             if fill:
-                new[old.size:] = fill
+                new[old.size :] = fill
             setattr(self, name, new)
         for t in MEMORY_TIERS:
             old = self.slot[t]
             new = np.full(cap, -1, dtype=np.int32)
-            new[:old.size] = old
+            new[: old.size] = old
             self.slot[t] = new
 
     def _init(self, rows, flags: int, nid, positions, hint: int, now: float) -> None:
@@ -184,8 +194,9 @@ class RowTable:
         self.hint[rows] = hint
         self.nvme_class[rows] = NO_HINT
 
-    def new_rows(self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int,
-                 now: float) -> np.ndarray:
+    def new_rows(
+        self, keys: Sequence[bytes], nid: int, positions: np.ndarray, hint: int, now: float
+    ) -> np.ndarray:
         """Rows for many absent, distinct keys of a store in flight (``PENDING``): one batch insert."""
         rows = self.table.add_absent(keys)
         if rows.size:
@@ -251,8 +262,12 @@ class RowTable:
 
     def protected(self, row: int, now: float) -> bool:
         """In use (referenced, read, pinned) or held by a plan: never a victim, kept on reclaim."""
-        return (self.refs[row] > 0 or self.readers[row] > 0 or self.pin_until[row] > now
-                or bool(int(self.flags[row]) & BUSY))
+        return (
+            self.refs[row] > 0
+            or self.readers[row] > 0
+            or self.pin_until[row] > now
+            or bool(int(self.flags[row]) & BUSY)
+        )
 
     def view(self, row: int, key: bytes | None = None) -> EntryView:
         return EntryView(self, row, key if key is not None else self.table.key_of(row))

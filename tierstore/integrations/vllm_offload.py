@@ -24,6 +24,7 @@ constructor. Source: vLLM 0.32 ``v1/kv_offload/tiering/factory.py``, ``spec.py``
 
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/vllm_offload.py``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -99,10 +100,14 @@ def split_tier_config(config: dict) -> tuple[StoreConfig, OffloadTierSettings]:
         ``layout`` section, an HBM tier, or no tier at all.
     """
     return split_extra_config(
-        config, None, OffloadTierSettings, "TierstoreSecondaryTier config",
+        config,
+        None,
+        OffloadTierSettings,
+        "TierstoreSecondaryTier config",
         refuse={"layout": "'layout' is derived from vLLM's offload chunk; remove it"},
         secondary="a secondary tier has no GPU access (vLLM's primary CPU tier sits between it and the GPU)",
-        note=" (plus vLLM's type, module_path, backpressure)")
+        note=" (plus vLLM's type, module_path, backpressure)",
+    )
 
 
 def chunk_layout(chunk_bytes: int, tokens_per_chunk: int) -> KVLayout:
@@ -143,17 +148,29 @@ def chunk_namespace(spec: OffloadingSpec, settings: OffloadTierSettings, chunk_b
     model = cfg.model.name
     ident, exact = model_identity(model, _revision_of(model), None, settings.model_id)
     if not exact:
-        logger.warning("model %r has no pinned revision and is no local directory: tierstore keys its offload "
-                       "chunks by the name only; set model_id in the tier config (or --revision) so that other "
-                       "weights under the same name never share KV", model)
+        logger.warning(
+            "model %r has no pinned revision and is no local directory: tierstore keys its offload "
+            "chunks by the name only; set model_id in the tier config (or --revision) so that other "
+            "weights under the same name never share KV",
+            model,
+        )
     groups = hashlib.sha256(repr([(g.tokens_per_block, tuple(g.layer_names)) for g in cfg.groups]).encode())
     par = cfg.parallel
-    geometry = (f"{cfg.model.dtype};chunk_bytes={chunk_bytes};tokens_per_hash={cfg.cache.tokens_per_hash};"
-                f"blocks_per_chunk={cfg.cache.blocks_per_chunk};groups={groups.hexdigest()[:16]};"
-                f"canonical={bool(cfg.canonical_layout)};replicated={bool(cfg.replicated_layout)};"
-                f"pcp={par.pcp_size};dcp={par.dcp_size};world={par.world_size}")
-    return Namespace(model=ident, kv_dtype=geometry, tp_rank=0, tp_size=par.tp_size, pp_rank=0,
-                     pp_size=par.pp_size, tenant=settings.tenant or "default")
+    geometry = (
+        f"{cfg.model.dtype};chunk_bytes={chunk_bytes};tokens_per_hash={cfg.cache.tokens_per_hash};"
+        f"blocks_per_chunk={cfg.cache.blocks_per_chunk};groups={groups.hexdigest()[:16]};"
+        f"canonical={bool(cfg.canonical_layout)};replicated={bool(cfg.replicated_layout)};"
+        f"pcp={par.pcp_size};dcp={par.dcp_size};world={par.world_size}"
+    )
+    return Namespace(
+        model=ident,
+        kv_dtype=geometry,
+        tp_rank=0,
+        tp_size=par.tp_size,
+        pp_rank=0,
+        pp_size=par.pp_size,
+        tenant=settings.tenant or "default",
+    )
 
 
 def _per_engine_file(store_cfg: StoreConfig, ns: Namespace, layout: KVLayout) -> StoreConfig:
@@ -201,13 +218,21 @@ class TierstoreSecondaryTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: BackpressureDetector | None = None, **config: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **config: Any,
+    ) -> None:
         store_cfg, settings = split_tier_config(config)
         if primary_kv_view.readonly or not primary_kv_view.c_contiguous or primary_kv_view.ndim != 2:
-            raise ConfigError(f"primary KV view: need a writable, C-contiguous (num_chunks, chunk_bytes) view; "
-                              f"got ndim={primary_kv_view.ndim}, readonly={primary_kv_view.readonly}, "
-                              f"c_contiguous={primary_kv_view.c_contiguous}")
+            raise ConfigError(
+                f"primary KV view: need a writable, C-contiguous (num_chunks, chunk_bytes) view; "
+                f"got ndim={primary_kv_view.ndim}, readonly={primary_kv_view.readonly}, "
+                f"c_contiguous={primary_kv_view.c_contiguous}"
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings = settings
         self.locality = Locality(settings.locality) if settings.locality else None
@@ -231,8 +256,13 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, tuple[Future, list[OffloadKey], bool]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        logger.info("tierstore secondary tier: %d-byte chunks of %d tokens, model %s, tenant %r",
-                    self.chunk_bytes, self.tokens_per_chunk, self.namespace.model, self.namespace.tenant)
+        logger.info(
+            "tierstore secondary tier: %d-byte chunks of %d tokens, model %s, tenant %r",
+            self.chunk_bytes,
+            self.tokens_per_chunk,
+            self.namespace.model,
+            self.namespace.tenant,
+        )
 
     # ------------------------------------------------------------------ helpers
     def _key(self, key: OffloadKey) -> bytes:
@@ -294,6 +324,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
             t0 = time.perf_counter()
             st = self.store.store_keys(self.namespace, skeys, rows, lifetime=lifetime, first_position=first)
             return st, time.perf_counter() - t0
+
         with self._lock:
             self._jobs[job_metadata.job_id] = (self._saver.submit(run), keys, False)
 
@@ -306,6 +337,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
             # promote=False: vLLM's primary tier now holds the hot copy
             st, _ = self.store.load(skeys, rows, promote=False)
             return st, time.perf_counter() - t0
+
         with self._lock:
             self._jobs[job_metadata.job_id] = (self._loader.submit(run), keys, True)
 
@@ -318,8 +350,15 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         for jid, (fut, keys, is_load) in done:
             try:
                 statuses, dt = fut.result()
-            except (LayoutError, ConfigError, OSError, RuntimeError) as e:  # a lost job: all its chunks failed
-                logger.error("tierstore secondary tier: %s job %d failed: %s", "load" if is_load else "store", jid, e)
+            except (
+                LayoutError,
+                ConfigError,
+                OSError,
+                RuntimeError,
+            ) as e:  # a lost job: all its chunks failed
+                logger.error(
+                    "tierstore secondary tier: %s job %d failed: %s", "load" if is_load else "store", jid, e
+                )
                 out.append(JobResult(job_id=jid, success=False))
                 continue
             good = {Status.OK} if is_load else {Status.OK, Status.EXISTS}
@@ -329,8 +368,15 @@ class TierstoreSecondaryTier(SecondaryTierManager):
                 out.append(JobResult(job_id=jid, success=True, transfer_time=dt, transfer_bytes=moved))
             else:
                 loaded = tuple(k for k, g in zip(keys, ok) if g) if is_load else None
-                out.append(JobResult(job_id=jid, success=False, successful_keys=loaded or None,
-                                     transfer_time=dt, transfer_bytes=moved))
+                out.append(
+                    JobResult(
+                        job_id=jid,
+                        success=False,
+                        successful_keys=loaded or None,
+                        transfer_time=dt,
+                        transfer_bytes=moved,
+                    )
+                )
         return out
 
     def has_pending_work(self) -> bool:
@@ -356,4 +402,10 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self.store.close()
 
 
-__all__ = ["TierstoreSecondaryTier", "OffloadTierSettings", "chunk_layout", "chunk_namespace", "split_tier_config"]
+__all__ = [
+    "TierstoreSecondaryTier",
+    "OffloadTierSettings",
+    "chunk_layout",
+    "chunk_namespace",
+    "split_tier_config",
+]

@@ -4,6 +4,7 @@ Sources: open(2) (O_DIRECT), fallocate(2) (``FALLOC_FL_PUNCH_HOLE`` must be
 OR-ed with ``FALLOC_FL_KEEP_SIZE``; values 0x02 and 0x01 from
 <linux/falloc.h>), ioctl BLKDISCARD = _IO(0x12, 119) from <linux/fs.h>.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,10 +17,10 @@ import stat
 import struct
 import time
 
-FALLOC_FL_KEEP_SIZE = 0x01   # <linux/falloc.h>
+FALLOC_FL_KEEP_SIZE = 0x01  # <linux/falloc.h>
 FALLOC_FL_PUNCH_HOLE = 0x02  # <linux/falloc.h>
-BLKDISCARD = 0x1277          # _IO(0x12, 119), <linux/fs.h>
-BLKGETSIZE64 = 0x80081272    # _IOR(0x12, 114, size_t), <linux/fs.h>
+BLKDISCARD = 0x1277  # _IO(0x12, 119), <linux/fs.h>
+BLKGETSIZE64 = 0x80081272  # _IOR(0x12, 114, size_t), <linux/fs.h>
 
 #: libc as already mapped into the interpreter (``CDLL(None)``, as :mod:`tierstore.io.ring`): no library
 #: search (``ctypes.util.find_library`` runs ``ldconfig -p`` in a subprocess) and nothing new loaded
@@ -37,6 +38,7 @@ def check_queue_args(iodepth: int, max_io_bytes: int, block_size_bytes: int) -> 
         ``iodepth < 1``, or ``max_io_bytes`` not a positive multiple of the block size.
     """
     from ..errors import ConfigError
+
     if iodepth < 1:
         raise ConfigError(f"iodepth={iodepth}: must be >= 1")
     if max_io_bytes < block_size_bytes or max_io_bytes % block_size_bytes:
@@ -114,6 +116,7 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
         holder cannot be identified, or a dead holder's lock outlived ``timeout_s``.
     """
     from ..errors import StoreLockedError
+
     deadline = time.monotonic() + timeout_s
     #: how long a lock with no visible holder is retried (the race above), at most timeout_s
     unseen_until = time.monotonic() + min(UNSEEN_HOLDER_RETRY_S, timeout_s)
@@ -126,40 +129,51 @@ def lock_exclusive(fd: int, path: str, timeout_s: float) -> None:
             pass
         pid = lock_holder_pid(fd)
         if pid == os.getpid():
-            raise StoreLockedError(f"{path}: already open in this process (pid {pid}) by another store; close "
-                                   "it first, or give this store another NVMe path") from None
+            raise StoreLockedError(
+                f"{path}: already open in this process (pid {pid}) by another store; close "
+                "it first, or give this store another NVMe path"
+            ) from None
         if pid is None and time.monotonic() < unseen_until:
             # no holder listed: the lock went between our try and the read of /proc/locks (a
             # killed holder's last io_uring reference dropping); try again before judging
             time.sleep(0.01)
             continue
         if pid is None:
-            raise StoreLockedError(f"{path}: in use by another process (flock held; its PID is not visible "
-                                   "here, e.g. another container); stop it, or give this store another NVMe "
-                                   "path") from None
+            raise StoreLockedError(
+                f"{path}: in use by another process (flock held; its PID is not visible "
+                "here, e.g. another container); stop it, or give this store another NVMe "
+                "path"
+            ) from None
         if process_alive(pid):
-            raise StoreLockedError(f"{path}: in use by process {pid} (another tierstore store or daemon holds "
-                                   "its lock); stop it, or give this store another NVMe path") from None
+            raise StoreLockedError(
+                f"{path}: in use by process {pid} (another tierstore store or daemon holds "
+                "its lock); stop it, or give this store another NVMe path"
+            ) from None
         if not warned:
             logging.getLogger("tierstore.io").warning(
                 "%s: locked by process %d, which has exited; waiting up to %.0f s for its last writes",
-                path, pid, timeout_s)
+                path,
+                pid,
+                timeout_s,
+            )
             warned = True
         if time.monotonic() >= deadline:
-            raise StoreLockedError(f"{path}: still locked {timeout_s:.0f} s after its holder, process {pid}, "
-                                   "exited") from None
+            raise StoreLockedError(
+                f"{path}: still locked {timeout_s:.0f} s after its holder, process {pid}, exited"
+            ) from None
         time.sleep(0.01)
 
 
-def open_direct(path: str, size_bytes: int, create: bool = True,
-                lock_timeout_s: float = 30.0) -> tuple[int, bool, bool, int | None]:
+def open_direct(
+    path: str, size_bytes: int, create: bool = True, lock_timeout_s: float = 30.0
+) -> tuple[int, bool, bool, int | None]:
     """Open ``path`` read-write with O_DIRECT, lock it exclusively, and grow a
     regular file to ``size_bytes``.
 
     Returns ``(fd, is_block_device, created, grown_from_bytes)``: ``created`` when this call
     created the file; ``grown_from_bytes``, the size of an existing file this call grew (else
-    ``None``), so that an owner whose open then fails can give the file its size back. The file is sparse (ftruncate), so space
-    is allocated on first write and ENOSPC surfaces at write time.
+    ``None``), so that an owner whose open then fails can give the file its size back. The file is
+    sparse (ftruncate), so space is allocated on first write and ENOSPC surfaces at write time.
 
     A file this call created is removed again when sizing it fails (a size
     the file system refuses, EFBIG): a failed open leaves nothing behind.

@@ -19,6 +19,7 @@ Engine-memory views (fragments, plans, page pools) live in
 :mod:`tierstore.io.pages`; this module owns the staging memory and the
 double-buffered extent loops.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,8 +79,9 @@ class ExtentPipeline:
         If ``extent_bytes`` is not a positive multiple of the block size.
     """
 
-    def __init__(self, engine: IOEngine, extent_bytes: int = DEFAULT_EXTENT_BYTES,
-                 copy_threads: int | None = None):
+    def __init__(
+        self, engine: IOEngine, extent_bytes: int = DEFAULT_EXTENT_BYTES, copy_threads: int | None = None
+    ):
         bs = engine.block_size_bytes
         if extent_bytes <= 0 or extent_bytes % bs:
             raise ConfigError(f"extent_bytes={extent_bytes}: must be a positive multiple of {bs}")
@@ -113,12 +115,15 @@ class ExtentPipeline:
             def run() -> None:
                 for i in range(a, b):
                     out[i] = fn(items[i])
+
             return run
+
         self._copier.run([chunk(bounds[i], bounds[i + 1]) for i in range(k)], split=True)
         return out
 
-    def gather_blocks(self, plans: Sequence[FragmentPlan], staging: torch.Tensor,
-                      offsets: Sequence[int]) -> list[int]:
+    def gather_blocks(
+        self, plans: Sequence[FragmentPlan], staging: torch.Tensor, offsets: Sequence[int]
+    ) -> list[int]:
         """Gather each planned block into ``staging`` at its offset; return bytes per block.
 
         The copies (runs of blocks cut into pieces of ~2 MiB) are claimed by the
@@ -141,8 +146,9 @@ class ExtentPipeline:
         """
         return self._move_blocks(plans, staging, offsets, destination=False)
 
-    def scatter_blocks(self, staging: torch.Tensor, offsets: Sequence[int],
-                       plans: Sequence[FragmentPlan]) -> list[int]:
+    def scatter_blocks(
+        self, staging: torch.Tensor, offsets: Sequence[int], plans: Sequence[FragmentPlan]
+    ) -> list[int]:
         """Scatter ``staging`` at each offset into its planned destination block
         (see :meth:`gather_blocks`); return bytes per block.
 
@@ -153,8 +159,9 @@ class ExtentPipeline:
         """
         return self._move_blocks(plans, staging, offsets, destination=True)
 
-    def _move_blocks(self, plans: Sequence[FragmentPlan], staging: torch.Tensor, offsets: Sequence[int],
-                     destination: bool) -> list[int]:
+    def _move_blocks(
+        self, plans: Sequence[FragmentPlan], staging: torch.Tensor, offsets: Sequence[int], destination: bool
+    ) -> list[int]:
         """Gather ``plans`` into ``staging`` (``destination=False``) or scatter ``staging`` into them."""
         pieces: list[Callable[[], Any]] = []
         total = 0
@@ -167,12 +174,19 @@ class ExtentPipeline:
                 continue
             n = view.numel()
             if offsets[i] + n > staging.numel():
-                raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes" if destination
-                                  else f"gather overflows staging of {staging.numel()} bytes")
-            run = staging[offsets[i]:offsets[i] + n].view(view.shape)
+                raise LayoutError(
+                    f"scatter reads past staging of {staging.numel()} bytes"
+                    if destination
+                    else f"gather overflows staging of {staging.numel()} bytes"
+                )
+            run = staging[offsets[i] : offsets[i] + n].view(view.shape)
             step = max(1, chunk // max(1, n // (j - i)))  # blocks per piece
             for a in range(0, j - i, step):
-                d, src = (view[a:a + step], run[a:a + step]) if destination else (run[a:a + step], view[a:a + step])
+                d, src = (
+                    (view[a : a + step], run[a : a + step])
+                    if destination
+                    else (run[a : a + step], view[a : a + step])
+                )
                 pieces.append(functools.partial(torch.Tensor.copy_, d, src))
             total += n
         self._copier.run(pieces, total)
@@ -182,8 +196,9 @@ class ExtentPipeline:
         """Stop the copy threads."""
         self._copier.close()
 
-    def write_extents(self, jobs: Iterable[tuple[int, Callable[[torch.Tensor], int], int | None]]
-                      ) -> list[BaseException | int]:
+    def write_extents(
+        self, jobs: Iterable[tuple[int, Callable[[torch.Tensor], int], int | None]]
+    ) -> list[BaseException | int]:
         """Fill and write extents with gather/I-O overlap.
 
         ``jobs`` yields ``(device_offset, fill, placement)``; ``fill(staging)``
@@ -231,8 +246,11 @@ class ExtentPipeline:
             finish(1)
         return results
 
-    def read_extents(self, jobs: Sequence[tuple[int, int]],
-                     consume: Callable[[int, torch.Tensor | None, BaseException | None], None]) -> None:
+    def read_extents(
+        self,
+        jobs: Sequence[tuple[int, int]],
+        consume: Callable[[int, torch.Tensor | None, BaseException | None], None],
+    ) -> None:
         """Read ``(device_offset, nbytes)`` runs; call ``consume(i, view, err)``
         for each in order while the next run is already being read."""
         inflight: list[tuple[int, IOFuture | None, BaseException | None, int] | None] = [None, None]
@@ -265,8 +283,9 @@ class ExtentPipeline:
             consume(i, None if err is not None else self.staging[i % 2][:n], err)
 
 
-def _extent_groups(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any]
-                   ) -> tuple[list[tuple[int, int, list[Any]]], int]:
+def _extent_groups(
+    pipe: ExtentPipeline, offset: int, fragments: Sequence[Any]
+) -> tuple[list[tuple[int, int, list[Any]]], int]:
     """``fragments`` back to back from ``offset`` in extents of at most ``pipe.extent_bytes``:
     ``([(position, bytes, fragments of the extent)], end)``, each extent starting where the one
     before ended, aligned up to the engine's block size.
@@ -295,8 +314,9 @@ def _extent_groups(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any]
     return groups, pos
 
 
-def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[Any],
-                        placement: int | None = None) -> int:
+def write_fragments_raw(
+    pipe: ExtentPipeline, offset: int, fragments: Sequence[Any], placement: int | None = None
+) -> int:
     """Write fragments back to back from ``offset`` in extents of
     ``pipe.extent_bytes`` (raw, no headers). Returns padded bytes written.
 
@@ -304,8 +324,10 @@ def write_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[A
     an extent (nothing written).
     """
     groups, end = _extent_groups(pipe, offset, fragments)
-    jobs = [(pos, (lambda g: lambda buf: gather_fragments(g, buf, 0))(group), placement)
-            for pos, _, group in groups]
+    jobs = [
+        (pos, (lambda g: lambda buf: gather_fragments(g, buf, 0))(group), placement)
+        for pos, _, group in groups
+    ]
     for r in pipe.write_extents(jobs):
         if isinstance(r, BaseException):
             raise r
@@ -322,5 +344,6 @@ def read_fragments_raw(pipe: ExtentPipeline, offset: int, fragments: Sequence[An
         if err is not None:
             raise err
         scatter_fragments(view, 0, groups[i][2])
+
     pipe.read_extents(jobs, consume)
     return end - offset

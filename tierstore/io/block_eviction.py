@@ -21,6 +21,7 @@ Locking: every method but :meth:`commit` runs under the store's metadata lock. :
 takes the journal lock (held across the journal's write and fdatasync, like the store's write
 lock across a write) and the metadata lock only around the in-memory steps.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,12 +47,24 @@ FORCE_TRIM_BYTES = 64 << 20
 
 def live_budget_for(segs: SegmentManager, live_fraction: float) -> int:
     """:func:`live_budget` of a segment store's geometry."""
-    return live_budget(segs.n_segments, segs.reserve, segs.segment_bytes, segs.block_bytes, segs.blocks_per_extent,
-                       live_fraction)
+    return live_budget(
+        segs.n_segments,
+        segs.reserve,
+        segs.segment_bytes,
+        segs.block_bytes,
+        segs.blocks_per_extent,
+        live_fraction,
+    )
 
 
-def live_budget(n_segments: int, reserve: int, segment_bytes: int, block_bytes: int, blocks_per_extent: int,
-                live_fraction: float) -> int:
+def live_budget(
+    n_segments: int,
+    reserve: int,
+    segment_bytes: int,
+    block_bytes: int,
+    blocks_per_extent: int,
+    live_fraction: float,
+) -> int:
     """``floor(live_fraction x usable blocks)``: usable = the blocks full extents pack into the
     segments beyond the reserve and one open segment (plan §2.1). Start-up (:func:`live_budget_for`)
     and ``serve --check`` compute it with this one function.
@@ -64,12 +77,15 @@ def live_budget(n_segments: int, reserve: int, segment_bytes: int, block_bytes: 
     if not 0.0 < live_fraction <= 1.0:
         raise ConfigError(f"live_fraction={live_fraction}: must be in (0, 1]")
     full = fmt.extent_bytes_for(blocks_per_extent, block_bytes)
-    per = segment_bytes // full * blocks_per_extent + fmt.blocks_fitting(segment_bytes % full, blocks_per_extent,
-                                                                          block_bytes)
+    per = segment_bytes // full * blocks_per_extent + fmt.blocks_fitting(
+        segment_bytes % full, blocks_per_extent, block_bytes
+    )
     budget = int(live_fraction * (n_segments - reserve - 1) * per)
     if budget < 1:
-        raise ConfigError(f"eviction_granularity='block' on {n_segments} segments with reserve "
-                          f"{reserve}: no block fits the live budget (give more segments)")
+        raise ConfigError(
+            f"eviction_granularity='block' on {n_segments} segments with reserve "
+            f"{reserve}: no block fits the live budget (give more segments)"
+        )
     return budget
 
 
@@ -98,9 +114,18 @@ class BlockEviction:
         The store's counters (``block_evictions``, ``trimmed_bytes``, ... are kept there).
     """
 
-    def __init__(self, segs: SegmentManager, loc: BlockLocator, engine: IOEngine, slot_bytes: int,
-                 live_budget: int, trim_min_bytes: int, journal: Journal, lock: threading.Lock,
-                 counters: dict) -> None:
+    def __init__(
+        self,
+        segs: SegmentManager,
+        loc: BlockLocator,
+        engine: IOEngine,
+        slot_bytes: int,
+        live_budget: int,
+        trim_min_bytes: int,
+        journal: Journal,
+        lock: threading.Lock,
+        counters: dict,
+    ) -> None:
         n = segs.n_segments
         self.segs = segs
         self.loc = loc
@@ -112,15 +137,24 @@ class BlockEviction:
         self._lock = lock
         self._jlock = threading.Lock()
         self._st = counters
-        self.dead = np.zeros(n, dtype=np.int64)        # slots retired (tombstoned) in this generation
-        self.trimmed = np.zeros(n, dtype=np.int64)     # of those, slots whose deallocate was issued
+        self.dead = np.zeros(n, dtype=np.int64)  # slots retired (tombstoned) in this generation
+        self.trimmed = np.zeros(n, dtype=np.int64)  # of those, slots whose deallocate was issued
         self.other_dead = np.zeros(n, dtype=np.int64)  # dead without a record (GC-superseded, recovery)
-        self.pending: list[list[int]] = [[] for _ in range(n)]   # durable, not yet trimmed
-        self._staged: list[tuple] = []                 # records not yet durable, in order
-        self._compact_check_bytes = 1 << 20            # look at compaction again once the journal is this big
-        for name in ("block_evictions", "gc_evicted_blocks", "trimmed_bytes", "trim_ranges", "trim_calls",
-                     "journal_errors", "recovery_tombstoned_blocks", "recovery_stale_segments",
-                     "journal_mismatch", "segments_reset"):
+        self.pending: list[list[int]] = [[] for _ in range(n)]  # durable, not yet trimmed
+        self._staged: list[tuple] = []  # records not yet durable, in order
+        self._compact_check_bytes = 1 << 20  # look at compaction again once the journal is this big
+        for name in (
+            "block_evictions",
+            "gc_evicted_blocks",
+            "trimmed_bytes",
+            "trim_ranges",
+            "trim_calls",
+            "journal_errors",
+            "recovery_tombstoned_blocks",
+            "recovery_stale_segments",
+            "journal_mismatch",
+            "segments_reset",
+        ):
             counters.setdefault(name, 0)
 
     # ------------------------------------------------------------ flows (no lock held; write lock for puts)
@@ -162,7 +196,7 @@ class BlockEviction:
             self.engine.trim_many(ranges).get()
             err = 0
         except OSError:
-            err = 1   # a dead slot left allocated: covered by its segment's reset
+            err = 1  # a dead slot left allocated: covered by its segment's reset
         with self._lock:
             self._st["trim_errors"] += err
             self._st["trim_calls"] += 1
@@ -237,7 +271,11 @@ class BlockEviction:
         force = force or self.pending_bytes() > FORCE_TRIM_BYTES
         out: list[tuple[int, int]] = []
         for si, offs in enumerate(self.pending):
-            if not offs or segs.readers[si] > 0 or segs.state[si] in (SegmentState.FREE, SegmentState.RECLAIMING):
+            if (
+                not offs
+                or segs.readers[si] > 0
+                or segs.state[si] in (SegmentState.FREE, SegmentState.RECLAIMING)
+            ):
                 continue
             keep: list[int] = []
             for start, n in _runs(sorted(offs), slot):
@@ -257,11 +295,15 @@ class BlockEviction:
         slots), ``hole_blocks`` / ``hole_bytes`` (dead slots in segments not yet reset),
         ``journal_records``, ``journal_commits``."""
         holes = int(self.dead.sum() + self.other_dead.sum())
-        return {"live_budget_blocks": self.live_budget, "dead_pending_bytes": self.pending_bytes(),
-                "live_bytes": len(self.loc) * self.slot_bytes, "hole_blocks": holes,
-                "hole_bytes": holes * self.slot_bytes,
-                "journal_records": self.journal.stats["records_appended"],
-                "journal_commits": self.journal.stats["commits"]}
+        return {
+            "live_budget_blocks": self.live_budget,
+            "dead_pending_bytes": self.pending_bytes(),
+            "live_bytes": len(self.loc) * self.slot_bytes,
+            "hole_blocks": holes,
+            "hole_bytes": holes * self.slot_bytes,
+            "journal_records": self.journal.stats["records_appended"],
+            "journal_commits": self.journal.stats["commits"],
+        }
 
     def check(self, live_offsets: np.ndarray) -> None:
         """The block-mode invariants (module doc); ``live_offsets``: payload offsets of every live block.
@@ -280,8 +322,10 @@ class BlockEviction:
                 continue
             holes = int(segs.written[si] - segs.live[si])
             if holes != self.dead[si] + self.other_dead[si]:
-                raise InvariantError(f"segment {si}: {holes} dead slots, but {int(self.dead[si])} retired + "
-                                     f"{int(self.other_dead[si])} superseded")
+                raise InvariantError(
+                    f"segment {si}: {holes} dead slots, but {int(self.dead[si])} retired + "
+                    f"{int(self.other_dead[si])} superseded"
+                )
             if self.trimmed[si] + len(self.pending[si]) + staged[si] > self.dead[si]:
                 raise InvariantError(f"segment {si}: more slots trimmed or pending than retired")
         dead = np.array([o for p in self.pending for o in p], dtype=np.int64)
@@ -311,8 +355,11 @@ class BlockEviction:
                 return False
             with self._lock:
                 for kind, si, gen, off, _ in staged:
-                    if (kind is RecordKind.BLOCK_DEAD and self.segs.gen[si] == gen
-                            and self.segs.state[si] != SegmentState.FREE):
+                    if (
+                        kind is RecordKind.BLOCK_DEAD
+                        and self.segs.gen[si] == gen
+                        and self.segs.state[si] != SegmentState.FREE
+                    ):
                         self.pending[si].append(off)
             return True
 

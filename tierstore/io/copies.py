@@ -17,6 +17,7 @@ is per task); torch 2.13 CPU reads it per thread (``torch.get_num_threads()`` is
 caller's thread (restored on exit); ``torch.set_num_threads`` (process-wide) is never called.
 Without an OpenMP runtime in the process (other torch builds) copies run as torch decides.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,10 +87,10 @@ def copy_thread_init() -> None:
     set_omp(1)
 
 
-
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, a: int, step: int) -> None:
     """One piece of a split copy: rows ``[a, a + step)`` of ``src`` into ``dst``."""
-    dst[a:a + step].copy_(src[a:a + step])
+    dst[a : a + step].copy_(src[a : a + step])
+
 
 class _Work:
     """One call's pieces, claimed one at a time by whoever is free (caller or helpers)."""
@@ -152,12 +153,18 @@ class Copier:
         If a value is not positive.
     """
 
-    def __init__(self, threads: int | None = None, split_bytes: int = DEFAULT_SPLIT_BYTES,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        split_bytes: int = DEFAULT_SPLIT_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         threads = default_threads() if threads is None else int(threads)
         if threads < 1 or split_bytes < 1 or chunk_bytes < 1:
-            raise ConfigError(f"copy threads={threads}, split_bytes={split_bytes}, chunk_bytes={chunk_bytes}:"
-                              " must be positive")
+            raise ConfigError(
+                f"copy threads={threads}, split_bytes={split_bytes}, chunk_bytes={chunk_bytes}:"
+                " must be positive"
+            )
         self.threads = threads
         self.split_bytes = int(split_bytes)
         self.chunk_bytes = int(chunk_bytes)
@@ -196,7 +203,9 @@ class Copier:
                 dst.copy_(src)
             return
         step = max(1, self.chunk_bytes * rows // nbytes)
-        pieces: list[Callable[[], Any]] = [functools.partial(_copy_rows, dst, src, a, step) for a in range(0, rows, step)]
+        pieces: list[Callable[[], Any]] = [
+            functools.partial(_copy_rows, dst, src, a, step) for a in range(0, rows, step)
+        ]
         self.run(pieces, nbytes)
 
     def _helpers(self) -> ThreadPoolExecutor:
@@ -204,8 +213,9 @@ class Copier:
         if pool is None:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tierstore-copy",
-                                                    initializer=copy_thread_init)
+                    self._pool = ThreadPoolExecutor(
+                        self.threads - 1, thread_name_prefix="tierstore-copy", initializer=copy_thread_init
+                    )
                 pool = self._pool
         return pool
 
@@ -232,8 +242,9 @@ def shared_copier() -> Copier:
     return _SHARED
 
 
-def configure(threads: int | None = None, split_bytes: int = DEFAULT_SPLIT_BYTES,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Copier:
+def configure(
+    threads: int | None = None, split_bytes: int = DEFAULT_SPLIT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Copier:
     """Replace the process's default :class:`Copier` (see its parameters) for stores built
     afterwards; the old one's copy threads stop once its calls are done. Returns the new one.
 

@@ -20,6 +20,7 @@ for every *completed* write and ``on_trim(offset_bytes, nbytes)`` for every
 completed trim, in device byte units: the FTL model of :mod:`tierstore.fdp`
 attaches there to measure write amplification from the exact LBA stream.
 """
+
 from __future__ import annotations
 
 import errno
@@ -88,8 +89,10 @@ class IOFuture:
     @classmethod
     def failed(cls, exc: BaseException) -> IOFuture:
         """A future that is already done with an error."""
+
         def _raise() -> int:
             raise exc
+
         return cls(_raise, lambda: True)
 
     def add_done_callback(self, fn: Callable[[bool], None]) -> None:
@@ -155,6 +158,7 @@ class CompositeFuture(IOFuture):
             if got != want:
                 raise ShortIOError(what, got, want)
             return got
+
         super().__init__(wait, lambda: all(p.done() for p in parts))
 
 
@@ -232,16 +236,23 @@ class IOEngine(Closing):
         if block_size_bytes <= 0 or block_size_bytes & (block_size_bytes - 1):
             raise ConfigError(f"block_size_bytes={block_size_bytes}: must be a power of two")
         if size_bytes <= 0 or size_bytes % block_size_bytes:
-            raise ConfigError(f"size_bytes={size_bytes}: must be a positive multiple of "
-                              f"block_size_bytes={block_size_bytes}")
+            raise ConfigError(
+                f"size_bytes={size_bytes}: must be a positive multiple of block_size_bytes={block_size_bytes}"
+            )
         self.size_bytes = int(size_bytes)
         self.block_size_bytes = int(block_size_bytes)
         self._observers: list[IOObserver] = []
         self._stats_lock = threading.Lock()
         self._stats = {
-            "bytes_read": 0, "bytes_written": 0, "bytes_trimmed": 0,
-            "read_ops": 0, "write_ops": 0, "trim_ops": 0,
-            "read_errors": 0, "write_errors": 0, "trim_errors": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "bytes_trimmed": 0,
+            "read_ops": 0,
+            "write_ops": 0,
+            "trim_ops": 0,
+            "read_errors": 0,
+            "write_errors": 0,
+            "trim_errors": 0,
         }
         self._placement_bytes: dict[int | None, int] = {}
         self._closed = False
@@ -298,6 +309,7 @@ class IOEngine(Closing):
                     self._placement_bytes[placement] = self._placement_bytes.get(placement, 0) + nbytes
                 for obs in list(self._observers):
                     obs.on_write(offset, nbytes, placement)
+
         fut.add_done_callback(done)
         return fut
 
@@ -353,6 +365,7 @@ class IOEngine(Closing):
             if ok:
                 for obs in list(self._observers):
                     obs.on_trim(offset, length)
+
         fut.add_done_callback(done)
         return fut
 
@@ -379,8 +392,9 @@ class IOEngine(Closing):
         """Counters: bytes/ops/errors per direction and ``bytes_by_placement``."""
         with self._stats_lock:
             out = dict(self._stats)
-            out["bytes_by_placement"] = {("none" if k is None else k): v
-                                         for k, v in self._placement_bytes.items()}
+            out["bytes_by_placement"] = {
+                ("none" if k is None else k): v for k, v in self._placement_bytes.items()
+            }
         out["kind"] = self.kind
         out["block_size_bytes"] = self.block_size_bytes
         out["size_bytes"] = self.size_bytes
@@ -395,7 +409,6 @@ class IOEngine(Closing):
         if not self._closed:
             self._closed = True
             self._close_impl()
-
 
     # ----------------------------------------------------------------- helpers
     def _count(self, what: str, nbytes: int, ok: bool) -> None:
@@ -412,11 +425,13 @@ class IOEngine(Closing):
             raise TierStoreError(f"{self.kind} engine is closed")
         bs = self.block_size_bytes
         if offset % bs or nbytes % bs:
-            raise AlignmentError(f"offset={offset} nbytes={nbytes}: both must be multiples of "
-                                 f"{bs} (O_DIRECT, open(2))")
+            raise AlignmentError(
+                f"offset={offset} nbytes={nbytes}: both must be multiples of {bs} (O_DIRECT, open(2))"
+            )
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size_bytes:
-            raise AlignmentError(f"offset={offset} nbytes={nbytes}: outside device of "
-                                 f"{self.size_bytes} bytes")
+            raise AlignmentError(
+                f"offset={offset} nbytes={nbytes}: outside device of {self.size_bytes} bytes"
+            )
 
     def _check(self, offset: int, buffer: Any, writable: bool) -> tuple[Any, int]:
         view = as_byte_view(buffer)
@@ -426,8 +441,10 @@ class IOEngine(Closing):
         self._check_range(offset, nbytes)
         addr = buffer_address(view)
         if addr % self.block_size_bytes:
-            raise AlignmentError(f"buffer address {addr:#x} is not a multiple of "
-                                 f"{self.block_size_bytes} (O_DIRECT, open(2)); use alloc_aligned()")
+            raise AlignmentError(
+                f"buffer address {addr:#x} is not a multiple of "
+                f"{self.block_size_bytes} (O_DIRECT, open(2)); use alloc_aligned()"
+            )
         return view, nbytes
 
     # ----------------------------------------------------------- backend hooks

@@ -5,6 +5,7 @@
 one ``logging.warning`` line (once per process and reason); an explicit
 ``kind="uring"`` where io_uring is unavailable raises instead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,15 @@ def _warn_fallback(reason: str) -> None:
         _log.warning("ioengine=auto: io_uring unavailable (%s); using posix", reason)
 
 
-def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: int = 16,
-                max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
-                block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES) -> IOEngine:
+def open_engine(
+    kind: str,
+    path: str | None,
+    size_bytes: int | str,
+    *,
+    iodepth: int = 16,
+    max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
+    block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES,
+) -> IOEngine:
     """Open a device.
 
     Parameters
@@ -60,28 +67,34 @@ def open_engine(kind: str, path: str | None, size_bytes: int | str, *, iodepth: 
     mio = parse_size(max_io_bytes, "max_io_bytes")
     if kind == "memory":
         from .memory import MemoryEngine
+
         return MemoryEngine(size, block_size_bytes)
     if path is None:
         raise ConfigError(f"engine={kind!r} needs a path")
     if kind == "posix":
         from .posix import PosixEngine
+
         return PosixEngine(path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes)
     if kind in ("uring", "auto"):
         from .ring import IoUringError, uring_available
         from .uring import UringEngine
+
         ok, why = uring_available()
         if ok or kind == "uring":
             try:
-                return UringEngine(path, size, iodepth=iodepth, max_io_bytes=mio,
-                                   block_size_bytes=block_size_bytes)
-            except IoUringError as exc:   # the ring itself (the file is closed again)
+                return UringEngine(
+                    path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes
+                )
+            except IoUringError as exc:  # the ring itself (the file is closed again)
                 if kind == "uring":
                     raise
                 why = exc.strerror or str(exc)
         _warn_fallback(why)
         from .posix import PosixEngine
+
         return PosixEngine(path, size, iodepth=iodepth, max_io_bytes=mio, block_size_bytes=block_size_bytes)
     if kind == "kvikio":
         from .kvikio import KvikioEngine
+
         return KvikioEngine(path, size, block_size_bytes=block_size_bytes)
     raise ConfigError(f"engine={kind!r}: accepted values are {list(ENGINE_KINDS)}")

@@ -7,6 +7,7 @@ a backend subclasses :class:`FileEngine` and implements only its submission
 path: ``_start``/``_stop`` for its machinery (a thread pool, a ring) and
 ``_read_impl``/``_write_impl``. Alignment rules: see :mod:`.engine`.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,9 +45,14 @@ class FileEngine(IOEngine):
         Another store holds the file (:func:`._fileops.lock_exclusive`).
     """
 
-    def __init__(self, path: str, size_bytes: int, iodepth: int = 16,
-                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
-                 block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES):
+    def __init__(
+        self,
+        path: str,
+        size_bytes: int,
+        iodepth: int = 16,
+        max_io_bytes: int = DEFAULT_MAX_IO_BYTES,
+        block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES,
+    ):
         super().__init__(size_bytes, block_size_bytes)
         check_queue_args(iodepth, max_io_bytes, block_size_bytes)
         self.path = str(path)
@@ -54,7 +60,9 @@ class FileEngine(IOEngine):
         self.max_io_bytes = int(max_io_bytes)
         #: ``created``: this engine created the file; ``grown_from_bytes``: the size of an existing file
         #: it grew (else None). An owner whose tier then fails to open undoes either (``undo_open``).
-        self.fd, self.is_block_device, self.created, self.grown_from_bytes = open_direct(self.path, size_bytes)
+        self.fd, self.is_block_device, self.created, self.grown_from_bytes = open_direct(
+            self.path, size_bytes
+        )
         try:
             self._start()
         except BaseException:
@@ -113,4 +121,3 @@ def undo_open(engine: object, path: str | None) -> None:
         os.unlink(path)
     elif (grown_from := getattr(engine, "grown_from_bytes", None)) is not None:
         os.truncate(path, grown_from)
-

@@ -16,6 +16,7 @@ chain starts at byte 4096 -- and is reclaimed only as a whole
 Continued in ``docs/FORMAT.md`` (``tierstore/io/format.py``): extent layout; durability and
 recovery (the extent headers *are* the journal).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,19 +112,46 @@ class ExtentHeader:
         return self.header_bytes + self.payload_bytes
 
 
-def encode_header(buf, seq: int, segment_gen: int, extent_offset: int, payload_bytes: int,
-                  placement: int | None, entries: list[BlockEntry]) -> int:
+def encode_header(
+    buf,
+    seq: int,
+    segment_gen: int,
+    extent_offset: int,
+    payload_bytes: int,
+    placement: int | None,
+    entries: list[BlockEntry],
+) -> int:
     """Write the header into ``buf`` (a writable ``'B'`` memoryview of at least
     ``header_bytes_for(len(entries))`` bytes); return the header size."""
     hb = header_bytes_for(len(entries))
     used = HEADER_BYTES_FIXED + ENTRY_BYTES * len(entries)
-    struct.pack_into(HEADER_FMT, buf, 0, MAGIC, FORMAT_VERSION, hb, seq, segment_gen,
-                     extent_offset, payload_bytes, -1 if placement is None else int(placement),
-                     len(entries), 0)
+    struct.pack_into(
+        HEADER_FMT,
+        buf,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        hb,
+        seq,
+        segment_gen,
+        extent_offset,
+        payload_bytes,
+        -1 if placement is None else int(placement),
+        len(entries),
+        0,
+    )
     for i, e in enumerate(entries):
-        struct.pack_into(ENTRY_FMT, buf, HEADER_BYTES_FIXED + ENTRY_BYTES * i, e.key,
-                         e.ns_digest or _ZERO_NS, e.payload_offset, e.length_bytes,
-                         e.payload_crc32c, bytes(12))
+        struct.pack_into(
+            ENTRY_FMT,
+            buf,
+            HEADER_BYTES_FIXED + ENTRY_BYTES * i,
+            e.key,
+            e.ns_digest or _ZERO_NS,
+            e.payload_offset,
+            e.length_bytes,
+            e.payload_crc32c,
+            bytes(12),
+        )
     buf[used:hb] = bytes(hb - used)
     crc = crc32c.crc32c(buf[:used])
     struct.pack_into("<I", buf, _CRC_FIELD_OFFSET, crc)
@@ -157,8 +185,7 @@ def decode_header(buf) -> ExtentHeader:
         Bad magic, version, sizes or header CRC.
     """
     hb = peek_header_bytes(buf)
-    (_, _, _, seq, gen, ext_off, payload_bytes, placement, n,
-     crc) = struct.unpack_from(HEADER_FMT, buf, 0)
+    (_, _, _, seq, gen, ext_off, payload_bytes, placement, n, crc) = struct.unpack_from(HEADER_FMT, buf, 0)
     used = HEADER_BYTES_FIXED + ENTRY_BYTES * n
     if used > hb or len(buf) < hb:
         raise CorruptData(f"n_blocks={n} does not fit header_bytes={hb}")
@@ -168,9 +195,12 @@ def decode_header(buf) -> ExtentHeader:
         raise CorruptData("extent header CRC mismatch")
     entries = []
     for i in range(n):
-        key, ns, poff, length, pcrc, _ = struct.unpack_from(ENTRY_FMT, buf, HEADER_BYTES_FIXED + ENTRY_BYTES * i)
+        key, ns, poff, length, pcrc, _ = struct.unpack_from(
+            ENTRY_FMT, buf, HEADER_BYTES_FIXED + ENTRY_BYTES * i
+        )
         if poff < hb or poff % ALIGN_BYTES or poff + length > hb + payload_bytes:
             raise CorruptData(f"entry {i}: payload range [{poff}, {poff + length}) outside extent")
         entries.append(BlockEntry(key, ns, poff, length, pcrc))
-    return ExtentHeader(hb, seq, gen, ext_off, payload_bytes, None if placement == -1 else placement,
-                        tuple(entries))
+    return ExtentHeader(
+        hb, seq, gen, ext_off, payload_bytes, None if placement == -1 else placement, tuple(entries)
+    )

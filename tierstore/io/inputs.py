@@ -10,6 +10,7 @@ of a store call → :class:`~tierstore.io.pages.BlockRows` or plans), ``destinat
 and the shaping of its result), ``plan_fragment_destinations`` (a fragment load's
 destinations), ``token_blocks``, ``check_start_block``, ``refuse_numpy``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -35,25 +36,30 @@ def check_keys(keys) -> list[bytes]:
         return out
     for k in out:
         if not isinstance(k, (bytes, bytearray)) or len(k) != 32:
-            raise LayoutError(f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
-                              f"of length {len(k) if hasattr(k, '__len__') else '?'} (token ids go to "
-                              "lookup()/store(), keys to the *_keys methods)")
+            raise LayoutError(
+                f"block keys are 32-byte SHA-256 digests; got {type(k).__name__} "
+                f"of length {len(k) if hasattr(k, '__len__') else '?'} (token ids go to "
+                "lookup()/store(), keys to the *_keys methods)"
+            )
     return [bytes(k) for k in out]
 
 
 def check_start_block(start_block: int) -> None:
     """Refuse a negative ``start_block`` (:class:`LayoutError`)."""
     if start_block < 0:
-        raise LayoutError(f"start_block={start_block}: must be >= 0 (the index of the prompt's first full "
-                          "block given)")
+        raise LayoutError(
+            f"start_block={start_block}: must be >= 0 (the index of the prompt's first full block given)"
+        )
 
 
 def refuse_numpy(x, what: str) -> None:
     """KV is given as torch tensors; a numpy array is refused by name (its dtype
     has no bfloat16, and a silent conversion would copy)."""
     if isinstance(x, np.ndarray):
-        raise LayoutError(f"{what}: numpy arrays are not accepted; pass torch tensors (torch.from_numpy(a) "
-                          "shares the array's memory)")
+        raise LayoutError(
+            f"{what}: numpy arrays are not accepted; pass torch tensors (torch.from_numpy(a) "
+            "shares the array's memory)"
+        )
 
 
 def plan_block(frags, layout: KVLayout, *, destination: bool) -> FragmentPlan:
@@ -68,12 +74,21 @@ def plan_block(frags, layout: KVLayout, *, destination: bool) -> FragmentPlan:
     """
     lay = layout
     if isinstance(frags, FragmentPlan):  # e.g. from KVPagePool.plans(block_ids)
-        grid = tuple(frags.strided.shape[:-1]) if frags.strided is not None and frags.strided.dim() == 3 else None
-        if (frags.nbytes != lay.bytes_per_block or frags.count not in (None, 1, lay.num_fragments)
-                or grid not in (None, lay.fragment_grid)):
-            raise LayoutError(f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
-                              f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
-                              f"{lay.fragment_grid}, {lay.bytes_per_block} bytes")
+        grid = (
+            tuple(frags.strided.shape[:-1])
+            if frags.strided is not None and frags.strided.dim() == 3
+            else None
+        )
+        if (
+            frags.nbytes != lay.bytes_per_block
+            or frags.count not in (None, 1, lay.num_fragments)
+            or grid not in (None, lay.fragment_grid)
+        ):
+            raise LayoutError(
+                f"planned block of {frags.count} fragments {grid or ''}, {frags.nbytes} bytes; "
+                f"the layout ({lay.block_order}) has {lay.num_fragments} fragments "
+                f"{lay.fragment_grid}, {lay.bytes_per_block} bytes"
+            )
         if frags.dtype not in (None, lay.dtype, torch.uint8):
             raise LayoutError(f"planned block of dtype {frags.dtype}; the layout's is {lay.dtype}")
         return plan_fragments(frags, destination=destination)  # a reading plan is no destination
@@ -85,8 +100,11 @@ def plan_block(frags, layout: KVLayout, *, destination: bool) -> FragmentPlan:
     if len(frags) != lay.num_fragments:
         raise LayoutError(f"expected {lay.num_fragments} fragments, got {len(frags)}")
     plan = plan_fragments(frags, destination=destination)
-    if (plan.strided is None or plan.strided.shape[-1] != lay.fragment_bytes
-            or plan.dtype not in (lay.dtype, torch.uint8)):
+    if (
+        plan.strided is None
+        or plan.strided.shape[-1] != lay.fragment_bytes
+        or plan.dtype not in (lay.dtype, torch.uint8)
+    ):
         lay.check_fragments(frags)  # names the wrong fragment
     return plan
 
@@ -102,22 +120,27 @@ def plan_sources(blocks, layout: KVLayout) -> Sequence[FragmentPlan]:
     refuse_numpy(blocks, "kv_blocks")
     bb = layout.bytes_per_block
     if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
-        return []   # no new blocks (everything hit): nothing to plan, nothing stored
+        return []  # no new blocks (everything hit): nothing to plan, nothing stored
     if isinstance(blocks, torch.Tensor) and blocks.dim() > 1:
         lay = layout
         if blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == bb:
             rows = blocks
         elif blocks.dtype == lay.dtype and tuple(blocks.shape[1:]) == lay.block_shape:
-            rows = blocks.view(blocks.shape[0], -1).view(torch.uint8) if blocks.is_contiguous() else \
-                blocks.contiguous().view(blocks.shape[0], -1).view(torch.uint8)
+            rows = (
+                blocks.view(blocks.shape[0], -1).view(torch.uint8)
+                if blocks.is_contiguous()
+                else blocks.contiguous().view(blocks.shape[0], -1).view(torch.uint8)
+            )
         else:
             return plan_sources(list(blocks), layout)  # each block checked (and named) on its own
         return BlockRows(rows if rows.is_contiguous() else rows.contiguous())
     if isinstance(blocks, torch.Tensor):
         blocks = [blocks]
     elif blocks is None or isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
-        raise LayoutError(f"kv_blocks: expected a tensor of blocks (n, *layout.block_shape) or a sequence "
-                          f"of blocks, got {type(blocks).__name__}")
+        raise LayoutError(
+            f"kv_blocks: expected a tensor of blocks (n, *layout.block_shape) or a sequence "
+            f"of blocks, got {type(blocks).__name__}"
+        )
     out = []
     for b in blocks:
         refuse_numpy(b, "a block")
@@ -146,8 +169,10 @@ def destination_bytes(d: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     bb = layout.bytes_per_block
     raw = layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
     if raw.numel() != bb or not raw.is_contiguous():
-        raise LayoutError(f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
-                          f"blocks are {bb} contiguous bytes")
+        raise LayoutError(
+            f"destination of {raw.numel()} bytes (contiguous={raw.is_contiguous()}); "
+            f"blocks are {bb} contiguous bytes"
+        )
     return raw
 
 
@@ -156,11 +181,12 @@ def token_blocks(token_ids, n: int, layout: KVLayout) -> list[np.ndarray]:
     (what the index keeps to verify a match when ``verify_tokens`` is on)."""
     arr = np.asarray(token_ids, dtype=np.int64)
     b = layout.tokens_per_block
-    return [arr[i * b:(i + 1) * b] for i in range(n)]
+    return [arr[i * b : (i + 1) * b] for i in range(n)]
 
 
-def plan_destinations(n: int, dests: Sequence[torch.Tensor] | None, layout: KVLayout
-                      ) -> tuple[Sequence[FragmentPlan], Callable[[list[Status]], tuple[list[Status], list]]]:
+def plan_destinations(
+    n: int, dests: Sequence[torch.Tensor] | None, layout: KVLayout
+) -> tuple[Sequence[FragmentPlan], Callable[[list[Status]], tuple[list[Status], list]]]:
     """Plan the destinations of a load of ``n`` blocks (``KVStore.load``), checked before anything
     is loaded, and the function that turns the load's statuses into its result.
 
@@ -188,8 +214,9 @@ def plan_destinations(n: int, dests: Sequence[torch.Tensor] | None, layout: KVLa
     if dests is not None and len(dests) != n:
         raise LayoutError(f"{n} keys but {len(dests)} destinations")
     if dests is None:
-        plans: Sequence[FragmentPlan] = BlockRows(torch.empty((n, layout.bytes_per_block), dtype=torch.uint8),
-                                                  destination=True)
+        plans: Sequence[FragmentPlan] = BlockRows(
+            torch.empty((n, layout.bytes_per_block), dtype=torch.uint8), destination=True
+        )
         raws = list(plans.rows.unbind(0)) if n else []  # type: ignore[attr-defined]  # BlockRows
     else:
         raws = [destination_bytes(d, layout) for d in dests]
@@ -205,6 +232,7 @@ def plan_destinations(n: int, dests: Sequence[torch.Tensor] | None, layout: KVLa
             else:
                 outs.append(d)
         return st, outs
+
     return plans, finish
 
 
@@ -225,5 +253,14 @@ def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayou
     return plans
 
 
-__all__ = ["check_keys", "check_start_block", "destination_bytes", "plan_block", "plan_destinations",
-           "plan_fragment_destinations", "plan_sources", "refuse_numpy", "token_blocks"]
+__all__ = [
+    "check_keys",
+    "check_start_block",
+    "destination_bytes",
+    "plan_block",
+    "plan_destinations",
+    "plan_fragment_destinations",
+    "plan_sources",
+    "refuse_numpy",
+    "token_blocks",
+]

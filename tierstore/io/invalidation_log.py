@@ -19,6 +19,7 @@ fields before it; :meth:`InvalidationLog._append_record` and
 struct and reader, not a rewrite of this one. The log holds no lock: its owner
 serialises appends (``SegmentStorage._write_lock``).
 """
+
 from __future__ import annotations
 
 import os
@@ -91,6 +92,6 @@ class InvalidationLog:
             data = f.read()
         for off in range(0, len(data) - kind.size + 1, kind.size):
             *fields, crc = kind.unpack_from(data, off)
-            if crc32c.crc32c(data[off:off + kind.size - 4]) != crc:
+            if crc32c.crc32c(data[off : off + kind.size - 4]) != crc:
                 return
             yield tuple(fields)

@@ -16,6 +16,7 @@ that one).
 Continued in ``docs/FORMAT.md`` (``tierstore/io/journal.py``): on-disk format (little-endian,
 version 1); durability.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,19 @@ import crc32c
 from ..closing import Closing
 from ..errors import ConfigError, CorruptData, ForeignDataError, LayoutError, StoreLockedError
 
-__all__ = ["RecordKind", "JournalRecord", "JournalState", "Journal", "live_records", "read_records",
-           "read_legacy_invalidations", "HEADER_FMT", "RECORD_FMT", "RECORD_BYTES", "MAGIC"]
+__all__ = [
+    "RecordKind",
+    "JournalRecord",
+    "JournalState",
+    "Journal",
+    "live_records",
+    "read_records",
+    "read_legacy_invalidations",
+    "HEADER_FMT",
+    "RECORD_FMT",
+    "RECORD_BYTES",
+    "MAGIC",
+]
 
 MAGIC = b"TSJOURN1"
 VERSION = 1
@@ -40,8 +52,8 @@ HEADER_FMT = "<8sIIQ36sI"
 RECORD_FMT = "<B3xIQQ32sII"
 _HEADER = struct.Struct(HEADER_FMT)
 _RECORD = struct.Struct(RECORD_FMT)
-HEADER_BYTES = _HEADER.size     # 64
-RECORD_BYTES = _RECORD.size     # 64
+HEADER_BYTES = _HEADER.size  # 64
+RECORD_BYTES = _RECORD.size  # 64
 _CRC_AT = 60
 _ZERO32 = bytes(32)
 #: The segment store's legacy ``<path>.invalidations`` record: namespace digest, u64 write_seq,
@@ -78,8 +90,9 @@ def _check(rec: JournalRecord) -> None:
 
 
 def _pack(rec: JournalRecord, seq: int) -> bytes:
-    buf = bytearray(_RECORD.pack(int(rec.kind), rec.segment, rec.segment_gen, rec.value, rec.digest,
-                                 seq & 0xFFFFFFFF, 0))
+    buf = bytearray(
+        _RECORD.pack(int(rec.kind), rec.segment, rec.segment_gen, rec.value, rec.digest, seq & 0xFFFFFFFF, 0)
+    )
     struct.pack_into("<I", buf, _CRC_AT, crc32c.crc32c(bytes(buf[:_CRC_AT])))
     return bytes(buf)
 
@@ -134,7 +147,7 @@ def _decode(data: bytes, base_seq: int) -> ReadResult:
     valid = off
     good_after = 0
     probe = off + RECORD_BYTES
-    while probe + RECORD_BYTES <= n:   # a tear ends the file; good records after a bad one are corruption
+    while probe + RECORD_BYTES <= n:  # a tear ends the file; good records after a bad one are corruption
         if _decode_one(data, probe, base_seq + (probe - HEADER_BYTES) // RECORD_BYTES) is not None:
             good_after += 1
         probe += RECORD_BYTES
@@ -143,7 +156,7 @@ def _decode(data: bytes, base_seq: int) -> ReadResult:
 
 def _decode_one(data: bytes, off: int, seq: int) -> JournalRecord | None:
     kind, seg, gen, value, digest, seq32, crc = _RECORD.unpack_from(data, off)
-    if crc32c.crc32c(data[off:off + _CRC_AT]) != crc or seq32 != seq & 0xFFFFFFFF:
+    if crc32c.crc32c(data[off : off + _CRC_AT]) != crc or seq32 != seq & 0xFFFFFFFF:
         return None
     try:
         k = RecordKind(kind)
@@ -171,8 +184,10 @@ def read_records(path: str) -> ReadResult:
     if magic != MAGIC or crc32c.crc32c(data[:_CRC_AT]) != crc:
         raise CorruptData(f"{path}: not a tierstore journal (magic {magic!r} or header CRC wrong)")
     if version != VERSION or rec_b != RECORD_BYTES:
-        raise CorruptData(f"{path}: journal version {version} with {rec_b}-byte records; this tierstore reads "
-                          f"version {VERSION} with {RECORD_BYTES}-byte records")
+        raise CorruptData(
+            f"{path}: journal version {version} with {rec_b}-byte records; this tierstore reads "
+            f"version {VERSION} with {RECORD_BYTES}-byte records"
+        )
     res = _decode(data, base)
     res.owner_id = bytes(reserved[:16])
     return res
@@ -193,7 +208,8 @@ def check_owner(res: ReadResult, path: str, owner_id: bytes) -> None:
             f"{path}: the journal of another tier (store id {res.owner_id.hex()}; this tier is "
             f"{owner_id[:16].hex()}): its tombstones and segment resets would drop this tier's blocks. "
             "Give this tier its own journal_path, or remove that file if its tier is gone. Nothing was "
-            "changed.")
+            "changed."
+        )
 
 
 def _ours(path: str) -> bool:
@@ -344,11 +360,16 @@ class Journal(Closing):
         self._next = 1
         self._fd = -1
         self.opened: ReadResult | None = None
-        self.stats = {"records_appended": 0, "commits": 0, "compactions": 0, "bytes_written": 0,
-                      "torn_tail_bytes": 0}
+        self.stats = {
+            "records_appended": 0,
+            "commits": 0,
+            "compactions": 0,
+            "bytes_written": 0,
+            "torn_tail_bytes": 0,
+        }
         if path is None:
             return
-        self._clear_tmp(path)   # a compaction (or a creation) that did not reach its rename
+        self._clear_tmp(path)  # a compaction (or a creation) that did not reach its rename
         if os.path.exists(path):
             res = read_records(path)
             check_owner(res, path, owner_id)
@@ -356,12 +377,13 @@ class Journal(Closing):
                 raise CorruptData(
                     f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but "
                     f"{res.good_after_bad} "
-                    "later records are good: the journal is damaged, not torn; it was left as it is")
+                    "later records are good: the journal is damaged, not torn; it was left as it is"
+                )
             self.opened = res
             self.records = list(res.records)
             self._base = res.base_seq
             self._next = res.base_seq + len(res.records)
-            if res.tail_bytes:   # a torn append: never committed, cut it so appends continue the chain
+            if res.tail_bytes:  # a torn append: never committed, cut it so appends continue the chain
                 fd = os.open(path, os.O_WRONLY)
                 try:
                     os.ftruncate(fd, res.valid_bytes)
@@ -373,13 +395,14 @@ class Journal(Closing):
             self._create(path, base_seq=1, records=[], owner_id=owner_id)
             self.opened = ReadResult([], 1, HEADER_BYTES, 0, 0)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        try:   # one writer per journal, as per tier file (io/_fileops.py's lock)
+        try:  # one writer per journal, as per tier file (io/_fileops.py's lock)
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
             self._fd = -1
-            raise StoreLockedError(f"{path}: the journal is in use by another open tier (each tier needs "
-                                   "its own journal_path)") from None
+            raise StoreLockedError(
+                f"{path}: the journal is in use by another open tier (each tier needs its own journal_path)"
+            ) from None
 
     # ----------------------------------------------------------------- API
     @property
@@ -392,8 +415,14 @@ class Journal(Closing):
         """Sequence number of the last durable record (``base_seq - 1`` when none is)."""
         return self._next - 1
 
-    def append(self, kind: RecordKind, segment: int = 0, segment_gen: int = 0, value: int = 0,
-               digest: bytes = _ZERO32) -> int:
+    def append(
+        self,
+        kind: RecordKind,
+        segment: int = 0,
+        segment_gen: int = 0,
+        value: int = 0,
+        digest: bytes = _ZERO32,
+    ) -> int:
         """Buffer one record; returns its sequence number. Durable only after :meth:`commit`.
 
         Raises
@@ -426,7 +455,7 @@ class Journal(Closing):
                 _write_all(self._fd, data)
                 os.fdatasync(self._fd)
             except OSError:
-                os.ftruncate(self._fd, size)   # no half batch before the next try
+                os.ftruncate(self._fd, size)  # no half batch before the next try
                 raise
             self.stats["bytes_written"] += len(data)
         self.records.extend(self._pending)
@@ -459,7 +488,9 @@ class Journal(Closing):
 
     def should_compact(self, min_bytes: int = 1 << 20, ratio: float = 4.0) -> bool:
         """Whether the journal exceeds ``min_bytes`` and ``ratio`` times its live records."""
-        return self.file_bytes() > min_bytes and len(self.records) > ratio * max(1, len(live_records(self.records)))
+        return self.file_bytes() > min_bytes and len(self.records) > ratio * max(
+            1, len(live_records(self.records))
+        )
 
     def compact(self) -> int:
         """Commit what is buffered, then keep only :func:`live_records`: written to
@@ -498,7 +529,6 @@ class Journal(Closing):
                 os.close(self._fd)
                 self._fd = -1
 
-
     # ----------------------------------------------------------- internals
     @staticmethod
     def _clear_tmp(path: str) -> None:
@@ -508,8 +538,10 @@ class Journal(Closing):
         if not os.path.lexists(tmp):
             return
         if os.path.islink(tmp) or not _ours(tmp):
-            raise ForeignDataError(f"{tmp}: exists and is not a journal tierstore was writing; the journal "
-                                   "is written there before its rename: move that file. Nothing was changed.")
+            raise ForeignDataError(
+                f"{tmp}: exists and is not a journal tierstore was writing; the journal "
+                "is written there before its rename: move that file. Nothing was changed."
+            )
         os.unlink(tmp)
         _fsync_dir(path)
 
@@ -522,7 +554,10 @@ class Journal(Closing):
         Journal._clear_tmp(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, _header(base_seq, owner_id) + b"".join(_pack(r, base_seq + i) for i, r in enumerate(records)))
+            _write_all(
+                fd,
+                _header(base_seq, owner_id) + b"".join(_pack(r, base_seq + i) for i, r in enumerate(records)),
+            )
             os.fdatasync(fd)
         finally:
             os.close(fd)

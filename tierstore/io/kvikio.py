@@ -11,6 +11,7 @@ Availability is detected at run time: ``import kvikio`` and
 ``torch.cuda.is_available()``; otherwise :class:`KvikioUnavailable` is raised
 with the reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,12 +53,14 @@ class KvikioEngine(IOEngine):
 
     kind = "kvikio"
 
-    def __init__(self, path: str, size_bytes: int,
-                 block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES, **_ignored: Any):
+    def __init__(
+        self, path: str, size_bytes: int, block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES, **_ignored: Any
+    ):
         ok, why = kvikio_available()
         if not ok:
             raise KvikioUnavailable(why)
         import kvikio
+
         super().__init__(size_bytes, block_size_bytes)
         self.path = str(path)
         if not os.path.exists(self.path):
@@ -74,8 +77,9 @@ class KvikioEngine(IOEngine):
             nbytes = buffer.numel() * buffer.element_size()
             self._check_range(offset, nbytes)
             if buffer.data_ptr() % self.block_size_bytes:
-                raise AlignmentError(f"CUDA buffer address {buffer.data_ptr():#x} is not "
-                                     f"{self.block_size_bytes}-aligned")
+                raise AlignmentError(
+                    f"CUDA buffer address {buffer.data_ptr():#x} is not {self.block_size_bytes}-aligned"
+                )
             return buffer.reshape(-1).view(torch.uint8), nbytes
         return super()._check(offset, buffer, writable)
 
@@ -84,11 +88,13 @@ class KvikioEngine(IOEngine):
 
     def _read_impl(self, offset, view, nbytes):
         import numpy as np
+
         buf = view if isinstance(view, torch.Tensor) else np.frombuffer(view, dtype=np.uint8)
         return self._wrap(self._f.pread(buf, nbytes, offset))
 
     def _write_impl(self, offset, view, nbytes, placement):
         import numpy as np
+
         buf = view if isinstance(view, torch.Tensor) else np.frombuffer(as_byte_view(view), dtype=np.uint8)
         return self._wrap(self._f.pwrite(buf, nbytes, offset))
 

@@ -13,6 +13,7 @@ its engine (the only way to read an NVMe generic character device).
 Continued in ``docs/FORMAT.md`` (``tierstore/io/label.py``): label; what a target may be
 (:func:`inspect_target`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,18 @@ class StoreLabel:
     def encode(self) -> bytes:
         """The label page (:data:`LABEL_BYTES` bytes)."""
         sid = self.store_id or uuid.uuid4().bytes
-        head = struct.pack(LABEL_FMT, MAGIC, LABEL_VERSION, self.format_version, self.segment_size_bytes,
-                           self.block_bytes, self.n_segments, sid, bytes(4), 0)
+        head = struct.pack(
+            LABEL_FMT,
+            MAGIC,
+            LABEL_VERSION,
+            self.format_version,
+            self.segment_size_bytes,
+            self.block_bytes,
+            self.n_segments,
+            sid,
+            bytes(4),
+            0,
+        )
         crc = crc32c.crc32c(head[:_CRC_OFFSET])
         return head[:_CRC_OFFSET] + struct.pack("<I", crc) + bytes(LABEL_BYTES - _LABEL_USED)
 
@@ -78,7 +89,9 @@ def decode_label(page) -> StoreLabel | None:
     if fver != fmt.FORMAT_VERSION:
         raise CorruptData(f"tierstore label: extent format {fver}, this tierstore reads {fmt.FORMAT_VERSION}")
     if seg <= 0 or seg % fmt.ALIGN_BYTES or bb <= 0 or n <= 0:
-        raise CorruptData(f"tierstore label: impossible geometry (segment {seg} B, block {bb} B, {n} segments)")
+        raise CorruptData(
+            f"tierstore label: impossible geometry (segment {seg} B, block {bb} B, {n} segments)"
+        )
     return StoreLabel(seg, bb, n, sid, fver)
 
 
@@ -99,14 +112,18 @@ def resolve_nvme_path(path: str, file_name: str = DEFAULT_FILE_NAME, what: str =
         raise ConfigError(f"{what}={path!r}: empty path")
     if p.endswith("/") or os.path.isdir(p):
         if not os.path.isdir(p):
-            raise ConfigError(f"{what}={path!r}: the directory {p.rstrip('/') or '/'} does not exist "
-                              "(a path ending in '/' names a directory: create it first)")
+            raise ConfigError(
+                f"{what}={path!r}: the directory {p.rstrip('/') or '/'} does not exist "
+                "(a path ending in '/' names a directory: create it first)"
+            )
         return os.path.join(p, file_name)
     parent = os.path.dirname(os.path.abspath(p))
     if not os.path.isdir(parent):
         what_is = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise ConfigError(f"{what}={path!r}: the directory {parent} {what_is} (create it, or give an "
-                          "existing directory or file path)")
+        raise ConfigError(
+            f"{what}={path!r}: the directory {parent} {what_is} (create it, or give an "
+            "existing directory or file path)"
+        )
     return p
 
 
@@ -169,8 +186,10 @@ def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
         raise ConfigError(f"{what}={path!r}: is a directory (its tier file is {DEFAULT_FILE_NAME} inside)")
     if stat.S_ISCHR(st.st_mode):
         if not is_nvme_generic(path, st):
-            raise ConfigError(f"{what}={path!r}: a character device that is not an NVMe generic device "
-                              "(/dev/ngXnY); an NVMe tier is a file, a block device or an NVMe generic node")
+            raise ConfigError(
+                f"{what}={path!r}: a character device that is not an NVMe generic device "
+                "(/dev/ngXnY); an NVMe tier is a file, a block device or an NVMe generic node"
+            )
         return Target(path, "unreadable", is_device=True)
     is_blk = stat.S_ISBLK(st.st_mode)
     if not (is_blk or stat.S_ISREG(st.st_mode)):
@@ -215,17 +234,23 @@ def refusal(t: Target, what: str = "tiers.nvme.path") -> str:
     found = f"first bytes {t.head.hex(' ')}" if t.head else "contents unknown"
     how = FORMAT_HOW_DEVICE if t.is_device else FORMAT_HOW
     if t.kind == "legacy":
-        return (f"{what}={t.path!r}: holds a tierstore NVMe tier of the earlier format without a label "
-                f"({size}); this tierstore cannot reopen it. Its blocks are a cache: delete the file, or "
-                "reformat "
-                f"it ({how}). Nothing was written")
+        return (
+            f"{what}={t.path!r}: holds a tierstore NVMe tier of the earlier format without a label "
+            f"({size}); this tierstore cannot reopen it. Its blocks are a cache: delete the file, or "
+            "reformat "
+            f"it ({how}). Nothing was written"
+        )
     if t.is_device:
-        return (f"{what}={t.path!r}: a {size} device without tierstore's label ({found}); formatting it destroys "
-                f"what it holds, so tierstore does it only when told to ({how}). Nothing was written")
+        return (
+            f"{what}={t.path!r}: a {size} device without tierstore's label ({found}); formatting it destroys "
+            f"what it holds, so tierstore does it only when told to ({how}). Nothing was written"
+        )
     why = f"a damaged tierstore label ({t.detail})" if t.detail else f"no tierstore label, {found}"
-    return (f"{what}={t.path!r}: an existing {size} file with data tierstore did not write ({why}); tierstore "
-            f"writes only to files it created: give a new path or an empty file, or let it overwrite this one "
-            f"({FORMAT_HOW}). Nothing was written")
+    return (
+        f"{what}={t.path!r}: an existing {size} file with data tierstore did not write ({why}); tierstore "
+        f"writes only to files it created: give a new path or an empty file, or let it overwrite this one "
+        f"({FORMAT_HOW}). Nothing was written"
+    )
 
 
 def check_target(path: str, *, format: bool = False, what: str = "tiers.nvme.path") -> Target:

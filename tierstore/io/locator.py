@@ -15,6 +15,7 @@ store's metadata lock. It never does I/O and never touches per-segment
 counters: :meth:`remove` and :meth:`commit` return what the caller needs to
 account for them (freed extents, replaced offsets).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -95,8 +96,9 @@ class BlockLocator:
         self.table.remove(key)
         return True
 
-    def commit(self, ext_off: int, seq: int,
-               entries: Sequence[fmt.BlockEntry]) -> tuple[np.ndarray, np.ndarray]:
+    def commit(
+        self, ext_off: int, seq: int, entries: Sequence[fmt.BlockEntry]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Point the keys of the extent written at ``ext_off`` (distinct keys) at their new copy.
 
         Returns ``(rows, replaced)``: the row of each entry, and the device offsets of the
@@ -113,9 +115,10 @@ class BlockLocator:
         self.off[rows] = [ext_off + e.payload_offset for e in entries]
         self.crc[rows] = [e.payload_crc32c for e in entries]
         self.seq[rows] = seq
-        ns0 = entries[0].ns_digest if entries else None
-        if all(e.ns_digest == ns0 for e in entries):
-            self.ns_id[rows] = self.namespaces.intern(ns0) if entries else 0
+        if not entries:
+            self.ns_id[rows] = 0
+        elif all(e.ns_digest == entries[0].ns_digest for e in entries):
+            self.ns_id[rows] = self.namespaces.intern(entries[0].ns_digest)
         else:
             self.ns_id[rows] = [self.namespaces.intern(e.ns_digest) for e in entries]
         return rows, replaced
@@ -157,13 +160,17 @@ class BlockLocator:
         """Every block: keys, namespace digest per key, write sequence number per key."""
         rows = self.table.rows()
         keys = self.table.keys_of(rows)
-        return StoredBlocks(keys, [self.namespaces.digests[i] for i in self.ns_id[rows].tolist()], self.seq[rows].copy())
+        return StoredBlocks(
+            keys, [self.namespaces.digests[i] for i in self.ns_id[rows].tolist()], self.seq[rows].copy()
+        )
 
     def entries(self) -> dict[bytes, tuple[bytes, int]]:
         """``key -> (namespace digest, write sequence number)``."""
         rows = self.table.rows()
         keys = self.table.keys_of(rows)
-        return {k: (self.namespaces.digests[int(self.ns_id[r])], int(self.seq[r])) for k, r in zip(keys, rows)}
+        return {
+            k: (self.namespaces.digests[int(self.ns_id[r])], int(self.seq[r])) for k, r in zip(keys, rows)
+        }
 
     @property
     def nbytes(self) -> int:
@@ -175,5 +182,5 @@ class BlockLocator:
         for name in ("off", "crc", "seq", "ns_id"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
-            new[:old.size] = old
+            new[: old.size] = old
             setattr(self, name, new)

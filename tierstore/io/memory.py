@@ -1,6 +1,7 @@
 """Memory-backed device for tests: same alignment rules, instant completion,
 trim zero-fills (as a punched hole or a deallocated NVMe LBA range reads back
 zeros with DLFEAT=1), and fault injection for EIO/ENOSPC tests."""
+
 from __future__ import annotations
 
 import errno
@@ -35,19 +36,19 @@ class MemoryEngine(IOEngine):
             if a < offset + nbytes and offset < a + n:
                 return IOFuture.failed(OSError(errno.EIO, "injected read error"))
         with self._lock:
-            view[:] = self._mv[offset:offset + nbytes]
+            view[:] = self._mv[offset : offset + nbytes]
         return IOFuture.completed(nbytes)
 
     def _write_impl(self, offset, view, nbytes, placement):
         if self.write_limit_bytes is not None and offset + nbytes > self.write_limit_bytes:
             return IOFuture.failed(OSError(errno.ENOSPC, "injected: no space left on device"))
         with self._lock:
-            self._mv[offset:offset + nbytes] = view
+            self._mv[offset : offset + nbytes] = view
         return IOFuture.completed(nbytes)
 
     def _trim_impl(self, offset, length):
         with self._lock:
-            self._mem[offset:offset + length].zero_()
+            self._mem[offset : offset + length].zero_()
         return IOFuture.completed(length)
 
     def _sync_impl(self):

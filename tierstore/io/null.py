@@ -13,6 +13,7 @@ Reads fail with ``EIO`` unless they cover only bytes that were never written
 this engine therefore reports ``IO_ERROR`` for a block's payload, never wrong
 bytes. Recovery finds no extents (a fresh device each time).
 """
+
 from __future__ import annotations
 
 import errno

@@ -13,6 +13,7 @@ costs one strided copy and no per-fragment Python.
 Nothing here does I/O: :mod:`tierstore.io.batch` gathers plans into aligned
 staging extents and scatters them back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,6 +30,7 @@ from ..errors import LayoutError
 def align_up(n: int, a: int) -> int:
     """Round ``n`` up to a multiple of ``a``."""
     return (n + a - 1) // a * a
+
 
 def as_u8(fragment: Any) -> torch.Tensor:
     """A flat ``uint8`` tensor view of a fragment (tensor, ndarray or bytes-like).
@@ -81,8 +83,13 @@ def _strided_u8(fragments: Sequence[Any], device: torch.device, min_stride: int)
     """
     k = len(fragments)
     f0, fl = fragments[0], fragments[-1]
-    if (k < 2 or not isinstance(f0, torch.Tensor) or not isinstance(fl, torch.Tensor)
-            or f0.device != device or fl.device != device):
+    if (
+        k < 2
+        or not isinstance(f0, torch.Tensor)
+        or not isinstance(fl, torch.Tensor)
+        or f0.device != device
+        or fl.device != device
+    ):
         return None
     try:  # map over unbound methods: ~0.1 us per fragment and attribute
         ptrs = list(map(_DATA_PTR, fragments))
@@ -91,9 +98,13 @@ def _strided_u8(fragments: Sequence[Any], device: torch.device, min_stride: int)
         return None
     p0, nb = ptrs[0], sizes[0]
     stride = ptrs[1] - p0
-    if (nb == 0 or stride < max(min_stride, 1) or sizes.count(nb) != k
-            or ptrs != list(range(p0, p0 + k * stride, stride))
-            or not all(map(_IS_CONTIGUOUS, fragments))):
+    if (
+        nb == 0
+        or stride < max(min_stride, 1)
+        or sizes.count(nb) != k
+        or ptrs != list(range(p0, p0 + k * stride, stride))
+        or not all(map(_IS_CONTIGUOUS, fragments))
+    ):
         return None
     if f0.untyped_storage().data_ptr() != fl.untyped_storage().data_ptr():
         return None
@@ -128,8 +139,15 @@ class FragmentPlan:
 
     __slots__ = ("fragments", "nbytes", "strided", "dtype", "count", "destination", "flat", "row_of")
 
-    def __init__(self, fragments: Sequence[Any] | None, nbytes: int, strided: torch.Tensor | None,
-                 dtype: torch.dtype | None = None, count: int | None = None, destination: bool = False):
+    def __init__(
+        self,
+        fragments: Sequence[Any] | None,
+        nbytes: int,
+        strided: torch.Tensor | None,
+        dtype: torch.dtype | None = None,
+        count: int | None = None,
+        destination: bool = False,
+    ):
         #: Planned for writing into (checked for overlap); only such plans may be scattered into.
         self.destination = destination
         self.fragments = fragments
@@ -164,10 +182,10 @@ class FragmentPlan:
         if offset + n > staging.numel():
             raise LayoutError(f"gather overflows staging of {staging.numel()} bytes")
         if self.flat is not None:
-            staging[offset:offset + n].copy_(self.flat)
+            staging[offset : offset + n].copy_(self.flat)
             return n
         if self.strided is not None:
-            staging[offset:offset + n].view(self.strided.shape).copy_(self.strided)
+            staging[offset : offset + n].view(self.strided.shape).copy_(self.strided)
             return n
         return _gather_list(self.fragments, staging, offset)  # type: ignore[arg-type]  # only row plans (flat) have none
 
@@ -185,10 +203,10 @@ class FragmentPlan:
         if offset + n > staging.numel():
             raise LayoutError(f"scatter reads past staging of {staging.numel()} bytes")
         if self.flat is not None:
-            self.flat.copy_(staging[offset:offset + n])
+            self.flat.copy_(staging[offset : offset + n])
             return n
         if self.strided is not None:
-            self.strided.copy_(staging[offset:offset + n].view(self.strided.shape))
+            self.strided.copy_(staging[offset : offset + n].view(self.strided.shape))
             return n
         return _scatter_list(staging, offset, self.fragments)  # type: ignore[arg-type]  # only row plans (flat) have none
 
@@ -213,7 +231,9 @@ class BlockRows(Sequence[FragmentPlan]):
 
     def __init__(self, rows: torch.Tensor, destination: bool = False) -> None:
         if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
-            raise LayoutError(f"BlockRows needs a contiguous 2-D uint8 tensor, got {tuple(rows.shape)} {rows.dtype}")
+            raise LayoutError(
+                f"BlockRows needs a contiguous 2-D uint8 tensor, got {tuple(rows.shape)} {rows.dtype}"
+            )
         self.rows = rows
         self.destination = destination
         self._plans: list[FragmentPlan | None] = [None] * rows.shape[0]
@@ -261,8 +281,9 @@ class _RowPlan(FragmentPlan):
         return FragmentPlan.scatter(self, staging, offset)
 
 
-def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool = False,
-                   device: torch.device | str = _CPU) -> FragmentPlan:
+def plan_fragments(
+    fragments: Sequence[Any] | FragmentPlan, *, destination: bool = False, device: torch.device | str = _CPU
+) -> FragmentPlan:
     """Check a block's fragments once and choose how to copy them.
 
     Parameters
@@ -283,8 +304,10 @@ def plan_fragments(fragments: Sequence[Any] | FragmentPlan, *, destination: bool
     """
     if isinstance(fragments, FragmentPlan):
         if destination and not fragments.destination:
-            raise LayoutError("this plan was made for reading; plan destinations with destination=True "
-                              "(e.g. KVPagePool.plans(ids, destination=True))")
+            raise LayoutError(
+                "this plan was made for reading; plan destinations with destination=True "
+                "(e.g. KVPagePool.plans(ids, destination=True))"
+            )
         return fragments
     frags = fragments if isinstance(fragments, list) else list(fragments)
     strided = None
@@ -358,24 +381,35 @@ class KVPagePool:
         non-contiguous fragments.
     """
 
-    def __init__(self, layers: torch.Tensor | Sequence[torch.Tensor], *, block_dim: int = 1,
-                 kv_dim: int | None = 0):
+    def __init__(
+        self, layers: torch.Tensor | Sequence[torch.Tensor], *, block_dim: int = 1, kv_dim: int | None = 0
+    ):
         per_layer = list(layers.unbind(0)) if isinstance(layers, torch.Tensor) else list(layers)
         if not per_layer or not all(isinstance(t, torch.Tensor) for t in per_layer):
             raise LayoutError("KVPagePool needs a tensor or a non-empty list of per-layer tensors")
         lead = sorted([block_dim] + ([] if kv_dim is None else [kv_dim]))
         if lead != list(range(len(lead))):
-            raise LayoutError(f"block_dim={block_dim}, kv_dim={kv_dim}: the block and K/V axes must be "
-                              "the leading axes of a layer tensor, so that the rest is one fragment")
+            raise LayoutError(
+                f"block_dim={block_dim}, kv_dim={kv_dim}: the block and K/V axes must be "
+                "the leading axes of a layer tensor, so that the rest is one fragment"
+            )
         t0 = per_layer[0]
         if t0.dim() < len(lead) + 1:
-            raise LayoutError(f"a layer tensor of shape {tuple(t0.shape)} has no fragment axes after "
-                              f"block_dim={block_dim}, kv_dim={kv_dim}")
+            raise LayoutError(
+                f"a layer tensor of shape {tuple(t0.shape)} has no fragment axes after "
+                f"block_dim={block_dim}, kv_dim={kv_dim}"
+            )
         if kv_dim is not None and t0.shape[kv_dim] != 2:
-            raise LayoutError(f"per-layer KV must have 2 entries (K, V) on axis {kv_dim}, got "
-                              f"shape {tuple(t0.shape)}")
+            raise LayoutError(
+                f"per-layer KV must have 2 entries (K, V) on axis {kv_dim}, got shape {tuple(t0.shape)}"
+            )
         for i, t in enumerate(per_layer):
-            if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or t.stride() != t0.stride():
+            if (
+                t.shape != t0.shape
+                or t.dtype != t0.dtype
+                or t.device != t0.device
+                or t.stride() != t0.stride()
+            ):
                 raise LayoutError(f"layer {i}: shape/dtype/device/strides differ from layer 0")
         if t0.shape[block_dim] == 0:
             raise LayoutError("the pool has no blocks (num_blocks = 0)")
@@ -395,16 +429,18 @@ class KVPagePool:
         self._block_stride = t0.stride(block_dim) * es
         ptrs = [t.data_ptr() for t in per_layer]
         layer_stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-        affine = (ptrs == [ptrs[0] + i * layer_stride for i in range(len(ptrs))]
-                  and all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
-                          for t in per_layer))
+        affine = ptrs == [ptrs[0] + i * layer_stride for i in range(len(ptrs))] and all(
+            t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() for t in per_layer
+        )
         affine = affine and layer_stride >= 0  # as_strided takes no negative strides
         self._layer_stride = layer_stride
         self.dtype = t0.dtype
         #: uint8 view of layer 0 from which every block's affine view is cut,
         #: or None when the layers are separate allocations.
         try:
-            self._base = t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+            self._base = (
+                t0.view(torch.uint8) if affine and t0.dtype != torch.uint8 else (t0 if affine else None)
+            )
         except RuntimeError:  # odd strides on size-1 dims: plan fragment by fragment
             self._base = None
         #: Why the pool cannot be written (its fragments overlap), or None.
@@ -432,6 +468,7 @@ class KVPagePool:
                     return False
                 span = stride * (n - 1) + span
             return True
+
         within = [(self.num_kv, self._kv_stride), (self.num_blocks, self._block_stride)]
         if self._base is not None:
             if not dense(within + [(self.num_layers, self._layer_stride)]):
@@ -473,10 +510,14 @@ class KVPagePool:
             plan.dtype = self.dtype
             return plan
         base = self._base
-        view = base.as_strided((self.num_layers, self.num_kv, self.fragment_bytes),
-                               (self._layer_stride, self._kv_stride, 1),
-                               base.storage_offset() + block_id * self._block_stride)
-        return FragmentPlan(None, self.block_bytes, view, self.dtype, self.num_kv * self.num_layers, destination)
+        view = base.as_strided(
+            (self.num_layers, self.num_kv, self.fragment_bytes),
+            (self._layer_stride, self._kv_stride, 1),
+            base.storage_offset() + block_id * self._block_stride,
+        )
+        return FragmentPlan(
+            None, self.block_bytes, view, self.dtype, self.num_kv * self.num_layers, destination
+        )
 
     def plans(self, block_ids: Iterable[int], destination: bool = False) -> list[FragmentPlan]:
         """:meth:`plan` for each id.
@@ -557,7 +598,7 @@ def _gather_list(fragments: Sequence[Any], staging: torch.Tensor, offset: int) -
     if fragments and all(isinstance(f, torch.Tensor) and f.device == staging.device for f in fragments):
         us = [f if (f.dtype == torch.uint8 and f.dim() == 1) else as_u8(f) for f in fragments]
         n = sum(u.numel() for u in us)
-        torch.cat(us, out=staging[offset:offset + n])
+        torch.cat(us, out=staging[offset : offset + n])
         return n
     pos = offset
     base = _host_ptr(staging)
@@ -568,7 +609,7 @@ def _gather_list(fragments: Sequence[Any], staging: torch.Tensor, offset: int) -
         else:
             u = as_u8(f)
             n = u.numel()
-            staging[pos:pos + n].copy_(u)
+            staging[pos : pos + n].copy_(u)
         pos += n
     return pos - offset
 
@@ -578,15 +619,23 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _scatter_list(staging: torch.Tensor, offset: int, fragments: Sequence[Any]) -> int:
-    if (_FOREACH_COPY is not None and fragments
-            and all(isinstance(f, torch.Tensor) and f.is_contiguous() and f.device == staging.device
-                    for f in fragments)):
-        us = [f if (f.dtype == torch.uint8 and f.dim() == 1) else f.reshape(-1).view(torch.uint8)
-              for f in fragments if f.numel()]
+    if (
+        _FOREACH_COPY is not None
+        and fragments
+        and all(
+            isinstance(f, torch.Tensor) and f.is_contiguous() and f.device == staging.device
+            for f in fragments
+        )
+    ):
+        us = [
+            f if (f.dtype == torch.uint8 and f.dim() == 1) else f.reshape(-1).view(torch.uint8)
+            for f in fragments
+            if f.numel()
+        ]
         sizes = [u.numel() for u in us]
         n = sum(sizes)
         if us:
-            _FOREACH_COPY(us, list(torch.split(staging[offset:offset + n], sizes)))
+            _FOREACH_COPY(us, list(torch.split(staging[offset : offset + n], sizes)))
         return n
     pos = offset
     base = _host_ptr(staging)
@@ -597,7 +646,7 @@ def _scatter_list(staging: torch.Tensor, offset: int, fragments: Sequence[Any]) 
                 ctypes.memmove(f.data_ptr(), base + pos, n)
                 pos += n
                 continue
-            src = staging[pos:pos + n]
+            src = staging[pos : pos + n]
             if f.is_contiguous():
                 if n:
                     f.reshape(-1).view(torch.uint8).copy_(src)
@@ -606,7 +655,7 @@ def _scatter_list(staging: torch.Tensor, offset: int, fragments: Sequence[Any]) 
         else:
             d = as_u8(f if not isinstance(f, np.ndarray) else torch.from_numpy(f))
             n = d.numel()
-            d.copy_(staging[pos:pos + n])
+            d.copy_(staging[pos : pos + n])
         pos += n
     return pos - offset
 
@@ -644,10 +693,14 @@ def _merged_runs(plans: Sequence[FragmentPlan], offsets: Sequence[int], destinat
             sto = v.untyped_storage().data_ptr()
             while step > 0 and j < n:  # plans[j] follows plans[i] at the same step
                 x = plans[j].strided
-                if not (x is not None and x.shape == v.shape and x.stride() == v.stride()
-                        and x.data_ptr() - v.data_ptr() == step * (j - i)
-                        and offsets[j] - offsets[i] == nb * (j - i)
-                        and x.untyped_storage().data_ptr() == sto):
+                if not (
+                    x is not None
+                    and x.shape == v.shape
+                    and x.stride() == v.stride()
+                    and x.data_ptr() - v.data_ptr() == step * (j - i)
+                    and offsets[j] - offsets[i] == nb * (j - i)
+                    and x.untyped_storage().data_ptr() == sto
+                ):
                     break
                 j += 1
         if v is not None and j - i > 1:
@@ -665,5 +718,3 @@ def _merged_runs(plans: Sequence[FragmentPlan], offsets: Sequence[int], destinat
             j = i + 1
         yield i, i + 1, None
         i += 1
-
-

@@ -4,6 +4,7 @@ with a thread pool providing queue depth (fio ``ioengine=psync`` x ``numjobs``).
 A request larger than ``max_io_bytes`` is split into pieces issued in parallel
 by ``iodepth`` worker threads (the GIL is released inside preadv/pwritev).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf

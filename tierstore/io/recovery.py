@@ -21,6 +21,7 @@ before the store is shared (no lock is taken; nothing else runs yet):
 A block written with another block size refuses the open (:func:`layout_refusal`):
 serving a cut-off block would be wrong KV, dropping them would lose the store.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,15 @@ from .locator import BlockLocator
 from .pages import align_up
 from .segment_manager import SegmentManager, SegmentState
 
-__all__ = ["RecoveryCounts", "recover", "read_chain", "drop_beyond", "open_label", "write_label",
-           "layout_refusal"]
+__all__ = [
+    "RecoveryCounts",
+    "recover",
+    "read_chain",
+    "drop_beyond",
+    "open_label",
+    "write_label",
+    "layout_refusal",
+]
 
 _log = logging.getLogger("tierstore.io.segments")
 
@@ -67,13 +75,16 @@ class RecoveryCounts:
 
 def layout_refusal(path: str | None, block_bytes: int, other) -> str:
     """The message refusing a tier that holds blocks of another size than ``block_bytes``."""
-    return (f"{path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
-            f"for {block_bytes}-byte blocks (another KV layout?); open it with the "
-            f"layout it was written with, or use another path. Nothing was changed.")
+    return (
+        f"{path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
+        f"for {block_bytes}-byte blocks (another KV layout?); open it with the "
+        f"layout it was written with, or use another path. Nothing was changed."
+    )
 
 
-def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
-               buf: list, damaged: list | None = None) -> Iterator[tuple[int, fmt.ExtentHeader]]:
+def read_chain(
+    engine: IOEngine, segs: SegmentManager, si: int, buf: list, damaged: list | None = None
+) -> Iterator[tuple[int, fmt.ExtentHeader]]:
     """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
     the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
     a reusable aligned buffer (grown here). A header that starts with the extent magic but
@@ -86,8 +97,8 @@ def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
     last_seq = -1
     while pos + fmt.ALIGN_BYTES <= S:
         try:
-            engine.read(base + pos, buf[1][:fmt.ALIGN_BYTES]).get()
-            hb = fmt.peek_header_bytes(memoryview(buf[0])[:fmt.ALIGN_BYTES])
+            engine.read(base + pos, buf[1][: fmt.ALIGN_BYTES]).get()
+            hb = fmt.peek_header_bytes(memoryview(buf[0])[: fmt.ALIGN_BYTES])
             if pos + hb > S:
                 return
             if hb > fmt.ALIGN_BYTES:
@@ -96,14 +107,18 @@ def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
                 engine.read(base + pos, buf[1][:hb]).get()
             h = fmt.decode_header(memoryview(buf[0])[:hb])
         except CorruptData:
-            if damaged is not None and bytes(memoryview(buf[0])[:len(fmt.MAGIC)]) == fmt.MAGIC:
+            if damaged is not None and bytes(memoryview(buf[0])[: len(fmt.MAGIC)]) == fmt.MAGIC:
                 damaged.append((si, pos))
             return
         except OSError:
             return
-        if ((gen is not None and h.segment_gen != gen) or h.seq <= last_seq
-                or h.extent_offset != base + pos or pos + h.total_bytes > S
-                or (gen is None and h.segment_gen != h.seq)):
+        if (
+            (gen is not None and h.segment_gen != gen)
+            or h.seq <= last_seq
+            or h.extent_offset != base + pos
+            or pos + h.total_bytes > S
+            or (gen is None and h.segment_gen != h.seq)
+        ):
             return
         gen = h.segment_gen
         last_seq = h.seq
@@ -111,8 +126,16 @@ def read_chain(engine: IOEngine, segs: SegmentManager, si: int,
         pos += h.total_bytes
 
 
-def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, invalidated: dict[bytes, int],
-            extent_bytes: int, verify: bool, path: str | None, journal: JournalState | None = None) -> RecoveryCounts:
+def recover(
+    engine: IOEngine,
+    segs: SegmentManager,
+    locator: BlockLocator,
+    invalidated: dict[bytes, int],
+    extent_bytes: int,
+    verify: bool,
+    path: str | None,
+    journal: JournalState | None = None,
+) -> RecoveryCounts:
     """Rebuild ``segs`` and ``locator`` from the extent chains on ``engine`` (module doc).
 
     ``invalidated`` is the invalidation log's ``ns_digest -> write_seq``; ``journal`` the state
@@ -140,21 +163,39 @@ def recover(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, inval
                 out.stale_segments.append(si)  # reset durably; its trim was lost or ignored
                 h = None
                 break
-            _adopt_extent(engine, segs, locator, si, base + pos, h, js.dead.get((si, h.segment_gen), {}),
-                          invalidated, verify, path, out)
+            _adopt_extent(
+                engine,
+                segs,
+                locator,
+                si,
+                base + pos,
+                h,
+                js.dead.get((si, h.segment_gen), {}),
+                invalidated,
+                verify,
+                path,
+                out,
+            )
             max_seq = max(max_seq, h.seq)
         _end_chain(segs, si, h, pos, start)
-    segs.next_seq = max(max_seq, max(invalidated.values(), default=0), max(js.reset_gen.values(), default=0)) + 1
+    segs.next_seq = (
+        max(max_seq, max(invalidated.values(), default=0), max(js.reset_gen.values(), default=0)) + 1
+    )
     # Recovered segments are never appended to again (sealed until
     # reclaimed): a torn extent ends a chain, but complete extents of a dead
     # process may lie beyond it with sequence numbers above next_seq;
     # appending at the chain end could splice them back into the chain.
     out.recovered_blocks = len(locator)
     if out.damaged_extents:
-        _log.warning("%s: %d extent header(s) failed their checksum at recovery (first at segment %d, byte %d): "
-                     "their blocks and the rest of their segments' chains are not recovered (misses, never "
-                     "KV); recovered %d blocks", path or "NVMe tier", len(out.damaged_extents),
-                     *out.damaged_extents[0], out.recovered_blocks)
+        _log.warning(
+            "%s: %d extent header(s) failed their checksum at recovery (first at segment %d, byte %d): "
+            "their blocks and the rest of their segments' chains are not recovered (misses, never "
+            "KV); recovered %d blocks",
+            path or "NVMe tier",
+            len(out.damaged_extents),
+            *out.damaged_extents[0],
+            out.recovered_blocks,
+        )
     del buf
     empty = (segs.state == SegmentState.SEALED) & (segs.live == 0)
     out.empty_segments = [int(si) for si in empty.nonzero()[0]]
@@ -174,9 +215,19 @@ def _end_chain(segs: SegmentManager, si: int, h, pos: int, start: int) -> None:
         segs.wp[si] = start
 
 
-def _adopt_extent(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, si: int, ext_off: int, h,
-                  dead: dict, invalidated: dict[bytes, int], verify: bool, path: str | None,
-                  out: RecoveryCounts) -> None:
+def _adopt_extent(
+    engine: IOEngine,
+    segs: SegmentManager,
+    locator: BlockLocator,
+    si: int,
+    ext_off: int,
+    h,
+    dead: dict,
+    invalidated: dict[bytes, int],
+    verify: bool,
+    path: str | None,
+    out: RecoveryCounts,
+) -> None:
     """Adopt the blocks of the extent at device offset ``ext_off`` of segment ``si`` (header ``h``):
     each one not failing its CRC (``verify``), not invalidated after it was written and not
     tombstoned (``dead``: the journal's dead blocks of this segment generation); counted in ``out``.
@@ -192,7 +243,11 @@ def _adopt_extent(engine: IOEngine, segs: SegmentManager, locator: BlockLocator,
         raise ConfigError(layout_refusal(path, bb, other))
     good = list(h.entries)
     if verify:
-        good = [e for e in h.entries if _verify_at(engine, bb, e.key, ext_off + e.payload_offset, e.payload_crc32c)]
+        good = [
+            e
+            for e in h.entries
+            if _verify_at(engine, bb, e.key, ext_off + e.payload_offset, e.payload_crc32c)
+        ]
         out.dropped_blocks += len(h.entries) - len(good)
     for e in good:
         if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
@@ -217,8 +272,15 @@ def _tombstoned(dead: dict, off: int, key: bytes, si: int, out: RecoveryCounts) 
     return True
 
 
-def _adopt(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, si: int, off: int,
-           e: fmt.BlockEntry, seq: int) -> None:
+def _adopt(
+    engine: IOEngine,
+    segs: SegmentManager,
+    locator: BlockLocator,
+    si: int,
+    off: int,
+    e: fmt.BlockEntry,
+    seq: int,
+) -> None:
     row = locator.row(e.key)
     if row >= 0:
         # Two copies (a GC copy-forward cut short by a crash): the newer
@@ -245,8 +307,15 @@ def _verify_at(engine: IOEngine, block_bytes: int, key: bytes, off: int, crc: in
     return fmt.payload_crc(key, memoryview(keep)[:block_bytes]) == crc
 
 
-def drop_beyond(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, invalidated: dict[bytes, int],
-                old_n: int, extent_bytes: int, path: str | None) -> tuple[int, int]:
+def drop_beyond(
+    engine: IOEngine,
+    segs: SegmentManager,
+    locator: BlockLocator,
+    invalidated: dict[bytes, int],
+    old_n: int,
+    extent_bytes: int,
+    path: str | None,
+) -> tuple[int, int]:
     """The tier was reopened with fewer segments than its label says: count the blocks of the
     segments past the new end that are not recovered (dropped), trim those segments, and say
     so once. Returns ``(dropped blocks, trim errors)``."""
@@ -256,8 +325,11 @@ def drop_beyond(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, i
     lost: set[bytes] = set()
     for si in range(segs.n_segments, reach):
         for _, h in read_chain(engine, segs, si, buf):
-            lost.update(e.key for e in h.entries
-                        if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]))
+            lost.update(
+                e.key
+                for e in h.entries
+                if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest])
+            )
     lost = {k for k in lost if locator.row(k) < 0}
     trim_errors = 0
     for si in range(segs.n_segments, reach):
@@ -266,18 +338,26 @@ def drop_beyond(engine: IOEngine, segs: SegmentManager, locator: BlockLocator, i
         except OSError:
             trim_errors += 1
     unread = f"; {old_n - reach} segments past this open's device size were not read" if reach < old_n else ""
-    _log.warning("%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
-                 "segments past the new end were dropped (recovery_dropped_blocks)%s",
-                 path or "device", segs.n_segments, S, format_bytes(segs.n_segments * S), old_n,
-                 format_bytes(old_n * S), len(lost), unread)
+    _log.warning(
+        "%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
+        "segments past the new end were dropped (recovery_dropped_blocks)%s",
+        path or "device",
+        segs.n_segments,
+        S,
+        format_bytes(segs.n_segments * S),
+        old_n,
+        format_bytes(old_n * S),
+        len(lost),
+        unread,
+    )
     return len(lost), trim_errors
 
 
 # ---------------------------------------------------------------------------- label
 def _read_page(engine: IOEngine, off: int) -> bytes:
     keep, page = alloc_aligned(lbl.LABEL_BYTES)
-    engine.read(off, page[:lbl.LABEL_BYTES]).get()
-    return bytes(memoryview(keep)[:lbl.LABEL_BYTES])
+    engine.read(off, page[: lbl.LABEL_BYTES]).get()
+    return bytes(memoryview(keep)[: lbl.LABEL_BYTES])
 
 
 def _is_device(path: str | None) -> bool:
@@ -289,8 +369,9 @@ def _is_device(path: str | None) -> bool:
     return stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
 
 
-def open_label(engine: IOEngine, segs: SegmentManager, path: str | None, format: bool,
-               metadata_placement: int | None) -> tuple[lbl.StoreLabel | None, bytes]:
+def open_label(
+    engine: IOEngine, segs: SegmentManager, path: str | None, format: bool, metadata_placement: int | None
+) -> tuple[lbl.StoreLabel | None, bytes]:
     """Check the label through the engine (the module doc of :mod:`tierstore.io.label`):
     ``(the label found or None for a target formatted now, the store id)``.
 
@@ -319,15 +400,17 @@ def open_label(engine: IOEngine, segs: SegmentManager, path: str | None, format:
             raise ConfigError(
                 f"{where}: formatted with segment_size_bytes={found.segment_size_bytes}, opened with "
                 f"{segs.segment_bytes}; a tier keeps its segment size whatever its capacity: open it "
-                "with the first (tierstore's build does), or use another path. Nothing was changed.")
+                "with the first (tierstore's build does), or use another path. Nothing was changed."
+            )
         if found.n_segments < segs.n_segments:
             _scrub(engine, segs, range(found.n_segments, segs.n_segments), metadata_placement)
         return found, found.store_id
     is_dev = bool(getattr(engine, "is_block_device", False)) or _is_device(path)
     if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
         kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
-        raise ForeignDataError(lbl.refusal(lbl.Target(where, kind, is_dev, engine.size_bytes, None,
-                                                      raw[:16], damaged)))
+        raise ForeignDataError(
+            lbl.refusal(lbl.Target(where, kind, is_dev, engine.size_bytes, None, raw[:16], damaged))
+        )
     _scrub(engine, segs, range(segs.n_segments), metadata_placement)
     return None, b""
 
@@ -341,7 +424,7 @@ def _scrub(engine: IOEngine, segs: SegmentManager, segments: Iterable[int], plac
     for si in segments:
         off = si * segs.segment_bytes + segs.chain_start(si)
         if any(_read_page(engine, off)):
-            engine.write(off, zero[:fmt.ALIGN_BYTES], placement).get()
+            engine.write(off, zero[: fmt.ALIGN_BYTES], placement).get()
             wrote = True
     if wrote:
         engine.sync()
@@ -352,7 +435,7 @@ def write_label(engine: IOEngine, segs: SegmentManager, store_id: bytes, placeme
     """Write the label (this geometry) and make it durable; returns the store id written."""
     page = lbl.StoreLabel(segs.segment_bytes, segs.block_bytes, segs.n_segments, store_id).encode()
     keep, buf = alloc_aligned(lbl.LABEL_BYTES)
-    memoryview(keep)[:lbl.LABEL_BYTES] = page
-    engine.write(0, buf[:lbl.LABEL_BYTES], placement).get()
+    memoryview(keep)[: lbl.LABEL_BYTES] = page
+    engine.write(0, buf[: lbl.LABEL_BYTES], placement).get()
     engine.sync()
     return page[40:56]

@@ -46,6 +46,7 @@ blocks in ``io_uring_enter`` *without* that lock (one thread at a time, the
 "reaper"; others wait on a condition it signals), so no lock is held while I/O
 is in progress and submitters never wait for another thread's I/O.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -62,18 +63,34 @@ from typing import Any, NamedTuple
 from ..closing import Closing
 from ..errors import InvariantError, TierStoreError
 
-try:   # the turn of a plain bench job in C (tierstore/io/_ringloop.c, built by setup.py; optional)
+try:  # the turn of a plain bench job in C (tierstore/io/_ringloop.c, built by setup.py; optional)
     from . import _ringloop
+
     _RINGLOOP_MISSING = ""
-except ImportError as _exc:   # built without a C compiler: the Python turn runs instead
+except ImportError as _exc:  # built without a C compiler: the Python turn runs instead
     _ringloop = None  # type: ignore[assignment]
     _RINGLOOP_MISSING = f"tierstore.io._ringloop is not built ({_exc})"
 
 __all__ = [
-    "IORING_OP_NOP", "IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_READ", "IORING_OP_WRITE",
-    "IORING_OP_URING_CMD", "IORING_SETUP_SQE128", "IORING_SETUP_CQE32", "URING_CMD_BYTES",
-    "IoUringError", "IoUringUnavailable", "Ring", "RingQueue", "uring_available",
-    "native_turn", "run_fixed_turns", "TurnResult", "SLOT_STATE_COLS", "TURN_LOG_COLS",
+    "IORING_OP_NOP",
+    "IORING_OP_READV",
+    "IORING_OP_WRITEV",
+    "IORING_OP_READ",
+    "IORING_OP_WRITE",
+    "IORING_OP_URING_CMD",
+    "IORING_SETUP_SQE128",
+    "IORING_SETUP_CQE32",
+    "URING_CMD_BYTES",
+    "IoUringError",
+    "IoUringUnavailable",
+    "Ring",
+    "RingQueue",
+    "uring_available",
+    "native_turn",
+    "run_fixed_turns",
+    "TurnResult",
+    "SLOT_STATE_COLS",
+    "TURN_LOG_COLS",
 ]
 
 # --- include/uapi/linux/io_uring.h: enum io_uring_op
@@ -84,12 +101,12 @@ IORING_OP_READ = 22
 IORING_OP_WRITE = 23
 IORING_OP_URING_CMD = 46
 # --- io_uring_setup() flags
-IORING_SETUP_SQE128 = 1 << 10   # SQEs are 128 bytes (Linux 5.19)
-IORING_SETUP_CQE32 = 1 << 11    # CQEs are 32 bytes (Linux 5.19)
+IORING_SETUP_SQE128 = 1 << 10  # SQEs are 128 bytes (Linux 5.19)
+IORING_SETUP_CQE32 = 1 << 11  # CQEs are 32 bytes (Linux 5.19)
 # --- io_uring_enter() flags
 IORING_ENTER_GETEVENTS = 1 << 0
 # --- io_uring_params.features
-IORING_FEAT_SINGLE_MMAP = 1 << 0   # SQ and CQ rings share one mmap (Linux 5.4)
+IORING_FEAT_SINGLE_MMAP = 1 << 0  # SQ and CQ rings share one mmap (Linux 5.4)
 # --- mmap offsets
 IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
@@ -136,17 +153,36 @@ class IoUringUnavailable(IoUringError):
 class _Params(ctypes.Structure):
     """``struct io_uring_params`` (120 bytes) with ``io_sqring_offsets`` / ``io_cqring_offsets``."""
 
-    _fields_ = [("sq_entries", ctypes.c_uint32), ("cq_entries", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("sq_thread_cpu", ctypes.c_uint32), ("sq_thread_idle", ctypes.c_uint32),
-                ("features", ctypes.c_uint32), ("wq_fd", ctypes.c_uint32), ("resv", ctypes.c_uint32 * 3),
-                # io_sqring_offsets
-                ("sq_head", ctypes.c_uint32), ("sq_tail", ctypes.c_uint32), ("sq_ring_mask", ctypes.c_uint32),
-                ("sq_ring_entries", ctypes.c_uint32), ("sq_flags", ctypes.c_uint32), ("sq_dropped", ctypes.c_uint32),
-                ("sq_array", ctypes.c_uint32), ("sq_resv1", ctypes.c_uint32), ("sq_resv2", ctypes.c_uint64),
-                # io_cqring_offsets
-                ("cq_head", ctypes.c_uint32), ("cq_tail", ctypes.c_uint32), ("cq_ring_mask", ctypes.c_uint32),
-                ("cq_ring_entries", ctypes.c_uint32), ("cq_overflow", ctypes.c_uint32), ("cq_cqes", ctypes.c_uint32),
-                ("cq_flags", ctypes.c_uint32), ("cq_resv1", ctypes.c_uint32), ("cq_resv2", ctypes.c_uint64)]
+    _fields_ = [
+        ("sq_entries", ctypes.c_uint32),
+        ("cq_entries", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("sq_thread_cpu", ctypes.c_uint32),
+        ("sq_thread_idle", ctypes.c_uint32),
+        ("features", ctypes.c_uint32),
+        ("wq_fd", ctypes.c_uint32),
+        ("resv", ctypes.c_uint32 * 3),
+        # io_sqring_offsets
+        ("sq_head", ctypes.c_uint32),
+        ("sq_tail", ctypes.c_uint32),
+        ("sq_ring_mask", ctypes.c_uint32),
+        ("sq_ring_entries", ctypes.c_uint32),
+        ("sq_flags", ctypes.c_uint32),
+        ("sq_dropped", ctypes.c_uint32),
+        ("sq_array", ctypes.c_uint32),
+        ("sq_resv1", ctypes.c_uint32),
+        ("sq_resv2", ctypes.c_uint64),
+        # io_cqring_offsets
+        ("cq_head", ctypes.c_uint32),
+        ("cq_tail", ctypes.c_uint32),
+        ("cq_ring_mask", ctypes.c_uint32),
+        ("cq_ring_entries", ctypes.c_uint32),
+        ("cq_overflow", ctypes.c_uint32),
+        ("cq_cqes", ctypes.c_uint32),
+        ("cq_flags", ctypes.c_uint32),
+        ("cq_resv1", ctypes.c_uint32),
+        ("cq_resv2", ctypes.c_uint64),
+    ]
 
 
 if ctypes.sizeof(_Params) != 120:
@@ -168,8 +204,10 @@ def _arch_supported() -> tuple[bool, str]:
     arch = platform.machine().lower()
     if arch in _SUPPORTED_ARCH:
         return True, ""
-    return False, (f"the ctypes io_uring runs on x86-64 only (its ring head/tail accesses rely on x86-64 "
-                   f"TSO ordering); this machine is {platform.machine()!r}")
+    return False, (
+        f"the ctypes io_uring runs on x86-64 only (its ring head/tail accesses rely on x86-64 "
+        f"TSO ordering); this machine is {platform.machine()!r}"
+    )
 
 
 def _sysctl_disabled() -> int | None:
@@ -241,7 +279,7 @@ class Ring(Closing):
 
     def __init__(self, entries: int, *, sqe128: bool = False, cqe32: bool = False) -> None:
         self.fd = -1
-        self._fixed_words = self._fixed_bytes = self._sq_index = None   # views set by fix_rw_slots
+        self._fixed_words = self._fixed_bytes = self._sq_index = None  # views set by fix_rw_slots
         self._n_fixed = 0
         ok, why = _arch_supported()
         if not ok:
@@ -253,8 +291,11 @@ class Ring(Closing):
         fd = _syscall()(_NR_SETUP, entries, ctypes.addressof(p), 0, 0, 0, 0)
         if fd < 0:
             e = ctypes.get_errno()
-            cls = IoUringUnavailable if e in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.EINVAL) \
+            cls = (
+                IoUringUnavailable
+                if e in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.EINVAL)
                 else IoUringError
+            )
             raise cls(e, _why_setup_failed(e, p.flags))
         self.fd = fd
         self.params = p
@@ -280,22 +321,28 @@ class Ring(Closing):
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         try:
             self._sq = mmap.mmap(self.fd, sq_size, flags, prot, offset=IORING_OFF_SQ_RING)
-            self._cq = self._sq if single else mmap.mmap(self.fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
-            self._sqes = mmap.mmap(self.fd, p.sq_entries * self.sqe_bytes, flags, prot, offset=IORING_OFF_SQES)
+            self._cq = (
+                self._sq if single else mmap.mmap(self.fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
+            )
+            self._sqes = mmap.mmap(
+                self.fd, p.sq_entries * self.sqe_bytes, flags, prot, offset=IORING_OFF_SQES
+            )
         except OSError as exc:
-            raise IoUringError(exc.errno or errno.ENOMEM, f"mmap of the io_uring rings failed: {exc}") from None
+            raise IoUringError(
+                exc.errno or errno.ENOMEM, f"mmap of the io_uring rings failed: {exc}"
+            ) from None
         u32 = ctypes.c_uint32
         # Live views of the kernel-shared head/tail words: .value is one 32-bit load or store.
-        self._khead = u32.from_buffer(self._sq, p.sq_head)       # kernel advances: SQEs consumed
-        self._ktail = u32.from_buffer(self._sq, p.sq_tail)       # we advance: SQEs published
-        self._kchead = u32.from_buffer(self._cq, p.cq_head)      # we advance: CQEs consumed
-        self._kctail = u32.from_buffer(self._cq, p.cq_tail)      # kernel advances: CQEs posted
+        self._khead = u32.from_buffer(self._sq, p.sq_head)  # kernel advances: SQEs consumed
+        self._ktail = u32.from_buffer(self._sq, p.sq_tail)  # we advance: SQEs published
+        self._kchead = u32.from_buffer(self._cq, p.cq_head)  # we advance: CQEs consumed
+        self._kctail = u32.from_buffer(self._cq, p.cq_tail)  # kernel advances: CQEs posted
         self._sq_mask = u32.from_buffer(self._sq, p.sq_ring_mask).value
         self._cq_mask = u32.from_buffer(self._cq, p.cq_ring_mask).value
         # The SQ index array maps ring slot i to SQE i once and for all (as liburing does).
         for i in range(p.sq_entries):
             struct.pack_into("<I", self._sq, p.sq_array + 4 * i, i)
-        self._tail = self._ktail.value   # SQEs prepared (published up to _ktail)
+        self._tail = self._ktail.value  # SQEs prepared (published up to _ktail)
         self._cqe_off = p.cq_cqes
 
     def _drop_maps(self) -> None:
@@ -309,7 +356,7 @@ class Ring(Closing):
         cancelled by the kernel (their buffers must stay valid until then)."""
         maps = {id(x): x for x in (self._sqes, self._cq, self._sq) if x is not None}.values()
         for view in (self._fixed_words, self._fixed_bytes, self._sq_index):  # buffer exports go first:
-            if view is not None:                                              # an mmap with them cannot close
+            if view is not None:  # an mmap with them cannot close
                 view.release()
         self._fixed_words = self._fixed_bytes = self._sq_index = None
         self._drop_maps()  # the head/tail views too
@@ -318,7 +365,6 @@ class Ring(Closing):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
 
     # ------------------------------------------------------------ SQ side
     def sq_space_left(self) -> int:
@@ -356,23 +402,34 @@ class Ring(Closing):
         if self.fd < 0:
             raise IoUringError(errno.EBADF, "ring is closed")
         if self._sq_index is not None:
-            raise IoUringError(errno.EINVAL, "the ring's SQEs are fixed to slots (fix_rw_slots): use prep_fixed")
+            raise IoUringError(
+                errno.EINVAL, "the ring's SQEs are fixed to slots (fix_rw_slots): use prep_fixed"
+            )
         tail = self._tail
         if ((tail - self._khead.value) & 0xFFFFFFFF) >= self.sq_entries:
             raise IoUringError(errno.EBUSY, "submission queue full: submit() first")
         self._tail = (tail + 1) & 0xFFFFFFFF
         off = (tail & self._sq_mask) * self.sqe_bytes
         if self.sqe_bytes == 128:
-            self._sqes[off + 64:off + 128] = _ZERO64
+            self._sqes[off + 64 : off + 128] = _ZERO64
         return off
 
-    def _prep_rw(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int,
-                 ext: int = 0) -> None:
-        _SQE.pack_into(self._sqes, self._slot(), opcode, 0, 0, fd, offset, addr, length, 0, user_data,
-                       0, 0, ext, 0, 0)
+    def _prep_rw(
+        self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int, ext: int = 0
+    ) -> None:
+        _SQE.pack_into(
+            self._sqes, self._slot(), opcode, 0, 0, fd, offset, addr, length, 0, user_data, 0, 0, ext, 0, 0
+        )
 
-    def prep_rw_batch(self, opcodes: int | Sequence[int], fd: int, addrs: Sequence[int], nbytes: int,
-                      offsets: Sequence[int], user_data: Sequence[int]) -> None:
+    def prep_rw_batch(
+        self,
+        opcodes: int | Sequence[int],
+        fd: int,
+        addrs: Sequence[int],
+        nbytes: int,
+        offsets: Sequence[int],
+        user_data: Sequence[int],
+    ) -> None:
         """Queue many read/write SQEs (``IORING_OP_READ``/``WRITE``/``READV``/``WRITEV``) in one call.
 
         Each is the SQE :meth:`prep_read`/:meth:`prep_write` (or the vectored calls) would queue;
@@ -408,11 +465,15 @@ class Ring(Closing):
             raise IoUringError(errno.EINVAL, "prep_rw_batch needs a ring of 64-byte SQEs not fixed to slots")
         n = len(offsets)
         if len(addrs) != n or len(user_data) != n or (not isinstance(opcodes, int) and len(opcodes) != n):
-            raise IoUringError(errno.EINVAL, "prep_rw_batch: opcodes, addrs, offsets and user_data differ in length")
+            raise IoUringError(
+                errno.EINVAL, "prep_rw_batch: opcodes, addrs, offsets and user_data differ in length"
+            )
         tail = self._tail
         if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(errno.EBUSY, f"submission queue has {self.sq_space_left()} free slots, not {n}: "
-                                            "submit() first")
+            raise IoUringError(
+                errno.EBUSY,
+                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
+            )
         sqes, mask, pack = self._sqes, self._sq_mask, _SQE.pack_into
         if isinstance(opcodes, int):
             for addr, offset, ud in zip(addrs, offsets, user_data):
@@ -456,19 +517,22 @@ class Ring(Closing):
         if self.fd < 0:
             raise IoUringError(errno.EBADF, "ring is closed")
         if self.sqe_bytes != 64 or self._sq_index is not None or self.sq_pending():
-            raise IoUringError(errno.EINVAL, "fix_rw_slots needs a ring of 64-byte SQEs, not fixed yet, with "
-                                             "no SQE queued")
+            raise IoUringError(
+                errno.EINVAL, "fix_rw_slots needs a ring of 64-byte SQEs, not fixed yet, with no SQE queued"
+            )
         if not 0 < len(addrs) <= self.sq_entries:
             raise IoUringError(errno.EINVAL, f"{len(addrs)} slots for a ring of {self.sq_entries} SQEs")
         for i, addr in enumerate(addrs):
             _SQE.pack_into(self._sqes, i << 6, opcode, 0, 0, fd, 0, addr, nbytes, 0, i, 0, 0, 0, 0, 0)
         p = self.params
         self._n_fixed = len(addrs)
-        self._fixed_words = memoryview(self._sqes).cast("Q")     # u64 word 1 of SQE i: off
-        self._fixed_bytes = memoryview(self._sqes)               # byte 0 of SQE i: opcode
-        self._sq_index = memoryview(self._sq)[p.sq_array:p.sq_array + 4 * p.sq_entries].cast("I")
+        self._fixed_words = memoryview(self._sqes).cast("Q")  # u64 word 1 of SQE i: off
+        self._fixed_bytes = memoryview(self._sqes)  # byte 0 of SQE i: opcode
+        self._sq_index = memoryview(self._sq)[p.sq_array : p.sq_array + 4 * p.sq_entries].cast("I")
 
-    def prep_fixed(self, slots: Sequence[int], offsets: Sequence[int], opcodes: Sequence[int] | None = None) -> None:
+    def prep_fixed(
+        self, slots: Sequence[int], offsets: Sequence[int], opcodes: Sequence[int] | None = None
+    ) -> None:
         """Queue the SQEs of ``slots`` (fixed by :meth:`fix_rw_slots`) at file ``offsets``.
 
         Parameters
@@ -496,8 +560,10 @@ class Ring(Closing):
             raise IoUringError(errno.EINVAL, f"prep_fixed: slots must be 0..{self._n_fixed - 1}")
         tail = self._tail
         if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(errno.EBUSY, f"submission queue has {self.sq_space_left()} free slots, not {n}: "
-                                            "submit() first")
+            raise IoUringError(
+                errno.EBUSY,
+                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
+            )
         words, mask = self._fixed_words, self._sq_mask
         assert words is not None  # set with index by fix_rw_slots
         for slot, offset in zip(slots, offsets):
@@ -531,8 +597,9 @@ class Ring(Closing):
         """Queue ``IORING_OP_READ`` (Linux >= 5.6): pread(2) into ``nbytes`` at address ``addr``."""
         self._prep_rw(IORING_OP_READ, fd, addr, nbytes, offset, user_data)
 
-    def prep_write(self, fd: int, addr: int, nbytes: int, offset: int, user_data: int,
-                   write_stream: int = 0) -> None:
+    def prep_write(
+        self, fd: int, addr: int, nbytes: int, offset: int, user_data: int, write_stream: int = 0
+    ) -> None:
         """Queue ``IORING_OP_WRITE`` (Linux >= 5.6): pwrite(2) of ``nbytes`` at address ``addr``.
 
         ``write_stream`` (1..255; 0 = none) selects a block-layer write stream
@@ -557,20 +624,23 @@ class Ring(Closing):
             EINVAL on a ring without SQE128, or a ``cmd`` longer than 80 bytes.
         """
         if self.sqe_bytes != 128:
-            raise IoUringError(errno.EINVAL, "IORING_OP_URING_CMD with an 80-byte command needs an SQE128 ring")
+            raise IoUringError(
+                errno.EINVAL, "IORING_OP_URING_CMD with an 80-byte command needs an SQE128 ring"
+            )
         if len(cmd) > URING_CMD_BYTES:
             raise IoUringError(errno.EINVAL, f"command of {len(cmd)} bytes > {URING_CMD_BYTES}")
         off = self._slot()
-        _SQE_HEAD48.pack_into(self._sqes, off, IORING_OP_URING_CMD, 0, 0, fd, cmd_op & 0xFFFFFFFF, 0, 0, 0,
-                              user_data, 0, 0, 0)
-        self._sqes[off + 48:off + 48 + len(cmd)] = cmd
+        _SQE_HEAD48.pack_into(
+            self._sqes, off, IORING_OP_URING_CMD, 0, 0, fd, cmd_op & 0xFFFFFFFF, 0, 0, 0, user_data, 0, 0, 0
+        )
+        self._sqes[off + 48 : off + 48 + len(cmd)] = cmd
         if len(cmd) < URING_CMD_BYTES:
-            self._sqes[off + 48 + len(cmd):off + 128] = bytes(URING_CMD_BYTES - len(cmd))
+            self._sqes[off + 48 + len(cmd) : off + 128] = bytes(URING_CMD_BYTES - len(cmd))
 
     def sqe_bytes_at(self, index_from_tail: int = -1) -> bytes:
         """The bytes of a prepared SQE (``-1``: the last one), for tests."""
         off = self._sqe_index((self._tail + index_from_tail) & 0xFFFFFFFF) * self.sqe_bytes
-        return bytes(self._sqes[off:off + self.sqe_bytes])
+        return bytes(self._sqes[off : off + self.sqe_bytes])
 
     def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
         while True:
@@ -596,7 +666,7 @@ class Ring(Closing):
             kernel is short of resources or the CQ is overfull: reap, then retry.
         """
         tail = self._tail
-        self._ktail.value = tail      # release: the SQE bytes are stored before this (x86-64 TSO)
+        self._ktail.value = tail  # release: the SQE bytes are stored before this (x86-64 TSO)
         n = (tail - self._khead.value) & 0xFFFFFFFF
         if n == 0 and wait_nr == 0:
             return 0
@@ -618,7 +688,7 @@ class Ring(Closing):
         ``big_cqe`` is the 16 extra bytes of a CQE32 (NVMe result dwords), else ``b""``.
         """
         head = self._kchead.value
-        tail = self._kctail.value     # acquire: CQEs are loaded after this (x86-64 TSO)
+        tail = self._kctail.value  # acquire: CQEs are loaded after this (x86-64 TSO)
         if head == tail:
             return []
         out = []
@@ -627,30 +697,30 @@ class Ring(Closing):
         while head != tail:
             off = base + (head & mask) * cb
             ud, res, _flags = _CQE.unpack_from(cq, off)
-            out.append((ud, res, bytes(cq[off + 16:off + 32]) if big else b""))
+            out.append((ud, res, bytes(cq[off + 16 : off + 32]) if big else b""))
             head = (head + 1) & 0xFFFFFFFF
-        self._kchead.value = head     # release: CQE slots may be reused by the kernel now
+        self._kchead.value = head  # release: CQE slots may be reused by the kernel now
         return out
 
     def reap_results(self) -> list[tuple[int, int, int]]:
         """:meth:`reap` without the CQE32 bytes: ``(user_data, res, flags)`` of every posted completion,
         in CQ order (the 16-byte CQE's fields)."""
         head = self._kchead.value
-        tail = self._kctail.value     # acquire: CQEs are loaded after this (x86-64 TSO)
+        tail = self._kctail.value  # acquire: CQEs are loaded after this (x86-64 TSO)
         if head == tail:
             return []
         cq, mask, cb, base = self._cq, self._cq_mask, self.cqe_bytes, self._cqe_off
         n = (tail - head) & 0xFFFFFFFF
         first = head & mask
-        if cb == 16 and first + n <= mask + 1:   # contiguous in the ring: unpacked in one call
-            out = list(_CQE.iter_unpack(cq[base + first * 16:base + (first + n) * 16]))
+        if cb == 16 and first + n <= mask + 1:  # contiguous in the ring: unpacked in one call
+            out = list(_CQE.iter_unpack(cq[base + first * 16 : base + (first + n) * 16]))
         else:
             unpack = _CQE.unpack_from
             out = []
             while head != tail:
                 out.append(unpack(cq, base + (head & mask) * cb))
                 head = (head + 1) & 0xFFFFFFFF
-        self._kchead.value = tail     # release: CQE slots may be reused by the kernel now
+        self._kchead.value = tail  # release: CQE slots may be reused by the kernel now
         return out
 
     def submit_and_wait(self, wait_nr: int = 1) -> list[tuple[int, int, bytes]]:
@@ -736,7 +806,9 @@ class RingQueue:
         return self.max_inflight - len(self._free)
 
     # ------------------------------------------------------------- submit
-    def submit_rw(self, write: bool, fd: int, pieces: Sequence[tuple[int, int, int]], on_done: OnDone) -> None:
+    def submit_rw(
+        self, write: bool, fd: int, pieces: Sequence[tuple[int, int, int]], on_done: OnDone
+    ) -> None:
         """Queue one ``IORING_OP_READV``/``WRITEV`` per ``(addr, nbytes, offset)`` piece.
 
         ``on_done(res, nbytes, b"")`` follows for each piece. The memory at
@@ -795,7 +867,7 @@ class RingQueue:
     def poll(self) -> int:
         """Reap whatever has completed, without blocking; returns how many."""
         with self._cond:
-            if self._reaping:    # another thread is reaping for everyone
+            if self._reaping:  # another thread is reaping for everyone
                 return 0
             return self._dispatch_locked()
 
@@ -832,7 +904,7 @@ class RingQueue:
         while ring.sq_pending():
             try:
                 if ring.submit():
-                    continue    # some taken; a bad SQE stops the kernel early (with an error CQE): go on
+                    continue  # some taken; a bad SQE stops the kernel early (with an error CQE): go on
                 err = errno.EIO
             except IoUringError as exc:
                 err = exc.errno or errno.EIO
@@ -885,7 +957,7 @@ class RingQueue:
         self._reaping = True
         self._cond.release()
         try:
-            self.ring.wait(1)        # no lock held while the I/O is in progress
+            self.ring.wait(1)  # no lock held while the I/O is in progress
         finally:
             self._cond.acquire()
             self._reaping = False
@@ -953,11 +1025,58 @@ class TurnResult(NamedTuple):
 def native_turn() -> tuple[bool, str]:
     """Whether :func:`run_fixed_turns` can run: ``(True, "")``, or ``(False, why)`` when the C module
     ``tierstore.io._ringloop`` was not built (no C compiler when the package was installed)."""
-    return (True, "") if _ringloop is not None else (False, _RINGLOOP_MISSING or "tierstore.io._ringloop is absent")
+    return (
+        (True, "")
+        if _ringloop is not None
+        else (False, _RINGLOOP_MISSING or "tierstore.io._ringloop is absent")
+    )
 
 
-def run_fixed_turns(ring: Ring, state: Any, offsets: Any, opcodes: Any, tags: Any, log: Any, *,
-                    deadline_ns: int, return_ns: int, wait_nr: int, drain: bool) -> TurnResult:
+def _fixed_turn_layout(ring: Ring, depth: int) -> tuple[int, int, int, int, int, int, int, int, int]:
+    """What ``_ringloop.run`` needs of ``ring``'s mmaps: the byte offsets of the SQ/CQ heads, tails,
+    index array and CQEs, the two masks (their values) and ``sq_entries``; raises as
+    :func:`run_fixed_turns` does for a ring it cannot drive."""
+    if _ringloop is None:
+        raise IoUringUnavailable(errno.ENOSYS, native_turn()[1])
+    if (
+        ring.fd < 0
+        or ring._sq_index is None
+        or ring.sqe_bytes != 64
+        or ring.cqe_bytes != 16
+        or ring._n_fixed != depth
+    ):
+        raise IoUringError(
+            errno.EINVAL, "run_fixed_turns needs an open SQE64/CQE16 ring fixed to len(state) slots"
+        )
+    if ring.sq_pending():
+        raise IoUringError(errno.EINVAL, "run_fixed_turns: SQEs queued from Python; submit them first")
+    p = ring.params
+    return (
+        p.sq_head,
+        p.sq_tail,
+        ring._sq_mask,
+        p.sq_array,
+        p.cq_head,
+        p.cq_tail,
+        ring._cq_mask,
+        p.cq_cqes,
+        p.sq_entries,
+    )
+
+
+def run_fixed_turns(
+    ring: Ring,
+    state: Any,
+    offsets: Any,
+    opcodes: Any,
+    tags: Any,
+    log: Any,
+    *,
+    deadline_ns: int,
+    return_ns: int,
+    wait_nr: int,
+    drain: bool,
+) -> TurnResult:
     """Drive a ring fixed to slots (:meth:`Ring.fix_rw_slots`) in C, without the GIL, turn after turn.
 
     Each turn queues an I/O in every free slot (in the order of ``offsets``), makes one
@@ -1004,20 +1123,12 @@ def run_fixed_turns(ring: Ring, state: Any, offsets: Any, opcodes: Any, tags: An
     ValueError, TypeError
         Arrays of the wrong sizes, or not writable where written.
     """
-    if _ringloop is None:
-        raise IoUringUnavailable(errno.ENOSYS, native_turn()[1])
-    if ring.fd < 0 or ring._sq_index is None or ring.sqe_bytes != 64 or ring.cqe_bytes != 16 \
-            or ring._n_fixed != len(state):
-        raise IoUringError(errno.EINVAL, "run_fixed_turns needs an open SQE64/CQE16 ring fixed to len(state) slots")
-    if ring.sq_pending():
-        raise IoUringError(errno.EINVAL, "run_fixed_turns: SQEs queued from Python; submit them first")
-    p = ring.params
-    # byte offsets into the mmaps, except the two masks (their values) and sq_entries
-    layout = (p.sq_head, p.sq_tail, ring._sq_mask, p.sq_array, p.cq_head, p.cq_tail, ring._cq_mask, p.cq_cqes,
-              p.sq_entries)
+    layout = _fixed_turn_layout(ring, len(state))
     try:
-        got = TurnResult(*_ringloop.run(ring._sq, ring._cq, ring._sqes, ring.fd, layout, state, offsets, opcodes,
-                                        tags, log, deadline_ns, return_ns, wait_nr, drain))
+        mmaps = (ring._sq, ring._cq, ring._sqes, ring.fd, layout)
+        got = TurnResult(
+            *_ringloop.run(*mmaps, state, offsets, opcodes, tags, log, deadline_ns, return_ns, wait_nr, drain)
+        )
     finally:
-        ring._tail = ring._ktail.value   # C advanced the SQ tail
+        ring._tail = ring._ktail.value  # C advanced the SQ tail
     return got

@@ -24,6 +24,7 @@ releases it around fallocate (an I/O) and takes it again. Callers of
 :meth:`plan_extents` also hold the owner's write lock (only writers take free
 segments).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,9 +92,19 @@ class SegmentManager:
         The owner's counters (``preallocate_errors`` is counted here).
     """
 
-    def __init__(self, n_segments: int, segment_bytes: int, block_bytes: int, blocks_per_extent: int,
-                 reserve: int, start0: int, policy: SegmentPolicy, lock: threading.Lock,
-                 preallocate: Callable[[int, int], object], counters: dict) -> None:
+    def __init__(
+        self,
+        n_segments: int,
+        segment_bytes: int,
+        block_bytes: int,
+        blocks_per_extent: int,
+        reserve: int,
+        start0: int,
+        policy: SegmentPolicy,
+        lock: threading.Lock,
+        preallocate: Callable[[int, int], object],
+        counters: dict,
+    ) -> None:
         n = self.n_segments = int(n_segments)
         self.segment_bytes = int(segment_bytes)
         self.block_bytes = int(block_bytes)
@@ -113,8 +124,8 @@ class SegmentManager:
         self.live = np.zeros(n, dtype=np.int64)
         self.placement = np.full(n, NO_PLACEMENT, dtype=np.int64)
         self.readers = np.zeros(n, dtype=np.int64)
-        self.sealed_at = np.zeros(n, dtype=np.int64)   # seq when sealed: FIFO order
-        self.touched = np.zeros(n, dtype=np.int64)     # last write or hit (a tick): LRU order
+        self.sealed_at = np.zeros(n, dtype=np.int64)  # seq when sealed: FIFO order
+        self.touched = np.zeros(n, dtype=np.int64)  # last write or hit (a tick): LRU order
         self.ticks = 0
         self.members: list[array] = [array("i") for _ in range(n)]
         self.open: dict[int | None, int] = {}
@@ -157,8 +168,19 @@ class SegmentManager:
     @property
     def nbytes(self) -> int:
         members = sum(m.itemsize * len(m) for m in self.members)
-        return members + sum(a.nbytes for a in (self.state, self.gen, self.wp, self.written, self.live,
-                                                self.placement, self.readers, self.sealed_at))
+        return members + sum(
+            a.nbytes
+            for a in (
+                self.state,
+                self.gen,
+                self.wp,
+                self.written,
+                self.live,
+                self.placement,
+                self.readers,
+                self.sealed_at,
+            )
+        )
 
     # ------------------------------------------------------------ allocation
     def fit(self, remaining: int, want: int) -> int:
@@ -203,8 +225,13 @@ class SegmentManager:
             self.state[si] = SegmentState.FREE
             self._st["preallocate_errors"] += 1
             if self._warned_no_space == 0:
-                _log.warning("segment %d: cannot allocate %d bytes (%s); treating as no space "
-                             "(logged once; see the preallocate_errors counter)", si, self.segment_bytes, err)
+                _log.warning(
+                    "segment %d: cannot allocate %d bytes (%s); treating as no space "
+                    "(logged once; see the preallocate_errors counter)",
+                    si,
+                    self.segment_bytes,
+                    err,
+                )
             self._warned_no_space += 1
             return None
         self.state[si] = SegmentState.OPEN
@@ -301,8 +328,11 @@ class SegmentManager:
     def live_rows(self, si: int, locator) -> np.ndarray:
         """Rows whose current copy lies in segment ``si``
         (``locator``: a :class:`~tierstore.io.locator.BlockLocator`)."""
-        rows = np.frombuffer(self.members[si], dtype=np.int32).astype(np.int64) if self.members[si] \
+        rows = (
+            np.frombuffer(self.members[si], dtype=np.int32).astype(np.int64)
+            if self.members[si]
             else np.empty(0, dtype=np.int64)
+        )
         if not rows.size:
             return rows
         base = si * self.segment_bytes

@@ -15,6 +15,7 @@ FIFO variant, issue 26) is one more class registered here; the
 order of a store with no listener (a plain store that must not lose an
 acknowledged block): only segments with dead blocks, fewest live first.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
@@ -23,8 +24,15 @@ import numpy as np
 
 from ..registry import Registry
 
-__all__ = ["SegmentStats", "SegmentPolicy", "LruSegments", "FifoSegments", "MinLiveSegments",
-           "GreedyCompaction", "SEGMENT_POLICY"]
+__all__ = [
+    "SegmentStats",
+    "SegmentPolicy",
+    "LruSegments",
+    "FifoSegments",
+    "MinLiveSegments",
+    "GreedyCompaction",
+    "SEGMENT_POLICY",
+]
 
 
 class SegmentStats(NamedTuple):

@@ -16,6 +16,7 @@ whose CRC does not match is ``IO_ERROR`` and reported in ``bad``. With a
 ``gate`` (a caller's deadline), a scatter the gate refuses leaves those blocks
 ``MISS`` and their destinations untouched.
 """
+
 from __future__ import annotations
 
 import threading
@@ -59,9 +60,17 @@ class SegmentReader:
         The store's counters (``corrupt_blocks`` is counted here).
     """
 
-    def __init__(self, engine: IOEngine, pipe: ExtentPipeline, locator: BlockLocator,
-                 segments: SegmentManager, read_lock: threading.Lock, extent_bytes: int, keep_data: bool,
-                 counters: dict) -> None:
+    def __init__(
+        self,
+        engine: IOEngine,
+        pipe: ExtentPipeline,
+        locator: BlockLocator,
+        segments: SegmentManager,
+        read_lock: threading.Lock,
+        extent_bytes: int,
+        keep_data: bool,
+        counters: dict,
+    ) -> None:
         self.engine = engine
         self._pipe = pipe
         self._loc = locator
@@ -85,8 +94,14 @@ class SegmentReader:
         for off, _, _ in found:
             self._segs.readers[off // self._segs.segment_bytes] -= 1
 
-    def read(self, keys: list[bytes], found: list[Found], dests: list[FragmentPlan], status: list[Status],
-             gate: Callable[[list[int]], Any] | None) -> list[tuple[bytes, int]]:
+    def read(
+        self,
+        keys: list[bytes],
+        found: list[Found],
+        dests: list[FragmentPlan],
+        status: list[Status],
+        gate: Callable[[list[int]], Any] | None,
+    ) -> list[tuple[bytes, int]]:
         """Read the ``found`` blocks into ``dests`` (by index), setting ``status[i]`` to ``OK`` or
         ``IO_ERROR``; returns ``(key, offset)`` of each block whose read or CRC failed."""
         bad: list[tuple[bytes, int]] = []
@@ -123,13 +138,15 @@ class SegmentReader:
             mv = memoryview(view.numpy())
             bb = self.block_bytes
             oks = self._pipe.map(
-                lambda m: fmt.payload_crc(keys[m[1]], mv[m[0] - start:m[0] - start + bb]) == m[2], members)
+                lambda m: fmt.payload_crc(keys[m[1]], mv[m[0] - start : m[0] - start + bb]) == m[2], members
+            )
             good = [m for m, ok in zip(members, oks) if ok]
             for (off, i, _), ok in zip(members, oks):
                 if not ok:
                     bad.append((keys[i], off))
                     status[i] = Status.IO_ERROR
             self._scatter(view, [(off - start, i) for off, i, _ in good], dests, status, gate)
+
         self._pipe.read_extents([(start, length) for start, length, _ in runs], consume)
 
     def _scatter(self, view, items, dests, status, gate) -> None:
@@ -171,12 +188,12 @@ class SegmentReader:
     def _read_one(self, key, off, crc, dest: FragmentPlan, status, i, bad, gate) -> None:
         keep, buf = alloc_aligned(self._slot_bytes)
         try:
-            self.engine.read(off, buf[:self._slot_bytes]).get()
+            self.engine.read(off, buf[: self._slot_bytes]).get()
         except OSError:
             bad.append((key, off))
             status[i] = Status.IO_ERROR
             return
-        if fmt.payload_crc(key, memoryview(keep)[:self.block_bytes]) != crc:
+        if fmt.payload_crc(key, memoryview(keep)[: self.block_bytes]) != crc:
             bad.append((key, off))
             status[i] = Status.IO_ERROR
             return

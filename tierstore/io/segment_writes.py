@@ -13,6 +13,7 @@ A failed extent breaks its segment's chain: later extents of that segment in the
 acknowledged either, and the write pointer is rolled back (recovery stops at a hole). ENOSPC,
 EFBIG and EDQUOT are ``NO_SPACE``, other errors ``IO_ERROR``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -49,11 +50,12 @@ def _consecutive_rows(plans: Sequence[FragmentPlan]) -> torch.Tensor | None:
         r = getattr(p, "row_of", None)
         if r is None or r[0] is not rows or r[1] != i0 + j:
             return None
-    return rows[i0:i0 + len(plans)]
+    return rows[i0 : i0 + len(plans)]
 
 
-def _extent_filler(p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data: bool,
-                   pipe: ExtentPipeline) -> Callable[[torch.Tensor], int]:
+def _extent_filler(
+    p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data: bool, pipe: ExtentPipeline
+) -> Callable[[torch.Tensor], int]:
     """``fill(buf)``: lay out the extent of ``p`` in the staging buffer (header, payloads,
     padding) and record its entries in ``p.entries``; returns the bytes used."""
     slot = fmt.block_slot_bytes(block_bytes)
@@ -84,11 +86,13 @@ def _extent_filler(p: ExtentPlan, keys, frags, nss, block_bytes: int, keep_data:
 
         def one(job) -> fmt.BlockEntry:
             i, pos = job
-            return fmt.BlockEntry(keys[i], nss[i], pos, bb, fmt.payload_crc(keys[i], mv[pos:pos + bb]))
+            return fmt.BlockEntry(keys[i], nss[i], pos, bb, fmt.payload_crc(keys[i], mv[pos : pos + bb]))
+
         entries = pipe.map(one, jobs)
         fmt.encode_header(mv, p.seq, p.gen, p.ext_off, end - hb, p.placement, entries)
         p.entries = entries
         return end
+
     return fill
 
 
@@ -122,9 +126,17 @@ class SegmentWriter:
         set by the store once its journal is open.
     """
 
-    def __init__(self, engine: IOEngine, pipe: ExtentPipeline, locator: BlockLocator,
-                 segments: SegmentManager, readers_done: threading.Condition, block_bytes: int,
-                 keep_data: bool, counters: dict):
+    def __init__(
+        self,
+        engine: IOEngine,
+        pipe: ExtentPipeline,
+        locator: BlockLocator,
+        segments: SegmentManager,
+        readers_done: threading.Condition,
+        block_bytes: int,
+        keep_data: bool,
+        counters: dict,
+    ):
         self.engine = engine
         self._pipe = pipe
         self._loc = locator
@@ -147,8 +159,9 @@ class SegmentWriter:
             return
         try:
             bb, keep, pipe = self.block_bytes, self.keep_data, self._pipe
-            results = pipe.write_extents((p.ext_off, _extent_filler(p, keys, frags, nss, bb, keep, pipe),
-                                          p.placement) for p in plans)
+            results = pipe.write_extents(
+                (p.ext_off, _extent_filler(p, keys, frags, nss, bb, keep, pipe), p.placement) for p in plans
+            )
         except BaseException:
             # Nothing of this call is acknowledged: give the planned space back so
             # that no hole is left in a segment's chain (recovery stops at one).
@@ -157,8 +170,9 @@ class SegmentWriter:
             raise
         self._settle(plans, results, status, gc, to_reclaim)
 
-    def _settle(self, plans: list[ExtentPlan], results: list, status, gc: bool,
-                to_reclaim: list[int]) -> None:
+    def _settle(
+        self, plans: list[ExtentPlan], results: list, status, gc: bool, to_reclaim: list[int]
+    ) -> None:
         """Acknowledge the written extents (fdatasync first), fail the others with ``NO_SPACE`` or
         ``IO_ERROR``, roll write pointers back past a failure, and reclaim emptied segments."""
         # A failed extent breaks its segment's chain: later extents of the same
@@ -175,15 +189,24 @@ class SegmentWriter:
                 sync_err = exc
         errs = [r for r in results if isinstance(r, BaseException)] + ([sync_err] if sync_err else [])
         if errs:  # outside the lock: the cause of the IO_ERROR / NO_SPACE statuses, once per call
-            _log.warning("segment store: %d of %d extents not acknowledged: %r", len(first_fail) or len(plans),
-                         len(plans), errs[0])
+            _log.warning(
+                "segment store: %d of %d extents not acknowledged: %r",
+                len(first_fail) or len(plans),
+                len(plans),
+                errs[0],
+            )
         with self._lock:
             for p, r in zip(plans, results):
-                failed = isinstance(r, BaseException) or (p.seg in first_fail and p.ext_off >= first_fail[p.seg])
+                failed = isinstance(r, BaseException) or (
+                    p.seg in first_fail and p.ext_off >= first_fail[p.seg]
+                )
                 if failed or sync_err is not None:
                     err = r if isinstance(r, BaseException) else sync_err
-                    st = (Status.NO_SPACE if isinstance(err, OSError) and err.errno in _NOSPACE_ERRNOS
-                          else Status.IO_ERROR)
+                    st = (
+                        Status.NO_SPACE
+                        if isinstance(err, OSError) and err.errno in _NOSPACE_ERRNOS
+                        else Status.IO_ERROR
+                    )
                     for i in p.idx:
                         status[i] = st
                     self._st["put_no_space" if st is Status.NO_SPACE else "put_io_error"] += len(p.idx)

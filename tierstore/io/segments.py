@@ -28,6 +28,7 @@ the write pointer rolled back); EIO, a short read or a CRC mismatch -> ``IO_ERRO
 which is dropped (later gets ``MISS``); a failed block's destination is never written. On-disk
 format and durability: :mod:`tierstore.io.format`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,15 @@ from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
 from .segment_writes import SegmentWriter
 
-__all__ = ["SegmentStorage", "SegmentState", "choose_segment_size", "DEFAULT_SEGMENT_BYTES", "MIN_SEGMENTS",
-           "TARGET_SEGMENTS", "REGION_POLICIES"]
+__all__ = [
+    "SegmentStorage",
+    "SegmentState",
+    "choose_segment_size",
+    "DEFAULT_SEGMENT_BYTES",
+    "MIN_SEGMENTS",
+    "TARGET_SEGMENTS",
+    "REGION_POLICIES",
+]
 
 #: Default segment (reclaim unit) size: 256 MiB, a typical FDP reclaim-unit /
 #: Navy region-size multiple; configure to the device's RU size.
@@ -73,11 +81,30 @@ MIN_SEGMENTS = 8
 #: about 1/64 of the tier at a time).
 TARGET_SEGMENTS = 64
 #: The store's counters (:meth:`SegmentStorage.stats`), all 0 at open.
-_COUNTERS = ("user_bytes_written", "gc_bytes_written", "bytes_loaded", "extents_written", "put_blocks_ok",
-             "put_no_space", "put_io_error", "get_hits", "get_misses", "get_io_errors", "corrupt_blocks",
-             "segments_reclaimed", "gc_runs", "regions_evicted", "region_evicted_blocks", "region_kept_blocks",
-             "recovered_blocks", "recovery_dropped_blocks", "preallocate_errors", "trim_errors",
-             "invalidated_blocks", "recovery_invalidated_blocks")
+_COUNTERS = (
+    "user_bytes_written",
+    "gc_bytes_written",
+    "bytes_loaded",
+    "extents_written",
+    "put_blocks_ok",
+    "put_no_space",
+    "put_io_error",
+    "get_hits",
+    "get_misses",
+    "get_io_errors",
+    "corrupt_blocks",
+    "segments_reclaimed",
+    "gc_runs",
+    "regions_evicted",
+    "region_evicted_blocks",
+    "region_kept_blocks",
+    "recovered_blocks",
+    "recovery_dropped_blocks",
+    "preallocate_errors",
+    "trim_errors",
+    "invalidated_blocks",
+    "recovery_invalidated_blocks",
+)
 #: The accepted ``region_policy`` names (:data:`SEGMENT_POLICY`), for old imports.
 REGION_POLICIES = tuple(SEGMENT_POLICY.names())
 _log = logging.getLogger(__name__)
@@ -87,8 +114,12 @@ _log = logging.getLogger(__name__)
 RESERVE_SEGMENTS = 1
 
 
-def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: int | None = None,
-                        min_segments: int = MIN_SEGMENTS) -> int:
+def choose_segment_size(
+    capacity_bytes: int,
+    block_bytes: int,
+    preferred_bytes: int | None = None,
+    min_segments: int = MIN_SEGMENTS,
+) -> int:
     """Segment (reclaim unit) size for a tier of ``capacity_bytes``.
 
     ``preferred_bytes`` (a device's RU size) if the tier holds at least
@@ -108,10 +139,12 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
         if capacity_bytes // preferred_bytes >= min_segments:
             return int(preferred_bytes)
     if capacity_bytes // min_segments < one:
-        raise ConfigError(f"NVMe tier of {capacity_bytes} bytes is too small for region eviction: it needs "
-                          f"at least {min_segments} segments of one {block_bytes}-byte block ({one} bytes "
-                          f"with its header and the tier's label), i.e. nvme capacity >= {min_segments * one} "
-                          "bytes")
+        raise ConfigError(
+            f"NVMe tier of {capacity_bytes} bytes is too small for region eviction: it needs "
+            f"at least {min_segments} segments of one {block_bytes}-byte block ({one} bytes "
+            f"with its header and the tier's label), i.e. nvme capacity >= {min_segments * one} "
+            "bytes"
+        )
     seg = min(DEFAULT_SEGMENT_BYTES, max(one, capacity_bytes // TARGET_SEGMENTS))
     unit = 1 << 20 if seg >= 1 << 20 and one <= (seg >> 20 << 20) else fmt.ALIGN_BYTES
     seg = max(one, seg // unit * unit)
@@ -120,8 +153,15 @@ def choose_segment_size(capacity_bytes: int, block_bytes: int, preferred_bytes: 
     return seg
 
 
-def _check_sizes(cap: int, block_bytes: int, segment_size_bytes, extent_size_bytes, reserve_segments: int,
-                 region_policy: str, labelled: bool) -> tuple[int, int]:
+def _check_sizes(
+    cap: int,
+    block_bytes: int,
+    segment_size_bytes,
+    extent_size_bytes,
+    reserve_segments: int,
+    region_policy: str,
+    labelled: bool,
+) -> tuple[int, int]:
     """``(segment bytes, extent bytes)`` parsed; a ``ConfigError`` for any inconsistency."""
     seg_b = parse_size(segment_size_bytes, "segment_size_bytes")
     ext_b = parse_size(extent_size_bytes, "extent_size_bytes")
@@ -137,17 +177,21 @@ def _check_sizes(cap: int, block_bytes: int, segment_size_bytes, extent_size_byt
     SEGMENT_POLICY.canonical(region_policy)
     n_seg = cap // seg_b
     if n_seg < reserve_segments + 1:
-        raise ConfigError(f"capacity_bytes={cap}: holds {n_seg} segments of {seg_b}; need at "
-                          f"least reserve_segments + 1 = {reserve_segments + 1}")
+        raise ConfigError(
+            f"capacity_bytes={cap}: holds {n_seg} segments of {seg_b}; need at "
+            f"least reserve_segments + 1 = {reserve_segments + 1}"
+        )
     start0 = lbl.LABEL_BYTES if labelled else 0  # where segment 0's chain starts
     if seg_b < start0 + one:
-        raise ConfigError(f"segment_size_bytes={seg_b}: must hold the label and one block extent "
-                          f"({start0 + one} bytes)")
+        raise ConfigError(
+            f"segment_size_bytes={seg_b}: must hold the label and one block extent ({start0 + one} bytes)"
+        )
     return seg_b, ext_b
 
 
-def _put_args(keys, fragments_per_block, placements, ns_digests,
-              block_bytes: int) -> tuple[list, list, list, list]:
+def _put_args(
+    keys, fragments_per_block, placements, ns_digests, block_bytes: int
+) -> tuple[list, list, list, list]:
     """A put's arguments checked and normalised: ``(keys, fragment plans, placements, ns digests)``.
 
     Raises
@@ -215,8 +259,16 @@ def _invalidation_log(path: str | None, log: str | None | bool) -> InvalidationL
     return InvalidationLog(log) if log else None
 
 
-def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int, owns_engine: bool | None,
-                format: bool, iodepth: int, max_io_bytes: int | str) -> tuple[IOEngine, bool]:
+def _engine_for(
+    engine: str | IOEngine,
+    path: str | None,
+    n_seg: int,
+    seg_b: int,
+    owns_engine: bool | None,
+    format: bool,
+    iodepth: int,
+    max_io_bytes: int | str,
+) -> tuple[IOEngine, bool]:
     """``(engine, whether the store closes it)``: ``engine`` itself when it is one, else one opened
     on ``path`` large enough for the tier and for the segments a shrink drops (after the label check)."""
     if isinstance(engine, IOEngine):
@@ -231,8 +283,9 @@ def _engine_for(engine: str | IOEngine, path: str | None, n_seg: int, seg_b: int
     return open_engine(engine, path, size, iodepth=iodepth, max_io_bytes=max_io_bytes), True
 
 
-def _open_journal(path: str | None, journal_path: str | None, block: bool,
-                  owner_id: bytes = b"") -> tuple[Journal | None, JournalState | None]:
+def _open_journal(
+    path: str | None, journal_path: str | None, block: bool, owner_id: bytes = b""
+) -> tuple[Journal | None, JournalState | None]:
     """``(journal to append to, state to recover with)``. Block mode: ``journal_path``, else
     ``<path>.journal`` beside a regular file, else in memory without a path. Region mode appends
     nothing but still reads a journal a block-mode open left (its tombstones stay dead).
@@ -245,13 +298,21 @@ def _open_journal(path: str | None, journal_path: str | None, block: bool,
     ForeignDataError
         The journal belongs to another tier (:func:`~tierstore.io.journal.check_owner`).
     """
-    if journal_path is not None and path is not None and os.path.abspath(journal_path) == os.path.abspath(path):
-        raise ConfigError(f"journal_path {journal_path!r} is the NVMe tier's own path: give the journal its own file")
+    if (
+        journal_path is not None
+        and path is not None
+        and os.path.abspath(journal_path) == os.path.abspath(path)
+    ):
+        raise ConfigError(
+            f"journal_path {journal_path!r} is the NVMe tier's own path: give the journal its own file"
+        )
     if journal_path is None and path is not None:
         if not os.path.isfile(path):
             if block:
-                raise ConfigError(f"eviction_granularity='block' on {path}: give journal_path, a file on a "
-                                  "durable file system (a deallocated block must never come back after a crash)")
+                raise ConfigError(
+                    f"eviction_granularity='block' on {path}: give journal_path, a file on a "
+                    "durable file system (a deallocated block must never come back after a crash)"
+                )
         else:
             journal_path = path + ".journal"
     if block:
@@ -344,44 +405,74 @@ class SegmentStorage(BlockStorage):
         The device cannot be opened with O_DIRECT.
     """
 
-    def __init__(self, path: str | None, capacity_bytes: int | str, block_bytes: int,
-                 segment_size_bytes: int | str = DEFAULT_SEGMENT_BYTES,
-                 engine: str | IOEngine = "posix",
-                 extent_size_bytes: int | str = DEFAULT_EXTENT_BYTES, iodepth: int = 16,
-                 max_io_bytes: int | str = 1 << 20, reserve_segments: int = RESERVE_SEGMENTS,
-                 verify_on_recovery: bool = False, copy_threads: int | None = None,
-                 region_policy: str = "lru", listener: RegionListener | None = None,
-                 invalidation_log: str | None | bool = None, owns_engine: bool | None = None,
-                 keep_data: bool = True, label: bool | None = None, format: bool = False,
-                 metadata_placement: int | None = None, eviction_granularity: str = "region",
-                 live_fraction: float = 0.9, trim_min_bytes: int | str = 1 << 20, journal_path: str | None = None):
+    def __init__(
+        self,
+        path: str | None,
+        capacity_bytes: int | str,
+        block_bytes: int,
+        segment_size_bytes: int | str = DEFAULT_SEGMENT_BYTES,
+        engine: str | IOEngine = "posix",
+        extent_size_bytes: int | str = DEFAULT_EXTENT_BYTES,
+        iodepth: int = 16,
+        max_io_bytes: int | str = 1 << 20,
+        reserve_segments: int = RESERVE_SEGMENTS,
+        verify_on_recovery: bool = False,
+        copy_threads: int | None = None,
+        region_policy: str = "lru",
+        listener: RegionListener | None = None,
+        invalidation_log: str | None | bool = None,
+        owns_engine: bool | None = None,
+        keep_data: bool = True,
+        label: bool | None = None,
+        format: bool = False,
+        metadata_placement: int | None = None,
+        eviction_granularity: str = "region",
+        live_fraction: float = 0.9,
+        trim_min_bytes: int | str = 1 << 20,
+        journal_path: str | None = None,
+    ):
         if eviction_granularity not in GRANULARITIES:
-            raise ConfigError(f"eviction_granularity={eviction_granularity!r}: accepted values are {list(GRANULARITIES)}")
+            raise ConfigError(
+                f"eviction_granularity={eviction_granularity!r}: accepted values are {list(GRANULARITIES)}"
+            )
         block = eviction_granularity == "block"
         cap = parse_size(capacity_bytes, "capacity_bytes")
         self.keep_data = bool(keep_data)
         self._labelled = (path is not None) if label is None else bool(label)
-        seg_b, ext_b = _check_sizes(cap, block_bytes, segment_size_bytes, extent_size_bytes, reserve_segments,
-                                    region_policy, self._labelled)
+        seg_b, ext_b = _check_sizes(
+            cap,
+            block_bytes,
+            segment_size_bytes,
+            extent_size_bytes,
+            reserve_segments,
+            region_policy,
+            self._labelled,
+        )
         self.block_bytes = int(block_bytes)
         self.segment_size_bytes = seg_b
         self.n_segments = cap // seg_b
         self.reserve_segments = int(reserve_segments)
         self.region_policy = region_policy
         self.eviction_granularity = eviction_granularity
-        self.extent_size_bytes, self.blocks_per_extent = fmt.blocks_per_extent_for(ext_b, seg_b, self.block_bytes)
+        self.extent_size_bytes, self.blocks_per_extent = fmt.blocks_per_extent_for(
+            ext_b, seg_b, self.block_bytes
+        )
         self._slot_bytes = fmt.block_slot_bytes(self.block_bytes)
         self._metadata_placement = metadata_placement
-        self.engine, self._own_engine = _engine_for(engine, path, self.n_segments, seg_b, owns_engine, format,
-                                                    iodepth, max_io_bytes)
+        self.engine, self._own_engine = _engine_for(
+            engine, path, self.n_segments, seg_b, owns_engine, format, iodepth, max_io_bytes
+        )
         self.path = path
         self._listener = listener
         self._make_rooms(copy_threads, "min_live" if block else region_policy)
         self._inval_log = _invalidation_log(path, invalidation_log)
         try:
             budget = live_budget_for(self._segs, live_fraction) if block else 0
-            self._open(format, verify_on_recovery, (journal_path, block, budget, parse_size(trim_min_bytes,
-                                                                                              "trim_min_bytes")))
+            self._open(
+                format,
+                verify_on_recovery,
+                (journal_path, block, budget, parse_size(trim_min_bytes, "trim_min_bytes")),
+            )
         except BaseException:
             self._wpipe.close()
             self._rpipe.close()
@@ -396,22 +487,48 @@ class SegmentStorage(BlockStorage):
         # Two pipelines: reads never wait for a writer's staging buffers.
         self._wpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
         self._rpipe = ExtentPipeline(self.engine, self.extent_size_bytes, copy_threads)
-        self._lock = threading.Lock()              # metadata only, never across I/O
-        self._write_lock = threading.RLock()       # one writer at a time (across write I/O)
-        self._read_lock = threading.Lock()         # one user of the read pipeline at a time
+        self._lock = threading.Lock()  # metadata only, never across I/O
+        self._write_lock = threading.RLock()  # one writer at a time (across write I/O)
+        self._read_lock = threading.Lock()  # one user of the read pipeline at a time
         self._readers_done = threading.Condition(self._lock)
         self._st = dict.fromkeys(_COUNTERS, 0)
         start0 = lbl.LABEL_BYTES if self._labelled else 0  # where segment 0's chain starts
-        self._segs = SegmentManager(self.n_segments, self.segment_size_bytes, self.block_bytes,
-                                    self.blocks_per_extent, self.reserve_segments, start0,
-                                    SEGMENT_POLICY.make(segment_policy), self._lock, self.engine.preallocate,
-                                    self._st)
+        self._segs = SegmentManager(
+            self.n_segments,
+            self.segment_size_bytes,
+            self.block_bytes,
+            self.blocks_per_extent,
+            self.reserve_segments,
+            start0,
+            SEGMENT_POLICY.make(segment_policy),
+            self._lock,
+            self.engine.preallocate,
+            self._st,
+        )
         self._blk: BlockEviction | None = None
-        self._loc = BlockLocator(max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes)
-        self._reader = SegmentReader(self.engine, self._rpipe, self._loc, self._segs, self._read_lock,
-                                     self.extent_size_bytes, self.keep_data, self._st)
-        self._writer = SegmentWriter(self.engine, self._wpipe, self._loc, self._segs, self._readers_done,
-                                     self.block_bytes, self.keep_data, self._st)
+        self._loc = BlockLocator(
+            max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes
+        )
+        self._reader = SegmentReader(
+            self.engine,
+            self._rpipe,
+            self._loc,
+            self._segs,
+            self._read_lock,
+            self.extent_size_bytes,
+            self.keep_data,
+            self._st,
+        )
+        self._writer = SegmentWriter(
+            self.engine,
+            self._wpipe,
+            self._loc,
+            self._segs,
+            self._readers_done,
+            self.block_bytes,
+            self.keep_data,
+            self._st,
+        )
         self._closed = False
 
     def _open(self, format: bool, verify: bool, blk: tuple) -> None:
@@ -420,24 +537,37 @@ class SegmentStorage(BlockStorage):
         drop what a smaller tier lost, write the label."""
         old, store_id = None, b""
         if self._labelled:
-            old, store_id = recovery.open_label(self.engine, self._segs, self.path, format,
-                                                self._metadata_placement)
-        if self._labelled and not store_id:   # a new tier: its id now, so its journal names it
+            old, store_id = recovery.open_label(
+                self.engine, self._segs, self.path, format, self._metadata_placement
+            )
+        if self._labelled and not store_id:  # a new tier: its id now, so its journal names it
             store_id = uuid.uuid4().bytes
         journal, state = _open_journal(self.path, blk[0], blk[1], store_id)
         if blk[1]:
-            self._blk = BlockEviction(self._segs, self._loc, self.engine, self._slot_bytes, blk[2], blk[3],
-                                      journal, self._lock, self._st)
+            self._blk = BlockEviction(
+                self._segs,
+                self._loc,
+                self.engine,
+                self._slot_bytes,
+                blk[2],
+                blk[3],
+                journal,
+                self._lock,
+                self._st,
+            )
             self._writer.blk = self._blk
         inval = self._inval_log.read() if self._inval_log is not None else {}
-        found = recovery.recover(self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify,
-                                 self.path, state)
-        for si in found.stale_segments:   # reset, but its trim was lost or ignored: trim it again
+        found = recovery.recover(
+            self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify, self.path, state
+        )
+        for si in found.stale_segments:  # reset, but its trim was lost or ignored: trim it again
             try:
-                self.engine.trim(si * self.segment_size_bytes + self._segs.chain_start(si),
-                                 self.segment_size_bytes - self._segs.chain_start(si)).get()
+                self.engine.trim(
+                    si * self.segment_size_bytes + self._segs.chain_start(si),
+                    self.segment_size_bytes - self._segs.chain_start(si),
+                ).get()
             except OSError:
-                self._st["trim_errors"] += 1   # still free: its chain is stale by gen (recovery.recover)
+                self._st["trim_errors"] += 1  # still free: its chain is stale by gen (recovery.recover)
         if self._blk is not None:
             self._blk.recovered(found.tombstoned, found.stale_segments, found.journal_mismatch)
         self._st["recovery_dropped_blocks"] += found.dropped_blocks
@@ -449,8 +579,9 @@ class SegmentStorage(BlockStorage):
             self._writer.finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
         if old is not None and old.n_segments > self.n_segments:
-            dropped, trim_errors = recovery.drop_beyond(self.engine, self._segs, self._loc, inval,
-                                                        old.n_segments, self.extent_size_bytes, self.path)
+            dropped, trim_errors = recovery.drop_beyond(
+                self.engine, self._segs, self._loc, inval, old.n_segments, self.extent_size_bytes, self.path
+            )
             self._st["recovery_dropped_blocks"] += dropped
             self._st["trim_errors"] += trim_errors
         if self._labelled and (old is None or old.n_segments != self.n_segments):
@@ -464,11 +595,17 @@ class SegmentStorage(BlockStorage):
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:
-            return self._blk.live_budget - len(self._loc) if self._blk is not None else self._segs.free_blocks()
+            return (
+                self._blk.live_budget - len(self._loc) if self._blk is not None else self._segs.free_blocks()
+            )
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            placements: Sequence[int | None] | None = None,
-            ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        placements: Sequence[int | None] | None = None,
+        ns_digests: Sequence[bytes] | None = None,
+    ) -> list[Status]:
         """Store whole blocks (1-D uint8 tensors of ``block_bytes``); see
         :meth:`put_fragments`."""
         if len(keys) != len(blocks):
@@ -485,7 +622,11 @@ class SegmentStorage(BlockStorage):
                 empty = self._blk.evict_keys(keys, "deleted_blocks")
             else:
                 freed = self._loc.remove(keys)
-                empty = [si for si in (off // self.segment_size_bytes for off, _ in freed) if self._segs.release(si)]
+                empty = [
+                    si
+                    for si in (off // self.segment_size_bytes for off, _ in freed)
+                    if self._segs.release(si)
+                ]
         if self._blk is not None:
             self._blk.commit()
         for si in empty:
@@ -569,16 +710,22 @@ class SegmentStorage(BlockStorage):
         """
         with self._lock:
             if len(self._loc) != int(self._segs.live.sum()) or (self._segs.live > self._segs.written).any():
-                raise InvariantError(f"{len(self._loc)} blocks, live counts sum to {int(self._segs.live.sum())}")
+                raise InvariantError(
+                    f"{len(self._loc)} blocks, live counts sum to {int(self._segs.live.sum())}"
+                )
             if self._blk is not None:
                 if len(self._loc) > self._blk.live_budget:
                     raise InvariantError(f"{len(self._loc)} live blocks > budget {self._blk.live_budget}")
                 self._blk.check(self._loc.off[self._loc.table.rows()])
 
     # ============================================================ fragment API
-    def put_fragments(self, keys: Sequence[bytes], fragments_per_block: Sequence[Sequence[Any]],
-                      placements: Sequence[int | None] | None = None,
-                      ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+    def put_fragments(
+        self,
+        keys: Sequence[bytes],
+        fragments_per_block: Sequence[Sequence[Any]],
+        placements: Sequence[int | None] | None = None,
+        ns_digests: Sequence[bytes] | None = None,
+    ) -> list[Status]:
         """Store blocks given as lists of fragments (or plans), without a contiguous copy.
 
         Parameters as :meth:`~tierstore.tiers.storage.BlockStorage.put_fragments`. Here a
@@ -598,12 +745,18 @@ class SegmentStorage(BlockStorage):
             Wrong key length, block size or argument lengths (misuse; nothing
             is written).
         """
-        keys, plans, placements, nss = _put_args(keys, fragments_per_block, placements, ns_digests, self.block_bytes)
+        keys, plans, placements, nss = _put_args(
+            keys, fragments_per_block, placements, ns_digests, self.block_bytes
+        )
         with self._write_lock:
             return self._put_locked(keys, plans, placements, nss, gc=False)
 
-    def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Sequence[Any]],
-                      gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
+    def get_fragments(
+        self,
+        keys: Sequence[bytes],
+        dest_fragments_per_block: Sequence[Sequence[Any]],
+        gate: Callable[[list[int]], Any] | None = None,
+    ) -> list[Status]:
         """:meth:`BlockStorage.get_fragments <tierstore.tiers.storage.BlockStorage.get_fragments>`.
 
         Destinations may be tensors of any dtype and shape, contiguous or not.
@@ -628,15 +781,19 @@ class SegmentStorage(BlockStorage):
             with self._lock:
                 dropped, empty = self._reader.forget_bad(bad)
                 total = self._st["corrupt_blocks"]
-                for key, off in (bad if self._blk is not None else ()):
+                for key, off in bad if self._blk is not None else ():
                     if key in dropped:
                         self._blk.retire(off // self.segment_size_bytes, off, key)
             for si in empty:
                 self._writer.finish_reclaim(si)
             # a block lost is said, not only counted (the caller sees IO_ERROR: a miss, recomputed)
-            _log.warning("%s: %d NVMe block(s) failed their read or payload CRC-32C and were dropped "
-                         "(served as misses, never as KV); corrupt_blocks=%d", self.path or "NVMe tier",
-                         len(bad), total)
+            _log.warning(
+                "%s: %d NVMe block(s) failed their read or payload CRC-32C and were dropped "
+                "(served as misses, never as KV); corrupt_blocks=%d",
+                self.path or "NVMe tier",
+                len(bad),
+                total,
+            )
         hits, misses = status.count(Status.OK), status.count(Status.MISS)
         with self._lock:
             self._st["get_hits"] += hits
@@ -726,8 +883,11 @@ def _evict_one_segment(self: SegmentStorage) -> bool:
             rows = self._segs.live_rows(si, self._loc)
             keys = self._loc.keys_of(rows.tolist())
             written = int(self._segs.written[si])
-        keep = (list(self._listener.on_reclaim(keys)) if (self._listener is not None and keys)
-                else [True] * len(keys))
+        keep = (
+            list(self._listener.on_reclaim(keys))
+            if (self._listener is not None and keys)
+            else [True] * len(keys)
+        )
         if len(keep) != len(keys):
             raise InvariantError(f"listener kept {len(keep)} flags for {len(keys)} keys")
         if sum(map(bool, keep)) >= written:
@@ -742,7 +902,10 @@ def _evict_one_segment(self: SegmentStorage) -> bool:
             return True
     return False
 
-def _reclaim_segment(self: SegmentStorage, si: int, keys: list[bytes], keep: list, placement, ns_of: dict) -> bool:
+
+def _reclaim_segment(
+    self: SegmentStorage, si: int, keys: list[bytes], keep: list, placement, ns_of: dict
+) -> bool:
     """Copy the kept blocks forward, drop the others, free the segment. A kept
     block that cannot be copied (no space, a read error) is never dropped:
     the segment then stays sealed and ``False`` is returned."""
@@ -752,14 +915,19 @@ def _reclaim_segment(self: SegmentStorage, si: int, keys: list[bytes], keep: lis
         with self._lock:
             self._st["gc_runs"] += 1
         for a in range(0, len(kept), self.blocks_per_extent):
-            ck = kept[a:a + self.blocks_per_extent]
+            ck = kept[a : a + self.blocks_per_extent]
             bufs = [torch.empty(self.block_bytes, dtype=torch.uint8) for _ in ck]
             st = self.get_fragments(ck, [[b] for b in bufs])
             ok = [j for j, x in enumerate(st) if x is Status.OK]
             if not ok:
                 continue
-            res = self._put_locked([ck[j] for j in ok], [plan_fragments([bufs[j]]) for j in ok],
-                                   [placement] * len(ok), [ns_of[ck[j]] for j in ok], gc=True)
+            res = self._put_locked(
+                [ck[j] for j in ok],
+                [plan_fragments([bufs[j]]) for j in ok],
+                [placement] * len(ok),
+                [ns_of[ck[j]] for j in ok],
+                gc=True,
+            )
             moved.update(ck[j] for j, r in zip(ok, res) if r is Status.OK)
     dropped: list[bytes] = []
     keep_set = set(kept)

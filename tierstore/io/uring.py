@@ -17,6 +17,7 @@ io_uring cannot be used (not x86-64, ``kernel.io_uring_disabled``, seccomp, a
 kernel < 5.1) the constructor raises :class:`~tierstore.io.ring.IoUringUnavailable`
 and ``open_engine("auto", ...)`` uses posix instead.
 """
+
 from __future__ import annotations
 
 import errno
@@ -49,7 +50,7 @@ class _Op:
         self.pending -= 1
         if not self.pending:
             self.view = None
-            if self.error is None and self.got != self.want:   # a piece came back short (EOF)
+            if self.error is None and self.got != self.want:  # a piece came back short (EOF)
                 self.error = ShortIOError(self.what, self.got, self.want)
 
     def is_done(self) -> bool:
@@ -79,8 +80,10 @@ class UringEngine(FileEngine):
     def __init__(self, *args, **kwargs):
         ok, why = uring_available()
         if not ok:
-            raise IoUringUnavailable(errno.ENOTSUP, f"ioengine=uring: {why}; use ioengine=posix "
-                                                    f"(or auto, which falls back to posix)")
+            raise IoUringUnavailable(
+                errno.ENOTSUP,
+                f"ioengine=uring: {why}; use ioengine=posix (or auto, which falls back to posix)",
+            )
         super().__init__(*args, **kwargs)
 
     def _start(self):
@@ -107,6 +110,7 @@ class UringEngine(FileEngine):
             if op.pending:
                 q.poll()
             return op.pending == 0
+
         return IOFuture(wait, poll)
 
     def _read_impl(self, offset, view, nbytes):

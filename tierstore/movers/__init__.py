@@ -13,6 +13,7 @@ Handlers import no index, planner, API, build, configuration or policy: they tak
 the plan (key, tier, slot, lifetime class, namespace) and from what they were built with (pools, a
 ``BlockStorage``, a ``RemoteBlockTier``, the placement function), so one can run in another process.
 """
+
 from .batch import NvmeBatch, add_new_blocks, demotion_batch, store_batch
 from .execute import Movers, make_movers
 from .gate import LoadGate
@@ -22,5 +23,18 @@ from .queues import WorkQueues
 from .remote import RemoteHandler
 from .table import HandlerTable, TransferKind
 
-__all__ = ["HandlerTable", "LoadGate", "MemoryHandler", "Movers", "NvmeBatch", "NvmeHandler", "RemoteHandler",
-           "TransferKind", "WorkQueues", "add_new_blocks", "demotion_batch", "make_movers", "store_batch"]
+__all__ = [
+    "HandlerTable",
+    "LoadGate",
+    "MemoryHandler",
+    "Movers",
+    "NvmeBatch",
+    "NvmeHandler",
+    "RemoteHandler",
+    "TransferKind",
+    "WorkQueues",
+    "add_new_blocks",
+    "demotion_batch",
+    "make_movers",
+    "store_batch",
+]

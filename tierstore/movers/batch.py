@@ -6,6 +6,7 @@ plan's victims, a remote fill's verified blocks. Each block carries the placemen
 lifetime class (``placement_for``, the FDP layer's class -> PID table; ``None`` without FDP) and
 its namespace digest (32 zero bytes when the plan has none).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,9 @@ def _place(placement_for: PlacementFor | None, cls: LifetimeClass | None) -> int
     return placement_for(cls) if placement_for is not None else None
 
 
-def demotion_batch(demotes: Sequence[Demotion], memory: MemoryHandler,
-                   placement_for: PlacementFor | None) -> NvmeBatch:
+def demotion_batch(
+    demotes: Sequence[Demotion], memory: MemoryHandler, placement_for: PlacementFor | None
+) -> NvmeBatch:
     """Victims written from their memory slot (``Demotion.src``, ``src_slot``) to NVMe."""
     batch = NvmeBatch()
     for d in demotes:
@@ -70,9 +72,14 @@ def demotion_batch(demotes: Sequence[Demotion], memory: MemoryHandler,
     return batch
 
 
-def add_new_blocks(batch: NvmeBatch, keys: Sequence[bytes], fragments: Sequence[Any],
-                   classes: Sequence[LifetimeClass | None],
-                   ns: bytes, placement_for: PlacementFor | None) -> NvmeBatch:
+def add_new_blocks(
+    batch: NvmeBatch,
+    keys: Sequence[bytes],
+    fragments: Sequence[Any],
+    classes: Sequence[LifetimeClass | None],
+    ns: bytes,
+    placement_for: PlacementFor | None,
+) -> NvmeBatch:
     """Append new blocks (``keys[j]`` from ``fragments[j]`` with lifetime class ``classes[j]``, all of
     namespace ``ns``) after what ``batch`` holds; returns ``batch``."""
     for k, frags, cls in zip(keys, fragments, classes):
@@ -80,11 +87,21 @@ def add_new_blocks(batch: NvmeBatch, keys: Sequence[bytes], fragments: Sequence[
     return batch
 
 
-def store_batch(plan: StorePlan, sources: Sequence[FragmentPlan | None], memory: MemoryHandler,
-                placement_for: PlacementFor | None) -> NvmeBatch:
+def store_batch(
+    plan: StorePlan,
+    sources: Sequence[FragmentPlan | None],
+    memory: MemoryHandler,
+    placement_for: PlacementFor | None,
+) -> NvmeBatch:
     """A store plan's NVMe writes: its victims (``plan.nvme_demote``), then its new blocks
     (``plan.nvme_new``: key ``i`` from ``sources[i]``), one batch."""
     batch = demotion_batch(plan.nvme_demote, memory, placement_for)
     new = plan.nvme_new
-    return add_new_blocks(batch, [plan.keys[i] for i, _ in new], [sources[i] for i, _ in new],
-                          [cls for _, cls in new], plan.ns, placement_for)
+    return add_new_blocks(
+        batch,
+        [plan.keys[i] for i, _ in new],
+        [sources[i] for i, _ in new],
+        [cls for _, cls in new],
+        plan.ns,
+        placement_for,
+    )

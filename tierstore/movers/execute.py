@@ -14,6 +14,7 @@ store, where a client copies the new blocks into shared slots): :meth:`Movers.ru
 (the victims leave), :meth:`Movers.run_store_epilogue` (new blocks to NVMe from their filled slots)
 and :meth:`Movers.stage_load` (a load's sources into the slots a client reads).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -78,8 +79,9 @@ class Movers:
         self.queues.shutdown()
 
     # ------------------------------------------------------------------ store
-    def run_store(self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
-                  ) -> tuple[dict[int, Status], dict[int, Status]]:
+    def run_store(
+        self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
+    ) -> tuple[dict[int, Status], dict[int, Status]]:
         """Execute a store plan.
 
         Parameters
@@ -122,20 +124,28 @@ class Movers:
         dem_st = self._fill_victims(plan, mark=True)
         return dem_st
 
-    def run_store_epilogue(self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
-                           ) -> dict[int, Status]:
+    def run_store_epilogue(
+        self, plan: StorePlan, sources: Sequence[FragmentPlan | None]
+    ) -> dict[int, Status]:
         """A store plan's second half: the new blocks bound for NVMe (``plan.nvme_new``) written
         from ``sources[i]`` (their slots, once filled), one batch; a key whose source is ``None``
         (its copy failed) is not written. Returns ``i -> Status`` of each write."""
         new = [(i, cls) for i, cls in plan.nvme_new if sources[i] is not None]
         if not new or self.nvme is None:
             return {}
-        batch = add_new_blocks(NvmeBatch(), [plan.keys[i] for i, _ in new], [sources[i] for i, _ in new],
-                               [cls for _, cls in new], plan.ns, self.nvme.placement_for)
+        batch = add_new_blocks(
+            NvmeBatch(),
+            [plan.keys[i] for i, _ in new],
+            [sources[i] for i, _ in new],
+            [cls for _, cls in new],
+            plan.ns,
+            self.nvme.placement_for,
+        )
         return {i: s for (i, _), s in zip(new, self.nvme.write(batch))}
 
-    def stage_load(self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
-                   ) -> tuple[dict[int, Status], float | None]:
+    def stage_load(
+        self, plan: LoadPlan, dests: Mapping[int, FragmentPlan]
+    ) -> tuple[dict[int, Status], float | None]:
         """Copy the sources of the keys ``dests`` names into those destinations (split
         execution: a load's NVMe blocks into the slots a client then reads; ``dests[i]`` a
         ``FragmentPlan`` of a slot). Returns ``i -> Status`` and the seconds the NVMe part
@@ -164,8 +174,9 @@ class Movers:
         return {d.row: s for d, s in zip(plan.nvme_demote, st)}
 
     # ------------------------------------------------------------------ load
-    def run_load(self, plan: LoadPlan, dests: Sequence[FragmentPlan],
-                 gate: LoadGate | None = None) -> tuple[list[Status], float | None]:
+    def run_load(
+        self, plan: LoadPlan, dests: Sequence[FragmentPlan], gate: LoadGate | None = None
+    ) -> tuple[list[Status], float | None]:
         """Copy each planned source into its destination.
 
         Returns per-key statuses and the seconds the NVMe part took (``None``
@@ -185,8 +196,9 @@ class Movers:
         self.memory.scatter(dests, items, gate, st)
         nvme_s = None
         if nvme_idx and self.nvme is not None:
-            got, nvme_s = self.nvme.read([plan.keys[i] for i in nvme_idx], [dests[i] for i in nvme_idx],
-                                         gate, nvme_idx)
+            got, nvme_s = self.nvme.read(
+                [plan.keys[i] for i in nvme_idx], [dests[i] for i in nvme_idx], gate, nvme_idx
+            )
             for i, s in zip(nvme_idx, got):
                 st[i] = s
         return st, nvme_s
@@ -204,13 +216,17 @@ class Movers:
                 self.memory.copy_slots([(st, ss, tier, slot)])
                 ok[j] = True
         if nv and self.nvme is not None:
-            got, _s = self.nvme.read([plan.keys[plan.items[j][0]] for j in nv],
-                                     [[self.memory.view(plan.items[j][2], plan.items[j][3])] for j in nv])
+            got, _s = self.nvme.read(
+                [plan.keys[plan.items[j][0]] for j in nv],
+                [[self.memory.view(plan.items[j][2], plan.items[j][3])] for j in nv],
+            )
             for j, s in zip(nv, got):
                 ok[j] = s is Status.OK
         return ok
 
-    def run_promote(self, plan: PromotePlan, loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan]) -> list[bool]:
+    def run_promote(
+        self, plan: PromotePlan, loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan]
+    ) -> list[bool]:
         """Copy just-loaded blocks (read back from their destinations) into upper slots."""
         self._victim_copies(plan)
         return self.memory.promote(plan.items, loaded)
@@ -223,13 +239,19 @@ class Movers:
         plan.victims.moved = StorePlan.COPIES_DONE
 
     # ------------------------------------------------------------------ remote
-    def remote_get(self, keys: Sequence[bytes], dests: Sequence[FragmentPlan],
-                   gate: LoadGate | None = None, indices: Sequence[int] | None = None) -> list[Status]:
+    def remote_get(
+        self,
+        keys: Sequence[bytes],
+        dests: Sequence[FragmentPlan],
+        gate: LoadGate | None = None,
+        indices: Sequence[int] | None = None,
+    ) -> list[Status]:
         """Fetch blocks from the remote tier into destination plans (:meth:`RemoteHandler.fetch`)."""
         return self.handlers[REMOTE, MEMORY].fetch(keys, dests, gate, indices)
 
-    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan],
-                recent: bool = True) -> list[Status]:
+    def publish(
+        self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True
+    ) -> list[Status]:
         """Queue blocks for the remote tier (:meth:`RemoteHandler.publish`)."""
         return self.handlers[MEMORY, REMOTE].publish(keys, sources, recent)
 
@@ -245,9 +267,13 @@ class Movers:
         if plan.lost and self.remote is not None:
             self.remote.publish_lost(plan.lost, self.memory)
 
-    def run_remote_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None = None,
-                        indices: Sequence[int] | None = None
-                        ) -> tuple[list[Status], dict[int, Status], dict[int, Status], set[int]]:
+    def run_remote_fill(
+        self,
+        plan: StorePlan,
+        dests: Sequence[FragmentPlan],
+        gate: LoadGate | None = None,
+        indices: Sequence[int] | None = None,
+    ) -> tuple[list[Status], dict[int, Status], dict[int, Status], set[int]]:
         """Fetch a fill plan's blocks from the remote tier into their reserved
         slots and copy each verified block on into the engine's destination.
 
@@ -283,8 +309,9 @@ class Movers:
         bufs = remote.fill_buffers([mem.get(i) for i in todo], self.memory)
         got = remote.get_into([plan.keys[i] for i in todo], bufs) if todo else []
         held = remote.held_of({mem[i][1] for i in todo if i in mem and mem[i][0] == Tier.HOST})
-        out, nvme_st = self._deliver_fill(plan, dests, gate, indices, mem, zip(todo, got, bufs),
-                                          remote.zero_copy)
+        out, nvme_st = self._deliver_fill(
+            plan, dests, gate, indices, mem, zip(todo, got, bufs), remote.zero_copy
+        )
         return out, nvme_st, dem_st, held
 
     def _fill_victims(self, plan: StorePlan, mark: bool = False) -> dict[int, Status]:
@@ -303,10 +330,16 @@ class Movers:
             plan.moved = StorePlan.COPIES_DONE
         return dem_st
 
-    def _deliver_fill(self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: LoadGate | None,
-                      indices: Sequence[int] | None, mem: Mapping[int, tuple[Tier, int]],
-                      fetched: Iterable[tuple[int, Status, Any]],
-                      zero_copy: bool) -> tuple[list[Status], dict[int, Status]]:
+    def _deliver_fill(
+        self,
+        plan: StorePlan,
+        dests: Sequence[FragmentPlan],
+        gate: LoadGate | None,
+        indices: Sequence[int] | None,
+        mem: Mapping[int, tuple[Tier, int]],
+        fetched: Iterable[tuple[int, Status, Any]],
+        zero_copy: bool,
+    ) -> tuple[list[Status], dict[int, Status]]:
         """Verified fetched blocks into their slots (unless fetched there), the destinations and,
         where the plan says so, NVMe (one batch); per key the engine's status, and the NVMe statuses."""
         out = [Status.MISS] * len(plan.keys)
@@ -334,18 +367,31 @@ class Movers:
                         dests[i].scatter(b, 0)
                         out[i] = Status.OK
         if new and self.nvme is not None:
-            batch = add_new_blocks(NvmeBatch(), [plan.keys[i] for i, _ in new], [[b] for _, b in new],
-                                   [nv_new[i] for i, _ in new], plan.ns, self.nvme.placement_for)
+            batch = add_new_blocks(
+                NvmeBatch(),
+                [plan.keys[i] for i, _ in new],
+                [[b] for _, b in new],
+                [nv_new[i] for i, _ in new],
+                plan.ns,
+                self.nvme.placement_for,
+            )
             for (i, _), s in zip(new, self.nvme.write(batch)):
                 nvme_st[i] = s
         return out, nvme_st
 
 
-def make_movers(pools: Mapping[Tier, BlockPool], nvme: BlockStorage | None,
-                placement_for: PlacementFor | None,
-                remote: RemoteBlockTier | None) -> Movers:
+def make_movers(
+    pools: Mapping[Tier, BlockPool],
+    nvme: BlockStorage | None,
+    placement_for: PlacementFor | None,
+    remote: RemoteBlockTier | None,
+) -> Movers:
     """The movers of a store: a handler per transfer kind its tiers need, and the work queues."""
-    return Movers(HandlerTable(MemoryHandler(pools),
-                               NvmeHandler(nvme, placement_for) if nvme is not None else None,
-                               RemoteHandler(remote, pools.get(Tier.HOST)) if remote is not None else None),
-                  WorkQueues())
+    return Movers(
+        HandlerTable(
+            MemoryHandler(pools),
+            NvmeHandler(nvme, placement_for) if nvme is not None else None,
+            RemoteHandler(remote, pools.get(Tier.HOST)) if remote is not None else None,
+        ),
+        WorkQueues(),
+    )

@@ -4,6 +4,7 @@ A load with a deadline hands one :class:`LoadGate` to every copy into its destin
 scatters, NVMe reads, remote fetches). :meth:`LoadGate.close`, called at the deadline, waits for a
 copy in progress and stops later ones, so the engine's buffers are never written behind its back.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -8,6 +8,7 @@ BlockRows` batch (the engine's blocks as rows of one tensor) is one slice copy o
 and runs through a :class:`~tierstore.io.copies.Copier` (one OpenMP thread per copying thread, a
 call's blocks claimed by the caller and a few copy threads: copies that a busy host does not stall).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,10 +49,10 @@ def _consecutive(ix: list[int]) -> bool:
     return ix == list(range(ix[0], ix[0] + len(ix)))
 
 
-
 def _copy_row(dst: torch.Tensor, src: torch.Tensor, pair: tuple[int, int]) -> None:
     """``dst[pair[1]] = src[pair[0]]``: one row of a row move."""
     dst[pair[1]].copy_(src[pair[0]])
+
 
 class MemoryHandler:
     """Copies between engine buffers and memory-tier slots (memory -> memory transfers).
@@ -73,7 +74,7 @@ class MemoryHandler:
         """``fn(item)`` for every item, each a copy of ``block_bytes``, through the copier in
         pieces of at least its ``chunk_bytes`` (fewer hand-offs for small blocks)."""
         k = max(1, self.copier.chunk_bytes // max(1, block_bytes))
-        pieces = [lambda part=items[a:a + k]: [fn(x) for x in part] for a in range(0, len(items), k)]
+        pieces = [lambda part=items[a : a + k]: [fn(x) for x in part] for a in range(0, len(items), k)]
         self.copier.run(pieces, len(items) * block_bytes)
 
     def view(self, tier: Tier, slot: int) -> torch.Tensor:
@@ -105,8 +106,13 @@ class MemoryHandler:
         nbytes = sources[items[0][0]].nbytes if items else 0  # type: ignore[union-attr]
         self._each(lambda it: sources[it[0]].gather(self.view(it[1], it[2]), 0), items, nbytes)
 
-    def scatter(self, dests: Sequence[FragmentPlan] | Mapping[int, FragmentPlan], items: Sequence[Item], gate: LoadGate | None,
-                statuses: list[Status]) -> None:
+    def scatter(
+        self,
+        dests: Sequence[FragmentPlan] | Mapping[int, FragmentPlan],
+        items: Sequence[Item],
+        gate: LoadGate | None,
+        statuses: list[Status],
+    ) -> None:
         """Slots into engine buffers: ``(tier, slot)`` into ``dests[i]``; ``statuses[i] = OK`` for each
         block delivered (under ``gate`` when the load has a deadline; a closed gate delivers nothing).
 
@@ -120,9 +126,11 @@ class MemoryHandler:
                 self._move_rows(rows, items, to_slots=False)
             return
         if gate is None:
+
             def one(it: Item) -> None:
                 dests[it[0]].scatter(self.view(it[1], it[2]), 0)
                 statuses[it[0]] = Status.OK
+
             self._each(one, items, dests[items[0][0]].nbytes if items else 0)
             return
         with one_omp_thread():
@@ -132,8 +140,11 @@ class MemoryHandler:
                         dests[i].scatter(self.view(tier, slot), 0)
                         statuses[i] = Status.OK
 
-    def promote(self, items: Sequence[tuple[int, int, Tier, int]],
-                loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan]) -> list[bool]:
+    def promote(
+        self,
+        items: Sequence[tuple[int, int, Tier, int]],
+        loaded: Sequence[FragmentPlan] | Mapping[int, FragmentPlan],
+    ) -> list[bool]:
         """Copy just-loaded blocks, read back from their destinations ``loaded[i]``, into upper
         slots: ``items[j] = (i, row, tier, slot)``; ``False`` where the read-back failed."""
         out = []
@@ -153,7 +164,9 @@ class MemoryHandler:
             data = self.pools[tier].data
             src, dst, src_ix, dst_ix = (rows, data, ix, sl) if to_slots else (data, rows, sl, ix)
             if _consecutive(ix) and _consecutive(sl):
-                self.copier.copy(dst[dst_ix[0]:dst_ix[0] + len(dst_ix)], src[src_ix[0]:src_ix[0] + len(src_ix)])
+                self.copier.copy(
+                    dst[dst_ix[0] : dst_ix[0] + len(dst_ix)], src[src_ix[0] : src_ix[0] + len(src_ix)]
+                )
                 continue
             if data.shape[1] >= _ROW_COPY_BYTES:  # large rows: one copy each, no staging copy
                 self._each(functools.partial(_copy_row, dst, src), list(zip(src_ix, dst_ix)), data.shape[1])

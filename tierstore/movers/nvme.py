@@ -6,6 +6,7 @@ Writes are one :meth:`~tierstore.tiers.storage.BlockStorage.put_fragments` per
 and prefetches alike), under the load's gate when it has a deadline. An ``OSError`` from the
 storage is ``IO_ERROR`` for every block of the call: a miss, never wrong KV.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,13 +38,19 @@ class NvmeHandler:
     def write(self, batch: NvmeBatch) -> list[Status]:
         """Write ``batch`` (one ``put_fragments``); per block its status, ``IO_ERROR`` each on ``OSError``."""
         try:
-            return list(self.storage.put_fragments(batch.keys, batch.fragments, batch.placements,
-                                                   batch.ns_digests))
+            return list(
+                self.storage.put_fragments(batch.keys, batch.fragments, batch.placements, batch.ns_digests)
+            )
         except OSError:
             return [Status.IO_ERROR] * len(batch.keys)
 
-    def read(self, keys: Sequence[bytes], dests: Sequence[Any], gate: LoadGate | None = None,
-             indices: Sequence[int] | None = None) -> tuple[list[Status], float]:
+    def read(
+        self,
+        keys: Sequence[bytes],
+        dests: Sequence[Any],
+        gate: LoadGate | None = None,
+        indices: Sequence[int] | None = None,
+    ) -> tuple[list[Status], float]:
         """Read ``keys[j]`` into ``dests[j]`` (a ``FragmentPlan`` or a list of tensors).
 
         With ``gate``, each copy into a destination runs under it; ``indices[j]`` is block ``j``'s
@@ -56,8 +63,11 @@ class NvmeHandler:
                 got = list(self.storage.get_fragments(keys, dests))
             else:
                 pos = list(indices) if indices is not None else list(range(len(keys)))
-                got = list(self.storage.get_fragments(keys, dests,
-                                                      gate=lambda idx: gate.enter([pos[j] for j in idx])))
+                got = list(
+                    self.storage.get_fragments(
+                        keys, dests, gate=lambda idx: gate.enter([pos[j] for j in idx])
+                    )
+                )
         except OSError:
             got = [Status.IO_ERROR] * len(keys)
         return got, time.perf_counter() - t0

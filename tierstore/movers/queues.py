@@ -5,6 +5,7 @@ gets a :class:`concurrent.futures.Future` (SGLang's ``HiCacheController`` queues
 same way). Loads and prefetches never queue behind a store's NVMe writes. After
 :meth:`WorkQueues.shutdown` a submit raises :class:`~tierstore.errors.StoreClosedError`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,9 @@ class WorkQueues:
                 raise StoreClosedError("the store is closed")
             pool = self._queues.get(queue)
             if pool is None:
-                pool = self._queues[queue] = ThreadPoolExecutor(max_workers=1,
-                                                                thread_name_prefix=f"tierstore-{queue}")
+                pool = self._queues[queue] = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"tierstore-{queue}"
+                )
             return pool.submit(fn)
 
     def drain(self) -> None:

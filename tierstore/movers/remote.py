@@ -8,6 +8,7 @@ says they are free again. The tier verifies every object (header, key, CRC-32C) 
 is ``OK``; only verified bytes reach a destination, under the load's gate when it has a deadline.
 Publication is asynchronous (the tier copies into its publish queue; a full queue drops, counted).
 """
+
 from __future__ import annotations
 
 import threading
@@ -69,8 +70,9 @@ class RemoteHandler:
         except OSError:
             return [Status.IO_ERROR] * len(keys)
 
-    def fill_buffers(self, targets: Sequence[tuple[Tier, int] | None],
-                     memory: MemoryHandler) -> list[torch.Tensor]:
+    def fill_buffers(
+        self, targets: Sequence[tuple[Tier, int] | None], memory: MemoryHandler
+    ) -> list[torch.Tensor]:
         """Where each fetched block lands: its host slot itself when the pool is registered
         (zero-copy), else a staging buffer (an HBM slot, NVMe only, or no slot: ``None``)."""
         out = []
@@ -81,8 +83,13 @@ class RemoteHandler:
                 out.append(torch.empty(self.tier.block_bytes, dtype=torch.uint8))
         return out
 
-    def fetch(self, keys: Sequence[bytes], dests: Sequence[FragmentPlan], gate: LoadGate | None = None,
-              indices: Sequence[int] | None = None) -> list[Status]:
+    def fetch(
+        self,
+        keys: Sequence[bytes],
+        dests: Sequence[FragmentPlan],
+        gate: LoadGate | None = None,
+        indices: Sequence[int] | None = None,
+    ) -> list[Status]:
         """Fetch blocks into destination plans through private buffers.
 
         Only verified bytes are scattered, under ``gate`` when the load has a deadline
@@ -109,8 +116,9 @@ class RemoteHandler:
         return st
 
     # -------------------------------------------------------------- memory -> remote
-    def publish(self, keys: Sequence[bytes], sources: Sequence[FragmentPlan],
-                recent: bool = True) -> list[Status]:
+    def publish(
+        self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True
+    ) -> list[Status]:
         """Queue blocks for the remote tier (asynchronous; returns at once).
 
         A source that is one contiguous host tensor goes as is (the tier copies
@@ -120,9 +128,14 @@ class RemoteHandler:
         blocks = []
         for p in sources:
             frags = p.fragments
-            if p.strided is None and frags is not None and len(frags) == 1 \
-                    and isinstance(frags[0], torch.Tensor) and frags[0].device.type == "cpu" \
-                    and frags[0].is_contiguous():
+            if (
+                p.strided is None
+                and frags is not None
+                and len(frags) == 1
+                and isinstance(frags[0], torch.Tensor)
+                and frags[0].device.type == "cpu"
+                and frags[0].is_contiguous()
+            ):
                 blocks.append(frags[0])
             else:
                 b = torch.empty(p.nbytes, dtype=torch.uint8)
@@ -135,8 +148,9 @@ class RemoteHandler:
         their slots are reused: a copy into the publish queue, so the slot is free when this returns
         (a full queue drops and counts)."""
         if lost:
-            self.tier.put([k for k, _t, _s in lost], [memory.view(t, s) for _k, t, s in lost], copy=True,
-                          recent=False)  # its remote copy, if any, may have been evicted since
+            self.tier.put(
+                [k for k, _t, _s in lost], [memory.view(t, s) for _k, t, s in lost], copy=True, recent=False
+            )  # its remote copy, if any, may have been evicted since
 
     # -------------------------------------------------------------- held slots
     def after_release(self, slots: set[int], fn: Callable[[], object]) -> None:

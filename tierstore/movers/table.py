@@ -7,6 +7,7 @@ movers route every transfer through this table: memory <-> memory is the
 :class:`~tierstore.movers.remote.RemoteHandler`. A store without an NVMe or a remote tier has no
 handler for those kinds; asking for one is a :class:`~tierstore.errors.ConfigError` naming it.
 """
+
 from __future__ import annotations
 
 from typing import Literal, overload
@@ -38,8 +39,9 @@ class HandlerTable:
         Memory <-> remote; ``None`` without a remote tier.
     """
 
-    def __init__(self, memory: MemoryHandler, nvme: NvmeHandler | None = None,
-                 remote: RemoteHandler | None = None) -> None:
+    def __init__(
+        self, memory: MemoryHandler, nvme: NvmeHandler | None = None, remote: RemoteHandler | None = None
+    ) -> None:
         self.memory, self.nvme, self.remote = memory, nvme, remote
         m = Medium.MEMORY
         self.kinds: dict[TransferKind, Handler] = {(m, m): memory}
@@ -50,9 +52,13 @@ class HandlerTable:
     @overload
     def __getitem__(self, kind: tuple[_M, _M]) -> MemoryHandler: ...
     @overload
-    def __getitem__(self, kind: tuple[_M, Literal[Medium.NVME]] | tuple[Literal[Medium.NVME], _M]) -> NvmeHandler: ...
+    def __getitem__(
+        self, kind: tuple[_M, Literal[Medium.NVME]] | tuple[Literal[Medium.NVME], _M]
+    ) -> NvmeHandler: ...
     @overload
-    def __getitem__(self, kind: tuple[_M, Literal[Medium.REMOTE]] | tuple[Literal[Medium.REMOTE], _M]) -> RemoteHandler: ...
+    def __getitem__(
+        self, kind: tuple[_M, Literal[Medium.REMOTE]] | tuple[Literal[Medium.REMOTE], _M]
+    ) -> RemoteHandler: ...
     @overload
     def __getitem__(self, kind: TransferKind) -> Handler: ...
 

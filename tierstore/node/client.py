@@ -22,6 +22,7 @@ namespace digest scoped to the layout), so an embedded store and the service agr
 Not offered (``AttributeError``): :data:`NOT_OFFERED`; ``promote`` of :meth:`load` is the
 service's decision. A forked child makes its own connection and mapping.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -57,18 +58,44 @@ from .segment import Segment, SegmentError
 #: KVStore's public calls this client does not offer, by what they are for
 NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
-    "tier moves the service decides": ("prefetch", "prefetch_keys", "evict", "flush", "clear", "remove",
-                                       "MERGE_WAIT_S"),
-    "introspection of the service's index": ("block_info", "state_of", "references", "leases", "namespaces",
-                                             "keys_of_namespace", "check_invariants", "record_events",
-                                             "take_events", "resident", "tiers_of", "drain"),
-    "tier and device figures": ("bytes_per_tier", "capacity_bytes", "device_stats", "cost_model", "ftl",
-                                "placement", "tiers"),
+    "tier moves the service decides": ("prefetch_keys", "evict", "flush", "clear", "remove", "MERGE_WAIT_S"),
+    "introspection of the service's index": (
+        "block_info",
+        "state_of",
+        "references",
+        "leases",
+        "namespaces",
+        "keys_of_namespace",
+        "check_invariants",
+        "record_events",
+        "take_events",
+        "resident",
+        "tiers_of",
+        "drain",
+    ),
+    "tier and device figures": (
+        "bytes_per_tier",
+        "capacity_bytes",
+        "device_stats",
+        "cost_model",
+        "ftl",
+        "placement",
+        "tiers",
+    ),
 }
 #: engine lifetime hints → the wire's lifetime code (:data:`tierstore.node.protocol.LIFETIME_NAMES`:
 #: 1 short, 2 medium, 3 long), the hints of ``tierstore.fdp.lifetime.HINTS``
-_LIFETIME_CODE = {"system": 3, "system_prompt": 3, "tool": 3, "long": 3, "conversation": 2, "medium": 2,
-                  "query": 1, "single_query": 1, "short": 1}
+_LIFETIME_CODE = {
+    "system": 3,
+    "system_prompt": 3,
+    "tool": 3,
+    "long": 3,
+    "conversation": 2,
+    "medium": 2,
+    "query": 1,
+    "single_query": 1,
+    "short": 1,
+}
 _ZERO_NS = bytes(P.NS_BYTES)
 _TIERS = tuple(Tier)  # wire code i is Tier(i)
 
@@ -93,7 +120,7 @@ def socket_path(url: str) -> str:
     ConfigError
         For another scheme or a relative path.
     """
-    path = url[len("unix://"):] if url.startswith("unix://") else url
+    path = url[len("unix://") :] if url.startswith("unix://") else url
     if not path.startswith("/") or "://" in path:
         raise ConfigError(f"node service URL {url!r}: expected unix:///absolute/path/node.sock")
     return path
@@ -122,9 +149,21 @@ class _Connection:
         self.frames = P.FrameSocket(sock, P.REPLY_DECODER)
         self.pid = os.getpid()
         try:
-            self.frames.send(P.Hello(0, v=P.PROTOCOL_VERSION, token="", role="solo", pool=pool,
-                                     block_bytes=layout.bytes_per_block, tokens_per_block=layout.tokens_per_block,
-                                     group=b"", join_token=b"", world_rank=0, client=client))
+            self.frames.send(
+                P.Hello(
+                    0,
+                    v=P.PROTOCOL_VERSION,
+                    token="",
+                    role="solo",
+                    pool=pool,
+                    block_bytes=layout.bytes_per_block,
+                    tokens_per_block=layout.tokens_per_block,
+                    group=b"",
+                    join_token=b"",
+                    world_rank=0,
+                    client=client,
+                )
+            )
             msg, fds = self.frames.recv_with_fds(1)
         except (OSError, P.ProtocolError) as e:
             self.frames.close()
@@ -165,8 +204,11 @@ class _Connection:
         except (OSError, P.ProtocolError) as e:
             raise _Down(f"{type(e).__name__}: {e}") from e
         if reply is None or not isinstance(reply, P.Reply) or reply.rid != rid:
-            raise _Down("the service closed the connection" if reply is None else f"a reply to another request "
-                        f"({type(reply).__name__}) for request {rid}")
+            raise _Down(
+                "the service closed the connection"
+                if reply is None
+                else f"a reply to another request ({type(reply).__name__}) for request {rid}"
+            )
         if isinstance(reply, P.Error):
             if reply.code in (P.ErrorCode.CLOSED, P.ErrorCode.BAD_FRAME):
                 raise _Down(f"{reply.code.value}: {reply.message}")
@@ -216,8 +258,15 @@ class NodeKVStore:
         raises :class:`ConfigError` from the call that connects.
     """
 
-    def __init__(self, url: str, layout: KVLayout, *, timeout_s: float = 5.0, pool: str | None = None,
-                 retry_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        layout: KVLayout,
+        *,
+        timeout_s: float = 5.0,
+        pool: str | None = None,
+        retry_s: float = 0.5,
+    ) -> None:
         if not timeout_s > 0 or not retry_s >= 0:
             raise ConfigError(f"timeout_s={timeout_s} (> 0), retry_s={retry_s} (>= 0)")
         self.url = url
@@ -252,8 +301,9 @@ class NodeKVStore:
         if time.monotonic() - self._last_fail < self.retry_s:
             raise _Down("the service was down moments ago")
         try:
-            self._conn = _Connection(self.path, self.layout, self.pool, self.timeout_s,
-                                     f"tierstore pid {os.getpid()}")
+            self._conn = _Connection(
+                self.path, self.layout, self.pool, self.timeout_s, f"tierstore pid {os.getpid()}"
+            )
         except _Down:
             self._last_fail = time.monotonic()
             raise
@@ -326,8 +376,16 @@ class NodeKVStore:
                 return 0  # the session ended: the service released them
 
     # ------------------------------------------------------------------ store
-    def store(self, ns: Namespace | bytes, token_ids, kv_blocks, start_block: int = 0,
-              lifetime: str | None = None, *, wait: bool = True):
+    def store(
+        self,
+        ns: Namespace | bytes,
+        token_ids,
+        kv_blocks,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ):
         """Store KV of full blocks of a prompt (as :meth:`KVStore.store`); ``REJECTED`` per block
         while the service is down."""
         check_start_block(start_block)
@@ -335,18 +393,35 @@ class NodeKVStore:
         sources = plan_sources(kv_blocks, self.layout)
         return self._store_prompt(ns, keys, sources, start_block, lifetime, wait)
 
-    def store_keys(self, ns: Namespace | bytes, keys: Sequence[bytes], blocks, *, lifetime: str | None = None,
-                   first_position: int = 0, wait: bool = True):
+    def store_keys(
+        self,
+        ns: Namespace | bytes,
+        keys: Sequence[bytes],
+        blocks,
+        *,
+        lifetime: str | None = None,
+        first_position: int = 0,
+        wait: bool = True,
+    ):
         """Store blocks under keys the caller computed (as :meth:`KVStore.store_keys`)."""
         keys = check_keys(keys)
         sources = plan_sources(blocks, self.layout)
         if len(sources) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
-        return self._later(wait, self._store, self.digest(ns), keys, sources, _lifetime_code(lifetime),
-                           first_position)
+        return self._later(
+            wait, self._store, self.digest(ns), keys, sources, _lifetime_code(lifetime), first_position
+        )
 
-    def store_fragments(self, ns: Namespace | bytes, token_ids, fragments_per_block, start_block: int = 0,
-                        lifetime: str | None = None, *, wait: bool = True):
+    def store_fragments(
+        self,
+        ns: Namespace | bytes,
+        token_ids,
+        fragments_per_block,
+        start_block: int = 0,
+        lifetime: str | None = None,
+        *,
+        wait: bool = True,
+    ):
         """Store blocks given as engine fragments (as :meth:`KVStore.store_fragments`): each is
         gathered straight into its segment slot."""
         check_start_block(start_block)
@@ -357,17 +432,28 @@ class NodeKVStore:
 
     def _store_prompt(self, ns, keys, sources, start_block: int, lifetime, wait: bool):
         if start_block + len(sources) > len(keys):
-            raise LayoutError(f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                              f"{len(keys)} full blocks (partial tails are never stored)")
+            raise LayoutError(
+                f"{len(sources)} blocks from block {start_block} exceed the prompt's "
+                f"{len(keys)} full blocks (partial tails are never stored)"
+            )
         end = start_block + len(sources)
-        return self._later(wait, self._store, self.digest(ns), keys[start_block:end], sources,
-                           _lifetime_code(lifetime), start_block)
+        return self._later(
+            wait,
+            self._store,
+            self.digest(ns),
+            keys[start_block:end],
+            sources,
+            _lifetime_code(lifetime),
+            start_block,
+        )
 
     def _later(self, wait: bool, fn, *args):
         if wait:
             return fn(*args)
         if self._pool_exec is None:
-            self._pool_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-node-client")
+            self._pool_exec = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierstore-node-client"
+            )
         return self._pool_exec.submit(fn, *args)
 
     def _store(self, ns: bytes, keys: list[bytes], sources, lifetime: int, first: int) -> list[Status]:
@@ -384,8 +470,11 @@ class NodeKVStore:
     def _store_chunk(self, ns: bytes, keys, sources, at: int, lifetime: int, first: int) -> list[Status]:
         if not keys:
             return []
-        t = self._call(lambda rid: P.PrepareStore(rid, ns=ns, keys=b"".join(keys), first_position=first,
-                                                  lifetime=lifetime, wait=True))
+        t = self._call(
+            lambda rid: P.PrepareStore(
+                rid, ns=ns, keys=b"".join(keys), first_position=first, lifetime=lifetime, wait=True
+            )
+        )
         statuses = P.unpack_statuses(t.statuses)
         slots = P.unpack_slots(t.slots)
         gens = P.unpack_u64(t.gens)
@@ -394,8 +483,10 @@ class NodeKVStore:
         assert rows is not None
         ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
         todo = np.flatnonzero(ok).tolist()
-        shared_copier().run([functools.partial(sources[at + i].gather, rows[int(slots[i])], 0) for i in todo],
-                            len(todo) * self.layout.bytes_per_block)
+        shared_copier().run(
+            [functools.partial(sources[at + i].gather, rows[int(slots[i])], 0) for i in todo],
+            len(todo) * self.layout.bytes_per_block,
+        )
         ok &= self._same_gens(seg, slots, gens)
         out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
         return P.unpack_statuses(out.statuses)
@@ -414,8 +505,14 @@ class NodeKVStore:
         while the service is down."""
         return self._lookup(self.keys_for(ns, token_ids), request_id, self.digest(ns))
 
-    def lookup_keys(self, keys: Sequence[bytes], request_id: object = None, *,
-                    num_prompt_tokens: int | None = None, ns: Namespace | bytes | None = None) -> LookupResult:
+    def lookup_keys(
+        self,
+        keys: Sequence[bytes],
+        request_id: object = None,
+        *,
+        num_prompt_tokens: int | None = None,
+        ns: Namespace | bytes | None = None,
+    ) -> LookupResult:
         """Longest cached prefix of ``keys`` (as :meth:`KVStore.lookup_keys`)."""
         return self._lookup(check_keys(keys), request_id, None if ns is None else self.digest(ns))
 
@@ -429,13 +526,22 @@ class NodeKVStore:
             if request_id is not None:
                 hold = self._holds.setdefault(request_id, next(self._next_hold))
             try:
-                r = self._call(lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=b"".join(keys),
-                                                    hold=hold, pin_s=None))
+                r = self._call(
+                    lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=b"".join(keys), hold=hold, pin_s=None)
+                )
             except (_Down, _Refused):
                 return miss
         m = r.matched
-        return LookupResult(keys[:m], [_TIERS[c] for c in r.tiers], P.unpack_load_s(r.load_s).tolist(), r.useful,
-                            len(keys), tpb, request_id, r.reason)
+        return LookupResult(
+            keys[:m],
+            [_TIERS[c] for c in r.tiers],
+            P.unpack_load_s(r.load_s).tolist(),
+            r.useful,
+            len(keys),
+            tpb,
+            request_id,
+            r.reason,
+        )
 
     def probe(self, ns: Namespace | bytes, token_ids) -> int:
         """Matched tokens, no references taken (0 while the service is down)."""
@@ -455,7 +561,9 @@ class NodeKVStore:
                 return 0
 
     # ------------------------------------------------------------------ load
-    def load(self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None):
+    def load(
+        self, keys, dests=None, promote: bool = True, *, wait: bool = True, timeout_s: float | None = None
+    ):
         """Load blocks (default: a lookup's useful keys) into ``dests`` or new CPU tensors (as
         :meth:`KVStore.load`): ``(statuses, tensors)``; ``MISS`` while the service is down."""
         if isinstance(keys, LookupResult):
@@ -464,7 +572,9 @@ class NodeKVStore:
         plans, finish = plan_destinations(len(keys), dests, self.layout)
         return self._later(wait, lambda: finish(self._load(keys, plans, timeout_s)))
 
-    def load_fragments(self, keys, dest_fragments_per_block, *, wait: bool = True, timeout_s: float | None = None):
+    def load_fragments(
+        self, keys, dest_fragments_per_block, *, wait: bool = True, timeout_s: float | None = None
+    ):
         """Load blocks and scatter each straight out of its slot into its destination fragments
         (as :meth:`KVStore.load_fragments`); per-block statuses."""
         if isinstance(keys, LookupResult):
@@ -493,8 +603,9 @@ class NodeKVStore:
     def _load_chunk(self, keys, plans, at: int, timeout_s: float | None) -> list[Status]:
         if not keys:
             return []
-        t = self._call(lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True),
-                       timeout_s)
+        t = self._call(
+            lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True), timeout_s
+        )
         statuses = P.unpack_statuses(t.statuses)
         slots = P.unpack_slots(t.slots)
         gens = P.unpack_u64(t.gens)
@@ -503,13 +614,58 @@ class NodeKVStore:
         assert rows is not None
         ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
         todo = np.flatnonzero(ok).tolist()
-        shared_copier().run([functools.partial(plans[at + i].scatter, rows[int(slots[i])], 0) for i in todo],
-                            len(todo) * self.layout.bytes_per_block)
+        shared_copier().run(
+            [functools.partial(plans[at + i].scatter, rows[int(slots[i])], 0) for i in todo],
+            len(todo) * self.layout.bytes_per_block,
+        )
         ok &= self._same_gens(seg, slots, gens)
         self._call(lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s)
         return [Status.OK if k else Status.MISS for k in ok.tolist()]
 
     # ------------------------------------------------------------------ pins, invalidation, stats
+    def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> concurrent.futures.Future:
+        """Bring the resident full blocks of a prefix up to ``tier`` of the service's store in the
+        background (as :meth:`KVStore.prefetch`).
+
+        Returns
+        -------
+        concurrent.futures.Future
+            Resolves to the number of blocks brought up (0 while the service is down).
+
+        Raises
+        ------
+        StoreClosedError
+            After :meth:`close`.
+        ConfigError
+            ``tier`` is not ``"host"`` or ``"hbm"`` (at once); the future raises it for a tier
+            the service's store does not have.
+
+        The service's session thread waits for the copies, within this client's ``timeout_s``.
+        """
+        if self._closed:
+            raise StoreClosedError("NodeKVStore is closed")
+        if tier not in ("host", "hbm"):
+            raise ConfigError(f"tier={tier!r}: accepted values are ['hbm', 'host']")
+        keys = self.keys_for(ns, token_ids)
+        d = self.digest(ns)
+
+        def run() -> int:
+            with self._lock:
+                try:
+                    return int(
+                        self._call(lambda rid: P.Prefetch(rid, ns=d, keys=b"".join(keys), tier=tier)).n
+                    )
+                except _Down:
+                    return 0
+                except _Refused as e:
+                    raise ConfigError(f"node service {self.url} refused the prefetch: {e}") from None
+
+        if not keys:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(0)
+            return done
+        return self._later(False, run)
+
     def pin(self, ns: Namespace | bytes, token_ids, lease_s: float | None = None) -> Lease:
         """Pin the resident blocks of a prefix (as :meth:`KVStore.pin`); an empty lease (id 0)
         while the service is down."""
@@ -535,7 +691,7 @@ class NodeKVStore:
                 return Lease(0, d, [], 0.0, 0)
             except _Down:
                 return Lease(0, d, [], 0.0, 0)
-        return Lease(r.lease_id, d, keys[:r.pinned], time.monotonic() + r.expires_in_s, r.lease_bytes)
+        return Lease(r.lease_id, d, keys[: r.pinned], time.monotonic() + r.expires_in_s, r.lease_bytes)
 
     def unpin(self, lease: Lease | int) -> bool:
         """End a lease of this session; ``False`` if it was not live (or the service is down)."""
@@ -561,7 +717,9 @@ class NodeKVStore:
             try:
                 return int(self._call(lambda rid: P.Invalidate(rid, ns=d)).n)
             except _Down as e:
-                raise StoreClosedError(f"node service {self.url} is down; nothing was invalidated ({e})") from e
+                raise StoreClosedError(
+                    f"node service {self.url} is down; nothing was invalidated ({e})"
+                ) from e
             except _Refused as e:
                 raise TierStoreError(f"node service {self.url} refused the invalidation: {e}") from None
 
@@ -570,6 +728,7 @@ class NodeKVStore:
         (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
         ``gen_mismatch``: copies given up because their slot was reused)."""
         import json
+
         out: dict = {}
         with self._lock:
             if not self._closed:

@@ -11,6 +11,7 @@ serves one ``NodeCore`` per pool to engine processes (tickets over the UNIX sock
 over ``SCM_RIGHTS``) and the same :attr:`NodeCore.store` over HTTP; in an engine's scheduler
 process it is the embedded leader's store. It imports no engine integration.
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,22 +81,38 @@ class NodeCore(Closing):
         Split execution of stores and loads.
     """
 
-    def __init__(self, name: str, config: StoreConfig | dict, layout: KVLayout, *, staging_blocks: int = 256,
-                 lease_s: float = 60.0, quarantine_expired: bool = False, tick_s: float = 0.5,
-                 clean_below: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, **runtime) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: StoreConfig | dict,
+        layout: KVLayout,
+        *,
+        staging_blocks: int = 256,
+        lease_s: float = 60.0,
+        quarantine_expired: bool = False,
+        tick_s: float = 0.5,
+        clean_below: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        **runtime,
+    ) -> None:
         cfg = config if isinstance(config, StoreConfig) else StoreConfig.from_dict(config)
         bb = layout.bytes_per_block
         host = cfg.tiers.host.capacity_bytes // bb
         if cfg.tiers.hbm.capacity_bytes:
-            raise ConfigError("the node store has no HBM tier (tiers.hbm.capacity_bytes must be 0): "
-                              "engine memory belongs to the engines")
+            raise ConfigError(
+                "the node store has no HBM tier (tiers.hbm.capacity_bytes must be 0): "
+                "engine memory belongs to the engines"
+            )
         if host < 1:
-            raise ConfigError(f"the node store's host tier (tiers.host.capacity_bytes="
-                              f"{cfg.tiers.host.capacity_bytes}) must hold at least one {bb}-byte block")
+            raise ConfigError(
+                f"the node store's host tier (tiers.host.capacity_bytes="
+                f"{cfg.tiers.host.capacity_bytes}) must hold at least one {bb}-byte block"
+            )
         if staging_blocks < 0 or tick_s <= 0 or not 0 <= clean_below <= 1:
-            raise ConfigError(f"staging_blocks={staging_blocks} (>= 0), tick_s={tick_s} (> 0), "
-                              f"clean_below={clean_below} (in [0, 1])")
+            raise ConfigError(
+                f"staging_blocks={staging_blocks} (>= 0), tick_s={tick_s} (> 0), "
+                f"clean_below={clean_below} (in [0, 1])"
+            )
         self.name = name
         self.layout = layout
         self.segment = Segment.create(name, bb, host, staging_blocks)
@@ -122,12 +139,23 @@ class NodeCore(Closing):
         if self._closing.is_set() or self.store.closed:  # close the pool with close(), not its store's
             raise StoreClosedError(f"NodeCore.{what}: the pool {self.name!r} is closed")
 
-    def prepare_store(self, ns: bytes, keys, lifetime=None, first_position: int = 0, tokens=None, *,
-                      ranks: int = 1, wait: bool = False, on_ready=None) -> Ticket:
+    def prepare_store(
+        self,
+        ns: bytes,
+        keys,
+        lifetime=None,
+        first_position: int = 0,
+        tokens=None,
+        *,
+        ranks: int = 1,
+        wait: bool = False,
+        on_ready=None,
+    ) -> Ticket:
         """:meth:`PlanService.prepare_store`; :class:`StoreClosedError` once closing."""
         self._check_open("prepare_store")
-        return self.tickets.prepare_store(ns, keys, lifetime, first_position, tokens, ranks=ranks, wait=wait,
-                                          on_ready=on_ready)
+        return self.tickets.prepare_store(
+            ns, keys, lifetime, first_position, tokens, ranks=ranks, wait=wait, on_ready=on_ready
+        )
 
     def prepare_load(self, keys, *, ranks: int = 1, wait: bool = False, on_ready=None) -> Ticket:
         """:meth:`PlanService.prepare_load`; :class:`StoreClosedError` once closing."""
@@ -198,10 +226,16 @@ class NodeCore(Closing):
         host slots, the segment's size."""
         out = self.store.stats()
         h = self.segment.header
-        out["node"] = {"pool": self.name, "open_tickets": self.tickets.open_tickets(),
-                       "quarantined_slots": self.tickets.quarantined_slots(),
-                       "staging_slots": h.staging_slots, "staging_free": self.tickets.staging.free,
-                       "host_slots": h.host_slots, "slot_bytes": h.slot_bytes, "segment_bytes": h.segment_bytes}
+        out["node"] = {
+            "pool": self.name,
+            "open_tickets": self.tickets.open_tickets(),
+            "quarantined_slots": self.tickets.quarantined_slots(),
+            "staging_slots": h.staging_slots,
+            "staging_free": self.tickets.staging.free,
+            "host_slots": h.host_slots,
+            "slot_bytes": h.slot_bytes,
+            "segment_bytes": h.segment_bytes,
+        }
         return out
 
     def check_invariants(self, quiescent: bool = False) -> None:
@@ -235,4 +269,3 @@ class NodeCore(Closing):
         written = self.store.close(flush=flush)
         self.segment.close()
         return written
-

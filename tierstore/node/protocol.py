@@ -21,8 +21,9 @@ short, or does not decode raises :class:`ProtocolError` with ``ErrorCode.BAD_FRA
 receiver answers one ``Error`` and closes (:meth:`FrameSocket.fail`), since a stream cannot be
 resynchronised. Either side may send :class:`Bye` before closing.
 
-Tags: requests 1-17 (``Bye`` is 17 both ways), replies 64-72. Version :data:`PROTOCOL_VERSION`.
+Tags: requests 1-18 (``Bye`` is 17 both ways), replies 64-72. Version :data:`PROTOCOL_VERSION`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -400,6 +401,20 @@ class Reclaim(Request, tag=16):
     proof: Annotated[bytes, Meta(max_length=64)]
 
 
+class Prefetch(_KeysRequest, tag=18):
+    """Bring the resident ``keys`` of ``ns`` up to a faster tier of the service's store in the
+    background → :class:`Count` (blocks brought up, when it is done).
+
+    Attributes
+    ----------
+    tier : str
+        ``"host"`` or ``"hbm"`` (as :meth:`tierstore.api.KVStore.prefetch`); a tier the service's
+        store does not have is refused (``BAD_REQUEST``).
+    """
+
+    tier: Annotated[str, Meta(max_length=8)] = "host"
+
+
 class Bye(Request, tag=17):
     """The sender closes the connection after this (either direction); ``reason`` for logs."""
 
@@ -569,8 +584,26 @@ class Error(Reply, tag=72):
 
 
 #: what a client may send, in tag order
-REQUESTS = (Hello, Lookup, Exists, Release, Cancel, PrepareStore, CompleteStore, PrepareLoad,
-            CompleteLoad, Abort, Poll, Pin, Unpin, Invalidate, Stats, Reclaim, Bye)
+REQUESTS = (
+    Hello,
+    Lookup,
+    Exists,
+    Release,
+    Cancel,
+    PrepareStore,
+    CompleteStore,
+    PrepareLoad,
+    CompleteLoad,
+    Abort,
+    Poll,
+    Pin,
+    Unpin,
+    Invalidate,
+    Stats,
+    Reclaim,
+    Prefetch,
+    Bye,
+)
 #: what the service may send
 REPLIES = (Welcome, LookupReply, Count, TicketReply, StoreOutcome, Ack, LeaseReply, StatsReply, Error, Bye)
 ClientMessage = Union[REQUESTS]  # type: ignore[valid-type]  # noqa: UP007 (a tuple built above)
@@ -622,7 +655,7 @@ def unpack_keys(raw: bytes) -> list[bytes]:
         ``BAD_REQUEST`` when the length is not a multiple of 32.
     """
     _multiple("keys", raw, KEY_BYTES)
-    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
 
 def pack_statuses(statuses: Sequence[Status]) -> bytes:
@@ -727,7 +760,6 @@ def decode_body(decoder, body: bytes | memoryview) -> Message:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(body)}-byte frame: {e}") from e
 
 
-
 class FrameSocket:
     """One end of a node connection: whole messages out, whole messages in.
 
@@ -753,11 +785,14 @@ class FrameSocket:
         ``LIMIT`` for a ``max_frame_bytes`` out of range.
     """
 
-    def __init__(self, sock: socket.socket, decoder, *,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self, sock: socket.socket, decoder, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         if not 64 <= max_frame_bytes <= MAX_FRAME_LIMIT_BYTES:
-            raise ProtocolError(ErrorCode.LIMIT, f"max_frame_bytes={max_frame_bytes}: "
-                                                 f"must be in [64, {MAX_FRAME_LIMIT_BYTES}]")
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"max_frame_bytes={max_frame_bytes}: must be in [64, {MAX_FRAME_LIMIT_BYTES}]",
+            )
         self.sock = sock
         self.max_frame_bytes = int(max_frame_bytes)
         self.broken = False
@@ -789,9 +824,11 @@ class FrameSocket:
         self._enc.encode_into(msg, out, FRAME_HEADER.size)
         n = len(out) - FRAME_HEADER.size
         if n > self.max_frame_bytes:
-            del out[FRAME_HEADER.size:]
-            raise ProtocolError(ErrorCode.LIMIT, f"{type(msg).__name__} of {n} bytes exceeds "
-                                                 f"max_frame_bytes={self.max_frame_bytes}")
+            del out[FRAME_HEADER.size :]
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"{type(msg).__name__} of {n} bytes exceeds max_frame_bytes={self.max_frame_bytes}",
+            )
         FRAME_HEADER.pack_into(out, 0, n)
         view = memoryview(out)
         try:
@@ -851,8 +888,9 @@ class FrameSocket:
             self._read_exact(head, got, "frame header")
             (n,) = FRAME_HEADER.unpack(self._head)
             if not 0 < n <= self.max_frame_bytes:
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {n} bytes: allowed 1 to "
-                                                         f"{self.max_frame_bytes}")
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"frame of {n} bytes: allowed 1 to {self.max_frame_bytes}"
+                )
             if len(self._buf) < n:
                 self._buf = bytearray(n)
             body = memoryview(self._buf)[:n]

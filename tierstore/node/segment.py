@@ -26,6 +26,7 @@ read-write: read-only clients must run as another user for that to be a boundary
 belongs to the process that made it; a forked child is refused (:class:`SegmentError`) and
 attaches its own. Linux only (memfd, seals, ``MADV_POPULATE_*``).
 """
+
 from __future__ import annotations
 
 import errno
@@ -136,8 +137,9 @@ class SegmentHeader:
         return self.slot_offset + self.slots * self.slot_bytes
 
     @classmethod
-    def for_blocks(cls, block_bytes: int, host_slots: int, staging_slots: int,
-                   boot_id: bytes) -> SegmentHeader:
+    def for_blocks(
+        cls, block_bytes: int, host_slots: int, staging_slots: int, boot_id: bytes
+    ) -> SegmentHeader:
         """The geometry for ``host_slots + staging_slots`` blocks of ``block_bytes`` bytes.
 
         Raises
@@ -149,19 +151,32 @@ class SegmentHeader:
         if not 0 < block_bytes <= MAX_SLOT_BYTES:
             raise LayoutError(f"segment: block_bytes={block_bytes} must be in [1, {MAX_SLOT_BYTES}]")
         if host_slots < 0 or staging_slots < 0 or host_slots + staging_slots == 0:
-            raise LayoutError(f"segment: host_slots={host_slots}, staging_slots={staging_slots}: "
-                              f"need >= 0 each and at least one slot")
+            raise LayoutError(
+                f"segment: host_slots={host_slots}, staging_slots={staging_slots}: "
+                f"need >= 0 each and at least one slot"
+            )
         if len(boot_id) != BOOT_ID_BYTES:
             raise LayoutError(f"segment: boot_id must be {BOOT_ID_BYTES} bytes, got {len(boot_id)}")
         slots = host_slots + staging_slots
-        return cls(slot_bytes=_round_up(block_bytes, PAGE_BYTES), host_slots=host_slots,
-                   staging_slots=staging_slots,
-                   slot_offset=_round_up(GEN_OFFSET + 8 * slots, SLOT_ALIGN_BYTES), boot_id=bytes(boot_id))
+        return cls(
+            slot_bytes=_round_up(block_bytes, PAGE_BYTES),
+            host_slots=host_slots,
+            staging_slots=staging_slots,
+            slot_offset=_round_up(GEN_OFFSET + 8 * slots, SLOT_ALIGN_BYTES),
+            boot_id=bytes(boot_id),
+        )
 
     def pack(self) -> bytes:
         """The header's ``HEADER.size`` bytes."""
-        return HEADER.pack(MAGIC, self.version, self.slot_bytes, self.host_slots, self.staging_slots,
-                           self.slot_offset, self.boot_id)
+        return HEADER.pack(
+            MAGIC,
+            self.version,
+            self.slot_bytes,
+            self.host_slots,
+            self.staging_slots,
+            self.slot_offset,
+            self.boot_id,
+        )
 
     @classmethod
     def unpack(cls, raw: bytes, size_bytes: int) -> SegmentHeader:
@@ -181,11 +196,18 @@ class SegmentHeader:
         if version != VERSION:
             raise SegmentError(f"segment layout version {version}; this tierstore reads {VERSION}")
         hdr = cls(slot_bytes, host, staging, slot_offset, boot_id, version)
-        if (slot_bytes == 0 or slot_bytes % PAGE_BYTES or slot_offset % SLOT_ALIGN_BYTES
-                or slot_offset < GEN_OFFSET + 8 * hdr.slots or hdr.segment_bytes != size_bytes):
-            raise SegmentError(f"segment header does not match its file: slot_bytes={slot_bytes}, "
-                               f"slots={host}+{staging}, slot_offset={slot_offset}, "
-                               f"{hdr.segment_bytes} bytes expected, the file has {size_bytes}")
+        if (
+            slot_bytes == 0
+            or slot_bytes % PAGE_BYTES
+            or slot_offset % SLOT_ALIGN_BYTES
+            or slot_offset < GEN_OFFSET + 8 * hdr.slots
+            or hdr.segment_bytes != size_bytes
+        ):
+            raise SegmentError(
+                f"segment header does not match its file: slot_bytes={slot_bytes}, "
+                f"slots={host}+{staging}, slot_offset={slot_offset}, "
+                f"{hdr.segment_bytes} bytes expected, the file has {size_bytes}"
+            )
         return hdr
 
 
@@ -216,8 +238,16 @@ class Segment(Closing):
         ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows it).
     """
 
-    def __init__(self, mm: mmap.mmap, header: SegmentHeader, *, fd: int | None, owner: bool,
-                 writable: bool, block_bytes: int) -> None:
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        header: SegmentHeader,
+        *,
+        fd: int | None,
+        owner: bool,
+        writable: bool,
+        block_bytes: int,
+    ) -> None:
         self._mm = mm
         self.header = header
         self.fd = fd
@@ -232,8 +262,9 @@ class Segment(Closing):
         # then refuses while any view lives, so no tensor ever outlives its mapping
         self._np = np.frombuffer(mm, dtype=np.uint8)
         with warnings.catch_warnings():  # a read-only mapping: torch cannot mark tensors read-only
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="The given NumPy array is not writable", category=UserWarning
+            )
             self._bytes = torch.from_numpy(self._np)
         self._gens = np.frombuffer(mm, dtype="<u8", count=header.slots, offset=GEN_OFFSET)
         if not owner:
@@ -244,8 +275,15 @@ class Segment(Closing):
     # -- making one -------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, block_bytes: int, host_slots: int, staging_slots: int = 0, *,
-               boot_id: bytes | None = None) -> Segment:
+    def create(
+        cls,
+        name: str,
+        block_bytes: int,
+        host_slots: int,
+        staging_slots: int = 0,
+        *,
+        boot_id: bytes | None = None,
+    ) -> Segment:
         """Create, size, seal and map a new segment (the service side).
 
         Parameters
@@ -270,8 +308,12 @@ class Segment(Closing):
         """
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise SegmentError(f"segment name {name!r}: use 1-200 of A-Z a-z 0-9 . _ -")
-        hdr = SegmentHeader.for_blocks(block_bytes, host_slots, staging_slots,
-                                       secrets.token_bytes(BOOT_ID_BYTES) if boot_id is None else boot_id)
+        hdr = SegmentHeader.for_blocks(
+            block_bytes,
+            host_slots,
+            staging_slots,
+            secrets.token_bytes(BOOT_ID_BYTES) if boot_id is None else boot_id,
+        )
         memfd_create = getattr(os, "memfd_create", None)
         if memfd_create is None:
             raise SegmentError("the shared segment needs Linux memfd_create (os.memfd_create)")
@@ -287,7 +329,7 @@ class Segment(Closing):
         except OSError as e:
             os.close(fd)
             raise SegmentError(f"segment {name!r} of {hdr.segment_bytes} bytes: {e}") from e
-        mm[:HEADER.size] = hdr.pack()
+        mm[: HEADER.size] = hdr.pack()
         seg = cls(mm, hdr, fd=fd, owner=True, writable=True, block_bytes=block_bytes)
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
@@ -297,8 +339,7 @@ class Segment(Closing):
         return seg
 
     @classmethod
-    def attach(cls, fd: int, *, block_bytes: int | None = None,
-               boot_id: bytes | None = None) -> Segment:
+    def attach(cls, fd: int, *, block_bytes: int | None = None, boot_id: bytes | None = None) -> Segment:
         """Map a segment from an fd handed over by its owner (the engine side).
 
         Takes ownership of ``fd``: it is closed before this returns, mapped or not (the mapping
@@ -331,8 +372,10 @@ class Segment(Closing):
                 raise SegmentError(f"fd {fd} is not a sealed memfd segment: {e}") from e
             need = F_SEAL_SHRINK | F_SEAL_GROW
             if seals & need != need:
-                raise SegmentError(f"segment fd {fd} is not sealed against shrink and grow (seals "
-                                   f"{seals:#x}): another holder could truncate it under this mapping")
+                raise SegmentError(
+                    f"segment fd {fd} is not sealed against shrink and grow (seals "
+                    f"{seals:#x}): another holder could truncate it under this mapping"
+                )
             if st.st_size < PAGE_BYTES:
                 raise SegmentError(f"segment fd {fd}: {st.st_size} bytes, smaller than its header page")
             writable = mode == os.O_RDWR
@@ -344,10 +387,12 @@ class Segment(Closing):
         finally:
             os.close(fd)
         try:
-            hdr = SegmentHeader.unpack(mm[:HEADER.size], st.st_size)
+            hdr = SegmentHeader.unpack(mm[: HEADER.size], st.st_size)
             if boot_id is not None and hdr.boot_id != boot_id:
-                raise SegmentError(f"segment of boot {hdr.boot_id.hex()}, expected {bytes(boot_id).hex()}: "
-                                   f"the service restarted; connect again")
+                raise SegmentError(
+                    f"segment of boot {hdr.boot_id.hex()}, expected {bytes(boot_id).hex()}: "
+                    f"the service restarted; connect again"
+                )
             bb = hdr.slot_bytes if block_bytes is None else int(block_bytes)
             if not 0 < bb <= hdr.slot_bytes:
                 raise SegmentError(f"block_bytes={bb} does not fit the segment's {hdr.slot_bytes}-byte slots")
@@ -365,8 +410,10 @@ class Segment(Closing):
 
     def _check(self) -> None:
         if self._inherited:
-            raise SegmentError(f"this mapping of the segment was made by pid {self.pid} and inherited "
-                               f"across fork by pid {os.getpid()}: attach the segment in this process")
+            raise SegmentError(
+                f"this mapping of the segment was made by pid {self.pid} and inherited "
+                f"across fork by pid {os.getpid()}: attach the segment in this process"
+            )
         if self._closed:
             raise SegmentError("the segment is closed")
 
@@ -386,7 +433,7 @@ class Segment(Closing):
         """
         self._check_coarse()
         h = self.header
-        return self._bytes[h.slot_offset:h.segment_bytes].view(h.slots, h.slot_bytes)
+        return self._bytes[h.slot_offset : h.segment_bytes].view(h.slots, h.slot_bytes)
 
     def host_rows(self) -> torch.Tensor:
         """The host tier's slots for :meth:`BlockPool.from_tensor
@@ -398,7 +445,7 @@ class Segment(Closing):
         SegmentError
             On a closed segment or in a forked child.
         """
-        return self.rows()[:self.header.host_slots, :self.block_bytes]
+        return self.rows()[: self.header.host_slots, : self.block_bytes]
 
     def column(self, offset_bytes: int, shard_bytes: int, name: str = "host") -> ColumnPool:
         """One rank's share of every slot (see :class:`ColumnPool`).
@@ -495,12 +542,13 @@ class Segment(Closing):
                 except OSError as e:
                     if method == "auto" and start == 0 and e.errno == errno.EINVAL:
                         break  # an older kernel: no MADV_POPULATE_*
-                    raise SegmentError(f"madvise(MADV_POPULATE) of segment bytes "
-                                       f"[{start}, {start + chunk}): {e}") from e
+                    raise SegmentError(
+                        f"madvise(MADV_POPULATE) of segment bytes [{start}, {start + chunk}): {e}"
+                    ) from e
             else:
                 return "madvise"
         for start in range(0, size, chunk):
-            int(self._np[start:start + chunk:PAGE_BYTES].max())
+            int(self._np[start : start + chunk : PAGE_BYTES].max())
         return "touch"
 
     def register_cuda(self) -> None:
@@ -580,7 +628,6 @@ class Segment(Closing):
         self.fd = None
 
 
-
 class ColumnPool(BlockPool):
     """Rank ``r``'s column of a segment: a :class:`~tierstore.tiers.memory.BlockPool` whose slot
     ``s`` is bytes ``[offset_bytes, offset_bytes + shard_bytes)`` of segment slot ``s``.
@@ -619,8 +666,10 @@ class ColumnPool(BlockPool):
     def __init__(self, segment: Segment, offset_bytes: int, shard_bytes: int, name: str = "host") -> None:
         slot_bytes = segment.header.slot_bytes
         if offset_bytes < 0 or shard_bytes <= 0 or offset_bytes + shard_bytes > segment.block_bytes:
-            raise LayoutError(f"{name}: column [{offset_bytes}, {offset_bytes + shard_bytes}) does not fit "
-                              f"a {segment.block_bytes}-byte block ({slot_bytes}-byte slots)")
+            raise LayoutError(
+                f"{name}: column [{offset_bytes}, {offset_bytes + shard_bytes}) does not fit "
+                f"a {segment.block_bytes}-byte block ({slot_bytes}-byte slots)"
+            )
         self.segment = segment
         self.offset_bytes = int(offset_bytes)
         self.name = name
@@ -628,7 +677,7 @@ class ColumnPool(BlockPool):
         self.num_blocks = segment.header.slots
         self.device = torch.device("cpu")
         self.writable = segment.writable
-        self._rows = segment.rows()[:, offset_bytes:offset_bytes + shard_bytes]
+        self._rows = segment.rows()[:, offset_bytes : offset_bytes + shard_bytes]
 
     @property
     def data(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ answers (a live service) or is not a socket; a socket nobody listens on (a stale
 removed. Authentication is the socket file's mode: the ``Hello`` token and the leader/rank
 groups of the protocol are not served yet (a ``Hello`` with either is refused).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -150,11 +151,22 @@ class NodeServer:
         self._closing = threading.Event()
         self._accepter: threading.Thread | None = None
         self._handlers: dict[type, Callable[[_Session, Any], P.Reply]] = {
-            P.Lookup: self._lookup, P.Exists: self._exists, P.Release: self._release, P.Cancel: self._cancel,
-            P.PrepareStore: self._prepare_store, P.CompleteStore: self._complete_store,
-            P.PrepareLoad: self._prepare_load, P.CompleteLoad: self._complete_load, P.Abort: self._abort,
-            P.Poll: self._poll, P.Pin: self._pin, P.Unpin: self._unpin, P.Invalidate: self._invalidate,
-            P.Stats: self._stats, P.Reclaim: self._reclaim,
+            P.Lookup: self._lookup,
+            P.Exists: self._exists,
+            P.Release: self._release,
+            P.Cancel: self._cancel,
+            P.PrepareStore: self._prepare_store,
+            P.CompleteStore: self._complete_store,
+            P.PrepareLoad: self._prepare_load,
+            P.CompleteLoad: self._complete_load,
+            P.Abort: self._abort,
+            P.Poll: self._poll,
+            P.Pin: self._pin,
+            P.Unpin: self._unpin,
+            P.Invalidate: self._invalidate,
+            P.Stats: self._stats,
+            P.Reclaim: self._reclaim,
+            P.Prefetch: self._prefetch,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,8 +190,9 @@ class NodeServer:
         self._listener = ls
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="tierstore-node-accept")
         self._accepter.start()
-        _log.info("node service listening on %s (pool %r, mode %s)", self.path, self.core.name,
-                  self.cfg.socket_mode)
+        _log.info(
+            "node service listening on %s (pool %r, mode %s)", self.path, self.core.name, self.cfg.socket_mode
+        )
         return self
 
     def close(self) -> None:
@@ -296,21 +309,24 @@ class NodeServer:
                 return P.Error(rid, P.ErrorCode.BAD_REQUEST, "say Hello first")
             keys = getattr(msg, "keys", b"")
             if len(keys) > self.cfg.max_keys * P.KEY_BYTES:
-                return P.Error(rid, P.ErrorCode.LIMIT, f"{len(keys) // P.KEY_BYTES} keys; this service takes "
-                                                       f"{self.cfg.max_keys} a request")
+                return P.Error(
+                    rid,
+                    P.ErrorCode.LIMIT,
+                    f"{len(keys) // P.KEY_BYTES} keys; this service takes {self.cfg.max_keys} a request",
+                )
             return self._handlers[type(msg)](s, msg)
         except P.ProtocolError as e:
             return e.error(rid)
         except QuotaExceeded as e:
-            return P.Error(rid, P.ErrorCode.QUOTA, str(e)[:P.MAX_TEXT_CHARS])
+            return P.Error(rid, P.ErrorCode.QUOTA, str(e)[: P.MAX_TEXT_CHARS])
         except StoreClosedError as e:
-            return P.Error(rid, P.ErrorCode.CLOSED, str(e)[:P.MAX_TEXT_CHARS])
+            return P.Error(rid, P.ErrorCode.CLOSED, str(e)[: P.MAX_TEXT_CHARS])
         except TierStoreError as e:  # TicketError, ConfigError, LayoutError: the request's fault
-            return P.Error(rid, P.ErrorCode.BAD_REQUEST, str(e)[:P.MAX_TEXT_CHARS])
+            return P.Error(rid, P.ErrorCode.BAD_REQUEST, str(e)[: P.MAX_TEXT_CHARS])
         except Exception as e:  # noqa: BLE001 (logged and counted; the client takes it as a miss)
             self.core.index.metrics.inc("node_internal_errors")
             _log.exception("node session %d: %s failed", s.sid, type(msg).__name__)
-            return P.Error(rid, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_TEXT_CHARS])
+            return P.Error(rid, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[: P.MAX_TEXT_CHARS])
 
     def _hello(self, s: _Session, m: P.Hello) -> P.Reply | None:
         core = self.core
@@ -325,17 +341,30 @@ class NodeServer:
         elif m.token:
             why = "this service has no token authentication (the socket file's mode is the boundary)"
         elif m.pool is not None and m.pool != core.name:
-            return P.Error(m.rid, P.ErrorCode.NOT_FOUND, f"no pool {m.pool!r}; this service serves {core.name!r}")
+            return P.Error(
+                m.rid, P.ErrorCode.NOT_FOUND, f"no pool {m.pool!r}; this service serves {core.name!r}"
+            )
         elif m.block_bytes != lay.bytes_per_block or m.tokens_per_block != lay.tokens_per_block:
-            why = (f"block class {m.block_bytes} B / {m.tokens_per_block} tokens; pool {core.name!r} holds "
-                   f"{lay.bytes_per_block} B / {lay.tokens_per_block} tokens blocks")
+            why = (
+                f"block class {m.block_bytes} B / {m.tokens_per_block} tokens; pool {core.name!r} holds "
+                f"{lay.bytes_per_block} B / {lay.tokens_per_block} tokens blocks"
+            )
         if why is not None:
             return P.Error(m.rid, P.ErrorCode.BAD_REQUEST, why)
         h = core.segment.header
-        w = P.Welcome(m.rid, session=s.sid, pool=core.name, block_bytes=core.segment.block_bytes,
-                      slot_bytes=h.slot_bytes, host_slots=h.host_slots, staging_slots=h.staging_slots,
-                      segment_bytes=h.segment_bytes, boot_id=h.boot_id, op_timeout_s=self.cfg.op_timeout_s,
-                      max_keys=self.cfg.max_keys)
+        w = P.Welcome(
+            m.rid,
+            session=s.sid,
+            pool=core.name,
+            block_bytes=core.segment.block_bytes,
+            slot_bytes=h.slot_bytes,
+            host_slots=h.host_slots,
+            staging_slots=h.staging_slots,
+            segment_bytes=h.segment_bytes,
+            boot_id=h.boot_id,
+            op_timeout_s=self.cfg.op_timeout_s,
+            max_keys=self.cfg.max_keys,
+        )
         assert core.segment.fd is not None
         s.frames.send(w, fds=[core.segment.fd])
         s.welcomed = True
@@ -346,12 +375,15 @@ class NodeServer:
     def _notices(self, s: _Session, reply):
         """``reply`` with the session's Ready notices not told yet."""
         with s.lock:
-            ready, s.ready = s.ready[:P.MAX_READY], s.ready[P.MAX_READY:]
+            ready, s.ready = s.ready[: P.MAX_READY], s.ready[P.MAX_READY :]
         if not ready:
             return reply
         failed = [(i, k) for i, r in enumerate(ready) for k in r.failed]
-        return dataclasses.replace(reply, ready_ids=P.pack_u64([r.plan_id for r in ready]),
-                                   ready_failed=P.pack_failed(failed) if failed else b"")
+        return dataclasses.replace(
+            reply,
+            ready_ids=P.pack_u64([r.plan_id for r in ready]),
+            ready_failed=P.pack_failed(failed) if failed else b"",
+        )
 
     def _hold(self, s: _Session, hold: int | None):
         if hold is None:
@@ -365,10 +397,17 @@ class NodeServer:
         res = self.core.lookup(keys, self._hold(s, m.hold), ns)
         if m.pin_s is not None and res.keys and ns is not None:
             s.leases.add(self.core.pin(ns, res.keys, m.pin_s).lease_id)
-        return self._notices(s, P.LookupReply(
-            m.rid, matched=len(res.keys), useful=res.useful_blocks, tiers=bytes(res.tiers),
-            load_s=P.pack_load_s(res.load_s), reason=(res.not_useful_reason or None) and
-            res.not_useful_reason[:P.MAX_TEXT_CHARS]))
+        return self._notices(
+            s,
+            P.LookupReply(
+                m.rid,
+                matched=len(res.keys),
+                useful=res.useful_blocks,
+                tiers=bytes(res.tiers),
+                load_s=P.pack_load_s(res.load_s),
+                reason=(res.not_useful_reason or None) and res.not_useful_reason[: P.MAX_TEXT_CHARS],
+            ),
+        )
 
     def _exists(self, s: _Session, m: P.Exists):
         return self._notices(s, P.Count(m.rid, n=self.core.store.exists(P.unpack_keys(m.keys))))
@@ -383,29 +422,43 @@ class NodeServer:
 
     def _room(self, s: _Session, rid: int):
         if len(s.tickets) >= self.cfg.max_tickets_per_client:
-            return P.Error(rid, P.ErrorCode.BUSY, f"{len(s.tickets)} tickets open in this session "
-                                                  f"(max_tickets_per_client={self.cfg.max_tickets_per_client})")
+            return P.Error(
+                rid,
+                P.ErrorCode.BUSY,
+                f"{len(s.tickets)} tickets open in this session "
+                f"(max_tickets_per_client={self.cfg.max_tickets_per_client})",
+            )
         return None
 
     def _on_ready(self, s: _Session):
         def tell(r: Ready) -> None:
             with s.lock:
                 s.ready.append(r)
+
         return tell
 
     def _ticket_reply(self, s: _Session, rid: int, t) -> P.Reply:
         s.tickets.add(t.plan_id)
-        return self._notices(s, P.TicketReply(rid, plan_id=t.plan_id, statuses=P.pack_statuses(t.statuses),
-                                              slots=P.pack_slots(t.slots), gens=P.pack_u64(t.gens),
-                                              ready=bool(t.ready)))
+        return self._notices(
+            s,
+            P.TicketReply(
+                rid,
+                plan_id=t.plan_id,
+                statuses=P.pack_statuses(t.statuses),
+                slots=P.pack_slots(t.slots),
+                gens=P.pack_u64(t.gens),
+                ready=bool(t.ready),
+            ),
+        )
 
     def _prepare_store(self, s: _Session, m: P.PrepareStore):
         busy = self._room(s, m.rid)
         if busy is not None:
             return busy
         lifetime = P.LIFETIME_NAMES[m.lifetime]
-        t = self.core.prepare_store(m.ns, P.unpack_keys(m.keys), lifetime, m.first_position, wait=m.wait,
-                                    on_ready=self._on_ready(s))
+        t = self.core.prepare_store(
+            m.ns, P.unpack_keys(m.keys), lifetime, m.first_position, wait=m.wait, on_ready=self._on_ready(s)
+        )
         return self._ticket_reply(s, m.rid, t)
 
     def _mine(self, s: _Session, plan_id: int) -> None:
@@ -419,7 +472,9 @@ class NodeServer:
         if out is None:  # every ticket of a solo session has one rank
             raise P.ProtocolError(P.ErrorCode.INTERNAL, f"plan {m.plan_id}: no outcome after its one report")
         durable = bytes(1 if i in out.durable else 0 for i in range(len(out.statuses)))
-        return self._notices(s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable))
+        return self._notices(
+            s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable)
+        )
 
     def _prepare_load(self, s: _Session, m: P.PrepareLoad):
         busy = self._room(s, m.rid)
@@ -447,8 +502,16 @@ class NodeServer:
         lease = self.core.pin(m.ns, P.unpack_keys(m.keys), m.lease_s)
         s.leases.add(lease.lease_id)
         left = max(0.0, lease.expiry_s - self.core.index.runtime.clock()) if lease.keys else 0.0
-        return self._notices(s, P.LeaseReply(m.rid, lease_id=lease.lease_id, pinned=len(lease.keys),
-                                             lease_bytes=lease.bytes, expires_in_s=min(left, P.MAX_SECONDS)))
+        return self._notices(
+            s,
+            P.LeaseReply(
+                m.rid,
+                lease_id=lease.lease_id,
+                pinned=len(lease.keys),
+                lease_bytes=lease.bytes,
+                expires_in_s=min(left, P.MAX_SECONDS),
+            ),
+        )
 
     def _unpin(self, s: _Session, m: P.Unpin):
         if m.lease_id not in s.leases:
@@ -461,16 +524,30 @@ class NodeServer:
 
     def _stats(self, s: _Session, m: P.Stats):
         out = self.core.stats()
-        out["session"] = {"id": s.sid, "pid": s.pid, "open_tickets": len(s.tickets), "holds": len(s.holds),
-                          "leases": len(s.leases), "sessions": self.sessions()}
+        out["session"] = {
+            "id": s.sid,
+            "pid": s.pid,
+            "open_tickets": len(s.tickets),
+            "holds": len(s.holds),
+            "leases": len(s.leases),
+            "sessions": self.sessions(),
+        }
         raw = json.dumps(out, default=str).encode()
         if len(raw) > P.MAX_STATS_BYTES:
             raise P.ProtocolError(P.ErrorCode.LIMIT, f"statistics of {len(raw)} bytes")
         return self._notices(s, P.StatsReply(m.rid, json=raw))
 
+    def _prefetch(self, s: _Session, m: P.Prefetch):
+        # the session's thread waits for the copies (the client's future does not block its caller)
+        fut = self.core.store.prefetch_keys(P.unpack_keys(m.keys), m.tier)
+        return self._notices(s, P.Count(m.rid, n=int(fut.result())))
+
     def _reclaim(self, s: _Session, m: P.Reclaim):
-        raise P.ProtocolError(P.ErrorCode.BAD_REQUEST, "reclaim is not served: a session's quarantined slots "
-                                                       "are freed when its process exits or after lease_s")
+        raise P.ProtocolError(
+            P.ErrorCode.BAD_REQUEST,
+            "reclaim is not served: a session's quarantined slots "
+            "are freed when its process exits or after lease_s",
+        )
 
     # ------------------------------------------------------------------ the end of a session
     def _end_session(self, s: _Session) -> None:
@@ -483,8 +560,7 @@ class NodeServer:
                 core.store.unpin(lease_id)
             open_ids = set(core.tickets.open_ids())
             mine = [p for p in s.tickets if p in open_ids]
-            if mine and not s.said_bye and not self._closing.is_set() \
-                    and not _exited(s.pidfd, _EXIT_GRACE_S):
+            if mine and not s.said_bye and not self._closing.is_set() and not _exited(s.pidfd, _EXIT_GRACE_S):
                 self._quarantine_until_gone(s, mine)
             for plan_id in mine:
                 core.abort(plan_id)
@@ -525,11 +601,23 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     if cfg.node is None:
         raise ConfigError("the config has no 'node' section (node: {socket: /run/tierstore/node.sock})")
     node, tiers = cfg.node, cfg.tiers
-    pol = cfg.policies.model_copy(update={
-        "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
-        "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})
-    core = NodeCore(node.pool, StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), cfg.layout.build(),
-                    staging_blocks=node.staging_blocks, lease_s=node.lease_s, quarantine_expired=True)
+    pol = cfg.policies.model_copy(
+        update={
+            "pin_quota_bytes": cfg.limits.pin_quota_bytes,
+            "default_lease_s": cfg.limits.default_lease_s,
+            "write_policy": "write_through"
+            if (cfg.puts.durable and tiers.nvme is not None)
+            else "write_back",
+        }
+    )
+    core = NodeCore(
+        node.pool,
+        StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote),
+        cfg.layout.build(),
+        staging_blocks=node.staging_blocks,
+        lease_s=node.lease_s,
+        quarantine_expired=True,
+    )
     try:
         core.segment.prefault()  # host memory allocated now, not by the first copy into each slot
     except TierStoreError:

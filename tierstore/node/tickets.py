@@ -18,6 +18,7 @@ the owner of those slots is known to be done. An aborted ticket's slots have the
 bumped first, so a client that re-reads them after its copy sees a miss. Completing twice is
 answered with the first outcome.
 """
+
 from __future__ import annotations
 
 import collections
@@ -156,24 +157,31 @@ class PlanService:
     #: Outcomes of finished tickets kept to answer a repeated report.
     KEEP_FINISHED = 4096
 
-    def __init__(self, transfers: Transfers, segment: Segment, lease_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        transfers: Transfers,
+        segment: Segment,
+        lease_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.transfers = transfers
         self.index = transfers.index
         self.segment = segment
         h = segment.header
         shape = self.index.shape
         if shape.hbm_blocks or shape.host_blocks != h.host_slots:
-            raise ConfigError(f"split execution needs a store whose only memory tier is the segment's "
-                              f"{h.host_slots} host slots; the index has hbm={shape.hbm_blocks}, "
-                              f"host={shape.host_blocks} slots")
+            raise ConfigError(
+                f"split execution needs a store whose only memory tier is the segment's "
+                f"{h.host_slots} host slots; the index has hbm={shape.hbm_blocks}, "
+                f"host={shape.host_blocks} slots"
+            )
         if lease_s <= 0:
             raise ConfigError(f"lease_s={lease_s}: must be > 0")
         self.host_slots = h.host_slots
         self.staging = SlotAllocator(h.staging_slots)
         self.lease_s = float(lease_s)
         self.clock = clock
-        self._rows = segment.rows()[:, :segment.block_bytes]
+        self._rows = segment.rows()[:, : segment.block_bytes]
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
         self._finished: collections.OrderedDict[int, Ticket] = collections.OrderedDict()
@@ -197,12 +205,34 @@ class PlanService:
             self._tickets[t.plan_id] = t
         return t
 
-    def _open(self, kind: str, plan, statuses: list[Status], slots: np.ndarray, gens: np.ndarray, ranks: int,
-              staged: dict[int, int], on_ready: Callable[[Ready], None] | None) -> Ticket:
+    def _open(
+        self,
+        kind: str,
+        plan,
+        statuses: list[Status],
+        slots: np.ndarray,
+        gens: np.ndarray,
+        ranks: int,
+        staged: dict[int, int],
+        on_ready: Callable[[Ready], None] | None,
+    ) -> Ticket:
         """Register a ``kind`` (``"store"`` or ``"load"``) ticket of ``plan``, leased for ``lease_s``
         from now, and count it in ``tickets_<kind>``."""
-        t = self._register(Ticket(0, kind, list(plan.keys), statuses, slots, gens, ranks,
-                                  self.clock() + self.lease_s, plan=plan, staged=staged, on_ready=on_ready))
+        t = self._register(
+            Ticket(
+                0,
+                kind,
+                list(plan.keys),
+                statuses,
+                slots,
+                gens,
+                ranks,
+                self.clock() + self.lease_s,
+                plan=plan,
+                staged=staged,
+                on_ready=on_ready,
+            )
+        )
         self.index.metrics.inc("tickets_" + kind)
         return t
 
@@ -216,9 +246,18 @@ class PlanService:
         return gens
 
     # ------------------------------------------------------------------ store
-    def prepare_store(self, ns: bytes, keys: Sequence[bytes], lifetime=None, first_position: int = 0,
-                      tokens=None, *, ranks: int = 1, wait: bool = False,
-                      on_ready: Callable[[Ready], None] | None = None) -> Ticket:
+    def prepare_store(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        lifetime=None,
+        first_position: int = 0,
+        tokens=None,
+        *,
+        ranks: int = 1,
+        wait: bool = False,
+        on_ready: Callable[[Ready], None] | None = None,
+    ) -> Ticket:
         """Plan a store of ``keys`` and hand out a slot per new block.
 
         Parameters
@@ -261,8 +300,16 @@ class PlanService:
             slots[i] = s
         if cut is not None:
             self.index.metrics.inc("staging_full", sum(1 for i in need if i not in staged))
-        t = self._open("store", plan, statuses, slots, self._slot_gens(slots, self.segment.bump_gens), ranks,
-                       staged, on_ready)
+        t = self._open(
+            "store",
+            plan,
+            statuses,
+            slots,
+            self._slot_gens(slots, self.segment.bump_gens),
+            ranks,
+            staged,
+            on_ready,
+        )
         if not plan.nvme_demote or wait:
             self._store_prelude(t, announce=False)
             return t
@@ -287,8 +334,9 @@ class PlanService:
             raise
         self._became_ready(t, announce)
 
-    def complete_store(self, plan_id: int, ok: Sequence[bool], rank: int = 0, *,
-                       wait: bool = True) -> StoreResult | None | Future:
+    def complete_store(
+        self, plan_id: int, ok: Sequence[bool], rank: int = 0, *, wait: bool = True
+    ) -> StoreResult | None | Future:
         """Report rank ``rank``'s copies into a store ticket's slots (``ok[i]``: key ``i``'s shard
         is in its slot; ignored for keys without a slot; a sequence of bools or ``u8`` bytes).
 
@@ -328,8 +376,10 @@ class PlanService:
         """The second half: a key with a slot is ``OK`` where every rank copied it, else
         ``IO_ERROR``; a key handed no slot stays ``NO_SPACE``."""
         sources = [self.slot_plan(int(s)) if s >= 0 else None for s in t.slots]
-        copied = [(Status.OK if and_ok[i] else Status.IO_ERROR) if t.slots[i] >= 0 else t.statuses[i]
-                  for i in range(len(t.keys))]
+        copied = [
+            (Status.OK if and_ok[i] else Status.IO_ERROR) if t.slots[i] >= 0 else t.statuses[i]
+            for i in range(len(t.keys))
+        ]
         try:
             st, durable = self.transfers.store_epilogue(t.plan, sources, copied, publish)
         except BaseException:
@@ -338,8 +388,14 @@ class PlanService:
         return self._finish(t, StoreResult(st, frozenset(durable)))
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, keys: Sequence[bytes], *, ranks: int = 1, wait: bool = False,
-                     on_ready: Callable[[Ready], None] | None = None) -> Ticket:
+    def prepare_load(
+        self,
+        keys: Sequence[bytes],
+        *,
+        ranks: int = 1,
+        wait: bool = False,
+        on_ready: Callable[[Ready], None] | None = None,
+    ) -> Ticket:
         """Plan a load of ``keys``: a host-resident block is read from its host slot (the index
         holds it: never a victim before completion); an NVMe block is staged into a staging slot
         (on the load queue, or in this thread with ``wait``). A key not resident, or with no
@@ -373,8 +429,16 @@ class PlanService:
             slots[i], statuses[i] = s, Status.OK
         if got:
             self.segment.bump_gens(got)
-        t = self._open("load", plan, statuses, slots, self._slot_gens(slots, self.segment.gens_of), ranks,
-                       staged, on_ready)
+        t = self._open(
+            "load",
+            plan,
+            statuses,
+            slots,
+            self._slot_gens(slots, self.segment.gens_of),
+            ranks,
+            staged,
+            on_ready,
+        )
         if not staged or wait:
             self._load_prelude(t, announce=False)
             return t
@@ -390,7 +454,8 @@ class PlanService:
         if t.staged:
             try:
                 st, t.nvme_s = self.transfers.load_prelude(
-                    t.plan, {i: self.slot_plan(s, destination=True) for i, s in t.staged.items()})
+                    t.plan, {i: self.slot_plan(s, destination=True) for i, s in t.staged.items()}
+                )
             except BaseException:  # the plan was completed: every key a miss
                 self._finish(t, [Status.IO_ERROR if s is Status.OK else s for s in t.statuses])
                 raise
@@ -461,7 +526,11 @@ class PlanService:
             else:
                 if t.state == PREPARING:
                     raise TicketError(f"plan {plan_id}: not ready yet (its slots are not usable)")
-                got = np.frombuffer(ok, dtype=np.uint8) if isinstance(ok, (bytes, bytearray, memoryview)) else ok
+                got = (
+                    np.frombuffer(ok, dtype=np.uint8)
+                    if isinstance(ok, (bytes, bytearray, memoryview))
+                    else ok
+                )
                 t.reports.setdefault(rank, np.asarray(got, dtype=bool).copy())
                 if len(t.reports) < t.ranks:
                     return t, None
@@ -523,8 +592,11 @@ class PlanService:
         (its client may still be alive) quarantined (:meth:`quarantine`); returns how many."""
         now = self.clock() if now is None else now
         with self._lock:
-            late = [t.plan_id for t in self._tickets.values()
-                    if t.deadline_s <= now and t.state not in (COMPLETING, QUARANTINED)]
+            late = [
+                t.plan_id
+                for t in self._tickets.values()
+                if t.deadline_s <= now and t.state not in (COMPLETING, QUARANTINED)
+            ]
         n = sum((self.quarantine if quarantine else self.abort)(p) for p in late)
         if n:
             self.index.metrics.inc("tickets_expired", n)
@@ -616,6 +688,7 @@ class PlanService:
             if len(set(held)) != len(held):
                 raise InvariantError("a staging slot is held by two tickets")
             if self.staging.free + len(held) != self.staging.capacity:
-                raise InvariantError(f"staging: {self.staging.free} free + {len(held)} held != "
-                                     f"{self.staging.capacity}")
+                raise InvariantError(
+                    f"staging: {self.staging.free} free + {len(held)} held != {self.staging.capacity}"
+                )
         self.index.check_invariants()

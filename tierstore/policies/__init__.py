@@ -1,4 +1,5 @@
 """Policies: eviction (victim selection), admission, lifetime prediction, cost model."""
+
 from .admission import PredictedReuseAdmission, SecondSightingAdmission, make_admission
 from .base import EvictionPolicy, make_policy, policy_names, register_policy
 from .costaware import CostAwarePolicy
@@ -7,6 +8,20 @@ from .lru import LRUPolicy
 from .registry import ADMISSION, CLASSIFIER, EVICTION, REINSERT
 from .s3fifo import S3FIFOPolicy
 
-__all__ = ["ADMISSION", "CLASSIFIER", "EVICTION", "REINSERT", "CostAwarePolicy", "EvictionPolicy", "LRUPolicy",
-           "PredictedReuseAdmission", "PrefixLifetimePredictor", "S3FIFOPolicy", "SecondSightingAdmission",
-           "make_admission", "make_policy", "policy_names", "register_policy"]
+__all__ = [
+    "ADMISSION",
+    "CLASSIFIER",
+    "EVICTION",
+    "REINSERT",
+    "CostAwarePolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PredictedReuseAdmission",
+    "PrefixLifetimePredictor",
+    "S3FIFOPolicy",
+    "SecondSightingAdmission",
+    "make_admission",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]

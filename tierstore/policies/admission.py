@@ -25,6 +25,7 @@ key set instead of a Bloom filter (a 32-byte key per rejected block).
 :class:`PredictedReuseAdmission` admits when a reuse predictor's probability
 exceeds a threshold.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,8 +53,10 @@ class SecondSightingAdmission:
 
     def __init__(self, min_hits: int = 1, ghost_keys: int = 1 << 18) -> None:
         if min_hits < 1 or ghost_keys < 1:
-            raise ConfigError(f"SecondSightingAdmission: min_hits and ghost_keys must be >= 1 "
-                              f"(got {min_hits}, {ghost_keys})")
+            raise ConfigError(
+                f"SecondSightingAdmission: min_hits and ghost_keys must be >= 1 "
+                f"(got {min_hits}, {ghost_keys})"
+            )
         self.min_hits = int(min_hits)
         self.ghost_keys = int(ghost_keys)
         self._ghost = GhostKeys(self.ghost_keys)
@@ -116,4 +119,5 @@ def make_admission(name: str | None) -> Callable[[EntryInfo], bool] | None:
     if name is None:
         return None
     from .registry import ADMISSION
+
     return ADMISSION.make(name)

@@ -7,6 +7,7 @@ with nothing (all or nothing). A policy never gates admission (LMCache's mistake
 of letting LRU decide SSD admission is avoided: admission is a separate
 component, :mod:`tierstore.policies.admission`).
 """
+
 from __future__ import annotations
 
 import abc
@@ -89,8 +90,9 @@ class EvictionPolicy(abc.ABC):
         """``key`` left this tier (evicted, demoted, invalidated). Unknown keys are ignored."""
 
     @abc.abstractmethod
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
-              max_scan: int | None = None) -> list[bytes]:
+    def evict(
+        self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
+    ) -> list[bytes]:
         """Pick ``n`` victims for which ``protected(key)`` is false.
 
         Returns exactly ``n`` keys, or ``[]`` when that many cannot be found.
@@ -111,6 +113,7 @@ def register_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
     configs and the bench CLI: :data:`tierstore.policies.registry.EVICTION`); a name registered
     before is replaced."""
     from .registry import EVICTION
+
     EVICTION.register(name, factory, replace=True)
 
 
@@ -123,10 +126,12 @@ def make_policy(name: str) -> EvictionPolicy:
         For an unknown name; the message lists the registered ones.
     """
     from .registry import EVICTION
+
     return EVICTION.make(name)
 
 
 def policy_names() -> list[str]:
     """Registered policy names, sorted."""
     from .registry import EVICTION
+
     return sorted(EVICTION.names())

@@ -5,6 +5,7 @@ Every policy name is checked against its family's registry
 CLI read, so YAML, ``KVStore(...)`` keywords and an engine's extra config accept the same names.
 A name is kept as spelled (an alias stays an alias). Re-exported by :mod:`tierstore.config`.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -20,10 +21,12 @@ __all__ = ["PoliciesConfig"]
 
 def _registered(registry: Registry):
     """A field validator: the value is a name (or alias) of ``registry``; it is kept as spelled."""
+
     def check(v):
         if v not in registry:
             raise ValueError(f"accepted values are {sorted(registry.names())}")
         return v
+
     return field_validator(registry.family)(check)
 
 

@@ -14,6 +14,7 @@ engines with a measured quadratic attention term pass
 Continued in ``docs/POLICIES.md`` (``tierstore/policies/cost.py``): load time: declared, then
 measured, always bounded.
 """
+
 from __future__ import annotations
 
 import collections
@@ -74,16 +75,19 @@ class CostModel:
 
     prefill_tokens_per_s: float = 10_000.0
     bandwidth_bytes_per_s: dict = dataclasses.field(
-        default_factory=lambda: {"hbm": 1.0e12, "host": 2.0e10, "nvme": 2.0e9, "remote": 1.0e9})
+        default_factory=lambda: {"hbm": 1.0e12, "host": 2.0e10, "nvme": 2.0e9, "remote": 1.0e9}
+    )
     latency_s: dict = dataclasses.field(
-        default_factory=lambda: {"hbm": 5e-6, "host": 2e-5, "nvme": 2e-4, "remote": 1e-3})
+        default_factory=lambda: {"hbm": 5e-6, "host": 2e-5, "nvme": 2e-4, "remote": 1e-3}
+    )
     prefill_quadratic_s_per_token2: float = 0.0
     measured_window: int = 32
     min_measured: int = 3
     max_slowdown: float = 1.0
     max_speedup: float = 32.0
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False,
-                                              compare=False)
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
     #: (tier, block_bytes) -> recent seconds per block
     _samples: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     #: (tier, block_bytes) -> median seconds per block (set once min_measured loads are in)
@@ -100,11 +104,15 @@ class CostModel:
             if not v >= 0:
                 raise ConfigError(f"CostModel: latency_s[{t!r}]={v}: must be >= 0")
         if self.measured_window < 0 or self.min_measured < 1:
-            raise ConfigError(f"CostModel: measured_window={self.measured_window} must be >= 0 and "
-                             f"min_measured={self.min_measured} >= 1")
+            raise ConfigError(
+                f"CostModel: measured_window={self.measured_window} must be >= 0 and "
+                f"min_measured={self.min_measured} >= 1"
+            )
         if not (self.max_slowdown >= 1 and self.max_speedup >= 1):
-            raise ConfigError(f"CostModel: max_slowdown={self.max_slowdown} and max_speedup={self.max_speedup} "
-                             "must be >= 1 (1: no deviation from the declared figures that way)")
+            raise ConfigError(
+                f"CostModel: max_slowdown={self.max_slowdown} and max_speedup={self.max_speedup} "
+                "must be >= 1 (1: no deviation from the declared figures that way)"
+            )
 
     # ----------------------------------------------------------- prefill
     def prefill_s(self, num_tokens: int) -> float:
@@ -165,7 +173,13 @@ class CostModel:
         ``measured_window`` loads per (tier, block size); their median seconds
         per block is the measured estimate once ``min_measured`` are in.
         """
-        if seconds <= 0 or nbytes <= 0 or num_blocks <= 0 or self.measured_window <= 0 or not math.isfinite(seconds):
+        if (
+            seconds <= 0
+            or nbytes <= 0
+            or num_blocks <= 0
+            or self.measured_window <= 0
+            or not math.isfinite(seconds)
+        ):
             return
         bb = int(nbytes) // int(num_blocks)
         key = (tier, bb)
@@ -183,21 +197,33 @@ class CostModel:
                 self._warned.add(key)
         if warn:
             decl, priced = self.declared_s(tier, bb), self.load_s(tier, bb)
-            log.warning("%s loads measured %.2f ms per %s block, %.1fx the declared %.2f ms (%.2g B/s + %.2g s a "
-                        "call); %s: declare the tier's bandwidth if this is the device, not a busy machine", tier,
-                        m * 1e3, _size(bb), m / decl, decl * 1e3, self.bandwidth_bytes_per_s[tier],
-                        self.latency_s[tier], self._priced_text(priced, decl))
+            log.warning(
+                "%s loads measured %.2f ms per %s block, %.1fx the declared %.2f ms (%.2g B/s + %.2g s a "
+                "call); %s: declare the tier's bandwidth if this is the device, not a busy machine",
+                tier,
+                m * 1e3,
+                _size(bb),
+                m / decl,
+                decl * 1e3,
+                self.bandwidth_bytes_per_s[tier],
+                self.latency_s[tier],
+                self._priced_text(priced, decl),
+            )
 
     def _priced_text(self, priced_s: float, declared_s: float) -> str:
         """What the slow-measurement warning says loads are priced at, and why (``max_slowdown``)."""
         if self.max_slowdown == 1:
-            return (f"loads are still priced at the declared {declared_s * 1e3:.2f} ms (max_slowdown=1 caps the "
-                    "estimate at the declared figure)")
+            return (
+                f"loads are still priced at the declared {declared_s * 1e3:.2f} ms (max_slowdown=1 caps the "
+                "estimate at the declared figure)"
+            )
         if not math.isfinite(self.max_slowdown):
             return f"loads are priced at the measured {priced_s * 1e3:.2f} ms (max_slowdown=inf: no cap)"
-        return (f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the "
-                "estimate "
-                f"at {self.max_slowdown:g}x the declared figure)")
+        return (
+            f"loads are priced at {priced_s * 1e3:.2f} ms (max_slowdown={self.max_slowdown:g} caps the "
+            "estimate "
+            f"at {self.max_slowdown:g}x the declared figure)"
+        )
 
     def reset_measurements(self) -> None:
         """Forget every measurement (the declared figures apply again)."""
@@ -215,9 +241,12 @@ class CostModel:
             m = self.measured_s(t, block_bytes)
             with self._lock:
                 n = len(self._samples.get((t, int(block_bytes)), ()))
-            out[t] = {"declared_ms_per_block": self.declared_s(t, block_bytes) * 1e3,
-                      "measured_ms_per_block": None if m is None else m * 1e3, "measured_loads": n,
-                      "estimate_ms_per_block_of_8": sum(self.tier_load_s(t, block_bytes, 8)) / 8 * 1e3}
+            out[t] = {
+                "declared_ms_per_block": self.declared_s(t, block_bytes) * 1e3,
+                "measured_ms_per_block": None if m is None else m * 1e3,
+                "measured_loads": n,
+                "estimate_ms_per_block_of_8": sum(self.tier_load_s(t, block_bytes, 8)) / 8 * 1e3,
+            }
         return out
 
     # ----------------------------------------------------------- decisions
@@ -247,8 +276,9 @@ class CostModel:
         """Length ``k`` of the leading run that maximises ``saved_s(k)`` (0 if none saves time)."""
         return self.useful_prefix(self.chain_load_s(tiers, block_bytes), tokens_per_block)
 
-    def not_useful_reason(self, tiers: list[str], load_s: list[float], useful: int, block_bytes: int,
-                          tokens_per_block: int) -> str | None:
+    def not_useful_reason(
+        self, tiers: list[str], load_s: list[float], useful: int, block_bytes: int, tokens_per_block: int
+    ) -> str | None:
         """Why blocks ``useful:`` of a matched chain are not worth loading, or ``None``
         when every matched block is useful.
 
@@ -266,15 +296,19 @@ class CostModel:
         how = []
         for t in names:
             mm = self.measured_s(t, block_bytes)
-            decl = (f"declared {self.bandwidth_bytes_per_s[t]:.3g} B/s + "
-                    f"{self.latency_s[t] * 1e3:.3g} ms a call")
+            decl = (
+                f"declared {self.bandwidth_bytes_per_s[t]:.3g} B/s + {self.latency_s[t] * 1e3:.3g} ms a call"
+            )
             if mm is None:
                 how.append(f"{t}: {decl}")
             else:
-                how.append(f"{t}: measured {mm * 1e3:.3g} ms per block, bounded by {decl} "
-                           f"x{self.max_slowdown:g}")
+                how.append(
+                    f"{t}: measured {mm * 1e3:.3g} ms per block, bounded by {decl} x{self.max_slowdown:g}"
+                )
         verdict = "slower than" if est_s > re_s else "no faster than"
-        head = f"load {verdict} recompute: est {est_s * 1e3:.3g} ms vs recompute {re_s * 1e3:.3g} ms per block"
+        head = (
+            f"load {verdict} recompute: est {est_s * 1e3:.3g} ms vs recompute {re_s * 1e3:.3g} ms per block"
+        )
         return f"{head} ({'; '.join(how)})"
 
 
@@ -287,6 +321,7 @@ def _bounded_increments(m: float, lat: float, x: float, lo_f: float, hi_f: float
     a constant per block, so only its first block is computed. Lookups call
     this per tier: a few microseconds for any chain length.
     """
+
     def cum(j: int) -> float:
         if j <= 0:
             return 0.0
@@ -297,8 +332,8 @@ def _bounded_increments(m: float, lat: float, x: float, lo_f: float, hi_f: float
     j1 = lo_f * lat / (m - lo_f * x) if m > lo_f * x else math.inf
     # hi regime: j*m > hi_f*(lat + j*x)  <=>  j > hi_f*lat / (m - hi_f*x)
     j2 = hi_f * lat / (m - hi_f * x) if m > hi_f * x and math.isfinite(hi_f) else math.inf
-    a = count if math.isinf(j1) else max(0, min(count, math.ceil(j1) - 1))   # last j of the lo regime
-    b = count if math.isinf(j2) else max(a, min(count, math.floor(j2)))      # last j of the measured one
+    a = count if math.isinf(j1) else max(0, min(count, math.ceil(j1) - 1))  # last j of the lo regime
+    b = count if math.isinf(j2) else max(a, min(count, math.floor(j2)))  # last j of the measured one
     out = [0.0] * count
     for start, end, inc in ((1, a, lo_f * x), (a + 1, b, m), (b + 1, count, hi_f * x)):
         if start > end:
@@ -315,9 +350,14 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def measure_prefill_tokens_per_s(hidden: int = 1024, layers: int = 2, tokens: int = 512,
-                                 repeats: int = 3, device: str = "cpu",
-                                 dtype: torch.dtype | None = None) -> float:
+def measure_prefill_tokens_per_s(
+    hidden: int = 1024,
+    layers: int = 2,
+    tokens: int = 512,
+    repeats: int = 3,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> float:
     """Measure a prefill rate with a matmul proxy of a transformer's dense layers.
 
     Per layer, a prefill of ``n`` tokens runs the QKV and output projections
@@ -341,8 +381,8 @@ def measure_prefill_tokens_per_s(hidden: int = 1024, layers: int = 2, tokens: in
     dt = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dt)
-    w_attn = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden ** 0.5
-    w_up = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden ** 0.5
+    w_attn = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden**0.5
+    w_up = torch.randn(hidden, 4 * hidden, generator=g).to(device=device, dtype=dt) / hidden**0.5
     w_down = torch.randn(4 * hidden, hidden, generator=g).to(device=device, dtype=dt) / (4 * hidden) ** 0.5
     best_s = float("inf")
     for _ in range(max(1, repeats)):

@@ -19,6 +19,7 @@ Score of a resident block (higher = keep)::
 
 Continued in ``docs/POLICIES.md`` (``tierstore/policies/costaware.py``).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -48,11 +49,18 @@ class CostAwarePolicy(EvictionPolicy):
 
     name = "cost"
 
-    def __init__(self, cost: CostModel | None = None, horizon_s: float = 300.0,
-                 tokens_per_block: int = 512, reload_tier: str = "nvme") -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        horizon_s: float = 300.0,
+        tokens_per_block: int = 512,
+        reload_tier: str = "nvme",
+    ) -> None:
         if horizon_s <= 0 or tokens_per_block < 1:
-            raise ConfigError(f"CostAwarePolicy: horizon_s and tokens_per_block must be positive "
-                              f"(got {horizon_s}, {tokens_per_block})")
+            raise ConfigError(
+                f"CostAwarePolicy: horizon_s and tokens_per_block must be positive "
+                f"(got {horizon_s}, {tokens_per_block})"
+            )
         self.cost = cost or CostModel()
         self.horizon_s = float(horizon_s)
         self.tokens_per_block = int(tokens_per_block)
@@ -99,8 +107,9 @@ class CostAwarePolicy(EvictionPolicy):
         self._prio.pop(key, None)
         self._picked.discard(key)
 
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
-              max_scan: int | None = None) -> list[bytes]:
+    def evict(
+        self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
+    ) -> list[bytes]:
         if n <= 0:
             return []
         picked: list[tuple] = []
@@ -126,4 +135,3 @@ class CostAwarePolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._prio)
-

@@ -26,6 +26,7 @@ It satisfies both the manager's ``classify(entry, now_s)`` hook (call the
 object) and the FDP layer's :class:`tierstore.fdp.lifetime.LifetimeClassifier`
 protocol (``observe``/``classify`` by key).
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -54,9 +55,14 @@ class PrefixLifetimePredictor:
         Bound on per-key state for the key-based protocol.
     """
 
-    def __init__(self, shared_prefix_blocks: int = 2, long_min_hits: int = 2,
-                 long_max_interval_s: float = 600.0, medium_ns_reuse: float = 0.5,
-                 max_keys: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        shared_prefix_blocks: int = 2,
+        long_min_hits: int = 2,
+        long_max_interval_s: float = 600.0,
+        medium_ns_reuse: float = 0.5,
+        max_keys: int = 1 << 20,
+    ) -> None:
         if shared_prefix_blocks < 0 or long_min_hits < 1 or long_max_interval_s <= 0 or max_keys < 1:
             raise ConfigError("PrefixLifetimePredictor: thresholds must be positive")
         self.shared_prefix_blocks = int(shared_prefix_blocks)
@@ -107,8 +113,9 @@ class PrefixLifetimePredictor:
         """Record a store or reuse of ``key`` at ``now_s`` seconds."""
         self._history.observe(key, now_s)
 
-    def classify(self, key: Hashable, hint: str | LifetimeClass | None = None,
-                 now_s: float | None = None) -> LifetimeClass:
+    def classify(
+        self, key: Hashable, hint: str | LifetimeClass | None = None, now_s: float | None = None
+    ) -> LifetimeClass:
         """Class of a key from :meth:`observe` history (no position or namespace known)."""
         rec = self._seen.get(key)
         hits = 0 if rec is None else int(rec[2])
@@ -141,8 +148,9 @@ class ReuseEntryClassifier:
     Thresholds are engineering defaults, not fitted to a trace.
     """
 
-    def __init__(self, long_min_hits: int = 3, long_max_interval_s: float = 600.0,
-                 medium_max_idle_s: float = 600.0) -> None:
+    def __init__(
+        self, long_min_hits: int = 3, long_max_interval_s: float = 600.0, medium_max_idle_s: float = 600.0
+    ) -> None:
         if long_min_hits < 1 or long_max_interval_s <= 0 or medium_max_idle_s <= 0:
             raise ConfigError("ReuseEntryClassifier: thresholds must be positive")
         self.long_min_hits = int(long_min_hits)
@@ -226,9 +234,11 @@ def make_classifier(spec):
     if callable(spec):
         return spec
     from .registry import CLASSIFIER
+
     if spec not in CLASSIFIER:
-        raise ConfigError(f"classifier={spec!r}: accepted values are {CLASSIFIER.names()} or a callable "
-                          "f(entry, now_s)")
+        raise ConfigError(
+            f"classifier={spec!r}: accepted values are {CLASSIFIER.names()} or a callable f(entry, now_s)"
+        )
     return CLASSIFIER.make(spec)
 
 

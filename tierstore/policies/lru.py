@@ -1,4 +1,5 @@
 """Least-recently-used eviction, the baseline."""
+
 from __future__ import annotations
 
 import itertools
@@ -40,8 +41,9 @@ class LRUPolicy(EvictionPolicy):
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
-              max_scan: int | None = None) -> list[bytes]:
+    def evict(
+        self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
+    ) -> list[bytes]:
         if n <= 0:
             return []
         out: list[bytes] = []
@@ -55,4 +57,3 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
-

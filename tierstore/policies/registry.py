@@ -20,6 +20,7 @@ reinsert   ``none``, ``hits``, ``predicted``,     ``None`` (keep blocks in use o
 
 The NVMe region policy (``region_policy``) is a family of the I/O layer's segment policies.
 """
+
 from __future__ import annotations
 
 from ..registry import Registry

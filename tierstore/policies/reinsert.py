@@ -10,6 +10,7 @@ count reached a threshold; :class:`HitsReinsertion` is that rule.
 
 A policy is pure: ``f(entry, now_s) -> bool``, it moves nothing.
 """
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -58,6 +59,7 @@ class PredictedReinsertion:
 
     def __init__(self, threshold: float = 0.5) -> None:
         from .lifetime import PrefixLifetimePredictor
+
         if not 0.0 <= threshold <= 1.0:
             raise ConfigError(f"threshold={threshold}: must be in [0, 1]")
         self.threshold = float(threshold)
@@ -81,4 +83,5 @@ def make_reinsert(name):
     if name is None:
         return None
     from .registry import REINSERT
+
     return REINSERT.make(name)

@@ -27,6 +27,7 @@ at the tail they came from and ``[]`` is returned. In a multi-tier store a
 block demoted from this tier and later promoted back re-enters through the
 ghost, i.e. straight into ``M`` -- its second sighting.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -53,10 +54,14 @@ class S3FIFOPolicy(EvictionPolicy):
 
     name = "s3fifo"
 
-    def __init__(self, small_fraction: float = 0.1, main_threshold: int = 1, ghost_min_keys: int = 64) -> None:
+    def __init__(
+        self, small_fraction: float = 0.1, main_threshold: int = 1, ghost_min_keys: int = 64
+    ) -> None:
         if not 0.0 < small_fraction < 1.0 or main_threshold < 1 or ghost_min_keys < 0:
-            raise ConfigError(f"S3FIFOPolicy: need 0 < small_fraction < 1, main_threshold >= 1, "
-                              f"ghost_min_keys >= 0 (got {small_fraction}, {main_threshold}, {ghost_min_keys})")
+            raise ConfigError(
+                f"S3FIFOPolicy: need 0 < small_fraction < 1, main_threshold >= 1, "
+                f"ghost_min_keys >= 0 (got {small_fraction}, {main_threshold}, {ghost_min_keys})"
+            )
         self.small_fraction = float(small_fraction)
         self.main_threshold = int(main_threshold)
         self.ghost_min_keys = int(ghost_min_keys)
@@ -116,8 +121,9 @@ class S3FIFOPolicy(EvictionPolicy):
                 self._ghost.popitem(last=False)
 
     # ------------------------------------------------------------ victims
-    def evict(self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0,
-              max_scan: int | None = None) -> list[bytes]:
+    def evict(
+        self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
+    ) -> list[bytes]:
         if n <= 0:
             return []
         S, M = self._q[_S], self._q[_M]
@@ -175,4 +181,3 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._freq)
-

@@ -22,6 +22,7 @@ by the caller, and it never sees block bytes.
 
 ``RemoteConfig.admission`` (``all`` | ``reused``) selects the mode.
 """
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -63,8 +64,9 @@ class ShareAdmission:
         if mode not in MODES:
             raise ConfigError(f"remote.admission={mode!r}: accepted {', '.join(MODES)}")
         if min_hits < 1 or ghost_keys < 1:
-            raise ConfigError(f"ShareAdmission: min_hits and ghost_keys must be >= 1 "
-                              f"(got {min_hits}, {ghost_keys})")
+            raise ConfigError(
+                f"ShareAdmission: min_hits and ghost_keys must be >= 1 (got {min_hits}, {ghost_keys})"
+            )
         self.mode = mode
         self.min_hits = int(min_hits)
         self.ghost_keys = int(ghost_keys)

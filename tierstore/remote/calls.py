@@ -8,6 +8,7 @@ the calls a caller waits for), :class:`TierLink` (what the tier's parts, its
 use of it) and the small helpers the three share. Nothing here holds tier state; see
 :mod:`tierstore.remote.mooncake`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,8 +49,12 @@ class RegisteredRegion:
         Address and size of the region.
     """
 
-    def __init__(self, tensor: torch.Tensor, on_hold: Callable[[int, int], None],
-                 on_release: Callable[[int, int], None]) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        on_hold: Callable[[int, int], None],
+        on_release: Callable[[int, int], None],
+    ) -> None:
         self.tensor = tensor
         self.base_ptr = tensor.data_ptr()
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -88,8 +93,14 @@ class TierLink(Protocol):
 
     def _usable(self) -> Any: ...
 
-    def _call(self, what: str, fn: Callable, *args: Any, on_timeout: Callable[[], None] | None = None,
-              on_late: Callable[[], None] | None = None) -> Any: ...
+    def _call(
+        self,
+        what: str,
+        fn: Callable,
+        *args: Any,
+        on_timeout: Callable[[], None] | None = None,
+        on_late: Callable[[], None] | None = None,
+    ) -> Any: ...
 
     def _call_here(self, what: str, fn: Callable, *args: Any) -> Any: ...
 
@@ -125,7 +136,7 @@ class _Slots:
                     return []
                 self._cond.wait(left)
             got = self._free[-k:] if k < len(self._free) else list(self._free)
-            del self._free[len(self._free) - len(got):]
+            del self._free[len(self._free) - len(got) :]
             return got
 
     def give(self, idxs: Sequence[int]) -> None:
@@ -142,7 +153,7 @@ class _Slots:
 
     def view(self, i: int, offset: int, n: int) -> torch.Tensor:
         s = i * self.slot_bytes + offset
-        return self.buf[s:s + n]
+        return self.buf[s : s + n]
 
 
 class _CallThreads:
@@ -154,8 +165,9 @@ class _CallThreads:
 
     def __init__(self, n: int, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-                         for i in range(n)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
         self.busy = 0
         self._lock = threading.Lock()
         for t in self._threads:
@@ -242,4 +254,3 @@ def _callback(fn: Callable[[int, int], None], off: int, n: int) -> None:
         fn(off, n)
     except Exception:  # the owner's callback must not kill a tier thread
         log.exception("mooncake tier: region callback failed")
-

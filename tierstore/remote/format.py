@@ -10,6 +10,7 @@ everything below before a byte reaches KV memory. A failed check is a miss.
 
 Continued in ``docs/FORMAT.md`` (``tierstore/remote/format.py``): object names.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,8 +61,7 @@ def encode_header(buf, key: bytes, payload_bytes: int, crc: int) -> None:
     crc : int
         :func:`tierstore.io.format.payload_crc` of ``key`` and the payload.
     """
-    struct.pack_into(HEADER_FMT, buf, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, key,
-                     payload_bytes, crc, 0)
+    struct.pack_into(HEADER_FMT, buf, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, key, payload_bytes, crc, 0)
     struct.pack_into("<I", buf, _HEADER_CRC_OFFSET, crc32c.crc32c(bytes(buf[:_HEADER_CRC_OFFSET])))
 
 

@@ -11,6 +11,7 @@ place; a timed-out call keeps the range held from its owner until it returns). `
 checks a fetched object's size, header and CRC-32C: a mismatch is ``IO_ERROR``, counted per
 reason, and the object is queued for removal. See ARCHITECTURE.md, "The remote tier".
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,12 @@ class Loader:
         self._regions: list[RegisteredRegion] = []  # under the tier's lock
         self._load_observer: Callable[[int, float], None] | None = None
 
-    def register_memory(self, tensor: torch.Tensor, on_hold: Callable[[int, int], None],
-                        on_release: Callable[[int, int], None]) -> RegisteredRegion:
+    def register_memory(
+        self,
+        tensor: torch.Tensor,
+        on_hold: Callable[[int, int], None],
+        on_release: Callable[[int, int], None],
+    ) -> RegisteredRegion:
         """Register memory (the host tier's pool) for zero-copy loads and publishes.
 
         Parameters
@@ -185,17 +190,32 @@ class Loader:
         for zero_copy in (False, True):
             group = [i for i in range(n) if (regions[i] is not None) == zero_copy]
             for c in range(0, len(group), mb):
-                idx = group[c:c + mb]
+                idx = group[c : c + mb]
                 client = tier._usable()
                 if client is None:
                     tier._bump("gets_degraded", len(idx))
                     continue
-                self._get_batch(client, zero_copy, [bytes(keys[i]) for i in idx], [dests[i] for i in idx],
-                                [regions[i] for i in idx], idx, out)
+                self._get_batch(
+                    client,
+                    zero_copy,
+                    [bytes(keys[i]) for i in idx],
+                    [dests[i] for i in idx],
+                    [regions[i] for i in idx],
+                    idx,
+                    out,
+                )
         return out
 
-    def _get_batch(self, client: Any, zero_copy: bool, keys: list[bytes], dests: list[torch.Tensor],
-                   regions: list[Any], idx: list[int], out: list[Status]) -> None:
+    def _get_batch(
+        self,
+        client: Any,
+        zero_copy: bool,
+        keys: list[bytes],
+        dests: list[torch.Tensor],
+        regions: list[Any],
+        idx: list[int],
+        out: list[Status],
+    ) -> None:
         """One Mooncake load call: staged (``batch_get_into`` into staging slots, each payload
         copied on once it passed every check) or zero-copy (``batch_get_into_multi_buffers``:
         the header into a header slot, the payload into its destination)."""
@@ -210,8 +230,14 @@ class Loader:
         if zero_copy:
             rcs = self._call_zero_copy(client, names, slots, dests, regions)
         else:
-            rcs = tier._call("batch_get_into", client.batch_get_into, names, [pool.ptr(i) for i in slots],
-                             [tier.object_bytes] * len(keys), on_late=lambda: pool.give(slots))
+            rcs = tier._call(
+                "batch_get_into",
+                client.batch_get_into,
+                names,
+                [pool.ptr(i) for i in slots],
+                [tier.object_bytes] * len(keys),
+                on_late=lambda: pool.give(slots),
+            )
         if rcs is _NO_RESULT:
             for i in idx:
                 out[i] = Status.IO_ERROR
@@ -219,7 +245,11 @@ class Loader:
             return
         try:
             for j, (key, rc) in enumerate(zip(keys, rcs)):
-                payload = dests[j].reshape(-1).view(torch.uint8) if zero_copy else pool.view(slots[j], HEADER_BYTES, bb)
+                payload = (
+                    dests[j].reshape(-1).view(torch.uint8)
+                    if zero_copy
+                    else pool.view(slots[j], HEADER_BYTES, bb)
+                )
                 st = self._judge(key, names[j], rc, pool.view(slots[j], 0, HEADER_BYTES), payload)
                 if st is Status.OK:
                     if not zero_copy:
@@ -232,8 +262,14 @@ class Loader:
         if RPC_FAIL in rcs:
             tier._degrade("batch_get_into: master unreachable (-900)", count="rpc_failures")
 
-    def _call_zero_copy(self, client: Any, names: list[str], slots: list[int], dests: list[torch.Tensor],
-                        regions: list[RegisteredRegion]) -> Any:
+    def _call_zero_copy(
+        self,
+        client: Any,
+        names: list[str],
+        slots: list[int],
+        dests: list[torch.Tensor],
+        regions: list[RegisteredRegion],
+    ) -> Any:
         """``batch_get_into_multi_buffers``; after a timeout the destinations stay held from their
         owner (``on_hold``) and the header slots taken, until the late call returns."""
         bb = self._tier.block_bytes
@@ -250,12 +286,26 @@ class Loader:
             if quarantined:
                 for r, off in ranges:
                     _callback(r.on_release, off, bb)
-        return self._tier._call("batch_get_into_multi_buffers", client.batch_get_into_multi_buffers, names,
-                                [[self._hdr_slots.ptr(i), d.data_ptr()] for i, d in zip(slots, dests)],
-                                [[HEADER_BYTES, bb]] * len(names), on_timeout=quarantine, on_late=late)
 
-    def _take_slots(self, pool: _Slots, keys: list[bytes], dests: list[torch.Tensor], regions: list[Any],
-                    idx: list[int], out: list[Status]) -> tuple:
+        return self._tier._call(
+            "batch_get_into_multi_buffers",
+            client.batch_get_into_multi_buffers,
+            names,
+            [[self._hdr_slots.ptr(i), d.data_ptr()] for i, d in zip(slots, dests)],
+            [[HEADER_BYTES, bb]] * len(names),
+            on_timeout=quarantine,
+            on_late=late,
+        )
+
+    def _take_slots(
+        self,
+        pool: _Slots,
+        keys: list[bytes],
+        dests: list[torch.Tensor],
+        regions: list[Any],
+        idx: list[int],
+        out: list[Status],
+    ) -> tuple:
         """Up to ``len(keys)`` slots of ``pool`` (waits at most the call timeout) and the blocks they
         serve: ``(slots, keys, dests, regions, idx)`` cut to ``len(slots)``. The blocks left without
         a slot are ``IO_ERROR`` in ``out`` and counted in ``get_no_slot``."""

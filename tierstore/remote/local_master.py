@@ -18,6 +18,7 @@ clients' handshake and TCP-transport ports bind all interfaces, and so does the
 embedded HTTP metadata server whatever ``--http_metadata_server_host`` says.
 ``metadata="p2p"`` (``P2PHANDSHAKE``) runs without the HTTP metadata server.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,6 +31,7 @@ import time
 def master_binary() -> str:
     """Path of the native ``mooncake_master`` inside the installed wheel."""
     import mooncake
+
     return os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
 
 
@@ -73,18 +75,32 @@ class LocalMaster:
         (the message carries its log's tail).
     """
 
-    def __init__(self, workdir: pathlib.Path, metadata: str = "p2p", lease_ms: int = 500,
-                 client_ttl_s: int = 2, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        metadata: str = "p2p",
+        lease_ms: int = 500,
+        client_ttl_s: int = 2,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.workdir = pathlib.Path(workdir)
         self.metadata_mode = metadata
         self.rpc_port, self.metrics_port, self.http_port = free_ports(3)
-        self.args = [f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                     f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
-                     f"--default_kv_lease_ttl={lease_ms}", f"--client_ttl={client_ttl_s}",
-                     *extra_args]
+        self.args = [
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--metrics_host=127.0.0.1",
+            f"--default_kv_lease_ttl={lease_ms}",
+            f"--client_ttl={client_ttl_s}",
+            *extra_args,
+        ]
         if metadata == "http":
-            self.args += ["--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                          f"--http_metadata_server_port={self.http_port}"]
+            self.args += [
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http_port}",
+            ]
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / f"master-{self.rpc_port}.log"
         self.starts = 0
@@ -95,13 +111,20 @@ class LocalMaster:
 
     @property
     def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata" if self.metadata_mode == "http" else "P2PHANDSHAKE"
+        return (
+            f"http://127.0.0.1:{self.http_port}/metadata" if self.metadata_mode == "http" else "P2PHANDSHAKE"
+        )
 
     def start(self, timeout_s: float = 20) -> LocalMaster:
         self.starts += 1
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([master_binary(), *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=self.workdir, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [master_binary(), *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.workdir,
+            start_new_session=True,
+        )
         log.close()
         ports = [self.rpc_port] + ([self.http_port] if self.metadata_mode == "http" else [])
         deadline = time.monotonic() + timeout_s

@@ -25,6 +25,7 @@ The Mooncake calls used and their return codes, the behaviour measured on
 loopback, the failure modes, tenant isolation and the process-wide environment
 the tier sets are in ARCHITECTURE.md, "The remote tier".
 """
+
 from __future__ import annotations
 
 import atexit
@@ -99,26 +100,58 @@ def load_mooncake_store() -> type:
     except ModuleNotFoundError as e:
         raise ConfigError(
             f"remote.engine=mooncake needs Mooncake Store, which is not installed ({e}). "
-            f"Install the extra: pip install '{EXTRA}' (brings {WHEEL}).") from None
+            f"Install the extra: pip install '{EXTRA}' (brings {WHEEL})."
+        ) from None
     except (ImportError, OSError) as e:
         raise ConfigError(
             f"remote.engine=mooncake: the Mooncake wheel is installed but its native code does not "
-            f"load ({e}). It needs the system libraries of: apt-get install {APT_PACKAGES}") from None
+            f"load ({e}). It needs the system libraries of: apt-get install {APT_PACKAGES}"
+        ) from None
     return MooncakeDistributedStore
 
 
 _COUNTERS = (
     # publish
-    "puts_offered", "puts_queued", "puts_exists", "dropped_queue_full", "dropped_degraded",
-    "dropped_closed", "published_blocks", "published_bytes", "put_no_space", "put_no_space_retries", "put_failed",
-    "put_calls", "staged_puts", "zero_copy_puts",
+    "puts_offered",
+    "puts_queued",
+    "puts_exists",
+    "dropped_queue_full",
+    "dropped_degraded",
+    "dropped_closed",
+    "published_blocks",
+    "published_bytes",
+    "put_no_space",
+    "put_no_space_retries",
+    "put_failed",
+    "put_calls",
+    "staged_puts",
+    "zero_copy_puts",
     # lookup / load
-    "exists_calls", "exists_keys", "exists_hits", "exists_errors",
-    "gets_requested", "get_hits", "get_misses", "get_errors", "get_bytes", "get_calls",
-    "gets_degraded", "get_no_slot", "zero_copy_gets", "staged_gets", "corrupt_objects",
+    "exists_calls",
+    "exists_keys",
+    "exists_hits",
+    "exists_errors",
+    "gets_requested",
+    "get_hits",
+    "get_misses",
+    "get_errors",
+    "get_bytes",
+    "get_calls",
+    "gets_degraded",
+    "get_no_slot",
+    "zero_copy_gets",
+    "staged_gets",
+    "corrupt_objects",
     # failures
-    "timeouts", "rpc_failures", "call_exceptions", "degraded_entries", "reconnects",
-    "setup_failures", "removals_ok", "removal_lease_retries", "removals_dropped",
+    "timeouts",
+    "rpc_failures",
+    "call_exceptions",
+    "degraded_entries",
+    "reconnects",
+    "setup_failures",
+    "removals_ok",
+    "removal_lease_retries",
+    "removals_dropped",
 )
 
 
@@ -164,8 +197,15 @@ class MooncakeTier(RemoteBlockTier, Closing):
     holder died, the master restarted), publication is asynchronous, capacity the cluster's.
     """
 
-    def __init__(self, config: RemoteConfig, block_bytes: int, *, tuning: MooncakeTuning = MooncakeTuning(),
-                 store_factory: Callable[[], Any] | None = None, connect: bool = True) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        block_bytes: int,
+        *,
+        tuning: MooncakeTuning = MooncakeTuning(),
+        store_factory: Callable[[], Any] | None = None,
+        connect: bool = True,
+    ) -> None:
         if not isinstance(config, RemoteConfig):
             raise ConfigError(f"MooncakeTier: config must be a RemoteConfig, got {type(config).__name__}")
         if int(block_bytes) <= 0:
@@ -206,8 +246,7 @@ class MooncakeTier(RemoteBlockTier, Closing):
             self._set_env()
         if connect:
             self._connect()
-        self._prober = threading.Thread(target=self._probe_loop, name="tierstore-mooncake-probe",
-                                        daemon=True)
+        self._prober = threading.Thread(target=self._probe_loop, name="tierstore-mooncake-probe", daemon=True)
         self.publisher.start()
         self._prober.start()
         _LIVE.add(self)
@@ -229,9 +268,16 @@ class MooncakeTier(RemoteBlockTier, Closing):
         """Create, set up and register a client (runs on a call thread)."""
         s = self.config
         client = self._factory()
-        rc = client.setup(s.local_hostname, s.metadata, int(s.segment_bytes),
-                          int(self.tuning.mooncake_local_buffer_bytes), s.protocol, s.device, s.master,
-                          tenant_id=s.mooncake_tenant)
+        rc = client.setup(
+            s.local_hostname,
+            s.metadata,
+            int(s.segment_bytes),
+            int(self.tuning.mooncake_local_buffer_bytes),
+            s.protocol,
+            s.device,
+            s.master,
+            tenant_id=s.mooncake_tenant,
+        )
         if rc != 0:
             _close_quietly(client)
             raise _CallFailed(f"setup returned {rc}", rc)
@@ -301,8 +347,11 @@ class MooncakeTier(RemoteBlockTier, Closing):
         if closing is not None:
             _close_quietly(closing)
             return False
-        log.info("mooncake tier connected: master=%s segment_bytes=%d", self.config.master,
-                 self.config.segment_bytes)
+        log.info(
+            "mooncake tier connected: master=%s segment_bytes=%d",
+            self.config.master,
+            self.config.segment_bytes,
+        )
         return True
 
     # --------------------------------------------------------------- helpers
@@ -331,8 +380,14 @@ class MooncakeTier(RemoteBlockTier, Closing):
         with self._lock:
             return self._client if self._state == "ok" and not self._closed else None
 
-    def _call(self, what: str, fn: Callable, *args, on_timeout: Callable[[], None] | None = None,
-              on_late: Callable[[], None] | None = None):
+    def _call(
+        self,
+        what: str,
+        fn: Callable,
+        *args,
+        on_timeout: Callable[[], None] | None = None,
+        on_late: Callable[[], None] | None = None,
+    ):
         """Run ``fn(*args)`` on a call thread; wait at most ``timeout_s``.
 
         Returns the result, or :data:`_NO_RESULT` after a timeout or an
@@ -347,6 +402,7 @@ class MooncakeTier(RemoteBlockTier, Closing):
         def done(_f) -> None:
             with self._lock:
                 self._inflight_calls -= 1
+
         fut.add_done_callback(done)
         try:
             return fut.result(self._timeout_s)
@@ -408,13 +464,21 @@ class MooncakeTier(RemoteBlockTier, Closing):
             if not isinstance(b, torch.Tensor) or b.device.type != "cpu" or not b.is_contiguous():
                 raise LayoutError(f"{what} must be contiguous CPU tensors")
             if b.numel() * b.element_size() != self.block_bytes:
-                raise LayoutError(f"{what[:-1]} of {b.numel() * b.element_size()} bytes; "
-                                  f"blocks are {self.block_bytes} bytes")
-
+                raise LayoutError(
+                    f"{what[:-1]} of {b.numel() * b.element_size()} bytes; "
+                    f"blocks are {self.block_bytes} bytes"
+                )
 
     # ------------------------------------------------------------------ parts
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False, recent: bool = True) -> list[Status]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        ns_digests: Sequence[bytes] | None = None,
+        *,
+        copy: bool = False,
+        recent: bool = True,
+    ) -> list[Status]:
         """:meth:`Publisher.put <tierstore.remote.publisher.Publisher.put>`."""
         return self.publisher.put(keys, blocks, ns_digests, copy=copy, recent=recent)
 
@@ -426,8 +490,12 @@ class MooncakeTier(RemoteBlockTier, Closing):
         """:meth:`Loader.get_into <tierstore.remote.loader.Loader.get_into>`."""
         return self.loader.get_into(keys, dests)
 
-    def register_memory(self, tensor: torch.Tensor, on_hold: Callable[[int, int], None],
-                        on_release: Callable[[int, int], None]) -> RegisteredRegion:
+    def register_memory(
+        self,
+        tensor: torch.Tensor,
+        on_hold: Callable[[int, int], None],
+        on_release: Callable[[int, int], None],
+    ) -> RegisteredRegion:
         """:meth:`Loader.register_memory <tierstore.remote.loader.Loader.register_memory>`."""
         return self.loader.register_memory(tensor, on_hold, on_release)
 
@@ -548,7 +616,9 @@ class MooncakeTier(RemoteBlockTier, Closing):
                     if self._state != "ok":
                         self._state, self._reason = "ok", ""
                         self._counters["reconnects"] += 1
-                        log.info("mooncake tier recovered after %.1f s", time.monotonic() - self._degraded_since)
+                        log.info(
+                            "mooncake tier recovered after %.1f s", time.monotonic() - self._degraded_since
+                        )
                     self._backoff_s = lo
                 else:
                     self._backoff_s = min(self._backoff_s * 2, hi)
@@ -594,7 +664,9 @@ class MooncakeTier(RemoteBlockTier, Closing):
             d: dict[str, Any] = dict(self._counters)
             d["state"] = self._state
             d["degraded_reason"] = self._reason
-            d["degraded_for_s"] = (time.monotonic() - self._degraded_since) if self._state == "degraded" else 0.0
+            d["degraded_for_s"] = (
+                (time.monotonic() - self._degraded_since) if self._state == "degraded" else 0.0
+            )
             d["queued_blocks"] = self.publisher.queued_blocks()
             d["pending_removals"] = len(self._removals)
             d["errors"] = dict(self._errors)
@@ -644,4 +716,3 @@ _LIVE: weakref.WeakSet[MooncakeTier] = weakref.WeakSet()
 def _close_live_tiers() -> None:
     for tier in list(_LIVE):
         tier.close()
-

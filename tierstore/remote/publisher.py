@@ -11,6 +11,7 @@ threads take up to ``max_batch_blocks`` queued blocks and send them with one
 list only when the call has returned. A publish refused for space (-200) is sent again after
 :data:`SPACE_RETRY_S`, then dropped and counted. See ARCHITECTURE.md, "The remote tier".
 """
+
 from __future__ import annotations
 
 import collections
@@ -78,8 +79,13 @@ class Publisher:
     threads (:meth:`start`, :meth:`join`).
     """
 
-    def __init__(self, tier: TierLink, put_slots: _Slots, hdr_slots: _Slots,
-                 region_of: Callable[[torch.Tensor], RegisteredRegion | None]) -> None:
+    def __init__(
+        self,
+        tier: TierLink,
+        put_slots: _Slots,
+        hdr_slots: _Slots,
+        region_of: Callable[[torch.Tensor], RegisteredRegion | None],
+    ) -> None:
         self._tier = tier
         self._put_slots = put_slots
         self._hdr_slots = hdr_slots
@@ -93,8 +99,10 @@ class Publisher:
         self._zc_queued = 0  # zero-copy publishes queued or in flight (bounded like the staged queue)
         # publish_threads publishers: while one call is in flight, the next batch
         # is sent, so checksumming and copying overlap the network
-        self._threads = [threading.Thread(target=self._publish_loop, name=f"tierstore-mooncake-publish-{i}",
-                                          daemon=True) for i in range(tier.tuning.publish_threads)]
+        self._threads = [
+            threading.Thread(target=self._publish_loop, name=f"tierstore-mooncake-publish-{i}", daemon=True)
+            for i in range(tier.tuning.publish_threads)
+        ]
 
     def start(self) -> None:
         """Start the publisher threads."""
@@ -135,8 +143,15 @@ class Publisher:
                 self._hdr_slots.give([b.slot])
                 _callback(b.region.on_release, b.offset, self._tier.block_bytes)
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False, recent: bool = True) -> list[Status]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        ns_digests: Sequence[bytes] | None = None,
+        *,
+        copy: bool = False,
+        recent: bool = True,
+    ) -> list[Status]:
         """Queue blocks for publication (asynchronous).
 
         Parameters
@@ -187,7 +202,9 @@ class Publisher:
         """
         self._tier._check_keys(keys, blocks, "blocks")
         now = time.monotonic()
-        return [self._offer(bytes(key), block, now, copy=copy, recent=recent) for key, block in zip(keys, blocks)]
+        return [
+            self._offer(bytes(key), block, now, copy=copy, recent=recent) for key, block in zip(keys, blocks)
+        ]
 
     def _offer(self, key: bytes, block: torch.Tensor, now: float, *, copy: bool, recent: bool) -> Status:
         """Admit one block (under the lock), then stage it: its status for :meth:`put`."""
@@ -200,7 +217,9 @@ class Publisher:
                 self._tier._counters["dropped_degraded"] += 1
                 return Status.REJECTED
             t = self._recent.get(key)
-            if key in self._queued_keys or (recent and t is not None and now - t < self._tier.tuning.republish_after_s):
+            if key in self._queued_keys or (
+                recent and t is not None and now - t < self._tier.tuning.republish_after_s
+            ):
                 self._tier._counters["puts_exists"] += 1
                 return Status.EXISTS
             region = None if copy else self._region_of(block)
@@ -238,7 +257,8 @@ class Publisher:
             self._queue.append(item)
             self._tier._counters["puts_queued"] += 1
             self._tier._counters["zero_copy_puts" if region is not None else "staged_puts"] += 1
-            self._tier._work.notify_all()  # a publisher sends what is ready while later blocks are checksummed
+            # a publisher sends what is ready while later blocks are checksummed
+            self._tier._work.notify_all()
         return Status.OK
 
     def _publish_loop(self) -> None:
@@ -256,7 +276,7 @@ class Publisher:
                 if not self._queue and not self._retry and self._tier._closed:
                     return
                 now = time.monotonic()
-                due = [b for t, b in self._retry if t <= now or self._tier._closed][:s.max_batch_blocks]
+                due = [b for t, b in self._retry if t <= now or self._tier._closed][: s.max_batch_blocks]
                 if due:
                     ids = {id(b) for b in due}
                     self._retry = [e for e in self._retry if id(e[1]) not in ids]
@@ -293,7 +313,9 @@ class Publisher:
             while len(self._recent) > self._recent_max:
                 self._recent.popitem(last=False)
 
-    def _tally(self, batch: list[_Pub], rcs: list[int], zero_copy: bool, kept: set[int]) -> dict[bytes, bool | None]:
+    def _tally(
+        self, batch: list[_Pub], rcs: list[int], zero_copy: bool, kept: set[int]
+    ) -> dict[bytes, bool | None]:
         """Count a put's return codes: ``key -> True`` published (or there already), ``None`` refused
         for space and queued to be sent again (its slot added to ``kept``); failures are counted."""
         ok: dict[bytes, bool | None] = {}
@@ -304,8 +326,12 @@ class Publisher:
                     ok[b.key] = True
                     self._tier._counters["published_blocks"] += 1
                     self._tier._counters["published_bytes"] += self._tier.block_bytes
-                elif rc == NO_AVAILABLE_HANDLE and not zero_copy and b.attempts < len(SPACE_RETRY_S) \
-                        and not self._tier._closed:
+                elif (
+                    rc == NO_AVAILABLE_HANDLE
+                    and not zero_copy
+                    and b.attempts < len(SPACE_RETRY_S)
+                    and not self._tier._closed
+                ):
                     ok[b.key] = None  # the slot keeps the object; sent again after the master evicts
                     kept.add(b.slot)
                     again = dataclasses.replace(b, attempts=b.attempts + 1)
@@ -336,20 +362,30 @@ class Publisher:
 
         if client is None:
             with self._tier._lock:
-                self._tier._counters["dropped_degraded" if not self._tier._closed else "dropped_closed"] += len(batch)
+                self._tier._counters["dropped_degraded" if not self._tier._closed else "dropped_closed"] += (
+                    len(batch)
+                )
             done()
             self._forget(keys, {})
             return
         names = [b.name for b in batch]
         self._tier._bump("put_calls")
         if zero_copy:
-            rcs = self._tier._call_here("batch_put_from_multi_buffers", client.batch_put_from_multi_buffers, names,
-                                        [[self._hdr_slots.ptr(b.slot), b.ptr] for b in batch],
-                                        [[HEADER_BYTES, self._tier.block_bytes]] * len(batch))
+            rcs = self._tier._call_here(
+                "batch_put_from_multi_buffers",
+                client.batch_put_from_multi_buffers,
+                names,
+                [[self._hdr_slots.ptr(b.slot), b.ptr] for b in batch],
+                [[HEADER_BYTES, self._tier.block_bytes]] * len(batch),
+            )
         else:
-            rcs = self._tier._call_here("batch_put_from", client.batch_put_from, names,
-                                        [self._put_slots.ptr(b.slot) for b in batch],
-                                        [self._tier.object_bytes] * len(batch))
+            rcs = self._tier._call_here(
+                "batch_put_from",
+                client.batch_put_from,
+                names,
+                [self._put_slots.ptr(b.slot) for b in batch],
+                [self._tier.object_bytes] * len(batch),
+            )
         if rcs is _NO_RESULT:
             done()  # the call has returned: its memory is free (also after a timeout the watchdog reported)
             self._tier._bump("put_failed", len(batch))

@@ -7,6 +7,7 @@ takes it as is. :class:`MooncakeTuning` holds the knobs no configuration carries
 header slots, reconnect back-off, ...), for tests and benchmarks. :func:`parse_remote_options`
 splits one flat dict of both (a test worker's options) into the two.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,9 @@ class RemoteConfig(StrictModel):
 
     engine: Literal["mooncake"] = "mooncake"
     master: str = Field("127.0.0.1:50051", description="master RPC address host:port")
-    metadata: str = Field("http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE")
+    metadata: str = Field(
+        "http://127.0.0.1:18080/metadata", description="metadata server URL or P2PHANDSHAKE"
+    )
     local_hostname: str = "127.0.0.1"
     segment_bytes: SizeBytes = Field(256 << 20, description="memory this client contributes to the cluster")
     local_buffer_bytes: SizeBytes = Field(64 << 20, description="registered staging memory for loads")
@@ -55,8 +58,10 @@ class RemoteConfig(StrictModel):
     timeout_s: DurationS = Field(5.0, gt=0, description="longest wait for one Mooncake call")
     admission: Literal["all", "reused"] = "all"
     publish: Literal["store", "evict"] = Field(
-        "store", description="store: publish blocks when stored (shared at once); evict: when they leave "
-                             "this store's last tier (a victim cache: no copy both here and remote)")
+        "store",
+        description="store: publish blocks when stored (shared at once); evict: when they leave "
+        "this store's last tier (a victim cache: no copy both here and remote)",
+    )
     cluster: str = Field("default", description="deployment name in object names")
     name_secret: str | None = Field(None, description="HMAC key for object names (its UTF-8 bytes, >= 16)")
     mooncake_tenant: str = Field("default", description="Mooncake tenant_id (with --enable_multi_tenants)")
@@ -80,8 +85,10 @@ class RemoteConfig(StrictModel):
     @classmethod
     def _segment(cls, v: int) -> int:
         if 0 < v < MIN_SEGMENT_BYTES:
-            raise ValueError(f"0 (contribute none) or at least {MIN_SEGMENT_BYTES >> 20} MiB "
-                             "(Mooncake's setup refuses smaller segments with -600)")
+            raise ValueError(
+                f"0 (contribute none) or at least {MIN_SEGMENT_BYTES >> 20} MiB "
+                "(Mooncake's setup refuses smaller segments with -600)"
+            )
         return v
 
     @property
@@ -129,6 +136,7 @@ class MooncakeTuning:
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ConfigError:
             return ConfigError(f"remote.{field}={getattr(self, field)!r}: {why}")
+
         if int(self.mooncake_local_buffer_bytes) < 0:
             raise bad("mooncake_local_buffer_bytes", "must be >= 0")
         for f in ("call_threads", "header_slots", "publish_threads"):
@@ -139,8 +147,9 @@ class MooncakeTuning:
             raise bad("reconnect_backoff_s", "need 0 < first <= longest")
 
 
-def parse_remote_options(options: Mapping[str, Any], what: str = "remote options") -> tuple[RemoteConfig,
-                                                                                             MooncakeTuning]:
+def parse_remote_options(
+    options: Mapping[str, Any], what: str = "remote options"
+) -> tuple[RemoteConfig, MooncakeTuning]:
     """Split one flat dict of :class:`RemoteConfig` fields and :class:`MooncakeTuning` knobs.
 
     Raises
@@ -152,8 +161,10 @@ def parse_remote_options(options: Mapping[str, Any], what: str = "remote options
     doc = dict(options)
     unknown = sorted(set(doc) - knobs - set(RemoteConfig.model_fields))
     if unknown:
-        raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are "
-                          f"{sorted(RemoteConfig.model_fields)} and {sorted(knobs)}")
+        raise ConfigError(
+            f"invalid {what}: unknown key(s) {unknown}; accepted keys are "
+            f"{sorted(RemoteConfig.model_fields)} and {sorted(knobs)}"
+        )
     tuning = {k: doc.pop(k) for k in list(doc) if k in knobs}
     if "reconnect_backoff_s" in tuning:  # a JSON list from a worker's command line
         tuning["reconnect_backoff_s"] = tuple(tuning["reconnect_backoff_s"])

@@ -11,6 +11,7 @@ runs the same checks except the port test (the real bind does that) and refuses 
 
 Continued in ``docs/SERVER.md`` (``tierstore/server/check.py``): each check in detail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,6 +104,7 @@ def _existing_dir(path: str) -> str:
 
 def _check_memory(cfg: DaemonConfig, out: Preflight, meminfo: str) -> None:
     from ..tiers.memory import cuda_available
+
     host = cfg.tiers.host.capacity_bytes
     hbm = cfg.tiers.hbm.capacity_bytes
     on_cpu = hbm if hbm and not cuda_available() else 0
@@ -115,8 +117,10 @@ def _check_memory(cfg: DaemonConfig, out: Preflight, meminfo: str) -> None:
     if on_cpu:
         what += f" + tiers.hbm.capacity_bytes={on_cpu} ({_gib(on_cpu)}, host memory: no CUDA here)"
     if need > avail:
-        out.errors.append(f"memory: {what} exceed MemAvailable={avail} ({_gib(avail)}) of this machine; "
-                          "lower the capacity (the pool is allocated whole at start)")
+        out.errors.append(
+            f"memory: {what} exceed MemAvailable={avail} ({_gib(avail)}) of this machine; "
+            "lower the capacity (the pool is allocated whole at start)"
+        )
     else:
         out.notes.append(f"memory: {_gib(need)} of memory tiers, {_gib(avail)} available")
 
@@ -128,7 +132,7 @@ def _check_writable_dir(what: str, path: str, out: Preflight) -> bool:
         return False
     base = _existing_dir(path)
     if not os.access(base, os.W_OK | os.X_OK):
-        if _read_only_fs(base):   # access(2) refuses everyone there (EROFS), whatever the user
+        if _read_only_fs(base):  # access(2) refuses everyone there (EROFS), whatever the user
             out.errors.append(f"{what}: {path}: {base} is on a read-only file system")
         else:
             out.errors.append(f"{what}: {path}: {base} is not writable by this user (uid {os.getuid()})")
@@ -159,8 +163,10 @@ def _check_o_direct(path: str, out: Preflight) -> None:
     try:
         fd = os.open(target, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        hint = {errno.EINVAL: " (the file system refuses O_DIRECT, e.g. tmpfs)",
-                errno.EROFS: " (a read-only file system)"}.get(e.errno, "")
+        hint = {
+            errno.EINVAL: " (the file system refuses O_DIRECT, e.g. tmpfs)",
+            errno.EROFS: " (a read-only file system)",
+        }.get(e.errno, "")
         out.errors.append(f"tiers.nvme.path={path}: cannot open with O_DIRECT: {e.strerror}{hint}")
         return
     os.close(fd)
@@ -210,8 +216,10 @@ def _check_journal(n: NvmeTierConfig, path: str, target: Target, out: Preflight)
     jp = n.journal_path
     if jp is None:
         if path.startswith("/dev/"):
-            out.errors.append(f"tiers.nvme.journal_path: eviction_granularity: block on the device {path} needs "
-                              "one (a file on a durable file system)")
+            out.errors.append(
+                f"tiers.nvme.journal_path: eviction_granularity: block on the device {path} needs "
+                "one (a file on a durable file system)"
+            )
             return
         jp = path + ".journal"
     what = f"tiers.nvme.journal_path={jp!r}"
@@ -257,9 +265,13 @@ def _check_segments(n: NvmeTierConfig, bb: int, out: Preflight) -> int | None:
     holds one block extent and the label, the tier at least two segments."""
     cap = n.capacity_bytes
     one = fmt.extent_bytes_for(1, bb) + LABEL_BYTES  # segment 0 holds the tier's label and one block
-    if n.segment_size_bytes is not None and (n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one):
-        out.errors.append(f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
-                          f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
+    if n.segment_size_bytes is not None and (
+        n.segment_size_bytes % fmt.ALIGN_BYTES or n.segment_size_bytes < one
+    ):
+        out.errors.append(
+            f"tiers.nvme.segment_size_bytes={n.segment_size_bytes}: must be a multiple of 4096 "
+            f"holding one block extent and the tier's label, {one} bytes (blocks of {bb} bytes)"
+        )
         return None
     try:
         seg = segment_size_bytes(cap, n.segment_size_bytes, bb)
@@ -267,13 +279,17 @@ def _check_segments(n: NvmeTierConfig, bb: int, out: Preflight) -> int | None:
         out.errors.append(f"tiers.nvme.capacity_bytes={cap}: {e}")
         return None
     if seg % fmt.ALIGN_BYTES or seg < one:
-        out.errors.append(f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
-                          f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)")
+        out.errors.append(
+            f"tiers.nvme.segment_size_bytes={seg}: must be a multiple of 4096 holding one block "
+            f"extent and the tier's label, {one} bytes (blocks of {bb} bytes)"
+        )
         return None
     n_seg = cap // seg
     if n_seg < 2:
-        out.errors.append(f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
-                          "store needs at least 2 (one reserved)")
+        out.errors.append(
+            f"tiers.nvme.capacity_bytes={cap}: holds {n_seg} segments of {seg} bytes; the segment "
+            "store needs at least 2 (one reserved)"
+        )
         return None
     return seg
 
@@ -287,10 +303,15 @@ def _check_label(n: NvmeTierConfig, bb: int, path: str, target: Target, out: Pre
         out.errors.append(f"layout: {e}" if "bytes, but was opened for" in str(e) else str(e))
         return None
     n_seg = n.capacity_bytes // seg
-    out.notes.append(f"nvme: {path}: a tier of {target.label.n_segments} segments of {seg} bytes holding "
-                     f"{bb}-byte blocks; its blocks are recovered at start"
-                     + (f" (now {n_seg} segments: the blocks past them are dropped)"
-                        if n_seg < target.label.n_segments else ""))
+    out.notes.append(
+        f"nvme: {path}: a tier of {target.label.n_segments} segments of {seg} bytes holding "
+        f"{bb}-byte blocks; its blocks are recovered at start"
+        + (
+            f" (now {n_seg} segments: the blocks past them are dropped)"
+            if n_seg < target.label.n_segments
+            else ""
+        )
+    )
     return seg
 
 
@@ -318,10 +339,14 @@ def _check_device_node(n: NvmeTierConfig, path: str, target: Target, tier_bytes:
         out.errors.append(f"tiers.nvme.path={path}: cannot open: {e.strerror}")
         return
     if dev_bytes is not None and dev_bytes < tier_bytes:
-        out.errors.append(f"tiers.nvme.capacity_bytes={n.capacity_bytes}: the device {path} has {dev_bytes} bytes")
+        out.errors.append(
+            f"tiers.nvme.capacity_bytes={n.capacity_bytes}: the device {path} has {dev_bytes} bytes"
+        )
     if target.kind == "unreadable" and not n.format:
-        out.notes.append(f"nvme: {path}: a character device; its label is read when the tier opens, which "
-                         "refuses it unless it carries tierstore's label (or format: true)")
+        out.notes.append(
+            f"nvme: {path}: a character device; its label is read when the tier opens, which "
+            "refuses it unless it carries tierstore's label (or format: true)"
+        )
 
 
 def _check_file_room(n: NvmeTierConfig, path: str, target: Target, tier_bytes: int, out: Preflight) -> None:
@@ -337,11 +362,13 @@ def _check_file_room(n: NvmeTierConfig, path: str, target: Target, tier_bytes: i
         return
     free = vfs.f_bavail * vfs.f_frsize
     if tier_bytes > free + held:
-        out.errors.append(f"disk: tiers.nvme.capacity_bytes={cap} ({_gib(cap)}) is larger than the "
-                          f"{free + held} bytes ({_gib(free + held)}) free on the file system of "
-                          f"{_existing_dir(path)}"
-                          + (f" (counting the {held} bytes the tier file already holds)" if held else "")
-                          + "; the file is sparse, so blocks would be refused once the disk is full")
+        out.errors.append(
+            f"disk: tiers.nvme.capacity_bytes={cap} ({_gib(cap)}) is larger than the "
+            f"{free + held} bytes ({_gib(free + held)}) free on the file system of "
+            f"{_existing_dir(path)}"
+            + (f" (counting the {held} bytes the tier file already holds)" if held else "")
+            + "; the file is sparse, so blocks would be refused once the disk is full"
+        )
 
 
 def _check_lock(path: str, out: Preflight) -> None:
@@ -355,8 +382,10 @@ def _check_lock(path: str, out: Preflight) -> None:
     finally:
         os.close(fd)
     if pid is not None and process_alive(pid):
-        out.errors.append(f"tiers.nvme.path={path}: in use by process {pid} (another tierstore store or daemon "
-                          "holds its lock); stop it, or give this daemon another NVMe path")
+        out.errors.append(
+            f"tiers.nvme.path={path}: in use by process {pid} (another tierstore store or daemon "
+            "holds its lock); stop it, or give this daemon another NVMe path"
+        )
 
 
 def _check_node(cfg: DaemonConfig, out: Preflight) -> None:
@@ -405,8 +434,10 @@ def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> 
         out.errors.append(f"state_dir: {reg}: cannot read: {e.strerror}")
         return
     if other:
-        out.notes.append(f"layout: {other} scopes in {reg} were written under another layout; start-up drops "
-                         "their blocks (they can never be addressed again)")
+        out.notes.append(
+            f"layout: {other} scopes in {reg} were written under another layout; start-up drops "
+            "their blocks (they can never be addressed again)"
+        )
 
 
 def _bind_test(what: str, host: str, port: int, out: Preflight) -> None:
@@ -421,8 +452,11 @@ def _bind_test(what: str, host: str, port: int, out: Preflight) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
         except OSError as e:
-            hint = " (another process listens there; a daemon already running?)" if e.errno == errno.EADDRINUSE \
+            hint = (
+                " (another process listens there; a daemon already running?)"
+                if e.errno == errno.EADDRINUSE
                 else ""
+            )
             out.errors.append(f"{what}: cannot bind {host}:{port}: {e.strerror}{hint}")
         finally:
             s.close()
@@ -453,9 +487,15 @@ def preflight(cfg: DaemonConfig, *, ports: bool = True, meminfo: str = "/proc/me
     if ports:
         _bind_test("listen", cfg.listen.host, cfg.listen.port, out)
         if cfg.metrics.port is not None:
-            if cfg.metrics.port and cfg.metrics.port == cfg.listen.port and cfg.metrics.host == cfg.listen.host:
-                out.errors.append(f"metrics.port={cfg.metrics.port}: same address as listen; use null to serve "
-                                  "/metrics on the API port only")
+            if (
+                cfg.metrics.port
+                and cfg.metrics.port == cfg.listen.port
+                and cfg.metrics.host == cfg.listen.host
+            ):
+                out.errors.append(
+                    f"metrics.port={cfg.metrics.port}: same address as listen; use null to serve "
+                    "/metrics on the API port only"
+                )
             else:
                 _bind_test("metrics", cfg.metrics.host, cfg.metrics.port, out)
     return out

@@ -8,6 +8,7 @@ failure into one :class:`~tierstore.errors.ConfigError` whose lines name the
 key, the value and what is accepted. See ``configs/daemon.yaml`` for a
 documented example.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -98,8 +99,9 @@ class TenantConfig(StrictModel):
 
     def token_digests(self) -> list[bytes]:
         """SHA-256 of every credential (plain tokens are hashed here)."""
-        return [hashlib.sha256(t.encode()).digest() for t in self.tokens] + \
-               [bytes.fromhex(h) for h in self.token_sha256]
+        return [hashlib.sha256(t.encode()).digest() for t in self.tokens] + [
+            bytes.fromhex(h) for h in self.token_sha256
+        ]
 
 
 class PublicNamespaceConfig(StrictModel):
@@ -132,9 +134,11 @@ class PublicNamespaceConfig(StrictModel):
         try:
             Namespace(**v)
         except (TypeError, ConfigError) as e:
-            raise ValueError(f"not a valid Namespace ({e}); fields are model, tokenizer, chat_template, "
-                             "adapter, rope_scaling, kv_dtype, layout_version, tp_rank, tp_size, pp_rank, "
-                             "pp_size, tenant") from None
+            raise ValueError(
+                f"not a valid Namespace ({e}); fields are model, tokenizer, chat_template, "
+                "adapter, rope_scaling, kv_dtype, layout_version, tp_rank, tp_size, pp_rank, "
+                "pp_size, tenant"
+            ) from None
         return v
 
     @model_validator(mode="after")
@@ -146,7 +150,11 @@ class PublicNamespaceConfig(StrictModel):
     def ns_digest(self) -> bytes:
         """The client-side namespace digest this declaration matches."""
         # exactly one of the two is set (_one)
-        return Namespace(**self.namespace).digest() if self.namespace is not None else bytes.fromhex(str(self.digest))
+        return (
+            Namespace(**self.namespace).digest()
+            if self.namespace is not None
+            else bytes.fromhex(str(self.digest))
+        )
 
 
 class LimitsConfig(StrictModel):
@@ -182,7 +190,9 @@ class NodeConfig(StrictModel):
     bounds a frame's transfer and is the wait the service tells clients to use.
     """
 
-    socket: str = Field(..., min_length=1, max_length=107, description="UNIX socket path (sun_path is 108 bytes)")
+    socket: str = Field(
+        ..., min_length=1, max_length=107, description="UNIX socket path (sun_path is 108 bytes)"
+    )
     socket_mode: Literal["0600", "0660"] = "0600"
     pool: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     staging_blocks: int = Field(64, ge=0, le=1 << 20)
@@ -231,10 +241,16 @@ class DaemonConfig(StrictModel):
         for p in self.public_namespaces:
             for who in list(p.writers) + ([] if p.readers == "*" else list(p.readers)):
                 if who not in names:
-                    raise ValueError(f"public namespace {p.name!r} names unknown tenant {who!r}; tenants are {names}")
+                    raise ValueError(
+                        f"public namespace {p.name!r} names unknown tenant {who!r}; tenants are {names}"
+                    )
         if self.puts.durable and self.tiers.nvme is None:
             raise ValueError("puts.durable=true needs tiers.nvme (or set puts.durable: false)")
-        if self.tiers.hbm.capacity_bytes == 0 and self.tiers.host.capacity_bytes == 0 and self.tiers.nvme is None:
+        if (
+            self.tiers.hbm.capacity_bytes == 0
+            and self.tiers.host.capacity_bytes == 0
+            and self.tiers.nvme is None
+        ):
             raise ValueError("every tier is disabled: give tiers.host.capacity_bytes or tiers.nvme")
         return self
 

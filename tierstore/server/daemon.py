@@ -18,6 +18,7 @@ its worker threads, and closes the store. Every acknowledged put is already
 durable (extent headers are the journal, :mod:`tierstore.io.format`), so no
 manifest needs writing; a kill -9 loses only unacknowledged puts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -36,10 +37,32 @@ from .config import DaemonConfig, load_config
 log = logging.getLogger("tierstore.server")
 
 
+async def _start_node_socket(loop: asyncio.AbstractEventLoop, svc: Any, cfg: DaemonConfig) -> Any:
+    """With a ``node`` section, the same store on the node's UNIX socket too: the started
+    :class:`~tierstore.node.server.NodeServer` (else ``None``); raises ``NodeServiceError``."""
+    if cfg.node is None or svc.node_core is None:
+        return None
+    from ..node.server import NodeServer
+
+    return await loop.run_in_executor(None, NodeServer(svc.node_core, cfg.node).start)
+
+
+async def _drain(loop: asyncio.AbstractEventLoop, svc: Any, timeout_s: float) -> None:
+    """Refuse new API requests (503 + Retry-After; ``/readyz`` 503) and wait up to ``timeout_s``
+    for those in flight to finish (bodies included)."""
+    svc.draining = True
+    t_end = loop.time() + timeout_s
+    while svc.inflight > 0 and loop.time() < t_end:
+        await asyncio.sleep(0.02)
+    if svc.inflight:
+        log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
+
+
 async def serve(cfg: DaemonConfig) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
     from .http import JsonAccessLogger
     from .service import Service
+
     loop = asyncio.get_running_loop()
     try:
         svc = await loop.run_in_executor(None, Service, cfg)
@@ -47,10 +70,14 @@ async def serve(cfg: DaemonConfig) -> int:
         log.error("cannot open the store", extra={"fields": {"event": "startup_failed", "error": str(e)}})
         return 1
     lim = cfg.limits
-    runner = web.AppRunner(svc.make_app(), handle_signals=False, shutdown_timeout=lim.shutdown_timeout_s,
-                           auto_decompress=False,  # compressed bodies are refused (415), never decoded
-                           access_log_class=JsonAccessLogger,
-                           access_log=logging.getLogger("tierstore.access") if cfg.log.access_log else None)
+    runner = web.AppRunner(
+        svc.make_app(),
+        handle_signals=False,
+        shutdown_timeout=lim.shutdown_timeout_s,
+        auto_decompress=False,  # compressed bodies are refused (415), never decoded
+        access_log_class=JsonAccessLogger,
+        access_log=logging.getLogger("tierstore.access") if cfg.log.access_log else None,
+    )
     runners = [runner]
     try:
         await runner.setup()
@@ -73,33 +100,35 @@ async def serve(cfg: DaemonConfig) -> int:
             await r.cleanup()
         await loop.run_in_executor(None, svc.close)
         return 1
-    node_server = None
-    if cfg.node is not None:  # the same store on the node's UNIX socket too
-        from ..node.server import NodeServer, NodeServiceError
-        try:
-            node_server = await loop.run_in_executor(None, NodeServer(svc.node_core, cfg.node).start)
-        except NodeServiceError as e:
-            log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
-            for r in runners:
-                await r.cleanup()
-            await loop.run_in_executor(None, svc.close)
-            return 1
+    try:
+        node_server = await _start_node_socket(loop, svc, cfg)
+    except TierStoreError as e:  # NodeServiceError
+        log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+        for r in runners:
+            await r.cleanup()
+        await loop.run_in_executor(None, svc.close)
+        return 1
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     svc.ready = True
-    log.info("listening", extra={"fields": {"event": "listening", "host": cfg.listen.host, "port": port,
-                                            "metrics_port": mport, "block_bytes": svc.block_bytes,
-                                            "node_socket": cfg.node.socket if cfg.node else None,
-                                            "durable": svc.durable}})
+    log.info(
+        "listening",
+        extra={
+            "fields": {
+                "event": "listening",
+                "host": cfg.listen.host,
+                "port": port,
+                "metrics_port": mport,
+                "block_bytes": svc.block_bytes,
+                "node_socket": cfg.node.socket if cfg.node else None,
+                "durable": svc.durable,
+            }
+        },
+    )
     await stop.wait()
     log.info("draining", extra={"fields": {"event": "draining", "inflight": svc.inflight}})
-    svc.draining = True  # new API requests: 503 + Retry-After; /readyz: 503
-    t_end = loop.time() + lim.shutdown_timeout_s
-    while svc.inflight > 0 and loop.time() < t_end:  # let requests in flight finish (bodies included)
-        await asyncio.sleep(0.02)
-    if svc.inflight:
-        log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
+    await _drain(loop, svc, lim.shutdown_timeout_s)
     for r in runners:
         await r.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout_s
     if node_server is not None:
@@ -114,9 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tierstore serve", description="Run the tierstore KV-block daemon.")
     ap.add_argument("--config", required=True, help="YAML config file (see configs/daemon.yaml)")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")
-    ap.add_argument("--node", action="store_true",
-                    help="serve the store to engine processes on the config's node.socket (UNIX socket and "
-                         "shared memory) instead of HTTP")
+    ap.add_argument(
+        "--node",
+        action="store_true",
+        help="serve the store to engine processes on the config's node.socket (UNIX socket and "
+        "shared memory) instead of HTTP",
+    )
     try:
         args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
@@ -127,10 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierstore serve: {e}", file=sys.stderr)
         return 2
     if args.node and cfg.node is None:
-        print(f"tierstore serve: {args.config}: --node needs a 'node' section (node: {{socket: PATH}})",
-              file=sys.stderr)
+        print(
+            f"tierstore serve: {args.config}: --node needs a 'node' section (node: {{socket: PATH}})",
+            file=sys.stderr,
+        )
         return 2
     from .check import preflight
+
     if args.check:
         pf = preflight(cfg)
         for note in pf.notes:
@@ -138,12 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for err in pf.errors:
             print(f"tierstore serve: {args.config}: error: {err}", file=sys.stderr)
         if pf.errors:
-            print(f"tierstore serve: {args.config}: the config is valid but cannot start on this machine "
-                  f"({len(pf.errors)} problem{'s' if len(pf.errors) > 1 else ''})", file=sys.stderr)
+            print(
+                f"tierstore serve: {args.config}: the config is valid but cannot start on this machine "
+                f"({len(pf.errors)} problem{'s' if len(pf.errors) > 1 else ''})",
+                file=sys.stderr,
+            )
             return 2
         print(f"tierstore serve: {args.config}: config OK")
         return 0
     from .http import setup_logging
+
     setup_logging(cfg.log.level)
     pf = preflight(cfg, ports=False)  # the listeners' bind is the port check at start
     if pf.errors:
@@ -154,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("preflight", extra={"fields": {"event": "preflight", "note": note}})
     if args.node:
         from ..node.server import run_node
+
         return run_node(cfg)
     return asyncio.run(serve(cfg))
 

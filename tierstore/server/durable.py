@@ -6,6 +6,7 @@ Older daemons kept their own invalidation log (``state_dir/invalidations.jsonl``
 applies the old log once at start-up, so blocks invalidated before an upgrade
 are never served.
 """
+
 from __future__ import annotations
 
 
@@ -27,6 +28,9 @@ def repair_after_restart(store, tombstones: dict[bytes, int]) -> int:
     if store.nvme is None or not tombstones:
         return 0
     keys, nss, seqs = store.nvme.scan()
-    stale = [k for k, ns, seq in zip(keys, nss, seqs.tolist())
-             if (tomb := tombstones.get(ns)) is not None and seq < tomb]
+    stale = [
+        k
+        for k, ns, seq in zip(keys, nss, seqs.tolist())
+        if (tomb := tombstones.get(ns)) is not None and seq < tomb
+    ]
     return store.remove(stale) if stale else 0

@@ -6,6 +6,7 @@ status (:class:`ApiError`, :func:`error_response`; the codes are listed in
 (unknown fields are errors, no type coercion); :func:`parse_json` turns every
 malformed body into a 400 with a message that names the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,24 @@ from pydantic import (
     ValidationError,
 )
 
-__all__ = ["ApiError", "error_response", "JsonFormatter", "setup_logging", "JsonAccessLogger", "KeysRequest",
-           "PutManifest", "PinRequest", "UnpinRequest", "InvalidateRequest", "hex32", "validation_message",
-           "parse_json", "bearer_token", "require_json", "UNAUTHORIZED_HEADERS"]
+__all__ = [
+    "ApiError",
+    "error_response",
+    "JsonFormatter",
+    "setup_logging",
+    "JsonAccessLogger",
+    "KeysRequest",
+    "PutManifest",
+    "PinRequest",
+    "UnpinRequest",
+    "InvalidateRequest",
+    "hex32",
+    "validation_message",
+    "parse_json",
+    "bearer_token",
+    "require_json",
+    "UNAUTHORIZED_HEADERS",
+]
 
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 #: ``WWW-Authenticate`` of a 401 (RFC 6750 section 3).
@@ -55,8 +71,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per log line (``ts``, ``level``, ``logger``, ``msg`` + extra fields)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)
@@ -78,10 +98,21 @@ class JsonAccessLogger(AbstractAccessLogger):
     """aiohttp access log as JSON (method, path, status, bytes, duration, tenant)."""
 
     def log(self, request, response, time_s: float) -> None:
-        self.logger.info("request", extra={"fields": {
-            "event": "access", "method": request.method, "path": request.path, "status": response.status,
-            "resp_bytes": response.body_length, "duration_s": round(time_s, 6),
-            "tenant": request.get("tenant"), "remote": request.remote}})
+        self.logger.info(
+            "request",
+            extra={
+                "fields": {
+                    "event": "access",
+                    "method": request.method,
+                    "path": request.path,
+                    "status": response.status,
+                    "resp_bytes": response.body_length,
+                    "duration_s": round(time_s, 6),
+                    "tenant": request.get("tenant"),
+                    "remote": request.remote,
+                }
+            },
+        )
 
 
 class _Req(BaseModel):
@@ -157,14 +188,20 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ApiError(400, "bad_json", f"body is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
-                       "(JSON bodies and put manifests are UTF-8)") from None
+        raise ApiError(
+            400,
+            "bad_json",
+            f"body is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+            "(JSON bodies and put manifests are UTF-8)",
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, "bad_json", f"body is not valid JSON: {e}") from None
     except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
-        raise ApiError(400, "bad_json", f"body is not acceptable JSON: {str(e).splitlines()[0][:200]}") from None
+        raise ApiError(
+            400, "bad_json", f"body is not acceptable JSON: {str(e).splitlines()[0][:200]}"
+        ) from None
     except RecursionError:
         raise ApiError(400, "bad_json", "body is not acceptable JSON: nested too deeply") from None
     if not isinstance(doc, dict):
@@ -202,4 +239,6 @@ def require_json(content_type: str) -> None:
         415 ``unsupported_media_type`` for anything but ``application/json``.
     """
     if content_type.lower() != "application/json":
-        raise ApiError(415, "unsupported_media_type", f"Content-Type must be application/json, got {content_type!r}")
+        raise ApiError(
+            415, "unsupported_media_type", f"Content-Type must be application/json, got {content_type!r}"
+        )

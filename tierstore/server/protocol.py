@@ -16,6 +16,7 @@ followed by raw block bytes, never JSON-encoded tensors::
 
 Every other request and response body is JSON (see ``openapi.yaml``).
 """
+
 from __future__ import annotations
 
 import json

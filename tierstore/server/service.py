@@ -16,6 +16,7 @@ evicted or invalidated before. Invalidations are logged (fsync'ed) in
 ``state_dir/scopes.jsonl`` maps scopes to owners so tenant usage is known
 again after a restart.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -119,13 +120,20 @@ class Service:
         self.layout = cfg.layout.build()
         self.block_bytes = self.layout.bytes_per_block
         tiers = cfg.tiers  # tiers.nvme.path: the one path rule (tierstore.io.label); no directory is created
-        pol = cfg.policies.model_copy(update={
-            "pin_quota_bytes": cfg.limits.pin_quota_bytes, "default_lease_s": cfg.limits.default_lease_s,
-            "write_policy": "write_through" if (cfg.puts.durable and tiers.nvme is not None) else "write_back"})
+        pol = cfg.policies.model_copy(
+            update={
+                "pin_quota_bytes": cfg.limits.pin_quota_bytes,
+                "default_lease_s": cfg.limits.default_lease_s,
+                "write_policy": "write_through"
+                if (cfg.puts.durable and tiers.nvme is not None)
+                else "write_back",
+            }
+        )
         #: with a ``node`` section the store is the node service's pool (one store, two transports)
         self.node_core = None
         if cfg.node is not None:
             from ..node.server import open_node_core
+
             self.node_core = open_node_core(cfg)
             self.store = self.node_core.store
         else:
@@ -138,17 +146,31 @@ class Service:
         # never be addressed again: drop them rather than charge their owners.
         known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
         # With the node transport on, engine processes address namespaces of their own: none is an orphan.
-        orphans = [] if self.node_core is not None else \
-            [k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)]
+        orphans = (
+            []
+            if self.node_core is not None
+            else [
+                k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
+            ]
+        )
         dropped_orphans = self.store.remove(orphans) if orphans else 0
         self.tenancy.adopt(self.store)
         self.recovered_blocks = sum(self.store.namespaces().values())
         if self.store.nvme is not None:
-            log.info("recovered", extra={"fields": {"event": "recovered", "blocks": self.recovered_blocks,
-                                                    "dropped_invalidated": dropped,
-                                                    "dropped_unaddressable": dropped_orphans}})
-        self.executor = concurrent.futures.ThreadPoolExecutor(cfg.limits.worker_threads,
-                                                              thread_name_prefix="tierstore-io")
+            log.info(
+                "recovered",
+                extra={
+                    "fields": {
+                        "event": "recovered",
+                        "blocks": self.recovered_blocks,
+                        "dropped_invalidated": dropped,
+                        "dropped_unaddressable": dropped_orphans,
+                    }
+                },
+            )
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            cfg.limits.worker_threads, thread_name_prefix="tierstore-io"
+        )
         self.leases: dict[int, str] = {}
         self.inflight = 0
         self.draining = False
@@ -161,17 +183,25 @@ class Service:
     # ---------------------------------------------------------------- app
     def make_app(self) -> web.Application:
         """The API application (``/v1/*``, health and metrics)."""
-        app = web.Application(client_max_size=self.cfg.limits.max_manifest_bytes,
-                              middlewares=[self._middleware])
-        app.add_routes([
-            web.get("/healthz", self.healthz), web.get("/readyz", self.readyz), web.get("/metrics", self.metrics_h),
-            web.get("/v1/info", self.info),
-            web.put("/v1/blocks", self.put_blocks),
-            web.post("/v1/blocks/get", self.get_blocks),
-            web.post("/v1/exists", self.exists), web.post("/v1/lookup", self.lookup),
-            web.post("/v1/pin", self.pin), web.post("/v1/unpin", self.unpin),
-            web.post("/v1/prefetch", self.prefetch), web.post("/v1/invalidate", self.invalidate),
-        ])
+        app = web.Application(
+            client_max_size=self.cfg.limits.max_manifest_bytes, middlewares=[self._middleware]
+        )
+        app.add_routes(
+            [
+                web.get("/healthz", self.healthz),
+                web.get("/readyz", self.readyz),
+                web.get("/metrics", self.metrics_h),
+                web.get("/v1/info", self.info),
+                web.put("/v1/blocks", self.put_blocks),
+                web.post("/v1/blocks/get", self.get_blocks),
+                web.post("/v1/exists", self.exists),
+                web.post("/v1/lookup", self.lookup),
+                web.post("/v1/pin", self.pin),
+                web.post("/v1/unpin", self.unpin),
+                web.post("/v1/prefetch", self.prefetch),
+                web.post("/v1/invalidate", self.invalidate),
+            ]
+        )
         return app
 
     def make_metrics_app(self) -> web.Application:
@@ -191,15 +221,26 @@ class Service:
         try:
             if api and self.draining:
                 self.metrics.rejected.labels("draining").inc()
-                resp = error_response(503, "draining", "the daemon is shutting down; retry on another replica "
-                                      "or after restart", retry)
+                resp = error_response(
+                    503,
+                    "draining",
+                    "the daemon is shutting down; retry on another replica or after restart",
+                    retry,
+                )
             elif api and self.inflight >= lim.max_inflight_requests:
                 self.metrics.rejected.labels("overloaded").inc()
-                resp = error_response(429, "overloaded", f"{self.inflight} requests in flight "
-                                      f"(limit {lim.max_inflight_requests}); retry later", retry)
+                resp = error_response(
+                    429,
+                    "overloaded",
+                    f"{self.inflight} requests in flight (limit {lim.max_inflight_requests}); retry later",
+                    retry,
+                )
             elif request.headers.get("Content-Encoding", "identity").lower() != "identity":
-                resp = error_response(415, "unsupported_encoding", "request bodies must not be compressed "
-                                      "(Content-Encoding: identity only)")
+                resp = error_response(
+                    415,
+                    "unsupported_encoding",
+                    "request bodies must not be compressed (Content-Encoding: identity only)",
+                )
                 resp.force_close()  # do not decode (drain) the rejected body
             else:
                 if api:
@@ -215,16 +256,23 @@ class Service:
                         self.metrics.rejected.labels(e.code).inc()
                     resp = error_response(e.status, e.code, e.message, hdrs)
                 except asyncio.TimeoutError:  # TimeoutError from 3.11; async-timeout's below
-                    resp = error_response(408, "timeout", f"request not completed within {lim.request_timeout_s} s")
+                    resp = error_response(
+                        408, "timeout", f"request not completed within {lim.request_timeout_s} s"
+                    )
                 except web.HTTPException as e:
                     if e.status >= 400 and e.content_type != "application/json":
-                        resp = error_response(e.status, e.reason.lower().replace(" ", "_"),
-                                              e.text or e.reason, {k: v for k, v in e.headers.items()
-                                                                   if k.lower() in ("allow", "retry-after")})
+                        resp = error_response(
+                            e.status,
+                            e.reason.lower().replace(" ", "_"),
+                            e.text or e.reason,
+                            {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")},
+                        )
                     else:
                         raise
                 except (ConnectionResetError, asyncio.IncompleteReadError, HttpProcessingError) as e:
-                    resp = error_response(400, "truncated", f"the request body ended early: {type(e).__name__}")
+                    resp = error_response(
+                        400, "truncated", f"the request body ended early: {type(e).__name__}"
+                    )
                 except TierStoreError as e:
                     resp = error_response(400, "bad_request", str(e))
         except web.HTTPException:
@@ -250,8 +298,12 @@ class Service:
     async def _json(self, request: web.Request, model: type[BaseModel]) -> Any:
         require_json(request.content_type)
         if request.content_length is not None and request.content_length > self.cfg.limits.max_manifest_bytes:
-            raise ApiError(413, "too_large", f"JSON body of {request.content_length} bytes exceeds "
-                           f"{self.cfg.limits.max_manifest_bytes} bytes")
+            raise ApiError(
+                413,
+                "too_large",
+                f"JSON body of {request.content_length} bytes exceeds "
+                f"{self.cfg.limits.max_manifest_bytes} bytes",
+            )
         raw = await request.read()
         return self._parse(raw, model)
 
@@ -260,11 +312,16 @@ class Service:
 
     def _keys(self, hex_keys: list[str]) -> list[bytes]:
         if len(hex_keys) > self.cfg.limits.max_keys_per_request:
-            raise ApiError(413, "too_many_keys", f"{len(hex_keys)} keys exceed max_keys_per_request="
-                           f"{self.cfg.limits.max_keys_per_request}")
+            raise ApiError(
+                413,
+                "too_many_keys",
+                f"{len(hex_keys)} keys exceed max_keys_per_request={self.cfg.limits.max_keys_per_request}",
+            )
         return [hex32(k, f"keys[{i}]") for i, k in enumerate(hex_keys)]
 
-    def _scoped(self, tenant: str, ns_hex: str, hex_keys: list[str], write: bool) -> tuple[bytes, str, list[bytes]]:
+    def _scoped(
+        self, tenant: str, ns_hex: str, hex_keys: list[str], write: bool
+    ) -> tuple[bytes, str, list[bytes]]:
         client_ns = hex32(ns_hex, "namespace")
         keys = self._keys(hex_keys)
         scope, owner = self.tenancy.resolve(tenant, client_ns, write)
@@ -286,6 +343,7 @@ class Service:
             def done(_f, buf=buf) -> None:
                 self._busy_bufs.discard(id(buf))
                 self.buffers.give(buf)
+
             fut.add_done_callback(done)
             raise
 
@@ -313,10 +371,17 @@ class Service:
         """The caller's tenant, the layout and the limits."""
         tenant = self._auth(request)
         lim = self.cfg.limits
-        return web.json_response({"tenant": tenant, "layout": self.layout.to_dict(), "block_bytes": self.block_bytes,
-                                  "durable": self.durable, "max_request_bytes": lim.max_request_bytes,
-                                  "max_keys_per_request": lim.max_keys_per_request,
-                                  "max_manifest_bytes": lim.max_manifest_bytes})
+        return web.json_response(
+            {
+                "tenant": tenant,
+                "layout": self.layout.to_dict(),
+                "block_bytes": self.block_bytes,
+                "durable": self.durable,
+                "max_request_bytes": lim.max_request_bytes,
+                "max_keys_per_request": lim.max_keys_per_request,
+                "max_manifest_bytes": lim.max_manifest_bytes,
+            }
+        )
 
     async def put_blocks(self, request: web.Request) -> web.Response:
         """Batched put: manifest + raw blocks, streamed into one pre-allocated tensor."""
@@ -326,7 +391,9 @@ class Service:
             raise ApiError(415, "unsupported_media_type", f"Content-Type must be {BLOCKS_CONTENT_TYPE}")
         cl = request.content_length
         if cl is not None and cl > lim.max_request_bytes:
-            raise ApiError(413, "too_large", f"body of {cl} bytes exceeds max_request_bytes={lim.max_request_bytes}")
+            raise ApiError(
+                413, "too_large", f"body of {cl} bytes exceeds max_request_bytes={lim.max_request_bytes}"
+            )
         body = request.content
         head = await body.read(PREFIX.size)
         while len(head) < PREFIX.size:
@@ -336,8 +403,11 @@ class Service:
             head += more
         (mlen,) = PREFIX.unpack(head)
         if mlen > lim.max_manifest_bytes:
-            raise ApiError(413, "too_large", f"manifest of {mlen} bytes exceeds max_manifest_bytes="
-                           f"{lim.max_manifest_bytes}")
+            raise ApiError(
+                413,
+                "too_large",
+                f"manifest of {mlen} bytes exceeds max_manifest_bytes={lim.max_manifest_bytes}",
+            )
         if cl is not None and PREFIX.size + mlen > cl:
             raise ApiError(400, "bad_length", f"manifest length {mlen} runs past Content-Length {cl}")
         try:
@@ -349,17 +419,28 @@ class Service:
         payload = len(keys) * self.block_bytes
         total = PREFIX.size + mlen + payload
         if total > lim.max_request_bytes:
-            raise ApiError(413, "too_large", f"{len(keys)} blocks of {self.block_bytes} bytes make a body of {total} "
-                           f"bytes, over max_request_bytes={lim.max_request_bytes}")
+            raise ApiError(
+                413,
+                "too_large",
+                f"{len(keys)} blocks of {self.block_bytes} bytes make a body of {total} "
+                f"bytes, over max_request_bytes={lim.max_request_bytes}",
+            )
         if cl is not None and cl != total:
-            raise ApiError(400, "bad_length", f"Content-Length {cl} != {total} (4 + manifest {mlen} + "
-                           f"{len(keys)} blocks x {self.block_bytes} bytes)")
+            raise ApiError(
+                400,
+                "bad_length",
+                f"Content-Length {cl} != {total} (4 + manifest {mlen} + "
+                f"{len(keys)} blocks x {self.block_bytes} bytes)",
+            )
         if len(set(keys)) != len(keys):
             raise ApiError(400, "bad_request", "keys must be distinct within one put")
         if man.lifetime is not None:
             from ..fdp.lifetime import HINTS
+
             if man.lifetime not in HINTS:
-                raise ApiError(400, "bad_request", f"lifetime={man.lifetime!r}: accepted values are {sorted(HINTS)}")
+                raise ApiError(
+                    400, "bad_request", f"lifetime={man.lifetime!r}: accepted values are {sorted(HINTS)}"
+                )
         buf = self.buffers.take(payload)
         try:
             return await self._put_body(request, tenant, man, scope, owner, keys, buf)
@@ -376,19 +457,27 @@ class Service:
             if not chunk:
                 break
             take = min(len(chunk), payload - pos)
-            mv[pos:pos + take] = chunk[:take]
+            mv[pos : pos + take] = chunk[:take]
             pos += take
             if take < len(chunk):
-                raise ApiError(400, "bad_length", f"body is longer than the {len(keys)} blocks the manifest lists")
+                raise ApiError(
+                    400, "bad_length", f"body is longer than the {len(keys)} blocks the manifest lists"
+                )
         if pos < payload:
             raise ApiError(400, "truncated", f"body ends after {pos} of {payload} payload bytes")
         if await body.read(1):
-            raise ApiError(400, "bad_length", f"body is longer than the {len(keys)} blocks the manifest lists")
+            raise ApiError(
+                400, "bad_length", f"body is longer than the {len(keys)} blocks the manifest lists"
+            )
         charged = self.tenancy.reserve(owner, scope, keys, self.store)
-        blocks = [buf[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
+        blocks = [buf[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(len(keys))]
         try:
-            st = await self._run_on(buf, lambda: self.store.store_keys(scope, keys, blocks, lifetime=man.lifetime,
-                                                                         first_position=man.first_position))
+            st = await self._run_on(
+                buf,
+                lambda: self.store.store_keys(
+                    scope, keys, blocks, lifetime=man.lifetime, first_position=man.first_position
+                ),
+            )
         except BaseException:
             self.tenancy.unreserve(scope, charged)
             raise
@@ -407,8 +496,12 @@ class Service:
         scope, owner, keys = self._scoped(tenant, req.namespace, req.keys, write=False)
         total = len(keys) * self.block_bytes
         if total > self.cfg.limits.max_request_bytes:
-            raise ApiError(413, "too_large", f"{len(keys)} blocks of {self.block_bytes} bytes exceed "
-                           f"max_request_bytes={self.cfg.limits.max_request_bytes}; split the batch")
+            raise ApiError(
+                413,
+                "too_large",
+                f"{len(keys)} blocks of {self.block_bytes} bytes exceed "
+                f"max_request_bytes={self.cfg.limits.max_request_bytes}; split the batch",
+            )
         buf = self.buffers.take(total)
         try:
             return await self._get_body(request, tenant, req, keys, buf)
@@ -417,7 +510,7 @@ class Service:
 
     async def _get_body(self, request, tenant, req, keys, buf) -> web.StreamResponse:
         total = buf.numel()
-        dests = [buf[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
+        dests = [buf[i * self.block_bytes : (i + 1) * self.block_bytes] for i in range(len(keys))]
         t0 = time.perf_counter()
         st, _ = await self._run_on(buf, lambda: self.store.load(keys, dests, req.promote))
         self.metrics.load_s.observe(time.perf_counter() - t0)
@@ -425,8 +518,9 @@ class Service:
         for s in st:
             self.metrics.blocks.labels("get", tenant, s.value).inc()
         self.metrics.count_hits("get", len(keys), len(ok))
-        man = json.dumps({"statuses": [s.value for s in st], "block_bytes": self.block_bytes},
-                         separators=(",", ":")).encode()
+        man = json.dumps(
+            {"statuses": [s.value for s in st], "block_bytes": self.block_bytes}, separators=(",", ":")
+        ).encode()
         prefix = PREFIX.pack(len(man)) + man
         resp = web.StreamResponse(headers={"Content-Type": BLOCKS_CONTENT_TYPE})
         resp.content_length = len(prefix) + len(ok) * self.block_bytes
@@ -443,10 +537,12 @@ class Service:
             for a, b in runs:
                 lo, hi = a * self.block_bytes, b * self.block_bytes
                 for off in range(lo, hi, _WRITE_CHUNK_BYTES):
-                    await resp.write(mv[off:min(hi, off + _WRITE_CHUNK_BYTES)])
+                    await resp.write(mv[off : min(hi, off + _WRITE_CHUNK_BYTES)])
             await resp.write_eof()
         except ConnectionError as e:  # the client went away mid-response; nothing left to answer
-            log.info("client disconnected", extra={"fields": {"event": "disconnect", "error": type(e).__name__}})
+            log.info(
+                "client disconnected", extra={"fields": {"event": "disconnect", "error": type(e).__name__}}
+            )
             return resp
         self.metrics.bytes.labels("out", tenant).inc(len(ok) * self.block_bytes)
         return resp
@@ -464,11 +560,19 @@ class Service:
         tenant = self._auth(request)
         req = await self._json(request, KeysRequest)
         scope, _, keys = self._scoped(tenant, req.namespace, req.keys, write=False)
-        res = self.store.lookup_keys(keys, ns=scope)  # ns: blocks found in the shared remote tier are kept when loaded
+        res = self.store.lookup_keys(
+            keys, ns=scope
+        )  # ns: blocks found in the shared remote tier are kept when loaded
         self.metrics.count_hits("lookup", len(keys), res.matched_blocks)
-        return web.json_response({"matched_blocks": res.matched_blocks, "useful_blocks": res.useful_blocks,
-                                  "tiers": [t.label for t in res.tiers], "load_s": res.load_s,
-                                  "not_useful_reason": res.not_useful_reason})
+        return web.json_response(
+            {
+                "matched_blocks": res.matched_blocks,
+                "useful_blocks": res.useful_blocks,
+                "tiers": [t.label for t in res.tiers],
+                "load_s": res.load_s,
+                "not_useful_reason": res.not_useful_reason,
+            }
+        )
 
     async def pin(self, request: web.Request) -> web.Response:
         """Pin the resident leading blocks for a lease."""
@@ -488,7 +592,9 @@ class Service:
             live = self.store.leases()
             self.leases = {lid: t for lid, t in self.leases.items() if lid in live}
         self.leases[lease.lease_id] = tenant
-        return web.json_response({"lease_id": lease.lease_id, "pinned_blocks": len(lease.keys), "lease_s": lease_s})
+        return web.json_response(
+            {"lease_id": lease.lease_id, "pinned_blocks": len(lease.keys), "lease_s": lease_s}
+        )
 
     async def unpin(self, request: web.Request) -> web.Response:
         """End a lease early (only the tenant that took it)."""
@@ -510,18 +616,19 @@ class Service:
         if len(store.tiers) > 1 and Tier.NVME in store.tiers:
             top = Tier.HOST if Tier.HOST in store.tiers else Tier.HBM
             promoted = await asyncio.wrap_future(store.prefetch_keys(keys, top.label))
-        return web.json_response({"promoted_blocks": promoted,
-                                  "resident_blocks": sum(store.resident(keys))})
+        return web.json_response({"promoted_blocks": promoted, "resident_blocks": sum(store.resident(keys))})
 
     async def invalidate(self, request: web.Request) -> web.Response:
         """Drop every block of the caller's namespace (durably)."""
         tenant = self._auth(request)
         req = await self._json(request, InvalidateRequest)
         scope, _ = self.tenancy.resolve(tenant, hex32(req.namespace, "namespace"), write=True)
+
         def work() -> int:
             n = self.store.invalidate(scope)  # durable: the store logs it
             self.tenancy.invalidated(scope)
             return n
+
         n = await self._run(work)
         return web.json_response({"removed_blocks": n})
 

@@ -15,6 +15,7 @@ configured credential (no early exit). Clients send the 32-byte digest of their
 Continued in ``docs/SERVER.md`` (``tierstore/server/tenancy.py``): registry and invalidation
 log.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,8 @@ class Tenancy:
             self.tombstones[bytes.fromhex(rec["scope"])] = int(rec["seq"])
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()
-        self._keys: dict[bytes, set] = {}           # scope -> server keys put (pruned lazily)
-        self._owner_scopes: dict[str, set] = {}     # owner -> scopes
+        self._keys: dict[bytes, set] = {}  # scope -> server keys put (pruned lazily)
+        self._owner_scopes: dict[str, set] = {}  # owner -> scopes
 
     @staticmethod
     def _read_jsonl(path: str) -> list[dict]:
@@ -125,21 +126,28 @@ class Tenancy:
         pub = self.public.get(client_ns)
         if pub is not None:
             if write and tenant not in pub.writers:
-                raise ApiError(403, "forbidden", f"public namespace {pub.name!r} is not writable by this tenant")
+                raise ApiError(
+                    403, "forbidden", f"public namespace {pub.name!r} is not writable by this tenant"
+                )
             if not write and pub.readers != "*" and tenant not in pub.readers and tenant not in pub.writers:
-                raise ApiError(403, "forbidden", f"public namespace {pub.name!r} is not readable by this tenant")
+                raise ApiError(
+                    403, "forbidden", f"public namespace {pub.name!r} is not readable by this tenant"
+                )
             owner = f"public:{pub.name}"
         else:
             owner = tenant
-        scope = hashlib.sha256(_SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns
-                               + self.layout_fingerprint).digest()
+        scope = hashlib.sha256(
+            _SCOPE_DOMAIN + b"\0" + owner.encode() + b"\0" + client_ns + self.layout_fingerprint
+        ).digest()
         if write and scope not in self.scope_owner:  # reads of unknown scopes leave no state behind
             with self._lock:
                 known = scope in self.scope_owner
                 self.scope_owner[scope] = owner
             if not known:
-                self._append(self._scopes_path, {"scope": scope.hex(), "owner": owner,
-                                                 "layout": self.layout_fingerprint.hex()})
+                self._append(
+                    self._scopes_path,
+                    {"scope": scope.hex(), "owner": owner, "layout": self.layout_fingerprint.hex()},
+                )
         return scope, owner
 
     @staticmethod
@@ -186,10 +194,13 @@ class Tenancy:
                 have = self._keys[scope]
                 new = [k for k in dict.fromkeys(keys) if k not in have]
                 if (self._used_blocks(owner) + len(new)) * self.block_bytes > quota:
-                    raise ApiError(429, "quota_exceeded",
-                                   f"storing {len(new)} new blocks would exceed the quota of {quota} bytes "
-                                   f"(in use: {self._used_blocks(owner) * self.block_bytes} bytes); "
-                                   "retry after invalidating or when blocks are evicted")
+                    raise ApiError(
+                        429,
+                        "quota_exceeded",
+                        f"storing {len(new)} new blocks would exceed the quota of {quota} bytes "
+                        f"(in use: {self._used_blocks(owner) * self.block_bytes} bytes); "
+                        "retry after invalidating or when blocks are evicted",
+                    )
             have.update(new)
             self._owner_scopes.setdefault(owner, set()).add(scope)
             return new

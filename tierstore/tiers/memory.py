@@ -10,6 +10,7 @@ plain otherwise (``pin_memory=True`` raises without a CUDA driver).
 
 Slots are handed out lowest-first at the start, so tests see deterministic slot ids.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -49,8 +50,14 @@ class BlockPool:
         Shape ``(num_blocks, block_bytes)``, dtype ``uint8``.
     """
 
-    def __init__(self, name: str, num_blocks: int, block_bytes: int,
-                 device: str | torch.device = "cpu", pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        block_bytes: int,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
         if num_blocks < 0 or block_bytes <= 0:
             raise LayoutError(f"{name}: num_blocks={num_blocks}, block_bytes={block_bytes} are invalid")
         self.name = name
@@ -58,12 +65,18 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         try:
-            self.data = torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=self.device,
-                                    pin_memory=pin_memory and self.device.type == "cpu")
+            self.data = torch.empty(
+                (num_blocks, block_bytes),
+                dtype=torch.uint8,
+                device=self.device,
+                pin_memory=pin_memory and self.device.type == "cpu",
+            )
         except (RuntimeError, AssertionError) as exc:  # no CUDA driver, or out of memory
             what = "pinned host" if pin_memory and self.device.type == "cpu" else str(self.device)
-            raise ConfigError(f"{name}: cannot allocate {num_blocks} x {block_bytes} bytes of {what} "
-                              f"memory: {str(exc).splitlines()[0]}") from exc
+            raise ConfigError(
+                f"{name}: cannot allocate {num_blocks} x {block_bytes} bytes of {what} "
+                f"memory: {str(exc).splitlines()[0]}"
+            ) from exc
 
     @classmethod
     def from_tensor(cls, name: str, rows: torch.Tensor) -> BlockPool:
@@ -89,8 +102,9 @@ class BlockPool:
             For another dtype or rank, an empty row, non-contiguous rows or overlapping rows.
         """
         if rows.dtype != torch.uint8 or rows.dim() != 2:
-            raise LayoutError(f"{name}: rows must be a 2-D uint8 tensor, "
-                              f"got {tuple(rows.shape)} {rows.dtype}")
+            raise LayoutError(
+                f"{name}: rows must be a 2-D uint8 tensor, got {tuple(rows.shape)} {rows.dtype}"
+            )
         num_blocks, block_bytes = rows.shape
         if block_bytes <= 0:
             raise LayoutError(f"{name}: rows of {block_bytes} bytes are invalid")
@@ -133,8 +147,8 @@ class SlotAllocator:
         k = min(n, len(self._free))
         if k <= 0:
             return []
-        out = self._free[len(self._free) - k:][::-1].tolist()  # the order of k pops
-        del self._free[len(self._free) - k:]
+        out = self._free[len(self._free) - k :][::-1].tolist()  # the order of k pops
+        del self._free[len(self._free) - k :]
         return out
 
     def give(self, slot: int) -> None:

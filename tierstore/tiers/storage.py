@@ -23,6 +23,7 @@ Rules every backend keeps (the index relies on them):
 The NVMe backend is the log-structured segment store of :mod:`tierstore.io.segments`; the remote
 backend is :class:`tierstore.remote.mooncake.MooncakeTier`.
 """
+
 from __future__ import annotations
 
 import abc
@@ -70,7 +71,9 @@ class StoredBlocks(NamedTuple):
     write_seqs: np.ndarray
 
 
-def _one_fragment_each(keys: Sequence[bytes], tensors: Sequence[torch.Tensor], noun: str) -> list[list[torch.Tensor]]:
+def _one_fragment_each(
+    keys: Sequence[bytes], tensors: Sequence[torch.Tensor], noun: str
+) -> list[list[torch.Tensor]]:
     """``[[t] for t in tensors]``: whole blocks as one fragment each.
 
     Raises
@@ -113,9 +116,13 @@ class BlockStorage(abc.ABC):
         self._listener = listener
 
     @abc.abstractmethod
-    def put_fragments(self, keys: Sequence[bytes], fragments_per_block: Sequence[Any],
-                      placements: Sequence[int | None] | None = None,
-                      ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+    def put_fragments(
+        self,
+        keys: Sequence[bytes],
+        fragments_per_block: Sequence[Any],
+        placements: Sequence[int | None] | None = None,
+        ns_digests: Sequence[bytes] | None = None,
+    ) -> list[Status]:
         """Store blocks given as fragments, without a contiguous copy.
 
         Parameters
@@ -137,8 +144,12 @@ class BlockStorage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_fragments(self, keys: Sequence[bytes], dest_fragments_per_block: Sequence[Any],
-                      gate: Callable[[list[int]], Any] | None = None) -> list[Status]:
+    def get_fragments(
+        self,
+        keys: Sequence[bytes],
+        dest_fragments_per_block: Sequence[Any],
+        gate: Callable[[list[int]], Any] | None = None,
+    ) -> list[Status]:
         """Load blocks into destination fragments.
 
         Parameters
@@ -159,9 +170,13 @@ class BlockStorage(abc.ABC):
             ``OK`` (bytes verified and copied), ``MISS`` or ``IO_ERROR`` per block.
         """
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            placements: Sequence[int | None] | None = None,
-            ns_digests: Sequence[bytes] | None = None) -> list[Status]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        placements: Sequence[int | None] | None = None,
+        ns_digests: Sequence[bytes] | None = None,
+    ) -> list[Status]:
         """Store whole blocks: each a contiguous 1-D ``uint8`` tensor of ``block_bytes``.
 
         Default: :meth:`put_fragments` with one fragment per block. Statuses as there.
@@ -295,9 +310,15 @@ class RemoteBlockTier(abc.ABC):
         Returns ``OK``, ``MISS`` or ``IO_ERROR`` per block."""
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
-            ns_digests: Sequence[bytes] | None = None, *, copy: bool = False,
-            recent: bool = True) -> list[Status]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        ns_digests: Sequence[bytes] | None = None,
+        *,
+        copy: bool = False,
+        recent: bool = True,
+    ) -> list[Status]:
         """Queue blocks for publication (asynchronous; returns after at most a memory copy).
 
         ``copy``: copy even from a registered region (the owner reuses it at once). ``recent``: a
@@ -309,8 +330,12 @@ class RemoteBlockTier(abc.ABC):
         """Remove blocks from the tier in the background (best effort; unknown keys ignored)."""
 
     @abc.abstractmethod
-    def register_memory(self, tensor: torch.Tensor, on_hold: Callable[[int, int], None],
-                        on_release: Callable[[int, int], None]) -> object:
+    def register_memory(
+        self,
+        tensor: torch.Tensor,
+        on_hold: Callable[[int, int], None],
+        on_release: Callable[[int, int], None],
+    ) -> object:
         """Register memory (the host tier's pool) for zero-copy loads and publishes; the tier calls
         ``on_hold(offset, nbytes)`` while it may still touch a range and ``on_release`` after."""
 

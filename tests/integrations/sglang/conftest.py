@@ -4,6 +4,7 @@ The core suite (``python -m pytest -q`` in the project venv) has no SGLang,
 so this directory is not collected there (``collect_ignore_glob``) and nothing
 imports SGLang or :mod:`tierstore.integrations.sglang`.
 """
+
 from __future__ import annotations
 
 import importlib.util

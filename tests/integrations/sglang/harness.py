@@ -6,6 +6,7 @@ A host pool is built the way SGLang builds it (issue 15, checked on CPU):
 ``pin_memory=False``. Page contents are derived from the page hash, so any
 page read back can be checked byte for byte.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,38 +20,99 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from tierstore.integrations.sglang import HiCacheTierStore
 
-CLASS = {"backend_name": "tierstore", "module_path": "tierstore.integrations.sglang",
-         "class_name": "HiCacheTierStore", "interface_v1": 1}
+CLASS = {
+    "backend_name": "tierstore",
+    "module_path": "tierstore.integrations.sglang",
+    "class_name": "HiCacheTierStore",
+    "interface_v1": 1,
+}
 
 
-def host_pool(kind: str = "mha", layout: str = "page_first", *, page_size: int = 4, layers: int = 3,
-              heads: int = 2, head_dim: int = 8, kv_lora_rank: int = 16, rope_dim: int = 8,
-              dtype: torch.dtype = torch.bfloat16, device_tokens: int = 64, ratio: float = 2.0):
+def host_pool(
+    kind: str = "mha",
+    layout: str = "page_first",
+    *,
+    page_size: int = 4,
+    layers: int = 3,
+    heads: int = 2,
+    head_dim: int = 8,
+    kv_lora_rank: int = 16,
+    rope_dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    device_tokens: int = 64,
+    ratio: float = 2.0,
+):
     """SGLang's host pool (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``) on CPU.
 
     The pool holds ``device_tokens * ratio`` tokens plus SGLang's padding page.
     """
-    common = dict(size=device_tokens, page_size=page_size, dtype=dtype, layer_num=layers, device="cpu",
-                  enable_memory_saver=False, start_layer=0, end_layer=layers)
+    common = dict(
+        size=device_tokens,
+        page_size=page_size,
+        dtype=dtype,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=layers,
+    )
     if kind == "mha":
         dev = MHATokenToKVPool(head_num=heads, head_dim=head_dim, **common)
-        return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, ratio, 0, page_size, layout,
-                                    pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
-                                    start_layer=0, end_layer=layers)
+        return MHATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info,
+            ratio,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_tokens,
+            start_layer=0,
+            end_layer=layers,
+        )
     dev = MLATokenToKVPool(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, **common)
-    return MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, ratio, 0, page_size, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
-                                start_layer=0, end_layer=layers, target_layer_num=layers)
+    return MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        ratio,
+        0,
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=layers,
+        target_layer_num=layers,
+    )
 
 
-def storage_config(extra: dict, *, model: str | None = "acme/tiny-llama", tp_rank: int = 0, tp_size: int = 1,
-                   pp_rank: int = 0, pp_size: int = 1, is_mla: bool = False, metrics: bool = False,
-                   **more) -> HiCacheStorageConfig:
+def storage_config(
+    extra: dict,
+    *,
+    model: str | None = "acme/tiny-llama",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    is_mla: bool = False,
+    metrics: bool = False,
+    **more,
+) -> HiCacheStorageConfig:
     """SGLang's ``HiCacheStorageConfig`` as ``HiCacheController`` fills it."""
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=is_mla,
-                                enable_storage_metrics=metrics, is_page_first_layout=False,
-                                model_name=model, extra_config={**CLASS, **extra}, **more)
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config={**CLASS, **extra},
+        **more,
+    )
 
 
 def tiers(tmp_path=None, *, host_bytes: int = 0, nvme_bytes: int = 0, nvme_path=None) -> dict:
@@ -59,7 +121,10 @@ def tiers(tmp_path=None, *, host_bytes: int = 0, nvme_bytes: int = 0, nvme_path=
     if host_bytes:
         t["host"] = {"capacity_bytes": host_bytes}
     if nvme_bytes:
-        t["nvme"] = {"path": str(nvme_path if nvme_path is not None else tmp_path), "capacity_bytes": nvme_bytes}
+        t["nvme"] = {
+            "path": str(nvme_path if nvme_path is not None else tmp_path),
+            "capacity_bytes": nvme_bytes,
+        }
     return {"tiers": t}
 
 

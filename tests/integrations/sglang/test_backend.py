@@ -1,4 +1,5 @@
 """tierstore's SGLang HiCache backend against SGLang 0.5.23's own host pools (CPU)."""
+
 from __future__ import annotations
 
 import os
@@ -61,7 +62,9 @@ def test_round_trip_bit_exact(tmp_path, kind, layout, where):
             assert holds(pool, g, k), f"page {g} differs"
         # the copying interface (SGLang's get/set with flat pages) reads the same blocks
         flat = b.batch_get(keys[:2], [pool.get_dummy_flat_data_page() for _ in range(2)])
-        assert all(torch.equal(f.view(torch.uint8), content(k, page_bytes_of(pool))) for f, k in zip(flat, keys))
+        assert all(
+            torch.equal(f.view(torch.uint8), content(k, page_bytes_of(pool))) for f, k in zip(flat, keys)
+        )
     finally:
         b.close()
 
@@ -169,9 +172,12 @@ def test_batch_exists_with_evicted_pages_and_no_recency(tmp_path):
         b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="core limitation (reported to issue 13): the NVMe tier's region eviction "
-                   "does not protect the keys of the store call that needs the space, so a chain's stored head "
-                   "can be dropped to make room for its own tail; no wrong KV, a shorter prefix hit")
+@pytest.mark.xfail(
+    strict=True,
+    reason="core limitation (reported to issue 13): the NVMe tier's region eviction "
+    "does not protect the keys of the store call that needs the space, so a chain's stored head "
+    "can be dropped to make room for its own tail; no wrong KV, a shorter prefix hit",
+)
 def test_a_chain_head_is_not_evicted_to_store_its_own_tail(tmp_path):
     pool = host_pool("mha", "page_first", page_size=16, layers=4, heads=4, head_dim=64, device_tokens=600)
     keys = page_hashes(200, "head")
@@ -182,7 +188,7 @@ def test_a_chain_head_is_not_evicted_to_store_its_own_tail(tmp_path):
     try:
         fits = 0
         while b.batch_exists(keys[:1]) or fits == 0:
-            assert b.batch_set_v1(keys[fits:fits + 1], one) == [True]
+            assert b.batch_set_v1(keys[fits : fits + 1], one) == [True]
             fits += 1
         fits -= 1
     finally:
@@ -190,7 +196,7 @@ def test_a_chain_head_is_not_evicted_to_store_its_own_tail(tmp_path):
     b = backend(pool, tiers(nvme_path=tmp_path / "run", nvme_bytes=2 * MiB))
     try:
         for i in range(fits):
-            assert b.batch_set_v1(keys[i:i + 1], one) == [True]
+            assert b.batch_set_v1(keys[i : i + 1], one) == [True]
         assert b.batch_exists(keys[:fits]) == fits
         assert b.batch_set_v1([keys[0], keys[fits]], indices(pool, [1, 1])) == [True, True]
         assert b.batch_exists([keys[0], keys[fits]]) == 2
@@ -315,12 +321,19 @@ def test_one_line_at_start_and_one_at_shutdown(tmp_path, caplog):
     assert len(lines) == 4, lines
     who = "SGLang HiCache L3 (model acme/tiny-llama, tp 0/1, pp 0/1)"
     nvme = rf"nvme [0-9.]+[KMG]iB at {re.escape(str(tmp_path))}/sglang_\S+\.nvme"
-    assert re.fullmatch(rf"tierstore opened for {re.escape(who)}: tiers host [0-9.]+[KM]iB, {nvme} "
-                        r"\(0 blocks recovered\); remote tier off; page_first layout, .*", lines[0]), lines[0]
-    assert lines[1] == f"tierstore closed for {who}: 3 blocks written down to NVMe, 3 blocks on NVMe for a " \
-                       "restart on the same path"
+    assert re.fullmatch(
+        rf"tierstore opened for {re.escape(who)}: tiers host [0-9.]+[KM]iB, {nvme} "
+        r"\(0 blocks recovered\); remote tier off; page_first layout, .*",
+        lines[0],
+    ), lines[0]
+    assert (
+        lines[1] == f"tierstore closed for {who}: 3 blocks written down to NVMe, 3 blocks on NVMe for a "
+        "restart on the same path"
+    )
     assert "(3 blocks recovered)" in lines[2], lines[2]
-    assert lines[3].endswith(": 0 blocks written down to NVMe, 3 blocks on NVMe for a restart on the same path")
+    assert lines[3].endswith(
+        ": 0 blocks written down to NVMe, 3 blocks on NVMe for a restart on the same path"
+    )
 
 
 def _flip_page_byte(nvme_file, page: torch.Tensor) -> None:
@@ -394,7 +407,9 @@ def test_no_space_reads_false(tmp_path):
 
 def test_prefix_keys_give_chain_position_and_write_policy_gives_hint(tmp_path):
     pool = host_pool("mha", "page_first")
-    b = backend(pool, {**tiers(host_bytes=64 * page_bytes_of(pool)), "write_policy": "write_through_selective"})
+    b = backend(
+        pool, {**tiers(host_bytes=64 * page_bytes_of(pool)), "write_policy": "write_through_selective"}
+    )
     try:
         assert b.lifetime_hint == "conversation"
         keys = page_hashes(4)
@@ -458,27 +473,39 @@ def test_clear_drops_this_namespace_only(tmp_path):
 
 
 # ---------------------------------------------------------------- refused at start-up
-@pytest.mark.parametrize("extra, match", [
-    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
-    ({"layout": {"preset": "tiny"}}, "derived from SGLang's host pool"),
-    ({"remote": {}}, "'remote' is not supported"),
-    ({"tiers": {"hbm": {"capacity_bytes": "1GiB"}, "host": {"capacity_bytes": "1MiB"}}}, "SGLang owns HBM"),
-    ({}, "no tier configured"),
-    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "tenant": "a", "extra_backend_tag": "b"}, "disagree"),
-    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "write_policy": "sometimes"}, "write_policy"),
-    ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "interface_v1": 2}, "interface_v1"),
-    ({"tiers": {"nvme": {"path": "/tmp", "capacity_bytes": "1GiB", "engine": "spdk"}}}, "engine"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
+        ({"layout": {"preset": "tiny"}}, "derived from SGLang's host pool"),
+        ({"remote": {}}, "'remote' is not supported"),
+        (
+            {"tiers": {"hbm": {"capacity_bytes": "1GiB"}, "host": {"capacity_bytes": "1MiB"}}},
+            "SGLang owns HBM",
+        ),
+        ({}, "no tier configured"),
+        (
+            {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "tenant": "a", "extra_backend_tag": "b"},
+            "disagree",
+        ),
+        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "write_policy": "sometimes"}, "write_policy"),
+        ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "interface_v1": 2}, "interface_v1"),
+        ({"tiers": {"nvme": {"path": "/tmp", "capacity_bytes": "1GiB", "engine": "spdk"}}}, "engine"),
+    ],
+)
 def test_bad_extra_config_is_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
         HiCacheTierStore(storage_config(extra), {})
 
 
-@pytest.mark.parametrize("cfg, match", [
-    (dict(model=None), "model_name is empty"),
-    (dict(is_mla=True, tp_size=2), "MLA with tp_size > 1"),
-    (dict(attn_cp_size=2, attn_cp_rank=0), "attention context parallel"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (dict(model=None), "model_name is empty"),
+        (dict(is_mla=True, tp_size=2), "MLA with tp_size > 1"),
+        (dict(attn_cp_size=2, attn_cp_rank=0), "attention context parallel"),
+    ],
+)
 def test_unsupported_parallelism_is_refused(cfg, match):
     extra = {"tiers": {"host": {"capacity_bytes": "1MiB"}}}
     if "attn_cp_size" in cfg:
@@ -513,8 +540,14 @@ def test_fdp_placement_engine_and_admission_from_the_extra_config(tmp_path):
     nvme = {"device": "sim", "engine": "memory", "fdp": {"enabled": True}, "model": model}
     keys = page_hashes(4)
     fill(pool, [1, 2, 3, 4], keys)
-    b = backend(pool, {"tiers": {"nvme": nvme}, "policies": {"admission": "all"},
-                       "write_policy": "write_through_selective"})
+    b = backend(
+        pool,
+        {
+            "tiers": {"nvme": nvme},
+            "policies": {"admission": "all"},
+            "write_policy": "write_through_selective",
+        },
+    )
     try:
         assert b.store.config.tiers.nvme.fdp.enabled and b.store.config.tiers.nvme.engine == "memory"
         assert b.batch_set_v1(keys[:2], indices(pool, [1, 2])) == [True, True]
@@ -533,8 +566,12 @@ def test_fdp_placement_engine_and_admission_from_the_extra_config(tmp_path):
     finally:
         b.close()
     with pytest.raises(ConfigError, match="admission"):
-        HiCacheTierStore(storage_config({"tiers": {"host": {"capacity_bytes": "1MiB"}},
-                                         "policies": {"admission": "sometimes"}}), {})
+        HiCacheTierStore(
+            storage_config(
+                {"tiers": {"host": {"capacity_bytes": "1MiB"}}, "policies": {"admission": "sometimes"}}
+            ),
+            {},
+        )
 
 
 def test_page_first_block_is_sglangs_flat_page(tmp_path):
@@ -586,10 +623,16 @@ def test_every_call_after_close_raises(tmp_path):
     b = backend(pool, tiers(tmp_path, nvme_bytes=8 * MiB))
     assert b.batch_set_v1(keys, indices(pool, [1, 2])) == [True, True]
     b.close()
-    calls = {"batch_exists": lambda: b.batch_exists(keys), "batch_set_v1": lambda: b.batch_set_v1(keys, indices(pool, [1, 2])),
-             "batch_get_v1": lambda: b.batch_get_v1(keys, indices(pool, [3, 4])), "exists": lambda: b.exists(keys[0]),
-             "get": lambda: b.get(keys[0]), "set": lambda: b.set(keys[0], read_page(pool, 1)),
-             "clear": lambda: b.clear(), "register_mem_pool_host": lambda: b.register_mem_pool_host(pool)}
+    calls = {
+        "batch_exists": lambda: b.batch_exists(keys),
+        "batch_set_v1": lambda: b.batch_set_v1(keys, indices(pool, [1, 2])),
+        "batch_get_v1": lambda: b.batch_get_v1(keys, indices(pool, [3, 4])),
+        "exists": lambda: b.exists(keys[0]),
+        "get": lambda: b.get(keys[0]),
+        "set": lambda: b.set(keys[0], read_page(pool, 1)),
+        "clear": lambda: b.clear(),
+        "register_mem_pool_host": lambda: b.register_mem_pool_host(pool),
+    }
     for _name, call in calls.items():
         with pytest.raises(StoreClosedError, match="closed"):
             call()

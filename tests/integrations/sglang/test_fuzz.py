@@ -1,6 +1,7 @@
 """Random batch_set_v1 / batch_get_v1 / batch_exists sequences (hypothesis) on a store
 small enough to evict: every loaded page holds exactly its bytes, every failed load
 leaves its host page untouched, and nothing is leaked at the end."""
+
 from __future__ import annotations
 
 import shutil
@@ -23,10 +24,10 @@ from .harness import (
     tiers,
 )
 
-KEYS = 64            # key space; the store holds about 38 pages (8 host, ~30 NVMe): pages get evicted
-DEST = KEYS + 1      # first host page used as a load destination
+KEYS = 64  # key space; the store holds about 38 pages (8 host, ~30 NVMe): pages get evicted
+DEST = KEYS + 1  # first host page used as a load destination
 MAX_BATCH = 8
-EXAMPLES, STEPS = 50, 200   # per round; rounds run until 10,000 operations
+EXAMPLES, STEPS = 50, 200  # per round; rounds run until 10,000 operations
 TARGET_OPS = 10_000
 _POOL = None
 OPS = {"n": 0}
@@ -42,7 +43,9 @@ EVICTED_IN_CALL = {"pages": 0}
 def pool():
     global _POOL
     if _POOL is None:  # 64 KiB pages: 4 layers x 4 KV heads x head_dim 64, bf16, 16 tokens
-        _POOL = host_pool("mha", "page_first", page_size=16, layers=4, heads=4, head_dim=64, device_tokens=600)
+        _POOL = host_pool(
+            "mha", "page_first", page_size=16, layers=4, heads=4, head_dim=64, device_tokens=600
+        )
         fill(_POOL, range(1, KEYS + 1), page_hashes(KEYS, "fuzz"))
     return _POOL
 
@@ -132,9 +135,17 @@ class BackendMachine(RuleBasedStateMachine):
 def test_random_operations_leak_nothing():
     OPS["n"] = REFUSED["pages"] = EVICTED_IN_CALL["pages"] = 0
     while OPS["n"] < TARGET_OPS:  # hypothesis draws the step count of each example
-        run_state_machine_as_test(BackendMachine, settings=settings(
-            max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+        run_state_machine_as_test(
+            BackendMachine,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
     assert REFUSED["pages"] < OPS["n"] // 100, f"{REFUSED['pages']} pages refused in {OPS['n']} operations"
-    print(f"{OPS['n']} operations; {REFUSED['pages']} pages refused; {EVICTED_IN_CALL['pages']} already-stored "
-          "pages evicted by the call that re-stored them")
+    print(
+        f"{OPS['n']} operations; {REFUSED['pages']} pages refused; {EVICTED_IN_CALL['pages']} already-stored "
+        "pages evicted by the call that re-stored them"
+    )

@@ -8,6 +8,7 @@ with ``model``, ``revision``, ``nvme_dir``, ``prompts`` (token-id lists) and
 ``"closed"`` also calls the store and the connector after shutdown and
 reports what each call raised.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ def main() -> None:
             return
         print("RESULT " + json.dumps({"started": True, "errors": []}), flush=True)
         return
-    llm = LLM(**engine_kwargs(args["model"], revision=args.get("revision")),
-              kv_transfer_config=connector_config(extra))
+    llm = LLM(
+        **engine_kwargs(args["model"], revision=args.get("revision")),
+        kv_transfer_config=connector_config(extra),
+    )
     sp = SamplingParams(max_tokens=args["max_tokens"], temperature=0)
     eid = engine_ids()[0]
     store = engine_store(eid)
@@ -64,11 +67,14 @@ def main() -> None:
     after = {}
     if mode == "closed":  # every call after shutdown raises StoreClosedError, the store's and the connector's
         from tierstore.errors import StoreClosedError
+
         req = type("Req", (), {"request_id": "after-shutdown"})()
-        calls = {"store.lookup": lambda: store.lookup(ns, args["prompts"][0]),
-                 "store.store_keys": lambda: store.store_keys(ns, [bytes(32)], [bytes(1)]),
-                 "connector.get_num_new_matched_tokens": lambda: connector.get_num_new_matched_tokens(req, 0),
-                 "connector.request_finished": lambda: connector.request_finished(req, [])}
+        calls = {
+            "store.lookup": lambda: store.lookup(ns, args["prompts"][0]),
+            "store.store_keys": lambda: store.store_keys(ns, [bytes(32)], [bytes(1)]),
+            "connector.get_num_new_matched_tokens": lambda: connector.get_num_new_matched_tokens(req, 0),
+            "connector.request_finished": lambda: connector.request_finished(req, []),
+        }
         for name, call in calls.items():
             try:
                 call()

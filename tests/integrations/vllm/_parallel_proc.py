@@ -7,6 +7,7 @@ error's type and message on a line ``REFUSED <type>: <message>`` and exits 3. Us
 the refusal's timing (tests/integrations/vllm/test_engine.py): nothing here imports
 tierstore.integrations.vllm before vLLM does, as with ``vllm serve``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,12 @@ def main() -> int:
 
     t0 = time.monotonic()
     try:
-        llm = LLM(**engine_kwargs(args["model"], **args["engine"]),
-                  kv_transfer_config=connector_config({"tiers": {"nvme": {"path": args["nvme_dir"],
-                                                                          "capacity_bytes": "64MiB"}}}))
+        llm = LLM(
+            **engine_kwargs(args["model"], **args["engine"]),
+            kv_transfer_config=connector_config(
+                {"tiers": {"nvme": {"path": args["nvme_dir"], "capacity_bytes": "64MiB"}}}
+            ),
+        )
     except Exception as e:  # noqa: BLE001 (the refusal, however vLLM wraps it: printed)
         print(f"REFUSED {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
         return 3

@@ -1,5 +1,6 @@
 """Shared by the vLLM tests and the engine subprocess: the tiny model, engine
 arguments, prompts. Importing this module does not import vLLM."""
+
 from __future__ import annotations
 
 import random
@@ -16,24 +17,46 @@ def make_tiny_llama(path: str, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     return path
 
 
 def engine_kwargs(model: str, **over) -> dict:
     """``LLM(...)`` arguments: token-id prompts, eager CPU, fp32, 64 blocks of 32 tokens."""
-    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=1024, block_size=B,
-              dtype="float32", num_gpu_blocks_override=64, enable_prefix_caching=False, seed=0)
+    kw = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=B,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     kw.update(over)
     return kw
 
 
 def connector_config(extra: dict, **over):
     from vllm.config import KVTransferConfig
-    kw = dict(kv_connector="TierstoreConnector", kv_connector_module_path="tierstore.integrations.vllm",
-              kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+
+    kw = dict(
+        kv_connector="TierstoreConnector",
+        kv_connector_module_path="tierstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
     kw.update(over)
     return KVTransferConfig(**kw)
 

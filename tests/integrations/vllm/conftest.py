@@ -3,6 +3,7 @@
 The core suite (``python -m pytest -q`` in the project venv) has no vLLM: this
 conftest then ignores the directory, so nothing here imports vLLM.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -11,6 +11,7 @@ opens as its own NVMe tier.
 Tiers of the connector engine: HBM stand-in 8 blocks, host 8 blocks, NVMe
 64 MiB (a block is 32 KiB: 2 layers x 2 KV heads x 32 tokens x 2*32 x fp32).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ CORRUPT = prompt(5 * B + 3, seed=300)
 ABORT = {m: prompt(4 * B + 7, seed=400 + i) for i, m in enumerate(("sync", "async"))}
 PREEMPT = [prompt(600, seed=500 + i) for i in range(3)]  # 3 x 19 blocks of 64: preempted at ~72 decode tokens
 PERSIST = [prompt(3 * B + 5, seed=600)]
-PERSIST.append(prompt(3 * B + 7, seed=601, prefix=PERSIST[0][:2 * B]))
+PERSIST.append(prompt(3 * B + 7, seed=601, prefix=PERSIST[0][: 2 * B]))
 LIFETIME = {h: prompt(2 * B + 1, seed=700 + i) for i, h in enumerate(("conversation", "query", "bogus"))}
 MAX_TOKENS = 8
 PREEMPT_MAX_TOKENS = 130
@@ -87,12 +88,19 @@ def baseline(model_dir):
 def _run_engine_process(args: dict) -> dict:
     """The engine process's RESULT, plus ``log``: its output at vLLM's INFO level (what ``vllm serve``
     prints)."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_engine_proc.py"), json.dumps(args)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    env = dict(
+        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO"
+    )
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_engine_proc.py"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine process failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    return dict(json.loads(lines[-1][len("RESULT "):]), log=r.stdout + r.stderr)
+    return dict(json.loads(lines[-1][len("RESULT ") :]), log=r.stdout + r.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +122,13 @@ def engine(model_dir, baseline, persisted):
     from tierstore.integrations.vllm import engine_ids, engine_store
 
     nvme_dir = persisted[0]
-    extra = {"tiers": {"hbm": {"capacity_bytes": 8 * BLOCK_BYTES}, "host": {"capacity_bytes": 8 * BLOCK_BYTES},
-                       "nvme": {"path": nvme_dir, "capacity_bytes": "64MiB"}}}
+    extra = {
+        "tiers": {
+            "hbm": {"capacity_bytes": 8 * BLOCK_BYTES},
+            "host": {"capacity_bytes": 8 * BLOCK_BYTES},
+            "nvme": {"path": nvme_dir, "capacity_bytes": "64MiB"},
+        }
+    }
     llm = LLM(**engine_kwargs(model_dir), kv_transfer_config=connector_config(extra))
     eid = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     assert eid in engine_ids()
@@ -152,6 +165,7 @@ def same_output(got: dict, want: dict) -> None:
 
 def keys_of(store, eid, tokens, cache_salt=None):
     from tierstore.integrations.vllm import engine_namespace
+
     return store.keys_for(engine_namespace(eid, cache_salt), tokens)
 
 
@@ -194,7 +208,10 @@ def settle(llm, timeout_s: float = 60.0) -> None:
     pool = scheduler_of(llm).kv_cache_manager.block_pool
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not llm.llm_engine.has_unfinished_requests() and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1:
+        if (
+            not llm.llm_engine.has_unfinished_requests()
+            and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        ):
             return
         llm.llm_engine.step()
         time.sleep(0.005)
@@ -276,7 +293,6 @@ def test_restart_persistence(persisted, baseline):
     assert second["stats"].get("io_errors", 0) == 0
 
 
-
 def test_the_connector_says_one_line_at_start_and_one_at_shutdown(persisted):
     """Issue 22, item 13: inside vLLM (its logger, its INFO level) one line when the store opens
     (tiers, NVMe path, blocks recovered, remote tier) and one when it closes (blocks written down)."""
@@ -289,11 +305,18 @@ def test_the_connector_says_one_line_at_start_and_one_at_shutdown(persisted):
         assert re.search(rf"tiers nvme [0-9.]+MiB at {re.escape(nvme_dir)}/\S+ \(", opened[0]), opened[0]
         assert "remote tier off" in opened[0], opened[0]
         assert "blocks written down to NVMe" in closed[0], closed[0]
-    kept = int(re.search(r"(\d+) blocks on NVMe for a restart", [ln for ln in first["log"].splitlines()
-                                                                 if "tierstore closed" in ln][0]).group(1))
+    kept = int(
+        re.search(
+            r"(\d+) blocks on NVMe for a restart",
+            [ln for ln in first["log"].splitlines() if "tierstore closed" in ln][0],
+        ).group(1)
+    )
     assert kept >= 4  # PERSIST's 4 distinct full blocks (two prompts share 2): NVMe is the only tier
     assert "(0 blocks recovered)" in [ln for ln in first["log"].splitlines() if "tierstore opened" in ln][0]
-    assert f"({kept} blocks recovered)" in [ln for ln in second["log"].splitlines() if "tierstore opened" in ln][0]
+    assert (
+        f"({kept} blocks recovered)"
+        in [ln for ln in second["log"].splitlines() if "tierstore opened" in ln][0]
+    )
 
 
 def test_another_model_revision_gets_no_reuse(engine, persisted, baseline):
@@ -356,7 +379,9 @@ def test_abort_releases_references_and_blocks(engine, baseline, mode):
     assert pool.get_num_free_blocks() == all_free
     aborts0 = store.stats().get("aborted_requests", 0)
     eng = llm.llm_engine
-    eng.add_request(f"abort-{mode}", TokensPrompt(prompt_token_ids=p), SamplingParams(max_tokens=200, temperature=0))
+    eng.add_request(
+        f"abort-{mode}", TokensPrompt(prompt_token_ids=p), SamplingParams(max_tokens=200, temperature=0)
+    )
     eng.step()
     assert len(store.references()) == 1  # the lookup's references are held
     eng.abort_request([f"abort-{mode}"])
@@ -391,6 +416,7 @@ def test_preemption_reloads_from_tierstore(engine, baseline, monkeypatch):
         if request.num_preemptions:
             offered.append(out[0])
         return out
+
     monkeypatch.setattr(TierstoreConnector, "build_connector_meta", spy_meta)
     monkeypatch.setattr(TierstoreConnector, "get_num_new_matched_tokens", spy_match)
     sp = SamplingParams(max_tokens=PREEMPT_MAX_TOKENS, temperature=0)
@@ -411,7 +437,7 @@ def test_lifetime_hints(engine, baseline):
         extra = None if hint == "conversation" else {"kv_transfer_params": {"tierstore_lifetime": hint}}
         same_output(gen(llm, p, extra_args=extra), baseline[f"lifetime_{hint}"])
         wait_stored(llm, store, eid, p)
-        lifetimes = {store.block_info(k)['lifetime'] for k in keys_of(store, eid, p)}
+        lifetimes = {store.block_info(k)["lifetime"] for k in keys_of(store, eid, p)}
         assert lifetimes == {want[hint]}, hint
 
 
@@ -420,6 +446,7 @@ def test_an_engine_refuses_an_nvme_path_holding_data_tierstore_did_not_write(mod
     """Item 1: the connector builds its store through build.assemble, which refuses a non-empty file
     without tierstore's label before anything is written; the file is unchanged."""
     import hashlib
+
     victim = tmp_path / "data.bin"
     victim.write_bytes(os.urandom(4 << 20))
     before = hashlib.sha256(victim.read_bytes()).hexdigest()
@@ -432,9 +459,14 @@ def test_an_engine_refuses_an_nvme_path_holding_data_tierstore_did_not_write(mod
 def test_the_store_and_the_connector_refuse_calls_after_shutdown(model_dir, tmp_path):
     """Item 2: after the engine shut down, the connector's store and its scheduler side raise
     StoreClosedError instead of acknowledging or answering."""
-    res = _run_engine_process(dict(model=model_dir, nvme_dir=str(tmp_path) + "/", prompts=PERSIST[:1],
-                                   max_tokens=2, mode="closed"))
+    res = _run_engine_process(
+        dict(model=model_dir, nvme_dir=str(tmp_path) + "/", prompts=PERSIST[:1], max_tokens=2, mode="closed")
+    )
     after = res["after_shutdown"]
-    assert set(after) == {"store.lookup", "store.store_keys", "connector.get_num_new_matched_tokens",
-                          "connector.request_finished"}
+    assert set(after) == {
+        "store.lookup",
+        "store.store_keys",
+        "connector.get_num_new_matched_tokens",
+        "connector.request_finished",
+    }
     assert all(v.startswith("StoreClosedError") for v in after.values()), after

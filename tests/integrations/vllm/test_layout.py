@@ -1,5 +1,6 @@
 """The connector's pieces without an engine: KV cache layout detection over
 tensors shaped like vLLM's, and start-up configuration errors."""
+
 from __future__ import annotations
 
 import types
@@ -94,7 +95,7 @@ def test_unequal_k_and_v_head_sizes_are_refused():
 
 def test_non_contiguous_fragments_are_refused():
     big = torch.zeros(L, NB, H, T, 4 * D)
-    caches = {f"layers.{i}.attn": big[i, ..., :2 * D] for i in range(L)}  # padded channels
+    caches = {f"layers.{i}.attn": big[i, ..., : 2 * D] for i in range(L)}  # padded channels
     with pytest.raises(LayoutError, match="unsupported KV cache"):
         detect_engine_layout(caches, NB, T, H, D)
 
@@ -106,20 +107,29 @@ def fake_vllm_config(extra, policy="recompute", tp=1, pp=1, dp=1):
 
 
 def test_extra_config_splits_into_store_config_and_connector_section():
-    store_cfg, settings = _settings(fake_vllm_config(
-        {"tiers": {"host": {"capacity_bytes": "1GiB"}}, "policies": {"eviction": "lru"},
-         "connector": {"tenant_from": "none", "system_prompt_blocks": 2, "load_mode": "async"}}))
+    store_cfg, settings = _settings(
+        fake_vllm_config(
+            {
+                "tiers": {"host": {"capacity_bytes": "1GiB"}},
+                "policies": {"eviction": "lru"},
+                "connector": {"tenant_from": "none", "system_prompt_blocks": 2, "load_mode": "async"},
+            }
+        )
+    )
     assert store_cfg.tiers.host.capacity_bytes == 1 << 30
     assert settings == ConnectorSettings(tenant_from="none", system_prompt_blocks=2, load_mode="async")
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"tier": {}}, r"unknown key\(s\) \['tier'\]"),
-    ({"tiers": {"host": {"capacity": 1}}}, "tiers.host.capacity: unknown key"),
-    ({"connector": {"tenant": "x"}}, "tenant: unknown key"),
-    ({"connector": {"load_mode": "sometimes"}}, "load_mode"),
-    ({"layout": {"preset": "tiny"}}, "derived from the engine"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"tier": {}}, r"unknown key\(s\) \['tier'\]"),
+        ({"tiers": {"host": {"capacity": 1}}}, "tiers.host.capacity: unknown key"),
+        ({"connector": {"tenant": "x"}}, "tenant: unknown key"),
+        ({"connector": {"load_mode": "sometimes"}}, "load_mode"),
+        ({"layout": {"preset": "tiny"}}, "derived from the engine"),
+    ],
+)
 def test_bad_extra_config_is_an_error_at_start(extra, match):
     with pytest.raises(ConfigError, match=match):
         _settings(fake_vllm_config(extra))

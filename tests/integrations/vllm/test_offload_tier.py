@@ -9,6 +9,7 @@ from the config dict. The tests play the GPU worker only: they write a primary
 row where the worker would copy a GPU block, and read one back where it would
 load it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,14 @@ PRIMARY_CHUNKS = 4
 MODULE = "tierstore.integrations.vllm_offload"
 
 
-def offloading_config(extra: dict, *, model: str = "acme/tiny@rev-a", dtype: str = "float32", tp: int = 1,
-                      engine_id: str | None = None):
+def offloading_config(
+    extra: dict,
+    *,
+    model: str = "acme/tiny@rev-a",
+    dtype: str = "float32",
+    tp: int = 1,
+    engine_id: str | None = None,
+):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -37,14 +44,28 @@ def offloading_config(extra: dict, *, model: str = "acme/tiny@rev-a", dtype: str
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False, extra_config=extra,
-        engine_id=engine_id or f"ts-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig(name=model, dtype=dtype),
+        worker_kv_bytes_per_block=CHUNK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=engine_id or f"ts-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=True))
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
 
 
 def tier_cfg(nvme_dir=None, host_bytes: int = 0, **more) -> dict:
@@ -62,9 +83,13 @@ class Engine:
     def __init__(self, tier: dict, **cfg):
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
         # the README's --kv-transfer-config: vLLM's factory picks the spec by name
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
-                 "secondary_tiers": [tier]}
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
+            "secondary_tiers": [tier],
+        }
         self.spec = OffloadingSpecFactory.create_spec(offloading_config(extra, **cfg))
         assert type(self.spec) is TieringOffloadingSpec
         self.mgr = self.spec.get_manager()
@@ -75,6 +100,7 @@ class Engine:
 
     def step(self, new=()) -> None:
         from vllm.v1.kv_offload.base import ScheduleEndContext
+
         self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
 
     def settle(self, timeout_s: float = 30.0) -> None:
@@ -87,6 +113,7 @@ class Engine:
 
     def request(self):
         from vllm.v1.kv_offload.base import ReqContext
+
         self.n += 1
         ctx = ReqContext(req_id=f"r{self.n}")
         self.mgr.on_new_request(ctx)
@@ -109,6 +136,7 @@ class Engine:
         read each hit's primary row as the worker's CPU -> GPU load would; True if the row holds
         exactly that key's bytes."""
         from vllm.v1.kv_offload.base import LookupResult
+
         ctx = self.request()
         deadline = time.monotonic() + 30
         while True:
@@ -142,6 +170,7 @@ class Engine:
 
 def okey(i: int, salt: str = ""):
     from vllm.v1.kv_offload.base import make_offload_key
+
     return make_offload_key(hashlib.sha256(f"{salt}block{i}".encode()).digest(), 0)
 
 
@@ -169,6 +198,7 @@ def engines():
         e = Engine(*a, **kw)
         made.append(e)
         return e
+
     yield make
     for e in made:
         e.close()
@@ -176,14 +206,16 @@ def engines():
 
 @pytest.mark.parametrize("where", ["host", "nvme"])
 def test_chunks_cascade_to_tierstore_and_promote_back_bit_exact(tmp_path, engines, where):
-    eng = engines(tier_cfg(tmp_path if where == "nvme" else None,
-                           host_bytes=64 * CHUNK_BYTES if where == "host" else 0))
+    eng = engines(
+        tier_cfg(tmp_path if where == "nvme" else None, host_bytes=64 * CHUNK_BYTES if where == "host" else 0)
+    )
     keys = [okey(i) for i in range(3)]
     eng.offload(keys)
     assert eng.tier.store.exists([eng.tier._key(k) for k in keys]) == 3
     assert eng.tier.store.stats()["bytes_per_tier"][where] == 3 * CHUNK_BYTES
     evict_primary(eng, "filler")
     from vllm.v1.kv_offload.base import LookupResult
+
     ctx = eng.request()
     assert eng.mgr.primary_tier.lookup(keys[0], ctx) is LookupResult.MISS  # gone from vLLM's CPU tier
     eng.mgr.on_request_finished(ctx)
@@ -209,8 +241,9 @@ def test_a_new_engine_on_the_same_nvme_directory_serves_earlier_chunks(tmp_path,
     no_leaks(second.tier)
 
 
-@pytest.mark.parametrize("other", [dict(model="acme/tiny@rev-b"), dict(dtype="bfloat16"), dict(tp=2),
-                                   dict(tenant="tenant-b")])
+@pytest.mark.parametrize(
+    "other", [dict(model="acme/tiny@rev-b"), dict(dtype="bfloat16"), dict(tp=2), dict(tenant="tenant-b")]
+)
 def test_another_model_dtype_topology_or_tenant_gets_no_reuse(tmp_path, engines, other):
     keys = [okey(i, "iso") for i in range(2)]
     first = engines(tier_cfg(tmp_path, tenant="tenant-a"))
@@ -246,6 +279,7 @@ def test_a_corrupt_chunk_fails_its_promotion_and_is_recomputed(tmp_path, engines
 
 def test_secondary_tier_config_is_validated_at_start(tmp_path):
     from tierstore.integrations.vllm_offload import chunk_layout, split_tier_config
+
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['tier'\]"):
         split_tier_config({"tier": {}})
     with pytest.raises(ConfigError, match="no GPU access"):
@@ -264,6 +298,7 @@ def test_vllm_refuses_the_offloading_worker_on_cpu(tmp_path):
     test fails: then add an engine-level test like tests/integrations/vllm/test_engine.py."""
     from vllm.platforms import current_platform
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
     assert not (current_platform.is_cuda_alike() or current_platform.is_xpu())
     extra = {"cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES, "secondary_tiers": [tier_cfg(tmp_path)]}
     spec = TieringOffloadingSpec(offloading_config(extra))
@@ -279,6 +314,7 @@ def test_the_tier_refuses_a_foreign_file_and_calls_after_shutdown(tmp_path, engi
     """Issue 22 items 1 and 2: an NVMe path holding data tierstore did not write is refused before
     any write; after shutdown every call raises StoreClosedError."""
     from tierstore.errors import ForeignDataError, StoreClosedError
+
     victim = tmp_path / "data.bin"
     victim.write_bytes(os.urandom(1 << 20))
     before = victim.read_bytes()
@@ -290,8 +326,12 @@ def test_the_tier_refuses_a_foreign_file_and_calls_after_shutdown(tmp_path, engi
     eng.offload(keys)
     eng.close()
     from vllm.v1.kv_offload.base import ReqContext
-    for call in (lambda: eng.tier.lookup(keys[0], ReqContext(req_id="late")),
-                 lambda: eng.tier.submit_store(None), lambda: eng.tier.submit_load(None)):
+
+    for call in (
+        lambda: eng.tier.lookup(keys[0], ReqContext(req_id="late")),
+        lambda: eng.tier.submit_store(None),
+        lambda: eng.tier.submit_load(None),
+    ):
         with pytest.raises(StoreClosedError, match="shut down"):
             call()
     eng.tier.shutdown()  # idempotent

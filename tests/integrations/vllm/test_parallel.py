@@ -7,6 +7,7 @@ on this 2-core VM, the message printed 10 times. The engine runs in a fresh proc
 as with ``vllm serve``; ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` is what a user sets to run two CPU
 workers (without it they would not get that far).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def test_tensor_parallel_is_refused_in_seconds_with_one_message(tmp_path):
     model = make_tiny_llama(str(tmp_path / "llama"))
-    args = {"model": model, "nvme_dir": str(tmp_path), "engine": {"tensor_parallel_size": 2,
-                                                                 "distributed_executor_backend": "mp"}}
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_parallel_proc.py"), json.dumps(args)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    args = {
+        "model": model,
+        "nvme_dir": str(tmp_path),
+        "engine": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    }
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+    )
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_parallel_proc.py"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 3, out[-4000:]
     m = re.search(r"^REFUSED (\w+) after ([0-9.]+) s: ", r.stdout, re.M)
@@ -50,8 +63,13 @@ def test_the_cpu_backend_with_its_worker_in_another_process_is_refused_in_second
     args = {"model": model, "nvme_dir": str(tmp_path), "engine": {}}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_parallel_proc.py"), json.dumps(args)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_parallel_proc.py"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 3, out[-4000:]
     m = re.search(r"^REFUSED (\w+) after ([0-9.]+) s: ", r.stdout, re.M)

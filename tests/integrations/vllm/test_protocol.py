@@ -2,6 +2,7 @@
 deterministic block ids (fake requests and scheduler outputs, a real store over a
 fake CPU KV cache). They pin down what vLLM relies on: what is offered, which
 blocks are loaded and stored, when blocks may be freed, and that references end."""
+
 from __future__ import annotations
 
 import types
@@ -17,10 +18,20 @@ NB, H, T, D, L = 16, 2, 32, 16, 2
 
 class FakeRequest(types.SimpleNamespace):
     def __init__(self, req_id, tokens, prompt_len=None, **kw):
-        super().__init__(request_id=req_id, all_token_ids=list(tokens), num_computed_tokens=0,
-                         num_prompt_tokens=prompt_len or len(tokens), cache_salt=None, lora_request=None,
-                         kv_transfer_params=None, mm_features=[], prompt_embeds=None, num_preemptions=0,
-                         status=None, **kw)
+        super().__init__(
+            request_id=req_id,
+            all_token_ids=list(tokens),
+            num_computed_tokens=0,
+            num_prompt_tokens=prompt_len or len(tokens),
+            cache_salt=None,
+            lora_request=None,
+            kv_transfer_params=None,
+            mm_features=[],
+            prompt_embeds=None,
+            num_preemptions=0,
+            status=None,
+            **kw,
+        )
 
     @property
     def num_tokens(self):
@@ -29,8 +40,9 @@ class FakeRequest(types.SimpleNamespace):
 
 def sched_output(scheduled: dict, block_ids: dict, preempted=()):
     state = types.SimpleNamespace(get_block_ids=lambda r: (block_ids[r],) if r in block_ids else None)
-    return types.SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set(preempted),
-                                 kv_connector_block_state=state)
+    return types.SimpleNamespace(
+        num_scheduled_tokens=scheduled, preempted_req_ids=set(preempted), kv_connector_block_state=state
+    )
 
 
 @pytest.fixture
@@ -42,7 +54,9 @@ def sides():
     eid = "fake-engine"
     settings = tv.ConnectorSettings()
     tv._REGISTRY[eid] = tv._EngineStore(store, eng, tv.Namespace(model="fake@1"), settings)
-    conn = types.SimpleNamespace(_kv_transfer_config=types.SimpleNamespace(engine_id=eid), _connector_metadata=None)
+    conn = types.SimpleNamespace(
+        _kv_transfer_config=types.SimpleNamespace(engine_id=eid), _connector_metadata=None
+    )
     sched = tv._SchedulerSide(conn, settings)
     worker = tv._WorkerSide(conn, None, None, None, settings)
     worker._shared = tv._REGISTRY[eid]
@@ -78,7 +92,9 @@ def test_stores_full_blocks_then_offers_all_but_the_last_token(sides):
     toks = list(range(1, 3 * T + 1))  # exactly 3 blocks
     r1 = FakeRequest("r1", toks)
     meta = prefill(sched, worker, r1, [1, 2, 3])
-    assert [(j.block_ids, j.first_position, j.lifetime) for j in meta.stores] == [([1, 2, 3], 0, "conversation")]
+    assert [(j.block_ids, j.first_position, j.lifetime) for j in meta.stores] == [
+        ([1, 2, 3], 0, "conversation")
+    ]
     assert store.exists(store.keys_for(tv.engine_namespace("fake-engine"), toks)) == 3
     delay, _ = sched.request_finished(r1, [1, 2, 3])
     assert delay  # its stores were not fenced: vLLM must keep the blocks until finished_sending
@@ -91,8 +107,10 @@ def test_stores_full_blocks_then_offers_all_but_the_last_token(sides):
     sched.update_state_after_alloc(r2, types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), n)
     r2.num_computed_tokens = n  # as vLLM sets it before building the metadata
     meta, _ = step(sched, worker, sched_output({"r2": T}, {"r2": [7, 8, 9]}))
-    assert [(j.keys == store.keys_for(tv.engine_namespace("fake-engine"), toks)[:2], j.block_ids)
-            for j in meta.sync_loads] == [(True, [7, 8])]
+    assert [
+        (j.keys == store.keys_for(tv.engine_namespace("fake-engine"), toks)[:2], j.block_ids)
+        for j in meta.sync_loads
+    ] == [(True, [7, 8])]
     assert torch.equal(whole[:, 7:9], whole[:, 1:3])
     assert not meta.stores  # block 3 is in the store already
     assert sched.request_finished(r2, [7, 8, 9]) == (False, None)
@@ -128,7 +146,9 @@ def test_a_shortened_allocation_loads_only_what_vllm_accepted(sides):
     prefill(sched, worker, FakeRequest("a", toks), [1, 2, 3, 4, 5])
     r = FakeRequest("b", toks)
     assert sched.get_num_new_matched_tokens(r, 0) == (4 * T, False)
-    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12, 13],)), 2 * T)
+    sched.update_state_after_alloc(
+        r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12, 13],)), 2 * T
+    )
     r.num_computed_tokens = 2 * T
     meta, _ = step(sched, worker, sched_output({"b": 3 * T}, {"b": [9, 10, 11, 12, 13]}))
     assert [j.block_ids for j in meta.sync_loads] == [[9, 10]]

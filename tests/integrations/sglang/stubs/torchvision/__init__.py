@@ -1,4 +1,5 @@
 """Test-only stand-in for torchvision: every name imports, nothing runs."""
+
 import importlib.abc
 import importlib.machinery
 import sys
@@ -17,7 +18,10 @@ class _PlaceholderMeta(type):
 def _placeholder(qualname):
     def _unavailable(*args, **kwargs):
         raise NotImplementedError(f"torchvision stub: {qualname} is not available in this test environment")
-    return _PlaceholderMeta(qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__new__": _unavailable})
+
+    return _PlaceholderMeta(
+        qualname.rsplit(".", 1)[-1], (), {"__qualname__": qualname, "__new__": _unavailable}
+    )
 
 
 class _StubModule(types.ModuleType):
