@@ -312,10 +312,14 @@ class NodeKVStore:
         return self._conn
 
     def _drop(self) -> None:
+        """Close a connection that failed; the retry window starts now. Without one (the call was
+        refused inside the window, or the connect failed and set it), the window is left as it is:
+        restarting it on every refused call kept a client calling faster than ``retry_s`` from ever
+        reconnecting."""
         c, self._conn = self._conn, None
         if c is not None:
             c.close(bye=False)
-        self._last_fail = time.monotonic()
+            self._last_fail = time.monotonic()
 
     def _call(self, msg_of, timeout_s: float | None = None):
         """One request and its reply on the connection (the caller holds ``_lock``)."""
