@@ -322,3 +322,13 @@ def test_check_refuses_a_block_mode_live_budget_below_one_block(tmp_path, capsys
     nv["live_fraction"] = 0.01
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "config OK" in out and "block mode keeps at most" in out, err
+
+
+def test_check_names_the_extra_a_node_section_needs(tmp_path, monkeypatch):
+    """Fresh-user trial: with only '.[server]' installed, --check said 'config OK' for a config with
+    a node: section, and start-up then failed on the missing msgspec."""
+    cfg = parse_config(make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock")}))
+    assert not [e for e in preflight(cfg, ports=False).errors if "msgspec" in e]
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # import msgspec now raises ImportError
+    errors = preflight(cfg, ports=False).errors
+    assert any("needs msgspec" in e and "tierstore[node]" in e for e in errors), errors

@@ -24,6 +24,7 @@ import stat
 from ..config import NvmeTierConfig
 from ..devices import file_tier_geometry
 from ..errors import ConfigError, CorruptData
+from ..extras import require
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
 from ..io.block_eviction import live_budget
@@ -389,9 +390,14 @@ def _check_lock(path: str, out: Preflight) -> None:
 
 
 def _check_node(cfg: DaemonConfig, out: Preflight) -> None:
-    """The node socket: its directory exists, and the path is free or a stale socket (nothing listens)."""
+    """The node socket: its extra is installed, its directory exists, and the path is free or a
+    stale socket (nothing listens)."""
     if cfg.node is None:
         return
+    try:
+        require("msgspec", "node: the node socket")
+    except ConfigError as e:
+        out.errors.append(str(e))
     path = cfg.node.socket
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
