@@ -80,7 +80,7 @@ def test_shipped_configs(tmp_path, capsys):
     big = load_config(os.path.join(ROOT, "configs", "daemon.yaml"))
     pf = preflight(big, ports=False, meminfo=_meminfo(tmp_path, 24))
     assert any(
-        e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.0 GiB) exceed") for e in pf.errors
+        e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.00GiB) exceed") for e in pf.errors
     )
     small = os.path.join(ROOT, "configs", "daemon-small.yaml")
     rc = main(["--config", small, "--check"])
@@ -95,7 +95,7 @@ def test_check_refuses_an_nvme_tier_larger_than_the_free_disk(tmp_path, capsys):
     cfg["tiers"]["nvme"]["capacity_bytes"] = "1024TiB"
     rc, _, err = _check(tmp_path, cfg, capsys)
     assert (
-        rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1048576.0 GiB) is larger than" in err
+        rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1024.00TiB) is larger than" in err
     )
 
 
@@ -332,3 +332,12 @@ def test_check_names_the_extra_a_node_section_needs(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "msgspec", None)  # import msgspec now raises ImportError
     errors = preflight(cfg, ports=False).errors
     assert any("needs msgspec" in e and "tierstore[node]" in e for e in errors), errors
+
+
+def test_check_says_a_small_memory_tier_in_a_unit_that_shows_it(tmp_path, capsys):
+    """Fresh-user trial: a 16 MiB host tier was 'memory: 0.0 GiB of memory tiers'."""
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["host"]["capacity_bytes"] = 16 << 20
+    cfg["tiers"]["hbm"] = {"capacity_bytes": 0}
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 0 and "memory: 16.00MiB of memory tiers" in out + err, out + err

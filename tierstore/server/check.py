@@ -33,6 +33,7 @@ from ..io.journal import check_owner, read_records
 from ..io.label import LABEL_BYTES, Target, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import RESERVE_SEGMENTS, choose_segment_size
 from ..layout import KVLayout
+from ..units import format_bytes
 from .config import DaemonConfig
 
 __all__ = ["Preflight", "preflight", "nvme_file_path", "segment_size_bytes"]
@@ -53,7 +54,8 @@ class Preflight:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """``n`` bytes in the unit that shows it (``16.00MiB``, ``64.00GiB``; 0.0 GiB hid a 16 MiB tier)."""
+    return format_bytes(n)
 
 
 def nvme_file_path(path: str) -> str:
