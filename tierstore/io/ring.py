@@ -397,6 +397,16 @@ class Ring(Closing):
         position &= self._sq_mask
         return position if self._sq_index is None else self._sq_index[position]
 
+    def _sq_tail_for(self, n: int) -> int:
+        """The SQ tail, once ``n`` more SQEs are known to fit; raises ``EBUSY`` (nothing queued) if not."""
+        tail = self._tail
+        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
+            raise IoUringError(
+                errno.EBUSY,
+                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
+            )
+        return tail
+
     def _slot(self) -> int:
         """Byte offset of the next free SQE; raises if the SQ is full."""
         if self.fd < 0:
@@ -468,12 +478,7 @@ class Ring(Closing):
             raise IoUringError(
                 errno.EINVAL, "prep_rw_batch: opcodes, addrs, offsets and user_data differ in length"
             )
-        tail = self._tail
-        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(
-                errno.EBUSY,
-                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
-            )
+        tail = self._sq_tail_for(n)
         sqes, mask, pack = self._sqes, self._sq_mask, _SQE.pack_into
         if isinstance(opcodes, int):
             for addr, offset, ud in zip(addrs, offsets, user_data):
@@ -558,12 +563,7 @@ class Ring(Closing):
             raise IoUringError(errno.EINVAL, "prep_fixed: slots, offsets and opcodes differ in length")
         if n and (min(slots) < 0 or max(slots) >= self._n_fixed):
             raise IoUringError(errno.EINVAL, f"prep_fixed: slots must be 0..{self._n_fixed - 1}")
-        tail = self._tail
-        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(
-                errno.EBUSY,
-                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
-            )
+        tail = self._sq_tail_for(n)
         words, mask = self._fixed_words, self._sq_mask
         assert words is not None  # set with index by fix_rw_slots
         for slot, offset in zip(slots, offsets):
