@@ -176,6 +176,14 @@ class Service:
         self.draining = False
         self.ready = False
         self.metrics = ServerMetrics(self)
+        #: the node socket's tenancy and metrics: the same Tenancy object and registry as HTTP's
+        self.node_access = self.node_metrics = None
+        if self.node_core is not None:
+            from ..node.access import NodeAccess
+            from .metrics import NodeMetrics
+
+            self.node_access = NodeAccess(cfg, self.tenancy, self.store)
+            self.node_metrics = NodeMetrics(self.metrics.registry, self.metrics)
         self.buffers = BufferPool(4 * cfg.limits.max_request_bytes)
         self._busy_bufs: set[int] = set()
         self._closed = False
@@ -324,8 +332,7 @@ class Service:
     ) -> tuple[bytes, str, list[bytes]]:
         client_ns = hex32(ns_hex, "namespace")
         keys = self._keys(hex_keys)
-        scope, owner = self.tenancy.resolve(tenant, client_ns, write)
-        return scope, owner, self.tenancy.server_keys(scope, keys)
+        return self.tenancy.scoped(tenant, client_ns, keys, write)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
