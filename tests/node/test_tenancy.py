@@ -223,3 +223,38 @@ def test_node_tenant_must_name_a_tenant_and_every_node_key_is_documented():
     missing = [k for k in NodeConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
     assert not missing, f"configs/daemon.yaml lacks node keys {missing}"
     assert yaml.safe_load(text)["node"]["tenant"] is None
+
+
+def test_blocks_stored_over_the_socket_survive_a_daemon_restart_for_their_tenant_only(tmp_path):
+    """The node socket's namespaces are registered scopes now: a restarted daemon keeps them
+    (before, a daemon without its node section dropped them as unaddressable)."""
+    sock = str(tmp_path / "node.sock")
+    cfg = make_config(str(tmp_path), node={"socket": sock, "staging_blocks": 8})
+    cfg["layout"] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "dtype": "fp16",
+        "tokens_per_block": 16,
+    }
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        with _node("unix://" + sock, "acme") as c:
+            assert c.store(NS, _tokens(0, 4), _data(9, 4)) == [Status.OK] * 4  # durable: on NVMe
+    finally:
+        assert d.stop() == 0
+    del cfg["node"]  # HTTP only: the socket's blocks are still addressable (by their tenant)
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
+        assert rec["blocks"] == 4 and rec["dropped_unaddressable"] == 0
+        acme, bravo = _http(d, "acme"), _http(d, "bravo")
+        try:
+            st, out = acme.load(acme.lookup(NS, _tokens(0, 4)))
+            assert st == [Status.OK] * 4 and _same(out, _data(9, 4))
+            assert bravo.lookup(NS, _tokens(0, 4)).matched_blocks == 0
+        finally:
+            acme.close()
+            bravo.close()
+    finally:
+        assert d.stop() == 0

@@ -145,14 +145,11 @@ class Service:
         # with another layout, or state from before layouts were recorded) can
         # never be addressed again: drop them rather than charge their owners.
         known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
-        # With the node transport on, engine processes address namespaces of their own: none is an orphan.
-        orphans = (
-            []
-            if self.node_core is not None
-            else [
-                k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
-            ]
-        )
+        # The node socket scopes its sessions' namespaces as HTTP does (tierstore.node.access): a
+        # namespace no scope names is unaddressable over either transport.
+        orphans = [
+            k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
+        ]
         dropped_orphans = self.store.remove(orphans) if orphans else 0
         self.tenancy.adopt(self.store)
         self.recovered_blocks = sum(self.store.namespaces().values())
