@@ -258,3 +258,54 @@ def test_blocks_stored_over_the_socket_survive_a_daemon_restart_for_their_tenant
             bravo.close()
     finally:
         assert d.stop() == 0
+
+
+def test_serve_node_alone_applies_the_same_tenancy_and_serves_its_metrics_on_metrics_port(tmp_path):
+    import socket
+    import urllib.request
+
+    from .test_service import _start_service
+
+    with socket.socket() as probe:  # a free port for metrics.port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = str(tmp_path / "node.sock")
+    cfg = make_config(str(tmp_path), node={"socket": sock, "staging_blocks": 8})
+    cfg["layout"] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "dtype": "fp16",
+        "tokens_per_block": 16,
+    }
+    cfg["metrics"] = {"host": "127.0.0.1", "port": port}
+    path = str(tmp_path / "node.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    proc = _start_service(path, sock, str(tmp_path / "node.log"))
+    try:
+        with _node("unix://" + sock, "acme") as a, _node("unix://" + sock, "bravo") as b:
+            assert a.store(NS, _tokens(0, 2), _data(1, 2)) == [Status.OK] * 2
+            assert b.lookup(NS, _tokens(0, 2)).matched_blocks == 0
+            assert a.lookup(NS, _tokens(0, 2)).matched_blocks == 2
+            with pytest.raises(ConfigError, match="needs a tenant's token"):  # no node.tenant here
+                _node("unix://" + sock, None).lookup(NS, _tokens(0, 1))
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        assert re.search(r"^tierstore_node_sessions 2\.0$", text, re.M)
+        assert re.search(r'^tierstore_node_requests_total\{code="ok",op="Lookup"\} 2\.0$', text, re.M)
+        assert re.search(r'^tierstore_node_requests_total\{code="auth",op="Hello"\} 1\.0$', text, re.M)
+        assert re.search(r'^tierstore_node_sessions_refused_total\{reason="auth"\} 1\.0$', text, re.M)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_an_engine_connector_passes_its_token_through_tierstore_token(daemon, monkeypatch):
+    """The connectors build NodeKVStore(url, layout) without a token: TIERSTORE_TOKEN supplies it."""
+    _, url = daemon
+    monkeypatch.setenv("TIERSTORE_TOKEN", TOKENS["carol"])
+    with NodeKVStore(url, LAYOUT, timeout_s=5.0) as c:
+        assert c.stats()["session"]["tenant"] == "carol"
+    with NodeKVStore(url, LAYOUT, timeout_s=5.0, token="") as c:  # an explicit "" wins: node.tenant
+        assert c.stats()["session"]["tenant"] == "bravo"
