@@ -21,7 +21,7 @@ from tierstore.node.core import NodeCore
 from tierstore.node.server import NodeServer
 from tierstore.server.config import NodeConfig, parse_config
 
-from ..server.conftest import PUBLIC_NS, ROOT, TOKENS, Daemon, make_config
+from ..server.conftest import PUBLIC_NS, TOKENS, Daemon, make_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, tokens_per_block=16)
 BB = LAYOUT.bytes_per_block  # 8 KiB: carol's 64 KiB quota is 8 blocks
@@ -211,18 +211,12 @@ def test_a_peer_outside_the_allow_lists_is_refused_at_connect(tmp_path):
         core.close()
 
 
-def test_node_tenant_must_name_a_tenant_and_every_node_key_is_documented():
+def test_node_tenant_must_name_a_tenant_and_ids_are_checked():
     cfg = make_config("/tmp/unused", node={"socket": "/tmp/n.sock", "tenant": "nobody"})
     with pytest.raises(ConfigError, match="node.tenant 'nobody' is not a tenant"):
         parse_config(cfg)
     with pytest.raises(ConfigError, match="allow_uids"):
         parse_config(make_config("/tmp/unused", node={"socket": "/tmp/n.sock", "allow_uids": [-1]}))
-    with open(os.path.join(ROOT, "configs", "daemon.yaml")) as f:
-        text = f.read()
-    section = text[text.index("\nnode:") :]
-    missing = [k for k in NodeConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
-    assert not missing, f"configs/daemon.yaml lacks node keys {missing}"
-    assert yaml.safe_load(text)["node"]["tenant"] is None
 
 
 def test_blocks_stored_over_the_socket_survive_a_daemon_restart_for_their_tenant_only(tmp_path):
@@ -309,3 +303,26 @@ def test_an_engine_connector_passes_its_token_through_tierstore_token(daemon, mo
         assert c.stats()["session"]["tenant"] == "carol"
     with NodeKVStore(url, LAYOUT, timeout_s=5.0, token="") as c:  # an explicit "" wins: node.tenant
         assert c.stats()["session"]["tenant"] == "bravo"
+
+
+def test_storage_keys_are_the_documented_formula_per_owner_through_the_cache(tmp_path, monkeypatch):
+    import hashlib
+
+    from tierstore.server import tenancy as T
+
+    cfg = parse_config(make_config(str(tmp_path)))
+    fp = LAYOUT.fingerprint()
+    ten = T.Tenancy(cfg, BB, fp)
+    keys = [bytes([i]) * 32 for i in range(10)]
+
+    def formula(owner: str) -> list[bytes]:
+        ks = hashlib.sha256(b"tierstore/owner-keys/v1\0" + owner.encode() + b"\0" + fp).digest()
+        return [hashlib.sha256(b"tierstore/server-key/v2" + ks + k).digest() for k in keys]
+
+    monkeypatch.setattr(T, "KEY_CACHE_ENTRIES", 4)  # started over twice on the way
+    for _ in range(2):
+        assert ten.server_keys("acme", keys) == formula("acme")
+        assert ten.server_keys("bravo", keys) == formula("bravo")
+    assert not set(formula("acme")) & set(formula("bravo"))
+    scope, owner, skeys = ten.scoped("acme", NS, keys[:3], write=False)
+    assert owner == "acme" and skeys == formula("acme")[:3] and scope not in ten.scope_owner

@@ -41,6 +41,8 @@ log = logging.getLogger("tierstore.server")
 _SCOPE_DOMAIN = b"tierstore/scope/v2"
 _OWNER_DOMAIN = b"tierstore/owner-keys/v1"
 _KEY_DOMAIN = b"tierstore/server-key/v2"
+#: client key -> storage key entries memoised per owner (Tenancy.server_keys)
+KEY_CACHE_ENTRIES = 1 << 15
 
 
 class Tenancy:
@@ -68,6 +70,7 @@ class Tenancy:
             self.public[as_client(p.ns_digest())] = p
             self.quota_bytes[f"public:{p.name}"] = p.quota_bytes
         self._key_scopes: dict[str, bytes] = {}
+        self._key_cache: dict[str, dict[bytes, bytes]] = {}
         os.makedirs(cfg.state_dir, exist_ok=True)
         self._scopes_path = os.path.join(cfg.state_dir, "scopes.jsonl")
         self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
@@ -175,9 +178,23 @@ class Tenancy:
         return ks
 
     def server_keys(self, owner: str, client_keys: Sequence[bytes]) -> list[bytes]:
-        """Storage keys of ``owner``'s client keys."""
+        """Storage keys of ``owner``'s client keys.
+
+        Memoised per owner (:data:`KEY_CACHE_ENTRIES` at most, then started over: about 200
+        bytes an entry): a request's keys are mostly those of the previous ones (exists, lookup,
+        then load of one prefix), and a SHA-256 costs ~0.7 us a key in Python.
+        """
         ks = self.key_scope(owner)
-        return [hashlib.sha256(_KEY_DOMAIN + ks + k).digest() for k in client_keys]
+        cache = self._key_cache.get(owner)
+        if cache is None or len(cache) > KEY_CACHE_ENTRIES:
+            cache = self._key_cache[owner] = {}  # a racing thread keeps filling the old one: harmless
+        out = []
+        for k in client_keys:
+            sk = cache.get(k)
+            if sk is None:
+                sk = cache[k] = hashlib.sha256(_KEY_DOMAIN + ks + k).digest()
+            out.append(sk)
+        return out
 
     def scoped(
         self, tenant: str, client_ns: bytes, client_keys: Sequence[bytes], write: bool
