@@ -227,11 +227,13 @@ class RemoteKVStore(Closing):
         self.durable: bool = bool(info["durable"])
         self.max_request_bytes: int = int(info["max_request_bytes"])
         self.max_keys_per_request: int = int(info["max_keys_per_request"])
-        self._digests = DigestCache()
+        # scoped to the layout as KVStore and NodeKVStore scope it: the three compute the same keys
+        self._digests = DigestCache(scope=self.layout.fingerprint())
 
     # ------------------------------------------------------------------ identity
     def digest(self, ns: Namespace | bytes) -> bytes:
-        """Client-side namespace digest (the daemon re-scopes it to the caller's tenant)."""
+        """Client-side namespace digest, scoped to the layout as :meth:`KVStore.digest` (the
+        daemon re-scopes it to the caller's tenant)."""
         return self._digests(ns)
 
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:

@@ -241,7 +241,9 @@ def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_p
 
 
 def _write_config(tmp_path) -> str:
-    cfg = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "staging_blocks": 24})
+    cfg = make_config(
+        str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "staging_blocks": 24, "tenant": "acme"}
+    )
     cfg["layout"] = {
         "num_layers": 2,
         "num_kv_heads": 2,
@@ -448,10 +450,13 @@ def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
             st, out = c.load(c.lookup(NS, _tokens(0, 3)))
             assert st == [Status.OK] * 3 and _sha(out) == _sha(_data(9, 3))
             before = c.stats()["blocks"]
-        http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)
+        http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)  # the node sessions' tenant
         try:
-            assert http.store(NS, _tokens(0, 2), _data(10, 2)) == [Status.OK] * 2
-            assert http.lookup(NS, _tokens(0, 2)).matched_blocks == 2
+            assert (
+                http.store(NS, _tokens(0, 2), _data(10, 2)) == [Status.EXISTS] * 2
+            )  # stored over the socket
+            assert http.store(NS, _tokens(100, 2), _data(10, 2)) == [Status.OK] * 2
+            assert http.lookup(NS, _tokens(0, 3)).matched_blocks == 3
         finally:
             http.close()
         with NodeKVStore("unix://" + sock, LAYOUT) as c:  # one store: the HTTP blocks count there too

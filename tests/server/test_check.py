@@ -270,6 +270,20 @@ def test_daemon_yaml_names_every_nvme_key():
     assert not missing, f"configs/daemon.yaml lacks NVMe keys {missing}"
 
 
+def test_daemon_yaml_names_every_node_key():
+    """The node section's keys (access: allow_uids, allow_gids, tenant) are documented there too."""
+    import yaml
+
+    from tierstore.server.config import NodeConfig
+
+    text = open(os.path.join(ROOT, "configs", "daemon.yaml")).read()
+    section = text[text.index("\nnode:") :]
+    missing = [k for k in NodeConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
+    assert not missing, f"configs/daemon.yaml lacks node keys {missing}"
+    node = yaml.safe_load(text)["node"]
+    assert node["tenant"] is None and node["allow_uids"] is None and node["allow_gids"] == []
+
+
 @pytest.mark.parametrize("case", ["missing_dir", "directory", "empty", "foreign", "foreign_tmp"])
 def test_check_refuses_a_block_mode_journal_that_start_up_refuses(tmp_path, capsys, case):
     """serve --check said 'config OK' for block-mode journals that start-up then refused (fresh-user
