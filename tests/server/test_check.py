@@ -94,9 +94,7 @@ def test_check_refuses_an_nvme_tier_larger_than_the_free_disk(tmp_path, capsys):
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["nvme"]["capacity_bytes"] = "1024TiB"
     rc, _, err = _check(tmp_path, cfg, capsys)
-    assert (
-        rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1024.00TiB) is larger than" in err
-    )
+    assert rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1024.00TiB) is larger than" in err
 
 
 def test_check_refuses_a_missing_device(tmp_path, capsys):
