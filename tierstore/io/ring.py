@@ -1032,7 +1032,7 @@ def native_turn() -> tuple[bool, str]:
     )
 
 
-def _fixed_turn_layout(ring: Ring, depth: int) -> tuple[int, int, int, int, int, int, int, int, int]:
+def _fixed_turn_layout(ring: Ring, state: Any) -> tuple[int, int, int, int, int, int, int, int, int]:
     """What ``_ringloop.run`` needs of ``ring``'s mmaps: the byte offsets of the SQ/CQ heads, tails,
     index array and CQEs, the two masks (their values) and ``sq_entries``; raises as
     :func:`run_fixed_turns` does for a ring it cannot drive."""
@@ -1043,7 +1043,7 @@ def _fixed_turn_layout(ring: Ring, depth: int) -> tuple[int, int, int, int, int,
         or ring._sq_index is None
         or ring.sqe_bytes != 64
         or ring.cqe_bytes != 16
-        or ring._n_fixed != depth
+        or ring._n_fixed != len(state)
     ):
         raise IoUringError(
             errno.EINVAL, "run_fixed_turns needs an open SQE64/CQE16 ring fixed to len(state) slots"
@@ -1123,7 +1123,7 @@ def run_fixed_turns(
     ValueError, TypeError
         Arrays of the wrong sizes, or not writable where written.
     """
-    layout = _fixed_turn_layout(ring, len(state))
+    layout = _fixed_turn_layout(ring, state)
     try:
         mmaps = (ring._sq, ring._cq, ring._sqes, ring.fd, layout)
         got = TurnResult(
