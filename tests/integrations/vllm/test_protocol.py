@@ -354,3 +354,23 @@ def test_a_node_service_that_is_down_gives_misses_at_once(tp_sides):
     r = FakeRequest("a", list(range(1, 3 * T + 2)))
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_service_of_another_block_class_stops_the_engine_at_start_and_a_dead_one_does_not(tp_sides):
+    from tierstore.config import StoreConfig
+    from tierstore.errors import ConfigError
+    from tierstore.integrations._common import open_store
+    from tierstore.layout import KVLayout
+
+    sched, _, _, _ = tp_sides
+    url = sched._store_cfg.store.url
+    other = KVLayout(num_layers=L, num_kv_heads=2 * H, head_dim=D, dtype=torch.float32, tokens_per_block=T)
+    with pytest.raises(ConfigError, match="refused this client"):
+        tv._connect(open_store(StoreConfig.from_dict({"store": {"url": url}}), other), "test")
+    dead = StoreConfig.from_dict(
+        {"store": {"url": "unix:///nonexistent/tierstore-node.sock", "timeout_s": 0.5}}
+    )
+    store = open_store(dead, sched.shared.layout)
+    tv._connect(store, "test")  # a service that is down: misses until it is up, no error
+    assert store.lookup_keys([bytes(32)]).matched_blocks == 0
+    store.close()
