@@ -128,3 +128,22 @@ def test_tensor_parallel_2_on_the_node_service(model_dir, tmp_path):
     assert per_ns == [3, 3]  # one namespace per TP rank, each rank's 3 blocks (its shard)
     core.check_invariants(quiescent=True)
     core.close()
+
+
+def test_an_engine_whose_node_service_is_down_recomputes(model_dir, tmp_path):
+    """No service at store.url: the engine starts (a warning, no error), every request misses
+    (nothing cached) and is recomputed, with the tokens of the engine without the connector."""
+    res = run_engine(
+        dict(
+            model=model_dir,
+            url="unix://" + str(tmp_path / "nobody.sock"),
+            max_tokens=MAX_TOKENS,
+            engine={},
+            layout=rank_layout(1),
+            prompts=[FIRST, FIRST],
+            baseline=True,
+            wait_blocks=[0, 0],
+        )
+    )
+    assert [o["tokens"] for o in res["outputs"]] == res["baseline"]
+    assert [o["cached"] for o in res["outputs"]] == [0, 0]
