@@ -278,3 +278,33 @@ def test_a_stopped_or_killed_service_gives_misses_within_the_timeout(tmp_path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
+
+
+def test_a_server_starts_while_the_service_is_down_and_uses_it_once_it_is_up(tmp_path, caplog):
+    pool = host_pool("mha", "page_first")
+    sock = tmp_path / "late.sock"
+    with caplog.at_level(logging.INFO, logger="tierstore.integrations.sglang"):
+        b = backend(pool, node(f"unix://{sock}", 1.0))
+    try:
+        assert any("not answering (misses until it is up)" in r.getMessage() for r in caplog.records)
+        keys = page_hashes(2, "late")
+        fill(pool, [1, 2], keys)
+        assert b.batch_set_v1(keys, indices(pool, [1, 2])) == [False, False]
+        assert b.batch_exists(keys) == 0
+        layout = HostPoolView(pool).layout
+        core = NodeCore(
+            f"sg{uuid.uuid4().hex[:8]}",
+            {"tiers": {"host": {"capacity_bytes": 16 * layout.bytes_per_block}}},
+            layout,
+        )
+        with NodeServer(core, NodeConfig(socket=str(sock))):
+            t_end = time.monotonic() + 10
+            while b.batch_set_v1(keys, indices(pool, [1, 2])) != [True, True]:
+                assert time.monotonic() < t_end, "the backend never reconnected"
+                time.sleep(0.2)
+            poison(pool, [5, 6])
+            assert b.batch_get_v1(keys, indices(pool, [5, 6])) == [True, True]
+            assert holds(pool, 5, keys[0]) and holds(pool, 6, keys[1])
+        core.close()
+    finally:
+        b.close()
