@@ -62,7 +62,7 @@ def start_service(d: str, host_bytes: int, sock: str) -> subprocess.Popen:
         "tiers": _tiers(d, host_bytes),
         "puts": {"durable": False},
         "tenants": [{"name": "bench", "tokens": ["bench-token-0123456789"]}],
-        "node": {"socket": sock, "staging_blocks": 64, "max_keys": 4096},
+        "node": {"socket": sock, "staging_blocks": 64, "max_keys": 4096, "tenant": "bench"},
     }
     path = os.path.join(d, "node.yaml")
     with open(path, "w") as f:

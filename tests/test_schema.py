@@ -153,3 +153,14 @@ def test_a_yes_no_value_is_no_number(section, key):
         parse_model(StoreConfig, doc, "store config")
     node[key[-1]] = 2 if key[-1] != "live_fraction" else 0.5
     parse_model(StoreConfig, doc, "store config")  # the same key with a number is fine
+
+
+def test_an_empty_nvme_path_says_what_a_path_is_without_the_sections_body():
+    """Fresh-user trial: nvme_path="" said '(document)={...}: device: file needs a path'."""
+    from tierstore import KVStore, get_layout
+
+    with pytest.raises(ConfigError) as e:
+        KVStore(get_layout("llama-3.1-8b"), host_bytes=8 << 20, nvme_path="", nvme_bytes=64 << 20)
+    msg = str(e.value)
+    assert "{...}" not in msg and "(document)" not in msg
+    assert "needs a path" in msg and "nvme_path=" in msg

@@ -227,11 +227,13 @@ class RemoteKVStore(Closing):
         self.durable: bool = bool(info["durable"])
         self.max_request_bytes: int = int(info["max_request_bytes"])
         self.max_keys_per_request: int = int(info["max_keys_per_request"])
-        self._digests = DigestCache()
+        # scoped to the layout as KVStore and NodeKVStore scope it: the three compute the same keys
+        self._digests = DigestCache(scope=self.layout.fingerprint())
 
     # ------------------------------------------------------------------ identity
     def digest(self, ns: Namespace | bytes) -> bytes:
-        """Client-side namespace digest (the daemon re-scopes it to the caller's tenant)."""
+        """Client-side namespace digest, scoped to the layout as :meth:`KVStore.digest` (the
+        daemon re-scopes it to the caller's tenant)."""
         return self._digests(ns)
 
     def keys_for(self, ns: Namespace | bytes, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
@@ -353,20 +355,7 @@ class RemoteKVStore(Closing):
         """Store KV of the full blocks of a prompt (see :meth:`tierstore.api.KVStore.store`);
         ``wait=False`` returns a Future (the blocks are copied into the request body first)."""
         keys = self.keys_for(ns, _check_token_ids(token_ids))
-        raw = self._raw_blocks(kv_blocks)
-        if start_block < 0 or start_block + len(raw) > len(keys):
-            raise LayoutError(
-                f"{len(raw)} blocks from block {start_block} exceed the prompt's "
-                f"{len(keys)} full blocks (partial tails are never stored)"
-            )
-        return self.store_keys(
-            ns,
-            keys[start_block : start_block + len(raw)],
-            raw,
-            lifetime=lifetime,
-            first_position=start_block,
-            wait=wait,
-        )
+        return self._store_prompt(ns, keys, self._raw_blocks(kv_blocks), start_block, lifetime, wait)
 
     def store_fragments(
         self,
@@ -392,13 +381,24 @@ class RemoteKVStore(Closing):
             A wrong fragment count or size, or more blocks than the prompt's full blocks.
         """
         keys = self.keys_for(ns, _check_token_ids(token_ids))
-        frags = list(fragments_per_block)
-        if start_block < 0 or start_block + len(frags) > len(keys):
+        raw = [self._gather(f) for f in fragments_per_block]
+        return self._store_prompt(ns, keys, raw, start_block, lifetime, wait)
+
+    def _store_prompt(
+        self,
+        ns: Namespace | bytes,
+        keys: list[bytes],
+        raw: list[torch.Tensor],
+        start_block: int,
+        lifetime: str | None,
+        wait: bool,
+    ) -> list[Status] | concurrent.futures.Future:
+        """Store ``raw`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
+        if start_block < 0 or start_block + len(raw) > len(keys):
             raise LayoutError(
-                f"{len(frags)} blocks from block {start_block} exceed the prompt's "
+                f"{len(raw)} blocks from block {start_block} exceed the prompt's "
                 f"{len(keys)} full blocks (partial tails are never stored)"
             )
-        raw = [self._gather(f) for f in frags]
         return self.store_keys(
             ns,
             keys[start_block : start_block + len(raw)],

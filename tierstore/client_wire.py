@@ -14,11 +14,13 @@ manifest and block stream received straight into the caller's buffers
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import json
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -102,6 +104,7 @@ class DaemonConnection:
         self._thread.start()
         self._session: aiohttp.ClientSession | None = None
         self.call(self._open())
+        _OPEN.add(self)
 
     async def _open(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=64))
@@ -335,6 +338,20 @@ class DaemonConnection:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+
+#: Connections not closed yet: closed at interpreter exit (a script that never called ``close()``
+#: got aiohttp's "Unclosed client session" warnings when its session was collected).
+_OPEN: weakref.WeakSet[DaemonConnection] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for conn in list(_OPEN):
+        with conn._state:
+            busy = conn._active > 0 or conn.closed
+        if not busy:  # a call still in flight in another thread: leave it (close would wait for it)
+            conn.close()
 
 
 __all__ = ["AuthError", "DaemonConnection", "RemoteError", "STATUS", "ServerBusy", "with_deadline"]

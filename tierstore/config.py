@@ -233,7 +233,10 @@ class NvmeTierConfig(StrictModel):
     @model_validator(mode="after")
     def _consistent(self):
         if self.device in ("file", "fdp") and not self.path:
-            raise ValueError(f"device: {self.device} needs a path")
+            raise ValueError(
+                f"device: {self.device} needs a path (empty or missing): a directory (ends in '/' or "
+                "exists), a file or a device; KVStore's nvme_path=, YAML's tiers.nvme.path"
+            )
         if self.device != "sim" and self.capacity_bytes is None:
             raise ValueError(f"device: {self.device} needs capacity_bytes")
         if (

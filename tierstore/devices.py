@@ -251,7 +251,7 @@ def _open_sim(nv: NvmeTierConfig) -> OpenedDevice:
             raise ConfigError(f"device: sim with engine: {kind} needs a path")
         path = resolve_nvme_path(nv.path)
         check_target(path, format=nv.format)
-    ftl = FTLModel(dev, ru, m.op_fraction, num_ruh=m.num_ruh, isolation=m.isolation, gc=m.gc, page_bytes=pb)
+    ftl = _ftl_model(m, dev, ru, num_ruh=m.num_ruh)
     device = SimFdpDevice(ftl)
     if kind == "null":
         engine: IOEngine = NullEngine(dev)
@@ -298,15 +298,7 @@ def _open_file(nv: NvmeTierConfig, block_bytes: int) -> OpenedDevice:
         return opened
     m = nv.model
     try:
-        ftl = FTLModel(
-            tier,
-            seg,
-            m.op_fraction,
-            num_ruh=m.num_ruh,
-            isolation=m.isolation,
-            gc=m.gc,
-            page_bytes=m.page_bytes,
-        )
+        ftl = _ftl_model(m, tier, seg, num_ruh=m.num_ruh)
     except ConfigError as exc:
         opened.geometry = dataclasses.replace(
             geometry, description=f"{geometry.description}; no FTL model ({exc})"
@@ -325,6 +317,26 @@ def _open_file(nv: NvmeTierConfig, block_bytes: int) -> OpenedDevice:
         f"(a model, not this file system's device): RU = segment = {seg} B, OP {m.op_fraction}",
     )
     return opened
+
+
+def _ftl_model(m: SimDeviceConfig, capacity_bytes: int, ru_size_bytes: int, **fdp_geometry: int) -> FTLModel:
+    """An FTL model with the ``model`` section's settings (OP, isolation, GC, page size) over
+    ``fdp_geometry`` (``num_ruh``, and ``num_rg``/``rgif`` of a real namespace).
+
+    Raises
+    ------
+    ConfigError
+        A geometry the model refuses.
+    """
+    return FTLModel(
+        capacity_bytes,
+        ru_size_bytes,
+        m.op_fraction,
+        isolation=m.isolation,
+        gc=m.gc,
+        page_bytes=m.page_bytes,
+        **fdp_geometry,
+    )
 
 
 def _sparse_overcommit_warning(path: str, tier_bytes: int) -> str | None:
@@ -354,17 +366,7 @@ def _namespace_model(
     when the geometry is one the model refuses (the reason said)."""
     m, cfg = nv.model, ns.info.config
     try:
-        ftl = FTLModel(
-            tier,
-            runs,
-            m.op_fraction,
-            num_ruh=cfg.nruh,
-            isolation=m.isolation,
-            gc=m.gc,
-            page_bytes=m.page_bytes,
-            num_rg=max(1, cfg.nrg),
-            rgif=cfg.rgif,
-        )
+        ftl = _ftl_model(m, tier, runs, num_ruh=cfg.nruh, num_rg=max(1, cfg.nrg), rgif=cfg.rgif)
     except ConfigError as exc:
         return None, f"; no FTL model ({exc})"
     engine.add_observer(SimFdpDevice(ftl))

@@ -108,21 +108,23 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], what: s
     """One line per problem: ``key=value: what is accepted``."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(document)"
+        key = ".".join(str(p) for p in e["loc"])
         val = e.get("input")
         if e["type"] == "extra_forbidden":
             acc = _accepted_keys(root, tuple(e["loc"]))
-            lines.append(f"{key}: unknown key; accepted keys here are {acc}")
+            lines.append(f"{key or '(document)'}: unknown key; accepted keys here are {acc}")
             continue
         if e["type"] == "missing":
-            lines.append(f"{key}: required key is missing")
+            lines.append(f"{key or '(document)'}: required key is missing")
             continue
         msg = e["msg"].removeprefix("Value error, ")
         inner = f"{e['loc'][-1]}=" if e["loc"] else None
         if inner and msg.startswith(inner) and ": " in msg:  # parse_size/parse_time_s repeat key=value
             msg = msg.split(": ", 1)[1]
-        shown = repr(val) if not isinstance(val, dict) else "{...}"
-        lines.append(f"{key}={shown}: {msg}")
+        if isinstance(val, dict):  # a section's own check: its key (none for the document), not its body
+            lines.append(f"{key}: {msg}" if key else msg)
+        else:
+            lines.append(f"{key}={val!r}: {msg}")
     return f"invalid {what}:\n  " + "\n  ".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The KV runners through the real CLI: the main job's JSON contract and the synthetic jobs."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,9 @@ def run(tmp_path, *args):
 def test_kvtrace_json_contract(tmp_path):
     doc = run(tmp_path, "--rw=kvtrace", "--number_ios=300")
     assert "fio version" in doc and "jobs" in doc
+    assert re.fullmatch(
+        r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ 123]\d \d\d:\d\d:\d\d \d{4}", doc["time"]
+    )  # fio's ctime(3)
     job = doc["jobs"][0]
     for d in ("read", "write"):
         for k in ("io_bytes", "bw_bytes", "iops", "runtime", "clat_ns", "lat_ns"):
@@ -30,6 +34,12 @@ def test_kvtrace_json_contract(tmp_path):
     assert kv["wrong_kv_blocks"] == 0
     assert kv["hbm_bytes"] > 0 and kv["host_bytes"] > 0 and kv["nvme_bytes"] > 0
     assert job["read"]["io_bytes"] == kv["loaded_blocks"] * kv["block_bytes"]
+    # fio's latency buckets share out the latencies measured (one per call here, while the IOPS count
+    # blocks): they add up to 100 %, and a bucket with any latency in it shows at least 0.01 % (fio's
+    # stat_calc_lat), never 0.00 (fresh-user trial: they added up to 7.09 %, with 0.00 % buckets)
+    shares = [v for k in ("latency_ns", "latency_us", "latency_ms") for v in job[k].values()]
+    assert sum(shares) == pytest.approx(100.0, abs=0.5)
+    assert all(v == 0.0 or v >= 0.01 for v in shares)
 
 
 def test_console_script_main_job(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tierstore.errors import CorruptData, LayoutError
+from tierstore.errors import CorruptData, ForeignDataError, LayoutError
 from tierstore.io import journal as jr
 from tierstore.io.journal import Journal, JournalRecord, JournalState, RecordKind, live_records, read_records
 
@@ -139,11 +139,22 @@ def test_a_stale_record_with_the_wrong_sequence_number_is_the_end(tmp_path):
 
 
 def test_refuses_a_file_it_did_not_create(tmp_path):
+    """A user's file is foreign data (ForeignDataError, as every other refused file of the user's),
+    not a damaged journal (fresh-user trial: CorruptData read as if tierstore's journal broke)."""
     p = tmp_path / "j"
-    p.write_bytes(b"user data, not a journal" * 10)
-    with pytest.raises(CorruptData, match="not a tierstore journal"):
+    for data in (b"user data, not a journal" * 10, b"short"):
+        p.write_bytes(data)
+        with pytest.raises(ForeignDataError, match="not a tierstore journal"):
+            Journal(str(p))
+        assert p.read_bytes() == data
+    good = tmp_path / "good"
+    Journal(str(good)).close()
+    head = bytearray(good.read_bytes())
+    head[-1] ^= 0xFF  # tierstore's magic with a wrong header CRC: damaged, not foreign
+    p.write_bytes(bytes(head))
+    with pytest.raises(CorruptData) as e:
         Journal(str(p))
-    assert p.read_bytes() == b"user data, not a journal" * 10
+    assert not isinstance(e.value, ForeignDataError)
 
 
 def _hand_sequence() -> tuple[list[tuple], list[int]]:

@@ -1,4 +1,5 @@
-"""The remote tier's fixtures, for test_remote.py: a FakeCluster, a listening socket for the master,
-MooncakeTier on FakeStore (tests/remote/test_tier.py)."""
+"""The remote tier's fixtures, for test_remote.py: a FakeCluster, a listening socket for the master
+(tests/remote/conftest.py), MooncakeTier on FakeStore (tests/remote/test_tier.py)."""
 
-from ..remote.test_tier import cluster, fake_master, make_tier  # noqa: F401 (fixtures, found by name)
+from ..remote.conftest import cluster, fake_master  # noqa: F401 (fixtures, found by name)
+from ..remote.test_tier import make_tier  # noqa: F401 (a fixture, found by name)

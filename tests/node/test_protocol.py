@@ -45,6 +45,7 @@ EXAMPLES = {
     P.Invalidate: [P.Invalidate(20, NS)],
     P.Stats: [P.Stats(21)],
     P.Reclaim: [P.Reclaim(22, 9, b"p" * 32)],
+    P.Prefetch: [P.Prefetch(24, NS, K3, "host"), P.Prefetch(25, NS, K3)],
     P.Bye: [P.Bye(23, "shutting down"), P.Bye(0)],
     P.Welcome: [
         P.Welcome(

@@ -241,7 +241,9 @@ def test_a_connection_closed_without_bye_quarantines_its_store_slots_until_the_p
 
 
 def _write_config(tmp_path) -> str:
-    cfg = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "staging_blocks": 24})
+    cfg = make_config(
+        str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "staging_blocks": 24, "tenant": "acme"}
+    )
     cfg["layout"] = {
         "num_layers": 2,
         "num_kv_heads": 2,
@@ -448,10 +450,13 @@ def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
             st, out = c.load(c.lookup(NS, _tokens(0, 3)))
             assert st == [Status.OK] * 3 and _sha(out) == _sha(_data(9, 3))
             before = c.stats()["blocks"]
-        http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)
+        http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)  # the node sessions' tenant
         try:
-            assert http.store(NS, _tokens(0, 2), _data(10, 2)) == [Status.OK] * 2
-            assert http.lookup(NS, _tokens(0, 2)).matched_blocks == 2
+            assert (
+                http.store(NS, _tokens(0, 2), _data(10, 2)) == [Status.EXISTS] * 2
+            )  # stored over the socket
+            assert http.store(NS, _tokens(100, 2), _data(10, 2)) == [Status.OK] * 2
+            assert http.lookup(NS, _tokens(0, 3)).matched_blocks == 3
         finally:
             http.close()
         with NodeKVStore("unix://" + sock, LAYOUT) as c:  # one store: the HTTP blocks count there too
@@ -560,3 +565,26 @@ def test_a_forked_child_makes_its_own_session_and_leaves_the_parents_alone(servi
     assert st == [Status.OK] * 2 and _sha(out) == _sha(_data(3, 2)) and c.stats()["client"]["connects"] == 1
     c.close()
     core.check_invariants(quiescent=True)
+
+
+def test_a_client_calling_faster_than_retry_s_reconnects_once_the_service_is_back(tmp_path):
+    """Fresh-user trial: a client storing back to back never reconnected after the service came back
+    (each refused call inside the retry window restarted the window, so the window never ended)."""
+    sock = str(tmp_path / "n.sock")
+    c = NodeKVStore("unix://" + sock, LAYOUT, retry_s=0.3, timeout_s=2)
+    t_end = time.monotonic() + 1.0
+    while time.monotonic() < t_end:  # the service is down: misses, a call every 20 ms
+        assert c.store(NS, _tokens(0, 1), _data(1, 1)) == [Status.REJECTED]
+        time.sleep(0.02)
+    core = NodeCore(
+        f"t{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT, staging_blocks=0
+    )
+    with NodeServer(core, NodeConfig(socket=sock)):
+        t_up = time.monotonic()
+        got = []
+        while time.monotonic() - t_up < 5 and got != [Status.OK]:
+            got = c.store(NS, _tokens(0, 1), _data(1, 1))
+            time.sleep(0.02)
+        assert got == [Status.OK] and time.monotonic() - t_up < 0.3 + 2.0, c.stats()["client"]
+        c.close()
+    core.close()

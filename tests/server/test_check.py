@@ -80,7 +80,7 @@ def test_shipped_configs(tmp_path, capsys):
     big = load_config(os.path.join(ROOT, "configs", "daemon.yaml"))
     pf = preflight(big, ports=False, meminfo=_meminfo(tmp_path, 24))
     assert any(
-        e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.0 GiB) exceed") for e in pf.errors
+        e.startswith("memory: tiers.host.capacity_bytes=68719476736 (64.00GiB) exceed") for e in pf.errors
     )
     small = os.path.join(ROOT, "configs", "daemon-small.yaml")
     rc = main(["--config", small, "--check"])
@@ -94,9 +94,7 @@ def test_check_refuses_an_nvme_tier_larger_than_the_free_disk(tmp_path, capsys):
     cfg = make_config(str(tmp_path))
     cfg["tiers"]["nvme"]["capacity_bytes"] = "1024TiB"
     rc, _, err = _check(tmp_path, cfg, capsys)
-    assert (
-        rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1048576.0 GiB) is larger than" in err
-    )
+    assert rc == 2 and "disk: tiers.nvme.capacity_bytes=1125899906842624 (1024.00TiB) is larger than" in err
 
 
 def test_check_refuses_a_missing_device(tmp_path, capsys):
@@ -270,6 +268,20 @@ def test_daemon_yaml_names_every_nvme_key():
     assert not missing, f"configs/daemon.yaml lacks NVMe keys {missing}"
 
 
+def test_daemon_yaml_names_every_node_key():
+    """The node section's keys (access: allow_uids, allow_gids, tenant) are documented there too."""
+    import yaml
+
+    from tierstore.server.config import NodeConfig
+
+    text = open(os.path.join(ROOT, "configs", "daemon.yaml")).read()
+    section = text[text.index("\nnode:") :]
+    missing = [k for k in NodeConfig.model_fields if not re.search(rf"^\s*#?\s*{k}:", section, re.M)]
+    assert not missing, f"configs/daemon.yaml lacks node keys {missing}"
+    node = yaml.safe_load(text)["node"]
+    assert node["tenant"] is None and node["allow_uids"] is None and node["allow_gids"] == []
+
+
 @pytest.mark.parametrize("case", ["missing_dir", "directory", "empty", "foreign", "foreign_tmp"])
 def test_check_refuses_a_block_mode_journal_that_start_up_refuses(tmp_path, capsys, case):
     """serve --check said 'config OK' for block-mode journals that start-up then refused (fresh-user
@@ -322,3 +334,22 @@ def test_check_refuses_a_block_mode_live_budget_below_one_block(tmp_path, capsys
     nv["live_fraction"] = 0.01
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "config OK" in out and "block mode keeps at most" in out, err
+
+
+def test_check_names_the_extra_a_node_section_needs(tmp_path, monkeypatch):
+    """Fresh-user trial: with only '.[server]' installed, --check said 'config OK' for a config with
+    a node: section, and start-up then failed on the missing msgspec."""
+    cfg = parse_config(make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock")}))
+    assert not [e for e in preflight(cfg, ports=False).errors if "msgspec" in e]
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # import msgspec now raises ImportError
+    errors = preflight(cfg, ports=False).errors
+    assert any("needs msgspec" in e and "tierstore[node]" in e for e in errors), errors
+
+
+def test_check_says_a_small_memory_tier_in_a_unit_that_shows_it(tmp_path, capsys):
+    """Fresh-user trial: a 16 MiB host tier was 'memory: 0.0 GiB of memory tiers'."""
+    cfg = make_config(str(tmp_path))
+    cfg["tiers"]["host"]["capacity_bytes"] = 16 << 20
+    cfg["tiers"]["hbm"] = {"capacity_bytes": 0}
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 0 and "memory: 16.00MiB of memory tiers" in out + err, out + err

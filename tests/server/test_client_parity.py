@@ -171,3 +171,21 @@ def test_what_the_client_does_not_offer_is_listed_and_documented():
         assert f"`{name}`" in daemon, name
         assert f"``{name}``" in client_mod.__doc__, name
     assert "tierstore.client.NOT_OFFERED" in (root / "tierstore" / "server" / "README.md").read_text()
+
+
+def test_a_client_never_closed_leaves_no_warnings_at_exit(daemon):
+    """Fresh-user trial: a script that used RemoteKVStore without close() printed aiohttp's
+    'Unclosed client session' / 'Unclosed connector' at exit."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = (
+        "from tierstore.client import RemoteKVStore\n"
+        f"c = RemoteKVStore({daemon.url!r}, {TOKENS['acme']!r})\n"
+        "print(c.stats()['block_bytes'] > 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+    assert "Unclosed" not in r.stderr, r.stderr[-2000:]

@@ -186,8 +186,8 @@ def lat_buckets(
     ns_b = np.asarray((0,) + _NS_US_BOUNDS)
     ms_b = np.asarray((0,) + _MS_BOUNDS)
 
-    def pct(counts: np.ndarray) -> list[float]:
-        return [100.0 * float(c) / total if total else 0.0 for c in counts]
+    def pct(counts: np.ndarray) -> list[float]:  # fio's stat_calc_lat: a bucket with any I/O shows >= 0.01 %
+        return [max(100.0 * float(c) / total, 0.01) if total and c else 0.0 for c in counts]
 
     ns_vals = v[v < 1000]
     us_vals = v[(v >= 1000) & (v < 1_000_000)] // 1000

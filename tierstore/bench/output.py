@@ -228,7 +228,7 @@ def job_to_json(result: JobResult, spec: JobSpec | None = None, plus: bool = Fal
     job["iodepth_submit"] = submit
     job["iodepth_complete"] = dict(submit)
     all_lat = np.concatenate([_lat_ns(result.read), _lat_ns(result.write)])
-    job.update(lat_buckets(all_lat, total_ios))
+    job.update(lat_buckets(all_lat))  # shares of the latencies measured (KV jobs: calls, not blocks)
     job["latency_depth"] = int(result.options.get("iodepth", 1))
     job["latency_target"] = 0
     job["latency_percentile"] = 100.0
@@ -270,7 +270,7 @@ def render_json(
         "fio version": FIO_VERSION,
         "timestamp": int(now_s),
         "timestamp_ms": int(now_s * 1000),
-        "time": time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now_s)),
+        "time": time.asctime(time.localtime(now_s)),  # ctime(3), as fio: "Thu Dec  3 05:31:35 2026"
         "global options": global_opts,
         "jobs": [job_to_json(r, s, plus) for r, s in zip(results, specs)],
     }
@@ -550,7 +550,7 @@ def render_normal(results: Sequence[JobResult], specs: Sequence[JobSpec | None],
     nproc = sum(int(r.options.get("numjobs", 1)) for r in results)
     out.append(f"Starting {nproc} process{'es' if nproc != 1 else ''}\n\n")
     jobs_json = [job_to_json(r, s) for r, s in zip(results, specs)]
-    stamp = datetime.datetime.now().strftime("%a %b %d %H:%M:%S %Y")
+    stamp = datetime.datetime.now().ctime()  # ctime(3), as fio
     for r, j in zip(results, jobs_json):
         out.append(_job_normal(r, j, stamp))
     out.append(_run_status_normal(results, jobs_json))

@@ -325,21 +325,24 @@ class Placement:
                 if self.remote_victims:
                     plan.lost.append((k, tier, int(self.rows.slot[tier][r])))
                 continue
-            self.rows.flags[r] |= NVME_WRITING
-            plan.nvme_demote.append(
-                Demotion(
-                    r,
-                    k,
-                    tier,
-                    int(self.rows.slot[tier][r]),
-                    Tier.NVME,
-                    -1,
-                    self.nvme_lifetime(r, k, now),
-                    self.rows.namespaces.digests[int(self.rows.ns[r])],
-                )
-            )
+            plan.nvme_demote.append(self._nvme_write(r, k, tier, now))
         while len(self.rejected) > self.REJECTED_KEYS_MAX:
             self.rejected.pop(next(iter(self.rejected)))
+
+    def _nvme_write(self, r: int, key: bytes, tier: Tier, now: float) -> Demotion:
+        """Row ``r``'s copy in memory ``tier`` as an NVMe write (its lifetime class, its namespace),
+        the row marked ``NVME_WRITING`` until the write completes."""
+        self.rows.flags[r] |= NVME_WRITING
+        return Demotion(
+            r,
+            key,
+            tier,
+            int(self.rows.slot[tier][r]),
+            Tier.NVME,
+            -1,
+            self.nvme_lifetime(r, key, now),
+            self.rows.namespaces.digests[int(self.rows.ns[r])],
+        )
 
     def plan_promotions(self, promos: list, now: float) -> PromotePlan | None:
         """Reserve faster slots for just-loaded blocks. A promotion never writes
@@ -420,18 +423,6 @@ class Placement:
         for r in rows.tolist():
             key = self.rows.table.key_of(r)
             t = Tier.HOST if self.rows.readable(r, Tier.HOST) else Tier.HBM
-            self.rows.flags[r] |= NVME_WRITING
             self.rows.readers[r] += 1
-            plan.nvme_demote.append(
-                Demotion(
-                    r,
-                    key,
-                    t,
-                    int(self.rows.slot[t][r]),
-                    Tier.NVME,
-                    -1,
-                    self.nvme_lifetime(r, key, now),
-                    self.rows.namespaces.digests[int(self.rows.ns[r])],
-                )
-            )
+            plan.nvme_demote.append(self._nvme_write(r, key, t, now))
         return plan

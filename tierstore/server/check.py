@@ -24,6 +24,7 @@ import stat
 from ..config import NvmeTierConfig
 from ..devices import file_tier_geometry
 from ..errors import ConfigError, CorruptData
+from ..extras import require
 from ..io import format as fmt
 from ..io._fileops import lock_holder_pid, process_alive
 from ..io.block_eviction import live_budget
@@ -32,6 +33,7 @@ from ..io.journal import check_owner, read_records
 from ..io.label import LABEL_BYTES, Target, inspect_target, refusal, resolve_nvme_path
 from ..io.segments import RESERVE_SEGMENTS, choose_segment_size
 from ..layout import KVLayout
+from ..units import format_bytes
 from .config import DaemonConfig
 
 __all__ = ["Preflight", "preflight", "nvme_file_path", "segment_size_bytes"]
@@ -52,7 +54,8 @@ class Preflight:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """``n`` bytes in the unit that shows it (``16.00MiB``, ``64.00GiB``; 0.0 GiB hid a 16 MiB tier)."""
+    return format_bytes(n)
 
 
 def nvme_file_path(path: str) -> str:
@@ -389,9 +392,14 @@ def _check_lock(path: str, out: Preflight) -> None:
 
 
 def _check_node(cfg: DaemonConfig, out: Preflight) -> None:
-    """The node socket: its directory exists, and the path is free or a stale socket (nothing listens)."""
+    """The node socket: its extra is installed, its directory exists, and the path is free or a
+    stale socket (nothing listens)."""
     if cfg.node is None:
         return
+    try:
+        require("msgspec", "node: the node socket")
+    except ConfigError as e:
+        out.errors.append(str(e))
     path = cfg.node.socket
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):

@@ -12,6 +12,7 @@ documented example.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from typing import Any, Literal
 
@@ -185,7 +186,14 @@ class NodeConfig(StrictModel):
     host tier is a shared memory segment that engine processes map.
 
     ``socket`` is the listening path (its directory must exist); ``socket_mode`` its file
-    mode (``"0600"``: this user only; ``"0660"``: also the group). A ticket not completed
+    mode (``"0600"``: this user only; ``"0660"``: also the group).
+
+    Access, one rule: a session is admitted when its peer process's uid (``SO_PEERCRED``) is
+    in ``allow_uids`` (null: the service's own uid) or its gid in ``allow_gids``; it is then
+    bound to the tenant of the ``Hello``'s bearer token (the ``tenants`` credentials HTTP
+    checks; a wrong token is refused, never downgraded), or, without a token, to ``tenant``
+    (null: a token is required). Its keys and namespaces are scoped to that tenant as HTTP
+    scopes them, and the tenant's quotas apply. A ticket not completed
     within ``lease_s`` is quarantined, then freed when its client is gone. ``op_timeout_s``
     bounds a frame's transfer and is the wait the service tells clients to use.
     """
@@ -202,6 +210,25 @@ class NodeConfig(StrictModel):
     max_tickets_per_client: int = Field(64, ge=1, le=1 << 16)
     max_keys: int = Field(4096, ge=1, le=1 << 16)
     max_frame_bytes: SizeBytes = Field(4 << 20, ge=4096, le=1 << 30)
+    allow_uids: list[int] | None = Field(
+        None, description="peer uids admitted (SO_PEERCRED); null: the service's own uid only"
+    )
+    allow_gids: list[int] = Field(default_factory=list, description="peer gids admitted besides allow_uids")
+    tenant: str | None = Field(
+        None, description="tenant of a session that sends no token; null: a token is required"
+    )
+
+    @field_validator("allow_uids", "allow_gids")
+    @classmethod
+    def _ids(cls, v):
+        for i in v or ():
+            if not 0 <= i < (1 << 32) - 1:
+                raise ValueError(f"{i} is not a uid/gid (0 <= id < 4294967295)")
+        return v
+
+    def peer_uids(self) -> list[int]:
+        """The uids admitted: ``allow_uids``, or the service's own uid when it is null."""
+        return [os.getuid()] if self.allow_uids is None else list(self.allow_uids)
 
     @field_validator("lease_s", "op_timeout_s")
     @classmethod
@@ -244,6 +271,8 @@ class DaemonConfig(StrictModel):
                     raise ValueError(
                         f"public namespace {p.name!r} names unknown tenant {who!r}; tenants are {names}"
                     )
+        if self.node is not None and self.node.tenant is not None and self.node.tenant not in names:
+            raise ValueError(f"node.tenant {self.node.tenant!r} is not a tenant; tenants are {names}")
         if self.puts.durable and self.tiers.nvme is None:
             raise ValueError("puts.durable=true needs tiers.nvme (or set puts.durable: false)")
         if (

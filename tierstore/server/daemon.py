@@ -44,7 +44,8 @@ async def _start_node_socket(loop: asyncio.AbstractEventLoop, svc: Any, cfg: Dae
         return None
     from ..node.server import NodeServer
 
-    return await loop.run_in_executor(None, NodeServer(svc.node_core, cfg.node).start)
+    server = NodeServer(svc.node_core, cfg.node, access=svc.node_access, metrics=svc.node_metrics)
+    return await loop.run_in_executor(None, server.start)
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, svc: Any, timeout_s: float) -> None:

@@ -2,8 +2,9 @@
 
 Every metric lives in the daemon's private :class:`~prometheus_client.CollectorRegistry`
 (:class:`ServerMetrics`); :class:`_StoreCollector` reads the store, the
-segment store and the tenancy at scrape time. The names are listed in
-``tierstore/server/README.md``.
+segment store and the tenancy at scrape time. :class:`NodeMetrics` adds the node socket's
+``tierstore_node_*`` families beside HTTP's (same scheme: requests by operation and outcome,
+latency, blocks and payload bytes by tenant). The names are listed in ``tierstore/server/README.md``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["ServerMetrics"]
+__all__ = ["ServerMetrics", "NodeMetrics"]
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetricFamily:
@@ -106,11 +109,7 @@ class ServerMetrics:
             "tierstore_requests", "API requests by operation and HTTP status", ["op", "code"], registry=r
         )
         self.request_s = Histogram(
-            "tierstore_request_seconds",
-            "API request latency",
-            ["op"],
-            registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            "tierstore_request_seconds", "API request latency", ["op"], registry=r, buckets=_LATENCY_BUCKETS_S
         )
         self.load_s = Histogram(
             "tierstore_load_latency_seconds",
@@ -174,3 +173,90 @@ class ServerMetrics:
         """``tierstore_block_hit_ratio``: found / asked over gets and lookups (0.0 before any)."""
         with self._hits_lock:
             return self._found / self._asked if self._asked else 0.0
+
+
+class _SessionsCollector:
+    """``tierstore_node_sessions``: node sessions open, read from the server at scrape time."""
+
+    def __init__(self) -> None:
+        self.server = None
+
+    def collect(self):
+        g = GaugeMetricFamily("tierstore_node_sessions", "Node socket sessions open")
+        g.add_metric([], self.server.sessions() if self.server is not None else 0)
+        yield g
+
+
+class NodeMetrics:
+    """The node transport's Prometheus metrics, in the daemon's registry beside HTTP's.
+
+    Parameters
+    ----------
+    registry : CollectorRegistry
+        The daemon's (:attr:`ServerMetrics.registry`), or a registry of its own (``--node``).
+    server_metrics : ServerMetrics, optional
+        HTTP's metrics: node lookups and loads then count in ``tierstore_block_requests`` /
+        ``tierstore_block_hits`` (ops ``node_lookup``, ``node_load``) and the hit ratio.
+    """
+
+    def __init__(self, registry: CollectorRegistry, server_metrics: ServerMetrics | None = None) -> None:
+        r = registry
+        self.server_metrics = server_metrics
+        self.requests = Counter(
+            "tierstore_node_requests",
+            "Node socket requests by message type and outcome (ok, or the error code)",
+            ["op", "code"],
+            registry=r,
+        )
+        self.request_s = Histogram(
+            "tierstore_node_request_seconds",
+            "Node socket request latency (service side)",
+            ["op"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS_S,
+        )
+        self.blocks = Counter(
+            "tierstore_node_blocks",
+            "Blocks by operation (put: store outcomes, get: load tickets), tenant and status",
+            ["op", "tenant", "status"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            "tierstore_node_payload_bytes",
+            "Block payload bytes copied through the shared segment, by direction and tenant",
+            ["direction", "tenant"],
+            registry=r,
+        )
+        self.sessions_opened = Counter(
+            "tierstore_node_sessions_opened", "Node sessions welcomed, by tenant", ["tenant"], registry=r
+        )
+        self.sessions_refused = Counter(
+            "tierstore_node_sessions_refused",
+            "Node sessions refused at connect (auth, busy, hello) or closed for a bad frame",
+            ["reason"],
+            registry=r,
+        )
+        self._sessions = _SessionsCollector()
+        r.register(self._sessions)
+
+    def attach(self, server) -> None:
+        """Read ``tierstore_node_sessions`` from ``server`` (a ``NodeServer``)."""
+        self._sessions.server = server
+
+    def request(self, op: str, code: str, seconds: float) -> None:
+        """Count one request of message type ``op`` answered with ``code``."""
+        self.requests.labels(op, code).inc()
+        self.request_s.labels(op).observe(seconds)
+
+    def count_blocks(self, op: str, tenant: str, statuses) -> None:
+        """Count blocks of a store outcome or load ticket by status."""
+        counts: dict[str, int] = {}
+        for st in statuses:
+            counts[st.value] = counts.get(st.value, 0) + 1
+        for value, n in counts.items():
+            self.blocks.labels(op, tenant, value).inc(n)
+
+    def count_hits(self, op: str, asked: int, found: int) -> None:
+        """As :meth:`ServerMetrics.count_hits` (a no-op without HTTP's metrics)."""
+        if self.server_metrics is not None:
+            self.server_metrics.count_hits(op, asked, found)

@@ -145,14 +145,11 @@ class Service:
         # with another layout, or state from before layouts were recorded) can
         # never be addressed again: drop them rather than charge their owners.
         known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
-        # With the node transport on, engine processes address namespaces of their own: none is an orphan.
-        orphans = (
-            []
-            if self.node_core is not None
-            else [
-                k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
-            ]
-        )
+        # The node socket scopes its sessions' namespaces as HTTP does (tierstore.node.access): a
+        # namespace no scope names is unaddressable over either transport.
+        orphans = [
+            k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
+        ]
         dropped_orphans = self.store.remove(orphans) if orphans else 0
         self.tenancy.adopt(self.store)
         self.recovered_blocks = sum(self.store.namespaces().values())
@@ -176,6 +173,14 @@ class Service:
         self.draining = False
         self.ready = False
         self.metrics = ServerMetrics(self)
+        #: the node socket's tenancy and metrics: the same Tenancy object and registry as HTTP's
+        self.node_access = self.node_metrics = None
+        if self.node_core is not None:
+            from ..node.access import NodeAccess
+            from .metrics import NodeMetrics
+
+            self.node_access = NodeAccess(cfg, self.tenancy, self.store)
+            self.node_metrics = NodeMetrics(self.metrics.registry, self.metrics)
         self.buffers = BufferPool(4 * cfg.limits.max_request_bytes)
         self._busy_bufs: set[int] = set()
         self._closed = False
@@ -324,8 +329,7 @@ class Service:
     ) -> tuple[bytes, str, list[bytes]]:
         client_ns = hex32(ns_hex, "namespace")
         keys = self._keys(hex_keys)
-        scope, owner = self.tenancy.resolve(tenant, client_ns, write)
-        return scope, owner, self.tenancy.server_keys(scope, keys)
+        return self.tenancy.scoped(tenant, client_ns, keys, write)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -1,19 +1,23 @@
 """Tenancy of the daemon: credentials, scopes, the scope registry, the invalidation log, usage and quotas.
 
-Tenancy and key scoping
------------------------
-A bearer token (``Authorization: Bearer <token>``) maps to one tenant; tokens
-are compared as SHA-256 digests with :func:`hmac.compare_digest`, against every
+Tenancy and key scoping (both transports: HTTP and the node socket)
+-------------------------------------------------------------------
+A bearer token (HTTP ``Authorization: Bearer <token>``, the node socket's ``Hello``) maps to one
+tenant; tokens are compared as SHA-256 digests with :func:`hmac.compare_digest`, against every
 configured credential (no early exit). Clients send the 32-byte digest of their
 :class:`~tierstore.identity.Namespace` and the chained block keys they computed
-(``KVStore.keys_for``). The server never uses these as storage keys. It derives::
+(``keys_for``). The server never uses these as storage keys. It derives::
 
     owner = tenant name                     (or "public:<name>" for a declared public namespace)
     scope = SHA-256("tierstore/scope/v2" 0x00 owner 0x00 client_namespace_digest || layout_fingerprint)
-    key   = SHA-256("tierstore/server-key/v1" || scope || client_key)
+    keys  = SHA-256("tierstore/owner-keys/v1" 0x00 owner 0x00 layout_fingerprint)
+    key   = SHA-256("tierstore/server-key/v2" || keys || client_key)
 
-Continued in ``docs/SERVER.md`` (``tierstore/server/tenancy.py``): registry and invalidation
-log.
+``scope`` is the store's namespace (invalidation, pin quota, usage); the key depends on the owner
+only (client keys are chained from the namespace digest already), so a key-level call without a
+namespace (the node socket's ``exists``/``load`` of raw keys) finds the tenant's own blocks.
+A public namespace matches its declared digest, raw or scoped to the layout (the clients'
+``digest``). Continued in ``docs/SERVER.md``: registry and invalidation log.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..identity import DigestCache
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
 
@@ -34,7 +39,10 @@ __all__ = ["Tenancy"]
 
 log = logging.getLogger("tierstore.server")
 _SCOPE_DOMAIN = b"tierstore/scope/v2"
-_KEY_DOMAIN = b"tierstore/server-key/v1"
+_OWNER_DOMAIN = b"tierstore/owner-keys/v1"
+_KEY_DOMAIN = b"tierstore/server-key/v2"
+#: client key -> storage key entries memoised per owner (Tenancy.server_keys)
+KEY_CACHE_ENTRIES = 1 << 15
 
 
 class Tenancy:
@@ -56,9 +64,13 @@ class Tenancy:
         self._creds: list[tuple[bytes, str]] = [(d, t.name) for t in cfg.tenants for d in t.token_digests()]
         self.quota_bytes: dict[str, int] = {t.name: t.quota_bytes for t in cfg.tenants}
         self.public: dict[bytes, Any] = {}
+        as_client = DigestCache(scope=layout_fingerprint)  # the clients' layout-scoped digest
         for p in cfg.public_namespaces:
             self.public[p.ns_digest()] = p
+            self.public[as_client(p.ns_digest())] = p
             self.quota_bytes[f"public:{p.name}"] = p.quota_bytes
+        self._key_scopes: dict[str, bytes] = {}
+        self._key_cache: dict[str, dict[bytes, bytes]] = {}
         os.makedirs(cfg.state_dir, exist_ok=True)
         self._scopes_path = os.path.join(cfg.state_dir, "scopes.jsonl")
         self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
@@ -104,7 +116,12 @@ class Tenancy:
     def authenticate(self, header: str | None) -> str | None:
         """Tenant of an ``Authorization`` header, or ``None``. Constant time per credential."""
         token = bearer_token(header)
-        if token is None:
+        return None if token is None else self.tenant_of_token(token)
+
+    def tenant_of_token(self, token: str) -> str | None:
+        """Tenant of a bearer token (the node socket's ``Hello``), or ``None``. Constant time per
+        credential."""
+        if not token:
             return None
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         found = None
@@ -150,10 +167,47 @@ class Tenancy:
                 )
         return scope, owner
 
-    @staticmethod
-    def server_keys(scope: bytes, client_keys: Sequence[bytes]) -> list[bytes]:
-        """Storage keys of client keys within ``scope``."""
-        return [hashlib.sha256(_KEY_DOMAIN + scope + k).digest() for k in client_keys]
+    def key_scope(self, owner: str) -> bytes:
+        """The scope of ``owner``'s storage keys (every namespace of the owner shares it)."""
+        ks = self._key_scopes.get(owner)
+        if ks is None:
+            ks = hashlib.sha256(
+                _OWNER_DOMAIN + b"\0" + owner.encode() + b"\0" + self.layout_fingerprint
+            ).digest()
+            self._key_scopes[owner] = ks
+        return ks
+
+    def server_keys(self, owner: str, client_keys: Sequence[bytes]) -> list[bytes]:
+        """Storage keys of ``owner``'s client keys.
+
+        Memoised per owner (:data:`KEY_CACHE_ENTRIES` at most, then started over: about 200
+        bytes an entry): a request's keys are mostly those of the previous ones (exists, lookup,
+        then load of one prefix), and a SHA-256 costs ~0.7 us a key in Python.
+        """
+        ks = self.key_scope(owner)
+        cache = self._key_cache.get(owner)
+        if cache is None or len(cache) > KEY_CACHE_ENTRIES:
+            cache = self._key_cache[owner] = {}  # a racing thread keeps filling the old one: harmless
+        out = []
+        for k in client_keys:
+            sk = cache.get(k)
+            if sk is None:
+                sk = cache[k] = hashlib.sha256(_KEY_DOMAIN + ks + k).digest()
+            out.append(sk)
+        return out
+
+    def scoped(
+        self, tenant: str, client_ns: bytes, client_keys: Sequence[bytes], write: bool
+    ) -> tuple[bytes, str, list[bytes]]:
+        """``(scope, owner, storage keys)`` of a request of ``tenant`` (both transports).
+
+        Raises
+        ------
+        ApiError
+            As :meth:`resolve`.
+        """
+        scope, owner = self.resolve(tenant, client_ns, write)
+        return scope, owner, self.server_keys(owner, client_keys)
 
     # -- usage / quota ----------------------------------------------------
     def adopt(self, store) -> None:

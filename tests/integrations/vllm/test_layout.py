@@ -141,6 +141,13 @@ def test_fail_policy_is_refused():
 
 
 @pytest.mark.parametrize("kw", [{"tp": 2}, {"pp": 2}, {"dp": 2}])
-def test_multi_process_setups_are_refused(kw):
-    with pytest.raises(ConfigError, match="one process"):
-        _check_topology(fake_vllm_config({}, **kw))
+def test_multi_process_setups_are_refused_with_the_embedded_store(kw):
+    with pytest.raises(ConfigError, match=r"one process.*store\.url"):
+        _check_topology(fake_vllm_config({}, **kw), service=False)
+
+
+def test_the_node_service_runs_tensor_parallel_and_refuses_pipeline_and_data_parallel():
+    _check_topology(fake_vllm_config({}, tp=2), service=True)  # each rank is a client of its own
+    for kw in ({"pp": 2}, {"dp": 2}, {"tp": 2, "pp": 2}):
+        with pytest.raises(ConfigError, match="node service.*is not built"):
+            _check_topology(fake_vllm_config({}, **kw), service=True)

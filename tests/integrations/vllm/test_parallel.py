@@ -1,4 +1,5 @@
-"""Parallel set-ups are refused before vLLM starts a worker (issue 22, item 10).
+"""Parallel set-ups the embedded store cannot run are refused before vLLM starts a worker (issue 22,
+item 10; issue 24: tensor parallel runs with the node service, ``store.url``, test_node.py).
 
 vLLM 0.32 builds the scheduler-side connector after its workers have loaded the model, so the
 refusal used to come from every worker's constructor: 102 s after ``LLM(...)`` with two workers
@@ -49,8 +50,10 @@ def test_tensor_parallel_is_refused_in_seconds_with_one_message(tmp_path):
     m = re.search(r"^REFUSED (\w+) after ([0-9.]+) s: ", r.stdout, re.M)
     assert m, out[-4000:]
     assert float(m.group(2)) < 20.0, m.group(0)  # seconds after LLM(...), not minutes: no worker started
-    assert out.count("TierstoreConnector needs the scheduler and the worker in one process") == 1, out[-4000:]
+    msg = "TierstoreConnector's embedded store needs the scheduler and the worker in one process"
+    assert out.count(msg) == 1, out[-4000:]
     assert "'tensor_parallel_size': 2" in out
+    assert "store.url" in m.string  # the way to run TP > 1: the node service
     assert os.listdir(tmp_path) == ["llama"], "no store was opened (tiers.nvme.path is tmp_path)"
 
 

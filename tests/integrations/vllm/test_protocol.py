@@ -215,3 +215,162 @@ def test_lifetime_runs(sides):
     r2.kv_transfer_params = {"tierstore_lifetime": "conversation"}
     sched.get_num_new_matched_tokens(r2, 0)
     assert list(sched._lifetime_runs(sched._reqs["b"], 0, 4)) == [(0, 1, "system"), (1, 4, "conversation")]
+
+
+# ---------------------------------------------------------------- the node service, TP = 2
+TP = 2
+
+
+def _step_ranks(sched, workers, so, finished=()):
+    """One engine step with one worker side per TP rank (each runs the same metadata)."""
+    meta = sched.build_connector_meta(so)
+    out = []
+    for w in workers:
+        w._ingest(meta)
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        w._saver.submit(lambda: None).result()
+        w._loader.submit(lambda: None).result()
+        out.append(w.get_finished(set(finished)))
+    return meta, out
+
+
+@pytest.fixture
+def tp_sides(tmp_path):
+    """A scheduler side and TP=2 worker sides of one fake engine, each with its own client of one
+    node service (in this process) and its own fake KV cache (its shard)."""
+    from tierstore.config import StoreConfig
+    from tierstore.node.client import NodeKVStore
+    from tierstore.node.core import NodeCore
+    from tierstore.node.server import NodeServer
+    from tierstore.server.config import NodeConfig
+
+    wholes = [torch.randn(L, NB, H, T, 2 * D) for _ in range(TP)]
+    engs = [
+        tv.detect_engine_layout({f"layers.{i}.attn": w[i] for i in range(L)}, NB, T, H, D) for w in wholes
+    ]
+    core = NodeCore(
+        "tp", {"tiers": {"host": {"capacity_bytes": 64 * engs[0].layout.bytes_per_block}}}, engs[0].layout
+    )
+    server = NodeServer(core, NodeConfig(socket=str(tmp_path / "node.sock"), lease_s=30)).start()
+    url = "unix://" + server.path
+    store_cfg = StoreConfig.from_dict({"store": {"url": url}})
+    settings = tv.ConnectorSettings()
+    conn = types.SimpleNamespace(
+        _kv_transfer_config=types.SimpleNamespace(engine_id="tp-engine"),
+        _connector_metadata=None,
+        _vllm_config=types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=TP)),
+    )
+    workers = []
+    for r, eng in enumerate(engs):
+        w = tv._WorkerSide(conn, None, None, store_cfg, settings)
+        ns = tv.Namespace(model="fake@1", tp_rank=r, tp_size=TP)
+        w._shared, w._tp_rank = tv._EngineStore(NodeKVStore(url, eng.layout), eng, ns, settings), r
+        workers.append(w)
+    sched = tv._SchedulerSide(conn, settings, store_cfg)
+    sched.set_ranks({r: w.handshake() for r, w in enumerate(workers)})
+    yield sched, workers, core, wholes
+    for w in workers:
+        w.shutdown()
+    sched.shutdown()
+    server.close()
+    core.close()
+
+
+def test_each_tp_rank_stores_and_loads_its_own_shard_through_the_node_service(tp_sides):
+    sched, workers, core, wholes = tp_sides
+    toks = list(range(1, 3 * T + 1))
+    r1 = FakeRequest("r1", toks)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    meta, _ = _step_ranks(sched, workers, sched_output({"r1": 3 * T}, {"r1": [1, 2, 3]}))
+    r1.num_computed_tokens = 3 * T
+    (job,) = meta.stores
+    assert len(job.rank_keys) == TP and job.keys == job.rank_keys[0] != job.rank_keys[1]  # ranks never share
+    for r, w in enumerate(workers):
+        assert w.shared.store.exists(job.keys_of(r)) == 3
+    sched.request_finished(r1, [1, 2, 3])
+    _step_ranks(sched, workers, sched_output({}, {}), finished={"r1"})
+
+    r2 = FakeRequest("r2", toks)  # every rank holds the blocks: 2 offered (vLLM computes >= 1 token)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (2 * T, False)
+    sched.update_state_after_alloc(r2, types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), 2 * T)
+    r2.num_computed_tokens = 2 * T
+    meta, _ = _step_ranks(sched, workers, sched_output({"r2": T}, {"r2": [7, 8, 9]}))
+    assert [j.block_ids for j in meta.sync_loads] == [[7, 8]]
+    for whole in wholes:  # each rank got its own shard back, not another rank's
+        assert torch.equal(whole[:, 7:9], whole[:, 1:3])
+    assert not torch.equal(wholes[0][:, 7:9], wholes[1][:, 7:9])
+    assert all(w.get_block_ids_with_load_errors() == set() for w in workers)
+    sched.request_finished(r2, [7, 8, 9])
+    assert not core.store.references()
+    core.check_invariants()
+
+
+def test_a_block_is_a_hit_only_when_every_tp_rank_holds_it(tp_sides):
+    sched, workers, core, _ = tp_sides
+    toks = list(range(1, 4 * T + 2))
+    sched.get_num_new_matched_tokens(FakeRequest("a", toks), 0)
+    meta, _ = _step_ranks(sched, workers, sched_output({"a": 4 * T + 1}, {"a": [1, 2, 3, 4, 5]}))
+    (job,) = meta.stores
+    core.store.remove([job.keys_of(1)[2]])  # rank 1 lost block 2 (rank 0 still holds it)
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * T, False)  # min over ranks
+    assert sched._reqs["b"].matched_blocks == 2
+
+
+def test_a_tp_rank_whose_load_fails_reports_its_blocks_for_recompute(tp_sides):
+    """Rank 1's service connection is gone at load time (its client misses): rank 1 reports every
+    block of the job, rank 0 loads its shard; vLLM recomputes the reported blocks on every rank."""
+    from tierstore.node.client import NodeKVStore
+
+    sched, workers, _, _ = tp_sides
+    toks = list(range(1, 3 * T + 2))
+    sched.get_num_new_matched_tokens(FakeRequest("a", toks), 0)
+    _step_ranks(sched, workers, sched_output({"a": 3 * T + 1}, {"a": [1, 2, 3, 4]}))
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * T, False)
+    sh = workers[1].shared
+    sh.store.close()
+    sh.store = NodeKVStore("unix:///nonexistent/tierstore-node.sock", sh.engine.layout, timeout_s=0.5)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12],)), 3 * T)
+    r.num_computed_tokens = 3 * T
+    _step_ranks(sched, workers, sched_output({"b": 1}, {"b": [9, 10, 11, 12]}))
+    assert workers[0].get_block_ids_with_load_errors() == set()
+    assert workers[1].get_block_ids_with_load_errors() == {9, 10, 11}
+
+
+def test_a_node_service_that_is_down_gives_misses_at_once(tp_sides):
+    """The scheduler side's client cannot reach the service: nothing is offered (vLLM computes
+    everything), within the client's timeout, and stores are refused, not waited for."""
+    import time
+
+    from tierstore.node.client import NodeKVStore
+
+    sched, workers, _, _ = tp_sides
+    sh = sched.shared
+    sh.store.close()
+    sh.store = NodeKVStore("unix:///nonexistent/tierstore-node.sock", sh.layout, timeout_s=0.5)
+    t0 = time.monotonic()
+    r = FakeRequest("a", list(range(1, 3 * T + 2)))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_service_of_another_block_class_stops_the_engine_at_start_and_a_dead_one_does_not(tp_sides):
+    from tierstore.config import StoreConfig
+    from tierstore.errors import ConfigError
+    from tierstore.integrations._common import open_store
+    from tierstore.layout import KVLayout
+
+    sched, _, _, _ = tp_sides
+    url = sched._store_cfg.store.url
+    other = KVLayout(num_layers=L, num_kv_heads=2 * H, head_dim=D, dtype=torch.float32, tokens_per_block=T)
+    with pytest.raises(ConfigError, match="refused this client"):
+        tv._connect(open_store(StoreConfig.from_dict({"store": {"url": url}}), other), "test")
+    dead = StoreConfig.from_dict(
+        {"store": {"url": "unix:///nonexistent/tierstore-node.sock", "timeout_s": 0.5}}
+    )
+    store = open_store(dead, sched.shared.layout)
+    tv._connect(store, "test")  # a service that is down: misses until it is up, no error
+    assert store.lookup_keys([bytes(32)]).matched_blocks == 0
+    store.close()
