@@ -41,6 +41,7 @@ from .harness import (
 
 pytestmark = pytest.mark.timeout(300)
 MiB = 1 << 20
+TOKEN = "sglang-test-token"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -218,7 +219,7 @@ def _node_config(tmp_path, pool) -> str:
                 "segment_size_bytes": "256KiB",
             },
         },
-        "tenants": [{"name": "ops", "token_sha256": [hashlib.sha256(b"unused").hexdigest()]}],
+        "tenants": [{"name": "acme", "token_sha256": [hashlib.sha256(TOKEN.encode()).hexdigest()]}],
         "node": {"socket": str(tmp_path / "node.sock"), "staging_blocks": 16},
     }
     path = str(tmp_path / "node.yaml")
@@ -243,10 +244,12 @@ def _misses_within(b, pool, keys, timeout_s: float) -> float:
     return dt
 
 
-def test_a_stopped_or_killed_service_gives_misses_within_the_timeout(tmp_path):
+def test_a_stopped_or_killed_service_gives_misses_within_the_timeout(tmp_path, monkeypatch):
     """SIGSTOP (a hung service: each call waits at most ``timeout_s``), then kill -9 (calls
     answer at once), then a restart: the servers reconnect by themselves and find every page
-    acknowledged before the kill (the service's puts are durable: written through to NVMe)."""
+    acknowledged before the kill (the service's puts are durable: written through to NVMe).
+    The servers' sessions are the tenant of ``TIERSTORE_TOKEN``, as a deployment sets it."""
+    monkeypatch.setenv("TIERSTORE_TOKEN", TOKEN)
     pool_a, pool_b = host_pool("mha", "page_first"), host_pool("mha", "page_first")
     cfg_path = _node_config(tmp_path, pool_a)
     sock, log = str(tmp_path / "node.sock"), str(tmp_path / "node.log")
