@@ -33,8 +33,9 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from ..config import StoreConfig, parse_model
 from ..errors import ConfigError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
     from ..api import KVStore, KVStoreProtocol
     from ..layout import KVLayout
+    from ..node.client import NodeKVStore
 
 #: Weight files hashed by :func:`fingerprint_model_dir` (suffixes).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -265,13 +267,46 @@ def open_store(store_cfg: StoreConfig, layout: KVLayout, **runtime: Any) -> KVSt
     return NodeKVStore(loc.url, layout, timeout_s=loc.timeout_s, pool=loc.pool)
 
 
-def store_summary(store: KVStore) -> str:
+def _node_store(store: object) -> TypeGuard[NodeKVStore]:
+    """Whether ``store`` is the node service's client (its module is imported only when used)."""
+    mod = sys.modules.get("tierstore.node.client")
+    return mod is not None and isinstance(store, mod.NodeKVStore)
+
+
+def _node_summary(store: NodeKVStore) -> str:
+    """:func:`store_summary` of the node service's client. Asking the service for its statistics
+    connects at once, so a service that refuses this client (another block class, pool or
+    protocol version) raises :class:`ConfigError` here, at start-up; one that is down is said."""
+    st = store.stats()
+    node = st.get("node")
+    if node is None:
+        return f"node service at {store.url} not answering (misses until it is up)"
+    tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in st.get("bytes_per_tier", {}).items() if n)
+    return (
+        f"node service at {store.url}, pool {node['pool']!r} ({int(st.get('blocks', 0))} blocks"
+        f"{': ' + tiers if tiers else ''})"
+    )
+
+
+def store_summary(store: KVStoreProtocol) -> str:
     """One line on an open store: tiers with capacities, the NVMe path and the
-    blocks recovered from it (and dropped), the remote tier's state.
+    blocks recovered from it (and dropped), the remote tier's state; for the node
+    service's store, its URL, pool and blocks.
 
     Example: ``"tiers hbm 256.00KiB, host 256.00KiB, nvme 64.00MiB at /mnt/nvme/kv
     (12 blocks recovered); remote tier off"``.
+
+    Raises
+    ------
+    ConfigError
+        The node service refuses this client.
     """
+    if _node_store(store):
+        return _node_summary(store)
+    return _embedded_summary(cast("KVStore", store))
+
+
+def _embedded_summary(store: KVStore) -> str:
     cap = store.capacity_bytes()
     tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in cap.items() if n) or "none"
     parts = [f"tiers {tiers}"]
@@ -297,21 +332,36 @@ def store_summary(store: KVStore) -> str:
     return "; ".join(parts)
 
 
-def log_store_opened(log: logging.Logger, who: str, store: KVStore, detail: str = "") -> None:
-    """The start line: ``"tierstore opened for <who>: <store_summary>[; <detail>]"`` at INFO."""
+def log_store_opened(log: logging.Logger, who: str, store: KVStoreProtocol, detail: str = "") -> None:
+    """The start line: ``"tierstore opened for <who>: <store_summary>[; <detail>]"`` at INFO.
+
+    Raises
+    ------
+    ConfigError
+        The node service refuses this client (:func:`store_summary`).
+    """
     log.info("tierstore opened for %s: %s%s", who, store_summary(store), f"; {detail}" if detail else "")
 
 
-def close_store_logged(log: logging.Logger, who: str, store: KVStore) -> int:
+def close_store_logged(log: logging.Logger, who: str, store: KVStoreProtocol) -> int:
     """Close ``store`` and say what was kept, at INFO: the blocks written down to
     NVMe by the close (memory-only blocks, :meth:`KVStore.close <tierstore.api.KVStore.close>`)
-    and the blocks on NVMe; without an NVMe tier, the blocks that are not kept.
+    and the blocks on NVMe; without an NVMe tier, the blocks that are not kept. The node
+    service's client only ends its session: the service keeps the blocks.
 
     Returns
     -------
     int
-        Blocks written down to NVMe.
+        Blocks written down to NVMe (0 for the node service's client).
     """
+    if _node_store(store):
+        store.close()
+        log.info("tierstore closed for %s: the node service at %s keeps its blocks", who, store.url)
+        return 0
+    return _close_embedded_logged(log, who, cast("KVStore", store))
+
+
+def _close_embedded_logged(log: logging.Logger, who: str, store: KVStore) -> int:
     blocks = int(store.stats().get("blocks", 0))
     on_nvme = int(store.bytes_per_tier().get("nvme", 0)) // store.layout.bytes_per_block
     nvme = store.nvme is not None

@@ -14,8 +14,12 @@ with its ``dynamic`` backend factory, no patch to SGLang::
             "tiers": {"host": {"capacity_bytes": "8GiB"},
                       "nvme": {"path": "/mnt/nvme/sglang", "capacity_bytes": "1TiB"}}}'
 
+That store is embedded in the server's process (one per TP rank). With ``"store": {"url":
+"unix:///run/tierstore/node.sock"}`` in place of ``tiers``, every rank of every server on the node
+uses the node service's one store (``tierstore serve --node``); ranks stay apart by their keys.
+
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/sglang.py``): data path; page vs
-block; keys and isolation; host pool layouts; lifetime hints (FDP placement).
+block; keys and isolation; the node service; host pool layouts; lifetime hints (FDP placement).
 """
 
 from __future__ import annotations
@@ -32,14 +36,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from ..api import KVStore
+from ..api import KVStoreProtocol
 from ..config import StoreConfig
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
 from ..io.label import resolve_nvme_path
 from ..io.pages import FragmentPlan, KVPagePool
 from ..layout import KVLayout, dtype_name
-from ._common import close_store_logged, log_store_opened, split_extra_config
+from ._common import close_store_logged, log_store_opened, open_store, split_extra_config
 
 _log = logging.getLogger(__name__)
 
@@ -344,7 +348,8 @@ def _rank_file_name(model: str, cfg: HiCacheStorageConfig) -> str:
 
 
 class HiCacheTierStore(HiCacheStorage):
-    """SGLang HiCache L3 storage on a tierstore :class:`~tierstore.api.KVStore`.
+    """SGLang HiCache L3 storage on a tierstore :class:`~tierstore.api.KVStore` (embedded) or the
+    node service's store (:class:`~tierstore.node.client.NodeKVStore`, ``store.url``).
 
     Parameters
     ----------
@@ -361,7 +366,8 @@ class HiCacheTierStore(HiCacheStorage):
     Raises
     ------
     ConfigError
-        Invalid extra config or an unsupported parallel setup (at start-up).
+        Invalid extra config or an unsupported parallel setup (at start-up); from
+        :meth:`register_mem_pool_host`, a node service that refuses this server's pages.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
@@ -381,11 +387,11 @@ class HiCacheTierStore(HiCacheStorage):
                 "attention context parallel (attn_cp_size > 1) is not supported by tierstore's "
                 "SGLang backend: each CP rank holds a slice of every page"
             )
-        if storage_config.is_mla_model and storage_config.tp_size > 1:
+        if storage_config.is_mla_model and storage_config.tp_size > 1 and self._store_cfg.store.url is None:
             raise ConfigError(
                 "MLA with tp_size > 1: SGLang writes replicated MLA pages from TP rank 0 only "
-                "(is_storage_writer), so the other ranks' stores would never hit; run tp_size=1 "
-                "per store"
+                "(is_storage_writer), so the other ranks' embedded stores would never hit; give "
+                "store.url (the node service, which every rank reads) or run tp_size=1 per store"
             )
         self.storage_config = storage_config
         self.write_policy = self.cfg.write_policy or _sglang_write_policy()
@@ -394,7 +400,7 @@ class HiCacheTierStore(HiCacheStorage):
                 f"write_policy={self.write_policy!r}: accepted values are {list(WRITE_POLICIES)}"
             )
         self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
-        self.store: KVStore | None = None
+        self.store: KVStoreProtocol | None = None
         self._closed = False
         self.view: HostPoolView | None = None
         self.namespace: Namespace | None = None
@@ -440,21 +446,25 @@ class HiCacheTierStore(HiCacheStorage):
             pp_size=sc.pp_size,
             tenant=self.cfg.tenant_scope,
         )
-        store = KVStore.from_config(self._store_config(sc), layout=view.layout)
-        super().register_mem_pool_host(mem_pool_host)
-        self.view, self.namespace, self.store = view, ns, store
-        self._digest = store.digest(ns)
-        self._who = (
+        store = open_store(self._store_config(sc), view.layout)
+        who = (
             f"SGLang HiCache L3 (model {sc.model_name}, tp {sc.tp_rank}/{sc.tp_size}, "
             f"pp {sc.pp_rank}/{sc.pp_size})"
         )
-        log_store_opened(
-            _log,
-            self._who,
-            store,
-            f"{view.host_layout} layout, {view.page_size}-token pages of {view.page_bytes} bytes, "
-            f"tenant {ns.tenant!r}, write policy {self.write_policy}",
-        )
+        try:  # the node service's store connects here: a refusal stops the start-up
+            log_store_opened(
+                _log,
+                who,
+                store,
+                f"{view.host_layout} layout, {view.page_size}-token pages of {view.page_bytes} bytes, "
+                f"tenant {ns.tenant!r}, write policy {self.write_policy}",
+            )
+        except ConfigError:
+            store.close()
+            raise
+        super().register_mem_pool_host(mem_pool_host)
+        self.view, self.namespace, self.store, self._who = view, ns, store, who
+        self._digest = store.digest(ns)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Refuse extra host pools (hybrid models' sidecars): only the KV pool is moved.
@@ -472,6 +482,8 @@ class HiCacheTierStore(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _store_config(self, sc: HiCacheStorageConfig) -> StoreConfig:
+        if self._store_cfg.store.url is not None:  # the node service's store: its tiers, its files
+            return self._store_cfg
         tiers = self._store_cfg.tiers
         nv = tiers.nvme
         if nv is not None and nv.path is not None and nv.device in ("file", "sim"):
@@ -480,7 +492,7 @@ class HiCacheTierStore(HiCacheStorage):
             tiers = tiers.model_copy(update={"nvme": nv.model_copy(update={"path": path})})
         return StoreConfig(tiers=tiers, policies=self._store_cfg.policies)
 
-    def _require(self) -> tuple[KVStore, HostPoolView]:
+    def _require(self) -> tuple[KVStoreProtocol, HostPoolView]:
         store, view = self.store, self.view  # read before the flag: close() sets it first
         if self._closed:
             raise StoreClosedError("HiCacheTierStore is closed (SGLang detached the backend)")
@@ -493,7 +505,7 @@ class HiCacheTierStore(HiCacheStorage):
 
     def _batch(
         self, keys: list[str], host_indices: torch.Tensor
-    ) -> tuple[KVStore, HostPoolView, list[int]] | None:
+    ) -> tuple[KVStoreProtocol, HostPoolView, list[int]] | None:
         """The store, the host pool and the page of each key of a zero-copy batch call; ``None``
         for no keys. Raises as :meth:`HostPoolView.page_ids`, before anything is moved."""
         store, view = self._require()
@@ -701,10 +713,17 @@ class HiCacheTierStore(HiCacheStorage):
 
         Pages already on NVMe may come back after a restart until their
         segment is reclaimed (deletes are volatile, :mod:`tierstore.io.format`);
-        they are still the right bytes for their keys.
+        they are still the right bytes for their keys. With the node service's store,
+        the pages of this rank's namespace are dropped from the service; while it is
+        down, nothing is dropped and the answer is False (SGLang's file backend's
+        convention for a failed clear).
         """
         store, _ = self._require()
-        n = store.invalidate(self.namespace)
+        try:
+            n = store.invalidate(self.namespace)
+        except StoreClosedError as e:  # only the node service's client: the service is down
+            _log.error("tierstore HiCache L3: nothing cleared: %s", e)
+            return False
         _log.info("tierstore HiCache L3: cleared %d pages", n)
         return True
 

@@ -21,6 +21,8 @@ own CPU tier. vLLM loads it out of tree, no patch::
 the class named ``type``; the factory pops ``type``, ``module_path`` and
 ``backpressure`` and passes every other key of the tier's dict to the
 constructor. Source: vLLM 0.32 ``v1/kv_offload/tiering/factory.py``, ``spec.py``.)
+With ``"store": {"url": "unix:///run/tierstore/node.sock"}`` in place of ``tiers``, the tier is a
+client of the node service's store (``tierstore serve --node``), shared by every engine on the node.
 
 Continued in ``docs/INTEGRATIONS.md`` (``tierstore/integrations/vllm_offload.py``).
 """
@@ -49,13 +51,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..api import KVStore
 from ..config import StoreConfig
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
 from ..identity import Namespace, scoped_key
 from ..io.label import resolve_nvme_path
 from ..layout import KVLayout
-from ._common import LIFETIME_HINTS, model_identity, split_extra_config
+from ._common import LIFETIME_HINTS, model_identity, open_store, split_extra_config, store_summary
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -178,9 +179,10 @@ def _per_engine_file(store_cfg: StoreConfig, ns: Namespace, layout: KVLayout) ->
     ``vllm_offload_<model>_<digest>.nvme``, named by the namespace and the chunk
     layout, so a restart of the same engine finds it again and engines of
     another model, topology or chunk size never open each other's file (the
-    file is locked while open). A file or device path is used as it is."""
+    file is locked while open). A file or device path is used as it is; with
+    ``store.url`` (the node service's store) there is no file of this engine's."""
     nv = store_cfg.tiers.nvme
-    if nv is None or nv.path is None or nv.device == "fdp":
+    if store_cfg.store.url is not None or nv is None or nv.path is None or nv.device == "fdp":
         return store_cfg
     ident = hashlib.sha256(repr((ns, layout.fingerprint())).encode()).hexdigest()[:16]
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", ns.model)[-48:].strip("_") or "model"
@@ -207,13 +209,16 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         vLLM's store back-pressure (the manager consults it, not this tier).
     **config
         The tier's dict: ``tiers``, ``policies``, ``remote``, ``tenant``,
-        ``model_id``, ``locality``.
+        ``model_id``, ``locality``; or ``store`` (``url``, ``timeout_s``, ``pool``: the node
+        service's store, whose chunks every engine of the same model, dtype, topology and
+        tenant on the node shares; vLLM's ``medium`` is then ``STORAGE``, whatever the
+        service's tiers) in place of ``tiers``, ``policies`` and ``remote``.
 
     Raises
     ------
     ConfigError
-        An invalid tier config, or a primary view that is not C-contiguous,
-        writable bytes.
+        An invalid tier config, a primary view that is not C-contiguous,
+        writable bytes, or a node service whose pool holds chunks of another size.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -236,7 +241,7 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings = settings
         self.locality = Locality(settings.locality) if settings.locality else None
-        if store_cfg.tiers.nvme is None:  # memory only: vLLM reports its hits as host hits
+        if store_cfg.store.url is None and store_cfg.tiers.nvme is None:  # memory only: host hits
             self.medium = Medium.CPU
             self.cache_hit_source = CacheHitSource.HOST
         self.chunk_bytes = self.block_size_bytes
@@ -245,7 +250,12 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self.tokens_per_chunk = spec_cfg.cache.tokens_per_hash * spec_cfg.cache.blocks_per_chunk
         layout = chunk_layout(self.chunk_bytes, self.tokens_per_chunk)
         self.namespace = chunk_namespace(offloading_spec, settings, self.chunk_bytes)
-        self.store = KVStore.from_config(_per_engine_file(store_cfg, self.namespace, layout), layout)
+        self.store = open_store(_per_engine_file(store_cfg, self.namespace, layout), layout)
+        try:  # the node service's store connects here: a refusal (another chunk size) stops the start
+            summary = store_summary(self.store)
+        except ConfigError:
+            self.store.close()
+            raise
         self._digest = self.store.digest(self.namespace)
         # one uint8 tensor over vLLM's rows (no copy): row c is _rows[c]; released in shutdown
         # (vLLM unmaps the region after its tiers shut down and refuses while a view is exported)
@@ -257,11 +267,12 @@ class TierstoreSecondaryTier(SecondaryTierManager):
         self._lock = threading.Lock()
         self._closed = False
         logger.info(
-            "tierstore secondary tier: %d-byte chunks of %d tokens, model %s, tenant %r",
+            "tierstore secondary tier: %d-byte chunks of %d tokens, model %s, tenant %r; %s",
             self.chunk_bytes,
             self.tokens_per_chunk,
             self.namespace.model,
             self.namespace.tenant,
+            summary,
         )
 
     # ------------------------------------------------------------------ helpers

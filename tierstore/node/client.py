@@ -336,7 +336,12 @@ class NodeKVStore:
         self.counters["calls"] += 1
         t = self.timeout_s if timeout_s is None else max(min(timeout_s, self.timeout_s), 1e-3)
         try:
-            return self._connection().call(msg_of, t)
+            conn = self._connection()  # a failed attempt starts the retry interval; a skipped one does not
+        except _Down:
+            self.counters["down"] += 1
+            raise
+        try:
+            return conn.call(msg_of, t)
         except _Down:
             self.counters["down"] += 1
             self._drop()

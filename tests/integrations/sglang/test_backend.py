@@ -491,6 +491,13 @@ def test_clear_drops_this_namespace_only(tmp_path):
         ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "write_policy": "sometimes"}, "write_policy"),
         ({"tiers": {"host": {"capacity_bytes": "1MiB"}}, "interface_v1": 2}, "interface_v1"),
         ({"tiers": {"nvme": {"path": "/tmp", "capacity_bytes": "1GiB", "engine": "spdk"}}}, "engine"),
+        # the node service's store: its tiers are its own; only a unix:// URL
+        (
+            {"store": {"url": "unix:///run/n.sock"}, "tiers": {"host": {"capacity_bytes": "1MiB"}}},
+            r"remove \['tiers'\]",
+        ),
+        ({"store": {"url": "http://h:1"}}, "unix:///"),
+        ({"store": {"url": "unix:///run/n.sock", "timeout_s": 0}}, "timeout_s"),
     ],
 )
 def test_bad_extra_config_is_refused(extra, match):

@@ -335,3 +335,80 @@ def test_the_tier_refuses_a_foreign_file_and_calls_after_shutdown(tmp_path, engi
         with pytest.raises(StoreClosedError, match="shut down"):
             call()
     eng.tier.shutdown()  # idempotent
+
+
+@pytest.fixture
+def node_service(tmp_path):
+    """An in-process node service whose pool holds this suite's offload chunks (host and NVMe)."""
+    from tierstore.integrations.vllm_offload import chunk_layout
+    from tierstore.node.core import NodeCore
+    from tierstore.node.server import NodeServer
+    from tierstore.server.config import NodeConfig
+
+    os.mkdir(tmp_path / "node")
+    core = NodeCore(
+        f"vo{uuid.uuid4().hex[:8]}",
+        {
+            "tiers": {
+                "host": {"capacity_bytes": 8 * CHUNK_BYTES},
+                "nvme": {"path": str(tmp_path / "node") + "/", "capacity_bytes": "8MiB"},
+            }
+        },
+        chunk_layout(CHUNK_BYTES, 32),
+        staging_blocks=8,
+    )
+    server = NodeServer(core, NodeConfig(socket=str(tmp_path / "node.sock"))).start()
+    yield core, server, "unix://" + server.path
+    server.close()
+    core.close()
+
+
+def node_tier(url: str, **more) -> dict:
+    return {
+        "type": "TierstoreSecondaryTier",
+        "module_path": MODULE,
+        "store": {"url": url, "timeout_s": 1},
+        **more,
+    }
+
+
+def test_engines_on_one_node_service_share_chunks_and_a_dead_service_gives_misses(
+    tmp_path, engines, node_service
+):
+    """Issue 24 item 3: ``store.url`` makes the tier a client of the node service. Engine B (a new
+    engine: another primary region, nothing in it) gets the chunks engine A offloaded, byte-exact;
+    an engine of another tenant gets none, one of another topology (another chunk size) is refused
+    at start-up; no per-engine NVMe file is made; with the service gone, lookups and promotions
+    miss within the client's timeout."""
+    from tierstore.node.client import NodeKVStore
+
+    core, server, url = node_service
+    keys = [okey(i, "node") for i in range(3)]
+    a = engines(node_tier(url))
+    assert isinstance(a.tier.store, NodeKVStore) and a.tier.cache_hit_source.name == "DISK"
+    a.offload(keys)
+    assert core.store.stats()["blocks"] == 3
+    b = engines(node_tier(url))
+    assert b.fetch(keys) == [True, True, True]  # promoted from the node's store, exact bytes
+    other = engines(node_tier(url, tenant="tenant-b"))
+    assert other.fetch(keys) == [False, False, False]
+    with pytest.raises(ConfigError, match="block class 65536 B / 32 tokens"):
+        engines(node_tier(url), tp=2)  # TP=2: 64 KiB chunks, the service's pool holds 32 KiB ones
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".nvme")]  # the service's files only
+    assert not core.store.references() and not b.tier.has_pending_work()
+    core.check_invariants(quiescent=True)
+    server.close()  # the service is gone: its socket refuses
+    c = engines(node_tier(url))
+    t0 = time.monotonic()
+    assert c.fetch(keys) == [False, False, False]
+    c.offload([okey(9, "node")])  # the store job fails (REJECTED): the chunk stays in vLLM's CPU tier
+    assert time.monotonic() - t0 < 4 * 1.0 + 2.0
+
+
+def test_the_node_service_key_refuses_the_tiers_it_owns(tmp_path):
+    from tierstore.integrations.vllm_offload import split_tier_config
+
+    store_cfg, _ = split_tier_config({"store": {"url": "unix:///run/tierstore/node.sock"}})
+    assert store_cfg.store.url == "unix:///run/tierstore/node.sock"
+    with pytest.raises(ConfigError, match=r"remove \['tiers'\]"):
+        split_tier_config({"store": {"url": "unix:///x.sock"}, "tiers": {"host": {"capacity_bytes": "1MiB"}}})
