@@ -3,7 +3,8 @@
 The service runs as its own process (``tierstore serve --node``, write-through puts: every
 acknowledged block is on NVMe) with its NVMe tier on a small loop-mounted ext4 (when run as root
 and ``mount -o loop`` works; else a plain directory, and ENOSPC is not exercised: the report
-says so). ``--clients`` client processes (spawned, one ``NodeKVStore`` each) walk the Mooncake
+says so). ``--clients`` client processes (this script with ``--client``, one ``NodeKVStore``
+each; a shared control file pauses and stops them and holds their counters) walk the Mooncake
 conversation trace (``hash_ids`` → one 16-token block per id, so requests share exactly the
 prefixes the trace shares; namespace = first id mod ``--namespaces``), each request: lookup
 under a request id, sometimes a pin, load of the useful prefix, byte check, release/unpin, store
@@ -19,7 +20,9 @@ after the restart: blocks resident before and not after are lost; all memory-onl
 the rest are acknowledged-then-lost. Blocks resident after but not before (resurrected) count too.
 
 A sampler reads the service's ``VmRSS`` and open FDs (``/proc/PID``) every ``--sample-s``;
-per service incarnation, after ``--warmup-s``, flat means max/min ≤ ``--flat-ratio``. At the end
+per service incarnation, after ``--warmup-s``, flat means max/min ≤ ``--flat-ratio`` (FDs:
+those not of sessions, and at most two per possible session). Times count from when every
+client made its first request. At the end
 the clients stop (``Bye``) and the probe waits for the service to hold nothing (tickets,
 quarantined/staging slots, references, leases, host slots not accounted for by blocks): leaked.
 Then the service is stopped (SIGTERM) and its NVMe tier reopened embedded: ``check_invariants``.
