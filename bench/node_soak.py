@@ -864,6 +864,7 @@ def passed(v: dict) -> bool:
         and not v["chaos_failures"]
         and v["flat"]
         and v["invariants_after_reopen"] == "ok"
+        and v["lost_on_clean_stop"] == 0
     )
 
 
