@@ -524,9 +524,12 @@ class Transfers:
         """Drop every block of a namespace, durably; returns blocks dropped."""
         if self.planner is not None:  # this store never serves the namespace from the shared tier again
             self.planner.tier.remove(self.planner.bar(digest))
-        n = self.index.invalidate(digest)
-        if self.storage is not None:
-            self.storage.invalidate_namespace(digest)
+        n = self.index.invalidate(digest)  # refuses stores of digest until end_invalidate
+        try:
+            if self.storage is not None:
+                self.storage.invalidate_namespace(digest)
+        finally:
+            self.index.end_invalidate(digest)
         return n
 
     def remove(self, keys: list[bytes]) -> int:

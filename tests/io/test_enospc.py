@@ -82,3 +82,75 @@ def _fill_and_check(s, bb):
     k2 = [os.urandom(32) for _ in range(4)]
     assert s.put(k2, [content(k, bb) for k in k2]) == [Status.OK] * 4
     assert set(s.keys()) == set(stored[len(stored) // 2 :]) | set(k2)
+
+
+def test_enospc_when_segment_0_is_reused_keeps_the_label_and_the_data(small_fs):
+    """A full file system when segment 0, reclaimed, is allocated again: the failed fallocate
+    is punched back out, and that must not take the label page with it (the tier would not
+    reopen: found by the node soak, bench/node_soak.py)."""
+    from tierstore.io import label as lbl
+
+    bb = 64 << 10
+    path = str(small_fs / "store.bin")
+    geometry = {"segment_size_bytes": 1 << 20, "extent_size_bytes": 256 << 10}
+    s = SegmentStorage(path, 8 << 20, bb, **geometry)
+    filler = small_fs / "filler"
+    try:
+        keys = [os.urandom(32) for _ in range(24)]
+        for i in range(0, 24, 4):  # segment 0, then segment 1
+            assert s.put(keys[i : i + 4], [content(k, bb) for k in keys[i : i + 4]]) == [Status.OK] * 4
+        first = [k for k in keys if s.locate(k)[0] == 0]
+        s.delete(first)
+        assert s.stats()["segments_reclaimed"] >= 1
+        kept = [k for k in keys if s.contains(k)]
+        with open(filler, "wb") as f:  # every free byte of the file system
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\xa5" * (64 << 10))
+                    f.flush()
+        for _ in range(40):  # fill the open segment; the next one (segment 0) cannot be allocated
+            k = os.urandom(32)
+            if s.put([k], [content(k, bb)]) == [Status.NO_SPACE]:
+                break
+            kept.append(k)
+        assert s.stats()["preallocate_errors"] > 0
+    finally:
+        s.close()
+        filler.unlink()
+    with open(path, "rb") as f:
+        assert lbl.decode_label(f.read(lbl.LABEL_BYTES)) is not None
+    s = SegmentStorage(path, 8 << 20, bb, **geometry)
+    try:
+        for k in kept:
+            d = torch.empty(bb, dtype=torch.uint8)
+            assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, bb))
+    finally:
+        s.close()
+
+
+def test_segment_allocation_never_covers_the_label(tmp_path):
+    """Every range the store asks the engine to allocate lies past the label page (a failed
+    allocation is punched back out: that must never reach the label)."""
+    from tierstore.io import label as lbl
+
+    bb = 64 << 10
+    s = SegmentStorage(
+        str(tmp_path / "s.bin"), 16 << 20, bb, segment_size_bytes=1 << 20, extent_size_bytes=256 << 10
+    )
+    asked: list[tuple[int, int]] = []
+    real = s.engine.preallocate
+
+    def record(offset, length):
+        asked.append((offset, length))
+        return real(offset, length)
+
+    s.engine.preallocate = record
+    s._segs._preallocate = record
+    try:
+        for _ in range(12):
+            keys = [os.urandom(32) for _ in range(8)]
+            assert s.put(keys, [content(k, bb) for k in keys]) == [Status.OK] * 8
+    finally:
+        s.close()
+    assert any(off < (1 << 20) for off, _ in asked), "segment 0 was never allocated"
+    assert all(off >= lbl.LABEL_BYTES for off, _ in asked)

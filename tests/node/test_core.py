@@ -185,3 +185,21 @@ def test_the_background_thread_does_not_outlive_close(tmp_path):
     assert not [
         t for t in threading.enumerate() if t.name.startswith("tierstore-node-") and t.name not in before
     ]
+
+
+def test_a_store_ticket_during_an_invalidation_of_its_namespace_is_refused_and_holds_nothing(tmp_path):
+    """Between the index's invalidation and the NVMe tier's durable record a store of the
+    namespace is refused (it would be acknowledged and then dropped); the ticket holds no slot."""
+    core = _core(tmp_path)
+    try:
+        keys, data = _blocks(2)
+        host_free = core.index.placement.alloc[Tier.HOST].free
+        core.index.invalidate(NS)  # what Transfers.invalidate does before the durable record
+        res = put(core, keys, data)
+        assert res.statuses == [Status.REJECTED] * 2 and core.store.exists(keys) == 0
+        assert core.index.placement.alloc[Tier.HOST].free == host_free
+        core.index.end_invalidate(NS)
+        assert put(core, keys, data).statuses == [Status.OK] * 2
+        core.check_invariants(quiescent=True)
+    finally:
+        core.close()

@@ -194,6 +194,8 @@ def test_kill9_of_a_client_mid_store_leaks_nothing(service):
         assert ready.wait(60)
         assert core.tickets.open_tickets() == 1 and host.free < free0
         assert core.store.references() and core.store.leases()
+        held = core.stats()["node"]  # what the node soak's leak check reads through Stats
+        assert held["references"] == 2 and held["leases"] == 1 and held["host_free"] == host.free
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.join()
@@ -204,6 +206,8 @@ def test_kill9_of_a_client_mid_store_leaks_nothing(service):
     core.check_invariants(quiescent=True)
     assert host.free == free0 and core.tickets.staging.free == staging0
     assert core.store.references() == {} and core.store.leases() == {}
+    held = core.stats()["node"]
+    assert held["references"] == 0 and held["leases"] == 0 and held["host_free"] == free0
     with NodeKVStore(url, LAYOUT) as c:  # the blocks stored before are intact
         st, out = c.load(c.lookup(NS, _tokens(0, 2)))
         assert st == [Status.OK] * 2 and _sha(out) == _sha(_data(1, 2))

@@ -232,6 +232,7 @@ class BlockIndex:
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._pending_plans = 0
+        self._invalidating: dict[bytes, int] = {}  # namespace -> invalidations in progress
         self._reading: dict[int, threading.Event] = {}  # row -> its NVMe read in flight (delay hits)
         self.events = EventLog(self._lock)
         self._open_rooms(policies, runtime)
@@ -405,6 +406,11 @@ class BlockIndex:
         n = len(keys)
         plan = StorePlan(list(keys), [None] * n, [-1] * n, ns=ns)
         with self._lock:
+            if ns in self._invalidating:  # its durable record is being written: nothing new now
+                plan.statuses = [Status.REJECTED] * n
+                self._pending_plans += 1
+                self.metrics.inc("store_rejected_invalidating", n)
+                return plan
             nid = self.rows.namespaces.intern(ns)
             rows = self.rows.table.get_many(keys)
             todo = _new_blocks(keys, rows, plan.statuses)
@@ -646,8 +652,12 @@ class BlockIndex:
         """Hide every block of namespace ``ns`` now; in-use blocks are freed on
         release and in-flight stores of it are discarded when they complete.
         Waits until those stores are done, so that the caller's durable
-        invalidation record follows them. Returns the blocks removed."""
+        invalidation record follows them. Until :meth:`end_invalidate`, stores
+        of ``ns`` are refused (``REJECTED``): one prepared between this call and
+        the durable record would be written before the record, so a restart
+        would drop a block the index acknowledged. Returns the blocks removed."""
         with self._lock:
+            self._invalidating[ns] = self._invalidating.get(ns, 0) + 1
             if ns not in self.rows.namespaces.ids:
                 return 0
             n, pending = self.completion.remove_namespace(ns)
@@ -655,6 +665,16 @@ class BlockIndex:
             while any(self.rows.flags[r] & PENDING and r in self.rows.doomed for r in pending):
                 self._idle.wait()
             return n
+
+    def end_invalidate(self, ns: bytes) -> None:
+        """The durable record of an :meth:`invalidate` of ``ns`` is written (or failed): stores
+        of ``ns`` are taken again."""
+        with self._lock:
+            left = self._invalidating.get(ns, 0) - 1
+            if left > 0:
+                self._invalidating[ns] = left
+            else:
+                self._invalidating.pop(ns, None)
 
     def remove(self, keys: Iterable[bytes]) -> int:
         """Remove blocks by key (in-use blocks are hidden now and freed on release).

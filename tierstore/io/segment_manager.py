@@ -220,7 +220,10 @@ class SegmentManager:
         # for it). The segment is claimed first (OPEN, no blocks yet); only
         # writers take free segments, and they are serialised by the owner's write lock.
         self.state[si] = SegmentState.OPEN
-        err = self._unlocked(self._preallocate, si * self.segment_bytes, self.segment_bytes)
+        # from the chain's start, as the trim: segment 0's first page is the label, which a
+        # failed fallocate's punch-back must never take (ENOSPC would erase the tier's label)
+        start = self.chain_start(si)
+        err = self._unlocked(self._preallocate, si * self.segment_bytes + start, self.segment_bytes - start)
         if err is not None:
             self.state[si] = SegmentState.FREE
             self._st["preallocate_errors"] += 1

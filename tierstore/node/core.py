@@ -223,16 +223,22 @@ class NodeCore(Closing):
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
         """The store's :meth:`KVStore.stats` with a ``node`` section: open tickets, staging and
-        host slots, the segment's size."""
+        host slots (``host_free``: host slots neither holding a block nor handed out), lookup
+        references (``references``: blocks referenced, summed over requests) and live pin leases
+        (``leases``), the segment's size: what a client that holds nothing should see drop to 0
+        (the node soak's leak check, ``bench/node_soak.py``)."""
         out = self.store.stats()
         h = self.segment.header
         out["node"] = {
             "pool": self.name,
             "open_tickets": self.tickets.open_tickets(),
             "quarantined_slots": self.tickets.quarantined_slots(),
+            "references": sum(self.store.references().values()),
+            "leases": len(self.store.leases()),
             "staging_slots": h.staging_slots,
             "staging_free": self.tickets.staging.free,
             "host_slots": h.host_slots,
+            "host_free": self.index.placement.alloc[Tier.HOST].free,
             "slot_bytes": h.slot_bytes,
             "segment_bytes": h.segment_bytes,
         }
