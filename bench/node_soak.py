@@ -286,7 +286,12 @@ def write_config(d: str, nvme_dir: str, args) -> str:
         },
         "puts": {"durable": True},
         "tenants": [{"name": "soak", "tokens": ["soak-token-0123456789"]}],
-        "node": {"socket": os.path.join(d, "node.sock"), "staging_blocks": 64, "lease_s": 20},
+        "node": {
+            "socket": os.path.join(d, "node.sock"),
+            "staging_blocks": 64,
+            "lease_s": 20,
+            "tenant": "soak",
+        },
     }
     path = os.path.join(d, "node.yaml")
     with open(path, "w") as f:
