@@ -769,13 +769,16 @@ class Soak:
         import yaml
 
         from tierstore.api import KVStore
+        from tierstore.server.tenancy import owner_key_scope, storage_key
 
         with open(self.cfg_path) as f:
             tiers = yaml.safe_load(f)["tiers"]
         store = KVStore.from_config({"tiers": tiers}, self.lay)
+        # the service keeps a session's blocks under its tenant's storage keys (server/tenancy.py)
+        scope = owner_key_scope("soak", self.lay.fingerprint())
         try:
             store.check_invariants(quiescent=True)
-            kept = {k for k in final_resident if store.exists([k]) == 1}
+            kept = {k for k in final_resident if store.exists([storage_key(scope, k)]) == 1}
             return {
                 "invariants": "ok",
                 "kept_blocks": len(kept),

@@ -35,7 +35,7 @@ from ..identity import DigestCache
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
 
-__all__ = ["Tenancy"]
+__all__ = ["Tenancy", "owner_key_scope", "storage_key"]
 
 log = logging.getLogger("tierstore.server")
 _SCOPE_DOMAIN = b"tierstore/scope/v2"
@@ -43,6 +43,16 @@ _OWNER_DOMAIN = b"tierstore/owner-keys/v1"
 _KEY_DOMAIN = b"tierstore/server-key/v2"
 #: client key -> storage key entries memoised per owner (Tenancy.server_keys)
 KEY_CACHE_ENTRIES = 1 << 15
+
+
+def owner_key_scope(owner: str, layout_fingerprint: bytes) -> bytes:
+    """The scope of ``owner``'s storage keys (module docstring: ``keys``)."""
+    return hashlib.sha256(_OWNER_DOMAIN + b"\0" + owner.encode() + b"\0" + layout_fingerprint).digest()
+
+
+def storage_key(key_scope: bytes, client_key: bytes) -> bytes:
+    """The storage key of a client key within an owner's key scope (module docstring: ``key``)."""
+    return hashlib.sha256(_KEY_DOMAIN + key_scope + client_key).digest()
 
 
 class Tenancy:
@@ -171,10 +181,7 @@ class Tenancy:
         """The scope of ``owner``'s storage keys (every namespace of the owner shares it)."""
         ks = self._key_scopes.get(owner)
         if ks is None:
-            ks = hashlib.sha256(
-                _OWNER_DOMAIN + b"\0" + owner.encode() + b"\0" + self.layout_fingerprint
-            ).digest()
-            self._key_scopes[owner] = ks
+            ks = self._key_scopes[owner] = owner_key_scope(owner, self.layout_fingerprint)
         return ks
 
     def server_keys(self, owner: str, client_keys: Sequence[bytes]) -> list[bytes]:
@@ -192,7 +199,7 @@ class Tenancy:
         for k in client_keys:
             sk = cache.get(k)
             if sk is None:
-                sk = cache[k] = hashlib.sha256(_KEY_DOMAIN + ks + k).digest()
+                sk = cache[k] = storage_key(ks, k)
             out.append(sk)
         return out
 
