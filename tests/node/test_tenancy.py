@@ -326,3 +326,21 @@ def test_storage_keys_are_the_documented_formula_per_owner_through_the_cache(tmp
     assert not set(formula("acme")) & set(formula("bravo"))
     scope, owner, skeys = ten.scoped("acme", NS, keys[:3], write=False)
     assert owner == "acme" and skeys == formula("acme")[:3] and scope not in ten.scope_owner
+
+
+def test_several_tenants_on_one_node_socket_need_an_explicit_opt_in():
+    """Second fresh-user trial: a session of tenant B read tenant A's blocks out of its mapping of the
+    shared segment and overwrote them, and A then loaded the wrong bytes with status OK. Every session
+    maps the host tier read-write, so key scoping cannot keep tenants apart there: a daemon of several
+    tenants with a node socket is refused unless they are declared to share that memory."""
+    cfg = make_config("/tmp/unused", node={"socket": "/tmp/n.sock"})
+    cfg["node"].pop("tenants_share_memory")
+    with pytest.raises(ConfigError, match="tenants_share_memory"):
+        parse_config(cfg)
+    one = dict(cfg, tenants=cfg["tenants"][:1], public_namespaces=[])
+    assert parse_config(one).node is not None  # one tenant: its own processes only
+    assert parse_config(
+        dict(cfg, node=dict(cfg["node"], tenants_share_memory=True))
+    ).node.tenants_share_memory
+    with pytest.raises(ConfigError, match="absolute"):
+        parse_config(dict(one, node={"socket": "rel.sock"}))

@@ -66,6 +66,10 @@ def make_config(tmp: str, **over) -> dict:
     }
     for k, v in over.items():
         cfg[k] = v
+    if isinstance(cfg.get("node"), dict):
+        # these tenants share one node socket on purpose (tests of scoping across them); the refusal
+        # without this opt-in is tests/node/test_tenancy.py::test_several_tenants_on_one_node_socket_*
+        cfg["node"] = {"tenants_share_memory": True, **cfg["node"]}
     return cfg
 
 

@@ -193,7 +193,9 @@ class NodeConfig(StrictModel):
     bound to the tenant of the ``Hello``'s bearer token (the ``tenants`` credentials HTTP
     checks; a wrong token is refused, never downgraded), or, without a token, to ``tenant``
     (null: a token is required). Its keys and namespaces are scoped to that tenant as HTTP
-    scopes them, and the tenant's quotas apply. A ticket not completed
+    scopes them, and the tenant's quotas apply. Scoping is not isolation: every session maps
+    the host tier (the shared segment) read-write, so a daemon of several tenants with a node
+    socket is refused unless ``tenants_share_memory`` says they trust each other. A ticket not completed
     within ``lease_s`` is quarantined, then freed when its client is gone. ``op_timeout_s``
     bounds a frame's transfer and is the wait the service tells clients to use.
     """
@@ -217,6 +219,18 @@ class NodeConfig(StrictModel):
     tenant: str | None = Field(
         None, description="tenant of a session that sends no token; null: a token is required"
     )
+    tenants_share_memory: bool = Field(
+        False,
+        description="admit a daemon of several tenants: every session maps the host tier, so each "
+        "can read and overwrite every tenant's blocks there",
+    )
+
+    @field_validator("socket")
+    @classmethod
+    def _absolute(cls, v):
+        if not os.path.isabs(v):
+            raise ValueError("must be an absolute path (clients name it as unix:///absolute/path)")
+        return v
 
     @field_validator("allow_uids", "allow_gids")
     @classmethod
@@ -273,6 +287,15 @@ class DaemonConfig(StrictModel):
                     )
         if self.node is not None and self.node.tenant is not None and self.node.tenant not in names:
             raise ValueError(f"node.tenant {self.node.tenant!r} is not a tenant; tenants are {names}")
+        if self.node is not None and len(names) > 1 and not self.node.tenants_share_memory:
+            # the host tier is the shared segment every socket session maps read-write: tenancy
+            # scopes keys, it cannot keep one process from reading or writing another's memory
+            raise ValueError(
+                f"node: {len(names)} tenants ({names}) on one node socket: every session maps the "
+                "host tier's shared memory, where any admitted process can read and overwrite every "
+                "tenant's blocks (also those stored over HTTP). Run one daemon per tenant, or set "
+                "node.tenants_share_memory: true if the tenants trust each other"
+            )
         if self.puts.durable and self.tiers.nvme is None:
             raise ValueError("puts.durable=true needs tiers.nvme (or set puts.durable: false)")
         if (
