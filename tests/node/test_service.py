@@ -592,3 +592,36 @@ def test_a_client_calling_faster_than_retry_s_reconnects_once_the_service_is_bac
         assert got == [Status.OK] and time.monotonic() - t_up < 0.3 + 2.0, c.stats()["client"]
         c.close()
     core.close()
+
+
+def test_a_user_the_socket_keeps_out_is_refused_not_taken_for_a_service_that_is_down(service):
+    """Second fresh-user trial: a process of another uid got EACCES at connect, which the client took
+    for a service that is down: every call missed and nothing said why (an engine ran with no cache)."""
+    _, server, url = service
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a child as another uid")
+    pid = os.fork()
+    if pid == 0:  # the child: another user, this process's modules already imported
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            c = NodeKVStore(url, LAYOUT, timeout_s=2)
+            try:
+                c.exists(c.keys_for(NS, _tokens(0, 1)))
+                code = 1  # answered as a miss: the old behaviour
+            except ConfigError as e:
+                code = 0 if "permission denied" in str(e) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_client_timeout_past_a_day_is_refused_at_construction():
+    """Second fresh-user trial: timeout_s=float('inf') was accepted, then every call raised
+    OverflowError (timestamp out of range for platform time_t)."""
+    for bad in (float("inf"), 1e12, float("nan"), 0):
+        with pytest.raises(ConfigError, match="timeout_s"):
+            NodeKVStore("unix:///tmp/x.sock", LAYOUT, timeout_s=bad)
+    NodeKVStore("unix:///tmp/x.sock", LAYOUT, timeout_s=86400).close()

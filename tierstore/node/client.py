@@ -56,6 +56,10 @@ from . import protocol as P
 from .segment import Segment, SegmentError
 
 #: KVStore's public calls this client does not offer, by what they are for
+#: The longest wait a client may be given (seconds; a day: float("inf") overflowed the socket's
+#: time_t at every call).
+MAX_TIMEOUT_S = 86400.0
+
 NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
     "tier moves the service decides": ("prefetch_keys", "evict", "flush", "clear", "remove", "MERGE_WAIT_S"),
@@ -145,6 +149,12 @@ class _Connection:
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
+        except PermissionError as e:  # the socket's mode keeps this user out: a refusal, not "down"
+            sock.close()
+            raise ConfigError(
+                f"node service {path}: permission denied for uid {os.getuid()} ({e.strerror}); the "
+                "service's node.socket_mode and allow_uids/allow_gids decide who may connect"
+            ) from None
         except OSError as e:
             sock.close()
             raise _Down(f"connect {path}: {e}") from e
@@ -274,8 +284,11 @@ class NodeKVStore:
         retry_s: float = 0.5,
         token: str | None = None,
     ) -> None:
-        if not timeout_s > 0 or not retry_s >= 0:
-            raise ConfigError(f"timeout_s={timeout_s} (> 0), retry_s={retry_s} (>= 0)")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S or not 0 <= retry_s <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"timeout_s={timeout_s} (0 < timeout_s <= {MAX_TIMEOUT_S:g}), "
+                f"retry_s={retry_s} (0 <= retry_s <= {MAX_TIMEOUT_S:g})"
+            )
         self.url = url
         self.path = socket_path(url)
         self.layout = layout
