@@ -344,3 +344,14 @@ def test_several_tenants_on_one_node_socket_need_an_explicit_opt_in():
     ).node.tenants_share_memory
     with pytest.raises(ConfigError, match="absolute"):
         parse_config(dict(one, node={"socket": "rel.sock"}))
+
+
+def test_no_staging_slots_beside_an_nvme_tier_is_refused():
+    """Second fresh-user trial: node.staging_blocks: 0 passed serve --check and started, and every
+    NVMe-resident block was then a miss (lookups said useful, loads missed)."""
+    cfg = make_config("/tmp/unused", node={"socket": "/tmp/n.sock", "staging_blocks": 0})
+    assert cfg["tiers"].get("nvme") is not None
+    with pytest.raises(ConfigError, match="staging_blocks"):
+        parse_config(cfg)
+    no_nvme = dict(cfg, tiers={k: v for k, v in cfg["tiers"].items() if k != "nvme"}, puts={"durable": False})
+    assert parse_config(no_nvme).node.staging_blocks == 0

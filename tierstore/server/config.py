@@ -287,6 +287,11 @@ class DaemonConfig(StrictModel):
                     )
         if self.node is not None and self.node.tenant is not None and self.node.tenant not in names:
             raise ValueError(f"node.tenant {self.node.tenant!r} is not a tenant; tenants are {names}")
+        if self.node is not None and self.node.staging_blocks == 0 and self.tiers.nvme is not None:
+            raise ValueError(
+                "node.staging_blocks: 0 with an NVMe tier: a block on NVMe alone reaches a client "
+                "through a staging slot, so every NVMe hit would be a miss; give it >= 1 (default 64)"
+            )
         if self.node is not None and len(names) > 1 and not self.node.tenants_share_memory:
             # the host tier is the shared segment every socket session maps read-write: tenancy
             # scopes keys, it cannot keep one process from reading or writing another's memory
