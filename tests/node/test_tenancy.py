@@ -284,8 +284,13 @@ def test_serve_node_alone_applies_the_same_tenancy_and_serves_its_metrics_on_met
             assert a.lookup(NS, _tokens(0, 2)).matched_blocks == 2
             with pytest.raises(ConfigError, match="needs a tenant's token"):  # no node.tenant here
                 _node("unix://" + sock, None).lookup(NS, _tokens(0, 1))
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                text = r.read().decode()
+            t_end = time.monotonic() + 10
+            while True:  # the refused session's thread ends after its reply: the gauge follows
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                    text = r.read().decode()
+                if re.search(r"^tierstore_node_sessions 2\.0$", text, re.M) or time.monotonic() > t_end:
+                    break
+                time.sleep(0.1)
         assert re.search(r"^tierstore_node_sessions 2\.0$", text, re.M)
         assert re.search(r'^tierstore_node_requests_total\{code="ok",op="Lookup"\} 2\.0$', text, re.M)
         assert re.search(r'^tierstore_node_requests_total\{code="auth",op="Hello"\} 1\.0$', text, re.M)
