@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from tests.fdp import vmenv
+from tests.fdp import vm_checks, vmenv
 
 pytestmark = pytest.mark.fdp
 
@@ -69,7 +69,26 @@ def _boot_all() -> dict:
     return _BOOTS
 
 
-@pytest.fixture(scope="session", params=list(CONFIGS))
+def _phases_of(name: str) -> tuple[str, ...]:
+    driver = CONFIGS[name]["driver"]
+    return (
+        tuple(driver[driver.index("--phases") + 1].split(",")) if "--phases" in driver else vm_checks.PHASES
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """Each test runs on the configurations whose guest runs its phase (``@pytest.mark.phase``):
+    a phase a configuration does not plan is no test there, rather than a skip."""
+    if "vm" not in metafunc.fixturenames:
+        return
+    mark = metafunc.definition.get_closest_marker("phase")
+    if mark is None:
+        raise pytest.UsageError(f"{metafunc.function.__name__} uses vm: mark it @pytest.mark.phase(NAME)")
+    names = [n for n in CONFIGS if mark.args[0] in _phases_of(n)]
+    metafunc.parametrize("vm", names, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def vm(request):
     if vmenv.tool_path() is None:
         pytest.skip(
@@ -102,7 +121,7 @@ def _phase(vm, name):
                 f"{vm['_vm']['wall_s']} s):\n{vm['_vm']['tool_output'][-2000:]}\n"
                 f"driver.log:\n{vm['_vm']['driver_log'][-3000:]}"
             )
-        pytest.skip(f"{vm['_name']}: phase {name} is not run in this configuration")
+        pytest.fail(f"{vm['_name']}: phase {name} is not planned here: mark the test @pytest.mark.phase")
     return vm[name]
 
 
@@ -111,6 +130,7 @@ def _pid(rg: int, ph: int, rgif: int) -> int:
 
 
 # ------------------------------------------------------------------ discovery
+@pytest.mark.phase("discovery")
 def test_discovery_matches_the_emulator_configuration(vm):
     d = _phase(vm, "discovery")
     cfg = vm["config"]
@@ -155,6 +175,7 @@ def test_discovery_matches_the_emulator_configuration(vm):
     assert "Reclaim Unit Nominal Size: 8388608 bytes" in d["discover_text"]
 
 
+@pytest.mark.phase("discovery")
 def test_nvme_cli_23_fdp_status_is_short_so_we_do_not_use_it(vm):
     d = _phase(vm, "discovery")
     n = vm["config"]["nruh"] * vm["config"]["nrg"]
@@ -163,6 +184,7 @@ def test_nvme_cli_23_fdp_status_is_short_so_we_do_not_use_it(vm):
 
 
 # ------------------------------------------------------------------ kvtrace
+@pytest.mark.phase("kvtrace")
 def test_kvtrace_puts_each_class_into_its_own_handle(vm):
     k = _phase(vm, "kvtrace")
     assert k["rc"] == 0, k["stderr"]
@@ -198,6 +220,7 @@ def test_kvtrace_puts_each_class_into_its_own_handle(vm):
         ]
 
 
+@pytest.mark.phase("kvtrace")
 def test_hbmw_equals_the_bytes_we_wrote_metadata_included(vm):
     k = _phase(vm, "kvtrace")
     d = k["device"]
@@ -213,6 +236,7 @@ def test_hbmw_equals_the_bytes_we_wrote_metadata_included(vm):
 
 
 # ------------------------------------------------------------------ RUH Update
+@pytest.mark.phase("ruh_update")
 def test_ruh_update_on_segment_open_shows_in_mbmw_and_the_model_predicts_it(vm):
     r = _phase(vm, "ruh_update")
     assert all(s == "ok" for st in r["statuses"].values() for s in st), r["statuses"]
@@ -227,6 +251,7 @@ def test_ruh_update_on_segment_open_shows_in_mbmw_and_the_model_predicts_it(vm):
     assert m["hbmw_bytes"] == e["bytes_written"] == a["hbmw_bytes"] - b["hbmw_bytes"]
 
 
+@pytest.mark.phase("ruh_update")
 def test_the_ftl_model_predicts_the_devices_ruh_update_tails_within_1_percent(vm):
     """Fed the same writes and updates, in device order (PassthroughEngine resolves each write's
     future before returning, so an observer hears of it before the next RUH Update; reaped later,
@@ -239,6 +264,7 @@ def test_the_ftl_model_predicts_the_devices_ruh_update_tails_within_1_percent(vm
 
 
 # ------------------------------------------------------------------ PID validation
+@pytest.mark.phase("invalid_pid")
 def test_an_invalid_pid_from_configuration_is_refused_before_any_write(vm):
     v = _phase(vm, "invalid_pid")
     assert v["store"].startswith("ConfigError") and "0x77" in v["store"]
@@ -249,6 +275,7 @@ def test_an_invalid_pid_from_configuration_is_refused_before_any_write(vm):
     assert v["after"] == v["before"]  # not a byte reached the device, RUH state unchanged
 
 
+@pytest.mark.phase("discovery")
 def test_every_pid_we_send_is_listed_by_ruh_status(vm):
     listed = {s["pid"] for s in _phase(vm, "discovery")["report"]["ruh_status"]}
     k = _phase(vm, "kvtrace")
@@ -258,6 +285,7 @@ def test_every_pid_we_send_is_listed_by_ruh_status(vm):
 
 
 # ------------------------------------------------------------------ daemon
+@pytest.mark.phase("daemon")
 def test_daemon_places_puts_by_class_and_recovers_them_after_kill9(vm):
     d = _phase(vm, "daemon")
     assert d["acked_puts"] == 9 and d["loaded_bad"] == 0 and d["loaded_ok"] == d["acked_blocks"]
@@ -282,6 +310,7 @@ def test_daemon_places_puts_by_class_and_recovers_them_after_kill9(vm):
 
 
 # ------------------------------------------------------------------ plain jobs vs fio
+@pytest.mark.phase("plids_vs_fio")
 def test_plain_job_plids_write_the_pids_fio_writes(vm):
     f = _phase(vm, "plids_vs_fio")
     assert f["ours"]["rc"] == 0, f["ours"]["stderr"]
@@ -296,6 +325,7 @@ def test_plain_job_plids_write_the_pids_fio_writes(vm):
 
 
 # ------------------------------------------------------------------ tierstore fdp stats
+@pytest.mark.phase("stats_cli")
 def test_fdp_stats_reports_waf_since_the_saved_baseline(vm):
     s = _phase(vm, "stats_cli")
     assert s["save_rc"] == 0 and s["rc"] == 0 and s["json_rc"] == 0, s["err"]

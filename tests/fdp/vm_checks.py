@@ -33,6 +33,17 @@ BLK = "/dev/nvme0n1"
 CTRL = "/dev/nvme0"
 R: dict = {"timings_s": {}, "errors": {}}
 T0 = time.monotonic()
+#: The phases a guest runs unless ``--phases`` names fewer (tests/fdp/test_vm.py reads this too).
+PHASES = (
+    "discovery",
+    "imports",
+    "invalid_pid",
+    "ruh_update",
+    "kvtrace",
+    "stats_cli",
+    "daemon",
+    "plids_vs_fio",
+)
 
 
 def _mark(name: str, t: float) -> None:
@@ -694,9 +705,7 @@ def main() -> int:
     ap.add_argument("--nrg", type=int, required=True)
     ap.add_argument("--runs-bytes", type=int, required=True)
     ap.add_argument("--size-bytes", type=int, required=True)
-    ap.add_argument(
-        "--phases", default="discovery,imports,invalid_pid,ruh_update,kvtrace,stats_cli,daemon,plids_vs_fio"
-    )
+    ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--kv-plids", default="")
     ap.add_argument("--fio-plids", default="0,1,2")
     ap.add_argument("--fio", default="")
