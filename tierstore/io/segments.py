@@ -599,22 +599,6 @@ class SegmentStorage(BlockStorage):
                 self._blk.live_budget - len(self._loc) if self._blk is not None else self._segs.free_blocks()
             )
 
-    def put(
-        self,
-        keys: Sequence[bytes],
-        blocks: Sequence[torch.Tensor],
-        placements: Sequence[int | None] | None = None,
-        ns_digests: Sequence[bytes] | None = None,
-    ) -> list[Status]:
-        """Store whole blocks (1-D uint8 tensors of ``block_bytes``); see
-        :meth:`put_fragments`."""
-        if len(keys) != len(blocks):
-            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
-        for b in blocks:
-            if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 1:
-                raise LayoutError("each block must be a 1-D uint8 tensor")
-        return self.put_fragments(keys, [[b] for b in blocks], placements, ns_digests)
-
     def delete(self, keys: Iterable[bytes]) -> None:
         """Forget blocks; a sealed segment left without live blocks is reclaimed."""
         with self._lock:
