@@ -56,7 +56,7 @@ from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
 from .pages import check_distinct_destinations, plan_fragments
-from .segment_manager import NO_PLACEMENT, SegmentManager, SegmentState
+from .segment_manager import NO_PLACEMENT, RoomParts, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
 from .segment_writes import SegmentWriter
@@ -509,26 +509,9 @@ class SegmentStorage(BlockStorage):
         self._loc = BlockLocator(
             max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes
         )
-        self._reader = SegmentReader(
-            self.engine,
-            self._rpipe,
-            self._loc,
-            self._segs,
-            self._read_lock,
-            self.extent_size_bytes,
-            self.keep_data,
-            self._st,
-        )
-        self._writer = SegmentWriter(
-            self.engine,
-            self._wpipe,
-            self._loc,
-            self._segs,
-            self._readers_done,
-            self.block_bytes,
-            self.keep_data,
-            self._st,
-        )
+        parts = RoomParts(self.engine, self._loc, self._segs, self.keep_data, self._st)
+        self._reader = SegmentReader(parts, self._rpipe, self._read_lock, self.extent_size_bytes)
+        self._writer = SegmentWriter(parts, self._wpipe, self._readers_done, self.block_bytes)
         self._closed = False
 
     def _open(self, format: bool, verify: bool, blk: tuple) -> None:
