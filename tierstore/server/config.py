@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, TiersConfig
+from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, StoreConfig, TiersConfig
 from ..errors import ConfigError
 from ..identity import Namespace
 from ..schema import DurationS, PositiveDurationS, SizeBytes, StrictModel, parse_model, read_yaml
@@ -296,6 +296,21 @@ class DaemonConfig(StrictModel):
         ):
             raise ValueError("every tier is disabled: give tiers.host.capacity_bytes or tiers.nvme")
         return self
+
+    def store_config(self) -> StoreConfig:
+        """The store the daemon serves (over HTTP, or as the node service's pool): its ``tiers`` and
+        ``remote``, and its ``policies`` with the limits' pin quota and default lease, write-through
+        where puts are durable on an NVMe tier (a put is acknowledged once on NVMe), else
+        write-back."""
+        durable = self.puts.durable and self.tiers.nvme is not None
+        pol = self.policies.model_copy(
+            update={
+                "pin_quota_bytes": self.limits.pin_quota_bytes,
+                "default_lease_s": self.limits.default_lease_s,
+                "write_policy": "write_through" if durable else "write_back",
+            }
+        )
+        return StoreConfig(tiers=self.tiers, policies=pol, remote=self.remote)
 
 
 def parse_config(doc: Any) -> DaemonConfig:
