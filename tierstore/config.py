@@ -39,6 +39,7 @@ from .remote.settings import RemoteConfig
 from .schema import (  # noqa: F401
     DurationS,
     OptionalSizeBytes,
+    PositiveDurationS,
     SizeBytes,
     StrictModel,
     format_validation_error,
@@ -311,7 +312,7 @@ class StoreLocation(StrictModel):
     """
 
     url: str | None = None
-    timeout_s: DurationS = 5.0
+    timeout_s: PositiveDurationS = 5.0
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
     @field_validator("url")
@@ -319,13 +320,6 @@ class StoreLocation(StrictModel):
     def _unix(cls, v):
         if v is not None and (not v.startswith("unix:///") or len(v) > len("unix://") + 107):
             raise ValueError("expected unix:///absolute/path/node.sock (at most 107 bytes of path)")
-        return v
-
-    @field_validator("timeout_s")
-    @classmethod
-    def _positive(cls, v):
-        if v <= 0:
-            raise ValueError("must be > 0")
         return v
 
 

@@ -4,12 +4,13 @@ one error format.
 :class:`StrictModel` is ``extra="forbid"`` and frozen (an unknown key is an error that lists
 the accepted keys). :data:`SizeBytes` accepts ``64GiB``, ``4k``, ``1g`` or an int
 (:func:`tierstore.units.parse_size`, base 1024); :data:`DurationS` accepts ``30s``, ``500ms``
-or seconds (:func:`tierstore.units.parse_time_s`); ``Optional*`` let ``null`` through. Both
-are parsed once, at load, with the field's name in the message. :func:`parse_model` turns
-every validation failure into one :class:`~tierstore.errors.ConfigError` whose lines name the
-key, the value and what is accepted (:func:`format_validation_error`); :func:`read_yaml`
-reads a file. The store's models (:mod:`tierstore.config`, :mod:`tierstore.policies.config`)
-and the daemon's (:mod:`tierstore.server.config`) are built on these.
+or seconds (:func:`tierstore.units.parse_time_s`), :data:`PositiveDurationS` only above 0;
+``Optional*`` let ``null`` through. Both are parsed once, at load, with the field's name in
+the message. :func:`parse_model` turns every validation failure into one
+:class:`~tierstore.errors.ConfigError` whose lines name the key, the value and what is
+accepted (:func:`format_validation_error`); :func:`read_yaml` reads a file. The store's models
+(:mod:`tierstore.config`, :mod:`tierstore.policies.config`) and the daemon's
+(:mod:`tierstore.server.config`) are built on these.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .errors import ConfigError
 from .units import parse_size, parse_time_s
@@ -27,6 +36,7 @@ _Model = TypeVar("_Model", bound=BaseModel)
 __all__ = [
     "DurationS",
     "OptionalSizeBytes",
+    "PositiveDurationS",
     "SizeBytes",
     "StrictModel",
     "format_validation_error",
@@ -73,12 +83,20 @@ def _dur(v: Any, info: ValidationInfo) -> float:
     return parse_time_s(v, info.field_name or "duration")
 
 
+def _positive(v: float) -> float:
+    if v <= 0:
+        raise ValueError("must be > 0")
+    return v
+
+
 #: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
 SizeBytes = Annotated[int, BeforeValidator(_size)]
 #: :data:`SizeBytes` or ``None``.
 OptionalSizeBytes = Annotated[int | None, BeforeValidator(_size_or_none)]
 #: Seconds: a number or a duration string (``30s``, ``500ms``), parsed before validation.
 DurationS = Annotated[float, BeforeValidator(_dur)]
+#: :data:`DurationS` that must be > 0 (a timeout, a lease).
+PositiveDurationS = Annotated[float, BeforeValidator(_dur), AfterValidator(_positive)]
 
 
 def _accepted_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:

@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -696,10 +696,7 @@ class _Draw:
     def next(self, n: int) -> tuple[list[int], list[bool]]:
         """``n`` offsets in bytes and, for each, whether it is a write (``n`` <= 4096)."""
         if self.random:
-            if self._at + n > len(self._offsets):
-                self._draw_offsets()
-            offsets = self._offsets[self._at : self._at + n]
-            self._at += n
+            offsets = self._take_offsets(n, False)
         else:
             bs = self.bs
             offsets = [b * bs for b in self.shared.sequential(self.clone, n)]
@@ -717,10 +714,7 @@ class _Draw:
         """:meth:`next` as numpy arrays: offsets (int64, bytes) and writes (bool; ``None`` for a job of
         one direction), the same values :meth:`next` would give."""
         if self.random:
-            if self._at + n > len(self._offsets_np):
-                self._draw_offsets()
-            offsets = self._offsets_np[self._at : self._at + n]
-            self._at += n
+            offsets = self._take_offsets(n, True)
         else:
             offsets = np.array(self.shared.sequential(self.clone, n), dtype=np.int64) * self.bs
         if self.read_share >= 1.0 or self.read_share <= 0.0:
@@ -730,6 +724,16 @@ class _Draw:
         writes = self._writes_np[self._wat : self._wat + n]
         self._wat += n
         return offsets, writes
+
+    def _take_offsets(self, n: int, as_array: bool) -> Any:
+        """The next ``n`` drawn random offsets (bytes), drawing more first when fewer are left: a
+        slice of ``_offsets_np`` (``as_array``) or of ``_offsets``, which hold the same values."""
+        if self._at + n > len(self._offsets):
+            self._draw_offsets()
+        drawn = self._offsets_np if as_array else self._offsets
+        got = drawn[self._at : self._at + n]
+        self._at += n
+        return got
 
     def _draw_offsets(self) -> None:
         fresh = self.rng.integers(0, self.shared.span_blocks, size=_DRAW_CHUNK) * self.bs
@@ -802,17 +806,23 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
     return series
 
 
-def _sync_lane(
-    shared: _Shared,
-    target: Any,
-    draw: _Draw,
-    log: _Log,
-    bs: int,
-    pick: Callable[[int, int, np.random.Generator], int] | None,
-    fill_random: bool,
-) -> None:
+class _Lane(NamedTuple):
+    """What one thread of a job works with: the job's shared state, the thread's draws and log, the
+    block size in bytes, the placement picker (``None``: no placement) and whether its buffers are
+    filled with random bytes first (a job that writes)."""
+
+    shared: _Shared
+    draw: _Draw
+    log: _Log
+    bs: int
+    pick: Callable[[int, int, np.random.Generator], int] | None
+    fill_random: bool
+
+
+def _sync_lane(lane: _Lane, target: Any) -> None:
     """One thread, one I/O at a time: ``target.read``/``target.write`` and wait (posix, psync, the
     engines)."""
+    shared, draw, log, bs, pick, fill_random = lane
     keep, buf = alloc_aligned(bs)
     offset, is_write = -1, False
     handle = None
@@ -867,16 +877,7 @@ def _sync_lane(
         keep.close()
 
 
-def _ring_clone(
-    shared: _Shared,
-    fd: int,
-    depth: int,
-    draw: _Draw,
-    log: _Log,
-    bs: int,
-    pick: Callable[[int, int, np.random.Generator], int] | None,
-    fill_random: bool,
-) -> None:
+def _ring_clone(lane: _Lane, fd: int, depth: int) -> None:
     """One clone through its own io_uring, keeping between 3/4 of ``depth`` and ``depth`` I/Os in flight.
 
     SQE ``i`` is fixed to buffer slot ``i`` once (:meth:`~tierstore.io.ring.Ring.fix_rw_slots`). Each
@@ -889,12 +890,13 @@ def _ring_clone(
     ``tierstore.io._ringloop`` is built the same turns run in C (:func:`_native_turns`); this Python loop
     is the reference and the fallback.
     """
+    shared, bs = lane.shared, lane.bs
     clone = None
     mem = mmap.mmap(-1, depth * bs, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
     try:
-        if fill_random:
-            mem[:] = draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
-        clone = _RingClone(shared, fd, depth, draw, log, bs, pick, mem)
+        if lane.fill_random:
+            mem[:] = lane.draw.rng.integers(0, 256, size=depth * bs, dtype=np.uint8).tobytes()
+        clone = _RingClone(lane, fd, depth, mem)
         if native_turn()[0]:
             _native_turns(clone, depth)
             return
@@ -997,18 +999,10 @@ class _RingClone:
     buffer each) with what is in flight in each, and the I/O a failure names (:attr:`offset`,
     :attr:`is_write`)."""
 
-    def __init__(
-        self,
-        shared: _Shared,
-        fd: int,
-        depth: int,
-        draw: _Draw,
-        log: _Log,
-        bs: int,
-        pick: Callable[[int, int, np.random.Generator], int] | None,
-        mem: mmap.mmap,
-    ) -> None:
-        self.shared, self.fd, self.draw, self.log, self.bs, self.pick = shared, fd, draw, log, bs, pick
+    def __init__(self, lane: _Lane, fd: int, depth: int, mem: mmap.mmap) -> None:
+        self.shared, self.draw, self.log, self.bs, self.pick, _ = lane
+        self.fd = fd
+        draw, bs = self.draw, self.bs
         base = buffer_address(memoryview(mem))
         self.addrs = [base + i * bs for i in range(depth)]
         self.free = list(range(depth))
@@ -1306,10 +1300,11 @@ def _threads(
             log = _Log()
             logs.append(log)
             draw = _Draw(shared, options, clone, lane, read_share)
+            inputs = _Lane(shared, draw, log, bs, pick, writes_any)
             if ring_fd is not None:
-                fn, args = _ring_clone, (shared, ring_fd, iodepth, draw, log, bs, pick, writes_any)
+                fn, args = _ring_clone, (inputs, ring_fd, iodepth)
             else:
-                fn, args = _sync_lane, (shared, target, draw, log, bs, pick, writes_any)
+                fn, args = _sync_lane, (inputs, target)
             threads.append(
                 threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}", daemon=True)
             )

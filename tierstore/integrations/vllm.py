@@ -188,25 +188,13 @@ def _page_pool(
         lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_fused")
     elif (
         len(shape) == 5
-        and shape[0] == 2
-        and shape[1] == num_blocks
-        and shape[2] == block_size
-        and shape[3] == num_kv_heads
-        and shape[4] == head_size
+        and shape[2:] == (block_size, num_kv_heads, head_size)
+        and shape[:2] in ((2, num_blocks), (num_blocks, 2))
     ):
+        # (2, blocks, ...) FlashAttention, else (blocks, 2, ...) FlashInfer: the KV axis is the 2
+        kv_dim = 0 if shape[:2] == (2, num_blocks) else 1
         layers, interior = _physical(layers, 2, "NHD")
-        pool = KVPagePool(layers, block_dim=1, kv_dim=0)
-        lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
-    elif (
-        len(shape) == 5
-        and shape[0] == num_blocks
-        and shape[1] == 2
-        and shape[2] == block_size
-        and shape[3] == num_kv_heads
-        and shape[4] == head_size
-    ):
-        layers, interior = _physical(layers, 2, "NHD")
-        pool = KVPagePool(layers, block_dim=0, kv_dim=1)
+        pool = KVPagePool(layers, block_dim=1 - kv_dim, kv_dim=kv_dim)
         lay = KVLayout(len(layers), num_kv_heads, head_size, t0.dtype, block_size, "vllm", "layer_kv")
     else:
         raise LayoutError(

@@ -33,13 +33,19 @@ import logging
 import threading
 from array import array
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from . import format as fmt
 from .segment_policies import GreedyCompaction, SegmentPolicy, SegmentStats
 
-__all__ = ["SegmentState", "ExtentPlan", "SegmentManager", "NO_PLACEMENT"]
+if TYPE_CHECKING:
+    from .batch import ExtentPipeline
+    from .engine import IOEngine
+    from .locator import BlockLocator
+
+__all__ = ["SegmentState", "ExtentPlan", "SegmentManager", "NO_PLACEMENT", "RoomParts", "SegmentRoom"]
 
 #: ``placement`` of a segment whose writes carry none.
 NO_PLACEMENT = -1
@@ -363,3 +369,49 @@ class SegmentManager:
 
 
 _GREEDY = GreedyCompaction()
+
+
+class RoomParts(NamedTuple):
+    """What every room of :class:`~tierstore.io.segments.SegmentStorage` works on (its reader and
+    writer), built once by the store.
+
+    Attributes
+    ----------
+    engine : IOEngine
+        The store's engine (reads, writes, trims and fdatasync go through it).
+    locator : BlockLocator
+        Where the blocks lie.
+    segments : SegmentManager
+        Segment states, write pointers, live and reader counts.
+    keep_data : bool
+        ``False``: the accounting mode (no payload is read, gathered or checksummed).
+    counters : dict
+        The store's counters.
+    """
+
+    engine: IOEngine
+    locator: BlockLocator
+    segments: SegmentManager
+    keep_data: bool
+    counters: dict
+
+
+class SegmentRoom:
+    """The base of a room of :class:`~tierstore.io.segments.SegmentStorage`: its :class:`RoomParts`
+    and its own extent pipeline (staging buffers, copy threads); no lock of its own.
+
+    Parameters
+    ----------
+    parts : RoomParts
+        What every room works on.
+    pipe : ExtentPipeline
+        This room's pipeline (the store's read or write one).
+    """
+
+    def __init__(self, parts: RoomParts, pipe: ExtentPipeline) -> None:
+        self.engine = parts.engine
+        self._pipe = pipe
+        self._loc = parts.locator
+        self._segs = parts.segments
+        self.keep_data = bool(parts.keep_data)
+        self._st = parts.counters

@@ -26,10 +26,9 @@ from typing import Any
 from ..errors import Status
 from . import format as fmt
 from .batch import ExtentPipeline
-from .engine import IOEngine, alloc_aligned
-from .locator import BlockLocator
+from .engine import alloc_aligned
 from .pages import FragmentPlan
-from .segment_manager import SegmentManager
+from .segment_manager import RoomParts, SegmentRoom
 
 __all__ = ["SegmentReader"]
 
@@ -37,50 +36,32 @@ __all__ = ["SegmentReader"]
 Found = tuple[int, int, int]
 
 
-class SegmentReader:
+class SegmentReader(SegmentRoom):
     """Reads blocks of a segment store (module doc).
 
     Parameters
     ----------
-    engine : IOEngine
-        The store's engine (single-block retries read through it).
+    parts : RoomParts
+        The store's engine (single-block retries read through it), locator, segment manager (its
+        per-segment reader counts are raised by :meth:`pin`), ``keep_data`` (``False``: the
+        accounting mode; a present block is ``OK`` with no read) and counters (``corrupt_blocks``
+        is counted here).
     pipe : ExtentPipeline
         The store's read pipeline (staging buffers, copy threads).
-    locator : BlockLocator
-        Where the blocks lie.
-    segments : SegmentManager
-        Its per-segment reader counts are raised by :meth:`pin`.
     read_lock : threading.Lock
         The store's read lock, taken around each use of ``pipe``.
     extent_bytes : int
         Largest coalesced read.
-    keep_data : bool
-        ``False``: the accounting mode; a present block is ``OK`` with no read.
-    counters : dict
-        The store's counters (``corrupt_blocks`` is counted here).
     """
 
     def __init__(
-        self,
-        engine: IOEngine,
-        pipe: ExtentPipeline,
-        locator: BlockLocator,
-        segments: SegmentManager,
-        read_lock: threading.Lock,
-        extent_bytes: int,
-        keep_data: bool,
-        counters: dict,
+        self, parts: RoomParts, pipe: ExtentPipeline, read_lock: threading.Lock, extent_bytes: int
     ) -> None:
-        self.engine = engine
-        self._pipe = pipe
-        self._loc = locator
-        self._segs = segments
+        super().__init__(parts, pipe)
         self._read_lock = read_lock
         self.extent_bytes = int(extent_bytes)
-        self.keep_data = keep_data
-        self.block_bytes = segments.block_bytes
-        self._slot_bytes = locator.slot_bytes
-        self._st = counters
+        self.block_bytes = self._segs.block_bytes
+        self._slot_bytes = self._loc.slot_bytes
 
     def pin(self, keys: list[bytes]) -> list[Found]:
         """The present ``keys``, their segments marked as being read (under the metadata lock)."""

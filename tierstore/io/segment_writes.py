@@ -28,10 +28,8 @@ from . import format as fmt
 from .batch import ExtentPipeline
 from .block_eviction import BlockEviction
 from .copies import one_omp_thread
-from .engine import IOEngine
-from .locator import BlockLocator
 from .pages import FragmentPlan
-from .segment_manager import ExtentPlan, SegmentManager, SegmentState
+from .segment_manager import ExtentPlan, RoomParts, SegmentRoom, SegmentState
 
 __all__ = ["SegmentWriter"]
 
@@ -96,28 +94,23 @@ def _extent_filler(
     return fill
 
 
-class SegmentWriter:
+class SegmentWriter(SegmentRoom):
     """Writes the extents of a segment store and returns its segments to the clean pool (module doc).
 
     Parameters
     ----------
-    engine : IOEngine
-        The store's engine (trims and fdatasync go through it).
+    parts : RoomParts
+        The store's engine (trims and fdatasync go through it), locator (a written extent's blocks
+        are committed to it), segment manager (write pointers, live counts and segment states),
+        ``keep_data`` (``False``: the accounting mode, payloads neither gathered nor checksummed)
+        and counters (written bytes, put outcomes, reclaimed segments, trim errors).
     pipe : ExtentPipeline
         The store's write pipeline (staging buffers, copy threads).
-    locator : BlockLocator
-        Where the blocks lie; a written extent's blocks are committed to it.
-    segments : SegmentManager
-        Write pointers, live counts and segment states.
     readers_done : threading.Condition
         The condition of the store's metadata lock: held (``with``) to change metadata, waited on
         until a segment's reads end (the store notifies it when a read unpins its segments).
     block_bytes : int
         Bytes of every block.
-    keep_data : bool
-        ``False``: the accounting mode (payloads neither gathered nor checksummed).
-    counters : dict
-        The store's counters (written bytes, put outcomes, reclaimed segments, trim errors).
 
     Attributes
     ----------
@@ -127,25 +120,12 @@ class SegmentWriter:
     """
 
     def __init__(
-        self,
-        engine: IOEngine,
-        pipe: ExtentPipeline,
-        locator: BlockLocator,
-        segments: SegmentManager,
-        readers_done: threading.Condition,
-        block_bytes: int,
-        keep_data: bool,
-        counters: dict,
+        self, parts: RoomParts, pipe: ExtentPipeline, readers_done: threading.Condition, block_bytes: int
     ):
-        self.engine = engine
-        self._pipe = pipe
-        self._loc = locator
-        self._segs = segments
+        super().__init__(parts, pipe)
         self._readers_done = readers_done
         self._lock = readers_done  # entering a Condition takes its lock: the metadata lock
         self.block_bytes = int(block_bytes)
-        self.keep_data = bool(keep_data)
-        self._st = counters
         self.blk: BlockEviction | None = None
 
     def write(self, plans: list[ExtentPlan], keys, frags, nss, status, gc: bool) -> None:

@@ -56,7 +56,7 @@ from .invalidation_log import InvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
 from .pages import check_distinct_destinations, plan_fragments
-from .segment_manager import NO_PLACEMENT, SegmentManager, SegmentState
+from .segment_manager import NO_PLACEMENT, RoomParts, SegmentManager, SegmentState
 from .segment_policies import SEGMENT_POLICY
 from .segment_reads import SegmentReader
 from .segment_writes import SegmentWriter
@@ -509,26 +509,9 @@ class SegmentStorage(BlockStorage):
         self._loc = BlockLocator(
             max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes
         )
-        self._reader = SegmentReader(
-            self.engine,
-            self._rpipe,
-            self._loc,
-            self._segs,
-            self._read_lock,
-            self.extent_size_bytes,
-            self.keep_data,
-            self._st,
-        )
-        self._writer = SegmentWriter(
-            self.engine,
-            self._wpipe,
-            self._loc,
-            self._segs,
-            self._readers_done,
-            self.block_bytes,
-            self.keep_data,
-            self._st,
-        )
+        parts = RoomParts(self.engine, self._loc, self._segs, self.keep_data, self._st)
+        self._reader = SegmentReader(parts, self._rpipe, self._read_lock, self.extent_size_bytes)
+        self._writer = SegmentWriter(parts, self._wpipe, self._readers_done, self.block_bytes)
         self._closed = False
 
     def _open(self, format: bool, verify: bool, blk: tuple) -> None:
@@ -598,22 +581,6 @@ class SegmentStorage(BlockStorage):
             return (
                 self._blk.live_budget - len(self._loc) if self._blk is not None else self._segs.free_blocks()
             )
-
-    def put(
-        self,
-        keys: Sequence[bytes],
-        blocks: Sequence[torch.Tensor],
-        placements: Sequence[int | None] | None = None,
-        ns_digests: Sequence[bytes] | None = None,
-    ) -> list[Status]:
-        """Store whole blocks (1-D uint8 tensors of ``block_bytes``); see
-        :meth:`put_fragments`."""
-        if len(keys) != len(blocks):
-            raise LayoutError(f"{len(keys)} keys but {len(blocks)} blocks")
-        for b in blocks:
-            if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 1:
-                raise LayoutError("each block must be a 1-D uint8 tensor")
-        return self.put_fragments(keys, [[b] for b in blocks], placements, ns_digests)
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Forget blocks; a sealed segment left without live blocks is reclaimed."""

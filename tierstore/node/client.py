@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -505,6 +505,14 @@ class NodeKVStore:
                 rid, ns=ns, keys=b"".join(keys), first_position=first, lifetime=lifetime, wait=True
             )
         )
+        ok = self._copy_slots(t, lambda i: sources[at + i].gather)
+        out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
+        return P.unpack_statuses(out.statuses)
+
+    def _copy_slots(self, t: P.TicketReply, copy_of: Callable[[int], Callable]) -> np.ndarray:
+        """Run ``copy_of(i)(row, 0)`` through the shared copier for every key ``i`` of ticket ``t``
+        given a slot with status ``OK`` (``row``: the slot's row of the segment); the keys whose
+        copy counts (those, less any whose slot's generation changed meanwhile), as bools."""
         statuses = P.unpack_statuses(t.statuses)
         slots = P.unpack_slots(t.slots)
         gens = P.unpack_u64(t.gens)
@@ -514,12 +522,11 @@ class NodeKVStore:
         ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
         todo = np.flatnonzero(ok).tolist()
         shared_copier().run(
-            [functools.partial(sources[at + i].gather, rows[int(slots[i])], 0) for i in todo],
+            [functools.partial(copy_of(i), rows[int(slots[i])], 0) for i in todo],
             len(todo) * self.layout.bytes_per_block,
         )
         ok &= self._same_gens(seg, slots, gens)
-        out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
-        return P.unpack_statuses(out.statuses)
+        return ok
 
     def _same_gens(self, seg: Segment, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
         have = slots >= 0
@@ -636,19 +643,7 @@ class NodeKVStore:
         t = self._call(
             lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True), timeout_s
         )
-        statuses = P.unpack_statuses(t.statuses)
-        slots = P.unpack_slots(t.slots)
-        gens = P.unpack_u64(t.gens)
-        assert self._conn is not None
-        seg, rows = self._conn.segment, self._conn.rows
-        assert rows is not None
-        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
-        todo = np.flatnonzero(ok).tolist()
-        shared_copier().run(
-            [functools.partial(plans[at + i].scatter, rows[int(slots[i])], 0) for i in todo],
-            len(todo) * self.layout.bytes_per_block,
-        )
-        ok &= self._same_gens(seg, slots, gens)
+        ok = self._copy_slots(t, lambda i: plans[at + i].scatter)
         self._call(lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s)
         return [Status.OK if k else Status.MISS for k in ok.tolist()]
 

@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import StoreConfig
 from ..errors import ConfigError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from ..server.config import DaemonConfig, NodeConfig
 from . import protocol as P
@@ -743,19 +742,10 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     """
     if cfg.node is None:
         raise ConfigError("the config has no 'node' section (node: {socket: /run/tierstore/node.sock})")
-    node, tiers = cfg.node, cfg.tiers
-    pol = cfg.policies.model_copy(
-        update={
-            "pin_quota_bytes": cfg.limits.pin_quota_bytes,
-            "default_lease_s": cfg.limits.default_lease_s,
-            "write_policy": "write_through"
-            if (cfg.puts.durable and tiers.nvme is not None)
-            else "write_back",
-        }
-    )
+    node = cfg.node
     core = NodeCore(
         node.pool,
-        StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote),
+        cfg.store_config(),
         cfg.layout.build(),
         staging_blocks=node.staging_blocks,
         lease_s=node.lease_s,

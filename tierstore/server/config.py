@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, TiersConfig
+from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, StoreConfig, TiersConfig
 from ..errors import ConfigError
 from ..identity import Namespace
-from ..schema import DurationS, SizeBytes, StrictModel, parse_model, read_yaml
+from ..schema import DurationS, PositiveDurationS, SizeBytes, StrictModel, parse_model, read_yaml
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -166,19 +166,12 @@ class LimitsConfig(StrictModel):
     max_keys_per_request: int = Field(4096, ge=1)
     max_inflight_requests: int = Field(64, ge=1)
     worker_threads: int = Field(4, ge=1, le=256)
-    request_timeout_s: DurationS = 60.0
+    request_timeout_s: PositiveDurationS = 60.0
     shutdown_timeout_s: DurationS = 30.0
     retry_after_s: DurationS = 1.0
     pin_quota_bytes: SizeBytes = 1 << 62
-    default_lease_s: DurationS = 60.0
-    max_lease_s: DurationS = 3600.0
-
-    @field_validator("request_timeout_s", "default_lease_s", "max_lease_s")
-    @classmethod
-    def _pos(cls, v):
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
+    default_lease_s: PositiveDurationS = 60.0
+    max_lease_s: PositiveDurationS = 3600.0
 
 
 class NodeConfig(StrictModel):
@@ -206,8 +199,8 @@ class NodeConfig(StrictModel):
     socket_mode: Literal["0600", "0660"] = "0600"
     pool: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     staging_blocks: int = Field(64, ge=0, le=1 << 20)
-    lease_s: DurationS = 60.0
-    op_timeout_s: DurationS = 10.0
+    lease_s: PositiveDurationS = 60.0
+    op_timeout_s: PositiveDurationS = 10.0
     max_clients: int = Field(64, ge=1, le=4096)
     max_tickets_per_client: int = Field(64, ge=1, le=1 << 16)
     max_keys: int = Field(4096, ge=1, le=1 << 16)
@@ -243,13 +236,6 @@ class NodeConfig(StrictModel):
     def peer_uids(self) -> list[int]:
         """The uids admitted: ``allow_uids``, or the service's own uid when it is null."""
         return [os.getuid()] if self.allow_uids is None else list(self.allow_uids)
-
-    @field_validator("lease_s", "op_timeout_s")
-    @classmethod
-    def _positive(cls, v):
-        if v <= 0:
-            raise ValueError("must be > 0")
-        return v
 
 
 class DaemonConfig(StrictModel):
@@ -310,6 +296,21 @@ class DaemonConfig(StrictModel):
         ):
             raise ValueError("every tier is disabled: give tiers.host.capacity_bytes or tiers.nvme")
         return self
+
+    def store_config(self) -> StoreConfig:
+        """The store the daemon serves (over HTTP, or as the node service's pool): its ``tiers`` and
+        ``remote``, and its ``policies`` with the limits' pin quota and default lease, write-through
+        where puts are durable on an NVMe tier (a put is acknowledged once on NVMe), else
+        write-back."""
+        durable = self.puts.durable and self.tiers.nvme is not None
+        pol = self.policies.model_copy(
+            update={
+                "pin_quota_bytes": self.limits.pin_quota_bytes,
+                "default_lease_s": self.limits.default_lease_s,
+                "write_policy": "write_through" if durable else "write_back",
+            }
+        )
+        return StoreConfig(tiers=self.tiers, policies=pol, remote=self.remote)
 
 
 def parse_config(doc: Any) -> DaemonConfig:

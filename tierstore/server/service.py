@@ -36,7 +36,6 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel
 
 from ..build import build_store
-from ..config import StoreConfig
 from ..contract import Tier
 from ..errors import QuotaExceeded, Status, TierStoreError
 from .config import DaemonConfig
@@ -119,16 +118,6 @@ class Service:
         self.cfg = cfg
         self.layout = cfg.layout.build()
         self.block_bytes = self.layout.bytes_per_block
-        tiers = cfg.tiers  # tiers.nvme.path: the one path rule (tierstore.io.label); no directory is created
-        pol = cfg.policies.model_copy(
-            update={
-                "pin_quota_bytes": cfg.limits.pin_quota_bytes,
-                "default_lease_s": cfg.limits.default_lease_s,
-                "write_policy": "write_through"
-                if (cfg.puts.durable and tiers.nvme is not None)
-                else "write_back",
-            }
-        )
         #: with a ``node`` section the store is the node service's pool (one store, two transports)
         self.node_core = None
         if cfg.node is not None:
@@ -137,7 +126,8 @@ class Service:
             self.node_core = open_node_core(cfg)
             self.store = self.node_core.store
         else:
-            self.store = build_store(StoreConfig(tiers=tiers, policies=pol, remote=cfg.remote), self.layout)
+            # tiers.nvme.path: the one path rule (tierstore.io.label); no directory is created
+            self.store = build_store(cfg.store_config(), self.layout)
         self.durable = cfg.puts.durable and self.store.nvme is not None
         self.tenancy = Tenancy(cfg, self.block_bytes, self.layout.fingerprint())
         dropped = repair_after_restart(self.store, self.tenancy.tombstones)

@@ -184,9 +184,13 @@ class BlockStorage(abc.ABC):
         Raises
         ------
         LayoutError
-            When the numbers of keys and blocks differ.
+            When the numbers of keys and blocks differ, or a block is not a 1-D ``uint8`` tensor.
         """
-        return self.put_fragments(keys, _one_fragment_each(keys, blocks, "blocks"), placements, ns_digests)
+        fragments_per_block = _one_fragment_each(keys, blocks, "blocks")
+        for b in blocks:
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 1:
+                raise LayoutError("each block must be a 1-D uint8 tensor")
+        return self.put_fragments(keys, fragments_per_block, placements, ns_digests)
 
     def get(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
         """Read whole blocks into ``dests`` (each a contiguous ``uint8`` tensor of ``block_bytes``).
