@@ -146,8 +146,9 @@ def test_multi_process_setups_are_refused_with_the_embedded_store(kw):
         _check_topology(fake_vllm_config({}, **kw), service=False)
 
 
-def test_the_node_service_runs_tensor_parallel_and_refuses_pipeline_and_data_parallel():
-    _check_topology(fake_vllm_config({}, tp=2), service=True)  # each rank is a client of its own
-    for kw in ({"pp": 2}, {"dp": 2}, {"tp": 2, "pp": 2}):
-        with pytest.raises(ConfigError, match="node service.*is not built"):
+def test_the_node_service_runs_tensor_and_pipeline_parallel_and_refuses_data_parallel():
+    for kw in ({"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}):  # each rank is a client of its own
+        _check_topology(fake_vllm_config({}, **kw), service=True)
+    for kw in ({"dp": 2}, {"tp": 2, "pp": 2, "dp": 2}):
+        with pytest.raises(ConfigError, match=r"node service.*data_parallel_size=2 is not built"):
             _check_topology(fake_vllm_config({}, **kw), service=True)
