@@ -424,6 +424,15 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
                 f"each data parallel replica as an engine of its own (one vllm serve each, all "
                 f"with the same store.url: they share the node's blocks)"
             )
+        layers = _stage_layers(vllm_config)
+        if len(set(layers)) > 1:
+            raise ConfigError(
+                f"TierstoreConnector with the node service (store.url): the pipeline stages hold "
+                f"{layers} layers; a rank's block is its stage's layers and the service's pool holds "
+                f"blocks of one size, so stages of unequal layer counts are not built: choose a "
+                f"pipeline_parallel_size that divides the model's layers (or equal parts in "
+                f"VLLM_PP_LAYER_PARTITION)"
+            )
         return
     bad = {k: v for k, v in sizes.items() if v != 1}
     if bad:
@@ -442,6 +451,23 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
             "into 'mp'): set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment, or use "
             "the node service (store.url), whose clients may be in any process"
         )
+
+
+def _stage_layers(vllm_config: VllmConfig) -> list[int]:
+    """Layers per pipeline stage as vLLM partitions them (``vllm.distributed.utils.get_pp_indices``,
+    which reads ``VLLM_PP_LAYER_PARTITION``); ``[]`` with one stage, without a model config, or for
+    a partition vLLM itself refuses (its own error then stops the engine)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    mc = getattr(vllm_config, "model_config", None)
+    if pp == 1 or mc is None:
+        return []
+    from vllm.distributed.utils import get_pp_indices
+
+    total = mc.get_total_num_hidden_layers()
+    try:
+        return [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
+    except ValueError:
+        return []
 
 
 def _cpu_worker_in_own_process(pc) -> bool:
