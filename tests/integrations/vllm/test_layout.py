@@ -146,8 +146,21 @@ def test_multi_process_setups_are_refused_with_the_embedded_store(kw):
         _check_topology(fake_vllm_config({}, **kw), service=False)
 
 
-def test_the_node_service_runs_tensor_parallel_and_refuses_pipeline_and_data_parallel():
-    _check_topology(fake_vllm_config({}, tp=2), service=True)  # each rank is a client of its own
-    for kw in ({"pp": 2}, {"dp": 2}, {"tp": 2, "pp": 2}):
-        with pytest.raises(ConfigError, match="node service.*is not built"):
+def test_pipeline_stages_of_unequal_layer_counts_are_refused_with_the_node_service():
+    """A rank's block is its stage's layers and the service's pool holds one block size: vLLM's
+    partition of 3 layers into 2 stages (2 + 1) would get the second stage refused by the service
+    in its worker; it is refused at start-up instead, naming the way out."""
+    cfg = fake_vllm_config({}, pp=2)
+    cfg.model_config = types.SimpleNamespace(get_total_num_hidden_layers=lambda: 3)
+    with pytest.raises(ConfigError, match=r"stages hold \[2, 1\] layers.*divides the model's layers"):
+        _check_topology(cfg, service=True)
+    cfg.model_config = types.SimpleNamespace(get_total_num_hidden_layers=lambda: 4)
+    _check_topology(cfg, service=True)  # 2 + 2
+
+
+def test_the_node_service_runs_tensor_and_pipeline_parallel_and_refuses_data_parallel():
+    for kw in ({"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}):  # each rank is a client of its own
+        _check_topology(fake_vllm_config({}, **kw), service=True)
+    for kw in ({"dp": 2}, {"tp": 2, "pp": 2, "dp": 2}):
+        with pytest.raises(ConfigError, match=r"node service.*data_parallel_size=2 is not built"):
             _check_topology(fake_vllm_config({}, **kw), service=True)

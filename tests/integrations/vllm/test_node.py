@@ -6,7 +6,8 @@ The service (a ``NodeCore`` on a ``NodeServer``) runs in this test's process; ea
 a fresh process (tests/integrations/vllm/_node_proc.py) that first computes the greedy reference
 without the connector. vLLM's own prefix cache is off, so every cached token an engine reports
 came from the service. A block of the tiny Llama is 2 layers x 2 (K, V) x KV heads x 32 tokens x
-32 x fp32: 32 KiB with both KV heads, 16 KiB per rank at TP=2.
+32 x fp32: 32 KiB with both KV heads, 16 KiB per rank at TP=2 (one KV head) or at PP=2 (one
+layer).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ FIRST = prompt(3 * B + 5, seed=800)
 SECOND = prompt(3 * B + 7, seed=801, prefix=FIRST[: 2 * B])  # shares FIRST's first two blocks
 
 
-def rank_layout(tp_size: int) -> dict:
-    return dict(num_layers=2, num_kv_heads=2 // tp_size, head_dim=32, dtype="float32", tokens_per_block=B)
+def rank_layout(tp_size: int, pp_size: int = 1) -> dict:
+    """One rank's block layout: its KV heads (of 2) of its pipeline stage's layers (of 2)."""
+    return dict(
+        num_layers=2 // pp_size, num_kv_heads=2 // tp_size, head_dim=32, dtype="float32", tokens_per_block=B
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
-def start_service(tmp_path, tp_size: int):
-    lay = rank_layout(tp_size)
+def start_service(tmp_path, tp_size: int, pp_size: int = 1):
+    lay = rank_layout(tp_size, pp_size)
     layout = KVLayout(**dict(lay, dtype=torch.float32))
     core = NodeCore(
         f"v{uuid.uuid4().hex[:8]}",
@@ -126,6 +130,46 @@ def test_tensor_parallel_2_on_the_node_service(model_dir, tmp_path):
     assert [o["tokens"] for o in res["outputs"]] == res["baseline"][:1] * 2 == res["baseline"]
     assert [o["cached"] for o in res["outputs"]] == [0, 3 * B]
     assert per_ns == [3, 3]  # one namespace per TP rank, each rank's 3 blocks (its shard)
+    core.check_invariants(quiescent=True)
+    core.close()
+
+
+def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
+    """PP=2 (two CPU workers, one layer each, ``mp`` executor): each stage stores its own layer
+    under its own namespace, a repeated prompt gets every full block from the service, greedy
+    tokens equal PP=2 without the connector.
+
+    vLLM 0.32's CPU backend runs PP only with compilation on: with ``enforce_eager`` (compilation
+    mode NONE) ``CPUModelRunner.warming_up_model`` skips the profile run that allocates the
+    intermediate tensors, and stage 1 fails ``assert self.intermediate_tensors is not None``
+    (gpu_model_runner.py, ``sync_and_gather_intermediate_tensors``). Dynamo tracing with the
+    ``eager`` backend compiles nothing and allocates them."""
+    core, server, url = start_service(tmp_path, 1, 2)
+    try:
+        res = run_engine(
+            dict(
+                model=model_dir,
+                url=url,
+                max_tokens=MAX_TOKENS,
+                engine={
+                    "pipeline_parallel_size": 2,
+                    "distributed_executor_backend": "mp",
+                    "enforce_eager": False,
+                    "compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"},
+                },
+                layout=rank_layout(1, 2),
+                prompts=[FIRST, FIRST],
+                baseline=True,
+                wait_blocks=[2 * 3, 0],
+            ),
+            VLLM_CPU_OMP_THREADS_BIND="0|1",
+        )
+        per_ns = sorted(core.store.namespaces().values())
+    finally:
+        server.close()
+    assert [o["tokens"] for o in res["outputs"]] == res["baseline"][:1] * 2 == res["baseline"]
+    assert [o["cached"] for o in res["outputs"]] == [0, 3 * B]
+    assert per_ns == [3, 3]  # one namespace per stage, each stage's 3 blocks (its layer)
     core.check_invariants(quiescent=True)
     core.close()
 

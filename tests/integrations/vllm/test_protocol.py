@@ -5,6 +5,7 @@ blocks are loaded and stored, when blocks may be freed, and that references end.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -217,12 +218,12 @@ def test_lifetime_runs(sides):
     assert list(sched._lifetime_runs(sched._reqs["b"], 0, 4)) == [(0, 1, "system"), (1, 4, "conversation")]
 
 
-# ---------------------------------------------------------------- the node service, TP = 2
+# ---------------------------------------------------------------- the node service, TP / PP > 1
 TP = 2
 
 
 def _step_ranks(sched, workers, so, finished=()):
-    """One engine step with one worker side per TP rank (each runs the same metadata)."""
+    """One engine step with one worker side per rank (each runs the same metadata)."""
     meta = sched.build_connector_meta(so)
     out = []
     for w in workers:
@@ -235,46 +236,65 @@ def _step_ranks(sched, workers, so, finished=()):
     return meta, out
 
 
-@pytest.fixture
-def tp_sides(tmp_path):
-    """A scheduler side and TP=2 worker sides of one fake engine, each with its own client of one
-    node service (in this process) and its own fake KV cache (its shard)."""
+def _rank_sides(tmp_path, pp: int, tp: int):
+    """A scheduler side and ``pp x tp`` worker sides of one fake engine, in rank order
+    ``pp_rank * tp + tp_rank``, each with its own client of one node service (in this process)
+    and its own fake KV cache: its KV heads of its stage's ``L // pp`` layers (global layer names).
+    Yields ``(sched, workers, core, wholes)``; ``wholes[r]`` is rank ``r``'s cache."""
     from tierstore.config import StoreConfig
     from tierstore.node.client import NodeKVStore
     from tierstore.node.core import NodeCore
     from tierstore.node.server import NodeServer
     from tierstore.server.config import NodeConfig
 
-    wholes = [torch.randn(L, NB, H, T, 2 * D) for _ in range(TP)]
+    per_stage = L // pp
+    wholes = [torch.randn(per_stage, NB, H, T, 2 * D) for _ in range(pp * tp)]
     engs = [
-        tv.detect_engine_layout({f"layers.{i}.attn": w[i] for i in range(L)}, NB, T, H, D) for w in wholes
+        tv.detect_engine_layout(
+            {f"layers.{r // tp * per_stage + i}.attn": w[i] for i in range(per_stage)}, NB, T, H, D
+        )
+        for r, w in enumerate(wholes)
     ]
     core = NodeCore(
-        "tp", {"tiers": {"host": {"capacity_bytes": 64 * engs[0].layout.bytes_per_block}}}, engs[0].layout
+        "ranks", {"tiers": {"host": {"capacity_bytes": 64 * engs[0].layout.bytes_per_block}}}, engs[0].layout
     )
     server = NodeServer(core, NodeConfig(socket=str(tmp_path / "node.sock"), lease_s=30)).start()
     url = "unix://" + server.path
     store_cfg = StoreConfig.from_dict({"store": {"url": url}})
     settings = tv.ConnectorSettings()
+    pc = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     conn = types.SimpleNamespace(
-        _kv_transfer_config=types.SimpleNamespace(engine_id="tp-engine"),
+        _kv_transfer_config=types.SimpleNamespace(engine_id="ranks-engine"),
         _connector_metadata=None,
-        _vllm_config=types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=TP)),
+        _vllm_config=types.SimpleNamespace(parallel_config=pc),
     )
     workers = []
     for r, eng in enumerate(engs):
         w = tv._WorkerSide(conn, None, None, store_cfg, settings)
-        ns = tv.Namespace(model="fake@1", tp_rank=r, tp_size=TP)
-        w._shared, w._tp_rank = tv._EngineStore(NodeKVStore(url, eng.layout), eng, ns, settings), r
+        ns = tv.Namespace(model="fake@1", tp_rank=r % tp, tp_size=tp, pp_rank=r // tp, pp_size=pp)
+        w._shared = tv._EngineStore(NodeKVStore(url, eng.layout), eng, ns, settings)
+        w._pp_rank, w._tp_rank, w._rank = r // tp, r % tp, r
         workers.append(w)
     sched = tv._SchedulerSide(conn, settings, store_cfg)
-    sched.set_ranks({r: w.handshake() for r, w in enumerate(workers)})
+    sched.set_ranks({(w._pp_rank, w._tp_rank): w.handshake() for w in workers})
     yield sched, workers, core, wholes
     for w in workers:
         w.shutdown()
     sched.shutdown()
     server.close()
     core.close()
+
+
+@pytest.fixture
+def tp_sides(tmp_path):
+    """:func:`_rank_sides` of a TP=2 engine (one pipeline stage)."""
+    yield from _rank_sides(tmp_path, 1, TP)
+
+
+@pytest.fixture(params=[(2, 1), (2, 2)], ids=["pp2", "pp2tp2"])
+def pp_sides(tmp_path, request):
+    """:func:`_rank_sides` of a PP=2 engine, with TP=1 and TP=2."""
+    yield from _rank_sides(tmp_path, *request.param)
 
 
 def test_each_tp_rank_stores_and_loads_its_own_shard_through_the_node_service(tp_sides):
@@ -374,3 +394,94 @@ def test_a_service_of_another_block_class_stops_the_engine_at_start_and_a_dead_o
     tv._connect(store, "test")  # a service that is down: misses until it is up, no error
     assert store.lookup_keys([bytes(32)]).matched_blocks == 0
     store.close()
+
+
+# ---------------------------------------------------------------- PP = 2 (with TP = 1 and 2)
+def test_each_pp_stage_stores_and_loads_its_own_layers_under_its_own_namespace(pp_sides):
+    sched, workers, core, wholes = pp_sides
+    toks = list(range(1, 3 * T + 1))
+    sched.get_num_new_matched_tokens(FakeRequest("r1", toks), 0)
+    meta, _ = _step_ranks(sched, workers, sched_output({"r1": 3 * T}, {"r1": [1, 2, 3]}))
+    (job,) = meta.stores
+    assert len(job.rank_keys) == len(workers)
+    assert len({k for keys in job.rank_keys for k in keys}) == 3 * len(workers)  # no rank shares a key
+    for w in workers:  # a rank's keys are the chain its own client computes for its namespace
+        ns = dataclasses.replace(job.ns, pp_rank=w._pp_rank, tp_rank=w._tp_rank)
+        assert w.shared.store.keys_for(ns, toks) == job.keys_of(w._rank)
+    assert sorted(core.store.namespaces().values()) == [3] * len(workers)  # one per (stage, TP rank)
+    sched.request_finished(FakeRequest("r1", toks), [1, 2, 3])
+    _step_ranks(sched, workers, sched_output({}, {}), finished={"r1"})
+
+    r2 = FakeRequest("r2", toks)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (2 * T, False)
+    sched.update_state_after_alloc(r2, types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), 2 * T)
+    r2.num_computed_tokens = 2 * T
+    meta, _ = _step_ranks(sched, workers, sched_output({"r2": T}, {"r2": [7, 8, 9]}))
+    assert [j.block_ids for j in meta.sync_loads] == [[7, 8]]
+    for whole in wholes:  # each rank got its own stage's layers back, not another rank's
+        assert torch.equal(whole[:, 7:9], whole[:, 1:3])
+    assert not torch.equal(wholes[0][:, 7:9], wholes[-1][:, 7:9])
+    assert all(w.get_block_ids_with_load_errors() == set() for w in workers)
+    sched.request_finished(r2, [7, 8, 9])
+    assert not core.store.references()
+    core.check_invariants()
+
+
+def test_a_block_is_a_hit_only_when_every_pp_and_tp_rank_holds_it(pp_sides):
+    sched, workers, core, _ = pp_sides
+    toks = list(range(1, 4 * T + 2))
+    sched.get_num_new_matched_tokens(FakeRequest("a", toks), 0)
+    meta, _ = _step_ranks(sched, workers, sched_output({"a": 4 * T + 1}, {"a": [1, 2, 3, 4, 5]}))
+    (job,) = meta.stores
+    core.store.remove([job.keys_of(len(workers) - 1)[2]])  # the last stage's last rank lost block 2
+    assert sched.get_num_new_matched_tokens(FakeRequest("b", toks), 0) == (2 * T, False)  # min over ranks
+    assert sched._reqs["b"].matched_blocks == 2
+    core.store.remove([job.keys_of(0)[1]])  # stage 0 lost block 1
+    assert sched.get_num_new_matched_tokens(FakeRequest("c", toks), 0) == (1 * T, False)
+
+
+def test_a_pp_stage_whose_load_fails_reports_its_blocks_for_recompute(pp_sides):
+    """The last stage's service connection is gone at load time: its ranks report every block of
+    the job, stage 0 loads its layers; vLLM recomputes the reported blocks."""
+    from tierstore.node.client import NodeKVStore
+
+    sched, workers, _, _ = pp_sides
+    toks = list(range(1, 3 * T + 2))
+    sched.get_num_new_matched_tokens(FakeRequest("a", toks), 0)
+    _step_ranks(sched, workers, sched_output({"a": 3 * T + 1}, {"a": [1, 2, 3, 4]}))
+    r = FakeRequest("b", toks)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * T, False)
+    last = [w for w in workers if w._pp_rank == 1]
+    for w in last:
+        sh = w.shared
+        sh.store.close()
+        sh.store = NodeKVStore("unix:///nonexistent/tierstore-node.sock", sh.engine.layout, timeout_s=0.5)
+    sched.update_state_after_alloc(r, types.SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12],)), 3 * T)
+    r.num_computed_tokens = 3 * T
+    _step_ranks(sched, workers, sched_output({"b": 1}, {"b": [9, 10, 11, 12]}))
+    for w in workers:
+        assert w.get_block_ids_with_load_errors() == ({9, 10, 11} if w._pp_rank == 1 else set())
+
+
+def test_handshakes_reach_the_scheduler_by_pp_and_tp_rank(pp_sides):
+    """vLLM's ``set_xfer_handshake_metadata_pp_aware`` reaches ``set_ranks`` with its
+    ``(pp_rank, tp_rank)`` keys; a missing rank or a stage of another layout is refused."""
+    from tierstore.errors import ConfigError
+
+    sched, workers, _, _ = pp_sides
+    got = {(w._pp_rank, w._tp_rank): w.handshake() for w in workers}
+    fresh = tv._SchedulerSide(sched._c, sched._settings, sched._store_cfg)
+    conn = types.SimpleNamespace(_sched=fresh)
+    missing = {k: v for k, v in got.items() if k != (1, 0)}
+    with pytest.raises(ConfigError, match=r"handshakes from \(pp_rank, tp_rank\)"):
+        tv.TierstoreConnector.set_xfer_handshake_metadata_pp_aware(conn, missing)
+    with pytest.raises(ConfigError, match=r"handshakes from \(pp_rank, tp_rank\)"):  # vLLM's pre-PP call
+        tv.TierstoreConnector.set_xfer_handshake_metadata(conn, {t: h for (p, t), h in got.items() if p == 0})
+    h = got[1, 0]
+    bad = dict(got)
+    bad[1, 0] = tv.TierstoreHandshake(dataclasses.replace(h.layout, num_kv_heads=2 * H), h.namespace)
+    with pytest.raises(ConfigError, match="stages may differ in num_layers only"):
+        tv.TierstoreConnector.set_xfer_handshake_metadata_pp_aware(conn, bad)
+    tv.TierstoreConnector.set_xfer_handshake_metadata_pp_aware(conn, got)
+    assert fresh.shared.ranks == sorted(got)
+    fresh.shutdown()
