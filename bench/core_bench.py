@@ -32,10 +32,14 @@ Parts (``--parts``):
   bytes between two contiguous buffers (``memcpy``); one warm-up pass, then the
   median of 5 passes; every load is checked against what was stored.
 * ``meta`` -- tiny blocks (64 B), one thread, chains of ``--chains`` blocks:
-  store (``store_keys`` of a tensor of blocks), lookup by keys, lookup by
-  tokens, and the chained hashing alone; blocks/s by wall time and by the
+  store (``store_keys`` of a tensor of blocks; and ``store`` by tokens into a fresh store),
+  lookup by keys, lookup by tokens, and the chained hashing alone; blocks/s by wall time and by the
   thread's CPU time (``time.thread_time``: what the machine's other load does
   not inflate as much).
+* ``percall`` -- per-block cost of ``store``, ``lookup`` and ``load`` of 64-block prompts by
+  tokens through the host tier at ``--percall-kib`` block sizes (16 KiB, 128 KiB, 2 MiB),
+  ``--percall-prompts`` prompts a pass, best and median of ``--percall-passes``: microseconds
+  of thread CPU and of wall time per block (issue 25 item 2). Not in the default ``--parts``.
 * ``scrape`` -- thread B looks up a pinned, resident 8-block prefix in a loop while thread A
   calls ``stats()`` back to back (a metrics scrape) on a store indexing ``--scrape-blocks``
   (1M) blocks on an NVMe tier that keeps no data; B's latency idle vs during the scrapes,
@@ -359,10 +363,15 @@ def worker_meta(a: dict) -> dict:
         if r.matched_blocks != chain:
             raise SystemExit(f"lookup matched {r.matched_blocks} of {chain}")
         s.close()
+        s = KVStore(lay, host_bytes=(n + chain) * bb, device="cpu")  # store by tokens: a fresh store
+        stt_w, stt_c, _ = timed(lambda: [s.store(ns, p, blk) for p in prompts])
+        s.close()
         out[f"chain{chain}"] = {
             "blocks": n,
             "store_blocks_per_s": n / st_w,
             "store_blocks_per_cpu_s": n / st_c,
+            "store_tokens_blocks_per_s": n / stt_w,
+            "store_tokens_blocks_per_cpu_s": n / stt_c,
             "lookup_keys_blocks_per_s": n / lk_w,
             "lookup_keys_blocks_per_cpu_s": n / lk_c,
             "lookup_tokens_blocks_per_s": n / lt_w,
@@ -371,6 +380,57 @@ def worker_meta(a: dict) -> dict:
             "hash_blocks_per_cpu_s": n / hash_c,
             "lookup_tokens_over_hash_cpu": lt_c / hash_c,
         }
+    return out
+
+
+def worker_percall(a: dict) -> dict:
+    """Per-block cost of 64-block prompts by tokens into and out of the host tier, per block size:
+    ``store``, ``lookup`` and ``load`` (into a new buffer) in microseconds of the thread's CPU
+    (``time.thread_time``) and of wall time per block, best and median of ``percall_passes``."""
+    import numpy as np
+    import torch
+
+    from tierstore import KVStore, Namespace, leading_ok
+
+    chain, prompts = 64, a["percall_prompts"]
+    out: dict = {}
+    for kib in a["percall_kib"]:
+        lay = _layout(head_dim=kib * 8, tokens=16, layers=1, heads=2)  # K/V x 2 heads x 16 tokens x fp16
+        bb = lay.bytes_per_block
+        assert bb == kib * 1024, (bb, kib)
+        s = KVStore(lay, host_bytes=(prompts + 1) * chain * bb, device="cpu")
+        ns = Namespace(model="percall")
+        blk = torch.ones(chain, *lay.block_shape, dtype=lay.dtype)
+        rows: dict = {"store": [], "lookup": [], "load": []}
+        for p in range(a["percall_passes"]):
+            toks = [
+                np.arange(chain * 16, dtype=np.int64) + (p * prompts + i) * 10_000_000 for i in range(prompts)
+            ]
+            for what, fn in (
+                ("store", lambda t: s.store(ns, t, blk)),
+                ("lookup", lambda t: s.lookup(ns, t)),
+                ("load", lambda t: s.load(s.lookup(ns, t))),
+            ):
+                w0, c0 = time.perf_counter(), time.thread_time()
+                res = [fn(t) for t in toks]
+                rows[what].append(((time.perf_counter() - w0), (time.thread_time() - c0)))
+                if what == "load" and any(leading_ok(st) != chain for st, _ in res):
+                    raise SystemExit("a load of a stored prompt missed")
+            s.remove([k for t in toks for k in s.keys_for(ns, t)])  # room for the next pass
+        s.close()
+        nb = chain * prompts
+        for what, v in rows.items():
+            walls = sorted(w / nb * 1e6 for w, _ in v)
+            cpus = sorted(c / nb * 1e6 for _, c in v)
+            out[f"{kib}k"] = out.get(f"{kib}k", {})
+            out[f"{kib}k"].update(
+                {
+                    f"{what}_us_per_block_cpu": cpus[0],
+                    f"{what}_us_per_block_cpu_median": cpus[len(cpus) // 2],
+                    f"{what}_us_per_block_wall": walls[0],
+                    f"{what}_us_per_block_wall_median": walls[len(walls) // 2],
+                }
+            )
     return out
 
 
@@ -622,6 +682,7 @@ WORKERS = {
     "nvme": worker_nvme,
     "frag": worker_frag,
     "meta": worker_meta,
+    "percall": worker_percall,
     "mem": worker_mem,
     "scrape": worker_scrape,
     "reclaim": worker_reclaim,
@@ -708,6 +769,9 @@ def main() -> None:
     ap.add_argument("--frag-blocks", type=int, default=64)
     ap.add_argument("--chains", default="64,256")
     ap.add_argument("--meta-ops", type=int, default=200_000)
+    ap.add_argument("--percall-kib", default="16,128,2048", help="block sizes (KiB) of the percall part")
+    ap.add_argument("--percall-prompts", type=int, default=4, help="64-block prompts a percall pass stores")
+    ap.add_argument("--percall-passes", type=int, default=5)
     ap.add_argument("--mem-blocks", type=int, default=10_000_000)
     ap.add_argument(
         "--scrape-blocks", type=int, default=1_000_000, help="blocks indexed on NVMe in the scrape part"
@@ -740,6 +804,9 @@ def main() -> None:
         "frag_blocks": a.frag_blocks,
         "chains": [int(c) for c in a.chains.split(",")],
         "meta_ops": a.meta_ops,
+        "percall_kib": [int(k) for k in a.percall_kib.split(",")],
+        "percall_prompts": a.percall_prompts,
+        "percall_passes": a.percall_passes,
         "mem_blocks": a.mem_blocks,
         "scrape_blocks": a.scrape_blocks,
         "reclaim_regions": a.reclaim_regions,
@@ -818,6 +885,7 @@ def main() -> None:
     if a.base:
         for part, keys in (
             ("meta", [k for k in summary if k.startswith("meta.new.") and "per_" in k]),
+            ("percall", [k for k in summary if k.startswith("percall.new.") and "per_block" in k]),
             ("nvme", [k for k in summary if k.startswith("nvme.new.") and k.endswith("_gbps")]),
             ("frag", [k for k in summary if k.startswith("frag.new.") and k.endswith("_gbps")]),
         ):

@@ -215,7 +215,7 @@ def _token_array(token_ids) -> np.ndarray:
         return raw.astype("<i8")
     if raw.dtype.kind not in "iu":
         raise ConfigError(f"token_ids must be integers, got dtype {raw.dtype}")
-    if raw.dtype.kind == "i" and raw.min() < 0:
+    if raw.dtype.kind == "i" and np.minimum.reduce(raw) < 0:  # the ufunc: no Python wrapper
         raise ConfigError("token_ids must be non-negative")
     return raw.astype("<i8", copy=False)
 

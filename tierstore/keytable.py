@@ -189,7 +189,7 @@ class KeyTable:
         slots[home[free]] = r32[free]
         # keys sharing a home slot: one of them landed there, the others probe on
         landed = slots[home[free]] == r32[free]
-        self._tombs -= int((s[free[landed]] == _TOMB).sum())
+        self._tombs -= int(np.count_nonzero(s[free[landed]] == _TOMB))
         placed = np.zeros(n, dtype=bool)
         placed[free[landed]] = True
         rest = (~placed).nonzero()[0]

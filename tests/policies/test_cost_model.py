@@ -201,3 +201,40 @@ def test_bounded_estimates_are_the_clamped_cumulative_time():
         want = np.minimum(np.maximum(j * m, lo_f * (lat + j * x)), hi_f * (lat + j * x))
         got = np.cumsum(_bounded_increments(m, lat, x, lo_f, hi_f, n))
         assert np.allclose(got, want, rtol=1e-9, atol=1e-15), (m, lat, x, lo_f, hi_f, n)
+
+
+def _useful_prefix_loop(cm: CostModel, load_s: list[float], tokens_per_block: int) -> int:
+    """The definition, one block at a time: the first k maximising saved_s(k), 0 if none is positive."""
+    best_k, best_saved, load = 0, 0.0, 0.0
+    rate, q = cm.prefill_tokens_per_s, cm.prefill_quadratic_s_per_token2
+    for i, x in enumerate(load_s):
+        load += x
+        n = (i + 1) * tokens_per_block
+        saved = n / rate + q * n * n - load
+        if saved > best_saved:
+            best_k, best_saved = i + 1, saved
+    return best_k
+
+
+@pytest.mark.parametrize("quadratic", [0.0, 1e-9])
+def test_useful_prefix_answers_as_the_block_by_block_definition(quadratic):
+    """useful_prefix decides a one-tier chain from its ends (O(1) Python steps); it must give the
+    loop's answer everywhere, also where a block's saving is within rounding of its load time."""
+    rng = np.random.default_rng(25)
+    cm = CostModel(prefill_quadratic_s_per_token2=quadratic)
+    T = 16
+    per_block_recompute = T / cm.prefill_tokens_per_s
+    cases = []
+    for m in (1, 2, 3, 63, 64, 127, 128, 300):
+        for x in (
+            per_block_recompute * f for f in (0.5, 1 - 1e-15, 1.0, 1 + 1e-15, 2.0, 1 - 1e-13, 1 + 1e-13)
+        ):
+            for first in (x, x + 1e-3, x + per_block_recompute * m, 0.0):
+                cases.append([first] + [x] * (m - 1))
+        cases.append(list(rng.uniform(0, 2 * per_block_recompute, m)))  # not uniform: the loop
+    for tier in ("host", "nvme", "remote"):
+        for bb in (64, 16 << 10, MIB2, 64 * MIB2):
+            for m in (1, 8, 64, 256):
+                cases.append(cm.tier_load_s(tier, bb, m))
+    for load_s in cases:
+        assert cm.useful_prefix(load_s, T) == _useful_prefix_loop(cm, load_s, T), load_s[:3]

@@ -412,3 +412,27 @@ def test_max_scan_bounds_the_victim_search(name):
     assert p.evict(1, only_last, 60.0, max_scan=5) == []
     assert p.evict(1, only_last, 60.0) == [order[-1]]
     assert len(p) == 50
+
+
+def test_lru_batch_hooks_keep_the_order_of_key_by_key_calls():
+    """LRU's on_insert_many / on_access_many run as C calls over the batch; with keys already
+    present, repeated, or (for an access) absent they must leave the order of the one-by-one hooks."""
+    from tierstore.policies.lru import LRUPolicy
+
+    keys = [i.to_bytes(32, "little") for i in range(12)]
+    absent = (99).to_bytes(32, "little")
+    one, many = LRUPolicy(), LRUPolicy()
+    ops = [
+        ("insert", keys[:6]),
+        ("insert", keys[3:9]),  # half present
+        ("access", keys[1:4]),
+        ("access", [keys[7], absent, keys[0]]),  # an absent key in the batch
+        ("insert", [keys[10], keys[10], keys[2]]),  # repeated
+        ("access", keys[8::-2]),
+    ]
+    for op, ks in ops:
+        for k in ks:
+            getattr(one, f"on_{op}")(E(k), 0.0)
+        getattr(many, f"on_{op}_many")(ks, lambda j, ks=ks: E(ks[j]), 0.0)
+        assert list(many._order) == list(one._order), op
+    assert absent not in many._order

@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from ..contract import MEMORY_TIERS, LoadPlan, PromotePlan, StorePlan, Tier
 from ..errors import InvariantError, Status
 from ..metrics import Metrics
@@ -25,6 +27,26 @@ from .placement import Placement
 from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, IN, NVME_WRITING, ON_NVME, PENDING, RowTable
 
 _STORE_COUNTER = {t: f"store_bytes_{t.name.lower()}" for t in Tier}
+
+
+def _memory_by_tier(
+    memory: list[tuple[int, Tier, int]], only: set[int] | None
+) -> list[tuple[Tier, list[int], list[int]]]:
+    """``(tier, positions, slots)`` per memory tier (in ``MEMORY_TIERS`` order) of a plan's
+    ``(i, tier, slot)`` items whose ``i`` is in ``only`` (all when ``None``), in their order.
+    All of one tier, the common case, is one C-level transposition."""
+    if not memory:
+        return []
+    if only is None:
+        ix, tiers, slots = zip(*memory)
+        if tiers.count(tiers[0]) == len(tiers):
+            return [(tiers[0], list(ix), list(slots))]
+    out = []
+    for t in MEMORY_TIERS:
+        sel = [(i, s_) for i, tt, s_ in memory if tt == t and (only is None or i in only)]
+        if sel:
+            out.append((t, [i for i, _ in sel], [s_ for _, s_ in sel]))
+    return out
 
 
 class Completion:
@@ -214,7 +236,9 @@ class Completion:
     def complete_new(self, plan: StorePlan, nv: dict, now: float, c: dict) -> None:
         """Make a plan's new blocks visible (or forget them): the common case
         vectorised, failures and doomed rows one by one."""
-        pending = plan.pending
+        n = len(plan.statuses)
+        every = plan.statuses.count(None) == n  # the call's blocks are all new (the common case)
+        pending = list(range(n)) if every else plan.pending
         if not pending:
             return
         failed_from = (
@@ -222,7 +246,8 @@ class Completion:
             if nv
             else None
         )
-        prows = [plan.rows[i] for i in pending]
+        all_rows = np.array(plan.rows, dtype=np.int64) if every else None  # one conversion, indexed often
+        prows = all_rows if every else [plan.rows[i] for i in pending]
         if failed_from is None and not (self.rows.flags[prows] & DOOMED).any():
             good = pending
         else:
@@ -232,19 +257,20 @@ class Completion:
         in_good = None if len(good) == len(pending) else set(good)
         bb = self.block_bytes
         in_mem: set | None = set() if nv else None
-        for t in MEMORY_TIERS:
-            sel = [(i, s_) for i, tt, s_ in plan.memory if tt == t and (in_good is None or i in in_good)]
-            if not sel:
-                continue
-            rows = [plan.rows[i] for i, _ in sel]
-            self.rows.slot[t][rows] = [s_ for _, s_ in sel]
-            self.rows.flags[rows] |= IN[t]
-            kt = [plan.keys[i] for i, _ in sel]
+        for t, ix, sl in _memory_by_tier(plan.memory, in_good):
+            if all_rows is not None and len(ix) == n and ix == list(range(n)):  # every block of the call
+                rows, kt, at = plan.rows, plan.keys, all_rows
+            else:
+                rows, kt = [plan.rows[i] for i in ix], [plan.keys[i] for i in ix]
+                at = np.array(rows, dtype=np.int64)
+            self.rows.slot[t][at] = sl
+            self.rows.flags[at] |= IN[t]
             self.policies[t].on_insert_many(kt, self.rows.views(rows, kt), now)
             if in_mem is not None:
-                in_mem.update(i for i, _ in sel)
-            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(sel) * bb
-        rows_good = [plan.rows[i] for i in good]
+                in_mem.update(ix)
+            c[_STORE_COUNTER[t]] = c.get(_STORE_COUNTER[t], 0) + len(ix) * bb
+        every = every and len(good) == n
+        rows_good = all_rows if every else [plan.rows[i] for i in good]
         self.rows.flags[rows_good] &= 0xFF ^ PENDING
         if nv:
             on_nvme = [i for i in good if i in nv]
@@ -264,8 +290,11 @@ class Completion:
             for i in good:
                 self.events.add("stored", plan.keys[i], mem.get(i, Tier.NVME))
         st = plan.statuses
-        for i in good:
-            st[i] = Status.OK
+        if every:
+            st[:] = [Status.OK] * n
+        else:
+            for i in good:
+                st[i] = Status.OK
         c["store_ok"] = c.get("store_ok", 0) + len(good)
 
     def complete_failed(

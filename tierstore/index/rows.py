@@ -178,7 +178,8 @@ class RowTable:
 
     def _init(self, rows, flags: int, nid, positions, hint: int, now: float) -> None:
         """Give new rows their first state (``rows`` an int or an index array)."""
-        if np.max(rows, initial=-1) >= self.flags.size - 1:
+        top = rows if isinstance(rows, int) else int(np.maximum.reduce(rows, initial=-1))  # no wrapper
+        if top >= self.flags.size - 1:
             self.grow()
         self.flags[rows] = flags
         self.slot[Tier.HBM][rows] = -1

@@ -30,6 +30,11 @@ Item = tuple[int, Tier, int]
 
 def by_tier(items: Sequence[Item]) -> dict[Tier, tuple[list[int], list[int]]]:
     """``{tier: (positions, slots)}`` of ``(i, tier, slot)`` items, in their order."""
+    if not items:
+        return {}
+    ix, tiers, slots = zip(*items)  # C-level transposition; one tier (the common case) is done
+    if tiers.count(tiers[0]) == len(tiers):
+        return {tiers[0]: (list(ix), list(slots))}
     out: dict[Tier, tuple[list[int], list[int]]] = {}
     for i, tier, slot in items:
         e = out.get(tier)

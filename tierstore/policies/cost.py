@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
+import operator
 import threading
 from typing import TYPE_CHECKING
 
@@ -259,6 +261,9 @@ class CostModel:
         best_k, best_saved, load = 0, 0.0, 0.0
         rate = self.prefill_tokens_per_s
         q = self.prefill_quadratic_s_per_token2
+        k = self._monotone_prefix(load_s, tokens_per_block)
+        if k is not None:
+            return k
         if len(load_s) >= 128:  # below, the loop is cheaper than numpy's per-call cost
             tokens = np.arange(1, len(load_s) + 1, dtype=np.float64) * tokens_per_block
             saved_s = tokens / rate + q * tokens * tokens - np.cumsum(np.asarray(load_s, dtype=np.float64))
@@ -271,6 +276,41 @@ class CostModel:
             if saved > best_saved:
                 best_k, best_saved = i + 1, saved
         return best_k
+
+    #: Relative margin by which a linear ``saved_s`` must rise or fall per block for
+    #: :meth:`_monotone_prefix` to answer: far above the rounding of the loop's sums (a few
+    #: ulp, 2**-52 ~ 2.2e-16, of the largest term per step).
+    MONOTONE_MARGIN = 1e-12
+
+    def _monotone_prefix(self, load_s: list[float], tokens_per_block: int) -> int | None:
+        """:meth:`useful_prefix` in O(1) Python steps when it is decided by an end of the chain.
+
+        With a linear prefill (``prefill_quadratic_s_per_token2 == 0``) and every block after the
+        first costing the same ``x`` (one load call from one tier: :meth:`tier_load_s`),
+        ``saved_s(k)`` changes by ``tokens_per_block / rate - x`` per block: when that step is
+        clearly above (below) the rounding of the sums, the sequence the loop computes rises
+        (falls) strictly, so its first maximum is the last (first) block, kept when positive.
+        Both ends are computed with the loop's own operations in its order, so the answer is the
+        loop's. ``None`` when this does not apply (the caller runs the loop).
+        """
+        m = len(load_s)
+        if m < 2 or self.prefill_quadratic_s_per_token2 != 0.0:
+            return None
+        x = load_s[-1]
+        if load_s.count(x) + (load_s[0] != x) != m:  # the tail is not uniform
+            return None
+        rate = self.prefill_tokens_per_s
+        step = tokens_per_block / rate - x
+        scale = m * tokens_per_block / rate + abs(load_s[0]) + m * abs(x)
+        if not (math.isfinite(step) and math.isfinite(scale)) or abs(step) <= self.MONOTONE_MARGIN * scale:
+            return None
+        q = self.prefill_quadratic_s_per_token2
+        if step > 0:  # rising: the last block's saving decides
+            n = m * tokens_per_block
+            saved = n / rate + q * n * n - functools.reduce(operator.add, load_s, 0.0)
+            return m if saved > 0.0 else 0
+        n = tokens_per_block  # falling: the first block's saving decides
+        return 1 if n / rate + q * n * n - (0.0 + load_s[0]) > 0.0 else 0
 
     def useful_blocks(self, tiers: list[str], block_bytes: int, tokens_per_block: int) -> int:
         """Length ``k`` of the leading run that maximises ``saved_s(k)`` (0 if none saves time)."""

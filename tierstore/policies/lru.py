@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from .base import EntryInfo, EvictionPolicy
@@ -28,15 +28,20 @@ class LRUPolicy(EvictionPolicy):
 
     def on_insert_many(self, keys, entry, now_s: float) -> None:
         od = self._order
-        for k in keys:
+        n0 = len(od)
+        for k in keys:  # a new key goes to the end
             od[k] = None
-            od.move_to_end(k)
+        if len(od) != n0 + len(keys):  # some were present (or repeated): move each to the end
+            deque(map(od.move_to_end, keys), maxlen=0)
 
     def on_access_many(self, keys, entry, now_s: float) -> None:
         od = self._order
-        for k in keys:
-            if k in od:
-                od.move_to_end(k)
+        try:  # hits are present: every move is one C call
+            deque(map(od.move_to_end, keys), maxlen=0)
+        except KeyError:  # one was not: again one by one (the keys end up in the same order)
+            for k in keys:
+                if k in od:
+                    od.move_to_end(k)
 
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
