@@ -787,3 +787,28 @@ def test_new_nvme_blocks_are_classified_per_call_as_the_classifier_would_per_blo
     ix = BlockIndex(IndexShape(4096, 16, nvme_blocks=0), PoliciesConfig(), IndexRuntime(classify=custom))
     plan = ix.prepare_store(b"n" * 32, [_k(i) for i in range(32)])
     assert seen == list(range(32)) and {c for _, c in plan.nvme_new} == {LifetimeClass.MEDIUM}
+
+
+def test_the_chunked_victim_test_agrees_with_the_per_key_one():
+    """Protector.many (a chunk of keys in one pass) keeps exactly the keys that the per-key test
+    keeps: pinned, referenced by a request, held by a plan in flight, absent from the index, or
+    in the caller's set; and a store short of victims takes the same ones through it."""
+    ix = _index(host_blocks=16, nvme=True)
+    ns = bytes(32)
+    keys = [_k(i) for i in range(16)]
+    ix.complete_store(ix.prepare_store(ns, keys))
+    ix.pin(ns, keys[0:2], lease_s=100.0)
+    ix.lookup(keys[4:6], request_id="r")  # referenced until released
+    held = ix.prepare_store(ns, [_k(100)])  # takes a batch of victims: EVICT_HOST until it completes
+    probe = keys + [_k(999)]
+    for extra in (None, {keys[9], _k(999)}):
+        prot = ix.placement.protector(extra, ix._now())
+        assert prot.many(probe).tolist() == [prot(k) for k in probe]
+    per_key = [k for k in keys if not ix.placement.protector(None, ix._now())(k)]
+    assert per_key and not set(per_key) & set(keys[0:2] + keys[4:6])  # some free, none pinned or referenced
+    plan = ix.prepare_store(ns, [_k(200 + i) for i in range(32)])  # short of victims: takes all
+    assert sorted(d.key for d in plan.nvme_demote) == sorted(per_key)
+    ix.abort_store(plan)
+    ix.abort_store(held)
+    ix.release("r")
+    ix.check_invariants(quiescent=True)
