@@ -270,6 +270,22 @@ class RowTable:
             or bool(int(self.flags[row]) & BUSY)
         )
 
+    def protected_many(self, rows: np.ndarray, now: float) -> np.ndarray:
+        """:meth:`protected` of each of ``rows`` (``int64``; -1, a key not in the index, counts
+        as protected) as one ``bool`` array of the same length: one pass per call, not a call
+        per row (a victim search tests whole chunks of a tier's order)."""
+        absent = rows < 0
+        if absent.all():  # none to read (and the arrays may have no row 0 yet)
+            return absent
+        r = np.where(absent, 0, rows)
+        return (
+            absent
+            | (self.refs[r] > 0)
+            | (self.readers[r] > 0)
+            | (self.pin_until[r] > now)
+            | ((self.flags[r] & BUSY) != 0)
+        )
+
     def view(self, row: int, key: bytes | None = None) -> EntryView:
         return EntryView(self, row, key if key is not None else self.table.key_of(row))
 

@@ -57,8 +57,9 @@ class EvictionPolicy(abc.ABC):
 
     name = "abstract"
     #: ``evict(k)`` returns what ``k`` successive ``evict(1)`` calls would (each excluding the keys
-    #: already taken) and changes no state: a caller short of victims may then ask for several at
-    #: once (:func:`tierstore.index.placement.choose_victims`). Off unless a policy says so.
+    #: already taken) and changes no state, and :meth:`evict_upto` answers in one pass: a caller
+    #: short of victims then takes the partial answer from one call
+    #: (:func:`tierstore.index.placement.choose_victims`). Off unless a policy says so.
     evict_is_prefix = False
 
     @abc.abstractmethod
@@ -102,6 +103,34 @@ class EvictionPolicy(abc.ABC):
         NVMe write among the coldest few only, instead of scanning a tier
         whose blocks mostly have no lower copy.
         """
+
+    def evict_upto(
+        self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
+    ) -> list[bytes]:
+        """Up to ``n`` victims: what successive ``evict(1, ..., max_scan + taken)`` calls return,
+        each with the keys taken so far protected, until the first refusal.
+
+        For a tier holding fewer evictable keys than a store needs
+        (:func:`tierstore.index.placement.choose_victims`). This default makes
+        those calls, each of which may scan the policy's order again from its
+        coldest end: a policy that can answer in one pass overrides it (LRU
+        does). ``protected`` may also offer ``protected.many(keys) -> bool
+        array`` (the block index's does): a policy may then test its
+        candidates a chunk at a time. Changes no state.
+        """
+        taken: set = set()
+
+        def one(k: bytes) -> bool:
+            return protected(k) or k in taken
+
+        out: list[bytes] = []
+        while len(out) < n:
+            v = self.evict(1, one, now_s, None if max_scan is None else max_scan + len(taken))
+            if not v:
+                break
+            taken.update(v)
+            out.extend(v)
+        return out
 
     @abc.abstractmethod
     def __len__(self) -> int:

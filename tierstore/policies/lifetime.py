@@ -135,6 +135,29 @@ def default_classify(entry: EntryInfo, now_s: float) -> LifetimeClass:
     return LifetimeClass.SHORT
 
 
+def default_classify_many(hint: np.ndarray, hits: np.ndarray) -> np.ndarray:
+    """:func:`default_classify` of many blocks at once, from their row arrays.
+
+    Parameters
+    ----------
+    hint : numpy.ndarray
+        Engine hint per block (``int8``, a :class:`LifetimeClass` value or -1 for none).
+    hits : numpy.ndarray
+        Lookup hits per block (integer), same length.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64`` :class:`LifetimeClass` values, the same as ``default_classify`` gives per block.
+    """
+    by_hits = np.where(
+        hits >= 2,
+        int(LifetimeClass.LONG),
+        np.where(hits == 1, int(LifetimeClass.MEDIUM), int(LifetimeClass.SHORT)),
+    )
+    return np.where(hint >= 0, hint.astype(np.int64), by_hits).astype(np.int64)
+
+
 class ReuseEntryClassifier:
     """Classify a block from the reuse the index observed on it.
 
