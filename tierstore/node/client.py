@@ -754,7 +754,8 @@ class NodeKVStore:
                 raise TierStoreError(f"node service {self.url} refused the invalidation: {e}") from None
 
     def stats(self) -> dict:
-        """The service's statistics (its store, pool and this session) with a ``client`` section
+        """The service's statistics (its store, pool and this session; on a daemon of several
+        tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
         (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
         ``gen_mismatch``: copies given up because their slot was reused)."""
         import json

@@ -383,7 +383,9 @@ class Invalidate(Request, tag=14):
 
 
 class Stats(Request, tag=15):
-    """The pool's and session's statistics → :class:`StatsReply`."""
+    """The pool's and session's statistics → :class:`StatsReply`: the whole store's for a
+    session of the only tenant (or without tenancy), else the tenant's own usage and the pool's
+    fixed geometry (no figure another tenant's activity moves)."""
 
 
 class Reclaim(Request, tag=16):

@@ -662,16 +662,29 @@ class NodeServer:
         return self._notices(s, P.Count(m.rid, n=n))
 
     def _stats(self, s: _Session, m: P.Stats):
-        out = self.core.stats()
-        out["session"] = {
+        session = {
             "id": s.sid,
             "pid": s.pid,
             "open_tickets": len(s.tickets),
             "holds": len(s.holds),
             "leases": len(s.leases),
-            "sessions": self.sessions(),
             "tenant": s.tenant or None,
         }
+        if self.access is None or self.access.sees_whole_store(s.tenant):
+            out = self.core.stats()
+            session["sessions"] = self.sessions()
+        else:  # several tenants: the tenant's own figures and the pool's fixed geometry, no counts
+            h = self.core.segment.header
+            out = {
+                "tenant": self.access.tenant_stats(s.tenant),
+                "pool": {
+                    "name": self.core.name,
+                    "block_bytes": self.core.layout.bytes_per_block,
+                    "host_slots": h.host_slots,
+                    "staging_slots": h.staging_slots,
+                },
+            }
+        out["session"] = session
         raw = json.dumps(out, default=str).encode()
         if len(raw) > P.MAX_STATS_BYTES:
             raise P.ProtocolError(P.ErrorCode.LIMIT, f"statistics of {len(raw)} bytes")

@@ -280,6 +280,12 @@ class Tenancy:
                 out[owner] = self._used_blocks(owner) * self.block_bytes
             return out
 
+    def owner_usage_bytes(self, owner: str, store) -> int:
+        """Bytes resident of one owner (prunes its evicted keys): :meth:`usage_bytes` of one."""
+        with self._lock:
+            self._prune(owner, store)
+            return self._used_blocks(owner) * self.block_bytes
+
     def invalidated(self, scope: bytes) -> None:
         """Forget ``scope``'s usage (the store made the invalidation durable)."""
         with self._lock:
