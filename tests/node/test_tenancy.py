@@ -186,6 +186,9 @@ def test_a_tenants_stats_over_the_socket_show_its_own_figures_only(daemon):
         }
         assert not moved, moved  # nothing of acme's activity shows in bravo's figures
         assert acme.stats()["tenant"]["usage_bytes"] == acme_before["tenant"]["usage_bytes"] + 3 * BB
+        from tierstore.integrations._common import store_summary  # an engine's start line
+
+        assert "tenant 'bravo'" in store_summary(bravo) and "not answering" not in store_summary(bravo)
     finally:
         acme.close()
         bravo.close()
