@@ -210,7 +210,7 @@ class _Connection:
         the service is closing, :class:`_Refused` for any other ``Error`` reply."""
         rid = next(self.rids)
         try:
-            self.frames.sock.settimeout(timeout_s)
+            self.frames.set_timeout(timeout_s)
             self.frames.send(msg_of(rid))
             reply = self.frames.recv()
         except (OSError, P.ProtocolError) as e:
@@ -238,7 +238,7 @@ class _Connection:
     def close(self, bye: bool) -> None:
         if bye and not self.frames.broken:
             with contextlib.suppress(OSError, P.ProtocolError):
-                self.frames.sock.settimeout(0.5)
+                self.frames.set_timeout(0.5)
                 self.frames.send(P.Bye(0, reason="client closed"))
         self.frames.close()
         self.rows = None

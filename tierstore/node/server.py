@@ -293,7 +293,7 @@ class NodeServer:
 
     def _serve_frames(self, s: _Session) -> None:
         fs = s.frames
-        fs.sock.settimeout(self.cfg.op_timeout_s)
+        fs.set_timeout(self.cfg.op_timeout_s)
         while not self._closing.is_set():
             try:
                 msg = fs.recv()

@@ -195,12 +195,12 @@ class Tenancy:
         cache = self._key_cache.get(owner)
         if cache is None or len(cache) > KEY_CACHE_ENTRIES:
             cache = self._key_cache[owner] = {}  # a racing thread keeps filling the old one: harmless
-        out = []
-        for k in client_keys:
-            sk = cache.get(k)
-            if sk is None:
-                sk = cache[k] = storage_key(ks, k)
-            out.append(sk)
+        out: list = list(map(cache.get, client_keys))  # the hits in C; then the misses one by one
+        if None in out:
+            for i, sk in enumerate(out):
+                if sk is None:
+                    k = client_keys[i]
+                    out[i] = cache[k] = storage_key(ks, k)
         return out
 
     def scoped(
