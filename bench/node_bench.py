@@ -188,15 +188,41 @@ def _latency(lat_s) -> dict:
     }
 
 
+class _Go:
+    """A start signal that is already given (one client: this process)."""
+
+    def wait(self) -> None:
+        pass
+
+
 def _at_once(target, args: tuple, clients: int) -> list[float]:
-    """``clients`` spawned processes run ``target(*args, start)`` at once; their latencies."""
+    """``clients`` spawned processes run ``target(*args, start)`` at once (one client: this
+    process runs it); their latencies."""
+    if clients == 1:
+        return list(target(*args, _Go()))
     ctx = multiprocessing.get_context("spawn")
-    start = ctx.Manager().Event()
-    with ctx.Pool(clients) as pool:
-        jobs = [pool.apply_async(target, (*args, start)) for _ in range(clients)]
-        time.sleep(5)  # the clients import, connect and wait
+    with ctx.Manager() as manager, ctx.Pool(clients) as pool:
+        start, ready = manager.Event(), manager.Semaphore(0)
+        jobs = [pool.apply_async(_ready_then, (target, args, start, ready)) for _ in range(clients)]
+        for _ in range(clients):  # every client imported, connected and waits
+            ready.acquire()
         start.set()
         return list(np.concatenate([np.asarray(j.get()) for j in jobs]))
+
+
+class _Announce:
+    """``start`` for a client: its first ``wait`` tells the driver the client is ready."""
+
+    def __init__(self, start, ready) -> None:
+        self.start, self.ready = start, ready
+
+    def wait(self) -> None:
+        self.ready.release()
+        self.start.wait()
+
+
+def _ready_then(target, args: tuple, start, ready) -> list[float]:
+    return target(*args, _Announce(start, ready))
 
 
 def lookups(args, url: str) -> dict:
