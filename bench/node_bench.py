@@ -417,6 +417,9 @@ def compare(args) -> dict:
                 with Spinners(args.busy if mode == "busy" else 0):
                     raw[mode][name].append(run_tree(args, trees[name]))
                 print(f"{mode} round {i + 1} {name}: {_figures(raw[mode][name][-1])}", flush=True)
+                if args.json:  # what is done so far survives a stopped run
+                    with open(args.json, "w") as f:
+                        json.dump({"trees": trees, "busy_processes": args.busy, "raw": raw}, f)
     table = {
         mode: {
             name: {k: _spread([_figures(m)[k] for m in runs]) for k in _figures(runs[0])}

@@ -158,12 +158,23 @@ class NodeAccess:
         block is its own or of a public namespace only it can write)."""
         return self._tenants <= {tenant}
 
-    def tenant_stats(self, tenant: str) -> dict:
-        """``tenant``'s own figures: resident bytes and quota (:meth:`Tenancy.owner_usage_bytes`)."""
+    def tenant_stats(self, tenant: str, core) -> dict:
+        """A ``Stats`` reply's body for ``tenant`` on a daemon of several tenants: its own
+        resident bytes and quota (:meth:`Tenancy.owner_usage_bytes`) and the pool ``core``'s
+        fixed geometry; no figure that another tenant's activity moves."""
+        h = core.segment.header
         return {
-            "name": tenant,
-            "usage_bytes": self.tenancy.owner_usage_bytes(tenant, self.store),
-            "quota_bytes": self.tenancy.quota_bytes.get(tenant),
+            "tenant": {
+                "name": tenant,
+                "usage_bytes": self.tenancy.owner_usage_bytes(tenant, self.store),
+                "quota_bytes": self.tenancy.quota_bytes.get(tenant),
+            },
+            "pool": {
+                "name": core.name,
+                "block_bytes": core.layout.bytes_per_block,
+                "host_slots": h.host_slots,
+                "staging_slots": h.staging_slots,
+            },
         }
 
     def namespace(self, tenant: str, ns: bytes, write: bool) -> tuple[bytes, bytes]:

@@ -674,16 +674,7 @@ class NodeServer:
             out = self.core.stats()
             session["sessions"] = self.sessions()
         else:  # several tenants: the tenant's own figures and the pool's fixed geometry, no counts
-            h = self.core.segment.header
-            out = {
-                "tenant": self.access.tenant_stats(s.tenant),
-                "pool": {
-                    "name": self.core.name,
-                    "block_bytes": self.core.layout.bytes_per_block,
-                    "host_slots": h.host_slots,
-                    "staging_slots": h.staging_slots,
-                },
-            }
+            out = self.access.tenant_stats(s.tenant, self.core)
         out["session"] = session
         raw = json.dumps(out, default=str).encode()
         if len(raw) > P.MAX_STATS_BYTES:
