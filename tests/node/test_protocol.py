@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import numpy as np
@@ -253,7 +254,7 @@ def test_a_frame_length_outside_the_limit_is_refused_before_reading_it(length):
         with pytest.raises(ProtocolError, match=f"frame of {length} bytes") as e:
             service.recv()
         assert e.value.code is ErrorCode.BAD_FRAME
-        assert len(service._buf) <= 64  # nothing was allocated for it
+        assert len(service._buf) <= P.FRAME_HEADER.size + 64  # nothing was allocated for it
     finally:
         client.close()
         service.close()
@@ -320,9 +321,14 @@ def test_the_largest_request_fits_the_default_frame(pair):
         assert not t.is_alive()
 
 
-def test_a_timeout_before_a_frame_keeps_the_connection_and_inside_one_breaks_it(pair):
+@pytest.mark.parametrize("bound", ["python", "kernel"])
+def test_a_timeout_before_a_frame_keeps_the_connection_and_inside_one_breaks_it(pair, bound):
     client, service = pair
-    service.sock.settimeout(0.05)
+    if bound == "python":
+        service.sock.settimeout(0.05)
+    else:  # SO_RCVTIMEO on a blocking socket: EAGAIN, raised as TimeoutError all the same
+        service.set_timeout(0.05)
+        assert service.sock.gettimeout() is None
     with pytest.raises(TimeoutError):
         service.recv()
     assert not service.broken
@@ -426,3 +432,26 @@ def test_without_msgspec_the_protocol_names_the_extra():
         env=dict(os.environ, PYTHONPATH=os.getcwd()),
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_frames_that_arrive_together_are_decoded_one_by_one_in_order(pair):
+    """One recv may take more than a frame: the rest is kept for the next call, also a frame cut
+    in the middle of its header."""
+    client, service = pair
+    service.set_timeout(5.0)
+    msgs = [P.Poll(1), P.Lookup(2, NS, K3, None, None), P.Stats(3), P.Poll(4)]
+    stream = b"".join(_frame(enc.encode(m)) for m in msgs)
+    client.sock.sendall(stream[: len(stream) - 6])  # the last frame: 2 of its 4 header bytes
+    assert [service.recv() for _ in range(3)] == msgs[:3]
+    threading.Timer(0.1, client.sock.sendall, (stream[len(stream) - 6 :],)).start()
+    assert service.recv() == msgs[3] and not service.broken
+
+
+def test_a_kernel_bounded_send_to_a_peer_that_reads_nothing_times_out_and_breaks(pair):
+    client, service = pair
+    client.set_timeout(0.05)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        for i in range(100_000):  # fills both socket buffers
+            client.send(P.Lookup(i, NS, K3 * 40, None, None))
+    assert time.monotonic() - t0 < 5.0 and client.broken

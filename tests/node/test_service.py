@@ -453,7 +453,7 @@ def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
             assert c.store(NS, _tokens(0, 3), _data(9, 3)) == [Status.OK] * 3
             st, out = c.load(c.lookup(NS, _tokens(0, 3)))
             assert st == [Status.OK] * 3 and _sha(out) == _sha(_data(9, 3))
-            before = c.stats()["blocks"]
+            before = c.stats()["tenant"]["usage_bytes"]  # a daemon of several tenants: its own
         http = RemoteKVStore(d.url, TOKENS["acme"], timeout_s=20)  # the node sessions' tenant
         try:
             assert (
@@ -464,7 +464,7 @@ def test_the_daemon_serves_one_store_over_http_and_the_node_socket(tmp_path):
         finally:
             http.close()
         with NodeKVStore("unix://" + sock, LAYOUT) as c:  # one store: the HTTP blocks count there too
-            assert c.stats()["blocks"] == before + 2
+            assert c.stats()["tenant"]["usage_bytes"] == before + 2 * BB
     finally:
         assert d.stop() == 0
 

@@ -130,6 +130,70 @@ def test_public_namespaces_are_shared_over_both_transports_by_their_rules(daemon
             c.close()
 
 
+def test_key_level_reads_reach_a_public_namespace_as_the_embedded_store_does(daemon):
+    """A block stored under a public namespace hits on key-level calls (load, exists and
+    lookup_keys send no namespace), as it hits through an embedded KVStore; a tenant's private
+    blocks still miss for another tenant."""
+    d, url = daemon
+    from tierstore.identity import Namespace
+
+    pub = Namespace(**PUBLIC_NS)
+    acme, bravo = _node(url, "acme"), _node(url, "bravo")
+    try:
+        assert acme.store(pub, _tokens(9000, 3), _data(11, 3)) == [Status.OK] * 3
+        keys = bravo.keys_for(pub, _tokens(9000, 3))
+        for c in (acme, bravo):  # the writer and a reader
+            hit = c.lookup(pub, _tokens(9000, 3))
+            assert hit.matched_blocks == 3
+            st, out = c.load(hit)  # a LookupResult's keys: a key-level load
+            assert st == [Status.OK] * 3 and _same(out, _data(11, 3))
+            assert c.exists(keys) == 3 and c.lookup_keys(keys).matched_blocks == 3
+            st, out = c.load(keys)
+            assert st == [Status.OK] * 3 and _same(out, _data(11, 3))
+        # a private block of acme's next to them: bravo's key-level calls still miss it
+        assert acme.store(NS, _tokens(9100, 1), _data(12, 1)) == [Status.OK]
+        mine = acme.keys_for(NS, _tokens(9100, 1))
+        assert acme.exists(mine) == 1 and bravo.exists(mine) == 0
+        assert bravo.load(keys + mine)[0] == [Status.OK] * 3 + [Status.MISS]
+    finally:
+        acme.close()
+        bravo.close()
+
+
+def _numbers(tree, path=()) -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _numbers(sub, (*path, key)).items()}
+    return {path: tree} if isinstance(tree, (int, float)) and not isinstance(tree, bool) else {}
+
+
+def test_a_tenants_stats_over_the_socket_show_its_own_figures_only(daemon):
+    """Stats through the socket of a daemon of several tenants: a tenant sees its own usage, and
+    no figure of its reply moves when another tenant stores, looks up and loads."""
+    d, url = daemon
+    acme, bravo = _node(url, "acme"), _node(url, "bravo")
+    try:
+        before, acme_before = bravo.stats(), acme.stats()
+        assert before["tenant"]["name"] == "bravo" and acme_before["tenant"]["name"] == "acme"
+        assert "blocks" not in before and "bytes_per_tier" not in before and "node" not in before
+        assert acme.store(NS, _tokens(9500, 3), _data(13, 3)) == [Status.OK] * 3
+        st, _ = acme.load(acme.lookup(NS, _tokens(9500, 3)))
+        assert st == [Status.OK] * 3
+        after = bravo.stats()
+        moved = {
+            k: (before_v, _numbers(after).get(k))
+            for k, before_v in _numbers(before).items()
+            if k[0] not in ("client",) and _numbers(after).get(k) != before_v
+        }
+        assert not moved, moved  # nothing of acme's activity shows in bravo's figures
+        assert acme.stats()["tenant"]["usage_bytes"] == acme_before["tenant"]["usage_bytes"] + 3 * BB
+        from tierstore.integrations._common import store_summary  # an engine's start line
+
+        assert "tenant 'bravo'" in store_summary(bravo) and "not answering" not in store_summary(bravo)
+    finally:
+        acme.close()
+        bravo.close()
+
+
 def test_the_tenants_byte_quota_is_one_book_for_both_transports(daemon):
     d, url = daemon
     ns = b"q" * 32

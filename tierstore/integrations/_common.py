@@ -279,6 +279,11 @@ def _node_summary(store: NodeKVStore) -> str:
     protocol version) raises :class:`ConfigError` here, at start-up; one that is down is said."""
     st = store.stats()
     node = st.get("node")
+    if node is None and "tenant" in st:  # a tenant of a daemon of several: its own figures only
+        return (
+            f"node service at {store.url}, pool {st['pool']['name']!r} (tenant {st['tenant']['name']!r}: "
+            f"{format_bytes(int(st['tenant']['usage_bytes']))} resident)"
+        )
     if node is None:
         return f"node service at {store.url} not answering (misses until it is up)"
     tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in st.get("bytes_per_tier", {}).items() if n)

@@ -78,6 +78,8 @@ class NodeAccess:
         self.store = store
         self.default_tenant = cfg.node.tenant
         self.max_lease_s = cfg.limits.max_lease_s
+        self._tenants = {t.name for t in cfg.tenants}
+        self._publics: dict[str, list[str]] = {}  # tenant -> public owners it may read
 
     def bind(self, token: str) -> str:
         """The tenant of a session whose ``Hello`` carried ``token`` ("" for none).
@@ -102,7 +104,8 @@ class NodeAccess:
 
     def scoped(self, tenant: str, ns: bytes, keys: Sequence[bytes], write: bool) -> Scoped:
         """``keys`` and ``ns`` of a request of ``tenant``; a read with the all-zero namespace (a
-        key-level call without one) is scoped to the tenant's own keys only.
+        key-level call without one) finds the tenant's own keys and those of the public namespaces
+        it may read (:meth:`_key_level`), never another tenant's.
 
         Raises
         ------
@@ -110,12 +113,69 @@ class NodeAccess:
             ``FORBIDDEN`` for a public namespace the tenant may not read or write.
         """
         if ns == _ZERO_NS and not write:
-            return Scoped(None, self.tenancy.server_keys(tenant, keys), None, tenant)
+            return Scoped(None, self._key_level(tenant, keys), None, tenant)
         try:
             scope, owner, skeys = self.tenancy.scoped(tenant, ns, keys, write)
         except ApiError as e:
             raise _refusal(e) from None
         return Scoped(self.store.digest(scope), skeys, scope, owner)
+
+    def _readable_publics(self, tenant: str) -> list[str]:
+        """Owners (``public:<name>``) of the public namespaces ``tenant`` may read."""
+        owners = self._publics.get(tenant)
+        if owners is None:
+            pubs = {p.name: p for p in self.tenancy.public.values()}  # two digests per namespace
+            owners = self._publics[tenant] = [
+                f"public:{name}"
+                for name, p in sorted(pubs.items())
+                if p.readers == "*" or tenant in p.readers or tenant in p.writers
+            ]
+        return owners
+
+    def _key_level(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Storage keys of a read that names no namespace: the tenant's own key, or, where that is
+        not resident, the key of the first public namespace the tenant may read that holds it
+        (what an embedded store finds under the same key). Another tenant's keys are never tried."""
+        own = self.tenancy.server_keys(tenant, keys)
+        publics = self._readable_publics(tenant)
+        if not publics or not own:
+            return own
+        out = list(own)
+        todo = [i for i, r in enumerate(self.store.resident(own)) if not r]
+        for owner in publics:
+            if not todo:
+                break
+            cand = self.tenancy.server_keys(owner, [keys[i] for i in todo])
+            held = self.store.resident(cand)
+            for i, k, r in zip(todo, cand, held):
+                if r:
+                    out[i] = k
+            todo = [i for i, r in zip(todo, held) if not r]
+        return out
+
+    def sees_whole_store(self, tenant: str) -> bool:
+        """Whether ``tenant``'s statistics may be the whole store's: it is the only tenant (every
+        block is its own or of a public namespace only it can write)."""
+        return self._tenants <= {tenant}
+
+    def tenant_stats(self, tenant: str, core) -> dict:
+        """A ``Stats`` reply's body for ``tenant`` on a daemon of several tenants: its own
+        resident bytes and quota (:meth:`Tenancy.owner_usage_bytes`) and the pool ``core``'s
+        fixed geometry; no figure that another tenant's activity moves."""
+        h = core.segment.header
+        return {
+            "tenant": {
+                "name": tenant,
+                "usage_bytes": self.tenancy.owner_usage_bytes(tenant, self.store),
+                "quota_bytes": self.tenancy.quota_bytes.get(tenant),
+            },
+            "pool": {
+                "name": core.name,
+                "block_bytes": core.layout.bytes_per_block,
+                "host_slots": h.host_slots,
+                "staging_slots": h.staging_slots,
+            },
+        }
 
     def namespace(self, tenant: str, ns: bytes, write: bool) -> tuple[bytes, bytes]:
         """``(store namespace digest, scope)`` of ``ns`` for ``tenant`` (pin, invalidate).

@@ -210,7 +210,7 @@ class _Connection:
         the service is closing, :class:`_Refused` for any other ``Error`` reply."""
         rid = next(self.rids)
         try:
-            self.frames.sock.settimeout(timeout_s)
+            self.frames.set_timeout(timeout_s)
             self.frames.send(msg_of(rid))
             reply = self.frames.recv()
         except (OSError, P.ProtocolError) as e:
@@ -238,7 +238,7 @@ class _Connection:
     def close(self, bye: bool) -> None:
         if bye and not self.frames.broken:
             with contextlib.suppress(OSError, P.ProtocolError):
-                self.frames.sock.settimeout(0.5)
+                self.frames.set_timeout(0.5)
                 self.frames.send(P.Bye(0, reason="client closed"))
         self.frames.close()
         self.rows = None
@@ -749,7 +749,8 @@ class NodeKVStore:
                 raise TierStoreError(f"node service {self.url} refused the invalidation: {e}") from None
 
     def stats(self) -> dict:
-        """The service's statistics (its store, pool and this session) with a ``client`` section
+        """The service's statistics (its store, pool and this session; on a daemon of several
+        tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
         (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
         ``gen_mismatch``: copies given up because their slot was reused)."""
         import json

@@ -292,7 +292,7 @@ class NodeServer:
 
     def _serve_frames(self, s: _Session) -> None:
         fs = s.frames
-        fs.sock.settimeout(self.cfg.op_timeout_s)
+        fs.set_timeout(self.cfg.op_timeout_s)
         while not self._closing.is_set():
             try:
                 msg = fs.recv()
@@ -661,16 +661,20 @@ class NodeServer:
         return self._notices(s, P.Count(m.rid, n=n))
 
     def _stats(self, s: _Session, m: P.Stats):
-        out = self.core.stats()
-        out["session"] = {
+        session = {
             "id": s.sid,
             "pid": s.pid,
             "open_tickets": len(s.tickets),
             "holds": len(s.holds),
             "leases": len(s.leases),
-            "sessions": self.sessions(),
             "tenant": s.tenant or None,
         }
+        if self.access is None or self.access.sees_whole_store(s.tenant):
+            out = self.core.stats()
+            session["sessions"] = self.sessions()
+        else:  # several tenants: the tenant's own figures and the pool's fixed geometry, no counts
+            out = self.access.tenant_stats(s.tenant, self.core)
+        out["session"] = session
         raw = json.dumps(out, default=str).encode()
         if len(raw) > P.MAX_STATS_BYTES:
             raise P.ProtocolError(P.ErrorCode.LIMIT, f"statistics of {len(raw)} bytes")

@@ -238,6 +238,7 @@ class NodeMetrics:
         )
         self._sessions = _SessionsCollector()
         r.register(self._sessions)
+        self._request_children: dict[tuple[str, str], tuple] = {}
 
     def attach(self, server) -> None:
         """Read ``tierstore_node_sessions`` from ``server`` (a ``NodeServer``)."""
@@ -245,8 +246,14 @@ class NodeMetrics:
 
     def request(self, op: str, code: str, seconds: float) -> None:
         """Count one request of message type ``op`` answered with ``code``."""
-        self.requests.labels(op, code).inc()
-        self.request_s.labels(op).observe(seconds)
+        children = self._request_children.get((op, code))
+        if children is None:  # labels() costs a lock and a tuple per call: once per pair
+            children = self._request_children[(op, code)] = (
+                self.requests.labels(op, code),
+                self.request_s.labels(op),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def count_blocks(self, op: str, tenant: str, statuses) -> None:
         """Count blocks of a store outcome or load ticket by status."""

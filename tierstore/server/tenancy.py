@@ -195,12 +195,12 @@ class Tenancy:
         cache = self._key_cache.get(owner)
         if cache is None or len(cache) > KEY_CACHE_ENTRIES:
             cache = self._key_cache[owner] = {}  # a racing thread keeps filling the old one: harmless
-        out = []
-        for k in client_keys:
-            sk = cache.get(k)
-            if sk is None:
-                sk = cache[k] = storage_key(ks, k)
-            out.append(sk)
+        out: list = list(map(cache.get, client_keys))  # the hits in C; then the misses one by one
+        if None in out:
+            for i, sk in enumerate(out):
+                if sk is None:
+                    k = client_keys[i]
+                    out[i] = cache[k] = storage_key(ks, k)
         return out
 
     def scoped(
@@ -279,6 +279,12 @@ class Tenancy:
                 self._prune(owner, store)
                 out[owner] = self._used_blocks(owner) * self.block_bytes
             return out
+
+    def owner_usage_bytes(self, owner: str, store) -> int:
+        """Bytes resident of one owner (prunes its evicted keys): :meth:`usage_bytes` of one."""
+        with self._lock:
+            self._prune(owner, store)
+            return self._used_blocks(owner) * self.block_bytes
 
     def invalidated(self, scope: bytes) -> None:
         """Forget ``scope``'s usage (the store made the invalidation durable)."""
