@@ -99,11 +99,11 @@ def _summary(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-def _child(tree: pathlib.Path, cls: str, total: int) -> dict:
-    """One pass in a child process whose ``tierstore`` is ``tree``'s."""
+def _child(tree: pathlib.Path, classes: str, total: int) -> dict:
+    """One pass of each class in a child process whose ``tierstore`` is ``tree``'s."""
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{STUBS}")
     r = subprocess.run(
-        [sys.executable, __file__, "--child", cls, "--total", str(total)],
+        [sys.executable, __file__, "--child", classes, "--total", str(total)],
         env=env,
         capture_output=True,
         text=True,
@@ -128,25 +128,28 @@ def main(argv=None) -> int:
 
     total = parse_size(args.total, "total")
     if args.child:
-        print(json.dumps(_pass(args.child, total, False)))
+        print(json.dumps({c: _pass(c, total, False) for c in args.child.split(",")}))
         return 0
     here = HERE.parent
     res: dict = {
         "config": {**vars(args), "total_bytes": total, "loadavg_start": os.getloadavg(), "tree": str(here)},
         "classes": {},
     }
-    for cls in args.classes.split(","):
-        runs: list[dict] = []
-        for r in range(args.runs):
-            if args.base:
-                order = [("base", pathlib.Path(args.base)), ("this", here)]
-                if r % 2:
-                    order.reverse()
-                one = {name: _child(tree, cls, total) for name, tree in order}
-            else:
-                one = {"this": _pass(cls, total, False)}
-            one["loadavg"] = os.getloadavg()[0]
-            runs.append(one)
+    classes = args.classes.split(",")
+    by_class: dict[str, list[dict]] = {c: [] for c in classes}
+    for r in range(args.runs):  # each child runs every class: SGLang's import is paid once a run
+        if args.base:
+            order = [("base", pathlib.Path(args.base)), ("this", here)]
+            if r % 2:
+                order.reverse()
+            got = {name: _child(tree, args.classes, total) for name, tree in order}
+        else:
+            got = {"this": {c: _pass(c, total, False) for c in classes}}
+        load = os.getloadavg()[0]
+        for cls in classes:
+            one = {name: g[cls] for name, g in got.items()}
+            one["loadavg"] = load
+            by_class[cls].append(one)
             print(
                 f"[{cls} run {r + 1}/{args.runs}] "
                 + "  ".join(
@@ -154,9 +157,11 @@ def main(argv=None) -> int:
                     for k, v in one.items()
                     if isinstance(v, dict)
                 )
-                + f"  (load {one['loadavg']:.2f})",
+                + f"  (load {load:.2f})",
                 flush=True,
             )
+    for cls in classes:
+        runs = by_class[cls]
         out: dict = {
             "pages": runs[0]["this"]["pages"],
             "page_bytes": runs[0]["this"]["page_bytes"],
