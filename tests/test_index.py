@@ -723,3 +723,25 @@ def test_victims_short_of_the_need_are_taken_in_runs_from_an_lru_tier():
     runs = choose_victims(evict, 256, 1, pinned.__contains__, None, prefix=True)
     assert runs == one_by_one == [k for k in keys if k not in pinned]
     assert singles == 2 + 52 and len(calls) <= 2 * 9  # the refused evict(256), 52 picks, a refused one
+
+
+def test_a_load_holds_and_releases_per_call_a_key_given_twice_a_miss_and_a_removed_block():
+    """prepare_load / complete_load over a whole call (one gather, one release): a key given
+    twice is held twice and released twice, a miss holds nothing, and a block removed while the
+    load held it is freed when the load completes, not before."""
+    ix = _index(host_blocks=4)
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1), _k(2)]))
+    plan = ix.prepare_load([_k(1), _k(9), _k(1), _k(2)])
+    assert plan.rows[1] == -1 and plan.sources[1] is None
+    assert [s[0] if s else None for s in plan.sources] == [Tier.HOST, None, Tier.HOST, Tier.HOST]
+    r1, r2 = plan.rows[0], plan.rows[3]
+    assert plan.rows[2] == r1 and ix.rows.readers[r1] == 2 and ix.rows.readers[r2] == 1
+    assert ix.remove([_k(2)]) == 1  # doomed while read: its slot stays until the load completes
+    assert r2 in ix.rows.doomed
+    free_before = ix.placement.alloc[Tier.HOST].free
+    assert ix.complete_load(plan, [Status.OK, Status.MISS, Status.OK, Status.OK]) is None
+    assert ix.rows.readers[r1] == 0 and r2 not in ix.rows.doomed
+    assert ix.placement.alloc[Tier.HOST].free == free_before + 1
+    assert ix.metrics.snapshot()["loaded_blocks"] == 1
+    ix.check_invariants(quiescent=True)
