@@ -120,3 +120,17 @@ def test_digest_cache_is_bounded_and_scoped():
         c(i.to_bytes(32, "little"))
     assert len(c._digests) <= DigestCache.MAX_ENTRIES
     assert DigestCache()(d) == d  # unscoped: a ready digest is returned as is
+
+
+def test_scoped_keys_of_a_batch_are_scoped_key_of_each():
+    from tierstore.errors import ConfigError
+    from tierstore.identity import scoped_key, scoped_keys
+
+    d = bytes(range(32))
+    keys = ["a" * 64, b"\x01\x02", "ü", "x"]
+    assert scoped_keys(d, keys) == [scoped_key(d, k) for k in keys]
+    assert scoped_keys(d, []) == []
+    with pytest.raises(ConfigError):
+        scoped_keys(d, ["ok", ""])
+    with pytest.raises(ConfigError):
+        scoped_keys(d[:31], ["ok"])

@@ -812,3 +812,25 @@ def test_the_chunked_victim_test_agrees_with_the_per_key_one():
     ix.abort_store(held)
     ix.release("r")
     ix.check_invariants(quiescent=True)
+
+
+def test_a_load_holds_and_releases_per_call_a_key_given_twice_a_miss_and_a_removed_block():
+    """prepare_load / complete_load over a whole call (one gather, one release): a key given
+    twice is held twice and released twice, a miss holds nothing, and a block removed while the
+    load held it is freed when the load completes, not before."""
+    ix = _index(host_blocks=4)
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1), _k(2)]))
+    plan = ix.prepare_load([_k(1), _k(9), _k(1), _k(2)])
+    assert plan.rows[1] == -1 and plan.sources[1] is None
+    assert [s[0] if s else None for s in plan.sources] == [Tier.HOST, None, Tier.HOST, Tier.HOST]
+    r1, r2 = plan.rows[0], plan.rows[3]
+    assert plan.rows[2] == r1 and ix.rows.readers[r1] == 2 and ix.rows.readers[r2] == 1
+    assert ix.remove([_k(2)]) == 1  # doomed while read: its slot stays until the load completes
+    assert r2 in ix.rows.doomed
+    free_before = ix.placement.alloc[Tier.HOST].free
+    assert ix.complete_load(plan, [Status.OK, Status.MISS, Status.OK, Status.OK]) is None
+    assert ix.rows.readers[r1] == 0 and r2 not in ix.rows.doomed
+    assert ix.placement.alloc[Tier.HOST].free == free_before + 1
+    assert ix.metrics.snapshot()["loaded_blocks"] == 1
+    ix.check_invariants(quiescent=True)

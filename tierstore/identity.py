@@ -318,3 +318,28 @@ def scoped_key(ns_digest: bytes, external_key: bytes | str) -> BlockKey:
     h.update(ns_digest)
     h.update(raw)
     return h.digest()
+
+
+def scoped_keys(ns_digest: bytes, external_keys: Sequence[bytes | str]) -> list[BlockKey]:
+    """:func:`scoped_key` of every key of a batch, in one pass: the domain and namespace are
+    hashed once and each key continues a copy of that state (the same digests).
+
+    Raises
+    ------
+    ConfigError
+        As :func:`scoped_key`, for the namespace or any key.
+    """
+    if not isinstance(ns_digest, (bytes, bytearray)) or len(ns_digest) != 32:
+        raise ConfigError("ns_digest must be a 32-byte namespace digest")
+    base = hashlib.sha256(_EXTERNAL_DOMAIN)
+    base.update(ns_digest)
+    out: list[BlockKey] = []
+    append, copy = out.append, base.copy
+    for k in external_keys:
+        raw = k.encode("utf-8") if isinstance(k, str) else bytes(k)
+        if not raw:
+            raise ConfigError("external_key is empty")
+        h = copy()
+        h.update(raw)
+        append(h.digest())
+    return out

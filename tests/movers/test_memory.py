@@ -1,5 +1,5 @@
 """The memory handler on CPU BlockPools: slot copies in plan order, engine gathers and scatters
-(per block and the BlockRows one-copy-per-tier path), the load gate, promotions."""
+(per block, and the BlockRows and PageBatch batches moved per tier at once), the load gate, promotions."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tierstore.contract import Demotion, Tier
-from tierstore.errors import Status
-from tierstore.io.pages import BlockRows, FragmentPlan
+from tierstore.errors import LayoutError, Status
+from tierstore.io.pages import BlockRows, FragmentPlan, KVPagePool
 from tierstore.movers import LoadGate, MemoryHandler
 from tierstore.tiers.memory import BlockPool
 
@@ -136,3 +136,63 @@ def test_the_gate_refuses_copies_past_its_deadline_before_anyone_closes_it():
     with gate.enter([1]) as ok:
         assert not ok
     assert gate.close() == {0}
+
+
+def page_pool(n: int, seed: int) -> tuple[torch.Tensor, KVPagePool]:
+    """An SGLang ``page_first``-like pool ``(2, n, BB // 2)``: a block is two strided halves (K, V)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (2, n, BB // 2), dtype=torch.uint8, generator=g)
+    return buf, KVPagePool([buf], block_dim=1, kv_dim=0)
+
+
+def block_bytes(buf: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.cat([buf[0, b], buf[1, b]])
+
+
+@pytest.mark.parametrize(
+    "ids, slots",
+    [
+        ([2, 3, 4, 5], [1, 2, 3, 4]),  # one run on both sides: one copy
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        ([9, 1, 4, 0, 7], [5, 0, 7, 2, 3]),  # no runs: one gather
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 0, 1, 2, 3, 4, 5, 6, 7]),  # short runs: a gather
+        (list(range(20)), list(range(20, 30)) + list(range(10))),  # two long runs: two copies
+    ],
+)
+def test_a_page_batch_moves_like_its_blocks_one_by_one(ids, slots):
+    """A PageBatch (blocks of a page pool by id) lands in and comes back from the slots as
+    the per-block plans would move it, whichever of the run copy / gather paths it takes."""
+    host = BlockPool("host", 30, BB)
+    memory = MemoryHandler({Tier.HOST: host})
+    buf, pool = page_pool(30, 5)
+    items = [(i, Tier.HOST, s) for i, s in enumerate(slots)]
+    memory.view = no_view
+    memory.gather(pool.batch(ids), items)
+    del memory.view
+    for b, s in zip(ids, slots):
+        assert torch.equal(host.view(s), block_bytes(buf, b))
+    out_buf, out = page_pool(30, 6)
+    before = out_buf.clone()
+    dst_ids = [29 - b for b in ids]
+    st = [Status.MISS] * len(ids)
+    memory.view = no_view
+    memory.scatter(out.batch(dst_ids, destination=True), items, None, st)
+    del memory.view
+    assert st == [Status.OK] * len(ids)
+    for b, d in zip(ids, dst_ids):
+        assert torch.equal(block_bytes(out_buf, d), block_bytes(buf, b))
+    untouched = sorted(set(range(30)) - set(dst_ids))
+    assert torch.equal(out_buf[:, untouched], before[:, untouched])
+
+
+def test_a_page_batch_is_checked_once_and_refuses_what_plans_refuses():
+    _buf, pool = page_pool(6, 7)
+    with pytest.raises(LayoutError, match="more than once"):
+        pool.batch([1, 2, 1], destination=True)
+    with pytest.raises(LayoutError, match="outside"):
+        pool.batch([0, 6])
+    with pytest.raises(LayoutError, match="not an integer"):
+        pool.batch([0.0, 1.0])
+    assert len(pool.batch([1, 2, 1])) == 3  # reading a block twice is fine
+    b = pool.batch([4, 0])
+    assert torch.equal(b[1].strided, pool.plan(0).strided) and b[0:2][0] is b[0]

@@ -161,7 +161,58 @@ class Completion:
         self, plan: LoadPlan, statuses: Sequence[Status], promote: bool, nvme_s: float | None
     ) -> list:
         """Body of :meth:`BlockIndex.complete_load`: release the holds, record the outcome. Returns the
-        loaded blocks worth promoting, ``(i, row, source tier)``."""
+        loaded blocks worth promoting, ``(i, row, source tier)``. Without an I/O error the holds
+        are released for the whole call at once; a load with one goes block by block."""
+        if Status.IO_ERROR in statuses:
+            return self._finish_load_each(plan, statuses, promote, nvme_s)
+        held = [i for i, src in enumerate(plan.sources) if src is not None]
+        lead = 0
+        for s in statuses:
+            if s is not Status.OK:
+                break
+            lead += 1
+        c: dict = {}
+        nvme_ok = 0
+        promos: list = []
+        if held:
+            rows = np.asarray(plan.rows, dtype=np.int64)[held]
+            readers = self.rows.readers
+            np.subtract.at(readers, rows, 1)  # a key given twice was held twice
+            if (readers[rows] < 0).any():
+                raise InvariantError("readers went negative")
+            tiers = [plan.sources[i][0] for i in held]  # type: ignore[index]  # held: not None
+            for t in set(tiers):
+                c[f"load_bytes_{t.label}"] = tiers.count(t) * self.block_bytes
+            if Tier.NVME in tiers:
+                nvme_ok = sum(1 for i, t in zip(held, tiers) if t == Tier.NVME and statuses[i] is Status.OK)
+            rl = rows.tolist()
+            if promote:
+                flags = self.rows.flags
+                promos = [
+                    (i, r, t)
+                    for i, r, t in zip(held, rl, tiers)
+                    if t != Tier.HBM and statuses[i] is Status.OK and not flags[r] & DOOMED
+                ]
+            doomed = self.rows.doomed
+            for r in [r for r in rl if r in doomed] if doomed else ():
+                self.maybe_free_doomed(r)
+        self._count_load(c, lead, nvme_ok, nvme_s)
+        return promos
+
+    def _count_load(self, c: dict, lead: int, nvme_ok: int, nvme_s: float | None) -> None:
+        # Metrics count the leading run only: that is what the engine uses.
+        c["loaded_blocks"] = lead
+        c["reused_tokens"] = lead * self.tokens_per_block
+        c["nvme_read_bytes"] = nvme_ok * self.block_bytes
+        self.metrics.add(c)
+        if nvme_s is not None and nvme_ok:
+            self.cost.observe_load("nvme", nvme_ok * self.block_bytes, nvme_s, nvme_ok)
+
+    def _finish_load_each(
+        self, plan: LoadPlan, statuses: Sequence[Status], promote: bool, nvme_s: float | None
+    ) -> list:
+        """:meth:`finish_load` block by block (a load with an I/O error: each failed NVMe block
+        is dropped once its hold is released)."""
         c: dict = {}
         lead = 0
         for s in statuses:
@@ -191,13 +242,7 @@ class Completion:
                     self._nvme_out(plan.keys[i])
                     self.forget_if_empty(r, plan.keys[i])
             self.maybe_free_doomed(r)
-        # Metrics count the leading run only: that is what the engine uses.
-        c["loaded_blocks"] = lead
-        c["reused_tokens"] = lead * self.tokens_per_block
-        c["nvme_read_bytes"] = nvme_ok * self.block_bytes
-        self.metrics.add(c)
-        if nvme_s is not None and nvme_ok:
-            self.cost.observe_load("nvme", nvme_ok * self.block_bytes, nvme_s, nvme_ok)
+        self._count_load(c, lead, nvme_ok, nvme_s)
         return promos
 
     def finish_promote(self, plan: PromotePlan, ok: Sequence[bool], now: float) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
+from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
@@ -152,26 +152,35 @@ def _new_blocks(keys: Sequence[bytes], rows: np.ndarray, statuses: list) -> list
     return uniq
 
 
+#: A row's tier by its number (``RowTable.tops``).
+_TIERS = (Tier.HBM, Tier.HOST, Tier.NVME)
+
+
 def _hold_sources(rt: RowTable, plan: LoadPlan, reading: dict[int, threading.Event]) -> None:
     """Under the index lock: ``plan.sources`` of a new load plan, each source row held as a reader
     (``plan.rows[i]``: -1 for a key not resident); an NVMe source joins the read in flight of its
-    row (``reading``, a delay hit: ``plan.waits``) or leads a new one (``plan.leads``)."""
-    top, readers, slot, rows = rt.top, rt.readers, rt.slot, plan.rows
-    for i, r in enumerate(rows):
-        t = top(r) if r >= 0 else None
-        if t is None:
-            plan.sources.append(None)
-            rows[i] = -1
-            continue
-        readers[r] += 1
-        plan.sources.append((t, int(slot[t][r]) if t != Tier.NVME else -1))
-        if t == Tier.NVME:
-            ev = reading.get(r)
-            if ev is not None:
-                plan.waits.append(ev)
-            else:
-                reading[r] = threading.Event()
-                plan.leads.append(r)
+    row (``reading``, a delay hit: ``plan.waits``) or leads a new one (``plan.leads``). One gather
+    of the rows' tiers and slots for the whole call; only NVMe sources are visited one by one."""
+    rows = np.asarray(plan.rows, dtype=np.int64)
+    tops = rt.tops(rows)  # -1: absent, pending, doomed or nothing readable
+    rows[tops < 0] = -1
+    held = rows[tops >= 0]
+    if held.size:
+        np.add.at(rt.readers, held, 1)  # a key given twice is held twice, as it is released
+    slots = np.full(rows.size, -1, dtype=np.int64)
+    for t in MEMORY_TIERS:
+        sel = tops == t
+        if sel.any():
+            slots[sel] = rt.slot[t][rows[sel]]
+    plan.rows = rows.tolist()
+    plan.sources = [None if t < 0 else (_TIERS[t], s) for t, s in zip(tops.tolist(), slots.tolist())]
+    for r in rows[tops == Tier.NVME].tolist():
+        ev = reading.get(r)
+        if ev is not None:
+            plan.waits.append(ev)
+        else:
+            reading[r] = threading.Event()
+            plan.leads.append(r)
 
 
 class BlockIndex:
@@ -553,11 +562,10 @@ class BlockIndex:
         now = self._now()
         with self._lock:
             self._close(plan, "complete_load")
+            promote = promote and self.settings.promotion != "none"
             promos = self.completion.finish_load(plan, statuses, promote, nvme_s)
             self._idle.notify_all()
-            promo = None
-            if promos and self.settings.promotion != "none":
-                promo = self.placement.plan_promotions(promos, now)
+            promo = self.placement.plan_promotions(promos, now) if promos else None
             if promo is None:
                 self._end_reads(plan)
             else:  # followers wait until the promoted copies are in place

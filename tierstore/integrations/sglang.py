@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from ..api import KVStoreProtocol
 from ..config import StoreConfig
 from ..errors import ConfigError, LayoutError, Status, StoreClosedError
-from ..identity import Namespace, scoped_key
+from ..identity import Namespace, scoped_keys
 from ..io.label import resolve_nvme_path
 from ..io.pages import FragmentPlan, KVPagePool
 from ..layout import KVLayout, dtype_name
@@ -514,8 +514,7 @@ class HiCacheTierStore(HiCacheStorage):
         return store, view, view.page_ids(host_indices, len(keys))
 
     def _keys(self, keys: list[str]) -> list[bytes]:
-        d = self._digest
-        return [scoped_key(d, k) for k in keys]
+        return scoped_keys(self._digest, keys)  # type: ignore[arg-type]  # set with the store
 
     @staticmethod
     def _position(extra_info: HiCacheStorageExtraInfo | None) -> int:
@@ -574,7 +573,7 @@ class HiCacheTierStore(HiCacheStorage):
         st = store.store_keys(
             self.namespace,
             skeys,
-            view.pages.plans(ids),
+            view.pages.batch(ids),
             lifetime=self.lifetime_hint,
             first_position=self._position(extra_info),
         )
@@ -608,7 +607,7 @@ class HiCacheTierStore(HiCacheStorage):
         try:
             hit = store.lookup_keys(self._keys(keys), request_id=rid)
             n = hit.matched_blocks
-            st = store.load_fragments(hit.keys, view.pages.plans(ids[:n], destination=True)) if n else []
+            st = store.load_fragments(hit.keys, view.pages.batch(ids[:n], destination=True)) if n else []
         finally:
             store.release(rid)
         dt = time.perf_counter() - t0

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LayoutError, Status
 from ..layout import KVLayout
-from .pages import BlockRows, FragmentPlan, check_distinct_destinations, plan_fragments
+from .pages import BlockRows, FragmentPlan, PageBatch, check_distinct_destinations, plan_fragments
 
 
 def check_keys(keys) -> list[bytes]:
@@ -109,14 +109,36 @@ def plan_block(frags, layout: KVLayout, *, destination: bool) -> FragmentPlan:
     return plan
 
 
+def check_page_batch(batch: PageBatch, layout: KVLayout, *, destination: bool) -> PageBatch:
+    """Check a :class:`PageBatch` against ``layout`` once (its blocks are alike: one pool, ids
+    checked when it was made); a batch made for reading is refused as a destination.
+
+    Raises
+    ------
+    LayoutError
+        As :func:`plan_block` for one of its blocks.
+    """
+    if destination and not batch.destination:
+        raise LayoutError(
+            "this plan was made for reading; plan destinations with destination=True "
+            "(e.g. KVPagePool.batch(block_ids, destination=True))"
+        )
+    if len(batch):
+        plan_block(batch[0], layout, destination=destination)
+    return batch
+
+
 def plan_sources(blocks, layout: KVLayout) -> Sequence[FragmentPlan]:
     """Plan each block's bytes as a copy source; checks sizes before anything is stored.
 
     A tensor of blocks (``(n, *layout.block_shape)`` of the layout's dtype,
     or ``(n, bytes_per_block)`` uint8) becomes one :class:`BlockRows`
     (checked once, copied into memory tiers with one copy per tier); a
-    single 1-D tensor is one block; other sequences are planned per block.
+    :class:`PageBatch` is checked once; a single 1-D tensor is one block;
+    other sequences are planned per block.
     """
+    if isinstance(blocks, PageBatch):
+        return check_page_batch(blocks, layout, destination=False)
     refuse_numpy(blocks, "kv_blocks")
     bb = layout.bytes_per_block
     if isinstance(blocks, torch.Tensor) and blocks.dim() > 1 and blocks.shape[0] == 0:
@@ -236,7 +258,7 @@ def plan_destinations(
     return plans, finish
 
 
-def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayout) -> list[FragmentPlan]:
+def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayout) -> Sequence[FragmentPlan]:
     """Plan the destinations of a fragment load of ``n`` blocks (``load_fragments``): per block its
     fragments or a :class:`FragmentPlan` (:func:`plan_block`), no two writing the same bytes.
 
@@ -245,6 +267,10 @@ def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayou
     LayoutError
         Not one destination per block, a wrong fragment count or size, or overlapping destinations.
     """
+    if isinstance(dest_fragments_per_block, PageBatch):  # distinct ids: checked when it was made
+        if len(dest_fragments_per_block) != n:
+            raise LayoutError(f"{n} blocks to load but {len(dest_fragments_per_block)} destinations")
+        return check_page_batch(dest_fragments_per_block, layout, destination=True)
     dests = list(dest_fragments_per_block)
     if len(dests) != n:
         raise LayoutError(f"{n} blocks to load but {len(dests)} destinations")
@@ -255,6 +281,7 @@ def plan_fragment_destinations(n: int, dest_fragments_per_block, layout: KVLayou
 
 __all__ = [
     "check_keys",
+    "check_page_batch",
     "check_start_block",
     "destination_bytes",
     "plan_block",

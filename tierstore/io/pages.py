@@ -229,6 +229,9 @@ class BlockRows(Sequence[FragmentPlan]):
 
     __slots__ = ("rows", "destination", "_plans")
 
+    #: Block ``i`` of the batch is ``rows[i]`` (a :class:`PageBatch` maps it through its ids).
+    row_ids: Sequence[int] | None = None
+
     def __init__(self, rows: torch.Tensor, destination: bool = False) -> None:
         if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
             raise LayoutError(
@@ -534,6 +537,53 @@ class KVPagePool:
             raise LayoutError(f"destination block ids given more than once: {dup[:8]}")
         return [self.plan(b, destination) for b in ids]
 
+    def batch(self, block_ids: Sequence[int], destination: bool = False) -> Sequence[FragmentPlan]:
+        """The blocks ``block_ids`` as one :class:`PageBatch`: checked once, moved between the pool
+        and a memory tier with one copy per run of consecutive blocks (or one gather) instead of
+        one per block. A pool that is not affine (:attr:`affine`) gives :meth:`plans`' list.
+
+        Raises
+        ------
+        LayoutError
+            As :meth:`plans`.
+        """
+        if self._base is None:
+            return self.plans(block_ids, destination)
+        arr = np.asarray(block_ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            return self.plans(block_ids, destination)  # names the bad id (or a bool/float)
+        ids = arr.astype(np.int64, copy=False)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
+            raise LayoutError(f"block id {bad} outside the pool's [0, {self.num_blocks})")
+        if destination:
+            if self._overlap is not None:
+                raise LayoutError(f"cannot scatter into this pool: {self._overlap}")
+            uniq, counts = np.unique(ids, return_counts=True)
+            if uniq.size != ids.size:
+                raise LayoutError(
+                    f"destination block ids given more than once: {uniq[counts > 1][:8].tolist()}"
+                )
+        return PageBatch(self, ids.tolist(), destination)
+
+    def blocks_view(self) -> torch.Tensor:
+        """The whole pool as one ``(num_blocks, num_layers, num_kv, fragment_bytes)`` uint8 view
+        (block ``b`` is ``[b]``, the view :meth:`plan` makes); affine pools only.
+
+        Raises
+        ------
+        LayoutError
+            For a pool that is not affine.
+        """
+        base = self._base
+        if base is None:
+            raise LayoutError("the pool's layers are separate allocations: no one view of its blocks")
+        return base.as_strided(
+            (self.num_blocks, self.num_layers, self.num_kv, self.fragment_bytes),
+            (self._block_stride, self._layer_stride, self._kv_stride, 1),
+            base.storage_offset(),
+        )
+
     def _check_id(self, block_id: Any) -> int:
         try:
             if isinstance(block_id, bool):
@@ -544,6 +594,49 @@ class KVPagePool:
         if not 0 <= b < self.num_blocks:
             raise LayoutError(f"block id {b} outside the pool's [0, {self.num_blocks})")
         return b
+
+
+class PageBatch(Sequence[FragmentPlan]):
+    """Blocks of one affine :class:`KVPagePool` by id (:meth:`KVPagePool.batch`), checked once.
+
+    A sequence of per-block :class:`FragmentPlan` (made when one is asked for: the NVMe and
+    remote paths), and the whole batch as :attr:`rows` with :attr:`row_ids`: block ``i`` is
+    ``rows[row_ids[i]]``, so the mover moves a call's blocks between the pool and a memory
+    tier's slots with one copy per run, or one gather (:mod:`tierstore.movers.memory`).
+
+    Attributes
+    ----------
+    rows : torch.Tensor
+        :meth:`KVPagePool.blocks_view`: ``(num_blocks, num_layers, num_kv, fragment_bytes)`` uint8.
+    row_ids : list of int
+        The pool's block id of each block of the batch (checked in bounds, and distinct for
+        destinations).
+    destination : bool
+        The blocks will be written (loads).
+    nbytes : int
+        Bytes of one block.
+    """
+
+    __slots__ = ("pool", "rows", "row_ids", "destination", "nbytes", "_plans")
+
+    def __init__(self, pool: KVPagePool, row_ids: list[int], destination: bool) -> None:
+        self.pool = pool
+        self.rows = pool.blocks_view()
+        self.row_ids = row_ids
+        self.destination = destination
+        self.nbytes = pool.block_bytes
+        self._plans: dict[int, FragmentPlan] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self._plans.get(i)
+        if p is None:
+            p = self._plans[i] = self.pool.plan(self.row_ids[i], self.destination)
+        return p
 
 
 def check_distinct_destinations(plans: Sequence[FragmentPlan]) -> None:

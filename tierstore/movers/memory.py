@@ -2,11 +2,12 @@
 
 It knows the memory tiers' pools (``Mapping[Tier, BlockPool]``) and nothing else: no index, no
 plan beyond the ``(tier, slot)`` items a plan carries. One copy each: a block is gathered straight
-from the engine's pages into its slot and scattered straight back; a :class:`~tierstore.io.pages.
-BlockRows` batch (the engine's blocks as rows of one tensor) is one slice copy or one
-``index_copy_`` per tier. Every memory copy of the store passes through :meth:`MemoryHandler.view`,
-and runs through a :class:`~tierstore.io.copies.Copier` (one OpenMP thread per copying thread, a
-call's blocks claimed by the caller and a few copy threads: copies that a busy host does not stall).
+from the engine's pages into its slot and scattered straight back; a batch (``BlockRows``, the
+engine's blocks as rows of one tensor; ``PageBatch``, blocks of an engine's page pool by id) moves
+per tier with one copy per run of consecutive rows and slots, or one gather. Every memory copy
+of the store passes through :meth:`MemoryHandler.view` or a batch's rows, and runs through a
+:class:`~tierstore.io.copies.Copier` (one OpenMP thread per copying thread, a call's blocks
+claimed by the caller and a few copy threads: copies that a busy host does not stall).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..contract import Demotion, Tier
@@ -45,18 +47,28 @@ def by_tier(items: Sequence[Item]) -> dict[Tier, tuple[list[int], list[int]]]:
     return out
 
 
-#: Rows at least this long move one copy each rather than through ``index_select`` +
-#: ``index_copy_`` (which copies twice; for tiny rows one C call beats per-row Python).
+#: Rows at least this long move one copy per run rather than through one numpy gather (which
+#: copies each row twice; for small rows one C call beats a Python call per run).
 _ROW_COPY_BYTES = 64 << 10
+#: Runs of consecutive rows (on both sides) at least this long on average move one copy per run;
+#: shorter ones (scattered host pages, fragmented slots) go through one gather.
+_RUN_ROWS = 8
 
 
-def _consecutive(ix: list[int]) -> bool:
-    return ix == list(range(ix[0], ix[0] + len(ix)))
+def runs_of(dst_ix: Sequence[int], src_ix: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(dst_start, src_start, length)`` of the maximal runs in which both index lists step by one."""
+    d = np.asarray(dst_ix, dtype=np.int64)
+    s = np.asarray(src_ix, dtype=np.int64)
+    cut = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    lengths = np.diff(np.concatenate((starts, [d.size])))
+    return list(zip(d[starts].tolist(), s[starts].tolist(), lengths.tolist()))
 
 
-def _copy_row(dst: torch.Tensor, src: torch.Tensor, pair: tuple[int, int]) -> None:
-    """``dst[pair[1]] = src[pair[0]]``: one row of a row move."""
-    dst[pair[1]].copy_(src[pair[0]])
+def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: tuple[int, int, int]) -> None:
+    """``dst[a:a+k] = src[b:b+k]`` for ``run = (a, b, k)``."""
+    a, b, k = run
+    dst[a : a + k].copy_(src[b : b + k])
 
 
 class MemoryHandler:
@@ -101,11 +113,12 @@ class MemoryHandler:
     def gather(self, sources: Sequence[FragmentPlan | None], items: Sequence[Item]) -> None:
         """Engine bytes into slots: ``sources[i]`` into ``(tier, slot)`` for each item.
 
-        A ``BlockRows`` batch (``sources.rows``) of more than one item is one copy per tier.
+        A ``BlockRows`` or ``PageBatch`` (``sources.rows``) of more than one item moves per tier at
+        once (:meth:`_move_rows`).
         """
         rows = getattr(sources, "rows", None)
         if rows is not None and len(items) > 1:
-            self._move_rows(rows, items, to_slots=True)
+            self._move_rows(rows, items, to_slots=True, row_ids=sources.row_ids)  # type: ignore[attr-defined]
             return
         # items name given sources (never None)
         nbytes = sources[items[0][0]].nbytes if items else 0  # type: ignore[union-attr]
@@ -121,14 +134,14 @@ class MemoryHandler:
         """Slots into engine buffers: ``(tier, slot)`` into ``dests[i]``; ``statuses[i] = OK`` for each
         block delivered (under ``gate`` when the load has a deadline; a closed gate delivers nothing).
 
-        Without a gate a ``BlockRows`` batch (``dests.rows``) is one copy per tier.
+        Without a gate a ``BlockRows`` or ``PageBatch`` (``dests.rows``) moves per tier at once.
         """
         rows = getattr(dests, "rows", None) if gate is None else None
         if rows is not None:
             for i, _t, _s in items:
                 statuses[i] = Status.OK
             if items:
-                self._move_rows(rows, items, to_slots=False)
+                self._move_rows(rows, items, to_slots=False, row_ids=dests.row_ids)  # type: ignore[union-attr]
             return
         if gate is None:
 
@@ -162,20 +175,30 @@ class MemoryHandler:
                     out.append(False)
         return out
 
-    def _move_rows(self, rows: torch.Tensor, items: Sequence[Item], to_slots: bool) -> None:
-        """``rows[i]`` <-> slot ``slot`` of ``tier`` for every ``(i, tier, slot)``: one copy per tier
-        (a slice copy for consecutive runs, else ``index_copy_``)."""
+    def _move_rows(
+        self, rows: torch.Tensor, items: Sequence[Item], to_slots: bool, row_ids: Sequence[int] | None = None
+    ) -> None:
+        """``rows[row_ids[i]]`` (``rows[i]`` without ``row_ids``) <-> slot ``slot`` of ``tier`` for every
+        ``(i, tier, slot)``, per tier: one copy per run of consecutive rows and slots (split over
+        the copier's threads when large), or for many short runs of small rows on the host one
+        numpy gather (``dst[ix] = src[ix]``: torch's ``index_copy_`` runs per element on the CPU)."""
         for tier, (ix, sl) in by_tier(items).items():
             data = self.pools[tier].data
-            src, dst, src_ix, dst_ix = (rows, data, ix, sl) if to_slots else (data, rows, sl, ix)
-            if _consecutive(ix) and _consecutive(sl):
-                self.copier.copy(
-                    dst[dst_ix[0] : dst_ix[0] + len(dst_ix)], src[src_ix[0] : src_ix[0] + len(src_ix)]
-                )
-                continue
-            if data.shape[1] >= _ROW_COPY_BYTES:  # large rows: one copy each, no staging copy
-                self._each(functools.partial(_copy_row, dst, src), list(zip(src_ix, dst_ix)), data.shape[1])
-                continue
-            with one_omp_thread():
-                picked = src.index_select(0, torch.tensor(src_ix, device=src.device))
-                dst.index_copy_(0, torch.tensor(dst_ix, device=dst.device), picked.to(dst.device))
+            if row_ids is not None:
+                ix = [row_ids[i] for i in ix]
+            slots = data if rows.dim() == 2 else data.view(data.shape[0], *rows.shape[1:])
+            src, dst, src_ix, dst_ix = (rows, slots, ix, sl) if to_slots else (slots, rows, sl, ix)
+            runs = runs_of(dst_ix, src_ix)
+            row_bytes = data.shape[1]
+            if len(runs) == 1:
+                a, b, k = runs[0]
+                self.copier.copy(dst[a : a + k], src[b : b + k])
+            elif (
+                len(runs) * _RUN_ROWS > len(ix)
+                and row_bytes < _ROW_COPY_BYTES
+                and src.device.type == dst.device.type == "cpu"
+            ):
+                dst.numpy()[np.asarray(dst_ix)] = src.numpy()[np.asarray(src_ix)]
+            else:
+                pieces = [functools.partial(_copy_run, dst, src, r) for r in runs]
+                self.copier.run(pieces, len(ix) * row_bytes)
