@@ -377,7 +377,9 @@ def open_label(
 
     A target without the label is formatted (every segment's chain start
     zeroed where it is not, so nothing written before is ever recovered)
-    when it holds nothing, or with ``format``; else refused. A tier that
+    when its first page is zeros or :data:`.format.UNLABELLED_PAGE` (a file
+    with data elsewhere was refused before by :func:`.label.check_target`),
+    or with ``format``; else refused. A tier that
     grew gets the chain starts of its new segments zeroed the same way.
 
     Raises
@@ -406,7 +408,8 @@ def open_label(
             _scrub(engine, segs, range(found.n_segments, segs.n_segments), metadata_placement)
         return found, found.store_id
     is_dev = bool(getattr(engine, "is_block_device", False)) or _is_device(path)
-    if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
+    ours = raw == fmt.UNLABELLED_PAGE  # the file engine marked it when it created (or found it empty)
+    if ((any(raw) and not ours) or damaged or is_dev) and not format:  # a device: only when told to
         kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
         raise ForeignDataError(
             lbl.refusal(lbl.Target(where, kind, is_dev, engine.size_bytes, None, raw[:16], damaged))
