@@ -315,20 +315,29 @@ def drop_beyond(
     old_n: int,
     extent_bytes: int,
     path: str | None,
+    journal: JournalState | None = None,
 ) -> tuple[int, int]:
     """The tier was reopened with fewer segments than its label says: count the blocks of the
     segments past the new end that are not recovered (dropped), trim those segments, and say
-    so once. Returns ``(dropped blocks, trim errors)``."""
+    so once. Returns ``(dropped blocks, trim errors)``. Blocks that were no longer stored are not
+    counted: invalidated, tombstoned by ``journal`` (block mode: evicted before) or in a chain it
+    says was reset (what :func:`recover` skips too)."""
     S = segs.segment_bytes
     reach = min(old_n, engine.size_bytes // S)
     buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
+    js = journal if journal is not None else JournalState()
     lost: set[bytes] = set()
     for si in range(segs.n_segments, reach):
-        for _, h in read_chain(engine, segs, si, buf):
+        start = segs.chain_start(si)
+        for pos, h in read_chain(engine, segs, si, buf):
+            if pos == start and h.segment_gen <= js.reset_gen.get(si, -1):
+                break  # a stale chain: reset durably, its trim lost or ignored
+            dead = js.dead.get((si, h.segment_gen), {})
             lost.update(
                 e.key
                 for e in h.entries
                 if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest])
+                and dead.get(si * S + pos + e.payload_offset) != e.key
             )
     lost = {k for k in lost if locator.row(k) < 0}
     trim_errors = 0
