@@ -33,9 +33,8 @@ def _open(path, **kw) -> KVStore:
         hbm_bytes=2 * bb,
         host_bytes=4 * bb,
         nvme_path=str(path),
-        nvme_bytes=1 << 20,
         eviction_granularity="block",
-        **kw,
+        **{"nvme_bytes": 1 << 20, **kw},
     )
 
 
@@ -99,3 +98,40 @@ def test_excerpt_replays_in_block_mode(excerpt_reports):
     assert nb["blocks"] <= nb["live_budget_blocks"]
     assert "block_evictions" not in reg.final_stats["nvme_backend"]
     assert blk.device["e2e_wa"] >= 1.0 and blk.kv["saved_prefill_tokens"] > 0
+
+
+def test_a_smaller_reopen_keeps_the_live_budget_and_counts_every_dropped_block(tmp_path, caplog):
+    """The trial: 2 MiB -> 1 MiB -> 512 KiB recovered 46 blocks where ``live_budget_blocks`` was 37.
+    Each reopen keeps exactly its live budget (the oldest blocks beyond it are dropped), and every
+    block stored before the close is either recovered or counted in ``recovery_dropped_blocks``
+    (tombstoned blocks in the segments past the new end are not counted again)."""
+    n = 60
+    s = _open(tmp_path, nvme_bytes=2 << 20)
+    for i in range(n):
+        assert s.store(NS, *_prompt(i)) == [Status.OK] * 4
+    s.close()  # flushes the memory tiers down
+    before = s.stats()["nvme_backend"]["blocks"]
+    assert s.stats()["nvme_backend"]["block_evictions"] > 0  # tombstones in the segments dropped next
+    for nbytes in (1 << 20, 512 << 10):
+        caplog.clear()
+        s = _open(tmp_path, nvme_bytes=nbytes)
+        try:
+            nb = s.stats()["nvme_backend"]
+            assert nb["blocks"] == nb["recovered_blocks"] == nb["live_budget_blocks"] < before
+            assert nb["recovered_blocks"] + nb["recovery_dropped_blocks"] == before
+            assert len([r for r in caplog.records if "live budget" in r.getMessage()]) == 1
+            s.check_invariants(quiescent=True)
+            kept = 0
+            for i in range(n):
+                toks, kv = _prompt(i)
+                hit = s.lookup(NS, toks)
+                st, out = s.load(hit.keys)
+                assert st == [Status.OK] * hit.matched_blocks
+                assert all(torch.equal(a, b) for a, b in zip(out, kv))
+                kept += hit.matched_blocks
+            assert kept <= nb["live_budget_blocks"]
+            assert s.store(NS, *_prompt(n + nbytes)) == [Status.OK] * 4
+            s.check_invariants(quiescent=True)
+        finally:
+            s.close()
+        before = s.stats()["nvme_backend"]["blocks"]

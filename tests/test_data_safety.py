@@ -113,17 +113,68 @@ def test_format_true_takes_a_foreign_file_and_a_reopen_needs_no_format(tmp_path)
         assert _loads_exact(s, toks, kv)
 
 
-def test_an_empty_or_hole_only_file_is_formatted(tmp_path):
-    """Nothing to lose: an empty file, or one without a data extent (``truncate -s``)."""
+def test_an_empty_file_is_formatted(tmp_path):
+    """Nothing to lose: an empty file is taken (and marked tierstore's before it is grown)."""
     toks, kv = _prompt(2)
-    for name, size in (("empty.kv", 0), ("holes.kv", 64 << 20)):
-        p = tmp_path / name
-        with open(p, "wb") as f:
-            f.truncate(size)
-        with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
-            assert s.store(NS, toks, kv) == [Status.OK] * 4
-        with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
-            assert _loads_exact(s, toks, kv)
+    p = tmp_path / "empty.kv"
+    p.write_bytes(b"")
+    with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+    with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
+        assert _loads_exact(s, toks, kv)
+
+
+@pytest.mark.parametrize("kind", ["holes", "zeros"])
+def test_a_hole_only_or_zero_file_is_refused_like_any_other(tmp_path, kind):
+    """The trial's repro: ``truncate -s 2M`` was formatted and overwritten (sha256 changed) while a
+    dense 1 MiB file of zeros was refused. A non-empty file without the label is not tierstore's."""
+    p = tmp_path / kind
+    with open(p, "wb") as f:
+        if kind == "holes":
+            f.truncate(2 << 20)
+        else:
+            f.write(bytes(1 << 20))
+    before = _stat(p)
+    with pytest.raises(ForeignDataError, match="Nothing was written"):
+        KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=2 << 20)
+    assert _stat(p) == before
+
+
+_DIE_BEFORE_LABEL = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from tierstore import KVStore
+    from tierstore.io import recovery
+    from tierstore.layout import KVLayout
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    recovery.write_label = die
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, tokens_per_block=16)
+    KVStore(lay, nvme_path=sys.argv[1], nvme_bytes=16 << 20)
+""")
+
+
+@pytest.mark.parametrize("start", ["absent", "empty"])
+def test_a_tier_whose_creator_died_before_its_label_is_formatted(tmp_path, start):
+    """tierstore's own file, killed between growing it and writing its label: sparse and label-less,
+    but its first page is the mark written (and synced) before it was grown, so it is taken."""
+    p = tmp_path / "kv"
+    if start == "empty":
+        p.write_bytes(b"")
+    r = subprocess.run(
+        [sys.executable, "-c", _DIE_BEFORE_LABEL, str(p)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert r.returncode == -9, r.stderr
+    assert os.path.getsize(p) == 16 << 20 and p.read_bytes()[: fmt.ALIGN_BYTES] == fmt.UNLABELLED_PAGE
+    toks, kv = _prompt(3)
+    with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+    with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
+        assert _loads_exact(s, toks, kv)
 
 
 @pytest.mark.parametrize("as_dir", [True, False], ids=["directory", "file"])

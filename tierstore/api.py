@@ -460,7 +460,12 @@ class KVStore(KeyAPI):
     # -------------------------------------------------------------- introspection
     def stats(self) -> dict:
         """Counters, per-tier bytes, load-latency percentiles and NVMe backend stats
-        (:meth:`tierstore.build.StoreParts.stats`)."""
+        (:meth:`tierstore.build.StoreParts.stats`).
+
+        The NVMe tier's own counters are under ``"nvme_backend"``, not at the top level: among
+        them ``recovered_blocks`` and ``recovery_dropped_blocks`` (blocks found at open and not
+        kept: past a smaller capacity's end, beyond block mode's live budget, failing their
+        CRC), e.g. ``store.stats()["nvme_backend"]["recovery_dropped_blocks"]``."""
         return self._parts.stats()
 
     def device_stats(self) -> dict:

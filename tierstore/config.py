@@ -182,8 +182,9 @@ class NvmeTierConfig(StrictModel):
     holds, as ``mkfs`` does. A tier that carries the label is never erased,
     ``format`` or not. The segment size is fixed when the tier is formatted: a
     reopen with a larger capacity keeps every block, a smaller one drops the
-    blocks of the segments past the new end (counted in
-    ``recovery_dropped_blocks``).
+    blocks of the segments past the new end and, in block mode, the oldest
+    blocks beyond the live budget (counted in
+    ``KVStore.stats()["nvme_backend"]["recovery_dropped_blocks"]``).
 
     ``eviction_granularity``: ``region`` (the default) evicts whole segments;
     ``block`` evicts single blocks in ``policies.eviction``'s order, keeps at

@@ -73,7 +73,14 @@ def test_inspect_tells_what_a_path_holds(tmp_path):
     assert inspect_target(str(tmp_path / "empty")).kind == "empty"
     with open(tmp_path / "holes", "wb") as f:
         f.truncate(64 << 20)
-    assert inspect_target(str(tmp_path / "holes")).kind == "empty"  # no data extent at all
+    assert inspect_target(str(tmp_path / "holes")).kind == "foreign"  # not empty, not provably ours
+    with open(tmp_path / "marked", "wb") as f:  # tierstore's file before its label (format.UNLABELLED_PAGE)
+        f.write(fmt.UNLABELLED_PAGE)
+        f.truncate(64 << 20)
+    assert inspect_target(str(tmp_path / "marked")).kind == "empty"
+    with open(tmp_path / "marked_more", "wb") as f:  # the mark, then one more byte on its page: not ours
+        f.write(fmt.UNLABELLED_PAGE[:-1] + b"x")
+    assert inspect_target(str(tmp_path / "marked_more")).kind == "foreign"
     with open(tmp_path / "late", "wb") as f:  # zeros at the start, data further in: not empty
         f.seek(8 << 20)
         f.write(b"data")
@@ -88,7 +95,7 @@ def test_inspect_tells_what_a_path_holds(tmp_path):
         inspect_target("/dev/null")
     with pytest.raises(ConfigError, match="is a directory"):
         inspect_target(str(tmp_path))
-    for name in ("late", "legacy"):
+    for name in ("holes", "late", "legacy"):
         with pytest.raises(ForeignDataError):
             check_target(str(tmp_path / name))
         assert check_target(str(tmp_path / name), format=True).kind in ("foreign", "legacy")

@@ -12,10 +12,13 @@ import ctypes
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import stat
 import struct
 import time
+
+from . import format as fmt
 
 FALLOC_FL_KEEP_SIZE = 0x01  # <linux/falloc.h>
 FALLOC_FL_PUNCH_HOLE = 0x02  # <linux/falloc.h>
@@ -174,6 +177,8 @@ def open_direct(
     created the file; ``grown_from_bytes``, the size of an existing file this call grew (else
     ``None``), so that an owner whose open then fails can give the file its size back. The file is
     sparse (ftruncate), so space is allocated on first write and ENOSPC surfaces at write time.
+    A file found empty (or created) gets :data:`.format.UNLABELLED_PAGE` at byte 0, made durable
+    before it is grown (:func:`mark_unlabelled`).
 
     A file this call created is removed again when sizing it fails (a size
     the file system refuses, EFBIG): a failed open leaves nothing behind.
@@ -202,7 +207,7 @@ def open_direct(
             raise
     else:
         fd = os.open(path, flags)
-    locked = False
+    locked = marked = False
     grown_from = None
     try:
         lock_exclusive(fd, path, lock_timeout_s)
@@ -215,14 +220,47 @@ def open_direct(
             if dev_size < size_bytes:
                 raise OSError(errno.ENOSPC, f"{path}: device has {dev_size} bytes < {size_bytes}")
         elif st.st_size < size_bytes:
+            if st.st_size == 0:
+                marked = True  # from here on the file is not as it was found
+                mark_unlabelled(fd, direct=True)
             os.ftruncate(fd, size_bytes)
             grown_from = None if created else st.st_size
     except BaseException:
+        if marked and not created:  # a user's empty file: empty again
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         os.close(fd)
         if created and locked:  # unlocked: another opener may have it by now
             os.unlink(path)
         raise
     return fd, is_blk, created, grown_from
+
+
+def mark_unlabelled(fd: int, direct: bool) -> None:
+    """Write :data:`.format.UNLABELLED_PAGE` at byte 0 of an empty regular file and make it durable
+    (fdatasync), before the file is grown: a crash before the tier's label is written then leaves
+    a file that says it is tierstore's, not a sparse file like any other (``truncate -s``).
+
+    Parameters
+    ----------
+    fd : int
+        The file, empty, open for writing (``direct``: with O_DIRECT, so the page is written
+        from page-aligned memory).
+
+    Raises
+    ------
+    OSError
+        The write or fdatasync failed (ENOSPC, EIO).
+    """
+    buf = mmap.mmap(-1, fmt.ALIGN_BYTES)  # page-aligned (O_DIRECT)
+    try:
+        buf.write(fmt.UNLABELLED_PAGE)
+        n = os.pwrite(fd, buf if direct else fmt.UNLABELLED_PAGE, 0)
+        if n != fmt.ALIGN_BYTES:
+            raise OSError(errno.EIO, f"short write of the unlabelled page: {n} of {fmt.ALIGN_BYTES} bytes")
+        os.fdatasync(fd)
+    finally:
+        buf.close()
 
 
 def preallocate(fd: int, offset: int, length: int, is_block_device: bool) -> None:

@@ -222,6 +222,23 @@ class BlockEviction:
         self._st["recovery_stale_segments"] += len(stale)
         self._st["journal_mismatch"] += mismatch
 
+    def drop_over_budget(self) -> tuple[int, list[int]]:
+        """After recovery (nothing else runs): a tier reopened with a smaller live budget (capacity
+        or ``live_fraction``) keeps ``live_budget`` blocks, as the configuration says; the oldest
+        recovered ones (lowest write sequence number: those the index, which adopts recovered
+        blocks in write order, would evict first) are retired, counted in
+        ``recovery_dropped_blocks``, and their tombstones committed. Returns ``(blocks dropped,
+        segments left empty (RECLAIMING))``."""
+        over = len(self.loc) - self.live_budget
+        if over <= 0:
+            return 0, []
+        got = self.loc.scan()
+        oldest = np.argsort(got.write_seqs, kind="stable")[:over]
+        with self._lock:
+            empty = self.evict_keys([got.keys[i] for i in oldest.tolist()], "recovery_dropped_blocks")
+        self.commit()
+        return over, empty
+
     # ------------------------------------------------------------ under the metadata lock
     def evict_keys(self, keys, counter: str) -> list[int]:
         """Retire the present ``keys`` (locator row, live count, tombstone); counted in

@@ -30,6 +30,12 @@ MAGIC = b"TSKVEXT1"
 FORMAT_VERSION = 1
 #: O_DIRECT alignment of headers and block payloads (open(2)).
 ALIGN_BYTES = 4096
+#: The first page of a tier's file that tierstore created (or found empty) but has not labelled yet:
+#: this magic, then zeros to :data:`ALIGN_BYTES`. Written and made durable before the file is grown,
+#: so a crash between growing it and writing the label leaves a file provably tierstore's
+#: (:func:`tierstore.io.label.inspect_target`); every other label-less file with data is refused.
+UNLABELLED_MAGIC = b"TSKVNEW1"
+UNLABELLED_PAGE = UNLABELLED_MAGIC + bytes(ALIGN_BYTES - len(UNLABELLED_MAGIC))
 HEADER_FMT = "<8sIIQQQQqII"
 HEADER_BYTES_FIXED = struct.calcsize(HEADER_FMT)  # 64
 ENTRY_FMT = "<32s32sQQI12s"

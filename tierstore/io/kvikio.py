@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import AlignmentError, TierStoreError
-from ._fileops import preallocate, punch_hole
+from ._fileops import mark_unlabelled, preallocate, punch_hole
 from .engine import DEFAULT_BLOCK_SIZE_BYTES, IOEngine, IOFuture, as_byte_view
 
 
@@ -67,7 +67,13 @@ class KvikioEngine(IOEngine):
             with open(self.path, "wb"):
                 pass
         if os.path.getsize(self.path) < size_bytes:
-            os.truncate(self.path, size_bytes)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_size == 0:  # tierstore's from here on (label.inspect_target)
+                    mark_unlabelled(fd, direct=False)
+                os.ftruncate(fd, size_bytes)
+            finally:
+                os.close(fd)
         self._f = kvikio.CuFile(self.path, "r+")
 
     def _check(self, offset, buffer, writable):

@@ -17,7 +17,6 @@ Continued in ``docs/FORMAT.md`` (``tierstore/io/label.py``): label; what a targe
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import re
 import stat
@@ -131,7 +130,8 @@ def resolve_nvme_path(path: str, file_name: str = DEFAULT_FILE_NAME, what: str =
 class Target:
     """What :func:`inspect_target` found at a path (read-only).
 
-    ``kind``: ``"absent"``, ``"empty"`` (no byte of data), ``"tierstore"``
+    ``kind``: ``"absent"``, ``"empty"`` (no byte, or tierstore's file before its label:
+    :data:`.format.UNLABELLED_PAGE`), ``"tierstore"``
     (carries the label), ``"legacy"`` (a tier of the format before labels:
     an extent header at byte 0), ``"foreign"`` (anything else), or
     ``"unreadable"`` (a character device, read through its engine later).
@@ -144,15 +144,6 @@ class Target:
     label: StoreLabel | None = None
     head: bytes = b""
     detail: str = ""
-
-
-def _no_data(fd: int) -> bool:
-    """A regular file with no data extent (only holes): ``SEEK_DATA`` finds none (lseek(2))."""
-    try:
-        os.lseek(fd, 0, os.SEEK_DATA)
-    except OSError as e:
-        return e.errno == errno.ENXIO
-    return False
 
 
 def is_nvme_generic(path: str, st: os.stat_result) -> bool:
@@ -203,7 +194,6 @@ def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
     try:
         size = os.lseek(fd, 0, os.SEEK_END) if is_blk else st.st_size
         head = os.pread(fd, LABEL_BYTES, 0)
-        empty = not is_blk and _no_data(fd)
     except OSError as e:
         raise ConfigError(f"{what}={path!r}: cannot read: {e.strerror}") from None
     finally:
@@ -216,7 +206,7 @@ def inspect_target(path: str, what: str = "tiers.nvme.path") -> Target:
         return Target(path, "tierstore", is_blk, size, label, head[:16])
     if head[:8] == fmt.MAGIC:
         return Target(path, "legacy", is_blk, size, None, head[:16])
-    if empty:
+    if not is_blk and head == fmt.UNLABELLED_PAGE:  # tierstore's own, its label not written yet
         return Target(path, "empty", is_blk, size, None, head[:16])
     return Target(path, "foreign", is_blk, size, None, head[:16])
 

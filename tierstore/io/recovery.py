@@ -315,20 +315,29 @@ def drop_beyond(
     old_n: int,
     extent_bytes: int,
     path: str | None,
+    journal: JournalState | None = None,
 ) -> tuple[int, int]:
     """The tier was reopened with fewer segments than its label says: count the blocks of the
     segments past the new end that are not recovered (dropped), trim those segments, and say
-    so once. Returns ``(dropped blocks, trim errors)``."""
+    so once. Returns ``(dropped blocks, trim errors)``. Blocks that were no longer stored are not
+    counted: invalidated, tombstoned by ``journal`` (block mode: evicted before) or in a chain it
+    says was reset (what :func:`recover` skips too)."""
     S = segs.segment_bytes
     reach = min(old_n, engine.size_bytes // S)
     buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
+    js = journal if journal is not None else JournalState()
     lost: set[bytes] = set()
     for si in range(segs.n_segments, reach):
-        for _, h in read_chain(engine, segs, si, buf):
+        start = segs.chain_start(si)
+        for pos, h in read_chain(engine, segs, si, buf):
+            if pos == start and h.segment_gen <= js.reset_gen.get(si, -1):
+                break  # a stale chain: reset durably, its trim lost or ignored
+            dead = js.dead.get((si, h.segment_gen), {})
             lost.update(
                 e.key
                 for e in h.entries
                 if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest])
+                and dead.get(si * S + pos + e.payload_offset) != e.key
             )
     lost = {k for k in lost if locator.row(k) < 0}
     trim_errors = 0
@@ -377,7 +386,9 @@ def open_label(
 
     A target without the label is formatted (every segment's chain start
     zeroed where it is not, so nothing written before is ever recovered)
-    when it holds nothing, or with ``format``; else refused. A tier that
+    when its first page is zeros or :data:`.format.UNLABELLED_PAGE` (a file
+    with data elsewhere was refused before by :func:`.label.check_target`),
+    or with ``format``; else refused. A tier that
     grew gets the chain starts of its new segments zeroed the same way.
 
     Raises
@@ -406,7 +417,8 @@ def open_label(
             _scrub(engine, segs, range(found.n_segments, segs.n_segments), metadata_placement)
         return found, found.store_id
     is_dev = bool(getattr(engine, "is_block_device", False)) or _is_device(path)
-    if (any(raw) or damaged or is_dev) and not format:  # a device is formatted only when told to
+    ours = raw == fmt.UNLABELLED_PAGE  # the file engine marked it when it created (or found it empty)
+    if ((any(raw) and not ours) or damaged or is_dev) and not format:  # a device: only when told to
         kind = "legacy" if raw[:8] == fmt.MAGIC else "foreign"
         raise ForeignDataError(
             lbl.refusal(lbl.Target(where, kind, is_dev, engine.size_bytes, None, raw[:16], damaged))

@@ -551,24 +551,54 @@ class SegmentStorage(BlockStorage):
                 ).get()
             except OSError:
                 self._st["trim_errors"] += 1  # still free: its chain is stale by gen (recovery.recover)
+        over_budget: list[int] = []
         if self._blk is not None:
             self._blk.recovered(found.tombstoned, found.stale_segments, found.journal_mismatch)
+            over_budget = self._drop_over_budget()  # counted in recovery_dropped_blocks
         self._st["recovery_dropped_blocks"] += found.dropped_blocks
         self._st["recovery_damaged_extents"] = len(found.damaged_extents)
         self._st["recovery_invalidated_blocks"] += found.invalidated_blocks
-        self._st["recovered_blocks"] = found.recovered_blocks
+        self._st["recovered_blocks"] = len(self._loc)
         for si in found.empty_segments:
             self._segs.state[si] = SegmentState.RECLAIMING
+            self._writer.finish_reclaim(si)
+        for si in over_budget:  # RECLAIMING already (BlockEviction.evict_keys)
             self._writer.finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
         if old is not None and old.n_segments > self.n_segments:
             dropped, trim_errors = recovery.drop_beyond(
-                self.engine, self._segs, self._loc, inval, old.n_segments, self.extent_size_bytes, self.path
+                self.engine,
+                self._segs,
+                self._loc,
+                inval,
+                old.n_segments,
+                self.extent_size_bytes,
+                self.path,
+                state,
             )
             self._st["recovery_dropped_blocks"] += dropped
             self._st["trim_errors"] += trim_errors
         if self._labelled and (old is None or old.n_segments != self.n_segments):
             recovery.write_label(self.engine, self._segs, store_id, self._metadata_placement)
+
+    def _drop_over_budget(self) -> list[int]:
+        """Block mode, at open: the blocks recovered beyond the live budget are dropped and said in
+        one warning (:meth:`BlockEviction.drop_over_budget`); returns the segments left empty."""
+        assert self._blk is not None
+        n_found = len(self._loc)
+        dropped, empty = self._blk.drop_over_budget()
+        if dropped:
+            _log.warning(
+                "%s: %d blocks recovered, %d more than this open's live budget (%d blocks: live_fraction "
+                "of a %d-byte tier): the %d oldest were dropped (recovery_dropped_blocks)",
+                self.path or "device",
+                n_found,
+                dropped,
+                self._blk.live_budget,
+                self.n_segments * self.segment_size_bytes,
+                dropped,
+            )
+        return empty
 
     # ================================================================ seam API
     def capacity_blocks(self) -> int:
