@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tierstore.api import KVStore
-from tierstore.errors import LayoutError, Status
+from tierstore.errors import ConfigError, LayoutError, Status
 from tierstore.identity import Namespace
 from tierstore.io import KVPagePool
 from tierstore.io.pages import plan_fragments
@@ -267,4 +267,43 @@ def test_batched_blocks_land_in_scattered_slots_and_come_back(form):
     assert st == [Status.OK] * 6 + [Status.MISS] and out[-1] is None
     assert all(torch.equal(o, n) for o, n in zip(out, new.unbind(0)[::-1]))
     store.check_invariants(quiescent=True)
+    store.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e12, 0, -1, True, "60"])
+def test_a_lease_or_wait_that_is_not_a_finite_bounded_number_of_seconds_is_refused(bad):
+    """Fresh-user trial: pin(lease_s=nan) returned a Lease expiring at nan that leases() listed and
+    that protected nothing; inf and 1e12 were accepted too (a pin is a lease that expires)."""
+    store = KVStore(LAYOUT, host_bytes=4 * LAYOUT.bytes_per_block)
+    tokens = list(range(2 * LAYOUT.tokens_per_block))
+    blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(2)]
+    assert store.store(NS, tokens, blocks) == [Status.OK] * 2
+    with pytest.raises(ConfigError, match="lease_s="):
+        store.pin(NS, tokens, lease_s=bad)
+    assert store.leases() == {}
+    with pytest.raises(ConfigError, match="timeout_s="):
+        store.load(store.lookup(NS, tokens), timeout_s=bad)
+    lease = store.pin(NS, tokens, lease_s=86400)  # the bound itself: a day
+    assert len(lease.keys) == 2 and list(store.leases()) == [lease.lease_id]
+    store.close()
+
+
+def test_overlapping_whole_block_destinations_are_refused_before_any_copy():
+    """Fresh-user trial: load(hit, dests=[t] * 8) returned all OK, each block overwriting the last."""
+    bb = LAYOUT.bytes_per_block
+    store = KVStore(LAYOUT, host_bytes=4 * bb)
+    tokens = list(range(3 * LAYOUT.tokens_per_block))
+    blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(3)]
+    assert store.store(NS, tokens, blocks) == [Status.OK] * 3
+    hit = store.lookup(NS, tokens)
+    t = torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype)
+    with pytest.raises(LayoutError, match="same memory"):
+        store.load(hit, dests=[t] * 3)
+    assert not t.any()  # nothing copied
+    raw = torch.zeros(3 * bb, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="overlap"):  # the second starts inside the first
+        store.load(hit, dests=[raw[:bb], raw[bb - 2 : 2 * bb - 2], raw[2 * bb :]])
+    assert not raw.any()
+    st, out = store.load(hit, dests=[raw[2 * bb :], raw[:bb], raw[bb : 2 * bb]])  # adjacent is fine
+    assert st == [Status.OK] * 3 and all(torch.equal(LAYOUT.block_view(o), b) for o, b in zip(out, blocks))
     store.close()

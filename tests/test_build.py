@@ -296,3 +296,33 @@ def test_small_blocks_say_how_much_of_the_nvme_tier_they_can_use(tmp_path, caplo
         with caplog.at_level("WARNING", logger="tierstore"):
             KVStore(big, host_bytes=0, nvme_path=str(tmp_path / name), nvme_bytes=64 << 20).close()
         assert not [r for r in caplog.records if "header" in r.getMessage()], name
+
+
+def test_the_capacity_warning_bounds_what_the_tier_really_holds(tmp_path, caplog):
+    """Fresh-user trial: 'NVMe tier of 2 MiB holds 126 blocks', then the tier held and returned 180:
+    126 is the least (one block per extent). The warning says so and gives the most (full extents);
+    batched stores land in between."""
+    import re
+
+    from tierstore.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, tokens_per_block=16, dtype=torch.float32)
+    assert lay.bytes_per_block == 8192
+    with caplog.at_level("WARNING", logger="tierstore"):
+        s = KVStore(lay, host_bytes=0, nvme_path=str(tmp_path / "nvme"), nvme_bytes=2 << 20)
+    try:
+        (said,) = [r.getMessage() for r in caplog.records if "header" in r.getMessage()]
+        m = re.search(r"holds at least (\d+) blocks .* up to (\d+) blocks when every extent is full", said)
+        assert m, said
+        least, most = int(m.group(1)), int(m.group(2))
+        assert least == s.nvme.capacity_blocks() and most > least
+        ns = Namespace(model="fill")
+        g = torch.Generator().manual_seed(3)
+        for c in range(2 * most // 8):  # batches of 8: extents of several blocks, until eviction
+            toks = list(range(c * 1000, c * 1000 + 8 * 16))
+            s.store(ns, toks, [torch.randn(lay.block_shape, generator=g) for _ in range(8)])
+        s.flush()
+        held = sum(s.namespaces().values())
+        assert least < held <= most, (least, held, most)
+    finally:
+        s.close()

@@ -427,21 +427,24 @@ def _open_storage(
 _HEADER_SHARE_SAID = 0.25
 
 
-def _say_header_share(tier_bytes: int, blocks: int, block_bytes: int) -> None:
+def _say_header_share(tier_bytes: int, blocks: int, most_blocks: int, block_bytes: int) -> None:
     """One warning when small blocks leave much of the NVMe tier to extent headers.
 
-    The tier is sized for the worst case, one block per extent
+    The tier is sized for the worst case, one block per extent: ``blocks``
     (:meth:`~tierstore.io.segment_manager.SegmentManager.capacity_blocks`); each extent starts
     with a header of at least 4096 bytes (:func:`tierstore.io.format.header_bytes_for`), which
-    with 4 KiB blocks is half of the tier.
+    with 4 KiB blocks is half of the tier. Blocks stored in one batch share extents, and so
+    headers, up to ``most_blocks`` when every extent is full
+    (:meth:`~tierstore.io.segment_manager.SegmentManager.packed_capacity_blocks`).
     """
     header, extent = fmt.header_bytes_for(1), fmt.extent_bytes_for(1, block_bytes)
     if header / extent < _HEADER_SHARE_SAID:
         return
     _log.warning(
-        "NVMe tier of %d bytes (%s) holds %d blocks of %d bytes, i.e. %d bytes (%s) of KV: a block "
-        "may be stored as an extent of its own, whose %d-byte header is %.0f%% of it at this block "
-        "size; larger blocks (more tokens_per_block) lose less",
+        "NVMe tier of %d bytes (%s) holds at least %d blocks of %d bytes, i.e. %d bytes (%s) of KV, "
+        "when each block is stored alone: an extent of its own, whose %d-byte header is %.0f%% of it "
+        "at this block size; blocks stored in batches share extents and headers, up to %d blocks "
+        "when every extent is full. Larger blocks (more tokens_per_block) lose less",
         tier_bytes,
         format_bytes(tier_bytes),
         blocks,
@@ -450,6 +453,7 @@ def _say_header_share(tier_bytes: int, blocks: int, block_bytes: int) -> None:
         format_bytes(blocks * block_bytes),
         header,
         100.0 * header / extent,
+        most_blocks,
     )
 
 
@@ -473,7 +477,9 @@ def _open_index(
         nvme_blocks=nvme.capacity_blocks() if nvme is not None else None,
     )
     if nvme is not None and isinstance(nvme, SegmentStorage):
-        _say_header_share(nvme.n_segments * nvme.segment_size_bytes, shape.nvme_blocks, bb)
+        _say_header_share(
+            nvme.n_segments * nvme.segment_size_bytes, shape.nvme_blocks, nvme.packed_capacity_blocks(), bb
+        )
     index = BlockIndex(shape, cfg.policies, runtime)
     if nvme is not None:
         if nvme.block_bytes != bb:

@@ -44,8 +44,10 @@ from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.inputs import plan_block, plan_fragment_destinations
+from .io.pages import FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
 from .server.protocol import keys_to_hex
+from .units import check_duration_s
 
 #: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
 #: what they are for (``tests/server/test_client_parity.py`` keeps this equal to the difference of
@@ -528,6 +530,7 @@ class RemoteKVStore(Closing):
             that do not match, before any request.
         """
         keys, d = self._load_keys(keys, ns)
+        timeout_s = None if timeout_s is None else check_duration_s(timeout_s, "timeout_s")
         if dests is not None and len(dests) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(dests)} destinations")
         raw_dests = None if dests is None else self._raw_dests(dests)
@@ -594,6 +597,7 @@ class RemoteKVStore(Closing):
             A wrong fragment count or size, not one destination per key, or malformed keys.
         """
         keys, d = self._load_keys(keys, ns)
+        timeout_s = None if timeout_s is None else check_duration_s(timeout_s, "timeout_s")
         plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
 
         statuses: list[Status] = []
@@ -620,6 +624,7 @@ class RemoteKVStore(Closing):
         for t in raw:
             if t.numel() != B or t.device.type != "cpu":
                 raise LayoutError(f"each destination must be a CPU block of {B} bytes")
+        check_distinct_destinations([FragmentPlan.of_bytes(t, destination=True) for t in raw])
         return raw
 
     def prefetch(self, ns: Namespace | bytes, token_ids, tier: str = "host") -> concurrent.futures.Future:
@@ -672,12 +677,15 @@ class RemoteKVStore(Closing):
         ------
         QuotaExceeded
             If the daemon's pin quota would be exceeded.
+        ConfigError
+            For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``
+            (the daemon bounds it further by its ``limits.max_lease_s``).
         """
         d = self.digest(ns)
         keys = self.keys_for(ns, token_ids)[: self.max_keys_per_request]
         body = {"namespace": d.hex(), "keys": keys_to_hex(keys)}
         if lease_s is not None:
-            body["lease_s"] = float(lease_s)
+            body["lease_s"] = check_duration_s(lease_s, "lease_s")
         r = self._wire.post("/v1/pin", body)
         n = r["pinned_blocks"]
         return Lease(r["lease_id"], d, keys[:n], time.monotonic() + r["lease_s"], n * self.block_bytes)

@@ -29,6 +29,7 @@ from .errors import ConfigError, QuotaExceeded, Status, StoreClosedError, TierSt
 from .extras import require
 from .layout import KVLayout
 from .server.protocol import BLOCKS_CONTENT_TYPE, PREFIX, encode_prefix, keys_to_hex
+from .units import check_duration_s
 
 aiohttp = require("aiohttp", "tierstore.client (the daemon's client)")
 
@@ -59,12 +60,11 @@ async def with_deadline(coro, timeout_s: float | None, partial: Callable):
     Raises
     ------
     ConfigError
-        For ``timeout_s <= 0``.
+        For a ``timeout_s`` that is not a finite number of seconds in ``(0, MAX_DURATION_S]``.
     """
     if timeout_s is None:
         return await coro
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
+    timeout_s = check_duration_s(timeout_s, "timeout_s")
     try:
         return await asyncio.wait_for(coro, timeout_s)
     except asyncio.TimeoutError:

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .contract import LoadPlan, LookupResult, StorePlan, Tier
-from .errors import ConfigError, Status, StoreClosedError
+from .errors import Status, StoreClosedError
 from .index import BlockIndex
 from .io.pages import FragmentPlan
 from .layout import KVLayout
@@ -36,6 +36,7 @@ from .movers import Movers
 from .movers.gate import LoadGate
 from .planner import RemotePlanner
 from .tiers.storage import BlockStorage
+from .units import check_duration_s
 
 if TYPE_CHECKING:
     import numpy as np
@@ -205,8 +206,8 @@ class Transfers:
     ) -> _R | Future[_R]:
         """Load ``keys`` into the destination ``plans``; ``finish(statuses)`` shapes the result.
         ``timeout_s`` is a deadline: blocks not delivered by then are ``MISS``."""
-        if timeout_s is not None and timeout_s <= 0:
-            raise ConfigError(f"timeout_s={timeout_s}: must be > 0")
+        if timeout_s is not None:
+            timeout_s = check_duration_s(timeout_s, "timeout_s")
         gate = LoadGate(time.monotonic() + timeout_s) if timeout_s is not None else None
 
         def run() -> list[Status]:

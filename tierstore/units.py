@@ -8,6 +8,8 @@ a bare number is seconds (fio's ``runtime=`` default unit).
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Mapping
 
@@ -104,6 +106,30 @@ def _parse_quantity(
     if not m:
         raise ConfigError(f"{key}={value!r}: expected a {what} such as {examples[1]}")
     return float(m.group(1)) * units[(m.group(2) or default_unit).lower()]
+
+
+#: The longest lease or wait tierstore takes (seconds; a day). A pin is "a lease that expires"
+#: (README); ``float("inf")`` also overflowed a socket's ``time_t`` timeout (issue of the node client).
+MAX_DURATION_S = 86400.0
+
+
+def check_duration_s(value: float, key: str, max_s: float = MAX_DURATION_S) -> float:
+    """``value`` as a float if it is a finite duration in ``(0, max_s]`` seconds.
+
+    The one check of every lease and timeout a caller gives in seconds (``KVStore.pin``,
+    ``KVStore.load(timeout_s=)``, the node and HTTP clients, the daemon's requests).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``key``: not a number, a bool, NaN, infinite, <= 0 or past ``max_s``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{key}={value!r}: expected a number of seconds")
+    v = float(value)
+    if not (math.isfinite(v) and 0 < v <= max_s):
+        raise ConfigError(f"{key}={value!r}: must be a finite number of seconds in (0, {max_s:g}]")
+    return v
 
 
 def format_bytes(n: float) -> str:

@@ -625,3 +625,19 @@ def test_a_client_timeout_past_a_day_is_refused_at_construction():
         with pytest.raises(ConfigError, match="timeout_s"):
             NodeKVStore("unix:///tmp/x.sock", LAYOUT, timeout_s=bad)
     NodeKVStore("unix:///tmp/x.sock", LAYOUT, timeout_s=86400).close()
+
+
+def test_a_lease_or_wait_that_is_not_finite_is_refused_before_any_call():
+    """Fresh-user trial: pin(lease_s=nan) was accepted by the embedded store; the node client
+    checks leases and load deadlines as KVStore does (one check, tierstore.units)."""
+    c = NodeKVStore("unix:///tmp/x.sock", LAYOUT, timeout_s=1)
+    try:
+        for bad in (float("nan"), float("inf"), 1e12, 0, -1):
+            with pytest.raises(ConfigError, match="lease_s="):
+                c.pin_keys(NS, [bytes(32)], lease_s=bad)
+            with pytest.raises(ConfigError, match="timeout_s="):
+                c.load([bytes(32)], timeout_s=bad)
+            with pytest.raises(ConfigError, match="retry_s="):
+                NodeKVStore("unix:///tmp/x.sock", LAYOUT, retry_s=bad if bad != 0 else -1)
+    finally:
+        c.close()

@@ -353,3 +353,21 @@ def test_check_says_a_small_memory_tier_in_a_unit_that_shows_it(tmp_path, capsys
     cfg["tiers"]["hbm"] = {"capacity_bytes": 0}
     rc, out, err = _check(tmp_path, cfg, capsys)
     assert rc == 0 and "memory: 16.00MiB of memory tiers" in out + err, out + err
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_state_dir_that_is_a_regular_file_is_refused_before_anything_is_created(tmp_path, capsys, under):
+    """Fresh-user trial: a state_dir naming an existing file passed --check ('config OK'); start-up
+    then failed with a bare '[Errno 17] File exists' after creating the NVMe tier file."""
+    from tierstore.server.service import Service
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"user data")
+    cfg = make_config(str(tmp_path), state_dir=str(blocker / "state" if under else blocker))
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "config OK" not in out
+    assert "state_dir:" in err and "is not a directory" in err
+    with pytest.raises(ConfigError, match="state_dir="):
+        Service(parse_config(cfg))
+    assert not os.path.exists(tmp_path / "nvme")  # no tier file left behind
+    assert blocker.read_bytes() == b"user data"

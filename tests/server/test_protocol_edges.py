@@ -168,3 +168,41 @@ def test_block_hit_ratio_counts_gets(daemon):
     found = sum(_metric(after, "tierstore_block_hits_total", f'{{op="{op}"}}') for op in ("get", "lookup"))
     assert found / asked > 0
     assert _metric(after, "tierstore_block_hit_ratio") == pytest.approx(found / asked)
+
+
+BAD_LEASES = [float("nan"), float("inf"), 1e12, 0, -1]
+
+
+def test_a_lease_that_is_not_a_finite_bounded_number_of_seconds_is_refused(daemon):
+    """Fresh-user trial: lease_s=nan was accepted by the embedded store; the daemon and its client
+    share one check (tierstore.units.check_duration_s): a 400 naming lease_s on the wire, a
+    ConfigError in the client before any request."""
+    from tierstore.errors import ConfigError
+
+    for bad in BAD_LEASES:
+        body = json.dumps({"namespace": NS, "keys": [KEY], "lease_s": bad}).encode()  # NaN, Infinity
+        status, _, raw = _raw(daemon, "POST", "/v1/pin", body, JSON)
+        assert status == 400 and b"lease_s=" in raw and b"finite" in raw, (bad, raw)
+    with RemoteKVStore(daemon.url, TOKENS["acme"]) as c:
+        ns = Namespace(model="leases")
+        toks = list(range(c.layout.tokens_per_block))
+        for bad in BAD_LEASES:
+            with pytest.raises(ConfigError, match="lease_s="):
+                c.pin(ns, toks, lease_s=bad)
+            with pytest.raises(ConfigError, match="timeout_s="):
+                c.load(c.keys_for(ns, toks), timeout_s=bad)
+        assert c.pin(ns, toks, lease_s=5).lease_id > 0
+
+
+def test_overlapping_load_destinations_are_refused_before_any_request(daemon):
+    """Fresh-user trial: load(keys, dests=[t] * 8) returned all OK, each block overwriting the last."""
+    from tierstore.errors import LayoutError
+
+    with RemoteKVStore(daemon.url, TOKENS["acme"]) as c:
+        keys = c.keys_for(Namespace(model="dests"), list(range(2 * c.layout.tokens_per_block)))
+        t = torch.empty(c.block_bytes, dtype=torch.uint8)
+        with pytest.raises(LayoutError, match="same memory|overlap"):
+            c.load(keys, dests=[t, t])
+        raw = torch.empty(2 * c.block_bytes - 1, dtype=torch.uint8)
+        with pytest.raises(LayoutError, match="overlap"):
+            c.load(keys, dests=[raw[: c.block_bytes], raw[c.block_bytes - 1 :]])

@@ -14,8 +14,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..contract import Lease
-from ..errors import ConfigError, InvariantError, QuotaExceeded
+from ..errors import InvariantError, QuotaExceeded
 from ..metrics import Metrics
+from ..units import check_duration_s
 from .rows import IndexRoom, RowTable
 
 
@@ -88,11 +89,10 @@ class Pins(IndexRoom):
         QuotaExceeded
             If the pin would exceed the namespace quota (nothing is pinned then).
         ConfigError
-            For a non-positive lease.
+            For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``
+            (:func:`~tierstore.units.check_duration_s`).
         """
-        lease_s = self.default_lease_s if lease_s is None else lease_s
-        if lease_s <= 0:
-            raise ConfigError(f"lease_s={lease_s}: must be > 0")
+        lease_s = check_duration_s(self.default_lease_s if lease_s is None else lease_s, "lease_s")
         with self._lock:
             self.expire()
             rt = self.rows

@@ -231,7 +231,8 @@ def plan_destinations(
     Raises
     ------
     LayoutError
-        Not one destination per block, or a destination :func:`destination_bytes` refuses.
+        Not one destination per block, a destination :func:`destination_bytes` refuses, or two
+        destinations that overlap in memory (:func:`~tierstore.io.pages.check_distinct_destinations`).
     """
     if dests is not None and len(dests) != n:
         raise LayoutError(f"{n} keys but {len(dests)} destinations")
@@ -243,6 +244,7 @@ def plan_destinations(
     else:
         raws = [destination_bytes(d, layout) for d in dests]
         plans = [FragmentPlan.of_bytes(r, destination=True) for r in raws]
+        check_distinct_destinations(plans)
 
     def finish(st: list[Status]) -> tuple[list[Status], list]:
         outs: list[torch.Tensor | None] = []

@@ -640,21 +640,38 @@ class PageBatch(Sequence[FragmentPlan]):
 
 
 def check_distinct_destinations(plans: Sequence[FragmentPlan]) -> None:
-    """Refuse two destination plans that start at the same address (one
-    block's load would overwrite another's while both report OK).
+    """Refuse destination plans that would write the same memory (one block's load would
+    overwrite another's while both report OK), before anything is copied.
+
+    Two contiguous blocks (``flat`` plans) must not share a byte (their ``[data_ptr,
+    data_ptr + nbytes)`` ranges, sorted, must not overlap: CUDA's unified virtual addressing
+    keeps host and device addresses apart); any two plans must not start at the same address
+    (a strided or per-fragment plan by its first fragment). One pass over the plans and one sort.
 
     Raises
     ------
     LayoutError
-        If two strided plans share their first byte.
+        If two destinations overlap as above.
     """
     seen: set[int] = set()
+    spans: list[tuple[int, int]] = []
     for p in plans:
-        if p.strided is not None:
+        if p.flat is not None:
+            a = p.flat.data_ptr()
+            spans.append((a, a + p.nbytes))
+        elif p.strided is not None:
             a = p.strided.data_ptr()
-            if a in seen:
-                raise LayoutError("two destination blocks are the same memory")
-            seen.add(a)
+        elif p.fragments and isinstance(p.fragments[0], torch.Tensor):
+            a = p.fragments[0].data_ptr()
+        else:
+            continue
+        if a in seen:
+            raise LayoutError("two destination blocks are the same memory")
+        seen.add(a)
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise LayoutError("two destination blocks overlap in memory")
 
 
 def gather_fragments(fragments: Sequence[Any] | FragmentPlan, staging: torch.Tensor, offset: int) -> int:

@@ -152,6 +152,21 @@ class SegmentManager:
         per0 = (self.segment_bytes - self.start0) // self.one_block_extent_bytes
         return (self.n_segments - self.reserve) * per - (per - per0)
 
+    def packed_capacity_blocks(self) -> int:
+        """Blocks the store can hold when empty if every extent is full: stores in batches of
+        ``blocks_per_extent`` blocks, one header per extent (:func:`~tierstore.io.format.extent_bytes_for`);
+        the most, as :meth:`capacity_blocks` is the least."""
+        full = fmt.extent_bytes_for(self.blocks_per_extent, self.block_bytes)
+
+        def per_segment(room: int) -> int:
+            n, rest = divmod(room, full)
+            return n * self.blocks_per_extent + fmt.blocks_fitting(
+                rest, self.blocks_per_extent, self.block_bytes
+            )
+
+        per, per0 = per_segment(self.segment_bytes), per_segment(self.segment_bytes - self.start0)
+        return (self.n_segments - self.reserve) * per - (per - per0)
+
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         per = self.segment_bytes // self.one_block_extent_bytes

@@ -605,6 +605,11 @@ class SegmentStorage(BlockStorage):
         """Blocks the store can hold when empty (batched puts pack more; block mode: the live budget)."""
         return self._blk.live_budget if self._blk is not None else self._segs.capacity_blocks()
 
+    def packed_capacity_blocks(self) -> int:
+        """The most blocks the store can hold when empty: every extent full (block mode: the live
+        budget, as :meth:`capacity_blocks`)."""
+        return self._blk.live_budget if self._blk is not None else self._segs.packed_capacity_blocks()
+
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..errors import Status
+from ..errors import ConfigError, Status
 from ..server.config import DaemonConfig
 from ..server.http import ApiError
 from ..server.tenancy import Tenancy
+from ..units import check_duration_s
 from . import protocol as P
 
 __all__ = ["NodeAccess", "Scoped"]
@@ -230,10 +231,12 @@ class NodeAccess:
         Raises
         ------
         ProtocolError
-            ``BAD_REQUEST`` for a lease of 0 or past ``max_lease_s``.
+            ``BAD_REQUEST`` for a lease that is not finite, of 0 or past ``max_lease_s``
+            (:func:`~tierstore.units.check_duration_s`).
         """
-        if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
-            raise P.ProtocolError(
-                P.ErrorCode.BAD_REQUEST, f"lease_s={lease_s}: must be in (0, {self.max_lease_s}]"
-            )
-        return lease_s
+        if lease_s is None:
+            return None
+        try:
+            return check_duration_s(lease_s, "lease_s", self.max_lease_s)
+        except ConfigError as e:
+            raise P.ProtocolError(P.ErrorCode.BAD_REQUEST, str(e)) from None

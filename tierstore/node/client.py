@@ -52,13 +52,14 @@ from ..io.inputs import (
     refuse_numpy,
 )
 from ..layout import KVLayout
+from ..units import MAX_DURATION_S, check_duration_s
 from . import protocol as P
 from .segment import Segment, SegmentError
 
 #: KVStore's public calls this client does not offer, by what they are for
 #: The longest wait a client may be given (seconds; a day: float("inf") overflowed the socket's
-#: time_t at every call).
-MAX_TIMEOUT_S = 86400.0
+#: time_t at every call). The one bound of every lease and wait (tierstore.units).
+MAX_TIMEOUT_S = MAX_DURATION_S
 
 NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
@@ -284,11 +285,9 @@ class NodeKVStore:
         retry_s: float = 0.5,
         token: str | None = None,
     ) -> None:
-        if not 0 < timeout_s <= MAX_TIMEOUT_S or not 0 <= retry_s <= MAX_TIMEOUT_S:
-            raise ConfigError(
-                f"timeout_s={timeout_s} (0 < timeout_s <= {MAX_TIMEOUT_S:g}), "
-                f"retry_s={retry_s} (0 <= retry_s <= {MAX_TIMEOUT_S:g})"
-            )
+        check_duration_s(timeout_s, "timeout_s")
+        if retry_s != 0:
+            check_duration_s(retry_s, "retry_s")
         self.url = url
         self.path = socket_path(url)
         self.layout = layout
@@ -606,6 +605,7 @@ class NodeKVStore:
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = check_keys(keys)
+        timeout_s = None if timeout_s is None else check_duration_s(timeout_s, "timeout_s")
         plans, finish = plan_destinations(len(keys), dests, self.layout)
         return self._later(wait, lambda: finish(self._load(keys, plans, timeout_s)))
 
@@ -617,6 +617,7 @@ class NodeKVStore:
         if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = check_keys(keys)
+        timeout_s = None if timeout_s is None else check_duration_s(timeout_s, "timeout_s")
         plans = plan_fragment_destinations(len(keys), dest_fragments_per_block, self.layout)
         return self._later(wait, self._load, keys, plans, timeout_s)
 
@@ -704,9 +705,13 @@ class NodeKVStore:
         ------
         QuotaExceeded
             Past the namespace's pin quota (nothing is pinned).
+        ConfigError
+            For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``
+            (the service bounds it further by its ``limits.max_lease_s``).
         """
         d = self.digest(ns)
         keys = check_keys(keys)
+        lease_s = None if lease_s is None else check_duration_s(lease_s, "lease_s")
         with self._lock:
             try:
                 r = self._call(lambda rid: P.Pin(rid, ns=d, keys=b"".join(keys), lease_s=lease_s))

@@ -747,6 +747,9 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     if cfg.node is None:
         raise ConfigError("the config has no 'node' section (node: {socket: /run/tierstore/node.sock})")
     node = cfg.node
+    from ..server.tenancy import make_state_dir
+
+    make_state_dir(cfg.state_dir)  # before the store: a bad state_dir leaves no tier file behind
     core = NodeCore(
         node.pool,
         cfg.store_config(),

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from ..registry import Registry
 from ..schema import DurationS, SizeBytes, StrictModel
+from ..units import MAX_DURATION_S
 from .registry import ADMISSION, CLASSIFIER, EVICTION, REINSERT
 
 __all__ = ["PoliciesConfig"]
@@ -44,7 +45,7 @@ class PoliciesConfig(StrictModel):
     evict_batch_blocks: int = Field(8, ge=1)
     verify_tokens: bool = False
     pin_quota_bytes: SizeBytes = 1 << 62
-    default_lease_s: DurationS = Field(60.0, gt=0)
+    default_lease_s: DurationS = Field(60.0, gt=0, le=MAX_DURATION_S)
     _ev = _registered(EVICTION)
     _ad = _registered(ADMISSION)
     _cl = _registered(CLASSIFIER)

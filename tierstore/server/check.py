@@ -94,14 +94,20 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def _existing_dir(path: str) -> str:
-    """The nearest existing ancestor directory of ``path``."""
+def _nearest_existing(path: str) -> str:
+    """``path`` (absolute) or its nearest ancestor that exists (a directory or not)."""
     p = os.path.abspath(path)
     while not os.path.exists(p):
         parent = os.path.dirname(p)
         if parent == p:
             break
         p = parent
+    return p
+
+
+def _existing_dir(path: str) -> str:
+    """The nearest existing ancestor directory of ``path``."""
+    p = _nearest_existing(path)
     return p if os.path.isdir(p) else os.path.dirname(p)
 
 
@@ -423,6 +429,11 @@ def _check_node(cfg: DaemonConfig, out: Preflight) -> None:
 
 
 def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> None:
+    near = _nearest_existing(cfg.state_dir)
+    if not os.path.isdir(near):  # start-up could not create it (tenancy.make_state_dir)
+        what = "exists" if near == os.path.abspath(cfg.state_dir) else f"is under {near}, which exists"
+        out.errors.append(f"state_dir: {cfg.state_dir} {what} and is not a directory")
+        return
     _check_writable_dir("state_dir", cfg.state_dir, out)
     reg = os.path.join(cfg.state_dir, _DEFAULT_STATE_FILE)
     if not os.path.exists(reg):

@@ -22,6 +22,7 @@ from ..config import LayoutConfig, PoliciesConfig, RemoteConfig, StoreConfig, Ti
 from ..errors import ConfigError
 from ..identity import Namespace
 from ..schema import DurationS, PositiveDurationS, SizeBytes, StrictModel, parse_model, read_yaml
+from ..units import MAX_DURATION_S
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -170,8 +171,8 @@ class LimitsConfig(StrictModel):
     shutdown_timeout_s: DurationS = 30.0
     retry_after_s: DurationS = 1.0
     pin_quota_bytes: SizeBytes = 1 << 62
-    default_lease_s: PositiveDurationS = 60.0
-    max_lease_s: PositiveDurationS = 3600.0
+    default_lease_s: PositiveDurationS = Field(60.0, le=MAX_DURATION_S)
+    max_lease_s: PositiveDurationS = Field(3600.0, le=MAX_DURATION_S)
 
 
 class NodeConfig(StrictModel):

@@ -37,7 +37,8 @@ from pydantic import BaseModel
 
 from ..build import build_store
 from ..contract import Tier
-from ..errors import QuotaExceeded, Status, TierStoreError
+from ..errors import ConfigError, QuotaExceeded, Status, TierStoreError
+from ..units import check_duration_s
 from .config import DaemonConfig
 from .durable import repair_after_restart
 from .http import (
@@ -55,7 +56,7 @@ from .http import (
 )
 from .metrics import ServerMetrics
 from .protocol import BLOCKS_CONTENT_TYPE, PREFIX
-from .tenancy import Tenancy
+from .tenancy import Tenancy, make_state_dir
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -118,6 +119,7 @@ class Service:
         self.cfg = cfg
         self.layout = cfg.layout.build()
         self.block_bytes = self.layout.bytes_per_block
+        make_state_dir(cfg.state_dir)  # before the store: a bad state_dir leaves no tier file behind
         #: with a ``node`` section the store is the node service's pool (one store, two transports)
         self.node_core = None
         if cfg.node is not None:
@@ -574,9 +576,12 @@ class Service:
         req = await self._json(request, PinRequest)
         scope, _, keys = self._scoped(tenant, req.namespace, req.keys, write=False)
         lim = self.cfg.limits
-        lease_s = float(req.lease_s) if req.lease_s is not None else lim.default_lease_s
-        if not 0 < lease_s <= lim.max_lease_s:
-            raise ApiError(400, "bad_request", f"lease_s={lease_s}: must be in (0, {lim.max_lease_s}]")
+        try:
+            lease_s = check_duration_s(
+                lim.default_lease_s if req.lease_s is None else req.lease_s, "lease_s", lim.max_lease_s
+            )
+        except ConfigError as e:
+            raise ApiError(400, "bad_request", str(e)) from None
         n = self.store.exists(keys)
         try:
             lease = self.store.pin_keys(scope, keys[:n], lease_s)

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from ..identity import DigestCache
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
@@ -53,6 +54,26 @@ def owner_key_scope(owner: str, layout_fingerprint: bytes) -> bytes:
 def storage_key(key_scope: bytes, client_key: bytes) -> bytes:
     """The storage key of a client key within an owner's key scope (module docstring: ``key``)."""
     return hashlib.sha256(_KEY_DOMAIN + key_scope + client_key).digest()
+
+
+def make_state_dir(path: str) -> None:
+    """Create the daemon's ``state_dir`` (and its parents) unless it is a directory already.
+
+    Start-up calls it before it opens the store, so a ``state_dir`` that cannot be one leaves
+    nothing behind (no NVMe tier file created first).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``state_dir``: it (or an ancestor) exists and is not a directory, or it cannot be
+        created.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"state_dir={path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"state_dir={path}: cannot create the directory: {e.strerror}") from None
 
 
 class Tenancy:
@@ -81,7 +102,7 @@ class Tenancy:
             self.quota_bytes[f"public:{p.name}"] = p.quota_bytes
         self._key_scopes: dict[str, bytes] = {}
         self._key_cache: dict[str, dict[bytes, bytes]] = {}
-        os.makedirs(cfg.state_dir, exist_ok=True)
+        make_state_dir(cfg.state_dir)
         self._scopes_path = os.path.join(cfg.state_dir, "scopes.jsonl")
         self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
         self.scope_owner: dict[bytes, str] = {}
