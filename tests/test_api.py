@@ -307,3 +307,16 @@ def test_overlapping_whole_block_destinations_are_refused_before_any_copy():
     st, out = store.load(hit, dests=[raw[2 * bb :], raw[:bb], raw[bb : 2 * bb]])  # adjacent is fine
     assert st == [Status.OK] * 3 and all(torch.equal(LAYOUT.block_view(o), b) for o, b in zip(out, blocks))
     store.close()
+
+
+def test_meta_destinations_are_not_memory_and_never_overlap():
+    """The replay loads into ``meta`` tensors (a load that copies nothing, for its counts): they all
+    report address 0, hold no memory and must not be refused as "the same memory"."""
+    store = KVStore(LAYOUT, host_bytes=4 * LAYOUT.bytes_per_block)
+    tokens = list(range(3 * LAYOUT.tokens_per_block))
+    blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(3)]
+    assert store.store(NS, tokens, blocks) == [Status.OK] * 3
+    metas = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8, device="meta") for _ in range(3)]
+    st, _ = store.load(store.lookup(NS, tokens), dests=metas)
+    assert st == [Status.OK] * 3
+    store.close()

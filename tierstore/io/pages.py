@@ -646,7 +646,8 @@ def check_distinct_destinations(plans: Sequence[FragmentPlan]) -> None:
     Two contiguous blocks (``flat`` plans) must not share a byte (their ``[data_ptr,
     data_ptr + nbytes)`` ranges, sorted, must not overlap: CUDA's unified virtual addressing
     keeps host and device addresses apart); any two plans must not start at the same address
-    (a strided or per-fragment plan by its first fragment). One pass over the plans and one sort.
+    (a strided or per-fragment plan by its first fragment). Tensors on the ``meta`` device hold no
+    memory and are passed over. One pass over the plans and one sort.
 
     Raises
     ------
@@ -657,14 +658,18 @@ def check_distinct_destinations(plans: Sequence[FragmentPlan]) -> None:
     spans: list[tuple[int, int]] = []
     for p in plans:
         if p.flat is not None:
-            a = p.flat.data_ptr()
-            spans.append((a, a + p.nbytes))
+            t = p.flat
         elif p.strided is not None:
-            a = p.strided.data_ptr()
+            t = p.strided
         elif p.fragments and isinstance(p.fragments[0], torch.Tensor):
-            a = p.fragments[0].data_ptr()
+            t = p.fragments[0]
         else:
             continue
+        if t.is_meta:  # holds no memory (a replay's "load but copy nothing"): nothing to overwrite
+            continue
+        a = t.data_ptr()
+        if t is p.flat:
+            spans.append((a, a + p.nbytes))
         if a in seen:
             raise LayoutError("two destination blocks are the same memory")
         seen.add(a)
