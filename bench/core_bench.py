@@ -690,27 +690,6 @@ WORKERS = {
 
 
 # =============================================================================== driver
-class Spinners:
-    """``n`` processes that spin on the CPUs while the block runs (an engine's busy host:
-    tokenizers, schedulers, other engines); stopped and reaped on exit."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.procs: list = []
-
-    def __enter__(self) -> Spinners:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        if self.procs:
-            time.sleep(0.5)  # let the scheduler see them
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-
-
 def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONPATH=root)
     try:
@@ -825,7 +804,9 @@ def main() -> None:
             order = codes if run % 2 == 0 else codes[::-1]  # ABBA
             got: dict = {name: {} for name, _ in codes}
             for mode in modes:
-                with Spinners(a.busy if mode == "busy" else 0):
+                from tierstore.bench.busy import competitors  # here: a --base tree may lack it
+
+                with competitors(a.busy if mode == "busy" else 0):
                     for k, (name, root) in enumerate(order):
                         wa = dict(wargs, run=run)
                         if part == "mem" and name == "base":

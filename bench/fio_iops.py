@@ -31,7 +31,6 @@ Nothing here sets a thread count or an environment variable; both tools run as a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -40,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("randread", "read", "randwrite", "write", "randrw")
@@ -110,23 +108,6 @@ def run_one(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return _iops(out), _cpu_us_per_io(out, runtime_s)
-
-
-@contextlib.contextmanager
-def competitor(busy: int) -> Iterator[None]:
-    """``busy`` busy processes (Python spin loops) for the duration of the block, or nothing."""
-    if busy <= 0:
-        yield
-        return
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
-        time.sleep(0.5)  # let them get scheduled before the pair starts
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 def lay_out(path: str, size_bytes: int) -> None:
@@ -202,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                         order = ("fio", "tierstore") if i % 2 == 0 else ("tierstore", "fio")
                         load = os.getloadavg()[0]
                         got, cpu = {}, {}
-                        with competitor(args.busy if condition == "busy" else 0):
+                        from tierstore.bench.busy import competitors  # here: a --base tree may lack it
+
+                        with competitors(args.busy if condition == "busy" else 0):
                             for tool in order:
                                 got[tool], cpu[tool] = run_one(
                                     tool, rw, engine, args.size, args.runtime, path, work

@@ -414,7 +414,9 @@ def compare(args) -> dict:
         for i in range(args.runs):
             order = ["new", "base"] if i % 2 == 0 else ["base", "new"]
             for name in order:
-                with Spinners(args.busy if mode == "busy" else 0):
+                from tierstore.bench.busy import competitors  # here: a --base tree may lack it
+
+                with competitors(args.busy if mode == "busy" else 0):
                     raw[mode][name].append(run_tree(args, trees[name]))
                 print(f"{mode} round {i + 1} {name}: {_figures(raw[mode][name][-1])}", flush=True)
                 if args.json:  # what is done so far survives a stopped run
@@ -428,27 +430,6 @@ def compare(args) -> dict:
         for mode, by_tree in raw.items()
     }
     return {"trees": trees, "busy_processes": args.busy, "summary": table, "raw": raw}
-
-
-class Spinners:
-    """``n`` processes that spin on the CPUs while the block runs (an engine's busy host);
-    stopped and reaped on exit (as ``bench/core_bench.py``'s)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.procs: list = []
-
-    def __enter__(self) -> Spinners:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        if self.procs:
-            time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
 
 
 def main() -> None:

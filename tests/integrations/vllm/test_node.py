@@ -111,22 +111,22 @@ def test_two_engine_processes_share_one_node_service(model_dir, tmp_path):
     core.close()
 
 
-def test_tensor_parallel_2_on_the_node_service(model_dir, tmp_path):
-    """TP=2 (two CPU workers, ``mp`` executor): each rank stores its own shard under its own
-    namespace, a repeated prompt gets every full block from the service, greedy tokens equal
-    TP=2 without the connector."""
-    core, server, url = start_service(tmp_path, 2)
+def _repeat_on_a_parallel_engine(tmp_path, model_dir, tp_size: int, pp_size: int, engine: dict) -> None:
+    """FIRST twice on a ``tp_size`` x ``pp_size`` engine (``mp`` executor, two CPU workers) on a fresh
+    service: greedy tokens equal the same engine without the connector, the repeat gets every full
+    block from the service, and each rank keeps its own 3 blocks under its own namespace."""
+    core, server, url = start_service(tmp_path, tp_size, pp_size)
     try:
         res = run_engine(
             dict(
                 model=model_dir,
                 url=url,
                 max_tokens=MAX_TOKENS,
-                engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-                layout=rank_layout(2),
+                engine=dict(engine, distributed_executor_backend="mp"),
+                layout=rank_layout(tp_size, pp_size),
                 prompts=[FIRST, FIRST],
                 baseline=True,
-                wait_blocks=[2 * 3, 0],
+                wait_blocks=[tp_size * pp_size * 3, 0],
             ),
             VLLM_CPU_OMP_THREADS_BIND="0|1",
         )
@@ -135,9 +135,16 @@ def test_tensor_parallel_2_on_the_node_service(model_dir, tmp_path):
         server.close()
     assert [o["tokens"] for o in res["outputs"]] == res["baseline"][:1] * 2 == res["baseline"]
     assert [o["cached"] for o in res["outputs"]] == [0, 3 * B]
-    assert per_ns == [3, 3]  # one namespace per TP rank, each rank's 3 blocks (its shard)
+    assert per_ns == [3] * (tp_size * pp_size)  # one namespace per rank, each its own 3 blocks
     core.check_invariants(quiescent=True)
     core.close()
+
+
+def test_tensor_parallel_2_on_the_node_service(model_dir, tmp_path):
+    """TP=2 (two CPU workers, ``mp`` executor): each rank stores its own shard under its own
+    namespace, a repeated prompt gets every full block from the service, greedy tokens equal
+    TP=2 without the connector."""
+    _repeat_on_a_parallel_engine(tmp_path, model_dir, 2, 1, {"tensor_parallel_size": 2})
 
 
 def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
@@ -150,34 +157,17 @@ def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
     intermediate tensors, and stage 1 fails ``assert self.intermediate_tensors is not None``
     (gpu_model_runner.py, ``sync_and_gather_intermediate_tensors``). Dynamo tracing with the
     ``eager`` backend compiles nothing and allocates them."""
-    core, server, url = start_service(tmp_path, 1, 2)
-    try:
-        res = run_engine(
-            dict(
-                model=model_dir,
-                url=url,
-                max_tokens=MAX_TOKENS,
-                engine={
-                    "pipeline_parallel_size": 2,
-                    "distributed_executor_backend": "mp",
-                    "enforce_eager": False,
-                    "compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"},
-                },
-                layout=rank_layout(1, 2),
-                prompts=[FIRST, FIRST],
-                baseline=True,
-                wait_blocks=[2 * 3, 0],
-            ),
-            VLLM_CPU_OMP_THREADS_BIND="0|1",
-        )
-        per_ns = sorted(core.store.namespaces().values())
-    finally:
-        server.close()
-    assert [o["tokens"] for o in res["outputs"]] == res["baseline"][:1] * 2 == res["baseline"]
-    assert [o["cached"] for o in res["outputs"]] == [0, 3 * B]
-    assert per_ns == [3, 3]  # one namespace per stage, each stage's 3 blocks (its layer)
-    core.check_invariants(quiescent=True)
-    core.close()
+    _repeat_on_a_parallel_engine(
+        tmp_path,
+        model_dir,
+        1,
+        2,
+        {
+            "pipeline_parallel_size": 2,
+            "enforce_eager": False,
+            "compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"},
+        },
+    )
 
 
 def test_an_engine_whose_node_service_is_down_recomputes(model_dir, tmp_path):
