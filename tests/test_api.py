@@ -320,3 +320,23 @@ def test_meta_destinations_are_not_memory_and_never_overlap():
     st, _ = store.load(store.lookup(NS, tokens), dests=metas)
     assert st == [Status.OK] * 3
     store.close()
+
+
+def test_a_strided_destination_is_refused_not_filled_through_a_copy():
+    """Fresh-user trial: load into a non-contiguous view of the right shape and dtype answered OK
+    and left the view all zeros (flattening it made a contiguous copy, and the copy was filled)."""
+    store = KVStore(LAYOUT, host_bytes=4 * LAYOUT.bytes_per_block)
+    tokens = list(range(2 * LAYOUT.tokens_per_block))
+    blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(2)]
+    assert store.store(NS, tokens, blocks) == [Status.OK] * 2
+    hit = store.lookup(NS, tokens)
+    shape = LAYOUT.block_shape
+    wide = torch.zeros((2, *shape[:-1], 2 * shape[-1]), dtype=LAYOUT.dtype)
+    views = list(wide[..., : shape[-1]])  # each of block_shape, strided
+    with pytest.raises(LayoutError, match="contiguous"):
+        store.load(hit, dests=views)
+    raw = torch.zeros(2 * LAYOUT.bytes_per_block, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="contiguous"):  # a uint8 block every other byte
+        store.load(hit, dests=[raw[0::2], raw[1::2]])
+    assert not wide.any() and not raw.any()
+    store.close()

@@ -43,7 +43,7 @@ from .closing import Closing
 from .contract import Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import plan_block, plan_fragment_destinations
+from .io.inputs import destination_bytes, plan_block, plan_fragment_destinations
 from .io.pages import FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
 from .server.protocol import keys_to_hex
@@ -620,10 +620,10 @@ class RemoteKVStore(Closing):
 
     def _raw_dests(self, dests: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         B = self.block_bytes
-        raw = [self.layout.as_bytes(t) if t.dtype != torch.uint8 else t.reshape(-1) for t in dests]
-        for t in raw:
-            if t.numel() != B or t.device.type != "cpu":
+        for t in dests:
+            if t.device.type != "cpu":
                 raise LayoutError(f"each destination must be a CPU block of {B} bytes")
+        raw = [destination_bytes(t, self.layout) for t in dests]
         check_distinct_destinations([FragmentPlan.of_bytes(t, destination=True) for t in raw])
         return raw
 

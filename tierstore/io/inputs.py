@@ -189,6 +189,11 @@ def destination_bytes(d: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """
     refuse_numpy(d, "a destination")
     bb = layout.bytes_per_block
+    if not d.is_contiguous():  # flattening would copy: the load would fill the copy, not ``d``
+        raise LayoutError(
+            f"a destination must be contiguous (got shape {tuple(d.shape)}, strides {d.stride()}): "
+            f"a load writes {bb} contiguous bytes; load into a contiguous block and copy from it"
+        )
     raw = layout.as_bytes(d) if d.dtype != torch.uint8 else d.reshape(-1)
     if raw.numel() != bb or not raw.is_contiguous():
         raise LayoutError(
