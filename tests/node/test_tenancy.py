@@ -208,7 +208,8 @@ def test_the_tenants_byte_quota_is_one_book_for_both_transports(daemon):
         assert _metric(d, "tierstore_tenant_usage_bytes", tenant="carol") == 8 * BB
         assert carol.invalidate(ns) == 8  # the usage goes with it
         assert carol.store(ns, _tokens(200, 1), _data(6, 1)) == [Status.OK]
-        assert carol.pin(ns, _tokens(200, 1), lease_s=3600).lease_id == 0  # past limits.max_lease_s
+        with pytest.raises(ConfigError, match="lease_s"):  # past limits.max_lease_s: said, not an empty lease
+            carol.pin(ns, _tokens(200, 1), lease_s=3600)
         assert len(carol.pin(ns, _tokens(200, 1), lease_s=60).keys) == 1
     finally:
         carol.close()

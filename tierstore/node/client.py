@@ -706,8 +706,9 @@ class NodeKVStore:
         QuotaExceeded
             Past the namespace's pin quota (nothing is pinned).
         ConfigError
-            For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``
-            (the service bounds it further by its ``limits.max_lease_s``).
+            For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``, and
+            for a pin the service refuses as a bad request (a lease past its ``limits.max_lease_s``,
+            more keys than its limit), with the service's reason.
         """
         d = self.digest(ns)
         keys = check_keys(keys)
@@ -718,6 +719,8 @@ class NodeKVStore:
             except _Refused as e:
                 if e.code is P.ErrorCode.QUOTA:
                     raise QuotaExceeded(str(e)) from None
+                if e.code in (P.ErrorCode.BAD_REQUEST, P.ErrorCode.LIMIT):  # the request, not the service
+                    raise ConfigError(f"the node service refused the pin: {e}") from None
                 return Lease(0, d, [], 0.0, 0)
             except _Down:
                 return Lease(0, d, [], 0.0, 0)
