@@ -265,7 +265,7 @@ class _CallThreads:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-#: What ``MooncakeTier._call`` returns when a call gave no result.
+#: What ``TierLink._call`` returns when a call gave no result.
 _NO_RESULT = object()
 
 

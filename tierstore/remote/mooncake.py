@@ -31,8 +31,8 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures as cf
-import functools
 import logging
+import operator
 import os
 import socket
 import threading
@@ -40,11 +40,12 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 
 from ..closing import Closing
+from ..delegation import handed_to
 from ..errors import ConfigError, LayoutError
 from ..io.format import KEY_BYTES
 from ..tiers.storage import RemoteBlockTier
@@ -75,10 +76,9 @@ from .loader import Loader
 from .publisher import SPACE_RETRY_S, Publisher  # noqa: F401 (SPACE_RETRY_S: as above)
 from .settings import MooncakeTuning, RemoteConfig
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
 log = logging.getLogger(__name__)
+_publisher = operator.attrgetter("publisher")
+_loader = operator.attrgetter("loader")
 
 #: ``MC_STORE_CLIENT_SETUP_RETRIES`` the tier sets (Mooncake's default, 20, retries a
 #: lost master for about 90 s while holding the GIL; a few retries still cover
@@ -158,18 +158,6 @@ _COUNTERS = (
     "removal_lease_retries",
     "removals_dropped",
 )
-
-
-def _on_part(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
-    """A method of the tier that runs ``method`` on its part ``part`` (``publisher``, ``loader``),
-    with ``method``'s signature and docstring (one place states them)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def on_part(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
-        return getattr(getattr(self, part), name)(*args, **kwargs)
-
-    return on_part
 
 
 class MooncakeTier(RemoteBlockTier, TierLink, Closing):
@@ -425,11 +413,11 @@ class MooncakeTier(RemoteBlockTier, TierLink, Closing):
                 )
 
     # ------------------------------------------------------------------ parts
-    put = _on_part("publisher", Publisher.put)
-    flush = _on_part("publisher", Publisher.flush)
-    get_into = _on_part("loader", Loader.get_into)
-    register_memory = _on_part("loader", Loader.register_memory)
-    set_load_observer = _on_part("loader", Loader.set_load_observer)
+    put = handed_to(_publisher, Publisher.put)
+    flush = handed_to(_publisher, Publisher.flush)
+    get_into = handed_to(_loader, Loader.get_into)
+    register_memory = handed_to(_loader, Loader.register_memory)
+    set_load_observer = handed_to(_loader, Loader.set_load_observer)
 
     # ----------------------------------------------------------------- lookup
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
