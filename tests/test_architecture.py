@@ -17,6 +17,7 @@ LAYER = {
     "registry": 0,
     "schema": 0,
     "closing": 0,
+    "delegation": 0,
     "tiers": 1,
     "contract": 2,
     "io": 2,

@@ -40,7 +40,7 @@ import torch
 
 from .client_wire import AuthError, DaemonConnection, RemoteError, ServerBusy, with_deadline
 from .closing import Closing
-from .contract import Lease, LookupResult, Tier
+from .contract import LOCAL_FIGURES, LOCAL_INDEX_CALLS, Lease, LookupResult, Tier
 from .errors import ConfigError, LayoutError, Status, StoreClosedError
 from .identity import DigestCache, Namespace, block_hashes
 from .io.inputs import destination_bytes, plan_block, plan_fragment_destinations
@@ -56,26 +56,8 @@ NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
     "key-level variants": ("pin_keys", "prefetch_keys", "remove", "resident", "tiers_of"),
     "operations on the whole store": ("flush", "evict", "clear", "drain"),
-    "introspection of the local index": (
-        "block_info",
-        "state_of",
-        "references",
-        "leases",
-        "namespaces",
-        "keys_of_namespace",
-        "check_invariants",
-        "record_events",
-        "take_events",
-    ),
-    "tier and device figures": (
-        "bytes_per_tier",
-        "capacity_bytes",
-        "device_stats",
-        "cost_model",
-        "ftl",
-        "placement",
-        "tiers",
-    ),
+    "introspection of the local index": LOCAL_INDEX_CALLS,
+    "tier and device figures": LOCAL_FIGURES,
 }
 
 _TIER = {t.label: t for t in Tier}

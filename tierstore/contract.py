@@ -74,6 +74,30 @@ _MEDIUM = {
 }
 MEMORY_TIERS = (Tier.HBM, Tier.HOST)
 
+#: :class:`~tierstore.api.KVStore`'s calls that read the index of a store in this process, and its
+#: tier and device figures: what its clients of a store in another process
+#: (``client.RemoteKVStore``, ``node.client.NodeKVStore``) do not offer (their ``NOT_OFFERED``)
+LOCAL_INDEX_CALLS = (
+    "block_info",
+    "state_of",
+    "references",
+    "leases",
+    "namespaces",
+    "keys_of_namespace",
+    "check_invariants",
+    "record_events",
+    "take_events",
+)
+LOCAL_FIGURES = (
+    "bytes_per_tier",
+    "capacity_bytes",
+    "device_stats",
+    "cost_model",
+    "ftl",
+    "placement",
+    "tiers",
+)
+
 
 class BlockState(enum.Enum):
     """Derived ownership state of an entry."""

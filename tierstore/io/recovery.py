@@ -41,6 +41,7 @@ from .pages import align_up
 from .segment_manager import SegmentManager, SegmentState
 
 __all__ = [
+    "OnDisk",
     "RecoveryCounts",
     "recover",
     "read_chain",
@@ -71,6 +72,38 @@ class RecoveryCounts:
     stale_segments: list = dataclasses.field(default_factory=list)
     #: BLOCK_DEAD records naming another key than the block at their offset (ignored)
     journal_mismatch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDisk:
+    """The tier that :func:`recover` and :func:`drop_beyond` read, and what they rebuild.
+
+    Attributes
+    ----------
+    engine : IOEngine
+        The tier's device.
+    segs : SegmentManager
+        Segment states, rebuilt from the chains.
+    locator : BlockLocator
+        Key -> location, rebuilt from the chains.
+    invalidated : dict of bytes to int
+        The invalidation log's ``ns_digest -> write_seq``: a namespace's blocks written before
+        its seq are skipped.
+    extent_bytes : int
+        The largest extent the tier writes, bytes (the read buffer is at least this).
+    path : str or None
+        The tier's path, for messages.
+    journal : JournalState or None
+        The tier's journal state (tombstoned blocks, segment resets); ``None`` without one.
+    """
+
+    engine: IOEngine
+    segs: SegmentManager
+    locator: BlockLocator
+    invalidated: dict[bytes, int]
+    extent_bytes: int
+    path: str | None
+    journal: JournalState | None = None
 
 
 def layout_refusal(path: str | None, block_bytes: int, other) -> str:
@@ -126,34 +159,25 @@ def read_chain(
         pos += h.total_bytes
 
 
-def recover(
-    engine: IOEngine,
-    segs: SegmentManager,
-    locator: BlockLocator,
-    invalidated: dict[bytes, int],
-    extent_bytes: int,
-    verify: bool,
-    path: str | None,
-    journal: JournalState | None = None,
-) -> RecoveryCounts:
-    """Rebuild ``segs`` and ``locator`` from the extent chains on ``engine`` (module doc).
+def recover(tier: OnDisk, verify: bool) -> RecoveryCounts:
+    """Rebuild ``tier.segs`` and ``tier.locator`` from the extent chains on ``tier.engine`` (module
+    doc), each block's CRC checked when ``verify``.
 
-    ``invalidated`` is the invalidation log's ``ns_digest -> write_seq``; ``journal`` the state
-    of the tier's journal: a chain whose first extent's gen is not above its segment's last
-    reset is stale (the segment stays free), and a block its BLOCK_DEAD record names (same
-    segment, gen, offset and key) is skipped. Sets ``segs.next_seq`` past every sequence
-    number seen.
+    A chain whose first extent's gen is not above its segment's last reset in ``tier.journal``
+    is stale (the segment stays free), and a block its BLOCK_DEAD record names (same segment,
+    gen, offset and key) is skipped. Sets ``segs.next_seq`` past every sequence number seen.
 
     Raises
     ------
     ConfigError
         A block of another size than ``segs.block_bytes`` (nothing is changed).
     """
+    engine, segs, locator, invalidated = tier.engine, tier.segs, tier.locator, tier.invalidated
     S = segs.segment_bytes
     out = RecoveryCounts()
-    buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
+    buf = list(alloc_aligned(max(tier.extent_bytes, 1 << 20)))
     max_seq = 0
-    js = journal if journal is not None else JournalState()
+    js = tier.journal if tier.journal is not None else JournalState()
     for si in range(segs.n_segments):
         base = si * S
         start = pos = segs.chain_start(si)
@@ -163,19 +187,7 @@ def recover(
                 out.stale_segments.append(si)  # reset durably; its trim was lost or ignored
                 h = None
                 break
-            _adopt_extent(
-                engine,
-                segs,
-                locator,
-                si,
-                base + pos,
-                h,
-                js.dead.get((si, h.segment_gen), {}),
-                invalidated,
-                verify,
-                path,
-                out,
-            )
+            _adopt_extent(tier, si, base + pos, h, js.dead.get((si, h.segment_gen), {}), verify, out)
             max_seq = max(max_seq, h.seq)
         _end_chain(segs, si, h, pos, start)
     segs.next_seq = (
@@ -191,7 +203,7 @@ def recover(
             "%s: %d extent header(s) failed their checksum at recovery (first at segment %d, byte %d): "
             "their blocks and the rest of their segments' chains are not recovered (misses, never "
             "KV); recovered %d blocks",
-            path or "NVMe tier",
+            tier.path or "NVMe tier",
             len(out.damaged_extents),
             *out.damaged_extents[0],
             out.recovered_blocks,
@@ -216,17 +228,7 @@ def _end_chain(segs: SegmentManager, si: int, h, pos: int, start: int) -> None:
 
 
 def _adopt_extent(
-    engine: IOEngine,
-    segs: SegmentManager,
-    locator: BlockLocator,
-    si: int,
-    ext_off: int,
-    h,
-    dead: dict,
-    invalidated: dict[bytes, int],
-    verify: bool,
-    path: str | None,
-    out: RecoveryCounts,
+    tier: OnDisk, si: int, ext_off: int, h, dead: dict, verify: bool, out: RecoveryCounts
 ) -> None:
     """Adopt the blocks of the extent at device offset ``ext_off`` of segment ``si`` (header ``h``):
     each one not failing its CRC (``verify``), not invalidated after it was written and not
@@ -237,26 +239,26 @@ def _adopt_extent(
     ConfigError
         A block of another size than ``segs.block_bytes``.
     """
-    bb = segs.block_bytes
+    bb = tier.segs.block_bytes
     other = {e.length_bytes for e in h.entries} - {bb}
     if other:
-        raise ConfigError(layout_refusal(path, bb, other))
+        raise ConfigError(layout_refusal(tier.path, bb, other))
     good = list(h.entries)
     if verify:
         good = [
             e
             for e in h.entries
-            if _verify_at(engine, bb, e.key, ext_off + e.payload_offset, e.payload_crc32c)
+            if _verify_at(tier.engine, bb, e.key, ext_off + e.payload_offset, e.payload_crc32c)
         ]
         out.dropped_blocks += len(h.entries) - len(good)
     for e in good:
-        if e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest]:
+        if e.ns_digest in tier.invalidated and h.seq < tier.invalidated[e.ns_digest]:
             out.invalidated_blocks += 1
             continue
         if _tombstoned(dead, ext_off + e.payload_offset, e.key, si, out):
             continue
-        _adopt(engine, segs, locator, si, ext_off + e.payload_offset, e, h.seq)
-    segs.written[si] += len(h.entries)
+        _adopt(tier, si, ext_off + e.payload_offset, e, h.seq)
+    tier.segs.written[si] += len(h.entries)
 
 
 def _tombstoned(dead: dict, off: int, key: bytes, si: int, out: RecoveryCounts) -> bool:
@@ -272,15 +274,8 @@ def _tombstoned(dead: dict, off: int, key: bytes, si: int, out: RecoveryCounts) 
     return True
 
 
-def _adopt(
-    engine: IOEngine,
-    segs: SegmentManager,
-    locator: BlockLocator,
-    si: int,
-    off: int,
-    e: fmt.BlockEntry,
-    seq: int,
-) -> None:
+def _adopt(tier: OnDisk, si: int, off: int, e: fmt.BlockEntry, seq: int) -> None:
+    segs, locator = tier.segs, tier.locator
     row = locator.row(e.key)
     if row >= 0:
         # Two copies (a GC copy-forward cut short by a crash): the newer
@@ -289,7 +284,7 @@ def _adopt(
         old = (int(locator.off[row]), int(locator.crc[row]), int(locator.seq[row]))
         new = (off, e.payload_crc32c, seq)
         newer, older = (new, old) if seq > old[2] else (old, new)
-        winner = newer if _verify_at(engine, segs.block_bytes, e.key, newer[0], newer[1]) else older
+        winner = newer if _verify_at(tier.engine, segs.block_bytes, e.key, newer[0], newer[1]) else older
         if winner is old:
             return
         segs.live[old[0] // segs.segment_bytes] -= 1
@@ -307,25 +302,17 @@ def _verify_at(engine: IOEngine, block_bytes: int, key: bytes, off: int, crc: in
     return fmt.payload_crc(key, memoryview(keep)[:block_bytes]) == crc
 
 
-def drop_beyond(
-    engine: IOEngine,
-    segs: SegmentManager,
-    locator: BlockLocator,
-    invalidated: dict[bytes, int],
-    old_n: int,
-    extent_bytes: int,
-    path: str | None,
-    journal: JournalState | None = None,
-) -> tuple[int, int]:
-    """The tier was reopened with fewer segments than its label says: count the blocks of the
-    segments past the new end that are not recovered (dropped), trim those segments, and say
-    so once. Returns ``(dropped blocks, trim errors)``. Blocks that were no longer stored are not
-    counted: invalidated, tombstoned by ``journal`` (block mode: evicted before) or in a chain it
-    says was reset (what :func:`recover` skips too)."""
+def drop_beyond(tier: OnDisk, old_n: int) -> tuple[int, int]:
+    """The tier was reopened with fewer segments than the ``old_n`` its label says: count the
+    blocks of the segments past the new end that are not recovered (dropped), trim those
+    segments, and say so once. Returns ``(dropped blocks, trim errors)``. Blocks that were no
+    longer stored are not counted: invalidated, tombstoned by ``tier.journal`` (block mode:
+    evicted before) or in a chain it says was reset (what :func:`recover` skips too)."""
+    engine, segs, locator, invalidated = tier.engine, tier.segs, tier.locator, tier.invalidated
     S = segs.segment_bytes
     reach = min(old_n, engine.size_bytes // S)
-    buf = list(alloc_aligned(max(extent_bytes, 1 << 20)))
-    js = journal if journal is not None else JournalState()
+    buf = list(alloc_aligned(max(tier.extent_bytes, 1 << 20)))
+    js = tier.journal if tier.journal is not None else JournalState()
     lost: set[bytes] = set()
     for si in range(segs.n_segments, reach):
         start = segs.chain_start(si)
@@ -350,7 +337,7 @@ def drop_beyond(
     _log.warning(
         "%s: reopened with %d segments of %d bytes (%s) after %d (%s): %d blocks stored in the "
         "segments past the new end were dropped (recovery_dropped_blocks)%s",
-        path or "device",
+        tier.path or "device",
         segs.n_segments,
         S,
         format_bytes(segs.n_segments * S),

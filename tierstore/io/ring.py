@@ -58,10 +58,14 @@ import platform
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..closing import Closing
 from ..errors import InvariantError, TierStoreError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 try:  # the turn of a plain bench job in C (tierstore/io/_ringloop.c, built by setup.py; optional)
     from . import _ringloop
@@ -1066,11 +1070,11 @@ def _fixed_turn_layout(ring: Ring, state: Any) -> tuple[int, int, int, int, int,
 
 def run_fixed_turns(
     ring: Ring,
-    state: Any,
-    offsets: Any,
-    opcodes: Any,
-    tags: Any,
-    log: Any,
+    state: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    opcodes: npt.NDArray[np.uint8] | None,
+    tags: npt.NDArray[np.int64] | None,
+    log: npt.NDArray[np.int64],
     *,
     deadline_ns: int,
     return_ns: int,

@@ -540,9 +540,10 @@ class SegmentStorage(BlockStorage):
             )
             self._writer.blk = self._blk
         inval = self._inval_log.read() if self._inval_log is not None else {}
-        found = recovery.recover(
-            self.engine, self._segs, self._loc, inval, self.extent_size_bytes, verify, self.path, state
+        on_disk = recovery.OnDisk(
+            self.engine, self._segs, self._loc, inval, self.extent_size_bytes, self.path, state
         )
+        found = recovery.recover(on_disk, verify)
         for si in found.stale_segments:  # reset, but its trim was lost or ignored: trim it again
             try:
                 self.engine.trim(
@@ -566,16 +567,7 @@ class SegmentStorage(BlockStorage):
             self._writer.finish_reclaim(si)
         self._st["segments_reclaimed"] = 0
         if old is not None and old.n_segments > self.n_segments:
-            dropped, trim_errors = recovery.drop_beyond(
-                self.engine,
-                self._segs,
-                self._loc,
-                inval,
-                old.n_segments,
-                self.extent_size_bytes,
-                self.path,
-                state,
-            )
+            dropped, trim_errors = recovery.drop_beyond(on_disk, old.n_segments)
             self._st["recovery_dropped_blocks"] += dropped
             self._st["trim_errors"] += trim_errors
         if self._labelled and (old is None or old.n_segments != self.n_segments):

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Final
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
+from ..delegation import handed_to
 from ..errors import Status
 from ..io.copies import one_omp_thread
 from ..io.pages import FragmentPlan
@@ -239,21 +240,9 @@ class Movers:
         plan.victims.moved = StorePlan.COPIES_DONE
 
     # ------------------------------------------------------------------ remote
-    def remote_get(
-        self,
-        keys: Sequence[bytes],
-        dests: Sequence[FragmentPlan],
-        gate: LoadGate | None = None,
-        indices: Sequence[int] | None = None,
-    ) -> list[Status]:
-        """Fetch blocks from the remote tier into destination plans (:meth:`RemoteHandler.fetch`)."""
-        return self.handlers[REMOTE, MEMORY].fetch(keys, dests, gate, indices)
-
-    def publish(
-        self, keys: Sequence[bytes], sources: Sequence[FragmentPlan], recent: bool = True
-    ) -> list[Status]:
-        """Queue blocks for the remote tier (:meth:`RemoteHandler.publish`)."""
-        return self.handlers[MEMORY, REMOTE].publish(keys, sources, recent)
+    # the remote handler's calls, found in the table at each call (ConfigError without one)
+    remote_get = handed_to(lambda movers: movers.handlers[REMOTE, MEMORY], RemoteHandler.fetch)
+    publish = handed_to(lambda movers: movers.handlers[MEMORY, REMOTE], RemoteHandler.publish)
 
     def after_release(self, slots: set[int], fn: Callable[[], object]) -> None:
         """Run ``fn`` once no late remote transfer holds any of these host slots

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..contract import Lease, LookupResult, Tier
+from ..contract import LOCAL_FIGURES, LOCAL_INDEX_CALLS, Lease, LookupResult, Tier
 from ..errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from ..identity import DigestCache, Namespace, block_hashes
 from ..io.copies import shared_copier
@@ -64,29 +64,8 @@ MAX_TIMEOUT_S = MAX_DURATION_S
 NOT_OFFERED: dict[str, tuple[str, ...]] = {
     "construction": ("from_config",),
     "tier moves the service decides": ("prefetch_keys", "evict", "flush", "clear", "remove", "MERGE_WAIT_S"),
-    "introspection of the service's index": (
-        "block_info",
-        "state_of",
-        "references",
-        "leases",
-        "namespaces",
-        "keys_of_namespace",
-        "check_invariants",
-        "record_events",
-        "take_events",
-        "resident",
-        "tiers_of",
-        "drain",
-    ),
-    "tier and device figures": (
-        "bytes_per_tier",
-        "capacity_bytes",
-        "device_stats",
-        "cost_model",
-        "ftl",
-        "placement",
-        "tiers",
-    ),
+    "introspection of the service's index": (*LOCAL_INDEX_CALLS, "resident", "tiers_of", "drain"),
+    "tier and device figures": LOCAL_FIGURES,
 }
 #: engine lifetime hints → the wire's lifetime code (:data:`tierstore.node.protocol.LIFETIME_NAMES`:
 #: 1 short, 2 medium, 3 long), the hints of ``tierstore.fdp.lifetime.HINTS``

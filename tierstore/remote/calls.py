@@ -70,7 +70,9 @@ class TierLink(Protocol):
     """What a part of :class:`~tierstore.remote.mooncake.MooncakeTier` (its publisher, its
     loader) uses of the tier: its settings, its one lock and the condition its threads wait
     on, its counters, its connection state and its Mooncake calls. A part keeps its own state
-    and its own slots; it reads the state fields and changes the counters under ``_lock``."""
+    and its own slots; it reads the state fields and changes the counters under ``_lock``.
+    The tier subclasses it: :meth:`_call` and :meth:`_call_here`, the call machinery, are
+    implemented here, the rest by the tier."""
 
     config: RemoteConfig
     tuning: MooncakeTuning
@@ -86,6 +88,9 @@ class TierLink(Protocol):
     _closed: bool
     _client: Any
     _namer: ObjectNamer
+    _calls: _CallThreads
+    _inflight_calls: int
+    _direct: dict[object, list]  # publisher calls in progress: [start_s, what, reported]
 
     def _bump(self, name: str, n: int = 1) -> None: ...
 
@@ -100,9 +105,60 @@ class TierLink(Protocol):
         *args: Any,
         on_timeout: Callable[[], None] | None = None,
         on_late: Callable[[], None] | None = None,
-    ) -> Any: ...
+    ) -> Any:
+        """Run ``fn(*args)`` on a call thread; wait at most ``timeout_s``.
 
-    def _call_here(self, what: str, fn: Callable, *args: Any) -> Any: ...
+        Returns the result, or :data:`_NO_RESULT` after a timeout or an
+        exception (the tier is then degraded). Memory the call may write into:
+        after an exception ``on_late`` runs at once; after a timeout
+        ``on_timeout`` runs at once and ``on_late`` when the call finally returns.
+        """
+        with self._lock:
+            self._inflight_calls += 1
+        fut = self._calls.submit(fn, *args)
+
+        def done(_f: cf.Future) -> None:
+            with self._lock:
+                self._inflight_calls -= 1
+
+        fut.add_done_callback(done)
+        try:
+            return fut.result(self._timeout_s)
+        except cf.TimeoutError:
+            if on_timeout is not None:
+                on_timeout()
+            if on_late is not None:
+                fut.add_done_callback(lambda _f: on_late())
+            self._degrade(f"{what} took more than {self._timeout_s:.1f} s", count="timeouts")
+            return _NO_RESULT
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
+            if on_late is not None:
+                on_late()
+            self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
+            return _NO_RESULT
+
+    def _call_here(self, what: str, fn: Callable, *args: Any) -> Any:
+        """Run ``fn(*args)`` on this (publisher) thread, watched by the prober.
+
+        The publisher has no caller waiting on it, so it calls Mooncake
+        directly (one thread hand-off less per batch). A call running longer
+        than ``timeout_s`` marks the tier degraded from the prober
+        (:meth:`_watchdog`); its memory is released only when it returns.
+        Returns the result, or :data:`_NO_RESULT` after an exception.
+        """
+        token = object()
+        with self._lock:
+            self._inflight_calls += 1
+            self._direct[token] = [time.monotonic(), what, False]
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
+            self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
+            return _NO_RESULT
+        finally:
+            with self._lock:
+                self._inflight_calls -= 1
+                del self._direct[token]
 
     def _check_keys(self, keys: Sequence[bytes], bufs: Sequence[torch.Tensor], what: str) -> None: ...
 
@@ -209,7 +265,7 @@ class _CallThreads:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-#: What ``MooncakeTier._call`` returns when a call gave no result.
+#: What ``TierLink._call`` returns when a call gave no result.
 _NO_RESULT = object()
 
 

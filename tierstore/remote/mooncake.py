@@ -32,6 +32,7 @@ import atexit
 import collections
 import concurrent.futures as cf
 import logging
+import operator
 import os
 import socket
 import threading
@@ -44,12 +45,13 @@ from typing import Any
 import torch
 
 from ..closing import Closing
-from ..errors import ConfigError, LayoutError, Status
+from ..delegation import handed_to
+from ..errors import ConfigError, LayoutError
 from ..io.format import KEY_BYTES
 from ..tiers.storage import RemoteBlockTier
 
 # public names of this module before the split, still importable from here
-from .calls import (  # noqa: F401  # noqa: F401
+from .calls import (  # noqa: F401
     _NO_RESULT,
     INVALID_PARAMS,
     LEASE_EXPIRED,
@@ -60,6 +62,7 @@ from .calls import (  # noqa: F401  # noqa: F401
     RPC_FAIL,
     TRANSFER_FAIL,
     RegisteredRegion,
+    TierLink,
     _callback,
     _CallFailed,
     _CallThreads,
@@ -74,6 +77,8 @@ from .publisher import SPACE_RETRY_S, Publisher  # noqa: F401 (SPACE_RETRY_S: as
 from .settings import MooncakeTuning, RemoteConfig
 
 log = logging.getLogger(__name__)
+_publisher = operator.attrgetter("publisher")
+_loader = operator.attrgetter("loader")
 
 #: ``MC_STORE_CLIENT_SETUP_RETRIES`` the tier sets (Mooncake's default, 20, retries a
 #: lost master for about 90 s while holding the GIL; a few retries still cover
@@ -155,7 +160,7 @@ _COUNTERS = (
 )
 
 
-class MooncakeTier(RemoteBlockTier, Closing):
+class MooncakeTier(RemoteBlockTier, TierLink, Closing):
     """The remote tier: publish, look up and load blocks in a Mooncake cluster.
 
     Parameters
@@ -380,68 +385,6 @@ class MooncakeTier(RemoteBlockTier, Closing):
         with self._lock:
             return self._client if self._state == "ok" and not self._closed else None
 
-    def _call(
-        self,
-        what: str,
-        fn: Callable,
-        *args,
-        on_timeout: Callable[[], None] | None = None,
-        on_late: Callable[[], None] | None = None,
-    ):
-        """Run ``fn(*args)`` on a call thread; wait at most ``timeout_s``.
-
-        Returns the result, or :data:`_NO_RESULT` after a timeout or an
-        exception (the tier is then degraded). Memory the call may write into:
-        after an exception ``on_late`` runs at once; after a timeout
-        ``on_timeout`` runs at once and ``on_late`` when the call finally returns.
-        """
-        with self._lock:
-            self._inflight_calls += 1
-        fut = self._calls.submit(fn, *args)
-
-        def done(_f) -> None:
-            with self._lock:
-                self._inflight_calls -= 1
-
-        fut.add_done_callback(done)
-        try:
-            return fut.result(self._timeout_s)
-        except cf.TimeoutError:
-            if on_timeout is not None:
-                on_timeout()
-            if on_late is not None:
-                fut.add_done_callback(lambda _f: on_late())
-            self._degrade(f"{what} took more than {self._timeout_s:.1f} s", count="timeouts")
-            return _NO_RESULT
-        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
-            if on_late is not None:
-                on_late()
-            self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
-            return _NO_RESULT
-
-    def _call_here(self, what: str, fn: Callable, *args):
-        """Run ``fn(*args)`` on this (publisher) thread, watched by the prober.
-
-        The publisher has no caller waiting on it, so it calls Mooncake
-        directly (one thread hand-off less per batch). A call running longer
-        than ``timeout_s`` marks the tier degraded from the prober
-        (:meth:`_watchdog`); its memory is released only when it returns.
-        Returns the result, or :data:`_NO_RESULT` after an exception.
-        """
-        token = object()
-        with self._lock:
-            self._inflight_calls += 1
-            self._direct[token] = [time.monotonic(), what, False]
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 (a raising client is a failed call, counted)
-            self._degrade(f"{what} raised {type(e).__name__}: {e}", count="call_exceptions")
-            return _NO_RESULT
-        finally:
-            with self._lock:
-                self._inflight_calls -= 1
-                del self._direct[token]
-
     def _watchdog(self) -> None:
         """Degrade when a direct call has run longer than ``timeout_s``."""
         now = time.monotonic()
@@ -470,38 +413,11 @@ class MooncakeTier(RemoteBlockTier, Closing):
                 )
 
     # ------------------------------------------------------------------ parts
-    def put(
-        self,
-        keys: Sequence[bytes],
-        blocks: Sequence[torch.Tensor],
-        ns_digests: Sequence[bytes] | None = None,
-        *,
-        copy: bool = False,
-        recent: bool = True,
-    ) -> list[Status]:
-        """:meth:`Publisher.put <tierstore.remote.publisher.Publisher.put>`."""
-        return self.publisher.put(keys, blocks, ns_digests, copy=copy, recent=recent)
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """:meth:`Publisher.flush <tierstore.remote.publisher.Publisher.flush>`."""
-        return self.publisher.flush(timeout_s)
-
-    def get_into(self, keys: Sequence[bytes], dests: Sequence[torch.Tensor]) -> list[Status]:
-        """:meth:`Loader.get_into <tierstore.remote.loader.Loader.get_into>`."""
-        return self.loader.get_into(keys, dests)
-
-    def register_memory(
-        self,
-        tensor: torch.Tensor,
-        on_hold: Callable[[int, int], None],
-        on_release: Callable[[int, int], None],
-    ) -> RegisteredRegion:
-        """:meth:`Loader.register_memory <tierstore.remote.loader.Loader.register_memory>`."""
-        return self.loader.register_memory(tensor, on_hold, on_release)
-
-    def set_load_observer(self, fn: Callable[[int, float], None] | None) -> None:
-        """:meth:`Loader.set_load_observer <tierstore.remote.loader.Loader.set_load_observer>`."""
-        self.loader.set_load_observer(fn)
+    put = handed_to(_publisher, Publisher.put)
+    flush = handed_to(_publisher, Publisher.flush)
+    get_into = handed_to(_loader, Loader.get_into)
+    register_memory = handed_to(_loader, Loader.register_memory)
+    set_load_observer = handed_to(_loader, Loader.set_load_observer)
 
     # ----------------------------------------------------------------- lookup
     def exists_prefix(self, keys: Sequence[bytes]) -> int:

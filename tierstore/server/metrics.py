@@ -32,6 +32,23 @@ def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetri
     return family
 
 
+class _BlockTraffic:
+    """``<prefix>_blocks`` (blocks by operation, tenant and status) and ``<prefix>_payload_bytes``
+    (payload bytes by direction and tenant): the scheme HTTP's and the node socket's share."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, blocks_doc: str, bytes_doc: str) -> None:
+        self.blocks = Counter(f"{prefix}_blocks", blocks_doc, ["op", "tenant", "status"], registry=r)
+        self.bytes = Counter(f"{prefix}_payload_bytes", bytes_doc, ["direction", "tenant"], registry=r)
+
+    def count_blocks(self, op: str, tenant: str, statuses) -> None:
+        """Count blocks of a store outcome or load (ticket) by status."""
+        counts: dict[str, int] = {}
+        for st in statuses:
+            counts[st.value] = counts.get(st.value, 0) + 1
+        for value, n in counts.items():
+            self.blocks.labels(op, tenant, value).inc(n)
+
+
 class _StoreCollector:
     """Scrape-time gauges: bytes per tier, store counters, WAF, tenant usage."""
 
@@ -99,7 +116,7 @@ class _StoreCollector:
         yield inf
 
 
-class ServerMetrics:
+class ServerMetrics(_BlockTraffic):
     """Prometheus metrics of the daemon (private registry)."""
 
     def __init__(self, svc: Service) -> None:
@@ -132,17 +149,11 @@ class ServerMetrics:
                 2.5,
             ),
         )
-        self.blocks = Counter(
-            "tierstore_blocks",
+        super().__init__(
+            r,
+            "tierstore",
             "Blocks by operation, tenant and status",
-            ["op", "tenant", "status"],
-            registry=r,
-        )
-        self.bytes = Counter(
-            "tierstore_payload_bytes",
             "Block payload bytes by direction and tenant",
-            ["direction", "tenant"],
-            registry=r,
         )
         self.rejected = Counter(
             "tierstore_rejected_requests", "Requests refused for backpressure", ["reason"], registry=r
@@ -187,7 +198,7 @@ class _SessionsCollector:
         yield g
 
 
-class NodeMetrics:
+class NodeMetrics(_BlockTraffic):
     """The node transport's Prometheus metrics, in the daemon's registry beside HTTP's.
 
     Parameters
@@ -215,17 +226,11 @@ class NodeMetrics:
             registry=r,
             buckets=_LATENCY_BUCKETS_S,
         )
-        self.blocks = Counter(
-            "tierstore_node_blocks",
+        super().__init__(
+            r,
+            "tierstore_node",
             "Blocks by operation (put: store outcomes, get: load tickets), tenant and status",
-            ["op", "tenant", "status"],
-            registry=r,
-        )
-        self.bytes = Counter(
-            "tierstore_node_payload_bytes",
             "Block payload bytes copied through the shared segment, by direction and tenant",
-            ["direction", "tenant"],
-            registry=r,
         )
         self.sessions_opened = Counter(
             "tierstore_node_sessions_opened", "Node sessions welcomed, by tenant", ["tenant"], registry=r
@@ -254,14 +259,6 @@ class NodeMetrics:
             )
         children[0].inc()
         children[1].observe(seconds)
-
-    def count_blocks(self, op: str, tenant: str, statuses) -> None:
-        """Count blocks of a store outcome or load ticket by status."""
-        counts: dict[str, int] = {}
-        for st in statuses:
-            counts[st.value] = counts.get(st.value, 0) + 1
-        for value, n in counts.items():
-            self.blocks.labels(op, tenant, value).inc(n)
 
     def count_hits(self, op: str, asked: int, found: int) -> None:
         """As :meth:`ServerMetrics.count_hits` (a no-op without HTTP's metrics)."""

@@ -480,8 +480,7 @@ class Service:
         failed = [k for k, s in zip(keys, st) if s not in (Status.OK, Status.EXISTS)]
         if failed:
             self.tenancy.unreserve(scope, [k for k in failed if k in set(charged)])
-        for s in st:
-            self.metrics.blocks.labels("put", tenant, s.value).inc()
+        self.metrics.count_blocks("put", tenant, st)
         self.metrics.bytes.labels("in", tenant).inc(payload)
         return web.json_response({"statuses": [s.value for s in st], "durable": self.durable})
 
@@ -511,8 +510,7 @@ class Service:
         st, _ = await self._run_on(buf, lambda: self.store.load(keys, dests, req.promote))
         self.metrics.load_s.observe(time.perf_counter() - t0)
         ok = [i for i, s in enumerate(st) if s is Status.OK]
-        for s in st:
-            self.metrics.blocks.labels("get", tenant, s.value).inc()
+        self.metrics.count_blocks("get", tenant, st)
         self.metrics.count_hits("get", len(keys), len(ok))
         man = json.dumps(
             {"statuses": [s.value for s in st], "block_bytes": self.block_bytes}, separators=(",", ":")
