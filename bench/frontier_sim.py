@@ -1904,6 +1904,31 @@ def describe(r: dict) -> str:
     return ", ".join(parts)
 
 
+#: What ``--slim`` keeps of a row: enough for ``--report`` and the README's tables.
+SLIM_FIELDS = (
+    "workload config cfg_spec cfg_util_req util isolation capacity_blocks nvme_blocks_nominal "
+    "live_budget_blocks n_segments blocks_per_segment hit_ratio saved_prefill_tokens hit_blocks_hbm "
+    "hit_blocks_host hit_blocks_nvme host_wa device_waf e2e_wa mbmw_bytes nvme_user_bytes nvme_gc_bytes "
+    "gc_copied_blocks gc_evicted_blocks region_kept_blocks region_evicted_blocks lru_evicted_blocks "
+    "trim_ranges placement_auc tercile_accuracy tercile_chance nvme_reused_share flat_lru "
+    "flat_lru_saved_tokens belady belady_saved_tokens loadavg_start loadavg_end wall_s simulated source"
+).split()
+
+
+def slim(src: str, dst: str) -> int:
+    """Copy ``src``'s result rows (the last per key) with :data:`SLIM_FIELDS` and every ``cfg_``
+    field, and its references, to ``dst``; returns the rows written."""
+    rows, refs = load_rows(src)
+    with open(dst, "w") as f:
+        for r in rows:
+            f.write(
+                json.dumps({k: v for k, v in r.items() if k in SLIM_FIELDS or k.startswith("cfg_")}) + "\n"
+            )
+        for wl, ref in refs.items():
+            f.write(json.dumps({"reference": ref, "workload": wl}) + "\n")
+    return len(rows)
+
+
 def load_rows(path: str) -> tuple[list[dict], dict]:
     """Result rows and references (per workload) of a ``--json`` file (the last row per key wins)."""
     rows: dict = {}
@@ -1991,6 +2016,11 @@ def twin(rows: list[dict], r: dict) -> dict | None:
     return None
 
 
+def _reads_future(r: dict) -> bool:
+    """An oracle placement or the perfect engine's hints (:func:`engine_classes`) read the future."""
+    return r["cfg_classifier"].startswith("oracle") or r.get("cfg_hints", "none") == "engine"
+
+
 def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     """The decision table: per workload and utilisation, the flat LRU's saved prefill against the
     best configurations at e2e WA <= ``wa_max`` (FTL model), and the best per-block FDP
@@ -2011,8 +2041,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
 
     out = [
         f'Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); "store-visible" excludes the '
-        'oracle placements (they need the future); "conventional twin" is the same per-block configuration '
-        "on the one-handle model without RUH Update.",
+        'oracle placements and the perfect engine\'s hints (they need the future); "conventional twin" '
+        "is the same per-block configuration on the one-handle model without RUH Update.",
         "",
         "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best "
         "region | "
@@ -2020,7 +2050,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
         "(vs flat "
         "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not "
         "an SSD | "
-        "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP "
+        "best per-block FDP, oracle or engine hints | saved (vs flat LRU) | "
+        "e2e WA (FTL model, not an SSD) | per-block FDP "
         ">= flat "
         "LRU at this WA? |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -2036,8 +2067,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
             a = next((r for r in sel if r["config"] == "a"), None)
             reg = best([r for r in sel if r["cfg_granularity"] == "region"])
             blk = [r for r in sel if r["cfg_granularity"] == "block" and r["cfg_fdp"]]
-            vis = best([r for r in blk if not r["cfg_classifier"].startswith("oracle")])
-            orc = best([r for r in blk if r["cfg_classifier"].startswith("oracle")])
+            vis = best([r for r in blk if not _reads_future(r)])
+            orc = best([r for r in blk if _reads_future(r)])
             tw = twin(rows, vis) if vis is not None else None
             twc = "not run" if tw is None else f"{tw['e2e_wa']:.4f} ({tw['device_waf']:.4f})"
             reach = any(r is not None and r["saved_prefill_tokens"] >= flat for r in (vis, orc))
@@ -2147,6 +2178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out"
     )
     ap.add_argument("--out", default=".", help="directory of --report's frontier.md and PNGs")
+    ap.add_argument(
+        "--slim", default=None, metavar="JSONL", help="copy its rows with SLIM_FIELDS only to the file --out"
+    )
     a = ap.parse_args(argv)
     if a.list_configs:
         for c in CONFIGS.values():
@@ -2154,6 +2188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.report:
         print(report(a.report, a.out))
+        return 0
+    if a.slim:
+        print(f"{slim(a.slim, a.out)} rows -> {a.out}")
         return 0
     wl = load_workload(a.workload, a.trace, a.limit, parse_size(a.block_bytes, "block_bytes"), a.agent_trace)
     print(
