@@ -102,6 +102,7 @@ are skipped with ``--resume``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import heapq
 import json
@@ -114,7 +115,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tierstore.bench.lifetimes import tercile_bounds
+from tierstore.bench.lifetimes import _spearman, tercile_bounds
 from tierstore.bench.references import chain_keys, references
 from tierstore.fdp.device import RuhUpdateShim
 from tierstore.fdp.ftl import FTLModel
@@ -146,13 +147,19 @@ _SIMULATED = "every WA/WAF figure is the FTL model's (tierstore/fdp/ftl.py), not
 #: tier counting as an access; the others evict by class, lowest class first, LRU within a class:
 #: ``hits`` the store's predicted reuse (``default_classify`` without a hint: hits 0 / 1 / >= 2,
 #: re-classified on every hit), ``engine`` the engine's lifetime class (query, then conversation,
-#: then system prefix: :func:`engine_classes`), ``engine2`` query blocks first, then the rest in one LRU.
+#: then system prefix: :func:`engine_classes`), ``engine2`` query blocks first, then the rest in one LRU;
+#: ``next`` an oracle, the block whose next lookup is furthest first (Belady's MIN order; reads the
+#: future; sorts the tier per call, so only for small tiers); ``dead`` blocks whose last lookup
+#: has passed first, then LRU (an engine that marks one-off queries and says when a session ends;
+#: the class is set at each access, which is when a block's last lookup passes).
 ORDERS = {
     "lru": "LRU",
     "s3fifo": "S3-FIFO",
     "hits": "class by hits (0, 1, >=2), LRU within",
     "engine": "engine class (query, conversation, system), LRU within",
     "engine2": "engine query blocks first, then LRU",
+    "next": "oracle: furthest next lookup first (Belady's order)",
+    "dead": "blocks looked up for the last time first, then LRU",
 }
 
 
@@ -235,6 +242,42 @@ class ClassLRU:
                 if len(out) == n:
                     break
         return out
+
+
+class NextUseOrder:
+    """The oracle order: the block whose next lookup (request index, ``occurrences``) is furthest
+    comes first (never again: first of all; ties: the larger key). Recomputed per call from
+    ``now()``, the current request index, so a copy left unrefreshed never goes stale."""
+
+    def __init__(self, occurrences: list[list[int]], now: Callable[[], int]) -> None:
+        self.occ, self.now = occurrences, now
+        self.keys: set = set()
+
+    def next_use(self, k: int) -> float:
+        o = self.occ[k]
+        j = bisect.bisect_right(o, self.now())
+        return o[j] if j < len(o) else math.inf
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        return iter(sorted(self.keys, key=lambda k: (-self.next_use(k), -k)))
+
+    def __setitem__(self, k: int, _v: None) -> None:
+        self.keys.add(k)
+
+    def move_to_end(self, k: int) -> None:
+        self.keys.add(k)
+
+    def pop(self, k: int, default=None):
+        self.keys.discard(k)
+        return default
+
+    victims = ClassLRU.victims
 
 
 class _Key:
@@ -738,6 +781,8 @@ class Simulator:
         self.eng: list[int] | None = (
             engine_classes(wl.keys, wl.n_blocks, cfg.hint_error) if cfg.hints == "engine" else None
         )
+        self.req_i = 0  # the request being replayed (the oracle order's clock)
+        self._occ: list[list[int]] | None = None
         self.lru = (self._make_order(cfg.memory_order), self._make_order(cfg.memory_order))
         self.cap = (wl.hbm_bytes // bb, wl.host_bytes // bb)
         self.nvme_lru = self._make_order(cfg.nvme_order)
@@ -831,6 +876,17 @@ class Simulator:
         if name == "hits":
             hits = self.hits
             return ClassLRU(3, lambda b: min(hits[b], 2))
+        if name in ("next", "dead"):
+            if self._occ is None:
+                occ: list[list[int]] = [[] for _ in range(self.wl.n_blocks)]
+                for i, ks in enumerate(self.wl.keys):
+                    for k in ks:
+                        occ[k].append(i)
+                self._occ = occ
+            nxt = NextUseOrder(self._occ, lambda: self.req_i)
+            if name == "next":
+                return nxt
+            return ClassLRU(2, lambda b: 0 if nxt.next_use(b) == math.inf else 1)
         eng = self.eng
         assert eng is not None  # SimConfig requires hints="engine"
         if name == "engine":
@@ -908,6 +964,7 @@ class Simulator:
         t0 = time.perf_counter()
         n = len(self.wl.keys)
         for i, (ks, t) in enumerate(zip(self.wl.keys, self.wl.times_s)):
+            self.req_i = i
             self._request(ks, t)
             if progress is not None and i % 1000 == 0:
                 progress(i, n)
@@ -1642,6 +1699,7 @@ class Simulator:
             "tercile_accuracy": float((p == truth).mean()),
             "tercile_chance": float(pred_share @ true_share),
             "tercile_bounds_s": [float(lo), float(hi)],
+            "tercile_spearman": _spearman(p.astype(float), life[judged]),
         }
 
     def oracle_truth(self) -> dict:
@@ -1910,7 +1968,7 @@ SLIM_FIELDS = (
     "live_budget_blocks n_segments blocks_per_segment hit_ratio saved_prefill_tokens hit_blocks_hbm "
     "hit_blocks_host hit_blocks_nvme host_wa device_waf e2e_wa mbmw_bytes nvme_user_bytes nvme_gc_bytes "
     "gc_copied_blocks gc_evicted_blocks region_kept_blocks region_evicted_blocks lru_evicted_blocks "
-    "trim_ranges placement_auc tercile_accuracy tercile_chance nvme_reused_share flat_lru "
+    "trim_ranges placement_auc tercile_accuracy tercile_chance tercile_spearman nvme_reused_share flat_lru "
     "flat_lru_saved_tokens belady belady_saved_tokens loadavg_start loadavg_end wall_s simulated source"
 ).split()
 
@@ -2017,8 +2075,13 @@ def twin(rows: list[dict], r: dict) -> dict | None:
 
 
 def _reads_future(r: dict) -> bool:
-    """An oracle placement or the perfect engine's hints (:func:`engine_classes`) read the future."""
-    return r["cfg_classifier"].startswith("oracle") or r.get("cfg_hints", "none") == "engine"
+    """Oracle placement, the perfect engine's hints (:func:`engine_classes`) and the ``next`` and
+    ``dead`` orders read the future."""
+    return (
+        r["cfg_classifier"].startswith("oracle")
+        or r.get("cfg_hints", "none") == "engine"
+        or bool({"next", "dead"} & {r.get("cfg_nvme_order"), r.get("cfg_memory_order")})
+    )
 
 
 def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:

@@ -145,12 +145,33 @@ def test_block_mode_orders_without_memory_tiers_are_one_flat_cache_of_that_order
         assert r["hit_blocks"] == round(flat_lru_hit_ratio(wl.keys, budget) * r["lookup_blocks"])
 
 
-@pytest.mark.parametrize("name", ["d-s3", "m-hits", "d-eng-all", "m-eng2-all"])
+def test_next_use_order_by_hand():
+    """The oracle order puts the block looked up furthest ahead first (never again: first of all,
+    ties: the larger key), judged from the current request, so a copy nobody refreshed is ranked
+    by its next lookup, not its last."""
+    occ = [[0, 5], [0, 2, 9], [1], [0, 3]]  # request indices that look each block up
+    now = [0]
+    o = fs.NextUseOrder(occ, lambda: now[0])
+    for k in range(4):
+        o[k] = None
+    assert list(o) == [0, 3, 1, 2]  # next lookups 5, 3, 2, 1
+    now[0] = 2
+    assert list(o) == [2, 1, 0, 3]  # never, 9, 5, 3
+    now[0] = 5
+    assert list(o) == [3, 2, 0, 1]  # never (3, 2, 0 by key), 9
+    assert o.victims(2, lambda k: k == 3) == [2, 0]
+    o.pop(2)
+    assert 2 not in o and len(o) == 3
+
+
+@pytest.mark.parametrize(
+    "name", ["d-s3", "m-hits", "d-eng-all", "m-eng2-all", "m-surv:nvme_order=dead;memory_order=dead"]
+)
 def test_new_orders_keep_the_tier_consistent(name):
     """Each new order, with the memory tiers on (their own order too for the ``-all`` configs),
     keeps the live budget and the device's mapping exact (check_invariants at the end of run)."""
     wl = fs.load_workload("excerpt", limit=200)
-    r = fs.Simulator(wl, fs.CONFIGS[name], util=1.0).run()
+    r = fs.Simulator(wl, fs.config_from_spec(name), util=1.0).run()
     assert 0 < r["nvme_live_blocks_end"] <= r["live_budget_blocks"] and r["lru_evicted_blocks"] > 0
 
 
