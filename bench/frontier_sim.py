@@ -66,6 +66,10 @@ checked against :func:`tierstore.replay.run_replay`, see ``--validate``):
   SHORT) and ``oracle3`` (the same first pass; classes by the terciles of each
   copy's NVMe lifetime, counted in NVMe block writes).  ``fdp`` off: the
   conventional SSD, every write on one handle, no RUH Update.
+* **Eviction orders** (``nvme_order``, ``memory_order``; :data:`ORDERS`): LRU (the store's),
+  S3-FIFO, class by hits, the engine's lifetime class (``hints: engine``, a perfect engine's
+  labels from the whole trace, :func:`engine_classes`, with ``hint_error`` noise) and two oracles
+  (``dead``: blocks past their last lookup first; ``next``: Belady's order).
 * **Exclusive tiers** (``promotion: move``, an experiment the store does not
   have): a promoted block's lower copies are dropped (in block mode its NVMe
   slot is deallocated), and its HBM slot may cost demotions down to NVMe.
@@ -91,6 +95,7 @@ Usage (from a clone, with ``tierstore`` importable: ``pip install -e .`` or
     python bench/frontier_sim.py --workload conv10 --configs a,b,c,d0,d-surv --utils 0.9,1.0 --json out.jsonl
     python bench/frontier_sim.py --list-configs
     python bench/frontier_sim.py --report out.jsonl --out DIR     # tables, go/no-go, PNGs
+    python bench/frontier_sim.py --workload conv10 --flat-orders --configs d-eng-all   # flat bounds
 
 bench/README_frontier.md has the sweep, its commands and what it showed.
 
@@ -1784,6 +1789,36 @@ def run_config(
     return sim.run()
 
 
+def flat_orders(wl: Workload, specs: list[str], util: float) -> list[dict]:
+    """Hit ratios of one flat cache in each order (:func:`flat_order_hit_ratio`; LRU and Belady from
+    :mod:`tierstore.bench.references`) at the flat LRU's blocks and at the blocks each configuration
+    in ``specs`` keeps (memory tiers + NVMe live budget): what an order can win back of the capacity
+    per-block eviction costs. ``engine*`` use :func:`engine_classes` without error."""
+    from tierstore.bench.references import belady_hit_ratio, flat_lru_hit_ratio
+
+    eng = engine_classes(wl.keys, wl.n_blocks)
+    sizes = [("flat LRU's blocks", wl.capacity_blocks)]
+    for spec in specs:
+        sim = Simulator(wl, config_from_spec(spec), util)
+        sizes.append((spec, sim.cap[HBM] + sim.cap[HOST] + sim.live_budget))
+    out = []
+    for label, n in sizes:
+        out.append(
+            {
+                "workload": wl.name,
+                "blocks": n,
+                "of_flat": n / wl.capacity_blocks,
+                "sized_as": label,
+                "lru": flat_lru_hit_ratio(wl.keys, n),
+                "s3fifo": flat_order_hit_ratio(wl.keys, n, S3FIFOOrder()),
+                "engine": flat_order_hit_ratio(wl.keys, n, ClassLRU(3, eng.__getitem__)),
+                "engine2": flat_order_hit_ratio(wl.keys, n, ClassLRU(2, lambda b: min(eng[b], 1))),
+                "belady": belady_hit_ratio(wl.keys, n),
+            }
+        )
+    return out
+
+
 def reference_row(wl: Workload) -> dict:
     """Flat LRU / Belady of the same total blocks (tierstore.bench.references)."""
     ref = references(wl.requests, wl.capacity_blocks, wl.keys)
@@ -2238,6 +2273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--list-configs", action="store_true")
     ap.add_argument(
+        "--flat-orders",
+        action="store_true",
+        help="one flat cache per order at the flat LRU's blocks and at the blocks each --configs keeps",
+    )
+    ap.add_argument(
         "--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out"
     )
     ap.add_argument("--out", default=".", help="directory of --report's frontier.md and PNGs")
@@ -2262,6 +2302,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{wl.nvme_bytes} B ({wl.capacity_blocks} blocks); load average {os.getloadavg()[0]:.1f}",
         file=sys.stderr,
     )
+    if a.flat_orders:
+        print(
+            "| workload | blocks (of the flat LRU's) | sized as | LRU | S3-FIFO | engine | engine2 | Belady |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in flat_orders(wl, a.configs.split(","), float(a.utils.split(",")[0])):
+            print(
+                f"| {r['workload']} | {r['blocks']:,} ({r['of_flat']:.3f}) | `{r['sized_as']}` | "
+                + " | ".join(f"{r[k]:.4f}" for k in ("lru", "s3fifo", "engine", "engine2", "belady"))
+                + " |"
+            )
+        return 0
     if a.validate:
         for name in a.configs.split(","):
             v = validate(wl, a.validate, name, float(a.utils.split(",")[0]))

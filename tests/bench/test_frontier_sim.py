@@ -184,3 +184,14 @@ def test_order_config_errors():
         fs.SimConfig("x", memory_order="s3fifo")
     with pytest.raises(ValueError, match="hint_error"):
         fs.SimConfig("x", hints="engine", hint_error=1.5)
+
+
+def test_flat_orders_bound_every_order_by_belady():
+    """--flat-orders: at the flat LRU's blocks its LRU column is the reference flat LRU, a configuration
+    with a live budget is sized smaller, and Belady bounds every order at every size."""
+    wl = fs.load_workload("excerpt", limit=300)
+    rows = fs.flat_orders(wl, ["d-eng-all"], 0.9)
+    assert rows[0]["blocks"] == wl.capacity_blocks > rows[1]["blocks"]
+    assert rows[0]["lru"] == flat_lru_hit_ratio(wl.keys, wl.capacity_blocks)
+    for r in rows:
+        assert all(r[k] <= r["belady"] + 1e-12 for k in ("lru", "s3fifo", "engine", "engine2"))
