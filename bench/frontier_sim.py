@@ -168,7 +168,9 @@ ORDERS = {
 }
 
 
-def engine_classes(keys: list[list[int]], n_blocks: int, error: float = 0.0, seed: int = 0) -> list[int]:
+def engine_classes(
+    keys: list[list[int]], n_blocks: int, error: float = 0.0, seed: int = 0, per_request: bool = False
+) -> list[int]:
     """The engine's lifetime class of every block, as a perfect engine would label it
     (:class:`LifetimeClass` values), from the whole trace (it reads the future).
 
@@ -177,7 +179,9 @@ def engine_classes(keys: list[list[int]], n_blocks: int, error: float = 0.0, see
     that appears in >= 2 requests otherwise is extended by a later turn (MEDIUM,
     ``"conversation"``); one that appears in a single request is a one-off (SHORT, ``"query"``).
     ``error``: that share of blocks gets a uniformly random class instead
-    (``numpy.random.default_rng(seed)``). Blocks never looked up are SHORT.
+    (``numpy.random.default_rng(seed)``); with ``per_request`` that share of requests labels every
+    block it is the first to hold with one random class (an engine wrong about a whole request).
+    Blocks never looked up are SHORT.
     """
     count = [0] * n_blocks
     nxt: list = [None] * n_blocks  # first next block seen, or True once two differ
@@ -192,7 +196,18 @@ def engine_classes(keys: list[list[int]], n_blocks: int, error: float = 0.0, see
                     nxt[k] = True
     L, M, S = int(LifetimeClass.LONG), int(LifetimeClass.MEDIUM), int(LifetimeClass.SHORT)
     out = [L if nxt[k] is True else (M if count[k] >= 2 else S) for k in range(n_blocks)]
-    if error > 0.0:
+    if error > 0.0 and per_request:
+        rng = np.random.default_rng(seed)
+        wrong = rng.random(len(keys)) < error
+        cls = rng.integers(0, 3, len(keys))
+        seen = [False] * n_blocks
+        for i, ks in enumerate(keys):
+            for k in ks:
+                if not seen[k]:
+                    seen[k] = True
+                    if wrong[i]:
+                        out[k] = int(cls[i])
+    elif error > 0.0:
         rng = np.random.default_rng(seed)
         flip = rng.random(n_blocks) < error
         rnd = rng.integers(0, 3, n_blocks)
@@ -407,6 +422,9 @@ class SimConfig:
     hint_error : float
         Share of blocks whose engine class is replaced by a uniformly random one
         (seeded), to measure how wrong a hint may be.
+    hint_error_unit : {"block", "request"}
+        ``request``: ``hint_error`` is the share of requests whose new blocks all get
+        one random class (:func:`engine_classes`).
     """
 
     name: str
@@ -424,6 +442,7 @@ class SimConfig:
     memory_order: str = "lru"
     hints: str = "none"
     hint_error: float = 0.0
+    hint_error_unit: str = "block"
 
     def __post_init__(self) -> None:
         checks = {
@@ -437,6 +456,7 @@ class SimConfig:
             "nvme_order": tuple(ORDERS),
             "memory_order": tuple(o for o in ORDERS if o != "s3fifo"),
             "hints": ("none", "engine"),
+            "hint_error_unit": ("block", "request"),
         }
         for f, ok in checks.items():
             if getattr(self, f) not in ok:
@@ -784,7 +804,9 @@ class Simulator:
         self.srow = [-1] * nb
         self._free_srows: list[int] = []
         self.eng: list[int] | None = (
-            engine_classes(wl.keys, wl.n_blocks, cfg.hint_error) if cfg.hints == "engine" else None
+            engine_classes(wl.keys, wl.n_blocks, cfg.hint_error, per_request=cfg.hint_error_unit == "request")
+            if cfg.hints == "engine"
+            else None
         )
         self.req_i = 0  # the request being replayed (the oracle order's clock)
         self._occ: list[list[int]] | None = None

@@ -100,6 +100,9 @@ def test_engine_classes_by_hand():
     noisy = fs.engine_classes(keys, 9, error=1.0)
     assert noisy == fs.engine_classes(keys, 9, error=1.0)  # seeded
     assert set(noisy) <= {S, M, L}
+    # per request: the blocks a request is the first to hold share one class
+    per = fs.engine_classes(keys, 9, error=1.0, per_request=True)
+    assert per[0] == per[1] == per[2] and per[6] == per[7] and per[4] == S  # 4: never looked up
 
 
 def test_class_lru_evicts_the_lowest_class_first_and_lru_within():
