@@ -66,6 +66,10 @@ checked against :func:`tierstore.replay.run_replay`, see ``--validate``):
   SHORT) and ``oracle3`` (the same first pass; classes by the terciles of each
   copy's NVMe lifetime, counted in NVMe block writes).  ``fdp`` off: the
   conventional SSD, every write on one handle, no RUH Update.
+* **Eviction orders** (``nvme_order``, ``memory_order``; :data:`ORDERS`): LRU (the store's),
+  S3-FIFO, class by hits, the engine's lifetime class (``hints: engine``, a perfect engine's
+  labels from the whole trace, :func:`engine_classes`, with ``hint_error`` noise) and two oracles
+  (``dead``: blocks past their last lookup first; ``next``: Belady's order).
 * **Exclusive tiers** (``promotion: move``, an experiment the store does not
   have): a promoted block's lower copies are dropped (in block mode its NVMe
   slot is deallocated), and its HBM slot may cost demotions down to NVMe.
@@ -91,6 +95,7 @@ Usage (from a clone, with ``tierstore`` importable: ``pip install -e .`` or
     python bench/frontier_sim.py --workload conv10 --configs a,b,c,d0,d-surv --utils 0.9,1.0 --json out.jsonl
     python bench/frontier_sim.py --list-configs
     python bench/frontier_sim.py --report out.jsonl --out DIR     # tables, go/no-go, PNGs
+    python bench/frontier_sim.py --workload conv10 --flat-orders --configs d-eng-all   # flat bounds
 
 bench/README_frontier.md has the sweep, its commands and what it showed.
 
@@ -102,6 +107,7 @@ are skipped with ``--resume``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import heapq
 import json
@@ -114,6 +120,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from tierstore.bench.lifetimes import _spearman, tercile_bounds
 from tierstore.bench.references import chain_keys, references
 from tierstore.fdp.device import RuhUpdateShim
 from tierstore.fdp.ftl import FTLModel
@@ -121,7 +128,8 @@ from tierstore.fdp.lifetime import LifetimeClass
 from tierstore.fdp.simdevice import SimFdpDevice
 from tierstore.index.placement import choose_victims
 from tierstore.io import format as fmt
-from tierstore.policies.lifetime import make_classifier
+from tierstore.policies import S3FIFOPolicy
+from tierstore.policies.lifetime import make_classifier, true_class
 from tierstore.trace import MOONCAKE_BLOCK_TOKENS, read_mooncake
 from tierstore.units import parse_size
 
@@ -135,6 +143,238 @@ EVICT_BATCH_BLOCKS = 8
 HBM, HOST = 0, 1
 _FREE, _OPEN, _SEALED, _RECLAIMING = 0, 1, 2, 3
 _SIMULATED = "every WA/WAF figure is the FTL model's (tierstore/fdp/ftl.py), not an SSD's"
+
+
+# ============================================================== eviction orders
+#: Eviction orders of single blocks (a tier's victims, coldest first). ``lru``: the store's LRU
+#: (an ``OrderedDict``, as before); ``s3fifo``: :class:`tierstore.policies.S3FIFOPolicy` with its
+#: defaults (small FIFO 10 %, ghost FIFO, 2-bit frequency; Yang et al., SOSP 2023), a hit on any
+#: tier counting as an access; the others evict by class, lowest class first, LRU within a class:
+#: ``hits`` the store's predicted reuse (``default_classify`` without a hint: hits 0 / 1 / >= 2,
+#: re-classified on every hit), ``engine`` the engine's lifetime class (query, then conversation,
+#: then system prefix: :func:`engine_classes`), ``engine2`` query blocks first, then the rest in one LRU;
+#: ``next`` an oracle, the block whose next lookup is furthest first (Belady's MIN order; reads the
+#: future; sorts the tier per call, so only for small tiers); ``dead`` blocks whose last lookup
+#: has passed first, then LRU (an engine that marks one-off queries and says when a session ends;
+#: the class is set at each access, which is when a block's last lookup passes).
+ORDERS = {
+    "lru": "LRU",
+    "s3fifo": "S3-FIFO",
+    "hits": "class by hits (0, 1, >=2), LRU within",
+    "engine": "engine class (query, conversation, system), LRU within",
+    "engine2": "engine query blocks first, then LRU",
+    "next": "oracle: furthest next lookup first (Belady's order)",
+    "dead": "blocks looked up for the last time first, then LRU",
+}
+
+
+def engine_classes(
+    keys: list[list[int]], n_blocks: int, error: float = 0.0, seed: int = 0, per_request: bool = False
+) -> list[int]:
+    """The engine's lifetime class of every block, as a perfect engine would label it
+    (:class:`LifetimeClass` values), from the whole trace (it reads the future).
+
+    A block whose chain continues with >= 2 distinct next blocks over the trace is a shared
+    prefix (LONG, ``"system"``: system prompt, tool definitions, a context that branches); one
+    that appears in >= 2 requests otherwise is extended by a later turn (MEDIUM,
+    ``"conversation"``); one that appears in a single request is a one-off (SHORT, ``"query"``).
+    ``error``: that share of blocks gets a uniformly random class instead
+    (``numpy.random.default_rng(seed)``); with ``per_request`` that share of requests labels every
+    block it is the first to hold with one random class (an engine wrong about a whole request).
+    Blocks never looked up are SHORT.
+    """
+    count = [0] * n_blocks
+    nxt: list = [None] * n_blocks  # first next block seen, or True once two differ
+    for ks in keys:
+        for i, k in enumerate(ks):
+            count[k] += 1
+            if i + 1 < len(ks):
+                cur = nxt[k]
+                if cur is None:
+                    nxt[k] = ks[i + 1]
+                elif cur is not True and cur != ks[i + 1]:
+                    nxt[k] = True
+    L, M, S = int(LifetimeClass.LONG), int(LifetimeClass.MEDIUM), int(LifetimeClass.SHORT)
+    out = [L if nxt[k] is True else (M if count[k] >= 2 else S) for k in range(n_blocks)]
+    if error > 0.0 and per_request:
+        rng = np.random.default_rng(seed)
+        wrong = rng.random(len(keys)) < error
+        cls = rng.integers(0, 3, len(keys))
+        seen = [False] * n_blocks
+        for i, ks in enumerate(keys):
+            for k in ks:
+                if not seen[k]:
+                    seen[k] = True
+                    if wrong[i]:
+                        out[k] = int(cls[i])
+    elif error > 0.0:
+        rng = np.random.default_rng(seed)
+        flip = rng.random(n_blocks) < error
+        rnd = rng.integers(0, 3, n_blocks)
+        out = [int(r) if f else c for c, f, r in zip(out, flip.tolist(), rnd.tolist())]
+    return out
+
+
+class ClassLRU:
+    """Keys evicted by class, lowest first, LRU within a class; the ``OrderedDict`` calls the
+    simulator makes on an LRU (``in``, ``len``, iteration coldest first, ``d[k] = None`` to insert
+    or refresh, ``move_to_end``, ``pop``). ``class_of(key)`` is asked on every insert and refresh."""
+
+    def __init__(self, n_classes: int, class_of: Callable[[int], int]) -> None:
+        self.q: list[OrderedDict] = [OrderedDict() for _ in range(n_classes)]
+        self.where: dict[int, int] = {}
+        self.class_of = class_of
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.where
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __iter__(self):
+        for q in self.q:
+            yield from q
+
+    def __setitem__(self, k: int, _v: None) -> None:
+        if k not in self.where:  # as an OrderedDict: a key already there keeps its place
+            self.move_to_end(k)
+
+    def move_to_end(self, k: int) -> None:
+        old = self.where.get(k)
+        if old is not None:
+            del self.q[old][k]
+        c = self.class_of(k)
+        self.q[c][k] = None
+        self.where[k] = c
+
+    def pop(self, k: int, default=None):
+        c = self.where.pop(k, None)
+        if c is not None:
+            del self.q[c][k]
+        return default
+
+    def victims(self, n: int, protected: Callable[[int], bool]) -> list[int]:
+        """Up to ``n`` unprotected keys, coldest first (changes nothing)."""
+        out: list[int] = []
+        for k in self:
+            if not protected(k):
+                out.append(k)
+                if len(out) == n:
+                    break
+        return out
+
+
+class NextUseOrder:
+    """The oracle order: the block whose next lookup (request index, ``occurrences``) is furthest
+    comes first (never again: first of all; ties: the larger key). Recomputed per call from
+    ``now()``, the current request index, so a copy left unrefreshed never goes stale."""
+
+    def __init__(self, occurrences: list[list[int]], now: Callable[[], int]) -> None:
+        self.occ, self.now = occurrences, now
+        self.keys: set = set()
+
+    def next_use(self, k: int) -> float:
+        o = self.occ[k]
+        j = bisect.bisect_right(o, self.now())
+        return o[j] if j < len(o) else math.inf
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        return iter(sorted(self.keys, key=lambda k: (-self.next_use(k), -k)))
+
+    def __setitem__(self, k: int, _v: None) -> None:
+        self.keys.add(k)
+
+    def move_to_end(self, k: int) -> None:
+        self.keys.add(k)
+
+    def pop(self, k: int, default=None):
+        self.keys.discard(k)
+        return default
+
+    victims = ClassLRU.victims
+
+
+class _Key:
+    __slots__ = ("key",)
+
+    def __init__(self, k: int) -> None:
+        self.key = k
+
+
+class S3FIFOOrder:
+    """:class:`tierstore.policies.S3FIFOPolicy` behind the calls :class:`ClassLRU` answers
+    (``move_to_end`` is an access); :meth:`victims` takes what the policy picks, and the caller
+    removes them (``pop``), as the store's index does."""
+
+    def __init__(self) -> None:
+        self.p = S3FIFOPolicy()
+        self.keys: set = set()
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __setitem__(self, k: int, _v: None) -> None:
+        if k not in self.keys:
+            self.keys.add(k)
+            self.p.on_insert(_Key(k), 0.0)
+
+    def move_to_end(self, k: int) -> None:
+        self.p.on_access(_Key(k), 0.0)
+
+    def pop(self, k: int, default=None):
+        if k in self.keys:
+            self.keys.discard(k)
+            self.p.on_remove(k)
+        return default
+
+    def victims(self, n: int, protected: Callable[[int], bool]) -> list[int]:
+        """``n`` victims in S3-FIFO's order, or as many as it can give (``evict_upto``)."""
+        return self.p.evict(n, protected) or self.p.evict_upto(n, protected)
+
+
+def flat_order_hit_ratio(keys: list[list[int]], capacity_blocks: int, order) -> float:
+    """Block hit ratio of one flat cache of ``capacity_blocks`` evicting in ``order`` (an empty
+    ``OrderedDict``, :class:`ClassLRU` or :class:`S3FIFOOrder`), with the store's per-request rules:
+    the leading resident run hits and is refreshed in chain order, then room is made for the
+    request's missing blocks (its hits protected) and they are inserted in chain order (blocks
+    resident after the first miss are left alone). The reference the block mode is checked against
+    with the memory tiers off (``tests/bench/test_frontier_sim.py``)."""
+    hit = total = 0
+    for ks in keys:
+        m = 0
+        for k in ks:
+            if k not in order:
+                break
+            m += 1
+        hit += m
+        total += len(ks)
+        for k in ks[:m]:
+            order.move_to_end(k)
+        new = [k for k in dict.fromkeys(ks[m:]) if k not in order]
+        need = len(order) + len(new) - capacity_blocks
+        if need > 0:
+            prot = set(ks[:m])
+            if isinstance(order, OrderedDict):
+                out = [k for k in order if k not in prot][:need]
+            else:
+                out = order.victims(need, prot.__contains__)
+            for k in out:
+                order.pop(k, None)
+        for k in new[: capacity_blocks - len(order)]:
+            order[k] = None
+    return hit / total if total else 0.0
 
 
 # ============================================================== configuration
@@ -171,6 +411,20 @@ class SimConfig:
     lba : {"tier", "device"}
         Block mode's LBA space: the NVMe tier's bytes (live budget = fraction of
         it) or the whole device (live budget = the tier's nominal blocks).
+    nvme_order : {"lru", "s3fifo", "hits", "engine", "engine2"}
+        Block mode: the order in which single NVMe blocks are evicted (:data:`ORDERS`).
+    memory_order : {"lru", "hits", "engine", "engine2"}
+        The HBM and host tiers' eviction order (:data:`ORDERS`).
+    hints : {"none", "engine"}
+        ``engine``: every block carries the engine's lifetime class
+        (:func:`engine_classes`), seen by the ``hint``/``prefix`` classifiers and
+        needed by the ``engine*`` orders.
+    hint_error : float
+        Share of blocks whose engine class is replaced by a uniformly random one
+        (seeded), to measure how wrong a hint may be.
+    hint_error_unit : {"block", "request"}
+        ``request``: ``hint_error`` is the share of requests whose new blocks all get
+        one random class (:func:`engine_classes`).
     """
 
     name: str
@@ -184,6 +438,11 @@ class SimConfig:
     classifier: str = "one"
     fdp: bool = False
     lba: str = "tier"
+    nvme_order: str = "lru"
+    memory_order: str = "lru"
+    hints: str = "none"
+    hint_error: float = 0.0
+    hint_error_unit: str = "block"
 
     def __post_init__(self) -> None:
         checks = {
@@ -194,12 +453,22 @@ class SimConfig:
             "gc_victim": ("min_live", "cost_benefit"),
             "classifier": ("one", "hint", "reuse", "prefix", "survivor", "oracle", "oracle3"),
             "lba": ("tier", "device"),
+            "nvme_order": tuple(ORDERS),
+            "memory_order": tuple(o for o in ORDERS if o != "s3fifo"),
+            "hints": ("none", "engine"),
+            "hint_error_unit": ("block", "request"),
         }
         for f, ok in checks.items():
             if getattr(self, f) not in ok:
                 raise ValueError(f"{self.name}: {f}={getattr(self, f)!r}: accepted {ok}")
         if not 0.0 < self.live_fraction <= 1.0:
             raise ValueError(f"{self.name}: live_fraction={self.live_fraction}: must be in (0, 1]")
+        if self.nvme_order != "lru" and self.granularity != "block":
+            raise ValueError(f"{self.name}: nvme_order={self.nvme_order!r} needs granularity='block'")
+        if "engine" in (self.nvme_order + self.memory_order) and self.hints != "engine":
+            raise ValueError(f"{self.name}: the engine orders need hints='engine'")
+        if not 0.0 <= self.hint_error <= 1.0:
+            raise ValueError(f"{self.name}: hint_error={self.hint_error}: must be in [0, 1]")
 
 
 #: The configurations of the sweep (README_frontier.md). ``a``/``b``: region mode, today's store;
@@ -238,6 +507,60 @@ CONFIGS: dict[str, SimConfig] = {
             "mc-oracle", survivor_stream=True, classifier="oracle", **_M
         ),  # m-oracle's conventional twin
         SimConfig("m-eq-oracle3", survivor_stream=True, classifier="oracle3", fdp=True, lba="device", **_M),
+        # eviction orders beyond LRU (2026-12-03): store-visible (S3-FIFO, class by hits) and the
+        # engine's lifetime class (a perfect engine's hint, engine_classes), placed by that class
+        SimConfig("d-s3", survivor_stream=True, classifier="survivor", fdp=True, nvme_order="s3fifo", **_B),
+        SimConfig("m-s3", survivor_stream=True, classifier="survivor", fdp=True, nvme_order="s3fifo", **_M),
+        SimConfig("d-hits", survivor_stream=True, classifier="hint", fdp=True, nvme_order="hits", **_B),
+        SimConfig("m-hits", survivor_stream=True, classifier="hint", fdp=True, nvme_order="hits", **_M),
+        SimConfig(
+            "d-eng",
+            survivor_stream=True,
+            classifier="hint",
+            fdp=True,
+            hints="engine",
+            nvme_order="engine",
+            **_B,
+        ),
+        SimConfig(
+            "m-eng",
+            survivor_stream=True,
+            classifier="hint",
+            fdp=True,
+            hints="engine",
+            nvme_order="engine",
+            **_M,
+        ),
+        SimConfig(
+            "d-eng-all",
+            survivor_stream=True,
+            classifier="hint",
+            fdp=True,
+            hints="engine",
+            nvme_order="engine",
+            memory_order="engine",
+            **_B,
+        ),
+        SimConfig(
+            "m-eng-all",
+            survivor_stream=True,
+            classifier="hint",
+            fdp=True,
+            hints="engine",
+            nvme_order="engine",
+            memory_order="engine",
+            **_M,
+        ),
+        SimConfig(
+            "m-eng2-all",
+            survivor_stream=True,
+            classifier="hint",
+            fdp=True,
+            hints="engine",
+            nvme_order="engine2",
+            memory_order="engine2",
+            **_M,
+        ),
     ]
 }
 
@@ -480,9 +803,16 @@ class Simulator:
         # the segment store's own key-table rows: a victim segment's blocks are visited in this order
         self.srow = [-1] * nb
         self._free_srows: list[int] = []
-        self.lru = (OrderedDict(), OrderedDict())
+        self.eng: list[int] | None = (
+            engine_classes(wl.keys, wl.n_blocks, cfg.hint_error, per_request=cfg.hint_error_unit == "request")
+            if cfg.hints == "engine"
+            else None
+        )
+        self.req_i = 0  # the request being replayed (the oracle order's clock)
+        self._occ: list[list[int]] | None = None
+        self.lru = (self._make_order(cfg.memory_order), self._make_order(cfg.memory_order))
         self.cap = (wl.hbm_bytes // bb, wl.host_bytes // bb)
-        self.nvme_lru: OrderedDict = OrderedDict()
+        self.nvme_lru = self._make_order(cfg.nvme_order)
         self._memonly: list = []  # lazy heap (last_s, row, block) of blocks in memory only (flush order)
         self.refs: set = set()
         self.protect_put: set = set()
@@ -520,6 +850,8 @@ class Simulator:
         self.w_nth: list[int] = []
         self.w_t0: list[int] = []  # write clock (NVMe block writes so far) at the write
         self.w_t1: list[int] = []  # write clock when the copy left NVMe (-1: still there)
+        self.w_s0: list[float] = []  # trace seconds at the write
+        self.w_s1: list[float] = []  # trace seconds when the copy left NVMe (-1.0: still there)
         self.wclock = 0
         self.cur_w = [-1] * nb
         # ---- counters
@@ -562,6 +894,32 @@ class Simulator:
         )
 
     # ---------------------------------------------------------------- helpers
+    def _make_order(self, name: str):
+        """A tier's eviction order (:data:`ORDERS`); ``lru`` is a plain ``OrderedDict``."""
+        if name == "lru":
+            return OrderedDict()
+        if name == "s3fifo":
+            return S3FIFOOrder()
+        if name == "hits":
+            hits = self.hits
+            return ClassLRU(3, lambda b: min(hits[b], 2))
+        if name in ("next", "dead"):
+            if self._occ is None:
+                occ: list[list[int]] = [[] for _ in range(self.wl.n_blocks)]
+                for i, ks in enumerate(self.wl.keys):
+                    for k in ks:
+                        occ[k].append(i)
+                self._occ = occ
+            nxt = NextUseOrder(self._occ, lambda: self.req_i)
+            if name == "next":
+                return nxt
+            return ClassLRU(2, lambda b: 0 if nxt.next_use(b) == math.inf else 1)
+        eng = self.eng
+        assert eng is not None  # SimConfig requires hints="engine"
+        if name == "engine":
+            return ClassLRU(3, eng.__getitem__)
+        return ClassLRU(2, lambda b: min(eng[b], 1))
+
     def _n_streams(self) -> int:
         """Open segments the tier may hold at once: one per stream (lifetime class;
         GC survivors share the LONG class's stream)."""
@@ -633,6 +991,7 @@ class Simulator:
         t0 = time.perf_counter()
         n = len(self.wl.keys)
         for i, (ks, t) in enumerate(zip(self.wl.keys, self.wl.times_s)):
+            self.req_i = i
             self._request(ks, t)
             if progress is not None and i % 1000 == 0:
                 progress(i, n)
@@ -908,12 +1267,15 @@ class Simulator:
         self.w_nth.append(n)
         self.w_t0.append(self.wclock)
         self.w_t1.append(-1)
+        self.w_s0.append(self.now)
+        self.w_s1.append(-1.0)
         self.wclock += 1
 
     def _died(self, b: int) -> None:
         w = self.cur_w[b]
         if w >= 0:
             self.w_t1[w] = self.wclock
+            self.w_s1[w] = self.now
         self.cur_w[b] = -1
 
     def _left_nvme(self, b: int) -> None:
@@ -1199,12 +1561,15 @@ class Simulator:
     def _evict_blocks(self, need: int) -> None:
         """Block mode: evict ``need`` unprotected blocks in NVMe-LRU order, deallocate their
         slots (adjacent slots of one call coalesced into one range), reset emptied segments."""
-        out = []
-        for b in self.nvme_lru:
-            if not self._protected(b):
-                out.append(b)
-                if len(out) == need:
-                    break
+        if isinstance(self.nvme_lru, OrderedDict):
+            out = []
+            for b in self.nvme_lru:
+                if not self._protected(b):
+                    out.append(b)
+                    if len(out) == need:
+                        break
+        else:
+            out = self.nvme_lru.victims(need, self._protected)
         dead: list[int] = []
         emptied = []
         for b in out:
@@ -1334,7 +1699,35 @@ class Simulator:
             "nvme_reused_share": float(y.mean()) if y.size else float("nan"),
         }
         out["placement_auc"] = auc(cls.astype(np.float64), y)
+        out.update(self.tercile_accuracy())
         return out
+
+    def tercile_accuracy(self) -> dict:
+        """The fresh writes' class against their true NVMe lifetime in trace seconds, as
+        :meth:`tierstore.bench.lifetimes.LifetimeRecorder.summary` scores it (bench/frontier_store.py's
+        table 3): tercile classes of the finite lifetimes, copies alive at the end judged LONG when
+        older than the upper tercile and left out otherwise; chance = a random assignment with the
+        predicted classes' shares."""
+        fresh = ~np.asarray(self.w_gc, dtype=bool)
+        pred = np.asarray(self.w_class, dtype=np.int64)[fresh]
+        s0 = np.asarray(self.w_s0)[fresh]
+        s1 = np.asarray(self.w_s1)[fresh]
+        died = s1 >= 0
+        life = np.where(died, s1, self.now) - s0
+        if died.sum() < 3:
+            return {"tercile_accuracy": float("nan"), "tercile_chance": float("nan")}
+        lo, hi = tercile_bounds(life[died])
+        judged = died | (life >= hi)
+        truth = np.array([int(true_class(x, lo, hi)) for x in life[judged]], dtype=np.int64)
+        p = np.clip(pred[judged], 0, 2)
+        true_share = np.bincount(truth, minlength=3) / max(1, truth.size)
+        pred_share = np.bincount(p, minlength=3) / max(1, p.size)
+        return {
+            "tercile_accuracy": float((p == truth).mean()),
+            "tercile_chance": float(pred_share @ true_share),
+            "tercile_bounds_s": [float(lo), float(hi)],
+            "tercile_spearman": _spearman(p.astype(float), life[judged]),
+        }
 
     def oracle_truth(self) -> dict:
         """``(block, n-th fresh write) -> class`` for a second, oracle-placed pass: ``oracle``
@@ -1371,8 +1764,13 @@ class _View:
     last_access_s = property(lambda self: self._s.last_s[self._b])
     created_s = property(lambda self: self._s.created_s[self._b])
     position = property(lambda self: self._s.pos[self._b])
-    lifetime = None
     ns = b"mooncake-trace"
+
+    @property
+    def lifetime(self) -> LifetimeClass | None:
+        eng = self._s.eng
+        return None if eng is None else LifetimeClass(eng[self._b])
+
     nvme_written_s = property(lambda self: self._s.nvme_at[self._b])
 
 
@@ -1411,6 +1809,36 @@ def run_config(
         oracle = first.oracle_truth()
     sim = Simulator(wl, cfg, util, isolation, device, oracle=oracle)
     return sim.run()
+
+
+def flat_orders(wl: Workload, specs: list[str], util: float) -> list[dict]:
+    """Hit ratios of one flat cache in each order (:func:`flat_order_hit_ratio`; LRU and Belady from
+    :mod:`tierstore.bench.references`) at the flat LRU's blocks and at the blocks each configuration
+    in ``specs`` keeps (memory tiers + NVMe live budget): what an order can win back of the capacity
+    per-block eviction costs. ``engine*`` use :func:`engine_classes` without error."""
+    from tierstore.bench.references import belady_hit_ratio, flat_lru_hit_ratio
+
+    eng = engine_classes(wl.keys, wl.n_blocks)
+    sizes = [("flat LRU's blocks", wl.capacity_blocks)]
+    for spec in specs:
+        sim = Simulator(wl, config_from_spec(spec), util)
+        sizes.append((spec, sim.cap[HBM] + sim.cap[HOST] + sim.live_budget))
+    out = []
+    for label, n in sizes:
+        out.append(
+            {
+                "workload": wl.name,
+                "blocks": n,
+                "of_flat": n / wl.capacity_blocks,
+                "sized_as": label,
+                "lru": flat_lru_hit_ratio(wl.keys, n),
+                "s3fifo": flat_order_hit_ratio(wl.keys, n, S3FIFOOrder()),
+                "engine": flat_order_hit_ratio(wl.keys, n, ClassLRU(3, eng.__getitem__)),
+                "engine2": flat_order_hit_ratio(wl.keys, n, ClassLRU(2, lambda b: min(eng[b], 1))),
+                "belady": belady_hit_ratio(wl.keys, n),
+            }
+        )
+    return out
 
 
 def reference_row(wl: Workload) -> dict:
@@ -1562,7 +1990,11 @@ def _family(r: dict) -> str:
 def describe(r: dict) -> str:
     """One line naming a result row's configuration."""
     g = r["cfg_granularity"]
-    parts = [f"region {r['cfg_region_policy']}" if g == "region" else "per-block LRU"]
+    nv = r.get("cfg_nvme_order", "lru")
+    parts = [f"region {r['cfg_region_policy']}" if g == "region" else f"per-block {ORDERS[nv]}"]
+    mo = r.get("cfg_memory_order", "lru")
+    if mo != "lru":
+        parts.append(f"memory tiers {ORDERS[mo]}")
     parts.append(
         {"top": "promotion top", "none": "no promotion", "move": "exclusive tiers (move)"}[r["cfg_promotion"]]
     )
@@ -1580,8 +2012,36 @@ def describe(r: dict) -> str:
             parts.append("survivor stream")
     if r["cfg_classifier"] not in ("one", "survivor"):
         parts.append(f"class: {r['cfg_classifier']}")
+    if r.get("cfg_hints", "none") != "none":
+        err = r.get("cfg_hint_error", 0.0)
+        parts.append(f"engine hints{f' ({err:.0%} random)' if err else ''}")
     parts.append("FDP" if r["cfg_fdp"] else "one handle")
     return ", ".join(parts)
+
+
+#: What ``--slim`` keeps of a row: enough for ``--report`` and the README's tables.
+SLIM_FIELDS = (
+    "workload config cfg_spec cfg_util_req util isolation capacity_blocks nvme_blocks_nominal "
+    "live_budget_blocks n_segments blocks_per_segment hit_ratio saved_prefill_tokens hit_blocks_hbm "
+    "hit_blocks_host hit_blocks_nvme host_wa device_waf e2e_wa mbmw_bytes nvme_user_bytes nvme_gc_bytes "
+    "gc_copied_blocks gc_evicted_blocks region_kept_blocks region_evicted_blocks lru_evicted_blocks "
+    "trim_ranges placement_auc tercile_accuracy tercile_chance tercile_spearman nvme_reused_share flat_lru "
+    "flat_lru_saved_tokens belady belady_saved_tokens loadavg_start loadavg_end wall_s simulated source"
+).split()
+
+
+def slim(src: str, dst: str) -> int:
+    """Copy ``src``'s result rows (the last per key) with :data:`SLIM_FIELDS` and every ``cfg_``
+    field, and its references, to ``dst``; returns the rows written."""
+    rows, refs = load_rows(src)
+    with open(dst, "w") as f:
+        for r in rows:
+            f.write(
+                json.dumps({k: v for k, v in r.items() if k in SLIM_FIELDS or k.startswith("cfg_")}) + "\n"
+            )
+        for wl, ref in refs.items():
+            f.write(json.dumps({"reference": ref, "workload": wl}) + "\n")
+    return len(rows)
 
 
 def load_rows(path: str) -> tuple[list[dict], dict]:
@@ -1655,6 +2115,7 @@ def report(path: str, out_dir: str, wa_max: float = 1.10) -> str:
 
 
 _CFG_FIELDS = [f.name for f in dataclasses.fields(SimConfig) if f.name not in ("name", "fdp")]
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(SimConfig)}  # rows written before a field existed
 
 
 def twin(rows: list[dict], r: dict) -> dict | None:
@@ -1664,10 +2125,20 @@ def twin(rows: list[dict], r: dict) -> dict | None:
             (o["workload"], o["cfg_util_req"], o["isolation"])
             == (r["workload"], r["cfg_util_req"], r["isolation"])
             and o["cfg_fdp"] != r["cfg_fdp"]
-            and all(o["cfg_" + f] == r["cfg_" + f] for f in _CFG_FIELDS)
+            and all(o.get("cfg_" + f, _DEFAULT[f]) == r.get("cfg_" + f, _DEFAULT[f]) for f in _CFG_FIELDS)
         ):
             return o
     return None
+
+
+def _reads_future(r: dict) -> bool:
+    """Oracle placement, the perfect engine's hints (:func:`engine_classes`) and the ``next`` and
+    ``dead`` orders read the future."""
+    return (
+        r["cfg_classifier"].startswith("oracle")
+        or r.get("cfg_hints", "none") == "engine"
+        or bool({"next", "dead"} & {r.get("cfg_nvme_order"), r.get("cfg_memory_order")})
+    )
 
 
 def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
@@ -1690,8 +2161,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
 
     out = [
         f'Best configurations at e2e WA <= {wa_max} (FTL model, not an SSD); "store-visible" excludes the '
-        'oracle placements (they need the future); "conventional twin" is the same per-block configuration '
-        "on the one-handle model without RUH Update.",
+        'oracle placements and the perfect engine\'s hints (they need the future); "conventional twin" '
+        "is the same per-block configuration on the one-handle model without RUH Update.",
         "",
         "| workload | util | flat LRU saved tokens | today's default `a`: saved (e2e WA, FTL model) | best "
         "region | "
@@ -1699,7 +2170,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
         "(vs flat "
         "LRU) | e2e WA (FTL model, not an SSD) | its conventional twin: e2e WA (device WAF), FTL model, not "
         "an SSD | "
-        "best per-block FDP, oracle | saved (vs flat LRU) | e2e WA (FTL model, not an SSD) | per-block FDP "
+        "best per-block FDP, oracle or engine hints | saved (vs flat LRU) | "
+        "e2e WA (FTL model, not an SSD) | per-block FDP "
         ">= flat "
         "LRU at this WA? |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -1715,8 +2187,8 @@ def go_no_go(rows: list[dict], wa_max: float = 1.10) -> list[str]:
             a = next((r for r in sel if r["config"] == "a"), None)
             reg = best([r for r in sel if r["cfg_granularity"] == "region"])
             blk = [r for r in sel if r["cfg_granularity"] == "block" and r["cfg_fdp"]]
-            vis = best([r for r in blk if not r["cfg_classifier"].startswith("oracle")])
-            orc = best([r for r in blk if r["cfg_classifier"].startswith("oracle")])
+            vis = best([r for r in blk if not _reads_future(r)])
+            orc = best([r for r in blk if _reads_future(r)])
             tw = twin(rows, vis) if vis is not None else None
             twc = "not run" if tw is None else f"{tw['e2e_wa']:.4f} ({tw['device_waf']:.4f})"
             reach = any(r is not None and r["saved_prefill_tokens"] >= flat for r in (vis, orc))
@@ -1823,9 +2295,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--list-configs", action="store_true")
     ap.add_argument(
+        "--flat-orders",
+        action="store_true",
+        help="one flat cache per order at the flat LRU's blocks and at the blocks each --configs keeps",
+    )
+    ap.add_argument(
         "--report", default=None, metavar="JSONL", help="tables and plots of a --json file into --out"
     )
     ap.add_argument("--out", default=".", help="directory of --report's frontier.md and PNGs")
+    ap.add_argument(
+        "--slim", default=None, metavar="JSONL", help="copy its rows with SLIM_FIELDS only to the file --out"
+    )
     a = ap.parse_args(argv)
     if a.list_configs:
         for c in CONFIGS.values():
@@ -1834,6 +2314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.report:
         print(report(a.report, a.out))
         return 0
+    if a.slim:
+        print(f"{slim(a.slim, a.out)} rows -> {a.out}")
+        return 0
     wl = load_workload(a.workload, a.trace, a.limit, parse_size(a.block_bytes, "block_bytes"), a.agent_trace)
     print(
         f"{wl.name}: {len(wl.keys)} requests, {wl.n_blocks} unique blocks, tiers "
@@ -1841,6 +2324,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{wl.nvme_bytes} B ({wl.capacity_blocks} blocks); load average {os.getloadavg()[0]:.1f}",
         file=sys.stderr,
     )
+    if a.flat_orders:
+        print(
+            "| workload | blocks (of the flat LRU's) | sized as | LRU | S3-FIFO | engine | engine2 | Belady |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in flat_orders(wl, a.configs.split(","), float(a.utils.split(",")[0])):
+            print(
+                f"| {r['workload']} | {r['blocks']:,} ({r['of_flat']:.3f}) | `{r['sized_as']}` | "
+                + " | ".join(f"{r[k]:.4f}" for k in ("lru", "s3fifo", "engine", "engine2", "belady"))
+                + " |"
+            )
+        return 0
     if a.validate:
         for name in a.configs.split(","):
             v = validate(wl, a.validate, name, float(a.utils.split(",")[0]))
