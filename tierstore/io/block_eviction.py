@@ -183,6 +183,32 @@ class BlockEviction:
         self.commit()
         return empty
 
+    def free_segment(self, want: int, listener: RegionListener | None) -> list[int]:
+        """No segment is free for ``want`` more blocks although the store is within its live budget
+        (extents of a few blocks spend more slots on headers than the budget counts, and a reopen
+        seals the segments it recovered, tails unwritten): evict the listener's victims
+        (``pick_victims``), in its order, ``want`` at a time, until a segment is left empty, at most
+        two segments' worth of blocks. So a full tier evicts its least recently used blocks (after a
+        reopen, the oldest recovered ones first), not the segment just written; what this does not
+        free falls to region GC. The tombstones are committed. Returns the segments left empty
+        (``RECLAIMING``)."""
+        pick = getattr(listener, "pick_victims", None)
+        if pick is None or want <= 0:
+            return []
+        with self._lock:
+            cap = 2 * max(1, int(self.segs.written.max()))
+        empty: list[int] = []
+        evicted = 0
+        while not empty and evicted < cap:
+            victims = list(pick(min(want, cap - evicted)))
+            if not victims:
+                break
+            with self._lock:
+                empty = self.evict_keys(victims, "block_evictions")
+            evicted += len(victims)
+        self.commit()
+        return empty
+
     def flush_trims(self, force: bool = False) -> None:
         """Commit the staged records, then deallocate the runs :meth:`take_trims` hands out (the
         caller holds the store's write lock: no segment is rewritten meanwhile)."""
