@@ -6,11 +6,13 @@ usable segments hold; the rest of the LBA space is slack for holes); before a pu
 it, the listener (the block index) names victims in its NVMe eviction policy's order and the
 store *retires* their slots: a ``BLOCK_DEAD`` record is staged in the
 :class:`~tierstore.io.journal.Journal`, and once it is durable (:meth:`BlockEviction.commit`)
-the slot waits in ``pending`` to be deallocated. :meth:`BlockEviction.take_trims` hands out
-runs of adjacent dead slots of at least ``trim_min_bytes`` (headers are never trimmed before
-the segment's reset: recovery walks the chain through them). A hole is never rewritten: a
-segment is reused only after it is reset whole (its last block gone; a ``SEGMENT_RESET``
-record is durable before its trim).
+the slot waits in ``pending`` to be deallocated. Segments can fill below the budget (small
+extents spend slots on headers; a reopen seals the segments it recovered): then
+:meth:`BlockEviction.free_segment` evicts the listener's victims the same way until one empties.
+:meth:`BlockEviction.take_trims` hands out runs of adjacent dead slots of at least
+``trim_min_bytes`` (headers are never trimmed before the segment's reset: recovery walks the
+chain through them). A hole is never rewritten: a segment is reused only after it is reset whole
+(its last block gone; a ``SEGMENT_RESET`` record is durable before its trim).
 
 Accounting, per non-free segment: ``written - live == dead + other_dead`` where ``dead`` is
 the slots retired in this generation (``trimmed + len(pending) + staged``) and ``other_dead``
