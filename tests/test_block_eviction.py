@@ -4,6 +4,9 @@ serves only what it kept, and the packaged excerpt replays with no wrong KV."""
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +138,88 @@ def test_a_smaller_reopen_keeps_the_live_budget_and_counts_every_dropped_block(t
         finally:
             s.close()
         before = s.stats()["nvme_backend"]["blocks"]
+
+
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, tokens_per_block=16)
+
+
+def _small_prompt(i: int):
+    toks = np.arange(i * 1000, i * 1000 + 4 * B)
+    kv = np.random.default_rng(i).standard_normal((4, *SMALL.block_shape)).astype(np.float16)
+    return toks, torch.from_numpy(kv)
+
+
+def _open_small(path) -> KVStore:
+    """4 KiB blocks, put 4 at a time: an extent of 4 spends a fifth of its slots on its header, so
+    the segments fill before the live budget (which counts full extents) is reached."""
+    bb = SMALL.bytes_per_block
+    return KVStore(
+        SMALL,
+        hbm_bytes=0,
+        host_bytes=16 * bb,
+        nvme_path=str(path),
+        nvme_bytes=2 << 20,
+        eviction_granularity="block",
+    )
+
+
+def test_a_full_tier_reopened_evicts_its_oldest_recovered_blocks_not_the_new_ones(tmp_path):
+    """The trial: after a kill -9 (here: a copy of the open tier) and a reopen, every new block was
+    dropped at once by region GC (its segment, the one just written, had as few live blocks as any)
+    while the recovered blocks stayed, so new prompts never hit. Segments full below the live budget
+    now evict single blocks in the NVMe policy's order (after a reopen, the recovered blocks oldest
+    write first), each counted."""
+    n, m = 130, 60
+    path = tmp_path / "tier"
+    w = _open_small(tmp_path / "w")
+    for i in range(n):  # the trial's writer, smaller
+        w.store(NS, *_small_prompt(i), lifetime="conversation")
+        if i % 5 == 0:
+            w.load(w.lookup(NS, _small_prompt(i // 2)[0]).keys)
+    for f in tmp_path.iterdir():  # what a kill -9 leaves: every acknowledged write is durable
+        shutil.copy(f, path.with_name(f.name.replace("w", "tier", 1)))
+    w.close()
+    s = _open_small(path)
+    try:
+        nb = s.stats()["nvme_backend"]
+        recovered = nb["recovered_blocks"]
+        assert 0 < recovered < nb["live_budget_blocks"]  # the trial's state: full below the budget
+        old = [i for i in range(n) if s.lookup(NS, _small_prompt(i)[0]).matched_blocks]
+        for i in range(n, n + m):
+            assert s.store(NS, *_small_prompt(i)) == [Status.OK] * 4
+        nb = s.stats()["nvme_backend"]
+        assert nb["region_evicted_blocks"] == 0 and nb["block_evictions"] > 0
+        gone = nb["block_evictions"] + nb["region_evicted_blocks"]
+        assert nb["blocks"] == recovered + nb["put_blocks_ok"] - gone
+        for i in range(n + m - 40, n + m):
+            toks, kv = _small_prompt(i)
+            st, out = s.load(s.lookup(NS, toks).keys)
+            assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv))
+        left = [i for i in old if s.lookup(NS, _small_prompt(i)[0]).matched_blocks]
+        assert left and left == old[len(old) - len(left) :]  # the oldest recovered went first
+        s.check_invariants(quiescent=True)
+    finally:
+        s.close()
+    s = _open_small(path)
+    try:  # an evicted recovered block never comes back (its tombstone was durable)
+        assert not any(s.lookup(NS, _small_prompt(i)[0]).matched_blocks for i in old[: len(old) - len(left)])
+    finally:
+        s.close()
+
+
+def test_the_capacity_warning_names_the_live_budget_apart_from_what_the_segments_hold(tmp_path, caplog):
+    """The trial read 'holds at least 1729 blocks ... when each block is stored alone' in block mode
+    and saw 1729 blocks live, while the README says at most ``live_fraction`` are: 1729 was the live
+    budget (``live_fraction`` of what full extents hold), not what one-block extents hold."""
+    with caplog.at_level("WARNING", logger="tierstore"):
+        s = _open_small(tmp_path / "tier")
+    try:
+        (said,) = [r.getMessage() for r in caplog.records if "header" in r.getMessage()]
+        m = re.search(r"holds at least (\d+) blocks .* up to (\d+) blocks .* keeps at most (\d+)", said)
+        assert m, said
+        least, most, budget = map(int, m.groups())
+        assert (least, most) == s.nvme.segment_capacity_blocks()
+        assert budget == s.stats()["nvme_backend"]["live_budget_blocks"]
+        assert least < budget <= 0.9 * most  # live_fraction of the segments past the reserve and an open one
+    finally:
+        s.close()

@@ -427,7 +427,9 @@ def _open_storage(
 _HEADER_SHARE_SAID = 0.25
 
 
-def _say_header_share(tier_bytes: int, blocks: int, most_blocks: int, block_bytes: int) -> None:
+def _say_header_share(
+    tier_bytes: int, blocks: int, most_blocks: int, block_bytes: int, live_budget: int | None = None
+) -> None:
     """One warning when small blocks leave much of the NVMe tier to extent headers.
 
     The tier is sized for the worst case, one block per extent: ``blocks``
@@ -435,7 +437,9 @@ def _say_header_share(tier_bytes: int, blocks: int, most_blocks: int, block_byte
     with a header of at least 4096 bytes (:func:`tierstore.io.format.header_bytes_for`), which
     with 4 KiB blocks is half of the tier. Blocks stored in one batch share extents, and so
     headers, up to ``most_blocks`` when every extent is full
-    (:meth:`~tierstore.io.segment_manager.SegmentManager.packed_capacity_blocks`).
+    (:meth:`~tierstore.io.segment_manager.SegmentManager.packed_capacity_blocks`). Block mode
+    keeps at most ``live_budget`` of them live (``live_fraction`` of ``most_blocks``), which
+    small extents' headers can exceed: the segments then fill first and single blocks are evicted.
     """
     header, extent = fmt.header_bytes_for(1), fmt.extent_bytes_for(1, block_bytes)
     if header / extent < _HEADER_SHARE_SAID:
@@ -444,7 +448,7 @@ def _say_header_share(tier_bytes: int, blocks: int, most_blocks: int, block_byte
         "NVMe tier of %d bytes (%s) holds at least %d blocks of %d bytes, i.e. %d bytes (%s) of KV, "
         "when each block is stored alone: an extent of its own, whose %d-byte header is %.0f%% of it "
         "at this block size; blocks stored in batches share extents and headers, up to %d blocks "
-        "when every extent is full. Larger blocks (more tokens_per_block) lose less",
+        "when every extent is full%s. Larger blocks (more tokens_per_block) lose less",
         tier_bytes,
         format_bytes(tier_bytes),
         blocks,
@@ -454,6 +458,10 @@ def _say_header_share(tier_bytes: int, blocks: int, most_blocks: int, block_byte
         header,
         100.0 * header / extent,
         most_blocks,
+        ""
+        if live_budget is None
+        else f"; block eviction keeps at most {live_budget} of them live (live_budget_blocks: "
+        "live_fraction of those), fewer when the extents are small and fill the segments first",
     )
 
 
@@ -477,9 +485,9 @@ def _open_index(
         nvme_blocks=nvme.capacity_blocks() if nvme is not None else None,
     )
     if nvme is not None and isinstance(nvme, SegmentStorage):
-        _say_header_share(
-            nvme.n_segments * nvme.segment_size_bytes, shape.nvme_blocks, nvme.packed_capacity_blocks(), bb
-        )
+        least, most = nvme.segment_capacity_blocks()
+        budget = shape.nvme_blocks if nvme.eviction_granularity == "block" else None
+        _say_header_share(nvme.n_segments * nvme.segment_size_bytes, least, most, bb, budget)
     index = BlockIndex(shape, cfg.policies, runtime)
     if nvme is not None:
         if nvme.block_bytes != bb:

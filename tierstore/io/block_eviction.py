@@ -6,11 +6,13 @@ usable segments hold; the rest of the LBA space is slack for holes); before a pu
 it, the listener (the block index) names victims in its NVMe eviction policy's order and the
 store *retires* their slots: a ``BLOCK_DEAD`` record is staged in the
 :class:`~tierstore.io.journal.Journal`, and once it is durable (:meth:`BlockEviction.commit`)
-the slot waits in ``pending`` to be deallocated. :meth:`BlockEviction.take_trims` hands out
-runs of adjacent dead slots of at least ``trim_min_bytes`` (headers are never trimmed before
-the segment's reset: recovery walks the chain through them). A hole is never rewritten: a
-segment is reused only after it is reset whole (its last block gone; a ``SEGMENT_RESET``
-record is durable before its trim).
+the slot waits in ``pending`` to be deallocated. Segments can fill below the budget (small
+extents spend slots on headers; a reopen seals the segments it recovered): then
+:meth:`BlockEviction.free_segment` evicts the listener's victims the same way until one empties.
+:meth:`BlockEviction.take_trims` hands out runs of adjacent dead slots of at least
+``trim_min_bytes`` (headers are never trimmed before the segment's reset: recovery walks the
+chain through them). A hole is never rewritten: a segment is reused only after it is reset whole
+(its last block gone; a ``SEGMENT_RESET`` record is durable before its trim).
 
 Accounting, per non-free segment: ``written - live == dead + other_dead`` where ``dead`` is
 the slots retired in this generation (``trimmed + len(pending) + staged``) and ``other_dead``
@@ -180,6 +182,32 @@ class BlockEviction:
                 for i in drop:
                     status[i] = refused
                 self._st["put_no_space"] += len(drop)
+        self.commit()
+        return empty
+
+    def free_segment(self, want: int, listener: RegionListener | None) -> list[int]:
+        """No segment is free for ``want`` more blocks although the store is within its live budget
+        (extents of a few blocks spend more slots on headers than the budget counts, and a reopen
+        seals the segments it recovered, tails unwritten): evict the listener's victims
+        (``pick_victims``), in its order, ``want`` at a time, until a segment is left empty, at most
+        two segments' worth of blocks. So a full tier evicts its least recently used blocks (after a
+        reopen, the oldest recovered ones first), not the segment just written; what this does not
+        free falls to region GC. The tombstones are committed. Returns the segments left empty
+        (``RECLAIMING``)."""
+        pick = getattr(listener, "pick_victims", None)
+        if pick is None or want <= 0:
+            return []
+        with self._lock:
+            cap = 2 * max(1, int(self.segs.written.max()))
+        empty: list[int] = []
+        evicted = 0
+        while not empty and evicted < cap:
+            victims = list(pick(min(want, cap - evicted)))
+            if not victims:
+                break
+            with self._lock:
+                empty = self.evict_keys(victims, "block_evictions")
+            evicted += len(victims)
         self.commit()
         return empty
 

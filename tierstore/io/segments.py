@@ -602,6 +602,12 @@ class SegmentStorage(BlockStorage):
         budget, as :meth:`capacity_blocks`)."""
         return self._blk.live_budget if self._blk is not None else self._segs.packed_capacity_blocks()
 
+    def segment_capacity_blocks(self) -> tuple[int, int]:
+        """What the segments hold when empty, in either mode: ``(least, most)`` blocks, one block
+        per extent and every extent full (block mode keeps at most ``live_fraction`` of the most
+        live: :meth:`capacity_blocks`)."""
+        return self._segs.capacity_blocks(), self._segs.packed_capacity_blocks()
+
     def free_blocks(self) -> int:
         """Blocks that fit without evicting anything (worst case: one per extent)."""
         with self._lock:
@@ -846,6 +852,13 @@ class SegmentStorage(BlockStorage):
             with self._lock:
                 plan, leftover = self._segs.plan_extents(groups, allow_reserve=gc)
             self._writer.write(plan, keys, plans, nss, status, gc)
+            if leftover and not gc and self._blk is not None:  # block mode: single blocks first
+                freed = self._blk.free_segment(sum(map(len, leftover.values())), self._listener)
+                for si in freed:
+                    self._writer.finish_reclaim(si)
+                if freed:
+                    groups = leftover
+                    continue
             if leftover and not gc and _evict_one_segment(self):
                 groups = leftover
                 continue
