@@ -838,8 +838,9 @@ class NodeKVStore:
     def stats(self) -> dict:
         """The service's statistics (its store, pool and this session; on a daemon of several
         tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
-        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
-        ``gen_mismatch``: copies given up because their slot was reused)."""
+        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``, ``resent``:
+        requests sent again on a new session, ``gen_mismatch``: copies given up because their
+        slot was reused)."""
         import json
 
         out: dict = {}
