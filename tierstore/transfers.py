@@ -383,10 +383,13 @@ class Transfers:
         """
         pending = plan.pending
         mem_st = {i: copied[i] for i in pending}
-        srcs = [
-            sources[i] if copied[i] is Status.OK and plan.statuses[i] is None else None
-            for i in range(len(plan.keys))
-        ]
+        publish = publish and self.planner is not None
+        # a source is read only for an NVMe write or a publication: ``sources[i]`` is asked for
+        # those keys alone (a slot's plan is built on demand: most stores write neither)
+        srcs: list[FragmentPlan | None] = [None] * len(plan.keys)
+        for i in range(len(plan.keys)) if publish else (i for i, _ in plan.nvme_new):
+            if copied[i] is Status.OK and plan.statuses[i] is None:
+                srcs[i] = sources[i]
         try:
             nvme_st = self.movers.run_store_epilogue(plan, srcs)
         except BaseException:

@@ -1,6 +1,7 @@
-"""The node client's reconnection under steady traffic: a call skipped inside the retry interval
+"""The node client's reconnection: under steady traffic a call skipped inside the retry interval
 does not start the interval again (else a client called more often than ``retry_s`` never
-reconnects to a service that came back)."""
+reconnects to a service that came back); the first call after a restart finds its session ended
+and is sent again on a new one, except a store's commit."""
 
 from __future__ import annotations
 
@@ -38,3 +39,83 @@ def test_a_client_called_more_often_than_retry_s_reconnects_when_the_service_com
         core.close()
     finally:
         c.close()
+
+
+def _nvme_core(tmp_path) -> NodeCore:
+    """A pool whose NVMe tier outlives the service (what a restart recovers)."""
+    tiers = {
+        "host": {"capacity_bytes": "64KiB"},
+        "nvme": {"path": str(tmp_path) + "/", "capacity_bytes": "4m", "segment_size_bytes": "256k"},
+    }
+    return NodeCore(f"r{uuid.uuid4().hex[:8]}", {"tiers": tiers}, LAYOUT)
+
+
+def _data(n: int) -> torch.Tensor:
+    return (torch.arange(n * LAYOUT.bytes_per_block, dtype=torch.int64) % 251).to(torch.uint8).reshape(n, -1)
+
+
+def test_the_first_call_after_a_service_restart_reconnects_and_is_served(tmp_path):
+    """Issue 24: the first lookup and load after a restart answered a miss (the old session's
+    socket was found broken, dropped, and only a call after ``retry_s`` reconnected)."""
+    sock = str(tmp_path / "n.sock")
+    core = _nvme_core(tmp_path)
+    server = NodeServer(core, NodeConfig(socket=sock)).start()
+    c = NodeKVStore(f"unix://{sock}", LAYOUT, timeout_s=2.0, retry_s=30.0)
+    tokens, data = list(range(48)), _data(3)
+    try:
+        assert c.store(NS, tokens, data) == [Status.OK] * 3
+        old_rows = c._conn.rows
+        server.close()
+        core.close()  # the blocks are on NVMe
+        core = _nvme_core(tmp_path)
+        server = NodeServer(core, NodeConfig(socket=sock)).start()
+        assert c.lookup(NS, tokens).matched_blocks == 3  # the first call after the restart
+        assert c.counters["connects"] == 2 and c.counters["resent"] == 1 and c.counters["down"] == 0
+        assert c._conn.rows.data_ptr() != old_rows.data_ptr()  # the new service's segment
+        server.close()
+        core.close()
+        core = _nvme_core(tmp_path)
+        server = NodeServer(core, NodeConfig(socket=sock)).start()
+        st, out = c.load(c.keys_for(NS, tokens))  # a load first, too
+        assert st == [Status.OK] * 3 and torch.equal(torch.stack(out).view(torch.uint8).reshape(3, -1), data)
+        server.close()
+        t0 = time.monotonic()  # a service that stays down: misses at once, within the timeout
+        assert c.lookup(NS, tokens).matched_blocks == 0
+        assert c.load(c.keys_for(NS, tokens))[0] == [Status.MISS] * 3
+        assert time.monotonic() - t0 < 2.0 and c.counters["down"] >= 2
+    finally:
+        c.close()
+        server.close()
+        core.close()
+
+
+def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again(tmp_path):
+    """The commit names the old session's ticket and slots: it is never sent to a new session
+    (a new service may give the same plan id to another ticket); the blocks are REJECTED and the
+    restarted service does not hold them."""
+    sock = str(tmp_path / "n.sock")
+    live = {"core": _nvme_core(tmp_path)}
+    live["server"] = NodeServer(live["core"], NodeConfig(socket=sock)).start()
+    c = NodeKVStore(f"unix://{sock}", LAYOUT, timeout_s=2.0, retry_s=30.0)
+    copy = c._copy_slots
+
+    def copy_then_restart(t, copy_of):
+        ok = copy(t, copy_of)
+        live["server"].close()
+        live["core"].close()
+        live["core"] = _nvme_core(tmp_path)
+        live["server"] = NodeServer(live["core"], NodeConfig(socket=sock)).start()
+        return ok
+
+    try:
+        c._copy_slots = copy_then_restart
+        assert c.store(NS, list(range(32)), _data(2)) == [Status.REJECTED] * 2
+        assert c.counters["resent"] == 0
+        del c._copy_slots
+        assert c.counters["resent"] == 0 and c.counters["connects"] == 1
+        assert c.exists(c.keys_for(NS, list(range(32)))) == 0  # the new service answers at once
+        assert c.counters["connects"] == 2 and c.counters["down"] == 1
+    finally:
+        c.close()
+        live["server"].close()
+        live["core"].close()

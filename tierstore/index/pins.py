@@ -55,7 +55,9 @@ class Pins(IndexRoom):
         self.requests: dict[object, list[int]] = {}  # request id -> rows it references
         self.leases: dict[int, Lease] = {}
         self.row_pins: dict[int, dict[int, float]] = {}  # row -> {lease id: expiry}
-        self.pinned_bytes: dict[bytes, int] = {}  # namespace -> bytes its leases hold
+        self.pinned_bytes: dict[bytes, int] = {}  # namespace -> bytes its leases hold, a row once
+        self.ns_rows: dict[bytes, dict[int, int]] = {}  # namespace -> {row: its leases holding it}
+        self.lease_rows: dict[int, list[int]] = {}  # lease id -> the rows it holds
         self._lease_ids = itertools.count(1)
 
     # ================================================================ references
@@ -84,10 +86,15 @@ class Pins(IndexRoom):
     def pin(self, ns: bytes, keys: Sequence[bytes], lease_s: float | None = None) -> Lease:
         """Hold resident blocks until the lease expires or :meth:`unpin`.
 
+        The namespace's quota counts each block once however many of its leases hold it: a
+        block a live lease of ``ns`` already holds adds nothing (an overlapping pin, or a
+        renewal: pin again, then unpin the old lease).
+
         Raises
         ------
         QuotaExceeded
-            If the pin would exceed the namespace quota (nothing is pinned then).
+            If the blocks not yet held by a lease of ``ns`` would exceed its quota (nothing is
+            pinned then).
         ConfigError
             For a lease that is not a finite number of seconds in ``(0, MAX_DURATION_S]``
             (:func:`~tierstore.units.check_duration_s`).
@@ -98,11 +105,13 @@ class Pins(IndexRoom):
             rt = self.rows
             rows = [r for r in rt.table.get_many(keys).tolist() if r >= 0 and rt.top(r) is not None]
             nbytes = len(rows) * rt.block_bytes
+            held = self.ns_rows.get(ns, {})
+            more = len({r for r in rows if r not in held}) * rt.block_bytes
             used = self.pinned_bytes.get(ns, 0)
-            if used + nbytes > self.quota_bytes:
+            if used + more > self.quota_bytes:
                 raise QuotaExceeded(
-                    f"pin of {nbytes} B would exceed the namespace quota "
-                    f"({used} of {self.quota_bytes} B in use)"
+                    f"pin of {nbytes} B ({more} B not pinned in this namespace yet) would exceed "
+                    f"the namespace quota ({used} of {self.quota_bytes} B in use)"
                 )
             lid = next(self._lease_ids)
             exp = self._clock() + lease_s
@@ -112,7 +121,11 @@ class Pins(IndexRoom):
                 pin_until[r] = max(pin_until[r], exp)
             lease = Lease(lid, ns, rt.table.keys_of(rows), exp, nbytes)
             self.leases[lid] = lease
-            self.pinned_bytes[ns] = used + nbytes
+            held = self.ns_rows.setdefault(ns, held)
+            for r in rows:
+                held[r] = held.get(r, 0) + 1
+            self.lease_rows[lid] = rows
+            self.pinned_bytes[ns] = used + more
             self.metrics.inc("pins")
             return lease
 
@@ -145,7 +158,20 @@ class Pins(IndexRoom):
             else:
                 del self.row_pins[r]
                 pin_until[r] = 0.0
-        self.pinned_bytes[lease.ns] -= lease.bytes
+        held = self.ns_rows.get(lease.ns, {})
+        freed = 0
+        for r in self.lease_rows.pop(lease_id, ()):
+            n = held.get(r, 0) - 1
+            if n < 0:
+                raise InvariantError(f"row {r} released by more leases of its namespace than held it")
+            if n:
+                held[r] = n
+            else:
+                del held[r]
+                freed += 1
+        if not held:
+            self.ns_rows.pop(lease.ns, None)
+        self.pinned_bytes[lease.ns] -= freed * self.rows.block_bytes
         if self.pinned_bytes[lease.ns] < 0:
             raise InvariantError("pinned bytes went negative")
         return True

@@ -100,6 +100,8 @@ class MemoryHandler:
 
     def copy_down(self, copies: Sequence[Demotion]) -> None:
         """Slot to slot, in the given order (a plan lists them lowest tier first)."""
+        if not copies:  # most plans: no OpenMP setting to change and restore
+            return
         with one_omp_thread():  # in order: a later copy may read a slot an earlier one wrote
             for d in copies:
                 self.view(d.dst, d.dst_slot).copy_(self.view(d.src, d.src_slot))

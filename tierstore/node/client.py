@@ -14,10 +14,13 @@ Every call is bounded: a reply is awaited at most ``timeout_s`` (or the call's o
 ``timeout_s``). A service that is down, restarting or too slow gives misses: ``store`` →
 ``REJECTED`` per block, ``load`` → ``MISS``, ``lookup`` → nothing matched, ``exists`` → 0,
 ``pin`` → an empty lease; the connection is dropped and made again, at most once per
-``retry_s``, by a later call (a restarted service hands over its new segment). Requests of one
-client are serialised (one connection, one lock); use one client per engine thread that
-needs its own. Keys are computed here as :class:`~tierstore.api.KVStore` computes them (the
-namespace digest scoped to the layout), so an embedded store and the service agree on keys.
+``retry_s``, by a later call (a restarted service hands over its new segment). A session found
+ended when a call starts (a restarted service) is made again at once and the request sent
+once more within the call's time, unless it names the old session's ticket, hold or lease
+(:class:`_Ended`). Requests of one client are serialised (one connection, one lock); use one
+client per engine thread that needs its own. Keys are computed here as
+:class:`~tierstore.api.KVStore` computes them (the namespace digest scoped to the layout), so an
+embedded store and the service agree on keys.
 
 Not offered (``AttributeError``): :data:`NOT_OFFERED`; ``promote`` of :meth:`load` is the
 service's decision. A forked child makes its own connection and mapping.
@@ -86,6 +89,27 @@ _TIERS = tuple(Tier)  # wire code i is Tier(i)
 
 class _Down(Exception):
     """The service cannot answer now (not running, restarting, too slow, the connection broke)."""
+
+
+class _Ended(_Down):
+    """The session ended before any byte of the reply came: the send failed (the request never
+    reached the service), or the first read met EOF or a reset (the service restarted, stopped
+    or dropped the session; what the request started in that session ended with it).
+
+    The client then connects again at once, attaching the new service's new segment, and sends
+    the request once more within the call's ``timeout_s`` (a timeout is not this: a slow
+    service is never asked twice). Sent again: the requests that start afresh in any session
+    and acknowledge nothing kept by themselves, so an ended session's copy of them is void (the
+    service ends what a session held with it): ``Lookup``, ``Exists``, ``Stats``, ``Prefetch``,
+    ``Pin``, ``Invalidate`` (idempotent), and the first half of a store or load chunk
+    (``PrepareStore``, ``PrepareLoad``: a new ticket, slots of the new segment). Never sent
+    again: the requests naming what the old session held, void on a new one, whose plan and
+    lease ids a new service may give to others: ``CompleteStore`` (a store's commit: once sent,
+    the old service may or may not have kept the blocks; they are answered ``REJECTED``, never
+    acknowledged from a ticket whose slots were the old segment's), ``CompleteLoad`` (its
+    copies came from the old segment: ``MISS``), ``Release``/``Cancel`` of a hold and ``Unpin``
+    (they ended with the session: 0 and ``False``).
+    """
 
 
 class _Refused(Exception):
@@ -192,15 +216,20 @@ class _Connection:
         try:
             self.frames.set_timeout(timeout_s)
             self.frames.send(msg_of(rid))
+        except (TimeoutError, P.ProtocolError) as e:
+            raise _Down(f"send: {type(e).__name__}: {e}") from e
+        except OSError as e:  # EPIPE/ECONNRESET: the peer had closed; nothing of it was read
+            raise _Ended(f"send: {type(e).__name__}: {e}") from e
+        try:
             reply = self.frames.recv()
+        except (ConnectionResetError, ConnectionAbortedError) as e:
+            raise _Ended(f"recv: {type(e).__name__}: {e}") from e
         except (OSError, P.ProtocolError) as e:
             raise _Down(f"{type(e).__name__}: {e}") from e
-        if reply is None or not isinstance(reply, P.Reply) or reply.rid != rid:
-            raise _Down(
-                "the service closed the connection"
-                if reply is None
-                else f"a reply to another request ({type(reply).__name__}) for request {rid}"
-            )
+        if reply is None:
+            raise _Ended("the service closed the connection")
+        if not isinstance(reply, P.Reply) or reply.rid != rid:
+            raise _Down(f"a reply to another request ({type(reply).__name__}) for request {rid}")
         if isinstance(reply, P.Error):
             if reply.code in (P.ErrorCode.CLOSED, P.ErrorCode.BAD_FRAME):
                 raise _Down(f"{reply.code.value}: {reply.message}")
@@ -252,6 +281,12 @@ class NodeKVStore:
         For a bad URL or timeout. A service that is down is not an error: calls miss until it is up.
         A service that refuses this client (its uid, its token, another block class, pool or
         protocol version) raises :class:`ConfigError` from the call that connects.
+
+    Notes
+    -----
+    A call that finds its session ended (a restarted service) connects again at once and sends
+    its request once more within its ``timeout_s``; which requests are sent again and why:
+    :class:`_Ended`.
     """
 
     def __init__(
@@ -283,14 +318,15 @@ class NodeKVStore:
         self._rids = itertools.count(1)
         self._closed = False
         self._pool_exec: concurrent.futures.ThreadPoolExecutor | None = None
-        self.counters = {"calls": 0, "down": 0, "connects": 0, "gen_mismatch": 0}
+        self.counters = {"calls": 0, "down": 0, "connects": 0, "resent": 0, "gen_mismatch": 0}
 
     # ------------------------------------------------------------------ connection
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def _connection(self) -> _Connection:
+    def _connection(self, timeout_s: float | None = None) -> _Connection:
+        """The session, connecting when there is none (not within ``retry_s`` of a failure)."""
         c = self._conn
         if c is not None and c.pid != os.getpid():  # inherited across fork: the parent's session
             c.forget()
@@ -299,9 +335,14 @@ class NodeKVStore:
             return c
         if time.monotonic() - self._last_fail < self.retry_s:
             raise _Down("the service was down moments ago")
+        return self._connect(self.timeout_s if timeout_s is None else timeout_s)
+
+    def _connect(self, timeout_s: float) -> _Connection:
+        """A new session (handshake, the service's segment mapped), connecting and waiting at
+        most ``timeout_s``; a failure starts the ``retry_s`` window."""
         try:
             self._conn = _Connection(
-                self.path, self.layout, self.pool, self.timeout_s, f"tierstore pid {os.getpid()}", self._token
+                self.path, self.layout, self.pool, timeout_s, f"tierstore pid {os.getpid()}", self._token
             )
         except _Down:
             self._last_fail = time.monotonic()
@@ -310,32 +351,53 @@ class NodeKVStore:
         self._holds.clear()  # holds were the old session's: released by the service
         return self._conn
 
-    def _drop(self) -> None:
-        """Close a connection that failed; the retry window starts now. Without one (the call was
-        refused inside the window, or the connect failed and set it), the window is left as it is:
-        restarting it on every refused call kept a client calling faster than ``retry_s`` from ever
-        reconnecting."""
+    def _drop(self, ended: bool = False) -> None:
+        """Close a connection that failed; the retry window starts now, unless the session only
+        ``ended`` (the next call connects at once: a restarted service is likely up; if not,
+        that connect fails fast and starts the window). Without a connection (the call was
+        refused inside the window, or the connect failed and set it), the window is left as it
+        is: restarting it on every refused call kept a client calling faster than ``retry_s``
+        from ever reconnecting."""
         c, self._conn = self._conn, None
         if c is not None:
             c.close(bye=False)
-            self._last_fail = time.monotonic()
+            if not ended:
+                self._last_fail = time.monotonic()
 
-    def _call(self, msg_of, timeout_s: float | None = None):
-        """One request and its reply on the connection (the caller holds ``_lock``)."""
+    def _call(self, msg_of, timeout_s: float | None = None, *, session: _Connection | None = None):
+        """One request and its reply (the caller holds ``_lock``), within ``timeout_s``.
+
+        ``session=None``: a request a new session may be sent (:class:`_Ended` says which); when the
+        session is found ended (:class:`_Ended`) it is sent once more on a new connection within
+        the time left. ``session=conn``: a request naming what ``conn``'s session holds (a
+        ticket, a hold, a lease), sent on that session only, never again.
+        """
         if self._closed:
             raise StoreClosedError("NodeKVStore is closed")
         self.counters["calls"] += 1
         t = self.timeout_s if timeout_s is None else max(min(timeout_s, self.timeout_s), 1e-3)
+        deadline = time.monotonic() + t
+        conn: _Connection | None = None
         try:
-            conn = self._connection()  # a failed attempt starts the retry interval; a skipped one does not
+            conn = self._connection(t)  # a failed attempt starts the retry interval; a skipped one does not
+            if session is not None and conn is not session:
+                conn = None  # that session is gone; this one is fine
+                raise _Down("the session that held this request's ticket, hold or lease has ended")
+            try:
+                return conn.call(msg_of, t)
+            except _Ended:
+                self._drop(ended=True)
+                conn = None
+                left = deadline - time.monotonic()
+                if session is not None or left <= 0:
+                    raise
+            self.counters["resent"] += 1  # the session ended before the request was served
+            conn = self._connect(left)
+            return conn.call(msg_of, max(deadline - time.monotonic(), 1e-3))
         except _Down:
             self.counters["down"] += 1
-            raise
-        try:
-            return conn.call(msg_of, t)
-        except _Down:
-            self.counters["down"] += 1
-            self._drop()
+            if conn is not None and self._conn is conn:
+                self._drop()
             raise
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -373,13 +435,19 @@ class NodeKVStore:
         """As :meth:`release` (abandoning the request)."""
         return self._end_hold(request_id, P.Cancel)
 
+    def _hold_of(self, request_id: object) -> int | None:
+        """The current session's hold number of ``request_id`` (a new one on first use)."""
+        if request_id is None:
+            return None
+        return self._holds.setdefault(request_id, next(self._next_hold))
+
     def _end_hold(self, request_id: object, kind) -> int:
         with self._lock:
             hold = self._holds.pop(request_id, None)
-            if hold is None or self._closed:
+            if hold is None or self._closed or self._conn is None:
                 return 0
             try:
-                return int(self._call(lambda rid: kind(rid, hold=hold)).n)
+                return int(self._call(lambda rid: kind(rid, hold=hold), session=self._conn).n)
             except (_Down, _Refused):
                 return 0  # the session ended: the service released them
 
@@ -483,8 +551,11 @@ class NodeKVStore:
                 rid, ns=ns, keys=b"".join(keys), first_position=first, lifetime=lifetime, wait=True
             )
         )
+        conn = self._conn  # the session that handed out the ticket's slots
         ok = self._copy_slots(t, lambda i: sources[at + i].gather)
-        out = self._call(lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)))
+        out = self._call(
+            lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), session=conn
+        )
         return P.unpack_statuses(out.statuses)
 
     def _copy_slots(self, t: P.TicketReply, copy_of: Callable[[int], Callable]) -> np.ndarray:
@@ -537,12 +608,15 @@ class NodeKVStore:
         if not keys:
             return miss
         with self._lock:
-            hold = None
-            if request_id is not None:
-                hold = self._holds.setdefault(request_id, next(self._next_hold))
             try:
-                r = self._call(
-                    lambda rid: P.Lookup(rid, ns=ns or _ZERO_NS, keys=b"".join(keys), hold=hold, pin_s=None)
+                r = self._call(  # the hold is taken when sent: a new session starts without any
+                    lambda rid: P.Lookup(
+                        rid,
+                        ns=ns or _ZERO_NS,
+                        keys=b"".join(keys),
+                        hold=self._hold_of(request_id),
+                        pin_s=None,
+                    )
                 )
             except (_Down, _Refused):
                 return miss
@@ -623,8 +697,11 @@ class NodeKVStore:
         t = self._call(
             lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True), timeout_s
         )
+        conn = self._conn
         ok = self._copy_slots(t, lambda i: plans[at + i].scatter)
-        self._call(lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s)
+        self._call(
+            lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s, session=conn
+        )
         return [Status.OK if k else Status.MISS for k in ok.tolist()]
 
     # ------------------------------------------------------------------ pins, invalidation, stats
@@ -711,8 +788,10 @@ class NodeKVStore:
         if lid <= 0:
             return False
         with self._lock:
+            if self._conn is None:
+                return False  # no session: its leases ended with it
             try:
-                return bool(self._call(lambda rid: P.Unpin(rid, lease_id=lid)).n)
+                return bool(self._call(lambda rid: P.Unpin(rid, lease_id=lid), session=self._conn).n)
             except (_Down, _Refused):
                 return False
 
@@ -738,8 +817,9 @@ class NodeKVStore:
     def stats(self) -> dict:
         """The service's statistics (its store, pool and this session; on a daemon of several
         tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
-        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``,
-        ``gen_mismatch``: copies given up because their slot was reused)."""
+        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``, ``resent``:
+        requests sent again on a new session, ``gen_mismatch``: copies given up because their
+        slot was reused)."""
         import json
 
         out: dict = {}

@@ -46,6 +46,21 @@ def _resolved(value) -> Future:
     return f
 
 
+class _SlotSources(Sequence):
+    """A store ticket's slots as copy sources, ``[i]`` → slot ``slots[i]``'s ``FragmentPlan``
+    (``None`` for a key handed no slot), each built when asked for."""
+
+    def __init__(self, service: PlanService, slots: np.ndarray) -> None:
+        self._service, self._slots = service, slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __getitem__(self, i):  # type: ignore[override]  # ints only
+        s = int(self._slots[i])
+        return self._service.slot_plan(s) if s >= 0 else None
+
+
 class TicketError(TierStoreError):
     """A ticket operation that cannot be done: an unknown or foreign plan id, a report of the
     wrong length or kind, or a report before the ticket is ready (nothing is changed)."""
@@ -375,7 +390,7 @@ class PlanService:
     def _end_store(self, t: Ticket, and_ok, publish: bool = True) -> StoreResult:
         """The second half: a key with a slot is ``OK`` where every rank copied it, else
         ``IO_ERROR``; a key handed no slot stays ``NO_SPACE``."""
-        sources = [self.slot_plan(int(s)) if s >= 0 else None for s in t.slots]
+        sources = _SlotSources(self, t.slots)  # built only for the keys written to NVMe or published
         copied = [
             (Status.OK if and_ok[i] else Status.IO_ERROR) if t.slots[i] >= 0 else t.statuses[i]
             for i in range(len(t.keys))
