@@ -14,7 +14,7 @@ table size. Collisions probe linearly without wrapping, into ``TAIL_SLOTS``
 past the power-of-two range (the last slot stays empty: every probe ends).
 
 Resizing is incremental (Redis's ``dictRehash``, ``src/dict.c``): when keys and
-tombstones pass half the slots, a zeroed array (``calloc``: no pass over it) takes
+tombstones pass half the slots, a zeroed array (anonymous ``mmap``: no pass over it) takes
 every insert, and each insert call moves the keys of the next ``max(REHASH_MIN_SLOTS,
 REHASH_SLOTS_PER_KEY * keys inserted)`` old slots into it; lookups probe the new
 array, then the old one from its first unmoved slot. No call does work that grows
@@ -30,6 +30,7 @@ bounded FIFO of refused keys that the "admit on the second sighting" rules keep.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from array import array
 from collections import OrderedDict
@@ -66,9 +67,11 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _zeroed(n: int) -> tuple[np.ndarray, memoryview]:
-    """An ``int32`` slot array of ``n`` empty slots: ``np.zeros`` (``calloc``, pages zeroed
-    by the OS on first touch) and a memoryview of it (scalar reads as fast as ``array``)."""
-    a = np.zeros(n, dtype=np.int32)
+    """An ``int32`` slot array of ``n`` empty slots and a memoryview of it (scalar reads as fast
+    as ``array``'s). An anonymous ``mmap``: the OS zeroes each page at its first touch, so no
+    call pays for the whole array (``np.zeros``' ``calloc`` memsets it once glibc's mmap
+    threshold has risen past its size)."""
+    a = np.frombuffer(mmap.mmap(-1, 4 * n), dtype=np.int32)
     return a, a.data
 
 
