@@ -68,11 +68,23 @@ def _pow2_at_least(n: int) -> int:
 
 def _zeroed(n: int) -> tuple[np.ndarray, memoryview]:
     """An ``int32`` slot array of ``n`` empty slots and a memoryview of it (scalar reads as fast
-    as ``array``'s). An anonymous ``mmap``: the OS zeroes each page at its first touch, so no
-    call pays for the whole array (``np.zeros``' ``calloc`` memsets it once glibc's mmap
-    threshold has risen past its size)."""
-    a = np.frombuffer(mmap.mmap(-1, 4 * n), dtype=np.int32)
+    as ``array``'s). A private anonymous ``mmap``: the OS zeroes each page at its first touch,
+    so no call pays for the whole array (``np.zeros``' ``calloc`` memsets it once glibc's mmap
+    threshold has risen past its size), and :func:`_drop_pages` can free pages of it."""
+    buf = mmap.mmap(-1, 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(buf, dtype=np.int32)
     return a, a.data
+
+
+def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
+    """Give the OS back the pages of an array from :func:`_zeroed` that end in slots
+    ``[start, end)`` (slots below ``start`` given back before): ``MADV_DONTNEED``, they read as
+    zeros after. So unmapping the array later costs no pass over it (freeing 8 MiB of touched
+    pages at once took 0.6-1.6 ms)."""
+    lo = 4 * start // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = 4 * end // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        a.base.obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # a.base: the memoryview of the mmap
 
 
 class KeyTable:
@@ -402,6 +414,7 @@ class KeyTable:
         b = min(len(old), a + max(REHASH_MIN_SLOTS, REHASH_SLOTS_PER_KEY * inserted))
         v = old[a:b]
         rows = v[v > 0].astype(np.int64) - 1
+        _drop_pages(old, a, b)  # the moved pages (rows is a copy)
         self._old_at = b  # before placing: a full rebuild there finds these rows live
         self.rehash_slots += b - a
         if b == len(old):
