@@ -35,6 +35,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -84,7 +85,8 @@ def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
     lo = 4 * start // mmap.PAGESIZE * mmap.PAGESIZE
     hi = 4 * end // mmap.PAGESIZE * mmap.PAGESIZE
     if hi > lo:
-        a.base.obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # a.base: the memoryview of the mmap
+        view = cast(memoryview, a.base)  # np.frombuffer's base: the memoryview of the mmap
+        cast(mmap.mmap, view.obj).madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 class KeyTable:
