@@ -144,8 +144,9 @@ class KeyTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the table's buffers (both slot arrays during a rehash)."""
-        old = 0 if self._oa is None else self._oa.nbytes
+        """Bytes held by the table's buffers (during a rehash also the old array's slots not
+        moved yet: the moved ones' pages are given back)."""
+        old = 0 if self._oa is None else 4 * (self._oa.size - self._old_at)
         return (
             len(self._keys) + len(self._live) + self._sa.nbytes + old + self._free.itemsize * len(self._free)
         )
