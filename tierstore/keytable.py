@@ -15,9 +15,9 @@ past the power-of-two range (the last slot stays empty: every probe ends).
 
 Resizing is incremental (Redis's ``dictRehash``, ``src/dict.c``): when keys and
 tombstones pass half the slots, a zeroed array (anonymous ``mmap``: no pass over it) takes
-every insert, and each insert call moves the keys of the next ``max(REHASH_MIN_SLOTS,
-REHASH_SLOTS_PER_KEY * keys inserted)`` old slots into it; lookups probe the new
-array, then the old one from its first unmoved slot. No call does work that grows
+every insert, and inserts move the keys of ``REHASH_SLOTS_PER_KEY`` old slots each into
+it, in steps of at least ``REHASH_BATCH_SLOTS`` (so no call moves more than their sum);
+lookups probe the new array, then the old one from its first unmoved slot. No call does work that grows
 with the table (:attr:`KeyTable.rehash_slots` counts the slots moved). Both arrays
 are held until the move ends, at most ``len(old) / 16`` inserts later (the new
 one's load stays under 5/8). Only a probe that runs off the tail (a run of 256
@@ -53,11 +53,11 @@ VECTOR_MIN_KEYS = 16
 #: Slots past the power-of-two range (probes never wrap), and the fewest slots of a table.
 TAIL_SLOTS = 256
 MIN_SLOTS = 256
-#: Old slots an insert call moves during a rehash: this many per key it inserts, at least
-#: ``REHASH_MIN_SLOTS``. With ``len(old) <= 2 * len(new)``, 16 a key ends the move before
-#: the new array takes ``len(new) / 8`` more keys (load <= 1/2 + 1/8).
+#: Old slots moved during a rehash per key inserted, in steps of at least ``REHASH_BATCH_SLOTS``
+#: (one step moves them with a few numpy calls). With ``len(old) <= 2 * len(new)``, 16 a key
+#: ends the move before the new array takes ``len(new) / 8 + 64`` more keys (load ~<= 5/8).
 REHASH_SLOTS_PER_KEY = 16
-REHASH_MIN_SLOTS = 64
+REHASH_BATCH_SLOTS = 1024
 
 
 def _pow2_at_least(n: int) -> int:
@@ -102,7 +102,7 @@ class KeyTable:
     ----------
     rehash_slots : int
         Old slots moved by incremental rehashing so far (each insert call moves at most
-        ``max(REHASH_MIN_SLOTS, REHASH_SLOTS_PER_KEY * keys inserted)``).
+        ``REHASH_BATCH_SLOTS + REHASH_SLOTS_PER_KEY * keys inserted``).
     full_rebuilds : int
         Whole-table layouts after a probe ran off the tail (expected 0).
 
@@ -115,7 +115,7 @@ class KeyTable:
     """
 
     __slots__ = (
-        "_keys", "_live", "_sa", "_slots", "_mask", "_oa", "_old", "_old_mask", "_old_at",
+        "_keys", "_live", "_sa", "_slots", "_mask", "_oa", "_old", "_old_mask", "_old_at", "_debt",
         "_free", "_next_row", "_n", "_tombs", "_cap", "rehash_slots", "full_rebuilds",
     )  # fmt: skip
 
@@ -172,9 +172,13 @@ class KeyTable:
             if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES):
                 return s - 1
             p += 1
+        return -1 if self._old is None else self._get_old(key, h)
+
+    def _get_old(self, key: bytes, h: int) -> int:
+        """Row of ``key`` (home hash ``h``) in the old array of a rehash, or -1."""
         old = self._old
-        if old is None:
-            return -1
+        assert old is not None
+        kb = self._keys
         p = max(h & self._old_mask, self._old_at)  # slots below _old_at were moved
         while True:
             s = old[p]
@@ -257,16 +261,42 @@ class KeyTable:
         """
         if len(key) != KEY_BYTES:
             raise LayoutError(f"key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
-        row = self.get(key)
-        if row >= 0:
-            return row, False
-        self._make_room(1)
+        slots = self._slots
+        kb = self._keys
+        h = _HOME(key)[0]
+        p = h & self._mask
+        free = -1  # the first tombstone on the key's chain, else the empty slot that ends it
+        while True:
+            s = slots[p]
+            if s == _EMPTY:
+                break
+            if s == _TOMB:
+                if free < 0:
+                    free = p
+            elif kb.startswith(key, (s - 1) * KEY_BYTES):
+                return s - 1, False
+            p += 1
+        if self._old is not None:
+            row = self._get_old(key, h)
+            if row >= 0:
+                return row, False
+        if free < 0:
+            free = p
+        if self._oa is None and 2 * (self._n + self._tombs + 1) > self._mask + 1:
+            self._make_room(1)
+            free = -1  # inserts go to the new array now
         row = self._take_row()
         o = row * KEY_BYTES
-        self._keys[o : o + KEY_BYTES] = key
+        kb = self._keys  # _take_row may have grown it
+        kb[o : o + KEY_BYTES] = key
         self._live[row] = 1
         self._n += 1
-        self._place(row)
+        if 0 <= free < len(slots) - 1:  # the last slot stays empty
+            if slots[free] == _TOMB:
+                self._tombs -= 1
+            slots[free] = row + 1
+        else:
+            self._place(row)
         self._step(1)
         return row, True
 
@@ -364,7 +394,7 @@ class KeyTable:
         self._sa, self._slots = _zeroed(nslots + TAIL_SLOTS)
         self._mask = nslots - 1
         self._oa = self._old = None
-        self._old_mask = self._old_at = 0
+        self._old_mask = self._old_at = self._debt = 0
 
     # ------------------------------------------------------------- internals
     def _take_rows(self, n: int) -> np.ndarray:
@@ -404,6 +434,7 @@ class KeyTable:
         if self._oa is None and 2 * (self._n + self._tombs + n) > self._mask + 1:
             nslots = _pow2_at_least(max(MIN_SLOTS, self._cap, 2 * (self._n + n), self._mask + 1))
             self._oa, self._old, self._old_mask, self._old_at = self._sa, self._slots, self._mask, 0
+            self._debt = 0
             self._sa, self._slots = _zeroed(nslots + TAIL_SLOTS)
             self._mask = nslots - 1
             self._tombs = 0
@@ -413,8 +444,12 @@ class KeyTable:
         old = self._oa
         if old is None:
             return
+        self._debt += REHASH_SLOTS_PER_KEY * inserted
+        if self._debt < REHASH_BATCH_SLOTS:  # a step costs numpy's fixed cost: batch them
+            return
         a = self._old_at
-        b = min(len(old), a + max(REHASH_MIN_SLOTS, REHASH_SLOTS_PER_KEY * inserted))
+        b = min(len(old), a + self._debt)
+        self._debt = 0
         v = old[a:b]
         rows = v[v > 0].astype(np.int64) - 1
         _drop_pages(old, a, b)  # the moved pages (rows is a copy)
@@ -484,7 +519,7 @@ class KeyTable:
         self._mask = mask
         self._tombs = 0
         self._oa = self._old = None
-        self._old_mask = self._old_at = 0
+        self._old_mask = self._old_at = self._debt = 0
 
 
 class GhostKeys:
