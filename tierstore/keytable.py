@@ -50,6 +50,9 @@ _HOME = struct.Struct("<Q").unpack_from
 #: Batches at least this long take the vectorised probe (numpy's fixed cost
 #: per call is ~10 us; the scalar probe costs ~0.6 us a key).
 VECTOR_MIN_KEYS = 16
+#: Vectorised probe steps a batch insert takes for keys displaced from their home slot
+#: (every slot a key steps past is full, so where it lands is on its probe chain).
+_PROBE_ROUNDS = 4
 #: Slots past the power-of-two range (probes never wrap), and the fewest slots of a table.
 TAIL_SLOTS = 256
 MIN_SLOTS = 256
@@ -339,28 +342,27 @@ class KeyTable:
         With ``free_row=False`` the row is not reused until :meth:`release_row`
         (an owner whose row is still referenced, e.g. by I/O in flight).
         """
-        row = self.get(key)
-        if row < 0:
+        if len(key) != KEY_BYTES:
             return -1
+        kb = self._keys
         h = _HOME(key)[0]
         slots = self._slots
         p = h & self._mask
-        while p < len(slots) and slots[p] != row + 1:  # its slot: the first on its chain holding its row
+        while True:  # one probe: the new array, then the old one's unmoved slots
             s = slots[p]
             if s == _EMPTY:
-                p = len(slots)
+                if slots is self._old or self._old is None:
+                    return -1
+                slots = self._old
+                p = max(h & self._old_mask, self._old_at)
+                continue
+            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES):
                 break
             p += 1
-        if p < len(slots):
-            slots[p] = _TOMB
+        slots[p] = _TOMB  # an old array's tombstones go with it
+        if slots is self._slots:
             self._tombs += 1
-        else:  # not moved yet: its slot in the old array
-            old = self._old
-            assert old is not None
-            p = max(h & self._old_mask, self._old_at)
-            while old[p] != row + 1:
-                p += 1
-            old[p] = _TOMB  # the old array's tombstones go with it
+        row = s - 1
         self._live[row] = 0
         self._n -= 1
         if free_row:
@@ -479,7 +481,22 @@ class KeyTable:
         self._tombs -= int(np.count_nonzero(s[landed] == _TOMB))
         placed = np.zeros(rows.size, dtype=bool)
         placed[landed] = True
-        for r in rows[~placed].tolist():
+        rest = (~placed).nonzero()[0]
+        pos = home[rest]
+        last = len(slots) - 2  # the last slot stays empty: every probe ends
+        for _ in range(_PROBE_ROUNDS):  # displaced keys step on together (module doc: linear probing)
+            if rest.size < VECTOR_MIN_KEYS:
+                break
+            pos = np.minimum(pos + 1, last)
+            s = slots[pos]
+            free = (s <= 0).nonzero()[0]
+            slots[pos[free]] = r1[rest[free]]
+            won = free[slots[pos[free]] == r1[rest[free]]]
+            self._tombs -= int(np.count_nonzero(s[won] == _TOMB))
+            keep = np.ones(rest.size, dtype=bool)
+            keep[won] = False
+            rest, pos = rest[keep], pos[keep]
+        for r in rows[rest].tolist():
             if not self._place(r):
                 return  # the table was laid out again: every live row, these included, is placed
 
