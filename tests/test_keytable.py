@@ -2,12 +2,14 @@
 
 import os
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierstore import keytable
 from tierstore.errors import LayoutError
 from tierstore.keytable import VECTOR_MIN_KEYS, KeyTable
 
@@ -136,3 +138,125 @@ def test_ghost_keys_take_and_bound():
     assert not g.take(b"a" * 32)  # the oldest went when the third came
     assert g.take(b"b" * 32) and not g.take(b"b" * 32)  # taken once, then forgotten
     assert g.take(b"c" * 32) and len(g) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add_absent", "add_absent", "remove", "detach", "release", "get_many"]),
+            st.integers(0, 599),
+        ),
+        min_size=10,
+        max_size=250,
+    )
+)
+def test_agrees_with_a_dict_through_rehashes(ops):
+    """Random inserts (scalar and batched), removals, detached rows and batched lookups on a
+    small table, so most sequences run through one or more incremental rehashes: every
+    lookup agrees with a dict, a detached row is not reused until released, and rows
+    stay distinct."""
+    pool = _keys(600, seed=11)
+    with mock.patch.object(keytable, "REHASH_BATCH_SLOTS", 64):  # small steps: many mid-move states
+        _dict_model_run(ops, pool)
+
+
+def _dict_model_run(ops, pool):
+    t = KeyTable(16)
+    model: dict = {}
+    detached: list = []
+    for op, i in ops:
+        if op == "add":
+            k = pool[i]
+            r, new = t.add(k)
+            assert new == (k not in model) and (new or model[k] == r)
+            model[k] = r
+        elif op == "add_absent":  # a batch of absent keys, long enough for the vectorised path
+            batch = [k for k in pool[i:] + pool[:i] if k not in model][: VECTOR_MIN_KEYS + i % 100]
+            rows = t.add_absent(batch)
+            model.update(zip(batch, rows.tolist()))
+        elif op in ("remove", "detach"):
+            k = pool[i]
+            r = t.remove(k) if op == "remove" else t.detach(k)
+            assert r == model.pop(k, -1)
+            if op == "detach" and r >= 0:
+                detached.append(r)
+        elif op == "release" and detached:
+            t.release_row(detached.pop())
+        else:
+            assert t.get_many(pool).tolist() == [model.get(k, -1) for k in pool]
+        assert len(set(model.values())) == len(model) == len(t)
+        assert not set(detached) & set(model.values())
+    assert t.get_many(pool).tolist() == [model.get(k, -1) for k in pool]
+    assert [t.get(k) for k in pool] == [model.get(k, -1) for k in pool]
+    assert all(t.key_of(r) == k for k, r in model.items())
+    assert t.full_rebuilds == 0
+
+
+def test_lookups_during_a_rehash_find_both_arrays():
+    """Mid-rehash (some keys moved, some not): scalar and vectorised lookups and removals
+    find keys in either array, and the rehash ends with every key in the new one."""
+    t = KeyTable(4096)  # 4096 slots: 2048 keys fill half
+    keys = _keys(6000, seed=12)
+    t.add_absent(keys[:2048])
+    assert not t.rehashing
+    t.add_absent(keys[2048:2112])  # passes half: a rehash starts and moves one step
+    assert t.rehashing and 0 < t.rehash_slots < 4096
+    model = {k: t.get(k) for k in keys[:2112]}
+    assert all(r >= 0 for r in model.values())
+    assert t.get_many(keys[:2500]).tolist() == [model.get(k, -1) for k in keys[:2500]]
+    for k in keys[:2112:5]:  # in both arrays
+        assert t.remove(k) == model.pop(k)
+    for k in keys[2112:2200]:
+        model[k] = t.add(k)[0]
+    assert t.get_many(keys[:2500]).tolist() == [model.get(k, -1) for k in keys[:2500]]
+    i = 2200
+    while t.rehashing:
+        model[keys[i]] = t.add(keys[i])[0]
+        i += 1
+    assert t.get_many(list(model)).tolist() == list(model.values())
+    assert [t.get(k) for k in keys[:i]] == [model.get(k, -1) for k in keys[:i]]
+    assert t.full_rebuilds == 0
+
+
+def test_an_insert_moves_a_bounded_number_of_slots():
+    """Counted, not timed: growing from 16 rows to 60k keys (several rehashes, the last of
+    a 128k-slot array) with removals mixed in, no single add, batch add or removal moves
+    more than REHASH_BATCH_SLOTS + REHASH_SLOTS_PER_KEY * keys inserted old slots, and
+    no call lays the whole table out."""
+    from tierstore.keytable import REHASH_BATCH_SLOTS, REHASH_SLOTS_PER_KEY
+
+    t = KeyTable(16)
+    keys = _keys(60_000, seed=13)
+    worst = 0
+    rehashes = 0
+    j = 0
+    for i in range(0, len(keys), 64):
+        before, was = t.rehash_slots, t.rehashing
+        if i % 128:
+            t.add_absent(keys[i : i + 64])
+            bound = REHASH_BATCH_SLOTS + REHASH_SLOTS_PER_KEY * 64
+        else:
+            t.add(keys[i])
+            t.add_absent(keys[i + 1 : i + 64])  # not counted: only the scalar add's step below
+            assert t.rehash_slots - before <= REHASH_BATCH_SLOTS + REHASH_SLOTS_PER_KEY * 64
+            before, bound = t.rehash_slots, 0
+            t.remove(keys[j])  # a removal moves nothing
+            j += 3
+        worst = max(worst, t.rehash_slots - before)
+        rehashes += t.rehashing and not was
+        assert t.rehash_slots - before <= bound
+    assert rehashes >= 5 and t.full_rebuilds == 0 and worst >= REHASH_BATCH_SLOTS
+    assert t.get_many(keys[j + 3 :: 7]).min() >= 0
+
+
+def test_a_probe_off_the_tail_lays_the_table_out_again():
+    """Keys whose home is the last slot of the power-of-two range fill the tail: the insert
+    that finds no slot lays the whole table out again (counted), and every key stays found."""
+    from tierstore.keytable import TAIL_SLOTS
+
+    t = KeyTable(4096)
+    twins = [b"\xff" * 8 + os.urandom(24) for _ in range(TAIL_SLOTS + 8)]
+    rows = [t.add(k)[0] for k in twins]
+    assert t.full_rebuilds >= 1
+    assert t.get_many(twins).tolist() == rows == [t.get(k) for k in twins]

@@ -1102,7 +1102,7 @@ class _WorkerSide:
     def _load(self, jobs: list[LoadJob]) -> list[Status]:
         sh = self.shared
         keys = [k for j in jobs for k in j.keys_of(self._rank)]
-        plans = sh.engine.pool.plans([b for j in jobs for b in j.block_ids], destination=True)
+        plans = sh.engine.pool.batch([b for j in jobs for b in j.block_ids], destination=True)
         t0 = time.perf_counter()
         statuses = sh.store.load_fragments(keys, plans)
         if sh.engine.pool.device.type == "cuda":  # written against torch's API, not run here
@@ -1136,7 +1136,7 @@ class _WorkerSide:
         if event is not None:  # CUDA: the forward pass wrote these blocks (not run here)
             event.synchronize()
         t0 = time.perf_counter()
-        plans = sh.engine.pool.plans(job.block_ids)
+        plans = sh.engine.pool.batch(job.block_ids)
         ns = (
             job.ns
             if self._rank == 0
