@@ -65,3 +65,14 @@ def test_the_command_exits_1_on_a_difference(tool, short, tmp_path, capsys):
     path.write_text(json.dumps(base))
     assert tool.main(["--only", "default", "--limit", "150", "--compare", str(path)]) == 1
     assert "default.counts.kv.saved_prefill_tokens" in capsys.readouterr().out
+
+
+def test_a_memory_footprint_is_not_a_decision_a_count_is(tool, short):
+    a = short[0]
+    b = copy.deepcopy(a)
+    b["counts"]["index"]["index_bytes"] += 4096  # the key table's layout, not a decision
+    assert tool.compare({"default": a}, {"default": b}) == ([], [])
+    b["counts"]["kv"]["hit_blocks"] += 1
+    diffs, _ = tool.compare({"default": a}, {"default": b})
+    hits = a["counts"]["kv"]["hit_blocks"]
+    assert diffs == [f"default.counts.kv.hit_blocks: {hits!r} -> {hits + 1!r}"]
