@@ -200,6 +200,8 @@ def test_the_tenants_byte_quota_is_one_book_for_both_transports(daemon):
     carol, carol_http = _node(url, "carol"), _http(d, "carol")  # 64 KiB: 8 blocks of 8 KiB
     try:
         assert carol.store(ns, _tokens(0, 9), _data(4, 9)) == [Status.REJECTED] * 9  # over: nothing charged
+        client = carol.stats()["client"]  # REJECTED as when the service is down, but said apart
+        assert client["refused"] == 1 and client["down"] == 0 and "quota" in client["last_refusal"]
         assert carol.store(ns, _tokens(0, 6), _data(4, 6)) == [Status.OK] * 6
         with pytest.raises(QuotaExceeded):  # the socket's 6 blocks count over HTTP
             carol_http.store(ns, _tokens(100, 3), _data(5, 3))

@@ -318,7 +318,9 @@ class NodeKVStore:
         self._rids = itertools.count(1)
         self._closed = False
         self._pool_exec: concurrent.futures.ThreadPoolExecutor | None = None
-        self.counters = {"calls": 0, "down": 0, "connects": 0, "resent": 0, "gen_mismatch": 0}
+        self.counters = {"calls": 0, "down": 0, "connects": 0, "resent": 0, "gen_mismatch": 0, "refused": 0}
+        #: The service's reason for the last request it refused (a tenant over its quota, a bad request).
+        self.last_refusal: str | None = None
 
     # ------------------------------------------------------------------ connection
     @property
@@ -398,6 +400,10 @@ class NodeKVStore:
             self.counters["down"] += 1
             if conn is not None and self._conn is conn:
                 self._drop()
+            raise
+        except _Refused as e:  # answered as a miss or REJECTED by the caller: say why here
+            self.counters["refused"] += 1
+            self.last_refusal = str(e)
             raise
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -819,7 +825,9 @@ class NodeKVStore:
         tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
         (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``, ``resent``:
         requests sent again on a new session, ``gen_mismatch``: copies given up because their
-        slot was reused)."""
+        slot was reused, ``refused``: requests the service refused, e.g. a store past the tenant's
+        byte quota, answered ``REJECTED`` like a store to a service that is down, with
+        ``last_refusal``: the service's reason)."""
         import json
 
         out: dict = {}
@@ -829,7 +837,9 @@ class NodeKVStore:
                     out = json.loads(self._call(lambda rid: P.Stats(rid)).json)
                 except (_Down, _Refused):
                     out = {}
-            out["client"] = dict(self.counters, connected=self._conn is not None, url=self.url)
+            out["client"] = dict(
+                self.counters, connected=self._conn is not None, url=self.url, last_refusal=self.last_refusal
+            )
         return out
 
     def close(self) -> None:
