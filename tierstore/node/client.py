@@ -143,6 +143,25 @@ def _lifetime_code(hint: str | None) -> int:
     return code
 
 
+class _Counters(dict[str, int]):
+    """The ``client`` section of :meth:`NodeKVStore.stats`: ``calls``, ``down`` (calls answered as
+    misses: the service is down or restarting), ``connects``, ``resent`` (requests sent again on a
+    new session), ``gen_mismatch`` (copies given up because their slot was reused), ``refused``
+    (requests the service refused, e.g. a store past the tenant's byte quota: answered ``REJECTED``
+    as a store to a service that is down is, so counted apart) and ``last_refusal`` (its reason)."""
+
+    def __init__(self) -> None:
+        super().__init__(calls=0, down=0, connects=0, resent=0, gen_mismatch=0, refused=0)
+        self.last_refusal: str | None = None
+
+    def refused_by(self, e: Exception) -> None:
+        self["refused"] += 1
+        self.last_refusal = str(e)
+
+    def section(self, **more) -> dict:
+        return dict(self, last_refusal=self.last_refusal, **more)
+
+
 class _Connection:
     """One session: the socket, its frames and the attached segment."""
 
@@ -318,9 +337,7 @@ class NodeKVStore:
         self._rids = itertools.count(1)
         self._closed = False
         self._pool_exec: concurrent.futures.ThreadPoolExecutor | None = None
-        self.counters = {"calls": 0, "down": 0, "connects": 0, "resent": 0, "gen_mismatch": 0, "refused": 0}
-        #: The service's reason for the last request it refused (a tenant over its quota, a bad request).
-        self.last_refusal: str | None = None
+        self.counters = _Counters()
 
     # ------------------------------------------------------------------ connection
     @property
@@ -401,9 +418,8 @@ class NodeKVStore:
             if conn is not None and self._conn is conn:
                 self._drop()
             raise
-        except _Refused as e:  # answered as a miss or REJECTED by the caller: say why here
-            self.counters["refused"] += 1
-            self.last_refusal = str(e)
+        except _Refused as e:  # answered as a miss or REJECTED by the caller: say why in stats()
+            self.counters.refused_by(e)
             raise
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -822,12 +838,8 @@ class NodeKVStore:
 
     def stats(self) -> dict:
         """The service's statistics (its store, pool and this session; on a daemon of several
-        tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client`` section
-        (``connected``, ``calls``, ``down``: calls answered as misses, ``connects``, ``resent``:
-        requests sent again on a new session, ``gen_mismatch``: copies given up because their
-        slot was reused, ``refused``: requests the service refused, e.g. a store past the tenant's
-        byte quota, answered ``REJECTED`` like a store to a service that is down, with
-        ``last_refusal``: the service's reason)."""
+        tenants the tenant's own ``usage_bytes`` and the pool's geometry only) with a ``client``
+        section (``connected``, ``url`` and :class:`_Counters`)."""
         import json
 
         out: dict = {}
@@ -837,9 +849,7 @@ class NodeKVStore:
                     out = json.loads(self._call(lambda rid: P.Stats(rid)).json)
                 except (_Down, _Refused):
                     out = {}
-            out["client"] = dict(
-                self.counters, connected=self._conn is not None, url=self.url, last_refusal=self.last_refusal
-            )
+            out["client"] = self.counters.section(connected=self._conn is not None, url=self.url)
         return out
 
     def close(self) -> None:
