@@ -184,7 +184,10 @@ def test_a_client_busy_looping_stores_is_served_within_retry_s_of_a_restarted_se
         server.close()
         core.close()
     served_after_s = min(end for end, ok in stores if end > t_up and ok) - t_up
-    assert served_after_s < retry_s + handshake_s + 0.8, (served_after_s, attempts)
+    assert served_after_s < retry_s + handshake_s + 1.5, (
+        served_after_s,
+        attempts,
+    )  # slack for a loaded CI host
     assert c.counters["connects"] == 2 and sum(1 for _, ok in stores if not ok) > 10  # it kept calling
     failed = [s for s, ok in attempts if not ok and s > t_down]
     assert failed and all(b - a >= retry_s for a, b in itertools.pairwise(failed)), attempts
