@@ -5,6 +5,8 @@ and is sent again on a new one, except a store's commit."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 import uuid
 
@@ -12,6 +14,7 @@ import torch
 
 from tierstore.errors import Status
 from tierstore.layout import KVLayout
+from tierstore.node import client as client_mod
 from tierstore.node.client import NodeKVStore
 from tierstore.node.core import NodeCore
 from tierstore.node.server import NodeServer
@@ -119,3 +122,72 @@ def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again
         c.close()
         live["server"].close()
         live["core"].close()
+
+
+def test_a_client_busy_looping_stores_is_served_within_retry_s_of_a_restarted_service(tmp_path, monkeypatch):
+    """Session 33's trial: a client storing as fast as it can while the service is stopped and
+    started again (a slow handshake: the mapping's prefault takes 0.2 s, as under load) stores
+    ``OK`` again within ``retry_s`` plus one handshake of the new service listening; while the
+    service is down it tries to connect at most once per ``retry_s`` (not on every call)."""
+    retry_s, handshake_s, down_s = 0.3, 0.2, 0.5
+    attempts: list[tuple[float, bool]] = []  # (start, connected)
+    prefault = client_mod.Segment.prefault
+
+    def slow_prefault(seg, *a, **kw):
+        time.sleep(handshake_s)
+        return prefault(seg, *a, **kw)
+
+    class Counted(client_mod._Connection):
+        def __init__(self, *a, **kw) -> None:
+            attempts.append((time.monotonic(), False))
+            super().__init__(*a, **kw)
+            attempts[-1] = (attempts[-1][0], True)
+
+    monkeypatch.setattr(client_mod.Segment, "prefault", slow_prefault)
+    monkeypatch.setattr(client_mod, "_Connection", Counted)
+    sock = str(tmp_path / "n.sock")
+    host = {"tiers": {"host": {"capacity_bytes": "64KiB"}}}
+    core = NodeCore(f"r{uuid.uuid4().hex[:8]}", host, LAYOUT)
+    server = NodeServer(core, NodeConfig(socket=sock)).start()
+    c = NodeKVStore(f"unix://{sock}", LAYOUT, timeout_s=2.0, retry_s=retry_s)
+    stores: list[tuple[float, bool]] = []  # (end, all OK)
+    stop = threading.Event()
+
+    def loop() -> None:
+        i = 0
+        while not stop.is_set():
+            st = c.store(NS, list(range(i * 32, i * 32 + 32)), _data(2))
+            stores.append((time.monotonic(), st == [Status.OK] * 2))
+            i += 1
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        t_end = time.monotonic() + 10
+        while not any(ok for _, ok in stores):
+            assert time.monotonic() < t_end and t.is_alive()
+            time.sleep(0.01)
+        server.close()
+        core.close()
+        t_down = time.monotonic()
+        time.sleep(down_s)
+        core = NodeCore(f"r{uuid.uuid4().hex[:8]}", host, LAYOUT)
+        server = NodeServer(core, NodeConfig(socket=sock)).start()
+        t_up = time.monotonic()  # listening
+        while not any(ok for end, ok in stores if end > t_up):
+            assert time.monotonic() - t_up < 5, f"not served 5 s after the restart; attempts {attempts}"
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        t.join()
+        c.close()
+        server.close()
+        core.close()
+    served_after_s = min(end for end, ok in stores if end > t_up and ok) - t_up
+    assert served_after_s < retry_s + handshake_s + 1.5, (
+        served_after_s,
+        attempts,
+    )  # slack for a loaded CI host
+    assert c.counters["connects"] == 2 and sum(1 for _, ok in stores if not ok) > 10  # it kept calling
+    failed = [s for s, ok in attempts if not ok and s > t_down]
+    assert failed and all(b - a >= retry_s for a, b in itertools.pairwise(failed)), attempts
