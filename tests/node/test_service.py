@@ -641,3 +641,21 @@ def test_a_lease_or_wait_that_is_not_finite_is_refused_before_any_call():
                 NodeKVStore("unix:///tmp/x.sock", LAYOUT, retry_s=bad if bad != 0 else -1)
     finally:
         c.close()
+
+
+def test_a_client_that_leaves_during_its_handshake_is_no_internal_error(service, monkeypatch, caplog):
+    core, _server, url = service
+    send = P.FrameSocket.send
+
+    def gone_before_the_welcome(self, msg, *a, **kw):
+        if isinstance(msg, P.Welcome):
+            raise BrokenPipeError(32, "Broken pipe")  # what send(2) says once the client has closed
+        return send(self, msg, *a, **kw)
+
+    monkeypatch.setattr(P.FrameSocket, "send", gone_before_the_welcome)
+    with caplog.at_level("INFO", logger="tierstore.node.server"):
+        with NodeKVStore(url, LAYOUT, timeout_s=0.5) as c:
+            assert c.lookup(NS, _tokens(0, 1)).matched_blocks == 0  # a miss: no session
+    assert core.index.metrics.counters["node_internal_errors"] == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert any("left during its handshake" in r.getMessage() for r in caplog.records)

@@ -429,18 +429,16 @@ class NodeServer:
             max_keys=self.cfg.max_keys,
         )
         assert core.segment.fd is not None
-        s.frames.send(w, fds=[core.segment.fd])
+        try:
+            s.frames.send(w, fds=[core.segment.fd])
+        except OSError as e:  # the client gave up during its handshake: the session ends, no error
+            _log.info("node session %d (pid %d): left during its handshake (%s)", s.sid, s.pid, e)
+            return None  # the next recv finds the peer gone
         s.welcomed = True
         if self.metrics is not None:
             self.metrics.sessions_opened.labels(s.tenant).inc()
-        _log.info(
-            "node session %d: pid %d uid %d attached (tenant %r; %s)",
-            s.sid,
-            s.pid,
-            s.uid,
-            s.tenant,
-            m.client[:200],
-        )
+        who = (s.sid, s.pid, s.uid, s.tenant, m.client[:200])
+        _log.info("node session %d: pid %d uid %d attached (tenant %r; %s)", *who)
         return None
 
     # ------------------------------------------------------------------ requests
