@@ -5,6 +5,7 @@ bytes, so it is not refused; the quota still refuses new bytes past it."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -69,5 +70,21 @@ def test_a_client_re_pinning_through_the_socket_is_charged_once(tmp_path):
         with NodeServer(core, NodeConfig(socket=str(tmp_path / "q.sock"))) as server:
             with NodeKVStore("unix://" + server.path, LAYOUT, timeout_s=5) as c:
                 _overlapping_pins_and_a_renewal(c)
+    finally:
+        core.close()
+
+
+def test_a_sessions_stats_count_only_its_live_leases(tmp_path):
+    core = NodeCore(f"q{uuid.uuid4().hex[:8]}", {"tiers": {"host": {"capacity_bytes": 8 * BB}}}, LAYOUT)
+    try:
+        with NodeServer(core, NodeConfig(socket=str(tmp_path / "q.sock"))) as server:
+            with NodeKVStore("unix://" + server.path, LAYOUT, timeout_s=5) as c:
+                assert c.store(NS, TOKS, torch.zeros(3, BB, dtype=torch.uint8)) == [Status.OK] * 3
+                short = c.pin(NS, TOKS[:16], lease_s=0.2)
+                c.pin(NS, TOKS, lease_s=60)
+                assert c.stats()["session"]["leases"] == 2
+                time.sleep(0.3)  # the short lease ends by itself
+                assert c.stats()["session"]["leases"] == 1  # as the store's own count says
+                assert c.unpin(short) is False
     finally:
         core.close()

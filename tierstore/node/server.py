@@ -659,6 +659,7 @@ class NodeServer:
         return self._notices(s, P.Count(m.rid, n=n))
 
     def _stats(self, s: _Session, m: P.Stats):
+        s.leases.intersection_update(self.core.store.leases())  # leases the expiry ended are not held
         session = {
             "id": s.sid,
             "pid": s.pid,
