@@ -89,6 +89,7 @@ class OpenCalls:
         return True
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Transfers:
     """Runs the store's plans: prepare (index) → move (movers) → complete (index).
 
@@ -104,22 +105,19 @@ class Transfers:
         The NVMe tier, ``None`` without one.
     layout : KVLayout
         The store's layout.
+
+    Attributes
+    ----------
+    calls : OpenCalls
+        The store's open/closed state and its calls in progress (made here).
     """
 
-    def __init__(
-        self,
-        index: BlockIndex,
-        movers: Movers,
-        planner: RemotePlanner | None,
-        storage: BlockStorage | None,
-        layout: KVLayout,
-    ) -> None:
-        self.index = index
-        self.movers = movers
-        self.planner = planner
-        self.storage = storage
-        self.layout = layout
-        self.calls = OpenCalls()
+    index: BlockIndex
+    movers: Movers
+    planner: RemotePlanner | None
+    storage: BlockStorage | None
+    layout: KVLayout
+    calls: OpenCalls = dataclasses.field(default_factory=OpenCalls, init=False)
 
     def submit(self, kind: str, fn: Callable[[], _R]) -> Future[_R]:
         """Run ``fn`` on the movers' ``kind`` queue (``"load"`` or ``"store"``)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import ctypes
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,26 +41,29 @@ TRANSFER_FAIL = -800  #: the transfer to/from a segment failed (its owner died)
 RPC_FAIL = -900  #: the master is unreachable
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class RegisteredRegion:
     """Memory registered with the tier for zero-copy loads (see ``MooncakeTier.register_memory``).
 
     Attributes
     ----------
+    tensor : torch.Tensor
+        The registered memory, as the owner passed it.
+    on_hold, on_release : callable
+        The owner's ``f(offset, nbytes)`` callbacks (``RemoteBlockTier.register_memory``).
     base_ptr, nbytes : int
-        Address and size of the region.
+        Address and size of the region (set from ``tensor``).
     """
 
-    def __init__(
-        self,
-        tensor: torch.Tensor,
-        on_hold: Callable[[int, int], None],
-        on_release: Callable[[int, int], None],
-    ) -> None:
-        self.tensor = tensor
-        self.base_ptr = tensor.data_ptr()
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.on_hold = on_hold
-        self.on_release = on_release
+    tensor: torch.Tensor
+    on_hold: Callable[[int, int], None]
+    on_release: Callable[[int, int], None]
+    base_ptr: int = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.base_ptr = self.tensor.data_ptr()
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
     def holds(self, ptr: int, n: int) -> bool:
         """Whether ``[ptr, ptr + n)`` lies inside the region."""

@@ -155,7 +155,7 @@ class BlockStorage(abc.ABC):
         Parameters
         ----------
         keys : sequence of bytes
-            32-byte block hashes.
+            As :meth:`put_fragments`.
         dest_fragments_per_block : sequence
             Per block, writable tensors whose byte sizes sum to ``block_bytes``, or a destination
             :class:`~tierstore.io.pages.FragmentPlan`.
