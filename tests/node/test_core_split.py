@@ -480,3 +480,30 @@ def test_a_store_completed_without_waiting_runs_its_second_half_on_the_queue(nod
     assert res.statuses == [Status.OK, Status.OK]
     assert node.svc.complete_store(t.plan_id, [0, 0], rank=1, wait=False).result(10) == res
     node.quiet()
+
+
+def test_a_ticket_whose_queue_refuses_is_given_up_and_the_refusal_raised(node, monkeypatch):
+    """The movers' queue refuses a ticket's first half (the store is closing): its plan is aborted,
+    the ticket finished (nothing stored, nothing held, every staging slot free) and the refusal
+    raised, for a store (victims to write) and a load (blocks to stage) alike."""
+    keys, data = node.blocks(HOST)
+    node.store(keys, data)
+    assert node.tr.evict(Tier.HOST, 2) == 2  # two blocks on NVMe only: a load stages them
+    on_nvme = [k for k in keys if node.index.tiers_of(k) == [Tier.NVME]]
+    node.store(*node.blocks(2))  # the host tier full again: a new store has victims to write
+
+    def refuse(kind, fn):
+        raise RuntimeError(f"{kind} queue closed")
+
+    monkeypatch.setattr(node.tr, "submit", refuse)
+    new_keys, _ = node.blocks(1)
+    with pytest.raises(RuntimeError, match="store queue closed"):
+        node.svc.prepare_store(NS, new_keys, ranks=1)
+    assert node.index.probe(new_keys) == 0
+    with pytest.raises(RuntimeError, match="load queue closed"):
+        node.svc.prepare_load(on_nvme, ranks=1)
+    assert node.index.tiers_of(on_nvme[0]) == [Tier.NVME]
+    monkeypatch.undo()
+    st, out = node.load(on_nvme)
+    assert st == [Status.OK] * 2 and all(torch.equal(o, data[keys.index(k)]) for o, k in zip(out, on_nvme))
+    node.quiet()

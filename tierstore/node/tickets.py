@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -148,6 +149,11 @@ class Ticket:
     nvme_s: float | None = None
 
 
+def _all_missed(t: Ticket) -> list[Status]:
+    """The outcome of a load ticket given up before its first half ran: every key a miss."""
+    return [Status.MISS] * len(t.keys)
+
+
 class PlanService:
     """Tickets over a store whose host tier is a shared segment's host slots.
 
@@ -226,13 +232,15 @@ class PlanService:
         plan,
         statuses: list[Status],
         slots: np.ndarray,
-        gens: np.ndarray,
+        gens_of: Callable[[np.ndarray], np.ndarray],
         ranks: int,
         staged: dict[int, int],
         on_ready: Callable[[Ready], None] | None,
     ) -> Ticket:
         """Register a ``kind`` (``"store"`` or ``"load"``) ticket of ``plan``, leased for ``lease_s``
-        from now, and count it in ``tickets_<kind>``."""
+        from now, with its slots' generations (:meth:`_slot_gens` by ``gens_of``), and count it in
+        ``tickets_<kind>``."""
+        gens = self._slot_gens(slots, gens_of)
         t = self._register(
             Ticket(
                 0,
@@ -249,6 +257,29 @@ class PlanService:
             )
         )
         self.index.metrics.inc("tickets_" + kind)
+        return t
+
+    def _start(
+        self,
+        t: Ticket,
+        at_hand: bool,
+        prelude: Callable[[Ticket, bool], None],
+        abort: Callable[[Any], None],
+        given_up: Callable[[Ticket], object],
+    ) -> Ticket:
+        """Run a new ticket's first half: ``prelude(t, False)`` in this thread when ``at_hand``, else
+        ``prelude(t, True)`` on the movers' ``t.kind`` queue. A queue that refuses (the store is
+        closing) gives the plan up (``abort(t.plan)``: nothing was moved), finishes the ticket with
+        ``given_up(t)`` and raises what the queue raised."""
+        if at_hand:
+            prelude(t, False)
+            return t
+        try:
+            self.transfers.submit(t.kind, lambda: prelude(t, True))
+        except BaseException:
+            abort(t.plan)
+            self._finish(t, given_up(t))
+            raise
         return t
 
     @staticmethod
@@ -315,26 +346,9 @@ class PlanService:
             slots[i] = s
         if cut is not None:
             self.index.metrics.inc("staging_full", sum(1 for i in need if i not in staged))
-        t = self._open(
-            "store",
-            plan,
-            statuses,
-            slots,
-            self._slot_gens(slots, self.segment.bump_gens),
-            ranks,
-            staged,
-            on_ready,
-        )
-        if not plan.nvme_demote or wait:
-            self._store_prelude(t, announce=False)
-            return t
-        try:
-            self.transfers.submit("store", lambda: self._store_prelude(t, announce=True))
-        except BaseException:  # the store is closing: the plan is given up, nothing was moved
-            self.index.abort_store(plan)
-            self._finish(t, self._not_kept(t))
-            raise
-        return t
+        t = self._open("store", plan, statuses, slots, self.segment.bump_gens, ranks, staged, on_ready)
+        at_hand = not plan.nvme_demote or wait
+        return self._start(t, at_hand, self._store_prelude, self.index.abort_store, self._not_kept)
 
     @staticmethod
     def _not_kept(t: Ticket) -> StoreResult:
@@ -444,26 +458,8 @@ class PlanService:
             slots[i], statuses[i] = s, Status.OK
         if got:
             self.segment.bump_gens(got)
-        t = self._open(
-            "load",
-            plan,
-            statuses,
-            slots,
-            self._slot_gens(slots, self.segment.gens_of),
-            ranks,
-            staged,
-            on_ready,
-        )
-        if not staged or wait:
-            self._load_prelude(t, announce=False)
-            return t
-        try:
-            self.transfers.submit("load", lambda: self._load_prelude(t, announce=True))
-        except BaseException:  # the store is closing: the plan is given up
-            self.index.abort_load(plan)
-            self._finish(t, [Status.MISS] * n)
-            raise
-        return t
+        t = self._open("load", plan, statuses, slots, self.segment.gens_of, ranks, staged, on_ready)
+        return self._start(t, not staged or wait, self._load_prelude, self.index.abort_load, _all_missed)
 
     def _load_prelude(self, t: Ticket, announce: bool) -> None:
         if t.staged:
