@@ -96,7 +96,7 @@ class Transfers:
     Parameters
     ----------
     index : BlockIndex
-        Decides and records (under its lock).
+        Decides the plans and records their outcomes (under its lock).
     movers : Movers
         Move bytes (no lock held); their ``load`` and ``store`` queues run ``wait=False`` calls.
     planner : RemotePlanner or None

@@ -41,9 +41,9 @@ class SecondSightingAdmission:
     Parameters
     ----------
     min_hits : int
-        Hits in memory that admit a block at once.
+        Hits in memory that admit a block at once (>= 1).
     ghost_keys : int
-        Rejected keys remembered (FIFO); bounds memory to ``32 * ghost_keys`` bytes.
+        Rejected keys remembered (FIFO, >= 1); bounds memory to ``32 * ghost_keys`` bytes.
 
     Attributes
     ----------

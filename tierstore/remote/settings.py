@@ -104,7 +104,7 @@ class MooncakeTuning:
     Parameters
     ----------
     call_threads : int
-        Threads that run Mooncake calls (a hung call holds one).
+        Threads that run the Mooncake calls a caller waits for (a hung call holds one).
     publish_threads : int
         Publish calls in flight at once.
     header_slots : int
