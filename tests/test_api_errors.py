@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstore import KVStore, Namespace
+from tierstore import KVStore, Namespace, Status
 from tierstore.errors import ConfigError
 from tierstore.layout import KVLayout
 
@@ -80,5 +80,25 @@ def test_kv_blocks_that_are_not_blocks_get_a_layout_error(blocks):
     try:
         with pytest.raises(LayoutError, match="kv_blocks: expected"):
             s.store(Namespace(model="m", tokenizer="t"), list(range(lay.tokens_per_block)), blocks)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("first_position", [-1, 2**31 - 1, 2**63, 10**30])
+def test_a_chain_position_out_of_range_is_a_layout_error_and_stores_nothing(first_position):
+    """``store_keys(first_position=2**63)`` raised a bare OverflowError from numpy, and
+    ``first_position=-1`` or one past the index's int32 positions was stored (wrapped) silently:
+    fresh-user trial 4a; the HTTP daemon answered 500 for the same manifest."""
+    from tierstore.errors import LayoutError
+
+    s = KVStore(LAY, host_bytes=1 << 20)
+    try:
+        ns = Namespace(model="m")
+        keys = [bytes([i]) * 32 for i in range(1, 3)]
+        kv = torch.ones((2,) + tuple(LAY.block_shape))
+        with pytest.raises(LayoutError, match="first_position"):
+            s.store_keys(ns, keys, list(kv), first_position=first_position)
+        assert s.stats()["blocks"] == 0 and s.exists(keys) == 0
+        assert s.store_keys(ns, keys, list(kv), first_position=2**31 - 3) == [Status.OK] * 2
     finally:
         s.close()

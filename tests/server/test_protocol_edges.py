@@ -206,3 +206,13 @@ def test_overlapping_load_destinations_are_refused_before_any_request(daemon):
         raw = torch.empty(2 * c.block_bytes - 1, dtype=torch.uint8)
         with pytest.raises(LayoutError, match="overlap"):
             c.load(keys, dests=[raw[: c.block_bytes], raw[c.block_bytes - 1 :]])
+
+
+@pytest.mark.parametrize("first_position", [10**30, 2**31])
+def test_a_chain_position_past_int32_in_a_put_manifest_is_a_400(daemon, first_position):
+    """``"first_position": 10**30`` answered 500 (numpy's OverflowError in the index): trial 4a."""
+    man = json.dumps({"namespace": NS, "keys": [KEY], "first_position": first_position}).encode()
+    body = PREFIX.pack(len(man)) + man + bytes(8192)
+    status, _, raw = _raw(daemon, "PUT", "/v1/blocks", body, {**AUTH, "Content-Type": BLOCKS_CONTENT_TYPE})
+    assert status == 400, raw[:300]
+    assert "first_position" in json.loads(raw)["error"]["message"]

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
-from ..errors import ConfigError, InvariantError, Status
+from ..errors import ConfigError, InvariantError, LayoutError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
@@ -379,6 +379,18 @@ class BlockIndex:
             return self.lookups.lookup(keys, tokens, request_id, num_prompt_tokens, now)
 
     # ================================================================ store
+    def _check_positions(self, first_position: int, n: int) -> None:
+        """Refuse chain positions the rows cannot hold (:class:`LayoutError`): ``first_position``
+        must be an int >= 0 with ``first_position + n - 1`` within the ``pos`` row's dtype (int32)."""
+        top = int(np.iinfo(self.rows.pos.dtype).max)
+        if isinstance(first_position, bool) or not isinstance(first_position, (int, np.integer)):
+            raise LayoutError(f"first_position={first_position!r}: must be an int (a block's chain position)")
+        if not 0 <= first_position <= top - max(n - 1, 0):
+            raise LayoutError(
+                f"first_position={first_position}: the chain positions of {n} blocks must lie in "
+                f"[0, {top}] (the index keeps a block's position as {self.rows.pos.dtype})"
+            )
+
     def prepare_store(
         self,
         ns: bytes,
@@ -408,11 +420,17 @@ class BlockIndex:
             Keys already stored or in flight are ``EXISTS``; a block that fits
             nowhere is ``NO_SPACE``, and so is every later block of the chain
             (they would be unreachable).
+
+        Raises
+        ------
+        LayoutError
+            ``first_position`` is not an int, is negative, or puts a block past int32's range.
         """
+        n = len(keys)
+        self._check_positions(first_position, n)
         hint = class_from_hint(lifetime)
         hint_i = NO_HINT if hint is None else int(hint)
         now = self._now()
-        n = len(keys)
         plan = StorePlan(list(keys), [None] * n, [-1] * n, ns=ns)
         with self._lock:
             if ns in self._invalidating:  # its durable record is being written: nothing new now
