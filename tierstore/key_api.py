@@ -23,7 +23,7 @@ from .errors import ConfigError, Status
 from .identity import DigestCache, Namespace
 from .io.inputs import check_keys, plan_destinations, plan_fragment_destinations
 from .layout import KVLayout
-from .store_calls import StoreCalls
+from .store_calls import KeyLookup, StoreCalls
 from .transfers import Transfers
 
 __all__ = ["KeyAPI", "open_call"]
@@ -47,7 +47,7 @@ def open_call(fn):
     return call
 
 
-class KeyAPI(StoreCalls):
+class KeyAPI(StoreCalls, KeyLookup):
     """The key-level half of :class:`~tierstore.api.KVStore`: the calls that move or drop blocks
     by their 32-byte keys (module doc). :class:`~tierstore.api.KVStore` adds the token-level calls,
     its construction and ``close``; the state used here is the store's (set by ``KVStore._init``).
@@ -69,32 +69,12 @@ class KeyAPI(StoreCalls):
     store_keys = open_call(StoreCalls.store_keys)
 
     # -------------------------------------------------------------- lookup
-    @open_call
-    def lookup_keys(
-        self,
-        keys: Sequence[bytes],
-        request_id: object = None,
-        *,
-        num_prompt_tokens: int | None = None,
-        ns: Namespace | bytes | None = None,
+    lookup_keys = open_call(KeyLookup.lookup_keys)
+
+    def _lookup_checked(
+        self, keys: list[bytes], request_id: object, num_prompt_tokens: int | None, d: bytes | None
     ) -> LookupResult:
-        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
-        ``num_prompt_tokens`` feeds the partial-tail metric.
-
-        ``ns``, the namespace the keys belong to, matters only with a shared
-        remote tier: blocks found there are then kept locally when loaded (a
-        cache fill, indexed under ``ns``); without it they are loaded into the
-        destinations only.
-
-        Raises
-        ------
-        LayoutError
-            For a key that is not 32 bytes.
-        """
-        keys = check_keys(keys)
-        return self._transfers.lookup(
-            keys, None, request_id, num_prompt_tokens, None if ns is None else self.digest(ns)
-        )
+        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens, d)
 
     # -------------------------------------------------------------- load
     @open_call

@@ -1,14 +1,15 @@
-"""The store calls once: :class:`StoreCalls`, ``store``, ``store_fragments`` and ``store_keys``.
+"""The calls every store states alike, once: :class:`StoreCalls` and :class:`KeyLookup`.
 
 :class:`~tierstore.api.KVStore`, :class:`tierstore.client.RemoteKVStore` and
 :class:`tierstore.node.client.NodeKVStore` store the same way: the same signatures (the
 parity tests compare them), the same documentation and the same input checks, before anything
-is stored (a bad input raises :class:`~tierstore.errors.LayoutError` and stores nothing). This
-class states them once; each store implements only :meth:`StoreCalls._store_checked`, which
-stores checked blocks under checked keys its own way (the embedded store's transfers, the
-daemon's requests, the node service's tickets), and may replace how keys, blocks and fragments
-are checked (the daemon client sends raw bytes: it gathers fragments itself).
-"""
+is stored (a bad input raises :class:`~tierstore.errors.LayoutError` and stores nothing).
+:class:`StoreCalls` states ``store``, ``store_fragments`` and ``store_keys`` once; each store
+implements only :meth:`StoreCalls._store_checked`, which stores checked blocks under checked
+keys its own way (the embedded store's transfers, the daemon's requests, the node service's
+tickets), and may replace how keys, blocks and fragments are checked (the daemon client sends
+raw bytes: it gathers fragments itself). :class:`KeyLookup` does the same for ``lookup_keys``
+of the embedded store and the node client (the daemon client's takes other options)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .contract import LookupResult
 from .errors import LayoutError, Status
 from .identity import Namespace
 from .io.inputs import check_keys, check_start_block, plan_block, plan_sources, refuse_numpy
 from .layout import KVLayout
 
-__all__ = ["CheckedStore", "StoreCalls"]
+__all__ = ["CheckedStore", "KeyLookup", "StoreCalls"]
 
 
 class CheckedStore(NamedTuple):
@@ -227,4 +229,48 @@ class StoreCalls:
 
     def _store_checked(self, call: CheckedStore) -> list[Status] | Future:
         """Store ``call.sources`` under ``call.keys``, its own way; ``call.wait=False``: a Future."""
+        raise NotImplementedError
+
+
+class KeyLookup:
+    """``lookup_keys`` of :class:`~tierstore.api.KVStore` and
+    :class:`~tierstore.node.client.NodeKVStore` (the daemon client's takes other options).
+
+    A subclass implements ``digest`` and :meth:`_lookup_checked`.
+    """
+
+    def digest(self, ns: Namespace | bytes) -> bytes:
+        """The namespace's 32-byte digest, scoped to the layout."""
+        raise NotImplementedError
+
+    def lookup_keys(
+        self,
+        keys: Sequence[bytes],
+        request_id: object = None,
+        *,
+        num_prompt_tokens: int | None = None,
+        ns: Namespace | bytes | None = None,
+    ) -> LookupResult:
+        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
+        ``num_prompt_tokens`` feeds the partial-tail metric.
+
+        ``ns``, the namespace the keys belong to, matters only with a shared
+        remote tier: blocks found there are then kept locally when loaded (a
+        cache fill, indexed under ``ns``); without it they are loaded into the
+        destinations only.
+
+        Raises
+        ------
+        LayoutError
+            For a key that is not 32 bytes.
+        """
+        keys = check_keys(keys)
+        return self._lookup_checked(
+            keys, request_id, num_prompt_tokens, None if ns is None else self.digest(ns)
+        )
+
+    def _lookup_checked(
+        self, keys: list[bytes], request_id: object, num_prompt_tokens: int | None, d: bytes | None
+    ) -> LookupResult:
+        """Look ``keys`` (checked) up, ``d``: the namespace's digest or ``None``."""
         raise NotImplementedError
