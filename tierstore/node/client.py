@@ -47,7 +47,7 @@ from ..identity import DigestCache, Namespace, block_hashes
 from ..io.copies import shared_copier
 from ..io.inputs import check_keys, plan_destinations, plan_fragment_destinations
 from ..layout import KVLayout
-from ..store_calls import CheckedStore, StoreCalls
+from ..store_calls import CheckedStore, KeyLookup, StoreCalls
 from ..units import MAX_DURATION_S, check_duration_s
 from . import protocol as P
 from .segment import Segment, SegmentError
@@ -267,7 +267,7 @@ class _Connection:
             self.segment.close()
 
 
-class NodeKVStore(StoreCalls):
+class NodeKVStore(StoreCalls, KeyLookup):
     """:class:`~tierstore.api.KVStore`'s calls served by the node service (see the module docstring).
 
     Parameters
@@ -542,20 +542,13 @@ class NodeKVStore(StoreCalls):
     def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> LookupResult:
         """Longest cached prefix of ``token_ids`` (as :meth:`KVStore.lookup`); nothing matched
         while the service is down."""
-        return self._lookup(self.keys_for(ns, token_ids), request_id, self.digest(ns))
+        return self._lookup_checked(self.keys_for(ns, token_ids), request_id, None, self.digest(ns))
 
-    def lookup_keys(
-        self,
-        keys: Sequence[bytes],
-        request_id: object = None,
-        *,
-        num_prompt_tokens: int | None = None,
-        ns: Namespace | bytes | None = None,
+    def _lookup_checked(
+        self, keys: list[bytes], request_id: object, num_prompt_tokens: int | None, ns: bytes | None
     ) -> LookupResult:
-        """Longest cached prefix of ``keys`` (as :meth:`KVStore.lookup_keys`)."""
-        return self._lookup(check_keys(keys), request_id, None if ns is None else self.digest(ns))
-
-    def _lookup(self, keys: list[bytes], request_id: object, ns: bytes | None) -> LookupResult:
+        """A ``Lookup`` of ``keys`` (:meth:`KeyLookup._lookup_checked`; the service counts no
+        partial tails: ``num_prompt_tokens`` is not sent)."""
         tpb = self.layout.tokens_per_block
         miss = LookupResult([], [], [], 0, len(keys), tpb, request_id)
         if not keys:
