@@ -30,6 +30,7 @@ LAYER = {
     "metrics": 4,
     "api": 5,
     "key_api": 5,
+    "store_calls": 5,
     "build": 5,
     "config": 5,
     "devices": 5,

@@ -33,17 +33,17 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from .build import StoreParts, assemble_config, assemble_options, remote_planner
 from .config import StoreConfig
 from .contract import Lease, LookupResult, Tier
-from .errors import LayoutError, Status
+from .errors import Status
 from .identity import DigestCache, Namespace, block_hashes
-from .io.inputs import check_keys, check_start_block, plan_block, plan_sources, refuse_numpy, token_blocks
+from .io.inputs import check_keys, token_blocks
 from .key_api import KeyAPI
 from .key_api import open_call as _open_call
 from .layout import KVLayout
+from .store_calls import CheckedStore, StoreCalls
 from .transfers import Transfers
 
 
@@ -69,6 +69,7 @@ class KVStoreProtocol(Protocol):
     def request(self) -> contextlib.AbstractContextManager: ...
     def release(self, request_id: object) -> int: ...
     def cancel(self, request_id: object) -> int: ...
+
     def store(
         self,
         ns,
@@ -259,109 +260,16 @@ class KVStore(KeyAPI):
         return self._index.cancel(request_id)
 
     # -------------------------------------------------------------- store
-    @_open_call
-    def store(
-        self,
-        ns: Namespace | bytes,
-        token_ids: Sequence[int] | np.ndarray,
-        kv_blocks: torch.Tensor | Sequence[torch.Tensor],
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ) -> list[Status] | Future:
-        """Store KV of the full blocks of a prompt.
+    store = _open_call(StoreCalls.store)
+    store_fragments = _open_call(StoreCalls.store_fragments)
 
-        Parameters
-        ----------
-        ns : Namespace or bytes
-            Identity (or its 32-byte digest).
-        token_ids : sequence of int
-            The prompt's token ids, shape ``(num_tokens,)``.
-        kv_blocks : torch.Tensor or sequence of torch.Tensor
-            KV of blocks ``start_block, start_block + 1, ...``: either a tensor of
-            shape ``(n, *layout.block_shape)`` and dtype ``layout.dtype``, or a
-            list of typed blocks / raw ``uint8`` blocks of ``bytes_per_block``.
-        start_block : int
-            Index of the first block given (blocks before it are already stored).
-        lifetime : str, optional
-            Engine hint for placement: ``"system"``, ``"conversation"``, ``"query"``.
-        wait : bool
-            ``False`` returns a Future of the statuses (see :meth:`store_keys`).
-
-        Returns
-        -------
-        list of Status
-            ``OK``, ``EXISTS`` or ``NO_SPACE`` per block given.
-
-        Raises
-        ------
-        LayoutError
-            On a shape/dtype mismatch or more blocks than full blocks in the
-            prompt (nothing is stored then).
-        """
-        check_start_block(start_block)
-        keys = self.keys_for(ns, token_ids)
-        sources = plan_sources(kv_blocks, self.layout)
-        return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
-
-    @_open_call
-    def store_fragments(
-        self,
-        ns: Namespace | bytes,
-        token_ids,
-        fragments_per_block: Sequence[Sequence[torch.Tensor]],
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ) -> list[Status] | Future:
-        """Store blocks given as engine fragments.
-
-        Parameters
-        ----------
-        fragments_per_block : sequence
-            Per block, either its fragments in the layout's order
-            (``layout.num_fragments`` tensors, each ``layout.fragment_bytes``,
-            any dtype, CPU or CUDA), or a :class:`~tierstore.io.pages.FragmentPlan`
-            from :meth:`KVPagePool.plans(block_ids) <tierstore.io.pages.KVPagePool.plans>`,
-            which skips the per-fragment check. Each block is gathered straight
-            into its tier slot or the NVMe staging extent (one copy).
-        wait : bool
-            ``False`` returns a :class:`concurrent.futures.Future` of the
-            statuses; the fragments must stay untouched until it resolves.
-
-        Other parameters and the return value are those of :meth:`store`.
-
-        Raises
-        ------
-        LayoutError
-            A wrong fragment count or size (the message names the fragment).
-        """
-        check_start_block(start_block)
-        refuse_numpy(fragments_per_block, "fragments_per_block")
-        keys = self.keys_for(ns, token_ids)
-        plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
-        return self._store_prompt(ns, token_ids, keys, plans, start_block, lifetime, wait)
-
-    def _store_prompt(
-        self, ns, token_ids, keys: list[bytes], sources, start_block: int, lifetime, wait: bool
-    ):
-        """Store ``sources`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
-        if start_block + len(sources) > len(keys):
-            raise LayoutError(
-                f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                f"{len(keys)} full blocks (partial tails are never stored)"
-            )
-        end = start_block + len(sources)
-        toks = (
-            token_blocks(token_ids, len(keys), self.layout)[start_block:end]
-            if self._index.settings.verify_tokens
-            else None
-        )
-        return self._transfers.store(
-            self.digest(ns), keys[start_block:end], sources, lifetime, start_block, toks, wait
-        )
+    def _store_checked(self, call: CheckedStore) -> list[Status] | Future:
+        """Store through :class:`~tierstore.transfers.Transfers`, with the prompt's tokens of
+        these blocks when ``verify_tokens`` is on (:meth:`StoreCalls._store_checked`)."""
+        first, toks = call.first_position, None
+        if call.token_ids is not None and self._index.settings.verify_tokens:
+            toks = token_blocks(call.token_ids, first + len(call.keys), self.layout)[first:]
+        return self._transfers.store(call.ns, call.keys, call.sources, call.lifetime, first, toks, call.wait)
 
     # -------------------------------------------------------------- lookup
     @_open_call

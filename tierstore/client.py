@@ -47,6 +47,7 @@ from .io.inputs import destination_bytes, plan_block, plan_fragment_destinations
 from .io.pages import FragmentPlan, check_distinct_destinations
 from .layout import KVLayout
 from .server.protocol import keys_to_hex
+from .store_calls import CheckedStore, StoreCalls
 from .units import check_duration_s
 
 #: :class:`~tierstore.api.KVStore`'s public methods and properties this client does not offer, by
@@ -140,7 +141,7 @@ class _ConnectionSetting:
         setattr(client._wire, self.name, value)
 
 
-class RemoteKVStore(Closing):
+class RemoteKVStore(Closing, StoreCalls):
     """The daemon's KV-block API with :class:`~tierstore.api.KVStore`'s method names.
 
     Parameters
@@ -242,7 +243,8 @@ class RemoteKVStore(Closing):
         return 0
 
     # ------------------------------------------------------------------ store
-    def _raw_blocks(self, kv_blocks) -> list[torch.Tensor]:
+    def _sources(self, kv_blocks) -> list[torch.Tensor]:
+        """Each block as its ``block_bytes`` raw bytes, the request body (fragments gathered)."""
         if (
             isinstance(kv_blocks, torch.Tensor)
             and kv_blocks.dim() > 1
@@ -270,6 +272,13 @@ class RemoteKVStore(Closing):
         plan.gather(blk, 0)
         return blk
 
+    def _fragment_sources(self, fragments_per_block) -> list[torch.Tensor]:
+        """Each block's fragments gathered into one ``block_bytes`` buffer, the request body."""
+        return [self._gather(f) for f in fragments_per_block]
+
+    def _checked_keys(self, keys) -> list[bytes]:
+        return _check_keys(keys)
+
     def _batches(self, n: int) -> list[tuple[int, int]]:
         per = max(
             1,
@@ -280,40 +289,24 @@ class RemoteKVStore(Closing):
         )
         return [(i, min(n, i + per)) for i in range(0, n, per)]
 
-    def store_keys(
-        self,
-        ns: Namespace | bytes,
-        keys: Sequence[bytes],
-        blocks,
-        *,
-        lifetime: str | None = None,
-        first_position: int = 0,
-        wait: bool = True,
-    ) -> list[Status] | concurrent.futures.Future:
-        """Store blocks under explicit client keys (see :meth:`tierstore.api.KVStore.store_keys`),
-        batched into requests under the daemon's size limit.
-
-        ``blocks`` holds, per key, a typed block, a raw ``uint8`` block, a list of
-        fragments or a :class:`~tierstore.io.pages.FragmentPlan` (gathered here).
+    def _store_checked(self, call: CheckedStore) -> list[Status] | concurrent.futures.Future:
+        """Store the raw blocks ``call.sources`` in requests under the daemon's size limit
+        (:meth:`StoreCalls._store_checked`); the blocks are already copied into the request
+        bodies, so with ``wait=False`` the caller's memory may be reused at once.
 
         Raises
         ------
-        LayoutError
-            Malformed keys (token ids included) or blocks, before any request.
         QuotaExceeded
             The tenant's byte quota is exhausted (retry after invalidating).
         """
-        keys = _check_keys(keys)
-        d = self.digest(ns)
-        raw = self._raw_blocks(blocks)
-        if len(raw) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(raw)} blocks")
+
+        d, keys, raw, lifetime, first, _, wait = call
 
         async def run() -> list[Status]:
             out: list[Status] = []
             for a, b in self._batches(len(keys)):
                 out += await self._wire.put_blocks(
-                    d, keys[a:b], raw[a:b], first_position + a, lifetime, self.block_bytes
+                    d, keys[a:b], raw[a:b], first + a, lifetime, self.block_bytes
                 )
             return out
 
@@ -325,72 +318,6 @@ class RemoteKVStore(Closing):
             self._key_ns.move_to_end(k)
         while len(self._key_ns) > self._remember_max:
             self._key_ns.popitem(last=False)
-
-    def store(
-        self,
-        ns: Namespace | bytes,
-        token_ids,
-        kv_blocks,
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ) -> list[Status] | concurrent.futures.Future:
-        """Store KV of the full blocks of a prompt (see :meth:`tierstore.api.KVStore.store`);
-        ``wait=False`` returns a Future (the blocks are copied into the request body first)."""
-        keys = self.keys_for(ns, _check_token_ids(token_ids))
-        return self._store_prompt(ns, keys, self._raw_blocks(kv_blocks), start_block, lifetime, wait)
-
-    def store_fragments(
-        self,
-        ns: Namespace | bytes,
-        token_ids,
-        fragments_per_block,
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ) -> list[Status] | concurrent.futures.Future:
-        """Store blocks given as engine fragments (see :meth:`tierstore.api.KVStore.store_fragments`).
-
-        Each block's fragments (``2 * num_layers`` tensors, or a
-        :class:`~tierstore.io.pages.FragmentPlan` from ``KVPagePool.plans``) are
-        gathered into one ``block_bytes`` buffer, which is the request body; with
-        ``wait=False`` the gather is done before this returns, so the fragments may
-        be reused at once.
-
-        Raises
-        ------
-        LayoutError
-            A wrong fragment count or size, or more blocks than the prompt's full blocks.
-        """
-        keys = self.keys_for(ns, _check_token_ids(token_ids))
-        raw = [self._gather(f) for f in fragments_per_block]
-        return self._store_prompt(ns, keys, raw, start_block, lifetime, wait)
-
-    def _store_prompt(
-        self,
-        ns: Namespace | bytes,
-        keys: list[bytes],
-        raw: list[torch.Tensor],
-        start_block: int,
-        lifetime: str | None,
-        wait: bool,
-    ) -> list[Status] | concurrent.futures.Future:
-        """Store ``raw`` as the prompt's blocks ``start_block, ...`` (its ``keys``)."""
-        if start_block < 0 or start_block + len(raw) > len(keys):
-            raise LayoutError(
-                f"{len(raw)} blocks from block {start_block} exceed the prompt's "
-                f"{len(keys)} full blocks (partial tails are never stored)"
-            )
-        return self.store_keys(
-            ns,
-            keys[start_block : start_block + len(raw)],
-            raw,
-            lifetime=lifetime,
-            first_position=start_block,
-            wait=wait,
-        )
 
     # ------------------------------------------------------------------ lookup / load
     def exists(self, keys: Sequence[bytes], *, ns: Namespace | bytes | None = None) -> int:

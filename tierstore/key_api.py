@@ -19,10 +19,11 @@ from concurrent.futures import Future
 import torch
 
 from .contract import LookupResult, Tier
-from .errors import ConfigError, LayoutError, Status
+from .errors import ConfigError, Status
 from .identity import DigestCache, Namespace
-from .io.inputs import check_keys, plan_destinations, plan_fragment_destinations, plan_sources
+from .io.inputs import check_keys, plan_destinations, plan_fragment_destinations
 from .layout import KVLayout
+from .store_calls import KeyLookup, StoreCalls
 from .transfers import Transfers
 
 __all__ = ["KeyAPI", "open_call"]
@@ -46,7 +47,7 @@ def open_call(fn):
     return call
 
 
-class KeyAPI:
+class KeyAPI(StoreCalls, KeyLookup):
     """The key-level half of :class:`~tierstore.api.KVStore`: the calls that move or drop blocks
     by their 32-byte keys (module doc). :class:`~tierstore.api.KVStore` adds the token-level calls,
     its construction and ``close``; the state used here is the store's (set by ``KVStore._init``).
@@ -65,83 +66,15 @@ class KeyAPI:
         return self._digests(ns)
 
     # -------------------------------------------------------------- store
-    @open_call
-    def store_keys(
-        self,
-        ns: Namespace | bytes,
-        keys: Sequence[bytes],
-        blocks,
-        *,
-        lifetime: str | None = None,
-        first_position: int = 0,
-        wait: bool = True,
-    ) -> list[Status] | Future:
-        """Store blocks under keys the caller computed (key-level API).
-
-        For engines that hash blocks themselves (SGLang page hashes scoped with
-        :func:`tierstore.identity.scoped_key`) or that keep keys from an
-        earlier :meth:`keys_for`.
-
-        Parameters
-        ----------
-        ns : Namespace or bytes
-            The namespace the keys belong to (for invalidation and quotas).
-        keys : sequence of bytes
-            32-byte block keys, in chain order.
-        blocks : sequence
-            One per key: a typed block (``layout.block_shape``, ``layout.dtype``),
-            a raw ``uint8`` block of ``bytes_per_block``, a list of fragments,
-            or a :class:`~tierstore.io.pages.FragmentPlan`.
-        lifetime : str, optional
-            Placement hint: ``"system"``, ``"conversation"``, ``"query"``.
-        first_position : int
-            Chain position of ``keys[0]``.
-        wait : bool
-            ``False`` returns a :class:`concurrent.futures.Future` of the
-            statuses; the source memory must stay untouched until it resolves.
-
-        Returns
-        -------
-        list of Status or Future
-
-        Raises
-        ------
-        LayoutError
-            Malformed keys, or a block of the wrong size or dtype (nothing is stored).
-        """
-        keys = check_keys(keys)
-        sources = plan_sources(blocks, self.layout)
-        if len(sources) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
-        return self._transfers.store(self.digest(ns), keys, sources, lifetime, first_position, None, wait)
+    store_keys = open_call(StoreCalls.store_keys)
 
     # -------------------------------------------------------------- lookup
-    @open_call
-    def lookup_keys(
-        self,
-        keys: Sequence[bytes],
-        request_id: object = None,
-        *,
-        num_prompt_tokens: int | None = None,
-        ns: Namespace | bytes | None = None,
+    lookup_keys = open_call(KeyLookup.lookup_keys)
+
+    def _lookup_checked(
+        self, keys: list[bytes], request_id: object, num_prompt_tokens: int | None, d: bytes | None
     ) -> LookupResult:
-        """Longest cached prefix of ``keys`` (key-level :meth:`lookup`);
-        ``num_prompt_tokens`` feeds the partial-tail metric.
-
-        ``ns``, the namespace the keys belong to, matters only with a shared
-        remote tier: blocks found there are then kept locally when loaded (a
-        cache fill, indexed under ``ns``); without it they are loaded into the
-        destinations only.
-
-        Raises
-        ------
-        LayoutError
-            For a key that is not 32 bytes.
-        """
-        keys = check_keys(keys)
-        return self._transfers.lookup(
-            keys, None, request_id, num_prompt_tokens, None if ns is None else self.digest(ns)
-        )
+        return self._transfers.lookup(keys, None, request_id, num_prompt_tokens, d)
 
     # -------------------------------------------------------------- load
     @open_call

@@ -42,19 +42,12 @@ import numpy as np
 import torch
 
 from ..contract import LOCAL_FIGURES, LOCAL_INDEX_CALLS, Lease, LookupResult, Tier
-from ..errors import ConfigError, LayoutError, QuotaExceeded, Status, StoreClosedError, TierStoreError
+from ..errors import ConfigError, QuotaExceeded, Status, StoreClosedError, TierStoreError
 from ..identity import DigestCache, Namespace, block_hashes
 from ..io.copies import shared_copier
-from ..io.inputs import (
-    check_keys,
-    check_start_block,
-    plan_block,
-    plan_destinations,
-    plan_fragment_destinations,
-    plan_sources,
-    refuse_numpy,
-)
+from ..io.inputs import check_keys, plan_destinations, plan_fragment_destinations
 from ..layout import KVLayout
+from ..store_calls import CheckedStore, KeyLookup, StoreCalls
 from ..units import MAX_DURATION_S, check_duration_s
 from . import protocol as P
 from .segment import Segment, SegmentError
@@ -274,7 +267,7 @@ class _Connection:
             self.segment.close()
 
 
-class NodeKVStore:
+class NodeKVStore(StoreCalls, KeyLookup):
     """:class:`~tierstore.api.KVStore`'s calls served by the node service (see the module docstring).
 
     Parameters
@@ -474,75 +467,13 @@ class NodeKVStore:
                 return 0  # the session ended: the service released them
 
     # ------------------------------------------------------------------ store
-    def store(
-        self,
-        ns: Namespace | bytes,
-        token_ids,
-        kv_blocks,
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ):
-        """Store KV of full blocks of a prompt (as :meth:`KVStore.store`); ``REJECTED`` per block
-        while the service is down."""
-        check_start_block(start_block)
-        keys = self.keys_for(ns, token_ids)
-        sources = plan_sources(kv_blocks, self.layout)
-        return self._store_prompt(ns, keys, sources, start_block, lifetime, wait)
-
-    def store_keys(
-        self,
-        ns: Namespace | bytes,
-        keys: Sequence[bytes],
-        blocks,
-        *,
-        lifetime: str | None = None,
-        first_position: int = 0,
-        wait: bool = True,
-    ):
-        """Store blocks under keys the caller computed (as :meth:`KVStore.store_keys`)."""
-        keys = check_keys(keys)
-        sources = plan_sources(blocks, self.layout)
-        if len(sources) != len(keys):
-            raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")
+    def _store_checked(self, call: CheckedStore):
+        """Store through tickets of the service's slots (:meth:`StoreCalls._store_checked`): each
+        block is gathered straight into its segment slot; ``REJECTED`` per block while the service
+        is down."""
+        code = _lifetime_code(call.lifetime)
         return self._later(
-            wait, self._store, self.digest(ns), keys, sources, _lifetime_code(lifetime), first_position
-        )
-
-    def store_fragments(
-        self,
-        ns: Namespace | bytes,
-        token_ids,
-        fragments_per_block,
-        start_block: int = 0,
-        lifetime: str | None = None,
-        *,
-        wait: bool = True,
-    ):
-        """Store blocks given as engine fragments (as :meth:`KVStore.store_fragments`): each is
-        gathered straight into its segment slot."""
-        check_start_block(start_block)
-        refuse_numpy(fragments_per_block, "fragments_per_block")
-        keys = self.keys_for(ns, token_ids)
-        plans = [plan_block(frags, self.layout, destination=False) for frags in list(fragments_per_block)]
-        return self._store_prompt(ns, keys, plans, start_block, lifetime, wait)
-
-    def _store_prompt(self, ns, keys, sources, start_block: int, lifetime, wait: bool):
-        if start_block + len(sources) > len(keys):
-            raise LayoutError(
-                f"{len(sources)} blocks from block {start_block} exceed the prompt's "
-                f"{len(keys)} full blocks (partial tails are never stored)"
-            )
-        end = start_block + len(sources)
-        return self._later(
-            wait,
-            self._store,
-            self.digest(ns),
-            keys[start_block:end],
-            sources,
-            _lifetime_code(lifetime),
-            start_block,
+            call.wait, self._store, call.ns, call.keys, call.sources, code, call.first_position
         )
 
     def _later(self, wait: bool, fn, *args):
@@ -611,20 +542,13 @@ class NodeKVStore:
     def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> LookupResult:
         """Longest cached prefix of ``token_ids`` (as :meth:`KVStore.lookup`); nothing matched
         while the service is down."""
-        return self._lookup(self.keys_for(ns, token_ids), request_id, self.digest(ns))
+        return self._lookup_checked(self.keys_for(ns, token_ids), request_id, None, self.digest(ns))
 
-    def lookup_keys(
-        self,
-        keys: Sequence[bytes],
-        request_id: object = None,
-        *,
-        num_prompt_tokens: int | None = None,
-        ns: Namespace | bytes | None = None,
+    def _lookup_checked(
+        self, keys: list[bytes], request_id: object, num_prompt_tokens: int | None, ns: bytes | None
     ) -> LookupResult:
-        """Longest cached prefix of ``keys`` (as :meth:`KVStore.lookup_keys`)."""
-        return self._lookup(check_keys(keys), request_id, None if ns is None else self.digest(ns))
-
-    def _lookup(self, keys: list[bytes], request_id: object, ns: bytes | None) -> LookupResult:
+        """A ``Lookup`` of ``keys`` (:meth:`KeyLookup._lookup_checked`; the service counts no
+        partial tails: ``num_prompt_tokens`` is not sent)."""
         tpb = self.layout.tokens_per_block
         miss = LookupResult([], [], [], 0, len(keys), tpb, request_id)
         if not keys:

@@ -10,7 +10,7 @@ latency, blocks and payload bytes by tenant). The names are listed in ``tierstor
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,13 +32,48 @@ def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetri
     return family
 
 
-class _BlockTraffic:
-    """``<prefix>_blocks`` (blocks by operation, tenant and status) and ``<prefix>_payload_bytes``
-    (payload bytes by direction and tenant): the scheme HTTP's and the node socket's share."""
+class _TrafficHelp(NamedTuple):
+    """The help texts of the families :class:`_Traffic` declares."""
 
-    def __init__(self, r: CollectorRegistry, prefix: str, blocks_doc: str, bytes_doc: str) -> None:
-        self.blocks = Counter(f"{prefix}_blocks", blocks_doc, ["op", "tenant", "status"], registry=r)
-        self.bytes = Counter(f"{prefix}_payload_bytes", bytes_doc, ["direction", "tenant"], registry=r)
+    requests: str
+    request_s: str
+    blocks: str
+    payload_bytes: str
+
+
+#: :class:`_Traffic`'s help texts, by prefix: HTTP's (``tierstore``) and the node socket's
+_TRAFFIC_HELP = {
+    "tierstore": _TrafficHelp(
+        "API requests by operation and HTTP status",
+        "API request latency",
+        "Blocks by operation, tenant and status",
+        "Block payload bytes by direction and tenant",
+    ),
+    "tierstore_node": _TrafficHelp(
+        "Node socket requests by message type and outcome (ok, or the error code)",
+        "Node socket request latency (service side)",
+        "Blocks by operation (put: store outcomes, get: load tickets), tenant and status",
+        "Block payload bytes copied through the shared segment, by direction and tenant",
+    ),
+}
+
+
+class _Traffic:
+    """``<prefix>_requests`` (requests by operation and outcome), ``<prefix>_request_seconds``
+    (their latency by operation), ``<prefix>_blocks`` (blocks by operation, tenant and status)
+    and ``<prefix>_payload_bytes`` (payload bytes by direction and tenant): the scheme HTTP's and
+    the node socket's share (help texts: :data:`_TRAFFIC_HELP`)."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
+        doc = _TRAFFIC_HELP[prefix]
+        self.requests = Counter(f"{prefix}_requests", doc.requests, ["op", "code"], registry=r)
+        self.request_s = Histogram(
+            f"{prefix}_request_seconds", doc.request_s, ["op"], registry=r, buckets=_LATENCY_BUCKETS_S
+        )
+        self.blocks = Counter(f"{prefix}_blocks", doc.blocks, ["op", "tenant", "status"], registry=r)
+        self.bytes = Counter(
+            f"{prefix}_payload_bytes", doc.payload_bytes, ["direction", "tenant"], registry=r
+        )
 
     def count_blocks(self, op: str, tenant: str, statuses) -> None:
         """Count blocks of a store outcome or load (ticket) by status."""
@@ -116,18 +151,13 @@ class _StoreCollector:
         yield inf
 
 
-class ServerMetrics(_BlockTraffic):
+class ServerMetrics(_Traffic):
     """Prometheus metrics of the daemon (private registry)."""
 
     def __init__(self, svc: Service) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "tierstore_requests", "API requests by operation and HTTP status", ["op", "code"], registry=r
-        )
-        self.request_s = Histogram(
-            "tierstore_request_seconds", "API request latency", ["op"], registry=r, buckets=_LATENCY_BUCKETS_S
-        )
+        super().__init__(r, "tierstore")
         self.load_s = Histogram(
             "tierstore_load_latency_seconds",
             "Store load (get) latency per request",
@@ -148,12 +178,6 @@ class ServerMetrics(_BlockTraffic):
                 1,
                 2.5,
             ),
-        )
-        super().__init__(
-            r,
-            "tierstore",
-            "Blocks by operation, tenant and status",
-            "Block payload bytes by direction and tenant",
         )
         self.rejected = Counter(
             "tierstore_rejected_requests", "Requests refused for backpressure", ["reason"], registry=r
@@ -198,7 +222,7 @@ class _SessionsCollector:
         yield g
 
 
-class NodeMetrics(_BlockTraffic):
+class NodeMetrics(_Traffic):
     """The node transport's Prometheus metrics, in the daemon's registry beside HTTP's.
 
     Parameters
@@ -213,25 +237,7 @@ class NodeMetrics(_BlockTraffic):
     def __init__(self, registry: CollectorRegistry, server_metrics: ServerMetrics | None = None) -> None:
         r = registry
         self.server_metrics = server_metrics
-        self.requests = Counter(
-            "tierstore_node_requests",
-            "Node socket requests by message type and outcome (ok, or the error code)",
-            ["op", "code"],
-            registry=r,
-        )
-        self.request_s = Histogram(
-            "tierstore_node_request_seconds",
-            "Node socket request latency (service side)",
-            ["op"],
-            registry=r,
-            buckets=_LATENCY_BUCKETS_S,
-        )
-        super().__init__(
-            r,
-            "tierstore_node",
-            "Blocks by operation (put: store outcomes, get: load tickets), tenant and status",
-            "Block payload bytes copied through the shared segment, by direction and tenant",
-        )
+        super().__init__(r, "tierstore_node")
         self.sessions_opened = Counter(
             "tierstore_node_sessions_opened", "Node sessions welcomed, by tenant", ["tenant"], registry=r
         )
