@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import socket
 import stat
@@ -35,10 +34,12 @@ from ..io.segments import RESERVE_SEGMENTS, choose_segment_size
 from ..layout import KVLayout
 from ..units import format_bytes
 from .config import DaemonConfig
+from .statefiles import SCOPE_FIELDS, TOMB_FIELDS, read_state_records, skipped_lines_said
 
 __all__ = ["Preflight", "preflight", "nvme_file_path", "segment_size_bytes"]
 
 _DEFAULT_STATE_FILE = "scopes.jsonl"
+_TOMB_FILE = "invalidations.jsonl"
 
 
 @dataclasses.dataclass
@@ -436,27 +437,21 @@ def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> 
         return
     _check_writable_dir("state_dir", cfg.state_dir, out)
     reg = os.path.join(cfg.state_dir, _DEFAULT_STATE_FILE)
-    if not os.path.exists(reg):
-        return
     fp = layout.fingerprint().hex()
-    other = 0
-    try:
-        with open(reg, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and rec.get("layout") != fp:
-                    other += 1
-    except OSError as e:
-        out.errors.append(f"state_dir: {reg}: cannot read: {e.strerror}")
-        return
-    if other:
-        out.notes.append(
-            f"layout: {other} scopes in {reg} were written under another layout; start-up drops "
-            "their blocks (they can never be addressed again)"
-        )
+    for path, fields in ((reg, SCOPE_FIELDS), (os.path.join(cfg.state_dir, _TOMB_FILE), TOMB_FIELDS)):
+        try:
+            records, skipped = read_state_records(path, fields)
+        except OSError as e:
+            out.errors.append(f"state_dir: {path}: cannot read: {e.strerror}")
+            return
+        if skipped:
+            out.notes.append(skipped_lines_said(path, skipped))
+        other = sum(1 for rec in records if rec.get("layout") != fp) if path == reg else 0
+        if other:
+            out.notes.append(
+                f"layout: {other} scopes in {reg} were written under another layout; start-up drops "
+                "their blocks (they can never be addressed again)"
+            )
 
 
 def _bind_test(what: str, host: str, port: int, out: Preflight) -> None:

@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..identity import DigestCache
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
+from .statefiles import SCOPE_FIELDS, TOMB_FIELDS, read_state_records, skipped_lines_said
 
 __all__ = ["Tenancy", "owner_key_scope", "storage_key"]
 
@@ -107,12 +108,12 @@ class Tenancy:
         self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
         self.scope_owner: dict[bytes, str] = {}
         self.tombstones: dict[bytes, int] = {}
-        for rec in self._read_jsonl(self._scopes_path):
+        for rec in self._read_jsonl(self._scopes_path, SCOPE_FIELDS):
             # a scope recorded under another layout (or before layouts were
             # recorded) is unreachable now: its blocks are dropped at start
             if rec.get("layout") == layout_fingerprint.hex():
                 self.scope_owner[bytes.fromhex(rec["scope"])] = rec["owner"]
-        for rec in self._read_jsonl(self._tomb_path):
+        for rec in self._read_jsonl(self._tomb_path, TOMB_FIELDS):
             self.tombstones[bytes.fromhex(rec["scope"])] = int(rec["seq"])
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()
@@ -120,19 +121,11 @@ class Tenancy:
         self._owner_scopes: dict[str, set] = {}  # owner -> scopes
 
     @staticmethod
-    def _read_jsonl(path: str) -> list[dict]:
-        out: list[dict] = []
-        if not os.path.exists(path):
-            return out
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    log.warning("skipping a torn line of %s", path)  # the tail of a crash
-                    continue
-                out.append(rec)
-        return out
+    def _read_jsonl(path: str, fields: dict[str, type]) -> list[dict]:
+        records, skipped = read_state_records(path, fields)
+        if skipped:
+            log.warning(skipped_lines_said(path, skipped))
+        return records
 
     def _append(self, path: str, rec: dict) -> None:
         with self._file_lock:
