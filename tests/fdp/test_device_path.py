@@ -529,9 +529,15 @@ def test_fdp_stats_baseline(fake_ns, tmp_path, capsys):
     assert "Host Bytes with Metadata Written (HBMW)" in out and "0x4003" in out
 
 
-def test_fdp_cli_usage_errors(capsys):
+def test_fdp_cli_usage_errors(capsys, tmp_path):
     from tierstore.cli import main
 
-    assert main(["fdp", "discover", "/dev/sda"]) == 1
+    assert main(["fdp", "discover", "/dev/null"]) == 1
     assert "expected an NVMe namespace device" in capsys.readouterr().err
+    # a missing path and a regular file said the same (trial 4a): each is named now
+    assert main(["fdp", "discover", str(tmp_path / "missing")]) == 1
+    assert "no such file or directory" in capsys.readouterr().err
+    (tmp_path / "tier").write_bytes(b"x")
+    assert main(["fdp", "discover", str(tmp_path / "tier")]) == 1
+    assert "not a device" in capsys.readouterr().err
     assert main(["fdp", "discover", "/dev/ng9n1", "--plids=a"]) == 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -257,6 +258,17 @@ def discover_namespace(dev: str, endgid: int = 1, cli: Any = None, sys_root: str
     """
     from .nvme_cli import NvmeCli
 
+    try:
+        mode = os.stat(dev).st_mode
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{dev}: no such file or directory (an FDP namespace is /dev/ngXnY or /dev/nvmeXnY)"
+        ) from None
+    if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+        raise ConfigError(
+            f"{dev}: not a device (an FDP namespace is /dev/ngXnY or /dev/nvmeXnY); a file tier needs no "
+            "discovery: its placement is the FTL model's (tiers.nvme.device: file)"
+        )
     ctrl, blk, chr_ = nvme_names(dev)
     for p in (ctrl, chr_):
         if not os.path.exists(p):
