@@ -208,6 +208,8 @@ def test_ops_endpoints(daemon):
         "tierstore_load_latency_seconds_bucket",
         "tierstore_nvme_host_write_amplification",
         'tierstore_tenant_usage_bytes{tenant="acme"}',
+        'tierstore_tenant_quota_bytes{tenant="acme"} 6.7108864e+07',
+        'tierstore_tenant_quota_bytes{tenant="bravo"} +Inf',  # no quota; was 4.611686018427388e+18
         "tierstore_blocks_total",
         "tierstore_manager_events_total",
     ):

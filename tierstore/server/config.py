@@ -25,6 +25,8 @@ from ..schema import DurationS, PositiveDurationS, SizeBytes, StrictModel, parse
 from ..units import MAX_DURATION_S
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: a tenant's byte quota when its config gives none (no limit; ``+Inf`` in /metrics)
+NO_QUOTA_BYTES = 1 << 62
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -67,7 +69,7 @@ class TenantConfig(StrictModel):
     name: str
     tokens: list[str] = Field(default_factory=list, description="plain bearer tokens (prefer token_sha256)")
     token_sha256: list[str] = Field(default_factory=list, description="hex SHA-256 of each bearer token")
-    quota_bytes: SizeBytes = 1 << 62
+    quota_bytes: SizeBytes = NO_QUOTA_BYTES
 
     @field_validator("name")
     @classmethod
@@ -119,7 +121,7 @@ class PublicNamespaceConfig(StrictModel):
     digest: str | None = None
     readers: list[str] | Literal["*"] = "*"
     writers: list[str] = Field(default_factory=list)
-    quota_bytes: SizeBytes = 1 << 62
+    quota_bytes: SizeBytes = NO_QUOTA_BYTES
 
     @field_validator("digest")
     @classmethod

@@ -9,11 +9,14 @@ latency, blocks and payload bytes by tenant). The names are listed in ``tierstor
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .config import NO_QUOTA_BYTES
 
 if TYPE_CHECKING:
     from .service import Service
@@ -139,11 +142,12 @@ class _StoreCollector:
             "tierstore_tenant_usage_bytes", "Resident bytes per tenant (owner)", labels=["tenant"]
         )
         quota = GaugeMetricFamily(
-            "tierstore_tenant_quota_bytes", "Byte quota per tenant (owner)", labels=["tenant"]
+            "tierstore_tenant_quota_bytes", "Byte quota per tenant (owner); +Inf: none", labels=["tenant"]
         )
         for owner, b in self.svc.tenancy.usage_bytes(store).items():
             use.add_metric([owner], b)
-            quota.add_metric([owner], self.svc.tenancy.quota_bytes.get(owner, 0))
+            q = self.svc.tenancy.quota_bytes.get(owner, 0)
+            quota.add_metric([owner], math.inf if q >= NO_QUOTA_BYTES else q)
         yield use
         yield quota
         inf = GaugeMetricFamily("tierstore_inflight_requests", "API requests in progress")
