@@ -163,3 +163,22 @@ def test_every_admission_choice_opens_a_store(admission, tmp_path):
         store_config(job.options, 0, 1 << 20, 16 << 20, str(tmp_path / "kv")).policies.admission == admission
     )
     assert "reused" in SCHEMA["admission"].choices and "second_hit" in SCHEMA["admission"].choices
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("rw=read\n[a]\nsize=1m\n", "line 1: option outside of a [] job section ('rw=read')"),
+        ("[a\nsize=1m\n", "line 1: option outside of a [] job section ('[a')"),
+        ("[a]\nsize=1m\ninclude other.fio\n", "line 3: `include` (fio's job-file directive) is not followed"),
+        (b"[a]\nsize=1m\xff\n", "not UTF-8 text"),
+    ],
+)
+def test_job_file_syntax_errors_say_the_line_as_fio_does(tmp_path, text, needle):
+    """A broken header and an option before any section both said configparser's "File contains no
+    section headers", and `include` was "an unknown option" (fresh-user trial 4a)."""
+    p = tmp_path / "j.fio"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as e:
+        parse_jobs(job_files=[str(p)])
+    assert needle in str(e.value)

@@ -27,6 +27,7 @@ import configparser
 import dataclasses
 import difflib
 import os
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -690,9 +691,24 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     parser.optionxform = str  # keep keys as written (fio keys are lower case anyway)
     try:
         with open(path, encoding="utf-8") as fh:
-            parser.read_file(fh, source=path)
+            text = fh.read()
     except OSError as exc:
         raise ConfigError(f"job file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job file {path!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if re.match(r"\s*include\s", line):
+            raise ConfigError(
+                f"job file {path!r}, line {n}: `include` (fio's job-file directive) is not followed by "
+                "tierstore bench: put the included jobs in this file"
+            )
+    try:
+        parser.read_string(text, source=path)
+    except configparser.MissingSectionHeaderError as exc:
+        raise ConfigError(
+            f"job file {path!r}, line {exc.lineno}: option outside of a [] job section "
+            f"({exc.line.strip()!r}); options follow a [global] or [job] header, as in fio"
+        ) from None
     except configparser.Error as exc:
         raise ConfigError(f"job file {path!r}: {exc.message}") from None
     sections = []
