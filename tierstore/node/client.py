@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -51,6 +52,8 @@ from ..store_calls import CheckedStore, KeyLookup, StoreCalls
 from ..units import MAX_DURATION_S, check_duration_s
 from . import protocol as P
 from .segment import Segment, SegmentError
+
+_log = logging.getLogger("tierstore.node.client")
 
 #: KVStore's public calls this client does not offer, by what they are for
 #: The longest wait a client may be given (seconds; a day: float("inf") overflowed the socket's
@@ -82,6 +85,10 @@ _TIERS = tuple(Tier)  # wire code i is Tier(i)
 
 class _Down(Exception):
     """The service cannot answer now (not running, restarting, too slow, the connection broke)."""
+
+
+class _Waiting(_Down):
+    """Not tried: the last attempt failed less than ``retry_s`` ago (its reason is ``last_down``)."""
 
 
 class _Ended(_Down):
@@ -141,18 +148,44 @@ class _Counters(dict[str, int]):
     misses: the service is down or restarting), ``connects``, ``resent`` (requests sent again on a
     new session), ``gen_mismatch`` (copies given up because their slot was reused), ``refused``
     (requests the service refused, e.g. a store past the tenant's byte quota: answered ``REJECTED``
-    as a store to a service that is down is, so counted apart) and ``last_refusal`` (its reason)."""
+    as a store to a service that is down is, so counted apart) and ``last_refusal`` (its reason),
+    ``last_down`` (why the last call found the service down, e.g. ``connect ...: Connection refused``).
+    The first call that finds the service down after a session (or since the client was made) logs
+    one warning; the next session that opens logs one line."""
 
     def __init__(self) -> None:
         super().__init__(calls=0, down=0, connects=0, resent=0, gen_mismatch=0, refused=0)
         self.last_refusal: str | None = None
+        self.last_down: str | None = None
+        self._said_down = False
 
     def refused_by(self, e: Exception) -> None:
         self["refused"] += 1
         self.last_refusal = str(e)
 
+    def down_by(self, e: Exception, url: str, retry_s: float) -> None:
+        self["down"] += 1
+        if not isinstance(e, _Waiting):
+            self.last_down = str(e)
+        if not self._said_down:
+            self._said_down = True
+            _log.warning(
+                "node service %s is down (%s): calls answer misses; reconnecting, at most every %g s",
+                url,
+                e,
+                retry_s,
+            )
+
+    def connected(self, url: str) -> None:
+        self["connects"] += 1
+        if self._said_down:
+            self._said_down = False
+            _log.info(
+                "node service %s: connected again (%d calls answered as misses so far)", url, self["down"]
+            )
+
     def section(self, **more) -> dict:
-        return dict(self, last_refusal=self.last_refusal, **more)
+        return dict(self, last_refusal=self.last_refusal, last_down=self.last_down, **more)
 
 
 class _Connection:
@@ -346,7 +379,8 @@ class NodeKVStore(StoreCalls, KeyLookup):
         if c is not None:
             return c
         if time.monotonic() - self._last_fail < self.retry_s:
-            raise _Down("the service was down moments ago")
+            age_s = time.monotonic() - self._last_fail
+            raise _Waiting(f"the service was down {age_s:.2f} s ago ({self.counters.last_down})")
         return self._connect(self.timeout_s if timeout_s is None else timeout_s)
 
     def _connect(self, timeout_s: float) -> _Connection:
@@ -359,7 +393,7 @@ class NodeKVStore(StoreCalls, KeyLookup):
         except _Down:
             self._last_fail = time.monotonic()
             raise
-        self.counters["connects"] += 1
+        self.counters.connected(self.url)
         self._holds.clear()  # holds were the old session's: released by the service
         return self._conn
 
@@ -406,8 +440,8 @@ class NodeKVStore(StoreCalls, KeyLookup):
             self.counters["resent"] += 1  # the session ended before the request was served
             conn = self._connect(left)
             return conn.call(msg_of, max(deadline - time.monotonic(), 1e-3))
-        except _Down:
-            self.counters["down"] += 1
+        except _Down as e:
+            self.counters.down_by(e, self.url, self.retry_s)
             if conn is not None and self._conn is conn:
                 self._drop()
             raise

@@ -269,6 +269,9 @@ class NodeServer:
                 self.core.index.metrics.inc("node_sessions_refused")
                 if self.metrics is not None:
                     self.metrics.sessions_refused.labels("busy").inc()
+                _log.warning(
+                    "node session %d: refused: %d sessions open (node.max_clients)", sid, self.cfg.max_clients
+                )
                 conn.settimeout(self.cfg.op_timeout_s)
                 fs.fail(P.ProtocolError(P.ErrorCode.BUSY, f"{self.cfg.max_clients} sessions open"))
                 continue
