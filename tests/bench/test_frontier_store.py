@@ -110,3 +110,20 @@ def test_hint_map_labels_every_stored_key_and_says_which_hints_read_the_future()
     assert len(sys14) == n_keys and set(sys14.values()) <= {"system", "conversation"}
     assert "FUTURE" in fs.HINT_SOURCES["engine"] and "FUTURE" not in fs.HINT_SOURCES["system14"]
     assert fs.CONFIGS["d-hint-cls"][1]["eviction"] == "class_lru"
+
+
+def test_rows_whose_hints_read_the_future_never_count_as_the_best_d():
+    fs = load_tool("frontier_store")
+    base = dict(workload="w", util=0.9, isolation="initial", flat_lru_saved_tokens=100, device_waf=1.0)
+    rows = [
+        {**base, "config": "d-hint", "saved_prefill_tokens": 90, "e2e_wa": 1.01},
+        {
+            **base,
+            "config": "d-hint-cls-eng",
+            "saved_prefill_tokens": 120,
+            "e2e_wa": 1.01,
+            "hints_read_future": True,
+        },
+    ]
+    (line,) = fs.summary(rows)[2:]
+    assert "`d-hint` | 90 (-10.00 %)" in line and line.endswith("**no** |")
