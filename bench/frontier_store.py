@@ -443,7 +443,14 @@ def report(rows: list[dict], out_dir: str | None = None, wa_max: float = 1.10) -
         out += [
             "",
             f"(d) at saved >= flat LRU and e2e WA <= {wa_max} (FTL model): "
-            + (", ".join(f"`{r['config']}` u={r['util']}" for r in win) or "**none**"),
+            + (
+                ", ".join(
+                    f"`{r['config']}` u={r['util']}"
+                    + (" (its hints READ THE FUTURE)" if r.get("hints_read_future") else "")
+                    for r in win
+                )
+                or "**none**"
+            ),
             "",
         ]
         if out_dir:

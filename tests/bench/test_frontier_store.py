@@ -114,7 +114,18 @@ def test_hint_map_labels_every_stored_key_and_says_which_hints_read_the_future()
 
 def test_rows_whose_hints_read_the_future_never_count_as_the_best_d():
     fs = load_tool("frontier_store")
-    base = dict(workload="w", util=0.9, isolation="initial", flat_lru_saved_tokens=100, device_waf=1.0)
+    base = dict(
+        workload="w",
+        util=0.9,
+        isolation="initial",
+        flat_lru_saved_tokens=100,
+        flat_lru=0.5,
+        belady_saved_tokens=130,
+        belady=0.6,
+        device_waf=1.0,
+        host_wa=1.0,
+        placement={},
+    )
     rows = [
         {**base, "config": "d-hint", "saved_prefill_tokens": 90, "e2e_wa": 1.01},
         {
@@ -127,3 +138,4 @@ def test_rows_whose_hints_read_the_future_never_count_as_the_best_d():
     ]
     (line,) = fs.summary(rows)[2:]
     assert "`d-hint` | 90 (-10.00 %)" in line and line.endswith("**no** |")
+    assert "`d-hint-cls-eng` u=0.9 (its hints READ THE FUTURE)" in fs.report(rows)
