@@ -34,7 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from tierstore import Namespace, Status
 from tierstore.bench.lifetimes import LifetimeRecorder
+from tierstore.fdp.lifetime import LifetimeClass
+from tierstore.identity import chain_ids
 from tierstore.policies.registry import CLASSIFIER
 from tierstore.replay import ReplayConfig, run_replay
 
@@ -72,7 +75,73 @@ for _n in CLASSIFIER.names():
         {"reinsert": "clock", "classifier": _n},
         {**_BLOCK, "fdp": {"enabled": True}},
     )
+#: Engine lifetime hints a row's stores carry (``source -> what``); rows without one pass none, as
+#: ``tierstore.replay`` and the SGLang connector do (a store without hints: ``entry.lifetime`` None).
+HINT_SOURCES = {
+    "engine": "the simulator's perfect engine class (frontier_sim.engine_classes): READS THE FUTURE",
+    "engine-req10": "the same, 10 % of the requests give their new blocks one random class: READS THE FUTURE",
+    "system14": "the vLLM connector's rule, system_prompt_blocks=14 'system', others 'conversation': honest",
+}
+#: ``config -> (base config, eviction policy, hint source)``: the class-first order (``class_lru``)
+#: and the engine hints, on per-block LRU with placement by ``hint`` (``d-hint``).
+HINTED = {
+    "d-hint-cls": ("d-hint", "class_lru", None),
+    "d-hint-eng": ("d-hint", "lru", "engine"),
+    "d-hint-cls-eng": ("d-hint", "class_lru", "engine"),
+    "d-hint-cls-eng10": ("d-hint", "class_lru", "engine-req10"),
+    "d-hint-cls-sys": ("d-hint", "class_lru", "system14"),
+}
+for _n, (_base, _ev, _src) in HINTED.items():
+    _w, _p, _v = CONFIGS[_base]
+    CONFIGS[_n] = (f"{_w}; eviction {_ev}; engine hints: {_src or 'none'}", {**_p, "eviction": _ev}, _v)
 SIMULATED = "FTL model (tierstore/fdp/ftl.py), not an SSD"
+_HINT_NAMES = {int(LifetimeClass.SHORT): "query", int(LifetimeClass.MEDIUM): "conversation", 2: "system"}
+
+
+def hint_map(wl, source: str) -> dict[bytes, str]:
+    """The engine hint of every block key the replay stores (:data:`HINT_SOURCES`): the replay's
+    keys (``chain_ids`` of the replay's namespace) against the trace's chain ids (``wl.keys``)."""
+    if source == "system14":
+        cls = None
+    else:
+        cls = _fs.engine_classes(
+            wl.keys, wl.n_blocks, 0.1 if source.endswith("req10") else 0.0, per_request=True
+        )
+    ns = Namespace(model="mooncake-trace", kv_dtype="bf16").digest()  # tierstore.replay's
+    out: dict[bytes, str] = {}
+    for r, ids in zip(wl.requests, wl.keys):
+        for pos, (key, b) in enumerate(zip(chain_ids(ns, r.hash_ids[: r.full_blocks()]), ids)):
+            if cls is None:
+                out[key] = "system" if pos < 14 else "conversation"
+            else:
+                out[key] = _HINT_NAMES[cls[b]]
+    return out
+
+
+def hinted_stores(store, hints: dict[bytes, str]) -> None:
+    """Make ``store.store_keys`` pass each block's engine hint, one call per run of equal hints (as
+    the vLLM connector's ``_lifetime_runs`` does); after a run with a block not stored (neither OK
+    nor EXISTS) the rest of the chain is not stored (``NO_SPACE``: it would be unreachable)."""
+    plain = store.store_keys
+
+    def store_keys(ns, keys, blocks, *, lifetime=None, first_position=0, wait=True):
+        assert lifetime is None and wait, "the replay passes no hint and waits"
+        out: list = []
+        i = 0
+        while i < len(keys):
+            h = hints[keys[i]]
+            j = i + 1
+            while j < len(keys) and hints[keys[j]] == h:
+                j += 1
+            st = plain(ns, keys[i:j], blocks[i:j], lifetime=h, first_position=first_position + i)
+            out += st
+            if any(x not in (Status.OK, Status.EXISTS) for x in st):
+                out += [Status.NO_SPACE] * (len(keys) - j)
+                break
+            i = j
+        return out
+
+    store.store_keys = store_keys
 
 
 class FeatureRecorder(LifetimeRecorder):
@@ -102,6 +171,14 @@ def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRe
         "model": {"utilization": util, "isolation": isolation},
         **nv_over,
     }
+    src = HINTED.get(name, (None, None, None))[2]
+    hints = hint_map(wl, src) if src else None
+
+    def on_open(store) -> None:
+        rec.on_open(store)
+        if hints is not None:
+            hinted_stores(store, hints)
+
     t0 = time.perf_counter()
     l0 = os.getloadavg()[0]
     rep = run_replay(
@@ -118,7 +195,7 @@ def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRe
             sample_every=1,
         ),
         on_sample=rec.on_sample,
-        on_open=rec.on_open,
+        on_open=on_open,
     )
     kv, d = rep.kv, rep.device
     nb = rep.final_stats.get("nvme_backend", {})
@@ -127,6 +204,8 @@ def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRe
         "workload": wl.name,
         "config": name,
         "what": what,
+        "hints": src,
+        "hints_read_future": bool(src and "FUTURE" in HINT_SOURCES[src]),
         "util": util,
         "isolation": isolation,
         "requests": kv["requests"],
@@ -254,7 +333,8 @@ def _pct(v: int, flat: int) -> str:
 
 def summary(rows: list[dict], wa_max: float = 1.10) -> list[str]:
     """Per workload and utilisation: the flat LRU, the best (d) at e2e WA <= ``wa_max`` (initial
-    isolation) and its gap, and what the same per-block eviction costs on a conventional device (c)."""
+    isolation; rows whose hints read the future are left out) and its gap, and what the same
+    per-block eviction costs on a conventional device (c)."""
     out = [
         f"| workload | util | flat LRU saved tokens | best (d) at e2e WA <= {wa_max} (else best) "
         "| saved (vs flat LRU) | "
@@ -270,7 +350,7 @@ def summary(rows: list[dict], wa_max: float = 1.10) -> list[str]:
                 if r["workload"] == wl and r["util"] == u and r["isolation"] == "initial"
             }
             flat = next(iter(rs.values()))["flat_lru_saved_tokens"]
-            every = [r for n, r in rs.items() if n.startswith("d-")]
+            every = [r for n, r in rs.items() if n.startswith("d-") and not r.get("hints_read_future")]
             ds = [r for r in every if r["e2e_wa"] <= wa_max] or every  # none within the bound: the best
             d = max(ds, key=lambda r: (r["saved_prefill_tokens"], -r["e2e_wa"]), default=None)
             c, a, b = rs.get("c"), rs.get("a"), rs.get("b")
@@ -363,7 +443,14 @@ def report(rows: list[dict], out_dir: str | None = None, wa_max: float = 1.10) -
         out += [
             "",
             f"(d) at saved >= flat LRU and e2e WA <= {wa_max} (FTL model): "
-            + (", ".join(f"`{r['config']}` u={r['util']}" for r in win) or "**none**"),
+            + (
+                ", ".join(
+                    f"`{r['config']}` u={r['util']}"
+                    + (" (its hints READ THE FUTURE)" if r.get("hints_read_future") else "")
+                    for r in win
+                )
+                or "**none**"
+            ),
             "",
         ]
         if out_dir:
@@ -429,7 +516,11 @@ def main(argv=None) -> int:
         "--agent-trace", default=None, help="bench/agent_workload.py --sessions 200 --seed 0 output"
     )
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        default=",".join(n for n in CONFIGS if n not in HINTED),
+        help="default: every config without engine hints (HINTED ones are named explicitly)",
+    )
     ap.add_argument("--utils", default="0.9,1.0")
     ap.add_argument("--isolations", default="initial,persistent")
     ap.add_argument("--json", default=None, help="append one row per run")

@@ -67,3 +67,75 @@ def test_rows_through_the_real_store(tmp_path):
     p = rows["d-demotion"]["placement"]
     assert p["writes"] > 0 and 0.0 <= p["chance_same_shares"] <= 1.0 and "learned_mix" in p
     assert "FTL model" in fs.report(list(rows.values()))
+
+
+def test_hinted_stores_pass_one_hint_per_run_and_stop_at_a_block_not_kept():
+    from tierstore import Status
+
+    fs = load_tool("frontier_store")
+    calls = []
+
+    class Store:
+        def store_keys(self, ns, keys, blocks, *, lifetime=None, first_position=0, wait=True):
+            calls.append((list(keys), list(blocks), lifetime, first_position))
+            return [Status.NO_SPACE if k == b"x" else Status.OK for k in keys]
+
+    s = Store()
+    hints = {b"a": "system", b"b": "system", b"c": "query", b"d": "conversation", b"x": "query"}
+    fs.hinted_stores(s, hints)
+    assert s.store_keys(b"ns", [b"a", b"b", b"c", b"d"], [1, 2, 3, 4], first_position=5) == [Status.OK] * 4
+    assert calls == [
+        ([b"a", b"b"], [1, 2], "system", 5),
+        ([b"c"], [3], "query", 7),
+        ([b"d"], [4], "conversation", 8),
+    ]
+    calls.clear()
+    assert s.store_keys(b"ns", [b"a", b"x", b"d"], [1, 2, 3]) == [Status.OK, Status.NO_SPACE, Status.NO_SPACE]
+    assert [c[0] for c in calls] == [[b"a"], [b"x"]]  # the chain behind a block not kept is not stored
+
+
+def test_hint_map_labels_every_stored_key_and_says_which_hints_read_the_future():
+    from tierstore.fdp.lifetime import LifetimeClass, class_from_hint
+
+    fs = load_tool("frontier_store")
+    wl = fs.load_workload("excerpt", None, 60, 32 << 10, None)
+    eng = fs._fs.engine_classes(wl.keys, wl.n_blocks)
+    n_keys = len({b for ks in wl.keys for b in ks})
+    m = fs.hint_map(wl, "engine")
+    assert len(m) == n_keys and {class_from_hint(h) for h in m.values()} <= set(LifetimeClass)
+    assert sorted(int(class_from_hint(h)) for h in m.values()) == sorted(
+        eng[b] for b in {b for ks in wl.keys for b in ks}
+    )
+    sys14 = fs.hint_map(wl, "system14")
+    assert len(sys14) == n_keys and set(sys14.values()) <= {"system", "conversation"}
+    assert "FUTURE" in fs.HINT_SOURCES["engine"] and "FUTURE" not in fs.HINT_SOURCES["system14"]
+    assert fs.CONFIGS["d-hint-cls"][1]["eviction"] == "class_lru"
+
+
+def test_rows_whose_hints_read_the_future_never_count_as_the_best_d():
+    fs = load_tool("frontier_store")
+    base = dict(
+        workload="w",
+        util=0.9,
+        isolation="initial",
+        flat_lru_saved_tokens=100,
+        flat_lru=0.5,
+        belady_saved_tokens=130,
+        belady=0.6,
+        device_waf=1.0,
+        host_wa=1.0,
+        placement={},
+    )
+    rows = [
+        {**base, "config": "d-hint", "saved_prefill_tokens": 90, "e2e_wa": 1.01},
+        {
+            **base,
+            "config": "d-hint-cls-eng",
+            "saved_prefill_tokens": 120,
+            "e2e_wa": 1.01,
+            "hints_read_future": True,
+        },
+    ]
+    (line,) = fs.summary(rows)[2:]
+    assert "`d-hint` | 90 (-10.00 %)" in line and line.endswith("**no** |")
+    assert "`d-hint-cls-eng` u=0.9 (its hints READ THE FUTURE)" in fs.report(rows)

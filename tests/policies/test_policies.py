@@ -36,7 +36,7 @@ def test_registered():
     assert {"lru", "s3fifo", "cost"} <= set(policy_names())
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "cost"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "cost", "class_lru"])
 def test_all_or_nothing_and_victims_stay_tracked(name):
     p = make_policy(name)
     for i in range(6):
@@ -395,7 +395,7 @@ def test_prefetch_brings_prefix_up_without_blocking(tmp_path, layout, ns, clock)
         s.close()
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "cost"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "cost", "class_lru"])
 def test_max_scan_bounds_the_victim_search(name):
     """A promotion asks for a cheap victim among the coldest few only (index CHEAP_SCAN_BLOCKS)."""
 

@@ -114,7 +114,7 @@ def test_aliases_build_the_member_of_their_canonical_name():
         type(make_admission("second_hit")) is type(make_admission("second")) is type(make_admission("reused"))
     )
     assert ADMISSION.canonical("second_hit") == "reused"
-    assert EVICTION.names() == ["lru", "s3fifo", "cost"]
+    assert EVICTION.names() == ["lru", "s3fifo", "cost", "class_lru"]
     assert make_reinsert("none") is None and make_reinsert(None) is None
 
 

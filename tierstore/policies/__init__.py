@@ -2,6 +2,7 @@
 
 from .admission import PredictedReuseAdmission, SecondSightingAdmission, make_admission
 from .base import EvictionPolicy, make_policy, policy_names, register_policy
+from .classlru import ClassLRUPolicy
 from .costaware import CostAwarePolicy
 from .lifetime import PrefixLifetimePredictor
 from .lru import LRUPolicy
@@ -11,6 +12,7 @@ from .s3fifo import S3FIFOPolicy
 __all__ = [
     "ADMISSION",
     "CLASSIFIER",
+    "ClassLRUPolicy",
     "EVICTION",
     "REINSERT",
     "CostAwarePolicy",

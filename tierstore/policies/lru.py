@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .base import EntryInfo, EvictionPolicy
 
@@ -49,6 +49,10 @@ class LRUPolicy(EvictionPolicy):
     def on_remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 
+    def _coldest(self) -> Iterator[bytes]:
+        """The tracked keys, the next victim first (a subclass with another order overrides it)."""
+        return iter(self._order)
+
     def evict(
         self, n: int, protected: Callable[[bytes], bool], now_s: float = 0.0, max_scan: int | None = None
     ) -> list[bytes]:
@@ -58,7 +62,7 @@ class LRUPolicy(EvictionPolicy):
             out = self.evict_upto(n, protected, now_s)
             return out if len(out) == n else []
         out = []
-        for key in itertools.islice(self._order, max_scan):
+        for key in itertools.islice(self._coldest(), max_scan):
             if not protected(key):
                 out.append(key)
                 if len(out) == n:
@@ -77,7 +81,7 @@ class LRUPolicy(EvictionPolicy):
             return out
         many = getattr(protected, "many", None)
         if many is None or max_scan is not None:
-            for i, key in enumerate(self._order):
+            for i, key in enumerate(self._coldest()):
                 if max_scan is not None and i >= max_scan + len(out):  # as evict(1, max_scan + taken)
                     break
                 if not protected(key):
@@ -85,7 +89,7 @@ class LRUPolicy(EvictionPolicy):
                     if len(out) == n:
                         break
             return out
-        it = iter(self._order)
+        it = self._coldest()
         size = max(n, self.CHUNK_KEYS)
         while len(out) < n:
             keys = list(itertools.islice(it, size))

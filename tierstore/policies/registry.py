@@ -8,7 +8,8 @@ refuse the others with one message.
 ========== ==================================== ==========================================
 family     canonical names (aliases)            member
 ========== ==================================== ==========================================
-eviction   ``lru``, ``s3fifo``, ``cost``         an :class:`~.base.EvictionPolicy`
+eviction   ``lru``, ``s3fifo``, ``cost``,        an :class:`~.base.EvictionPolicy`
+           ``class_lru``
 admission  ``all`` (``none``), ``reused``         ``None`` (admit every block), a
            (``second``, ``second_hit``),          :class:`~.admission.SecondSightingAdmission`,
            ``predicted``                          a :class:`~.admission.PredictedReuseAdmission`
@@ -26,6 +27,7 @@ from __future__ import annotations
 from ..registry import Registry
 from .admission import PredictedReuseAdmission, SecondSightingAdmission
 from .base import EvictionPolicy
+from .classlru import ClassLRUPolicy
 from .costaware import CostAwarePolicy
 from .lifetime import DemotionClassifier, PrefixLifetimePredictor, ReuseEntryClassifier, default_classify
 from .lru import LRUPolicy
@@ -39,6 +41,7 @@ EVICTION: Registry[EvictionPolicy] = Registry("eviction")
 EVICTION.register("lru", LRUPolicy)
 EVICTION.register("s3fifo", S3FIFOPolicy)
 EVICTION.register("cost", CostAwarePolicy)
+EVICTION.register("class_lru", ClassLRUPolicy)
 
 #: SSD admission of blocks demoted from the last memory tier.
 ADMISSION: Registry = Registry("admission")
