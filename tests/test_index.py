@@ -11,6 +11,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -493,6 +494,21 @@ def test_a_growing_row_table_keeps_every_room_on_its_new_arrays():
     ix.pin(ns, keys[-1:], lease_s=100.0)
     assert ix.state_of(keys[-1]) is BlockState.PINNED
     ix.check_invariants(quiescent=True)
+
+
+def test_namespace_ids_past_uint16_widen_the_rows_namespace_column():
+    """Row namespace ids are ``uint16`` (index/rows.py) until a 65536th namespace: the column
+    is widened then, and every block keeps its namespace (never a wrapped id)."""
+    ix = _index(host_blocks=8)
+    first, late = b"\x01" * 32, b"\x02" * 32
+    ix.complete_store(ix.prepare_store(first, [_k(1)]))
+    for i in range(1, 1 << 16):  # ids 2..65536 after `first`'s 1: `late` gets 65537
+        ix.rows.namespaces.intern(i.to_bytes(32, "big"))
+    assert ix.rows.ns.dtype == np.uint16
+    ix.complete_store(ix.prepare_store(late, [_k(2)]))
+    assert ix.rows.namespaces.ids[late] > 0xFFFF and ix.rows.ns.dtype == np.int32
+    assert ix.rows.view(ix.rows.table.get(_k(2))).ns == late
+    assert ix.rows.view(ix.rows.table.get(_k(1))).ns == first
 
 
 def test_abandoned_prepare_store_leaks_nothing():
