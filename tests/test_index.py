@@ -19,6 +19,7 @@ from tierstore import KVStore, Namespace, Status, Tier, leading_ok
 from tierstore.config import PoliciesConfig
 from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
 from tierstore.index import BlockIndex, BlockState, IndexRuntime, IndexShape
+from tierstore.index.rows import RowTable
 from tierstore.policies import policy_names
 
 from .conftest import FakeEntry, SlowEngine, make_blocks, memory_segment_store, tokens
@@ -509,6 +510,20 @@ def test_namespace_ids_past_uint16_widen_the_rows_namespace_column():
     assert ix.rows.namespaces.ids[late] > 0xFFFF and ix.rows.ns.dtype == np.int32
     assert ix.rows.view(ix.rows.table.get(_k(2))).ns == late
     assert ix.rows.view(ix.rows.table.get(_k(1))).ns == first
+
+
+def test_a_memory_tier_slot_column_is_int16_only_when_every_slot_fits():
+    """index/rows.py: 2 bytes a row for a tier of at most 32768 slots, 4 above; slot ids and the
+    -1 of "not in this tier" read back exactly in both, across a growth of the table."""
+    rt = RowTable(16, 64, {Tier.HBM: 1 << 15, Tier.HOST: (1 << 15) + 1})
+    assert rt.slot[Tier.HBM].dtype == np.int16 and rt.slot[Tier.HOST].dtype == np.int32
+    assert RowTable(16, 64).slot[Tier.HBM].dtype == np.int32  # no counts: the wide column
+    rows = rt.new_rows([_k(i) for i in range(40)], 0, np.arange(40), -1, 0.0)
+    rt.set_slot(int(rows[0]), Tier.HBM, (1 << 15) - 1)
+    rt.set_slot(int(rows[1]), Tier.HOST, 1 << 15)
+    rt.grow()
+    assert int(rt.slot[Tier.HBM][rows[0]]) == (1 << 15) - 1 and int(rt.slot[Tier.HOST][rows[1]]) == 1 << 15
+    assert int(rt.slot[Tier.HBM][rows[1]]) == -1 and rt.top(int(rows[0])) is None  # still PENDING
 
 
 def test_abandoned_prepare_store_leaks_nothing():

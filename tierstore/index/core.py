@@ -218,7 +218,9 @@ class BlockIndex:
         self.tokens_per_block = shape.tokens_per_block
         c = shape
         self.rows = RowTable(
-            max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes
+            max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64),
+            c.block_bytes,
+            {Tier.HBM: c.hbm_blocks, Tier.HOST: c.host_blocks},  # each tier's SlotAllocator (placement.py)
         )
         self.metrics = Metrics()
         self.placement = Placement(

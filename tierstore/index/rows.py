@@ -128,6 +128,9 @@ class RowTable:
         Rows to allocate up front (the table grows beyond it).
     block_bytes : int
         Bytes per block (what :attr:`EntryView.size_bytes` says).
+    slot_counts : dict, optional
+        Slots of each memory tier: a tier's slot column is ``int16`` when every slot and -1
+        fit (under 32768 slots), else ``int32`` (the default where not given).
     """
 
     # the per-row arrays of _ARRAYS (set by name in __init__ and grow)
@@ -143,14 +146,20 @@ class RowTable:
     nvme_class: np.ndarray
     nvme_at: np.ndarray
 
-    def __init__(self, capacity_rows: int, block_bytes: int) -> None:
+    def __init__(
+        self, capacity_rows: int, block_bytes: int, slot_counts: dict[Tier, int] | None = None
+    ) -> None:
         self.block_bytes = block_bytes
         self.table = KeyTable(capacity_rows)
         cap = self.table.capacity_rows
         # one spare element at the end, always 0: ``flags[-1]`` is the flags of
         # an absent key (row -1), so chains are classified without masking
         self.flags = np.zeros(cap + 1, dtype=np.uint8)
-        self.slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
+        counts = slot_counts or {}
+        self.slot = {
+            t: np.full(cap, -1, dtype=np.int16 if counts.get(t, 1 << 31) <= 1 << 15 else np.int32)
+            for t in MEMORY_TIERS
+        }
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
         self.namespaces = NamespaceIds()
@@ -172,7 +181,7 @@ class RowTable:
             setattr(self, name, new)
         for t in MEMORY_TIERS:
             old = self.slot[t]
-            new = np.full(cap, -1, dtype=np.int32)
+            new = np.full(cap, -1, dtype=old.dtype)
             new[: old.size] = old
             self.slot[t] = new
 
