@@ -526,6 +526,15 @@ def test_a_memory_tier_slot_column_is_int16_only_when_every_slot_fits():
     assert int(rt.slot[Tier.HBM][rows[1]]) == -1 and rt.top(int(rows[0])) is None  # still PENDING
 
 
+def test_chain_positions_past_int16_widen_the_position_column():
+    rt = RowTable(16, 64)
+    rows = rt.new_rows([_k(1), _k(2)], 0, np.array([0, 0x7FFF]), -1, 0.0)
+    assert rt.pos.dtype == np.int16
+    far = rt.new_rows([_k(3)], 0, np.array([0x8000]), -1, 0.0)
+    assert rt.pos.dtype == np.int32
+    assert rt.view(int(far[0])).position == 0x8000 and rt.view(int(rows[1])).position == 0x7FFF
+
+
 def test_abandoned_prepare_store_leaks_nothing():
     ix = _index(hbm_blocks=2, host_blocks=2)
     ns = bytes(32)

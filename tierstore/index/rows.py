@@ -2,7 +2,7 @@
 
 :class:`RowTable` owns the :class:`~tierstore.keytable.KeyTable` (key -> row) and every
 per-row array (flags, memory slots, namespace id, chain position, hits, times, request
-references, readers, pin expiry, lifetime hint and class, NVMe write time), about 61 bytes a
+references, readers, pin expiry, lifetime hint and class, NVMe write time), about 55 bytes a
 row. It replaces its arrays when it grows, so nobody keeps an array in an attribute: a room
 reads ``rows.flags`` under the index lock each time (or binds it in a method that cannot grow
 the table). :class:`EntryView` is what policies read about one row. The ``flags`` byte of a
@@ -61,7 +61,7 @@ TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
 #: Per-row arrays other than ``flags`` and ``slot``: ``(name, dtype, fill of a new element)``.
 _ARRAYS = (
     ("ns", np.uint16, 0),  # widened to int32 past 65535 namespaces (``_init``)
-    ("pos", np.int32, 0),
+    ("pos", np.int16, 0),  # widened to int32 past position 32767 (``_init``)
     ("hits", np.int32, 0),
     ("created", np.float64, 0),
     ("last", np.float64, 0),
@@ -192,6 +192,8 @@ class RowTable:
             self.grow()
         if nid > 0xFFFF and self.ns.dtype == np.uint16:
             self.ns = self.ns.astype(np.int32)
+        if self.pos.dtype == np.int16 and int(np.max(positions, initial=-1)) > 0x7FFF:
+            self.pos = self.pos.astype(np.int32)
         self.flags[rows] = flags
         self.slot[Tier.HBM][rows] = -1
         self.slot[Tier.HOST][rows] = -1
