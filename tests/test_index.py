@@ -11,6 +11,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from tierstore import KVStore, Namespace, Status, Tier, leading_ok
 from tierstore.config import PoliciesConfig
 from tierstore.errors import ConfigError, InvariantError, LayoutError, QuotaExceeded, StoreClosedError
 from tierstore.index import BlockIndex, BlockState, IndexRuntime, IndexShape
+from tierstore.index.rows import RowTable
 from tierstore.policies import policy_names
 
 from .conftest import FakeEntry, SlowEngine, make_blocks, memory_segment_store, tokens
@@ -493,6 +495,44 @@ def test_a_growing_row_table_keeps_every_room_on_its_new_arrays():
     ix.pin(ns, keys[-1:], lease_s=100.0)
     assert ix.state_of(keys[-1]) is BlockState.PINNED
     ix.check_invariants(quiescent=True)
+
+
+def test_namespace_ids_past_uint16_widen_the_rows_namespace_column():
+    """Row namespace ids are ``uint16`` (index/rows.py) until a 65536th namespace: the column
+    is widened then, and every block keeps its namespace (never a wrapped id)."""
+    ix = _index(host_blocks=8)
+    first, late = b"\x01" * 32, b"\x02" * 32
+    ix.complete_store(ix.prepare_store(first, [_k(1)]))
+    for i in range(1, 1 << 16):  # ids 2..65536 after `first`'s 1: `late` gets 65537
+        ix.rows.namespaces.intern(i.to_bytes(32, "big"))
+    assert ix.rows.ns.dtype == np.uint16
+    ix.complete_store(ix.prepare_store(late, [_k(2)]))
+    assert ix.rows.namespaces.ids[late] > 0xFFFF and ix.rows.ns.dtype == np.int32
+    assert ix.rows.view(ix.rows.table.get(_k(2))).ns == late
+    assert ix.rows.view(ix.rows.table.get(_k(1))).ns == first
+
+
+def test_a_memory_tier_slot_column_is_int16_only_when_every_slot_fits():
+    """index/rows.py: 2 bytes a row for a tier of at most 32768 slots, 4 above; slot ids and the
+    -1 of "not in this tier" read back exactly in both, across a growth of the table."""
+    rt = RowTable(16, 64, {Tier.HBM: 1 << 15, Tier.HOST: (1 << 15) + 1})
+    assert rt.slot[Tier.HBM].dtype == np.int16 and rt.slot[Tier.HOST].dtype == np.int32
+    assert RowTable(16, 64).slot[Tier.HBM].dtype == np.int32  # no counts: the wide column
+    rows = rt.new_rows([_k(i) for i in range(40)], 0, np.arange(40), -1, 0.0)
+    rt.set_slot(int(rows[0]), Tier.HBM, (1 << 15) - 1)
+    rt.set_slot(int(rows[1]), Tier.HOST, 1 << 15)
+    rt.grow()
+    assert int(rt.slot[Tier.HBM][rows[0]]) == (1 << 15) - 1 and int(rt.slot[Tier.HOST][rows[1]]) == 1 << 15
+    assert int(rt.slot[Tier.HBM][rows[1]]) == -1 and rt.top(int(rows[0])) is None  # still PENDING
+
+
+def test_chain_positions_past_int16_widen_the_position_column():
+    rt = RowTable(16, 64)
+    rows = rt.new_rows([_k(1), _k(2)], 0, np.array([0, 0x7FFF]), -1, 0.0)
+    assert rt.pos.dtype == np.int16
+    far = rt.new_rows([_k(3)], 0, np.array([0x8000]), -1, 0.0)
+    assert rt.pos.dtype == np.int32
+    assert rt.view(int(far[0])).position == 0x8000 and rt.view(int(rows[1])).position == 0x7FFF
 
 
 def test_abandoned_prepare_store_leaks_nothing():

@@ -260,3 +260,15 @@ def test_a_probe_off_the_tail_lays_the_table_out_again():
     rows = [t.add(k)[0] for k in twins]
     assert t.full_rebuilds >= 1
     assert t.get_many(twins).tolist() == rows == [t.get(k) for k in twins]
+
+
+def test_row_growth_extends_the_key_buffer_in_place_and_keeps_every_key():
+    """Growth extends ``_keys``/``_live`` (no second buffer held beside the old one: that
+    doubled the peak memory of a growth) and every key keeps its row."""
+    t = KeyTable(16)
+    keys_buf, live_buf = t._keys, t._live
+    ks = [bytes([i % 256, i // 256]) * 16 for i in range(300)]
+    rows = [t.add(k)[0] for k in ks[:100]] + t.add_absent(ks[100:]).tolist()
+    assert t.capacity_rows > 16 and t._keys is keys_buf and t._live is live_buf
+    assert len(t._keys) == 32 * t.capacity_rows and len(t._live) == t.capacity_rows
+    assert [t.get(k) for k in ks] == rows and t.keys_of(rows) == ks

@@ -61,6 +61,8 @@ MIN_SLOTS = 256
 #: ends the move before the new array takes ``len(new) / 8 + 64`` more keys (load ~<= 5/8).
 REHASH_SLOTS_PER_KEY = 16
 REHASH_BATCH_SLOTS = 1024
+#: Zeros appended per step when the row buffers grow (the only transient of a growth).
+_GROW_CHUNK_BYTES = 1 << 20
 
 
 def _pow2_at_least(n: int) -> int:
@@ -424,12 +426,14 @@ class KeyTable:
         return r
 
     def _grow_rows(self) -> None:
+        """1.5x the rows, extending the buffers in place: ``realloc`` (``mremap`` for a large
+        buffer: no copy) and zeros in chunks, so the old and the new keys are never held at
+        once (that doubled the table's peak memory at each growth)."""
         new_cap = self._cap + max(16, self._cap // 2)
-        keys = bytearray(KEY_BYTES * new_cap)
-        keys[: len(self._keys)] = self._keys
-        live = bytearray(new_cap)
-        live[: len(self._live)] = self._live
-        self._keys, self._live, self._cap = keys, live, new_cap
+        for buf, n in ((self._keys, KEY_BYTES * (new_cap - self._cap)), (self._live, new_cap - self._cap)):
+            for done in range(0, n, _GROW_CHUNK_BYTES):
+                buf.extend(bytes(min(_GROW_CHUNK_BYTES, n - done)))
+        self._cap = new_cap
 
     def _make_room(self, n: int) -> None:
         """Before ``n`` inserts: start a rehash if keys and tombstones would pass half the slots."""

@@ -2,7 +2,9 @@
 copy-forward replacement, namespaces, and growth past the initial rows."""
 
 import numpy as np
+import pytest
 
+from tierstore.errors import LayoutError
 from tierstore.io import format as fmt
 from tierstore.io.locator import BlockLocator
 
@@ -100,3 +102,51 @@ def test_grows_past_its_initial_rows_and_keeps_every_location():
     assert all(loc.locate(key(i))[1] == i * SLOT for i in range(0, n, 7))
     assert loc.place(key(5), 123 * 4096, 9, 99, NS_B) == loc.row(key(5))
     assert loc.locate(key(5))[1] == 123 * 4096 and loc.entries()[key(5)] == (NS_B, 99)
+
+
+def test_offsets_are_4096_units_in_uint32_below_16_tib_and_int64_bytes_above():
+    small = BlockLocator(16, SEG, SLOT, device_bytes=64 * SEG)
+    big = BlockLocator(16, SEG, SLOT, device_bytes=(4096 << 32) + SEG)
+    assert small.nbytes < big.nbytes  # 4 bytes a row fewer
+    ks = [key(i) for i in range(3)]
+    small.commit(63 * SEG, 1, entries(ks))
+    assert small.locate(ks[2]) == (63, 63 * SEG + 4096 + 2 * SLOT, SLOT)
+    assert small.offsets(small.rows_of(ks)).tolist() == [63 * SEG + 4096 + j * SLOT for j in range(3)]
+    top = (4096 << 32) + 4096  # past uint32 counts of 4096: the wide column keeps it exactly
+    big.place(ks[0], top, 7, 1, NS_A)
+    assert big.locate(ks[0]) == (top // SEG, top, SLOT)
+
+
+def test_an_offset_a_narrow_column_cannot_hold_is_refused_and_nothing_is_stored():
+    loc = BlockLocator(16, SEG, SLOT, device_bytes=4 * SEG)
+    loc.commit(0, 1, entries([key(1)]))
+    with pytest.raises(LayoutError, match="multiples of 4096"):
+        loc.place(key(1), SEG + 512, 1, 2, NS_A)
+    with pytest.raises(LayoutError):
+        loc.commit(4 * SEG, 3, entries([key(2)]))  # at the device's end
+    assert loc.locate(key(1)) == (0, 4096, SLOT)
+
+
+def test_seqs_are_exact_across_rebases_and_widen_when_live_seqs_span_2_to_the_32():
+    loc = BlockLocator(16, SEG, SLOT, device_bytes=64 * SEG)
+    first = 5 << 40
+    seqs = [first, first - 3, first + (1 << 31) + 9, first + (1 << 32) - 5]  # the last two rebase the column
+    for i, s in enumerate(seqs):
+        loc.place(key(i), i * SEG, 0, s, NS_A)
+    assert loc.seqs(loc.rows_of([key(i) for i in range(4)])).tolist() == seqs
+    assert loc._seq.dtype == np.uint32
+    loc.remove([key(1)])  # the oldest left is `first`: the next spans more than 2**32 with it
+    loc.place(key(9), 9 * SEG, 0, first + (1 << 32), NS_A)
+    assert loc._seq.dtype == np.int64
+    assert sorted(loc.scan().write_seqs.tolist()) == sorted([*seqs[:1], *seqs[2:], first + (1 << 32)])
+    assert loc.entries()[key(0)] == (NS_A, first) and loc.entries()[key(9)] == (NS_A, first + (1 << 32))
+
+
+def test_namespace_ids_widen_past_uint16():
+    loc = BlockLocator(16, SEG, SLOT)
+    for i in range(1 << 16):  # ids 1..65536 with the zero digest's 0
+        loc.namespaces.intern(i.to_bytes(32, "little") if i else b"\xff" * 32)
+    ns = (1 << 16).to_bytes(32, "little")
+    assert loc.ns_id.dtype == np.uint16
+    loc.commit(0, 1, entries([key(1)], ns))
+    assert loc.ns_id.dtype == np.int32 and loc.namespace_of(loc.row(key(1))) == ns

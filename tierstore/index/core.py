@@ -48,7 +48,7 @@ from .listener import NvmeListener
 from .lookup import Lookups
 from .pins import Pins
 from .placement import Placement
-from .rows import NO_HINT, PENDING, RowTable
+from .rows import NO_HINT, PENDING, POSITION_MAX, RowTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +218,9 @@ class BlockIndex:
         self.tokens_per_block = shape.tokens_per_block
         c = shape
         self.rows = RowTable(
-            max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64), c.block_bytes
+            max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64),
+            c.block_bytes,
+            {Tier.HBM: c.hbm_blocks, Tier.HOST: c.host_blocks},  # each tier's SlotAllocator (placement.py)
         )
         self.metrics = Metrics()
         self.placement = Placement(
@@ -382,13 +384,13 @@ class BlockIndex:
     def _check_positions(self, first_position: int, n: int) -> None:
         """Refuse chain positions the rows cannot hold (:class:`LayoutError`): ``first_position``
         must be an int >= 0 with ``first_position + n - 1`` within the ``pos`` row's dtype (int32)."""
-        top = int(np.iinfo(self.rows.pos.dtype).max)
+        top = POSITION_MAX
         if isinstance(first_position, bool) or not isinstance(first_position, (int, np.integer)):
             raise LayoutError(f"first_position={first_position!r}: must be an int (a block's chain position)")
         if not 0 <= first_position <= top - max(n - 1, 0):
             raise LayoutError(
                 f"first_position={first_position}: the chain positions of {n} blocks must lie in "
-                f"[0, {top}] (the index keeps a block's position as {self.rows.pos.dtype})"
+                f"[0, {top}] (the index keeps a block's position as at most an int32)"
             )
 
     def prepare_store(

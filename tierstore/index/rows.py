@@ -2,7 +2,7 @@
 
 :class:`RowTable` owns the :class:`~tierstore.keytable.KeyTable` (key -> row) and every
 per-row array (flags, memory slots, namespace id, chain position, hits, times, request
-references, readers, pin expiry, lifetime hint and class, NVMe write time), about 45 bytes a
+references, readers, pin expiry, lifetime hint and class, NVMe write time), about 55 bytes a
 row. It replaces its arrays when it grows, so nobody keeps an array in an attribute: a room
 reads ``rows.flags`` under the index lock each time (or binds it in a method that cannot grow
 the table). :class:`EntryView` is what policies read about one row. The ``flags`` byte of a
@@ -58,10 +58,13 @@ def _top_of_flags(f: int) -> int:
 TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
 TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
 
+#: The largest chain position a row holds: the ``pos`` column starts ``int16`` and is widened to
+#: ``int32`` (never further) by the first position past 32767.
+POSITION_MAX = int(np.iinfo(np.int32).max)
 #: Per-row arrays other than ``flags`` and ``slot``: ``(name, dtype, fill of a new element)``.
 _ARRAYS = (
-    ("ns", np.int32, 0),
-    ("pos", np.int32, 0),
+    ("ns", np.uint16, 0),  # widened to int32 past 65535 namespaces (``_init``)
+    ("pos", np.int16, 0),  # widened to int32 past position 32767 (``_init``): ``POSITION_MAX``
     ("hits", np.int32, 0),
     ("created", np.float64, 0),
     ("last", np.float64, 0),
@@ -128,6 +131,9 @@ class RowTable:
         Rows to allocate up front (the table grows beyond it).
     block_bytes : int
         Bytes per block (what :attr:`EntryView.size_bytes` says).
+    slot_counts : dict, optional
+        Slots of each memory tier: a tier's slot column is ``int16`` when every slot and -1
+        fit (under 32768 slots), else ``int32`` (the default where not given).
     """
 
     # the per-row arrays of _ARRAYS (set by name in __init__ and grow)
@@ -143,14 +149,20 @@ class RowTable:
     nvme_class: np.ndarray
     nvme_at: np.ndarray
 
-    def __init__(self, capacity_rows: int, block_bytes: int) -> None:
+    def __init__(
+        self, capacity_rows: int, block_bytes: int, slot_counts: dict[Tier, int] | None = None
+    ) -> None:
         self.block_bytes = block_bytes
         self.table = KeyTable(capacity_rows)
         cap = self.table.capacity_rows
         # one spare element at the end, always 0: ``flags[-1]`` is the flags of
         # an absent key (row -1), so chains are classified without masking
         self.flags = np.zeros(cap + 1, dtype=np.uint8)
-        self.slot = {Tier.HBM: np.full(cap, -1, dtype=np.int32), Tier.HOST: np.full(cap, -1, dtype=np.int32)}
+        counts = slot_counts or {}
+        self.slot = {
+            t: np.full(cap, -1, dtype=np.int16 if counts.get(t, 1 << 31) <= 1 << 15 else np.int32)
+            for t in MEMORY_TIERS
+        }
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
         self.namespaces = NamespaceIds()
@@ -172,7 +184,7 @@ class RowTable:
             setattr(self, name, new)
         for t in MEMORY_TIERS:
             old = self.slot[t]
-            new = np.full(cap, -1, dtype=np.int32)
+            new = np.full(cap, -1, dtype=old.dtype)
             new[: old.size] = old
             self.slot[t] = new
 
@@ -181,6 +193,10 @@ class RowTable:
         top = rows if isinstance(rows, int) else int(np.maximum.reduce(rows, initial=-1))  # no wrapper
         if top >= self.flags.size - 1:
             self.grow()
+        if nid > 0xFFFF and self.ns.dtype == np.uint16:
+            self.ns = self.ns.astype(np.int32)
+        if self.pos.dtype == np.int16 and int(np.max(positions, initial=-1)) > 0x7FFF:
+            self.pos = self.pos.astype(np.int32)
         self.flags[rows] = flags
         self.slot[Tier.HBM][rows] = -1
         self.slot[Tier.HOST][rows] = -1

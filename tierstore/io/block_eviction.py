@@ -277,7 +277,7 @@ class BlockEviction:
             row = self.loc.row(k)
             if row < 0:
                 continue
-            off = int(self.loc.off[row])
+            off = self.loc.offsets(row)
             self.loc.remove([k])
             si = off // self.segs.segment_bytes
             self.retire(si, off, k)

@@ -281,7 +281,7 @@ def _adopt(tier: OnDisk, si: int, off: int, e: fmt.BlockEntry, seq: int) -> None
         # Two copies (a GC copy-forward cut short by a crash): the newer
         # wins only if its payload verifies, since a torn newer copy must
         # not retire the good older one.
-        old = (int(locator.off[row]), int(locator.crc[row]), int(locator.seq[row]))
+        old = (locator.offsets(row), int(locator.crc[row]), locator.seqs(row))
         new = (off, e.payload_crc32c, seq)
         newer, older = (new, old) if seq > old[2] else (old, new)
         winner = newer if _verify_at(tier.engine, segs.block_bytes, e.key, newer[0], newer[1]) else older

@@ -507,7 +507,10 @@ class SegmentStorage(BlockStorage):
         )
         self._blk: BlockEviction | None = None
         self._loc = BlockLocator(
-            max(1024, self.capacity_blocks() + 1), self.segment_size_bytes, self._slot_bytes
+            max(1024, self.capacity_blocks() + 1),
+            self.segment_size_bytes,
+            self._slot_bytes,
+            device_bytes=self.n_segments * self.segment_size_bytes,
         )
         parts = RoomParts(self.engine, self._loc, self._segs, self.keep_data, self._st)
         self._reader = SegmentReader(parts, self._rpipe, self._read_lock, self.extent_size_bytes)
@@ -644,7 +647,7 @@ class SegmentStorage(BlockStorage):
             rows = self._loc.rows_of(keys)
             rows = rows[rows >= 0]
             if rows.size:
-                self._segs.touch(np.unique(self._loc.off[rows] // self.segment_size_bytes))
+                self._segs.touch(np.unique(self._loc.offsets(rows) // self.segment_size_bytes))
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -716,7 +719,7 @@ class SegmentStorage(BlockStorage):
             if self._blk is not None:
                 if len(self._loc) > self._blk.live_budget:
                     raise InvariantError(f"{len(self._loc)} live blocks > budget {self._blk.live_budget}")
-                self._blk.check(self._loc.off[self._loc.table.rows()])
+                self._blk.check(self._loc.offsets(self._loc.table.rows()))
 
     # ============================================================ fragment API
     def put_fragments(
