@@ -592,10 +592,12 @@ class NodeServer:
         self._settle(s, m.plan_id, out.statuses)
         if self.metrics is not None:
             self.metrics.count_blocks("put", s.tenant, out.statuses)
-            self.metrics.bytes.labels("in", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
-        durable = bytes(1 if i in out.durable else 0 for i in range(len(out.statuses)))
+            self.metrics.bytes.labels("in", s.tenant).inc(m.ok.count(1) * self.core.layout.bytes_per_block)
+        durable = bytearray(len(out.statuses))
+        for i in out.durable:
+            durable[i] = 1
         return self._notices(
-            s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable)
+            s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=bytes(durable))
         )
 
     def _prepare_load(self, s: _Session, m: P.PrepareLoad):
@@ -614,7 +616,7 @@ class NodeServer:
         self.core.complete_load(m.plan_id, m.ok)
         s.tickets.discard(m.plan_id)
         if self.metrics is not None:
-            self.metrics.bytes.labels("out", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
+            self.metrics.bytes.labels("out", s.tenant).inc(m.ok.count(1) * self.core.layout.bytes_per_block)
         return self._notices(s, P.Ack(m.rid))
 
     def _abort(self, s: _Session, m: P.Abort):

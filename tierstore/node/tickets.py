@@ -392,8 +392,8 @@ class PlanService:
         ``IO_ERROR``; a key handed no slot stays ``NO_SPACE``."""
         sources = _SlotSources(self, t.slots)  # built only for the keys written to NVMe or published
         copied = [
-            (Status.OK if and_ok[i] else Status.IO_ERROR) if t.slots[i] >= 0 else t.statuses[i]
-            for i in range(len(t.keys))
+            (Status.OK if ok else Status.IO_ERROR) if slot >= 0 else st
+            for ok, slot, st in zip(np.asarray(and_ok).tolist(), t.slots.tolist(), t.statuses)
         ]
         try:
             st, durable = self.transfers.store_epilogue(t.plan, sources, copied, publish)
