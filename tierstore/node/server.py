@@ -592,7 +592,7 @@ class NodeServer:
         self._settle(s, m.plan_id, out.statuses)
         if self.metrics is not None:
             self.metrics.count_blocks("put", s.tenant, out.statuses)
-            self.metrics.bytes.labels("in", s.tenant).inc(m.ok.count(1) * self.core.layout.bytes_per_block)
+            self.metrics.count_bytes("in", s.tenant, m.ok.count(1) * self.core.layout.bytes_per_block)
         durable = bytearray(len(out.statuses))
         for i in out.durable:
             durable[i] = 1
@@ -616,7 +616,7 @@ class NodeServer:
         self.core.complete_load(m.plan_id, m.ok)
         s.tickets.discard(m.plan_id)
         if self.metrics is not None:
-            self.metrics.bytes.labels("out", s.tenant).inc(m.ok.count(1) * self.core.layout.bytes_per_block)
+            self.metrics.count_bytes("out", s.tenant, m.ok.count(1) * self.core.layout.bytes_per_block)
         return self._notices(s, P.Ack(m.rid))
 
     def _abort(self, s: _Session, m: P.Abort):

@@ -301,12 +301,16 @@ class PlanService:
         n = len(plan.keys)
         slots = np.full(n, -1, dtype=np.int32)
         host = {i: s for i, t, s in plan.memory if t == Tier.HOST}
-        need = [i for i in plan.pending if i not in host]
+        pending = plan.pending
+        need = [i for i in pending if i not in host]
         got = self._take_staging(len(need)) if need else []
         staged = dict(zip(need, got))
         statuses = [s if s is not None else Status.OK for s in plan.statuses]
         cut = None
-        for i in plan.pending:
+        if not need and len(host) == len(pending):  # each new block has its host slot: no cut
+            slots[list(host)] = list(host.values())
+            pending = []
+        for i in pending:
             s = host.get(i, staged.get(i, -1))
             if s < 0 or cut is not None:
                 cut = i if cut is None else cut

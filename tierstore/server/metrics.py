@@ -40,11 +40,23 @@ class _BlockTraffic:
     def __init__(self, r: CollectorRegistry, prefix: str, blocks_doc: str, bytes_doc: str) -> None:
         self.blocks = Counter(f"{prefix}_blocks", blocks_doc, ["op", "tenant", "status"], registry=r)
         self.bytes = Counter(f"{prefix}_payload_bytes", bytes_doc, ["direction", "tenant"], registry=r)
+        self._children: dict[tuple, Counter] = {}  # labels() costs a lock and a tuple per call
+
+    def _child(self, family: Counter, *labels: str) -> Counter:
+        key = (id(family), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
 
     def count_blocks(self, op: str, tenant: str, statuses) -> None:
         """Count blocks of a store outcome or load (ticket) by status."""
         for st, n in collections.Counter(statuses).items():  # .value per status, not per block
-            self.blocks.labels(op, tenant, st.value).inc(n)
+            self._child(self.blocks, op, tenant, st.value).inc(n)
+
+    def count_bytes(self, direction: str, tenant: str, n: int) -> None:
+        """Count ``n`` payload bytes moved in ``direction`` (``in``: stored, ``out``: loaded)."""
+        self._child(self.bytes, direction, tenant).inc(n)
 
 
 class _StoreCollector:
