@@ -10,7 +10,8 @@ metrics) as a session thread runs it. Measured: ``Lookup`` of a resident 64-bloc
 (key-level, as ``lookup_keys``), then ``PrepareStore`` + ``CompleteStore`` of 32 fresh blocks
 (the client's copy is not made: the slots keep what they held), each followed by an
 ``Invalidate`` (not timed), as ``node_bench.py``'s store runs. Reported: the median per request
-type in microseconds.
+type in microseconds, and, load-independent, the Python-level calls one request makes
+(``cProfile``'s count over ``--profiled`` more requests of each type, as ``call_counts.py``).
 
 ``--base TREE`` runs it alternately in fresh processes on this tree and on ``TREE`` (a checkout
 of the other commit, ``PYTHONPATH`` set to it), ``--rounds`` each, ABAB; reported per tree the
@@ -23,8 +24,10 @@ median over rounds of the per-round medians, with min..max.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import socket
 import statistics
@@ -92,18 +95,25 @@ def measure(args) -> dict:
     def wire(msg):  # as the session thread receives it: encoded, decoded against the schema
         return P.REQUEST_DECODER.decode(enc.encode(msg))
 
-    def answer(msg):
+    prof = {name: cProfile.Profile() for name in ("lookup", "prepare_store", "complete_store")}
+
+    def answer(msg, name: str = "", profiled: bool = False):
+        p = prof[name] if profiled else None
         t0 = time.thread_time_ns()
+        if p is not None:
+            p.enable()
         reply = srv._answer(s, msg)
         enc.encode(reply)
+        if p is not None:
+            p.disable()
         return reply, time.thread_time_ns() - t0
 
-    def store(first: int, n: int):
+    def store(first: int, n: int, profiled: bool = False):
         keys = block_hashes(digest, list(range(first, first + n * 16)), 16)
-        t, c1 = answer(
-            wire(P.PrepareStore(1, ns=digest, keys=b"".join(keys), first_position=0, lifetime=0, wait=True))
-        )
-        o, c2 = answer(wire(P.CompleteStore(2, plan_id=t.plan_id, ok=bytes([1]) * n)))
+        prepare = P.PrepareStore(1, ns=digest, keys=b"".join(keys), first_position=0, lifetime=0, wait=True)
+        t, c1 = answer(wire(prepare), "prepare_store", profiled)
+        complete = P.CompleteStore(2, plan_id=t.plan_id, ok=bytes([1]) * n)
+        o, c2 = answer(wire(complete), "complete_store", profiled)
         if not isinstance(o, P.StoreOutcome) or set(o.statuses) != {0}:
             raise SystemExit(f"store not OK: {o}")
         return keys, c1, c2
@@ -118,16 +128,22 @@ def measure(args) -> dict:
                 raise SystemExit(f"lookup matched {r.matched}")
             res["lookup"].append(c)
         srv._answer(s, wire(P.Invalidate(4, ns=digest)))
-        for i in range(args.stores):
-            _, c1, c2 = store(10**8 + i * args.blocks * 16, args.blocks)
-            res["prepare_store"].append(c1)
-            res["complete_store"].append(c2)
+        for i in range(args.stores + args.profiled):
+            profiled = i >= args.stores  # the last ones count calls (cProfile), not time
+            _, c1, c2 = store(10**8 + i * args.blocks * 16, args.blocks, profiled)
+            if not profiled:
+                res["prepare_store"].append(c1)
+                res["complete_store"].append(c2)
             srv._answer(s, wire(P.Invalidate(5, ns=digest)))
+        for _ in range(args.profiled):
+            answer(lookup, "lookup", True)
     finally:
         core.close()
         a.close()
         b.close()
     out = {f"{k}_us": statistics.median(v) / 1e3 for k, v in res.items()}
+    for name, p in prof.items():  # load-independent: the Python-level calls of one request
+        out[f"{name}_calls"] = pstats.Stats(p).total_calls / args.profiled
     out["load_average_1m"] = os.getloadavg()[0]
     return out
 
@@ -137,6 +153,7 @@ def compare(args) -> dict:
     raw: dict = {name: [] for name in trees}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dir", args.dir]
     cmd += ["--lookups", str(args.lookups), "--stores", str(args.stores), "--blocks", str(args.blocks)]
+    cmd += ["--profiled", str(args.profiled)]
     for i in range(args.rounds):
         for name in ("new", "base") if i % 2 == 0 else ("base", "new"):
             tree = trees[name]
@@ -168,6 +185,7 @@ def main() -> None:
     ap.add_argument("--stores", type=int, default=400, help="PrepareStore/CompleteStore pairs")
     ap.add_argument("--blocks", type=int, default=32, help="2 MiB blocks per store")
     ap.add_argument("--prefix-blocks", type=int, default=64)
+    ap.add_argument("--profiled", type=int, default=50, help="requests of each type whose calls are counted")
     ap.add_argument("--base", default=None, help="a checkout of the commit to compare with (ABAB)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

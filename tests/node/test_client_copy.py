@@ -106,3 +106,28 @@ def test_runs_are_cut_into_pieces_of_about_chunk_bytes(seg):
         p()
     assert torch.equal(rows[:6, :BB], data)
     assert client_mod._run_pieces(rows, data, np.arange(6, dtype=np.int32), todo[:0], 0, True, BB, BB) == []
+
+
+def test_node_metrics_count_blocks_by_status_and_payload_bytes():
+    """``count_blocks`` counts each status (by identity, not per-block hashing) and
+    ``count_bytes`` adds up, on the labelled children it keeps."""
+    from prometheus_client import CollectorRegistry
+
+    from tierstore.server.metrics import NodeMetrics
+
+    r = CollectorRegistry()
+    m = NodeMetrics(r)
+    m.count_blocks("put", "acme", [Status.OK] * 3 + [Status.EXISTS, Status.NO_SPACE, Status.OK])
+    m.count_blocks("put", "acme", (s for s in [Status.OK, Status.IO_ERROR]))
+    m.count_bytes("in", "acme", 10)
+    m.count_bytes("in", "acme", 5)
+
+    def value(name, **labels):
+        return r.get_sample_value(name, labels)
+
+    assert value("tierstore_node_blocks_total", op="put", tenant="acme", status="ok") == 5
+    assert value("tierstore_node_blocks_total", op="put", tenant="acme", status="exists") == 1
+    assert value("tierstore_node_blocks_total", op="put", tenant="acme", status="no_space") == 1
+    assert value("tierstore_node_blocks_total", op="put", tenant="acme", status="io_error") == 1
+    assert value("tierstore_node_blocks_total", op="put", tenant="acme", status="miss") is None
+    assert value("tierstore_node_payload_bytes_total", direction="in", tenant="acme") == 15
