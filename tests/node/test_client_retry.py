@@ -97,7 +97,7 @@ def test_the_first_call_after_a_service_restart_reconnects_and_is_served(tmp_pat
         core.close()
 
 
-def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again(tmp_path):
+def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again(tmp_path, monkeypatch):
     """The commit names the old session's ticket and slots: it is never sent to a new session
     (a new service may give the same plan id to another ticket); the blocks are REJECTED and the
     restarted service does not hold them."""
@@ -105,10 +105,10 @@ def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again
     live = {"core": _nvme_core(tmp_path)}
     live["server"] = NodeServer(live["core"], NodeConfig(socket=sock)).start()
     c = NodeKVStore(f"unix://{sock}", LAYOUT, timeout_s=2.0, retry_s=30.0)
-    copy = c._copy_slots
+    copy = client_mod.copy_slots
 
-    def copy_then_restart(t, copy_of):
-        ok = copy(t, copy_of)
+    def copy_then_restart(*args):
+        ok = copy(*args)
         live["server"].close()
         live["core"].close()
         live["core"] = _nvme_core(tmp_path)
@@ -116,10 +116,10 @@ def test_a_store_whose_session_ends_before_its_commit_is_rejected_not_sent_again
         return ok
 
     try:
-        c._copy_slots = copy_then_restart
+        monkeypatch.setattr(client_mod, "copy_slots", copy_then_restart)
         assert c.store(NS, list(range(32)), _data(2)) == [Status.REJECTED] * 2
         assert c.counters["resent"] == 0
-        del c._copy_slots
+        monkeypatch.undo()
         assert c.counters["resent"] == 0 and c.counters["connects"] == 1
         assert c.exists(c.keys_for(NS, list(range(32)))) == 0  # the new service answers at once
         assert c.counters["connects"] == 2 and c.counters["down"] == 1

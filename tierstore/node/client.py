@@ -37,7 +37,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from ..errors import ConfigError, QuotaExceeded, Status, StoreClosedError, TierS
 from ..identity import DigestCache, Namespace, block_hashes
 from ..io.copies import shared_copier
 from ..io.inputs import check_keys, plan_destinations, plan_fragment_destinations
+from ..io.pages import BlockRows
 from ..layout import KVLayout
 from ..store_calls import CheckedStore, KeyLookup, StoreCalls
 from ..units import MAX_DURATION_S, check_duration_s
@@ -81,6 +82,7 @@ _LIFETIME_CODE = {
 }
 _ZERO_NS = bytes(P.NS_BYTES)
 _TIERS = tuple(Tier)  # wire code i is Tier(i)
+_OK_CODE = P.status_code(Status.OK)
 
 
 class _Down(Exception):
@@ -186,6 +188,67 @@ class _Counters(dict[str, int]):
 
     def section(self, **more) -> dict:
         return dict(self, last_refusal=self.last_refusal, last_down=self.last_down, **more)
+
+
+def copy_slots(
+    conn: _Connection | None,
+    t: P.TicketReply,
+    plans: Sequence,
+    at: int,
+    store: bool,
+    block_bytes: int,
+    counters,
+) -> np.ndarray:
+    """Copy the blocks of ticket ``t`` that were handed a slot (status ``OK``) between their slots
+    of ``conn``'s segment and ``plans[at + i]`` (into the slots for a ``store``, out of them
+    otherwise) on the shared copier; the keys whose copy counts (those, less any whose slot's
+    generation changed meanwhile, counted in ``counters['gen_mismatch']``), as bools.
+
+    Keys of a :class:`~tierstore.io.pages.BlockRows` batch whose slots follow each other are
+    copied as runs of rows (one slice pair per piece, as the embedded store's one copy per run);
+    other plans block by block (``gather``/``scatter`` of each)."""
+    slots = P.unpack_slots(t.slots)
+    ok = (slots >= 0) & (np.frombuffer(t.statuses, dtype=np.uint8) == _OK_CODE)
+    todo = np.flatnonzero(ok)
+    assert conn is not None and conn.rows is not None
+    rows, seg = conn.rows, conn.segment
+    copier = shared_copier()
+    if type(plans) is BlockRows:
+        pieces = _run_pieces(rows, plans.rows, slots, todo, at, store, block_bytes, copier.chunk_bytes)
+    else:
+        pieces = [
+            functools.partial(plans[at + i].gather if store else plans[at + i].scatter, rows[s], 0)
+            for i, s in zip(todo.tolist(), slots[todo].tolist())
+        ]
+    copier.run(pieces, len(todo) * block_bytes)
+    have = slots >= 0
+    same = np.zeros(len(slots), dtype=bool)
+    if have.any():
+        same[have] = seg.gens_of(slots[have]) == P.unpack_u64(t.gens)[have]
+    counters["gen_mismatch"] += int((have & ~same).sum())
+    return ok & same
+
+
+def _run_pieces(rows, batch, slots, todo, at: int, store: bool, block_bytes: int, chunk_bytes: int) -> list:
+    """Copy pieces (``dst.copy_(src)`` calls) of the keys ``todo`` of a ``(n, block_bytes)`` batch
+    (key ``i`` is row ``at + i``): each run of keys whose slots follow each other is one pair
+    of row slices, cut into pieces of ~``chunk_bytes``."""
+    if not todo.size:
+        return []
+    s = slots[todo]
+    cut = np.flatnonzero((np.diff(todo) != 1) | (np.diff(s) != 1)) + 1
+    step = max(1, chunk_bytes // block_bytes)
+    pieces = []
+    for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(todo)]):
+        i0, s0 = int(todo[a]), int(s[a])
+        for k in range(0, b - a, step):
+            n = min(step, b - a - k)
+            seg_rows = rows[s0 + k : s0 + k + n, :block_bytes]
+            own = batch[at + i0 + k : at + i0 + k + n]
+            pieces.append(
+                functools.partial(seg_rows.copy_ if store else own.copy_, own if store else seg_rows)
+            )
+    return pieces
 
 
 class _Connection:
@@ -539,38 +602,11 @@ class NodeKVStore(StoreCalls, KeyLookup):
             )
         )
         conn = self._conn  # the session that handed out the ticket's slots
-        ok = self._copy_slots(t, lambda i: sources[at + i].gather)
+        ok = copy_slots(conn, t, sources, at, True, self.layout.bytes_per_block, self.counters)
         out = self._call(
             lambda rid: P.CompleteStore(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), session=conn
         )
         return P.unpack_statuses(out.statuses)
-
-    def _copy_slots(self, t: P.TicketReply, copy_of: Callable[[int], Callable]) -> np.ndarray:
-        """Run ``copy_of(i)(row, 0)`` through the shared copier for every key ``i`` of ticket ``t``
-        given a slot with status ``OK`` (``row``: the slot's row of the segment); the keys whose
-        copy counts (those, less any whose slot's generation changed meanwhile), as bools."""
-        statuses = P.unpack_statuses(t.statuses)
-        slots = P.unpack_slots(t.slots)
-        gens = P.unpack_u64(t.gens)
-        assert self._conn is not None
-        seg, rows = self._conn.segment, self._conn.rows
-        assert rows is not None
-        ok = np.asarray([s >= 0 and st is Status.OK for s, st in zip(slots.tolist(), statuses)], dtype=bool)
-        todo = np.flatnonzero(ok).tolist()
-        shared_copier().run(
-            [functools.partial(copy_of(i), rows[int(slots[i])], 0) for i in todo],
-            len(todo) * self.layout.bytes_per_block,
-        )
-        ok &= self._same_gens(seg, slots, gens)
-        return ok
-
-    def _same_gens(self, seg: Segment, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
-        have = slots >= 0
-        same = np.zeros(len(slots), dtype=bool)
-        if have.any():
-            same[have] = seg.gens_of(slots[have]) == gens[have]
-        self.counters["gen_mismatch"] += int((have & ~same).sum())
-        return same
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ns: Namespace | bytes, token_ids, request_id: object = None) -> LookupResult:
@@ -678,7 +714,7 @@ class NodeKVStore(StoreCalls, KeyLookup):
             lambda rid: P.PrepareLoad(rid, ns=_ZERO_NS, keys=b"".join(keys), hold=None, wait=True), timeout_s
         )
         conn = self._conn
-        ok = self._copy_slots(t, lambda i: plans[at + i].scatter)
+        ok = copy_slots(conn, t, plans, at, False, self.layout.bytes_per_block, self.counters)
         self._call(
             lambda rid: P.CompleteLoad(rid, plan_id=t.plan_id, ok=P.pack_flags(ok)), timeout_s, session=conn
         )

@@ -669,7 +669,7 @@ def _keys_struct(n: int) -> struct.Struct:
 
 def pack_statuses(statuses: Sequence[Status]) -> bytes:
     """Statuses as ``u8`` codes (:data:`WIRE_STATUSES`)."""
-    return bytes(_STATUS_CODE[s] for s in statuses)
+    return bytes(map(WIRE_STATUSES.index, statuses))  # an Enum's hash is Python code; == is identity
 
 
 def unpack_statuses(raw: bytes) -> list[Status]:

@@ -269,9 +269,7 @@ class NodeServer:
                 self.core.index.metrics.inc("node_sessions_refused")
                 if self.metrics is not None:
                     self.metrics.sessions_refused.labels("busy").inc()
-                _log.warning(
-                    "node session %d: refused: %d sessions open (node.max_clients)", sid, self.cfg.max_clients
-                )
+                _log.warning("node session %d refused: node.max_clients=%d open", sid, self.cfg.max_clients)
                 conn.settimeout(self.cfg.op_timeout_s)
                 fs.fail(P.ProtocolError(P.ErrorCode.BUSY, f"{self.cfg.max_clients} sessions open"))
                 continue
@@ -595,10 +593,12 @@ class NodeServer:
         self._settle(s, m.plan_id, out.statuses)
         if self.metrics is not None:
             self.metrics.count_blocks("put", s.tenant, out.statuses)
-            self.metrics.bytes.labels("in", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
-        durable = bytes(1 if i in out.durable else 0 for i in range(len(out.statuses)))
+            self.metrics.count_bytes("in", s.tenant, m.ok.count(1) * self.core.layout.bytes_per_block)
+        durable = bytearray(len(out.statuses))
+        for i in out.durable:
+            durable[i] = 1
         return self._notices(
-            s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=durable)
+            s, P.StoreOutcome(m.rid, statuses=P.pack_statuses(out.statuses), durable=bytes(durable))
         )
 
     def _prepare_load(self, s: _Session, m: P.PrepareLoad):
@@ -617,7 +617,7 @@ class NodeServer:
         self.core.complete_load(m.plan_id, m.ok)
         s.tickets.discard(m.plan_id)
         if self.metrics is not None:
-            self.metrics.bytes.labels("out", s.tenant).inc(sum(m.ok) * self.core.layout.bytes_per_block)
+            self.metrics.count_bytes("out", s.tenant, m.ok.count(1) * self.core.layout.bytes_per_block)
         return self._notices(s, P.Ack(m.rid))
 
     def _abort(self, s: _Session, m: P.Abort):

@@ -332,12 +332,16 @@ class PlanService:
         n = len(plan.keys)
         slots = np.full(n, -1, dtype=np.int32)
         host = {i: s for i, t, s in plan.memory if t == Tier.HOST}
-        need = [i for i in plan.pending if i not in host]
+        pending = plan.pending
+        need = [i for i in pending if i not in host]
         got = self._take_staging(len(need)) if need else []
         staged = dict(zip(need, got))
         statuses = [s if s is not None else Status.OK for s in plan.statuses]
         cut = None
-        for i in plan.pending:
+        if not need and len(host) == len(pending):  # each new block has its host slot: no cut
+            slots[list(host)] = list(host.values())
+            pending = []
+        for i in pending:
             s = host.get(i, staged.get(i, -1))
             if s < 0 or cut is not None:
                 cut = i if cut is None else cut
@@ -406,8 +410,8 @@ class PlanService:
         ``IO_ERROR``; a key handed no slot stays ``NO_SPACE``."""
         sources = _SlotSources(self, t.slots)  # built only for the keys written to NVMe or published
         copied = [
-            (Status.OK if and_ok[i] else Status.IO_ERROR) if t.slots[i] >= 0 else t.statuses[i]
-            for i in range(len(t.keys))
+            (Status.OK if ok else Status.IO_ERROR) if slot >= 0 else st
+            for ok, slot, st in zip(np.asarray(and_ok).tolist(), t.slots.tolist(), t.statuses)
         ]
         try:
             st, durable = self.transfers.store_epilogue(t.plan, sources, copied, publish)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..errors import Status
 from .config import NO_QUOTA_BYTES
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetri
         if isinstance(v, int):
             family.add_metric([k], v)
     return family
+
+
+_STATUSES = tuple(Status)
 
 
 class _TrafficHelp(NamedTuple):
@@ -77,14 +81,26 @@ class _Traffic:
         self.bytes = Counter(
             f"{prefix}_payload_bytes", doc.payload_bytes, ["direction", "tenant"], registry=r
         )
+        self._children: dict[tuple, Counter] = {}  # labels() costs a lock and a tuple per call
+
+    def _child(self, family: Counter, *labels: str) -> Counter:
+        key = (id(family), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
 
     def count_blocks(self, op: str, tenant: str, statuses) -> None:
         """Count blocks of a store outcome or load (ticket) by status."""
-        counts: dict[str, int] = {}
-        for st in statuses:
-            counts[st.value] = counts.get(st.value, 0) + 1
-        for value, n in counts.items():
-            self.blocks.labels(op, tenant, value).inc(n)
+        statuses = statuses if isinstance(statuses, list) else list(statuses)
+        for st in _STATUSES:  # list.count compares by identity in C: no Enum hash or .value per block
+            n = statuses.count(st)
+            if n:
+                self._child(self.blocks, op, tenant, st.value).inc(n)
+
+    def count_bytes(self, direction: str, tenant: str, n: int) -> None:
+        """Count ``n`` payload bytes moved in ``direction`` (``in``: stored, ``out``: loaded)."""
+        self._child(self.bytes, direction, tenant).inc(n)
 
 
 class _StoreCollector:
