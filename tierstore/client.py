@@ -253,8 +253,8 @@ class RemoteKVStore(Closing, StoreCalls):
             kv_blocks = list(kv_blocks)
         elif isinstance(kv_blocks, torch.Tensor) and kv_blocks.dim() == 2 and kv_blocks.dtype == torch.uint8:
             kv_blocks = list(kv_blocks)
-        elif isinstance(kv_blocks, torch.Tensor):
-            kv_blocks = [kv_blocks]
+        elif isinstance(kv_blocks, torch.Tensor):  # as plan_sources: 1-D is one block, else each row
+            kv_blocks = [kv_blocks] if kv_blocks.dim() <= 1 else list(kv_blocks)
         out = []
         for b in kv_blocks:
             if not isinstance(b, torch.Tensor):  # a fragment list or a FragmentPlan: gather it
@@ -262,7 +262,9 @@ class RemoteKVStore(Closing, StoreCalls):
                 continue
             raw = self.layout.as_bytes(b.cpu() if b.device.type != "cpu" else b)
             if raw.numel() != self.block_bytes:
-                raise LayoutError(f"a block must have {self.block_bytes} bytes, got {raw.numel()}")
+                raise LayoutError(
+                    f"block of {raw.numel()} bytes; the layout's blocks are {self.block_bytes} bytes"
+                )
             out.append(raw.contiguous())
         return out
 

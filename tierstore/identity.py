@@ -30,7 +30,31 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, LayoutError
+
+#: The largest chain position a block may have: the index keeps positions as at most ``int32``
+#: (:mod:`tierstore.index.rows`: an ``int16`` column widened by the first position past 32767).
+POSITION_MAX = 2**31 - 1
+
+
+def check_chain_positions(first_position: int, n: int) -> None:
+    """Refuse the chain positions ``first_position .. first_position + n - 1`` of a store of ``n``
+    blocks unless ``first_position`` is an int and all lie in ``[0, POSITION_MAX]``.
+
+    Raises
+    ------
+    LayoutError
+        ``first_position`` is not an int (``bool`` included), is negative, or puts a block past
+        :data:`POSITION_MAX`. Every store checks this before anything is stored or sent.
+    """
+    if isinstance(first_position, bool) or not isinstance(first_position, (int, np.integer)):
+        raise LayoutError(f"first_position={first_position!r}: must be an int (a block's chain position)")
+    if not 0 <= first_position <= POSITION_MAX - max(n - 1, 0):
+        raise LayoutError(
+            f"first_position={first_position}: the chain positions of {n} blocks must lie in "
+            f"[0, {POSITION_MAX}] (the index keeps a block's position as at most an int32)"
+        )
+
 
 BlockKey = bytes  #: 32-byte chained block hash.
 _BLOCK_DOMAIN = b"tierstore/block/v1"

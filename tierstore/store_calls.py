@@ -22,7 +22,8 @@ import torch
 
 from .contract import LookupResult
 from .errors import LayoutError, Status
-from .identity import Namespace
+from .fdp.lifetime import class_from_hint
+from .identity import Namespace, check_chain_positions
 from .io.inputs import check_keys, check_start_block, plan_block, plan_sources, refuse_numpy
 from .layout import KVLayout
 
@@ -105,8 +106,11 @@ class StoreCalls:
         LayoutError
             On a shape/dtype mismatch or more blocks than full blocks in the
             prompt (nothing is stored then).
+        ConfigError
+            An unknown ``lifetime`` hint (nothing is stored or sent).
         """
         check_start_block(start_block)
+        class_from_hint(lifetime)
         keys = self.keys_for(ns, token_ids)
         return self._store_prompt(ns, token_ids, keys, self._sources(kv_blocks), start_block, lifetime, wait)
 
@@ -142,6 +146,7 @@ class StoreCalls:
             A wrong fragment count or size (the message names the fragment).
         """
         check_start_block(start_block)
+        class_from_hint(lifetime)
         sources = self._fragment_sources(fragments_per_block)
         keys = self.keys_for(ns, token_ids)
         return self._store_prompt(ns, token_ids, keys, sources, start_block, lifetime, wait)
@@ -187,9 +192,15 @@ class StoreCalls:
         Raises
         ------
         LayoutError
-            Malformed keys, or a block of the wrong size or dtype (nothing is stored).
+            Malformed keys, a block of the wrong size or dtype, or a ``first_position`` that is
+            not an int in ``[0, POSITION_MAX - len(keys) + 1]``
+            (:func:`tierstore.identity.check_chain_positions`); nothing is stored or sent.
+        ConfigError
+            An unknown ``lifetime`` hint (:func:`tierstore.fdp.lifetime.class_from_hint`).
         """
         keys = self._checked_keys(keys)
+        check_chain_positions(first_position, len(keys))
+        class_from_hint(lifetime)
         sources = self._sources(blocks)
         if len(sources) != len(keys):
             raise LayoutError(f"{len(keys)} keys but {len(sources)} blocks")

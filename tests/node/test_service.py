@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from tierstore.contract import Tier
-from tierstore.errors import ConfigError, Status
+from tierstore.errors import ConfigError, LayoutError, Status
 from tierstore.layout import KVLayout
 from tierstore.node import protocol as P
 from tierstore.node.client import NodeKVStore
@@ -659,3 +659,33 @@ def test_a_client_that_leaves_during_its_handshake_is_no_internal_error(service,
     assert core.index.metrics.counters["node_internal_errors"] == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert any("left during its handshake" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ({"first_position": -1}, "first_position"),
+        ({"first_position": 2**40}, "first_position"),
+        ({"first_position": 1.0}, "must be an int"),
+        ({"lifetime": "forever"}, "lifetime hint"),
+    ],
+)
+def test_a_bad_store_keys_argument_raises_before_anything_is_sent_and_the_session_goes_on(
+    service, bad, error
+):
+    """``store_keys(first_position=-1)`` was sent: the service could not decode the frame, ended the
+    session, and the client answered REJECTED as if the service were down, for that call and every
+    call within ``retry_s`` (fresh-user trial 4b). Every store checks it first, as KVStore does."""
+    core, _, url = service
+    c = NodeKVStore(url, LAYOUT, timeout_s=5.0)
+    try:
+        keys = [bytes([i]) * 32 for i in range(1, 5)]
+        data = _data(7, 4)
+        with pytest.raises((ConfigError, LayoutError), match=error):
+            c.store_keys(NS, keys, list(data), **bad)
+        with pytest.raises((ConfigError, LayoutError), match=error):
+            c.store_keys(NS, keys, list(data), wait=False, **bad)  # at the call, not in the Future
+        assert c.store_keys(NS, keys, list(data)) == [Status.OK] * 4  # the session is fine
+        assert c.counters["down"] == 0 and c.counters["connects"] == 1
+    finally:
+        c.close()

@@ -189,3 +189,47 @@ def test_a_client_never_closed_leaves_no_warnings_at_exit(daemon):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
     assert "Unclosed" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_bad_chain_position_or_lifetime_fails_before_any_request_as_in_kvstore(client, monkeypatch):
+    """The daemon client sent them and raised RemoteError (HTTP 400, pydantic's wording); KVStore
+    raises LayoutError/ConfigError (fresh-user trial 4b)."""
+    c = client
+
+    async def no_request(*a, **k):
+        raise AssertionError("a request was sent")
+
+    monkeypatch.setattr(c._wire, "send", no_request)
+    ns = Namespace(model="misuse")
+    keys = c.keys_for(ns, list(range(2 * c.layout.tokens_per_block)))
+    blocks = torch.zeros(2, c.block_bytes, dtype=torch.uint8)
+    for bad in (-1, 2**31 - 1, 1.5):
+        with pytest.raises(LayoutError, match="first_position"):
+            c.store_keys(ns, keys, blocks, first_position=bad)
+    with pytest.raises(ConfigError, match="lifetime hint"):
+        c.store_keys(ns, keys, blocks, lifetime="forever")
+    with pytest.raises(ConfigError, match="lifetime hint"):
+        c.store(ns, list(range(2 * c.layout.tokens_per_block)), blocks, lifetime="forever")
+
+
+def test_one_block_without_its_batch_dimension_is_refused_as_kvstore_refuses_it(client):
+    """``RemoteKVStore.store(ns, toks, kv[0])`` (one block of ``block_shape``, no leading ``n``)
+    stored it; KVStore and NodeKVStore read the first dimension as the blocks and refuse it
+    (fresh-user trial 4b)."""
+    from tierstore import KVStore
+
+    c = client
+    ns = Namespace(model="one-block")
+    toks = list(range(c.layout.tokens_per_block))
+    one = torch.ones(c.layout.block_shape, dtype=c.layout.dtype)
+    embedded = KVStore(c.layout, host_bytes=4 * c.block_bytes)
+    try:
+        with pytest.raises(LayoutError) as want:
+            embedded.store(ns, toks, one)
+    finally:
+        embedded.close()
+    with pytest.raises(LayoutError) as got:
+        c.store(ns, toks, one)
+    assert str(got.value) == str(want.value)
+    assert c.lookup(ns, toks).matched_blocks == 0
+    assert c.store(ns, toks, one.unsqueeze(0)) == [Status.OK]  # with its batch dimension

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, PromotePlan, StorePlan, Tier
-from ..errors import ConfigError, InvariantError, LayoutError, Status
+from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
+from ..identity import check_chain_positions
 from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
@@ -48,7 +49,7 @@ from .listener import NvmeListener
 from .lookup import Lookups
 from .pins import Pins
 from .placement import Placement
-from .rows import NO_HINT, PENDING, POSITION_MAX, RowTable
+from .rows import NO_HINT, PENDING, RowTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,18 +382,6 @@ class BlockIndex:
             return self.lookups.lookup(keys, tokens, request_id, num_prompt_tokens, now)
 
     # ================================================================ store
-    def _check_positions(self, first_position: int, n: int) -> None:
-        """Refuse chain positions the rows cannot hold (:class:`LayoutError`): ``first_position``
-        must be an int >= 0 with ``first_position + n - 1`` within the ``pos`` row's dtype (int32)."""
-        top = POSITION_MAX
-        if isinstance(first_position, bool) or not isinstance(first_position, (int, np.integer)):
-            raise LayoutError(f"first_position={first_position!r}: must be an int (a block's chain position)")
-        if not 0 <= first_position <= top - max(n - 1, 0):
-            raise LayoutError(
-                f"first_position={first_position}: the chain positions of {n} blocks must lie in "
-                f"[0, {top}] (the index keeps a block's position as at most an int32)"
-            )
-
     def prepare_store(
         self,
         ns: bytes,
@@ -429,7 +418,7 @@ class BlockIndex:
             ``first_position`` is not an int, is negative, or puts a block past int32's range.
         """
         n = len(keys)
-        self._check_positions(first_position, n)
+        check_chain_positions(first_position, n)
         hint = class_from_hint(lifetime)
         hint_i = NO_HINT if hint is None else int(hint)
         now = self._now()

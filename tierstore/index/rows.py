@@ -58,13 +58,10 @@ def _top_of_flags(f: int) -> int:
 TOP = np.array([_top_of_flags(f) for f in range(256)], dtype=np.int64)
 TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
 
-#: The largest chain position a row holds: the ``pos`` column starts ``int16`` and is widened to
-#: ``int32`` (never further) by the first position past 32767.
-POSITION_MAX = int(np.iinfo(np.int32).max)
 #: Per-row arrays other than ``flags`` and ``slot``: ``(name, dtype, fill of a new element)``.
 _ARRAYS = (
     ("ns", np.uint16, 0),  # widened to int32 past 65535 namespaces (``_init``)
-    ("pos", np.int16, 0),  # widened to int32 past position 32767 (``_init``): ``POSITION_MAX``
+    ("pos", np.int16, 0),  # widened to int32 past position 32767 (``_init``): ``identity.POSITION_MAX``
     ("hits", np.int32, 0),
     ("created", np.float64, 0),
     ("last", np.float64, 0),
