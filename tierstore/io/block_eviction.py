@@ -7,8 +7,9 @@ it, the listener (the block index) names victims in its NVMe eviction policy's o
 store *retires* their slots: a ``BLOCK_DEAD`` record is staged in the
 :class:`~tierstore.io.journal.Journal`, and once it is durable (:meth:`BlockEviction.commit`)
 the slot waits in ``pending`` to be deallocated. Segments can fill below the budget (small
-extents spend slots on headers; a reopen seals the segments it recovered): then
-:meth:`BlockEviction.free_segment` evicts the listener's victims the same way until one empties.
+extents spend slots on headers; a reopen seals the segments it recovered): where region GC
+would drop a segment full of live blocks or the newest one, :meth:`BlockEviction.free_segment`
+evicts the listener's victims the same way until one empties; otherwise GC reclaims the holes.
 :meth:`BlockEviction.take_trims` hands out runs of adjacent dead slots of at least
 ``trim_min_bytes`` (headers are never trimmed before the segment's reset: recovery walks the
 chain through them). A hole is never rewritten: a segment is reused only after it is reset whole
@@ -192,8 +193,10 @@ class BlockEviction:
         (``pick_victims``), in its order, ``want`` at a time, until a segment is left empty, at most
         two segments' worth of blocks. So a full tier evicts its least recently used blocks (after a
         reopen, the oldest recovered ones first), not the segment just written; what this does not
-        free falls to region GC. The tombstones are committed. Returns the segments left empty
-        (``RECLAIMING``)."""
+        free falls to region GC. The store calls it only where GC's first choice is full of live
+        blocks or the newest sealed segment (``segments._gc_would_take_full_or_newest``): elsewhere
+        scattered victims cost ~130 evictions per segment emptied (bench/README_frontier.md, s34).
+        The tombstones are committed. Returns the segments left empty (``RECLAIMING``)."""
         pick = getattr(listener, "pick_victims", None)
         if pick is None or want <= 0:
             return []

@@ -855,7 +855,7 @@ class SegmentStorage(BlockStorage):
             with self._lock:
                 plan, leftover = self._segs.plan_extents(groups, allow_reserve=gc)
             self._writer.write(plan, keys, plans, nss, status, gc)
-            if leftover and not gc and self._blk is not None:  # block mode: single blocks first
+            if leftover and not gc and self._blk is not None and _gc_would_take_full_or_newest(self):
                 freed = self._blk.free_segment(sum(map(len, leftover.values())), self._listener)
                 for si in freed:
                     self._writer.finish_reclaim(si)
@@ -879,6 +879,24 @@ class SegmentStorage(BlockStorage):
 
 
 # ================================================================ region eviction (GC)
+def _gc_would_take_full_or_newest(self: SegmentStorage) -> bool:
+    """Block mode, no segment free: should single LRU victims free one (``free_segment``) rather
+    than region GC? Yes when GC's first choice has no dead slot (it would free space only by
+    dropping a segment of live blocks in segment order, not in the NVMe policy's) or is the newest
+    sealed segment (after a reopen, every new block would go at once). Otherwise GC reclaims the
+    holes the evictions left, keeping the blocks the listener predicts will be reused."""
+    with self._lock:
+        segs = self._segs
+        order = [
+            si for si in segs.victims(self._listener is not None) if segs.state[si] == SegmentState.SEALED
+        ]
+        if not order:
+            return True
+        first = order[0]
+        newest = max(order, key=lambda si: int(segs.sealed_at[si]))
+        return first == newest or int(segs.live[first]) >= int(segs.written[first])
+
+
 def _evict_one_segment(self: SegmentStorage) -> bool:
     """Free one segment (write lock held): the first victim in
     :meth:`SegmentManager.victims` order whose eviction frees space; the blocks the
