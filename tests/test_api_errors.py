@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -102,3 +104,12 @@ def test_a_chain_position_out_of_range_is_a_layout_error_and_stores_nothing(firs
         assert s.store_keys(ns, keys, list(kv), first_position=2**31 - 3) == [Status.OK] * 2
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kw", ["nvme_path", "journal_path"])
+def test_a_path_with_a_nul_byte_is_a_config_error(tmp_path, kw):
+    """``nvme_path="/tmp/x\\0y"`` raised os's bare ValueError ("embedded null byte"): trial 4b."""
+    paths = {"nvme_path": str(tmp_path / "t.nvme"), kw: str(tmp_path / "x\x00y")}
+    with pytest.raises(ConfigError, match="NUL byte"):
+        KVStore(LAY, nvme_bytes=64 << 20, eviction_granularity="block", **paths)
+    assert not os.listdir(tmp_path)

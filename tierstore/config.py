@@ -232,6 +232,13 @@ class NvmeTierConfig(StrictModel):
             raise ValueError("must be > 0 (remove the 'nvme' section to disable the tier)")
         return v
 
+    @field_validator("path", "journal_path")
+    @classmethod
+    def _no_nul(cls, v):
+        if v is not None and "\x00" in v:
+            raise ValueError(f"{v!r}: a path cannot hold a NUL byte")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.device in ("file", "fdp") and not self.path:

@@ -187,7 +187,7 @@ def file_tier_geometry(target: Target, nv: NvmeTierConfig, block_bytes: int) -> 
     seg = old.segment_size_bytes
     if old.block_bytes != block_bytes:
         raise ConfigError(
-            f"{path}: holds blocks of [{old.block_bytes}] bytes, but was opened for {block_bytes}-byte "
+            f"{path}: holds blocks of {old.block_bytes} bytes, but was opened for {block_bytes}-byte "
             "blocks (another KV layout?); open it with the layout it was written with, or use "
             "another path. Nothing was changed."
         )

@@ -109,7 +109,7 @@ class OnDisk:
 def layout_refusal(path: str | None, block_bytes: int, other) -> str:
     """The message refusing a tier that holds blocks of another size than ``block_bytes``."""
     return (
-        f"{path or 'device'}: holds blocks of {sorted(other)} bytes, but was opened "
+        f"{path or 'device'}: holds blocks of {', '.join(map(str, sorted(other)))} bytes, but was opened "
         f"for {block_bytes}-byte blocks (another KV layout?); open it with the "
         f"layout it was written with, or use another path. Nothing was changed."
     )
