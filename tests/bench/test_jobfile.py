@@ -84,7 +84,7 @@ def test_value_parsing(key, raw, want):
     "key,raw,needle",
     [
         ("rw", "randfoo", "accepted values are ['kvtrace'"),
-        ("eviction", "fifo", "accepted values are ['lru', 's3fifo', 'cost']"),
+        ("eviction", "fifo", "accepted values are ['lru', 's3fifo', 'cost', 'class_lru']"),
         ("bs", "4x", "expected a size"),
         ("runtime", "10 parsecs", "expected a duration"),
         ("plids", "a,b", "comma-separated list"),
