@@ -326,3 +326,23 @@ def test_the_capacity_warning_bounds_what_the_tier_really_holds(tmp_path, caplog
         assert least < held <= most, (least, held, most)
     finally:
         s.close()
+
+
+def test_segments_that_strand_half_the_tier_are_said_with_a_size_that_fits(tmp_path, caplog):
+    """2 MiB blocks in a 256 MiB tier: 4 MiB segments hold one block each (two need 4 MiB + a
+    4096-byte header), so half the tier never held KV and nothing said so (fresh-user trial 4c)."""
+    lay = get_layout("llama-3.1-8b")
+    with caplog.at_level("WARNING", logger="tierstore.build"):
+        KVStore(lay, nvme_path=str(tmp_path / "a"), nvme_bytes=256 << 20).close()
+    said = [r.getMessage() for r in caplog.records if "can hold KV" in r.getMessage()]
+    assert len(said) == 1 and "(49%)" in said[0] and "segment_size_bytes=4198400" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tierstore.build"):  # the size it names: quiet, and it fits
+        s = KVStore(lay, nvme_path=str(tmp_path / "b"), nvme_bytes=256 << 20, segment_size_bytes=4198400)
+    try:
+        assert not [r for r in caplog.records if "can hold KV" in r.getMessage()]
+        ns, toks = Namespace(model="fit"), list(range(2 * lay.tokens_per_block))
+        kv = torch.zeros((2, *lay.block_shape), dtype=lay.dtype)
+        assert s.store(ns, toks, kv) == [Status.OK, Status.OK]
+    finally:
+        s.close()

@@ -465,6 +465,36 @@ def _say_header_share(
     )
 
 
+#: below this share of the tier holding KV (every extent full), the segment size is said to waste it
+_SEGMENT_FIT_SAID = 2 / 3
+
+
+def _say_segment_fit(tier_bytes: int, segment_bytes: int, most_blocks: int, block_bytes: int) -> None:
+    """One warning when the segments fit so few whole extents that much of the tier can never hold
+    KV, e.g. 2 MiB blocks in 4 MiB segments: an extent of two blocks needs 4 MiB plus its 4096-byte
+    header (:func:`tierstore.io.format.extent_bytes_for`), so each segment holds one block and half
+    the tier is never written. Names a ``segment_size_bytes`` that holds whole extents."""
+    kv = most_blocks * block_bytes
+    if kv >= _SEGMENT_FIT_SAID * tier_bytes:
+        return
+    k = max(1, segment_bytes // block_bytes)
+    fit = -(-fmt.extent_bytes_for(k, block_bytes) // fmt.ALIGN_BYTES) * fmt.ALIGN_BYTES
+    _log.warning(
+        "NVMe tier of %s in %s segments holds at most %d blocks of %s in all (whole extents with "
+        "their headers): at most %s (%.0f%%) of the tier can hold KV; segment_size_bytes=%d (one "
+        "extent of %d blocks) would let batched stores fill about %.0f%% of it",
+        format_bytes(tier_bytes),
+        format_bytes(segment_bytes),
+        most_blocks,
+        format_bytes(block_bytes),
+        format_bytes(kv),
+        100.0 * kv / tier_bytes,
+        fit,
+        k,
+        100.0 * k * block_bytes / fit,
+    )
+
+
 def _open_index(
     cfg: StoreConfig, layout: KVLayout, nvme: BlockStorage | None, runtime: IndexRuntime
 ) -> BlockIndex:
@@ -488,6 +518,7 @@ def _open_index(
         least, most = nvme.segment_capacity_blocks()
         budget = shape.nvme_blocks if nvme.eviction_granularity == "block" else None
         _say_header_share(nvme.n_segments * nvme.segment_size_bytes, least, most, bb, budget)
+        _say_segment_fit(nvme.n_segments * nvme.segment_size_bytes, nvme.segment_size_bytes, most, bb)
     index = BlockIndex(shape, cfg.policies, runtime)
     if nvme is not None:
         if nvme.block_bytes != bb:
