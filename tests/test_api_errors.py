@@ -113,3 +113,20 @@ def test_a_path_with_a_nul_byte_is_a_config_error(tmp_path, kw):
     with pytest.raises(ConfigError, match="NUL byte"):
         KVStore(LAY, nvme_bytes=64 << 20, eviction_granularity="block", **paths)
     assert not os.listdir(tmp_path)
+
+
+def test_a_tier_file_given_as_the_journal_is_named_as_a_tier(tmp_path):
+    """Trial 4b: a tier file tierstore wrote, given as journal_path, was called "a file tierstore did
+    not write"; its label says what it is."""
+    tier = str(tmp_path / "a.nvme")
+    KVStore(LAY, nvme_path=tier, nvme_bytes=64 << 20).close()
+    before = open(tier, "rb").read(4096)
+    with pytest.raises(ConfigError, match="an NVMe tier tierstore wrote"):
+        KVStore(
+            LAY,
+            nvme_path=str(tmp_path / "b.nvme"),
+            nvme_bytes=64 << 20,
+            eviction_granularity="block",
+            journal_path=tier,
+        )
+    assert open(tier, "rb").read(4096) == before

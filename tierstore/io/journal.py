@@ -31,6 +31,7 @@ import crc32c
 
 from ..closing import Closing
 from ..errors import ConfigError, CorruptData, ForeignDataError, LayoutError, StoreLockedError
+from .label import MAGIC as TIER_MAGIC
 
 __all__ = [
     "RecordKind",
@@ -180,9 +181,15 @@ def read_records(path: str) -> ReadResult:
     with open(path, "rb") as f:
         data = f.read()
     if data[: len(MAGIC)] != MAGIC[: len(data)]:
+        what = (
+            "an NVMe tier tierstore wrote (its label), not a journal"
+            if data[: len(TIER_MAGIC)] == TIER_MAGIC
+            else "a file tierstore did not write"
+        )
         raise ForeignDataError(
             f"{path}: not a tierstore journal (it starts with {data[: len(MAGIC)]!r}, not {MAGIC!r}): "
-            "a file tierstore did not write; nothing was changed. Give journal_path a path of its own"
+            f"{what}; nothing was changed. Give journal_path (default: the tier's path + '.journal') "
+            "a path of its own"
         )
     if len(data) < HEADER_BYTES:
         raise CorruptData(f"{path}: {len(data)} bytes, shorter than a journal header ({HEADER_BYTES})")
