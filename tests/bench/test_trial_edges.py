@@ -3,6 +3,8 @@ fio options tierstore does not have, what ``bs`` means for KV jobs, and the mess
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tierstore.bench.jobfile import parse_jobs
@@ -159,3 +161,16 @@ def test_kvtrace_says_runtime_and_size_are_not_used(run_bench, tmp_path):
     )
     assert rc == 0, err
     assert "warning: runtime=2" in err and "warning: size=4194304: not used by rw=kvtrace" in err
+
+
+def test_a_file_under_dev_is_refused_with_the_reason(tmp_path):
+    """``--directory=/dev/shm`` said "this job needs a real NVMe namespace; the development host has
+    none" (fresh-user trial 4c): the reason is that a job creates no file under /dev."""
+    from tierstore.bench.iojobs import run_io_job
+    from tierstore.bench.jobfile import parse_jobs
+    from tierstore.errors import ConfigError
+
+    job = parse_jobs(["--name=x", "--rw=randread", "--size=4m", "--bs=4k", "--directory=/dev/shm"])[0]
+    with pytest.raises(ConfigError, match="creates no file"):
+        run_io_job(dict(job.options))
+    assert not os.path.exists("/dev/shm/x.0.0")

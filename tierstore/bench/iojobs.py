@@ -534,8 +534,9 @@ def _prepare_target(options: dict[str, Any], path: str, read_share: float, span_
             st_mode = os.stat(path).st_mode
         except FileNotFoundError:
             raise ConfigError(
-                f"filename={path!r}: no such device (this job needs a real NVMe "
-                "namespace; the development host has none)"
+                f"filename={path!r}: no such device; under /dev a job uses only existing block or "
+                "character devices and creates no file (for a file, give a directory outside /dev; "
+                "/dev/shm is tmpfs, which refuses direct=1 anyway)"
             ) from None
         if not (stat.S_ISBLK(st_mode) or stat.S_ISCHR(st_mode)):
             raise ConfigError(f"filename={path!r}: not a block or character device")
