@@ -266,8 +266,9 @@ def discover_namespace(dev: str, endgid: int = 1, cli: Any = None, sys_root: str
         ) from None
     if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
         raise ConfigError(
-            f"{dev}: not a device (an FDP namespace is /dev/ngXnY or /dev/nvmeXnY); a file tier needs no "
-            "discovery: its placement is the FTL model's (tiers.nvme.device: file)"
+            f"{dev}: not a device (an FDP namespace is /dev/ngXnY or /dev/nvmeXnY); a file tier has no "
+            "FDP configuration or log pages: its placement and WAF are the FTL model's (tiers.nvme.device: "
+            "file; store.stats()['nvme_backend'])"
         )
     ctrl, blk, chr_ = nvme_names(dev)
     for p in (ctrl, chr_):
