@@ -86,6 +86,7 @@ TICKS_PER_S = 1000
 HITS_MAX = 0xFFFF
 _TICK_MAX_U32 = 0xFFFFFFFF
 _COUNT_MAX_I16 = 0x7FFF
+_HITS_BELOW_MAX, _ONE_U16 = np.uint16(HITS_MAX - 1), np.uint16(1)
 
 
 def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
@@ -388,7 +389,9 @@ class RowTable:
     def count_hits(self, rows: np.ndarray) -> None:
         """One more hit on each of ``rows`` (distinct), saturating at :data:`HITS_MAX`."""
         h = self.hits[rows]
-        self.hits[rows] = h + (h < HITS_MAX)
+        np.minimum(h, _HITS_BELOW_MAX, out=h)  # two element-wise ufuncs: cheaper than a max()
+        h += _ONE_U16
+        self.hits[rows] = h
 
     def count_up(self, name: str, rows: Any) -> None:
         """Raise counter ``name`` (``refs`` or ``readers``) by one per occurrence of each row in
