@@ -41,8 +41,8 @@ def test_times_read_back_to_the_millisecond_and_a_trace_clocks_exactly():
 
 def test_a_time_past_the_span_rebases_in_place_when_the_live_times_fit():
     """Free rows' times do not hold the base back: a time 60 days on rebases the columns (still
-    ``uint32``, the same arrays); a time before every live one (a replay's clock set back) too;
-    every live time reads back unchanged and in order."""
+    ``uint32``, the same arrays); then a time 60 days before the live ones widens them. Every
+    live time reads back unchanged."""
     rt = RowTable(16, 64)
     old = _rows(rt, 0, 2, 1000.0)
     live = _rows(rt, 2, 1, 1000.0 + 40 * 86400)
