@@ -271,7 +271,7 @@ class Completion:
             self.rows.readers[d.row] -= 1
             if demote_statuses.get(d.row) in (Status.OK, Status.EXISTS):
                 self.rows.flags[d.row] |= ON_NVME
-                self.rows.nvme_at[d.row] = self._clock()
+                self.rows.stamp("nvme_at", d.row, self._clock())
                 self._nvme_in([d.row], [d.key], self._clock())
                 n += 1
             self.maybe_free_doomed(d.row)
@@ -321,7 +321,7 @@ class Completion:
             on_nvme = [i for i in good if i in nv]
             if on_nvme:
                 self.rows.flags[[plan.rows[i] for i in on_nvme]] |= ON_NVME
-                self.rows.nvme_at[[plan.rows[i] for i in on_nvme]] = now
+                self.rows.stamp("nvme_at", [plan.rows[i] for i in on_nvme], now)
                 self._nvme_in([plan.rows[i] for i in on_nvme], [plan.keys[i] for i in on_nvme], now)
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + len(on_nvme) * bb
                 only = sum(1 for i in on_nvme if in_mem is None or i not in in_mem)
@@ -394,7 +394,7 @@ class Completion:
             st = demote_statuses.get(d.row, Status.IO_ERROR)
             if st in (Status.OK, Status.EXISTS):
                 self.rows.flags[d.row] |= ON_NVME
-                self.rows.nvme_at[d.row] = now
+                self.rows.stamp("nvme_at", d.row, now)
                 self._nvme_in([d.row], [d.key], now)
                 c[f"demotions_{d.src.label}_nvme"] = c.get(f"demotions_{d.src.label}_nvme", 0) + 1
                 c["nvme_write_bytes"] = c.get("nvme_write_bytes", 0) + self.block_bytes

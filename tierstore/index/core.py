@@ -172,7 +172,7 @@ def _hold_sources(rt: RowTable, plan: LoadPlan, reading: dict[int, threading.Eve
     rows[tops < 0] = -1
     held = rows[tops >= 0]
     if held.size:
-        np.add.at(rt.readers, held, 1)  # a key given twice is held twice, as it is released
+        rt.count_up("readers", held)  # a key given twice is held twice, as it is released
     slots = np.full(rows.size, -1, dtype=np.int64)
     for t in MEMORY_TIERS:
         sel = tops == t

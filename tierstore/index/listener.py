@@ -88,14 +88,14 @@ class NvmeListener(IndexRoom, RegionListener):
         f = rt.flags[r]
         keep = np.zeros(len(keys), dtype=bool)
         keep[found] = (
-            (rt.refs[r] > 0) | (rt.readers[r] > 0) | (rt.pin_until[r] > now) | ((f & BUSY) != 0)
+            (rt.refs[r] > 0) | (rt.readers[r] > 0) | (rt.pin_until[r] > rt.pin_now(now)) | ((f & BUSY) != 0)
         ) & ((f & DOOMED) == 0)
         if self.reinsert is not None:
             for j in np.flatnonzero(found & ~keep).tolist():
                 row = int(rows[j])
                 if self.reinsert(rt.view(row, keys[j]), now):
                     keep[j] = True
-                    rt.nvme_at[row] = now  # copied forward now: its reference bit restarts
+                    rt.stamp("nvme_at", row, now)  # copied forward now: its reference bit restarts
         return keep.tolist()
 
     def on_dropped(self, keys: list[bytes]) -> None:

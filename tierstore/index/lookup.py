@@ -149,8 +149,8 @@ class Lookups(IndexRoom):
         n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
         mr = rows[:m] if m < n else rows
         mt = tops[:m] if m < n else tops
-        self.rows.hits[mr] += 1
-        self.rows.last[mr] = now
+        self.rows.count_hits(mr)
+        self.rows.stamp("last", mr, now)
         lr = mr.tolist()
         lt = mt.tolist()
         counts = np.bincount(mt, minlength=3).tolist()
@@ -165,7 +165,7 @@ class Lookups(IndexRoom):
         if self.listener.policy is not None:  # block mode: a hit on any tier refreshes the NVMe copy
             self.listener.on_hits(keys, lr, now)
         if request_id is not None:
-            self.rows.refs[mr] += 1
+            self.rows.count_up("refs", mr)
             self.pins.reference(request_id, lr)
         cost = self.cost
         present = [t for t in range(3) if counts[t]]

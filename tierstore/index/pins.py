@@ -115,10 +115,11 @@ class Pins(IndexRoom):
                 )
             lid = next(self._lease_ids)
             exp = self._clock() + lease_s
+            tick = rt.tick(exp, up=True)  # before binding the column: it may rebase or widen it
             pin_until = rt.pin_until
             for r in rows:
                 self.row_pins.setdefault(r, {})[lid] = exp
-                pin_until[r] = max(pin_until[r], exp)
+                pin_until[r] = max(pin_until[r], tick)
             lease = Lease(lid, ns, rt.table.keys_of(rows), exp, nbytes)
             self.leases[lid] = lease
             held = self.ns_rows.setdefault(ns, held)
@@ -145,8 +146,8 @@ class Pins(IndexRoom):
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        pin_until = self.rows.pin_until
-        for r in self.rows.table.get_many(lease.keys).tolist():
+        rt = self.rows
+        for r in rt.table.get_many(lease.keys).tolist():
             if r < 0:
                 continue
             pins = self.row_pins.get(r)
@@ -154,10 +155,11 @@ class Pins(IndexRoom):
                 continue
             pins.pop(lease_id, None)
             if pins:
-                pin_until[r] = max(pins.values())
+                tick = rt.tick(max(pins.values()), up=True)  # may replace the column: bound after
+                rt.pin_until[r] = tick
             else:
                 del self.row_pins[r]
-                pin_until[r] = 0.0
+                rt.pin_until[r] = 0
         held = self.ns_rows.get(lease.ns, {})
         freed = 0
         for r in self.lease_rows.pop(lease_id, ()):

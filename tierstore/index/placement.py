@@ -406,7 +406,7 @@ class Placement:
                 full.add(dst)
                 self.clean_wanted += 1
                 continue
-            self.rows.readers[r] += 1  # held until the copy lands
+            self.rows.count_up("readers", r)  # held until the copy lands
             plan.items.append((i, r, dst, got[0]))
         if not plan.items and not plan.victims.frees:
             return None
@@ -432,7 +432,7 @@ class Placement:
             got = self.reserve(target, 1, plan.victims, protect, now, cheap_only=True)
             if not got:
                 break
-            self.rows.readers[r] += 1
+            self.rows.count_up("readers", r)
             plan.items.append((i, r, target, got[0]))
             plan.sources.append((top, int(self.rows.slot[top][r]) if top != Tier.NVME else -1))
         if not plan.items and not plan.victims.frees:
@@ -467,6 +467,6 @@ class Placement:
         for r in rows.tolist():
             key = self.rows.table.key_of(r)
             t = Tier.HOST if self.rows.readable(r, Tier.HOST) else Tier.HBM
-            self.rows.readers[r] += 1
+            self.rows.count_up("readers", r)
             plan.nvme_demote.append(self._nvme_write(r, key, t, now))
         return plan

@@ -3,17 +3,20 @@
 :class:`RowTable` holds its keys in a :class:`~tierstore.keytable.KeyTable` (key -> row; its own,
 or the NVMe locator's, shared: holder ``INDEX``) and owns every
 per-row array (flags, memory slots, namespace id, chain position, hits, times, request
-references, readers, pin expiry, lifetime hint and class, NVMe write time), about 55 bytes a
-row. It replaces its arrays when it grows, so nobody keeps an array in an attribute: a room
-reads ``rows.flags`` under the index lock each time (or binds it in a method that cannot grow
-the table). :class:`EntryView` is what policies read about one row. The ``flags`` byte of a
-row says what is in flight and where its copies are; ``TOP`` maps it to the fastest readable
-tier. Every method runs under the owner's lock (``BlockIndex._lock``); this module has none.
+references, readers, pin expiry, lifetime hint and class, NVMe write time), about 33 bytes a
+row: times are millisecond ticks (``TICKS_PER_S``), counters 16-bit, and a column is rebased
+or widened by the first value past its range, never wrapped. It replaces its arrays when it
+grows or widens, so nobody keeps an array in an attribute: a room reads ``rows.flags`` under
+the index lock each time (or binds it in a method that cannot grow the table). :class:`EntryView`
+is what policies read about one row. The ``flags`` byte of a row says what is in flight and
+where its copies are; ``TOP`` maps it to the fastest readable tier. Every method runs under
+the owner's lock (``BlockIndex._lock``); this module has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -63,16 +66,28 @@ TOP_TIER = [None if t < 0 else Tier(t) for t in TOP.tolist()]
 _ARRAYS = (
     ("ns", np.uint16, 0),  # widened to int32 past 65535 namespaces (``_init``)
     ("pos", np.int16, 0),  # widened to int32 past position 32767 (``_init``): ``identity.POSITION_MAX``
-    ("hits", np.int32, 0),
-    ("created", np.float64, 0),
-    ("last", np.float64, 0),
-    ("refs", np.int32, 0),
-    ("readers", np.int32, 0),
-    ("pin_until", np.float64, 0),
+    ("hits", np.uint16, 0),  # saturates at 65535 (``count_hits``)
+    ("created", np.uint32, 0),  # the four times: ticks (``TICKS_PER_S``), ``RowTable.stamp``
+    ("last", np.uint32, 0),
+    ("refs", np.int16, 0),  # widened to int32 past 32767 (``count_up``)
+    ("readers", np.int16, 0),  # widened to int32 past 32767 (``count_up``)
+    ("pin_until", np.uint32, 0),
     ("hint", np.int8, NO_HINT),
     ("nvme_class", np.int8, NO_HINT),
-    ("nvme_at", np.float64, 0),
+    ("nvme_at", np.uint32, 0),
 )
+#: The time columns: ticks after :attr:`RowTable.tick_base`; 0 stands for time 0.0 (never written,
+#: not pinned), every time stored is a tick in ``[1, tick_max]``.
+TIMES = ("created", "last", "pin_until", "nvme_at")
+#: Resolution of the time columns: 1 ms. A time is stored as the nearest tick (a pin's expiry as
+#: the next tick at or after it: a lease never ends early, at most 1 ms late). Times 1 ms apart or
+#: more keep their order; closer ones may tie (a hit within the write's millisecond does not count
+#: as a hit since written). ``uint32`` ticks span 2**32 - 2 ms (49.7 days) of live times.
+TICKS_PER_S = 1000
+HITS_MAX = 0xFFFF
+_TICK_MAX_U32 = 0xFFFFFFFF
+_COUNT_MAX_I16 = 0x7FFF
+_HITS_BELOW_MAX, _ONE_U16 = np.uint16(HITS_MAX - 1), np.uint16(1)
 
 
 def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
@@ -80,6 +95,19 @@ def _row_field(array: str, cast: Callable[[Any], Any]) -> Any:
     A plain ``property`` (as fast as a hand-written one); its type is the annotation at its use."""
     get = operator.attrgetter(array)
     return property(lambda view: cast(get(view._rows)[view.row]))
+
+
+def _time_field(array: str) -> Any:
+    """A read-only :class:`EntryView` time attribute: the view's element of time column ``array``,
+    as clock seconds (0.0 for tick 0)."""
+    get = operator.attrgetter(array)
+
+    def read(view: EntryView) -> float:
+        rows = view._rows
+        t = int(get(rows)[view.row])
+        return (rows.tick_base + t) / TICKS_PER_S if t else 0.0
+
+    return property(read)
 
 
 def _lifetime(hint: np.int8) -> LifetimeClass | None:
@@ -94,17 +122,19 @@ class EntryView:
     ``nvme_written_s``: when its NVMe copy was last written (stored, demoted or
     copied forward), clock seconds; 0.0 if it never was (a reinsertion policy's
     reference bit: ``last_access_s > nvme_written_s`` means hit since written).
+    The times are clock seconds to the millisecond (:data:`TICKS_PER_S`); ``hits``
+    stops at :data:`HITS_MAX`.
     """
 
     __slots__ = ("_rows", "row", "key")
 
     hits: int = _row_field("hits", int)
-    last_access_s: float = _row_field("last", float)
-    created_s: float = _row_field("created", float)
+    last_access_s: float = _time_field("last")
+    created_s: float = _time_field("created")
     position: int = _row_field("pos", int)
     lifetime: LifetimeClass | None = _row_field("hint", _lifetime)
     ref_count: int = _row_field("refs", int)
-    nvme_written_s: float = _row_field("nvme_at", float)
+    nvme_written_s: float = _time_field("nvme_at")
 
     def __init__(self, rows: RowTable, row: int, key: bytes) -> None:
         self._rows = rows
@@ -176,6 +206,8 @@ class RowTable:
         }
         for name, dtype, fill in _ARRAYS:
             setattr(self, name, np.full(cap, fill, dtype=dtype))
+        self.tick_base = 0  # the time columns hold ticks after this one (``tick``)
+        self.tick_max = _TICK_MAX_U32  # the largest tick they hold: 2**62 once widened to int64
         self.namespaces = NamespaceIds()
         self.tokens: dict[int, np.ndarray] = {}  # row -> token ids (``verify_tokens``)
         self.doomed: set[int] = set()  # rows hidden while in use, freed by their last user
@@ -208,17 +240,18 @@ class RowTable:
             self.ns = self.ns.astype(np.int32)
         if self.pos.dtype == np.int16 and int(np.max(positions, initial=-1)) > 0x7FFF:
             self.pos = self.pos.astype(np.int32)
+        t = self.tick(now)  # before any time column is bound: it may rebase or widen them
         self.flags[rows] = flags
         self.slot[Tier.HBM][rows] = -1
         self.slot[Tier.HOST][rows] = -1
         self.ns[rows] = nid
         self.pos[rows] = positions
         self.hits[rows] = 0
-        self.created[rows] = now
-        self.last[rows] = now
+        self.created[rows] = t
+        self.last[rows] = t
         self.refs[rows] = 0
         self.readers[rows] = 0
-        self.pin_until[rows] = 0.0
+        self.pin_until[rows] = 0
         self.hint[rows] = hint
         self.nvme_class[rows] = NO_HINT
 
@@ -240,7 +273,7 @@ class RowTable:
             if not new:
                 continue
             self._init(row, ON_NVME, self.namespaces.intern(ns), -1, NO_HINT, now)
-            self.nvme_at[row] = now
+            self.stamp("nvme_at", row, now)
             n += 1
         return n
 
@@ -286,14 +319,14 @@ class RowTable:
             self.flags[row] &= 0xFF ^ IN[tier]
 
     def pinned(self, row: int, now: float) -> bool:
-        return self.pin_until[row] > now
+        return bool(self.pin_until[row] > self.pin_now(now))
 
     def protected(self, row: int, now: float) -> bool:
         """In use (referenced, read, pinned) or held by a plan: never a victim, kept on reclaim."""
         return (
             self.refs[row] > 0
             or self.readers[row] > 0
-            or self.pin_until[row] > now
+            or self.pin_until[row] > self.pin_now(now)
             or bool(int(self.flags[row]) & BUSY)
         )
 
@@ -309,9 +342,91 @@ class RowTable:
             absent
             | (self.refs[r] > 0)
             | (self.readers[r] > 0)
-            | (self.pin_until[r] > now)
+            | (self.pin_until[r] > self.pin_now(now))
             | ((self.flags[r] & BUSY) != 0)
         )
+
+    # ------------------------------------------------------------ times and counters
+    def tick(self, t_s: float, up: bool = False) -> int:
+        """Clock time ``t_s`` (seconds) as a tick of the time columns (:data:`TIMES`): the nearest
+        one, or with ``up`` the first at or after it (a pin's expiry: never early). A time outside
+        the span the columns hold first rebases them (:meth:`_refit`); nothing wraps."""
+        x = t_s * TICKS_PER_S
+        a = math.ceil(x) if up else round(x)
+        t = a - self.tick_base
+        if 1 <= t <= self.tick_max:
+            return t
+        self._refit(a)
+        return a - self.tick_base
+
+    def stamp(self, name: str, rows: Any, t_s: float) -> None:
+        """Set time column ``name`` of ``rows`` (an int, a list or an index array) to ``t_s``."""
+        t = self.tick(t_s)  # first: it may replace the column
+        getattr(self, name)[rows] = t
+
+    def pin_now(self, now: float) -> float:
+        """``now`` on the ``pin_until`` column's scale: a row is pinned while ``pin_until > pin_now(now)``
+        (a lease's tick is at or after its expiry: exact to 1 ms, never early; 0, no pin, never is)."""
+        return max(now * TICKS_PER_S - self.tick_base, 0.0)
+
+    def _refit(self, a: int) -> None:
+        """Make absolute tick ``a`` storable: the base becomes one tick before the earliest live
+        time (or ``a``) and every stored time is shifted to it in place, O(rows), once per span
+        of 49.7 days at most; where the live times and ``a`` span more than ``uint32`` holds the
+        columns are widened to ``int64`` (for good). Times of free rows are clipped into range."""
+        live = self.table.rows()
+        if self.doomed:
+            live = np.union1d(live, np.fromiter(self.doomed, dtype=np.int64))
+        lo = hi = a
+        for name in TIMES:
+            v = getattr(self, name)[live]
+            v = v[v != 0]
+            if v.size:
+                lo = min(lo, self.tick_base + int(v.min()))
+                hi = max(hi, self.tick_base + int(v.max()))
+        base = lo - 1
+        wide = hi - base > self.tick_max
+        if wide:
+            self.tick_max = 1 << 62
+        for name in TIMES:
+            old = getattr(self, name)
+            col = old.astype(np.int64)
+            nz = col != 0
+            col[nz] += self.tick_base - base
+            np.clip(col, 1, self.tick_max, out=col, where=nz)
+            if wide:
+                setattr(self, name, col)
+            else:
+                old[...] = col
+        self.tick_base = base
+
+    def count_hits(self, rows: np.ndarray) -> None:
+        """One more hit on each of ``rows`` (distinct), saturating at :data:`HITS_MAX`."""
+        h = self.hits[rows]
+        np.minimum(h, _HITS_BELOW_MAX, out=h)  # two element-wise ufuncs: cheaper than a max()
+        h += _ONE_U16
+        self.hits[rows] = h
+
+    def count_up(self, name: str, rows: Any) -> None:
+        """Raise counter ``name`` (``refs`` or ``readers``) by one per occurrence of each row in
+        ``rows`` (an int, or an index array: a row given twice is raised twice). An ``int16``
+        column that would pass 32767 is widened to ``int32`` first: a count never wraps."""
+        a = getattr(self, name)
+        if isinstance(rows, int):
+            if a.dtype == np.int16 and a[rows] >= _COUNT_MAX_I16:
+                a = self._widen(name)
+            a[rows] += 1
+            return
+        if a.dtype == np.int16 and rows.size and int(a[rows].max()) + rows.size > _COUNT_MAX_I16:
+            u, n = np.unique(rows, return_counts=True)  # exact, only near the limit
+            if int((a[u].astype(np.int64) + n).max()) > _COUNT_MAX_I16:
+                a = self._widen(name)
+        np.add.at(a, rows, 1)
+
+    def _widen(self, name: str) -> np.ndarray:
+        a = getattr(self, name).astype(np.int32)
+        setattr(self, name, a)
+        return a
 
     def view(self, row: int, key: bytes | None = None) -> EntryView:
         return EntryView(self, row, key if key is not None else self.table.key_of(row))
