@@ -230,20 +230,7 @@ class BlockIndex:
             runtime.key_table,
         )
         self.metrics = Metrics()
-        self.placement = Placement(
-            self.rows,
-            self.metrics,
-            hbm_blocks=c.hbm_blocks,
-            host_blocks=c.host_blocks,
-            nvme=c.nvme,
-            eviction=policies.eviction,
-            write_policy=policies.write_policy,
-            promotion=policies.promotion,
-            evict_batch_blocks=policies.evict_batch_blocks,
-            admit=runtime.admit,
-            classify=runtime.classify,
-            remote_victims=runtime.remote_victims,
-        )
+        self.placement = Placement(self.rows, self.metrics, shape, policies, runtime)
         self.tiers = self.placement.tiers
         self.policies = self.placement.policies
         self._alloc = self.placement.alloc

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from ..policies.base import EvictionPolicy, make_policy
 from ..policies.lifetime import default_classify, default_classify_many
 from ..tiers.memory import SlotAllocator
 from .rows import DOOMED, EVICT, EVICT_HBM, EVICT_HOST, NVME_WRITING, ON_NVME, PENDING, RowTable
+
+if TYPE_CHECKING:
+    from .core import IndexRuntime, IndexShape
 
 #: LifetimeClass by value (a vectorised classification back to the enum).
 _CLASSES = tuple(LifetimeClass)
@@ -119,22 +122,15 @@ class Placement:
     rows : RowTable
     metrics : Metrics
         The index's counters (evictions, admission rejections, refused stores).
-    hbm_blocks, host_blocks : int
-        Slots of the memory tiers (0 disables a tier).
-    nvme : bool
-        Whether an NVMe tier exists.
-    eviction : str
-        Eviction policy of the memory tiers (:func:`tierstore.policies.make_policy`).
-    write_policy : {"write_back", "write_through"}
-    promotion : {"top", "one", "none"}
-    evict_batch_blocks : int
-        Victims taken per eviction round (batches demotions to NVMe).
-    admit : callable or None
-        ``f(entry) -> bool``; ``False`` keeps a demoted block off flash.
-    classify : callable
-        ``f(entry, now_s) -> LifetimeClass`` of a block written to NVMe.
-    remote_victims : bool
-        List victims that would be lost in ``StorePlan.lost``.
+    shape : IndexShape
+        The memory tiers' slots (a tier of 0 slots is disabled) and whether an NVMe tier exists.
+    policies : PoliciesConfig
+        ``eviction`` (of the memory tiers, :func:`tierstore.policies.make_policy`),
+        ``write_policy``, ``promotion`` and ``evict_batch_blocks`` (victims taken per eviction
+        round: batches demotions to NVMe).
+    runtime : IndexRuntime
+        ``admit`` and ``classify`` (of a block written to NVMe), and ``remote_victims`` (list
+        victims that would be lost in ``StorePlan.lost``).
     """
 
     #: Bound on the remembered admission-rejected keys (32 B each).
@@ -147,38 +143,26 @@ class Placement:
     VECTOR_MIN_BLOCKS = 8
 
     def __init__(
-        self,
-        rows: RowTable,
-        metrics: Metrics,
-        *,
-        hbm_blocks: int,
-        host_blocks: int,
-        nvme: bool,
-        eviction: str,
-        write_policy: str,
-        promotion: str,
-        evict_batch_blocks: int,
-        admit: Callable | None,
-        classify: Callable,
-        remote_victims: bool,
+        self, rows: RowTable, metrics: Metrics, shape: IndexShape, policies, runtime: IndexRuntime
     ) -> None:
         self.rows = rows
         self.metrics = metrics
+        hbm_blocks, host_blocks = shape.hbm_blocks, shape.host_blocks
         self.tiers: list[Tier] = [t for t, n in ((Tier.HBM, hbm_blocks), (Tier.HOST, host_blocks)) if n] + (
-            [Tier.NVME] if nvme else []
+            [Tier.NVME] if shape.nvme else []
         )
         self.alloc: dict[Tier, SlotAllocator] = {}
         if hbm_blocks:
             self.alloc[Tier.HBM] = SlotAllocator(hbm_blocks)
         if host_blocks:
             self.alloc[Tier.HOST] = SlotAllocator(host_blocks)
-        self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(eviction) for t in self.alloc}
-        self.write_policy = write_policy
-        self.promotion = promotion
-        self.evict_batch_blocks = evict_batch_blocks
-        self.admit = admit
-        self.classify = classify
-        self.remote_victims = remote_victims
+        self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(policies.eviction) for t in self.alloc}
+        self.write_policy = policies.write_policy
+        self.promotion = policies.promotion
+        self.evict_batch_blocks = policies.evict_batch_blocks
+        self.admit = runtime.admit
+        self.classify = runtime.classify
+        self.remote_victims = runtime.remote_victims
         self.rejected: dict[bytes, None] = {}  # keys admission kept off NVMe (bounded, oldest first out)
         self.clean_wanted = 0  # promotions that found only dirty victims
 

@@ -69,6 +69,14 @@ class RegisteredRegion:
         """Whether ``[ptr, ptr + n)`` lies inside the region."""
         return self.base_ptr <= ptr and ptr + n <= self.base_ptr + self.nbytes
 
+    def hold(self, offset: int, n: int) -> None:
+        """Call the owner's ``on_hold(offset, n)`` (an error it raises is logged, not raised)."""
+        _callback(self.on_hold, offset, n)
+
+    def release(self, offset: int, n: int) -> None:
+        """Call the owner's ``on_release(offset, n)`` (an error it raises is logged, not raised)."""
+        _callback(self.on_release, offset, n)
+
 
 class TierLink(Protocol):
     """What a part of :class:`~tierstore.remote.mooncake.MooncakeTier` (its publisher, its

@@ -29,7 +29,6 @@ from .calls import (
     RPC_FAIL,
     RegisteredRegion,
     TierLink,
-    _callback,
     _memcpy,
     _Slots,
 )
@@ -279,13 +278,13 @@ class Loader:
         def quarantine() -> None:
             quarantined.append(True)
             for r, off in ranges:
-                _callback(r.on_hold, off, bb)
+                r.hold(off, bb)
 
         def late() -> None:
             self._hdr_slots.give(slots)
             if quarantined:
                 for r, off in ranges:
-                    _callback(r.on_release, off, bb)
+                    r.release(off, bb)
 
         return self._tier._call(
             "batch_get_into_multi_buffers",

@@ -32,7 +32,6 @@ from .calls import (
     RPC_FAIL,
     RegisteredRegion,
     TierLink,
-    _callback,
     _memcpy,
     _Slots,
 )
@@ -141,7 +140,7 @@ class Publisher:
                 self._put_slots.give([b.slot])
             else:
                 self._hdr_slots.give([b.slot])
-                _callback(b.region.on_release, b.offset, self._tier.block_bytes)
+                b.region.release(b.offset, self._tier.block_bytes)
 
     def put(
         self,
@@ -248,7 +247,7 @@ class Publisher:
             item = _Pub(key, self._tier._namer(key), i, None, 0, 0)
         else:
             off = block.data_ptr() - region.base_ptr
-            _callback(region.on_hold, off, self._tier.block_bytes)
+            region.hold(off, self._tier.block_bytes)
             payload = block.reshape(-1).view(torch.uint8)
             header = self._hdr_slots.view(i, 0, HEADER_BYTES)
             item = _Pub(key, self._tier._namer(key), i, region, off, block.data_ptr())
@@ -358,7 +357,7 @@ class Publisher:
                     self._zc_queued -= len(batch)
                 for b in batch:
                     if b.region is not None:  # every block of a zero-copy batch has one
-                        _callback(b.region.on_release, b.offset, self._tier.block_bytes)
+                        b.region.release(b.offset, self._tier.block_bytes)
 
         if client is None:
             with self._tier._lock:
