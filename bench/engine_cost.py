@@ -21,7 +21,7 @@ is the new checkout's verdict, in both columns. A source whose venv is absent, o
 fails, leaves its cells "not run: <why>" / "failed: <why>" ("base lacks X" when the base checkout
 has no such module, attribute or option).
 
-Example (the defaults take ~25 min on a quiet 2-vCPU machine; see bench/README.md)::
+Example (the defaults: ~23 min estimated on a quiet 2-vCPU machine; see bench/README.md)::
 
     python bench/engine_cost.py --base /tmp/base --dir /work/tmp-cost --json OUT.json
 """
@@ -473,10 +473,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--frag-blocks", type=int, default=64, help="2 MiB blocks a frag call")
     ap.add_argument("--stall-mib", type=int, default=256, help="MiB demoted to NVMe while lookups are timed")
     ap.add_argument("--idle-s", type=float, default=1.0, help="seconds of idle lookups before/after a stall")
-    ap.add_argument("--meta-ops", type=int, default=100_000, help="blocks stored/looked up per chain length")
+    ap.add_argument("--meta-ops", type=int, default=50_000, help="blocks stored/looked up per chain length")
     ap.add_argument("--mem-blocks", type=int, default=1_000_000, help="blocks indexed for the metadata row")
     ap.add_argument("--mem-runs", type=int, default=1, help="runs of the metadata row (RSS: deterministic)")
-    ap.add_argument("--sglang-mib", type=int, default=64, help="MiB of 16 KiB pages a SGLang pass")
+    ap.add_argument("--sglang-mib", type=int, default=32, help="MiB of 16 KiB pages a SGLang pass")
     ap.add_argument("--settle-s", type=float, default=0.2, help="idle seconds before a SGLang timed phase")
     ap.add_argument("--daemon-ops", type=int, default=32, help="2 MiB puts per client per daemon run")
     ap.add_argument("--vllm-runs", type=int, default=2, help="ABBA runs of the vLLM row (3 engines a run)")
