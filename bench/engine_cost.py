@@ -216,7 +216,7 @@ def verdict(row: Row, cells: dict) -> str:
         measured.append(mode)
         for m in row.measures:
             if not m.met(vals[m.key]["median"]):
-                misses.append(f"{mode} {m.label or m.unit}".strip())
+                misses.append(f"{mode} {m.label or m.key}".strip())
     if not measured:
         return "not measured"
     if misses:
