@@ -690,11 +690,22 @@ WORKERS = {
 
 
 # =============================================================================== driver
-def run_worker(root: str, part: str, args: dict, timeout_s: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=root)
+def run_worker(
+    root: str,
+    part: str,
+    args: dict,
+    timeout_s: float,
+    python: str = sys.executable,
+    script: str = __file__,
+    extra_path: tuple[str, ...] = (),
+) -> dict:
+    """``script --worker part ARGS`` in a fresh ``python`` whose ``PYTHONPATH`` is ``root`` (then
+    ``extra_path``), cwd ``root``; returns the JSON of its last stdout line, or ``{"error": stderr tail}``
+    (a non-zero exit or ``timeout_s`` passed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((root, *extra_path)))
     try:
         r = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--worker", part, json.dumps(args)],
+            [python, os.path.abspath(script), "--worker", part, json.dumps(args)],
             capture_output=True,
             text=True,
             env=env,

@@ -84,7 +84,11 @@ def baseline_server(port_file: str) -> None:
     asyncio.run(main())
 
 
-def start_daemon(work: str, host_bytes: str, nvme_bytes: str) -> tuple[subprocess.Popen, int, str]:
+def start_daemon(
+    work: str, host_bytes: str, nvme_bytes: str, root: str = ROOT
+) -> tuple[subprocess.Popen, int, str]:
+    """Start ``tierstore serve`` of the checkout ``root`` (its ``PYTHONPATH``) on a generated config in
+    ``work``; returns the process, its port and its log's path."""
     cfg = {
         "state_dir": os.path.join(work, "state"),
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -106,7 +110,7 @@ def start_daemon(work: str, host_bytes: str, nvme_bytes: str) -> tuple[subproces
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     log = os.path.join(work, "daemon.log")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=root)
     with open(log, "wb") as err:
         # WARNING level hides the "listening" line: pass INFO just for the startup record
         cfg["log"]["level"] = "INFO"
@@ -293,6 +297,64 @@ def wait_for_port(port_file: str, proc: subprocess.Popen, timeout_s: float = 60.
     raise RuntimeError(f"the baseline server wrote no port to {port_file} within {timeout_s:.0f} s")
 
 
+def measure(
+    work: str,
+    sizes: list[int],
+    ops: int,
+    n_clients: int,
+    run_ids,
+    host_bytes: str,
+    nvme_bytes: str,
+    root: str = ROOT,
+) -> tuple[dict, list[str]]:
+    """The daemon of the checkout ``root`` and the aiohttp baseline, both started in ``work``, one
+    (baseline, tierstore) pair per run in ``run_ids``, ABBA: an odd run id runs tierstore first.
+
+    Returns
+    -------
+    tuple of (dict, list of str)
+        ``{"tierstore": [...], "baseline": [...]}``, a dict a run mapping ``(batch MiB, "put" | "get")``
+        to ``(bytes/s, p50 s, p99 s)``; and each run's order. Both servers are stopped on return.
+    """
+    port_file = os.path.join(work, "baseline.port")
+    daemon = base = None
+    order: list[str] = []
+    res: dict = {"tierstore": [], "baseline": []}
+    try:
+        daemon, port, _log = start_daemon(work, host_bytes, nvme_bytes, root)
+        base = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import server_bench; server_bench.baseline_server({os.path.abspath(port_file)!r})",
+            ],
+            cwd=HERE,
+        )
+        bport = wait_for_port(port_file, base)
+        block_bytes = 2 * MiB
+
+        def run_baseline(r: int) -> None:
+            res["baseline"].append(
+                bench_baseline(f"http://127.0.0.1:{bport}", sizes, ops, n_clients, r, block_bytes)
+            )
+
+        def run_tierstore(r: int) -> None:
+            res["tierstore"].append(bench_tierstore(f"http://127.0.0.1:{port}", sizes, ops, n_clients, r))
+
+        for r in run_ids:  # ABBA: odd runs run tierstore before its baseline
+            pair = (run_tierstore, run_baseline) if r % 2 else (run_baseline, run_tierstore)
+            order.append("tierstore,baseline" if r % 2 else "baseline,tierstore")
+            print(f"run {r + 1}: {order[-1]}", file=sys.stderr)
+            for step in pair:
+                step(r)
+    finally:
+        for proc, wait_s in ((daemon, 60), (base, 10)):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(wait_s)
+    return res, order
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="work directory (NVMe file lives here); default: a temp dir")
@@ -310,44 +372,9 @@ def main(argv=None) -> int:
     removed = clean_work_dir(work)
     if removed:
         print(f"{work}: removed {', '.join(removed)} of an earlier run", file=sys.stderr)
-    port_file = os.path.join(work, "baseline.port")
-    daemon = base = None
-    order: list[str] = []
-    try:
-        daemon, port, log = start_daemon(work, args.host_bytes, args.nvme_bytes)
-        base = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"import server_bench; server_bench.baseline_server({os.path.abspath(port_file)!r})",
-            ],
-            cwd=HERE,
-        )
-        bport = wait_for_port(port_file, base)
-        block_bytes = 2 * MiB
-        res = {"tierstore": [], "baseline": []}
-
-        def run_baseline(r: int) -> None:
-            res["baseline"].append(
-                bench_baseline(f"http://127.0.0.1:{bport}", sizes, args.ops, args.clients, r, block_bytes)
-            )
-
-        def run_tierstore(r: int) -> None:
-            res["tierstore"].append(
-                bench_tierstore(f"http://127.0.0.1:{port}", sizes, args.ops, args.clients, r)
-            )
-
-        for r in range(args.runs):  # ABBA: odd runs run tierstore before its baseline
-            pair = (run_tierstore, run_baseline) if r % 2 else (run_baseline, run_tierstore)
-            order.append("tierstore,baseline" if r % 2 else "baseline,tierstore")
-            print(f"run {r + 1}/{args.runs}: {order[-1]}", file=sys.stderr)
-            for step in pair:
-                step(r)
-    finally:
-        for proc, wait_s in ((daemon, 60), (base, 10)):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(wait_s)
+    res, order = measure(
+        work, sizes, args.ops, args.clients, range(args.runs), args.host_bytes, args.nvme_bytes
+    )
 
     def med(name, key, idx):
         xs = [run[key][idx] for run in res[name]]
