@@ -224,13 +224,25 @@ def boot(a, seg: int, tier: int, out: str) -> tuple[int, str, float]:
     return p.returncode, tail[-3000:], time.monotonic() - t
 
 
+def device_cell(dev: int, engine: int, runs_bytes: int) -> str:
+    """The device's bytes for one handle: the RUAMW tally, or, where the engine sent more and the
+    difference is whole RUs (RUs that filled with no RUH Update, which RUAMW cannot see), both."""
+    extra = engine - dev
+    if extra > 0 and runs_bytes and extra % runs_bytes == 0:
+        return f"{engine:,} ({extra // runs_bytes} whole RUs + {dev:,} by RUAMW)"
+    return f"{dev:,}"
+
+
 def table(res: dict) -> list[str]:
-    """Markdown: per configuration and handle, device bytes against the model's (module doc)."""
+    """Markdown: per configuration and handle, device bytes against the model's (module doc).
+    Untagged writes (engine key ``none``) are the default handle's (PID 0): a write without a
+    placement directive goes to placement handle 0."""
     out = [
         "| config | PID (handle) | lifetime class(es) | device bytes (RUH Status) | engine bytes (tagged) "
         "| FTL model (`device: sim`, same replay) | RUH Updates sent | host events |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    runs = res.get("namespace", {}).get("runs_bytes", 0)
     for name, r in res["configs"].items():
         g, s = r.get("guest", {}), r["sim"]
         if "device_bytes_per_pid" not in g:
@@ -239,17 +251,18 @@ def table(res: dict) -> list[str]:
         cls = {}
         for c, p in g["row"]["class_pid"].items():
             cls.setdefault(str(p), []).append(c)
-        pids = sorted(
-            set(g["device_bytes_per_pid"]) | set(g["engine_bytes_per_pid"]) | set(s["ruh_bytes"] or {}),
-            key=lambda p: (not p.isdigit(), int(p) if p.isdigit() else 0),  # "none": untagged writes
-        )
+        engine = dict(g["engine_bytes_per_pid"])
+        untagged = engine.pop("none", 0)
+        engine["0"] = engine.get("0", 0) + untagged
+        pids = sorted(set(g["device_bytes_per_pid"]) | set(engine) | set(s["ruh_bytes"] or {}), key=int)
         for p in pids:
-            dev, eng = g["device_bytes_per_pid"].get(p, 0), g["engine_bytes_per_pid"].get(p, 0)
+            dev, eng = g["device_bytes_per_pid"].get(p, 0), engine.get(p, 0)
             sim = (s["ruh_bytes"] or {}).get(p, 0)
             upd, ev = g["ruh_updates_per_pid"].get(p, 0), g["host_events"]["per_pid"].get(p, 0)
+            eng_s = f"{eng:,}" + (f" ({untagged:,} untagged)" if p == "0" and untagged else "")
             out.append(
-                f"| `{name}` | {p} | {', '.join(cls.get(p, [])) or '-'} | {dev:,} | {eng:,} | {sim:,} "
-                f"| {upd} | {ev} |"
+                f"| `{name}` | {p} | {', '.join(cls.get(p, [])) or '-'} | {device_cell(dev, eng, runs)} "
+                f"| {eng_s} | {sim:,} | {upd} | {ev} |"
             )
     return out
 

@@ -30,13 +30,24 @@ def test_table_puts_device_engine_and_model_bytes_per_pid_with_the_class():
         "host_events": {"n": 0, "per_pid": {}},
     }
     res = {
+        "namespace": {"runs_bytes": RUNS},
         "configs": {
             "d-hint": {"sim": {"ruh_bytes": {"2": 4096, "3": 8192}}, "guest": guest},
             "c": {"sim": {"ruh_bytes": None}, "guest": {"error": "boom"}},
-        }
+        },
     }
     lines = fh.table(res)
     assert "| `d-hint` | 3 | SHORT | 8,192 | 8,192 | 8,192 | 1 | 0 |" in lines
     assert "| `d-hint` | 2 | MEDIUM | 4,096 | 4,096 | 4,096 | 0 | 0 |" in lines
-    assert lines[-2] == "| `d-hint` | none | - | 0 | 512 | 0 | 0 | 0 |"  # untagged writes last
+    assert "| `d-hint` | 0 | default | 0 | 512 (512 untagged) | 0 | 0 | 0 |" in lines  # handle 0's
     assert any("guest failed: boom" in x for x in lines)
+
+
+def test_whole_rus_filled_without_a_ruh_update_are_shown_beside_the_ruamw_tally():
+    fh = load_tool("fdp_vm_handles")
+    assert (
+        fh.device_cell(3 * LBA, 2 * RUNS + 3 * LBA, RUNS)
+        == f"{2 * RUNS + 3 * LBA:,} (2 whole RUs + 1,536 by RUAMW)"
+    )
+    assert fh.device_cell(3 * LBA, 3 * LBA, RUNS) == "1,536"
+    assert fh.device_cell(3 * LBA, 4 * LBA, RUNS) == "1,536"  # not whole RUs: the tally as it is
