@@ -161,23 +161,36 @@ class FeatureRecorder(LifetimeRecorder):
         return c
 
 
-def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRecorder]:
-    """One configuration through the real store (module doc)."""
+def run_one(
+    wl, name: str, util: float, isolation: str, device: dict | None = None, on_open_also=None
+) -> tuple[dict, FeatureRecorder]:
+    """One configuration through the real store (module doc).
+
+    ``device``: ``None`` for the FTL model (``device: sim``, RU = segment = device / 60); else
+    further ``tiers.nvme`` fields that name a real device (``device: fdp``, ``path``,
+    ``segment_size_bytes``, ``journal_path``, ``model`` ...; ``bench/fdp_vm_handles.py``), the
+    configuration's own fields on top. ``on_open_also(store)`` runs once the store is open.
+    """
     what, pol, nv_over = CONFIGS[name]
     rec = FeatureRecorder(pol.get("classifier", "hint"))
-    nv = {
-        "device": "sim",
-        "engine": "memory",
-        "model": {"utilization": util, "isolation": isolation},
-        **nv_over,
-    }
+    if device is None:
+        nv = {"device": "sim", "engine": "memory", "model": {"utilization": util, "isolation": isolation}}
+    else:
+        nv = dict(device)
+    nv.update(nv_over)
     src = HINTED.get(name, (None, None, None))[2]
     hints = hint_map(wl, src) if src else None
+    placed: dict = {}
 
     def on_open(store) -> None:
         rec.on_open(store)
         if hints is not None:
             hinted_stores(store, hints)
+        pl = store.placement
+        if pl is not None and pl.enabled:  # the PID each lifetime class is written with
+            placed.update({c.name: int(p) for c, p in pl.class_pid.items()}, default=int(pl.default_pid))
+        if on_open_also is not None:
+            on_open_also(store)
 
     t0 = time.perf_counter()
     l0 = os.getloadavg()[0]
@@ -221,6 +234,9 @@ def run_one(wl, name: str, util: float, isolation: str) -> tuple[dict, FeatureRe
         "block_evictions": nb.get("block_evictions", 0),
         "gc_evicted_blocks": nb.get("gc_evicted_blocks", 0),
         "trimmed_bytes": nb.get("trimmed_bytes", 0),
+        "segment_size_bytes": d.get("segment_size_bytes"),
+        "ruh_bytes": d.get("ruh_bytes"),
+        "class_pid": placed,
         "wrong_kv_blocks": kv["wrong_kv_blocks"],
         "placement": acc,
         "simulated": SIMULATED,
