@@ -220,7 +220,7 @@ def hash_block(parent: bytes, content: bytes) -> BlockKey:
     return h.digest()
 
 
-def _token_array(token_ids) -> np.ndarray:
+def token_array(token_ids) -> np.ndarray:
     """Validate token ids: a 1-D sequence of non-negative integers -> int64 array.
 
     Raises
@@ -269,7 +269,7 @@ def block_hashes(
         ``num_tokens // tokens_per_block`` 32-byte keys; the partial tail is not hashed
         (exact-hit rule).
     """
-    arr = _token_array(token_ids)
+    arr = token_array(token_ids)
     n = arr.size // tokens_per_block
     if n == 0:
         return []

@@ -541,3 +541,16 @@ def test_fdp_cli_usage_errors(capsys, tmp_path):
     assert main(["fdp", "discover", str(tmp_path / "tier")]) == 1
     assert "not a device" in capsys.readouterr().err
     assert main(["fdp", "discover", "/dev/ng9n1", "--plids=a"]) == 2
+
+
+def test_a_link_to_another_device_names_what_it_was_given(tmp_path):
+    """`fdp discover ./ng9n1` (a link to /dev/null) said `./nvme9: no such device`, a path the user
+    never gave (trial 5a): the message names the given path and the one that is missing."""
+    from tierstore.fdp import discovery
+
+    link = tmp_path / "ng9n1"
+    link.symlink_to("/dev/null")
+    with pytest.raises(ConfigError) as e:
+        discovery.discover_namespace(str(link))
+    said = str(e.value)
+    assert said.startswith(f"{link}:") and "does not exist" in said and "nvme9" in said

@@ -393,3 +393,22 @@ def test_generation_result_repr_is_short():
     assert "shape=(128256,)" in text and "torch.float32" in text and "40 tokens" in text
     assert "reused_tokens=64" in text and "'host': 2" in text and "ttft_s=0.0123" in text
     assert "-3.0" not in text and "tensor(" not in text
+
+
+def test_a_prompt_that_is_not_one_sequence_of_the_models_token_ids_is_refused(model, new_store):
+    """Float ids were truncated, a 2-D batch flattened into one prompt, and an id past the
+    vocabulary or a prompt past the positions reached the model's bare IndexError (trial 5a)."""
+    lay = HFPrefixCache.layout_for(model)
+    pc = HFPrefixCache(model, new_store(lay, nvme=0))
+    for bad, said in [
+        ([1.9] * 40, "integers"),
+        (torch.tensor([[5] * 20, [7] * 20]), "1-D"),
+        ([VOCAB] * 20, "vocab_size"),
+        ([-1] * 20, "non-negative"),
+        ([3] * 1020, "max_position_embeddings"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            pc.generate(bad, max_new_tokens=8)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        pc.prefill([3] * 1025)
+    assert pc.generate(torch.tensor([5] * 20), max_new_tokens=2).tokens  # a 1-D tensor of ids is fine

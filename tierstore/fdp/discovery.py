@@ -273,7 +273,11 @@ def discover_namespace(dev: str, endgid: int = 1, cli: Any = None, sys_root: str
     ctrl, blk, chr_ = nvme_names(dev)
     for p in (ctrl, chr_):
         if not os.path.exists(p):
-            raise ConfigError(f"{p}: no such device (an FDP namespace needs /dev/nvmeX and /dev/ngXnY)")
+            raise ConfigError(
+                f"{dev}: an FDP namespace needs its controller and character device too, named from "
+                f"{os.path.basename(dev)!r}: {p} does not exist (give /dev/ngXnY or /dev/nvmeXnY itself, "
+                "not a link of another name)"
+            )
     cli = cli or NvmeCli()
     nsid = _namespace_id(chr_)
     idns = cli.id_ns(chr_, nsid)

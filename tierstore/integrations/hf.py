@@ -41,7 +41,7 @@ import torch
 
 from ..api import KVStore, leading_ok
 from ..errors import ConfigError, LayoutError, Status
-from ..identity import Namespace
+from ..identity import Namespace, token_array
 from ..layout import KVLayout, dtype_name
 
 #: Elements sampled per tensor by the default (sampled) fingerprint.
@@ -535,6 +535,34 @@ class HFPrefixCache:
         )
         return end, sum(1 for s in st if s is Status.OK)
 
+    def _prompt_ids(self, token_ids, new_tokens: int) -> np.ndarray:
+        """One prompt's ids as int64, shape ``(n,)``, checked against the model before any work.
+
+        Raises
+        ------
+        ConfigError
+            An empty prompt; not one 1-D sequence of non-negative integers (floats were truncated
+            and a 2-D batch flattened into one prompt before, trial 5a); an id past the model's
+            ``vocab_size``; ``n + new_tokens`` past ``max_position_embeddings`` (the model's own
+            ``IndexError`` before).
+        """
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.detach().cpu().numpy()
+        ids = token_array(token_ids)
+        if ids.size == 0:
+            raise ConfigError("an empty prompt cannot be prefilled")
+        cfg = self.model.config
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is not None and int(ids.max()) >= vocab:
+            raise ConfigError(f"token id {int(ids.max())}: the model's vocab_size is {vocab}")
+        most = getattr(cfg, "max_position_embeddings", None)
+        if most is not None and ids.size + new_tokens > most:
+            raise ConfigError(
+                f"a prompt of {ids.size} tokens + {new_tokens} new ones: the model's "
+                f"max_position_embeddings is {most}"
+            )
+        return ids
+
     # ------------------------------------------------------------------ public
     def prefill(self, token_ids: Sequence[int] | np.ndarray, request_id=None) -> PrefillResult:
         """Prefill a prompt, reusing its longest cached prefix.
@@ -550,9 +578,7 @@ class HFPrefixCache:
         -------
         PrefillResult
         """
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise ConfigError("an empty prompt cannot be prefilled")
+        ids = self._prompt_ids(token_ids, 0)
         if self.store is not None:
             cache, resident, reused, tiers, lk, ld = self._load_prefix(ids, request_id)
         else:
@@ -580,7 +606,7 @@ class HFPrefixCache:
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        ids = self._prompt_ids(token_ids, max_new_tokens)
         if self.store is None:
             return self._generate(ids, max_new_tokens, None)
         with self.store.request() as rid:

@@ -1285,7 +1285,11 @@ class TierstoreConnector(KVConnectorBase_V1):
     # ---- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._check_open("register_kv_caches")
-        self._worker.register_kv_caches(kv_caches)
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        except BaseException:
+            _let_go_of_failed_agent(self)
+            raise
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._check_open("handle_preemptions")
@@ -1371,6 +1375,27 @@ class TierstoreConnector(KVConnectorBase_V1):
             return
         self._closed = True
         (self._sched or self._worker).shutdown()
+
+
+def _let_go_of_failed_agent(connector: TierstoreConnector) -> None:
+    """After this worker failed to set up its store, shut it down and, when it is vLLM's
+    process-wide connector agent, clear that (``ensure_kv_transfer_shutdown``).
+
+    vLLM 0.32 keeps the worker's connector in a module global
+    (``kv_transfer_state._KV_CONNECTOR_AGENT``) and ``ensure_kv_transfer_initialized`` creates
+    one only while that is ``None``; an engine whose start-up raised is not shut down, so in an
+    in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the next ``LLM(...)`` reused the
+    failed connector and raised its error again, whatever its own config said (fresh-user
+    trial 5a). Only this connector's own failure is handled here; never raises."""
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+        if state.has_kv_transfer_group() and state.get_kv_transfer_group() is connector:
+            state.ensure_kv_transfer_shutdown()  # calls connector.shutdown()
+        else:
+            connector.shutdown()
+    except Exception:
+        logger.exception("tierstore: shutting down the connector after its failed start-up")
 
 
 def _config_being_built() -> VllmConfig | None:

@@ -485,3 +485,45 @@ def test_handshakes_reach_the_scheduler_by_pp_and_tp_rank(pp_sides):
     tv.TierstoreConnector.set_xfer_handshake_metadata_pp_aware(conn, got)
     assert fresh.shared.ranks == sorted(got)
     fresh.shutdown()
+
+
+class _FailingWorker:
+    """A worker side whose store cannot be set up (e.g. a tier path tierstore must not touch)."""
+
+    def __init__(self):
+        self.shut = 0
+
+    def register_kv_caches(self, kv_caches):
+        raise tv.ConfigError("kv_connector_extra_config configures no tier")
+
+    def shutdown(self):
+        self.shut += 1
+
+
+def _connector_with(worker):
+    conn = object.__new__(tv.TierstoreConnector)
+    conn._closed, conn._sched, conn._worker = False, None, worker
+    return conn
+
+
+def test_a_connector_whose_store_fails_to_open_is_not_left_as_vllms_agent():
+    """vLLM keeps the worker's connector in a process global and makes a new one only while it is
+    empty; a failed start-up is not shut down, so in an in-process engine the next ``LLM(...)``
+    reused the failed connector and raised its error whatever its own config said (trial 5a)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+    assert not state.has_kv_transfer_group()
+    worker = _FailingWorker()
+    conn = _connector_with(worker)
+    state._KV_CONNECTOR_AGENT = conn  # what ensure_kv_transfer_initialized did for this engine
+    try:
+        with pytest.raises(tv.ConfigError, match="no tier"):
+            conn.register_kv_caches({})
+        assert not state.has_kv_transfer_group() and worker.shut == 1 and conn._closed
+        other = _connector_with(_FailingWorker())  # another engine's agent is left alone
+        state._KV_CONNECTOR_AGENT = other
+        with pytest.raises(tv.ConfigError):
+            _connector_with(_FailingWorker()).register_kv_caches({})
+        assert state.get_kv_transfer_group() is other and not other._closed
+    finally:
+        state._KV_CONNECTOR_AGENT = None
