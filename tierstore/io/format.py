@@ -73,39 +73,15 @@ def blocks_fitting(remaining_bytes: int, want: int, length_bytes: int) -> int:
 
 
 def blocks_per_extent_for(extent_size_bytes: int, segment_bytes: int, length_bytes: int) -> tuple[int, int]:
-    """``(extent bytes, blocks per extent)`` of a tier.
-
-    The configured extent size aligned up to :data:`ALIGN_BYTES`, at least one block's extent and at
-    most a segment, holds the most blocks whose extent (header included) fits in it. Where putting
-    the header on top instead holds more than :data:`DENSITY_GAIN_LIMIT` more blocks per byte, it
-    goes on top: 16 MiB of 2 MiB blocks is 8 blocks in 16 MiB + 4096 bytes (counted inside 16 MiB
-    it was 7, 12.5 % of the tier never holding KV); 16 MiB of 32 KiB blocks stays 510 (0.4 %).
-
-    Returns
-    -------
-    tuple of int
-        The extent's bytes (a multiple of :data:`ALIGN_BYTES`) and its blocks (at least 1).
-    """
+    """``(extent bytes, blocks per extent)`` of a tier: the configured extent size aligned up to
+    :data:`ALIGN_BYTES`, at least one block's extent and at most a segment, and the most blocks of
+    ``length_bytes`` one such extent holds (at least 1)."""
     one = extent_bytes_for(1, length_bytes)
-    ext = min(max(_align(extent_size_bytes), one), segment_bytes)
-    want = max(1, ext // block_slot_bytes(length_bytes))
-    bpe = max(1, blocks_fitting(ext, want, length_bytes))
-    whole = max(1, blocks_fitting(segment_bytes, want, length_bytes))
-    if denser(extent_bytes_for(whole, length_bytes), whole, ext, bpe):
-        return extent_bytes_for(whole, length_bytes), whole
+    ext = min(max(-(-extent_size_bytes // ALIGN_BYTES) * ALIGN_BYTES, one), segment_bytes)
+    bpe = 1
+    while extent_bytes_for(bpe + 1, length_bytes) <= ext:
+        bpe += 1
     return ext, bpe
-
-
-#: How many more blocks per byte a size with its header on top must hold before it replaces the
-#: configured size (:func:`blocks_per_extent_for`, the default segment size); below it the sizes
-#: stay as they were before the rule, so layouts of small blocks do not move.
-DENSITY_GAIN_LIMIT = 0.01
-
-
-def denser(new_bytes: int, new_blocks: int, old_bytes: int, old_blocks: int) -> bool:
-    """Whether ``new_blocks`` in ``new_bytes`` hold more than :data:`DENSITY_GAIN_LIMIT` more
-    blocks per byte than ``old_blocks`` in ``old_bytes``."""
-    return new_blocks * old_bytes > (1 + DENSITY_GAIN_LIMIT) * old_blocks * new_bytes
 
 
 def payload_crc(key: bytes, payload) -> int:

@@ -151,24 +151,6 @@ def choose_segment_size(
     seg = max(one, seg // unit * unit)
     while capacity_bytes // seg < min_segments:
         seg -= unit if seg - unit >= one else fmt.ALIGN_BYTES
-    return _whole_blocks(seg, capacity_bytes, block_bytes, min_segments)
-
-
-def _whole_blocks(seg: int, capacity_bytes: int, block_bytes: int, min_segments: int) -> int:
-    """A segment of at most one default extent is one extent: where growing it by its header holds
-    more than :data:`~tierstore.io.format.DENSITY_GAIN_LIMIT` more blocks per byte, it grows (e.g.
-    4 MiB + 4096 bytes for two 2 MiB blocks instead of 4 MiB holding one), while the tier keeps
-    ``min_segments``."""
-    if seg > DEFAULT_EXTENT_BYTES:
-        return seg
-    k = max(1, seg // fmt.block_slot_bytes(block_bytes))
-    whole = fmt.extent_bytes_for(k, block_bytes)
-    while k > 1 and capacity_bytes // whole < min_segments:
-        k -= 1
-        whole = fmt.extent_bytes_for(k, block_bytes)
-    fit = fmt.blocks_fitting(seg, k, block_bytes)
-    if whole > seg and capacity_bytes // whole >= min_segments and fmt.denser(whole, k, seg, fit):
-        return whole
     return seg
 
 
