@@ -188,18 +188,7 @@ def boot(a, seg: int, tier: int, out: str) -> tuple[int, str, float]:
     mib = 1 << 20
     runs = -(-2 * seg // mib) * mib
     size = (-(-tier // runs) + 1) * runs
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compileall",
-            "-q",
-            os.path.join(REPO, "tierstore"),
-            HERE,
-            os.path.join(REPO, "tests", "fdp"),
-        ],
-        check=False,
-    )
+    vmenv.compile_for_guest(HERE)
     img = vmenv.python_image()
     py = vmenv.guest_python() if img else os.path.join(REPO, ".venv", "bin", "python")
     args = [

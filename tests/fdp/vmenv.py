@@ -240,6 +240,13 @@ def fio_with_fdp() -> tuple[str | None, str]:
     )
 
 
+def compile_for_guest(*dirs: str) -> None:
+    """Compile the checkout's modules (``tierstore/``, ``tests/fdp/`` and ``dirs``) here: the
+    guest reads the host root's ``.pyc`` files and writes none."""
+    paths = [os.path.join(REPO, "tierstore"), *dirs, os.path.join(REPO, "tests", "fdp")]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *paths], capture_output=True)
+
+
 def run_config(
     name: str, nruh: int, nrg: int, runs: str, size: str, driver_args: list[str], timeout_s: float = 1500
 ) -> dict:
@@ -253,18 +260,7 @@ def run_config(
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
 
-    # compile the checkout's modules here: the guest reads .pyc and writes none
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compileall",
-            "-q",
-            os.path.join(REPO, "tierstore"),
-            os.path.join(REPO, "tests", "fdp"),
-        ],
-        capture_output=True,
-    )
+    compile_for_guest()
     img = python_image()
     out = tempfile.mkdtemp(prefix=f"tierstore-fdp-vm-{name}-")
     os.chmod(out, 0o777)
