@@ -615,6 +615,41 @@ def test_a_pin_does_not_visit_every_live_lease():
     assert len(ix.leases) == 600
 
 
+class _CountingPins(dict):
+    """One row's {lease id: expiry}, counting the leases a scan of its values visits."""
+
+    visited = 0
+
+    def values(self):
+        type(self).visited += len(self)
+        return super().values()
+
+
+def test_an_unpin_scans_the_rows_other_leases_only_when_it_held_the_latest_expiry():
+    """Ending one of 500 leases on a block: the block's ``pin_until`` is rescanned only when the
+    ended lease held the latest expiry (was: a scan of every lease on the row each time, 205 us an
+    unpin at 8,000 leases on one block), and ``pin_until`` stays the latest live expiry."""
+    now = [0.0]
+    ix = _index(host_blocks=2, clock=lambda: now[0])
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1)]))
+    leases = [ix.pin(ns, [_k(1)], lease_s=100.0 + i) for i in range(500)]
+    row = next(iter(ix.pins.row_pins))
+    ix.pins.row_pins[row] = _CountingPins(ix.pins.row_pins[row])
+    _CountingPins.visited = 0
+    for lease in leases[:400]:  # the oldest first: none held the latest expiry
+        assert ix.unpin(lease.lease_id)
+    assert _CountingPins.visited == 0
+    rt = ix.pins.rows
+    assert rt.pin_until[row] == rt.tick(leases[-1].expiry_s, up=True)
+    assert ix.unpin(leases[-1].lease_id)  # the latest: the 99 others are scanned once
+    assert _CountingPins.visited == 99
+    assert rt.pin_until[row] == rt.tick(leases[-2].expiry_s, up=True)
+    now[0] = leases[-2].expiry_s + 1
+    assert ix.leases == {} and ix.state_of(_k(1)) is BlockState.EVICTABLE
+    ix.check_invariants(quiescent=True)
+
+
 def test_leases_expire_in_time_once_each_with_unpinned_ones_between():
     """The expiry heap: due leases end and are counted once; an unpinned lease is not counted as
     expired when its time comes; the heap stays within a constant factor of the live leases."""

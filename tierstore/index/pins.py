@@ -160,8 +160,11 @@ class Pins(IndexRoom):
                 continue
             pins.pop(lease_id, None)
             if pins:
-                tick = rt.tick(max(pins.values()), up=True)  # may replace the column: bound after
-                rt.pin_until[r] = tick
+                # the row's pin_until is the latest expiry of its leases: only a lease that held it
+                # can lower it, so the other leases are scanned then alone (O(1) for the others)
+                ended = rt.tick(lease.expiry_s, up=True)  # may replace the column: bound after
+                if ended >= rt.pin_until[r]:
+                    rt.pin_until[r] = rt.tick(max(pins.values()), up=True)
             else:
                 del self.row_pins[r]
                 rt.pin_until[r] = 0
