@@ -402,3 +402,41 @@ def test_a_state_file_line_tierstore_did_not_write_is_skipped_and_said(tmp_path,
     svc = Service(parse_config(cfg))
     svc.close()
     assert {n: _sha(tmp_path / "state" / n) for n in before} == before  # read, never rewritten
+
+
+@pytest.mark.parametrize("name", ["scopes.jsonl", "invalidations.jsonl"])
+def test_a_state_file_with_no_record_of_tierstore_is_refused_and_left_alone(tmp_path, capsys, name):
+    """A user's own ``scopes.jsonl`` in ``state_dir`` (complete lines, none a record): start-up
+    appended the daemon's records to it (a file tierstore did not create). Now ``--check`` and
+    start-up refuse it, naming the file, and it keeps its bytes."""
+    from tierstore.server.service import Service
+
+    cfg = make_config(str(tmp_path))
+    (tmp_path / "state").mkdir()
+    mine = tmp_path / "state" / name
+    mine.write_bytes(b'{"user": "notes"}\nline two\n')
+    before = _sha(mine)
+    rc, out, err = _check(tmp_path, cfg, capsys)
+    assert rc == 2 and "config OK" not in out
+    assert f"{mine}: none of its 2 lines is a record tierstore writes" in err
+    with pytest.raises(ConfigError, match=f"{re.escape(str(mine))}: none of its 2 lines is a record"):
+        Service(parse_config(cfg))
+    assert _sha(mine) == before
+
+
+def test_a_torn_tail_is_ended_before_the_next_record_is_appended(tmp_path):
+    """A crash during the first append leaves a line without its newline: start-up accepts the file
+    (it is tierstore's), and the next record goes on a line of its own. Before, the record was
+    glued to the torn tail, and the scope's owner was lost at the next start."""
+    from tierstore.server.config import parse_config as parse
+    from tierstore.server.tenancy import Tenancy
+
+    cfg = parse(make_config(str(tmp_path)))
+    (tmp_path / "state").mkdir()
+    reg = tmp_path / "state" / "scopes.jsonl"
+    reg.write_bytes(b'{"scope": "ab')  # torn: no newline
+    ten = Tenancy(cfg, 4096, b"\x01" * 16)
+    scope, owner = ten.resolve(cfg.tenants[0].name, b"\x02" * 32, write=True)
+    again = Tenancy(cfg, 4096, b"\x01" * 16)
+    assert again.scope_owner == {scope: owner}
+    assert reg.read_bytes().startswith(b'{"scope": "ab\n{')

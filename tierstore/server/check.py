@@ -34,7 +34,7 @@ from ..io.segments import RESERVE_SEGMENTS, choose_segment_size
 from ..layout import KVLayout
 from ..units import format_bytes
 from .config import DaemonConfig
-from .statefiles import SCOPE_FIELDS, TOMB_FIELDS, read_state_records, skipped_lines_said
+from .statefiles import SCOPE_FIELDS, TOMB_FIELDS, foreign_state_file, read_state_records, skipped_lines_said
 
 __all__ = ["Preflight", "preflight", "nvme_file_path", "segment_size_bytes"]
 
@@ -444,6 +444,10 @@ def _check_state_layout(cfg: DaemonConfig, layout: KVLayout, out: Preflight) -> 
         except OSError as e:
             out.errors.append(f"state_dir: {path}: cannot read: {e.strerror}")
             return
+        refusal = foreign_state_file(path, records, skipped)
+        if refusal:
+            out.errors.append(f"state_dir: {refusal}")
+            continue
         if skipped:
             out.notes.append(skipped_lines_said(path, skipped))
         other = sum(1 for rec in records if rec.get("layout") != fp) if path == reg else 0

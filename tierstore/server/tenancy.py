@@ -35,7 +35,14 @@ from ..errors import ConfigError
 from ..identity import DigestCache
 from .config import DaemonConfig
 from .http import ApiError, bearer_token
-from .statefiles import SCOPE_FIELDS, TOMB_FIELDS, read_state_records, skipped_lines_said
+from .statefiles import (
+    SCOPE_FIELDS,
+    TOMB_FIELDS,
+    ends_mid_line,
+    foreign_state_file,
+    read_state_records,
+    skipped_lines_said,
+)
 
 __all__ = ["Tenancy", "owner_key_scope", "storage_key"]
 
@@ -106,6 +113,8 @@ class Tenancy:
         make_state_dir(cfg.state_dir)
         self._scopes_path = os.path.join(cfg.state_dir, "scopes.jsonl")
         self._tomb_path = os.path.join(cfg.state_dir, "invalidations.jsonl")
+        #: state files whose last line is torn: the next append starts a new line first
+        self._torn = {p for p in (self._scopes_path, self._tomb_path) if ends_mid_line(p)}
         self.scope_owner: dict[bytes, str] = {}
         self.tombstones: dict[bytes, int] = {}
         for rec in self._read_jsonl(self._scopes_path, SCOPE_FIELDS):
@@ -122,7 +131,17 @@ class Tenancy:
 
     @staticmethod
     def _read_jsonl(path: str, fields: dict[str, type]) -> list[dict]:
+        """The records of a state file.
+
+        Raises
+        ------
+        ConfigError
+            The file is not tierstore's (:func:`~tierstore.server.statefiles.foreign_state_file`).
+        """
         records, skipped = read_state_records(path, fields)
+        refusal = foreign_state_file(path, records, skipped)
+        if refusal:
+            raise ConfigError(f"state_dir: {refusal}")
         if skipped:
             log.warning(skipped_lines_said(path, skipped))
         return records
@@ -130,8 +149,12 @@ class Tenancy:
     def _append(self, path: str, rec: dict) -> None:
         with self._file_lock:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            line = json.dumps(rec) + "\n"
+            if path in self._torn:  # a crash's torn tail: end it, so it does not swallow this record
+                line = "\n" + line
+                self._torn.discard(path)
             try:
-                os.write(fd, (json.dumps(rec) + "\n").encode())
+                os.write(fd, line.encode())
                 os.fsync(fd)
             finally:
                 os.close(fd)
