@@ -1,6 +1,6 @@
 """A compact map from 32-byte block keys to dense row ids.
 
-The block index and the NVMe locator keep one entry per block (15M for a 30 TB
+The block index and the NVMe locator share one entry per block (15M for a 30 TB
 tier of 2 MiB blocks); a ``dict`` of ``bytes`` to ``int`` costs ~150 B an entry.
 :class:`KeyTable` stores the keys back to back in one ``bytearray`` (32 B each)
 and an open-addressing slot array of 32-bit entries (0 empty, -1 tombstone,
@@ -24,17 +24,20 @@ one's load stays under 5/8). Only a probe that runs off the tail (a run of 256
 full slots) lays the table out again at once (:attr:`KeyTable.full_rebuilds`).
 
 Rows are dense and reused last freed, first reused, so owners index numpy arrays
-by row. Not thread-safe: the owner serialises access. :class:`GhostKeys` is the
-bounded FIFO of refused keys that the "admit on the second sighting" rules keep.
+by row. Up to two holders share a table (:class:`HeldKeys`): a row's ``held`` byte has a
+bit per holder; a slot is emptied when its last holder lets go. Its own lock, innermost,
+is held for one operation. :class:`GhostKeys`: the bounded FIFO of refused keys.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import cast
 
 import numpy as np
@@ -63,6 +66,20 @@ REHASH_SLOTS_PER_KEY = 16
 REHASH_BATCH_SLOTS = 1024
 #: Zeros appended per step when the row buffers grow (the only transient of a growth).
 _GROW_CHUNK_BYTES = 1 << 20
+#: Holder bits of a row's ``held`` byte (:class:`HeldKeys`): the block index and the NVMe
+#: locator. A holder's bit ``<< 2`` marks a row it detached (reserved, its key unfindable for
+#: it). A key's slot stays while a holder bit is set; its row is freed when the byte is 0.
+INDEX = 1
+LOCATOR = 2
+_HOLDERS = INDEX | LOCATOR
+#: ``held byte -> 1/0`` per holder: rows it holds (lookups), rows it may adopt (another holder
+#: has the key and it neither holds nor reserves that row).
+_HOLDS = {h: bytes(1 if v & h else 0 for v in range(16)) for h in (INDEX, LOCATOR)}
+_ANY = bytes(1 if v & _HOLDERS else 0 for v in range(16))  # any holder: every slot's row
+_ADOPTS = {
+    h: bytes(1 if v & (_HOLDERS ^ h) and not v & (h | h << 2) else 0 for v in range(16))
+    for h in (INDEX, LOCATOR)
+}
 
 
 def _pow2_at_least(n: int) -> int:
@@ -95,7 +112,7 @@ def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
 
 
 class KeyTable:
-    """32-byte key -> row id (``0 <= row < capacity_rows``).
+    """32-byte key -> row id (``0 <= row < capacity_rows``), for one or two holders.
 
     Parameters
     ----------
@@ -113,15 +130,23 @@ class KeyTable:
 
     Notes
     -----
-    Memory: ``32`` bytes per row for keys, 1 for the live flag, and 4 bytes per
+    Holders: every method takes ``holder`` (:data:`INDEX`, the default, or :data:`LOCATOR`);
+    a holder finds, lists and removes only the keys it holds, and :meth:`add` of a key another
+    holder has sets its bit on that row (adopts it) instead of inserting a second copy. A key
+    a holder detached (:meth:`detach`) keeps its row reserved for it; that holder's next
+    :meth:`add` of the key takes a new row and slot (a key then has two slots, each held by
+    one holder). :class:`HeldKeys` binds a holder. Thread-safe: every method holds the
+    table's own lock for its one operation (never across I/O, never calling out).
+
+    Memory: ``32`` bytes per row for keys, 1 for the ``held`` byte, and 4 bytes per
     slot: the power of two at least ``max(capacity_rows, 2 * keys)`` (never less
     than before) plus ``TAIL_SLOTS``, so ``2 * keys <= slots < 4 * keys`` once keys
     pass half the capacity; during a rehash the old array too (module doc).
     """
 
     __slots__ = (
-        "_keys", "_live", "_sa", "_slots", "_mask", "_oa", "_old", "_old_mask", "_old_at", "_debt",
-        "_free", "_next_row", "_n", "_tombs", "_cap", "rehash_slots", "full_rebuilds",
+        "_keys", "_held", "_sa", "_slots", "_mask", "_oa", "_old", "_old_mask", "_old_at", "_debt",
+        "_free", "_next_row", "_n", "_count", "_tombs", "_cap", "_lock", "rehash_slots", "full_rebuilds",
     )  # fmt: skip
 
     _sa: np.ndarray  # the slot array inserts go to, and a memoryview of it (fast scalar reads)
@@ -131,16 +156,19 @@ class KeyTable:
 
     def __init__(self, capacity_rows: int = 1024) -> None:
         self._cap = max(16, int(capacity_rows))
-        self._keys = bytearray(KEY_BYTES * self._cap)
-        self._live = bytearray(self._cap)
-        self._free = array("i")
+        self._lock = threading.Lock()
         self.rehash_slots = 0
         self.full_rebuilds = 0
         self.clear()
 
     # ------------------------------------------------------------ properties
     def __len__(self) -> int:
+        """Keys held by any holder."""
         return self._n
+
+    def held_count(self, holder: int = INDEX) -> int:
+        """Keys ``holder`` holds."""
+        return self._count[holder]
 
     @property
     def capacity_rows(self) -> int:
@@ -151,22 +179,57 @@ class KeyTable:
     def nbytes(self) -> int:
         """Bytes held by the table's buffers (during a rehash also the old array's slots not
         moved yet: the moved ones' pages are given back)."""
-        old = 0 if self._oa is None else 4 * (self._oa.size - self._old_at)
-        return (
-            len(self._keys) + len(self._live) + self._sa.nbytes + old + self._free.itemsize * len(self._free)
-        )
+        with self._lock:
+            old = 0 if self._oa is None else 4 * (self._oa.size - self._old_at)
+            return (
+                len(self._keys)
+                + len(self._held)
+                + self._sa.nbytes
+                + old
+                + self._free.itemsize * len(self._free)
+            )
 
     @property
     def rehashing(self) -> bool:
         """Whether an old slot array is still being moved."""
         return self._oa is not None
 
+    def holder(self, holder: int, owner: bool) -> HeldKeys:
+        """This table as ``holder`` sees it; ``owner``: whether its :attr:`HeldKeys.nbytes`
+        counts the table (one owner per table)."""
+        return HeldKeys(self, holder, owner)
+
+    def reserve(self, rows: int) -> None:
+        """Grow to at least ``rows`` rows (a second holder sizes the table for its blocks too)."""
+        with self._lock:
+            while self._cap < rows:
+                self._grow_rows()
+
     # --------------------------------------------------------------- lookups
-    def get(self, key: bytes) -> int:
-        """Row of ``key``, or -1."""
+    def get(self, key: bytes, holder: int = INDEX) -> int:
+        """Row of ``key`` if ``holder`` holds it, else -1."""
         if len(key) != KEY_BYTES:
             return -1
+        with self._lock:  # _find's probe inlined: this is every lookup's call
+            kb = self._keys
+            hb = self._held
+            h = _HOME(key)[0]
+            slots = self._slots
+            p = h & self._mask
+            while True:
+                s = slots[p]
+                if s == _EMPTY:
+                    break
+                if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES) and hb[s - 1] & holder:
+                    return s - 1
+                p += 1
+            return -1 if self._old is None else self._find_old(key, h, _HOLDS[holder])
+
+    def _find(self, key: bytes, accept: bytes) -> int:
+        """Row of ``key`` whose held byte ``accept`` maps to 1, or -1 (a probe of the new array,
+        then of the old one's unmoved slots)."""
         kb = self._keys
+        hb = self._held
         h = _HOME(key)[0]
         slots = self._slots
         p = h & self._mask
@@ -174,27 +237,29 @@ class KeyTable:
             s = slots[p]
             if s == _EMPTY:
                 break
-            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES):
+            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES) and accept[hb[s - 1]]:
                 return s - 1
             p += 1
-        return -1 if self._old is None else self._get_old(key, h)
+        return -1 if self._old is None else self._find_old(key, h, accept)
 
-    def _get_old(self, key: bytes, h: int) -> int:
+    def _find_old(self, key: bytes, h: int, accept: bytes) -> int:
         """Row of ``key`` (home hash ``h``) in the old array of a rehash, or -1."""
         old = self._old
         assert old is not None
         kb = self._keys
+        hb = self._held
         p = max(h & self._old_mask, self._old_at)  # slots below _old_at were moved
         while True:
             s = old[p]
             if s == _EMPTY:
                 return -1
-            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES):
+            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES) and accept[hb[s - 1]]:
                 return s - 1
             p += 1
 
-    def get_many(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Rows of ``keys`` (``int64``, -1 where absent), vectorised for long batches.
+    def get_many(self, keys: Sequence[bytes], holder: int = INDEX) -> np.ndarray:
+        """Rows of ``keys`` that ``holder`` holds (``int64``, -1 elsewhere), vectorised for
+        long batches.
 
         The vectorised probe compares whole 32-byte keys as ``V32`` records
         (one gather and one compare at the home slot, in the new array and
@@ -206,19 +271,29 @@ class KeyTable:
         LayoutError
             If a key is not 32 bytes (vectorised path).
         """
+        with self._lock:  # every slot held by holder (a table of one holder): no mask to gather
+            return self._find_many(keys, _ANY if self._n == self._count[holder] else _HOLDS[holder])
+
+    def _find_many(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
         n = len(keys)
         if n < VECTOR_MIN_KEYS:
-            get = self.get
-            return np.fromiter((get(k) for k in keys), dtype=np.int64, count=n)
+            find = self._find
+            return np.fromiter(
+                (find(k, accept) if len(k) == KEY_BYTES else -1 for k in keys), dtype=np.int64, count=n
+            )
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
+        ok = None if accept is _ANY else np.frombuffer(accept, dtype=np.uint8).astype(bool)
+        hv = np.frombuffer(self._held, dtype=np.uint8)
         q = np.frombuffer(raw, dtype=_V32)
         kv = np.frombuffer(self._keys, dtype=_V32)
         h = np.frombuffer(raw, dtype="<u8")[::4]
         s = self._sa[(h & np.uint64(self._mask)).astype(np.intp)]
         match = kv[s - 1] == q  # s <= 0 reads some other row: masked next
         match &= s > 0
+        if ok is not None:
+            match &= ok[hv[s - 1]]
         out = np.where(match, s - 1, -1).astype(np.int64)
         more = ~match & (s != _EMPTY)
         if self._oa is not None:  # not in the new array: its home slot in the old one
@@ -226,11 +301,13 @@ class KeyTable:
             pos = np.maximum((h[idx] & np.uint64(self._old_mask)).astype(np.intp), self._old_at)
             so = self._oa[pos]
             hit = (kv[so - 1] == q[idx]) & (so > 0)
+            if ok is not None:
+                hit &= ok[hv[so - 1]]
             out[idx[hit]] = so[hit] - 1
             more[idx[~hit & (so != _EMPTY)]] = True
-        get = self.get
+        find = self._find
         for i in more.nonzero()[0].tolist():  # displaced by a collision: probe on one by one
-            out[i] = get(keys[i])
+            out[i] = find(keys[i], accept)
         return out
 
     def key_of(self, row: int) -> bytes:
@@ -243,34 +320,51 @@ class KeyTable:
         kb = self._keys
         return [bytes(kb[r * KEY_BYTES : (r + 1) * KEY_BYTES]) for r in rows]
 
-    def rows(self) -> np.ndarray:
-        """Live rows, ascending (``int64``)."""
-        return np.flatnonzero(np.frombuffer(self._live, dtype=np.uint8)[: self._next_row])
+    def sort_by_key(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (``int64``) in the order of their keys' first 8 bytes (big-endian: the keys'
+        byte order; SHA-256 digests, so distinct in practice), stably: an order that does not
+        depend on row numbers (which, in a shared table, depend on both holders' history)."""
+        with self._lock:
+            head = np.frombuffer(self._keys, dtype=">u8")[rows * (KEY_BYTES // 8)]
+        return rows[np.argsort(head, kind="stable")]
 
-    def live_mask(self, rows: np.ndarray) -> np.ndarray:
-        """Boolean mask: which of ``rows`` hold a key."""
-        return np.frombuffer(self._live, dtype=np.uint8)[rows].astype(bool)
+    def rows(self, holder: int = INDEX) -> np.ndarray:
+        """Rows ``holder`` holds, ascending (``int64``)."""
+        with self._lock:
+            return np.flatnonzero(np.frombuffer(self._held, dtype=np.uint8)[: self._next_row] & holder)
 
-    def is_live(self, row: int) -> bool:
-        """Whether ``row`` holds a key."""
-        return 0 <= row < self._cap and self._live[row] == 1
+    def live_mask(self, rows: np.ndarray, holder: int = INDEX) -> np.ndarray:
+        """Boolean mask: which of ``rows`` ``holder`` holds."""
+        with self._lock:
+            return (np.frombuffer(self._held, dtype=np.uint8)[rows] & holder) != 0
+
+    def is_live(self, row: int, holder: int = INDEX) -> bool:
+        """Whether ``holder`` holds ``row``."""
+        return 0 <= row < self._cap and bool(self._held[row] & holder)
 
     # ------------------------------------------------------------- mutation
-    def add(self, key: bytes) -> tuple[int, bool]:
-        """Insert ``key``; return ``(row, inserted)`` (``inserted`` False if present).
+    def add(self, key: bytes, holder: int = INDEX) -> tuple[int, bool]:
+        """Hold ``key``; return ``(row, inserted)`` (``inserted`` False if ``holder`` held it;
+        True also when it adopted another holder's row).
 
         Raises
         ------
         LayoutError
             If ``key`` is not 32 bytes.
         """
+        with self._lock:
+            return self._add(key, holder)
+
+    def _add(self, key: bytes, holder: int) -> tuple[int, bool]:
         if len(key) != KEY_BYTES:
             raise LayoutError(f"key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
         slots = self._slots
         kb = self._keys
+        hb = self._held
         h = _HOME(key)[0]
         p = h & self._mask
         free = -1  # the first tombstone on the key's chain, else the empty slot that ends it
+        adopt = -1  # the key's row held by another holder only (not one this holder detached)
         while True:
             s = slots[p]
             if s == _EMPTY:
@@ -279,12 +373,21 @@ class KeyTable:
                 if free < 0:
                     free = p
             elif kb.startswith(key, (s - 1) * KEY_BYTES):
-                return s - 1, False
+                if hb[s - 1] & holder:
+                    return s - 1, False
+                if adopt < 0 and _ADOPTS[holder][hb[s - 1]]:
+                    adopt = s - 1
             p += 1
         if self._old is not None:
-            row = self._get_old(key, h)
+            row = self._find_old(key, h, _HOLDS[holder])
             if row >= 0:
                 return row, False
+            if adopt < 0:
+                adopt = self._find_old(key, h, _ADOPTS[holder])
+        if adopt >= 0:
+            hb[adopt] |= holder
+            self._count[holder] += 1
+            return adopt, True
         if free < 0:
             free = p
         if self._oa is None and 2 * (self._n + self._tombs + 1) > self._mask + 1:
@@ -294,8 +397,9 @@ class KeyTable:
         o = row * KEY_BYTES
         kb = self._keys  # _take_row may have grown it
         kb[o : o + KEY_BYTES] = key
-        self._live[row] = 1
+        self._held[row] = holder
         self._n += 1
+        self._count[holder] += 1
         if 0 <= free < len(slots) - 1:  # the last slot stays empty
             if slots[free] == _TOMB:
                 self._tombs -= 1
@@ -305,8 +409,9 @@ class KeyTable:
         self._step(1)
         return row, True
 
-    def add_absent(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Insert ``keys``, which the caller knows are absent and distinct; return their rows.
+    def add_absent(self, keys: Sequence[bytes], holder: int = INDEX) -> np.ndarray:
+        """Hold ``keys``, which the caller knows ``holder`` does not hold and are distinct;
+        return their rows (another holder's rows adopted, the other keys inserted).
 
         One vectorised pass places every key whose home slot is free (empty
         or a tombstone: the key is absent, so no later slot of its probe chain
@@ -318,8 +423,25 @@ class KeyTable:
             If a key is not 32 bytes.
         """
         n = len(keys)
+        with self._lock:
+            if n < VECTOR_MIN_KEYS:
+                return np.fromiter((self._add(k, holder)[0] for k in keys), dtype=np.int64, count=n)
+            rows = self._find_many(keys, _ADOPTS[holder]) if self._n > self._count[holder] else None
+            if rows is None or not (rows >= 0).any():
+                return self._insert(keys, holder)
+            got = (rows >= 0).nonzero()[0]
+            np.frombuffer(self._held, dtype=np.uint8)[rows[got]] |= holder
+            self._count[holder] += int(got.size)
+            fresh = (rows < 0).nonzero()[0]
+            if fresh.size:
+                rows[fresh] = self._insert([keys[i] for i in fresh.tolist()], holder)
+            return rows
+
+    def _insert(self, keys: Sequence[bytes], holder: int) -> np.ndarray:
+        """Rows for ``keys``, in no slot: fresh or freed rows (:meth:`add_absent`)."""
+        n = len(keys)
         if n < VECTOR_MIN_KEYS:
-            return np.fromiter((self.add(k)[0] for k in keys), dtype=np.int64, count=n)
+            return np.fromiter((self._add(k, holder)[0] for k in keys), dtype=np.int64, count=n)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
@@ -329,24 +451,31 @@ class KeyTable:
         if fresh:  # consecutive new rows: plain byte copies
             r0 = int(rows[0])
             self._keys[r0 * KEY_BYTES : (r0 + n) * KEY_BYTES] = raw
-            self._live[r0 : r0 + n] = b"\x01" * n
+            self._held[r0 : r0 + n] = bytes([holder]) * n
         else:
             np.frombuffer(self._keys, dtype=_V32)[rows] = np.frombuffer(raw, dtype=_V32)
-            np.frombuffer(self._live, dtype=np.uint8)[rows] = 1
+            np.frombuffer(self._held, dtype=np.uint8)[rows] = holder
         self._n += n
+        self._count[holder] += n
         self._place_rows(rows)
         self._step(n)
         return rows
 
-    def remove(self, key: bytes, free_row: bool = True) -> int:
-        """Remove ``key``; return its former row, or -1 if absent.
+    def remove(self, key: bytes, free_row: bool = True, holder: int = INDEX) -> int:
+        """Let go of ``key``; return its former row, or -1 if ``holder`` did not hold it.
 
-        With ``free_row=False`` the row is not reused until :meth:`release_row`
-        (an owner whose row is still referenced, e.g. by I/O in flight).
+        Its slot is emptied when no holder is left, its row freed when no holder holds or
+        reserves it. With ``free_row=False`` ``holder`` keeps the row reserved until
+        :meth:`release_row` (an owner whose row is still referenced, e.g. by I/O in flight).
         """
         if len(key) != KEY_BYTES:
             return -1
+        with self._lock:
+            return self._remove(key, free_row, holder)
+
+    def _remove(self, key: bytes, free_row: bool, holder: int) -> int:
         kb = self._keys
+        hb = self._held
         h = _HOME(key)[0]
         slots = self._slots
         p = h & self._mask
@@ -358,47 +487,74 @@ class KeyTable:
                 slots = self._old
                 p = max(h & self._old_mask, self._old_at)
                 continue
-            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES):
+            if s > 0 and kb.startswith(key, (s - 1) * KEY_BYTES) and hb[s - 1] & holder:
                 break
             p += 1
-        slots[p] = _TOMB  # an old array's tombstones go with it
-        if slots is self._slots:
-            self._tombs += 1
         row = s - 1
-        self._live[row] = 0
-        self._n -= 1
-        if free_row:
+        v = hb[row] & (0xFF ^ holder)
+        if not free_row:
+            v |= holder << 2
+        hb[row] = v
+        self._count[holder] -= 1
+        if not v & _HOLDERS:  # the last holder let go
+            slots[p] = _TOMB  # an old array's tombstones go with it
+            if slots is self._slots:
+                self._tombs += 1
+            self._n -= 1
+        if not v:
             self._free.append(row)
         return row
 
-    def remove_row(self, row: int) -> bool:
-        """Remove the key at ``row``; False if the row is not live."""
-        if not self.is_live(row):
-            return False
-        return self.remove(self.key_of(row)) == row
+    def remove_row(self, row: int, holder: int = INDEX) -> bool:
+        """Let go of the key at ``row``; False if ``holder`` does not hold the row."""
+        with self._lock:
+            if not self.is_live(row, holder):
+                return False
+            return self._remove(self.key_of(row), True, holder) == row
 
-    def detach(self, key: bytes) -> int:
-        """Make ``key`` unfindable but keep its row reserved; see :meth:`release_row`."""
-        return self.remove(key, free_row=False)
+    def detach(self, key: bytes, holder: int = INDEX) -> int:
+        """Make ``key`` unfindable for ``holder`` but keep its row reserved; see :meth:`release_row`."""
+        return self.remove(key, False, holder)
 
-    def release_row(self, row: int) -> None:
-        """Return a row detached with :meth:`detach` to the free list."""
-        self._free.append(row)
+    def release_row(self, row: int, holder: int = INDEX) -> None:
+        """Give up a row ``holder`` detached with :meth:`detach` (freed if no holder is left)."""
+        with self._lock:
+            v = self._held[row] & (0xFF ^ (holder << 2))
+            self._held[row] = v
+            if not v:
+                self._free.append(row)
+
+    def drop_holder(self, holder: int) -> int:
+        """Let go of every row ``holder`` holds or reserves (a new block index over a table an
+        earlier one held); returns the keys it held."""
+        with self._lock:
+            hv = np.frombuffer(self._held, dtype=np.uint8)[: self._next_row]
+            held = np.flatnonzero(hv & holder).tolist()
+            reserved = np.flatnonzero(hv & (holder << 2)).tolist()
+            del hv  # no view of the buffer outlives the call (a growth resizes it)
+        for row in held:
+            with self._lock:
+                self._remove(self.key_of(row), True, holder)
+        for row in reserved:
+            self.release_row(row, holder)
+        return len(held)
 
     def clear(self) -> None:
-        """Remove every key (capacity is kept)."""
-        cap = self._cap
-        self._keys = bytearray(KEY_BYTES * cap)
-        self._live = bytearray(cap)
-        self._free = array("i")
-        self._next_row = 0
-        self._n = 0
-        self._tombs = 0
-        nslots = _pow2_at_least(max(MIN_SLOTS, cap))
-        self._sa, self._slots = _zeroed(nslots + TAIL_SLOTS)
-        self._mask = nslots - 1
-        self._oa = self._old = None
-        self._old_mask = self._old_at = self._debt = 0
+        """Remove every key of every holder (capacity is kept)."""
+        with self._lock:
+            cap = self._cap
+            self._keys = bytearray(KEY_BYTES * cap)
+            self._held = bytearray(cap)
+            self._free = array("i")
+            self._next_row = 0
+            self._n = 0
+            self._count = [0] * (_HOLDERS + 1)
+            self._tombs = 0
+            nslots = _pow2_at_least(max(MIN_SLOTS, cap))
+            self._sa, self._slots = _zeroed(nslots + TAIL_SLOTS)
+            self._mask = nslots - 1
+            self._oa = self._old = None
+            self._old_mask = self._old_at = self._debt = 0
 
     # ------------------------------------------------------------- internals
     def _take_rows(self, n: int) -> np.ndarray:
@@ -430,7 +586,7 @@ class KeyTable:
         buffer: no copy) and zeros in chunks, so the old and the new keys are never held at
         once (that doubled the table's peak memory at each growth)."""
         new_cap = self._cap + max(16, self._cap // 2)
-        for buf, n in ((self._keys, KEY_BYTES * (new_cap - self._cap)), (self._live, new_cap - self._cap)):
+        for buf, n in ((self._keys, KEY_BYTES * (new_cap - self._cap)), (self._held, new_cap - self._cap)):
             for done in range(0, n, _GROW_CHUNK_BYTES):
                 buf.extend(bytes(min(_GROW_CHUNK_BYTES, n - done)))
         self._cap = new_cap
@@ -525,7 +681,7 @@ class KeyTable:
         """Lay out every live row at once (vectorised linear probing, no wrap): only after a
         probe ran off the tail."""
         self.full_rebuilds += 1
-        rows = self.rows()
+        rows = np.flatnonzero(np.frombuffer(self._held, dtype=np.uint8)[: self._next_row] & _HOLDERS)
         n = int(rows.size)
         nslots = _pow2_at_least(max(MIN_SLOTS, self._cap, 2 * n, self._mask + 1))
         mask = nslots - 1
@@ -541,6 +697,63 @@ class KeyTable:
         self._tombs = 0
         self._oa = self._old = None
         self._old_mask = self._old_at = self._debt = 0
+
+
+class HeldKeys:
+    """One holder's side of a :class:`KeyTable`: its methods with ``holder`` bound.
+
+    The block index holds its keys through ``HeldKeys(table, INDEX, ...)``, the NVMe locator
+    through ``HeldKeys(table, LOCATOR, ...)``; each keeps its per-row columns indexed by the
+    shared rows and grows them to :attr:`capacity_rows` when a row of its own passes their end.
+
+    Parameters
+    ----------
+    table : KeyTable
+    holder : int
+        :data:`INDEX` or :data:`LOCATOR`.
+    owner : bool
+        Whether this side owns the table: its :attr:`nbytes` counts the table's bytes (the
+        other side's counts none, so the two sides' sums count the table once).
+    """
+
+    __slots__ = (
+        "table", "holder", "owner", "get", "get_many", "add", "add_absent", "remove", "remove_row",
+        "detach", "release_row", "rows", "live_mask", "is_live", "key_of", "keys_of", "sort_by_key",
+    )  # fmt: skip
+
+    def __init__(self, table: KeyTable, holder: int, owner: bool) -> None:
+        if holder not in _HOLDS:
+            raise ValueError(f"holder must be INDEX ({INDEX}) or LOCATOR ({LOCATOR}), not {holder}")
+        self.table, self.holder, self.owner = table, holder, owner
+        # bound with functools.partial: a C-level call, no Python frame per lookup
+        self.get: Callable[[bytes], int] = partial(table.get, holder=holder)
+        self.get_many: Callable[[Sequence[bytes]], np.ndarray] = partial(table.get_many, holder=holder)
+        self.add: Callable[[bytes], tuple[int, bool]] = partial(table.add, holder=holder)
+        self.add_absent: Callable[[Sequence[bytes]], np.ndarray] = partial(table.add_absent, holder=holder)
+        self.remove: Callable[..., int] = partial(table.remove, holder=holder)
+        self.remove_row: Callable[[int], bool] = partial(table.remove_row, holder=holder)
+        self.detach: Callable[[bytes], int] = partial(table.detach, holder=holder)
+        self.release_row: Callable[[int], None] = partial(table.release_row, holder=holder)
+        self.rows: Callable[[], np.ndarray] = partial(table.rows, holder=holder)
+        self.live_mask: Callable[[np.ndarray], np.ndarray] = partial(table.live_mask, holder=holder)
+        self.is_live: Callable[[int], bool] = partial(table.is_live, holder=holder)
+        self.key_of = table.key_of
+        self.keys_of = table.keys_of
+        self.sort_by_key = table.sort_by_key
+
+    def __len__(self) -> int:
+        """Keys this holder holds."""
+        return self.table.held_count(self.holder)
+
+    @property
+    def capacity_rows(self) -> int:
+        """Rows the table has allocated (every row id is below it)."""
+        return self.table.capacity_rows
+
+    @property
+    def nbytes(self) -> int:
+        """The table's bytes if this side owns it, else 0."""
+        return self.table.nbytes if self.owner else 0
 
 
 class GhostKeys:

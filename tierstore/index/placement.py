@@ -439,6 +439,9 @@ class Placement:
             (self.rows.slot[Tier.HOST][rows] >= 0) & ((f & EVICT_HOST) == 0)
         )
         rows = rows[mem & ((f & (ON_NVME | PENDING | DOOMED | NVME_WRITING)) == 0)]
+        # in key order, ties of the coldest-first order too: row numbers are shared with the NVMe
+        # locator (one key table), so an order by row would depend on both sides' history
+        rows = self.rows.table.sort_by_key(rows)
         if coldest_first:
             rows = rows[np.argsort(self.rows.last[rows], kind="stable")]
         rows = rows[:max_blocks]

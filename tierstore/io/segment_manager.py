@@ -350,7 +350,8 @@ class SegmentManager:
         self.touched[segments] = self.ticks
 
     def live_rows(self, si: int, locator) -> np.ndarray:
-        """Rows whose current copy lies in segment ``si``
+        """Rows whose current copy lies in segment ``si``, in device order (copied forward in
+        that order; not by row number, which the block index shares)
         (``locator``: a :class:`~tierstore.io.locator.BlockLocator`)."""
         rows = (
             np.frombuffer(self.members[si], dtype=np.int32).astype(np.int64)
@@ -360,7 +361,8 @@ class SegmentManager:
         if not rows.size:
             return rows
         base = si * self.segment_bytes
-        return locator.rows_in(np.unique(rows), base, base + self.segment_bytes)
+        live = locator.rows_in(np.unique(rows), base, base + self.segment_bytes)
+        return live[np.argsort(locator.offsets(live), kind="stable")]
 
     def victims(self, listener_attached: bool) -> list[int]:
         """Sealed segments in the order eviction considers them.

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
+from ..keytable import KeyTable
 from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
 from ..units import parse_size
 from . import format as fmt
@@ -685,6 +686,13 @@ class SegmentStorage(BlockStorage):
                 out.update(self._blk.stats(), eviction_granularity="block")
             out["engine"] = self.engine.stats()
             return out
+
+    @property
+    def key_table(self) -> KeyTable:
+        """The locator's key table, which this tier owns (recovery fills it before any index
+        exists); ``build.assemble`` gives it to the block index, which holds its keys in the same
+        rows (:class:`~tierstore.keytable.HeldKeys`)."""
+        return self._loc.key_table
 
     def index_nbytes(self) -> int:
         """Bytes of in-memory metadata: key table, per-block and per-segment arrays."""
