@@ -200,10 +200,11 @@ class KeyTable:
         return HeldKeys(self, holder, owner)
 
     def reserve(self, rows: int) -> None:
-        """Grow to at least ``rows`` rows (a second holder sizes the table for its blocks too)."""
+        """Grow to at least ``rows`` rows, exactly (a second holder sizes the table for its
+        blocks too)."""
         with self._lock:
-            while self._cap < rows:
-                self._grow_rows()
+            if self._cap < rows:
+                self._grow_rows(int(rows))
 
     # --------------------------------------------------------------- lookups
     def get(self, key: bytes, holder: int = INDEX) -> int:
@@ -581,11 +582,11 @@ class KeyTable:
         self._next_row += 1
         return r
 
-    def _grow_rows(self) -> None:
-        """1.5x the rows, extending the buffers in place: ``realloc`` (``mremap`` for a large
-        buffer: no copy) and zeros in chunks, so the old and the new keys are never held at
-        once (that doubled the table's peak memory at each growth)."""
-        new_cap = self._cap + max(16, self._cap // 2)
+    def _grow_rows(self, new_cap: int = 0) -> None:
+        """1.5x the rows (or ``new_cap``), extending the buffers in place: ``realloc`` (``mremap``
+        for a large buffer: no copy) and zeros in chunks, so the old and the new keys are never
+        held at once (that doubled the table's peak memory at each growth)."""
+        new_cap = new_cap or self._cap + max(16, self._cap // 2)
         for buf, n in ((self._keys, KEY_BYTES * (new_cap - self._cap)), (self._held, new_cap - self._cap)):
             for done in range(0, n, _GROW_CHUNK_BYTES):
                 buf.extend(bytes(min(_GROW_CHUNK_BYTES, n - done)))
