@@ -308,7 +308,8 @@ def test_a_key_on_nvme_only_is_a_miss_for_the_index_until_adopted():
     assert idx.get(keys[0]) == -1 and (idx.get_many(keys) == -1).all() and idx.rows().size == 0
     assert len(idx) == 0 and len(loc) == 40 and not idx.live_mask(rows).any() and loc.live_mask(rows).all()
     assert idx.add(keys[0]) == (int(rows[0]), True) and idx.get(keys[0]) == rows[0]
-    assert idx.nbytes == 0 and loc.nbytes == t.nbytes > 0  # the owner counts the table
+    # the owner counts the table; each side its ordinals (4 B a row: HeldKeys' order)
+    assert idx.nbytes == 4 * t.capacity_rows and loc.nbytes == t.nbytes + 4 * t.capacity_rows
     with pytest.raises(ValueError):
         HeldKeys(t, 4, owner=False)
 
@@ -361,18 +362,26 @@ def test_two_holders_agree_with_a_model_through_rehashes(ops):
 
 
 def _two_holder_run(ops, pool):
+    """The ops through each holder's HeldKeys, checked against the model; and each holder's
+    order (its ordinals) against a table of its own fed the same ops (main's row numbers)."""
     t = KeyTable(16)
+    side = {h: HeldKeys(t, h, owner=h == LOCATOR) for h in _HOLDERS}
+    own = {h: KeyTable(16) for h in _HOLDERS}  # a table of the holder's own: the order to keep
+    own_reserved: dict[int, dict[int, int]] = {INDEX: {}, LOCATOR: {}}  # shared row -> own row
     held: dict[int, dict[bytes, int]] = {INDEX: {}, LOCATOR: {}}
     reserved: dict[int, set[int]] = {INDEX: set(), LOCATOR: set()}
     for op, h, i in ops:
         other = LOCATOR if h == INDEX else INDEX
+        hk = side[h]
         if op in ("add", "add_absent"):
             if op == "add":
                 batch = [pool[i]]
-                rows = [t.add(pool[i], h)[0]]
+                rows = [hk.add(pool[i])[0]]
+                own[h].add(pool[i])
             else:
                 batch = [k for k in pool[i:] + pool[:i] if k not in held[h]][: VECTOR_MIN_KEYS + i % 100]
-                rows = t.add_absent(batch, h).tolist()
+                rows = hk.add_absent(batch).tolist()
+                own[h].add_absent(batch)
             used = (
                 set(held[INDEX].values()) | set(held[LOCATOR].values()) | reserved[INDEX] | reserved[LOCATOR]
             )
@@ -385,14 +394,17 @@ def _two_holder_run(ops, pool):
                     assert row not in used  # a fresh or freed row
                 held[h][k] = row
         elif op in ("remove", "detach"):
-            row = t.remove(pool[i], free_row=op == "remove", holder=h)
+            row = hk.remove(pool[i], free_row=op == "remove")
             assert row == held[h].pop(pool[i], -1)
+            own_row = own[h].remove(pool[i], free_row=op == "remove")
             if op == "detach" and row >= 0:
                 reserved[h].add(row)
+                own_reserved[h][row] = own_row
         elif reserved[h]:
             row = min(reserved[h])
             reserved[h].discard(row)
-            t.release_row(row, h)
+            hk.release_row(row)
+            own[h].release_row(own_reserved[h].pop(row))
         for hh in _HOLDERS:
             assert t.get_many(pool, hh).tolist() == [held[hh].get(k, -1) for k in pool]
             assert t.held_count(hh) == len(held[hh])
@@ -400,4 +412,12 @@ def _two_holder_run(ops, pool):
     for hh in _HOLDERS:
         assert sorted(t.rows(hh).tolist()) == sorted(held[hh].values())
         assert all(t.key_of(r) == k for k, r in held[hh].items())
+        # the holder's order is its own table's: the same keys in the same order, ordinals = rows
+        assert t.keys_of(side[hh].rows().tolist()) == own[hh].keys_of(own[hh].rows().tolist())
+        assert all(int(side[hh]._ord[r]) == own[hh].get(k) for k, r in held[hh].items())
+        assert all(int(side[hh]._ord[r]) == own_reserved[hh][r] for r in reserved[hh])
+        for sub in (side[hh].held_rows()[::2], side[hh].held_rows()[:3]):  # a scatter, a sort
+            assert t.keys_of(side[hh].in_order(sub).tolist()) == sorted(
+                t.keys_of(sub.tolist()), key=own[hh].get
+            )
     return t

@@ -23,9 +23,9 @@ are held until the move ends, at most ``len(old) / 16`` inserts later (the new
 one's load stays under 5/8). Only a probe that runs off the tail (a run of 256
 full slots) lays the table out again at once (:attr:`KeyTable.full_rebuilds`).
 
-Rows are dense and reused last freed, first reused, so owners index numpy arrays
-by row. Up to two holders share a table (:class:`HeldKeys`): a row's ``held`` byte has a
-bit per holder; a slot is emptied when its last holder lets go. Its own lock, innermost,
+Rows are dense, reused last freed first; owners index numpy arrays by row. Two holders may
+share a table (:class:`HeldKeys`, which keeps each side's own row order): a row's ``held`` byte
+has a bit per holder; a slot is emptied when its last holder lets go. Its own lock, innermost,
 is held for one operation. :class:`GhostKeys`: the bounded FIFO of refused keys.
 """
 
@@ -320,14 +320,6 @@ class KeyTable:
         """Keys of several rows."""
         kb = self._keys
         return [bytes(kb[r * KEY_BYTES : (r + 1) * KEY_BYTES]) for r in rows]
-
-    def sort_by_key(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` (``int64``) in the order of their keys' first 8 bytes (big-endian: the keys'
-        byte order; SHA-256 digests, so distinct in practice), stably: an order that does not
-        depend on row numbers (which, in a shared table, depend on both holders' history)."""
-        with self._lock:
-            head = np.frombuffer(self._keys, dtype=">u8")[rows * (KEY_BYTES // 8)]
-        return rows[np.argsort(head, kind="stable")]
 
     def rows(self, holder: int = INDEX) -> np.ndarray:
         """Rows ``holder`` holds, ascending (``int64``)."""
@@ -701,11 +693,20 @@ class KeyTable:
 
 
 class HeldKeys:
-    """One holder's side of a :class:`KeyTable`: its methods with ``holder`` bound.
+    """One holder's side of a :class:`KeyTable`: its methods with ``holder`` bound, and the
+    holder's own row order.
 
     The block index holds its keys through ``HeldKeys(table, INDEX, ...)``, the NVMe locator
     through ``HeldKeys(table, LOCATOR, ...)``; each keeps its per-row columns indexed by the
     shared rows and grows them to :attr:`capacity_rows` when a row of its own passes their end.
+
+    Order: a shared table's row numbers depend on both holders' history, so a side that shares
+    its table numbers its rows itself: each row it takes gets the number a table of its own
+    would have given it (its *ordinal*: the last one it let go of, else the next new one; a
+    detached row keeps its ordinal until :meth:`release_row`), kept in an ``int32`` column
+    (4 B a row). :meth:`rows` and :meth:`in_order` list rows in ordinal order, so every
+    decision ordered by row (the index's flush candidates and removals, the locator's
+    copy-forward, scan and invalidation order) is the one a table of the holder's own gives.
 
     Parameters
     ----------
@@ -715,32 +716,40 @@ class HeldKeys:
     owner : bool
         Whether this side owns the table: its :attr:`nbytes` counts the table's bytes (the
         other side's counts none, so the two sides' sums count the table once).
+    shared : bool
+        Whether another holder may take rows of the table (then ordinals are kept); ``False``:
+        this side is the table's only holder and its row numbers are its order.
+
+    Raises
+    ------
+    ValueError
+        If ``holder`` is neither :data:`INDEX` nor :data:`LOCATOR`.
     """
 
     __slots__ = (
-        "table", "holder", "owner", "get", "get_many", "add", "add_absent", "remove", "remove_row",
-        "detach", "release_row", "rows", "live_mask", "is_live", "key_of", "keys_of", "sort_by_key",
+        "table", "holder", "owner", "get", "get_many", "_add", "_add_absent", "_remove",
+        "_release_row", "live_mask", "is_live", "key_of", "keys_of", "_ord", "_ord_free", "_ord_next",
     )  # fmt: skip
 
-    def __init__(self, table: KeyTable, holder: int, owner: bool) -> None:
+    def __init__(self, table: KeyTable, holder: int, owner: bool, shared: bool = True) -> None:
         if holder not in _HOLDS:
             raise ValueError(f"holder must be INDEX ({INDEX}) or LOCATOR ({LOCATOR}), not {holder}")
         self.table, self.holder, self.owner = table, holder, owner
         # bound with functools.partial: a C-level call, no Python frame per lookup
         self.get: Callable[[bytes], int] = partial(table.get, holder=holder)
         self.get_many: Callable[[Sequence[bytes]], np.ndarray] = partial(table.get_many, holder=holder)
-        self.add: Callable[[bytes], tuple[int, bool]] = partial(table.add, holder=holder)
-        self.add_absent: Callable[[Sequence[bytes]], np.ndarray] = partial(table.add_absent, holder=holder)
-        self.remove: Callable[..., int] = partial(table.remove, holder=holder)
-        self.remove_row: Callable[[int], bool] = partial(table.remove_row, holder=holder)
-        self.detach: Callable[[bytes], int] = partial(table.detach, holder=holder)
-        self.release_row: Callable[[int], None] = partial(table.release_row, holder=holder)
-        self.rows: Callable[[], np.ndarray] = partial(table.rows, holder=holder)
+        self._add = partial(table.add, holder=holder)
+        self._add_absent = partial(table.add_absent, holder=holder)
+        self._remove = partial(table.remove, holder=holder)
+        self._release_row = partial(table.release_row, holder=holder)
         self.live_mask: Callable[[np.ndarray], np.ndarray] = partial(table.live_mask, holder=holder)
         self.is_live: Callable[[int], bool] = partial(table.is_live, holder=holder)
         self.key_of = table.key_of
         self.keys_of = table.keys_of
-        self.sort_by_key = table.sort_by_key
+        # ordinals (class doc): per row, the free list (last freed, first reused), the next new one
+        self._ord: np.ndarray | None = np.zeros(table.capacity_rows, dtype=np.int32) if shared else None
+        self._ord_free = array("i")
+        self._ord_next = 0
 
     def __len__(self) -> int:
         """Keys this holder holds."""
@@ -753,8 +762,90 @@ class HeldKeys:
 
     @property
     def nbytes(self) -> int:
-        """The table's bytes if this side owns it, else 0."""
-        return self.table.nbytes if self.owner else 0
+        """The table's bytes if this side owns it, else 0; and this side's ordinals."""
+        own = 0 if self._ord is None else self._ord.nbytes + self._ord_free.itemsize * len(self._ord_free)
+        return own + (self.table.nbytes if self.owner else 0)
+
+    # ------------------------------------------------------------ mutation
+    def add(self, key: bytes) -> tuple[int, bool]:
+        """:meth:`KeyTable.add` for this holder (a row it takes gets its ordinal)."""
+        row, new = self._add(key)
+        if new and self._ord is not None:
+            self._number(np.array([row], dtype=np.int64))
+        return row, new
+
+    def add_absent(self, keys: Sequence[bytes]) -> np.ndarray:
+        """:meth:`KeyTable.add_absent` for this holder (ordinals given in the order of ``keys``)."""
+        rows = self._add_absent(keys)
+        if rows.size and self._ord is not None:
+            self._number(rows)
+        return rows
+
+    def remove(self, key: bytes, free_row: bool = True) -> int:
+        """:meth:`KeyTable.remove` for this holder (the row's ordinal is free again unless
+        ``free_row`` is False)."""
+        row = self._remove(key, free_row)
+        if row >= 0 and free_row and self._ord is not None:
+            self._ord_free.append(int(self._ord[row]))
+        return row
+
+    def remove_row(self, row: int) -> bool:
+        """Let go of the key at ``row``; False if this holder does not hold the row."""
+        if not self.is_live(row):
+            return False
+        return self.remove(self.key_of(row)) == row
+
+    def detach(self, key: bytes) -> int:
+        """:meth:`KeyTable.detach` for this holder (the row keeps its ordinal)."""
+        return self.remove(key, False)
+
+    def release_row(self, row: int) -> None:
+        """:meth:`KeyTable.release_row` for this holder (the row's ordinal is free again)."""
+        self._release_row(row)
+        if self._ord is not None:
+            self._ord_free.append(int(self._ord[row]))
+
+    def _number(self, rows: np.ndarray) -> None:
+        """Give ``rows`` (taken in this order) the ordinals a table of this holder's own would
+        give them: freed ones first, last freed first, then new ones."""
+        assert self._ord is not None
+        if int(rows.max()) >= self._ord.size:
+            grown = np.zeros(self.table.capacity_rows, dtype=np.int32)
+            grown[: self._ord.size] = self._ord
+            self._ord = grown
+        n = int(rows.size)
+        free = self._ord_free
+        k = min(n, len(free))
+        if k:
+            self._ord[rows[:k]] = np.frombuffer(free, dtype=np.int32)[len(free) - k :][::-1]
+            del free[len(free) - k :]
+        if n > k:
+            self._ord[rows[k:]] = np.arange(self._ord_next, self._ord_next + n - k, dtype=np.int32)
+            self._ord_next += n - k
+
+    # ------------------------------------------------------------ order
+    def held_rows(self) -> np.ndarray:
+        """Rows this holder holds, by row number (``int64``): for sets, sums and checks (in a
+        shared table row numbers are no order of this holder's: :meth:`rows`)."""
+        return self.table.rows(self.holder)
+
+    def rows(self) -> np.ndarray:
+        """Rows this holder holds (``int64``) in its order: the ascending rows of a table of its
+        own (class doc)."""
+        return self.in_order(self.table.rows(self.holder))
+
+    def in_order(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (distinct rows this holder holds or reserves, ``int64``) in its order."""
+        if self._ord is None:
+            return np.sort(rows)
+        if rows.size < 2:
+            return rows
+        o = self._ord[rows]
+        if 16 * rows.size < self._ord_next:  # few: a sort
+            return rows[np.argsort(o, kind="stable")]
+        at = np.full(self._ord_next, -1, dtype=np.int32)  # many: ordinals are distinct, place them
+        at[o] = rows
+        return at[at >= 0].astype(np.int64)
 
 
 class GhostKeys:

@@ -190,7 +190,7 @@ class RowTable:
     ) -> None:
         self.block_bytes = block_bytes
         if table is None:
-            self.table = HeldKeys(KeyTable(capacity_rows), INDEX, owner=True)
+            self.table = HeldKeys(KeyTable(capacity_rows), INDEX, owner=True, shared=False)
         else:
             table.reserve(capacity_rows)
             table.drop_holder(INDEX)  # an earlier index's keys (the same NVMe tier reopened)
@@ -374,7 +374,7 @@ class RowTable:
         time (or ``a``) and every stored time is shifted to it in place, O(rows), once per span
         of 49.7 days at most; where the live times and ``a`` span more than ``uint32`` holds the
         columns are widened to ``int64`` (for good). Times of free rows are clipped into range."""
-        live = self.table.rows()
+        live = self.table.held_rows()
         if self.doomed:
             live = np.union1d(live, np.fromiter(self.doomed, dtype=np.int64))
         lo = hi = a

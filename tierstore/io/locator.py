@@ -132,7 +132,7 @@ class BlockLocator:
         return seq - (self._seq_base or 0)
 
     def _rebase_seqs(self, seq: int) -> None:
-        live = self.table.rows()
+        live = self.table.held_rows()
         lo = hi = seq
         if live.size:
             vals = self._seq[live]

@@ -727,7 +727,7 @@ class SegmentStorage(BlockStorage):
             if self._blk is not None:
                 if len(self._loc) > self._blk.live_budget:
                     raise InvariantError(f"{len(self._loc)} live blocks > budget {self._blk.live_budget}")
-                self._blk.check(self._loc.offsets(self._loc.table.rows()))
+                self._blk.check(self._loc.offsets(self._loc.table.held_rows()))
 
     # ============================================================ fragment API
     def put_fragments(
