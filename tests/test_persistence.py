@@ -219,7 +219,9 @@ def test_recovery_fills_the_shared_key_table_and_the_index_adopts_its_rows(tmp_p
         assert len(table) == table.held_count(INDEX) == table.held_count(LOCATOR) == 20
         keys = [k for toks, _ in prompts for k in s.lookup(NS, toks).keys]
         assert s._index.rows.table.get_many(keys).tolist() == s.nvme._loc.rows_of(keys).tolist()
-        assert s._index.rows.table.nbytes == 0 and 0 < table.nbytes < s.nvme.index_nbytes()
+        # the index counts its ordinals (4 B a row), not the table's bytes
+        assert s._index.rows.table.nbytes == 4 * table.capacity_rows
+        assert 0 < table.nbytes < s.nvme.index_nbytes()
         for toks, kv in prompts:  # a memory copy (promotion) keeps the one row
             st, out = s.load(s.lookup(NS, toks).keys)
             assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv))
