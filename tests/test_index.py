@@ -585,6 +585,98 @@ def test_load_completing_after_its_lease_expired_is_harmless():
     ix.check_invariants(quiescent=True)
 
 
+class _CountingLeases(dict):
+    """The pin room's lease dict, counting the leases any iteration over it visits."""
+
+    visited = 0
+
+    def items(self):
+        type(self).visited += len(self)
+        return super().items()
+
+
+def test_a_pin_does_not_visit_every_live_lease():
+    """Many leases on one block: a pin pops only the leases that are due, it scans none.
+
+    ``Pins.expire`` used to run over every live lease on each ``pin`` (8,000 leases on one block
+    made a pin ~3.5x slower than 2,000, measured through ``KVStore.pin``).
+    """
+    now = [0.0]
+    ix = _index(host_blocks=2, clock=lambda: now[0])
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1)]))
+    ix.pins.leases = _CountingLeases(ix.pins.leases)
+    for _ in range(500):
+        ix.pin(ns, [_k(1)], lease_s=3600.0)
+    _CountingLeases.visited = 0
+    for _ in range(100):
+        ix.pin(ns, [_k(1)], lease_s=3600.0)
+    assert _CountingLeases.visited < 500, _CountingLeases.visited  # was 100 pins x 500+ leases
+    assert len(ix.leases) == 600
+
+
+class _CountingPins(dict):
+    """One row's {lease id: expiry}, counting the leases a scan of its values visits."""
+
+    visited = 0
+
+    def values(self):
+        type(self).visited += len(self)
+        return super().values()
+
+
+def test_an_unpin_scans_the_rows_other_leases_only_when_it_held_the_latest_expiry():
+    """Ending one of 500 leases on a block: the block's ``pin_until`` is rescanned only when the
+    ended lease held the latest expiry (was: a scan of every lease on the row each time, 205 us an
+    unpin at 8,000 leases on one block), and ``pin_until`` stays the latest live expiry."""
+    now = [0.0]
+    ix = _index(host_blocks=2, clock=lambda: now[0])
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1)]))
+    leases = [ix.pin(ns, [_k(1)], lease_s=100.0 + i) for i in range(500)]
+    row = next(iter(ix.pins.row_pins))
+    ix.pins.row_pins[row] = _CountingPins(ix.pins.row_pins[row])
+    _CountingPins.visited = 0
+    for lease in leases[:400]:  # the oldest first: none held the latest expiry
+        assert ix.unpin(lease.lease_id)
+    assert _CountingPins.visited == 0
+    rt = ix.pins.rows
+    assert rt.pin_until[row] == rt.tick(leases[-1].expiry_s, up=True)
+    assert ix.unpin(leases[-1].lease_id)  # the latest: the 99 others are scanned once
+    assert _CountingPins.visited == 99
+    assert rt.pin_until[row] == rt.tick(leases[-2].expiry_s, up=True)
+    now[0] = leases[-2].expiry_s + 1
+    assert ix.leases == {} and ix.state_of(_k(1)) is BlockState.EVICTABLE
+    ix.check_invariants(quiescent=True)
+
+
+def test_leases_expire_in_time_once_each_with_unpinned_ones_between():
+    """The expiry heap: due leases end and are counted once; an unpinned lease is not counted as
+    expired when its time comes; the heap stays within a constant factor of the live leases."""
+    now = [0.0]
+    ix = _index(host_blocks=2, clock=lambda: now[0])
+    ns = bytes(32)
+    ix.complete_store(ix.prepare_store(ns, [_k(1)]))
+    short = [ix.pin(ns, [_k(1)], lease_s=10.0 + i) for i in range(5)]
+    long = ix.pin(ns, [_k(1)], lease_s=1000.0)
+    assert ix.unpin(short[0].lease_id) and ix.unpin(short[1].lease_id)
+    now[0] = 12.5  # short[2] (12 s) is due, short[3] (13 s) is not
+    live = ix.leases
+    assert sorted(live) == sorted([short[3].lease_id, short[4].lease_id, long.lease_id])
+    assert ix.metrics.snapshot()["pin_expired"] == 1
+    assert ix.state_of(_k(1)) is BlockState.PINNED
+    now[0] = 20.0
+    assert sorted(ix.leases) == [long.lease_id]
+    assert ix.metrics.snapshot()["pin_expired"] == 3
+    for _ in range(2000):  # pin/unpin churn under a long lease
+        assert ix.unpin(ix.pin(ns, [_k(1)], lease_s=1000.0).lease_id)
+    assert len(ix.pins._expiry_heap) <= 2 * len(ix.pins.leases) + 65
+    now[0] = 2000.0
+    assert ix.leases == {} and ix.metrics.snapshot()["pin_expired"] == 4
+    assert ix.state_of(_k(1)) is BlockState.EVICTABLE
+    ix.check_invariants(quiescent=True)
+
+
 def test_invalidate_while_a_store_is_in_flight_discards_it():
     ix = _index(host_blocks=4)
     ns = bytes(32)

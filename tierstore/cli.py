@@ -66,12 +66,27 @@ def _version() -> str:
 
 
 def _entry() -> int:
-    """Console-script entry: Ctrl-C ends with status 130 and one line, not a traceback."""
+    """Console-script entry: Ctrl-C and a closed pipe end with a status, not a traceback.
+
+    Ctrl-C ends with one line and status 130. A reader that closes stdout early
+    (``tierstore bench --help | head``) ends the command quietly with status 141, as a shell
+    reports a process killed by SIGPIPE (128 + 13); stdout is pointed at ``/dev/null`` first so
+    that the interpreter's final flush does not raise again (the recipe of Python's ``signal``
+    documentation, "Note on SIGPIPE").
+    """
     try:
-        return main()
+        status = main()
+        sys.stdout.flush()
+        return status
     except KeyboardInterrupt:
         print("tierstore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -123,15 +123,17 @@ def test_start_and_shutdown_lines_say_tiers_recovery_and_what_was_written_down(t
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(lines) == 6, lines
     host, nvme = format_bytes(8 * lay.bytes_per_block), format_bytes(s.capacity_bytes()["nvme"])
+    assert nvme != "16.00MiB"  # the tier holds fewer bytes of KV than the file's: the line says why
     assert lines[0] == (
         f"tierstore opened for engine e1: tiers host {host}, nvme {nvme} at {path} "
-        "(0 blocks recovered); remote tier off; layout x"
+        f"(0 blocks recovered; the 16.00MiB given hold {nvme} of KV blocks: extent headers and whole "
+        "segments take the rest); remote tier off; layout x"
     )
     assert (
         lines[1] == "tierstore closed for engine e1: 6 blocks written down to NVMe, 6 blocks on NVMe "
         "for a restart on the same path"
     )
-    assert lines[2].startswith("tierstore opened for engine e2: ") and "(6 blocks recovered)" in lines[2]
+    assert lines[2].startswith("tierstore opened for engine e2: ") and "(6 blocks recovered;" in lines[2]
     assert lines[3].endswith(
         ": 0 blocks written down to NVMe, 6 blocks on NVMe for a restart on the same path"
     )

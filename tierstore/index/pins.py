@@ -9,6 +9,7 @@ index lock it is given (``BlockIndex._lock``) and has none of its own.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -58,6 +59,9 @@ class Pins(IndexRoom):
         self.pinned_bytes: dict[bytes, int] = {}  # namespace -> bytes its leases hold, a row once
         self.ns_rows: dict[bytes, dict[int, int]] = {}  # namespace -> {row: its leases holding it}
         self.lease_rows: dict[int, list[int]] = {}  # lease id -> the rows it holds
+        #: (expiry_s, lease id) of every lease made, ended ones included until they reach the top or
+        #: a compaction: :meth:`expire` pops only what is due instead of scanning every live lease
+        self._expiry_heap: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
 
     # ================================================================ references
@@ -122,6 +126,7 @@ class Pins(IndexRoom):
                 pin_until[r] = max(pin_until[r], tick)
             lease = Lease(lid, ns, rt.table.keys_of(rows), exp, nbytes)
             self.leases[lid] = lease
+            self._push_expiry(exp, lid)
             held = self.ns_rows.setdefault(ns, held)
             for r in rows:
                 held[r] = held.get(r, 0) + 1
@@ -155,8 +160,11 @@ class Pins(IndexRoom):
                 continue
             pins.pop(lease_id, None)
             if pins:
-                tick = rt.tick(max(pins.values()), up=True)  # may replace the column: bound after
-                rt.pin_until[r] = tick
+                # the row's pin_until is the latest expiry of its leases: only a lease that held it
+                # can lower it, so the other leases are scanned then alone (O(1) for the others)
+                ended = rt.tick(lease.expiry_s, up=True)  # may replace the column: bound after
+                if ended >= rt.pin_until[r]:
+                    rt.pin_until[r] = rt.tick(max(pins.values()), up=True)
             else:
                 del self.row_pins[r]
                 rt.pin_until[r] = 0
@@ -179,11 +187,31 @@ class Pins(IndexRoom):
         return True
 
     def expire(self) -> None:
-        """End the leases whose time is up (under the lock)."""
+        """End the leases whose time is up (under the lock).
+
+        Pops the expiry heap while its earliest entry is due: O(k log n) for k due leases of n,
+        not a scan of every live lease on each :meth:`pin` (a block held by 8,000 leases made a
+        pin ~4x slower than at 2,000). An entry whose lease already ended is dropped.
+        """
         now = self._clock()
-        for lid in [lid for lid, lease in self.leases.items() if lease.expiry_s <= now]:
-            self.end_lease(lid)
-            self.metrics.inc("pin_expired")
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, lid = heapq.heappop(heap)
+            if self.end_lease(lid):
+                self.metrics.inc("pin_expired")
+
+    def _push_expiry(self, expiry_s: float, lease_id: int) -> None:
+        """Add a lease to the expiry heap; rebuild it from the live leases once ended ones dominate.
+
+        Leases ended early (:meth:`unpin`) stay in the heap until their expiry; when the heap holds
+        more than twice the live leases (plus 64), it is rebuilt from :attr:`leases` in O(n), so
+        pin/unpin churn under long leases keeps the heap within a constant factor of the live set.
+        """
+        heap = self._expiry_heap
+        heapq.heappush(heap, (expiry_s, lease_id))
+        if len(heap) > 2 * len(self.leases) + 64:
+            heap[:] = [(lease.expiry_s, lid) for lid, lease in self.leases.items()]
+            heapq.heapify(heap)
 
     def end_namespace(self, ns: bytes | None = None) -> None:
         """End every lease of namespace ``ns`` (every lease for ``None``), under the lock."""

@@ -298,8 +298,10 @@ def store_summary(store: KVStoreProtocol) -> str:
     blocks recovered from it (and dropped), the remote tier's state; for the node
     service's store, its URL, pool and blocks.
 
-    Example: ``"tiers hbm 256.00KiB, host 256.00KiB, nvme 64.00MiB at /mnt/nvme/kv
-    (12 blocks recovered); remote tier off"``.
+    Example: ``"tiers hbm 256.00KiB, host 256.00KiB, nvme 56.00MiB at /mnt/nvme/kv
+    (12 blocks recovered; the 64.00MiB given hold 56.00MiB of KV blocks: extent headers and whole
+    segments take the rest); remote tier off"``. The NVMe figure is the tier's block capacity
+    (``KVStore.capacity_bytes``), the bytes given follow it when they differ.
 
     Raises
     ------
@@ -322,6 +324,15 @@ def _embedded_summary(store: KVStore) -> str:
         dropped = int(st.get("recovery_dropped_blocks", 0))
         if dropped:
             rec += f", {dropped} dropped"
+        nv = store.config.tiers.nvme
+        if nv is not None and nv.capacity_bytes and nv.capacity_bytes != cap.get("nvme"):
+            rest = "extent headers and whole segments"
+            if nv.eviction_granularity == "block":
+                rest += f" and the live fraction ({nv.live_fraction:g})"
+            rec += (
+                f"; the {format_bytes(nv.capacity_bytes)} given hold {format_bytes(cap.get('nvme', 0))} "
+                f"of KV blocks: {rest} take the rest"
+            )
         parts[0] += f" at {path or 'a device'} ({rec})"
     r = store.remote
     if r is None:

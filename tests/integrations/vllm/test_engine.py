@@ -312,9 +312,9 @@ def test_the_connector_says_one_line_at_start_and_one_at_shutdown(persisted):
         ).group(1)
     )
     assert kept >= 4  # PERSIST's 4 distinct full blocks (two prompts share 2): NVMe is the only tier
-    assert "(0 blocks recovered)" in [ln for ln in first["log"].splitlines() if "tierstore opened" in ln][0]
+    assert "(0 blocks recovered" in [ln for ln in first["log"].splitlines() if "tierstore opened" in ln][0]
     assert (
-        f"({kept} blocks recovered)"
+        f"({kept} blocks recovered"
         in [ln for ln in second["log"].splitlines() if "tierstore opened" in ln][0]
     )
 
