@@ -436,7 +436,8 @@ class RowTable:
         return lambda j: EntryView(self, rows[j], keys[j])
 
     def nbytes(self) -> int:
-        """Bytes of per-block metadata (key table when the index owns it, and row arrays)."""
+        """Bytes of per-block metadata (the key table when the index owns it, else its row
+        ordinals in the shared one; and the row arrays)."""
         arrays = [self.flags, *(getattr(self, name) for name, _, _ in _ARRAYS), *self.slot.values()]
         return self.table.nbytes + sum(a.nbytes for a in arrays)
 
