@@ -13,6 +13,9 @@ with the table. Per table size (keys), two phases, each call timed (wall and thr
   oldest keys (timed as one batch, as ``on_dropped`` holds the lock over its keys) then
   ``add_absent`` of 64 fresh ones. Tombstones pile up, so the slot array is laid out again
   (base) or rehashed (incremental) every few thousand rounds.
+* ``lookup_get`` / ``lookup_get_many``: after the fill, up to ``LOOKUP_CALLS`` calls of 64
+  present keys: 64 scalar ``get`` in one timed call, or one ``get_many`` (what a lookup of a
+  64-block chain costs in the table, the table's own lock included where it has one).
 
 Per call kind: the maximum and p99.9 over the calls of one run; a run is one child process per
 tree; ``--base TREE`` runs another checkout side by side, ABBA (new base base new ...), and the
@@ -37,6 +40,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 BATCH = 64
+#: Timed lookup calls of ``BATCH`` present keys each (``lookup_*``).
+LOOKUP_CALLS = 4000
 
 
 def _count(s: str) -> int:
@@ -76,6 +81,13 @@ def child(n: int, sized: bool) -> dict:
         batch = keys(i, min(n, i + BATCH))
         _timed(lambda b=batch: t.add_absent(b), walls, cpus)
     out["fill_add"] = {"wall": _stats(walls), "cpu": _stats(cpus)}
+    for kind, look in (("lookup_get", lambda b: [t.get(k) for k in b]), ("lookup_get_many", t.get_many)):
+        lw: list = []
+        lc: list = []
+        for i in range(0, min(n, BATCH * LOOKUP_CALLS) - BATCH + 1, BATCH):
+            batch = keys(i, i + BATCH)
+            _timed(lambda b=batch, f=look: f(b), lw, lc)
+        out[kind] = {"wall": _stats(lw), "cpu": _stats(lc)}
     aw: list = []
     ac: list = []
     rw: list = []
@@ -130,7 +142,7 @@ def main() -> None:
                 res["loadavg_1m"] = os.getloadavg()[0]
                 runs[name].append(res)
         results[n] = runs
-        for kind in ("fill_add", "churn_add", "churn_remove"):
+        for kind in ("fill_add", "churn_add", "churn_remove", "lookup_get", "lookup_get_many"):
             for name in trees:
 
                 def med(clock: str, stat: str, rs=runs[name], kind=kind) -> str:

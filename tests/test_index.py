@@ -966,3 +966,41 @@ def test_a_load_holds_and_releases_per_call_a_key_given_twice_a_miss_and_a_remov
     assert ix.placement.alloc[Tier.HOST].free == free_before + 1
     assert ix.metrics.snapshot()["loaded_blocks"] == 1
     ix.check_invariants(quiescent=True)
+
+
+def test_flush_candidates_in_a_shared_key_table_come_in_the_index_s_own_row_order():
+    """With the NVMe locator's key table shared, row numbers follow both sides' history; the
+    flush candidates (a clean shutdown, background cleaning; ties of coldest-first too) still
+    come in the order an index with a table of its own gives: its ascending rows, freed rows
+    reused last freed first (HeldKeys' ordinals). Key order instead (session 35) lost 0.89 % of
+    the full conversation trace's saved prefill and broke the simulator-equals-store test."""
+    import hashlib
+
+    from tierstore.keytable import LOCATOR, KeyTable
+
+    def _h(i: int) -> bytes:  # digests, as block keys are: key order is no age order
+        return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+    def flush_order(table: KeyTable | None, coldest_first: bool) -> tuple[list[bytes], BlockIndex]:
+        ix = BlockIndex(
+            IndexShape(4096, 16, host_blocks=64, nvme_blocks=0),
+            PoliciesConfig(),
+            IndexRuntime(clock=lambda: 0.0, key_table=table),  # one time: every tie
+        )
+        ns = bytes(32)
+        for i in range(0, 48, 4):
+            if table is not None:  # the locator takes rows between the index's, frees some
+                table.add_absent([_h(10_000 + 3 * i + j) for j in range(3)], LOCATOR)
+                if i % 8 == 4:
+                    table.remove(_h(10_000 + 3 * i - 12), holder=LOCATOR)
+            ix.complete_store(ix.prepare_store(ns, [_h(i + j) for j in range(4)]))
+            if i % 12 == 8:  # the index frees rows (last freed, first reused)
+                assert ix.remove([_h(i - 7), _h(i - 2)]) == 2
+        plan = ix.prepare_flush(100, coldest_first=coldest_first)
+        assert plan is not None
+        return [d.key for d in plan.nvme_demote], ix
+
+    for coldest_first in (False, True):
+        own, ix = flush_order(None, coldest_first)
+        assert len(own) == 48 - 8 and own == sorted(own, key=ix.rows.table.get)  # its rows, ascending
+        assert flush_order(KeyTable(16), coldest_first)[0] == own

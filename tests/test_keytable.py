@@ -263,12 +263,161 @@ def test_a_probe_off_the_tail_lays_the_table_out_again():
 
 
 def test_row_growth_extends_the_key_buffer_in_place_and_keeps_every_key():
-    """Growth extends ``_keys``/``_live`` (no second buffer held beside the old one: that
+    """Growth extends ``_keys``/``_held`` (no second buffer held beside the old one: that
     doubled the peak memory of a growth) and every key keeps its row."""
     t = KeyTable(16)
-    keys_buf, live_buf = t._keys, t._live
+    keys_buf, live_buf = t._keys, t._held
     ks = [bytes([i % 256, i // 256]) * 16 for i in range(300)]
     rows = [t.add(k)[0] for k in ks[:100]] + t.add_absent(ks[100:]).tolist()
-    assert t.capacity_rows > 16 and t._keys is keys_buf and t._live is live_buf
-    assert len(t._keys) == 32 * t.capacity_rows and len(t._live) == t.capacity_rows
+    assert t.capacity_rows > 16 and t._keys is keys_buf and t._held is live_buf
+    assert len(t._keys) == 32 * t.capacity_rows and len(t._held) == t.capacity_rows
     assert [t.get(k) for k in ks] == rows and t.keys_of(rows) == ks
+
+
+# ------------------------------------------------------------------ two holders (one table)
+from tierstore.keytable import INDEX, LOCATOR, HeldKeys  # noqa: E402
+
+_HOLDERS = (INDEX, LOCATOR)
+
+
+def test_a_key_held_by_both_sides_stays_until_both_let_go():
+    """One row per key for both holders: the locator's row is adopted by the index, the slot
+    stays while either holds it, and the row is reused only after both let go."""
+    t = KeyTable(64)
+    k = os.urandom(32)
+    r, new = t.add(k, LOCATOR)
+    assert new and t.add(k, INDEX) == (r, True) and t.add(k, INDEX) == (r, False)
+    assert len(t) == 1 and t.held_count(INDEX) == t.held_count(LOCATOR) == 1
+    assert t.remove(k, holder=LOCATOR) == r
+    assert t.get(k, LOCATOR) == -1 and t.get(k, INDEX) == r and len(t) == 1
+    assert t.add(os.urandom(32), LOCATOR)[0] != r  # the row is still the index's
+    assert t.remove(k, holder=INDEX) == r and t.get(k, INDEX) == -1 and len(t) == 1
+    assert t.add(os.urandom(32), INDEX)[0] == r  # both let go: the row is free again
+    # batches: the index adopts the locator's rows (vectorised), one slot per key
+    keys = _keys(200, seed=3)
+    rows = t.add_absent(keys, LOCATOR)
+    assert t.add_absent(keys, INDEX).tolist() == rows.tolist() and len(t) == 202
+    assert t.get_many(keys, INDEX).tolist() == t.get_many(keys, LOCATOR).tolist() == rows.tolist()
+
+
+def test_a_key_on_nvme_only_is_a_miss_for_the_index_until_adopted():
+    t = KeyTable(64)
+    idx, loc = HeldKeys(t, INDEX, owner=False), HeldKeys(t, LOCATOR, owner=True)
+    keys = _keys(40, seed=4)
+    rows = loc.add_absent(keys)
+    assert idx.get(keys[0]) == -1 and (idx.get_many(keys) == -1).all() and idx.rows().size == 0
+    assert len(idx) == 0 and len(loc) == 40 and not idx.live_mask(rows).any() and loc.live_mask(rows).all()
+    assert idx.add(keys[0]) == (int(rows[0]), True) and idx.get(keys[0]) == rows[0]
+    # the owner counts the table; each side its ordinals (4 B a row: HeldKeys' order)
+    assert idx.nbytes == 4 * t.capacity_rows and loc.nbytes == t.nbytes + 4 * t.capacity_rows
+    with pytest.raises(ValueError):
+        HeldKeys(t, 4, owner=False)
+
+
+def test_a_row_the_index_detached_stays_reserved_while_the_locator_keeps_its_key():
+    """A doomed index row (in use) keeps its row; a new store of the key takes another row
+    (two slots for one key, one per holder); the row is freed when both let go."""
+    t = KeyTable(64)
+    k = os.urandom(32)
+    r, _ = t.add(k, INDEX)
+    assert t.add(k, LOCATOR) == (r, True)
+    assert t.detach(k, INDEX) == r and t.get(k, INDEX) == -1 and t.get(k, LOCATOR) == r
+    r2, new = t.add(k, INDEX)
+    assert new and r2 != r and t.get(k, INDEX) == r2 and t.get(k, LOCATOR) == r and len(t) == 2
+    assert t.get_many([k] * 20, INDEX).tolist() == [r2] * 20
+    assert t.get_many([k] * 20, LOCATOR).tolist() == [r] * 20
+    assert t.remove(k, holder=LOCATOR) == r and len(t) == 1
+    assert t.add(os.urandom(32), LOCATOR)[0] not in (r, r2)  # r is still reserved
+    t.release_row(r, INDEX)
+    assert t.add(os.urandom(32), LOCATOR)[0] == r  # now free
+    assert t.drop_holder(INDEX) == 1 and t.get(k, INDEX) == -1 and t.held_count(INDEX) == 0
+    r3, _ = t.add(k, LOCATOR)
+    t.reserve(1000)  # a second holder's capacity: exactly, keys kept
+    assert t.capacity_rows == 1000 and t.get(k, LOCATOR) == r3 and t.add(k, INDEX) == (r3, True)
+
+
+_holder_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add_absent", "add_absent", "remove", "detach", "release"]),
+        st.sampled_from(_HOLDERS),
+        st.integers(0, 599),
+    ),
+    min_size=10,
+    max_size=120,
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(_holder_ops)
+def test_two_holders_agree_with_a_model_through_rehashes(ops):
+    """Every holder operation against a model (held keys and reserved rows per holder), on a
+    table small enough that inserts rehash and grow it: a holder finds exactly its keys, a
+    key both hold has one row, a reserved row is never handed out."""
+    pool = _keys(600, seed=11)
+    with mock.patch.object(keytable, "REHASH_BATCH_SLOTS", 64):  # small steps: many mid-move states
+        t = _two_holder_run(ops, pool)
+    for h in _HOLDERS:
+        assert t.get_many(pool, h).tolist() == [t.get(k, h) for k in pool]
+    assert t.full_rebuilds == 0
+
+
+def _two_holder_run(ops, pool):
+    """The ops through each holder's HeldKeys, checked against the model; and each holder's
+    order (its ordinals) against a table of its own fed the same ops (main's row numbers)."""
+    t = KeyTable(16)
+    side = {h: HeldKeys(t, h, owner=h == LOCATOR) for h in _HOLDERS}
+    own = {h: KeyTable(16) for h in _HOLDERS}  # a table of the holder's own: the order to keep
+    own_reserved: dict[int, dict[int, int]] = {INDEX: {}, LOCATOR: {}}  # shared row -> own row
+    held: dict[int, dict[bytes, int]] = {INDEX: {}, LOCATOR: {}}
+    reserved: dict[int, set[int]] = {INDEX: set(), LOCATOR: set()}
+    for op, h, i in ops:
+        other = LOCATOR if h == INDEX else INDEX
+        hk = side[h]
+        if op in ("add", "add_absent"):
+            if op == "add":
+                batch = [pool[i]]
+                rows = [hk.add(pool[i])[0]]
+                own[h].add(pool[i])
+            else:
+                batch = [k for k in pool[i:] + pool[:i] if k not in held[h]][: VECTOR_MIN_KEYS + i % 100]
+                rows = hk.add_absent(batch).tolist()
+                own[h].add_absent(batch)
+            used = (
+                set(held[INDEX].values()) | set(held[LOCATOR].values()) | reserved[INDEX] | reserved[LOCATOR]
+            )
+            for k, row in zip(batch, rows):
+                if k in held[h]:
+                    assert row == held[h][k]
+                elif k in held[other] and held[other][k] not in reserved[h]:
+                    assert row == held[other][k]  # adopted
+                else:
+                    assert row not in used  # a fresh or freed row
+                held[h][k] = row
+        elif op in ("remove", "detach"):
+            row = hk.remove(pool[i], free_row=op == "remove")
+            assert row == held[h].pop(pool[i], -1)
+            own_row = own[h].remove(pool[i], free_row=op == "remove")
+            if op == "detach" and row >= 0:
+                reserved[h].add(row)
+                own_reserved[h][row] = own_row
+        elif reserved[h]:
+            row = min(reserved[h])
+            reserved[h].discard(row)
+            hk.release_row(row)
+            own[h].release_row(own_reserved[h].pop(row))
+        for hh in _HOLDERS:
+            assert t.get_many(pool, hh).tolist() == [held[hh].get(k, -1) for k in pool]
+            assert t.held_count(hh) == len(held[hh])
+        assert len(t) == len({(k, r) for hh in _HOLDERS for k, r in held[hh].items()})
+    for hh in _HOLDERS:
+        assert sorted(t.rows(hh).tolist()) == sorted(held[hh].values())
+        assert all(t.key_of(r) == k for k, r in held[hh].items())
+        # the holder's order is its own table's: the same keys in the same order, ordinals = rows
+        assert t.keys_of(side[hh].rows().tolist()) == own[hh].keys_of(own[hh].rows().tolist())
+        assert all(int(side[hh]._ord[r]) == own[hh].get(k) for k, r in held[hh].items())
+        assert all(int(side[hh]._ord[r]) == own_reserved[hh][r] for r in reserved[hh])
+        for sub in (side[hh].held_rows()[::2], side[hh].held_rows()[:3]):  # a scatter, a sort
+            assert t.keys_of(side[hh].in_order(sub).tolist()) == sorted(
+                t.keys_of(sub.tolist()), key=own[hh].get
+            )
+    return t

@@ -195,3 +195,86 @@ def test_crash_loses_only_what_was_never_written(tmp_path):
         assert s2.stats()["blocks"] == len(on_nvme)
     finally:
         s2.close()
+
+
+# ------------------------------------------------- one key table for the index and the NVMe tier
+NS2 = Namespace(model="m@1", tenant="other")
+
+
+def test_recovery_fills_the_shared_key_table_and_the_index_adopts_its_rows(tmp_path):
+    """The NVMe tier owns the key table (recovery fills it before the index exists); the index
+    built over it holds every recovered key in the same row, one slot per block, and does not
+    count the table's bytes."""
+    from tierstore.keytable import INDEX, LOCATOR
+
+    prompts = _prompts(5)
+    s = _open(tmp_path, 0, 8)
+    for toks, kv in prompts:
+        s.store(NS, toks, kv)
+    s.close()
+    s = _open(tmp_path, 0, 8)
+    try:
+        table = s.nvme.key_table
+        assert s._index.rows.table.table is table and not s._index.rows.table.owner
+        assert len(table) == table.held_count(INDEX) == table.held_count(LOCATOR) == 20
+        keys = [k for toks, _ in prompts for k in s.lookup(NS, toks).keys]
+        assert s._index.rows.table.get_many(keys).tolist() == s.nvme._loc.rows_of(keys).tolist()
+        # the index counts its ordinals (4 B a row), not the table's bytes
+        assert s._index.rows.table.nbytes == 4 * table.capacity_rows
+        assert 0 < table.nbytes < s.nvme.index_nbytes()
+        for toks, kv in prompts:  # a memory copy (promotion) keeps the one row
+            st, out = s.load(s.lookup(NS, toks).keys)
+            assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv))
+        assert len(table) == 20
+    finally:
+        s.close()
+
+
+def test_invalidating_a_namespace_on_one_side_then_the_other(tmp_path):
+    """The index drops a tenant's keys first (its lookups miss at once) while the NVMe tier
+    still holds them in the shared table; the tier's invalidation then frees their slots. The
+    other tenant's blocks (same tokens, other keys) are untouched on both sides."""
+    from tierstore.keytable import INDEX, LOCATOR
+
+    prompts = _prompts(3)
+    s = _open(tmp_path)  # NVMe only: every block is written down at once
+    try:
+        for toks, kv in prompts:
+            assert s.store(NS, toks, kv) == [Status.OK] * 4
+            assert s.store(NS2, toks, kv) == [Status.OK] * 4
+        table, digest = s.nvme.key_table, s.digest(NS)
+        assert len(table) == table.held_count(INDEX) == table.held_count(LOCATOR) == 24
+        assert s._index.invalidate(digest) == 12
+        try:
+            assert all(s.lookup(NS, t).matched_blocks == 0 for t, _ in prompts)
+            assert table.held_count(INDEX) == 12 and table.held_count(LOCATOR) == 24 and len(table) == 24
+        finally:
+            s._index.end_invalidate(digest)
+        assert s.nvme.invalidate_namespace(digest) == 12
+        assert len(table) == table.held_count(LOCATOR) == 12
+        for toks, kv in prompts:
+            st, out = s.load(s.lookup(NS2, toks).keys)
+            assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv))
+    finally:
+        s.close()
+
+
+def test_a_block_evicted_from_memory_to_nvme_keeps_its_row(tmp_path):
+    """Demotion: the NVMe tier's commit adopts the index's row (no second slot); after the
+    index forgets the block (evicted from every memory tier and dropped) the tier still finds
+    it, and the index's lookups miss until it is adopted again."""
+    prompts = _prompts(4)
+    s = _open(tmp_path, 0, 4)  # 4 host blocks: the later prompts push the earlier ones down
+    try:
+        for toks, kv in prompts:
+            s.store(NS, toks, kv)
+        s.flush()
+        keys = [k for toks, _ in prompts for k in s.lookup(NS, toks).keys]
+        assert len(keys) == 16 and len(s.nvme.key_table) == 16
+        idx, loc = s._index.rows.table, s.nvme._loc
+        assert idx.get_many(keys).tolist() == loc.rows_of(keys).tolist()
+        assert s._index.remove(keys[:4]) == 4  # the index's side only
+        assert (idx.get_many(keys[:4]) == -1).all() and (loc.rows_of(keys[:4]) >= 0).all()
+        assert s.lookup(NS, prompts[0][0]).matched_blocks == 0
+    finally:
+        s.close()

@@ -295,6 +295,7 @@ def _index_runtime(
         cost=cost if cost is not None else CostModel(),
         remote_victims=cfg.remote is not None and cfg.remote.publish == "evict",
         nvme_policy=make_policy(cfg.policies.eviction) if block_mode else None,
+        key_table=nvme.key_table if isinstance(nvme, SegmentStorage) else None,
     )
 
 

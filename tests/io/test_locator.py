@@ -150,3 +150,42 @@ def test_namespace_ids_widen_past_uint16():
     assert loc.ns_id.dtype == np.uint16
     loc.commit(0, 1, entries([key(1)], ns))
     assert loc.ns_id.dtype == np.int32 and loc.namespace_of(loc.row(key(1))) == ns
+
+
+def test_scan_and_copy_forward_keep_the_locator_s_own_row_order_in_a_shared_table():
+    """The block index holds keys in the locator's table (rows numbered by both sides'
+    history); scan (the index's adoption order at open, invalidation) and a reclaimed
+    segment's copy-forward (SegmentManager.live_rows) still list the locator's blocks in the
+    order of a table of its own: its ascending rows, freed rows reused last freed first."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from tierstore.io.segment_manager import SegmentManager
+    from tierstore.keytable import INDEX
+
+    def h(i: int) -> bytes:  # digests, as block keys are: key order is no age order
+        return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+    def run(shared: bool):
+        loc = BlockLocator(16, SEG, SLOT)
+        members = []
+        for i in range(8):
+            if shared:  # the index takes rows between the locator's, and frees some
+                loc.key_table.add_absent([h(1000 + 3 * i + j) for j in range(3)], INDEX)
+                if i % 2:
+                    loc.key_table.remove(h(1000 + 3 * i - 3), holder=INDEX)
+            rows, _ = loc.commit(
+                i % 2 * SEG, i, entries([h(4 * i + j) for j in range(4)], first_offset=i * 4 * SLOT)
+            )
+            members += rows.tolist()
+            if i % 3 == 2:
+                loc.remove([h(4 * i - 3), h(4 * i)])
+        segs = SimpleNamespace(members=[np.array(members, dtype=np.int32).tobytes()] * 2, segment_bytes=SEG)
+        forward = [loc.keys_of(SegmentManager.live_rows(segs, si, loc).tolist()) for si in (0, 1)]  # type: ignore[arg-type]
+        return loc, loc.scan().keys, forward
+
+    own, keys, forward = run(False)
+    assert len(keys) == 32 - 4 and keys == sorted(keys, key=own.row)  # its rows, ascending
+    assert forward == [[k for k in keys if own.locate(k)[0] == si] for si in (0, 1)]
+    _, keys2, forward2 = run(True)
+    assert keys2 == keys and forward2 == forward

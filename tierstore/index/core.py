@@ -39,6 +39,7 @@ from ..contract import MEMORY_TIERS, BlockState, Lease, LoadPlan, LookupResult, 
 from ..errors import ConfigError, InvariantError, Status
 from ..fdp.lifetime import LifetimeClass, class_from_hint
 from ..identity import check_chain_positions
+from ..keytable import KeyTable
 from ..metrics import Metrics
 from ..policies.base import EvictionPolicy
 from ..policies.cost import CostModel
@@ -117,6 +118,9 @@ class IndexRuntime:
     nvme_policy : EvictionPolicy or None
         The order in which single NVMe blocks are evicted (``eviction_granularity: block``; a
         hit on any tier refreshes a block's NVMe copy). ``None``: the NVMe tier evicts regions.
+    key_table : KeyTable or None
+        The NVMe tier's key table, which the index then shares (one key and slot per block for
+        both; the tier owns it). ``None``: the index keeps a table of its own.
     """
 
     clock: Callable[[], float] = time.monotonic
@@ -126,6 +130,7 @@ class IndexRuntime:
     cost: CostModel = dataclasses.field(default_factory=CostModel)
     remote_victims: bool = False
     nvme_policy: EvictionPolicy | None = None
+    key_table: KeyTable | None = None
 
 
 def _new_blocks(keys: Sequence[bytes], rows: np.ndarray, statuses: list) -> list[int]:
@@ -222,6 +227,7 @@ class BlockIndex:
             max(1024, c.hbm_blocks + c.host_blocks + (c.nvme_blocks or 0) + 64),
             c.block_bytes,
             {Tier.HBM: c.hbm_blocks, Tier.HOST: c.host_blocks},  # each tier's SlotAllocator (placement.py)
+            runtime.key_table,
         )
         self.metrics = Metrics()
         self.placement = Placement(self.rows, self.metrics, shape, policies, runtime)

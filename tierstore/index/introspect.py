@@ -143,7 +143,7 @@ class Introspection(IndexRoom):
     def namespaces(self) -> dict[bytes, int]:
         """Visible blocks per namespace digest."""
         with self._lock:
-            rows = self.rows.table.rows()
+            rows = self.rows.table.held_rows()
             ok = (self.rows.flags[rows] & (PENDING | DOOMED)) == 0
             ids, counts = np.unique(self.rows.ns[rows[ok]], return_counts=True)
             return {self.rows.namespaces.digests[int(i)]: int(c) for i, c in zip(ids, counts)}
@@ -154,7 +154,7 @@ class Introspection(IndexRoom):
             nid = self.rows.namespaces.ids.get(ns)
             if nid is None:
                 return []
-            rows = self.rows.table.rows()
+            rows = self.rows.table.held_rows()
             rows = rows[(self.rows.ns[rows] == nid) & ((self.rows.flags[rows] & (PENDING | DOOMED)) == 0)]
             return self.rows.table.keys_of(rows.tolist())
 
@@ -174,7 +174,7 @@ class Introspection(IndexRoom):
         InvariantError
         """
         with self._lock:
-            rows = self.rows.table.rows()
+            rows = self.rows.table.held_rows()
             live = np.concatenate([rows, np.asarray(sorted(self.rows.doomed), dtype=np.int64)])
             for t, alloc in self.alloc.items():
                 sl = self.rows.slot[t][live]

@@ -426,7 +426,7 @@ class Placement:
     def pick_flush(self, max_blocks: int, coldest_first: bool, now: float) -> StorePlan | None:
         """A plan writing to NVMe up to ``max_blocks`` blocks that live only in memory (each read from
         a readable memory copy, host first; held until the flush completes), or ``None``."""
-        rows = self.rows.table.rows()
+        rows = self.rows.table.held_rows()
         if not rows.size:
             return None
         f = self.rows.flags[rows]
@@ -439,6 +439,9 @@ class Placement:
             (self.rows.slot[Tier.HOST][rows] >= 0) & ((f & EVICT_HOST) == 0)
         )
         rows = rows[mem & ((f & (ON_NVME | PENDING | DOOMED | NVME_WRITING)) == 0)]
+        # in the index's row order (ties of the coldest-first order too): the ascending rows of a
+        # key table of its own, close to age order (HeldKeys.in_order; shared rows are no order)
+        rows = self.rows.table.in_order(rows)
         if coldest_first:
             rows = rows[np.argsort(self.rows.last[rows], kind="stable")]
         rows = rows[:max_blocks]

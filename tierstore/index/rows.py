@@ -1,6 +1,7 @@
 """The index's rows: one row per block in numpy arrays, no Python object per block.
 
-:class:`RowTable` owns the :class:`~tierstore.keytable.KeyTable` (key -> row) and every
+:class:`RowTable` holds its keys in a :class:`~tierstore.keytable.KeyTable` (key -> row; its own,
+or the NVMe locator's, shared: holder ``INDEX``) and owns every
 per-row array (flags, memory slots, namespace id, chain position, hits, times, request
 references, readers, pin expiry, lifetime hint and class, NVMe write time), about 33 bytes a
 row: times are millisecond ticks (``TICKS_PER_S``), counters 16-bit, and a column is rebased
@@ -26,7 +27,7 @@ import numpy as np
 from ..contract import MEMORY_TIERS, Tier
 from ..fdp.lifetime import LifetimeClass
 from ..identity import NamespaceIds
-from ..keytable import KeyTable
+from ..keytable import INDEX, HeldKeys, KeyTable
 from ..tiers.memory import SlotAllocator
 
 # --- row flags
@@ -161,6 +162,10 @@ class RowTable:
     slot_counts : dict, optional
         Slots of each memory tier: a tier's slot column is ``int16`` when every slot and -1
         fit (under 32768 slots), else ``int32`` (the default where not given).
+    table : KeyTable, optional
+        A key table another holder owns (the NVMe locator's, from ``build.assemble``): the
+        index holds its keys in it (reserving ``capacity_rows``) and does not count its bytes.
+        ``None``: a table of its own.
     """
 
     # the per-row arrays of _ARRAYS (set by name in __init__ and grow)
@@ -177,10 +182,19 @@ class RowTable:
     nvme_at: np.ndarray
 
     def __init__(
-        self, capacity_rows: int, block_bytes: int, slot_counts: dict[Tier, int] | None = None
+        self,
+        capacity_rows: int,
+        block_bytes: int,
+        slot_counts: dict[Tier, int] | None = None,
+        table: KeyTable | None = None,
     ) -> None:
         self.block_bytes = block_bytes
-        self.table = KeyTable(capacity_rows)
+        if table is None:
+            self.table = HeldKeys(KeyTable(capacity_rows), INDEX, owner=True, shared=False)
+        else:
+            table.reserve(capacity_rows)
+            table.drop_holder(INDEX)  # an earlier index's keys (the same NVMe tier reopened)
+            self.table = HeldKeys(table, INDEX, owner=False)
         cap = self.table.capacity_rows
         # one spare element at the end, always 0: ``flags[-1]`` is the flags of
         # an absent key (row -1), so chains are classified without masking
@@ -360,7 +374,7 @@ class RowTable:
         time (or ``a``) and every stored time is shifted to it in place, O(rows), once per span
         of 49.7 days at most; where the live times and ``a`` span more than ``uint32`` holds the
         columns are widened to ``int64`` (for good). Times of free rows are clipped into range."""
-        live = self.table.rows()
+        live = self.table.held_rows()
         if self.doomed:
             live = np.union1d(live, np.fromiter(self.doomed, dtype=np.int64))
         lo = hi = a
@@ -422,7 +436,8 @@ class RowTable:
         return lambda j: EntryView(self, rows[j], keys[j])
 
     def nbytes(self) -> int:
-        """Bytes of per-block metadata (key table and row arrays)."""
+        """Bytes of per-block metadata (the key table when the index owns it, else its row
+        ordinals in the shared one; and the row arrays)."""
         arrays = [self.flags, *(getattr(self, name) for name, _, _ in _ARRAYS), *self.slot.values()]
         return self.table.nbytes + sum(a.nbytes for a in arrays)
 

@@ -1,7 +1,8 @@
 """Where each block of the segment store lies: key -> (segment, offset, length).
 
 :class:`BlockLocator` maps a 32-byte block key to a dense row of a
-:class:`~tierstore.keytable.KeyTable` and keeps, per row, in numpy arrays:
+:class:`~tierstore.keytable.KeyTable` that it owns (holder ``LOCATOR``; the block index may
+share it: :attr:`BlockLocator.key_table`) and keeps, per row, in numpy arrays:
 the payload's device offset (:meth:`~BlockLocator.offsets`), its CRC-32C (``crc``),
 the sequence number of the extent it was written in (:meth:`~BlockLocator.seqs`) and
 its interned namespace (``ns_id``; ``namespaces.digests[ns_id]`` is the 32-byte digest).
@@ -13,7 +14,7 @@ block, no Python object per block. Every payload occupies one slot of ``slot_byt
 (the block padded to 4096, :func:`tierstore.io.format.block_slot_bytes`) in segment
 ``offset // segment_bytes``.
 
-Not thread-safe and holds no lock: it is a room of
+Not thread-safe and holds no lock (the key table has its own, innermost): a room of
 :class:`~tierstore.io.segments.SegmentStorage` and is used only under that
 store's metadata lock. It never does I/O and never touches per-segment
 counters: :meth:`remove` and :meth:`commit` return what the caller needs to
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..errors import LayoutError
 from ..identity import NamespaceIds
-from ..keytable import KeyTable
+from ..keytable import LOCATOR, HeldKeys, KeyTable
 from ..tiers.storage import StoredBlocks
 from . import format as fmt
 
@@ -67,7 +68,7 @@ class BlockLocator:
     ) -> None:
         self.segment_bytes = int(segment_bytes)
         self.slot_bytes = int(slot_bytes)
-        self.table = KeyTable(rows)
+        self.table = HeldKeys(KeyTable(rows), LOCATOR, owner=True)
         cap = self.table.capacity_rows
         narrow = device_bytes is not None and device_bytes <= fmt.ALIGN_BYTES * _U32_SPAN
         self._off_unit = fmt.ALIGN_BYTES if narrow else 1
@@ -81,6 +82,12 @@ class BlockLocator:
 
     def __len__(self) -> int:
         return len(self.table)
+
+    @property
+    def key_table(self) -> KeyTable:
+        """The key table (owned here; the block index holds its keys in it too when
+        ``build.assemble`` gives it to the index)."""
+        return self.table.table
 
     # ------------------------------------------------------------ columns
     def offsets(self, rows):
@@ -125,7 +132,7 @@ class BlockLocator:
         return seq - (self._seq_base or 0)
 
     def _rebase_seqs(self, seq: int) -> None:
-        live = self.table.rows()
+        live = self.table.held_rows()
         lo = hi = seq
         if live.size:
             vals = self._seq[live]

@@ -350,7 +350,9 @@ class SegmentManager:
         self.touched[segments] = self.ticks
 
     def live_rows(self, si: int, locator) -> np.ndarray:
-        """Rows whose current copy lies in segment ``si``
+        """Rows whose current copy lies in segment ``si``, in the locator's row order (copied
+        forward in that order: ``HeldKeys.in_order``, the rows of a key table of its own; the
+        shared table's row numbers depend on the block index too)
         (``locator``: a :class:`~tierstore.io.locator.BlockLocator`)."""
         rows = (
             np.frombuffer(self.members[si], dtype=np.int32).astype(np.int64)
@@ -360,7 +362,7 @@ class SegmentManager:
         if not rows.size:
             return rows
         base = si * self.segment_bytes
-        return locator.rows_in(np.unique(rows), base, base + self.segment_bytes)
+        return locator.table.in_order(locator.rows_in(np.unique(rows), base, base + self.segment_bytes))
 
     def victims(self, listener_attached: bool) -> list[int]:
         """Sealed segments in the order eviction considers them.

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, InvariantError, LayoutError, Status, StoreClosedError
+from ..keytable import KeyTable
 from ..tiers.storage import BlockStorage, RegionListener, StoredBlocks
 from ..units import parse_size
 from . import format as fmt
@@ -686,6 +687,13 @@ class SegmentStorage(BlockStorage):
             out["engine"] = self.engine.stats()
             return out
 
+    @property
+    def key_table(self) -> KeyTable:
+        """The locator's key table, which this tier owns (recovery fills it before any index
+        exists); ``build.assemble`` gives it to the block index, which holds its keys in the same
+        rows (:class:`~tierstore.keytable.HeldKeys`)."""
+        return self._loc.key_table
+
     def index_nbytes(self) -> int:
         """Bytes of in-memory metadata: key table, per-block and per-segment arrays."""
         return self._loc.nbytes + self._segs.nbytes
@@ -719,7 +727,7 @@ class SegmentStorage(BlockStorage):
             if self._blk is not None:
                 if len(self._loc) > self._blk.live_budget:
                     raise InvariantError(f"{len(self._loc)} live blocks > budget {self._blk.live_budget}")
-                self._blk.check(self._loc.offsets(self._loc.table.rows()))
+                self._blk.check(self._loc.offsets(self._loc.table.held_rows()))
 
     # ============================================================ fragment API
     def put_fragments(
