@@ -152,3 +152,28 @@ def test_a_request_reference_past_int16_is_kept_and_released():
     assert ix.release("q") == 1 and int(ix.rows.refs[r]) == 0x7FFF
     ix.rows.refs[r] = 0
     ix.check_invariants(quiescent=True)
+
+
+def test_counts_of_a_call_count_every_occurrence_in_any_order():
+    """``count_up``/``count_down`` over a call's rows (one fancy-indexed update when the rows are
+    distinct, ``ufunc.at`` otherwise): a row given twice counts twice, ascending or not."""
+    rt = RowTable(16, 64)
+    rows = np.array(_rows(rt, 0, 4, 0.0))
+    for order in (rows, rows[::-1], rows[[2, 0, 3, 1]], rows[[1, 1, 3, 1]], rows[[0, 2, 2, 0]]):
+        before = rt.readers.astype(np.int64)
+        want = before.copy()
+        np.add.at(want, order, 1)
+        rt.count_up("readers", order)
+        assert rt.readers.tolist() == want.tolist()
+        assert not rt.count_down("readers", order)
+        assert rt.readers.tolist() == before.tolist()
+    assert rt.count_down("refs", rows[[1, 1]]), "a count below zero is reported"
+
+
+def test_a_release_of_repeated_keys_drops_each_reference():
+    """A request that looked a key up twice (and one up once) holds and releases every reference."""
+    ix, _clock, r = _pinned_index()
+    res = ix.lookup([_k(1), _k(1)], request_id="q")
+    assert res.matched_blocks == 2 and int(ix.rows.refs[r]) == 2
+    assert ix.release("q") == 2 and int(ix.rows.refs[r]) == 0
+    ix.check_invariants(quiescent=True)

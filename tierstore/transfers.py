@@ -271,13 +271,12 @@ class Transfers:
         if gate is not None:
             delivered = gate.close()
             st = [s if (s is not Status.OK or i in delivered) else Status.MISS for i, s in enumerate(st)]
-        # remote IO_ERRORs are misses for the index (the block is not local)
-        promo = self.index.complete_load(
-            plan,
-            [s if plan.sources[i] is not None else Status.MISS for i, s in enumerate(st)],
-            promote and gate is None,
-            nvme_s,
-        )
+        # remote IO_ERRORs are misses for the index (the block is not local); without a remote
+        # tier a key with no source is a MISS already
+        index_st = st
+        if self.planner is not None:
+            index_st = [s if plan.sources[i] is not None else Status.MISS for i, s in enumerate(st)]
+        promo = self.index.complete_load(plan, index_st, promote and gate is None, nvme_s)
         if promo is not None:
             try:
                 ok = self.movers.run_promote(promo, plans)
@@ -291,9 +290,9 @@ class Transfers:
         if self.planner is not None and self.planner.publishes_reused:
             local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
             self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
-        used = [src[0] for src in plan.sources if src is not None]
-        if used:
-            self.index.metrics.record_load_ns(max(used).label, time.perf_counter_ns() - t0)
+        used = max((src[0] for src in plan.sources if src is not None), default=None)
+        if used is not None:
+            self.index.metrics.record_load_ns(used.label, time.perf_counter_ns() - t0)
         return st
 
     def remote_load(

@@ -189,6 +189,9 @@ def test_a_page_batch_is_checked_once_and_refuses_what_plans_refuses():
     _buf, pool = page_pool(6, 7)
     with pytest.raises(LayoutError, match="more than once"):
         pool.batch([1, 2, 1], destination=True)
+    with pytest.raises(LayoutError, match="more than once"):
+        pool.batch([1, 3, 3], destination=True)  # sorted, not ascending: no fast pass
+    assert pool.batch([0, 2, 5], destination=True).row_ids == [0, 2, 5]
     with pytest.raises(LayoutError, match="outside"):
         pool.batch([0, 6])
     with pytest.raises(LayoutError, match="not an integer"):

@@ -49,6 +49,19 @@ def _memory_by_tier(
     return out
 
 
+def _leading_ok(statuses: Sequence[Status]) -> int:
+    """Length of the leading run of ``OK`` in ``statuses`` (one C-level count when all are)."""
+    n = len(statuses)
+    if statuses.count(Status.OK) == n:
+        return n
+    lead = 0
+    for s in statuses:
+        if s is not Status.OK:
+            break
+        lead += 1
+    return lead
+
+
 class Completion:
     """Applies plan outcomes to the rows (called under the index lock).
 
@@ -165,28 +178,28 @@ class Completion:
         are released for the whole call at once; a load with one goes block by block."""
         if Status.IO_ERROR in statuses:
             return self._finish_load_each(plan, statuses, promote, nvme_s)
-        held = [i for i, src in enumerate(plan.sources) if src is not None]
-        lead = 0
-        for s in statuses:
-            if s is not Status.OK:
-                break
-            lead += 1
+        srcs = plan.sources
+        if None in srcs:
+            held = [i for i, src in enumerate(srcs) if src is not None]
+            rows = np.asarray(plan.rows, dtype=np.int64)[held]
+        else:  # every key held (the common case): no per-key pass to find them
+            held = range(len(srcs))  # type: ignore[assignment]
+            rows = np.asarray(plan.rows, dtype=np.int64)
+        lead = _leading_ok(statuses)
         c: dict = {}
         nvme_ok = 0
         promos: list = []
         if held:
-            rows = np.asarray(plan.rows, dtype=np.int64)[held]
-            readers = self.rows.readers
-            np.subtract.at(readers, rows, 1)  # a key given twice was held twice
-            if (readers[rows] < 0).any():
+            # a key given twice was held twice
+            if self.rows.count_down("readers", rows):
                 raise InvariantError("readers went negative")
-            tiers = [plan.sources[i][0] for i in held]  # type: ignore[index]  # held: not None
+            tiers = [srcs[i][0] for i in held]  # type: ignore[index]  # held: not None
             for t in set(tiers):
                 c[f"load_bytes_{t.label}"] = tiers.count(t) * self.block_bytes
             if Tier.NVME in tiers:
                 nvme_ok = sum(1 for i, t in zip(held, tiers) if t == Tier.NVME and statuses[i] is Status.OK)
-            rl = rows.tolist()
             if promote:
+                rl = rows.tolist()
                 flags = self.rows.flags
                 promos = [
                     (i, r, t)
@@ -194,7 +207,7 @@ class Completion:
                     if t != Tier.HBM and statuses[i] is Status.OK and not flags[r] & DOOMED
                 ]
             doomed = self.rows.doomed
-            for r in [r for r in rl if r in doomed] if doomed else ():
+            for r in [r for r in rows.tolist() if r in doomed] if doomed else ():
                 self.maybe_free_doomed(r)
         self._count_load(c, lead, nvme_ok, nvme_s)
         return promos
@@ -214,11 +227,7 @@ class Completion:
         """:meth:`finish_load` block by block (a load with an I/O error: each failed NVMe block
         is dropped once its hold is released)."""
         c: dict = {}
-        lead = 0
-        for s in statuses:
-            if s is not Status.OK:
-                break
-            lead += 1
+        lead = _leading_ok(statuses)
         nvme_ok = 0
         promos: list = []
         readers, flags = self.rows.readers, self.rows.flags  # the table cannot grow in here

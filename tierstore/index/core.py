@@ -28,6 +28,7 @@ counted in ``partial_tail_tokens``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -169,17 +170,24 @@ def _hold_sources(rt: RowTable, plan: LoadPlan, reading: dict[int, threading.Eve
     of the rows' tiers and slots for the whole call; only NVMe sources are visited one by one."""
     rows = np.asarray(plan.rows, dtype=np.int64)
     tops = rt.tops(rows)  # -1: absent, pending, doomed or nothing readable
-    rows[tops < 0] = -1
-    held = rows[tops >= 0]
-    if held.size:
-        rt.count_up("readers", held)  # a key given twice is held twice, as it is released
-    slots = np.full(rows.size, -1, dtype=np.int64)
-    for t in MEMORY_TIERS:
-        sel = tops == t
-        if sel.any():
-            slots[sel] = rt.slot[t][rows[sel]]
-    plan.rows = rows.tolist()
-    plan.sources = [None if t < 0 else (_TIERS[t], s) for t, s in zip(tops.tolist(), slots.tolist())]
+    t0 = int(tops[0]) if tops.size else -1
+    if t0 >= 0 and bool((tops == t0).all()):  # every key held in one tier (the common case)
+        rt.count_up("readers", rows)  # a key given twice is held twice, as it is released
+        slots = rt.slot[_TIERS[t0]][rows].tolist() if t0 in MEMORY_TIERS else [-1] * rows.size
+        plan.rows = rows.tolist()
+        plan.sources = list(zip(itertools.repeat(_TIERS[t0], rows.size), slots))  # tuples made in C
+    else:
+        rows[tops < 0] = -1
+        held = rows[tops >= 0]
+        if held.size:
+            rt.count_up("readers", held)
+        slot = np.full(rows.size, -1, dtype=np.int64)
+        for t in MEMORY_TIERS:
+            sel = tops == t
+            if sel.any():
+                slot[sel] = rt.slot[t][rows[sel]]
+        plan.rows = rows.tolist()
+        plan.sources = [None if t < 0 else (_TIERS[t], s) for t, s in zip(tops.tolist(), slot.tolist())]
     for r in rows[tops == Tier.NVME].tolist():
         ev = reading.get(r)
         if ev is not None:
@@ -515,7 +523,7 @@ class BlockIndex:
         Each held row is never a victim until :meth:`complete_load`.
         """
         with self._lock:
-            plan = LoadPlan(list(keys), self.rows.table.get_many(keys).tolist(), [])
+            plan = LoadPlan(list(keys), self.rows.table.get_many(keys), [])  # type: ignore[arg-type]  # listed by _hold_sources
             _hold_sources(self.rows, plan, self._reading)
             self._pending_plans += 1
             return plan

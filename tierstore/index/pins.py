@@ -14,6 +14,8 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ..contract import Lease
 from ..errors import InvariantError, QuotaExceeded
 from ..metrics import Metrics
@@ -73,12 +75,16 @@ class Pins(IndexRoom):
         """Drop every reference ``request_id`` holds. Unknown ids are a no-op."""
         with self._lock:
             rows = self.requests.pop(request_id, [])
-            refs = self.rows.refs
-            for r in rows:
-                refs[r] -= 1
-                if refs[r] < 0:
-                    raise InvariantError("ref_count went negative")
-                self._free_doomed(r)
+            doomed = self.rows.doomed
+            if doomed and not doomed.isdisjoint(rows):  # rows to free once their last user goes
+                refs = self.rows.refs
+                for r in rows:
+                    refs[r] -= 1
+                    if refs[r] < 0:
+                        raise InvariantError("ref_count went negative")
+                    self._free_doomed(r)
+            elif rows and self.rows.count_down("refs", np.asarray(rows, dtype=np.int64)):
+                raise InvariantError("ref_count went negative")
             return len(rows)
 
     def cancel(self, request_id: object) -> int:

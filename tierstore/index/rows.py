@@ -150,6 +150,16 @@ class EntryView:
         return self._rows.namespaces.digests[int(self._rows.ns[self.row])]
 
 
+def distinct(rows: np.ndarray) -> bool:
+    """Whether an index array names each row once (then a fancy-indexed update counts each row
+    once, as ``ufunc.at`` would, at a fraction of its cost: ~4 us against ~25 us for 128 rows).
+    One comparison when ascending (the common case), else one sort."""
+    if rows.size < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return True
+    s = np.sort(rows)
+    return not bool((s[1:] == s[:-1]).any())
+
+
 class RowTable:
     """Key table and per-row arrays of the block index (no lock of its own).
 
@@ -421,7 +431,21 @@ class RowTable:
             u, n = np.unique(rows, return_counts=True)  # exact, only near the limit
             if int((a[u].astype(np.int64) + n).max()) > _COUNT_MAX_I16:
                 a = self._widen(name)
-        np.add.at(a, rows, 1)
+        if distinct(rows):
+            a[rows] += 1
+        else:
+            np.add.at(a, rows, 1)
+
+    def count_down(self, name: str, rows: np.ndarray) -> bool:
+        """Lower counter ``name`` (``refs`` or ``readers``) by one per occurrence of each row in
+        ``rows`` (an index array); returns whether any of them went negative (the caller's
+        invariant error)."""
+        a = getattr(self, name)
+        if distinct(rows):
+            a[rows] -= 1
+        else:
+            np.subtract.at(a, rows, 1)
+        return bool((a[rows] < 0).any())
 
     def _widen(self, name: str) -> np.ndarray:
         a = getattr(self, name).astype(np.int32)

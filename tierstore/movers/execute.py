@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Final
+from operator import itemgetter
+from typing import Any, Final, cast
 
 from ..contract import LoadPlan, Medium, PromotePlan, StorePlan, Tier
 from ..delegation import handed_to
@@ -187,13 +188,21 @@ class Movers:
         st = [Status.MISS] * len(plan.keys)
         nvme_idx: list[int] = []
         items: list[tuple[int, Tier, int]] = []
-        for i, src in enumerate(plan.sources):
-            if src is None:
-                continue
-            if src[0] == Tier.NVME:
-                nvme_idx.append(i)
-            else:
-                items.append((i, src[0], src[1]))
+        srcs = plan.sources
+        held = cast("list[tuple[Tier, int]]", srcs) if None not in srcs else None
+        tiers = list(map(itemgetter(0), held)) if held is not None else None
+        if (
+            held is not None and tiers is not None and Tier.NVME not in tiers
+        ):  # all in memory: items made in C
+            items = list(zip(range(len(held)), tiers, map(itemgetter(1), held)))
+        else:
+            for i, src in enumerate(srcs):
+                if src is None:
+                    continue
+                if src[0] == Tier.NVME:
+                    nvme_idx.append(i)
+                else:
+                    items.append((i, src[0], src[1]))
         self.memory.scatter(dests, items, gate, st)
         nvme_s = None
         if nvme_idx and self.nvme is not None:
