@@ -264,46 +264,75 @@ class KeyTable:
         LayoutError
             If ``key`` is not 32 bytes.
         """
-        if len(key) != KEY_BYTES:
-            raise LayoutError(f"key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
-        slots = self._slots
-        kb = self._keys
-        h = _HOME(key)[0]
-        p = h & self._mask
-        free = -1  # the first tombstone on the key's chain, else the empty slot that ends it
-        while True:
-            s = slots[p]
-            if s == _EMPTY:
-                break
-            if s == _TOMB:
-                if free < 0:
-                    free = p
-            elif kb.startswith(key, (s - 1) * KEY_BYTES):
-                return s - 1, False
-            p += 1
-        if self._old is not None:
-            row = self._get_old(key, h)
+        rows, inserted = self.add_many((key,))
+        return rows[0], bool(inserted)
+
+    def add_many(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """Insert each of ``keys`` that is not present, in order, with one scalar probe a key
+        (a key given twice is inserted once: its later copy finds it). Returns ``(rows,
+        inserted)``: the row of every key, and the indices of the keys inserted. The rehash
+        steps of the inserts are taken once, after the last (:meth:`add_absent` does the same).
+
+        Raises
+        ------
+        LayoutError
+            If a key is not 32 bytes (checked before anything is inserted).
+        """
+        if len(b"".join(keys)) != KEY_BYTES * len(keys):
+            bad = next(len(k) for k in keys if len(k) != KEY_BYTES)
+            raise LayoutError(f"key of {bad} bytes; keys are {KEY_BYTES} bytes")
+        out: list[int] = []
+        inserted: list[int] = []
+        for i, key in enumerate(keys):
+            slots = self._slots
+            kb = self._keys
+            h = _HOME(key)[0]
+            p = h & self._mask
+            free = -1  # the first tombstone on the key's chain, else the empty slot that ends it
+            row = -1
+            while True:
+                s = slots[p]
+                if s == _EMPTY:
+                    break
+                if s == _TOMB:
+                    if free < 0:
+                        free = p
+                elif kb.startswith(key, (s - 1) * KEY_BYTES):
+                    row = s - 1
+                    break
+                p += 1
+            if row < 0 and self._old is not None:
+                row = self._get_old(key, h)
             if row >= 0:
-                return row, False
-        if free < 0:
-            free = p
-        if self._oa is None and 2 * (self._n + self._tombs + 1) > self._mask + 1:
-            self._make_room(1)
-            free = -1  # inserts go to the new array now
-        row = self._take_row()
-        o = row * KEY_BYTES
-        kb = self._keys  # _take_row may have grown it
-        kb[o : o + KEY_BYTES] = key
-        self._live[row] = 1
-        self._n += 1
-        if 0 <= free < len(slots) - 1:  # the last slot stays empty
-            if slots[free] == _TOMB:
-                self._tombs -= 1
-            slots[free] = row + 1
-        else:
-            self._place(row)
-        self._step(1)
-        return row, True
+                out.append(row)
+                continue
+            if free < 0:
+                free = p
+            if self._oa is None and 2 * (self._n + self._tombs + 1) > self._mask + 1:
+                self._make_room(1)
+                free = -1  # inserts go to the new array now
+            if self._free:  # a freed row first (last freed, first reused), else a fresh one
+                row = self._free.pop()
+            else:
+                if self._next_row >= self._cap:
+                    self._grow_rows()
+                row = self._next_row
+                self._next_row += 1
+            o = row * KEY_BYTES
+            self._keys[o : o + KEY_BYTES] = key  # _grow_rows extends the buffer
+            self._live[row] = 1
+            self._n += 1
+            if 0 <= free < len(slots) - 1:  # the last slot stays empty
+                if slots[free] == _TOMB:
+                    self._tombs -= 1
+                slots[free] = row + 1
+            else:
+                self._place(row)
+            out.append(row)
+            inserted.append(i)
+        if inserted:
+            self._step(len(inserted))
+        return out, inserted
 
     def add_absent(self, keys: Sequence[bytes]) -> np.ndarray:
         """Insert ``keys``, which the caller knows are absent and distinct; return their rows.
@@ -319,7 +348,7 @@ class KeyTable:
         """
         n = len(keys)
         if n < VECTOR_MIN_KEYS:
-            return np.fromiter((self.add(k)[0] for k in keys), dtype=np.int64, count=n)
+            return np.array(self.add_many(keys)[0], dtype=np.int64)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
@@ -415,15 +444,6 @@ class KeyTable:
             out[k:] = np.arange(self._next_row, self._next_row + fresh)
             self._next_row += fresh
         return out
-
-    def _take_row(self) -> int:
-        if self._free:
-            return self._free.pop()
-        if self._next_row >= self._cap:
-            self._grow_rows()
-        r = self._next_row
-        self._next_row += 1
-        return r
 
     def _grow_rows(self) -> None:
         """1.5x the rows, extending the buffers in place: ``realloc`` (``mremap`` for a large

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from ..contract import MEMORY_TIERS, Tier
-from ..errors import LayoutError, Status
+from ..errors import Status
 from ..fdp.lifetime import LifetimeClass
 from ..identity import NamespaceIds
-from ..keytable import KEY_BYTES, KeyTable
+from ..keytable import KeyTable
 from ..tiers.memory import SlotAllocator
 
 # --- row flags
@@ -254,7 +254,7 @@ class RowTable:
     def add_new(
         self, keys: Sequence[bytes], nid: int, first_position: int, hint: int, now: float, exists: list
     ) -> tuple[list[int], list[int]]:
-        """A short store's keys, one probe each (:meth:`KeyTable.add`): a key in the table (or
+        """A short store's keys, one probe each (:meth:`KeyTable.add_many`): a key in the table (or
         given earlier in the call) gets ``exists[i] = Status.EXISTS``, the others new ``PENDING``
         rows at chain positions ``first_position + i``. Returns ``(indices, rows)`` of the new
         keys. For calls under :data:`~tierstore.index.core.SCALAR_STORE_KEYS` keys, where this
@@ -265,18 +265,13 @@ class RowTable:
         LayoutError
             A key is not 32 bytes (checked before anything is inserted).
         """
-        if len(b"".join(keys)) != KEY_BYTES * len(keys):
-            raise LayoutError("every key must be 32 bytes")
-        add = self.table.add
-        todo: list[int] = []
-        new: list[int] = []
-        for i, k in enumerate(keys):
-            row, inserted = add(k)
-            if inserted:
-                todo.append(i)
-                new.append(row)
-            else:
-                exists[i] = Status.EXISTS
+        rows, todo = self.table.add_many(keys)
+        new = rows if len(todo) == len(keys) else [rows[i] for i in todo]
+        if len(new) < len(keys):
+            got = set(todo)
+            for i in range(len(keys)):
+                if i not in got:
+                    exists[i] = Status.EXISTS
         if new:
             at = np.array(new, dtype=np.int64)
             self._init(at, PENDING, nid, np.array(todo, dtype=np.int64) + first_position, hint, now)
