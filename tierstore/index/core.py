@@ -155,8 +155,9 @@ def _new_blocks(keys: Sequence[bytes], rows: np.ndarray, statuses: list) -> list
 
 #: A store of fewer keys finds or inserts each with one scalar probe (``RowTable.add_new``)
 #: instead of a vectorised lookup and a batch insert (each ~20 numpy calls, and the lookup
-#: still probes about a third of the keys one by one). On the 2-vCPU VM (session 36), 32 new
-#: keys: 90-200 us against 140-276 us; 64: a tie.
+#: still probes about a third of the keys one by one). On the 2-vCPU VM (session 36, interleaved,
+#: load ~4, ``add`` per key): 32 new keys 90-200 us against 142-276 us; 64 a tie (232-349 against
+#: 242-355); ``KeyTable.add_many`` takes another ~25 % off the scalar side.
 SCALAR_STORE_KEYS = 80
 
 #: A row's tier by its number (``RowTable.tops``).
