@@ -1004,3 +1004,38 @@ def test_flush_candidates_in_a_shared_key_table_come_in_the_index_s_own_row_orde
         own, ix = flush_order(None, coldest_first)
         assert len(own) == 48 - 8 and own == sorted(own, key=ix.rows.table.get)  # its rows, ascending
         assert flush_order(KeyTable(16), coldest_first)[0] == own
+
+
+@pytest.mark.parametrize("n", [2, 15, 32, 64, 79])
+def test_a_short_store_plans_as_the_batched_path_does(monkeypatch, n):
+    """Stores under SCALAR_STORE_KEYS keys find or insert each key with one scalar probe
+    (RowTable.add_new); the longer path is a vectorised lookup then a batch insert. Same
+    statuses (EXISTS for a key held or given earlier in the call), same rows, slots, victims
+    and counts, including rows reused from the free list; a malformed key inserts nothing."""
+    from tierstore.index import core as index_core
+
+    def run(threshold: int):
+        monkeypatch.setattr(index_core, "SCALAR_STORE_KEYS", threshold)
+        ix = _index(hbm_blocks=40, host_blocks=40)
+        ns = b"n" * 32
+        p = ix.prepare_store(ns, [_k(i) for i in range(1000, 1000 + 30)])
+        ix.complete_store(p)
+        ix.invalidate(ns)  # its rows go to the free list: the stores below reuse them
+        ix.end_invalidate(ns)
+        held = [_k(i) for i in range(0, n, 3)]
+        ix.complete_store(ix.prepare_store(ns, held))
+        keys = [_k(i) for i in range(n)] + [_k(0), _k(n - 1)]  # held keys, new keys, repeats
+        plans = [ix.prepare_store(ns, keys[j : j + n], first_position=j) for j in (0, 2)]
+        out = [repr(p) for p in plans]  # statuses, rows, slots, victims and their fates
+        assert Status.EXISTS in plans[0].statuses and None in plans[0].statuses
+        out.append([ix.complete_store(p) for p in plans])
+        ix.check_invariants()
+        return out, dict(ix.metrics.counters)
+
+    assert run(threshold=10_000) == run(threshold=0)
+    monkeypatch.undo()
+    ix = _index(hbm_blocks=40, host_blocks=40)
+    with pytest.raises(LayoutError):
+        ix.prepare_store(b"n" * 32, [_k(5000), b"short"] * max(1, n // 2))
+    assert ix.rows.table.get(_k(5000)) == -1  # nothing inserted before the refusal
+    ix.check_invariants()

@@ -64,6 +64,11 @@ def test_malformed_keys_are_refused():
     t = KeyTable()
     with pytest.raises(LayoutError):
         t.add(b"short")
+    with pytest.raises(LayoutError):  # before the good key before it is inserted
+        t.add_many([b"k" * 32, b"x" * 33])
+    with pytest.raises(LayoutError):
+        t.add_absent([b"k" * 32, b"x" * 31])
+    assert len(t) == 0 and t.get(b"k" * 32) == -1
     with pytest.raises(LayoutError):
         t.get_many([b"x" * 31] * VECTOR_MIN_KEYS)
 
@@ -144,7 +149,9 @@ def test_ghost_keys_take_and_bound():
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["add", "add_absent", "add_absent", "remove", "detach", "release", "get_many"]),
+            st.sampled_from(
+                ["add", "add_absent", "add_absent", "add_many", "remove", "detach", "release", "get_many"]
+            ),
             st.integers(0, 599),
         ),
         min_size=10,
@@ -175,6 +182,16 @@ def _dict_model_run(ops, pool):
             batch = [k for k in pool[i:] + pool[:i] if k not in model][: VECTOR_MIN_KEYS + i % 100]
             rows = t.add_absent(batch)
             model.update(zip(batch, rows.tolist()))
+        elif op == "add_many":  # present keys, absent ones and one given twice, in one call
+            batch = pool[i : i + 1 + i % 90] + pool[i : i + 1]
+            rows, inserted = t.add_many(batch)
+            want = []
+            for j, k in enumerate(batch):
+                if k not in model:
+                    want.append(j)
+                    model[k] = rows[j]
+                assert rows[j] == model[k]
+            assert inserted == want
         elif op in ("remove", "detach"):
             k = pool[i]
             r = t.remove(k) if op == "remove" else t.detach(k)

@@ -124,6 +124,19 @@ def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
         cast(mmap.mmap, view.obj).madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
+def _check_lengths(keys: Sequence[bytes]) -> None:
+    """Refuse a batch with a key that is not 32 bytes, before any of it is taken.
+
+    Raises
+    ------
+    LayoutError
+        Naming the first such key's length.
+    """
+    if any(len(k) != KEY_BYTES for k in keys):
+        bad = next(len(k) for k in keys if len(k) != KEY_BYTES)
+        raise LayoutError(f"key of {bad} bytes; keys are {KEY_BYTES} bytes")
+
+
 class KeyTable:
     """32-byte key -> row id (``0 <= row < capacity_rows``), for one or two holders.
 
@@ -401,6 +414,29 @@ class KeyTable:
         self._step(1)
         return row, True
 
+    def add_many(self, keys: Sequence[bytes], holder: int = INDEX) -> tuple[list[int], list[int]]:
+        """Hold each of ``keys`` in order, with one scalar probe a key (:meth:`add`'s): a key
+        given twice is taken once (its later copy finds it). Returns ``(rows, inserted)``: the
+        row of every key, and the indices of the keys that took a row (inserted, or another
+        holder's row adopted). For short calls, where it costs less than a vectorised lookup
+        and a batch insert (the block index's short store path).
+
+        Raises
+        ------
+        LayoutError
+            If a key is not 32 bytes (checked before anything is taken).
+        """
+        _check_lengths(keys)
+        out: list[int] = []
+        inserted: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                row, new = self._add(key, holder)
+                out.append(row)
+                if new:
+                    inserted.append(i)
+        return out, inserted
+
     def add_absent(self, keys: Sequence[bytes], holder: int = INDEX) -> np.ndarray:
         """Hold ``keys``, which the caller knows ``holder`` does not hold and are distinct;
         return their rows (another holder's rows adopted, the other keys inserted).
@@ -415,6 +451,8 @@ class KeyTable:
             If a key is not 32 bytes.
         """
         n = len(keys)
+        if n < VECTOR_MIN_KEYS:
+            _check_lengths(keys)  # before any key is taken
         with self._lock:
             if n < VECTOR_MIN_KEYS:
                 return np.fromiter((self._add(k, holder)[0] for k in keys), dtype=np.int64, count=n)
@@ -770,6 +808,13 @@ class HeldKeys:
         if new and self._ord is not None:
             self._number(np.array([row], dtype=np.int64))
         return row, new
+
+    def add_many(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """:meth:`KeyTable.add_many` for this holder (the rows it takes get ordinals, in order)."""
+        rows, inserted = self.table.add_many(keys, self.holder)
+        if inserted and self._ord is not None:
+            self._number(np.array([rows[i] for i in inserted], dtype=np.int64))
+        return rows, inserted
 
     def add_absent(self, keys: Sequence[bytes]) -> np.ndarray:
         """:meth:`KeyTable.add_absent` for this holder (ordinals given in the order of ``keys``)."""

@@ -285,8 +285,10 @@ class PlanService:
     @staticmethod
     def _slot_gens(slots: np.ndarray, gens_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """``uint64`` generation per key: ``gens_of(slots)`` where a key has a slot, 0 elsewhere."""
-        gens = np.zeros(len(slots), dtype=np.uint64)
         have = slots >= 0
+        if have.all() and len(slots):  # every key has a slot (the common case): no mask
+            return np.asarray(gens_of(slots), dtype=np.uint64)
+        gens = np.zeros(len(slots), dtype=np.uint64)
         if have.any():
             gens[have] = gens_of(slots[have])
         return gens
