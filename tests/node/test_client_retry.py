@@ -196,3 +196,25 @@ def test_a_client_busy_looping_stores_is_served_within_retry_s_of_a_restarted_se
     assert c.counters["connects"] == 2 and sum(1 for _, ok in stores if not ok) > 10  # it kept calling
     failed = [s for s, ok in attempts if not ok and s > t_down]
     assert failed and all(b - a >= retry_s for a, b in itertools.pairwise(failed)), attempts
+
+
+def test_a_store_as_the_first_call_to_a_dead_service_says_why(tmp_path, caplog):
+    """Trial 6: ``store`` as the first call, nothing listening. ``store`` sizes its chunks first
+    (a connect that fails), so the call itself was refused inside the retry window: the warning
+    read ``down 0.00 s ago (None)`` and ``last_down`` stayed ``None``. Now the connect's reason is
+    kept whoever tried, and the one warning names it."""
+    import logging
+
+    sock = tmp_path / "nobody.sock"
+    c = NodeKVStore(f"unix://{sock}", LAYOUT, timeout_s=1.0, retry_s=30.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierstore.node.client"):
+            data = torch.zeros(2, LAYOUT.bytes_per_block, dtype=torch.uint8)
+            assert c.store(NS, list(range(32)), data) != [Status.OK] * 2
+            assert c.lookup(NS, list(range(32))).matched_blocks == 0
+        down = c.stats()["client"]["last_down"]
+        assert down is not None and f"connect {sock}" in down
+        said = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+        assert len(said) == 1 and "(None)" not in said[0] and f"connect {sock}" in said[0]
+    finally:
+        c.close()

@@ -453,8 +453,9 @@ class NodeKVStore(StoreCalls, KeyLookup):
             self._conn = _Connection(
                 self.path, self.layout, self.pool, timeout_s, f"tierstore pid {os.getpid()}", self._token
             )
-        except _Down:
+        except _Down as e:
             self._last_fail = time.monotonic()
+            self.counters.last_down = str(e)  # whoever tried (a call, or _chunks sizing one)
             raise
         self.counters.connected(self.url)
         self._holds.clear()  # holds were the old session's: released by the service
