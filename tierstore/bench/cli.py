@@ -50,6 +50,29 @@ from .result import JobResult, merge_results
 __all__ = ["main", "group_reports"]
 
 PROG = "tierstore bench"
+#: ``--help``: plain text for a terminal (the module docstring is reST for the docs)
+HELP = """usage: tierstore bench [options] [--key=value ...] [jobfile ...]
+
+A fio-like benchmark of tierstore's workloads. Job files are fio INI files; every job key is also
+a --key=value (or --key value) flag. As in fio, each --name= starts a job that inherits the flags
+given before the first --name=; without --name= or a job file the flags define one job.
+
+  --rw=W                 kvtrace (default: a request trace through the store), kvstore, kvload,
+                         kvmixed; read, write, randread, randwrite, randrw, rw (plain file I/O)
+  --cmdhelp[=KEY]        every job key with its values and default (or one key)
+  --parse-only           validate the jobs and exit 0
+  --showcmd              print each job's equivalent command line and exit
+  --output-format=F      normal, json, json+ or terse (comma-combined; --minimal is terse)
+  --output=FILE          write the report to FILE instead of stdout (replaces FILE, as fio does)
+  --plot=DIR             write PNG charts to DIR (needs tierstore[bench])
+  --eta=WHEN             auto, always or never (status lines on stderr when not a terminal)
+  --eta-newline=T        seconds between status lines (default 10)
+  --status-interval=T    a status line every T seconds, terminal or not
+  --version              print the version (tierstore-X.Y.Z, as fio prints fio-3.33)
+
+Ctrl-C or SIGTERM stops the running job, prints what it measured and removes the files it
+created (exit status 128 + the signal). Exit status: 0, or 1 for a bad job or a failed one (its
+err= is the errno, as fio's). More: docs/BENCH.md in the source tree."""
 _VALUE_FLAGS = {
     "output-format",
     "output_format",
@@ -250,7 +273,7 @@ def _parse(argv: list[str]) -> _Command | int:
     try:
         own, key_flags, files = _split_argv(argv)
         if own.get("help"):
-            print(__doc__.split("Exit status")[0].strip())
+            print(HELP)
             return 0
         if own.get("version"):
             print(out_mod.FIO_VERSION)
