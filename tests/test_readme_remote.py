@@ -72,7 +72,11 @@ def test_the_master_command_uses_the_wheels_flags_and_the_clients_default_ports(
     exe = shutil.which("mooncake_master")
     if exe is None:
         pytest.skip("mooncake_master is not installed (pip install -e '.[cluster]')")
-    helptext = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60).stdout
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    helptext = done.stdout
+    if not helptext.strip() and "error while loading shared libraries" in done.stderr:
+        # the wheel's native libraries (libibverbs, librdmacm, ...: .ci/run's apt step) are absent
+        pytest.skip(f"mooncake_master cannot run here: {done.stderr.strip().splitlines()[-1]}")
     for flag in flags:
         assert f"-{flag} " in helptext, flag
 
