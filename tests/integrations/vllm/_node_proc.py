@@ -10,8 +10,9 @@ With ``baseline`` true, the same prompts run first on an engine without the conn
 Prints one line ``RESULT {...}``: ``outputs`` (tokens and ``num_cached_tokens`` per prompt) and
 ``baseline`` (tokens per prompt).
 
-vLLM's own multiprocessing stays at its default (the engine core and, on the CPU backend, the
-worker in processes of their own): with ``store.url`` every process opens its own client.
+vLLM's own multiprocessing stays as the caller's environment sets it: by default the engine core
+and, on the CPU backend, the worker in processes of their own, each opening its own client of
+``store.url``; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` all in this process.
 """
 
 from __future__ import annotations

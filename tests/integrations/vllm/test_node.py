@@ -3,9 +3,11 @@
 of their own: vLLM's default multiprocessing).
 
 The service (a ``NodeCore`` on a ``NodeServer``) runs in this test's process; each engine runs in
-a fresh process (tests/integrations/vllm/_node_proc.py) that first computes the greedy reference
-without the connector. vLLM's own prefix cache is off, so every cached token an engine reports
-came from the service. A block of the tiny Llama is 2 layers x 2 (K, V) x KV heads x 32 tokens x
+a fresh process (tests/integrations/vllm/_node_proc.py). The greedy reference of a TP=1 engine is
+HF transformers' ``generate`` in this process (test_engine.py checks that vLLM without the
+connector gives the same tokens); a TP=2 or PP=2 engine's process first computes its own
+reference without the connector. vLLM's own prefix cache is off, so every cached token an engine
+reports came from the service. A block of the tiny Llama is 2 layers x 2 (K, V) x KV heads x 32 tokens x
 32 x fp32: 32 KiB with both KV heads, 16 KiB per rank at TP=2 (one KV head) or at PP=2 (one
 layer).
 """
@@ -65,14 +67,25 @@ def start_service(tmp_path, tp_size: int, pp_size: int = 1):
     return core, server, "unix://" + server.path
 
 
-#: Greedy tokens of FIRST on a TP=1 engine without the connector, once one test has computed them.
-BASELINE_TP1: dict = {}
-FIRST_KEY = "FIRST"
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict:
+    """HF transformers' greedy tokens of FIRST and SECOND (fp32, CPU): the reference of every
+    TP=1 engine here, about a second instead of an engine start (~1 min on this 2-core VM)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, p in (("FIRST", FIRST), ("SECOND", SECOND)):
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            out[name] = ids[0, len(p) :].tolist()
+    return out
 
 
 def run_engine(args: dict, **env_over) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **env_over)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: engine core and worker apart
+    env.update(env_over)
     r = subprocess.run(
         [sys.executable, os.path.join(HERE, "_node_proc.py"), json.dumps(args)],
         capture_output=True,
@@ -85,21 +98,20 @@ def run_engine(args: dict, **env_over) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_two_engine_processes_share_one_node_service(model_dir, tmp_path):
+def test_two_engine_processes_share_one_node_service(model_dir, reference, tmp_path):
     """Engine B, started after engine A exited, gets A's prefix from the service on its first
     request, with the greedy tokens of an engine without the connector."""
     core, server, url = start_service(tmp_path, 1)
     try:
         common = dict(model=model_dir, url=url, max_tokens=MAX_TOKENS, engine={}, layout=rank_layout(1))
-        a = run_engine(dict(common, prompts=[FIRST, SECOND], baseline=True, wait_blocks=[3, 0]))
+        a = run_engine(dict(common, prompts=[FIRST, SECOND], wait_blocks=[3, 0]))
         assert [o["cached"] for o in a["outputs"]] == [0, 2 * B]  # SECOND shares FIRST's 2 blocks
         before = core.store.stats()
         b = run_engine(dict(common, prompts=[FIRST, SECOND], wait_blocks=[0, 0]))
         after = core.store.stats()
     finally:
         server.close()
-    want = a["baseline"]
-    BASELINE_TP1[FIRST_KEY] = want[0]  # the down-service test compares with it (one engine start less)
+    want = [reference["FIRST"], reference["SECOND"]]
     assert [o["tokens"] for o in a["outputs"]] == want
     assert [o["tokens"] for o in b["outputs"]] == want
     assert [o["cached"] for o in b["outputs"]] == [3 * B, 3 * B]  # B's first request: A's 3 blocks
@@ -170,11 +182,11 @@ def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
     )
 
 
-def test_an_engine_whose_node_service_is_down_recomputes(model_dir, tmp_path):
+def test_an_engine_whose_node_service_is_down_recomputes(model_dir, reference, tmp_path):
     """No service at store.url: the engine starts (a warning, no error), every request misses
-    (nothing cached) and is recomputed, with the tokens of the engine without the connector (run
-    by an earlier test of this module, or here when this test runs alone)."""
-    known = BASELINE_TP1.get(FIRST_KEY)
+    (nothing cached) and is recomputed, with the reference tokens. The engine core and the worker
+    run in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the connector opens the
+    same client either way, and two process start-ups less keep the suite inside CI's budget."""
     res = run_engine(
         dict(
             model=model_dir,
@@ -183,10 +195,9 @@ def test_an_engine_whose_node_service_is_down_recomputes(model_dir, tmp_path):
             engine={},
             layout=rank_layout(1),
             prompts=[FIRST, FIRST],
-            baseline=known is None,
             wait_blocks=[0, 0],
-        )
+        ),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
-    want = res["baseline"] if known is None else [known, known]
-    assert [o["tokens"] for o in res["outputs"]] == want
+    assert [o["tokens"] for o in res["outputs"]] == [reference["FIRST"]] * 2
     assert [o["cached"] for o in res["outputs"]] == [0, 0]
