@@ -123,7 +123,9 @@ def test_two_engine_processes_share_one_node_service(model_dir, reference, tmp_p
     core.close()
 
 
-def _repeat_on_a_parallel_engine(tmp_path, model_dir, tp_size: int, pp_size: int, engine: dict) -> None:
+def _repeat_on_a_parallel_engine(
+    tmp_path, model_dir, tp_size: int, pp_size: int, engine: dict, **env_over: str
+) -> None:
     """FIRST twice on a ``tp_size`` x ``pp_size`` engine (``mp`` executor, two CPU workers) on a fresh
     service: greedy tokens equal the same engine without the connector, the repeat gets every full
     block from the service, and each rank keeps its own 3 blocks under its own namespace."""
@@ -141,6 +143,7 @@ def _repeat_on_a_parallel_engine(tmp_path, model_dir, tp_size: int, pp_size: int
                 wait_blocks=[tp_size * pp_size * 3, 0],
             ),
             VLLM_CPU_OMP_THREADS_BIND="0|1",
+            **env_over,
         )
         per_ns = sorted(core.store.namespaces().values())
     finally:
@@ -168,7 +171,10 @@ def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
     mode NONE) ``CPUModelRunner.warming_up_model`` skips the profile run that allocates the
     intermediate tensors, and stage 1 fails ``assert self.intermediate_tensors is not None``
     (gpu_model_runner.py, ``sync_and_gather_intermediate_tensors``). Dynamo tracing with the
-    ``eager`` backend compiles nothing and allocates them."""
+    ``eager`` backend compiles nothing and allocates them. The engine core runs in the test
+    engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the two workers in processes of their
+    own): the TP=2 test covers the default, and each start-up of a separate engine core costs
+    ~20 s of imports on this 2-core VM."""
     _repeat_on_a_parallel_engine(
         tmp_path,
         model_dir,
@@ -179,6 +185,7 @@ def test_pipeline_parallel_2_on_the_node_service(model_dir, tmp_path):
             "enforce_eager": False,
             "compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"},
         },
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
 
 
