@@ -30,7 +30,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -208,9 +207,8 @@ def boot(a, seg: int, tier: int, out: str) -> tuple[int, str, float]:
     cmd += ["--rwdir", out, "--", "bash", os.path.join(REPO, "tests", "fdp", "vm_guest.sh"), py, img or "-"]
     cmd += [REPO, out, "bench/fdp_vm_handles.py", "--guest", *args]
     t = time.monotonic()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=a.timeout_s)
-    tail = (p.stdout + p.stderr).decode(errors="replace")
-    return p.returncode, tail[-3000:], time.monotonic() - t
+    rc, tail, _ = vmenv.boot(cmd, out, a.timeout_s)
+    return rc, tail[-3000:], time.monotonic() - t
 
 
 def device_cell(dev: int, engine: int, runs_bytes: int) -> str:
