@@ -20,7 +20,8 @@ import pytest
 
 from tests.fdp import vm_checks, vmenv
 
-pytestmark = pytest.mark.fdp
+#: A boot that hangs is booted again (vmenv.boot): the first test waits for up to two boots.
+pytestmark = [pytest.mark.fdp, pytest.mark.timeout(1500)]
 
 LBA = 512  # the emulated namespace's logical block size (Identify Namespace, checked below)
 RUNS = 8 << 20  # --ru-size 8M
