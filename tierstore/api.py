@@ -407,13 +407,6 @@ class KVStore(KeyAPI):
         """Capacity per enabled tier in bytes."""
         return self._parts.capacity_bytes()
 
-    def prefault_memory(self) -> list[str]:
-        """Fault in the pages of the CPU memory tiers now (:meth:`BlockPool.prefault
-        <tierstore.tiers.memory.BlockPool.prefault>`), so that the first copy into each slot does
-        not pay for them; safe while the store is in use. Returns the labels of the tiers
-        populated (none on a kernel without ``MADV_POPULATE_WRITE``)."""
-        return [t.label for t, pool in self._parts.pools.items() if pool.prefault()]
-
     def references(self) -> dict[object, int]:
         """Open request references: ``request_id -> blocks referenced`` (empty when
         every request was released)."""

@@ -361,7 +361,7 @@ def test_host_tier_is_prefaulted_at_start(tmp_path):
     cfg["tiers"]["host"] = {"capacity_bytes": "64MiB"}  # over glibc's largest mmap threshold: fresh pages
     svc = Service(parse_config(cfg))
     try:
-        pool = svc.store._parts.pools[Tier.HOST]
+        pool = svc.store._parts.pools[Tier.HOST]  # the pool the store copies into
         assert resident_fraction(pool.data) == 1.0
     finally:
         svc.close()
