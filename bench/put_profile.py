@@ -117,16 +117,21 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=64)
     ap.add_argument("--mib", type=int, default=2)
     ap.add_argument("--write-back", action="store_true", help="puts.durable: false (acknowledged cached)")
+    ap.add_argument("--engine", default="auto", help="tiers.nvme.engine (auto, uring, posix)")
+    ap.add_argument("--host-bytes", default="1GiB")
+    ap.add_argument("--nvme-bytes", default="6GiB")
+    ap.add_argument("--root", default=ROOT, help="checkout whose tierstore the daemon runs")
     args = ap.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     clean_work_dir(args.dir)
     # the bench's daemon, started once to write its config, then restarted with timers
-    p, _port, _log = start_daemon(args.dir, "1GiB", "6GiB")
+    p, _port, _log = start_daemon(args.dir, args.host_bytes, args.nvme_bytes)
     p.terminate()
     p.wait(60)
     cfg_path = os.path.join(args.dir, "daemon.yaml")
     cfg = yaml.safe_load(open(cfg_path))
     cfg["puts"] = {"durable": not args.write_back}
+    cfg["tiers"]["nvme"]["engine"] = args.engine
     cfg["log"]["level"] = "INFO"
     yaml.safe_dump(cfg, open(cfg_path, "w"))
     spans_out = os.path.join(args.dir, "spans.json")
@@ -135,7 +140,7 @@ def main(argv=None) -> int:
         d = subprocess.Popen(
             [sys.executable, __file__, "--serve-profiled", cfg_path, spans_out],
             stderr=err,
-            env=dict(os.environ, PYTHONPATH=ROOT),
+            env=dict(os.environ, PYTHONPATH=os.path.abspath(args.root)),
         )
     port = None
     for _ in range(600):
@@ -181,7 +186,10 @@ def main(argv=None) -> int:
         d.wait(60)
     spans = json.load(open(spans_out))
     n = args.ops + 4
-    print(f"{args.ops} sequential {args.mib} MiB puts ({'write-back' if args.write_back else 'durable'})")
+    print(
+        f"{args.ops} sequential {args.mib} MiB puts ({'write-back' if args.write_back else 'durable'}), "
+        f"daemon checkout {os.path.abspath(args.root)}"
+    )
     print("| span | ms per call p50 (p10..p90) | calls per put |")
     print("|---|---|---|")
     srv = spans.pop("@srv.put_blocks (handler)")[-args.ops :]

@@ -69,3 +69,15 @@ def test_memory_acknowledged_row(tmp_path, capsys):
     assert doc["ack"] == "memory" and len(doc["loadavg_start_end"]) == 2
     assert all(len(r["per_run_ratio"]) == 1 and r["per_run_ratio"][0] > 0 for r in doc["results"])
     assert "puts acknowledged: memory" in capsys.readouterr().out
+
+
+def test_put_profile_reports_client_and_daemon_spans(tmp_path, capsys):
+    """bench/put_profile.py: the daemon's spans come back from its process (written at exit) and
+    are matched to the client's requests."""
+    put_profile = load_tool("put_profile")
+    args = ["--dir", str(tmp_path), "--ops", "3", "--host-bytes", "64MiB", "--nvme-bytes", "512MiB"]
+    assert put_profile.main(args) == 0
+    out = capsys.readouterr().out
+    for span in ("client.store_keys (total)", "srv.put_blocks (handler)", "store.nvme.fdatasync"):
+        assert f"| {span} |" in out, span
+    assert "| store.host copy (memory.gather) |" in out
