@@ -4,7 +4,8 @@ Runs, in one invocation:
 
 * the real daemon (``python -m tierstore.cli serve``) from a generated YAML:
   llama-3.1-8b layout (2 MiB blocks), host tier, NVMe tier as a file under
-  ``--dir``, durable (write-through) puts, two tenants' worth of auth checks;
+  ``--dir``, puts acknowledged durably (``--ack durable``, write-through: O_DIRECT + fdatasync)
+  or from the host tier (``--ack memory``, write-back), two tenants' worth of auth checks;
 * a baseline server of the same framework (aiohttp) that keeps bodies in a
   dict and serves them back (``--baseline`` handler below).
 
@@ -84,12 +85,23 @@ def baseline_server(port_file: str) -> None:
     asyncio.run(main())
 
 
+#: ``--ack`` choices: what a put's answer waits for (``puts.durable`` of the daemon's config).
+ACKS = {"durable": True, "memory": False}
+
+
 def start_daemon(
-    work: str, host_bytes: str, nvme_bytes: str, root: str = ROOT
+    work: str, host_bytes: str, nvme_bytes: str, root: str = ROOT, durable: bool = True
 ) -> tuple[subprocess.Popen, int, str]:
     """Start ``tierstore serve`` of the checkout ``root`` (its ``PYTHONPATH``) on a generated config in
-    ``work``; returns the process, its port and its log's path."""
+    ``work``; returns the process, its port and its log's path.
+
+    ``durable`` is the config's ``puts.durable``: ``True`` answers a put once its blocks are
+    written (O_DIRECT) and fdatasync'ed on the NVMe tier; ``False`` (write-back) once they are
+    copied into the host tier, as the baseline answers once the body is in its dict (blocks
+    reach NVMe only when demoted).
+    """
     cfg = {
+        "puts": {"durable": durable},
         "state_dir": os.path.join(work, "state"),
         "listen": {"host": "127.0.0.1", "port": 0},
         "log": {"level": "WARNING", "access_log": False},
@@ -306,6 +318,7 @@ def measure(
     host_bytes: str,
     nvme_bytes: str,
     root: str = ROOT,
+    durable: bool = True,
 ) -> tuple[dict, list[str]]:
     """The daemon of the checkout ``root`` and the aiohttp baseline, both started in ``work``, one
     (baseline, tierstore) pair per run in ``run_ids``, ABBA: an odd run id runs tierstore first.
@@ -321,7 +334,7 @@ def measure(
     order: list[str] = []
     res: dict = {"tierstore": [], "baseline": []}
     try:
-        daemon, port, _log = start_daemon(work, host_bytes, nvme_bytes, root)
+        daemon, port, _log = start_daemon(work, host_bytes, nvme_bytes, root, durable)
         base = subprocess.Popen(
             [
                 sys.executable,
@@ -365,6 +378,19 @@ def main(argv=None) -> int:
     ap.add_argument("--host-bytes", default="1GiB")
     ap.add_argument("--nvme-bytes", default="6GiB")
     ap.add_argument("--json", default=None, help="also write raw results here")
+    ap.add_argument(
+        "--ack",
+        choices=sorted(ACKS),
+        default="durable",
+        help="durable: a put is answered once on NVMe (O_DIRECT + fdatasync); memory: once in the "
+        "host tier (puts.durable: false, write-back), as the baseline answers from its dict",
+    )
+    ap.add_argument(
+        "--root",
+        default=ROOT,
+        help="checkout whose tierstore the daemon runs (default: this one; e.g. a worktree of main "
+        "for a before/after comparison)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes_mib.split(",")]
     work = args.dir or tempfile.mkdtemp(prefix="tsbench-")
@@ -372,9 +398,20 @@ def main(argv=None) -> int:
     removed = clean_work_dir(work)
     if removed:
         print(f"{work}: removed {', '.join(removed)} of an earlier run", file=sys.stderr)
+    load = [os.getloadavg()]
+    t_start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     res, order = measure(
-        work, sizes, args.ops, args.clients, range(args.runs), args.host_bytes, args.nvme_bytes
+        work,
+        sizes,
+        args.ops,
+        args.clients,
+        range(args.runs),
+        args.host_bytes,
+        args.nvme_bytes,
+        os.path.abspath(args.root),
+        ACKS[args.ack],
     )
+    load.append(os.getloadavg())
 
     def med(name, key, idx):
         xs = [run[key][idx] for run in res[name]]
@@ -382,22 +419,27 @@ def main(argv=None) -> int:
 
     print(
         f"\n{args.clients} clients, {args.ops} requests/client/phase, {args.runs} runs in ABBA order; "
-        "median (min..max); GB/s = 1e9 B/s; latency per request\n"
+        f"puts acknowledged: {args.ack}; daemon checkout {os.path.abspath(args.root)}; "
+        f"load average {load[0][0]:.2f} -> {load[1][0]:.2f}; "
+        "median (min..max); GB/s = 1e9 B/s; latency per request; ratio: of the medians; per run: "
+        "median (min..max) of the runs' ratios\n"
     )
     print(
-        "| op | batch | tierstore GB/s | baseline GB/s | ratio | tierstore p50 / p99 ms | baseline p50 / "
-        "p99 ms |"
+        "| op | batch | tierstore GB/s | baseline GB/s | ratio | per run | tierstore p50 / p99 ms | "
+        "baseline p50 / p99 ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     raw = []
     for op in ("put", "get"):
         for mib in sizes:
             t, b = med("tierstore", (mib, op), 0), med("baseline", (mib, op), 0)
             tp50, tp99 = med("tierstore", (mib, op), 1)[0], med("tierstore", (mib, op), 2)[0]
             bp50, bp99 = med("baseline", (mib, op), 1)[0], med("baseline", (mib, op), 2)[0]
+            per_run = [x[(mib, op)][0] / y[(mib, op)][0] for x, y in zip(res["tierstore"], res["baseline"])]
             print(
                 f"| {op} | {mib} MiB | {t[0] / 1e9:.2f} ({t[1] / 1e9:.2f}..{t[2] / 1e9:.2f}) | "
                 f"{b[0] / 1e9:.2f} ({b[1] / 1e9:.2f}..{b[2] / 1e9:.2f}) | {t[0] / b[0]:.2f} | "
+                f"{statistics.median(per_run):.2f} ({min(per_run):.2f}..{max(per_run):.2f}) | "
                 f"{tp50 * 1e3:.1f} / {tp99 * 1e3:.1f} | {bp50 * 1e3:.1f} / {bp99 * 1e3:.1f} |"
             )
             raw.append(
@@ -406,11 +448,25 @@ def main(argv=None) -> int:
                     "batch_mib": mib,
                     "tierstore_Bps": [x[(mib, op)][0] for x in res["tierstore"]],
                     "baseline_Bps": [x[(mib, op)][0] for x in res["baseline"]],
+                    "per_run_ratio": per_run,
+                    "tierstore_p50_s": [x[(mib, op)][1] for x in res["tierstore"]],
+                    "baseline_p50_s": [x[(mib, op)][1] for x in res["baseline"]],
                 }
             )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"order": order, "results": raw}, f, indent=1)
+            json.dump(
+                {
+                    "order": order,
+                    "ack": args.ack,
+                    "root": os.path.abspath(args.root),
+                    "start_utc": t_start,
+                    "loadavg_start_end": load,
+                    "results": raw,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

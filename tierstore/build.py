@@ -336,6 +336,20 @@ def _open_pools(t: TiersConfig, bb: int, host: bool = True) -> dict[Tier, BlockP
     return pools
 
 
+def open_host_pool(t: TiersConfig, bb: int) -> BlockPool | None:
+    """The host tier's pool of ``bb``-byte blocks as :func:`assemble` would allocate it (``None``
+    without a host tier), for a caller that prepares it first and gives it back as ``host_pool``
+    (the daemon faults its pages in: :meth:`BlockPool.prefault
+    <tierstore.tiers.memory.BlockPool.prefault>`).
+
+    Raises
+    ------
+    ConfigError
+        As :func:`assemble` for the tiers' sizes.
+    """
+    return _open_pools(t, bb).get(Tier.HOST)
+
+
 def _placement(nv: NvmeTierConfig | None, opened: OpenedDevice | None) -> PlacementPolicy:
     """The lifetime class -> PID table: from the opened device's RUH Status, or the
     explicit PIDs of a caller-given backend (``opened`` is ``None``); disabled

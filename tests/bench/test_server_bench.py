@@ -52,3 +52,32 @@ def test_reused_dir_and_abba_order(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "removed baseline.port, state of an earlier run" in captured.err
     assert "2 runs in ABBA order" in captured.out
+
+
+def test_memory_acknowledged_row(tmp_path, capsys):
+    """``--ack memory`` runs the daemon with write-back puts (answered from the host tier, as the
+    baseline answers from its dict); the JSON and the table say which, with the load average."""
+    import yaml
+
+    server_bench = load_tool("server_bench")
+    out = tmp_path / "r.json"
+    args = ["--dir", str(tmp_path), "--runs", "1", "--ops", "1", "--clients", "1", "--sizes-mib", "2"]
+    args += ["--host-bytes", "64MiB", "--nvme-bytes", "512MiB", "--ack", "memory", "--json", str(out)]
+    assert server_bench.main(args) == 0
+    assert yaml.safe_load((tmp_path / "daemon.yaml").read_text())["puts"] == {"durable": False}
+    doc = json.loads(out.read_text())
+    assert doc["ack"] == "memory" and len(doc["loadavg_start_end"]) == 2
+    assert all(len(r["per_run_ratio"]) == 1 and r["per_run_ratio"][0] > 0 for r in doc["results"])
+    assert "puts acknowledged: memory" in capsys.readouterr().out
+
+
+def test_put_profile_reports_client_and_daemon_spans(tmp_path, capsys):
+    """bench/put_profile.py: the daemon's spans come back from its process (written at exit) and
+    are matched to the client's requests."""
+    put_profile = load_tool("put_profile")
+    args = ["--dir", str(tmp_path), "--ops", "3", "--host-bytes", "64MiB", "--nvme-bytes", "512MiB"]
+    assert put_profile.main(args) == 0
+    out = capsys.readouterr().out
+    for span in ("client.store_keys (total)", "srv.put_blocks (handler)", "store.nvme.fdatasync"):
+        assert f"| {span} |" in out, span
+    assert "| store.host copy (memory.gather) |" in out

@@ -13,6 +13,10 @@ Slots are handed out lowest-first at the start, so tests see deterministic slot 
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+import os
 from array import array
 
 import torch
@@ -26,6 +30,24 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except RuntimeError:
         return False
+
+
+#: madvise(2) advice ``MADV_POPULATE_WRITE`` (include/uapi/asm-generic/mman-common.h, Linux >= 5.14;
+#: Python 3.11's mmap module lacks the constant)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: bytes per madvise call of :meth:`BlockPool.prefault` (as the node segment's prefault)
+PREFAULT_CHUNK_BYTES = 8 << 20
+
+
+def _madvise():
+    """libc's ``madvise(void *addr, size_t length, int advice)`` through ctypes, or ``None``."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class BlockPool:
@@ -119,6 +141,50 @@ class BlockPool:
         pool.device = rows.device
         pool.data = rows
         return pool
+
+    def prefault(self, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> bool:
+        """Fault in every page of a CPU pool now, so that no put pays for it.
+
+        A ``torch.empty`` pool that is not page-locked gets its pages from the kernel on
+        first touch: a first copy into a 2 MiB slot took 1.16 ms where a copy into a
+        touched one took 0.14 ms (2-core VM, 2026-12-04, ``bench/README_server.md``).
+        ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) allocates the pages without
+        changing a byte, so it is safe while slots are in use; the range is rounded out to
+        whole pages, which stay in the pool's own mapping.
+
+        Parameters
+        ----------
+        chunk_bytes : int
+            Bytes per ``madvise`` call.
+
+        Returns
+        -------
+        bool
+            ``True`` if the pages were populated; ``False`` for a pool not on the CPU, an
+            empty one, or a kernel (or libc) without the advice (then the pages still
+            come on first touch, as before).
+
+        Raises
+        ------
+        OSError
+            A kernel refusal other than a missing advice (``ENOMEM``: the memory is not there).
+        """
+        d = self.data
+        n = (d.shape[0] - 1) * d.stride(0) + d.shape[1] if d.numel() else 0  # rows may be apart
+        fn = _madvise() if self.device.type == "cpu" and n else None
+        if fn is None:
+            return False
+        page = mmap.PAGESIZE
+        lo = self.data.data_ptr() // page * page
+        hi = -(-(self.data.data_ptr() + n) // page) * page
+        chunk = max(page, chunk_bytes // page * page)
+        for start in range(lo, hi, chunk):
+            if fn(start, min(chunk, hi - start), MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                if start == lo and err in (errno.EINVAL, errno.ENOSYS):
+                    return False  # an older kernel: no MADV_POPULATE_WRITE
+                raise OSError(err, f"{self.name}: madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        return True
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes: a 1-D ``uint8`` view of ``block_bytes``."""
