@@ -26,7 +26,10 @@ def resident_fraction(t: torch.Tensor) -> float:
 
 
 def test_prefault_makes_every_page_resident_and_keeps_the_bytes():
-    pool = BlockPool("host", 16, 1 << 20)  # 16 MiB: its own mapping, untouched by torch.empty
+    # a fresh anonymous mapping: no page resident yet (a torch.empty of 16 MiB may come from
+    # memory the allocator reuses, already resident, once earlier tests freed large buffers)
+    buf = mmap.mmap(-1, 16 << 20)
+    pool = BlockPool.from_tensor("host", torch.frombuffer(buf, dtype=torch.uint8).view(16, 1 << 20))
     assert resident_fraction(pool.data) < 0.5  # what a first copy into each slot would fault in
     pool.data[3].fill_(7)  # a slot in use while the rest is populated
     if not pool.prefault(chunk_bytes=3 << 20):
@@ -44,6 +47,14 @@ def test_prefault_of_rows_apart_covers_the_last_row():
     if not pool.prefault():
         pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
     assert resident_fraction(rows[7]) == 1.0
+
+
+def test_prefault_of_a_pool_of_its_own_memory_leaves_it_resident():
+    """The daemon's pool (``BlockPool(name, n, block_bytes)``, its memory from torch.empty)."""
+    pool = BlockPool("host", 16, 1 << 20)
+    if not pool.prefault():
+        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert resident_fraction(pool.data) == 1.0
 
 
 def test_prefault_of_an_empty_pool_is_a_no_op():
