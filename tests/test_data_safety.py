@@ -113,6 +113,25 @@ def test_format_true_takes_a_foreign_file_and_a_reopen_needs_no_format(tmp_path)
         assert _loads_exact(s, toks, kv)
 
 
+def test_a_tier_whose_label_is_destroyed_is_refused_and_the_message_says_it_may_be_ours(tmp_path):
+    """Fresh-user trial 7: a tier file of tierstore's own with its label XORed away was refused as
+    "data tierstore did not write" only, steering the user to format without saying what it may be."""
+    p = tmp_path / "tier.kv"
+    toks, kv = _prompt(3)
+    with KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20) as s:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+        s.flush()
+    with open(p, "r+b") as f:
+        head = bytearray(f.read(64))
+        f.seek(0)
+        f.write(bytes(b ^ 0xFF for b in head))
+    before = _stat(p)
+    with pytest.raises(ForeignDataError, match="a tierstore tier whose label was damaged") as e:
+        KVStore(LAYOUT, nvme_path=str(p), nvme_bytes=16 << 20)
+    assert "Nothing was written" in str(e.value)
+    assert _stat(p) == before
+
+
 def test_an_empty_file_is_formatted(tmp_path):
     """Nothing to lose: an empty file is taken (and marked tierstore's before it is grown)."""
     toks, kv = _prompt(2)

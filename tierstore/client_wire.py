@@ -80,11 +80,16 @@ class DaemonConnection:
     Raises
     ------
     ConfigError
-        A URL without ``http://`` or ``https://``, or without a host.
+        A URL without ``http://`` or ``https://``, or without a host, or one that does not
+        parse (an unclosed IPv6 bracket, a bad port).
     """
 
     def __init__(self, url: str, token: str, timeout_s: float, retries: int, max_retry_wait_s: float) -> None:
-        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        try:
+            parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+            _ = parts.port if parts is not None else None  # parses the port: raises on a bad one
+        except ValueError as e:  # an unclosed IPv6 bracket, a non-numeric or out-of-range port
+            raise ConfigError(f"url={url!r}: not a valid URL ({e}), e.g. http://127.0.0.1:8470") from None
         if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(
                 f"url={url!r}: the URL needs a scheme (http:// or https://) and a host, e.g. "

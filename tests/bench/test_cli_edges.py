@@ -100,6 +100,8 @@ def test_size_over_free_space_is_refused_before_writing(tmp_path, run_bench, mon
     )
     assert rc == 1
     assert "needs 67108864 more bytes" in err and "16777216 bytes" in err and "nothing was written" in err
+    # fresh-user trial 7: both sizes read "(0.0 GiB)"
+    assert "(64.00MiB)" in err and "(16.00MiB) free" in err
     assert list(tmp_path.iterdir()) == []
 
 

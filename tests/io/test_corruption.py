@@ -149,7 +149,8 @@ def test_a_corrupt_block_found_by_a_load_is_said_once_in_the_log(caplog):
         st = s.get(keys, dests)
     assert st[1] is Status.IO_ERROR and st[0] is st[2] is Status.OK
     lines = [r.getMessage() for r in caplog.records if "CRC-32C" in r.getMessage()]
-    assert len(lines) == 1 and "1 NVMe block(s)" in lines[0] and "corrupt_blocks=1" in lines[0]
+    assert len(lines) == 1 and "1 NVMe block(s) of this read" in lines[0]
+    assert "1 since the tier opened (corrupt_blocks)" in lines[0]
     s.close()
 
 

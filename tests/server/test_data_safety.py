@@ -134,6 +134,13 @@ def test_a_url_without_a_scheme_is_refused_by_name():
         RemoteKVStore("127.0.0.1:8470", TOKENS["acme"])
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:99999", "http://127.0.0.1:port"])
+def test_a_url_that_does_not_parse_is_a_config_error(url):
+    """Fresh-user trial 7: RemoteKVStore("http://[::1") raised a bare ValueError."""
+    with pytest.raises(ConfigError, match=r"not a valid URL"):
+        RemoteKVStore(url, TOKENS["acme"])
+
+
 def test_a_closed_client_refuses_every_call(daemon):
     c = RemoteKVStore(daemon.url, TOKENS["acme"])
     ns = Namespace(model="closed-client")

@@ -90,6 +90,7 @@ from ..io.ring import (
     native_turn,
     run_fixed_turns,
 )
+from ..units import format_bytes
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
 from .registry import current_progress, info, register_runner, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
@@ -154,8 +155,8 @@ def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
     if need > free:
         raise NoSpaceForJob(
             f"size={options['size']} bytes: the file {path} needs {need} more "
-            f"bytes ({need / 2**30:.1f} GiB) but its file system has {free} bytes "
-            f"({free / 2**30:.1f} GiB) free; nothing was written. Choose a smaller size= "
+            f"bytes ({format_bytes(need)}) but its file system has {free} bytes "
+            f"({format_bytes(free)}) free; nothing was written. Choose a smaller size= "
             "or another directory="
         )
 

@@ -239,7 +239,8 @@ def refusal(t: Target, what: str = "tiers.nvme.path") -> str:
     return (
         f"{what}={t.path!r}: an existing {size} file with data tierstore did not write ({why}); tierstore "
         f"writes only to files it created: give a new path or an empty file, or let it overwrite this one "
-        f"({FORMAT_HOW}). Nothing was written"
+        f"({FORMAT_HOW}); if it is a tierstore tier whose label was damaged, its blocks are a cache that "
+        "cannot be trusted, and formatting it loses only that cache. Nothing was written"
     )
 
 

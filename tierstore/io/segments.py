@@ -799,8 +799,8 @@ class SegmentStorage(BlockStorage):
                 self._writer.finish_reclaim(si)
             # a block lost is said, not only counted (the caller sees IO_ERROR: a miss, recomputed)
             _log.warning(
-                "%s: %d NVMe block(s) failed their read or payload CRC-32C and were dropped "
-                "(served as misses, never as KV); corrupt_blocks=%d",
+                "%s: %d NVMe block(s) of this read failed their read or payload CRC-32C and were "
+                "dropped (served as misses, never as KV); %d since the tier opened (corrupt_blocks)",
                 self.path or "NVMe tier",
                 len(bad),
                 total,
