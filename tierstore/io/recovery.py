@@ -121,7 +121,8 @@ def read_chain(
     """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
     the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
     a reusable aligned buffer (grown here). A header that starts with the extent magic but
-    fails its checksum or bounds is damage, not the chain's end: ``(si, position)`` goes to
+    fails its checksum or bounds is damage, not the chain's end, and so is a chain's first header
+    position holding bytes that are neither zero nor a header: ``(si, position)`` goes to
     ``damaged``."""
     S = segs.segment_bytes
     base = si * S
@@ -140,7 +141,14 @@ def read_chain(
                 engine.read(base + pos, buf[1][:hb]).get()
             h = fmt.decode_header(memoryview(buf[0])[:hb])
         except CorruptData:
-            if damaged is not None and bytes(memoryview(buf[0])[: len(fmt.MAGIC)]) == fmt.MAGIC:
+            head = bytes(memoryview(buf[0])[: fmt.ALIGN_BYTES])
+            # the chain's first header with bytes that are neither zero nor a header: a chain start
+            # is only ever zero (formatted, never written, trimmed), a header, or an older header
+            # left by an ignored trim, so this is damage too (its magic destroyed); further on, a
+            # chain's end can be followed by stale bytes of an earlier use, so there only a header
+            # whose magic survives counts
+            first = pos == segs.chain_start(si) and any(head)
+            if damaged is not None and (head[: len(fmt.MAGIC)] == fmt.MAGIC or first):
                 damaged.append((si, pos))
             return
         except OSError:
@@ -200,7 +208,8 @@ def recover(tier: OnDisk, verify: bool) -> RecoveryCounts:
     out.recovered_blocks = len(locator)
     if out.damaged_extents:
         _log.warning(
-            "%s: %d extent header(s) failed their checksum at recovery (first at segment %d, byte %d): "
+            "%s: %d extent header(s) were unreadable at recovery (bad magic or checksum; first at segment "
+            "%d, byte %d): "
             "their blocks and the rest of their segments' chains are not recovered (misses, never "
             "KV); recovered %d blocks",
             tier.path or "NVMe tier",
