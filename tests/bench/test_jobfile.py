@@ -169,7 +169,8 @@ def test_every_admission_choice_opens_a_store(admission, tmp_path):
     "text, needle",
     [
         ("rw=read\n[a]\nsize=1m\n", "line 1: option outside of a [] job section ('rw=read')"),
-        ("[a\nsize=1m\n", "line 1: option outside of a [] job section ('[a')"),
+        ("[a\nsize=1m\n", "line 1: an unclosed section header ('[a')"),
+        ("[a]\nsize=1m\n[b\nsize=2m\n", "line 3: an unclosed section header ('[b')"),
         ("[a]\nsize=1m\ninclude other.fio\n", "line 3: `include` (fio's job-file directive) is not followed"),
         (b"[a]\nsize=1m\xff\n", "not UTF-8 text"),
     ],

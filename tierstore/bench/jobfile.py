@@ -697,6 +697,11 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"job file {path!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     for n, line in enumerate(text.splitlines(), 1):
+        if re.match(r"\s*\[[^\]]*$", line):
+            raise ConfigError(
+                f"job file {path!r}, line {n}: an unclosed section header ({line.strip()!r}); "
+                "a job section is [name], as in fio"
+            )
         if re.match(r"\s*include\s", line):
             raise ConfigError(
                 f"job file {path!r}, line {n}: `include` (fio's job-file directive) is not followed by "
