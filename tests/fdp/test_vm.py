@@ -15,6 +15,7 @@ exceeds HBMW only by the unwritten tails of RUs switched by RUH Update, and MBE 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 
@@ -233,14 +234,36 @@ def test_hbmw_equals_the_bytes_we_wrote_metadata_included(vm):
         assert (
             r["after"]["stats"]["hbmw_bytes"] - r["before"]["stats"]["hbmw_bytes"]
             == r["engine"]["bytes_written"]
-        )
+        ), (r["engine"], _not_ok(r), vm["_vm"]["dmesg"])
 
 
 # ------------------------------------------------------------------ RUH Update
+def _not_ok(r: dict) -> dict:
+    return {k: [s for s in st if s != "ok"] for k, st in r["statuses"].items() if set(st) != {"ok"}}
+
+
+@pytest.mark.phase("ruh_update")
+def test_a_rerun_ruh_update_phase_had_only_host_side_write_errors(vm):
+    """The guest reruns the phase once when writes failed host-side (vm_checks.ruh_update): only
+    then, and the failed run's blocks were io_error (a miss, never a wrong 'ok') with the engine
+    counting the failed writes; its kernel log and warnings are shown, and the rerun is checked in
+    full by the tests below."""
+    r = _phase(vm, "ruh_update")
+    for a in r.get("failed_attempts", []):
+        bad = {s for st in _not_ok(a).values() for s in st}
+        assert bad == {"io_error"} and a["engine"]["write_errors"] > 0, (bad, a["engine"])
+        warnings.warn(
+            f"{vm['_name']}: ruh_update ran twice: the first run's writes failed host-side "
+            f"({a['engine']['write_errors']} write errors; {_not_ok(a)})\nwarnings: {a['warnings']}\n"
+            f"guest kernel log:\n{a['dmesg']}",
+            stacklevel=1,
+        )
+
+
 @pytest.mark.phase("ruh_update")
 def test_ruh_update_on_segment_open_shows_in_mbmw_and_the_model_predicts_it(vm):
     r = _phase(vm, "ruh_update")
-    assert all(s == "ok" for st in r["statuses"].values() for s in st), r["statuses"]
+    assert not _not_ok(r), (_not_ok(r), r["engine"], vm["_vm"]["driver_log"][-2000:])
     e, m = r["engine"], r["model"]
     assert e["ruh_updates_sent"] >= 3  # one per class at least: each filled a segment
     b, a = r["before"]["stats"], r["after"]["stats"]

@@ -327,10 +327,43 @@ def invalid_pid(zyg: Zygote) -> dict:
     return out
 
 
+def dmesg_tail(n: int = 40) -> str:
+    """The guest kernel's last ``n`` log lines (an NVMe timeout, abort or reset is said only there)."""
+    p = sh("dmesg", check=False)
+    return "\n".join(p.stdout.decode(errors="replace").splitlines()[-n:])
+
+
 @phase("ruh_update")
 def ruh_update() -> dict:
     """Blocks of the three classes through the library; RUH Update on segment open; the FTL model
-    (fed the same writes and updates) against the device's MBMW - HBMW."""
+    (fed the same writes and updates) against the device's MBMW - HBMW.
+
+    Run again, once, when the first run's only fault is writes the *host* saw fail (the engine's
+    ``write_errors``; every non-ok block ``io_error``): under TCG on a loaded 2-core host a
+    passthrough write failed host-side in CI (stop 37) after the device had taken its bytes, so
+    HBMW exceeded the engine's count. That attempt is kept (``failed_attempts``, with the guest's
+    kernel log) for the host-side tests, which accept only that kind of failure before the rerun."""
+    import logging
+
+    said: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda rec: said.append(f"{rec.levelname} {rec.name}: {rec.getMessage()}")  # type: ignore[method-assign]
+    logging.getLogger().addHandler(catch)
+    try:
+        first = _ruh_update_once()
+    finally:
+        logging.getLogger().removeHandler(catch)
+    first["warnings"] = said[-20:]
+    bad = [s for st in first["statuses"].values() for s in st if s != "ok"]
+    if not bad or first["engine"]["write_errors"] == 0 or set(bad) != {"io_error"}:
+        return first
+    first["dmesg"] = dmesg_tail()
+    out = _ruh_update_once()
+    out["failed_attempts"] = [first]
+    return out
+
+
+def _ruh_update_once() -> dict:
     import torch
 
     from tierstore import Namespace, build_store
@@ -380,6 +413,7 @@ def ruh_update() -> dict:
                 for k in (
                     "bytes_written",
                     "write_ops",
+                    "write_errors",
                     "ruh_updates_sent",
                     "ruh_updates_skipped",
                     "ruh_update_unwritten_bytes",

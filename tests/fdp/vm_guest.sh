@@ -18,5 +18,7 @@ fi
 export PYTHONPATH="$repo" PYTHONDONTWRITEBYTECODE=1 LC_ALL=C
 "$py" "$script" --out "$out" "$@" > "$out/driver.log" 2>&1
 rc=$?
+# the guest kernel's log (an NVMe timeout, abort or reset shows only here), for the host-side tests
+dmesg > "$out/dmesg.log" 2>&1
 sync
 exit $rc

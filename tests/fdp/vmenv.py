@@ -388,8 +388,13 @@ def run_config(
     if os.path.exists(os.path.join(out, "driver.log")):
         with open(os.path.join(out, "driver.log"), errors="replace") as f:
             drv = f.read()[-6000:]
+    kern = ""
+    if os.path.exists(os.path.join(out, "dmesg.log")):  # vm_guest.sh saves it after the checks
+        with open(os.path.join(out, "dmesg.log"), errors="replace") as f:
+            kern = "\n".join(f.read().splitlines()[-40:])
     res["_vm"] = {
         "rc": rc,
+        "dmesg": kern,
         "wall_s": round(wall, 1),
         "boots": boots,
         "tool_output": "\n".join(ln for ln in tool_out.splitlines() if "WARNING: Location" not in ln)[-4000:],
