@@ -3,10 +3,11 @@
 Used by the restart-persistence test: ``python _engine_proc.py '<json args>'``
 with ``model``, ``revision``, ``nvme_dir``, ``prompts`` (token-id lists) and
 ``max_tokens``. Prints one line ``RESULT {...}``: generated tokens,
-``num_cached_tokens`` per prompt and the store's counters. ``mode``:
-``"refuse"`` only tries to start the engine and reports the error chain;
-``"closed"`` also calls the store and the connector after shutdown and
-reports what each call raised.
+``num_cached_tokens`` per prompt and the store's counters. ``mode``
+``"closed"``: also call the store and the connector after shutdown and
+report what each call raised. ``then_refuse`` (a path): after all that, try
+an engine on that NVMe path and report its error chain as ``refusal`` (one
+process start instead of two: each costs ~1 min of CI on a 2-core VM).
 """
 
 from __future__ import annotations
@@ -32,18 +33,6 @@ def main() -> None:
 
     extra = {"tiers": {"nvme": {"path": args["nvme_dir"], "capacity_bytes": "64MiB"}}}
     mode = args.get("mode", "serve")
-    if mode == "refuse":  # the engine must not start on this NVMe path; report the error
-        try:
-            LLM(**engine_kwargs(args["model"]), kv_transfer_config=connector_config(extra))
-        except Exception as e:  # noqa: BLE001 -- whatever vLLM wraps it in: report the chain
-            chain, cur = [], e
-            while cur is not None:
-                chain.append(f"{type(cur).__name__}: {cur}")
-                cur = cur.__cause__ or cur.__context__
-            print("RESULT " + json.dumps({"started": False, "errors": chain}), flush=True)
-            return
-        print("RESULT " + json.dumps({"started": True, "errors": []}), flush=True)
-        return
     llm = LLM(
         **engine_kwargs(args["model"], revision=args.get("revision")),
         kv_transfer_config=connector_config(extra),
@@ -84,7 +73,32 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 -- reported, the test names what it expected
                 after[name] = f"{type(e).__name__}: {e}"
         connector.shutdown()  # idempotent
-    print("RESULT " + json.dumps({"outputs": outs, "stats": stats, "after_shutdown": after}), flush=True)
+    refusal = None
+    if args.get("then_refuse"):  # last: a refused start may leave vLLM's state half built
+        print(REFUSAL_MARK, flush=True)
+        print(REFUSAL_MARK, file=sys.stderr, flush=True)
+        refusal = try_refused(LLM, args["model"], args["then_refuse"])
+    res = {"outputs": outs, "stats": stats, "after_shutdown": after, "refusal": refusal}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+#: Printed on stdout and stderr before ``then_refuse``'s attempt: the log before it is the engine's.
+REFUSAL_MARK = "=== then_refuse: a second engine on another NVMe path ==="
+
+
+def try_refused(LLM, model: str, nvme_path: str) -> dict:
+    """Try to start an engine whose connector's NVMe tier is ``nvme_path``; report whether it
+    started and, if not, the error chain (whatever vLLM wrapped the connector's error in)."""
+    extra = {"tiers": {"nvme": {"path": nvme_path, "capacity_bytes": "64MiB"}}}
+    try:
+        LLM(**engine_kwargs(model), kv_transfer_config=connector_config(extra))
+    except Exception as e:  # noqa: BLE001 -- whatever vLLM wraps it in: report the chain
+        chain, cur = [], e
+        while cur is not None:
+            chain.append(f"{type(cur).__name__}: {cur}")
+            cur = cur.__cause__ or cur.__context__
+        return {"started": False, "errors": chain}
+    return {"started": True, "errors": []}
 
 
 if __name__ == "__main__":

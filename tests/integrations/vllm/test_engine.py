@@ -100,17 +100,36 @@ def _run_engine_process(args: dict) -> dict:
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine process failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    return dict(json.loads(lines[-1][len("RESULT ") :]), log=r.stdout + r.stderr)
+    out, err = (t.partition(REFUSAL_MARK) for t in (r.stdout, r.stderr))
+    # log: the engine's own output; refusal_log: then_refuse's attempt, after the mark
+    return dict(json.loads(lines[-1][len("RESULT ") :]), log=out[0] + err[0], refusal_log=out[2] + err[2])
+
+
+#: tests/integrations/vllm/_engine_proc.py's line before its then_refuse attempt
+REFUSAL_MARK = "=== then_refuse: a second engine on another NVMe path ==="
+
+#: The victim of the refusal test: 4 MiB that tierstore did not write (written by ``persisted``).
+VICTIM_BYTES = 4 << 20
 
 
 @pytest.fixture(scope="module")
 def persisted(model_dir, tmp_path_factory, baseline):
     """Two engine processes, one after the other, on one NVMe directory (NVMe is
-    the only tier, so everything they store is on flash when they exit)."""
+    the only tier, so everything they store is on flash when they exit).
+
+    The second also calls its store and connector after its shutdown (``mode="closed"``) and
+    then tries an engine on a file tierstore did not write (``then_refuse``): two checks that each
+    took an engine process of their own (~1 min each of CI's 2-core VM)."""
+    import hashlib
+
     nvme_dir = str(tmp_path_factory.mktemp("nvme"))
+    victim = tmp_path_factory.mktemp("victim") / "data.bin"
+    victim.write_bytes(os.urandom(VICTIM_BYTES))
+    digest = hashlib.sha256(victim.read_bytes()).hexdigest()
     args = dict(model=model_dir, revision="rev-a", nvme_dir=nvme_dir, prompts=PERSIST, max_tokens=MAX_TOKENS)
     first = _run_engine_process(args)
-    second = _run_engine_process(args)
+    second = _run_engine_process(dict(args, mode="closed", then_refuse=str(victim)))
+    second["victim"] = (victim, digest)
     return nvme_dir, first, second
 
 
@@ -442,27 +461,25 @@ def test_lifetime_hints(engine, baseline):
 
 
 # ---------------------------------------------------------------- issue 22: data safety
-def test_an_engine_refuses_an_nvme_path_holding_data_tierstore_did_not_write(model_dir, tmp_path):
+def test_an_engine_refuses_an_nvme_path_holding_data_tierstore_did_not_write(persisted):
     """Item 1: the connector builds its store through build.assemble, which refuses a non-empty file
-    without tierstore's label before anything is written; the file is unchanged."""
+    without tierstore's label before anything is written; the file is unchanged (the attempt is
+    ``persisted``'s second engine process's last step)."""
     import hashlib
 
-    victim = tmp_path / "data.bin"
-    victim.write_bytes(os.urandom(4 << 20))
-    before = hashlib.sha256(victim.read_bytes()).hexdigest()
-    res = _run_engine_process(dict(model=model_dir, nvme_dir=str(victim), mode="refuse"))
+    second = persisted[2]
+    victim, before = second["victim"]
+    res = second["refusal"]
     assert not res["started"]
     assert any(e.startswith("ForeignDataError") and "first bytes" in e for e in res["errors"]), res["errors"]
-    assert hashlib.sha256(victim.read_bytes()).hexdigest() == before and victim.stat().st_size == 4 << 20
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == before
+    assert victim.stat().st_size == VICTIM_BYTES
 
 
-def test_the_store_and_the_connector_refuse_calls_after_shutdown(model_dir, tmp_path):
+def test_the_store_and_the_connector_refuse_calls_after_shutdown(persisted):
     """Item 2: after the engine shut down, the connector's store and its scheduler side raise
-    StoreClosedError instead of acknowledging or answering."""
-    res = _run_engine_process(
-        dict(model=model_dir, nvme_dir=str(tmp_path) + "/", prompts=PERSIST[:1], max_tokens=2, mode="closed")
-    )
-    after = res["after_shutdown"]
+    StoreClosedError instead of acknowledging or answering (``persisted``'s second process)."""
+    after = persisted[2]["after_shutdown"]
     assert set(after) == {
         "store.lookup",
         "store.store_keys",

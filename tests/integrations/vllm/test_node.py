@@ -100,14 +100,21 @@ def run_engine(args: dict, **env_over) -> dict:
 
 def test_two_engine_processes_share_one_node_service(model_dir, reference, tmp_path):
     """Engine B, started after engine A exited, gets A's prefix from the service on its first
-    request, with the greedy tokens of an engine without the connector."""
+    request, with the greedy tokens of an engine without the connector. Each engine's core and
+    worker run in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the TP=2 test covers
+    vLLM's default (engine core apart), and two engine-core start-ups less (~20 s each on CI's
+    2-core VM) keep the suite inside CI's budget."""
     core, server, url = start_service(tmp_path, 1)
     try:
         common = dict(model=model_dir, url=url, max_tokens=MAX_TOKENS, engine={}, layout=rank_layout(1))
-        a = run_engine(dict(common, prompts=[FIRST, SECOND], wait_blocks=[3, 0]))
+        a = run_engine(
+            dict(common, prompts=[FIRST, SECOND], wait_blocks=[3, 0]), VLLM_ENABLE_V1_MULTIPROCESSING="0"
+        )
         assert [o["cached"] for o in a["outputs"]] == [0, 2 * B]  # SECOND shares FIRST's 2 blocks
         before = core.store.stats()
-        b = run_engine(dict(common, prompts=[FIRST, SECOND], wait_blocks=[0, 0]))
+        b = run_engine(
+            dict(common, prompts=[FIRST, SECOND], wait_blocks=[0, 0]), VLLM_ENABLE_V1_MULTIPROCESSING="0"
+        )
         after = core.store.stats()
     finally:
         server.close()
