@@ -84,7 +84,7 @@ def test_the_ruh_update_phase_reruns_only_after_host_side_write_errors(tmp_path,
     assert "dmesg" in out["failed_attempts"][0] and "warnings" in out["failed_attempts"][0]
     for first in (_ruh_attempt(["rejected"], 0), _ruh_attempt(["io_error", "no_space"], 2)):
         runs = iter([first, _ruh_attempt(["ok"], 0)])
-        monkeypatch.setattr(vm_checks, "_ruh_update_once", lambda: next(runs))
+        monkeypatch.setattr(vm_checks, "_ruh_update_once", lambda runs=runs: next(runs))
         vm_checks.ruh_update()
         assert vm_checks.R["ruh_update"]["statuses"] == first["statuses"]
         assert "failed_attempts" not in vm_checks.R["ruh_update"]

@@ -393,3 +393,33 @@ def test_restart_with_another_layout_serves_nothing_old_and_charges_nothing(tmp_
             assert st == [Status.OK] * 8 and all(int(o.sum()) == 0 for o in outs)
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("which", ["listen", "metrics"])
+def test_a_taken_port_fails_start_up_before_the_store_opens(tmp_path, monkeypatch, which):
+    """Fresh-user trial 7: with its port taken, the daemon recovered its NVMe tier first (minutes on
+    a large tier) and only then failed to bind. The ports are bound first now: exit 1 at once, the
+    store never built (its NVMe file not even created)."""
+    import asyncio
+
+    from tierstore.server import daemon, service
+    from tierstore.server.config import parse_config
+
+    def no_store(cfg):
+        raise AssertionError("the store was opened before the ports were bound")
+
+    monkeypatch.setattr(service, "Service", no_store)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        cfg = make_config(str(tmp_path))
+        if which == "listen":
+            cfg["listen"] = {"host": "127.0.0.1", "port": port}
+        else:
+            cfg["metrics"] = {"host": "127.0.0.1", "port": port}
+        assert asyncio.run(daemon.serve(parse_config(cfg))) == 1
+    finally:
+        taken.close()
+    assert not os.path.exists(tmp_path / "nvme")

@@ -10,6 +10,8 @@ Exit codes: 0 after a clean drain, 2 for a bad command line or config
 (:mod:`tierstore.server.check`: memory, disk space, layout vs the NVMe file,
 device, ports), 1 when the store or the listener cannot be started (the same
 checks run before start-up, except the port test, which the bind itself does).
+The listening ports are bound *before* the store opens: a port that is taken
+fails start-up at once, before the NVMe tier's recovery reads the tier.
 
 Shutdown: on SIGTERM or SIGINT the daemon reports not-ready (``/readyz`` 503),
 answers new API requests with 503 + ``Retry-After``, waits up to
@@ -25,9 +27,10 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
 
@@ -48,6 +51,34 @@ async def _start_node_socket(loop: asyncio.AbstractEventLoop, svc: Any, cfg: Dae
     return await loop.run_in_executor(None, server.start)
 
 
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Bound, not yet listening, TCP sockets for every address of ``host`` (what
+    ``loop.create_server(host=..., port=...)`` binds: each ``getaddrinfo`` result, ``SO_REUSEADDR``,
+    IPv6 sockets v6-only); connections are refused until the site starts listening on them.
+
+    Raises
+    ------
+    OSError
+        An address cannot be bound (the port is taken, the host is not this machine's); the
+        sockets bound before it are closed.
+    """
+    infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for fam, typ, proto, _, addr in dict.fromkeys(infos):
+            s = socket.socket(fam, typ, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+    except OSError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
 async def _drain(loop: asyncio.AbstractEventLoop, svc: Any, timeout_s: float) -> None:
     """Refuse new API requests (503 + Retry-After; ``/readyz`` 503) and wait up to ``timeout_s``
     for those in flight to finish (bodies included)."""
@@ -65,9 +96,20 @@ async def serve(cfg: DaemonConfig) -> int:
     from .service import Service
 
     loop = asyncio.get_running_loop()
+    bound: list[socket.socket] = []
+    try:  # the ports first: a taken port must not wait for the NVMe tier's recovery
+        bound = _bind(cfg.listen.host, cfg.listen.port)
+        msocks = _bind(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else []
+    except OSError as e:
+        for sk in bound:
+            sk.close()
+        log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+        return 1
     try:
         svc = await loop.run_in_executor(None, Service, cfg)
     except (TierStoreError, OSError) as e:
+        for sk in bound + msocks:
+            sk.close()
         log.error("cannot open the store", extra={"fields": {"event": "startup_failed", "error": str(e)}})
         return 1
     lim = cfg.limits
@@ -82,23 +124,23 @@ async def serve(cfg: DaemonConfig) -> int:
     runners = [runner]
     try:
         await runner.setup()
-        site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port)
-        await site.start()
-        server = cast("asyncio.Server | None", site._server)  # what TCPSite.start made: a listening server
-        port = server.sockets[0].getsockname()[1] if server and server.sockets else cfg.listen.port
+        for sk in bound:
+            await web.SockSite(runner, sk).start()
+        port = bound[0].getsockname()[1]
         mport = None
-        if cfg.metrics.port is not None:
+        if msocks:
             mr = web.AppRunner(svc.make_metrics_app(), handle_signals=False, access_log=None)
             await mr.setup()
-            msite = web.TCPSite(mr, cfg.metrics.host, cfg.metrics.port)
-            await msite.start()
             runners.append(mr)
-            mserver = cast("asyncio.Server | None", msite._server)
-            mport = mserver.sockets[0].getsockname()[1] if mserver else cfg.metrics.port
+            for sk in msocks:
+                await web.SockSite(mr, sk).start()
+            mport = msocks[0].getsockname()[1]
     except OSError as e:
         log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
         for r in runners:
             await r.cleanup()
+        for sk in bound + msocks:
+            sk.close()
         await loop.run_in_executor(None, svc.close)
         return 1
     try:
