@@ -44,12 +44,26 @@ GOOD = {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [
 
 @pytest.mark.parametrize(
     "bad",
-    ["{not json", json.dumps({"timestamp": 5, "input_length": 10}), json.dumps({**GOOD, "input_length": -3})],
+    [
+        "{not json",
+        json.dumps({"timestamp": 5, "input_length": 10}),
+        json.dumps({**GOOD, "input_length": -3}),
+        json.dumps({**GOOD, "input_length": 1025}),  # 3 blocks of 512 tokens, 2 hash_ids
+        json.dumps({**GOOD, "input_length": 512}),  # 1 block, 2 hash_ids
+    ],
 )
 def test_bad_line_names_the_line(tmp_path, bad):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n" + bad + "\n")
     with pytest.raises(TraceFormatError, match=rf"{p.name}:3"):
+        run_replay(ReplayConfig(trace=str(p), directory=str(tmp_path)))
+
+
+def test_hash_ids_that_contradict_input_length_are_said_with_the_rule(tmp_path):
+    """Fresh-user trial 7: a line whose hash_ids contradict input_length was replayed as given."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({**GOOD, "input_length": 1536}) + "\n")
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:1: 2 hash_ids for input_length 1536.*= 3"):
         run_replay(ReplayConfig(trace=str(p), directory=str(tmp_path)))
 
 

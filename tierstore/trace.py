@@ -70,7 +70,10 @@ def read_mooncake(path: str | None = None, limit: int | None = None) -> list[Tra
     Raises
     ------
     TraceFormatError
-        On a malformed line (names the file and line number) or an empty trace.
+        On a malformed line (names the file and line number), a line whose ``hash_ids``
+        contradict its ``input_length`` (``len(hash_ids) != ceil(input_length / 512)``: one id
+        per 512-token block, the rule stated with Mooncake's FAST'25 traces,
+        ``FAST25-release/traces``), or an empty trace.
     FileNotFoundError
         If ``path`` does not exist.
     """
@@ -105,6 +108,12 @@ def read_mooncake(path: str | None = None, limit: int | None = None) -> list[Tra
                 or ts < 0
             ):
                 raise TraceFormatError(f"{path}:{lineno}: bad field types or negative values")
+            if len(ids) != -(-il // MOONCAKE_BLOCK_TOKENS):
+                raise TraceFormatError(
+                    f"{path}:{lineno}: {len(ids)} hash_ids for input_length {il}: a Mooncake trace has "
+                    f"one id per {MOONCAKE_BLOCK_TOKENS}-token block, ceil({il} / {MOONCAKE_BLOCK_TOKENS}) = "
+                    f"{-(-il // MOONCAKE_BLOCK_TOKENS)}"
+                )
             out.append(TraceRequest(ts / 1000.0, il, ol, tuple(ids)))
     if not out:
         raise TraceFormatError(f"{path}: no requests")

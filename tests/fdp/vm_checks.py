@@ -449,7 +449,7 @@ def make_trace(path: str, n: int = 10, qlen: int = 4, clen: int = 3) -> None:
         sysp = [0, 1] if i % 2 == 0 else [2, 3]
         for ids in (sysp + conv, sysp + conv + new(1), sysp + new(qlen), sysp + new(qlen)):
             rows.append(
-                {"timestamp": t, "input_length": 512 * len(ids) + 100, "output_length": 10, "hash_ids": ids}
+                {"timestamp": t, "input_length": 512 * len(ids), "output_length": 10, "hash_ids": ids}
             )
             t += 1000
     with open(path, "w") as f:
