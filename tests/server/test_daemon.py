@@ -322,6 +322,32 @@ def test_shipped_example_configs_are_valid():
         load_config(os.path.join(root, "configs", name))
 
 
+def test_the_systemd_unit_gives_the_shipped_config_every_path_it_writes():
+    """Fresh-user trial 8: configs/tierstore.service (ProtectSystem=strict, PrivateTmp) had no
+    RuntimeDirectory, so configs/daemon.yaml's node socket in /run/tierstore failed the unit's
+    ExecStartPre --check (exit 2, no restart) and a directory made by hand went with a reboot."""
+    import configparser
+
+    from tierstore.server.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]  # systemd keys are case-sensitive
+    unit.read(os.path.join(root, "configs", "tierstore.service"))
+    svc = unit["Service"]
+    writable = ["/run/" + d for d in svc.get("RuntimeDirectory", "").split()]
+    writable += ["/var/lib/" + d for d in svc.get("StateDirectory", "").split()]
+    writable += svc.get("ReadWritePaths", "").split()
+    cfg = load_config(os.path.join(root, "configs", "daemon.yaml"))
+
+    def inside(path: str) -> bool:
+        return any(os.path.commonpath([path, w]) == w for w in writable)
+
+    assert cfg.node is not None and inside(os.path.dirname(cfg.node.socket)), (cfg.node, writable)
+    assert inside(cfg.state_dir), (cfg.state_dir, writable)
+    assert inside(cfg.tiers.nvme.path), (cfg.tiers.nvme.path, writable)
+
+
 def test_openapi_document_matches_routes(tmp_path):
     import yaml
 
