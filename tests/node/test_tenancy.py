@@ -362,6 +362,15 @@ def test_serve_node_alone_applies_the_same_tenancy_and_serves_its_metrics_on_met
         assert re.search(r'^tierstore_node_requests_total\{code="ok",op="Lookup"\} 2\.0$', text, re.M)
         assert re.search(r'^tierstore_node_requests_total\{code="auth",op="Hello"\} 1\.0$', text, re.M)
         assert re.search(r'^tierstore_node_sessions_refused_total\{reason="auth"\} 1\.0$', text, re.M)
+        # the daemon's own families too (fresh-user trial 8: --node exported only tierstore_node_*,
+        # while server/README says node lookups count in tierstore_block_requests/hits): 2 lookups
+        # of 2 blocks, one by each tenant, 2 matched
+        assert re.search(r'^tierstore_block_requests_total\{op="node_lookup"\} 4\.0$', text, re.M), text
+        assert re.search(r'^tierstore_block_hits_total\{op="node_lookup"\} 2\.0$', text, re.M)
+        assert re.search(r"^tierstore_block_hit_ratio 0\.5$", text, re.M)
+        assert re.search(r'^tierstore_tier_bytes\{tier="host"\} [1-9]', text, re.M)
+        assert re.search(r'^tierstore_tenant_usage_bytes\{tenant="acme"\} [1-9]', text, re.M)
+        assert "tierstore_inflight_requests" not in text  # HTTP's, and there is no HTTP listener
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0

@@ -772,16 +772,18 @@ def _tenancy_and_metrics(cfg: DaemonConfig, core: NodeCore):
     """``tierstore serve --node``'s tenancy (the daemon's: ``state_dir``'s scope registry, usage
     rebuilt from the store), its metrics and, with ``metrics.port``, their HTTP endpoint
     (``/metrics``; the server to shut down, else ``None``). Raises ``OSError`` (the port)."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import start_http_server
 
-    from ..server.metrics import NodeMetrics
+    from ..server.metrics import NodeMetrics, ServerMetrics
     from ..server.tenancy import Tenancy
     from .access import NodeAccess
 
     tenancy = Tenancy(cfg, core.layout.bytes_per_block, core.layout.fingerprint())
     tenancy.adopt(core.store)
-    registry = CollectorRegistry()
-    metrics = NodeMetrics(registry)
+    # the daemon's families (tiers, store counters, hit ratio, tenants) as with HTTP, and the node's
+    store_metrics = ServerMetrics(None, core.store, tenancy)
+    registry = store_metrics.registry
+    metrics = NodeMetrics(registry, store_metrics)
     http = None
     if cfg.metrics.port is not None:
         started = start_http_server(cfg.metrics.port, cfg.metrics.host, registry)

@@ -20,7 +20,9 @@ from ..errors import Status
 from .config import NO_QUOTA_BYTES
 
 if TYPE_CHECKING:
+    from ..api import KVStore
     from .service import Service
+    from .tenancy import Tenancy
 
 __all__ = ["ServerMetrics", "NodeMetrics"]
 
@@ -104,13 +106,14 @@ class _Traffic:
 
 
 class _StoreCollector:
-    """Scrape-time gauges: bytes per tier, store counters, WAF, tenant usage."""
+    """Scrape-time gauges: bytes per tier, store counters, WAF, tenant usage; with an HTTP
+    service (``svc``), its requests in flight."""
 
-    def __init__(self, svc: Service) -> None:
-        self.svc = svc
+    def __init__(self, metrics: ServerMetrics, store: KVStore, tenancy: Tenancy, svc: Service | None) -> None:
+        self.metrics, self.store, self.tenancy, self.svc = metrics, store, tenancy, svc
 
     def collect(self):
-        store = self.svc.store
+        store = self.store
         g = GaugeMetricFamily("tierstore_tier_bytes", "Resident bytes per tier", labels=["tier"])
         for tier, b in store.bytes_per_tier().items():
             g.add_metric([tier], b)
@@ -126,7 +129,7 @@ class _StoreCollector:
             "Blocks found / blocks asked for, over gets (OK blocks) and lookups (matched "
             "blocks); 0 before any; see tierstore_block_hits_total{op}",
         )
-        ratio.add_metric([], self.svc.metrics.hit_ratio())
+        ratio.add_metric([], self.metrics.hit_ratio())
         yield ratio
         if store.nvme is not None:
             st = snap["nvme_backend"]
@@ -160,21 +163,34 @@ class _StoreCollector:
         quota = GaugeMetricFamily(
             "tierstore_tenant_quota_bytes", "Byte quota per tenant (owner); +Inf: none", labels=["tenant"]
         )
-        for owner, b in self.svc.tenancy.usage_bytes(store).items():
+        for owner, b in self.tenancy.usage_bytes(store).items():
             use.add_metric([owner], b)
-            q = self.svc.tenancy.quota_bytes.get(owner, 0)
+            q = self.tenancy.quota_bytes.get(owner, 0)
             quota.add_metric([owner], math.inf if q >= NO_QUOTA_BYTES else q)
         yield use
         yield quota
-        inf = GaugeMetricFamily("tierstore_inflight_requests", "API requests in progress")
-        inf.add_metric([], self.svc.inflight)
-        yield inf
+        if self.svc is not None:
+            inf = GaugeMetricFamily("tierstore_inflight_requests", "API requests in progress")
+            inf.add_metric([], self.svc.inflight)
+            yield inf
 
 
 class ServerMetrics(_Traffic):
-    """Prometheus metrics of the daemon (private registry)."""
+    """Prometheus metrics of the daemon (private registry).
 
-    def __init__(self, svc: Service) -> None:
+    Parameters
+    ----------
+    svc : Service or None
+        The HTTP service; ``None`` for ``tierstore serve --node`` (no HTTP listener), which
+        then gives ``store`` and ``tenancy``: every family above but
+        ``tierstore_inflight_requests``, the HTTP request families staying at zero.
+    store, tenancy : optional
+        The store and tenancy the scrape-time gauges read (default: ``svc``'s).
+    """
+
+    def __init__(
+        self, svc: Service | None, store: KVStore | None = None, tenancy: Tenancy | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         super().__init__(r, "tierstore")
@@ -214,7 +230,11 @@ class ServerMetrics(_Traffic):
         self._hits_lock = threading.Lock()
         self._asked = 0
         self._found = 0
-        r.register(_StoreCollector(svc))
+        if svc is not None:
+            store, tenancy = svc.store, svc.tenancy
+        if store is None or tenancy is None:
+            raise TypeError("ServerMetrics needs svc, or store and tenancy")
+        r.register(_StoreCollector(self, store, tenancy, svc))
 
     def count_hits(self, op: str, asked: int, found: int) -> None:
         """Count ``asked`` blocks of a get or lookup, ``found`` of them present (OK / matched)."""
