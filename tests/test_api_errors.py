@@ -34,6 +34,22 @@ def test_a_string_is_not_a_namespace():
         s.close()
 
 
+@pytest.mark.parametrize("keys", [None, 5, bytes(32)])
+def test_keys_that_are_no_sequence_of_keys_are_a_layout_error(keys):
+    """Fresh-user trial 8: store.load(None) raised a bare TypeError ('NoneType' object is not
+    iterable); a single 32-byte key (not in a list) is refused by name too."""
+    from tierstore.errors import LayoutError
+
+    s = KVStore(LAY, host_bytes=1 << 20)
+    try:
+        with pytest.raises(LayoutError, match="block keys are a sequence"):
+            s.load(keys)
+        with pytest.raises(LayoutError, match="block keys are a sequence"):
+            s.exists(keys)
+    finally:
+        s.close()
+
+
 def test_storing_zero_new_blocks_returns_an_empty_list():
     """The README's loop (`store(ns, ids, new_kv, start_block=n)`) on a second pass: all hit."""
     s = KVStore(LAY, host_bytes=1 << 20)

@@ -94,6 +94,26 @@ def test_bad_namespace_rejected():
         Namespace(model="m", tp_rank=2, tp_size=2)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tenant", 5),
+        ("tenant", None),
+        ("tenant", ""),
+        ("tokenizer", None),
+        ("kv_dtype", 16),
+        ("layout_version", "x"),
+        ("tp_size", True),
+        ("pp_rank", 0.0),
+    ],
+)
+def test_a_namespace_field_of_the_wrong_type_is_refused(field, value):
+    """Fresh-user trial 8: Namespace(tenant=5) or layout_version="x" were accepted, each a scope of
+    its own (tenant None and "" gave different keys): every engine that spelled it right missed."""
+    with pytest.raises(ConfigError, match=rf"Namespace\.{field}="):
+        Namespace(model="m", **{field: value})
+
+
 def test_chain_ids_matches_prefix_semantics():
     d = Namespace(model="m").digest()
     a = chain_ids(d, [1, 2, 3])

@@ -62,6 +62,12 @@ _NS_DOMAIN = "tierstore/namespace/v1"
 LAYOUT_VERSION = 1
 
 
+#: Namespace fields checked for their type at construction (a wrong type would hash to a scope
+#: of its own: a silent miss for every engine that spells it right).
+_NS_STR_FIELDS = ("tokenizer", "chat_template", "adapter", "rope_scaling", "kv_dtype")
+_NS_INT_FIELDS = ("layout_version", "tp_rank", "tp_size", "pp_rank", "pp_size")
+
+
 @dataclasses.dataclass(frozen=True)
 class Namespace:
     """The identity that scopes every block hash.
@@ -86,8 +92,15 @@ class Namespace:
     tp_rank, tp_size, pp_rank, pp_size : int
         Tensor- and pipeline-parallel rank and size of the KV shard.
     tenant : str
-        Tenant scope. Different tenants never share KV unless a prefix is
+        Tenant scope, non-empty. Different tenants never share KV unless a prefix is
         explicitly declared public (daemon config).
+
+    Raises
+    ------
+    ConfigError
+        An empty ``model`` or ``tenant``, a field of the wrong type (a string field given
+        ``None`` or a number, an integer field given a string or a bool), or a rank outside
+        its size.
     """
 
     model: str
@@ -106,6 +119,16 @@ class Namespace:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"Namespace.model={self.model!r}: a non-empty string is required")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            # None, 5 or "" would each scope keys of their own, silently apart from "default"
+            raise ConfigError(f"Namespace.tenant={self.tenant!r}: a non-empty string is required")
+        for f in _NS_STR_FIELDS:
+            if not isinstance(getattr(self, f), str):
+                raise ConfigError(f"Namespace.{f}={getattr(self, f)!r}: a string is required")
+        for f in _NS_INT_FIELDS:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"Namespace.{f}={v!r}: an integer is required")
         for f in ("tp_rank", "pp_rank"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"Namespace.{f}={getattr(self, f)}: must be >= 0")

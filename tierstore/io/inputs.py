@@ -13,7 +13,7 @@ destinations), ``token_blocks``, ``check_start_block``, ``refuse_numpy``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,9 +29,17 @@ def check_keys(keys) -> list[bytes]:
     Raises
     ------
     LayoutError
-        For a key of another length or type (e.g. token ids, or a truncated hex decode).
+        For a key of another length or type (e.g. token ids, or a truncated hex decode), or
+        ``keys`` that are no sequence (``None``, a single key).
     """
-    out = keys if type(keys) is list else list(keys)
+    if type(keys) is list:
+        out = keys
+    elif isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
+        raise LayoutError(
+            f"block keys are a sequence of 32-byte digests (or a LookupResult); got {type(keys).__name__}"
+        )
+    else:
+        out = list(keys)
     if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {32}:  # the common case, at C speed
         return out
     for k in out:
