@@ -453,10 +453,14 @@ class PlanService:
         """The second half: a key with a slot is ``OK`` where every rank copied it, else
         ``IO_ERROR``; a key handed no slot stays ``NO_SPACE``."""
         sources = _SlotSources(self, t.slots)  # built only for the keys written to NVMe or published
-        copied = [
-            (Status.OK if ok else Status.IO_ERROR) if slot >= 0 else st
-            for ok, slot, st in zip(np.asarray(and_ok).tolist(), t.slots.tolist(), t.statuses)
-        ]
+        oks = np.asarray(and_ok).tolist()
+        if all(oks) and t.statuses.count(Status.OK) == len(oks):  # every key OK and copied: no per-key pass
+            copied = list(t.statuses)
+        else:
+            copied = [
+                (Status.OK if ok else Status.IO_ERROR) if slot >= 0 else st
+                for ok, slot, st in zip(oks, t.slots.tolist(), t.statuses)
+            ]
         try:
             st, durable = self.transfers.store_epilogue(t.plan, sources, copied, publish)
         except BaseException:
@@ -594,6 +598,8 @@ class PlanService:
                 if len(t.reports) < t.ranks:
                     return t, None
                 t.state = COMPLETING
+                if t.ranks == 1:  # one rank (a solo session): its report is the AND
+                    return t, t.reports[rank]
                 return t, np.logical_and.reduce(list(t.reports.values()))
         if wait and block:
             t.settled.wait()
