@@ -203,3 +203,31 @@ def test_a_store_ticket_during_an_invalidation_of_its_namespace_is_refused_and_h
         core.check_invariants(quiescent=True)
     finally:
         core.close()
+
+
+def test_a_ticket_flag_wakes_every_waiter_once_and_honours_timeouts():
+    """The tickets' one-shot :class:`~tierstore.node.tickets.Flag` (a lock in place of a
+    ``threading.Event``): a wait times out while unset, every waiter wakes on ``set``, a
+    repeated or racing ``set`` does nothing, and waits after it return at once."""
+    from tierstore.node.tickets import Flag
+
+    f = Flag()
+    assert not f.is_set()
+    t0 = time.monotonic()
+    assert f.wait(0.05) is False
+    assert time.monotonic() - t0 >= 0.04
+    assert f.wait(0) is False
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(f.wait(10))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    assert woke == []
+    setters = [threading.Thread(target=f.set) for _ in range(3)]  # racing sets: one releases the lock
+    for s in setters:
+        s.start()
+    for th in setters + waiters:
+        th.join(10)
+    assert woke == [True] * 4 and f.is_set()
+    f.set()
+    assert f.wait() and f.wait(0) and f.wait(1)

@@ -210,6 +210,9 @@ class NodeAccess:
     def settle(self, scope: bytes, charged: Sequence[bytes], keys: Sequence[bytes], statuses) -> list[bytes]:
         """Return the charge of the ``charged`` keys whose status is not kept (OK or EXISTS);
         the charged keys still held."""
+        statuses = statuses if isinstance(statuses, list) else list(statuses)
+        if statuses.count(Status.OK) + statuses.count(Status.EXISTS) == len(statuses):  # all kept: no sets
+            return list(charged)
         dropped = {k for k, st in zip(keys, statuses) if st not in _KEPT}
         back = [k for k in charged if k in dropped]
         if back:

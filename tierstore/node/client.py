@@ -222,9 +222,12 @@ def copy_slots(
         ]
     copier.run(pieces, len(todo) * block_bytes)
     have = slots >= 0
-    same = np.zeros(len(slots), dtype=bool)
-    if have.any():
-        same[have] = seg.gens_of(slots[have]) == P.unpack_u64(t.gens)[have]
+    if todo.size == len(slots):  # every key has a slot (the common case): no masks
+        same = seg.gens_of(slots) == P.unpack_u64(t.gens)
+    else:
+        same = np.zeros(len(slots), dtype=bool)
+        if have.any():
+            same[have] = seg.gens_of(slots[have]) == P.unpack_u64(t.gens)[have]
     counters["gen_mismatch"] += int((have & ~same).sum())
     return ok & same
 

@@ -95,6 +95,11 @@ class _Traffic:
     def count_blocks(self, op: str, tenant: str, statuses) -> None:
         """Count blocks of a store outcome or load (ticket) by status."""
         statuses = statuses if isinstance(statuses, list) else list(statuses)
+        if statuses and statuses.count(Status.OK) == len(
+            statuses
+        ):  # every block OK: one count, not one a status
+            self._child(self.blocks, op, tenant, Status.OK.value).inc(len(statuses))
+            return
         for st in _STATUSES:  # list.count compares by identity in C: no Enum hash or .value per block
             n = statuses.count(st)
             if n:
