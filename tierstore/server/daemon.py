@@ -90,21 +90,38 @@ async def _drain(loop: asyncio.AbstractEventLoop, svc: Any, timeout_s: float) ->
         log.warning("drain timeout", extra={"fields": {"event": "drain_timeout", "inflight": svc.inflight}})
 
 
+def _bind_ports(cfg: DaemonConfig) -> tuple[list[socket.socket], list[socket.socket]] | None:
+    """:func:`_bind` the listen and the metrics port (``[]`` without ``metrics.port``); ``None``
+    (said as ``startup_failed``, nothing left bound) when either cannot be bound."""
+    bound: list[socket.socket] = []
+    try:
+        bound = _bind(cfg.listen.host, cfg.listen.port)
+        return bound, _bind(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else []
+    except OSError as e:
+        for sk in bound:
+            sk.close()
+        log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+        return None
+
+
+async def _start_sites(runner: web.AppRunner, socks: list[socket.socket]) -> int:
+    """Set ``runner`` up and serve it on every socket of :func:`_bind`; return the first one's port."""
+    await runner.setup()
+    for sk in socks:
+        await web.SockSite(runner, sk).start()
+    return socks[0].getsockname()[1]
+
+
 async def serve(cfg: DaemonConfig) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
     from .http import JsonAccessLogger
     from .service import Service
 
     loop = asyncio.get_running_loop()
-    bound: list[socket.socket] = []
-    try:  # the ports first: a taken port must not wait for the NVMe tier's recovery
-        bound = _bind(cfg.listen.host, cfg.listen.port)
-        msocks = _bind(cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port is not None else []
-    except OSError as e:
-        for sk in bound:
-            sk.close()
-        log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
+    ports = _bind_ports(cfg)  # the ports first: a taken port must not wait for the NVMe tier's recovery
+    if ports is None:
         return 1
+    bound, msocks = ports
     try:
         svc = await loop.run_in_executor(None, Service, cfg)
     except (TierStoreError, OSError) as e:
@@ -123,18 +140,12 @@ async def serve(cfg: DaemonConfig) -> int:
     )
     runners = [runner]
     try:
-        await runner.setup()
-        for sk in bound:
-            await web.SockSite(runner, sk).start()
-        port = bound[0].getsockname()[1]
+        port = await _start_sites(runner, bound)
         mport = None
         if msocks:
             mr = web.AppRunner(svc.make_metrics_app(), handle_signals=False, access_log=None)
-            await mr.setup()
             runners.append(mr)
-            for sk in msocks:
-                await web.SockSite(mr, sk).start()
-            mport = msocks[0].getsockname()[1]
+            mport = await _start_sites(mr, msocks)
     except OSError as e:
         log.error("cannot listen", extra={"fields": {"event": "startup_failed", "error": str(e)}})
         for r in runners:
