@@ -6,9 +6,7 @@
 arguments of one rank's ``KVLayout``, dtype by name: the client that waits for the stores) and
 ``wait_blocks`` (per prompt, the blocks the service must hold before the next prompt, or the
 exit, is sent; 0: no wait. The connector stores after the forward pass, in the background).
-With ``baseline`` true, the same prompts run first on an engine without the connector.
-Prints one line ``RESULT {...}``: ``outputs`` (tokens and ``num_cached_tokens`` per prompt) and
-``baseline`` (tokens per prompt).
+Prints one line ``RESULT {...}``: ``outputs`` (tokens and ``num_cached_tokens`` per prompt).
 
 vLLM's own multiprocessing stays as the caller's environment sets it: by default the engine core
 and, on the CPU backend, the worker in processes of their own, each opening its own client of
@@ -61,11 +59,6 @@ def main() -> None:
     from vllm import LLM
 
     res: dict = {}
-    if args.get("baseline"):
-        llm = LLM(**engine_kwargs(args["model"], num_gpu_blocks_override=None, **args["engine"]))
-        res["baseline"] = [o["tokens"] for o in _generate(llm, args["prompts"], args["max_tokens"])]
-        llm.llm_engine.engine_core.shutdown()
-        del llm
     llm = LLM(
         **engine_kwargs(args["model"], **args["engine"]),
         kv_transfer_config=connector_config({"store": {"url": args["url"], "timeout_s": 10}}),
