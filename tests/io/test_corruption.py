@@ -195,3 +195,28 @@ def test_an_extent_header_whose_magic_is_destroyed_at_a_chain_start_is_said_and_
         assert any("extent header(s) were unreadable" in r.getMessage() for r in caplog.records)
     finally:
         s.close()
+
+
+def test_a_read_error_on_an_extent_header_at_recovery_is_said_and_counted(caplog):
+    """An EIO reading an extent header at reopen ended its segment's chain with no log line and no
+    counter: the extent's blocks, and every later extent's, were lost silently (misses, but unsaid)."""
+    eng = MemoryEngine(CAP)
+    s = _store(eng)
+    keys = [os.urandom(32) for _ in range(6)]
+    assert s.put(keys[:3], [content(k, BB) for k in keys[:3]]) == [Status.OK] * 3
+    assert s.put(keys[3:], [content(k, BB) for k in keys[3:]]) == [Status.OK] * 3
+    seg0, off0 = divmod(s.locate(keys[0])[1], SEG)
+    seg1, off1 = divmod(s.locate(keys[3])[1], SEG)
+    assert seg0 == seg1 and off1 > off0, "the test wants two extents of one chain"
+    hdr = s.locate(keys[3])[1] - fmt.header_bytes_for(3)
+    s.close()
+    eng.read_errors.append((hdr, 1))
+    with caplog.at_level("WARNING", logger="tierstore.io.segments"):
+        s = _store(eng)
+    try:
+        got = [s.get([k], [torch.zeros(BB, dtype=torch.uint8)])[0] for k in keys]
+        assert got == [Status.OK] * 3 + [Status.MISS] * 3
+        assert s.stats()["recovery_damaged_extents"] == 1
+        assert any("extent header(s) were unreadable" in r.getMessage() for r in caplog.records)
+    finally:
+        s.close()

@@ -64,7 +64,8 @@ class RecoveryCounts:
     invalidated_blocks: int = 0
     empty_segments: list = dataclasses.field(default_factory=list)
     #: ``(segment, byte)`` of each extent header that carried the extent magic but failed its
-    #: checks: its blocks, and the rest of its segment's chain, are not recovered (misses)
+    #: checks, or could not be read: its blocks, and the rest of its segment's chain, are not
+    #: recovered (misses)
     damaged_extents: list = dataclasses.field(default_factory=list)
     #: ``(segment, payload device offset)`` of each block a journal BLOCK_DEAD record skipped
     tombstoned: list = dataclasses.field(default_factory=list)
@@ -121,9 +122,9 @@ def read_chain(
     """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
     the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
     a reusable aligned buffer (grown here). A header that starts with the extent magic but
-    fails its checksum or bounds is damage, not the chain's end, and so is a chain's first header
-    position holding bytes that are neither zero nor a header: ``(si, position)`` goes to
-    ``damaged``."""
+    fails its checksum or bounds is damage, not the chain's end, and so are a header that cannot be
+    read (``OSError``) and a chain's first header position holding bytes that are neither zero nor
+    a header: ``(si, position)`` goes to ``damaged``."""
     S = segs.segment_bytes
     base = si * S
     pos = segs.chain_start(si)
@@ -151,7 +152,10 @@ def read_chain(
             if damaged is not None and (head[: len(fmt.MAGIC)] == fmt.MAGIC or first):
                 damaged.append((si, pos))
             return
-        except OSError:
+        except OSError as e:  # a media error: the rest of the chain is lost, said like damage
+            if damaged is not None:
+                damaged.append((si, pos))
+                _log.warning("segment %d: reading the extent header at byte %d failed: %s", si, pos, e)
             return
         if (
             (gen is not None and h.segment_gen != gen)
@@ -208,8 +212,8 @@ def recover(tier: OnDisk, verify: bool) -> RecoveryCounts:
     out.recovered_blocks = len(locator)
     if out.damaged_extents:
         _log.warning(
-            "%s: %d extent header(s) were unreadable at recovery (bad magic or checksum; first at segment "
-            "%d, byte %d): "
+            "%s: %d extent header(s) were unreadable at recovery (read error, bad magic or checksum; "
+            "first at segment %d, byte %d): "
             "their blocks and the rest of their segments' chains are not recovered (misses, never "
             "KV); recovered %d blocks",
             tier.path or "NVMe tier",
