@@ -220,3 +220,42 @@ def test_a_read_error_on_an_extent_header_at_recovery_is_said_and_counted(caplog
         assert any("extent header(s) were unreadable" in r.getMessage() for r in caplog.records)
     finally:
         s.close()
+
+
+def _big(eng):  # segments of 128 KiB: three 3-block extents in one chain
+    return SegmentStorage(None, CAP, BB, segment_size_bytes=2 * SEG, engine=eng, extent_size_bytes=32 << 10)
+
+
+@pytest.mark.parametrize("damage", ["magic destroyed", "read error"])
+def test_a_damaged_extent_header_mid_chain_loses_that_extent_only_and_is_said(caplog, damage):
+    """An extent header mid-chain whose magic was destroyed ended the segment's chain at reopen with
+    no log line and no counter: that extent's blocks and every later extent's were lost unsaid.
+    Now the damage is counted and the chain goes on at the next extent of the same generation."""
+    eng = MemoryEngine(CAP)
+    s = _big(eng)
+    keys = [os.urandom(32) for _ in range(9)]
+    for i in range(0, 9, 3):
+        assert s.put(keys[i : i + 3], [content(k, BB) for k in keys[i : i + 3]]) == [Status.OK] * 3
+    segs = {s.locate(k)[1] // (2 * SEG) for k in keys}
+    assert len(segs) == 1, "the test wants three extents of one chain"
+    hdr = s.locate(keys[3])[1] - fmt.header_bytes_for(3)
+    s.close()
+    raw = eng.raw()
+    assert bytes(raw[hdr : hdr + 8]) == fmt.MAGIC
+    if damage == "read error":
+        eng.read_errors.append((hdr, 1))
+    else:
+        for i in range(hdr, hdr + 64):
+            raw[i] ^= 0xFF
+    with caplog.at_level("WARNING", logger="tierstore.io.segments"):
+        s = _big(eng)
+    try:
+        got = [s.get([k], [torch.full((BB,), 7, dtype=torch.uint8)])[0] for k in keys]
+        assert got == [Status.OK] * 3 + [Status.MISS] * 3 + [Status.OK] * 3
+        for k in keys[:3] + keys[6:]:
+            d = torch.zeros(BB, dtype=torch.uint8)
+            assert s.get([k], [d]) == [Status.OK] and torch.equal(d, content(k, BB))
+        assert s.stats()["recovery_damaged_extents"] == 1
+        assert any("extent header(s) were unreadable" in r.getMessage() for r in caplog.records)
+    finally:
+        s.close()

@@ -30,6 +30,8 @@ import os
 import stat
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 from ..errors import ConfigError, CorruptData, ForeignDataError
 from ..units import format_bytes
 from . import format as fmt
@@ -120,55 +122,123 @@ def read_chain(
     engine: IOEngine, segs: SegmentManager, si: int, buf: list, damaged: list | None = None
 ) -> Iterator[tuple[int, fmt.ExtentHeader]]:
     """Yield ``(position, header)`` of each extent of segment ``si``'s chain, in order, until
-    the first header that fails (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``,
-    a reusable aligned buffer (grown here). A header that starts with the extent magic but
-    fails its checksum or bounds is damage, not the chain's end, and so are a header that cannot be
-    read (``OSError``) and a chain's first header position holding bytes that are neither zero nor
-    a header: ``(si, position)`` goes to ``damaged``."""
+    the chain ends (:mod:`tierstore.io.format`). ``buf`` is ``[keepalive, page]``, a reusable
+    aligned buffer (grown here).
+
+    A header that starts with the extent magic but fails its checksum or bounds is damage, not
+    the chain's end, and so are a header that cannot be read (``OSError``) and a chain's first
+    header position holding bytes that are neither zero nor a header: ``(si, position)`` goes to
+    ``damaged``. Past the first extent, a header that is damaged or unreadable, or whose position
+    holds bytes that are neither zero nor a header, is looked past (:func:`_next_extent`): where a
+    later extent of the same chain follows within one extent's reach, the damaged one is counted
+    in ``damaged`` and the chain goes on from there (its blocks are lost, the later ones kept)."""
     S = segs.segment_bytes
-    base = si * S
-    pos = segs.chain_start(si)
+    pos = start = segs.chain_start(si)
     gen = None
     last_seq = -1
+    reach = buf[1].numel()
     while pos + fmt.ALIGN_BYTES <= S:
         try:
-            engine.read(base + pos, buf[1][: fmt.ALIGN_BYTES]).get()
-            hb = fmt.peek_header_bytes(memoryview(buf[0])[: fmt.ALIGN_BYTES])
-            if pos + hb > S:
-                return
-            if hb > fmt.ALIGN_BYTES:
-                if hb > buf[1].numel():  # written with larger extents: grow, do not stop
-                    buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
-                engine.read(base + pos, buf[1][:hb]).get()
-            h = fmt.decode_header(memoryview(buf[0])[:hb])
-        except CorruptData:
+            h = _read_header(engine, si * S, pos, S, buf)
+        except (CorruptData, OSError) as e:
             head = bytes(memoryview(buf[0])[: fmt.ALIGN_BYTES])
+            unreadable = isinstance(e, OSError)
             # the chain's first header with bytes that are neither zero nor a header: a chain start
             # is only ever zero (formatted, never written, trimmed), a header, or an older header
             # left by an ignored trim, so this is damage too (its magic destroyed); further on, a
             # chain's end can be followed by stale bytes of an earlier use, so there only a header
-            # whose magic survives counts
-            first = pos == segs.chain_start(si) and any(head)
-            if damaged is not None and (head[: len(fmt.MAGIC)] == fmt.MAGIC or first):
+            # whose magic survives, or a later extent of this chain beyond, tells damage
+            bad = unreadable or head[: len(fmt.MAGIC)] == fmt.MAGIC or (pos == start and any(head))
+            nxt = None
+            if gen is not None and (unreadable or any(head)):
+                nxt = _next_extent(engine, segs, si, pos, gen, last_seq, buf, reach)
+            if damaged is not None and (bad or nxt is not None):
                 damaged.append((si, pos))
-            return
-        except OSError as e:  # a media error: the rest of the chain is lost, said like damage
-            if damaged is not None:
-                damaged.append((si, pos))
-                _log.warning("segment %d: reading the extent header at byte %d failed: %s", si, pos, e)
-            return
-        if (
-            (gen is not None and h.segment_gen != gen)
-            or h.seq <= last_seq
-            or h.extent_offset != base + pos
-            or pos + h.total_bytes > S
-            or (gen is None and h.segment_gen != h.seq)
-        ):
+                if unreadable:
+                    _log.warning("segment %d: reading the extent header at byte %d failed: %s", si, pos, e)
+            if nxt is None:
+                return
+            pos = nxt
+            continue
+        if h is None or not _continues(h, si * S + pos, S - pos, gen, last_seq):
             return
         gen = h.segment_gen
         last_seq = h.seq
+        reach = max(reach, h.total_bytes)
         yield pos, h
         pos += h.total_bytes
+
+
+def _read_header(engine: IOEngine, base: int, pos: int, S: int, buf: list) -> fmt.ExtentHeader | None:
+    """The extent header at segment byte ``pos`` (device offset ``base + pos``), or ``None`` when
+    its size reaches past the segment's ``S`` bytes.
+
+    Raises
+    ------
+    CorruptData
+        The bytes there are not a whole, valid header (:func:`tierstore.io.format.decode_header`).
+    OSError
+        The read failed.
+    """
+    engine.read(base + pos, buf[1][: fmt.ALIGN_BYTES]).get()
+    hb = fmt.peek_header_bytes(memoryview(buf[0])[: fmt.ALIGN_BYTES])
+    if pos + hb > S:
+        return None
+    if hb > fmt.ALIGN_BYTES:
+        if hb > buf[1].numel():  # written with larger extents: grow, do not stop
+            buf[:] = alloc_aligned(align_up(hb, fmt.ALIGN_BYTES))
+        engine.read(base + pos, buf[1][:hb]).get()
+    return fmt.decode_header(memoryview(buf[0])[:hb])
+
+
+def _continues(h: fmt.ExtentHeader, offset: int, room_bytes: int, gen: int | None, last_seq: int) -> bool:
+    """Whether header ``h``, read at device ``offset`` with ``room_bytes`` left in its segment,
+    continues a chain of generation ``gen`` (``None``: it would be the first) whose last extent
+    had sequence number ``last_seq``."""
+    return (
+        (gen is None or h.segment_gen == gen)
+        and h.seq > last_seq
+        and h.extent_offset == offset
+        and h.total_bytes <= room_bytes
+        and (gen is not None or h.segment_gen == h.seq)
+    )
+
+
+def _next_extent(
+    engine: IOEngine, segs: SegmentManager, si: int, pos: int, gen: int, last_seq: int, buf: list, reach: int
+) -> int | None:
+    """The segment byte of the next extent of segment ``si``'s chain (generation ``gen``, last
+    sequence number ``last_seq``) past a damaged header at ``pos``, or ``None``.
+
+    The damaged extent is at most ``reach`` bytes long (the largest extent this tier writes or
+    this chain held), so the next one starts at an :data:`~tierstore.io.format.ALIGN_BYTES`
+    boundary within ``(pos, pos + reach]``: one read of that window, then a check of each page
+    that starts with the extent magic. Only a header of the same generation, a later sequence
+    number and its own offset counts (stale bytes of an earlier use of the segment never do).
+    """
+    S = segs.segment_bytes
+    base = si * S
+    lo = pos + fmt.ALIGN_BYTES
+    n = (min(S, pos + reach + fmt.ALIGN_BYTES) - lo) // fmt.ALIGN_BYTES * fmt.ALIGN_BYTES
+    if n <= 0:
+        return None
+    if n > buf[1].numel():
+        buf[:] = alloc_aligned(n)
+    try:
+        engine.read(base + lo, buf[1][:n]).get()
+    except OSError:
+        return None
+    pages = np.frombuffer(memoryview(buf[0])[:n], dtype=np.uint8).reshape(-1, fmt.ALIGN_BYTES)
+    magic = np.frombuffer(fmt.MAGIC, dtype=np.uint8)
+    for i in np.flatnonzero((pages[:, : len(magic)] == magic).all(axis=1)).tolist():
+        p = lo + i * fmt.ALIGN_BYTES
+        try:
+            h = _read_header(engine, base, p, S, buf)
+        except (CorruptData, OSError):
+            continue
+        if h is not None and _continues(h, base + p, S - p, gen, last_seq):
+            return p
+    return None
 
 
 def recover(tier: OnDisk, verify: bool) -> RecoveryCounts:
