@@ -130,8 +130,9 @@ def test_a_remote_fill_lands_in_its_slot_the_destination_and_nvme(make_tier):
             ns=b"n" * 32,
         )
         out = torch.zeros(3, BB, dtype=torch.uint8)
-        st, nvme_st, dem_st, held = movers.run_remote_fill(plan, plans_of(out), LoadGate().at([10, 11, 12]))
-        assert st == [Status.OK, Status.OK, Status.MISS]
+        gate = LoadGate()  # the plan's keys are blocks 10, 11 and 12 of some load
+        st, nvme_st, dem_st, held = movers.run_remote_fill(plan, plans_of(out), gate.at([10, 11, 12]))
+        assert st == [Status.OK, Status.OK, Status.MISS] and gate.delivered == {10, 11}
         assert nvme_st == {1: Status.OK, 2: Status.IO_ERROR}  # not delivered: the index forgets it
         assert dem_st == {} and held == set() and placed == [[3]]
         assert torch.equal(out[0], block(1)) and torch.equal(out[1], block(2)) and not out[2].any()
