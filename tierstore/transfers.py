@@ -321,7 +321,7 @@ class Transfers:
             pending = set(fill.pending)
             try:
                 got, nvme_st, dem_st, held = self.movers.run_remote_fill(
-                    fill, [plans[i] for i in ii], gate, ii
+                    fill, [plans[i] for i in ii], None if gate is None else gate.at(ii)
                 )
             except BaseException:
                 self.index.complete_store(fill, failed=True)
@@ -338,10 +338,10 @@ class Transfers:
                     rest.append(i)
         if rest:
             rest.sort()
-            for i, s in zip(
-                rest, self.movers.remote_get([keys[i] for i in rest], [plans[i] for i in rest], gate, rest)
-            ):
-                out[i] = s
+            at = None if gate is None else gate.at(rest)
+            out.update(
+                zip(rest, self.movers.remote_get([keys[i] for i in rest], [plans[i] for i in rest], at))
+            )
         return [out[i] for i in missed]
 
     # -------------------------------------------------------------- split execution (node store)

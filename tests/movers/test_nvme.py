@@ -82,9 +82,9 @@ def test_reads_run_under_the_gate_with_the_load_positions(storage):
     assert nvme.write(batch_of(bb, [1, 2])) == [Status.OK] * 2
     gate = LoadGate()
     out, plans = dests(bb, 2)
-    st, _ = nvme.read([key(1), key(2)], plans, gate, [5, 7])  # blocks 5 and 7 of some load
+    st, _ = nvme.read([key(1), key(2)], plans, gate.at([5, 7]))  # blocks 5 and 7 of some load
     assert st == [Status.OK] * 2 and gate.delivered == {5, 7}
     gate.close()
     out, plans = dests(bb, 2)
-    st, _ = nvme.read([key(1), key(2)], plans, gate, [5, 7])  # past the deadline: nothing lands
+    st, _ = nvme.read([key(1), key(2)], plans, gate.at([5, 7]))  # past the deadline: nothing lands
     assert st == [Status.MISS] * 2 and not out.any()

@@ -49,10 +49,10 @@ def test_publish_then_fetch_only_verified_bytes_under_the_gate(make_tier):
     assert torch.equal(out[0], block(2)) and torch.equal(out[2], block(1)) and not out[1].any()
     gate = LoadGate()
     out = torch.zeros(1, BB, dtype=torch.uint8)
-    assert b.fetch([key(1)], plans_of(out), gate, [4]) == [Status.OK] and gate.delivered == {4}
+    assert b.fetch([key(1)], plans_of(out), gate.at([4])) == [Status.OK] and gate.delivered == {4}
     gate.close()
     out = torch.zeros(1, BB, dtype=torch.uint8)
-    assert b.fetch([key(1)], plans_of(out), gate, [4]) == [Status.MISS] and not out.any()
+    assert b.fetch([key(1)], plans_of(out), gate.at([4])) == [Status.MISS] and not out.any()
 
 
 def test_lost_victims_are_copied_before_their_slot_is_reused(make_tier):
@@ -130,8 +130,9 @@ def test_a_remote_fill_lands_in_its_slot_the_destination_and_nvme(make_tier):
             ns=b"n" * 32,
         )
         out = torch.zeros(3, BB, dtype=torch.uint8)
-        st, nvme_st, dem_st, held = movers.run_remote_fill(plan, plans_of(out), LoadGate(), [10, 11, 12])
-        assert st == [Status.OK, Status.OK, Status.MISS]
+        gate = LoadGate()  # the plan's keys are blocks 10, 11 and 12 of some load
+        st, nvme_st, dem_st, held = movers.run_remote_fill(plan, plans_of(out), gate.at([10, 11, 12]))
+        assert st == [Status.OK, Status.OK, Status.MISS] and gate.delivered == {10, 11}
         assert nvme_st == {1: Status.OK, 2: Status.IO_ERROR}  # not delivered: the index forgets it
         assert dem_st == {} and held == set() and placed == [[3]]
         assert torch.equal(out[0], block(1)) and torch.equal(out[1], block(2)) and not out[2].any()

@@ -16,7 +16,7 @@ the plan (key, tier, slot, lifetime class, namespace) and from what they were bu
 
 from .batch import NvmeBatch, add_new_blocks, demotion_batch, store_batch
 from .execute import Movers, make_movers
-from .gate import LoadGate
+from .gate import GateView, LoadGate
 from .memory import MemoryHandler
 from .nvme import NvmeHandler
 from .queues import WorkQueues
@@ -24,6 +24,7 @@ from .remote import RemoteHandler
 from .table import HandlerTable, TransferKind
 
 __all__ = [
+    "GateView",
     "HandlerTable",
     "LoadGate",
     "MemoryHandler",

@@ -30,7 +30,7 @@ from ..io.pages import FragmentPlan
 from ..tiers.memory import BlockPool
 from ..tiers.storage import BlockStorage, RemoteBlockTier
 from .batch import NvmeBatch, PlacementFor, add_new_blocks, demotion_batch, store_batch
-from .gate import LoadGate
+from .gate import GateView, LoadGate
 from .memory import MemoryHandler
 from .nvme import NvmeHandler
 from .queues import WorkQueues
@@ -207,7 +207,9 @@ class Movers:
         nvme_s = None
         if nvme_idx and self.nvme is not None:
             got, nvme_s = self.nvme.read(
-                [plan.keys[i] for i in nvme_idx], [dests[i] for i in nvme_idx], gate, nvme_idx
+                [plan.keys[i] for i in nvme_idx],
+                [dests[i] for i in nvme_idx],
+                None if gate is None else gate.at(nvme_idx),
             )
             for i, s in zip(nvme_idx, got):
                 st[i] = s
@@ -266,11 +268,7 @@ class Movers:
             self.remote.publish_lost(plan.lost, self.memory)
 
     def run_remote_fill(
-        self,
-        plan: StorePlan,
-        dests: Sequence[FragmentPlan],
-        gate: LoadGate | None = None,
-        indices: Sequence[int] | None = None,
+        self, plan: StorePlan, dests: Sequence[FragmentPlan], gate: GateView | None = None
     ) -> tuple[list[Status], dict[int, Status], dict[int, Status], set[int]]:
         """Fetch a fill plan's blocks from the remote tier into their reserved
         slots and copy each verified block on into the engine's destination.
@@ -281,7 +279,7 @@ class Movers:
         registered with the remote tier once); one bound for an HBM slot or
         NVMe only goes through a staging buffer. Only a verified block (status
         ``OK``) is copied to the destination (under ``gate`` when the load has a
-        deadline; ``indices`` are the blocks' positions in that load) and
+        deadline: the load's, at the plan's keys' positions in it) and
         written to NVMe when the plan says so.
 
         Returns
@@ -307,9 +305,7 @@ class Movers:
         bufs = remote.fill_buffers([mem.get(i) for i in todo], self.memory)
         got = remote.get_into([plan.keys[i] for i in todo], bufs) if todo else []
         held = remote.held_of({mem[i][1] for i in todo if i in mem and mem[i][0] == Tier.HOST})
-        out, nvme_st = self._deliver_fill(
-            plan, dests, gate, indices, mem, zip(todo, got, bufs), remote.zero_copy
-        )
+        out, nvme_st = self._deliver_fill(plan, dests, gate, mem, zip(todo, got, bufs), remote.zero_copy)
         return out, nvme_st, dem_st, held
 
     def _fill_victims(self, plan: StorePlan, mark: bool = False) -> dict[int, Status]:
@@ -332,8 +328,7 @@ class Movers:
         self,
         plan: StorePlan,
         dests: Sequence[FragmentPlan],
-        gate: LoadGate | None,
-        indices: Sequence[int] | None,
+        gate: GateView | None,
         mem: Mapping[int, tuple[Tier, int]],
         fetched: Iterable[tuple[int, Status, Any]],
         zero_copy: bool,
@@ -342,7 +337,6 @@ class Movers:
         where the plan says so, NVMe (one batch); per key the engine's status, and the NVMe statuses."""
         out = [Status.MISS] * len(plan.keys)
         nvme_st: dict[int, Status] = {}
-        idx = list(indices) if indices is not None else list(range(len(plan.keys)))
         nv_new = dict(plan.nvme_new)
         new: list[tuple[int, object]] = []
         with one_omp_thread():  # copies of the calling thread on one OpenMP thread (io.copies)
@@ -360,7 +354,7 @@ class Movers:
                     dests[i].scatter(b, 0)
                     out[i] = Status.OK
                     continue
-                with gate.enter([idx[i]]) as go:
+                with gate.enter([i]) as go:
                     if go:
                         dests[i].scatter(b, 0)
                         out[i] = Status.OK

@@ -47,3 +47,30 @@ class LoadGate:
         with self._lock:
             self.closed = True
             return set(self.delivered)
+
+    def at(self, positions: Sequence[int]) -> GateView:
+        """This gate for a call that moves part of the load: its block ``j`` is block
+        ``positions[j]`` of the load (an NVMe read or a remote fetch of the blocks found there)."""
+        return GateView(self, positions)
+
+
+class GateView:
+    """A :class:`LoadGate` as a call moving part of its load sees it (:meth:`LoadGate.at`).
+
+    Parameters
+    ----------
+    gate : LoadGate
+    positions : sequence of int
+        Per block of the call, its position in the load.
+    """
+
+    __slots__ = ("gate", "positions")
+
+    def __init__(self, gate: LoadGate, positions: Sequence[int]) -> None:
+        self.gate = gate
+        self.positions = list(positions)
+
+    def enter(self, indices: Sequence[int]) -> contextlib.AbstractContextManager[bool]:
+        """:meth:`LoadGate.enter` for the call's blocks ``indices`` (at their load positions)."""
+        pos = self.positions
+        return self.gate.enter([pos[j] for j in indices])

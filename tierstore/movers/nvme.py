@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import Status
 from ..tiers.storage import BlockStorage
 from .batch import NvmeBatch, PlacementFor
-from .gate import LoadGate
+from .gate import GateView
 
 
 class NvmeHandler:
@@ -45,29 +45,20 @@ class NvmeHandler:
             return [Status.IO_ERROR] * len(batch.keys)
 
     def read(
-        self,
-        keys: Sequence[bytes],
-        dests: Sequence[Any],
-        gate: LoadGate | None = None,
-        indices: Sequence[int] | None = None,
+        self, keys: Sequence[bytes], dests: Sequence[Any], gate: GateView | None = None
     ) -> tuple[list[Status], float]:
         """Read ``keys[j]`` into ``dests[j]`` (a ``FragmentPlan`` or a list of tensors).
 
-        With ``gate``, each copy into a destination runs under it; ``indices[j]`` is block ``j``'s
-        position in the load the gate belongs to. Returns per-key statuses (``IO_ERROR`` each on
-        ``OSError``) and the seconds the call took.
+        With ``gate`` (the load's, at these blocks' positions in it: :meth:`LoadGate.at
+        <tierstore.movers.gate.LoadGate.at>`), each copy into a destination runs under it. Returns
+        per-key statuses (``IO_ERROR`` each on ``OSError``) and the seconds the call took.
         """
         t0 = time.perf_counter()
         try:
             if gate is None:
                 got = list(self.storage.get_fragments(keys, dests))
             else:
-                pos = list(indices) if indices is not None else list(range(len(keys)))
-                got = list(
-                    self.storage.get_fragments(
-                        keys, dests, gate=lambda idx: gate.enter([pos[j] for j in idx])
-                    )
-                )
+                got = list(self.storage.get_fragments(keys, dests, gate=gate.enter))
         except OSError:
             got = [Status.IO_ERROR] * len(keys)
         return got, time.perf_counter() - t0

@@ -22,7 +22,7 @@ from ..io.copies import one_omp_thread
 from ..io.pages import FragmentPlan
 from ..tiers.memory import BlockPool
 from ..tiers.storage import RemoteBlockTier
-from .gate import LoadGate
+from .gate import GateView
 from .memory import MemoryHandler
 
 
@@ -84,23 +84,18 @@ class RemoteHandler:
         return out
 
     def fetch(
-        self,
-        keys: Sequence[bytes],
-        dests: Sequence[FragmentPlan],
-        gate: LoadGate | None = None,
-        indices: Sequence[int] | None = None,
+        self, keys: Sequence[bytes], dests: Sequence[FragmentPlan], gate: GateView | None = None
     ) -> list[Status]:
         """Fetch blocks into destination plans through private buffers.
 
-        Only verified bytes are scattered, under ``gate`` when the load has a deadline
-        (``indices`` are the blocks' positions in it); a block the gate refused is ``MISS``.
+        Only verified bytes are scattered, under ``gate`` when the load has a deadline (the load's
+        gate at these blocks' positions in it); a block the gate refused is ``MISS``.
         """
         bufs = [torch.empty(p.nbytes, dtype=torch.uint8) for p in dests]
         try:
             st = list(self.tier.get_into(list(keys), bufs))
         except OSError:
             return [Status.IO_ERROR] * len(keys)
-        idx = list(indices) if indices is not None else list(range(len(keys)))
         with one_omp_thread():
             for j, (s, p, b) in enumerate(zip(st, dests, bufs)):
                 if s is not Status.OK:
@@ -108,7 +103,7 @@ class RemoteHandler:
                 if gate is None:
                     p.scatter(b, 0)
                     continue
-                with gate.enter([idx[j]]) as go:
+                with gate.enter([j]) as go:
                     if go:
                         p.scatter(b, 0)
                     else:

@@ -413,7 +413,7 @@ class MooncakeTier(RemoteBlockTier, TierLink, Closing):
                 )
 
     # ------------------------------------------------------------------ parts
-    put = handed_to(_publisher, Publisher.put)
+    _put = handed_to(_publisher, Publisher.put)
     flush = handed_to(_publisher, Publisher.flush)
     get_into = handed_to(_loader, Loader.get_into)
     register_memory = handed_to(_loader, Loader.register_memory)

@@ -143,15 +143,11 @@ class Publisher:
                 b.region.release(b.offset, self._tier.block_bytes)
 
     def put(
-        self,
-        keys: Sequence[bytes],
-        blocks: Sequence[torch.Tensor],
-        ns_digests: Sequence[bytes] | None = None,
-        *,
-        copy: bool = False,
-        recent: bool = True,
+        self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], copy: bool, recent: bool
     ) -> list[Status]:
-        """Queue blocks for publication (asynchronous).
+        """Queue blocks for publication (asynchronous): the tier's ``_put``, which
+        :meth:`RemoteBlockTier.put <tierstore.tiers.storage.RemoteBlockTier.put>` calls with its
+        defaults applied (``copy=False``, ``recent=True``).
 
         Parameters
         ----------
@@ -166,9 +162,6 @@ class Publisher:
             call has returned; the owner must not change those bytes in between
             (if it does, the object fails its CRC check on every reader: a miss,
             never wrong KV).
-        ns_digests : sequence of bytes, optional
-            Accepted for the storage seam's signature; the key already carries
-            the namespace.
         copy : bool
             Copy into the publish queue even from a registered region (the
             owner reuses the memory as soon as ``put`` returns: an evicted slot).

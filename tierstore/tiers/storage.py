@@ -313,7 +313,6 @@ class RemoteBlockTier(abc.ABC):
         outside a :meth:`register_memory` region is written only with verified bytes.
         Returns ``OK``, ``MISS`` or ``IO_ERROR`` per block."""
 
-    @abc.abstractmethod
     def put(
         self,
         keys: Sequence[bytes],
@@ -325,9 +324,18 @@ class RemoteBlockTier(abc.ABC):
     ) -> list[Status]:
         """Queue blocks for publication (asynchronous; returns after at most a memory copy).
 
-        ``copy``: copy even from a registered region (the owner reuses it at once). ``recent``: a
-        key published recently is ``EXISTS``. Returns ``OK`` (queued), ``EXISTS`` or ``REJECTED``.
+        ``ns_digests``: accepted for :meth:`BlockStorage.put`'s shape and ignored (the key carries
+        the namespace). ``copy``: copy even from a registered region (the owner reuses it at once).
+        ``recent``: a key published recently is ``EXISTS``. Returns ``OK`` (queued), ``EXISTS`` or
+        ``REJECTED``. Runs :meth:`_put` with these defaults applied.
         """
+        return self._put(keys, blocks, copy, recent)
+
+    @abc.abstractmethod
+    def _put(
+        self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], copy: bool, recent: bool
+    ) -> list[Status]:
+        """:meth:`put`'s work, every option given: what an implementation provides."""
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[bytes]) -> None:
