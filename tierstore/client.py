@@ -407,10 +407,13 @@ class RemoteKVStore(Closing, StoreCalls):
     def _load_keys(self, keys, ns) -> tuple[list[bytes], bytes]:
         if self._wire.closed:  # before the load's coroutines exist (the connection checks again)
             raise StoreClosedError("RemoteKVStore: the client is closed")
-        if isinstance(keys, RemoteLookupResult):
-            ns = ns if ns is not None else keys.ns
-            keys = keys.useful_keys
-        elif isinstance(keys, LookupResult):
+        if isinstance(keys, RemoteLookupResult) and ns is None:
+            # the hit's namespace is a digest already scoped to the layout (by _lookup_keys's
+            # caller): scoping it again named another namespace, and every public block missed
+            keys, d = _check_keys(keys.useful_keys), keys.ns
+            self._remember(keys, d)
+            return keys, d
+        if isinstance(keys, LookupResult):
             keys = keys.useful_keys
         keys = _check_keys(keys)
         return keys, self._ns_of(keys, ns)

@@ -141,6 +141,26 @@ def test_public_namespace_shared_only_as_declared(daemon):
         assert b.probe(priv, toks) == 0
 
 
+def test_load_of_a_lookup_result_hits_in_a_public_and_a_private_namespace(daemon):
+    """Fresh-user trial 9: ``load(lookup(pub, toks))`` missed every block of a public namespace (the
+    hit's namespace digest, already scoped to the layout, was scoped a second time by the client),
+    while ``load(keys)`` and the node client's ``load(hit)`` hit; the README's own usage."""
+    pub = Namespace(**PUBLIC_NS)
+    priv = Namespace(model="trial9", tenant="acme")
+    with _client(daemon, "acme") as a, _client(daemon, "bravo") as b:
+        for ns, readers in ((pub, (a, b)), (priv, (a,))):
+            toks = list(range(11, 11 + a.layout.tokens_per_block * 4))
+            keys = a.keys_for(ns, toks)
+            blocks = torch.stack([block_for(k, a.block_bytes) for k in keys])
+            assert a.store(ns, toks, blocks) == [Status.OK] * 4
+            for c in readers:
+                hit = c.lookup(ns, toks)
+                assert hit.useful_blocks == 4
+                st, outs = c.load(hit)
+                assert st == [Status.OK] * 4, (ns.tenant, st)
+                assert all(torch.equal(c.layout.as_bytes(o), blk) for o, blk in zip(outs, blocks))
+
+
 def test_quota_is_a_retryable_429(daemon):
     with _client(daemon, "carol") as c:  # carol: 64 KiB = 8 blocks
         ns = Namespace(model="q")
