@@ -48,11 +48,16 @@ KEY_BYTES = 32
 _EMPTY = 0  # slot values: 0 empty, -1 tombstone, row + 1 the key at that row
 _TOMB = -1
 _V32 = np.dtype("V32")
+_NO_ROW = np.int64(-1)
 #: The home-slot hash of a key: its first 8 bytes, little-endian (module doc).
 _HOME = struct.Struct("<Q").unpack_from
 #: Batches at least this long take the vectorised probe (numpy's fixed cost
 #: per call is ~10 us; the scalar probe costs ~0.6 us a key).
 VECTOR_MIN_KEYS = 16
+#: Lookups (:meth:`KeyTable.get_many`) of at least this many keys take the vectorised probe:
+#: below, the inlined scalar probe (~0.5-0.8 us a key) costs less than its ~15 numpy calls (1-2 us
+#: each on a 2-vCPU VM); measured equal at ~32-40 keys (``bench/README_core.md``, session 39).
+FIND_VECTOR_MIN_KEYS = 32
 #: Vectorised probe steps a batch insert takes for keys displaced from their home slot
 #: (every slot a key steps past is full, so where it lands is on its probe chain).
 _PROBE_ROUNDS = 4
@@ -287,11 +292,8 @@ class KeyTable:
 
     def _find_many(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
         n = len(keys)
-        if n < VECTOR_MIN_KEYS:
-            find = self._find
-            return np.fromiter(
-                (find(k, accept) if len(k) == KEY_BYTES else -1 for k in keys), dtype=np.int64, count=n
-            )
+        if n < FIND_VECTOR_MIN_KEYS:
+            return self._find_short(keys, accept)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
@@ -300,13 +302,15 @@ class KeyTable:
         q = np.frombuffer(raw, dtype=_V32)
         kv = np.frombuffer(self._keys, dtype=_V32)
         h = np.frombuffer(raw, dtype="<u8")[::4]
-        s = self._sa[(h & np.uint64(self._mask)).astype(np.intp)]
-        match = kv[s - 1] == q  # s <= 0 reads some other row: masked next
+        home = (h & np.uint64(self._mask)).astype(np.intp)
+        s = self._sa[home]
+        r = s - 1
+        match = kv[r] == q  # s <= 0 reads some other row: masked next
         match &= s > 0
         if ok is not None and hv is not None:
-            match &= ok[hv[s - 1]]
-        out = np.where(match, s - 1, -1).astype(np.int64)
-        more = ~match & (s != _EMPTY)
+            match &= ok[hv[r]]
+        out = np.where(match, r, _NO_ROW)  # int64 (the scalar's type wins): no astype
+        more = (s != _EMPTY) > match  # a full home slot that is not the key's: probe on
         if self._oa is not None:  # not in the new array: its home slot in the old one
             idx = (~match & (s == _EMPTY)).nonzero()[0]
             pos = np.maximum((h[idx] & np.uint64(self._old_mask)).astype(np.intp), self._old_at)
@@ -316,12 +320,57 @@ class KeyTable:
                 hit &= ok[hv[so - 1]]
             out[idx[hit]] = so[hit] - 1
             more[idx[~hit & (so != _EMPTY)]] = True
-        slots, kb, hb, mask, old = self._slots, self._keys, self._held, self._mask, self._old
-        for i in more.nonzero()[0].tolist():  # displaced by a collision: probe on one by one
-            k = keys[i]  # one frame a key (_find's two made a get_many of 64 ~10 % slower)
-            p = _probe(slots, _HOME(k)[0] & mask, kb, hb, k, accept)
-            out[i] = slots[p] - 1 if p >= 0 else -1 if old is None else self._find_old(k, _HOME(k)[0], accept)
+        more_at = more.nonzero()[0].tolist()
+        if not more_at:
+            return out
+        slots, kb, hb, old = self._slots, self._keys, self._held, self._old
+        starts = kb.startswith
+        for i, p in zip(more_at, home[more_at].tolist()):
+            # displaced by a collision: probe on from the slot after its home one, inline (a
+            # call a key made a get_many of 64 ~10 % slower); ``p``'s slot held another key
+            # (or, during a rehash, the key's home slot in the new array was empty)
+            k = keys[i]
+            row = -1
+            if slots[p] != _EMPTY:
+                while True:
+                    p += 1
+                    v = slots[p]
+                    if v == _EMPTY:
+                        break
+                    if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[hb[v - 1]]:
+                        row = v - 1
+                        break
+            if row < 0 and old is not None:
+                row = self._find_old(k, _HOME(k)[0], accept)
+            out[i] = row
         return out
+
+    def _find_short(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
+        """:meth:`_find_many` of a short batch: one scalar probe a key, inlined (no call a key).
+        A key that is not 32 bytes is -1 in a batch shorter than ``VECTOR_MIN_KEYS``, else a
+        :class:`LayoutError` (the vectorised probe's answer, kept for batches it used to take)."""
+        if len(keys) >= VECTOR_MIN_KEYS:
+            _check_lengths(keys)
+        slots, kb, hb, mask, old = self._slots, self._keys, self._held, self._mask, self._old
+        starts = kb.startswith
+        out = []
+        for k in keys:
+            row = -1
+            if len(k) == KEY_BYTES:
+                h = _HOME(k)[0]
+                p = h & mask
+                while True:
+                    v = slots[p]
+                    if v == _EMPTY:
+                        break
+                    if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[hb[v - 1]]:
+                        row = v - 1
+                        break
+                    p += 1
+                if row < 0 and old is not None:
+                    row = self._find_old(k, h, accept)
+            out.append(row)
+        return np.array(out, dtype=np.int64)
 
     def key_of(self, row: int) -> bytes:
         """The key stored at ``row``."""
