@@ -302,7 +302,8 @@ class KeyTable:
         q = np.frombuffer(raw, dtype=_V32)
         kv = np.frombuffer(self._keys, dtype=_V32)
         h = np.frombuffer(raw, dtype="<u8")[::4]
-        home = (h & np.uint64(self._mask)).astype(np.intp)
+        # the home slots: the hash's low bits, read as int64 (an index array as it is, no astype)
+        home = h.view(np.int64) & self._mask
         s = self._sa[home]
         r = s - 1
         match = kv[r] == q  # s <= 0 reads some other row: masked next
@@ -325,11 +326,13 @@ class KeyTable:
             return out
         slots, kb, hb, old = self._slots, self._keys, self._held, self._old
         starts = kb.startswith
-        for i, p in zip(more_at, home[more_at].tolist()):
+        homes = home.tolist()
+        for i in more_at:
             # displaced by a collision: probe on from the slot after its home one, inline (a
             # call a key made a get_many of 64 ~10 % slower); ``p``'s slot held another key
             # (or, during a rehash, the key's home slot in the new array was empty)
             k = keys[i]
+            p = homes[i]
             row = -1
             if slots[p] != _EMPTY:
                 while True:
