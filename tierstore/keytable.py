@@ -117,6 +117,33 @@ def _probe(slots: memoryview, p: int, keys: bytearray, held: bytearray, key: byt
         p += 1
 
 
+def _probe_keys(
+    slots: memoryview,
+    keys: bytearray,
+    held: bytearray,
+    find: Sequence[bytes],
+    homes: Sequence[int],
+    accept: bytes,
+) -> list[int]:
+    """:func:`_probe` of each key of ``find`` from its slot in ``homes`` (-1: none, the key's row is
+    -1), inlined: one loop, no call a key (a call a key made a ``get_many`` of 64 ~10 % slower).
+    Returns the row of each key, -1 at the empty slot that ends its chain."""
+    starts = keys.startswith
+    out = []
+    for k, p in zip(find, homes):
+        row = -1
+        while p >= 0:
+            v = slots[p]
+            if v == _EMPTY:
+                break
+            if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[held[v - 1]]:
+                row = v - 1
+                break
+            p += 1
+        out.append(row)
+    return out
+
+
 def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
     """Give the OS back the pages of an array from :func:`_zeroed` that end in slots
     ``[start, end)`` (slots below ``start`` given back before): ``MADV_DONTNEED``, they read as
@@ -293,7 +320,7 @@ class KeyTable:
     def _find_many(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
         n = len(keys)
         if n < FIND_VECTOR_MIN_KEYS:
-            return self._find_short(keys, accept)
+            return _find_short(self, keys, accept)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
@@ -322,58 +349,21 @@ class KeyTable:
             out[idx[hit]] = so[hit] - 1
             more[idx[~hit & (so != _EMPTY)]] = True
         more_at = more.nonzero()[0].tolist()
-        if not more_at:
-            return out
-        slots, kb, hb, old = self._slots, self._keys, self._held, self._old
-        starts = kb.startswith
-        homes = home.tolist()
-        for i in more_at:
-            # displaced by a collision: probe on from the slot after its home one, inline (a
-            # call a key made a get_many of 64 ~10 % slower); ``p``'s slot held another key
-            # (or, during a rehash, the key's home slot in the new array was empty)
-            k = keys[i]
-            p = homes[i]
-            row = -1
-            if slots[p] != _EMPTY:
-                while True:
-                    p += 1
-                    v = slots[p]
-                    if v == _EMPTY:
-                        break
-                    if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[hb[v - 1]]:
-                        row = v - 1
-                        break
-            if row < 0 and old is not None:
-                row = self._find_old(k, _HOME(k)[0], accept)
-            out[i] = row
+        if more_at:  # displaced by a collision (or, in a rehash, maybe in the old array): probe on
+            homes = home.tolist()
+            found = _probe_keys(
+                self._slots,
+                self._keys,
+                self._held,
+                [keys[i] for i in more_at],
+                [homes[i] for i in more_at],
+                accept,
+            )
+            for i, row in zip(more_at, found):
+                if row < 0 and self._old is not None:
+                    row = self._find_old(keys[i], _HOME(keys[i])[0], accept)
+                out[i] = row
         return out
-
-    def _find_short(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
-        """:meth:`_find_many` of a short batch: one scalar probe a key, inlined (no call a key).
-        A key that is not 32 bytes is -1 in a batch shorter than ``VECTOR_MIN_KEYS``, else a
-        :class:`LayoutError` (the vectorised probe's answer, kept for batches it used to take)."""
-        if len(keys) >= VECTOR_MIN_KEYS:
-            _check_lengths(keys)
-        slots, kb, hb, mask, old = self._slots, self._keys, self._held, self._mask, self._old
-        starts = kb.startswith
-        out = []
-        for k in keys:
-            row = -1
-            if len(k) == KEY_BYTES:
-                h = _HOME(k)[0]
-                p = h & mask
-                while True:
-                    v = slots[p]
-                    if v == _EMPTY:
-                        break
-                    if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[hb[v - 1]]:
-                        row = v - 1
-                        break
-                    p += 1
-                if row < 0 and old is not None:
-                    row = self._find_old(k, h, accept)
-            out.append(row)
-        return np.array(out, dtype=np.int64)
 
     def key_of(self, row: int) -> bytes:
         """The key stored at ``row``."""
@@ -774,6 +764,22 @@ class KeyTable:
         self._tombs = 0
         self._oa = self._old = None
         self._old_mask = self._old_at = self._debt = 0
+
+
+def _find_short(t: KeyTable, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
+    """:meth:`KeyTable._find_many` of a short batch: one scalar probe a key (:func:`_probe_keys`). A key
+    that is not 32 bytes is -1 in a batch shorter than ``VECTOR_MIN_KEYS``, else a
+    :class:`LayoutError` (the vectorised probe's answer, kept for batches it used to take)."""
+    if len(keys) >= VECTOR_MIN_KEYS:
+        _check_lengths(keys)
+    mask = t._mask
+    homes = [_HOME(k)[0] & mask if len(k) == KEY_BYTES else -1 for k in keys]
+    out = _probe_keys(t._slots, t._keys, t._held, keys, homes, accept)
+    if t._old is not None:
+        for i, row in enumerate(out):
+            if row < 0 and homes[i] >= 0:
+                out[i] = t._find_old(keys[i], _HOME(keys[i])[0], accept)
+    return np.array(out, dtype=np.int64)
 
 
 class HeldKeys:

@@ -98,7 +98,7 @@ class Lookups(IndexRoom):
         c = {"lookups": 1, "lookup_blocks": n}
         if m:
             tiers, load_s, useful, reason = self._record_hits(keys, rows, tops, m, request_id, now, c)
-            mkeys = list(keys[:m])
+            mkeys = keys[:m] if type(keys) is list else list(keys[:m])  # a list's slice is a copy already
         else:
             tiers, load_s, useful, reason, mkeys = [], [], 0, None, []
         c["useful_blocks"] = useful
