@@ -338,7 +338,8 @@ class KeyTable:
         if ok is not None and hv is not None:
             match &= ok[hv[r]]
         out = np.where(match, r, _NO_ROW)  # int64 (the scalar's type wins): no astype
-        more = (s != _EMPTY) > match  # a full home slot that is not the key's: probe on
+        full = s != _EMPTY
+        more = full > match  # a full home slot that is not the key's: probe on from the next one
         if self._oa is not None:  # not in the new array: its home slot in the old one
             idx = (~match & (s == _EMPTY)).nonzero()[0]
             pos = np.maximum((h[idx] & np.uint64(self._old_mask)).astype(np.intp), self._old_at)
@@ -350,7 +351,7 @@ class KeyTable:
             more[idx[~hit & (so != _EMPTY)]] = True
         more_at = more.nonzero()[0].tolist()
         if more_at:  # displaced by a collision (or, in a rehash, maybe in the old array): probe on
-            homes = home.tolist()
+            homes = (home + full).tolist()  # past a full home slot; an empty one (rehash): -1 there
             found = _probe_keys(
                 self._slots,
                 self._keys,
