@@ -57,6 +57,31 @@ def test_store_lookup_load_roundtrip_through_every_tier(make_store, layout, ns, 
     s.check_invariants(quiescent=True)
 
 
+def test_lookup_tiers_and_hit_counters_per_block_over_mixed_tiers(make_store, layout, ns):
+    """A chain matched on three tiers: each block's tier, the per-tier hit counters, and a chain
+    matched on one tier (the lookup's one-tier shortcut) counted the same way."""
+    s = make_store(hbm=2, host=2, nvme=16, promotion="none")
+    toks = tokens(6 * B)
+    assert s.store(ns, toks, make_blocks(layout, 6)) == [Status.OK] * 6
+    keys = s.keys_for(ns, toks)
+    top = [s.tiers_of(k)[0] for k in keys]
+    assert set(top) == {Tier.HBM, Tier.HOST, Tier.NVME}
+    c0 = s.stats()
+    hit = s.lookup_keys(keys)
+    assert hit.tiers == top and hit.matched_blocks == 6 and len(hit.load_s) == 6
+    c1 = s.stats()
+    for t in (Tier.HBM, Tier.HOST, Tier.NVME):
+        name = f"hit_blocks_{t.name.lower()}"
+        assert c1.get(name, 0) - c0.get(name, 0) == top.count(t)
+    one = [k for k, t in zip(keys, top) if t == Tier.NVME][:1]  # a 1-block chain: one tier
+    hit1 = s.lookup_keys(one)
+    c2 = s.stats()
+    assert hit1.tiers == [Tier.NVME] and c2["hit_blocks_nvme"] - c1["hit_blocks_nvme"] == 1
+    assert c2.get("hit_blocks_hbm", 0) == c1.get("hit_blocks_hbm", 0)
+    assert c2["lookup_hits"] - c1["lookup_hits"] == 1
+    s.check_invariants(quiescent=True)
+
+
 def test_deterministic_slot_ids_and_events(make_store, layout, ns):
     s = make_store(hbm=4, host=0, nvme=0)
     s.record_events(True)

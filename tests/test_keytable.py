@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tierstore import keytable
 from tierstore.errors import LayoutError
-from tierstore.keytable import VECTOR_MIN_KEYS, KeyTable
+from tierstore.keytable import FIND_VECTOR_MIN_KEYS, VECTOR_MIN_KEYS, KeyTable
 
 
 def _keys(n, seed=0):
@@ -58,6 +58,31 @@ def test_get_many_matches_scalar_with_absent_keys_and_collisions():
     assert got.tolist() == [t.get(k) for k in q]
     assert (got[:2000:3] == -1).all() and (got[2000:2500] == -1).all() and (got[-20:] == -1).all()
     assert (got[-40:-20] >= 0).all()
+
+
+def test_short_and_vectorised_lookups_agree_through_tombstones_collisions_and_a_rehash():
+    """The scalar probe of short batches and the vectorised one answer alike, key by key, in
+    every state: tombstones in chains, keys sharing a home slot, and an old array mid-move."""
+    with mock.patch.object(keytable, "REHASH_BATCH_SLOTS", 64):
+        t = KeyTable(16)
+        keys = _keys(1200, seed=5)
+        twins = [keys[0][:8] + os.urandom(24) for _ in range(30)]  # one home slot: long chains
+        for i, k in enumerate(twins[:15] + keys[:800]):
+            t.add(k)
+            if i >= 500 and t.rehashing:
+                break  # stop with an old array still being moved
+        for k in keys[:800:3]:
+            t.remove(k)
+        q = keys[:900] + twins
+        want = [t.get(k) for k in q]
+        for n in (1, 7, FIND_VECTOR_MIN_KEYS - 1, FIND_VECTOR_MIN_KEYS, 64, 200):
+            got = [r for i in range(0, len(q), n) for r in t.get_many(q[i : i + n]).tolist()]
+            assert got == want, n
+        assert t.rehashing
+        assert any(r >= 0 for r in want[-30:]) and any(r < 0 for r in want)
+    with pytest.raises(LayoutError):  # a short batch the vectorised probe took before refuses the same way
+        t.get_many([b"x" * 31] * VECTOR_MIN_KEYS)
+    assert t.get_many([b"x" * 31]).tolist() == [-1]
 
 
 def test_malformed_keys_are_refused():
@@ -424,6 +449,8 @@ def _two_holder_run(ops, pool):
             own[h].release_row(own_reserved[h].pop(row))
         for hh in _HOLDERS:
             assert t.get_many(pool, hh).tolist() == [held[hh].get(k, -1) for k in pool]
+            for sub in (pool[:5], pool[5 : 4 + FIND_VECTOR_MIN_KEYS], pool[40 : 40 + FIND_VECTOR_MIN_KEYS]):
+                assert t.get_many(sub, hh).tolist() == [held[hh].get(k, -1) for k in sub]  # both probes
             assert t.held_count(hh) == len(held[hh])
         assert len(t) == len({(k, r) for hh in _HOLDERS for k, r in held[hh].items()})
     for hh in _HOLDERS:

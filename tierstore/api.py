@@ -281,9 +281,10 @@ class KVStore(KeyAPI):
         With ``request_id`` the matched blocks are referenced (ACTIVE) until
         :meth:`release`. See :meth:`tierstore.index.BlockIndex.lookup`.
         """
-        keys = self.keys_for(ns, token_ids)
+        d = self.digest(ns)  # once: a Namespace's digest lookup hashes its fields
+        keys = block_hashes(d, token_ids, self.layout.tokens_per_block)
         toks = token_blocks(token_ids, len(keys), self.layout) if self._index.settings.verify_tokens else None
-        return self._transfers.lookup(keys, toks, request_id, len(token_ids), self.digest(ns))
+        return self._transfers.lookup(keys, toks, request_id, len(token_ids), d)
 
     @_open_call
     def probe(self, ns: Namespace | bytes, token_ids) -> int:

@@ -48,11 +48,16 @@ KEY_BYTES = 32
 _EMPTY = 0  # slot values: 0 empty, -1 tombstone, row + 1 the key at that row
 _TOMB = -1
 _V32 = np.dtype("V32")
+_NO_ROW = np.int64(-1)
 #: The home-slot hash of a key: its first 8 bytes, little-endian (module doc).
 _HOME = struct.Struct("<Q").unpack_from
 #: Batches at least this long take the vectorised probe (numpy's fixed cost
 #: per call is ~10 us; the scalar probe costs ~0.6 us a key).
 VECTOR_MIN_KEYS = 16
+#: Lookups (:meth:`KeyTable.get_many`) of at least this many keys take the vectorised probe:
+#: below, the inlined scalar probe (~0.5-0.8 us a key) costs less than its ~15 numpy calls (1-2 us
+#: each on a 2-vCPU VM); measured equal at ~32-40 keys (``bench/README_core.md``, session 39).
+FIND_VECTOR_MIN_KEYS = 32
 #: Vectorised probe steps a batch insert takes for keys displaced from their home slot
 #: (every slot a key steps past is full, so where it lands is on its probe chain).
 _PROBE_ROUNDS = 4
@@ -110,6 +115,33 @@ def _probe(slots: memoryview, p: int, keys: bytearray, held: bytearray, key: byt
         if s > 0 and keys.startswith(key, (s - 1) * KEY_BYTES) and accept[held[s - 1]]:
             return p
         p += 1
+
+
+def _probe_keys(
+    slots: memoryview,
+    keys: bytearray,
+    held: bytearray,
+    find: Sequence[bytes],
+    homes: Sequence[int],
+    accept: bytes,
+) -> list[int]:
+    """:func:`_probe` of each key of ``find`` from its slot in ``homes`` (-1: none, the key's row is
+    -1), inlined: one loop, no call a key (a call a key made a ``get_many`` of 64 ~10 % slower).
+    Returns the row of each key, -1 at the empty slot that ends its chain."""
+    starts = keys.startswith
+    out = []
+    for k, p in zip(find, homes):
+        row = -1
+        while p >= 0:
+            v = slots[p]
+            if v == _EMPTY:
+                break
+            if v > 0 and starts(k, (v - 1) * KEY_BYTES) and accept[held[v - 1]]:
+                row = v - 1
+                break
+            p += 1
+        out.append(row)
+    return out
 
 
 def _drop_pages(a: np.ndarray, start: int, end: int) -> None:
@@ -287,11 +319,8 @@ class KeyTable:
 
     def _find_many(self, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
         n = len(keys)
-        if n < VECTOR_MIN_KEYS:
-            find = self._find
-            return np.fromiter(
-                (find(k, accept) if len(k) == KEY_BYTES else -1 for k in keys), dtype=np.int64, count=n
-            )
+        if n < FIND_VECTOR_MIN_KEYS:
+            return _find_short(self, keys, accept)
         raw = b"".join(keys)
         if len(raw) != n * KEY_BYTES:
             raise LayoutError("every key must be 32 bytes")
@@ -300,13 +329,17 @@ class KeyTable:
         q = np.frombuffer(raw, dtype=_V32)
         kv = np.frombuffer(self._keys, dtype=_V32)
         h = np.frombuffer(raw, dtype="<u8")[::4]
-        s = self._sa[(h & np.uint64(self._mask)).astype(np.intp)]
-        match = kv[s - 1] == q  # s <= 0 reads some other row: masked next
+        # the home slots: the hash's low bits, read as int64 (an index array as it is, no astype)
+        home = h.view(np.int64) & self._mask
+        s = self._sa[home]
+        r = s - 1
+        match = kv[r] == q  # s <= 0 reads some other row: masked next
         match &= s > 0
         if ok is not None and hv is not None:
-            match &= ok[hv[s - 1]]
-        out = np.where(match, s - 1, -1).astype(np.int64)
-        more = ~match & (s != _EMPTY)
+            match &= ok[hv[r]]
+        out = np.where(match, r, _NO_ROW)  # int64 (the scalar's type wins): no astype
+        full = s != _EMPTY
+        more = full > match  # a full home slot that is not the key's: probe on from the next one
         if self._oa is not None:  # not in the new array: its home slot in the old one
             idx = (~match & (s == _EMPTY)).nonzero()[0]
             pos = np.maximum((h[idx] & np.uint64(self._old_mask)).astype(np.intp), self._old_at)
@@ -316,11 +349,21 @@ class KeyTable:
                 hit &= ok[hv[so - 1]]
             out[idx[hit]] = so[hit] - 1
             more[idx[~hit & (so != _EMPTY)]] = True
-        slots, kb, hb, mask, old = self._slots, self._keys, self._held, self._mask, self._old
-        for i in more.nonzero()[0].tolist():  # displaced by a collision: probe on one by one
-            k = keys[i]  # one frame a key (_find's two made a get_many of 64 ~10 % slower)
-            p = _probe(slots, _HOME(k)[0] & mask, kb, hb, k, accept)
-            out[i] = slots[p] - 1 if p >= 0 else -1 if old is None else self._find_old(k, _HOME(k)[0], accept)
+        more_at = more.nonzero()[0].tolist()
+        if more_at:  # displaced by a collision (or, in a rehash, maybe in the old array): probe on
+            homes = (home + full).tolist()  # past a full home slot; an empty one (rehash): -1 there
+            found = _probe_keys(
+                self._slots,
+                self._keys,
+                self._held,
+                [keys[i] for i in more_at],
+                [homes[i] for i in more_at],
+                accept,
+            )
+            for i, row in zip(more_at, found):
+                if row < 0 and self._old is not None:
+                    row = self._find_old(keys[i], _HOME(keys[i])[0], accept)
+                out[i] = row
         return out
 
     def key_of(self, row: int) -> bytes:
@@ -722,6 +765,22 @@ class KeyTable:
         self._tombs = 0
         self._oa = self._old = None
         self._old_mask = self._old_at = self._debt = 0
+
+
+def _find_short(t: KeyTable, keys: Sequence[bytes], accept: bytes) -> np.ndarray:
+    """:meth:`KeyTable._find_many` of a short batch: one scalar probe a key (:func:`_probe_keys`). A key
+    that is not 32 bytes is -1 in a batch shorter than ``VECTOR_MIN_KEYS``, else a
+    :class:`LayoutError` (the vectorised probe's answer, kept for batches it used to take)."""
+    if len(keys) >= VECTOR_MIN_KEYS:
+        _check_lengths(keys)
+    mask = t._mask
+    homes = [_HOME(k)[0] & mask if len(k) == KEY_BYTES else -1 for k in keys]
+    out = _probe_keys(t._slots, t._keys, t._held, keys, homes, accept)
+    if t._old is not None:
+        for i, row in enumerate(out):
+            if row < 0 and homes[i] >= 0:
+                out[i] = t._find_old(keys[i], _HOME(keys[i])[0], accept)
+    return np.array(out, dtype=np.int64)
 
 
 class HeldKeys:

@@ -44,8 +44,10 @@ class Metrics:
 
     def add(self, counts: dict) -> None:
         """Add several counters at once (one lock round trip)."""
-        with self._lock:
-            self.counters.update(counts)
+        with self._lock:  # a plain loop: ``Counter.update`` adds its Mapping check and a call a key
+            c = self.counters
+            for k, v in counts.items():
+                c[k] += v
 
     def record_load_ns(self, tier: str, ns: int) -> None:
         """Record one load's latency in ns under ``tier`` and ``all``."""

@@ -91,14 +91,14 @@ class Lookups(IndexRoom):
         n = len(keys)
         T = self.tokens_per_block
         rows = self.rows.table.get_many(keys)
-        tops = self.rows.tops(rows)
+        tops = self.rows.tops(rows).tolist()  # a list: the scans below are C calls, no numpy's per-call cost
         m = self._match(rows, tops, tokens)
         if m < n and self.placement.rejected:
             self._count_rejected(keys, m)
         c = {"lookups": 1, "lookup_blocks": n}
         if m:
             tiers, load_s, useful, reason = self._record_hits(keys, rows, tops, m, request_id, now, c)
-            mkeys = list(keys[:m])
+            mkeys = keys[:m] if type(keys) is list else list(keys[:m])  # a list's slice is a copy already
         else:
             tiers, load_s, useful, reason, mkeys = [], [], 0, None, []
         c["useful_blocks"] = useful
@@ -108,11 +108,10 @@ class Lookups(IndexRoom):
         self.metrics.add(c)
         return LookupResult(mkeys, tiers, load_s, useful, n, T, request_id, reason)
 
-    def _match(self, rows: np.ndarray, tops: np.ndarray, tokens: Sequence[np.ndarray] | None) -> int:
-        """Length of the leading run of readable rows (whose stored token ids, with
-        ``verify_tokens``, equal ``tokens``)."""
-        bad = (tops < 0).nonzero()[0]
-        m = int(bad[0]) if bad.size else len(tops)
+    def _match(self, rows: np.ndarray, tops: list[int], tokens: Sequence[np.ndarray] | None) -> int:
+        """Length of the leading run of readable rows (``tops[i] >= 0``; with ``verify_tokens``,
+        whose stored token ids equal ``tokens``)."""
+        m = tops.index(-1) if -1 in tops else len(tops)  # tops are -1 (unreadable) or a tier
         if self.verify_tokens and tokens is not None:
             stored = self.rows.tokens
             for i in range(m):
@@ -138,7 +137,7 @@ class Lookups(IndexRoom):
         self,
         keys: Sequence[bytes],
         rows: np.ndarray,
-        tops: np.ndarray,
+        tops: list[int],
         m: int,
         request_id: object,
         now: float,
@@ -148,15 +147,19 @@ class Lookups(IndexRoom):
         ``c``. Returns ``(tiers, load_s, useful, reason)`` of :class:`LookupResult`."""
         n, T, bb = len(keys), self.tokens_per_block, self.block_bytes
         mr = rows[:m] if m < n else rows
-        mt = tops[:m] if m < n else tops
+        lt = tops[:m] if m < n else tops
         self.rows.count_hits(mr)
         self.rows.stamp("last", mr, now)
         lr = mr.tolist()
-        lt = mt.tolist()
-        counts = np.bincount(mt, minlength=3).tolist()
+        t0 = lt[0]
+        if lt.count(t0) == m:  # every block from one tier (the common case): no split by tier
+            counts = {t0: m}
+        else:
+            counts = {t: k for t, k in enumerate(np.bincount(lt, minlength=3).tolist()) if k}
         for t in MEMORY_TIERS:
-            if counts[t]:
-                if counts[t] == m:
+            k = counts.get(t, 0)
+            if k:
+                if k == m:
                     kt, rt = keys if m == n else keys[:m], lr
                 else:
                     sel = [j for j, tt in enumerate(lt) if tt == t]
@@ -168,9 +171,8 @@ class Lookups(IndexRoom):
             self.rows.count_up("refs", mr)
             self.pins.reference(request_id, lr)
         cost = self.cost
-        present = [t for t in range(3) if counts[t]]
-        if len(present) == 1:  # one load call per tier: its latency is paid once
-            load_s = cost.tier_load_s(_LABELS[present[0]], bb, m)
+        if len(counts) == 1:  # one load call per tier: its latency is paid once
+            load_s = cost.tier_load_s(_LABELS[t0], bb, m)
         else:
             load_s = cost.chain_load_s([_LABELS[t] for t in lt], bb)
         useful = cost.useful_prefix(load_s, T)
@@ -180,7 +182,8 @@ class Lookups(IndexRoom):
         c["lookup_hits"] = 1
         c["hit_blocks"] = m
         c["matched_tokens"] = m * T
-        for ti in range(3):
-            if counts[ti]:
-                c[_HIT_COUNTER[ti]] = counts[ti]
+        for ti, k in counts.items():  # ascending tiers
+            c[_HIT_COUNTER[ti]] = k
+        if len(counts) == 1:
+            return [_TIER_OF_INT[t0]] * m, load_s, useful, reason
         return list(map(_TIER_OF_INT.__getitem__, lt)), load_s, useful, reason
