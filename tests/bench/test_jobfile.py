@@ -211,3 +211,16 @@ def test_bare_unknown_key_in_job_file_is_called_unknown(tmp_path):
     p.write_text("[j]\nrw=read\nnosuchkey\n")
     with pytest.raises(ConfigError, match="nosuchkey: unknown option"):
         parse_jobs(job_files=[str(p)])
+
+
+@pytest.mark.parametrize(
+    "text, held",
+    [("", "no section at all"), ("; only a comment\n", "no section at all"), ("[global]\nbs=4k\n", "only a [global]")],
+)
+def test_job_file_without_a_job_says_what_it_holds(tmp_path, text, held):
+    """An empty job file said "no job section (only [global])" with no [global] in it (trial 9)."""
+    p = tmp_path / "j.fio"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_jobs(job_files=[str(p)])
+    assert f"no job section: it holds {held}" in str(e.value)

@@ -813,7 +813,8 @@ def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequenc
     for path in job_files:
         global_raw: dict[str, str] = {}
         found = False
-        for section, raw in read_job_file(path):
+        sections = read_job_file(path)
+        for section, raw in sections:
             where = f"{path} [{section}]"
             checked = _validate_raw(raw, where)
             if section == "global":
@@ -824,7 +825,10 @@ def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequenc
             own = {**checked, **{k: v for k, v in cli_globals.items() if k in checked}}
             jobs.append(_finish(section, merged, own, {**global_raw, **cli_globals}))
         if not found:
-            raise ConfigError(f"job file {path!r}: no job section (only [global])")
+            held = "only a [global] section" if sections else "no section at all (empty, or only comments)"
+            raise ConfigError(
+                f"job file {path!r}: no job section: it holds {held}; a job is a [name] section"
+            )
     if not jobs:
         jobs.append(_finish("", dict(cli_globals), dict(cli_globals), {}))
     _assign_groups(jobs)
