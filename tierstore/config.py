@@ -42,6 +42,7 @@ from .schema import (  # noqa: F401
     PositiveDurationS,
     SizeBytes,
     StrictModel,
+    WaitS,
     format_validation_error,
     parse_model,
     read_yaml,
@@ -320,7 +321,7 @@ class StoreLocation(StrictModel):
     """
 
     url: str | None = None
-    timeout_s: PositiveDurationS = 5.0
+    timeout_s: WaitS = 5.0
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
     @field_validator("url")
