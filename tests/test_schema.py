@@ -179,5 +179,22 @@ def test_store_timeout_is_refused_once_with_the_range_the_client_takes(value):
 def test_store_timeout_accepted_is_one_the_client_takes(value, want):
     from tierstore.units import check_duration_s
 
-    cfg = parse_model(StoreConfig, {"store": {"url": "unix:///run/n.sock", "timeout_s": value}}, "store config")
+    cfg = parse_model(
+        StoreConfig, {"store": {"url": "unix:///run/n.sock", "timeout_s": value}}, "store config"
+    )
     assert cfg.store.timeout_s == want == check_duration_s(cfg.store.timeout_s, "timeout_s")
+
+
+@pytest.mark.parametrize(
+    "section", [{"tiers": {"host": {"capacity_bytes": "1GiB"}}}, {"policies": {}}, {"remote": None}]
+)
+def test_a_store_url_beside_the_sections_it_owns_is_refused_by_the_model(section):
+    """StoreConfig.from_dict took store.url and tiers, and open_store then ignored the tiers silently
+    (fresh-user trial 9; only the engines' splitter refused them)."""
+    doc = {"store": {"url": "unix:///run/n.sock"}, **section}
+    with pytest.raises(ConfigError) as e:
+        StoreConfig.from_dict(doc)
+    assert "store.url='unix:///run/n.sock' names the node service" in str(e.value)
+    assert f"remove {sorted(section)}" in str(e.value)
+    assert StoreConfig.from_dict(section).store.url is None
+    assert StoreConfig.from_dict({"store": {"url": "unix:///run/n.sock"}}).tiers == StoreConfig().tiers
