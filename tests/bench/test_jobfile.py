@@ -215,7 +215,11 @@ def test_bare_unknown_key_in_job_file_is_called_unknown(tmp_path):
 
 @pytest.mark.parametrize(
     "text, held",
-    [("", "no section at all"), ("; only a comment\n", "no section at all"), ("[global]\nbs=4k\n", "only a [global]")],
+    [
+        ("", "no section at all"),
+        ("; only a comment\n", "no section at all"),
+        ("[global]\nbs=4k\n", "only a [global]"),
+    ],
 )
 def test_job_file_without_a_job_says_what_it_holds(tmp_path, text, held):
     """An empty job file said "no job section (only [global])" with no [global] in it (trial 9)."""

@@ -459,4 +459,5 @@ def test_another_int_socket_mode_says_to_quote_it(tmp_path, value):
     doc = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "socket_mode": value})
     with pytest.raises(ConfigError) as e:
         parse_config(doc)
-    assert f"node.socket_mode={value}" in str(e.value) and "write the mode quoted, e.g. '0600'" in str(e.value)
+    assert f"node.socket_mode={value}" in str(e.value)
+    assert "write the mode quoted, e.g. '0600'" in str(e.value)
