@@ -164,3 +164,37 @@ def test_an_empty_nvme_path_says_what_a_path_is_without_the_sections_body():
     msg = str(e.value)
     assert "{...}" not in msg and "(document)" not in msg
     assert "needs a path" in msg and "nvme_path=" in msg
+
+
+@pytest.mark.parametrize("value", [-5, "-5s", 0, "0s", "2d", 1e9, float("nan")])
+def test_store_timeout_is_refused_once_with_the_range_the_client_takes(value):
+    """-5 was "must be >= 0" but 0 "> 0", and "2d" and 1e9 passed the model and were then refused
+    by open_store as outside (0, 86400] (fresh-user trial 9): one check, one message, at load."""
+    with pytest.raises(ConfigError) as e:
+        parse_model(StoreConfig, {"store": {"url": "unix:///run/n.sock", "timeout_s": value}}, "store config")
+    assert f"store.timeout_s={value!r}: must be a finite number of seconds in (0, 86400]" in str(e.value)
+
+
+@pytest.mark.parametrize("value, want", [(86400, 86400.0), ("1d", 86400.0), ("500ms", 0.5), (2, 2.0)])
+def test_store_timeout_accepted_is_one_the_client_takes(value, want):
+    from tierstore.units import check_duration_s
+
+    cfg = parse_model(
+        StoreConfig, {"store": {"url": "unix:///run/n.sock", "timeout_s": value}}, "store config"
+    )
+    assert cfg.store.timeout_s == want == check_duration_s(cfg.store.timeout_s, "timeout_s")
+
+
+@pytest.mark.parametrize(
+    "section", [{"tiers": {"host": {"capacity_bytes": "1GiB"}}}, {"policies": {}}, {"remote": None}]
+)
+def test_a_store_url_beside_the_sections_it_owns_is_refused_by_the_model(section):
+    """StoreConfig.from_dict took store.url and tiers, and open_store then ignored the tiers silently
+    (fresh-user trial 9; only the engines' splitter refused them)."""
+    doc = {"store": {"url": "unix:///run/n.sock"}, **section}
+    with pytest.raises(ConfigError) as e:
+        StoreConfig.from_dict(doc)
+    assert "store.url='unix:///run/n.sock' names the node service" in str(e.value)
+    assert f"remove {sorted(section)}" in str(e.value)
+    assert StoreConfig.from_dict(section).store.url is None
+    assert StoreConfig.from_dict({"store": {"url": "unix:///run/n.sock"}}).tiers == StoreConfig().tiers

@@ -42,6 +42,7 @@ from .schema import (  # noqa: F401
     PositiveDurationS,
     SizeBytes,
     StrictModel,
+    WaitS,
     format_validation_error,
     parse_model,
     read_yaml,
@@ -320,7 +321,7 @@ class StoreLocation(StrictModel):
     """
 
     url: str | None = None
-    timeout_s: PositiveDurationS = 5.0
+    timeout_s: WaitS = 5.0
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
     @field_validator("url")
@@ -337,7 +338,8 @@ class StoreConfig(StrictModel):
     ``layout`` may be left out where the caller knows it (an engine connector
     derives it from the engine's model config). ``store.url`` names a node service
     instead (:class:`StoreLocation`; opened by
-    :func:`tierstore.integrations._common.open_store`).
+    :func:`tierstore.integrations._common.open_store`); ``tiers``, ``policies`` and
+    ``remote`` are then the service's, and refused here.
     """
 
     layout: LayoutConfig | None = None
@@ -345,6 +347,18 @@ class StoreConfig(StrictModel):
     policies: PoliciesConfig = PoliciesConfig()
     remote: RemoteConfig | None = None
     store: StoreLocation = StoreLocation()
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        """``store.url`` names the node service, whose tiers and policies are its own: ``tiers``,
+        ``policies`` or ``remote`` given beside it would be ignored, so they are refused."""
+        owned = sorted(k for k in ("tiers", "policies", "remote") if k in self.model_fields_set)
+        if self.store.url is not None and owned:
+            raise ValueError(
+                f"store.url={self.store.url!r} names the node service, whose tiers and policies are "
+                f"its own; remove {owned} (or store.url, for a store embedded in this process)"
+            )
+        return self
 
     @classmethod
     def from_dict(cls, doc: Any, what: str = "store config") -> StoreConfig:

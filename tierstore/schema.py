@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .units import parse_size, parse_time_s
+from .units import MAX_DURATION_S, check_duration_s, parse_size, parse_time_s
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -37,6 +37,7 @@ __all__ = [
     "DurationS",
     "OptionalSizeBytes",
     "PositiveDurationS",
+    "WaitS",
     "SizeBytes",
     "StrictModel",
     "format_validation_error",
@@ -89,6 +90,13 @@ def _positive(v: float) -> float:
     return v
 
 
+def _wait(v: Any, info: ValidationInfo) -> float:
+    key = info.field_name or "duration"
+    if isinstance(v, str) and v.strip().startswith("-"):  # parse_time_s would say ">= 0"
+        raise ValueError(f"must be a finite number of seconds in (0, {MAX_DURATION_S:g}]")
+    return check_duration_s(parse_time_s(v, key) if isinstance(v, str) else v, key)
+
+
 #: Bytes: an int or a size string (``4k``, ``16MiB``), parsed before validation.
 SizeBytes = Annotated[int, BeforeValidator(_size)]
 #: :data:`SizeBytes` or ``None``.
@@ -97,6 +105,10 @@ OptionalSizeBytes = Annotated[int | None, BeforeValidator(_size_or_none)]
 DurationS = Annotated[float, BeforeValidator(_dur)]
 #: :data:`DurationS` that must be > 0 (a timeout, a lease).
 PositiveDurationS = Annotated[float, BeforeValidator(_dur), AfterValidator(_positive)]
+#: A wait a client hands to :func:`tierstore.units.check_duration_s`: a number of seconds or a
+#: duration string in ``(0, MAX_DURATION_S]`` (a day), checked here once with that check's
+#: range and message, so a config the model accepts is one the client opens.
+WaitS = Annotated[float, BeforeValidator(_wait)]
 
 
 def _accepted_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:

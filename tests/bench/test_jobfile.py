@@ -183,3 +183,48 @@ def test_job_file_syntax_errors_say_the_line_as_fio_does(tmp_path, text, needle)
     with pytest.raises(ConfigError) as e:
         parse_jobs(job_files=[str(p)])
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["size", "bs", "iodepth", "rw"])
+def test_value_key_without_value_in_job_file_is_refused(tmp_path, key):
+    """A bare ``size`` line became ``size=1`` (one block run; a bare ``bs`` failed later as
+    "bs=1: ... multiple of 4096"); fio allows a bare key only for boolean options (fresh-user
+    trial 9)."""
+    p = tmp_path / "j.fio"
+    p.write_text(f"[global]\nrw=read\n[j]\n{key}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_jobs(job_files=[str(p)])
+    assert f"j.fio' [j]: '{key}' has no value" in str(e.value)
+    assert f"write {key}=VALUE" in str(e.value)
+
+
+def test_bare_boolean_keys_in_job_file_mean_1(tmp_path):
+    p = tmp_path / "j.fio"
+    p.write_text("[j]\nrw=read\nsize=1m\ndirect\ntime_based\ngroup_reporting\nstonewall\n")
+    (job,) = parse_jobs(job_files=[str(p)])
+    assert job.options["direct"] and job.options["time_based"] and job.options["group_reporting"]
+    assert job.explicit["time_based"] == "1"
+
+
+def test_bare_unknown_key_in_job_file_is_called_unknown(tmp_path):
+    p = tmp_path / "j.fio"
+    p.write_text("[j]\nrw=read\nnosuchkey\n")
+    with pytest.raises(ConfigError, match="nosuchkey: unknown option"):
+        parse_jobs(job_files=[str(p)])
+
+
+@pytest.mark.parametrize(
+    "text, held",
+    [
+        ("", "no section at all"),
+        ("; only a comment\n", "no section at all"),
+        ("[global]\nbs=4k\n", "only a [global]"),
+    ],
+)
+def test_job_file_without_a_job_says_what_it_holds(tmp_path, text, held):
+    """An empty job file said "no job section (only [global])" with no [global] in it (trial 9)."""
+    p = tmp_path / "j.fio"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_jobs(job_files=[str(p)])
+    assert f"no job section: it holds {held}" in str(e.value)

@@ -95,3 +95,16 @@ def test_a_read_job_without_size_reads_the_file_at_its_size(tmp_path, run_bench)
     assert rc == 0, err
     assert "io=3072KiB" in out
     assert hashlib.sha256(f.read_bytes()).hexdigest() == digest
+
+
+@pytest.mark.parametrize("rw", ["read", "randread"])
+def test_a_read_job_without_size_on_a_file_under_one_block_says_so(tmp_path, run_bench, rw):
+    """A 6-byte file with bs=4k and no size= was refused as "would extend it to size=67108864
+    bytes", a size the user never gave (fresh-user trial 9)."""
+    f = tmp_path / "tiny"
+    f.write_bytes(b"hello\n")
+    rc, out, err = run_bench("--name=r", f"--rw={rw}", f"--filename={f}", "--bs=4k")
+    assert rc != 0 and out == ""
+    assert "the file holds 6 bytes, less than one block of bs=4096" in err and "Nothing was written" in err
+    assert "67108864" not in err
+    assert f.read_bytes() == b"hello\n"

@@ -689,3 +689,24 @@ def test_a_bad_store_keys_argument_raises_before_anything_is_sent_and_the_sessio
         assert c.counters["down"] == 0 and c.counters["connects"] == 1
     finally:
         c.close()
+
+
+def test_the_node_service_logs_how_long_prefaulting_its_segment_took(tmp_path, caplog):
+    """tierstore/server/README.md: "the `prefaulted` log line says how long"; with a node section
+    the node service prefaulted its shared segment without any line (fresh-user trial 9)."""
+    import logging
+
+    from tierstore.node.server import open_node_core
+    from tierstore.server.config import parse_config
+
+    cfg = parse_config(make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock")}))
+    with caplog.at_level(logging.INFO, logger="tierstore.node.server"):
+        core = open_node_core(cfg)
+    try:
+        said = [r for r in caplog.records if r.getMessage() == "prefaulted"]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        fields = said[0].fields
+        assert fields["event"] == "prefaulted" and fields["seconds"] >= 0
+        assert fields["method"] in ("madvise", "touch") and fields["bytes"] == core.segment.size_bytes
+    finally:
+        core.close()

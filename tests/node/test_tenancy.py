@@ -174,6 +174,8 @@ def test_a_tenants_stats_over_the_socket_show_its_own_figures_only(daemon):
     try:
         before, acme_before = bravo.stats(), acme.stats()
         assert before["tenant"]["name"] == "bravo" and acme_before["tenant"]["name"] == "acme"
+        # bravo has no quota: None, not the config's 2**62 (fresh-user trial 9); acme's is 64 MiB
+        assert before["tenant"]["quota_bytes"] is None and acme_before["tenant"]["quota_bytes"] == 64 << 20
         assert "blocks" not in before and "bytes_per_tier" not in before and "node" not in before
         assert acme.store(NS, _tokens(9500, 3), _data(13, 3)) == [Status.OK] * 3
         st, _ = acme.load(acme.lookup(NS, _tokens(9500, 3)))

@@ -440,3 +440,24 @@ def test_a_torn_tail_is_ended_before_the_next_record_is_appended(tmp_path):
     again = Tenancy(cfg, 4096, b"\x01" * 16)
     assert again.scope_owner == {scope: owner}
     assert reg.read_bytes().startswith(b'{"scope": "ab\n{')
+
+
+@pytest.mark.parametrize("written, mode", [("0600", "0600"), ("0660", "0660"), ("'0660'", "0660")])
+def test_an_unquoted_socket_mode_is_the_same_mode(tmp_path, written, mode):
+    """``socket_mode: 0600`` unquoted is the YAML 1.1 octal int 384, which was refused as
+    "node.socket_mode=384: Input should be '0600' or '0660'" (fresh-user trial 9)."""
+    doc = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock")})
+    text = yaml.safe_dump(doc).replace("socket: ", f"socket_mode: {written}\n  socket: ", 1)
+    path = tmp_path / "daemon.yaml"
+    path.write_text(text)
+    assert yaml.safe_load(text)["node"]["socket_mode"] in (mode, int(mode, 8))
+    assert load_config(str(path)).node.socket_mode == mode
+
+
+@pytest.mark.parametrize("value", [0o644, 600, 0o777])
+def test_another_int_socket_mode_says_to_quote_it(tmp_path, value):
+    doc = make_config(str(tmp_path), node={"socket": str(tmp_path / "node.sock"), "socket_mode": value})
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc)
+    assert f"node.socket_mode={value}" in str(e.value)
+    assert "write the mode quoted, e.g. '0600'" in str(e.value)

@@ -190,11 +190,28 @@ def _is_own(path: str) -> bool:
 
 def _size_from_file(options: dict[str, Any], path: str | None) -> dict[str, Any]:
     """fio's rule: without ``size=``, a job on an existing regular file uses the file's size
-    (whole ``bs`` blocks), so reading a file never extends it."""
+    (whole ``bs`` blocks), so reading a file never extends it.
+
+    Raises
+    ------
+    ConfigError
+        For a read job (``rw=read``/``randread``, no ``format=1``) on a non-empty file smaller
+        than one block: it has no whole block to read, and the default ``size=`` would extend
+        a file the user only asked to read.
+    """
     if "size" in options.get("_explicit", frozenset()) or not path or not os.path.isfile(path):
         return options
     n = os.path.getsize(path)
-    return {**options, "size": n - n % options["bs"]} if n >= options["bs"] else options
+    bs = options["bs"]
+    if n >= bs:
+        return {**options, "size": n - n % bs}
+    if 0 < n and options["rw"] in ("read", "randread") and not options.get("format"):
+        raise ConfigError(
+            f"filename={path!r}: the file holds {n} bytes, less than one block of bs={bs}, so "
+            f"rw={options['rw']} has nothing to read (without size= a job reads an existing file's "
+            "whole blocks); to lay the file out to a size first, give size= and format=1. Nothing was written"
+        )
+    return options
 
 
 def _check_overwrite(options: dict[str, Any], path: str, device: bool, writes: bool) -> None:

@@ -667,8 +667,9 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     Parameters
     ----------
     path : str
-        The job file. ``#`` and ``;`` start comments; a key without ``=`` (such
-        as ``time_based``) means ``1``, as in fio.
+        The job file. ``#`` and ``;`` start comments; a boolean key without
+        ``=`` (such as ``time_based``) means ``1``, as in fio; any other key
+        without a value is an error.
 
     Returns
     -------
@@ -678,7 +679,8 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     Raises
     ------
     ConfigError
-        If the file cannot be read or is not valid INI.
+        If the file cannot be read or is not valid INI, or a key that takes a
+        value has none.
     """
     parser = configparser.ConfigParser(
         allow_no_value=True,
@@ -718,9 +720,27 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
         raise ConfigError(f"job file {path!r}: {exc.message}") from None
     sections = []
     for section in parser.sections():
-        raw = {k.strip(): ("1" if v is None else v.strip()) for k, v in parser.items(section)}
+        raw = {
+            k.strip(): (_bare_key(path, section, k.strip()) if v is None else v.strip())
+            for k, v in parser.items(section)
+        }
         sections.append((section, raw))
     return sections
+
+
+def _bare_key(path: str, section: str, key: str) -> str:
+    """The value of a job-file key written without ``=``: ``1`` for a boolean (fio's ``time_based``),
+    an error for a key that takes a value (fio's rule; ``size`` alone is not ``size=1``).
+
+    An unknown key passes here as ``1``, so that :func:`_validate_raw` says it is unknown.
+    """
+    spec = SCHEMA.get(ALIASES.get(key, key))
+    if spec is not None and spec.kind != "bool":
+        raise ConfigError(
+            f"job file {path!r} [{section}]: {key!r} has no value; only boolean options (such as "
+            f"direct or time_based) may be written alone: write {key}=VALUE"
+        )
+    return "1"
 
 
 def _validate_raw(raw: Mapping[str, str], where: str) -> dict[str, str]:
@@ -793,7 +813,8 @@ def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequenc
     for path in job_files:
         global_raw: dict[str, str] = {}
         found = False
-        for section, raw in read_job_file(path):
+        sections = read_job_file(path)
+        for section, raw in sections:
             where = f"{path} [{section}]"
             checked = _validate_raw(raw, where)
             if section == "global":
@@ -804,7 +825,10 @@ def parse_jobs(flags: Sequence[str] | Mapping[str, str] = (), job_files: Sequenc
             own = {**checked, **{k: v for k, v in cli_globals.items() if k in checked}}
             jobs.append(_finish(section, merged, own, {**global_raw, **cli_globals}))
         if not found:
-            raise ConfigError(f"job file {path!r}: no job section (only [global])")
+            held = "only a [global] section" if sections else "no section at all (empty, or only comments)"
+            raise ConfigError(
+                f"job file {path!r}: no job section: it holds {held}; a job is a [name] section"
+            )
     if not jobs:
         jobs.append(_finish("", dict(cli_globals), dict(cli_globals), {}))
     _assign_groups(jobs)

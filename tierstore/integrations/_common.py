@@ -214,26 +214,18 @@ def split_extra_config(
         accepted = sorted(set(StoreConfig.model_fields) - set(refuse) | own_keys)
         raise ConfigError(f"invalid {what}: unknown key(s) {unknown}; accepted keys are {accepted}{note}")
     store_cfg = StoreConfig.from_dict(doc, what)
-    _check_store_source(store_cfg, doc, what, secondary)
+    _check_store_source(store_cfg, what, secondary)
     return store_cfg, parse_model(
         section_model, own, what if section is None else f"{what} section {section!r}"
     )
 
 
-def _check_store_source(
-    store_cfg: StoreConfig, doc: Mapping[str, Any], what: str, secondary: str | None
-) -> None:
-    """:func:`split_extra_config`'s checks of where the store is: with ``store.url`` (the node
-    service's store) no ``tiers``, ``policies`` or ``remote``; embedded below the engine's HBM
-    (``secondary``), no HBM tier and at least a host or an NVMe tier. Raises ``ConfigError``."""
-    if store_cfg.store.url is not None:
-        owned = sorted(k for k in ("tiers", "policies", "remote") if k in doc)
-        if owned:
-            raise ConfigError(
-                f"invalid {what}: store.url={store_cfg.store.url!r} names the node service, whose "
-                f"tiers and policies are its own; remove {owned}"
-            )
-    elif secondary is not None:
+def _check_store_source(store_cfg: StoreConfig, what: str, secondary: str | None) -> None:
+    """:func:`split_extra_config`'s check of where the store is: embedded below the engine's HBM
+    (``secondary``), no HBM tier and at least a host or an NVMe tier (with ``store.url``, the
+    node service's store, :class:`StoreConfig` itself refuses ``tiers``, ``policies`` and
+    ``remote``). Raises ``ConfigError``."""
+    if store_cfg.store.url is None and secondary is not None:
         t = store_cfg.tiers
         if t.hbm.capacity_bytes:
             raise ConfigError(f"invalid {what}: tiers.hbm must be 0; {secondary}")

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..errors import ConfigError, Status
-from ..server.config import DaemonConfig
+from ..server.config import NO_QUOTA_BYTES, DaemonConfig
 from ..server.http import ApiError
 from ..server.tenancy import Tenancy
 from ..units import check_duration_s
@@ -159,16 +159,24 @@ class NodeAccess:
         block is its own or of a public namespace only it can write)."""
         return self._tenants <= {tenant}
 
+    def quota_bytes(self, tenant: str) -> int | None:
+        """``tenant``'s byte quota, or ``None`` when it has none (the config's "no quota" value,
+        :data:`~tierstore.server.config.NO_QUOTA_BYTES`, is no figure to show; ``+Inf`` in
+        ``/metrics``)."""
+        q = self.tenancy.quota_bytes.get(tenant)
+        return None if q is None or q >= NO_QUOTA_BYTES else q
+
     def tenant_stats(self, tenant: str, core) -> dict:
         """A ``Stats`` reply's body for ``tenant`` on a daemon of several tenants: its own
-        resident bytes and quota (:meth:`Tenancy.owner_usage_bytes`) and the pool ``core``'s
+        resident bytes and quota (:meth:`Tenancy.owner_usage_bytes`; :meth:`quota_bytes`, ``None``
+        for none) and the pool ``core``'s
         fixed geometry; no figure that another tenant's activity moves."""
         h = core.segment.header
         return {
             "tenant": {
                 "name": tenant,
                 "usage_bytes": self.tenancy.owner_usage_bytes(tenant, self.store),
-                "quota_bytes": self.tenancy.quota_bytes.get(tenant),
+                "quota_bytes": self.quota_bytes(tenant),
             },
             "pool": {
                 "name": core.name,

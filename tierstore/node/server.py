@@ -739,7 +739,8 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
     remote tier; puts as the HTTP daemon makes them (``puts.durable``: write-through, every
     acknowledged block on NVMe), its pin quota and default lease; tickets quarantined, not
     aborted, past ``node.lease_s`` (the server frees them once their client is gone). The
-    segment is faulted in before this returns.
+    segment is faulted in before this returns, and the ``prefaulted`` log line (INFO) says how
+    long it took (``seconds``), how (``method``) and over how many ``bytes``.
 
     Raises
     ------
@@ -760,11 +761,21 @@ def open_node_core(cfg: DaemonConfig) -> NodeCore:
         lease_s=node.lease_s,
         quarantine_expired=True,
     )
+    t0 = time.perf_counter()
     try:
-        core.segment.prefault()  # host memory allocated now, not by the first copy into each slot
+        method = core.segment.prefault()  # host memory allocated now, not by the first copy into each slot
     except TierStoreError:
         core.close()
         raise
+    # the HTTP daemon's line for its host pool (tierstore/server/README.md: "says how long")
+    fields = {
+        "event": "prefaulted",
+        "populated": True,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "method": method,
+        "bytes": core.segment.size_bytes,
+    }
+    _log.info("prefaulted", extra={"fields": fields})
     return core
 
 

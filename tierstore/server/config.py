@@ -28,6 +28,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: a tenant's byte quota when its config gives none (no limit; ``+Inf`` in /metrics)
 NO_QUOTA_BYTES = 1 << 62
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+#: node.socket_mode given as an int (an unquoted ``0600`` in YAML 1.1 is octal: 384) -> its text
+_SOCKET_MODES = {0o600: "0600", 0o660: "0660"}
 
 
 class ListenConfig(StrictModel):
@@ -182,7 +184,8 @@ class NodeConfig(StrictModel):
     host tier is a shared memory segment that engine processes map.
 
     ``socket`` is the listening path (its directory must exist); ``socket_mode`` its file
-    mode (``"0600"``: this user only; ``"0660"``: also the group).
+    mode (``"0600"``: this user only; ``"0660"``: also the group; unquoted in YAML, ``0600``
+    reads as the octal int 384 and ``0660`` as 432, taken as the same modes).
 
     Access, one rule: a session is admitted when its peer process's uid (``SO_PEERCRED``) is
     in ``allow_uids`` (null: the service's own uid) or its gid in ``allow_gids``; it is then
@@ -220,6 +223,19 @@ class NodeConfig(StrictModel):
         description="admit a daemon of several tenants: every session maps the host tier, so each "
         "can read and overwrite every tenant's blocks there",
     )
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _mode_int(cls, v):
+        """YAML 1.1 reads an unquoted ``0600`` as the octal int 384 (``0660``: 432): the same modes."""
+        if isinstance(v, int) and not isinstance(v, bool):
+            if v in _SOCKET_MODES:
+                return _SOCKET_MODES[v]
+            raise ValueError(
+                f"{v} (octal {v:#o}) is not a socket mode this service sets (0o600 or 0o660); "
+                "write the mode quoted, e.g. '0600' or '0660'"
+            )
+        return v
 
     @field_validator("socket")
     @classmethod
