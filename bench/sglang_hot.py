@@ -8,9 +8,11 @@ every loaded page is compared with its source. Torch's threading is left as it i
 
 Modes:
 
-* default: ``--runs`` passes per class in this process; prints microseconds per page.
+* default: ``--runs`` passes per class in this process; prints microseconds per page, wall and
+  the calling thread's CPU time of the get (``time.thread_time``, a figure the host's load moves
+  far less); ``--gets N`` loads the pages N times a pass and takes the median.
 * ``--profile``: one more pass under ``cProfile``; prints the top functions by own time for the
-  set and the get (the per-page breakdown).
+  set and the get (the per-page breakdown) and the Python-level calls a ``batch_*_v1`` call makes.
 * ``--base TREE``: side by side with another checkout (e.g. ``git worktree add /tmp/base main``):
   each run is one child process per tree (``PYTHONPATH`` = that tree, this script), in the order
   A B / B A alternating (ABBA); the table gives per-tree medians with min-max and the per-run
@@ -41,8 +43,14 @@ HERE = pathlib.Path(__file__).resolve().parent
 STUBS = HERE.parent / "tests" / "integrations" / "sglang" / "stubs"
 
 
-def _pass(cls: str, total: int, profile: bool) -> dict:
-    """One pass of one class in this process: a fresh store, set every page, get every page."""
+def _pass(cls: str, total: int, profile: bool, gets: int = 1) -> dict:
+    """One pass of one class in this process: a fresh store, set every page, get every page
+    ``gets`` times (the figures: medians over the gets; the first get pays warm-ups).
+
+    Besides wall time per page, the calling thread's CPU time per page (``time.thread_time``: the
+    part of the cost that does not depend on how busy the host is, copy threads excluded) and with
+    ``profile`` the Python-level calls a ``batch_set_v1``/``batch_get_v1`` call makes (``cProfile``
+    over the set and the last get)."""
     import sglang_bench as sb
     import torch
     from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageExtraInfo
@@ -72,21 +80,29 @@ def _pass(cls: str, total: int, profile: bool) -> dict:
             if not all(got):
                 raise RuntimeError(f"get of batch {i // B} loaded {sum(got)}/{len(kb)}")
 
-    out: dict = {"pages": n, "page_bytes": page_bytes}
-    prof = cProfile.Profile() if profile else None
-    for name, fn in (("set", set_all), ("get", get_all)):
+    out: dict = {"pages": n, "page_bytes": page_bytes, "calls": len(batches)}
+    phases = [("set", set_all)] + [("get", get_all)] * gets
+    for k, (name, fn) in enumerate(phases):
+        prof = cProfile.Profile() if profile and (k == 0 or k == len(phases) - 1) else None
         if prof is not None:
             prof.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if prof is not None:
             prof.disable()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
-            out[f"{name}_profile"] = s.getvalue()
-            prof = cProfile.Profile()
-        out[f"{name}_us_per_page"] = dt / n * 1e6
+            st = pstats.Stats(prof, stream=io.StringIO())
+            out[f"{name}_py_calls_per_call"] = st.total_calls / len(batches)  # type: ignore[attr-defined]
+            st.sort_stats("tottime").print_stats(22)
+            out[f"{name}_profile"] = st.stream.getvalue()  # type: ignore[attr-defined]
+        out.setdefault(f"{name}_us_per_page_all", []).append(dt / n * 1e6)
+        out.setdefault(f"{name}_cpu_us_per_page_all", []).append(cpu / n * 1e6)
+    for name in ("set", "get"):  # a profiled pass is slower: it is left out where there are others
+        for k in ("us_per_page", "cpu_us_per_page"):
+            vals = out[f"{name}_{k}_all"]
+            if profile and name == "get" and len(vals) > 1:
+                vals = vals[:-1]
+            out[f"{name}_{k}"] = statistics.median(vals)
     src = pool.kv_buffer[:, : n * P].view(torch.uint8)
     dst = pool.kv_buffer[:, n * P : 2 * n * P].view(torch.uint8)
     if not torch.equal(src, dst):
@@ -99,11 +115,11 @@ def _summary(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-def _child(tree: pathlib.Path, classes: str, total: int) -> dict:
+def _child(tree: pathlib.Path, classes: str, total: int, gets: int) -> dict:
     """One pass of each class in a child process whose ``tierstore`` is ``tree``'s."""
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{STUBS}")
     r = subprocess.run(
-        [sys.executable, __file__, "--child", classes, "--total", str(total)],
+        [sys.executable, __file__, "--child", classes, "--total", str(total), "--gets", str(gets)],
         env=env,
         capture_output=True,
         text=True,
@@ -119,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", default="16KiB,128KiB")
     ap.add_argument("--total", default="64m", help="bytes of pages per pass (each class)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--gets", type=int, default=1, help="get passes a run (their median)")
     ap.add_argument("--profile", action="store_true", help="also profile one pass (cProfile)")
     ap.add_argument("--base", default=None, help="another checkout to run side by side (ABBA)")
     ap.add_argument("--json", default=None)
@@ -128,7 +145,7 @@ def main(argv=None) -> int:
 
     total = parse_size(args.total, "total")
     if args.child:
-        print(json.dumps({c: _pass(c, total, False) for c in args.child.split(",")}))
+        print(json.dumps({c: _pass(c, total, False, args.gets) for c in args.child.split(",")}))
         return 0
     here = HERE.parent
     res: dict = {
@@ -142,9 +159,9 @@ def main(argv=None) -> int:
             order = [("base", pathlib.Path(args.base)), ("this", here)]
             if r % 2:
                 order.reverse()
-            got = {name: _child(tree, args.classes, total) for name, tree in order}
+            got = {name: _child(tree, args.classes, total, args.gets) for name, tree in order}
         else:
-            got = {"this": {c: _pass(c, total, False) for c in classes}}
+            got = {"this": {c: _pass(c, total, False, args.gets) for c in classes}}
         load = os.getloadavg()[0]
         for cls in classes:
             one = {name: g[cls] for name, g in got.items()}
@@ -154,6 +171,7 @@ def main(argv=None) -> int:
                 f"[{cls} run {r + 1}/{args.runs}] "
                 + "  ".join(
                     f"{k}: set {v['set_us_per_page']:.1f} get {v['get_us_per_page']:.1f} us/page"
+                    f" (get CPU {v['get_cpu_us_per_page']:.1f})"
                     for k, v in one.items()
                     if isinstance(v, dict)
                 )
@@ -168,10 +186,10 @@ def main(argv=None) -> int:
             "runs": runs,
         }
         for who in ("this", "base") if args.base else ("this",):
-            for k in ("set_us_per_page", "get_us_per_page"):
+            for k in ("set_us_per_page", "get_us_per_page", "get_cpu_us_per_page"):
                 out[f"{who}_{k}"] = _summary([x[who][k] for x in runs])
         if args.base:
-            for k in ("set_us_per_page", "get_us_per_page"):
+            for k in ("set_us_per_page", "get_us_per_page", "get_cpu_us_per_page"):
                 out[f"speedup_{k}"] = _summary([x["base"][k] / x["this"][k] for x in runs])
         res["classes"][cls] = out
         print(f"\n{cls} ({out['pages']} pages of {out['page_bytes']} B), median (min-max) of {args.runs}:")
@@ -179,9 +197,16 @@ def main(argv=None) -> int:
             if isinstance(v, dict) and "median" in v:
                 print(f"  {k:28s} {v['median']:8.2f} ({v['min']:.2f}-{v['max']:.2f})")
         if args.profile:
-            p = _pass(cls, total, True)
-            print(f"\nprofile, set ({p['set_us_per_page']:.1f} us/page profiled):\n{p['set_profile']}")
-            print(f"profile, get ({p['get_us_per_page']:.1f} us/page profiled):\n{p['get_profile']}")
+            p = _pass(cls, total, True, max(2, args.gets))
+            for name in ("set", "get"):
+                print(
+                    f"\nprofile, {name} ({p[f'{name}_us_per_page_all'][-1]:.1f} us/page profiled, "
+                    f"{p[f'{name}_py_calls_per_call']:.0f} Python-level calls a call of "
+                    f"{p['pages'] // p['calls']} pages):\n{p[f'{name}_profile']}"
+                )
+            res["classes"][cls]["py_calls_per_call"] = {
+                k: p[f"{k}_py_calls_per_call"] for k in ("set", "get")
+            }
     res["config"]["loadavg_end"] = os.getloadavg()
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))

@@ -368,8 +368,8 @@ def scoped_key(ns_digest: bytes, external_key: bytes | str) -> BlockKey:
 
 
 def scoped_keys(ns_digest: bytes, external_keys: Sequence[bytes | str]) -> list[BlockKey]:
-    """:func:`scoped_key` of every key of a batch, in one pass: the domain and namespace are
-    hashed once and each key continues a copy of that state (the same digests).
+    """:func:`scoped_key` of every key of a batch, in one pass (the same digests): the keys'
+    types and emptiness checked once for the batch, one ``sha256(prefix + key)`` a key.
 
     Raises
     ------
@@ -378,15 +378,18 @@ def scoped_keys(ns_digest: bytes, external_keys: Sequence[bytes | str]) -> list[
     """
     if not isinstance(ns_digest, (bytes, bytearray)) or len(ns_digest) != 32:
         raise ConfigError("ns_digest must be a 32-byte namespace digest")
-    base = hashlib.sha256(_EXTERNAL_DOMAIN)
-    base.update(ns_digest)
-    out: list[BlockKey] = []
-    append, copy = out.append, base.copy
-    for k in external_keys:
-        raw = k.encode("utf-8") if isinstance(k, str) else bytes(k)
-        if not raw:
-            raise ConfigError("external_key is empty")
-        h = copy()
-        h.update(raw)
-        append(h.digest())
-    return out
+    add = (_EXTERNAL_DOMAIN + bytes(ns_digest)).__add__
+    kinds = set(map(type, external_keys))
+    raws: Iterable[bytes]
+    if kinds <= {str}:  # an engine's keys (SGLang's are str): encoded (UTF-8) in C
+        raws = map(str.encode, external_keys)  # type: ignore[arg-type]  # all str
+    elif kinds <= {bytes}:
+        raws = external_keys  # type: ignore[assignment]  # all bytes
+    else:
+        raws = [k.encode("utf-8") if isinstance(k, str) else bytes(k) for k in external_keys]
+    if not all(raws if isinstance(raws, list) else external_keys):  # str/bytes: empty iff encoded empty
+        raise ConfigError("external_key is empty")
+    # domain and namespace are 53 bytes, less than SHA-256's 64-byte block: hashing them again per
+    # key costs no compression that copying a started hash would save; one C call a key
+    sha = hashlib.sha256
+    return [sha(add(r)).digest() for r in raws]

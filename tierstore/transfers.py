@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .contract import LoadPlan, LookupResult, StorePlan, Tier
@@ -290,7 +291,8 @@ class Transfers:
         if self.planner is not None and self.planner.publishes_reused:
             local = [i for i, s in enumerate(st) if s is Status.OK and plan.sources[i] is not None]
             self._publish([keys[i] for i in local], [plans[i] for i in local], hits=1)
-        used = max((src[0] for src in plan.sources if src is not None), default=None)
+        # the slowest tier read (C-level: no Python frame a key; a source is a non-empty tuple)
+        used = max(map(itemgetter(0), filter(None, plan.sources)), default=None)
         if used is not None:
             self.index.metrics.record_load_ns(used.label, time.perf_counter_ns() - t0)
         return st

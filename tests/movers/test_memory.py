@@ -10,6 +10,7 @@ from tierstore.contract import Demotion, Tier
 from tierstore.errors import LayoutError, Status
 from tierstore.io.pages import BlockRows, FragmentPlan, KVPagePool
 from tierstore.movers import LoadGate, MemoryHandler
+from tierstore.movers.memory import run_start, runs_of
 from tierstore.tiers.memory import BlockPool
 
 BB = 256
@@ -157,6 +158,8 @@ def block_bytes(buf: torch.Tensor, b: int) -> torch.Tensor:
         ([9, 1, 4, 0, 7], [5, 0, 7, 2, 3]),  # no runs: one gather
         ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 0, 1, 2, 3, 4, 5, 6, 7]),  # short runs: a gather
         (list(range(20)), list(range(20, 30)) + list(range(10))),  # two long runs: two copies
+        (range(3, 9), [0, 1, 2, 3, 4, 5]),  # a range of ids (SGLang's consecutive pages)
+        (range(3, 9), [0, 1, 2, 4, 5, 6]),  # a range of ids, slots in two runs
     ],
 )
 def test_a_page_batch_moves_like_its_blocks_one_by_one(ids, slots):
@@ -192,6 +195,15 @@ def test_a_page_batch_is_checked_once_and_refuses_what_plans_refuses():
     with pytest.raises(LayoutError, match="more than once"):
         pool.batch([1, 3, 3], destination=True)  # sorted, not ascending: no fast pass
     assert pool.batch([0, 2, 5], destination=True).row_ids == [0, 2, 5]
+    assert pool.batch(range(1, 4), destination=True).row_ids == [1, 2, 3]  # a range: bounds only
+    assert len(pool.batch(range(0), destination=True)) == 0
+    with pytest.raises(LayoutError, match="block id 6 outside"):
+        pool.batch(range(4, 7), destination=True)
+    with pytest.raises(LayoutError, match="block id 7 outside"):
+        pool.batch(range(7, 9))
+    with pytest.raises(LayoutError, match="block id -1 outside"):
+        pool.batch(range(-1, 2))
+    assert pool.batch(range(0, 6, 2)).row_ids == [0, 2, 4]  # a stepped range: the general path
     with pytest.raises(LayoutError, match="outside"):
         pool.batch([0, 6])
     with pytest.raises(LayoutError, match="not an integer"):
@@ -199,3 +211,35 @@ def test_a_page_batch_is_checked_once_and_refuses_what_plans_refuses():
     assert len(pool.batch([1, 2, 1])) == 3  # reading a block twice is fine
     b = pool.batch([4, 0])
     assert torch.equal(b[1].strided, pool.plan(0).strided) and b[0:2][0] is b[0]
+
+
+def test_run_start_finds_one_run_and_nothing_else():
+    assert run_start([4, 5, 6]) == 4 and run_start(range(7, 9)) == 7 and run_start([3]) == 3
+    assert run_start(range(5, 6, 3)) == 5  # one id is a run whatever the step
+    assert run_start([]) is None and run_start(range(0)) is None
+    assert run_start([4, 6, 5]) is None  # first and last fit a run, the middle does not
+    assert run_start([4, 4, 6]) is None and run_start([5, 4]) is None and run_start(range(0, 6, 2)) is None
+    assert run_start((1, 2, 3)) == 1
+
+
+@pytest.mark.parametrize(
+    "dst, src",
+    [
+        ([0, 1, 2], [5, 6, 7]),
+        (range(4, 8), [0, 1, 2, 3]),
+        ([0, 1, 2, 3], [5, 6, 9, 10]),
+        ([3, 1, 2], [0, 1, 2]),
+        ([7], [2]),
+        ([0, 2, 4, 5], [1, 3, 5, 6]),
+    ],
+)
+def test_runs_of_fast_pass_agrees_with_the_numpy_pass(dst, src):
+    """One run is found without numpy; every other case goes through the numpy pass: the same
+    runs either way (checked against a plain loop)."""
+    want: list[tuple[int, int, int]] = []
+    for d, s in zip(dst, src):
+        if want and want[-1][0] + want[-1][2] == d and want[-1][1] + want[-1][2] == s:
+            want[-1] = (want[-1][0], want[-1][1], want[-1][2] + 1)
+        else:
+            want.append((d, s, 1))
+    assert runs_of(dst, src) == want

@@ -30,6 +30,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -258,7 +259,7 @@ class HostPoolView:
             )
         self.page_bytes = self.layout.bytes_per_block
 
-    def page_ids(self, host_indices: torch.Tensor, n_keys: int) -> list[int]:
+    def page_ids(self, host_indices: torch.Tensor, n_keys: int) -> Sequence[int]:
         """Page numbers of ``n_keys`` pages given as SGLang host token indices.
 
         Parameters
@@ -267,6 +268,13 @@ class HostPoolView:
             1-D integer tensor of ``n_keys * page_size`` host token indices;
             each page's run must be ``start, start + 1, ...`` with ``start`` a
             multiple of ``page_size`` (what SGLang's page allocator hands out).
+
+        Returns
+        -------
+        range or list of int
+            A ``range`` when the pages are consecutive (most calls: then
+            :meth:`KVPagePool.batch` checks them without a pass over them), else a list.
+            Bounds are checked by :meth:`KVPagePool.batch`.
 
         Raises
         ------
@@ -288,15 +296,25 @@ class HostPoolView:
             return []
         # numpy on the CPU copy: a few vectorised passes per call (torch's per-op dispatch cost
         # ~10 us an op, several ops a call, more than the check itself)
-        idx = host_indices.to("cpu", torch.int64).numpy().reshape(n_keys, P)
-        starts = idx[:, 0]
-        pages, rem = np.divmod(starts, P)
-        if rem.any() or (P > 1 and (idx != starts[:, None] + np.arange(P)).any()):
-            raise LayoutError(
-                "host_indices are not whole pages (runs of page_size consecutive indices "
-                "starting at a multiple of page_size)"
-            )
-        return pages.tolist()
+        if host_indices.dtype != torch.int64 or host_indices.device.type != "cpu":
+            host_indices = host_indices.to("cpu", torch.int64)
+        idx = host_indices.numpy()
+        if P == 1:  # every index is a whole page
+            pages = idx.tolist()
+        else:
+            idx = idx.reshape(n_keys, P)
+            starts = idx[:, 0]
+            q, rem = np.divmod(starts, P)
+            if rem.any() or (idx != starts[:, None] + np.arange(P)).any():
+                raise LayoutError(
+                    "host_indices are not whole pages (runs of page_size consecutive indices "
+                    "starting at a multiple of page_size)"
+                )
+            pages = q.tolist()
+        a = pages[0]  # consecutive pages as a range: one C-level comparison, no numpy call
+        if pages[-1] - a == n_keys - 1 and pages == list(range(a, a + n_keys)):
+            return range(a, a + n_keys)
+        return pages
 
     def flat_plan(self, flat: torch.Tensor, destination: bool) -> FragmentPlan:
         """A plan for one page held as SGLang's flat data page (the copying
@@ -330,6 +348,52 @@ class HostPoolView:
         else:  # kv_layer (1, 2, F) or layer_fused (L, 1, F): the flat page is the block's byte order
             view = u8.view(outer, inner, f)
         return FragmentPlan(None, self.page_bytes, view, flat.dtype, outer * inner, destination)
+
+
+#: Engine keys whose scoped keys :class:`_ScopedMemo` keeps (~0.3 KB each with SGLang's 64-char
+#: page hashes: ~5 MiB a rank at most); when full it starts again empty.
+MEMO_KEYS = 1 << 14
+
+
+class _ScopedMemo:
+    """:func:`~tierstore.identity.scoped_keys` of one namespace, remembered for recent keys.
+
+    SGLang asks about the same page hashes in consecutive calls (``batch_exists`` then
+    ``batch_get_v1`` in a prefetch; a backup's ``batch_set_v1``, then later loads), and a
+    SHA-256 a key is ~0.6 us on this host, the largest per-page cost of a hit after the copy.
+    A scoped key depends on nothing but the namespace digest and the engine key, so a remembered
+    one is the one :func:`scoped_keys` would compute. Thread-safe: each ``dict`` call is atomic,
+    and two threads that both compute a key store the same bytes.
+    """
+
+    __slots__ = ("digest", "cap", "memo")
+
+    def __init__(self, digest: bytes, cap: int = MEMO_KEYS) -> None:
+        self.digest = digest
+        self.cap = int(cap)
+        self.memo: dict[Any, bytes] = {}
+
+    def __call__(self, keys: Sequence[Any]) -> list[bytes]:
+        """Scoped keys of ``keys``, in order. Raises as :func:`scoped_keys`."""
+        memo = self.memo
+        try:
+            got = list(map(memo.get, keys))  # C-level: no Python frame a key
+        except TypeError:  # an unhashable key (bytearray): computed, not remembered
+            return scoped_keys(self.digest, keys)
+        if None not in got:
+            return got  # type: ignore[return-value]  # no None in it
+        if got.count(None) == len(got):
+            miss, out = list(keys), scoped_keys(self.digest, keys)
+            new = out
+        else:
+            miss = [k for k, g in zip(keys, got) if g is None]
+            new = scoped_keys(self.digest, miss)
+            it = iter(new)
+            out = [g if g is not None else next(it) for g in got]
+        if len(memo) + len(miss) > self.cap:
+            memo.clear()
+        memo.update(zip(miss, new))
+        return out
 
 
 def _sglang_write_policy() -> str | None:
@@ -409,6 +473,7 @@ class HiCacheTierStore(HiCacheStorage):
         self.view: HostPoolView | None = None
         self.namespace: Namespace | None = None
         self._digest: bytes | None = None
+        self._scoped: _ScopedMemo | None = None  # the namespace's scoped keys, set with the store
         self._who = "SGLang HiCache L3"
         self._rids = itertools.count(1)
         self._metrics_lock = threading.Lock()
@@ -469,6 +534,7 @@ class HiCacheTierStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.view, self.namespace, self.store, self._who = view, ns, store, who
         self._digest = store.digest(ns)
+        self._scoped = _ScopedMemo(self._digest)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Refuse extra host pools (hybrid models' sidecars): only the KV pool is moved.
@@ -509,7 +575,7 @@ class HiCacheTierStore(HiCacheStorage):
 
     def _batch(
         self, keys: list[str], host_indices: torch.Tensor
-    ) -> tuple[KVStoreProtocol, HostPoolView, list[int]] | None:
+    ) -> tuple[KVStoreProtocol, HostPoolView, Sequence[int]] | None:
         """The store, the host pool and the page of each key of a zero-copy batch call; ``None``
         for no keys. Raises as :meth:`HostPoolView.page_ids`, before anything is moved."""
         store, view = self._require()
@@ -518,7 +584,7 @@ class HiCacheTierStore(HiCacheStorage):
         return store, view, view.page_ids(host_indices, len(keys))
 
     def _keys(self, keys: list[str]) -> list[bytes]:
-        return scoped_keys(self._digest, keys)  # type: ignore[arg-type]  # set with the store
+        return self._scoped(keys)  # type: ignore[misc]  # set with the store (_require passed)
 
     @staticmethod
     def _position(extra_info: HiCacheStorageExtraInfo | None) -> int:

@@ -549,6 +549,13 @@ class KVPagePool:
         """
         if self._base is None:
             return self.plans(block_ids, destination)
+        if isinstance(block_ids, range) and block_ids.step == 1:  # ascending, distinct: bounds only
+            if block_ids and (block_ids.start < 0 or block_ids.stop > self.num_blocks):
+                bad = block_ids.start if block_ids.start < 0 else max(self.num_blocks, block_ids.start)
+                raise LayoutError(f"block id {bad} outside the pool's [0, {self.num_blocks})")
+            if destination and self._overlap is not None:
+                raise LayoutError(f"cannot scatter into this pool: {self._overlap}")
+            return PageBatch(self, list(block_ids), destination)
         arr = np.asarray(block_ids)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             return self.plans(block_ids, destination)  # names the bad id (or a bool/float)

@@ -55,8 +55,27 @@ _ROW_COPY_BYTES = 64 << 10
 _RUN_ROWS = 8
 
 
+def run_start(ix: Sequence[int]) -> int | None:
+    """``ix[0]`` when ``ix`` is ``ix[0], ix[0] + 1, ...`` (one run), else None (also when empty).
+
+    One C-level list comparison (~1-2 us for 128 ids), no numpy call: most batches are one run
+    (SGLang's allocator hands out consecutive host pages, a fresh host tier consecutive slots)."""
+    n = len(ix)
+    if not n:
+        return None
+    a = ix[0]
+    if isinstance(ix, range):
+        return a if ix.step == 1 or n == 1 else None
+    if ix[-1] - a != n - 1:
+        return None
+    return a if (ix if isinstance(ix, list) else list(ix)) == list(range(a, a + n)) else None
+
+
 def runs_of(dst_ix: Sequence[int], src_ix: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(dst_start, src_start, length)`` of the maximal runs in which both index lists step by one."""
+    a, b = run_start(dst_ix), run_start(src_ix)
+    if a is not None and b is not None and len(dst_ix) == len(src_ix):  # one run: no numpy
+        return [(a, b, len(dst_ix))]
     d = np.asarray(dst_ix, dtype=np.int64)
     s = np.asarray(src_ix, dtype=np.int64)
     cut = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
@@ -186,8 +205,8 @@ class MemoryHandler:
         numpy gather (``dst[ix] = src[ix]``: torch's ``index_copy_`` runs per element on the CPU)."""
         for tier, (ix, sl) in by_tier(items).items():
             data = self.pools[tier].data
-            if row_ids is not None:
-                ix = [row_ids[i] for i in ix]
+            if row_ids is not None:  # the pool's block of each position (C-level map)
+                ix = list(map(row_ids.__getitem__, ix))
             slots = data if rows.dim() == 2 else data.view(data.shape[0], *rows.shape[1:])
             src, dst, src_ix, dst_ix = (rows, slots, ix, sl) if to_slots else (slots, rows, sl, ix)
             runs = runs_of(dst_ix, src_ix)

@@ -389,6 +389,62 @@ def test_malformed_host_indices_raise_and_store_nothing(tmp_path):
         b.close()
 
 
+def test_page_ids_give_a_range_for_consecutive_pages_and_bounds_are_still_checked(tmp_path):
+    """Consecutive host pages come back as a ``range`` (checked by ``KVPagePool.batch`` without a
+    pass over them), others as a list; at page size 1 every index is a page, and one past the
+    pool is still refused before anything is stored or loaded."""
+    pool = host_pool("mha", "page_first")
+    b = backend(pool, tiers(host_bytes=64 * page_bytes_of(pool)))
+    one = host_pool("mha", "page_first", page_size=1)
+    b1 = backend(one, tiers(host_bytes=64 * page_bytes_of(one)))
+    try:
+        assert b.view.page_ids(indices(pool, [3, 4, 5]), 3) == range(3, 6)
+        assert b.view.page_ids(indices(pool, [3, 5, 4]), 3) == [3, 5, 4]
+        assert b.view.page_ids(indices(pool, [7]).to(torch.int32), 1) == range(7, 8)
+        assert b1.view.page_ids(torch.tensor([4, 5, 6]), 3) == range(4, 7)
+        assert b1.view.page_ids(torch.tensor([6, 4]), 2) == [6, 4]
+        n = b1.view.num_pages
+        keys = page_hashes(2)
+        with pytest.raises(LayoutError, match=f"block id {n} outside"):
+            b1.batch_set_v1(keys, torch.tensor([n - 1, n]))
+        with pytest.raises(LayoutError, match="outside"):
+            b1.batch_set_v1(keys, torch.tensor([-1, 0]))
+        assert b1.batch_exists(keys) == 0
+        fill(one, [n - 2, n - 1], keys)
+        assert b1.batch_set_v1(keys, torch.tensor([n - 2, n - 1])) == [True, True]
+        with pytest.raises(LayoutError, match=f"block id {n} outside"):  # hits: their pages checked
+            b1.batch_get_v1(keys, torch.tensor([n, n + 1]))
+        assert b1.batch_get_v1(keys, torch.tensor([0, 1])) == [True, True]
+        assert holds(one, 0, keys[0]) and holds(one, 1, keys[1])
+    finally:
+        b.close()
+        b1.close()
+
+
+def test_scoped_keys_are_remembered_and_the_same_as_computed(tmp_path):
+    """The backend's memo of scoped keys gives what scoped_keys computes, for remembered,
+    new and mixed batches, starts again when full, and still refuses an empty key."""
+    from tierstore.identity import scoped_keys
+    from tierstore.integrations.sglang import _ScopedMemo
+
+    pool = host_pool("mha", "page_first")
+    b = backend(pool, tiers(host_bytes=64 * page_bytes_of(pool)))
+    try:
+        memo = _ScopedMemo(b._digest, cap=6)
+        keys = page_hashes(8)
+        want = scoped_keys(b._digest, keys)
+        assert memo(keys[:3]) == want[:3] and len(memo.memo) == 3
+        assert memo(keys[:3]) == want[:3]
+        assert memo(keys[1:5]) == want[1:5] and len(memo.memo) == 5  # two new ones remembered
+        assert memo(keys[4:8]) == want[4:8] and len(memo.memo) == 3  # full: started again
+        assert memo([bytearray(b"x")]) == scoped_keys(b._digest, [b"x"])  # unhashable: computed
+        with pytest.raises(ConfigError, match="empty"):
+            memo([keys[5], ""])
+        assert b._keys(keys) == want and b._keys(keys[::-1]) == want[::-1]
+    finally:
+        b.close()
+
+
 def test_no_space_reads_false(tmp_path):
     """A store with no room answers False for the pages it could not take."""
     pool = host_pool("mha", "page_first")
