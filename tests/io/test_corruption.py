@@ -226,7 +226,7 @@ def _big(eng):  # segments of 128 KiB: three 3-block extents in one chain
     return SegmentStorage(None, CAP, BB, segment_size_bytes=2 * SEG, engine=eng, extent_size_bytes=32 << 10)
 
 
-@pytest.mark.parametrize("damage", ["magic destroyed", "read error"])
+@pytest.mark.parametrize("damage", ["magic destroyed", "read error", "zeroed"])
 def test_a_damaged_extent_header_mid_chain_loses_that_extent_only_and_is_said(caplog, damage):
     """An extent header mid-chain whose magic was destroyed ended the segment's chain at reopen with
     no log line and no counter: that extent's blocks and every later extent's were lost unsaid.
@@ -244,6 +244,8 @@ def test_a_damaged_extent_header_mid_chain_loses_that_extent_only_and_is_said(ca
     assert bytes(raw[hdr : hdr + 8]) == fmt.MAGIC
     if damage == "read error":
         eng.read_errors.append((hdr, 1))
+    elif damage == "zeroed":  # fresh-user trial 10: zeros looked like the chain's normal end
+        raw[hdr : hdr + fmt.ALIGN_BYTES] = bytes(fmt.ALIGN_BYTES)
     else:
         for i in range(hdr, hdr + 64):
             raw[i] ^= 0xFF

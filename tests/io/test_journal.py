@@ -113,8 +113,9 @@ def test_crc_flip_stops_reading_there(tmp_path):
         f.write(data)
     res = read_records(p)
     assert res.records == recs[:2] and res.good_after_bad == 2
-    with pytest.raises(CorruptData, match="damaged"):
+    with pytest.raises(CorruptData, match="damaged") as ei:
         Journal(p)
+    assert "move this file aside" in str(ei.value)  # the remedy (fresh-user trial 10: none was said)
     assert open(p, "rb").read() == bytes(data)
     # the same flip in the last record is a torn tail: cut, the rest kept
     data[at] ^= 0x10

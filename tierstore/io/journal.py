@@ -390,7 +390,9 @@ class Journal(Closing):
                 raise CorruptData(
                     f"{path}: record {len(res.records)} (byte {res.valid_bytes}) is bad but "
                     f"{res.good_after_bad} "
-                    "later records are good: the journal is damaged, not torn; it was left as it is"
+                    "later records are good: the journal is damaged, not torn; it was left as it is. "
+                    "To open the tier anyway, move this file aside (the tier then opens without it: "
+                    "blocks it recorded as evicted may be recovered again) or give the tier another path"
                 )
             self.opened = res
             self.records = list(res.records)

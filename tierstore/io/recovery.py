@@ -65,9 +65,10 @@ class RecoveryCounts:
     dropped_blocks: int = 0
     invalidated_blocks: int = 0
     empty_segments: list = dataclasses.field(default_factory=list)
-    #: ``(segment, byte)`` of each extent header that carried the extent magic but failed its
-    #: checks, or could not be read: its blocks, and the rest of its segment's chain, are not
-    #: recovered (misses)
+    #: ``(segment, byte)`` of each place an extent chain broke: a header that carried the extent
+    #: magic but failed its checks, could not be read, or was overwritten (a later extent of the
+    #: chain follows): the blocks from there up to the next readable extent of the chain (or the
+    #: chain's end) are not recovered (misses); consecutive damaged extents count once
     damaged_extents: list = dataclasses.field(default_factory=list)
     #: ``(segment, payload device offset)`` of each block a journal BLOCK_DEAD record skipped
     tombstoned: list = dataclasses.field(default_factory=list)
@@ -128,10 +129,11 @@ def read_chain(
     A header that starts with the extent magic but fails its checksum or bounds is damage, not
     the chain's end, and so are a header that cannot be read (``OSError``) and a chain's first
     header position holding bytes that are neither zero nor a header: ``(si, position)`` goes to
-    ``damaged``. Past the first extent, a header that is damaged or unreadable, or whose position
-    holds bytes that are neither zero nor a header, is looked past (:func:`_next_extent`): where a
-    later extent of the same chain follows within one extent's reach, the damaged one is counted
-    in ``damaged`` and the chain goes on from there (its blocks are lost, the later ones kept)."""
+    ``damaged``. Past the first extent, wherever the chain seems to end before its segment does (a
+    damaged or unreadable header, zeros, other bytes), the chain is looked past
+    (:func:`_next_extent`, one window read of an extent's reach): where a later extent of the same
+    chain follows, the place is counted in ``damaged`` and the chain goes on from there (the
+    blocks in between are lost, the later ones kept). A chain's normal end costs that one read."""
     S = segs.segment_bytes
     pos = start = segs.chain_start(si)
     gen = None
@@ -150,7 +152,7 @@ def read_chain(
             # whose magic survives, or a later extent of this chain beyond, tells damage
             bad = unreadable or head[: len(fmt.MAGIC)] == fmt.MAGIC or (pos == start and any(head))
             nxt = None
-            if gen is not None and (unreadable or any(head)):
+            if gen is not None:  # zeros too: a zeroed header mid-chain looks like the chain's end
                 nxt = _next_extent(engine, segs, si, pos, gen, last_seq, buf, reach)
             if damaged is not None and (bad or nxt is not None):
                 damaged.append((si, pos))
@@ -282,10 +284,10 @@ def recover(tier: OnDisk, verify: bool) -> RecoveryCounts:
     out.recovered_blocks = len(locator)
     if out.damaged_extents:
         _log.warning(
-            "%s: %d extent header(s) were unreadable at recovery (read error, bad magic or checksum; "
-            "first at segment %d, byte %d): "
-            "their blocks and the rest of their segments' chains are not recovered (misses, never "
-            "KV); recovered %d blocks",
+            "%s: %d extent header(s) were unreadable at recovery (read error, bad magic or checksum, "
+            "or zeroed mid-chain; first at segment %d, byte %d): the blocks from there up to the next "
+            "readable extent of the same chain (found within one extent's reach), or to the chain's end, "
+            "are not recovered (misses, never KV); recovered %d blocks",
             tier.path or "NVMe tier",
             len(out.damaged_extents),
             *out.damaged_extents[0],
