@@ -40,6 +40,21 @@ def _int_counters(name: str, documentation: str, counters: dict) -> CounterMetri
 
 _STATUSES = tuple(Status)
 
+#: The segment store's counts that ``tierstore_nvme_events_total{counter}`` exports (its
+#: ``stats()`` keys; the rest of its stats are gauges or nested)
+NVME_EVENTS = (
+    "recovered_blocks",
+    "recovery_damaged_extents",
+    "recovery_dropped_blocks",
+    "recovery_invalidated_blocks",
+    "corrupt_blocks",
+    "get_io_errors",
+    "put_no_space",
+    "trim_errors",
+    "gc_evicted_blocks",
+    "region_evicted_blocks",
+)
+
 
 class _TrafficHelp(NamedTuple):
     """The help texts of the families :class:`_Traffic` declares."""
@@ -144,6 +159,12 @@ class _StoreCollector:
             )
             waf.add_metric([], float(st.get("host_write_amplification", 1.0)))
             yield waf
+            yield _int_counters(
+                "tierstore_nvme_events",
+                "NVMe tier counters: blocks recovered, dropped and damaged extents at the last open, "
+                "corrupt and failed reads, refused writes, evictions (tierstore.io.segments)",
+                {k: st[k] for k in NVME_EVENTS if k in st},
+            )
             dev = st.get("engine", {}).get("device_waf") if isinstance(st.get("engine"), dict) else None
             if dev is not None:
                 dw = GaugeMetricFamily(
