@@ -310,7 +310,7 @@ def test_blocks_stored_over_the_socket_survive_a_daemon_restart_for_their_tenant
     d = Daemon(str(tmp_path), cfg).start()
     try:
         rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
-        assert rec["blocks"] == 4 and rec["dropped_unaddressable"] == 0
+        assert rec["blocks"] == 4 and rec["unaddressable"] == 0
         acme, bravo = _http(d, "acme"), _http(d, "bravo")
         try:
             st, out = acme.load(acme.lookup(NS, _tokens(0, 4)))

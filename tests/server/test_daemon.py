@@ -416,8 +416,8 @@ def test_host_tier_is_prefaulted_at_start(tmp_path):
 
 
 def test_restart_with_another_layout_serves_nothing_old_and_charges_nothing(tmp_path):
-    """Same block size, other geometry: the old blocks are unaddressable, so
-    they are dropped at start and not charged to their owner's quota."""
+    """Same block size, other geometry: the old blocks are unaddressable, so they are not served
+    and not charged to their owner's quota; they are kept (not removed) and leave by eviction."""
     cfg = make_config(str(tmp_path))
     d = Daemon(str(tmp_path), cfg).start()
     try:
@@ -431,7 +431,7 @@ def test_restart_with_another_layout_serves_nothing_old_and_charges_nothing(tmp_
     d = Daemon(str(tmp_path), cfg).start()
     try:
         rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
-        assert rec["dropped_unaddressable"] == 8
+        assert rec["blocks"] == 8 and rec["unaddressable"] == 8
         with _client(d, "carol") as c:
             ns = Namespace(model="relayout")
             toks = list(range(c.layout.tokens_per_block * 8))
@@ -439,6 +439,54 @@ def test_restart_with_another_layout_serves_nothing_old_and_charges_nothing(tmp_
             assert c.store(ns, toks, torch.zeros(8, c.block_bytes, dtype=torch.uint8)) == [Status.OK] * 8
             st, outs = c.load(c.keys_for(ns, toks))
             assert st == [Status.OK] * 8 and all(int(o.sum()) == 0 for o in outs)
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_start_with_a_fresh_state_dir_keeps_the_durable_blocks_and_charges_them_again(tmp_path):
+    """One start with a new (or replaced, or damaged) ``state_dir`` removed every recovered block as
+    unaddressable: acknowledged durable blocks lost for good (fresh-user trial 11). They are kept:
+    their tenant finds them (storage keys do not depend on state_dir), exact; they count against its
+    quota again from its first put in their namespace; the original state_dir serves them too."""
+    cfg = make_config(str(tmp_path))
+    data = torch.randint(0, 255, (8, 8192), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    ns = Namespace(model="keep")
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        with _client(d, "carol") as c:  # carol: 64 KiB = 8 blocks
+            assert c.block_bytes == 8192
+            toks = list(range(c.layout.tokens_per_block * 8))
+            assert c.store(ns, toks, data) == [Status.OK] * 8
+    finally:
+        assert d.stop() == 0
+    original = cfg["state_dir"]
+    cfg["state_dir"] = str(tmp_path / "state-new")
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
+        assert rec["blocks"] == 8 and rec["unaddressable"] == 8
+        warn = [r for r in d.records() if r.get("event") == "unaddressable"]
+        assert warn and warn[-1]["blocks"] == 8 and warn[-1]["namespaces"] == 1
+        with _client(d, "carol") as c:
+            st, outs = c.load(c.lookup(ns, toks))
+            assert st == [Status.OK] * 8 and all(
+                torch.equal(c.layout.as_bytes(o), data[i]) for i, o in enumerate(outs)
+            )
+            more = list(range(10**6, 10**6 + c.layout.tokens_per_block))
+            with pytest.raises(QuotaExceeded):  # the 8 kept blocks are carol's 64 KiB again
+                c.store(ns, more, data[:1])
+    finally:
+        assert d.stop() == 0
+    cfg["state_dir"] = original
+    d = Daemon(str(tmp_path), cfg).start()
+    try:
+        rec = [r for r in d.records() if r.get("event") == "recovered"][-1]
+        assert rec["blocks"] == 8 and rec["unaddressable"] == 0
+        with _client(d, "carol") as c:
+            st, outs = c.load(c.lookup(ns, toks))
+            assert st == [Status.OK] * 8 and all(
+                torch.equal(c.layout.as_bytes(o), data[i]) for i, o in enumerate(outs)
+            )
     finally:
         assert d.stop() == 0
 

@@ -24,6 +24,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -133,16 +134,14 @@ class Service:
         self.durable = cfg.puts.durable and self.store.nvme is not None
         self.tenancy = Tenancy(cfg, self.block_bytes, self.layout.fingerprint())
         dropped = repair_after_restart(self.store, self.tenancy.tombstones)
-        # Blocks of scopes not registered under this layout (a daemon restarted
-        # with another layout, or state from before layouts were recorded) can
-        # never be addressed again: drop them rather than charge their owners.
-        known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
-        # The node socket scopes its sessions' namespaces as HTTP does (tierstore.node.access): a
-        # namespace no scope names is unaddressable over either transport.
-        orphans = [
-            k for d in self.store.namespaces() if d not in known for k in self.store.keys_of_namespace(d)
-        ]
-        dropped_orphans = self.store.remove(orphans) if orphans else 0
+        # Recovered blocks of namespaces no scope of state_dir names under this layout are KEPT: a
+        # daemon restarted with another layout never finds them (storage keys derive from the
+        # owner's key scope, which holds the layout) and they leave by eviction; after a fresh,
+        # replaced or damaged state_dir their tenant still finds them (the keys do not depend on
+        # state_dir) and is charged for them at its scope's first put. (They were removed here
+        # once: one start with an empty state_dir deleted every acknowledged durable block for
+        # good; fresh-user trial 11.) The node socket scopes namespaces as HTTP does.
+        unaddressable = self._unaddressable(cfg.state_dir)
         self.tenancy.adopt(self.store)
         self.recovered_blocks = sum(self.store.namespaces().values())
         if self.store.nvme is not None:
@@ -153,7 +152,7 @@ class Service:
                         "event": "recovered",
                         "blocks": self.recovered_blocks,
                         "dropped_invalidated": dropped,
-                        "dropped_unaddressable": dropped_orphans,
+                        "unaddressable": unaddressable,
                     }
                 },
             )
@@ -176,6 +175,23 @@ class Service:
         self.buffers = BufferPool(4 * cfg.limits.max_request_bytes)
         self._busy_bufs: set[int] = set()
         self._closed = False
+
+    def _unaddressable(self, state_dir: str) -> int:
+        """Blocks the store holds whose namespace no scope of ``state_dir/scopes.jsonl`` names under
+        this layout (kept; charged to no tenant at start); a warning says how many, and why."""
+        known = {self.store.digest(sc) for sc in self.tenancy.scope_owner}  # the store's digest of each scope
+        orphans = {d: n for d, n in self.store.namespaces().items() if d not in known}
+        n_blocks = sum(orphans.values())
+        if n_blocks:
+            log.warning(
+                f"{n_blocks} recovered blocks of {len(orphans)} namespaces are named by no scope of "
+                f"{os.path.join(state_dir, 'scopes.jsonl')} under this layout (the daemon ran with another "
+                "layout before, or this state_dir is new, replaced or damaged). They are kept: blocks of "
+                "another layout are never served and leave by eviction; their own tenant still finds "
+                "its blocks and is charged for them from its first put in their namespace",
+                extra={"fields": {"event": "unaddressable", "blocks": n_blocks, "namespaces": len(orphans)}},
+            )
+        return n_blocks
 
     def _open_store(self, cfg: DaemonConfig):
         """The store, its host tier's pages faulted in first (:meth:`BlockPool.prefault

@@ -294,7 +294,11 @@ class Tenancy:
         """
         quota = self.quota_bytes.get(owner, 1 << 62)
         with self._lock:
-            have = self._keys.setdefault(scope, set())
+            have = self._keys.get(scope)
+            if have is None:  # first charge of this scope here: what the store already holds in it
+                # (recovered blocks of a scope this state_dir did not name at start) is the owner's
+                have = self._keys[scope] = set(store.keys_of_namespace(store.digest(scope)))
+                self._owner_scopes.setdefault(owner, set()).add(scope)
             new = [k for k in dict.fromkeys(keys) if k not in have]
             if (self._used_blocks(owner) + len(new)) * self.block_bytes > quota:
                 self._prune(owner, store)
