@@ -30,7 +30,11 @@ Parts (``--parts``):
   ``store``/``load`` of whole blocks (one ``(n, *block_shape)`` tensor in, a
   list of block tensors out: ``blocks_*``); each against ``copy_`` of the same
   bytes between two contiguous buffers (``memcpy``); one warm-up pass, then the
-  median of 5 passes; every load is checked against what was stored.
+  median of 5 passes; every load is checked against what was stored. Beside them
+  the floors (``floor_blocks``, ``floor_views_store``, ``floor_views_load``:
+  the same bytes in plain torch with tierstore's thread structure and pieces,
+  :func:`_frag_floor`); ``bench/copy_gap.py`` splits a call into its floor and
+  its own work.
 * ``meta`` -- tiny blocks (64 B), one thread, chains of ``--chains`` blocks:
   store (``store_keys`` of a tensor of blocks; and ``store`` by tokens into a fresh store),
   lookup by keys, lookup by tokens, and the chained hashing alone; blocks/s by wall time and by the
@@ -255,7 +259,7 @@ def worker_nvme(a: dict) -> dict:
     return out
 
 
-def _frag_floor(nb: int, bb: int, pool, src_flat, dst_flat) -> dict | None:
+def _frag_floor(nb: int, bb: int, pool, src_flat, dst_flat, slots=None, out=None) -> dict | None:
     """The frag part's copies in plain torch with tierstore's thread structure: ``{name: callable}``.
 
     Each runs the bytes of one frag call on the process's shared :class:`Copier` (the caller and
@@ -265,7 +269,9 @@ def _frag_floor(nb: int, bb: int, pool, src_flat, dst_flat) -> dict | None:
     strided ``(64, 32 KiB)`` copy a block into / out of a contiguous slot (``views_store``,
     ``views_load``: what ``store_fragments``/``load_fragments`` copy through plans or view
     lists). No index, no plans, no checks: what is left of a call's time over its floor is the
-    call's own work. None when the tree under test has no copier (a ``--base`` of an old core).
+    call's own work. ``slots`` (``(nb, bb)`` uint8) and ``out`` (``pool``'s bytes as
+    ``(64, nb, 32 KiB)`` uint8) receive the views' copies (new buffers when None). None when the
+    tree under test has no copier (a ``--base`` of an old core).
     """
     import functools
 
@@ -276,9 +282,9 @@ def _frag_floor(nb: int, bb: int, pool, src_flat, dst_flat) -> dict | None:
     except ImportError:
         return None
     cp = shared_copier()
-    slots = torch.zeros(nb, bb, dtype=torch.uint8)
     frags = pool.view(torch.uint8).view(pool.shape[0] * pool.shape[1], nb, -1)  # (64, nb, 32 KiB)
-    out = torch.zeros_like(frags)
+    slots = torch.zeros(nb, bb, dtype=torch.uint8) if slots is None else slots
+    out = torch.zeros_like(frags) if out is None else out
 
     def put(b: int) -> None:
         slots[b].view(frags.shape[0], -1).copy_(frags[:, b])
