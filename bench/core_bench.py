@@ -30,7 +30,11 @@ Parts (``--parts``):
   ``store``/``load`` of whole blocks (one ``(n, *block_shape)`` tensor in, a
   list of block tensors out: ``blocks_*``); each against ``copy_`` of the same
   bytes between two contiguous buffers (``memcpy``); one warm-up pass, then the
-  median of 5 passes; every load is checked against what was stored.
+  median of 5 passes; every load is checked against what was stored. Beside them
+  the floors (``floor_blocks``, ``floor_views_store``, ``floor_views_load``:
+  the same bytes in plain torch with tierstore's thread structure and pieces,
+  :func:`_frag_floor`); ``bench/copy_gap.py`` splits a call into its floor and
+  its own work.
 * ``meta`` -- tiny blocks (64 B), one thread, chains of ``--chains`` blocks:
   store (``store_keys`` of a tensor of blocks; and ``store`` by tokens into a fresh store),
   lookup by keys, lookup by tokens, and the chained hashing alone; blocks/s by wall time and by the
@@ -255,6 +259,46 @@ def worker_nvme(a: dict) -> dict:
     return out
 
 
+def _frag_floor(nb: int, bb: int, pool, src_flat, dst_flat, slots=None, out=None) -> dict | None:
+    """The frag part's copies in plain torch with tierstore's thread structure: ``{name: callable}``.
+
+    Each runs the bytes of one frag call on the process's shared :class:`Copier` (the caller and
+    its copy threads, one OpenMP thread each, pieces claimed), cut as tierstore cuts them: whole
+    blocks as one ``copy`` of ``(nb, bb)`` rows (``blocks``: a store's one run of consecutive
+    rows and slots; a load's per-block pieces are the same 2 MiB rows), per-layer views as one
+    strided ``(64, 32 KiB)`` copy a block into / out of a contiguous slot (``views_store``,
+    ``views_load``: what ``store_fragments``/``load_fragments`` copy through plans or view
+    lists). No index, no plans, no checks: what is left of a call's time over its floor is the
+    call's own work. ``slots`` (``(nb, bb)`` uint8) and ``out`` (``pool``'s bytes as
+    ``(64, nb, 32 KiB)`` uint8) receive the views' copies (new buffers when None). None when the
+    tree under test has no copier (a ``--base`` of an old core).
+    """
+    import functools
+
+    import torch
+
+    try:
+        from tierstore.io.copies import shared_copier
+    except ImportError:
+        return None
+    cp = shared_copier()
+    frags = pool.view(torch.uint8).view(pool.shape[0] * pool.shape[1], nb, -1)  # (64, nb, 32 KiB)
+    slots = torch.zeros(nb, bb, dtype=torch.uint8) if slots is None else slots
+    out = torch.zeros_like(frags) if out is None else out
+
+    def put(b: int) -> None:
+        slots[b].view(frags.shape[0], -1).copy_(frags[:, b])
+
+    def get(b: int) -> None:
+        out[:, b].copy_(slots[b].view(frags.shape[0], -1))
+
+    return {
+        "floor_blocks": lambda: cp.copy(dst_flat.view(nb, bb), src_flat.view(nb, bb)),
+        "floor_views_store": lambda: cp.run([functools.partial(put, b) for b in range(nb)], nb * bb),
+        "floor_views_load": lambda: cp.run([functools.partial(get, b) for b in range(nb)], nb * bb),
+    }
+
+
 def worker_frag(a: dict) -> dict:
     import numpy as np
     import torch
@@ -280,6 +324,8 @@ def worker_frag(a: dict) -> dict:
     res["memcpy"] = []
     src_flat = torch.ones(nb * bb, dtype=torch.uint8)
     dst_flat = torch.zeros(nb * bb, dtype=torch.uint8)
+    floor = _frag_floor(nb, bb, pool, src_flat, dst_flat) or {}
+    res.update({k: [] for k in floor})
 
     def views(t, b):  # the plain list form: one block's 64 per-layer K/V views
         return [t[layer, kv, b] for layer in range(lay.num_layers) for kv in range(2)]
@@ -311,11 +357,12 @@ def worker_frag(a: dict) -> dict:
                 res[f"{form}_store"].append(t1 - t0)
                 res[f"{form}_load"].append(t3 - t2)
             s.remove(keys) if hasattr(s, "remove") else s.manager.remove(keys)
-        t0 = time.perf_counter()
-        dst_flat.copy_(src_flat)
-        t1 = time.perf_counter()
-        if rep:
-            res["memcpy"].append(t1 - t0)
+        for k, fn in [("memcpy", lambda: dst_flat.copy_(src_flat)), *floor.items()]:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if rep:
+                res[k].append(t1 - t0)
     s.close()
     total = nb * bb
     out = {f"{k}_gbps": total / statistics.median(v) / 1e9 for k, v in res.items()}
