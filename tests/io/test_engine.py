@@ -229,3 +229,26 @@ def test_posix_engine_wakes_its_workers_and_waiters_only_with_the_gil_released(t
     assert seen.count("eventfd_write") >= 24  # 24 pieces handed over (and some completions)
     eng.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-io") and t.is_alive()]
+
+
+def test_eventfd_workers_run_what_was_submitted_then_refuse():
+    from tierstore.io.posix import EventfdWorkers
+
+    pool = EventfdWorkers(3, "t-io")
+    ran: list[int] = []
+
+    def piece(i: int) -> int:
+        if i == 7:
+            raise OSError(errno.EIO, "piece 7")
+        ran.append(i)
+        return i
+
+    jobs = [pool.submit(piece, i) for i in range(20)]
+    pool.shutdown()  # the pieces already submitted still run
+    assert sorted(ran) == [i for i in range(20) if i != 7]
+    assert [j.wait() for j in jobs if j is not jobs[7]] == [i for i in range(20) if i != 7]
+    with pytest.raises(OSError, match="piece 7"):
+        jobs[7].wait()
+    with pytest.raises(RuntimeError):
+        pool.submit(piece, 1)
+    pool.shutdown()  # twice is harmless

@@ -47,16 +47,21 @@ def _pwrite_full(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+#: Eventfds of threads that ended, for the next thread that waits. Never closed: a worker's late
+#: wake-up (the waiter saw its piece done before the worker wrote) must never reach a reused fd.
+_free_wakers: list[int] = []
+
+
 class _Waker:
-    """A thread's eventfd for being woken with the GIL released (closed with the thread)."""
+    """A thread's eventfd for being woken with the GIL released (given back when the thread ends)."""
 
     __slots__ = ("fd",)
 
     def __init__(self) -> None:
-        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
+        self.fd = _free_wakers.pop() if _free_wakers else os.eventfd(0, os.EFD_CLOEXEC)
 
     def __del__(self) -> None:
-        os.close(self.fd)
+        _free_wakers.append(self.fd)
 
 
 _wakers = threading.local()
@@ -120,23 +125,25 @@ class EventfdWorkers:
         self._lock = threading.Lock()  # the counters below; never held across a wake-up
         self._idle = 0
         self._threads: list[threading.Thread] = []
+        self._closed = False
 
     def submit(self, fn: Callable[..., int], *args: Any) -> _Job:
         """Run ``fn(*args)`` on a worker; the returned job's ``wait()`` gives its result."""
         job = _Job(fn, args)
-        self._jobs.append(job)
         with self._lock:  # claim an idle worker, or start one while under max_workers
+            if self._closed:
+                raise RuntimeError("cannot submit I/O after the engine closed")
             start = self._idle <= 0 and len(self._threads) < self._max
             if start:
                 t = threading.Thread(
                     target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
                 )
                 self._threads.append(t)
+                t.start()
             else:
                 self._idle -= 1
-        if start:
-            t.start()
-        os.eventfd_write(self._efd, 1)
+            self._jobs.append(job)
+            os.eventfd_write(self._efd, 1)  # under the lock: shutdown closes the fd under it
         return job
 
     def _work(self) -> None:
@@ -151,12 +158,17 @@ class EventfdWorkers:
 
     def shutdown(self) -> None:
         """Run what was submitted, stop and join the workers, close the eventfd."""
-        for _ in self._threads:
-            self._jobs.append(None)
-            os.eventfd_write(self._efd, 1)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.append(None)
+                os.eventfd_write(self._efd, 1)
         for t in self._threads:
             t.join()
-        os.close(self._efd)
+        with self._lock:
+            os.close(self._efd)
 
 
 class PosixEngine(FileEngine):
