@@ -235,6 +235,7 @@ def main() -> None:
     for run in range(a.runs):
         d = tempfile.mkdtemp(dir=a.dir, prefix="stall-diag-")
         s, ns, hot = _store(d, nbytes)
+        t0 = time.perf_counter()
         try:
             r = (
                 run_split(s, ns, hot, nbytes, a.slow_ms)
@@ -247,7 +248,12 @@ def main() -> None:
         if submits is not None:
             r.update(_submit_summary(submits))
             submits.clear()
-        r.update(run=run, switch_interval_ms=sys.getswitchinterval() * 1e3, loadavg_1m=os.getloadavg()[0])
+        r.update(
+            demoting_s=time.perf_counter() - t0,
+            run=run,
+            switch_interval_ms=sys.getswitchinterval() * 1e3,
+            loadavg_1m=os.getloadavg()[0],
+        )
         print(json.dumps(r), flush=True)
 
 

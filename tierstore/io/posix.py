@@ -10,8 +10,8 @@ release the GIL around the wake-up and the wait. A ``concurrent.futures`` pool
 wakes its worker (``SimpleQueue.put``) and its waiter (a ``Condition``) with the
 GIL held: on a busy host the woken thread preempts the waker, which then holds
 the GIL descheduled and stalls every other thread of the process, a lookup
-included (issue 25 item 4: 214-232 of the 537 submits of a 256 MiB demotion run
-were preempted so, up to 6-10 ms each; ``bench/README_core.md``).
+included (issue 25 item 4: 111-258 of the 537 submits of a 256 MiB demotion run
+were preempted so, up to 3.6-9.9 ms; ``bench/README_core.md``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class _Waker:
     def __init__(self) -> None:
         self.fd = _free_wakers.pop() if _free_wakers else os.eventfd(0, os.EFD_CLOEXEC)
 
-    def __del__(self) -> None:
-        _free_wakers.append(self.fd)
+    def __del__(self, free: list[int] = _free_wakers) -> None:  # bound here: at exit globals are gone
+        free.append(self.fd)
 
 
 _wakers = threading.local()
