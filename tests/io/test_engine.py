@@ -186,3 +186,69 @@ def test_preallocate_enospc_releases_the_partial_range(tmp_path):
         assert os.fstat(fd).st_blocks == 0
     finally:
         os.close(fd)
+
+
+#: Calls that wake another Python thread with the GIL held: the woken thread can preempt the
+#: waker, which then holds the GIL descheduled (a concurrent.futures pool: ``SimpleQueue.put`` to
+#: its worker, ``Condition.notify_all`` from ``Future.set_result`` to the waiter).
+_GIL_HELD_WAKEUPS = {"SimpleQueue.put", "SimpleQueue.get", "notify", "notify_all", "set_result"}
+
+
+def test_posix_engine_wakes_its_workers_and_waiters_only_with_the_gil_released(tmp_path):
+    """Issue 25 item 4: every hand-off of a piece to a worker and of its completion back is an
+    eventfd write (``os.eventfd_write`` releases the GIL around the wake-up), none is a queue or
+    condition hand-off; the workers never outnumber ``iodepth`` and ``close`` stops them."""
+    import sys
+    import threading
+
+    seen: list[str] = []
+
+    def prof(frame, event, arg):
+        if event == "c_call":
+            seen.append(getattr(arg, "__qualname__", getattr(arg, "__name__", "")))
+        elif event == "call":
+            seen.append(frame.f_code.co_name)
+
+    threading.setprofile(prof)  # the engine's workers start after this, at the first submit
+    sys.setprofile(prof)
+    try:
+        eng = make_engine("posix", tmp_path, 16 << 20, iodepth=4, max_io_bytes=1 << 20)
+        keep, buf = alloc_aligned(8 << 20)  # 8 pieces a call
+        buf.copy_(torch.arange(8 << 20, dtype=torch.int64).to(torch.uint8))
+        for off in (0, 8 << 20):
+            assert eng.write(off, buf).get() == 8 << 20
+        keep2, back = alloc_aligned(8 << 20)
+        assert eng.read(8 << 20, back).get() == 8 << 20
+        workers = [t for t in threading.enumerate() if t.name.startswith("tierstore-io")]
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert torch.equal(back, buf)
+    assert 1 <= len(workers) <= 4
+    assert not _GIL_HELD_WAKEUPS & set(seen), sorted(_GIL_HELD_WAKEUPS & set(seen))
+    assert seen.count("eventfd_write") >= 24  # 24 pieces handed over (and some completions)
+    eng.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-io") and t.is_alive()]
+
+
+def test_eventfd_workers_run_what_was_submitted_then_refuse():
+    from tierstore.io.posix import EventfdWorkers
+
+    pool = EventfdWorkers(3, "t-io")
+    ran: list[int] = []
+
+    def piece(i: int) -> int:
+        if i == 7:
+            raise OSError(errno.EIO, "piece 7")
+        ran.append(i)
+        return i
+
+    jobs = [pool.submit(piece, i) for i in range(20)]
+    pool.shutdown()  # the pieces already submitted still run
+    assert sorted(ran) == [i for i in range(20) if i != 7]
+    assert [j.wait() for j in jobs if j is not jobs[7]] == [i for i in range(20) if i != 7]
+    with pytest.raises(OSError, match="piece 7"):
+        jobs[7].wait()
+    with pytest.raises(RuntimeError):
+        pool.submit(piece, 1)
+    pool.shutdown()  # twice is harmless
