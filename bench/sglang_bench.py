@@ -50,7 +50,8 @@ So each run measures two pairs, each side with the same kind of memory:
 Method: each run does one pass per side (fresh directory; set all pages, get
 all pages; every loaded page is compared with its source); odd runs reverse
 the order (``ts_mem, file, ts_nvme`` / ``ts_nvme, file, ts_mem``), and every
-timed phase starts after ``sync`` and ``--settle`` idle seconds. Tables give
+timed phase starts after ``sync`` and ``--settle`` idle seconds (a get's destinations are
+zeroed before them, not inside them: since session 40, also the warm HiCacheFile get). Tables give
 the median of the runs with min and max; ratios are computed per run. Beside each get's wall
 time, the calling thread's CPU time of the same get (``time.thread_time``, ``*_cpu_us_per_page``):
 the part of the wall that the host's other load does not add (preemption shows as wall minus CPU). Torch's
@@ -212,10 +213,20 @@ class Pass:
                 raise RuntimeError(f"{self.name}: set of batch {i // STORAGE_BATCH_SIZE} failed")
         return time.perf_counter() - t0
 
+    def clear_destinations(self, n: int) -> None:
+        """Zero the load destinations of ``n`` pages (so the check after a get sees what it loaded).
+
+        Done before a get's ``sync`` and settle, not right before its timing: a 32 MiB ``zero_`` is
+        one of torch's OpenMP parallel regions, and measured right before the timed loop it cost the
+        get ~1 us a page of waiting (wall minus the thread's CPU, median; bench/README_sglang.md,
+        session 40) that an engine's load does not pay."""
+        self.pool.kv_buffer[:, n * self.pool.page_size :].zero_()
+
     def get_all(self, keys: list[str]) -> float:
+        """Load every page into the destinations (cleared beforehand by :meth:`clear_destinations`),
+        timed; check them against their sources (untimed)."""
         n = len(keys)
         dst = self.pool.kv_buffer[:, n * self.pool.page_size :]
-        dst.zero_()
         t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(0, n, STORAGE_BATCH_SIZE):
             kb = keys[i : i + STORAGE_BATCH_SIZE]
@@ -278,12 +289,17 @@ def run_pass(name: str, cls: str, pool, n_pages: int, root: str, args) -> dict:
             t0 = time.perf_counter()
             syncfs(d)
             out["set_syncfs_GBps"] = total / (set_s + time.perf_counter() - t0) / GB
+            p.clear_destinations(n_pages)
+            os.sync()
+            time.sleep(args.settle)
             out["get_warm_GBps"] = total / p.get_all(keys) / GB
             out["get_warm_cpu_us_per_page"] = p.get_cpu_s / n_pages * 1e6
+            p.clear_destinations(n_pages)
             drop_file_cache(d)
             time.sleep(args.settle)
             out["get_cold_GBps"] = total / p.get_all(keys) / GB
             return out
+        p.clear_destinations(n_pages)
         os.sync()
         time.sleep(args.settle)
         out["get_GBps"] = total / p.get_all(keys) / GB
