@@ -39,7 +39,10 @@ Parts (``--parts``):
   store (``store_keys`` of a tensor of blocks; and ``store`` by tokens into a fresh store),
   lookup by keys, lookup by tokens, and the chained hashing alone; blocks/s by wall time and by the
   thread's CPU time (``time.thread_time``: what the machine's other load does
-  not inflate as much).
+  not inflate as much). Beside the rates, the floors that bound them from below, in the same process
+  and run (``floor_*``, µs wall and CPU): the SHA-256 chain alone and the key table's probe alone
+  (``KeyTable.get_many`` of the same keys) per block, and per call a ``lookup_keys`` of 1 key, a
+  lookup and a store of a 1-block prompt (``bench/engine_cost.py`` prints them under its table).
 * ``percall`` -- per-block cost of ``store``, ``lookup`` and ``load`` of 64-block prompts by
   tokens through the host tier at ``--percall-kib`` block sizes (16 KiB, 128 KiB, 2 MiB),
   ``--percall-prompts`` prompts a pass, best and median of ``--percall-passes``: microseconds
@@ -409,10 +412,16 @@ def worker_meta(a: dict) -> dict:
         lt_w, lt_c, r = timed(lambda: [s.lookup(ns, p) for p in prompts][-1])
         if r.matched_blocks != chain:
             raise SystemExit(f"lookup matched {r.matched_blocks} of {chain}")
+        floors = _meta_floors(s, ns, keys, prompts, timed)
         s.close()
         s = KVStore(lay, host_bytes=(n + chain) * bb, device="cpu")  # store by tokens: a fresh store
         stt_w, stt_c, _ = timed(lambda: [s.store(ns, p, blk) for p in prompts])
         s.close()
+        s = KVStore(lay, host_bytes=(len(prompts) + chain) * bb, device="cpu")  # 1-block stores: room for all
+        st1_w, st1_c, _ = timed(lambda: [s.store(ns, p[:16], blk[:1]) for p in prompts])
+        s.close()
+        floors["floor_store_tokens_1_us"] = st1_w / len(prompts) * 1e6
+        floors["floor_store_tokens_1_cpu_us"] = st1_c / len(prompts) * 1e6
         out[f"chain{chain}"] = {
             "blocks": n,
             "store_blocks_per_s": n / st_w,
@@ -426,7 +435,44 @@ def worker_meta(a: dict) -> dict:
             "hash_blocks_per_s": n / hash_w,
             "hash_blocks_per_cpu_s": n / hash_c,
             "lookup_tokens_over_hash_cpu": lt_c / hash_c,
+            "floor_hash_us_per_block": hash_w / n * 1e6,
+            "floor_hash_cpu_us_per_block": hash_c / n * 1e6,
+            **floors,
         }
+    return out
+
+
+def _meta_floors(s, ns, keys: list, prompts: list, timed) -> dict:
+    """What bounds the meta rates from below, timed on the store the lookups just ran on (µs, wall and
+    thread CPU): the key table's probe alone (``KeyTable.get_many`` of every chain's keys, per block;
+    left out where the checkout has no such table) and the fixed cost of a call, a ``lookup_keys``
+    of one key and a ``lookup`` of a one-block prompt (the first block of every chain), per call."""
+    out: dict = {}
+    rows = getattr(getattr(s, "_index", None), "rows", None)
+    table = getattr(rows, "table", None)
+    if table is not None and hasattr(table, "get_many"):
+        w, c, found = timed(lambda: [table.get_many(k) for k in keys])
+        if any(int((f < 0).sum()) for f in found):
+            raise SystemExit("KeyTable.get_many missed a stored key")
+        blocks = sum(len(k) for k in keys)
+        out["floor_probe_us_per_block"], out["floor_probe_cpu_us_per_block"] = (
+            w / blocks * 1e6,
+            c / blocks * 1e6,
+        )
+    w, c, r = timed(lambda: [s.lookup_keys(k[:1]) for k in keys][-1])
+    if r.matched_blocks != 1:
+        raise SystemExit(f"lookup_keys of 1 key matched {r.matched_blocks}")
+    out["floor_lookup_keys_1_us"], out["floor_lookup_keys_1_cpu_us"] = (
+        w / len(keys) * 1e6,
+        c / len(keys) * 1e6,
+    )
+    w, c, r = timed(lambda: [s.lookup(ns, p[:16]) for p in prompts][-1])
+    if r.matched_blocks != 1:
+        raise SystemExit(f"lookup of a 1-block prompt matched {r.matched_blocks}")
+    out["floor_lookup_tokens_1_us"], out["floor_lookup_tokens_1_cpu_us"] = (
+        w / len(prompts) * 1e6,
+        c / len(prompts) * 1e6,
+    )
     return out
 
 

@@ -19,7 +19,9 @@ A cell is the median of the per-run values with min-max; the load average is kep
 before/after each source. The goals and the met? test come from ``ROWS`` (issue 25's goals); met?
 is the new checkout's verdict, in both columns. A source whose venv is absent, or a worker that
 fails, leaves its cells "not run: <why>" / "failed: <why>" ("base lacks X" when the base checkout
-has no such module, attribute or option).
+has no such module, attribute or option). Under the table, the rate rows' floors (``FLOORS``):
+what the ``meta`` worker measured in the same process and run beside each rate (the SHA-256 chain
+alone, the key table's probe alone, a one-block call), as µs a block next to the goal's.
 
 Example (the defaults: ~23 min estimated on a quiet 2-vCPU machine; see bench/README.md)::
 
@@ -112,6 +114,27 @@ WHAT = {
     "sglang_get": "SGLang batch_get_v1, 16 KiB pages from DRAM / HiCacheFile warm; per page",
     "daemon_put": "daemon 2 MiB batch puts acknowledged from the host tier / in-memory aiohttp baseline",
     "vllm_ttft": "vLLM warm TTFT, tierstore's host tier / vLLM's prefix cache",
+}
+
+
+#: What bounds each rate row from below, measured in the same worker process and run as the rate
+#: (``core_bench._meta_floors``): a figure's key in the chain's result (``chainN.<key>``), whether it
+#: is per block or per call (then shared by the chain's N blocks), and what it is. Shown under the
+#: table; the goals and met? do not read it.
+FLOORS = {
+    "store_tokens": (
+        ("floor_hash_us_per_block", "block", "the SHA-256 chain alone (block_hashes)"),
+        ("floor_store_tokens_1_us", "call", "a store of a 1-block prompt"),
+    ),
+    "lookup_tokens": (
+        ("floor_hash_us_per_block", "block", "the SHA-256 chain alone (block_hashes)"),
+        ("floor_probe_us_per_block", "block", "the key table's probe alone (KeyTable.get_many)"),
+        ("floor_lookup_tokens_1_us", "call", "a lookup of a 1-block prompt"),
+    ),
+    "lookup_keys": (
+        ("floor_probe_us_per_block", "block", "the key table's probe alone (KeyTable.get_many)"),
+        ("floor_lookup_keys_1_us", "call", "a lookup_keys of 1 key"),
+    ),
 }
 
 
@@ -267,6 +290,74 @@ def render(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def floor_lines(results: dict, rows: list[Row], tree: str = "new") -> list[str]:
+    """One line per rate measure and mode of ``FLOORS``: the goal and the measured median as µs a
+    block (wall clock, like the rates), beside the floors measured in the same runs (medians with
+    min-max of the per-run figures; a per-call floor also shared by the chain's blocks)."""
+    lines = []
+    for row in rows:
+        if row.name == "sglang_get":
+            lines += _sglang_cpu_lines(row, results.get(row.source, {}), tree)
+        for m in row.measures if row.name in FLOORS else ():
+            prefix = m.key.split(".")[0]  # "chain64"
+            chain = int(prefix.removeprefix("chain"))
+            for mode in ("quiet", "busy"):
+                good = [
+                    r for r in results.get(row.source, {}).get(mode, {}).get(tree) or [] if "error" not in r
+                ]
+                rates = [r[m.key] for r in good if m.key in r]
+                if not rates:
+                    continue
+                goal = f"{'≥' if m.op == '>=' else '≤'} {fmt(m.limit, m.unit)}"
+                head = (
+                    f"- {row.name}{' ' + m.label if m.label else ''}, {mode}: goal {goal} = "
+                    f"{1e6 / m.limit:.2f} us a block; measured "
+                    f"{1e6 / statistics.median(rates):.2f} us a block"
+                )
+                parts = []
+                for key, per, what in FLOORS[row.name]:
+                    vals = [r[f"{prefix}.{key}"] for r in good if f"{prefix}.{key}" in r]
+                    if not vals:
+                        parts.append(f"{what}: not measured")
+                        continue
+                    st = stat(vals)
+                    txt = f"{what} {st['median']:.3g} us a {per} ({st['min']:.3g}-{st['max']:.3g})"
+                    if per == "call":
+                        txt += f" = {st['median'] / chain:.3g} us a block of {chain}"
+                    parts.append(txt)
+                lines.append(head + "; in the same runs: " + "; ".join(parts))
+    return lines
+
+
+def _sglang_cpu_lines(row: Row, src: dict, tree: str) -> list[str]:
+    """The SGLang row's get per page, wall beside the calling thread's CPU in the same gets (what is
+    left of the wall without the host's other load; ``sglang_bench`` times one get a pass)."""
+    m = next(m for m in row.measures if m.key == "get_us_per_page")
+    lines = []
+    for mode in ("quiet", "busy"):
+        good = [r for r in src.get(mode, {}).get(tree) or [] if "get_cpu_us_per_page" in r]
+        if good:
+            wall, cpu, file = (
+                spread(stat([r[k] for r in good]), "us")
+                for k in ("get_us_per_page", "get_cpu_us_per_page", "file_get_cpu_us_per_page")
+            )
+            lines.append(
+                f"- {row.name}, {mode}: goal {m.goal()} a page; measured {wall} a page wall, of which "
+                f"the calling thread ran {cpu} (CPU; HiCacheFile warm: {file})"
+            )
+    return lines
+
+
+def render_floors(lines: list[str]) -> str:
+    """The floor lines under a heading ("" when there are none)."""
+    if not lines:
+        return ""
+    return (
+        "\n\nFloors and CPU beside the rows (new checkout, measured in the same worker process and run"
+        " as the row's figure; medians (min-max) of the runs; wall clock unless CPU):\n" + "\n".join(lines)
+    )
+
+
 # =============================================================================== workers (engine venvs)
 def worker_sglang(a: dict) -> dict:
     """``sglang_bench.py``'s DRAM pair, one pass each, in ABBA order by run: tierstore's host tier
@@ -287,6 +378,9 @@ def worker_sglang(a: dict) -> dict:
         "get_over_file": ts / file,
         "get_us_per_page": page_bytes / (ts * 1e9) * 1e6,
         "file_get_us_per_page": page_bytes / (file * 1e9) * 1e6,
+        # the calling thread's CPU in the same gets: the wall less what the host's load added
+        "get_cpu_us_per_page": got["ts_mem"]["get_cpu_us_per_page"],
+        "file_get_cpu_us_per_page": got["file"]["get_warm_cpu_us_per_page"],
         "set_over_file": got["ts_mem"]["set_GBps"] / got["file"]["set_GBps"],
     }
 
@@ -545,9 +639,11 @@ def main(argv=None) -> int:
         results[src], raw[src] = measure_source(src, a, trees, started)
     tmp.cleanup()
     table = build_table(results, notes, rows)
+    floors = floor_lines(results, rows)
     elapsed = time.time() - started
     text = (
         f"{head}\ntook {elapsed:.0f} s; load average at the end {os.getloadavg()[0]:.2f}\n\n{render(table)}"
+        + render_floors(floors)
     )
     print(text)
     if a.md:
@@ -559,6 +655,7 @@ def main(argv=None) -> int:
             "elapsed_s": elapsed,
             "table": [dict(t, cells={f"{k[0]}.{k[1]}": v for k, v in t["cells"].items()}) for t in table],
             "text": text,
+            "floors": floors,
             "raw": raw,
         }
         with open(a.json, "w") as f:

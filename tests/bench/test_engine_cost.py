@@ -87,3 +87,97 @@ def test_help_and_unknown_rows():
     assert r.returncode == 0 and "--rows" in r.stdout and "--base" in r.stdout
     r = subprocess.run([sys.executable, script, "--rows", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown ['nope']" in r.stderr
+
+
+def _meta(keys_rate: float, floors: bool = True) -> dict:
+    """A flat meta result: rates in blocks/s and (with ``floors``) the floors in µs."""
+    out = {}
+    for chain in (64, 256):
+        p = f"chain{chain}."
+        out |= {
+            p + "store_tokens_blocks_per_s": 2.5e5,
+            p + "lookup_tokens_blocks_per_s": 5e5,
+            p + "lookup_keys_blocks_per_s": keys_rate,
+        }
+        if floors:
+            out |= {
+                p + "floor_hash_us_per_block": 0.8,
+                p + "floor_probe_us_per_block": 0.3,
+                p + "floor_lookup_keys_1_us": 32.0,
+                p + "floor_lookup_tokens_1_us": 40.0,
+                p + "floor_store_tokens_1_us": 128.0,
+            }
+    return out
+
+
+def test_floor_lines_put_the_floors_beside_each_rate(ec):
+    rows = [r for r in ec.ROWS if r.source == "meta"]
+    results = {
+        "meta": {
+            "quiet": {"new": [_meta(1e6), _meta(5e5), {"error": "boom"}], "base": [_meta(1e6, floors=False)]},
+            "busy": {"new": [_meta(2.5e5, floors=False)]},
+        }
+    }
+    lines = ec.floor_lines(results, rows)
+    keys64 = next(ln for ln in lines if ln.startswith("- lookup_keys 64, quiet"))
+    # goal 2M/s = 0.5 us a block; median of 1M and 500k = 750k/s = 1.33 us a block
+    assert "goal ≥ 2.00M blocks/s = 0.50 us a block; measured 1.33 us a block" in keys64
+    assert "KeyTable.get_many) 0.3 us a block (0.3-0.3)" in keys64
+    assert "a lookup_keys of 1 key 32 us a call (32-32) = 0.5 us a block of 64" in keys64
+    keys256 = next(ln for ln in lines if ln.startswith("- lookup_keys 256, quiet"))
+    assert "= 0.125 us a block of 256" in keys256
+    tokens = next(ln for ln in lines if ln.startswith("- lookup_tokens, quiet"))
+    assert (
+        "SHA-256 chain alone (block_hashes) 0.8 us a block" in tokens
+        and "1-block prompt 40 us a call" in tokens
+    )
+    store = next(ln for ln in lines if ln.startswith("- store_tokens, quiet"))
+    assert "= 2.00 us a block; measured 4.00 us a block" in store and "= 2 us a block of 64" in store
+    # a run without floors (an older checkout's worker) says so; the base tree is not shown
+    busy = next(ln for ln in lines if ln.startswith("- lookup_keys 64, busy"))
+    assert "a lookup_keys of 1 key: not measured" in busy
+    assert len(lines) == 2 * 4  # 4 rate measures, quiet and busy
+    text = ec.render_floors(lines)
+    assert text.startswith("\n\nFloors and CPU beside the rows") and text.count("\n- ") == 8
+    assert ec.render_floors([]) == ""
+    # the goals and met? read none of it
+    assert ec.build_table(results, {}, rows)[2]["met"] == "no: quiet 64, quiet 256, busy 64, busy 256"
+
+
+def test_meta_worker_measures_the_floors_in_its_run():
+    cb = load_tool("core_bench")
+    out = cb.worker_meta({"chains": [4], "meta_ops": 64})["chain4"]
+    for key in (
+        "floor_hash_us_per_block",
+        "floor_probe_us_per_block",
+        "floor_lookup_keys_1_us",
+        "floor_lookup_tokens_1_us",
+        "floor_store_tokens_1_us",
+    ):
+        assert out[key] > 0 and out[key.replace("_us", "_cpu_us")] > 0, key
+    assert out["floor_hash_us_per_block"] == pytest.approx(1e6 / out["hash_blocks_per_s"])
+
+
+def test_sglang_row_shows_the_threads_cpu_beside_the_wall(ec):
+    rows = [r for r in ec.ROWS if r.source == "sglang"]
+
+    def run(wall: float, cpu: float) -> dict:
+        return {
+            "get_over_file": 3.5,
+            "get_us_per_page": wall,
+            "get_cpu_us_per_page": cpu,
+            "file_get_cpu_us_per_page": 30.0,
+        }
+
+    results = {
+        "sglang": {
+            "quiet": {"new": [run(14.0, 7.0), run(9.0, 6.5), run(20.0, 8.0)]},
+            "busy": {"new": [{"get_us_per_page": 5.0}]},
+        }
+    }
+    lines = ec.floor_lines(results, rows)
+    assert lines == [
+        "- sglang_get, quiet: goal ≤ 10 us a page; measured 14 us (9-20) a page wall, of which the calling "
+        "thread ran 7 us (6.5-8) (CPU; HiCacheFile warm: 30 us (30-30))"
+    ]  # busy: an older worker without the CPU figure shows no line
+    assert ec.build_table(results, {}, rows)[0]["met"].startswith("no: quiet get_us_per_page")
