@@ -298,6 +298,10 @@ def floor_lines(results: dict, rows: list[Row], tree: str = "new") -> list[str]:
     for row in rows:
         if row.name == "sglang_get":
             lines += _sglang_cpu_lines(row, results.get(row.source, {}), tree)
+        if row.name in COPY_FLOORS:
+            lines += _copy_floor_lines(row, results.get(row.source, {}), tree)
+        if row.name == "daemon_put":
+            lines += _daemon_durable_lines(row, results.get(row.source, {}), tree)
         for m in row.measures if row.name in FLOORS else ():
             prefix = m.key.split(".")[0]  # "chain64"
             chain = int(prefix.removeprefix("chain"))
@@ -326,6 +330,51 @@ def floor_lines(results: dict, rows: list[Row], tree: str = "new") -> list[str]:
                         txt += f" = {st['median'] / chain:.3g} us a block of {chain}"
                     parts.append(txt)
                 lines.append(head + "; in the same runs: " + "; ".join(parts))
+    return lines
+
+
+#: The copy rows' floors (``core_bench._frag_floor``, the same worker and run): the same bytes copied
+#: in plain torch with tierstore's thread structure (its Copier: the caller and its copy threads, one
+#: OpenMP thread each, the same pieces), over the same ``copy_``: what the row could reach with no
+#: index, plan or check work. Key of the floor per measure label; plans and views copy the same
+#: strided per-layer pieces.
+COPY_FLOORS = {
+    "frag_views": {"store": "floor_views_store_over_memcpy", "load": "floor_views_load_over_memcpy"},
+    "frag_plans": {"store": "floor_views_store_over_memcpy", "load": "floor_views_load_over_memcpy"},
+    "blocks": {"store": "floor_blocks_over_memcpy", "load": "floor_blocks_over_memcpy"},
+}
+
+
+def _copy_floor_lines(row: Row, src: dict, tree: str) -> list[str]:
+    """A copy row's measured ratio beside its floor's (:data:`COPY_FLOORS`), per mode."""
+    lines = []
+    for mode in ("quiet", "busy"):
+        good = [r for r in src.get(mode, {}).get(tree) or [] if "error" not in r]
+        parts = []
+        for m in row.measures:
+            key = COPY_FLOORS[row.name].get(m.label)
+            got = [r[m.key] for r in good if m.key in r]
+            floor = [r[key] for r in good if key in r]
+            if got and floor:
+                parts.append(
+                    f"{m.label} {spread(stat(got), 'x')} against its floor {spread(stat(floor), 'x')}"
+                )
+        if parts:
+            lines.append(f"- {row.name}, {mode} (ratio to copy_): " + "; ".join(parts))
+    return lines
+
+
+def _daemon_durable_lines(row: Row, src: dict, tree: str) -> list[str]:
+    """The daemon row's durable puts (O_DIRECT write and fdatasync before the answer) beside the
+    goal's write-back figure, in the same runs."""
+    lines = []
+    for mode in ("quiet", "busy"):
+        good = [r for r in src.get(mode, {}).get(tree) or [] if "durable_put_over_baseline" in r]
+        if good:
+            dur = spread(stat([r["durable_put_over_baseline"] for r in good]), "x")
+            lines.append(
+                f"- {row.name}, {mode}: puts acknowledged durably (fdatasync'ed on NVMe) / baseline {dur}"
+            )
     return lines
 
 

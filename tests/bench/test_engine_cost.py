@@ -181,3 +181,36 @@ def test_sglang_row_shows_the_threads_cpu_beside_the_wall(ec):
         "thread ran 7 us (6.5-8) (CPU; HiCacheFile warm: 30 us (30-30))"
     ]  # busy: an older worker without the CPU figure shows no line
     assert ec.build_table(results, {}, rows)[0]["met"].startswith("no: quiet get_us_per_page")
+
+
+def test_copy_rows_show_their_floor_and_the_daemon_row_its_durable_puts(ec):
+    rows = [r for r in ec.ROWS if r.source in ("frag", "daemon")]
+    frag = {
+        "lists_store_over_memcpy": 0.7,
+        "lists_load_over_memcpy": 0.72,
+        "plans_store_over_memcpy": 0.8,
+        "plans_load_over_memcpy": 0.82,
+        "blocks_store_over_memcpy": 0.95,
+        "blocks_load_over_memcpy": 0.9,
+        "floor_views_store_over_memcpy": 0.86,
+        "floor_views_load_over_memcpy": 0.93,
+        "floor_blocks_over_memcpy": 1.02,
+    }
+    results = {
+        "frag": {
+            "quiet": {"new": [frag, {"error": "boom"}]},
+            "busy": {"new": [{"blocks_store_over_memcpy": 0.8}]},
+        },
+        "daemon": {"quiet": {"new": [{"put_over_baseline": 1.0, "durable_put_over_baseline": 0.6}]}},
+    }
+    lines = ec.floor_lines(results, rows)
+    views = next(ln for ln in lines if ln.startswith("- frag_views, quiet"))
+    assert "store 0.70x (0.70-0.70) against its floor 0.86x" in views and "load 0.72x" in views
+    plans = next(ln for ln in lines if ln.startswith("- frag_plans, quiet"))
+    assert "load 0.82x (0.82-0.82) against its floor 0.93x" in plans
+    blocks = next(ln for ln in lines if ln.startswith("- blocks, quiet"))
+    assert "store 0.95x (0.95-0.95) against its floor 1.02x" in blocks
+    assert not any(ln.startswith("- blocks, busy") for ln in lines)  # no floor measured: no line
+    daemon = next(ln for ln in lines if ln.startswith("- daemon_put, quiet"))
+    assert "durably" in daemon and "0.60x" in daemon
+    assert len(lines) == 4
