@@ -689,6 +689,7 @@ class SegmentStorage(BlockStorage):
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
             out["blocks"] = len(self._loc)
             out.update(self._segs.state_counts())
+            out["usable_bytes"] = self._segs.usable_segments() * self.segment_size_bytes
             out["dead_blocks"] = self._segs.dead_blocks()
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes

@@ -53,6 +53,7 @@ NVME_EVENTS = (
     "trim_errors",
     "gc_evicted_blocks",
     "region_evicted_blocks",
+    "preallocate_errors",
 )
 
 
@@ -159,6 +160,13 @@ class _StoreCollector:
             )
             waf.add_metric([], float(st.get("host_write_amplification", 1.0)))
             yield waf
+            usable = GaugeMetricFamily(
+                "tierstore_nvme_usable_bytes",
+                "Bytes of the NVMe tier's segments it can use: all of them, or, once its file system "
+                "filled (preallocate_errors), those that held space then (tierstore.io.segment_manager)",
+            )
+            usable.add_metric([], float(st.get("usable_bytes", 0)))
+            yield usable
             yield _int_counters(
                 "tierstore_nvme_events",
                 "NVMe tier counters: blocks recovered, dropped and damaged extents at the last open, "
