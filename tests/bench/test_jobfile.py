@@ -228,3 +228,15 @@ def test_job_file_without_a_job_says_what_it_holds(tmp_path, text, held):
     with pytest.raises(ConfigError) as e:
         parse_jobs(job_files=[str(p)])
     assert f"no job section: it holds {held}" in str(e.value)
+
+
+def test_two_sections_of_one_name_are_two_jobs_as_in_fio(tmp_path):
+    """Fresh-user trial 11: ``[w] rw=write`` then ``[w] rw=read`` ran one job (the sections merged);
+    fio runs both, in file order. A later [global] applies to the jobs after it, as in fio."""
+    path = tmp_path / "dup.fio"
+    path.write_text("[w]\nrw=write\nsize=1m\n[global]\nbs=8k\n[w]\nrw=read\nsize=1m\n")
+    jobs = parse_jobs([], [str(path)])
+    assert [(j.name, j.options["rw"], j.options["bs"]) for j in jobs] == [
+        ("w", "write", 4096),
+        ("w", "read", 8192),
+    ]

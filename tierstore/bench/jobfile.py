@@ -710,7 +710,7 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
                 "tierstore bench: put the included jobs in this file"
             )
     try:
-        parser.read_string(text, source=path)
+        parser.read_string(_number_sections(text), source=path)
     except configparser.MissingSectionHeaderError as exc:
         raise ConfigError(
             f"job file {path!r}, line {exc.lineno}: option outside of a [] job section "
@@ -719,13 +719,26 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     except configparser.Error as exc:
         raise ConfigError(f"job file {path!r}: {exc.message}") from None
     sections = []
-    for section in parser.sections():
+    for numbered in parser.sections():
+        section = numbered.rpartition(_NTH)[0]
         raw = {
             k.strip(): (_bare_key(path, section, k.strip()) if v is None else v.strip())
-            for k, v in parser.items(section)
+            for k, v in parser.items(numbered)
         }
         sections.append((section, raw))
     return sections
+
+
+#: Joins a section's name and its place in the file (:func:`_number_sections`).
+_NTH = "\x1f"
+
+
+def _number_sections(text: str) -> str:
+    """``text`` with every section header numbered (``[w]`` -> ``[w<_NTH>2]``), so that two
+    sections of one name stay two jobs, in file order, as in fio (configparser would merge them:
+    trial 11's ``[w] rw=write`` then ``[w] rw=read`` ran one job, the read)."""
+    count = iter(range(1 << 62))
+    return re.sub(r"^(\s*)\[([^\]\n]+)\]", lambda m: f"{m[1]}[{m[2]}{_NTH}{next(count)}]", text, flags=re.M)
 
 
 def _bare_key(path: str, section: str, key: str) -> str:
