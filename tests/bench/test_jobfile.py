@@ -240,3 +240,12 @@ def test_two_sections_of_one_name_are_two_jobs_as_in_fio(tmp_path):
         ("w", "write", 4096),
         ("w", "read", 8192),
     ]
+
+
+def test_fio_aliases_of_our_options_are_accepted(tmp_path):
+    """Trial 11: ``blocksize=8k`` (fio's alias of bs, options.c) was refused as unknown."""
+    path = tmp_path / "a.fio"
+    path.write_text("[global]\nsize=1m\nblocksize=8k\n[r]\nreadwrite=randread\ntimeout=2s\n")
+    (job,) = parse_jobs(["--data_placement=fdp", "--fdp_pli_select=roundrobin"], [str(path)])
+    assert (job.options["bs"], job.options["rw"], job.options["runtime"]) == (8192, "randread", 2.0)
+    assert (job.options["dataplacement"], job.options["plid_select"]) == ("fdp", "roundrobin")

@@ -374,9 +374,16 @@ SCHEMA: dict[str, OptionSpec] = {
     ]
 }
 
-#: fio spellings accepted as aliases of schema keys.
+#: fio spellings accepted as aliases of schema keys: fio's own aliases of the options tierstore has
+#: (``.alias`` in fio's options.c: ``blocksize``, ``readwrite``, ``timeout``, ``data_placement``,
+#: ``fdp_pli``, ``fdp_pli_select``, ``wait_for_previous``), ``randseed`` and ``jobname``.
 ALIASES: dict[str, str] = {
+    "blocksize": "bs",
+    "readwrite": "rw",
+    "timeout": "runtime",
+    "data_placement": "dataplacement",
     "fdp_pli": "plids",
+    "fdp_pli_select": "plid_select",
     "randseed": "seed",
     "jobname": "name",
     "wait_for_previous": "stonewall",
