@@ -99,3 +99,18 @@ def test_kvtrace_private_directory_removed_after_a_stop_request(private_tmp, mon
     timer.cancel()
     assert rc == 130, capsys.readouterr().err
     assert list(private_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        (["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync"], "write.0.0"),
+        (["--rw=kvtrace", "--number_ios=50"], "kvtrace.0.0"),
+    ],
+)
+def test_unlink_0_keeps_the_private_directory_and_names_it(private_tmp, capsys, flags, name):
+    """Trial 11: ``--unlink=0`` without directory= reported .../tierstore-bench-XXX/write.0.0 and then
+    removed that directory anyway; the README says --unlink=0 keeps the job's files."""
+    assert main([*flags, "--unlink=0", "--output-format=json"]) == 0, capsys.readouterr().err
+    (kept,) = private_tmp.iterdir()
+    assert (kept / name).is_file() and f"kept in {kept}" in capsys.readouterr().err

@@ -92,7 +92,7 @@ from ..io.ring import (
 )
 from ..units import format_bytes
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
-from .registry import current_progress, info, register_runner, stop_requested
+from .registry import current_progress, info, register_runner, remove_private_dir, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_io_job", "IO_RW", "NoSpaceForJob"]
@@ -611,14 +611,14 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     sync = options["ioengine"] in SYNC_IOENGINES
     lanes = 1 if sync else options["iodepth"]
 
-    tmpdir = None
+    tmpdir: str | None = None
     created = own = False
     target: Any = None
     try:
         if engine_kind_ != "memory":
             if not path:
-                tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
-                path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
+                tmpdir = tempfile.mkdtemp(prefix="tierstore-bench-")
+                path = os.path.join(tmpdir, f"{options['name']}.0.0")
             own = os.path.isfile(path) and _is_own(path)
             created = _prepare_target(options, path, read_share, span_bytes)
             own = own or created
@@ -640,7 +640,7 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
         elif own and os.path.isfile(path):
             _mark_own(path)  # as the job leaves it: size and mtime
         if tmpdir is not None:
-            tmpdir.cleanup()
+            remove_private_dir(options, tmpdir)  # kept with its file when unlink=0
 
 
 class _Shared:

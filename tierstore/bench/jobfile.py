@@ -235,7 +235,8 @@ SCHEMA: dict[str, OptionSpec] = {
             "str",
             "",
             "Directory for the job's files (empty: a private temporary directory of its own, "
-            "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike).",
+            "removed when the job ends, also after Ctrl-C or a failure, unless unlink=0 (then kept, "
+            "and a line names it); plain and KV jobs alike).",
         ),
         _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
         _spec(
@@ -243,7 +244,8 @@ SCHEMA: dict[str, OptionSpec] = {
             "bool",
             True,
             "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
-            "default is 0). 0 keeps them. A file that existed before the job is never removed.",
+            "default is 0). 0 keeps them (in the job's private temporary directory without directory=, which "
+            "is then kept and named). A file that existed before the job is never removed.",
         ),
         _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
         _spec(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -29,7 +28,15 @@ from ..config import StoreConfig
 from ..errors import ConfigError
 from ..replay import ReplayConfig, run_replay
 from .jobfile import engine_kind, resolve_path
-from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
+from .registry import (
+    JobInterrupted,
+    current_progress,
+    info,
+    register_runner,
+    remove_private_dir,
+    stop_requested,
+    warn,
+)
 from .result import CpuUsage, DirectionResult, JobResult
 
 __all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file", "no_space_report", "verdict"]
@@ -258,7 +265,7 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
         return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
     finally:  # also after a failure, a stop request or a second Ctrl-C
         if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)
+            remove_private_dir(options, own_dir)
 
 
 def _trace_kv(rep, block_bytes: int, nvme: bool, files: list[str]) -> tuple[dict, int, str]:
