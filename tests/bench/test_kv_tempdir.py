@@ -114,3 +114,21 @@ def test_unlink_0_keeps_the_private_directory_and_names_it(private_tmp, capsys, 
     assert main([*flags, "--unlink=0", "--output-format=json"]) == 0, capsys.readouterr().err
     (kept,) = private_tmp.iterdir()
     assert (kept / name).is_file() and f"kept in {kept}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync"], ["--rw=kvtrace", "--number_ios=50"]],
+)
+def test_a_relative_filename_is_under_the_working_directory_for_every_job(
+    private_tmp, tmp_path, monkeypatch, capsys, flags
+):
+    """Trial 11: a relative filename= went to the working directory for plain jobs and to a private
+    temporary directory (removed) for KV jobs. One rule now, fio's: the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main([*flags, "--filename=mine.dat", "--unlink=0", "--output-format=json"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert (work / "mine.dat").is_file()

@@ -238,7 +238,13 @@ SCHEMA: dict[str, OptionSpec] = {
             "removed when the job ends, also after Ctrl-C or a failure, unless unlink=0 (then kept, "
             "and a line names it); plain and KV jobs alike).",
         ),
-        _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
+        _spec(
+            "filename",
+            "str",
+            "",
+            "File (or device) to use; a relative name is under directory=, or, without it, under the "
+            "working directory (fio's rule; plain and KV jobs alike).",
+        ),
         _spec(
             "unlink",
             "bool",
