@@ -167,7 +167,7 @@ def test_a_file_system_that_fills_after_start_shows_in_usable_bytes(small_fs):
     filler = small_fs / "filler"
     try:
         whole = s.stats()["usable_bytes"]
-        assert whole == s.n_segments * seg
+        assert whole == s.capacity_blocks() * bb  # the unit of the store's capacity_bytes()
         k = [os.urandom(32) for _ in range(4)]
         assert s.put(k, [content(x, bb) for x in k]) == [Status.OK] * 4
         with open(filler, "wb") as f:  # another process fills the file system
@@ -182,7 +182,8 @@ def test_a_file_system_that_fills_after_start_shows_in_usable_bytes(small_fs):
         st = s.stats()
         assert st["preallocate_errors"] > 0
         assert 0 < st["usable_bytes"] < whole
-        assert st["usable_bytes"] == seg * (s.n_segments - st["segments_free"])
+        held = s.n_segments - st["segments_free"]
+        assert st["usable_bytes"] == s.capacity_blocks() * held // s.n_segments * bb
         filler.unlink()  # room again: once more segments hold space, the tier is whole again
         for _ in range(200):
             k = [os.urandom(32) for _ in range(4)]

@@ -264,7 +264,7 @@ class SegmentManager:
             if self._warned_no_space == 0:
                 _log.warning(
                     "segment %d: cannot allocate %d bytes (%s); treating as no space: the tier "
-                    "works in the %d of its %d segments that hold space (usable_bytes %d), evicting "
+                    "works in the %d of its %d segments that hold space, evicting "
                     "its older blocks to make room (logged once; counted in preallocate_errors, "
                     'the daemon\'s tierstore_nvme_events_total{counter="preallocate_errors"} and '
                     "tierstore_nvme_usable_bytes)",
@@ -273,7 +273,6 @@ class SegmentManager:
                     err,
                     self._short,
                     self.n_segments,
-                    self.usable_segments() * self.segment_bytes,
                 )
             self._warned_no_space += 1
             return None

@@ -689,7 +689,10 @@ class SegmentStorage(BlockStorage):
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
             out["blocks"] = len(self._loc)
             out.update(self._segs.state_counts())
-            out["usable_bytes"] = self._segs.usable_segments() * self.segment_size_bytes
+            # in the unit of capacity_blocks (the store's capacity_bytes()["nvme"]), scaled by the
+            # segments the tier can use (all, until its file system fills: SegmentManager.usable_segments)
+            usable = self.capacity_blocks() * self._segs.usable_segments() // self.n_segments
+            out["usable_bytes"] = usable * self.block_bytes
             out["dead_blocks"] = self._segs.dead_blocks()
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes

@@ -162,8 +162,9 @@ class _StoreCollector:
             yield waf
             usable = GaugeMetricFamily(
                 "tierstore_nvme_usable_bytes",
-                "Bytes of the NVMe tier's segments it can use: all of them, or, once its file system "
-                "filled (preallocate_errors), those that held space then (tierstore.io.segment_manager)",
+                'KV bytes the NVMe tier can hold, as tierstore_tier_capacity_bytes{tier="nvme"}: '
+                "that, or once its file system filled (preallocate_errors) the share of the segments "
+                "that held space then (tierstore.io.segment_manager)",
             )
             usable.add_metric([], float(st.get("usable_bytes", 0)))
             yield usable
