@@ -132,3 +132,11 @@ def test_a_relative_filename_is_under_the_working_directory_for_every_job(
         capsys.readouterr().err
     )
     assert (work / "mine.dat").is_file()
+
+
+def test_numjobs_clones_sharing_one_file_is_said(private_tmp, capsys):
+    """Trial 11: --numjobs=2 without filename= wrote one write.0.0 for both clones, where fio writes
+    write.0.0 and write.1.0; the clones share the file here (documented), and a line says so."""
+    flags = ["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync", "--numjobs=2"]
+    assert main([*flags, "--output-format=json"]) == 0
+    assert "clones share one file" in capsys.readouterr().err

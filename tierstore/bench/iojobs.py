@@ -620,6 +620,11 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
                 tmpdir = tempfile.mkdtemp(prefix="tierstore-bench-")
                 path = os.path.join(tmpdir, f"{options['name']}.0.0")
             own = os.path.isfile(path) and _is_own(path)
+            if options["numjobs"] > 1 and not options["filename"]:
+                info(
+                    f"{options['name']}: the numjobs={options['numjobs']} clones share one file, {path} "
+                    f"(fio gives each clone its own, {options['name']}.N.0)"
+                )
             created = _prepare_target(options, path, read_share, span_bytes)
             own = own or created
         if path is not None and _is_nvme_generic(path):

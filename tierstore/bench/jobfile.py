@@ -222,7 +222,15 @@ SCHEMA: dict[str, OptionSpec] = {
         _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
         _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
         _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
-        _spec("numjobs", "int", 1, "Number of clones of the job (reported as one group).", minimum=1),
+        _spec(
+            "numjobs",
+            "int",
+            1,
+            "Number of clones of the job (reported as one group). Unlike fio, a plain job's clones share "
+            "its one file (jobname.0.0, or filename=), each doing size= of I/O on it; fio gives each "
+            "clone a file of its own (jobname.N.0) unless filename= is given.",
+            minimum=1,
+        ),
         _spec(
             "runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."
         ),
