@@ -516,17 +516,20 @@ def _scrub(engine: IOEngine, segs: SegmentManager, segments: Iterable[int], plac
     del keep
 
 
-def write_label(engine: IOEngine, segs: SegmentManager, store_id: bytes, placement: int | None) -> bytes:
-    """Write the label (this geometry) and make it durable; returns the store id written. The
-    invalidation records after a label found there are kept
+def write_label(
+    engine: IOEngine, segs: SegmentManager, store_id: bytes, placement: int | None, relabel: bool = False
+) -> bytes:
+    """Write the label (this geometry) and make it durable; returns the store id written. A
+    ``relabel`` (the tier had a label) keeps the invalidation records after it
     (:class:`~tierstore.io.invalidation_log.LabelInvalidationLog`)."""
     page = lbl.StoreLabel(segs.segment_bytes, segs.block_bytes, segs.n_segments, store_id).encode()
-    old = _read_page(engine, 0)
-    try:
-        if lbl.decode_label(old) is not None:
-            page = page[:LABEL_TAIL_OFFSET] + old[LABEL_TAIL_OFFSET:]
-    except CorruptData:
-        pass  # a damaged label's tail is not trusted
+    if relabel:
+        old = _read_page(engine, 0)
+        try:
+            if lbl.decode_label(old) is not None:
+                page = page[:LABEL_TAIL_OFFSET] + old[LABEL_TAIL_OFFSET:]
+        except CorruptData:
+            pass  # a damaged label's tail is not trusted
     keep, buf = alloc_aligned(lbl.LABEL_BYTES)
     memoryview(keep)[: lbl.LABEL_BYTES] = page
     engine.write(0, buf[: lbl.LABEL_BYTES], placement).get()

@@ -587,7 +587,9 @@ class SegmentStorage(BlockStorage):
             self._st["recovery_dropped_blocks"] += dropped
             self._st["trim_errors"] += trim_errors
         if self._labelled and (old is None or old.n_segments != self.n_segments):
-            recovery.write_label(self.engine, self._segs, store_id, self._metadata_placement)
+            recovery.write_label(
+                self.engine, self._segs, store_id, self._metadata_placement, relabel=old is not None
+            )
 
     def _drop_over_budget(self) -> list[int]:
         """Block mode, at open: the blocks recovered beyond the live budget are dropped and said in
@@ -689,10 +691,11 @@ class SegmentStorage(BlockStorage):
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
             out["blocks"] = len(self._loc)
             out.update(self._segs.state_counts())
-            # in the unit of capacity_blocks (the store's capacity_bytes()["nvme"]), scaled by the
-            # segments the tier can use (all, until its file system fills: SegmentManager.usable_segments)
-            usable = self.capacity_blocks() * self._segs.usable_segments() // self.n_segments
-            out["usable_bytes"] = usable * self.block_bytes
+            if self._segs.usable_segments() < self.n_segments:  # its file system filled after start
+                # in the unit of capacity_blocks (the store's capacity_bytes()["nvme"]), scaled by the
+                # segments the tier can use (SegmentManager.usable_segments)
+                usable = self.capacity_blocks() * self._segs.usable_segments() // self.n_segments
+                out["usable_bytes"] = usable * self.block_bytes
             out["dead_blocks"] = self._segs.dead_blocks()
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes

@@ -166,7 +166,8 @@ class _StoreCollector:
                 "that, or once its file system filled (preallocate_errors) the share of the segments "
                 "that held space then (tierstore.io.segment_manager)",
             )
-            usable.add_metric([], float(st.get("usable_bytes", 0)))
+            # SegmentStorage.stats has usable_bytes only while the tier is short of its capacity
+            usable.add_metric([], float(st.get("usable_bytes", store.capacity_bytes().get("nvme", 0))))
             yield usable
             yield _int_counters(
                 "tierstore_nvme_events",
