@@ -134,9 +134,19 @@ def test_a_relative_filename_is_under_the_working_directory_for_every_job(
     assert (work / "mine.dat").is_file()
 
 
-def test_numjobs_clones_sharing_one_file_is_said(private_tmp, capsys):
-    """Trial 11: --numjobs=2 without filename= wrote one write.0.0 for both clones, where fio writes
-    write.0.0 and write.1.0; the clones share the file here (documented), and a line says so."""
-    flags = ["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync", "--numjobs=2"]
-    assert main([*flags, "--output-format=json"]) == 0
-    assert "clones share one file" in capsys.readouterr().err
+def test_numjobs_clones_have_a_file_each_as_in_fio_unless_filename_is_given(tmp_path, capsys):
+    """Trial 11: --numjobs=2 without filename= had both clones write one write.0.0, where fio writes
+    write.0.0 and write.1.0 (jobname.jobnum.filenum), each of size= and each written whole."""
+    flags = ["--rw=write", "--bs=64k", "--size=1m", "--ioengine=psync", "--numjobs=2", "--unlink=0"]
+    each = tmp_path / "each"
+    each.mkdir()
+    assert main([*flags, f"--directory={each}", "--output-format=json"]) == 0, capsys.readouterr().err
+    job = json.loads(capsys.readouterr().out)["jobs"][0]
+    assert job["write"]["total_ios"] == 32
+    assert sorted(p.name for p in each.iterdir()) == ["write.0.0", "write.1.0"]
+    for p in each.iterdir():  # every block of each file written (allocated), not one file twice
+        assert p.stat().st_size == 1 << 20 and p.stat().st_blocks * 512 >= 1 << 20
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert main([*flags, f"--directory={shared}", "--filename=one", "--output-format=json"]) == 0
+    assert [p.name for p in shared.iterdir()] == ["one"]

@@ -226,9 +226,9 @@ SCHEMA: dict[str, OptionSpec] = {
             "numjobs",
             "int",
             1,
-            "Number of clones of the job (reported as one group). Unlike fio, a plain job's clones share "
-            "its one file (jobname.0.0, or filename=), each doing size= of I/O on it; fio gives each "
-            "clone a file of its own (jobname.N.0) unless filename= is given.",
+            "Number of clones of the job (reported as one group), each doing size= of I/O. As in fio, "
+            "each clone of a plain job has a file of its own (jobname.N.0) unless filename= is given "
+            "(then they share it).",
             minimum=1,
         ),
         _spec(
