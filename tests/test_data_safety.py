@@ -268,6 +268,27 @@ def test_a_block_device_is_formatted_only_when_told_to(loop_device):
         assert _loads_exact(s, toks, kv)  # format never erases a tier that carries the label
 
 
+def test_an_invalidation_on_a_block_device_is_kept_on_it_and_nothing_is_created_beside_it(loop_device):
+    """Fresh-user trial 11: invalidate() on a tier over /dev/loop0 created /dev/loop0.invalidations
+    (a file tierstore did not own, in /dev). The records now go in the label page: nothing beside the
+    node, and the invalidated namespace is still not served after a reopen."""
+    other = Namespace(model="m@1", tenant="other")
+    (toks, kv), (toks2, kv2) = _prompt(5), _prompt(6)
+    beside = os.path.basename(loop_device) + "."
+    with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=32 << 20, nvme_format=True) as s:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+        assert s.store(other, toks2, kv2) == [Status.OK] * 4
+        assert s.invalidate(NS) == 4
+    assert [f for f in os.listdir(os.path.dirname(loop_device)) if f.startswith(beside)] == []
+    with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=32 << 20) as s:
+        assert s.lookup(NS, toks).matched_blocks == 0
+        hit = s.lookup(other, toks2)
+        st, out = s.load(hit.keys)
+        assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv2))
+    with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=48 << 20) as s:  # a relabel keeps them
+        assert s.lookup(NS, toks).matched_blocks == 0 and s.lookup(other, toks2).matched_blocks == 4
+
+
 # ----------------------------------------------------------------------------- item 2: a closed store
 def _closed_calls(s: KVStore, toks, kv, keys):
     return {

@@ -410,7 +410,7 @@ def _open_storage(
             extent_size_bytes=nv.extent_size_bytes,
             region_policy=nv.region_policy,
             keep_data=keep_data,
-            invalidation_log=(path + ".invalidations") if path and nv.device != "fdp" else False,
+            invalidation_log=None,  # beside a file, in the label page of a device (never beside its node)
             label=path is not None,
             format=nv.format,
             metadata_placement=placement.placement_for_metadata(),

@@ -110,6 +110,11 @@ class DaemonConnection:
         self._session: aiohttp.ClientSession | None = None
         self.call(self._open())
         _OPEN.add(self)
+        # a connection dropped without close() (a client made in a function): its session is closed and
+        # its loop stopped when it is collected (aiohttp printed "Unclosed client session"; trial 11);
+        # at interpreter exit _close_at_exit closes the live ones
+        self._finalizer = weakref.finalize(self, _release, self._loop, self._thread, self._session)
+        self._finalizer.atexit = False
 
     async def _open(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=64))
@@ -337,12 +342,31 @@ class DaemonConnection:
             self.closed = True
             while self._active:
                 self._state.wait()
+        self._finalizer.detach()
         if self._loop.is_closed():
             return
         asyncio.run_coroutine_threadsafe(self._finish(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+
+def _release(loop: asyncio.AbstractEventLoop, thread: threading.Thread, session) -> None:
+    """Close the session of a :class:`DaemonConnection` collected without ``close()`` and stop its
+    loop (``weakref.finalize``: no call can be in progress, each one holds the connection)."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # collected on its own loop: no waiting there
+        loop.create_task(session.close())
+        loop.call_soon(loop.stop)
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
 
 
 #: Connections not closed yet: closed at interpreter exit (a script that never called ``close()``

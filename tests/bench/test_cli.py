@@ -304,3 +304,14 @@ def test_help_is_plain_text_that_names_every_command_option(run_bench):
     named = set(re.findall(r"^  --([a-z-]+)", out, flags=re.M))
     assert {"cmdhelp", "parse-only", "showcmd", "output-format", "output", "version"} <= named
     assert named - {"rw"} <= _VALUE_FLAGS | _BOOL_FLAGS
+
+
+def test_job_file_with_two_sections_of_one_name_runs_both(tmp_path, run_bench):
+    """Trial 11: fio runs ``[w] rw=write`` then ``[w] rw=read`` as two jobs; tierstore ran the read."""
+    path = tmp_path / "dup.fio"
+    path.write_text("[global]\nioengine=memory\nsize=1m\nbs=4k\n[w]\nrw=write\n[w]\nrw=read\n")
+    rc, out, err = run_bench("--output-format=json", str(path))
+    assert rc == 0, err
+    jobs = json.loads(out)["jobs"]
+    assert [(j["jobname"], j["job options"]["rw"]) for j in jobs] == [("w", "write"), ("w", "read")]
+    assert jobs[0]["write"]["total_ios"] == 256 and jobs[1]["read"]["total_ios"] == 256

@@ -105,6 +105,19 @@ def test_size_over_free_space_is_refused_before_writing(tmp_path, run_bench, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_free_space_check_counts_a_file_per_clone(tmp_path, run_bench, monkeypatch):
+    """Trial 11: numjobs=2 without filename= shared one file, so 2 x size fit where fio needs both
+    files; each clone has its own file now and the check counts both."""
+    real = os.statvfs
+    monkeypatch.setattr(
+        os, "statvfs", lambda p: _StatVfs(4096, 4096) if str(p).startswith(str(tmp_path)) else real(p)
+    )  # 16 MiB free: one 12 MiB file fits, two do not
+    flags = ("--rw=write", "--bs=1m", "--size=12m", "--numjobs=2", f"--directory={tmp_path}")
+    rc, out, err = run_bench(*flags)
+    assert rc == 1 and "the 2 files" in err and "needs 25165824 more bytes" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_petabyte_size_is_refused_at_once(tmp_path, run_bench):
     t0 = time.monotonic()
     rc, _, err = run_bench(

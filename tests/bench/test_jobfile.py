@@ -228,3 +228,24 @@ def test_job_file_without_a_job_says_what_it_holds(tmp_path, text, held):
     with pytest.raises(ConfigError) as e:
         parse_jobs(job_files=[str(p)])
     assert f"no job section: it holds {held}" in str(e.value)
+
+
+def test_two_sections_of_one_name_are_two_jobs_as_in_fio(tmp_path):
+    """Fresh-user trial 11: ``[w] rw=write`` then ``[w] rw=read`` ran one job (the sections merged);
+    fio runs both, in file order. A later [global] applies to the jobs after it, as in fio."""
+    path = tmp_path / "dup.fio"
+    path.write_text("[w]\nrw=write\nsize=1m\n[global]\nbs=8k\n[w]\nrw=read\nsize=1m\n")
+    jobs = parse_jobs([], [str(path)])
+    assert [(j.name, j.options["rw"], j.options["bs"]) for j in jobs] == [
+        ("w", "write", 4096),
+        ("w", "read", 8192),
+    ]
+
+
+def test_fio_aliases_of_our_options_are_accepted(tmp_path):
+    """Trial 11: ``blocksize=8k`` (fio's alias of bs, options.c) was refused as unknown."""
+    path = tmp_path / "a.fio"
+    path.write_text("[global]\nsize=1m\nblocksize=8k\n[r]\nreadwrite=randread\ntimeout=2s\n")
+    (job,) = parse_jobs(["--data_placement=fdp", "--fdp_pli_select=roundrobin"], [str(path)])
+    assert (job.options["bs"], job.options["rw"], job.options["runtime"]) == (8192, "randread", 2.0)
+    assert (job.options["dataplacement"], job.options["plid_select"]) == ("fdp", "roundrobin")

@@ -99,3 +99,54 @@ def test_kvtrace_private_directory_removed_after_a_stop_request(private_tmp, mon
     timer.cancel()
     assert rc == 130, capsys.readouterr().err
     assert list(private_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        (["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync"], "write.0.0"),
+        (["--rw=kvtrace", "--number_ios=50"], "kvtrace.0.0"),
+    ],
+)
+def test_unlink_0_keeps_the_private_directory_and_names_it(private_tmp, capsys, flags, name):
+    """Trial 11: ``--unlink=0`` without directory= reported .../tierstore-bench-XXX/write.0.0 and then
+    removed that directory anyway; the README says --unlink=0 keeps the job's files."""
+    assert main([*flags, "--unlink=0", "--output-format=json"]) == 0, capsys.readouterr().err
+    (kept,) = private_tmp.iterdir()
+    assert (kept / name).is_file() and f"kept in {kept}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--rw=write", "--bs=4k", "--size=256k", "--ioengine=psync"], ["--rw=kvtrace", "--number_ios=50"]],
+)
+def test_a_relative_filename_is_under_the_working_directory_for_every_job(
+    private_tmp, tmp_path, monkeypatch, capsys, flags
+):
+    """Trial 11: a relative filename= went to the working directory for plain jobs and to a private
+    temporary directory (removed) for KV jobs. One rule now, fio's: the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main([*flags, "--filename=mine.dat", "--unlink=0", "--output-format=json"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert (work / "mine.dat").is_file()
+
+
+def test_numjobs_clones_have_a_file_each_as_in_fio_unless_filename_is_given(tmp_path, capsys):
+    """Trial 11: --numjobs=2 without filename= had both clones write one write.0.0, where fio writes
+    write.0.0 and write.1.0 (jobname.jobnum.filenum), each of size= and each written whole."""
+    flags = ["--rw=write", "--bs=64k", "--size=1m", "--ioengine=psync", "--numjobs=2", "--unlink=0"]
+    each = tmp_path / "each"
+    each.mkdir()
+    assert main([*flags, f"--directory={each}", "--output-format=json"]) == 0, capsys.readouterr().err
+    job = json.loads(capsys.readouterr().out)["jobs"][0]
+    assert job["write"]["total_ios"] == 32
+    assert sorted(p.name for p in each.iterdir()) == ["write.0.0", "write.1.0"]
+    for p in each.iterdir():  # every block of each file written (allocated), not one file twice
+        assert p.stat().st_size == 1 << 20 and p.stat().st_blocks * 512 >= 1 << 20
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert main([*flags, f"--directory={shared}", "--filename=one", "--output-format=json"]) == 0
+    assert [p.name for p in shared.iterdir()] == ["one"]

@@ -154,3 +154,42 @@ def test_segment_allocation_never_covers_the_label(tmp_path):
         s.close()
     assert any(off < (1 << 20) for off, _ in asked), "segment 0 was never allocated"
     assert all(off >= lbl.LABEL_BYTES for off, _ in asked)
+
+
+def test_a_file_system_that_fills_after_start_shows_in_usable_bytes(small_fs):
+    """Fresh-user trial 11: another process filled the NVMe tier's file system after start; puts
+    kept being acknowledged by evicting older blocks and the tier looked whole (put_no_space 0,
+    capacity unchanged). usable_bytes says what the tier can use, and comes back with the room."""
+    bb, seg = 64 << 10, 1 << 20
+    s = SegmentStorage(
+        str(small_fs / "store.bin"), 8 << 20, bb, segment_size_bytes=seg, extent_size_bytes=256 << 10
+    )
+    filler = small_fs / "filler"
+    try:
+        whole = s.capacity_blocks() * bb  # the unit of the store's capacity_bytes()
+        assert "usable_bytes" not in s.stats()  # only while the tier is short of its capacity
+        k = [os.urandom(32) for _ in range(4)]
+        assert s.put(k, [content(x, bb) for x in k]) == [Status.OK] * 4
+        with open(filler, "wb") as f:  # another process fills the file system
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(bytes(1 << 20))
+        for _ in range(200):
+            k = [os.urandom(32) for _ in range(4)]
+            s.put(k, [content(x, bb) for x in k])
+            if s.stats()["preallocate_errors"]:
+                break
+        st = s.stats()
+        assert st["preallocate_errors"] > 0
+        assert 0 < st["usable_bytes"] < whole
+        held = s.n_segments - st["segments_free"]
+        assert st["usable_bytes"] == s.capacity_blocks() * held // s.n_segments * bb
+        filler.unlink()  # room again: once more segments hold space, the tier is whole again
+        for _ in range(200):
+            k = [os.urandom(32) for _ in range(4)]
+            s.put(k, [content(x, bb) for x in k])
+            if s.stats()["segments_free"] == 0:
+                break
+        assert "usable_bytes" not in s.stats()  # whole again
+    finally:
+        s.close()

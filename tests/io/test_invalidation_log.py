@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from tierstore.errors import Status
-from tierstore.io.invalidation_log import NS_RECORD, InvalidationLog
+from tierstore.io.invalidation_log import (
+    ALL_NAMESPACES,
+    LABEL_TAIL_OFFSET,
+    LABEL_TAIL_RECORDS,
+    NS_RECORD,
+    InvalidationLog,
+    LabelInvalidationLog,
+    is_invalidated,
+)
 from tierstore.io.journal import read_legacy_invalidations
 from tierstore.io.segments import SegmentStorage
 
@@ -75,4 +83,21 @@ def test_a_store_reopens_over_a_torn_log_and_still_drops_the_invalidated_namespa
     s = _store(path)
     assert sorted(s.keys()) == sorted(keys[2:])
     assert s.stats()["recovery_invalidated_blocks"] == 2
+    s.close()
+
+
+def test_the_label_page_log_folds_its_oldest_namespaces_into_one_record_for_all(tmp_path):
+    """A device's records (LabelInvalidationLog) live after the label; past the page's room the
+    oldest fold into ALL_NAMESPACES, which drops every namespace's older blocks (a miss, not KV)."""
+    s = _store(str(tmp_path / "tier.bin"))
+    log = LabelInvalidationLog(s.engine, None)
+    label = bytes(log._page()[:LABEL_TAIL_OFFSET])
+    n = LABEL_TAIL_RECORDS + 3
+    for i in range(n):
+        log.append(i.to_bytes(32, "big"), 100 + i)
+    got = log.read()
+    assert len(got) == LABEL_TAIL_RECORDS and got[ALL_NAMESPACES] == 100 + 3
+    assert got[(n - 1).to_bytes(32, "big")] == 100 + n - 1 and (2).to_bytes(32, "big") not in got
+    assert is_invalidated(got, (1).to_bytes(32, "big"), 102) and not is_invalidated(got, C, 103)
+    assert bytes(log._page()[:LABEL_TAIL_OFFSET]) == label  # the label itself unchanged
     s.close()

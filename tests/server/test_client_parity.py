@@ -191,6 +191,27 @@ def test_a_client_never_closed_leaves_no_warnings_at_exit(daemon):
     assert "Unclosed" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_client_dropped_without_close_leaves_no_warnings_and_no_thread(daemon):
+    """Fresh-user trial 11: a RemoteKVStore made in a function and dropped without close() printed
+    aiohttp's 'Unclosed client session' when it was collected (the exit hook closes only the live
+    ones), and its loop thread ran on."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = (
+        "import gc, threading\n"
+        "from tierstore.client import RemoteKVStore\n"
+        f"def use():\n    c = RemoteKVStore({daemon.url!r}, {TOKENS['acme']!r}); c.stats()\n"
+        "use(); gc.collect()\n"
+        "print([t.name for t in threading.enumerate() if t.name == 'tierstore-client'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+    assert "Unclosed" not in r.stderr, r.stderr[-2000:]
+
+
 def test_a_bad_chain_position_or_lifetime_fails_before_any_request_as_in_kvstore(client, monkeypatch):
     """The daemon client sent them and raised RemoteError (HTTP 400, pydantic's wording); KVStore
     raises LayoutError/ConfigError (fresh-user trial 4b)."""

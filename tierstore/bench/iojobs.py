@@ -28,11 +28,11 @@ are reported.
 
 Where the bytes go (``device=``, the same three choices as the KV jobs):
 
-* ``file`` (default): the job's file, ``directory``/``filename`` (fio's ``jobname.0.0``; a
-  temporary directory when neither is set), through ``ioengine``. Completed writes are also fed
-  to an FTL model (:class:`tierstore.fdp.ftl.FTLModel`) -- after the run, in completion order, so the
-  model costs the I/O loops nothing -- and write jobs report HBMW/MBMW/MBE and WAF over time; that is
-  a *model*, not the device under this file system.
+* ``file`` (default): the job's file, ``directory``/``filename`` (fio's ``jobname.0.0``; clone N
+  ``jobname.N.0`` without ``filename``; a temporary directory when neither is set), through
+  ``ioengine``. Completed writes are also fed to an FTL model (:class:`tierstore.fdp.ftl.FTLModel`) --
+  after the run, in completion order, so the model costs the I/O loops nothing -- and write jobs
+  report HBMW/MBMW/MBE and WAF over time; that is a *model*, not the device under this file system.
   The model's logical capacity is ``size / utilization`` (the job's file covers ``utilization``
   of the modelled device).
 * ``sim``: the FTL model *is* the device: the data stays in memory (memory engine);
@@ -92,7 +92,7 @@ from ..io.ring import (
 )
 from ..units import format_bytes
 from .jobfile import SYNC_IOENGINES, engine_kind, resolve_path
-from .registry import current_progress, info, register_runner, stop_requested
+from .registry import current_progress, info, register_runner, remove_private_dir, stop_requested
 from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_io_job", "IO_RW", "NoSpaceForJob"]
@@ -137,8 +137,9 @@ def _free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
-    """Refuse a job whose file would not fit the free space of its file system.
+def _check_space(options: dict[str, Any], paths: Sequence[str], size_bytes: int) -> None:
+    """Refuse a job whose files (one, or one per clone: fio's ``jobname.N.0``) of ``size_bytes``
+    each would not fit the free space of their file system.
 
     fio finds out while laying the file out (``No space left on device on laying
     out file, stopping``), after filling the disk; this checks first, from
@@ -149,12 +150,12 @@ def _check_space(options: dict[str, Any], path: str, size_bytes: int) -> None:
     NoSpaceForJob
         When the bytes still to allocate exceed the free space.
     """
-    have = os.path.getsize(path) if os.path.exists(path) else 0
-    need = max(0, size_bytes - have)
-    free = _free_bytes(path)
+    need = sum(max(0, size_bytes - (os.path.getsize(p) if os.path.exists(p) else 0)) for p in paths)
+    free = _free_bytes(paths[0])
+    what = f"the file {paths[0]}" if len(paths) == 1 else f"the {len(paths)} files {paths[0]} .. {paths[-1]}"
     if need > free:
         raise NoSpaceForJob(
-            f"size={options['size']} bytes: the file {path} needs {need} more "
+            f"size={options['size']} bytes: {what} needs {need} more "
             f"bytes ({format_bytes(need)}) but its file system has {free} bytes "
             f"({format_bytes(free)}) free; nothing was written. Choose a smaller size= "
             "or another directory="
@@ -315,11 +316,31 @@ class _FdTarget:
     def write(self, view: memoryview, offset: int, placement: int | None) -> int:
         return os.pwritev(self.fd, [view], offset)
 
+    def of(self, clone: int) -> _FdTarget:
+        """The target of clone ``clone``: this one (the clones share it)."""
+        return self
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
         else:
             os.close(self.fd)
+
+
+class _CloneFiles:
+    """A file per clone (fio's ``jobname.N.0`` without ``filename=``): clone ``c`` does its I/O on
+    ``targets[c]``; the FTL model sees the files one after the other (clone ``c``'s at ``c * size``)."""
+
+    def __init__(self, targets: list[_FdTarget]) -> None:
+        self.targets = targets
+        self.kind = targets[0].kind
+
+    def of(self, clone: int) -> _FdTarget:
+        return self.targets[clone]
+
+    def close(self) -> None:
+        for t in self.targets:
+            t.close()
 
 
 def _open_engine(kind: str, path: str | None, size_bytes: int, iodepth: int) -> Any:
@@ -364,6 +385,10 @@ class _FutureTarget:
 
     def write(self, buf: Any, offset: int, placement: int | None) -> int:
         return self.engine.write(offset, buf, placement).get()
+
+    def of(self, clone: int) -> _FutureTarget:
+        """The target of clone ``clone``: this one (the clones share it)."""
+        return self
 
     def close(self) -> None:
         self.engine.close()
@@ -543,9 +568,68 @@ def _resolve_target(options: dict[str, Any]) -> tuple[str, str | None]:
     return engine, resolve_path(options, f"{options['name']}.0.0") or None
 
 
+def _prepare_targets(
+    options: dict[str, Any], paths: list[str], read_share: float, span_bytes: int, created: list[bool]
+) -> None:
+    """Check a plain job's files (their room first, together) or device before any write and lay a
+    read job's files out; ``created`` gets, file by file, whether the job creates it (it removes it
+    at the end unless ``unlink=0``)."""
+    if not paths[0].startswith("/dev/"):
+        _check_space(options, paths, span_bytes)
+    for p in paths:
+        created.append(_prepare_target(options, p, read_share, span_bytes))
+
+
+def _clone_paths(options: dict[str, Any], path: str, engine_kind_: str) -> list[str]:
+    """The job's files: fio's one per clone (``jobname.N.0``, beside ``jobname.0.0``) when ``numjobs``
+    clones drive descriptors without ``filename=``; else the one file (or device) they share."""
+    fd_engine = engine_kind_ in ("posix", "uring", "auto") or not options["direct"]
+    n = options["numjobs"]
+    if n == 1 or options["filename"] or path.startswith("/dev/") or not fd_engine or _is_nvme_generic(path):
+        return [path]
+    return [os.path.join(os.path.dirname(path), f"{options['name']}.{c}.0") for c in range(n)]
+
+
+def _open_target(
+    options: dict[str, Any],
+    engine_kind_: str,
+    path: str | None,
+    paths: list[str],
+    span_bytes: int,
+    lanes: int,
+) -> Any:
+    """The job's target: a namespace by passthrough, a descriptor per file (:class:`_CloneFiles` for
+    several), or a :mod:`tierstore.io` engine."""
+    if path is not None and _is_nvme_generic(path):
+        return _PassthroughTarget(path, span_bytes, options)
+    if engine_kind_ in ("posix", "uring", "auto") or not options["direct"]:
+        targets: list[_FdTarget] = []
+        try:
+            for p in paths:
+                targets.append(_FdTarget(p, options["direct"], engine_kind_, span_bytes))
+        except BaseException:
+            for t in targets:
+                t.close()
+            raise
+        return targets[0] if len(targets) == 1 else _CloneFiles(targets)
+    return _EngineTarget(engine_kind_, path, span_bytes, lanes * options["numjobs"])
+
+
+def _leave_files(options: dict[str, Any], paths: list[str], created: list[bool], owned: list[bool]) -> None:
+    """Remove the files the job created (unless ``unlink=0``); mark the others it wrote as its own."""
+    for p, made, own in zip(paths, created, owned):
+        if made and options.get("unlink", True):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        elif (own or made) and os.path.isfile(p):
+            _mark_own(p)  # as the job leaves it: size and mtime
+
+
 def _prepare_target(options: dict[str, Any], path: str, read_share: float, span_bytes: int) -> bool:
-    """Check a plain job's file or device before any write and lay a read job's file out;
-    returns whether the job creates the file (it removes it at the end unless ``unlink=0``)."""
+    """Check a plain job's file or device before any write (its room: :func:`_prepare_targets`) and
+    lay a read job's file out; returns whether the job creates the file."""
     if path.startswith("/dev/"):
         # never create or fill a regular file under /dev: only existing block/char devices
         try:
@@ -560,7 +644,6 @@ def _prepare_target(options: dict[str, Any], path: str, read_share: float, span_
             raise ConfigError(f"filename={path!r}: not a block or character device")
         _check_overwrite(options, path, True, read_share < 1)
         return False
-    _check_space(options, path, span_bytes)
     created = not os.path.exists(path)
     grows = read_share > 0 and not created and os.path.getsize(path) < span_bytes
     _check_overwrite(options, path, False, read_share < 1 or grows)
@@ -611,36 +694,28 @@ def run_io_job(options: dict[str, Any]) -> JobResult:
     sync = options["ioengine"] in SYNC_IOENGINES
     lanes = 1 if sync else options["iodepth"]
 
-    tmpdir = None
-    created = own = False
+    tmpdir: str | None = None
+    paths: list[str] = []
+    created: list[bool] = []
+    owned: list[bool] = []
     target: Any = None
     try:
         if engine_kind_ != "memory":
             if not path:
-                tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
-                path = os.path.join(tmpdir.name, f"{options['name']}.0.0")
-            own = os.path.isfile(path) and _is_own(path)
-            created = _prepare_target(options, path, read_share, span_bytes)
-            own = own or created
-        if path is not None and _is_nvme_generic(path):
-            target = _PassthroughTarget(path, span_bytes, options)
-        elif engine_kind_ in ("posix", "uring", "auto") or not options["direct"]:
-            target = _FdTarget(path, options["direct"], engine_kind_, span_bytes)
-        else:
-            target = _EngineTarget(engine_kind_, path, span_bytes, lanes * options["numjobs"])
-        return _run(options, target, span_blocks, span_bytes, read_share, engine_kind_, path, lanes)
+                tmpdir = tempfile.mkdtemp(prefix="tierstore-bench-")
+                path = os.path.join(tmpdir, f"{options['name']}.0.0")
+            paths = _clone_paths(options, path, engine_kind_)
+            owned = [os.path.isfile(p) and _is_own(p) for p in paths]
+            _prepare_targets(options, paths, read_share, span_bytes, created)
+        target = _open_target(options, engine_kind_, path, paths or [path], span_bytes, lanes)
+        shown = path if len(paths) < 2 else f"{paths[0]} .. {paths[-1]} (a file per clone)"
+        return _run(options, target, span_blocks, span_bytes, read_share, engine_kind_, shown, lanes)
     finally:
         if target is not None:
             target.close()
-        if created and options.get("unlink", True) and path is not None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        elif own and os.path.isfile(path):
-            _mark_own(path)  # as the job leaves it: size and mtime
+        _leave_files(options, paths, created, owned)
         if tmpdir is not None:
-            tmpdir.cleanup()
+            remove_private_dir(options, tmpdir)  # kept with its file when unlink=0
 
 
 class _Shared:
@@ -659,13 +734,19 @@ class _Shared:
         self.stop = threading.Event()
         self.errors: list[tuple[BaseException, int, bool]] = []
         self.finished_ns: list[int] = []
+        #: a file per clone (:class:`_CloneFiles`): each clone's own share of the budget, ``size`` as in
+        #: fio (on a shared file any clone may take what is left)
+        self.clone_left: list[int] | None = None
 
-    def take(self, n: int) -> int:
-        """Reserve up to ``n`` I/Os of the job's budget (all of them for a time-based job)."""
+    def take(self, n: int, clone: int) -> int:
+        """Reserve up to ``n`` I/Os of the job's budget for ``clone`` (all of them for a time-based job)."""
         if self.limit_ios is None:
             return n
         with self.lock:
             n = max(0, min(n, self.limit_ios - self.issued_ios))
+            if self.clone_left is not None:
+                n = min(n, self.clone_left[clone])
+                self.clone_left[clone] -= n
             self.issued_ios += n
             return n
 
@@ -778,6 +859,8 @@ class _Log:
         self.nbytes = (array.array("q"), array.array("q"))
         self.write_offset = array.array("q")
         self.write_pid = array.array("q")
+        #: where the thread's file starts in the FTL model's space (a file per clone: clone x size)
+        self.base = 0
 
     def into(self, recorders: tuple[DirectionRecorder, DirectionRecorder], full_bytes: int) -> None:
         for d in (0, 1):
@@ -805,7 +888,8 @@ def _feed_model(observer: _LockedObserver, logs: Sequence[_Log], t0_ns: int) -> 
         return series
     order = np.argsort(done, kind="stable")
     done = done[order]
-    offsets = np.concatenate([np.frombuffer(log.write_offset, dtype=np.int64) for log in logs])[order]
+    offsets = np.concatenate([np.frombuffer(log.write_offset, dtype=np.int64) + log.base for log in logs])
+    offsets = offsets[order]
     nbytes = np.concatenate([np.frombuffer(log.nbytes[1], dtype=np.int64) for log in logs])[order]
     pids = np.concatenate([np.frombuffer(log.write_pid, dtype=np.int64) for log in logs])[order]
     step_ns = int(_DEVICE_SAMPLE_S * 1e9)
@@ -859,7 +943,7 @@ def _sync_lane(lane: _Lane, target: Any) -> None:
         off_w, pid_w = log.write_offset, log.write_pid
         seq = 0
         while not stop.is_set():
-            n = shared.take(_SYNC_TAKE)
+            n = shared.take(_SYNC_TAKE, draw.clone)
             if not n:
                 return
             shared.count(n)
@@ -995,7 +1079,7 @@ def _native_chunk(clone: _RingClone) -> tuple[np.ndarray, np.ndarray | None, np.
     (uint8; ``None`` for one direction) and placement IDs as tags (int64, -1 for none; ``None`` without
     placement); empty offsets when the budget is spent."""
     shared, draw = clone.shared, clone.draw
-    n = shared.take(_DRAW_CHUNK if shared.limit_ios is None else _NATIVE_BUDGET_TAKE)
+    n = shared.take(_DRAW_CHUNK if shared.limit_ios is None else _NATIVE_BUDGET_TAKE, draw.clone)
     if not n:
         return _NO_OFFSETS, None, None
     shared.count(n)
@@ -1053,7 +1137,7 @@ class _RingClone:
             self.issuing = False
             return
         free = self.free
-        n = shared.take(min(len(free), _DRAW_CHUNK))
+        n = shared.take(min(len(free), _DRAW_CHUNK), self.draw.clone)
         if not n:
             self.issuing = False
             return
@@ -1193,6 +1277,21 @@ def _device_sampler(
     return series, sample
 
 
+def _model_for(
+    options: dict[str, Any], target: Any, span_bytes: int, writes_any: bool
+) -> tuple[_LockedObserver | None, dict[str, Any]]:
+    """The FTL model that observes a writing job on ``device=file``/``sim`` (``None`` otherwise) and
+    its geometry; a file per clone (:class:`_CloneFiles`) is modelled as the files one after the other."""
+    if not (writes_any and _device_mode(options) in ("file", "sim")):
+        return None, {}
+    files = len(target.targets) if isinstance(target, _CloneFiles) else 1
+    ftl, geometry = _make_ftl(options, span_bytes * files)
+    observer = _LockedObserver(ftl)
+    if isinstance(target, _EngineTarget):
+        target.engine.add_observer(observer)  # the engine reports its writes itself
+    return observer, geometry
+
+
 def _run(
     options: dict[str, Any],
     target: Any,
@@ -1205,16 +1304,11 @@ def _run(
 ) -> JobResult:
     bs = options["bs"]
     writes_any = read_share < 1.0
-    observer = None
-    device_geometry: dict[str, Any] = {}
-    if writes_any and _device_mode(options) in ("file", "sim"):
-        ftl, device_geometry = _make_ftl(options, span_bytes)
-        observer = _LockedObserver(ftl)
-        if isinstance(target, _EngineTarget):
-            target.engine.add_observer(observer)  # the engine reports its writes itself
+    observer, device_geometry = _model_for(options, target, span_bytes, writes_any)
     pick_placement = _placement_picker(options, _placement_pids(options, target, observer, path, writes_any))
     self_observed = isinstance(target, _EngineTarget)
-    ring_fd = target.fd if isinstance(target, _FdTarget) and target.kind == "uring" else None
+    first = target.of(0)
+    ring = isinstance(first, _FdTarget) and first.kind == "uring"
 
     ramp_ns = int(options["ramp_time"] * 1e9)
     runtime_ns = int(options["runtime"] * 1e9)
@@ -1224,9 +1318,11 @@ def _run(
     recorders = (DirectionRecorder(start_ns=t0_ns + ramp_ns), DirectionRecorder(start_ns=t0_ns + ramp_ns))
     deadline_ns = t0_ns + ramp_ns + runtime_ns if runtime_ns else None
     shared = _Shared(options, span_blocks, limit_ios, deadline_ns)
-    if ring_fd is not None:
+    if isinstance(target, _CloneFiles):
+        shared.clone_left = [span_blocks] * options["numjobs"]
+    if ring:
         _say_turn(options["name"])
-    logs, threads = _threads(options, shared, target, ring_fd, lanes, read_share, pick_placement)
+    logs, threads = _threads(options, shared, target, ring, lanes, read_share, pick_placement)
     timed = deadline_ns is not None
     progress = _start_progress(
         read_share, (ramp_ns + runtime_ns) / 1e9 if timed else float(limit_ios * bs), timed
@@ -1255,7 +1351,7 @@ def _run(
         timeseries = series
     error, message = _job_error(shared, bs)
     # one I/O at a time per clone, whatever iodepth says (fio's sync engines)
-    depth_level = dict(_DEPTH_ONE) if lanes == 1 and ring_fd is None else None
+    depth_level = dict(_DEPTH_ONE) if lanes == 1 and not ring else None
     return JobResult(
         jobname=options["name"],
         options=options,
@@ -1304,26 +1400,29 @@ def _threads(
     options: dict[str, Any],
     shared: _Shared,
     target: Any,
-    ring_fd: int | None,
+    ring: bool,
     lanes: int,
     read_share: float,
     pick: Callable[[int, int, np.random.Generator], int] | None,
 ) -> tuple[list[_Log], list[threading.Thread]]:
     """The job's threads (not started) and their logs: per clone (``numjobs``), one io_uring thread
-    (:func:`_ring_clone`, ``ring_fd`` set) or ``lanes`` synchronous ones (:func:`_sync_lane`)."""
+    (:func:`_ring_clone`, ``ring``) or ``lanes`` synchronous ones (:func:`_sync_lane`), on the clone's
+    target (``target.of(clone)``: its own file, fio's ``jobname.N.0``, or the one they share)."""
     bs, iodepth, writes_any = options["bs"], options["iodepth"], read_share < 1.0
     logs: list[_Log] = []
     threads = []
     for clone in range(options["numjobs"]):
-        for lane in range(1 if ring_fd is not None else lanes):
+        for lane in range(1 if ring else lanes):
             log = _Log()
             logs.append(log)
             draw = _Draw(shared, options, clone, lane, read_share)
             inputs = _Lane(shared, draw, log, bs, pick, writes_any)
-            if ring_fd is not None:
-                fn, args = _ring_clone, (inputs, ring_fd, iodepth)
+            if isinstance(target, _CloneFiles):
+                log.base = clone * shared.span_blocks * bs
+            if ring:
+                fn, args = _ring_clone, (inputs, target.of(clone).fd, iodepth)
             else:
-                fn, args = _sync_lane, (inputs, target)
+                fn, args = _sync_lane, (inputs, target.of(clone))
             threads.append(
                 threading.Thread(target=fn, args=args, name=f"{options['name']}-{clone}.{lane}", daemon=True)
             )

@@ -222,7 +222,15 @@ SCHEMA: dict[str, OptionSpec] = {
         _spec("size", "size", 64 << 20, "Bytes of the file / working set each job covers.", minimum=1),
         _spec("fragment_size", "size", 0, "Bytes of one KV fragment (per-layer chunk); 0: the layout's own."),
         _spec("iodepth", "int", 1, "Number of I/Os in flight per job.", minimum=1),
-        _spec("numjobs", "int", 1, "Number of clones of the job (reported as one group).", minimum=1),
+        _spec(
+            "numjobs",
+            "int",
+            1,
+            "Number of clones of the job (reported as one group), each doing size= of I/O. As in fio, "
+            "each clone of a plain job has a file of its own (jobname.N.0) unless filename= is given "
+            "(then they share it).",
+            minimum=1,
+        ),
         _spec(
             "runtime", "time", 0.0, "Stop after this long (0: when size is done). Bare numbers are seconds."
         ),
@@ -235,15 +243,23 @@ SCHEMA: dict[str, OptionSpec] = {
             "str",
             "",
             "Directory for the job's files (empty: a private temporary directory of its own, "
-            "removed when the job ends, also after Ctrl-C or a failure; plain and KV jobs alike).",
+            "removed when the job ends, also after Ctrl-C or a failure, unless unlink=0 (then kept, "
+            "and a line names it); plain and KV jobs alike).",
         ),
-        _spec("filename", "str", "", "File (or device) to use; relative names are under directory."),
+        _spec(
+            "filename",
+            "str",
+            "",
+            "File (or device) to use; a relative name is under directory=, or, without it, under the "
+            "working directory (fio's rule; plain and KV jobs alike).",
+        ),
         _spec(
             "unlink",
             "bool",
             True,
             "Remove the files this job created when it ends, also after Ctrl-C/SIGTERM (fio's unlink=; fio's "
-            "default is 0). 0 keeps them. A file that existed before the job is never removed.",
+            "default is 0). 0 keeps them (in the job's private temporary directory without directory=, which "
+            "is then kept and named). A file that existed before the job is never removed.",
         ),
         _spec("layout", "choice", "tiny", "KV layout preset.", ("llama-3.1-8b", "qwen2.5-7b", "tiny")),
         _spec(
@@ -374,9 +390,16 @@ SCHEMA: dict[str, OptionSpec] = {
     ]
 }
 
-#: fio spellings accepted as aliases of schema keys.
+#: fio spellings accepted as aliases of schema keys: fio's own aliases of the options tierstore has
+#: (``.alias`` in fio's options.c: ``blocksize``, ``readwrite``, ``timeout``, ``data_placement``,
+#: ``fdp_pli``, ``fdp_pli_select``, ``wait_for_previous``), ``randseed`` and ``jobname``.
 ALIASES: dict[str, str] = {
+    "blocksize": "bs",
+    "readwrite": "rw",
+    "timeout": "runtime",
+    "data_placement": "dataplacement",
     "fdp_pli": "plids",
+    "fdp_pli_select": "plid_select",
     "randseed": "seed",
     "jobname": "name",
     "wait_for_previous": "stonewall",
@@ -710,7 +733,7 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
                 "tierstore bench: put the included jobs in this file"
             )
     try:
-        parser.read_string(text, source=path)
+        parser.read_string(_number_sections(text), source=path)
     except configparser.MissingSectionHeaderError as exc:
         raise ConfigError(
             f"job file {path!r}, line {exc.lineno}: option outside of a [] job section "
@@ -719,13 +742,26 @@ def read_job_file(path: str) -> list[tuple[str, dict[str, str]]]:
     except configparser.Error as exc:
         raise ConfigError(f"job file {path!r}: {exc.message}") from None
     sections = []
-    for section in parser.sections():
+    for numbered in parser.sections():
+        section = numbered.rpartition(_NTH)[0]
         raw = {
             k.strip(): (_bare_key(path, section, k.strip()) if v is None else v.strip())
-            for k, v in parser.items(section)
+            for k, v in parser.items(numbered)
         }
         sections.append((section, raw))
     return sections
+
+
+#: Joins a section's name and its place in the file (:func:`_number_sections`).
+_NTH = "\x1f"
+
+
+def _number_sections(text: str) -> str:
+    """``text`` with every section header numbered (``[w]`` -> ``[w<_NTH>2]``), so that two
+    sections of one name stay two jobs, in file order, as in fio (configparser would merge them:
+    trial 11's ``[w] rw=write`` then ``[w] rw=read`` ran one job, the read)."""
+    count = iter(range(1 << 62))
+    return re.sub(r"^(\s*)\[([^\]\n]+)\]", lambda m: f"{m[1]}[{m[2]}{_NTH}{next(count)}]", text, flags=re.M)
 
 
 def _bare_key(path: str, section: str, key: str) -> str:

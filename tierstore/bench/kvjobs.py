@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -29,7 +28,15 @@ from ..config import StoreConfig
 from ..errors import ConfigError
 from ..replay import ReplayConfig, run_replay
 from .jobfile import engine_kind, resolve_path
-from .registry import JobInterrupted, current_progress, info, register_runner, stop_requested, warn
+from .registry import (
+    JobInterrupted,
+    current_progress,
+    info,
+    register_runner,
+    remove_private_dir,
+    stop_requested,
+    warn,
+)
 from .result import CpuUsage, DirectionResult, JobResult
 
 __all__ = ["run_kvtrace", "nvme_options", "store_config", "nvme_file", "no_space_report", "verdict"]
@@ -86,7 +93,10 @@ def replay_config(options: dict[str, Any], nvme_path: str | None = None) -> Repl
 
 
 def nvme_file(options: dict[str, Any], directory: str) -> str:
-    """The NVMe tier's file of a ``device=file`` KV job: ``filename``, else ``directory/jobname.0.0``.
+    """The NVMe tier's file of a ``device=file`` KV job, by the plain jobs' rule
+    (:func:`~tierstore.bench.jobfile.resolve_path`, fio's): ``filename`` (a relative one under the
+    job's ``directory=``, else the working directory), else ``directory=/jobname.0.0``, else
+    ``directory/jobname.0.0`` (``directory``: the job's private temporary directory).
 
     Raises
     ------
@@ -94,10 +104,8 @@ def nvme_file(options: dict[str, Any], directory: str) -> str:
         When the file already exists (a KV job starts from an empty tier; it
         never reuses or overwrites a file it did not create).
     """
-    path = resolve_path(
-        {**options, "directory": options.get("directory") or directory},
-        f"{options.get('name') or options['rw']}.0.0",
-    )
+    default = f"{options.get('name') or options['rw']}.0.0"
+    path = resolve_path(options, default) or os.path.join(directory, default)
     if os.path.isdir(path):
         raise ConfigError(f"filename={path!r}: is a directory; the NVMe tier of device=file is a file")
     if os.path.exists(path):
@@ -255,10 +263,10 @@ def run_kvtrace(options: dict[str, Any]) -> JobResult:
             warn(f"{key}={options[key]}: not used by rw=kvtrace; {why}")
     own_dir = None if options.get("directory") else tempfile.mkdtemp(prefix="tierstore-kv-")
     try:
-        return _run_kvtrace(options if own_dir is None else {**options, "directory": own_dir})
+        return _run_kvtrace(options, own_dir)
     finally:  # also after a failure, a stop request or a second Ctrl-C
         if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)
+            remove_private_dir(options, own_dir)
 
 
 def _trace_kv(rep, block_bytes: int, nvme: bool, files: list[str]) -> tuple[dict, int, str]:
@@ -313,13 +321,13 @@ def _trace_device(rep) -> dict:
     return device
 
 
-def _run_kvtrace(options: dict[str, Any]) -> JobResult:
+def _run_kvtrace(options: dict[str, Any], own_dir: str | None) -> JobResult:
     files: list[str] = []
     nvme_path = None
     if options.get("device", "file") == "file":
-        nvme_path = nvme_file(options, options["directory"])
+        nvme_path = nvme_file(options, own_dir or options["directory"])
         files.append(nvme_path)
-    cfg = replay_config(options, nvme_path)
+    cfg = replay_config(options if own_dir is None else {**options, "directory": own_dir}, nvme_path)
     progress = current_progress()
     started = []
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -41,7 +40,7 @@ from ..errors import ConfigError, Status
 from ..identity import Namespace
 from ..layout import get_layout
 from .kvjobs import no_space_report, nvme_file, store_config
-from .registry import current_progress, register_runner, stop_requested, warn
+from .registry import current_progress, register_runner, remove_private_dir, stop_requested, warn
 from .result import CpuUsage, DirectionRecorder, JobResult
 
 __all__ = ["run_kv_synthetic"]
@@ -122,7 +121,7 @@ def run_kv_synthetic(options: dict[str, Any]) -> JobResult:
             except FileNotFoundError:
                 pass
         if own:
-            shutil.rmtree(directory, ignore_errors=True)
+            remove_private_dir(options, directory)
 
 
 def call_blocks(bs: int, block_bytes: int) -> int:

@@ -28,10 +28,11 @@ import contextvars
 import dataclasses
 import importlib
 import os
+import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TextIO
 
 from ..errors import ConfigError, TierStoreError
@@ -55,6 +56,7 @@ __all__ = [
     "reset_stop",
     "info",
     "warn",
+    "remove_private_dir",
     "set_info_sink",
     "set_status_options",
     "JobInterrupted",
@@ -458,3 +460,12 @@ def job_progress(
     finally:
         _CURRENT.reset(token)
         progress.close()
+
+
+def remove_private_dir(options: Mapping[str, Any], path: str) -> None:
+    """Remove a job's private temporary directory, unless ``unlink=0`` and a file is left in it:
+    then it is kept, and a line says where (fio's ``unlink=0`` keeps the job's files)."""
+    if not options.get("unlink", True) and os.path.isdir(path) and os.listdir(path):
+        info(f"{options.get('name') or options['rw']}: unlink=0: the job's files are kept in {path}")
+        return
+    shutil.rmtree(path, ignore_errors=True)

@@ -18,6 +18,13 @@ fields before it; :meth:`InvalidationLog._append_record` and
 26: deallocated key ranges, which recovery must never resurrect) is an added
 struct and reader, not a rewrite of this one. The log holds no lock: its owner
 serialises appends (``SegmentStorage._write_lock``).
+
+A tier on a block or character device has no directory of its own (tierstore
+never creates a file beside a device node): :class:`LabelInvalidationLog` keeps
+the same records on the device, in the label page after the label
+(:data:`LABEL_TAIL_RECORDS` of them); when they do not fit, the oldest are
+folded into one :data:`ALL_NAMESPACES` record, which drops the blocks of every
+namespace written before it (a miss, never wrong KV).
 """
 
 from __future__ import annotations
@@ -28,8 +35,37 @@ from collections.abc import Iterator
 
 import crc32c
 
+from . import label as lbl
+from .engine import IOEngine, alloc_aligned
+
 #: Namespace invalidation record: 32-byte namespace digest, u64 write_seq, u32 CRC-32C of both.
 NS_RECORD = struct.Struct("<32sQI")
+#: The digest of a record that stands for every namespace (:class:`LabelInvalidationLog` folds into it).
+ALL_NAMESPACES = b"\xff" * 32
+#: Where the records start in the label page: after the 64 bytes the label uses.
+LABEL_TAIL_OFFSET = 64
+#: Records the label page holds after the label (91 of 44 bytes in 4032 bytes).
+LABEL_TAIL_RECORDS = (lbl.LABEL_BYTES - LABEL_TAIL_OFFSET) // NS_RECORD.size
+
+
+def is_invalidated(invalidated: dict[bytes, int], ns_digest: bytes, seq: int) -> bool:
+    """Whether a block of ``ns_digest`` written at ``seq`` was dropped by a logged invalidation
+    (``invalidated`` as :meth:`InvalidationLog.read` gives it, :data:`ALL_NAMESPACES` included)."""
+    return seq < max(invalidated.get(ns_digest, 0), invalidated.get(ALL_NAMESPACES, 0))
+
+
+def _pack(ns_digest: bytes, seq: int) -> bytes:
+    body = NS_RECORD.pack(ns_digest, seq, 0)[:-4]
+    return body + crc32c.crc32c(body).to_bytes(4, "little")
+
+
+def _unpack(data: bytes) -> Iterator[tuple[bytes, int]]:
+    """The records of ``data`` up to the first short or CRC-failing one."""
+    for off in range(0, len(data) - NS_RECORD.size + 1, NS_RECORD.size):
+        ns, seq, crc = NS_RECORD.unpack_from(data, off)
+        if crc32c.crc32c(data[off : off + NS_RECORD.size - 4]) != crc:
+            return
+        yield ns, seq
 
 
 class InvalidationLog:
@@ -95,3 +131,68 @@ class InvalidationLog:
             if crc32c.crc32c(data[off : off + kind.size - 4]) != crc:
                 return
             yield tuple(fields)
+
+
+class LabelInvalidationLog:
+    """The invalidation records of a tier on a device, in its label page (module doc).
+
+    The page is rewritten whole and synced on each append, under the owner's write lock; the
+    label's own 64 bytes (its first sector) are written unchanged, so a torn write can lose only
+    the record being appended (never acknowledged) and never the label.
+
+    Parameters
+    ----------
+    engine : IOEngine
+        The tier's engine (the only way to reach ``/dev/ngXnY``).
+    placement : int or None
+        The placement of metadata writes (FDP), as for the label.
+    """
+
+    def __init__(self, engine: IOEngine, placement: int | None) -> None:
+        self.engine = engine
+        self.placement = placement
+        self.path = None
+
+    def _page(self) -> bytearray:
+        keep, buf = alloc_aligned(lbl.LABEL_BYTES)
+        self.engine.read(0, buf[: lbl.LABEL_BYTES]).get()
+        return bytearray(memoryview(keep)[: lbl.LABEL_BYTES])
+
+    def read(self) -> dict[bytes, int]:
+        """``ns_digest -> write_seq`` as :meth:`InvalidationLog.read` (:data:`ALL_NAMESPACES` too);
+        ``{}`` before the label is written."""
+        page = self._page()
+        if lbl.decode_label(page) is None:
+            return {}
+        out: dict[bytes, int] = {}
+        for ns, seq in _unpack(bytes(page[LABEL_TAIL_OFFSET:])):
+            out[ns] = max(out.get(ns, 0), seq)
+        return out
+
+    def append(self, ns_digest: bytes, seq: int) -> None:
+        """Durably record that blocks of ``ns_digest`` written before ``seq`` are invalid.
+
+        When the records do not fit, those of the oldest namespaces are folded into one
+        :data:`ALL_NAMESPACES` record with the largest sequence number among them.
+
+        Raises
+        ------
+        OSError
+            The page could not be written or synced, or the label is not there (nothing dropped).
+        """
+        page = self._page()
+        if lbl.decode_label(page) is None:
+            raise OSError("the NVMe tier's label is missing: the invalidation cannot be recorded")
+        recs = self.read()
+        recs[bytes(ns_digest)] = max(recs.get(bytes(ns_digest), 0), int(seq))
+        if len(recs) > LABEL_TAIL_RECORDS:
+            by_age = sorted((s, ns) for ns, s in recs.items() if ns != ALL_NAMESPACES)
+            fold = by_age[: len(recs) - LABEL_TAIL_RECORDS + 1]
+            recs = {ns: s for ns, s in recs.items() if (s, ns) not in fold}
+            recs[ALL_NAMESPACES] = max([recs.get(ALL_NAMESPACES, 0)] + [s for s, _ in fold])
+        tail = b"".join(_pack(ns, s) for ns, s in recs.items())
+        page[LABEL_TAIL_OFFSET:] = tail + bytes(lbl.LABEL_BYTES - LABEL_TAIL_OFFSET - len(tail))
+        keep, buf = alloc_aligned(lbl.LABEL_BYTES)
+        memoryview(keep)[: lbl.LABEL_BYTES] = page
+        self.engine.write(0, buf[: lbl.LABEL_BYTES], self.placement).get()
+        self.engine.sync()

@@ -37,6 +37,7 @@ from ..units import format_bytes
 from . import format as fmt
 from . import label as lbl
 from .engine import IOEngine, alloc_aligned
+from .invalidation_log import LABEL_TAIL_OFFSET, is_invalidated
 from .journal import JournalState
 from .locator import BlockLocator
 from .pages import align_up
@@ -337,7 +338,7 @@ def _adopt_extent(
         ]
         out.dropped_blocks += len(h.entries) - len(good)
     for e in good:
-        if e.ns_digest in tier.invalidated and h.seq < tier.invalidated[e.ns_digest]:
+        if is_invalidated(tier.invalidated, e.ns_digest, h.seq):
             out.invalidated_blocks += 1
             continue
         if _tombstoned(dead, ext_off + e.payload_offset, e.key, si, out):
@@ -408,7 +409,7 @@ def drop_beyond(tier: OnDisk, old_n: int) -> tuple[int, int]:
             lost.update(
                 e.key
                 for e in h.entries
-                if not (e.ns_digest in invalidated and h.seq < invalidated[e.ns_digest])
+                if not is_invalidated(invalidated, e.ns_digest, h.seq)
                 and dead.get(si * S + pos + e.payload_offset) != e.key
             )
     lost = {k for k in lost if locator.row(k) < 0}
@@ -515,9 +516,20 @@ def _scrub(engine: IOEngine, segs: SegmentManager, segments: Iterable[int], plac
     del keep
 
 
-def write_label(engine: IOEngine, segs: SegmentManager, store_id: bytes, placement: int | None) -> bytes:
-    """Write the label (this geometry) and make it durable; returns the store id written."""
+def write_label(
+    engine: IOEngine, segs: SegmentManager, store_id: bytes, placement: int | None, relabel: bool = False
+) -> bytes:
+    """Write the label (this geometry) and make it durable; returns the store id written. A
+    ``relabel`` (the tier had a label) keeps the invalidation records after it
+    (:class:`~tierstore.io.invalidation_log.LabelInvalidationLog`)."""
     page = lbl.StoreLabel(segs.segment_bytes, segs.block_bytes, segs.n_segments, store_id).encode()
+    if relabel:
+        old = _read_page(engine, 0)
+        try:
+            if lbl.decode_label(old) is not None:
+                page = page[:LABEL_TAIL_OFFSET] + old[LABEL_TAIL_OFFSET:]
+        except CorruptData:
+            pass  # a damaged label's tail is not trusted
     keep, buf = alloc_aligned(lbl.LABEL_BYTES)
     memoryview(keep)[: lbl.LABEL_BYTES] = page
     engine.write(0, buf[: lbl.LABEL_BYTES], placement).get()

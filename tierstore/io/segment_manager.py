@@ -123,6 +123,9 @@ class SegmentManager:
         self._preallocate = preallocate
         self._st = counters
         self._warned_no_space = 0
+        #: segments holding space when a preallocation last failed (the file system was full);
+        #: ``None`` until one fails, and again once more segments than that hold space
+        self._short: int | None = None
         self.state = np.zeros(n, dtype=np.uint8)
         self.gen = np.zeros(n, dtype=np.int64)
         self.wp = np.zeros(n, dtype=np.int64)
@@ -181,6 +184,15 @@ class SegmentManager:
     def state_counts(self) -> dict[str, int]:
         """``segments_<state>`` -> number of segments in it."""
         return {f"segments_{s.name.lower()}": int((self.state == s).sum()) for s in SegmentState}
+
+    def _holding(self) -> int:
+        """Segments holding space now (every state but free)."""
+        return int((self.state != SegmentState.FREE).sum())
+
+    def usable_segments(self) -> int:
+        """Segments the tier can use: all of them, or, after a preallocation failed (its file
+        system is full), the segments that held space then, until more hold space again."""
+        return self.n_segments if self._short is None else min(self.n_segments, self._short)
 
     def dead_blocks(self) -> int:
         """Blocks written and no longer live, over all segments."""
@@ -248,16 +260,24 @@ class SegmentManager:
         if err is not None:
             self.state[si] = SegmentState.FREE
             self._st["preallocate_errors"] += 1
+            self._short = self._holding()
             if self._warned_no_space == 0:
                 _log.warning(
-                    "segment %d: cannot allocate %d bytes (%s); treating as no space "
-                    "(logged once; see the preallocate_errors counter)",
+                    "segment %d: cannot allocate %d bytes (%s); treating as no space: the tier "
+                    "works in the %d of its %d segments that hold space, evicting "
+                    "its older blocks to make room (logged once; counted in preallocate_errors, "
+                    'the daemon\'s tierstore_nvme_events_total{counter="preallocate_errors"} and '
+                    "tierstore_nvme_usable_bytes)",
                     si,
                     self.segment_bytes,
                     err,
+                    self._short,
+                    self.n_segments,
                 )
             self._warned_no_space += 1
             return None
+        if self._short is not None and self._holding() > self._short:
+            self._short = None  # more space than when the file system filled: it has room again
         self.state[si] = SegmentState.OPEN
         self.placement[si] = NO_PLACEMENT if placement is None else int(placement)
         self.wp[si] = self.chain_start(si)

@@ -53,7 +53,7 @@ from .block_eviction import GRANULARITIES, BlockEviction, live_budget_for
 from .engine import IOEngine
 from .factory import open_engine
 from .file import undo_open
-from .invalidation_log import InvalidationLog
+from .invalidation_log import InvalidationLog, LabelInvalidationLog
 from .journal import Journal, JournalState, check_owner, read_records
 from .locator import BlockLocator
 from .pages import check_distinct_destinations, plan_fragments
@@ -252,11 +252,19 @@ def _group_new(keys: list[bytes], placements: list, present) -> tuple[list, dict
     return status, groups
 
 
-def _invalidation_log(path: str | None, log: str | None | bool) -> InvalidationLog | None:
+def _invalidation_log(
+    path: str | None, log: str | None | bool, labelled: bool, engine: IOEngine, placement: int | None
+) -> InvalidationLog | LabelInvalidationLog | None:
     """The tier's invalidation log: ``log`` (a path; ``False``: none), by default
-    ``<path>.invalidations`` beside a regular file and none for devices and memory."""
+    ``<path>.invalidations`` beside a regular file, in the label page of a labelled tier on a
+    device (nothing is created beside a device node) and none in memory."""
     if log is None:
-        log = (path + ".invalidations") if (path and os.path.isfile(path)) else False
+        if path and os.path.isfile(path):
+            log = path + ".invalidations"
+        elif path and labelled:
+            return LabelInvalidationLog(engine, placement)
+        else:
+            log = False
     return InvalidationLog(log) if log else None
 
 
@@ -366,7 +374,9 @@ class SegmentStorage(BlockStorage):
         The block index; may be set later with :meth:`set_listener`.
     invalidation_log : str or None or False
         Path of the invalidation log (:mod:`tierstore.io.invalidation_log`); default
-        ``<path>.invalidations`` for a regular file, none for devices and memory (``False``: none).
+        ``<path>.invalidations`` for a regular file, the label page of a labelled device
+        (:class:`~tierstore.io.invalidation_log.LabelInvalidationLog`), none in memory
+        (``False``: none).
     owns_engine : bool, optional
         Close an engine object given in ``engine`` on :meth:`close` (default: no).
     label : bool, optional
@@ -466,7 +476,9 @@ class SegmentStorage(BlockStorage):
         self.path = path
         self._listener = listener
         self._make_rooms(copy_threads, "min_live" if block else region_policy)
-        self._inval_log = _invalidation_log(path, invalidation_log)
+        self._inval_log = _invalidation_log(
+            path, invalidation_log, self._labelled, self.engine, metadata_placement
+        )
         try:
             budget = live_budget_for(self._segs, live_fraction) if block else 0
             self._open(
@@ -575,7 +587,9 @@ class SegmentStorage(BlockStorage):
             self._st["recovery_dropped_blocks"] += dropped
             self._st["trim_errors"] += trim_errors
         if self._labelled and (old is None or old.n_segments != self.n_segments):
-            recovery.write_label(self.engine, self._segs, store_id, self._metadata_placement)
+            recovery.write_label(
+                self.engine, self._segs, store_id, self._metadata_placement, relabel=old is not None
+            )
 
     def _drop_over_budget(self) -> list[int]:
         """Block mode, at open: the blocks recovered beyond the live budget are dropped and said in
@@ -677,6 +691,11 @@ class SegmentStorage(BlockStorage):
             out["host_write_amplification"] = (user + out["gc_bytes_written"]) / user if user else 1.0
             out["blocks"] = len(self._loc)
             out.update(self._segs.state_counts())
+            if self._segs.usable_segments() < self.n_segments:  # its file system filled after start
+                # in the unit of capacity_blocks (the store's capacity_bytes()["nvme"]), scaled by the
+                # segments the tier can use (SegmentManager.usable_segments)
+                usable = self.capacity_blocks() * self._segs.usable_segments() // self.n_segments
+                out["usable_bytes"] = usable * self.block_bytes
             out["dead_blocks"] = self._segs.dead_blocks()
             out["extent_size_bytes"] = self.extent_size_bytes
             out["segment_size_bytes"] = self.segment_size_bytes

@@ -53,6 +53,7 @@ NVME_EVENTS = (
     "trim_errors",
     "gc_evicted_blocks",
     "region_evicted_blocks",
+    "preallocate_errors",
 )
 
 
@@ -159,6 +160,15 @@ class _StoreCollector:
             )
             waf.add_metric([], float(st.get("host_write_amplification", 1.0)))
             yield waf
+            usable = GaugeMetricFamily(
+                "tierstore_nvme_usable_bytes",
+                'KV bytes the NVMe tier can hold, as tierstore_tier_capacity_bytes{tier="nvme"}: '
+                "that, or once its file system filled (preallocate_errors) the share of the segments "
+                "that held space then (tierstore.io.segment_manager)",
+            )
+            # SegmentStorage.stats has usable_bytes only while the tier is short of its capacity
+            usable.add_metric([], float(st.get("usable_bytes", store.capacity_bytes().get("nvme", 0))))
+            yield usable
             yield _int_counters(
                 "tierstore_nvme_events",
                 "NVMe tier counters: blocks recovered, dropped and damaged extents at the last open, "

@@ -11,10 +11,12 @@ Durability
 With ``puts.durable`` (default) a put is answered only after each block with
 status ``ok``/``exists`` is on NVMe (O_DIRECT + fdatasync, :mod:`tierstore.io.segments`);
 after SIGTERM, a crash or kill -9, a restart serves it again unless it was
-evicted or invalidated before. Invalidations are logged (fsync'ed) in
-``state_dir/invalidations.jsonl`` because segment deletes are volatile.
-``state_dir/scopes.jsonl`` maps scopes to owners so tenant usage is known
-again after a restart.
+evicted or invalidated before. Segment deletes are volatile, so the NVMe tier
+records invalidations itself (fsync'ed, :mod:`tierstore.io.invalidation_log`):
+``<nvme path>.invalidations`` beside a file tier, the label page of a device.
+A ``state_dir/invalidations.jsonl`` an older daemon wrote is read, never
+written (:mod:`tierstore.server.durable`). ``state_dir/scopes.jsonl`` maps
+scopes to owners so tenant usage is known again after a restart.
 """
 
 from __future__ import annotations
