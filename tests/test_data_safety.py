@@ -11,6 +11,7 @@ under concurrency: a flush planned while a store was in flight wrote another blo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -287,6 +288,26 @@ def test_an_invalidation_on_a_block_device_is_kept_on_it_and_nothing_is_created_
         assert st == [Status.OK] * 4 and all(torch.equal(a, b) for a, b in zip(out, kv2))
     with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=48 << 20) as s:  # a relabel keeps them
         assert s.lookup(NS, toks).matched_blocks == 0 and s.lookup(other, toks2).matched_blocks == 4
+
+
+def test_invalidations_past_the_label_pages_room_never_drop_another_namespace(loop_device):
+    """Fresh-user trial 12: past the label page's 91 records, the oldest were folded into one record
+    for every namespace, so invalidating 100 namespaces of one tenant dropped another tenant's
+    acknowledged blocks at the next start. The 92nd namespace's invalidation is refused (ENOSPC,
+    nothing recorded) and every other namespace loads exact after a reopen."""
+    from tierstore.io.invalidation_log import LABEL_TAIL_RECORDS
+
+    toks, kv = _prompt(7)
+    with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=32 << 20, nvme_format=True) as s:
+        assert s.store(NS, toks, kv) == [Status.OK] * 4
+        for i in range(LABEL_TAIL_RECORDS):
+            s.invalidate(Namespace(model=f"gone@{i}", tenant="other"))
+        with pytest.raises(OSError) as err:
+            s.invalidate(Namespace(model="one-too-many", tenant="other"))
+        assert err.value.errno == errno.ENOSPC and "reformat" in str(err.value)
+        s.invalidate(Namespace(model="gone@3", tenant="other"))  # a recorded namespace: still works
+    with KVStore(LAYOUT, nvme_path=loop_device, nvme_bytes=32 << 20) as s:
+        assert _loads_exact(s, toks, kv)
 
 
 # ----------------------------------------------------------------------------- item 2: a closed store

@@ -1,6 +1,7 @@
 """InvalidationLog (io/invalidation_log.py): the on-disk bytes of the ``<path>.invalidations``
 format, a torn tail, a CRC mismatch, and a store that reopens over each."""
 
+import errno
 import os
 import struct
 
@@ -10,7 +11,6 @@ import torch
 
 from tierstore.errors import Status
 from tierstore.io.invalidation_log import (
-    ALL_NAMESPACES,
     LABEL_TAIL_OFFSET,
     LABEL_TAIL_RECORDS,
     NS_RECORD,
@@ -86,18 +86,28 @@ def test_a_store_reopens_over_a_torn_log_and_still_drops_the_invalidated_namespa
     s.close()
 
 
-def test_the_label_page_log_folds_its_oldest_namespaces_into_one_record_for_all(tmp_path):
-    """A device's records (LabelInvalidationLog) live after the label; past the page's room the
-    oldest fold into ALL_NAMESPACES, which drops every namespace's older blocks (a miss, not KV)."""
+def test_the_label_page_log_refuses_a_namespace_past_its_room_and_drops_no_other(tmp_path):
+    """A device's records (LabelInvalidationLog) live after the label, one per namespace. Past the
+    page's room an invalidation of a new namespace is refused (ENOSPC) with nothing written: the
+    oldest were once folded into one record for every namespace, which dropped every tenant's
+    acknowledged blocks at the next start (fresh-user trial 12). A recorded namespace still updates."""
     s = _store(str(tmp_path / "tier.bin"))
     log = LabelInvalidationLog(s.engine, None)
     label = bytes(log._page()[:LABEL_TAIL_OFFSET])
-    n = LABEL_TAIL_RECORDS + 3
-    for i in range(n):
+    for i in range(LABEL_TAIL_RECORDS):
         log.append(i.to_bytes(32, "big"), 100 + i)
+    before = bytes(log._page())
+    with pytest.raises(OSError) as err:
+        log.append(C, 10**6)
+    assert err.value.errno == errno.ENOSPC and "reformat" in str(err.value)
+    assert bytes(log._page()) == before  # nothing written
     got = log.read()
-    assert len(got) == LABEL_TAIL_RECORDS and got[ALL_NAMESPACES] == 100 + 3
-    assert got[(n - 1).to_bytes(32, "big")] == 100 + n - 1 and (2).to_bytes(32, "big") not in got
-    assert is_invalidated(got, (1).to_bytes(32, "big"), 102) and not is_invalidated(got, C, 103)
+    assert len(got) == LABEL_TAIL_RECORDS and C not in got
+    assert not is_invalidated(got, C, 5) and not is_invalidated(got, B, 5)  # no other namespace dropped
+    assert is_invalidated(got, (1).to_bytes(32, "big"), 100) and not is_invalidated(
+        got, (1).to_bytes(32, "big"), 101
+    )
+    log.append((1).to_bytes(32, "big"), 500)  # a recorded namespace invalidated again: updated in place
+    assert log.read()[(1).to_bytes(32, "big")] == 500 and len(log.read()) == LABEL_TAIL_RECORDS
     assert bytes(log._page()[:LABEL_TAIL_OFFSET]) == label  # the label itself unchanged
     s.close()

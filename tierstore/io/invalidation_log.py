@@ -22,13 +22,17 @@ serialises appends (``SegmentStorage._write_lock``).
 A tier on a block or character device has no directory of its own (tierstore
 never creates a file beside a device node): :class:`LabelInvalidationLog` keeps
 the same records on the device, in the label page after the label
-(:data:`LABEL_TAIL_RECORDS` of them); when they do not fit, the oldest are
-folded into one :data:`ALL_NAMESPACES` record, which drops the blocks of every
-namespace written before it (a miss, never wrong KV).
+(:data:`LABEL_TAIL_RECORDS` of them, one per namespace: invalidating a namespace
+again updates its record). When they are all taken, an invalidation of another
+namespace is refused (``OSError`` ENOSPC, nothing recorded or dropped on the
+device): folding the oldest records into one for every namespace would drop the
+acknowledged blocks of every tenant at the next start (fresh-user trial 12).
+Reformatting the tier clears the records.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections.abc import Iterator
@@ -40,8 +44,6 @@ from .engine import IOEngine, alloc_aligned
 
 #: Namespace invalidation record: 32-byte namespace digest, u64 write_seq, u32 CRC-32C of both.
 NS_RECORD = struct.Struct("<32sQI")
-#: The digest of a record that stands for every namespace (:class:`LabelInvalidationLog` folds into it).
-ALL_NAMESPACES = b"\xff" * 32
 #: Where the records start in the label page: after the 64 bytes the label uses.
 LABEL_TAIL_OFFSET = 64
 #: Records the label page holds after the label (91 of 44 bytes in 4032 bytes).
@@ -50,8 +52,8 @@ LABEL_TAIL_RECORDS = (lbl.LABEL_BYTES - LABEL_TAIL_OFFSET) // NS_RECORD.size
 
 def is_invalidated(invalidated: dict[bytes, int], ns_digest: bytes, seq: int) -> bool:
     """Whether a block of ``ns_digest`` written at ``seq`` was dropped by a logged invalidation
-    (``invalidated`` as :meth:`InvalidationLog.read` gives it, :data:`ALL_NAMESPACES` included)."""
-    return seq < max(invalidated.get(ns_digest, 0), invalidated.get(ALL_NAMESPACES, 0))
+    (``invalidated`` as :meth:`InvalidationLog.read` gives it)."""
+    return seq < invalidated.get(ns_digest, 0)
 
 
 def _pack(ns_digest: bytes, seq: int) -> bytes:
@@ -159,7 +161,7 @@ class LabelInvalidationLog:
         return bytearray(memoryview(keep)[: lbl.LABEL_BYTES])
 
     def read(self) -> dict[bytes, int]:
-        """``ns_digest -> write_seq`` as :meth:`InvalidationLog.read` (:data:`ALL_NAMESPACES` too);
+        """``ns_digest -> write_seq`` as :meth:`InvalidationLog.read`;
         ``{}`` before the label is written."""
         page = self._page()
         if lbl.decode_label(page) is None:
@@ -172,24 +174,28 @@ class LabelInvalidationLog:
     def append(self, ns_digest: bytes, seq: int) -> None:
         """Durably record that blocks of ``ns_digest`` written before ``seq`` are invalid.
 
-        When the records do not fit, those of the oldest namespaces are folded into one
-        :data:`ALL_NAMESPACES` record with the largest sequence number among them.
-
         Raises
         ------
         OSError
-            The page could not be written or synced, or the label is not there (nothing dropped).
+            ENOSPC when :data:`LABEL_TAIL_RECORDS` other namespaces hold every record (nothing
+            written); or the page could not be written or synced, or the label is not there
+            (nothing dropped).
         """
         page = self._page()
         if lbl.decode_label(page) is None:
             raise OSError("the NVMe tier's label is missing: the invalidation cannot be recorded")
         recs = self.read()
-        recs[bytes(ns_digest)] = max(recs.get(bytes(ns_digest), 0), int(seq))
-        if len(recs) > LABEL_TAIL_RECORDS:
-            by_age = sorted((s, ns) for ns, s in recs.items() if ns != ALL_NAMESPACES)
-            fold = by_age[: len(recs) - LABEL_TAIL_RECORDS + 1]
-            recs = {ns: s for ns, s in recs.items() if (s, ns) not in fold}
-            recs[ALL_NAMESPACES] = max([recs.get(ALL_NAMESPACES, 0)] + [s for s, _ in fold])
+        ns_digest = bytes(ns_digest)
+        if ns_digest not in recs and len(recs) >= LABEL_TAIL_RECORDS:
+            raise OSError(
+                errno.ENOSPC,
+                f"the invalidation log of this device tier is full ({LABEL_TAIL_RECORDS} namespaces "
+                "were invalidated since it was formatted): this invalidation is not recorded on the "
+                "device, so the namespace's blocks there would be served again after a restart; "
+                "invalidating one of the recorded namespaces again still works; reformat the tier "
+                "(nvme_format / tiers.nvme.format) to clear the log",
+            )
+        recs[ns_digest] = max(recs.get(ns_digest, 0), int(seq))
         tail = b"".join(_pack(ns, s) for ns, s in recs.items())
         page[LABEL_TAIL_OFFSET:] = tail + bytes(lbl.LABEL_BYTES - LABEL_TAIL_OFFSET - len(tail))
         keep, buf = alloc_aligned(lbl.LABEL_BYTES)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import logging
 import math
@@ -656,7 +657,12 @@ class Service:
         scope, _ = self.tenancy.resolve(tenant, hex32(req.namespace, "namespace"), write=True)
 
         def work() -> int:
-            n = self.store.invalidate(scope)  # durable: the store logs it
+            try:
+                n = self.store.invalidate(scope)  # durable: the store logs it
+            except OSError as e:
+                if e.errno == errno.ENOSPC:  # a device tier's invalidation log is full
+                    raise ApiError(507, "invalidation_log_full", str(e)) from e
+                raise
             self.tenancy.invalidated(scope)
             return n
 
