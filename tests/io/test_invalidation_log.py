@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tierstore.errors import Status
+from tierstore.io.engine import alloc_aligned
 from tierstore.io.invalidation_log import (
     LABEL_TAIL_OFFSET,
     LABEL_TAIL_RECORDS,
@@ -110,4 +111,22 @@ def test_the_label_page_log_refuses_a_namespace_past_its_room_and_drops_no_other
     log.append((1).to_bytes(32, "big"), 500)  # a recorded namespace invalidated again: updated in place
     assert log.read()[(1).to_bytes(32, "big")] == 500 and len(log.read()) == LABEL_TAIL_RECORDS
     assert bytes(log._page()[:LABEL_TAIL_OFFSET]) == label  # the label itself unchanged
+    s.close()
+
+
+def test_a_torn_record_in_the_label_page_loses_only_itself(tmp_path):
+    """A torn rewrite of the label page (a crash mid-write) can leave one record's bytes bad; the
+    records after it were lost too when reading stopped at the first bad CRC."""
+    s = _store(str(tmp_path / "tier.bin"))
+    log = LabelInvalidationLog(s.engine, None)
+    for i in range(10):
+        log.append(i.to_bytes(32, "big"), 100 + i)
+    page = log._page()
+    page[LABEL_TAIL_OFFSET + 3 * 44 + 5] ^= 0xFF  # record 3's digest damaged
+    keep, buf = alloc_aligned(len(page))
+    memoryview(keep)[: len(page)] = page
+    s.engine.write(0, buf[: len(page)], None).get()
+    got = log.read()
+    assert sorted(got) == [i.to_bytes(32, "big") for i in range(10) if i != 3]
+    assert all(got[i.to_bytes(32, "big")] == 100 + i for i in range(10) if i != 3)
     s.close()

@@ -62,12 +62,12 @@ def _pack(ns_digest: bytes, seq: int) -> bytes:
 
 
 def _unpack(data: bytes) -> Iterator[tuple[bytes, int]]:
-    """The records of ``data`` up to the first short or CRC-failing one."""
+    """The records of ``data`` whose CRC holds (zeroed and torn slots are skipped: a torn rewrite of
+    the page loses at most the records in its torn sectors, not every record after them)."""
     for off in range(0, len(data) - NS_RECORD.size + 1, NS_RECORD.size):
         ns, seq, crc = NS_RECORD.unpack_from(data, off)
-        if crc32c.crc32c(data[off : off + NS_RECORD.size - 4]) != crc:
-            return
-        yield ns, seq
+        if crc32c.crc32c(data[off : off + NS_RECORD.size - 4]) == crc:
+            yield ns, seq
 
 
 class InvalidationLog:
