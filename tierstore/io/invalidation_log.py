@@ -22,12 +22,10 @@ serialises appends (``SegmentStorage._write_lock``).
 A tier on a block or character device has no directory of its own (tierstore
 never creates a file beside a device node): :class:`LabelInvalidationLog` keeps
 the same records on the device, in the label page after the label
-(:data:`LABEL_TAIL_RECORDS` of them, one per namespace: invalidating a namespace
-again updates its record). When they are all taken, an invalidation of another
-namespace is refused (``OSError`` ENOSPC, nothing recorded or dropped on the
-device): folding the oldest records into one for every namespace would drop the
-acknowledged blocks of every tenant at the next start (fresh-user trial 12).
-Reformatting the tier clears the records.
+(:data:`LABEL_TAIL_RECORDS`, one per namespace); when all are taken, invalidating
+another namespace is refused (``OSError`` ENOSPC, nothing recorded or dropped:
+folding records into one for every namespace would drop every tenant's blocks at
+the next start, fresh-user trial 12). Reformatting the tier clears the records.
 """
 
 from __future__ import annotations
